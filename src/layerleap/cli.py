@@ -1,0 +1,64 @@
+"""The ``layerleap`` command line.  Each subcommand lives in its own module and registers itself
+with ``@command``; ``main`` turns a ``LayerleapError`` (or bad arguments) into a one-line message
+and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+from .errors import LayerleapError
+
+# Modules that define subcommands (add a line here for a new one).
+COMMAND_MODULES = [
+    "layerleap.commands.basic",  # generate, info, bench
+]
+
+_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+
+
+def command(name: str, help: str):
+    """Register ``setup(parser)`` for subcommand ``name``; the decorated function is ``run(args) -> int``."""
+    def deco(setup: Callable):
+        def with_run(run: Callable):
+            _COMMANDS[name] = (help, setup, run)
+            return run
+        return with_run
+    return deco
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: usage line + message, exit 2
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    for mod in COMMAND_MODULES:
+        importlib.import_module(mod)
+    parser = _Parser(prog="layerleap", description="Faster decoding from intermediate layers.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (help_, setup, run) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        setup(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except LayerleapError as e:
+        print(f"layerleap {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"layerleap {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

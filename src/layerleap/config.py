@@ -1,0 +1,130 @@
+"""Model configuration: the few numbers a Llama-family decoder needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from .errors import LayerleapError
+
+# Architectures whose weights map onto our decoder (Hugging Face `model_type`).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class ConfigError(LayerleapError, ValueError):
+    """A model folder or config that layerleap cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 2048
+    qkv_bias: bool = False  # Qwen2 has biases on q, k and v
+    tie_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+    name: str = "custom"
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_hf(cls, hf: dict, name: str = "custom") -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict; refuse what we cannot run."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported architecture model_type={model_type!r}: layerleap runs Llama-family decoders "
+                f"({', '.join(SUPPORTED_MODEL_TYPES)}); convert the model or choose another"
+            )
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"unsupported rope scaling {rope_type!r}: only the default rotary embedding is implemented")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported activation {hf.get('hidden_act')!r}: only SwiGLU (silu) is implemented")
+        if hf.get("mlp_bias"):
+            raise ConfigError("unsupported MLP bias (mlp_bias=true)")
+        if model_type == "llama" and hf.get("attention_bias"):
+            qkv_bias = True
+        else:
+            qkv_bias = model_type == "qwen2"
+        n_heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or hidden // n_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position=int(hf.get("max_position_embeddings", 2048)),
+            qkv_bias=qkv_bias,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            model_type=model_type,
+            name=name,
+        )
+
+    def to_hf(self) -> dict:
+        """The Hugging Face `config.json` dict for these numbers (for saving and for `transformers`)."""
+        d = {
+            "architectures": ["Qwen2ForCausalLM" if self.model_type == "qwen2" else "LlamaForCausalLM"],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if self.model_type == "llama":
+            d["attention_bias"] = self.qkv_bias
+            d["mlp_bias"] = False
+        return d
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A small random-weight config for tests and examples."""
+    base = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=64, n_layers=4, n_heads=4, n_kv_heads=2,
+        head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=256, eos_token_ids=(2,),
+        bos_token_id=1, name="tiny",
+    )
+    base.update(overrides)
+    return ModelConfig(**base)

@@ -1,0 +1,309 @@
+"""The decoding API: ``generate``, the method registry and the per-call ``Run`` context.
+
+A method is one function ``fn(run, **options) -> None`` registered under a name.  It reads the
+prompts, configuration and model from ``run``, makes model calls through ``run.forward`` (which
+counts model calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands
+them over with ``run.emit``.  Everything else (validation, tokenisation, batching, statistics,
+timing, decoding text) is done here once for all methods.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import sampling
+from .errors import LayerleapError
+from .kv_cache import KVCache
+from .model import Transformer
+
+
+class GenerationError(LayerleapError, ValueError):
+    """Bad input to ``generate``: the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_at_eos: bool = True
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: dict
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    fn: Callable
+    batched: bool  # decodes a list of prompts as one batch
+    sampling: bool  # supports do_sample=True
+    default_sample: bool  # samples unless told otherwise
+    description: str
+
+    def options(self) -> dict[str, object]:
+        sig = inspect.signature(self.fn)
+        return {n: p.default for n, p in list(sig.parameters.items())[1:]}
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False):
+    def deco(fn):
+        doc = (fn.__doc__ or "").strip().splitlines()
+        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "")
+        return fn
+    return deco
+
+
+def get_method(name: str) -> Method:
+    from . import methods  # noqa: F401  (registers the built-in methods)
+    if name not in METHODS:
+        raise GenerationError(f"unknown method {name!r}: choose one of {', '.join(sorted(METHODS))}")
+    return METHODS[name]
+
+
+class Run:
+    """One ``generate`` call: the model, prompts, configuration, and the meters."""
+
+    def __init__(self, model: Transformer, prompts: list[list[int]], gen: GenerationConfig):
+        self.model = model
+        self.prompts = prompts
+        self.gen = gen
+        self.batch = len(prompts)
+        self.generator = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.finished = [False] * self.batch
+        self.model_calls = 0
+        self.layer_evals = [0] * self.batch
+        self.prompt_layer_evals = [0] * self.batch
+        self.extra: dict = {}  # method-specific counters
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+
+    # -- model access (counted) --------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return self.model.config.n_layers
+
+    def new_cache(self, extra: int = 0) -> KVCache:
+        """A cache for the prompts plus ``max_new_tokens`` plus ``extra`` slots (drafts, trees)."""
+        longest = max(len(p) for p in self.prompts)
+        return self.model.new_cache(self.batch, longest + self.gen.max_new_tokens + extra + 1)
+
+    def positions(self, cache: KVCache, n_new: int, layer: int = 0) -> torch.Tensor:
+        """Rotary positions ``[B, S]`` for ``n_new`` tokens appended to ``layer``."""
+        base = cache.lengths[layer] - cache.pad  # [B]
+        return (base.unsqueeze(1) + torch.arange(n_new)).to(self.model.device)
+
+    def forward(self, cache: KVCache | None, ids: torch.Tensor | None = None, h: torch.Tensor | None = None,
+                start: int = 0, end: int | None = None, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, count_call: bool = True) -> torch.Tensor:
+        """One model call over layers ``[start, end)`` from ``ids`` (embedded) or hidden ``h``.
+        Returns the hidden state after layer ``end - 1``."""
+        end = self.n_layers if end is None else end
+        if h is None:
+            h = self.model.embed(ids)
+        S = h.shape[1]
+        if positions is None:
+            positions = self.positions(cache, S, start)
+        h = self.model.run_layers(h, start, end, positions, cache, mask)
+        self.count(end - start, S, call=count_call)
+        return h
+
+    def count(self, n_layers: int, n_positions: int, call: bool = True) -> None:
+        """Record ``n_layers`` layers applied to ``n_positions`` positions of every unfinished row."""
+        self.model_calls += int(call)
+        for b in range(self.batch):
+            if not self.finished[b]:
+                self.layer_evals[b] += n_layers * n_positions
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h)
+
+    def prefill(self, cache: KVCache, end: int | None = None) -> torch.Tensor:
+        """Run the (left-padded) prompts through layers ``[0, end)``; returns the hidden state of the
+        last prompt position ``[B, 1, D]``.  Counted as one model call; its layer evaluations are
+        reported apart (``prompt_layer_evals``)."""
+        end = self.n_layers if end is None else end
+        longest = max(len(p) for p in self.prompts)
+        ids = torch.full((self.batch, longest), self.model.config.eos_token_ids[0] if self.model.config.eos_token_ids else 0,
+                         dtype=torch.long)
+        for b, p in enumerate(self.prompts):
+            ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            cache.pad[b] = longest - len(p)
+        positions = (torch.arange(longest).unsqueeze(0) - cache.pad.unsqueeze(1)).clamp(min=0)
+        h = self.model.run_layers(self.model.embed(ids.to(self.model.device)), 0, end, positions.to(self.model.device), cache)
+        self.model_calls += 1
+        for b, p in enumerate(self.prompts):
+            self.prompt_layer_evals[b] += end * len(p)
+        return h[:, -1:]
+
+    # -- token choice and output ---------------------------------------------------------------
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, V]`` logits -> ``[B]`` tokens, greedy or sampled as configured."""
+        g = self.gen
+        if not g.do_sample:
+            return sampling.greedy(logits)
+        return sampling.sample(sampling.probs(logits, g.temperature, g.top_k, g.top_p), self.generator)
+
+    def emit(self, row: int, tokens: list[int]) -> bool:
+        """Append accepted tokens to ``row`` (stopping at EOS or the budget); True when the row is done."""
+        if self.finished[row]:
+            return True
+        if self.t_first is None and tokens:
+            self.t_first = time.perf_counter()
+        out = self.out[row]
+        for t in tokens:
+            out.append(int(t))
+            if (self.gen.stop_at_eos and int(t) in self.gen.eos_ids) or len(out) >= self.gen.max_new_tokens:
+                self.finished[row] = True
+                break
+        return self.finished[row]
+
+    def emit_all(self, tokens: torch.Tensor) -> bool:
+        """Append one token per row ``[B]``; True when every row is done."""
+        for b, t in enumerate(tokens.tolist()):
+            self.emit(b, [t])
+        return all(self.finished)
+
+    def remaining(self, row: int = 0) -> int:
+        return self.gen.max_new_tokens - len(self.out[row])
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+
+# -- the public entry point --------------------------------------------------------------------
+def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise GenerationError("the prompt is empty: give some text to continue")
+        tok = model.tokenizer
+        if tok is None:
+            raise GenerationError("this model has no tokenizer: pass token ids instead of text")
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise GenerationError("this tokenizer has no chat template: call without chat=True")
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = tok(prompt)["input_ids"]
+        return [int(i) for i in ids]
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.reshape(-1).tolist()
+    ids = [int(i) for i in prompt]
+    if not ids:
+        raise GenerationError("the prompt is empty: give at least one token")
+    bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
+    if bad:
+        raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary [0, {model.config.vocab_size})")
+    return ids
+
+
+def _split_prompts(prompt) -> tuple[list, bool]:
+    """-> (list of single prompts, whether a list was given)."""
+    if isinstance(prompt, torch.Tensor):
+        return ([prompt[i] for i in range(prompt.shape[0])], True) if prompt.dim() == 2 else ([prompt], False)
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise GenerationError("the prompt list is empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)], False
+        return list(prompt), True
+    return [prompt], False
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise GenerationError(msg)
+
+
+def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+             do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, **options):
+    """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
+
+    ``prompt`` is text, a list of token ids, or a list of either.  Method options are keyword
+    arguments (see ``layerleap.METHODS[name].options()``).
+    """
+    m = get_method(method)
+    _check(isinstance(max_new_tokens, int) and max_new_tokens > 0,
+           f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    _check(isinstance(temperature, (int, float)) and temperature > 0,
+           f"temperature must be > 0, got {temperature!r} (use method='greedy' for deterministic output)")
+    _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    _check(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+    allowed = m.options()
+    unknown = sorted(set(options) - set(allowed))
+    _check(not unknown, f"method {method!r} has no option {', '.join(unknown)}; its options: "
+           f"{', '.join(allowed) or 'none'}")
+    do_sample = m.default_sample if do_sample is None else bool(do_sample)
+    _check(not do_sample or m.sampling, f"method {method!r} decodes greedily only: drop do_sample=True")
+
+    prompts, many = _split_prompts(prompt)
+    ids = [_encode(model, p, chat) for p in prompts]
+    ctx = model.config.max_position
+    for i, p in enumerate(ids):
+        _check(len(p) + max_new_tokens <= ctx,
+               f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
+               f"length {ctx}: shorten the prompt or lower max_new_tokens")
+    eos = tuple(model.config.eos_token_ids)
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
+    gen = GenerationConfig(max_new_tokens, do_sample, float(temperature), top_k, float(top_p), seed, stop_at_eos, eos)
+
+    groups = [list(range(len(ids)))] if m.batched else [[i] for i in range(len(ids))]
+    results: list[GenerationResult | None] = [None] * len(ids)
+    for group in groups:
+        run = Run(model, [ids[i] for i in group], gen)
+        with torch.inference_mode():
+            m.fn(run, **options)
+        wall = time.perf_counter() - run.t0
+        for j, i in enumerate(group):
+            results[i] = _result(model, run, j, wall, method)
+    return results if many else results[0]
+
+
+def _result(model: Transformer, run: Run, row: int, wall: float, method: str) -> GenerationResult:
+    toks = run.out[row]
+    n = len(toks)
+    stats = {
+        "method": method,
+        "new_tokens": n,
+        "prompt_tokens": len(run.prompts[row]),
+        "model_calls": run.model_calls,
+        "layer_evals": run.layer_evals[row],
+        "prompt_layer_evals": run.prompt_layer_evals[row],
+        "layers_per_token": run.layer_evals[row] / n if n else 0.0,
+        "tokens_per_call": n / max(1, run.model_calls - 1),
+        "wall_s": wall,
+        "tokens_per_s": n / wall if wall > 0 else 0.0,
+        "ttft_s": (run.t_first - run.t0) if run.t_first is not None else None,
+        "batch": run.batch,
+    }
+    for k, v in run.extra.items():
+        stats[k] = v[row] if isinstance(v, list) and len(v) == run.batch and run.batch > 1 else v
+    text = model.tokenizer.decode(toks, skip_special_tokens=True) if model.tokenizer is not None else ""
+    return GenerationResult(text, toks, stats, list(run.prompts[row]))

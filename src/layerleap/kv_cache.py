@@ -1,0 +1,126 @@
+"""A preallocated key/value cache written by slot, with a length per layer and per row.
+
+Layout: ``k`` and ``v`` are ``[n_layers, batch, n_kv_heads, max_len, head_dim]``.  Row ``b`` of
+layer ``l`` holds valid entries in slots ``[pad[b], lengths[l, b])``; slots below ``pad[b]`` belong
+to left padding and are never attended to.  New tokens are appended at ``lengths[l, b]`` (their
+rotary positions are passed separately, so tree nodes may share a position).  Rolling back is
+``truncate``; keeping an accepted subset of the newest slots (a tree path) is ``compact``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import LayerleapError
+
+
+class CacheError(LayerleapError, ValueError):
+    pass
+
+
+class KVCache:
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype=torch.float32, device="cpu"):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(n_layers, batch, dtype=torch.long)  # [L, B] filled slots
+        self.pad = torch.zeros(batch, dtype=torch.long)  # [B] left-padding slots
+        self.max_len = max_len
+
+    @classmethod
+    def for_model(cls, config, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> "KVCache":
+        return cls(config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim, dtype, device)
+
+    @property
+    def n_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def length(self, layer: int = 0) -> int:
+        """The filled length of ``layer``, which must be the same for every row."""
+        lens = self.lengths[layer]
+        n = int(lens[0])
+        if self.batch > 1 and not bool((lens == n).all()):
+            raise CacheError(f"rows of layer {layer} have different lengths {lens.tolist()}")
+        return n
+
+    # -- attention ------------------------------------------------------------------------
+    def attention_mask(self, layer: int, n_new: int, new_mask: torch.Tensor | None):
+        """Mask for ``n_new`` tokens appended to ``layer``: ``(mask [B,1,S,T] bool or None, T)``.
+
+        ``new_mask`` ``[S, S]`` or ``[B, S, S]`` says which new tokens see which (causal if None).
+        """
+        start = self.lengths[layer]  # [B]
+        uniform = self.batch == 1 or bool((start == start[0]).all())
+        s0 = int(start[0]) if uniform else int(start.max())
+        total = s0 + n_new
+        if total > self.max_len:
+            raise CacheError(f"KV cache overflow: {total} slots needed, {self.max_len} allocated")
+        no_pad = not bool(self.pad.any())
+        if uniform and no_pad and new_mask is None and n_new == 1:
+            return None, total
+        dev = self.k.device
+        key = torch.arange(total, device=dev)  # [T]
+        st = start.to(dev).view(-1, 1, 1)  # [B,1,1]
+        rel = key.view(1, 1, -1) - st  # [B,1,T] key offset from the row's first new slot
+        qi = torch.arange(n_new, device=dev).view(1, -1, 1)  # [1,S,1]
+        real = key.view(1, 1, -1) >= self.pad.to(dev).view(-1, 1, 1)  # [B,1,T] not left padding
+        old = rel < 0
+        if new_mask is None:
+            new = (rel >= 0) & (rel <= qi)  # causal among the new tokens
+        else:
+            nm = new_mask.to(dev).bool()
+            if nm.dim() == 2:
+                nm = nm.unsqueeze(0)
+            nm = nm.expand(self.batch, n_new, n_new)
+            idx = rel.clamp(0, n_new - 1).expand(self.batch, n_new, total)
+            new = (rel >= 0) & (rel < n_new) & torch.gather(nm, 2, idx)
+        mask = ((old | new) & real) | (rel == qi)  # a token always sees itself (keeps padded rows finite)
+        return mask.unsqueeze(1), total
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write ``[B, Hkv, S, D]`` keys/values at each row's current length (does not advance)."""
+        start = self.lengths[layer]
+        n = k_new.shape[2]
+        if self.batch == 1 or bool((start == start[0]).all()):
+            s0 = int(start[0])
+            self.k[layer, :, :, s0:s0 + n] = k_new
+            self.v[layer, :, :, s0:s0 + n] = v_new
+        else:
+            for b, s in enumerate(start.tolist()):
+                self.k[layer, b, :, s:s + n] = k_new[b]
+                self.v[layer, b, :, s:s + n] = v_new[b]
+
+    def advance(self, start: int, end: int, n_new: int) -> None:
+        self.lengths[start:end] += n_new
+
+    # -- rollback and compaction --------------------------------------------------------
+    def truncate(self, length, layers: range | None = None) -> None:
+        """Roll back to ``length`` slots (an int or a per-row ``[B]`` tensor) in ``layers``."""
+        layers = range(self.n_layers) if layers is None else layers
+        new = torch.as_tensor(length, dtype=torch.long).expand(self.batch)
+        sl = slice(layers.start, layers.stop)
+        if bool((new > self.lengths[sl]).any()):
+            raise CacheError(f"cannot truncate to {new.tolist()}: longer than the filled lengths")
+        self.lengths[sl] = new
+
+    def compact(self, start, keep: torch.Tensor, layers: range | None = None) -> None:
+        """Keep only the new slots ``start + keep`` (``keep``: ``[K]`` or ``[B, K]`` offsets,
+        increasing) and move them to ``start .. start+K``; lengths become ``start + K``."""
+        layers = range(self.n_layers) if layers is None else layers
+        keep = keep.to(torch.long)
+        if keep.dim() == 1:
+            keep = keep.unsqueeze(0).expand(self.batch, -1)
+        start_t = torch.as_tensor(start, dtype=torch.long).expand(self.batch)
+        n_keep = keep.shape[1]
+        for b in range(self.batch):
+            s = int(start_t[b])
+            src = (keep[b] + s).to(self.k.device)
+            for store in (self.k, self.v):
+                vals = store[layers.start:layers.stop, b, :, :].index_select(2, src)
+                store[layers.start:layers.stop, b, :, s:s + n_keep] = vals
+        self.lengths[layers.start:layers.stop] = start_t + n_keep

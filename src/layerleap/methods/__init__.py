@@ -1,0 +1,3 @@
+"""Built-in decoding methods; importing this package registers them."""
+
+from . import baseline  # noqa: F401

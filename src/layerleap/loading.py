@@ -186,10 +186,7 @@ def hf_to_ours(sd: dict, config: ModelConfig) -> dict:
         out[p + "mlp.down.weight"] = take(p + "mlp.down_proj.weight", (D, c.intermediate_size))
         out[p + "attn_norm.weight"] = take(p + "input_layernorm.weight", (D,))
         out[p + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight", (D,))
-    if c.tie_embeddings:
-        if "lm_head.weight" in sd:
-            used.add("lm_head.weight")  # a tied copy
-    else:
+    if not c.tie_embeddings or "lm_head.weight" in sd:  # untied, or a tied checkpoint that stores its head
         out["lm_head.weight"] = take("lm_head.weight", (c.vocab_size, D))
     extra = sorted(set(sd) - used)
     if extra:
@@ -216,8 +213,9 @@ def ours_to_hf(model: Transformer) -> dict:
         sd[p + "mlp.down_proj.weight"] = blk.mlp.down.weight.data
         sd[p + "input_layernorm.weight"] = blk.attn_norm.weight.data
         sd[p + "post_attention_layernorm.weight"] = blk.mlp_norm.weight.data
-    if not c.tie_embeddings:
-        sd["lm_head.weight"] = model.lm_head.weight.data
+    head = model.lm_head.weight.data
+    if not c.tie_embeddings or not torch.equal(head, sd["model.embed_tokens.weight"]):
+        sd["lm_head.weight"] = head  # untied, or a tied head that training moved apart
     return {k: v.contiguous() for k, v in sd.items()}
 
 
@@ -226,15 +224,14 @@ def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=
     with torch.device("meta"):
         model = Transformer(config, tokenizer=tokenizer, source=source)
     sd = {k: v.to(dtype) for k, v in state_dict.items()}
-    if config.tie_embeddings:
-        sd["lm_head.weight"] = sd["tok_embeddings.weight"]
+    sd.setdefault("lm_head.weight", sd["tok_embeddings.weight"])  # tied
     model.load_state_dict(sd, strict=True, assign=True)
-    if config.tie_embeddings:
+    if config.tie_embeddings and sd["lm_head.weight"] is sd["tok_embeddings.weight"]:
         model.lm_head.weight = model.tok_embeddings.weight
     from .model import rope_tables
     cos, sin = rope_tables(config)
     model.rope_cos, model.rope_sin = cos, sin
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).optimize_layout()
 
 
 def _read_safetensors(folder: Path) -> dict:
@@ -304,9 +301,8 @@ def to_hf(model: Transformer):
     d = model.config.to_hf()
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=model.dtype)
-    sd = dict(ours_to_hf(model))
-    if model.config.tie_embeddings:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    sd = {k: v.contiguous() for k, v in ours_to_hf(model).items()}
+    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
     hf.load_state_dict(sd, strict=True)
     return hf.eval()
 

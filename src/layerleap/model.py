@@ -30,25 +30,30 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        # as Hugging Face's LlamaRMSNorm: normalise in fp32, cast back, then scale.  In fp32 the fused
+        # F.rms_norm is bitwise equal to weight * (x * rsqrt(mean(x^2) + eps)) and one kernel.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, x.shape[-1:], self.weight, eps=self.eps)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[max_position, head_dim]`` in fp32 (the Hugging Face 'default' rope)."""
+    """cos and sign-folded sin ``[max_position, head_dim]`` in fp32 (the Hugging Face 'default' rope).
+
+    ``rotate_half(x) * sin == roll(x, hd/2) * sin_signed`` exactly, with the first half of
+    ``sin_signed`` negated, so applying the rotation takes one roll instead of split + cat + neg."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     t = torch.arange(config.max_position, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    sin[:, : dim // 2] = -sin[:, : dim // 2]
+    return emb.cos(), sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -58,24 +63,29 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(c.hidden_size, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.o = nn.Linear(c.n_heads * c.head_dim, c.hidden_size, bias=False)
 
+    def project(self, x, cos, sin):
+        """``[B, S, D]`` -> rotated q ``[B, H, S, hd]``, rotated k and v ``[B, Hkv, S, hd]``.
+        ``cos``/``sin`` are ``[B, S, 1, hd]``."""
+        B, S, _ = x.shape
+        heads = self.qkv(x).view(B, S, self.n_heads + 2 * self.n_kv, self.hd)
+        qk = apply_rope(heads[:, :, : self.n_heads + self.n_kv], cos, sin).transpose(1, 2)
+        q, k = qk.split([self.n_heads, self.n_kv], dim=1)
+        return q, k, heads[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
+
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, mask) -> torch.Tensor:
         B, S, _ = x.shape
-        q, k, v = self.qkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
-        q = q.view(B, S, self.n_heads, self.hd).transpose(1, 2)  # [B, H, S, hd]
-        k = k.view(B, S, self.n_kv, self.hd).transpose(1, 2)  # [B, Hkv, S, hd]
-        v = v.view(B, S, self.n_kv, self.hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.project(x, cos, sin)
         if cache is not None:
             cache.write(layer, k, v)
             total = mask.shape[-1] if mask is not None else int(cache.lengths[layer, 0]) + S
             k = cache.k[layer, :, :, :total]
             v = cache.v[layer, :, :, :total]
+            q = q.to(k.dtype)  # attention runs in the cache's dtype (fp32 on CPU, see new_cache)
         if mask is None and cache is None and S > 1:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o(y.transpose(1, 2).reshape(B, S, self.n_heads * self.hd))
+        return self.o(y.transpose(1, 2).reshape(B, S, self.n_heads * self.hd).to(x.dtype))
 
 
 class MLP(nn.Module):
@@ -141,23 +151,35 @@ class Transformer(nn.Module):
             raise ValueError(f"layer range [{start}, {end}) is outside [0, {self.config.n_layers}]")
         if start == end:
             return h
-        cos = self.rope_cos[positions].unsqueeze(1).to(h.dtype)  # [B, 1, S, hd]
-        sin = self.rope_sin[positions].unsqueeze(1).to(h.dtype)
+        cos, sin = self._rope(positions, h.dtype)
         S = h.shape[1]
-        attn_mask, prev_len = None, None
+        attn_mask = None
         if cache is None and mask is not None:
             m = mask if mask.dim() == 3 else mask.unsqueeze(0)
             attn_mask = m.unsqueeze(1)  # [B|1, 1, S, S]
+        same = cache is None or bool((cache.lengths[start:end] == cache.lengths[start]).all())
         for layer in range(start, end):
-            if cache is not None:
-                lens = cache.lengths[layer]
-                if prev_len is None or not torch.equal(lens, prev_len):
-                    attn_mask, _ = cache.attention_mask(layer, S, mask)
-                    prev_len = lens.clone()
+            if cache is not None and (layer == start or not same):
+                attn_mask, _ = cache.attention_mask(layer, S, mask)  # one mask while lengths agree
             h = self.layers[layer](h, cos, sin, layer, cache, attn_mask)
         if cache is not None:
             cache.advance(start, end, S)
         return h
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sign-folded sin ``[B, S, 1, hd]`` at ``positions`` ``[B, S]``."""
+        return self.rope_cos[positions].unsqueeze(2).to(dtype), self.rope_sin[positions].unsqueeze(2).to(dtype)
+
+    def fill_kv(self, h: torch.Tensor, start: int, end: int, positions: torch.Tensor, cache: KVCache) -> None:
+        """Write keys/values of layers ``[start, end)`` computed from one hidden state ``h`` ``[B, S, D]``
+        (as if every layer's input were ``h``), without running the layers; lengths advance by S.
+        CALM-style early exit uses it to give skipped layers cache entries from the exit state."""
+        cos, sin = self._rope(positions, h.dtype)
+        for layer in range(start, end):
+            blk = self.layers[layer]
+            _, k, v = blk.attn.project(blk.attn_norm(h), cos, sin)
+            cache.write(layer, k, v)
+        cache.advance(start, end, h.shape[1])
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)
@@ -186,8 +208,33 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache.for_model(self.config, batch, max_len, self.dtype, self.device)
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A cache for ``batch`` rows of ``max_len`` slots.  On CPU it is fp32 whatever the weights'
+        dtype: CPUs without native bf16 run bf16 attention 4-6x slower than fp32, and the cache is
+        small next to the weights.  Pass ``dtype`` to choose."""
+        if dtype is None:
+            dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        return KVCache.for_model(self.config, batch, max_len, dtype, self.device)
+
+    def optimize_layout(self) -> "Transformer":
+        """Store each projection in the memory layout that multiplies fastest for the dtype.
+
+        Shapes stay ``[out, in]`` as in ``nn.Linear``; only strides change.  On CPU a one-row fp32
+        product runs 1.4-1.8x faster when ``weight.T`` is contiguous (column-major weight), while
+        bf16/fp16 kernels want the row-major layout.  A tied fp32 LM head gets its own
+        column-major copy (the embedding lookup keeps the row-major matrix).  Results are the same
+        up to float rounding order."""
+        col = self.dtype == torch.float32 and self.device.type == "cpu"
+        # rope tables are computed in fp32 and cast once, as Hugging Face casts them per call
+        self.rope_cos, self.rope_sin = self.rope_cos.to(self.dtype), self.rope_sin.to(self.dtype)
+        linears = [m for blk in self.layers for m in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)]
+        for lin in linears + [self.lm_head]:
+            w = lin.weight.detach()
+            w = w.t().contiguous().t() if col else w.contiguous()
+            if lin is self.lm_head and self.config.tie_embeddings and not col:
+                w = self.tok_embeddings.weight
+            lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad) if not isinstance(w, nn.Parameter) else w
+        return self
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

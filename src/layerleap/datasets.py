@@ -23,10 +23,7 @@ def spec_bench(path: str | Path | None = None, categories: list[str] | None = No
                offset: int = 0) -> list[Prompt]:
     """The first turn of each Spec-Bench question, optionally filtered by category; ``n`` per category
     (after skipping ``offset`` per category, to keep training and evaluation prompts apart)."""
-    p = Path(path) if path else SHIPPED_SPEC_BENCH
-    if not p.is_file():
-        raise LayerleapError(f"Spec-Bench file {p} not found: give the path of question.jsonl")
-    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = _read_spec_bench(path)
     known = sorted({r["category"] for r in rows})
     if categories:
         bad = [c for c in categories if c not in known]
@@ -46,8 +43,21 @@ def spec_bench(path: str | Path | None = None, categories: list[str] | None = No
 
 
 def spec_bench_categories(path: str | Path | None = None) -> list[str]:
+    return sorted({r["category"] for r in _read_spec_bench(path)})
+
+
+def _read_spec_bench(path) -> list[dict]:
     p = Path(path) if path else SHIPPED_SPEC_BENCH
-    return sorted({json.loads(line)["category"] for line in p.read_text().splitlines() if line.strip()})
+    if not p.is_file():
+        raise LayerleapError(f"Spec-Bench file {p} not found (or not a file): give the path of question.jsonl")
+    try:
+        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        for r in rows:
+            r["category"], r["turns"][0], r["question_id"]  # noqa: B018  (the fields we use)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+        raise LayerleapError(f"{p} is not a Spec-Bench question.jsonl ({type(e).__name__}: {e}): "
+                             "each line must be JSON with question_id, category and turns") from None
+    return rows
 
 
 def sharegpt_conversations(limit: int | None = None):

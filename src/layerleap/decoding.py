@@ -141,8 +141,9 @@ class Run:
 
     def prefill(self, cache: KVCache, end: int | None = None) -> torch.Tensor:
         """Run the (left-padded) prompts through layers ``[0, end)``; returns the hidden state of the
-        last prompt position ``[B, 1, D]``.  Counted as one model call; its layer evaluations are
-        reported apart (``prompt_layer_evals``)."""
+        last prompt position ``[B, 1, D]``.  Counted as one model call; the layer evaluations of all
+        but the last prompt position are reported apart (``prompt_layer_evals``), the last one's
+        count towards the first new token, so greedy costs exactly ``n_layers`` per token."""
         end = self.n_layers if end is None else end
         longest = max(len(p) for p in self.prompts)
         ids = torch.full((self.batch, longest), self.model.config.eos_token_ids[0] if self.model.config.eos_token_ids else 0,
@@ -154,7 +155,9 @@ class Run:
         h = self.model.run_layers(self.model.embed(ids.to(self.model.device)), 0, end, positions.to(self.model.device), cache)
         self.model_calls += 1
         for b, p in enumerate(self.prompts):
-            self.prompt_layer_evals[b] += end * len(p)
+            # the last prompt position predicts the first new token: its layers count as generation
+            self.prompt_layer_evals[b] += end * (len(p) - 1)
+            self.layer_evals[b] += end
         return h[:, -1:]
 
     # -- token choice and output ---------------------------------------------------------------
@@ -259,6 +262,9 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
     unknown = sorted(set(options) - set(allowed))
     _check(not unknown, f"method {method!r} has no option {', '.join(unknown)}; its options: "
            f"{', '.join(allowed) or 'none'}")
+    missing = [k for k, d in allowed.items() if d is inspect.Parameter.empty and k not in options]
+    _check(not missing, f"method {method!r} needs the option(s) {', '.join(missing)}: pass them as keyword "
+           "arguments (--opt name=value on the command line)")
     do_sample = m.default_sample if do_sample is None else bool(do_sample)
     _check(not do_sample or m.sampling, f"method {method!r} decodes greedily only: drop do_sample=True")
 
@@ -297,7 +303,7 @@ def _result(model: Transformer, run: Run, row: int, wall: float, method: str) ->
         "layer_evals": run.layer_evals[row],
         "prompt_layer_evals": run.prompt_layer_evals[row],
         "layers_per_token": run.layer_evals[row] / n if n else 0.0,
-        "tokens_per_call": n / max(1, run.model_calls - 1),
+        "tokens_per_call": n / max(1, run.model_calls),
         "wall_s": wall,
         "tokens_per_s": n / wall if wall > 0 else 0.0,
         "ttft_s": (run.t_first - run.t0) if run.t_first is not None else None,

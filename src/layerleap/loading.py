@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +108,7 @@ def _atomic_dir(final: Path, fill) -> Path:
     return final
 
 
-def _convert_gguf(parts: list[Path], out: Path, progress=print) -> None:
+def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
     """Dequantize a GGUF file (given as ordered chunks) through `transformers` into ``out``."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,9 +139,10 @@ def _convert_gguf(parts: list[Path], out: Path, progress=print) -> None:
         (out / gguf_file).unlink()
 
 
-def packaged_folder(name: str, progress=print) -> Path:
+def packaged_folder(name: str, progress=None) -> Path:
     """The cached Hugging Face folder of a packaged model, converting it on first use."""
     pm = PACKAGED[name]
+    progress = progress or _to_stderr
     parts = _gguf_parts(pm)
     size = sum(p.stat().st_size for p in parts)
     folder = cache_root() / f"{name}-{size:x}"
@@ -274,7 +276,11 @@ def _dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=print) -> Transformer:
+def _to_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> Transformer:
     """Load a packaged model by name (``smollm2-135m``, ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``)
     or a local Hugging Face Llama-family folder."""
     _dtype(dtype)

@@ -237,9 +237,15 @@ class Transformer(nn.Module):
         return self
 
     def n_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Parameters of the model as defined (a tied LM head counts once, even when the fp32 layout
+        keeps a separate copy of it)."""
+        n = sum(p.numel() for p in self.parameters())
+        if self.config.tie_embeddings and self.lm_head.weight is not self.tok_embeddings.weight:
+            n -= self.lm_head.weight.numel()
+        return n
 
     def weight_bytes(self) -> int:
+        """Bytes of weights held in memory (a separate tied-head copy included)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     @property

@@ -1,0 +1,447 @@
+"""The benchmark harness: methods × prompts, interleaved per prompt, against our ``greedy`` and the
+`transformers` ``generate`` on the same weights.
+
+``run_bench(model, {"greedy": ("greedy", {}), "s": ("sample", {})}, prompts, 64, out="b.json")``
+runs, for every prompt, every method and then the `transformers` baseline (same prompt ids, same
+number of new tokens), records one ``Record`` per prompt and method, and rewrites the JSON report
+atomically after every prompt, so an interrupted run leaves a valid report of what finished.
+
+Every run generates exactly ``max_new_tokens`` tokens (``stop_at_eos=False`` for ours; for
+`transformers` the EOS id is unset, so it neither stops nor masks EOS, and ``min_new_tokens`` pins
+the length), which makes times comparable and greedy tokens comparable one for one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .datasets import Prompt
+from .decoding import GenerationResult, generate, get_method
+from .errors import LayerleapError
+from .model import Transformer
+
+HF_LABEL = "transformers"
+REFERENCE = "greedy"
+WARMUP_TOKENS = 8
+
+MethodSpecs = dict[str, tuple[str, dict]]  # label -> (method name, options)
+
+
+# -- parsing method specs and option values --------------------------------------------------------
+def parse_value(text: str):
+    """``--opt`` value: bool (true/false), none, int, float, else the string itself."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_assignments(items: list[str] | None, form: str = "NAME=VALUE") -> list[tuple[str, object]]:
+    out = []
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise LayerleapError(f"bad option {item!r}: write {form}")
+        out.append((key.strip(), parse_value(value)))
+    return out
+
+
+def required_options(method: str, options: dict) -> list[str]:
+    """Options of ``method`` that have no default and are not in ``options``."""
+    return [n for n, d in get_method(method).options().items() if d is inspect.Parameter.empty and n not in options]
+
+
+def check_options(label: str, method: str, options: dict) -> None:
+    allowed = get_method(method).options()
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise LayerleapError(f"method {method!r} ({label}) has no option {', '.join(unknown)}; its options: "
+                             f"{', '.join(allowed) or 'none'}")
+    missing = required_options(method, options)
+    if missing:
+        raise LayerleapError(f"method {method!r} ({label}) needs option {', '.join(missing)}: "
+                             f"add --opt {label}.{missing[0]}=VALUE")
+
+
+def parse_methods(text: str, opts: list[str] | None = None) -> MethodSpecs:
+    """``"greedy,s=sample"`` and ``["s.top_k=5"]`` -> ``{"greedy": ("greedy", {}), "s": ("sample", {"top_k": 5})}``.
+
+    An item is ``METHOD`` or ``LABEL=METHOD`` (to run one method with several option sets); an
+    option ``TARGET.NAME=VALUE`` applies to the label TARGET, or else to every label of method TARGET."""
+    specs: MethodSpecs = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        label, _, name = item.partition("=")
+        label, name = label.strip(), (name or label).strip()
+        get_method(name)
+        if label in specs or label == HF_LABEL:
+            raise LayerleapError(f"method label {label!r} is used twice: name them LABEL=METHOD")
+        specs[label] = (name, {})
+    if not specs:
+        raise LayerleapError("no methods given: e.g. --methods greedy,sample")
+    for key, value in parse_assignments(opts, "METHOD.NAME=VALUE"):
+        target, dot, opt = key.partition(".")
+        if not dot or not opt:
+            raise LayerleapError(f"bad option {key!r}: write METHOD.NAME=VALUE (METHOD: a label or method name)")
+        hits = [lb for lb in specs if lb == target] or [lb for lb, (n, _) in specs.items() if n == target]
+        if not hits:
+            raise LayerleapError(f"option {key!r} names no method in the run: choose from {', '.join(specs)}")
+        for lb in hits:
+            specs[lb][1][opt] = value
+    for lb, (name, options) in specs.items():
+        check_options(lb, name, options)
+    return specs
+
+
+def runnable_methods() -> MethodSpecs:
+    """Every registered method that runs with its defaults alone (no required option such as a
+    draft model), labelled by name: what the demo and a default bench compare."""
+    from . import methods  # noqa: F401  (registers the built-in methods)
+    from .decoding import METHODS
+    return {name: (name, {}) for name in METHODS if not required_options(name, {})}
+
+
+def probe_methods(model: Transformer, methods: MethodSpecs, prompt: str = "Hello") -> tuple[MethodSpecs, dict]:
+    """Split ``methods`` into those that generate one token on ``model`` and those that refuse with a
+    ``LayerleapError`` (e.g. an option that defaults to None but must be set): ``(usable, {label: why})``."""
+    usable, skipped = {}, {}
+    for label, (name, options) in methods.items():
+        try:
+            generate(model, prompt, name, 1, **options)
+            usable[label] = (name, options)
+        except LayerleapError as e:
+            skipped[label] = str(e)
+    return usable, skipped
+
+
+def with_reference(methods: MethodSpecs) -> tuple[MethodSpecs, str]:
+    """Make sure plain greedy (no options) runs, first: it is what speed-ups are measured against."""
+    for label, (name, options) in methods.items():
+        if name == REFERENCE and not options:
+            return {label: methods[label], **methods}, label
+    if REFERENCE in methods:
+        raise LayerleapError(f"label {REFERENCE!r} is reserved for plain greedy decoding: rename it")
+    return {REFERENCE: (REFERENCE, {}), **methods}, REFERENCE
+
+
+# -- one measurement -------------------------------------------------------------------------------
+@dataclass
+class Record:
+    """One method on one prompt."""
+    prompt_index: int
+    prompt_id: int
+    category: str
+    label: str
+    method: str
+    options: dict
+    new_tokens: int
+    prompt_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_s: float | None
+    model_calls: int
+    layers_per_token: float
+    tokens_per_call: float
+    greedy_type: bool  # decodes greedily, so its tokens should equal greedy's
+    speedup_vs_greedy: float | None = None
+    speedup_vs_hf: float | None = None
+    matches_greedy: bool | None = None
+    matches_hf: bool | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult,
+            greedy_type: bool) -> Record:
+    s = res.stats
+    return Record(i, prompt.id, prompt.category, label, method, dict(options), s["new_tokens"], len(res.prompt_ids),
+                  s["wall_s"], s["tokens_per_s"], s["ttft_s"], s["model_calls"], s["layers_per_token"],
+                  s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids))
+
+
+def _compare(records: list[Record], ref: Record, hf: Record | None) -> None:
+    for r in records:
+        r.speedup_vs_greedy = ref.wall_s / r.wall_s if r.wall_s > 0 else None
+        r.matches_greedy = r.token_ids == ref.token_ids if r.greedy_type else None
+        if hf is not None:
+            r.speedup_vs_hf = hf.wall_s / r.wall_s if r.wall_s > 0 else None
+            r.matches_hf = r.token_ids == hf.token_ids if r.greedy_type and r is not hf else None
+
+
+class _FirstToken:
+    """A `transformers` streamer that notes when the first new token arrives (its first ``put`` is
+    the prompt)."""
+
+    def __init__(self):
+        self.puts, self.t = 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.t = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+class HFBaseline:
+    """`transformers` ``generate(do_sample=False)`` on the same weights, dtype and threads."""
+
+    def __init__(self, model: Transformer):
+        from .loading import to_hf
+        self.model = model
+        self.hf = to_hf(model)
+        gc = self.hf.generation_config
+        eos = model.config.eos_token_ids
+        gc.pad_token_id = eos[0] if eos else 0
+        gc.eos_token_id = None  # never stop or mask EOS: generate exactly max_new_tokens, as ours does
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
+        streamer = _FirstToken()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, streamer=streamer)
+        wall = time.perf_counter() - t0
+        toks = out[0, ids.shape[1]:].tolist()
+        n = len(toks)
+        stats = {"method": HF_LABEL, "new_tokens": n, "model_calls": n, "wall_s": wall,
+                 "tokens_per_s": n / wall if wall > 0 else 0.0, "ttft_s": (streamer.t - t0) if streamer.t else None,
+                 "layers_per_token": float(self.model.config.n_layers), "tokens_per_call": 1.0}
+        tok = self.model.tokenizer
+        text = tok.decode(toks, skip_special_tokens=True) if tok is not None else ""
+        return GenerationResult(text, toks, stats, list(prompt_ids))
+
+
+# -- summary and report ----------------------------------------------------------------------------
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _speedup(rs: list[Record], by: dict, other: str) -> float | None:
+    """Summed time of ``other`` over summed time of ``rs``, on the prompts both ran."""
+    pairs = [(by[(other, r.prompt_index)].wall_s, r.wall_s) for r in rs if (other, r.prompt_index) in by]
+    theirs, ours = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+    return theirs / ours if pairs and ours > 0 else None
+
+
+def _count(flags: list[bool | None]) -> str | None:
+    flags = [f for f in flags if f is not None]
+    return f"{sum(flags)}/{len(flags)}" if flags else None
+
+
+def summarize(records: list[Record], labels: list[str] | None = None, reference: str = REFERENCE) -> dict:
+    """Per label: mean tokens/s, speed-ups as ratios of summed time over the same prompts, layers
+    per token, tokens per call, and how many greedy-type runs matched the baseline tokens."""
+    labels = labels or list(dict.fromkeys(r.label for r in records))
+    by = {(r.label, r.prompt_index): r for r in records}
+    out = {}
+    for label in labels:
+        rs = [r for r in records if r.label == label]
+        if not rs:
+            continue
+        wall, tokens = sum(r.wall_s for r in rs), sum(r.new_tokens for r in rs)
+        out[label] = {
+            "method": rs[0].method, "options": rs[0].options, "prompts": len(rs), "new_tokens": tokens,
+            "wall_s": wall, "mean_tokens_per_s": _mean([r.tokens_per_s for r in rs]),
+            "tokens_per_s": tokens / wall if wall > 0 else None,
+            "speedup_vs_greedy": _speedup(rs, by, reference), "speedup_vs_hf": _speedup(rs, by, HF_LABEL),
+            "layers_per_token": _mean([r.layers_per_token for r in rs]),
+            "tokens_per_call": _mean([r.tokens_per_call for r in rs]),
+            "mean_ttft_s": _mean([r.ttft_s for r in rs]),
+            "matches_hf": _count([r.matches_hf for r in rs]),
+            "matches_greedy": _count([r.matches_greedy for r in rs]),
+        }
+    return out
+
+
+def format_table(summary: dict) -> str:
+    """The summary as a fixed-width text table, one row per method."""
+    def num(x, spec, suffix=""):
+        return "-" if x is None else format(x, spec) + suffix
+
+    cols = [("method", 16, lambda s: s["label"]), ("prompts", 7, lambda s: str(s["prompts"])),
+            ("tok/s", 7, lambda s: num(s["mean_tokens_per_s"], ".1f")),
+            ("vs greedy", 9, lambda s: num(s["speedup_vs_greedy"], ".2f", "x")),
+            ("vs HF", 6, lambda s: num(s["speedup_vs_hf"], ".2f", "x")),
+            ("layers/tok", 10, lambda s: num(s["layers_per_token"], ".1f")),
+            ("tok/call", 8, lambda s: num(s["tokens_per_call"], ".2f")),
+            ("ttft s", 7, lambda s: num(s["mean_ttft_s"], ".3f")),
+            ("=HF", 5, lambda s: s["matches_hf"] or "-")]
+
+    def row(cells):
+        return " ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, (_, w, _)) in enumerate(zip(cells, cols)))
+
+    head = row([name for name, _, _ in cols])
+    lines = [head, "-" * len(head)]
+    lines += [row([get({"label": label, **s}) for _, _, get in cols]) for label, s in summary.items()]
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` through a temporary sibling and ``os.replace``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as fh:
+            json.dump(obj, fh, indent=1)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise LayerleapError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def machine_config(model: Transformer) -> dict:
+    import transformers
+    return {
+        "model": model.config.name, "source": model.source, "fingerprint": model.fingerprint,
+        "dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "machine": platform.machine(), "platform": platform.platform(), "cpu_cores": os.cpu_count(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+@dataclass
+class BenchResult:
+    config: dict
+    records: list[Record] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    reference: str = REFERENCE
+    prompts_done: int = 0
+    interrupted: bool = False
+
+    @property
+    def summary(self) -> dict:
+        return summarize(self.records, self.labels, self.reference)
+
+    def table(self) -> str:
+        return format_table(self.summary)
+
+    def summary_by_category(self) -> dict:
+        cats = dict.fromkeys(r.category for r in self.records)
+        return {c: summarize([r for r in self.records if r.category == c], self.labels, self.reference) for c in cats}
+
+    def to_dict(self) -> dict:
+        return {"config": self.config, "prompts_done": self.prompts_done, "interrupted": self.interrupted,
+                "complete": self.prompts_done == self.config.get("n_prompts"), "summary": self.summary,
+                "summary_by_category": self.summary_by_category(), "records": [asdict(r) for r in self.records]}
+
+
+# -- the harness -----------------------------------------------------------------------------------
+def _as_prompts(prompts) -> list[Prompt]:
+    return [p if isinstance(p, Prompt) else Prompt(i, "", str(p)) for i, p in enumerate(prompts)]
+
+
+def _greedy_type(method: str, sampling: dict) -> bool:
+    m = get_method(method)
+    do_sample = sampling.get("do_sample")
+    return not (m.default_sample if do_sample is None else do_sample)
+
+
+def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens: int, *, hf_baseline: bool = True,
+              chat: bool = False, sampling: dict | None = None, out: str | Path | None = None,
+              config: dict | None = None, warmup: bool = True, progress: bool = True,
+              on_prompt: Callable[[BenchResult], None] | None = None) -> BenchResult:
+    """Benchmark ``methods`` (label -> (method, options)) on ``prompts`` (``Prompt``s or strings).
+
+    For each prompt every method runs, then the `transformers` baseline; plain ``greedy`` is added
+    first when missing (the speed-up reference).  ``sampling`` holds ``generate``'s temperature,
+    top_k, top_p, seed, do_sample.  With ``out`` the JSON report is rewritten after every prompt.
+    Ctrl-C (KeyboardInterrupt) stops the run: the result (and report) holds the finished prompts,
+    with ``interrupted=True``.  ``on_prompt(result)`` is called after each prompt."""
+    from tqdm.auto import tqdm
+
+    prompts = _as_prompts(prompts)
+    if not prompts:
+        raise LayerleapError("no prompts to benchmark")
+    methods, ref = with_reference(methods)
+    for label, (name, options) in methods.items():
+        check_options(label, name, options)
+    sampling = dict(sampling or {})
+    cfg = {**machine_config(model), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
+           "sampling": sampling, "hf_baseline": hf_baseline, "warmup": warmup, "n_prompts": len(prompts),
+           "categories": sorted({p.category for p in prompts}),
+           "methods": {lb: {"method": n, "options": o} for lb, (n, o) in methods.items()}}
+    result = BenchResult(cfg, labels=list(methods) + ([HF_LABEL] if hf_baseline else []), reference=ref)
+    save = (lambda: write_json_atomic(out, result.to_dict())) if out else (lambda: None)
+    save()
+    runner = _Runner(model, methods, ref, chat, sampling)
+    bar = tqdm(total=len(prompts) * len(result.labels), desc="bench", unit="run", disable=not progress, leave=False)
+    try:
+        if hf_baseline:
+            bar.set_postfix_str(f"{HF_LABEL} model")
+            runner.hf = HFBaseline(model)
+        if warmup:
+            bar.set_postfix_str("warm-up")
+            runner.warmup(min(prompts, key=lambda p: len(p.text)), min(WARMUP_TOKENS, max_new_tokens))
+        for i, prompt in enumerate(prompts):
+            result.records.extend(runner.prompt(i, prompt, max_new_tokens, bar))
+            result.prompts_done += 1
+            save()
+            if on_prompt is not None:
+                on_prompt(result)
+    except KeyboardInterrupt:
+        result.interrupted = True
+        save()
+    finally:
+        bar.close()
+    return result
+
+
+class _Runner:
+    """Runs every method, then the baseline, on one prompt."""
+
+    def __init__(self, model: Transformer, methods: MethodSpecs, ref: str, chat: bool, sampling: dict):
+        self.model, self.methods, self.ref, self.chat, self.sampling = model, methods, ref, chat, sampling
+        self.greedy_type = {label: _greedy_type(name, sampling) for label, (name, _) in methods.items()}
+        self.hf: HFBaseline | None = None
+
+    def ours(self, label: str, prompt: Prompt, n: int) -> GenerationResult:
+        name, options = self.methods[label]
+        return generate(self.model, prompt.text, name, n, stop_at_eos=False, chat=self.chat,
+                        **{**self.sampling, **options})
+
+    def warmup(self, prompt: Prompt, n: int) -> None:
+        results = [self.ours(label, prompt, n) for label in self.methods]
+        if self.hf is not None:
+            self.hf.generate(results[0].prompt_ids, n)
+
+    def prompt(self, i: int, prompt: Prompt, n: int, bar) -> list[Record]:
+        runs, prompt_ids = {}, None
+        where = f"{prompt.category or 'prompt'} {prompt.id}"
+        for label, (name, options) in self.methods.items():
+            bar.set_postfix_str(f"{where} {label}")
+            res = self.ours(label, prompt, n)
+            prompt_ids = res.prompt_ids  # the same for every method: generate's own encoding
+            runs[label] = _record(i, prompt, label, name, options, res, self.greedy_type[label])
+            bar.update()
+        if self.hf is not None:
+            bar.set_postfix_str(f"{where} {HF_LABEL}")
+            runs[HF_LABEL] = _record(i, prompt, HF_LABEL, "transformers.generate", {},
+                                     self.hf.generate(prompt_ids, n), True)
+            bar.update()
+        _compare(list(runs.values()), runs[self.ref], runs.get(HF_LABEL))
+        return list(runs.values())

@@ -1,0 +1,105 @@
+"""Machine and model facts for the memory-bound roofline of decoding.
+
+Decoding one token reads every layer's weights, the final norm, the LM head and the KV cache of
+the context, and does little arithmetic on them, so ``bytes read per token / memory bandwidth``
+bounds the speed of plain (one token per model call) decoding.  Two bandwidths are measured: a
+streaming reduction (``x.sum()``, the best case) and a one-row matrix product (``F.linear``, which
+is what decoding does, in the layout the model stores its weights).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .model import Transformer
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    sum_gbs: float  # GB/s (1e9 bytes) of x.sum() over the buffer
+    gemv_gbs: float  # GB/s of F.linear(one row, weight) over the same bytes
+    buffer_mb: float
+    dtype: str
+    gemv_shape: tuple[int, int]  # [out, in] of the gemv weight
+    column_major: bool  # the gemv weight's layout (fp32 decoding weights are column-major on CPU)
+    repeats: int
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_bandwidth(dtype: torch.dtype = torch.float32, buffer_mb: float = 256, repeats: int = 5,
+                      cols: int = 4096, column_major: bool | None = None) -> Bandwidth:
+    """Best-of-``repeats`` read bandwidth over a ``buffer_mb`` MB buffer of ``dtype``.
+
+    The gemv weight is the same buffer viewed as ``[rows, cols]`` (``cols``: the input width, e.g.
+    the model's hidden size); ``column_major`` (default: as ``Transformer.optimize_layout`` stores
+    weights, i.e. for fp32) stores it transposed.  On a 2-core CPU VM a row-major fp32 weight with
+    576 inputs streams ~11 GB/s, a column-major one ~21 GB/s, ``sum`` ~22-27 GB/s."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    rows = max(1, int(buffer_mb * 1e6) // (elt * cols))
+    buf = torch.ones(rows * cols, dtype=dtype)
+    nbytes = buf.numel() * elt
+    if column_major is None:
+        column_major = dtype == torch.float32
+    weight = buf.view(cols, rows).t() if column_major else buf.view(rows, cols)  # [rows, cols] either way
+    x = torch.ones(1, cols, dtype=dtype)
+    with torch.inference_mode():
+        t_sum = _best_time(buf.sum, repeats)
+        t_gemv = _best_time(lambda: F.linear(x, weight), repeats)
+    return Bandwidth(nbytes / t_sum / 1e9, nbytes / t_gemv / 1e9, nbytes / 1e6, str(dtype).removeprefix("torch."),
+                     (rows, cols), column_major, repeats)
+
+
+def logical_params(model: Transformer) -> int:
+    """Parameters of the model as trained: a tied LM head counts once, even when the fp32 layout
+    keeps a separate column-major copy of it (``Transformer.n_params`` counts that copy)."""
+    n = model.n_params()
+    if model.config.tie_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
+        n -= model.lm_head.weight.numel()
+    return n
+
+
+def kv_bytes_per_token(model: Transformer) -> int:
+    c = model.config
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * model.dtype.itemsize
+
+
+def weight_bytes_per_token(model: Transformer) -> int:
+    """Weight bytes one full decoding step reads: every layer, the final norm and the LM head (the
+    embedding table is only looked up, one row)."""
+    tensors = list(model.layers.parameters()) + list(model.norm.parameters()) + [model.lm_head.weight]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    context: int  # tokens in the KV cache while decoding
+    weight_bytes_per_token: int
+    kv_bytes_per_token: int  # per cached token
+    bytes_per_token: int  # weights + KV cache of `context` tokens
+    ms_per_token_sum: float
+    tokens_per_s_sum: float
+    ms_per_token_gemv: float
+    tokens_per_s_gemv: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def roofline(model: Transformer, bw: Bandwidth, context: int = 256) -> Roofline:
+    w, kv = weight_bytes_per_token(model), kv_bytes_per_token(model)
+    total = w + kv * context
+    ms_sum, ms_gemv = total / (bw.sum_gbs * 1e6), total / (bw.gemv_gbs * 1e6)
+    return Roofline(context, w, kv, total, ms_sum, 1e3 / ms_sum, ms_gemv, 1e3 / ms_gemv)

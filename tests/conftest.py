@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 
+import os
+
 import pytest
 import torch
+
+# One thread: on a shared 2-core machine two threads mostly wait for a busy core (tiny tests ran
+# 5-25x faster on one).  LAYERLEAP_TEST_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("LAYERLEAP_TEST_THREADS", "1")))
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,9 @@ class ModelConfig:
             raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.qkv_bias and self.model_type != "qwen2":
+            raise ConfigError(f"qkv_bias=True needs model_type='qwen2': transformers' attention_bias on "
+                              f"{self.model_type!r} also biases the output projection, which layerleap does not implement")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -118,8 +121,10 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
         if self.model_type == "llama":
-            d["attention_bias"] = self.qkv_bias
+            d["attention_bias"] = False
             d["mlp_bias"] = False
+        if self.model_type == "mistral":
+            d["sliding_window"] = None  # full attention (transformers' MistralConfig defaults to a 4096 window)
         return d
 
 

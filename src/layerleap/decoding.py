@@ -89,7 +89,8 @@ class Run:
         self.prompts = prompts
         self.gen = gen
         self.batch = len(prompts)
-        self.generator = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
+        self.generator = (torch.Generator(device=model.device).manual_seed(gen.seed)
+                          if gen.seed is not None else None)
         self.out: list[list[int]] = [[] for _ in prompts]
         self.finished = [False] * self.batch
         self.model_calls = 0

@@ -104,8 +104,8 @@ class KVCache:
         layers = range(self.n_layers) if layers is None else layers
         new = torch.as_tensor(length, dtype=torch.long).expand(self.batch)
         sl = slice(layers.start, layers.stop)
-        if bool((new > self.lengths[sl]).any()):
-            raise CacheError(f"cannot truncate to {new.tolist()}: longer than the filled lengths")
+        if bool((new < self.pad).any()) or bool((new > self.lengths[sl]).any()):
+            raise CacheError(f"cannot truncate to {new.tolist()}: outside [left padding, filled length]")
         self.lengths[sl] = new
 
     def compact(self, start, keep: torch.Tensor, layers: range | None = None) -> None:

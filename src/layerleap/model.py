@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import CacheError, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -174,6 +174,8 @@ class Transformer(nn.Module):
         """Write keys/values of layers ``[start, end)`` computed from one hidden state ``h`` ``[B, S, D]``
         (as if every layer's input were ``h``), without running the layers; lengths advance by S.
         CALM-style early exit uses it to give skipped layers cache entries from the exit state."""
+        if int(cache.lengths[start:end].max()) + h.shape[1] > cache.max_len:
+            raise CacheError(f"KV cache overflow: {h.shape[1]} more slots do not fit in {cache.max_len}")
         cos, sin = self._rope(positions, h.dtype)
         for layer in range(start, end):
             blk = self.layers[layer]
@@ -193,9 +195,11 @@ class Transformer(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """All layers: ``[B, S]`` ids -> ``[B, S, V]`` logits."""
+        """All layers: ``[B, S]`` ids -> ``[B, S, V]`` logits.  Positions default to continuing the
+        cache (``lengths - pad``), or ``0 .. S-1`` without one."""
         if positions is None:
-            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+            base = (cache.lengths[0] - cache.pad).unsqueeze(1) if cache is not None else torch.zeros(1, 1, dtype=torch.long)
+            positions = (base + torch.arange(ids.shape[1])).expand(ids.shape[0], -1).to(ids.device)
         h = self.run_layers(self.embed(ids), 0, self.config.n_layers, positions, cache, mask)
         return self.logits(h)
 

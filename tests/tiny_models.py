@@ -1,0 +1,94 @@
+"""Helpers shared by test_model / test_kv_cache / test_generate: tiny random models and references.
+
+Imported as a plain module (pytest puts tests/ on sys.path); it holds no tests."""
+
+from __future__ import annotations
+
+
+import torch
+
+from layerleap import Transformer, tiny_config
+
+# name -> overrides of tiny_config(); covers llama and qwen2-style (qkv biases), grouped-query and
+# multi-head attention, tied and untied embeddings, non-default rope theta and norm eps.
+CONFIGS = {
+    "llama-gqa-tied": dict(),
+    "llama-mha-untied": dict(n_kv_heads=4, tie_embeddings=False, rope_theta=500.0, rms_norm_eps=1e-6),
+    "qwen2-gqa-untied": dict(qkv_bias=True, model_type="qwen2", tie_embeddings=False),
+    "qwen2-mqa-tied": dict(qkv_bias=True, model_type="qwen2", n_kv_heads=1, rope_theta=1e6),
+    "mistral-gqa-untied": dict(model_type="mistral", tie_embeddings=False, head_dim=16, n_layers=3),
+}
+
+
+def randomize_(model: Transformer, seed: int = 0, scale: float = 1.0) -> Transformer:
+    """Fill every parameter with seeded random values: weights ~ N(0, scale/sqrt(fan_in)),
+    norm weights ~ 1 + N(0, 0.3) and biases ~ N(0, 0.5), so nothing is trivially 1 or 0."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied head appears once (as tok_embeddings)
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                v = 1.0 + 0.3 * r
+            elif name.endswith("bias"):
+                v = 0.5 * r
+            elif name == "tok_embeddings.weight":
+                v = r * scale
+            else:
+                v = r * (scale / p.shape[-1] ** 0.5)
+            p.copy_(v.to(p.dtype))
+    return model
+
+
+def random_model(name_or_overrides="llama-gqa-tied", seed: int = 0, scale: float = 1.0, **overrides) -> Transformer:
+    """A tiny random fp32 model in eval mode."""
+    kw = dict(CONFIGS[name_or_overrides]) if isinstance(name_or_overrides, str) else dict(name_or_overrides)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(**kw)).eval().requires_grad_(False)
+    return randomize_(model, seed, scale)
+
+
+def full_logits(model: Transformer, ids) -> torch.Tensor:
+    """Logits ``[S, V]`` of one plain causal no-cache forward of a 1-D id sequence."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+    with torch.inference_mode():
+        return model(ids)[0]
+
+
+def naive_greedy(model: Transformer, prompt: list[int], n: int, eos: tuple[int, ...] = ()) -> list[int]:
+    """Reference greedy loop: argmax of a full no-cache forward at every step."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        t = int(full_logits(model, seq)[-1].argmax())
+        out.append(t)
+        seq.append(t)
+        if t in eos:
+            break
+    return out
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """``[S, S]`` bool: node i may attend to node j when j is i or an ancestor of i."""
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    d = []
+    for p in parents:
+        d.append(0 if p < 0 else d[p] + 1)
+    return d
+
+
+def tree_path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]

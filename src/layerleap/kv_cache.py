@@ -50,7 +50,8 @@ class KVCache:
 
     # -- attention ------------------------------------------------------------------------
     def attention_mask(self, layer: int, n_new: int, new_mask: torch.Tensor | None):
-        """Mask for ``n_new`` tokens appended to ``layer``: ``(mask [B,1,S,T] bool or None, T)``.
+        """Mask for ``n_new`` tokens appended to ``layer``: ``(mask [B,1,S,T] bool or None, T)``;
+        None means causal (for one new token: attend to every slot).
 
         ``new_mask`` ``[S, S]`` or ``[B, S, S]`` says which new tokens see which (causal if None).
         """
@@ -61,8 +62,8 @@ class KVCache:
         if total > self.max_len:
             raise CacheError(f"KV cache overflow: {total} slots needed, {self.max_len} allocated")
         no_pad = not bool(self.pad.any())
-        if uniform and no_pad and new_mask is None and n_new == 1:
-            return None, total
+        if uniform and no_pad and new_mask is None and (n_new == 1 or s0 == 0):
+            return None, total  # one token sees everything; a first chunk is plain causal
         dev = self.k.device
         key = torch.arange(total, device=dev)  # [T]
         st = start.to(dev).view(-1, 1, 1)  # [B,1,1]

@@ -81,7 +81,7 @@ class Attention(nn.Module):
             k = cache.k[layer, :, :, :total]
             v = cache.v[layer, :, :, :total]
             q = q.to(k.dtype)  # attention runs in the cache's dtype (fp32 on CPU, see new_cache)
-        if mask is None and cache is None and S > 1:
+        if mask is None and S > 1:  # causal over exactly these S keys (no cache, or an empty one)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)

@@ -1,0 +1,413 @@
+"""BiLD's prediction alignment (Kim et al. 2023, §3.5.1): teach the small model the large model's
+greedy outputs on a calibration set of prompts, so it agrees with the large model more often and
+BiLD rolls back less.
+
+Two stages, each resumable:
+
+1. ``calibrate``: the large model's greedy output for every calibration prompt, appended to a JSON
+   file (rewritten atomically after each prompt; a rerun skips the prompts already there).
+2. Training on (prompt, large output) with the cross-entropy of the large model's tokens (hard
+   labels, as the paper), loss on the output positions only:
+
+   - early-exit form (``align_exit_head``): an exit head for layer E, ``unembed(norm(h + A h))``
+     with a trainable RMSNorm (initialised from the model's final norm) and a low-rank adapter ``A``
+     (its output half initialised to zero, so training starts from the shared head; rank 64 by
+     default: a full D x D matrix memorises a small calibration set); the unembedding and every
+     layer stay frozen, so the large model (the full stack) is unchanged.  Saved as one safetensors
+     file, loaded by ``load_exit_head`` (``generate(..., method="bild", exit_layer=E, head=PATH)``).
+   - two-model form (``align_small``): every weight of the small model; saved as a Hugging Face
+     folder (config.json, model.safetensors, tokenizer files) that ``layerleap.load`` reads.
+
+   A checkpoint (trainable weights, Adam moments, the step) is written atomically every
+   ``save_every`` steps next to the output; a rerun with the same settings resumes from it, with the
+   same data order.  Progress is a tqdm bar.
+
+Weights are safetensors only, written through a temporary file and ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .decoding import GenerationError, generate
+from .errors import LayerleapError
+from .model import RMSNorm, Transformer
+
+HEAD_FORMAT = "layerleap-bild-exit-head-v1"
+
+
+class AlignError(LayerleapError, ValueError):
+    pass
+
+
+# -- the exit head -------------------------------------------------------------------------------------
+class ExitHead(nn.Module):
+    """``h [B, S, D]`` at layer E -> logits ``[B, S, V]`` through the model's (frozen) unembedding:
+    ``unembed(norm(h + up(down(h))))``, a rank-``rank`` adapter (``rank = 0``: a full D x D matrix)."""
+
+    def __init__(self, model: Transformer, exit_layer: int, rank: int = 64):
+        super().__init__()
+        D = model.config.hidden_size
+        self.exit_layer = exit_layer
+        self.norm = RMSNorm(D, model.config.rms_norm_eps)
+        r = D if not rank or rank >= D else rank
+        self.down = nn.Linear(D, r, bias=False)
+        self.up = nn.Linear(r, D, bias=False)
+        with torch.no_grad():
+            self.norm.weight.copy_(model.norm.weight.float())
+            nn.init.normal_(self.down.weight, std=D ** -0.5)
+            self.up.weight.zero_()  # starts as the shared head
+        self._model = [model]  # a list: not a submodule, so neither saved nor trained
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        model = self._model[0]
+        h = h.to(self.up.weight.dtype)
+        return model.unembed(self.norm(h + self.up(self.down(h))).to(model.dtype))
+
+
+def _atomic_save(tensors: dict, path: Path, metadata: dict) -> None:
+    from safetensors.torch import save_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+                  metadata={k: str(v) for k, v in metadata.items()})
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise AlignError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def load_exit_head(model: Transformer, exit_layer: int, path) -> ExitHead:
+    """The exit head saved by ``align_exit_head``; refuses a file made for another model or layer."""
+    from safetensors import safe_open
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise GenerationError(f"no such exit head file {str(path)!r}: give a file written by `layerleap align`, "
+                              "or head='shared' / 'trained' / 'auto'")
+    try:
+        with safe_open(str(p), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # a truncated or foreign file
+        raise GenerationError(f"cannot read exit head {p}: {e}; rerun `layerleap align`") from None
+    if meta.get("format") != HEAD_FORMAT:
+        raise GenerationError(f"{p} is not a BiLD exit head (format {meta.get('format')!r}): write one with "
+                              "`layerleap align --exit-layer E`")
+    if meta.get("fingerprint") != model.fingerprint:
+        raise GenerationError(f"exit head {p} was trained for another model (fingerprint {meta.get('fingerprint')}, "
+                              f"this model {model.fingerprint}): align it for this model")
+    if int(meta.get("exit_layer", -1)) != exit_layer:
+        raise GenerationError(f"exit head {p} is for exit_layer={meta.get('exit_layer')}, not {exit_layer}: pass "
+                              f"exit_layer={meta.get('exit_layer')} or align a head for layer {exit_layer}")
+    head = ExitHead(model, exit_layer, rank=int(tensors["down.weight"].shape[0]) if "down.weight" in tensors else 0)
+    try:
+        head.load_state_dict(tensors)
+    except RuntimeError as e:
+        raise GenerationError(f"exit head {p} does not fit this model: {e}; align it again") from None
+    return head.eval().requires_grad_(False).to(model.device)
+
+
+# -- stage 1: calibration outputs -----------------------------------------------------------------
+def _prompt_key(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def calibrate(large: Transformer, prompts: list[str], path, max_new_tokens: int = 64, chat: bool = True,
+              progress: bool = True) -> list[dict]:
+    """The large model's greedy output for each prompt, kept in ``path`` (JSON); resumable."""
+    from tqdm.auto import tqdm
+    path = Path(path)
+    done: dict = {}
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise AlignError(f"{path} is not valid JSON: delete it to start the calibration again") from None
+        if data.get("model") != large.fingerprint or data.get("max_new_tokens") != max_new_tokens \
+                or data.get("chat") != chat:
+            raise AlignError(f"{path} holds outputs of another model or settings: delete it or choose another --work")
+        done = {r["key"]: r for r in data["records"]}
+    records = []
+    bar = tqdm(prompts, desc="calibration (large greedy)", unit="prompt", disable=not progress, leave=False)
+    for text in bar:
+        key = _prompt_key(text)
+        if key not in done:
+            r = generate(large, text, "greedy", max_new_tokens, chat=chat)
+            done[key] = {"key": key, "prompt_ids": r.prompt_ids, "output_ids": r.token_ids}
+            _write_json_atomic(path, {"model": large.fingerprint, "max_new_tokens": max_new_tokens, "chat": chat,
+                                      "records": list(done.values())})
+        records.append(done[key])
+    return records
+
+
+# -- stage 2: training ---------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    epochs: int = 4
+    lr: float = 1e-3
+    batch_tokens: int = 256  # output positions per step
+    weight_decay: float = 0.0
+    seed: int = 0
+    save_every: int = 20  # steps
+    rank: int = 64  # exit head adapter rank (0: full)
+    val_every: int = 4  # every n-th calibration sequence is held out to measure agreement
+
+    def check(self) -> None:
+        if not (isinstance(self.epochs, int) and self.epochs >= 1):
+            raise AlignError(f"epochs must be an integer >= 1, got {self.epochs!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise AlignError(f"lr must be a positive number, got {self.lr!r}")
+        if not (isinstance(self.batch_tokens, int) and self.batch_tokens >= 1):
+            raise AlignError(f"batch_tokens must be an integer >= 1, got {self.batch_tokens!r}")
+
+
+def _ckpt_path(out: Path) -> Path:
+    return out.with_name(out.name.rstrip("/") + ".ckpt.safetensors")
+
+
+def _save_ckpt(path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, step: int, tag: str) -> None:
+    tensors = {f"param.{k}": v for k, v in params.items()}
+    names = list(params)
+    for i, p in enumerate(params.values()):
+        st = opt.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                tensors[f"opt.{names[i]}.{key}"] = st[key]
+        if "step" in st:
+            tensors[f"opt.{names[i]}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    _atomic_save(tensors, path, {"step": step, "tag": tag})
+
+
+def _load_ckpt(path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, tag: str) -> int:
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("tag") != tag:
+            raise AlignError(f"checkpoint {path} belongs to another alignment run (other model, data or settings): "
+                             "delete it to start again")
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(f.get_tensor(f"param.{k}"))
+        for k, p in params.items():
+            st = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                name = f"opt.{k}.{key}"
+                if name in f.keys():
+                    st[key] = f.get_tensor(name)
+            if f"opt.{k}.step" in f.keys():
+                st["step"] = f.get_tensor(f"opt.{k}.step").reshape(())
+            if st:
+                opt.state[p] = st
+        return int(meta["step"])
+
+
+def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainConfig, out: Path, tag: str,
+           desc: str, progress: bool) -> list[float]:
+    """Adam over ``params``; ``loss_fn(batch_indices) -> loss``; ``n_items`` examples, shuffled per epoch
+    with a seeded generator (so a resumed run sees the same order).  -> per-step losses of this run."""
+    from tqdm.auto import tqdm
+    opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps_per_epoch = math.ceil(n_items / cfg.batch_tokens)
+    total = steps_per_epoch * cfg.epochs
+    ckpt = _ckpt_path(out)
+    step = _load_ckpt(ckpt, params, opt, tag) if ckpt.is_file() else 0
+    losses = []
+    bar = tqdm(total=total, initial=step, desc=desc, unit="step", disable=not progress, leave=False)
+    try:
+        for epoch in range(step // steps_per_epoch, cfg.epochs):
+            order = torch.randperm(n_items, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+            for s in range(step - epoch * steps_per_epoch, steps_per_epoch):
+                idx = order[s * cfg.batch_tokens:(s + 1) * cfg.batch_tokens]
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(idx)
+                loss.backward()
+                opt.step()
+                step += 1
+                losses.append(float(loss.detach()))
+                bar.update()
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+                if step % cfg.save_every == 0 and step < total:
+                    _save_ckpt(ckpt, params, opt, step, tag)
+    except KeyboardInterrupt:
+        _save_ckpt(ckpt, params, opt, step, tag)
+        raise
+    finally:
+        bar.close()
+    return losses
+
+
+def _tag(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _exit_states(model: Transformer, exit_layer: int, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer-E states of the positions that predict output tokens, and those tokens: ``[N, D]``, ``[N]``."""
+    hs, ys = [], []
+    with torch.no_grad():
+        for r in records:
+            seq = r["prompt_ids"] + r["output_ids"]
+            if not r["output_ids"]:
+                continue
+            ids = torch.tensor([seq], device=model.device)
+            pos = torch.arange(len(seq), device=model.device).unsqueeze(0)
+            h = model.run_layers(model.embed(ids), 0, exit_layer, pos)[0]
+            P = len(r["prompt_ids"])
+            hs.append(h[P - 1:len(seq) - 1].float().cpu())
+            ys.append(torch.tensor(r["output_ids"]))
+    if not hs:
+        raise AlignError("the calibration outputs are empty: use more prompts or a larger --max-new-tokens")
+    return torch.cat(hs), torch.cat(ys)
+
+
+def agreement(head, h: torch.Tensor, y: torch.Tensor, chunk: int = 512) -> float:
+    """The fraction of positions where ``head``'s argmax is the large model's token."""
+    hits = 0
+    with torch.inference_mode():
+        for i in range(0, len(y), chunk):
+            hits += int((head(h[i:i + chunk].unsqueeze(0))[0].argmax(-1).cpu() == y[i:i + chunk]).sum())
+    return hits / max(1, len(y))
+
+
+def split(records: list[dict], every: int) -> tuple[list[dict], list[dict]]:
+    """(training, held-out): every ``every``-th record is held out (none when ``every`` < 2)."""
+    if every < 2 or len(records) < 2:
+        return records, []
+    return ([r for i, r in enumerate(records) if i % every != every - 1],
+            [r for i, r in enumerate(records) if i % every == every - 1])
+
+
+def align_exit_head(model: Transformer, exit_layer: int, records: list[dict], out, cfg: TrainConfig | None = None,
+                    progress: bool = True) -> dict:
+    """Train and save an exit head for layer ``exit_layer``; -> a report: how often the head's argmax
+    is the large model's greedy token, before (shared head) and after, on the training sequences and
+    on held-out ones (``cfg.val_every``)."""
+    cfg = cfg or TrainConfig()
+    cfg.check()
+    n = model.config.n_layers
+    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < n:
+        raise AlignError(f"exit layer must be an integer in [1, {n - 1}], got {exit_layer!r}")
+    out = Path(out)
+    train, held = split(records, cfg.val_every)
+    h, y = _exit_states(model, exit_layer, train)
+    hv, yv = _exit_states(model, exit_layer, held) if held else (h[:0], y[:0])
+    head = ExitHead(model, exit_layer, cfg.rank).to(model.device)
+    dev = model.device
+    before = agreement(model.logits, h.to(model.dtype).to(dev), y)
+    before_val = agreement(model.logits, hv.to(model.dtype).to(dev), yv) if held else None
+    params = dict(head.named_parameters())
+    tag = _tag("exit", model.fingerprint, exit_layer, cfg.epochs, cfg.lr, cfg.batch_tokens, cfg.seed, cfg.rank,
+               cfg.val_every, [r["key"] for r in records if "key" in r], len(y))
+
+    def loss_fn(idx):
+        with torch.enable_grad():
+            logits = head(h[idx].unsqueeze(0).to(dev))[0]
+            return F.cross_entropy(logits.float(), y[idx].to(dev))
+
+    losses = _train(params, loss_fn, len(y), cfg, out, tag, f"align exit head @ layer {exit_layer}", progress)
+    head.eval()
+    after = agreement(head, h.to(dev), y)
+    after_val = agreement(head, hv.to(dev), yv) if held else None
+    _atomic_save(dict(head.state_dict()), out, {"format": HEAD_FORMAT, "exit_layer": exit_layer,
+                                               "fingerprint": model.fingerprint, "rank": cfg.rank,
+                                               "agreement_before": f"{before:.4f}", "agreement_after": f"{after:.4f}",
+                                               "heldout_before": f"{before_val}", "heldout_after": f"{after_val}",
+                                               "positions": len(y), "heldout_positions": len(yv)})
+    _ckpt_path(out).unlink(missing_ok=True)
+    return {"out": str(out), "exit_layer": exit_layer, "positions": len(y), "heldout_positions": len(yv),
+            "agreement_before": before, "agreement_after": after, "heldout_before": before_val,
+            "heldout_after": after_val, "steps_run": len(losses), "final_loss": losses[-1] if losses else None}
+
+
+def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig | None = None,
+                progress: bool = True) -> dict:
+    """Fine-tune every weight of ``small`` on the calibration outputs; save a Hugging Face folder at
+    ``out``; -> a report.  ``cfg.batch_tokens`` counts output tokens per step (whole sequences)."""
+    from .loading import _atomic_dir, ours_to_hf
+    cfg = cfg or TrainConfig(lr=1e-5)
+    cfg.check()
+    out = Path(out)
+    seqs = [r for r in records if r["output_ids"]]
+    if not seqs:
+        raise AlignError("the calibration outputs are empty: use more prompts or a larger --max-new-tokens")
+    trained = copy.deepcopy(small).float().train().requires_grad_(True)
+    if small.config.tie_embeddings:  # optimize_layout gave the head its own copy: train one matrix
+        trained.lm_head.weight = trained.tok_embeddings.weight
+    params = dict(trained.named_parameters())
+
+    def seq_loss(r):
+        seq = torch.tensor([r["prompt_ids"] + r["output_ids"]], device=small.device)
+        P = len(r["prompt_ids"])
+        logits = trained(seq)[0, P - 1:-1]
+        return F.cross_entropy(logits.float(), seq[0, P:], reduction="sum"), len(r["output_ids"])
+
+    def loss_fn(idx):
+        with torch.enable_grad():
+            total, count = 0.0, 0
+            for i in idx.tolist():
+                loss, n = seq_loss(seqs[i])
+                total, count = total + loss, count + n
+            return total / count
+
+    per_step = max(1, cfg.batch_tokens // max(1, round(sum(len(r["output_ids"]) for r in seqs) / len(seqs))))
+    step_cfg = TrainConfig(cfg.epochs, cfg.lr, per_step, cfg.weight_decay, cfg.seed, cfg.save_every, cfg.rank, 0)
+    tag = _tag("small", small.fingerprint, cfg.epochs, cfg.lr, per_step, cfg.seed, [r.get("key") for r in seqs])
+    with torch.inference_mode():
+        before = _token_agreement(small, seqs)
+    losses = _train(params, loss_fn, len(seqs), step_cfg, out, tag, "align small model", progress)
+    trained.eval().requires_grad_(False)
+    with torch.inference_mode():
+        after = _token_agreement(trained, seqs)
+    sd = {k: v.detach().clone() for k, v in ours_to_hf(trained).items()}
+
+    def fill(tmp: Path):
+        from safetensors.torch import save_file
+        cfg_hf = small.config.to_hf()
+        (tmp / "config.json").write_text(json.dumps(cfg_hf, indent=2))
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        src = Path(small.source) if small.source else None
+        if src is not None and src.is_dir():
+            for f in src.iterdir():
+                if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json",) \
+                        and not f.name.endswith(".gguf"):
+                    shutil.copy(f, tmp / f.name)
+        elif small.tokenizer is not None:
+            small.tokenizer.save_pretrained(tmp)
+
+    if out.exists():
+        if not (out / "config.json").is_file():
+            raise AlignError(f"{out} exists and is not a model folder: choose another --out")
+        shutil.rmtree(out)
+    _atomic_dir(out, fill)
+    _ckpt_path(out).unlink(missing_ok=True)
+    return {"out": str(out), "sequences": len(seqs), "agreement_before": before, "agreement_after": after,
+            "steps_run": len(losses), "final_loss": losses[-1] if losses else None}
+
+
+def _token_agreement(model: Transformer, seqs: list[dict]) -> float:
+    hits = total = 0
+    for r in seqs:
+        seq = torch.tensor([r["prompt_ids"] + r["output_ids"]], device=model.device)
+        P = len(r["prompt_ids"])
+        pred = model(seq)[0, P - 1:-1].argmax(-1)
+        hits += int((pred == seq[0, P:]).sum())
+        total += len(r["output_ids"])
+    return hits / max(1, total)

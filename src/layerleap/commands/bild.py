@@ -1,0 +1,260 @@
+"""BiLD's subcommands: ``sweep bild`` (the quality-latency trade-off) and ``align`` (prediction
+alignment).  Results go to stdout, loading messages and progress to stderr; bad input raises
+``LayerleapError`` (exit code 2 with one line)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .. import align as align_mod
+from .. import sweep as sweep_mod
+from ..cli import command
+from ..companion import truncated
+from ..errors import LayerleapError
+from ..loading import load
+from ..methods.bild import HEADS, check_thresholds, exit_head
+from .basic import (_check_writable, _command_line, _csv, _load, _model_args, _model_line, _positive_int,
+                    _read_prompts, _say, _threads)
+
+SWEEP_CATEGORIES = "summarization,translation,math_reasoning"
+# the paper's ranges: fallback [0.2, 0.6] (summarization) to [0.5, 0.9] (translation), rollback [1, 10];
+# early exit: fallback [0.2, 0.8], rollback [0.5, 1.5]
+DEFAULT_FB = "0.2,0.4,0.6,0.8"
+DEFAULT_RB = "0.5,1,2,4"
+
+
+def _floats(text: str, what: str) -> list[float]:
+    out = []
+    for item in _csv(text) or []:
+        try:
+            out.append(float(item))
+        except ValueError:
+            raise LayerleapError(f"{what}: {item!r} is not a number (write e.g. 0.2,0.4 or inf)") from None
+    if not out:
+        raise LayerleapError(f"{what}: give at least one value")
+    return out
+
+
+def _ints(text: str, what: str) -> list[int]:
+    if text.strip().lower() in ("", "none"):
+        return []
+    out = []
+    for item in _csv(text) or []:
+        if not item.isdigit() or int(item) < 1:
+            raise LayerleapError(f"{what}: {item!r} is not an integer >= 1")
+        out.append(int(item))
+    return out
+
+
+def _max_small(text: str):
+    if text.strip().lower() in ("none", "0", "off"):
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'none', got {text!r}")
+    return int(text)
+
+
+def _device_args(p) -> None:
+    p.add_argument("--device", default="cpu", help="torch device for the models, e.g. cuda (default cpu)")
+
+
+def _to_device(model, device: str):
+    import torch
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise LayerleapError(f"--device {device}: no CUDA device here: use --device cpu")
+        return model.to(dev)
+    except RuntimeError as e:
+        raise LayerleapError(f"--device {device}: {e}") from None
+
+
+def _form_args(p) -> None:
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--exit-layer", type=_positive_int, default=None,
+                      help="early-exit form: layers [0, E) and an exit head are the small model")
+    form.add_argument("--small", default=None, help="two-model form: the small model (name or folder)")
+    p.add_argument("--head", default="auto", help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
+                   "(default auto: a shipped trained head if there is one, else shared)")
+
+
+def _load_small(args, large):
+    small = _to_device(load(args.small, dtype=args.dtype, progress=_say), args.device)
+    _say(f"loaded small model {args.small}")
+    if small.config.vocab_size != large.config.vocab_size:
+        raise LayerleapError(f"--small {args.small} has another vocabulary than --model {args.model}: "
+                             "choose models with the same tokenizer")
+    return small
+
+
+def _exit_layer(args, model) -> int:
+    n = model.config.n_layers
+    if not 1 <= args.exit_layer < n:
+        raise LayerleapError(f"--exit-layer must be in [1, {n - 1}] for {model.config.name} ({n} layers)")
+    return args.exit_layer
+
+
+def _device_name(model) -> str:
+    import torch
+    dev = model.device
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+# -- sweep ------------------------------------------------------------------------------------------
+@command("sweep", "sweep a method's thresholds: quality against latency (bild: the paper's Figures 4/9, Table 1)")
+def _setup_sweep(p):
+    p.add_argument("method", choices=["bild"], help="the method to sweep")
+    _model_args(p)
+    _device_args(p)
+    _form_args(p)
+    p.add_argument("--alpha-fb", default=DEFAULT_FB, help=f"fallback thresholds (default {DEFAULT_FB})")
+    p.add_argument("--alpha-rb", default=DEFAULT_RB, help=f"rollback thresholds; inf = never (default {DEFAULT_RB})")
+    p.add_argument("--max-small", type=_max_small, default=10, help="longest small-model run (default 10; none)")
+    p.add_argument("--draft-lens", default="2,4", help="speculative decoding draft lengths γ; its draft is the small "
+                   "model, or in the early-exit form the same first E layers and head (default 2,4; none: skip)")
+    p.add_argument("--categories", default=SWEEP_CATEGORIES, help=f"Spec-Bench categories (default {SWEEP_CATEGORIES})")
+    p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--data", default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap prompts in the chat template (default on)")
+    p.add_argument("--json", metavar="OUT.json", default=None, help="the report (rewritten after every prompt; "
+                   "rerunning with the same settings resumes)")
+    p.add_argument("--plot", metavar="OUT.png", default=None, help="quality against latency, one panel per category")
+    p.add_argument("--table", metavar="OUT.md", default=None, help="write the markdown tables here too")
+
+
+@_setup_sweep
+def run_sweep(args) -> int:
+    fbs = _floats(args.alpha_fb, "--alpha-fb")
+    rbs = _floats(args.alpha_rb, "--alpha-rb")
+    for fb in fbs:
+        for rb in rbs:
+            check_thresholds(fb, rb, args.max_small)
+    gammas = _ints(args.draft_lens, "--draft-lens")
+    if args.small and args.head != "auto":
+        raise LayerleapError("--head chooses the exit head of the early-exit form: drop it with --small")
+    prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
+    for path in (args.json, args.plot, args.table):
+        _check_writable(path)
+    print(f"$ {_command_line(args)}", flush=True)
+    threads = _threads(args.threads)
+    large = _to_device(_load(args), args.device)
+    fixed: dict = {"max_small": args.max_small}
+    models: dict = {}
+    if args.small:
+        small = _load_small(args, large)
+        models = {"bild": {"small": small}, "speculative": {"draft": small}}
+        form = f"two models: small {args.small}"
+    else:
+        E = args.exit_layer if args.exit_layer is not None else None
+        if E is None:
+            from ..methods.bild import default_exit_layer
+            E = default_exit_layer(large)
+        else:
+            E = _exit_layer(args, large)
+        head, label = exit_head(large, E, args.head)
+        fixed.update(exit_layer=E, head=args.head)
+        models = {"speculative": {"draft": truncated(large, E, head)}}
+        shown = Path(label).name if label not in HEADS + ("custom",) else label
+        form = f"early exit at layer {E} of {large.config.n_layers}, head {shown}"
+    print(f"{_model_line(large, threads)}, device {_device_name(large)}\nBiLD {form}; max_small {args.max_small}\n"
+          f"{len(prompts)} Spec-Bench prompts ({args.categories}, {args.prompts} each) × {args.max_new_tokens} "
+          f"new tokens, chat {args.chat}; {len(fbs) * len(rbs)} BiLD points + {len(gammas)} speculative + greedy, "
+          f"interleaved per prompt", flush=True)
+    points = sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas)
+    report = sweep_mod.run_sweep(large, points, prompts, args.max_new_tokens, models=models, fixed=fixed,
+                                 chat=args.chat, out=args.json,
+                                 config={"command": _command_line(args), "form": form, "threads": threads,
+                                         "device": _device_name(large)})
+    summary = report["summary"]
+    text = (f"## Table 1 form (quality vs the large model's greedy output / speed-up over it)\n\n"
+            f"{sweep_mod.table(summary)}\n\n## Every point\n\n{sweep_mod.points_table(summary)}\n")
+    print(text)
+    if args.table:
+        Path(args.table).write_text(f"`{_command_line(args)}`\n\n{form}\n\n{text}")
+        print(f"wrote {args.table}")
+    if args.plot and report["prompts_done"]:
+        sweep_mod.plot(summary, args.plot, title=f"BiLD on {large.config.name} ({form}); {report['prompts_done']} "
+                       f"prompts × {args.max_new_tokens} tokens")
+        print(f"wrote {args.plot}")
+    if args.json:
+        print(f"wrote {args.json}")
+    if report.get("interrupted"):
+        _say(f"interrupted: {report['prompts_done']} of {len(prompts)} prompts finished")
+        return 130
+    return 0
+
+
+# -- align ------------------------------------------------------------------------------------------
+@command("align", "BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs")
+def _setup_align(p):
+    _model_args(p)
+    _device_args(p)
+    _form_args(p)
+    p.add_argument("--out", required=True, help="the exit head file (.safetensors) or the small model's new folder")
+    p.add_argument("--categories", default=SWEEP_CATEGORIES, help=f"calibration categories (default {SWEEP_CATEGORIES})")
+    p.add_argument("--prompts", type=_positive_int, default=16, help="calibration prompts per category (default 16)")
+    p.add_argument("--offset", type=int, default=8, help="skip this many prompts per category first, to keep "
+                   "calibration apart from `sweep`'s evaluation prompts (default 8 = sweep's default --prompts)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--data", default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--work", default=None, help="the calibration outputs JSON (default OUT.calib.json); reused on rerun")
+    p.add_argument("--epochs", type=_positive_int, default=4)
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 exit head, 1e-5 small model)")
+    p.add_argument("--batch-tokens", type=_positive_int, default=256, help="output tokens per step (default 256)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=_positive_int, default=20, help="checkpoint every N steps (default 20)")
+    p.add_argument("--rank", type=int, default=64, help="exit head adapter rank (default 64; 0 = full matrix)")
+    p.add_argument("--val-every", type=int, default=4, help="hold out every n-th calibration prompt to measure "
+                   "agreement (default 4; 0 = none)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+@_setup_align
+def run_align(args) -> int:
+    if args.exit_layer is None and not args.small:
+        raise LayerleapError("choose the form: --exit-layer E (train an exit head) or --small MODEL (fine-tune it)")
+    if args.small and args.head != "auto":
+        raise LayerleapError("--head is not used by align: it trains a new head")
+    if args.offset < 0:
+        raise LayerleapError(f"--offset must be >= 0, got {args.offset}")
+    from ..datasets import spec_bench
+    prompts = spec_bench(args.data, _csv(args.categories), args.prompts, offset=args.offset)
+    if not prompts:
+        raise LayerleapError("no calibration prompts selected: lower --offset or add --categories")
+    out = Path(args.out)
+    if args.exit_layer is not None and out.suffix != ".safetensors":
+        raise LayerleapError(f"--out {args.out}: an exit head is saved as a .safetensors file")
+    work = Path(args.work) if args.work else out.with_name(out.name + ".calib.json")
+    _check_writable(str(work))
+    print(f"$ {_command_line(args)}", flush=True)
+    threads = _threads(args.threads)
+    large = _to_device(_load(args), args.device)
+    print(f"{_model_line(large, threads)}\ncalibration: {len(prompts)} Spec-Bench prompts ({args.categories}, "
+          f"{args.prompts} each after {args.offset}) × {args.max_new_tokens} greedy tokens -> {work}", flush=True)
+    records = align_mod.calibrate(large, [p.text for p in prompts], work, args.max_new_tokens, chat=args.chat)
+    if args.small:
+        small = _load_small(args, large)
+        cfg = align_mod.TrainConfig(args.epochs, args.lr or 1e-5, args.batch_tokens, 0.0, args.seed, args.save_every)
+        rep = align_mod.align_small(small, records, out, cfg)
+    else:
+        E = _exit_layer(args, large)
+        cfg = align_mod.TrainConfig(args.epochs, args.lr or 1e-3, args.batch_tokens, 0.0, args.seed, args.save_every,
+                                    args.rank, args.val_every)
+        rep = align_mod.align_exit_head(large, E, records, out, cfg)
+    rep["command"] = _command_line(args)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        held = (f"; held-out {rep['heldout_before']:.3f} before, {rep['heldout_after']:.3f} after"
+                if rep.get("heldout_after") is not None else "")
+        print(f"agreement with the large model's greedy tokens (training prompts): "
+              f"{rep['agreement_before']:.3f} before, {rep['agreement_after']:.3f} after{held}; "
+              f"{rep['steps_run']} steps run, final loss {rep['final_loss'] if rep['final_loss'] is None else round(rep['final_loss'], 4)}")
+        print(f"wrote {rep['out']}")
+    return 0
+

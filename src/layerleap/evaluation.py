@@ -1,0 +1,100 @@
+"""Quality metrics for generated text: ROUGE-L (summarization), BLEU (translation) and exact match of
+the final numeric answer (math).  Scores are on a 0-100 scale.
+
+``rouge-score`` and ``sacrebleu`` are the `eval` extra (``pip install 'layerleap[eval]'``); a clear
+error names it when missing.  Each metric takes candidate texts and reference texts of the same
+length; ``score(category, candidates, references)`` picks the metric a Spec-Bench category is
+measured with (``METRIC_FOR``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import LayerleapError
+
+# Spec-Bench category -> metric name
+METRIC_FOR = {"summarization": "rougeL", "translation": "bleu", "math": "exact_match",
+              "math_reasoning": "exact_match"}
+METRICS = ("rougeL", "bleu", "exact_match")
+
+
+class MetricError(LayerleapError, ValueError):
+    pass
+
+
+def _pairs(candidates: list[str], references: list[str]) -> None:
+    if len(candidates) != len(references):
+        raise MetricError(f"{len(candidates)} candidates but {len(references)} references: give one reference each")
+
+
+def rouge_l(candidates: list[str], references: list[str]) -> float:
+    """Mean ROUGE-L F1 x 100 (rouge-score, with its Porter stemmer)."""
+    _pairs(candidates, references)
+    try:
+        from rouge_score import rouge_scorer
+    except ImportError:
+        raise MetricError("ROUGE-L needs the package rouge-score: pip install 'layerleap[eval]'") from None
+    if not candidates:
+        return 0.0
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return 100.0 * sum(scorer.score(r, c)["rougeL"].fmeasure for c, r in zip(candidates, references)) / len(candidates)
+
+
+def bleu(candidates: list[str], references: list[str]) -> float:
+    """Corpus BLEU (sacrebleu, default 13a tokenisation), 0-100."""
+    _pairs(candidates, references)
+    try:
+        import sacrebleu
+    except ImportError:
+        raise MetricError("BLEU needs the package sacrebleu: pip install 'layerleap[eval]'") from None
+    if not candidates:
+        return 0.0
+    return float(sacrebleu.corpus_bleu(list(candidates), [list(references)]).score)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_answer(text: str) -> str | None:
+    """The answer of a math response: the number after the last '####' or 'answer is', else the last
+    number in the text; commas and trailing zeros after a decimal point removed."""
+    for marker in ("####", "answer is", "Answer:", "answer:"):
+        i = text.rfind(marker)
+        if i >= 0:
+            m = _NUMBER.search(text, i + len(marker))
+            if m:
+                return _normalise(m.group())
+    found = _NUMBER.findall(text)
+    return _normalise(found[-1]) if found else None
+
+
+def _normalise(num: str) -> str:
+    num = num.replace(",", "")
+    if "." in num:
+        num = num.rstrip("0").rstrip(".")
+    return num
+
+
+def exact_match(candidates: list[str], references: list[str]) -> float:
+    """The percentage of candidates whose final numeric answer equals the reference's (two texts
+    without any number match when they are equal after stripping)."""
+    _pairs(candidates, references)
+    if not candidates:
+        return 0.0
+    hits = 0
+    for c, r in zip(candidates, references):
+        a, b = final_answer(c), final_answer(r)
+        hits += (a == b) if (a is not None or b is not None) else (c.strip() == r.strip())
+    return 100.0 * hits / len(candidates)
+
+
+def score(metric: str, candidates: list[str], references: list[str]) -> float:
+    if metric not in METRICS:
+        raise MetricError(f"unknown metric {metric!r}: choose one of {', '.join(METRICS)}")
+    return {"rougeL": rouge_l, "bleu": bleu, "exact_match": exact_match}[metric](candidates, references)
+
+
+def metric_for(category: str) -> str:
+    """The metric a category is scored with (ROUGE-L for categories without a specific one)."""
+    return METRIC_FOR.get(category, "rougeL")

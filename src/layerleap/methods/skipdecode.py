@@ -1,0 +1,283 @@
+"""SkipDecode (Del Corro et al., 2023) and the two early-exit baselines it is compared with.
+
+``skipdecode`` (batched): the prompt runs through every layer; generated position ``n`` (0 = the
+first generated token fed back in) gets ONE exit budget ``b(n)`` for the whole batch, decaying from
+``max_exit_layer`` at ``n = 0`` to ``min_exit_layer`` at sequence length ``max_len`` (linear, as in
+the paper's §2.3, or ``decay="power"``).  A token runs the ``warmup`` bottom layers and then the
+top ``b(n) - warmup`` layers, skipping the lower middle::
+
+    layers(b) = [0, warmup) ∪ [n_layers - (b - warmup), n_layers)
+
+Budgets never rise, so the top range only shrinks from below: every layer a token runs was run by
+every earlier token, its KV cache is complete, and nothing is recomputed or copied.  A skipped
+token's hidden state passes through skipped layers unchanged (the residual stream).
+
+``early-exit`` (batched): every token, prompt included, runs layers ``[0, exit_layer)`` and is
+predicted from there with the model's final norm and unembedding (a model truncated at a fixed layer,
+the "multi-layer" baseline of the paper's Table 5).
+
+``calm`` (batch 1): CALM's hidden-state saturation adapted to a decoder: a token runs layer by layer
+and exits after layer ``l`` once ``cos(h_l, h_{l-1}) >= threshold``; the layers it skipped get KV
+entries computed from its exit state (``Transformer.fill_kv``), so later tokens can attend to it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..decoding import GenerationError, Run, register
+
+DECAYS = ("linear", "power")
+# The paper's Table 2 (OPT-1.3B, 24 layers, and OPT-6.7B, 32 layers): target speed-up ->
+# (warmup, min_exit_layer, max_exit_layer).  The 30-layer column below scales them (×30/24 and
+# ×30/32 agree to within a layer) so that the mean budget (min+max)/2 is n_layers / target.
+TABLE2 = {
+    24: {2: (1, 8, 16), 3: (1, 6, 10), 4: (1, 5, 7), 5: (1, 4, 6)},
+    32: {2: (1, 11, 22), 3: (1, 8, 14), 4: (1, 6, 10), 5: (1, 5, 8)},
+    30: {2: (1, 10, 20), 3: (1, 7, 13), 4: (1, 6, 9), 5: (1, 5, 7)},
+}
+
+
+@dataclass(frozen=True)
+class SkipConfig:
+    """One SkipDecode configuration: what ``target_config`` returns."""
+    target_speedup: float
+    warmup: int
+    min_exit_layer: int
+    max_exit_layer: int
+
+    def options(self) -> dict:
+        return {"warmup": self.warmup, "min_exit_layer": self.min_exit_layer, "max_exit_layer": self.max_exit_layer}
+
+
+def target_config(n_layers: int, target_speedup: float) -> SkipConfig:
+    """The Table 2 configuration for ``target_speedup`` on an ``n_layers`` model: the paper's own
+    numbers for 24 and 32 layers, our scaled ones for 30, else min/max chosen around
+    ``n_layers / target`` with the paper's max/min ratio of about 2 (2x) to 1.5 (5x)."""
+    s = float(target_speedup)
+    if s < 1:
+        raise GenerationError(f"target speed-up must be >= 1, got {target_speedup!r}")
+    if s == 1:
+        return SkipConfig(1.0, 1, n_layers, n_layers)
+    if n_layers in TABLE2 and s in TABLE2[n_layers]:
+        w, lo, hi = TABLE2[n_layers][int(s)]
+        return SkipConfig(s, w, lo, hi)
+    mean = n_layers / s
+    ratio = 2.0 if s <= 2 else max(1.4, 2.0 - 0.17 * (s - 2))  # 2x: 20/10 … 5x: 7/5 in Table 2's spirit
+    lo = max(1, round(2 * mean / (1 + ratio)))
+    hi = min(n_layers, max(lo, round(2 * mean - lo)))
+    return SkipConfig(s, 1, lo, hi)
+
+
+def check_budget_range(n_layers: int, min_exit_layer: int, max_exit_layer: int, warmup: int) -> None:
+    for name, v in (("min_exit_layer", min_exit_layer), ("max_exit_layer", max_exit_layer), ("warmup", warmup)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise GenerationError(f"{name} must be an integer, got {v!r}")
+    if not 1 <= min_exit_layer <= n_layers or not 1 <= max_exit_layer <= n_layers:
+        raise GenerationError(f"exit layers must be in [1, {n_layers}] (this model has {n_layers} layers), got "
+                              f"min_exit_layer={min_exit_layer}, max_exit_layer={max_exit_layer}")
+    if min_exit_layer > max_exit_layer:
+        raise GenerationError(f"min_exit_layer={min_exit_layer} > max_exit_layer={max_exit_layer}: budgets must "
+                              "not rise along the sequence (the KV cache of skipped layers would be missing); "
+                              "swap them")
+    if not 0 <= warmup <= min_exit_layer:
+        raise GenerationError(f"warmup={warmup} must be in [0, min_exit_layer={min_exit_layer}]: every budget "
+                              "includes the warm-up layers; lower warmup or raise min_exit_layer")
+
+
+def budget_at(n: int, horizon: int, min_exit_layer: int, max_exit_layer: int, decay: str = "linear",
+              power: float = 2.0) -> int:
+    """The exit budget (number of layers) of generated position ``n``: ``max_exit_layer`` at n = 0,
+    ``min_exit_layer`` from n = ``horizon`` on.  linear: ``(1-t) max + t min`` with ``t = n / horizon``
+    (the paper's formula); power: ``min + (max - min) (1-t)^power`` (falls faster early, power > 1).
+    Rounded half up, so it never rises."""
+    t = 1.0 if horizon <= 0 else min(1.0, max(0.0, n / horizon))
+    if decay == "linear":
+        b = (1 - t) * max_exit_layer + t * min_exit_layer
+    elif decay == "power":
+        b = min_exit_layer + (max_exit_layer - min_exit_layer) * (1 - t) ** power
+    else:
+        raise GenerationError(f"unknown decay {decay!r}: choose one of {', '.join(DECAYS)}")
+    return int(min(max_exit_layer, max(min_exit_layer, math.floor(b + 0.5 + 1e-9))))
+
+
+def exit_schedule(n_steps: int, horizon: int, min_exit_layer: int, max_exit_layer: int, decay: str = "linear",
+                  power: float = 2.0) -> list[int]:
+    """Budgets of generated positions ``0 .. n_steps-1``."""
+    return [budget_at(n, horizon, min_exit_layer, max_exit_layer, decay, power) for n in range(n_steps)]
+
+
+def layer_ranges(n_layers: int, budget: int, warmup: int) -> list[tuple[int, int]]:
+    """The layer ranges ``[start, end)`` a token with ``budget`` layers runs: the ``warmup`` bottom
+    layers, then the top ``budget - warmup``."""
+    w = min(warmup, budget)
+    ranges = [(0, w)] if w else []
+    top = budget - w
+    if top:
+        lo = n_layers - top
+        if ranges and lo == w:  # contiguous: the full network
+            return [(0, n_layers)]
+        ranges.append((lo, n_layers))
+    return ranges
+
+
+def check_schedule(schedule, n_layers: int, warmup: int) -> list[int]:
+    """Validate an explicit list of budgets (one per generated position)."""
+    try:
+        sched = [int(b) for b in schedule]
+        if any(int(b) != b for b in schedule):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise GenerationError(f"schedule must be a list of integer exit layers, got {schedule!r}") from None
+    if not sched:
+        raise GenerationError("schedule is empty: give one exit layer per generated position")
+    bad = [b for b in sched if not 1 <= b <= n_layers]
+    if bad:
+        raise GenerationError(f"schedule has exit layers {bad[:5]} outside [1, {n_layers}]")
+    rises = [i for i in range(1, len(sched)) if sched[i] > sched[i - 1]]
+    if rises:
+        i = rises[0]
+        raise GenerationError(f"schedule is not monotone: position {i} has budget {sched[i]} > {sched[i - 1]} at "
+                              f"position {i - 1}; budgets must never rise (skipped layers have no KV entries to "
+                              "attend to): make it non-increasing")
+    if warmup > min(sched):
+        raise GenerationError(f"warmup={warmup} exceeds the smallest budget {min(sched)} in schedule: lower warmup")
+    return sched
+
+
+def _per_row(run: Run, key: str, values: list) -> None:
+    run.extra[key] = values if run.batch > 1 else values[0]
+
+
+def _active_layer_stats(run: Run) -> None:
+    """Average active layers per generated token that was fed back (each decode step), per row."""
+    d = run.n_layers
+    avgs, ups = [], []
+    for b in range(run.batch):
+        fed = max(0, len(run.out[b]) - 1)  # the last emitted token is never fed back
+        avg = run.layer_evals[b] / fed if fed else float(d)
+        avgs.append(avg)
+        ups.append(d / avg if avg else float("inf"))
+    _per_row(run, "avg_active_layers", avgs)
+    _per_row(run, "budget_speedup", ups)
+
+
+# -- SkipDecode ------------------------------------------------------------------------------------
+@register("skipdecode", batched=True, sampling=True)
+def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: int | None = None, warmup: int = 1,
+               max_len: int | None = None, decay: str = "linear", power: float = 2.0,
+               schedule: list[int] | None = None, target_speedup: float | None = None) -> None:
+    """SkipDecode: one decaying layer budget per position for the whole batch; skip the lower middle layers."""
+    d = run.n_layers
+    if target_speedup is not None:
+        cfg = target_config(d, target_speedup)
+        min_exit_layer = cfg.min_exit_layer if min_exit_layer is None else min_exit_layer
+        max_exit_layer = cfg.max_exit_layer if max_exit_layer is None else max_exit_layer
+    if schedule is None:
+        if min_exit_layer is None or max_exit_layer is None:
+            cfg = target_config(d, 2)
+            min_exit_layer = cfg.min_exit_layer if min_exit_layer is None else min_exit_layer
+            max_exit_layer = cfg.max_exit_layer if max_exit_layer is None else max_exit_layer
+        check_budget_range(d, min_exit_layer, max_exit_layer, warmup)
+        if decay not in DECAYS:
+            raise GenerationError(f"unknown decay {decay!r}: choose one of {', '.join(DECAYS)}")
+        if not isinstance(power, (int, float)) or power <= 0:
+            raise GenerationError(f"power must be > 0, got {power!r}")
+    else:
+        if not isinstance(warmup, int) or warmup < 0:
+            raise GenerationError(f"warmup must be an integer >= 0, got {warmup!r}")
+        schedule = check_schedule(schedule, d, warmup)
+    longest = max(len(p) for p in run.prompts)
+    ctx = run.model.config.max_position
+    if longest + run.gen.max_new_tokens > ctx:
+        raise GenerationError(f"the batch's longest prompt has {longest} tokens; with max_new_tokens="
+                              f"{run.gen.max_new_tokens} it exceeds the context length {ctx}: shorten the prompts, "
+                              "lower max_new_tokens or decode the long prompt in its own batch")
+    if max_len is None:
+        max_len = longest + run.gen.max_new_tokens
+    if not isinstance(max_len, int) or not longest < max_len <= ctx:
+        raise GenerationError(f"max_len={max_len!r} must be an integer sequence length in ({longest}, {ctx}] "
+                              f"(longer than the batch's longest prompt, within the context)")
+    horizon = max_len - longest
+
+    cache = run.new_cache()
+    h = run.prefill(cache)
+    used: list[int] = []
+    n = 0
+    while True:
+        tok = run.choose(run.logits(h)[:, -1])
+        if run.emit_all(tok):
+            break
+        if schedule is not None:
+            b = schedule[min(n, len(schedule) - 1)]
+        else:
+            b = budget_at(n, horizon, min_exit_layer, max_exit_layer, decay, power)
+        h = run.model.embed(tok.unsqueeze(1))
+        for i, (s, e) in enumerate(layer_ranges(d, b, warmup)):
+            h = run.forward(cache, h=h, start=s, end=e, count_call=i == 0)
+        used.append(b)
+        n += 1
+    run.extra["budgets"] = tuple(used)  # a tuple: the same for every row
+    _active_layer_stats(run)
+
+
+# -- baselines -------------------------------------------------------------------------------------
+@register("early-exit", batched=True, sampling=True)
+def early_exit(run: Run, *, exit_layer: int | None = None) -> None:
+    """Fixed early exit: every token (prompt included) runs layers [0, exit_layer) and is predicted from there."""
+    d = run.n_layers
+    if exit_layer is None:
+        raise GenerationError(f"early-exit needs exit_layer=E, the number of layers every token runs (1..{d})")
+    if not isinstance(exit_layer, int) or isinstance(exit_layer, bool) or not 1 <= exit_layer <= d:
+        raise GenerationError(f"exit_layer must be an integer in [1, {d}], got {exit_layer!r}")
+    cache = run.new_cache()
+    h = run.prefill(cache, end=exit_layer)
+    while True:
+        tok = run.choose(run.logits(h)[:, -1])
+        if run.emit_all(tok):
+            break
+        h = run.forward(cache, tok.unsqueeze(1), end=exit_layer)
+    _active_layer_stats(run)
+
+
+@register("calm", batched=False, sampling=True)
+def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1) -> None:
+    """CALM-style early exit on hidden-state saturation (cosine of consecutive layers), skipped KV filled from the exit state."""
+    d = run.n_layers
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool):
+        raise GenerationError(f"threshold must be a number (cosine similarity; > 1 never exits), got {threshold!r}")
+    if not isinstance(min_exit_layer, int) or not 1 <= min_exit_layer <= d:
+        raise GenerationError(f"min_exit_layer must be an integer in [1, {d}], got {min_exit_layer!r}")
+    cache = run.new_cache()
+    h = run.prefill(cache)
+    exits: list[int] = []
+    filled = 0
+    while True:
+        tok = run.choose(run.logits(h)[:, -1])
+        if run.emit_all(tok):
+            break
+        h = run.model.embed(tok.unsqueeze(1))
+        pos = run.positions(cache, 1, 0)
+        exit_at = d
+        for layer in range(d):
+            prev = h
+            h = run.forward(cache, h=h, start=layer, end=layer + 1, positions=pos, count_call=layer == 0)
+            if layer + 1 >= min_exit_layer and layer + 1 < d:
+                if float(F.cosine_similarity(h[0, -1], prev[0, -1], dim=0)) >= threshold:
+                    exit_at = layer + 1
+                    break
+        if exit_at < d:
+            run.model.fill_kv(h, exit_at, d, pos, cache)
+            filled += d - exit_at
+        exits.append(exit_at)
+    run.extra["exit_layers"] = tuple(exits)
+    run.extra["kv_filled_layers"] = filled
+    _active_layer_stats(run)
+
+
+__all__ = ["skipdecode", "early_exit", "calm", "target_config", "SkipConfig", "budget_at", "exit_schedule",
+           "layer_ranges", "check_schedule", "check_budget_range", "TABLE2", "DECAYS"]

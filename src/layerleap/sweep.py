@@ -1,0 +1,319 @@
+"""BiLD's quality-latency trade-off (the paper's Figures 4 and 9, Table 1), measured here.
+
+For every prompt, in turn: the large model's greedy decoding (the reference for speed AND quality),
+every BiLD point ``(alpha_fb, alpha_rb)``, then greedy speculative decoding for every draft length.
+All runs of one prompt are back to back (interleaved), generate exactly ``max_new_tokens`` tokens
+(EOS does not stop them), and are timed by ``generate`` itself.
+
+Per point:
+
+- ``latency``: summed wall time over the prompts / summed wall time of greedy over the same prompts
+  (the paper's normalised latency); ``speedup`` = 1 / latency;
+- ``quality`` per category against the large model's own greedy output on the same prompt:
+  ROUGE-L for summarization, BLEU for translation, exact match of the final number for math
+  (``evaluation.metric_for``); greedy scores 100 against itself, so ``100 - quality`` is the loss;
+- ``fallback_rate`` (low-confidence handovers per small-model step) and ``rollback_rate``
+  (rollbacks per large-model pass), from the summed counters.
+
+``table`` gives the paper's Table 1 form per category: the best speed-up with no quality loss
+(quality >= 100 - ``NO_LOSS``) and with at most 1 point lost, next to speculative decoding (which is
+lossless: quality 100 by construction, verified here).
+
+The JSON report is rewritten atomically after every prompt; rerunning with the same settings and
+the same ``out`` resumes after the last finished prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import evaluation
+from .bench import machine_config, write_json_atomic
+from .datasets import Prompt
+from .decoding import generate
+from .errors import LayerleapError
+
+NO_LOSS = 0.05  # "no loss": the score rounds to 100.0 against greedy's own output
+ONE_POINT = 1.0
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Point:
+    label: str
+    method: str  # "greedy", "bild" or "speculative"
+    options: dict = field(default_factory=dict)  # JSON-able options (no models)
+    alpha_fb: float | None = None
+    alpha_rb: float | None = None
+    draft_len: int | None = None
+
+
+def bild_grid(alpha_fbs: list[float], alpha_rbs: list[float]) -> list[Point]:
+    return [Point(f"bild fb={fb:g} rb={rb:g}", "bild", {"alpha_fb": fb, "alpha_rb": rb}, fb, rb)
+            for rb in alpha_rbs for fb in alpha_fbs]
+
+
+def speculative_points(gammas: list[int]) -> list[Point]:
+    return [Point(f"speculative γ={g}", "speculative", {"draft_len": g}, draft_len=g) for g in gammas]
+
+
+@dataclass
+class Run1:
+    """One point on one prompt."""
+    prompt_index: int
+    category: str
+    label: str
+    wall_s: float
+    new_tokens: int
+    text: str
+    token_ids: list[int]
+    stats: dict
+
+
+def _json_stats(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool, type(None)))}
+
+
+def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens: int, *, models: dict,
+              fixed: dict | None = None, chat: bool = True, out: str | Path | None = None,
+              config: dict | None = None, progress: bool = True) -> dict:
+    """Run greedy and ``points`` on every prompt; -> the report (also written to ``out``).
+
+    ``models`` holds the model options (``small`` / ``draft``) per method name; ``fixed`` holds
+    JSON-able options added to every BiLD point (``exit_layer``, ``head``, ``max_small``)."""
+    from tqdm.auto import tqdm
+
+    if not prompts:
+        raise LayerleapError("no prompts to sweep")
+    fixed = dict(fixed or {})
+    points = [Point("greedy", "greedy")] + list(points)
+    labels = [p.label for p in points]
+    if len(set(labels)) != len(labels):
+        raise LayerleapError("two sweep points have the same label: remove duplicate thresholds")
+    cfg = {**machine_config(large), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
+           "n_prompts": len(prompts), "categories": sorted({p.category for p in prompts}), "fixed": fixed,
+           "points": [asdict(p) for p in points], "prompt_ids": [p.id for p in prompts]}
+    report = {"config": cfg, "records": [], "prompts_done": 0}
+    if out and Path(out).is_file():
+        report = _resume(Path(out), cfg, report)
+
+    def options(p: Point) -> dict:
+        o = dict(p.options)
+        if p.method == "bild":
+            o.update(fixed)
+        o.update(models.get(p.method, {}))
+        return o
+
+    def one(p: Point, prompt: Prompt, n: int):
+        return generate(large, prompt.text, p.method, n, chat=chat, stop_at_eos=False, **options(p))
+
+    total = len(prompts) * len(points)
+    bar = tqdm(total=total, initial=report["prompts_done"] * len(points), desc="sweep bild", unit="run",
+               disable=not progress, leave=False)
+    try:
+        bar.set_postfix_str("warm-up")
+        for p in points:
+            one(p, prompts[0], min(WARMUP_TOKENS, max_new_tokens))
+        for i in range(report["prompts_done"], len(prompts)):
+            prompt = prompts[i]
+            runs = []
+            for p in points:
+                bar.set_postfix_str(f"{prompt.category} {prompt.id} {p.label}")
+                r = one(p, prompt, max_new_tokens)
+                runs.append(Run1(i, prompt.category, p.label, r.stats["wall_s"], r.stats["new_tokens"], r.text,
+                                 list(r.token_ids), _json_stats(r.stats)))
+                bar.update()
+            report["records"].extend(asdict(r) for r in runs)
+            report["prompts_done"] = i + 1
+            report["summary"] = summarize(report)
+            if out:
+                write_json_atomic(out, report)
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+    finally:
+        bar.close()
+    report["summary"] = summarize(report)
+    report["complete"] = report["prompts_done"] == len(prompts)
+    if out:
+        write_json_atomic(out, report)
+    return report
+
+
+def _resume(path: Path, cfg: dict, fresh: dict) -> dict:
+    import json
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return fresh
+    same = all(old.get("config", {}).get(k) == cfg[k]
+               for k in ("model", "fingerprint", "max_new_tokens", "chat", "fixed", "points", "prompt_ids"))
+    if not same:
+        raise LayerleapError(f"{path} holds a sweep with other settings: choose another --json or delete it")
+    done = int(old.get("prompts_done", 0))
+    return {"config": cfg, "records": [r for r in old["records"] if r["prompt_index"] < done], "prompts_done": done,
+            "resumed_from": done}
+
+
+# -- summary --------------------------------------------------------------------------------------------
+def summarize(report: dict) -> dict:
+    """Per point: overall and per-category latency, speed-up, quality and rates."""
+    recs = report["records"]
+    points = [p["label"] for p in report["config"]["points"]]
+    info = {p["label"]: p for p in report["config"]["points"]}
+    greedy = {r["prompt_index"]: r for r in recs if r["label"] == "greedy"}
+    cats = sorted({r["category"] for r in recs})
+    out = {}
+    for label in points:
+        rs = [r for r in recs if r["label"] == label and r["prompt_index"] in greedy]
+        if not rs:
+            continue
+        entry = {"method": info[label]["method"], "alpha_fb": info[label]["alpha_fb"],
+                 "alpha_rb": info[label]["alpha_rb"], "draft_len": info[label]["draft_len"],
+                 **_measure(rs, greedy), "categories": {}}
+        for c in cats:
+            rc = [r for r in rs if r["category"] == c]
+            if rc:
+                entry["categories"][c] = {**_measure(rc, greedy), **_quality(c, rc, greedy)}
+        qs = [v["quality"] for v in entry["categories"].values()]
+        entry["quality"] = sum(qs) / len(qs) if qs else None  # mean over categories
+        out[label] = entry
+    return out
+
+
+def _measure(rs: list[dict], greedy: dict) -> dict:
+    wall = sum(r["wall_s"] for r in rs)
+    ref = sum(greedy[r["prompt_index"]]["wall_s"] for r in rs)
+    tokens = sum(r["new_tokens"] for r in rs)
+    sums = {k: sum(r["stats"].get(k) or 0 for r in rs) for k in
+            ("fallbacks", "small_steps", "rollbacks", "large_calls", "small_tokens", "rolled_back", "large_tokens",
+             "drafted", "accepted", "layer_evals")}
+    return {
+        "prompts": len(rs), "new_tokens": tokens, "wall_s": wall, "greedy_wall_s": ref,
+        "latency": wall / ref if ref > 0 else None, "speedup": ref / wall if wall > 0 else None,
+        "fallback_rate": sums["fallbacks"] / sums["small_steps"] if sums["small_steps"] else None,
+        "rollback_rate": sums["rollbacks"] / sums["large_calls"] if sums["large_calls"] else None,
+        "large_calls_per_token": sums["large_calls"] / tokens if tokens and sums["large_calls"] else None,
+        "small_share": (sums["small_tokens"] - sums["rolled_back"]) / tokens if tokens and sums["small_tokens"] else None,
+        "acceptance": sums["accepted"] / sums["drafted"] if sums["drafted"] else None,
+        "layers_per_token": sums["layer_evals"] / tokens if tokens else None,
+        "identical": sum(r["token_ids"] == greedy[r["prompt_index"]]["token_ids"] for r in rs),
+    }
+
+
+def _quality(category: str, rs: list[dict], greedy: dict) -> dict:
+    metric = evaluation.metric_for(category)
+    cand = [r["text"] for r in rs]
+    refs = [greedy[r["prompt_index"]]["text"] for r in rs]
+    return {"metric": metric, "quality": evaluation.score(metric, cand, refs)}
+
+
+# -- Table 1 -------------------------------------------------------------------------------------------
+def best_within(summary: dict, category: str | None, max_loss: float, method: str = "bild") -> tuple[str, dict] | None:
+    """The fastest point of ``method`` whose quality (in ``category``, or the mean over categories) is
+    at least ``100 - max_loss``."""
+    best = None
+    for label, e in summary.items():
+        if e["method"] != method:
+            continue
+        m = e["categories"].get(category) if category else e
+        if not m or m.get("quality") is None or m.get("speedup") is None:
+            continue
+        if m["quality"] >= 100 - max_loss - 1e-9 and (best is None or m["speedup"] > best[1]["speedup"]):
+            best = (label, m)
+    return best
+
+
+def table(summary: dict) -> str:
+    """Markdown: rows greedy / BiLD (no loss) / BiLD (<= 1 point) / speculative (best γ); per category
+    and for the mean over categories, the quality and the speed-up (label of the point below)."""
+    cats = sorted({c for e in summary.values() for c in e["categories"]})
+    cols = cats + ["mean"]
+
+    def cell(hit):
+        if hit is None:
+            return "— (none)"
+        label, m = hit
+        return f"{m['quality']:.1f} / {m['speedup']:.2f}× <br><sub>{label}</sub>"
+
+    metric = {c: evaluation.metric_for(c) for c in cats}
+    head = "| | " + " | ".join(f"{c} ({metric.get(c, 'mean of the columns')})" for c in cols) + " |"
+    lines = [head, "|---" * (len(cols) + 1) + "|"]
+    lines.append("| greedy (large model) | " + " | ".join("100.0 / 1.00×" for _ in cols) + " |")
+    for name, loss, method in (("BiLD, no loss", NO_LOSS, "bild"), ("BiLD, ≤ 1 point loss", ONE_POINT, "bild"),
+                               ("speculative (lossless)", NO_LOSS, "speculative")):
+        lines.append(f"| {name} | " + " | ".join(cell(best_within(summary, None if c == "mean" else c, loss, method))
+                                                for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def points_table(summary: dict) -> str:
+    """Markdown: every point with its overall speed-up, quality per category, rates."""
+    cats = sorted({c for e in summary.values() for c in e["categories"]})
+    head = ("| point | speed-up | " + " | ".join(cats) + " | identical | fallback rate | rollback rate | "
+            "small-model share | layers/token |")
+    lines = [head, "|---" * (len(cats) + 7) + "|"]
+
+    def f(x, spec):
+        return "–" if x is None else format(x, spec)
+
+    for label, e in summary.items():
+        qs = " | ".join(f(e["categories"].get(c, {}).get("quality"), ".1f") for c in cats)
+        lines.append(f"| {label} | {f(e['speedup'], '.2f')}× | {qs} | {e['identical']}/{e['prompts']} | "
+                     f"{f(e['fallback_rate'], '.2f')} | {f(e['rollback_rate'], '.2f')} | "
+                     f"{f(e['small_share'], '.2f')} | {f(e['layers_per_token'], '.1f')} |")
+    return "\n".join(lines)
+
+
+# -- the plot -----------------------------------------------------------------------------------------
+def plot(summary: dict, path: str | Path, title: str = "") -> Path:
+    """Quality against normalised latency, one panel per category (Figures 4 and 9): a line per
+    alpha_rb through its alpha_fb points (marker size grows with alpha_fb), greedy as X, speculative
+    decoding as squares, lines at greedy's score and 1 point below."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = sorted({c for e in summary.values() for c in e["categories"]})
+    if not cats:
+        raise LayerleapError("nothing to plot: the sweep has no finished prompt")
+    fig, axes = plt.subplots(1, len(cats), figsize=(5.2 * len(cats), 4.2), squeeze=False)
+    rbs = sorted({e["alpha_rb"] for e in summary.values() if e["method"] == "bild"},
+                 key=lambda x: (math.isinf(x), x))
+    cmap = plt.get_cmap("viridis")
+    for ax, c in zip(axes[0], cats):
+        for j, rb in enumerate(rbs):
+            pts = sorted(((e["alpha_fb"], e["categories"][c]) for e in summary.values()
+                          if e["method"] == "bild" and e["alpha_rb"] == rb and c in e["categories"]),
+                         key=lambda t: t[0])
+            if not pts:
+                continue
+            x = [m["latency"] for _, m in pts]
+            y = [m["quality"] for _, m in pts]
+            color = cmap(j / max(1, len(rbs) - 1))
+            ax.plot(x, y, "-", color=color, alpha=0.6, label=f"BiLD α_rb={rb:g}")
+            ax.scatter(x, y, s=[20 + 120 * fb for fb, _ in pts], color=color, zorder=3)
+        spec = [(e["draft_len"], e["categories"][c]) for e in summary.values()
+                if e["method"] == "speculative" and c in e["categories"]]
+        if spec:
+            ax.scatter([m["latency"] for _, m in spec], [m["quality"] for _, m in spec], marker="s", color="tab:red",
+                       label="speculative (γ = " + ", ".join(str(g) for g, _ in spec) + ")", zorder=4)
+        ax.scatter([1.0], [100.0], marker="X", s=120, color="black", label="greedy (large)", zorder=5)
+        ax.axhline(100.0, color="gray", lw=0.8, ls="--")
+        ax.axhline(99.0, color="gray", lw=0.8, ls=":")
+        ax.set_xlabel("latency / greedy latency")
+        ax.set_ylabel(f"{evaluation.metric_for(c)} vs greedy output")
+        ax.set_title(c)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,469 @@
+"""BiLD (methods/bild.py): its exact limits, exact KV rollback, nothing recomputed, errors; both forms
+on tiny random models (batch 1).
+
+The two-model pair: a 4-layer large model with a sharpened LM head and a 2-layer small model made of
+its first two layers and its head, so the small model is often confident and often right, but not
+always (fallbacks and rollbacks both happen)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import layerleap
+from layerleap import Transformer, tiny_config
+from layerleap.decoding import GenerationConfig, GenerationError, Run
+from layerleap.methods import bild as bild_mod
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_pair(seed: int, n_small: int = 2, scale: float = 6.0):
+    torch.manual_seed(seed)
+    large = Transformer(tiny_config(tie_embeddings=False)).eval()
+    with torch.no_grad():
+        large.lm_head.weight.mul_(scale)
+    small = Transformer(tiny_config(tie_embeddings=False, n_layers=n_small)).eval()
+    small.load_state_dict({k: v for k, v in large.state_dict().items()
+                           if not k.startswith("layers.") or int(k.split(".")[1]) < n_small})
+    return large, small
+
+
+PROMPT = [5, 7, 11, 13, 17]
+N = 32
+SEEDS = range(3)
+
+
+def greedy(model, n=N):
+    return layerleap.generate(model, PROMPT, max_new_tokens=n, stop_at_eos=False)
+
+
+def run_bild(large, n=N, **options):
+    return layerleap.generate(large, PROMPT, "bild", n, stop_at_eos=False, **options)
+
+
+def forms(large, small):
+    """The two forms with the same small model: ``small=`` and the first two layers as an exit."""
+    return {"two models": {"small": small}, "early exit": {"exit_layer": 2, "head": "shared"}}
+
+
+# -- the exact limits ------------------------------------------------------------------------------
+def test_always_falling_back_gives_the_large_models_greedy_output():
+    for seed in SEEDS:
+        large, small = tiny_pair(seed)
+        ref = greedy(large).token_ids
+        for name, form in forms(large, small).items():
+            for alpha_rb in (0.5, 2.0, math.inf):
+                r = run_bild(large, alpha_fb=1.0, alpha_rb=alpha_rb, **form)
+                assert r.token_ids == ref, (seed, name, alpha_rb)
+                assert r.stats["small_tokens"] == 0 and r.stats["large_tokens"] == N
+                assert r.stats["fallbacks"] == N and r.stats["fallback_rate"] == 1.0
+
+
+@pytest.mark.parametrize("alpha_rb", [0.69, math.log(2), 0.0])
+def test_rollback_at_or_below_ln2_gives_the_large_models_greedy_output(alpha_rb):
+    kept = 0
+    for seed in SEEDS if alpha_rb > 0 else SEEDS[:1]:
+        large, small = tiny_pair(seed)
+        ref = greedy(large).token_ids
+        for name, form in forms(large, small).items():
+            for alpha_fb, max_small in ((0.0, 10), (0.3, None), (0.6, 3)):
+                r = run_bild(large, alpha_fb=alpha_fb, alpha_rb=alpha_rb, max_small=max_small, **form)
+                assert r.token_ids == ref, (seed, name, alpha_fb, max_small)
+                kept += r.stats["small_tokens"] - r.stats["rolled_back"]
+                assert r.stats["large_tokens"] + r.stats["small_tokens"] - r.stats["rolled_back"] == N
+    if alpha_rb > 0:  # (at 0 every small token is rolled back unless the large model is certain)
+        assert kept > 50  # small-model tokens really were kept, so the equality is not trivial
+
+
+def test_never_falling_back_nor_rolling_back_gives_the_small_models_greedy_output():
+    for seed in SEEDS:
+        large, small = tiny_pair(seed)
+        want = greedy(small).token_ids
+        assert want != greedy(large).token_ids
+        for name, form in forms(large, small).items():
+            r = run_bild(large, alpha_fb=0.0, alpha_rb=math.inf, max_small=None, **form)
+            assert r.token_ids == want, (seed, name)
+            assert r.stats["small_tokens"] == N and r.stats["large_tokens"] == 0
+            assert r.stats["large_calls"] == 0  # alpha_rb = inf: the final check could change nothing
+            r = run_bild(large, alpha_fb=0.0, alpha_rb=1e9, max_small=None, **form)
+            assert r.token_ids == want and r.stats["large_calls"] == r.stats["final_checks"] == 1
+
+
+def test_run_limit_hands_over_every_max_small_tokens():
+    large, small = tiny_pair(0)
+    r = run_bild(large, small=small, alpha_fb=0.0, alpha_rb=math.inf, max_small=4)
+    # never falls back nor rolls back: 4 small tokens, then the large model's, in turn
+    assert r.stats["forced"] == N // 5 and r.stats["fallbacks"] == 0
+    assert r.stats["large_tokens"] == N // 5 and r.stats["small_tokens"] == N - N // 5
+
+
+def test_pending_tokens_are_checked_before_returning():
+    """The last small tokens go through the rollback policy too: with a strict threshold and a large
+    run limit the tail of the output is the large model's, not the small model's."""
+    for seed in SEEDS:
+        large, small = tiny_pair(seed)
+        r = run_bild(large, small=small, alpha_fb=0.0, alpha_rb=0.69, max_small=None)
+        assert r.token_ids == greedy(large).token_ids
+        assert r.stats["final_checks"] >= 1
+
+
+def test_eos_ends_like_greedy():
+    large, small = tiny_pair(1)
+    ref = greedy(large, 30).token_ids
+    eos = ref[7]
+    for m in (large, small):
+        m.config = tiny_config(tie_embeddings=False, n_layers=m.config.n_layers, eos_token_ids=(eos,))
+    want = layerleap.generate(large, PROMPT, max_new_tokens=30).token_ids
+    for form in forms(large, small).values():
+        got = layerleap.generate(large, PROMPT, "bild", 30, alpha_fb=0.3, alpha_rb=0.69, **form).token_ids
+        assert got == want and got[-1] == eos
+
+
+# -- caches: exact rollback, nothing recomputed ---------------------------------------------------------
+def decode(large, pair_factory, n=N, **policy):
+    run = Run(large, [PROMPT], GenerationConfig(max_new_tokens=n, stop_at_eos=False))
+    pair = pair_factory(run)
+    with torch.inference_mode():
+        bild_mod.BiLD(run, pair, **policy).decode()
+    return run, pair
+
+
+def assert_cache_matches_fresh_pass(model, cache, seq, layers=None):
+    layers = range(model.config.n_layers) if layers is None else layers
+    for layer in layers:
+        n = int(cache.lengths[layer, 0])
+        fresh = model.new_cache(1, n)
+        model(torch.tensor([seq[:n]]), cache=fresh)
+        torch.testing.assert_close(cache.k[layer, :, :, :n], fresh.k[layer], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cache.v[layer, :, :, :n], fresh.v[layer], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["two models", "early exit"])
+def test_kv_caches_roll_back_exactly(form):
+    large, small = tiny_pair(1)
+    if form == "two models":
+        factory = lambda run: bild_mod.TwoModels(run, small)  # noqa: E731
+    else:
+        factory = lambda run: bild_mod.EarlyExit(run, 2, large.logits)  # noqa: E731
+    run, pair = decode(large, factory, alpha_fb=0.3, alpha_rb=1.0, max_small=6)
+    assert run.extra["rollbacks"] >= 2 and run.extra["rolled_back"] >= 2  # rollbacks really happened
+    seq = PROMPT + run.out[0]
+    assert len(run.out[0]) == N
+    n_large = pair.large_length
+    assert len(seq) - 1 <= n_large <= len(seq)
+    assert_cache_matches_fresh_pass(large, pair.cache, seq)  # every layer, the skipped ones too
+    if form == "two models":
+        assert_cache_matches_fresh_pass(small, pair.small.cache, seq)
+        assert pair.small_length <= len(seq)
+    else:
+        assert pair.h_pending is None and pair.small_length == n_large
+
+
+def test_early_exit_computes_no_layer_twice():
+    """Always falling back in the early-exit form, each token runs layers [0, E) in the small step
+    and [E, L) in the large pass: exactly greedy's token-layer evaluations, one extra for the last
+    token, which greedy never feeds back."""
+    large, _ = tiny_pair(0)
+    g = greedy(large).stats
+    r = run_bild(large, exit_layer=2, head="shared", alpha_fb=1.0).stats
+    assert r["layer_evals"] == g["layer_evals"] == 4 * N  # (the prompt's last position counts as generation)
+    assert r["prompt_layer_evals"] == g["prompt_layer_evals"]
+    # kept small tokens: N - 1 small steps (layers 0-1; the first token came from the prompt pass),
+    # then the final check: layers 0-1 for the last token alone, layers 2-3 for all N
+    r = run_bild(large, exit_layer=2, head="shared", alpha_fb=0.0, alpha_rb=1e9, max_small=None).stats
+    assert r["layer_evals"] == 4 + 2 * (N - 1) + 2 + 2 * N
+
+
+def test_two_model_form_meters_the_small_model_apart():
+    large, small = tiny_pair(0)
+    r = run_bild(large, small=small, alpha_fb=0.0, alpha_rb=1e9, max_small=None).stats
+    assert r["small_calls"] == 1 + (N - 1)  # the prompt pass, then one call per fed token
+    assert r["small_layer_evals"] == 2 * N and r["small_prompt_layer_evals"] == 2 * (len(PROMPT) - 1)
+    assert r["layer_evals"] == 4 + 4 * N  # the prompt's last position, then one pass over the N pending tokens
+
+
+# -- sampling --------------------------------------------------------------------------------------
+def test_sampling_always_falling_back_is_the_large_models_sampling():
+    large, small = tiny_pair(2, scale=2.0)
+    for seed in (0, 1):
+        want = layerleap.generate(large, PROMPT, "sample", N, seed=seed, temperature=0.9, stop_at_eos=False).token_ids
+        for form in forms(large, small).values():
+            got = layerleap.generate(large, PROMPT, "bild", N, do_sample=True, seed=seed, temperature=0.9,
+                                     stop_at_eos=False, alpha_fb=1.0, **form).token_ids
+            assert got == want
+
+
+def test_sampling_is_reproducible_and_uses_both_models():
+    large, small = tiny_pair(2)
+    a = run_bild(large, small=small, do_sample=True, seed=3, alpha_fb=0.3, alpha_rb=2.0)
+    b = run_bild(large, small=small, do_sample=True, seed=3, alpha_fb=0.3, alpha_rb=2.0)
+    c = run_bild(large, small=small, do_sample=True, seed=4, alpha_fb=0.3, alpha_rb=2.0)
+    assert a.token_ids == b.token_ids != c.token_ids
+    assert a.stats["small_tokens"] > 0 and a.stats["large_tokens"] > 0
+
+
+# -- defaults, heads, errors -----------------------------------------------------------------------------
+def test_defaults_run_the_early_exit_form_on_one_model():
+    large, _ = tiny_pair(0)
+    r = layerleap.generate(large, PROMPT, "bild", 8, stop_at_eos=False)
+    assert r.stats["exit_layer"] == bild_mod.default_exit_layer(large) == 3
+    assert r.stats["head"] in ("shared", "trained") and len(r.token_ids) == 8
+    from layerleap import bench
+    assert "bild" in bench.runnable_methods()
+
+
+def test_truncated_model_uses_the_given_head():
+    """The early-exit draft for speculative decoding: layers [0, E) of the model and the exit head."""
+    from layerleap.align import ExitHead
+    from layerleap.companion import truncated
+    large, _ = tiny_pair(0)
+    head = ExitHead(large, 2, rank=4)
+    with torch.no_grad():
+        head.up.weight.normal_()
+    t = truncated(large, 2, head)
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        want = head(large.run_layers(large.embed(ids), 0, 2, torch.arange(len(PROMPT)).unsqueeze(0)))
+        torch.testing.assert_close(t(ids), want)
+        assert not torch.allclose(t(ids), truncated(large, 2)(ids))
+    r = run_bild(large, exit_layer=2, head=head, alpha_fb=0.0, alpha_rb=math.inf, max_small=None)
+    assert r.token_ids == greedy(t).token_ids  # BiLD's small model is that truncated model
+
+
+def test_a_callable_head_is_used():
+    large, _ = tiny_pair(0)
+    calls = []
+
+    def head(h):
+        calls.append(h.shape)
+        return large.logits(h)
+
+    r = run_bild(large, exit_layer=2, head=head, alpha_fb=0.0, alpha_rb=math.inf, max_small=None)
+    assert r.stats["head"] == "custom" and len(calls) == N
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"alpha_fb": -0.1}, r"alpha_fb must be a probability in \[0, 1\]"),
+    ({"alpha_fb": 1.5}, r"alpha_fb must be a probability in \[0, 1\]"),
+    ({"alpha_fb": "high"}, "alpha_fb must be"),
+    ({"alpha_fb": True}, "alpha_fb must be"),
+    ({"alpha_rb": -1.0}, "alpha_rb must be a cross-entropy >= 0"),
+    ({"alpha_rb": float("nan")}, "alpha_rb must be"),
+    ({"max_small": 0}, "max_small must be an integer >= 1"),
+    ({"max_small": 2.5}, "max_small must be an integer >= 1"),
+    ({"exit_layer": 0}, r"exit_layer must be an integer in \[1, 3\]"),
+    ({"exit_layer": 4}, r"exit_layer must be an integer in \[1, 3\]"),
+    ({"exit_layer": "2"}, "exit_layer must be an integer"),
+    ({"exit_layer": 2, "small": "SMALL"}, "either small= .* or exit_layer="),
+    ({"small": "SMALL", "head": "shared"}, "head= chooses the exit head"),
+    ({"small": "a model"}, "must be a layerleap model"),
+    ({"exit_layer": 2, "head": "/no/such/head.safetensors"}, "no such exit head file"),
+])
+def test_bad_options(options, message):
+    large, small = tiny_pair(0)
+    options = {k: small if v == "SMALL" else v for k, v in options.items()}
+    with pytest.raises(GenerationError, match=message):
+        layerleap.generate(large, PROMPT, "bild", 5, **options)
+
+
+def test_mismatched_models_are_refused():
+    large, small = tiny_pair(0)
+    other_vocab = Transformer(tiny_config(vocab_size=50, n_layers=1)).eval()
+    with pytest.raises(GenerationError, match="vocabulary has 50 tokens"):
+        run_bild(large, small=other_vocab)
+    with pytest.raises(GenerationError, match=r"small model \(.*\) is larger than the large model"):
+        run_bild(small, small=large)
+
+    class Tok:
+        eos_token_id = None
+
+        def __init__(self, prefix):
+            self.v = {f"{prefix}{i}": i for i in range(97)}
+
+        def __len__(self):
+            return 97
+
+        def get_vocab(self):
+            return self.v
+
+    large.tokenizer, small.tokenizer = Tok("a"), Tok("b")
+    with pytest.raises(GenerationError, match="tokenizer differs from the large model's"):
+        run_bild(large, small=small)
+
+
+def test_two_prompts_are_decoded_one_at_a_time():
+    large, small = tiny_pair(0)
+    rs = layerleap.generate(large, [PROMPT, PROMPT[:3]], "bild", 6, small=small, alpha_fb=1.0, stop_at_eos=False)
+    assert [r.token_ids for r in rs] == [r.token_ids for r in layerleap.generate(large, [PROMPT], max_new_tokens=6,
+                                                                                 stop_at_eos=False)] + \
+        [layerleap.generate(large, PROMPT[:3], max_new_tokens=6, stop_at_eos=False).token_ids]
+
+
+# -- prediction alignment --------------------------------------------------------------------------------
+def _records(large, prompts, n=12):
+    return [{"key": str(i), "prompt_ids": p, "output_ids": greedy_ids(large, p, n)} for i, p in enumerate(prompts)]
+
+
+def greedy_ids(model, prompt, n):
+    return layerleap.generate(model, prompt, max_new_tokens=n, stop_at_eos=False).token_ids
+
+
+CALIB = [[5, 7, 11], [3, 1, 4, 1, 5], [9, 2, 6], [8, 8, 3, 2], [10, 20, 30], [42, 17]]
+
+
+def test_align_exit_head_raises_agreement_and_loads(tmp_path):
+    from layerleap import align
+    large, _ = tiny_pair(0)
+    recs = _records(large, CALIB)
+    out = tmp_path / "head.safetensors"
+    rep = align.align_exit_head(large, 2, recs, out, align.TrainConfig(epochs=30, lr=3e-2, batch_tokens=32),
+                                progress=False)
+    assert out.is_file() and not align._ckpt_path(out).exists()
+    assert rep["agreement_after"] > rep["agreement_before"] + 0.1
+    head = align.load_exit_head(large, 2, out)
+    r = run_bild(large, exit_layer=2, head=str(out), alpha_fb=0.0, alpha_rb=math.inf, max_small=None)
+    assert r.stats["head"] == str(out) and len(r.token_ids) == N
+    with pytest.raises(GenerationError, match="is for exit_layer=2, not 1"):
+        align.load_exit_head(large, 1, out)
+    other, _ = tiny_pair(5)
+    with pytest.raises(GenerationError, match="trained for another model"):
+        align.load_exit_head(other, 2, out)
+    assert head(torch.zeros(1, 1, 32)).shape == (1, 1, 97)
+
+
+def test_align_training_resumes_where_it_stopped(tmp_path):
+    """Interrupted at step 5 and rerun, training ends with the same weights as an uninterrupted run."""
+    from layerleap import align
+    target = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+
+    def train(out, stop_at=None):
+        w = torch.zeros(4, 4, requires_grad=True)
+        calls = [0]
+
+        def loss_fn(idx):
+            calls[0] += 1
+            if stop_at is not None and calls[0] == stop_at:
+                raise KeyboardInterrupt
+            return ((target[idx] @ w - target[idx]) ** 2).mean()
+
+        cfg = align.TrainConfig(epochs=3, lr=0.05, batch_tokens=16, save_every=100)
+        align._train({"w": w}, loss_fn, 64, cfg, out, "tag", "t", progress=False)
+        return w.detach(), calls[0]
+
+    full, n_full = train(tmp_path / "a.safetensors")
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "b.safetensors", stop_at=6)
+    assert align._ckpt_path(tmp_path / "b.safetensors").is_file()  # saved on the interrupt, after 5 steps
+    resumed, n_rest = train(tmp_path / "b.safetensors")
+    assert n_full == 12 and n_rest == 12 - 5
+    torch.testing.assert_close(resumed, full)
+
+
+def test_align_small_model_saves_a_loadable_folder(tmp_path):
+    from layerleap import align
+    large, small = tiny_pair(1)
+    recs = _records(large, CALIB)
+    rep = align.align_small(small, recs, tmp_path / "aligned", align.TrainConfig(epochs=8, lr=1e-2, batch_tokens=24),
+                            progress=False)
+    assert rep["agreement_after"] > rep["agreement_before"]
+    loaded = layerleap.load_folder(tmp_path / "aligned")
+    assert loaded.config.n_layers == 2
+    sd, before = loaded.state_dict(), small.state_dict()
+    assert any(not torch.equal(sd[k], before[k]) for k in before)  # trained weights were saved
+    r = run_bild(large, small=loaded, alpha_fb=0.3, alpha_rb=2.0)
+    assert len(r.token_ids) == N
+
+
+def test_calibration_is_resumable(tmp_path, monkeypatch):
+    from layerleap import align
+    large, _ = tiny_pair(0)
+    large.tokenizer = None
+    calls = []
+    real = align.generate
+
+    def counting(model, prompt, *a, **k):
+        calls.append(prompt)
+        return real(model, [int(t) for t in prompt.split()], *a, **{**k, "chat": False})
+
+    monkeypatch.setattr(align, "generate", counting)
+    path = tmp_path / "calib.json"
+    texts = ["5 7 11", "3 1 4", "9 2 6"]
+    first = align.calibrate(large, texts[:2], path, 6, progress=False)
+    again = align.calibrate(large, texts, path, 6, progress=False)
+    assert calls == texts[:2] + texts[2:]  # the first two were not generated again
+    assert again[:2] == first and len(again[2]["output_ids"]) == 6
+    with pytest.raises(layerleap.LayerleapError, match="another model or settings"):
+        align.calibrate(large, texts, path, 7, progress=False)
+
+
+# -- the command line: sweep and align ---------------------------------------------------------------
+def cli(capsys, *argv):
+    from layerleap.cli import main
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_sweep_bild_command(capsys, tmp_path, tiny_hf_dir):
+    import json
+    out = tmp_path / "sweep.json"
+    rc, stdout, err = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--exit-layer", 2, "--head", "shared",
+                          "--alpha-fb", "0.5,1", "--alpha-rb", "0.69,inf", "--draft-lens", "2",
+                          "--categories", "summarization,translation", "--prompts", 1, "--max-new-tokens", 6,
+                          "--threads", 1, "--json", out, "--plot", tmp_path / "s.png", "--table", tmp_path / "s.md")
+    assert rc == 0, err
+    rep = json.loads(out.read_text())
+    assert rep["complete"] and rep["prompts_done"] == 2
+    s = rep["summary"]
+    assert set(s) == {"greedy", "bild fb=0.5 rb=0.69", "bild fb=1 rb=0.69", "bild fb=0.5 rb=inf", "bild fb=1 rb=inf",
+                      "speculative γ=2"}
+    for label in ("bild fb=1 rb=inf", "bild fb=0.5 rb=0.69", "speculative γ=2", "greedy"):  # exact by construction
+        assert s[label]["identical"] == 2, label
+        assert s[label]["categories"]["summarization"]["quality"] == pytest.approx(100.0)
+    assert s["greedy"]["speedup"] == pytest.approx(1.0)
+    assert "BiLD, no loss" in stdout and (tmp_path / "s.png").stat().st_size > 1000
+    assert "sweep bild" in (tmp_path / "s.md").read_text()
+    # rerunning with the same settings resumes: nothing left to run
+    rc, _, _ = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--exit-layer", 2, "--head", "shared",
+                   "--alpha-fb", "0.5,1", "--alpha-rb", "0.69,inf", "--draft-lens", "2",
+                   "--categories", "summarization,translation", "--prompts", 1, "--max-new-tokens", 6,
+                   "--threads", 1, "--json", out)
+    assert rc == 0 and json.loads(out.read_text())["resumed_from"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--alpha-fb", "2"], "alpha_fb must be a probability"),
+    (["--alpha-rb", "-1"], "alpha_rb must be a cross-entropy"),
+    (["--alpha-fb", "x"], "not a number"),
+    (["--draft-lens", "0"], "not an integer >= 1"),
+    (["--exit-layer", 9], r"--exit-layer must be in \[1, 3\]"),
+    (["--small", "x", "--head", "shared"], "--head chooses the exit head"),
+])
+def test_sweep_bad_input(capsys, tiny_hf_dir, argv, message):
+    rc, _, err = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--prompts", 1, "--max-new-tokens", 2, *argv)
+    assert rc == 2 and "Traceback" not in err
+    assert __import__("re").search(message, err.strip().splitlines()[-1]), err
+
+
+def test_align_command_writes_a_head(capsys, tmp_path, tiny_hf_dir):
+    out = tmp_path / "h.safetensors"
+    rc, stdout, err = cli(capsys, "align", "--model", tiny_hf_dir, "--exit-layer", 2, "--out", out, "--categories",
+                          "summarization", "--prompts", 2, "--max-new-tokens", 5, "--epochs", 2, "--threads", 1)
+    assert rc == 0, err
+    assert out.is_file() and (tmp_path / "h.safetensors.calib.json").is_file() and "agreement" in stdout
+    rc, _, err = cli(capsys, "align", "--model", tiny_hf_dir, "--out", out)
+    assert rc == 2 and "--exit-layer E" in err
+    rc, _, err = cli(capsys, "align", "--model", tiny_hf_dir, "--exit-layer", 2, "--out", tmp_path / "h.bin")
+    assert rc == 2 and ".safetensors" in err

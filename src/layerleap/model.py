@@ -226,9 +226,10 @@ class Transformer(nn.Module):
         """A cache for ``batch`` rows of ``max_len`` slots.  On CPU it is fp32 whatever the weights'
         dtype: CPUs without native bf16 run bf16 attention 4-6x slower than fp32, and the cache is
         small next to the weights.  Pass ``dtype`` to choose."""
-        if dtype is None:
-            dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        return KVCache.for_model(self.config, batch, max_len, dtype, self.device)
+        return KVCache.for_model(self.config, batch, max_len, dtype or self.cache_dtype(), self.device)
+
+    def cache_dtype(self) -> torch.dtype:
+        return torch.float32 if self.device.type == "cpu" else self.dtype
 
     PROJECTIONS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight", "lm_head.weight")
 

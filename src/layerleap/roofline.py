@@ -62,18 +62,9 @@ def measure_bandwidth(dtype: torch.dtype = torch.float32, buffer_mb: float = 256
                      (rows, cols), column_major, repeats)
 
 
-def logical_params(model: Transformer) -> int:
-    """Parameters of the model as trained: a tied LM head counts once, even when the fp32 layout
-    keeps a separate column-major copy of it (``Transformer.n_params`` counts that copy)."""
-    n = model.n_params()
-    if model.config.tie_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
-        n -= model.lm_head.weight.numel()
-    return n
-
-
 def kv_bytes_per_token(model: Transformer) -> int:
     c = model.config
-    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * model.dtype.itemsize
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * model.cache_dtype().itemsize
 
 
 def weight_bytes_per_token(model: Transformer) -> int:

@@ -170,7 +170,7 @@ def _setup_info(p):
 def model_info(model, threads: int, context: int, buffer_mb: int, repeats: int) -> dict:
     c = model.config
     bw = roofline.measure_bandwidth(model.dtype, buffer_mb, repeats, cols=c.hidden_size)
-    params = roofline.logical_params(model)
+    params = model.n_params()
     return {
         "model": c.name, "source": model.source, "model_type": c.model_type, "fingerprint": model.fingerprint,
         "dtype": str(model.dtype).removeprefix("torch."), "threads": threads,

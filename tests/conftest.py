@@ -12,7 +12,15 @@ import torch
 
 # One thread: on a shared 2-core machine two threads mostly wait for a busy core (tiny tests ran
 # 5-25x faster on one).  LAYERLEAP_TEST_THREADS overrides.
-torch.set_num_threads(int(os.environ.get("LAYERLEAP_TEST_THREADS", "1")))
+TEST_THREADS = int(os.environ.get("LAYERLEAP_TEST_THREADS", "1"))
+torch.set_num_threads(TEST_THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The CLI sets torch's thread count in-process; give every test the suite's count back."""
+    yield
+    torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture(scope="session")

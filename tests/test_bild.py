@@ -18,12 +18,6 @@ from layerleap.decoding import GenerationConfig, GenerationError, Run
 from layerleap.methods import bild as bild_mod
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny_pair(seed: int, n_small: int = 2, scale: float = 6.0):

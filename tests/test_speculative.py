@@ -17,12 +17,6 @@ from layerleap.companion import Companion
 from layerleap.decoding import GenerationError, Run
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny_pair(seed: int, vocab: int = 97, scale: float = 6.0, n_draft: int = 2):

@@ -15,6 +15,7 @@ from .errors import LayerleapError
 COMMAND_MODULES = [
     "layerleap.commands.basic",  # generate, info, bench, demo
     "layerleap.commands.bild",  # sweep bild, align
+    "layerleap.commands.skipdecode",  # finetune skipdecode, eval skipdecode / skipdecode-speed
 ]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}

@@ -98,3 +98,45 @@ def score(metric: str, candidates: list[str], references: list[str]) -> float:
 def metric_for(category: str) -> str:
     """The metric a category is scored with (ROUGE-L for categories without a specific one)."""
     return METRIC_FOR.get(category, "rougeL")
+
+
+# -- added for SkipDecode's quality tables (issue 6) ----------------------------------------------------
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences (split after . ! ? and at newlines): ROUGE-Lsum scores newline-separated sentences."""
+    return [s.strip() for s in _SENTENCE_END.split(text.strip()) if s.strip()]
+
+
+def rouge_lsum(candidates: list[str], references: list[str]) -> float:
+    """Mean summary-level ROUGE-Lsum F1 x 100, sentences split by ``split_sentences``."""
+    _pairs(candidates, references)
+    try:
+        from rouge_score import rouge_scorer
+    except ImportError:
+        raise MetricError("ROUGE-Lsum needs the package rouge-score: pip install 'layerleap[eval]'") from None
+    if not candidates:
+        return 0.0
+    scorer = rouge_scorer.RougeScorer(["rougeLsum"], use_stemmer=True)
+    total = 0.0
+    for c, r in zip(candidates, references):
+        c, r = "\n".join(split_sentences(c)), "\n".join(split_sentences(r))
+        total += 100.0 if not c and not r else 100.0 * scorer.score(r, c)["rougeLsum"].fmeasure
+    return total / len(candidates)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        k += 1
+    return k
+
+
+def compare(candidates: list[str], references: list[str]) -> dict:
+    """ROUGE-L, ROUGE-Lsum and BLEU of ``candidates`` against ``references`` in one dict."""
+    return {"rougeL": rouge_l(candidates, references), "rougeLsum": rouge_lsum(candidates, references),
+            "bleu": bleu(candidates, references), "n": len(candidates)}

@@ -154,16 +154,12 @@ def _per_row(run: Run, key: str, values: list) -> None:
 
 
 def _active_layer_stats(run: Run) -> None:
-    """Average active layers per generated token that was fed back (each decode step), per row."""
+    """Average active layers per generated token (the first token's pass, the prompt's last
+    position, counts as generation with all the layers it ran) and the speed-up it implies, per row."""
     d = run.n_layers
-    avgs, ups = [], []
-    for b in range(run.batch):
-        fed = max(0, len(run.out[b]) - 1)  # the last emitted token is never fed back
-        avg = run.layer_evals[b] / fed if fed else float(d)
-        avgs.append(avg)
-        ups.append(d / avg if avg else float("inf"))
+    avgs = [run.layer_evals[b] / len(run.out[b]) if run.out[b] else float(d) for b in range(run.batch)]
     _per_row(run, "avg_active_layers", avgs)
-    _per_row(run, "budget_speedup", ups)
+    _per_row(run, "budget_speedup", [d / a if a else float("inf") for a in avgs])
 
 
 # -- SkipDecode ------------------------------------------------------------------------------------
@@ -227,11 +223,9 @@ def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: i
 
 # -- baselines -------------------------------------------------------------------------------------
 @register("early-exit", batched=True, sampling=True)
-def early_exit(run: Run, *, exit_layer: int | None = None) -> None:
+def early_exit(run: Run, *, exit_layer: int) -> None:
     """Fixed early exit: every token (prompt included) runs layers [0, exit_layer) and is predicted from there."""
     d = run.n_layers
-    if exit_layer is None:
-        raise GenerationError(f"early-exit needs exit_layer=E, the number of layers every token runs (1..{d})")
     if not isinstance(exit_layer, int) or isinstance(exit_layer, bool) or not 1 <= exit_layer <= d:
         raise GenerationError(f"exit_layer must be an integer in [1, {d}], got {exit_layer!r}")
     cache = run.new_cache()

@@ -1,0 +1,358 @@
+"""SkipDecode subcommands: ``finetune skipdecode`` (train with the skipping policy) and ``eval
+skipdecode`` / ``eval skipdecode-speed`` (the docs' Table 4/5 quality tables and the batched
+speed measurement)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .. import evaluation
+from ..bench import machine_config, write_json_atomic
+from ..cli import command
+from ..datasets import spec_bench
+from ..decoding import generate
+from ..errors import LayerleapError
+from ..methods.skipdecode import target_config
+from .basic import (_check_writable, _command_line, _csv, _load, _model_args, _model_line, _positive_int,
+                    _read_prompts, _say, _threads)
+
+TARGETS = (2, 3, 4, 5)
+
+
+def _speedups(text: str) -> list[int]:
+    try:
+        out = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        out = []
+    if not out or any(s not in TARGETS for s in out):
+        raise LayerleapError(f"--targets must be a comma list of {', '.join(map(str, TARGETS))}, got {text!r}")
+    return out
+
+
+# -- finetune -----------------------------------------------------------------------------------------
+@command("finetune", "fine-tune a model for a method (skipdecode: train with the skipping policy on)")
+def _setup_finetune(p):
+    p.add_argument("method", choices=["skipdecode"], help="what to fine-tune for")
+    _model_args(p)
+    p.add_argument("--target-speedup", type=int, choices=TARGETS, default=2,
+                   help="Table 2 configuration (30 layers: 2x 10-20, 3x 7-13, 4x 6-9, 5x 5-7; warm-up 1)")
+    p.add_argument("--min-exit-layer", type=int, default=None, help="override the configuration's minimum")
+    p.add_argument("--max-exit-layer", type=int, default=None, help="override the configuration's maximum")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up layers (default 1)")
+    p.add_argument("--out", required=True, help="the fine-tuned model folder (rerun to resume)")
+    p.add_argument("--steps", type=_positive_int, default=30, help="optimizer steps (default 30: ~4 min on 1 CPU core)")
+    p.add_argument("--batch-size", type=_positive_int, default=4)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--loss", choices=["kd", "ce"], default="kd",
+                   help="kd: match the base model's distribution (default); ce: the paper's cross-entropy on the text")
+    p.add_argument("--policy-prompt", choices=["own", "median"], default="own",
+                   help="where the decay starts: each example's own prompt length (as decoding) or the median (paper)")
+    p.add_argument("--gen-len", type=_positive_int, default=64, help="completion tokens = decay horizon (default 64)")
+    p.add_argument("--max-prompt", type=_positive_int, default=96, help="skip longer prompts (default 96 tokens)")
+    p.add_argument("--examples", type=_positive_int, default=512, help="ShareGPT conversations to read (default 512)")
+    p.add_argument("--save-every", type=_positive_int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+
+
+@_setup_finetune
+def run_finetune(args) -> int:
+    from ..finetune_skipdecode import TrainConfig, finetune
+    if args.lr <= 0:
+        raise LayerleapError(f"--lr must be > 0, got {args.lr}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise LayerleapError(f"--out {out} is a file: give a folder")
+    threads = _threads(args.threads)
+    print(f"$ {_command_line(args)}", flush=True)
+    model = _load(args)
+    teacher = _load(args) if args.loss == "kd" else None
+    cfg = TrainConfig(target_speedup=args.target_speedup, min_exit_layer=args.min_exit_layer,
+                      max_exit_layer=args.max_exit_layer, warmup=args.warmup, steps=args.steps,
+                      batch_size=args.batch_size, lr=args.lr, loss=args.loss, policy_prompt=args.policy_prompt,
+                      gen_len=args.gen_len, max_prompt=args.max_prompt, n_examples=args.examples,
+                      save_every=args.save_every, seed=args.seed)
+    print(_model_line(model, threads), flush=True)
+    res = finetune(model, out, cfg, teacher=teacher, base_name=args.model)
+    c = res.config
+    first = sum(res.losses[:5]) / max(1, len(res.losses[:5]))
+    last = sum(res.losses[-5:]) / max(1, len(res.losses[-5:]))
+    print(f"trained {res.steps_done - res.resumed_from} steps (resumed from {res.resumed_from}) in {res.seconds:.0f} s; "
+          f"policy warm-up {c['warmup']}, exit layers {c['max_exit_layer']} -> {c['min_exit_layer']} over "
+          f"{c['gen_len']} tokens; {c['loss']} loss {first:.3f} (first 5 steps) -> {last:.3f} (last 5)")
+    print(f"wrote {out} (load with layerleap.load({str(out)!r}))")
+    return 0
+
+
+# -- eval ---------------------------------------------------------------------------------------------
+@command("eval", "quality and speed tables of a method (skipdecode: Table 4/5 form; skipdecode-speed: batches)")
+def _setup_eval(p):
+    p.add_argument("what", choices=["skipdecode", "skipdecode-speed"])
+    _model_args(p)
+    p.add_argument("--targets", default="2,3,4,5", help="target speed-ups (default 2,3,4,5)")
+    p.add_argument("--finetuned", action="append", metavar="SPEEDUP=FOLDER", default=[],
+                   help="a model fine-tuned for a target (repeatable)")
+    p.add_argument("--categories", default="summarization,translation")
+    p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many prompts per category first")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--calm-thresholds", default="0.9,0.95,0.98", help="CALM cosine thresholds (quality; none: skip)")
+    p.add_argument("--batch-sizes", default="1,4,16", help="speed: batch sizes (default 1,4,16)")
+    p.add_argument("--repeats", type=_positive_int, default=2, help="speed: interleaved repeats per batch size")
+    p.add_argument("--skip-base", action="store_true", help="quality: only greedy and the --finetuned models "
+                   "(to add fine-tuned rows to an earlier run)")
+    p.add_argument("--json", metavar="OUT.json", default=None)
+    p.add_argument("--table", metavar="OUT.md", default=None)
+    p.add_argument("--plot", metavar="OUT.png", default=None)
+
+
+def _finetuned(items: list[str]) -> dict[int, str]:
+    out = {}
+    for it in items:
+        k, eq, v = it.partition("=")
+        try:
+            s = int(k)
+        except ValueError:
+            s = 0
+        if not eq or s not in TARGETS or not Path(v).is_dir():
+            raise LayerleapError(f"--finetuned {it!r}: write SPEEDUP=FOLDER with SPEEDUP in 2..5 and an existing folder")
+        out[s] = v
+    return out
+
+
+def _quality_rows(model, prompts, refs, label, method, opts, max_new, rows, kind):
+    """Decode ``prompts`` (one batch, or one at a time for CALM) and score against ``refs``."""
+    t = time.perf_counter()
+    res = generate(model, [p.text for p in prompts], method, max_new, chat=True, **opts)
+    texts = [r.text for r in res]
+    avg = sum(r.stats["layers_per_token"] for r in res) / len(res)
+    row = {"label": label, "kind": kind, "method": method, "options": opts, "category": prompts[0].category,
+           "avg_layers": avg, "rougeL": evaluation.rouge_l(texts, refs), "rougeLsum": evaluation.rouge_lsum(texts, refs),
+           "bleu": evaluation.bleu(texts, refs), "tokens": sum(r.stats["new_tokens"] for r in res),
+           "seconds": time.perf_counter() - t, "texts": texts}
+    rows.append(row)
+    _say(f"  {row['category']:<13} {label:<28} layers {avg:5.1f}  ROUGE-L {row['rougeL']:5.1f}  BLEU {row['bleu']:5.1f}  "
+         f"({row['seconds']:.0f} s)")
+    return row
+
+
+def _eval_quality(args, model, threads) -> dict:
+    targets = _speedups(args.targets)
+    fts = _finetuned(args.finetuned)
+    cats = _csv(args.categories) or ["summarization", "translation"]
+    thresholds = [] if args.calm_thresholds.strip().lower() == "none" else [float(x) for x in _csv(args.calm_thresholds)]
+    d = model.config.n_layers
+    by_cat = {c: spec_bench(None, [c], args.prompts, args.offset) for c in cats}
+    rows: list[dict] = []
+    report = {"command": _command_line(args), "machine": machine_config(model), "rows": rows,
+              "n_prompts": {c: len(v) for c, v in by_cat.items()}, "max_new_tokens": args.max_new_tokens}
+    ft_models = {s: _load(argparse.Namespace(model=f, dtype=args.dtype)) for s, f in fts.items()}
+    for c, prompts in by_cat.items():
+        ref = generate(model, [p.text for p in prompts], "greedy", args.max_new_tokens, chat=True)
+        refs = [r.text for r in ref]
+        rows.append({"label": "greedy (base)", "kind": "greedy", "category": c, "avg_layers": float(d), "rougeL": 100.0,
+                     "rougeLsum": 100.0, "bleu": 100.0, "texts": refs, "target": 1})
+        for s in targets:
+            cfg = target_config(d, s)
+            if not args.skip_base:
+                r = _quality_rows(model, prompts, refs, f"skipdecode {s}x", "skipdecode", cfg.options(),
+                                  args.max_new_tokens, rows, "skipdecode")
+                r["target"] = s
+            if s in ft_models:
+                r = _quality_rows(ft_models[s], prompts, refs, f"skipdecode {s}x fine-tuned", "skipdecode",
+                                  cfg.options(), args.max_new_tokens, rows, "skipdecode-ft")
+                r["target"] = s
+            if args.skip_base:
+                continue
+            E = max(1, round(d / s))
+            r = _quality_rows(model, prompts, refs, f"early-exit E={E}", "early-exit", {"exit_layer": E},
+                              args.max_new_tokens, rows, "early-exit")
+            r["target"] = s
+        for th in thresholds:
+            r = _quality_rows(model, prompts, refs, f"calm cos>={th:g}", "calm", {"threshold": th},
+                              args.max_new_tokens, rows, "calm")
+            r["target"] = None
+        if args.json:
+            write_json_atomic(args.json, report)
+    return report
+
+
+def quality_tables(report: dict) -> str:
+    rows = report["rows"]
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    n = report["n_prompts"]
+    out = ["### Table 4 form: SkipDecode, quality against the base model's greedy output\n",
+           "| category | target speed-up | model | avg generated layers | implied speed-up | ROUGE-L | ROUGE-Lsum | BLEU |",
+           "|---|---|---|---|---|---|---|---|"]
+    for c in cats:
+        for r in rows:
+            if r["category"] == c and r["kind"] in ("greedy", "skipdecode", "skipdecode-ft"):
+                model = {"greedy": "base, greedy", "skipdecode": "base", "skipdecode-ft": "fine-tuned"}[r["kind"]]
+                d = rows[0]["avg_layers"]
+                out.append(f"| {c} ({n[c]} prompts) | {r['target']}x | {model} | {r['avg_layers']:.1f} | "
+                           f"{d / r['avg_layers']:.2f} | {r['rougeL']:.1f} | {r['rougeLsum']:.1f} | {r['bleu']:.1f} |")
+    out += ["", "### Table 5 form: SkipDecode against fixed early exit and CALM-style exit (ROUGE-L / BLEU vs greedy)\n",
+            "| category | target | SkipDecode (base) | SkipDecode (fine-tuned) | early-exit (truncation) |",
+            "|---|---|---|---|---|"]
+    for c in cats:
+        targets = sorted({r["target"] for r in rows if r["category"] == c and r["kind"] in ("skipdecode", "skipdecode-ft")})
+        for s in targets:
+            cell = {}
+            for k in ("skipdecode", "skipdecode-ft", "early-exit"):
+                hit = [r for r in rows if r["category"] == c and r["kind"] == k and r["target"] == s]
+                cell[k] = (f"{hit[0]['rougeL']:.1f} / {hit[0]['bleu']:.1f} ({hit[0]['avg_layers']:.1f} layers)"
+                           if hit else "-")
+            out.append(f"| {c} | {s}x | {cell['skipdecode']} | {cell['skipdecode-ft']} | {cell['early-exit']} |")
+    calm = [r for r in rows if r["kind"] == "calm"]
+    if calm:
+        out += ["", "CALM-style per-token exit (batch 1; its average layers is not controlled, it follows the threshold):\n",
+                "| category | threshold | avg generated layers | implied speed-up | ROUGE-L | BLEU |", "|---|---|---|---|---|---|"]
+        for r in calm:
+            d = rows[0]["avg_layers"]
+            out.append(f"| {r['category']} | {r['options']['threshold']} | {r['avg_layers']:.1f} | "
+                       f"{d / r['avg_layers']:.2f} | {r['rougeL']:.1f} | {r['bleu']:.1f} |")
+    return "\n".join(out)
+
+
+def quality_plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = report["rows"]
+    d = rows[0]["avg_layers"]
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    fig, axes = plt.subplots(1, len(cats), figsize=(5.5 * len(cats), 4), squeeze=False)
+    style = {"skipdecode": ("SkipDecode (base)", "o-"), "skipdecode-ft": ("SkipDecode (fine-tuned)", "s-"),
+             "early-exit": ("early exit (truncation)", "^--"), "calm": ("CALM-style (batch 1)", "x:")}
+    for ax, c in zip(axes[0], cats):
+        for k, (name, st) in style.items():
+            pts = sorted((d / r["avg_layers"], r["rougeL"]) for r in rows if r["category"] == c and r["kind"] == k)
+            if pts:
+                ax.plot([1.0] + [x for x, _ in pts], [100.0] + [y for _, y in pts], st, label=name)
+        ax.set_title(f"{c} ({report['n_prompts'][c]} prompts × ≤{report['max_new_tokens']} tokens)")
+        ax.set_xlabel("budget-implied speed-up (layers / avg active layers)")
+        ax.set_ylabel("ROUGE-L vs base greedy output")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _eval_speed(args, model, threads) -> dict:
+    targets = _speedups(args.targets)
+    d = model.config.n_layers
+    sizes = [int(x) for x in _csv(args.batch_sizes)]
+    cats = _csv(args.categories) or None
+    pool = spec_bench(None, cats, None, args.offset)
+    need = max(sizes)
+    if len(pool) < need:
+        raise LayerleapError(f"only {len(pool)} prompts in {cats}: the largest batch needs {need}")
+    step = max(1, len(pool) // need)
+    pool = pool[::step][:need]
+    labels = ["greedy"] + [f"skipdecode {s}x" for s in targets]
+    opts = {"greedy": ("greedy", {})}
+    for s in targets:
+        opts[f"skipdecode {s}x"] = ("skipdecode", target_config(d, s).options())
+    runs: list[dict] = []
+    report = {"command": _command_line(args), "machine": machine_config(model), "runs": runs,
+              "max_new_tokens": args.max_new_tokens, "prompts": [p.id for p in pool]}
+    generate(model, pool[0].text, "greedy", 8, chat=True)  # warm-up
+    for B in sizes:
+        groups = [pool[i:i + B] for i in range(0, need, B)][: max(1, 4 // B) if B < 4 else 1]
+        if B == 1:
+            groups = [[p] for p in pool[:4]]
+        for rep in range(args.repeats):
+            for g in groups:
+                for lab in labels:  # interleaved: every method on the same batch back to back
+                    m, o = opts[lab]
+                    res = generate(model, [p.text for p in g], m, args.max_new_tokens, chat=True, stop_at_eos=False, **o)
+                    s0 = res[0].stats
+                    runs.append({"batch": B, "repeat": rep, "label": lab, "wall_s": s0["wall_s"],
+                                 "decode_s": s0["wall_s"] - s0["ttft_s"], "tokens": sum(r.stats["new_tokens"] for r in res),
+                                 "avg_layers": sum(r.stats["layers_per_token"] for r in res) / len(res)})
+            _say(f"  batch {B} repeat {rep + 1}/{args.repeats} done")
+        if args.json:
+            write_json_atomic(args.json, report)
+    summary = []
+    for B in sizes:
+        rb = [r for r in runs if r["batch"] == B]
+        g = [r for r in rb if r["label"] == "greedy"]
+        for lab in labels[1:]:
+            rs = [r for r in rb if r["label"] == lab]
+            avg = sum(r["avg_layers"] for r in rs) / len(rs)
+            implied = d / avg
+            sp_dec = sum(r["decode_s"] for r in g) / sum(r["decode_s"] for r in rs)
+            sp_all = sum(r["wall_s"] for r in g) / sum(r["wall_s"] for r in rs)
+            summary.append({"batch": B, "label": lab, "avg_layers": avg, "implied": implied, "speedup_decode": sp_dec,
+                            "speedup_total": sp_all, "fraction": sp_dec / implied, "runs": len(rs),
+                            "tokens": sum(r["tokens"] for r in rs), "greedy_ms_per_step": 1e3 * sum(r["decode_s"] for r in g) / sum(r["tokens"] / B - 1 for r in g)})
+    report["summary"] = summary
+    if args.json:
+        write_json_atomic(args.json, report)
+    return report
+
+
+def speed_table(report: dict) -> str:
+    out = ["| batch | setting | avg active layers | implied speed-up (d/avg) | measured decode speed-up | measured / implied | "
+           "total speed-up (with prefill) | greedy ms per step | runs × tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in report["summary"]:
+        out.append(f"| {s['batch']} | {s['label']} | {s['avg_layers']:.2f} | {s['implied']:.2f} | {s['speedup_decode']:.2f} | "
+                   f"{100 * s['fraction']:.0f}% | {s['speedup_total']:.2f} | {s['greedy_ms_per_step']:.0f} | "
+                   f"{s['runs']} runs, {s['tokens']} tokens |")
+    return "\n".join(out)
+
+
+def speed_plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for B in sorted({s["batch"] for s in report["summary"]}):
+        pts = [s for s in report["summary"] if s["batch"] == B]
+        ax.plot([s["implied"] for s in pts], [s["speedup_decode"] for s in pts], "o-", label=f"batch {B}")
+    lim = max(s["implied"] for s in report["summary"]) + 0.3
+    ax.plot([1, lim], [1, lim], "k:", label="= budget-implied")
+    ax.plot([1, lim], [0.8, 0.8 * lim], "k--", alpha=0.4, label="80% of implied")
+    ax.set_xlabel("budget-implied speed-up (layers / avg active layers)")
+    ax.set_ylabel("measured decode speed-up vs greedy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"SkipDecode wall clock, {report['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@_setup_eval
+def run_eval(args) -> int:
+    _speedups(args.targets)
+    for path in (args.json, args.table, args.plot):
+        _check_writable(path)
+    print(f"$ {_command_line(args)}", flush=True)
+    threads = _threads(args.threads)
+    model = _load(args)
+    print(_model_line(model, threads), flush=True)
+    if args.what == "skipdecode":
+        report = _eval_quality(args, model, threads)
+        text = quality_tables(report)
+        plot = quality_plot
+    else:
+        report = _eval_speed(args, model, threads)
+        text = speed_table(report)
+        plot = speed_plot
+    print(text)
+    if args.table:
+        Path(args.table).write_text(f"`{_command_line(args)}`\n\n{_model_line(model, threads)}\n\n{text}\n")
+        print(f"wrote {args.table}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        write_json_atomic(args.json, report)
+        print(f"wrote {args.json}")
+    return 0

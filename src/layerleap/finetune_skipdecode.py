@@ -1,0 +1,356 @@
+"""Fine-tuning for SkipDecode: train the model with the skipping policy switched on (the paper's §3.1).
+
+Training runs the same policy as ``generate(method="skipdecode")``: every prompt position runs all
+layers; the token at generated position ``n`` runs the ``warmup`` bottom layers and the top
+``b(n) - warmup`` layers.  Because budgets never rise, the positions that run a layer form a prefix
+of the sequence, so one layer is applied to the prefix ``h[:, :n_l]`` with causal attention and the
+other positions carry their hidden state through unchanged -- exactly what decoding with the KV
+cache computes (tested: ``skip_logits`` equals the decoder's logits).
+
+Loss (``loss="kd"``, default): KL(base model ‖ skipping model) on the completion positions, the base
+model being the frozen full-depth copy.  Quality is measured against the base model's greedy output,
+so matching its distribution is the direct target; ``loss="ce"`` is the paper's cross-entropy on the
+reference completion (ShareGPT's answer here).  The embedding/LM head (tied) and the final norm
+stay frozen; the decoder blocks train.
+
+``policy_prompt``: ``"own"`` starts the decay at each example's own prompt length (what decoding
+does); ``"median"`` uses the median prompt length for every example (the paper's choice).
+
+State (model folder plus optimiser and position) is written atomically every ``save_every`` steps;
+running again with the same ``out`` resumes from it.  Deterministic for a seed (data order,
+initial state), up to float reduction order across thread counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import LayerleapError
+from .methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
+from .model import Transformer
+
+STATE_JSON = "skipdecode_train.json"
+OPT_FILE = "train_state/optimizer.safetensors"  # a subfolder: the loader reads every *.safetensors beside config.json
+WEIGHTS = "model.safetensors"
+
+
+class FinetuneError(LayerleapError, ValueError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    target_speedup: float = 2.0
+    min_exit_layer: int | None = None  # None: Table 2's configuration for target_speedup
+    max_exit_layer: int | None = None
+    warmup: int | None = None
+    steps: int = 30
+    batch_size: int = 4
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    lr_warmup_steps: int = 3
+    gen_len: int = 64  # completion tokens per example = the decay horizon (generate's max_new_tokens)
+    max_prompt: int = 96  # longer prompts are skipped
+    loss: str = "kd"
+    policy_prompt: str = "own"
+    seed: int = 0
+    n_examples: int = 512  # ShareGPT conversations read
+    save_every: int = 10
+    grad_clip: float = 1.0
+
+    def resolve(self, n_layers: int) -> "TrainConfig":
+        cfg = target_config(n_layers, self.target_speedup)
+        out = TrainConfig(**asdict(self))
+        out.min_exit_layer = cfg.min_exit_layer if self.min_exit_layer is None else self.min_exit_layer
+        out.max_exit_layer = cfg.max_exit_layer if self.max_exit_layer is None else self.max_exit_layer
+        out.warmup = cfg.warmup if self.warmup is None else self.warmup
+        try:
+            check_budget_range(n_layers, out.min_exit_layer, out.max_exit_layer, out.warmup)
+        except LayerleapError as e:
+            raise FinetuneError(str(e)) from None
+        if out.loss not in ("kd", "ce"):
+            raise FinetuneError(f"unknown loss {out.loss!r}: choose kd (match the base model) or ce (reference text)")
+        if out.policy_prompt not in ("own", "median"):
+            raise FinetuneError(f"unknown policy_prompt {out.policy_prompt!r}: choose own or median")
+        for k in ("steps", "batch_size", "gen_len", "max_prompt", "save_every", "n_examples"):
+            if getattr(out, k) <= 0:
+                raise FinetuneError(f"{k} must be positive, got {getattr(out, k)}")
+        if out.lr <= 0:
+            raise FinetuneError(f"lr must be > 0, got {out.lr}")
+        return out
+
+
+# -- the skipping forward pass -------------------------------------------------------------------
+def position_budgets(n_layers: int, length: int, prompt_len: int, cfg: TrainConfig) -> list[int]:
+    """Layers run at each position of a sequence: all for the prompt, the decaying budget after."""
+    return [n_layers if t < prompt_len else
+            budget_at(t - prompt_len, cfg.gen_len, cfg.min_exit_layer, cfg.max_exit_layer) for t in range(length)]
+
+
+def active_mask(n_layers: int, budgets: torch.Tensor, warmup: int) -> torch.Tensor:
+    """``budgets`` ``[B, T]`` -> bool ``[n_layers, B, T]``: which positions run which layer."""
+    act = torch.zeros(n_layers, *budgets.shape, dtype=torch.bool)
+    for b in range(budgets.shape[0]):
+        for t, bud in enumerate(budgets[b].tolist()):
+            for s, e in layer_ranges(n_layers, int(bud), warmup):
+                act[s:e, b, t] = True
+    return act
+
+
+def skip_hidden(model: Transformer, ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Final hidden states ``[B, T, D]`` with layer ``l`` applied only where ``active[l]``.  The active
+    positions of a layer must be a prefix of each row (monotone budgets)."""
+    B, T = ids.shape
+    h = model.embed(ids)
+    pos = torch.arange(T, device=ids.device).unsqueeze(0).expand(B, -1)
+    cos, sin = model._rope(pos, h.dtype)
+    for layer, blk in enumerate(model.layers):
+        act = active[layer].to(h.device)
+        cols = act.any(0).nonzero()
+        if len(cols) == 0:
+            continue
+        n = int(cols.max()) + 1
+        out = blk(h[:, :n], cos[:, :n], sin[:, :n], layer, None, None)  # causal attention over the prefix
+        h = torch.cat([torch.where(act[:, :n, None], out, h[:, :n]), h[:, n:]], 1)
+    return h
+
+
+def skip_logits(model: Transformer, ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    return model.logits(skip_hidden(model, ids, active))
+
+
+# -- data ----------------------------------------------------------------------------------------
+def sharegpt_examples(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids with the chat template, completion ids) from the first human/gpt turns of ShareGPT."""
+    from .datasets import sharegpt_conversations
+    out = []
+    for conv in sharegpt_conversations(limit=None):
+        if len(out) >= n:
+            break
+        if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
+            continue
+        q, a = (conv[0].get("value") or "").strip(), (conv[1].get("value") or "").strip()
+        if not q or not a:
+            continue
+        p = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+        if isinstance(p, dict) or hasattr(p, "input_ids"):
+            p = p["input_ids"]
+        if len(p) > max_prompt:
+            continue
+        c = tokenizer(a, add_special_tokens=False)["input_ids"][:gen_len]
+        if len(c) < 4:
+            continue
+        out.append(([int(i) for i in p], [int(i) for i in c]))
+    if not out:
+        raise FinetuneError("no usable ShareGPT examples (prompt too long for --max-prompt?)")
+    return out
+
+
+def make_batch(examples, idx: list[int], n_layers: int, cfg: TrainConfig, median: int, pad_id: int):
+    """Right-padded ids ``[B, T]``, active mask, and the (row, position) pairs that carry a loss with their
+    target ids."""
+    seqs = [examples[i][0] + examples[i][1] for i in idx]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
+    budgets = torch.full((len(idx), T), n_layers, dtype=torch.long)
+    rows, cols, tgt = [], [], []
+    for r, i in enumerate(idx):
+        p, c = examples[i]
+        s = p + c
+        ids[r, :len(s)] = torch.tensor(s)
+        start = len(p) if cfg.policy_prompt == "own" else median
+        budgets[r] = torch.tensor(position_budgets(n_layers, T, start, cfg))
+        for t in range(len(p) - 1, len(s) - 1):  # position t predicts token t+1 of the completion
+            rows.append(r)
+            cols.append(t)
+            tgt.append(s[t + 1])
+    return ids, budgets, torch.tensor(rows), torch.tensor(cols), torch.tensor(tgt)
+
+
+# -- saving --------------------------------------------------------------------------------------
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_model(model: Transformer, folder: Path, meta: dict | None = None) -> None:
+    """A Hugging Face folder loadable by ``layerleap.load(folder)``: config.json, safetensors weights,
+    the tokenizer; each file written atomically."""
+    from safetensors.torch import save_file
+    from .loading import ours_to_hf
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().clone().contiguous() for k, v in ours_to_hf(model).items()}  # fused q/k/v share storage
+    _atomic_write(folder / WEIGHTS, lambda p: save_file(sd, str(p), metadata={"format": "pt", **(meta or {})}))
+    _atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(model.config.to_hf(), indent=1)))
+    if model.tokenizer is not None and not (folder / "tokenizer_config.json").is_file():
+        tmp = folder / f".tok.tmp{os.getpid()}"
+        model.tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            os.replace(f, folder / f.name)
+        tmp.rmdir()
+
+
+def _save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    from safetensors.torch import save_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sd = opt.state_dict()
+    tensors = {f"{i}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous()
+               for i, st in sd["state"].items() for k, v in st.items()}
+    groups = json.dumps([{k: v for k, v in g.items()} for g in sd["param_groups"]])
+    _atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"param_groups": groups}))
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        groups = json.loads(f.metadata()["param_groups"])
+        state: dict = {}
+        for key in f.keys():
+            i, k = key.split(".", 1)
+            state.setdefault(int(i), {})[k] = f.get_tensor(key)
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- training ------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    out: str
+    steps_done: int
+    resumed_from: int
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    config: dict = field(default_factory=dict)
+
+
+def _trainable(model: Transformer) -> list[torch.nn.Parameter]:
+    model.requires_grad_(False)
+    params = [p for blk in model.layers for p in blk.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=None, teacher: Transformer | None = None,
+             progress: bool = True, base_name: str | None = None) -> TrainResult:
+    """Train ``model`` in place with the skipping policy; write the model folder ``out`` (resuming from
+    the state there when its configuration matches)."""
+    out = Path(out)
+    d = model.config.n_layers
+    cfg = cfg.resolve(d)
+    if out.exists() and not out.is_dir():
+        raise FinetuneError(f"{out} is a file: give a folder for the fine-tuned model")
+    state_file = out / STATE_JSON
+    start_step, losses = 0, []
+    if state_file.is_file():
+        st = json.loads(state_file.read_text())
+        free = ("steps", "save_every")  # a run may be extended or saved more often
+        diff = sorted(k for k in set(st["config"]) | set(asdict(cfg))
+                      if k not in free and st["config"].get(k) != asdict(cfg).get(k))
+        if diff:
+            raise FinetuneError(f"{out} holds a run with other settings ({', '.join(diff)}): use another --out "
+                                "or the same settings to resume")
+        if st["step"] >= cfg.steps:
+            raise FinetuneError(f"{out} already finished {st['step']} steps: raise --steps to continue, or use "
+                                "another --out")
+        from .loading import _read_safetensors, hf_to_ours
+        sd = hf_to_ours(_read_safetensors(out), model.config)
+        with torch.no_grad():
+            own = model.state_dict()
+            for k, v in sd.items():
+                own[k].copy_(v)
+        start_step, losses = int(st["step"]), list(st["losses"])
+    if cfg.loss == "kd" and teacher is None:
+        raise FinetuneError("loss kd needs the base model as teacher")
+    tok = model.tokenizer
+    if examples is None:
+        if tok is None:
+            raise FinetuneError("the model has no tokenizer: pass examples (prompt ids, completion ids)")
+        examples = sharegpt_examples(tok, cfg.n_examples, cfg.max_prompt, cfg.gen_len)
+    examples = [(list(p), list(c)[:cfg.gen_len]) for p, c in examples]
+    median = int(statistics.median(len(p) for p, _ in examples))
+    pad_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
+
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    order: list[int] = []
+    while len(order) < cfg.steps * cfg.batch_size:
+        perm = list(range(len(examples)))
+        rng.shuffle(perm)
+        order += perm
+
+    params = _trainable(model)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if start_step and (out / OPT_FILE).is_file():
+        _load_optimizer(opt, out / OPT_FILE)
+
+    def lr_at(step):
+        if step < cfg.lr_warmup_steps:
+            return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+        return cfg.lr  # constant after warm-up: extending a run (more --steps) continues the same schedule
+
+    def save(step):
+        meta = {"skipdecode": json.dumps({**asdict(cfg), "step": step})}
+        save_model(model, out, meta)
+        _save_optimizer(opt, out / OPT_FILE)
+        st = {"config": asdict(cfg), "step": step, "losses": losses, "base": base_name,
+              "median_prompt": median, "n_examples": len(examples)}
+        _atomic_write(state_file, lambda p: p.write_text(json.dumps(st, indent=1)))
+
+    from tqdm import tqdm
+    t0 = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=start_step, desc=f"finetune skipdecode {cfg.target_speedup:g}x",
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    model.train()
+    try:
+        for step in range(start_step, cfg.steps):
+            idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+            ids, budgets, rows, cols, tgt = make_batch(examples, idx, d, cfg, median, pad_id)
+            active = active_mask(d, budgets, cfg.warmup)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            with torch.enable_grad():
+                h = skip_hidden(model, ids, active)[rows, cols]  # [N, D] at the loss positions
+                logits = model.logits(h.unsqueeze(0))[0]
+                if cfg.loss == "ce":
+                    loss = F.cross_entropy(logits, tgt)
+                else:
+                    with torch.no_grad():
+                        full = torch.ones(d, *ids.shape, dtype=torch.bool)
+                        th = skip_hidden(teacher, ids, full)[rows, cols]
+                        tlogp = F.log_softmax(teacher.logits(th.unsqueeze(0))[0], -1)
+                    loss = F.kl_div(F.log_softmax(logits, -1), tlogp, log_target=True, reduction="batchmean")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                opt.step()
+            losses.append(float(loss.detach()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                save(step + 1)
+    finally:
+        bar.close()
+        model.eval()
+        model.requires_grad_(False)
+    return TrainResult(str(out), cfg.steps, start_step, losses, time.perf_counter() - t0, asdict(cfg))
+
+
+__all__ = ["TrainConfig", "TrainResult", "finetune", "skip_hidden", "skip_logits", "active_mask", "position_budgets",
+           "save_model", "sharegpt_examples", "FinetuneError"]

@@ -260,3 +260,15 @@ def test_demo_on_tiny_model(capsys, tiny_hf_dir):
     assert rc == 0
     assert "greedy: " in out and "sample: " in out  # the side-by-side columns
     assert "transformers" in out and "demo finished" in out
+
+
+def test_command_groups_and_duplicate_names(capsys):
+    from layerleap import cli
+    parser = cli.build_parser()
+    args = parser.parse_args(["eval", "skipdecode-speed", "--targets", "2"])
+    assert (args._name, args.what) == ("eval skipdecode-speed", "skipdecode-speed")
+    with pytest.raises(SystemExit) as e:  # a group needs a member
+        parser.parse_args(["sweep"])
+    assert e.value.code == 2
+    with pytest.raises(RuntimeError, match="registered twice"):
+        cli.command("sweep bild", help="again")(lambda p: None)(lambda a: 0)

@@ -1,6 +1,10 @@
 """The ``layerleap`` command line.  Each subcommand lives in its own module and registers itself
 with ``@command``; ``main`` turns a ``LayerleapError`` (or bad arguments) into a one-line message
-and exit code 2, never a traceback."""
+and exit code 2, never a traceback.
+
+A name with a space is a member of a group: ``@command("train heads", ...)`` and
+``@command("train transfer", ...)`` in two modules make ``layerleap train heads|transfer``; the
+member's name reaches its ``run`` as ``args.what``.  Registering one name twice is an error."""
 
 from __future__ import annotations
 
@@ -19,13 +23,24 @@ COMMAND_MODULES = [
 ]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+GROUP_HELP = {  # the group commands' own help lines
+    "train": "train extra weights for a method (the backbone stays frozen)",
+    "finetune": "fine-tune a model's own weights for a method",
+    "eval": "quality and speed tables of a method",
+    "sweep": "sweep a method's thresholds: quality against latency",
+    "theory": "a method's theory: formulas, simulation and trade-off plots",
+}
 
 
-def command(name: str, help: str):
-    """Register ``setup(parser)`` for subcommand ``name``; the decorated function is ``run(args) -> int``."""
+def command(*names: str, help: str):
+    """Register ``setup(parser)`` for each subcommand in ``names`` ("generate", or "group member");
+    the decorated function is ``run(args) -> int``."""
     def deco(setup: Callable):
         def with_run(run: Callable):
-            _COMMANDS[name] = (help, setup, run)
+            for name in names:
+                if name in _COMMANDS:
+                    raise RuntimeError(f"layerleap command {name!r} is registered twice")
+                _COMMANDS[name] = (help, setup, run)
             return run
         return with_run
     return deco
@@ -43,10 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(mod)
     parser = _Parser(prog="layerleap", description="Faster decoding from intermediate layers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    groups: dict[str, argparse._SubParsersAction] = {}
     for name, (help_, setup, run) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        group, _, member = name.partition(" ")
+        if member:
+            if group not in groups:
+                gp = sub.add_parser(group, help=GROUP_HELP.get(group, group), description=GROUP_HELP.get(group))
+                groups[group] = gp.add_subparsers(dest="what", required=True, parser_class=_Parser)
+            p = groups[group].add_parser(member, help=help_, description=help_)
+        else:
+            p = sub.add_parser(name, help=help_, description=help_)
         setup(p)
-        p.set_defaults(_run=run)
+        p.set_defaults(_run=run, _name=name)
     return parser
 
 
@@ -57,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except LayerleapError as e:
-        print(f"layerleap {args.command}: error: {e}", file=sys.stderr)
+        print(f"layerleap {args._name}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"layerleap {args.command}: interrupted", file=sys.stderr)
+        print(f"layerleap {args._name}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -116,7 +116,7 @@ def _model_line(model, threads: int) -> str:
 
 
 # -- generate ---------------------------------------------------------------------------------------
-@command("generate", "generate text from a prompt with one decoding method")
+@command("generate", help="generate text from a prompt with one decoding method")
 def _setup_generate(p):
     _model_args(p)
     p.add_argument("--method", default="greedy", help=f"decoding method: {', '.join(METHODS)} (default greedy)")
@@ -157,7 +157,7 @@ def run_generate(args) -> int:
 
 
 # -- info -------------------------------------------------------------------------------------------
-@command("info", "model facts, measured memory bandwidth and the decoding roofline")
+@command("info", help="model facts, measured memory bandwidth and the decoding roofline")
 def _setup_info(p):
     _model_args(p)
     p.add_argument("--context", type=_positive_int, default=512,
@@ -224,7 +224,7 @@ def run_info(args) -> int:
 
 
 # -- bench ------------------------------------------------------------------------------------------
-@command("bench", "time methods against greedy and transformers on Spec-Bench prompts")
+@command("bench", help="time methods against greedy and transformers on Spec-Bench prompts")
 def _setup_bench(p):
     _model_args(p)
     p.add_argument("--methods", default=None, help="comma-separated METHOD or LABEL=METHOD (default: every "
@@ -281,7 +281,7 @@ def _finish(result: bench.BenchResult, out: str | None) -> int:
 
 
 # -- demo -------------------------------------------------------------------------------------------
-@command("demo", "side-by-side generation and a small benchmark on the embedded model")
+@command("demo", help="side-by-side generation and a small benchmark on the embedded model")
 def _setup_demo(p):
     _model_args(p)
     p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt of the side-by-side generation")

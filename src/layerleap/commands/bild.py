@@ -103,9 +103,8 @@ def _device_name(model) -> str:
 
 
 # -- sweep ------------------------------------------------------------------------------------------
-@command("sweep", "sweep a method's thresholds: quality against latency (bild: the paper's Figures 4/9, Table 1)")
+@command("sweep bild", help="BiLD over (alpha_fb, alpha_rb): quality against latency, the paper's Figures 4/9 and Table 1")
 def _setup_sweep(p):
-    p.add_argument("method", choices=["bild"], help="the method to sweep")
     _model_args(p)
     _device_args(p)
     _form_args(p)
@@ -189,7 +188,7 @@ def run_sweep(args) -> int:
 
 
 # -- align ------------------------------------------------------------------------------------------
-@command("align", "BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs")
+@command("align", help="BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs")
 def _setup_align(p):
     _model_args(p)
     _device_args(p)

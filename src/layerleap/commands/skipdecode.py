@@ -35,9 +35,8 @@ def _speedups(text: str) -> list[int]:
 
 
 # -- finetune -----------------------------------------------------------------------------------------
-@command("finetune", "fine-tune a model for a method (skipdecode: train with the skipping policy on)")
+@command("finetune skipdecode", help="fine-tune the model with the SkipDecode skipping policy on (Table 2 configurations)")
 def _setup_finetune(p):
-    p.add_argument("method", choices=["skipdecode"], help="what to fine-tune for")
     _model_args(p)
     p.add_argument("--target-speedup", type=int, choices=TARGETS, default=2,
                    help="Table 2 configuration (30 layers: 2x 10-20, 3x 7-13, 4x 6-9, 5x 5-7; warm-up 1)")
@@ -89,9 +88,8 @@ def run_finetune(args) -> int:
 
 
 # -- eval ---------------------------------------------------------------------------------------------
-@command("eval", "quality and speed tables of a method (skipdecode: Table 4/5 form; skipdecode-speed: batches)")
+@command("eval skipdecode", "eval skipdecode-speed", help="SkipDecode tables: quality (skipdecode, Table 4/5 form) or wall-clock speed-up by batch size (skipdecode-speed)")
 def _setup_eval(p):
-    p.add_argument("what", choices=["skipdecode", "skipdecode-speed"])
     _model_args(p)
     p.add_argument("--targets", default="2,3,4,5", help="target speed-ups (default 2,3,4,5)")
     p.add_argument("--finetuned", action="append", metavar="SPEEDUP=FOLDER", default=[],

@@ -1,0 +1,207 @@
+"""Exit heads: next-token logits from the hidden state after layer ``layer`` (PPD §4.3's early
+prediction, BiLD's early-exit small model, the self-speculative drafter).
+
+Three kinds behind one interface, ``head(h [B, S, D]) -> logits [B, S, V]``:
+
+- ``shared`` (PPD's "N"): the model's own final norm and unembedding on the intermediate state;
+- ``lens`` (a trained "tuned lens"): an affine ``D x D`` map in front of the frozen final norm and
+  unembedding, initialised to the identity, so an untrained lens is the shared head;
+- ``full`` (PPD's "Y"): a trainable RMSNorm and ``V x D`` unembedding, initialised from the model's.
+
+Trained heads are saved as one safetensors file per set of layers with the model's fingerprint in
+its metadata; loading into another model is refused.  Heads for the embedded default ship in
+``layerleap/data/heads/`` and are found by fingerprint (``get_head(model, layer, "trained")``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import LayerleapError
+from .model import RMSNorm, Transformer
+
+FORMAT = "layerleap-exit-heads-v1"
+KINDS = ("shared", "lens", "full")
+SHIPPED_DIR = Path(__file__).parent / "data" / "heads"
+
+
+class HeadError(LayerleapError, ValueError):
+    """A head that cannot be made or loaded: the message names the problem and the fix."""
+
+
+class ExitHead(nn.Module):
+    """``h [B, S, D]`` after layer ``layer`` -> logits ``[B, S, V]``."""
+
+    kind = "shared"
+
+    def __init__(self, model: Transformer, layer: int):
+        super().__init__()
+        _check_layer(model, layer)
+        self.layer = layer
+        self._model = [model]  # a list: the backbone is neither a submodule nor saved with the head
+
+    @property
+    def model(self) -> Transformer:
+        return self._model[0]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h)
+
+
+class LensHead(ExitHead):
+    """``unembed(final_norm(h + h W^T + b))`` with ``W, b`` trained (zero at start: the shared head)."""
+
+    kind = "lens"
+
+    def __init__(self, model: Transformer, layer: int):
+        super().__init__(model, layer)
+        D = model.config.hidden_size
+        self.proj = nn.Linear(D, D, bias=True)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h32 = h.to(self.proj.weight.dtype)
+        return self.model.logits((h32 + self.proj(h32)).to(h.dtype))
+
+
+class FullHead(ExitHead):
+    """A trainable RMSNorm and ``V x D`` unembedding, initialised from the model's final ones."""
+
+    kind = "full"
+
+    def __init__(self, model: Transformer, layer: int):
+        super().__init__(model, layer)
+        c = model.config
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        with torch.no_grad():
+            self.norm.weight.copy_(model.norm.weight.float())
+            self.lm_head.weight.copy_(model.lm_head.weight.float())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h.to(self.lm_head.weight.dtype)))
+
+
+_CLASSES = {"shared": ExitHead, "lens": LensHead, "full": FullHead}
+
+
+def _check_layer(model: Transformer, layer: int) -> None:
+    n = model.config.n_layers
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= n:
+        raise HeadError(f"an exit head's layer must be an integer in [1, {n}] (the number of layers run), got {layer!r}")
+
+
+def new_head(model: Transformer, layer: int, kind: str = "lens") -> ExitHead:
+    if kind not in _CLASSES:
+        raise HeadError(f"unknown head kind {kind!r}: choose one of {', '.join(KINDS)}")
+    return _CLASSES[kind](model, layer).to(model.device)
+
+
+# -- files ----------------------------------------------------------------------------------------
+def save_heads(heads: list[ExitHead], path, meta: dict | None = None) -> Path:
+    """Write trained heads (one model, distinct layers) to one safetensors file, atomically."""
+    from safetensors.torch import save_file
+    if not heads:
+        raise HeadError("no heads to save")
+    model = heads[0].model
+    layers = [h.layer for h in heads]
+    if len(set(layers)) != len(layers) or any(h.model is not model for h in heads):
+        raise HeadError("save_heads takes heads of one model at distinct layers")
+    tensors = {f"layer{h.layer}.{k}": v.detach().float().contiguous().cpu()
+               for h in heads for k, v in h.state_dict().items()}
+    metadata = {"format": FORMAT, "fingerprint": model.fingerprint, "model": model.config.name,
+                "layers": ",".join(map(str, layers)), "kinds": ",".join(h.kind for h in heads)}
+    metadata.update({k: str(v) for k, v in (meta or {}).items()})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_meta(path) -> dict:
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # a truncated or foreign file
+        raise HeadError(f"cannot read exit heads {path}: {e}; train them again with `layerleap train heads`") from None
+
+
+def load_heads(model: Transformer, path) -> dict[int, ExitHead]:
+    """Heads from a file written by ``save_heads``, by layer; refuses a file made for another model."""
+    from safetensors import safe_open
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise HeadError(f"no such exit heads file {str(path)!r}: give a file written by `layerleap train heads`")
+    meta = read_meta(p)
+    if meta.get("format") != FORMAT:
+        raise HeadError(f"{p} is not an exit heads file (format {meta.get('format')!r}): write one with "
+                        "`layerleap train heads`")
+    if meta.get("fingerprint") != model.fingerprint:
+        raise HeadError(f"exit heads {p} were trained for another model (fingerprint {meta.get('fingerprint')}, "
+                        f"{meta.get('model')}; this model {model.fingerprint}): train heads for this model")
+    layers = [int(x) for x in meta["layers"].split(",")]
+    kinds = meta["kinds"].split(",")
+    out = {}
+    with safe_open(str(p), "pt") as f:
+        for layer, kind in zip(layers, kinds):
+            head = new_head(model, layer, kind)
+            prefix = f"layer{layer}."
+            state = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+            try:
+                head.load_state_dict(state)
+            except RuntimeError as e:
+                raise HeadError(f"exit heads {p} do not fit this model at layer {layer}: {e}") from None
+            out[layer] = head.eval().requires_grad_(False).to(model.device)
+    return out
+
+
+def shipped_files(model: Transformer) -> list[Path]:
+    """The shipped heads files made for this model (matched by fingerprint)."""
+    if not SHIPPED_DIR.is_dir():
+        return []
+    return sorted(p for p in SHIPPED_DIR.glob("*.safetensors") if read_meta(p).get("fingerprint") == model.fingerprint)
+
+
+def trained_layers(model: Transformer) -> list[int]:
+    """Layers with a shipped trained head for this model."""
+    return sorted({int(x) for p in shipped_files(model) for x in read_meta(p)["layers"].split(",")})
+
+
+def get_head(model: Transformer, layer: int, head="auto") -> ExitHead:
+    """The exit head for ``layer``.  ``head``: "shared"; "trained" (a shipped head for this model and
+    layer); "auto" (trained if shipped, else shared); a path to a heads file; or an ``ExitHead``."""
+    if isinstance(head, ExitHead):
+        if head.layer != layer or head.model is not model:
+            raise HeadError(f"the given head is for layer {head.layer} of another model or layer: pass one for layer {layer}")
+        return head
+    _check_layer(model, layer)
+    if head == "shared":
+        return new_head(model, layer, "shared")
+    if head in ("trained", "auto"):
+        for p in shipped_files(model):
+            heads = load_heads(model, p)
+            if layer in heads:
+                return heads[layer]
+        if head == "auto":
+            return new_head(model, layer, "shared")
+        have = trained_layers(model)
+        raise HeadError(f"no shipped trained head for layer {layer} of {model.config.name}"
+                        + (f" (shipped layers: {', '.join(map(str, have))})" if have else " (none ship for this model)")
+                        + ": use head='shared', or train one with `layerleap train heads` and pass its file")
+    if isinstance(head, (str, Path)):
+        heads = load_heads(model, head)
+        if layer not in heads:
+            raise HeadError(f"{head} has heads for layers {', '.join(map(str, sorted(heads)))}, not {layer}")
+        return heads[layer]
+    raise HeadError(f"head must be 'shared', 'trained', 'auto', a heads file or an ExitHead, got {head!r}")

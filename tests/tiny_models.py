@@ -50,7 +50,7 @@ def random_model(name_or_overrides="llama-gqa-tied", seed: int = 0, scale: float
 
 def full_logits(model: Transformer, ids) -> torch.Tensor:
     """Logits ``[S, V]`` of one plain causal no-cache forward of a 1-D id sequence."""
-    ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+    ids = torch.as_tensor(ids, dtype=torch.long, device=model.device).reshape(1, -1)
     with torch.inference_mode():
         return model(ids)[0]
 

@@ -1,0 +1,68 @@
+"""Every method that claims exactness, in the settings where it claims it, against one reference:
+a naive greedy loop (full no-cache forward per token).  One table, parametrized over methods, tiny
+random configs and prompts (minbpe's habit); a new lossless method adds a row to EXACT.
+
+``LAYERLEAP_TEST_DEVICE=cuda`` runs the same cases on a GPU (benchmarks/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tiny_models import CONFIGS, naive_greedy, random_model
+
+from layerleap import generate
+
+DEVICE = os.environ.get("LAYERLEAP_TEST_DEVICE", "cpu")
+
+# method -> [(label, options(model, other) -> dict)]; ``other`` is a second random model with the
+# same vocabulary (a draft / small model).  Each setting must give the greedy tokens exactly.
+EXACT = {
+    "greedy": [("", lambda m, o: {})],
+    "speculative": [("gamma1", lambda m, o: {"draft": o, "draft_len": 1}),
+                    ("gamma4", lambda m, o: {"draft": o, "draft_len": 4})],
+    "bild": [("two-model rb<=ln2", lambda m, o: {"small": o, "alpha_fb": 0.6, "alpha_rb": 0.5, "max_small": 5}),
+             ("early-exit rb<=ln2", lambda m, o: {"exit_layer": 1, "head": "shared", "alpha_fb": 0.6,
+                                                   "alpha_rb": 0.6}),
+             ("always-fallback", lambda m, o: {"exit_layer": 1, "head": "shared", "alpha_fb": 1.0})],
+    "skipdecode": [("d..d warmup1", lambda m, o: {"min_exit_layer": m.config.n_layers,
+                                                    "max_exit_layer": m.config.n_layers, "warmup": 1}),
+                   ("d..d warmup0", lambda m, o: {"min_exit_layer": m.config.n_layers,
+                                                    "max_exit_layer": m.config.n_layers, "warmup": 0})],
+    "early-exit": [("E=d", lambda m, o: {"exit_layer": m.config.n_layers})],
+    "calm": [("never exits", lambda m, o: {"threshold": 1.5})],
+}
+CASES = [(method, label, fn) for method, rows in EXACT.items() for label, fn in rows]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Untied heads and scale 2 give varied greedy tokens; ``other`` differs in seed only."""
+    return {name: (random_model(name, seed=11, scale=2.0).to(DEVICE), random_model(name, seed=5, scale=2.0).to(DEVICE))
+            for name in CONFIGS}
+
+
+def _prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("seed,plen", [(0, 1), (1, 5), (2, 17)])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("method,label,options", CASES, ids=[f"{m}-{lab}" if lab else m for m, lab, _ in CASES])
+def test_exact_methods_equal_naive_greedy(models, name, seed, plen, method, label, options):
+    model, other = models[name]
+    prompt = _prompt(model.config.vocab_size, plen, seed)
+    want = naive_greedy(model, prompt, 12)
+    got = generate(model, prompt, method, 12, stop_at_eos=False, **options(model, other))
+    assert got.token_ids == want, f"{method} ({label}) differs from greedy on {name}"
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="compares a device against the CPU")
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_device_logits_match_cpu(models, name):
+    from tiny_models import full_logits
+    model, _ = models[name]
+    prompt = _prompt(model.config.vocab_size, 9, 3)
+    cpu = random_model(name, seed=11, scale=2.0)
+    torch.testing.assert_close(full_logits(model, prompt).cpu(), full_logits(cpu, prompt), rtol=1e-4, atol=1e-4)

@@ -95,10 +95,10 @@ class EarlyExit:
     The cache's lower layers run ahead of the upper ones by the tokens the small model produced since
     the last large pass; their layer-E hidden states wait in ``h_pending``."""
 
-    def __init__(self, run: Run, exit_layer: int, head):
+    def __init__(self, run: Run, exit_layer: int, head, extra_slots: int = 1):
         self.run, self.E, self.head = run, exit_layer, head
         self.L = run.n_layers
-        self.cache = run.new_cache(extra=1)
+        self.cache = run.new_cache(extra=extra_slots)  # slots beyond the budget (drafts, PPD candidates)
         self.h_pending: torch.Tensor | None = None  # [1, lower - upper, D]
 
     @property

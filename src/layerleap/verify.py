@@ -10,6 +10,8 @@ one pass, giving ``k + 1`` rows: row ``i`` is its prediction for the position of
   accept ``d[i]`` with probability ``min(1, p(d_i) / q(d_i))``; at the first rejection sample from the
   residual ``norm(max(0, p - q))``; when all are accepted sample the bonus token from ``p[k]``.  The
   tokens it emits are distributed exactly as sampling from ``p`` one token at a time.
+- ``match_candidate``: PPD's check (Yang et al. 2023, Algorithm 1 line 22): which of the early top-k
+  candidates equals the token the full model chose, if any.
 - ``hard_cross_entropy`` / ``first_rollback``: BiLD's rollback rule (Kim et al. 2023, §3.4 and
   §4.1): the distance of a draft token from the verifier is the cross-entropy between the draft's
   hard label and the verifier's soft label, ``-log p(d_i)``; the first position where it exceeds
@@ -45,6 +47,13 @@ def greedy_accept(draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
     miss = (draft.cpu() != target[:k]).nonzero()
     n = int(miss[0, 0]) if miss.numel() else k
     return n, int(target[n])
+
+
+def match_candidate(candidates: torch.Tensor, token: int) -> int | None:
+    """``candidates`` ``[k]`` ids (early top-k, best first), ``token`` the verifier's choice -> the index
+    of the candidate equal to it, or None."""
+    hit = (candidates.cpu() == int(token)).nonzero()
+    return int(hit[0, 0]) if hit.numel() else None
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -92,3 +101,25 @@ def first_rollback(tokens: torch.Tensor, probs: torch.Tensor, alpha_rb: float) -
         return None
     bad = (hard_cross_entropy(tokens, probs) > alpha_rb).nonzero()
     return int(bad[0, 0]) if bad.numel() else None
+
+
+def tree_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy acceptance over a flattened candidate tree (Medusa / Hidden Transfer).  ``tokens``
+    ``[n]`` node ids, ``parents`` ``[n]`` (-1 for the root, node 0, which is already decided),
+    verifier ``logits`` ``[n, V]`` (row i predicts the token after node i) -> (node indices of the
+    longest root-first path whose every token equals the verifier's argmax at its parent, the
+    verifier's token after the path's last node).  With one path (a chain) this is
+    ``greedy_accept``; the output is the verifier's greedy decoding, token for token."""
+    target = logits.argmax(-1).cpu()  # [n]
+    toks, par = tokens.cpu().tolist(), parents.cpu().tolist()
+    children: dict[int, list[int]] = {}
+    for j, p in enumerate(par):
+        if p >= 0:
+            children.setdefault(p, []).append(j)
+    path = [0]
+    while True:
+        want = int(target[path[-1]])
+        nxt = next((c for c in children.get(path[-1], ()) if toks[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)

@@ -32,6 +32,11 @@ EXACT = {
                                                     "max_exit_layer": m.config.n_layers, "warmup": 0})],
     "early-exit": [("E=d", lambda m, o: {"exit_layer": m.config.n_layers})],
     "calm": [("never exits", lambda m, o: {"threshold": 1.5})],
+    "ppd": [("d/2 k1", lambda m, o: {"exit_layer": (m.config.n_layers + 1) // 2, "k": 1, "head": "shared"}),
+            ("d-1 k3", lambda m, o: {"exit_layer": m.config.n_layers - 1, "k": 3, "head": "shared"})],
+    "self-spec": [("E1 gamma4", lambda m, o: {"exit_layer": 1, "draft_len": 4, "head": "shared"}),
+                  ("E=d-1 gamma2", lambda m, o: {"exit_layer": m.config.n_layers - 1, "draft_len": 2,
+                                                  "head": "shared"})],
 }
 CASES = [(method, label, fn) for method, rows in EXACT.items() for label, fn in rows]
 

@@ -4,3 +4,7 @@ from . import baseline  # noqa: F401
 from . import skipdecode  # noqa: F401
 from . import speculative  # noqa: F401
 from . import bild  # noqa: F401
+from . import medusa  # noqa: F401
+from . import hidden_transfer  # noqa: F401
+from . import ppd  # noqa: F401
+from . import self_spec  # noqa: F401

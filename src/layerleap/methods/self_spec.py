@@ -1,0 +1,92 @@
+"""Self-speculative decoding with an exit head: PPD's single-device counterpart (the same early
+prediction at layer d̄, used sequentially instead of in parallel; LayerSkip-style drafting).
+
+Draft: up to ``draft_len`` tokens, each from layers ``[0, d̄)`` and the exit head (greedy).
+Verify: ONE pass of the full model over the last verified token and the drafts that continues from
+the drafted tokens' layer-d̄ hidden states (their layers ``[0, d̄)`` and KV entries are reused, never
+recomputed; only the last draft, which the lower layers have not seen, runs from the embedding).
+``verify.greedy_accept`` keeps the longest prefix that equals the full model's argmax and adds the
+full model's own next token, so the output is greedy decoding, token for token.  Rejected drafts
+leave every layer of the cache (``KVCache.truncate`` per layer range).
+
+The draft-and-verify state (a cache whose lower layers run ahead of the upper ones, the pending
+layer-d̄ states) is ``methods/bild.py``'s ``EarlyExit``, reused as is.
+
+``min_confidence``: stop drafting early when the exit head's top probability falls below it (0 =
+always draft ``draft_len``).
+
+Stats: ``exit_layer``, ``head``, ``rounds`` (verification passes), ``drafted``, ``accepted``,
+``acceptance`` (accepted / drafted), ``tokens_per_round``, ``draft_steps``.
+"""
+
+from __future__ import annotations
+
+from numbers import Real
+
+import torch
+
+from .. import verify
+from ..decoding import GenerationError, Run, register
+from .bild import EarlyExit
+
+
+def default_exit_layer(n_layers: int) -> int:
+    """Half the depth (15 of 30 on SmolLM2-135M), as PPD's default d̄."""
+    return max(1, min(n_layers - 1, (n_layers + 1) // 2))
+
+
+def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
+    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < n_layers:
+        raise GenerationError(f"exit_layer must be an integer in [1, {n_layers - 1}] (the drafter is layers "
+                              f"[0, exit_layer) of this {n_layers}-layer model and an exit head), got {exit_layer!r}")
+    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
+        raise GenerationError(f"draft_len must be an integer >= 1 (tokens drafted per verification), got {draft_len!r}")
+    if isinstance(min_confidence, bool) or not isinstance(min_confidence, Real) or not 0 <= min_confidence <= 1:
+        raise GenerationError(f"min_confidence must be a probability in [0, 1] (stop drafting when the exit head's "
+                              f"top probability is below it; 0 = never), got {min_confidence!r}")
+
+
+@register("self-spec")
+def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
+              head="auto") -> None:
+    """Self-speculative decoding (exact greedy): draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV."""
+    from ..heads import get_head
+    model = run.model
+    d = run.n_layers
+    E = default_exit_layer(d) if exit_layer is None else exit_layer
+    check_options(d, E, draft_len, min_confidence)
+    if run.batch != 1:
+        raise GenerationError("method 'self-spec' decodes one prompt at a time")
+    exit_head = get_head(model, E, head)
+    eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
+    st = run.extra
+    st.update(exit_layer=E, head=exit_head.kind, rounds=0, drafted=0, accepted=0, draft_steps=0)
+
+    pair = EarlyExit(run, E, exit_head, extra_slots=1)
+    _, logits = pair.prefill()
+    x = int(logits.argmax())
+    seq = list(run.prompts[0]) + [x]  # seq[-1] is verified and in no layer's cache yet
+    done = run.emit(0, [x])
+    while not done:
+        budget = min(draft_len, run.remaining() - 1)
+        drafts: list[int] = []
+        while len(drafts) < budget:  # each step: layers [0, E) of the newest token, then the exit head
+            q = pair.small_step([seq[-1] if not drafts else drafts[-1]])
+            st["draft_steps"] += 1
+            if min_confidence > 0 and float(q.float().softmax(-1).max()) < min_confidence:
+                break
+            drafts.append(int(q.argmax()))
+            if drafts[-1] in eos:
+                break
+        base = len(seq) - 1  # slot of seq[-1]
+        rows = pair.large_pass(seq[pair.large_length:] + drafts)  # [1 + len(drafts), V]
+        n, nxt = verify.greedy_accept(torch.tensor(drafts, dtype=torch.long), rows)
+        pair.truncate(base + 1 + n)  # seq[-1] and the accepted drafts stay in every layer
+        new = drafts[:n] + [nxt]
+        seq.extend(new)
+        st["rounds"] += 1
+        st["drafted"] += len(drafts)
+        st["accepted"] += n
+        done = run.emit(0, new)
+    st["acceptance"] = st["accepted"] / st["drafted"] if st["drafted"] else None
+    st["tokens_per_round"] = (len(run.out[0]) - 1) / st["rounds"] if st["rounds"] else None

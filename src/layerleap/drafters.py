@@ -1,0 +1,206 @@
+"""The trained drafters of the tree methods, their files and the shipped copies.
+
+- ``TransferProjections`` (Hidden Transfer, §3.2): for transfer step ``i = 1..k`` a linear map
+  ``W_i`` (``D x D``, initialised to the identity) applied at layer ``t_i`` (``layers[i - 1]``, the
+  hidden state after ``t_i`` layers) turns a position's hidden state into the *pseudo* hidden state
+  of the token ``i`` positions ahead.
+- ``MedusaHeads`` (Cai et al. 2023, Medusa-1): head ``i`` maps the last layer's normalised state
+  ``z`` to logits for the token ``i + 1`` ahead: ``unembed(z + SiLU(W_i z + b_i))``, ``W_i, b_i``
+  zero at start, with the model's own unembedding (frozen, shared: only ``D x D`` per head).
+
+Files: one safetensors file with the model's fingerprint in its metadata (a file made for another
+model is refused), written atomically.  Shipped files live in ``layerleap/data/transfer/`` and
+``layerleap/data/medusa/`` and are found by fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import LayerleapError
+from .model import Transformer
+
+FORMAT = "layerleap-drafter-v1"
+DATA = Path(__file__).parent / "data"
+KINDS = ("transfer", "medusa")
+TRAIN_COMMAND = {"transfer": "layerleap train transfer", "medusa": "layerleap train medusa"}
+
+
+class DrafterError(LayerleapError, ValueError):
+    """Drafter weights that cannot be made or loaded: the message names the problem and the fix."""
+
+
+class _Drafter(nn.Module):
+    kind = ""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self._model = [model]  # a list: the frozen backbone is neither a submodule nor saved
+
+    @property
+    def model(self) -> Transformer:
+        return self._model[0]
+
+    @property
+    def steps(self) -> int:
+        raise NotImplementedError
+
+    def config(self) -> dict:
+        return {}
+
+
+class TransferProjections(_Drafter):
+    """``W_i`` at layer ``t_i`` for steps ``i = 1..k``; ``layers`` non-decreasing, in ``[1, n_layers - 1]``."""
+
+    kind = "transfer"
+
+    def __init__(self, model: Transformer, layers: list[int]):
+        super().__init__(model)
+        L = model.config.n_layers
+        layers = [int(t) for t in layers]
+        if not layers or any(not 1 <= t < L for t in layers) or layers != sorted(layers):
+            raise DrafterError(f"transfer layers must be a non-decreasing list in [1, {L - 1}] (one per step), "
+                               f"got {layers}")
+        self.layers = layers
+        D = model.config.hidden_size
+        self.proj = nn.ModuleList(nn.Linear(D, D, bias=False) for _ in layers)
+        with torch.no_grad():
+            for p in self.proj:
+                p.weight.copy_(torch.eye(D))
+
+    @property
+    def steps(self) -> int:
+        return len(self.layers)
+
+    def config(self) -> dict:
+        return {"layers": self.layers}
+
+    def transfer(self, step: int, h: torch.Tensor) -> torch.Tensor:
+        """Pseudo states of transfer step ``step`` (1-based) from hidden states ``h`` ``[.., D]`` after
+        layer ``t_step``."""
+        w = self.proj[step - 1].weight
+        return F.linear(h.to(w.dtype), w).to(h.dtype)
+
+
+class MedusaHeads(_Drafter):
+    """``k`` residual heads on the last layer's normalised state, predicting tokens 2..k+1 ahead."""
+
+    kind = "medusa"
+
+    def __init__(self, model: Transformer, steps: int):
+        super().__init__(model)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise DrafterError(f"Medusa needs at least one head, got {steps!r}")
+        D = model.config.hidden_size
+        self.heads = nn.ModuleList(nn.Linear(D, D, bias=True) for _ in range(steps))
+        with torch.no_grad():
+            for p in self.heads:
+                p.weight.zero_()
+                p.bias.zero_()
+
+    @property
+    def steps(self) -> int:
+        return len(self.heads)
+
+    def config(self) -> dict:
+        return {"steps": self.steps}
+
+    def logits(self, step: int, z: torch.Tensor) -> torch.Tensor:
+        """Logits ``[.., V]`` of head ``step`` (1-based: the token ``step + 1`` ahead) from normalised
+        last-layer states ``z`` ``[.., D]``."""
+        lin = self.heads[step - 1]
+        z32 = z.to(lin.weight.dtype)
+        return self.model.unembed((z32 + F.silu(lin(z32))).to(self.model.dtype))
+
+
+def new_drafter(model: Transformer, kind: str, **config) -> _Drafter:
+    if kind == "transfer":
+        return TransferProjections(model, config["layers"]).to(model.device)
+    if kind == "medusa":
+        return MedusaHeads(model, int(config["steps"])).to(model.device)
+    raise DrafterError(f"unknown drafter kind {kind!r}: choose one of {', '.join(KINDS)}")
+
+
+# -- files ----------------------------------------------------------------------------------------
+def save_drafter(drafter: _Drafter, path, meta: dict | None = None, dtype=torch.bfloat16) -> Path:
+    """Write ``drafter`` to a safetensors file (``dtype``, bf16 by default: a few MB), atomically."""
+    from safetensors.torch import save_file
+    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    model = drafter.model
+    metadata = {"format": FORMAT, "kind": drafter.kind, "fingerprint": model.fingerprint,
+                "model": model.config.name, "config": json.dumps(drafter.config())}
+    metadata.update({k: str(v) for k, v in (meta or {}).items()})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_meta(path) -> dict:
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # a truncated or foreign file
+        raise DrafterError(f"cannot read drafter weights {path}: {e}; train them again") from None
+
+
+def load_drafter(model: Transformer, path, kind: str) -> _Drafter:
+    """A drafter from a file written by ``save_drafter``; refuses another kind or another model."""
+    from safetensors.torch import load_file
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DrafterError(f"no such {kind} weights file {str(path)!r}: give a file written by `{TRAIN_COMMAND[kind]}`")
+    meta = read_meta(p)
+    if meta.get("format") != FORMAT or meta.get("kind") != kind:
+        raise DrafterError(f"{p} is not a {kind} weights file (format {meta.get('format')!r}, kind "
+                           f"{meta.get('kind')!r}): write one with `{TRAIN_COMMAND[kind]}`")
+    if meta.get("fingerprint") != model.fingerprint:
+        raise DrafterError(f"{kind} weights {p} were trained for another model (fingerprint {meta.get('fingerprint')}, "
+                           f"{meta.get('model')}; this model {model.fingerprint}): train them for this model with "
+                           f"`{TRAIN_COMMAND[kind]}`")
+    drafter = new_drafter(model, kind, **json.loads(meta["config"]))
+    state = load_file(str(p))
+    try:
+        drafter.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    except RuntimeError as e:
+        raise DrafterError(f"{kind} weights {p} do not fit this model: {e}") from None
+    return drafter.to(model.device).eval().requires_grad_(False)
+
+
+def shipped_files(model: Transformer, kind: str) -> list[Path]:
+    folder = DATA / kind
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("*.safetensors") if read_meta(p).get("fingerprint") == model.fingerprint)
+
+
+def get_drafter(model: Transformer, kind: str, spec="trained") -> _Drafter:
+    """``spec``: "trained" (the shipped weights for this model), a path to a weights file, or a drafter
+    of this model."""
+    cls = TransferProjections if kind == "transfer" else MedusaHeads
+    if isinstance(spec, _Drafter):
+        if not isinstance(spec, cls) or spec.model is not model:
+            raise DrafterError(f"the given drafter is not {kind} weights of this model: pass {cls.__name__} made for it")
+        return spec
+    if spec == "trained":
+        files = shipped_files(model, kind)
+        if not files:
+            raise DrafterError(f"no shipped {kind} weights fit {model.config.name} (fingerprint {model.fingerprint}): "
+                               f"train them with `{TRAIN_COMMAND[kind]}` and pass the file "
+                               f"({'transfer' if kind == 'transfer' else 'heads'}=PATH)")
+        return load_drafter(model, files[-1], kind)
+    if isinstance(spec, (str, Path)):
+        return load_drafter(model, spec, kind)
+    raise DrafterError(f"{kind} weights must be 'trained', a weights file or a drafter object, got {spec!r}")

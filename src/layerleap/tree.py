@@ -1,0 +1,178 @@
+"""Candidate trees for one-pass verification (Medusa's and Hidden Transfer's tree attention), as pure
+functions of the tree's shape.
+
+A tree shape is a list of *paths*: a path ``(r1, r2, .., rd)`` is the candidate that takes the
+``r1``-th most likely draft token at depth 1, then the ``r2``-th at depth 2, and so on (Medusa's
+``medusa_choices``).  Every prefix of a path must be in the tree.  ``topk_paths((2, 1))`` is the
+Cartesian product of the top-2 at depth 1 and the top-1 at depth 2: ``[(0,), (1,), (0, 0), (1, 0)]``.
+
+Flattened, the tree is one sequence of ``n = 1 + len(paths)`` nodes: node 0 is the *root*, the token
+the model itself chose last round (certain), node ``j >= 1`` is ``paths[j - 1]`` (sorted by depth,
+then rank).  ``TreeBuffers`` holds what one verification pass needs:
+
+- ``parents`` ``[n]`` (-1 for the root) and ``depths`` ``[n]`` (the position offset of each node
+  from the root, so siblings share a rotary position);
+- ``mask`` ``[n, n]`` bool: node i sees node j when j is i or one of its ancestors;
+- ``step``/``rank`` ``[n]``: node j's token is the ``rank[j]``-th most likely draft of step
+  ``step[j] = depths[j]`` (root: -1);
+- ``retrieve`` ``[n_leaves, depth + 1]``: the node indices of each root-to-leaf path, -1 padded.
+
+``pseudo_mask`` adds Hidden Transfer's pseudo states (§3.3) to a flattened tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import LayerleapError
+
+
+class TreeError(LayerleapError, ValueError):
+    """A tree shape that cannot be used: the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    paths: tuple[tuple[int, ...], ...]
+    parents: torch.Tensor  # [n] long, -1 for the root
+    depths: torch.Tensor  # [n] long, position offsets
+    ranks: torch.Tensor  # [n] long, the draft rank of each node (root: -1)
+    mask: torch.Tensor  # [n, n] bool, ancestors and self
+    retrieve: torch.Tensor  # [n_leaves, depth + 1] long node indices, -1 padded
+
+    @property
+    def n(self) -> int:
+        return int(self.parents.shape[0])
+
+    @property
+    def depth(self) -> int:
+        return int(self.depths.max())
+
+    def max_rank(self, depth: int) -> int:
+        """How many draft tokens of step ``depth`` the tree uses (the top-k it needs)."""
+        sel = self.depths == depth
+        return int(self.ranks[sel].max()) + 1 if bool(sel.any()) else 0
+
+
+def topk_paths(shape) -> list[tuple[int, ...]]:
+    """The full tree of the top-``shape[d]`` tokens at each depth ``d`` (a chain when all are 1)."""
+    shape = tuple(shape)
+    if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in shape):
+        raise TreeError(f"a top-k tree shape is a list of integers >= 1 (top-k per depth), got {list(shape)!r}")
+    paths: list[tuple[int, ...]] = []
+    level: list[tuple[int, ...]] = [()]
+    for k in shape:
+        level = [p + (r,) for p in level for r in range(k)]
+        paths.extend(level)
+    return paths
+
+
+def parse_tree(tree) -> list[tuple[int, ...]]:
+    """A tree shape from: a top-k list ``[2, 1, 1]`` or text ``"2,1,1"``; explicit paths
+    ``[(0,), (1,), (0, 0)]``; or text ``"0;1;0.0"`` (paths separated by ';', ranks by '.').
+    ``[]``/``""``/``0`` is the empty tree (no drafts)."""
+    if tree is None or tree == "" or tree == 0 or (isinstance(tree, (list, tuple)) and len(tree) == 0):
+        return []
+    if isinstance(tree, int) and not isinstance(tree, bool):
+        return topk_paths([tree])
+    if isinstance(tree, str):
+        text = tree.strip().replace(" ", "")
+        try:
+            if ";" in text or "." in text:
+                return _check_paths([tuple(int(r) for r in p.split(".")) for p in text.split(";") if p])
+            return topk_paths([int(k) for k in text.split(",") if k])
+        except ValueError:
+            raise TreeError(f"cannot read the tree shape {tree!r}: give top-k per depth ('2,1,1') or paths "
+                            "of ranks ('0;1;0.0;0.0.0')") from None
+    if isinstance(tree, (list, tuple)):
+        if all(isinstance(k, int) and not isinstance(k, bool) for k in tree):
+            return topk_paths(tree)
+        if all(isinstance(p, (list, tuple)) for p in tree):
+            return _check_paths([tuple(p) for p in tree])
+    raise TreeError(f"a tree shape is top-k per depth ([2, 1, 1] or '2,1,1') or a list of rank paths "
+                    f"([(0,), (0, 0)]), got {tree!r}")
+
+
+def _check_paths(paths: list[tuple]) -> list[tuple[int, ...]]:
+    for p in paths:
+        if not p or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in p):
+            raise TreeError(f"a tree path is a non-empty tuple of ranks >= 0, got {p!r}")
+    if len(set(paths)) != len(paths):
+        raise TreeError("the tree lists a path twice: give each path once")
+    have = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in have:
+            raise TreeError(f"the tree path {p} has no parent {p[:-1]}: every prefix of a path must be in the tree")
+    return paths
+
+
+def build(tree) -> TreeBuffers:
+    """The flattened tree's buffers (see the module docstring) from any shape ``parse_tree`` reads."""
+    paths = sorted(parse_tree(tree), key=lambda p: (len(p), p))
+    index = {(): 0}
+    parents, depths, ranks = [-1], [0], [-1]
+    for j, p in enumerate(paths, start=1):
+        index[p] = j
+        parents.append(index[p[:-1]])
+        depths.append(len(p))
+        ranks.append(p[-1])
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    is_parent = set(parents[1:])
+    leaves = [i for i in range(n) if i not in is_parent]
+    depth = max(depths)
+    retrieve = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        chain = mask[leaf].nonzero().flatten().tolist()  # ancestors in index order = root to leaf
+        retrieve[row, : len(chain)] = torch.tensor(chain)
+    return TreeBuffers(tuple(paths), torch.tensor(parents), torch.tensor(depths), torch.tensor(ranks), mask, retrieve)
+
+
+def draft_tokens(buffers: TreeBuffers, root: int, topk: torch.Tensor) -> torch.Tensor:
+    """The node tokens ``[n]``: the root, then ``topk[step - 1, rank]`` (``topk`` ``[k, K]`` draft
+    token ids by step, most likely first)."""
+    toks = torch.empty(buffers.n, dtype=torch.long)
+    toks[0] = root
+    if buffers.n > 1:
+        d, r = buffers.depths[1:], buffers.ranks[1:]
+        toks[1:] = topk[d - 1, r]
+    return toks
+
+
+def pseudo_mask(tree_mask: torch.Tensor, sources: list[int], steps: int) -> torch.Tensor:
+    """Hidden Transfer's attention over ``n`` tree nodes followed by pseudo states of ``steps``
+    transfer steps (step-major: all sources' step 1, then step 2, ...): ``[S, S]`` bool with
+    ``S = n + steps * len(sources)``.
+
+    The pseudo state of step ``i`` made from node ``x`` stands for the token ``i`` positions after
+    ``x``; it sees the real states ``x`` itself sees (the cache and ``x``'s ancestors), ``x``,
+    the pseudo states of steps ``< i`` made from ``x``, and itself (§3.3).  Real nodes never see
+    a pseudo state, so their outputs are exactly those of the tree alone."""
+    n = tree_mask.shape[0]
+    m = len(sources)
+    S = n + steps * m
+    mask = torch.zeros(S, S, dtype=torch.bool)
+    mask[:n, :n] = tree_mask
+    src = torch.tensor(sources, dtype=torch.long)
+    for i in range(steps):
+        rows = n + i * m + torch.arange(m)
+        mask[rows, :n] = tree_mask[src]
+        for j in range(i + 1):  # the same source's steps 1..i+1 (itself included)
+            mask[rows, n + j * m + torch.arange(m)] = True
+    return mask
+
+
+def pseudo_offsets(depths: torch.Tensor, sources: list[int], steps: int) -> torch.Tensor:
+    """Position offsets ``[S]`` matching ``pseudo_mask``: a node's depth, and ``depth(x) + i`` for the
+    step-``i`` pseudo state of ``x`` (the position of the token it stands for)."""
+    src_d = depths[torch.tensor(sources, dtype=torch.long)]
+    parts = [depths] + [src_d + i for i in range(1, steps + 1)]
+    return torch.cat(parts)
+

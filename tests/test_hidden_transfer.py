@@ -1,0 +1,141 @@
+"""Hidden Transfer and Medusa: token-for-token greedy on tiny random models with random (untrained)
+drafters over many tree shapes; the pseudo states against an independent causal reference; the
+drafter files; the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import CONFIGS, naive_greedy, random_model
+
+from layerleap import drafters, generate
+from layerleap import tree as tree_mod
+from layerleap.decoding import GenerationError
+
+TREES = ["1", "1,1", "1,1,1", "2,1", "2,2", [3, 2, 1], "0;1;0.0;0.0.0", ""]
+
+
+def _perturb(d, seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return d
+
+
+def transfer_for(model, seed=0, scale=0.3, layers=None):
+    L = model.config.n_layers
+    layers = layers or [1, max(1, L // 2), L - 1]
+    return _perturb(drafters.new_drafter(model, "transfer", layers=layers), seed, scale)
+
+
+def medusa_for(model, seed=0, scale=0.3, steps=3):
+    return _perturb(drafters.new_drafter(model, "medusa", steps=steps), seed, scale)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: random_model(name, seed=11, scale=2.0) for name in CONFIGS}
+
+
+@pytest.mark.parametrize("tree", TREES, ids=[str(t) or "empty" for t in TREES])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("method", ["hidden-transfer", "medusa"])
+def test_equals_greedy(models, name, tree, method):
+    model = models[name]
+    for seed, plen in [(0, 1), (1, 6), (2, 19)]:
+        prompt = torch.randint(0, model.config.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = naive_greedy(model, prompt, 16)
+        opt = ({"transfer": transfer_for(model, seed)} if method == "hidden-transfer" else {"heads": medusa_for(model, seed)})
+        got = generate(model, prompt, method, 16, stop_at_eos=False, tree=tree, **opt)
+        assert got.token_ids == want, f"{method} tree={tree} differs from greedy on {name} (prompt {seed})"
+        st = got.stats
+        assert st["accepted"] <= st["drafted"]
+        depth = tree_mod.build(tree).depth
+        # the prompt call gives one token, each later call at most depth + 1
+        assert st["new_tokens"] == 16 and st["model_calls"] >= 1 + -(-15 // (depth + 1))
+
+
+def test_drafts_get_accepted_and_stop_at_eos(models):
+    """A tied random model tends to repeat its input: drafts are accepted, so multi-token paths (and
+    the cache compaction after them) are exercised; EOS stops the output like greedy."""
+    model = models["llama-gqa-tied"]
+    total = 0
+    for seed in range(6):
+        prompt = torch.randint(0, 97, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = naive_greedy(model, prompt, 24)
+        for method, opt in [("hidden-transfer", {"transfer": transfer_for(model, seed, 0.05)}),
+                            ("medusa", {"heads": medusa_for(model, seed, 0.0)})]:
+            got = generate(model, prompt, method, 24, stop_at_eos=False, tree="2,2,1", **opt)
+            assert got.token_ids == want
+            total += got.stats["accepted"]
+        res = generate(model, prompt, "hidden-transfer", 24, tree="2,2,1", transfer=transfer_for(model, seed, 0.05))
+        ref = naive_greedy(model, prompt, 24, eos=tuple(model.config.eos_token_ids))
+        assert res.token_ids == ref
+    assert total > 10, f"only {total} drafts accepted: the tests would not exercise multi-token acceptance"
+
+
+def test_pseudo_states_match_a_causal_reference():
+    """The pseudo states of the last node equal an independent computation: the real sequence through
+    all layers into a cache, then W_1 h^{t1} run on from layer t1 as a new causal token, W_2 h^{t2}
+    joining it at layer t2 (steps see earlier steps of the same position)."""
+    from layerleap.decoding import GenerationConfig, Run
+    from layerleap.methods.hidden_transfer import transfer_pass
+
+    model = random_model("llama-mha-untied", seed=3, n_layers=4)
+    proj = transfer_for(model, 1, 0.3, layers=[1, 3])
+    seq = [4, 8, 15, 16, 23]
+    with torch.inference_mode():
+        run = Run(model, [seq[:1]], GenerationConfig())
+        run.extra["pseudo_states"] = 0
+        cache = model.new_cache(1, 32)
+        chain = tree_mod.build([1] * (len(seq) - 1))
+        real, pseudo = transfer_pass(run, cache, torch.tensor(seq), chain, proj, 2)
+        # reference
+        ref_cache = model.new_cache(1, 32)
+        pos = torch.arange(len(seq)).unsqueeze(0)
+        h = model.embed(torch.tensor([seq]))
+        h1 = model.run_layers(h, 0, 1, pos, ref_cache)
+        h3 = model.run_layers(h1, 1, 3, pos, ref_cache)
+        hL = model.run_layers(h3, 3, 4, pos, ref_cache)
+        torch.testing.assert_close(real, hL[0], rtol=1e-5, atol=1e-5)
+        last = len(seq) - 1
+        p1 = proj.transfer(1, h1[:, last:])
+        p1 = model.run_layers(p1, 1, 3, torch.tensor([[last + 1]]), ref_cache)
+        p2 = proj.transfer(2, h3[:, last:])
+        both = model.run_layers(torch.cat([p1, p2], 1), 3, 4, torch.tensor([[last + 1, last + 2]]), ref_cache)
+        torch.testing.assert_close(pseudo[0, last], both[0, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pseudo[1, last], both[0, 1], rtol=1e-5, atol=1e-5)
+
+
+def test_files_round_trip_and_refuse_another_model(tmp_path, models):
+    model, other = models["llama-gqa-tied"], models["qwen2-gqa-untied"]
+    for kind, d in [("transfer", transfer_for(model)), ("medusa", medusa_for(model))]:
+        path = drafters.save_drafter(d, tmp_path / f"{kind}.safetensors")
+        back = drafters.load_drafter(model, path, kind)
+        for (k, a), (_, b) in zip(sorted(d.state_dict().items()), sorted(back.state_dict().items())):
+            torch.testing.assert_close(a.to(torch.bfloat16).float(), b, msg=k)
+        with pytest.raises(drafters.DrafterError, match="another model"):
+            drafters.load_drafter(other, path, kind)
+        with pytest.raises(drafters.DrafterError, match="not a"):
+            drafters.load_drafter(model, path, "medusa" if kind == "transfer" else "transfer")
+    # an untrained tiny model has no shipped weights: a clear error naming the command
+    with pytest.raises(drafters.DrafterError, match="layerleap train transfer"):
+        generate(model, [1, 2], "hidden-transfer", 4)
+    with pytest.raises(drafters.DrafterError, match="layerleap train medusa"):
+        generate(model, [1, 2], "medusa", 4)
+
+
+def test_errors(models):
+    model = models["llama-gqa-tied"]
+    with pytest.raises(GenerationError, match="3 deep"):
+        generate(model, [1, 2], "hidden-transfer", 4, tree="1,1,1", transfer=transfer_for(model, layers=[1, 2]))
+    with pytest.raises(GenerationError, match="3 deep"):
+        generate(model, [1, 2], "medusa", 4, tree="1,1,1", heads=medusa_for(model, steps=2))
+    with pytest.raises(GenerationError, match="does not fit the context"):
+        generate(model, [1] * 200, "medusa", 54, tree="1,1,1", heads=medusa_for(model))
+    from layerleap.tree import TreeError
+    with pytest.raises(TreeError):
+        generate(model, [1, 2], "medusa", 4, tree="1,x", heads=medusa_for(model))
+    with pytest.raises(drafters.DrafterError, match="layers"):
+        drafters.new_drafter(model, "transfer", layers=[3, 1])

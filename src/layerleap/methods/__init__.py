@@ -8,5 +8,3 @@ from . import medusa  # noqa: F401
 from . import hidden_transfer  # noqa: F401
 from . import ppd  # noqa: F401
 from . import self_spec  # noqa: F401
-from . import medusa  # noqa: F401
-from . import hidden_transfer  # noqa: F401

@@ -38,6 +38,7 @@ import torch
 
 from .. import verify
 from ..decoding import GenerationError, Run, register
+from ..theory import theorem_compute, theorem_latency
 from .bild import EarlyExit
 
 
@@ -90,16 +91,6 @@ class Runs:
     @property
     def p_correct(self) -> float | None:
         return self.matches / self.trials if self.trials else None
-
-
-def theorem_latency(d: int, dbar: int, n_tokens: int, p: float) -> float:
-    """Theorem 4.1: expected latency d·ℓ − (d − d̄)(ℓ − 1)p of ℓ tokens (time units)."""
-    return d * n_tokens - (d - dbar) * (n_tokens - 1) * p
-
-
-def theorem_compute(d: int, dbar: int, k: int, n_tokens: int, p: float) -> float:
-    """Theorem 4.1: expected total compute d·ℓ − (d − d̄)(ℓ − 1)p + k(d − d̄)ℓ (unit-time units)."""
-    return theorem_latency(d, dbar, n_tokens, p) + k * (d - dbar) * n_tokens
 
 
 def stats(d: int, dbar: int, k: int, n_tokens: int, runs: Runs, clock: Clock) -> dict:

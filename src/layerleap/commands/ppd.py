@@ -1,0 +1,124 @@
+"""PPD's commands: ``theory ppd`` (Theorem 4.1, eqs. 3/5/6, a Monte-Carlo check, and with ``--measure``
+the measured match rates and the trade-off plots of Figures 3 and 4) and ``eval ppd-parallel`` (PPD on
+real processes against greedy, wall clock)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import theory
+from ..bench import write_json_atomic
+from ..cli import command
+from ..errors import LayerleapError
+from .basic import _command_line, _csv, _load, _model_args, _positive_int, _read_prompts, _say, _threads
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in _csv(text) or []]
+    except ValueError:
+        raise LayerleapError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not out:
+        raise LayerleapError(f"{what} is empty: give comma-separated integers")
+    return out
+
+
+@command("theory ppd", help="PPD's Theorem 4.1, equations 3/5/6, a Monte-Carlo check; --measure: match rates "
+         "on a model and the trade-off plots (Figures 3, 4)")
+def _setup_theory(p):
+    p.add_argument("--layers", type=_positive_int, default=40, help="d, the model's layers (default 40: Vicuna-13B)")
+    p.add_argument("--exit-layer", type=_positive_int, default=None, help="d̄, the early-prediction layer (default d/2)")
+    p.add_argument("--k", type=_positive_int, default=1, help="sub-processes (default 1)")
+    p.add_argument("--p-correct", type=float, default=0.5, help="match rate p (default 0.5)")
+    p.add_argument("--tokens", type=_positive_int, default=128, help="ℓ, tokens generated (default 128)")
+    p.add_argument("--simulate", type=int, default=2000, metavar="N",
+                   help="Monte-Carlo sequences checking the theorem (default 2000; 0 = off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    m = p.add_argument_group("measuring match rates (--measure)")
+    m.add_argument("--measure", action="store_true", help="measure p̂_correct on a model over Spec-Bench prompts and "
+                   "draw the trade-off curves (the --layers/--p-correct inputs are then ignored)")
+    _model_args(m)
+    m.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
+    m.add_argument("--prompts", type=_positive_int, default=3, help="prompts per category (default 3)")
+    m.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    m.add_argument("--exit-layers", default="15,20,25", help="d̄ values to measure (default 15,20,25)")
+    m.add_argument("--ks", default="1,3,5", help="k values (default 1,3,5)")
+    m.add_argument("--head", default="auto", help="exit head: auto, shared, trained or a heads file")
+    m.add_argument("--out", default=None, metavar="DIR", help="write match_rates.json and tradeoff_d{d̄}.png here")
+
+
+@_setup_theory
+def run_theory(args) -> int:
+    if args.measure:
+        return _measure(args)
+    d = args.layers
+    dbar = args.exit_layer or (d + 1) // 2
+    out = theory.figures(d, dbar, args.k, args.p_correct, args.tokens)
+    if args.simulate > 0:
+        sim = theory.simulate(d, dbar, args.k, args.p_correct, args.tokens, args.simulate, args.seed)
+        se = sim.sd_latency / sim.trials ** 0.5
+        out["simulation"] = {**sim.to_dict(), "latency_vs_theorem": sim.mean_latency / out["theorem"]["latency_units"],
+                             "compute_vs_theorem": sim.mean_compute / out["theorem"]["compute_units"],
+                             "latency_standard_errors": (sim.mean_latency - out["theorem"]["latency_units"]) / se
+                             if se > 0 else 0.0}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    th, ap = out["theorem"], out["approximation"]
+    print(f"d={d} d̄={dbar} k={args.k} p_correct={args.p_correct} ℓ={args.tokens}")
+    print(f"Theorem 4.1: latency {th['latency_units']:.1f} units (greedy {th['greedy_units']}), "
+          f"compute {th['compute_units']:.1f}; normalised latency/token {th['normalised_latency_per_token']:.3f}, "
+          f"compute/time unit {th['compute_per_time_unit']:.3f}")
+    print(f"ℓ ≫ 1 (eqs. 3/5/6{' generalised' if 2 * dbar != d else ''}): latency/token "
+          f"{ap['normalised_latency_per_token']:.3f}, compute/time unit {ap['compute_per_time_unit']:.3f}, "
+          f"compute/token {ap['normalised_compute_per_token']:.3f}")
+    if "simulation" in out:
+        s = out["simulation"]
+        print(f"Monte-Carlo ({s['trials']} sequences): latency {s['mean_latency']:.1f} "
+              f"({s['latency_vs_theorem']:.4f}× the theorem, {s['latency_standard_errors']:+.1f} s.e.), "
+              f"compute {s['mean_compute']:.1f} ({s['compute_vs_theorem']:.4f}×)")
+    return 0
+
+
+def _measure(args) -> int:
+    from tqdm.auto import tqdm
+
+    from ..decoding import generate
+    layers, ks = _ints(args.exit_layers, "--exit-layers"), _ints(args.ks, "--ks")
+    prompts = _read_prompts(None, _csv(args.categories), args.prompts)
+    threads = _threads(args.threads)
+    model = _load(args)
+    d = model.config.n_layers
+    for L in layers:
+        theory.check_inputs(d, L, 1, 0.5, 1)
+    totals: dict = {}
+    for pr in tqdm(prompts, desc="match rates", unit="prompt"):
+        g = generate(model, pr.text, "greedy", args.max_new_tokens, stop_at_eos=False, chat=True)
+        rates = theory.match_rates(model, g.prompt_ids, g.token_ids, layers, ks, args.head)
+        for cat in (pr.category, "all"):
+            for L, by_k in rates.items():
+                for k, (m, n) in by_k.items():
+                    t = totals.setdefault(cat, {}).setdefault(L, {}).setdefault(k, [0, 0])
+                    t[0] += m
+                    t[1] += n
+    p_hat = {cat: {L: {k: m / n for k, (m, n) in by_k.items()} for L, by_k in by_L.items()}
+             for cat, by_L in totals.items()}
+    report = {"command": _command_line(args), "model": model.config.name, "layers": d, "threads": threads,
+              "head": args.head, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "counts": totals, "p_correct": p_hat,
+              "predicted": {cat: {L: {k: theory.figures(d, L, k, p, args.max_new_tokens) for k, p in by_k.items()}
+                                  for L, by_k in by_L.items()} for cat, by_L in p_hat.items()}}
+    for cat, by_L in p_hat.items():
+        print(cat.ljust(16) + "  ".join(f"d̄={L}: " + " ".join(f"k{k} {p:.3f}" for k, p in by_k.items())
+                                       for L, by_k in by_L.items()))
+    if args.out:
+        out = Path(args.out)
+        write_json_atomic(out / "match_rates.json", report)
+        for L in layers:
+            theory.plot_tradeoff({cat: by_L[L] for cat, by_L in p_hat.items()}, d, L, out / f"tradeoff_d{L}.png",
+                                 f"PPD trade-off on {model.config.name}: d={d}, d̄={L}, head {args.head} "
+                                 f"(p̂ from {len(prompts)} Spec-Bench prompts × {args.max_new_tokens} tokens)")
+        _say(f"wrote {out / 'match_rates.json'} and {len(layers)} plots")
+    return 0

@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "layerleap.commands.basic",  # generate, info, bench, demo
     "layerleap.commands.bild",  # sweep bild, align
     "layerleap.commands.skipdecode",  # finetune skipdecode, eval skipdecode / skipdecode-speed
+    "layerleap.commands.ppd",  # theory ppd, eval ppd-parallel
 ]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}

@@ -16,6 +16,21 @@ from layerleap import generate
 
 DEVICE = os.environ.get("LAYERLEAP_TEST_DEVICE", "cpu")
 
+def _random_drafter(model, kind: str, seed: int = 0, scale: float = 0.3, **config):
+    """An untrained drafter, perturbed so that its drafts are neither trivial nor always right."""
+    from layerleap import drafters
+    d = drafters.new_drafter(model, kind, **config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
+    return d
+
+
+def _mid(m) -> int:
+    return max(1, m.config.n_layers // 2)
+
+
 # method -> [(label, options(model, other) -> dict)]; ``other`` is a second random model with the
 # same vocabulary (a draft / small model).  Each setting must give the greedy tokens exactly.
 EXACT = {

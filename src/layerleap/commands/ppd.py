@@ -122,3 +122,78 @@ def _measure(args) -> int:
                                  f"(p̂ from {len(prompts)} Spec-Bench prompts × {args.max_new_tokens} tokens)")
         _say(f"wrote {out / 'match_rates.json'} and {len(layers)} plots")
     return 0
+
+
+@command("eval ppd-parallel", help="PPD on k+1 real processes (gloo) against greedy: wall clock, communication "
+         "time apart, exactness")
+def _setup_parallel(p):
+    _model_args(p)
+    p.add_argument("--exit-layer", type=_positive_int, default=None, help="d̄ (default d/2)")
+    p.add_argument("--k", type=_positive_int, default=1, help="sub-processes (default 1: two processes)")
+    p.add_argument("--head", default="auto", help="exit head: auto, shared, trained or a heads file")
+    p.add_argument("--head-on", default="sub", choices=["sub", "main"],
+                   help="which process runs the exit head (main: as the paper; sub: off the critical path)")
+    p.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
+    p.add_argument("--prompts", type=_positive_int, default=2, help="prompts per category (default 2)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--json", metavar="OUT.json", default=None, help="write the report here")
+
+
+@_setup_parallel
+def run_parallel(args) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..decoding import generate
+    from ..ppd_parallel import ParallelPPD
+    prompts = _read_prompts(None, _csv(args.categories), args.prompts)
+    threads = args.threads or 1
+    print(f"$ {_command_line(args)}", flush=True)
+    records = []
+    with ParallelPPD(args.model, args.exit_layer, args.k, args.head, args.head_on, threads=threads) as ex:
+        model = ex.model
+        _say(f"{args.k + 1} processes × {threads} thread(s), d̄={ex.dbar}, head {ex.exit_head.kind} on {args.head_on}")
+        ids0 = generate(model, prompts[0].text, "greedy", 4, chat=True).prompt_ids
+        ex.generate(ids0, 8, stop_at_eos=False)  # warm-up
+        for pr in tqdm(prompts, desc="ppd-parallel", unit="prompt"):
+            torch.set_num_threads(threads)
+            g = generate(model, pr.text, "greedy", args.max_new_tokens, stop_at_eos=False, chat=True)
+            r = ex.generate(g.prompt_ids, args.max_new_tokens, stop_at_eos=False)
+            torch.set_num_threads(threads * (args.k + 1))
+            g_all = generate(model, pr.text, "greedy", args.max_new_tokens, stop_at_eos=False, chat=True)
+            records.append({"category": pr.category, "id": pr.id, "prompt_tokens": len(g.prompt_ids),
+                            "greedy_s": g.stats["wall_s"], "greedy_all_cores_s": g_all.stats["wall_s"],
+                            "greedy_ttft_s": g.stats["ttft_s"], "equal": r.token_ids == g.token_ids,
+                            **{k: v for k, v in r.stats.items() if k != "run_lengths"}})
+    torch.set_num_threads(threads)
+
+    def tot(key, rs):
+        return sum(r[key] for r in rs)
+    summary = {}
+    for cat in list(dict.fromkeys(r["category"] for r in records)) + ["all"]:
+        rs = [r for r in records if cat in ("all", r["category"])]
+        m, n = tot("matches", rs), tot("trials", rs)
+        dec = tot("wall_s", rs) - tot("ttft_s", rs)
+        gdec = tot("greedy_s", rs) - tot("greedy_ttft_s", rs)
+        summary[cat] = {"prompts": len(rs), "p_correct": m / n if n else None,
+                        "speedup_vs_greedy_1unit": tot("greedy_s", rs) / tot("wall_s", rs),
+                        "speedup_vs_greedy_all_cores": tot("greedy_all_cores_s", rs) / tot("wall_s", rs),
+                        "decode_speedup_vs_greedy_1unit": gdec / dec if dec > 0 else None,
+                        "predicted_speedup_units": tot("greedy_units", rs) / tot("latency_units", rs),
+                        "comm_share": tot("comm_s", rs) / tot("wall_s", rs),
+                        "comm_ms_per_token": 1000 * tot("comm_s", rs) / tot("new_tokens", rs),
+                        "ppd_ms_per_token": 1000 * tot("wall_s", rs) / tot("new_tokens", rs),
+                        "greedy_ms_per_token": 1000 * tot("greedy_s", rs) / tot("new_tokens", rs),
+                        "equal": f"{sum(r['equal'] for r in rs)}/{len(rs)}"}
+    print(f"{'category':16} {'p̂':>6} {'greedy ms/t':>11} {'ppd ms/t':>9} {'vs 1 unit':>9} {'vs all cores':>12} "
+          f"{'units pred':>10} {'comm ms/t':>9} {'=greedy':>7}")
+    for cat, s in summary.items():
+        print(f"{cat:16} {s['p_correct']:6.3f} {s['greedy_ms_per_token']:11.1f} {s['ppd_ms_per_token']:9.1f} "
+              f"{s['speedup_vs_greedy_1unit']:8.2f}x {s['speedup_vs_greedy_all_cores']:11.2f}x "
+              f"{s['predicted_speedup_units']:9.2f}x {s['comm_ms_per_token']:9.2f} {s['equal']:>7}")
+    if args.json:
+        write_json_atomic(args.json, {"command": _command_line(args), "model": model.config.name, "k": args.k,
+                                      "exit_layer": ex.dbar, "head_on": args.head_on, "threads_per_unit": threads,
+                                      "cores": __import__("os").cpu_count(), "summary": summary, "records": records})
+        print(f"wrote {args.json}")
+    return 0

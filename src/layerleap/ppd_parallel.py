@@ -1,0 +1,311 @@
+"""PPD on real parallel compute units: a main process and ``k`` sub-processes, each with its own copy of
+the model, exchanging candidate tokens, hidden states and KV entries over ``torch.distributed`` (gloo on
+CPU), as Algorithm 2 of Yang et al. (2023) says (Algorithm 1 at d̄ = d/2).
+
+Per token ``x_t`` (the caller's process is the main process, rank 0; sub-process ``i`` is rank ``i``):
+
+1. main: layers ``[0, d̄)`` of ``x_t`` (from layer ``d - d̄`` when a sub-process's result was taken over);
+2. main -> every sub-process: the early prediction (``head_on="main"``: the main process runs the exit
+   head and sends candidate ``i`` to sub-process ``i``, as the paper; ``head_on="sub"``: it sends the
+   layer-d̄ hidden state and each sub-process runs the exit head itself and returns its candidate, which
+   keeps the exit head's unembedding (as costly as ~5 layers of SmolLM2) off the main process's
+   critical path), plus the KV entries of ``x_t`` in layers ``[0, d - d̄)`` the sub-process lacks;
+3. in parallel: main runs layers ``[d̄, d)`` of ``x_t`` -> ``x_{t+1}``; every sub-process runs its
+   candidate through layers ``[0, d - d̄)``;
+4. main -> sub-processes: which candidate (if any) equals ``x_{t+1}``; the matching sub-process sends
+   its hidden state after layer ``d - d̄`` and its KV entries of those layers, which the main process
+   writes into its own cache before continuing (step 1 from layer ``d - d̄``).
+
+Every emitted token is the main process's own full-model argmax: the output is greedy decoding.
+
+Timing: ``generate`` returns wall-clock time and, measured apart, the time the main process spent in
+communication calls (sending, and waiting for a sub-process's result it takes over); ``ping_pong``
+measures the round-trip cost of the messages alone.  Start-up and shutdown are clean: sub-processes
+are daemons that stop on a stop message, on the main process closing the group, or on error, and
+``close()`` (also on ``with`` exit, Ctrl-C or an exception) joins and, if need be, terminates them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import LayerleapError
+from .methods.ppd import Clock, Runs, check_options, min_exit_layer, stats, top_candidates
+
+STOP, GO = 0, 1
+HEAD_ON = ("main", "sub")
+
+
+class ParallelError(LayerleapError, RuntimeError):
+    """The multi-process executor cannot start or lost a process; the message says what to do."""
+
+
+@dataclass
+class ParallelResult:
+    token_ids: list[int]
+    text: str
+    stats: dict = field(default_factory=dict)
+
+
+# -- messages -------------------------------------------------------------------------------------
+class Link:
+    """Blocking point-to-point tensors on a gloo process group, with the main process's time in them."""
+
+    def __init__(self, pg, rank: int):
+        self.pg, self.rank = pg, rank
+        self.comm_s = 0.0
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        t0 = time.perf_counter()
+        self.pg.send([t.contiguous()], dst, 0).wait()
+        self.comm_s += time.perf_counter() - t0
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self.pg.recv([t], src, 0).wait()
+        self.comm_s += time.perf_counter() - t0
+        return t
+
+    def isend(self, t: torch.Tensor, dst: int):
+        return self.pg.send([t.contiguous()], dst, 0)
+
+    def irecv(self, t: torch.Tensor, src: int):
+        return self.pg.recv([t], src, 0)
+
+
+def _group(rank: int, size: int, port: int, timeout_s: float):
+    store = torch.distributed.TCPStore("127.0.0.1", port, size, rank == 0,
+                                       timeout=datetime.timedelta(seconds=timeout_s))
+    return store, torch.distributed.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+
+
+def _kv_rows(cache, layers: int, slot: int) -> torch.Tensor:
+    """``[2, layers, Hkv, hd]``: keys and values of one slot in layers ``[0, layers)``."""
+    return torch.stack([cache.k[:layers, 0, :, slot], cache.v[:layers, 0, :, slot]])
+
+
+def _append_kv(cache, kv: torch.Tensor, layers: int) -> None:
+    """Append one slot of keys/values ``[2, layers, Hkv, hd]`` to layers ``[0, layers)``."""
+    for layer in range(layers):
+        cache.write(layer, kv[0, layer].unsqueeze(0).unsqueeze(2), kv[1, layer].unsqueeze(0).unsqueeze(2))
+    cache.advance(0, layers, 1)
+
+
+# -- a sub-process --------------------------------------------------------------------------------
+def _sub_main(rank: int, size: int, port: int, model_src, dbar: int, head, head_on: str, threads: int,
+              timeout_s: float) -> None:
+    torch.set_num_threads(threads)
+    from .heads import get_head
+    from .loading import load
+    model = load(model_src, progress=lambda m: None) if isinstance(model_src, str) else model_src
+    store, pg = _group(rank, size, port, timeout_s)
+    link = Link(pg, rank)
+    d = model.config.n_layers
+    lo = d - dbar
+    D = model.config.hidden_size
+    c = model.config
+    exit_head = get_head(model, dbar, head) if head_on == "sub" else None
+    try:
+        with torch.inference_mode():
+            while True:  # one generation per loop; a header [cmd, prompt_len, max_len]
+                hdr = link.recv(torch.zeros(3, dtype=torch.long), 0)
+                if int(hdr[0]) == STOP:
+                    break
+                prompt = link.recv(torch.zeros(1, int(hdr[1]), dtype=torch.long), 0)
+                cache = model.new_cache(1, int(hdr[2]))
+                P = prompt.shape[1]
+                model.run_layers(model.embed(prompt), 0, lo, torch.arange(P).unsqueeze(0), cache)
+                kv_buf = torch.zeros(2, lo, c.n_kv_heads, c.head_dim, dtype=cache.k.dtype)
+                pos = P  # position of the candidate x_{t+1}
+                while True:
+                    step = link.recv(torch.zeros(3, dtype=torch.long), 0)  # [cmd, has_kv, candidate]
+                    if int(step[0]) == STOP:
+                        break
+                    if int(step[1]):
+                        _append_kv(cache, link.recv(kv_buf, 0), lo)
+                    if head_on == "sub":
+                        h = link.recv(torch.zeros(1, 1, D, dtype=model.dtype), 0)
+                        cand = int(top_candidates(exit_head(h)[0, -1], size - 1)[rank - 1])
+                        link.send(torch.tensor([cand]), 0)
+                    else:
+                        cand = int(step[2])
+                    h_lo = model.run_layers(model.embed(torch.tensor([[cand]])), 0, lo, torch.tensor([[pos]]), cache)
+                    verdict = int(link.recv(torch.zeros(1, dtype=torch.long), 0))
+                    if verdict == rank:  # taken over: send the state and the KV entries; keep them
+                        link.send(h_lo, 0)
+                        link.send(_kv_rows(cache, lo, pos), 0)
+                    else:
+                        cache.truncate(pos, layers=range(0, lo))
+                    pos += 1
+    except Exception:  # the main process went away (its error is the one to report) or a real failure
+        if rank == 1:
+            import traceback
+            traceback.print_exc()
+    finally:
+        del pg, store
+
+
+# -- the main process -----------------------------------------------------------------------------
+class ParallelPPD:
+    """``k + 1`` processes running PPD.  ``model``: a packaged name (each process loads its own copy) or
+    a ``Transformer`` (sent to the sub-processes, which then hold their own copy)."""
+
+    def __init__(self, model, exit_layer: int | None = None, k: int = 1, head="auto", head_on: str = "sub",
+                 threads: int = 1, timeout_s: float = 120.0):
+        from .heads import get_head
+        from .loading import load
+        units = k + 1 if isinstance(k, int) and not isinstance(k, bool) else None
+        cores = os.cpu_count() or 1
+        if units is not None and units * threads > cores:
+            raise ParallelError(f"PPD with k={k} needs {units} compute units × {threads} thread(s) = {units * threads} "
+                                f"cores; this machine has {cores}: lower k or --threads")
+        if head_on not in HEAD_ON:
+            raise ParallelError(f"head_on must be one of {', '.join(HEAD_ON)}, got {head_on!r}")
+        self.model = load(model, progress=lambda m: None) if isinstance(model, str) else model
+        d = self.model.config.n_layers
+        self.dbar = min_exit_layer(d) if exit_layer is None else exit_layer
+        check_options(d, self.dbar, k)
+        self.k, self.head_on, self.threads = k, head_on, threads
+        self.exit_head = get_head(self.model, self.dbar, head)
+        self.procs: list = []
+        torch.set_num_threads(threads)
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        try:
+            for rank in range(1, k + 1):
+                p = ctx.Process(target=_sub_main, args=(rank, k + 1, port, model, self.dbar, head, head_on, threads,
+                                                        timeout_s), daemon=True)
+                p.start()
+                self.procs.append(p)
+            self.store, self.pg = _group(0, k + 1, port, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.link = Link(self.pg, 0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """Stop the sub-processes (a stop message, then join; terminate any that hang)."""
+        pg = getattr(self, "pg", None)
+        if pg is not None:
+            for rank in range(1, self.k + 1):
+                try:
+                    self.link.isend(torch.tensor([STOP, 0, 0]), rank).wait(datetime.timedelta(seconds=5))
+                except Exception:
+                    pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        self.procs = []
+        self.pg = None
+
+    def _check_alive(self) -> None:
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            raise ParallelError(f"sub-process {dead[0].pid} exited (code {dead[0].exitcode}): see its message above")
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> ParallelResult:
+        self._check_alive()
+        model, link, k, dbar = self.model, self.link, self.k, self.dbar
+        d = model.config.n_layers
+        lo = d - dbar
+        c = model.config
+        eos = set(c.eos_token_ids) if stop_at_eos else set()
+        P = len(prompt_ids)
+        max_len = P + max_new_tokens + 2
+        cache = model.new_cache(1, max_len)
+        link.comm_s = 0.0
+        t0 = time.perf_counter()
+        for rank in range(1, k + 1):
+            link.send(torch.tensor([GO, P, max_len]), rank)
+            link.send(torch.tensor([prompt_ids]), rank)
+        ids = torch.tensor([prompt_ids])
+        pos_all = torch.arange(P).unsqueeze(0)
+        h = model.run_layers(model.embed(ids), 0, dbar, pos_all, cache)
+        h_mid, h_full = h[:, -1:], h
+        have_kv = [True] * (k + 1)  # sub-process i holds x_t's KV entries in layers [0, d - d̄)
+        out: list[int] = []
+        clock, runs = Clock(), Runs()
+        clock.run_main(dbar)
+        pos = P
+        kv_buf = torch.zeros(2, lo, c.n_kv_heads, c.head_dim, dtype=cache.k.dtype)
+        t_first = None
+        while True:
+            # hand out the early prediction (and the KV entries a sub-process lacks)
+            cands = top_candidates(self.exit_head(h_mid)[0, -1], k) if self.head_on == "main" else None
+            kv = _kv_rows(cache, lo, pos - 1) if not all(have_kv[1:]) else None
+            for rank in range(1, k + 1):
+                link.send(torch.tensor([GO, int(not have_kv[rank]), int(cands[rank - 1]) if cands is not None else -1]),
+                          rank)
+                if not have_kv[rank]:
+                    link.send(kv, rank)
+                if self.head_on == "sub":
+                    link.send(h_mid, rank)
+            bufs = [torch.zeros(1, dtype=torch.long) for _ in range(k)]
+            got = [link.irecv(bufs[r - 1], r) for r in range(1, k + 1)] if self.head_on == "sub" else []
+            clock.run_subs(k, lo)
+            # the main process: layers [d̄, d) of x_t
+            hs = h_full if h_full is not None else h_mid
+            positions = pos_all if h_full is not None else torch.tensor([[pos - 1]])
+            h = model.run_layers(hs, dbar, d, positions, cache)
+            h_full = None
+            clock.run_main(d - dbar)
+            x = int(model.logits(h[:, -1:])[0, -1].argmax())
+            if t_first is None:
+                t_first = time.perf_counter()
+            if got:  # the sub-processes' candidates (they arrived while the upper layers ran)
+                t1 = time.perf_counter()
+                for w in got:
+                    w.wait()
+                link.comm_s += time.perf_counter() - t1
+                cands = torch.cat(bufs)
+            out.append(x)
+            done = len(out) >= max_new_tokens or x in eos
+            j = None if done else next((i for i in range(k) if int(cands[i]) == x), None)
+            for rank in range(1, k + 1):  # the verdict: which sub-process's candidate was right (rank), or 0
+                link.send(torch.tensor([j + 1 if j is not None else 0]), rank)
+            if done:
+                break
+            runs.add(j is not None)
+            at = torch.tensor([[pos]])
+            if j is not None:  # take over sub-process j+1's state and KV entries
+                h_lo = link.recv(torch.zeros(1, 1, c.hidden_size, dtype=model.dtype), j + 1)
+                _append_kv(cache, link.recv(kv_buf, j + 1), lo)
+                h_mid = model.run_layers(h_lo, lo, dbar, at, cache)
+                clock.run_main(dbar - lo, after=clock.sub_done)
+                have_kv = [True] + [r == j + 1 for r in range(1, k + 1)]
+            else:
+                h_mid = model.run_layers(model.embed(torch.tensor([[x]])), 0, dbar, at, cache)
+                clock.run_main(dbar)
+                have_kv = [True] + [False] * k
+            pos += 1
+        wall = time.perf_counter() - t0
+        for rank in range(1, k + 1):  # end of this generation
+            link.send(torch.tensor([STOP, 0, 0]), rank)
+        st = stats(d, dbar, k, len(out), runs, clock)
+        st.update(method="ppd-parallel", units=k + 1, head_on=self.head_on, new_tokens=len(out), wall_s=wall,
+                  tokens_per_s=len(out) / wall if wall > 0 else 0.0, ttft_s=t_first - t0 if t_first else None,
+                  comm_s=link.comm_s, head=self.exit_head.kind, threads_per_unit=self.threads)
+        text = model.tokenizer.decode(out, skip_special_tokens=True) if model.tokenizer is not None else ""
+        return ParallelResult(out, text, st)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

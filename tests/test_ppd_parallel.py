@@ -1,0 +1,55 @@
+"""PPD on real processes (ppd_parallel.py): two processes over gloo give greedy's tokens on a tiny
+random model, the clock statistics agree with the one-device emulation, start-up refuses more units
+than cores, and no sub-process is left behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tiny_models import naive_greedy, random_model
+
+from layerleap import generate
+from layerleap.ppd_parallel import ParallelError, ParallelPPD
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+
+
+@pytest.mark.parametrize("head_on", ["sub", "main"])
+def test_two_processes_equal_greedy_and_the_emulation(head_on):
+    model = random_model("llama-mha-untied", seed=11, scale=2.0)
+    with ParallelPPD(model, exit_layer=2, k=1, head="shared", head_on=head_on) as ex:
+        procs = list(ex.procs)
+        matches = 0
+        for seed, plen in ((0, 1), (1, 5), (2, 9)):
+            prompt = torch.randint(0, 97, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+            r = ex.generate(prompt, 16, stop_at_eos=False)
+            assert r.token_ids == naive_greedy(model, prompt, 16)
+            emu = generate(model, prompt, "ppd", 16, stop_at_eos=False, exit_layer=2, k=1, head="shared")
+            for key in ("matches", "trials", "runs", "latency_units", "compute_units"):
+                assert r.stats[key] == emu.stats[key], key
+            assert r.stats["comm_s"] >= 0 and r.stats["units"] == 2
+            matches += r.stats["matches"]
+        assert matches > 0  # sub-process results really were taken over
+    assert all(not p.is_alive() for p in procs)  # closed cleanly
+
+
+def test_more_units_than_cores_is_refused():
+    model = random_model("llama-gqa-tied", seed=1)
+    with pytest.raises(ParallelError, match="cores"):
+        ParallelPPD(model, exit_layer=2, k=os.cpu_count() or 1)
+
+
+def test_sub_processes_stop_when_the_main_process_errors():
+    model = random_model("llama-gqa-tied", seed=1)
+    ex = ParallelPPD(model, exit_layer=2, k=1, head="shared")
+    procs = list(ex.procs)
+    try:
+        with ex:
+            raise KeyboardInterrupt  # as Ctrl-C in the middle of a run
+    except KeyboardInterrupt:
+        pass
+    for p in procs:
+        p.join(timeout=20)
+    assert all(not p.is_alive() for p in procs)

@@ -53,3 +53,33 @@ def test_sub_processes_stop_when_the_main_process_errors():
     for p in procs:
         p.join(timeout=20)
     assert all(not p.is_alive() for p in procs)
+
+
+def test_sub_processes_exit_when_the_main_process_is_killed(tmp_path):
+    """SIGKILL leaves the main process no chance to send a stop message: the sub-processes notice and exit."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        "from tiny_models import random_model\n"
+        "from layerleap.ppd_parallel import ParallelPPD\n"
+        "if __name__ == '__main__':\n"
+        "    ex = ParallelPPD(random_model('llama-gqa-tied', seed=1), exit_layer=2, k=1, head='shared')\n"
+        "    print(ex.procs[0].pid, flush=True)\n"
+        "    time.sleep(120)\n")
+    main = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    sub_pid = int(main.stdout.readline())
+    main.send_signal(signal.SIGKILL)
+    main.wait()
+    for _ in range(40):
+        try:
+            os.kill(sub_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.25)
+    os.kill(sub_pid, signal.SIGKILL)
+    pytest.fail("the sub-process outlived its main process by 10 s")

@@ -97,8 +97,22 @@ def _append_kv(cache, kv: torch.Tensor, layers: int) -> None:
 
 
 # -- a sub-process --------------------------------------------------------------------------------
+def _exit_with_parent() -> None:
+    """A watchdog thread: when the main process is gone (killed without a chance to stop us), exit at
+    once instead of waiting out the communication timeout."""
+    import threading
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _sub_main(rank: int, size: int, port: int, model_src, dbar: int, head, head_on: str, threads: int,
               timeout_s: float) -> None:
+    _exit_with_parent()
     torch.set_num_threads(threads)
     from .heads import get_head
     from .loading import load

@@ -5,6 +5,7 @@ real processes against greedy, wall clock)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from .. import theory
@@ -195,5 +196,104 @@ def run_parallel(args) -> int:
         write_json_atomic(args.json, {"command": _command_line(args), "model": model.config.name, "k": args.k,
                                       "exit_layer": ex.dbar, "head_on": args.head_on, "threads_per_unit": threads,
                                       "cores": __import__("os").cpu_count(), "summary": summary, "records": records})
+        print(f"wrote {args.json}")
+    return 0
+
+
+@command("eval self-spec", help="self-spec and ppd against greedy and transformers' assistant_early_exit on the "
+         "same model and layer, interleaved per prompt")
+def _setup_selfspec(p):
+    _model_args(p)
+    p.add_argument("--exit-layer", type=_positive_int, default=15, help="the drafting / early-prediction layer")
+    p.add_argument("--draft-lens", default="2,4", help="self-spec draft lengths (default 2,4)")
+    p.add_argument("--min-confidence", type=float, default=0.5, help="also run self-spec with this adaptive stop "
+                   "(0 = skip that variant)")
+    p.add_argument("--head", default="auto")
+    p.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
+    p.add_argument("--prompts", type=_positive_int, default=1)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--json", metavar="OUT.json", default=None)
+
+
+@_setup_selfspec
+def run_selfspec(args) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..bench import HFBaseline
+    from ..decoding import generate
+    prompts = _read_prompts(None, _csv(args.categories), args.prompts)
+    threads = _threads(args.threads)
+    print(f"$ {_command_line(args)}", flush=True)
+    model = _load(args)
+    E = args.exit_layer
+    ours = {"greedy": ("greedy", {})}
+    for g in _ints(args.draft_lens, "--draft-lens"):
+        ours[f"self-spec g{g}"] = ("self-spec", {"exit_layer": E, "draft_len": g, "head": args.head})
+    if args.min_confidence > 0:
+        g = max(_ints(args.draft_lens, "--draft-lens"))
+        ours[f"self-spec g{g} c{args.min_confidence}"] = ("self-spec", {"exit_layer": E, "draft_len": g, "head": args.head,
+                                                                        "min_confidence": args.min_confidence})
+    if 2 * E >= model.config.n_layers:
+        ours["ppd k1 (emulated)"] = ("ppd", {"exit_layer": E, "k": 1, "head": args.head})
+    hf = HFBaseline(model)
+    hf_variants = {"transformers greedy": {}}
+    for g in _ints(args.draft_lens, "--draft-lens"):
+        hf_variants[f"transformers assistant_early_exit g{g}"] = {"assistant_early_exit": E, "num_assistant_tokens": g,
+                                                                   "num_assistant_tokens_schedule": "constant"}
+    records = []
+
+    def hf_run(ids, n, extra):
+        t = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.hf.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, **extra)
+        return out[0, t.shape[1]:].tolist(), time.perf_counter() - t0
+
+    warm = generate(model, prompts[0].text, "greedy", 4, chat=True)
+    for label, (name, opts) in ours.items():
+        generate(model, prompts[0].text, name, 8, chat=True, stop_at_eos=False, **opts)
+    for extra in hf_variants.values():
+        hf_run(warm.prompt_ids, 8, extra)
+    for pr in tqdm(prompts, desc="self-spec", unit="prompt"):
+        ref = None
+        for label, (name, opts) in ours.items():
+            r = generate(model, pr.text, name, args.max_new_tokens, stop_at_eos=False, chat=True, **opts)
+            ref = ref or r
+            keep = {k: r.stats.get(k) for k in ("acceptance", "tokens_per_round", "p_correct", "layers_per_token",
+                                                "latency_units", "greedy_units", "ttft_s")}
+            records.append({"category": pr.category, "id": pr.id, "label": label, "wall_s": r.stats["wall_s"],
+                            "tokens": len(r.token_ids), "equal": r.token_ids == ref.token_ids, **keep})
+        for label, extra in hf_variants.items():
+            toks, wall = hf_run(ref.prompt_ids, args.max_new_tokens, extra)
+            records.append({"category": pr.category, "id": pr.id, "label": label, "wall_s": wall, "tokens": len(toks),
+                            "equal": toks == ref.token_ids})
+    labels = list(ours) + list(hf_variants)
+    summary = {}
+    for cat in list(dict.fromkeys(r["category"] for r in records)) + ["all"]:
+        rs = [r for r in records if cat in ("all", r["category"])]
+        g_wall = sum(r["wall_s"] for r in rs if r["label"] == "greedy")
+        row = {}
+        for lb in labels:
+            xs = [r for r in rs if r["label"] == lb]
+            wall, toks = sum(r["wall_s"] for r in xs), sum(r["tokens"] for r in xs)
+            acc = [r["acceptance"] for r in xs if r.get("acceptance") is not None]
+            tpr = [r["tokens_per_round"] for r in xs if r.get("tokens_per_round") is not None]
+            pc = [r["p_correct"] for r in xs if r.get("p_correct") is not None]
+            row[lb] = {"tokens_per_s": toks / wall, "vs_greedy": g_wall / wall,
+                       "acceptance": sum(acc) / len(acc) if acc else None,
+                       "tokens_per_round": sum(tpr) / len(tpr) if tpr else None,
+                       "p_correct": sum(pc) / len(pc) if pc else None,
+                       "equal": f"{sum(r['equal'] for r in xs)}/{len(xs)}"}
+        summary[cat] = row
+    for cat, row in summary.items():
+        print(f"== {cat}")
+        for lb, s in row.items():
+            extra = "".join(f" {k} {s[k]:.3f}" for k in ("acceptance", "tokens_per_round", "p_correct") if s[k] is not None)
+            print(f"  {lb:42} {s['tokens_per_s']:6.1f} tok/s {s['vs_greedy']:5.2f}x ={s['equal']}{extra}")
+    if args.json:
+        write_json_atomic(args.json, {"command": _command_line(args), "model": model.config.name, "threads": threads,
+                                      "exit_layer": E, "summary": summary, "records": records})
         print(f"wrote {args.json}")
     return 0

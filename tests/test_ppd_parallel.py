@@ -83,3 +83,27 @@ def test_sub_processes_exit_when_the_main_process_is_killed(tmp_path):
         time.sleep(0.25)
     os.kill(sub_pid, signal.SIGKILL)
     pytest.fail("the sub-process outlived its main process by 10 s")
+
+
+def test_close_in_the_middle_of_a_generation_stops_the_sub_processes():
+    model = random_model("llama-gqa-tied", seed=1)
+    ex = ParallelPPD(model, exit_layer=2, k=1, head="shared")
+    procs = list(ex.procs)
+    calls = {"n": 0}
+    orig = model.logits
+
+    def interrupt(h):  # Ctrl-C after a few tokens
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return orig(h)
+    model.logits = interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with ex:
+                ex.generate([1, 2, 3], 20, stop_at_eos=False)
+    finally:
+        del model.logits
+    for p in procs:
+        p.join(timeout=20)
+    assert all(not p.is_alive() for p in procs)

@@ -187,6 +187,7 @@ class ParallelPPD:
         self.k, self.head_on, self.threads = k, head_on, threads
         self.exit_head = get_head(self.model, self.dbar, head)
         self.procs: list = []
+        self._busy = False
         torch.set_num_threads(threads)
         import torch.multiprocessing as mp
         ctx = mp.get_context("spawn")
@@ -202,6 +203,7 @@ class ParallelPPD:
             self.close()
             raise
         self.link = Link(self.pg, 0)
+        self._busy = False  # inside a generation (the sub-processes expect its messages)
 
     def __enter__(self):
         return self
@@ -214,8 +216,9 @@ class ParallelPPD:
         pg = getattr(self, "pg", None)
         if pg is not None:
             for rank in range(1, self.k + 1):
-                try:
-                    self.link.isend(torch.tensor([STOP, 0, 0]), rank).wait(datetime.timedelta(seconds=5))
+                try:  # a generation cut short needs its own stop first
+                    for _ in range(2 if self._busy else 1):
+                        self.link.isend(torch.tensor([STOP, 0, 0]), rank).wait(datetime.timedelta(seconds=2))
                 except Exception:
                     pass
         for p in self.procs:
@@ -244,6 +247,7 @@ class ParallelPPD:
         cache = model.new_cache(1, max_len)
         link.comm_s = 0.0
         t0 = time.perf_counter()
+        self._busy = True
         for rank in range(1, k + 1):
             link.send(torch.tensor([GO, P, max_len]), rank)
             link.send(torch.tensor([prompt_ids]), rank)
@@ -310,6 +314,7 @@ class ParallelPPD:
         wall = time.perf_counter() - t0
         for rank in range(1, k + 1):  # end of this generation
             link.send(torch.tensor([STOP, 0, 0]), rank)
+        self._busy = False
         st = stats(d, dbar, k, len(out), runs, clock)
         st.update(method="ppd-parallel", units=k + 1, head_on=self.head_on, new_tokens=len(out), wall_s=wall,
                   tokens_per_s=len(out) / wall if wall > 0 else 0.0, ttft_s=t_first - t0 if t_first else None,

@@ -107,3 +107,14 @@ def test_close_in_the_middle_of_a_generation_stops_the_sub_processes():
     for p in procs:
         p.join(timeout=20)
     assert all(not p.is_alive() for p in procs)
+
+
+def test_ping_pong_measures_a_round_trip():
+    model = random_model("llama-gqa-tied", seed=1)
+    with ParallelPPD(model, exit_layer=2, k=1, head="shared") as ex:
+        sizes = ex.message_sizes()
+        assert sizes["kv_entries"] == 2 * 2 * model.config.n_kv_heads * model.config.head_dim
+        t = ex.ping_pong(sizes["hidden_and_kv"], repeats=20)
+        assert 0 < t < 1.0
+        prompt = [3, 4, 5]  # the executor still generates after a ping-pong
+        assert ex.generate(prompt, 6, stop_at_eos=False).token_ids == naive_greedy(model, prompt, 6)

@@ -37,7 +37,7 @@ import torch
 from .errors import LayerleapError
 from .methods.ppd import Clock, Runs, check_options, min_exit_layer, stats, top_candidates
 
-STOP, GO = 0, 1
+STOP, GO, ECHO = 0, 1, 2
 HEAD_ON = ("main", "sub")
 
 
@@ -130,6 +130,11 @@ def _sub_main(rank: int, size: int, port: int, model_src, dbar: int, head, head_
                 hdr = link.recv(torch.zeros(3, dtype=torch.long), 0)
                 if int(hdr[0]) == STOP:
                     break
+                if int(hdr[0]) == ECHO:  # ping-pong: hdr[1] round trips of hdr[2] float32 values
+                    buf = torch.zeros(int(hdr[2]))
+                    for _ in range(int(hdr[1])):
+                        link.send(link.recv(buf, 0), 0)
+                    continue
                 prompt = link.recv(torch.zeros(1, int(hdr[1]), dtype=torch.long), 0)
                 cache = model.new_cache(1, int(hdr[2]))
                 P = prompt.shape[1]
@@ -233,6 +238,25 @@ class ParallelPPD:
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
             raise ParallelError(f"sub-process {dead[0].pid} exited (code {dead[0].exitcode}): see its message above")
+
+    def ping_pong(self, n_values: int, repeats: int = 200) -> float:
+        """Seconds per round trip of ``n_values`` float32 values to sub-process 1 and back, with no
+        computation on either side: the communication cost measured apart from the model."""
+        self._check_alive()
+        link = self.link
+        link.send(torch.tensor([ECHO, repeats, n_values]), 1)
+        buf = torch.randn(n_values)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            link.send(buf, 1)
+            link.recv(buf, 1)
+        return (time.perf_counter() - t0) / repeats
+
+    def message_sizes(self) -> dict[str, int]:
+        """float32-equivalent values of PPD's per-token messages on this model."""
+        c = self.model.config
+        kv = 2 * (c.n_layers - self.dbar) * c.n_kv_heads * c.head_dim
+        return {"header": 3, "hidden": c.hidden_size, "kv_entries": kv, "hidden_and_kv": c.hidden_size + kv}
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> ParallelResult:

@@ -156,6 +156,8 @@ def run_parallel(args) -> int:
         _say(f"{args.k + 1} processes × {threads} thread(s), d̄={ex.dbar}, head {ex.exit_head.kind} on {args.head_on}")
         ids0 = generate(model, prompts[0].text, "greedy", 4, chat=True).prompt_ids
         ex.generate(ids0, 8, stop_at_eos=False)  # warm-up
+        ping = {name: ex.ping_pong(n) for name, n in ex.message_sizes().items()}
+        _say("round trip, no computation: " + ", ".join(f"{k} {1e6 * v:.0f} µs" for k, v in ping.items()))
         for pr in tqdm(prompts, desc="ppd-parallel", unit="prompt"):
             torch.set_num_threads(threads)
             g = generate(model, pr.text, "greedy", args.max_new_tokens, stop_at_eos=False, chat=True)
@@ -188,6 +190,7 @@ def run_parallel(args) -> int:
                         "equal": f"{sum(r['equal'] for r in rs)}/{len(rs)}"}
     print(f"{'category':16} {'p̂':>6} {'greedy ms/t':>11} {'ppd ms/t':>9} {'vs 1 unit':>9} {'vs all cores':>12} "
           f"{'units pred':>10} {'comm ms/t':>9} {'=greedy':>7}")
+    print("round trip without computation: " + ", ".join(f"{k} {1e6 * v:.0f} µs" for k, v in ping.items()))
     for cat, s in summary.items():
         print(f"{cat:16} {s['p_correct']:6.3f} {s['greedy_ms_per_token']:11.1f} {s['ppd_ms_per_token']:9.1f} "
               f"{s['speedup_vs_greedy_1unit']:8.2f}x {s['speedup_vs_greedy_all_cores']:11.2f}x "
@@ -195,7 +198,9 @@ def run_parallel(args) -> int:
     if args.json:
         write_json_atomic(args.json, {"command": _command_line(args), "model": model.config.name, "k": args.k,
                                       "exit_layer": ex.dbar, "head_on": args.head_on, "threads_per_unit": threads,
-                                      "cores": __import__("os").cpu_count(), "summary": summary, "records": records})
+                                      "cores": __import__("os").cpu_count(), "round_trip_s": ping,
+                                      "load_average": __import__("os").getloadavg(), "summary": summary,
+                                      "records": records})
         print(f"wrote {args.json}")
     return 0
 

@@ -108,10 +108,23 @@ def _atomic_dir(final: Path, fill) -> Path:
     return final
 
 
+SHARD_BYTES = 1 << 30  # converted weights are written in shards of about this size
+
+
 def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
-    """Dequantize a GGUF file (given as ordered chunks) through `transformers` into ``out``."""
+    """Dequantize a GGUF file (given as ordered chunks) into ``out``, one tensor at a time.
+
+    ``transformers`` supplies the config, the tokenizer, the GGUF -> Hugging Face name map and the
+    per-architecture tensor fix-ups (its own functions); the tensors are dequantized one by one and
+    written in safetensors shards of ~``SHARD_BYTES`` with an index, so the peak memory is about one
+    shard, not twice the fp32 model (which a 1.5B model, 6 GB in fp32, could not afford)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
 
     if len(parts) == 1:
         gguf_dir, gguf_file = parts[0].parent, parts[0].name
@@ -124,17 +137,55 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
                     shutil.copyfileobj(src, dst, 16 << 20)
     progress(f"converting {gguf_file} to safetensors (once; later loads use the cache) …")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = str(gguf_dir / gguf_file)
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    hf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    hf_config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    with torch.device("meta"):  # names and shapes only
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    expected = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    parsed = load_gguf_checkpoint(path, return_tensors=False)
+    reader = GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed.get("config", {}))
+    key_map = get_gguf_hf_weights_map(hf, processor)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    for t in tqdm(reader.tensors, desc="dequantizing GGUF tensors", leave=False):
+        r = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=key_map,
+                              parsed_parameters=parsed)
+        name = key_map.get(r.name)
+        if name is None or name not in expected:
+            continue
+        w = torch.from_numpy(np.array(r.weights, dtype=np.float32, order="C", copy=True))
+        if tuple(w.shape) != expected[name]:
+            raise ConfigError(f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected {expected[name]}")
+        shard[name] = w
+        size += w.numel() * 4
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
+    missing = sorted(set(expected) - set(weight_map))
+    if missing:
+        raise ConfigError(f"{gguf_file}: no GGUF tensor for {missing[:4]}{' …' if len(missing) > 4 else ''}")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     cfg = hf.config.to_dict()
     for k in ("quantization_config", "_name_or_path", "transformers_version"):
         cfg.pop(k, None)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if cfg.get("tie_word_embeddings"):
-        sd.pop("lm_head.weight", None)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(out)
+    del reader
     if len(parts) > 1:
         (out / gguf_file).unlink()
 

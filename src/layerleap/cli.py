@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "layerleap.commands.bild",  # sweep bild, align
     "layerleap.commands.skipdecode",  # finetune skipdecode, eval skipdecode / skipdecode-speed
     "layerleap.commands.ppd",  # theory ppd, eval ppd-parallel
+    "layerleap.commands.heads",  # train heads, match-rate
 ]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}

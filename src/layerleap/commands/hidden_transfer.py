@@ -1,0 +1,161 @@
+"""``layerleap train transfer`` / ``train medusa`` (the drafters of Hidden Transfer and Medusa) and
+``layerleap eval drafters`` (draft accuracy per step, the paper's Figure 3, and the layer study of
+Figures 5-6).  See train_drafters.py for the method."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .. import drafters, train_drafters
+from ..cli import command
+from ..datasets import spec_bench
+from ..decoding import generate
+from ..errors import LayerleapError
+from .basic import _command_line, _load, _model_args, _positive_int, _say, _threads
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LayerleapError(f"--layers takes comma-separated layer numbers (e.g. 15,20,25), got {text!r}") from None
+
+
+@command("train transfer", "train medusa",
+         help="train Hidden Transfer projections (--layers t1,t2,..) or Medusa heads (--heads k) on ShareGPT, backbone frozen")
+def _setup_train(p):
+    _model_args(p)
+    p.add_argument("--layers", default="15,20,25", help="transfer: the layer t_i of each step (default 15,20,25)")
+    p.add_argument("--heads", type=_positive_int, default=3, help="medusa: heads = steps ahead (default 3)")
+    p.add_argument("--out", required=True, help="weights file to write (safetensors); its checkpoint "
+                   "<out>.ckpt.safetensors makes a rerun resume")
+    p.add_argument("--steps", type=_positive_int, default=60, help="optimizer steps (default 60)")
+    p.add_argument("--batch-size", type=_positive_int, default=1, help="chunks per step (default 1)")
+    p.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per chunk (default 128)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations", type=_positive_int, default=2000, help="ShareGPT conversations read (default 2000)")
+    p.add_argument("--chunks", default=None, help="pre-tokenized chunks (a file from --save-chunks) instead of ShareGPT")
+    p.add_argument("--save-chunks", default=None, help="write the tokenized ShareGPT chunks here and exit")
+    p.add_argument("--save-every", type=_positive_int, default=20)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop and save after this many seconds")
+
+
+def _read_chunks(path: str) -> list[list[int]]:
+    from safetensors.torch import load_file
+    try:
+        return load_file(path)["chunks"].long().tolist()
+    except Exception as e:
+        raise LayerleapError(f"cannot read chunks {path}: {e}; write them with --save-chunks") from None
+
+
+@_setup_train
+def run_train(args) -> int:
+    kind = "transfer" if args.what == "transfer" else "medusa"
+    threads = _threads(args.threads)
+    model = _load(args)
+    if args.device != "cpu":
+        model = model.to(args.device)
+    cfg = train_drafters.TrainConfig(kind=kind, layers=_layers(args.layers), steps_ahead=args.heads,
+                                     train_steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
+                                     lr=args.lr, seed=args.seed, n_conversations=args.conversations,
+                                     save_every=args.save_every, max_seconds=args.max_seconds)
+    if args.chunks:
+        chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks)]
+    else:
+        eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
+        chunks = train_drafters.sharegpt_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
+    if args.save_chunks:
+        from safetensors.torch import save_file
+        save_file({"chunks": torch.tensor(chunks, dtype=torch.int32)}, args.save_chunks)
+        print(f"wrote {len(chunks)} chunks of {cfg.seq_len} tokens to {args.save_chunks}")
+        return 0
+    t = time.perf_counter()
+    report = train_drafters.train(model, args.out, cfg, chunks=chunks)
+    report.update(command=_command_line(args), threads=threads, wall_s=time.perf_counter() - t, device=args.device)
+    losses = report.pop("losses")
+    first = sum(losses[:5]) / max(1, len(losses[:5]))
+    last = sum(losses[-5:]) / max(1, len(losses[-5:]))
+    print(json.dumps({**report, "loss_first5": first, "loss_last5": last}, indent=1))
+    return 0
+
+
+@command("eval drafters", help="draft accuracy per step (top-1/3/5) of Hidden Transfer and Medusa weights on the model's greedy text (Figure 3)")
+def _setup_eval(p):
+    _model_args(p)
+    p.add_argument("--transfer", action="append", default=[], help="transfer weights file(s) ('trained': shipped)")
+    p.add_argument("--medusa", action="append", default=[], help="Medusa heads file(s) ('trained': shipped)")
+    p.add_argument("--categories", default="summarization,math_reasoning")
+    p.add_argument("--prompts", type=_positive_int, default=4, help="prompts per category")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="a PNG of top-1 accuracy per step")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+
+
+def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, list[int]]]:
+    out = []
+    for pr in prompts:
+        res = generate(model, pr.text, "greedy", max_new_tokens, chat=True, stop_at_eos=False)
+        out.append((len(res.prompt_ids), res.prompt_ids + res.token_ids))
+    return out
+
+
+@_setup_eval
+def run_eval(args) -> int:
+    threads = _threads(args.threads)
+    model = _load(args)
+    if args.device != "cpu":
+        model = model.to(args.device)
+    cats = [c for c in args.categories.split(",") if c]
+    prompts = spec_bench(None, cats, args.prompts)
+    seqs = greedy_sequences(model, prompts, args.max_new_tokens)
+    rows = {}
+    for kind, specs in (("transfer", args.transfer), ("medusa", args.medusa)):
+        for spec in specs:
+            d = drafters.get_drafter(model, kind, spec)
+            label = f"{kind}:{Path(spec).stem if spec != 'trained' else 'shipped'}"
+            if kind == "transfer":
+                label += f"@{','.join(map(str, d.layers))}"
+            rows[label] = train_drafters.draft_accuracy(model, d, seqs)
+    report = {"command": _command_line(args), "threads": threads, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "accuracy": rows}
+    print(accuracy_table(rows))
+    if args.json:
+        from ..bench import write_json_atomic
+        write_json_atomic(args.json, report)
+    if args.plot:
+        accuracy_plot(rows, args.plot)
+    return 0
+
+
+def accuracy_table(rows: dict) -> str:
+    lines = [f"{'drafter':40} step  top1   top3   top5   n"]
+    for label, acc in rows.items():
+        for i, a in acc.items():
+            lines.append(f"{label:40} {i:>4} {a[1]:.3f}  {a[3]:.3f}  {a[5]:.3f}  {a['n']}")
+    return "\n".join(lines)
+
+
+def accuracy_plot(rows: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
+    for ax, k in zip(axes, (1, 3, 5)):
+        for label, acc in rows.items():
+            steps = sorted(acc, key=int)
+            ax.plot([int(s) + 1 for s in steps], [acc[s][k] for s in steps], marker="o", label=label)
+        ax.set_title(f"top-{k} draft accuracy")
+        ax.set_xlabel("N (token ahead; 2 = first draft)")
+    axes[0].set_ylabel("accuracy")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)

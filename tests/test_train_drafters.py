@@ -1,0 +1,84 @@
+"""Training the drafters: the loss falls on a tiny model, a run resumes from its checkpoint to the
+same weights, the files carry the model's fingerprint, and training matches decoding (the drafts the
+trained weights produce are the ones the decoder uses)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import random_model
+
+from layerleap import drafters, train_drafters
+from layerleap.train_drafters import TrainConfig, TrainError
+
+
+def _chunks(vocab, n=8, seq=12, seed=0):
+    """A learnable stream: a repeating pattern with noise, so tokens ahead are predictable."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(3, vocab, (7,), generator=g)
+    out = []
+    for _ in range(n):
+        start = int(torch.randint(0, 7, (1,), generator=g))
+        out.append([int(base[(start + i) % 7]) for i in range(seq)])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["transfer", "medusa"])
+def test_training_lowers_the_loss(tmp_path, kind):
+    model = random_model("llama-mha-untied", seed=2)
+    chunks = _chunks(model.config.vocab_size)
+    cfg = TrainConfig(kind=kind, layers=[1, 2], steps_ahead=2, train_steps=25, seq_len=12, batch_size=2,
+                      lr=3e-2, warmup=2, save_every=10)
+    fresh = drafters.new_drafter(model, kind, layers=[1, 2], steps=2)
+    before = train_drafters.eval_loss(model, fresh, chunks)
+    report = train_drafters.train(model, tmp_path / f"{kind}.safetensors", cfg, chunks=chunks, progress=False)
+    trained = drafters.load_drafter(model, report["out"], kind)
+    after = train_drafters.eval_loss(model, trained, chunks)
+    assert after < 0.7 * before, f"{kind}: loss {before:.3f} -> {after:.3f}"
+    assert report["tokens"] == 25 * 2 * 12
+    # trained weights decode greedily, token for token
+    from tiny_models import naive_greedy
+    from layerleap import generate
+    prompt = chunks[0][:5]
+    opt = {"transfer": trained} if kind == "transfer" else {"heads": trained}
+    res = generate(model, prompt, "hidden-transfer" if kind == "transfer" else "medusa", 10, stop_at_eos=False,
+                   tree="2,1", **opt)
+    assert res.token_ids == naive_greedy(model, prompt, 10)
+
+
+def test_resume_gives_the_same_weights(tmp_path):
+    model = random_model("llama-gqa-tied", seed=4)
+    chunks = _chunks(model.config.vocab_size, seed=1)
+    cfg = TrainConfig(kind="transfer", layers=[2, 3], train_steps=8, seq_len=12, batch_size=1, lr=1e-2, save_every=2)
+    full = train_drafters.train(model, tmp_path / "full.safetensors", cfg, chunks=chunks, progress=False)
+    # an interrupted run: stop after 4 steps (a checkpoint at 4), then run again to 8
+    part = TrainConfig(**{**cfg.__dict__, "train_steps": 4})
+    train_drafters.train(model, tmp_path / "resumed.safetensors", part, chunks=chunks, progress=False)
+    resumed = train_drafters.train(model, tmp_path / "resumed.safetensors", cfg, chunks=chunks, progress=False)
+    assert resumed["losses"] == full["losses"]
+    a = drafters.load_drafter(model, full["out"], "transfer").state_dict()
+    b = drafters.load_drafter(model, resumed["out"], "transfer").state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])
+    other = random_model("llama-gqa-tied", seed=5)
+    with pytest.raises(drafters.DrafterError, match="another model"):
+        drafters.load_drafter(other, full["out"], "transfer")
+    with pytest.raises(TrainError, match="another model"):
+        train_drafters.train(other, tmp_path / "full.safetensors", cfg, chunks=chunks, progress=False)
+    with pytest.raises(TrainError, match="layers"):
+        train_drafters.train(model, tmp_path / "full.safetensors", TrainConfig(**{**cfg.__dict__, "layers": [1, 3]}),
+                             chunks=chunks, progress=False)
+
+
+def test_draft_accuracy_counts_the_greedy_tokens():
+    """Medusa heads at zero predict the next token again: their step-1 top-1 is right exactly where
+    the greedy text repeats a token (X_{j+2} == argmax at j == X_{j+1})."""
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    from tiny_models import naive_greedy
+    prompt = [5, 6, 7]
+    seq = prompt + naive_greedy(model, prompt, 20)
+    heads = drafters.new_drafter(model, "medusa", steps=1)
+    acc = train_drafters.draft_accuracy(model, heads, [(len(prompt), seq)], topk=(1,))
+    js = range(len(prompt) - 1, len(seq) - 2)
+    want = sum(seq[j + 2] == seq[j + 1] for j in js) / len(js)
+    assert acc[1]["n"] == len(js) and acc[1][1] == pytest.approx(want)

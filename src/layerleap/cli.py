@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "layerleap.commands.skipdecode",  # finetune skipdecode, eval skipdecode / skipdecode-speed
     "layerleap.commands.ppd",  # theory ppd, eval ppd-parallel
     "layerleap.commands.heads",  # train heads, match-rate
+    "layerleap.commands.hidden_transfer",  # train transfer / train medusa, eval drafters
 ]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}

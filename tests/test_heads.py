@@ -163,3 +163,48 @@ def test_cli_train_heads_errors(capsys):
     from layerleap.cli import main
     assert main(["train", "heads", "--layers", "a,b", "--out", "x.safetensors"]) == 2
     assert "--layers must be a comma list" in capsys.readouterr().err
+
+
+@pytest.mark.real
+def test_shipped_heads_load_and_beat_the_shared_head():
+    """The shipped SmolLM2 lens heads load by fingerprint and agree more often with the final layer's
+    top-1 than the shared head, on prompts they were not trained on (Spec-Bench)."""
+    import layerleap
+    from layerleap.datasets import spec_bench
+    from layerleap.match_rate import MatchRateConfig, match_rate
+    model = layerleap.load("smollm2-135m")
+    layers = heads.trained_layers(model)
+    assert {8, 15, 23} <= set(layers)
+    assert heads.get_head(model, 15, "auto").kind == "lens"
+    prompts = [p.text for p in spec_bench(categories=["qa", "summarization"], n=2)]
+    cfg = MatchRateConfig(layers=(15,), ks=(1, 3), heads=("shared", "trained"), max_new_tokens=24)
+    res = match_rate(model, prompts, cfg, progress=False)
+    assert res.tokens >= 60
+    assert res.rates["trained"][15][1] > res.rates["shared"][15][1] + 0.05
+    assert res.rates["trained"][15][3] >= res.rates["trained"][15][1]
+
+
+def test_sub_vocabulary_heads(tmp_path):
+    model = random_model()
+    vocab = torch.tensor([5, 9, 17, 40, 41])
+    lens = heads.new_head(model, 2, "lens")
+    with torch.no_grad():
+        lens.proj.weight.normal_(std=0.1)
+    sub = heads.with_vocab(lens, vocab)
+    h = torch.randn(2, 3, model.config.hidden_size)
+    full, part = lens(h), sub(h)
+    torch.testing.assert_close(part[..., vocab], full[..., vocab])
+    outside = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isneginf(part[..., outside]).all()
+    assert int(part.argmax(-1).reshape(-1)[0]) in vocab.tolist()
+    shared = heads.new_head(model, 1, "shared", vocab)
+    torch.testing.assert_close(shared(h)[..., vocab], model.logits(h)[..., vocab])
+    path = heads.save_heads([sub, shared], tmp_path / "v.safetensors", dtype=torch.bfloat16)
+    got = heads.load_heads(model, path)
+    assert got[2].vocab.tolist() == vocab.tolist() and got[1].kind == "shared"
+    for bad in ([], [1, 1], [model.config.vocab_size]):
+        with pytest.raises(heads.HeadError, match="distinct token ids"):
+            heads.new_head(model, 1, "lens", torch.tensor(bad, dtype=torch.long))
+    with pytest.raises(heads.HeadError, match="full head"):
+        heads.new_head(model, 1, "full", vocab)

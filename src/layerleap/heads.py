@@ -39,17 +39,33 @@ class ExitHead(nn.Module):
 
     kind = "shared"
 
-    def __init__(self, model: Transformer, layer: int):
+    def __init__(self, model: Transformer, layer: int, vocab: torch.Tensor | None = None):
         super().__init__()
         _check_layer(model, layer)
         self.layer = layer
         self._model = [model]  # a list: the backbone is neither a submodule nor saved with the head
+        self.register_buffer("vocab", None)  # [n] long ids of a sub-vocabulary head (saved), else None
+        if vocab is not None:  # a sub-vocabulary head: logits only for these ids, -inf elsewhere
+            ids = torch.as_tensor(vocab, dtype=torch.long).reshape(-1).clone()
+            V = model.config.vocab_size
+            if len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= V or len(torch.unique(ids)) != len(ids):
+                raise HeadError(f"a head's vocab must be distinct token ids in [0, {V}), got {len(ids)} ids")
+            self.register_buffer("vocab", ids.to(model.device))
+            # the rows of the frozen unembedding it multiplies (derived, not saved)
+            self.register_buffer("sub_weight", model.lm_head.weight.detach()[self.vocab].contiguous(), persistent=False)
+
+    def _scatter(self, sub: torch.Tensor) -> torch.Tensor:
+        """``[B, S, len(vocab)]`` -> ``[B, S, V]`` with -inf outside the sub-vocabulary."""
+        out = sub.new_full((*sub.shape[:-1], self.model.config.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.vocab, sub)
 
     @property
     def model(self) -> Transformer:
         return self._model[0]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.vocab is not None:
+            return self._scatter(F.linear(self.normed(h), self.sub_weight).float())
         return self.model.logits(h)
 
     # the two stages, for logits over part of the vocabulary (training's candidate sets, sub-vocab heads)
@@ -71,14 +87,16 @@ class LensHead(ExitHead):
 
     kind = "lens"
 
-    def __init__(self, model: Transformer, layer: int):
-        super().__init__(model, layer)
+    def __init__(self, model: Transformer, layer: int, vocab: torch.Tensor | None = None):
+        super().__init__(model, layer, vocab)
         D = model.config.hidden_size
         self.proj = nn.Linear(D, D, bias=True)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.vocab is not None:
+            return self._scatter(F.linear(self.normed(h), self.sub_weight).float())
         h32 = h.to(self.proj.weight.dtype)
         return self.model.logits((h32 + self.proj(h32)).to(h.dtype))
 
@@ -92,7 +110,9 @@ class FullHead(ExitHead):
 
     kind = "full"
 
-    def __init__(self, model: Transformer, layer: int):
+    def __init__(self, model: Transformer, layer: int, vocab: torch.Tensor | None = None):
+        if vocab is not None:
+            raise HeadError("a full head has its own V x D unembedding: a sub-vocabulary is for shared and lens heads")
         super().__init__(model, layer)
         c = model.config
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -120,10 +140,21 @@ def _check_layer(model: Transformer, layer: int) -> None:
         raise HeadError(f"an exit head's layer must be an integer in [1, {n}] (the number of layers run), got {layer!r}")
 
 
-def new_head(model: Transformer, layer: int, kind: str = "lens") -> ExitHead:
+def new_head(model: Transformer, layer: int, kind: str = "lens", vocab=None) -> ExitHead:
+    """A fresh head (untrained: equal to the shared head).  ``vocab``: token ids to restrict the
+    head to (shared/lens): its unembedding is ``len(vocab) x D``, other logits are -inf -- drafts from
+    it stay lossless in the verifying methods, and it costs ``len(vocab) / V`` of a full head."""
     if kind not in _CLASSES:
         raise HeadError(f"unknown head kind {kind!r}: choose one of {', '.join(KINDS)}")
-    return _CLASSES[kind](model, layer).to(model.device)
+    return _CLASSES[kind](model, layer, vocab).to(model.device)
+
+
+def with_vocab(head: ExitHead, vocab) -> ExitHead:
+    """The same trained head restricted to the sub-vocabulary ``vocab``."""
+    out = new_head(head.model, head.layer, head.kind, vocab)
+    state = {k: v for k, v in head.state_dict().items() if k != "vocab"}
+    out.load_state_dict({**out.state_dict(), **state})
+    return out.eval().requires_grad_(False)
 
 
 # -- files ----------------------------------------------------------------------------------------
@@ -137,7 +168,7 @@ def save_heads(heads: list[ExitHead], path, meta: dict | None = None, dtype: tor
     layers = [h.layer for h in heads]
     if len(set(layers)) != len(layers) or any(h.model is not model for h in heads):
         raise HeadError("save_heads takes heads of one model at distinct layers")
-    tensors = {f"layer{h.layer}.{k}": v.detach().to(dtype).contiguous().cpu()
+    tensors = {f"layer{h.layer}.{k}": v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().cpu()
                for h in heads for k, v in h.state_dict().items()}
     metadata = {"format": FORMAT, "fingerprint": model.fingerprint, "model": model.config.name,
                 "layers": ",".join(map(str, layers)), "kinds": ",".join(h.kind for h in heads)}
@@ -180,9 +211,9 @@ def load_heads(model: Transformer, path) -> dict[int, ExitHead]:
     out = {}
     with safe_open(str(p), "pt") as f:
         for layer, kind in zip(layers, kinds):
-            head = new_head(model, layer, kind)
             prefix = f"layer{layer}."
             state = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+            head = new_head(model, layer, kind, state.get("vocab"))
             try:
                 head.load_state_dict(state)
             except RuntimeError as e:

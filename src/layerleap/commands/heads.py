@@ -116,3 +116,148 @@ def run_train(args) -> int:
     if not args.keep_work and args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+# -- match-rate ---------------------------------------------------------------------------------------
+@command("match-rate", help="PPD's match rate: how often an early top-k (exit head at a layer) holds the full model's token")
+def _setup_match(p):
+    _model_args(p)
+    p.add_argument("--layers", default="10,15,20,25", help="comma list of layers to probe (default 10,15,20,25)")
+    p.add_argument("--k", default="1,3,5", help="comma list of top-k sizes (default 1,3,5)")
+    p.add_argument("--heads", default="shared,trained", help="comma list: shared, trained (shipped), auto, or heads files")
+    p.add_argument("--category", default="summarization,qa,translation",
+                   help="Spec-Bench categories, comma list (one table each)")
+    p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many prompts per category first")
+    p.add_argument("--spec-bench", default=None, help="a Spec-Bench question.jsonl (default: the shipped one)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--mode", default="greedy", help="comma list of greedy, top-k, top-p (Appendix B)")
+    p.add_argument("--top-k", type=_positive_int, default=50, help="k of top-k sampling (default 50)")
+    p.add_argument("--top-p", type=float, default=0.9, help="p of top-p sampling (default 0.9)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--buckets", type=_positive_int, default=8, help="token-position groups (Tables 6-8)")
+    p.add_argument("--position-layer", type=int, default=None, help="layer of the by-position table (default: the middle one)")
+    p.add_argument("--json", default=None, help="write every figure as JSON to this file")
+    p.add_argument("--plot", default=None, help="write a PNG of p̂_correct against layer to this file")
+
+
+@_setup_match
+def run_match(args) -> int:
+    from ..bench import write_json_atomic
+    from ..match_rate import MODES, MatchRateConfig, match_rate, plot, position_table, resolve_heads, table
+    from .basic import _csv, _read_prompts
+    layers = _int_list(args.layers, "--layers")
+    ks = _int_list(args.k, "--k")
+    modes = _csv(args.mode) or ["greedy"]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise LayerleapError(f"--mode {', '.join(bad)} unknown: choose from {', '.join(MODES)}")
+    if not 0 < args.top_p <= 1:
+        raise LayerleapError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.position_layer is not None and args.position_layer not in layers:
+        raise LayerleapError(f"--position-layer {args.position_layer} is not among --layers {args.layers}")
+    cats = _csv(args.category) or []
+    prompts = {c: _read_prompts(args.spec_bench, [c], args.prompts + args.offset)[args.offset:] for c in cats}
+    for c, ps in prompts.items():
+        if not ps:
+            raise LayerleapError(f"no prompts left in category {c} after --offset {args.offset}")
+    _check_writable(args.json)
+    _check_writable(args.plot)
+    threads = _threads(args.threads)
+    cmd = _command_line(args)
+    print(f"$ {cmd}", flush=True)
+    model = _load(args)
+    print(_model_line(model, threads), flush=True)
+    head_names = _csv(args.heads) or ["shared"]
+    base = MatchRateConfig(layers=tuple(layers), ks=tuple(ks), heads=tuple(head_names), max_new_tokens=args.max_new_tokens,
+                           top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, seed=args.seed,
+                           buckets=args.buckets)
+    base.check(model)
+    heads = resolve_heads(model, head_names, layers)
+    pos_layer = args.position_layer or layers[len(layers) // 2]
+    results, report = {}, {"command": cmd, "model": model.config.name, "threads": threads, "results": {}}
+    t0 = time.perf_counter()
+    for mode in modes:
+        for c, ps in prompts.items():
+            cfg = MatchRateConfig(**{**base.__dict__, "mode": mode})
+            res = match_rate(model, [p.text for p in ps], cfg, heads)
+            name = c if len(modes) == 1 else f"{c}/{mode}"
+            results[name] = res
+            report["results"][name] = {"category": c, "mode": mode, "prompt_ids": [p.id for p in ps], **res.to_dict()}
+            print(table(res, f"\n{name}: p̂_correct over {res.tokens} generated tokens, {len(ps)} prompts "
+                             f"({mode})"), flush=True)
+            print(position_table(res, pos_layer), flush=True)
+            if mode == "greedy" and res.greedy_mismatch:
+                print(f"({res.greedy_mismatch} greedy tokens differ from the teacher-forced argmax: float rounding)")
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        write_json_atomic(args.json, report)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# -- eval head-cost ---------------------------------------------------------------------------------
+@command("eval head-cost", help="what an exit head adds to the cost of a token at its layer (full and sub-vocabulary heads)")
+def _setup_cost(p):
+    _model_args(p)
+    p.add_argument("--layers", default="8,15,23", help="comma list of layers")
+    p.add_argument("--vocab", default="49152,16384,8192,4096",
+                   help="comma list of (sub-)vocabulary sizes: the most frequent final-layer tokens on ShareGPT")
+    p.add_argument("--context", type=_positive_int, default=128, help="KV cache length of the timed step")
+    p.add_argument("--reps", type=_positive_int, default=30)
+    p.add_argument("--freq-tokens", type=_positive_int, default=20000, help="ShareGPT positions that rank the vocabulary")
+    p.add_argument("--json", default=None)
+
+
+def frequent_vocab(model, tokens: int, seq_len: int = 512):
+    """Token ids ranked by how often they are the final layer's argmax on ShareGPT text (then by id)."""
+    import torch
+
+    from ..train_heads import cache_hidden, final_top_ids, sharegpt_token_seqs
+    seqs = sharegpt_token_seqs(model.tokenizer, tokens, seq_len)
+    top = final_top_ids(model, cache_hidden(model, seqs, [], progress=False)[model.config.n_layers], 1)[:, 0].long()
+    counts = torch.bincount(top, minlength=model.config.vocab_size)
+    return torch.argsort(-counts.double() + torch.arange(len(counts)) * 1e-9), counts
+
+
+@_setup_cost
+def run_cost(args) -> int:
+    import torch
+
+    from ..bench import write_json_atomic
+    from ..heads import new_head
+    from ..match_rate import head_cost
+    layers = _int_list(args.layers, "--layers")
+    sizes = _int_list(args.vocab, "--vocab")
+    _check_writable(args.json)
+    threads = _threads(args.threads)
+    cmd = _command_line(args)
+    print(f"$ {cmd}", flush=True)
+    model = _load(args)
+    print(_model_line(model, threads), flush=True)
+    V = model.config.vocab_size
+    if any(not 0 < s <= V for s in sizes):
+        raise LayerleapError(f"--vocab sizes must be in [1, {V}], got {args.vocab}")
+    order, counts = frequent_vocab(model, args.freq_tokens)
+    total = int(counts.sum())
+    heads, cover = {}, {}
+    for s in sizes:
+        name = f"lens V={s}"
+        heads[name] = new_head(model, layers[0], "lens", None if s == V else order[:s])
+        cover[name] = int(counts[order[:s]].sum()) / total
+    res = head_cost(model, layers, heads, args.context, args.reps)
+    print(f"\none decode step, KV cache {args.context}; medians of {args.reps} interleaved reps")
+    print(f"{'':<16}" + "".join(f"{'to L' + str(x):>12}" for x in layers) + f"{'ShareGPT cover':>16}")
+    print(f"{'layers (ms)':<16}" + "".join(f"{1e3 * res['layers_s'][x]:>12.3f}" for x in layers))
+    for name in heads:
+        print(f"{name + ' (ms)':<16}{1e3 * res['heads_s'][name]:>12.3f}")
+        print(f"{'  overhead':<16}" + "".join(f"{100 * res['overhead'][name][x]:>11.1f}%" for x in layers)
+              + f"{100 * cover[name]:>15.1f}%")
+    if args.json:
+        write_json_atomic(args.json, {"command": cmd, "threads": threads, "freq_tokens": total, "coverage": cover,
+                                      "vocab_order_head": order[:20].tolist(), **res})
+    return 0

@@ -257,8 +257,9 @@ def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_majo
     return out
 
 
-def ours_to_hf(model: Transformer) -> dict:
-    """Our weights under Hugging Face names (the inverse of ``hf_to_ours``)."""
+def ours_to_hf(model: Transformer, contiguous: bool = True) -> dict:
+    """Our weights under Hugging Face names (the inverse of ``hf_to_ours``); ``contiguous=False``
+    returns views of our tensors (no copies, whatever their layout)."""
     c = model.config
     hd = c.head_dim
     sd = {"model.embed_tokens.weight": model.tok_embeddings.weight.data, "model.norm.weight": model.norm.weight.data}
@@ -279,7 +280,7 @@ def ours_to_hf(model: Transformer) -> dict:
     head = model.lm_head.weight.data
     if not c.tie_embeddings or not torch.equal(head, sd["model.embed_tokens.weight"]):
         sd["lm_head.weight"] = head  # untied, or a tied head that training moved apart
-    return {k: v.contiguous() for k, v in sd.items()}
+    return {k: v.contiguous() for k, v in sd.items()} if contiguous else sd
 
 
 def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=None, source=None) -> Transformer:

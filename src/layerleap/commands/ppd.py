@@ -266,7 +266,7 @@ def run_selfspec(args) -> int:
         for label, (name, opts) in ours.items():
             r = generate(model, pr.text, name, args.max_new_tokens, stop_at_eos=False, chat=True, **opts)
             ref = ref or r
-            keep = {k: r.stats.get(k) for k in ("acceptance", "tokens_per_round", "p_correct", "layers_per_token",
+            keep = {k: r.stats.get(k) for k in ("head", "acceptance", "tokens_per_round", "p_correct", "layers_per_token",
                                                 "latency_units", "greedy_units", "ttft_s")}
             records.append({"category": pr.category, "id": pr.id, "label": label, "wall_s": r.stats["wall_s"],
                             "tokens": len(r.token_ids), "equal": r.token_ids == ref.token_ids, **keep})

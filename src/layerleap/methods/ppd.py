@@ -16,7 +16,7 @@ and itself), and the cache keeps the matched candidate's entries (``KVCache.comp
 them (``truncate``).  The time the algorithm WOULD take on ``k + 1`` compute units is measured on
 the paper's clock (one time unit = one layer; the prompt pass counts as one pass of ``d`` layers):
 a clock for the main process advances by the layers it runs and waits for a sub-process's result
-when it takes one over; compute is every layer any unit runs.  ``methods/ppd_parallel.py`` runs the
+when it takes one over; compute is every layer any unit runs.  ``layerleap/ppd_parallel.py`` runs the
 same algorithm on real processes.
 
 Only ``d̄ >= d/2`` is defined (the paper's Appendix C): below it a sub-process would need layers

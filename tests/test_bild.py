@@ -461,3 +461,37 @@ def test_align_command_writes_a_head(capsys, tmp_path, tiny_hf_dir):
     assert rc == 2 and "--exit-layer E" in err
     rc, _, err = cli(capsys, "align", "--model", tiny_hf_dir, "--exit-layer", 2, "--out", tmp_path / "h.bin")
     assert rc == 2 and ".safetensors" in err
+
+
+# -- transformers yardsticks: greedy and assisted generation on the same (shared) weights -------------
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied"])
+def test_transformers_view_shares_our_weights_and_decodes_like_greedy(name):
+    from tiny_models import random_model
+
+    from layerleap.sweep import HFRunner
+    large = random_model(name, seed=1).optimize_layout()
+    small = random_model(name, seed=2, n_layers=1).optimize_layout()
+    run = HFRunner(large, small=small)
+    ours = {t.untyped_storage().data_ptr() for t in large.parameters()}  # fused q/k/v: views of one storage
+    assert all(p.untyped_storage().data_ptr() in ours for p in run.hf.parameters()), "transformers copied weights"
+    want = greedy(large, 12).token_ids
+    assert run.generate(PROMPT, 12, assisted=False).token_ids == want
+    assert run.generate(PROMPT, 12, assisted=True).token_ids == want  # lossless, as transformers promises
+    early = HFRunner(large, exit_layer=1)
+    assert early.generate(PROMPT, 12, assisted=True).token_ids == want
+
+
+def test_sweep_with_transformers_yardsticks(capsys, tmp_path, tiny_hf_dir):
+    import json
+    out = tmp_path / "sweep.json"
+    rc, stdout, err = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--exit-layer", 2, "--head", "shared",
+                          "--alpha-fb", "1", "--alpha-rb", "inf", "--draft-lens", "none", "--transformers",
+                          "--categories", "translation", "--prompts", 2, "--max-new-tokens", 5,
+                          "--threads", 1, "--json", out, "--plot", tmp_path / "s.png")
+    assert rc == 0, err
+    s = json.loads(out.read_text())["summary"]
+    assert set(s) == {"greedy", "bild fb=1 rb=inf", "transformers greedy", "transformers assisted"}
+    for label in ("transformers greedy", "transformers assisted"):
+        assert s[label]["identical"] == 2 and s[label]["new_tokens"] == 10, label
+        assert s[label]["speedup"] > 0
+    assert "| transformers assisted |" in stdout

@@ -1,7 +1,8 @@
 """BiLD's quality-latency trade-off (the paper's Figures 4 and 9, Table 1), measured here.
 
 For every prompt, in turn: the large model's greedy decoding (the reference for speed AND quality),
-every BiLD point ``(alpha_fb, alpha_rb)``, then greedy speculative decoding for every draft length.
+every BiLD point ``(alpha_fb, alpha_rb)``, then greedy speculative decoding for every draft length,
+then (optionally) `transformers` greedy and assisted generation on the same weights as yardsticks.
 All runs of one prompt are back to back (interleaved), generate exactly ``max_new_tokens`` tokens
 (EOS does not stop them), and are timed by ``generate`` itself.
 
@@ -43,7 +44,7 @@ WARMUP_TOKENS = 8
 @dataclass(frozen=True)
 class Point:
     label: str
-    method: str  # "greedy", "bild" or "speculative"
+    method: str  # "greedy", "bild", "speculative" or "transformers"
     options: dict = field(default_factory=dict)  # JSON-able options (no models)
     alpha_fb: float | None = None
     alpha_rb: float | None = None
@@ -57,6 +58,79 @@ def bild_grid(alpha_fbs: list[float], alpha_rbs: list[float]) -> list[Point]:
 
 def speculative_points(gammas: list[int]) -> list[Point]:
     return [Point(f"speculative γ={g}", "speculative", {"draft_len": g}, draft_len=g) for g in gammas]
+
+
+HF_GREEDY = "transformers greedy"
+HF_ASSISTED = "transformers assisted"
+
+
+def transformers_points() -> list[Point]:
+    """`transformers` ``generate`` on the same weights: plain greedy, and assisted generation (the
+    small model as ``assistant_model``, or in the early-exit form ``assistant_early_exit=E``)."""
+    return [Point(HF_GREEDY, "transformers", {"assisted": False}), Point(HF_ASSISTED, "transformers", {"assisted": True})]
+
+
+def hf_view(model):
+    """A `transformers` causal LM whose weights ARE ``model``'s tensors (views, no copy: the pair
+    fits in memory twice over only this way).  Built on the meta device, then given our tensors;
+    the rotary tables (buffers, not weights) are rebuilt on the model's device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .loading import ours_to_hf
+    d = model.config.to_hf()
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=model.dtype)
+    sd = ours_to_hf(model, contiguous=False)
+    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+    hf.load_state_dict(sd, strict=True, assign=True)
+    with torch.device(model.device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise LayerleapError(f"transformers model for {model.config.name}: no tensor for {left[:3]}")
+    return hf.eval()
+
+
+class HFRunner:
+    """Times `transformers` ``generate(do_sample=False)`` of the large model, alone or assisted.
+
+    Same input ids as ours, exactly ``max_new_tokens`` new tokens (the EOS id is unset, as in
+    ``bench.HFBaseline``).  Assisted generation keeps `transformers`' own defaults for the assistant
+    (its number of draft tokens and its schedule), which is what a user of it gets."""
+
+    def __init__(self, large, small=None, exit_layer: int | None = None):
+        self.large, self.hf = large, hf_view(large)
+        self.assistant = hf_view(small) if small is not None else None
+        self.exit_layer = exit_layer
+        eos = large.config.eos_token_ids
+        for m in (self.hf, self.assistant):
+            if m is not None:
+                m.generation_config.pad_token_id = eos[0] if eos else 0
+                m.generation_config.eos_token_id = None
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, assisted: bool):
+        import time
+
+        import torch
+
+        from .decoding import GenerationResult
+        kw = {}
+        if assisted:
+            kw = {"assistant_model": self.assistant} if self.assistant is not None else {"assistant_early_exit": self.exit_layer}
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.large.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **kw)
+        wall = time.perf_counter() - t0
+        toks = out[0, ids.shape[1]:].tolist()
+        tok = self.large.tokenizer
+        text = tok.decode(toks, skip_special_tokens=True) if tok is not None else ""
+        stats = {"method": "transformers", "assisted": assisted, "new_tokens": len(toks), "wall_s": wall,
+                 "tokens_per_s": len(toks) / wall if wall > 0 else 0.0}
+        return GenerationResult(text, toks, stats, list(prompt_ids))
 
 
 @dataclass
@@ -103,11 +177,19 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
         o = dict(p.options)
         if p.method == "bild":
             o.update(fixed)
-        o.update(models.get(p.method, {}))
+        o.update(models.get(p.method) or {})
         return o
 
+    prompt_ids: dict[str, list[int]] = {}  # our encoding of each prompt (greedy runs first)
+
     def one(p: Point, prompt: Prompt, n: int):
-        return generate(large, prompt.text, p.method, n, chat=chat, stop_at_eos=False, **options(p))
+        if p.method == "transformers":
+            if models.get("transformers") is None:
+                raise LayerleapError("transformers points need models['transformers'] (an HFRunner)")
+            return models["transformers"].generate(prompt_ids[prompt.id], n, p.options["assisted"])
+        r = generate(large, prompt.text, p.method, n, chat=chat, stop_at_eos=False, **options(p))
+        prompt_ids[prompt.id] = list(r.prompt_ids)
+        return r
 
     total = len(prompts) * len(points)
     bar = tqdm(total=total, initial=report["prompts_done"] * len(points), desc="sweep bild", unit="run",
@@ -245,6 +327,11 @@ def table(summary: dict) -> str:
                                ("speculative (lossless)", NO_LOSS, "speculative")):
         lines.append(f"| {name} | " + " | ".join(cell(best_within(summary, None if c == "mean" else c, loss, method))
                                                 for c in cols) + " |")
+    for label in (HF_GREEDY, HF_ASSISTED):  # yardsticks: whatever their quality, at their speed
+        e = summary.get(label)
+        if e is not None:
+            lines.append(f"| {label} | " + " | ".join(cell((label, e["categories"][c] if c != "mean" else e))
+                                                      if c == "mean" or c in e["categories"] else "—" for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -299,6 +386,11 @@ def plot(summary: dict, path: str | Path, title: str = "") -> Path:
         if spec:
             ax.scatter([m["latency"] for _, m in spec], [m["quality"] for _, m in spec], marker="s", color="tab:red",
                        label="speculative (γ = " + ", ".join(str(g) for g, _ in spec) + ")", zorder=4)
+        for label, marker in ((HF_GREEDY, "^"), (HF_ASSISTED, "v")):
+            e = summary.get(label)
+            if e is not None and c in e["categories"]:
+                m = e["categories"][c]
+                ax.scatter([m["latency"]], [m["quality"]], marker=marker, s=70, color="tab:orange", label=label, zorder=4)
         ax.scatter([1.0], [100.0], marker="X", s=120, color="black", label="greedy (large)", zorder=5)
         ax.axhline(100.0, color="gray", lw=0.8, ls="--")
         ax.axhline(99.0, color="gray", lw=0.8, ls=":")

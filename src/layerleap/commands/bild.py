@@ -113,6 +113,9 @@ def _setup_sweep(p):
     p.add_argument("--max-small", type=_max_small, default=10, help="longest small-model run (default 10; none)")
     p.add_argument("--draft-lens", default="2,4", help="speculative decoding draft lengths γ; its draft is the small "
                    "model, or in the early-exit form the same first E layers and head (default 2,4; none: skip)")
+    p.add_argument("--transformers", action="store_true", help="add `transformers` generate on the same weights as "
+                   "yardsticks: greedy, and assisted generation (assistant_model=the small model; early-exit form: "
+                   "assistant_early_exit=E, its own LM head)")
     p.add_argument("--categories", default=SWEEP_CATEGORIES, help=f"Spec-Bench categories (default {SWEEP_CATEGORIES})")
     p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
@@ -146,6 +149,8 @@ def run_sweep(args) -> int:
     if args.small:
         small = _load_small(args, large)
         models = {"bild": {"small": small}, "speculative": {"draft": small}}
+        if args.transformers:
+            models["transformers"] = sweep_mod.HFRunner(large, small=small)
         form = f"two models: small {args.small}"
     else:
         E = args.exit_layer if args.exit_layer is not None else None
@@ -157,6 +162,8 @@ def run_sweep(args) -> int:
         head, label = exit_head(large, E, args.head)
         fixed.update(exit_layer=E, head=args.head)
         models = {"speculative": {"draft": truncated(large, E, head)}}
+        if args.transformers:
+            models["transformers"] = sweep_mod.HFRunner(large, exit_layer=E)
         shown = Path(label).name if label not in HEADS + ("custom",) else label
         form = f"early exit at layer {E} of {large.config.n_layers}, head {shown}"
     print(f"{_model_line(large, threads)}, device {_device_name(large)}\nBiLD {form}; max_small {args.max_small}\n"
@@ -164,6 +171,8 @@ def run_sweep(args) -> int:
           f"new tokens, chat {args.chat}; {len(fbs) * len(rbs)} BiLD points + {len(gammas)} speculative + greedy, "
           f"interleaved per prompt", flush=True)
     points = sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas)
+    if args.transformers:
+        points += sweep_mod.transformers_points()
     report = sweep_mod.run_sweep(large, points, prompts, args.max_new_tokens, models=models, fixed=fixed,
                                  chat=args.chat, out=args.json,
                                  config={"command": _command_line(args), "form": form, "threads": threads,

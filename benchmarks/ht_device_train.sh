@@ -19,7 +19,7 @@ done
 for t in ${STEP2_LAYERS:-15 20 25}; do
   $T transfer --layers 15,$t $A --max-seconds ${STUDY_S:-12} --out $HT/study/s2_15_$t.safetensors 2>&1 | grep '"train_steps"\|loss_last5'
 done
-S=""; for f in $HT/study/*.safetensors; do S="$S --transfer $f"; done
+S=""; for f in $HT/study/*[0-9].safetensors; do S="$S --transfer $f"; done
 python -m layerleap eval drafters --device cuda --prompts ${EVAL_PROMPTS:-8} --max-new-tokens 96 \
   --transfer $OUT/transfer.safetensors --medusa $OUT/medusa.safetensors $S --json $OUT/accuracy.json --plot $OUT/accuracy.png
 date

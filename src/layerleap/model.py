@@ -13,6 +13,7 @@ passed explicitly; the model keeps no decoding state of its own.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -52,11 +53,23 @@ def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return emb.cos(), sin
 
 
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles, e.g. Sapphire Rapids)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):  # a torch without these probes: assume not
+        return False
+
+
 def linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``lin(x)``, except that on CPU a bf16/fp16 product over many rows runs in fp32: without native
-    bf16 instructions the low-precision matrix kernels are ~7x slower (700 rows x 576 -> 3072:
-    128 ms against 18 ms with the weight converted on the fly); one-row products stay in bf16."""
-    if x.dtype != torch.float32 and x.device.type == "cpu" and x.numel() // x.shape[-1] >= 16:
+    """``lin(x)``, except that on a CPU without native bf16 a bf16/fp16 product over many rows runs
+    in fp32: there the low-precision matrix kernels are ~7x slower (AVX2 EPYC, 700 rows x 576 ->
+    3072: 128 ms against 18 ms with the weight converted on the fly).  One-row products stay in
+    bf16, and a CPU with AVX512-BF16/AMX keeps bf16 throughout (there the fp32 detour is ~8x slower:
+    docs/BENCHMARKS.md)."""
+    if (x.dtype != torch.float32 and x.device.type == "cpu" and x.numel() // x.shape[-1] >= 16
+            and not (x.dtype == torch.bfloat16 and cpu_has_native_bf16())):
         b = lin.bias.float() if lin.bias is not None else None
         return F.linear(x.float(), lin.weight.float(), b).to(x.dtype)
     return lin(x)
@@ -223,13 +236,17 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight.device
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
-        """A cache for ``batch`` rows of ``max_len`` slots.  On CPU it is fp32 whatever the weights'
-        dtype: CPUs without native bf16 run bf16 attention 4-6x slower than fp32, and the cache is
-        small next to the weights.  Pass ``dtype`` to choose."""
+        """A cache for ``batch`` rows of ``max_len`` slots, in ``cache_dtype()`` unless ``dtype`` says."""
         return KVCache.for_model(self.config, batch, max_len, dtype or self.cache_dtype(), self.device)
 
     def cache_dtype(self) -> torch.dtype:
-        return torch.float32 if self.device.type == "cpu" else self.dtype
+        """The weights' dtype, except fp32 on a CPU without native bf16: there bf16 attention runs
+        4-6x slower than fp32 (AVX2 EPYC), and the cache is small next to the weights.  With
+        AVX512-BF16/AMX, bf16 attention is the faster one (a 700-token prefill: fp32 attention took
+        41% of the time)."""
+        if self.device.type == "cpu" and self.dtype != torch.float32 and not cpu_has_native_bf16():
+            return torch.float32
+        return self.dtype
 
     PROJECTIONS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight", "lm_head.weight")
 

@@ -31,7 +31,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from torch import nn
 
 from .decoding import GenerationError, generate
 from .errors import LayerleapError
+from .files import save_safetensors, write_json
 from .model import RMSNorm, Transformer
 
 HEAD_FORMAT = "layerleap-bild-exit-head-v1"
@@ -74,26 +74,6 @@ class ExitHead(nn.Module):
         model = self._model[0]
         h = h.to(self.up.weight.dtype)
         return model.unembed(self.norm(h + self.up(self.down(h))).to(model.dtype))
-
-
-def _atomic_save(tensors: dict, path: Path, metadata: dict) -> None:
-    from safetensors.torch import save_file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-                  metadata={k: str(v) for k, v in metadata.items()})
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise AlignError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def load_exit_head(model: Transformer, exit_layer: int, path) -> ExitHead:
@@ -153,7 +133,7 @@ def calibrate(large: Transformer, prompts: list[str], path, max_new_tokens: int 
         if key not in done:
             r = generate(large, text, "greedy", max_new_tokens, chat=chat)
             done[key] = {"key": key, "prompt_ids": r.prompt_ids, "output_ids": r.token_ids}
-            _write_json_atomic(path, {"model": large.fingerprint, "max_new_tokens": max_new_tokens, "chat": chat,
+            write_json(path, {"model": large.fingerprint, "max_new_tokens": max_new_tokens, "chat": chat,
                                       "records": list(done.values())})
         records.append(done[key])
     return records
@@ -194,7 +174,7 @@ def _save_ckpt(path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Opt
                 tensors[f"opt.{names[i]}.{key}"] = st[key]
         if "step" in st:
             tensors[f"opt.{names[i]}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
-    _atomic_save(tensors, path, {"step": step, "tag": tag})
+    save_safetensors(path, tensors, {"step": step, "tag": tag})
 
 
 def _load_ckpt(path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, tag: str) -> int:
@@ -326,7 +306,7 @@ def align_exit_head(model: Transformer, exit_layer: int, records: list[dict], ou
     head.eval()
     after = agreement(head, h.to(dev), y)
     after_val = agreement(head, hv.to(dev), yv) if held else None
-    _atomic_save(dict(head.state_dict()), out, {"format": HEAD_FORMAT, "exit_layer": exit_layer,
+    save_safetensors(out, dict(head.state_dict()), {"format": HEAD_FORMAT, "exit_layer": exit_layer,
                                                "fingerprint": model.fingerprint, "rank": cfg.rank,
                                                "agreement_before": f"{before:.4f}", "agreement_after": f"{after:.4f}",
                                                "heldout_before": f"{before_val}", "heldout_after": f"{after_val}",

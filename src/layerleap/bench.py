@@ -14,7 +14,6 @@ the length), which makes times comparable and greedy tokens comparable one for o
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import platform
 import time
@@ -28,6 +27,7 @@ import torch
 from .datasets import Prompt
 from .decoding import GenerationResult, generate, get_method
 from .errors import LayerleapError
+from .files import write_json
 from .model import Transformer
 
 HF_LABEL = "transformers"
@@ -298,21 +298,6 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary sibling and ``os.replace``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise LayerleapError(f"cannot write {path}: {e.strerror or e}") from None
-
-
 def machine_config(model: Transformer) -> dict:
     import transformers
     return {
@@ -386,7 +371,7 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
            "categories": sorted({p.category for p in prompts}),
            "methods": {lb: {"method": n, "options": o} for lb, (n, o) in methods.items()}}
     result = BenchResult(cfg, labels=list(methods) + ([HF_LABEL] if hf_baseline else []), reference=ref)
-    save = (lambda: write_json_atomic(out, result.to_dict())) if out else (lambda: None)
+    save = (lambda: write_json(out, result.to_dict())) if out else (lambda: None)
     save()
     runner = _Runner(model, methods, ref, chat, sampling)
     bar = tqdm(total=len(prompts) * len(result.labels), desc="bench", unit="run", disable=not progress, leave=False)

@@ -198,6 +198,16 @@ class Run:
 
 
 # -- the public entry point --------------------------------------------------------------------
+def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of ``messages`` (``[{"role", "content"}, ...]``) under the tokenizer's chat template
+    (newer `transformers` return a mapping with ``input_ids``, older ones a list)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
 def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -208,10 +218,7 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
         if chat:
             if not getattr(tok, "chat_template", None):
                 raise GenerationError("this tokenizer has no chat template: call without chat=True")
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
+            ids = chat_token_ids(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
         else:
             ids = tok(prompt)["input_ids"]
         return [int(i) for i in ids]

@@ -16,7 +16,6 @@ model is refused), written atomically.  Shipped files live in ``layerleap/data/t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import LayerleapError
+from .files import read_safetensors_meta, save_safetensors
 from .model import Transformer
 
 FORMAT = "layerleap-drafter-v1"
@@ -130,29 +130,17 @@ def new_drafter(model: Transformer, kind: str, **config) -> _Drafter:
 # -- files ----------------------------------------------------------------------------------------
 def save_drafter(drafter: _Drafter, path, meta: dict | None = None, dtype=torch.bfloat16) -> Path:
     """Write ``drafter`` to a safetensors file (``dtype``, bf16 by default: a few MB), atomically."""
-    from safetensors.torch import save_file
-    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    tensors = {k: v.to(dtype) for k, v in drafter.state_dict().items()}
     model = drafter.model
     metadata = {"format": FORMAT, "kind": drafter.kind, "fingerprint": model.fingerprint,
-                "model": model.config.name, "config": json.dumps(drafter.config())}
-    metadata.update({k: str(v) for k, v in (meta or {}).items()})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+                "model": model.config.name, "config": json.dumps(drafter.config()), **(meta or {})}
+    return save_safetensors(path, tensors, metadata)
 
 
 def read_meta(path) -> dict:
-    from safetensors import safe_open
     try:
-        with safe_open(str(path), "pt") as f:
-            return dict(f.metadata() or {})
-    except Exception as e:  # a truncated or foreign file
+        return read_safetensors_meta(path)
+    except ValueError as e:  # a truncated or foreign file
         raise DrafterError(f"cannot read drafter weights {path}: {e}; train them again") from None
 
 

@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .decoding import chat_token_ids
 from .errors import LayerleapError
+from .files import save_safetensors, write_json
 from .methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
 from .model import Transformer
 
@@ -142,10 +144,7 @@ def sharegpt_examples(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[
         q, a = (conv[0].get("value") or "").strip(), (conv[1].get("value") or "").strip()
         if not q or not a:
             continue
-        p = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
-        if isinstance(p, dict) or hasattr(p, "input_ids"):
-            p = p["input_ids"]
+        p = chat_token_ids(tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
         if len(p) > max_prompt:
             continue
         c = tokenizer(a, add_special_tokens=False)["input_ids"][:gen_len]
@@ -179,25 +178,14 @@ def make_batch(examples, idx: list[int], n_layers: int, cfg: TrainConfig, median
 
 
 # -- saving --------------------------------------------------------------------------------------
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def save_model(model: Transformer, folder: Path, meta: dict | None = None) -> None:
     """A Hugging Face folder loadable by ``layerleap.load(folder)``: config.json, safetensors weights,
     the tokenizer; each file written atomically."""
-    from safetensors.torch import save_file
     from .loading import ours_to_hf
     folder.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().clone().contiguous() for k, v in ours_to_hf(model).items()}  # fused q/k/v share storage
-    _atomic_write(folder / WEIGHTS, lambda p: save_file(sd, str(p), metadata={"format": "pt", **(meta or {})}))
-    _atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(model.config.to_hf(), indent=1)))
+    save_safetensors(folder / WEIGHTS, sd, {"format": "pt", **(meta or {})})
+    write_json(folder / "config.json", model.config.to_hf())
     if model.tokenizer is not None and not (folder / "tokenizer_config.json").is_file():
         tmp = folder / f".tok.tmp{os.getpid()}"
         model.tokenizer.save_pretrained(tmp)
@@ -207,13 +195,11 @@ def save_model(model: Transformer, folder: Path, meta: dict | None = None) -> No
 
 
 def _save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
-    from safetensors.torch import save_file
-    path.parent.mkdir(parents=True, exist_ok=True)
     sd = opt.state_dict()
     tensors = {f"{i}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous()
                for i, st in sd["state"].items() for k, v in st.items()}
     groups = json.dumps([{k: v for k, v in g.items()} for g in sd["param_groups"]])
-    _atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"param_groups": groups}))
+    save_safetensors(path, tensors, {"param_groups": groups})
 
 
 def _load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
@@ -310,7 +296,7 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
         _save_optimizer(opt, out / OPT_FILE)
         st = {"config": asdict(cfg), "step": step, "losses": losses, "base": base_name,
               "median_prompt": median, "n_examples": len(examples)}
-        _atomic_write(state_file, lambda p: p.write_text(json.dumps(st, indent=1)))
+        write_json(state_file, st)
 
     from tqdm import tqdm
     t0 = time.perf_counter()

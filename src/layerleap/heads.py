@@ -15,7 +15,6 @@ its metadata; loading into another model is refused.  Heads for the embedded def
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import LayerleapError
+from .files import read_safetensors_meta, save_safetensors
 from .model import RMSNorm, Transformer
 
 FORMAT = "layerleap-exit-heads-v1"
@@ -161,35 +161,23 @@ def with_vocab(head: ExitHead, vocab) -> ExitHead:
 def save_heads(heads: list[ExitHead], path, meta: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write trained heads (one model, distinct layers) to one safetensors file, atomically.
     ``dtype``: the storage type (bf16 halves a shipped file; loading casts back to fp32)."""
-    from safetensors.torch import save_file
     if not heads:
         raise HeadError("no heads to save")
     model = heads[0].model
     layers = [h.layer for h in heads]
     if len(set(layers)) != len(layers) or any(h.model is not model for h in heads):
         raise HeadError("save_heads takes heads of one model at distinct layers")
-    tensors = {f"layer{h.layer}.{k}": v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().cpu()
+    tensors = {f"layer{h.layer}.{k}": v.to(dtype if v.is_floating_point() else v.dtype)
                for h in heads for k, v in h.state_dict().items()}
     metadata = {"format": FORMAT, "fingerprint": model.fingerprint, "model": model.config.name,
-                "layers": ",".join(map(str, layers)), "kinds": ",".join(h.kind for h in heads)}
-    metadata.update({k: str(v) for k, v in (meta or {}).items()})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+                "layers": ",".join(map(str, layers)), "kinds": ",".join(h.kind for h in heads), **(meta or {})}
+    return save_safetensors(path, tensors, metadata)
 
 
 def read_meta(path) -> dict:
-    from safetensors import safe_open
     try:
-        with safe_open(str(path), "pt") as f:
-            return dict(f.metadata() or {})
-    except Exception as e:  # a truncated or foreign file
+        return read_safetensors_meta(path)
+    except ValueError as e:  # a truncated or foreign file
         raise HeadError(f"cannot read exit heads {path}: {e}; train them again with `layerleap train heads`") from None
 
 

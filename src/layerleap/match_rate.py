@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import LayerleapError
+from .files import save_figure
 from .heads import ExitHead, get_head
 from .model import Transformer
 
@@ -187,8 +188,6 @@ def plot(results: dict[str, MatchRateResult], path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from pathlib import Path
-    import os
     n = len(results)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False, sharey=True)
     styles = {0: "-", 1: "--", 2: ":", 3: "-."}
@@ -204,15 +203,7 @@ def plot(results: dict[str, MatchRateResult], path) -> None:
     axes[0][0].set_ylabel("p̂_correct (%)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 __all__ = ["MatchRateConfig", "MatchRateResult", "match_rate", "table", "position_table", "plot", "MODES",

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import evaluation
-from .bench import machine_config, write_json_atomic
+from .bench import machine_config
+from .files import save_figure, write_json
 from .datasets import Prompt
 from .decoding import generate
 from .errors import LayerleapError
@@ -211,7 +212,7 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
             report["prompts_done"] = i + 1
             report["summary"] = summarize(report)
             if out:
-                write_json_atomic(out, report)
+                write_json(out, report)
     except KeyboardInterrupt:
         report["interrupted"] = True
     finally:
@@ -219,7 +220,7 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
     report["summary"] = summarize(report)
     report["complete"] = report["prompts_done"] == len(prompts)
     if out:
-        write_json_atomic(out, report)
+        write_json(out, report)
     return report
 
 
@@ -402,10 +403,4 @@ def plot(summary: dict, path: str | Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)

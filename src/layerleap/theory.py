@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .files import save_figure
+
 
 # -- Theorem 4.1 and the approximations ------------------------------------------------------------
 def theorem_latency(d: int, dbar: int, n_tokens: int, p: float) -> float:
@@ -178,9 +180,6 @@ def plot_tradeoff(points: dict[str, dict[int, float]], d: int, dbar: int, path, 
     """Figures 3 and 4 side by side: for every series (a category, by k: p̂) the approximate
     normalised latency per token against compute per time unit (left) and per token (right); grey
     lines are the same formulas over p ∈ [0, 1] for each k.  Written atomically as PNG."""
-    import os
-    from pathlib import Path
-
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -208,12 +207,4 @@ def plot_tradeoff(points: dict[str, dict[int, float]], d: int, dbar: int, path, 
     axes[1].legend(fontsize=8)
     fig.suptitle(title or f"PPD trade-off, d={d}, d̄={dbar} (measured p̂_correct)")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    save_figure(fig, path)

@@ -25,7 +25,6 @@ fingerprint (``drafters.save_drafter``).
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import time
@@ -37,7 +36,9 @@ import torch.nn.functional as F
 
 from . import drafters
 from . import tree as tree_mod
+from .decoding import chat_token_ids
 from .errors import LayerleapError
+from .files import save_safetensors
 from .model import Transformer
 
 
@@ -76,10 +77,8 @@ def sharegpt_chunks(tokenizer, n_conversations: int, seq_len: int, seed: int, eo
     random.Random(seed).shuffle(convs)
     stream: list[int] = []
     for msgs in convs:
-        ids = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        stream.extend(int(i) for i in ids[: 4 * seq_len])
+        ids = chat_token_ids(tokenizer, msgs)
+        stream.extend(ids[: 4 * seq_len])
         stream.append(eos)
     chunks = [stream[i:i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
     if not chunks:
@@ -155,7 +154,6 @@ def _ckpt_path(out: Path) -> Path:
 
 
 def _save_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig, log: list) -> None:
-    from safetensors.torch import save_file
     tensors = {f"w.{k}": v.detach().float().contiguous().cpu() for k, v in drafter.state_dict().items()}
     names = dict(drafter.named_parameters())
     for name, p in names.items():
@@ -165,12 +163,7 @@ def _save_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, step: int, cfg: 
                 tensors[f"opt.{key}.{name}"] = st[key].detach().contiguous().cpu()
     meta = {"step": str(step), "config": json.dumps(asdict(cfg)), "fingerprint": drafter.model.fingerprint,
             "log": json.dumps(log)}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_safetensors(path, tensors, meta)
 
 
 def _load_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,7 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import LayerleapError
+from .decoding import chat_token_ids
+from .files import save_safetensors
 from .heads import ExitHead, HeadError, LensHead, new_head, save_heads
 from .model import Transformer
 
@@ -125,12 +125,9 @@ def sharegpt_token_seqs(tokenizer, tokens: int, seq_len: int, skip: int = 0, ret
         if not msgs:
             continue
         try:
-            ids = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False)
+            ids = chat_token_ids(tokenizer, msgs)[:seq_len]
         except Exception:  # a template that refuses the role order
             continue
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = [int(i) for i in ids][:seq_len]
         if len(ids) < 8:
             continue
         ids = ids[: tokens - total] if total + len(ids) > tokens else ids
@@ -243,16 +240,6 @@ def agreement(head: ExitHead, x: torch.Tensor, final: torch.Tensor, ks=(1,), chu
 
 
 # -- files ---------------------------------------------------------------------------------------------
-def _atomic_save(tensors: dict, path: Path, metadata: dict) -> None:
-    from safetensors.torch import save_file
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _config_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
     free = ("save_every",)
     return json.dumps({**{k: v for k, v in asdict(cfg).items() if k not in free}, "model": fingerprint},
@@ -274,7 +261,7 @@ def _save_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, s
         for k, v in st.items():
             tensors[f"opt.{i}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous().cpu()
     meta = {"key": key, "step": str(step), "losses": json.dumps(losses), "param_groups": json.dumps(sd["param_groups"])}
-    _atomic_save(tensors, path, meta)
+    save_safetensors(path, tensors, meta)
 
 
 def _load_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, key: str) -> tuple[int, list]:
@@ -313,7 +300,7 @@ def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | N
     if cfg.candidates:
         cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
     if path is not None:
-        _atomic_save({(k if k == TOP_KEY else f"layer{k}"): v.contiguous() for k, v in cache.items()}, path, {"key": key})
+        save_safetensors(path, {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()}, {"key": key})
     return cache
 
 

@@ -13,6 +13,7 @@ from .. import sweep as sweep_mod
 from ..cli import command
 from ..companion import truncated
 from ..errors import LayerleapError
+from ..files import write_text
 from ..loading import load
 from ..methods.bild import HEADS, check_thresholds, exit_head
 from .basic import (_check_writable, _command_line, _csv, _load, _model_args, _model_line, _positive_int,
@@ -182,7 +183,7 @@ def run_sweep(args) -> int:
             f"{sweep_mod.table(summary)}\n\n## Every point\n\n{sweep_mod.points_table(summary)}\n")
     print(text)
     if args.table:
-        Path(args.table).write_text(f"`{_command_line(args)}`\n\n{form}\n\n{text}")
+        write_text(args.table, f"`{_command_line(args)}`\n\n{form}\n\n{text}")
         print(f"wrote {args.table}")
     if args.plot and report["prompts_done"]:
         sweep_mod.plot(summary, args.plot, title=f"BiLD on {large.config.name} ({form}); {report['prompts_done']} "

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ..cli import command
 from ..errors import LayerleapError
-from .basic import _check_writable, _command_line, _load, _model_args, _model_line, _positive_int, _say, _threads
+from ..files import write_json
+from .basic import _check_writable, _command_line, _load, _model_args, _model_line, _positive_int, _threads
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -63,7 +64,6 @@ def _setup_train(p):
 def run_train(args) -> int:
     import torch
 
-    from ..bench import write_json_atomic
     from ..train_heads import HeadTrainConfig, agreement, cache_hidden, save_trained, sharegpt_token_seqs, train_heads
     from ..heads import new_head
     out = Path(args.out)
@@ -112,7 +112,7 @@ def run_train(args) -> int:
           f"{', '.join(map(str, cfg.layers))}, {res.tokens} tokens x {cfg.epochs} epochs, {res.steps} steps, "
           f"cache {res.cache_seconds:.0f} s + training {res.seconds:.0f} s", flush=True)
     if args.json:
-        write_json_atomic(args.json, report)
+        write_json(args.json, report)
     if not args.keep_work and args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0
@@ -144,7 +144,6 @@ def _setup_match(p):
 
 @_setup_match
 def run_match(args) -> int:
-    from ..bench import write_json_atomic
     from ..match_rate import MODES, MatchRateConfig, match_rate, plot, position_table, resolve_heads, table
     from .basic import _csv, _read_prompts
     layers = _int_list(args.layers, "--layers")
@@ -192,7 +191,7 @@ def run_match(args) -> int:
                 print(f"({res.greedy_mismatch} greedy tokens differ from the teacher-forced argmax: float rounding)")
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.json:
-        write_json_atomic(args.json, report)
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     if args.plot:
         plot(results, args.plot)
@@ -226,9 +225,6 @@ def frequent_vocab(model, tokens: int, seq_len: int = 512):
 
 @_setup_cost
 def run_cost(args) -> int:
-    import torch
-
-    from ..bench import write_json_atomic
     from ..heads import new_head
     from ..match_rate import head_cost
     layers = _int_list(args.layers, "--layers")
@@ -258,6 +254,6 @@ def run_cost(args) -> int:
         print(f"{'  overhead':<16}" + "".join(f"{100 * res['overhead'][name][x]:>11.1f}%" for x in layers)
               + f"{100 * cover[name]:>15.1f}%")
     if args.json:
-        write_json_atomic(args.json, {"command": cmd, "threads": threads, "freq_tokens": total, "coverage": cover,
+        write_json(args.json, {"command": cmd, "threads": threads, "freq_tokens": total, "coverage": cover,
                                       "vocab_order_head": order[:20].tolist(), **res})
     return 0

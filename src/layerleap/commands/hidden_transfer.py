@@ -15,7 +15,8 @@ from ..cli import command
 from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError
-from .basic import _command_line, _load, _model_args, _positive_int, _say, _threads
+from ..files import save_figure, write_json
+from .basic import _command_line, _load, _model_args, _positive_int, _threads
 
 
 def _layers(text: str) -> list[int]:
@@ -127,8 +128,7 @@ def run_eval(args) -> int:
               "max_new_tokens": args.max_new_tokens, "accuracy": rows}
     print(accuracy_table(rows))
     if args.json:
-        from ..bench import write_json_atomic
-        write_json_atomic(args.json, report)
+        write_json(args.json, report)
     if args.plot:
         accuracy_plot(rows, args.plot)
     return 0
@@ -156,6 +156,4 @@ def accuracy_plot(rows: dict, path: str) -> None:
     axes[0].set_ylabel("accuracy")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    save_figure(fig, path)

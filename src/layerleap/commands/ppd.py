@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from .. import theory
-from ..bench import write_json_atomic
+from ..files import write_json
 from ..cli import command
 from ..errors import LayerleapError
 from .basic import _command_line, _csv, _load, _model_args, _positive_int, _read_prompts, _say, _threads
@@ -116,7 +116,7 @@ def _measure(args) -> int:
                                        for L, by_k in by_L.items()))
     if args.out:
         out = Path(args.out)
-        write_json_atomic(out / "match_rates.json", report)
+        write_json(out / "match_rates.json", report)
         for L in layers:
             theory.plot_tradeoff({cat: by_L[L] for cat, by_L in p_hat.items()}, d, L, out / f"tradeoff_d{L}.png",
                                  f"PPD trade-off on {model.config.name}: d={d}, d̄={L}, head {args.head} "
@@ -196,7 +196,7 @@ def run_parallel(args) -> int:
               f"{s['speedup_vs_greedy_1unit']:8.2f}x {s['speedup_vs_greedy_all_cores']:11.2f}x "
               f"{s['predicted_speedup_units']:9.2f}x {s['comm_ms_per_token']:9.2f} {s['equal']:>7}")
     if args.json:
-        write_json_atomic(args.json, {"command": _command_line(args), "model": model.config.name, "k": args.k,
+        write_json(args.json, {"command": _command_line(args), "model": model.config.name, "k": args.k,
                                       "exit_layer": ex.dbar, "head_on": args.head_on, "threads_per_unit": threads,
                                       "cores": __import__("os").cpu_count(), "round_trip_s": ping,
                                       "load_average": __import__("os").getloadavg(), "summary": summary,
@@ -298,7 +298,7 @@ def run_selfspec(args) -> int:
             extra = "".join(f" {k} {s[k]:.3f}" for k in ("acceptance", "tokens_per_round", "p_correct") if s[k] is not None)
             print(f"  {lb:42} {s['tokens_per_s']:6.1f} tok/s {s['vs_greedy']:5.2f}x ={s['equal']}{extra}")
     if args.json:
-        write_json_atomic(args.json, {"command": _command_line(args), "model": model.config.name, "threads": threads,
+        write_json(args.json, {"command": _command_line(args), "model": model.config.name, "threads": threads,
                                       "exit_layer": E, "summary": summary, "records": records})
         print(f"wrote {args.json}")
     return 0

@@ -5,21 +5,19 @@ speed measurement)."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-import torch
-
 from .. import evaluation
-from ..bench import machine_config, write_json_atomic
+from ..bench import machine_config
+from ..files import save_figure, write_json, write_text
 from ..cli import command
 from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError
 from ..methods.skipdecode import target_config
 from .basic import (_check_writable, _command_line, _csv, _load, _model_args, _model_line, _positive_int,
-                    _read_prompts, _say, _threads)
+                    _say, _threads)
 
 TARGETS = (2, 3, 4, 5)
 
@@ -175,7 +173,7 @@ def _eval_quality(args, model, threads) -> dict:
                               args.max_new_tokens, rows, "calm")
             r["target"] = None
         if args.json:
-            write_json_atomic(args.json, report)
+            write_json(args.json, report)
     return report
 
 
@@ -237,8 +235,7 @@ def quality_plot(report: dict, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _eval_speed(args, model, threads) -> dict:
@@ -275,7 +272,7 @@ def _eval_speed(args, model, threads) -> dict:
                                  "avg_layers": sum(r.stats["layers_per_token"] for r in res) / len(res)})
             _say(f"  batch {B} repeat {rep + 1}/{args.repeats} done")
         if args.json:
-            write_json_atomic(args.json, report)
+            write_json(args.json, report)
     summary = []
     for B in sizes:
         rb = [r for r in runs if r["batch"] == B]
@@ -291,7 +288,7 @@ def _eval_speed(args, model, threads) -> dict:
                             "tokens": sum(r["tokens"] for r in rs), "greedy_ms_per_step": 1e3 * sum(r["decode_s"] for r in g) / sum(r["tokens"] / B - 1 for r in g)})
     report["summary"] = summary
     if args.json:
-        write_json_atomic(args.json, report)
+        write_json(args.json, report)
     return report
 
 
@@ -322,8 +319,7 @@ def speed_plot(report: dict, path: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title(f"SkipDecode wall clock, {report['max_new_tokens']} new tokens")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @_setup_eval
@@ -345,12 +341,12 @@ def run_eval(args) -> int:
         plot = speed_plot
     print(text)
     if args.table:
-        Path(args.table).write_text(f"`{_command_line(args)}`\n\n{_model_line(model, threads)}\n\n{text}\n")
+        write_text(args.table, f"`{_command_line(args)}`\n\n{_model_line(model, threads)}\n\n{text}\n")
         print(f"wrote {args.table}")
     if args.plot:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
     if args.json:
-        write_json_atomic(args.json, report)
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0

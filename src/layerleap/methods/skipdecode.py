@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 
 from ..decoding import GenerationError, Run, register

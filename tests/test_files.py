@@ -1,0 +1,50 @@
+"""Atomic writes: an interrupted or failed write leaves the old file (or none) and no temporary."""
+
+import json
+
+import pytest
+import torch
+
+from layerleap.errors import LayerleapError
+from layerleap.files import atomic_write, read_safetensors_meta, save_figure, save_safetensors, write_json
+
+
+def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "report.json"
+    write_json(path, {"a": 1})
+
+    def half_then_fail(p):
+        p.write_text('{"a": ')
+        raise KeyboardInterrupt  # as a Ctrl-C in the middle of writing
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, half_then_fail)
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_unwritable_target_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(LayerleapError, match="cannot write"):
+        write_json(blocker / "sub" / "r.json", {})
+
+
+def test_safetensors_round_trip_with_string_metadata(tmp_path):
+    from safetensors.torch import load_file
+    path = save_safetensors(tmp_path / "d" / "w.safetensors", {"w": torch.arange(6.0).view(2, 3).t()}, {"step": 3})
+    assert torch.equal(load_file(str(path))["w"], torch.arange(6.0).view(2, 3).t())
+    assert read_safetensors_meta(path) == {"step": "3"}
+    (tmp_path / "bad.safetensors").write_bytes(b"not a file")
+    with pytest.raises(ValueError):
+        read_safetensors_meta(tmp_path / "bad.safetensors")
+
+
+def test_figure_is_written_by_suffix(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = save_figure(fig, tmp_path / "p.png")
+    assert path.read_bytes()[:4] == b"\x89PNG" and len(list(tmp_path.iterdir())) == 1

@@ -122,6 +122,10 @@ def test_resume_gives_the_uninterrupted_result(tmp_path):
     assert (tmp_path / "w" / th.STATE_FILE).is_file() and (tmp_path / "w" / th.CACHE_FILE).is_file()
     rest = th.train_heads(model, cfg, work=tmp_path / "w", seqs=None, progress=False)  # cache from disk
     assert rest.resumed_from == 5 and rest.steps == whole.steps and rest.losses == whole.losses
+    # times add up over the calls: training includes the first call's, the cache is its build time
+    assert rest.seconds >= part.seconds > 0 and rest.cache_seconds == part.cache_seconds > 0
+    done = th.train_heads(model, cfg, work=tmp_path / "w", seqs=None, progress=False)  # nothing left to run
+    assert done.resumed_from == done.steps and done.seconds == rest.seconds
     for layer in cfg.layers:
         for k, v in whole.heads[layer].state_dict().items():
             torch.testing.assert_close(rest.heads[layer].state_dict()[k], v, rtol=0, atol=0)

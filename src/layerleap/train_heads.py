@@ -253,18 +253,19 @@ def _cache_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
 
 
 def _save_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, step: int, losses: list,
-                key: str) -> None:
+                key: str, seconds: float = 0.0) -> None:
     tensors = {f"head.{h.layer}.{k}": v.detach().float().contiguous().cpu()
                for h in heads for k, v in h.state_dict().items()}
     sd = opt.state_dict()
     for i, st in sd["state"].items():
         for k, v in st.items():
             tensors[f"opt.{i}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous().cpu()
-    meta = {"key": key, "step": str(step), "losses": json.dumps(losses), "param_groups": json.dumps(sd["param_groups"])}
+    meta = {"key": key, "step": str(step), "losses": json.dumps(losses), "param_groups": json.dumps(sd["param_groups"]),
+            "seconds": repr(float(seconds))}  # training time of all calls so far (resumed runs add up)
     save_safetensors(path, tensors, meta)
 
 
-def _load_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, key: str) -> tuple[int, list]:
+def _load_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, key: str) -> tuple[int, list, float]:
     from safetensors import safe_open
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
@@ -280,18 +281,25 @@ def _load_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, k
                 _, i, name = k.split(".", 2)
                 state.setdefault(int(i), {})[name] = f.get_tensor(k)
         opt.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
-        return int(meta["step"]), json.loads(meta["losses"])
+        return int(meta["step"]), json.loads(meta["losses"]), float(meta.get("seconds", 0.0))
 
 
 def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | None, seqs=None,
-                        progress: bool = True) -> dict[int, torch.Tensor]:
+                        progress: bool = True, timing: dict | None = None) -> dict[int, torch.Tensor]:
+    """The hidden-state cache, from ``work`` if it holds one for these settings.  ``timing`` (a dict)
+    gets ``"seconds"``: the time it took to build the cache (recorded in the file, so a resumed run
+    reports the original build time, not the time to read it back)."""
     key = _cache_key(cfg, model.fingerprint)
     path = work / CACHE_FILE if work is not None else None
+    timing = {} if timing is None else timing
     if path is not None and path.is_file():
         from safetensors import safe_open
         with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("key") == key:
+            meta = f.metadata() or {}
+            if meta.get("key") == key:
+                timing["seconds"] = float(meta.get("seconds", 0.0))
                 return {(k if k == TOP_KEY else int(k.removeprefix("layer"))): f.get_tensor(k) for k in f.keys()}
+    t0 = time.perf_counter()
     if seqs is None:
         if model.tokenizer is None:
             raise TrainHeadsError("the model has no tokenizer: pass token sequences (seqs=)")
@@ -299,8 +307,10 @@ def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | N
     cache = cache_hidden(model, seqs, cfg.layers, progress)
     if cfg.candidates:
         cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
+    timing["seconds"] = time.perf_counter() - t0
     if path is not None:
-        save_safetensors(path, {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()}, {"key": key})
+        save_safetensors(path, {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()},
+                         {"key": key, "seconds": repr(timing["seconds"])})
     return cache
 
 
@@ -312,8 +322,8 @@ class HeadTrainResult:
     resumed_from: int
     tokens: int
     losses: list[float] = field(default_factory=list)
-    seconds: float = 0.0
-    cache_seconds: float = 0.0
+    seconds: float = 0.0  # training time over all calls (a resumed run adds the earlier calls' time)
+    cache_seconds: float = 0.0  # time to build the hidden-state cache (when read back from work: the original build)
     config: dict = field(default_factory=dict)
 
 
@@ -339,9 +349,9 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
         if work.exists() and not work.is_dir():
             raise TrainHeadsError(f"work folder {work} is a file: give a folder")
         work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    cache = load_or_build_cache(model, cfg, work, seqs, progress)
-    cache_s = time.perf_counter() - t0
+    timing: dict = {}
+    cache = load_or_build_cache(model, cfg, work, seqs, progress, timing)
+    cache_s = timing["seconds"]
     final = cache[model.config.n_layers]
     N = len(final)
     total = cfg.steps(N)
@@ -356,10 +366,10 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
     params = [p for h in heads for p in h.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     key = _config_key(cfg, model.fingerprint)
-    start, losses = 0, []
+    start, losses, prior_s = 0, [], 0.0
     state_path = work / STATE_FILE if work is not None else None
     if state_path is not None and state_path.is_file():
-        start, losses = _load_state(state_path, heads, opt, key)
+        start, losses, prior_s = _load_state(state_path, heads, opt, key)
 
     per_epoch = math.ceil(N / cfg.batch_tokens)
 
@@ -371,7 +381,7 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
     end = total if stop_after is None else min(total, start + stop_after)
     bar = tqdm(total=total, initial=start, desc=f"train {cfg.kind} heads {','.join(map(str, cfg.layers))}",
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    t1 = time.perf_counter()
+    t1, seconds = time.perf_counter(), prior_s
     try:
         for step in range(start, end):
             idx = batch(step)
@@ -396,17 +406,17 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
                 for h in heads:
                     torch.nn.utils.clip_grad_norm_(list(h.parameters()), cfg.grad_clip)
             opt.step()
+            seconds = prior_s + time.perf_counter() - t1
             losses.append(round(step_loss, 6))
             bar.update(1)
             bar.set_postfix(loss=f"{step_loss:.4f}")
             if state_path is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == end):
-                _save_state(state_path, heads, opt, step + 1, losses, key)
+                _save_state(state_path, heads, opt, step + 1, losses, key, seconds)
     finally:
         bar.close()
     for h in heads:
         h.eval().requires_grad_(False)
-    return HeadTrainResult({h.layer: h for h in heads}, end, start, N, losses, time.perf_counter() - t1, cache_s,
-                           asdict(cfg))
+    return HeadTrainResult({h.layer: h for h in heads}, end, start, N, losses, seconds, cache_s, asdict(cfg))
 
 
 def save_trained(result: HeadTrainResult, path, meta: dict | None = None, dtype: torch.dtype = torch.float32):

@@ -163,6 +163,54 @@ def test_training_errors(tmp_path):
         th.train_heads(model, _cfg(), progress=False)
 
 
+def test_rank_by_count_and_sub_vocab_heads():
+    order, counts = heads.rank_by_count(torch.tensor([7, 3, 7, 9, 3, 7]), 12)
+    assert order[:3].tolist() == [7, 3, 9] and order[3:6].tolist() == [0, 1, 2]  # then unseen ids by id
+    assert sorted(order.tolist()) == list(range(12)) and counts[7] == 3
+    model = random_model()
+    lens = {x: heads.new_head(model, x, "lens") for x in (3, 1)}
+    for h in lens.values():
+        with torch.no_grad():
+            h.proj.weight.normal_(std=0.1)
+    subs = heads.sub_vocab_heads(lens, order[:5])
+    assert [h.layer for h in subs] == [1, 3] and all(h.vocab.tolist() == order[:5].tolist() for h in subs)
+    x = torch.randn(1, 2, model.config.hidden_size)
+    torch.testing.assert_close(subs[1](x)[..., order[:5]], lens[3](x)[..., order[:5]])
+
+
+def test_cli_heads_sub_vocab(tmp_path, monkeypatch, capsys, tiny_hf_dir):
+    import json
+
+    import layerleap
+    from layerleap.cli import main
+    from layerleap.commands import heads as cmd
+    model = layerleap.load(str(tiny_hf_dir))
+    src = [heads.new_head(model, x, "lens") for x in (1, 2)]
+    for h in src:
+        with torch.no_grad():
+            h.proj.weight.normal_(std=0.1)
+    path = heads.save_heads(src, tmp_path / "lens.safetensors")
+    V = model.config.vocab_size
+    monkeypatch.setattr(cmd, "frequent_vocab", lambda m, tokens: heads.rank_by_count(torch.tensor([40, 41, 40, 5]), V))
+    out = str(tmp_path / "sub{vocab}.safetensors")
+    args = ["heads", "sub-vocab", "--model", str(tiny_hf_dir), "--threads", "1", "--heads", str(path)]
+    assert main([*args, "--vocab", "2,5", "--out", out, "--layers", "2", "--json", str(tmp_path / "r.json")]) == 0
+    for s in (2, 5):
+        got = heads.load_heads(model, tmp_path / f"sub{s}.safetensors")
+        assert list(got) == [2] and got[2].kind == "lens"
+        assert got[2].vocab.tolist() == [40, 5, 41, 0, 1][:s]  # by count, ties and unseen by id
+        assert heads.read_meta(tmp_path / f"sub{s}.safetensors")["vocab_size"] == str(s)
+        h = torch.randn(1, 2, model.config.hidden_size)
+        torch.testing.assert_close(got[2](h)[..., got[2].vocab], src[1](h)[..., got[2].vocab], rtol=2e-2, atol=2e-2)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["distinct_ids_seen"] == 3 and rep["files"][out.replace("{vocab}", "5")]["ids_filled_by_lowest_id"] == 2
+    capsys.readouterr()
+    assert main([*args, "--vocab", "2,5", "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert "must contain {vocab}" in capsys.readouterr().err
+    assert main([*args, "--vocab", "2", "--out", str(tmp_path / "x.safetensors"), "--layers", "3"]) == 2
+    assert "no heads at layers 3" in capsys.readouterr().err
+
+
 def test_cli_train_heads_errors(capsys):
     from layerleap.cli import main
     assert main(["train", "heads", "--layers", "a,b", "--out", "x.safetensors"]) == 2

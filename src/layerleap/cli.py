@@ -21,7 +21,7 @@ COMMAND_MODULES = [
     "layerleap.commands.bild",  # sweep bild, align
     "layerleap.commands.skipdecode",  # finetune skipdecode, eval skipdecode / skipdecode-speed
     "layerleap.commands.ppd",  # theory ppd, eval ppd-parallel
-    "layerleap.commands.heads",  # train heads, match-rate
+    "layerleap.commands.heads",  # train heads, match-rate, eval head-cost, heads sub-vocab
     "layerleap.commands.hidden_transfer",  # train transfer / train medusa, eval drafters
 ]
 

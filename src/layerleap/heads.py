@@ -157,6 +157,20 @@ def with_vocab(head: ExitHead, vocab) -> ExitHead:
     return out.eval().requires_grad_(False)
 
 
+def rank_by_count(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, counts)``: all ``vocab_size`` ids, most frequent in ``ids`` first (ties, and the ids
+    never seen, by increasing id), and each id's count."""
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=vocab_size)
+    return torch.argsort(-counts.double() + torch.arange(vocab_size) * 1e-9), counts
+
+
+def sub_vocab_heads(heads: dict[int, ExitHead] | list[ExitHead], vocab) -> list[ExitHead]:
+    """Each (shared or lens) head restricted to the token ids ``vocab``, by layer: what
+    ``save_heads`` writes as a sub-vocabulary heads file."""
+    items = heads.values() if isinstance(heads, dict) else heads
+    return [with_vocab(h, vocab) for h in sorted(items, key=lambda h: h.layer)]
+
+
 # -- files ----------------------------------------------------------------------------------------
 def save_heads(heads: list[ExitHead], path, meta: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write trained heads (one model, distinct layers) to one safetensors file, atomically.

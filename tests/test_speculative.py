@@ -40,12 +40,65 @@ def test_greedy_equals_target_greedy_over_seeds_and_draft_lengths():
         target, draft = tiny_pair(seed)
         ref = layerleap.generate(target, PROMPT, max_new_tokens=24, stop_at_eos=False).token_ids
         for gamma in (1, 2, 3, 5, 8):
-            r = layerleap.generate(target, PROMPT, "speculative", 24, draft=draft, draft_len=gamma, stop_at_eos=False)
+            r = layerleap.generate(target, PROMPT, "speculative", 24, draft=draft, draft_len=gamma, min_confidence=0.0,
+                                   stop_at_eos=False)
             assert r.token_ids == ref, (seed, gamma)
             assert r.stats["accepted"] <= r.stats["drafted"]
             assert r.stats["draft_calls"] > 0 and r.stats["draft_layer_evals"] > 0
             accepted += r.stats["accepted"]
     assert accepted > 50  # the drafts were really used, so equality is not a trivial all-rejected run
+
+
+ADAPTIVE = [("heuristic", 1, 0.0), ("heuristic", 4, 0.0), ("heuristic", 2, 0.5), ("constant", 8, 0.6),
+            ("constant", 3, 1.0)]
+
+
+def test_adaptive_draft_lengths_keep_greedy_exact():
+    """The heuristic schedule and the confidence stop change how many tokens are drafted, never
+    which tokens come out."""
+    grew = stopped = accepted = 0
+    for seed in range(4):
+        target, draft = tiny_pair(seed)
+        ref = layerleap.generate(target, PROMPT, max_new_tokens=32, stop_at_eos=False).token_ids
+        for schedule, gamma, conf in ADAPTIVE:
+            r = layerleap.generate(target, PROMPT, "speculative", 32, draft=draft, draft_len=gamma,
+                                   schedule=schedule, min_confidence=conf, stop_at_eos=False)
+            assert r.token_ids == ref, (seed, schedule, gamma, conf)
+            s = r.stats
+            assert s["drafted"] == pytest.approx(s["draft_len_mean"] * s["rounds"])
+            assert s["tokens_per_round"] == pytest.approx(32 / s["rounds"])
+            grew += schedule == "heuristic" and s["draft_len_max"] > gamma
+            stopped += s["confidence_stops"]
+            accepted += s["accepted"]
+            if conf == 0:
+                assert s["confidence_stops"] == 0
+            if schedule == "constant":
+                assert s["draft_len_max"] <= gamma
+    assert grew and stopped and accepted > 100  # the schedule grew γ, the confidence stop cut rounds
+
+
+def test_confidence_one_drafts_one_token_per_round():
+    target, draft = tiny_pair(1)
+    r = layerleap.generate(target, PROMPT, "speculative", 20, draft=draft, draft_len=5, min_confidence=1.0,
+                           stop_at_eos=False)
+    # one draft per round; a last round with one token left drafts none
+    assert r.stats["draft_len_max"] == 1 and r.stats["rounds"] - 1 <= r.stats["drafted"] <= r.stats["rounds"]
+
+
+def test_heuristic_schedule_rule():
+    from layerleap.methods.speculative import DraftLength
+    g = DraftLength(4, "heuristic")
+    seen = []
+    for drafted, accepted in [(4, 4), (6, 6), (8, 3), (7, 0), (6, 6)]:
+        g.update(drafted, accepted)
+        seen.append(g.gamma)
+    assert seen == [6, 8, 7, 6, 8]  # +2 after a fully accepted round, -1 otherwise
+    low = DraftLength(1, "heuristic")
+    low.update(1, 0)
+    assert low.gamma == 1  # never below one
+    const = DraftLength(4)
+    const.update(4, 4)
+    assert const.gamma == 4
 
 
 def test_greedy_stops_at_eos_like_greedy():
@@ -59,7 +112,9 @@ def test_greedy_stops_at_eos_like_greedy():
     assert got == want and got[-1] == eos and len(got) == 6
 
 
-def test_kv_caches_roll_back_exactly(monkeypatch):
+@pytest.mark.parametrize("options", [{"draft_len": 4, "min_confidence": 0.0}, {},
+                                     {"draft_len": 2, "schedule": "heuristic", "min_confidence": 0.5}])
+def test_kv_caches_roll_back_exactly(monkeypatch, options):
     """After decoding, every kept cache entry of the target and of the draft equals a fresh prompt
     pass over the same tokens: rejected drafts left no trace."""
     caches, companions = [], []
@@ -68,12 +123,14 @@ def test_kv_caches_roll_back_exactly(monkeypatch):
     init = Companion.__init__
     monkeypatch.setattr(Companion, "__init__", lambda self, *a, **k: (companions.append(self), init(self, *a, **k))[1])
     target, draft = tiny_pair(0)
-    r = layerleap.generate(target, PROMPT, "speculative", 30, draft=draft, draft_len=4, stop_at_eos=False)
+    r = layerleap.generate(target, PROMPT, "speculative", 30, draft=draft, stop_at_eos=False, **options)
     assert r.stats["drafted"] > r.stats["accepted"] > 0  # both rejections and acceptances happened
     seq = PROMPT + r.token_ids
     for model, cache in ((target, caches[-1]), (draft, companions[-1].cache)):
         n = int(cache.lengths[0, 0])
-        assert bool((cache.lengths == n).all()) and len(seq) - 2 <= n <= len(seq)
+        # the draft lags by up to 3 tokens: its last draft, the target's token, and a final round
+        # with one token left (nothing drafted, so nothing fed to the draft)
+        assert bool((cache.lengths == n).all()) and len(seq) - 3 <= n <= len(seq)
         fresh = model.new_cache(1, n)
         model(torch.tensor([seq[:n]]), cache=fresh)
         torch.testing.assert_close(cache.k[:, :, :, :n], fresh.k, rtol=1e-4, atol=1e-5)
@@ -124,7 +181,10 @@ def exact_joint(target: Transformer, prompt: list[int], warp: dict) -> torch.Ten
     return p1.unsqueeze(1) * p2
 
 
-def test_sampled_tokens_follow_the_targets_distribution():
+@pytest.mark.parametrize("options", [{"draft_len": 2, "min_confidence": 0.0},
+                                     {"draft_len": 1, "schedule": "heuristic", "min_confidence": 0.4}],
+                         ids=["constant", "heuristic-confidence"])
+def test_sampled_tokens_follow_the_targets_distribution(options):
     """End to end: the first two sampled tokens (both drafted, so both pass the acceptance rule)
     over 1,200 seeds, 6-token vocabulary, temperature 0.8 and top-k 5; the joint distribution of the
     pair matches the target's exactly computed one and differs from the draft's."""
@@ -137,8 +197,8 @@ def test_sampled_tokens_follow_the_targets_distribution():
     counts = torch.zeros(6, 6)
     drafted = accepted = 0
     for seed in range(1200):
-        r = layerleap.generate(target, SHORT, "speculative", 3, draft=draft, draft_len=2, do_sample=True,
-                               seed=seed, stop_at_eos=False, **warp)
+        r = layerleap.generate(target, SHORT, "speculative", 3, draft=draft, do_sample=True,
+                               seed=seed, stop_at_eos=False, **warp, **options)
         counts[r.token_ids[0], r.token_ids[1]] += 1
         drafted += r.stats["drafted"]
         accepted += r.stats["accepted"]
@@ -205,6 +265,13 @@ DRAFT = object()  # stands for the tiny draft model in the cases below
     ({"draft": DRAFT, "draft_len": 0}, "draft_len must be an integer >= 1"),
     ({"draft": DRAFT, "draft_len": 2.5}, "draft_len must be an integer >= 1"),
     ({"draft": DRAFT, "draft_len": True}, "draft_len must be an integer >= 1"),
+    ({"draft": DRAFT, "schedule": "fast"}, "schedule must be one of 'constant', 'heuristic'"),
+    ({"draft": DRAFT, "schedule": None}, "schedule must be one of"),
+    ({"draft": DRAFT, "min_confidence": 1.5}, r"min_confidence must be a probability in \[0, 1\]"),
+    ({"draft": DRAFT, "min_confidence": -0.1}, "min_confidence must be a probability"),
+    ({"draft": DRAFT, "min_confidence": float("nan")}, "min_confidence must be a probability"),
+    ({"draft": DRAFT, "min_confidence": True}, "min_confidence must be a probability"),
+    ({"draft": DRAFT, "min_confidence": "0.4"}, "min_confidence must be a probability"),
     ({"draft": "small"}, "must be a layerleap model"),
 ])
 def test_bad_options(options, message):
@@ -233,3 +300,9 @@ def test_method_is_not_in_the_default_runnable_set():
     from layerleap import bench
     assert "speculative" not in bench.runnable_methods()  # it needs a draft model
     assert bench.required_options("speculative", {}) == ["draft"]
+
+
+def test_defaults_are_transformers_assisted_generation_defaults():
+    from layerleap.decoding import get_method
+    opts = get_method("speculative").options()
+    assert (opts["draft_len"], opts["schedule"], opts["min_confidence"]) == (20, "constant", 0.4)

@@ -1,7 +1,8 @@
 """BiLD's quality-latency trade-off (the paper's Figures 4 and 9, Table 1), measured here.
 
 For every prompt, in turn: the large model's greedy decoding (the reference for speed AND quality),
-every BiLD point ``(alpha_fb, alpha_rb)``, then greedy speculative decoding for every draft length,
+every BiLD point ``(alpha_fb, alpha_rb)``, then greedy speculative decoding for every draft length
+and every adaptive setting (``SpecSetting``: schedule, first γ, confidence stop),
 then (optionally) `transformers` greedy and assisted generation on the same weights as yardsticks.
 All runs of one prompt are back to back (interleaved), generate exactly ``max_new_tokens`` tokens
 (EOS does not stop them), and are timed by ``generate`` itself.
@@ -58,7 +59,40 @@ def bild_grid(alpha_fbs: list[float], alpha_rbs: list[float]) -> list[Point]:
 
 
 def speculative_points(gammas: list[int]) -> list[Point]:
-    return [Point(f"speculative γ={g}", "speculative", {"draft_len": g}, draft_len=g) for g in gammas]
+    """Fixed-γ speculative decoding (constant schedule, no confidence stop, whatever the defaults)."""
+    return [Point(f"speculative γ={g}", "speculative", {"draft_len": g, "schedule": "constant", "min_confidence": 0.0},
+                  draft_len=g) for g in gammas]
+
+
+@dataclass(frozen=True)
+class SpecSetting:
+    """One speculative decoding setting: ``schedule``, the (first) draft length γ, ``min_confidence``."""
+    schedule: str
+    draft_len: int
+    min_confidence: float = 0.0
+
+    def point(self) -> Point:
+        label = f"speculative {self.schedule} γ={self.draft_len}"
+        if self.min_confidence:
+            label += f" conf={self.min_confidence:g}"
+        return Point(label, "speculative", {"draft_len": self.draft_len, "schedule": self.schedule,
+                                            "min_confidence": self.min_confidence}, draft_len=self.draft_len)
+
+
+def parse_spec_setting(text: str) -> SpecSetting:
+    """``SCHEDULE:γ[:MIN_CONFIDENCE]``, e.g. ``heuristic:4`` or ``constant:20:0.4``."""
+    from .methods.speculative import check_options
+    parts = text.strip().split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        setting = SpecSetting(parts[0], int(parts[1]), float(parts[2]) if len(parts) == 3 else 0.0)
+        check_options(setting.draft_len, setting.schedule, setting.min_confidence)
+    except (ValueError, LayerleapError) as e:
+        why = f": {e}" if isinstance(e, LayerleapError) else ""
+        raise LayerleapError(f"speculative setting {text!r} is not SCHEDULE:γ[:MIN_CONFIDENCE] "
+                             f"(e.g. heuristic:4 or constant:20:0.4){why}") from None
+    return setting
 
 
 HF_GREEDY = "transformers greedy"
@@ -271,7 +305,7 @@ def _measure(rs: list[dict], greedy: dict) -> dict:
     tokens = sum(r["new_tokens"] for r in rs)
     sums = {k: sum(r["stats"].get(k) or 0 for r in rs) for k in
             ("fallbacks", "small_steps", "rollbacks", "large_calls", "small_tokens", "rolled_back", "large_tokens",
-             "drafted", "accepted", "layer_evals")}
+             "drafted", "accepted", "layer_evals", "rounds", "draft_calls", "model_calls", "confidence_stops")}
     return {
         "prompts": len(rs), "new_tokens": tokens, "wall_s": wall, "greedy_wall_s": ref,
         "latency": wall / ref if ref > 0 else None, "speedup": ref / wall if wall > 0 else None,
@@ -280,6 +314,11 @@ def _measure(rs: list[dict], greedy: dict) -> dict:
         "large_calls_per_token": sums["large_calls"] / tokens if tokens and sums["large_calls"] else None,
         "small_share": (sums["small_tokens"] - sums["rolled_back"]) / tokens if tokens and sums["small_tokens"] else None,
         "acceptance": sums["accepted"] / sums["drafted"] if sums["drafted"] else None,
+        "draft_len_mean": sums["drafted"] / sums["rounds"] if sums["rounds"] else None,  # speculative: mean γ used
+        "tokens_per_round": tokens / sums["rounds"] if tokens and sums["rounds"] else None,
+        "draft_calls_per_token": sums["draft_calls"] / tokens if tokens and sums["draft_calls"] else None,
+        "model_calls_per_token": sums["model_calls"] / tokens if tokens and sums["model_calls"] else None,
+        "confidence_stops": sums["confidence_stops"] if sums["rounds"] else None,
         "layers_per_token": sums["layer_evals"] / tokens if tokens and sums["layer_evals"] else None,  # None: not metered (transformers)
         "identical": sum(r["token_ids"] == greedy[r["prompt_index"]]["token_ids"] for r in rs),
     }
@@ -340,8 +379,8 @@ def points_table(summary: dict) -> str:
     """Markdown: every point with its overall speed-up, quality per category, rates."""
     cats = sorted({c for e in summary.values() for c in e["categories"]})
     head = ("| point | speed-up | " + " | ".join(cats) + " | identical | fallback rate | rollback rate | "
-            "small-model share | layers/token |")
-    lines = [head, "|---" * (len(cats) + 7) + "|"]
+            "small-model share | layers/token | acceptance | mean γ | tokens/round |")
+    lines = [head, "|---" * (len(cats) + 10) + "|"]
 
     def f(x, spec):
         return "–" if x is None else format(x, spec)
@@ -350,7 +389,9 @@ def points_table(summary: dict) -> str:
         qs = " | ".join(f(e["categories"].get(c, {}).get("quality"), ".1f") for c in cats)
         lines.append(f"| {label} | {f(e['speedup'], '.2f')}× | {qs} | {e['identical']}/{e['prompts']} | "
                      f"{f(e['fallback_rate'], '.2f')} | {f(e['rollback_rate'], '.2f')} | "
-                     f"{f(e['small_share'], '.2f')} | {f(e['layers_per_token'], '.1f')} |")
+                     f"{f(e['small_share'], '.2f')} | {f(e['layers_per_token'], '.1f')} | "
+                     f"{f(e.get('acceptance'), '.2f')} | {f(e.get('draft_len_mean'), '.2f')} | "
+                     f"{f(e.get('tokens_per_round'), '.2f')} |")
     return "\n".join(lines)
 
 
@@ -386,7 +427,7 @@ def plot(summary: dict, path: str | Path, title: str = "") -> Path:
                 if e["method"] == "speculative" and c in e["categories"]]
         if spec:
             ax.scatter([m["latency"] for _, m in spec], [m["quality"] for _, m in spec], marker="s", color="tab:red",
-                       label="speculative (γ = " + ", ".join(str(g) for g, _ in spec) + ")", zorder=4)
+                       label="speculative (γ or first γ = " + ", ".join(str(g) for g, _ in spec) + ")", zorder=4)
         for label, marker in ((HF_GREEDY, "^"), (HF_ASSISTED, "v")):
             e = summary.get(label)
             if e is not None and c in e["categories"]:

@@ -26,7 +26,9 @@ DEFAULT_FB = "0.2,0.4,0.6,0.8"
 DEFAULT_RB = "0.5,1,2,4"
 
 
-def _floats(text: str, what: str) -> list[float]:
+def _floats(text: str, what: str, allow_none: bool = False) -> list[float]:
+    if allow_none and text.strip().lower() == "none":
+        return []
     out = []
     for item in _csv(text) or []:
         try:
@@ -109,11 +111,17 @@ def _setup_sweep(p):
     _model_args(p)
     _device_args(p)
     _form_args(p)
-    p.add_argument("--alpha-fb", default=DEFAULT_FB, help=f"fallback thresholds (default {DEFAULT_FB})")
-    p.add_argument("--alpha-rb", default=DEFAULT_RB, help=f"rollback thresholds; inf = never (default {DEFAULT_RB})")
+    p.add_argument("--alpha-fb", default=DEFAULT_FB, help=f"fallback thresholds (default {DEFAULT_FB}; none: no "
+                   "BiLD points)")
+    p.add_argument("--alpha-rb", default=DEFAULT_RB, help=f"rollback thresholds; inf = never (default {DEFAULT_RB}; "
+                   "none: no BiLD points)")
     p.add_argument("--max-small", type=_max_small, default=10, help="longest small-model run (default 10; none)")
     p.add_argument("--draft-lens", default="2,4", help="speculative decoding draft lengths γ; its draft is the small "
-                   "model, or in the early-exit form the same first E layers and head (default 2,4; none: skip)")
+                   "model, or in the early-exit form the same first E layers and head; constant schedule, no "
+                   "confidence stop (default 2,4; none: skip)")
+    p.add_argument("--speculative", default="", metavar="SETTINGS", help="more speculative decoding points, each "
+                   "SCHEDULE:γ[:MIN_CONFIDENCE], e.g. heuristic:4,heuristic:4:0.4,constant:20:0.4 (schedule constant "
+                   "or heuristic, γ the first draft length, min_confidence the confidence stop; default none)")
     p.add_argument("--transformers", action="store_true", help="add `transformers` generate on the same weights as "
                    "yardsticks: greedy, and assisted generation (assistant_model=the small model; early-exit form: "
                    "assistant_early_exit=E, its own LM head)")
@@ -131,12 +139,15 @@ def _setup_sweep(p):
 
 @_setup_sweep
 def run_sweep(args) -> int:
-    fbs = _floats(args.alpha_fb, "--alpha-fb")
-    rbs = _floats(args.alpha_rb, "--alpha-rb")
+    fbs = _floats(args.alpha_fb, "--alpha-fb", allow_none=True)
+    rbs = _floats(args.alpha_rb, "--alpha-rb", allow_none=True)
+    if not fbs or not rbs:
+        fbs = rbs = []  # none: no BiLD points
     for fb in fbs:
         for rb in rbs:
             check_thresholds(fb, rb, args.max_small)
     gammas = _ints(args.draft_lens, "--draft-lens")
+    settings = [sweep_mod.parse_spec_setting(t) for t in _csv(args.speculative) or []]
     if args.small and args.head != "auto":
         raise LayerleapError("--head chooses the exit head of the early-exit form: drop it with --small")
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
@@ -169,9 +180,11 @@ def run_sweep(args) -> int:
         form = f"early exit at layer {E} of {large.config.n_layers}, head {shown}"
     print(f"{_model_line(large, threads)}, device {_device_name(large)}\nBiLD {form}; max_small {args.max_small}\n"
           f"{len(prompts)} Spec-Bench prompts ({args.categories}, {args.prompts} each) × {args.max_new_tokens} "
-          f"new tokens, chat {args.chat}; {len(fbs) * len(rbs)} BiLD points + {len(gammas)} speculative + greedy, "
+          f"new tokens, chat {args.chat}; {len(fbs) * len(rbs)} BiLD points + {len(gammas) + len(settings)} speculative "
+          f"+ greedy, "
           f"interleaved per prompt", flush=True)
-    points = sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas)
+    points = (sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas)
+              + [t.point() for t in settings])
     if args.transformers:
         points += sweep_mod.transformers_points()
     report = sweep_mod.run_sweep(large, points, prompts, args.max_new_tokens, models=models, fixed=fixed,

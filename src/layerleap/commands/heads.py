@@ -214,8 +214,6 @@ def _setup_cost(p):
 
 def frequent_vocab(model, tokens: int, seq_len: int = 512):
     """Token ids ranked by how often they are the final layer's argmax on ShareGPT text (then by id)."""
-    import torch
-
     from ..train_heads import cache_hidden, final_top_ids, sharegpt_token_seqs
     from ..heads import rank_by_count
     seqs = sharegpt_token_seqs(model.tokenizer, tokens, seq_len)

@@ -14,6 +14,16 @@ from ..files import write_json
 from .basic import _check_writable, _command_line, _load, _model_args, _model_line, _positive_int, _threads
 
 
+def _start(args):
+    """Print the command line, set the threads, load the model and print what it is."""
+    threads = _threads(args.threads)
+    cmd = _command_line(args)
+    print(f"$ {cmd}", flush=True)
+    model = _load(args)
+    print(_model_line(model, threads), flush=True)
+    return cmd, model, threads
+
+
 def _int_list(text: str, what: str) -> list[int]:
     try:
         out = [int(s) for s in text.split(",") if s.strip()]
@@ -75,12 +85,8 @@ def run_train(args) -> int:
                           tokens=args.tokens, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
                           init=args.init, candidates=args.candidates, negatives=args.negatives, seq_len=args.seq_len,
                           skip_conversations=args.skip_conversations, save_every=args.save_every, seed=args.seed)
-    threads = _threads(args.threads)
-    cmd = _command_line(args)
-    print(f"$ {cmd}", flush=True)
-    model = _load(args)
+    cmd, model, threads = _start(args)
     cfg.check(model)
-    print(_model_line(model, threads), flush=True)
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
     t0 = time.perf_counter()
     res = train_heads(model, cfg, work=work)
@@ -163,11 +169,7 @@ def run_match(args) -> int:
             raise LayerleapError(f"no prompts left in category {c} after --offset {args.offset}")
     _check_writable(args.json)
     _check_writable(args.plot)
-    threads = _threads(args.threads)
-    cmd = _command_line(args)
-    print(f"$ {cmd}", flush=True)
-    model = _load(args)
-    print(_model_line(model, threads), flush=True)
+    cmd, model, threads = _start(args)
     head_names = _csv(args.heads) or ["shared"]
     base = MatchRateConfig(layers=tuple(layers), ks=tuple(ks), heads=tuple(head_names), max_new_tokens=args.max_new_tokens,
                            top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, seed=args.seed,
@@ -228,11 +230,7 @@ def run_cost(args) -> int:
     layers = _int_list(args.layers, "--layers")
     sizes = _int_list(args.vocab, "--vocab")
     _check_writable(args.json)
-    threads = _threads(args.threads)
-    cmd = _command_line(args)
-    print(f"$ {cmd}", flush=True)
-    model = _load(args)
-    print(_model_line(model, threads), flush=True)
+    cmd, model, threads = _start(args)
     V = model.config.vocab_size
     if any(not 0 < s <= V for s in sizes):
         raise LayerleapError(f"--vocab sizes must be in [1, {V}], got {args.vocab}")
@@ -283,11 +281,7 @@ def run_sub(args) -> int:
     for o in outs.values():
         _check_writable(o)
     _check_writable(args.json)
-    threads = _threads(args.threads)
-    cmd = _command_line(args)
-    print(f"$ {cmd}", flush=True)
-    model = _load(args)
-    print(_model_line(model, threads), flush=True)
+    cmd, model, threads = _start(args)
     V = model.config.vocab_size
     if any(not 0 < s < V for s in sizes):
         raise LayerleapError(f"--vocab sizes must be in [1, {V - 1}] (below the full vocabulary), got {args.vocab}")

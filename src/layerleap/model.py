@@ -62,14 +62,19 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+def fp32_detour(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether bf16/fp16 matrix products and attention should run in fp32 here: on a CPU without native
+    bf16 (AVX2 EPYC: bf16 matrix kernels ~7x, attention 4-6x slower than fp32).  A CPU with
+    AVX512-BF16/AMX keeps bf16 (there the detour is ~8x slower: docs/BENCHMARKS.md)."""
+    return (device.type == "cpu" and dtype != torch.float32
+            and not (dtype == torch.bfloat16 and cpu_has_native_bf16()))
+
+
 def linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``lin(x)``, except that on a CPU without native bf16 a bf16/fp16 product over many rows runs
-    in fp32: there the low-precision matrix kernels are ~7x slower (AVX2 EPYC, 700 rows x 576 ->
-    3072: 128 ms against 18 ms with the weight converted on the fly).  One-row products stay in
-    bf16, and a CPU with AVX512-BF16/AMX keeps bf16 throughout (there the fp32 detour is ~8x slower:
-    docs/BENCHMARKS.md)."""
-    if (x.dtype != torch.float32 and x.device.type == "cpu" and x.numel() // x.shape[-1] >= 16
-            and not (x.dtype == torch.bfloat16 and cpu_has_native_bf16())):
+    """``lin(x)``, except that a product over many rows runs in fp32 where ``fp32_detour`` says so
+    (700 rows x 576 -> 3072 on the AVX2 EPYC: 128 ms in bf16 against 18 ms with the weight converted
+    on the fly); one-row products stay in the weights' dtype."""
+    if x.numel() // x.shape[-1] >= 16 and fp32_detour(x.dtype, x.device):
         b = lin.bias.float() if lin.bias is not None else None
         return F.linear(x.float(), lin.weight.float(), b).to(x.dtype)
     return lin(x)
@@ -240,13 +245,9 @@ class Transformer(nn.Module):
         return KVCache.for_model(self.config, batch, max_len, dtype or self.cache_dtype(), self.device)
 
     def cache_dtype(self) -> torch.dtype:
-        """The weights' dtype, except fp32 on a CPU without native bf16: there bf16 attention runs
-        4-6x slower than fp32 (AVX2 EPYC), and the cache is small next to the weights.  With
-        AVX512-BF16/AMX, bf16 attention is the faster one (a 700-token prefill: fp32 attention took
-        41% of the time)."""
-        if self.device.type == "cpu" and self.dtype != torch.float32 and not cpu_has_native_bf16():
-            return torch.float32
-        return self.dtype
+        """The weights' dtype, or fp32 where ``fp32_detour`` says so (the cache is small next to the
+        weights; with AVX512-BF16/AMX an fp32 cache made attention 41% of a 700-token bf16 prefill)."""
+        return torch.float32 if fp32_detour(self.dtype, self.device) else self.dtype
 
     PROJECTIONS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight", "lm_head.weight")
 

@@ -473,11 +473,13 @@ def test_transformers_view_shares_our_weights_and_decodes_like_greedy(name):
     from tiny_models import random_model
 
     from layerleap.sweep import HFRunner
-    large = random_model(name, seed=1).optimize_layout()
+    dense = random_model(name, seed=1)  # dense weights: transformers gets views of them, no copies
+    ours = {t.untyped_storage().data_ptr() for t in dense.parameters()}  # fused q/k/v: views of one storage
+    assert all(p.untyped_storage().data_ptr() in ours for p in HFRunner(dense).hf.parameters()), \
+        "transformers copied weights"
+    large = random_model(name, seed=1).optimize_layout()  # packed: transformers gets dense copies
     small = random_model(name, seed=2, n_layers=1).optimize_layout()
     run = HFRunner(large, small=small)
-    ours = {t.untyped_storage().data_ptr() for t in large.parameters()}  # fused q/k/v: views of one storage
-    assert all(p.untyped_storage().data_ptr() in ours for p in run.hf.parameters()), "transformers copied weights"
     want = greedy(large, 12).token_ids
     assert run.generate(PROMPT, 12, assisted=False).token_ids == want
     assert run.generate(PROMPT, 12, assisted=True).token_ids == want  # lossless, as transformers promises

@@ -83,7 +83,7 @@ def test_from_hf_reproduces_transformers_logits(kind, tied, gqa):
     with torch.inference_mode():
         assert_close(ours(ids), hf(ids).logits)
     if tied:
-        torch.testing.assert_close(ours.lm_head.weight, ours.tok_embeddings.weight, atol=0, rtol=0)
+        torch.testing.assert_close(ours.lm_head.dense_weight(), ours.tok_embeddings.weight, atol=0, rtol=0)
 
 
 def test_from_hf_dtype_and_roundtrip():
@@ -457,7 +457,7 @@ def test_tied_checkpoint_with_stored_head_loads():
 def test_build_keeps_tied_head_tied():
     m = random_model("llama-gqa-tied", seed=63)
     ours = build(m.config, hf_to_ours({k: v.clone() for k, v in ours_to_hf(m).items()}, m.config))
-    assert ours.lm_head.weight is ours.tok_embeddings.weight or torch.equal(ours.lm_head.weight,
+    assert ours.lm_head.weight is ours.tok_embeddings.weight or torch.equal(ours.lm_head.dense_weight(),
                                                                               ours.tok_embeddings.weight)
     assert not any(p.requires_grad for p in ours.parameters()) and not ours.training
 

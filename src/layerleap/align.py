@@ -27,7 +27,6 @@ Weights are safetensors only, written through a temporary file and ``os.replace`
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -328,9 +327,8 @@ def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig |
     seqs = [r for r in records if r["output_ids"]]
     if not seqs:
         raise AlignError("the calibration outputs are empty: use more prompts or a larger --max-new-tokens")
-    trained = copy.deepcopy(small).float().train().requires_grad_(True)
-    if small.config.tie_embeddings:  # optimize_layout gave the head its own copy: train one matrix
-        trained.lm_head.weight = trained.tok_embeddings.weight
+    from .loading import dense_copy
+    trained = dense_copy(small, torch.float32).train().requires_grad_(True)  # a tied head stays one matrix
     params = dict(trained.named_parameters())
 
     def seq_loss(r):

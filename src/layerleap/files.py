@@ -68,3 +68,8 @@ def read_safetensors_meta(path: str | Path) -> dict:
             return dict(f.metadata() or {})
     except Exception as e:
         raise ValueError(str(e)) from None
+
+
+def cache_root() -> Path:
+    """The user cache (converted models, kernel choices): ``$LAYERLEAP_CACHE`` or ``~/.cache/layerleap``."""
+    return Path(os.environ.get("LAYERLEAP_CACHE") or Path.home() / ".cache" / "layerleap")

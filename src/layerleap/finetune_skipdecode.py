@@ -239,6 +239,7 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
     out = Path(out)
     d = model.config.n_layers
     cfg = cfg.resolve(d)
+    model.unpack()  # packed kernel formats carry no gradient: train dense parameters
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"{out} is a file: give a folder for the fine-tuned model")
     state_file = out / STATE_JSON

@@ -52,7 +52,7 @@ class ExitHead(nn.Module):
                 raise HeadError(f"a head's vocab must be distinct token ids in [0, {V}), got {len(ids)} ids")
             self.register_buffer("vocab", ids.to(model.device))
             # the rows of the frozen unembedding it multiplies (derived, not saved)
-            self.register_buffer("sub_weight", model.lm_head.weight.detach()[self.vocab].contiguous(), persistent=False)
+            self.register_buffer("sub_weight", model.head_weight().detach()[self.vocab].contiguous(), persistent=False)
 
     def _scatter(self, sub: torch.Tensor) -> torch.Tensor:
         """``[B, S, len(vocab)]`` -> ``[B, S, V]`` with -inf outside the sub-vocabulary."""
@@ -75,7 +75,7 @@ class ExitHead(nn.Module):
 
     def unembed_weight(self) -> torch.Tensor:
         """The ``[V, D]`` unembedding this head multiplies by."""
-        return self.model.lm_head.weight
+        return self.model.head_weight()
 
     def logits_at(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, S, len(ids)]`` of the vocabulary entries ``ids`` only (fp32)."""

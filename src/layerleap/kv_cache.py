@@ -83,16 +83,17 @@ class KVCache:
         mask = ((old | new) & real) | (rel == qi)  # a token always sees itself (keeps padded rows finite)
         return mask.unsqueeze(1), total
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Write ``[B, Hkv, S, D]`` keys/values at each row's current length (does not advance)."""
-        start = self.lengths[layer]
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, starts: list[int] | None = None) -> None:
+        """Write ``[B, Hkv, S, D]`` keys/values at each row's current length (does not advance).
+        ``starts`` (``[B]`` ints) is ``lengths[layer]`` when the caller has already read it."""
+        starts = self.lengths[layer].tolist() if starts is None else starts
         n = k_new.shape[2]
-        if self.batch == 1 or bool((start == start[0]).all()):
-            s0 = int(start[0])
+        s0 = starts[0]
+        if all(s == s0 for s in starts):
             self.k[layer].narrow(2, s0, n).copy_(k_new)
             self.v[layer].narrow(2, s0, n).copy_(v_new)
         else:
-            for b, s in enumerate(start.tolist()):
+            for b, s in enumerate(starts):
                 self.k[layer, b, :, s:s + n] = k_new[b]
                 self.v[layer, b, :, s:s + n] = v_new[b]
 

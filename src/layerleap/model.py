@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
 from .kv_cache import CacheError, KVCache
 
@@ -71,13 +73,81 @@ def fp32_detour(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``lin(x)``, except that a product over many rows runs in fp32 where ``fp32_detour`` says so
-    (700 rows x 576 -> 3072 on the AVX2 EPYC: 128 ms in bf16 against 18 ms with the weight converted
-    on the fly); one-row products stay in the weights' dtype."""
+    """``lin(x)`` with a dense weight: ``F.linear``, except that a product over many rows of bf16/fp16
+    runs in fp32 where ``fp32_detour`` says so (700 rows x 576 -> 3072 on the AVX2 EPYC: 128 ms in
+    bf16 against 18 ms with the weight converted on the fly)."""
     if x.numel() // x.shape[-1] >= 16 and fp32_detour(x.dtype, x.device):
         b = lin.bias.float() if lin.bias is not None else None
         return F.linear(x.float(), lin.weight.float(), b).to(x.dtype)
-    return lin(x)
+    return F.linear(x, lin.weight, lin.bias)
+
+
+def _moves(fn, dtype: torch.dtype) -> bool:
+    """Whether ``Module._apply``'s ``fn`` would move a CPU tensor of ``dtype`` or change its dtype."""
+    probe = torch.zeros(1, dtype=dtype)
+    out = fn(probe)
+    return out.device != probe.device or out.dtype != probe.dtype
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight may be packed for a CPU kernel (``kernels``: oneDNN's layout or
+    4-bit groups).  While packed, ``weight`` and ``bias`` are None (the packed weight holds both),
+    ``dense_weight()`` gives the weight back and ``unpack()`` restores a dense parameter.  Moving
+    or casting the module (``.to``, ``.float()``) unpacks it first."""
+
+    packed: kernels.PackedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(self, x) if self.packed is None else self.packed(x)
+
+    def pack(self, fmt: kernels.PackedWeight) -> None:
+        self.packed = fmt
+        self.weight = None
+        self.bias = None
+
+    def unpack(self) -> None:
+        if self.packed is None:
+            return
+        fmt, self.packed = self.packed, None
+        self.weight = nn.Parameter(fmt.dense(), requires_grad=False)
+        self.bias = None if fmt.bias is None else nn.Parameter(fmt.bias.to(self.weight.dtype), requires_grad=False)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight if self.packed is None else self.packed.dense()
+
+    def dense_bias(self) -> torch.Tensor | None:
+        return self.bias if self.packed is None else self.packed.bias
+
+    @property
+    def format(self) -> str:
+        return "dense" if self.packed is None else type(self.packed).__name__.removesuffix("Weight").lower()
+
+    def _apply(self, fn, recurse=True):
+        if self.packed is not None and _moves(fn, self.packed.dtype):
+            self.unpack()
+        return super()._apply(fn, recurse)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table may be a packed 4-bit weight (shared with a tied LM head): rows
+    are dequantized as they are looked up."""
+
+    packed: kernels.Int4Weight | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) if self.packed is None else self.packed.rows(ids)
+
+    def pack(self, fmt: kernels.Int4Weight) -> None:
+        self.packed = fmt
+        self.weight = None
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight if self.packed is None else self.packed.dense()
+
+    def _apply(self, fn, recurse=True):
+        if self.packed is not None and _moves(fn, self.packed.dtype):
+            self.packed, self.weight = None, nn.Parameter(self.packed.dense(), requires_grad=False)
+        return super()._apply(fn, recurse)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -88,44 +158,78 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = c.n_heads, c.n_kv_heads, c.head_dim
-        self.qkv = nn.Linear(c.hidden_size, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
-        self.o = nn.Linear(c.n_heads * c.head_dim, c.hidden_size, bias=False)
+        self.qkv = Linear(c.hidden_size, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
+        self.o = Linear(c.n_heads * c.head_dim, c.hidden_size, bias=False)
 
     def project(self, x, cos, sin):
         """``[B, S, D]`` -> rotated q ``[B, H, S, hd]``, rotated k and v ``[B, Hkv, S, hd]``.
         ``cos``/``sin`` are ``[B, S, 1, hd]``."""
         B, S, _ = x.shape
-        heads = linear(self.qkv, x).view(B, S, self.n_heads + 2 * self.n_kv, self.hd)
+        heads = self.qkv(x).view(B, S, self.n_heads + 2 * self.n_kv, self.hd)
         qk = apply_rope(heads[:, :, : self.n_heads + self.n_kv], cos, sin).transpose(1, 2)
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)
         return q, k, heads[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
 
-    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, keys: Keys | None) -> torch.Tensor:
         B, S, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
-            cache.write(layer, k, v)
-            total = mask.shape[-1] if mask is not None else int(cache.lengths[layer, 0]) + S
-            k = cache.k[layer, :, :, :total]
-            v = cache.v[layer, :, :, :total]
+            cache.write(layer, k, v, keys.starts)
+            k = cache.k[layer, :, :, :keys.total]
+            v = cache.v[layer, :, :, :keys.total]
             q = q.to(k.dtype)  # attention runs in the cache's dtype (fp32 on CPU, see new_cache)
-        if mask is None and S > 1:  # causal over exactly these S keys (no cache, or an empty one)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return linear(self.o, y.transpose(1, 2).reshape(B, S, self.n_heads * self.hd).to(x.dtype))
+        y = attend(q, k, v, keys)  # [B, H, S, hd]
+        return self.o(y.transpose(1, 2).reshape(B, S, self.n_heads * self.hd).to(x.dtype))
+
+
+@dataclass
+class Keys:
+    """What ``S`` new tokens attend to in one layer (the same for every layer whose lengths agree).
+
+    ``starts``: each row's first new cache slot (None without a cache); ``total``: keys ``[0, total)``
+    are read; ``mask`` ``[B, 1, S, total]`` bool (True = may attend), or None: every key for one new
+    token, causal for a first chunk; ``folded``: the mask repeated for grouped query heads folded
+    into the query axis (``[B, 1, g*S, total]``), made once per call."""
+    starts: list[int] | None
+    total: int
+    mask: torch.Tensor | None
+    groups: int = 1
+    folded: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.mask is not None and self.groups > 1:
+            self.folded = self.mask.repeat(1, 1, self.groups, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None) -> torch.Tensor:
+    """Scaled dot-product attention of ``q`` ``[B, H, S, hd]`` over ``k``/``v`` ``[B, Hkv, T, hd]``.
+
+    With grouped-query attention the ``g = H / Hkv`` query heads that share a key head are folded
+    into the query axis (``[B, Hkv, g*S, hd]``), which computes the same dot products in one plain
+    attention call: on CPU that is up to 5x faster than ``enable_gqa`` for a few new tokens.  A
+    first chunk without a mask (plain causal) keeps ``is_causal``, which folding would break."""
+    B, H, S, hd = q.shape
+    g = H // k.shape[1]
+    if keys is None:  # no cache: causal over these S tokens
+        return F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=g > 1)
+    if keys.mask is None and S > 1:  # causal over exactly these S keys (no cache, or an empty one)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
+    if g == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keys.mask)
+    y = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], g * S, hd), k, v, attn_mask=keys.folded)
+    return y.view(B, H, S, hd)
 
 
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.inter = c.intermediate_size
-        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = linear(self.gate_up, x).split(self.inter, dim=-1)
-        return linear(self.down, F.silu(gate) * up)
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -136,8 +240,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, h, cos, sin, layer, cache, mask):
-        h = h + self.attn(self.attn_norm(h), cos, sin, layer, cache, mask)
+    def forward(self, h, cos, sin, layer, cache, keys: Keys | None):
+        h = h + self.attn(self.attn_norm(h), cos, sin, layer, cache, keys)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -150,10 +254,10 @@ class Transformer(nn.Module):
         self.tokenizer = tokenizer
         self.source = source  # a Hugging Face folder with the same weights, when there is one
         c = config
-        self.tok_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.tok_embeddings = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(c)
@@ -181,17 +285,21 @@ class Transformer(nn.Module):
             return h
         cos, sin = self._rope(positions, h.dtype)
         S = h.shape[1]
-        attn_mask = None
-        if cache is None and mask is not None:
-            m = mask if mask.dim() == 3 else mask.unsqueeze(0)
-            attn_mask = m.unsqueeze(1)  # [B|1, 1, S, S]
-        same = cache is None or bool((cache.lengths[start:end] == cache.lengths[start]).all())
+        groups = self.config.n_heads // self.config.n_kv_heads
+        if cache is None:
+            m = None if mask is None else (mask if mask.dim() == 3 else mask.unsqueeze(0)).unsqueeze(1)
+            keys = Keys(None, S, m, groups)  # [B|1, 1, S, S]
+            for layer in range(start, end):
+                h = self.layers[layer](h, cos, sin, layer, None, keys)
+            return h
+        lengths = cache.lengths[start:end].tolist()  # [L', B] as ints: one read for the whole call
+        keys = None
         for layer in range(start, end):
-            if cache is not None and (layer == start or not same):
-                attn_mask, _ = cache.attention_mask(layer, S, mask)  # one mask while lengths agree
-            h = self.layers[layer](h, cos, sin, layer, cache, attn_mask)
-        if cache is not None:
-            cache.advance(start, end, S)
+            if keys is None or lengths[layer - start] != lengths[layer - start - 1]:
+                m, total = cache.attention_mask(layer, S, mask)  # one mask while lengths agree
+                keys = Keys(lengths[layer - start], total, m, groups)
+            h = self.layers[layer](h, cos, sin, layer, cache, keys)
+        cache.advance(start, end, S)
         return h
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -208,7 +316,7 @@ class Transformer(nn.Module):
         for layer in range(start, end):
             blk = self.layers[layer]
             _, k, v = blk.attn.project(blk.attn_norm(h), cos, sin)
-            cache.write(layer, k, v)
+            cache.write(layer, k, v, cache.lengths[layer].tolist())
         cache.advance(start, end, h.shape[1])
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -216,7 +324,7 @@ class Transformer(nn.Module):
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """``[B, S, D]`` normalised hidden states -> ``[B, S, V]`` logits (fp32)."""
-        return linear(self.lm_head, h).float()
+        return self.lm_head(h).float()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.unembed(self.final_norm(h))
@@ -234,71 +342,144 @@ class Transformer(nn.Module):
     # -- facts -----------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
+        """The dtype of activations (and of dense weights): the norms are always dense in it."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
+        return self.norm.weight.device
+
+    @property
+    def dtype_name(self) -> str:
+        """``"float32"``, ``"bfloat16"``, ... or ``"q4"`` when the projections hold 4-bit weights."""
+        if any(isinstance(lin.packed, kernels.Int4Weight) for lin in self.projections()):
+            return "q4"
+        return str(self.dtype).removeprefix("torch.")
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         """A cache for ``batch`` rows of ``max_len`` slots, in ``cache_dtype()`` unless ``dtype`` says."""
         return KVCache.for_model(self.config, batch, max_len, dtype or self.cache_dtype(), self.device)
 
     def cache_dtype(self) -> torch.dtype:
-        """The weights' dtype, or fp32 where ``fp32_detour`` says so (the cache is small next to the
+        """The activations' dtype, or fp32 where ``fp32_detour`` says so (the cache is small next to the
         weights; with AVX512-BF16/AMX an fp32 cache made attention 41% of a 700-token bf16 prefill)."""
         return torch.float32 if fp32_detour(self.dtype, self.device) else self.dtype
+
+    def projections(self) -> list[Linear]:
+        """Every matrix product of a step: each layer's qkv, o, gate_up and down, then the LM head."""
+        return [m for blk in self.layers for m in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)] + [self.lm_head]
 
     PROJECTIONS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight", "lm_head.weight")
 
     @staticmethod
     def column_major(dtype: torch.dtype, device_type: str) -> bool:
-        """Whether projections multiply fastest column-major (fp32 on CPU) for this dtype/device."""
-        return dtype == torch.float32 and device_type == "cpu"
+        """Whether dense fp32 projections multiply fastest column-major: on a CPU where
+        ``kernels.dense_format`` keeps dense weights (``F.linear``'s one-row fp32 product was 1.4-1.8x
+        faster on a column-major weight on the AVX2 EPYC)."""
+        return (dtype == torch.float32 and device_type == "cpu"
+                and kernels.dense_format(dtype, torch.device(device_type)) == "dense")
 
     def optimize_layout(self) -> "Transformer":
-        """Store each projection in the memory layout that multiplies fastest for the dtype.
+        """Hold each projection in the format that multiplies fastest here (``kernels.dense_format``):
+        oneDNN's packed layout, or a dense weight (column-major for fp32, see ``column_major``).
 
-        Shapes stay ``[out, in]`` as in ``nn.Linear``; only strides change.  On CPU a one-row fp32
-        product runs 1.4-1.8x faster when ``weight.T`` is contiguous (column-major weight), while
-        bf16/fp16 kernels want the row-major layout.  A tied fp32 LM head gets its own
-        column-major copy (the embedding lookup keeps the row-major matrix).  Results are the same
-        up to float rounding order."""
-        col = self.column_major(self.dtype, self.device.type)
+        A tied LM head that is packed or column-major gets its own copy (the embedding lookup keeps
+        the row-major table).  4-bit weights stay as they are.  Results are the same up to float
+        rounding order."""
         # rope tables are computed in fp32 and cast once, as Hugging Face casts them per call
         self.rope_cos, self.rope_sin = self.rope_cos.to(self.dtype), self.rope_sin.to(self.dtype)
-        linears = [m for blk in self.layers for m in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)]
-        for lin in linears + [self.lm_head]:
+        fmt = kernels.dense_format(self.dtype, self.device)
+        col = self.column_major(self.dtype, self.device.type)
+        for lin in self.projections():
+            if lin.packed is not None:
+                continue
             w = lin.weight.detach()
+            if fmt == "onednn":
+                lin.pack(kernels.OneDNNWeight(w, lin.bias))
+                continue
             w = w.t().contiguous().t() if col else w.contiguous()
             if lin is self.lm_head and self.config.tie_embeddings and not col:
                 w = self.tok_embeddings.weight
             lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad) if not isinstance(w, nn.Parameter) else w
         return self
 
+    def unpack(self) -> "Transformer":
+        """Dense ``nn.Parameter`` weights everywhere (for training the model's own weights, or
+        export); a tied LM head shares the embedding table again."""
+        for lin in self.projections():
+            lin.unpack()
+        if self.tok_embeddings.packed is not None:
+            self.tok_embeddings.weight = nn.Parameter(self.tok_embeddings.packed.dense(), requires_grad=False)
+            self.tok_embeddings.packed = None
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        return self
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head as a dense ``[V, D]`` matrix (the embedding table when tied and dense)."""
+        if self.config.tie_embeddings and self.tok_embeddings.packed is None:
+            return self.tok_embeddings.weight
+        return self.lm_head.dense_weight()
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """Every weight under its ``state_dict`` name, dense (packed weights unpacked; a tied head
+        appears under both names, as in ``state_dict``)."""
+        out = {}
+        for name, mod in self.named_modules():
+            if isinstance(mod, (Linear, Embedding)):
+                out[f"{name}.weight"] = mod.dense_weight()
+                if isinstance(mod, Linear) and mod.dense_bias() is not None:
+                    out[f"{name}.bias"] = mod.dense_bias()
+            elif isinstance(mod, RMSNorm):
+                out[f"{name}.weight"] = mod.weight
+        return out
+
     def n_params(self) -> int:
-        """Parameters of the model as defined (a tied LM head counts once, even when the fp32 layout
-        keeps a separate copy of it)."""
-        n = sum(p.numel() for p in self.parameters())
-        if self.config.tie_embeddings and self.lm_head.weight is not self.tok_embeddings.weight:
-            n -= self.lm_head.weight.numel()
+        """Parameters of the model as defined (a tied LM head counts once, even when it holds a
+        separate copy)."""
+        n = sum(lin.in_features * lin.out_features + (0 if lin.dense_bias() is None else lin.dense_bias().numel())
+                for lin in self.projections())
+        n += sum(mod.weight.numel() for mod in self.modules() if isinstance(mod, RMSNorm))
+        if not self.config.tie_embeddings:
+            n += self.config.vocab_size * self.config.hidden_size
         return n
 
     def weight_bytes(self) -> int:
-        """Bytes of weights held in memory (a separate tied-head copy included)."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of weights held in memory (packed formats and a separate tied-head copy included)."""
+        seen, total = set(), 0
+        for mod in self.modules():
+            packed = getattr(mod, "packed", None) if isinstance(mod, (Linear, Embedding)) else None
+            if packed is not None and id(packed) not in seen:
+                seen.add(id(packed))
+                total += packed.nbytes
+        for p in self.parameters():
+            total += p.numel() * p.element_size()
+        return total
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        """Name the checkpoint when the dense weights are not at hand to hash (a loader that packs
+        weights as it reads them computes ``fingerprint_of`` on the exact source values first)."""
+        self._fingerprint = fingerprint
 
     @property
     def fingerprint(self) -> str:
         """A short hash of the config and a sample of every weight: heads trained for one model
-        refuse to load into another."""
+        refuse to load into another.  The same for every dtype of one checkpoint."""
         if self._fingerprint is None:
-            facts = {k: v for k, v in self.config.to_dict().items() if k != "name"}
-            hsh = hashlib.sha256(repr(sorted(facts.items())).encode())
-            for name, p in sorted(self.state_dict().items()):
-                flat = p.detach().reshape(-1).to(torch.bfloat16).float()  # same for fp32 and bf16 copies
-                hsh.update(name.encode())
-                hsh.update(str(tuple(p.shape)).encode())
-                hsh.update(flat[:: max(1, flat.numel() // 4096)].cpu().numpy().tobytes())
-            self._fingerprint = hsh.hexdigest()[:16]
+            self._fingerprint = fingerprint_of(self.config, self.dense_state())
         return self._fingerprint
+
+
+def fingerprint_of(config: ModelConfig, weights) -> str:
+    """``Transformer.fingerprint`` from ``weights`` (a mapping, or ``(name, tensor)`` pairs yielded
+    one at a time): the config and every 4096th-or-so value of each weight rounded to bf16."""
+    facts = {k: v for k, v in config.to_dict().items() if k != "name"}
+    hsh = hashlib.sha256(repr(sorted(facts.items())).encode())
+    items = weights.items() if isinstance(weights, dict) else weights
+    for name, p in sorted(items, key=lambda kv: kv[0]):
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].to(torch.bfloat16).float()  # same for fp32 and bf16 copies
+        hsh.update(name.encode())
+        hsh.update(str(tuple(p.shape)).encode())
+        hsh.update(sample.cpu().numpy().tobytes())
+    return hsh.hexdigest()[:16]

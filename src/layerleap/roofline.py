@@ -70,8 +70,15 @@ def kv_bytes_per_token(model: Transformer) -> int:
 def weight_bytes_per_token(model: Transformer) -> int:
     """Weight bytes one full decoding step reads: every layer, the final norm and the LM head (the
     embedding table is only looked up, one row)."""
-    tensors = list(model.layers.parameters()) + list(model.norm.parameters()) + [model.lm_head.weight]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    norms = list(model.norm.parameters()) + [p for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm)
+                                             for p in n.parameters()]
+    total = sum(t.numel() * t.element_size() for t in norms)
+    for lin in model.projections():
+        if lin.packed is not None:
+            total += lin.packed.nbytes
+        else:
+            total += sum(t.numel() * t.element_size() for t in (lin.weight, lin.bias) if t is not None)
+    return total
 
 
 @dataclass(frozen=True)
@@ -94,3 +101,70 @@ def roofline(model: Transformer, bw: Bandwidth, context: int = 256) -> Roofline:
     total = w + kv * context
     ms_sum, ms_gemv = total / (bw.sum_gbs * 1e6), total / (bw.gemv_gbs * 1e6)
     return Roofline(context, w, kv, total, ms_sum, 1e3 / ms_sum, ms_gemv, 1e3 / ms_gemv)
+
+
+# -- the cost of one model call over S new tokens -----------------------------------------------
+CALL_COST_SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """Milliseconds per model call over ``S`` new tokens (all layers and the LM head over every new
+    position, as a verification call needs) at ``context`` cached tokens; ``ratio`` = ms(S) / ms(1).
+
+    Each size is timed ``rounds`` times, round-robin over the sizes (so a disturbance hits every
+    size alike), and the best time is kept: on a shared machine the minimum is the call's own cost."""
+    context: int
+    threads: int
+    dtype: str
+    rounds: int
+    points: list[dict]  # [{"new_tokens": S, "ms": best, "median_ms": median, "ratio": ms / ms(S=1)}]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def ratio(self, new_tokens: int) -> float:
+        return next(p["ratio"] for p in self.points if p["new_tokens"] == new_tokens)
+
+
+def call_cost(model: Transformer, context: int = 256, sizes=CALL_COST_SIZES, rounds: int = 15,
+              dtype_name: str | None = None) -> CallCost:
+    """Measure ``CallCost`` on ``model``: a cache holding ``context`` tokens, then calls over
+    ``S`` new tokens (causal among themselves), each rolled back before the next."""
+    sizes = sorted(set(int(s) for s in sizes))
+    if 1 not in sizes:
+        sizes = [1] + sizes
+    n = model.config.n_layers
+    if context + max(sizes) > model.config.max_position:
+        raise ValueError(f"context {context} + {max(sizes)} new tokens exceeds the model's {model.config.max_position}")
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    times: dict[int, list[float]] = {s: [] for s in sizes}
+    with torch.inference_mode():
+        cache = model.new_cache(1, context + max(sizes))
+        model(torch.randint(0, vocab, (1, context), generator=gen).to(model.device), cache=cache)
+        ids = {s: torch.randint(0, vocab, (1, s), generator=gen).to(model.device) for s in sizes}
+        pos = {s: (context + torch.arange(s)).unsqueeze(0).to(model.device) for s in sizes}
+
+        def call(s: int) -> None:
+            model.logits(model.run_layers(model.embed(ids[s]), 0, n, pos[s], cache))
+            cache.truncate(context)
+
+        for s in sizes:  # warm-up
+            call(s)
+        for _ in range(rounds):
+            for s in sizes:
+                t = time.perf_counter()
+                call(s)
+                times[s].append(time.perf_counter() - t)
+    best = {s: min(ts) * 1e3 for s, ts in times.items()}
+    points = [{"new_tokens": s, "ms": round(best[s], 3), "median_ms": round(sorted(ts)[len(ts) // 2] * 1e3, 3),
+               "ratio": round(best[s] / best[1], 3)} for s, ts in times.items()]
+    return CallCost(context, torch.get_num_threads(), dtype_name or str(model.dtype).removeprefix("torch."),
+                    rounds, points)
+
+
+def format_call_cost(cc: CallCost) -> str:
+    head = f"call cost at {cc.context} cached tokens ({cc.dtype}, {cc.threads} threads, best of {cc.rounds}):"
+    rows = [f"  S={p['new_tokens']:<3} {p['ms']:8.2f} ms  x{p['ratio']:.2f}" for p in cc.points]
+    return "\n".join([head] + rows)

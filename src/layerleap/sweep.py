@@ -106,9 +106,10 @@ def transformers_points() -> list[Point]:
 
 
 def hf_view(model):
-    """A `transformers` causal LM whose weights ARE ``model``'s tensors (views, no copy: the pair
-    fits in memory twice over only this way).  Built on the meta device, then given our tensors;
-    the rotary tables (buffers, not weights) are rebuilt on the model's device."""
+    """A `transformers` causal LM on ``model``'s weights: views of our tensors where they are dense
+    (no copy: the pair fits in memory twice over only this way), dense copies of packed ones (a
+    kernel's layout is not `transformers`').  Built on the meta device, then given the tensors; the
+    rotary tables (buffers, not weights) are rebuilt on the model's device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

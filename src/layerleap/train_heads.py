@@ -216,7 +216,7 @@ def step_candidates(top: torch.Tensor, vocab: int, negatives: int, gen: torch.Ge
 def target_logp_at(model: Transformer, final: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         hn = model.final_norm(final.to(model.dtype)).float()
-        return F.log_softmax(F.linear(hn, model.lm_head.weight[cand].float()), -1)
+        return F.log_softmax(F.linear(hn, model.head_weight()[cand].float()), -1)
 
 
 @torch.no_grad()

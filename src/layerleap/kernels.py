@@ -1,0 +1,361 @@
+"""Packed weight formats: the layouts that CPU kernels multiply fastest, behind one small interface.
+
+A projection (``model.Linear``) holds either a dense ``[out, in]`` weight, multiplied with
+``F.linear``, or one of these packed weights:
+
+- ``OneDNNWeight``: fp32 or bf16 in oneDNN's blocked layout (``mkldnn._reorder_linear_weight``),
+  multiplied by oneDNN's linear kernel.  For one row it streams the weight at nearly the memory
+  bandwidth, and it stays nearly flat up to 16 rows, where ``F.linear`` costs 1.4-3x more (see
+  ``docs/BENCHMARKS.md``).  This is what makes a call over a few new tokens cost about one call.
+- ``Int4Weight``: 4-bit codes in groups of 32 along the input with a scale and a zero per group
+  (``w = (q - 8) * scale + zero``), multiplied by torch's int4 CPU kernel
+  (``aten._weight_int4pack_mm_for_cpu``, bf16 activations).  GGUF Q4_1 and Q4_K blocks map onto it
+  without re-quantizing; the kernel keeps scale and zero in bf16 (``docs/BENCHMARKS.md`` gives the
+  error that costs).
+
+Every format answers ``fmt(x)`` (``[..., in] -> [..., out]``), ``dense()`` (the weight as a dense
+``[out, in]`` tensor) and ``nbytes``; ``Int4Weight`` also answers ``rows(ids)`` for embeddings.
+Packed weights live on the CPU and carry no gradient: a product that needs one goes through
+``_DenseBackward`` (the backward multiplies by the dense weight).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import LayerleapError
+from .files import cache_root, write_json
+
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+ONEDNN_BATCH_HINT = 16  # the row count oneDNN's layout is chosen for: 1..16 rows all run near the 1-row cost
+GROUP = 32  # int4 group size along the input (GGUF's Q4_0/Q4_1 block, Q4_K's sub-block)
+INT4_MAX_ROWS = 16  # above this many rows the int4 kernel takes a slow path: multiply 16 rows at a time
+
+
+class KernelError(LayerleapError, ValueError):
+    """A weight that a kernel cannot hold (wrong shape, device or dtype)."""
+
+
+class _DenseBackward(torch.autograd.Function):
+    """``fmt(x)`` forward, ``grad @ fmt.dense()`` backward: the packed weight stays frozen."""
+
+    @staticmethod
+    def forward(ctx, x, fmt):
+        ctx.fmt = fmt
+        return fmt.matmul(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = ctx.fmt.dense().to(grad.dtype)
+        return grad @ w, None
+
+
+class PackedWeight:
+    """What every packed format shares: shape, dtype, autograd through the dense weight."""
+    out_features: int
+    in_features: int
+    dtype: torch.dtype  # the activations' dtype it multiplies
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _DenseBackward.apply(x, self)
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+# -- oneDNN ---------------------------------------------------------------------------------------
+class OneDNNWeight(PackedWeight):
+    """An fp32 or bf16 weight in oneDNN's blocked layout for its linear kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = ONEDNN_BATCH_HINT):
+        if not ONEDNN:
+            raise KernelError("this torch build has no oneDNN: keep dense weights")
+        if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or weight.dim() != 2:
+            raise KernelError(f"oneDNN packs 2-D fp32/bf16 CPU weights, got {weight.dtype} {tuple(weight.shape)} "
+                              f"on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+        self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.view(*lead, self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * self.dtype.itemsize
+
+
+# -- 4-bit groups ---------------------------------------------------------------------------------
+@dataclass
+class QuantizedRows:
+    """A weight as unsigned 4-bit codes with one scale and minimum per group of ``GROUP`` inputs:
+    ``w[n, k] = q[n, k] * scale[n, k // GROUP] + minimum[n, k // GROUP]``, all exact in fp32.
+    This is GGUF's Q4_1 form (Q4_K's sub-blocks too) before any rounding a kernel needs."""
+    q: torch.Tensor  # [N, K] uint8 in 0..15
+    scale: torch.Tensor  # [N, K/GROUP] fp32
+    minimum: torch.Tensor  # [N, K/GROUP] fp32
+
+    def dense(self) -> torch.Tensor:
+        """``[N, K]`` fp32, exact."""
+        N, K = self.q.shape
+        g = self.q.view(N, K // GROUP, GROUP).float()
+        return (g * self.scale.unsqueeze(-1) + self.minimum.unsqueeze(-1)).view(N, K)
+
+    @staticmethod
+    def cat(parts: list["QuantizedRows"]) -> "QuantizedRows":
+        return QuantizedRows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                             torch.cat([p.minimum for p in parts]))
+
+    def take_rows(self, index: torch.Tensor) -> "QuantizedRows":
+        return QuantizedRows(self.q[index], self.scale[index], self.minimum[index])
+
+
+def quantize(weight: torch.Tensor) -> QuantizedRows:
+    """Asymmetric min-max 4-bit quantization of ``[N, K]`` in groups of ``GROUP`` along K (for
+    weights that arrive dense, or in a GGUF block type that does not map onto 4-bit groups)."""
+    N, K = weight.shape
+    if K % GROUP:
+        raise KernelError(f"4-bit weights need an input size that is a multiple of {GROUP}, got {K}")
+    w = weight.detach().float().view(N, K // GROUP, GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((w - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8).view(N, K)
+    return QuantizedRows(q, scale, lo)
+
+
+@functools.cache
+def _block_n() -> int:
+    """The row block of torch's int4 packing on this CPU: 64 with AVX-512, else 32."""
+    cap = torch.backends.cpu.get_cpu_capability().upper()
+    return 64 if cap.startswith("AVX512") else 32
+
+
+def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Invert ``aten._convert_weight_to_int4pack_for_cpu`` (``packed`` ``[n, k/2]`` uint8 -> codes
+    ``[n, k]``).  Rows come in blocks of ``_block_n()``; a full AVX-512 block pairs rows d and
+    d+32 in a byte (lanes 0-15 then 16-31), a full AVX2 block rows d and d+16, and a partial block
+    (or a CPU without AVX) rows n and n+1."""
+    bn = _block_n()
+    wide = torch.backends.cpu.get_cpu_capability().upper() != "DEFAULT"
+    flat = packed.reshape(-1)
+    out = []
+    for b0 in range(0, n, bn):
+        size = min(bn, n - b0)
+        blk = flat[b0 * k // 2:(b0 + size) * k // 2].view(k, size // 2)  # [k, size/2] bytes
+        lo, hi = blk & 0xF, blk >> 4
+        if size == bn and wide:
+            rows = torch.cat([lo, hi], dim=1)  # [k, size]: lo holds rows 0..size/2-1, hi the rest
+        else:
+            rows = torch.stack([lo, hi], dim=2).reshape(k, size)  # pairs (n, n+1)
+        out.append(rows.t())
+    return torch.cat(out).contiguous()
+
+
+@functools.cache
+def int4_supported() -> bool:
+    """Whether torch's int4 CPU kernel runs here and ``_unpack_int4`` reads its layout back
+    (checked once on a matrix with a full and a partial row block)."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return False
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (_block_n() + 16, 2 * GROUP), generator=g, dtype=torch.int32)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    except RuntimeError:
+        return False
+    return torch.equal(_unpack_int4(packed, *q.shape).int(), q)
+
+
+class Int4Weight(PackedWeight):
+    """4-bit groups of 32 along the input for torch's int4 CPU kernel (bf16 activations).
+
+    The output size is padded to a multiple of 64 with zero rows (the kernel's row blocks), and
+    the padding is cut from every result.  Products over more than ``INT4_MAX_ROWS`` rows run 16
+    rows at a time (the kernel's path for many rows is about 40x slower per row)."""
+
+    def __init__(self, rows: QuantizedRows, bias: torch.Tensor | None = None):
+        if not int4_supported():
+            raise KernelError("torch's int4 CPU kernel is not available here (torch build or CPU): "
+                              "use dtype float32 or bfloat16")
+        n, k = rows.q.shape
+        if k % GROUP:
+            raise KernelError(f"4-bit weights need an input size that is a multiple of {GROUP}, got {k}")
+        pad = -n % 64
+        q, scale, minimum = rows.q, rows.scale, rows.minimum
+        if pad:
+            q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype)])
+            scale = torch.cat([scale, scale.new_zeros(pad, k // GROUP)])
+            minimum = torch.cat([minimum, minimum.new_zeros(pad, k // GROUP)])
+        self.out_features, self.in_features, self.padded = n, k, n + pad
+        self.dtype = torch.bfloat16
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)  # [N', K/2]
+        zero = minimum + 8 * scale  # the kernel computes (q - 8) * scale + zero
+        self.scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/G, N', 2]
+        self.bias = None if bias is None else bias.detach().float()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        if x2.shape[0] <= INT4_MAX_ROWS:
+            y = mm(x2, self.packed, GROUP, self.scale_zero)
+        else:
+            y = torch.cat([mm(c, self.packed, GROUP, self.scale_zero) for c in x2.split(INT4_MAX_ROWS)])
+        if self.padded != self.out_features:
+            y = y[:, : self.out_features]
+        return self._add_bias(y).view(*lead, self.out_features).to(x.dtype if x.is_floating_point() else y.dtype)
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes ``[N, K]`` uint8."""
+        return _unpack_int4(self.packed, self.padded, self.in_features)[: self.out_features]
+
+    def _scale_zero(self, index=None) -> tuple[torch.Tensor, torch.Tensor]:
+        sz = self.scale_zero.float()  # [K/G, N', 2]
+        if index is not None:
+            sz = sz[:, index]
+        else:
+            sz = sz[:, : self.out_features]
+        return sz[..., 0].t(), sz[..., 1].t()  # [N, K/G] each
+
+    def dense(self) -> torch.Tensor:
+        """``[N, K]`` bf16: what the kernel multiplies by (scale and zero as the kernel holds them)."""
+        return self._dequantize(self.codes(), *self._scale_zero()).to(torch.bfloat16)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) dequantized, ``[*ids.shape, K]`` bf16: an embedding lookup."""
+        flat = ids.reshape(-1)
+        codes = self._row_codes(flat)
+        out = self._dequantize(codes, *self._scale_zero(flat)).to(torch.bfloat16)
+        return out.view(*ids.shape, self.in_features)
+
+    def _row_codes(self, idx: torch.Tensor) -> torch.Tensor:
+        """Codes of rows ``idx`` ``[n] -> [n, K]`` read straight from the packed layout."""
+        bn, k = _block_n(), self.in_features
+        wide = torch.backends.cpu.get_cpu_capability().upper() != "DEFAULT"
+        full_blocks = self.padded // bn  # padding makes every block full when bn divides 64
+        blk = self.packed.reshape(full_blocks, k, bn // 2)  # [NB, K, bn/2]
+        b, r = idx // bn, idx % bn
+        if wide:
+            slot, high = r % (bn // 2), r >= bn // 2
+        else:
+            slot, high = r // 2, r % 2 == 1
+        byte = blk[b, :, slot]  # [n, K]
+        return torch.where(high.unsqueeze(1), byte >> 4, byte & 0xF)
+
+    @staticmethod
+    def _dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        n, k = codes.shape
+        g = codes.view(n, k // GROUP, GROUP).float() - 8
+        return (g * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale_zero.numel() * 2
+
+
+# -- choosing a format per CPU -----------------------------------------------------------------------
+@functools.cache
+def cpu_signature() -> str:
+    """The CPU model and the ISA torch dispatches to, e.g. 'AMD EPYC (AVX512)': kernel choices are
+    made, and cached, per signature."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def _time_products(fns, repeats: int = 5) -> float:
+    import time
+    for f in fns:
+        f()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_onednn(dtype: torch.dtype, rows=(1, 8), mb: float = 96.0) -> dict:
+    """Seconds for a stack of decoder-sized products (576x3072-like, ``mb`` MB of weights, more than
+    a CPU's caches) with dense ``F.linear`` and with oneDNN's packed weights, at each row count."""
+    g = torch.Generator().manual_seed(0)
+    n_mats = max(1, int(mb * 1e6 / (3072 * 576 * dtype.itemsize)))
+    dense = [(torch.randn(3072, 576, generator=g) * 0.02).to(dtype) for _ in range(n_mats)]
+    packed = [OneDNNWeight(w) for w in dense]
+    out = {}
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, 576, generator=g).to(dtype)
+            out[m] = {"dense": _time_products([lambda w=w: F.linear(x, w) for w in dense]),
+                      "onednn": _time_products([lambda p=p: p(x) for p in packed])}
+    return out
+
+
+KERNEL_ENV = "LAYERLEAP_KERNELS"  # "onednn" or "dense": skip the measurement
+
+
+def dense_format(dtype: torch.dtype, device: torch.device) -> str:
+    """``"onednn"`` or ``"dense"``: how this CPU multiplies fp32/bf16 weights fastest.
+
+    Measured once per CPU signature, torch version, dtype and thread count (``measure_onednn``, about
+    a second) and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_KERNELS`` overrides."""
+    if device.type != "cpu" or dtype not in ONEDNN_DTYPES or not ONEDNN:
+        return "dense"
+    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if forced in ("onednn", "dense"):
+        return forced
+    key = f"{cpu_signature()} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | " \
+          f"{torch.get_num_threads()} threads"
+    path = cache_root() / "kernels.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known.get(key), dict) or known[key].get("choice") not in ("onednn", "dense"):
+        times = measure_onednn(dtype)
+        total = {k: sum(t[k] for t in times.values()) for k in ("dense", "onednn")}
+        known[key] = {"choice": min(total, key=total.get),
+                      "seconds": {str(m): t for m, t in times.items()}}
+        try:
+            write_json(path, known)
+        except LayerleapError:  # an unwritable cache only costs the measurement next time
+            pass
+    return known[key]["choice"]

@@ -165,21 +165,20 @@ class Attention(nn.Module):
         """``[B, S, D]`` -> rotated q ``[B, H, S, hd]``, rotated k and v ``[B, Hkv, S, hd]``.
         ``cos``/``sin`` are ``[B, S, 1, hd]``."""
         B, S, _ = x.shape
-        heads = self.qkv(x).view(B, S, self.n_heads + 2 * self.n_kv, self.hd)
-        qk = apply_rope(heads[:, :, : self.n_heads + self.n_kv], cos, sin).transpose(1, 2)
-        q, k = qk.split([self.n_heads, self.n_kv], dim=1)
-        return q, k, heads[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
+        H, Hkv = self.n_heads, self.n_kv
+        heads = self.qkv(x).view(B, S, H + 2 * Hkv, self.hd)
+        qk = apply_rope(heads[:, :, : H + Hkv], cos, sin)
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), heads[:, :, H + Hkv:].transpose(1, 2)
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, keys: Keys | None) -> torch.Tensor:
         B, S, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
-            cache.write(layer, k, v, keys.starts)
-            k = cache.k[layer, :, :, :keys.total]
-            v = cache.v[layer, :, :, :keys.total]
-            q = q.to(k.dtype)  # attention runs in the cache's dtype (fp32 on CPU, see new_cache)
-        y = attend(q, k, v, keys)  # [B, H, S, hd]
-        return self.o(y.transpose(1, 2).reshape(B, S, self.n_heads * self.hd).to(x.dtype))
+            k, v = keys.store(cache, layer, k, v)  # [B, Hkv, total, hd]
+            if q.dtype != k.dtype:
+                q = q.to(k.dtype)  # attention runs in the cache's dtype (fp32 on CPU, see new_cache)
+        y = attend(q, k, v, keys).transpose(1, 2).reshape(B, S, self.n_heads * self.hd)  # [B, S, H*hd]
+        return self.o(y if y.dtype == x.dtype else y.to(x.dtype))
 
 
 @dataclass
@@ -189,16 +188,31 @@ class Keys:
     ``starts``: each row's first new cache slot (None without a cache); ``total``: keys ``[0, total)``
     are read; ``mask`` ``[B, 1, S, total]`` bool (True = may attend), or None: every key for one new
     token, causal for a first chunk; ``folded``: the mask repeated for grouped query heads folded
-    into the query axis (``[B, 1, g*S, total]``), made once per call."""
+    into the query axis (``[B, 1, g*S, total]``), made once per call.  When every row starts at the
+    same slot, ``store`` writes through views of the whole cache made once per call."""
     starts: list[int] | None
     total: int
     mask: torch.Tensor | None
     groups: int = 1
     folded: torch.Tensor | None = None
+    views: tuple[torch.Tensor, torch.Tensor] | None = None  # cache.k/v[:, :, :, :total] when rows agree
 
     def __post_init__(self):
         if self.mask is not None and self.groups > 1:
             self.folded = self.mask.repeat(1, 1, self.groups, 1)
+
+    def store(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write new ``k``/``v`` ``[B, Hkv, S, hd]`` into ``layer`` -> its keys/values ``[B, Hkv, total, hd]``."""
+        start = self.starts[0]
+        if all(s == start for s in self.starts):
+            if self.views is None:
+                self.views = cache.k[:, :, :, :self.total], cache.v[:, :, :, :self.total]
+            kl, vl = self.views[0][layer], self.views[1][layer]
+            kl.narrow(2, start, k.shape[2]).copy_(k)
+            vl.narrow(2, start, v.shape[2]).copy_(v)
+            return kl, vl
+        cache.write(layer, k, v, self.starts)
+        return cache.k[layer, :, :, :self.total], cache.v[layer, :, :, :self.total]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None) -> torch.Tensor:

@@ -12,7 +12,8 @@ import pytest
 import torch
 from tiny_models import CONFIGS, naive_greedy, random_model
 
-from layerleap import generate
+from layerleap import generate, kernels
+from layerleap.loading import quantize_model
 
 DEVICE = os.environ.get("LAYERLEAP_TEST_DEVICE", "cpu")
 
@@ -61,11 +62,25 @@ EXACT = {
 CASES = [(method, label, fn) for method, rows in EXACT.items() for label, fn in rows]
 
 
+FORMATS = ["dense"] + (["onednn"] if kernels.ONEDNN and DEVICE == "cpu" else []) \
+    + (["q4"] if kernels.int4_supported() and DEVICE == "cpu" else [])
+
+
+def _in_format(model, fmt: str):
+    """The model with its weights as dense parameters, oneDNN's packed layout or 4-bit groups."""
+    if fmt == "onednn":
+        for lin in model.projections():
+            lin.pack(kernels.OneDNNWeight(lin.weight.detach(), lin.bias))
+        return model
+    return quantize_model(model) if fmt == "q4" else model
+
+
 @pytest.fixture(scope="module")
 def models():
     """Untied heads and scale 2 give varied greedy tokens; ``other`` differs in seed only."""
-    return {name: (random_model(name, seed=11, scale=2.0).to(DEVICE), random_model(name, seed=5, scale=2.0).to(DEVICE))
-            for name in CONFIGS}
+    return {(name, fmt): (_in_format(random_model(name, seed=11, scale=2.0), fmt).to(DEVICE),
+                          _in_format(random_model(name, seed=5, scale=2.0), fmt).to(DEVICE))
+            for name in CONFIGS for fmt in FORMATS}
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -73,10 +88,11 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("seed,plen", [(0, 1), (1, 5), (2, 17)])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("method,label,options", CASES, ids=[f"{m}-{lab}" if lab else m for m, lab, _ in CASES])
-def test_exact_methods_equal_naive_greedy(models, name, seed, plen, method, label, options):
-    model, other = models[name]
+def test_exact_methods_equal_naive_greedy(models, name, fmt, seed, plen, method, label, options):
+    model, other = models[name, fmt]
     prompt = _prompt(model.config.vocab_size, plen, seed)
     want = naive_greedy(model, prompt, 12)
     got = generate(model, prompt, method, 12, stop_at_eos=False, **options(model, other))
@@ -87,7 +103,7 @@ def test_exact_methods_equal_naive_greedy(models, name, seed, plen, method, labe
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_device_logits_match_cpu(models, name):
     from tiny_models import full_logits
-    model, _ = models[name]
+    model, _ = models[name, "dense"]
     prompt = _prompt(model.config.vocab_size, 9, 3)
     cpu = random_model(name, seed=11, scale=2.0)
     torch.testing.assert_close(full_logits(model, prompt).cpu(), full_logits(cpu, prompt), rtol=1e-4, atol=1e-4)

@@ -124,6 +124,10 @@ class QuantizedRows:
     scale: torch.Tensor  # [N, K/GROUP] fp32
     minimum: torch.Tensor  # [N, K/GROUP] fp32
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
     def dense(self) -> torch.Tensor:
         """``[N, K]`` fp32, exact."""
         N, K = self.q.shape

@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import ConfigError, ModelConfig
@@ -24,7 +25,9 @@ from .files import cache_root
 from .model import Transformer, fingerprint_of
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+          "float16": torch.float16, "fp16": torch.float16,
+          "q4": torch.bfloat16}  # 4-bit weights in groups of 32 (GGUF Q4 blocks kept), bf16 activations
+QUANTIZED = ("q4",)  # dtype names whose weights are packed integers; the value above is the activations' dtype
 
 
 class ModelNotFound(LayerleapError, LookupError):
@@ -108,45 +111,91 @@ def _atomic_dir(final: Path, fill) -> Path:
 SHARD_BYTES = 1 << 30  # converted weights are written in shards of about this size
 
 
+class GGUFContext:
+    """What converting a GGUF file needs from `transformers`: the config, the tokenizer, the GGUF ->
+    Hugging Face name map and the per-architecture tensor fix-ups (its own functions, reused)."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map, load_gguf_checkpoint)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        self.path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        with torch.device("meta"):  # names and shapes only
+            self.hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        self.expected = {k: tuple(v.shape) for k, v in self.hf.state_dict().items()}
+        if self.hf.config.tie_word_embeddings:
+            self.expected.pop("lm_head.weight", None)
+        self.parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+        arch = bytes(GGUFReader(str(path)).fields["general.architecture"].parts[-1]).decode()
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed.get("config", {}))
+        self.key_map = get_gguf_hf_weights_map(self.hf, self.processor)
+        self.config = ModelConfig.from_hf(self._hf_dict(), name=path.stem)
+
+    def _hf_dict(self) -> dict:
+        cfg = self.hf.config.to_dict()
+        for k in ("quantization_config", "_name_or_path", "transformers_version"):
+            cfg.pop(k, None)
+        return cfg
+
+    def process(self, weights, gguf_name: str):
+        """A dequantized tensor after the architecture's fix-ups (e.g. Llama's q/k row order)."""
+        return self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping=self.key_map,
+                                      parsed_parameters=self.parsed).weights
+
+    def map_rows(self, gguf_name: str, n_rows: int) -> tuple[str | None, np.ndarray | None]:
+        """A 2-D tensor's Hugging Face name and how the fix-ups reorder its rows (an index array, or
+        None when they keep the order), found by passing row numbers through the fix-ups."""
+        idx = np.arange(n_rows, dtype=np.float32).reshape(n_rows, 1)
+        r = self.processor.process(weights=idx, name=gguf_name, tensor_key_mapping=self.key_map,
+                                   parsed_parameters=self.parsed)
+        out = np.asarray(r.weights)
+        if out.shape != (n_rows, 1) or not np.array_equal(np.sort(out[:, 0]), idx[:, 0]):
+            raise ConfigError(f"{gguf_name}: this architecture's GGUF fix-ups do more than reorder rows; "
+                              "load it as float32 or bfloat16")
+        order = out[:, 0].astype(np.int64)
+        return self.key_map.get(r.name), (None if np.array_equal(order, np.arange(n_rows)) else order)
+
+    def save_config_and_tokenizer(self, out: Path) -> None:
+        (out / "config.json").write_text(json.dumps(self._hf_dict(), indent=2))
+        self.tokenizer.save_pretrained(out)
+
+
+def gguf_context(path: Path, out: Path) -> GGUFContext:
+    return GGUFContext(path)
+
+
+def _join_parts(parts: list[Path], out: Path, progress) -> Path:
+    """The GGUF file itself, or its chunks joined into ``out/model.gguf``."""
+    if len(parts) == 1:
+        return parts[0]
+    progress(f"joining {len(parts)} chunks into one GGUF file …")
+    joined = out / "model.gguf"
+    with open(joined, "wb") as dst:
+        for p in parts:
+            with open(p, "rb") as src:
+                shutil.copyfileobj(src, dst, 16 << 20)
+    return joined
+
+
 def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
     """Dequantize a GGUF file (given as ordered chunks) into ``out``, one tensor at a time.
 
-    ``transformers`` supplies the config, the tokenizer, the GGUF -> Hugging Face name map and the
-    per-architecture tensor fix-ups (its own functions); the tensors are dequantized one by one and
-    written in safetensors shards of ~``SHARD_BYTES`` with an index, so the peak memory is about one
-    shard, not twice the fp32 model (which a 1.5B model, 6 GB in fp32, could not afford)."""
-    import numpy as np
+    ``GGUFContext`` supplies the config, the tokenizer, the name map and the tensor fix-ups; the
+    tensors are dequantized one by one and written in safetensors shards of ~``SHARD_BYTES`` with an
+    index, so the peak memory is about one shard, not twice the fp32 model (which a 1.5B model,
+    6 GB in fp32, could not afford)."""
     from gguf import GGUFReader, dequantize
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
 
-    if len(parts) == 1:
-        gguf_dir, gguf_file = parts[0].parent, parts[0].name
-    else:
-        gguf_dir, gguf_file = out, "model.gguf"
-        progress(f"joining {len(parts)} chunks into one GGUF file …")
-        with open(out / gguf_file, "wb") as dst:
-            for p in parts:
-                with open(p, "rb") as src:
-                    shutil.copyfileobj(src, dst, 16 << 20)
-    progress(f"converting {gguf_file} to safetensors (once; later loads use the cache) …")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = str(gguf_dir / gguf_file)
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    hf_config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    with torch.device("meta"):  # names and shapes only
-        hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    expected = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    if hf.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    parsed = load_gguf_checkpoint(path, return_tensors=False)
-    reader = GGUFReader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed.get("config", {}))
-    key_map = get_gguf_hf_weights_map(hf, processor)
+    path = _join_parts(parts, out, progress)
+    progress(f"converting {path.name} to safetensors (once; later loads use the cache) …")
+    ctx = GGUFContext(path)
+    reader = GGUFReader(str(path))
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     size = 0
@@ -160,39 +209,48 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
             shard, size = {}, 0
 
     for t in tqdm(reader.tensors, desc="dequantizing GGUF tensors", leave=False):
-        r = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=key_map,
-                              parsed_parameters=parsed)
-        name = key_map.get(r.name)
-        if name is None or name not in expected:
+        r = ctx.processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
+                                  tensor_key_mapping=ctx.key_map, parsed_parameters=ctx.parsed)
+        name = ctx.key_map.get(r.name)
+        if name is None or name not in ctx.expected:
             continue
         w = torch.from_numpy(np.array(r.weights, dtype=np.float32, order="C", copy=True))
-        if tuple(w.shape) != expected[name]:
-            raise ConfigError(f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected {expected[name]}")
+        if tuple(w.shape) != ctx.expected[name]:
+            raise ConfigError(f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected {ctx.expected[name]}")
         shard[name] = w
         size += w.numel() * 4
         if size >= SHARD_BYTES:
             flush()
     flush()
-    missing = sorted(set(expected) - set(weight_map))
+    missing = sorted(set(ctx.expected) - set(weight_map))
     if missing:
-        raise ConfigError(f"{gguf_file}: no GGUF tensor for {missing[:4]}{' …' if len(missing) > 4 else ''}")
+        raise ConfigError(f"{path.name}: no GGUF tensor for {missing[:4]}{' …' if len(missing) > 4 else ''}")
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-    cfg = hf.config.to_dict()
-    for k in ("quantization_config", "_name_or_path", "transformers_version"):
-        cfg.pop(k, None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save_pretrained(out)
+    ctx.save_config_and_tokenizer(out)
     del reader
-    if len(parts) > 1:
-        (out / gguf_file).unlink()
+    if path.parent == out:
+        path.unlink()
 
 
-def packaged_folder(name: str, progress=None) -> Path:
-    """The cached Hugging Face folder of a packaged model, converting it on first use."""
+def packaged_folder(name: str, progress=None, q4: bool = False) -> Path:
+    """The cached folder of a packaged model, converting it on first use: a Hugging Face folder of
+    dequantized weights, or with ``q4`` a folder of its 4-bit blocks (``gguf_q4``)."""
     pm = PACKAGED[name]
     progress = progress or _to_stderr
     parts = _gguf_parts(pm)
     size = sum(p.stat().st_size for p in parts)
+    if q4:
+        from . import gguf_q4
+        folder = cache_root() / f"{name}-{size:x}-q4"
+        if not (folder / "config.json").is_file():
+            def fill(tmp: Path) -> None:
+                path = _join_parts(parts, tmp, progress)
+                progress(f"reading {path.name}'s 4-bit blocks (once; later loads use the cache) …")
+                gguf_q4.convert(path, tmp, progress)
+                if path.parent == tmp:
+                    path.unlink()
+            _atomic_dir(folder, fill)
+        return folder
     folder = cache_root() / f"{name}-{size:x}"
     if not (folder / "config.json").is_file():
         _atomic_dir(folder, lambda tmp: _convert_gguf(parts, tmp, progress))
@@ -200,13 +258,17 @@ def packaged_folder(name: str, progress=None) -> Path:
 
 
 # -- Hugging Face key mapping ---------------------------------------------------------------
-def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_major: bool = False) -> dict:
+def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_major: bool = False,
+               fuse=None) -> dict:
     """Map a Hugging Face Llama/Qwen2 state dict onto ours (fusing qkv and gate/up), asserting
     every name and shape.  ``consume`` empties ``sd`` as it goes; ``column_major`` builds the fused
-    weights directly in that layout (see ``Transformer.optimize_layout``)."""
+    weights directly in that layout (see ``Transformer.optimize_layout``); ``fuse`` replaces the
+    row concatenation (for weights that are not dense tensors, e.g. 4-bit rows)."""
 
-    def fuse(parts):  # [out_i, in] pieces -> [sum out_i, in]
+    def cat_rows(parts):  # [out_i, in] pieces -> [sum out_i, in]
         return torch.cat([t.t() for t in parts], 1).t() if column_major else torch.cat(parts, 0)
+
+    fuse = fuse or cat_rows
 
     c = config
     renamed = {k.removeprefix("model.") if not k.startswith("lm_head") else k: v for k, v in sd.items()
@@ -373,7 +435,7 @@ def _read_safetensors(folder: Path, dtype: torch.dtype | None = None) -> dict:
     return sd
 
 
-def load_folder(folder: str | Path, dtype="float32", name: str | None = None) -> Transformer:
+def load_folder(folder: str | Path, dtype="float32", name: str | None = None, pack: bool = True) -> Transformer:
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
@@ -386,14 +448,14 @@ def load_folder(folder: str | Path, dtype="float32", name: str | None = None) ->
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    return build(config, sd, dt, tokenizer, source=str(folder))
+    return build(config, sd, dt, tokenizer, source=str(folder), pack=pack)
 
 
 def _dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}: choose one of float32, bfloat16, float16")
+        raise ConfigError(f"unknown dtype {dtype!r}: choose one of float32, bfloat16, float16, q4")
     return DTYPES[dtype]
 
 
@@ -403,21 +465,83 @@ def _to_stderr(msg: str) -> None:
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> Transformer:
     """Load a packaged model by name (``smollm2-135m``, ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``)
-    or a local Hugging Face Llama-family folder."""
+    or a local Hugging Face Llama-family folder.  ``dtype="q4"`` keeps a packaged GGUF's 4-bit
+    blocks as they are (no dense copy is ever built) and quantizes a folder's weights to them."""
     _dtype(dtype)
+    q4 = dtype in QUANTIZED
     if name_or_path in PACKAGED:
+        if q4:
+            return load_q4_folder(packaged_folder(name_or_path, progress, q4=True), name=name_or_path)
         return load_folder(packaged_folder(name_or_path, progress), dtype, name=name_or_path)
     p = Path(name_or_path).expanduser()
     if p.is_dir():
-        return load_folder(p, dtype)
+        return quantize_model(load_folder(p, "float32", pack=False)) if q4 else load_folder(p, dtype)
     raise ModelNotFound(f"unknown model {name_or_path!r}: give one of {', '.join(PACKAGED)} or a local "
                         "Hugging Face model folder")
+
+
+def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
+    """A model from a 4-bit cache folder (``gguf_q4.convert``): every projection and the embedding
+    as ``kernels.Int4Weight``, norms and biases in bf16."""
+    from . import gguf_q4
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), name=name or folder.name)
+    weights, meta = gguf_q4.read(folder)
+    from transformers import AutoTokenizer
+    model = build_q4(config, weights, AutoTokenizer.from_pretrained(folder), source=None)
+    model.set_fingerprint(meta["fingerprint"])
+    return model
+
+
+def build_q4(config: ModelConfig, weights: dict, tokenizer=None, source=None) -> Transformer:
+    """A Transformer from ``{our name: kernels.QuantizedRows or dense tensor}``: projections and the
+    embedding packed as 4-bit groups (a tied LM head shares the embedding's), the rest bf16."""
+    from .kernels import Int4Weight, QuantizedRows
+    from .model import rope_tables
+    with torch.device("meta"):
+        model = Transformer(config, tokenizer=tokenizer, source=source)
+    packed = {}
+    for name, mod in model.named_modules():
+        key = f"{name}.weight"
+        if key in weights and isinstance(weights[key], QuantizedRows):
+            bias = weights.get(f"{name}.bias")
+            packed[name] = Int4Weight(weights.pop(key), bias)
+            weights.pop(f"{name}.bias", None)
+            mod.pack(packed[name])
+    if config.tie_embeddings and "lm_head" not in packed:
+        model.lm_head.pack(packed["tok_embeddings"])
+    elif "tok_embeddings" not in packed:
+        raise ConfigError("a 4-bit model needs a 4-bit embedding table")
+    dense = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and "rope" not in n]
+    if unexpected or left:
+        raise ConfigError(f"4-bit weights do not fit the config: unexpected {unexpected[:3]}, missing {left[:3]}")
+    cos, sin = rope_tables(config)
+    model.rope_cos, model.rope_sin = cos, sin
+    return model.eval().requires_grad_(False).optimize_layout()
+
+
+def quantize_model(model: Transformer) -> Transformer:
+    """``model``'s weights as 4-bit groups of 32 (min-max per group, ``kernels.quantize``): every
+    projection and the embedding table; the model keeps its fingerprint."""
+    from .kernels import quantize
+    fingerprint = model.fingerprint
+    weights = {}
+    for k, v in model.dense_state().items():
+        if k == "lm_head.weight" and model.config.tie_embeddings:
+            continue
+        weights[k] = quantize(v) if v.dim() == 2 else v.detach()
+    out = build_q4(model.config, weights, model.tokenizer, model.source)
+    out.set_fingerprint(fingerprint)
+    return out
 
 
 def from_hf(hf_model, tokenizer=None, dtype=None) -> Transformer:
     """Wrap a loaded `transformers` causal LM (its weights are copied into our layout)."""
     config = ModelConfig.from_hf(hf_model.config.to_dict(), name=getattr(hf_model.config, "name_or_path", "") or "hf")
     sd = hf_to_ours(dict(hf_model.state_dict()), config)
+    if dtype in QUANTIZED:
+        return quantize_model(build(config, sd, torch.float32, tokenizer, pack=False))
     dt = _dtype(dtype) if dtype is not None else next(hf_model.parameters()).dtype
     return build(config, sd, dt, tokenizer)
 

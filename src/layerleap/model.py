@@ -194,12 +194,18 @@ class Keys:
     total: int
     mask: torch.Tensor | None
     groups: int = 1
+    chain: bool = False  # the new tokens see every earlier slot and each other causally (no padding, no tree)
     folded: torch.Tensor | None = None
     views: tuple[torch.Tensor, torch.Tensor] | None = None  # cache.k/v[:, :, :, :total] when rows agree
 
     def __post_init__(self):
         if self.mask is not None and self.groups > 1:
             self.folded = self.mask.repeat(1, 1, self.groups, 1)
+
+    @property
+    def uniform(self) -> bool:
+        """Every row starts at the same slot."""
+        return self.starts is not None and all(s == self.starts[0] for s in self.starts)
 
     def store(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write new ``k``/``v`` ``[B, Hkv, S, hd]`` into ``layer`` -> its keys/values ``[B, Hkv, total, hd]``."""
@@ -215,22 +221,47 @@ class Keys:
         return cache.k[layer, :, :, :self.total], cache.v[layer, :, :, :self.total]
 
 
+ROW_BY_ROW_MAX = 16  # multi-token calls up to this size attend one new token at a time (see ``attend``)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None) -> torch.Tensor:
     """Scaled dot-product attention of ``q`` ``[B, H, S, hd]`` over ``k``/``v`` ``[B, Hkv, T, hd]``.
 
     With grouped-query attention the ``g = H / Hkv`` query heads that share a key head are folded
     into the query axis (``[B, Hkv, g*S, hd]``), which computes the same dot products in one plain
     attention call: on CPU that is up to 5x faster than ``enable_gqa`` for a few new tokens.  A
-    first chunk without a mask (plain causal) keeps ``is_causal``, which folding would break."""
+    first chunk without a mask (plain causal) keeps ``is_causal``, which folding would break.
+
+    A call over ``1 < S <= ROW_BY_ROW_MAX`` new tokens appended to a cache attends one new token at
+    a time, each to exactly the keys it sees (``[0, start + i]``): the same attention call, on the
+    same inputs, that decoding that token alone makes.  The kernel's results for a row depend on
+    how many rows and keys a call has, and with bf16 logits (ties within one rounding step are
+    common) that alone made a verified token differ from greedy decoding's; this way the rows of a
+    verification call equal greedy decoding's bit for bit wherever the new tokens form a chain (the
+    projections' kernels already give a row the same result whatever the row count)."""
     B, H, S, hd = q.shape
     g = H // k.shape[1]
     if keys is None:  # no cache: causal over these S tokens
         return F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=g > 1)
     if keys.mask is None and S > 1:  # causal over exactly these S keys (no cache, or an empty one)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
+    if 1 < S <= ROW_BY_ROW_MAX and keys.uniform:
+        first = keys.total - S + 1  # keys the first new token sees
+        rows = []
+        for i in range(S):
+            m = None if keys.chain else keys.mask[:, :, i:i + 1, :first + i]
+            rows.append(_attend_folded(q[:, :, i:i + 1], k[:, :, :first + i], v[:, :, :first + i], m, g))
+        return torch.cat(rows, dim=2)
+    return _attend_folded(q, k, v, keys.mask, g, keys.folded)
+
+
+def _attend_folded(q, k, v, mask, g: int, folded=None) -> torch.Tensor:
+    B, H, S, hd = q.shape
     if g == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keys.mask)
-    y = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], g * S, hd), k, v, attn_mask=keys.folded)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if mask is not None and folded is None:
+        folded = mask.repeat(1, 1, g, 1)
+    y = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], g * S, hd), k, v, attn_mask=folded)
     return y.view(B, H, S, hd)
 
 
@@ -307,11 +338,12 @@ class Transformer(nn.Module):
                 h = self.layers[layer](h, cos, sin, layer, None, keys)
             return h
         lengths = cache.lengths[start:end].tolist()  # [L', B] as ints: one read for the whole call
+        chain = mask is None and not bool(cache.pad.any())
         keys = None
         for layer in range(start, end):
             if keys is None or lengths[layer - start] != lengths[layer - start - 1]:
                 m, total = cache.attention_mask(layer, S, mask)  # one mask while lengths agree
-                keys = Keys(lengths[layer - start], total, m, groups)
+                keys = Keys(lengths[layer - start], total, m, groups, chain)
             h = self.layers[layer](h, cos, sin, layer, cache, keys)
         cache.advance(start, end, S)
         return h

@@ -1,0 +1,194 @@
+"""Packed weight formats (oneDNN, 4-bit groups) and 4-bit GGUF blocks: exact where they promise to
+be, close to the dense product where they round, and usable by every part of the model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import CONFIGS, random_model
+
+from layerleap import generate, kernels
+from layerleap.gguf_q4 import blocks_to_rows, pack_codes, unpack_codes
+from layerleap.kernels import GROUP, Int4Weight, OneDNNWeight, QuantizedRows, quantize
+from layerleap.loading import quantize_model
+
+needs_onednn = pytest.mark.skipif(not kernels.ONEDNN, reason="torch built without oneDNN")
+needs_int4 = pytest.mark.skipif(not kernels.int4_supported(), reason="torch's int4 CPU kernel is not available")
+
+
+def _w(n, k, seed=0, dtype=torch.float32):
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).to(dtype)
+
+
+# -- oneDNN ---------------------------------------------------------------------------------------
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])
+def test_onednn_matches_dense_product(dtype, rows):
+    w, b = _w(96, 64, 1, dtype), _w(1, 96, 2, dtype)[0]
+    fmt = OneDNNWeight(w, b)
+    x = _w(rows, 64, 3, dtype).view(1, rows, 64)
+    got = fmt(x)
+    assert got.shape == (1, rows, 96) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()), atol=tol, rtol=tol)
+    assert torch.equal(fmt.dense(), w)  # unpacking gives the weight back exactly
+
+
+@needs_onednn
+def test_onednn_gradient_flows_to_the_input():
+    w = _w(48, 32, 4)
+    x = _w(3, 32, 5).requires_grad_(True)
+    OneDNNWeight(w)(x).sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(3, -1))
+
+
+# -- 4-bit groups -----------------------------------------------------------------------------------
+def test_quantize_is_min_max_per_group():
+    w = _w(8, 64, 6)
+    r = quantize(w)
+    assert r.q.dtype == torch.uint8 and int(r.q.max()) <= 15 and r.scale.shape == (8, 2)
+    err = (r.dense() - w).abs().view(8, 2, GROUP).amax(-1)
+    assert bool((err <= r.scale / 2 + 1e-7).all())  # within half a step of each group's grid
+    assert torch.allclose(r.dense().view(8, 2, GROUP).amin(-1), w.view(8, 2, GROUP).amin(-1))
+
+
+@needs_int4
+@pytest.mark.parametrize("n", [64, 97, 160, 200])  # full and partial row blocks, padding
+def test_int4_codes_roundtrip_and_rows(n):
+    r = quantize(_w(n, 96, 7))
+    fmt = Int4Weight(r)
+    assert torch.equal(fmt.codes(), r.q)
+    ids = torch.tensor([[0, n - 1], [n // 2, 3]])
+    torch.testing.assert_close(fmt.rows(ids), fmt.dense()[ids], rtol=0, atol=0)
+
+
+@needs_int4
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 50])  # over 16 rows: multiplied 16 at a time
+def test_int4_product_matches_its_dense_weight(rows):
+    r = quantize(_w(130, 64, 8))
+    fmt = Int4Weight(r, bias=_w(1, 130, 9)[0])
+    x = _w(rows, 64, 10, torch.bfloat16)
+    got = fmt(x)
+    want = x.float() @ fmt.dense().float().t() + fmt.bias
+    assert got.shape == (rows, 130) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    # the kernel's bf16 scale and zero are close to the exact fp32 ones
+    torch.testing.assert_close(fmt.dense().float(), r.dense(), atol=2e-3, rtol=1e-2)
+
+
+@needs_int4
+def test_int4_refuses_an_input_size_off_the_group():
+    with pytest.raises(kernels.KernelError, match="multiple of 32"):
+        quantize(_w(8, 40, 0))
+
+
+# -- GGUF blocks ------------------------------------------------------------------------------------
+def _random_blocks(qtype: str, n_blocks: int, seed: int = 0) -> np.ndarray:
+    """Random raw blocks with finite fp16 scales (any code bits are valid)."""
+    rng = np.random.default_rng(seed)
+    size = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}[qtype]
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    halves = 2 if qtype == "Q4_0" else 4
+    scales = (rng.standard_normal((n_blocks, halves // 2)) * 0.01).astype(np.float16)
+    raw[:, :halves] = scales.view(np.uint8).reshape(n_blocks, halves)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_blocks_map_exactly(qtype):
+    from gguf import GGMLQuantizationType, dequantize
+    n_rows, n_cols = 6, 256
+    per_row = n_cols // (256 if qtype == "Q4_K" else 32)
+    raw = _random_blocks(qtype, n_rows * per_row)
+    rows = blocks_to_rows(raw.reshape(n_rows, -1), qtype, n_rows, n_cols)
+    want = dequantize(raw.reshape(n_rows, -1), GGMLQuantizationType[qtype])
+    assert np.array_equal(rows.dense().numpy(), want.reshape(n_rows, n_cols))  # bit for bit
+
+
+def test_code_nibbles_roundtrip():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_codes(pack_codes(q)), q)
+
+
+# -- models -----------------------------------------------------------------------------------------
+@needs_int4
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_q4_model_keeps_fingerprint_and_is_close(name):
+    from layerleap.loading import build
+    dense = random_model(name, seed=3)
+    q4 = quantize_model(random_model(name, seed=3))
+    assert q4.dtype_name == "q4" and q4.fingerprint == dense.fingerprint
+    assert q4.weight_bytes() < dense.weight_bytes() / 3
+    # the same function as a dense fp32 model holding the 4-bit weights (up to bf16 activations)
+    sd = {k: v.float() for k, v in q4.dense_state().items()}
+    if dense.config.tie_embeddings:
+        del sd["lm_head.weight"]
+    ref = build(dense.config, sd, torch.float32, pack=False)
+    ids = torch.randint(0, dense.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        a, b = ref(ids), q4(ids)
+    assert b.dtype == torch.float32 and (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+@needs_onednn
+def test_packed_model_moves_back_to_dense(monkeypatch):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "onednn")
+    m = random_model("qwen2-gqa-untied", seed=4).optimize_layout()
+    assert {lin.format for lin in m.projections()} == {"onednn"}
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.inference_mode():
+        before = m(ids)
+    m.to(torch.float64)  # a cast unpacks first
+    assert {lin.format for lin in m.projections()} == {"dense"} and m.dtype == torch.float64
+    with torch.inference_mode():
+        torch.testing.assert_close(m(ids).float(), before, atol=1e-4, rtol=1e-4)
+
+
+@needs_int4
+def test_q4_generate_runs_every_format_of_a_row():
+    q4 = quantize_model(random_model("llama-gqa-tied", seed=5, scale=2.0))
+    out = generate(q4, [[3, 4, 5], [9]], "greedy", 6, stop_at_eos=False)
+    assert [len(r.token_ids) for r in out] == [6, 6]
+    assert out[1].token_ids == generate(q4, [9], "greedy", 6, stop_at_eos=False).token_ids
+
+
+def test_quantized_rows_take_and_cat():
+    r = quantize(_w(6, 32, 11))
+    back = QuantizedRows.cat([r.take_rows(torch.tensor([0, 1, 2])), r.take_rows(torch.tensor([3, 4, 5]))])
+    assert torch.equal(back.dense(), r.dense())
+
+
+# -- a row's result does not depend on the call ------------------------------------------------------
+def _chain_logits(model, prompt, tokens, one_call: bool):
+    """Logits of ``tokens`` appended after ``prompt``: one call over all of them, or one call each."""
+    cache = model.new_cache(1, len(prompt) + len(tokens) + 1)
+    with torch.inference_mode():
+        model(torch.tensor([prompt]), cache=cache)
+        if one_call:
+            return model(torch.tensor([tokens]), cache=cache)[0]
+        return torch.cat([model(torch.tensor([[t]]), cache=cache)[0] for t in tokens])
+
+
+@pytest.mark.parametrize("fmt", [f for f in ("onednn", "bf16", "q4")
+                                 if (f == "q4" and kernels.int4_supported()) or (f != "q4" and kernels.ONEDNN)])
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied", "llama-mha-untied"])
+def test_verification_call_equals_one_token_calls_bit_for_bit(name, fmt, monkeypatch):
+    """With packed weights, the logits of a chain of new tokens scored in one call equal those of
+    decoding them one at a time exactly: lossless methods then equal greedy decoding even where the
+    top two logits tie (common with bf16 logits)."""
+    from layerleap.loading import build
+    monkeypatch.setenv(kernels.KERNEL_ENV, "onednn")  # this CPU's own choice may be dense F.linear
+    m = random_model(name, seed=6, scale=2.0)
+    if fmt == "bf16":
+        sd = {k: v.clone() for k, v in m.dense_state().items()}
+        if m.config.tie_embeddings:
+            del sd["lm_head.weight"]
+        m = build(m.config, sd, torch.bfloat16)
+    else:
+        m = m.optimize_layout() if fmt == "onednn" else quantize_model(m)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, m.config.vocab_size, (11,), generator=g).tolist()
+    tokens = torch.randint(0, m.config.vocab_size, (6,), generator=g).tolist()
+    assert torch.equal(_chain_logits(m, prompt, tokens, True), _chain_logits(m, prompt, tokens, False))

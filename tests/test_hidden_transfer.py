@@ -163,3 +163,21 @@ def test_real_model_shipped_weights_equal_greedy(method):
     kind = "transfer" if method == "hidden-transfer" else "medusa"
     with pytest.raises(drafters.DrafterError, match="another model"):
         drafters.load_drafter(tiny, drafters.shipped_files(model, kind)[0], kind)
+
+
+def test_a_weights_file_is_read_once_per_model(tmp_path, models, monkeypatch):
+    """Generating twice reads the drafter once; a changed file is read again; another model reads its own."""
+    import os
+    model = models["llama-gqa-tied"]
+    path = drafters.save_drafter(medusa_for(model), tmp_path / "m.safetensors")
+    reads = []
+    real = drafters._read_drafter
+    monkeypatch.setattr(drafters, "_read_drafter", lambda *a: reads.append(a[1]) or real(*a))
+    first = generate(model, [1, 2], "medusa", 4, heads=str(path))
+    again = generate(model, [1, 2], "medusa", 4, heads=str(path))
+    assert len(reads) == 1 and first.token_ids == again.token_ids
+    assert drafters.load_drafter(model, path, "medusa") is drafters.load_drafter(model, path, "medusa")
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: read it again
+    drafters.load_drafter(model, path, "medusa")
+    assert len(reads) == 2

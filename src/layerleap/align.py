@@ -76,7 +76,13 @@ class ExitHead(nn.Module):
 
 
 def load_exit_head(model: Transformer, exit_layer: int, path) -> ExitHead:
-    """The exit head saved by ``align_exit_head``; refuses a file made for another model or layer."""
+    """The exit head saved by ``align_exit_head``; refuses a file made for another model or layer.
+    Read once per model, layer and file (``loaded.per_model``)."""
+    from .loaded import per_model
+    return per_model(model, f"exit head {exit_layer}", path, lambda: _read_exit_head(model, exit_layer, path))
+
+
+def _read_exit_head(model: Transformer, exit_layer: int, path) -> ExitHead:
     from safetensors import safe_open
     p = Path(path).expanduser()
     if not p.is_file():

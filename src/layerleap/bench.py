@@ -28,6 +28,7 @@ from .datasets import Prompt
 from .decoding import GenerationResult, generate, get_method
 from .errors import LayerleapError
 from .files import write_json
+from .kernels import cpu_signature
 from .model import Transformer
 
 HF_LABEL = "transformers"
@@ -302,7 +303,8 @@ def machine_config(model: Transformer) -> dict:
     import transformers
     return {
         "model": model.config.name, "source": model.source, "fingerprint": model.fingerprint,
-        "dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "dtype": model.dtype_name, "threads": torch.get_num_threads(), "cpu": cpu_signature(),
+        "load_average": list(os.getloadavg()),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "machine": platform.machine(), "platform": platform.platform(), "cpu_cores": os.cpu_count(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -317,6 +319,7 @@ class BenchResult:
     reference: str = REFERENCE
     prompts_done: int = 0
     interrupted: bool = False
+    call_cost: dict | None = None  # roofline.CallCost.to_dict(), when measured
 
     @property
     def summary(self) -> dict:
@@ -330,7 +333,8 @@ class BenchResult:
         return {c: summarize([r for r in self.records if r.category == c], self.labels, self.reference) for c in cats}
 
     def to_dict(self) -> dict:
-        return {"config": self.config, "prompts_done": self.prompts_done, "interrupted": self.interrupted,
+        return {"config": self.config, "call_cost": self.call_cost, "prompts_done": self.prompts_done,
+                "interrupted": self.interrupted,
                 "complete": self.prompts_done == self.config.get("n_prompts"), "summary": self.summary,
                 "summary_by_category": self.summary_by_category(), "records": [asdict(r) for r in self.records]}
 
@@ -349,14 +353,15 @@ def _greedy_type(method: str, sampling: dict) -> bool:
 def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens: int, *, hf_baseline: bool = True,
               chat: bool = False, sampling: dict | None = None, out: str | Path | None = None,
               config: dict | None = None, warmup: bool = True, progress: bool = True,
-              on_prompt: Callable[[BenchResult], None] | None = None) -> BenchResult:
+              on_prompt: Callable[[BenchResult], None] | None = None, call_cost: bool = True) -> BenchResult:
     """Benchmark ``methods`` (label -> (method, options)) on ``prompts`` (``Prompt``s or strings).
 
     For each prompt every method runs, then the `transformers` baseline; plain ``greedy`` is added
     first when missing (the speed-up reference).  ``sampling`` holds ``generate``'s temperature,
     top_k, top_p, seed, do_sample.  With ``out`` the JSON report is rewritten after every prompt.
     Ctrl-C (KeyboardInterrupt) stops the run: the result (and report) holds the finished prompts,
-    with ``interrupted=True``.  ``on_prompt(result)`` is called after each prompt."""
+    with ``interrupted=True``.  ``on_prompt(result)`` is called after each prompt.  ``call_cost``
+    first measures ``roofline.call_cost`` (about 5 s) into the report's ``call_cost``."""
     from tqdm.auto import tqdm
 
     prompts = _as_prompts(prompts)
@@ -379,6 +384,11 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
         if hf_baseline:
             bar.set_postfix_str(f"{HF_LABEL} model")
             runner.hf = HFBaseline(model)
+        if call_cost:
+            bar.set_postfix_str("call cost")
+            from .roofline import call_cost as measure_call_cost
+            result.call_cost = measure_call_cost(model).to_dict()
+            save()
         if warmup:
             bar.set_postfix_str("warm-up")
             runner.warmup(min(prompts, key=lambda p: len(p.text)), min(WARMUP_TOKENS, max_new_tokens))
@@ -390,9 +400,10 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
                 on_prompt(result)
     except KeyboardInterrupt:
         result.interrupted = True
-        save()
     finally:
         bar.close()
+    result.config["load_average_end"] = list(os.getloadavg())
+    save()
     return result
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from .errors import LayerleapError
 from .files import read_safetensors_meta, save_safetensors
+from .loaded import per_model
 from .model import Transformer
 
 FORMAT = "layerleap-drafter-v1"
@@ -145,7 +146,12 @@ def read_meta(path) -> dict:
 
 
 def load_drafter(model: Transformer, path, kind: str) -> _Drafter:
-    """A drafter from a file written by ``save_drafter``; refuses another kind or another model."""
+    """A drafter from a file written by ``save_drafter``; refuses another kind or another model.
+    Read once per model and file (``loaded.per_model``)."""
+    return per_model(model, kind, path, lambda: _read_drafter(model, path, kind))
+
+
+def _read_drafter(model: Transformer, path, kind: str) -> _Drafter:
     from safetensors.torch import load_file
     p = Path(path).expanduser()
     if not p.is_file():
@@ -171,7 +177,8 @@ def shipped_files(model: Transformer, kind: str) -> list[Path]:
     folder = DATA / kind
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.glob("*.safetensors") if read_meta(p).get("fingerprint") == model.fingerprint)
+    return per_model(model, f"shipped {kind}", folder, lambda: sorted(
+        p for p in folder.glob("*.safetensors") if read_meta(p).get("fingerprint") == model.fingerprint))
 
 
 def get_drafter(model: Transformer, kind: str, spec="trained") -> _Drafter:

@@ -23,6 +23,7 @@ from torch import nn
 
 from .errors import LayerleapError
 from .files import read_safetensors_meta, save_safetensors
+from .loaded import per_model
 from .model import RMSNorm, Transformer
 
 FORMAT = "layerleap-exit-heads-v1"
@@ -196,7 +197,12 @@ def read_meta(path) -> dict:
 
 
 def load_heads(model: Transformer, path) -> dict[int, ExitHead]:
-    """Heads from a file written by ``save_heads``, by layer; refuses a file made for another model."""
+    """Heads from a file written by ``save_heads``, by layer; refuses a file made for another model.
+    Read once per model and file (``loaded.per_model``)."""
+    return per_model(model, "heads", path, lambda: _read_heads(model, path))
+
+
+def _read_heads(model: Transformer, path) -> dict[int, ExitHead]:
     from safetensors import safe_open
     p = Path(path).expanduser()
     if not p.is_file():
@@ -225,10 +231,11 @@ def load_heads(model: Transformer, path) -> dict[int, ExitHead]:
 
 
 def shipped_files(model: Transformer) -> list[Path]:
-    """The shipped heads files made for this model (matched by fingerprint)."""
+    """The shipped heads files made for this model (matched by fingerprint; looked up once per model)."""
     if not SHIPPED_DIR.is_dir():
         return []
-    return sorted(p for p in SHIPPED_DIR.glob("*.safetensors") if read_meta(p).get("fingerprint") == model.fingerprint)
+    return per_model(model, "shipped heads", SHIPPED_DIR, lambda: sorted(
+        p for p in SHIPPED_DIR.glob("*.safetensors") if read_meta(p).get("fingerprint") == model.fingerprint))
 
 
 def trained_layers(model: Transformer) -> list[int]:

@@ -135,8 +135,7 @@ def call_cost(model: Transformer, context: int = 256, sizes=CALL_COST_SIZES, rou
     if 1 not in sizes:
         sizes = [1] + sizes
     n = model.config.n_layers
-    if context + max(sizes) > model.config.max_position:
-        raise ValueError(f"context {context} + {max(sizes)} new tokens exceeds the model's {model.config.max_position}")
+    context = max(1, min(context, model.config.max_position - max(sizes)))  # a short-context model: what fits
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     times: dict[int, list[float]] = {s: [] for s in sizes}
@@ -160,11 +159,14 @@ def call_cost(model: Transformer, context: int = 256, sizes=CALL_COST_SIZES, rou
     best = {s: min(ts) * 1e3 for s, ts in times.items()}
     points = [{"new_tokens": s, "ms": round(best[s], 3), "median_ms": round(sorted(ts)[len(ts) // 2] * 1e3, 3),
                "ratio": round(best[s] / best[1], 3)} for s, ts in times.items()]
-    return CallCost(context, torch.get_num_threads(), dtype_name or str(model.dtype).removeprefix("torch."),
-                    rounds, points)
+    return CallCost(context, torch.get_num_threads(), dtype_name or model.dtype_name, rounds, points)
 
 
-def format_call_cost(cc: CallCost) -> str:
+def format_call_cost(cc: CallCost, roofline_ms: float | None = None) -> str:
+    """The curve as text; with ``roofline_ms`` (one token's bytes / bandwidth) the share of the
+    roofline that a one-token call reaches."""
     head = f"call cost at {cc.context} cached tokens ({cc.dtype}, {cc.threads} threads, best of {cc.rounds}):"
     rows = [f"  S={p['new_tokens']:<3} {p['ms']:8.2f} ms  x{p['ratio']:.2f}" for p in cc.points]
+    if roofline_ms:
+        rows[0] += f"  ({roofline_ms / cc.points[0]['ms']:.0%} of the roofline's {roofline_ms:.1f} ms)"
     return "\n".join([head] + rows)

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .. import bench, methods as _builtin_methods, roofline  # noqa: F401  (registers the built-in methods)
+from .. import bench, kernels, methods as _builtin_methods, roofline  # noqa: F401  (registers the built-in methods)
 from ..cli import command
 from ..datasets import spec_bench
 from ..decoding import METHODS, generate, get_method
 from ..errors import LayerleapError
 from ..loading import DEFAULT_MODEL, load
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "q4")
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 DEMO_CATEGORIES = "qa,summarization"
 DEMO_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "seed": 0}  # greedy methods ignore these
@@ -111,7 +111,7 @@ def _check_writable(path: str | None) -> None:
 
 def _model_line(model, threads: int) -> str:
     import transformers
-    return (f"model {model.config.name} ({str(model.dtype).removeprefix('torch.')}), threads {threads}, "
+    return (f"model {model.config.name} ({model.dtype_name}), threads {threads}, "
             f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} cores")
 
 
@@ -164,6 +164,8 @@ def _setup_info(p):
                    help="tokens in the KV cache for the roofline (default 512)")
     p.add_argument("--buffer-mb", type=_positive_int, default=256, help="bandwidth test buffer (default 256 MB)")
     p.add_argument("--repeats", type=_positive_int, default=5, help="bandwidth timings, best kept (default 5)")
+    p.add_argument("--call-cost", action="store_true",
+                   help="also time one model call over 1, 2, 4, 8 and 16 new tokens at a 256-token context")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -173,11 +175,12 @@ def model_info(model, threads: int, context: int, buffer_mb: int, repeats: int) 
     params = model.n_params()
     return {
         "model": c.name, "source": model.source, "model_type": c.model_type, "fingerprint": model.fingerprint,
-        "dtype": str(model.dtype).removeprefix("torch."), "threads": threads,
+        "dtype": model.dtype_name, "threads": threads, "cpu": kernels.cpu_signature(),
         "layers": c.n_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
         "max_position": c.max_position, "tie_embeddings": c.tie_embeddings,
-        "parameters": params, "weight_bytes": params * model.dtype.itemsize,
+        "parameters": params,
+        "weight_bytes": model.weight_bytes() if model.dtype_name == "q4" else params * model.dtype.itemsize,
         "resident_weight_bytes": model.weight_bytes(),
         "kv_bytes_per_token": roofline.kv_bytes_per_token(model),
         "bandwidth": vars(bw), "roofline": roofline.roofline(model, bw, context).to_dict(),
@@ -219,7 +222,15 @@ def run_info(args) -> int:
     threads = _threads(args.threads)
     model = _load(args)
     d = model_info(model, threads, args.context, args.buffer_mb, args.repeats)
-    print(json.dumps(d) if args.json else format_info(d))
+    cc = roofline.call_cost(model) if args.call_cost else None
+    if cc is not None:
+        d["call_cost"] = cc.to_dict()
+    if args.json:
+        print(json.dumps(d))
+    else:
+        print(format_info(d))
+        if cc is not None:
+            print(roofline.format_call_cost(cc, d["roofline"]["ms_per_token_sum"]))
     return 0
 
 

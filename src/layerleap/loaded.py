@@ -1,0 +1,44 @@
+"""Weights loaded for a model (exit heads, drafters, BiLD exit heads), kept while the model lives.
+
+A method asks for its heads on every ``generate`` call; reading and checking the file each time
+cost about 30 ms per call, inside the timed path.  ``per_model`` keeps what a loader returned for a
+model and file (by path, size and modification time), so a file is read once per model; the
+entries go with the model (a weak reference)."""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+_CACHE: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def _key(kind: str, path) -> tuple | None:
+    p = Path(path).expanduser()
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return kind, str(p.resolve()), st.st_mtime_ns, st.st_size
+
+
+def per_model(model, kind: str, path, load: Callable[[], T]) -> T:
+    """``load()`` once per ``model`` and file ``path`` (a path that cannot be read is not kept: the
+    loader's own error names it)."""
+    key = _key(kind, path)
+    if key is None:
+        return load()
+    store = _CACHE.setdefault(model, {})
+    if key not in store:
+        store[key] = load()
+    return store[key]
+
+
+def clear(model=None) -> None:
+    """Forget what was loaded for ``model`` (or for every model)."""
+    if model is None:
+        _CACHE.clear()
+    else:
+        _CACHE.pop(model, None)

@@ -218,6 +218,24 @@ def test_bench_json(capsys, tmp_path, tiny_hf_dir, tiny):
     assert s["greedy"]["matches_hf"] == "1/1" and s["transformers"]["speedup_vs_hf"] == pytest.approx(1.0)
 
 
+def test_bench_call_cost_and_transformers_extras(capsys, tmp_path, tiny_hf_dir, tiny):
+    out_file = tmp_path / "b.json"
+    rc, out, _ = cli(capsys, "bench", "--model", tiny_hf_dir, "--methods", "greedy,prompt-lookup", "--categories",
+                     "summarization", "--prompts", 1, "--max-new-tokens", 6, "--threads", 1,
+                     "--hf-extra", "lookup:4", "--hf-extra", "early-exit:1", "--json", out_file)
+    assert rc == 0
+    d = json.loads(out_file.read_text())
+    recs = {r["label"]: r for r in d["records"]}
+    assert {"transformers-lookup", "transformers-early-exit", "prompt-lookup"} <= set(recs)
+    want = recs["greedy"]["token_ids"]
+    assert all(recs[k]["token_ids"] == want for k in ("transformers-lookup", "transformers-early-exit", "prompt-lookup"))
+    cc = d["call_cost"]
+    assert [p["new_tokens"] for p in cc["points"]] == [1, 2, 4, 8, 16] and cc["points"][0]["ratio"] == 1.0
+    assert all(p["ms"] > 0 for p in cc["points"]) and d["config"]["cpu"] and len(d["config"]["load_average"]) == 3
+    rc, _, err = cli(capsys, "bench", "--model", tiny_hf_dir, "--hf-extra", "early-exit:99", "--no-call-cost")
+    assert rc == 2 and "assistant_early_exit" in err
+
+
 def test_bench_interrupted_keeps_finished_prompts(capsys, monkeypatch, tmp_path, tiny_hf_dir):
     calls = []
 

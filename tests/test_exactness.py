@@ -55,6 +55,8 @@ EXACT = {
     "calm": [("never exits", lambda m, o: {"threshold": 1.5})],
     "ppd": [("d/2 k1", lambda m, o: {"exit_layer": (m.config.n_layers + 1) // 2, "k": 1, "head": "shared"}),
             ("d-1 k3", lambda m, o: {"exit_layer": m.config.n_layers - 1, "k": 3, "head": "shared"})],
+    "prompt-lookup": [("defaults", lambda m, o: {}), ("k1 unigram", lambda m, o: {"draft_len": 1, "max_ngram": 1}),
+                      ("k4 bigram", lambda m, o: {"draft_len": 4, "max_ngram": 2})],
     "self-spec": [("E1 gamma4", lambda m, o: {"exit_layer": 1, "draft_len": 4, "head": "shared"}),
                   ("E=d-1 gamma2", lambda m, o: {"exit_layer": m.config.n_layers - 1, "draft_len": 2,
                                                   "head": "shared"})],

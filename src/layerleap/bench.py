@@ -32,6 +32,27 @@ from .kernels import cpu_signature
 from .model import Transformer
 
 HF_LABEL = "transformers"
+# `transformers`' own faster decoding, run beside its greedy: label -> generate() keyword arguments
+HF_EXTRAS = {"lookup": ("transformers-lookup", "prompt_lookup_num_tokens", 10),
+             "early-exit": ("transformers-early-exit", "assistant_early_exit", None)}
+
+
+def parse_hf_extra(text: str, n_layers: int) -> tuple[str, dict]:
+    """``lookup[:N]`` (prompt lookup, N draft tokens, default 10) or ``early-exit:E`` (`transformers`'
+    self-speculative ``assistant_early_exit=E``) -> (label, generate() keyword arguments)."""
+    name, _, value = text.partition(":")
+    if name not in HF_EXTRAS:
+        raise LayerleapError(f"unknown transformers baseline {text!r}: give lookup[:N] or early-exit:E")
+    label, key, default = HF_EXTRAS[name]
+    try:
+        n = int(value) if value else default
+    except ValueError:
+        n = None
+    limit = n_layers - 1 if name == "early-exit" else 64
+    if n is None or not 1 <= n <= limit:
+        raise LayerleapError(f"{text!r}: {key} must be an integer in [1, {limit}] (e.g. {name}:"
+                             f"{default or n_layers // 2})")
+    return label, {key: n}
 REFERENCE = "greedy"
 WARMUP_TOKENS = 8
 
@@ -215,13 +236,14 @@ class HFBaseline:
         gc.pad_token_id = eos[0] if eos else 0
         gc.eos_token_id = None  # never stop or mask EOS: generate exactly max_new_tokens, as ours does
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, **options) -> GenerationResult:
+        """Greedy `generate`; ``options`` adds e.g. ``prompt_lookup_num_tokens`` or ``assistant_early_exit``."""
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
         streamer = _FirstToken()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, streamer=streamer)
+            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, streamer=streamer,
+                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **options)
         wall = time.perf_counter() - t0
         toks = out[0, ids.shape[1]:].tolist()
         n = len(toks)
@@ -353,7 +375,8 @@ def _greedy_type(method: str, sampling: dict) -> bool:
 def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens: int, *, hf_baseline: bool = True,
               chat: bool = False, sampling: dict | None = None, out: str | Path | None = None,
               config: dict | None = None, warmup: bool = True, progress: bool = True,
-              on_prompt: Callable[[BenchResult], None] | None = None, call_cost: bool = True) -> BenchResult:
+              on_prompt: Callable[[BenchResult], None] | None = None, call_cost: bool = True,
+              hf_extra: dict[str, dict] | None = None) -> BenchResult:
     """Benchmark ``methods`` (label -> (method, options)) on ``prompts`` (``Prompt``s or strings).
 
     For each prompt every method runs, then the `transformers` baseline; plain ``greedy`` is added
@@ -361,7 +384,9 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     top_k, top_p, seed, do_sample.  With ``out`` the JSON report is rewritten after every prompt.
     Ctrl-C (KeyboardInterrupt) stops the run: the result (and report) holds the finished prompts,
     with ``interrupted=True``.  ``on_prompt(result)`` is called after each prompt.  ``call_cost``
-    first measures ``roofline.call_cost`` (about 5 s) into the report's ``call_cost``."""
+    first measures ``roofline.call_cost`` (about 5 s) into the report's ``call_cost``.  ``hf_extra``
+    (label -> `generate` options, see ``parse_hf_extra``) times `transformers`' own faster decoding
+    too, after its greedy."""
     from tqdm.auto import tqdm
 
     prompts = _as_prompts(prompts)
@@ -372,13 +397,15 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
         check_options(label, name, options)
     sampling = dict(sampling or {})
     cfg = {**machine_config(model), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
-           "sampling": sampling, "hf_baseline": hf_baseline, "warmup": warmup, "n_prompts": len(prompts),
+           "sampling": sampling, "hf_baseline": hf_baseline, "hf_extra": dict(hf_extra or {}), "warmup": warmup,
+           "n_prompts": len(prompts),
            "categories": sorted({p.category for p in prompts}),
            "methods": {lb: {"method": n, "options": o} for lb, (n, o) in methods.items()}}
-    result = BenchResult(cfg, labels=list(methods) + ([HF_LABEL] if hf_baseline else []), reference=ref)
+    extras = dict(hf_extra or {}) if hf_baseline else {}
+    result = BenchResult(cfg, labels=list(methods) + ([HF_LABEL] if hf_baseline else []) + list(extras), reference=ref)
     save = (lambda: write_json(out, result.to_dict())) if out else (lambda: None)
     save()
-    runner = _Runner(model, methods, ref, chat, sampling)
+    runner = _Runner(model, methods, ref, chat, sampling, extras)
     bar = tqdm(total=len(prompts) * len(result.labels), desc="bench", unit="run", disable=not progress, leave=False)
     try:
         if hf_baseline:
@@ -410,8 +437,10 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
 class _Runner:
     """Runs every method, then the baseline, on one prompt."""
 
-    def __init__(self, model: Transformer, methods: MethodSpecs, ref: str, chat: bool, sampling: dict):
+    def __init__(self, model: Transformer, methods: MethodSpecs, ref: str, chat: bool, sampling: dict,
+                 hf_extra: dict[str, dict] | None = None):
         self.model, self.methods, self.ref, self.chat, self.sampling = model, methods, ref, chat, sampling
+        self.hf_extra = hf_extra or {}
         self.greedy_type = {label: _greedy_type(name, sampling) for label, (name, _) in methods.items()}
         self.hf: HFBaseline | None = None
 
@@ -424,6 +453,8 @@ class _Runner:
         results = [self.ours(label, prompt, n) for label in self.methods]
         if self.hf is not None:
             self.hf.generate(results[0].prompt_ids, n)
+            for options in self.hf_extra.values():
+                self.hf.generate(results[0].prompt_ids, n, **options)
 
     def prompt(self, i: int, prompt: Prompt, n: int, bar) -> list[Record]:
         runs, prompt_ids = {}, None
@@ -439,5 +470,10 @@ class _Runner:
             runs[HF_LABEL] = _record(i, prompt, HF_LABEL, "transformers.generate", {},
                                      self.hf.generate(prompt_ids, n), True)
             bar.update()
+            for label, options in self.hf_extra.items():
+                bar.set_postfix_str(f"{where} {label}")
+                runs[label] = _record(i, prompt, label, "transformers.generate", options,
+                                      self.hf.generate(prompt_ids, n, **options), True)
+                bar.update()
         _compare(list(runs.values()), runs[self.ref], runs.get(HF_LABEL))
         return list(runs.values())

@@ -250,6 +250,11 @@ def _setup_bench(p):
     _sampling_args(p)
     p.add_argument("--opt", action="append", metavar="METHOD.NAME=VALUE",
                    help="a method option; METHOD is a label or a method name (repeatable)")
+    p.add_argument("--hf-extra", action="append", metavar="lookup[:N]|early-exit:E",
+                   help="also time transformers' prompt lookup (N draft tokens, default 10) or its "
+                        "assistant_early_exit=E self-speculative decoding (repeatable)")
+    p.add_argument("--call-cost", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the call-cost curve into the report first (default on, ~5 s)")
     p.add_argument("--json", metavar="OUT.json", default=None, help="write the report here (after every prompt)")
 
 
@@ -275,9 +280,10 @@ def run_bench(args) -> int:
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
     print(_bench_header(args, model, threads, len(prompts)), flush=True)
+    hf_extra = dict(bench.parse_hf_extra(x, model.config.n_layers) for x in args.hf_extra or [])
     result = bench.run_bench(model, methods, prompts, args.max_new_tokens, hf_baseline=args.baseline_hf,
                              chat=args.chat, sampling=_sampling(args), out=args.json,
-                             config={"command": _command_line(args)})
+                             config={"command": _command_line(args)}, call_cost=args.call_cost, hf_extra=hf_extra)
     return _finish(result, args.json)
 
 

@@ -1,4 +1,4 @@
-"""The basic subcommands: ``generate``, ``info``, ``bench`` and ``demo``.
+"""The basic subcommands: ``generate``, ``methods``, ``info``, ``bench`` and ``demo``.
 
 stdout carries the results (one JSON object with ``--json``); loading messages and progress go to
 stderr.  Bad input raises ``LayerleapError`` (``cli.main`` turns it into one line and exit code 2);
@@ -8,6 +8,7 @@ argparse rejects malformed numbers the same way.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shlex
@@ -22,12 +23,12 @@ import torch
 
 from .. import bench, methods as _builtin_methods, roofline  # noqa: F401  (registers the built-in methods)
 from ..cli import command
-from ..datasets import spec_bench
+from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, generate, get_method
 from ..errors import LayerleapError
-from ..loading import DEFAULT_MODEL, load
-
-DTYPES = ("float32", "bfloat16")
+from ..loading import DEFAULT_MODEL, DTYPES, load
+from ..options import ModelLoader, resolve_models, to_device
+from ..streaming import stream
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 DEMO_CATEGORIES = "qa,summarization"
 DEMO_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "seed": 0}  # greedy methods ignore these
@@ -47,7 +48,8 @@ def _positive_int(text: str) -> int:
 def _model_args(p, dtype: str = "float32") -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged model name or Hugging Face folder "
                    f"(default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"weight dtype (default {dtype})")
+    p.add_argument("--dtype", default=dtype, choices=list(DTYPES), help=f"weight dtype (default {dtype})")
+    p.add_argument("--device", default="cpu", help="torch device for the model(s), e.g. cuda (default cpu)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
 
 
@@ -73,11 +75,18 @@ def _threads(n: int | None) -> int:
     return n
 
 
-def _load(args):
+def _load(args, name: str | None = None):
+    """The model ``--model`` (or ``name``) with ``--dtype``, on ``--device``."""
+    name = name or args.model
     t = time.perf_counter()
-    model = load(args.model, dtype=args.dtype, progress=_say)
-    _say(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t:.1f} s")
+    model = to_device(load(name, dtype=args.dtype, progress=_say), getattr(args, "device", "cpu"))
+    _say(f"loaded {name} ({args.dtype}) in {time.perf_counter() - t:.1f} s")
     return model
+
+
+def _loader(args) -> ModelLoader:
+    """Loads the models that method options name (``--opt draft=NAME``) like ``--model``."""
+    return ModelLoader(args.dtype, getattr(args, "device", "cpu"), progress=_say)
 
 
 def _command_line(args) -> str:
@@ -116,17 +125,31 @@ def _model_line(model, threads: int) -> str:
 
 
 # -- generate ---------------------------------------------------------------------------------------
-@command("generate", help="generate text from a prompt with one decoding method")
+@command("generate", help="generate text from a prompt (or a file of prompts) with one decoding method")
 def _setup_generate(p):
     _model_args(p)
-    p.add_argument("--method", default="greedy", help=f"decoding method: {', '.join(METHODS)} (default greedy)")
-    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
+    p.add_argument("--method", default="greedy", help=f"decoding method: {', '.join(METHODS)} (default greedy; "
+                   "`layerleap methods` lists them with their options)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text ('-' reads stdin)")
+    src.add_argument("--prompts-file", metavar="FILE", help="prompts decoded as one batch (one by one for a method "
+                     "that does not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text' or "
+                     "Spec-Bench 'turns' a line; any other file one prompt a line")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _sampling_args(p)
-    p.add_argument("--opt", action="append", metavar="NAME=VALUE", help="a method option (repeatable); values "
-                   "are read as int, float, true/false or text")
-    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    _opt_arg(p, "NAME=VALUE", "a method option (repeatable)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--stream", action="store_true", help="print the text as tokens are accepted")
+    out.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) per prompt, "
+                     "one a line")
+
+
+def _opt_arg(p, metavar: str, what: str) -> None:
+    p.add_argument("--opt", action="append", metavar=metavar, help=f"{what}; a value is read as an int, float, "
+                   "true/false, none, a list when it has commas (schedule=30,28,26, tree=2,1,1), JSON when it starts "
+                   "with [ or {, else text; draft= and small= name a model (a packaged name or a folder), loaded "
+                   "with --dtype and --device")
 
 
 def _stats_line(stats: dict, threads: int) -> str:
@@ -137,22 +160,83 @@ def _stats_line(stats: dict, threads: int) -> str:
             f"threads {threads}")
 
 
-@_setup_generate
-def run_generate(args) -> int:
-    get_method(args.method)  # fail before loading the model
+def _generate_prompts(args) -> list[str] | str:
+    if args.prompts_file:
+        prompts = read_prompts_file(args.prompts_file)
+        if args.stream and len(prompts) > 1:
+            raise LayerleapError(f"--stream prints one prompt's text as it comes; {args.prompts_file} holds "
+                                 f"{len(prompts)}: drop --stream, or use --prompt")
+        return prompts
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise LayerleapError("the prompt is empty: give some text with --prompt")
+    return prompt
+
+
+@_setup_generate
+def run_generate(args) -> int:
+    get_method(args.method)  # fail before loading the model
+    prompts = _generate_prompts(args)
     options = dict(bench.parse_assignments(args.opt))
     threads = _threads(args.threads)
     model = _load(args)
-    res = generate(model, prompt, args.method, args.max_new_tokens, chat=args.chat,
-                   **{**_sampling(args), **options})
+    kwargs = {**_sampling(args), **resolve_models(args.method, options, _loader(args))}
+    if args.stream:
+        s = stream(model, prompts[0] if isinstance(prompts, list) else prompts, args.method, args.max_new_tokens,
+                   chat=args.chat, **kwargs)
+        for piece in s:
+            print(piece, end="", flush=True)
+        print()
+        print(_stats_line(s.result.stats, threads))
+        return 0
+    res = generate(model, prompts, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
+    for r in res if isinstance(res, list) else [res]:
+        if args.json:
+            print(json.dumps(r.to_dict()))
+        else:
+            print(r.text)
+            print(_stats_line(r.stats, threads))
+    return 0
+
+
+# -- methods ----------------------------------------------------------------------------------------
+@command("methods", help="the decoding methods: options and defaults, whether exact, whether they batch and sample")
+def _setup_methods(p):
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _option_text(value) -> str:
+    if value is inspect.Parameter.empty:
+        return "required"
+    return "none" if value is None else str(value)
+
+
+def methods_table() -> dict:
+    """Every registered method: its options (with defaults) and flags."""
+    from ..decoding import METHODS as registry
+    return {name: {"exact": m.exact, "batches": m.batched, "samples": m.sampling, "samples_by_default": m.default_sample,
+                   "options": {k: (None if v is inspect.Parameter.empty else v) for k, v in m.options().items()},
+                   "required": [k for k, v in m.options().items() if v is inspect.Parameter.empty],
+                   "model_options": list(m.models), "description": m.description}
+            for name, m in registry.items()}
+
+
+@_setup_methods
+def run_methods(args) -> int:
+    from ..decoding import METHODS as registry
     if args.json:
-        print(json.dumps(res.to_dict()))
-    else:
-        print(res.text)
-        print(_stats_line(res.stats, threads))
+        print(json.dumps(methods_table(), default=str))
+        return 0
+    yes = {True: "yes", False: "-"}
+    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7}  options (default)")
+    for name, m in registry.items():
+        opts = ", ".join(f"{k}={_option_text(v)}" + (" (a model)" if k in m.models else "")
+                         for k, v in m.options().items()) or "-"
+        print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {opts}")
+        print(f"{'':16} {m.description}")
+    print("\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
+          "of prompts as one batch; samples: supports temperature/top-k/top-p sampling.  Options go in as "
+          "--opt NAME=VALUE.")
     return 0
 
 
@@ -261,6 +345,8 @@ def run_bench(args) -> int:
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
+    loader = _loader(args)
+    methods = {label: (name, resolve_models(name, options, loader)) for label, (name, options) in methods.items()}
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
     print(_bench_header(args, model, threads, len(prompts)), flush=True)

@@ -146,7 +146,7 @@ def _eval_quality(args, model, threads) -> dict:
     rows: list[dict] = []
     report = {"command": _command_line(args), "machine": machine_config(model), "rows": rows,
               "n_prompts": {c: len(v) for c, v in by_cat.items()}, "max_new_tokens": args.max_new_tokens}
-    ft_models = {s: _load(argparse.Namespace(model=f, dtype=args.dtype)) for s, f in fts.items()}
+    ft_models = {s: _load(args, f) for s, f in fts.items()}
     for c, prompts in by_cat.items():
         ref = generate(model, [p.text for p in prompts], "greedy", args.max_new_tokens, chat=True)
         refs = [r.text for r in ref]

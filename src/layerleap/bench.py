@@ -180,6 +180,7 @@ class Record:
     matches_hf: bool | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    acceptance: float | None = None  # kept / proposed draft tokens (drafting methods)
 
 
 def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult,
@@ -187,7 +188,8 @@ def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res:
     s = res.stats
     return Record(i, prompt.id, prompt.category, label, method, plain_options(options), s["new_tokens"], len(res.prompt_ids),
                   s["wall_s"], s["tokens_per_s"], s["ttft_s"], s["model_calls"], s["layers_per_token"],
-                  s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids))
+                  s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids),
+                  acceptance=acceptance(s))
 
 
 def draft_counts(stats: dict) -> tuple[int, int] | None:
@@ -305,6 +307,7 @@ def summarize(records: list[Record], labels: list[str] | None = None, reference:
             "speedup_vs_greedy": _speedup(rs, by, reference), "speedup_vs_hf": _speedup(rs, by, HF_LABEL),
             "layers_per_token": _mean([r.layers_per_token for r in rs]),
             "tokens_per_call": _mean([r.tokens_per_call for r in rs]),
+            "acceptance": _mean([r.acceptance for r in rs]),
             "mean_ttft_s": _mean([r.ttft_s for r in rs]),
             "matches_hf": _count([r.matches_hf for r in rs]),
             "matches_greedy": _count([r.matches_greedy for r in rs]),
@@ -323,6 +326,7 @@ def format_table(summary: dict) -> str:
             ("vs HF", 6, lambda s: num(s["speedup_vs_hf"], ".2f", "x")),
             ("layers/tok", 10, lambda s: num(s["layers_per_token"], ".1f")),
             ("tok/call", 8, lambda s: num(s["tokens_per_call"], ".2f")),
+            ("accept", 6, lambda s: num(s.get("acceptance"), ".0%")),
             ("ttft s", 7, lambda s: num(s["mean_ttft_s"], ".3f")),
             ("=HF", 5, lambda s: s["matches_hf"] or "-")]
 
@@ -335,13 +339,25 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_config(model: Transformer) -> dict:
     import transformers
     return {
         "model": model.config.name, "source": model.source, "fingerprint": model.fingerprint,
         "dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "platform": platform.platform(), "cpu_cores": os.cpu_count(),
+        "machine": platform.machine(), "platform": platform.platform(), "cpu": cpu_name(), "cpu_cores": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

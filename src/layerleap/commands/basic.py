@@ -16,7 +16,6 @@ import shutil
 import sys
 import textwrap
 import time
-from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -28,10 +27,12 @@ from ..decoding import METHODS, generate, get_method
 from ..errors import LayerleapError
 from ..loading import DEFAULT_MODEL, DTYPES, load
 from ..options import ModelLoader, resolve_models, to_device
+from ..report import write_html_report
 from ..streaming import stream
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 DEMO_CATEGORIES = "qa,summarization"
 DEMO_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "seed": 0}  # greedy methods ignore these
+DEMO_HTML = "layerleap-demo.html"
 
 
 # -- shared arguments and helpers -------------------------------------------------------------------
@@ -105,12 +106,12 @@ def _read_prompts(path: str | None, categories: list[str] | None, n: int) -> lis
     return prompts
 
 
-def _check_writable(path: str | None) -> None:
+def _check_writable(path: str | None, flag: str = "--json") -> None:
     if not path:
         return
     p = Path(path)
     if p.is_dir():
-        raise LayerleapError(f"--json {path} is a folder: give a file name")
+        raise LayerleapError(f"{flag} {path} is a folder: give a file name")
     parent = p.parent
     while not parent.exists():
         parent = parent.parent
@@ -321,9 +322,10 @@ def _setup_bench(p):
                    help="also time transformers generate on the same weights (default on)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _sampling_args(p)
-    p.add_argument("--opt", action="append", metavar="METHOD.NAME=VALUE",
-                   help="a method option; METHOD is a label or a method name (repeatable)")
+    _opt_arg(p, "METHOD.NAME=VALUE", "a method option; METHOD is a label or a method name (repeatable)")
     p.add_argument("--json", metavar="OUT.json", default=None, help="write the report here (after every prompt)")
+    p.add_argument("--html", metavar="OUT.html", default=None, help="also write the report as one self-contained "
+                   "HTML page with charts")
 
 
 def _bench_header(args, model, threads: int, n_prompts: int) -> str:
@@ -341,7 +343,8 @@ def _usable(model, methods: bench.MethodSpecs) -> bench.MethodSpecs:
 def run_bench(args) -> int:
     methods = bench.parse_methods(args.methods or ",".join(bench.runnable_methods()), args.opt)
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    _check_writable(args.json)
+    _check_writable(args.json, "--json")
+    _check_writable(args.html, "--html")
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
@@ -353,13 +356,16 @@ def run_bench(args) -> int:
     result = bench.run_bench(model, methods, prompts, args.max_new_tokens, hf_baseline=args.baseline_hf,
                              chat=args.chat, sampling=_sampling(args), out=args.json,
                              config={"command": _command_line(args)})
-    return _finish(result, args.json)
+    return _finish(result, args.json, args.html)
 
 
-def _finish(result: bench.BenchResult, out: str | None) -> int:
+def _finish(result: bench.BenchResult, out: str | None, html: str | None = None) -> int:
     print(result.table())
     if out:
         print(f"wrote {out}")
+    if html:
+        write_html_report(result.to_dict(), html)
+        print(f"wrote {html}")
     if result.interrupted:
         _say(f"interrupted: {result.prompts_done} of {result.config['n_prompts']} prompts finished")
         return 130
@@ -367,26 +373,30 @@ def _finish(result: bench.BenchResult, out: str | None) -> int:
 
 
 # -- demo -------------------------------------------------------------------------------------------
-@command("demo", help="side-by-side generation and a small benchmark on the embedded model")
+@command("demo", help="every built-in method that needs no second model on one chat prompt, a small benchmark "
+         "against transformers, and its HTML report")
 def _setup_demo(p):
     _model_args(p)
-    p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt of the side-by-side generation")
+    p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt every method answers")
     p.add_argument("--categories", default=DEMO_CATEGORIES, help=f"bench categories (default {DEMO_CATEGORIES})")
     p.add_argument("--max-new-tokens", type=_positive_int, default=48)
     p.add_argument("--json", metavar="OUT.json", default=None, help="write the bench report here")
+    p.add_argument("--html", metavar="OUT.html", default=DEMO_HTML, help=f"the bench report as an HTML page "
+                   f"(default {DEMO_HTML})")
 
 
-def side_by_side(results: dict, width: int | None = None) -> str:
-    """Texts of several generations in columns, each headed by its method and speed."""
-    width = width or shutil.get_terminal_size((120, 24)).columns
-    col = max(24, (width - 3 * (len(results) - 1)) // max(1, len(results)))
-    columns = []
+def method_blocks(results: dict, width: int | None = None) -> str:
+    """Each generation as a block: its method, exactness and speed, then its text, wrapped."""
+    width = min(100, width or shutil.get_terminal_size((100, 24)).columns)
+    blocks = []
     for label, r in results.items():
-        head = f"{label}: {r.stats['new_tokens']} tokens, {r.stats['tokens_per_s']:.1f} tok/s"
-        body = [line for para in r.text.strip().splitlines() for line in (textwrap.wrap(para, col) or [""])]
-        columns.append([head[:col], "-" * min(col, len(head))] + body)
-    return "\n".join(" | ".join(c.ljust(col) for c in cells).rstrip()
-                     for cells in zip_longest(*columns, fillvalue=""))
+        s = r.stats
+        exact = " (greedy-exact)" if get_method(s["method"]).exact and label != "sample" else ""
+        head = (f"{label}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
+                f"{s['tokens_per_call']:.2f} tokens/call, {s['layers_per_token']:.1f} layers/token{exact}")
+        body = [line for para in r.text.strip().splitlines() for line in (textwrap.wrap(para, width - 2) or [""])]
+        blocks.append("\n".join([head] + ["  " + line for line in body]))
+    return "\n\n".join(blocks)
 
 
 @_setup_demo
@@ -394,20 +404,23 @@ def run_demo(args) -> int:
     t0 = time.perf_counter()
     methods = bench.runnable_methods()
     prompts = _read_prompts(None, _csv(args.categories), 1)
-    _check_writable(args.json)
+    _check_writable(args.json, "--json")
+    _check_writable(args.html, "--html")
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
     methods = _usable(model, methods)
     print(_model_line(model, threads))
     print(f"methods: {', '.join(methods)}; sampling: {DEMO_SAMPLING}\n\nprompt (chat): {args.prompt}\n")
-    shown = {m: generate(model, args.prompt, m, args.max_new_tokens, chat=True, **DEMO_SAMPLING)
-             for m in ("greedy", "sample") if m in methods}
-    print(side_by_side(shown))
-    print(f"\nbench: {len(prompts)} Spec-Bench prompts ({args.categories}) × {args.max_new_tokens} new tokens, "
+    shown = {}
+    for label, (name, options) in methods.items():
+        shown[label] = generate(model, args.prompt, name, args.max_new_tokens, chat=True,
+                                **{**DEMO_SAMPLING, **options})
+        print(method_blocks({label: shown[label]}) + "\n", flush=True)
+    print(f"bench: {len(prompts)} Spec-Bench prompts ({args.categories}) × {args.max_new_tokens} new tokens, "
           f"chat, each method then transformers, per prompt", flush=True)
     result = bench.run_bench(model, methods, prompts, args.max_new_tokens, chat=True, sampling=DEMO_SAMPLING,
                              out=args.json, config={"command": _command_line(args)})
-    rc = _finish(result, args.json)
-    print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+    rc = _finish(result, args.json, args.html)
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s; the report: {Path(args.html).resolve()}")
     return rc

@@ -137,9 +137,8 @@ def accuracy_table(rows: dict) -> str:
 
 
 def accuracy_plot(rows: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
     for ax, k in zip(axes, (1, 3, 5)):
         for label, acc in rows.items():

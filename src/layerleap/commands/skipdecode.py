@@ -4,7 +4,6 @@ speed measurement)."""
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -215,9 +214,8 @@ def quality_tables(report: dict) -> str:
 
 
 def quality_plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     rows = report["rows"]
     d = rows[0]["avg_layers"]
     cats = list(dict.fromkeys(r["category"] for r in rows))
@@ -303,9 +301,8 @@ def speed_table(report: dict) -> str:
 
 
 def speed_plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for B in sorted({s["batch"] for s in report["summary"]}):
         pts = [s for s in report["summary"] if s["batch"] == B]

@@ -67,6 +67,21 @@ def get(url: str) -> Reply:
     return request(url)
 
 
+def in_parallel(url: str, ask, n: int, timeout: float = 300) -> list:
+    """``ask(client, i)`` for i < n from n threads at once, each with its own ``openai`` client."""
+    got: dict[int, object] = {}
+
+    def run(i):
+        got[i] = ask(openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return [got.get(i) for i in range(n)]
+
+
 # -- on the tiny model ---------------------------------------------------------------------------------
 def test_binds_loopback_by_default(tiny_server):
     assert tiny_server.startswith("http://127.0.0.1:")
@@ -178,18 +193,11 @@ def test_bad_chat_requests_and_routes(tiny_server, client):
 def test_concurrent_clients_get_their_single_answers(tiny_server, tiny):
     prompts = [f"Prompt number {i} says" for i in range(8)]
     want = [generate(tiny, p, "greedy", 16).text for p in prompts]
-    got: dict[int, str] = {}
 
-    def ask(i):
-        c = openai.OpenAI(base_url=tiny_server + "/v1", api_key="unused", max_retries=0)
-        got[i] = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=16).choices[0].text
+    def ask(c, i):
+        return c.completions.create(model="tiny", prompt=prompts[i], max_tokens=16).choices[0].text
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert [got.get(i) for i in range(8)] == want
+    assert in_parallel(tiny_server, ask, 8) == want
     metrics = get(tiny_server + "/metrics").text
     assert 'layerleap_generated_tokens_total{method="greedy"}' in metrics
 
@@ -259,20 +267,13 @@ def test_real_eight_concurrent_clients(smollm_server):
                  "Name a planet.", "What is water?", "Give me a verb."]
     methods = ["greedy"] * 6 + ["self-spec", "ppd"]
     want = [generate(model, q, m, 16, chat=True).text for q, m in zip(questions, methods)]
-    got: dict[int, str] = {}
 
-    def ask(i):
-        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    def ask(c, i):
         r = c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": questions[i]}],
                                       max_tokens=16, extra_body={"layerleap": {"method": methods[i]}})
-        got[i] = r.choices[0].message.content
+        return r.choices[0].message.content
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert [got.get(i) for i in range(8)] == want
+    assert in_parallel(url, ask, 8) == want
     m = get(url + "/metrics").text
     assert _metric(m, 'layerleap_completions_total{method="greedy"}') >= 6
     assert 0 < _metric(m, 'layerleap_acceptance{method="self-spec"}') <= 1

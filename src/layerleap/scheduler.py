@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .decoding import Decoding, GenerationResult, get_method
+from .decoding import Decoding, GenerationConfig, GenerationResult, get_method
 from .errors import LayerleapError
 from .model import Transformer
 from .streaming import TextPieces
@@ -31,28 +31,29 @@ from .streaming import TextPieces
 
 @dataclass(frozen=True)
 class Settings:
-    """What one request decodes with (``generate``'s arguments)."""
+    """What one request decodes with: a method, its options and ``generate``'s other arguments."""
     method: str
-    options: dict = field(default_factory=dict, hash=False)
-    max_new_tokens: int = 64
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    options: dict = field(default_factory=dict)
+    gen: GenerationConfig = field(default_factory=GenerationConfig)  # its EOS fields are Decoding's own
 
-    def kwargs(self) -> dict:
-        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                    do_sample=self.do_sample, **self.options)
+    @property
+    def max_new_tokens(self) -> int:
+        return self.gen.max_new_tokens
+
+    def decoding(self, model: Transformer, prompts) -> Decoding:
+        g = self.gen
+        return Decoding(model, prompts, self.method, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+                        top_p=g.top_p, seed=g.seed, do_sample=g.do_sample, **self.options)
 
     def batch_key(self, serial: int) -> tuple:
         """Jobs with equal keys may decode as one batch: a batching method with the same options and
         settings, and no sampling seed (a seeded sample must not depend on its neighbours)."""
-        if not get_method(self.method).batched or (self.do_sample and self.seed is not None):
+        g = self.gen
+        if not get_method(self.method).batched or (g.do_sample and g.seed is not None):
             return ("alone", serial)
-        sampling = (self.temperature, self.top_k, self.top_p) if self.do_sample else None
+        sampling = (g.temperature, g.top_k, g.top_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
-        return (self.method, opts, self.max_new_tokens, self.do_sample, sampling)
+        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling)
 
 
 class StopText:
@@ -139,8 +140,7 @@ class Batch:
 
     def __init__(self, model: Transformer, jobs: list[Job]):
         self.model, self.jobs = model, jobs
-        s = jobs[0].settings
-        self.decoding = Decoding(model, [j.prompt_ids for j in jobs], s.method, s.max_new_tokens, **s.kwargs())
+        self.decoding = jobs[0].settings.decoding(model, [j.prompt_ids for j in jobs])
         self.pieces = [TextPieces(model.tokenizer) for _ in jobs]
         self.rounds = iter(self.decoding)
         self.over = False

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import methods as _builtin_methods  # noqa: F401  (registers the built-in methods)
-from .decoding import METHODS, Decoding, chat_token_ids, get_method
+from .decoding import METHODS, GenerationConfig, chat_token_ids, get_method
 from .errors import LayerleapError
 from .model import Transformer
 from .options import model_options
@@ -155,7 +155,8 @@ def request_settings(body: dict, cfg: ServerConfig, context: int, prompt_len: in
     if top_p == 0:
         raise _bad("top_p must be > 0 (1 keeps every token)", "top_p")
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
-    return Settings(method, options, int(max_tokens), do_sample, float(temperature), int(top_k), float(top_p), seed)
+    return Settings(method, options, GenerationConfig(int(max_tokens), do_sample, float(temperature), int(top_k),
+                                                      float(top_p), seed))
 
 
 def chat_prompt(body: dict, tokenizer) -> list[int]:
@@ -395,12 +396,12 @@ def create_app(model: Transformer, cfg: ServerConfig, loader: Callable[[str], Tr
                     raise _bad(f"option {key}={value!r}: this server loads {allowed} for {key}=; start it with --opt "
                                f"{key}={value} to serve another", f"layerleap.options.{key}")
                 options[key] = await holder["scheduler"].run_in_worker(loader, value)
-        return Settings(**{**settings.__dict__, "options": options})
+        return Settings(settings.method, options, settings.gen)
 
     def check(ids: list[int], s: Settings) -> None:
         """What ``generate`` would refuse (option names, values it checks up front), before queueing."""
         try:
-            Decoding(model, ids, s.method, s.max_new_tokens, **s.kwargs())
+            s.decoding(model, ids)
         except LayerleapError as e:
             raise _bad(str(e), "layerleap.options") from None
 

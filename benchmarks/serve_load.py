@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--max-running", type=int, default=4)
+    ap.add_argument("--max-running", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--json", default=None, help="write the report here")
     args = ap.parse_args()
@@ -137,6 +137,7 @@ def main() -> None:
         "cpu": cpu_name(), "cores": os.cpu_count(), "load_average_before": load_before, "load_average_after": load_after,
         "model": args.model, "dtype": args.dtype, "method": args.method, "options": args.opt or [],
         "server_threads": args.threads, "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
+        "max_batch": args.max_batch, "max_running": args.max_running,
         "wall_s": wall, "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
         "error_samples": sorted({r.get("error", "") for r in records if not r["ok"]})[:5],
         "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),

@@ -276,6 +276,41 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
     return d.results if d.many else d.results[0]
 
 
+def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, temperature: float, top_k: int,
+             top_p: float, seed: int | None, do_sample: bool | None, stop_at_eos: bool, chat: bool,
+             options: dict) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
+    """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
+    m = get_method(method)
+    _check(isinstance(max_new_tokens, int) and max_new_tokens > 0,
+           f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    _check(isinstance(temperature, (int, float)) and temperature > 0,
+           f"temperature must be > 0, got {temperature!r} (use method='greedy' for deterministic output)")
+    _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    _check(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+    allowed = m.options()
+    unknown = sorted(set(options) - set(allowed))
+    _check(not unknown, f"method {method!r} has no option {', '.join(unknown)}; its options: "
+           f"{', '.join(allowed) or 'none'}")
+    missing = [k for k, d in allowed.items() if d is inspect.Parameter.empty and k not in options]
+    _check(not missing, f"method {method!r} needs the option(s) {', '.join(missing)}: pass them as keyword "
+           "arguments (--opt name=value on the command line)")
+    do_sample = m.default_sample if do_sample is None else bool(do_sample)
+    _check(not do_sample or m.sampling, f"method {method!r} decodes greedily only: drop do_sample=True")
+
+    prompts, many = _split_prompts(prompt)
+    ids = [_encode(model, p, chat) for p in prompts]
+    ctx = model.config.max_position
+    for i, p in enumerate(ids):
+        _check(len(p) + max_new_tokens <= ctx,
+               f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
+               f"length {ctx}: shorten the prompt or lower max_new_tokens")
+    eos = tuple(model.config.eos_token_ids)
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
+    gen = GenerationConfig(max_new_tokens, do_sample, float(temperature), top_k, float(top_p), seed, stop_at_eos, eos)
+    return m, ids, many, gen
+
+
 class Decoding:
     """One ``generate`` call, driven round by round: iterating yields, after each method round that
     added tokens, the indices of the prompts whose output grew (``tokens(i)`` reads it); once the
@@ -286,36 +321,9 @@ class Decoding:
     def __init__(self, model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, **options):
-        m = get_method(method)
-        _check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens > 0,
-               f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        _check(isinstance(temperature, (int, float)) and temperature > 0,
-               f"temperature must be > 0, got {temperature!r} (use method='greedy' for deterministic output)")
-        _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-        _check(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
-        allowed = m.options()
-        unknown = sorted(set(options) - set(allowed))
-        _check(not unknown, f"method {method!r} has no option {', '.join(unknown)}; its options: "
-               f"{', '.join(allowed) or 'none'}")
-        missing = [k for k, d in allowed.items() if d is inspect.Parameter.empty and k not in options]
-        _check(not missing, f"method {method!r} needs the option(s) {', '.join(missing)}: pass them as keyword "
-               "arguments (--opt name=value on the command line)")
-        do_sample = m.default_sample if do_sample is None else bool(do_sample)
-        _check(not do_sample or m.sampling, f"method {method!r} decodes greedily only: drop do_sample=True")
-
-        prompts, self.many = _split_prompts(prompt)
-        ids = [_encode(model, p, chat) for p in prompts]
-        ctx = model.config.max_position
-        for i, p in enumerate(ids):
-            _check(len(p) + max_new_tokens <= ctx,
-                   f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
-                   f"length {ctx}: shorten the prompt or lower max_new_tokens")
-        eos = tuple(model.config.eos_token_ids)
-        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-            eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
+        m, ids, self.many, self.gen = _prepare(model, prompt, method, max_new_tokens, temperature, top_k, top_p, seed,
+                                               do_sample, stop_at_eos, chat, options)
         self.model, self.method, self.options, self.prompt_ids = model, m, options, ids
-        self.gen = GenerationConfig(max_new_tokens, do_sample, float(temperature), top_k, float(top_p), seed,
-                                    stop_at_eos, eos)
         self.groups = [list(range(len(ids)))] if m.batched else [[i] for i in range(len(ids))]
         self.results: list[GenerationResult | None] = [None] * len(ids)
         self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row

@@ -184,7 +184,7 @@ class Batch:
 class Scheduler:
     """Waiting jobs, running batches, and the task that serves them (``start()`` on the event loop)."""
 
-    def __init__(self, model: Transformer, max_batch: int = 8, max_running: int = 4, max_waiting: int = 256,
+    def __init__(self, model: Transformer, max_batch: int = 8, max_running: int = 2, max_waiting: int = 256,
                  on_batch_done: Callable[[Batch], None] | None = None):
         self.model, self.max_batch, self.max_running, self.max_waiting = model, max_batch, max_running, max_waiting
         self.on_batch_done = on_batch_done or (lambda batch: None)

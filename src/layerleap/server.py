@@ -54,7 +54,7 @@ class ServerConfig:
     options: dict = field(default_factory=dict)  # the default method's options (models already loaded)
     max_tokens: int = 256  # max_tokens when a request gives none (clipped to the context)
     max_batch: int = 8
-    max_running: int = 4
+    max_running: int = 2
     max_waiting: int = 256
     loadable: tuple[str, ...] = ()  # model names a request's options may name (loaded on first use)
 

@@ -24,8 +24,8 @@ def _setup(p):
                    help="max_tokens of a request that gives none (default 256)")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="requests decoded as one batch, at most "
                    "(methods that batch; default 8)")
-    p.add_argument("--max-running", type=_positive_int, default=4, help="batches decoding at once, one model "
-                   "call at a time in turn (default 4)")
+    p.add_argument("--max-running", type=_positive_int, default=2, help="batches decoding at once, one model "
+                   "call at a time in turn (default 2)")
     p.add_argument("--max-waiting", type=_positive_int, default=256, help="queued requests before 429 (default 256)")
 
 

@@ -379,7 +379,7 @@ def _setup_demo(p):
     _model_args(p)
     p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt every method answers")
     p.add_argument("--categories", default=DEMO_CATEGORIES, help=f"bench categories (default {DEMO_CATEGORIES})")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=48)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
     p.add_argument("--json", metavar="OUT.json", default=None, help="write the bench report here")
     p.add_argument("--html", metavar="OUT.html", default=DEMO_HTML, help=f"the bench report as an HTML page "
                    f"(default {DEMO_HTML})")

@@ -14,13 +14,17 @@ import time
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 
-import layerleap
-from layerleap import generate
-from layerleap.scheduler import StopText
-from layerleap.server import ServerConfig, ServerThread, create_app
+for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):  # `make test` installs them (extra "test")
+    pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
+
+import openai  # noqa: E402
+
+import layerleap  # noqa: E402
+from layerleap import generate  # noqa: E402
+from layerleap.scheduler import StopText  # noqa: E402
+from layerleap.server import ServerConfig, ServerThread, create_app  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
 

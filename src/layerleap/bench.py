@@ -14,6 +14,7 @@ the length), which makes times comparable and greedy tokens comparable one for o
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import platform
 import time
@@ -61,8 +62,20 @@ MethodSpecs = dict[str, tuple[str, dict]]  # label -> (method name, options)
 
 # -- parsing method specs and option values --------------------------------------------------------
 def parse_value(text: str):
-    """``--opt`` value: bool (true/false), none, int, float, else the string itself."""
-    low = text.strip().lower()
+    """``--opt`` value: bool (true/false), none, int, float; JSON when it starts with ``[`` or ``{``;
+    a list of numbers when it has commas (``30,28,26``); else the string itself."""
+    stripped = text.strip()
+    if stripped[:1] in ("[", "{"):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError as e:
+            raise LayerleapError(f"option value {text!r} starts like JSON but is not ({e.msg}): fix it, e.g. "
+                                 "[[0], [1], [0, 0]]") from None
+    if "," in stripped:
+        items = [parse_value(t) for t in stripped.split(",")]
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+            return items
+    low = stripped.lower()
     if low in ("true", "false"):
         return low == "true"
     if low in ("none", "null"):
@@ -189,14 +202,40 @@ class Record:
     matches_hf: bool | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    acceptance: float | None = None  # kept / proposed draft tokens (drafting methods)
 
 
 def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult,
             greedy_type: bool) -> Record:
     s = res.stats
-    return Record(i, prompt.id, prompt.category, label, method, dict(options), s["new_tokens"], len(res.prompt_ids),
+    return Record(i, prompt.id, prompt.category, label, method, plain_options(options), s["new_tokens"], len(res.prompt_ids),
                   s["wall_s"], s["tokens_per_s"], s["ttft_s"], s["model_calls"], s["layers_per_token"],
-                  s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids))
+                  s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids),
+                  acceptance=acceptance(s))
+
+
+def draft_counts(stats: dict) -> tuple[int, int] | None:
+    """(proposed, accepted) draft tokens of a drafting method's run, from its stats: drafts for the
+    speculative and tree methods, early predictions for ``ppd``, small-model tokens for ``bild``;
+    None for a method that does not draft."""
+    if "drafted" in stats and "accepted" in stats:
+        return int(stats["drafted"]), int(stats["accepted"])
+    if "trials" in stats and "matches" in stats:
+        return int(stats["trials"]), int(stats["matches"])
+    if "small_tokens" in stats and "rolled_back" in stats:
+        return int(stats["small_tokens"]), int(stats["small_tokens"]) - int(stats["rolled_back"])
+    return None
+
+
+def acceptance(stats: dict) -> float | None:
+    """The share of proposed draft tokens that were kept (``draft_counts``), or None."""
+    counts = draft_counts(stats)
+    return counts[1] / counts[0] if counts and counts[0] else None
+
+
+def plain_options(options: dict) -> dict:
+    """Options as a report shows them: a model given as an option (a draft) by its name."""
+    return {k: (v.source or v.config.name) if isinstance(v, Transformer) else v for k, v in options.items()}
 
 
 def _compare(records: list[Record], ref: Record, hf: Record | None) -> None:
@@ -291,6 +330,7 @@ def summarize(records: list[Record], labels: list[str] | None = None, reference:
             "speedup_vs_greedy": _speedup(rs, by, reference), "speedup_vs_hf": _speedup(rs, by, HF_LABEL),
             "layers_per_token": _mean([r.layers_per_token for r in rs]),
             "tokens_per_call": _mean([r.tokens_per_call for r in rs]),
+            "acceptance": _mean([r.acceptance for r in rs]),
             "mean_ttft_s": _mean([r.ttft_s for r in rs]),
             "matches_hf": _count([r.matches_hf for r in rs]),
             "matches_greedy": _count([r.matches_greedy for r in rs]),
@@ -309,6 +349,7 @@ def format_table(summary: dict) -> str:
             ("vs HF", 6, lambda s: num(s["speedup_vs_hf"], ".2f", "x")),
             ("layers/tok", 10, lambda s: num(s["layers_per_token"], ".1f")),
             ("tok/call", 8, lambda s: num(s["tokens_per_call"], ".2f")),
+            ("accept", 6, lambda s: num(s.get("acceptance"), ".0%")),
             ("ttft s", 7, lambda s: num(s["mean_ttft_s"], ".3f")),
             ("=HF", 5, lambda s: s["matches_hf"] or "-")]
 
@@ -400,7 +441,7 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
            "sampling": sampling, "hf_baseline": hf_baseline, "hf_extra": dict(hf_extra or {}), "warmup": warmup,
            "n_prompts": len(prompts),
            "categories": sorted({p.category for p in prompts}),
-           "methods": {lb: {"method": n, "options": o} for lb, (n, o) in methods.items()}}
+           "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()}}
     extras = dict(hf_extra or {}) if hf_baseline else {}
     result = BenchResult(cfg, labels=list(methods) + ([HF_LABEL] if hf_baseline else []) + list(extras), reference=ref)
     save = (lambda: write_json(out, result.to_dict())) if out else (lambda: None)

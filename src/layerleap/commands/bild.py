@@ -14,7 +14,6 @@ from ..cli import command
 from ..companion import truncated
 from ..errors import LayerleapError
 from ..files import write_text
-from ..loading import load
 from ..methods.bild import HEADS, check_thresholds, exit_head
 from .basic import (_check_writable, _command_line, _csv, _load, _model_args, _model_line, _positive_int,
                     _read_prompts, _say, _threads)
@@ -59,21 +58,6 @@ def _max_small(text: str):
     return int(text)
 
 
-def _device_args(p) -> None:
-    p.add_argument("--device", default="cpu", help="torch device for the models, e.g. cuda (default cpu)")
-
-
-def _to_device(model, device: str):
-    import torch
-    try:
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise LayerleapError(f"--device {device}: no CUDA device here: use --device cpu")
-        return model.to(dev)
-    except RuntimeError as e:
-        raise LayerleapError(f"--device {device}: {e}") from None
-
-
 def _form_args(p) -> None:
     form = p.add_mutually_exclusive_group()
     form.add_argument("--exit-layer", type=_positive_int, default=None,
@@ -84,8 +68,7 @@ def _form_args(p) -> None:
 
 
 def _load_small(args, large):
-    small = _to_device(load(args.small, dtype=args.dtype, progress=_say), args.device)
-    _say(f"loaded small model {args.small}")
+    small = _load(args, args.small)
     if small.config.vocab_size != large.config.vocab_size:
         raise LayerleapError(f"--small {args.small} has another vocabulary than --model {args.model}: "
                              "choose models with the same tokenizer")
@@ -109,7 +92,6 @@ def _device_name(model) -> str:
 @command("sweep bild", help="BiLD over (alpha_fb, alpha_rb): quality against latency, the paper's Figures 4/9 and Table 1")
 def _setup_sweep(p):
     _model_args(p)
-    _device_args(p)
     _form_args(p)
     p.add_argument("--alpha-fb", default=DEFAULT_FB, help=f"fallback thresholds (default {DEFAULT_FB}; none: no "
                    "BiLD points)")
@@ -155,7 +137,7 @@ def run_sweep(args) -> int:
         _check_writable(path)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
-    large = _to_device(_load(args), args.device)
+    large = _load(args)
     fixed: dict = {"max_small": args.max_small}
     models: dict = {}
     if args.small:
@@ -214,7 +196,6 @@ def run_sweep(args) -> int:
 @command("align", help="BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs")
 def _setup_align(p):
     _model_args(p)
-    _device_args(p)
     _form_args(p)
     p.add_argument("--out", required=True, help="the exit head file (.safetensors) or the small model's new folder")
     p.add_argument("--categories", default=SWEEP_CATEGORIES, help=f"calibration categories (default {SWEEP_CATEGORIES})")
@@ -255,7 +236,7 @@ def run_align(args) -> int:
     _check_writable(str(work))
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
-    large = _to_device(_load(args), args.device)
+    large = _load(args)
     print(f"{_model_line(large, threads)}\ncalibration: {len(prompts)} Spec-Bench prompts ({args.categories}, "
           f"{args.prompts} each after {args.offset}) × {args.max_new_tokens} greedy tokens -> {work}", flush=True)
     records = align_mod.calibrate(large, [p.text for p in prompts], work, args.max_new_tokens, chat=args.chat)

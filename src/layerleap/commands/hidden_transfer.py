@@ -43,7 +43,6 @@ def _setup_train(p):
     p.add_argument("--chunks", default=None, help="pre-tokenized chunks (a file from --save-chunks) instead of ShareGPT")
     p.add_argument("--save-chunks", default=None, help="write the tokenized ShareGPT chunks here and exit")
     p.add_argument("--save-every", type=_positive_int, default=20)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--max-seconds", type=float, default=None, help="stop and save after this many seconds")
 
 
@@ -60,8 +59,6 @@ def run_train(args) -> int:
     kind = "transfer" if args.what == "transfer" else "medusa"
     threads = _threads(args.threads)
     model = _load(args)
-    if args.device != "cpu":
-        model = model.to(args.device)
     cfg = train_drafters.TrainConfig(kind=kind, layers=_layers(args.layers), steps_ahead=args.heads,
                                      train_steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
                                      lr=args.lr, seed=args.seed, n_conversations=args.conversations,
@@ -96,7 +93,6 @@ def _setup_eval(p):
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="a PNG of top-1 accuracy per step")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
 
 
 def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, list[int]]]:
@@ -111,8 +107,6 @@ def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, lis
 def run_eval(args) -> int:
     threads = _threads(args.threads)
     model = _load(args)
-    if args.device != "cpu":
-        model = model.to(args.device)
     cats = [c for c in args.categories.split(",") if c]
     prompts = spec_bench(None, cats, args.prompts)
     seqs = greedy_sequences(model, prompts, args.max_new_tokens)
@@ -143,9 +137,8 @@ def accuracy_table(rows: dict) -> str:
 
 
 def accuracy_plot(rows: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
     for ax, k in zip(axes, (1, 3, 5)):
         for label, acc in rows.items():

@@ -148,10 +148,13 @@ def run_parallel(args) -> int:
     from ..decoding import generate
     from ..ppd_parallel import ParallelPPD
     prompts = _read_prompts(None, _csv(args.categories), args.prompts)
+    if args.device != "cpu":
+        raise LayerleapError(f"--device {args.device}: eval ppd-parallel runs PPD on CPU processes: drop --device")
     threads = args.threads or 1
     print(f"$ {_command_line(args)}", flush=True)
     records = []
-    with ParallelPPD(args.model, args.exit_layer, args.k, args.head, args.head_on, threads=threads) as ex:
+    with ParallelPPD(args.model, args.exit_layer, args.k, args.head, args.head_on, threads=threads,
+                     dtype=args.dtype) as ex:
         model = ex.model
         _say(f"{args.k + 1} processes × {threads} thread(s), d̄={ex.dbar}, head {ex.exit_head.kind} on {args.head_on}")
         ids0 = generate(model, prompts[0].text, "greedy", 4, chat=True).prompt_ids

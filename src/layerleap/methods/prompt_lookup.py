@@ -62,7 +62,7 @@ def check_options(draft_len, max_ngram, min_ngram) -> None:
         raise GenerationError(f"draft_len must be at most 64 (tokens verified in one call), got {draft_len}")
 
 
-@register("prompt-lookup", sampling=True)
+@register("prompt-lookup", sampling=True, exact=True)
 def prompt_lookup(run: Run, *, draft_len: int = DEFAULT_DRAFT_LEN, max_ngram: int = DEFAULT_MAX_NGRAM,
                   min_ngram: int = 1) -> None:
     """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call (greedy-exact; lossless sampling)."""
@@ -77,6 +77,7 @@ def prompt_lookup(run: Run, *, draft_len: int = DEFAULT_DRAFT_LEN, max_ngram: in
     index = NgramIndex(run.prompts[0] + [tok], min_ngram, max_ngram)
     if run.emit(0, [tok]):
         return _finish(stats, len(run.out[0]))
+    yield
     dev = run.model.device
     while True:
         held = len(index.tokens) - 1  # the cache holds every token but the last
@@ -99,6 +100,7 @@ def prompt_lookup(run: Run, *, draft_len: int = DEFAULT_DRAFT_LEN, max_ngram: in
         index.extend(new)
         if run.emit(0, new):
             return _finish(stats, len(run.out[0]))
+        yield
 
 
 def _finish(stats: dict, new_tokens: int) -> None:

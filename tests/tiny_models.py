@@ -92,3 +92,33 @@ def tree_path(parents: list[int], node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
+
+
+def save_hf_folder(model: Transformer, folder, tokenizer_from=None, shards: int = 1):
+    """``model`` as a Hugging Face folder (config.json, safetensors weights in ``shards`` files with an
+    index when more than one), with the tokenizer files of the folder ``tokenizer_from`` copied in."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from layerleap.loading import ours_to_hf
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=1))
+    sd = {k: v.clone() for k, v in ours_to_hf(model).items()}  # fused q/k/v share storage
+    if shards == 1:
+        save_file(sd, str(folder / "model.safetensors"))
+    else:
+        keys = sorted(sd)
+        names = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors": keys[i::shards] for i in range(shards)}
+        for name, ks in names.items():
+            save_file({k: sd[k] for k in ks}, str(folder / name))
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {k: n for n, ks in names.items() for k in ks}}))
+    if tokenizer_from is not None:
+        for f in Path(tokenizer_from).iterdir():
+            if f.is_file() and f.name != "config.json" and "safetensors" not in f.name:
+                shutil.copy(f, folder / f.name)
+    return folder

@@ -1,8 +1,36 @@
-"""``python -m layerleap ...`` is the ``layerleap`` command (``python -m layerleap.cli`` would load the
-CLI module twice, and the subcommands would register with the other copy)."""
+"""The ``layerleap`` command: the console script runs ``run``, as does ``python -m layerleap ...``
+(``python -m layerleap.cli`` would load the CLI module twice, and the subcommands would register
+with the other copy).
 
+``run`` installs the Ctrl-C handling before anything heavy is imported, so an interrupt at any
+moment (importing torch, parsing, loading, converting, decoding, training) ends with one line and
+exit code 130; the first Ctrl-C also makes later ones harmless while the clean-up runs."""
+
+import os
+import signal
 import sys
 
-from .cli import main
 
-sys.exit(main())
+def _interrupt_once(signum, frame):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def run() -> None:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started ignoring it
+        signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        from .cli import main
+        code = main()
+    except KeyboardInterrupt:  # outside a command: importing the commands or parsing
+        print("layerleap: interrupted", file=sys.stderr)
+        code = 130
+    except BrokenPipeError:  # stdout closed early (| head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutting down: no traceback from a late Ctrl-C
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

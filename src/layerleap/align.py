@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import validate as V
 from .decoding import GenerationError, generate
 from .errors import LayerleapError
 from .files import save_safetensors, write_json
@@ -152,12 +153,15 @@ class TrainConfig:
     val_every: int = 4  # every n-th calibration sequence is held out to measure agreement
 
     def check(self) -> None:
-        if not (isinstance(self.epochs, int) and self.epochs >= 1):
-            raise AlignError(f"epochs must be an integer >= 1, got {self.epochs!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise AlignError(f"lr must be a positive number, got {self.lr!r}")
-        if not (isinstance(self.batch_tokens, int) and self.batch_tokens >= 1):
-            raise AlignError(f"batch_tokens must be an integer >= 1, got {self.batch_tokens!r}")
+        with V.raising(AlignError):
+            V.integer(self.epochs, "epochs", 1)
+            V.number(self.lr, "lr", 0, lo_open=True)
+            V.integer(self.batch_tokens, "batch_tokens", 1)
+            V.number(self.weight_decay, "weight_decay", 0)
+            V.seed(self.seed)
+            V.integer(self.save_every, "save_every", 1)
+            V.integer(self.rank, "rank", 0)
+            V.integer(self.val_every, "val_every", 0)
 
 
 def _ckpt_path(out: Path) -> Path:

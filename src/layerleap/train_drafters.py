@@ -39,6 +39,7 @@ from . import tree as tree_mod
 from .decoding import chat_token_ids
 from .errors import LayerleapError
 from .files import save_safetensors
+from . import validate as V
 from .model import Transformer
 
 
@@ -61,6 +62,24 @@ class TrainConfig:
     save_every: int = 20
     grad_clip: float = 1.0
     max_seconds: float | None = None  # stop (and save) after this long, whatever train_steps says
+
+
+def _check(cfg: TrainConfig, model: Transformer) -> None:
+    if cfg.kind not in drafters.KINDS:
+        raise TrainError(f"unknown drafter kind {cfg.kind!r}: choose one of {', '.join(drafters.KINDS)}")
+    with V.raising(TrainError):
+        V.integer(cfg.train_steps, "train_steps", 1)
+        V.integer(cfg.seq_len, "seq_len", 4, model.config.max_position, " (the model's context)")
+        V.integer(cfg.batch_size, "batch_size", 1)
+        V.integer(cfg.steps_ahead, "steps_ahead", 1, 64)
+        V.integer(cfg.warmup, "warmup", 0)
+        V.integer(cfg.n_conversations, "n_conversations", 1)
+        V.integer(cfg.save_every, "save_every", 1)
+        V.number(cfg.lr, "lr", 0, lo_open=True)
+        V.number(cfg.grad_clip, "grad_clip", 0, lo_open=True)
+        V.seed(cfg.seed)
+        if cfg.max_seconds is not None:
+            V.number(cfg.max_seconds, "max_seconds", 0, lo_open=True)
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -192,10 +211,9 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
     """Train a drafter of ``cfg.kind``; -> a report (losses, tokens, seconds).  Resumes from ``out``'s
     checkpoint when there is one."""
     out = Path(out)
-    if cfg.kind not in drafters.KINDS:
-        raise TrainError(f"unknown drafter kind {cfg.kind!r}: choose one of {', '.join(drafters.KINDS)}")
-    if cfg.train_steps < 1 or cfg.seq_len < 4 or cfg.batch_size < 1:
-        raise TrainError("train_steps and batch_size must be >= 1 and seq_len >= 4")
+    _check(cfg, model)
+    with V.raising(TrainError):
+        V.weights_file(out, "out")
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
     try:

@@ -16,16 +16,16 @@ import sys
 import textwrap
 import time
 from itertools import zip_longest
-from pathlib import Path
 
 import torch
 
 from .. import bench, methods as _builtin_methods, roofline  # noqa: F401  (registers the built-in methods)
+from .. import validate as V
 from ..cli import command
 from ..datasets import spec_bench
 from ..decoding import METHODS, generate, get_method
 from ..errors import LayerleapError
-from ..loading import DEFAULT_MODEL, load
+from ..loading import DEFAULT_MODEL, check_model, load
 
 DTYPES = ("float32", "bfloat16")
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
@@ -34,28 +34,23 @@ DEMO_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "seed": 0}  # greedy methods 
 
 
 # -- shared arguments and helpers -------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return n
+_positive_int = V.positive_int  # the argparse types of every command live in layerleap.validate
+_model_arg = V._as_arg(lambda t: check_model(t, ""), label="model")
 
 
 def _model_args(p, dtype: str = "float32") -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged model name or Hugging Face folder "
-                   f"(default {DEFAULT_MODEL})")
+    p.add_argument("--model", type=_model_arg, default=DEFAULT_MODEL, help=f"packaged model name or Hugging "
+                   f"Face folder (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"weight dtype (default {dtype})")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=V.threads_arg, default=None, help="torch threads (default: all cores)")
 
 
 def _sampling_args(p) -> None:
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0: off)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0: off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--temperature", type=V.positive_float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-k", type=V.nonneg_int, default=None, help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=V.float_arg(0.0, 1.0, lo_open=True), default=None,
+                   help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--seed", type=V.seed_arg, default=None, help=f"random seed for sampling (0 .. {V.SEED_MAX})")
 
 
 def _sampling(args) -> dict:
@@ -74,10 +69,30 @@ def _threads(n: int | None) -> int:
 
 
 def _load(args):
+    """Load ``--model``, then check the sizes that depend on it (``--max-new-tokens``, ``--context``)
+    before any heavy work."""
     t = time.perf_counter()
     model = load(args.model, dtype=args.dtype, progress=_say)
     _say(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t:.1f} s")
+    _check_sizes(model, args)
     return model
+
+
+def _check_sizes(model, args) -> None:
+    """The arguments whose limits depend on the model (``--max-new-tokens``, ``--context``)."""
+    ctx = model.config.max_position
+    for opt in ("max_new_tokens", "context"):
+        n = getattr(args, opt, None)
+        if isinstance(n, int) and n >= ctx:
+            raise LayerleapError(f"--{opt.replace('_', '-')} {n} is beyond {model.config.name}'s context of {ctx} "
+                                 f"tokens: give at most {ctx - 1}")
+
+
+def _ram_mb() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    except (ValueError, OSError, AttributeError):
+        return 4096
 
 
 def _command_line(args) -> str:
@@ -96,17 +111,10 @@ def _read_prompts(path: str | None, categories: list[str] | None, n: int) -> lis
     return prompts
 
 
-def _check_writable(path: str | None) -> None:
-    if not path:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise LayerleapError(f"--json {path} is a folder: give a file name")
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise LayerleapError(f"cannot write {path}: {parent} is not a writable folder")
+def _check_writable(path: str | None, name: str = "output") -> None:
+    """Try writing ``path`` (a temporary sibling is created and removed)."""
+    if path:
+        V.output_file(path, name)
 
 
 def _model_line(model, threads: int) -> str:
@@ -120,7 +128,7 @@ def _model_line(model, threads: int) -> str:
 def _setup_generate(p):
     _model_args(p)
     p.add_argument("--method", default="greedy", help=f"decoding method: {', '.join(METHODS)} (default greedy)")
-    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
+    p.add_argument("--prompt", type=V.text_arg, required=True, help="the prompt text ('-' reads stdin, UTF-8)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _sampling_args(p)
@@ -139,13 +147,13 @@ def _stats_line(stats: dict, threads: int) -> str:
 
 @_setup_generate
 def run_generate(args) -> int:
-    get_method(args.method)  # fail before loading the model
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    options = _method_options(args.method, args.opt)  # fail before loading the model
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise LayerleapError("the prompt is empty: give some text with --prompt")
-    options = dict(bench.parse_assignments(args.opt))
     threads = _threads(args.threads)
     model = _load(args)
+    options = _load_model_options(options, args.dtype)
     res = generate(model, prompt, args.method, args.max_new_tokens, chat=args.chat,
                    **{**_sampling(args), **options})
     if args.json:
@@ -156,14 +164,51 @@ def run_generate(args) -> int:
     return 0
 
 
+MODEL_OPTIONS = ("draft", "small")  # method options that take a second model (a name or folder on the CLI)
+
+
+def _method_options(method: str, items: list[str] | None) -> dict:
+    """``--opt NAME=VALUE`` items of ``generate``, checked against the method's options."""
+    allowed = get_method(method).options()
+    options = dict(bench.parse_assignments(items))
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise LayerleapError(f"method {method!r} has no option {', '.join(unknown)}; its options: "
+                             f"{', '.join(allowed) or 'none'}")
+    missing = bench.required_options(method, options)
+    if missing:
+        raise LayerleapError(f"method {method!r} needs the option {missing[0]}: add --opt {missing[0]}=VALUE")
+    for k in MODEL_OPTIONS:
+        if isinstance(options.get(k), str):
+            check_model(options[k], f"--opt {k}")
+    return options
+
+
+def _load_model_options(options: dict, dtype: str) -> dict:
+    """Model-valued options given as names or folders, loaded (same dtype as --model)."""
+    out = dict(options)
+    for k in MODEL_OPTIONS:
+        if isinstance(out.get(k), str):
+            out[k] = load(out[k], dtype=dtype, progress=_say)
+            _say(f"loaded {options[k]} as {k}=")
+    return out
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None:
+        raise LayerleapError("--prompt - reads stdin, but stdin is closed: pipe the prompt in or give it as text")
+    return V.utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+
+
 # -- info -------------------------------------------------------------------------------------------
 @command("info", help="model facts, measured memory bandwidth and the decoding roofline")
 def _setup_info(p):
     _model_args(p)
     p.add_argument("--context", type=_positive_int, default=512,
                    help="tokens in the KV cache for the roofline (default 512)")
-    p.add_argument("--buffer-mb", type=_positive_int, default=256, help="bandwidth test buffer (default 256 MB)")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="bandwidth timings, best kept (default 5)")
+    p.add_argument("--buffer-mb", type=V.int_arg(1, _ram_mb() // 4, "; at most a quarter of this machine's memory"),
+                   default=256, help="bandwidth test buffer (default 256 MB)")
+    p.add_argument("--repeats", type=V.int_arg(1, 1000), default=5, help="bandwidth timings, best kept (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -232,14 +277,16 @@ def _setup_bench(p):
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
     p.add_argument("--prompts", type=_positive_int, default=1, help="prompts per category (default 1)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--data", default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)")
+    p.add_argument("--data", type=V.in_file_arg, default=None,
+                   help="a Spec-Bench question.jsonl (default: the shipped copy)")
     p.add_argument("--baseline-hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers generate on the same weights (default on)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _sampling_args(p)
     p.add_argument("--opt", action="append", metavar="METHOD.NAME=VALUE",
                    help="a method option; METHOD is a label or a method name (repeatable)")
-    p.add_argument("--json", metavar="OUT.json", default=None, help="write the report here (after every prompt)")
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
+                   help="write the report here (after every prompt)")
 
 
 def _bench_header(args, model, threads: int, n_prompts: int) -> str:
@@ -256,11 +303,15 @@ def _usable(model, methods: bench.MethodSpecs) -> bench.MethodSpecs:
 @_setup_bench
 def run_bench(args) -> int:
     methods = bench.parse_methods(args.methods or ",".join(bench.runnable_methods()), args.opt)
+    for name, options in methods.values():
+        for k in MODEL_OPTIONS:
+            if isinstance(options.get(k), str):
+                check_model(options[k], f"--opt {name}.{k}")
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    _check_writable(args.json)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
+    methods = {label: (name, _load_model_options(options, args.dtype)) for label, (name, options) in methods.items()}
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
     print(_bench_header(args, model, threads, len(prompts)), flush=True)
@@ -284,10 +335,11 @@ def _finish(result: bench.BenchResult, out: str | None) -> int:
 @command("demo", help="side-by-side generation and a small benchmark on the embedded model")
 def _setup_demo(p):
     _model_args(p)
-    p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt of the side-by-side generation")
+    p.add_argument("--prompt", type=V.text_arg, default=DEMO_PROMPT,
+                   help="the chat prompt of the side-by-side generation")
     p.add_argument("--categories", default=DEMO_CATEGORIES, help=f"bench categories (default {DEMO_CATEGORIES})")
     p.add_argument("--max-new-tokens", type=_positive_int, default=48)
-    p.add_argument("--json", metavar="OUT.json", default=None, help="write the bench report here")
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the bench report here")
 
 
 def side_by_side(results: dict, width: int | None = None) -> str:
@@ -308,7 +360,6 @@ def run_demo(args) -> int:
     t0 = time.perf_counter()
     methods = bench.runnable_methods()
     prompts = _read_prompts(None, _csv(args.categories), 1)
-    _check_writable(args.json)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)

@@ -25,10 +25,12 @@ def layerleap_cmd() -> list[str]:
 class Proc:
     """A subprocess whose stdout and stderr are collected by threads (so a full pipe never blocks it)."""
 
-    def __init__(self, argv: list[str], env: dict | None = None, cwd=None):
+    def __init__(self, argv: list[str], env: dict | None = None, cwd=None, group: bool = False):
         full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
                 "LAYERLEAP_TEST_THREADS": "1", **(env or {})}
-        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full, cwd=cwd)
+        # group: its own process group, so that signal_group reaches its children too, as a terminal's Ctrl-C
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full, cwd=cwd,
+                                  start_new_session=group)
         self.out, self.err = bytearray(), bytearray()
         self._threads = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
                          for s, b in ((self.p.stdout, self.out), (self.p.stderr, self.err))]
@@ -40,14 +42,16 @@ class Proc:
         for chunk in iter(lambda: stream.read1(4096), b""):
             buf.extend(chunk)
 
-    def wait_for(self, pattern: str, timeout: float = 120.0) -> None:
-        """Block until ``pattern`` (a regex) shows up on stderr; fail if the process ends or time runs out."""
+    def wait_for(self, pattern: str, timeout: float = 120.0, stream: str = "err") -> None:
+        """Block until ``pattern`` (a regex) shows up on stderr (or stdout); fail if the process ends or
+        time runs out."""
         rx = re.compile(pattern.encode())
+        buf = self.err if stream == "err" else self.out
         end = time.monotonic() + timeout
-        while not rx.search(bytes(self.err)):
+        while not rx.search(bytes(buf)):
             if self.p.poll() is not None:
                 time.sleep(0.2)  # let the pump threads catch up
-                if rx.search(bytes(self.err)):
+                if rx.search(bytes(buf)):
                     return
                 raise AssertionError(f"exited ({self.p.returncode}) before {pattern!r}: {self.text_err()[-2000:]}")
             if time.monotonic() > end:
@@ -55,8 +59,11 @@ class Proc:
                 raise AssertionError(f"no {pattern!r} within {timeout} s: {self.text_err()[-2000:]}")
             time.sleep(0.05)
 
-    def signal(self, sig=signal.SIGINT) -> None:
+    def send(self, sig=signal.SIGINT) -> None:
         self.p.send_signal(sig)
+
+    def signal_group(self, sig=signal.SIGINT) -> None:
+        os.killpg(self.p.pid, sig)
 
     def finish(self, timeout: float = 120.0) -> tuple[int, str, str]:
         try:

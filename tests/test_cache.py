@@ -153,7 +153,7 @@ def test_real_conversion_stopped_half_way(monkeypatch, tmp_path, how):
                 env={"LAYERLEAP_CACHE": str(tmp_path)})
     proc.wait_for("converting .* to safetensors", 180)
     time.sleep(1.0)
-    proc.signal(getattr(signal, how))
+    proc.send(getattr(signal, how))
     rc, out, err = proc.finish(60)
     assert not (tmp_path / entry_name()).exists()
     if how == "SIGINT":

@@ -2,23 +2,19 @@
 (``python -m layerleap.cli`` would load the CLI module twice, and the subcommands would register
 with the other copy).
 
-``run`` installs the Ctrl-C handling before anything heavy is imported, so an interrupt at any
-moment (importing torch, parsing, loading, converting, decoding, training) ends with one line and
-exit code 130; the first Ctrl-C also makes later ones harmless while the clean-up runs."""
+``run`` installs the Ctrl-C handling (``layerleap.interrupts``) before anything heavy is imported,
+so an interrupt at any moment (importing torch, parsing, loading, converting, decoding, training)
+ends with one line and exit code 130."""
 
 import os
 import signal
 import sys
 
-
-def _interrupt_once(signum, frame):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
+from . import interrupts
 
 
 def run() -> None:
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started ignoring it
-        signal.signal(signal.SIGINT, _interrupt_once)
+    interrupts.install()
     try:
         from .cli import main
         code = main()

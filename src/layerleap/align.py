@@ -231,10 +231,7 @@ def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainCon
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
                 if step % cfg.save_every == 0 and step < total:
                     _save_ckpt(ckpt, params, opt, step, tag)
-    except KeyboardInterrupt:
-        _save_ckpt(ckpt, params, opt, step, tag)
-        raise
-    finally:
+    finally:  # Ctrl-C: a rerun resumes from the last checkpoint (an interrupted step is never saved)
         bar.close()
     return losses
 

@@ -80,7 +80,7 @@ def check_options(label: str, method: str, options: dict) -> None:
                              f"add --opt {label}.{missing[0]}=VALUE")
 
 
-def parse_methods(text: str, opts: list[str] | None = None) -> MethodSpecs:
+def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) -> MethodSpecs:
     """``"greedy,s=sample"`` and ``["s.top_k=5"]`` -> ``{"greedy": ("greedy", {}), "s": ("sample", {"top_k": 5})}``.
 
     An item is ``METHOD`` or ``LABEL=METHOD`` (to run one method with several option sets); an
@@ -107,7 +107,8 @@ def parse_methods(text: str, opts: list[str] | None = None) -> MethodSpecs:
         for lb in hits:
             specs[lb][1][opt] = value
     for lb, (name, options) in specs.items():
-        check_options(lb, name, options)
+        if check:
+            check_options(lb, name, options)
     return specs
 
 
@@ -169,7 +170,7 @@ class Record:
     token_ids: list[int] = field(default_factory=list)
 
 
-def _jsonable(options: dict) -> dict:
+def options_json(options: dict) -> dict:
     """Options as JSON: a model option (``draft=``) by its model's name."""
     return {k: v.config.name if isinstance(v, Transformer) else v for k, v in options.items()}
 
@@ -177,7 +178,7 @@ def _jsonable(options: dict) -> dict:
 def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult,
             greedy_type: bool) -> Record:
     s = res.stats
-    return Record(i, prompt.id, prompt.category, label, method, _jsonable(options), s["new_tokens"], len(res.prompt_ids),
+    return Record(i, prompt.id, prompt.category, label, method, options_json(options), s["new_tokens"], len(res.prompt_ids),
                   s["wall_s"], s["tokens_per_s"], s["ttft_s"], s["model_calls"], s["layers_per_token"],
                   s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids))
 
@@ -374,7 +375,7 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     cfg = {**machine_config(model), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
            "sampling": sampling, "hf_baseline": hf_baseline, "warmup": warmup, "n_prompts": len(prompts),
            "categories": sorted({p.category for p in prompts}),
-           "methods": {lb: {"method": n, "options": _jsonable(o)} for lb, (n, o) in methods.items()}}
+           "methods": {lb: {"method": n, "options": options_json(o)} for lb, (n, o) in methods.items()}}
     result = BenchResult(cfg, labels=list(methods) + ([HF_LABEL] if hf_baseline else []), reference=ref)
     save = (lambda: write_json(out, result.to_dict())) if out else (lambda: None)
     save()

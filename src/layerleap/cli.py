@@ -14,6 +14,7 @@ import importlib
 import sys
 from typing import Callable
 
+from . import interrupts
 from .errors import LayerleapError
 
 # Modules that define subcommands (add a line here for a new one).
@@ -24,6 +25,7 @@ COMMAND_MODULES = [
     "layerleap.commands.ppd",  # theory ppd, eval ppd-parallel
     "layerleap.commands.heads",  # train heads, match-rate, eval head-cost, heads sub-vocab
     "layerleap.commands.hidden_transfer",  # train transfer / train medusa, eval drafters
+    "layerleap.commands.exactness",  # eval exactness
 ]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
@@ -80,18 +82,33 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        with interrupts.deferred():  # importing torch and the commands
+            parser = build_parser()
+        args = parser.parse_args(argv)
     except SystemExit as e:  # bad arguments (2, one line printed) or --help (0)
         return e.code if isinstance(e.code, int) else 2
     args.argv = argv  # the command line, for reports
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
     except LayerleapError as e:
-        print(f"layerleap {args._name}: error: {e}", file=sys.stderr)
-        return 2
+        if not interrupts.interrupted():  # else a library turned the Ctrl-C into another error
+            print(f"layerleap {args._name}: error: {e}", file=sys.stderr)
+            return 2
+        code = None
     except KeyboardInterrupt:
+        code = None
+    if code is None or (interrupts.interrupted() and code != 130):
+        _close_progress_bars()
         print(f"layerleap {args._name}: interrupted", file=sys.stderr)
         return 130
+    return code
+
+
+def _close_progress_bars() -> None:
+    """Close the tqdm bars an interrupt left open, so that their last redraw comes before our line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(tqdm, "tqdm", None)._instances if tqdm is not None else []):
+        bar.close()
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class Method:
     sampling: bool  # supports do_sample=True
     default_sample: bool  # samples unless told otherwise
     description: str
+    exact: bool = False  # claims greedy-exactness: its greedy tokens equal plain greedy's (`eval exactness`)
 
     def options(self) -> dict[str, object]:
         sig = inspect.signature(self.fn)
@@ -69,10 +70,11 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False):
+def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False,
+             exact: bool = False):
     def deco(fn):
         doc = (fn.__doc__ or "").strip().splitlines()
-        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "")
+        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "", exact)
         return fn
     return deco
 

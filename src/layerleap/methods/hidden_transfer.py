@@ -59,7 +59,7 @@ def transfer_pass(run: Run, cache: KVCache, tokens: torch.Tensor, buf: tree_mod.
     return h[0, :n], h[0, n:].reshape(steps, n, h.shape[-1])
 
 
-@register("hidden-transfer")
+@register("hidden-transfer", exact=True)
 def hidden_transfer(run: Run, *, tree=DEFAULT_TREE, transfer="trained") -> None:
     """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=): greedy-exact."""
     proj = drafters.get_drafter(run.model, "transfer", transfer)

@@ -30,7 +30,7 @@ def _drafts(run: Run, heads: drafters.MedusaHeads, buf, z: torch.Tensor) -> torc
     return treeloop.top_drafts(buf, logits)
 
 
-@register("medusa")
+@register("medusa", exact=True)
 def medusa(run: Run, *, tree=DEFAULT_TREE, heads="trained") -> None:
     """Medusa heads drafting a candidate tree (tree=, heads=), verified with tree attention: greedy-exact."""
     mh = drafters.get_drafter(run.model, "medusa", heads)

@@ -114,7 +114,7 @@ def top_candidates(head_logits: torch.Tensor, k: int) -> torch.Tensor:
     return head_logits.topk(k).indices.cpu()
 
 
-@register("ppd")
+@register("ppd", exact=True)
 def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto") -> None:
     """Predictive Pipelined Decoding (exact greedy): early top-k at layer exit_layer (default d/2) start k pipelined sub-passes (clock in layer units)."""
     from ..heads import get_head

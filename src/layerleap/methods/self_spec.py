@@ -48,7 +48,7 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
                               f"top probability is below it; 0 = never), got {min_confidence!r}")
 
 
-@register("self-spec")
+@register("self-spec", exact=True)
 def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
               head="auto") -> None:
     """Self-speculative decoding (exact greedy): draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV."""

@@ -103,7 +103,7 @@ def _draft(run: Run, dm: Companion, d_logits: torch.Tensor, k: int, min_confiden
         d_logits = dm.forward([tok])[-1]
 
 
-@register("speculative", sampling=True)
+@register("speculative", sampling=True, exact=True)
 def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "constant",
                 min_confidence: float = 0.4) -> None:
     """Speculative decoding with a draft model (draft=, γ = draft_len, schedule, min_confidence): greedy-exact or lossless sampling."""

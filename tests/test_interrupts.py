@@ -66,7 +66,7 @@ def test_during_training_then_resume(tmp_path, tiny_hf_dir):
     argv = [*layerleap_bin, "train", "medusa", "--model", str(tiny_hf_dir), "--chunks", str(chunks), "--seq-len", "16",
             "--heads", "2", "--steps", "60", "--save-every", "3", "--threads", "1", "--out", str(out)]
     proc = Proc(argv)
-    proc.wait_for(r"train medusa: +\d+%.*| *([7-9]|\d\d+)/60")
+    proc.wait_for(r"train medusa: +\d+%.*\| *([7-9]|\d\d+)/60")
     proc.send()
     interrupted(proc, "layerleap train medusa: interrupted")
     assert not out.exists()  # written only at the end

@@ -117,25 +117,31 @@ import os, sys, time
 from pathlib import Path
 from layerleap import loading
 from tiny_models import random_model, save_hf_folder
+calls, gate = Path(sys.argv[1]), Path(sys.argv[2])
 
 def slow(parts, out, progress=print):
-    (Path(sys.argv[1]) / str(os.getpid())).write_text(out.name)
+    (calls / str(os.getpid())).write_text(out.name)
     print("CONVERTING", file=sys.stderr, flush=True)
+    end = time.time() + 60
+    while not gate.exists() and time.time() < end:  # until the other process is about to ask for the entry
+        time.sleep(0.05)
     time.sleep(2)
     save_hf_folder(random_model(), out)
 
 loading._convert_gguf = slow
+if sys.argv[3] == "second":
+    gate.write_text("x")
 print(loading.packaged_folder("smollm2-135m", progress=lambda m: print(m, file=sys.stderr, flush=True)))
 """
 
 
 def test_two_processes_convert_once(tmp_path):
-    cache_dir, calls = tmp_path / "cache", tmp_path / "calls"
+    cache_dir, calls, gate = tmp_path / "cache", tmp_path / "calls", tmp_path / "gate"
     calls.mkdir()
     env = {"LAYERLEAP_CACHE": str(cache_dir)}
-    first = python(CONVERT_SLOWLY, calls, env=env)
+    first = python(CONVERT_SLOWLY, calls, gate, "first", env=env)
     first.wait_for("CONVERTING", 120)
-    second = python(CONVERT_SLOWLY, calls, env=env)
+    second = python(CONVERT_SLOWLY, calls, gate, "second", env=env)
     (rc1, out1, err1), (rc2, out2, err2) = first.finish(), second.finish()
     assert rc1 == 0 and rc2 == 0, err1 + err2
     assert out1 == out2 and Path(out1.strip()) == cache_dir / entry_name()

@@ -214,7 +214,7 @@ def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainCon
     total = steps_per_epoch * cfg.epochs
     ckpt = _ckpt_path(out)
     step = _load_ckpt(ckpt, params, opt, tag) if ckpt.is_file() else 0
-    losses = []
+    losses, stepping = [], False
     bar = tqdm(total=total, initial=step, desc=desc, unit="step", disable=not progress, leave=False)
     try:
         for epoch in range(step // steps_per_epoch, cfg.epochs):
@@ -224,14 +224,20 @@ def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainCon
                 opt.zero_grad(set_to_none=True)
                 loss = loss_fn(idx)
                 loss.backward()
+                stepping = True  # an interrupt inside opt.step leaves half-updated weights: not saved
                 opt.step()
+                stepping = False
                 step += 1
                 losses.append(float(loss.detach()))
                 bar.update()
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
                 if step % cfg.save_every == 0 and step < total:
                     _save_ckpt(ckpt, params, opt, step, tag)
-    finally:  # Ctrl-C: a rerun resumes from the last checkpoint (an interrupted step is never saved)
+    except KeyboardInterrupt:  # save what is finished (a rerun resumes there), unless a step was half done
+        if not stepping:
+            _save_ckpt(ckpt, params, opt, step, tag)
+        raise
+    finally:
         bar.close()
     return losses
 

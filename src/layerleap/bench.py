@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from . import validate as V
 from .datasets import Prompt
 from .decoding import GenerationResult, generate, get_method
 from .errors import LayerleapError
@@ -368,6 +369,9 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     prompts = _as_prompts(prompts)
     if not prompts:
         raise LayerleapError("no prompts to benchmark")
+    V.integer(max_new_tokens, "max_new_tokens", 1)
+    if out is not None:
+        V.report_file(out, "out")
     methods, ref = with_reference(methods)
     for label, (name, options) in methods.items():
         check_options(label, name, options)

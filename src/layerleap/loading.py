@@ -400,12 +400,14 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
         with open(path, "rb") as f:
             head = f.read(8)
             (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
-            if n is None or n > min(_HEADER_MAX, size - 8):
-                raise ModelFileError(f"{path} is not a safetensors file or is truncated ({size} bytes): replace it "
-                                     "(re-download or re-convert the model)")
-            header = json.loads(f.read(n))
+            text = f.read(n) if n is not None and n <= min(_HEADER_MAX, size - 8) else None
     except OSError as e:
         raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
+    if text is None:
+        raise ModelFileError(f"{path} is not a safetensors file or is truncated ({size} bytes): replace it "
+                             "(re-download or re-convert the model)")
+    try:
+        header = json.loads(text)
     except (ValueError, UnicodeDecodeError):
         raise ModelFileError(f"{path} has a corrupt safetensors header: replace it (re-download or re-convert "
                              "the model)") from None
@@ -599,8 +601,8 @@ def check_model(name_or_path, name: str = "model") -> str:
         if not (p / "config.json").is_file():
             raise ModelNotFound(f"{p} has no config.json: it is not a Hugging Face model folder")
         return text
-    raise ModelNotFound(f"unknown model {V.show(text)}: give one of {', '.join(PACKAGED)} or a local "
-                        "Hugging Face model folder")
+    raise ModelNotFound(f"{name + ': ' if name and name != 'model' else ''}unknown model {V.show(text)}: give one of "
+                        f"{', '.join(PACKAGED)} or a local Hugging Face model folder")
 
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> Transformer:

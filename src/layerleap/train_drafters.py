@@ -64,7 +64,8 @@ class TrainConfig:
     max_seconds: float | None = None  # stop (and save) after this long, whatever train_steps says
 
 
-def _check(cfg: TrainConfig, model: Transformer) -> None:
+def check_config(cfg: TrainConfig, model: Transformer) -> None:
+    """Refuse settings that cannot train on ``model`` (before any data is read)."""
     if cfg.kind not in drafters.KINDS:
         raise TrainError(f"unknown drafter kind {cfg.kind!r}: choose one of {', '.join(drafters.KINDS)}")
     with V.raising(TrainError):
@@ -221,7 +222,7 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
     """Train a drafter of ``cfg.kind``; -> a report (losses, tokens, seconds).  Resumes from ``out``'s
     checkpoint when there is one."""
     out = Path(out)
-    _check(cfg, model)
+    check_config(cfg, model)
     with V.raising(TrainError):
         V.weights_file(out, "out")
     torch.manual_seed(cfg.seed)

@@ -90,12 +90,13 @@ def parse_tree(tree) -> list[tuple[int, ...]]:
     if isinstance(tree, str):
         text = tree.strip().replace(" ", "")
         try:
-            if ";" in text or "." in text:
-                return _check_paths([tuple(int(r) for r in p.split(".")) for p in text.split(";") if p])
-            return topk_paths([int(k) for k in text.split(",") if k])
+            paths = [tuple(int(r) for r in p.split(".")) for p in text.split(";") if p] \
+                if ";" in text or "." in text else None
+            shape = [int(k) for k in text.split(",") if k] if paths is None else None
         except ValueError:
             raise TreeError(f"cannot read the tree shape {tree!r}: give top-k per depth ('2,1,1') or paths "
                             "of ranks ('0;1;0.0;0.0.0')") from None
+        return _check_paths(paths) if paths is not None else topk_paths(shape)
     if isinstance(tree, (list, tuple)):
         if all(isinstance(k, int) and not isinstance(k, bool) for k in tree):
             return topk_paths(tree)

@@ -68,7 +68,7 @@ def _form_args(p) -> None:
     form.add_argument("--exit-layer", type=_positive_int, default=None,
                       help="early-exit form: layers [0, E) and an exit head are the small model")
     form.add_argument("--small", type=_model_arg, default=None, help="two-model form: the small model (name or folder)")
-    p.add_argument("--head", type=V.name_or_file_arg(("auto",) + HEADS, "exit head file"), default="auto", help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
+    p.add_argument("--head", type=V.name_or_file_arg(HEADS, "exit head file"), default="auto", help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
                    "(default auto: a shipped trained head if there is one, else shared)")
 
 
@@ -251,6 +251,8 @@ def run_align(args) -> int:
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     large = _to_device(_load(args), args.device)
+    if args.exit_layer is not None:
+        _exit_layer(args, large)
     print(f"{_model_line(large, threads)}\ncalibration: {len(prompts)} Spec-Bench prompts ({args.categories}, "
           f"{args.prompts} each after {args.offset}) × {args.max_new_tokens} greedy tokens -> {work}", flush=True)
     records = align_mod.calibrate(large, [p.text for p in prompts], work, args.max_new_tokens, chat=args.chat)

@@ -74,6 +74,7 @@ def run_train(args) -> int:
                                      train_steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
                                      lr=args.lr, seed=args.seed, n_conversations=args.conversations,
                                      save_every=args.save_every, max_seconds=args.max_seconds)
+    train_drafters.check_config(cfg, model)
     if args.chunks:
         chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks, model.config.vocab_size)]
     else:

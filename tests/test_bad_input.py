@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 from subprocs import layerleap_cmd
-from tiny_models import random_model, save_char_model, save_hf_folder
+from tiny_models import random_model, save_hf_folder
 
 import layerleap
 from layerleap import LayerleapError
@@ -66,11 +66,10 @@ BROKEN = {
 
 
 @pytest.fixture(scope="module")
-def places(tmp_path_factory):
+def places(tmp_path_factory, char_model_dir):
     root = tmp_path_factory.mktemp("bad_input")
     from layerleap import drafters
-    save_char_model(root / "tiny")  # a text model that loads in milliseconds
-    tiny = layerleap.load_folder(root / "tiny")
+    tiny = layerleap.load_folder(char_model_dir)
     medusa = root / "medusa.safetensors"
     drafters.save_drafter(drafters.new_drafter(tiny, "medusa", steps=2), medusa)
     (root / "notes.txt").write_text("my notes\n")
@@ -83,7 +82,7 @@ def places(tmp_path_factory):
     save_file({"chunks": torch.arange(10)}, str(root / "chunks1d.safetensors"))
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"))
     save_file({"chunks": torch.full((2, 8), 10**6)}, str(root / "chunksvocab.safetensors"))
-    out = {"D": str(root / "tiny"), "T": str(root), "FILE": str(root / "notes.txt"), "NOTES_JSON": str(root / "notes.json"),
+    out = {"D": str(char_model_dir), "T": str(root), "FILE": str(root / "notes.txt"), "NOTES_JSON": str(root / "notes.json"),
            "GARBAGE": str(root / "garbage.jsonl"), "EMPTY": str(root / "empty"), "NOTMODEL": str(root / "notmodel"),
            "MEDUSA": str(medusa), "CHUNKS1D": str(root / "chunks1d.safetensors"), "CHUNKS": str(root / "chunks.safetensors"),
            "CHUNKSVOCAB": str(root / "chunksvocab.safetensors")}

@@ -24,8 +24,8 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_hf_dir):
-    return layerleap.load_folder(tiny_hf_dir)
+def tiny(char_model_dir):
+    return layerleap.load_folder(char_model_dir)
 
 
 FLIP_AT = 2
@@ -84,10 +84,10 @@ def test_first_difference():
     assert (f([1, 2, 3], [1, 2, 3]), f([1, 2, 3], [1, 5, 3]), f([1, 2], [1, 2, 3]), f([], [])) == (None, 1, 2, None)
 
 
-def test_command_exit_codes_and_near_ties(capsys, tmp_path, tiny_hf_dir, lossless):
+def test_command_exit_codes_and_near_ties(capsys, tmp_path, char_model_dir, lossless):
     lossless("flip", flipper)
     out = tmp_path / "r.json"
-    base = ["eval", "exactness", "--model", tiny_hf_dir, "--categories", "qa", "--prompts", 1, "--max-new-tokens", 4]
+    base = ["eval", "exactness", "--model", char_model_dir, "--categories", "qa", "--prompts", 1, "--max-new-tokens", 4]
     rc, stdout, err = cli(capsys, *base, "--methods", "flip", "--json", out)
     assert rc == 1  # a divergence that is not a near-tie
     rep = json.loads(out.read_text())
@@ -99,9 +99,9 @@ def test_command_exit_codes_and_near_ties(capsys, tmp_path, tiny_hf_dir, lossles
     assert rc == 2 and "other settings" in err  # the report of another run is not overwritten
 
 
-def test_all_lossless_methods_and_skips(capsys, tmp_path, tiny_hf_dir):
+def test_all_lossless_methods_and_skips(capsys, tmp_path, char_model_dir):
     out = tmp_path / "all.json"
-    rc, _, err = cli(capsys, "eval", "exactness", "--model", tiny_hf_dir, "--categories", "qa", "--prompts", 1,
+    rc, _, err = cli(capsys, "eval", "exactness", "--model", char_model_dir, "--categories", "qa", "--prompts", 1,
                      "--max-new-tokens", 4, "--transformers", "--json", out)
     rep = json.loads(out.read_text())
     assert rc == 0 and set(rep["summary"]) == {"ppd", "self-spec", "transformers"}  # no shipped drafters for tiny
@@ -110,7 +110,7 @@ def test_all_lossless_methods_and_skips(capsys, tmp_path, tiny_hf_dir):
     assert "no shipped medusa weights" in rep["config"]["skipped"]["medusa"] and "skipping medusa" in err
 
 
-def test_interrupted_run_resumes(capsys, tmp_path, tiny_hf_dir, lossless):
+def test_interrupted_run_resumes(capsys, tmp_path, char_model_dir, lossless):
     calls = []
 
     def stops_once(run):  # Ctrl-C on its second prompt (after the probe and the first), the first time round
@@ -121,7 +121,7 @@ def test_interrupted_run_resumes(capsys, tmp_path, tiny_hf_dir, lossless):
 
     lossless("stops", stops_once)
     out = tmp_path / "r.json"
-    argv = ["eval", "exactness", "--model", tiny_hf_dir, "--methods", "stops", "--categories", "qa,writing",
+    argv = ["eval", "exactness", "--model", char_model_dir, "--methods", "stops", "--categories", "qa,writing",
             "--prompts", 1, "--max-new-tokens", 3, "--json", out]
     rc, _, err = cli(capsys, *argv)
     rep = json.loads(out.read_text())
@@ -142,8 +142,8 @@ def test_interrupted_run_resumes(capsys, tmp_path, tiny_hf_dir, lossless):
     (["--draft", "no-such-model"], "unknown model"),
     (["--opt", "ppd.k=0", "--categories", "qa", "--prompts", "1"], "k must be an integer >= 1"),
 ])
-def test_bad_input(capsys, tiny_hf_dir, argv, message):
-    rc, _, err = cli(capsys, "eval", "exactness", "--model", tiny_hf_dir, *argv)
+def test_bad_input(capsys, char_model_dir, argv, message):
+    rc, _, err = cli(capsys, "eval", "exactness", "--model", char_model_dir, *argv)
     assert rc == 2 and message in err and "Traceback" not in err
 
 

@@ -13,7 +13,7 @@ _EXPORTS = {
     "load": "loading", "load_folder": "loading", "from_hf": "loading", "to_hf": "loading",
     "available_models": "loading", "generate": "decoding", "GenerationResult": "decoding",
     "GenerationConfig": "decoding", "GenerationError": "decoding", "METHODS": "decoding", "register": "decoding",
-    "get_method": "decoding",
+    "get_method": "decoding", "Decoding": "decoding", "stream": "streaming", "TextStream": "streaming",
 }
 __all__ = [*_EXPORTS, "LayerleapError"]
 

@@ -19,7 +19,8 @@ from .errors import LayerleapError
 
 # Modules that define subcommands (add a line here for a new one).
 COMMAND_MODULES = [
-    "layerleap.commands.basic",  # generate, info, bench, demo
+    "layerleap.commands.basic",  # generate, methods, info, bench, demo
+    "layerleap.commands.serve",  # serve
     "layerleap.commands.bild",  # sweep bild, align
     "layerleap.commands.skipdecode",  # finetune skipdecode, eval skipdecode / skipdecode-speed
     "layerleap.commands.ppd",  # theory ppd, eval ppd-parallel

@@ -1,10 +1,13 @@
-"""The decoding API: ``generate``, the method registry and the per-call ``Run`` context.
+"""The decoding API: ``generate``, ``Decoding`` (the same call driven step by step), the method
+registry and the per-call ``Run`` context.
 
-A method is one function ``fn(run, **options) -> None`` registered under a name.  It reads the
-prompts, configuration and model from ``run``, makes model calls through ``run.forward`` (which
-counts model calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands
-them over with ``run.emit``.  Everything else (validation, tokenisation, batching, statistics,
-timing, decoding text) is done here once for all methods.
+A method is one function ``fn(run, **options)`` registered under a name.  It reads the prompts,
+configuration and model from ``run``, makes model calls through ``run.forward`` (which counts model
+calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands them over with
+``run.emit``.  A method written as a generator ``yield``s after each round that emitted tokens: the
+caller drives it round by round, so accepted tokens can be streamed (``layerleap.stream``) and a
+request can be dropped between rounds, with no threads.  Everything else (validation, tokenisation,
+batching, statistics, timing, decoding text) is done here once for all methods.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class Method:
     sampling: bool  # supports do_sample=True
     default_sample: bool  # samples unless told otherwise
     description: str
-    exact: bool = False  # claims greedy-exactness: its greedy tokens equal plain greedy's (`eval exactness`)
+    exact: bool = False  # its greedy output equals plain greedy decoding token for token
+    models: tuple[str, ...] = ()  # options that take a second model (a loaded model, or its name on the CLI)
 
     def options(self) -> dict[str, object]:
         sig = inspect.signature(self.fn)
@@ -71,10 +75,10 @@ METHODS: dict[str, Method] = {}
 
 
 def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False,
-             exact: bool = False):
+             exact: bool = False, models: tuple[str, ...] = ()):
     def deco(fn):
         doc = (fn.__doc__ or "").strip().splitlines()
-        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "", exact)
+        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "", exact, tuple(models))
         return fn
     return deco
 
@@ -194,6 +198,10 @@ class Run:
             self.emit(b, [t])
         return all(self.finished)
 
+    def cancel(self, row: int) -> None:
+        """Stop ``row``: it keeps the tokens it has, and the method stops once every row is done."""
+        self.finished[row] = True
+
     def remaining(self, row: int = 0) -> int:
         return self.gen.max_new_tokens - len(self.out[row])
 
@@ -297,6 +305,17 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
     ``prompt`` is text, a list of token ids, or a list of either.  Method options are keyword
     arguments (see ``layerleap.METHODS[name].options()``).
     """
+    d = Decoding(model, prompt, method, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                 seed=seed, do_sample=do_sample, stop_at_eos=stop_at_eos, chat=chat, **options)
+    for _ in d:
+        pass
+    return d.results if d.many else d.results[0]
+
+
+def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, temperature: float, top_k: int,
+             top_p: float, seed: int | None, do_sample: bool | None, stop_at_eos: bool, chat: bool,
+             options: dict) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
+    """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
     _check(isinstance(model, Transformer), f"model must be a layerleap model (layerleap.load(...)), got "
            f"{type(model).__name__}")
     m = get_method(method)
@@ -334,17 +353,89 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
     gen = GenerationConfig(max_new_tokens, do_sample, float(temperature), top_k, float(top_p), seed, stop_at_eos, eos)
+    return m, ids, many, gen
 
-    groups = [list(range(len(ids)))] if m.batched else [[i] for i in range(len(ids))]
-    results: list[GenerationResult | None] = [None] * len(ids)
-    for group in groups:
-        run = Run(model, [ids[i] for i in group], gen)
-        with torch.inference_mode():
-            m.fn(run, **options)
-        wall = time.perf_counter() - run.t0
-        for j, i in enumerate(group):
-            results[i] = _result(model, run, j, wall, method)
-    return results if many else results[0]
+
+class Decoding:
+    """One ``generate`` call, driven round by round: iterating yields, after each method round that
+    added tokens, the indices of the prompts whose output grew (``tokens(i)`` reads it); once the
+    iteration ends, ``results`` holds one ``GenerationResult`` per prompt.  ``cancel(i)`` stops
+    prompt ``i`` (it keeps what it has).  A batched method decodes all prompts as one batch, any other
+    one prompt after another.  Arguments as ``generate``'s; bad ones raise ``GenerationError`` here."""
+
+    def __init__(self, model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, **options):
+        m, ids, self.many, self.gen = _prepare(model, prompt, method, max_new_tokens, temperature, top_k, top_p, seed,
+                                               do_sample, stop_at_eos, chat, options)
+        self.model, self.method, self.options, self.prompt_ids = model, m, options, ids
+        self.groups = [list(range(len(ids)))] if m.batched else [[i] for i in range(len(ids))]
+        self.results: list[GenerationResult | None] = [None] * len(ids)
+        self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row
+        self._cancelled: set[int] = set()
+
+    def __iter__(self):
+        for group in self.groups:
+            group = [i for i in group if i not in self._cancelled]
+            if not group:
+                continue
+            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen)
+            self._where.update({i: (run, j) for j, i in enumerate(group)})
+            seen = [0] * len(group)
+            for _ in rounds(self.method.fn, run, self.options):
+                grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
+                seen = [len(o) for o in run.out]
+                if grew:
+                    yield grew
+                if all(i in self._cancelled for i in group):
+                    break
+            wall = time.perf_counter() - run.t0
+            grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
+            for j, i in enumerate(group):
+                self.results[i] = _result(self.model, run, j, wall, self.method.name)
+                if i in self._cancelled:
+                    self.results[i].stats["cancelled"] = True
+            if grew:
+                yield grew
+
+    def tokens(self, i: int) -> list[int]:
+        """The new tokens of prompt ``i`` so far."""
+        if i not in self._where:
+            return []
+        run, row = self._where[i]
+        return run.out[row]
+
+    def cancel(self, i: int) -> None:
+        self._cancelled.add(i)
+        if i in self._where:
+            run, row = self._where[i]
+            run.cancel(row)
+
+
+def rounds(fn: Callable, run: Run, options: dict):
+    """Run the method function ``fn``, yielding after each of its rounds (a plain function is one
+    round).  Only the method's own code runs under ``torch.inference_mode``, not the caller's
+    between rounds."""
+    with torch.inference_mode():
+        steps = fn(run, **options)
+    if not inspect.isgenerator(steps):
+        return
+    try:
+        while True:
+            with torch.inference_mode():
+                try:
+                    next(steps)
+                except StopIteration:
+                    return
+            yield
+    finally:
+        steps.close()
+
+
+def drive(fn: Callable, run: Run, **options) -> None:
+    """Run the method function ``fn`` on ``run`` to the end."""
+    for _ in rounds(fn, run, options):
+        pass
 
 
 def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int, batched: bool) -> None:

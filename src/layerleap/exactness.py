@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from . import validate as V
-from .bench import HF_LABEL, HFBaseline, machine_config, options_json
+from .bench import HF_LABEL, HFBaseline, machine_config, plain_options
 from .datasets import Prompt
 from .decoding import METHODS, generate, get_method
 from .errors import LayerleapError
@@ -43,9 +43,10 @@ class ExactnessError(LayerleapError, ValueError):
 
 
 def lossless_methods() -> list[str]:
-    """The registered methods that claim greedy-exactness (``register(..., exact=True)``)."""
+    """The registered methods that claim greedy-exactness (``register(..., exact=True)``), the
+    reference itself left out."""
     from . import methods  # noqa: F401  (registers the built-in methods)
-    return [name for name, m in METHODS.items() if m.exact]
+    return [name for name, m in METHODS.items() if m.exact and name != REFERENCE]
 
 
 @dataclass
@@ -147,7 +148,7 @@ def run_exactness(model: Transformer, methods: MethodSpecs, prompts: list[Prompt
         raise ExactnessError("no prompts to compare: choose categories or --data with prompts")
     check_methods(methods)
     cfg = {**machine_config(model), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
-           "methods": {lb: {"method": n, "options": options_json(o)} for lb, (n, o) in methods.items()},
+           "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()},
            "skipped": dict(skipped or {}), "transformers": hf, "near_tie": near_tie, "n_prompts": len(prompts),
            "prompt_ids": [p.id for p in prompts], "categories": sorted({p.category for p in prompts})}
     report = {"config": cfg, "prompts_done": 0, "records": [], "divergences": []}

@@ -193,9 +193,8 @@ def position_table(res: MatchRateResult, layer: int) -> str:
 
 def plot(results: dict[str, MatchRateResult], path) -> None:
     """p̂_correct against layer, one line per (head, k), one panel per result (category or mode)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .files import pyplot
+    plt = pyplot()
     n = len(results)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False, sharey=True)
     styles = {0: "-", 1: "--", 2: ":", 3: "-."}

@@ -128,14 +128,14 @@ def _sigint_blocked():
 
 
 def _sub_main(rank: int, size: int, port: int, model_src, dbar: int, head, head_on: str, threads: int,
-              timeout_s: float) -> None:
+              timeout_s: float, dtype: str = "float32") -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process answers Ctrl-C and stops us
     parent = os.getppid()
     _exit_with_parent()
     torch.set_num_threads(threads)
     from .heads import get_head
     from .loading import load
-    model = load(model_src, progress=lambda m: None) if isinstance(model_src, str) else model_src
+    model = load(model_src, dtype=dtype, progress=lambda m: None) if isinstance(model_src, str) else model_src
     store, pg = _group(rank, size, port, timeout_s)
     link = Link(pg, rank)
     d = model.config.n_layers
@@ -194,7 +194,7 @@ class ParallelPPD:
     a ``Transformer`` (sent to the sub-processes, which then hold their own copy)."""
 
     def __init__(self, model, exit_layer: int | None = None, k: int = 1, head="auto", head_on: str = "sub",
-                 threads: int = 1, timeout_s: float = 120.0):
+                 threads: int = 1, timeout_s: float = 120.0, dtype: str = "float32"):
         from .heads import get_head
         from .loading import load
         units = k + 1 if isinstance(k, int) and not isinstance(k, bool) else None
@@ -204,7 +204,7 @@ class ParallelPPD:
                                 f"cores; this machine has {cores}: lower k or --threads")
         if head_on not in HEAD_ON:
             raise ParallelError(f"head_on must be one of {', '.join(HEAD_ON)}, got {head_on!r}")
-        self.model = load(model, progress=lambda m: None) if isinstance(model, str) else model
+        self.model = load(model, dtype=dtype, progress=lambda m: None) if isinstance(model, str) else model
         d = self.model.config.n_layers
         self.dbar = min_exit_layer(d) if exit_layer is None else exit_layer
         check_options(d, self.dbar, k)
@@ -219,7 +219,7 @@ class ParallelPPD:
         try:
             for rank in range(1, k + 1):
                 p = ctx.Process(target=_sub_main, args=(rank, k + 1, port, model, self.dbar, head, head_on, threads,
-                                                        timeout_s), daemon=True)
+                                                        timeout_s, dtype), daemon=True)
                 with _sigint_blocked():
                     p.start()
                 self.procs.append(p)

@@ -409,9 +409,8 @@ def plot(summary: dict, path: str | Path, title: str = "") -> Path:
     """Quality against normalised latency, one panel per category (Figures 4 and 9): a line per
     alpha_rb through its alpha_fb points (marker size grows with alpha_fb), greedy as X, speculative
     decoding as squares, lines at greedy's score and 1 point below."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .files import pyplot
+    plt = pyplot()
 
     cats = sorted({c for e in summary.values() for c in e["categories"]})
     if not cats:

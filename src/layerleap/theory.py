@@ -193,9 +193,8 @@ def plot_tradeoff(points: dict[str, dict[int, float]], d: int, dbar: int, path, 
     """Figures 3 and 4 side by side: for every series (a category, by k: p̂) the approximate
     normalised latency per token against compute per time unit (left) and per token (right); grey
     lines are the same formulas over p ∈ [0, 1] for each k.  Written atomically as PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .files import pyplot
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     ks = sorted({k for s in points.values() for k in s})

@@ -35,6 +35,7 @@ MAX_LIST = 100  # items in a comma list on the command line
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".avif",
                  ".eps", ".ps", ".pgf", ".raw", ".rgba")  # matplotlib's Agg formats
 TABLE_SUFFIXES = (".md", ".markdown", ".txt")
+HTML_SUFFIXES = (".html", ".htm")
 WEIGHTS_SUFFIXES = (".safetensors",)
 
 
@@ -359,6 +360,7 @@ path_arg = _file_arg(path, "path")
 report_arg = _file_arg(report_file, "JSON report")
 plot_arg = _file_arg(plot_file, "plot file")
 table_arg = _file_arg(table_file, "table file")
+html_arg = _file_arg(lambda v, n: output_file(v, n, HTML_SUFFIXES, "HTML report"), "HTML report")
 weights_arg = _file_arg(weights_file, "weights file")
 out_dir_arg = _file_arg(output_dir, "folder")
 in_file_arg = _file_arg(input_file, "file")

@@ -15,7 +15,6 @@ from ..companion import truncated
 from ..errors import LayerleapError
 from ..files import write_text
 from .. import validate as V
-from ..loading import load
 from ..methods.bild import HEADS, check_thresholds, exit_head
 from ..methods.speculative import MAX_DRAFT_LEN
 from .basic import (_command_line, _model_arg, _csv, _load, _model_args, _model_line, _positive_int,
@@ -37,32 +36,6 @@ def _max_small(text: str):
     return V.int_arg(1, 10_000, " or none")(text)
 
 
-def _device(text: str) -> str:
-    """``--device``: a torch device that exists here."""
-    import torch
-    try:
-        dev = torch.device(text.strip())
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{V.show(text)} is not a torch device: write cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text}: no CUDA device here: use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text}: layerleap runs on cpu or cuda")
-    return text.strip()
-
-
-def _device_args(p) -> None:
-    p.add_argument("--device", type=_device, default="cpu", help="torch device for the models, e.g. cuda (default cpu)")
-
-
-def _to_device(model, device: str):
-    import torch
-    try:
-        return model.to(torch.device(device))
-    except RuntimeError as e:
-        raise LayerleapError(f"--device {device}: {e}") from None
-
-
 def _form_args(p) -> None:
     form = p.add_mutually_exclusive_group()
     form.add_argument("--exit-layer", type=_positive_int, default=None,
@@ -73,8 +46,7 @@ def _form_args(p) -> None:
 
 
 def _load_small(args, large):
-    small = _to_device(load(args.small, dtype=args.dtype, progress=_say), args.device)
-    _say(f"loaded small model {args.small}")
+    small = _load(args, args.small)
     if small.config.vocab_size != large.config.vocab_size:
         raise LayerleapError(f"--small {args.small} has another vocabulary than --model {args.model}: "
                              "choose models with the same tokenizer")
@@ -107,7 +79,6 @@ def _spec_settings(text: str) -> list:
 @command("sweep bild", help="BiLD over (alpha_fb, alpha_rb): quality against latency, the paper's Figures 4/9 and Table 1")
 def _setup_sweep(p):
     _model_args(p)
-    _device_args(p)
     _form_args(p)
     p.add_argument("--alpha-fb", type=V.float_list_arg(0.0, 1.0, none=True), default=DEFAULT_FB, help=f"fallback thresholds (default {DEFAULT_FB}; none: no "
                    "BiLD points)")
@@ -151,7 +122,7 @@ def run_sweep(args) -> int:
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
-    large = _to_device(_load(args), args.device)
+    large = _load(args)
     fixed: dict = {"max_small": args.max_small}
     models: dict = {}
     if args.small:
@@ -210,7 +181,6 @@ def run_sweep(args) -> int:
 @command("align", help="BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs")
 def _setup_align(p):
     _model_args(p)
-    _device_args(p)
     _form_args(p)
     p.add_argument("--out", type=V.path_arg, required=True,
                    help="the exit head file (.safetensors) or the small model's new folder")
@@ -250,7 +220,7 @@ def run_align(args) -> int:
     work = V.output_file(args.work or out.with_name(out.name + ".calib.json"), "--work", (".json",))
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
-    large = _to_device(_load(args), args.device)
+    large = _load(args)
     if args.exit_layer is not None:
         _exit_layer(args, large)
     print(f"{_model_line(large, threads)}\ncalibration: {len(prompts)} Spec-Bench prompts ({args.categories}, "

@@ -12,8 +12,10 @@ from .. import validate as V
 from ..cli import command
 from ..errors import LayerleapError
 from ..exactness import NEAR_TIE, check_methods, format_summary, lossless_methods, run_exactness
-from .basic import (MODEL_OPTIONS, _command_line, _csv, _load, _load_model_options, _model_arg, _model_args,
-                    _model_line, _positive_int, _read_prompts, _say, _threads)
+from ..decoding import get_method
+from ..options import resolve_models
+from .basic import (_command_line, _csv, _load, _loader, _model_arg, _model_args, _model_line, _positive_int,
+                    _read_prompts, _say, _threads)
 
 
 def _prompts(text: str) -> int | None:
@@ -52,11 +54,12 @@ def _methods(args) -> tuple[dict, dict]:
     skipped = {}
     for label, (name, options) in list(specs.items()):
         missing = bench.required_options(name, options)
-        if "draft" in missing and args.draft:
-            options["draft"] = args.draft
-            missing.remove("draft")
+        models = get_method(name).models
+        for k in [k for k in missing if k in models and args.draft]:
+            options[k] = args.draft
+            missing.remove(k)
         if missing:
-            need = "a second model: give --draft NAME" if set(missing) & set(MODEL_OPTIONS) else \
+            need = "a second model: give --draft NAME" if set(missing) & set(models) else \
                 f"the option {missing[0]}: give --opt {label}.{missing[0]}=VALUE"
             skipped[label] = f"needs {need}"
             del specs[label]
@@ -72,10 +75,12 @@ def run(args) -> int:
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
-    methods = {lb: (name, _load_model_options(opts, args.dtype)) for lb, (name, opts) in methods.items()}
+    loader = _loader(args)
+    methods = {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
     usable, refused = bench.probe_methods(model, methods)
     for label, why in refused.items():  # a method asked for by name, or given options, must run
-        if args.methods.strip().lower() != "all" or any(k != "draft" for k in methods[label][1]):
+        name, options = methods[label]
+        if args.methods.strip().lower() != "all" or set(options) - set(get_method(name).models):
             raise LayerleapError(f"method {label}: {why}")
     skipped.update(refused)
     for label, why in skipped.items():

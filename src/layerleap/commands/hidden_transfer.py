@@ -17,7 +17,6 @@ from ..decoding import generate
 from ..errors import LayerleapError
 from .. import validate as V
 from ..files import save_figure, save_safetensors, write_json
-from .bild import _device_args
 from .basic import _command_line, _load, _model_args, _positive_int, _threads
 
 
@@ -45,7 +44,6 @@ def _setup_train(p):
     p.add_argument("--save-chunks", type=V.weights_arg, default=None,
                    help="write the tokenized ShareGPT chunks here (.safetensors) and exit")
     p.add_argument("--save-every", type=_positive_int, default=20)
-    _device_args(p)
     p.add_argument("--max-seconds", type=V.positive_float, default=None, help="stop and save after this many seconds")
 
 
@@ -68,8 +66,6 @@ def run_train(args) -> int:
     kind = "transfer" if args.what == "transfer" else "medusa"
     threads = _threads(args.threads)
     model = _load(args)
-    if args.device != "cpu":
-        model = model.to(args.device)
     cfg = train_drafters.TrainConfig(kind=kind, layers=args.layers, steps_ahead=args.heads,
                                      train_steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
                                      lr=args.lr, seed=args.seed, n_conversations=args.conversations,
@@ -106,7 +102,6 @@ def _setup_eval(p):
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", type=V.report_arg, default=None)
     p.add_argument("--plot", type=V.plot_arg, default=None, help="a PNG of top-1 accuracy per step")
-    _device_args(p)
 
 
 def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, list[int]]]:
@@ -121,8 +116,6 @@ def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, lis
 def run_eval(args) -> int:
     threads = _threads(args.threads)
     model = _load(args)
-    if args.device != "cpu":
-        model = model.to(args.device)
     cats = [c for c in args.categories.split(",") if c]
     prompts = spec_bench(None, cats, args.prompts)
     chosen = [(kind, spec, drafters.get_drafter(model, kind, spec))
@@ -153,9 +146,8 @@ def accuracy_table(rows: dict) -> str:
 
 
 def accuracy_plot(rows: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
     for ax, k in zip(axes, (1, 3, 5)):
         for label, acc in rows.items():

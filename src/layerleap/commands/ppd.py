@@ -13,6 +13,7 @@ from .. import validate as V
 from ..methods.speculative import MAX_DRAFT_LEN
 from ..files import write_json
 from ..cli import command
+from ..errors import LayerleapError
 from .basic import _check_sizes, _command_line, _csv, _load, _model_args, _positive_int, _read_prompts, _say, _threads
 
 
@@ -149,10 +150,13 @@ def run_parallel(args) -> int:
     from ..decoding import generate
     from ..ppd_parallel import ParallelPPD
     prompts = _read_prompts(None, _csv(args.categories), args.prompts)
+    if args.device != "cpu":
+        raise LayerleapError(f"--device {args.device}: eval ppd-parallel runs PPD on CPU processes: drop --device")
     threads = args.threads or 1
     print(f"$ {_command_line(args)}", flush=True)
     records = []
-    with ParallelPPD(args.model, args.exit_layer, args.k, args.head, args.head_on, threads=threads) as ex:
+    with ParallelPPD(args.model, args.exit_layer, args.k, args.head, args.head_on, threads=threads,
+                     dtype=args.dtype) as ex:
         model = ex.model
         _check_sizes(model, args)
         _say(f"{args.k + 1} processes × {threads} thread(s), d̄={ex.dbar}, head {ex.exit_head.kind} on {args.head_on}")

@@ -138,7 +138,7 @@ def _eval_quality(args, model, threads) -> dict:
     rows: list[dict] = []
     report = {"command": _command_line(args), "machine": machine_config(model), "rows": rows,
               "n_prompts": {c: len(v) for c, v in by_cat.items()}, "max_new_tokens": args.max_new_tokens}
-    ft_models = {s: _load(argparse.Namespace(model=f, dtype=args.dtype)) for s, f in fts.items()}
+    ft_models = {s: _load(args, f) for s, f in fts.items()}
     for c, prompts in by_cat.items():
         ref = generate(model, [p.text for p in prompts], "greedy", args.max_new_tokens, chat=True)
         refs = [r.text for r in ref]
@@ -207,9 +207,8 @@ def quality_tables(report: dict) -> str:
 
 
 def quality_plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     rows = report["rows"]
     d = rows[0]["avg_layers"]
     cats = list(dict.fromkeys(r["category"] for r in rows))
@@ -295,9 +294,8 @@ def speed_table(report: dict) -> str:
 
 
 def speed_plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for B in sorted({s["batch"] for s in report["summary"]}):
         pts = [s for s in report["summary"] if s["batch"] == B]

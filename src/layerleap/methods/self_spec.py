@@ -50,7 +50,7 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
 
 @register("self-spec", exact=True)
 def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
-              head="auto") -> None:
+              head="auto"):
     """Self-speculative decoding (exact greedy): draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV."""
     from ..heads import get_head
     model = run.model
@@ -70,6 +70,7 @@ def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, mi
     seq = list(run.prompts[0]) + [x]  # seq[-1] is verified and in no layer's cache yet
     done = run.emit(0, [x])
     while not done:
+        yield
         budget = min(draft_len, run.remaining() - 1)
         drafts: list[int] = []
         while len(drafts) < budget:  # each step: layers [0, E) of the newest token, then the exit head

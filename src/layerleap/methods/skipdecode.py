@@ -169,7 +169,7 @@ def _active_layer_stats(run: Run) -> None:
 @register("skipdecode", batched=True, sampling=True)
 def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: int | None = None, warmup: int = 1,
                max_len: int | None = None, decay: str = "linear", power: float = 2.0,
-               schedule: list[int] | None = None, target_speedup: float | None = None) -> None:
+               schedule: list[int] | None = None, target_speedup: float | None = None):
     """SkipDecode: one decaying layer budget per position for the whole batch; skip the lower middle layers."""
     d = run.n_layers
     if target_speedup is not None:
@@ -211,6 +211,7 @@ def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: i
         tok = run.choose(run.logits(h)[:, -1])
         if run.emit_all(tok):
             break
+        yield
         if schedule is not None:
             b = schedule[min(n, len(schedule) - 1)]
         else:
@@ -226,7 +227,7 @@ def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: i
 
 # -- baselines -------------------------------------------------------------------------------------
 @register("early-exit", batched=True, sampling=True)
-def early_exit(run: Run, *, exit_layer: int) -> None:
+def early_exit(run: Run, *, exit_layer: int):
     """Fixed early exit: every token (prompt included) runs layers [0, exit_layer) and is predicted from there."""
     d = run.n_layers
     if not isinstance(exit_layer, int) or isinstance(exit_layer, bool) or not 1 <= exit_layer <= d:
@@ -237,12 +238,13 @@ def early_exit(run: Run, *, exit_layer: int) -> None:
         tok = run.choose(run.logits(h)[:, -1])
         if run.emit_all(tok):
             break
+        yield
         h = run.forward(cache, tok.unsqueeze(1), end=exit_layer)
     _active_layer_stats(run)
 
 
 @register("calm", batched=False, sampling=True)
-def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1) -> None:
+def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
     """CALM-style early exit on hidden-state saturation (cosine of consecutive layers), skipped KV filled from the exit state."""
     d = run.n_layers
     if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or math.isnan(threshold):
@@ -257,6 +259,7 @@ def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1) -> None:
         tok = run.choose(run.logits(h)[:, -1])
         if run.emit_all(tok):
             break
+        yield
         h = run.model.embed(tok.unsqueeze(1))
         pos = run.positions(cache, 1, 0)
         exit_at = d

@@ -103,9 +103,9 @@ def _draft(run: Run, dm: Companion, d_logits: torch.Tensor, k: int, min_confiden
         d_logits = dm.forward([tok])[-1]
 
 
-@register("speculative", sampling=True, exact=True)
+@register("speculative", sampling=True, exact=True, models=("draft",))
 def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "constant",
-                min_confidence: float = 0.4) -> None:
+                min_confidence: float = 0.4):
     """Speculative decoding with a draft model (draft=, γ = draft_len, schedule, min_confidence): greedy-exact or lossless sampling."""
     if draft is None:
         raise GenerationError("method 'speculative' needs a draft model: generate(..., draft=layerleap.load(...))")
@@ -157,6 +157,7 @@ def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "consta
         seq.extend(new)
         if run.emit(0, new):
             return _finish(stats, len(run.out[0]))
+        yield
 
 
 def _count(stats: dict, drafted: int, accepted: int, stopped: bool) -> None:

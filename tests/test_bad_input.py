@@ -66,7 +66,17 @@ BROKEN = {
 
 
 @pytest.fixture(scope="module")
-def places(tmp_path_factory, char_model_dir):
+def busy_port():
+    """A port this process listens on (so a server cannot bind it)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory, char_model_dir, busy_port):
     root = tmp_path_factory.mktemp("bad_input")
     from layerleap import drafters
     tiny = layerleap.load_folder(char_model_dir)
@@ -82,7 +92,7 @@ def places(tmp_path_factory, char_model_dir):
     save_file({"chunks": torch.arange(10)}, str(root / "chunks1d.safetensors"))
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"))
     save_file({"chunks": torch.full((2, 8), 10**6)}, str(root / "chunksvocab.safetensors"))
-    out = {"D": str(char_model_dir), "T": str(root), "FILE": str(root / "notes.txt"), "NOTES_JSON": str(root / "notes.json"),
+    out = {"D": str(char_model_dir), "T": str(root), "BUSYPORT": str(busy_port), "FILE": str(root / "notes.txt"), "NOTES_JSON": str(root / "notes.json"),
            "GARBAGE": str(root / "garbage.jsonl"), "EMPTY": str(root / "empty"), "NOTMODEL": str(root / "notmodel"),
            "MEDUSA": str(medusa), "CHUNKS1D": str(root / "chunks1d.safetensors"), "CHUNKS": str(root / "chunks.safetensors"),
            "CHUNKSVOCAB": str(root / "chunksvocab.safetensors")}
@@ -119,7 +129,7 @@ CLI = [
     (["nope"], "invalid choice: 'nope'"),
     (["train"], "the following arguments are required: {heads,transfer,medusa}"),
     (["eval"], "the following arguments are required"),
-    (["generate"], "the following arguments are required: --prompt"),
+    (["generate"], "one of the arguments --prompt --prompts-file is required"),
     (["generate", "--prompt"], "expected one argument"),
     (G + ["--bogus"], "unrecognized arguments: --bogus"),
     # generate: the model
@@ -205,6 +215,20 @@ CLI = [
     (G + ["--method", "early-exit"], "needs the option exit_layer"),
     (G + ["--method", "early-exit", "--opt", "exit_layer=true"], "exit_layer must be an integer in [1, 4], got True"),
     (G + ["--method", "sample", "--opt", "tree=1"], "has no option tree"),
+    # methods
+    (["methods", "--bogus"], "unrecognized arguments: --bogus"),
+    (["methods", "greedy"], "unrecognized arguments: greedy"),
+    # serve (the address is tried before the model loads)
+    (["serve", *M, "--port", "70000"], "must be an integer in [0, 65535]"),
+    (["serve", *M, "--port", "-1"], "must be an integer in [0, 65535]"),
+    (["serve", *M, "--port", "http"], "must be an integer in [0, 65535]"),
+    (["serve", *M, "--host", "256.1.1.1"], "cannot serve on 256.1.1.1:8000"),
+    (["serve", *M, "--host", "127.0.0.1", "--port", "{BUSYPORT}"], "cannot serve on 127.0.0.1:{BUSYPORT}"),
+    (["serve", *M, "--max-tokens", "0"], "must be an integer in [1, 1000000]"),
+    (["serve", *M, "--max-batch", "0"], "must be an integer in [1, 4096]"),
+    (["serve", *M, "--max-running", "99999"], "must be an integer in [1, 1024]"),
+    (["serve", *M, "--method", "nope"], "unknown method 'nope'"),
+    (["serve", *M, "--name", "bad \udcff"], "is not valid UTF-8"),
     # info
     (["info", "--model", "no-such-model"], "unknown model"),
     (["info", *M, "--context", "0"], "must be a positive integer"),

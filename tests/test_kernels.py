@@ -192,3 +192,16 @@ def test_verification_call_equals_one_token_calls_bit_for_bit(name, fmt, monkeyp
     prompt = torch.randint(0, m.config.vocab_size, (11,), generator=g).tolist()
     tokens = torch.randint(0, m.config.vocab_size, (6,), generator=g).tolist()
     assert torch.equal(_chain_logits(m, prompt, tokens, True), _chain_logits(m, prompt, tokens, False))
+
+
+def test_q8_0_blocks_map_exactly_to_8bit_rows():
+    from gguf import GGMLQuantizationType, dequantize
+
+    from layerleap.gguf_q4 import q8_0_rows
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (8, 34), dtype=np.uint8)
+    raw[:, :2] = (rng.standard_normal((8, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    rows = q8_0_rows(raw.reshape(2, -1), 2, 128)
+    want = dequantize(raw.reshape(2, -1), GGMLQuantizationType.Q8_0)
+    assert np.array_equal(rows.dense().numpy(), want)
+    torch.testing.assert_close(rows.rows(torch.tensor([1, 0])), rows.dense()[[1, 0]].to(torch.bfloat16), rtol=0, atol=0)

@@ -170,3 +170,67 @@ def test_bf16_load_and_generate(smollm):
     assert (l16 - l32).abs().max() < 0.1 * l32.abs().max()
     res = generate(m16, "What is the capital of France?", chat=True, max_new_tokens=12)
     assert 1 <= len(res.token_ids) <= 12 and res.text.strip()
+
+
+# -- the 4-bit dtype -------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def smollm_q4():
+    return layerleap.load("smollm2-135m", dtype="q4", progress=lambda msg: None)
+
+
+def test_q4_keeps_the_gguf_blocks(smollm, smollm_q4):
+    """Every layer's projections hold the GGUF's 4-bit groups, the Q8_0 embedding its 8-bit codes and
+    the LM head bf16, under the same fingerprint as the dequantized model; its logits follow the fp32
+    model's."""
+    from layerleap import kernels
+    from layerleap.loading import PACKAGED, _gguf_parts
+    m = smollm_q4
+    assert m.dtype_name == "q4" and m.dtype == torch.bfloat16 and m.fingerprint == smollm.fingerprint
+    assert {lin.format for lin in m.projections()[:-1]} == {"int4"} and m.lm_head.format != "int4"
+    assert isinstance(m.tok_embeddings.packed, kernels.Int8Rows)
+    torch.testing.assert_close(m.tok_embeddings.packed.dense(), smollm.tok_embeddings.weight, rtol=0, atol=0)
+    gguf_bytes = sum(p.stat().st_size for p in _gguf_parts(PACKAGED["smollm2-135m"]))
+    assert m.weight_bytes() < 1.7 * gguf_bytes < smollm.weight_bytes() / 3
+    ids = smollm.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]
+    with torch.inference_mode():
+        lq, l32 = m(torch.tensor([ids]))[0], smollm(torch.tensor([ids]))[0]
+    assert (lq.argmax(-1) == l32.argmax(-1)).float().mean() >= 0.6
+    res = generate(m, "What is the capital of France?", chat=True, max_new_tokens=12)
+    assert "Paris" in res.text
+
+
+@pytest.mark.parametrize("method,options", [("prompt-lookup", {}), ("self-spec", {}), ("medusa", {}),
+                                            ("hidden-transfer", {}), ("ppd", {})])
+def test_q4_lossless_methods_equal_q4_greedy(smollm_q4, prompts, method, options):
+    """In q4 (bf16 logits: ties within a rounding step are common), the lossless methods equal greedy
+    decoding in q4 token for token: verification calls give each token the logits a one-token call
+    gives it, bit for bit."""
+    picks = [prompts[i] for i in (0, 7, 16)]
+    for p in picks:
+        want = generate(smollm_q4, p, max_new_tokens=40, chat=True, stop_at_eos=False).token_ids
+        got = generate(smollm_q4, p, method, 40, chat=True, stop_at_eos=False, **options)
+        assert got.token_ids == want, f"{method} on {p[:40]!r}"
+
+
+def test_q4_cache_repairs_itself(smollm_q4, tmp_path, monkeypatch):
+    """A truncated packed-weights file is rebuilt from the 4-bit blocks, a broken 4-bit file from the GGUF."""
+    import shutil
+
+    from layerleap import gguf_q4
+    from layerleap.loading import PACKAGED, _gguf_parts, cache_root
+    size = sum(p.stat().st_size for p in _gguf_parts(PACKAGED["smollm2-135m"]))
+    src = cache_root() / f"smollm2-135m-{size:x}-q4"
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    folder = tmp_path / src.name
+    shutil.copytree(src, folder)
+    packed = gguf_q4.packed_file(folder)
+    with open(packed, "r+b") as f:
+        f.truncate(packed.stat().st_size // 2)
+    m = layerleap.load("smollm2-135m", dtype="q4", progress=lambda msg: None)
+    assert m.fingerprint == smollm_q4.fingerprint and packed.stat().st_size > 1e6
+    assert gguf_q4.load_packed(folder, m.config, m.tokenizer) is not None  # rewritten whole
+    (folder / gguf_q4.WEIGHTS).write_bytes(b"not safetensors")
+    msgs = []
+    m = layerleap.load("smollm2-135m", dtype="q4", progress=msgs.append)
+    assert any("broken" in s for s in msgs) and m.fingerprint == smollm_q4.fingerprint
+    gguf_q4.check(folder)

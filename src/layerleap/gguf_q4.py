@@ -3,14 +3,24 @@
 GGUF's Q4_0 and Q4_1 blocks (32 weights, a scale and a minimum or offset) and Q4_K's sub-blocks
 (32 weights, a 6-bit scale and minimum under a super-block's fp16 pair) are 4-bit codes with one
 affine map per group of 32 inputs: ``kernels.QuantizedRows`` holds exactly that, exact in fp32
-(``QuantizedRows.dense()`` equals gguf's own dequantization bit for bit).  Tensors of other block
-types (Q8_0, Q6_K, Q5_*, ...) are dequantized and re-quantized to 4-bit groups of 32 (min-max), and
-the conversion says which; fp32/fp16 tensors (norms, biases) stay dense.
+(``QuantizedRows.dense()`` equals gguf's own dequantization bit for bit).
 
-``convert`` writes a q4 cache folder: ``config.json``, the tokenizer, and ``q4.safetensors`` with
-each weight as ``NAME.codes`` (uint8 ``[N, K/2]``, the low nibble the even input), ``NAME.scale``
-and ``NAME.minimum`` (fp32 ``[N, K/32]``), or ``NAME`` for a dense tensor; its metadata names the
-model's fingerprint (computed from the exact values, so it equals the dense model's).
+Other block types keep the file's precision where it matters and are re-quantized where it does
+not, and the conversion says which:
+
+- the embedding table and the LM head (GGUF files keep them at 6-8 bits): a Q8_0 embedding stays
+  8-bit codes with its scales (``kernels.Int8Rows``, exact), anything else is dense; the LM head
+  multiplies in bf16 (on SmolLM2-135M a 4-bit LM head lowered the greedy top-1 agreement with the
+  fp32 model from 97.8% to 87.5% of positions; ``docs/BENCHMARKS.md``);
+- a projection inside a layer in another type (Q6_K, Q5_*, Q8_0, ...) is dequantized and
+  re-quantized to 4-bit groups of 32 (min-max);
+- fp32/fp16 tensors (norms, biases) stay dense.
+
+``convert`` writes a q4 cache folder: ``config.json``, the tokenizer, and ``q4.safetensors`` with a
+4-bit weight as ``NAME.codes`` (uint8 ``[N, K/2]``, the low nibble the even input), ``NAME.scale``
+and ``NAME.minimum`` (fp32 ``[N, K/32]``), an 8-bit table as ``NAME.int8`` and ``NAME.int8_scale``,
+or ``NAME`` for a dense tensor; its metadata names the model's fingerprint (computed from the exact
+values, so it equals the dense model's).
 """
 
 from __future__ import annotations
@@ -23,11 +33,12 @@ import torch
 
 from .config import ConfigError
 from .files import save_safetensors
-from .kernels import GROUP, QuantizedRows, quantize
+from .kernels import GROUP, Int8Rows, QuantizedRows, quantize
 
 FORMAT = "layerleap-q4-v1"
 WEIGHTS = "q4.safetensors"
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+OUTER = ("model.embed_tokens.weight", "lm_head.weight")  # kept at the file's precision (see above)
 
 
 # -- GGUF blocks -> QuantizedRows -------------------------------------------------------------------
@@ -83,7 +94,10 @@ def pack_codes(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_codes(b: torch.Tensor) -> torch.Tensor:
-    return torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(b.shape[0], -1)
+    out = torch.empty(b.shape[0], 2 * b.shape[1], dtype=torch.uint8)
+    out[:, 0::2] = b & 0x0F
+    out[:, 1::2] = b >> 4
+    return out
 
 
 def rows_to_tensors(name: str, rows: QuantizedRows) -> dict[str, torch.Tensor]:
@@ -91,16 +105,37 @@ def rows_to_tensors(name: str, rows: QuantizedRows) -> dict[str, torch.Tensor]:
             f"{name}.minimum": rows.minimum.contiguous()}
 
 
-def tensors_to_weights(tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedRows | torch.Tensor]:
-    """The inverse of ``rows_to_tensors`` over a whole file: ``{name: QuantizedRows or dense tensor}``."""
-    out: dict[str, QuantizedRows | torch.Tensor] = {}
+def weight_tensors(name: str, w) -> dict[str, torch.Tensor]:
+    """One weight as the file's tensors (see the module's doc)."""
+    if isinstance(w, QuantizedRows):
+        return rows_to_tensors(name, w)
+    if isinstance(w, Int8Rows):
+        return {f"{name}.{k}": v for k, v in w.state().items()}
+    return {name: w.contiguous()}
+
+
+def tensors_to_weights(tensors: dict[str, torch.Tensor]) -> dict:
+    """The inverse of ``weight_tensors`` over a whole file: ``{name: QuantizedRows, Int8Rows or tensor}``."""
+    out: dict = {}
     for key, t in tensors.items():
         if key.endswith(".codes"):
             name = key[: -len(".codes")]
             out[name] = QuantizedRows(unpack_codes(t), tensors[f"{name}.scale"], tensors[f"{name}.minimum"])
-        elif not key.endswith((".scale", ".minimum")):
+        elif key.endswith(".int8"):
+            name = key[: -len(".int8")]
+            out[name] = Int8Rows(t, tensors[f"{name}.int8_scale"])
+        elif not key.endswith((".scale", ".minimum", ".int8_scale")):
             out[key] = t
     return out
+
+
+def q8_0_rows(data: np.ndarray, n_rows: int, n_cols: int) -> Int8Rows:
+    """A Q8_0 tensor's raw bytes (blocks of an fp16 scale and 32 int8 codes) -> exact ``Int8Rows``."""
+    blocks = np.ascontiguousarray(data).reshape(-1, 34)
+    d = _f16(blocks[:, :2])[:, 0]
+    q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
+    return Int8Rows(torch.from_numpy(q.copy()).reshape(n_rows, n_cols),
+                    torch.from_numpy(d.copy()).reshape(n_rows, n_cols // GROUP))
 
 
 # -- the conversion ---------------------------------------------------------------------------------
@@ -116,6 +151,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     reader = GGUFReader(str(gguf_path))
     hf: dict[str, QuantizedRows | torch.Tensor] = {}
     requantized: dict[str, str] = {}
+    kept: dict[str, str] = {}  # 2-D tensors kept at the file's precision
     for t in tqdm(reader.tensors, desc="reading GGUF blocks (4-bit)", leave=False):
         qtype = t.tensor_type.name
         rows_n = int(t.shape[-1]) if len(t.shape) == 2 else 0  # GGUF lists [columns, rows]
@@ -132,6 +168,10 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
             rows = blocks_to_rows(t.data, qtype, *shape)
             hf[name] = rows if order is None else rows.take_rows(torch.from_numpy(order))
             continue
+        if name in OUTER and qtype == "Q8_0" and order is None and shape[1] % GROUP == 0:
+            hf[name] = q8_0_rows(t.data, *shape)
+            kept[name] = qtype
+            continue
         dense = dequantize(t.data, t.tensor_type)
         if len(shape) == 2:
             dense = dense.reshape(shape) if order is None else dense.reshape(shape)[order]
@@ -140,17 +180,18 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
         w = torch.from_numpy(np.array(dense, dtype=np.float32, order="C", copy=True))
         if tuple(w.shape) != tuple(shape):
             raise ConfigError(f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected {shape}")
-        if len(shape) == 2:
+        if len(shape) == 2 and name not in OUTER:
             requantized[name] = qtype
             hf[name] = _Requantized(w)
         else:
+            kept[name] = qtype
             hf[name] = w
     missing = sorted(set(ctx.expected) - set(hf))
     if missing:
         raise ConfigError(f"{gguf_path.name}: no GGUF tensor for {missing[:4]}{' …' if len(missing) > 4 else ''}")
     ours = hf_to_ours(hf, ctx.config, consume=True, fuse=_cat_rows)
-    exact = {k: (v.exact if isinstance(v, _Requantized) else v.dense() if isinstance(v, QuantizedRows) else v)
-             for k, v in ours.items()}
+    exact = {k: (v.exact if isinstance(v, _Requantized) else v.dense() if isinstance(v, (QuantizedRows, Int8Rows))
+                 else v) for k, v in ours.items()}
     if ctx.config.tie_embeddings and "lm_head.weight" not in exact:
         exact["lm_head.weight"] = exact["tok_embeddings.weight"]
     fingerprint = fingerprint_of(ctx.config, exact)
@@ -159,14 +200,19 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     for k, v in ours.items():
         if isinstance(v, _Requantized):
             v = quantize(v.exact)
-        tensors.update(rows_to_tensors(k, v) if isinstance(v, QuantizedRows) else {k: v.contiguous()})
+        elif isinstance(v, torch.Tensor) and v.dim() == 2:
+            v = v.to(torch.bfloat16)  # an outer matrix of another type: bf16, as it multiplies
+        tensors.update(weight_tensors(k, v))
     meta = {"format": FORMAT, "fingerprint": fingerprint, "source": gguf_path.name,
-            "requantized": json.dumps(_requantized_ours(requantized, ctx.config))}
+            "requantized": json.dumps(dict(sorted(requantized.items()))),
+            "kept": json.dumps({k: v for k, v in sorted(kept.items()) if v not in ("F32", "F16")})}
     save_safetensors(out / WEIGHTS, tensors, meta)
     ctx.save_config_and_tokenizer(out)
-    progress(f"4-bit weights: {len(requantized)} GGUF tensor(s) re-quantized to 4-bit groups of {GROUP} "
-             f"({', '.join(sorted(set(requantized.values())))})" if requantized else
-             "4-bit weights: every GGUF weight kept its 4-bit blocks")
+    outer = {k: v for k, v in kept.items() if k in OUTER}
+    progress("4-bit weights: every layer's GGUF 4-bit blocks kept"
+             + (f"; {len(requantized)} layer tensor(s) re-quantized to 4-bit groups of {GROUP} "
+                f"({', '.join(sorted(set(requantized.values())))})" if requantized else "")
+             + (f"; kept at the file's precision: {', '.join(f'{k} ({v})' for k, v in outer.items())}" if outer else ""))
 
 
 class _Requantized:
@@ -185,16 +231,93 @@ def _cat_rows(parts: list):
     return _Requantized(torch.cat(dense, 0))
 
 
-def _requantized_ours(requantized: dict[str, str], config) -> dict[str, str]:
-    """HF names -> block type, for the report (q/k/v and gate/up are fused under our names)."""
-    return dict(sorted(requantized.items()))
+def check(folder: Path) -> tuple:
+    """Check a q4 cache folder without reading its weights: -> (config, metadata, header).  Every
+    problem (config, tokenizer, a truncated or foreign weights file, a missing weight) raises a
+    ``LayerleapError`` that names the file."""
+    from .loading import ModelFileError, read_json, safetensors_header
+    from .files import read_safetensors_meta
+    from .config import ModelConfig
+    config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=folder.name)
+    for tok in ("tokenizer.json", "tokenizer_config.json"):
+        if (folder / tok).is_file():
+            read_json(folder / tok, "tokenizer file")
+    path = folder / WEIGHTS
+    header = safetensors_header(path)
+    meta = read_safetensors_meta(path)
+    if meta.get("format") != FORMAT or not meta.get("fingerprint"):
+        raise ModelFileError(f"{path} is not a layerleap 4-bit weights file (format {meta.get('format')!r}): "
+                             "delete it to convert again")
+    names = {k.rsplit(".", 1)[0] if k.endswith((".codes", ".scale", ".minimum", ".int8", ".int8_scale")) else k
+             for k in header[0]}
+    need = {"tok_embeddings.weight", "norm.weight"} | {f"layers.{i}.{n}.weight" for i in range(config.n_layers)
+                                                       for n in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")}
+    missing = sorted(need - names)
+    if missing:
+        raise ModelFileError(f"{path} lacks {missing[:3]}: the 4-bit weights are incomplete, delete the folder to "
+                             "convert again")
+    return config, meta, header
 
 
 def read(folder: Path) -> tuple[dict[str, QuantizedRows | torch.Tensor], dict]:
-    """A q4 cache folder's weights (our names) and its metadata."""
-    from .files import read_safetensors_meta
+    """A q4 cache folder's weights (our names) and its metadata (checked first, ``check``)."""
     from .loading import read_safetensors_file
-    meta = read_safetensors_meta(folder / WEIGHTS)
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{folder / WEIGHTS} is not a layerleap 4-bit weights file (format {meta.get('format')!r})")
-    return tensors_to_weights(read_safetensors_file(folder / WEIGHTS)), meta
+    _, meta, header = check(folder)
+    return tensors_to_weights(read_safetensors_file(folder / WEIGHTS, header=header)), meta
+
+
+# -- the packed layout, cached per CPU --------------------------------------------------------------
+def packed_file(folder: Path) -> Path:
+    from .kernels import packed_layout
+    return folder / f"packed-{packed_layout()}.safetensors"
+
+
+def save_packed(folder: Path, model) -> None:
+    """Cache ``model``'s weights as they multiply (best effort: an unwritable cache only costs packing
+    again): int4 and int8 formats as their tensors, a oneDNN-packed matrix as its dense bf16 weight
+    (packed again at load), the norms.  The metadata maps every packed module to the module whose
+    tensors it uses (a tied head shares the embedding's 4-bit weight) and to its format."""
+    from .errors import LayerleapError
+    from .kernels import Int4Weight, Int8Rows
+    from .model import Embedding, Linear
+    tensors, modules, first = {}, {}, {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (Linear, Embedding)) or mod.packed is None:
+            continue
+        fmt = mod.packed
+        if not isinstance(fmt, (Int4Weight, Int8Rows)):  # oneDNN: stored dense, packed again at load
+            tensors[f"{name}.weight"] = fmt.dense().contiguous()
+            if fmt.bias is not None:
+                tensors[f"{name}.bias"] = fmt.bias
+            continue
+        owner = first.setdefault(id(fmt), name)
+        modules[name] = [owner, type(fmt).__name__]
+        if owner == name:
+            tensors.update({f"{name}.{k}": v for k, v in fmt.state().items()})
+            tensors[f"{name}.out_features"] = torch.tensor([fmt.out_features])
+    tensors.update({n: p.detach() for n, p in model.named_parameters()})  # norms, dense tables
+    meta = {"format": FORMAT + "-packed", "fingerprint": model.fingerprint, "modules": json.dumps(modules)}
+    try:
+        save_safetensors(packed_file(folder), tensors, meta)
+    except LayerleapError:
+        pass
+
+
+def load_packed(folder: Path, config, tokenizer):
+    """The model from ``packed_file`` when it is there and sound, else None (then it is rebuilt)."""
+    from .errors import LayerleapError
+    from .files import read_safetensors_meta
+    from .kernels import KernelError
+    from .loading import build_q4_packed, read_safetensors_file
+    path = packed_file(folder)
+    if not path.is_file():
+        return None
+    try:
+        meta = read_safetensors_meta(path)
+        if meta.get("format") != FORMAT + "-packed":
+            return None
+        model = build_q4_packed(config, read_safetensors_file(path), json.loads(meta["modules"]), tokenizer)
+    except (LayerleapError, KernelError, KeyError, ValueError, RuntimeError, TypeError):
+        return None
+    model.set_fingerprint(meta["fingerprint"])
+    return model

@@ -143,6 +143,41 @@ class QuantizedRows:
         return QuantizedRows(self.q[index], self.scale[index], self.minimum[index])
 
 
+class Int8Rows:
+    """An embedding table as 8-bit codes with one scale per group of ``GROUP`` (GGUF's Q8_0:
+    ``w = q * d``), looked up row by row; exact, ``dense()`` equals gguf's dequantization."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
+        if codes.dim() != 2 or codes.shape[1] % GROUP or scale.shape != (codes.shape[0], codes.shape[1] // GROUP):
+            raise KernelError(f"8-bit rows {tuple(codes.shape)} do not fit their scales {tuple(scale.shape)}")
+        self.codes, self.scale = codes.to(torch.int8).contiguous(), scale.float().contiguous()
+        self.out_features, self.in_features = codes.shape
+        self.dtype, self.bias = torch.bfloat16, None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def _values(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        n = codes.shape[0]
+        return (codes.view(n, -1, GROUP).float() * scale.unsqueeze(-1)).view(n, -1)
+
+    def dense(self) -> torch.Tensor:
+        """``[N, K]`` fp32, exact."""
+        return self._values(self.codes, self.scale)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self._values(self.codes[flat], self.scale[flat]).to(torch.bfloat16).view(*ids.shape, self.in_features)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"int8": self.codes, "int8_scale": self.scale}
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scale.numel() * 4
+
+
 def quantize(weight: torch.Tensor) -> QuantizedRows:
     """Asymmetric min-max 4-bit quantization of ``[N, K]`` in groups of ``GROUP`` along K (for
     weights that arrive dense, or in a GGUF block type that does not map onto 4-bit groups)."""
@@ -183,6 +218,11 @@ def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
             rows = torch.stack([lo, hi], dim=2).reshape(k, size)  # pairs (n, n+1)
         out.append(rows.t())
     return torch.cat(out).contiguous()
+
+
+def packed_layout() -> str:
+    """A name for torch's int4 packing on this CPU and torch version (packed weights are cached per layout)."""
+    return f"{torch.backends.cpu.get_cpu_capability().lower()}-{_block_n()}-torch{torch.__version__.split('+')[0]}"
 
 
 @functools.cache
@@ -226,6 +266,27 @@ class Int4Weight(PackedWeight):
         zero = minimum + 8 * scale  # the kernel computes (q - 8) * scale + zero
         self.scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/G, N', 2]
         self.bias = None if bias is None else bias.detach().float()
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None = None) -> "Int4Weight":
+        """A weight from what ``packed`` and ``scale_zero`` held before (``state``), without repacking."""
+        self = cls.__new__(cls)
+        self.padded, self.in_features = packed.shape[0], packed.shape[1] * 2
+        if scale_zero.shape != (self.in_features // GROUP, self.padded, 2) or out_features > self.padded:
+            raise KernelError(f"packed 4-bit weight {tuple(packed.shape)} does not fit its scales "
+                              f"{tuple(scale_zero.shape)} and {out_features} outputs")
+        self.out_features, self.dtype = out_features, torch.bfloat16
+        self.packed, self.scale_zero = packed.contiguous(), scale_zero.to(torch.bfloat16).contiguous()
+        self.bias = None if bias is None else bias.detach().float()
+        return self
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors ``from_packed`` takes (the layout is this CPU's: see ``packed_layout``)."""
+        out = {"packed": self.packed, "scale_zero": self.scale_zero}
+        if self.bias is not None:
+            out["bias"] = self.bias
+        return out
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

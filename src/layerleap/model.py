@@ -129,15 +129,15 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` whose table may be a packed 4-bit weight (shared with a tied LM head): rows
-    are dequantized as they are looked up."""
+    """``nn.Embedding`` whose table may be packed (4-bit groups, possibly shared with a tied LM head,
+    or 8-bit rows): rows are dequantized as they are looked up."""
 
-    packed: kernels.Int4Weight | None = None
+    packed: kernels.Int4Weight | kernels.Int8Rows | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids) if self.packed is None else self.packed.rows(ids)
 
-    def pack(self, fmt: kernels.Int4Weight) -> None:
+    def pack(self, fmt) -> None:
         self.packed = fmt
         self.weight = None
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from . import validate as V
-from .bench import HF_LABEL, HFBaseline, machine_config, plain_options
+from .bench import HF_LABEL, HFBaseline, check_specs, machine_config, plain_options
 from .datasets import Prompt
 from .decoding import METHODS, generate, get_method
 from .errors import LayerleapError
@@ -144,8 +144,11 @@ def run_exactness(model: Transformer, methods: MethodSpecs, prompts: list[Prompt
         V.flag(hf, "hf")
         if out is not None:
             V.output_file(out, "out", (".json",))
-    if not prompts:
-        raise ExactnessError("no prompts to compare: choose categories or --data with prompts")
+    with V.raising(ExactnessError):
+        prompts = V.items(prompts, "prompts", "Spec-Bench prompts (layerleap.datasets.spec_bench)")
+    if not prompts or not all(isinstance(p, Prompt) for p in prompts):
+        raise ExactnessError("prompts must be a non-empty list of Spec-Bench prompts (layerleap.datasets.spec_bench)")
+    check_specs(methods)
     check_methods(methods)
     cfg = {**machine_config(model), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
            "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()},

@@ -66,7 +66,10 @@ def pyplot():
 def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     """A matplotlib figure as an image (the format from the suffix), then closed."""
     import matplotlib.pyplot as plt
+
+    from . import validate as V
     try:
+        V.plot_file(path, "plot")
         return atomic_write(path, lambda p: fig.savefig(p, dpi=dpi))
     finally:
         plt.close(fig)

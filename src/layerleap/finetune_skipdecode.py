@@ -246,6 +246,15 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"{out} is a file: give a folder for the fine-tuned model")
     state_file = out / STATE_JSON
+    if model.source and out.resolve() == Path(model.source).resolve():
+        raise FinetuneError(f"{out} is the model's own folder: write the fine-tuned model to a new folder (rerun with "
+                            "the same --out to resume)")
+    if out.is_dir() and any(out.iterdir()) and not state_file.is_file():
+        raise FinetuneError(f"{out} holds other files, not a fine-tuning run: choose a new folder")
+    ctx = model.config.max_position
+    if cfg.max_prompt + cfg.gen_len > ctx:
+        raise FinetuneError(f"max_prompt {cfg.max_prompt} + gen_len {cfg.gen_len} tokens exceed the model's context of "
+                            f"{ctx}: lower --max-prompt or --gen-len")
     start_step, losses = 0, []
     if state_file.is_file():
         st = json.loads(state_file.read_text())

@@ -117,6 +117,8 @@ def match_rate(model: Transformer, prompts, cfg: MatchRateConfig, heads: dict | 
     import sys
     from .decoding import generate
     cfg.check(model)
+    with V.raising(MatchRateError):
+        prompts = V.items(prompts, "prompts", "texts or token-id lists")
     heads = heads if heads is not None else resolve_heads(model, cfg.heads, cfg.layers)
     edges = bucket_edges(cfg.max_new_tokens, cfg.buckets)
     kmax = max(cfg.ks)

@@ -195,8 +195,9 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
     JSON-able options added to every BiLD point (``exit_layer``, ``head``, ``max_small``)."""
     from tqdm.auto import tqdm
 
-    if not prompts:
-        raise LayerleapError("no prompts to sweep")
+    prompts = V.items(prompts, "prompts", "Spec-Bench prompts")
+    if not prompts or not all(isinstance(p, Prompt) for p in prompts):
+        raise LayerleapError("prompts must be a non-empty list of Spec-Bench prompts (layerleap.datasets.spec_bench)")
     V.integer(max_new_tokens, "max_new_tokens", 1)
     if out is not None:
         V.output_file(out, "out", (".json",))

@@ -19,7 +19,13 @@ from .basic import (_command_line, _csv, _load, _loader, _model_arg, _model_args
 
 
 def _prompts(text: str) -> int | None:
-    return None if text.strip().lower() == "all" else V.int_arg(1, hint=" or all")(text)
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return V.positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be all or a positive integer (prompts per category), got "
+                                         f"{V.show(text)}") from None
 
 
 @command("eval exactness", help="every lossless method against plain greedy (and transformers) on Spec-Bench "

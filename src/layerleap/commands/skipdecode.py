@@ -65,6 +65,8 @@ def _setup_finetune(p):
 def run_finetune(args) -> int:
     from ..finetune_skipdecode import TrainConfig, finetune
     out = Path(args.out)
+    if Path(args.model).is_dir() and out.resolve() == Path(args.model).resolve():
+        raise LayerleapError(f"--out {out} is the --model folder: write the fine-tuned model to a new folder")
     threads = _threads(args.threads)
     print(f"$ {_command_line(args)}", flush=True)
     model = _load(args)

@@ -47,6 +47,25 @@ def _config(**changes):
     return damage
 
 
+def _overlap(f):
+    import struct
+    p = f / "model-00001-of-00002.safetensors"
+    b = p.read_bytes()
+    n = struct.unpack("<Q", b[:8])[0]
+    header = json.loads(b[8:8 + n])
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    begin, end = header[names[1]]["data_offsets"]
+    header[names[1]]["data_offsets"] = [0, end - begin]  # shares the first tensor's bytes
+    text = json.dumps(header).encode()
+    p.write_bytes(struct.pack("<Q", len(text)) + text + b[8 + n:])
+
+
+def _duplicate(f):
+    import shutil
+    (f / "model.safetensors.index.json").unlink()
+    shutil.copy(f / "model-00001-of-00002.safetensors", f / "copy.safetensors")
+
+
 BROKEN = {
     "TRUNCATED": _truncate,
     "NOSHARD": lambda f: (f / "model-00002-of-00002.safetensors").unlink(),
@@ -60,6 +79,12 @@ BROKEN = {
     "GPT2": _config(model_type="gpt2"),
     "LISTCONFIG": lambda f: (f / "config.json").write_text("[1, 2]"),
     "BADINDEX": lambda f: (f / "model.safetensors.index.json").write_text('{"weight_map": 5}'),
+    "OVERLAP": _overlap,
+    "DUPLICATE": _duplicate,
+    "ROPESTR": _config(rope_scaling="yes"),
+    "EOSBAD": _config(eos_token_id=[1, "x"]),
+    "EPSNAN": lambda f: (f / "config.json").write_text(
+        (f / "config.json").read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": NaN')),
     "BADTOKCONFIG": lambda f: ((f / "tokenizer.json").write_text("{}"),
                                (f / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')),
 }
@@ -85,6 +110,12 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     (root / "notes.txt").write_text("my notes\n")
     (root / "notes.json").write_text(json.dumps({"mine": [1, 2, 3]}))
     (root / "garbage.jsonl").write_text("{not json\n")
+    (root / "calib.json").write_text("[1, 2]")
+    (root / "ft").mkdir()
+    (root / "ft" / "skipdecode_train.json").write_text("{bad")
+    (root / "work").mkdir()
+    (root / "work" / "state.safetensors").write_text("garbage")
+    (root / "m.safetensors.ckpt.safetensors").write_text("garbage")
     (root / "weird.jsonl").write_text('{"question_id": "x", "category": 5, "turns": ["hi"]}\n')
     (root / "empty").mkdir()
     (root / "notmodel").mkdir()
@@ -151,6 +182,11 @@ CLI = [
     (["generate", "--model", "{LISTCONFIG}", "--prompt", "hi"], "holds JSON list, not an object"),
     (["generate", "--model", "{BADINDEX}", "--prompt", "hi"], "has no weight_map"),
     (["generate", "--model", "{BADTOKCONFIG}", "--prompt", "hi"], "cannot load the tokenizer"),
+    (["generate", "--model", "{OVERLAP}", "--prompt", "hi"], "does not start where the one before it ends"),
+    (["generate", "--model", "{DUPLICATE}", "--prompt", "hi"], "keep one copy of the weights"),
+    (["generate", "--model", "{ROPESTR}", "--prompt", "hi"], "rope_scaling must be an object"),
+    (["generate", "--model", "{EOSBAD}", "--prompt", "hi"], "eos_token_id [1, 'x'] is not a token id"),
+    (["generate", "--model", "{EPSNAN}", "--prompt", "hi"], "rms_norm_eps must be a positive number, got nan"),
     (G + ["--dtype", "int8"], "invalid choice: 'int8'"),
     # generate: the run
     (G + ["--method", "nope"], "unknown method 'nope'"),
@@ -318,10 +354,12 @@ CLI = [
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--batch-tokens", "0"], "must be a positive integer"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--work", "{T}/c.txt"], "must end in .json"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--offset", "1000"], "no calibration prompts selected"),
+    (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--work", "{T}/calib.json"], "is not a calibration file"),
     (AL + ["--exit-layer", "9", "--out", "{T}/h.safetensors"], "--exit-layer must be in [1, 3]"),
     # finetune skipdecode
     (FT, "the following arguments are required: --out"),
     (FT + ["--out", "{FILE}"], "is a file: give a folder"),
+    (FT + ["--out", "{T}/ft"], "fine-tuning state"),
     (FT + ["--out", "{D}"], "is the --model folder"),
     (FT + ["--out", "{NOTMODEL}"], "holds other files, not a fine-tuning run"),
     (FT + ["--out", "{T}/ft", "--gen-len", "100000"], "exceed the model's context of 2048"),
@@ -413,11 +451,13 @@ CLI = [
      "candidates must be an integer in [0, 128]"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--negatives", "-1"], "must be an integer >= 0"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--work", "{FILE}"], "is a file: give a folder"),
+    (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--work", "{T}/work"], "training state"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--json", "{FILE}"], "must end in .json"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--kind", "shared"], "invalid choice: 'shared'"),
     # train medusa / transfer
     (TM + ["--out", "{T}/m.bin"], "must end in .safetensors"),
     (TM + ["--out", "{T}/m.safetensors", "--heads", "0"], "must be an integer in [1, 64]"),
+    (TM + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS}"], "checkpoint"),
     (TM + ["--out", "{T}/m.safetensors", "--seq-len", "2"], "must be an integer in [4, 65536]"),
     (TM + ["--out", "{T}/m.safetensors", "--seq-len", "4096"], "seq_len must be an integer in [4, 2048]"),
     (TM + ["--out", "{T}/m.safetensors", "--lr", "0"], "must be a finite number > 0"),

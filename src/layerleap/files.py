@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -73,6 +74,19 @@ def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
         return atomic_write(path, lambda p: fig.savefig(p, dpi=dpi))
     finally:
         plt.close(fig)
+
+
+@contextmanager
+def reading(path: str | Path, what: str = "file", fix: str = "delete it to start again"):
+    """Reading a checkpoint, state or work file: any failure but a ``LayerleapError`` (a truncated or
+    foreign file: safetensors', json's and torch's own errors) becomes one naming the file and the fix."""
+    try:
+        yield
+    except LayerleapError:
+        raise
+    except Exception as e:
+        why = " ".join(str(e).split())[:100]
+        raise LayerleapError(f"{what} {path} cannot be read ({type(e).__name__}: {why}): {fix}") from None
 
 
 def read_safetensors_meta(path: str | Path) -> dict:

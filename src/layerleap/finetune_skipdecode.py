@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from . import validate as V
 from .decoding import chat_token_ids
 from .errors import LayerleapError
-from .files import save_safetensors, write_json
+from .files import reading, save_safetensors, write_json
 from .methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
 from .model import Transformer
 
@@ -257,7 +257,9 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
                             f"{ctx}: lower --max-prompt or --gen-len")
     start_step, losses = 0, []
     if state_file.is_file():
-        st = json.loads(state_file.read_text())
+        with reading(state_file, "fine-tuning state", "delete the folder (or choose another --out) to start again"):
+            st = json.loads(state_file.read_text())
+            st["config"], st["step"], st["losses"]  # noqa: B018  (the fields a resume reads)
         free = ("steps", "save_every")  # a run may be extended or saved more often
         diff = sorted(k for k in set(st["config"]) | set(asdict(cfg))
                       if k not in free and st["config"].get(k) != asdict(cfg).get(k))
@@ -268,7 +270,8 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
             raise FinetuneError(f"{out} already finished {st['step']} steps: raise --steps to continue, or use "
                                 "another --out")
         from .loading import _read_safetensors, hf_to_ours
-        sd = hf_to_ours(_read_safetensors(out), model.config)
+        with reading(out, "fine-tuned weights in", "delete the folder (or choose another --out) to start again"):
+            sd = hf_to_ours(_read_safetensors(out), model.config)
         with torch.no_grad():
             own = model.state_dict()
             for k, v in sd.items():
@@ -296,7 +299,8 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
     params = _trainable(model)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if start_step and (out / OPT_FILE).is_file():
-        _load_optimizer(opt, out / OPT_FILE)
+        with reading(out / OPT_FILE, "optimizer state", "delete the folder (or choose another --out) to start again"):
+            _load_optimizer(opt, out / OPT_FILE)
 
     def lr_at(step):
         if step < cfg.lr_warmup_steps:

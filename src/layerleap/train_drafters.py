@@ -38,7 +38,7 @@ from . import drafters
 from . import tree as tree_mod
 from .decoding import chat_token_ids
 from .errors import LayerleapError
-from .files import save_safetensors
+from .files import reading, save_safetensors
 from . import validate as V
 from .model import Transformer
 
@@ -188,14 +188,8 @@ def _save_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, step: int, cfg: 
 
 def _load_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:
     from safetensors import safe_open
-    try:
-        with safe_open(str(path), "pt") as f:
-            return _read_ckpt(f, path, drafter, opt, cfg)
-    except LayerleapError:
-        raise
-    except Exception as e:  # safetensors' own errors for a truncated or foreign file
-        raise TrainError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:80]}): delete it to start "
-                         "again") from None
+    with reading(path, "checkpoint"), safe_open(str(path), "pt") as f:
+        return _read_ckpt(f, path, drafter, opt, cfg)
 
 
 def _read_ckpt(f, path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:

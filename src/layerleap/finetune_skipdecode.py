@@ -139,8 +139,12 @@ def skip_logits(model: Transformer, ids: torch.Tensor, active: torch.Tensor) -> 
 def sharegpt_examples(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids with the chat template, completion ids) from the first human/gpt turns of ShareGPT."""
     from .datasets import sharegpt_conversations
+    from tqdm.auto import tqdm
     out = []
+    bar = tqdm(total=n, desc="ShareGPT examples", unit="ex", leave=False)
     for conv in sharegpt_conversations(limit=None):
+        bar.n = len(out)
+        bar.refresh() if len(out) % 32 == 0 else None
         if len(out) >= n:
             break
         if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
@@ -155,6 +159,7 @@ def sharegpt_examples(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[
         if len(c) < 4:
             continue
         out.append(([int(i) for i in p], [int(i) for i in c]))
+    bar.close()
     if not out:
         raise FinetuneError("no usable ShareGPT examples (prompt too long for --max-prompt?)")
     return out

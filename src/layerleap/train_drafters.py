@@ -96,7 +96,8 @@ def sharegpt_chunks(tokenizer, n_conversations: int, seq_len: int, seed: int, eo
             convs.append(msgs[:4])
     random.Random(seed).shuffle(convs)
     stream: list[int] = []
-    for msgs in convs:
+    from tqdm.auto import tqdm
+    for msgs in tqdm(convs, desc="tokenizing ShareGPT", unit="conv", leave=False):
         ids = chat_token_ids(tokenizer, msgs)
         stream.extend(ids[: 4 * seq_len])
         stream.append(eos)

@@ -24,7 +24,7 @@ from .. import bench, methods as _builtin_methods, roofline  # noqa: F401  (regi
 from .. import validate as V
 from ..cli import command
 from ..datasets import read_prompts_file, spec_bench
-from ..decoding import METHODS, generate, get_method
+from ..decoding import METHODS, Decoding, generate, get_method
 from ..errors import LayerleapError
 from ..loading import DEFAULT_MODEL, DTYPES, check_model, load
 from ..options import ModelLoader, resolve_models, to_device
@@ -240,7 +240,7 @@ def run_generate(args) -> int:
         print()
         print(_stats_line(s.result.stats, threads))
         return 0
-    res = generate(model, prompts, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
+    res = _generate_with_progress(model, prompts, args, kwargs)
     for r in res if isinstance(res, list) else [res]:
         if args.json:
             print(json.dumps(r.to_dict()))
@@ -248,6 +248,20 @@ def run_generate(args) -> int:
             print(r.text)
             print(_stats_line(r.stats, threads))
     return 0
+
+
+def _generate_with_progress(model, prompts, args, kwargs):
+    """``generate``, with a tqdm bar of the new tokens on stderr (a long generation shows it is alive)."""
+    from tqdm.auto import tqdm
+    d = Decoding(model, prompts, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
+    n = len(d.prompt_ids)
+    bar = tqdm(total=n * args.max_new_tokens, desc=f"generate ({args.method})", unit="tok", leave=False)
+    try:
+        for _ in d:
+            bar.update(sum(len(d.tokens(i)) for i in range(n)) - bar.n)
+    finally:
+        bar.close()
+    return d.results if d.many else d.results[0]
 
 
 # -- methods ----------------------------------------------------------------------------------------

@@ -89,6 +89,21 @@ def reading(path: str | Path, what: str = "file", fix: str = "delete it to start
         raise LayerleapError(f"{what} {path} cannot be read ({type(e).__name__}: {why}): {fix}") from None
 
 
+def read_report(path: str | Path, what: str, fields: tuple[str, ...] = ("config", "records")) -> dict | None:
+    """An earlier JSON report to resume from: None when there is none (or the file is empty); a
+    ``LayerleapError`` when the file is something else (it is never overwritten then)."""
+    path = Path(path)
+    if not path.is_file() or not path.stat().st_size:
+        return None
+    try:
+        old = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        old = None
+    if not isinstance(old, dict) or not isinstance(old.get("config"), dict) or any(f not in old for f in fields):
+        raise LayerleapError(f"{path} exists and is not {what}: choose another --json (or delete it)")
+    return old
+
+
 def read_safetensors_meta(path: str | Path) -> dict:
     """The metadata of a safetensors file; ``ValueError`` for a truncated or foreign file."""
     from safetensors import safe_open

@@ -219,6 +219,16 @@ def _method_options(method: str, items: list[str] | None) -> dict:
     return options
 
 
+def _start_with_methods(args, methods: dict) -> tuple:
+    """Print the command line, set the threads, load ``--model`` and the models that method options
+    name: -> (model, threads, methods with those models in their options)."""
+    print(f"$ {_command_line(args)}", flush=True)
+    threads = _threads(args.threads)
+    model = _load(args)
+    loader = _loader(args)
+    return model, threads, {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
+
+
 def _check_model_options(method: str, options: dict, label: str = "") -> None:
     for k in get_method(method).models:
         if isinstance(options.get(k), str):
@@ -412,11 +422,7 @@ def run_bench(args) -> int:
     for label, (name, options) in methods.items():
         _check_model_options(name, options, label)
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    print(f"$ {_command_line(args)}", flush=True)
-    threads = _threads(args.threads)
-    model = _load(args)
-    loader = _loader(args)
-    methods = {label: (name, resolve_models(name, options, loader)) for label, (name, options) in methods.items()}
+    model, threads, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
     print(_bench_header(args, model, threads, len(prompts)), flush=True)

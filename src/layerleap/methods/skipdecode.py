@@ -57,6 +57,8 @@ def target_config(n_layers: int, target_speedup: float) -> SkipConfig:
     """The Table 2 configuration for ``target_speedup`` on an ``n_layers`` model: the paper's own
     numbers for 24 and 32 layers, our scaled ones for 30, else min/max chosen around
     ``n_layers / target`` with the paper's max/min ratio of about 2 (2x) to 1.5 (5x)."""
+    if isinstance(target_speedup, bool) or not isinstance(target_speedup, (int, float)) or math.isnan(target_speedup):
+        raise GenerationError(f"target speed-up must be a number >= 1 (e.g. 2), got {target_speedup!r}")
     s = float(target_speedup)
     if s < 1:
         raise GenerationError(f"target speed-up must be >= 1, got {target_speedup!r}")

@@ -124,7 +124,7 @@ BAD = [
     (["generate", "--model", "{D}", "--prompt", "hi", "--opt", "k=3"], "has no option k"),
     (["generate", "--model", "{D}", "--prompt", "hi", "--temperature", "0"], "temperature"),
     (["generate", "--model", "{D}", "--prompt", "hi", "--dtype", "int8"], "invalid choice"),
-    (["generate", "--model", "{D}", "--prompt", "hi", "--threads", "0"], "positive integer"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--threads", "0"], "must be an integer in [1, "),
     (["info", "--model", "no-such-model"], "unknown model"),
     (["bench", "--model", "{D}", "--categories", "nope"], "unknown Spec-Bench categories"),
     (["bench", "--model", "{D}", "--methods", "greedy,nope"], "unknown method"),

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from . import validate as V
 from .datasets import Prompt
 from .decoding import GenerationResult, generate, get_method
 from .errors import LayerleapError
@@ -93,7 +94,7 @@ def check_options(label: str, method: str, options: dict) -> None:
                              f"add --opt {label}.{missing[0]}=VALUE")
 
 
-def parse_methods(text: str, opts: list[str] | None = None) -> MethodSpecs:
+def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) -> MethodSpecs:
     """``"greedy,s=sample"`` and ``["s.top_k=5"]`` -> ``{"greedy": ("greedy", {}), "s": ("sample", {"top_k": 5})}``.
 
     An item is ``METHOD`` or ``LABEL=METHOD`` (to run one method with several option sets); an
@@ -120,7 +121,8 @@ def parse_methods(text: str, opts: list[str] | None = None) -> MethodSpecs:
         for lb in hits:
             specs[lb][1][opt] = value
     for lb, (name, options) in specs.items():
-        check_options(lb, name, options)
+        if check:
+            check_options(lb, name, options)
     return specs
 
 
@@ -415,6 +417,9 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     prompts = _as_prompts(prompts)
     if not prompts:
         raise LayerleapError("no prompts to benchmark")
+    V.integer(max_new_tokens, "max_new_tokens", 1)
+    if out is not None:
+        V.report_file(out, "out")
     methods, ref = with_reference(methods)
     for label, (name, options) in methods.items():
         check_options(label, name, options)

@@ -13,19 +13,22 @@ batching, statistics, timing, decoding text) is done here once for all methods.
 from __future__ import annotations
 
 import inspect
+import numbers
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import sampling
-from .errors import LayerleapError
+from . import validate as V
 from .kv_cache import KVCache
 from .model import Transformer
 
 
-class GenerationError(LayerleapError, ValueError):
+class GenerationError(V.InputError):
     """Bad input to ``generate``: the message names the problem and the fix."""
 
 
@@ -82,7 +85,7 @@ def register(name: str, *, batched: bool = False, sampling: bool = False, defaul
 
 def get_method(name: str) -> Method:
     from . import methods  # noqa: F401  (registers the built-in methods)
-    if name not in METHODS:
+    if not isinstance(name, str) or name not in METHODS:
         raise GenerationError(f"unknown method {name!r}: choose one of {', '.join(sorted(METHODS))}")
     return METHODS[name]
 
@@ -218,8 +221,19 @@ def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool 
     return [int(i) for i in ids]
 
 
+PROMPT_FORMS = ("a prompt is text (str), a list of token ids, or a 1-D integer tensor; a batch is a list of "
+                "those or a 2-D integer tensor")
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
+    if isinstance(prompt, (bytes, bytearray)):
+        raise GenerationError("the prompt is bytes: decode it to text first (prompt.decode('utf-8'))")
     if isinstance(prompt, str):
+        V.text(prompt, "the prompt")
         if not prompt.strip():
             raise GenerationError("the prompt is empty: give some text to continue")
         tok = model.tokenizer
@@ -233,7 +247,15 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
             ids = tok(prompt)["input_ids"]
         return [int(i) for i in ids]
     if isinstance(prompt, torch.Tensor):
-        prompt = prompt.reshape(-1).tolist()
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise GenerationError(f"a tensor prompt must be 1-D integer token ids, got a {prompt.dim()}-D "
+                                  f"{str(prompt.dtype).removeprefix('torch.')} tensor: {PROMPT_FORMS}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or not all(_is_id(i) for i in prompt):
+        raise GenerationError(f"cannot read the prompt {V.show(prompt)}: {PROMPT_FORMS}")
+    if chat:
+        raise GenerationError("chat=True wraps text in the chat template; token ids are used as given: drop chat=True "
+                              "or pass text")
     ids = [int(i) for i in prompt]
     if not ids:
         raise GenerationError("the prompt is empty: give at least one token")
@@ -243,15 +265,29 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
     return ids
 
 
+MAX_BATCH = 4096  # prompts in one call
+
+
 def _split_prompts(prompt) -> tuple[list, bool]:
     """-> (list of single prompts, whether a list was given)."""
+    if isinstance(prompt, np.ndarray):  # token ids
+        prompt = torch.as_tensor(prompt)
     if isinstance(prompt, torch.Tensor):
-        return ([prompt[i] for i in range(prompt.shape[0])], True) if prompt.dim() == 2 else ([prompt], False)
+        if prompt.dim() == 2:
+            if not prompt.shape[0]:
+                raise GenerationError("the prompt tensor has no rows: give at least one prompt")
+            V.at_most(prompt.shape[0], MAX_BATCH, "the batch", "split the prompts into several calls")
+            return [prompt[i] for i in range(prompt.shape[0])], True
+        if prompt.dim() != 1:
+            raise GenerationError(f"a tensor prompt is 1-D (one prompt) or 2-D (a batch), got {prompt.dim()}-D: "
+                                  f"{PROMPT_FORMS}")
+        return [prompt], False
     if isinstance(prompt, (list, tuple)):
         if not prompt:
-            raise GenerationError("the prompt list is empty")
-        if all(isinstance(p, int) for p in prompt):
+            raise GenerationError("the prompt list is empty: give at least one prompt or token")
+        if all(_is_id(p) for p in prompt):
             return [list(prompt)], False
+        V.at_most(len(prompt), MAX_BATCH, "the batch", "split the prompts into several calls")
         return list(prompt), True
     return [prompt], False
 
@@ -280,13 +316,21 @@ def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, tempe
              top_p: float, seed: int | None, do_sample: bool | None, stop_at_eos: bool, chat: bool,
              options: dict) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
     """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
+    _check(isinstance(model, Transformer), f"model must be a layerleap model (layerleap.load(...)), got "
+           f"{type(model).__name__}")
     m = get_method(method)
-    _check(isinstance(max_new_tokens, int) and max_new_tokens > 0,
-           f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    _check(isinstance(temperature, (int, float)) and temperature > 0,
-           f"temperature must be > 0, got {temperature!r} (use method='greedy' for deterministic output)")
-    _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-    _check(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+    with V.raising(GenerationError):
+        V.integer(max_new_tokens, "max_new_tokens", 1)
+        V.number(temperature, "temperature", 0, lo_open=True,
+                 hint=" (use method='greedy' for deterministic output)")
+        V.integer(top_k, "top_k", 0, hint=" (0 = off)")
+        V.number(top_p, "top_p", 0, 1, lo_open=True)
+        if seed is not None:
+            V.seed(seed)
+        if do_sample is not None:
+            V.flag(do_sample, "do_sample")
+        V.flag(stop_at_eos, "stop_at_eos")
+        V.flag(chat, "chat")
     allowed = m.options()
     unknown = sorted(set(options) - set(allowed))
     _check(not unknown, f"method {method!r} has no option {', '.join(unknown)}; its options: "
@@ -304,6 +348,7 @@ def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, tempe
         _check(len(p) + max_new_tokens <= ctx,
                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
                f"length {ctx}: shorten the prompt or lower max_new_tokens")
+    _check_memory(model, [len(p) for p in ids], max_new_tokens, m.batched)
     eos = tuple(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
@@ -391,6 +436,21 @@ def drive(fn: Callable, run: Run, **options) -> None:
     """Run the method function ``fn`` on ``run`` to the end."""
     for _ in rounds(fn, run, options):
         pass
+
+
+def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int, batched: bool) -> None:
+    """Refuse a batch whose KV cache alone would take more than half of the machine's memory."""
+    c = model.config
+    per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * model.dtype.itemsize
+    rows = len(lengths) if batched else 1
+    need = rows * (max(lengths) + max_new_tokens) * per_token
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    _check(need <= ram // 2, f"the KV cache of {rows} prompt(s) × {max(lengths) + max_new_tokens} positions needs "
+           f"{need / 2**30:.1f} GiB, beyond half of this machine's {ram / 2**30:.0f} GiB: use fewer or shorter prompts "
+           "per call, or lower max_new_tokens")
 
 
 def _result(model: Transformer, run: Run, row: int, wall: float, method: str) -> GenerationResult:

@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from .. import bench, methods as _builtin_methods, roofline  # noqa: F401  (registers the built-in methods)
+from .. import validate as V
 from ..cli import command
 from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, generate, get_method
 from ..errors import LayerleapError
-from ..loading import DEFAULT_MODEL, DTYPES, load
+from ..loading import DEFAULT_MODEL, DTYPES, check_model, load
 from ..options import ModelLoader, resolve_models, to_device
 from ..report import write_html_report
 from ..streaming import stream
@@ -36,29 +37,38 @@ DEMO_HTML = "layerleap-demo.html"
 
 
 # -- shared arguments and helpers -------------------------------------------------------------------
-def _positive_int(text: str) -> int:
+_positive_int = V.positive_int  # the argparse types of every command live in layerleap.validate
+_model_arg = V._as_arg(lambda t: check_model(t, ""), label="model")
+
+
+def _device(text: str) -> str:
+    """``--device``: a torch device that exists here."""
+    import torch
     try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return n
+        dev = torch.device(text.strip())
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{V.show(text)} is not a torch device: write cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA device here: use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text}: layerleap runs on cpu or cuda")
+    return text.strip()
 
 
 def _model_args(p, dtype: str = "float32") -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged model name or Hugging Face folder "
-                   f"(default {DEFAULT_MODEL})")
+    p.add_argument("--model", type=_model_arg, default=DEFAULT_MODEL, help=f"packaged model name or Hugging Face "
+                   f"folder (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default=dtype, choices=list(DTYPES), help=f"weight dtype (default {dtype})")
-    p.add_argument("--device", default="cpu", help="torch device for the model(s), e.g. cuda (default cpu)")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--device", type=_device, default="cpu", help="torch device for the model(s), e.g. cuda (default cpu)")
+    p.add_argument("--threads", type=V.threads_arg, default=None, help="torch threads (default: all cores)")
 
 
 def _sampling_args(p) -> None:
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0: off)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0: off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--temperature", type=V.positive_float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-k", type=V.nonneg_int, default=None, help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=V.float_arg(0.0, 1.0, lo_open=True), default=None,
+                   help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--seed", type=V.seed_arg, default=None, help=f"random seed for sampling (0 .. {V.SEED_MAX})")
 
 
 def _sampling(args) -> dict:
@@ -82,7 +92,26 @@ def _load(args, name: str | None = None):
     t = time.perf_counter()
     model = to_device(load(name, dtype=args.dtype, progress=_say), getattr(args, "device", "cpu"))
     _say(f"loaded {name} ({args.dtype}) in {time.perf_counter() - t:.1f} s")
+    _check_sizes(model, args)
     return model
+
+
+def _check_sizes(model, args) -> None:
+    """The arguments whose limits depend on the model (``--max-new-tokens``, ``--context``), checked
+    before any heavy work."""
+    ctx = model.config.max_position
+    for opt in ("max_new_tokens", "context"):
+        n = getattr(args, opt, None)
+        if isinstance(n, int) and n >= ctx:
+            raise LayerleapError(f"--{opt.replace('_', '-')} {n} is beyond {model.config.name}'s context of {ctx} "
+                                 f"tokens: give at most {ctx - 1}")
+
+
+def _ram_mb() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    except (ValueError, OSError, AttributeError):
+        return 4096
 
 
 def _loader(args) -> ModelLoader:
@@ -107,16 +136,9 @@ def _read_prompts(path: str | None, categories: list[str] | None, n: int) -> lis
 
 
 def _check_writable(path: str | None, flag: str = "--json") -> None:
-    if not path:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise LayerleapError(f"{flag} {path} is a folder: give a file name")
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise LayerleapError(f"cannot write {path}: {parent} is not a writable folder")
+    """Try writing ``path`` (a temporary sibling is created and removed)."""
+    if path:
+        V.output_file(path, flag)
 
 
 def _model_line(model, threads: int) -> str:
@@ -132,8 +154,8 @@ def _setup_generate(p):
     p.add_argument("--method", default="greedy", help=f"decoding method: {', '.join(METHODS)} (default greedy; "
                    "`layerleap methods` lists them with their options)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text ('-' reads stdin)")
-    src.add_argument("--prompts-file", metavar="FILE", help="prompts decoded as one batch (one by one for a method "
+    src.add_argument("--prompt", type=V.text_arg, help="the prompt text ('-' reads stdin, UTF-8)")
+    src.add_argument("--prompts-file", type=V.in_file_arg, metavar="FILE", help="prompts decoded as one batch (one by one for a method "
                      "that does not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text' or "
                      "Spec-Bench 'turns' a line; any other file one prompt a line")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
@@ -168,17 +190,45 @@ def _generate_prompts(args) -> list[str] | str:
             raise LayerleapError(f"--stream prints one prompt's text as it comes; {args.prompts_file} holds "
                                  f"{len(prompts)}: drop --stream, or use --prompt")
         return prompts
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise LayerleapError("the prompt is empty: give some text with --prompt")
     return prompt
 
 
+def _read_stdin() -> str:
+    if sys.stdin is None:
+        raise LayerleapError("--prompt - reads stdin, but stdin is closed: pipe the prompt in or give it as text")
+    return V.utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+
+
+def _method_options(method: str, items: list[str] | None) -> dict:
+    """``--opt NAME=VALUE`` items of ``generate``, checked against the method's options (a model-valued
+    one must name a model) before any model is loaded."""
+    m = get_method(method)
+    allowed = m.options()
+    options = dict(bench.parse_assignments(items))
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise LayerleapError(f"method {method!r} has no option {', '.join(unknown)}; its options: "
+                             f"{', '.join(allowed) or 'none'}")
+    missing = bench.required_options(method, options)
+    if missing:
+        raise LayerleapError(f"method {method!r} needs the option {missing[0]}: add --opt {missing[0]}=VALUE")
+    _check_model_options(method, options)
+    return options
+
+
+def _check_model_options(method: str, options: dict, label: str = "") -> None:
+    for k in get_method(method).models:
+        if isinstance(options.get(k), str):
+            check_model(options[k], f"--opt {label + '.' if label else ''}{k}")
+
+
 @_setup_generate
 def run_generate(args) -> int:
-    get_method(args.method)  # fail before loading the model
+    options = _method_options(args.method, args.opt)  # fail before loading the model
     prompts = _generate_prompts(args)
-    options = dict(bench.parse_assignments(args.opt))
     threads = _threads(args.threads)
     model = _load(args)
     kwargs = {**_sampling(args), **resolve_models(args.method, options, _loader(args))}
@@ -247,8 +297,9 @@ def _setup_info(p):
     _model_args(p)
     p.add_argument("--context", type=_positive_int, default=512,
                    help="tokens in the KV cache for the roofline (default 512)")
-    p.add_argument("--buffer-mb", type=_positive_int, default=256, help="bandwidth test buffer (default 256 MB)")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="bandwidth timings, best kept (default 5)")
+    p.add_argument("--buffer-mb", type=V.int_arg(1, _ram_mb() // 4, "; at most a quarter of this machine's memory"),
+                   default=256, help="bandwidth test buffer (default 256 MB)")
+    p.add_argument("--repeats", type=V.int_arg(1, 1000), default=5, help="bandwidth timings, best kept (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -317,14 +368,16 @@ def _setup_bench(p):
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
     p.add_argument("--prompts", type=_positive_int, default=1, help="prompts per category (default 1)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--data", default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)")
+    p.add_argument("--data", type=V.in_file_arg, default=None,
+                   help="a Spec-Bench question.jsonl (default: the shipped copy)")
     p.add_argument("--baseline-hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers generate on the same weights (default on)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _sampling_args(p)
     _opt_arg(p, "METHOD.NAME=VALUE", "a method option; METHOD is a label or a method name (repeatable)")
-    p.add_argument("--json", metavar="OUT.json", default=None, help="write the report here (after every prompt)")
-    p.add_argument("--html", metavar="OUT.html", default=None, help="also write the report as one self-contained "
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
+                   help="write the report here (after every prompt)")
+    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=None, help="also write the report as one self-contained "
                    "HTML page with charts")
 
 
@@ -342,9 +395,9 @@ def _usable(model, methods: bench.MethodSpecs) -> bench.MethodSpecs:
 @_setup_bench
 def run_bench(args) -> int:
     methods = bench.parse_methods(args.methods or ",".join(bench.runnable_methods()), args.opt)
+    for label, (name, options) in methods.items():
+        _check_model_options(name, options, label)
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    _check_writable(args.json, "--json")
-    _check_writable(args.html, "--html")
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
@@ -377,11 +430,11 @@ def _finish(result: bench.BenchResult, out: str | None, html: str | None = None)
          "against transformers, and its HTML report")
 def _setup_demo(p):
     _model_args(p)
-    p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt every method answers")
+    p.add_argument("--prompt", type=V.text_arg, default=DEMO_PROMPT, help="the chat prompt every method answers")
     p.add_argument("--categories", default=DEMO_CATEGORIES, help=f"bench categories (default {DEMO_CATEGORIES})")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32)
-    p.add_argument("--json", metavar="OUT.json", default=None, help="write the bench report here")
-    p.add_argument("--html", metavar="OUT.html", default=DEMO_HTML, help=f"the bench report as an HTML page "
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the bench report here")
+    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=DEMO_HTML, help=f"the bench report as an HTML page "
                    f"(default {DEMO_HTML})")
 
 
@@ -404,8 +457,6 @@ def run_demo(args) -> int:
     t0 = time.perf_counter()
     methods = bench.runnable_methods()
     prompts = _read_prompts(None, _csv(args.categories), 1)
-    _check_writable(args.json, "--json")
-    _check_writable(args.html, "--html")
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)

@@ -28,6 +28,7 @@ import torch
 from .. import verify
 from ..decoding import GenerationError, Run, register
 from .bild import EarlyExit
+from .speculative import MAX_DRAFT_LEN
 
 
 def default_exit_layer(n_layers: int) -> int:
@@ -39,8 +40,9 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
     if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < n_layers:
         raise GenerationError(f"exit_layer must be an integer in [1, {n_layers - 1}] (the drafter is layers "
                               f"[0, exit_layer) of this {n_layers}-layer model and an exit head), got {exit_layer!r}")
-    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
-        raise GenerationError(f"draft_len must be an integer >= 1 (tokens drafted per verification), got {draft_len!r}")
+    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 1 <= draft_len <= MAX_DRAFT_LEN:
+        raise GenerationError(f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}] (tokens drafted per "
+                              f"verification), got {draft_len!r}")
     if isinstance(min_confidence, bool) or not isinstance(min_confidence, Real) or not 0 <= min_confidence <= 1:
         raise GenerationError(f"min_confidence must be a probability in [0, 1] (stop drafting when the exit head's "
                               f"top probability is below it; 0 = never), got {min_confidence!r}")

@@ -61,9 +61,13 @@ class DraftLength:
             self.gamma = self.gamma + 2 if accepted == drafted else max(1, self.gamma - 1)
 
 
+MAX_DRAFT_LEN = 256  # drafts per round; more only wastes draft calls on rejected tokens
+
+
 def check_options(draft_len, schedule, min_confidence) -> None:
-    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
-        raise GenerationError(f"draft_len must be an integer >= 1 (γ, the drafted tokens per round), got {draft_len!r}")
+    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 1 <= draft_len <= MAX_DRAFT_LEN:
+        raise GenerationError(f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}] (γ, the drafted tokens per round), "
+                              f"got {draft_len!r}")
     if schedule not in SCHEDULES:
         raise GenerationError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (constant: γ = draft_len; "
                               f"heuristic: +2 after a fully accepted round, -1 otherwise), got {schedule!r}")

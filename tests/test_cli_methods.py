@@ -82,7 +82,7 @@ def test_draft_option_names_a_model(capsys, tiny_hf_dir, tiny):
     assert "for a method option" in err
     rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "Hello", "--method", "bild",
                        "--opt", "small=/no/such/model")
-    assert rc == 2 and "small=/no/such/model" in err and "unknown model" in err
+    assert rc == 2 and "small" in err and "/no/such/model" in err and "unknown model" in err
 
 
 def test_bench_loads_a_named_draft(capsys, tiny_hf_dir, tmp_path):

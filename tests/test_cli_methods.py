@@ -6,20 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_cli import cli
 
 import layerleap
 from layerleap import bench, generate
-from layerleap.cli import main
 from layerleap.decoding import METHODS
-
-
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture(scope="module")

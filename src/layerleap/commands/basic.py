@@ -114,6 +114,16 @@ def _ram_mb() -> int:
         return 4096
 
 
+def _start_with_methods(args, methods: bench.MethodSpecs):
+    """Print the command, set the threads, load ``--model`` and the models that ``methods``' options
+    name -> (threads, model, methods with those models loaded)."""
+    print(f"$ {_command_line(args)}", flush=True)
+    threads = _threads(args.threads)
+    model = _load(args)
+    loader = _loader(args)
+    return threads, model, {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
+
+
 def _loader(args) -> ModelLoader:
     """Loads the models that method options name (``--opt draft=NAME``) like ``--model``."""
     return ModelLoader(args.dtype, getattr(args, "device", "cpu"), progress=_say)
@@ -217,16 +227,6 @@ def _method_options(method: str, items: list[str] | None) -> dict:
         raise LayerleapError(f"method {method!r} needs the option {missing[0]}: add --opt {missing[0]}=VALUE")
     _check_model_options(method, options)
     return options
-
-
-def _start_with_methods(args, methods: dict) -> tuple:
-    """Print the command line, set the threads, load ``--model`` and the models that method options
-    name: -> (model, threads, methods with those models in their options)."""
-    print(f"$ {_command_line(args)}", flush=True)
-    threads = _threads(args.threads)
-    model = _load(args)
-    loader = _loader(args)
-    return model, threads, {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
 
 
 def _check_model_options(method: str, options: dict, label: str = "") -> None:
@@ -422,7 +422,7 @@ def run_bench(args) -> int:
     for label, (name, options) in methods.items():
         _check_model_options(name, options, label)
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    model, threads, methods = _start_with_methods(args, methods)
+    threads, model, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
     print(_bench_header(args, model, threads, len(prompts)), flush=True)

@@ -77,7 +77,7 @@ def _methods(args) -> tuple[dict, dict]:
 def run(args) -> int:
     methods, skipped = _methods(args)
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    model, threads, methods = _start_with_methods(args, methods)
+    threads, model, methods = _start_with_methods(args, methods)
     usable, refused = bench.probe_methods(model, methods)
     for label, why in refused.items():  # a method asked for by name, or given options, must run
         name, options = methods[label]

@@ -62,7 +62,7 @@ class MatchRateConfig:
                 V.integer(k, "k", 1, model.config.vocab_size, " (the vocabulary)")
             V.integer(self.top_k, "top_k", 1)
             V.number(self.top_p, "top_p", 0, 1, lo_open=True)
-            V.number(self.temperature, "temperature", 0, lo_open=True)
+            V.number(self.temperature, "temperature", V.MIN_TEMPERATURE)
             V.seed(self.seed)
         return self
 

@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 from .errors import LayerleapError
 
+MIN_TEMPERATURE = 1e-6  # below it logits / temperature overflow float32 (and sampling is greedy anyway)
 SEED_MAX = 2**32 - 1  # training seeds are multiplied by ~1e6 and must stay inside torch's 64-bit seeds
 MAX_LIST = 100  # items in a comma list on the command line
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".avif",
@@ -324,6 +325,7 @@ nonneg_int = int_arg(0)
 seed_arg = int_arg(0, SEED_MAX)
 probability_arg = float_arg(0.0, 1.0)
 positive_float = float_arg(0.0, lo_open=True)
+temperature_arg = float_arg(MIN_TEMPERATURE)
 
 
 def threads_arg(text: str) -> int:

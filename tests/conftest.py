@@ -46,3 +46,14 @@ def tiny_hf_dir(tmp_path_factory):
         if f.is_file() and f.name != "config.json" and "safetensors" not in f.name:  # tokenizer files only
             shutil.copy(f, folder / f.name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def char_model_dir(tmp_path_factory):
+    """A tiny random Llama (vocabulary 128) with a character-level tokenizer and a chat template, saved
+    as a Hugging Face folder named ``tiny``: a complete text model that loads in milliseconds (the
+    real 49k-token tokenizer of ``tiny_hf_dir`` takes most of a second to load)."""
+    from tiny_models import save_char_model
+    folder = tmp_path_factory.mktemp("char_model") / "tiny"
+    save_char_model(folder)
+    return folder

@@ -438,18 +438,20 @@ def test_sweep_bild_command(capsys, tmp_path, tiny_hf_dir):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--alpha-fb", "2"], "alpha_fb must be a probability"),
-    (["--alpha-rb", "-1"], "alpha_rb must be a cross-entropy"),
-    (["--alpha-fb", "x"], "not a number"),
-    (["--draft-lens", "0"], "not an integer >= 1"),
+    (["--alpha-fb", "2"], r"--alpha-fb: each item must be a finite number in \[0, 1\], got 2"),
+    (["--alpha-rb", "-1"], "--alpha-rb: each item must be a finite number >= 0"),
+    (["--alpha-fb", "x"], "each item must be a finite number"),
+    (["--draft-lens", "0"], r"each item must be an integer in \[1, 256\]"),
     (["--speculative", "fast:2"], "schedule must be one of 'constant', 'heuristic'"),
     (["--speculative", "heuristic"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
     (["--speculative", "heuristic:x"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
     (["--speculative", "constant:4:2"], "min_confidence must be a probability"),
     (["--exit-layer", 9], r"--exit-layer must be in \[1, 3\]"),
-    (["--small", "x", "--head", "shared"], "--head chooses the exit head"),
+    (["--small", "{D}", "--head", "shared"], "--head chooses the exit head"),
+    (["--small", "x"], "unknown model 'x'"),
 ])
 def test_sweep_bad_input(capsys, tiny_hf_dir, argv, message):
+    argv = [str(tiny_hf_dir) if a == "{D}" else a for a in argv]
     rc, _, err = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--prompts", 1, "--max-new-tokens", 2, *argv)
     assert rc == 2 and "Traceback" not in err
     assert __import__("re").search(message, err.strip().splitlines()[-1]), err

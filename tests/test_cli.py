@@ -124,7 +124,7 @@ BAD = [
     (["generate", "--model", "{D}", "--prompt", "hi", "--opt", "k=3"], "has no option k"),
     (["generate", "--model", "{D}", "--prompt", "hi", "--temperature", "0"], "temperature"),
     (["generate", "--model", "{D}", "--prompt", "hi", "--dtype", "int8"], "invalid choice"),
-    (["generate", "--model", "{D}", "--prompt", "hi", "--threads", "0"], "positive integer"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--threads", "0"], "must be an integer in [1, "),
     (["info", "--model", "no-such-model"], "unknown model"),
     (["bench", "--model", "{D}", "--categories", "nope"], "unknown Spec-Bench categories"),
     (["bench", "--model", "{D}", "--methods", "greedy,nope"], "unknown method"),
@@ -255,11 +255,15 @@ def test_run_bench_writes_after_every_prompt(tmp_path, tiny):
 
 
 # -- demo -------------------------------------------------------------------------------------------
-def test_demo_on_tiny_model(capsys, tiny_hf_dir):
-    rc, out, _ = cli(capsys, "demo", "--model", tiny_hf_dir, "--max-new-tokens", 3, "--categories", "qa")
+def test_demo_on_tiny_model(capsys, tiny_hf_dir, tmp_path):
+    html = tmp_path / "demo.html"
+    rc, out, _ = cli(capsys, "demo", "--model", tiny_hf_dir, "--max-new-tokens", 3, "--categories", "qa",
+                     "--html", html)
     assert rc == 0
-    assert "greedy: " in out and "sample: " in out  # the side-by-side columns
-    assert "transformers" in out and "demo finished" in out
+    for method in bench.probe_methods(layerleap.load_folder(tiny_hf_dir), bench.runnable_methods())[0]:
+        assert f"\n{method}: 3 tokens" in out  # every built-in method that runs without a second model
+    assert "transformers" in out and "demo finished" in out and str(html) in out
+    assert "<svg" in html.read_text()
 
 
 def test_command_groups_and_duplicate_names(capsys):

@@ -152,8 +152,8 @@ def test_training_errors(tmp_path):
     for cfg, match in [(_cfg(layers=()), "no layers"), (_cfg(layers=(n,)), "final layer"),
                        (_cfg(layers=(0,)), "integers in"), (_cfg(layers=(1, 1)), "repeat"),
                        (_cfg(kind="shared"), "lens or full"), (_cfg(loss="mse"), "unknown loss"),
-                       (_cfg(init="zeros"), "unknown init"), (_cfg(tokens=0), "tokens must be positive"),
-                       (_cfg(lr=-1.0), "lr must be"), (_cfg(candidates=-1), ">= 0")]:
+                       (_cfg(init="zeros"), "unknown init"), (_cfg(tokens=0), "tokens must be a positive integer"),
+                       (_cfg(lr=-1.0), "lr must be"), (_cfg(candidates=-1), r"candidates must be an integer in \[0, ")]:
         with pytest.raises(th.TrainHeadsError, match=match):
             th.train_heads(model, cfg, seqs=train, progress=False)
     (tmp_path / "f").write_text("x")
@@ -214,7 +214,7 @@ def test_cli_heads_sub_vocab(tmp_path, monkeypatch, capsys, tiny_hf_dir):
 def test_cli_train_heads_errors(capsys):
     from layerleap.cli import main
     assert main(["train", "heads", "--layers", "a,b", "--out", "x.safetensors"]) == 2
-    assert "--layers must be a comma list" in capsys.readouterr().err
+    assert "--layers: each item must be a positive integer" in capsys.readouterr().err
 
 
 @pytest.mark.real

@@ -96,17 +96,16 @@ def test_packaged_folder_converts_once(monkeypatch, tmp_path):
     calls = []
 
     def fake(parts, out, progress=print):
+        from tiny_models import random_model, save_hf_folder
         calls.append(parts)
         assert out.parent == tmp_path and out.name.startswith(".smollm2-135m-")
-        for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-            (out / f).write_text("{}")
+        save_hf_folder(random_model(), out)
 
     monkeypatch.setattr(loading, "_convert_gguf", fake)
     folder = loading.packaged_folder("smollm2-135m")
     size = sum(p.stat().st_size for p in loading._gguf_parts(loading.PACKAGED["smollm2-135m"]))
     assert folder == tmp_path / f"smollm2-135m-{size:x}"
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                        "tokenizer_config.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     assert len(calls) == 1 and calls[0][0].name.endswith(".gguf")
     assert loading.packaged_folder("smollm2-135m") == folder and len(calls) == 1  # cached
     assert leftovers(tmp_path, "smollm2-135m") == [folder]

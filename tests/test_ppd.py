@@ -11,7 +11,7 @@ from tiny_models import CONFIGS, naive_greedy, random_model
 
 import layerleap
 from layerleap import generate
-from layerleap.decoding import GenerationError
+from layerleap.decoding import GenerationError, drive
 from layerleap.methods import ppd as ppd_mod
 
 
@@ -104,8 +104,7 @@ def test_ppd_cache_after_decoding_equals_a_plain_prefill(models):
         caches.append(self.cache)
     ppd_mod.EarlyExit.__init__ = spy
     try:
-        with torch.inference_mode():
-            ppd_mod.ppd(run, exit_layer=2, k=2, head="shared")
+        drive(ppd_mod.ppd, run, exit_layer=2, k=2, head="shared")
     finally:
         ppd_mod.EarlyExit.__init__ = orig
     cache = caches[0]

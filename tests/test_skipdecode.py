@@ -10,7 +10,7 @@ from tiny_models import randomize_
 
 import layerleap
 from layerleap import GenerationError, LayerleapError, Transformer, generate, tiny_config
-from layerleap.decoding import GenerationConfig, Run
+from layerleap.decoding import GenerationConfig, Run, drive
 from layerleap.methods.skipdecode import (budget_at, calm, exit_schedule, layer_ranges, skipdecode, target_config)
 
 D = 6
@@ -109,8 +109,7 @@ def _run(model, prompts, max_new, fn, **opts):
     caches = []
     orig = run.new_cache
     run.new_cache = lambda extra=0: caches.append(orig(extra)) or caches[-1]
-    with torch.inference_mode():
-        fn(run, **opts)
+    drive(fn, run, **opts)
     return run, caches[0]
 
 

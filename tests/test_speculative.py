@@ -262,9 +262,9 @@ DRAFT = object()  # stands for the tiny draft model in the cases below
 @pytest.mark.parametrize("options, message", [
     ({}, r"needs the option\(s\) draft"),
     ({"draft": None}, "needs a draft model"),
-    ({"draft": DRAFT, "draft_len": 0}, "draft_len must be an integer >= 1"),
-    ({"draft": DRAFT, "draft_len": 2.5}, "draft_len must be an integer >= 1"),
-    ({"draft": DRAFT, "draft_len": True}, "draft_len must be an integer >= 1"),
+    ({"draft": DRAFT, "draft_len": 0}, r"draft_len must be an integer in \[1, 256\]"),
+    ({"draft": DRAFT, "draft_len": 2.5}, r"draft_len must be an integer in \[1, 256\]"),
+    ({"draft": DRAFT, "draft_len": True}, r"draft_len must be an integer in \[1, 256\]"),
     ({"draft": DRAFT, "schedule": "fast"}, "schedule must be one of 'constant', 'heuristic'"),
     ({"draft": DRAFT, "schedule": None}, "schedule must be one of"),
     ({"draft": DRAFT, "min_confidence": 1.5}, r"min_confidence must be a probability in \[0, 1\]"),

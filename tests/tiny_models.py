@@ -92,3 +92,59 @@ def tree_path(parents: list[int], node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
+
+
+def save_hf_folder(model: Transformer, folder, tokenizer_from=None, shards: int = 1):
+    """``model`` as a Hugging Face folder (config.json, safetensors weights in ``shards`` files with an
+    index when more than one), with the tokenizer files of the folder ``tokenizer_from`` copied in."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from layerleap.loading import ours_to_hf
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=1))
+    sd = {k: v.clone() for k, v in ours_to_hf(model).items()}  # fused q/k/v share storage
+    if shards == 1:
+        save_file(sd, str(folder / "model.safetensors"))
+    else:
+        keys = sorted(sd)
+        names = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors": keys[i::shards] for i in range(shards)}
+        for name, ks in names.items():
+            save_file({k: sd[k] for k in ks}, str(folder / name))
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {k: n for n, ks in names.items() for k in ks}}))
+    if tokenizer_from is not None:
+        for f in Path(tokenizer_from).iterdir():
+            if f.is_file() and f.name != "config.json" and "safetensors" not in f.name:
+                shutil.copy(f, folder / f.name)
+    return folder
+
+
+CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
+
+
+def save_char_tokenizer(folder) -> None:
+    """A character-level tokenizer (ids 0-2: <unk> <s> </s>, then printable ASCII and newline) with a
+    chat template, saved as tokenizer files: it loads in milliseconds, where a real 49k-token one
+    takes most of a second."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
+    tok.save_pretrained(str(folder))
+
+
+def save_char_model(folder, seed: int = 0, **overrides):
+    """A tiny random model (vocabulary 128) with the character tokenizer: a complete text model that
+    loads in a fraction of a second."""
+    model = random_model(dict(vocab_size=128, max_position=2048, tie_embeddings=False, **overrides), seed=seed)
+    save_hf_folder(model, folder)
+    save_char_tokenizer(folder)
+    return model

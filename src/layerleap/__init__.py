@@ -1,13 +1,38 @@
-"""layerleap: faster decoding from what intermediate layers already know."""
+"""layerleap: faster decoding from what intermediate layers already know.
 
-from .config import ModelConfig, tiny_config
-from .decoding import METHODS, GenerationConfig, GenerationError, GenerationResult, generate, get_method, register
+The names below are imported on first use (PEP 562), so ``import layerleap`` and the ``layerleap``
+command start without loading torch: a Ctrl-C during start-up is then handled like any other."""
+
+from __future__ import annotations
+
 from .errors import LayerleapError
-from .kv_cache import KVCache
-from .loading import available_models, from_hf, load, load_folder, to_hf
-from .model import Transformer
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "tiny_config", "KVCache", "Transformer", "load", "load_folder", "from_hf", "to_hf",
-           "available_models", "generate", "GenerationResult", "GenerationConfig", "GenerationError", "METHODS",
-           "register", "get_method", "LayerleapError"]
+_EXPORTS = {
+    "ModelConfig": "config", "tiny_config": "config", "KVCache": "kv_cache", "Transformer": "model",
+    "load": "loading", "load_folder": "loading", "from_hf": "loading", "to_hf": "loading",
+    "available_models": "loading", "generate": "decoding", "GenerationResult": "decoding",
+    "GenerationConfig": "decoding", "GenerationError": "decoding", "METHODS": "decoding", "register": "decoding",
+    "get_method": "decoding", "Decoding": "decoding", "stream": "streaming", "TextStream": "streaming",
+}
+__all__ = [*_EXPORTS, "LayerleapError"]
+
+
+def __getattr__(name: str):
+    import importlib
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:  # a submodule: layerleap.datasets, layerleap.loading, ...
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,8 +1,32 @@
-"""``python -m layerleap ...`` is the ``layerleap`` command (``python -m layerleap.cli`` would load the
-CLI module twice, and the subcommands would register with the other copy)."""
+"""The ``layerleap`` command: the console script runs ``run``, as does ``python -m layerleap ...``
+(``python -m layerleap.cli`` would load the CLI module twice, and the subcommands would register
+with the other copy).
 
+``run`` installs the Ctrl-C handling (``layerleap.interrupts``) before anything heavy is imported,
+so an interrupt at any moment (importing torch, parsing, loading, converting, decoding, training)
+ends with one line and exit code 130."""
+
+import os
+import signal
 import sys
 
-from .cli import main
+from . import interrupts
 
-sys.exit(main())
+
+def run() -> None:
+    interrupts.install()
+    try:
+        from .cli import main
+        code = main()
+    except KeyboardInterrupt:  # outside a command: importing the commands or parsing
+        print("layerleap: interrupted", file=sys.stderr)
+        code = 130
+    except BrokenPipeError:  # stdout closed early (| head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutting down: no traceback from a late Ctrl-C
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import validate as V
 from .decoding import GenerationError, generate
 from .errors import LayerleapError
 from .files import save_safetensors, write_json
@@ -152,12 +153,15 @@ class TrainConfig:
     val_every: int = 4  # every n-th calibration sequence is held out to measure agreement
 
     def check(self) -> None:
-        if not (isinstance(self.epochs, int) and self.epochs >= 1):
-            raise AlignError(f"epochs must be an integer >= 1, got {self.epochs!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise AlignError(f"lr must be a positive number, got {self.lr!r}")
-        if not (isinstance(self.batch_tokens, int) and self.batch_tokens >= 1):
-            raise AlignError(f"batch_tokens must be an integer >= 1, got {self.batch_tokens!r}")
+        with V.raising(AlignError):
+            V.integer(self.epochs, "epochs", 1)
+            V.number(self.lr, "lr", 0, lo_open=True)
+            V.integer(self.batch_tokens, "batch_tokens", 1)
+            V.number(self.weight_decay, "weight_decay", 0)
+            V.seed(self.seed)
+            V.integer(self.save_every, "save_every", 1)
+            V.integer(self.rank, "rank", 0)
+            V.integer(self.val_every, "val_every", 0)
 
 
 def _ckpt_path(out: Path) -> Path:
@@ -210,7 +214,7 @@ def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainCon
     total = steps_per_epoch * cfg.epochs
     ckpt = _ckpt_path(out)
     step = _load_ckpt(ckpt, params, opt, tag) if ckpt.is_file() else 0
-    losses = []
+    losses, stepping = [], False
     bar = tqdm(total=total, initial=step, desc=desc, unit="step", disable=not progress, leave=False)
     try:
         for epoch in range(step // steps_per_epoch, cfg.epochs):
@@ -220,15 +224,18 @@ def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainCon
                 opt.zero_grad(set_to_none=True)
                 loss = loss_fn(idx)
                 loss.backward()
+                stepping = True  # an interrupt inside opt.step leaves half-updated weights: not saved
                 opt.step()
+                stepping = False
                 step += 1
                 losses.append(float(loss.detach()))
                 bar.update()
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
                 if step % cfg.save_every == 0 and step < total:
                     _save_ckpt(ckpt, params, opt, step, tag)
-    except KeyboardInterrupt:
-        _save_ckpt(ckpt, params, opt, step, tag)
+    except KeyboardInterrupt:  # save what is finished (a rerun resumes there), unless a step was half done
+        if not stepping:
+            _save_ckpt(ckpt, params, opt, step, tag)
         raise
     finally:
         bar.close()

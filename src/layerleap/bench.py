@@ -14,6 +14,7 @@ the length), which makes times comparable and greedy tokens comparable one for o
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import platform
 import time
@@ -24,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from . import validate as V
 from .datasets import Prompt
 from .decoding import GenerationResult, generate, get_method
 from .errors import LayerleapError
@@ -39,8 +41,20 @@ MethodSpecs = dict[str, tuple[str, dict]]  # label -> (method name, options)
 
 # -- parsing method specs and option values --------------------------------------------------------
 def parse_value(text: str):
-    """``--opt`` value: bool (true/false), none, int, float, else the string itself."""
-    low = text.strip().lower()
+    """``--opt`` value: bool (true/false), none, int, float; JSON when it starts with ``[`` or ``{``;
+    a list of numbers when it has commas (``30,28,26``); else the string itself."""
+    stripped = text.strip()
+    if stripped[:1] in ("[", "{"):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError as e:
+            raise LayerleapError(f"option value {text!r} starts like JSON but is not ({e.msg}): fix it, e.g. "
+                                 "[[0], [1], [0, 0]]") from None
+    if "," in stripped:
+        items = [parse_value(t) for t in stripped.split(",")]
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+            return items
+    low = stripped.lower()
     if low in ("true", "false"):
         return low == "true"
     if low in ("none", "null"):
@@ -80,7 +94,7 @@ def check_options(label: str, method: str, options: dict) -> None:
                              f"add --opt {label}.{missing[0]}=VALUE")
 
 
-def parse_methods(text: str, opts: list[str] | None = None) -> MethodSpecs:
+def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) -> MethodSpecs:
     """``"greedy,s=sample"`` and ``["s.top_k=5"]`` -> ``{"greedy": ("greedy", {}), "s": ("sample", {"top_k": 5})}``.
 
     An item is ``METHOD`` or ``LABEL=METHOD`` (to run one method with several option sets); an
@@ -107,7 +121,8 @@ def parse_methods(text: str, opts: list[str] | None = None) -> MethodSpecs:
         for lb in hits:
             specs[lb][1][opt] = value
     for lb, (name, options) in specs.items():
-        check_options(lb, name, options)
+        if check:
+            check_options(lb, name, options)
     return specs
 
 
@@ -167,14 +182,40 @@ class Record:
     matches_hf: bool | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    acceptance: float | None = None  # kept / proposed draft tokens (drafting methods)
 
 
 def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult,
             greedy_type: bool) -> Record:
     s = res.stats
-    return Record(i, prompt.id, prompt.category, label, method, dict(options), s["new_tokens"], len(res.prompt_ids),
+    return Record(i, prompt.id, prompt.category, label, method, plain_options(options), s["new_tokens"], len(res.prompt_ids),
                   s["wall_s"], s["tokens_per_s"], s["ttft_s"], s["model_calls"], s["layers_per_token"],
-                  s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids))
+                  s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids),
+                  acceptance=acceptance(s))
+
+
+def draft_counts(stats: dict) -> tuple[int, int] | None:
+    """(proposed, accepted) draft tokens of a drafting method's run, from its stats: drafts for the
+    speculative and tree methods, early predictions for ``ppd``, small-model tokens for ``bild``;
+    None for a method that does not draft."""
+    if "drafted" in stats and "accepted" in stats:
+        return int(stats["drafted"]), int(stats["accepted"])
+    if "trials" in stats and "matches" in stats:
+        return int(stats["trials"]), int(stats["matches"])
+    if "small_tokens" in stats and "rolled_back" in stats:
+        return int(stats["small_tokens"]), int(stats["small_tokens"]) - int(stats["rolled_back"])
+    return None
+
+
+def acceptance(stats: dict) -> float | None:
+    """The share of proposed draft tokens that were kept (``draft_counts``), or None."""
+    counts = draft_counts(stats)
+    return counts[1] / counts[0] if counts and counts[0] else None
+
+
+def plain_options(options: dict) -> dict:
+    """Options as a report shows them: a model given as an option (a draft) by its name."""
+    return {k: (v.source or v.config.name) if isinstance(v, Transformer) else v for k, v in options.items()}
 
 
 def _compare(records: list[Record], ref: Record, hf: Record | None) -> None:
@@ -268,6 +309,7 @@ def summarize(records: list[Record], labels: list[str] | None = None, reference:
             "speedup_vs_greedy": _speedup(rs, by, reference), "speedup_vs_hf": _speedup(rs, by, HF_LABEL),
             "layers_per_token": _mean([r.layers_per_token for r in rs]),
             "tokens_per_call": _mean([r.tokens_per_call for r in rs]),
+            "acceptance": _mean([r.acceptance for r in rs]),
             "mean_ttft_s": _mean([r.ttft_s for r in rs]),
             "matches_hf": _count([r.matches_hf for r in rs]),
             "matches_greedy": _count([r.matches_greedy for r in rs]),
@@ -286,6 +328,7 @@ def format_table(summary: dict) -> str:
             ("vs HF", 6, lambda s: num(s["speedup_vs_hf"], ".2f", "x")),
             ("layers/tok", 10, lambda s: num(s["layers_per_token"], ".1f")),
             ("tok/call", 8, lambda s: num(s["tokens_per_call"], ".2f")),
+            ("accept", 6, lambda s: num(s.get("acceptance"), ".0%")),
             ("ttft s", 7, lambda s: num(s["mean_ttft_s"], ".3f")),
             ("=HF", 5, lambda s: s["matches_hf"] or "-")]
 
@@ -298,13 +341,25 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_config(model: Transformer) -> dict:
     import transformers
     return {
         "model": model.config.name, "source": model.source, "fingerprint": model.fingerprint,
         "dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "platform": platform.platform(), "cpu_cores": os.cpu_count(),
+        "machine": platform.machine(), "platform": platform.platform(), "cpu": cpu_name(), "cpu_cores": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -362,6 +417,9 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     prompts = _as_prompts(prompts)
     if not prompts:
         raise LayerleapError("no prompts to benchmark")
+    V.integer(max_new_tokens, "max_new_tokens", 1)
+    if out is not None:
+        V.report_file(out, "out")
     methods, ref = with_reference(methods)
     for label, (name, options) in methods.items():
         check_options(label, name, options)
@@ -369,7 +427,7 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     cfg = {**machine_config(model), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
            "sampling": sampling, "hf_baseline": hf_baseline, "warmup": warmup, "n_prompts": len(prompts),
            "categories": sorted({p.category for p in prompts}),
-           "methods": {lb: {"method": n, "options": o} for lb, (n, o) in methods.items()}}
+           "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()}}
     result = BenchResult(cfg, labels=list(methods) + ([HF_LABEL] if hf_baseline else []), reference=ref)
     save = (lambda: write_json(out, result.to_dict())) if out else (lambda: None)
     save()

@@ -1,6 +1,7 @@
 """The ``layerleap`` command line.  Each subcommand lives in its own module and registers itself
 with ``@command``; ``main`` turns a ``LayerleapError`` (or bad arguments) into a one-line message
-and exit code 2, never a traceback.
+and exit code 2, never a traceback, and Ctrl-C during a command into one line and exit code 130
+(``layerleap.__main__.run``, the console script, covers start-up too).
 
 A name with a space is a member of a group: ``@command("train heads", ...)`` and
 ``@command("train transfer", ...)`` in two modules make ``layerleap train heads|transfer``; the
@@ -13,16 +14,19 @@ import importlib
 import sys
 from typing import Callable
 
+from . import interrupts
 from .errors import LayerleapError
 
 # Modules that define subcommands (add a line here for a new one).
 COMMAND_MODULES = [
-    "layerleap.commands.basic",  # generate, info, bench, demo
+    "layerleap.commands.basic",  # generate, methods, info, bench, demo
+    "layerleap.commands.serve",  # serve
     "layerleap.commands.bild",  # sweep bild, align
     "layerleap.commands.skipdecode",  # finetune skipdecode, eval skipdecode / skipdecode-speed
     "layerleap.commands.ppd",  # theory ppd, eval ppd-parallel
     "layerleap.commands.heads",  # train heads, match-rate, eval head-cost, heads sub-vocab
     "layerleap.commands.hidden_transfer",  # train transfer / train medusa, eval drafters
+    "layerleap.commands.exactness",  # eval exactness
 ]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
@@ -50,9 +54,8 @@ def command(*names: str, help: str):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors: usage line + message, exit 2
-        self.print_usage(sys.stderr)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -60,14 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in COMMAND_MODULES:
         importlib.import_module(mod)
     parser = _Parser(prog="layerleap", description="Faster decoding from intermediate layers.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for name, (help_, setup, run) in _COMMANDS.items():
         group, _, member = name.partition(" ")
         if member:
             if group not in groups:
                 gp = sub.add_parser(group, help=GROUP_HELP.get(group, group), description=GROUP_HELP.get(group))
-                groups[group] = gp.add_subparsers(dest="what", required=True, parser_class=_Parser)
+                groups[group] = gp.add_subparsers(dest="what", required=True, parser_class=_Parser,
+                                                  metavar=f"{{{','.join(m.partition(' ')[2] for m in _COMMANDS if m.startswith(group + ' '))}}}")
             p = groups[group].add_parser(member, help=help_, description=help_)
         else:
             p = sub.add_parser(name, help=help_, description=help_)
@@ -78,16 +82,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    try:
+        with interrupts.deferred():  # importing torch and the commands
+            parser = build_parser()
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # bad arguments (2, one line printed) or --help (0)
+        return e.code if isinstance(e.code, int) else 2
     args.argv = argv  # the command line, for reports
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
     except LayerleapError as e:
-        print(f"layerleap {args._name}: error: {e}", file=sys.stderr)
-        return 2
+        if not interrupts.interrupted():  # else a library turned the Ctrl-C into another error
+            print(f"layerleap {args._name}: error: {e}", file=sys.stderr)
+            return 2
+        code = None
     except KeyboardInterrupt:
+        code = None
+    if code is None or (interrupts.interrupted() and code != 130):
+        _close_progress_bars()
         print(f"layerleap {args._name}: interrupted", file=sys.stderr)
         return 130
+    return code
+
+
+def _close_progress_bars() -> None:
+    """Close the tqdm bars an interrupt left open, so that their last redraw comes before our line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(tqdm, "tqdm", None)._instances if tqdm is not None else []):
+        bar.close()
 
 
 if __name__ == "__main__":

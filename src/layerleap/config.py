@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 
 from .errors import LayerleapError
@@ -61,6 +62,8 @@ class ModelConfig:
                 f"({', '.join(SUPPORTED_MODEL_TYPES)}); convert the model or choose another"
             )
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_scaling must be an object, got {str(rope)[:40]!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ConfigError(f"unsupported rope scaling {rope_type!r}: only the default rotary embedding is implemented")
@@ -72,29 +75,37 @@ class ModelConfig:
             raise ConfigError("unsupported attention_bias=true: it puts biases on q, k, v and the output "
                               "projection; layerleap implements Qwen2's q/k/v biases only")
         qkv_bias = model_type == "qwen2"
-        n_heads = hf["num_attention_heads"]
-        hidden = hf["hidden_size"]
+        n_heads = _field(hf, "num_attention_heads")
+        hidden = _field(hf, "hidden_size")
+        n_kv = _field(hf, "num_key_value_heads", n_heads)
+        head_dim = _field(hf, "head_dim", hidden // n_heads)
+        if n_heads % n_kv:
+            raise ConfigError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        vocab = _field(hf, "vocab_size")
+        if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab for e in eos_ids):
+            raise ConfigError(f"eos_token_id {eos!r} is not a token id in [0, {vocab})")
+        bos = hf.get("bos_token_id")
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        max_position = int(hf.get("max_position_embeddings", 2048))
+        max_position = _field(hf, "max_position_embeddings", 2048)
         window = hf.get("sliding_window") if hf.get("use_sliding_window", model_type == "mistral") else None
         if window:  # within the window, sliding-window attention is full attention
-            max_position = min(max_position, int(window))
+            max_position = min(max_position, _field(hf, "sliding_window"))
         return cls(
-            vocab_size=hf["vocab_size"],
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            n_layers=hf["num_hidden_layers"],
+            intermediate_size=_field(hf, "intermediate_size"),
+            n_layers=_field(hf, "num_hidden_layers"),
             n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=hf.get("head_dim") or hidden // n_heads,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=_number(hf, "rms_norm_eps", 1e-6),
+            rope_theta=_number({"rope_theta": theta}, "rope_theta", 10000.0),
             max_position=max_position,
             qkv_bias=qkv_bias,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
             eos_token_ids=eos_ids,
             model_type=model_type,
             name=name,
@@ -126,6 +137,25 @@ class ModelConfig:
         if self.model_type == "mistral":
             d["sliding_window"] = None  # full attention (transformers' MistralConfig defaults to a 4096 window)
         return d
+
+
+def _field(hf: dict, key: str, default: int | None = None, most: int = 1 << 24) -> int:
+    """A positive integer field of config.json (absent: ``default``)."""
+    v = hf.get(key)
+    if v is None:
+        if default is None:
+            raise ConfigError(f"{key} is missing: add it (a positive integer)")
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most:
+        raise ConfigError(f"{key} must be a positive integer up to {most}, got {str(v)[:40]!r}")
+    return v
+
+
+def _number(hf: dict, key: str, default: float) -> float:
+    v = default if hf.get(key) is None else hf[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{key} must be a positive number, got {v!r}")
+    return float(v)
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -90,3 +90,38 @@ def sharegpt_conversations(limit: int | None = None):
                 count += 1
                 if limit is not None and count >= limit:
                     return
+
+
+PROMPT_KEYS = ("prompt", "text", "content")  # a JSON-lines prompt object's text field (or Spec-Bench "turns")
+
+
+def read_prompts_file(path: str | Path) -> list[str]:
+    """Prompts from a file: ``.jsonl`` holds one JSON value a line (a string, or an object with
+    "prompt", "text", "content" or Spec-Bench's "turns"), any other file one prompt a line.  Blank
+    lines are skipped."""
+    p = Path(path)
+    if not p.is_file():
+        raise LayerleapError(f"prompts file {p} not found (or not a file): give a .jsonl or text file")
+    try:
+        lines = [(n, line) for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise LayerleapError(f"cannot read prompts file {p} ({type(e).__name__}): give a UTF-8 text file") from None
+    prompts = [_json_prompt(p, n, line) for n, line in lines] if p.suffix == ".jsonl" else [ln for _, ln in lines]
+    if not prompts:
+        raise LayerleapError(f"prompts file {p} holds no prompts: write one prompt a line")
+    return prompts
+
+
+def _json_prompt(path: Path, n: int, line: str) -> str:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise LayerleapError(f"{path}:{n} is not JSON ({e.msg}): write one JSON value a line, or use a .txt file "
+                             "for plain prompts") from None
+    if isinstance(value, dict):
+        turns = value.get("turns")
+        value = next((value[k] for k in PROMPT_KEYS if k in value), turns[0] if isinstance(turns, list) and turns else None)
+    if not isinstance(value, str) or not value.strip():
+        raise LayerleapError(f"{path}:{n}: a prompt line is a JSON string or an object with a non-empty "
+                             f"{', '.join(repr(k) for k in PROMPT_KEYS)} or 'turns' field")
+    return value

@@ -1,28 +1,34 @@
-"""The decoding API: ``generate``, the method registry and the per-call ``Run`` context.
+"""The decoding API: ``generate``, ``Decoding`` (the same call driven step by step), the method
+registry and the per-call ``Run`` context.
 
-A method is one function ``fn(run, **options) -> None`` registered under a name.  It reads the
-prompts, configuration and model from ``run``, makes model calls through ``run.forward`` (which
-counts model calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands
-them over with ``run.emit``.  Everything else (validation, tokenisation, batching, statistics,
-timing, decoding text) is done here once for all methods.
+A method is one function ``fn(run, **options)`` registered under a name.  It reads the prompts,
+configuration and model from ``run``, makes model calls through ``run.forward`` (which counts model
+calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands them over with
+``run.emit``.  A method written as a generator ``yield``s after each round that emitted tokens: the
+caller drives it round by round, so accepted tokens can be streamed (``layerleap.stream``) and a
+request can be dropped between rounds, with no threads.  Everything else (validation, tokenisation,
+batching, statistics, timing, decoding text) is done here once for all methods.
 """
 
 from __future__ import annotations
 
 import inspect
+import numbers
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import sampling
-from .errors import LayerleapError
+from . import validate as V
 from .kv_cache import KVCache
 from .model import Transformer
 
 
-class GenerationError(LayerleapError, ValueError):
+class GenerationError(V.InputError):
     """Bad input to ``generate``: the message names the problem and the fix."""
 
 
@@ -57,6 +63,8 @@ class Method:
     sampling: bool  # supports do_sample=True
     default_sample: bool  # samples unless told otherwise
     description: str
+    exact: bool = False  # its greedy output equals plain greedy decoding token for token
+    models: tuple[str, ...] = ()  # options that take a second model (a loaded model, or its name on the CLI)
 
     def options(self) -> dict[str, object]:
         sig = inspect.signature(self.fn)
@@ -66,17 +74,18 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False):
+def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False,
+             exact: bool = False, models: tuple[str, ...] = ()):
     def deco(fn):
         doc = (fn.__doc__ or "").strip().splitlines()
-        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "")
+        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "", exact, tuple(models))
         return fn
     return deco
 
 
 def get_method(name: str) -> Method:
     from . import methods  # noqa: F401  (registers the built-in methods)
-    if name not in METHODS:
+    if not isinstance(name, str) or name not in METHODS:
         raise GenerationError(f"unknown method {name!r}: choose one of {', '.join(sorted(METHODS))}")
     return METHODS[name]
 
@@ -189,6 +198,10 @@ class Run:
             self.emit(b, [t])
         return all(self.finished)
 
+    def cancel(self, row: int) -> None:
+        """Stop ``row``: it keeps the tokens it has, and the method stops once every row is done."""
+        self.finished[row] = True
+
     def remaining(self, row: int = 0) -> int:
         return self.gen.max_new_tokens - len(self.out[row])
 
@@ -208,8 +221,19 @@ def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool 
     return [int(i) for i in ids]
 
 
+PROMPT_FORMS = ("a prompt is text (str), a list of token ids, or a 1-D integer tensor; a batch is a list of "
+                "those or a 2-D integer tensor")
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
+    if isinstance(prompt, (bytes, bytearray)):
+        raise GenerationError("the prompt is bytes: decode it to text first (prompt.decode('utf-8'))")
     if isinstance(prompt, str):
+        V.text(prompt, "the prompt")
         if not prompt.strip():
             raise GenerationError("the prompt is empty: give some text to continue")
         tok = model.tokenizer
@@ -223,7 +247,15 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
             ids = tok(prompt)["input_ids"]
         return [int(i) for i in ids]
     if isinstance(prompt, torch.Tensor):
-        prompt = prompt.reshape(-1).tolist()
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise GenerationError(f"a tensor prompt must be 1-D integer token ids, got a {prompt.dim()}-D "
+                                  f"{str(prompt.dtype).removeprefix('torch.')} tensor: {PROMPT_FORMS}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or not all(_is_id(i) for i in prompt):
+        raise GenerationError(f"cannot read the prompt {V.show(prompt)}: {PROMPT_FORMS}")
+    if chat:
+        raise GenerationError("chat=True wraps text in the chat template; token ids are used as given: drop chat=True "
+                              "or pass text")
     ids = [int(i) for i in prompt]
     if not ids:
         raise GenerationError("the prompt is empty: give at least one token")
@@ -233,15 +265,29 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
     return ids
 
 
+MAX_BATCH = 4096  # prompts in one call
+
+
 def _split_prompts(prompt) -> tuple[list, bool]:
     """-> (list of single prompts, whether a list was given)."""
+    if isinstance(prompt, np.ndarray):  # token ids
+        prompt = torch.as_tensor(prompt)
     if isinstance(prompt, torch.Tensor):
-        return ([prompt[i] for i in range(prompt.shape[0])], True) if prompt.dim() == 2 else ([prompt], False)
+        if prompt.dim() == 2:
+            if not prompt.shape[0]:
+                raise GenerationError("the prompt tensor has no rows: give at least one prompt")
+            V.at_most(prompt.shape[0], MAX_BATCH, "the batch", "split the prompts into several calls")
+            return [prompt[i] for i in range(prompt.shape[0])], True
+        if prompt.dim() != 1:
+            raise GenerationError(f"a tensor prompt is 1-D (one prompt) or 2-D (a batch), got {prompt.dim()}-D: "
+                                  f"{PROMPT_FORMS}")
+        return [prompt], False
     if isinstance(prompt, (list, tuple)):
         if not prompt:
-            raise GenerationError("the prompt list is empty")
-        if all(isinstance(p, int) for p in prompt):
+            raise GenerationError("the prompt list is empty: give at least one prompt or token")
+        if all(_is_id(p) for p in prompt):
             return [list(prompt)], False
+        V.at_most(len(prompt), MAX_BATCH, "the batch", "split the prompts into several calls")
         return list(prompt), True
     return [prompt], False
 
@@ -259,13 +305,32 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
     ``prompt`` is text, a list of token ids, or a list of either.  Method options are keyword
     arguments (see ``layerleap.METHODS[name].options()``).
     """
+    d = Decoding(model, prompt, method, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                 seed=seed, do_sample=do_sample, stop_at_eos=stop_at_eos, chat=chat, **options)
+    for _ in d:
+        pass
+    return d.results if d.many else d.results[0]
+
+
+def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, temperature: float, top_k: int,
+             top_p: float, seed: int | None, do_sample: bool | None, stop_at_eos: bool, chat: bool,
+             options: dict) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
+    """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
+    _check(isinstance(model, Transformer), f"model must be a layerleap model (layerleap.load(...)), got "
+           f"{type(model).__name__}")
     m = get_method(method)
-    _check(isinstance(max_new_tokens, int) and max_new_tokens > 0,
-           f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    _check(isinstance(temperature, (int, float)) and temperature > 0,
-           f"temperature must be > 0, got {temperature!r} (use method='greedy' for deterministic output)")
-    _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-    _check(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+    with V.raising(GenerationError):
+        V.integer(max_new_tokens, "max_new_tokens", 1)
+        V.number(temperature, "temperature", 0, lo_open=True,
+                 hint=" (use method='greedy' for deterministic output)")
+        V.integer(top_k, "top_k", 0, hint=" (0 = off)")
+        V.number(top_p, "top_p", 0, 1, lo_open=True)
+        if seed is not None:
+            V.seed(seed)
+        if do_sample is not None:
+            V.flag(do_sample, "do_sample")
+        V.flag(stop_at_eos, "stop_at_eos")
+        V.flag(chat, "chat")
     allowed = m.options()
     unknown = sorted(set(options) - set(allowed))
     _check(not unknown, f"method {method!r} has no option {', '.join(unknown)}; its options: "
@@ -283,21 +348,109 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
         _check(len(p) + max_new_tokens <= ctx,
                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
                f"length {ctx}: shorten the prompt or lower max_new_tokens")
+    _check_memory(model, [len(p) for p in ids], max_new_tokens, m.batched)
     eos = tuple(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
     gen = GenerationConfig(max_new_tokens, do_sample, float(temperature), top_k, float(top_p), seed, stop_at_eos, eos)
+    return m, ids, many, gen
 
-    groups = [list(range(len(ids)))] if m.batched else [[i] for i in range(len(ids))]
-    results: list[GenerationResult | None] = [None] * len(ids)
-    for group in groups:
-        run = Run(model, [ids[i] for i in group], gen)
-        with torch.inference_mode():
-            m.fn(run, **options)
-        wall = time.perf_counter() - run.t0
-        for j, i in enumerate(group):
-            results[i] = _result(model, run, j, wall, method)
-    return results if many else results[0]
+
+class Decoding:
+    """One ``generate`` call, driven round by round: iterating yields, after each method round that
+    added tokens, the indices of the prompts whose output grew (``tokens(i)`` reads it); once the
+    iteration ends, ``results`` holds one ``GenerationResult`` per prompt.  ``cancel(i)`` stops
+    prompt ``i`` (it keeps what it has).  A batched method decodes all prompts as one batch, any other
+    one prompt after another.  Arguments as ``generate``'s; bad ones raise ``GenerationError`` here."""
+
+    def __init__(self, model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, **options):
+        m, ids, self.many, self.gen = _prepare(model, prompt, method, max_new_tokens, temperature, top_k, top_p, seed,
+                                               do_sample, stop_at_eos, chat, options)
+        self.model, self.method, self.options, self.prompt_ids = model, m, options, ids
+        self.groups = [list(range(len(ids)))] if m.batched else [[i] for i in range(len(ids))]
+        self.results: list[GenerationResult | None] = [None] * len(ids)
+        self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row
+        self._cancelled: set[int] = set()
+
+    def __iter__(self):
+        for group in self.groups:
+            group = [i for i in group if i not in self._cancelled]
+            if not group:
+                continue
+            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen)
+            self._where.update({i: (run, j) for j, i in enumerate(group)})
+            seen = [0] * len(group)
+            for _ in rounds(self.method.fn, run, self.options):
+                grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
+                seen = [len(o) for o in run.out]
+                if grew:
+                    yield grew
+                if all(i in self._cancelled for i in group):
+                    break
+            wall = time.perf_counter() - run.t0
+            grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
+            for j, i in enumerate(group):
+                self.results[i] = _result(self.model, run, j, wall, self.method.name)
+                if i in self._cancelled:
+                    self.results[i].stats["cancelled"] = True
+            if grew:
+                yield grew
+
+    def tokens(self, i: int) -> list[int]:
+        """The new tokens of prompt ``i`` so far."""
+        if i not in self._where:
+            return []
+        run, row = self._where[i]
+        return run.out[row]
+
+    def cancel(self, i: int) -> None:
+        self._cancelled.add(i)
+        if i in self._where:
+            run, row = self._where[i]
+            run.cancel(row)
+
+
+def rounds(fn: Callable, run: Run, options: dict):
+    """Run the method function ``fn``, yielding after each of its rounds (a plain function is one
+    round).  Only the method's own code runs under ``torch.inference_mode``, not the caller's
+    between rounds."""
+    with torch.inference_mode():
+        steps = fn(run, **options)
+    if not inspect.isgenerator(steps):
+        return
+    try:
+        while True:
+            with torch.inference_mode():
+                try:
+                    next(steps)
+                except StopIteration:
+                    return
+            yield
+    finally:
+        steps.close()
+
+
+def drive(fn: Callable, run: Run, **options) -> None:
+    """Run the method function ``fn`` on ``run`` to the end."""
+    for _ in rounds(fn, run, options):
+        pass
+
+
+def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int, batched: bool) -> None:
+    """Refuse a batch whose KV cache alone would take more than half of the machine's memory."""
+    c = model.config
+    per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * model.dtype.itemsize
+    rows = len(lengths) if batched else 1
+    need = rows * (max(lengths) + max_new_tokens) * per_token
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    _check(need <= ram // 2, f"the KV cache of {rows} prompt(s) × {max(lengths) + max_new_tokens} positions needs "
+           f"{need / 2**30:.1f} GiB, beyond half of this machine's {ram / 2**30:.0f} GiB: use fewer or shorter prompts "
+           "per call, or lower max_new_tokens")
 
 
 def _result(model: Transformer, run: Run, row: int, wall: float, method: str) -> GenerationResult:

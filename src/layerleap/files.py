@@ -51,6 +51,18 @@ def save_safetensors(path: str | Path, tensors: dict, metadata: dict | None = No
     return atomic_write(path, lambda p: save_file(data, str(p), metadata=meta))
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or a ``LayerleapError`` saying how to install it
+    (plots are an extra: ``pip install 'layerleap[plot]'``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise LayerleapError("this command draws plots and needs matplotlib: pip install 'layerleap[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     """A matplotlib figure as an image (the format from the suffix), then closed."""
     import matplotlib.pyplot as plt

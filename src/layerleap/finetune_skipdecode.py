@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import validate as V
 from .decoding import chat_token_ids
 from .errors import LayerleapError
 from .files import save_safetensors, write_json
@@ -84,11 +85,14 @@ class TrainConfig:
             raise FinetuneError(f"unknown loss {out.loss!r}: choose kd (match the base model) or ce (reference text)")
         if out.policy_prompt not in ("own", "median"):
             raise FinetuneError(f"unknown policy_prompt {out.policy_prompt!r}: choose own or median")
-        for k in ("steps", "batch_size", "gen_len", "max_prompt", "save_every", "n_examples"):
-            if getattr(out, k) <= 0:
-                raise FinetuneError(f"{k} must be positive, got {getattr(out, k)}")
-        if out.lr <= 0:
-            raise FinetuneError(f"lr must be > 0, got {out.lr}")
+        with V.raising(FinetuneError):
+            for k in ("steps", "batch_size", "gen_len", "max_prompt", "save_every", "n_examples"):
+                V.integer(getattr(out, k), k, 1)
+            V.integer(out.lr_warmup_steps, "lr_warmup_steps", 0)
+            V.number(out.lr, "lr", 0, lo_open=True)
+            V.number(out.weight_decay, "weight_decay", 0)
+            V.number(out.grad_clip, "grad_clip", 0)
+            V.seed(out.seed)
         return out
 
 

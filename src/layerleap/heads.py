@@ -41,7 +41,7 @@ class ExitHead(nn.Module):
 
     def __init__(self, model: Transformer, layer: int, vocab: torch.Tensor | None = None):
         super().__init__()
-        _check_layer(model, layer)
+        check_layer(model, layer)
         self.layer = layer
         self._model = [model]  # a list: the backbone is neither a submodule nor saved with the head
         self.register_buffer("vocab", None)  # [n] long ids of a sub-vocabulary head (saved), else None
@@ -134,10 +134,10 @@ class FullHead(ExitHead):
 _CLASSES = {"shared": ExitHead, "lens": LensHead, "full": FullHead}
 
 
-def _check_layer(model: Transformer, layer: int) -> None:
+def check_layer(model: Transformer, layer: int, name: str = "an exit head's layer") -> None:
     n = model.config.n_layers
     if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= n:
-        raise HeadError(f"an exit head's layer must be an integer in [1, {n}] (the number of layers run), got {layer!r}")
+        raise HeadError(f"{name} must be an integer in [1, {n}] (the number of layers run), got {layer!r}")
 
 
 def new_head(model: Transformer, layer: int, kind: str = "lens", vocab=None) -> ExitHead:
@@ -243,7 +243,7 @@ def get_head(model: Transformer, layer: int, head="auto") -> ExitHead:
         if head.layer != layer or head.model is not model:
             raise HeadError(f"the given head is for layer {head.layer} of another model or layer: pass one for layer {layer}")
         return head
-    _check_layer(model, layer)
+    check_layer(model, layer)
     if head == "shared":
         return new_head(model, layer, "shared")
     if head in ("trained", "auto"):

@@ -3,21 +3,31 @@
 Every load ends in ``load_folder``: a Hugging Face folder (``config.json``, safetensors weights,
 tokenizer files).  GGUF sources are converted once through ``transformers`` and cached as such a
 folder in the user cache (``$LAYERLEAP_CACHE``, default ``~/.cache/layerleap``), written atomically.
+
+A folder is checked before its weights are read (``check_folder``): the JSON files parse, every
+shard the index names exists, each safetensors header is consistent and matches its file's size,
+and every weight has the shape the config implies; a problem is a ``ModelFileError`` naming the
+file.  A cache entry that fails the check is rebuilt (with a message saying so); conversions run
+under a file lock in the cache folder, so two processes converting at once do the work once, and
+the temporary folders of a conversion that was killed are removed by the next one.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import validate as V
 from .config import ConfigError, ModelConfig
 from .errors import LayerleapError
 from .model import Transformer
@@ -32,6 +42,10 @@ class ModelNotFound(LayerleapError, LookupError):
 
 class MissingPackage(LayerleapError, ImportError):
     pass
+
+
+class ModelFileError(ConfigError):
+    """A model file that is corrupt, truncated or missing: the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -191,15 +205,79 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
 
 
 def packaged_folder(name: str, progress=None) -> Path:
-    """The cached Hugging Face folder of a packaged model, converting it on first use."""
+    """The cached Hugging Face folder of a packaged model, converting it on first use.  A cache entry
+    that fails ``check_folder`` is rebuilt; the conversion holds a file lock in the cache folder (a
+    second process waits for it, then uses its result) and first removes the temporary folders of
+    conversions that were killed."""
     pm = PACKAGED[name]
     progress = progress or _to_stderr
     parts = _gguf_parts(pm)
     size = sum(p.stat().st_size for p in parts)
     folder = cache_root() / f"{name}-{size:x}"
-    if not (folder / "config.json").is_file():
+    if folder.is_dir() and _problem(folder) is None:
+        if any(folder.parent.glob(f".{folder.name}.*")):  # a killed conversion's leftovers
+            with _cache_lock(folder, progress, wait=False) as held:
+                if held:
+                    _remove_leftovers(folder)
+        return folder
+    with _cache_lock(folder, progress):
+        _remove_leftovers(folder)
+        problem = _problem(folder)
+        if problem is None:  # another process converted it while we waited
+            return folder
+        if folder.exists():
+            progress(f"the cached conversion {folder} is broken ({problem}): rebuilding it")
+            _remove_tree(folder)
         _atomic_dir(folder, lambda tmp: _convert_gguf(parts, tmp, progress))
     return folder
+
+
+def _problem(folder: Path) -> str | None:
+    """Why a cache entry cannot be used, or None."""
+    if not folder.exists():
+        return "missing"
+    try:
+        check_folder(folder)
+    except LayerleapError as e:
+        return str(e)
+    return None
+
+
+@contextmanager
+def _cache_lock(folder: Path, progress, wait: bool = True):
+    """Hold the cache entry's file lock (``cache/.locks/NAME.lock``); yields whether it is held (with
+    ``wait=False`` it is not when another process holds it)."""
+    from filelock import FileLock, Timeout
+    locks = folder.parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(locks / f"{folder.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if not wait:
+            yield False
+            return
+        progress(f"waiting for another process converting {folder.name} …")
+        lock.acquire()
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """The temporary siblings (``.NAME.*``) of killed conversions and removals; call under the lock."""
+    for p in folder.parent.glob(f".{folder.name}.*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _remove_tree(folder: Path) -> None:
+    """Move a folder aside (atomically), then delete it: a crash half way leaves a leftover that the
+    next conversion removes, never a half-deleted entry under the real name."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    os.replace(folder, aside / "old")
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 # -- Hugging Face key mapping ---------------------------------------------------------------
@@ -309,30 +387,157 @@ def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
+_HEADER_MAX = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def read_safetensors_file(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """The tensor entries of a safetensors file and where its data starts, after checking that the
+    header parses, every entry is consistent (dtype, shape, offsets) and the file holds all the data
+    (a truncated or foreign file is a ``ModelFileError`` naming it)."""
+    import struct
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+            text = f.read(n) if n is not None and n <= min(_HEADER_MAX, size - 8) else None
+    except OSError as e:
+        raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
+    if text is None:
+        raise ModelFileError(f"{path} is not a safetensors file or is truncated ({size} bytes): replace it "
+                             "(re-download or re-convert the model)")
+    try:
+        header = json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        raise ModelFileError(f"{path} has a corrupt safetensors header: replace it (re-download or re-convert "
+                             "the model)") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{path} has a corrupt safetensors header: replace it")
+    entries, end = {}, 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            shape = [V.integer(d, "dim", 0) for d in info["shape"]]
+            begin, stop = (V.integer(x, "offset", 0) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError, LayerleapError):
+            raise ModelFileError(f"{path}: tensor {name!r} has a corrupt or unsupported header entry "
+                                 f"({V.show(info)}): replace the file") from None
+        if stop - begin != math.prod(shape) * dtype.itemsize:
+            raise ModelFileError(f"{path}: tensor {name!r} has {stop - begin} bytes for shape {shape}: the file is "
+                                 "corrupt, replace it")
+        entries[name] = {"dtype": info["dtype"], "shape": shape, "data_offsets": [begin, stop]}
+        end = max(end, stop)
+    if 8 + n + end > size:
+        raise ModelFileError(f"{path} is truncated: {size} bytes, its header needs {8 + n + end}: replace it "
+                             "(re-download or re-convert the model)")
+    return entries, 8 + n
+
+
+def read_safetensors_file(path: Path, dtype: torch.dtype | None = None,
+                          header: tuple[dict, int] | None = None) -> dict[str, torch.Tensor]:
     """Read a safetensors file tensor by tensor with plain reads, so every tensor owns its memory
     (no file mapping stays resident beside the weights); floating tensors are cast to ``dtype``
-    one at a time."""
-    import struct
+    one at a time.  The header is checked first (``safetensors_header``)."""
+    entries, base = header or safetensors_header(Path(path))
     out = {}
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        base = 8 + n
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in _ST_DTYPES:
-                raise ConfigError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        for name, info in entries.items():
             begin, end = info["data_offsets"]
             f.seek(base + begin)
             buf = bytearray(f.read(end - begin))
-            t = torch.frombuffer(buf, dtype=_ST_DTYPES[info["dtype"]]) if buf else torch.empty(0, dtype=_ST_DTYPES[info["dtype"]])
+            if len(buf) != end - begin:
+                raise ModelFileError(f"{path} is truncated at tensor {name!r}: replace it")
+            dt = _ST_DTYPES[info["dtype"]]
+            t = torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)
             t = t.reshape(info["shape"])
             out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
+
+
+def read_json(path: Path, what: str = "file") -> dict:
+    """A JSON object from ``path``; a ``ModelFileError`` naming the file when it is not one."""
+    try:
+        obj = json.loads(path.read_bytes())
+    except OSError as e:
+        raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path} is not valid JSON ({str(e)[:80]}): repair or replace the {what}") from None
+    if not isinstance(obj, dict):
+        raise ModelFileError(f"{path} holds JSON {type(obj).__name__}, not an object: repair or replace the {what}")
+    return obj
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder: the shards its index names (each must exist), or every
+    ``*.safetensors`` file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        wm = read_json(index, "weight index").get("weight_map")
+        if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
+            raise ModelFileError(f"{index} has no weight_map of tensor -> file: repair or replace it")
+        files = [folder / f for f in sorted(set(wm.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelFileError(f"{folder} lacks the shard(s) {', '.join(missing[:3])} named in {index.name}: "
+                                 "copy the missing files (or re-download the model)")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        bins = list(folder.glob("*.bin")) + list(folder.glob("*.pt"))
+        hint = " (pickled .bin/.pt weights are not loaded: convert them to safetensors)" if bins else ""
+        raise ConfigError(f"no safetensors weights in {folder}{hint}")
+    return files
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face weight names and shapes ``config`` implies (``lm_head`` only when untied)."""
+    c, D, hd = config, config.hidden_size, config.head_dim
+    out = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (c.n_heads * hd, D), p + "self_attn.k_proj.weight": (c.n_kv_heads * hd, D),
+                    p + "self_attn.v_proj.weight": (c.n_kv_heads * hd, D), p + "self_attn.o_proj.weight": (D, c.n_heads * hd),
+                    p + "mlp.gate_proj.weight": (c.intermediate_size, D), p + "mlp.up_proj.weight": (c.intermediate_size, D),
+                    p + "mlp.down_proj.weight": (D, c.intermediate_size), p + "input_layernorm.weight": (D,),
+                    p + "post_attention_layernorm.weight": (D,)})
+        if c.qkv_bias:
+            out.update({p + f"self_attn.{n}_proj.bias": (m * hd,)
+                        for n, m in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads))})
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = (c.vocab_size, D)
+    return out
+
+
+def check_folder(folder: Path, name: str | None = None):
+    """Check a model folder without reading its weights: -> (config, {file: header}).  Every problem
+    is a ``LayerleapError`` that names the file (see the module docstring)."""
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ModelNotFound(f"{folder} has no config.json: it is not a Hugging Face model folder")
+    try:
+        config = ModelConfig.from_hf(read_json(cfg_file, "model config"), name=name or folder.name)
+    except ModelFileError:
+        raise
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_file}: {e}") from None
+    for tok in ("tokenizer.json", "tokenizer_config.json"):
+        if (folder / tok).is_file():
+            read_json(folder / tok, "tokenizer file")
+    headers = {f: safetensors_header(f) for f in weight_files(folder)}
+    found = {k.removeprefix("model.") if not k.startswith("lm_head") else k: (f, tuple(e["shape"]))
+             for f, (entries, _) in headers.items() for k, e in entries.items() if not k.endswith("rotary_emb.inv_freq")}
+    for k, shape in expected_shapes(config).items():
+        short = k.removeprefix("model.") if not k.startswith("lm_head") else k
+        if short not in found:
+            raise ModelFileError(f"{folder}: weight {k!r} is in none of {', '.join(f.name for f in headers)}: the "
+                                 "weights are incomplete, replace them")
+        f, got = found[short]
+        if got != shape:
+            raise ModelFileError(f"{f}: weight {k!r} has shape {list(got)}, {cfg_file.name} implies {list(shape)}: "
+                                 "the weights and config.json do not match")
+    return config, headers
 
 
 def _release_freed_memory() -> None:
@@ -344,43 +549,40 @@ def _release_freed_memory() -> None:
         pass
 
 
-def _read_safetensors(folder: Path, dtype: torch.dtype | None = None) -> dict:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        bins = list(folder.glob("*.bin")) + list(folder.glob("*.pt"))
-        hint = " (pickled .bin/.pt weights are not loaded: convert them to safetensors)" if bins else ""
-        raise ConfigError(f"no safetensors weights in {folder}{hint}")
+def _read_safetensors(folder: Path, dtype: torch.dtype | None = None, headers: dict | None = None) -> dict:
+    headers = headers if headers is not None else {f: safetensors_header(f) for f in weight_files(folder)}
     sd = {}
-    for f in files:
-        sd.update(read_safetensors_file(folder / f, dtype))
+    for f, header in headers.items():
+        sd.update(read_safetensors_file(f, dtype, header))
     return sd
 
 
 def load_folder(folder: str | Path, dtype="float32", name: str | None = None) -> Transformer:
-    folder = Path(folder)
-    cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise ModelNotFound(f"{folder} has no config.json: it is not a Hugging Face model folder")
-    hf_cfg = json.loads(cfg_file.read_text())
-    config = ModelConfig.from_hf(hf_cfg, name=name or folder.name)
+    folder = V.path(folder, "folder")
     dt = _dtype(dtype)
-    sd = hf_to_ours(_read_safetensors(folder, dt), config, consume=True, column_major=Transformer.column_major(dt, "cpu"))
+    if name is not None:
+        V.text(name, "name")
+    if not folder.is_dir():
+        raise ModelNotFound(f"{folder} is not a folder: give a Hugging Face model folder")
+    config, headers = check_folder(folder, name)
+    sd = hf_to_ours(_read_safetensors(folder, dt, headers), config, consume=True,
+                    column_major=Transformer.column_major(dt, "cpu"))
     tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except Exception as e:  # transformers and tokenizers raise many kinds for a bad file
+            raise ModelFileError(f"cannot load the tokenizer in {folder} ({type(e).__name__}: {str(e)[:120]}): "
+                                 "repair or replace tokenizer.json / tokenizer_config.json") from None
     return build(config, sd, dt, tokenizer, source=str(folder))
 
 
 def _dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}: choose one of float32, bfloat16, float16")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {V.show(dtype)}: choose one of float32, bfloat16, float16")
     return DTYPES[dtype]
 
 
@@ -388,21 +590,38 @@ def _to_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def check_model(name_or_path, name: str = "model") -> str:
+    """A packaged model name or a model folder (holding config.json): -> the text; else
+    ``ModelNotFound`` with the choices."""
+    p = V.path(name_or_path, name)
+    text = str(name_or_path)
+    if text in PACKAGED:
+        return text
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelNotFound(f"{p} has no config.json: it is not a Hugging Face model folder")
+        return text
+    raise ModelNotFound(f"{name + ': ' if name and name != 'model' else ''}unknown model {V.show(text)}: give one of "
+                        f"{', '.join(PACKAGED)} or a local Hugging Face model folder")
+
+
 def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> Transformer:
     """Load a packaged model by name (``smollm2-135m``, ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``)
     or a local Hugging Face Llama-family folder."""
     _dtype(dtype)
-    if name_or_path in PACKAGED:
+    V.callable_or_none(progress, "progress")
+    check_model(name_or_path)
+    if isinstance(name_or_path, str) and name_or_path in PACKAGED:
         return load_folder(packaged_folder(name_or_path, progress), dtype, name=name_or_path)
-    p = Path(name_or_path).expanduser()
-    if p.is_dir():
-        return load_folder(p, dtype)
-    raise ModelNotFound(f"unknown model {name_or_path!r}: give one of {', '.join(PACKAGED)} or a local "
-                        "Hugging Face model folder")
+    return load_folder(Path(name_or_path).expanduser(), dtype)
 
 
 def from_hf(hf_model, tokenizer=None, dtype=None) -> Transformer:
     """Wrap a loaded `transformers` causal LM (its weights are copied into our layout)."""
+    from transformers import PreTrainedModel
+    if not isinstance(hf_model, PreTrainedModel):
+        raise ConfigError(f"from_hf takes a loaded transformers model (AutoModelForCausalLM...), got "
+                          f"{type(hf_model).__name__}")
     config = ModelConfig.from_hf(hf_model.config.to_dict(), name=getattr(hf_model.config, "name_or_path", "") or "hf")
     sd = hf_to_ours(dict(hf_model.state_dict()), config)
     dt = _dtype(dtype) if dtype is not None else next(hf_model.parameters()).dtype
@@ -411,6 +630,8 @@ def from_hf(hf_model, tokenizer=None, dtype=None) -> Transformer:
 
 def to_hf(model: Transformer):
     """A `transformers` model with the same weights (for comparisons)."""
+    if not isinstance(model, Transformer):
+        raise ConfigError(f"to_hf takes a layerleap model (layerleap.load(...)), got {type(model).__name__}")
     from transformers import AutoConfig, AutoModelForCausalLM
     d = model.config.to_hf()
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import validate as V
 from .errors import LayerleapError
 from .files import save_figure
 from .heads import ExitHead, get_head
@@ -54,8 +55,15 @@ class MatchRateConfig:
             raise MatchRateError(f"unknown mode {self.mode!r}: choose {', '.join(MODES)}")
         if not self.heads:
             raise MatchRateError("no heads: give e.g. shared,trained")
-        if self.max_new_tokens < 1 or self.buckets < 1:
-            raise MatchRateError("max_new_tokens and buckets must be positive")
+        with V.raising(MatchRateError):
+            V.integer(self.max_new_tokens, "max_new_tokens", 1, model.config.max_position - 1)
+            V.integer(self.buckets, "buckets", 1)
+            for k in self.ks:
+                V.integer(k, "k", 1, model.config.vocab_size, " (the vocabulary)")
+            V.integer(self.top_k, "top_k", 1)
+            V.number(self.top_p, "top_p", 0, 1, lo_open=True)
+            V.number(self.temperature, "temperature", 0, lo_open=True)
+            V.seed(self.seed)
         return self
 
 
@@ -185,9 +193,8 @@ def position_table(res: MatchRateResult, layer: int) -> str:
 
 def plot(results: dict[str, MatchRateResult], path) -> None:
     """p̂_correct against layer, one line per (head, k), one panel per result (category or mode)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .files import pyplot
+    plt = pyplot()
     n = len(results)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False, sharey=True)
     styles = {0: "-", 1: "--", 2: ":", 3: "-."}

@@ -22,14 +22,20 @@ Timing: ``generate`` returns wall-clock time and, measured apart, the time the m
 communication calls (sending, and waiting for a sub-process's result it takes over); ``ping_pong``
 measures the round-trip cost of the messages alone.  Start-up and shutdown are clean: sub-processes
 are daemons that stop on a stop message, on the main process closing the group, or on error, and
-``close()`` (also on ``with`` exit, Ctrl-C or an exception) joins and, if need be, terminates them.
+``close()`` (also on ``with`` exit, Ctrl-C or an exception) joins them after a finished generation,
+and terminates them at once otherwise.  The sub-processes ignore Ctrl-C from their first instruction
+(they start with SIGINT blocked): the terminal's interrupt reaches the whole process group, and only
+the main process answers it, with one line.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -110,13 +116,26 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+@contextmanager
+def _sigint_blocked():
+    """Block SIGINT in this thread while sub-processes start: they inherit the blocked signal (so a
+    Ctrl-C during their start-up cannot print a traceback), and a Ctrl-C meanwhile reaches us after."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _sub_main(rank: int, size: int, port: int, model_src, dbar: int, head, head_on: str, threads: int,
-              timeout_s: float) -> None:
+              timeout_s: float, dtype: str = "float32") -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process answers Ctrl-C and stops us
+    parent = os.getppid()
     _exit_with_parent()
     torch.set_num_threads(threads)
     from .heads import get_head
     from .loading import load
-    model = load(model_src, progress=lambda m: None) if isinstance(model_src, str) else model_src
+    model = load(model_src, dtype=dtype, progress=lambda m: None) if isinstance(model_src, str) else model_src
     store, pg = _group(rank, size, port, timeout_s)
     link = Link(pg, rank)
     d = model.config.n_layers
@@ -161,10 +180,10 @@ def _sub_main(rank: int, size: int, port: int, model_src, dbar: int, head, head_
                     else:
                         cache.truncate(pos, layers=range(0, lo))
                     pos += 1
-    except Exception:  # the main process went away (its error is the one to report) or a real failure
-        if rank == 1:
-            import traceback
-            traceback.print_exc()
+    except Exception as e:  # the main process went away (its error is the one to report) or a real failure
+        if os.getppid() == parent and rank == 1:
+            print(f"layerleap ppd sub-process {rank}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                  file=sys.stderr, flush=True)
     finally:
         del pg, store
 
@@ -175,7 +194,7 @@ class ParallelPPD:
     a ``Transformer`` (sent to the sub-processes, which then hold their own copy)."""
 
     def __init__(self, model, exit_layer: int | None = None, k: int = 1, head="auto", head_on: str = "sub",
-                 threads: int = 1, timeout_s: float = 120.0):
+                 threads: int = 1, timeout_s: float = 120.0, dtype: str = "float32"):
         from .heads import get_head
         from .loading import load
         units = k + 1 if isinstance(k, int) and not isinstance(k, bool) else None
@@ -185,7 +204,7 @@ class ParallelPPD:
                                 f"cores; this machine has {cores}: lower k or --threads")
         if head_on not in HEAD_ON:
             raise ParallelError(f"head_on must be one of {', '.join(HEAD_ON)}, got {head_on!r}")
-        self.model = load(model, progress=lambda m: None) if isinstance(model, str) else model
+        self.model = load(model, dtype=dtype, progress=lambda m: None) if isinstance(model, str) else model
         d = self.model.config.n_layers
         self.dbar = min_exit_layer(d) if exit_layer is None else exit_layer
         check_options(d, self.dbar, k)
@@ -200,8 +219,9 @@ class ParallelPPD:
         try:
             for rank in range(1, k + 1):
                 p = ctx.Process(target=_sub_main, args=(rank, k + 1, port, model, self.dbar, head, head_on, threads,
-                                                        timeout_s), daemon=True)
-                p.start()
+                                                        timeout_s, dtype), daemon=True)
+                with _sigint_blocked():
+                    p.start()
                 self.procs.append(p)
             self.store, self.pg = _group(0, k + 1, port, timeout_s)
         except BaseException:
@@ -217,17 +237,19 @@ class ParallelPPD:
         self.close()
 
     def close(self) -> None:
-        """Stop the sub-processes (a stop message, then join; terminate any that hang)."""
+        """Stop the sub-processes: between generations a stop message, then join (terminating any that
+        hang); during start-up or a generation cut short (Ctrl-C, an error) terminate them at once."""
         pg = getattr(self, "pg", None)
-        if pg is not None:
+        clean = pg is not None and not self._busy
+        if clean:
             for rank in range(1, self.k + 1):
-                try:  # a generation cut short needs its own stop first
-                    for _ in range(2 if self._busy else 1):
-                        self.link.isend(torch.tensor([STOP, 0, 0]), rank).wait(datetime.timedelta(seconds=2))
-                except Exception:
+                try:
+                    self.link.isend(torch.tensor([STOP, 0, 0]), rank).wait(datetime.timedelta(seconds=2))
+                except Exception:  # a sub-process that is gone already: terminated below
                     pass
         for p in self.procs:
-            p.join(timeout=10)
+            if clean:
+                p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
@@ -244,12 +266,14 @@ class ParallelPPD:
         computation on either side: the communication cost measured apart from the model."""
         self._check_alive()
         link = self.link
+        self._busy = True  # sub-process 1 expects the echo messages until the last
         link.send(torch.tensor([ECHO, repeats, n_values]), 1)
         buf = torch.randn(n_values)
         t0 = time.perf_counter()
         for _ in range(repeats):
             link.send(buf, 1)
             link.recv(buf, 1)
+        self._busy = False
         return (time.perf_counter() - t0) / repeats
 
     def message_sizes(self) -> dict[str, int]:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import evaluation
+from . import validate as V
 from .bench import machine_config
 from .files import save_figure, write_json
 from .datasets import Prompt
@@ -196,6 +197,9 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
 
     if not prompts:
         raise LayerleapError("no prompts to sweep")
+    V.integer(max_new_tokens, "max_new_tokens", 1)
+    if out is not None:
+        V.output_file(out, "out", (".json",))
     fixed = dict(fixed or {})
     points = [Point("greedy", "greedy")] + list(points)
     labels = [p.label for p in points]
@@ -260,11 +264,16 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
 
 def _resume(path: Path, cfg: dict, fresh: dict) -> dict:
     import json
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
+    if not path.stat().st_size:
         return fresh
-    same = all(old.get("config", {}).get(k) == cfg[k]
+    try:
+        old = json.loads(path.read_bytes())
+        ok = isinstance(old, dict) and isinstance(old.get("config"), dict) and isinstance(old.get("records"), list)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise LayerleapError(f"{path} exists and is not a sweep report: choose another --json (or delete it)")
+    same = all(old["config"].get(k) == cfg[k]
                for k in ("model", "fingerprint", "max_new_tokens", "chat", "fixed", "points", "prompt_ids"))
     if not same:
         raise LayerleapError(f"{path} holds a sweep with other settings: choose another --json or delete it")
@@ -400,9 +409,8 @@ def plot(summary: dict, path: str | Path, title: str = "") -> Path:
     """Quality against normalised latency, one panel per category (Figures 4 and 9): a line per
     alpha_rb through its alpha_fb points (marker size grows with alpha_fb), greedy as X, speculative
     decoding as squares, lines at greedy's score and 1 point below."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .files import pyplot
+    plt = pyplot()
 
     cats = sorted({c for e in summary.values() for c in e["categories"]})
     if not cats:

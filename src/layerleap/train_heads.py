@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from .decoding import chat_token_ids
 from .files import save_safetensors
 from .heads import ExitHead, HeadError, LensHead, new_head, save_heads
+from . import validate as V
 from .model import Transformer
 
 CACHE_FILE = "cache.safetensors"
@@ -89,15 +90,20 @@ class HeadTrainConfig:
             raise TrainHeadsError(f"unknown loss {self.loss!r}: choose kl (the final layer's distribution) or ce (its argmax)")
         if self.init not in INITS:
             raise TrainHeadsError(f"unknown init {self.init!r}: choose {' or '.join(INITS)}")
-        if self.candidates < 0 or self.negatives < 0:
-            raise TrainHeadsError("candidates and negatives must be >= 0")
-        for k in ("tokens", "epochs", "batch_tokens", "seq_len", "save_every"):
-            if getattr(self, k) <= 0:
-                raise TrainHeadsError(f"{k} must be positive, got {getattr(self, k)}")
-        if self.lr is not None and not self.lr > 0:
-            raise TrainHeadsError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise TrainHeadsError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        V_ = model.config.vocab_size
+        with V.raising(TrainHeadsError):
+            V.integer(self.candidates, "candidates", 0, V_, " (the vocabulary)")
+            V.integer(self.negatives, "negatives", 0, 10_000_000)
+            for k in ("tokens", "epochs", "batch_tokens", "seq_len", "save_every", "lstsq_tokens"):
+                V.integer(getattr(self, k), k, 1)
+            V.integer(self.skip_conversations, "skip_conversations", 0)
+            if self.lr is not None:
+                V.number(self.lr, "lr", 0, lo_open=True)
+            V.number(self.warmup_ratio, "warmup_ratio", 0, 1, hi_open=True)
+            V.number(self.weight_decay, "weight_decay", 0)
+            V.number(self.grad_clip, "grad_clip", 0)
+            V.number(self.ridge, "ridge", 0)
+            V.seed(self.seed)
         return self
 
     @property

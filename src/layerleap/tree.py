@@ -29,6 +29,9 @@ import torch
 from .errors import LayerleapError
 
 
+MAX_NODES = 512  # a verification pass over the tree costs ~n tokens; n x n masks stay small
+
+
 class TreeError(LayerleapError, ValueError):
     """A tree shape that cannot be used: the message names the problem and the fix."""
 
@@ -61,6 +64,13 @@ def topk_paths(shape) -> list[tuple[int, ...]]:
     shape = tuple(shape)
     if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in shape):
         raise TreeError(f"a top-k tree shape is a list of integers >= 1 (top-k per depth), got {list(shape)!r}")
+    nodes, width = 0, 1
+    for k in shape:
+        width *= k
+        nodes += width
+        if nodes > MAX_NODES:
+            raise TreeError(f"the tree {','.join(map(str, shape))} has more than {MAX_NODES} nodes (the limit): give "
+                            "fewer or narrower levels, e.g. 2,2,1")
     paths: list[tuple[int, ...]] = []
     level: list[tuple[int, ...]] = [()]
     for k in shape:
@@ -80,12 +90,13 @@ def parse_tree(tree) -> list[tuple[int, ...]]:
     if isinstance(tree, str):
         text = tree.strip().replace(" ", "")
         try:
-            if ";" in text or "." in text:
-                return _check_paths([tuple(int(r) for r in p.split(".")) for p in text.split(";") if p])
-            return topk_paths([int(k) for k in text.split(",") if k])
+            paths = [tuple(int(r) for r in p.split(".")) for p in text.split(";") if p] \
+                if ";" in text or "." in text else None
+            shape = [int(k) for k in text.split(",") if k] if paths is None else None
         except ValueError:
             raise TreeError(f"cannot read the tree shape {tree!r}: give top-k per depth ('2,1,1') or paths "
                             "of ranks ('0;1;0.0;0.0.0')") from None
+        return _check_paths(paths) if paths is not None else topk_paths(shape)
     if isinstance(tree, (list, tuple)):
         if all(isinstance(k, int) and not isinstance(k, bool) for k in tree):
             return topk_paths(tree)
@@ -96,6 +107,8 @@ def parse_tree(tree) -> list[tuple[int, ...]]:
 
 
 def _check_paths(paths: list[tuple]) -> list[tuple[int, ...]]:
+    if len(paths) > MAX_NODES:
+        raise TreeError(f"the tree has {len(paths)} paths, beyond the limit of {MAX_NODES} nodes: give fewer")
     for p in paths:
         if not p or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in p):
             raise TreeError(f"a tree path is a non-empty tuple of ranks >= 0, got {p!r}")

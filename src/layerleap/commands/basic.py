@@ -1,4 +1,4 @@
-"""The basic subcommands: ``generate``, ``info``, ``bench`` and ``demo``.
+"""The basic subcommands: ``generate``, ``methods``, ``info``, ``bench`` and ``demo``.
 
 stdout carries the results (one JSON object with ``--json``); loading messages and progress go to
 stderr.  Bad input raises ``LayerleapError`` (``cli.main`` turns it into one line and exit code 2);
@@ -8,6 +8,7 @@ argparse rejects malformed numbers the same way.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shlex
@@ -15,47 +16,59 @@ import shutil
 import sys
 import textwrap
 import time
-from itertools import zip_longest
 from pathlib import Path
 
 import torch
 
 from .. import bench, methods as _builtin_methods, roofline  # noqa: F401  (registers the built-in methods)
+from .. import validate as V
 from ..cli import command
-from ..datasets import spec_bench
+from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, generate, get_method
 from ..errors import LayerleapError
-from ..loading import DEFAULT_MODEL, load
-
-DTYPES = ("float32", "bfloat16")
+from ..loading import DEFAULT_MODEL, DTYPES, check_model, load
+from ..options import ModelLoader, resolve_models, to_device
+from ..report import write_html_report
+from ..streaming import stream
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 DEMO_CATEGORIES = "qa,summarization"
 DEMO_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "seed": 0}  # greedy methods ignore these
+DEMO_HTML = "layerleap-demo.html"
 
 
 # -- shared arguments and helpers -------------------------------------------------------------------
-def _positive_int(text: str) -> int:
+_positive_int = V.positive_int  # the argparse types of every command live in layerleap.validate
+_model_arg = V._as_arg(lambda t: check_model(t, ""), label="model")
+
+
+def _device(text: str) -> str:
+    """``--device``: a torch device that exists here."""
+    import torch
     try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return n
+        dev = torch.device(text.strip())
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{V.show(text)} is not a torch device: write cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA device here: use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text}: layerleap runs on cpu or cuda")
+    return text.strip()
 
 
 def _model_args(p, dtype: str = "float32") -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged model name or Hugging Face folder "
-                   f"(default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"weight dtype (default {dtype})")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--model", type=_model_arg, default=DEFAULT_MODEL, help=f"packaged model name or Hugging Face "
+                   f"folder (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default=dtype, choices=list(DTYPES), help=f"weight dtype (default {dtype})")
+    p.add_argument("--device", type=_device, default="cpu", help="torch device for the model(s), e.g. cuda (default cpu)")
+    p.add_argument("--threads", type=V.threads_arg, default=None, help="torch threads (default: all cores)")
 
 
 def _sampling_args(p) -> None:
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0: off)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0: off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--temperature", type=V.positive_float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-k", type=V.nonneg_int, default=None, help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=V.float_arg(0.0, 1.0, lo_open=True), default=None,
+                   help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--seed", type=V.seed_arg, default=None, help=f"random seed for sampling (0 .. {V.SEED_MAX})")
 
 
 def _sampling(args) -> dict:
@@ -73,11 +86,37 @@ def _threads(n: int | None) -> int:
     return n
 
 
-def _load(args):
+def _load(args, name: str | None = None):
+    """The model ``--model`` (or ``name``) with ``--dtype``, on ``--device``."""
+    name = name or args.model
     t = time.perf_counter()
-    model = load(args.model, dtype=args.dtype, progress=_say)
-    _say(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t:.1f} s")
+    model = to_device(load(name, dtype=args.dtype, progress=_say), getattr(args, "device", "cpu"))
+    _say(f"loaded {name} ({args.dtype}) in {time.perf_counter() - t:.1f} s")
+    _check_sizes(model, args)
     return model
+
+
+def _check_sizes(model, args) -> None:
+    """The arguments whose limits depend on the model (``--max-new-tokens``, ``--context``), checked
+    before any heavy work."""
+    ctx = model.config.max_position
+    for opt in ("max_new_tokens", "context"):
+        n = getattr(args, opt, None)
+        if isinstance(n, int) and n >= ctx:
+            raise LayerleapError(f"--{opt.replace('_', '-')} {n} is beyond {model.config.name}'s context of {ctx} "
+                                 f"tokens: give at most {ctx - 1}")
+
+
+def _ram_mb() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    except (ValueError, OSError, AttributeError):
+        return 4096
+
+
+def _loader(args) -> ModelLoader:
+    """Loads the models that method options name (``--opt draft=NAME``) like ``--model``."""
+    return ModelLoader(args.dtype, getattr(args, "device", "cpu"), progress=_say)
 
 
 def _command_line(args) -> str:
@@ -96,17 +135,10 @@ def _read_prompts(path: str | None, categories: list[str] | None, n: int) -> lis
     return prompts
 
 
-def _check_writable(path: str | None) -> None:
-    if not path:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise LayerleapError(f"--json {path} is a folder: give a file name")
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise LayerleapError(f"cannot write {path}: {parent} is not a writable folder")
+def _check_writable(path: str | None, flag: str = "--json") -> None:
+    """Try writing ``path`` (a temporary sibling is created and removed)."""
+    if path:
+        V.output_file(path, flag)
 
 
 def _model_line(model, threads: int) -> str:
@@ -116,17 +148,31 @@ def _model_line(model, threads: int) -> str:
 
 
 # -- generate ---------------------------------------------------------------------------------------
-@command("generate", help="generate text from a prompt with one decoding method")
+@command("generate", help="generate text from a prompt (or a file of prompts) with one decoding method")
 def _setup_generate(p):
     _model_args(p)
-    p.add_argument("--method", default="greedy", help=f"decoding method: {', '.join(METHODS)} (default greedy)")
-    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
+    p.add_argument("--method", default="greedy", help=f"decoding method: {', '.join(METHODS)} (default greedy; "
+                   "`layerleap methods` lists them with their options)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", type=V.text_arg, help="the prompt text ('-' reads stdin, UTF-8)")
+    src.add_argument("--prompts-file", type=V.in_file_arg, metavar="FILE", help="prompts decoded as one batch (one by one for a method "
+                     "that does not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text' or "
+                     "Spec-Bench 'turns' a line; any other file one prompt a line")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _sampling_args(p)
-    p.add_argument("--opt", action="append", metavar="NAME=VALUE", help="a method option (repeatable); values "
-                   "are read as int, float, true/false or text")
-    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    _opt_arg(p, "NAME=VALUE", "a method option (repeatable)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--stream", action="store_true", help="print the text as tokens are accepted")
+    out.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) per prompt, "
+                     "one a line")
+
+
+def _opt_arg(p, metavar: str, what: str) -> None:
+    p.add_argument("--opt", action="append", metavar=metavar, help=f"{what}; a value is read as an int, float, "
+                   "true/false, none, a list when it has commas (schedule=30,28,26, tree=2,1,1), JSON when it starts "
+                   "with [ or {, else text; draft= and small= name a model (a packaged name or a folder), loaded "
+                   "with --dtype and --device")
 
 
 def _stats_line(stats: dict, threads: int) -> str:
@@ -137,22 +183,111 @@ def _stats_line(stats: dict, threads: int) -> str:
             f"threads {threads}")
 
 
-@_setup_generate
-def run_generate(args) -> int:
-    get_method(args.method)  # fail before loading the model
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+def _generate_prompts(args) -> list[str] | str:
+    if args.prompts_file:
+        prompts = read_prompts_file(args.prompts_file)
+        if args.stream and len(prompts) > 1:
+            raise LayerleapError(f"--stream prints one prompt's text as it comes; {args.prompts_file} holds "
+                                 f"{len(prompts)}: drop --stream, or use --prompt")
+        return prompts
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise LayerleapError("the prompt is empty: give some text with --prompt")
-    options = dict(bench.parse_assignments(args.opt))
+    return prompt
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None:
+        raise LayerleapError("--prompt - reads stdin, but stdin is closed: pipe the prompt in or give it as text")
+    return V.utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+
+
+def _method_options(method: str, items: list[str] | None) -> dict:
+    """``--opt NAME=VALUE`` items of ``generate``, checked against the method's options (a model-valued
+    one must name a model) before any model is loaded."""
+    m = get_method(method)
+    allowed = m.options()
+    options = dict(bench.parse_assignments(items))
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise LayerleapError(f"method {method!r} has no option {', '.join(unknown)}; its options: "
+                             f"{', '.join(allowed) or 'none'}")
+    missing = bench.required_options(method, options)
+    if missing:
+        raise LayerleapError(f"method {method!r} needs the option {missing[0]}: add --opt {missing[0]}=VALUE")
+    _check_model_options(method, options)
+    return options
+
+
+def _check_model_options(method: str, options: dict, label: str = "") -> None:
+    for k in get_method(method).models:
+        if isinstance(options.get(k), str):
+            check_model(options[k], f"--opt {label + '.' if label else ''}{k}")
+
+
+@_setup_generate
+def run_generate(args) -> int:
+    options = _method_options(args.method, args.opt)  # fail before loading the model
+    prompts = _generate_prompts(args)
     threads = _threads(args.threads)
     model = _load(args)
-    res = generate(model, prompt, args.method, args.max_new_tokens, chat=args.chat,
-                   **{**_sampling(args), **options})
+    kwargs = {**_sampling(args), **resolve_models(args.method, options, _loader(args))}
+    if args.stream:
+        s = stream(model, prompts[0] if isinstance(prompts, list) else prompts, args.method, args.max_new_tokens,
+                   chat=args.chat, **kwargs)
+        for piece in s:
+            print(piece, end="", flush=True)
+        print()
+        print(_stats_line(s.result.stats, threads))
+        return 0
+    res = generate(model, prompts, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
+    for r in res if isinstance(res, list) else [res]:
+        if args.json:
+            print(json.dumps(r.to_dict()))
+        else:
+            print(r.text)
+            print(_stats_line(r.stats, threads))
+    return 0
+
+
+# -- methods ----------------------------------------------------------------------------------------
+@command("methods", help="the decoding methods: options and defaults, whether exact, whether they batch and sample")
+def _setup_methods(p):
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _option_text(value) -> str:
+    if value is inspect.Parameter.empty:
+        return "required"
+    return "none" if value is None else str(value)
+
+
+def methods_table() -> dict:
+    """Every registered method: its options (with defaults) and flags."""
+    from ..decoding import METHODS as registry
+    return {name: {"exact": m.exact, "batches": m.batched, "samples": m.sampling, "samples_by_default": m.default_sample,
+                   "options": {k: (None if v is inspect.Parameter.empty else v) for k, v in m.options().items()},
+                   "required": [k for k, v in m.options().items() if v is inspect.Parameter.empty],
+                   "model_options": list(m.models), "description": m.description}
+            for name, m in registry.items()}
+
+
+@_setup_methods
+def run_methods(args) -> int:
+    from ..decoding import METHODS as registry
     if args.json:
-        print(json.dumps(res.to_dict()))
-    else:
-        print(res.text)
-        print(_stats_line(res.stats, threads))
+        print(json.dumps(methods_table(), default=str))
+        return 0
+    yes = {True: "yes", False: "-"}
+    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7}  options (default)")
+    for name, m in registry.items():
+        opts = ", ".join(f"{k}={_option_text(v)}" + (" (a model)" if k in m.models else "")
+                         for k, v in m.options().items()) or "-"
+        print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {opts}")
+        print(f"{'':16} {m.description}")
+    print("\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
+          "of prompts as one batch; samples: supports temperature/top-k/top-p sampling.  Options go in as "
+          "--opt NAME=VALUE.")
     return 0
 
 
@@ -162,8 +297,9 @@ def _setup_info(p):
     _model_args(p)
     p.add_argument("--context", type=_positive_int, default=512,
                    help="tokens in the KV cache for the roofline (default 512)")
-    p.add_argument("--buffer-mb", type=_positive_int, default=256, help="bandwidth test buffer (default 256 MB)")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="bandwidth timings, best kept (default 5)")
+    p.add_argument("--buffer-mb", type=V.int_arg(1, _ram_mb() // 4, "; at most a quarter of this machine's memory"),
+                   default=256, help="bandwidth test buffer (default 256 MB)")
+    p.add_argument("--repeats", type=V.int_arg(1, 1000), default=5, help="bandwidth timings, best kept (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -232,14 +368,17 @@ def _setup_bench(p):
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
     p.add_argument("--prompts", type=_positive_int, default=1, help="prompts per category (default 1)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--data", default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)")
+    p.add_argument("--data", type=V.in_file_arg, default=None,
+                   help="a Spec-Bench question.jsonl (default: the shipped copy)")
     p.add_argument("--baseline-hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers generate on the same weights (default on)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _sampling_args(p)
-    p.add_argument("--opt", action="append", metavar="METHOD.NAME=VALUE",
-                   help="a method option; METHOD is a label or a method name (repeatable)")
-    p.add_argument("--json", metavar="OUT.json", default=None, help="write the report here (after every prompt)")
+    _opt_arg(p, "METHOD.NAME=VALUE", "a method option; METHOD is a label or a method name (repeatable)")
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
+                   help="write the report here (after every prompt)")
+    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=None, help="also write the report as one self-contained "
+                   "HTML page with charts")
 
 
 def _bench_header(args, model, threads: int, n_prompts: int) -> str:
@@ -256,24 +395,30 @@ def _usable(model, methods: bench.MethodSpecs) -> bench.MethodSpecs:
 @_setup_bench
 def run_bench(args) -> int:
     methods = bench.parse_methods(args.methods or ",".join(bench.runnable_methods()), args.opt)
+    for label, (name, options) in methods.items():
+        _check_model_options(name, options, label)
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    _check_writable(args.json)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
+    loader = _loader(args)
+    methods = {label: (name, resolve_models(name, options, loader)) for label, (name, options) in methods.items()}
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
     print(_bench_header(args, model, threads, len(prompts)), flush=True)
     result = bench.run_bench(model, methods, prompts, args.max_new_tokens, hf_baseline=args.baseline_hf,
                              chat=args.chat, sampling=_sampling(args), out=args.json,
                              config={"command": _command_line(args)})
-    return _finish(result, args.json)
+    return _finish(result, args.json, args.html)
 
 
-def _finish(result: bench.BenchResult, out: str | None) -> int:
+def _finish(result: bench.BenchResult, out: str | None, html: str | None = None) -> int:
     print(result.table())
     if out:
         print(f"wrote {out}")
+    if html:
+        write_html_report(result.to_dict(), html)
+        print(f"wrote {html}")
     if result.interrupted:
         _say(f"interrupted: {result.prompts_done} of {result.config['n_prompts']} prompts finished")
         return 130
@@ -281,26 +426,30 @@ def _finish(result: bench.BenchResult, out: str | None) -> int:
 
 
 # -- demo -------------------------------------------------------------------------------------------
-@command("demo", help="side-by-side generation and a small benchmark on the embedded model")
+@command("demo", help="every built-in method that needs no second model on one chat prompt, a small benchmark "
+         "against transformers, and its HTML report")
 def _setup_demo(p):
     _model_args(p)
-    p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat prompt of the side-by-side generation")
+    p.add_argument("--prompt", type=V.text_arg, default=DEMO_PROMPT, help="the chat prompt every method answers")
     p.add_argument("--categories", default=DEMO_CATEGORIES, help=f"bench categories (default {DEMO_CATEGORIES})")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=48)
-    p.add_argument("--json", metavar="OUT.json", default=None, help="write the bench report here")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the bench report here")
+    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=DEMO_HTML, help=f"the bench report as an HTML page "
+                   f"(default {DEMO_HTML})")
 
 
-def side_by_side(results: dict, width: int | None = None) -> str:
-    """Texts of several generations in columns, each headed by its method and speed."""
-    width = width or shutil.get_terminal_size((120, 24)).columns
-    col = max(24, (width - 3 * (len(results) - 1)) // max(1, len(results)))
-    columns = []
+def method_blocks(results: dict, width: int | None = None) -> str:
+    """Each generation as a block: its method, exactness and speed, then its text, wrapped."""
+    width = min(100, width or shutil.get_terminal_size((100, 24)).columns)
+    blocks = []
     for label, r in results.items():
-        head = f"{label}: {r.stats['new_tokens']} tokens, {r.stats['tokens_per_s']:.1f} tok/s"
-        body = [line for para in r.text.strip().splitlines() for line in (textwrap.wrap(para, col) or [""])]
-        columns.append([head[:col], "-" * min(col, len(head))] + body)
-    return "\n".join(" | ".join(c.ljust(col) for c in cells).rstrip()
-                     for cells in zip_longest(*columns, fillvalue=""))
+        s = r.stats
+        exact = " (greedy-exact)" if get_method(s["method"]).exact and label != "sample" else ""
+        head = (f"{label}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
+                f"{s['tokens_per_call']:.2f} tokens/call, {s['layers_per_token']:.1f} layers/token{exact}")
+        body = [line for para in r.text.strip().splitlines() for line in (textwrap.wrap(para, width - 2) or [""])]
+        blocks.append("\n".join([head] + ["  " + line for line in body]))
+    return "\n\n".join(blocks)
 
 
 @_setup_demo
@@ -308,20 +457,21 @@ def run_demo(args) -> int:
     t0 = time.perf_counter()
     methods = bench.runnable_methods()
     prompts = _read_prompts(None, _csv(args.categories), 1)
-    _check_writable(args.json)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
     methods = _usable(model, methods)
     print(_model_line(model, threads))
     print(f"methods: {', '.join(methods)}; sampling: {DEMO_SAMPLING}\n\nprompt (chat): {args.prompt}\n")
-    shown = {m: generate(model, args.prompt, m, args.max_new_tokens, chat=True, **DEMO_SAMPLING)
-             for m in ("greedy", "sample") if m in methods}
-    print(side_by_side(shown))
-    print(f"\nbench: {len(prompts)} Spec-Bench prompts ({args.categories}) × {args.max_new_tokens} new tokens, "
+    shown = {}
+    for label, (name, options) in methods.items():
+        shown[label] = generate(model, args.prompt, name, args.max_new_tokens, chat=True,
+                                **{**DEMO_SAMPLING, **options})
+        print(method_blocks({label: shown[label]}) + "\n", flush=True)
+    print(f"bench: {len(prompts)} Spec-Bench prompts ({args.categories}) × {args.max_new_tokens} new tokens, "
           f"chat, each method then transformers, per prompt", flush=True)
     result = bench.run_bench(model, methods, prompts, args.max_new_tokens, chat=True, sampling=DEMO_SAMPLING,
                              out=args.json, config={"command": _command_line(args)})
-    rc = _finish(result, args.json)
-    print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+    rc = _finish(result, args.json, args.html)
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s; the report: {Path(args.html).resolve()}")
     return rc

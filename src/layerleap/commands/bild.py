@@ -14,9 +14,10 @@ from ..cli import command
 from ..companion import truncated
 from ..errors import LayerleapError
 from ..files import write_text
-from ..loading import load
+from .. import validate as V
 from ..methods.bild import HEADS, check_thresholds, exit_head
-from .basic import (_check_writable, _command_line, _csv, _load, _model_args, _model_line, _positive_int,
+from ..methods.speculative import MAX_DRAFT_LEN
+from .basic import (_command_line, _model_arg, _csv, _load, _model_args, _model_line, _positive_int,
                     _read_prompts, _say, _threads)
 
 SWEEP_CATEGORIES = "summarization,translation,math_reasoning"
@@ -26,66 +27,26 @@ DEFAULT_FB = "0.2,0.4,0.6,0.8"
 DEFAULT_RB = "0.5,1,2,4"
 
 
-def _floats(text: str, what: str, allow_none: bool = False) -> list[float]:
-    if allow_none and text.strip().lower() == "none":
-        return []
-    out = []
-    for item in _csv(text) or []:
-        try:
-            out.append(float(item))
-        except ValueError:
-            raise LayerleapError(f"{what}: {item!r} is not a number (write e.g. 0.2,0.4 or inf)") from None
-    if not out:
-        raise LayerleapError(f"{what}: give at least one value")
-    return out
-
-
-def _ints(text: str, what: str) -> list[int]:
-    if text.strip().lower() in ("", "none"):
-        return []
-    out = []
-    for item in _csv(text) or []:
-        if not item.isdigit() or int(item) < 1:
-            raise LayerleapError(f"{what}: {item!r} is not an integer >= 1")
-        out.append(int(item))
-    return out
+MAX_POINTS = 200  # BiLD grid points (fallback x rollback thresholds) in one sweep
 
 
 def _max_small(text: str):
     if text.strip().lower() in ("none", "0", "off"):
         return None
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'none', got {text!r}")
-    return int(text)
-
-
-def _device_args(p) -> None:
-    p.add_argument("--device", default="cpu", help="torch device for the models, e.g. cuda (default cpu)")
-
-
-def _to_device(model, device: str):
-    import torch
-    try:
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise LayerleapError(f"--device {device}: no CUDA device here: use --device cpu")
-        return model.to(dev)
-    except RuntimeError as e:
-        raise LayerleapError(f"--device {device}: {e}") from None
+    return V.int_arg(1, 10_000, " or none")(text)
 
 
 def _form_args(p) -> None:
     form = p.add_mutually_exclusive_group()
     form.add_argument("--exit-layer", type=_positive_int, default=None,
                       help="early-exit form: layers [0, E) and an exit head are the small model")
-    form.add_argument("--small", default=None, help="two-model form: the small model (name or folder)")
-    p.add_argument("--head", default="auto", help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
+    form.add_argument("--small", type=_model_arg, default=None, help="two-model form: the small model (name or folder)")
+    p.add_argument("--head", type=V.name_or_file_arg(HEADS, "exit head file"), default="auto", help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
                    "(default auto: a shipped trained head if there is one, else shared)")
 
 
 def _load_small(args, large):
-    small = _to_device(load(args.small, dtype=args.dtype, progress=_say), args.device)
-    _say(f"loaded small model {args.small}")
+    small = _load(args, args.small)
     if small.config.vocab_size != large.config.vocab_size:
         raise LayerleapError(f"--small {args.small} has another vocabulary than --model {args.model}: "
                              "choose models with the same tokenizer")
@@ -105,21 +66,29 @@ def _device_name(model) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
+def _spec_settings(text: str) -> list:
+    items = _csv(text) or []
+    V.at_most(len(items), V.MAX_LIST, "--speculative settings", "give fewer")
+    try:
+        return [sweep_mod.parse_spec_setting(t) for t in items]
+    except LayerleapError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # -- sweep ------------------------------------------------------------------------------------------
 @command("sweep bild", help="BiLD over (alpha_fb, alpha_rb): quality against latency, the paper's Figures 4/9 and Table 1")
 def _setup_sweep(p):
     _model_args(p)
-    _device_args(p)
     _form_args(p)
-    p.add_argument("--alpha-fb", default=DEFAULT_FB, help=f"fallback thresholds (default {DEFAULT_FB}; none: no "
+    p.add_argument("--alpha-fb", type=V.float_list_arg(0.0, 1.0, none=True), default=DEFAULT_FB, help=f"fallback thresholds (default {DEFAULT_FB}; none: no "
                    "BiLD points)")
-    p.add_argument("--alpha-rb", default=DEFAULT_RB, help=f"rollback thresholds; inf = never (default {DEFAULT_RB}; "
+    p.add_argument("--alpha-rb", type=V.float_list_arg(0.0, None, none=True, allow_inf=True), default=DEFAULT_RB, help=f"rollback thresholds; inf = never (default {DEFAULT_RB}; "
                    "none: no BiLD points)")
     p.add_argument("--max-small", type=_max_small, default=10, help="longest small-model run (default 10; none)")
-    p.add_argument("--draft-lens", default="2,4", help="speculative decoding draft lengths γ; its draft is the small "
+    p.add_argument("--draft-lens", type=V.int_list_arg(1, MAX_DRAFT_LEN, none=True), default="2,4", help="speculative decoding draft lengths γ; its draft is the small "
                    "model, or in the early-exit form the same first E layers and head; constant schedule, no "
                    "confidence stop (default 2,4; none: skip)")
-    p.add_argument("--speculative", default="", metavar="SETTINGS", help="more speculative decoding points, each "
+    p.add_argument("--speculative", type=_spec_settings, default="", metavar="SETTINGS", help="more speculative decoding points, each "
                    "SCHEDULE:γ[:MIN_CONFIDENCE], e.g. heuristic:4,heuristic:4:0.4,constant:20:0.4 (schedule constant "
                    "or heuristic, γ the first draft length, min_confidence the confidence stop; default none)")
     p.add_argument("--transformers", action="store_true", help="add `transformers` generate on the same weights as "
@@ -128,34 +97,32 @@ def _setup_sweep(p):
     p.add_argument("--categories", default=SWEEP_CATEGORIES, help=f"Spec-Bench categories (default {SWEEP_CATEGORIES})")
     p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--data", default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)")
+    p.add_argument("--data", type=V.in_file_arg, default=None,
+                   help="a Spec-Bench question.jsonl (default: the shipped copy)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the chat template (default on)")
-    p.add_argument("--json", metavar="OUT.json", default=None, help="the report (rewritten after every prompt; "
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="the report (rewritten after every prompt; "
                    "rerunning with the same settings resumes)")
-    p.add_argument("--plot", metavar="OUT.png", default=None, help="quality against latency, one panel per category")
-    p.add_argument("--table", metavar="OUT.md", default=None, help="write the markdown tables here too")
+    p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None, help="quality against latency, one panel per category")
+    p.add_argument("--table", metavar="OUT.md", type=V.table_arg, default=None, help="write the markdown tables here too")
 
 
 @_setup_sweep
 def run_sweep(args) -> int:
-    fbs = _floats(args.alpha_fb, "--alpha-fb", allow_none=True)
-    rbs = _floats(args.alpha_rb, "--alpha-rb", allow_none=True)
+    fbs, rbs = args.alpha_fb, args.alpha_rb
     if not fbs or not rbs:
         fbs = rbs = []  # none: no BiLD points
+    V.at_most(len(fbs) * len(rbs), MAX_POINTS, "--alpha-fb × --alpha-rb points", "give fewer thresholds")
     for fb in fbs:
         for rb in rbs:
             check_thresholds(fb, rb, args.max_small)
-    gammas = _ints(args.draft_lens, "--draft-lens")
-    settings = [sweep_mod.parse_spec_setting(t) for t in _csv(args.speculative) or []]
+    gammas, settings = args.draft_lens, args.speculative
     if args.small and args.head != "auto":
         raise LayerleapError("--head chooses the exit head of the early-exit form: drop it with --small")
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    for path in (args.json, args.plot, args.table):
-        _check_writable(path)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
-    large = _to_device(_load(args), args.device)
+    large = _load(args)
     fixed: dict = {"max_small": args.max_small}
     models: dict = {}
     if args.small:
@@ -214,24 +181,25 @@ def run_sweep(args) -> int:
 @command("align", help="BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs")
 def _setup_align(p):
     _model_args(p)
-    _device_args(p)
     _form_args(p)
-    p.add_argument("--out", required=True, help="the exit head file (.safetensors) or the small model's new folder")
+    p.add_argument("--out", type=V.path_arg, required=True,
+                   help="the exit head file (.safetensors) or the small model's new folder")
     p.add_argument("--categories", default=SWEEP_CATEGORIES, help=f"calibration categories (default {SWEEP_CATEGORIES})")
     p.add_argument("--prompts", type=_positive_int, default=16, help="calibration prompts per category (default 16)")
-    p.add_argument("--offset", type=int, default=8, help="skip this many prompts per category first, to keep "
+    p.add_argument("--offset", type=V.nonneg_int, default=8, help="skip this many prompts per category first, to keep "
                    "calibration apart from `sweep`'s evaluation prompts (default 8 = sweep's default --prompts)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--data", default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)")
+    p.add_argument("--data", type=V.in_file_arg, default=None,
+                   help="a Spec-Bench question.jsonl (default: the shipped copy)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--work", default=None, help="the calibration outputs JSON (default OUT.calib.json); reused on rerun")
-    p.add_argument("--epochs", type=_positive_int, default=4)
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 exit head, 1e-5 small model)")
+    p.add_argument("--work", type=V.path_arg, default=None, help="the calibration outputs JSON (default OUT.calib.json); reused on rerun")
+    p.add_argument("--epochs", type=V.int_arg(1, 10_000), default=4)
+    p.add_argument("--lr", type=V.positive_float, default=None, help="learning rate (default 1e-3 exit head, 1e-5 small model)")
     p.add_argument("--batch-tokens", type=_positive_int, default=256, help="output tokens per step (default 256)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument("--save-every", type=_positive_int, default=20, help="checkpoint every N steps (default 20)")
-    p.add_argument("--rank", type=int, default=64, help="exit head adapter rank (default 64; 0 = full matrix)")
-    p.add_argument("--val-every", type=int, default=4, help="hold out every n-th calibration prompt to measure "
+    p.add_argument("--rank", type=V.nonneg_int, default=64, help="exit head adapter rank (default 64; 0 = full matrix)")
+    p.add_argument("--val-every", type=V.nonneg_int, default=4, help="hold out every n-th calibration prompt to measure "
                    "agreement (default 4; 0 = none)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -242,20 +210,19 @@ def run_align(args) -> int:
         raise LayerleapError("choose the form: --exit-layer E (train an exit head) or --small MODEL (fine-tune it)")
     if args.small and args.head != "auto":
         raise LayerleapError("--head is not used by align: it trains a new head")
-    if args.offset < 0:
-        raise LayerleapError(f"--offset must be >= 0, got {args.offset}")
     from ..datasets import spec_bench
     prompts = spec_bench(args.data, _csv(args.categories), args.prompts, offset=args.offset)
     if not prompts:
         raise LayerleapError("no calibration prompts selected: lower --offset or add --categories")
-    out = Path(args.out)
-    if args.exit_layer is not None and out.suffix != ".safetensors":
-        raise LayerleapError(f"--out {args.out}: an exit head is saved as a .safetensors file")
-    work = Path(args.work) if args.work else out.with_name(out.name + ".calib.json")
-    _check_writable(str(work))
+    out = V.weights_file(args.out, "--out") if args.exit_layer is not None else V.output_dir(args.out, "--out")
+    if args.small and out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise LayerleapError(f"--out {out} exists and is not a model folder: choose another --out")
+    work = V.output_file(args.work or out.with_name(out.name + ".calib.json"), "--work", (".json",))
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
-    large = _to_device(_load(args), args.device)
+    large = _load(args)
+    if args.exit_layer is not None:
+        _exit_layer(args, large)
     print(f"{_model_line(large, threads)}\ncalibration: {len(prompts)} Spec-Bench prompts ({args.categories}, "
           f"{args.prompts} each after {args.offset}) × {args.max_new_tokens} greedy tokens -> {work}", flush=True)
     records = align_mod.calibrate(large, [p.text for p in prompts], work, args.max_new_tokens, chat=args.chat)

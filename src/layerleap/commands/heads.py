@@ -10,8 +10,10 @@ from pathlib import Path
 
 from ..cli import command
 from ..errors import LayerleapError
+from .. import validate as V
 from ..files import write_json
-from .basic import _check_writable, _command_line, _load, _model_args, _model_line, _positive_int, _threads
+from ..heads import check_layer
+from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _threads
 
 
 def _start(args):
@@ -24,14 +26,8 @@ def _start(args):
     return cmd, model, threads
 
 
-def _int_list(text: str, what: str) -> list[int]:
-    try:
-        out = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        out = []
-    if not out:
-        raise LayerleapError(f"{what} must be a comma list of integers, e.g. 10,15,20, got {text!r}")
-    return out
+HEAD_ARG = V.name_or_file_arg(("trained",), "heads file")
+LAYERS_ARG = V.int_list_arg(1)
 
 
 # -- train heads ------------------------------------------------------------------------------------
@@ -40,34 +36,36 @@ def _setup_train(p):
     from ..train_heads import HeadTrainConfig
     d = HeadTrainConfig()
     _model_args(p)
-    p.add_argument("--layers", required=True, help="comma list of layers, e.g. 8,15,23 (1 .. n_layers-1)")
+    p.add_argument("--layers", type=LAYERS_ARG, required=True, help="comma list of layers, e.g. 8,15,23 (1 .. n_layers-1)")
     p.add_argument("--kind", choices=["lens", "full"], default="lens",
                    help="lens: a D x D affine map before the frozen final norm and unembedding (small, default); "
                         "full: a trainable norm and V x D unembedding per layer (PPD's)")
     p.add_argument("--loss", choices=["kl", "ce"], default="kl",
                    help="kl: match the final layer's distribution (default); ce: its argmax")
-    p.add_argument("--tokens", type=_positive_int, default=d.tokens, help=f"ShareGPT positions to train on (default {d.tokens})")
-    p.add_argument("--epochs", type=_positive_int, default=d.epochs)
-    p.add_argument("--batch-tokens", type=_positive_int, default=d.batch_tokens, help="positions per step")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3 lens, 2e-5 full = Appendix A)")
+    p.add_argument("--tokens", type=V.int_arg(1, 10_000_000), default=d.tokens,
+                   help=f"ShareGPT positions to train on (default {d.tokens})")
+    p.add_argument("--epochs", type=V.int_arg(1, 10_000), default=d.epochs)
+    p.add_argument("--batch-tokens", type=V.int_arg(1, 1_000_000), default=d.batch_tokens, help="positions per step")
+    p.add_argument("--lr", type=V.positive_float, default=None, help="AdamW learning rate (default 1e-3 lens, 2e-5 full = Appendix A)")
     p.add_argument("--init", choices=["lstsq", "identity"], default=d.init,
                    help="lens start: ridge regression onto the final state (default) or the identity (shared head)")
-    p.add_argument("--candidates", type=int, default=d.candidates,
+    p.add_argument("--candidates", type=V.nonneg_int, default=d.candidates,
                    help=f"per position, the final layer's top-k ids that join the step's softmax set (default "
                         f"{d.candidates}; 0: full-vocabulary softmax, ~10x slower)")
-    p.add_argument("--negatives", type=int, default=d.negatives, help="random ids added to each step's set")
+    p.add_argument("--negatives", type=V.nonneg_int, default=d.negatives, help="random ids added to each step's set")
     p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help="cut conversations after this many tokens")
-    p.add_argument("--skip-conversations", type=int, default=0, help="ShareGPT conversations to pass over first")
-    p.add_argument("--eval-tokens", type=int, default=4000,
+    p.add_argument("--skip-conversations", type=V.nonneg_int, default=0, help="ShareGPT conversations to pass over first")
+    p.add_argument("--eval-tokens", type=V.int_arg(0, 10_000_000), default=4000,
                    help="held-out ShareGPT positions (after the training ones) for the agreement check (0: none)")
-    p.add_argument("--out", required=True, help="the heads file (.safetensors) to write")
-    p.add_argument("--work", default=None, help="folder for the hidden-state cache and resumable state "
+    p.add_argument("--out", type=V.weights_arg, required=True, help="the heads file (.safetensors) to write")
+    p.add_argument("--work", type=V.out_dir_arg, default=None, help="folder for the hidden-state cache and resumable state "
                    "(default OUT.work; rerun the same command to resume)")
     p.add_argument("--keep-work", action="store_true", help="keep the work folder after success")
     p.add_argument("--storage", choices=["float32", "bfloat16"], default="float32", help="weights dtype in the file")
     p.add_argument("--save-every", type=_positive_int, default=d.save_every, help="steps between checkpoints")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the training report (losses, agreement) as JSON")
+    p.add_argument("--seed", type=V.seed_arg, default=0)
+    p.add_argument("--json", type=V.report_arg, default=None,
+                   help="also write the training report (losses, agreement) as JSON")
 
 
 @_setup_train
@@ -77,17 +75,13 @@ def run_train(args) -> int:
     from ..train_heads import HeadTrainConfig, agreement, cache_hidden, save_trained, sharegpt_token_seqs, train_heads
     from ..heads import new_head
     out = Path(args.out)
-    if out.is_dir():
-        raise LayerleapError(f"--out {out} is a folder: give a .safetensors file name")
-    _check_writable(str(out))
-    _check_writable(args.json)
-    cfg = HeadTrainConfig(layers=tuple(_int_list(args.layers, "--layers")), kind=args.kind, loss=args.loss,
+    work = Path(args.work) if args.work else V.output_dir(out.with_name(out.name + ".work"), "--work")
+    cfg = HeadTrainConfig(layers=tuple(args.layers), kind=args.kind, loss=args.loss,
                           tokens=args.tokens, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
                           init=args.init, candidates=args.candidates, negatives=args.negatives, seq_len=args.seq_len,
                           skip_conversations=args.skip_conversations, save_every=args.save_every, seed=args.seed)
     cmd, model, threads = _start(args)
     cfg.check(model)
-    work = Path(args.work) if args.work else out.with_name(out.name + ".work")
     t0 = time.perf_counter()
     res = train_heads(model, cfg, work=work)
     wall = time.perf_counter() - t0
@@ -128,38 +122,39 @@ def run_train(args) -> int:
 @command("match-rate", help="PPD's match rate: how often an early top-k (exit head at a layer) holds the full model's token")
 def _setup_match(p):
     _model_args(p)
-    p.add_argument("--layers", default="10,15,20,25", help="comma list of layers to probe (default 10,15,20,25)")
-    p.add_argument("--k", default="1,3,5", help="comma list of top-k sizes (default 1,3,5)")
+    p.add_argument("--layers", type=LAYERS_ARG, default="10,15,20,25",
+                   help="comma list of layers to probe (default 10,15,20,25)")
+    p.add_argument("--k", type=V.int_list_arg(1), default="1,3,5", help="comma list of top-k sizes (default 1,3,5)")
     p.add_argument("--heads", default="shared,trained", help="comma list: shared, trained (shipped), auto, or heads files")
     p.add_argument("--category", default="summarization,qa,translation",
                    help="Spec-Bench categories, comma list (one table each)")
     p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
-    p.add_argument("--offset", type=int, default=0, help="skip this many prompts per category first")
-    p.add_argument("--spec-bench", default=None, help="a Spec-Bench question.jsonl (default: the shipped one)")
+    p.add_argument("--offset", type=V.nonneg_int, default=0, help="skip this many prompts per category first")
+    p.add_argument("--spec-bench", type=V.in_file_arg, default=None,
+                   help="a Spec-Bench question.jsonl (default: the shipped one)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--mode", default="greedy", help="comma list of greedy, top-k, top-p (Appendix B)")
     p.add_argument("--top-k", type=_positive_int, default=50, help="k of top-k sampling (default 50)")
-    p.add_argument("--top-p", type=float, default=0.9, help="p of top-p sampling (default 0.9)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--buckets", type=_positive_int, default=8, help="token-position groups (Tables 6-8)")
-    p.add_argument("--position-layer", type=int, default=None, help="layer of the by-position table (default: the middle one)")
-    p.add_argument("--json", default=None, help="write every figure as JSON to this file")
-    p.add_argument("--plot", default=None, help="write a PNG of p̂_correct against layer to this file")
+    p.add_argument("--top-p", type=V.float_arg(0.0, 1.0, lo_open=True), default=0.9,
+                   help="p of top-p sampling (default 0.9)")
+    p.add_argument("--temperature", type=V.positive_float, default=1.0)
+    p.add_argument("--seed", type=V.seed_arg, default=0)
+    p.add_argument("--buckets", type=V.int_arg(1, 1000), default=8, help="token-position groups (Tables 6-8)")
+    p.add_argument("--position-layer", type=_positive_int, default=None,
+                   help="layer of the by-position table (default: the middle one)")
+    p.add_argument("--json", type=V.report_arg, default=None, help="write every figure as JSON to this file")
+    p.add_argument("--plot", type=V.plot_arg, default=None, help="write a PNG of p̂_correct against layer to this file")
 
 
 @_setup_match
 def run_match(args) -> int:
     from ..match_rate import MODES, MatchRateConfig, match_rate, plot, position_table, resolve_heads, table
     from .basic import _csv, _read_prompts
-    layers = _int_list(args.layers, "--layers")
-    ks = _int_list(args.k, "--k")
+    layers, ks = args.layers, args.k
     modes = _csv(args.mode) or ["greedy"]
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise LayerleapError(f"--mode {', '.join(bad)} unknown: choose from {', '.join(MODES)}")
-    if not 0 < args.top_p <= 1:
-        raise LayerleapError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.position_layer is not None and args.position_layer not in layers:
         raise LayerleapError(f"--position-layer {args.position_layer} is not among --layers {args.layers}")
     cats = _csv(args.category) or []
@@ -167,8 +162,6 @@ def run_match(args) -> int:
     for c, ps in prompts.items():
         if not ps:
             raise LayerleapError(f"no prompts left in category {c} after --offset {args.offset}")
-    _check_writable(args.json)
-    _check_writable(args.plot)
     cmd, model, threads = _start(args)
     head_names = _csv(args.heads) or ["shared"]
     base = MatchRateConfig(layers=tuple(layers), ks=tuple(ks), heads=tuple(head_names), max_new_tokens=args.max_new_tokens,
@@ -205,13 +198,14 @@ def run_match(args) -> int:
 @command("eval head-cost", help="what an exit head adds to the cost of a token at its layer (full and sub-vocabulary heads)")
 def _setup_cost(p):
     _model_args(p)
-    p.add_argument("--layers", default="8,15,23", help="comma list of layers")
-    p.add_argument("--vocab", default="49152,16384,8192,4096",
+    p.add_argument("--layers", type=LAYERS_ARG, default="8,15,23", help="comma list of layers")
+    p.add_argument("--vocab", type=V.int_list_arg(1), default="49152,16384,8192,4096",
                    help="comma list of (sub-)vocabulary sizes: the most frequent final-layer tokens on ShareGPT")
     p.add_argument("--context", type=_positive_int, default=128, help="KV cache length of the timed step")
-    p.add_argument("--reps", type=_positive_int, default=30)
-    p.add_argument("--freq-tokens", type=_positive_int, default=20000, help="ShareGPT positions that rank the vocabulary")
-    p.add_argument("--json", default=None)
+    p.add_argument("--reps", type=V.int_arg(1, 10_000), default=30)
+    p.add_argument("--freq-tokens", type=V.int_arg(1, 10_000_000), default=20000,
+                   help="ShareGPT positions that rank the vocabulary")
+    p.add_argument("--json", type=V.report_arg, default=None)
 
 
 def frequent_vocab(model, tokens: int, seq_len: int = 512):
@@ -227,16 +221,16 @@ def frequent_vocab(model, tokens: int, seq_len: int = 512):
 def run_cost(args) -> int:
     from ..heads import new_head
     from ..match_rate import head_cost
-    layers = _int_list(args.layers, "--layers")
-    sizes = _int_list(args.vocab, "--vocab")
-    _check_writable(args.json)
+    layers, sizes = args.layers, args.vocab
     cmd, model, threads = _start(args)
-    V = model.config.vocab_size
-    if any(not 0 < s <= V for s in sizes):
-        raise LayerleapError(f"--vocab sizes must be in [1, {V}], got {args.vocab}")
+    vocab = model.config.vocab_size
+    if any(not 0 < s <= vocab for s in sizes):
+        raise LayerleapError(f"--vocab sizes must be in [1, {vocab}], got {','.join(map(str, sizes))}")
+    for x in layers:
+        check_layer(model, x, "--layers")
     order, counts = frequent_vocab(model, args.freq_tokens)
     total, seen = int(counts.sum()), int((counts > 0).sum())
-    heads = {f"lens V={s}": new_head(model, layers[0], "lens", None if s == V else order[:s]) for s in sizes}
+    heads = {f"lens V={s}": new_head(model, layers[0], "lens", None if s == vocab else order[:s]) for s in sizes}
     res = head_cost(model, layers, heads, args.context, args.reps)
     # which tokens a sub-vocabulary keeps matters for its match rate, not its cost: measure that with
     # `layerleap heads sub-vocab` + `layerleap match-rate` on held-out prompts
@@ -259,14 +253,16 @@ def run_cost(args) -> int:
                                  "the ids ranked as in `eval head-cost`)")
 def _setup_sub(p):
     _model_args(p)
-    p.add_argument("--heads", required=True, help="a heads file (shared or lens heads), or 'trained' (the shipped file)")
-    p.add_argument("--vocab", required=True, help="comma list of sub-vocabulary sizes, e.g. 8192,16384")
-    p.add_argument("--out", required=True, help="the file to write; with several sizes it must contain {vocab}")
-    p.add_argument("--layers", default=None, help="comma list of layers to keep (default: all in --heads)")
-    p.add_argument("--freq-tokens", type=_positive_int, default=20000,
+    p.add_argument("--heads", type=HEAD_ARG, required=True,
+                   help="a heads file (shared or lens heads), or 'trained' (the shipped file)")
+    p.add_argument("--vocab", type=V.int_list_arg(1), required=True, help="comma list of sub-vocabulary sizes, e.g. 8192,16384")
+    p.add_argument("--out", type=V.path_arg, required=True,
+                   help="the file to write; with several sizes it must contain {vocab}")
+    p.add_argument("--layers", type=LAYERS_ARG, default=None, help="comma list of layers to keep (default: all in --heads)")
+    p.add_argument("--freq-tokens", type=V.int_arg(1, 10_000_000), default=20000,
                    help="ShareGPT positions (the first ones) whose final-layer argmax ranks the ids (default 20000)")
     p.add_argument("--storage", choices=["float32", "bfloat16"], default="bfloat16", help="weights dtype in the file")
-    p.add_argument("--json", default=None, help="also write the ids' ranking facts as JSON")
+    p.add_argument("--json", type=V.report_arg, default=None, help="also write the ids' ranking facts as JSON")
 
 
 @_setup_sub
@@ -274,17 +270,17 @@ def run_sub(args) -> int:
     import torch
 
     from ..heads import load_heads, save_heads, shipped_files, sub_vocab_heads
-    sizes = _int_list(args.vocab, "--vocab")
+    sizes = args.vocab
     if len(sizes) > 1 and "{vocab}" not in args.out:
         raise LayerleapError(f"--out {args.out} must contain {{vocab}} to write {len(sizes)} sizes")
     outs = {s: args.out.replace("{vocab}", str(s)) for s in sizes}
     for o in outs.values():
-        _check_writable(o)
-    _check_writable(args.json)
+        V.weights_file(o, "--out")
     cmd, model, threads = _start(args)
-    V = model.config.vocab_size
-    if any(not 0 < s < V for s in sizes):
-        raise LayerleapError(f"--vocab sizes must be in [1, {V - 1}] (below the full vocabulary), got {args.vocab}")
+    vocab = model.config.vocab_size
+    if any(not 0 < s < vocab for s in sizes):
+        raise LayerleapError(f"--vocab sizes must be in [1, {vocab - 1}] (below the full vocabulary), got "
+                             f"{','.join(map(str, sizes))}")
     if args.heads == "trained":
         files = shipped_files(model)
         if not files:
@@ -294,7 +290,7 @@ def run_sub(args) -> int:
             src.update(load_heads(model, f))
     else:
         src = load_heads(model, args.heads)
-    layers = _int_list(args.layers, "--layers") if args.layers else sorted(src)
+    layers = args.layers or sorted(src)
     missing = [x for x in layers if x not in src]
     if missing:
         raise LayerleapError(f"--heads {args.heads} has no heads at layers {', '.join(map(str, missing))} "

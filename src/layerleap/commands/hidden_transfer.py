@@ -15,44 +15,50 @@ from ..cli import command
 from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError
-from ..files import save_figure, write_json
+from .. import validate as V
+from ..files import save_figure, save_safetensors, write_json
 from .basic import _command_line, _load, _model_args, _positive_int, _threads
 
 
-def _layers(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise LayerleapError(f"--layers takes comma-separated layer numbers (e.g. 15,20,25), got {text!r}") from None
+DRAFTER_ARG = V.name_or_file_arg(("trained",), "drafter weights file")
 
 
 @command("train transfer", "train medusa",
          help="train Hidden Transfer projections (--layers t1,t2,..) or Medusa heads (--heads k) on ShareGPT, backbone frozen")
 def _setup_train(p):
     _model_args(p)
-    p.add_argument("--layers", default="15,20,25", help="transfer: the layer t_i of each step (default 15,20,25)")
-    p.add_argument("--heads", type=_positive_int, default=3, help="medusa: heads = steps ahead (default 3)")
-    p.add_argument("--out", required=True, help="weights file to write (safetensors); its checkpoint "
-                   "<out>.ckpt.safetensors makes a rerun resume")
-    p.add_argument("--steps", type=_positive_int, default=60, help="optimizer steps (default 60)")
-    p.add_argument("--batch-size", type=_positive_int, default=1, help="chunks per step (default 1)")
-    p.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per chunk (default 128)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--conversations", type=_positive_int, default=2000, help="ShareGPT conversations read (default 2000)")
-    p.add_argument("--chunks", default=None, help="pre-tokenized chunks (a file from --save-chunks) instead of ShareGPT")
-    p.add_argument("--save-chunks", default=None, help="write the tokenized ShareGPT chunks here and exit")
+    p.add_argument("--layers", type=V.int_list_arg(1), default="15,20,25",
+                   help="transfer: the layer t_i of each step (default 15,20,25)")
+    p.add_argument("--heads", type=V.int_arg(1, 64), default=3, help="medusa: heads = steps ahead (default 3)")
+    p.add_argument("--out", type=V.weights_arg, required=True, help="weights file to write (safetensors); its "
+                   "checkpoint <out>.ckpt.safetensors makes a rerun resume")
+    p.add_argument("--steps", type=V.int_arg(1, 1_000_000), default=60, help="optimizer steps (default 60)")
+    p.add_argument("--batch-size", type=V.int_arg(1, 1024), default=1, help="chunks per step (default 1)")
+    p.add_argument("--seq-len", type=V.int_arg(4, 65_536), default=128, help="tokens per chunk (default 128)")
+    p.add_argument("--lr", type=V.positive_float, default=1e-3)
+    p.add_argument("--seed", type=V.seed_arg, default=0)
+    p.add_argument("--conversations", type=V.int_arg(1, 10_000_000), default=2000,
+                   help="ShareGPT conversations read (default 2000)")
+    p.add_argument("--chunks", type=V.in_file_arg, default=None,
+                   help="pre-tokenized chunks (a file from --save-chunks) instead of ShareGPT")
+    p.add_argument("--save-chunks", type=V.weights_arg, default=None,
+                   help="write the tokenized ShareGPT chunks here (.safetensors) and exit")
     p.add_argument("--save-every", type=_positive_int, default=20)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop and save after this many seconds")
+    p.add_argument("--max-seconds", type=V.positive_float, default=None, help="stop and save after this many seconds")
 
 
-def _read_chunks(path: str) -> list[list[int]]:
+def _read_chunks(path: str, vocab: int) -> list[list[int]]:
+    """The token chunks of a ``--save-chunks`` file: a 2-D integer tensor of ids in the vocabulary."""
     from safetensors.torch import load_file
     try:
-        return load_file(path)["chunks"].long().tolist()
-    except Exception as e:
-        raise LayerleapError(f"cannot read chunks {path}: {e}; write them with --save-chunks") from None
+        t = load_file(path)["chunks"]
+    except Exception as e:  # safetensors raises its own kinds for a foreign or truncated file
+        raise LayerleapError(f"cannot read chunks {path} ({type(e).__name__}: {str(e)[:80]}): write them with "
+                             "--save-chunks") from None
+    if t.dim() != 2 or t.is_floating_point() or not t.numel() or int(t.min()) < 0 or int(t.max()) >= vocab:
+        raise LayerleapError(f"{path} does not hold token chunks for this model (a 2-D tensor of ids below {vocab}): "
+                             "write them with --save-chunks")
+    return t.long().tolist()
 
 
 @_setup_train
@@ -60,20 +66,18 @@ def run_train(args) -> int:
     kind = "transfer" if args.what == "transfer" else "medusa"
     threads = _threads(args.threads)
     model = _load(args)
-    if args.device != "cpu":
-        model = model.to(args.device)
-    cfg = train_drafters.TrainConfig(kind=kind, layers=_layers(args.layers), steps_ahead=args.heads,
+    cfg = train_drafters.TrainConfig(kind=kind, layers=args.layers, steps_ahead=args.heads,
                                      train_steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
                                      lr=args.lr, seed=args.seed, n_conversations=args.conversations,
                                      save_every=args.save_every, max_seconds=args.max_seconds)
+    train_drafters.check_config(cfg, model)
     if args.chunks:
-        chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks)]
+        chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks, model.config.vocab_size)]
     else:
         eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
         chunks = train_drafters.sharegpt_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
     if args.save_chunks:
-        from safetensors.torch import save_file
-        save_file({"chunks": torch.tensor(chunks, dtype=torch.int32)}, args.save_chunks)
+        save_safetensors(args.save_chunks, {"chunks": torch.tensor(chunks, dtype=torch.int32)})
         print(f"wrote {len(chunks)} chunks of {cfg.seq_len} tokens to {args.save_chunks}")
         return 0
     t = time.perf_counter()
@@ -89,14 +93,15 @@ def run_train(args) -> int:
 @command("eval drafters", help="draft accuracy per step (top-1/3/5) of Hidden Transfer and Medusa weights on the model's greedy text (Figure 3)")
 def _setup_eval(p):
     _model_args(p)
-    p.add_argument("--transfer", action="append", default=[], help="transfer weights file(s) ('trained': shipped)")
-    p.add_argument("--medusa", action="append", default=[], help="Medusa heads file(s) ('trained': shipped)")
+    p.add_argument("--transfer", type=DRAFTER_ARG, action="append", default=[],
+                   help="transfer weights file(s) ('trained': shipped)")
+    p.add_argument("--medusa", type=DRAFTER_ARG, action="append", default=[],
+                   help="Medusa heads file(s) ('trained': shipped)")
     p.add_argument("--categories", default="summarization,math_reasoning")
     p.add_argument("--prompts", type=_positive_int, default=4, help="prompts per category")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, help="a PNG of top-1 accuracy per step")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--json", type=V.report_arg, default=None)
+    p.add_argument("--plot", type=V.plot_arg, default=None, help="a PNG of top-1 accuracy per step")
 
 
 def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, list[int]]]:
@@ -111,19 +116,17 @@ def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, lis
 def run_eval(args) -> int:
     threads = _threads(args.threads)
     model = _load(args)
-    if args.device != "cpu":
-        model = model.to(args.device)
     cats = [c for c in args.categories.split(",") if c]
     prompts = spec_bench(None, cats, args.prompts)
+    chosen = [(kind, spec, drafters.get_drafter(model, kind, spec))
+              for kind, specs in (("transfer", args.transfer), ("medusa", args.medusa)) for spec in specs]
     seqs = greedy_sequences(model, prompts, args.max_new_tokens)
     rows = {}
-    for kind, specs in (("transfer", args.transfer), ("medusa", args.medusa)):
-        for spec in specs:
-            d = drafters.get_drafter(model, kind, spec)
-            label = f"{kind}:{Path(spec).stem if spec != 'trained' else 'shipped'}"
-            if kind == "transfer":
-                label += f"@{','.join(map(str, d.layers))}"
-            rows[label] = train_drafters.draft_accuracy(model, d, seqs)
+    for kind, spec, d in chosen:
+        label = f"{kind}:{Path(spec).stem if spec != 'trained' else 'shipped'}"
+        if kind == "transfer":
+            label += f"@{','.join(map(str, d.layers))}"
+        rows[label] = train_drafters.draft_accuracy(model, d, seqs)
     report = {"command": _command_line(args), "threads": threads, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "accuracy": rows}
     print(accuracy_table(rows))
@@ -143,9 +146,8 @@ def accuracy_table(rows: dict) -> str:
 
 
 def accuracy_plot(rows: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
     for ax, k in zip(axes, (1, 3, 5)):
         for label, acc in rows.items():

@@ -9,33 +9,30 @@ import time
 from pathlib import Path
 
 from .. import theory
+from .. import validate as V
+from ..methods.speculative import MAX_DRAFT_LEN
 from ..files import write_json
 from ..cli import command
 from ..errors import LayerleapError
-from .basic import _command_line, _csv, _load, _model_args, _positive_int, _read_prompts, _say, _threads
+from .basic import _check_sizes, _command_line, _csv, _load, _model_args, _positive_int, _read_prompts, _say, _threads
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        out = [int(x) for x in _csv(text) or []]
-    except ValueError:
-        raise LayerleapError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not out:
-        raise LayerleapError(f"{what} is empty: give comma-separated integers")
-    return out
+SIMULATE_MAX = 50_000_000  # simulated tokens (--simulate x --tokens): about 20 s on one core
+HEAD_ARG = V.name_or_file_arg(("auto", "shared", "trained"), "exit heads file")
 
 
 @command("theory ppd", help="PPD's Theorem 4.1, equations 3/5/6, a Monte-Carlo check; --measure: match rates "
          "on a model and the trade-off plots (Figures 3, 4)")
 def _setup_theory(p):
-    p.add_argument("--layers", type=_positive_int, default=40, help="d, the model's layers (default 40: Vicuna-13B)")
+    p.add_argument("--layers", type=V.int_arg(2, 100_000), default=40, help="d, the model's layers (default 40: "
+                   "Vicuna-13B)")
     p.add_argument("--exit-layer", type=_positive_int, default=None, help="d̄, the early-prediction layer (default d/2)")
-    p.add_argument("--k", type=_positive_int, default=1, help="sub-processes (default 1)")
-    p.add_argument("--p-correct", type=float, default=0.5, help="match rate p (default 0.5)")
-    p.add_argument("--tokens", type=_positive_int, default=128, help="ℓ, tokens generated (default 128)")
-    p.add_argument("--simulate", type=int, default=2000, metavar="N",
+    p.add_argument("--k", type=V.int_arg(1, 100_000), default=1, help="sub-processes (default 1)")
+    p.add_argument("--p-correct", type=V.probability_arg, default=0.5, help="match rate p (default 0.5)")
+    p.add_argument("--tokens", type=V.int_arg(1, 1_000_000), default=128, help="ℓ, tokens generated (default 128)")
+    p.add_argument("--simulate", type=V.int_arg(0, SIMULATE_MAX), default=2000, metavar="N",
                    help="Monte-Carlo sequences checking the theorem (default 2000; 0 = off)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     m = p.add_argument_group("measuring match rates (--measure)")
     m.add_argument("--measure", action="store_true", help="measure p̂_correct on a model over Spec-Bench prompts and "
@@ -44,10 +41,11 @@ def _setup_theory(p):
     m.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
     m.add_argument("--prompts", type=_positive_int, default=3, help="prompts per category (default 3)")
     m.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    m.add_argument("--exit-layers", default="15,20,25", help="d̄ values to measure (default 15,20,25)")
-    m.add_argument("--ks", default="1,3,5", help="k values (default 1,3,5)")
-    m.add_argument("--head", default="auto", help="exit head: auto, shared, trained or a heads file")
-    m.add_argument("--out", default=None, metavar="DIR", help="write match_rates.json and tradeoff_d{d̄}.png here")
+    m.add_argument("--exit-layers", type=V.int_list_arg(1), default="15,20,25",
+                   help="d̄ values to measure (default 15,20,25)")
+    m.add_argument("--ks", type=V.int_list_arg(1), default="1,3,5", help="k values (default 1,3,5)")
+    m.add_argument("--head", type=HEAD_ARG, default="auto", help="exit head: auto, shared, trained or a heads file")
+    m.add_argument("--out", type=V.out_dir_arg, default=None, metavar="DIR", help="write match_rates.json and tradeoff_d{d̄}.png here")
 
 
 @_setup_theory
@@ -57,8 +55,10 @@ def run_theory(args) -> int:
     d = args.layers
     dbar = args.exit_layer or (d + 1) // 2
     out = theory.figures(d, dbar, args.k, args.p_correct, args.tokens)
+    V.at_most(args.simulate * args.tokens, SIMULATE_MAX, "--simulate × --tokens (simulated tokens)",
+              "lower --simulate or --tokens")
     if args.simulate > 0:
-        sim = theory.simulate(d, dbar, args.k, args.p_correct, args.tokens, args.simulate, args.seed)
+        sim = theory.simulate(d, dbar, args.k, args.p_correct, args.tokens, args.simulate, args.seed, progress=True)
         se = sim.sd_latency / sim.trials ** 0.5
         out["simulation"] = {**sim.to_dict(), "latency_vs_theorem": sim.mean_latency / out["theorem"]["latency_units"],
                              "compute_vs_theorem": sim.mean_compute / out["theorem"]["compute_units"],
@@ -87,13 +87,15 @@ def _measure(args) -> int:
     from tqdm.auto import tqdm
 
     from ..decoding import generate
-    layers, ks = _ints(args.exit_layers, "--exit-layers"), _ints(args.ks, "--ks")
+    layers, ks = args.exit_layers, args.ks
     prompts = _read_prompts(None, _csv(args.categories), args.prompts)
     threads = _threads(args.threads)
     model = _load(args)
     d = model.config.n_layers
     for L in layers:
         theory.check_inputs(d, L, 1, 0.5, 1)
+    for k in ks:
+        V.integer(k, "--ks", 1, model.config.vocab_size, f" (the vocabulary of {model.config.name})")
     totals: dict = {}
     for pr in tqdm(prompts, desc="match rates", unit="prompt"):
         g = generate(model, pr.text, "greedy", args.max_new_tokens, stop_at_eos=False, chat=True)
@@ -131,13 +133,13 @@ def _setup_parallel(p):
     _model_args(p)
     p.add_argument("--exit-layer", type=_positive_int, default=None, help="d̄ (default d/2)")
     p.add_argument("--k", type=_positive_int, default=1, help="sub-processes (default 1: two processes)")
-    p.add_argument("--head", default="auto", help="exit head: auto, shared, trained or a heads file")
+    p.add_argument("--head", type=HEAD_ARG, default="auto", help="exit head: auto, shared, trained or a heads file")
     p.add_argument("--head-on", default="sub", choices=["sub", "main"],
                    help="which process runs the exit head (main: as the paper; sub: off the critical path)")
     p.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
     p.add_argument("--prompts", type=_positive_int, default=2, help="prompts per category (default 2)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--json", metavar="OUT.json", default=None, help="write the report here")
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the report here")
 
 
 @_setup_parallel
@@ -148,11 +150,15 @@ def run_parallel(args) -> int:
     from ..decoding import generate
     from ..ppd_parallel import ParallelPPD
     prompts = _read_prompts(None, _csv(args.categories), args.prompts)
+    if args.device != "cpu":
+        raise LayerleapError(f"--device {args.device}: eval ppd-parallel runs PPD on CPU processes: drop --device")
     threads = args.threads or 1
     print(f"$ {_command_line(args)}", flush=True)
     records = []
-    with ParallelPPD(args.model, args.exit_layer, args.k, args.head, args.head_on, threads=threads) as ex:
+    with ParallelPPD(args.model, args.exit_layer, args.k, args.head, args.head_on, threads=threads,
+                     dtype=args.dtype) as ex:
         model = ex.model
+        _check_sizes(model, args)
         _say(f"{args.k + 1} processes × {threads} thread(s), d̄={ex.dbar}, head {ex.exit_head.kind} on {args.head_on}")
         ids0 = generate(model, prompts[0].text, "greedy", 4, chat=True).prompt_ids
         ex.generate(ids0, 8, stop_at_eos=False)  # warm-up
@@ -210,14 +216,15 @@ def run_parallel(args) -> int:
 def _setup_selfspec(p):
     _model_args(p)
     p.add_argument("--exit-layer", type=_positive_int, default=15, help="the drafting / early-prediction layer")
-    p.add_argument("--draft-lens", default="2,4", help="self-spec draft lengths (default 2,4)")
-    p.add_argument("--min-confidence", type=float, default=0.5, help="also run self-spec with this adaptive stop "
+    p.add_argument("--draft-lens", type=V.int_list_arg(1, MAX_DRAFT_LEN), default="2,4",
+                   help="self-spec draft lengths (default 2,4)")
+    p.add_argument("--min-confidence", type=V.probability_arg, default=0.5, help="also run self-spec with this adaptive stop "
                    "(0 = skip that variant)")
-    p.add_argument("--head", default="auto")
+    p.add_argument("--head", type=HEAD_ARG, default="auto", help="exit head: auto, shared, trained or a heads file")
     p.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
     p.add_argument("--prompts", type=_positive_int, default=1)
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--json", metavar="OUT.json", default=None)
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None)
 
 
 @_setup_selfspec
@@ -232,18 +239,20 @@ def run_selfspec(args) -> int:
     print(f"$ {_command_line(args)}", flush=True)
     model = _load(args)
     E = args.exit_layer
+    from ..methods.self_spec import check_options
+    check_options(model.config.n_layers, E, max(args.draft_lens), args.min_confidence)
     ours = {"greedy": ("greedy", {})}
-    for g in _ints(args.draft_lens, "--draft-lens"):
+    for g in args.draft_lens:
         ours[f"self-spec g{g}"] = ("self-spec", {"exit_layer": E, "draft_len": g, "head": args.head})
     if args.min_confidence > 0:
-        g = max(_ints(args.draft_lens, "--draft-lens"))
+        g = max(args.draft_lens)
         ours[f"self-spec g{g} c{args.min_confidence}"] = ("self-spec", {"exit_layer": E, "draft_len": g, "head": args.head,
                                                                         "min_confidence": args.min_confidence})
     if 2 * E >= model.config.n_layers:
         ours["ppd k1 (emulated)"] = ("ppd", {"exit_layer": E, "k": 1, "head": args.head})
     hf = HFBaseline(model)
     hf_variants = {"transformers greedy": {}}
-    for g in _ints(args.draft_lens, "--draft-lens"):
+    for g in args.draft_lens:
         hf_variants[f"transformers assistant_early_exit g{g}"] = {"assistant_early_exit": E, "num_assistant_tokens": g,
                                                                    "num_assistant_tokens_schedule": "constant"}
     records = []

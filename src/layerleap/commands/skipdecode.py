@@ -16,20 +16,23 @@ from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError
 from ..methods.skipdecode import target_config
-from .basic import (_check_writable, _command_line, _csv, _load, _model_args, _model_line, _positive_int,
+from .. import validate as V
+from .basic import (_model_arg, _command_line, _csv, _load, _model_args, _model_line, _positive_int,
                     _say, _threads)
 
 TARGETS = (2, 3, 4, 5)
 
 
 def _speedups(text: str) -> list[int]:
-    try:
-        out = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        out = []
-    if not out or any(s not in TARGETS for s in out):
-        raise LayerleapError(f"--targets must be a comma list of {', '.join(map(str, TARGETS))}, got {text!r}")
-    return out
+    return V.int_list_arg(min(TARGETS), max(TARGETS))(text)
+
+
+def _finetuned_arg(it: str) -> tuple[int, str]:
+    k, eq, v = it.partition("=")
+    if not eq or k.strip() not in tuple(map(str, TARGETS)):
+        raise argparse.ArgumentTypeError(f"{V.show(it)}: write SPEEDUP=FOLDER with SPEEDUP one of "
+                                         f"{', '.join(map(str, TARGETS))}")
+    return int(k), _model_arg(v)
 
 
 # -- finetune -----------------------------------------------------------------------------------------
@@ -38,32 +41,30 @@ def _setup_finetune(p):
     _model_args(p)
     p.add_argument("--target-speedup", type=int, choices=TARGETS, default=2,
                    help="Table 2 configuration (30 layers: 2x 10-20, 3x 7-13, 4x 6-9, 5x 5-7; warm-up 1)")
-    p.add_argument("--min-exit-layer", type=int, default=None, help="override the configuration's minimum")
-    p.add_argument("--max-exit-layer", type=int, default=None, help="override the configuration's maximum")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up layers (default 1)")
-    p.add_argument("--out", required=True, help="the fine-tuned model folder (rerun to resume)")
-    p.add_argument("--steps", type=_positive_int, default=30, help="optimizer steps (default 30: ~4 min on 1 CPU core)")
-    p.add_argument("--batch-size", type=_positive_int, default=4)
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--min-exit-layer", type=_positive_int, default=None, help="override the configuration's minimum")
+    p.add_argument("--max-exit-layer", type=_positive_int, default=None, help="override the configuration's maximum")
+    p.add_argument("--warmup", type=V.nonneg_int, default=None, help="warm-up layers (default 1)")
+    p.add_argument("--out", type=V.out_dir_arg, required=True, help="the fine-tuned model folder (rerun to resume)")
+    p.add_argument("--steps", type=V.int_arg(1, 1_000_000), default=30,
+                   help="optimizer steps (default 30: ~4 min on 1 CPU core)")
+    p.add_argument("--batch-size", type=V.int_arg(1, 1024), default=4)
+    p.add_argument("--lr", type=V.positive_float, default=5e-5)
     p.add_argument("--loss", choices=["kd", "ce"], default="kd",
                    help="kd: match the base model's distribution (default); ce: the paper's cross-entropy on the text")
     p.add_argument("--policy-prompt", choices=["own", "median"], default="own",
                    help="where the decay starts: each example's own prompt length (as decoding) or the median (paper)")
     p.add_argument("--gen-len", type=_positive_int, default=64, help="completion tokens = decay horizon (default 64)")
     p.add_argument("--max-prompt", type=_positive_int, default=96, help="skip longer prompts (default 96 tokens)")
-    p.add_argument("--examples", type=_positive_int, default=512, help="ShareGPT conversations to read (default 512)")
+    p.add_argument("--examples", type=V.int_arg(1, 1_000_000), default=512,
+                   help="ShareGPT conversations to read (default 512)")
     p.add_argument("--save-every", type=_positive_int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=V.seed_arg, default=0)
 
 
 @_setup_finetune
 def run_finetune(args) -> int:
     from ..finetune_skipdecode import TrainConfig, finetune
-    if args.lr <= 0:
-        raise LayerleapError(f"--lr must be > 0, got {args.lr}")
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise LayerleapError(f"--out {out} is a file: give a folder")
     threads = _threads(args.threads)
     print(f"$ {_command_line(args)}", flush=True)
     model = _load(args)
@@ -89,35 +90,23 @@ def run_finetune(args) -> int:
 @command("eval skipdecode", "eval skipdecode-speed", help="SkipDecode tables: quality (skipdecode, Table 4/5 form) or wall-clock speed-up by batch size (skipdecode-speed)")
 def _setup_eval(p):
     _model_args(p)
-    p.add_argument("--targets", default="2,3,4,5", help="target speed-ups (default 2,3,4,5)")
-    p.add_argument("--finetuned", action="append", metavar="SPEEDUP=FOLDER", default=[],
+    p.add_argument("--targets", type=_speedups, default="2,3,4,5", help="target speed-ups (default 2,3,4,5)")
+    p.add_argument("--finetuned", type=_finetuned_arg, action="append", metavar="SPEEDUP=FOLDER", default=[],
                    help="a model fine-tuned for a target (repeatable)")
     p.add_argument("--categories", default="summarization,translation")
     p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
-    p.add_argument("--offset", type=int, default=0, help="skip this many prompts per category first")
+    p.add_argument("--offset", type=V.nonneg_int, default=0, help="skip this many prompts per category first")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--calm-thresholds", default="0.9,0.95,0.98", help="CALM cosine thresholds (quality; none: skip)")
-    p.add_argument("--batch-sizes", default="1,4,16", help="speed: batch sizes (default 1,4,16)")
-    p.add_argument("--repeats", type=_positive_int, default=2, help="speed: interleaved repeats per batch size")
+    p.add_argument("--calm-thresholds", type=V.float_list_arg(none=True), default="0.9,0.95,0.98",
+                   help="CALM cosine thresholds (quality; none: skip)")
+    p.add_argument("--batch-sizes", type=V.int_list_arg(1, 256), default="1,4,16",
+                   help="speed: batch sizes (default 1,4,16)")
+    p.add_argument("--repeats", type=V.int_arg(1, 100), default=2, help="speed: interleaved repeats per batch size")
     p.add_argument("--skip-base", action="store_true", help="quality: only greedy and the --finetuned models "
                    "(to add fine-tuned rows to an earlier run)")
-    p.add_argument("--json", metavar="OUT.json", default=None)
-    p.add_argument("--table", metavar="OUT.md", default=None)
-    p.add_argument("--plot", metavar="OUT.png", default=None)
-
-
-def _finetuned(items: list[str]) -> dict[int, str]:
-    out = {}
-    for it in items:
-        k, eq, v = it.partition("=")
-        try:
-            s = int(k)
-        except ValueError:
-            s = 0
-        if not eq or s not in TARGETS or not Path(v).is_dir():
-            raise LayerleapError(f"--finetuned {it!r}: write SPEEDUP=FOLDER with SPEEDUP in 2..5 and an existing folder")
-        out[s] = v
-    return out
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None)
+    p.add_argument("--table", metavar="OUT.md", type=V.table_arg, default=None)
+    p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None)
 
 
 def _quality_rows(model, prompts, refs, label, method, opts, max_new, rows, kind):
@@ -137,16 +126,19 @@ def _quality_rows(model, prompts, refs, label, method, opts, max_new, rows, kind
 
 
 def _eval_quality(args, model, threads) -> dict:
-    targets = _speedups(args.targets)
-    fts = _finetuned(args.finetuned)
+    targets = args.targets
+    fts = dict(args.finetuned)
     cats = _csv(args.categories) or ["summarization", "translation"]
-    thresholds = [] if args.calm_thresholds.strip().lower() == "none" else [float(x) for x in _csv(args.calm_thresholds)]
+    thresholds = args.calm_thresholds
     d = model.config.n_layers
     by_cat = {c: spec_bench(None, [c], args.prompts, args.offset) for c in cats}
+    for c, ps in by_cat.items():
+        if not ps:
+            raise LayerleapError(f"no prompts left in category {c} after --offset {args.offset}: lower --offset")
     rows: list[dict] = []
     report = {"command": _command_line(args), "machine": machine_config(model), "rows": rows,
               "n_prompts": {c: len(v) for c, v in by_cat.items()}, "max_new_tokens": args.max_new_tokens}
-    ft_models = {s: _load(argparse.Namespace(model=f, dtype=args.dtype)) for s, f in fts.items()}
+    ft_models = {s: _load(args, f) for s, f in fts.items()}
     for c, prompts in by_cat.items():
         ref = generate(model, [p.text for p in prompts], "greedy", args.max_new_tokens, chat=True)
         refs = [r.text for r in ref]
@@ -215,9 +207,8 @@ def quality_tables(report: dict) -> str:
 
 
 def quality_plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     rows = report["rows"]
     d = rows[0]["avg_layers"]
     cats = list(dict.fromkeys(r["category"] for r in rows))
@@ -239,9 +230,9 @@ def quality_plot(report: dict, path: str) -> None:
 
 
 def _eval_speed(args, model, threads) -> dict:
-    targets = _speedups(args.targets)
+    targets = args.targets
     d = model.config.n_layers
-    sizes = [int(x) for x in _csv(args.batch_sizes)]
+    sizes = args.batch_sizes
     cats = _csv(args.categories) or None
     pool = spec_bench(None, cats, None, args.offset)
     need = max(sizes)
@@ -303,9 +294,8 @@ def speed_table(report: dict) -> str:
 
 
 def speed_plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..files import pyplot
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for B in sorted({s["batch"] for s in report["summary"]}):
         pts = [s for s in report["summary"] if s["batch"] == B]
@@ -324,9 +314,6 @@ def speed_plot(report: dict, path: str) -> None:
 
 @_setup_eval
 def run_eval(args) -> int:
-    _speedups(args.targets)
-    for path in (args.json, args.table, args.plot):
-        _check_writable(path)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)

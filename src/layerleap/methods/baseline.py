@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
-from ..decoding import Run, register
+from ..decoding import Run, drive, register
 
 
-def autoregressive(run: Run) -> None:
+def autoregressive_rounds(run: Run):
+    """One full model call per token, yielding after each token."""
     cache = run.new_cache()
     h = run.prefill(cache)  # [B, 1, D]
     while True:
         tok = run.choose(run.logits(h)[:, -1])  # [B]
         if run.emit_all(tok):
             return
+        yield
         h = run.forward(cache, tok.unsqueeze(1))
 
 
-@register("greedy", batched=True)
-def greedy(run: Run) -> None:
+def autoregressive(run: Run) -> None:
+    """``autoregressive_rounds`` to the end (for methods that call it as a plain function)."""
+    drive(autoregressive_rounds, run)
+
+
+@register("greedy", batched=True, exact=True)
+def greedy(run: Run):
     """Greedy decoding: the argmax token at every step (the reference every lossless method matches)."""
-    autoregressive(run)
+    yield from autoregressive_rounds(run)
 
 
 @register("sample", batched=True, sampling=True, default_sample=True)
-def sample(run: Run) -> None:
+def sample(run: Run):
     """Ancestral sampling with temperature, top-k and top-p (reproducible with a seed)."""
-    autoregressive(run)
+    yield from autoregressive_rounds(run)

@@ -180,6 +180,11 @@ class BiLD:
         return verify.draw(probs, self.run.generator)
 
     def decode(self) -> None:
+        for _ in self.rounds():
+            pass
+
+    def rounds(self):
+        """Algorithm 1, yielding after each large-model step (whose tokens are then final)."""
         run, pair, st = self.run, self.pair, self.stats
         prompt_len = len(run.prompts[0])
         seq = list(run.prompts[0])
@@ -210,6 +215,7 @@ class BiLD:
             verified = len(seq)
             if done:
                 break
+            yield
         self.finish()
 
     def large_step(self, seq: list[int], verified: int, final: bool) -> tuple[list[int], bool]:
@@ -308,9 +314,9 @@ def check_thresholds(alpha_fb, alpha_rb, max_small) -> None:
                               f"the large model checks them) or None for no limit, got {max_small!r}")
 
 
-@register("bild", sampling=True)
+@register("bild", sampling=True, models=("small",))
 def bild(run: Run, *, small=None, exit_layer: int | None = None, alpha_fb: float = 0.5, alpha_rb: float = 2.0,
-         max_small: int | None = 10, head="auto") -> None:
+         max_small: int | None = 10, head="auto"):
     """Big Little Decoder: a small model (small= or exit_layer=) with fallback and rollback to the large one."""
     check_thresholds(alpha_fb, alpha_rb, max_small)
     if run.batch != 1:
@@ -335,4 +341,4 @@ def bild(run: Run, *, small=None, exit_layer: int | None = None, alpha_fb: float
         pair = EarlyExit(run, E, fn)
         run.extra["exit_layer"] = E
         run.extra["head"] = label
-    BiLD(run, pair, float(alpha_fb), float(alpha_rb), max_small).decode()
+    yield from BiLD(run, pair, float(alpha_fb), float(alpha_rb), max_small).rounds()

@@ -59,8 +59,8 @@ def transfer_pass(run: Run, cache: KVCache, tokens: torch.Tensor, buf: tree_mod.
     return h[0, :n], h[0, n:].reshape(steps, n, h.shape[-1])
 
 
-@register("hidden-transfer")
-def hidden_transfer(run: Run, *, tree=DEFAULT_TREE, transfer="trained") -> None:
+@register("hidden-transfer", exact=True)
+def hidden_transfer(run: Run, *, tree=DEFAULT_TREE, transfer="trained"):
     """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=): greedy-exact."""
     proj = drafters.get_drafter(run.model, "transfer", transfer)
     buf = treeloop.setup(run, "hidden-transfer", tree, proj.steps)
@@ -71,6 +71,7 @@ def hidden_transfer(run: Run, *, tree=DEFAULT_TREE, transfer="trained") -> None:
     root = int(run.logits(run.prefill(cache))[0, -1].argmax())
     if run.emit(0, [root]):
         return treeloop.finish(run)
+    yield
     cur = treeloop.EMPTY
     topk = None
     while True:
@@ -80,6 +81,7 @@ def hidden_transfer(run: Run, *, tree=DEFAULT_TREE, transfer="trained") -> None:
         path, root, done = treeloop.accept(run, cache, start, cur, tokens, model.logits(h))
         if done:
             return treeloop.finish(run)
+        yield
         cur = buf
         if steps:
             topk = treeloop.top_drafts(buf, model.logits(pseudo[:, path[-1]]))  # [depth, K]

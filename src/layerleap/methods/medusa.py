@@ -30,8 +30,8 @@ def _drafts(run: Run, heads: drafters.MedusaHeads, buf, z: torch.Tensor) -> torc
     return treeloop.top_drafts(buf, logits)
 
 
-@register("medusa")
-def medusa(run: Run, *, tree=DEFAULT_TREE, heads="trained") -> None:
+@register("medusa", exact=True)
+def medusa(run: Run, *, tree=DEFAULT_TREE, heads="trained"):
     """Medusa heads drafting a candidate tree (tree=, heads=), verified with tree attention: greedy-exact."""
     mh = drafters.get_drafter(run.model, "medusa", heads)
     buf = treeloop.setup(run, "medusa", tree, mh.steps)
@@ -41,6 +41,7 @@ def medusa(run: Run, *, tree=DEFAULT_TREE, heads="trained") -> None:
     root = int(model.unembed(z.unsqueeze(0)).argmax())
     if run.emit(0, [root]):
         return treeloop.finish(run)
+    yield
     topk = _drafts(run, mh, buf, z)
     while True:
         tokens = tree_mod.draft_tokens(buf, root, topk)  # [n]
@@ -52,4 +53,5 @@ def medusa(run: Run, *, tree=DEFAULT_TREE, heads="trained") -> None:
         path, root, done = treeloop.accept(run, cache, start, buf, tokens, model.unembed(zs))
         if done:
             return treeloop.finish(run)
+        yield
         topk = _drafts(run, mh, buf, zs[path[-1]])

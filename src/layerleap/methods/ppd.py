@@ -114,8 +114,8 @@ def top_candidates(head_logits: torch.Tensor, k: int) -> torch.Tensor:
     return head_logits.topk(k).indices.cpu()
 
 
-@register("ppd")
-def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto") -> None:
+@register("ppd", exact=True)
+def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
     """Predictive Pipelined Decoding (exact greedy): early top-k at layer exit_layer (default d/2) start k pipelined sub-passes (clock in layer units)."""
     from ..heads import get_head
     model = run.model
@@ -150,6 +150,7 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto") -> 
         if run.emit(0, [x]):
             cache.truncate(pos, layers=range(0, lo))  # the last candidates are not needed
             break
+        yield
         j = verify.match_candidate(cand, x)
         runs.add(j is not None)
         at = torch.tensor([[pos]], dtype=torch.long, device=dev)

@@ -28,6 +28,7 @@ import torch
 from .. import verify
 from ..decoding import GenerationError, Run, register
 from .bild import EarlyExit
+from .speculative import MAX_DRAFT_LEN
 
 
 def default_exit_layer(n_layers: int) -> int:
@@ -39,16 +40,17 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
     if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < n_layers:
         raise GenerationError(f"exit_layer must be an integer in [1, {n_layers - 1}] (the drafter is layers "
                               f"[0, exit_layer) of this {n_layers}-layer model and an exit head), got {exit_layer!r}")
-    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
-        raise GenerationError(f"draft_len must be an integer >= 1 (tokens drafted per verification), got {draft_len!r}")
+    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 1 <= draft_len <= MAX_DRAFT_LEN:
+        raise GenerationError(f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}] (tokens drafted per "
+                              f"verification), got {draft_len!r}")
     if isinstance(min_confidence, bool) or not isinstance(min_confidence, Real) or not 0 <= min_confidence <= 1:
         raise GenerationError(f"min_confidence must be a probability in [0, 1] (stop drafting when the exit head's "
                               f"top probability is below it; 0 = never), got {min_confidence!r}")
 
 
-@register("self-spec")
+@register("self-spec", exact=True)
 def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
-              head="auto") -> None:
+              head="auto"):
     """Self-speculative decoding (exact greedy): draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV."""
     from ..heads import get_head
     model = run.model
@@ -68,6 +70,7 @@ def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, mi
     seq = list(run.prompts[0]) + [x]  # seq[-1] is verified and in no layer's cache yet
     done = run.emit(0, [x])
     while not done:
+        yield
         budget = min(draft_len, run.remaining() - 1)
         drafts: list[int] = []
         while len(drafts) < budget:  # each step: layers [0, E) of the newest token, then the exit head

@@ -57,9 +57,11 @@ def target_config(n_layers: int, target_speedup: float) -> SkipConfig:
     """The Table 2 configuration for ``target_speedup`` on an ``n_layers`` model: the paper's own
     numbers for 24 and 32 layers, our scaled ones for 30, else min/max chosen around
     ``n_layers / target`` with the paper's max/min ratio of about 2 (2x) to 1.5 (5x)."""
+    if isinstance(target_speedup, bool) or not isinstance(target_speedup, (int, float)) \
+            or not 1 <= target_speedup <= n_layers:
+        raise GenerationError(f"target_speedup must be a number in [1, {n_layers}] (n_layers / the mean layer budget), "
+                              f"got {target_speedup!r}")
     s = float(target_speedup)
-    if s < 1:
-        raise GenerationError(f"target speed-up must be >= 1, got {target_speedup!r}")
     if s == 1:
         return SkipConfig(1.0, 1, n_layers, n_layers)
     if n_layers in TABLE2 and s in TABLE2[n_layers]:
@@ -127,10 +129,12 @@ def layer_ranges(n_layers: int, budget: int, warmup: int) -> list[tuple[int, int
 def check_schedule(schedule, n_layers: int, warmup: int) -> list[int]:
     """Validate an explicit list of budgets (one per generated position)."""
     try:
+        if isinstance(schedule, (str, bytes)):
+            raise TypeError
         sched = [int(b) for b in schedule]
-        if any(int(b) != b for b in schedule):
+        if any(isinstance(b, bool) or int(b) != b for b in schedule):
             raise ValueError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise GenerationError(f"schedule must be a list of integer exit layers, got {schedule!r}") from None
     if not sched:
         raise GenerationError("schedule is empty: give one exit layer per generated position")
@@ -165,7 +169,7 @@ def _active_layer_stats(run: Run) -> None:
 @register("skipdecode", batched=True, sampling=True)
 def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: int | None = None, warmup: int = 1,
                max_len: int | None = None, decay: str = "linear", power: float = 2.0,
-               schedule: list[int] | None = None, target_speedup: float | None = None) -> None:
+               schedule: list[int] | None = None, target_speedup: float | None = None):
     """SkipDecode: one decaying layer budget per position for the whole batch; skip the lower middle layers."""
     d = run.n_layers
     if target_speedup is not None:
@@ -180,10 +184,10 @@ def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: i
         check_budget_range(d, min_exit_layer, max_exit_layer, warmup)
         if decay not in DECAYS:
             raise GenerationError(f"unknown decay {decay!r}: choose one of {', '.join(DECAYS)}")
-        if not isinstance(power, (int, float)) or power <= 0:
-            raise GenerationError(f"power must be > 0, got {power!r}")
+        if isinstance(power, bool) or not isinstance(power, (int, float)) or not 0 < power < math.inf:
+            raise GenerationError(f"power must be a finite number > 0, got {power!r}")
     else:
-        if not isinstance(warmup, int) or warmup < 0:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise GenerationError(f"warmup must be an integer >= 0, got {warmup!r}")
         schedule = check_schedule(schedule, d, warmup)
     longest = max(len(p) for p in run.prompts)
@@ -194,7 +198,7 @@ def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: i
                               "lower max_new_tokens or decode the long prompt in its own batch")
     if max_len is None:
         max_len = longest + run.gen.max_new_tokens
-    if not isinstance(max_len, int) or not longest < max_len <= ctx:
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not longest < max_len <= ctx:
         raise GenerationError(f"max_len={max_len!r} must be an integer sequence length in ({longest}, {ctx}] "
                               f"(longer than the batch's longest prompt, within the context)")
     horizon = max_len - longest
@@ -207,6 +211,7 @@ def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: i
         tok = run.choose(run.logits(h)[:, -1])
         if run.emit_all(tok):
             break
+        yield
         if schedule is not None:
             b = schedule[min(n, len(schedule) - 1)]
         else:
@@ -222,7 +227,7 @@ def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: i
 
 # -- baselines -------------------------------------------------------------------------------------
 @register("early-exit", batched=True, sampling=True)
-def early_exit(run: Run, *, exit_layer: int) -> None:
+def early_exit(run: Run, *, exit_layer: int):
     """Fixed early exit: every token (prompt included) runs layers [0, exit_layer) and is predicted from there."""
     d = run.n_layers
     if not isinstance(exit_layer, int) or isinstance(exit_layer, bool) or not 1 <= exit_layer <= d:
@@ -233,17 +238,18 @@ def early_exit(run: Run, *, exit_layer: int) -> None:
         tok = run.choose(run.logits(h)[:, -1])
         if run.emit_all(tok):
             break
+        yield
         h = run.forward(cache, tok.unsqueeze(1), end=exit_layer)
     _active_layer_stats(run)
 
 
 @register("calm", batched=False, sampling=True)
-def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1) -> None:
+def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
     """CALM-style early exit on hidden-state saturation (cosine of consecutive layers), skipped KV filled from the exit state."""
     d = run.n_layers
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool):
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or math.isnan(threshold):
         raise GenerationError(f"threshold must be a number (cosine similarity; > 1 never exits), got {threshold!r}")
-    if not isinstance(min_exit_layer, int) or not 1 <= min_exit_layer <= d:
+    if isinstance(min_exit_layer, bool) or not isinstance(min_exit_layer, int) or not 1 <= min_exit_layer <= d:
         raise GenerationError(f"min_exit_layer must be an integer in [1, {d}], got {min_exit_layer!r}")
     cache = run.new_cache()
     h = run.prefill(cache)
@@ -253,6 +259,7 @@ def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1) -> None:
         tok = run.choose(run.logits(h)[:, -1])
         if run.emit_all(tok):
             break
+        yield
         h = run.model.embed(tok.unsqueeze(1))
         pos = run.positions(cache, 1, 0)
         exit_at = d

@@ -61,9 +61,13 @@ class DraftLength:
             self.gamma = self.gamma + 2 if accepted == drafted else max(1, self.gamma - 1)
 
 
+MAX_DRAFT_LEN = 256  # drafts per round; more only wastes draft calls on rejected tokens
+
+
 def check_options(draft_len, schedule, min_confidence) -> None:
-    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
-        raise GenerationError(f"draft_len must be an integer >= 1 (γ, the drafted tokens per round), got {draft_len!r}")
+    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 1 <= draft_len <= MAX_DRAFT_LEN:
+        raise GenerationError(f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}] (γ, the drafted tokens per round), "
+                              f"got {draft_len!r}")
     if schedule not in SCHEDULES:
         raise GenerationError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (constant: γ = draft_len; "
                               f"heuristic: +2 after a fully accepted round, -1 otherwise), got {schedule!r}")
@@ -99,9 +103,9 @@ def _draft(run: Run, dm: Companion, d_logits: torch.Tensor, k: int, min_confiden
         d_logits = dm.forward([tok])[-1]
 
 
-@register("speculative", sampling=True)
+@register("speculative", sampling=True, exact=True, models=("draft",))
 def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "constant",
-                min_confidence: float = 0.4) -> None:
+                min_confidence: float = 0.4):
     """Speculative decoding with a draft model (draft=, γ = draft_len, schedule, min_confidence): greedy-exact or lossless sampling."""
     if draft is None:
         raise GenerationError("method 'speculative' needs a draft model: generate(..., draft=layerleap.load(...))")
@@ -153,6 +157,7 @@ def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "consta
         seq.extend(new)
         if run.emit(0, new):
             return _finish(stats, len(run.out[0]))
+        yield
 
 
 def _count(stats: dict, drafted: int, accepted: int, stopped: bool) -> None:

@@ -23,6 +23,9 @@ def setup(run: Run, name: str, tree, steps: int) -> tree_mod.TreeBuffers:
     if run.batch != 1:
         raise GenerationError(f"method {name!r} decodes one prompt at a time")
     buf = tree_mod.build(tree)
+    V = run.model.config.vocab_size
+    if buf.n > 1 and max(buf.max_rank(d) for d in range(1, buf.depth + 1)) > V:
+        raise GenerationError(f"the tree takes draft ranks beyond the vocabulary ({V} tokens): give smaller top-k")
     if buf.n > 1 and buf.depth > steps:
         raise GenerationError(f"the tree is {buf.depth} deep but the {name} weights have {steps} step(s): give a "
                               f"tree at most {steps} deep, or train more steps")

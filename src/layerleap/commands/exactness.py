@@ -1,0 +1,100 @@
+"""``layerleap eval exactness``: every lossless method against plain greedy on Spec-Bench prompts (and
+`transformers` greedy with ``--transformers``), a resumable JSON report of every divergence.  See
+``layerleap.exactness``.  Exit code 0 when every divergence is a near-tie (or there is none), 1 when
+one is not, 130 when interrupted (the report keeps the finished prompts)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import bench
+from .. import validate as V
+from ..cli import command
+from ..errors import LayerleapError
+from ..exactness import NEAR_TIE, check_methods, format_summary, lossless_methods, run_exactness
+from ..decoding import get_method
+from ..options import resolve_models
+from .basic import (_command_line, _csv, _load, _loader, _model_arg, _model_args, _model_line, _positive_int,
+                    _read_prompts, _say, _threads)
+
+
+def _prompts(text: str) -> int | None:
+    return None if text.strip().lower() == "all" else V.int_arg(1, hint=" or all")(text)
+
+
+@command("eval exactness", help="every lossless method against plain greedy (and transformers) on Spec-Bench "
+         "prompts: a resumable report of every divergence and its logit gap")
+def _setup(p):
+    _model_args(p)
+    p.add_argument("--methods", default="all", help="all: every method whose registry entry claims greedy-"
+                   "exactness; or a comma list of METHOD or LABEL=METHOD (default all)")
+    p.add_argument("--opt", action="append", metavar="METHOD.NAME=VALUE", help="a method option (repeatable)")
+    p.add_argument("--draft", type=_model_arg, default=None, help="the draft model of two-model methods "
+                   "(speculative), a name or folder; without it they are listed as skipped")
+    p.add_argument("--prompts", type=_prompts, default="all", help="all, or N prompts per category (default all)")
+    p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
+    p.add_argument("--data", type=V.in_file_arg, default=None,
+                   help="a Spec-Bench question.jsonl (default: the shipped copy, 480 prompts)")
+    p.add_argument("--transformers", action="store_true", help="also compare transformers greedy generate on the "
+                   "same weights with our greedy")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap prompts in the chat template (default on)")
+    p.add_argument("--near-tie", type=V.float_arg(0.0), default=NEAR_TIE,
+                   help=f"a divergence whose logit gap is below this is a near-tie (default {NEAR_TIE:g})")
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
+                   help="the report (rewritten after every prompt; rerunning with the same settings resumes)")
+
+
+def _methods(args) -> tuple[dict, dict]:
+    """-> (label -> (method, options) to run, label -> why skipped)."""
+    text = ",".join(lossless_methods()) if args.methods.strip().lower() == "all" else args.methods
+    specs = bench.parse_methods(text, args.opt, check=False)
+    check_methods(specs)
+    skipped = {}
+    for label, (name, options) in list(specs.items()):
+        missing = bench.required_options(name, options)
+        models = get_method(name).models
+        for k in [k for k in missing if k in models and args.draft]:
+            options[k] = args.draft
+            missing.remove(k)
+        if missing:
+            need = "a second model: give --draft NAME" if set(missing) & set(models) else \
+                f"the option {missing[0]}: give --opt {label}.{missing[0]}=VALUE"
+            skipped[label] = f"needs {need}"
+            del specs[label]
+    for label, (name, options) in specs.items():
+        bench.check_options(label, name, options)
+    return specs, skipped
+
+
+@_setup
+def run(args) -> int:
+    methods, skipped = _methods(args)
+    prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
+    print(f"$ {_command_line(args)}", flush=True)
+    threads = _threads(args.threads)
+    model = _load(args)
+    loader = _loader(args)
+    methods = {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
+    usable, refused = bench.probe_methods(model, methods)
+    for label, why in refused.items():  # a method asked for by name, or given options, must run
+        name, options = methods[label]
+        if args.methods.strip().lower() != "all" or set(options) - set(get_method(name).models):
+            raise LayerleapError(f"method {label}: {why}")
+    skipped.update(refused)
+    for label, why in skipped.items():
+        _say(f"skipping {label}: {why}")
+    print(f"{_model_line(model, threads)}\n{len(prompts)} Spec-Bench prompts × {args.max_new_tokens} tokens, chat "
+          f"{args.chat}: {', '.join(usable) or 'no method'} against greedy"
+          f"{' and transformers' if args.transformers else ''}", flush=True)
+    report = run_exactness(model, usable, prompts, args.max_new_tokens, chat=args.chat, hf=args.transformers,
+                           out=args.json, near_tie=args.near_tie, skipped=skipped,
+                           config={"command": _command_line(args), "data": args.data or "shipped Spec-Bench"})
+    print(format_summary(report))
+    if args.json:
+        print(f"wrote {args.json}")
+    if report.get("interrupted"):
+        _say(f"interrupted: {report['prompts_done']} of {len(prompts)} prompts finished")
+        return 130
+    return 1 if any(s["unexplained"] for s in report["summary"].values()) else 0

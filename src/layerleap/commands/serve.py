@@ -1,0 +1,69 @@
+"""``layerleap serve``: the OpenAI-compatible server (``layerleap.server``) on one loaded model."""
+
+from __future__ import annotations
+
+from .. import bench
+from .. import validate as V
+from ..cli import command
+from ..decoding import METHODS, Decoding, get_method
+from ..errors import LayerleapError
+from ..loading import PACKAGED
+from ..options import resolve_models
+from .basic import _load, _loader, _model_args, _opt_arg, _say, _threads
+
+
+@command("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming, /metrics)")
+def _setup(p):
+    _model_args(p)
+    p.add_argument("--method", default="greedy", help=f"the default decoding method: {', '.join(METHODS)} "
+                   "(a request may choose another in its 'layerleap' field)")
+    _opt_arg(p, "NAME=VALUE", "an option of the default method (repeatable)")
+    p.add_argument("--host", type=V.text_arg, default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=V.int_arg(0, 65535), default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--name", type=V.text_arg, default=None, help="the model id clients pass (default: --model)")
+    p.add_argument("--max-tokens", type=V.int_arg(1, 1_000_000), default=256,
+                   help="max_tokens of a request that gives none (default 256)")
+    p.add_argument("--max-batch", type=V.int_arg(1, 4096), default=8, help="requests decoded as one batch, at most "
+                   "(methods that batch; default 8)")
+    p.add_argument("--max-running", type=V.int_arg(1, 1024), default=2, help="batches decoding at once, one model "
+                   "call at a time in turn (default 2)")
+    p.add_argument("--max-waiting", type=V.int_arg(1, 1_000_000), default=256, help="queued requests before 429 (default 256)")
+
+
+@_setup
+def run_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from ..server import ServerConfig, create_app
+    except ImportError as e:
+        raise LayerleapError(f"layerleap serve needs {e.name}: pip install 'layerleap[serve]'") from None
+    get_method(args.method)
+    _check_bind(args.host, args.port)
+    options = dict(bench.parse_assignments(args.opt))
+    threads = _threads(args.threads)
+    model = _load(args)
+    loader = _loader(args)
+    options = resolve_models(args.method, options, loader)
+    Decoding(model, [0], args.method, 1, **options)  # the default method and options are valid
+    cfg = ServerConfig(args.name or args.model, args.method, options, args.max_tokens, args.max_batch,
+                       args.max_running, args.max_waiting, loadable=tuple(PACKAGED) + tuple(loader.models))
+    _say(f"serving {cfg.model_name} ({args.dtype}, {threads} threads) with {args.method} "
+         f"on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+    uvicorn.run(create_app(model, cfg, loader), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _check_bind(host: str, port: int) -> None:
+    """Bind ``host:port`` once (then let it go) before loading the model: a bad address or a port in use
+    is one line, not a server that dies after start-up."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except (OSError, UnicodeError) as e:
+        raise LayerleapError(f"cannot serve on {host}:{port} ({getattr(e, 'strerror', None) or e}): choose another "
+                             "--host or --port") from None

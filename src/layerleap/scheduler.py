@@ -1,0 +1,258 @@
+"""The server's queue: requests wait, decode one model call at a time, and batch where the method does.
+
+A ``Job`` is one request: its prompt ids, its ``Settings`` and an asyncio queue of events for the
+request handler (``("text", piece)`` as tokens are accepted, then ``("done", Finish)`` or
+``("error", exception)``).  The ``Scheduler`` task admits waiting jobs into ``Batch``es (jobs with one
+batch key, i.e. the same batching method, options and settings, decode as one ``Decoding``, up to
+``max_batch`` rows; up to ``max_running`` batches at once) and advances the running batches one
+method round each in turn.  The rounds run
+in one worker thread, so model calls never overlap and the event loop stays free to take requests.
+A job whose client went away is cancelled: dropped while it waits, its row stopped while it runs
+(a batch ends when all its rows have).
+
+Text goes out as ``layerleap.streaming.TextPieces`` cuts it (whole characters, joining to the
+final text) through a ``StopText`` filter for OpenAI's ``stop`` strings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .decoding import Decoding, GenerationConfig, GenerationResult, get_method
+from .errors import LayerleapError
+from .model import Transformer
+from .streaming import TextPieces
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one request decodes with: a method, its options and ``generate``'s other arguments."""
+    method: str
+    options: dict = field(default_factory=dict)
+    gen: GenerationConfig = field(default_factory=GenerationConfig)  # its EOS fields are Decoding's own
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.gen.max_new_tokens
+
+    def decoding(self, model: Transformer, prompts) -> Decoding:
+        g = self.gen
+        return Decoding(model, prompts, self.method, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+                        top_p=g.top_p, seed=g.seed, do_sample=g.do_sample, **self.options)
+
+    def batch_key(self, serial: int) -> tuple:
+        """Jobs with equal keys may decode as one batch: a batching method with the same options and
+        settings, and no sampling seed (a seeded sample must not depend on its neighbours)."""
+        g = self.gen
+        if not get_method(self.method).batched or (g.do_sample and g.seed is not None):
+            return ("alone", serial)
+        sampling = (g.temperature, g.top_k, g.top_p) if g.do_sample else None
+        opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
+        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling)
+
+
+class StopText:
+    """OpenAI's ``stop``: text passes through until one of ``stops`` appears, which ends the text
+    (the stop string itself is not returned).  A tail that could start a stop string is held back
+    until the next piece tells."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        text = self.held + piece
+        at = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if at >= 0:
+            self.hit, self.held = True, ""
+            return text[:at]
+        keep = max((j for s in self.stops for j in range(1, len(s)) if text.endswith(s[:j])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def finish(self) -> str:
+        out, self.held = self.held, ""
+        return "" if self.hit else out
+
+
+@dataclass
+class Finish:
+    """How a job ended: its result (tokens, stats) and OpenAI's finish reason."""
+    result: GenerationResult
+    reason: str  # "stop" (EOS or a stop string) or "length"
+    text: str  # all the text sent
+
+
+_serial = itertools.count()
+
+
+class Job:
+    """One request in the queue (see the module docstring for its events)."""
+
+    def __init__(self, prompt_ids: list[int], settings: Settings, stops: list[str] | None = None):
+        self.prompt_ids, self.settings = prompt_ids, settings
+        self.serial = next(_serial)
+        self.key = settings.batch_key(self.serial)
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.stop = StopText(stops or [])
+        self.text: list[str] = []
+        self.cancelled = False
+        self.finished = False
+
+    def send(self, piece: str) -> None:
+        piece = self.stop.push(piece)
+        if piece:
+            self.text.append(piece)
+            self.events.put_nowait(("text", piece))
+
+    def done(self, result: GenerationResult, eos_ids: tuple[int, ...]) -> None:
+        if self.finished:
+            return
+        self.send_rest()
+        toks = result.token_ids
+        reason = "stop" if self.stop.hit or (toks and toks[-1] in eos_ids) or \
+            len(toks) < self.settings.max_new_tokens else "length"
+        self.finished = True
+        self.events.put_nowait(("done", Finish(result, reason, "".join(self.text))))
+
+    def send_rest(self) -> None:
+        rest = self.stop.finish()
+        if rest:
+            self.text.append(rest)
+            self.events.put_nowait(("text", rest))
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self.finished = True
+            self.events.put_nowait(("error", error))
+
+
+class Batch:
+    """Jobs decoding together as one ``Decoding`` (one prompt each)."""
+
+    def __init__(self, model: Transformer, jobs: list[Job]):
+        self.model, self.jobs = model, jobs
+        self.decoding = jobs[0].settings.decoding(model, [j.prompt_ids for j in jobs])
+        self.pieces = [TextPieces(model.tokenizer) for _ in jobs]
+        self.rounds = iter(self.decoding)
+        self.over = False
+
+    def step(self) -> list[int] | None:
+        """One method round (in the worker thread): the rows that grew, or None when the batch ended."""
+        return next(self.rounds, None)
+
+    def dispatch(self, grew: list[int] | None) -> None:
+        """Send the new text of the rows that grew; finish the jobs whose rows ended (on the event loop)."""
+        d = self.decoding
+        for i in grew or []:
+            job = self.jobs[i]
+            if job.finished:
+                continue
+            job.send(self.pieces[i].push(d.tokens(i)))
+            if job.stop.hit:
+                d.cancel(i)
+        if grew is None:
+            self.over = True
+            eos = d.gen.eos_ids
+            for i, job in enumerate(self.jobs):
+                if d.results[i] is None:  # cancelled before it started
+                    job.fail(LayerleapError("cancelled"))
+                    continue
+                if not job.finished and not job.stop.hit:
+                    job.send(self.pieces[i].finish(d.results[i].token_ids))
+                job.done(d.results[i], eos)
+
+    def cancel_gone(self) -> None:
+        for i, job in enumerate(self.jobs):
+            if job.cancelled:
+                self.decoding.cancel(i)
+
+    def fail(self, error: BaseException) -> None:
+        self.over = True
+        for job in self.jobs:
+            job.fail(error)
+
+
+class Scheduler:
+    """Waiting jobs, running batches, and the task that serves them (``start()`` on the event loop)."""
+
+    def __init__(self, model: Transformer, max_batch: int = 8, max_running: int = 2, max_waiting: int = 256,
+                 on_batch_done: Callable[[Batch], None] | None = None):
+        self.model, self.max_batch, self.max_running, self.max_waiting = model, max_batch, max_running, max_waiting
+        self.on_batch_done = on_batch_done or (lambda batch: None)
+        self.waiting: list[Job] = []
+        self.running: list[Batch] = []
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="layerleap-model")
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.serve())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
+        self.executor.shutdown(wait=True)
+
+    async def run_in_worker(self, fn, *args):
+        """``fn(*args)`` in the model thread (between rounds): e.g. loading a model an option names."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; False when the queue is full."""
+        if len(self.waiting) >= self.max_waiting:
+            return False
+        self.waiting.append(job)
+        self.wake.set()
+        return True
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True
+        if job in self.waiting:
+            self.waiting.remove(job)
+            job.fail(LayerleapError("cancelled"))
+        for batch in self.running:
+            if job in batch.jobs:
+                batch.cancel_gone()
+
+    def _admit(self) -> None:
+        """While fewer than ``max_running`` batches run: the oldest waiting job and the waiting jobs with
+        its batch key (up to ``max_batch``) become a new batch."""
+        while self.waiting and len(self.running) < self.max_running:
+            key = self.waiting[0].key
+            jobs = [j for j in self.waiting if j.key == key][:self.max_batch]
+            self.waiting = [j for j in self.waiting if j not in jobs]
+            try:
+                self.running.append(Batch(self.model, jobs))
+            except LayerleapError as e:  # checked when the request came in; a late refusal still answers
+                for job in jobs:
+                    job.fail(e)
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.waiting and not self.running:
+                self.wake.clear()
+                await self.wake.wait()
+            self._admit()
+            for batch in list(self.running):
+                try:
+                    grew = await loop.run_in_executor(self.executor, batch.step)
+                    batch.dispatch(grew)
+                except Exception as e:  # noqa: BLE001  (a failed batch answers its requests; the server goes on)
+                    batch.fail(e)
+                if batch.over:
+                    self.running.remove(batch)
+                    self.on_batch_done(batch)

@@ -1,0 +1,80 @@
+"""Streaming text as tokens are accepted: ``layerleap.stream`` and the incremental detokenizer.
+
+``stream(model, prompt, method=...)`` drives a ``Decoding`` round by round (no threads) and yields
+the text each round added; a drafting method that accepts several tokens in one round yields them
+as one piece.  The pieces join to exactly ``result.text``: a piece is cut from the decoding of all
+tokens so far, and a trailing incomplete UTF-8 character (which the tokenizer decodes as U+FFFD)
+is held back until the tokens that complete it arrive.
+"""
+
+from __future__ import annotations
+
+from .decoding import Decoding, GenerationError, GenerationResult
+from .model import Transformer
+
+REPLACEMENT = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
+
+
+class TextPieces:
+    """Incremental detokenization of one growing token list: ``push(tokens)`` returns the text the
+    new tokens completed ("" while a character is incomplete), ``finish(tokens)`` the rest; the
+    pieces join to ``tokenizer.decode(tokens, skip_special_tokens=True)``."""
+
+    def __init__(self, tokenizer):
+        if tokenizer is None:
+            raise GenerationError("this model has no tokenizer: streaming needs one to decode text")
+        self.tokenizer = tokenizer
+        self.sent = ""
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def push(self, tokens: list[int]) -> str:
+        text = self._decode(tokens)
+        if text.endswith(REPLACEMENT) or not text.startswith(self.sent):
+            return ""  # an incomplete character (or a tokenizer that rewrote the tail): wait for more
+        return self._take(text)
+
+    def finish(self, tokens: list[int]) -> str:
+        text = self._decode(tokens)
+        if not text.startswith(self.sent):
+            raise GenerationError("the tokenizer decoded a token sequence to text that does not extend the "
+                                  "text already streamed: this tokenizer cannot be streamed")
+        return self._take(text)
+
+    def _take(self, text: str) -> str:
+        piece, self.sent = text[len(self.sent):], text
+        return piece
+
+
+class TextStream:
+    """An iterable of text pieces for one prompt; ``result`` (a ``GenerationResult``) is set once the
+    iteration has ended.  Made by ``stream``."""
+
+    def __init__(self, decoding: Decoding):
+        if decoding.many:
+            raise GenerationError("stream decodes one prompt: give one prompt, or use generate for a list")
+        self.decoding = decoding
+        self.pieces = TextPieces(decoding.model.tokenizer)
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        d = self.decoding
+        for _ in d:
+            piece = self.pieces.push(d.tokens(0))
+            if piece:
+                yield piece
+        self.result = d.results[0]
+        rest = self.pieces.finish(self.result.token_ids)
+        if rest:
+            yield rest
+
+
+def stream(model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, **kwargs) -> TextStream:
+    """Generate like ``generate`` (same arguments) for one prompt and yield the text as it is accepted:
+
+    >>> s = layerleap.stream(model, "Hello", method="self-spec", max_new_tokens=32)
+    >>> for piece in s: print(piece, end="", flush=True)
+    >>> s.result.stats
+    """
+    return TextStream(Decoding(model, prompt, method, max_new_tokens, **kwargs))

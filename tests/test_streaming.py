@@ -1,0 +1,147 @@
+"""Streaming: ``Decoding`` round by round, ``layerleap.stream`` for every method, incremental
+detokenization across multi-byte characters, cancelling, and ``generate --stream``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layerleap
+from layerleap import Decoding, drafters, generate, stream
+from layerleap.companion import truncated
+from layerleap.decoding import METHODS, GenerationError, Method
+from layerleap.streaming import REPLACEMENT, TextPieces
+
+MULTIBYTE = "Café 中文 😀 naïve — ok"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    """A tiny random model with the real SmolLM2 tokenizer (byte-level BPE)."""
+    return layerleap.load_folder(tiny_hf_dir)
+
+
+def method_options(model) -> dict[str, dict]:
+    """Every built-in method with options that run on the tiny model (random drafters and heads)."""
+    torch.manual_seed(0)
+    return {
+        "greedy": {}, "sample": {"seed": 3}, "skipdecode": {"min_exit_layer": 2, "max_exit_layer": 4},
+        "early-exit": {"exit_layer": 2}, "calm": {"threshold": 0.5, "min_exit_layer": 2},
+        "speculative": {"draft": truncated(model, 2), "draft_len": 3, "min_confidence": 0.0},
+        "bild": {"exit_layer": 2, "head": "shared", "alpha_fb": 0.0},
+        "medusa": {"heads": drafters.new_drafter(model, "medusa", steps=2), "tree": "2,1"},
+        "hidden-transfer": {"transfer": drafters.new_drafter(model, "transfer", layers=[1, 2, 3]), "tree": "1,1"},
+        "ppd": {"exit_layer": 2, "head": "shared"}, "self-spec": {"exit_layer": 2, "head": "shared", "draft_len": 3},
+    }
+
+
+METHOD_NAMES = ["greedy", "sample", "skipdecode", "early-exit", "calm", "speculative", "bild", "medusa",
+                "hidden-transfer", "ppd", "self-spec"]
+
+
+def test_every_builtin_method_is_covered(tiny):
+    layerleap.get_method("greedy")
+    assert set(method_options(tiny)) == set(METHODS) == set(METHOD_NAMES)
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_stream_joins_to_generate(tiny, method):
+    opts = method_options(tiny)[method]
+    prompt = "Tell me a story about a cat."
+    want = generate(tiny, prompt, method, 24, stop_at_eos=False, **opts)
+    s = stream(tiny, prompt, method, 24, stop_at_eos=False, **opts)
+    pieces = list(s)
+    assert "".join(pieces) == s.result.text == want.text
+    assert s.result.token_ids == want.token_ids and len(want.token_ids) == 24
+    assert len(pieces) > 1 and all(pieces) and not any(p.endswith(REPLACEMENT) for p in pieces[:-1])
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_decoding_rounds_add_what_the_method_accepted(tiny, method):
+    """Each iteration reports the prompt whose output grew; the rounds add up to the result."""
+    opts = method_options(tiny)[method]
+    d = Decoding(tiny, "Once upon a time", method, 20, stop_at_eos=False, **opts)
+    sizes, seen = [], 0
+    for grew in d:
+        assert grew == [0]
+        now = len(d.tokens(0))
+        assert now > seen
+        sizes.append(now - seen)
+        seen = now
+    assert sum(sizes) == 20 == len(d.results[0].token_ids)
+    if method in ("greedy", "sample", "skipdecode", "early-exit", "calm", "ppd"):
+        assert sizes == [1] * 20  # one token a round
+
+
+def test_text_pieces_hold_back_incomplete_characters(tiny):
+    tok = tiny.tokenizer
+    ids = tok(MULTIBYTE)["input_ids"]
+    assert any(tok.decode([i]).endswith(REPLACEMENT) for i in ids), "the text should split a character across tokens"
+    tp = TextPieces(tok)
+    pieces = [tp.push(ids[:n]) for n in range(1, len(ids) + 1)]
+    pieces.append(tp.finish(ids))
+    assert "".join(pieces) == tok.decode(ids) == MULTIBYTE
+    assert not any(REPLACEMENT in p for p in pieces)
+    assert "😀" in pieces or any("😀" in p for p in pieces)  # the emoji arrives whole, in one piece
+
+
+def _scripted(tokens: list[int], per_round: int):
+    """A method that emits ``tokens`` ``per_round`` at a time (the model is not called)."""
+    def fn(run):
+        for i in range(0, len(tokens), per_round):
+            if run.emit(0, tokens[i:i + per_round]):
+                return
+            yield
+    return fn
+
+
+@pytest.mark.parametrize("per_round", [1, 2, 3])
+def test_stream_across_multibyte_characters(tiny, monkeypatch, per_round):
+    """A method emitting the bytes of 😀 and 中 in separate rounds: no piece carries a broken character."""
+    ids = tiny.tokenizer(MULTIBYTE)["input_ids"]
+    layerleap.get_method("greedy")
+    monkeypatch.setitem(METHODS, "scripted", Method("scripted", _scripted(ids, per_round), False, False, False, "x"))
+    s = stream(tiny, [1, 2, 3], "scripted", len(ids), stop_at_eos=False)
+    pieces = list(s)
+    assert "".join(pieces) == s.result.text == MULTIBYTE
+    assert not any(REPLACEMENT in p for p in pieces)
+
+
+def test_cancel_stops_a_row_and_the_rest_go_on(tiny):
+    prompts = ["one two three", "four five", "six"]
+    want = generate(tiny, prompts, "greedy", 12, stop_at_eos=False)
+    d = Decoding(tiny, prompts, "greedy", 12, stop_at_eos=False)
+    for grew in d:
+        if len(d.tokens(1)) == 3:
+            d.cancel(1)
+    assert d.results[1].stats["cancelled"] and d.results[1].token_ids == want[1].token_ids[:3]
+    for i in (0, 2):
+        assert d.results[i].token_ids == want[i].token_ids and "cancelled" not in d.results[i].stats
+
+
+def test_closing_a_stream_early_stops_decoding(tiny):
+    s = stream(tiny, "hello there", "greedy", 200, stop_at_eos=False)
+    it = iter(s)
+    next(it)
+    it.close()
+    assert s.result is None
+    # the same model decodes normally afterwards (no inference mode left switched on)
+    assert not torch.is_inference_mode_enabled()
+    assert len(generate(tiny, "hello there", "greedy", 5, stop_at_eos=False).token_ids) == 5
+
+
+def test_stream_refuses_a_list_and_a_model_without_tokenizer(tiny):
+    with pytest.raises(GenerationError, match="one prompt"):
+        stream(tiny, ["a", "b"], "greedy", 4)
+    bare = layerleap.Transformer(layerleap.tiny_config()).eval()
+    with pytest.raises(GenerationError, match="tokenizer"):
+        stream(bare, [1, 2, 3], "greedy", 4)
+
+
+def test_cli_generate_stream_prints_the_text(tiny_hf_dir, tiny, capsys):
+    from layerleap.cli import main
+    rc = main(["generate", "--model", str(tiny_hf_dir), "--prompt", "Hello there", "--max-new-tokens", "12",
+               "--method", "self-spec", "--opt", "exit_layer=2", "--opt", "head=shared", "--stream", "--threads", "1"])
+    out = capsys.readouterr().out
+    want = generate(tiny, "Hello there", "self-spec", 12, exit_layer=2, head="shared")
+    assert rc == 0 and out.startswith(want.text + "\n") and "[self-spec] " in out

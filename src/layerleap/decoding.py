@@ -271,6 +271,9 @@ MAX_BATCH = 4096  # prompts in one call
 def _split_prompts(prompt) -> tuple[list, bool]:
     """-> (list of single prompts, whether a list was given)."""
     if isinstance(prompt, np.ndarray):  # token ids
+        if prompt.dtype.kind not in "iub":
+            raise GenerationError(f"an array prompt must hold integer token ids, got dtype {prompt.dtype}: "
+                                  f"{PROMPT_FORMS}")
         prompt = torch.as_tensor(prompt)
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2:

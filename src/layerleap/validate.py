@@ -138,6 +138,13 @@ def text(value, name: str) -> str:
     return value
 
 
+def items(value, name: str, what: str = "prompts") -> list:
+    """A list (or tuple) of things, not a string (whose characters would pass for items)."""
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, (list, tuple)):
+        raise InputError(_say(name, f"must be a list of {what}, got {type(value).__name__}: wrap one in a list"))
+    return list(value)
+
+
 def utf8(data: bytes, what: str) -> str:
     """Bytes read from a file or stdin as UTF-8 text."""
     try:
@@ -171,7 +178,10 @@ def path(value, name: str) -> Path:
     if "\0" in s:
         raise InputError(_say(name, "contains a NUL character: give a plain path"))
     text(s, name)
-    return Path(s).expanduser()
+    try:
+        return Path(s).expanduser()
+    except RuntimeError:  # ~user of an unknown user: the path as written
+        return Path(s)
 
 
 def _try_create(p: Path, name: str, folder: bool = False) -> None:
@@ -208,7 +218,8 @@ def output_file(value, name: str, suffixes: tuple[str, ...] = (), what: str = "f
         raise InputError(_say(name, f"{p} is a folder: give a file name"))
     if suffixes and p.suffix.lower() not in suffixes:
         ends = " or ".join(suffixes) if len(suffixes) < 4 else "one of " + " ".join(suffixes)
-        raise InputError(_say(name, f"{p}: a {what} must end in {ends}: rename it"))
+        article = "an" if what[:1] in "aeiouAEIOUH" else "a"
+        raise InputError(_say(name, f"{p}: {article} {what} must end in {ends}: rename it"))
     if p.exists() and not p.is_file():
         raise InputError(_say(name, f"{p} is not a regular file: give a file path"))
     _try_create(p, name)

@@ -213,7 +213,7 @@ def frequent_vocab(model, tokens: int, seq_len: int = 512):
     from ..train_heads import cache_hidden, final_top_ids, sharegpt_token_seqs
     from ..heads import rank_by_count
     seqs = sharegpt_token_seqs(model.tokenizer, tokens, seq_len)
-    top = final_top_ids(model, cache_hidden(model, seqs, [], progress=False)[model.config.n_layers], 1)[:, 0].long()
+    top = final_top_ids(model, cache_hidden(model, seqs, [], progress=True)[model.config.n_layers], 1)[:, 0].long()
     return rank_by_count(top, model.config.vocab_size)
 
 

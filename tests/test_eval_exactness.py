@@ -137,7 +137,7 @@ def test_interrupted_run_resumes(capsys, tmp_path, char_model_dir, lossless):
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "sample"], "does not claim greedy-exactness"),
     (["--methods", "nope"], "unknown method 'nope'"),
-    (["--prompts", "some"], "must be a positive integer"),
+    (["--prompts", "some"], "must be all or a positive integer"),
     (["--near-tie", "-1"], "must be a finite number >= 0"),
     (["--json", "notes.txt"], "must end in .json"),
     (["--draft", "no-such-model"], "unknown model"),

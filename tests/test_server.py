@@ -185,6 +185,17 @@ def test_bad_requests_get_openai_errors(tiny_server, body, status, code):
         assert err["code"] == code
 
 
+def test_junk_option_values_never_give_a_server_error(tiny_server):
+    """Every option of every method, given values of the wrong kind: a 4xx (or a valid answer), never a 5xx."""
+    layerleap.get_method("greedy")
+    for name, method in layerleap.METHODS.items():
+        for option in method.options():
+            for value in ("junk", [1, "x"], {"a": 1}, -5):
+                r = post(tiny_server, {"prompt": "hi", "max_tokens": 2,
+                                       "layerleap": {"method": name, "options": {option: value}}})
+                assert r.status_code in (200, 400), (name, option, value, r.text)
+
+
 def test_bad_chat_requests_and_routes(tiny_server, client):
     assert post(tiny_server, {"messages": []}, "/v1/chat/completions").status_code == 400
     assert post(tiny_server, {"messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions").status_code == 400

@@ -41,7 +41,7 @@ from torch import nn
 from . import validate as V
 from .decoding import GenerationError, generate
 from .errors import LayerleapError
-from .files import save_safetensors, write_json
+from .files import reading, save_safetensors, write_json
 from .model import RMSNorm, Transformer
 
 HEAD_FORMAT = "layerleap-bild-exit-head-v1"
@@ -128,6 +128,8 @@ def calibrate(large: Transformer, prompts: list[str], path, max_new_tokens: int 
             data = json.loads(path.read_text())
         except json.JSONDecodeError:
             raise AlignError(f"{path} is not valid JSON: delete it to start the calibration again") from None
+        if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+            raise AlignError(f"{path} is not a calibration file: delete it or choose another --work")
         if data.get("model") != large.fingerprint or data.get("max_new_tokens") != max_new_tokens \
                 or data.get("chat") != chat:
             raise AlignError(f"{path} holds outputs of another model or settings: delete it or choose another --work")
@@ -188,7 +190,7 @@ def _save_ckpt(path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Opt
 
 def _load_ckpt(path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, tag: str) -> int:
     from safetensors import safe_open
-    with safe_open(str(path), "pt") as f:
+    with reading(path, "checkpoint"), safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
         if meta.get("tag") != tag:
             raise AlignError(f"checkpoint {path} belongs to another alignment run (other model, data or settings): "

@@ -127,6 +127,8 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
             continue
         label, _, name = item.partition("=")
         label, name = label.strip(), (name or label).strip()
+        if not label:
+            raise LayerleapError(f"method {item!r} has an empty label: write METHOD or LABEL=METHOD")
         get_method(name)
         if label in specs or label == HF_LABEL:
             raise LayerleapError(f"method label {label!r} is used twice: name them LABEL=METHOD")
@@ -406,7 +408,17 @@ class BenchResult:
 
 # -- the harness -----------------------------------------------------------------------------------
 def _as_prompts(prompts) -> list[Prompt]:
-    return [p if isinstance(p, Prompt) else Prompt(i, "", str(p)) for i, p in enumerate(prompts)]
+    return [p if isinstance(p, Prompt) else Prompt(i, "", V.text(p, "a prompt"))
+            for i, p in enumerate(V.items(prompts, "prompts"))]
+
+
+def check_specs(methods) -> None:
+    """``methods`` must map labels to (method name, options dict)."""
+    ok = isinstance(methods, dict) and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict)
+                                           for v in methods.values())
+    if not ok:
+        raise LayerleapError(f"methods must map labels to (method, options) pairs, e.g. {{'g': ('greedy', {{}})}}, "
+                             f"got {V.show(methods)}")
 
 
 def _greedy_type(method: str, sampling: dict) -> bool:
@@ -433,6 +445,7 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     from tqdm.auto import tqdm
 
     prompts = _as_prompts(prompts)
+    check_specs(methods)
     if not prompts:
         raise LayerleapError("no prompts to benchmark")
     V.integer(max_new_tokens, "max_new_tokens", 1)

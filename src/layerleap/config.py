@@ -36,6 +36,11 @@ class ModelConfig:
     name: str = "custom"
 
     def __post_init__(self):
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                  "max_position"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{k} must be a positive integer, got {v!r}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -55,6 +60,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict, name: str = "custom") -> "ModelConfig":
         """Build from a Hugging Face `config.json` dict; refuse what we cannot run."""
+        if not isinstance(hf, dict):
+            raise ConfigError(f"a Hugging Face config is a dict (config.json's object), got {type(hf).__name__}")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(

@@ -23,6 +23,14 @@ def spec_bench(path: str | Path | None = None, categories: list[str] | None = No
                offset: int = 0) -> list[Prompt]:
     """The first turn of each Spec-Bench question, optionally filtered by category; ``n`` per category
     (after skipping ``offset`` per category, to keep training and evaluation prompts apart)."""
+    from . import validate as V
+    if isinstance(categories, str):  # "qa,writing" or "qa"
+        categories = [c.strip() for c in categories.split(",") if c.strip()]
+    if categories is not None:
+        categories = V.items(categories, "categories", "category names")
+    if n is not None:
+        V.integer(n, "n", 1, hint=" (prompts per category)")
+    V.integer(offset, "offset", 0)
     rows = _read_spec_bench(path)
     known = sorted({r["category"] for r in rows})
     if categories:
@@ -47,13 +55,17 @@ def spec_bench_categories(path: str | Path | None = None) -> list[str]:
 
 
 def _read_spec_bench(path) -> list[dict]:
-    p = Path(path) if path else SHIPPED_SPEC_BENCH
+    from . import validate as V
+    p = V.path(path, "path") if path else SHIPPED_SPEC_BENCH
     if not p.is_file():
         raise LayerleapError(f"Spec-Bench file {p} not found (or not a file): give the path of question.jsonl")
     try:
-        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-        for r in rows:
-            r["category"], r["turns"][0], r["question_id"]  # noqa: B018  (the fields we use)
+        rows = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        for r in rows:  # the fields we use, with their types
+            if not (isinstance(r["category"], str) and isinstance(r["turns"][0], str)
+                    and isinstance(r["question_id"], int) and not isinstance(r["question_id"], bool)):
+                raise TypeError(f"line with question_id {str(r['question_id'])[:20]!r}: question_id must be an "
+                                "integer, category and turns[0] text")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
         raise LayerleapError(f"{p} is not a Spec-Bench question.jsonl ({type(e).__name__}: {e}): "
                              "each line must be JSON with question_id, category and turns") from None

@@ -271,6 +271,9 @@ MAX_BATCH = 4096  # prompts in one call
 def _split_prompts(prompt) -> tuple[list, bool]:
     """-> (list of single prompts, whether a list was given)."""
     if isinstance(prompt, np.ndarray):  # token ids
+        if prompt.dtype.kind not in "iub":
+            raise GenerationError(f"an array prompt must hold integer token ids, got dtype {prompt.dtype}: "
+                                  f"{PROMPT_FORMS}")
         prompt = torch.as_tensor(prompt)
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2:
@@ -321,7 +324,7 @@ def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, tempe
     m = get_method(method)
     with V.raising(GenerationError):
         V.integer(max_new_tokens, "max_new_tokens", 1)
-        V.number(temperature, "temperature", 0, lo_open=True,
+        V.number(temperature, "temperature", V.MIN_TEMPERATURE,
                  hint=" (use method='greedy' for deterministic output)")
         V.integer(top_k, "top_k", 0, hint=" (0 = off)")
         V.number(top_p, "top_p", 0, 1, lo_open=True)

@@ -17,18 +17,17 @@ with the report holding the finished prompts.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from . import validate as V
-from .bench import HF_LABEL, HFBaseline, machine_config, plain_options
+from .bench import HF_LABEL, HFBaseline, check_specs, machine_config, plain_options
 from .datasets import Prompt
 from .decoding import METHODS, generate, get_method
 from .errors import LayerleapError
-from .files import write_json
+from .files import read_report, write_json
 from .model import Transformer
 
 NEAR_TIE = 1e-4
@@ -103,15 +102,9 @@ def check_methods(methods: MethodSpecs) -> None:
 
 
 def _resume(path: Path, cfg: dict) -> dict | None:
-    if not path.is_file() or not path.stat().st_size:
+    old = read_report(path, "an exactness report", ("config", "records", "divergences"))
+    if old is None:
         return None
-    try:
-        old = json.loads(path.read_bytes())
-        ok = isinstance(old, dict) and isinstance(old.get("config"), dict) and isinstance(old.get("records"), list)
-    except (OSError, ValueError):
-        ok = False
-    if not ok or "divergences" not in old:
-        raise ExactnessError(f"{path} exists and is not an exactness report: choose another --json (or delete it)")
     if any(old["config"].get(k) != cfg.get(k) for k in SETTINGS):
         raise ExactnessError(f"{path} holds an exactness run with other settings: choose another --json (or delete "
                              "it), or rerun with its settings to resume")
@@ -144,8 +137,11 @@ def run_exactness(model: Transformer, methods: MethodSpecs, prompts: list[Prompt
         V.flag(hf, "hf")
         if out is not None:
             V.output_file(out, "out", (".json",))
-    if not prompts:
-        raise ExactnessError("no prompts to compare: choose categories or --data with prompts")
+    with V.raising(ExactnessError):
+        prompts = V.items(prompts, "prompts", "Spec-Bench prompts (layerleap.datasets.spec_bench)")
+    if not prompts or not all(isinstance(p, Prompt) for p in prompts):
+        raise ExactnessError("prompts must be a non-empty list of Spec-Bench prompts (layerleap.datasets.spec_bench)")
+    check_specs(methods)
     check_methods(methods)
     cfg = {**machine_config(model), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
            "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()},

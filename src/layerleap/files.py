@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -66,10 +67,41 @@ def pyplot():
 def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     """A matplotlib figure as an image (the format from the suffix), then closed."""
     import matplotlib.pyplot as plt
+
+    from . import validate as V
     try:
+        V.plot_file(path, "plot")
         return atomic_write(path, lambda p: fig.savefig(p, dpi=dpi))
     finally:
         plt.close(fig)
+
+
+@contextmanager
+def reading(path: str | Path, what: str = "file", fix: str = "delete it to start again"):
+    """Reading a checkpoint, state or work file: any failure but a ``LayerleapError`` (a truncated or
+    foreign file: safetensors', json's and torch's own errors) becomes one naming the file and the fix."""
+    try:
+        yield
+    except LayerleapError:
+        raise
+    except Exception as e:
+        why = " ".join(str(e).split())[:100]
+        raise LayerleapError(f"{what} {path} cannot be read ({type(e).__name__}: {why}): {fix}") from None
+
+
+def read_report(path: str | Path, what: str, fields: tuple[str, ...] = ("config", "records")) -> dict | None:
+    """An earlier JSON report to resume from: None when there is none (or the file is empty); a
+    ``LayerleapError`` when the file is something else (it is never overwritten then)."""
+    path = Path(path)
+    if not path.is_file() or not path.stat().st_size:
+        return None
+    try:
+        old = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        old = None
+    if not isinstance(old, dict) or not isinstance(old.get("config"), dict) or any(f not in old for f in fields):
+        raise LayerleapError(f"{path} exists and is not {what}: choose another --json (or delete it)")
+    return old
 
 
 def read_safetensors_meta(path: str | Path) -> dict:

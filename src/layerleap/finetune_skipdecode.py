@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from . import validate as V
 from .decoding import chat_token_ids
 from .errors import LayerleapError
-from .files import save_safetensors, write_json
+from .files import reading, save_safetensors, write_json
 from .methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
 from .model import Transformer
 
@@ -139,8 +139,12 @@ def skip_logits(model: Transformer, ids: torch.Tensor, active: torch.Tensor) -> 
 def sharegpt_examples(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids with the chat template, completion ids) from the first human/gpt turns of ShareGPT."""
     from .datasets import sharegpt_conversations
+    from tqdm.auto import tqdm
     out = []
+    bar = tqdm(total=n, desc="ShareGPT examples", unit="ex", leave=False)
     for conv in sharegpt_conversations(limit=None):
+        bar.n = len(out)
+        bar.refresh() if len(out) % 32 == 0 else None
         if len(out) >= n:
             break
         if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
@@ -155,6 +159,7 @@ def sharegpt_examples(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[
         if len(c) < 4:
             continue
         out.append(([int(i) for i in p], [int(i) for i in c]))
+    bar.close()
     if not out:
         raise FinetuneError("no usable ShareGPT examples (prompt too long for --max-prompt?)")
     return out
@@ -247,9 +252,20 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"{out} is a file: give a folder for the fine-tuned model")
     state_file = out / STATE_JSON
+    if model.source and out.resolve() == Path(model.source).resolve():
+        raise FinetuneError(f"{out} is the model's own folder: write the fine-tuned model to a new folder (rerun with "
+                            "the same --out to resume)")
+    if out.is_dir() and any(out.iterdir()) and not state_file.is_file():
+        raise FinetuneError(f"{out} holds other files, not a fine-tuning run: choose a new folder")
+    ctx = model.config.max_position
+    if cfg.max_prompt + cfg.gen_len > ctx:
+        raise FinetuneError(f"max_prompt {cfg.max_prompt} + gen_len {cfg.gen_len} tokens exceed the model's context of "
+                            f"{ctx}: lower --max-prompt or --gen-len")
     start_step, losses = 0, []
     if state_file.is_file():
-        st = json.loads(state_file.read_text())
+        with reading(state_file, "fine-tuning state", "delete the folder (or choose another --out) to start again"):
+            st = json.loads(state_file.read_text())
+            st["config"], st["step"], st["losses"]  # noqa: B018  (the fields a resume reads)
         free = ("steps", "save_every")  # a run may be extended or saved more often
         diff = sorted(k for k in set(st["config"]) | set(asdict(cfg))
                       if k not in free and st["config"].get(k) != asdict(cfg).get(k))
@@ -260,7 +276,8 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
             raise FinetuneError(f"{out} already finished {st['step']} steps: raise --steps to continue, or use "
                                 "another --out")
         from .loading import _read_safetensors, hf_to_ours
-        sd = hf_to_ours(_read_safetensors(out), model.config)
+        with reading(out, "fine-tuned weights in", "delete the folder (or choose another --out) to start again"):
+            sd = hf_to_ours(_read_safetensors(out), model.config)
         with torch.no_grad():
             own = model.state_dict()
             for k, v in sd.items():
@@ -288,7 +305,8 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
     params = _trainable(model)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if start_step and (out / OPT_FILE).is_file():
-        _load_optimizer(opt, out / OPT_FILE)
+        with reading(out / OPT_FILE, "optimizer state", "delete the folder (or choose another --out) to start again"):
+            _load_optimizer(opt, out / OPT_FILE)
 
     def lr_at(step):
         if step < cfg.lr_warmup_steps:

@@ -493,7 +493,7 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
                              "the model)") from None
     if not isinstance(header, dict):
         raise ModelFileError(f"{path} has a corrupt safetensors header: replace it")
-    entries, end = {}, 0
+    entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -508,7 +508,12 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
             raise ModelFileError(f"{path}: tensor {name!r} has {stop - begin} bytes for shape {shape}: the file is "
                                  "corrupt, replace it")
         entries[name] = {"dtype": info["dtype"], "shape": shape, "data_offsets": [begin, stop]}
-        end = max(end, stop)
+    end = 0
+    for name, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"]):  # back to back, as written
+        if e["data_offsets"][0] != end:
+            raise ModelFileError(f"{path}: tensor {name!r} does not start where the one before it ends (overlapping or "
+                                 "gapped data): the file is corrupt, replace it")
+        end = e["data_offsets"][1]
     if 8 + n + end > size:
         raise ModelFileError(f"{path} is truncated: {size} bytes, its header needs {8 + n + end}: replace it "
                              "(re-download or re-convert the model)")
@@ -606,8 +611,14 @@ def check_folder(folder: Path, name: str | None = None):
         if (folder / tok).is_file():
             read_json(folder / tok, "tokenizer file")
     headers = {f: safetensors_header(f) for f in weight_files(folder)}
-    found = {k.removeprefix("model.") if not k.startswith("lm_head") else k: (f, tuple(e["shape"]))
-             for f, (entries, _) in headers.items() for k, e in entries.items() if not k.endswith("rotary_emb.inv_freq")}
+    found: dict[str, tuple[Path, tuple]] = {}
+    for f, (entries, _) in headers.items():
+        for k, e in entries.items():
+            short = k.removeprefix("model.") if not k.startswith("lm_head") else k
+            if short in found and not k.endswith("rotary_emb.inv_freq"):
+                raise ModelFileError(f"weight {k!r} is in both {found[short][0].name} and {f.name} in {folder}: keep one "
+                                     "copy of the weights (or write an index)")
+            found[short] = (f, tuple(e["shape"]))
     for k, shape in expected_shapes(config).items():
         short = k.removeprefix("model.") if not k.startswith("lm_head") else k
         if short not in found:
@@ -653,7 +664,8 @@ def load_folder(folder: str | Path, dtype="float32", name: str | None = None, pa
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception as e:  # transformers and tokenizers raise many kinds for a bad file
-            raise ModelFileError(f"cannot load the tokenizer in {folder} ({type(e).__name__}: {str(e)[:120]}): "
+            why = " ".join(str(e).split())[:120]
+            raise ModelFileError(f"cannot load the tokenizer in {folder} ({type(e).__name__}: {why}): "
                                  "repair or replace tokenizer.json / tokenizer_config.json") from None
     return build(config, sd, dt, tokenizer, source=str(folder), pack=pack)
 

@@ -62,7 +62,7 @@ class MatchRateConfig:
                 V.integer(k, "k", 1, model.config.vocab_size, " (the vocabulary)")
             V.integer(self.top_k, "top_k", 1)
             V.number(self.top_p, "top_p", 0, 1, lo_open=True)
-            V.number(self.temperature, "temperature", 0, lo_open=True)
+            V.number(self.temperature, "temperature", V.MIN_TEMPERATURE)
             V.seed(self.seed)
         return self
 
@@ -117,6 +117,8 @@ def match_rate(model: Transformer, prompts, cfg: MatchRateConfig, heads: dict | 
     import sys
     from .decoding import generate
     cfg.check(model)
+    with V.raising(MatchRateError):
+        prompts = V.items(prompts, "prompts", "texts or token-id lists")
     heads = heads if heads is not None else resolve_heads(model, cfg.heads, cfg.layers)
     edges = bucket_edges(cfg.max_new_tokens, cfg.buckets)
     kmax = max(cfg.ks)
@@ -220,7 +222,7 @@ __all__ = ["MatchRateConfig", "MatchRateResult", "match_rate", "table", "positio
 # -- cost ---------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def head_cost(model: Transformer, layers, heads: dict[str, ExitHead | None] | None = None, context: int = 128,
-              reps: int = 30, seed: int = 0) -> dict:
+              reps: int = 30, seed: int = 0, progress: bool = True) -> dict:
     """Seconds per decode step (one token, KV cache at ``context``) of the layers up to each layer in
     ``layers``, and of each exit head on one row; the head's overhead is ``head / layers(l)``.
     Steps of the layers and of the heads are interleaved rep by rep (shared-machine noise hits both)."""
@@ -236,7 +238,8 @@ def head_cost(model: Transformer, layers, heads: dict[str, ExitHead | None] | No
     t_layers = {x: [] for x in layers}
     t_heads = {name: [] for name in heads}
     hx = None
-    for _ in range(reps + 2):
+    from tqdm.auto import tqdm
+    for _ in tqdm(range(reps + 2), desc="head cost", unit="rep", disable=not progress, leave=False):
         for x in layers:
             t = time.perf_counter()
             hx = model.run_layers(h0, 0, x, pos1, cache)

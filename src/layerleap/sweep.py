@@ -34,7 +34,7 @@ from pathlib import Path
 from . import evaluation
 from . import validate as V
 from .bench import machine_config
-from .files import save_figure, write_json
+from .files import read_report, save_figure, write_json
 from .datasets import Prompt
 from .decoding import generate
 from .errors import LayerleapError
@@ -196,8 +196,9 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
     JSON-able options added to every BiLD point (``exit_layer``, ``head``, ``max_small``)."""
     from tqdm.auto import tqdm
 
-    if not prompts:
-        raise LayerleapError("no prompts to sweep")
+    prompts = V.items(prompts, "prompts", "Spec-Bench prompts")
+    if not prompts or not all(isinstance(p, Prompt) for p in prompts):
+        raise LayerleapError("prompts must be a non-empty list of Spec-Bench prompts (layerleap.datasets.spec_bench)")
     V.integer(max_new_tokens, "max_new_tokens", 1)
     if out is not None:
         V.output_file(out, "out", (".json",))
@@ -264,16 +265,9 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
 
 
 def _resume(path: Path, cfg: dict, fresh: dict) -> dict:
-    import json
-    if not path.stat().st_size:
+    old = read_report(path, "a sweep report")
+    if old is None:
         return fresh
-    try:
-        old = json.loads(path.read_bytes())
-        ok = isinstance(old, dict) and isinstance(old.get("config"), dict) and isinstance(old.get("records"), list)
-    except (OSError, ValueError):
-        ok = False
-    if not ok:
-        raise LayerleapError(f"{path} exists and is not a sweep report: choose another --json (or delete it)")
     same = all(old["config"].get(k) == cfg[k]
                for k in ("model", "fingerprint", "max_new_tokens", "chat", "fixed", "points", "prompt_ids"))
     if not same:

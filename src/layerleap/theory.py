@@ -23,6 +23,8 @@ import torch
 
 from .files import save_figure
 
+SIMULATE_MAX = 50_000_000  # simulated tokens (trials x tokens) of ``simulate``: about 20 s on one core
+
 
 # -- Theorem 4.1 and the approximations ------------------------------------------------------------
 def theorem_latency(d: int, dbar: int, n_tokens: int, p: float) -> float:
@@ -132,6 +134,7 @@ def simulate(d: int, dbar: int, k: int, p: float, n_tokens: int, trials: int = 2
     from .methods.ppd import Clock
     check_inputs(d, dbar, k, p, n_tokens)
     V.integer(trials, "trials", 1)
+    V.at_most(trials * n_tokens, SIMULATE_MAX, "trials × n_tokens (simulated tokens)", "lower trials or n_tokens")
     V.seed(seed)
     rng = random.Random(seed)
     lo = d - dbar

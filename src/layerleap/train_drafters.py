@@ -38,7 +38,7 @@ from . import drafters
 from . import tree as tree_mod
 from .decoding import chat_token_ids
 from .errors import LayerleapError
-from .files import save_safetensors
+from .files import reading, save_safetensors
 from . import validate as V
 from .model import Transformer
 
@@ -96,7 +96,8 @@ def sharegpt_chunks(tokenizer, n_conversations: int, seq_len: int, seed: int, eo
             convs.append(msgs[:4])
     random.Random(seed).shuffle(convs)
     stream: list[int] = []
-    for msgs in convs:
+    from tqdm.auto import tqdm
+    for msgs in tqdm(convs, desc="tokenizing ShareGPT", unit="conv", leave=False):
         ids = chat_token_ids(tokenizer, msgs)
         stream.extend(ids[: 4 * seq_len])
         stream.append(eos)
@@ -188,14 +189,8 @@ def _save_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, step: int, cfg: 
 
 def _load_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:
     from safetensors import safe_open
-    try:
-        with safe_open(str(path), "pt") as f:
-            return _read_ckpt(f, path, drafter, opt, cfg)
-    except LayerleapError:
-        raise
-    except Exception as e:  # safetensors' own errors for a truncated or foreign file
-        raise TrainError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:80]}): delete it to start "
-                         "again") from None
+    with reading(path, "checkpoint"), safe_open(str(path), "pt") as f:
+        return _read_ckpt(f, path, drafter, opt, cfg)
 
 
 def _read_ckpt(f, path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .decoding import chat_token_ids
-from .files import save_safetensors
+from .files import reading, save_safetensors
 from .heads import ExitHead, HeadError, LensHead, new_head, save_heads
 from . import validate as V
 from .model import Transformer
@@ -273,7 +273,7 @@ def _save_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, s
 
 def _load_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, key: str) -> tuple[int, list, float]:
     from safetensors import safe_open
-    with safe_open(str(path), "pt") as f:
+    with reading(path, "training state", "delete the work folder to start again"), safe_open(str(path), "pt") as f:
         meta = f.metadata()
         if meta.get("key") != key:
             raise TrainHeadsError(f"{path.parent} holds a run with other settings or another model: use another "
@@ -300,7 +300,7 @@ def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | N
     timing = {} if timing is None else timing
     if path is not None and path.is_file():
         from safetensors import safe_open
-        with safe_open(str(path), "pt") as f:
+        with reading(path, "hidden-state cache"), safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
             if meta.get("key") == key:
                 timing["seconds"] = float(meta.get("seconds", 0.0))

@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 from .errors import LayerleapError
 
+MIN_TEMPERATURE = 1e-6  # below it logits / temperature overflow float32 (and sampling is greedy anyway)
 SEED_MAX = 2**32 - 1  # training seeds are multiplied by ~1e6 and must stay inside torch's 64-bit seeds
 MAX_LIST = 100  # items in a comma list on the command line
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".avif",
@@ -138,6 +139,13 @@ def text(value, name: str) -> str:
     return value
 
 
+def items(value, name: str, what: str = "prompts") -> list:
+    """A list (or tuple) of things, not a string (whose characters would pass for items)."""
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, (list, tuple)):
+        raise InputError(_say(name, f"must be a list of {what}, got {type(value).__name__}: wrap one in a list"))
+    return list(value)
+
+
 def utf8(data: bytes, what: str) -> str:
     """Bytes read from a file or stdin as UTF-8 text."""
     try:
@@ -171,7 +179,10 @@ def path(value, name: str) -> Path:
     if "\0" in s:
         raise InputError(_say(name, "contains a NUL character: give a plain path"))
     text(s, name)
-    return Path(s).expanduser()
+    try:
+        return Path(s).expanduser()
+    except RuntimeError:  # ~user of an unknown user: the path as written
+        return Path(s)
 
 
 def _try_create(p: Path, name: str, folder: bool = False) -> None:
@@ -208,7 +219,8 @@ def output_file(value, name: str, suffixes: tuple[str, ...] = (), what: str = "f
         raise InputError(_say(name, f"{p} is a folder: give a file name"))
     if suffixes and p.suffix.lower() not in suffixes:
         ends = " or ".join(suffixes) if len(suffixes) < 4 else "one of " + " ".join(suffixes)
-        raise InputError(_say(name, f"{p}: a {what} must end in {ends}: rename it"))
+        article = "an" if what[:1] in "aeiouAEIOUH" else "a"
+        raise InputError(_say(name, f"{p}: {article} {what} must end in {ends}: rename it"))
     if p.exists() and not p.is_file():
         raise InputError(_say(name, f"{p} is not a regular file: give a file path"))
     _try_create(p, name)
@@ -313,6 +325,7 @@ nonneg_int = int_arg(0)
 seed_arg = int_arg(0, SEED_MAX)
 probability_arg = float_arg(0.0, 1.0)
 positive_float = float_arg(0.0, lo_open=True)
+temperature_arg = float_arg(MIN_TEMPERATURE)
 
 
 def threads_arg(text: str) -> int:

@@ -24,7 +24,7 @@ from .. import bench, kernels, methods as _builtin_methods, roofline  # noqa: F4
 from .. import validate as V
 from ..cli import command
 from ..datasets import read_prompts_file, spec_bench
-from ..decoding import METHODS, generate, get_method
+from ..decoding import METHODS, Decoding, generate, get_method
 from ..errors import LayerleapError
 from ..loading import DEFAULT_MODEL, DTYPES, check_model, load
 from ..options import ModelLoader, resolve_models, to_device
@@ -64,7 +64,7 @@ def _model_args(p, dtype: str = "float32") -> None:
 
 
 def _sampling_args(p) -> None:
-    p.add_argument("--temperature", type=V.positive_float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--temperature", type=V.temperature_arg, default=None, help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=V.nonneg_int, default=None, help="keep the k most likely tokens (default 0: off)")
     p.add_argument("--top-p", type=V.float_arg(0.0, 1.0, lo_open=True), default=None,
                    help="nucleus sampling mass (default 1.0: off)")
@@ -112,6 +112,16 @@ def _ram_mb() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
     except (ValueError, OSError, AttributeError):
         return 4096
+
+
+def _start_with_methods(args, methods: bench.MethodSpecs):
+    """Print the command, set the threads, load ``--model`` and the models that ``methods``' options
+    name -> (threads, model, methods with those models loaded)."""
+    print(f"$ {_command_line(args)}", flush=True)
+    threads = _threads(args.threads)
+    model = _load(args)
+    loader = _loader(args)
+    return threads, model, {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
 
 
 def _loader(args) -> ModelLoader:
@@ -240,7 +250,7 @@ def run_generate(args) -> int:
         print()
         print(_stats_line(s.result.stats, threads))
         return 0
-    res = generate(model, prompts, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
+    res = _generate_with_progress(model, prompts, args, kwargs)
     for r in res if isinstance(res, list) else [res]:
         if args.json:
             print(json.dumps(r.to_dict()))
@@ -248,6 +258,20 @@ def run_generate(args) -> int:
             print(r.text)
             print(_stats_line(r.stats, threads))
     return 0
+
+
+def _generate_with_progress(model, prompts, args, kwargs):
+    """``generate``, with a tqdm bar of the new tokens on stderr (a long generation shows it is alive)."""
+    from tqdm.auto import tqdm
+    d = Decoding(model, prompts, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
+    n = len(d.prompt_ids)
+    bar = tqdm(total=n * args.max_new_tokens, desc=f"generate ({args.method})", unit="tok", leave=False)
+    try:
+        for _ in d:
+            bar.update(sum(len(d.tokens(i)) for i in range(n)) - bar.n)
+    finally:
+        bar.close()
+    return d.results if d.many else d.results[0]
 
 
 # -- methods ----------------------------------------------------------------------------------------
@@ -414,11 +438,7 @@ def run_bench(args) -> int:
     for label, (name, options) in methods.items():
         _check_model_options(name, options, label)
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    print(f"$ {_command_line(args)}", flush=True)
-    threads = _threads(args.threads)
-    model = _load(args)
-    loader = _loader(args)
-    methods = {label: (name, resolve_models(name, options, loader)) for label, (name, options) in methods.items()}
+    threads, model, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
     print(_bench_header(args, model, threads, len(prompts)), flush=True)

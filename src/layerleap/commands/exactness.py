@@ -13,13 +13,18 @@ from ..cli import command
 from ..errors import LayerleapError
 from ..exactness import NEAR_TIE, check_methods, format_summary, lossless_methods, run_exactness
 from ..decoding import get_method
-from ..options import resolve_models
-from .basic import (_command_line, _csv, _load, _loader, _model_arg, _model_args, _model_line, _positive_int,
-                    _read_prompts, _say, _threads)
+from .basic import (_command_line, _csv, _model_arg, _model_args, _model_line, _positive_int, _read_prompts, _say,
+                    _start_with_methods)
 
 
 def _prompts(text: str) -> int | None:
-    return None if text.strip().lower() == "all" else V.int_arg(1, hint=" or all")(text)
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return V.positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be all or a positive integer (prompts per category), got "
+                                         f"{V.show(text)}") from None
 
 
 @command("eval exactness", help="every lossless method against plain greedy (and transformers) on Spec-Bench "
@@ -72,11 +77,7 @@ def _methods(args) -> tuple[dict, dict]:
 def run(args) -> int:
     methods, skipped = _methods(args)
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
-    print(f"$ {_command_line(args)}", flush=True)
-    threads = _threads(args.threads)
-    model = _load(args)
-    loader = _loader(args)
-    methods = {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
+    threads, model, methods = _start_with_methods(args, methods)
     usable, refused = bench.probe_methods(model, methods)
     for label, why in refused.items():  # a method asked for by name, or given options, must run
         name, options = methods[label]

@@ -137,7 +137,7 @@ def _setup_match(p):
     p.add_argument("--top-k", type=_positive_int, default=50, help="k of top-k sampling (default 50)")
     p.add_argument("--top-p", type=V.float_arg(0.0, 1.0, lo_open=True), default=0.9,
                    help="p of top-p sampling (default 0.9)")
-    p.add_argument("--temperature", type=V.positive_float, default=1.0)
+    p.add_argument("--temperature", type=V.temperature_arg, default=1.0)
     p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument("--buckets", type=V.int_arg(1, 1000), default=8, help="token-position groups (Tables 6-8)")
     p.add_argument("--position-layer", type=_positive_int, default=None,
@@ -213,7 +213,7 @@ def frequent_vocab(model, tokens: int, seq_len: int = 512):
     from ..train_heads import cache_hidden, final_top_ids, sharegpt_token_seqs
     from ..heads import rank_by_count
     seqs = sharegpt_token_seqs(model.tokenizer, tokens, seq_len)
-    top = final_top_ids(model, cache_hidden(model, seqs, [], progress=False)[model.config.n_layers], 1)[:, 0].long()
+    top = final_top_ids(model, cache_hidden(model, seqs, [], progress=True)[model.config.n_layers], 1)[:, 0].long()
     return rank_by_count(top, model.config.vocab_size)
 
 

@@ -105,8 +105,9 @@ def _setup_eval(p):
 
 
 def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, list[int]]]:
+    from tqdm.auto import tqdm
     out = []
-    for pr in prompts:
+    for pr in tqdm(prompts, desc="greedy references", unit="prompt", leave=False):
         res = generate(model, pr.text, "greedy", max_new_tokens, chat=True, stop_at_eos=False)
         out.append((len(res.prompt_ids), res.prompt_ids + res.token_ids))
     return out

@@ -17,7 +17,7 @@ from ..errors import LayerleapError
 from .basic import _check_sizes, _command_line, _csv, _load, _model_args, _positive_int, _read_prompts, _say, _threads
 
 
-SIMULATE_MAX = 50_000_000  # simulated tokens (--simulate x --tokens): about 20 s on one core
+SIMULATE_MAX = theory.SIMULATE_MAX
 HEAD_ARG = V.name_or_file_arg(("auto", "shared", "trained"), "exit heads file")
 
 

@@ -65,6 +65,8 @@ def _setup_finetune(p):
 def run_finetune(args) -> int:
     from ..finetune_skipdecode import TrainConfig, finetune
     out = Path(args.out)
+    if Path(args.model).is_dir() and out.resolve() == Path(args.model).resolve():
+        raise LayerleapError(f"--out {out} is the --model folder: write the fine-tuned model to a new folder")
     threads = _threads(args.threads)
     print(f"$ {_command_line(args)}", flush=True)
     model = _load(args)
@@ -109,7 +111,7 @@ def _setup_eval(p):
     p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None)
 
 
-def _quality_rows(model, prompts, refs, label, method, opts, max_new, rows, kind):
+def _quality_rows(model, prompts, refs, label, method, opts, max_new, rows, kind, bar=None):
     """Decode ``prompts`` (one batch, or one at a time for CALM) and score against ``refs``."""
     t = time.perf_counter()
     res = generate(model, [p.text for p in prompts], method, max_new, chat=True, **opts)
@@ -120,6 +122,8 @@ def _quality_rows(model, prompts, refs, label, method, opts, max_new, rows, kind
            "bleu": evaluation.bleu(texts, refs), "tokens": sum(r.stats["new_tokens"] for r in res),
            "seconds": time.perf_counter() - t, "texts": texts}
     rows.append(row)
+    if bar is not None:
+        bar.update()
     _say(f"  {row['category']:<13} {label:<28} layers {avg:5.1f}  ROUGE-L {row['rougeL']:5.1f}  BLEU {row['bleu']:5.1f}  "
          f"({row['seconds']:.0f} s)")
     return row
@@ -139,8 +143,12 @@ def _eval_quality(args, model, threads) -> dict:
     report = {"command": _command_line(args), "machine": machine_config(model), "rows": rows,
               "n_prompts": {c: len(v) for c, v in by_cat.items()}, "max_new_tokens": args.max_new_tokens}
     ft_models = {s: _load(args, f) for s, f in fts.items()}
+    from tqdm.auto import tqdm
+    per_cat = 1 + len(thresholds) + sum((0 if args.skip_base else 2) + (s in ft_models) for s in targets)
+    bar = tqdm(total=len(by_cat) * per_cat, desc="eval skipdecode", unit="row", leave=False)
     for c, prompts in by_cat.items():
         ref = generate(model, [p.text for p in prompts], "greedy", args.max_new_tokens, chat=True)
+        bar.update()
         refs = [r.text for r in ref]
         rows.append({"label": "greedy (base)", "kind": "greedy", "category": c, "avg_layers": float(d), "rougeL": 100.0,
                      "rougeLsum": 100.0, "bleu": 100.0, "texts": refs, "target": 1})
@@ -148,24 +156,25 @@ def _eval_quality(args, model, threads) -> dict:
             cfg = target_config(d, s)
             if not args.skip_base:
                 r = _quality_rows(model, prompts, refs, f"skipdecode {s}x", "skipdecode", cfg.options(),
-                                  args.max_new_tokens, rows, "skipdecode")
+                                  args.max_new_tokens, rows, "skipdecode", bar)
                 r["target"] = s
             if s in ft_models:
                 r = _quality_rows(ft_models[s], prompts, refs, f"skipdecode {s}x fine-tuned", "skipdecode",
-                                  cfg.options(), args.max_new_tokens, rows, "skipdecode-ft")
+                                  cfg.options(), args.max_new_tokens, rows, "skipdecode-ft", bar)
                 r["target"] = s
             if args.skip_base:
                 continue
             E = max(1, round(d / s))
             r = _quality_rows(model, prompts, refs, f"early-exit E={E}", "early-exit", {"exit_layer": E},
-                              args.max_new_tokens, rows, "early-exit")
+                              args.max_new_tokens, rows, "early-exit", bar)
             r["target"] = s
         for th in thresholds:
             r = _quality_rows(model, prompts, refs, f"calm cos>={th:g}", "calm", {"threshold": th},
-                              args.max_new_tokens, rows, "calm")
+                              args.max_new_tokens, rows, "calm", bar)
             r["target"] = None
         if args.json:
             write_json(args.json, report)
+    bar.close()
     return report
 
 
@@ -248,10 +257,14 @@ def _eval_speed(args, model, threads) -> dict:
     report = {"command": _command_line(args), "machine": machine_config(model), "runs": runs,
               "max_new_tokens": args.max_new_tokens, "prompts": [p.id for p in pool]}
     generate(model, pool[0].text, "greedy", 8, chat=True)  # warm-up
+    from tqdm.auto import tqdm
+
+    def batches(B: int) -> list:
+        return [[p] for p in pool[:4]] if B == 1 else [pool[i:i + B] for i in range(0, need, B)][: max(1, 4 // B) if B < 4 else 1]
+    bar = tqdm(total=sum(len(batches(B)) for B in sizes) * args.repeats * len(labels), desc="eval skipdecode-speed",
+               unit="run", leave=False)
     for B in sizes:
-        groups = [pool[i:i + B] for i in range(0, need, B)][: max(1, 4 // B) if B < 4 else 1]
-        if B == 1:
-            groups = [[p] for p in pool[:4]]
+        groups = batches(B)
         for rep in range(args.repeats):
             for g in groups:
                 for lab in labels:  # interleaved: every method on the same batch back to back
@@ -261,9 +274,11 @@ def _eval_speed(args, model, threads) -> dict:
                     runs.append({"batch": B, "repeat": rep, "label": lab, "wall_s": s0["wall_s"],
                                  "decode_s": s0["wall_s"] - s0["ttft_s"], "tokens": sum(r.stats["new_tokens"] for r in res),
                                  "avg_layers": sum(r.stats["layers_per_token"] for r in res) / len(res)})
+                    bar.update()
             _say(f"  batch {B} repeat {rep + 1}/{args.repeats} done")
         if args.json:
             write_json(args.json, report)
+    bar.close()
     summary = []
     for B in sizes:
         rb = [r for r in runs if r["batch"] == B]

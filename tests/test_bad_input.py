@@ -257,6 +257,8 @@ CLI = [
     # methods
     (["methods", "--bogus"], "unrecognized arguments: --bogus"),
     (["methods", "greedy"], "unrecognized arguments: greedy"),
+    (["native", "--bogus"], "unrecognized arguments: --bogus"),
+    (["native", "build"], "unrecognized arguments: build"),
     # serve (the address is tried before the model loads)
     (["serve", *M, "--port", "70000"], "must be an integer in [0, 65535]"),
     (["serve", *M, "--port", "-1"], "must be an integer in [0, 65535]"),

@@ -27,6 +27,7 @@ COMMAND_MODULES = [
     "layerleap.commands.heads",  # train heads, match-rate, eval head-cost, heads sub-vocab
     "layerleap.commands.hidden_transfer",  # train transfer / train medusa, eval drafters
     "layerleap.commands.exactness",  # eval exactness
+    "layerleap.commands.native",  # native
 ]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}

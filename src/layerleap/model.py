@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import kernels, native
 from .config import ModelConfig
 from .kv_cache import CacheError, KVCache
 
@@ -221,6 +221,15 @@ class Keys:
         return cache.k[layer, :, :, :self.total], cache.v[layer, :, :, :self.total]
 
 
+def _native_ok(h: torch.Tensor, lengths: list[list[int]]) -> bool:
+    """Whether ``native``'s C++ layers can take this call: built, on CPU, outside autograd, and every
+    row of every layer in the range at the same length (the common case of decoding)."""
+    if h.device.type != "cpu" or torch.is_grad_enabled() or native.module() is None:
+        return False
+    first = lengths[0]
+    return all(n == first[0] for n in first) and all(row == first for row in lengths)
+
+
 ROW_BY_ROW_MAX = 16  # multi-token calls up to this size attend one new token at a time (see ``attend``)
 
 
@@ -341,6 +350,11 @@ class Transformer(nn.Module):
             return h
         lengths = cache.lengths[start:end].tolist()  # [L', B] as ints: one read for the whole call
         chain = mask is None and not bool(cache.pad.any())
+        if _native_ok(h, lengths):
+            out = self._native_layers(h, start, end, cos, sin, cache, mask, lengths[0][0], chain)
+            if out is not None:
+                cache.advance(start, end, S)
+                return out
         keys = None
         for layer in range(start, end):
             if keys is None or lengths[layer - start] != lengths[layer - start - 1]:
@@ -349,6 +363,20 @@ class Transformer(nn.Module):
             h = self.layers[layer](h, cos, sin, layer, cache, keys)
         cache.advance(start, end, S)
         return h
+
+    def _native_layers(self, h, start: int, end: int, cos, sin, cache: KVCache, mask, s0: int, chain: bool):
+        """Layers ``[start, end)`` by ``native``'s C++ (the same calls as the Python path: equal results),
+        or None when a projection's format is not one it takes."""
+        args = native.layer_args(self, start, end)
+        if args is None:
+            return None
+        c = self.config
+        m, total = cache.attention_mask(start, h.shape[1], mask)
+        keys = Keys(None, total, m, c.n_heads // c.n_kv_heads, chain)
+        k, v = cache.k[start:end, :, :, :total], cache.v[start:end, :, :, :total]
+        return native.module().run_layers(
+            h, cos, sin, k, v, s0, keys.mask, keys.folded, chain, c.n_heads, c.n_kv_heads, c.head_dim,
+            c.intermediate_size, c.rms_norm_eps, fp32_detour(h.dtype, h.device), ROW_BY_ROW_MAX, *args)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sign-folded sin ``[B, S, 1, hd]`` at ``positions`` ``[B, S]``."""

@@ -1,0 +1,107 @@
+"""The decoder layers in C++ (``decoder.cpp``): the same ATen calls as ``model.py``'s Python path, in
+the same order, so every result is equal bit for bit; a decoding step spends less time in the
+Python interpreter (about 3 ms of a 10 ms q4 step on 1 thread, ``docs/BENCHMARKS.md``).
+
+It is compiled once per torch version, CPU and source (``torch.utils.cpp_extension``: a C++
+compiler, ninja and torch's headers; about 30 s) by ``layerleap native --build`` (``make install``
+runs it), and kept in ``<cache>/native``.  Until it is built, or where it cannot be, the model runs
+its Python path; ``LAYERLEAP_NATIVE=0`` turns it off.  Nothing is compiled unasked.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+
+from ..files import cache_root
+
+SOURCE = Path(__file__).with_name("decoder.cpp")
+ENV = "LAYERLEAP_NATIVE"  # "0": never use the native layers
+
+
+def build_dir() -> Path:
+    """Where this source, torch version and CPU's build lives."""
+    tag = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_root() / "native" / f"{tag}-torch{torch.__version__.split('+')[0]}-{cap}-{py}"
+
+
+def _library(folder: Path) -> Path | None:
+    hits = sorted(folder.glob("layerleap_decoder*.so"))
+    return hits[0] if hits else None
+
+
+def build(verbose: bool = False):
+    """Compile ``decoder.cpp`` (or find it compiled) and load it; raises on a failed build."""
+    from torch.utils.cpp_extension import load
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    mod = load("layerleap_decoder", [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(folder),
+               verbose=verbose)
+    module.cache_clear()
+    return mod
+
+
+@functools.cache
+def module():
+    """The compiled module if it was built for this source, torch and CPU, else None (never builds)."""
+    if os.environ.get(ENV, "").strip() == "0":
+        return None
+    lib = _library(build_dir()) if SOURCE.is_file() else None
+    if lib is None:
+        return None
+    spec = importlib.util.spec_from_file_location("layerleap_decoder", lib)
+    try:
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except (ImportError, OSError):
+        return None
+    return mod
+
+
+def status() -> dict:
+    lib = _library(build_dir())
+    return {"built": lib is not None, "library": str(lib) if lib else None, "in_use": module() is not None,
+            "disabled": os.environ.get(ENV, "").strip() == "0"}
+
+
+# -- the arguments, made once per model --------------------------------------------------------------
+_ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _projection(lin):
+    """(kind, a, b, bias, out, in) of a ``model.Linear`` for ``decoder.cpp``'s ``Proj``, or None."""
+    from ..kernels import Int4Weight, OneDNNWeight
+    fmt = lin.packed
+    if fmt is None:
+        return 0, lin.weight, torch.empty(0), lin.bias, lin.out_features, lin.in_features
+    if isinstance(fmt, OneDNNWeight):
+        return 1, fmt.packed, torch.empty(0), fmt.bias, fmt.out_features, fmt.in_features
+    if isinstance(fmt, Int4Weight):
+        return 2, fmt.packed, fmt.scale_zero, fmt.bias, fmt.out_features, fmt.in_features
+    return None
+
+
+def layer_args(model, start: int, end: int):
+    """The per-layer lists ``run_layers`` takes for layers ``[start, end)``, or None when a projection
+    holds a format the C++ does not know.  Kept per model and layer range while the formats stay."""
+    lins = [lin for blk in model.layers[start:end] for lin in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)]
+    formats = tuple(id(lin.packed) if lin.packed is not None else id(lin.weight) for lin in lins)
+    store = _ARGS.setdefault(model, {})
+    held = store.get((start, end))
+    if held is None or held[0] != formats:
+        projs = [_projection(lin) for lin in lins]
+        args = None
+        if all(p is not None for p in projs):
+            norms = [w for blk in model.layers[start:end] for w in (blk.attn_norm.weight, blk.mlp_norm.weight)]
+            args = (norms, *map(list, zip(*projs)))
+        store[(start, end)] = held = (formats, args)
+    return held[1]

@@ -1,0 +1,78 @@
+"""The C++ decoder layers (``layerleap.native``) against the Python path: equal bit for bit, logits
+and cache, for every weight format and the calls decoding makes (prefill, one token, a chain, a
+tree, a padded batch).  Skipped when the extension is not built (``layerleap native --build``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import CONFIGS, random_model
+
+from layerleap import kernels, model as model_mod, native
+from layerleap.loading import build, quantize_model
+
+pytestmark = pytest.mark.skipif(native.module() is None, reason="the native layers are not built: "
+                                "run `layerleap native --build`")
+
+
+def _in_format(m, fmt: str):
+    if fmt == "onednn":
+        for lin in m.projections():
+            lin.pack(kernels.OneDNNWeight(lin.weight.detach(), lin.bias))
+        return m
+    if fmt == "bf16":
+        sd = {k: v.clone() for k, v in m.dense_state().items()}
+        if m.config.tie_embeddings:
+            del sd["lm_head.weight"]
+        return build(m.config, sd, torch.bfloat16)
+    return quantize_model(m) if fmt == "q4" else m
+
+
+def _calls(m, native_on: bool, monkeypatch):
+    """Logits of: a padded prefill of two rows, one token, a chain of 4, a tree of 4; and the cache."""
+    monkeypatch.setattr(model_mod, "_native_ok", model_mod._native_ok if native_on else (lambda h, lengths: False))
+    g = torch.Generator().manual_seed(0)
+    V = m.config.vocab_size
+    outs = []
+    with torch.inference_mode():
+        for batch, pad in ((1, 0), (2, 3)):
+            cache = m.new_cache(batch, 40)
+            ids = torch.randint(0, V, (batch, 9), generator=g)
+            cache.pad[1:] = pad
+            outs.append(m(ids, cache=cache))
+            outs.append(m(torch.randint(0, V, (batch, 1), generator=g), cache=cache))
+            outs.append(m(torch.randint(0, V, (batch, 4), generator=g), cache=cache))
+            tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+            outs.append(m(torch.randint(0, V, (batch, 4), generator=g), cache=cache, mask=tree))
+            outs += [cache.k.clone(), cache.v.clone()]
+    return outs
+
+
+@pytest.mark.parametrize("fmt", ["dense", "onednn", "bf16", "q4"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_native_layers_equal_python(name, fmt, monkeypatch):
+    if fmt == "q4" and not kernels.int4_supported():
+        pytest.skip("no int4 kernel")
+    m = _in_format(random_model(name, seed=2, scale=2.0), fmt)
+    want = _calls(m, False, monkeypatch)
+    got = _calls(m, True, monkeypatch)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"output {i} differs"
+
+
+def test_native_is_used_and_can_be_turned_off(monkeypatch):
+    m = random_model("llama-gqa-tied", seed=1)
+    calls = []
+    real = m._native_layers
+    monkeypatch.setattr(m, "_native_layers", lambda *a: calls.append(1) or real(*a), raising=False)
+    with torch.inference_mode():
+        m(torch.tensor([[1, 2, 3]]), cache=m.new_cache(1, 8))
+    assert calls
+    monkeypatch.setenv(native.ENV, "0")
+    native.module.cache_clear()
+    try:
+        assert native.module() is None and native.status()["disabled"]
+    finally:
+        monkeypatch.delenv(native.ENV)
+        native.module.cache_clear()
+    assert native.module() is not None

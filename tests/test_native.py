@@ -76,3 +76,25 @@ def test_native_is_used_and_can_be_turned_off(monkeypatch):
         monkeypatch.delenv(native.ENV)
         native.module.cache_clear()
     assert native.module() is not None
+
+
+def test_a_tree_call_gives_each_node_the_logits_of_its_own_path(monkeypatch):
+    """With the native attention, a node of a verified tree (siblings masked) gets the logits that
+    decoding its path one token at a time gives, bit for bit, in every format."""
+    for fmt in ("onednn", "bf16", "q4"):  # dense F.linear gives a row different results in a bigger call
+        if fmt == "q4" and not kernels.int4_supported():
+            continue
+        m = _in_format(random_model("qwen2-gqa-untied", seed=3, scale=2.0), fmt)
+        g = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, m.config.vocab_size, (1, 10), generator=g)
+        nodes = torch.randint(0, m.config.vocab_size, (1, 4), generator=g)  # root, a, b (sibling of a), a1
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        with torch.inference_mode():
+            cache = m.new_cache(1, 20)
+            m(prompt, cache=cache)
+            got = m(nodes, positions=torch.tensor([[10, 11, 11, 12]]), cache=cache, mask=tree)[0]
+            for path, node in (([0, 1, 3], 3), ([0, 2], 2)):
+                c = m.new_cache(1, 20)
+                m(prompt, cache=c)
+                rows = [m(nodes[:, [i]], cache=c)[0, 0] for i in path]
+                assert torch.equal(rows[-1], got[node]), f"{fmt}: node {node}"

@@ -27,8 +27,9 @@ ENV = "LAYERLEAP_NATIVE"  # "0": never use the native layers
 
 
 def build_dir() -> Path:
-    """Where this source, torch version and CPU's build lives."""
-    tag = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """Where this source, torch version and CPU's build lives (compiled for this CPU's instructions)."""
+    from ..kernels import cpu_signature
+    tag = hashlib.sha256(SOURCE.read_bytes() + cpu_signature().encode()).hexdigest()[:12]
     cap = torch.backends.cpu.get_cpu_capability().lower()
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return cache_root() / "native" / f"{tag}-torch{torch.__version__.split('+')[0]}-{cap}-{py}"
@@ -44,7 +45,8 @@ def build(verbose: bool = False):
     from torch.utils.cpp_extension import load
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    mod = load("layerleap_decoder", [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(folder),
+    mod = load("layerleap_decoder", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+               extra_ldflags=["-fopenmp"], build_directory=str(folder),
                verbose=verbose)
     module.cache_clear()
     return mod

@@ -55,7 +55,7 @@ def test_call_cost_curve_when_measured(report):
     with_cost["call_cost"] = CALL_COST
     page = html_report(with_cost)
     assert "Not measured" not in page and "milliseconds per model call" in page
-    assert page.count("<circle") == 2 * len(CALL_COST["points"]) and "context 256 tokens, 2 threads, float32" in page
+    assert page.count("<circle") == 2 * len(CALL_COST["points"]) and "context of 256 tokens, 2 threads, float32" in page
 
 
 def test_bench_html_flag(capsys, tiny_hf_dir, tmp_path):

@@ -179,7 +179,8 @@ def _call_cost(cc: dict | None) -> str:
                 'model call by the number of new tokens it takes).</p>')
     pts = sorted(cc["points"], key=lambda p: p["new_tokens"])
     xs = [float(p["new_tokens"]) for p in pts]
-    where = (f"context {cc.get('context')} tokens, {cc.get('threads')} threads, {cc.get('dtype')}")
+    threads = cc.get("threads")
+    where = f"context of {cc.get('context')} tokens, {threads} thread{'' if threads == 1 else 's'}, {cc.get('dtype')}"
     return (f'<p class="note">One model call over a {escape(where)}: what drafting methods pay to verify several '
             'tokens at once.  A flat curve means extra tokens per call are nearly free.</p>'
             + line_chart("milliseconds per model call", xs, [float(p["ms"]) for p in pts], "new tokens in the call",

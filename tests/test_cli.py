@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import layerleap
-from layerleap import bench
+from layerleap.eval import bench
 from layerleap.cli import main
 from layerleap.decoding import METHODS, Method
 from layerleap.methods.baseline import autoregressive

@@ -9,7 +9,8 @@ import pytest
 from test_cli import cli
 
 import layerleap
-from layerleap import bench, generate
+from layerleap.eval import bench
+from layerleap import generate
 from layerleap.decoding import METHODS
 
 
@@ -53,7 +54,7 @@ def test_bad_json_option_value():
 ])
 def test_list_and_tree_options_reach_the_method(capsys, tiny_hf_dir, tiny, method, opts, kwargs, monkeypatch):
     if method == "medusa":  # a random drafter stands in for the shipped heads of the real model
-        from layerleap import drafters
+        from layerleap.drafters import medusa_transfer as drafters
         heads = drafters.new_drafter(tiny, "medusa", steps=2)
         monkeypatch.setattr(drafters, "get_drafter", lambda model, kind, spec: heads)
         kwargs = {**kwargs, "heads": heads}
@@ -147,4 +148,4 @@ def test_every_model_command_takes_model_dtype_device(command):
     flags = {s for a in p._actions for s in a.option_strings}
     assert {"--model", "--dtype", "--device"} <= flags
     dtype = next(a for a in p._actions if "--dtype" in a.option_strings)
-    assert set(dtype.choices) == set(layerleap.loading.DTYPES)
+    assert set(dtype.choices) == set(layerleap.core.loading.DTYPES)

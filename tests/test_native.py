@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_models import CONFIGS, random_model
 
-from layerleap import kernels, model as model_mod, native
-from layerleap.loading import build, quantize_model
+from layerleap.core import kernels, model as model_mod, native
+from layerleap.core.loading import build, quantize_model
 
 pytestmark = pytest.mark.skipif(native.module() is None, reason="the native layers are not built: "
                                 "run `layerleap native --build`")

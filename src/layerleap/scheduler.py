@@ -23,9 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .decoding import Decoding, GenerationConfig, GenerationResult, get_method
+from .decoding import Decoding, get_method
+from .core.run import GenerationConfig, GenerationResult
 from .errors import LayerleapError
-from .model import Transformer
+from .core.model import Transformer
 from .streaming import TextPieces
 
 

@@ -20,15 +20,16 @@ from pathlib import Path
 
 import torch
 
-from .. import bench, kernels, methods as _builtin_methods, roofline  # noqa: F401  (registers the built-in methods)
+from ..eval import bench, roofline
+from ..core import kernels
 from .. import validate as V
-from ..cli import command
+from . import command
 from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, Decoding, generate, get_method
 from ..errors import LayerleapError
-from ..loading import DEFAULT_MODEL, DTYPES, check_model, load
+from ..core.loading import DEFAULT_MODEL, DTYPES, check_model, load
 from ..options import ModelLoader, resolve_models, to_device
-from ..report import write_html_report
+from ..eval.report import write_html_report
 from ..streaming import stream
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 DEMO_CATEGORIES = "qa,summarization"

@@ -8,10 +8,10 @@ import argparse
 import time
 from pathlib import Path
 
-from .. import evaluation
-from ..bench import machine_config
+from ..eval import quality as evaluation
+from ..eval.bench import machine_config
 from ..files import save_figure, write_json, write_text
-from ..cli import command
+from . import command
 from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError
@@ -63,7 +63,7 @@ def _setup_finetune(p):
 
 @_setup_finetune
 def run_finetune(args) -> int:
-    from ..finetune_skipdecode import TrainConfig, finetune
+    from ..train.skipdecode import TrainConfig, finetune
     out = Path(args.out)
     if Path(args.model).is_dir() and out.resolve() == Path(args.model).resolve():
         raise LayerleapError(f"--out {out} is the --model folder: write the fine-tuned model to a new folder")

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import sampling, verify
-from ..decoding import GenerationError, Run, register
+from ..core import sampling, verify
+from ..core.run import GenerationError, Run, register
 
 DEFAULT_DRAFT_LEN = 10  # `transformers`' usual prompt_lookup_num_tokens
 DEFAULT_MAX_NGRAM = 3

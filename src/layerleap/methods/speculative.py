@@ -43,9 +43,9 @@ from numbers import Real
 
 import torch
 
-from .. import sampling, verify
-from ..companion import Companion, check_pair
-from ..decoding import GenerationError, Run, register
+from ..core import sampling, verify
+from ..drafters.companion import Companion, check_pair
+from ..core.run import GenerationError, Run, register
 
 SCHEDULES = ("constant", "heuristic")
 

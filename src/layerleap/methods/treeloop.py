@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import tree as tree_mod
-from .. import verify
-from ..decoding import GenerationError, Run
-from ..kv_cache import KVCache
+from ..core import tree as tree_mod
+from ..core import verify
+from ..core.run import GenerationError, Run
+from ..core.kv_cache import KVCache
 
 EMPTY = tree_mod.build([])  # the first round after the prompt: the root alone
 

@@ -16,9 +16,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from .decoding import GenerationError, Run
-from .kv_cache import KVCache
-from .model import Transformer
+from ..core.run import GenerationError, Run
+from ..core.kv_cache import KVCache
+from ..core.model import Transformer
 
 
 class Companion:

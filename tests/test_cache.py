@@ -115,7 +115,7 @@ def test_killed_conversion_leftovers_are_removed(cache):
 CONVERT_SLOWLY = """
 import os, sys, time
 from pathlib import Path
-from layerleap import loading
+from layerleap.core import loading
 from tiny_models import random_model, save_hf_folder
 calls, gate = Path(sys.argv[1]), Path(sys.argv[2])
 

@@ -285,7 +285,7 @@ def test_demo_on_tiny_model(capsys, tiny_hf_dir, tmp_path):
 
 
 def test_command_groups_and_duplicate_names(capsys):
-    from layerleap import cli
+    from layerleap import cli, commands
     parser = cli.build_parser()
     args = parser.parse_args(["eval", "skipdecode-speed", "--targets", "2"])
     assert (args._name, args.what) == ("eval skipdecode-speed", "skipdecode-speed")
@@ -293,4 +293,4 @@ def test_command_groups_and_duplicate_names(capsys):
         parser.parse_args(["sweep"])
     assert e.value.code == 2
     with pytest.raises(RuntimeError, match="registered twice"):
-        cli.command("sweep bild", help="again")(lambda p: None)(lambda a: 0)
+        commands.command("sweep bild", help="again")(lambda p: None)(lambda a: 0)

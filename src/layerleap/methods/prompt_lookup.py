@@ -67,8 +67,6 @@ def prompt_lookup(run: Run, *, draft_len: int = DEFAULT_DRAFT_LEN, max_ngram: in
                   min_ngram: int = 1) -> None:
     """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call (greedy-exact; lossless sampling)."""
     check_options(draft_len, max_ngram, min_ngram)
-    if run.batch != 1:
-        raise GenerationError("method 'prompt-lookup' decodes one prompt at a time")
     g = run.gen
     stats = run.extra
     stats.update(rounds=0, drafted=0, accepted=0, lookups_hit=0)

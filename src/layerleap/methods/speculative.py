@@ -111,8 +111,6 @@ def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "consta
         raise GenerationError("method 'speculative' needs a draft model: generate(..., draft=layerleap.load(...))")
     check_options(draft_len, schedule, min_confidence)
     check_pair(run.model, draft, "draft", "draft")
-    if run.batch != 1:
-        raise GenerationError("method 'speculative' decodes one prompt at a time")
     sample = run.gen.do_sample
     eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
     stats = run.extra

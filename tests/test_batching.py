@@ -1,5 +1,6 @@
 """A list of prompts on tiny random models: a method that batches decodes it as one batch, each row
-as it would decode alone; a method that does not batch refuses more than one prompt."""
+as it would decode alone (greedy, and sampled under the per-row seeding rule); a method that does
+not batch refuses more than one prompt."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from tiny_models import random_model
 
 from layerleap import GenerationError, Transformer, generate
+from layerleap.core.run import row_seed
 from layerleap.decoding import METHODS
 
 BATCHED = [name for name, m in METHODS.items() if m.batched]
@@ -62,8 +64,10 @@ def test_a_list_of_one_prompt_is_a_batch_of_one(model, name):
 
 
 def _alone(model, name, prompts, n, **kw):
-    """Each prompt decoded alone."""
-    return [generate(model, p, name, n, **kw).token_ids for p in prompts]
+    """Each prompt decoded alone, seeded as its row of a batch would be."""
+    seed = kw.pop("seed", None)
+    return [generate(model, p, name, n, **kw, **({} if seed is None else {"seed": row_seed(seed, i)})).token_ids
+            for i, p in enumerate(prompts)]
 
 
 @pytest.mark.parametrize("name", BATCHED)
@@ -76,3 +80,42 @@ def test_a_batched_method_decodes_each_row_as_alone(model, name):
     alone = _alone(m, name, RAGGED, 12, **kw)
     assert len({len(t) for t in alone}) > 1  # the rows end at different times
     assert [r.token_ids for r in generate(m, RAGGED, name, 12, **kw)] == alone
+
+
+SAMPLING_BATCHED = [name for name in BATCHED if METHODS[name].sampling]
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**32 - 2])
+@pytest.mark.parametrize("name", SAMPLING_BATCHED)
+def test_a_sampled_row_equals_its_prompt_alone_with_the_row_seed(model, name, seed):
+    """Row i of a batch seeded with s samples what its prompt alone samples with seed s + i (mod 2**32)."""
+    kw = dict(options(name), do_sample=True, temperature=1.5, stop_at_eos=False)
+    batch = [r.token_ids for r in generate(model, RAGGED, name, 12, seed=seed, **kw)]
+    assert batch == _alone(model, name, RAGGED, 12, seed=seed, **kw)
+    assert len({tuple(t) for t in batch}) == len(batch)
+
+
+@pytest.mark.parametrize("name", SAMPLING_BATCHED)
+def test_a_sampled_row_does_not_depend_on_its_batch_mates(model, name):
+    kw = dict(options(name), do_sample=True, temperature=1.5, stop_at_eos=False, seed=3)
+    a = generate(model, RAGGED, name, 12, **kw)
+    b = generate(model, [[8, 8, 1], RAGGED[1], [2] * 11, RAGGED[3]], name, 12, **kw)
+    assert [a[1].token_ids, a[3].token_ids] == [b[1].token_ids, b[3].token_ids]
+    assert a[0].token_ids != b[0].token_ids
+
+
+def test_unseeded_sampling_follows_torch_manual_seed(model):
+    kw = dict(do_sample=True, temperature=1.5, stop_at_eos=False)
+    torch.manual_seed(5)
+    a = [r.token_ids for r in generate(model, RAGGED, "sample", 10, **kw)]
+    torch.manual_seed(5)
+    assert [r.token_ids for r in generate(model, RAGGED, "sample", 10, **kw)] == a
+    assert len({tuple(t) for t in a}) == len(a)
+
+
+def test_greedy_draws_no_random_numbers(model):
+    torch.manual_seed(1)
+    generate(model, RAGGED, "greedy", 4)
+    after = torch.rand(1)
+    torch.manual_seed(1)
+    assert torch.rand(1) == after

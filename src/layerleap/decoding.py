@@ -131,6 +131,11 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
     method that does not batch (``METHODS[name].batched`` is False) takes a list of one prompt only
     and refuses more with a ``GenerationError``.  Method options are keyword arguments (see
     ``layerleap.METHODS[name].options()``).
+
+    Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
+    (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
+    whatever its batch-mates.  Without a seed, one base seed is drawn from torch's global generator (so
+    ``torch.manual_seed`` makes the call reproducible) and the same rule applies.
     """
     d = Decoding(model, prompt, method, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  seed=seed, do_sample=do_sample, stop_at_eos=stop_at_eos, chat=chat, **options)
@@ -205,7 +210,7 @@ class Decoding:
     def __iter__(self):
         group = [i for i in range(len(self.prompt_ids)) if i not in self._cancelled]  # cancelled before it started
         if group:
-            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen)
+            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, rows=group)
             self._where.update({i: (run, j) for j, i in enumerate(group)})
             seen = [0] * len(group)
             for _ in rounds(self.method.fn, run, self.options):

@@ -109,7 +109,7 @@ class BiLD:
         if not self.run.gen.do_sample:
             return int(logits.argmax())
         probs = self.probs(logits) if probs is None else probs
-        return verify.draw(probs, self.run.generator)
+        return verify.draw(probs, self.run.generators[0])
 
     def decode(self) -> None:
         for _ in self.rounds():

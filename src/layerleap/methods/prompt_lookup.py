@@ -86,7 +86,7 @@ def prompt_lookup(run: Run, *, draft_len: int = DEFAULT_DRAFT_LEN, max_ngram: in
         if g.do_sample:
             p = sampling.probs(rows, g.temperature, g.top_k, g.top_p)
             q = torch.nn.functional.one_hot(d, p.shape[-1]).to(p.dtype)  # [k, V]: a draft is certain
-            n, nxt = verify.speculative_accept(d, q, p, run.generator)
+            n, nxt = verify.speculative_accept(d, q, p, run.generators[0])
         else:
             n, nxt = verify.greedy_accept(d, rows)
         cache.truncate(held + 1 + n)  # the last token and the accepted drafts

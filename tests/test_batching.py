@@ -56,7 +56,7 @@ def test_a_method_that_does_not_batch_refuses_a_list(model, name, prompts):
     assert "call it once per prompt, or use a method that batches (greedy, sample" in msg
 
 
-@pytest.mark.parametrize("name", ["calm", "prompt-lookup"])
+@pytest.mark.parametrize("name", ["calm", "self-spec"])
 def test_a_list_of_one_prompt_is_a_batch_of_one(model, name):
     one = generate(model, [RAGGED[0]], name, 6, stop_at_eos=False)
     assert isinstance(one, list) and len(one) == 1

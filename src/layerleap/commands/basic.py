@@ -324,7 +324,7 @@ def run_methods(args) -> int:
         print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {opts}")
         print(f"{'':16} {m.description}")
     print("\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
-          "of prompts as one batch; samples: supports temperature/top-k/top-p sampling.  Options go in as "
+          "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p sampling.  Options go in as "
           "--opt NAME=VALUE.")
     return 0
 

@@ -268,17 +268,17 @@ def _generate_with_progress(model, prompts, args, kwargs):
     another (said on stderr)."""
     from tqdm.auto import tqdm
     many = isinstance(prompts, list)
-    calls = [(prompts, kwargs)]
+    calls = [prompts]
     if many and not get_method(args.method).batched:
         _say(f"method {args.method!r} decodes one prompt at a time: decoding the {len(prompts)} prompts one after "
              "another")
-        calls = [([p], kwargs) for p in prompts]
+        calls = [[p] for p in prompts]
     bar = tqdm(total=(len(prompts) if many else 1) * args.max_new_tokens, desc=f"generate ({args.method})",
                unit="tok", leave=False)
     results, done = [], 0
     try:
-        for call, kw in calls:
-            d = Decoding(model, call, args.method, args.max_new_tokens, chat=args.chat, **kw)
+        for call in calls:
+            d = Decoding(model, call, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
             for _ in d:
                 bar.update(done + sum(len(d.tokens(i)) for i in range(len(d.prompt_ids))) - bar.n)
             results += d.results
@@ -324,8 +324,8 @@ def run_methods(args) -> int:
         print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {opts}")
         print(f"{'':16} {m.description}")
     print("\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
-          "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p sampling.  Options go in as "
-          "--opt NAME=VALUE.")
+          "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p "
+          "sampling.  Options go in as --opt NAME=VALUE.")
     return 0
 
 

@@ -347,7 +347,8 @@ def format_table(summary: dict) -> str:
     def num(x, spec, suffix=""):
         return "-" if x is None else format(x, spec) + suffix
 
-    cols = [("method", 16, lambda s: s["label"]), ("prompts", 7, lambda s: str(s["prompts"])),
+    width = max([16] + [len(label) for label in summary])
+    cols = [("method", width, lambda s: s["label"]), ("prompts", 7, lambda s: str(s["prompts"])),
             ("tok/s", 7, lambda s: num(s["mean_tokens_per_s"], ".1f")),
             ("vs greedy", 9, lambda s: num(s["speedup_vs_greedy"], ".2f", "x")),
             ("vs HF", 6, lambda s: num(s["speedup_vs_hf"], ".2f", "x")),

@@ -27,7 +27,7 @@ from ..decoding import GenerationError, Run, register
 # tokens costs 1.6x a one-token call, fp32's 1.1x, so fp32 drafts longer and from single-token
 # matches.  See docs/BENCHMARKS.md ("Choosing draft lengths") for the command and the table.
 DEFAULTS = {  # dtype name -> (draft_len, min_ngram)
-    "float32": (5, 1), "bfloat16": (4, 1), "float16": (4, 1), "q4": (3, 2),
+    "float32": (4, 1), "bfloat16": (4, 1), "float16": (4, 1), "q4": (3, 2),
 }
 DEFAULT_DRAFT_LEN, DEFAULT_MIN_NGRAM = DEFAULTS["float32"]
 DEFAULT_MAX_NGRAM = 4

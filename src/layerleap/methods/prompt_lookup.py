@@ -79,7 +79,8 @@ def prompt_lookup(run: Run, *, draft_len: int | None = None, max_ngram: int = DE
     """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call (greedy-exact; lossless sampling)."""
     tuned = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
     draft_len = tuned[0] if draft_len is None else draft_len
-    min_ngram = min(tuned[1], max_ngram) if min_ngram is None else min_ngram
+    if min_ngram is None:  # the dtype's default, never above a max_ngram the caller chose
+        min_ngram = tuned[1] if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) else min(tuned[1], max_ngram)
     check_options(draft_len, max_ngram, min_ngram)
     if run.batch != 1:
         raise GenerationError("method 'prompt-lookup' decodes one prompt at a time")

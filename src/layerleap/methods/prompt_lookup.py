@@ -76,7 +76,7 @@ def check_options(draft_len, max_ngram, min_ngram) -> None:
 @register("prompt-lookup", sampling=True, exact=True)
 def prompt_lookup(run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM,
                   min_ngram: int | None = None) -> None:
-    """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call (greedy-exact; lossless sampling)."""
+    """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default."""
     tuned = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
     draft_len = tuned[0] if draft_len is None else draft_len
     if min_ngram is None:  # the dtype's default, never above a max_ngram the caller chose

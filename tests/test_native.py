@@ -1,4 +1,4 @@
-"""The C++ decoder layers (``layerleap.native``) against the Python path: equal bit for bit, logits
+"""The C++ decoder layers (``layerleap.core.native``) against the Python path: equal bit for bit, logits
 and cache, for every weight format and the calls decoding makes (prefill, one token, a chain, a
 tree, a padded batch).  Skipped when the extension is not built (``layerleap native --build``)."""
 

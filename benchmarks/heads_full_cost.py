@@ -17,9 +17,9 @@ import sys
 import torch
 
 import layerleap
-from layerleap import train_heads as th
-from layerleap.heads import get_head, new_head
-from layerleap.match_rate import head_cost
+from layerleap.train import exit_heads as th
+from layerleap.drafters.exit_heads import get_head, new_head
+from layerleap.eval.match_rate import head_cost
 
 torch.set_num_threads(1)
 LAYERS = (8, 10, 12, 15, 18, 20, 23, 25)
@@ -57,5 +57,5 @@ out["train_ratio_full_over_lens"] = train["full"]["seconds_per_step"] / train["l
 out["load_average_end"] = os.getloadavg()
 print(f"full / lens seconds per step: {out['train_ratio_full_over_lens']:.1f}x")
 if len(sys.argv) > 1:
-    from layerleap.bench import write_json_atomic
-    write_json_atomic(sys.argv[1], out)
+    from layerleap.files import write_json
+    write_json(sys.argv[1], out)

@@ -25,7 +25,7 @@ def ms(fn, n: int) -> float:
 
 def main() -> None:
     torch.set_num_threads(1)
-    from layerleap.model import cpu_has_native_bf16
+    from layerleap.core.model import cpu_has_native_bf16
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, native bf16: {cpu_has_native_bf16()}")
     for rows in (1, 700):
         for name, (o, i) in SHAPES.items():

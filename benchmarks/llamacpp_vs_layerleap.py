@@ -37,13 +37,13 @@ from pathlib import Path
 import torch
 
 import layerleap
-from layerleap.bench import parse_methods
+from layerleap.eval.bench import parse_methods
 from layerleap.datasets import Prompt, spec_bench
 from layerleap.decoding import chat_token_ids
 from layerleap.errors import LayerleapError
-from layerleap.evaluation import common_prefix
+from layerleap.eval.quality import common_prefix
 from layerleap.files import atomic_write, write_json
-from layerleap.loading import PACKAGED, _gguf_parts, cache_root
+from layerleap.core.loading import PACKAGED, _gguf_parts, cache_root
 
 LLAMA_GREEDY, LLAMA_LOOKUP = "llama.cpp greedy", "llama.cpp lookup"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")

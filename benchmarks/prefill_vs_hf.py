@@ -12,7 +12,7 @@ import time
 import torch
 
 import layerleap
-from layerleap.loading import to_hf
+from layerleap.core.loading import to_hf
 
 
 def best_ms(fn, n: int = 3) -> float:

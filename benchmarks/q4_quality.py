@@ -21,11 +21,11 @@ import time
 import torch
 
 import layerleap
-from layerleap import gguf_q4
+from layerleap.core import gguf_q4
 from layerleap.datasets import spec_bench
 from layerleap.files import write_json
-from layerleap.kernels import Int4Weight, QuantizedRows
-from layerleap.loading import cache_root
+from layerleap.core.kernels import Int4Weight, QuantizedRows
+from layerleap.core.loading import cache_root
 
 
 def mapping_error(model) -> dict:

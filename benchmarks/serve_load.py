@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from layerleap.kernels import cpu_signature
+from layerleap.core.kernels import cpu_signature
 from layerleap.datasets import spec_bench
 
 

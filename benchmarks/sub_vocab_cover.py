@@ -13,7 +13,7 @@ import layerleap
 from layerleap.datasets import spec_bench
 from layerleap.decoding import generate
 from layerleap.files import write_json
-from layerleap.heads import load_heads
+from layerleap.drafters.exit_heads import load_heads
 
 torch.set_num_threads(1)
 out, files = sys.argv[1], sys.argv[2:]

@@ -32,7 +32,7 @@ def tiny_hf_dir(tmp_path_factory):
     from safetensors.torch import save_file
 
     from layerleap import Transformer, tiny_config
-    from layerleap.loading import ours_to_hf, packaged_folder
+    from layerleap.core.loading import ours_to_hf, packaged_folder
 
     folder = tmp_path_factory.mktemp("tiny_hf")
     config = tiny_config(vocab_size=49152, max_position=2048, tie_embeddings=False, name="tiny")

@@ -8,6 +8,7 @@ the ``places`` fixture (tiny models, broken model folders, files that are not wh
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
@@ -103,7 +104,7 @@ def busy_port():
 @pytest.fixture(scope="module")
 def places(tmp_path_factory, char_model_dir, busy_port):
     root = tmp_path_factory.mktemp("bad_input")
-    from layerleap import drafters
+    from layerleap.drafters import medusa_transfer as drafters
     tiny = layerleap.load_folder(char_model_dir)
     medusa = root / "medusa.safetensors"
     drafters.save_drafter(drafters.new_drafter(tiny, "medusa", steps=2), medusa)
@@ -543,21 +544,21 @@ def _gen(prompt, **kw):
 
 def _medusa(**kw):
     def run(m, p):
-        from layerleap import drafters
+        from layerleap.drafters import medusa_transfer as drafters
         heads = drafters.new_drafter(m, "medusa", steps=2)
         return layerleap.generate(m, [1, 2, 3], "medusa", 2, heads=heads, **kw)
     return run
 
 
 def _theory(**kw):
-    from layerleap import theory
+    from layerleap.eval import theory
     args = {"d": 40, "dbar": 20, "k": 1, "p": 0.5, "n_tokens": 128, **kw}
     return lambda m, p: theory.figures(args["d"], args["dbar"], args["k"], args["p"], args["n_tokens"])
 
 
 def _train_drafter(out="m.safetensors", **kw):
     def run(m, p):
-        from layerleap import train_drafters
+        from layerleap.train import medusa_transfer as train_drafters
         cfg = train_drafters.TrainConfig(kind="medusa", steps_ahead=1, train_steps=1, seq_len=8, **kw)
         return train_drafters.train(m, p["T"] + "/" + out, cfg, chunks=[[1] * 8], progress=False)
     return run
@@ -565,14 +566,14 @@ def _train_drafter(out="m.safetensors", **kw):
 
 def _heads_cfg(**kw):
     def run(m, p):
-        from layerleap.train_heads import HeadTrainConfig
+        from layerleap.train.exit_heads import HeadTrainConfig
         return HeadTrainConfig(**{"layers": (2,), **kw}).check(m)
     return run
 
 
 def _match_cfg(**kw):
     def run(m, p):
-        from layerleap.match_rate import MatchRateConfig
+        from layerleap.eval.match_rate import MatchRateConfig
         return MatchRateConfig(**{"layers": (2,), "heads": ("shared",), **kw}).check(m)
     return run
 
@@ -580,14 +581,14 @@ def _match_cfg(**kw):
 def _exactness(methods, n=2, **kw):
     def run(m, p):
         from layerleap.datasets import spec_bench
-        from layerleap.exactness import run_exactness
+        from layerleap.eval.exactness import run_exactness
         return run_exactness(m, methods, spec_bench(categories=["qa"], n=1), n, progress=False, **kw)
     return run
 
 
 def _bench(**kw):
     def run(m, p):
-        from layerleap.bench import run_bench
+        from layerleap.eval.bench import run_bench
         return run_bench(m, {}, ["hi"], **{"max_new_tokens": 2, "hf_baseline": False, "progress": False, **kw})
     return run
 
@@ -668,7 +669,7 @@ API = [
     # the functions the commands use
     (_theory(p=math.nan), "--p-correct must be a finite number, got nan"),
     (_theory(d="40"), "--layers must be an integer"),
-    (lambda m, p: __import__("layerleap.theory").theory.simulate(40, 20, 1, 0.5, 8, trials=0),
+    (lambda m, p: importlib.import_module("layerleap.eval.theory").simulate(40, 20, 1, 0.5, 8, trials=0),
      "trials must be a positive integer"),
     (_train_drafter(out="m.bin"), "must end in .safetensors"),
     (_train_drafter(lr=math.nan), "lr must be a finite number > 0, got nan"),
@@ -676,8 +677,8 @@ API = [
     (_heads_cfg(lr=math.nan), "lr must be a finite number > 0, got nan"),
     (_heads_cfg(layers=(99,)), "layers must be integers in [1, 3]"),
     (_heads_cfg(epochs=True), "epochs must be a positive integer, got True"),
-    (lambda m, p: __import__("layerleap.align").align.TrainConfig(lr=math.nan).check(), "lr must be a finite number > 0"),
-    (lambda m, p: __import__("layerleap.finetune_skipdecode").finetune_skipdecode.TrainConfig(lr=math.inf).resolve(4),
+    (lambda m, p: importlib.import_module("layerleap.train.align").TrainConfig(lr=math.nan).check(), "lr must be a finite number > 0"),
+    (lambda m, p: importlib.import_module("layerleap.train.skipdecode").TrainConfig(lr=math.inf).resolve(4),
      "lr must be a finite number > 0, got inf"),
     (_match_cfg(top_p=2.0), "top_p must be a finite number in (0, 1]"),
     (_match_cfg(ks=(10**6,)), "k must be an integer in [1, 128]"),
@@ -686,29 +687,29 @@ API = [
     (_exactness({"p": ("ppd", {})}, out="r.txt"), "must end in .json"),
     (_bench(max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (_bench(out="/proc/x.json"), "cannot be written"),
-    (lambda m, p: layerleap.loading.check_folder(__import__("pathlib").Path(p["BADHEADER"])), "is not a safetensors file"),
+    (lambda m, p: layerleap.core.loading.check_folder(__import__("pathlib").Path(p["BADHEADER"])), "is not a safetensors file"),
     # found by the fuzzing pass
     (_gen(__import__("numpy").array(["a"])), "an array prompt must hold integer token ids"),
     (lambda m, p: layerleap.tiny_config(n_kv_heads=0), "n_kv_heads must be a positive integer, got 0"),
     (lambda m, p: layerleap.tiny_config(vocab_size="97"), "vocab_size must be a positive integer, got '97'"),
     (lambda m, p: layerleap.ModelConfig.from_hf("x"), "a Hugging Face config is a dict"),
-    (lambda m, p: __import__("layerleap.bench").bench.run_bench(m, ["greedy"], ["hi"], 2, hf_baseline=False),
+    (lambda m, p: importlib.import_module("layerleap.eval.bench").run_bench(m, ["greedy"], ["hi"], 2, hf_baseline=False),
      "methods must map labels to (method, options) pairs"),
-    (lambda m, p: __import__("layerleap.bench").bench.run_bench(m, {}, "hello", 2, hf_baseline=False),
+    (lambda m, p: importlib.import_module("layerleap.eval.bench").run_bench(m, {}, "hello", 2, hf_baseline=False),
      "prompts must be a list of prompts, got str"),
-    (lambda m, p: __import__("layerleap.datasets").datasets.spec_bench(n=-1), "n must be a positive integer"),
-    (lambda m, p: __import__("layerleap.datasets").datasets.spec_bench(n=True), "n must be a positive integer"),
-    (lambda m, p: __import__("layerleap.datasets").datasets.spec_bench(5), "path must be a path"),
-    (lambda m, p: __import__("layerleap.theory").theory.simulate(40, 20, 1, 0.5, 128, trials=10**9),
+    (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(n=-1), "n must be a positive integer"),
+    (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(n=True), "n must be a positive integer"),
+    (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(5), "path must be a path"),
+    (lambda m, p: importlib.import_module("layerleap.eval.theory").simulate(40, 20, 1, 0.5, 128, trials=10**9),
      "is beyond the limit of 50,000,000"),
     (_exactness(["ppd"]), "methods must map labels"),
-    (lambda m, p: __import__("layerleap.exactness").exactness.run_exactness(m, {}, "hello", 2),
+    (lambda m, p: importlib.import_module("layerleap.eval.exactness").run_exactness(m, {}, "hello", 2),
      "prompts must be a list of Spec-Bench prompts"),
-    (lambda m, p: __import__("layerleap.files").files.save_figure(__import__("matplotlib.figure").figure.Figure(),
+    (lambda m, p: importlib.import_module("layerleap.files").save_figure(__import__("matplotlib.figure").figure.Figure(),
                                                                   p["T"] + "/x.xyz"), "a plot must end in one of .png"),
-    (lambda m, p: __import__("layerleap.sweep").sweep.run_sweep(m, [], "hello", 2, models={}), "prompts must be a list"),
-    (lambda m, p: __import__("layerleap.match_rate").match_rate.match_rate(
-        m, "hello", __import__("layerleap.match_rate").match_rate.MatchRateConfig(layers=(2,), heads=("shared",))),
+    (lambda m, p: importlib.import_module("layerleap.eval.sweep").run_sweep(m, [], "hello", 2, models={}), "prompts must be a list"),
+    (lambda m, p: importlib.import_module("layerleap.eval.match_rate").match_rate(
+        m, "hello", importlib.import_module("layerleap.eval.match_rate").MatchRateConfig(layers=(2,), heads=("shared",))),
      "prompts must be a list of texts or token-id lists, got str"),
 ]
 

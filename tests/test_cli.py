@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import layerleap
-from layerleap import bench
+from layerleap.eval import bench
 from layerleap.cli import main
 from layerleap.decoding import METHODS, Method
 from layerleap.methods.baseline import autoregressive
@@ -301,7 +301,7 @@ def test_demo_on_tiny_model(capsys, tiny_hf_dir, tmp_path):
 
 
 def test_command_groups_and_duplicate_names(capsys):
-    from layerleap import cli
+    from layerleap import cli, commands
     parser = cli.build_parser()
     args = parser.parse_args(["eval", "skipdecode-speed", "--targets", "2"])
     assert (args._name, args.what) == ("eval skipdecode-speed", "skipdecode-speed")
@@ -309,4 +309,4 @@ def test_command_groups_and_duplicate_names(capsys):
         parser.parse_args(["sweep"])
     assert e.value.code == 2
     with pytest.raises(RuntimeError, match="registered twice"):
-        cli.command("sweep bild", help="again")(lambda p: None)(lambda a: 0)
+        commands.command("sweep bild", help="again")(lambda p: None)(lambda a: 0)

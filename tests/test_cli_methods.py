@@ -9,7 +9,8 @@ import pytest
 from test_cli import cli
 
 import layerleap
-from layerleap import bench, generate
+from layerleap.eval import bench
+from layerleap import generate
 from layerleap.decoding import METHODS
 
 
@@ -53,7 +54,7 @@ def test_bad_json_option_value():
 ])
 def test_list_and_tree_options_reach_the_method(capsys, tiny_hf_dir, tiny, method, opts, kwargs, monkeypatch):
     if method == "medusa":  # a random drafter stands in for the shipped heads of the real model
-        from layerleap import drafters
+        from layerleap.drafters import medusa_transfer as drafters
         heads = drafters.new_drafter(tiny, "medusa", steps=2)
         monkeypatch.setattr(drafters, "get_drafter", lambda model, kind, spec: heads)
         kwargs = {**kwargs, "heads": heads}
@@ -103,6 +104,20 @@ def test_prompts_file_decodes_a_batch(capsys, tiny_hf_dir, tiny, tmp_path, name,
     assert {g["stats"]["batch"] for g in got} == {4}  # one batch
 
 
+@pytest.mark.parametrize("method", ["calm", "self-spec"])
+def test_prompts_file_with_a_method_that_does_not_batch(capsys, tiny_hf_dir, tiny, tmp_path, method):
+    f = tmp_path / "p.txt"
+    f.write_text("Hello there\nSecond one\nThird\n")
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 5,
+                       "--method", method, "--json")
+    assert rc == 0, err
+    assert f"method {method!r} decodes one prompt at a time: decoding the 3 prompts one after another" in err
+    got = [json.loads(line) for line in out.splitlines()]
+    assert [g["token_ids"] for g in got] == [generate(tiny, t, method, 5).token_ids
+                                             for t in ["Hello there", "Second one", "Third"]]
+    assert {g["stats"]["batch"] for g in got} == {1}
+
+
 BAD = [
     (["--prompts-file", "{DIR}/none.jsonl"], "not found"),
     (["--prompts-file", "{DIR}/bad.jsonl"], "bad.jsonl:2 is not JSON"),
@@ -147,4 +162,4 @@ def test_every_model_command_takes_model_dtype_device(command):
     flags = {s for a in p._actions for s in a.option_strings}
     assert {"--model", "--dtype", "--device"} <= flags
     dtype = next(a for a in p._actions if "--dtype" in a.option_strings)
-    assert set(dtype.choices) == set(layerleap.loading.DTYPES)
+    assert set(dtype.choices) == set(layerleap.core.loading.DTYPES)

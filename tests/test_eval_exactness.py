@@ -11,7 +11,7 @@ import torch
 from tiny_models import full_logits
 
 import layerleap
-from layerleap import exactness
+from layerleap.eval import exactness
 from layerleap.cli import main
 from layerleap.datasets import spec_bench
 from layerleap.decoding import METHODS, Method

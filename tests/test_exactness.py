@@ -12,14 +12,15 @@ import pytest
 import torch
 from tiny_models import CONFIGS, naive_greedy, random_model
 
-from layerleap import generate, kernels
-from layerleap.loading import quantize_model
+from layerleap import generate
+from layerleap.core import kernels
+from layerleap.core.loading import quantize_model
 
 DEVICE = os.environ.get("LAYERLEAP_TEST_DEVICE", "cpu")
 
 def _random_drafter(model, kind: str, seed: int = 0, scale: float = 0.3, **config):
     """An untrained drafter, perturbed so that its drafts are neither trivial nor always right."""
-    from layerleap import drafters
+    from layerleap.drafters import medusa_transfer as drafters
     d = drafters.new_drafter(model, kind, **config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

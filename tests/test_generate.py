@@ -12,9 +12,10 @@ import torch
 from tiny_models import CONFIGS, full_logits, naive_greedy, random_model
 
 import layerleap
-from layerleap import GenerationError, LayerleapError, Transformer, generate, sampling, to_hf
-from layerleap.config import ConfigError
-from layerleap.loading import MissingPackage, ModelNotFound, PackagedModel, _gguf_parts
+from layerleap import GenerationError, LayerleapError, Transformer, generate, to_hf
+from layerleap.core import sampling
+from layerleap.core.config import ConfigError
+from layerleap.core.loading import MissingPackage, ModelNotFound, PackagedModel, _gguf_parts
 
 
 
@@ -350,7 +351,7 @@ def test_unknown_dtype():
 def _write_folder(folder, **cfg_overrides):
     from safetensors.torch import save_file
 
-    from layerleap.loading import ours_to_hf
+    from layerleap.core.loading import ours_to_hf
     m = random_model("llama-gqa-tied", seed=80)
     cfg = m.config.to_hf()
     cfg.update(cfg_overrides)

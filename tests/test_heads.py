@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import random_model
 
-from layerleap import heads
+from layerleap.drafters import exit_heads as heads
 
 
 @pytest.mark.parametrize("kind", heads.KINDS)
@@ -59,7 +59,7 @@ def test_bad_layers_kinds_and_files(tmp_path):
 
 
 # -- training ---------------------------------------------------------------------------------------
-from layerleap import train_heads as th  # noqa: E402
+from layerleap.train import exit_heads as th  # noqa: E402
 
 
 def _seqs(n_seqs: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -223,7 +223,7 @@ def test_shipped_heads_load_and_beat_the_shared_head():
     top-1 than the shared head, on prompts they were not trained on (Spec-Bench)."""
     import layerleap
     from layerleap.datasets import spec_bench
-    from layerleap.match_rate import MatchRateConfig, match_rate
+    from layerleap.eval.match_rate import MatchRateConfig, match_rate
     model = layerleap.load("smollm2-135m")
     layers = heads.trained_layers(model)
     assert {8, 15, 23} <= set(layers)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from tiny_models import CONFIGS, naive_greedy, random_model
 
-from layerleap import drafters, generate
-from layerleap import tree as tree_mod
+from layerleap.drafters import medusa_transfer as drafters
+from layerleap import generate
+from layerleap.core import tree as tree_mod
 from layerleap.decoding import GenerationError
 
 TREES = ["1", "1,1", "1,1,1", "2,1", "2,2", [3, 2, 1], "0;1;0.0;0.0.0", ""]
@@ -134,7 +135,7 @@ def test_errors(models):
         generate(model, [1, 2], "medusa", 4, tree="1,1,1", heads=medusa_for(model, steps=2))
     with pytest.raises(GenerationError, match="does not fit the context"):
         generate(model, [1] * 200, "medusa", 54, tree="1,1,1", heads=medusa_for(model))
-    from layerleap.tree import TreeError
+    from layerleap.core.tree import TreeError
     with pytest.raises(TreeError):
         generate(model, [1, 2], "medusa", 4, tree="1,x", heads=medusa_for(model))
     with pytest.raises(drafters.DrafterError, match="layers"):

@@ -8,10 +8,11 @@ import pytest
 import torch
 from tiny_models import CONFIGS, random_model
 
-from layerleap import generate, kernels
-from layerleap.gguf_q4 import blocks_to_rows, pack_codes, unpack_codes
-from layerleap.kernels import GROUP, Int4Weight, OneDNNWeight, QuantizedRows, quantize
-from layerleap.loading import quantize_model
+from layerleap import generate
+from layerleap.core import kernels
+from layerleap.core.gguf_q4 import blocks_to_rows, pack_codes, unpack_codes
+from layerleap.core.kernels import GROUP, Int4Weight, OneDNNWeight, QuantizedRows, quantize
+from layerleap.core.loading import quantize_model
 
 needs_onednn = pytest.mark.skipif(not kernels.ONEDNN, reason="torch built without oneDNN")
 needs_int4 = pytest.mark.skipif(not kernels.int4_supported(), reason="torch's int4 CPU kernel is not available")
@@ -116,7 +117,7 @@ def test_code_nibbles_roundtrip():
 @needs_int4
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_q4_model_keeps_fingerprint_and_is_close(name):
-    from layerleap.loading import build
+    from layerleap.core.loading import build
     dense = random_model(name, seed=3)
     q4 = quantize_model(random_model(name, seed=3))
     assert q4.dtype_name == "q4" and q4.fingerprint == dense.fingerprint
@@ -178,7 +179,7 @@ def test_verification_call_equals_one_token_calls_bit_for_bit(name, fmt, monkeyp
     """In bf16 and q4, the logits of a chain of new tokens scored in one call equal those of
     decoding them one at a time exactly: lossless methods then equal greedy decoding even where the
     top two logits tie (common with bf16 logits)."""
-    from layerleap.loading import build
+    from layerleap.core.loading import build
     monkeypatch.setenv(kernels.KERNEL_ENV, "onednn")  # this CPU's own choice may be dense F.linear
     m = random_model(name, seed=6, scale=2.0)
     if fmt == "bf16":
@@ -197,7 +198,7 @@ def test_verification_call_equals_one_token_calls_bit_for_bit(name, fmt, monkeyp
 def test_q8_0_blocks_map_exactly_to_8bit_rows():
     from gguf import GGMLQuantizationType, dequantize
 
-    from layerleap.gguf_q4 import q8_0_rows
+    from layerleap.core.gguf_q4 import q8_0_rows
     rng = np.random.default_rng(3)
     raw = rng.integers(0, 256, (8, 34), dtype=np.uint8)
     raw[:, :2] = (rng.standard_normal((8, 1)) * 0.01).astype(np.float16).view(np.uint8)

@@ -7,7 +7,7 @@ import torch
 from tiny_models import full_logits, random_model, tree_depths, tree_mask, tree_path
 
 from layerleap import KVCache, LayerleapError
-from layerleap.kv_cache import CacheError
+from layerleap.core.kv_cache import CacheError
 
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import layerleap
-from layerleap import loading
+from layerleap.core import loading
 
 
 def leftovers(root: Path, name: str) -> list[Path]:

@@ -12,8 +12,8 @@ from tiny_models import (CONFIGS, full_logits, random_model, randomize_,
 
 import layerleap
 from layerleap import ModelConfig, Transformer, from_hf, tiny_config, to_hf
-from layerleap.config import ConfigError
-from layerleap.loading import build, hf_to_ours, ours_to_hf
+from layerleap.core.config import ConfigError
+from layerleap.core.loading import build, hf_to_ours, ours_to_hf
 
 ATOL = RTOL = 1e-5
 
@@ -228,7 +228,7 @@ def test_cached_decoding_equals_full_forward(model, chunks):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_cache_dtype_on_cpu_is_fp32_for_bf16_without_native_bf16(model, monkeypatch, native):
-    from layerleap import model as model_mod
+    from layerleap.core import model as model_mod
     monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: native)
     m16 = build(model.config, {k: v.clone() for k, v in model.state_dict().items()}, dtype=torch.bfloat16)
     assert m16.new_cache(1, 4).k.dtype == (torch.bfloat16 if native else torch.float32)

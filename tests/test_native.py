@@ -1,4 +1,4 @@
-"""The C++ decoder layers (``layerleap.native``) against the Python path: equal bit for bit, logits
+"""The C++ decoder layers (``layerleap.core.native``) against the Python path: equal bit for bit, logits
 and cache, for every weight format and the calls decoding makes (prefill, one token, a chain, a
 tree, a padded batch).  Skipped when the extension is not built (``layerleap native --build``)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_models import CONFIGS, random_model
 
-from layerleap import kernels, model as model_mod, native
-from layerleap.loading import build, quantize_model
+from layerleap.core import kernels, model as model_mod, native
+from layerleap.core.loading import build, quantize_model
 
 pytestmark = pytest.mark.skipif(native.module() is None, reason="the native layers are not built: "
                                 "run `layerleap native --build`")

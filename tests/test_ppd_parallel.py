@@ -11,7 +11,7 @@ import torch
 from tiny_models import naive_greedy, random_model
 
 from layerleap import generate
-from layerleap.ppd_parallel import ParallelError, ParallelPPD
+from layerleap.eval.ppd_parallel import ParallelError, ParallelPPD
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
 
@@ -66,7 +66,7 @@ def test_sub_processes_exit_when_the_main_process_is_killed(tmp_path):
         "import sys, time\n"
         f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
         "from tiny_models import random_model\n"
-        "from layerleap.ppd_parallel import ParallelPPD\n"
+        "from layerleap.eval.ppd_parallel import ParallelPPD\n"
         "if __name__ == '__main__':\n"
         "    ex = ParallelPPD(random_model('llama-gqa-tied', seed=1), exit_layer=2, k=1, head='shared')\n"
         "    print(ex.procs[0].pid, flush=True)\n"

@@ -84,7 +84,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def test_converted_folder_is_complete(smollm):
     from pathlib import Path
     folder = Path(smollm.source)
-    assert folder.parent == layerleap.loading.cache_root() and folder.name.startswith("smollm2-135m-")
+    assert folder.parent == layerleap.core.loading.cache_root() and folder.name.startswith("smollm2-135m-")
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= names
     index = folder / "model.safetensors.index.json"  # weights: one file, or shards with an index
@@ -147,6 +147,16 @@ def test_batch_of_4_equals_one_by_one(smollm, prompts, ours20):
         assert b.text == single.text == smollm.tokenizer.decode(single.token_ids, skip_special_tokens=True)
 
 
+def test_prompt_lookup_batch_of_4_equals_greedy(smollm, prompts, ours20):
+    """Rows that accept different numbers of drafts per call, each equal to its greedy decoding."""
+    pick = [0, 5, 10, 19]
+    n = 32
+    batch = generate(smollm, [prompts[i] for i in pick], "prompt-lookup", n, chat=True, stop_at_eos=False)
+    for i, b in zip(pick, batch):
+        assert b.token_ids == ours20[i].token_ids[:n], f"prompt {i}"
+    assert len({b.stats["accepted"] for b in batch}) > 1
+
+
 def test_eos_stops_on_the_real_model(smollm, ours20):
     """With stop_at_eos (the default), a continuation that reaches <|im_end|> stops there, EOS included."""
     eos = smollm.tokenizer.eos_token_id
@@ -182,8 +192,8 @@ def test_q4_keeps_the_gguf_blocks(smollm, smollm_q4):
     """Every layer's projections hold the GGUF's 4-bit groups, the Q8_0 embedding its 8-bit codes and
     the LM head bf16, under the same fingerprint as the dequantized model; its logits follow the fp32
     model's."""
-    from layerleap import kernels
-    from layerleap.loading import PACKAGED, _gguf_parts
+    from layerleap.core import kernels
+    from layerleap.core.loading import PACKAGED, _gguf_parts
     m = smollm_q4
     assert m.dtype_name == "q4" and m.dtype == torch.bfloat16 and m.fingerprint == smollm.fingerprint
     assert {lin.format for lin in m.projections()[:-1]} == {"int4"} and m.lm_head.format != "int4"
@@ -216,8 +226,8 @@ def test_q4_cache_repairs_itself(smollm_q4, tmp_path, monkeypatch):
     """A truncated packed-weights file is rebuilt from the 4-bit blocks, a broken 4-bit file from the GGUF."""
     import shutil
 
-    from layerleap import gguf_q4
-    from layerleap.loading import PACKAGED, _gguf_parts, cache_root
+    from layerleap.core import gguf_q4
+    from layerleap.core.loading import PACKAGED, _gguf_parts, cache_root
     size = sum(p.stat().st_size for p in _gguf_parts(PACKAGED["smollm2-135m"]))
     src = cache_root() / f"smollm2-135m-{size:x}-q4"
     monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))

@@ -14,9 +14,9 @@ import zlib
 import pytest
 
 import layerleap
-from layerleap import bench
+from layerleap.eval import bench
 from layerleap.cli import main
-from layerleap.report import html_report
+from layerleap.eval.report import html_report
 
 CALL_COST = {"context": 256, "threads": 2, "dtype": "float32",
              "points": [{"new_tokens": n, "ms": 14.8 + 0.9 * (n - 1), "ratio": (14.8 + 0.9 * (n - 1)) / 14.8}

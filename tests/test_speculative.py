@@ -1,4 +1,4 @@
-"""Speculative decoding and the shared verification rules (layerleap.verify), on tiny random models.
+"""Speculative decoding and the shared verification rules (layerleap.core.verify), on tiny random models.
 
 The pair: a 4-layer target with a sharpened LM head (so it has preferences a draft can match) and a
 2-layer draft made of the target's first two layers and its head (so the draft agrees often enough
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import layerleap
-from layerleap import Transformer, sampling, tiny_config, verify
-from layerleap.companion import Companion
+from layerleap import Transformer, tiny_config
+from layerleap.core import sampling, verify
+from layerleap.drafters.companion import Companion
 from layerleap.decoding import GenerationError, Run
 
 
@@ -297,7 +298,7 @@ def test_mismatched_models_are_refused():
 
 
 def test_method_is_not_in_the_default_runnable_set():
-    from layerleap import bench
+    from layerleap.eval import bench
     assert "speculative" not in bench.runnable_methods()  # it needs a draft model
     assert bench.required_options("speculative", {}) == ["draft"]
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import layerleap
-from layerleap import Decoding, drafters, generate, stream
-from layerleap.companion import truncated
+from layerleap import Decoding, generate, stream
+from layerleap.drafters import medusa_transfer as drafters
+from layerleap.drafters.companion import truncated
 from layerleap.decoding import METHODS, GenerationError, Method
 from layerleap.streaming import REPLACEMENT, TextPieces
 

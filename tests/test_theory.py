@@ -10,7 +10,8 @@ import pytest
 import torch
 from tiny_models import random_model
 
-from layerleap import cli, generate, theory
+from layerleap import cli, generate
+from layerleap.eval import theory
 
 
 def test_equations_3_and_5_give_the_papers_figures():

@@ -8,8 +8,9 @@ import pytest
 import torch
 from tiny_models import random_model
 
-from layerleap import drafters, train_drafters
-from layerleap.train_drafters import TrainConfig, TrainError
+from layerleap.drafters import medusa_transfer as drafters
+from layerleap.train import medusa_transfer as train_drafters
+from layerleap.train.medusa_transfer import TrainConfig, TrainError
 
 
 def _chunks(vocab, n=8, seq=12, seed=0):

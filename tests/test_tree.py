@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import tree_depths, tree_mask, tree_path
 
-from layerleap import tree, verify
+from layerleap.core import tree, verify
 
 
 @pytest.mark.parametrize("shape", ["", "1", "1,1,1", "2,1", [3, 2, 1], "2,2,2", "0;1;0.0;0.0.0;1.0"])

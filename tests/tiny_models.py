@@ -103,7 +103,7 @@ def save_hf_folder(model: Transformer, folder, tokenizer_from=None, shards: int 
 
     from safetensors.torch import save_file
 
-    from layerleap.loading import ours_to_hf
+    from layerleap.core.loading import ours_to_hf
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=1))

@@ -9,9 +9,9 @@ from .errors import LayerleapError
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "ModelConfig": "config", "tiny_config": "config", "KVCache": "kv_cache", "Transformer": "model",
-    "load": "loading", "load_folder": "loading", "from_hf": "loading", "to_hf": "loading",
-    "available_models": "loading", "generate": "decoding", "GenerationResult": "decoding",
+    "ModelConfig": "core.config", "tiny_config": "core.config", "KVCache": "core.kv_cache",
+    "Transformer": "core.model", "load": "core.loading", "load_folder": "core.loading", "from_hf": "core.loading",
+    "to_hf": "core.loading", "available_models": "core.loading", "generate": "decoding", "GenerationResult": "decoding",
     "GenerationConfig": "decoding", "GenerationError": "decoding", "METHODS": "decoding", "register": "decoding",
     "get_method": "decoding", "Decoding": "decoding", "stream": "streaming", "TextStream": "streaming",
 }
@@ -26,7 +26,7 @@ def __getattr__(name: str):
         return value
     if name.startswith("__"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:  # a submodule: layerleap.datasets, layerleap.loading, ...
+    try:  # a submodule: layerleap.datasets, layerleap.core, ...
         return importlib.import_module(f".{name}", __name__)
     except ModuleNotFoundError as e:
         if e.name != f"{__name__}.{name}":

@@ -1,6 +1,5 @@
 """The ``layerleap`` command: the console script runs ``run``, as does ``python -m layerleap ...``
-(``python -m layerleap.cli`` would load the CLI module twice, and the subcommands would register
-with the other copy).
+(not ``python -m layerleap.cli``, which would load the CLI module twice).
 
 ``run`` installs the Ctrl-C handling (``layerleap.interrupts``) before anything heavy is imported,
 so an interrupt at any moment (importing torch, parsing, loading, converting, decoding, training)

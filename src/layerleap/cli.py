@@ -1,57 +1,16 @@
-"""The ``layerleap`` command line.  Each subcommand lives in its own module and registers itself
-with ``@command``; ``main`` turns a ``LayerleapError`` (or bad arguments) into a one-line message
-and exit code 2, never a traceback, and Ctrl-C during a command into one line and exit code 130
-(``layerleap.__main__.run``, the console script, covers start-up too).
-
-A name with a space is a member of a group: ``@command("train heads", ...)`` and
-``@command("train transfer", ...)`` in two modules make ``layerleap train heads|transfer``; the
-member's name reaches its ``run`` as ``args.what``.  Registering one name twice is an error."""
+"""The ``layerleap`` command line.  Each subcommand lives in its own module under ``commands/`` and
+registers itself there with ``@command``; ``main`` turns a ``LayerleapError`` (or bad arguments) into
+a one-line message and exit code 2, never a traceback, and Ctrl-C during a command into one line and
+exit code 130 (``layerleap.__main__.run``, the console script, covers start-up too)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from typing import Callable
 
 from . import interrupts
+from .commands import _COMMANDS, GROUP_HELP
 from .errors import LayerleapError
-
-# Modules that define subcommands (add a line here for a new one).
-COMMAND_MODULES = [
-    "layerleap.commands.basic",  # generate, methods, info, bench, demo
-    "layerleap.commands.serve",  # serve
-    "layerleap.commands.bild",  # sweep bild, align
-    "layerleap.commands.skipdecode",  # finetune skipdecode, eval skipdecode / skipdecode-speed
-    "layerleap.commands.ppd",  # theory ppd, eval ppd-parallel
-    "layerleap.commands.heads",  # train heads, match-rate, eval head-cost, heads sub-vocab
-    "layerleap.commands.hidden_transfer",  # train transfer / train medusa, eval drafters
-    "layerleap.commands.exactness",  # eval exactness
-    "layerleap.commands.native",  # native
-]
-
-_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
-GROUP_HELP = {  # the group commands' own help lines
-    "train": "train extra weights for a method (the backbone stays frozen)",
-    "finetune": "fine-tune a model's own weights for a method",
-    "eval": "quality and speed tables of a method",
-    "sweep": "sweep a method's thresholds: quality against latency",
-    "theory": "a method's theory: formulas, simulation and trade-off plots",
-}
-
-
-def command(*names: str, help: str):
-    """Register ``setup(parser)`` for each subcommand in ``names`` ("generate", or "group member");
-    the decorated function is ``run(args) -> int``."""
-    def deco(setup: Callable):
-        def with_run(run: Callable):
-            for name in names:
-                if name in _COMMANDS:
-                    raise RuntimeError(f"layerleap command {name!r} is registered twice")
-                _COMMANDS[name] = (help, setup, run)
-            return run
-        return with_run
-    return deco
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,8 +20,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    for mod in COMMAND_MODULES:
-        importlib.import_module(mod)
+    # the modules that define subcommands (add one here for a new one): importing one registers its commands
+    from .commands import basic, bild, exactness, heads, hidden_transfer, native, ppd, serve, skipdecode  # noqa: F401
     parser = _Parser(prog="layerleap", description="Faster decoding from intermediate layers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}

@@ -1,13 +1,9 @@
-"""The decoding API: ``generate``, ``Decoding`` (the same call driven step by step), the method
-registry and the per-call ``Run`` context.
+"""The decoding API: ``generate`` and ``Decoding`` (the same call driven step by step).
 
-A method is one function ``fn(run, **options)`` registered under a name.  It reads the prompts,
-configuration and model from ``run``, makes model calls through ``run.forward`` (which counts model
-calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands them over with
-``run.emit``.  A method written as a generator ``yield``s after each round that emitted tokens: the
-caller drives it round by round, so accepted tokens can be streamed (``layerleap.stream``) and a
-request can be dropped between rounds, with no threads.  Everything else (validation, tokenisation,
-batching, statistics, timing, decoding text) is done here once for all methods.
+Everything around a method is done here once for all methods: validation, tokenisation, batching,
+statistics, timing, decoding text.  The method registry, the per-call ``Run`` context and the round
+driver live in ``layerleap.core.run``; importing this module registers the built-in methods
+(``layerleap.methods``), so ``METHODS`` (re-exported here) lists them all.
 """
 
 from __future__ import annotations
@@ -16,211 +12,27 @@ import inspect
 import numbers
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
 
-from . import sampling
+from . import methods  # noqa: F401  (registers the built-in methods)
 from . import validate as V
-from .kv_cache import KVCache
-from .model import Transformer
+from .core.model import Transformer
+from .core.run import (METHODS, GenerationConfig, GenerationError, GenerationResult, Method, Run, chat_token_ids,
+                       drive, register, rounds)
 
-
-class GenerationError(V.InputError):
-    """Bad input to ``generate``: the message names the problem and the fix."""
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 64
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_at_eos: bool = True
-    eos_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    stats: dict
-    prompt_ids: list[int] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats}
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    fn: Callable
-    batched: bool  # decodes a list of prompts as one batch
-    sampling: bool  # supports do_sample=True
-    default_sample: bool  # samples unless told otherwise
-    description: str
-    exact: bool = False  # its greedy output equals plain greedy decoding token for token
-    models: tuple[str, ...] = ()  # options that take a second model (a loaded model, or its name on the CLI)
-
-    def options(self) -> dict[str, object]:
-        sig = inspect.signature(self.fn)
-        return {n: p.default for n, p in list(sig.parameters.items())[1:]}
-
-
-METHODS: dict[str, Method] = {}
-
-
-def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False,
-             exact: bool = False, models: tuple[str, ...] = ()):
-    def deco(fn):
-        doc = (fn.__doc__ or "").strip().splitlines()
-        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "", exact, tuple(models))
-        return fn
-    return deco
+__all__ = ["generate", "Decoding", "get_method", "METHODS", "GenerationConfig", "GenerationError", "GenerationResult",
+           "Method", "Run", "chat_token_ids", "drive", "register", "rounds"]
 
 
 def get_method(name: str) -> Method:
-    from . import methods  # noqa: F401  (registers the built-in methods)
     if not isinstance(name, str) or name not in METHODS:
         raise GenerationError(f"unknown method {name!r}: choose one of {', '.join(sorted(METHODS))}")
     return METHODS[name]
 
 
-class Run:
-    """One ``generate`` call: the model, prompts, configuration, and the meters."""
-
-    def __init__(self, model: Transformer, prompts: list[list[int]], gen: GenerationConfig):
-        self.model = model
-        self.prompts = prompts
-        self.gen = gen
-        self.batch = len(prompts)
-        self.generator = (torch.Generator(device=model.device).manual_seed(gen.seed)
-                          if gen.seed is not None else None)
-        self.out: list[list[int]] = [[] for _ in prompts]
-        self.finished = [False] * self.batch
-        self.model_calls = 0
-        self.layer_evals = [0] * self.batch
-        self.prompt_layer_evals = [0] * self.batch
-        self.extra: dict = {}  # method-specific counters
-        self.t0 = time.perf_counter()
-        self.t_first: float | None = None
-
-    # -- model access (counted) --------------------------------------------------------------
-    @property
-    def n_layers(self) -> int:
-        return self.model.config.n_layers
-
-    def new_cache(self, extra: int = 0) -> KVCache:
-        """A cache for the prompts plus ``max_new_tokens`` plus ``extra`` slots (drafts, trees)."""
-        longest = max(len(p) for p in self.prompts)
-        return self.model.new_cache(self.batch, longest + self.gen.max_new_tokens + extra + 1)
-
-    def positions(self, cache: KVCache, n_new: int, layer: int = 0) -> torch.Tensor:
-        """Rotary positions ``[B, S]`` for ``n_new`` tokens appended to ``layer``."""
-        base = cache.lengths[layer] - cache.pad  # [B]
-        return (base.unsqueeze(1) + torch.arange(n_new)).to(self.model.device)
-
-    def forward(self, cache: KVCache | None, ids: torch.Tensor | None = None, h: torch.Tensor | None = None,
-                start: int = 0, end: int | None = None, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, count_call: bool = True) -> torch.Tensor:
-        """One model call over layers ``[start, end)`` from ``ids`` (embedded) or hidden ``h``.
-        Returns the hidden state after layer ``end - 1``."""
-        end = self.n_layers if end is None else end
-        if h is None:
-            h = self.model.embed(ids)
-        S = h.shape[1]
-        if positions is None:
-            positions = self.positions(cache, S, start)
-        h = self.model.run_layers(h, start, end, positions, cache, mask)
-        self.count(end - start, S, call=count_call)
-        return h
-
-    def count(self, n_layers: int, n_positions: int, call: bool = True) -> None:
-        """Record ``n_layers`` layers applied to ``n_positions`` positions of every unfinished row."""
-        self.model_calls += int(call)
-        for b in range(self.batch):
-            if not self.finished[b]:
-                self.layer_evals[b] += n_layers * n_positions
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(h)
-
-    def prefill(self, cache: KVCache, end: int | None = None) -> torch.Tensor:
-        """Run the (left-padded) prompts through layers ``[0, end)``; returns the hidden state of the
-        last prompt position ``[B, 1, D]``.  Counted as one model call; the layer evaluations of all
-        but the last prompt position are reported apart (``prompt_layer_evals``), the last one's
-        count towards the first new token, so greedy costs exactly ``n_layers`` per token."""
-        end = self.n_layers if end is None else end
-        longest = max(len(p) for p in self.prompts)
-        ids = torch.full((self.batch, longest), self.model.config.eos_token_ids[0] if self.model.config.eos_token_ids else 0,
-                         dtype=torch.long)
-        for b, p in enumerate(self.prompts):
-            ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-            cache.pad[b] = longest - len(p)
-        positions = (torch.arange(longest).unsqueeze(0) - cache.pad.unsqueeze(1)).clamp(min=0)
-        h = self.model.run_layers(self.model.embed(ids.to(self.model.device)), 0, end, positions.to(self.model.device), cache)
-        self.model_calls += 1
-        for b, p in enumerate(self.prompts):
-            # the last prompt position predicts the first new token: its layers count as generation
-            self.prompt_layer_evals[b] += end * (len(p) - 1)
-            self.layer_evals[b] += end
-        return h[:, -1:]
-
-    # -- token choice and output ---------------------------------------------------------------
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[B, V]`` logits -> ``[B]`` tokens, greedy or sampled as configured."""
-        g = self.gen
-        if not g.do_sample:
-            return sampling.greedy(logits)
-        return sampling.sample(sampling.probs(logits, g.temperature, g.top_k, g.top_p), self.generator)
-
-    def emit(self, row: int, tokens: list[int]) -> bool:
-        """Append accepted tokens to ``row`` (stopping at EOS or the budget); True when the row is done."""
-        if self.finished[row]:
-            return True
-        if self.t_first is None and tokens:
-            self.t_first = time.perf_counter()
-        out = self.out[row]
-        for t in tokens:
-            out.append(int(t))
-            if (self.gen.stop_at_eos and int(t) in self.gen.eos_ids) or len(out) >= self.gen.max_new_tokens:
-                self.finished[row] = True
-                break
-        return self.finished[row]
-
-    def emit_all(self, tokens: torch.Tensor) -> bool:
-        """Append one token per row ``[B]``; True when every row is done."""
-        for b, t in enumerate(tokens.tolist()):
-            self.emit(b, [t])
-        return all(self.finished)
-
-    def cancel(self, row: int) -> None:
-        """Stop ``row``: it keeps the tokens it has, and the method stops once every row is done."""
-        self.finished[row] = True
-
-    def remaining(self, row: int = 0) -> int:
-        return self.gen.max_new_tokens - len(self.out[row])
-
-    @property
-    def done(self) -> bool:
-        return all(self.finished)
-
-
 # -- the public entry point --------------------------------------------------------------------
-def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of ``messages`` (``[{"role", "content"}, ...]``) under the tokenizer's chat template
-    (newer `transformers` return a mapping with ``input_ids``, older ones a list)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
 PROMPT_FORMS = ("a prompt is text (str), a list of token ids, or a 1-D integer tensor; a batch is a list of "
                 "those or a 2-D integer tensor")
 
@@ -295,6 +107,16 @@ def _split_prompts(prompt) -> tuple[list, bool]:
     return [prompt], False
 
 
+def batched_methods() -> list[str]:
+    return [name for name, m in METHODS.items() if m.batched]
+
+
+def one_at_a_time(method: str, n: int) -> str:
+    """The refusal of a list of ``n`` prompts by a method that decodes one prompt at a time."""
+    return (f"method {method!r} decodes one prompt at a time and was given {n}: call it once per prompt, or use a "
+            f"method that batches ({', '.join(batched_methods())})")
+
+
 def _check(cond: bool, msg: str):
     if not cond:
         raise GenerationError(msg)
@@ -305,8 +127,15 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
              do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, **options):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
 
-    ``prompt`` is text, a list of token ids, or a list of either.  Method options are keyword
-    arguments (see ``layerleap.METHODS[name].options()``).
+    ``prompt`` is text, a list of token ids, or a list of either.  A list decodes as one batch; a
+    method that does not batch (``METHODS[name].batched`` is False) takes a list of one prompt only
+    and refuses more with a ``GenerationError``.  Method options are keyword arguments (see
+    ``layerleap.METHODS[name].options()``).
+
+    Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
+    (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
+    whatever its batch-mates.  Without a seed, one base seed is drawn from torch's global generator (so
+    ``torch.manual_seed`` makes the call reproducible) and the same rule applies.
     """
     d = Decoding(model, prompt, method, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  seed=seed, do_sample=do_sample, stop_at_eos=stop_at_eos, chat=chat, **options)
@@ -322,6 +151,8 @@ def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, tempe
     _check(isinstance(model, Transformer), f"model must be a layerleap model (layerleap.load(...)), got "
            f"{type(model).__name__}")
     m = get_method(method)
+    prompts, many = _split_prompts(prompt)
+    _check(m.batched or len(prompts) == 1, one_at_a_time(m.name, len(prompts)))
     with V.raising(GenerationError):
         V.integer(max_new_tokens, "max_new_tokens", 1)
         V.number(temperature, "temperature", V.MIN_TEMPERATURE,
@@ -344,14 +175,13 @@ def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, tempe
     do_sample = m.default_sample if do_sample is None else bool(do_sample)
     _check(not do_sample or m.sampling, f"method {method!r} decodes greedily only: drop do_sample=True")
 
-    prompts, many = _split_prompts(prompt)
     ids = [_encode(model, p, chat) for p in prompts]
     ctx = model.config.max_position
     for i, p in enumerate(ids):
         _check(len(p) + max_new_tokens <= ctx,
                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
                f"length {ctx}: shorten the prompt or lower max_new_tokens")
-    _check_memory(model, [len(p) for p in ids], max_new_tokens, m.batched)
+    _check_memory(model, [len(p) for p in ids], max_new_tokens)
     eos = tuple(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
@@ -363,8 +193,9 @@ class Decoding:
     """One ``generate`` call, driven round by round: iterating yields, after each method round that
     added tokens, the indices of the prompts whose output grew (``tokens(i)`` reads it); once the
     iteration ends, ``results`` holds one ``GenerationResult`` per prompt.  ``cancel(i)`` stops
-    prompt ``i`` (it keeps what it has).  A batched method decodes all prompts as one batch, any other
-    one prompt after another.  Arguments as ``generate``'s; bad ones raise ``GenerationError`` here."""
+    prompt ``i`` (it keeps what it has).  The prompts decode as one batch (one ``Run``); a method that
+    does not batch refuses more than one.  Arguments as ``generate``'s; bad ones raise
+    ``GenerationError`` here."""
 
     def __init__(self, model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -372,17 +203,14 @@ class Decoding:
         m, ids, self.many, self.gen = _prepare(model, prompt, method, max_new_tokens, temperature, top_k, top_p, seed,
                                                do_sample, stop_at_eos, chat, options)
         self.model, self.method, self.options, self.prompt_ids = model, m, options, ids
-        self.groups = [list(range(len(ids)))] if m.batched else [[i] for i in range(len(ids))]
         self.results: list[GenerationResult | None] = [None] * len(ids)
         self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row
         self._cancelled: set[int] = set()
 
     def __iter__(self):
-        for group in self.groups:
-            group = [i for i in group if i not in self._cancelled]
-            if not group:
-                continue
-            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen)
+        group = [i for i in range(len(self.prompt_ids)) if i not in self._cancelled]  # cancelled before it started
+        if group:
+            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, rows=group)
             self._where.update({i: (run, j) for j, i in enumerate(group)})
             seen = [0] * len(group)
             for _ in rounds(self.method.fn, run, self.options):
@@ -415,37 +243,11 @@ class Decoding:
             run.cancel(row)
 
 
-def rounds(fn: Callable, run: Run, options: dict):
-    """Run the method function ``fn``, yielding after each of its rounds (a plain function is one
-    round).  Only the method's own code runs under ``torch.inference_mode``, not the caller's
-    between rounds."""
-    with torch.inference_mode():
-        steps = fn(run, **options)
-    if not inspect.isgenerator(steps):
-        return
-    try:
-        while True:
-            with torch.inference_mode():
-                try:
-                    next(steps)
-                except StopIteration:
-                    return
-            yield
-    finally:
-        steps.close()
-
-
-def drive(fn: Callable, run: Run, **options) -> None:
-    """Run the method function ``fn`` on ``run`` to the end."""
-    for _ in rounds(fn, run, options):
-        pass
-
-
-def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int, batched: bool) -> None:
+def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int) -> None:
     """Refuse a batch whose KV cache alone would take more than half of the machine's memory."""
     c = model.config
     per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * model.dtype.itemsize
-    rows = len(lengths) if batched else 1
+    rows = len(lengths)
     need = rows * (max(lengths) + max_new_tokens) * per_token
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

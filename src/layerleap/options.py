@@ -12,7 +12,7 @@ from typing import Callable
 
 from .decoding import get_method
 from .errors import LayerleapError
-from .model import Transformer
+from .core.model import Transformer
 
 
 class ModelLoader:
@@ -24,7 +24,7 @@ class ModelLoader:
 
     def __call__(self, name: str) -> Transformer:
         if name not in self.models:
-            from .loading import load
+            from .core.loading import load
             model = load(name, dtype=self.dtype, progress=self.progress)
             self.models[name] = to_device(model, self.device)
             if self.progress is not None:

@@ -32,10 +32,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from . import methods as _builtin_methods  # noqa: F401  (registers the built-in methods)
-from .decoding import METHODS, GenerationConfig, chat_token_ids, get_method
+from .core.run import GenerationConfig, chat_token_ids
+from .decoding import METHODS, get_method
 from .errors import LayerleapError
-from .model import Transformer
+from .core.model import Transformer
 from .options import model_options
 from .scheduler import Finish, Job, Scheduler, Settings
 
@@ -289,15 +289,14 @@ class Metrics:
         self._sums: dict[str, list[int]] = {}  # method -> [tokens, calls, drafted, accepted]
 
     def batch_done(self, batch) -> None:
-        from .bench import draft_counts
+        from .eval.bench import draft_counts
         results = [r for r in batch.decoding.results if r is not None]
         if not results:
             return
         method = results[0].stats["method"]
         s = self._sums.setdefault(method, [0, 0, 0, 0])
         tokens = sum(len(r.token_ids) for r in results)
-        calls = results[0].stats["model_calls"] if batch.decoding.method.batched else \
-            sum(r.stats["model_calls"] for r in results)
+        calls = results[0].stats["model_calls"]  # one Run: its calls serve every row
         self.batch_size.observe(len(results))
         self.completions.labels(method).inc(len(results))
         self.cancelled.labels(method).inc(sum(bool(r.stats.get("cancelled")) for r in results))

@@ -9,8 +9,9 @@ is held back until the tokens that complete it arrive.
 
 from __future__ import annotations
 
-from .decoding import Decoding, GenerationError, GenerationResult
-from .model import Transformer
+from .decoding import Decoding
+from .core.run import GenerationError, GenerationResult
+from .core.model import Transformer
 
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
 

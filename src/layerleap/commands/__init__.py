@@ -1,1 +1,33 @@
-"""CLI subcommands (each module registers its own with ``layerleap.cli.command``)."""
+"""CLI subcommands: each module here registers its own with ``command``; ``layerleap.cli`` imports
+them and builds the parser.
+
+A name with a space is a member of a group: ``@command("train heads", ...)`` and
+``@command("train transfer", ...)`` in two modules make ``layerleap train heads|transfer``; the
+member's name reaches its ``run`` as ``args.what``.  Registering one name twice is an error."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+GROUP_HELP = {  # the group commands' own help lines
+    "train": "train extra weights for a method (the backbone stays frozen)",
+    "finetune": "fine-tune a model's own weights for a method",
+    "eval": "quality and speed tables of a method",
+    "sweep": "sweep a method's thresholds: quality against latency",
+    "theory": "a method's theory: formulas, simulation and trade-off plots",
+}
+
+
+def command(*names: str, help: str):
+    """Register ``setup(parser)`` for each subcommand in ``names`` ("generate", or "group member");
+    the decorated function is ``run(args) -> int``."""
+    def deco(setup: Callable):
+        def with_run(run: Callable):
+            for name in names:
+                if name in _COMMANDS:
+                    raise RuntimeError(f"layerleap command {name!r} is registered twice")
+                _COMMANDS[name] = (help, setup, run)
+            return run
+        return with_run
+    return deco

@@ -8,14 +8,15 @@ import argparse
 import json
 from pathlib import Path
 
-from .. import align as align_mod
-from .. import sweep as sweep_mod
-from ..cli import command
-from ..companion import truncated
+from ..train import align as align_mod
+from ..eval import sweep as sweep_mod
+from . import command
+from ..drafters.companion import truncated
 from ..errors import LayerleapError
 from ..files import write_text
 from .. import validate as V
-from ..methods.bild import HEADS, check_thresholds, exit_head
+from ..drafters.early_exit import HEADS, exit_head
+from ..methods.bild import check_thresholds
 from ..methods.speculative import MAX_DRAFT_LEN
 from .basic import (_command_line, _model_arg, _csv, _load, _model_args, _model_line, _positive_int,
                     _read_prompts, _say, _threads)

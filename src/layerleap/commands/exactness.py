@@ -1,17 +1,17 @@
 """``layerleap eval exactness``: every lossless method against plain greedy on Spec-Bench prompts (and
 `transformers` greedy with ``--transformers``), a resumable JSON report of every divergence.  See
-``layerleap.exactness``.  Exit code 0 when every divergence is a near-tie (or there is none), 1 when
+``layerleap.eval.exactness``.  Exit code 0 when every divergence is a near-tie (or there is none), 1 when
 one is not, 130 when interrupted (the report keeps the finished prompts)."""
 
 from __future__ import annotations
 
 import argparse
 
-from .. import bench
+from ..eval import bench
 from .. import validate as V
-from ..cli import command
+from . import command
 from ..errors import LayerleapError
-from ..exactness import NEAR_TIE, check_methods, format_summary, lossless_methods, run_exactness
+from ..eval.exactness import NEAR_TIE, check_methods, format_summary, lossless_methods, run_exactness
 from ..decoding import get_method
 from .basic import (_command_line, _csv, _model_arg, _model_args, _model_line, _positive_int, _read_prompts, _say,
                     _start_with_methods)

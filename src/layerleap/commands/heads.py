@@ -8,11 +8,11 @@ import shutil
 import time
 from pathlib import Path
 
-from ..cli import command
+from . import command
 from ..errors import LayerleapError
 from .. import validate as V
 from ..files import write_json
-from ..heads import check_layer
+from ..drafters.exit_heads import check_layer
 from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _threads
 
 
@@ -33,7 +33,7 @@ LAYERS_ARG = V.int_list_arg(1)
 # -- train heads ------------------------------------------------------------------------------------
 @command("train heads", help="train exit heads (tuned lens or full LM head) at some layers, the backbone frozen")
 def _setup_train(p):
-    from ..train_heads import HeadTrainConfig
+    from ..train.exit_heads import HeadTrainConfig
     d = HeadTrainConfig()
     _model_args(p)
     p.add_argument("--layers", type=LAYERS_ARG, required=True, help="comma list of layers, e.g. 8,15,23 (1 .. n_layers-1)")
@@ -72,8 +72,9 @@ def _setup_train(p):
 def run_train(args) -> int:
     import torch
 
-    from ..train_heads import HeadTrainConfig, agreement, cache_hidden, save_trained, sharegpt_token_seqs, train_heads
-    from ..heads import new_head
+    from ..train.exit_heads import (HeadTrainConfig, agreement, cache_hidden, save_trained, sharegpt_token_seqs,
+                                    train_heads)
+    from ..drafters.exit_heads import new_head
     out = Path(args.out)
     work = Path(args.work) if args.work else V.output_dir(out.with_name(out.name + ".work"), "--work")
     cfg = HeadTrainConfig(layers=tuple(args.layers), kind=args.kind, loss=args.loss,
@@ -148,7 +149,7 @@ def _setup_match(p):
 
 @_setup_match
 def run_match(args) -> int:
-    from ..match_rate import MODES, MatchRateConfig, match_rate, plot, position_table, resolve_heads, table
+    from ..eval.match_rate import MODES, MatchRateConfig, match_rate, plot, position_table, resolve_heads, table
     from .basic import _csv, _read_prompts
     layers, ks = args.layers, args.k
     modes = _csv(args.mode) or ["greedy"]
@@ -210,8 +211,8 @@ def _setup_cost(p):
 
 def frequent_vocab(model, tokens: int, seq_len: int = 512):
     """Token ids ranked by how often they are the final layer's argmax on ShareGPT text (then by id)."""
-    from ..train_heads import cache_hidden, final_top_ids, sharegpt_token_seqs
-    from ..heads import rank_by_count
+    from ..train.exit_heads import cache_hidden, final_top_ids, sharegpt_token_seqs
+    from ..drafters.exit_heads import rank_by_count
     seqs = sharegpt_token_seqs(model.tokenizer, tokens, seq_len)
     top = final_top_ids(model, cache_hidden(model, seqs, [], progress=True)[model.config.n_layers], 1)[:, 0].long()
     return rank_by_count(top, model.config.vocab_size)
@@ -219,8 +220,8 @@ def frequent_vocab(model, tokens: int, seq_len: int = 512):
 
 @_setup_cost
 def run_cost(args) -> int:
-    from ..heads import new_head
-    from ..match_rate import head_cost
+    from ..drafters.exit_heads import new_head
+    from ..eval.match_rate import head_cost
     layers, sizes = args.layers, args.vocab
     cmd, model, threads = _start(args)
     vocab = model.config.vocab_size
@@ -269,7 +270,7 @@ def _setup_sub(p):
 def run_sub(args) -> int:
     import torch
 
-    from ..heads import load_heads, save_heads, shipped_files, sub_vocab_heads
+    from ..drafters.exit_heads import load_heads, save_heads, shipped_files, sub_vocab_heads
     sizes = args.vocab
     if len(sizes) > 1 and "{vocab}" not in args.out:
         raise LayerleapError(f"--out {args.out} must contain {{vocab}} to write {len(sizes)} sizes")

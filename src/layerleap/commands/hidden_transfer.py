@@ -1,6 +1,6 @@
 """``layerleap train transfer`` / ``train medusa`` (the drafters of Hidden Transfer and Medusa) and
 ``layerleap eval drafters`` (draft accuracy per step, the paper's Figure 3, and the layer study of
-Figures 5-6).  See train_drafters.py for the method."""
+Figures 5-6).  See train/medusa_transfer.py for the method."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from .. import drafters, train_drafters
-from ..cli import command
+from ..drafters import medusa_transfer as drafters
+from ..train import medusa_transfer as train_drafters
+from . import command
 from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError

@@ -1,11 +1,11 @@
-"""``layerleap native``: the C++ decoder layers (``layerleap.native``): status, or build them."""
+"""``layerleap native``: the C++ decoder layers (``layerleap.core.native``): status, or build them."""
 
 from __future__ import annotations
 
 import json
 import time
 
-from ..cli import command
+from . import command
 from ..errors import LayerleapError
 
 
@@ -18,7 +18,7 @@ def _setup(p):
 
 @_setup
 def run(args) -> int:
-    from .. import native
+    from ..core import native
     if args.build:
         t = time.perf_counter()
         try:

@@ -8,11 +8,11 @@ import json
 import time
 from pathlib import Path
 
-from .. import theory
+from ..eval import theory
 from .. import validate as V
 from ..methods.speculative import MAX_DRAFT_LEN
 from ..files import write_json
-from ..cli import command
+from . import command
 from ..errors import LayerleapError
 from .basic import _check_sizes, _command_line, _csv, _load, _model_args, _positive_int, _read_prompts, _say, _threads
 
@@ -148,7 +148,7 @@ def run_parallel(args) -> int:
     from tqdm.auto import tqdm
 
     from ..decoding import generate
-    from ..ppd_parallel import ParallelPPD
+    from ..eval.ppd_parallel import ParallelPPD
     prompts = _read_prompts(None, _csv(args.categories), args.prompts)
     if args.device != "cpu":
         raise LayerleapError(f"--device {args.device}: eval ppd-parallel runs PPD on CPU processes: drop --device")
@@ -232,7 +232,7 @@ def run_selfspec(args) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from ..bench import HFBaseline
+    from ..eval.bench import HFBaseline
     from ..decoding import generate
     prompts = _read_prompts(None, _csv(args.categories), args.prompts)
     threads = _threads(args.threads)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .. import bench
+from ..eval import bench
 from .. import validate as V
-from ..cli import command
+from . import command
 from ..decoding import METHODS, Decoding, get_method
 from ..errors import LayerleapError
-from ..loading import PACKAGED
+from ..core.loading import PACKAGED
 from ..options import resolve_models
 from .basic import _load, _loader, _model_args, _opt_arg, _say, _threads
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..decoding import Run, drive, register
+from ..core.run import Run, drive, register
 
 
 def autoregressive_rounds(run: Run):

@@ -40,18 +40,15 @@ fallbacks / small_steps, ``rollback_rate`` = rollbacks / large_calls, ``exit_lay
 
 from __future__ import annotations
 
-import importlib
 import math
 from numbers import Real
-from pathlib import Path
 
 import torch
 
-from .. import sampling, verify
-from ..companion import Companion, check_pair
-from ..decoding import GenerationError, Run, register
-
-HEADS = ("auto", "shared", "trained")
+from ..core import sampling, verify
+from ..core.run import GenerationError, Run, register
+from ..drafters.companion import Companion, check_pair
+from ..drafters.early_exit import EarlyExit, exit_head
 
 
 # -- the two forms: the same five operations ------------------------------------------------------
@@ -90,71 +87,6 @@ class TwoModels:
         self.small.truncate(n)
 
 
-class EarlyExit:
-    """One model: layers ``[0, E)`` + an exit head are the small model, all layers the large one.
-    The cache's lower layers run ahead of the upper ones by the tokens the small model produced since
-    the last large pass; their layer-E hidden states wait in ``h_pending``."""
-
-    def __init__(self, run: Run, exit_layer: int, head, extra_slots: int = 1):
-        self.run, self.E, self.head = run, exit_layer, head
-        self.L = run.n_layers
-        self.cache = run.new_cache(extra=extra_slots)  # slots beyond the budget (drafts, PPD candidates)
-        self.h_pending: torch.Tensor | None = None  # [1, lower - upper, D]
-
-    @property
-    def small_length(self) -> int:
-        return int(self.cache.lengths[0, 0])
-
-    @property
-    def large_length(self) -> int:
-        return int(self.cache.lengths[self.L - 1, 0])
-
-    def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # Run.prefill returns only the last position after its end layer; the upper layers need
-        # every prompt position's layer-E state, so the prompt pass is done here (batch 1, no pad)
-        # and metered as Run.prefill meters it.
-        run, model = self.run, self.run.model
-        prompt = run.prompts[0]
-        ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
-        pos = torch.arange(len(prompt), device=model.device).unsqueeze(0)
-        h_exit = model.run_layers(model.embed(ids), 0, self.E, pos, self.cache)
-        h = model.run_layers(h_exit, self.E, self.L, pos, self.cache)
-        run.model_calls += 1
-        run.prompt_layer_evals[0] += self.L * (len(prompt) - 1)
-        run.layer_evals[0] += self.L  # the last prompt position predicts the first token (as Run.prefill counts)
-        return self.head(h_exit[:, -1:])[0, -1], run.logits(h[:, -1:])[0, -1]
-
-    def small_step(self, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.run.model.device)
-        h = self.run.forward(self.cache, ids, start=0, end=self.E)
-        self.h_pending = h if self.h_pending is None else torch.cat([self.h_pending, h], 1)
-        return self.head(h[:, -1:])[0, -1]
-
-    def large_pass(self, tokens: list[int]) -> torch.Tensor:
-        """``tokens`` = everything after the upper layers' cache.  Those the small model already ran
-        continue from their layer-E states; the rest (at most the newest two) run from the embedding.
-        One model call."""
-        ahead = self.small_length - self.large_length  # tokens with a layer-E state waiting
-        parts = [self.h_pending] if ahead else []
-        fresh = tokens[ahead:]
-        if fresh:
-            ids = torch.tensor([fresh], dtype=torch.long, device=self.run.model.device)
-            parts.append(self.run.forward(self.cache, ids, start=0, end=self.E))
-        h = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
-        h = self.run.forward(self.cache, h=h, start=self.E, end=self.L, count_call=not fresh)
-        self.h_pending = None
-        return self.run.logits(h)[0]
-
-    def truncate(self, n: int) -> None:
-        upper, lower = self.large_length, self.small_length
-        if upper > n:
-            self.cache.truncate(n, layers=range(self.E, self.L))
-        if lower > n:
-            self.cache.truncate(n, layers=range(0, self.E))
-            keep = n - min(upper, n)
-            self.h_pending = self.h_pending[:, :keep] if keep > 0 and self.h_pending is not None else None
-
-
 # -- the policy -----------------------------------------------------------------------------------
 class BiLD:
     """Algorithm 1 over either form; ``decode()`` fills ``run``."""
@@ -177,7 +109,7 @@ class BiLD:
         if not self.run.gen.do_sample:
             return int(logits.argmax())
         probs = self.probs(logits) if probs is None else probs
-        return verify.draw(probs, self.run.generator)
+        return verify.draw(probs, self.run.generators[0])
 
     def decode(self) -> None:
         for _ in self.rounds():
@@ -257,44 +189,6 @@ class BiLD:
         st["rollback_rate"] = st["rollbacks"] / st["large_calls"] if st["large_calls"] else 0.0
 
 
-# -- exit heads -----------------------------------------------------------------------------------
-def _heads_module():
-    try:
-        return importlib.import_module("layerleap.heads")
-    except ModuleNotFoundError:
-        return None
-
-
-def exit_head(model, exit_layer: int, head="auto"):
-    """-> (callable ``h [B, S, D] -> logits [B, S, V]``, a label).  ``head``: "auto" (a shipped trained
-    head for the layer if there is one, else the shared head), "shared" (the model's final norm and
-    unembedding), "trained" (a shipped head, ``layerleap.heads``), a path written by ``layerleap align``,
-    or a callable."""
-    if callable(head) and not isinstance(head, (str, Path)):
-        return head, "custom"
-    if isinstance(head, Path) or (isinstance(head, str) and head not in HEADS):
-        from ..align import load_exit_head
-        return load_exit_head(model, exit_layer, head), str(head)
-    heads = _heads_module()
-    if head == "auto":
-        head = "trained" if heads is not None and _has_trained(heads, model, exit_layer) else "shared"
-    if head == "shared":
-        return (heads.get_head(model, exit_layer, head="shared") if heads is not None else model.logits), "shared"
-    if heads is None:
-        raise GenerationError("no trained exit heads in this install: use head='shared', or train one with "
-                              "`layerleap align` and pass its file as head=")
-    return heads.get_head(model, exit_layer, head="trained"), "trained"
-
-
-def _has_trained(heads, model, exit_layer: int) -> bool:
-    from ..errors import LayerleapError
-    try:
-        heads.get_head(model, exit_layer, head="trained")
-        return True
-    except (LayerleapError, FileNotFoundError, KeyError, ValueError):
-        return False
-
-
 def default_exit_layer(model) -> int:
     """Three quarters of the depth (23 of 30 on SmolLM2-135M): what ``bild`` uses on one model when
     given neither ``small`` nor ``exit_layer``."""
@@ -319,8 +213,6 @@ def bild(run: Run, *, small=None, exit_layer: int | None = None, alpha_fb: float
          max_small: int | None = 10, head="auto"):
     """Big Little Decoder: a small model (small= or exit_layer=) with fallback and rollback to the large one."""
     check_thresholds(alpha_fb, alpha_rb, max_small)
-    if run.batch != 1:
-        raise GenerationError("method 'bild' decodes one prompt at a time")
     model = run.model
     if small is not None:
         if exit_layer is not None:

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import drafters
-from .. import tree as tree_mod
-from ..decoding import Run, register
-from ..kv_cache import KVCache
+from ..drafters import medusa_transfer as drafters
+from ..core import tree as tree_mod
+from ..core.run import Run, register
+from ..core.kv_cache import KVCache
 from . import treeloop
 
 DEFAULT_TREE = "1,1"  # see medusa.DEFAULT_TREE

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import drafters
-from .. import tree as tree_mod
-from ..decoding import Run, register
+from ..drafters import medusa_transfer as drafters
+from ..core import tree as tree_mod
+from ..core.run import Run, register
 from . import treeloop
 
 DEFAULT_TREE = "1,1"  # a chain of two drafts: on CPU a wider tree costs more than it gains (docs/HIDDEN_TRANSFER.md)

@@ -36,10 +36,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import verify
-from ..decoding import GenerationError, Run, register
-from ..theory import theorem_compute, theorem_latency
-from .bild import EarlyExit
+from ..core import verify
+from ..core.run import GenerationError, Run, register
+from ..drafters.early_exit import EarlyExit
+
+
+# -- Theorem 4.1: the expected cost each run reports beside its measured one -----------------------
+def theorem_latency(d: int, dbar: int, n_tokens: int, p: float) -> float:
+    """Theorem 4.1: expected latency d·ℓ − (d − d̄)(ℓ − 1)p of ℓ tokens (time units)."""
+    return d * n_tokens - (d - dbar) * (n_tokens - 1) * p
+
+
+def theorem_compute(d: int, dbar: int, k: int, n_tokens: int, p: float) -> float:
+    """Theorem 4.1: expected total compute d·ℓ − (d − d̄)(ℓ − 1)p + k(d − d̄)ℓ."""
+    return theorem_latency(d, dbar, n_tokens, p) + k * (d - dbar) * n_tokens
 
 
 def min_exit_layer(n_layers: int) -> int:
@@ -117,15 +127,13 @@ def top_candidates(head_logits: torch.Tensor, k: int) -> torch.Tensor:
 @register("ppd", exact=True)
 def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
     """Predictive Pipelined Decoding (exact greedy): early top-k at layer exit_layer (default d/2) start k pipelined sub-passes (clock in layer units)."""
-    from ..heads import get_head
+    from ..drafters.exit_heads import get_head
     model = run.model
     d = run.n_layers
     dbar = min_exit_layer(d) if exit_layer is None else exit_layer
     check_options(d, dbar, k)
     if k > model.config.vocab_size:
         raise GenerationError(f"k={k} is more than the vocabulary ({model.config.vocab_size} tokens): lower k")
-    if run.batch != 1:
-        raise GenerationError("method 'ppd' decodes one prompt at a time")
     exit_head = get_head(model, dbar, head)
     lo = d - dbar  # the layers a sub-process runs before the main process needs its result
     pair = EarlyExit(run, dbar, exit_head, extra_slots=k + 1)

@@ -10,7 +10,7 @@ full model's own next token, so the output is greedy decoding, token for token. 
 leave every layer of the cache (``KVCache.truncate`` per layer range).
 
 The draft-and-verify state (a cache whose lower layers run ahead of the upper ones, the pending
-layer-d̄ states) is ``methods/bild.py``'s ``EarlyExit``, reused as is.
+layer-d̄ states) is ``drafters/early_exit.py``'s ``EarlyExit``, reused as is.
 
 ``min_confidence``: stop drafting early when the exit head's top probability falls below it (0 =
 always draft ``draft_len``).
@@ -25,9 +25,9 @@ from numbers import Real
 
 import torch
 
-from .. import verify
-from ..decoding import GenerationError, Run, register
-from .bild import EarlyExit
+from ..core import verify
+from ..core.run import GenerationError, Run, register
+from ..drafters.early_exit import EarlyExit
 from .speculative import MAX_DRAFT_LEN
 
 
@@ -52,13 +52,11 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
 def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
               head="auto"):
     """Self-speculative decoding (exact greedy): draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV."""
-    from ..heads import get_head
+    from ..drafters.exit_heads import get_head
     model = run.model
     d = run.n_layers
     E = default_exit_layer(d) if exit_layer is None else exit_layer
     check_options(d, E, draft_len, min_confidence)
-    if run.batch != 1:
-        raise GenerationError("method 'self-spec' decodes one prompt at a time")
     exit_head = get_head(model, E, head)
     eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
     st = run.extra

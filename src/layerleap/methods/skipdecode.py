@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from ..decoding import GenerationError, Run, register
+from ..core.run import GenerationError, Run, register
 
 DECAYS = ("linear", "power")
 # The paper's Table 2 (OPT-1.3B, 24 layers, and OPT-6.7B, 32 layers): target speed-up ->

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from .. import tree as tree_mod
-from .. import verify
-from ..decoding import GenerationError, Run
-from ..kv_cache import KVCache
+from ..core import tree as tree_mod
+from ..core import verify
+from ..core.run import GenerationError, Run
+from ..core.kv_cache import KVCache
 
 EMPTY = tree_mod.build([])  # the first round after the prompt: the root alone
 
 
 def setup(run: Run, name: str, tree, steps: int) -> tree_mod.TreeBuffers:
     """The tree's buffers, after checking the tree against the trained steps and the context."""
-    if run.batch != 1:
-        raise GenerationError(f"method {name!r} decodes one prompt at a time")
     buf = tree_mod.build(tree)
     V = run.model.config.vocab_size
     if buf.n > 1 and max(buf.max_rank(d) for d in range(1, buf.depth + 1)) > V:

@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import LayerleapError
-from .files import read_safetensors_meta, save_safetensors
-from .loaded import per_model
-from .model import Transformer
+from ..errors import LayerleapError
+from ..files import read_safetensors_meta, save_safetensors
+from ..loaded import per_model
+from ..core.model import Transformer
 
 FORMAT = "layerleap-drafter-v1"
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 KINDS = ("transfer", "medusa")
 TRAIN_COMMAND = {"transfer": "layerleap train transfer", "medusa": "layerleap train medusa"}
 

@@ -21,22 +21,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .files import save_figure
+from ..files import save_figure
+from ..methods.ppd import Clock, theorem_compute, theorem_latency
 
 SIMULATE_MAX = 50_000_000  # simulated tokens (trials x tokens) of ``simulate``: about 20 s on one core
 
 
-# -- Theorem 4.1 and the approximations ------------------------------------------------------------
-def theorem_latency(d: int, dbar: int, n_tokens: int, p: float) -> float:
-    """Theorem 4.1: expected latency d·ℓ − (d − d̄)(ℓ − 1)p of ℓ tokens (time units)."""
-    return d * n_tokens - (d - dbar) * (n_tokens - 1) * p
-
-
-def theorem_compute(d: int, dbar: int, k: int, n_tokens: int, p: float) -> float:
-    """Theorem 4.1: expected total compute d·ℓ − (d − d̄)(ℓ − 1)p + k(d − d̄)ℓ."""
-    return theorem_latency(d, dbar, n_tokens, p) + k * (d - dbar) * n_tokens
-
-
+# -- the approximations (Theorem 4.1 itself is in methods/ppd.py, which reports it) ----------------
 def eq3_latency_per_token(p: float) -> float:
     """eq. 3, normalised by d: 1 − p/2 (d̄ = d/2, ℓ ≫ 1)."""
     return 1 - p / 2
@@ -68,8 +59,8 @@ def compute_per_time_unit_general(d: int, dbar: int, k: int, p: float) -> float:
 
 
 def check_inputs(d: int, dbar: int, k: int, p: float, n_tokens: int) -> None:
-    from . import validate as V
-    from .errors import LayerleapError
+    from .. import validate as V
+    from ..errors import LayerleapError
     V.integer(d, "--layers")
     V.integer(dbar, "--exit-layer")
     V.integer(k, "--k")
@@ -130,8 +121,7 @@ def simulate(d: int, dbar: int, k: int, p: float, n_tokens: int, trials: int = 2
     Theorem 4.1's expectations."""
     from tqdm.auto import tqdm
 
-    from . import validate as V
-    from .methods.ppd import Clock
+    from .. import validate as V
     check_inputs(d, dbar, k, p, n_tokens)
     V.integer(trials, "trials", 1)
     V.at_most(trials * n_tokens, SIMULATE_MAX, "trials × n_tokens (simulated tokens)", "lower trials or n_tokens")
@@ -172,7 +162,7 @@ def match_rates(model, prompt_ids: list[int], out_ids: list[int], layers: list[i
     head's top-k at layer d̄ of x_0 (the last prompt token) .. x_{ℓ-2} is compared with the next token
     x_1 .. x_{ℓ-1} (a match for x_ℓ saves nothing: it is never fed back).
     -> ``{d̄: {k: (matches, trials)}}``."""
-    from .heads import get_head
+    from ..drafters.exit_heads import get_head
     seq = list(prompt_ids) + list(out_ids[:-2])  # x_0 .. x_{ℓ-2} are the last n positions
     n = len(out_ids) - 1
     if n <= 0:
@@ -196,7 +186,7 @@ def plot_tradeoff(points: dict[str, dict[int, float]], d: int, dbar: int, path, 
     """Figures 3 and 4 side by side: for every series (a category, by k: p̂) the approximate
     normalised latency per token against compute per time unit (left) and per token (right); grey
     lines are the same formulas over p ∈ [0, 1] for each k.  Written atomically as PNG."""
-    from .files import pyplot
+    from ..files import pyplot
     plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from . import validate as V
+from .. import validate as V
 from .bench import HF_LABEL, HFBaseline, check_specs, machine_config, plain_options
-from .datasets import Prompt
-from .decoding import METHODS, generate, get_method
-from .errors import LayerleapError
-from .files import read_report, write_json
-from .model import Transformer
+from ..datasets import Prompt
+from ..decoding import METHODS, generate, get_method
+from ..errors import LayerleapError
+from ..files import read_report, write_json
+from ..core.model import Transformer
 
 NEAR_TIE = 1e-4
 REFERENCE = "greedy"
@@ -44,7 +44,6 @@ class ExactnessError(LayerleapError, ValueError):
 def lossless_methods() -> list[str]:
     """The registered methods that claim greedy-exactness (``register(..., exact=True)``), the
     reference itself left out."""
-    from . import methods  # noqa: F401  (registers the built-in methods)
     return [name for name, m in METHODS.items() if m.exact and name != REFERENCE]
 
 

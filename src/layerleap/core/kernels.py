@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import LayerleapError
-from .files import cache_root, write_json
+from ..errors import LayerleapError
+from ..files import cache_root, write_json
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import LayerleapError
-from .methods.ppd import Clock, Runs, check_options, min_exit_layer, stats, top_candidates
+from ..errors import LayerleapError
+from ..methods.ppd import Clock, Runs, check_options, min_exit_layer, stats, top_candidates
 
 STOP, GO, ECHO = 0, 1, 2
 HEAD_ON = ("main", "sub")
@@ -133,8 +133,8 @@ def _sub_main(rank: int, size: int, port: int, model_src, dbar: int, head, head_
     parent = os.getppid()
     _exit_with_parent()
     torch.set_num_threads(threads)
-    from .heads import get_head
-    from .loading import load
+    from ..drafters.exit_heads import get_head
+    from ..core.loading import load
     model = load(model_src, dtype=dtype, progress=lambda m: None) if isinstance(model_src, str) else model_src
     store, pg = _group(rank, size, port, timeout_s)
     link = Link(pg, rank)
@@ -195,8 +195,8 @@ class ParallelPPD:
 
     def __init__(self, model, exit_layer: int | None = None, k: int = 1, head="auto", head_on: str = "sub",
                  threads: int = 1, timeout_s: float = 120.0, dtype: str = "float32"):
-        from .heads import get_head
-        from .loading import load
+        from ..drafters.exit_heads import get_head
+        from ..core.loading import load
         units = k + 1 if isinstance(k, int) and not isinstance(k, bool) else None
         cores = os.cpu_count() or 1
         if units is not None and units * threads > cores:

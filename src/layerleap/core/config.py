@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from .errors import LayerleapError
+from ..errors import LayerleapError
 
 # Architectures whose weights map onto our decoder (Hugging Face `model_type`).
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import LayerleapError
+from ..errors import LayerleapError
 
 
 MAX_NODES = 512  # a verification pass over the tree costs ~n tokens; n x n masks stay small

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import LayerleapError
+from ..errors import LayerleapError
 
 
 class CacheError(LayerleapError, ValueError):

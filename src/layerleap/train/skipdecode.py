@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import validate as V
-from .decoding import chat_token_ids
-from .errors import LayerleapError
-from .files import reading, save_safetensors, write_json
-from .methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
-from .model import Transformer
+from .. import validate as V
+from ..core.run import chat_token_ids
+from ..errors import LayerleapError
+from ..files import reading, save_safetensors, write_json
+from ..methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
+from ..core.model import Transformer
 
 STATE_JSON = "skipdecode_train.json"
 OPT_FILE = "train_state/optimizer.safetensors"  # a subfolder: the loader reads every *.safetensors beside config.json
@@ -138,7 +138,7 @@ def skip_logits(model: Transformer, ids: torch.Tensor, active: torch.Tensor) -> 
 # -- data ----------------------------------------------------------------------------------------
 def sharegpt_examples(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids with the chat template, completion ids) from the first human/gpt turns of ShareGPT."""
-    from .datasets import sharegpt_conversations
+    from ..datasets import sharegpt_conversations
     from tqdm.auto import tqdm
     out = []
     bar = tqdm(total=n, desc="ShareGPT examples", unit="ex", leave=False)
@@ -190,7 +190,7 @@ def make_batch(examples, idx: list[int], n_layers: int, cfg: TrainConfig, median
 def save_model(model: Transformer, folder: Path, meta: dict | None = None) -> None:
     """A Hugging Face folder loadable by ``layerleap.load(folder)``: config.json, safetensors weights,
     the tokenizer; each file written atomically."""
-    from .loading import ours_to_hf
+    from ..core.loading import ours_to_hf
     folder.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().clone().contiguous() for k, v in ours_to_hf(model).items()}  # fused q/k/v share storage
     save_safetensors(folder / WEIGHTS, sd, {"format": "pt", **(meta or {})})
@@ -275,7 +275,7 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
         if st["step"] >= cfg.steps:
             raise FinetuneError(f"{out} already finished {st['step']} steps: raise --steps to continue, or use "
                                 "another --out")
-        from .loading import _read_safetensors, hf_to_ours
+        from ..core.loading import _read_safetensors, hf_to_ours
         with reading(out, "fine-tuned weights in", "delete the folder (or choose another --out) to start again"):
             sd = hf_to_ours(_read_safetensors(out), model.config)
         with torch.no_grad():

@@ -191,7 +191,7 @@ def _call_cost(cc: dict | None) -> str:
 
 def html_report(report: dict, title: str | None = None) -> str:
     """The HTML page of a bench report dict (see the module docstring)."""
-    from . import __version__
+    from .. import __version__
     cfg, summary = report.get("config", {}), report.get("summary", {})
     labels = list(summary)
     by_cat = report.get("summary_by_category", {})
@@ -235,5 +235,5 @@ def html_report(report: dict, title: str | None = None) -> str:
 
 
 def write_html_report(report: dict, path) -> None:
-    from .files import write_text
+    from ..files import write_text
     write_text(path, html_report(report))

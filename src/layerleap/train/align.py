@@ -36,80 +36,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from . import validate as V
-from .decoding import GenerationError, generate
-from .errors import LayerleapError
-from .files import reading, save_safetensors, write_json
-from .model import RMSNorm, Transformer
-
-HEAD_FORMAT = "layerleap-bild-exit-head-v1"
+from .. import validate as V
+from ..core.model import Transformer
+from ..decoding import generate
+from ..drafters.exit_heads import HEAD_FORMAT, AdapterHead
+from ..errors import LayerleapError
+from ..files import reading, save_safetensors, write_json
 
 
 class AlignError(LayerleapError, ValueError):
     pass
-
-
-# -- the exit head -------------------------------------------------------------------------------------
-class ExitHead(nn.Module):
-    """``h [B, S, D]`` at layer E -> logits ``[B, S, V]`` through the model's (frozen) unembedding:
-    ``unembed(norm(h + up(down(h))))``, a rank-``rank`` adapter (``rank = 0``: a full D x D matrix)."""
-
-    def __init__(self, model: Transformer, exit_layer: int, rank: int = 64):
-        super().__init__()
-        D = model.config.hidden_size
-        self.exit_layer = exit_layer
-        self.norm = RMSNorm(D, model.config.rms_norm_eps)
-        r = D if not rank or rank >= D else rank
-        self.down = nn.Linear(D, r, bias=False)
-        self.up = nn.Linear(r, D, bias=False)
-        with torch.no_grad():
-            self.norm.weight.copy_(model.norm.weight.float())
-            nn.init.normal_(self.down.weight, std=D ** -0.5)
-            self.up.weight.zero_()  # starts as the shared head
-        self._model = [model]  # a list: not a submodule, so neither saved nor trained
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        model = self._model[0]
-        h = h.to(self.up.weight.dtype)
-        return model.unembed(self.norm(h + self.up(self.down(h))).to(model.dtype))
-
-
-def load_exit_head(model: Transformer, exit_layer: int, path) -> ExitHead:
-    """The exit head saved by ``align_exit_head``; refuses a file made for another model or layer.
-    Read once per model, layer and file (``loaded.per_model``)."""
-    from .loaded import per_model
-    return per_model(model, f"exit head {exit_layer}", path, lambda: _read_exit_head(model, exit_layer, path))
-
-
-def _read_exit_head(model: Transformer, exit_layer: int, path) -> ExitHead:
-    from safetensors import safe_open
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise GenerationError(f"no such exit head file {str(path)!r}: give a file written by `layerleap align`, "
-                              "or head='shared' / 'trained' / 'auto'")
-    try:
-        with safe_open(str(p), "pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # a truncated or foreign file
-        raise GenerationError(f"cannot read exit head {p}: {e}; rerun `layerleap align`") from None
-    if meta.get("format") != HEAD_FORMAT:
-        raise GenerationError(f"{p} is not a BiLD exit head (format {meta.get('format')!r}): write one with "
-                              "`layerleap align --exit-layer E`")
-    if meta.get("fingerprint") != model.fingerprint:
-        raise GenerationError(f"exit head {p} was trained for another model (fingerprint {meta.get('fingerprint')}, "
-                              f"this model {model.fingerprint}): align it for this model")
-    if int(meta.get("exit_layer", -1)) != exit_layer:
-        raise GenerationError(f"exit head {p} is for exit_layer={meta.get('exit_layer')}, not {exit_layer}: pass "
-                              f"exit_layer={meta.get('exit_layer')} or align a head for layer {exit_layer}")
-    head = ExitHead(model, exit_layer, rank=int(tensors["down.weight"].shape[0]) if "down.weight" in tensors else 0)
-    try:
-        head.load_state_dict(tensors)
-    except RuntimeError as e:
-        raise GenerationError(f"exit head {p} does not fit this model: {e}; align it again") from None
-    return head.eval().requires_grad_(False).to(model.device)
 
 
 # -- stage 1: calibration outputs -----------------------------------------------------------------
@@ -303,7 +240,7 @@ def align_exit_head(model: Transformer, exit_layer: int, records: list[dict], ou
     train, held = split(records, cfg.val_every)
     h, y = _exit_states(model, exit_layer, train)
     hv, yv = _exit_states(model, exit_layer, held) if held else (h[:0], y[:0])
-    head = ExitHead(model, exit_layer, cfg.rank).to(model.device)
+    head = AdapterHead(model, exit_layer, rank=cfg.rank).to(model.device)
     dev = model.device
     before = agreement(model.logits, h.to(model.dtype).to(dev), y)
     before_val = agreement(model.logits, hv.to(model.dtype).to(dev), yv) if held else None
@@ -335,14 +272,14 @@ def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig |
                 progress: bool = True) -> dict:
     """Fine-tune every weight of ``small`` on the calibration outputs; save a Hugging Face folder at
     ``out``; -> a report.  ``cfg.batch_tokens`` counts output tokens per step (whole sequences)."""
-    from .loading import _atomic_dir, ours_to_hf
+    from ..core.loading import _atomic_dir, ours_to_hf
     cfg = cfg or TrainConfig(lr=1e-5)
     cfg.check()
     out = Path(out)
     seqs = [r for r in records if r["output_ids"]]
     if not seqs:
         raise AlignError("the calibration outputs are empty: use more prompts or a larger --max-new-tokens")
-    from .loading import dense_copy
+    from ..core.loading import dense_copy
     trained = dense_copy(small, torch.float32).train().requires_grad_(True)  # a tied head stays one matrix
     params = dict(trained.named_parameters())
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .model import Transformer
+from ..core.model import Transformer
 
 
 @dataclass(frozen=True)

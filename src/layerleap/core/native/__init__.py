@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import cache_root
+from ...files import cache_root
 
 SOURCE = Path(__file__).with_name("decoder.cpp")
 ENV = "LAYERLEAP_NATIVE"  # "0": never use the native layers

@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .decoding import chat_token_ids
-from .files import reading, save_safetensors
-from .heads import ExitHead, HeadError, LensHead, new_head, save_heads
-from . import validate as V
-from .model import Transformer
+from ..core.run import chat_token_ids
+from ..files import reading, save_safetensors
+from ..drafters.exit_heads import ExitHead, HeadError, LensHead, new_head, save_heads
+from .. import validate as V
+from ..core.model import Transformer
 
 CACHE_FILE = "cache.safetensors"
 STATE_FILE = "state.safetensors"
@@ -119,7 +119,7 @@ def sharegpt_token_seqs(tokenizer, tokens: int, seq_len: int, skip: int = 0, ret
     """Whole ShareGPT conversations in the model's chat template, cut at ``seq_len`` tokens, until
     ``tokens`` positions are collected (the first ``skip`` conversations are passed over).  With
     ``return_seen``: ``(seqs, conversations read including the skipped)``."""
-    from .datasets import sharegpt_conversations
+    from ..datasets import sharegpt_conversations
     roles = {"human": "user", "gpt": "assistant", "system": "system"}
     out, total, seen = [], 0, 0
     for conv in sharegpt_conversations():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import shutil
 import sys
@@ -27,13 +26,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
-from . import validate as V
+from .. import validate as V
 from .config import ConfigError, ModelConfig
-from .errors import LayerleapError
-from .files import cache_root
+from ..errors import LayerleapError
+from ..files import cache_root
 from .model import Transformer, fingerprint_of
+from .weight_files import (GGUFContext, ModelFileError, hf_to_ours, read_json, read_safetensors_file,  # noqa: F401
+                           safetensors_header)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16,
@@ -47,10 +47,6 @@ class ModelNotFound(LayerleapError, LookupError):
 
 class MissingPackage(LayerleapError, ImportError):
     pass
-
-
-class ModelFileError(ConfigError):
-    """A model file that is corrupt, truncated or missing: the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -124,63 +120,6 @@ def _atomic_dir(final: Path, fill) -> Path:
 
 
 SHARD_BYTES = 1 << 30  # converted weights are written in shards of about this size
-
-
-class GGUFContext:
-    """What converting a GGUF file needs from `transformers`: the config, the tokenizer, the GGUF ->
-    Hugging Face name map and the per-architecture tensor fix-ups (its own functions, reused)."""
-
-    def __init__(self, path: Path):
-        from gguf import GGUFReader
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              get_gguf_hf_weights_map, load_gguf_checkpoint)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        self.path = path
-        self.tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        with torch.device("meta"):  # names and shapes only
-            self.hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        self.expected = {k: tuple(v.shape) for k, v in self.hf.state_dict().items()}
-        if self.hf.config.tie_word_embeddings:
-            self.expected.pop("lm_head.weight", None)
-        self.parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-        arch = bytes(GGUFReader(str(path)).fields["general.architecture"].parts[-1]).decode()
-        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed.get("config", {}))
-        self.key_map = get_gguf_hf_weights_map(self.hf, self.processor)
-        self.config = ModelConfig.from_hf(self._hf_dict(), name=path.stem)
-
-    def _hf_dict(self) -> dict:
-        cfg = self.hf.config.to_dict()
-        for k in ("quantization_config", "_name_or_path", "transformers_version"):
-            cfg.pop(k, None)
-        return cfg
-
-    def process(self, weights, gguf_name: str):
-        """A dequantized tensor after the architecture's fix-ups (e.g. Llama's q/k row order)."""
-        return self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping=self.key_map,
-                                      parsed_parameters=self.parsed).weights
-
-    def map_rows(self, gguf_name: str, n_rows: int) -> tuple[str | None, np.ndarray | None]:
-        """A 2-D tensor's Hugging Face name and how the fix-ups reorder its rows (an index array, or
-        None when they keep the order), found by passing row numbers through the fix-ups."""
-        idx = np.arange(n_rows, dtype=np.float32).reshape(n_rows, 1)
-        r = self.processor.process(weights=idx, name=gguf_name, tensor_key_mapping=self.key_map,
-                                   parsed_parameters=self.parsed)
-        out = np.asarray(r.weights)
-        if out.shape != (n_rows, 1) or not np.array_equal(np.sort(out[:, 0]), idx[:, 0]):
-            raise ConfigError(f"{gguf_name}: this architecture's GGUF fix-ups do more than reorder rows; "
-                              "load it as float32 or bfloat16")
-        order = out[:, 0].astype(np.int64)
-        return self.key_map.get(r.name), (None if np.array_equal(order, np.arange(n_rows)) else order)
-
-    def save_config_and_tokenizer(self, out: Path) -> None:
-        (out / "config.json").write_text(json.dumps(self._hf_dict(), indent=2))
-        self.tokenizer.save_pretrained(out)
-
-
-def gguf_context(path: Path, out: Path) -> GGUFContext:
-    return GGUFContext(path)
 
 
 def _join_parts(parts: list[Path], out: Path, progress) -> Path:
@@ -340,65 +279,6 @@ def _remove_tree(folder: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-# -- Hugging Face key mapping ---------------------------------------------------------------
-def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_major: bool = False,
-               fuse=None) -> dict:
-    """Map a Hugging Face Llama/Qwen2 state dict onto ours (fusing qkv and gate/up), asserting
-    every name and shape.  ``consume`` empties ``sd`` as it goes; ``column_major`` builds the fused
-    weights directly in that layout (see ``Transformer.optimize_layout``); ``fuse`` replaces the
-    row concatenation (for weights that are not dense tensors, e.g. 4-bit rows)."""
-
-    def cat_rows(parts):  # [out_i, in] pieces -> [sum out_i, in]
-        return torch.cat([t.t() for t in parts], 1).t() if column_major else torch.cat(parts, 0)
-
-    fuse = fuse or cat_rows
-
-    c = config
-    renamed = {k.removeprefix("model.") if not k.startswith("lm_head") else k: v for k, v in sd.items()
-               if not k.endswith("rotary_emb.inv_freq")}
-    if consume:
-        sd.clear()
-    sd = renamed
-    used: set[str] = set()
-
-    def take(key, shape):
-        if key not in sd:
-            raise ConfigError(f"weight {key!r} is missing from the checkpoint")
-        t = sd[key]
-        if tuple(t.shape) != tuple(shape):
-            raise ConfigError(f"weight {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        used.add(key)
-        if consume:
-            del sd[key]  # free the source as soon as it is used (keeps the loading peak low)
-        return t
-
-    D, hd = c.hidden_size, c.head_dim
-    out = {"tok_embeddings.weight": take("embed_tokens.weight", (c.vocab_size, D)),
-           "norm.weight": take("norm.weight", (D,))}
-    for i in range(c.n_layers):
-        p = f"layers.{i}."
-        q = take(p + "self_attn.q_proj.weight", (c.n_heads * hd, D))
-        k = take(p + "self_attn.k_proj.weight", (c.n_kv_heads * hd, D))
-        v = take(p + "self_attn.v_proj.weight", (c.n_kv_heads * hd, D))
-        out[p + "attn.qkv.weight"] = fuse([q, k, v])
-        if c.qkv_bias:
-            out[p + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", (m * hd,))
-                                                  for n, m in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads))])
-        out[p + "attn.o.weight"] = take(p + "self_attn.o_proj.weight", (D, c.n_heads * hd))
-        gate = take(p + "mlp.gate_proj.weight", (c.intermediate_size, D))
-        up = take(p + "mlp.up_proj.weight", (c.intermediate_size, D))
-        out[p + "mlp.gate_up.weight"] = fuse([gate, up])
-        out[p + "mlp.down.weight"] = take(p + "mlp.down_proj.weight", (D, c.intermediate_size))
-        out[p + "attn_norm.weight"] = take(p + "input_layernorm.weight", (D,))
-        out[p + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight", (D,))
-    if not c.tie_embeddings or "lm_head.weight" in sd:  # untied, or a tied checkpoint that stores its head
-        out["lm_head.weight"] = take("lm_head.weight", (c.vocab_size, D))
-    extra = sorted(set(sd) - used - set(out))
-    if extra:
-        raise ConfigError(f"unexpected weights in the checkpoint: {extra[:5]}{' …' if len(extra) > 5 else ''}")
-    return out
-
-
 def ours_to_hf(model: Transformer, contiguous: bool = True) -> dict:
     """Our weights under Hugging Face names (the inverse of ``hf_to_ours``), dense whatever format
     the model holds them in; ``contiguous=False`` returns views of dense weights (no copies)."""
@@ -462,96 +342,6 @@ def dense_copy(model: Transformer, dtype=torch.float32) -> Transformer:
     out = build(model.config, sd, dtype, model.tokenizer, model.source, pack=False)
     out.set_fingerprint(model.fingerprint)
     return out
-
-
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-_HEADER_MAX = 100 << 20  # safetensors' own limit on the JSON header
-
-
-def safetensors_header(path: Path) -> tuple[dict, int]:
-    """The tensor entries of a safetensors file and where its data starts, after checking that the
-    header parses, every entry is consistent (dtype, shape, offsets) and the file holds all the data
-    (a truncated or foreign file is a ``ModelFileError`` naming it)."""
-    import struct
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
-            text = f.read(n) if n is not None and n <= min(_HEADER_MAX, size - 8) else None
-    except OSError as e:
-        raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
-    if text is None:
-        raise ModelFileError(f"{path} is not a safetensors file or is truncated ({size} bytes): replace it "
-                             "(re-download or re-convert the model)")
-    try:
-        header = json.loads(text)
-    except (ValueError, UnicodeDecodeError):
-        raise ModelFileError(f"{path} has a corrupt safetensors header: replace it (re-download or re-convert "
-                             "the model)") from None
-    if not isinstance(header, dict):
-        raise ModelFileError(f"{path} has a corrupt safetensors header: replace it")
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _ST_DTYPES[info["dtype"]]
-            shape = [V.integer(d, "dim", 0) for d in info["shape"]]
-            begin, stop = (V.integer(x, "offset", 0) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError, LayerleapError):
-            raise ModelFileError(f"{path}: tensor {name!r} has a corrupt or unsupported header entry "
-                                 f"({V.show(info)}): replace the file") from None
-        if stop - begin != math.prod(shape) * dtype.itemsize:
-            raise ModelFileError(f"{path}: tensor {name!r} has {stop - begin} bytes for shape {shape}: the file is "
-                                 "corrupt, replace it")
-        entries[name] = {"dtype": info["dtype"], "shape": shape, "data_offsets": [begin, stop]}
-    end = 0
-    for name, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"]):  # back to back, as written
-        if e["data_offsets"][0] != end:
-            raise ModelFileError(f"{path}: tensor {name!r} does not start where the one before it ends (overlapping or "
-                                 "gapped data): the file is corrupt, replace it")
-        end = e["data_offsets"][1]
-    if 8 + n + end > size:
-        raise ModelFileError(f"{path} is truncated: {size} bytes, its header needs {8 + n + end}: replace it "
-                             "(re-download or re-convert the model)")
-    return entries, 8 + n
-
-
-def read_safetensors_file(path: Path, dtype: torch.dtype | None = None,
-                          header: tuple[dict, int] | None = None) -> dict[str, torch.Tensor]:
-    """Read a safetensors file tensor by tensor with plain reads, so every tensor owns its memory
-    (no file mapping stays resident beside the weights); floating tensors are cast to ``dtype``
-    one at a time.  The header is checked first (``safetensors_header``)."""
-    entries, base = header or safetensors_header(Path(path))
-    out = {}
-    with open(path, "rb") as f:
-        for name, info in entries.items():
-            begin, end = info["data_offsets"]
-            f.seek(base + begin)
-            buf = bytearray(f.read(end - begin))
-            if len(buf) != end - begin:
-                raise ModelFileError(f"{path} is truncated at tensor {name!r}: replace it")
-            dt = _ST_DTYPES[info["dtype"]]
-            t = torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)
-            t = t.reshape(info["shape"])
-            out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-    return out
-
-
-def read_json(path: Path, what: str = "file") -> dict:
-    """A JSON object from ``path``; a ``ModelFileError`` naming the file when it is not one."""
-    try:
-        obj = json.loads(path.read_bytes())
-    except OSError as e:
-        raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{path} is not valid JSON ({str(e)[:80]}): repair or replace the {what}") from None
-    if not isinstance(obj, dict):
-        raise ModelFileError(f"{path} holds JSON {type(obj).__name__}, not an object: repair or replace the {what}")
-    return obj
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -736,6 +526,7 @@ def build_q4(config: ModelConfig, weights: dict, tokenizer=None, source=None) ->
     4-bit projections as ``Int4Weight``, an 8-bit embedding looked up by rows, everything dense in
     bf16 (a dense LM head is then packed for oneDNN by ``optimize_layout``).  A tied LM head shares
     a 4-bit embedding; beside an 8-bit one it gets the embedding's exact values in bf16."""
+    from .gguf_q4 import assemble_q4
     from .kernels import Int4Weight, Int8Rows, QuantizedRows
     formats = {}
     for name, w in list(weights.items()):
@@ -751,47 +542,7 @@ def build_q4(config: ModelConfig, weights: dict, tokenizer=None, source=None) ->
         else:
             dense = emb.dense() if emb is not None else weights["tok_embeddings.weight"]
             weights["lm_head.weight"] = dense.to(torch.bfloat16)
-    return _assemble_q4(config, formats, weights, tokenizer, source)
-
-
-def _assemble_q4(config: ModelConfig, formats: dict, dense: dict, tokenizer=None, source=None) -> Transformer:
-    """Put ``formats`` (module name -> packed weight) and ``dense`` tensors (state_dict names, cast to
-    bf16) into a Transformer built on the meta device; refuse anything left unfilled."""
-    from .model import rope_tables
-    with torch.device("meta"):
-        model = Transformer(config, tokenizer=tokenizer, source=source)
-    mods = dict(model.named_modules())
-    for name, fmt in formats.items():
-        mods[name].pack(fmt)
-    if config.tie_embeddings and "lm_head.weight" in dense:
-        model.lm_head.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, device="meta"))  # untied
-    _, unexpected = model.load_state_dict({k: v.to(torch.bfloat16) for k, v in dense.items()}, strict=False,
-                                          assign=True)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and "rope" not in n]
-    if unexpected or left:
-        raise ConfigError(f"4-bit weights do not fit the config: unexpected {unexpected[:3]}, missing {left[:3]}")
-    cos, sin = rope_tables(config)
-    model.rope_cos, model.rope_sin = cos, sin
-    return model.eval().requires_grad_(False).optimize_layout()
-
-
-def build_q4_packed(config: ModelConfig, tensors: dict, modules: dict, tokenizer=None) -> Transformer:
-    """A 4-bit model from the packed cache (``gguf_q4.save_packed``): ``modules`` maps each packed
-    module to [the module whose tensors it uses, the format's class name]."""
-    from .kernels import Int4Weight, Int8Rows
-    formats, made = {}, {}
-    for name, (owner, kind) in modules.items():
-        if owner not in made:
-            n = int(tensors.pop(f"{owner}.out_features")[0])
-            if kind == "Int4Weight":
-                made[owner] = Int4Weight.from_packed(tensors.pop(f"{owner}.packed"), tensors.pop(f"{owner}.scale_zero"),
-                                                     n, tensors.pop(f"{owner}.bias", None))
-            elif kind == "Int8Rows":
-                made[owner] = Int8Rows(tensors.pop(f"{owner}.int8"), tensors.pop(f"{owner}.int8_scale"))
-            else:
-                raise ConfigError(f"unknown packed format {kind!r}")
-        formats[name] = made[owner]
-    return _assemble_q4(config, formats, tensors, tokenizer)
+    return assemble_q4(config, formats, weights, tokenizer, source)
 
 
 def quantize_model(model: Transformer) -> Transformer:

@@ -16,15 +16,13 @@ import dataclasses
 import torch
 from torch import nn
 
-from .decoding import GenerationError, Run
-from .kv_cache import KVCache
-from .model import Transformer
+from ..core.run import GenerationError, Run
+from ..core.kv_cache import KVCache
+from ..core.model import Transformer
 
 
 class Companion:
     def __init__(self, run: Run, model: Transformer, name: str, extra_slots: int = 0):
-        if run.batch != 1:
-            raise GenerationError("two-model methods decode one prompt at a time: pass a single prompt")
         self.run, self.model, self.name = run, model, name
         self.prompt = run.prompts[0]
         self.cache: KVCache = model.new_cache(1, len(self.prompt) + run.gen.max_new_tokens + extra_slots + 1)

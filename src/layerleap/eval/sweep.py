@@ -31,13 +31,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import evaluation
-from . import validate as V
+from . import quality as evaluation
+from .. import validate as V
 from .bench import machine_config
-from .files import read_report, save_figure, write_json
-from .datasets import Prompt
-from .decoding import generate
-from .errors import LayerleapError
+from ..files import read_report, save_figure, write_json
+from ..datasets import Prompt
+from ..decoding import generate
+from ..errors import LayerleapError
 
 NO_LOSS = 0.05  # "no loss": the score rounds to 100.0 against greedy's own output
 ONE_POINT = 1.0
@@ -82,7 +82,7 @@ class SpecSetting:
 
 def parse_spec_setting(text: str) -> SpecSetting:
     """``SCHEDULE:γ[:MIN_CONFIDENCE]``, e.g. ``heuristic:4`` or ``constant:20:0.4``."""
-    from .methods.speculative import check_options
+    from ..methods.speculative import check_options
     parts = text.strip().split(":")
     try:
         if len(parts) not in (2, 3):
@@ -114,7 +114,7 @@ def hf_view(model):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .loading import ours_to_hf
+    from ..core.loading import ours_to_hf
     d = model.config.to_hf()
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("meta"):
@@ -152,7 +152,7 @@ class HFRunner:
 
         import torch
 
-        from .decoding import GenerationResult
+        from ..core.run import GenerationResult
         kw = {}
         if assisted:
             kw = {"assistant_model": self.assistant} if self.assistant is not None else {"assistant_early_exit": self.exit_layer}
@@ -404,7 +404,7 @@ def plot(summary: dict, path: str | Path, title: str = "") -> Path:
     """Quality against normalised latency, one panel per category (Figures 4 and 9): a line per
     alpha_rb through its alpha_fb points (marker size grows with alpha_fb), greedy as X, speculative
     decoding as squares, lines at greedy's score and 1 point below."""
-    from .files import pyplot
+    from ..files import pyplot
     plt = pyplot()
 
     cats = sorted({c for e in summary.values() for c in e["categories"]})

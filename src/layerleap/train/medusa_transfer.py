@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import drafters
-from . import tree as tree_mod
-from .decoding import chat_token_ids
-from .errors import LayerleapError
-from .files import reading, save_safetensors
-from . import validate as V
-from .model import Transformer
+from ..drafters import medusa_transfer as drafters
+from ..core import tree as tree_mod
+from ..core.run import chat_token_ids
+from ..errors import LayerleapError
+from ..files import reading, save_safetensors
+from .. import validate as V
+from ..core.model import Transformer
 
 
 class TrainError(LayerleapError, ValueError):
@@ -86,7 +86,7 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
 # -- data -------------------------------------------------------------------------------------------
 def sharegpt_chunks(tokenizer, n_conversations: int, seq_len: int, seed: int, eos: int) -> list[list[int]]:
     """Token chunks of ``seq_len`` from ShareGPT conversations in the chat template, shuffled."""
-    from .datasets import sharegpt_conversations
+    from ..datasets import sharegpt_conversations
     roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
     convs = []
     for conv in sharegpt_conversations(limit=n_conversations):

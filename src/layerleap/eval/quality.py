@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import LayerleapError
+from ..errors import LayerleapError
 
 # Spec-Bench category -> metric name
 METRIC_FOR = {"summarization": "rougeL", "translation": "bleu", "math": "exact_match",

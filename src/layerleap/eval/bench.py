@@ -25,13 +25,14 @@ from typing import Callable
 
 import torch
 
-from . import validate as V
-from .datasets import Prompt
-from .decoding import GenerationResult, generate, get_method
-from .errors import LayerleapError
-from .files import write_json
-from .kernels import cpu_signature
-from .model import Transformer
+from .. import validate as V
+from ..datasets import Prompt
+from ..core.run import GenerationResult
+from ..decoding import generate, get_method
+from ..errors import LayerleapError
+from ..files import write_json
+from ..core.kernels import cpu_signature
+from ..core.model import Transformer
 
 HF_LABEL = "transformers"
 # `transformers`' own faster decoding, run beside its greedy: label -> generate() keyword arguments
@@ -153,8 +154,7 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
 def runnable_methods() -> MethodSpecs:
     """Every registered method that runs with its defaults alone (no required option such as a
     draft model), labelled by name: what the demo and a default bench compare."""
-    from . import methods  # noqa: F401  (registers the built-in methods)
-    from .decoding import METHODS
+    from ..decoding import METHODS
     return {name: (name, {}) for name in METHODS if not required_options(name, {})}
 
 
@@ -271,7 +271,7 @@ class HFBaseline:
     """`transformers` ``generate(do_sample=False)`` on the same weights, dtype and threads."""
 
     def __init__(self, model: Transformer):
-        from .loading import to_hf
+        from ..core.loading import to_hf
         self.model = model
         self.hf = to_hf(model)
         gc = self.hf.generation_config

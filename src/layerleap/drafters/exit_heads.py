@@ -1,16 +1,20 @@
 """Exit heads: next-token logits from the hidden state after layer ``layer`` (PPD §4.3's early
 prediction, BiLD's early-exit small model, the self-speculative drafter).
 
-Three kinds behind one interface, ``head(h [B, S, D]) -> logits [B, S, V]``:
+Four kinds behind one interface, ``head(h [B, S, D]) -> logits [B, S, V]``:
 
 - ``shared`` (PPD's "N"): the model's own final norm and unembedding on the intermediate state;
 - ``lens`` (a trained "tuned lens"): an affine ``D x D`` map in front of the frozen final norm and
   unembedding, initialised to the identity, so an untrained lens is the shared head;
-- ``full`` (PPD's "Y"): a trainable RMSNorm and ``V x D`` unembedding, initialised from the model's.
+- ``full`` (PPD's "Y"): a trainable RMSNorm and ``V x D`` unembedding, initialised from the model's;
+- ``adapter`` (BiLD's aligned head, ``layerleap align``): a trainable RMSNorm and a low-rank adapter
+  in front of the frozen unembedding.
 
 Trained heads are saved as one safetensors file per set of layers with the model's fingerprint in
 its metadata; loading into another model is refused.  Heads for the embedded default ship in
-``layerleap/data/heads/`` and are found by fingerprint (``get_head(model, layer, "trained")``).
+``layerleap/data/heads/`` and are found by fingerprint (``get_head(model, layer, "trained")``).  An
+adapter head is one file of its own (``HEAD_FORMAT``, written by ``layerleap align``);
+``load_exit_head`` reads either kind of file.
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import LayerleapError
-from .files import read_safetensors_meta, save_safetensors
-from .loaded import per_model
-from .model import RMSNorm, Transformer
+from ..errors import LayerleapError
+from ..files import read_safetensors_meta, save_safetensors
+from ..loaded import per_model
+from ..core.model import RMSNorm, Transformer
+from ..core.run import GenerationError
 
 FORMAT = "layerleap-exit-heads-v1"
 KINDS = ("shared", "lens", "full")
-SHIPPED_DIR = Path(__file__).parent / "data" / "heads"
+HEAD_FORMAT = "layerleap-bild-exit-head-v1"  # one adapter head (``layerleap align``)
+SHIPPED_DIR = Path(__file__).parent.parent / "data" / "heads"
 
 
 class HeadError(LayerleapError, ValueError):
@@ -130,6 +136,35 @@ class FullHead(ExitHead):
 
     def unembed_weight(self) -> torch.Tensor:
         return self.lm_head.weight
+
+
+class AdapterHead(ExitHead):
+    """``unembed(norm(h + up(down(h))))``: a trainable RMSNorm (initialised from the model's final norm)
+    and a rank-``rank`` adapter (``rank = 0``: a full D x D matrix; ``up`` zero at start, so an
+    untrained head is the shared head) in front of the model's frozen unembedding."""
+
+    kind = "adapter"
+
+    def __init__(self, model: Transformer, layer: int, vocab: torch.Tensor | None = None, rank: int = 64):
+        if vocab is not None:
+            raise HeadError("an adapter head has its own norm: a sub-vocabulary is for shared and lens heads")
+        super().__init__(model, layer)
+        D = model.config.hidden_size
+        self.norm = RMSNorm(D, model.config.rms_norm_eps)
+        r = D if not rank or rank >= D else rank
+        self.down = nn.Linear(D, r, bias=False)
+        self.up = nn.Linear(r, D, bias=False)
+        with torch.no_grad():
+            self.norm.weight.copy_(model.norm.weight.float())
+            nn.init.normal_(self.down.weight, std=D ** -0.5)
+            self.up.weight.zero_()  # starts as the shared head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.unembed(self.normed(h))
+
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.to(self.up.weight.dtype)
+        return self.norm(h + self.up(self.down(h))).to(self.model.dtype)
 
 
 _CLASSES = {"shared": ExitHead, "lens": LensHead, "full": FullHead}
@@ -270,3 +305,46 @@ def get_head(model: Transformer, layer: int, head="auto") -> ExitHead:
             raise HeadError(f"{head} has heads for layers {', '.join(map(str, sorted(heads)))}, not {layer}")
         return heads[layer]
     raise HeadError(f"head must be 'shared', 'trained', 'auto', a heads file or an ExitHead, got {head!r}")
+
+
+def load_exit_head(model: Transformer, layer: int, path) -> ExitHead:
+    """The head for ``layer`` from a file: a heads file (``save_heads``) or an adapter head
+    (``layerleap align``); refuses a file made for another model or layer.  Read once per model,
+    layer and file (``loaded.per_model``)."""
+    p = Path(path).expanduser()
+    try:
+        is_heads_file = p.is_file() and read_safetensors_meta(p).get("format") == FORMAT
+    except ValueError:  # a truncated or foreign file: the adapter reader names the problem
+        is_heads_file = False
+    if is_heads_file:
+        return get_head(model, layer, p)
+    return per_model(model, f"exit head {layer}", path, lambda: _read_adapter_head(model, layer, path))
+
+
+def _read_adapter_head(model: Transformer, layer: int, path) -> AdapterHead:
+    from safetensors import safe_open
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise GenerationError(f"no such exit head file {str(path)!r}: give a file written by `layerleap align`, "
+                              "or head='shared' / 'trained' / 'auto'")
+    try:
+        with safe_open(str(p), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # a truncated or foreign file
+        raise GenerationError(f"cannot read exit head {p}: {e}; rerun `layerleap align`") from None
+    if meta.get("format") != HEAD_FORMAT:
+        raise GenerationError(f"{p} is not a BiLD exit head (format {meta.get('format')!r}): write one with "
+                              "`layerleap align --exit-layer E`")
+    if meta.get("fingerprint") != model.fingerprint:
+        raise GenerationError(f"exit head {p} was trained for another model (fingerprint {meta.get('fingerprint')}, "
+                              f"this model {model.fingerprint}): align it for this model")
+    if int(meta.get("exit_layer", -1)) != layer:
+        raise GenerationError(f"exit head {p} is for exit_layer={meta.get('exit_layer')}, not {layer}: pass "
+                              f"exit_layer={meta.get('exit_layer')} or align a head for layer {layer}")
+    head = AdapterHead(model, layer, rank=int(tensors["down.weight"].shape[0]) if "down.weight" in tensors else 0)
+    try:
+        head.load_state_dict(tensors)
+    except RuntimeError as e:
+        raise GenerationError(f"exit head {p} does not fit this model: {e}; align it again") from None
+    return head.eval().requires_grad_(False).to(model.device)

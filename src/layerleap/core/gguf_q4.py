@@ -30,10 +30,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
-from .config import ConfigError
-from .files import save_safetensors
+from .config import ConfigError, ModelConfig
+from ..files import save_safetensors
 from .kernels import GROUP, Int8Rows, QuantizedRows, quantize
+from .model import Transformer
 
 FORMAT = "layerleap-q4-v1"
 WEIGHTS = "q4.safetensors"
@@ -145,7 +147,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     from gguf import GGUFReader, dequantize
     from tqdm.auto import tqdm
 
-    from .loading import gguf_context, hf_to_ours
+    from .weight_files import gguf_context, hf_to_ours
     from .model import fingerprint_of
     ctx = gguf_context(gguf_path, out)
     reader = GGUFReader(str(gguf_path))
@@ -235,9 +237,8 @@ def check(folder: Path) -> tuple:
     """Check a q4 cache folder without reading its weights: -> (config, metadata, header).  Every
     problem (config, tokenizer, a truncated or foreign weights file, a missing weight) raises a
     ``LayerleapError`` that names the file."""
-    from .loading import ModelFileError, read_json, safetensors_header
-    from .files import read_safetensors_meta
-    from .config import ModelConfig
+    from .weight_files import ModelFileError, read_json, safetensors_header
+    from ..files import read_safetensors_meta
     config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=folder.name)
     for tok in ("tokenizer.json", "tokenizer_config.json"):
         if (folder / tok).is_file():
@@ -261,7 +262,7 @@ def check(folder: Path) -> tuple:
 
 def read(folder: Path) -> tuple[dict[str, QuantizedRows | torch.Tensor], dict]:
     """A q4 cache folder's weights (our names) and its metadata (checked first, ``check``)."""
-    from .loading import read_safetensors_file
+    from .weight_files import read_safetensors_file
     _, meta, header = check(folder)
     return tensors_to_weights(read_safetensors_file(folder / WEIGHTS, header=header)), meta
 
@@ -277,7 +278,7 @@ def save_packed(folder: Path, model) -> None:
     again): int4 and int8 formats as their tensors, a oneDNN-packed matrix as its dense bf16 weight
     (packed again at load), the norms.  The metadata maps every packed module to the module whose
     tensors it uses (a tied head shares the embedding's 4-bit weight) and to its format."""
-    from .errors import LayerleapError
+    from ..errors import LayerleapError
     from .kernels import Int4Weight, Int8Rows
     from .model import Embedding, Linear
     tensors, modules, first = {}, {}, {}
@@ -305,10 +306,10 @@ def save_packed(folder: Path, model) -> None:
 
 def load_packed(folder: Path, config, tokenizer):
     """The model from ``packed_file`` when it is there and sound, else None (then it is rebuilt)."""
-    from .errors import LayerleapError
-    from .files import read_safetensors_meta
+    from ..errors import LayerleapError
+    from ..files import read_safetensors_meta
     from .kernels import KernelError
-    from .loading import build_q4_packed, read_safetensors_file
+    from .weight_files import read_safetensors_file
     path = packed_file(folder)
     if not path.is_file():
         return None
@@ -321,3 +322,43 @@ def load_packed(folder: Path, config, tokenizer):
         return None
     model.set_fingerprint(meta["fingerprint"])
     return model
+
+
+def assemble_q4(config: ModelConfig, formats: dict, dense: dict, tokenizer=None, source=None) -> Transformer:
+    """Put ``formats`` (module name -> packed weight) and ``dense`` tensors (state_dict names, cast to
+    bf16) into a Transformer built on the meta device; refuse anything left unfilled."""
+    from .model import rope_tables
+    with torch.device("meta"):
+        model = Transformer(config, tokenizer=tokenizer, source=source)
+    mods = dict(model.named_modules())
+    for name, fmt in formats.items():
+        mods[name].pack(fmt)
+    if config.tie_embeddings and "lm_head.weight" in dense:
+        model.lm_head.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, device="meta"))  # untied
+    _, unexpected = model.load_state_dict({k: v.to(torch.bfloat16) for k, v in dense.items()}, strict=False,
+                                          assign=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and "rope" not in n]
+    if unexpected or left:
+        raise ConfigError(f"4-bit weights do not fit the config: unexpected {unexpected[:3]}, missing {left[:3]}")
+    cos, sin = rope_tables(config)
+    model.rope_cos, model.rope_sin = cos, sin
+    return model.eval().requires_grad_(False).optimize_layout()
+
+
+def build_q4_packed(config: ModelConfig, tensors: dict, modules: dict, tokenizer=None) -> Transformer:
+    """A 4-bit model from the packed cache (``gguf_q4.save_packed``): ``modules`` maps each packed
+    module to [the module whose tensors it uses, the format's class name]."""
+    from .kernels import Int4Weight, Int8Rows
+    formats, made = {}, {}
+    for name, (owner, kind) in modules.items():
+        if owner not in made:
+            n = int(tensors.pop(f"{owner}.out_features")[0])
+            if kind == "Int4Weight":
+                made[owner] = Int4Weight.from_packed(tensors.pop(f"{owner}.packed"), tensors.pop(f"{owner}.scale_zero"),
+                                                     n, tensors.pop(f"{owner}.bias", None))
+            elif kind == "Int8Rows":
+                made[owner] = Int8Rows(tensors.pop(f"{owner}.int8"), tensors.pop(f"{owner}.int8_scale"))
+            else:
+                raise ConfigError(f"unknown packed format {kind!r}")
+        formats[name] = made[owner]
+    return assemble_q4(config, formats, tensors, tokenizer)

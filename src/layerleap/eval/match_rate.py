@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import validate as V
-from .errors import LayerleapError
-from .files import save_figure
-from .heads import ExitHead, get_head
-from .model import Transformer
+from .. import validate as V
+from ..errors import LayerleapError
+from ..files import save_figure
+from ..drafters.exit_heads import ExitHead, get_head
+from ..core.model import Transformer
 
 MODES = ("greedy", "top-k", "top-p")
 
@@ -115,7 +115,7 @@ def match_rate(model: Transformer, prompts, cfg: MatchRateConfig, heads: dict | 
     """p̂_correct for each head, layer and k over ``prompts`` (texts or token-id lists)."""
     from tqdm import tqdm
     import sys
-    from .decoding import generate
+    from ..decoding import generate
     cfg.check(model)
     with V.raising(MatchRateError):
         prompts = V.items(prompts, "prompts", "texts or token-id lists")
@@ -195,7 +195,7 @@ def position_table(res: MatchRateResult, layer: int) -> str:
 
 def plot(results: dict[str, MatchRateResult], path) -> None:
     """p̂_correct against layer, one line per (head, k), one panel per result (category or mode)."""
-    from .files import pyplot
+    from ..files import pyplot
     plt = pyplot()
     n = len(results)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False, sharey=True)

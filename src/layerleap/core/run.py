@@ -1,0 +1,258 @@
+"""What one decoding call runs on: the ``Run`` context, the method registry and the round driver.
+
+A method is one function ``fn(run, **options)`` registered under a name (``register``).  It reads the
+prompts, configuration and model from ``run``, makes model calls through ``run.forward`` (which
+counts model calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands them
+over with ``run.emit``.  A method written as a generator ``yield``s after each round that emitted
+tokens: ``rounds`` drives it round by round, so accepted tokens can be streamed and a request can be
+dropped between rounds, with no threads.
+
+This module knows no method: the built-in ones register themselves when ``layerleap.methods`` is
+imported, and ``layerleap.decoding`` (``generate``, ``Decoding``) imports them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import validate as V
+from . import sampling
+from .kv_cache import KVCache
+from .model import Transformer
+
+
+class GenerationError(V.InputError):
+    """Bad input to ``generate``: the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_at_eos: bool = True
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: dict
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    fn: Callable
+    batched: bool  # decodes a list of prompts as one batch
+    sampling: bool  # supports do_sample=True
+    default_sample: bool  # samples unless told otherwise
+    description: str
+    exact: bool = False  # its greedy output equals plain greedy decoding token for token
+    models: tuple[str, ...] = ()  # options that take a second model (a loaded model, or its name on the CLI)
+
+    def options(self) -> dict[str, object]:
+        sig = inspect.signature(self.fn)
+        return {n: p.default for n, p in list(sig.parameters.items())[1:]}
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False,
+             exact: bool = False, models: tuple[str, ...] = ()):
+    def deco(fn):
+        doc = (fn.__doc__ or "").strip().splitlines()
+        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "", exact, tuple(models))
+        return fn
+    return deco
+
+
+def row_seed(seed: int, i: int) -> int:
+    """The seed of the row of prompt index ``i`` in a call seeded with ``seed``: ``seed + i``, wrapped
+    into ``[0, 2**32)`` (every value a valid ``seed``)."""
+    return (seed + i) % 2**32
+
+
+def row_generators(gen: GenerationConfig, rows, device) -> list[torch.Generator | None]:
+    """One generator per row when sampling: the row of prompt index ``i`` is seeded with
+    ``row_seed(seed, i)``, so a row samples what its prompt decoded alone with that seed samples,
+    whatever its batch-mates.  Without a seed, the base seed is drawn from torch's global generator
+    (``torch.manual_seed`` still makes a call reproducible).  Greedy decoding draws nothing."""
+    if not gen.do_sample:
+        return [None for _ in rows]
+    seed = gen.seed
+    if seed is None:
+        seed = int(torch.randint(0, 2**32, (1,)))
+    return [torch.Generator(device=device).manual_seed(row_seed(seed, i)) for i in rows]
+
+
+class Run:
+    """One ``generate`` call: the model, prompts, configuration, and the meters.  ``rows`` are the
+    prompt indices of the rows (default ``0..B-1``); they seed the rows' generators (``row_generators``)."""
+
+    def __init__(self, model: Transformer, prompts: list[list[int]], gen: GenerationConfig,
+                 rows: list[int] | None = None):
+        self.model = model
+        self.prompts = prompts
+        self.gen = gen
+        self.batch = len(prompts)
+        self.generators = row_generators(gen, range(self.batch) if rows is None else rows, model.device)
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.finished = [False] * self.batch
+        self.model_calls = 0
+        self.layer_evals = [0] * self.batch
+        self.prompt_layer_evals = [0] * self.batch
+        self.extra: dict = {}  # method-specific counters
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+
+    # -- model access (counted) --------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return self.model.config.n_layers
+
+    def new_cache(self, extra: int = 0) -> KVCache:
+        """A cache for the prompts plus ``max_new_tokens`` plus ``extra`` slots (drafts, trees)."""
+        longest = max(len(p) for p in self.prompts)
+        return self.model.new_cache(self.batch, longest + self.gen.max_new_tokens + extra + 1)
+
+    def positions(self, cache: KVCache, n_new: int, layer: int = 0) -> torch.Tensor:
+        """Rotary positions ``[B, S]`` for ``n_new`` tokens appended to ``layer``."""
+        base = cache.lengths[layer] - cache.pad  # [B]
+        return (base.unsqueeze(1) + torch.arange(n_new)).to(self.model.device)
+
+    def forward(self, cache: KVCache | None, ids: torch.Tensor | None = None, h: torch.Tensor | None = None,
+                start: int = 0, end: int | None = None, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, count_call: bool = True) -> torch.Tensor:
+        """One model call over layers ``[start, end)`` from ``ids`` (embedded) or hidden ``h``.
+        Returns the hidden state after layer ``end - 1``."""
+        end = self.n_layers if end is None else end
+        if h is None:
+            h = self.model.embed(ids)
+        S = h.shape[1]
+        if positions is None:
+            positions = self.positions(cache, S, start)
+        h = self.model.run_layers(h, start, end, positions, cache, mask)
+        self.count(end - start, S, call=count_call)
+        return h
+
+    def count(self, n_layers: int, n_positions: int, call: bool = True) -> None:
+        """Record ``n_layers`` layers applied to ``n_positions`` positions of every unfinished row."""
+        self.model_calls += int(call)
+        for b in range(self.batch):
+            if not self.finished[b]:
+                self.layer_evals[b] += n_layers * n_positions
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h)
+
+    def prefill(self, cache: KVCache, end: int | None = None) -> torch.Tensor:
+        """Run the (left-padded) prompts through layers ``[0, end)``; returns the hidden state of the
+        last prompt position ``[B, 1, D]``.  Counted as one model call; the layer evaluations of all
+        but the last prompt position are reported apart (``prompt_layer_evals``), the last one's
+        count towards the first new token, so greedy costs exactly ``n_layers`` per token."""
+        end = self.n_layers if end is None else end
+        longest = max(len(p) for p in self.prompts)
+        ids = torch.full((self.batch, longest), self.model.config.eos_token_ids[0] if self.model.config.eos_token_ids else 0,
+                         dtype=torch.long)
+        for b, p in enumerate(self.prompts):
+            ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            cache.pad[b] = longest - len(p)
+        positions = (torch.arange(longest).unsqueeze(0) - cache.pad.unsqueeze(1)).clamp(min=0)
+        h = self.model.run_layers(self.model.embed(ids.to(self.model.device)), 0, end, positions.to(self.model.device), cache)
+        self.model_calls += 1
+        for b, p in enumerate(self.prompts):
+            # the last prompt position predicts the first new token: its layers count as generation
+            self.prompt_layer_evals[b] += end * (len(p) - 1)
+            self.layer_evals[b] += end
+        return h[:, -1:]
+
+    # -- token choice and output ---------------------------------------------------------------
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, V]`` logits -> ``[B]`` tokens, greedy or sampled as configured."""
+        g = self.gen
+        if not g.do_sample:
+            return sampling.greedy(logits)
+        p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [B, V]
+        return torch.cat([sampling.sample(p[b:b + 1], gen) for b, gen in enumerate(self.generators)])
+
+    def emit(self, row: int, tokens: list[int]) -> bool:
+        """Append accepted tokens to ``row`` (stopping at EOS or the budget); True when the row is done."""
+        if self.finished[row]:
+            return True
+        if self.t_first is None and tokens:
+            self.t_first = time.perf_counter()
+        out = self.out[row]
+        for t in tokens:
+            out.append(int(t))
+            if (self.gen.stop_at_eos and int(t) in self.gen.eos_ids) or len(out) >= self.gen.max_new_tokens:
+                self.finished[row] = True
+                break
+        return self.finished[row]
+
+    def emit_all(self, tokens: torch.Tensor) -> bool:
+        """Append one token per row ``[B]``; True when every row is done."""
+        for b, t in enumerate(tokens.tolist()):
+            self.emit(b, [t])
+        return all(self.finished)
+
+    def cancel(self, row: int) -> None:
+        """Stop ``row``: it keeps the tokens it has, and the method stops once every row is done."""
+        self.finished[row] = True
+
+    def remaining(self, row: int = 0) -> int:
+        return self.gen.max_new_tokens - len(self.out[row])
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+
+def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of ``messages`` (``[{"role", "content"}, ...]``) under the tokenizer's chat template
+    (newer `transformers` return a mapping with ``input_ids``, older ones a list)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def rounds(fn: Callable, run: Run, options: dict):
+    """Run the method function ``fn``, yielding after each of its rounds (a plain function is one
+    round).  Only the method's own code runs under ``torch.inference_mode``, not the caller's
+    between rounds."""
+    with torch.inference_mode():
+        steps = fn(run, **options)
+    if not inspect.isgenerator(steps):
+        return
+    try:
+        while True:
+            with torch.inference_mode():
+                try:
+                    next(steps)
+                except StopIteration:
+                    return
+            yield
+    finally:
+        steps.close()
+
+
+def drive(fn: Callable, run: Run, **options) -> None:
+    """Run the method function ``fn`` on ``run`` to the end."""
+    for _ in rounds(fn, run, options):
+        pass

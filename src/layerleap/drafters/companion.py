@@ -1,4 +1,5 @@
-"""A second model inside one ``generate`` call: BiLD's small model, speculative decoding's draft.
+"""A second model inside one ``generate`` call: BiLD's small model, speculative decoding's draft
+(``DraftModel``, the drafter over a ``Companion``).
 
 ``Run`` meters the main model (``run.forward`` counts its calls and token-layer evaluations).  A
 ``Companion`` gives the second model its own KV cache and its own meters, kept in ``run.extra``
@@ -19,6 +20,7 @@ from torch import nn
 from ..core.run import GenerationError, Run
 from ..core.kv_cache import KVCache
 from ..core.model import Transformer
+from .base import ChainRule, StepDrafter
 
 
 class Companion:
@@ -116,3 +118,30 @@ def truncated(model: Transformer, n_layers: int, head=None) -> Transformer:
         # register a module, which attribute lookup finds after the method)
         object.__setattr__(t, "logits", head)
     return t.eval()
+
+
+class DraftModel(StepDrafter):
+    """Speculative decoding's drafter: a second, smaller model with the same tokenizer writes the
+    chain (``ChainRule``); the target model scores it.  Both caches roll back to the accepted
+    tokens; the draft model catches up on the target's tokens at the next round's start."""
+
+    def __init__(self, run: Run, draft: Transformer, rule: ChainRule, name: str = "draft", extra_slots: int = 1):
+        super().__init__(run, rule, extra_slots)
+        self.model = Companion(run, draft, name, extra_slots=extra_slots)
+
+    def prefill(self) -> torch.Tensor:
+        rows = super().prefill()
+        self.draft_row = self.model.prefill()
+        return rows
+
+    @property
+    def own_length(self) -> int:
+        return self.model.length
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        return self.model.forward(tokens)[-1]
+
+    def update(self, cands, results) -> None:
+        super().update(cands, results)
+        if cands[0] is not None:
+            self.model.truncate(len(self.seq()) + len(results[0][0]))

@@ -5,7 +5,7 @@ decoding).
 ``EarlyExit`` keeps the lower layers' cache ahead of the upper ones by the tokens the small model
 has produced since the last large pass; their layer-E hidden states wait in ``h_pending``, so the
 large model runs only layers ``[E, n_layers)`` for them and no layer is computed twice for a kept
-token.  ``exit_head`` resolves the ``head=`` option of the methods that use it.
+token.  ``EarlyExitDrafter`` is the drafter over it.  ``exit_head`` resolves the ``head=`` option of the methods that use it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from ..core.run import Run
 from ..errors import LayerleapError
 from . import exit_heads
+from .base import ChainRule, StepDrafter
 
 HEADS = ("auto", "shared", "trained")
 
@@ -84,6 +85,37 @@ class EarlyExit:
             self.cache.truncate(n, layers=range(0, self.E))
             keep = n - min(upper, n)
             self.h_pending = self.h_pending[:, :keep] if keep > 0 and self.h_pending is not None else None
+
+
+class EarlyExitDrafter(StepDrafter):
+    """The drafter over ``EarlyExit``: layers ``[0, E)`` and the exit head write the chain
+    (``ChainRule``); the target scores it with layers ``[E, n_layers)`` continuing from the drafts'
+    layer-E states (self-speculative decoding, BiLD's early-exit form)."""
+
+    def __init__(self, run: Run, exit_layer: int, head, rule: ChainRule, extra_slots: int = 1):
+        self.pair = EarlyExit(run, exit_layer, head, extra_slots=extra_slots)
+        super().__init__(run, rule, extra_slots, cache=self.pair.cache)
+
+    def prefill(self) -> torch.Tensor:
+        self.draft_row, large = self.pair.prefill()
+        self.first_rows = large.unsqueeze(0)
+        return self.first_rows
+
+    @property
+    def own_length(self) -> int:
+        return self.pair.small_length
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        return self.pair.small_step(tokens)
+
+    def score(self, cands):
+        fed = cands[0].fed()  # everything after the upper layers' cache
+        return [self._rows(0, cands[0], self.pair.large_pass(fed)) if fed else self.first_rows]
+
+    def update(self, cands, results) -> None:
+        self.pair.truncate(len(self.seq()) + len(results[0][0]))  # the root and the accepted drafts stay
+        if self.rule.length is not None:
+            self.rule.length.update(cands[0].k, len(results[0][0]))
 
 
 # -- exit heads -----------------------------------------------------------------------------------

@@ -1,0 +1,202 @@
+"""The drafter interface: what every draft-and-verify method plugs into ``methods.draft_verify``.
+
+A ``Drafter`` proposes candidate tokens, has the target model score them in one call, and hears
+back what was accepted (in the spirit of `transformers`' ``CandidateGenerator`` and Medusa's
+``generate_candidates -> tree_decoding -> evaluate_posterior -> update``):
+
+- ``prefill()`` -> ``[B, V]``: the prompt pass; the target's logits for the first new position;
+- ``propose(row, root, budget)`` -> ``Candidates``: a chain or a tree after the current position,
+  with the draft distributions when the drafts were sampled;
+- ``score(cands)`` -> one ``[1 + k, V]`` logits tensor per row: ONE target call over every row's
+  root and drafts (row 0 predicts the first level, ``1 + j`` the children of draft ``j``);
+- ``update(cands, results)``: each row's accepted drafts and the target's next token; the drafter
+  rolls its caches back to them and keeps what it needs for the next round.
+
+The base class scores with the target model itself (chains for any batch, padded with filler
+tokens that nothing attends to; trees with tree attention for one row) and rolls the target's cache
+back by position.  ``StepDrafter`` is a drafter that writes its chain one token at a time from its
+own next-token rows (a draft model, an early exit), stopping by ``ChainRule``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..core import sampling, verify
+from ..core.kv_cache import KVCache
+from ..core.run import Run
+from ..core.tree import Candidates
+
+Result = tuple[list[int], int | None]  # (accepted draft indices, the target's next token)
+
+
+class Drafter:
+    """Proposes candidates for one ``generate`` call, scored by the target model (see the module
+    docstring).  ``batched``: proposes and scores a list of prompts as one batch."""
+
+    batched = False
+
+    def __init__(self, run: Run, extra_slots: int, cache: KVCache | None = None):
+        self.run = run
+        self.cache = run.new_cache(extra=extra_slots) if cache is None else cache
+        self.first_rows: torch.Tensor | None = None  # [B, V] the prompt pass's rows
+        self.hidden: torch.Tensor | None = None  # [B, S, D] the last target call's last-layer states
+        self.start: torch.Tensor | None = None  # [B] the target cache's length before the last call
+
+    # -- the interface ---------------------------------------------------------------------------
+    def prefill(self) -> torch.Tensor:
+        """The prompt pass -> the target's logits ``[B, V]`` for the first new position."""
+        self.hidden = self.run.prefill(self.cache)  # [B, 1, D]
+        self.first_rows = self.run.logits(self.hidden)[:, -1]
+        return self.first_rows
+
+    def propose(self, row: int, root: int | None, budget: int) -> Candidates:
+        """At most ``budget`` drafts along any path after ``root`` (None: right after the prompt)."""
+        raise NotImplementedError
+
+    def score(self, cands: list[Candidates | None]) -> list[torch.Tensor | None]:
+        """One target call over every live row's root and drafts (None: a finished row)."""
+        fed = [c.fed() if c is not None else [] for c in cands]
+        self.start = self.cache.lengths[0].clone()
+        S = max(len(f) for f in fed)
+        if S == 0:  # nothing to feed: the prompt pass already scored the only position
+            return [None if c is None else self.first_rows[b:b + 1] for b, c in enumerate(cands)]
+        tree = next((c for c in cands if c is not None and not c.is_chain), None)
+        if tree is not None:
+            if len(cands) != 1:
+                raise ValueError("a tree of candidates is scored for one row at a time")
+            pos = (int(self.start[0] - self.cache.pad[0]) + tree.depths).unsqueeze(0)  # [1, 1 + k]
+            h = self.run.forward(self.cache, self._ids([fed[0]]), positions=pos.to(self.run.model.device),
+                                 mask=tree.mask.to(self.run.model.device))
+        else:
+            pad = [f + [f[-1] if f else 0] * (S - len(f)) for f in fed]  # fillers are rolled back
+            pos = self.run.positions(self.cache, S).clamp(max=self.run.model.config.max_position - 1)
+            h = self.run.forward(self.cache, self._ids(pad), positions=pos)
+        self.hidden = h
+        logits = self.run.logits(h)  # [B, S, V]
+        return [None if c is None else self._rows(b, c, logits[b, :len(fed[b])]) for b, c in enumerate(cands)]
+
+    def update(self, cands: list[Candidates | None], results: list[Result | None]) -> None:
+        """Keep, in the target's cache, each row's root and accepted drafts; drop the rest."""
+        if self.start is None or bool((self.cache.lengths[0] == self.start).all()):
+            return  # no call this round
+        if len(cands) == 1 and cands[0] is not None and not cands[0].is_chain:
+            self.cache.compact(int(self.start[0]), torch.tensor(cands[0].kept(results[0][0]), dtype=torch.long))
+            return
+        keep = self.start.clone()
+        for b, (c, r) in enumerate(zip(cands, results)):
+            if c is not None:
+                keep[b] += len(c.kept(r[0]))
+        self.cache.truncate(keep)
+
+    def finish(self, stats: dict) -> None:
+        """Add the drafter's own statistics (once, after the last round)."""
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _ids(self, rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.run.model.device)
+
+    def _rows(self, b: int, cand: Candidates, rows: torch.Tensor) -> torch.Tensor:
+        """A row's ``[1 + k, V]`` rows: the prompt pass's row in front when the root was not fed."""
+        return rows if cand.root is not None else torch.cat([self.first_rows[b:b + 1], rows])
+
+    def seq(self, row: int = 0) -> list[int]:
+        """The row's prompt and the tokens emitted so far."""
+        return self.run.prompts[row] + self.run.out[row]
+
+
+# -- chains written one token at a time ------------------------------------------------------------
+SCHEDULES = ("constant", "heuristic")
+
+
+@dataclass
+class DraftLength:
+    """γ for the next round and how it moves (`transformers`' constant and heuristic schedules)."""
+    gamma: int
+    schedule: str = "constant"
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.schedule == "heuristic":
+            self.gamma = self.gamma + 2 if accepted == drafted else max(1, self.gamma - 1)
+
+
+@dataclass
+class ChainRule:
+    """When a step drafter stops a round's chain.
+
+    - ``length``: γ, the most drafts per round (None: only the budget limits it);
+    - ``min_confidence``: a draft row whose top probability is below it is *unsure*;
+    - ``keep_unsure``: True drafts the unsure row's token and then stops (speculative decoding,
+      `transformers`' ``assistant_confidence_threshold``: its step is paid); False stops before it,
+      leaving that position to the target (BiLD's fallback, self-speculative decoding).
+    Stop reasons, recorded in ``Candidates.stop``: "eos", "budget" (the output's end), "length"
+    (γ reached), "unsure"."""
+    length: DraftLength | None = None
+    min_confidence: float = 0.0
+    keep_unsure: bool = True
+
+    @classmethod
+    def fallback(cls, max_small: int | None, alpha_fb: float) -> "ChainRule":
+        """BiLD: the small model keeps the token only when its top probability is above ``alpha_fb``."""
+        return cls(None if max_small is None else DraftLength(max_small), math.nextafter(alpha_fb, math.inf), False)
+
+
+class StepDrafter(Drafter):
+    """A drafter that writes a chain one token at a time from its own next-token rows: ``step(tokens)``
+    feeds tokens and returns the row after the last; ``own_length`` is how many tokens it holds;
+    ``draft_row`` is its row for the first new position (set by ``prefill``)."""
+
+    def __init__(self, run: Run, rule: ChainRule, extra_slots: int, cache: KVCache | None = None):
+        super().__init__(run, extra_slots, cache)
+        self.rule = rule
+        self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
+        self.draft_row: torch.Tensor | None = None  # [V]
+        self.draft_steps = 0  # rows the drafter decided on
+
+    @property
+    def own_length(self) -> int:
+        raise NotImplementedError
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def propose(self, row: int, root: int | None, budget: int) -> Candidates:
+        rule, g = self.rule, self.run.gen
+        k = budget if rule.length is None else min(budget, rule.length.gamma)
+        if k <= 0:
+            return Candidates.chain(root, [])
+        seq = self.seq(row)
+        draft_row = self.step(seq[self.own_length:]) if self.own_length < len(seq) else self.draft_row
+        drafts, q_rows, stop = [], [], None
+        while stop is None:
+            self.draft_steps += 1
+            q = sampling.probs(draft_row, g.temperature, g.top_k, g.top_p) if g.do_sample else (
+                draft_row.float().softmax(-1) if rule.min_confidence > 0 else None)
+            unsure = rule.min_confidence > 0 and float(q.max()) < rule.min_confidence
+            if unsure and not rule.keep_unsure:
+                stop = "unsure"
+                break
+            drafts.append(verify.draw(q, self.run.generators[row]) if g.do_sample else int(draft_row.argmax()))
+            if g.do_sample:
+                q_rows.append(q)
+            if drafts[-1] in self.eos:
+                stop = "eos"
+            elif len(drafts) == budget:
+                stop = "budget"
+            elif len(drafts) == k:
+                stop = "length"
+            elif unsure:
+                stop = "unsure"
+            else:
+                draft_row = self.step([drafts[-1]])
+        cand = Candidates.chain(root, drafts, q_rows or None)
+        cand.stop = stop
+        return cand
+
+    def update(self, cands, results) -> None:
+        super().update(cands, results)
+        if self.rule.length is not None and cands[0] is not None:
+            self.rule.length.update(cands[0].k, len(results[0][0]))

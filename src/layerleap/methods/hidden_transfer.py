@@ -26,16 +26,11 @@ Stats as ``medusa`` plus ``pseudo_states`` (pseudo positions evaluated).
 from __future__ import annotations
 
 from ..core.run import Run, register
-from ..drafters import medusa_transfer as weights
-from ..drafters.trees import TransferDrafter, tree_buffers
-from . import draft_verify
-from .medusa import DEFAULT_TREE, accepted_per_round
+from ..drafters.trees import TransferDrafter
+from .medusa import DEFAULT_TREE, decode_tree
 
 
 @register("hidden-transfer", sampling=True, exact=True)
 def hidden_transfer(run: Run, *, tree=DEFAULT_TREE, transfer="trained"):
     """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=): greedy-exact; lossless sampling."""
-    proj = weights.get_drafter(run.model, "transfer", transfer)
-    buf = tree_buffers(run, "hidden-transfer", tree, proj.steps)
-    yield from draft_verify.decode(run, TransferDrafter(run, proj, buf))
-    accepted_per_round(run.extra)
+    yield from decode_tree(run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter)

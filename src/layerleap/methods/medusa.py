@@ -21,14 +21,16 @@ from . import draft_verify
 DEFAULT_TREE = "1,1"  # a chain of two drafts: on CPU a wider tree costs more than it gains (docs/HIDDEN_TRANSFER.md)
 
 
-def accepted_per_round(stats: dict) -> None:
-    stats["accepted_per_round"] = stats["accepted"] / stats["rounds"] if stats["rounds"] else None
+def decode_tree(run: Run, kind: str, name: str, tree, spec, drafter_cls):
+    """A tree method: its ``kind`` of weights (``spec``), the checked tree, the shared loop."""
+    w = weights.get_drafter(run.model, kind, spec)
+    buf = tree_buffers(run, name, tree, w.steps)
+    yield from draft_verify.decode(run, drafter_cls(run, w, buf))
+    st = run.extra
+    st["accepted_per_round"] = st["accepted"] / st["rounds"] if st["rounds"] else None
 
 
 @register("medusa", sampling=True, exact=True)
 def medusa(run: Run, *, tree=DEFAULT_TREE, heads="trained"):
     """Medusa heads drafting a candidate tree (tree=, heads=), verified with tree attention: greedy-exact; lossless sampling."""
-    mh = weights.get_drafter(run.model, "medusa", heads)
-    buf = tree_buffers(run, "medusa", tree, mh.steps)
-    yield from draft_verify.decode(run, MedusaDrafter(run, mh, buf))
-    accepted_per_round(run.extra)
+    yield from decode_tree(run, "medusa", "medusa", tree, heads, MedusaDrafter)

@@ -91,7 +91,8 @@ def test_pseudo_states_match_a_causal_reference():
         run.extra["pseudo_states"] = 0
         cache = model.new_cache(1, 32)
         chain = tree_mod.build([1] * (len(seq) - 1))
-        real, pseudo = transfer_pass(run, cache, torch.tensor(seq), chain.mask, chain.depths, proj, 2)
+        real, pseudo = transfer_pass(run, cache, torch.tensor([seq]), chain.mask, chain.depths, proj, 2)
+        real, pseudo = real[0], pseudo[0]
         # reference
         ref_cache = model.new_cache(1, 32)
         pos = torch.arange(len(seq)).unsqueeze(0)

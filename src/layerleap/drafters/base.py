@@ -12,9 +12,9 @@ back what was accepted (in the spirit of `transformers`' ``CandidateGenerator`` 
 - ``update(cands, results)``: each row's accepted drafts and the target's next token; the drafter
   rolls its caches back to them and keeps what it needs for the next round.
 
-The base class scores with the target model itself (chains for any batch, padded with filler
-tokens that nothing attends to; trees with tree attention for one row) and rolls the target's cache
-back by position.  ``StepDrafter`` is a drafter that writes its chain one token at a time from its
+The base class scores with the target model itself (chains padded with filler tokens that nothing
+attends to; trees with tree attention, every row of a batch the same tree at its own position) and
+rolls the target's cache back by position (chains) or keeps each row's accepted path (trees).  ``StepDrafter`` is a drafter that writes its chain one token at a time from its
 own next-token rows (a draft model, an early exit), stopping by ``ChainRule``.
 """
 
@@ -59,32 +59,45 @@ class Drafter:
 
     def score(self, cands: list[Candidates | None]) -> list[torch.Tensor | None]:
         """One target call over every live row's root and drafts (None: a finished row)."""
-        fed = [c.fed() if c is not None else [] for c in cands]
         self.start = self.cache.lengths[0].clone()
-        S = max(len(f) for f in fed)
-        if S == 0:  # nothing to feed: the prompt pass already scored the only position
+        ids, tree = self.batch_tokens(cands)
+        if ids is None:  # nothing to feed: the prompt pass already scored the only position
             return [None if c is None else self.first_rows[b:b + 1] for b, c in enumerate(cands)]
-        tree = next((c for c in cands if c is not None and not c.is_chain), None)
-        if tree is not None:
-            if len(cands) != 1:
-                raise ValueError("a tree of candidates is scored for one row at a time")
-            pos = (int(self.start[0] - self.cache.pad[0]) + tree.depths).unsqueeze(0)  # [1, 1 + k]
-            h = self.run.forward(self.cache, self._ids([fed[0]]), positions=pos.to(self.run.model.device),
-                                 mask=tree.mask.to(self.run.model.device))
+        if tree is not None:  # every row the same tree, at its own position
+            pos = (self.start - self.cache.pad).unsqueeze(1) + tree.depths.unsqueeze(0)  # [B, 1 + k]
+            pos = pos.clamp(max=self.run.model.config.max_position - 1).to(self.run.model.device)
+            h = self.run.forward(self.cache, ids, positions=pos, mask=tree.mask.to(self.run.model.device))
         else:
-            pad = [f + [f[-1] if f else 0] * (S - len(f)) for f in fed]  # fillers are rolled back
-            pos = self.run.positions(self.cache, S).clamp(max=self.run.model.config.max_position - 1)
-            h = self.run.forward(self.cache, self._ids(pad), positions=pos)
+            pos = self.run.positions(self.cache, ids.shape[1]).clamp(max=self.run.model.config.max_position - 1)
+            h = self.run.forward(self.cache, ids, positions=pos)
         self.hidden = h
         logits = self.run.logits(h)  # [B, S, V]
-        return [None if c is None else self._rows(b, c, logits[b, :len(fed[b])]) for b, c in enumerate(cands)]
+        return [None if c is None else self._rows(b, c, logits[b, :len(c.fed())]) for b, c in enumerate(cands)]
+
+    def batch_tokens(self, cands: list[Candidates | None]) -> tuple[torch.Tensor | None, Candidates | None]:
+        """The fed tokens of every row ``[B, S]`` (None when no row feeds any), and the tree they share
+        (None for chains).  Chains of different lengths and finished rows are padded with filler
+        tokens that nothing attends to and that ``update`` rolls back; rows of a tree must share its
+        shape."""
+        fed = [c.fed() if c is not None else [] for c in cands]
+        S = max(len(f) for f in fed)
+        if S == 0:
+            return None, None
+        tree = next((c for c in cands if c is not None and not c.is_chain), None)
+        if tree is not None and any(c is not None and (c.is_chain or not torch.equal(c.parents, tree.parents))
+                                    for c in cands):
+            raise ValueError("the rows of a batch must propose trees of one shape")
+        pad = [f + [f[-1] if f else 0] * (S - len(f)) for f in fed]
+        return torch.tensor(pad, dtype=torch.long, device=self.run.model.device), tree
 
     def update(self, cands: list[Candidates | None], results: list[Result | None]) -> None:
         """Keep, in the target's cache, each row's root and accepted drafts; drop the rest."""
         if self.start is None or bool((self.cache.lengths[0] == self.start).all()):
             return  # no call this round
-        if len(cands) == 1 and cands[0] is not None and not cands[0].is_chain:
-            self.cache.compact(int(self.start[0]), torch.tensor(cands[0].kept(results[0][0]), dtype=torch.long))
+        if any(c is not None and not c.is_chain for c in cands):
+            keep = [torch.tensor(c.kept(r[0]) if c is not None else [], dtype=torch.long)
+                    for c, r in zip(cands, results)]
+            self.cache.compact(self.start, keep)
             return
         keep = self.start.clone()
         for b, (c, r) in enumerate(zip(cands, results)):

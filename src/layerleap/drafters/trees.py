@@ -11,7 +11,8 @@ with tree attention in one call (``tree.build`` shapes, ``verify.accept_greedy``
   own final norm and unembedding, draft the next tree.
 
 Drafts are the heads' top-k, chosen deterministically, so sampling verifies them as one-hot
-proposals (lossless).  One row at a time."""
+proposals (lossless).  A batch verifies one tree shape per call, each row filled with its own
+drafts at its own position, and keeps each row's accepted path."""
 
 from __future__ import annotations
 
@@ -50,21 +51,24 @@ def top_drafts(buf: tree_mod.TreeBuffers, step_logits: torch.Tensor) -> torch.Te
 
 
 class TreeDrafter(Drafter):
-    """What the tree drafters share: the tree, its drafts for the next round, the last kept node."""
+    """What the tree drafters share: the tree, each row's drafts for the next round, the last kept
+    node.  Every row of a batch proposes the same tree shape, filled with its own drafts."""
+
+    batched = True
 
     def __init__(self, run: Run, buf: tree_mod.TreeBuffers, extra_slots: int):
         super().__init__(run, extra_slots)
         self.buf = buf
-        self.topk: torch.Tensor | None = None  # [depth, K] the next round's drafts by step
+        self.topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: the next round's drafts
 
     def propose(self, row: int, root: int | None, budget: int) -> Candidates:
-        if root is None or self.topk is None:  # nothing drafts the first position after the prompt
+        if root is None or self.topk[row] is None:  # nothing drafts the first position after the prompt
             return Candidates.chain(root, [])
-        return Candidates.from_tree(self.buf, root, self.topk)
+        return Candidates.from_tree(self.buf, root, self.topk[row])
 
-    def last_kept(self, cand: Candidates, accepted: list[int]) -> int:
-        """The offset, among the fed tokens, of the last kept node (whose state drafts the next tree)."""
-        return cand.kept(accepted)[-1]
+    def kept_states(self, cands, results, states: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Row -> ``states[b, j]`` at the last kept node ``j`` of each live row (``states`` ``[B, S, ...]``)."""
+        return {b: states[b, c.kept(r[0])[-1]] for b, (c, r) in enumerate(zip(cands, results)) if c is not None}
 
     def finish(self, stats: dict) -> None:
         stats["tree_nodes"] = self.buf.n
@@ -75,36 +79,39 @@ class MedusaDrafter(TreeDrafter):
         super().__init__(run, buf, extra_slots=buf.n + 1)
         self.heads = heads
 
-    def _draft_from(self, h: torch.Tensor) -> None:
-        """Drafts for the next tree from one last-layer state ``h`` ``[D]``."""
+    def _draft_from(self, row: int, h: torch.Tensor) -> None:
+        """Drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
         if self.buf.n > 1:
             z = self.run.model.final_norm(h)
-            self.topk = top_drafts(self.buf, torch.stack([self.heads.logits(i, z) for i in range(1, self.buf.depth + 1)]))
+            logits = torch.stack([self.heads.logits(i, z) for i in range(1, self.buf.depth + 1)])  # [depth, V]
+            self.topk[row] = top_drafts(self.buf, logits)
 
     def prefill(self) -> torch.Tensor:
         rows = super().prefill()
-        self._draft_from(self.hidden[0, -1])
+        for b in range(self.run.batch):
+            self._draft_from(b, self.hidden[b, -1])
         return rows
 
     def update(self, cands, results) -> None:
         called = self.start is not None and bool((self.cache.lengths[0] != self.start).any())
         super().update(cands, results)
         if called:
-            self._draft_from(self.hidden[0, self.last_kept(cands[0], results[0][0])])
+            for b, h in self.kept_states(cands, results, self.hidden).items():
+                self._draft_from(b, h)
 
 
 def transfer_pass(run: Run, cache: KVCache, tokens: torch.Tensor, mask: torch.Tensor, depths: torch.Tensor,
                   proj: TransferProjections, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One model call over tree ``tokens`` ``[n]`` (``mask`` ``[n, n]``, position offsets ``depths``
-    ``[n]``) with pseudo states of ``steps`` transfer steps for every node: -> (real nodes' last
-    hidden states ``[n, D]``, pseudo states ``[steps, n, D]``)."""
+    """One model call over the tree ``tokens`` ``[B, n]`` of every row (``mask`` ``[n, n]``, position
+    offsets ``depths`` ``[n]``) with pseudo states of ``steps`` transfer steps for every node: ->
+    (real nodes' last hidden states ``[B, n, D]``, pseudo states ``[B, steps, n, D]``)."""
     model = run.model
-    n = int(tokens.shape[0])
+    B, n = tokens.shape
     sources = list(range(n))
     full = tree_mod.pseudo_mask(mask, sources, steps).to(model.device)  # [S, S]
-    base = cache.length(0) - int(cache.pad[0])
-    pos = (base + tree_mod.pseudo_offsets(depths, sources, steps)).unsqueeze(0).to(model.device)  # [1, S]
-    h = model.embed(tokens.unsqueeze(0).to(model.device))  # [1, n, D]
+    base = (cache.lengths[0] - cache.pad).unsqueeze(1)  # [B, 1]
+    pos = (base + tree_mod.pseudo_offsets(depths, sources, steps).unsqueeze(0)).to(model.device)  # [B, S]
+    h = model.embed(tokens.to(model.device))  # [B, n, D]
     bounds = proj.layers[:steps] + [model.config.n_layers]
     layer = 0
     for i, end in enumerate(bounds):
@@ -115,7 +122,7 @@ def transfer_pass(run: Run, cache: KVCache, tokens: torch.Tensor, mask: torch.Te
         if i < steps:
             h = torch.cat([h, proj.transfer(i + 1, h[:, :n])], dim=1)  # step i+1's pseudo states
     run.count(0, 0)  # the segments above are one model call
-    return h[0, :n], h[0, n:].reshape(steps, n, h.shape[-1])
+    return h[:, :n], h[:, n:].reshape(B, steps, n, h.shape[-1])
 
 
 class TransferDrafter(TreeDrafter):
@@ -124,27 +131,30 @@ class TransferDrafter(TreeDrafter):
         super().__init__(run, buf, extra_slots=buf.n * (self.steps + 1) + 1)
         self.proj = proj
         self.pseudo_states = 0
-        self.pseudo: torch.Tensor | None = None  # [steps, n, D]
+        self.pseudo: torch.Tensor | None = None  # [B, steps, n, D]
 
     def score(self, cands):
-        cand = cands[0]
-        if cand.root is None:  # right after the prompt: the prompt pass scored the first position
+        live = [c for c in cands if c is not None]
+        if live[0].root is None:  # right after the prompt: the prompt pass scored the first position
             return super().score(cands)
         self.start = self.cache.lengths[0].clone()
-        k1 = cand.k + 1
-        mask = cand.mask if cand.mask is not None else torch.ones(k1, k1, dtype=torch.bool).tril()
-        depths = cand.depths if cand.depths is not None else torch.arange(k1)
-        h, self.pseudo = transfer_pass(self.run, self.cache, torch.tensor(cand.fed()), mask, depths, self.proj,
-                                       self.steps)
-        self.pseudo_states += self.steps * k1
-        return [self.run.model.logits(h)]
+        ids, tree = self.batch_tokens(cands)
+        shape = tree if tree is not None else live[0]
+        k1 = shape.k + 1
+        mask = shape.mask if shape.mask is not None else torch.ones(k1, k1, dtype=torch.bool).tril()
+        depths = shape.depths if shape.depths is not None else torch.arange(k1)
+        h, self.pseudo = transfer_pass(self.run, self.cache, ids, mask, depths, self.proj, self.steps)
+        self.pseudo_states += self.steps * k1 * len(live)
+        logits = self.run.model.logits(h)  # [B, n, V]
+        return [None if c is None else logits[b] for b, c in enumerate(cands)]
 
     def update(self, cands, results) -> None:
-        called = cands[0].root is not None
+        called = next(c for c in cands if c is not None).root is not None
         super().update(cands, results)
         if called and self.steps:
-            last = self.last_kept(cands[0], results[0][0])
-            self.topk = top_drafts(self.buf, self.run.model.logits(self.pseudo[:, last]))  # [depth, K]
+            pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
+            for b, p in self.kept_states(cands, results, pseudo).items():
+                self.topk[b] = top_drafts(self.buf, self.run.model.logits(p))  # [depth, K]
 
     def finish(self, stats: dict) -> None:
         super().finish(stats)

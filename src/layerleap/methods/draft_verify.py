@@ -155,4 +155,9 @@ def _write_stats(run: Run, counts: list[RoundCounts]) -> None:
         "tokens_per_round": [len(out) / c.rounds if c.rounds else None for out, c in zip(run.out, counts)],
     }
     for key, values in per_key.items():
-        run.extra[key] = values if run.batch > 1 else values[0]
+        per_row(run, key, values)
+
+
+def per_row(run: Run, key: str, values: list) -> None:
+    """A statistic with one value per row: a list for a batch, the number for one row."""
+    run.extra[key] = values if run.batch > 1 else values[0]

@@ -25,12 +25,11 @@ def decode_tree(run: Run, kind: str, name: str, tree, spec, drafter_cls):
     """A tree method: its ``kind`` of weights (``spec``), the checked tree, the shared loop."""
     w = weights.get_drafter(run.model, kind, spec)
     buf = tree_buffers(run, name, tree, w.steps)
-    yield from draft_verify.decode(run, drafter_cls(run, w, buf))
-    st = run.extra
-    st["accepted_per_round"] = st["accepted"] / st["rounds"] if st["rounds"] else None
+    counts = yield from draft_verify.decode(run, drafter_cls(run, w, buf))
+    draft_verify.per_row(run, "accepted_per_round", [c.accepted / c.rounds if c.rounds else None for c in counts])
 
 
-@register("medusa", sampling=True, exact=True)
+@register("medusa", batched=True, sampling=True, exact=True)
 def medusa(run: Run, *, tree=DEFAULT_TREE, heads="trained"):
     """Medusa heads drafting a candidate tree (tree=, heads=), verified with tree attention: greedy-exact; lossless sampling."""
     yield from decode_tree(run, "medusa", "medusa", tree, heads, MedusaDrafter)

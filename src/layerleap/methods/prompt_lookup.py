@@ -61,5 +61,4 @@ def prompt_lookup(run: Run, *, draft_len: int | None = None, max_ngram: int = DE
         min_ngram = tuned[1] if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) else min(tuned[1], max_ngram)
     check_options(draft_len, max_ngram, min_ngram)
     counts = yield from draft_verify.decode(run, PromptLookup(run, draft_len, min_ngram, max_ngram))
-    hits = [c.proposed for c in counts]
-    run.extra["lookups_hit"] = hits if run.batch > 1 else hits[0]
+    draft_verify.per_row(run, "lookups_hit", [c.proposed for c in counts])

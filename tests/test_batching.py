@@ -20,13 +20,22 @@ ONE_AT_A_TIME = [name for name, m in METHODS.items() if not m.batched]
 # options a batched method needs on a 3-layer tiny model (a new batched method with a required
 # option must be added here)
 OPTIONS = {"early-exit": {"exit_layer": 2}, "skipdecode": {"min_exit_layer": 1, "max_exit_layer": 3},
-           "medusa": {"tree": "2,1"}, "hidden-transfer": {"tree": "2,1"}}
+           "medusa": {"tree": "2,1"}, "hidden-transfer": {"tree": "2,1"},
+           "speculative": {"draft_len": 3, "schedule": "heuristic", "min_confidence": 0.3}}
 # untrained drafters for the tree methods, perturbed so that drafts are sometimes right, sometimes not
 DRAFTERS = {"medusa": ("heads", "medusa", {"steps": 2}), "hidden-transfer": ("transfer", "transfer", {"layers": [1, 2]})}
 _MADE: dict = {}
 
 
 def _drafter(model: Transformer, name: str) -> dict:
+    if name == "speculative":  # the model's first two layers and its head: drafts often, not always, right
+        key = (id(model), name)
+        if key not in _MADE:
+            draft = Transformer(dataclasses.replace(model.config, n_layers=2)).eval().requires_grad_(False)
+            draft.load_state_dict({k: v for k, v in model.state_dict().items()
+                                   if not k.startswith("layers.") or int(k.split(".")[1]) < 2})
+            _MADE[key] = draft
+        return {"draft": _MADE[key]}
     if name not in DRAFTERS:
         return {}
     option, kind, config = DRAFTERS[name]
@@ -56,7 +65,7 @@ def with_eos(model: Transformer, eos: int) -> Transformer:
 
 def options(name: str, model: Transformer) -> dict:
     missing = [k for k, v in METHODS[name].options().items()
-               if v is inspect.Parameter.empty and k not in OPTIONS.get(name, {})]
+               if v is inspect.Parameter.empty and k not in {**OPTIONS.get(name, {}), **_drafter(model, name)}]
     assert not missing, f"add {name}'s required options {missing} to OPTIONS"
     return {**OPTIONS.get(name, {}), **_drafter(model, name)}
 

@@ -148,10 +148,13 @@ def test_batch_of_4_equals_one_by_one(smollm, prompts, ours20):
 
 
 @pytest.mark.parametrize("method,options", [("prompt-lookup", {}), ("medusa", {}), ("medusa", {"tree": "2,2,1"}),
-                                            ("hidden-transfer", {})])
+                                            ("hidden-transfer", {}), ("speculative", {"draft": 15, "draft_len": 4})])
 def test_batched_lossless_methods_equal_greedy(smollm, prompts, ours20, method, options):
     """A batch of 4: rows that accept different numbers of drafts per call (and, for the tree
     methods, different tree paths), each equal to its greedy decoding."""
+    if "draft" in options:  # the model's first layers as the draft model
+        from layerleap.drafters.companion import truncated
+        options = dict(options, draft=truncated(smollm, options["draft"]))
     pick = [0, 5, 10, 19]
     n = 32
     batch = generate(smollm, [prompts[i] for i in pick], method, n, chat=True, stop_at_eos=False, **options)

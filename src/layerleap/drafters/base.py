@@ -5,8 +5,8 @@ back what was accepted (in the spirit of `transformers`' ``CandidateGenerator`` 
 ``generate_candidates -> tree_decoding -> evaluate_posterior -> update``):
 
 - ``prefill()`` -> ``[B, V]``: the prompt pass; the target's logits for the first new position;
-- ``propose(row, root, budget)`` -> ``Candidates``: a chain or a tree after the current position,
-  with the draft distributions when the drafts were sampled;
+- ``propose(roots, budgets)`` -> one ``Candidates`` per live row: a chain or a tree after the row's
+  current position, with the draft distributions when the drafts were sampled;
 - ``score(cands)`` -> one ``[1 + k, V]`` logits tensor per row: ONE target call over every row's
   root and drafts (row 0 predicts the first level, ``1 + j`` the children of draft ``j``);
 - ``update(cands, results)``: each row's accepted drafts and the target's next token; the drafter
@@ -20,6 +20,7 @@ own next-token rows (a draft model, an early exit), stopping by ``ChainRule``.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -53,8 +54,14 @@ class Drafter:
         self.first_rows = self.run.logits(self.hidden)[:, -1]
         return self.first_rows
 
-    def propose(self, row: int, root: int | None, budget: int) -> Candidates:
-        """At most ``budget`` drafts along any path after ``root`` (None: right after the prompt)."""
+    def propose(self, roots: list[int | None], budgets: list[int | None]) -> list[Candidates | None]:
+        """Each live row's candidates: at most ``budgets[b]`` drafts along any path after ``roots[b]``
+        (None: right after the prompt); None for a finished row (``budgets[b]`` None)."""
+        return [None if budget is None else self.propose_row(b, root, budget)
+                for b, (root, budget) in enumerate(zip(roots, budgets))]
+
+    def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
+        """One row's candidates, for drafters that propose row by row."""
         raise NotImplementedError
 
     def score(self, cands: list[Candidates | None]) -> list[torch.Tensor | None]:
@@ -157,59 +164,83 @@ class ChainRule:
         return cls(None if max_small is None else DraftLength(max_small), math.nextafter(alpha_fb, math.inf), False)
 
 
+class _Chain:
+    """One row's chain while it is being written."""
+
+    def __init__(self, root: int | None, budget: int, k: int):
+        self.root, self.budget, self.k = root, budget, k
+        self.drafts: list[int] = []
+        self.q_rows: list[torch.Tensor] = []
+        self.stop: str | None = None
+
+    def candidates(self) -> Candidates:
+        cand = Candidates.chain(self.root, self.drafts, self.q_rows or None)
+        cand.stop = self.stop
+        return cand
+
+
 class StepDrafter(Drafter):
-    """A drafter that writes a chain one token at a time from its own next-token rows: ``step(tokens)``
-    feeds tokens and returns the row after the last; ``own_length`` is how many tokens it holds;
-    ``draft_row`` is its row for the first new position (set by ``prefill``)."""
+    """A drafter that writes chains one token at a time from its own next-token rows, every row of a
+    batch in the same steps: ``step_rows({row: tokens})`` feeds each listed row its tokens (ONE call)
+    and returns its row of logits after the last; ``own_length(row)`` is how many tokens it holds for
+    the row; ``draft_rows`` ``[B, V]`` are its rows for the first new position (set by ``prefill``).
+    Each row has its own γ (``ChainRule.length``, copied per row) and random generator, so a row
+    drafts what it drafts alone."""
 
     def __init__(self, run: Run, rule: ChainRule, extra_slots: int, cache: KVCache | None = None):
         super().__init__(run, extra_slots, cache)
         self.rule = rule
+        self.gamma = [None if rule.length is None else copy.copy(rule.length) for _ in range(run.batch)]
         self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
-        self.draft_row: torch.Tensor | None = None  # [V]
+        self.draft_rows: torch.Tensor | None = None  # [B, V]
         self.draft_steps = 0  # rows the drafter decided on
 
-    @property
-    def own_length(self) -> int:
+    def own_length(self, row: int) -> int:
         raise NotImplementedError
 
-    def step(self, tokens: list[int]) -> torch.Tensor:
+    def step_rows(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         raise NotImplementedError
 
-    def propose(self, row: int, root: int | None, budget: int) -> Candidates:
+    def propose(self, roots, budgets) -> list[Candidates | None]:
+        chains: dict[int, _Chain] = {}
+        for b, (root, budget) in enumerate(zip(roots, budgets)):
+            if budget is not None:
+                chains[b] = _Chain(root, budget, budget if self.gamma[b] is None else min(budget, self.gamma[b].gamma))
+        writing = {b: c for b, c in chains.items() if c.k > 0}
+        catch_up = {b: self.seq(b)[self.own_length(b):] for b in writing}
+        rows = {b: self.draft_rows[b] for b, t in catch_up.items() if not t}  # right after the prompt
+        rows.update(self.step_rows({b: t for b, t in catch_up.items() if t}) if any(catch_up.values()) else {})
+        while writing:
+            feed = {b: [c.drafts[-1]] for b, c in writing.items() if self._decide(b, c, rows[b])}
+            writing = {b: writing[b] for b in feed}
+            if feed:
+                rows = self.step_rows(feed)
+        return [chains[b].candidates() if b in chains else None for b in range(len(roots))]
+
+    def _decide(self, row: int, chain: _Chain, draft_row: torch.Tensor) -> bool:
+        """Draft one token of ``chain`` from ``draft_row`` ``[V]``, or stop it; True to go on."""
         rule, g = self.rule, self.run.gen
-        k = budget if rule.length is None else min(budget, rule.length.gamma)
-        if k <= 0:
-            return Candidates.chain(root, [])
-        seq = self.seq(row)
-        draft_row = self.step(seq[self.own_length:]) if self.own_length < len(seq) else self.draft_row
-        drafts, q_rows, stop = [], [], None
-        while stop is None:
-            self.draft_steps += 1
-            q = sampling.probs(draft_row, g.temperature, g.top_k, g.top_p) if g.do_sample else (
-                draft_row.float().softmax(-1) if rule.min_confidence > 0 else None)
-            unsure = rule.min_confidence > 0 and float(q.max()) < rule.min_confidence
-            if unsure and not rule.keep_unsure:
-                stop = "unsure"
-                break
-            drafts.append(verify.draw(q, self.run.generators[row]) if g.do_sample else int(draft_row.argmax()))
-            if g.do_sample:
-                q_rows.append(q)
-            if drafts[-1] in self.eos:
-                stop = "eos"
-            elif len(drafts) == budget:
-                stop = "budget"
-            elif len(drafts) == k:
-                stop = "length"
-            elif unsure:
-                stop = "unsure"
-            else:
-                draft_row = self.step([drafts[-1]])
-        cand = Candidates.chain(root, drafts, q_rows or None)
-        cand.stop = stop
-        return cand
+        self.draft_steps += 1
+        q = sampling.probs(draft_row, g.temperature, g.top_k, g.top_p) if g.do_sample else (
+            draft_row.float().softmax(-1) if rule.min_confidence > 0 else None)
+        unsure = rule.min_confidence > 0 and float(q.max()) < rule.min_confidence
+        if unsure and not rule.keep_unsure:
+            chain.stop = "unsure"
+            return False
+        chain.drafts.append(verify.draw(q, self.run.generators[row]) if g.do_sample else int(draft_row.argmax()))
+        if g.do_sample:
+            chain.q_rows.append(q)
+        n = len(chain.drafts)
+        chain.stop = ("eos" if chain.drafts[-1] in self.eos else "budget" if n == chain.budget
+                      else "length" if n == chain.k else "unsure" if unsure else None)
+        return chain.stop is None
 
     def update(self, cands, results) -> None:
         super().update(cands, results)
-        if self.rule.length is not None and cands[0] is not None:
-            self.rule.length.update(cands[0].k, len(results[0][0]))
+        self.update_length(cands, results)
+
+    def update_length(self, cands, results) -> None:
+        """Move each row's γ by its round (the heuristic schedule)."""
+        for g, c, r in zip(self.gamma, cands, results):
+            if g is not None and c is not None:
+                g.update(c.k, len(r[0]))

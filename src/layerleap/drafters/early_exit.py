@@ -97,16 +97,15 @@ class EarlyExitDrafter(StepDrafter):
         super().__init__(run, rule, extra_slots, cache=self.pair.cache)
 
     def prefill(self) -> torch.Tensor:
-        self.draft_row, large = self.pair.prefill()
-        self.first_rows = large.unsqueeze(0)
+        draft, large = self.pair.prefill()
+        self.draft_rows, self.first_rows = draft.unsqueeze(0), large.unsqueeze(0)
         return self.first_rows
 
-    @property
-    def own_length(self) -> int:
+    def own_length(self, row: int) -> int:
         return self.pair.small_length
 
-    def step(self, tokens: list[int]) -> torch.Tensor:
-        return self.pair.small_step(tokens)
+    def step_rows(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        return {0: self.pair.small_step(feed[0])}
 
     def score(self, cands):
         fed = cands[0].fed()  # everything after the upper layers' cache
@@ -114,8 +113,7 @@ class EarlyExitDrafter(StepDrafter):
 
     def update(self, cands, results) -> None:
         self.pair.truncate(len(self.seq()) + len(results[0][0]))  # the root and the accepted drafts stay
-        if self.rule.length is not None:
-            self.rule.length.update(cands[0].k, len(results[0][0]))
+        self.update_length(cands, results)
 
 
 # -- exit heads -----------------------------------------------------------------------------------

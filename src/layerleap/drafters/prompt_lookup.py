@@ -51,7 +51,7 @@ class PromptLookup(Drafter):
         self.draft_len = draft_len
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
 
-    def propose(self, row: int, root: int | None, budget: int) -> Candidates:
+    def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
         return Candidates.chain(root, self.index[row].draft(min(self.draft_len, budget)))
 
     def update(self, cands, results) -> None:

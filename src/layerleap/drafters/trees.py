@@ -61,7 +61,7 @@ class TreeDrafter(Drafter):
         self.buf = buf
         self.topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: the next round's drafts
 
-    def propose(self, row: int, root: int | None, budget: int) -> Candidates:
+    def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
         if root is None or self.topk[row] is None:  # nothing drafts the first position after the prompt
             return Candidates.chain(root, [])
         return Candidates.from_tree(self.buf, root, self.topk[row])

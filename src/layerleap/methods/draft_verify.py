@@ -99,7 +99,7 @@ def decode(run: Run, drafter: Drafter, rule=EXACT):
     drafter.prefill()
     roots: list[int | None] = [None] * B
     while True:
-        cands = [None if run.finished[b] else drafter.propose(b, roots[b], rule.budget(run, b)) for b in range(B)]
+        cands = drafter.propose(roots, [None if run.finished[b] else rule.budget(run, b) for b in range(B)])
         if not rule.can_reject and B == 1 and _ends_output(run, cands[0]):
             run.emit(0, cands[0].tokens.tolist())  # nothing could change these drafts
             _count(counts[0], cands[0], None, 0, scored=False, called=False)

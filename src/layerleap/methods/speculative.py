@@ -27,7 +27,10 @@ decoding and sampling stays lossless (every position is verified by the same acc
 whatever γ was).
 
 Both caches roll back exactly: the target keeps its entries for the accepted drafts, the draft
-keeps what it computed for them, and neither recomputes an accepted token.  The drafter is
+keeps what it computed for them, and neither recomputes an accepted token.  A list of prompts
+decodes as one batch: the draft model writes every row's chain in the same steps (a row that has
+stopped drafting rides along as filler), each row with its own γ and random generator, and the
+target scores all chains in one call.  The drafter is
 ``drafters.companion.DraftModel``; the loop and the acceptance rule are ``draft_verify``'s.
 
 Stats: ``draft_calls``, ``draft_layer_evals`` (the draft's own meters), ``drafted``,
@@ -64,7 +67,7 @@ def check_options(draft_len, schedule, min_confidence) -> None:
                               f"whose top probability is below it; 0 = off), got {min_confidence!r}")
 
 
-@register("speculative", sampling=True, exact=True, models=("draft",))
+@register("speculative", batched=True, sampling=True, exact=True, models=("draft",))
 def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "constant",
                 min_confidence: float = 0.4):
     """Speculative decoding with a draft model (draft=, γ = draft_len, schedule, min_confidence): greedy-exact or lossless sampling."""
@@ -74,7 +77,6 @@ def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "consta
     check_pair(run.model, draft, "draft", "draft")
     rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=True)
     counts = yield from draft_verify.decode(run, DraftModel(run, draft, rule, extra_slots=draft_len + 1))
-    c, st = counts[0], run.extra
-    st["draft_len_max"] = c.draft_max
-    st["draft_len_mean"] = c.drafted / c.rounds if c.rounds else None
-    st["confidence_stops"] = c.stops["unsure"]
+    draft_verify.per_row(run, "draft_len_max", [c.draft_max for c in counts])
+    draft_verify.per_row(run, "draft_len_mean", [c.drafted / c.rounds if c.rounds else None for c in counts])
+    draft_verify.per_row(run, "confidence_stops", [c.stops["unsure"] for c in counts])

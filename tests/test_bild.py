@@ -163,7 +163,7 @@ def test_kv_caches_roll_back_exactly(form):
         assert_cache_matches_fresh_pass(small, drafter.model.cache, seq)
         assert drafter.own_length(0) <= len(seq)
     else:
-        assert drafter.pair.h_pending is None and drafter.own_length(0) == n_large
+        assert drafter.pair.h_pending[0] is None and drafter.own_length(0) == n_large
 
 
 def test_early_exit_computes_no_layer_twice():
@@ -520,3 +520,23 @@ def test_sweep_adaptive_speculative_points_without_bild(capsys, tmp_path, tiny_h
         assert s[label]["identical"] == 2, label  # greedy-exact
         assert s[label]["draft_len_mean"] > 0 and s[label]["tokens_per_round"] >= 1
     assert "| speculative heuristic γ=2 |" in stdout and "mean γ" in stdout
+
+
+# -- a batch ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("form", ["two models", "early exit"])
+def test_a_batch_equals_its_rows_alone(form, sample):
+    """Ragged prompts falling back and rolling back at different steps: each row of a batch is what
+    its prompt decodes alone (sampled: seeded with seed + row), statistics included."""
+    from layerleap.core.run import row_seed
+    large, small = tiny_pair(1)
+    prompts = [PROMPT, [3, 9], PROMPT[::-1] + [2, 2, 8]]
+    kw = dict(forms(large, small)[form], alpha_fb=0.3, alpha_rb=1.0, max_small=6, stop_at_eos=False,
+              do_sample=sample)
+    batch = layerleap.generate(large, prompts, "bild", N, **kw, **({"seed": 4} if sample else {}))
+    alone = [layerleap.generate(large, p, "bild", N, **kw, **({"seed": row_seed(4, i)} if sample else {}))
+             for i, p in enumerate(prompts)]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    for key in ("rollbacks", "rolled_back", "fallbacks", "small_tokens", "large_tokens"):
+        assert [r.stats[key] for r in batch] == [r.stats[key] for r in alone], key
+    assert sum(r.stats["rollbacks"] for r in batch) >= 2

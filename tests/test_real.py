@@ -148,7 +148,8 @@ def test_batch_of_4_equals_one_by_one(smollm, prompts, ours20):
 
 
 @pytest.mark.parametrize("method,options", [("prompt-lookup", {}), ("medusa", {}), ("medusa", {"tree": "2,2,1"}),
-                                            ("hidden-transfer", {}), ("speculative", {"draft": 15, "draft_len": 4})])
+                                            ("hidden-transfer", {}), ("speculative", {"draft": 15, "draft_len": 4}),
+                                            ("self-spec", {})])
 def test_batched_lossless_methods_equal_greedy(smollm, prompts, ours20, method, options):
     """A batch of 4: rows that accept different numbers of drafts per call (and, for the tree
     methods, different tree paths), each equal to its greedy decoding."""

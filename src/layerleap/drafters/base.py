@@ -193,7 +193,7 @@ class StepDrafter(Drafter):
         self.gamma = [None if rule.length is None else copy.copy(rule.length) for _ in range(run.batch)]
         self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
         self.draft_rows: torch.Tensor | None = None  # [B, V]
-        self.draft_steps = 0  # rows the drafter decided on
+        self.draft_steps = [0] * run.batch  # per row: the draft rows the drafter decided on
 
     def own_length(self, row: int) -> int:
         raise NotImplementedError
@@ -220,7 +220,7 @@ class StepDrafter(Drafter):
     def _decide(self, row: int, chain: _Chain, draft_row: torch.Tensor) -> bool:
         """Draft one token of ``chain`` from ``draft_row`` ``[V]``, or stop it; True to go on."""
         rule, g = self.rule, self.run.gen
-        self.draft_steps += 1
+        self.draft_steps[row] += 1
         q = sampling.probs(draft_row, g.temperature, g.top_k, g.top_p) if g.do_sample else (
             draft_row.float().softmax(-1) if rule.min_confidence > 0 else None)
         unsure = rule.min_confidence > 0 and float(q.max()) < rule.min_confidence

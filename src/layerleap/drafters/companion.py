@@ -4,7 +4,7 @@
 ``Run`` meters the main model (``run.forward`` counts its calls and token-layer evaluations).  A
 ``Companion`` gives the second model its own KV cache and its own meters, kept in ``run.extra``
 under ``<name>_calls``, ``<name>_layer_evals`` and ``<name>_prompt_layer_evals`` (so they appear in
-``GenerationResult.stats``).  Batch 1, as the two-model methods are.
+``GenerationResult.stats``; for a batch, the whole batch's).  One cache row per prompt.
 
 ``check_pair`` refuses pairs that cannot cooperate: different vocabularies or tokenizers, a
 "small" model larger than the large one, different devices.

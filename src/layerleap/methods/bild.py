@@ -57,6 +57,10 @@ from ..drafters.early_exit import EarlyExitDrafter, exit_head
 from . import draft_verify
 
 
+STATS = ("small_steps", "small_tokens", "fallbacks", "forced", "final_checks", "rollbacks", "rolled_back",
+         "large_tokens", "large_calls", "fallback_rate", "rollback_rate")
+
+
 def default_exit_layer(model) -> int:
     """Three quarters of the depth (23 of 30 on SmolLM2-135M): what ``bild`` uses on one model when
     given neither ``small`` nor ``exit_layer``."""
@@ -78,6 +82,8 @@ def check_thresholds(alpha_fb, alpha_rb, max_small) -> None:
 def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
     """The small model of either form, as a step drafter; sets the ``exit_layer`` and ``head`` stats."""
     model = run.model
+    # a batch's rows ride along as fillers as long as the longest chain (+ its root)
+    extra = (run.gen.max_new_tokens if rule.length is None else rule.length.gamma) + 1
     if small is not None:
         if exit_layer is not None:
             raise GenerationError("give either small= (two models) or exit_layer= (early exit on one model), not both")
@@ -85,7 +91,7 @@ def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
             raise GenerationError("head= chooses the exit head of the early-exit form: drop it with small=")
         check_pair(model, small, "small", "small")
         run.extra.update(exit_layer=None, head=None)
-        return DraftModel(run, small, rule, name="small")
+        return DraftModel(run, small, rule, name="small", extra_slots=extra)
     E = default_exit_layer(model) if exit_layer is None else exit_layer
     n = model.config.n_layers
     if isinstance(E, bool) or not isinstance(E, int) or not 1 <= E < n:
@@ -93,24 +99,28 @@ def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
                               f"[0, exit_layer) of this {n}-layer model), got {exit_layer!r}")
     fn, label = exit_head(model, E, head)
     run.extra.update(exit_layer=E, head=label)
-    return EarlyExitDrafter(run, E, fn, rule)
+    return EarlyExitDrafter(run, E, fn, rule, extra_slots=extra)
 
 
 def decode(run: Run, drafter, alpha_rb: float):
     """Algorithm 1 over the shared loop, yielding after each large-model step; BiLD's statistics."""
     counts = yield from draft_verify.decode(run, drafter, draft_verify.Rollback(alpha_rb))
-    c, st = counts[0], run.extra
-    st.update(small_steps=drafter.draft_steps, small_tokens=c.drafted, fallbacks=c.stops["unsure"],
-              forced=c.stops["length"], final_checks=c.stops["budget"] + c.stops["eos"], rollbacks=c.rollbacks,
-              rolled_back=c.rolled_back, large_tokens=c.target_tokens)
-    st["large_calls"] = st["fallbacks"] + st["forced"] + st["final_checks"]
-    st["fallback_rate"] = st["fallbacks"] / st["small_steps"] if st["small_steps"] else 0.0
-    st["rollback_rate"] = st["rollbacks"] / st["large_calls"] if st["large_calls"] else 0.0
     for key in ("rounds", "drafted", "accepted", "acceptance", "tokens_per_round"):
-        st.pop(key, None)  # BiLD reports its own names for these
+        run.extra.pop(key, None)  # BiLD reports its own names for these
+    for b, c in enumerate(counts):
+        st = dict(small_steps=drafter.draft_steps[b], small_tokens=c.drafted, fallbacks=c.stops["unsure"],
+                  forced=c.stops["length"], final_checks=c.stops["budget"] + c.stops["eos"], rollbacks=c.rollbacks,
+                  rolled_back=c.rolled_back, large_tokens=c.target_tokens)
+        st["large_calls"] = st["fallbacks"] + st["forced"] + st["final_checks"]
+        st["fallback_rate"] = st["fallbacks"] / st["small_steps"] if st["small_steps"] else 0.0
+        st["rollback_rate"] = st["rollbacks"] / st["large_calls"] if st["large_calls"] else 0.0
+        for key, v in st.items():
+            run.extra.setdefault(key, []).append(v)
+    for key in STATS:
+        draft_verify.per_row(run, key, run.extra[key])
 
 
-@register("bild", sampling=True, models=("small",))
+@register("bild", batched=True, sampling=True, models=("small",))
 def bild(run: Run, *, small=None, exit_layer: int | None = None, alpha_fb: float = 0.5, alpha_rb: float = 2.0,
          max_small: int | None = 10, head="auto"):
     """Big Little Decoder: a small model (small= or exit_layer=) with fallback and rollback to the large one."""

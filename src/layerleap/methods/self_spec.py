@@ -50,7 +50,7 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
                               f"top probability is below it; 0 = never), got {min_confidence!r}")
 
 
-@register("self-spec", sampling=True, exact=True)
+@register("self-spec", batched=True, sampling=True, exact=True)
 def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
               head="auto"):
     """Self-speculative decoding: draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV (greedy-exact; lossless sampling)."""
@@ -61,6 +61,6 @@ def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, mi
     exit_head = get_head(run.model, E, head)
     run.extra.update(exit_layer=E, head=exit_head.kind)
     rule = ChainRule(DraftLength(draft_len), float(min_confidence), keep_unsure=False)
-    drafter = EarlyExitDrafter(run, E, exit_head, rule, extra_slots=1)
+    drafter = EarlyExitDrafter(run, E, exit_head, rule, extra_slots=draft_len + 1)  # a batch's fillers
     yield from draft_verify.decode(run, drafter)
-    run.extra["draft_steps"] = drafter.draft_steps
+    draft_verify.per_row(run, "draft_steps", drafter.draft_steps)

@@ -105,7 +105,7 @@ def test_prompts_file_decodes_a_batch(capsys, tiny_hf_dir, tiny, tmp_path, name,
     assert {g["stats"]["batch"] for g in got} == {4}  # one batch
 
 
-@pytest.mark.parametrize("method", ["calm", "self-spec"])
+@pytest.mark.parametrize("method", ["calm", "ppd"])
 def test_prompts_file_with_a_method_that_does_not_batch(capsys, tiny_hf_dir, tiny, tmp_path, method):
     f = tmp_path / "p.txt"
     f.write_text("Hello there\nSecond one\nThird\n")

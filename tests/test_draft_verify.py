@@ -4,9 +4,9 @@ loop and claims it.
 
 Sampling is checked against the model's own distribution, computed exactly on a 6-token vocabulary:
 the joint of the first three sampled tokens over many seeds, through pairs (x1, x2) and (x2, x3), so
-that a token drafted in the round after the prompt (speculative, prompt lookup, self-spec) and one
-drafted from a verified state (medusa, and hidden-transfer, whose first drafts verify the third
-token) both pass through the acceptance rule."""
+that the first drafted tokens of every drafter pass through the acceptance rule (a draft model
+drafts the first token; prompt lookup, self-spec and medusa the second; hidden-transfer the
+third)."""
 
 from __future__ import annotations
 

@@ -39,6 +39,7 @@ class Drafter:
     docstring).  ``batched``: proposes and scores a list of prompts as one batch."""
 
     batched = False
+    draft_first = False  # drafts right after the prompt pass (else that token comes from the prompt pass alone)
 
     def __init__(self, run: Run, extra_slots: int, cache: KVCache | None = None):
         self.run = run
@@ -57,8 +58,8 @@ class Drafter:
     def propose(self, roots: list[int | None], budgets: list[int | None]) -> list[Candidates | None]:
         """Each live row's candidates: at most ``budgets[b]`` drafts along any path after ``roots[b]``
         (None: right after the prompt); None for a finished row (``budgets[b]`` None)."""
-        return [None if budget is None else self.propose_row(b, root, budget)
-                for b, (root, budget) in enumerate(zip(roots, budgets))]
+        return [None if budget is None else Candidates.chain(None, []) if root is None and not self.draft_first
+                else self.propose_row(b, root, budget) for b, (root, budget) in enumerate(zip(roots, budgets))]
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
         """One row's candidates, for drafters that propose row by row."""
@@ -205,7 +206,8 @@ class StepDrafter(Drafter):
         chains: dict[int, _Chain] = {}
         for b, (root, budget) in enumerate(zip(roots, budgets)):
             if budget is not None:
-                chains[b] = _Chain(root, budget, budget if self.gamma[b] is None else min(budget, self.gamma[b].gamma))
+                k = budget if self.gamma[b] is None else min(budget, self.gamma[b].gamma)
+                chains[b] = _Chain(root, budget, 0 if root is None and not self.draft_first else k)
         writing = {b: c for b, c in chains.items() if c.k > 0}
         catch_up = {b: self.seq(b)[self.own_length(b):] for b in writing}
         rows = {b: self.draft_rows[b] for b, t in catch_up.items() if not t}  # right after the prompt

@@ -145,6 +145,7 @@ class DraftModel(StepDrafter):
     (``<name>_calls``, ``<name>_layer_evals``) count the whole batch."""
 
     batched = True
+    draft_first = True  # the draft model has its own row for the first new position
 
     def __init__(self, run: Run, draft: Transformer, rule: ChainRule, name: str = "draft", extra_slots: int = 1):
         super().__init__(run, rule, extra_slots)

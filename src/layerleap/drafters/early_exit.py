@@ -139,8 +139,10 @@ class EarlyExitDrafter(StepDrafter):
 
     batched = True
 
-    def __init__(self, run: Run, exit_layer: int, head, rule: ChainRule, extra_slots: int = 1):
+    def __init__(self, run: Run, exit_layer: int, head, rule: ChainRule, extra_slots: int = 1,
+                 draft_first: bool = False):
         self.pair = EarlyExit(run, exit_layer, head, extra_slots=extra_slots)
+        self.draft_first = draft_first  # BiLD: the small model proposes the first token too
         super().__init__(run, rule, extra_slots, cache=self.pair.cache)
 
     def prefill(self) -> torch.Tensor:

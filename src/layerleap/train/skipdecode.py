@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import validate as V
-from ..core.run import chat_token_ids
 from ..errors import LayerleapError
 from ..files import reading, save_safetensors, write_json
+from .data import prompt_completions
 from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
 from ..methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
 from ..core.model import Transformer
@@ -134,36 +134,6 @@ def skip_logits(model: Transformer, ids: torch.Tensor, active: torch.Tensor) -> 
     return model.logits(skip_hidden(model, ids, active))
 
 
-# -- data ----------------------------------------------------------------------------------------
-def sharegpt_examples(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids with the chat template, completion ids) from the first human/gpt turns of ShareGPT."""
-    from ..datasets import sharegpt_conversations
-    from tqdm.auto import tqdm
-    out = []
-    bar = tqdm(total=n, desc="ShareGPT examples", unit="ex", leave=False)
-    for conv in sharegpt_conversations(limit=None):
-        bar.n = len(out)
-        bar.refresh() if len(out) % 32 == 0 else None
-        if len(out) >= n:
-            break
-        if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
-            continue
-        q, a = (conv[0].get("value") or "").strip(), (conv[1].get("value") or "").strip()
-        if not q or not a:
-            continue
-        p = chat_token_ids(tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
-        if len(p) > max_prompt:
-            continue
-        c = tokenizer(a, add_special_tokens=False)["input_ids"][:gen_len]
-        if len(c) < 4:
-            continue
-        out.append(([int(i) for i in p], [int(i) for i in c]))
-    bar.close()
-    if not out:
-        raise FinetuneError("no usable ShareGPT examples (prompt too long for --max-prompt?)")
-    return out
-
-
 def make_batch(examples, idx: list[int], n_layers: int, cfg: TrainConfig, median: int, pad_id: int):
     """Right-padded ids ``[B, T]``, active mask, and the (row, position) pairs that carry a loss with their
     target ids."""
@@ -248,7 +218,7 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
     if examples is None:
         if tok is None:
             raise FinetuneError("the model has no tokenizer: pass examples (prompt ids, completion ids)")
-        examples = sharegpt_examples(tok, cfg.n_examples, cfg.max_prompt, cfg.gen_len)
+        examples = prompt_completions(tok, cfg.n_examples, cfg.max_prompt, cfg.gen_len)
     examples = [(list(p), list(c)[:cfg.gen_len]) for p, c in examples]
     median = int(statistics.median(len(p) for p, _ in examples))
     pad_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
@@ -328,4 +298,4 @@ def _restore(model: Transformer, out: Path, cfg: TrainConfig) -> int:
 
 
 __all__ = ["TrainConfig", "TrainResult", "finetune", "skip_hidden", "skip_logits", "active_mask", "position_budgets",
-           "save_model", "sharegpt_examples", "FinetuneError"]
+           "save_model", "FinetuneError"]

@@ -17,7 +17,7 @@ A ``lens`` starts from a ridge regression of the final state's direction on the 
 shared head).
 
 State (heads, optimiser, step, losses) is written atomically to ``work/state.safetensors`` every
-``save_every`` steps and the cache to ``work/cache.safetensors`` once; running again with the same
+``save_every`` steps and on Ctrl-C (``train.loop``) and the cache to ``work/cache.safetensors`` once; running again with the same
 ``work`` folder and settings resumes and gives the same heads as an uninterrupted run (same thread
 count).  The data order is a function of (seed, epoch), so nothing random is carried in the state.
 """

@@ -17,9 +17,9 @@ with a target (``j + i <= N - 1``) and the steps.
 
 Chunks: ShareGPT conversations in the model's chat template, concatenated with EOS between them and
 cut into ``seq_len`` tokens; the order is shuffled with ``seed``.  State (weights, Adam moments,
-step) is written atomically every ``save_every`` steps to ``<out>.ckpt.safetensors``; running again
-with the same ``out`` resumes.  The final weights go to ``out`` in bf16 with the model's
-fingerprint (``drafters.save_drafter``).
+step) is written atomically every ``save_every`` steps and on Ctrl-C to ``<out>.ckpt.safetensors``
+(``train.loop``); running again with the same ``out`` resumes.  The final weights go to ``out`` in
+bf16 with the model's fingerprint (``drafters.save_drafter``).
 """
 
 from __future__ import annotations

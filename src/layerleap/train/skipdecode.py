@@ -16,9 +16,9 @@ stay frozen; the decoder blocks train.
 ``policy_prompt``: ``"own"`` starts the decay at each example's own prompt length (what decoding
 does); ``"median"`` uses the median prompt length for every example (the paper's choice).
 
-State (model folder plus optimiser and position) is written atomically every ``save_every`` steps;
-running again with the same ``out`` resumes from it.  Deterministic for a seed (data order,
-initial state), up to float reduction order across thread counts.
+State (model folder plus optimiser and position) is written atomically every ``save_every`` steps and
+on Ctrl-C (``train.loop``); running again with the same ``out`` resumes from it.  Deterministic for
+a seed (data order, initial state), up to float reduction order across thread counts.
 """
 
 from __future__ import annotations

@@ -285,6 +285,8 @@ CLI = [
     (["bench", *M, "--methods", "a=greedy,a=sample"], "used twice"),
     (["bench", *M, "--opt", "greedy.k"], "bad option"),
     (["bench", *M, "--opt", "k=1"], "METHOD.NAME=VALUE"),
+    (["bench", *M, "--repeat", "0"], "--repeat: must be an integer in [1, 20]"),
+    (["bench", *M, "--repeat", "21"], "--repeat: must be an integer in [1, 20]"),
     (["bench", *M, "--opt", "other.k=1"], "names no method"),
     (["bench", *M, "--opt", "greedy.k=1"], "has no option k"),
     (["bench", *M, "--methods", "speculative"], "needs option draft"),

@@ -272,6 +272,22 @@ def test_run_bench_writes_after_every_prompt(tmp_path, tiny):
     assert "greedy" in res.table() and res.summary["s"]["prompts"] == 2
 
 
+def test_run_bench_repeat_keeps_each_methods_fastest_round(tiny, monkeypatch):
+    walls = iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0])  # greedy, s; greedy, s; greedy, s
+    real = bench._record
+
+    def timed(*a, **kw):
+        rec = real(*a, **kw)
+        rec.wall_s = next(walls)
+        return rec
+
+    monkeypatch.setattr(bench, "_record", timed)
+    res = bench.run_bench(tiny, {"s": ("prompt-lookup", {})}, ["Hello"], 3, hf_baseline=False, progress=False,
+                          repeat=3, call_cost=False)
+    assert {r.label: r.wall_s for r in res.records} == {"greedy": 2.0, "s": 1.0}
+    assert res.config["repeat"] == 3 and res.summary["s"]["speedup_vs_greedy"] == 2.0
+
+
 # -- demo -------------------------------------------------------------------------------------------
 def test_demo_on_tiny_model(capsys, tiny_hf_dir, tmp_path):
     html = tmp_path / "demo.html"

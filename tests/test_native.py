@@ -1,4 +1,4 @@
-"""The C++ decoder layers (``layerleap.native``) against the Python path: equal bit for bit, logits
+"""The C++ decoder layers (``layerleap.core.native``) against the Python path: equal bit for bit, logits
 and cache, for every weight format and the calls decoding makes (prefill, one token, a chain, a
 tree, a padded batch).  Skipped when the extension is not built (``layerleap native --build``)."""
 
@@ -98,3 +98,26 @@ def test_a_tree_call_gives_each_node_the_logits_of_its_own_path(monkeypatch):
                 m(prompt, cache=c)
                 rows = [m(nodes[:, [i]], cache=c)[0, 0] for i in path]
                 assert torch.equal(rows[-1], got[node]), f"{fmt}: node {node}"
+
+
+@pytest.mark.parametrize("hd", [16, 64, 24])  # multiples of 16 take the 16-key shuffle path, 24 the plain one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_rows_gives_a_row_what_it_gets_alone(hd, dtype):
+    """A query row's output depends only on its query and the keys its mask allows: rows attended
+    together (ragged key counts, not multiples of 16) equal each row attended alone, bit for bit."""
+    mod = native.module()
+    if mod is None:
+        pytest.skip("native module not built")
+    g = torch.Generator().manual_seed(hd)
+    T, S = 37, 5
+    q = torch.randn(2, 6, S, hd, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, T, hd, generator=g).to(dtype) for _ in range(2))
+    mask = (torch.arange(T).view(1, -1) <= (T - S + torch.arange(S)).view(-1, 1)).view(1, 1, S, T)
+    together = mod.attend_rows(q, k, v, mask)
+    for s in range(S):
+        n = T - S + s + 1  # the keys row s sees
+        alone = mod.attend_rows(q[:, :, s:s + 1], k[:, :, :n].contiguous(), v[:, :, :n].contiguous(), None)
+        assert torch.equal(together[:, :, s:s + 1], alone), f"row {s}"
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(3, 1), v.float().repeat_interleave(3, 1), attn_mask=mask)
+    assert torch.allclose(together.float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -12,14 +12,31 @@ from layerleap.decoding import GenerationError
 from layerleap.methods.prompt_lookup import NgramIndex
 
 
-def test_index_drafts_what_followed_the_first_occurrence():
+def test_index_drafts_what_followed_the_latest_occurrence():
     idx = NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 2, 3], min_n=1, max_n=3)
-    assert idx.draft(3) == [4, 9, 2]  # "5 2 3" never occurred before; "2 3" first occurred at 1
+    assert idx.draft(3) == [5, 2, 3]  # "5 2 3" never occurred before; "2 3" last occurred at 5
     idx.extend([4])
-    assert idx.draft(2) == [9, 2]  # "2 3 4" occurred at 1
+    assert idx.draft(2) == [9, 2]  # "2 3 4" occurred at 1 only
     assert NgramIndex([5, 6, 7], 1, 3).draft(4) == []  # the last token never occurred before
-    assert NgramIndex([5, 6, 5], 1, 3).draft(4) == [6, 5]  # unigram "5": what followed its first occurrence
+    assert NgramIndex([5, 6, 5], 1, 3).draft(4) == [6, 5]  # unigram "5": what followed its earlier occurrence
     assert NgramIndex([5, 6, 5], 2, 3).draft(4) == []  # min_ngram 2: "6 5" is new
+    assert NgramIndex([5, 5], 1, 3).draft(4) == [5]  # "5" at 0 is followed by the 5 at 1
+    assert NgramIndex([5, 5, 5], 1, 3).draft(4) == [5]  # "5 5" at 0 (followed by the last 5)
+
+
+def test_index_matches_a_brute_force_search():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        seq = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        idx = NgramIndex(seq[:3], 1, 3)
+        idx.extend(seq[3:])
+        want, end = [], len(seq)
+        for n in range(min(3, end - 1), 0, -1):  # longest suffix first; its latest earlier start
+            starts = [s for s in range(end - n) if seq[s:s + n] == seq[end - n:]]
+            if starts:
+                want = seq[starts[-1] + n:starts[-1] + n + 5]
+                break
+        assert idx.draft(5) == want, seq
 
 
 def test_index_prefers_the_longest_suffix():

@@ -416,6 +416,9 @@ def _setup_bench(p):
                         "assistant_early_exit=E self-speculative decoding (repeatable)")
     p.add_argument("--call-cost", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the call-cost curve into the report first (default on, ~5 s)")
+    p.add_argument("--repeat", type=V.int_arg(1, 20), default=1, metavar="N",
+                   help="run each prompt's methods N rounds, round-robin, and keep each one's fastest run "
+                        "(for a shared, busy machine; default 1, at most 20)")
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
                    help="write the report here (after every prompt)")
     p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=None, help="also write the report as one self-contained "
@@ -446,7 +449,8 @@ def run_bench(args) -> int:
     hf_extra = dict(bench.parse_hf_extra(x, model.config.n_layers) for x in args.hf_extra or [])
     result = bench.run_bench(model, methods, prompts, args.max_new_tokens, hf_baseline=args.baseline_hf,
                              chat=args.chat, sampling=_sampling(args), out=args.json,
-                             config={"command": _command_line(args)}, call_cost=args.call_cost, hf_extra=hf_extra)
+                             config={"command": _command_line(args)}, call_cost=args.call_cost, hf_extra=hf_extra,
+                             repeat=args.repeat)
     return _finish(result, args.json, args.html)
 
 

@@ -2,7 +2,7 @@
 need no draft model and no training.
 
 The last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) are looked up in the prompt
-and the output so far; the tokens that followed their first earlier occurrence are the draft, up to
+and the output so far; the tokens that followed their latest earlier occurrence are the draft, up to
 ``draft_len`` of them.  One model call scores the last token and the draft; greedy decoding keeps
 the longest prefix the model agrees with plus the model's own next token (output identical to
 greedy decoding), sampling keeps each draft token with probability ``p(d)`` and otherwise samples
@@ -21,33 +21,44 @@ import torch
 from ..core import sampling, verify
 from ..core.run import GenerationError, Run, register
 
-DEFAULT_DRAFT_LEN = 10  # `transformers`' usual prompt_lookup_num_tokens
-DEFAULT_MAX_NGRAM = 3
+# Defaults per weight format, chosen by replaying recorded greedy outputs of 50 held-out Spec-Bench
+# prompts (chat, 128 tokens) against each format's measured call-cost curve (2 threads): the draft
+# length that maximises accepted tokens per unit of call cost, not per call.  A 4-bit call over 5+
+# tokens costs 1.6x a one-token call, fp32's 1.1x, so fp32 drafts longer and from single-token
+# matches.  See docs/BENCHMARKS.md ("Choosing draft lengths") for the command and the table.
+DEFAULTS = {  # dtype name -> (draft_len, min_ngram)
+    "float32": (4, 1), "bfloat16": (4, 1), "float16": (4, 1), "q4": (3, 2),
+}
+DEFAULT_DRAFT_LEN, DEFAULT_MIN_NGRAM = DEFAULTS["float32"]
+DEFAULT_MAX_NGRAM = 4
 
 
 class NgramIndex:
-    """The first position of every n-gram (``min_n <= n <= max_n``) of a growing token sequence."""
+    """The latest start of every n-gram (``min_n <= n <= max_n``) of a growing token sequence that
+    some token follows: n-grams ending at the last token are indexed once the next one arrives, so a
+    lookup of the current suffix finds an earlier occurrence, never the suffix itself."""
 
     def __init__(self, tokens: list[int], min_n: int, max_n: int):
         self.tokens: list[int] = []
         self.min_n, self.max_n = min_n, max_n
-        self.first: dict[tuple[int, ...], int] = {}
+        self.latest: dict[tuple[int, ...], int] = {}
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
+        seq = self.tokens
         for t in tokens:
-            self.tokens.append(int(t))
-            end = len(self.tokens)
+            end = len(seq)  # index the n-grams ending at the current last token: t follows them
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.first.setdefault(tuple(self.tokens[end - n:end]), end - n)
+                self.latest[tuple(seq[end - n:end])] = end - n
+            seq.append(int(t))
 
     def draft(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the first earlier occurrence of the longest matching
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching
         suffix (longest n first); [] when no suffix occurred before."""
         seq, end = self.tokens, len(self.tokens)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            start = self.first.get(tuple(seq[end - n:]))
-            if start is not None and start + n < end:
+            start = self.latest.get(tuple(seq[end - n:]))
+            if start is not None:
                 return seq[start + n:start + n + k]
         return []
 
@@ -63,9 +74,13 @@ def check_options(draft_len, max_ngram, min_ngram) -> None:
 
 
 @register("prompt-lookup", sampling=True, exact=True)
-def prompt_lookup(run: Run, *, draft_len: int = DEFAULT_DRAFT_LEN, max_ngram: int = DEFAULT_MAX_NGRAM,
-                  min_ngram: int = 1) -> None:
-    """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call (greedy-exact; lossless sampling)."""
+def prompt_lookup(run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM,
+                  min_ngram: int | None = None) -> None:
+    """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default."""
+    tuned = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
+    draft_len = tuned[0] if draft_len is None else draft_len
+    if min_ngram is None:  # the dtype's default, never above a max_ngram the caller chose
+        min_ngram = tuned[1] if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) else min(tuned[1], max_ngram)
     check_options(draft_len, max_ngram, min_ngram)
     if run.batch != 1:
         raise GenerationError("method 'prompt-lookup' decodes one prompt at a time")

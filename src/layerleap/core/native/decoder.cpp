@@ -95,13 +95,75 @@ static inline float exp_neg(float x) {
   return p;
 }
 
+// The dot product of a and b over n elements in a fixed order: 16 lanes of partial sums over the
+// 16-element chunks in order, then the lanes added pairwise (8+8, 4+4, 2+2, 1+1), then the tail in
+// order.  The same inputs give the same bits wherever the call sits.
+static inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc = {0};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    v16 x, y;
+    std::memcpy(&x, a + d, sizeof(v16));
+    std::memcpy(&y, b + d, sizeof(v16));
+    acc += x * y;
+  }
+  float l[16];
+  std::memcpy(l, &acc, sizeof(v16));
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; i++) l[i] += l[i + w];
+  float s = l[0];
+  for (; d < n; d++) s += a[d] * b[d];
+  return s;
+}
+
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+// One level of the 16-key lane reduction: x and y each hold 16/(2w) keys in groups of 2w lanes; the
+// result holds twice as many keys in groups of w lanes, lane i of a key's group being the sum of its
+// lanes i and i+w (masks: key group g of the result takes x's group g, then y's).
+static const i16v LO8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+static const i16v HI8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+static const i16v LO4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+static const i16v HI4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+static const i16v LO2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+static const i16v HI2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+static const i16v LO1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const i16v HI1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+template <int W>
+static inline v16 fold(v16 x, v16 y) {
+  const i16v lo = W == 8 ? LO8 : W == 4 ? LO4 : W == 2 ? LO2 : LO1;
+  const i16v hi = W == 8 ? HI8 : W == 4 ? HI4 : W == 2 ? HI2 : HI1;
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+// Scores of 16 consecutive keys (rows k, k + ks, …; zero rows past the end) against q, hd a multiple
+// of 16: the same arithmetic as ``dot`` for each key (lane-wise partial sums over the chunks in order,
+// then lanes added as i+8, i+4, i+2, i+1), done for 16 keys at once with shuffles.
+static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
+  v16 p[16];
+  for (int j = 0; j < 16; j++) p[j] = v16{0};
+  for (int64_t d = 0; d < hd; d += 16) {
+    v16 x;
+    std::memcpy(&x, q + d, sizeof(v16));
+    for (int j = 0; j < 16; j++) {
+      v16 y;
+      std::memcpy(&y, keys[j] + d, sizeof(v16));
+      p[j] += x * y;
+    }
+  }
+  for (int j = 0; j < 8; j++) p[j] = fold<8>(p[2 * j], p[2 * j + 1]);
+  for (int j = 0; j < 4; j++) p[j] = fold<4>(p[2 * j], p[2 * j + 1]);
+  for (int j = 0; j < 2; j++) p[j] = fold<2>(p[2 * j], p[2 * j + 1]);
+  return fold<1>(p[0], p[1]);
+}
+
 // Attention for a few new tokens (model.attend's native branch), in fp32.  Each query row's score for
-// a key is its dot product summed over the head dimension in order, the softmax visits the keys its
-// mask row allows in key order (skipping the others) and accumulates the values in that order: a
-// row's result depends only on its query and the keys it sees, so a token verified in one call with
-// others (a chain, or a tree whose other branches are masked) gets exactly what a call over that token
-// alone gives, in every dtype.  Keys are read in blocks of 16, turned and shared by the g*S query rows
-// of their key/value head.  q [B, H, S, hd]; k, v [B, Hkv, T, hd] (any strides, hd contiguous);
+// a key is ``dot`` of the scaled query and the key, the softmax visits the keys its mask row allows in
+// key order (skipping the others) and accumulates the values in that order: a row's result depends
+// only on its query and the keys it sees, so a token verified in one call with others (a chain, or a
+// tree whose other branches are masked) gets exactly what a call over that token alone gives, in
+// every dtype.  Keys are read 16 at a time (``dot16``; converted to fp32 once per task) and shared by the
+// g*S query rows of their key/value head.  q [B, H, S, hd]; k, v [B, Hkv, T, hd] (any strides, hd contiguous);
 // mask [B|1, 1, S, T] bool or none.
 template <typename T>
 void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask, Tensor& out) {
@@ -124,11 +186,10 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
     m2 = mask->stride(2);
     m3 = mask->stride(3);
   }
-  constexpr int64_t KB = 16;
   const float NEG = -std::numeric_limits<float>::infinity();
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(R, at::get_num_threads()));  // row slices per head
   at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(R * hd), kt(hd * KB), scores(R * Tk), acc(hd);
+    std::vector<float> qf(R * hd), kf(16 * hd), zeros(hd, 0.0f), vf(hd), scores(R * Tk), acc(R * hd), sums(R);
     for (int64_t task = begin; task < end; task++) {
       const int64_t bk = task / parts, part = task % parts;
       const int64_t b = bk / Hkv, kvh = bk % Hkv;
@@ -138,44 +199,61 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
         for (int64_t d = 0; d < hd; d++) qf[r * hd + d] = static_cast<float>(qrow[d * qs3]) * scale;
       }
       const T* kbase = kp + b * ks0 + kvh * ks1;
-      for (int64_t t0 = 0; t0 < Tk; t0 += KB) {
-        const int64_t nb = std::min(KB, Tk - t0);
-        for (int64_t j = 0; j < KB; j++)
-          for (int64_t d = 0; d < hd; d++)
-            kt[d * KB + j] = j < nb ? static_cast<float>(kbase[(t0 + j) * ks2 + d]) : 0.0f;
-        for (int64_t r = r0; r < r1; r++) {
-          v16 sc = {0};  // 16 keys' scores, each summed over d in order
-          const float* qr = &qf[r * hd];
-          for (int64_t d = 0; d < hd; d++) {
-            v16 kd;
-            std::memcpy(&kd, &kt[d * KB], sizeof(v16));
-            sc += qr[d] * kd;
+      for (int64_t t0 = 0; t0 < Tk; t0 += 16) {  // 16 keys at a time, each as fp32
+        const int64_t nb = std::min<int64_t>(16, Tk - t0);
+        const float* kt[16];
+        for (int64_t j = 0; j < 16; j++) {
+          if (j >= nb) {
+            kt[j] = zeros.data();
+          } else if constexpr (std::is_same_v<T, float>) {
+            kt[j] = kbase + (t0 + j) * ks2;
+          } else {
+            for (int64_t d = 0; d < hd; d++) kf[j * hd + d] = static_cast<float>(kbase[(t0 + j) * ks2 + d]);
+            kt[j] = &kf[j * hd];
           }
-          float tmp[KB];
-          std::memcpy(tmp, &sc, sizeof(v16));
+        }
+        for (int64_t r = r0; r < r1; r++) {
           const bool* mrow = mp ? mp + b * m0 + (r % S) * m2 : nullptr;
+          float sc[16];
+          if (hd % 16 == 0) {
+            const v16 s16 = dot16(&qf[r * hd], kt, hd);
+            std::memcpy(sc, &s16, sizeof(v16));
+          } else {
+            for (int64_t j = 0; j < nb; j++) sc[j] = dot(&qf[r * hd], kt[j], hd);
+          }
           for (int64_t j = 0; j < nb; j++)
-            scores[r * Tk + t0 + j] = (mrow && !mrow[(t0 + j) * m3]) ? NEG : tmp[j];
+            scores[r * Tk + t0 + j] = (mrow && !mrow[(t0 + j) * m3]) ? NEG : sc[j];
         }
       }
-      const T* vbase = vp + b * vs0 + kvh * vs1;
       for (int64_t r = r0; r < r1; r++) {
         float* sr = &scores[r * Tk];
         float mx = NEG;
         for (int64_t t = 0; t < Tk; t++) mx = std::max(mx, sr[t]);
         for (int64_t t = 0; t < Tk; t++) sr[t] = sr[t] == NEG ? 0.0f : exp_neg(sr[t] - mx);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        float sum = 0.0f;
-        for (int64_t t = 0; t < Tk; t++) {
-          if (sr[t] == 0.0f) continue;  // a masked key (an underflowed weight adds nothing either)
-          const float p = sr[t];
-          sum += p;
-          const T* vrow = vbase + t * vs2;
-          for (int64_t d = 0; d < hd; d++) acc[d] += p * static_cast<float>(vrow[d]);
+        std::fill(acc.begin() + r * hd, acc.begin() + (r + 1) * hd, 0.0f);
+        sums[r] = 0.0f;
+      }
+      const T* vbase = vp + b * vs0 + kvh * vs1;
+      for (int64_t t = 0; t < Tk; t++) {  // each value row read once for all rows, accumulated in key order
+        const float* vt;
+        if constexpr (std::is_same_v<T, float>) {
+          vt = vbase + t * vs2;
+        } else {
+          for (int64_t d = 0; d < hd; d++) vf[d] = static_cast<float>(vbase[t * vs2 + d]);
+          vt = vf.data();
         }
-        const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+        for (int64_t r = r0; r < r1; r++) {
+          const float p = scores[r * Tk + t];
+          if (p == 0.0f) continue;  // a masked key (an underflowed weight adds nothing either)
+          sums[r] += p;
+          float* ar = &acc[r * hd];
+          for (int64_t d = 0; d < hd; d++) ar[d] += p * vt[d];
+        }
+      }
+      for (int64_t r = r0; r < r1; r++) {
+        const float inv = sums[r] > 0 ? 1.0f / sums[r] : 0.0f;
         T* orow = op + ((b * H + kvh * g + r / S) * S + r % S) * hd;
-        for (int64_t d = 0; d < hd; d++) orow[d] = static_cast<T>(acc[d] * inv);
+        for (int64_t d = 0; d < hd; d++) orow[d] = static_cast<T>(acc[r * hd + d] * inv);
       }
     }
   });

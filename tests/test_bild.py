@@ -294,14 +294,6 @@ def test_mismatched_models_are_refused():
         run_bild(large, small=small)
 
 
-def test_two_prompts_are_decoded_one_at_a_time():
-    large, small = tiny_pair(0)
-    rs = layerleap.generate(large, [PROMPT, PROMPT[:3]], "bild", 6, small=small, alpha_fb=1.0, stop_at_eos=False)
-    assert [r.token_ids for r in rs] == [r.token_ids for r in layerleap.generate(large, [PROMPT], max_new_tokens=6,
-                                                                                 stop_at_eos=False)] + \
-        [layerleap.generate(large, PROMPT[:3], max_new_tokens=6, stop_at_eos=False).token_ids]
-
-
 # -- prediction alignment --------------------------------------------------------------------------------
 def _records(large, prompts, n=12):
     return [{"key": str(i), "prompt_ids": p, "output_ids": greedy_ids(large, p, n)} for i, p in enumerate(prompts)]

@@ -104,6 +104,20 @@ def test_prompts_file_decodes_a_batch(capsys, tiny_hf_dir, tiny, tmp_path, name,
     assert {g["stats"]["batch"] for g in got} == {4}  # one batch
 
 
+@pytest.mark.parametrize("method", ["calm", "self-spec"])
+def test_prompts_file_with_a_method_that_does_not_batch(capsys, tiny_hf_dir, tiny, tmp_path, method):
+    f = tmp_path / "p.txt"
+    f.write_text("Hello there\nSecond one\nThird\n")
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 5,
+                       "--method", method, "--json")
+    assert rc == 0, err
+    assert f"method {method!r} decodes one prompt at a time: decoding the 3 prompts one after another" in err
+    got = [json.loads(line) for line in out.splitlines()]
+    assert [g["token_ids"] for g in got] == [generate(tiny, t, method, 5).token_ids
+                                             for t in ["Hello there", "Second one", "Third"]]
+    assert {g["stats"]["batch"] for g in got} == {1}
+
+
 BAD = [
     (["--prompts-file", "{DIR}/none.jsonl"], "not found"),
     (["--prompts-file", "{DIR}/bad.jsonl"], "bad.jsonl:2 is not JSON"),

@@ -107,3 +107,40 @@ def test_stops_at_eos_like_greedy():
 def test_bad_options(options, message):
     with pytest.raises(GenerationError, match=message):
         layerleap.generate(random_model(), [1, 2, 3], "prompt-lookup", 4, **options)
+
+
+def _ragged_copying_prompts(model, seed: int) -> list[list[int]]:
+    """Prompts of different lengths that repeat themselves (lookups find drafts) and one that does not."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, model.config.vocab_size, (9,), generator=g).tolist()
+    return [base[:n] * 2 + base[:n - 1] for n in (2, 6, 3, 9)] + [base[::-1][:7]]
+
+
+@pytest.mark.parametrize("options", [{}, {"draft_len": 3, "max_ngram": 2}, {"draft_len": 1}])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_batch_equals_greedy_row_by_row(options, seed):
+    """Ragged rows that accept different numbers of drafts per call, each equal to its own greedy decoding;
+    with an EOS, rows finish at different times."""
+    model = random_model("llama-gqa-tied", seed=seed, scale=2.0)
+    prompts = _ragged_copying_prompts(model, seed)
+    got = layerleap.generate(model, prompts, "prompt-lookup", 20, stop_at_eos=False, **options)
+    want = [naive_greedy(model, p, 20) for p in prompts]
+    assert [r.token_ids for r in got] == want
+    assert len({r.stats["accepted"] for r in got}) > 1 and all(r.stats["batch"] == len(prompts) for r in got)
+    assert {r.stats["model_calls"] for r in got} == {1 + max(r.stats["rounds"] for r in got)}  # calls serve every row
+    eos = want[0][4]
+    model.config = model.config.__class__(**{**model.config.__dict__, "eos_token_ids": (eos,)})
+    got = layerleap.generate(model, prompts, "prompt-lookup", 20, **options)
+    want = [naive_greedy(model, p, 20, eos=(eos,)) for p in prompts]
+    assert [r.token_ids for r in got] == want and len({len(w) for w in want}) > 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_sampled_batch_row_equals_its_prompt_alone_with_the_row_seed(seed):
+    model = random_model("llama-gqa-tied", seed=seed, scale=2.0)
+    prompts = _ragged_copying_prompts(model, seed)
+    kw = dict(do_sample=True, temperature=0.7, stop_at_eos=False, draft_len=4)
+    got = layerleap.generate(model, prompts, "prompt-lookup", 16, seed=40 + seed, **kw)
+    assert [r.token_ids for r in got] == [layerleap.generate(model, p, "prompt-lookup", 16, seed=40 + seed + i,
+                                                             **kw).token_ids for i, p in enumerate(prompts)]
+    assert sum(r.stats["accepted"] for r in got) > 0

@@ -147,6 +147,16 @@ def test_batch_of_4_equals_one_by_one(smollm, prompts, ours20):
         assert b.text == single.text == smollm.tokenizer.decode(single.token_ids, skip_special_tokens=True)
 
 
+def test_prompt_lookup_batch_of_4_equals_greedy(smollm, prompts, ours20):
+    """Rows that accept different numbers of drafts per call, each equal to its greedy decoding."""
+    pick = [0, 5, 10, 19]
+    n = 32
+    batch = generate(smollm, [prompts[i] for i in pick], "prompt-lookup", n, chat=True, stop_at_eos=False)
+    for i, b in zip(pick, batch):
+        assert b.token_ids == ours20[i].token_ids[:n], f"prompt {i}"
+    assert len({b.stats["accepted"] for b in batch}) > 1
+
+
 def test_eos_stops_on_the_real_model(smollm, ours20):
     """With stop_at_eos (the default), a continuation that reaches <|im_end|> stops there, EOS included."""
     eos = smollm.tokenizer.eos_token_id

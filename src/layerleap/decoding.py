@@ -107,6 +107,16 @@ def _split_prompts(prompt) -> tuple[list, bool]:
     return [prompt], False
 
 
+def batched_methods() -> list[str]:
+    return [name for name, m in METHODS.items() if m.batched]
+
+
+def one_at_a_time(method: str, n: int) -> str:
+    """The refusal of a list of ``n`` prompts by a method that decodes one prompt at a time."""
+    return (f"method {method!r} decodes one prompt at a time and was given {n}: call it once per prompt, or use a "
+            f"method that batches ({', '.join(batched_methods())})")
+
+
 def _check(cond: bool, msg: str):
     if not cond:
         raise GenerationError(msg)
@@ -117,8 +127,15 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
              do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, **options):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
 
-    ``prompt`` is text, a list of token ids, or a list of either.  Method options are keyword
-    arguments (see ``layerleap.METHODS[name].options()``).
+    ``prompt`` is text, a list of token ids, or a list of either.  A list decodes as one batch; a
+    method that does not batch (``METHODS[name].batched`` is False) takes a list of one prompt only
+    and refuses more with a ``GenerationError``.  Method options are keyword arguments (see
+    ``layerleap.METHODS[name].options()``).
+
+    Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
+    (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
+    whatever its batch-mates.  Without a seed, one base seed is drawn from torch's global generator (so
+    ``torch.manual_seed`` makes the call reproducible) and the same rule applies.
     """
     d = Decoding(model, prompt, method, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  seed=seed, do_sample=do_sample, stop_at_eos=stop_at_eos, chat=chat, **options)
@@ -134,6 +151,8 @@ def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, tempe
     _check(isinstance(model, Transformer), f"model must be a layerleap model (layerleap.load(...)), got "
            f"{type(model).__name__}")
     m = get_method(method)
+    prompts, many = _split_prompts(prompt)
+    _check(m.batched or len(prompts) == 1, one_at_a_time(m.name, len(prompts)))
     with V.raising(GenerationError):
         V.integer(max_new_tokens, "max_new_tokens", 1)
         V.number(temperature, "temperature", V.MIN_TEMPERATURE,
@@ -156,14 +175,13 @@ def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, tempe
     do_sample = m.default_sample if do_sample is None else bool(do_sample)
     _check(not do_sample or m.sampling, f"method {method!r} decodes greedily only: drop do_sample=True")
 
-    prompts, many = _split_prompts(prompt)
     ids = [_encode(model, p, chat) for p in prompts]
     ctx = model.config.max_position
     for i, p in enumerate(ids):
         _check(len(p) + max_new_tokens <= ctx,
                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
                f"length {ctx}: shorten the prompt or lower max_new_tokens")
-    _check_memory(model, [len(p) for p in ids], max_new_tokens, m.batched)
+    _check_memory(model, [len(p) for p in ids], max_new_tokens)
     eos = tuple(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
@@ -175,8 +193,9 @@ class Decoding:
     """One ``generate`` call, driven round by round: iterating yields, after each method round that
     added tokens, the indices of the prompts whose output grew (``tokens(i)`` reads it); once the
     iteration ends, ``results`` holds one ``GenerationResult`` per prompt.  ``cancel(i)`` stops
-    prompt ``i`` (it keeps what it has).  A batched method decodes all prompts as one batch, any other
-    one prompt after another.  Arguments as ``generate``'s; bad ones raise ``GenerationError`` here."""
+    prompt ``i`` (it keeps what it has).  The prompts decode as one batch (one ``Run``); a method that
+    does not batch refuses more than one.  Arguments as ``generate``'s; bad ones raise
+    ``GenerationError`` here."""
 
     def __init__(self, model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -184,17 +203,14 @@ class Decoding:
         m, ids, self.many, self.gen = _prepare(model, prompt, method, max_new_tokens, temperature, top_k, top_p, seed,
                                                do_sample, stop_at_eos, chat, options)
         self.model, self.method, self.options, self.prompt_ids = model, m, options, ids
-        self.groups = [list(range(len(ids)))] if m.batched else [[i] for i in range(len(ids))]
         self.results: list[GenerationResult | None] = [None] * len(ids)
         self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row
         self._cancelled: set[int] = set()
 
     def __iter__(self):
-        for group in self.groups:
-            group = [i for i in group if i not in self._cancelled]
-            if not group:
-                continue
-            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen)
+        group = [i for i in range(len(self.prompt_ids)) if i not in self._cancelled]  # cancelled before it started
+        if group:
+            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, rows=group)
             self._where.update({i: (run, j) for j, i in enumerate(group)})
             seen = [0] * len(group)
             for _ in rounds(self.method.fn, run, self.options):
@@ -227,11 +243,11 @@ class Decoding:
             run.cancel(row)
 
 
-def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int, batched: bool) -> None:
+def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int) -> None:
     """Refuse a batch whose KV cache alone would take more than half of the machine's memory."""
     c = model.config
     per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * model.dtype.itemsize
-    rows = len(lengths) if batched else 1
+    rows = len(lengths)
     need = rows * (max(lengths) + max_new_tokens) * per_token
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

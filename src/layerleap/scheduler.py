@@ -48,7 +48,8 @@ class Settings:
 
     def batch_key(self, serial: int) -> tuple:
         """Jobs with equal keys may decode as one batch: a batching method with the same options and
-        settings, and no sampling seed (a seeded sample must not depend on its neighbours)."""
+        settings, and no sampling seed (a seeded request decodes alone, as row 0, so that it samples
+        what ``generate`` with its seed samples).  A method that does not batch decodes each job alone."""
         g = self.gen
         if not get_method(self.method).batched or (g.do_sample and g.seed is not None):
             return ("alone", serial)

@@ -296,8 +296,7 @@ class Metrics:
         method = results[0].stats["method"]
         s = self._sums.setdefault(method, [0, 0, 0, 0])
         tokens = sum(len(r.token_ids) for r in results)
-        calls = results[0].stats["model_calls"] if batch.decoding.method.batched else \
-            sum(r.stats["model_calls"] for r in results)
+        calls = results[0].stats["model_calls"]  # one Run: its calls serve every row
         self.batch_size.observe(len(results))
         self.completions.labels(method).inc(len(results))
         self.cancelled.labels(method).inc(sum(bool(r.stats.get("cancelled")) for r in results))

@@ -166,8 +166,9 @@ def _setup_generate(p):
                    "`layerleap methods` lists them with their options)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", type=V.text_arg, help="the prompt text ('-' reads stdin, UTF-8)")
-    src.add_argument("--prompts-file", type=V.in_file_arg, metavar="FILE", help="prompts decoded as one batch (one by one for a method "
-                     "that does not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text' or "
+    src.add_argument("--prompts-file", type=V.in_file_arg, metavar="FILE",
+                     help="prompts decoded as one batch (one after another, said on stderr, for a method that does "
+                     "not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text' or "
                      "Spec-Bench 'turns' a line; any other file one prompt a line")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -262,17 +263,29 @@ def run_generate(args) -> int:
 
 
 def _generate_with_progress(model, prompts, args, kwargs):
-    """``generate``, with a tqdm bar of the new tokens on stderr (a long generation shows it is alive)."""
+    """``generate``, with a tqdm bar of the new tokens on stderr (a long generation shows it is alive).
+    A list of prompts decodes as one batch, or, for a method that does not batch, one prompt after
+    another (said on stderr)."""
     from tqdm.auto import tqdm
-    d = Decoding(model, prompts, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
-    n = len(d.prompt_ids)
-    bar = tqdm(total=n * args.max_new_tokens, desc=f"generate ({args.method})", unit="tok", leave=False)
+    many = isinstance(prompts, list)
+    calls = [prompts]
+    if many and not get_method(args.method).batched:
+        _say(f"method {args.method!r} decodes one prompt at a time: decoding the {len(prompts)} prompts one after "
+             "another")
+        calls = [[p] for p in prompts]
+    bar = tqdm(total=(len(prompts) if many else 1) * args.max_new_tokens, desc=f"generate ({args.method})",
+               unit="tok", leave=False)
+    results, done = [], 0
     try:
-        for _ in d:
-            bar.update(sum(len(d.tokens(i)) for i in range(n)) - bar.n)
+        for call in calls:
+            d = Decoding(model, call, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
+            for _ in d:
+                bar.update(done + sum(len(d.tokens(i)) for i in range(len(d.prompt_ids))) - bar.n)
+            results += d.results
+            done += sum(len(r.token_ids) for r in d.results)
     finally:
         bar.close()
-    return d.results if d.many else d.results[0]
+    return results if many else results[0]
 
 
 # -- methods ----------------------------------------------------------------------------------------
@@ -311,8 +324,8 @@ def run_methods(args) -> int:
         print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {opts}")
         print(f"{'':16} {m.description}")
     print("\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
-          "of prompts as one batch; samples: supports temperature/top-k/top-p sampling.  Options go in as "
-          "--opt NAME=VALUE.")
+          "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p "
+          "sampling.  Options go in as --opt NAME=VALUE.")
     return 0
 
 

@@ -13,7 +13,7 @@ from ..eval.bench import machine_config
 from ..files import save_figure, write_json, write_text
 from . import command
 from ..datasets import spec_bench
-from ..decoding import generate
+from ..decoding import generate, get_method
 from ..errors import LayerleapError
 from ..methods.skipdecode import target_config
 from .. import validate as V
@@ -114,7 +114,11 @@ def _setup_eval(p):
 def _quality_rows(model, prompts, refs, label, method, opts, max_new, rows, kind, bar=None):
     """Decode ``prompts`` (one batch, or one at a time for CALM) and score against ``refs``."""
     t = time.perf_counter()
-    res = generate(model, [p.text for p in prompts], method, max_new, chat=True, **opts)
+    texts = [p.text for p in prompts]
+    if get_method(method).batched:
+        res = generate(model, texts, method, max_new, chat=True, **opts)
+    else:  # CALM decodes one prompt at a time
+        res = [generate(model, text, method, max_new, chat=True, **opts) for text in texts]
     texts = [r.text for r in res]
     avg = sum(r.stats["layers_per_token"] for r in res) / len(res)
     row = {"label": label, "kind": kind, "method": method, "options": opts, "category": prompts[0].category,

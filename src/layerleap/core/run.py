@@ -81,16 +81,36 @@ def register(name: str, *, batched: bool = False, sampling: bool = False, defaul
     return deco
 
 
-class Run:
-    """One ``generate`` call: the model, prompts, configuration, and the meters."""
+def row_seed(seed: int, i: int) -> int:
+    """The seed of the row of prompt index ``i`` in a call seeded with ``seed``: ``seed + i``, wrapped
+    into ``[0, 2**32)`` (every value a valid ``seed``)."""
+    return (seed + i) % 2**32
 
-    def __init__(self, model: Transformer, prompts: list[list[int]], gen: GenerationConfig):
+
+def row_generators(gen: GenerationConfig, rows, device) -> list[torch.Generator | None]:
+    """One generator per row when sampling: the row of prompt index ``i`` is seeded with
+    ``row_seed(seed, i)``, so a row samples what its prompt decoded alone with that seed samples,
+    whatever its batch-mates.  Without a seed, the base seed is drawn from torch's global generator
+    (``torch.manual_seed`` still makes a call reproducible).  Greedy decoding draws nothing."""
+    if not gen.do_sample:
+        return [None for _ in rows]
+    seed = gen.seed
+    if seed is None:
+        seed = int(torch.randint(0, 2**32, (1,)))
+    return [torch.Generator(device=device).manual_seed(row_seed(seed, i)) for i in rows]
+
+
+class Run:
+    """One ``generate`` call: the model, prompts, configuration, and the meters.  ``rows`` are the
+    prompt indices of the rows (default ``0..B-1``); they seed the rows' generators (``row_generators``)."""
+
+    def __init__(self, model: Transformer, prompts: list[list[int]], gen: GenerationConfig,
+                 rows: list[int] | None = None):
         self.model = model
         self.prompts = prompts
         self.gen = gen
         self.batch = len(prompts)
-        self.generator = (torch.Generator(device=model.device).manual_seed(gen.seed)
-                          if gen.seed is not None else None)
+        self.generators = row_generators(gen, range(self.batch) if rows is None else rows, model.device)
         self.out: list[list[int]] = [[] for _ in prompts]
         self.finished = [False] * self.batch
         self.model_calls = 0
@@ -167,7 +187,8 @@ class Run:
         g = self.gen
         if not g.do_sample:
             return sampling.greedy(logits)
-        return sampling.sample(sampling.probs(logits, g.temperature, g.top_k, g.top_p), self.generator)
+        p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [B, V]
+        return torch.cat([sampling.sample(p[b:b + 1], gen) for b, gen in enumerate(self.generators)])
 
     def emit(self, row: int, tokens: list[int]) -> bool:
         """Append accepted tokens to ``row`` (stopping at EOS or the budget); True when the row is done."""

@@ -23,8 +23,6 @@ from ..core.model import Transformer
 
 class Companion:
     def __init__(self, run: Run, model: Transformer, name: str, extra_slots: int = 0):
-        if run.batch != 1:
-            raise GenerationError("two-model methods decode one prompt at a time: pass a single prompt")
         self.run, self.model, self.name = run, model, name
         self.prompt = run.prompts[0]
         self.cache: KVCache = model.new_cache(1, len(self.prompt) + run.gen.max_new_tokens + extra_slots + 1)

@@ -109,7 +109,7 @@ class BiLD:
         if not self.run.gen.do_sample:
             return int(logits.argmax())
         probs = self.probs(logits) if probs is None else probs
-        return verify.draw(probs, self.run.generator)
+        return verify.draw(probs, self.run.generators[0])
 
     def decode(self) -> None:
         for _ in self.rounds():
@@ -213,8 +213,6 @@ def bild(run: Run, *, small=None, exit_layer: int | None = None, alpha_fb: float
          max_small: int | None = 10, head="auto"):
     """Big Little Decoder: a small model (small= or exit_layer=) with fallback and rollback to the large one."""
     check_thresholds(alpha_fb, alpha_rb, max_small)
-    if run.batch != 1:
-        raise GenerationError("method 'bild' decodes one prompt at a time")
     model = run.model
     if small is not None:
         if exit_layer is not None:

@@ -134,8 +134,6 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
     check_options(d, dbar, k)
     if k > model.config.vocab_size:
         raise GenerationError(f"k={k} is more than the vocabulary ({model.config.vocab_size} tokens): lower k")
-    if run.batch != 1:
-        raise GenerationError("method 'ppd' decodes one prompt at a time")
     exit_head = get_head(model, dbar, head)
     lo = d - dbar  # the layers a sub-process runs before the main process needs its result
     pair = EarlyExit(run, dbar, exit_head, extra_slots=k + 1)

@@ -10,8 +10,14 @@ from ``p`` without ``d`` (lossless: a draft is a one-hot proposal).  Where nothi
 scores the last token alone, as greedy decoding does.  It pays off where the output copies its
 input: summaries, retrieval-augmented answers, code edits.
 
-Stats: ``rounds`` (model calls after the prompt), ``drafted``, ``accepted``, ``acceptance``,
-``lookups_hit`` (rounds that found a draft), ``tokens_per_round``.
+A list of prompts decodes as one batch: each row keeps its own n-gram index and draft, one call
+scores every row's last token and draft (shorter drafts padded with filler tokens that nothing
+attends to; finished rows ride along), and each row keeps what it accepts: the cache rolls back to
+a length per row.  Each row's output is what it decodes alone (greedy; sampling with
+``seed + row``).
+
+Stats, per row: ``rounds`` (model calls after the prompt while the row ran), ``drafted``,
+``accepted``, ``acceptance``, ``lookups_hit`` (rounds that found a draft), ``tokens_per_round``.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ def check_options(draft_len, max_ngram, min_ngram) -> None:
         raise GenerationError(f"draft_len must be at most 64 (tokens verified in one call), got {draft_len}")
 
 
-@register("prompt-lookup", sampling=True, exact=True)
+@register("prompt-lookup", batched=True, sampling=True, exact=True)
 def prompt_lookup(run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM,
                   min_ngram: int | None = None) -> None:
     """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default."""
@@ -82,42 +88,54 @@ def prompt_lookup(run: Run, *, draft_len: int | None = None, max_ngram: int = DE
     if min_ngram is None:  # the dtype's default, never above a max_ngram the caller chose
         min_ngram = tuned[1] if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) else min(tuned[1], max_ngram)
     check_options(draft_len, max_ngram, min_ngram)
-    if run.batch != 1:
-        raise GenerationError("method 'prompt-lookup' decodes one prompt at a time")
-    g = run.gen
-    stats = run.extra
-    stats.update(rounds=0, drafted=0, accepted=0, lookups_hit=0)
+    B = run.batch
+    counts = {k: [0] * B for k in ("rounds", "drafted", "accepted", "lookups_hit")}
     cache = run.new_cache(extra=draft_len + 1)
-    tok = int(run.choose(run.logits(run.prefill(cache))[:, -1])[0])
-    index = NgramIndex(run.prompts[0] + [tok], min_ngram, max_ngram)
-    if run.emit(0, [tok]):
-        return _finish(stats, len(run.out[0]))
-    yield
-    dev = run.model.device
-    while True:
-        held = len(index.tokens) - 1  # the cache holds every token but the last
-        drafts = index.draft(min(draft_len, run.remaining() - 1))
-        ids = torch.tensor([[index.tokens[-1]] + drafts], dtype=torch.long, device=dev)
-        rows = run.logits(run.forward(cache, ids))[0]  # [1 + k, V]
-        d = torch.tensor(drafts, dtype=torch.long)
+    first = run.choose(run.logits(run.prefill(cache))[:, -1]).tolist()  # [B]
+    index = [NgramIndex(run.prompts[b] + [first[b]], min_ngram, max_ngram) for b in range(B)]
+    if not run.emit_all(torch.tensor(first)):
+        yield
+        while not _round(run, cache, index, draft_len, counts):
+            yield
+    _finish(run, counts)
+
+
+def _round(run: Run, cache, index: list[NgramIndex], draft_len: int, counts: dict) -> bool:
+    """One call: each unfinished row scores its last token and its draft (rows with shorter drafts
+    are padded with filler tokens that nothing attends to and that are rolled back); True when every
+    row is done."""
+    B, g = run.batch, run.gen
+    live = [b for b in range(B) if not run.finished[b]]
+    keep = cache.lengths[0].clone()  # [B] the cache holds every token of a row but its last
+    drafts = [index[b].draft(min(draft_len, run.remaining(b) - 1)) if b in live else [] for b in range(B)]
+    S = 1 + max(len(d) for d in drafts)
+    ids = torch.tensor([[ix.tokens[-1]] + d + [ix.tokens[-1]] * (S - 1 - len(d)) for ix, d in zip(index, drafts)],
+                       dtype=torch.long, device=run.model.device)  # [B, S]
+    pos = run.positions(cache, S).clamp(max=run.model.config.max_position - 1)  # [B, S]: fillers may pass the end
+    logits = run.logits(run.forward(cache, ids, positions=pos))  # [B, S, V]
+    for b in live:
+        d = torch.tensor(drafts[b], dtype=torch.long)
+        rows = logits[b, :len(drafts[b]) + 1]  # [1 + k, V]
         if g.do_sample:
             p = sampling.probs(rows, g.temperature, g.top_k, g.top_p)
             q = torch.nn.functional.one_hot(d, p.shape[-1]).to(p.dtype)  # [k, V]: a draft is certain
-            n, nxt = verify.speculative_accept(d, q, p, run.generator)
+            n, nxt = verify.speculative_accept(d, q, p, run.generators[b])
         else:
             n, nxt = verify.greedy_accept(d, rows)
-        cache.truncate(held + 1 + n)  # the last token and the accepted drafts
-        stats["rounds"] += 1
-        stats["drafted"] += len(drafts)
-        stats["accepted"] += n
-        stats["lookups_hit"] += int(bool(drafts))
-        new = drafts[:n] + [nxt]
-        index.extend(new)
-        if run.emit(0, new):
-            return _finish(stats, len(run.out[0]))
-        yield
+        keep[b] += 1 + n  # the last token and the accepted drafts
+        k = len(drafts[b])
+        for key, v in (("rounds", 1), ("drafted", k), ("accepted", n), ("lookups_hit", int(k > 0))):
+            counts[key][b] += v
+        new = drafts[b][:n] + [nxt]
+        index[b].extend(new)
+        run.emit(b, new)
+    cache.truncate(keep)
+    return run.done
 
 
-def _finish(stats: dict, new_tokens: int) -> None:
-    stats["acceptance"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
-    stats["tokens_per_round"] = new_tokens / stats["rounds"] if stats["rounds"] else None
+def _finish(run: Run, counts: dict) -> None:
+    """Per-row stats (a list per key for a batch, a number for one row)."""
+    acceptance = [a / d if d else None for a, d in zip(counts["accepted"], counts["drafted"])]
+    per_round = [len(out) / r if r else None for out, r in zip(run.out, counts["rounds"])]
+    for key, values in (*counts.items(), ("acceptance", acceptance), ("tokens_per_round", per_round)):
+        run.extra[key] = values if run.batch > 1 else values[0]

@@ -57,8 +57,6 @@ def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, mi
     d = run.n_layers
     E = default_exit_layer(d) if exit_layer is None else exit_layer
     check_options(d, E, draft_len, min_confidence)
-    if run.batch != 1:
-        raise GenerationError("method 'self-spec' decodes one prompt at a time")
     exit_head = get_head(model, E, head)
     eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
     st = run.extra

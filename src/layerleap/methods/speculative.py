@@ -91,7 +91,7 @@ def _draft(run: Run, dm: Companion, d_logits: torch.Tensor, k: int, min_confiden
     while True:
         if sample:
             q = _warp(run, d_logits)
-            tok = verify.draw(q, run.generator)
+            tok = verify.draw(q, run.generators[0])
             q_rows.append(q)
         else:
             q = d_logits.float().softmax(-1) if min_confidence > 0 else None
@@ -111,8 +111,6 @@ def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "consta
         raise GenerationError("method 'speculative' needs a draft model: generate(..., draft=layerleap.load(...))")
     check_options(draft_len, schedule, min_confidence)
     check_pair(run.model, draft, "draft", "draft")
-    if run.batch != 1:
-        raise GenerationError("method 'speculative' decodes one prompt at a time")
     sample = run.gen.do_sample
     eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
     stats = run.extra
@@ -146,7 +144,7 @@ def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "consta
         if sample:
             p = _warp(run, rows)
             q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
-            n, nxt = verify.speculative_accept(d, q, p, run.generator)
+            n, nxt = verify.speculative_accept(d, q, p, run.generators[0])
         else:
             n, nxt = verify.greedy_accept(d, rows)
         _count(stats, len(drafts), n, stopped)

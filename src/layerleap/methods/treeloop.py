@@ -20,8 +20,6 @@ EMPTY = tree_mod.build([])  # the first round after the prompt: the root alone
 
 def setup(run: Run, name: str, tree, steps: int) -> tree_mod.TreeBuffers:
     """The tree's buffers, after checking the tree against the trained steps and the context."""
-    if run.batch != 1:
-        raise GenerationError(f"method {name!r} decodes one prompt at a time")
     buf = tree_mod.build(tree)
     V = run.model.config.vocab_size
     if buf.n > 1 and max(buf.max_rank(d) for d in range(1, buf.depth + 1)) > V:

@@ -19,7 +19,36 @@ BATCHED = [name for name, m in METHODS.items() if m.batched]
 ONE_AT_A_TIME = [name for name, m in METHODS.items() if not m.batched]
 # options a batched method needs on a 3-layer tiny model (a new batched method with a required
 # option must be added here)
-OPTIONS = {"early-exit": {"exit_layer": 2}, "skipdecode": {"min_exit_layer": 1, "max_exit_layer": 3}}
+OPTIONS = {"early-exit": {"exit_layer": 2}, "skipdecode": {"min_exit_layer": 1, "max_exit_layer": 3},
+           "medusa": {"tree": "2,1"}, "hidden-transfer": {"tree": "2,1"},
+           "speculative": {"draft_len": 3, "schedule": "heuristic", "min_confidence": 0.3}}
+# untrained drafters for the tree methods, perturbed so that drafts are sometimes right, sometimes not
+DRAFTERS = {"medusa": ("heads", "medusa", {"steps": 2}), "hidden-transfer": ("transfer", "transfer", {"layers": [1, 2]})}
+_MADE: dict = {}
+
+
+def _drafter(model: Transformer, name: str) -> dict:
+    if name == "speculative":  # the model's first two layers and its head: drafts often, not always, right
+        key = (id(model), name)
+        if key not in _MADE:
+            draft = Transformer(dataclasses.replace(model.config, n_layers=2)).eval().requires_grad_(False)
+            draft.load_state_dict({k: v for k, v in model.state_dict().items()
+                                   if not k.startswith("layers.") or int(k.split(".")[1]) < 2})
+            _MADE[key] = draft
+        return {"draft": _MADE[key]}
+    if name not in DRAFTERS:
+        return {}
+    option, kind, config = DRAFTERS[name]
+    key = (id(model), name)
+    if key not in _MADE:
+        from layerleap.drafters import medusa_transfer
+        d = medusa_transfer.new_drafter(model, kind, **config)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in d.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        _MADE[key] = d
+    return {option: _MADE[key]}
 RAGGED = [[5, 9, 2, 7, 7, 1, 3, 8, 30], [11], [4, 4, 60, 2], [17, 3, 3, 3, 3, 3, 90]]
 
 
@@ -34,11 +63,11 @@ def with_eos(model: Transformer, eos: int) -> Transformer:
     return m
 
 
-def options(name: str) -> dict:
+def options(name: str, model: Transformer) -> dict:
     missing = [k for k, v in METHODS[name].options().items()
-               if v is inspect.Parameter.empty and k not in OPTIONS.get(name, {})]
+               if v is inspect.Parameter.empty and k not in {**OPTIONS.get(name, {}), **_drafter(model, name)}]
     assert not missing, f"add {name}'s required options {missing} to OPTIONS"
-    return OPTIONS.get(name, {})
+    return {**OPTIONS.get(name, {}), **_drafter(model, name)}
 
 
 def test_every_method_says_whether_it_batches():
@@ -73,10 +102,11 @@ def _alone(model, name, prompts, n, **kw):
 @pytest.mark.parametrize("name", BATCHED)
 def test_a_batched_method_decodes_each_row_as_alone(model, name):
     """Ragged prompts; an EOS id from the first row's output makes rows finish at different times."""
-    kw = dict(options(name), do_sample=False) if METHODS[name].sampling else dict(options(name))
+    kw = dict(options(name, model), do_sample=False) if METHODS[name].sampling else dict(options(name, model))
     full = _alone(model, name, RAGGED, 12, stop_at_eos=False, **kw)
     assert [r.token_ids for r in generate(model, RAGGED, name, 12, stop_at_eos=False, **kw)] == full
     m = with_eos(model, full[0][3])
+    kw = dict(kw, **_drafter(m, name))
     alone = _alone(m, name, RAGGED, 12, **kw)
     assert len({len(t) for t in alone}) > 1  # the rows end at different times
     assert [r.token_ids for r in generate(m, RAGGED, name, 12, **kw)] == alone
@@ -89,7 +119,7 @@ SAMPLING_BATCHED = [name for name in BATCHED if METHODS[name].sampling]
 @pytest.mark.parametrize("name", SAMPLING_BATCHED)
 def test_a_sampled_row_equals_its_prompt_alone_with_the_row_seed(model, name, seed):
     """Row i of a batch seeded with s samples what its prompt alone samples with seed s + i (mod 2**32)."""
-    kw = dict(options(name), do_sample=True, temperature=1.5, stop_at_eos=False)
+    kw = dict(options(name, model), do_sample=True, temperature=1.5, stop_at_eos=False)
     batch = [r.token_ids for r in generate(model, RAGGED, name, 12, seed=seed, **kw)]
     assert batch == _alone(model, name, RAGGED, 12, seed=seed, **kw)
     assert len({tuple(t) for t in batch}) == len(batch)
@@ -97,7 +127,7 @@ def test_a_sampled_row_equals_its_prompt_alone_with_the_row_seed(model, name, se
 
 @pytest.mark.parametrize("name", SAMPLING_BATCHED)
 def test_a_sampled_row_does_not_depend_on_its_batch_mates(model, name):
-    kw = dict(options(name), do_sample=True, temperature=1.5, stop_at_eos=False, seed=3)
+    kw = dict(options(name, model), do_sample=True, temperature=1.5, stop_at_eos=False, seed=3)
     a = generate(model, RAGGED, name, 12, **kw)
     b = generate(model, [[8, 8, 1], RAGGED[1], [2] * 11, RAGGED[3]], name, 12, **kw)
     assert [a[1].token_ids, a[3].token_ids] == [b[1].token_ids, b[3].token_ids]

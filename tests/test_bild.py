@@ -15,6 +15,9 @@ import torch
 import layerleap
 from layerleap import Transformer, tiny_config
 from layerleap.decoding import GenerationConfig, GenerationError, Run
+from layerleap.drafters.base import ChainRule
+from layerleap.drafters.companion import DraftModel
+from layerleap.drafters.early_exit import EarlyExitDrafter
 from layerleap.methods import bild as bild_mod
 
 
@@ -123,12 +126,13 @@ def test_eos_ends_like_greedy():
 
 
 # -- caches: exact rollback, nothing recomputed ---------------------------------------------------------
-def decode(large, pair_factory, n=N, **policy):
+def decode(large, drafter_factory, n=N, alpha_fb=0.5, alpha_rb=2.0, max_small=10):
     run = Run(large, [PROMPT], GenerationConfig(max_new_tokens=n, stop_at_eos=False))
-    pair = pair_factory(run)
+    drafter = drafter_factory(run, ChainRule.fallback(max_small, alpha_fb))
     with torch.inference_mode():
-        bild_mod.BiLD(run, pair, **policy).decode()
-    return run, pair
+        for _ in bild_mod.decode(run, drafter, alpha_rb):
+            pass
+    return run, drafter
 
 
 def assert_cache_matches_fresh_pass(model, cache, seq, layers=None):
@@ -145,21 +149,21 @@ def assert_cache_matches_fresh_pass(model, cache, seq, layers=None):
 def test_kv_caches_roll_back_exactly(form):
     large, small = tiny_pair(1)
     if form == "two models":
-        factory = lambda run: bild_mod.TwoModels(run, small)  # noqa: E731
+        factory = lambda run, rule: DraftModel(run, small, rule, name="small")  # noqa: E731
     else:
-        factory = lambda run: bild_mod.EarlyExit(run, 2, large.logits)  # noqa: E731
-    run, pair = decode(large, factory, alpha_fb=0.3, alpha_rb=1.0, max_small=6)
+        factory = lambda run, rule: EarlyExitDrafter(run, 2, large.logits, rule)  # noqa: E731
+    run, drafter = decode(large, factory, alpha_fb=0.3, alpha_rb=1.0, max_small=6)
     assert run.extra["rollbacks"] >= 2 and run.extra["rolled_back"] >= 2  # rollbacks really happened
     seq = PROMPT + run.out[0]
     assert len(run.out[0]) == N
-    n_large = pair.large_length
+    n_large = int(drafter.cache.lengths[-1, 0])
     assert len(seq) - 1 <= n_large <= len(seq)
-    assert_cache_matches_fresh_pass(large, pair.cache, seq)  # every layer, the skipped ones too
+    assert_cache_matches_fresh_pass(large, drafter.cache, seq)  # every layer, the skipped ones too
     if form == "two models":
-        assert_cache_matches_fresh_pass(small, pair.small.cache, seq)
-        assert pair.small_length <= len(seq)
+        assert_cache_matches_fresh_pass(small, drafter.model.cache, seq)
+        assert drafter.own_length(0) <= len(seq)
     else:
-        assert pair.h_pending is None and pair.small_length == n_large
+        assert drafter.pair.h_pending[0] is None and drafter.own_length(0) == n_large
 
 
 def test_early_exit_computes_no_layer_twice():
@@ -516,3 +520,23 @@ def test_sweep_adaptive_speculative_points_without_bild(capsys, tmp_path, tiny_h
         assert s[label]["identical"] == 2, label  # greedy-exact
         assert s[label]["draft_len_mean"] > 0 and s[label]["tokens_per_round"] >= 1
     assert "| speculative heuristic γ=2 |" in stdout and "mean γ" in stdout
+
+
+# -- a batch ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("form", ["two models", "early exit"])
+def test_a_batch_equals_its_rows_alone(form, sample):
+    """Ragged prompts falling back and rolling back at different steps: each row of a batch is what
+    its prompt decodes alone (sampled: seeded with seed + row), statistics included."""
+    from layerleap.core.run import row_seed
+    large, small = tiny_pair(1)
+    prompts = [PROMPT, [3, 9], PROMPT[::-1] + [2, 2, 8]]
+    kw = dict(forms(large, small)[form], alpha_fb=0.3, alpha_rb=1.0, max_small=6, stop_at_eos=False,
+              do_sample=sample)
+    batch = layerleap.generate(large, prompts, "bild", N, **kw, **({"seed": 4} if sample else {}))
+    alone = [layerleap.generate(large, p, "bild", N, **kw, **({"seed": row_seed(4, i)} if sample else {}))
+             for i, p in enumerate(prompts)]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    for key in ("rollbacks", "rolled_back", "fallbacks", "small_tokens", "large_tokens"):
+        assert [r.stats[key] for r in batch] == [r.stats[key] for r in alone], key
+    assert sum(r.stats["rollbacks"] for r in batch) >= 2

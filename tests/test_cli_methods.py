@@ -26,7 +26,8 @@ def test_methods_lists_every_method_with_flags(capsys):
     layerleap.get_method("greedy")
     assert set(METHODS) <= set(rows)
     assert rows["greedy"] == ["yes", "yes", "-"] and rows["sample"] == ["-", "yes", "yes"]
-    assert rows["self-spec"] == ["yes", "-", "-"] and rows["bild"] == ["-", "-", "yes"]
+    assert rows["self-spec"] == ["yes", "yes", "yes"] and rows["bild"] == ["-", "yes", "yes"]
+    assert rows["ppd"] == ["yes", "-", "-"]
     assert "draft=required (a model)" in out and "tree=1,1" in out
     rc, out, _ = cli(capsys, "methods", "--json")
     table = json.loads(out)
@@ -104,7 +105,7 @@ def test_prompts_file_decodes_a_batch(capsys, tiny_hf_dir, tiny, tmp_path, name,
     assert {g["stats"]["batch"] for g in got} == {4}  # one batch
 
 
-@pytest.mark.parametrize("method", ["calm", "self-spec"])
+@pytest.mark.parametrize("method", ["calm", "ppd"])
 def test_prompts_file_with_a_method_that_does_not_batch(capsys, tiny_hf_dir, tiny, tmp_path, method):
     f = tmp_path / "p.txt"
     f.write_text("Hello there\nSecond one\nThird\n")

@@ -147,11 +147,18 @@ def test_batch_of_4_equals_one_by_one(smollm, prompts, ours20):
         assert b.text == single.text == smollm.tokenizer.decode(single.token_ids, skip_special_tokens=True)
 
 
-def test_prompt_lookup_batch_of_4_equals_greedy(smollm, prompts, ours20):
-    """Rows that accept different numbers of drafts per call, each equal to its greedy decoding."""
+@pytest.mark.parametrize("method,options", [("prompt-lookup", {}), ("medusa", {}), ("medusa", {"tree": "2,2,1"}),
+                                            ("hidden-transfer", {}), ("speculative", {"draft": 15, "draft_len": 4}),
+                                            ("self-spec", {})])
+def test_batched_lossless_methods_equal_greedy(smollm, prompts, ours20, method, options):
+    """A batch of 4: rows that accept different numbers of drafts per call (and, for the tree
+    methods, different tree paths), each equal to its greedy decoding."""
+    if "draft" in options:  # the model's first layers as the draft model
+        from layerleap.drafters.companion import truncated
+        options = dict(options, draft=truncated(smollm, options["draft"]))
     pick = [0, 5, 10, 19]
     n = 32
-    batch = generate(smollm, [prompts[i] for i in pick], "prompt-lookup", n, chat=True, stop_at_eos=False)
+    batch = generate(smollm, [prompts[i] for i in pick], method, n, chat=True, stop_at_eos=False, **options)
     for i, b in zip(pick, batch):
         assert b.token_ids == ours20[i].token_ids[:n], f"prompt {i}"
     assert len({b.stats["accepted"] for b in batch}) > 1

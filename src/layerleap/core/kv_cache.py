@@ -110,19 +110,19 @@ class KVCache:
             raise CacheError(f"cannot truncate to {new.tolist()}: outside [left padding, filled length]")
         self.lengths[sl] = new
 
-    def compact(self, start, keep: torch.Tensor, layers: range | None = None) -> None:
-        """Keep only the new slots ``start + keep`` (``keep``: ``[K]`` or ``[B, K]`` offsets,
-        increasing) and move them to ``start .. start+K``; lengths become ``start + K``."""
+    def compact(self, start, keep, layers: range | None = None) -> None:
+        """Keep only the new slots ``start + keep`` and move them to ``start .. start+K``; lengths
+        become ``start + K``.  ``keep``: ``[K]`` (every row) or ``[B, K]`` offsets, increasing, or a
+        list of ``B`` such ``[K_b]`` tensors (rows keeping different numbers of slots)."""
         layers = range(self.n_layers) if layers is None else layers
-        keep = keep.to(torch.long)
-        if keep.dim() == 1:
-            keep = keep.unsqueeze(0).expand(self.batch, -1)
+        if isinstance(keep, torch.Tensor):
+            keep = keep.to(torch.long)
+            keep = list(keep.unsqueeze(0).expand(self.batch, -1) if keep.dim() == 1 else keep)
         start_t = torch.as_tensor(start, dtype=torch.long).expand(self.batch)
-        n_keep = keep.shape[1]
         for b in range(self.batch):
-            s = int(start_t[b])
-            src = (keep[b] + s).to(self.k.device)
+            s, kb = int(start_t[b]), keep[b].to(torch.long)
+            src = (kb + s).to(self.k.device)
             for store in (self.k, self.v):
                 vals = store[layers.start:layers.stop, b, :, :].index_select(2, src)
-                store[layers.start:layers.stop, b, :, s:s + n_keep] = vals
-        self.lengths[layers.start:layers.stop] = start_t + n_keep
+                store[layers.start:layers.stop, b, :, s:s + len(kb)] = vals
+            self.lengths[layers.start:layers.stop, b] = s + len(kb)

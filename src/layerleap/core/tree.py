@@ -189,3 +189,65 @@ def pseudo_offsets(depths: torch.Tensor, sources: list[int], steps: int) -> torc
     parts = [depths] + [src_d + i for i in range(1, steps + 1)]
     return torch.cat(parts)
 
+
+
+# -- one round's proposal ------------------------------------------------------------------------
+@dataclass
+class Candidates:
+    """What a drafter proposes for one row in one round: a chain or a tree of draft tokens after the
+    current position, verified in one model call.
+
+    - ``root``: the last chosen token, which the verifier's cache does not hold yet; it is fed in
+      front of the drafts and its row of logits predicts the drafts' first level.  ``None`` when
+      the previous call already scored that position (the round right after the prompt pass).
+    - ``tokens`` ``[k]``: the drafts; ``parents`` ``[k]``: each draft's parent draft, -1 for the
+      first level (a chain is ``-1, 0, 1, ..``); parents come before their children.
+    - ``q`` ``[k, V]`` or None: the distribution each draft was drawn from (after the same
+      temperature / top-k / top-p warps as the verifier's); None means the drafts were chosen
+      deterministically (top-k, a copy, an argmax): a certain, one-hot proposal.
+    - ``mask`` ``[1 + k, 1 + k]`` and ``depths`` ``[1 + k]`` (root first) for a tree, from
+      ``TreeBuffers`` or computed from ``parents``; None for a chain (plain causal attention)."""
+
+    root: int | None
+    tokens: torch.Tensor  # [k] long
+    parents: torch.Tensor  # [k] long
+    q: torch.Tensor | None = None  # [k, V]
+    mask: torch.Tensor | None = None  # [1 + k, 1 + k] bool, trees only
+    depths: torch.Tensor | None = None  # [1 + k] long, trees only
+    stop: str | None = None  # why a chain ended (``drafters.base.ChainRule``)
+
+    @classmethod
+    def chain(cls, root: int | None, drafts: list[int], q_rows: list[torch.Tensor] | None = None) -> "Candidates":
+        k = len(drafts)
+        return cls(root, torch.tensor(drafts, dtype=torch.long), torch.arange(-1, k - 1, dtype=torch.long),
+                   torch.stack(q_rows) if q_rows else None)
+
+    @classmethod
+    def from_tree(cls, buffers: TreeBuffers, root: int, topk: torch.Tensor | None) -> "Candidates":
+        """The tree ``buffers`` filled with ``topk`` ``[depth, K]`` draft ids by step (``draft_tokens``)."""
+        if buffers.n == 1 or topk is None:
+            return cls.chain(root, [])
+        tokens = draft_tokens(buffers, root, topk)
+        return cls(root, tokens[1:], buffers.parents[1:] - 1, None, buffers.mask, buffers.depths)
+
+    @property
+    def k(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def depth(self) -> int:
+        """The longest path's length (drafts that one round could accept)."""
+        return self.k if self.mask is None else int(self.depths.max())
+
+    @property
+    def is_chain(self) -> bool:
+        return self.mask is None
+
+    def fed(self) -> list[int]:
+        """The tokens one verification call feeds: the root (when the cache lacks it), then the drafts."""
+        return ([] if self.root is None else [self.root]) + self.tokens.tolist()
+
+    def kept(self, accepted: list[int]) -> list[int]:
+        """Offsets, among the fed tokens, of those the cache keeps: the root and the accepted drafts."""
+        first = 0 if self.root is None else 1
+        return ([0] if self.root is not None else []) + [first + a for a in accepted]

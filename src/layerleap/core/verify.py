@@ -1,15 +1,20 @@
 """Verification rules shared by every draft-and-check method, as pure functions.
 
-A *draft* is a run of proposed tokens ``d[0..k)``; the verifier has scored the same positions in
-one pass, giving ``k + 1`` rows: row ``i`` is its prediction for the position of ``d[i]`` and row
-``k`` the one after the last draft token.
+Drafts form a chain or a tree after the current position (``tree.Candidates``): ``tokens`` ``[k]``
+and ``parents`` ``[k]`` (-1 for the first level).  The verifier has scored them in one pass, giving
+``1 + k`` rows: row 0 predicts the first level, row ``1 + j`` the children of draft ``j``.  A chain is
+the tree ``parents = -1, 0, .., k-2``.
 
-- ``greedy_accept``: keep the longest prefix where the draft equals the verifier's argmax, then the
-  verifier's argmax (the output is the verifier's greedy decoding, token for token).
-- ``speculative_accept``: lossless speculative sampling (Leviathan et al. 2023, Chen et al. 2023):
-  accept ``d[i]`` with probability ``min(1, p(d_i) / q(d_i))``; at the first rejection sample from the
-  residual ``norm(max(0, p - q))``; when all are accepted sample the bonus token from ``p[k]``.  The
-  tokens it emits are distributed exactly as sampling from ``p`` one token at a time.
+- ``accept_greedy``: keep the longest root-first path whose every token is the verifier's argmax,
+  then the verifier's argmax (the output is the verifier's greedy decoding, token for token).
+- ``accept_sampled``: lossless sampling: on a chain, speculative sampling (Leviathan et al. 2023,
+  Chen et al. 2023): accept ``d[i]`` with probability ``min(1, p(d_i) / q(d_i))``, at the first
+  rejection sample from the residual ``norm(max(0, p - q))``; on a tree, SpecInfer's multi-step
+  speculative sampling (Miao et al. 2024): siblings are tried in turn, each rejection leaving the
+  residual for the next.  Deterministic drafts are one-hot proposals.  The tokens it emits are
+  distributed exactly as sampling from ``p`` one token at a time.
+- ``greedy_accept`` / ``speculative_accept`` / ``tree_accept``: the same rules in the chain and
+  flattened-tree layouts that tests and tools use.
 - ``match_candidate``: PPD's check (Yang et al. 2023, Algorithm 1 line 22): which of the early top-k
   candidates equals the token the full model chose, if any.
 - ``hard_cross_entropy`` / ``first_rollback``: BiLD's rollback rule (Kim et al. 2023, §3.4 and
@@ -39,14 +44,72 @@ def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
     return int(sampling.sample(p.reshape(1, -1).to(_device(generator, p)), generator)[0])
 
 
+def children(parents: torch.Tensor) -> dict[int, list[int]]:
+    """``parents`` ``[k]`` (-1: a child of the root) -> parent index -> its children, in order."""
+    out: dict[int, list[int]] = {}
+    for j, p in enumerate(parents.tolist()):
+        out.setdefault(int(p), []).append(j)
+    return out
+
+
+def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy acceptance over a chain or a tree of drafts.  ``tokens`` ``[k]``, ``parents`` ``[k]``
+    (-1 for the first level), verifier ``logits`` ``[1 + k, V]`` (row 0 predicts the first level, row
+    ``1 + j`` the children of draft ``j``) -> (the drafts of the longest root-first path whose every
+    token is the verifier's argmax at its parent, the verifier's token after it).  The output is the
+    verifier's greedy decoding, token for token."""
+    target = logits.argmax(-1).cpu().tolist()  # [1 + k]
+    toks, kids = tokens.cpu().tolist(), children(parents)
+    path, node = [], -1
+    while True:
+        want = int(target[node + 1])
+        nxt = next((c for c in kids.get(node, ()) if toks[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampled(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                   generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Lossless sampling over a chain or a tree (SpecInfer's multi-step speculative sampling, Miao et
+    al. 2024, Algorithm 2; for a chain, Leviathan et al. 2023).  ``p`` ``[1 + k, V]`` verifier
+    probabilities laid out as in ``accept_greedy``; ``q`` ``[k, V]`` the distribution each draft was
+    drawn from, or None when every draft was chosen deterministically (a one-hot proposal).
+
+    From the root, the children of the current node are tried in order: child ``c`` with token
+    ``x`` is accepted with probability ``min(1, r(x) / q_c(x))``; a rejected child turns ``r`` into
+    the residual ``norm(max(0, r - q_c))`` for the next sibling; the first accepted child becomes the
+    current node (``r`` its row of ``p``); when every child is rejected the token is drawn from
+    ``r``.  Each emitted token is distributed exactly as sampling from ``p`` one token at a time, for
+    siblings drawn independently from one ``q`` or chosen deterministically (one-hot ``q``: accept
+    ``x`` with probability ``r(x)``, else drop ``x`` from ``r``)."""
+    dev = _device(generator, p)
+    p = p.to(dev).double()
+    q = None if q is None else q.to(dev).double()
+    toks, kids = tokens.cpu().tolist(), children(parents)
+    path, node = [], -1
+    while True:
+        r = p[node + 1]  # [V]
+        for c in kids.get(node, ()):
+            x = toks[c]
+            q_c = torch.zeros_like(r).index_fill_(0, torch.tensor([x], device=dev), 1.0) if q is None else q[c]
+            u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=dev))
+            if u * float(q_c[x]) < float(r[x]):  # u < r/q, without a division
+                path.append(c)
+                node = c
+                break
+            r = residual(r.unsqueeze(0), q_c.unsqueeze(0))[0]
+        else:
+            return path, int(sampling.sample(r.unsqueeze(0), generator)[0])
+
+
 def greedy_accept(draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
-    """``draft`` ``[k]`` ids, verifier ``logits`` ``[k+1, V]`` -> (accepted count n, the verifier's token
-    at position n)."""
+    """A chain's ``accept_greedy``: ``draft`` ``[k]`` ids, verifier ``logits`` ``[k+1, V]`` -> (accepted
+    count n, the verifier's token at position n)."""
     k = int(draft.shape[0])
-    target = logits.argmax(-1).cpu()  # [k+1]
-    miss = (draft.cpu() != target[:k]).nonzero()
-    n = int(miss[0, 0]) if miss.numel() else k
-    return n, int(target[n])
+    path, nxt = accept_greedy(draft, torch.arange(-1, k - 1), logits)
+    return len(path), nxt
 
 
 def match_candidate(candidates: torch.Tensor, token: int) -> int | None:
@@ -66,23 +129,12 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def speculative_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
                        generator: torch.Generator | None = None) -> tuple[int, int]:
-    """Lossless speculative sampling.  ``draft`` ``[k]`` ids sampled from the draft rows ``q`` ``[k, V]``;
+    """A chain's ``accept_sampled``: ``draft`` ``[k]`` ids sampled from the draft rows ``q`` ``[k, V]``;
     verifier rows ``p`` ``[k+1, V]`` -> (accepted count n, the token at position n: a residual sample
     after a rejection, a sample of ``p[k]`` when all k were accepted)."""
     k = int(draft.shape[0])
-    dev = _device(generator, p)
-    p, q = p.to(dev), q.to(dev)  # random numbers come from the generator's device
-    if k:
-        idx = draft.view(-1, 1).to(dev)
-        p_d = p[:k].gather(1, idx).squeeze(1).double()
-        q_d = q.gather(1, idx).squeeze(1).double()
-        u = torch.rand(k, generator=generator, dtype=torch.float64, device=dev)
-        # accept iff u < p/q, written without a division (q_d > 0 for a token that was sampled)
-        reject = (u * q_d >= p_d).nonzero()
-        if reject.numel():
-            n = int(reject[0, 0])
-            return n, int(sampling.sample(residual(p[n:n + 1].double(), q[n:n + 1].double()), generator)[0])
-    return k, int(sampling.sample(p[k:k + 1], generator)[0])
+    path, nxt = accept_sampled(draft, torch.arange(-1, k - 1), p, q, generator)
+    return len(path), nxt
 
 
 def hard_cross_entropy(tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -104,22 +156,8 @@ def first_rollback(tokens: torch.Tensor, probs: torch.Tensor, alpha_rb: float) -
 
 
 def tree_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Greedy acceptance over a flattened candidate tree (Medusa / Hidden Transfer).  ``tokens``
-    ``[n]`` node ids, ``parents`` ``[n]`` (-1 for the root, node 0, which is already decided),
-    verifier ``logits`` ``[n, V]`` (row i predicts the token after node i) -> (node indices of the
-    longest root-first path whose every token equals the verifier's argmax at its parent, the
-    verifier's token after the path's last node).  With one path (a chain) this is
-    ``greedy_accept``; the output is the verifier's greedy decoding, token for token."""
-    target = logits.argmax(-1).cpu()  # [n]
-    toks, par = tokens.cpu().tolist(), parents.cpu().tolist()
-    children: dict[int, list[int]] = {}
-    for j, p in enumerate(par):
-        if p >= 0:
-            children.setdefault(p, []).append(j)
-    path = [0]
-    while True:
-        want = int(target[path[-1]])
-        nxt = next((c for c in children.get(path[-1], ()) if toks[c] == want), None)
-        if nxt is None:
-            return path, want
-        path.append(nxt)
+    """``accept_greedy`` over a flattened ``TreeBuffers`` tree whose node 0 is the root: ``tokens``
+    ``[n]``, ``parents`` ``[n]`` (-1 for node 0), ``logits`` ``[n, V]`` -> (node indices of the
+    accepted path, root first, the verifier's token after it)."""
+    path, nxt = accept_greedy(tokens[1:], parents[1:] - 1, logits)
+    return [0] + [1 + j for j in path], nxt

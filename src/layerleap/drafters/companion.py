@@ -1,9 +1,10 @@
-"""A second model inside one ``generate`` call: BiLD's small model, speculative decoding's draft.
+"""A second model inside one ``generate`` call: BiLD's small model, speculative decoding's draft
+(``DraftModel``, the drafter over a ``Companion``).
 
 ``Run`` meters the main model (``run.forward`` counts its calls and token-layer evaluations).  A
 ``Companion`` gives the second model its own KV cache and its own meters, kept in ``run.extra``
 under ``<name>_calls``, ``<name>_layer_evals`` and ``<name>_prompt_layer_evals`` (so they appear in
-``GenerationResult.stats``).  Batch 1, as the two-model methods are.
+``GenerationResult.stats``; for a batch, the whole batch's).  One cache row per prompt.
 
 ``check_pair`` refuses pairs that cannot cooperate: different vocabularies or tokenizers, a
 "small" model larger than the large one, different devices.
@@ -19,49 +20,68 @@ from torch import nn
 from ..core.run import GenerationError, Run
 from ..core.kv_cache import KVCache
 from ..core.model import Transformer
+from .base import ChainRule, StepDrafter
 
 
 class Companion:
+    """The second model's cache (one row per prompt, left padded as ``Run.prefill`` pads) and meters."""
+
     def __init__(self, run: Run, model: Transformer, name: str, extra_slots: int = 0):
         self.run, self.model, self.name = run, model, name
-        self.prompt = run.prompts[0]
-        self.cache: KVCache = model.new_cache(1, len(self.prompt) + run.gen.max_new_tokens + extra_slots + 1)
+        longest = max(len(p) for p in run.prompts)
+        self.cache: KVCache = model.new_cache(run.batch, longest + run.gen.max_new_tokens + extra_slots + 1)
         for key in ("calls", "layer_evals", "prompt_layer_evals"):
             run.extra.setdefault(f"{name}_{key}", 0)
 
-    @property
-    def length(self) -> int:
-        """Tokens in the cache (every layer holds the same number)."""
-        return int(self.cache.lengths[0, 0])
+    def length(self, row: int = 0) -> int:
+        """Tokens of ``row`` in the cache, left padding excluded (every layer holds the same number)."""
+        return int(self.cache.lengths[0, row] - self.cache.pad[row])
 
     def _count(self, key: str, n: int) -> None:
         self.run.extra[f"{self.name}_{key}"] += n
 
     def prefill(self) -> torch.Tensor:
-        """Run the prompt through every layer; -> logits ``[V]`` for the first new position."""
-        ids = torch.tensor([self.prompt], dtype=torch.long, device=self.model.device)
-        logits = self.model(ids, cache=self.cache)
+        """Run the prompts through every layer; -> logits ``[B, V]`` for the first new position."""
+        prompts, dev = self.run.prompts, self.model.device
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            self.cache.pad[b] = longest - len(p)
+        pos = (torch.arange(longest).unsqueeze(0) - self.cache.pad.unsqueeze(1)).clamp(min=0)
+        logits = self.model(ids.to(dev), positions=pos.to(dev), cache=self.cache)
         self._count("calls", 1)
         n = self.model.config.n_layers  # counted as Run.prefill counts: the last position predicts a new token
-        self._count("prompt_layer_evals", n * (len(self.prompt) - 1))
-        self._count("layer_evals", n)
-        return logits[0, -1]
+        self._count("prompt_layer_evals", n * sum(len(p) - 1 for p in prompts))
+        self._count("layer_evals", n * len(prompts))
+        return logits[:, -1]
 
-    def forward(self, tokens: list[int]) -> torch.Tensor:
-        """Append ``tokens`` (one model call over every layer) -> logits ``[S, V]``, row ``i`` predicting
-        the token after ``tokens[i]``."""
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        n = self.length
-        pos = torch.arange(n, n + len(tokens), device=self.model.device).unsqueeze(0)
-        logits = self.model(ids, positions=pos, cache=self.cache)
+    def forward_rows(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Append each listed row's tokens (ONE model call over every layer; other rows and shorter
+        lists are padded with filler tokens, then rolled back) -> row -> logits ``[S_b, V]``, row ``i``
+        predicting the token after ``tokens[i]``."""
+        B, S = self.cache.batch, max(len(t) for t in feed.values())
+        ids = torch.zeros(B, S, dtype=torch.long)
+        for b, t in feed.items():
+            ids[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+        start = self.cache.lengths[0].clone()
+        pos = ((start - self.cache.pad).unsqueeze(1) + torch.arange(S)).clamp(max=self.model.config.max_position - 1)
+        logits = self.model(ids.to(self.model.device), positions=pos.to(self.model.device), cache=self.cache)
+        keep = start.clone()
+        for b, t in feed.items():
+            keep[b] += len(t)
+        self.cache.truncate(keep)
         self._count("calls", 1)
-        self._count("layer_evals", self.model.config.n_layers * len(tokens))
-        return logits[0]
+        self._count("layer_evals", self.model.config.n_layers * sum(len(t) for t in feed.values()))
+        return {b: logits[b, :len(t)] for b, t in feed.items()}
 
-    def truncate(self, length: int) -> None:
-        """Roll the cache back to its first ``length`` tokens (no-op when it holds fewer)."""
-        if length < self.length:
-            self.cache.truncate(length)
+    def truncate(self, lengths: dict[int, int]) -> None:
+        """Roll each listed row back to its first ``lengths[row]`` tokens (no-op where it holds fewer)."""
+        new = self.cache.lengths[0].clone()
+        for b, n in lengths.items():
+            new[b] = min(int(new[b]), n + int(self.cache.pad[b]))
+        if bool((new != self.cache.lengths[0]).any()):
+            self.cache.truncate(new)
 
 
 _SAME_TOKENIZER: dict[tuple[int, int], bool] = {}
@@ -116,3 +136,32 @@ def truncated(model: Transformer, n_layers: int, head=None) -> Transformer:
         # register a module, which attribute lookup finds after the method)
         object.__setattr__(t, "logits", head)
     return t.eval()
+
+
+class DraftModel(StepDrafter):
+    """Speculative decoding's drafter: a second, smaller model with the same tokenizer writes the
+    chains (``ChainRule``); the target model scores them.  Both caches roll back to the accepted
+    tokens; the draft model catches up on the target's tokens at the next round's start.  Its meters
+    (``<name>_calls``, ``<name>_layer_evals``) count the whole batch."""
+
+    batched = True
+    draft_first = True  # the draft model has its own row for the first new position
+
+    def __init__(self, run: Run, draft: Transformer, rule: ChainRule, name: str = "draft", extra_slots: int = 1):
+        super().__init__(run, rule, extra_slots)
+        self.model = Companion(run, draft, name, extra_slots=extra_slots)
+
+    def prefill(self) -> torch.Tensor:
+        rows = super().prefill()
+        self.draft_rows = self.model.prefill()
+        return rows
+
+    def own_length(self, row: int) -> int:
+        return self.model.length(row)
+
+    def step_rows(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        return {b: logits[-1] for b, logits in self.model.forward_rows(feed).items()}
+
+    def update(self, cands, results) -> None:
+        super().update(cands, results)
+        self.model.truncate({b: len(self.seq(b)) + len(r[0]) for b, r in enumerate(results) if r is not None})

@@ -5,7 +5,7 @@ decoding).
 ``EarlyExit`` keeps the lower layers' cache ahead of the upper ones by the tokens the small model
 has produced since the last large pass; their layer-E hidden states wait in ``h_pending``, so the
 large model runs only layers ``[E, n_layers)`` for them and no layer is computed twice for a kept
-token.  ``exit_head`` resolves the ``head=`` option of the methods that use it.
+token.  ``EarlyExitDrafter`` is the drafter over it.  ``exit_head`` resolves the ``head=`` option of the methods that use it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from ..core.run import Run
 from ..errors import LayerleapError
 from . import exit_heads
+from .base import ChainRule, StepDrafter
 
 HEADS = ("auto", "shared", "trained")
 
@@ -24,66 +25,147 @@ HEADS = ("auto", "shared", "trained")
 class EarlyExit:
     """One model: layers ``[0, E)`` + an exit head are the small model, all layers the large one.
     The cache's lower layers run ahead of the upper ones by the tokens the small model produced since
-    the last large pass; their layer-E hidden states wait in ``h_pending``."""
+    the last large pass; their layer-E hidden states wait in ``h_pending`` (one ``[n, D]`` tensor per
+    row).  Rows of a batch are left padded as ``Run.prefill`` pads them; lengths below count a row's
+    tokens, padding excluded."""
 
     def __init__(self, run: Run, exit_layer: int, head, extra_slots: int = 1):
         self.run, self.E, self.head = run, exit_layer, head
         self.L = run.n_layers
         self.cache = run.new_cache(extra=extra_slots)  # slots beyond the budget (drafts, PPD candidates)
-        self.h_pending: torch.Tensor | None = None  # [1, lower - upper, D]
+        self.h_pending: list[torch.Tensor | None] = [None] * run.batch  # per row [lower - upper, D]
 
-    @property
-    def small_length(self) -> int:
-        return int(self.cache.lengths[0, 0])
+    def small_length(self, row: int = 0) -> int:
+        return int(self.cache.lengths[0, row] - self.cache.pad[row])
 
-    @property
-    def large_length(self) -> int:
-        return int(self.cache.lengths[self.L - 1, 0])
+    def large_length(self, row: int = 0) -> int:
+        return int(self.cache.lengths[self.L - 1, row] - self.cache.pad[row])
 
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts through every layer -> (the exit head's rows, the model's rows) ``[B, V]`` for
+        the first new position."""
         # Run.prefill returns only the last position after its end layer; the upper layers need
-        # every prompt position's layer-E state, so the prompt pass is done here (batch 1, no pad)
-        # and metered as Run.prefill meters it.
+        # every prompt position's layer-E state, so the prompt pass is done here, padded and metered
+        # as Run.prefill pads and meters it.
         run, model = self.run, self.run.model
-        prompt = run.prompts[0]
-        ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
-        pos = torch.arange(len(prompt), device=model.device).unsqueeze(0)
-        h_exit = model.run_layers(model.embed(ids), 0, self.E, pos, self.cache)
+        longest = max(len(p) for p in run.prompts)
+        ids = torch.zeros(run.batch, longest, dtype=torch.long)
+        for b, p in enumerate(run.prompts):
+            ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            self.cache.pad[b] = longest - len(p)
+        pos = (torch.arange(longest).unsqueeze(0) - self.cache.pad.unsqueeze(1)).clamp(min=0).to(model.device)
+        h_exit = model.run_layers(model.embed(ids.to(model.device)), 0, self.E, pos, self.cache)
         h = model.run_layers(h_exit, self.E, self.L, pos, self.cache)
         run.model_calls += 1
-        run.prompt_layer_evals[0] += self.L * (len(prompt) - 1)
-        run.layer_evals[0] += self.L  # the last prompt position predicts the first token (as Run.prefill counts)
-        return self.head(h_exit[:, -1:])[0, -1], run.logits(h[:, -1:])[0, -1]
+        for b, p in enumerate(run.prompts):
+            run.prompt_layer_evals[b] += self.L * (len(p) - 1)
+            run.layer_evals[b] += self.L  # the last prompt position predicts the first token (as Run.prefill counts)
+        return self.head(h_exit[:, -1:])[:, -1], run.logits(h[:, -1:])[:, -1]
+
+    def _layers(self, rows: dict[int, torch.Tensor], start: int, end: int, count_call: bool) -> dict[int, torch.Tensor]:
+        """Layers ``[start, end)`` over each listed row's states ``[S_b, D]`` in ONE call (other rows
+        and shorter lists padded with zero states, rolled back) -> the listed rows' outputs."""
+        B, S = self.run.batch, max(int(x.shape[0]) for x in rows.values())
+        D = next(iter(rows.values())).shape[-1]
+        h = next(iter(rows.values())).new_zeros(B, S, D)
+        for b, x in rows.items():
+            h[b, :x.shape[0]] = x
+        layers = range(start, end)
+        keep = self.cache.lengths[start].clone()
+        h = self.run.forward(self.cache, h=h, start=start, end=end, count_call=count_call)
+        for b, x in rows.items():
+            keep[b] += x.shape[0]
+        self.cache.truncate(keep, layers=layers)
+        return {b: h[b, :x.shape[0]] for b, x in rows.items()}
+
+    def _embed(self, tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        model = self.run.model
+        return {b: model.embed(torch.tensor([t], dtype=torch.long, device=model.device))[0] for b, t in tokens.items()}
+
+    def small_steps(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Layers ``[0, E)`` of each listed row's tokens (one call) -> the exit head's row ``[V]`` after
+        the row's last token; their layer-E states wait for the large pass."""
+        out = self._layers(self._embed(feed), 0, self.E, count_call=True)
+        rows = {}
+        for b, h in out.items():
+            self.h_pending[b] = h if self.h_pending[b] is None else torch.cat([self.h_pending[b], h])
+            rows[b] = self.head(h[-1:].unsqueeze(0))[0, -1]
+        return rows
 
     def small_step(self, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.run.model.device)
-        h = self.run.forward(self.cache, ids, start=0, end=self.E)
-        self.h_pending = h if self.h_pending is None else torch.cat([self.h_pending, h], 1)
-        return self.head(h[:, -1:])[0, -1]
+        return self.small_steps({0: tokens})[0]
+
+    def large_passes(self, fed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """``fed[b]`` = everything after row ``b``'s upper layers' cache.  Tokens the small model
+        already ran continue from their layer-E states; the rest (at most the newest two) run from
+        the embedding.  One model call -> logits ``[len(fed[b]), V]`` per row."""
+        fresh = {}
+        for b, tokens in fed.items():
+            ahead = self.small_length(b) - self.large_length(b)  # tokens with a layer-E state waiting
+            if tokens[ahead:]:
+                fresh[b] = tokens[ahead:]
+        low = self._layers(self._embed(fresh), 0, self.E, count_call=True) if fresh else {}
+        states = {}
+        for b in fed:
+            parts = [x for x in (self.h_pending[b], low.get(b)) if x is not None]
+            states[b] = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self.h_pending[b] = None
+        out = self._layers(states, self.E, self.L, count_call=not fresh)
+        return {b: self.run.logits(h.unsqueeze(0))[0] for b, h in out.items()}
 
     def large_pass(self, tokens: list[int]) -> torch.Tensor:
-        """``tokens`` = everything after the upper layers' cache.  Those the small model already ran
-        continue from their layer-E states; the rest (at most the newest two) run from the embedding.
-        One model call."""
-        ahead = self.small_length - self.large_length  # tokens with a layer-E state waiting
-        parts = [self.h_pending] if ahead else []
-        fresh = tokens[ahead:]
-        if fresh:
-            ids = torch.tensor([fresh], dtype=torch.long, device=self.run.model.device)
-            parts.append(self.run.forward(self.cache, ids, start=0, end=self.E))
-        h = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
-        h = self.run.forward(self.cache, h=h, start=self.E, end=self.L, count_call=not fresh)
-        self.h_pending = None
-        return self.run.logits(h)[0]
+        return self.large_passes({0: tokens})[0]
 
-    def truncate(self, n: int) -> None:
-        upper, lower = self.large_length, self.small_length
-        if upper > n:
-            self.cache.truncate(n, layers=range(self.E, self.L))
+    def truncate(self, n: int, row: int = 0) -> None:
+        """Roll ``row`` back to its first ``n`` tokens in every layer (no-op where it holds fewer)."""
+        upper, lower = self.large_length(row), self.small_length(row)
+        pad = int(self.cache.pad[row])
+        for layers, length in ((range(self.E, self.L), upper), (range(0, self.E), lower)):
+            if length > n:
+                new = self.cache.lengths[layers.start].clone()
+                new[row] = n + pad
+                self.cache.truncate(new, layers=layers)
         if lower > n:
-            self.cache.truncate(n, layers=range(0, self.E))
             keep = n - min(upper, n)
-            self.h_pending = self.h_pending[:, :keep] if keep > 0 and self.h_pending is not None else None
+            pending = self.h_pending[row]
+            self.h_pending[row] = pending[:keep] if keep > 0 and pending is not None else None
+
+
+class EarlyExitDrafter(StepDrafter):
+    """The drafter over ``EarlyExit``: layers ``[0, E)`` and the exit head write the chains
+    (``ChainRule``); the target scores them with layers ``[E, n_layers)`` continuing from the drafts'
+    layer-E states (self-speculative decoding, BiLD's early-exit form).  Every row of a batch drafts
+    in the same steps and is scored in one call."""
+
+    batched = True
+
+    def __init__(self, run: Run, exit_layer: int, head, rule: ChainRule, extra_slots: int = 1,
+                 draft_first: bool = False):
+        self.pair = EarlyExit(run, exit_layer, head, extra_slots=extra_slots)
+        self.draft_first = draft_first  # BiLD: the small model proposes the first token too
+        super().__init__(run, rule, extra_slots, cache=self.pair.cache)
+
+    def prefill(self) -> torch.Tensor:
+        self.draft_rows, self.first_rows = self.pair.prefill()
+        return self.first_rows
+
+    def own_length(self, row: int) -> int:
+        return self.pair.small_length(row)
+
+    def step_rows(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        return self.pair.small_steps(feed)
+
+    def score(self, cands):
+        fed = {b: c.fed() for b, c in enumerate(cands) if c is not None and c.fed()}  # after the upper layers' cache
+        rows = self.pair.large_passes(fed) if fed else {}
+        return [None if c is None else self._rows(b, c, rows[b]) if b in rows else self.first_rows[b:b + 1]
+                for b, c in enumerate(cands)]
+
+    def update(self, cands, results) -> None:
+        for b, r in enumerate(results):
+            if r is not None:
+                self.pair.truncate(len(self.seq(b)) + len(r[0]), b)  # the root and the accepted drafts stay
+        self.update_length(cands, results)
 
 
 # -- exit heads -----------------------------------------------------------------------------------

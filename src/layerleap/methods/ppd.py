@@ -138,7 +138,7 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
     lo = d - dbar  # the layers a sub-process runs before the main process needs its result
     pair = EarlyExit(run, dbar, exit_head, extra_slots=k + 1)
     cache = pair.cache
-    head_logits, logits = pair.prefill()  # the prompt: all layers; the exit head at its last position
+    head_logits, logits = (rows[0] for rows in pair.prefill())  # the prompt: all layers; the exit head at its end
     clock, runs = Clock(), Runs()
     clock.run_main(dbar)
     dev = model.device

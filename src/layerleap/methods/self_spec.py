@@ -9,11 +9,13 @@ recomputed; only the last draft, which the lower layers have not seen, runs from
 full model's own next token, so the output is greedy decoding, token for token.  Rejected drafts
 leave every layer of the cache (``KVCache.truncate`` per layer range).
 
-The draft-and-verify state (a cache whose lower layers run ahead of the upper ones, the pending
-layer-d̄ states) is ``drafters/early_exit.py``'s ``EarlyExit``, reused as is.
+The drafter is ``drafters/early_exit.py``'s ``EarlyExitDrafter`` (a cache whose lower layers run
+ahead of the upper ones, the pending layer-d̄ states), the loop and the rule ``draft_verify``'s.
+Sampling draws the drafts from the exit head's warped distribution and accepts them by speculative
+sampling: lossless.
 
-``min_confidence``: stop drafting early when the exit head's top probability falls below it (0 =
-always draft ``draft_len``).
+``min_confidence``: stop drafting early when the exit head's top probability falls below it (that
+position is left to the full model; 0 = always draft ``draft_len``).
 
 Stats: ``exit_layer``, ``head``, ``rounds`` (verification passes), ``drafted``, ``accepted``,
 ``acceptance`` (accepted / drafted), ``tokens_per_round``, ``draft_steps``.
@@ -23,11 +25,11 @@ from __future__ import annotations
 
 from numbers import Real
 
-import torch
 
-from ..core import verify
 from ..core.run import GenerationError, Run, register
-from ..drafters.early_exit import EarlyExit
+from ..drafters.base import ChainRule, DraftLength
+from ..drafters.early_exit import EarlyExitDrafter
+from . import draft_verify
 from .speculative import MAX_DRAFT_LEN
 
 
@@ -48,46 +50,17 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
                               f"top probability is below it; 0 = never), got {min_confidence!r}")
 
 
-@register("self-spec", exact=True)
+@register("self-spec", batched=True, sampling=True, exact=True)
 def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
               head="auto"):
-    """Self-speculative decoding (exact greedy): draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV."""
+    """Self-speculative decoding: draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV (greedy-exact; lossless sampling)."""
     from ..drafters.exit_heads import get_head
-    model = run.model
     d = run.n_layers
     E = default_exit_layer(d) if exit_layer is None else exit_layer
     check_options(d, E, draft_len, min_confidence)
-    exit_head = get_head(model, E, head)
-    eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
-    st = run.extra
-    st.update(exit_layer=E, head=exit_head.kind, rounds=0, drafted=0, accepted=0, draft_steps=0)
-
-    pair = EarlyExit(run, E, exit_head, extra_slots=1)
-    _, logits = pair.prefill()
-    x = int(logits.argmax())
-    seq = list(run.prompts[0]) + [x]  # seq[-1] is verified and in no layer's cache yet
-    done = run.emit(0, [x])
-    while not done:
-        yield
-        budget = min(draft_len, run.remaining() - 1)
-        drafts: list[int] = []
-        while len(drafts) < budget:  # each step: layers [0, E) of the newest token, then the exit head
-            q = pair.small_step([seq[-1] if not drafts else drafts[-1]])
-            st["draft_steps"] += 1
-            if min_confidence > 0 and float(q.float().softmax(-1).max()) < min_confidence:
-                break
-            drafts.append(int(q.argmax()))
-            if drafts[-1] in eos:
-                break
-        base = len(seq) - 1  # slot of seq[-1]
-        rows = pair.large_pass(seq[pair.large_length:] + drafts)  # [1 + len(drafts), V]
-        n, nxt = verify.greedy_accept(torch.tensor(drafts, dtype=torch.long), rows)
-        pair.truncate(base + 1 + n)  # seq[-1] and the accepted drafts stay in every layer
-        new = drafts[:n] + [nxt]
-        seq.extend(new)
-        st["rounds"] += 1
-        st["drafted"] += len(drafts)
-        st["accepted"] += n
-        done = run.emit(0, new)
-    st["acceptance"] = st["accepted"] / st["drafted"] if st["drafted"] else None
-    st["tokens_per_round"] = (len(run.out[0]) - 1) / st["rounds"] if st["rounds"] else None
+    exit_head = get_head(run.model, E, head)
+    run.extra.update(exit_layer=E, head=exit_head.kind)
+    rule = ChainRule(DraftLength(draft_len), float(min_confidence), keep_unsure=False)
+    drafter = EarlyExitDrafter(run, E, exit_head, rule, extra_slots=draft_len + 1)  # a batch's fillers
+    yield from draft_verify.decode(run, drafter)
+    draft_verify.per_row(run, "draft_steps", drafter.draft_steps)

@@ -27,7 +27,11 @@ decoding and sampling stays lossless (every position is verified by the same acc
 whatever γ was).
 
 Both caches roll back exactly: the target keeps its entries for the accepted drafts, the draft
-keeps what it computed for them, and neither recomputes an accepted token.
+keeps what it computed for them, and neither recomputes an accepted token.  A list of prompts
+decodes as one batch: the draft model writes every row's chain in the same steps (a row that has
+stopped drafting rides along as filler), each row with its own γ and random generator, and the
+target scores all chains in one call.  The drafter is
+``drafters.companion.DraftModel``; the loop and the acceptance rule are ``draft_verify``'s.
 
 Stats: ``draft_calls``, ``draft_layer_evals`` (the draft's own meters), ``drafted``,
 ``accepted``, ``acceptance`` (accepted / drafted), ``rounds`` (target calls after the prompt),
@@ -38,28 +42,14 @@ Stats: ``draft_calls``, ``draft_layer_evals`` (the draft's own meters), ``drafte
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from numbers import Real
 
-import torch
-
-from ..core import sampling, verify
-from ..drafters.companion import Companion, check_pair
 from ..core.run import GenerationError, Run, register
+from ..drafters.base import SCHEDULES, ChainRule, DraftLength
+from ..drafters.companion import DraftModel, check_pair
+from . import draft_verify
 
-SCHEDULES = ("constant", "heuristic")
-
-
-@dataclass
-class DraftLength:
-    """γ for the next round and how it moves (`transformers`' constant and heuristic schedules)."""
-    gamma: int
-    schedule: str = "constant"
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if self.schedule == "heuristic":
-            self.gamma = self.gamma + 2 if accepted == drafted else max(1, self.gamma - 1)
-
+__all__ = ["DraftLength", "check_options", "speculative"]
 
 MAX_DRAFT_LEN = 256  # drafts per round; more only wastes draft calls on rejected tokens
 
@@ -77,33 +67,7 @@ def check_options(draft_len, schedule, min_confidence) -> None:
                               f"whose top probability is below it; 0 = off), got {min_confidence!r}")
 
 
-def _warp(run: Run, logits: torch.Tensor) -> torch.Tensor:
-    g = run.gen
-    return sampling.probs(logits, g.temperature, g.top_k, g.top_p)
-
-
-def _draft(run: Run, dm: Companion, d_logits: torch.Tensor, k: int, min_confidence: float, eos: set):
-    """Up to ``k`` draft tokens from ``d_logits`` (the draft's row for the next position) on ->
-    (tokens, their warped rows when sampling, whether low confidence stopped the round)."""
-    sample = run.gen.do_sample
-    drafts: list[int] = []
-    q_rows = []
-    while True:
-        if sample:
-            q = _warp(run, d_logits)
-            tok = verify.draw(q, run.generators[0])
-            q_rows.append(q)
-        else:
-            q = d_logits.float().softmax(-1) if min_confidence > 0 else None
-            tok = int(d_logits.argmax())
-        drafts.append(tok)
-        unsure = min_confidence > 0 and float(q.max()) < min_confidence
-        if len(drafts) == k or tok in eos or unsure:
-            return drafts, q_rows, unsure and len(drafts) < k
-        d_logits = dm.forward([tok])[-1]
-
-
-@register("speculative", sampling=True, exact=True, models=("draft",))
+@register("speculative", batched=True, sampling=True, exact=True, models=("draft",))
 def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "constant",
                 min_confidence: float = 0.4):
     """Speculative decoding with a draft model (draft=, γ = draft_len, schedule, min_confidence): greedy-exact or lossless sampling."""
@@ -111,62 +75,8 @@ def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "consta
         raise GenerationError("method 'speculative' needs a draft model: generate(..., draft=layerleap.load(...))")
     check_options(draft_len, schedule, min_confidence)
     check_pair(run.model, draft, "draft", "draft")
-    sample = run.gen.do_sample
-    eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
-    stats = run.extra
-    stats.update(drafted=0, accepted=0, rounds=0, draft_len_max=0, confidence_stops=0)
-    gamma = DraftLength(draft_len, schedule)
-
-    cache = run.new_cache(extra=draft_len + 1)
-    t_next = run.logits(run.prefill(cache))[0, -1]  # the prompt pass's prediction for the first token
-    dm = Companion(run, draft, "draft", extra_slots=draft_len + 1)
-    d_logits = dm.prefill()
-    seq = list(run.prompts[0])
-    while True:
-        # the target's cache holds seq, or (after the first round) seq[:-1], seq[-1] being its own token
-        k = min(gamma.gamma, run.remaining() - 1)
-        drafts, q_rows, stopped = [], [], False
-        if k > 0:
-            if dm.length < len(seq):
-                d_logits = dm.forward(seq[dm.length:])[-1]
-            drafts, q_rows, stopped = _draft(run, dm, d_logits, k, min_confidence, eos)
-        if t_next is not None:  # first round: the prompt pass scored the first position
-            rows = [t_next.unsqueeze(0)]
-            if drafts:
-                ids = torch.tensor([drafts], dtype=torch.long, device=run.model.device)
-                rows.append(run.logits(run.forward(cache, ids))[0])
-            rows = torch.cat(rows)
-            t_next = None
-        else:
-            ids = torch.tensor([[seq[-1]] + drafts], dtype=torch.long, device=run.model.device)
-            rows = run.logits(run.forward(cache, ids))[0]  # [k+1, V]
-        d = torch.tensor(drafts, dtype=torch.long)
-        if sample:
-            p = _warp(run, rows)
-            q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
-            n, nxt = verify.speculative_accept(d, q, p, run.generators[0])
-        else:
-            n, nxt = verify.greedy_accept(d, rows)
-        _count(stats, len(drafts), n, stopped)
-        gamma.update(len(drafts), n)
-        cache.truncate(min(int(cache.lengths[0, 0]), len(seq) + n))  # seq and the accepted drafts
-        dm.truncate(len(seq) + n)
-        new = drafts[:n] + [nxt]
-        seq.extend(new)
-        if run.emit(0, new):
-            return _finish(stats, len(run.out[0]))
-        yield
-
-
-def _count(stats: dict, drafted: int, accepted: int, stopped: bool) -> None:
-    stats["rounds"] += 1
-    stats["drafted"] += drafted
-    stats["accepted"] += accepted
-    stats["draft_len_max"] = max(stats["draft_len_max"], drafted)
-    stats["confidence_stops"] += int(stopped)
-
-
-def _finish(stats: dict, new_tokens: int) -> None:
-    stats["acceptance"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
-    stats["draft_len_mean"] = stats["drafted"] / stats["rounds"] if stats["rounds"] else None
-    stats["tokens_per_round"] = new_tokens / stats["rounds"] if stats["rounds"] else None
+    rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=True)
+    counts = yield from draft_verify.decode(run, DraftModel(run, draft, rule, extra_slots=draft_len + 1))
+    draft_verify.per_row(run, "draft_len_max", [c.draft_max for c in counts])
+    draft_verify.per_row(run, "draft_len_mean", [c.drafted / c.rounds if c.rounds else None for c in counts])
+    draft_verify.per_row(run, "confidence_stops", [c.stops["unsure"] for c in counts])

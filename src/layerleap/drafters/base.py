@@ -1,0 +1,248 @@
+"""The drafter interface: what every draft-and-verify method plugs into ``methods.draft_verify``.
+
+A ``Drafter`` proposes candidate tokens, has the target model score them in one call, and hears
+back what was accepted (in the spirit of `transformers`' ``CandidateGenerator`` and Medusa's
+``generate_candidates -> tree_decoding -> evaluate_posterior -> update``):
+
+- ``prefill()`` -> ``[B, V]``: the prompt pass; the target's logits for the first new position;
+- ``propose(roots, budgets)`` -> one ``Candidates`` per live row: a chain or a tree after the row's
+  current position, with the draft distributions when the drafts were sampled;
+- ``score(cands)`` -> one ``[1 + k, V]`` logits tensor per row: ONE target call over every row's
+  root and drafts (row 0 predicts the first level, ``1 + j`` the children of draft ``j``);
+- ``update(cands, results)``: each row's accepted drafts and the target's next token; the drafter
+  rolls its caches back to them and keeps what it needs for the next round.
+
+The base class scores with the target model itself (chains padded with filler tokens that nothing
+attends to; trees with tree attention, every row of a batch the same tree at its own position) and
+rolls the target's cache back by position (chains) or keeps each row's accepted path (trees).  ``StepDrafter`` is a drafter that writes its chain one token at a time from its
+own next-token rows (a draft model, an early exit), stopping by ``ChainRule``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..core import sampling, verify
+from ..core.kv_cache import KVCache
+from ..core.run import Run
+from ..core.tree import Candidates
+
+Result = tuple[list[int], int | None]  # (accepted draft indices, the target's next token)
+
+
+class Drafter:
+    """Proposes candidates for one ``generate`` call, scored by the target model (see the module
+    docstring).  ``batched``: proposes and scores a list of prompts as one batch."""
+
+    batched = False
+    draft_first = False  # drafts right after the prompt pass (else that token comes from the prompt pass alone)
+
+    def __init__(self, run: Run, extra_slots: int, cache: KVCache | None = None):
+        self.run = run
+        self.cache = run.new_cache(extra=extra_slots) if cache is None else cache
+        self.first_rows: torch.Tensor | None = None  # [B, V] the prompt pass's rows
+        self.hidden: torch.Tensor | None = None  # [B, S, D] the last target call's last-layer states
+        self.start: torch.Tensor | None = None  # [B] the target cache's length before the last call
+
+    # -- the interface ---------------------------------------------------------------------------
+    def prefill(self) -> torch.Tensor:
+        """The prompt pass -> the target's logits ``[B, V]`` for the first new position."""
+        self.hidden = self.run.prefill(self.cache)  # [B, 1, D]
+        self.first_rows = self.run.logits(self.hidden)[:, -1]
+        return self.first_rows
+
+    def propose(self, roots: list[int | None], budgets: list[int | None]) -> list[Candidates | None]:
+        """Each live row's candidates: at most ``budgets[b]`` drafts along any path after ``roots[b]``
+        (None: right after the prompt); None for a finished row (``budgets[b]`` None)."""
+        return [None if budget is None else Candidates.chain(None, []) if root is None and not self.draft_first
+                else self.propose_row(b, root, budget) for b, (root, budget) in enumerate(zip(roots, budgets))]
+
+    def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
+        """One row's candidates, for drafters that propose row by row."""
+        raise NotImplementedError
+
+    def score(self, cands: list[Candidates | None]) -> list[torch.Tensor | None]:
+        """One target call over every live row's root and drafts (None: a finished row)."""
+        self.start = self.cache.lengths[0].clone()
+        ids, tree = self.batch_tokens(cands)
+        if ids is None:  # nothing to feed: the prompt pass already scored the only position
+            return [None if c is None else self.first_rows[b:b + 1] for b, c in enumerate(cands)]
+        if tree is not None:  # every row the same tree, at its own position
+            pos = (self.start - self.cache.pad).unsqueeze(1) + tree.depths.unsqueeze(0)  # [B, 1 + k]
+            pos = pos.clamp(max=self.run.model.config.max_position - 1).to(self.run.model.device)
+            h = self.run.forward(self.cache, ids, positions=pos, mask=tree.mask.to(self.run.model.device))
+        else:
+            pos = self.run.positions(self.cache, ids.shape[1]).clamp(max=self.run.model.config.max_position - 1)
+            h = self.run.forward(self.cache, ids, positions=pos)
+        self.hidden = h
+        logits = self.run.logits(h)  # [B, S, V]
+        return [None if c is None else self._rows(b, c, logits[b, :len(c.fed())]) for b, c in enumerate(cands)]
+
+    def batch_tokens(self, cands: list[Candidates | None]) -> tuple[torch.Tensor | None, Candidates | None]:
+        """The fed tokens of every row ``[B, S]`` (None when no row feeds any), and the tree they share
+        (None for chains).  Chains of different lengths and finished rows are padded with filler
+        tokens that nothing attends to and that ``update`` rolls back; rows of a tree must share its
+        shape."""
+        fed = [c.fed() if c is not None else [] for c in cands]
+        S = max(len(f) for f in fed)
+        if S == 0:
+            return None, None
+        tree = next((c for c in cands if c is not None and not c.is_chain), None)
+        if tree is not None and any(c is not None and (c.is_chain or not torch.equal(c.parents, tree.parents))
+                                    for c in cands):
+            raise ValueError("the rows of a batch must propose trees of one shape")
+        pad = [f + [f[-1] if f else 0] * (S - len(f)) for f in fed]
+        return torch.tensor(pad, dtype=torch.long, device=self.run.model.device), tree
+
+    def update(self, cands: list[Candidates | None], results: list[Result | None]) -> None:
+        """Keep, in the target's cache, each row's root and accepted drafts; drop the rest."""
+        if self.start is None or bool((self.cache.lengths[0] == self.start).all()):
+            return  # no call this round
+        if any(c is not None and not c.is_chain for c in cands):
+            keep = [torch.tensor(c.kept(r[0]) if c is not None else [], dtype=torch.long)
+                    for c, r in zip(cands, results)]
+            self.cache.compact(self.start, keep)
+            return
+        keep = self.start.clone()
+        for b, (c, r) in enumerate(zip(cands, results)):
+            if c is not None:
+                keep[b] += len(c.kept(r[0]))
+        self.cache.truncate(keep)
+
+    def finish(self, stats: dict) -> None:
+        """Add the drafter's own statistics (once, after the last round)."""
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _ids(self, rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.run.model.device)
+
+    def _rows(self, b: int, cand: Candidates, rows: torch.Tensor) -> torch.Tensor:
+        """A row's ``[1 + k, V]`` rows: the prompt pass's row in front when the root was not fed."""
+        return rows if cand.root is not None else torch.cat([self.first_rows[b:b + 1], rows])
+
+    def seq(self, row: int = 0) -> list[int]:
+        """The row's prompt and the tokens emitted so far."""
+        return self.run.prompts[row] + self.run.out[row]
+
+
+# -- chains written one token at a time ------------------------------------------------------------
+SCHEDULES = ("constant", "heuristic")
+
+
+@dataclass
+class DraftLength:
+    """γ for the next round and how it moves (`transformers`' constant and heuristic schedules)."""
+    gamma: int
+    schedule: str = "constant"
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.schedule == "heuristic":
+            self.gamma = self.gamma + 2 if accepted == drafted else max(1, self.gamma - 1)
+
+
+@dataclass
+class ChainRule:
+    """When a step drafter stops a round's chain.
+
+    - ``length``: γ, the most drafts per round (None: only the budget limits it);
+    - ``min_confidence``: a draft row whose top probability is below it is *unsure*;
+    - ``keep_unsure``: True drafts the unsure row's token and then stops (speculative decoding,
+      `transformers`' ``assistant_confidence_threshold``: its step is paid); False stops before it,
+      leaving that position to the target (BiLD's fallback, self-speculative decoding).
+    Stop reasons, recorded in ``Candidates.stop``: "eos", "budget" (the output's end), "length"
+    (γ reached), "unsure"."""
+    length: DraftLength | None = None
+    min_confidence: float = 0.0
+    keep_unsure: bool = True
+
+    @classmethod
+    def fallback(cls, max_small: int | None, alpha_fb: float) -> "ChainRule":
+        """BiLD: the small model keeps the token only when its top probability is above ``alpha_fb``."""
+        return cls(None if max_small is None else DraftLength(max_small), math.nextafter(alpha_fb, math.inf), False)
+
+
+class _Chain:
+    """One row's chain while it is being written."""
+
+    def __init__(self, root: int | None, budget: int, k: int):
+        self.root, self.budget, self.k = root, budget, k
+        self.drafts: list[int] = []
+        self.q_rows: list[torch.Tensor] = []
+        self.stop: str | None = None
+
+    def candidates(self) -> Candidates:
+        cand = Candidates.chain(self.root, self.drafts, self.q_rows or None)
+        cand.stop = self.stop
+        return cand
+
+
+class StepDrafter(Drafter):
+    """A drafter that writes chains one token at a time from its own next-token rows, every row of a
+    batch in the same steps: ``step_rows({row: tokens})`` feeds each listed row its tokens (ONE call)
+    and returns its row of logits after the last; ``own_length(row)`` is how many tokens it holds for
+    the row; ``draft_rows`` ``[B, V]`` are its rows for the first new position (set by ``prefill``).
+    Each row has its own γ (``ChainRule.length``, copied per row) and random generator, so a row
+    drafts what it drafts alone."""
+
+    def __init__(self, run: Run, rule: ChainRule, extra_slots: int, cache: KVCache | None = None):
+        super().__init__(run, extra_slots, cache)
+        self.rule = rule
+        self.gamma = [None if rule.length is None else copy.copy(rule.length) for _ in range(run.batch)]
+        self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
+        self.draft_rows: torch.Tensor | None = None  # [B, V]
+        self.draft_steps = [0] * run.batch  # per row: the draft rows the drafter decided on
+
+    def own_length(self, row: int) -> int:
+        raise NotImplementedError
+
+    def step_rows(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        raise NotImplementedError
+
+    def propose(self, roots, budgets) -> list[Candidates | None]:
+        chains: dict[int, _Chain] = {}
+        for b, (root, budget) in enumerate(zip(roots, budgets)):
+            if budget is not None:
+                k = budget if self.gamma[b] is None else min(budget, self.gamma[b].gamma)
+                chains[b] = _Chain(root, budget, 0 if root is None and not self.draft_first else k)
+        writing = {b: c for b, c in chains.items() if c.k > 0}
+        catch_up = {b: self.seq(b)[self.own_length(b):] for b in writing}
+        rows = {b: self.draft_rows[b] for b, t in catch_up.items() if not t}  # right after the prompt
+        rows.update(self.step_rows({b: t for b, t in catch_up.items() if t}) if any(catch_up.values()) else {})
+        while writing:
+            feed = {b: [c.drafts[-1]] for b, c in writing.items() if self._decide(b, c, rows[b])}
+            writing = {b: writing[b] for b in feed}
+            if feed:
+                rows = self.step_rows(feed)
+        return [chains[b].candidates() if b in chains else None for b in range(len(roots))]
+
+    def _decide(self, row: int, chain: _Chain, draft_row: torch.Tensor) -> bool:
+        """Draft one token of ``chain`` from ``draft_row`` ``[V]``, or stop it; True to go on."""
+        rule, g = self.rule, self.run.gen
+        self.draft_steps[row] += 1
+        q = sampling.probs(draft_row, g.temperature, g.top_k, g.top_p) if g.do_sample else (
+            draft_row.float().softmax(-1) if rule.min_confidence > 0 else None)
+        unsure = rule.min_confidence > 0 and float(q.max()) < rule.min_confidence
+        if unsure and not rule.keep_unsure:
+            chain.stop = "unsure"
+            return False
+        chain.drafts.append(verify.draw(q, self.run.generators[row]) if g.do_sample else int(draft_row.argmax()))
+        if g.do_sample:
+            chain.q_rows.append(q)
+        n = len(chain.drafts)
+        chain.stop = ("eos" if chain.drafts[-1] in self.eos else "budget" if n == chain.budget
+                      else "length" if n == chain.k else "unsure" if unsure else None)
+        return chain.stop is None
+
+    def update(self, cands, results) -> None:
+        super().update(cands, results)
+        self.update_length(cands, results)
+
+    def update_length(self, cands, results) -> None:
+        """Move each row's γ by its round (the heuristic schedule)."""
+        for g, c, r in zip(self.gamma, cands, results):
+            if g is not None and c is not None:
+                g.update(c.k, len(r[0]))

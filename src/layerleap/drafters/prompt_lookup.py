@@ -1,0 +1,61 @@
+"""Prompt lookup (Saxena 2023; `transformers`' ``prompt_lookup_num_tokens``): drafts that need no
+draft model and no training.
+
+The last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) are looked up in the prompt
+and the output so far (``NgramIndex``); the tokens that followed their latest earlier occurrence are
+the draft, up to ``draft_len`` of them.  A copy is a deterministic, one-hot proposal.  Each row of a
+batch keeps its own index; one call scores every row's chain."""
+
+from __future__ import annotations
+
+from ..core.run import Run
+from ..core.tree import Candidates
+from .base import Drafter
+
+
+class NgramIndex:
+    """The latest start of every n-gram (``min_n <= n <= max_n``) of a growing token sequence that
+    some token follows: n-grams ending at the last token are indexed once the next one arrives, so a
+    lookup of the current suffix finds an earlier occurrence, never the suffix itself."""
+
+    def __init__(self, tokens: list[int], min_n: int, max_n: int):
+        self.tokens: list[int] = []
+        self.min_n, self.max_n = min_n, max_n
+        self.latest: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        seq = self.tokens
+        for t in tokens:
+            end = len(seq)  # index the n-grams ending at the current last token: t follows them
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.latest[tuple(seq[end - n:end])] = end - n
+            seq.append(int(t))
+
+    def draft(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching
+        suffix (longest n first); [] when no suffix occurred before."""
+        seq, end = self.tokens, len(self.tokens)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            start = self.latest.get(tuple(seq[end - n:]))
+            if start is not None:
+                return seq[start + n:start + n + k]
+        return []
+
+
+class PromptLookup(Drafter):
+    batched = True
+
+    def __init__(self, run: Run, draft_len: int, min_ngram: int, max_ngram: int):
+        super().__init__(run, extra_slots=draft_len + 1)
+        self.draft_len = draft_len
+        self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
+
+    def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
+        return Candidates.chain(root, self.index[row].draft(min(self.draft_len, budget)))
+
+    def update(self, cands, results) -> None:
+        super().update(cands, results)
+        for ix, c, r in zip(self.index, cands, results):
+            if c is not None:
+                ix.extend(c.tokens[r[0]].tolist() + [r[1]])

@@ -1,0 +1,161 @@
+"""The tree drafters: trained multi-token heads whose top-k per step make a candidate tree, verified
+with tree attention in one call (``tree.build`` shapes, ``verify.accept_greedy`` /
+``accept_sampled``).  The call that verifies a tree also gives what drafts the next one.
+
+- ``MedusaDrafter`` (Cai et al. 2024, Medusa-1): residual heads on the last layer's normalised state
+  of the last accepted node predict the tokens 2..k+1 ahead (``MedusaHeads``).
+- ``TransferDrafter`` (Wu et al., Hidden Transfer, §3.2-3.4, Figure 2): in the verification call,
+  trained projections at layers ``t_i`` (``TransferProjections``) turn every node's hidden state into
+  the *pseudo* hidden state of the token ``i`` ahead; pseudo states run on to the last layer beside
+  the real nodes (``transfer_pass``), and the accepted last node's pseudo states, through the model's
+  own final norm and unembedding, draft the next tree.
+
+Drafts are the heads' top-k, chosen deterministically, so sampling verifies them as one-hot
+proposals (lossless).  A batch verifies one tree shape per call, each row filled with its own
+drafts at its own position, and keeps each row's accepted path."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import tree as tree_mod
+from ..core.kv_cache import KVCache
+from ..core.run import GenerationError, Run
+from ..core.tree import Candidates
+from .base import Drafter
+from .medusa_transfer import MedusaHeads, TransferProjections
+
+
+def tree_buffers(run: Run, name: str, tree, steps: int) -> tree_mod.TreeBuffers:
+    """The tree's buffers, after checking the tree against the trained steps and the context."""
+    buf = tree_mod.build(tree)
+    V = run.model.config.vocab_size
+    if buf.n > 1 and max(buf.max_rank(d) for d in range(1, buf.depth + 1)) > V:
+        raise GenerationError(f"the tree takes draft ranks beyond the vocabulary ({V} tokens): give smaller top-k")
+    if buf.n > 1 and buf.depth > steps:
+        raise GenerationError(f"the tree is {buf.depth} deep but the {name} weights have {steps} step(s): give a "
+                              f"tree at most {steps} deep, or train more steps")
+    ctx = run.model.config.max_position
+    need = len(run.prompts[0]) + run.gen.max_new_tokens + max(buf.depth, steps) + 1
+    if need > ctx:
+        raise GenerationError(f"the tree does not fit the context: prompt + max_new_tokens + tree depth "
+                              f"{max(buf.depth, steps)} + 1 = {need} positions > {ctx}: shorten the prompt, lower "
+                              "max_new_tokens or use a shallower tree")
+    return buf
+
+
+def top_drafts(buf: tree_mod.TreeBuffers, step_logits: torch.Tensor) -> torch.Tensor:
+    """``[k, V]`` draft logits by step -> ``[depth, K]`` top-K token ids (K: the widest level)."""
+    K = max(buf.max_rank(d) for d in range(1, buf.depth + 1))
+    return step_logits[: buf.depth].topk(K, dim=-1).indices.cpu()
+
+
+class TreeDrafter(Drafter):
+    """What the tree drafters share: the tree, each row's drafts for the next round, the last kept
+    node.  Every row of a batch proposes the same tree shape, filled with its own drafts."""
+
+    batched = True
+
+    def __init__(self, run: Run, buf: tree_mod.TreeBuffers, extra_slots: int):
+        super().__init__(run, extra_slots)
+        self.buf = buf
+        self.topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: the next round's drafts
+
+    def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
+        if root is None or self.topk[row] is None:  # nothing drafts the first position after the prompt
+            return Candidates.chain(root, [])
+        return Candidates.from_tree(self.buf, root, self.topk[row])
+
+    def kept_states(self, cands, results, states: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Row -> ``states[b, j]`` at the last kept node ``j`` of each live row (``states`` ``[B, S, ...]``)."""
+        return {b: states[b, c.kept(r[0])[-1]] for b, (c, r) in enumerate(zip(cands, results)) if c is not None}
+
+    def finish(self, stats: dict) -> None:
+        stats["tree_nodes"] = self.buf.n
+
+
+class MedusaDrafter(TreeDrafter):
+    def __init__(self, run: Run, heads: MedusaHeads, buf: tree_mod.TreeBuffers):
+        super().__init__(run, buf, extra_slots=buf.n + 1)
+        self.heads = heads
+
+    def _draft_from(self, row: int, h: torch.Tensor) -> None:
+        """Drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
+        if self.buf.n > 1:
+            z = self.run.model.final_norm(h)
+            logits = torch.stack([self.heads.logits(i, z) for i in range(1, self.buf.depth + 1)])  # [depth, V]
+            self.topk[row] = top_drafts(self.buf, logits)
+
+    def prefill(self) -> torch.Tensor:
+        rows = super().prefill()
+        for b in range(self.run.batch):
+            self._draft_from(b, self.hidden[b, -1])
+        return rows
+
+    def update(self, cands, results) -> None:
+        called = self.start is not None and bool((self.cache.lengths[0] != self.start).any())
+        super().update(cands, results)
+        if called:
+            for b, h in self.kept_states(cands, results, self.hidden).items():
+                self._draft_from(b, h)
+
+
+def transfer_pass(run: Run, cache: KVCache, tokens: torch.Tensor, mask: torch.Tensor, depths: torch.Tensor,
+                  proj: TransferProjections, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One model call over the tree ``tokens`` ``[B, n]`` of every row (``mask`` ``[n, n]``, position
+    offsets ``depths`` ``[n]``) with pseudo states of ``steps`` transfer steps for every node: ->
+    (real nodes' last hidden states ``[B, n, D]``, pseudo states ``[B, steps, n, D]``)."""
+    model = run.model
+    B, n = tokens.shape
+    sources = list(range(n))
+    full = tree_mod.pseudo_mask(mask, sources, steps).to(model.device)  # [S, S]
+    base = (cache.lengths[0] - cache.pad).unsqueeze(1)  # [B, 1]
+    pos = (base + tree_mod.pseudo_offsets(depths, sources, steps).unsqueeze(0)).to(model.device)  # [B, S]
+    h = model.embed(tokens.to(model.device))  # [B, n, D]
+    bounds = proj.layers[:steps] + [model.config.n_layers]
+    layer = 0
+    for i, end in enumerate(bounds):
+        S = h.shape[1]
+        h = run.forward(cache, h=h, start=layer, end=end, positions=pos[:, :S],
+                        mask=full[:S, :S] if S > 1 else None, count_call=False)
+        layer = end
+        if i < steps:
+            h = torch.cat([h, proj.transfer(i + 1, h[:, :n])], dim=1)  # step i+1's pseudo states
+    run.count(0, 0)  # the segments above are one model call
+    return h[:, :n], h[:, n:].reshape(B, steps, n, h.shape[-1])
+
+
+class TransferDrafter(TreeDrafter):
+    def __init__(self, run: Run, proj: TransferProjections, buf: tree_mod.TreeBuffers):
+        self.steps = buf.depth if buf.n > 1 else 0
+        super().__init__(run, buf, extra_slots=buf.n * (self.steps + 1) + 1)
+        self.proj = proj
+        self.pseudo_states = 0
+        self.pseudo: torch.Tensor | None = None  # [B, steps, n, D]
+
+    def score(self, cands):
+        live = [c for c in cands if c is not None]
+        if live[0].root is None:  # right after the prompt: the prompt pass scored the first position
+            return super().score(cands)
+        self.start = self.cache.lengths[0].clone()
+        ids, tree = self.batch_tokens(cands)
+        shape = tree if tree is not None else live[0]
+        k1 = shape.k + 1
+        mask = shape.mask if shape.mask is not None else torch.ones(k1, k1, dtype=torch.bool).tril()
+        depths = shape.depths if shape.depths is not None else torch.arange(k1)
+        h, self.pseudo = transfer_pass(self.run, self.cache, ids, mask, depths, self.proj, self.steps)
+        self.pseudo_states += self.steps * k1 * len(live)
+        logits = self.run.model.logits(h)  # [B, n, V]
+        return [None if c is None else logits[b] for b, c in enumerate(cands)]
+
+    def update(self, cands, results) -> None:
+        called = next(c for c in cands if c is not None).root is not None
+        super().update(cands, results)
+        if called and self.steps:
+            pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
+            for b, p in self.kept_states(cands, results, pseudo).items():
+                self.topk[b] = top_drafts(self.buf, self.run.model.logits(p))  # [depth, K]
+
+    def finish(self, stats: dict) -> None:
+        super().finish(stats)
+        stats["pseudo_states"] = self.pseudo_states

@@ -1,0 +1,164 @@
+"""The one draft-and-verify loop under speculative, self-spec, prompt-lookup, medusa,
+hidden-transfer and BiLD: a drafter (``drafters.base.Drafter``) and an acceptance rule.
+
+Each round, for every unfinished row: ``propose`` a chain or a tree after the row's last token,
+``score`` all rows in ONE target call, ``accept`` by the rule, ``update`` the drafter (caches roll
+back to the accepted tokens), emit the accepted drafts and the target's next token, yield.  The round
+after the prompt pass has no root: the prompt pass already scored the first position, so a drafter
+with ``draft_first`` (a draft model; BiLD's small model in either form) drafts there, and the others
+propose nothing: the first token then comes from the prompt pass alone, at no call (the tree heads
+need a verified state; for prompt lookup and self-spec it keeps the first token as quick as greedy's).
+
+Rules:
+
+- ``Exact``: greedy decoding keeps the longest path the target agrees with plus the target's argmax
+  (``verify.accept_greedy``: output equal to greedy decoding); sampling accepts by speculative
+  sampling on a chain and SpecInfer's multi-draft rule on a tree (``verify.accept_sampled``:
+  distributed exactly as the target's own sampling).
+- ``Rollback``: BiLD's rule (``verify.first_rollback``): drafts are kept up to the first whose
+  cross-entropy under the target exceeds ``alpha_rb``; the target picks the token there.
+
+Statistics per row (a list per key for a batch): ``rounds`` (target calls after the prompt pass
+while the row ran), ``drafted`` (the longest path proposed, summed), ``accepted``, ``acceptance``,
+``tokens_per_round``; ``RoundCounts`` keeps more for the methods' own names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import sampling, verify
+from ..core.run import Run
+from ..core.tree import Candidates
+from ..drafters.base import Drafter
+
+
+@dataclass
+class RoundCounts:
+    """What the loop saw for one row."""
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    proposed: int = 0  # rounds with at least one draft
+    draft_max: int = 0
+    target_tokens: int = 0  # emitted tokens the target chose (not drafts)
+    stops: Counter = field(default_factory=Counter)  # chain stop reasons of scored rounds
+    rolled_back: int = 0  # drafts the target rejected
+    rollbacks: int = 0  # rounds with a rejected draft
+
+
+class Exact:
+    """Greedy-exact or lossless: the rule of every lossless method."""
+
+    can_reject = True
+
+    def budget(self, run: Run, row: int) -> int:
+        return run.remaining(row) - 1  # leave room for the target's own token
+
+    def accept(self, run: Run, row: int, cand: Candidates, rows: torch.Tensor) -> tuple[list[int], int]:
+        g = run.gen
+        if not g.do_sample:
+            return verify.accept_greedy(cand.tokens, cand.parents, rows)
+        p = sampling.probs(rows, g.temperature, g.top_k, g.top_p)  # [1 + k, V]
+        return verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
+
+
+class Rollback:
+    """BiLD's rollback policy over a chain (``alpha_rb``), the target choosing (greedy or sampled)
+    the token at the first rejected position or after the chain.  Its chain may fill the output: the
+    target's token then falls outside and is dropped; with ``alpha_rb = inf`` such a round is not
+    scored at all (it could change nothing)."""
+
+    def __init__(self, alpha_rb: float):
+        self.alpha_rb = alpha_rb
+        self.can_reject = not math.isinf(alpha_rb)
+
+    def budget(self, run: Run, row: int) -> int:
+        return run.remaining(row)
+
+    def accept(self, run: Run, row: int, cand: Candidates, rows: torch.Tensor) -> tuple[list[int], int]:
+        g = run.gen
+        probs = sampling.probs(rows, g.temperature, g.top_k, g.top_p) if g.do_sample else rows.float().softmax(-1)
+        m = verify.first_rollback(cand.tokens, probs[:cand.k], self.alpha_rb)
+        at = cand.k if m is None else m
+        nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else int(rows[at].argmax())
+        return list(range(at)), nxt
+
+
+EXACT = Exact()
+
+
+def decode(run: Run, drafter: Drafter, rule=EXACT):
+    """Run ``drafter`` with ``rule`` to the end of every row, yielding after each round; then write
+    the statistics into ``run.extra`` and return the per-row ``RoundCounts``."""
+    B = run.batch
+    counts = [RoundCounts() for _ in range(B)]
+    drafter.prefill()
+    roots: list[int | None] = [None] * B
+    while True:
+        cands = drafter.propose(roots, [None if run.finished[b] else rule.budget(run, b) for b in range(B)])
+        if not rule.can_reject and B == 1 and _ends_output(run, cands[0]):
+            run.emit(0, cands[0].tokens.tolist())  # nothing could change these drafts
+            _count(counts[0], cands[0], None, 0, scored=False, called=False)
+            break
+        calls = run.model_calls
+        rows = drafter.score(cands)
+        called = run.model_calls > calls
+        results = [None if c is None else rule.accept(run, b, c, rows[b]) for b, c in enumerate(cands)]
+        drafter.update(cands, results)
+        for b, (c, r) in enumerate(zip(cands, results)):
+            if c is None:
+                continue
+            before = len(run.out[b])
+            new = c.tokens[r[0]].tolist() + [r[1]]
+            run.emit(b, new)
+            _count(counts[b], c, r, int(len(run.out[b]) - before == len(new)), scored=True, called=called)
+            roots[b] = r[1]
+        if run.done:
+            break
+        yield
+    _write_stats(run, counts)
+    drafter.finish(run.extra)
+    return counts
+
+
+def _ends_output(run: Run, cand: Candidates) -> bool:
+    """The chain fills the row's output (its budget, or an end-of-sequence token)."""
+    return cand.stop in ("budget", "eos")
+
+
+def _count(c: RoundCounts, cand: Candidates, result, target_token: int, scored: bool, called: bool) -> None:
+    acc = cand.k if result is None else len(result[0])
+    c.rounds += int(called)
+    c.drafted += cand.depth
+    c.accepted += acc
+    c.proposed += int(cand.k > 0)
+    c.draft_max = max(c.draft_max, cand.k)
+    c.target_tokens += target_token
+    c.rolled_back += cand.k - acc if scored else 0
+    c.rollbacks += int(scored and acc < cand.k)
+    if scored and cand.stop is not None:
+        c.stops[cand.stop] += 1
+
+
+def _write_stats(run: Run, counts: list[RoundCounts]) -> None:
+    """``rounds``, ``drafted``, ``accepted``, ``acceptance``, ``tokens_per_round`` (a list per key for
+    a batch, a number for one row)."""
+    per_key = {
+        "rounds": [c.rounds for c in counts],
+        "drafted": [c.drafted for c in counts],
+        "accepted": [c.accepted for c in counts],
+        "acceptance": [c.accepted / c.drafted if c.drafted else None for c in counts],
+        "tokens_per_round": [len(out) / c.rounds if c.rounds else None for out, c in zip(run.out, counts)],
+    }
+    for key, values in per_key.items():
+        per_row(run, key, values)
+
+
+def per_row(run: Run, key: str, values: list) -> None:
+    """A statistic with one value per row: a list for a batch, the number for one row."""
+    run.extra[key] = values if run.batch > 1 else values[0]

@@ -1,0 +1,139 @@
+"""The one draft-and-verify loop (methods/draft_verify.py) and its verifier (core/verify.py): the
+tree rules as pure functions, and lossless sampling end to end for every method that runs on the
+loop and claims it.
+
+Sampling is checked against the model's own distribution, computed exactly on a 6-token vocabulary:
+the joint of the first three sampled tokens over many seeds, through pairs (x1, x2) and (x2, x3), so
+that the first drafted tokens of every drafter pass through the acceptance rule (a draft model
+drafts the first token; prompt lookup, self-spec and medusa the second; hidden-transfer the
+third)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_speculative import chi2_pvalue, tiny_pair
+
+import layerleap
+from layerleap.core import sampling, verify
+from layerleap.core.tree import Candidates, build
+from layerleap.drafters import medusa_transfer
+
+
+# -- the pure rules --------------------------------------------------------------------------------
+P = torch.tensor([[0.05, 0.40, 0.05, 0.30, 0.20, 0.00],  # row 0: the first level
+                  [0.10, 0.20, 0.30, 0.20, 0.10, 0.10],  # after draft 0
+                  [0.30, 0.10, 0.10, 0.10, 0.10, 0.30],  # after draft 1
+                  [0.20, 0.20, 0.20, 0.20, 0.10, 0.10]])  # after draft 2
+
+
+def _first_tokens(tokens, parents, q, n=20_000, seed=0):
+    """How often each token comes first out of ``accept_sampled`` over ``n`` draws."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(6)
+    accepted = 0
+    for _ in range(n):
+        path, nxt = verify.accept_sampled(tokens, parents, P, q, g)
+        counts[int(tokens[path[0]]) if path else nxt] += 1
+        accepted += bool(path)
+    return counts, accepted / n
+
+
+def test_tree_with_deterministic_siblings_samples_the_target():
+    """Two top-k siblings at the first level (one-hot proposals) and a child: the first token is
+    distributed as p's first row, and each sibling is accepted with its residual probability."""
+    tokens, parents = torch.tensor([1, 3, 2]), torch.tensor([-1, -1, 0])
+    counts, accepted = _first_tokens(tokens, parents, None)
+    assert abs(accepted - 0.70) < 0.02  # 0.40 for the first sibling, then 0.30 of what is left
+    assert chi2_pvalue(counts, P[0]) > 1e-3
+
+
+def test_tree_with_sampled_siblings_samples_the_target():
+    """SpecInfer's rule: siblings drawn independently from q, each rejection leaving the residual."""
+    q = torch.tensor([0.30, 0.10, 0.30, 0.10, 0.10, 0.10])
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(6)
+    for _ in range(20_000):
+        a, b = sampling.sample(q.expand(2, 6), g).tolist()
+        path, nxt = verify.accept_sampled(torch.tensor([a, b]), torch.tensor([-1, -1]), P[:3], q.expand(2, 6), g)
+        counts[[a, b][path[0]] if path else nxt] += 1
+    assert chi2_pvalue(counts, P[0]) > 1e-3
+    assert chi2_pvalue(counts, q) < 1e-9
+
+
+def test_accepted_path_follows_the_tree():
+    """After accepting draft 0 the rule tries draft 0's child against row 1, never draft 1's subtree."""
+    tokens, parents = torch.tensor([1, 3, 2]), torch.tensor([-1, -1, 0])
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2000):
+        path, nxt = verify.accept_sampled(tokens, parents, P, None, g)
+        assert path in ([], [0], [0, 2], [1])
+    logits = torch.log(P + 1e-9)
+    assert verify.accept_greedy(tokens, parents, logits) == ([0, 2], 0)  # argmax 1, then 2, then row 3's first 0.2
+    assert verify.accept_greedy(tokens[:0], parents[:0], logits[:1]) == ([], 1)
+
+
+def test_candidates_from_a_tree_keep_its_shape():
+    buf = build([(0,), (1,), (0, 0)])
+    topk = torch.tensor([[7, 8], [9, 5]])
+    c = Candidates.from_tree(buf, 4, topk)
+    assert c.fed() == [4, 7, 8, 9] and c.parents.tolist() == [-1, -1, 0] and c.depth == 2
+    assert c.kept([0, 2]) == [0, 1, 3]
+    chain = Candidates.chain(None, [3, 4])
+    assert chain.fed() == [3, 4] and chain.kept([0]) == [0] and chain.is_chain
+
+
+# -- lossless sampling end to end -------------------------------------------------------------------
+def exact_joint3(model, prompt: list[int], warp: dict) -> torch.Tensor:
+    """P(x1, x2, x3) of the model's own sampling with ``warp``: ``[V, V, V]``."""
+    V = model.config.vocab_size
+    with torch.inference_mode():
+        p1 = sampling.probs(model(torch.tensor([prompt]))[0, -1], **warp)  # [V]
+        p2 = sampling.probs(model(torch.tensor([prompt + [a] for a in range(V)]))[:, -1], **warp)  # [V, V]
+        ids = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        p3 = sampling.probs(model(ids)[:, -1], **warp).view(V, V, V)
+    return p1.view(V, 1, 1) * p2.view(V, V, 1) * p3
+
+
+def _perturbed(model, kind: str, **config):
+    d = medusa_transfer.new_drafter(model, kind, **config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return d
+
+
+SAMPLING = {
+    "speculative": lambda t, d: {"draft": d, "draft_len": 2, "min_confidence": 0.0},
+    "prompt-lookup": lambda t, d: {"draft_len": 2},
+    "self-spec": lambda t, d: {"exit_layer": 1, "draft_len": 2, "head": "shared"},
+    "medusa": lambda t, d: {"tree": "2,1", "heads": _perturbed(t, "medusa", steps=2)},
+    "hidden-transfer": lambda t, d: {"tree": "2,1", "transfer": _perturbed(t, "transfer", layers=[1, 2])},
+}
+
+
+def test_every_lossless_sampling_method_is_covered():
+    want = {n for n, m in layerleap.METHODS.items() if m.exact and m.sampling}
+    assert want == set(SAMPLING)
+
+
+@pytest.mark.parametrize("method", list(SAMPLING))
+def test_sampled_tokens_follow_the_models_distribution(method):
+    target, draft = tiny_pair(3, vocab=6, scale=2.0, n_draft=1)
+    prompt = [1, 3, 4, 1, 3, 4, 1, 3]  # repeats, so prompt lookup finds drafts
+    warp = dict(temperature=0.8, top_k=5)
+    p = exact_joint3(target, prompt, warp)
+    options = SAMPLING[method](target, draft)
+    counts = torch.zeros(6, 6, 6)
+    drafted = accepted = 0
+    for seed in range(800):
+        r = layerleap.generate(target, prompt, method, 3, do_sample=True, seed=seed, stop_at_eos=False,
+                               **warp, **options)
+        counts[tuple(r.token_ids)] += 1
+        drafted += r.stats["drafted"]
+        accepted += r.stats["accepted"]
+    assert 0 < accepted < drafted  # drafts were both accepted and rejected
+    assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3  # (x1, x2)
+    assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3  # (x2, x3)
+    assert chi2_pvalue(counts.sum((0, 1)), p.sum((0, 1))) > 1e-3  # x3

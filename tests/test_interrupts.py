@@ -75,7 +75,7 @@ def test_during_training_then_resume(tmp_path, char_model_dir):
     from safetensors import safe_open
     with safe_open(str(ckpt), "pt") as f:
         saved = int(f.metadata()["step"])
-    assert saved >= 6 and saved % 3 == 0
+    assert saved >= 6  # every 3 steps, and at the Ctrl-C unless it came during an update
     rc, stdout, err = Proc(argv).finish(300)
     assert rc == 0, err[-2000:]
     rep = json.loads(stdout)

@@ -72,7 +72,8 @@ def _setup_train(p):
 def run_train(args) -> int:
     import torch
 
-    from ..train.exit_heads import (HeadTrainConfig, agreement, cache_hidden, save_trained, sharegpt_token_seqs,
+    from ..train.data import conversation_seqs
+    from ..train.exit_heads import (HeadTrainConfig, agreement, cache_hidden, save_trained,
                                     train_heads)
     from ..drafters.exit_heads import new_head
     out = Path(args.out)
@@ -91,8 +92,8 @@ def run_train(args) -> int:
               "cache_s": round(res.cache_seconds, 1), "train_s": round(res.seconds, 1), "wall_s": round(wall, 1),
               "threads": threads, "losses": res.losses}
     if args.eval_tokens > 0:  # held out: the conversations after those trained on
-        _, seen = sharegpt_token_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations, return_seen=True)
-        val = sharegpt_token_seqs(model.tokenizer, args.eval_tokens, cfg.seq_len, seen)
+        _, seen = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations, return_seen=True)
+        val = conversation_seqs(model.tokenizer, args.eval_tokens, cfg.seq_len, seen)
         cv = cache_hidden(model, val, cfg.layers)
         final = cv[model.config.n_layers]
         rows = {}
@@ -211,9 +212,10 @@ def _setup_cost(p):
 
 def frequent_vocab(model, tokens: int, seq_len: int = 512):
     """Token ids ranked by how often they are the final layer's argmax on ShareGPT text (then by id)."""
-    from ..train.exit_heads import cache_hidden, final_top_ids, sharegpt_token_seqs
+    from ..train.data import conversation_seqs
+    from ..train.exit_heads import cache_hidden, final_top_ids
     from ..drafters.exit_heads import rank_by_count
-    seqs = sharegpt_token_seqs(model.tokenizer, tokens, seq_len)
+    seqs = conversation_seqs(model.tokenizer, tokens, seq_len)
     top = final_top_ids(model, cache_hidden(model, seqs, [], progress=True)[model.config.n_layers], 1)[:, 0].long()
     return rank_by_count(top, model.config.vocab_size)
 

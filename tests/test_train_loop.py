@@ -1,0 +1,94 @@
+"""The training loop every trainer runs: its schedule, a run interrupted at any step and rerun ends
+with the weights of an uninterrupted one, the state file refuses another run's state, and the
+time and loss records add up over calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerleap.errors import LayerleapError
+from layerleap.train.loop import Checkpoint, LoopConfig, Schedule, epoch_batch, train
+
+TARGET = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("schedule, want", [
+    (Schedule(1.0), [1.0] * 6),
+    (Schedule(1.0, warmup=2), [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    (Schedule(1.0, warmup=2, decay=True), [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]),
+    (Schedule(1.0, decay=True), [1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6]),
+])
+def test_schedule(schedule, want):
+    assert [schedule.at(s, 6) for s in range(6)] == pytest.approx(want)
+
+
+def test_epoch_batches_cover_the_data_once_per_epoch():
+    for epoch in range(2):
+        seen = torch.cat([epoch_batch(epoch * 3 + s, 10, 4, seed=1) for s in range(3)])
+        assert sorted(seen.tolist()) == list(range(10))
+    assert not torch.equal(epoch_batch(0, 10, 4, 1), epoch_batch(3, 10, 4, 1))  # a new order each epoch
+
+
+def _run(path, stop_at=None, steps=9, parts=1, **kw):
+    """A linear least-squares fit with ``parts`` losses a step; Ctrl-C in the ``stop_at``-th loss call."""
+    w = torch.zeros(4, 4, requires_grad=True)
+    calls = [0]
+
+    def loss(step):
+        calls[0] += 1
+        if calls[0] == stop_at:
+            raise KeyboardInterrupt
+        idx = epoch_batch(step, len(TARGET), 8, seed=0)
+        return [((TARGET[idx] @ w - TARGET[idx]) ** 2).mean() * (i + 1) for i in range(parts)]
+
+    cfg = LoopConfig(steps, Schedule(0.05, warmup=2, decay=True), grad_clip=0.5, save_every=4, progress=False, **kw)
+    ck = Checkpoint(path, {"run": "a"}) if path else None
+    run = train({"w": w}, (lambda s: loss(s)[0]) if parts == 1 else loss, cfg, ck)
+    return w.detach().clone(), run, calls[0]
+
+
+@pytest.mark.parametrize("stop_at", [1, 3, 5, 8, 9])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_interrupted_and_rerun_equals_uninterrupted(tmp_path, stop_at, parts):
+    full, whole, _ = _run(None, parts=parts)
+    path = tmp_path / "state.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        _run(path, stop_at=stop_at, parts=parts)
+    assert path.is_file() == (stop_at > 1)  # the finished steps were saved on the interrupt
+    w, run, calls = _run(path, parts=parts)
+    assert run.start == stop_at - 1 and calls == 9 - run.start and run.step == 9
+    assert run.losses == whole.losses
+    torch.testing.assert_close(w, full, rtol=0, atol=0)
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_stop_after_max_seconds_and_times(tmp_path):
+    path = tmp_path / "s.safetensors"
+    _, part, _ = _run(path, stop_after=3)
+    assert part.step == 3 and len(part.losses) == 3 and part.seconds > 0
+    _, rest, _ = _run(path)
+    assert rest.start == 3 and len(rest.losses) == 9 and rest.seconds >= part.seconds
+    _, done, calls = _run(path)  # nothing left: no step, the same records
+    assert calls == 0 and done.start == done.step == 9 and done.seconds == rest.seconds
+    _, timed, _ = _run(tmp_path / "t.safetensors", max_seconds=1e-9)
+    assert timed.step == 0 and not (tmp_path / "t.safetensors").exists()  # out of time before the first step
+
+
+def test_state_belongs_to_its_run(tmp_path):
+    path = tmp_path / "s.safetensors"
+    _run(path, stop_after=2)
+
+    def refuse(meta):
+        if meta["run"] != "b":
+            raise LayerleapError("another run")
+    with pytest.raises(LayerleapError, match="another run"):
+        train({"w": torch.zeros(4, 4, requires_grad=True)}, lambda s: torch.zeros(()),
+              LoopConfig(3, Schedule(0.1), progress=False), Checkpoint(path, check=refuse))
+    from layerleap.files import save_safetensors
+    save_safetensors(path, {"x": torch.zeros(1)}, {"step": "1"})  # a state file of another layout
+    with pytest.raises(LayerleapError, match="another version of layerleap: delete it"):
+        _run(path)
+    path.write_text("garbage")
+    with pytest.raises(LayerleapError, match="checkpoint .* cannot be read"):
+        _run(path)

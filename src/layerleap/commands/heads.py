@@ -344,6 +344,8 @@ def run_info(args) -> int:
         if m.get("format") != weights.FORMAT:
             raise LayerleapError(f"{f} is not a layerleap weights file (format {m.get('format')!r}): give exit heads, "
                                  "Medusa heads or Hidden Transfer projections")
+    if args.json:
+        write_json(args.json, metas)
     if len(metas) > 1:
         print(weights.table(metas))
     for f, m in metas.items():
@@ -354,8 +356,6 @@ def run_info(args) -> int:
             for k in keys:
                 if k in m or k in weights.BUDGET:
                     print(f"  {k:<14} {m.get(k) if m.get(k) not in (None, '') else 'not recorded'}")
-    if args.json:
-        write_json(args.json, metas)
     return 0
 
 

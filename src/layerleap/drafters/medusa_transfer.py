@@ -45,18 +45,21 @@ class _Drafter(nn.Module):
     def model(self) -> Transformer:
         return self._model[0]
 
+    CONFIG: tuple[str, ...] = ()  # the attributes that rebuild it: ``new_drafter(model, kind, **config())``
+
     @property
     def steps(self) -> int:
         raise NotImplementedError
 
     def config(self) -> dict:
-        return {}
+        return {k: getattr(self, k) for k in self.CONFIG}
 
 
 class TransferProjections(_Drafter):
     """``W_i`` at layer ``t_i`` for steps ``i = 1..k``; ``layers`` non-decreasing, in ``[1, n_layers - 1]``."""
 
     kind = "transfer"
+    CONFIG = ("layers",)
 
     def __init__(self, model: Transformer, layers: list[int]):
         super().__init__(model)
@@ -76,9 +79,6 @@ class TransferProjections(_Drafter):
     def steps(self) -> int:
         return len(self.layers)
 
-    def config(self) -> dict:
-        return {"layers": self.layers}
-
     def transfer(self, step: int, h: torch.Tensor) -> torch.Tensor:
         """Pseudo states of transfer step ``step`` (1-based) from hidden states ``h`` ``[.., D]`` after
         layer ``t_step``."""
@@ -90,6 +90,7 @@ class MedusaHeads(_Drafter):
     """``k`` residual heads on the last layer's normalised state, predicting tokens 2..k+1 ahead."""
 
     kind = "medusa"
+    CONFIG = ("steps",)
 
     def __init__(self, model: Transformer, steps: int):
         super().__init__(model)
@@ -105,9 +106,6 @@ class MedusaHeads(_Drafter):
     @property
     def steps(self) -> int:
         return len(self.heads)
-
-    def config(self) -> dict:
-        return {"steps": self.steps}
 
     def logits(self, step: int, z: torch.Tensor) -> torch.Tensor:
         """Logits ``[.., V]`` of head ``step`` (1-based: the token ``step + 1`` ahead) from normalised

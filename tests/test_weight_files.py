@@ -89,6 +89,10 @@ def test_earlier_formats_load_and_upgrade_bit_for_bit(tmp_path, write, old, bf16
         weights.upgrade(path, tmp_path / "x.safetensors", {"steps": 3})
     with pytest.raises(weights.WeightsError, match="unknown budget keys speed"):
         weights.upgrade(path, tmp_path / "x.safetensors", {"speed": 3}, "x")
+    bad = tmp_path / "bad.safetensors"
+    save_safetensors(bad, {"w": torch.zeros(2)}, {"format": old})  # an earlier format, its keys missing
+    with pytest.raises(weights.WeightsError, match=f"has incomplete {old} metadata"):
+        weights.read_meta(bad)
 
 
 # -- today's format -----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from ..errors import LayerleapError
-from ..files import read_safetensors_meta, save_safetensors
+from ..files import read_safetensors_meta, reading, save_safetensors
 from ..loaded import per_model
 
 FORMAT = "layerleap-weights-2"
@@ -104,7 +104,10 @@ def read_meta(path, error: type = WeightsError, fix: str = "train it again", wha
         meta = read_safetensors_meta(path)
     except ValueError as e:
         raise error(f"cannot read {what} {path}: {e}; {fix}") from None
-    return _from_v1(meta)
+    try:
+        return _from_v1(meta)
+    except (KeyError, ValueError):
+        raise error(f"{path} has incomplete {meta.get('format')} metadata: {fix}") from None
 
 
 def _from_v1(meta: dict) -> dict:
@@ -122,8 +125,8 @@ def _from_v1(meta: dict) -> dict:
         meta = {**meta, "kind": "exit-heads", "build": json.dumps({"layers": [layer], "kinds": ["adapter"]}),
                 "tensor_prefix": f"layer{layer}."}
     elif fmt == _V1_DRAFTER:
-        meta = {**meta, "build": meta.get("config", "{}")}
-        meta.pop("config", None)
+        meta = {**meta, "kind": meta["kind"], "build": meta["config"]}
+        del meta["config"]
         if "train_steps" in meta:
             meta["steps"] = meta.pop("train_steps")
     else:
@@ -192,7 +195,8 @@ def upgrade(path, out, budget: dict | None = None, source: str | None = None) ->
     prefix = meta.pop("tensor_prefix", "")
     if "old_format" in meta:
         meta["converted_from"] = meta.pop("old_format")
-    tensors = {prefix + k: v for k, v in load_file(str(path)).items()}
+    with reading(path, "weights file", "replace it"):
+        tensors = {prefix + k: v for k, v in load_file(str(path)).items()}
     meta.update({k: str(v) for k, v in (budget or {}).items()})
     if source:
         meta["budget_source"] = source

@@ -31,7 +31,9 @@ def test_save_load_round_trip_and_fingerprint(tmp_path):
     h = torch.randn(1, 2, model.config.hidden_size)
     torch.testing.assert_close(got[1](h), lens(h))
     torch.testing.assert_close(got[3](h), full(h))
-    assert heads.read_meta(path)["tokens"] == "10"
+    meta = heads.read_meta(path)
+    assert meta["provenance"]["tokens"] == 10 and meta["kind"] == "exit-heads" and meta["format"] == "layerleap-weights-1"
+    assert meta["config"] == {"layers": [1, 3], "kinds": ["lens", "full"]} and meta["provenance"]["command"]
     assert heads.get_head(model, 3, path).kind == "full"
     with pytest.raises(heads.HeadError, match="not 2"):
         heads.get_head(model, 2, path)
@@ -139,7 +141,8 @@ def test_resume_gives_the_uninterrupted_result(tmp_path):
                        seqs=train, progress=False)
     path = th.save_trained(rest, tmp_path / "h.safetensors", {"command": "test"}, dtype=torch.bfloat16)
     meta = heads.read_meta(path)
-    assert meta["tokens"] == str(8 * 16) and meta["command"] == "test"
+    assert meta["provenance"]["tokens"] == 8 * 16 and meta["provenance"]["command"] == "test"
+    assert meta["provenance"]["steps"] == rest.steps and meta["provenance"]["train_seconds"] >= 0
     got = heads.load_heads(model, path)
     h = torch.randn(1, 3, model.config.hidden_size)
     torch.testing.assert_close(got[2](h), rest.heads[2](h), rtol=0.05, atol=0.05)  # bf16 storage
@@ -199,7 +202,7 @@ def test_cli_heads_sub_vocab(tmp_path, monkeypatch, capsys, tiny_hf_dir):
         got = heads.load_heads(model, tmp_path / f"sub{s}.safetensors")
         assert list(got) == [2] and got[2].kind == "lens"
         assert got[2].vocab.tolist() == [40, 5, 41, 0, 1][:s]  # by count, ties and unseen by id
-        assert heads.read_meta(tmp_path / f"sub{s}.safetensors")["vocab_size"] == str(s)
+        assert heads.read_meta(tmp_path / f"sub{s}.safetensors")["provenance"]["vocab_size"] == s
         h = torch.randn(1, 2, model.config.hidden_size)
         torch.testing.assert_close(got[2](h)[..., got[2].vocab], src[1](h)[..., got[2].vocab], rtol=2e-2, atol=2e-2)
     rep = json.loads((tmp_path / "r.json").read_text())

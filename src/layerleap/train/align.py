@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from .. import validate as V
 from ..core.model import Transformer
 from ..decoding import generate
-from ..drafters.exit_heads import HEAD_FORMAT, AdapterHead
+from ..drafters.exit_heads import AdapterHead, save_adapter_head
 from ..errors import LayerleapError
-from ..files import save_safetensors, write_json
+from ..files import write_json
 from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, train as run_loop
 
 
@@ -113,10 +113,10 @@ def _ckpt_path(out: Path) -> Path:
 
 
 def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainConfig, out: Path, tag: str,
-           desc: str, progress: bool) -> list[float]:
+           desc: str, progress: bool):
     """AdamW over ``params`` at a constant rate; ``loss_fn(batch_indices) -> loss``; ``n_items``
     examples, shuffled per epoch with a seeded generator (so a resumed run sees the same order).
-    -> per-step losses of this run."""
+    -> the loop's result (``losses``, ``start``, ``step``, ``seconds``)."""
     def check(meta: dict) -> None:
         if meta.get("tag") != tag:
             raise AlignError(f"checkpoint {_ckpt_path(out)} belongs to another alignment run (other model, data or "
@@ -127,7 +127,7 @@ def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainCon
                       progress=progress)
     run = run_loop(params, lambda step: loss_fn(epoch_batch(step, n_items, cfg.batch_tokens, cfg.seed)), loop,
                    Checkpoint(_ckpt_path(out), {"tag": tag}, check))
-    return run.losses[run.start:]
+    return run
 
 
 def _tag(*parts) -> str:
@@ -197,15 +197,16 @@ def align_exit_head(model: Transformer, exit_layer: int, records: list[dict], ou
             logits = head(h[idx].unsqueeze(0).to(dev))[0]
             return F.cross_entropy(logits.float(), y[idx].to(dev))
 
-    losses = _train(params, loss_fn, len(y), cfg, out, tag, f"align exit head @ layer {exit_layer}", progress)
+    run = _train(params, loss_fn, len(y), cfg, out, tag, f"align exit head @ layer {exit_layer}", progress)
+    losses = run.losses[run.start:]
     head.eval()
     after = agreement(head, h.to(dev), y)
     after_val = agreement(head, hv.to(dev), yv) if held else None
-    save_safetensors(out, dict(head.state_dict()), {"format": HEAD_FORMAT, "exit_layer": exit_layer,
-                                               "fingerprint": model.fingerprint, "rank": cfg.rank,
-                                               "agreement_before": f"{before:.4f}", "agreement_after": f"{after:.4f}",
-                                               "heldout_before": f"{before_val}", "heldout_after": f"{after_val}",
-                                               "positions": len(y), "heldout_positions": len(yv)})
+    save_adapter_head(head, out, {"data": "the large model's outputs on the given records", "tokens": len(y),
+                                  "steps": run.step, "train_seconds": round(run.seconds, 1),
+                                  "agreement_before": before, "agreement_after": after,
+                                  "heldout_before": before_val, "heldout_after": after_val,
+                                  "heldout_positions": len(yv)})
     _ckpt_path(out).unlink(missing_ok=True)
     return {"out": str(out), "exit_layer": exit_layer, "positions": len(y), "heldout_positions": len(yv),
             "agreement_before": before, "agreement_after": after, "heldout_before": before_val,
@@ -246,7 +247,8 @@ def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig |
     tag = _tag("small", small.fingerprint, cfg.epochs, cfg.lr, per_step, cfg.seed, [r.get("key") for r in seqs])
     with torch.inference_mode():
         before = _token_agreement(small, seqs)
-    losses = _train(params, loss_fn, len(seqs), step_cfg, out, tag, "align small model", progress)
+    run = _train(params, loss_fn, len(seqs), step_cfg, out, tag, "align small model", progress)
+    losses = run.losses[run.start:]
     trained.eval().requires_grad_(False)
     with torch.inference_mode():
         after = _token_agreement(trained, seqs)

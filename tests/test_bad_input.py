@@ -503,6 +503,10 @@ CLI = [
     (SV + ["--heads", "trained", "--vocab", "8,16", "--out", "{T}/s.safetensors"], "must contain {vocab}"),
     (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--json", "{FILE}"], "must end in .json"),
     (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--storage", "int8"], "invalid choice"),
+    # heads info
+    (["heads", "info"], "the following arguments are required"),
+    (["heads", "info", "{T}/none.safetensors"], "no such weights file"),
+    (["heads", "info", "{FILE}"], "cannot read weights"),
 ]
 
 

@@ -223,7 +223,7 @@ def save_heads(heads: list[ExitHead], path, meta: dict | None = None, dtype: tor
 
 def read_meta(path) -> dict:
     """A heads file's metadata (``weights.describe``)."""
-    return weights.describe(path, HeadError, "train them again with `layerleap train heads`")
+    return weights.describe(path, HeadError, "train them again with `layerleap train heads`", "exit heads")
 
 
 def load_heads(model: Transformer, path) -> dict[int, ExitHead]:

@@ -138,7 +138,7 @@ def save_drafter(drafter: _Drafter, path, meta: dict | None = None, dtype=torch.
 
 def read_meta(path) -> dict:
     """A drafter file's metadata (``weights.describe``)."""
-    return weights.describe(path, DrafterError, "train them again")
+    return weights.describe(path, DrafterError, "train them again", "drafter weights")
 
 
 def load_drafter(model: Transformer, path, kind: str) -> _Drafter:
@@ -148,7 +148,8 @@ def load_drafter(model: Transformer, path, kind: str) -> _Drafter:
 
 
 def _read_drafter(model: Transformer, path, kind: str) -> _Drafter:
-    info, state = weights.read(model, path, kind, f"{kind} weights", f"`{TRAIN_COMMAND[kind]}`", DrafterError)
+    info, state = weights.read(model, path, kind, f"{kind} weights", f"`{TRAIN_COMMAND[kind]}`", DrafterError,
+                               label="drafter weights")
     drafter = new_drafter(model, kind, **info["config"])
     try:
         drafter.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})

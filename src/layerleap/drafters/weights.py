@@ -65,14 +65,14 @@ def save(path, tensors: dict[str, torch.Tensor], model: Transformer, kind: str, 
     return save_safetensors(path, tensors, meta)
 
 
-def describe(path, error: type[Exception] = WeightsError, fix: str = "train it again") -> dict:
+def describe(path, error: type[Exception] = WeightsError, fix: str = "train it again", what: str = "weights") -> dict:
     """A weights file's metadata, in this format's terms: ``format``, ``kind``, ``fingerprint``,
     ``model``, ``config`` (dict), ``provenance`` (dict; for an older file, its extra metadata)."""
     p = Path(path).expanduser()
     try:
         meta = read_safetensors_meta(p)
     except ValueError as e:  # a truncated or foreign file
-        raise error(f"cannot read weights {p}: {e}; {fix}") from None
+        raise error(f"cannot read {what} {p}: {e}; {fix}") from None
     fmt = meta.get("format")
     if fmt == FORMAT:
         return {**meta, "config": json.loads(meta.get("config") or "{}"),
@@ -95,16 +95,16 @@ def describe(path, error: type[Exception] = WeightsError, fix: str = "train it a
             "config": config, "provenance": extra}
 
 
-def read(model: Transformer, path, kind: str, what: str, fix: str,
-         error: type[Exception] = WeightsError) -> tuple[dict, dict[str, torch.Tensor]]:
+def read(model: Transformer, path, kind: str, what: str, fix: str, error: type[Exception] = WeightsError,
+         label: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """``path``'s metadata (``describe``) and tensors, after checking that it is a ``kind`` file made
-    for ``model``.  ``what`` names the file in messages ("exit heads"), ``fix`` the command that
-    makes one."""
+    for ``model``.  ``what`` names the file in messages ("exit heads"; ``label``, when given, where
+    it cannot be read at all), ``fix`` the command that makes one."""
     from safetensors.torch import load_file
     p = Path(path).expanduser()
     if not p.is_file():
         raise error(f"no such {what} file {str(path)!r}: give a file written by {fix}")
-    info = describe(p, error, f"rewrite it with {fix}")
+    info = describe(p, error, f"rewrite it with {fix}", label or what)
     if info["kind"] != kind:
         raise error(f"{p} is not a {what} file (format {info['format']!r}, kind {info['kind']!r}): write one with {fix}")
     if info["fingerprint"] != model.fingerprint:

@@ -53,6 +53,26 @@ def _v1_drafter(model, path):
     return {0: d}, lambda: {0: drafters.load_drafter(model, path, "medusa")}
 
 
+def _w1(kind, config, prov):
+    return {"format": "layerleap-weights-1", "kind": kind, "config": json.dumps(config), "provenance": json.dumps(prov)}
+
+
+def _w1_adapter(model, path):
+    head = _perturbed(heads.AdapterHead(model, 3, rank=4))
+    save_safetensors(path, dict(head.state_dict()), {**_w1("adapter-head", {"exit_layer": 3, "rank": 4},
+                                                           {"tokens": 7, "steps": 2, "train_seconds": 1.5}),
+                                                     "fingerprint": model.fingerprint, "model": model.config.name})
+    return {3: head}, lambda: {3: heads.load_exit_head(model, 3, path)}
+
+
+def _w1_transfer(model, path):
+    d = _perturbed(drafters.new_drafter(model, "transfer", layers=[1, 2]))
+    save_safetensors(path, {k: v.to(torch.bfloat16) for k, v in d.state_dict().items()},
+                     {**_w1("transfer", {"layers": [1, 2]}, {"tokens": 80, "steps": 5, "command": "c"}),
+                      "fingerprint": model.fingerprint, "model": model.config.name})
+    return {0: d}, lambda: {0: drafters.load_drafter(model, path, "transfer")}
+
+
 def _same(want: dict, got: dict, bf16: bool):
     assert sorted(want) == sorted(got)
     for key, module in want.items():
@@ -64,7 +84,9 @@ def _same(want: dict, got: dict, bf16: bool):
 
 @pytest.mark.parametrize("write, old, bf16", [(_v1_heads, "layerleap-exit-heads-v1", False),
                                               (_v1_adapter, "layerleap-bild-exit-head-v1", False),
-                                              (_v1_drafter, "layerleap-drafter-v1", True)])
+                                              (_v1_drafter, "layerleap-drafter-v1", True),
+                                              (_w1_adapter, "layerleap-weights-1", False),
+                                              (_w1_transfer, "layerleap-weights-1", True)])
 def test_earlier_formats_load_and_upgrade_bit_for_bit(tmp_path, write, old, bf16):
     from safetensors.torch import load_file
     model = random_model()
@@ -72,16 +94,22 @@ def test_earlier_formats_load_and_upgrade_bit_for_bit(tmp_path, write, old, bf16
     want, load = write(model, path)
     _same(want, load(), bf16)
     meta = weights.read_meta(path)
-    assert meta["format"] == weights.FORMAT and meta["old_format"] == old and meta["kind"] in ("exit-heads", "medusa")
+    assert meta["format"] == weights.FORMAT and meta["old_format"] == old
+    assert meta["kind"] in ("exit-heads", "medusa", "transfer")
     if old == "layerleap-drafter-v1":
         assert meta["steps"] == "5" and meta["tokens"] == "80"  # train_steps is today's steps
+    if write is _w1_transfer:
+        assert meta["steps"] == "5" and meta["tokens"] == "80" and meta["command"] == "c"
+    if write is _w1_adapter:
+        assert meta["positions"] == "7" and meta["train_s"] == "1.5" and "tokens" not in meta
     if old == "layerleap-exit-heads-v1":
         assert meta["positions"] == "10" and "tokens" not in meta  # v1's tokens were distinct positions
     up = weights.upgrade(path, tmp_path / "v2.safetensors", {"train_s": 12, "machine": "a test"}, "this test")
     new = weights.read_meta(up)
     assert new["converted_from"] == old and new["train_s"] == "12" and new["budget_source"] == "this test"
     a, b = load_file(str(path)), load_file(str(up))
-    assert len(a) == len(b) and all(torch.equal(v, b[k if k in b else f"layer2.{k}"]) for k, v in a.items())
+    prefix = json.loads(new["build"]).get("layers", [0])[0] if new["kind"] == "exit-heads" else 0
+    assert len(a) == len(b) and all(torch.equal(v, b[k if k in b else f"layer{prefix}.{k}"]) for k, v in a.items())
     path.unlink()
     up.rename(path)  # the upgraded file in the old one's place loads the same modules
     _same(want, load(), bf16)
@@ -90,7 +118,7 @@ def test_earlier_formats_load_and_upgrade_bit_for_bit(tmp_path, write, old, bf16
     with pytest.raises(weights.WeightsError, match="unknown budget keys speed"):
         weights.upgrade(path, tmp_path / "x.safetensors", {"speed": 3}, "x")
     bad = tmp_path / "bad.safetensors"
-    save_safetensors(bad, {"w": torch.zeros(2)}, {"format": old})  # an earlier format, its keys missing
+    save_safetensors(bad, {"w": torch.zeros(2)}, {"format": old, "kind": "medusa"})  # its other keys missing
     with pytest.raises(weights.WeightsError, match=f"has incomplete {old} metadata"):
         weights.read_meta(bad)
 

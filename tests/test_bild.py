@@ -264,7 +264,7 @@ def test_a_callable_head_is_used():
     ({"exit_layer": 2, "small": "SMALL"}, "either small= .* or exit_layer="),
     ({"small": "SMALL", "head": "shared"}, "head= chooses the exit head"),
     ({"small": "a model"}, "must be a layerleap model"),
-    ({"exit_layer": 2, "head": "/no/such/head.safetensors"}, "no such exit head file"),
+    ({"exit_layer": 2, "head": "/no/such/head.safetensors"}, "no such exit heads file"),
 ])
 def test_bad_options(options, message):
     large, small = tiny_pair(0)

@@ -137,9 +137,12 @@ def test_resume_gives_the_uninterrupted_result(tmp_path):
     with pytest.raises(th.TrainHeadsError, match="other settings"):
         th.train_heads(model, _cfg(init="lstsq", candidates=4, negatives=8, lr=5e-3), work=tmp_path / "w",
                        seqs=train, progress=False)
-    path = th.save_trained(rest, tmp_path / "h.safetensors", {"command": "test"}, dtype=torch.bfloat16)
+    path = th.save_trained(rest, tmp_path / "h.safetensors", {"note": "x"}, dtype=torch.bfloat16, command="test")
     meta = heads.read_meta(path)
-    assert meta["tokens"] == str(8 * 16) and meta["command"] == "test"
+    # the budget: 128 positions x 3 epochs seen in 3 x 4 steps of 32, the loop's own training time
+    assert meta["positions"] == str(8 * 16) and meta["tokens"] == str(3 * 8 * 16) and meta["steps"] == str(12)
+    assert meta["command"] == "test" and meta["note"] == "x" and float(meta["train_s"]) == round(rest.seconds, 1)
+    assert meta["data"].startswith("ShareGPT") and "threads" in meta["machine"]
     got = heads.load_heads(model, path)
     h = torch.randn(1, 3, model.config.hidden_size)
     torch.testing.assert_close(got[2](h), rest.heads[2](h), rtol=0.05, atol=0.05)  # bf16 storage

@@ -173,8 +173,9 @@ def test_a_weights_file_is_read_once_per_model(tmp_path, models, monkeypatch):
     model = models["llama-gqa-tied"]
     path = drafters.save_drafter(medusa_for(model), tmp_path / "m.safetensors")
     reads = []
-    real = drafters._read_drafter
-    monkeypatch.setattr(drafters, "_read_drafter", lambda *a: reads.append(a[1]) or real(*a))
+    from layerleap.drafters import weights
+    real = weights.read
+    monkeypatch.setattr(weights, "read", lambda *a: reads.append(a[1]) or real(*a))
     first = generate(model, [1, 2], "medusa", 4, heads=str(path))
     again = generate(model, [1, 2], "medusa", 4, heads=str(path))
     assert len(reads) == 1 and first.token_ids == again.token_ids

@@ -235,7 +235,7 @@ def run_align(args) -> int:
         E = _exit_layer(args, large)
         cfg = align_mod.TrainConfig(args.epochs, args.lr or 1e-3, args.batch_tokens, 0.0, args.seed, args.save_every,
                                     args.rank, args.val_every)
-        rep = align_mod.align_exit_head(large, E, records, out, cfg)
+        rep = align_mod.align_exit_head(large, E, records, out, cfg, command=_command_line(args))
     rep["command"] = _command_line(args)
     if args.json:
         print(json.dumps(rep))

@@ -1,5 +1,7 @@
-"""Exit-head subcommands: ``train heads`` (train lens/full heads at some layers, backbone frozen) and
-``match-rate`` (PPD Table 2: how often an early top-k holds the final layer's top-1)."""
+"""Exit-head subcommands: ``train heads`` (train lens/full heads at some layers, backbone frozen),
+``match-rate`` (PPD Table 2: how often an early top-k holds the final layer's top-1), ``eval
+head-cost``, ``heads sub-vocab``, and ``heads info`` / ``heads upgrade`` (any weights file's metadata
+and training budget; an earlier format rewritten in today's)."""
 
 from __future__ import annotations
 
@@ -105,11 +107,11 @@ def run_train(args) -> int:
                   f"{tr['top1']:.3f}   top-5 {sh['top5']:.3f} -> {tr['top5']:.3f}   KL {sh['kl']:.2f} -> {tr['kl']:.2f}",
                   flush=True)
         report["held_out"] = {"tokens": len(final), "by_layer": rows}
-    meta = {"command": cmd, "wall_s": round(wall, 1), "threads": threads, "torch": torch.__version__}
+    meta = {"wall_s": round(wall, 1), "threads": threads, "torch": torch.__version__}
     if "held_out" in report:
         meta["held_out_top1"] = json.dumps({k: [v["shared"]["top1"], v["trained"]["top1"]]
                                             for k, v in report["held_out"]["by_layer"].items()})
-    save_trained(res, out, meta, dtype=getattr(torch, args.storage))
+    save_trained(res, out, meta, dtype=getattr(torch, args.storage), command=cmd)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): {cfg.kind} heads at layers "
           f"{', '.join(map(str, cfg.layers))}, {res.tokens} tokens x {cfg.epochs} epochs, {res.steps} steps, "
           f"cache {res.cache_seconds:.0f} s + training {res.seconds:.0f} s", flush=True)
@@ -322,4 +324,62 @@ def run_sub(args) -> int:
               f"V = {s} ({ranked} ids by count, {s - ranked} unseen ids by lowest id)", flush=True)
     if args.json:
         write_json(args.json, report)
+    return 0
+
+
+# -- heads info / heads upgrade ---------------------------------------------------------------------
+@command("heads info", help="a weights file's metadata (exit heads, Medusa heads, Hidden Transfer projections): "
+                            "what it holds, for which model, and its training budget; several files side by side")
+def _setup_info(p):
+    p.add_argument("files", nargs="+", type=V.in_file_arg, metavar="FILE", help="weights files (.safetensors)")
+    p.add_argument("--all", action="store_true", help="every metadata key, not only the budget")
+    p.add_argument("--json", type=V.report_arg, default=None, help="also write the metadata as JSON")
+
+
+@_setup_info
+def run_info(args) -> int:
+    from ..drafters import weights
+    metas = {f: weights.read_meta(f, fix="it is not a layerleap weights file") for f in args.files}
+    for f, m in metas.items():
+        if m.get("format") != weights.FORMAT:
+            raise LayerleapError(f"{f} is not a layerleap weights file (format {m.get('format')!r}): give exit heads, "
+                                 "Medusa heads or Hidden Transfer projections")
+    if args.json:
+        write_json(args.json, metas)
+    if len(metas) > 1:
+        print(weights.table(metas))
+    for f, m in metas.items():
+        if len(metas) == 1 or args.all:
+            print(f"{f}:")
+            keys = sorted(m) if args.all else ["kind", "build", "model", "fingerprint", *weights.BUDGET, "old_format",
+                                                "converted_from", "budget_source"]
+            for k in keys:
+                if k in m or k in weights.BUDGET:
+                    print(f"  {k:<14} {m.get(k) if m.get(k) not in (None, '') else 'not recorded'}")
+    return 0
+
+
+@command("heads upgrade", help="rewrite a weights file of an earlier layerleap format in today's (tensors unchanged), "
+                               "optionally adding the training budget it did not record")
+def _setup_upgrade(p):
+    p.add_argument("file", type=V.in_file_arg, metavar="FILE")
+    p.add_argument("--out", type=V.weights_arg, required=True, help="the file to write (may be FILE)")
+    p.add_argument("--budget", action="append", default=[], metavar="KEY=VALUE",
+                   help="a training fact to record (data, tokens, steps, train_s, machine, command); repeatable")
+    p.add_argument("--source", default=None, help="where the --budget facts come from (recorded with them)")
+
+
+@_setup_upgrade
+def run_upgrade(args) -> int:
+    from ..drafters import weights
+    budget = {}
+    for item in args.budget:
+        key, eq, value = item.partition("=")
+        if not eq or key not in weights.BUDGET:
+            raise LayerleapError(f"--budget {item!r}: give KEY=VALUE with KEY one of {', '.join(weights.BUDGET)}")
+        budget[key] = value
+    if budget and not args.source:
+        raise LayerleapError("--budget needs --source: say where the facts come from (a log, a report, a commit)")
+    out = weights.upgrade(args.file, args.out, budget, args.source)
+    print(f"wrote {out}")
     return 0

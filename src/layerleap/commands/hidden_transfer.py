@@ -83,7 +83,8 @@ def run_train(args) -> int:
         print(f"wrote {len(chunks)} chunks of {cfg.seq_len} tokens to {args.save_chunks}")
         return 0
     t = time.perf_counter()
-    report = train_drafters.train(model, args.out, cfg, chunks=chunks)
+    data = f"pre-tokenized chunks {Path(args.chunks).name}" if args.chunks else None
+    report = train_drafters.train(model, args.out, cfg, chunks=chunks, data=data, command=_command_line(args))
     report.update(command=_command_line(args), threads=threads, wall_s=time.perf_counter() - t, device=args.device)
     losses = report.pop("losses")
     first = sum(losses[:5]) / max(1, len(losses[:5]))

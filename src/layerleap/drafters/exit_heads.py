@@ -10,34 +10,31 @@ Four kinds behind one interface, ``head(h [B, S, D]) -> logits [B, S, V]``:
 - ``adapter`` (BiLD's aligned head, ``layerleap align``): a trainable RMSNorm and a low-rank adapter
   in front of the frozen unembedding.
 
-Trained heads are saved as one safetensors file per set of layers with the model's fingerprint in
-its metadata; loading into another model is refused.  Heads for the embedded default ship in
-``layerleap/data/heads/`` and are found by fingerprint (``get_head(model, layer, "trained")``).  An
-adapter head is one file of its own (``HEAD_FORMAT``, written by ``layerleap align``);
-``load_exit_head`` reads either kind of file.
+Trained heads are saved as one weights file per set of layers (``drafters.weights``: the model's
+fingerprint and the training budget in its metadata); loading into another model is refused.  Heads
+for the embedded default ship in ``layerleap/data/heads/`` and are found by fingerprint
+(``get_head(model, layer, "trained")``).  ``layerleap align`` writes an adapter head in the same
+format; ``load_exit_head`` reads any heads file.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import LayerleapError
-from ..files import read_safetensors_meta, save_safetensors
-from ..loaded import per_model
 from ..core.model import RMSNorm, Transformer
 from ..core.run import GenerationError
+from . import weights
 
-FORMAT = "layerleap-exit-heads-v1"
 KINDS = ("shared", "lens", "full")
-HEAD_FORMAT = "layerleap-bild-exit-head-v1"  # one adapter head (``layerleap align``)
 SHIPPED_DIR = Path(__file__).parent.parent / "data" / "heads"
 
 
-class HeadError(LayerleapError, ValueError):
+class HeadError(GenerationError):
     """A head that cannot be made or loaded: the message names the problem and the fix."""
 
 
@@ -208,74 +205,58 @@ def sub_vocab_heads(heads: dict[int, ExitHead] | list[ExitHead], vocab) -> list[
 
 
 # -- files ----------------------------------------------------------------------------------------
-def save_heads(heads: list[ExitHead], path, meta: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """Write trained heads (one model, distinct layers) to one safetensors file, atomically.
-    ``dtype``: the storage type (bf16 halves a shipped file; loading casts back to fp32)."""
+def _build(model: Transformer, build: dict, tensors: dict) -> dict[int, ExitHead]:
+    """The heads of a weights file by layer (``weights.Kind.build``)."""
+    out = {}
+    for layer, kind in zip(build["layers"], build["kinds"]):
+        prefix = f"layer{layer}."
+        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if kind == "adapter":  # its rank is its tensors' (0: a full D x D matrix)
+            head = AdapterHead(model, layer, rank=int(state["down.weight"].shape[0]) if "down.weight" in state else 0)
+        else:
+            head = new_head(model, layer, kind, state.get("vocab"))
+        head.load_state_dict(state)
+        out[layer] = head.eval().requires_grad_(False).to(model.device)
+    return out
+
+
+HEADS = weights.Kind("exit-heads", "exit heads", "layerleap train heads", HeadError, _build)
+
+
+def save_heads(heads: list[ExitHead], path, meta: dict | None = None, dtype: torch.dtype = torch.float32,
+               budget: weights.Budget | None = None) -> Path:
+    """Write heads (one model, distinct layers; any kinds, adapter heads too) to one weights file,
+    atomically.  ``dtype``: the storage type (bf16 halves a shipped file; loading casts back)."""
     if not heads:
         raise HeadError("no heads to save")
     model = heads[0].model
     layers = [h.layer for h in heads]
     if len(set(layers)) != len(layers) or any(h.model is not model for h in heads):
         raise HeadError("save_heads takes heads of one model at distinct layers")
-    tensors = {f"layer{h.layer}.{k}": v.to(dtype if v.is_floating_point() else v.dtype)
-               for h in heads for k, v in h.state_dict().items()}
-    metadata = {"format": FORMAT, "fingerprint": model.fingerprint, "model": model.config.name,
-                "layers": ",".join(map(str, layers)), "kinds": ",".join(h.kind for h in heads), **(meta or {})}
-    return save_safetensors(path, tensors, metadata)
+    tensors = {f"layer{h.layer}.{k}": v for h in heads for k, v in h.state_dict().items()}
+    build = {"layers": layers, "kinds": [h.kind for h in heads]}
+    return weights.write(path, model, HEADS.name, build, tensors, budget, meta, dtype)
 
 
 def read_meta(path) -> dict:
-    try:
-        return read_safetensors_meta(path)
-    except ValueError as e:  # a truncated or foreign file
-        raise HeadError(f"cannot read exit heads {path}: {e}; train them again with `layerleap train heads`") from None
+    """A heads file's metadata (``weights.read_meta``: an earlier format's keys mapped onto today's)."""
+    return weights.read_meta(path, HeadError, "train them again with `layerleap train heads`", "exit heads")
 
 
 def load_heads(model: Transformer, path) -> dict[int, ExitHead]:
     """Heads from a file written by ``save_heads``, by layer; refuses a file made for another model.
-    Read once per model and file (``loaded.per_model``)."""
-    return per_model(model, "heads", path, lambda: _read_heads(model, path))
-
-
-def _read_heads(model: Transformer, path) -> dict[int, ExitHead]:
-    from safetensors import safe_open
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise HeadError(f"no such exit heads file {str(path)!r}: give a file written by `layerleap train heads`")
-    meta = read_meta(p)
-    if meta.get("format") != FORMAT:
-        raise HeadError(f"{p} is not an exit heads file (format {meta.get('format')!r}): write one with "
-                        "`layerleap train heads`")
-    if meta.get("fingerprint") != model.fingerprint:
-        raise HeadError(f"exit heads {p} were trained for another model (fingerprint {meta.get('fingerprint')}, "
-                        f"{meta.get('model')}; this model {model.fingerprint}): train heads for this model")
-    layers = [int(x) for x in meta["layers"].split(",")]
-    kinds = meta["kinds"].split(",")
-    out = {}
-    with safe_open(str(p), "pt") as f:
-        for layer, kind in zip(layers, kinds):
-            prefix = f"layer{layer}."
-            state = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
-            head = new_head(model, layer, kind, state.get("vocab"))
-            try:
-                head.load_state_dict(state)
-            except RuntimeError as e:
-                raise HeadError(f"exit heads {p} do not fit this model at layer {layer}: {e}") from None
-            out[layer] = head.eval().requires_grad_(False).to(model.device)
-    return out
+    Read once per model and file (``weights.load``)."""
+    return weights.load(model, path, HEADS)
 
 
 def shipped_files(model: Transformer) -> list[Path]:
     """The shipped heads files made for this model (matched by fingerprint; looked up once per model)."""
-    if not SHIPPED_DIR.is_dir():
-        return []
-    return per_model(model, "shipped heads", SHIPPED_DIR, lambda: sorted(
-        p for p in SHIPPED_DIR.glob("*.safetensors") if read_meta(p).get("fingerprint") == model.fingerprint))
+    return weights.shipped(model, SHIPPED_DIR, HEADS)
 
 
 def trained_layers(model: Transformer) -> list[int]:
     """Layers with a shipped trained head for this model."""
-    return sorted({int(x) for p in shipped_files(model) for x in read_meta(p)["layers"].split(",")})
+    return sorted({x for p in shipped_files(model) for x in json.loads(read_meta(p)["build"])["layers"]})
 
 
 def get_head(model: Transformer, layer: int, head="auto") -> ExitHead:
@@ -302,49 +283,17 @@ def get_head(model: Transformer, layer: int, head="auto") -> ExitHead:
     if isinstance(head, (str, Path)):
         heads = load_heads(model, head)
         if layer not in heads:
+            if len(heads) == 1:
+                (have,) = heads
+                raise HeadError(f"exit head {head} is for exit_layer={have}, not {layer}: pass exit_layer={have} "
+                                f"or train a head for layer {layer}")
             raise HeadError(f"{head} has heads for layers {', '.join(map(str, sorted(heads)))}, not {layer}")
         return heads[layer]
     raise HeadError(f"head must be 'shared', 'trained', 'auto', a heads file or an ExitHead, got {head!r}")
 
 
 def load_exit_head(model: Transformer, layer: int, path) -> ExitHead:
-    """The head for ``layer`` from a file: a heads file (``save_heads``) or an adapter head
-    (``layerleap align``); refuses a file made for another model or layer.  Read once per model,
-    layer and file (``loaded.per_model``)."""
-    p = Path(path).expanduser()
-    try:
-        is_heads_file = p.is_file() and read_safetensors_meta(p).get("format") == FORMAT
-    except ValueError:  # a truncated or foreign file: the adapter reader names the problem
-        is_heads_file = False
-    if is_heads_file:
-        return get_head(model, layer, p)
-    return per_model(model, f"exit head {layer}", path, lambda: _read_adapter_head(model, layer, path))
-
-
-def _read_adapter_head(model: Transformer, layer: int, path) -> AdapterHead:
-    from safetensors import safe_open
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise GenerationError(f"no such exit head file {str(path)!r}: give a file written by `layerleap align`, "
-                              "or head='shared' / 'trained' / 'auto'")
-    try:
-        with safe_open(str(p), "pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # a truncated or foreign file
-        raise GenerationError(f"cannot read exit head {p}: {e}; rerun `layerleap align`") from None
-    if meta.get("format") != HEAD_FORMAT:
-        raise GenerationError(f"{p} is not a BiLD exit head (format {meta.get('format')!r}): write one with "
-                              "`layerleap align --exit-layer E`")
-    if meta.get("fingerprint") != model.fingerprint:
-        raise GenerationError(f"exit head {p} was trained for another model (fingerprint {meta.get('fingerprint')}, "
-                              f"this model {model.fingerprint}): align it for this model")
-    if int(meta.get("exit_layer", -1)) != layer:
-        raise GenerationError(f"exit head {p} is for exit_layer={meta.get('exit_layer')}, not {layer}: pass "
-                              f"exit_layer={meta.get('exit_layer')} or align a head for layer {layer}")
-    head = AdapterHead(model, layer, rank=int(tensors["down.weight"].shape[0]) if "down.weight" in tensors else 0)
-    try:
-        head.load_state_dict(tensors)
-    except RuntimeError as e:
-        raise GenerationError(f"exit head {p} does not fit this model: {e}; align it again") from None
-    return head.eval().requires_grad_(False).to(model.device)
+    """The head for ``layer`` from a heads file (``layerleap train heads``, or an adapter head from
+    ``layerleap align``); refuses a file made for another model or layer.  Read once per model and
+    file (``weights.load``)."""
+    return get_head(model, layer, Path(path).expanduser())

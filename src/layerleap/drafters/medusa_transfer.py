@@ -8,14 +8,13 @@
   ``z`` to logits for the token ``i + 1`` ahead: ``unembed(z + SiLU(W_i z + b_i))``, ``W_i, b_i``
   zero at start, with the model's own unembedding (frozen, shared: only ``D x D`` per head).
 
-Files: one safetensors file with the model's fingerprint in its metadata (a file made for another
-model is refused), written atomically.  Shipped files live in ``layerleap/data/transfer/`` and
+Files: one weights file each (``drafters.weights``: the model's fingerprint and the training budget
+in its metadata; a file made for another model is refused), written atomically.  Shipped files live in ``layerleap/data/transfer/`` and
 ``layerleap/data/medusa/`` and are found by fingerprint.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -23,11 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LayerleapError
-from ..files import read_safetensors_meta, save_safetensors
-from ..loaded import per_model
 from ..core.model import Transformer
+from . import weights
 
-FORMAT = "layerleap-drafter-v1"
 DATA = Path(__file__).parent.parent / "data"
 KINDS = ("transfer", "medusa")
 TRAIN_COMMAND = {"transfer": "layerleap train transfer", "medusa": "layerleap train medusa"}
@@ -48,18 +45,21 @@ class _Drafter(nn.Module):
     def model(self) -> Transformer:
         return self._model[0]
 
+    CONFIG: tuple[str, ...] = ()  # the attributes that rebuild it: ``new_drafter(model, kind, **config())``
+
     @property
     def steps(self) -> int:
         raise NotImplementedError
 
     def config(self) -> dict:
-        return {}
+        return {k: getattr(self, k) for k in self.CONFIG}
 
 
 class TransferProjections(_Drafter):
     """``W_i`` at layer ``t_i`` for steps ``i = 1..k``; ``layers`` non-decreasing, in ``[1, n_layers - 1]``."""
 
     kind = "transfer"
+    CONFIG = ("layers",)
 
     def __init__(self, model: Transformer, layers: list[int]):
         super().__init__(model)
@@ -79,9 +79,6 @@ class TransferProjections(_Drafter):
     def steps(self) -> int:
         return len(self.layers)
 
-    def config(self) -> dict:
-        return {"layers": self.layers}
-
     def transfer(self, step: int, h: torch.Tensor) -> torch.Tensor:
         """Pseudo states of transfer step ``step`` (1-based) from hidden states ``h`` ``[.., D]`` after
         layer ``t_step``."""
@@ -93,6 +90,7 @@ class MedusaHeads(_Drafter):
     """``k`` residual heads on the last layer's normalised state, predicting tokens 2..k+1 ahead."""
 
     kind = "medusa"
+    CONFIG = ("steps",)
 
     def __init__(self, model: Transformer, steps: int):
         super().__init__(model)
@@ -108,9 +106,6 @@ class MedusaHeads(_Drafter):
     @property
     def steps(self) -> int:
         return len(self.heads)
-
-    def config(self) -> dict:
-        return {"steps": self.steps}
 
     def logits(self, step: int, z: torch.Tensor) -> torch.Tensor:
         """Logits ``[.., V]`` of head ``step`` (1-based: the token ``step + 1`` ahead) from normalised
@@ -129,56 +124,43 @@ def new_drafter(model: Transformer, kind: str, **config) -> _Drafter:
 
 
 # -- files ----------------------------------------------------------------------------------------
-def save_drafter(drafter: _Drafter, path, meta: dict | None = None, dtype=torch.bfloat16) -> Path:
-    """Write ``drafter`` to a safetensors file (``dtype``, bf16 by default: a few MB), atomically."""
-    tensors = {k: v.to(dtype) for k, v in drafter.state_dict().items()}
-    model = drafter.model
-    metadata = {"format": FORMAT, "kind": drafter.kind, "fingerprint": model.fingerprint,
-                "model": model.config.name, "config": json.dumps(drafter.config()), **(meta or {})}
-    return save_safetensors(path, tensors, metadata)
+def _builder(kind: str):
+    def build(model: Transformer, config: dict, tensors: dict) -> _Drafter:
+        drafter = new_drafter(model, kind, **config)
+        drafter.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
+        return drafter.to(model.device).eval().requires_grad_(False)
+    return build
+
+
+FILE_KINDS = {kind: weights.Kind(kind, what, TRAIN_COMMAND[kind], DrafterError, _builder(kind))
+              for kind, what in (("transfer", "Hidden Transfer projections"), ("medusa", "Medusa heads"))}
+
+
+def save_drafter(drafter: _Drafter, path, meta: dict | None = None, dtype=torch.bfloat16,
+                 budget: weights.Budget | None = None) -> Path:
+    """Write ``drafter`` to a weights file (``dtype``, bf16 by default: a few MB), atomically."""
+    return weights.write(path, drafter.model, drafter.kind, drafter.config(), drafter.state_dict(), budget, meta, dtype)
 
 
 def read_meta(path) -> dict:
-    try:
-        return read_safetensors_meta(path)
-    except ValueError as e:  # a truncated or foreign file
-        raise DrafterError(f"cannot read drafter weights {path}: {e}; train them again") from None
+    """A weights file's metadata (``weights.read_meta``: an earlier format's keys mapped onto today's)."""
+    return weights.read_meta(path, DrafterError, "train them again", "drafter weights")
 
 
 def load_drafter(model: Transformer, path, kind: str) -> _Drafter:
     """A drafter from a file written by ``save_drafter``; refuses another kind or another model.
-    Read once per model and file (``loaded.per_model``)."""
-    return per_model(model, kind, path, lambda: _read_drafter(model, path, kind))
+    Read once per model and file (``weights.load``)."""
+    return weights.load(model, path, _file_kind(kind))
 
 
-def _read_drafter(model: Transformer, path, kind: str) -> _Drafter:
-    from safetensors.torch import load_file
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DrafterError(f"no such {kind} weights file {str(path)!r}: give a file written by `{TRAIN_COMMAND[kind]}`")
-    meta = read_meta(p)
-    if meta.get("format") != FORMAT or meta.get("kind") != kind:
-        raise DrafterError(f"{p} is not a {kind} weights file (format {meta.get('format')!r}, kind "
-                           f"{meta.get('kind')!r}): write one with `{TRAIN_COMMAND[kind]}`")
-    if meta.get("fingerprint") != model.fingerprint:
-        raise DrafterError(f"{kind} weights {p} were trained for another model (fingerprint {meta.get('fingerprint')}, "
-                           f"{meta.get('model')}; this model {model.fingerprint}): train them for this model with "
-                           f"`{TRAIN_COMMAND[kind]}`")
-    drafter = new_drafter(model, kind, **json.loads(meta["config"]))
-    state = load_file(str(p))
-    try:
-        drafter.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-    except RuntimeError as e:
-        raise DrafterError(f"{kind} weights {p} do not fit this model: {e}") from None
-    return drafter.to(model.device).eval().requires_grad_(False)
+def _file_kind(kind: str) -> weights.Kind:
+    if kind not in FILE_KINDS:
+        raise DrafterError(f"unknown drafter kind {kind!r}: choose one of {', '.join(KINDS)}")
+    return FILE_KINDS[kind]
 
 
 def shipped_files(model: Transformer, kind: str) -> list[Path]:
-    folder = DATA / kind
-    if not folder.is_dir():
-        return []
-    return per_model(model, f"shipped {kind}", folder, lambda: sorted(
-        p for p in folder.glob("*.safetensors") if read_meta(p).get("fingerprint") == model.fingerprint))
+    return weights.shipped(model, DATA / kind, _file_kind(kind))
 
 
 def get_drafter(model: Transformer, kind: str, spec="trained") -> _Drafter:

@@ -13,8 +13,8 @@ Two stages, each resumable:
      with a trainable RMSNorm (initialised from the model's final norm) and a low-rank adapter ``A``
      (its output half initialised to zero, so training starts from the shared head; rank 64 by
      default: a full D x D matrix memorises a small calibration set); the unembedding and every
-     layer stay frozen, so the large model (the full stack) is unchanged.  Saved as one safetensors
-     file, loaded by ``load_exit_head`` (``generate(..., method="bild", exit_layer=E, head=PATH)``).
+     layer stay frozen, so the large model (the full stack) is unchanged.  Saved as a heads file
+     (``save_heads``), loaded by ``load_exit_head`` (``generate(..., method="bild", exit_layer=E, head=PATH)``).
    - two-model form (``align_small``): every weight of the small model; saved as a Hugging Face
      folder (config.json, model.safetensors, tokenizer files) that ``layerleap.load`` reads.
 
@@ -39,10 +39,11 @@ import torch.nn.functional as F
 from .. import validate as V
 from ..core.model import Transformer
 from ..decoding import generate
-from ..drafters.exit_heads import HEAD_FORMAT, AdapterHead
+from ..drafters import weights
+from ..drafters.exit_heads import AdapterHead, save_heads
 from ..errors import LayerleapError
-from ..files import save_safetensors, write_json
-from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, train as run_loop
+from ..files import write_json
+from .loop import Checkpoint, LoopConfig, LoopResult, Schedule, epoch_batch, items_seen, train as run_loop
 
 
 class AlignError(LayerleapError, ValueError):
@@ -113,10 +114,9 @@ def _ckpt_path(out: Path) -> Path:
 
 
 def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainConfig, out: Path, tag: str,
-           desc: str, progress: bool) -> list[float]:
+           desc: str, progress: bool) -> LoopResult:
     """AdamW over ``params`` at a constant rate; ``loss_fn(batch_indices) -> loss``; ``n_items``
-    examples, shuffled per epoch with a seeded generator (so a resumed run sees the same order).
-    -> per-step losses of this run."""
+    examples, shuffled per epoch with a seeded generator (so a resumed run sees the same order)."""
     def check(meta: dict) -> None:
         if meta.get("tag") != tag:
             raise AlignError(f"checkpoint {_ckpt_path(out)} belongs to another alignment run (other model, data or "
@@ -125,9 +125,8 @@ def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainCon
     total = -(-n_items // cfg.batch_tokens) * cfg.epochs
     loop = LoopConfig(total, Schedule(cfg.lr), cfg.weight_decay, save_every=cfg.save_every, desc=desc,
                       progress=progress)
-    run = run_loop(params, lambda step: loss_fn(epoch_batch(step, n_items, cfg.batch_tokens, cfg.seed)), loop,
-                   Checkpoint(_ckpt_path(out), {"tag": tag}, check))
-    return run.losses[run.start:]
+    return run_loop(params, lambda step: loss_fn(epoch_batch(step, n_items, cfg.batch_tokens, cfg.seed)), loop,
+                    Checkpoint(_ckpt_path(out), {"tag": tag}, check))
 
 
 def _tag(*parts) -> str:
@@ -171,10 +170,11 @@ def split(records: list[dict], every: int) -> tuple[list[dict], list[dict]]:
 
 
 def align_exit_head(model: Transformer, exit_layer: int, records: list[dict], out, cfg: TrainConfig | None = None,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, command: str | None = None) -> dict:
     """Train and save an exit head for layer ``exit_layer``; -> a report: how often the head's argmax
     is the large model's greedy token, before (shared head) and after, on the training sequences and
-    on held-out ones (``cfg.val_every``)."""
+    on held-out ones (``cfg.val_every``).  ``command``: what the file records as the command that
+    made it (default: this process's command line)."""
     cfg = cfg or TrainConfig()
     cfg.check()
     n = model.config.n_layers
@@ -197,15 +197,17 @@ def align_exit_head(model: Transformer, exit_layer: int, records: list[dict], ou
             logits = head(h[idx].unsqueeze(0).to(dev))[0]
             return F.cross_entropy(logits.float(), y[idx].to(dev))
 
-    losses = _train(params, loss_fn, len(y), cfg, out, tag, f"align exit head @ layer {exit_layer}", progress)
+    run = _train(params, loss_fn, len(y), cfg, out, tag, f"align exit head @ layer {exit_layer}", progress)
+    losses = run.losses[run.start:]
     head.eval()
     after = agreement(head, h.to(dev), y)
     after_val = agreement(head, hv.to(dev), yv) if held else None
-    save_safetensors(out, dict(head.state_dict()), {"format": HEAD_FORMAT, "exit_layer": exit_layer,
-                                               "fingerprint": model.fingerprint, "rank": cfg.rank,
-                                               "agreement_before": f"{before:.4f}", "agreement_after": f"{after:.4f}",
-                                               "heldout_before": f"{before_val}", "heldout_after": f"{after_val}",
-                                               "positions": len(y), "heldout_positions": len(yv)})
+    budget = weights.Budget(f"the model's greedy outputs on {len(train)} calibration prompts",
+                            items_seen(run.step, len(y), cfg.batch_tokens), run.step, run.seconds,
+                            weights.machine(dev), command or weights.command_line())
+    save_heads([head], out, {"rank": cfg.rank, "agreement_before": f"{before:.4f}", "agreement_after": f"{after:.4f}",
+                             "heldout_before": f"{before_val}", "heldout_after": f"{after_val}",
+                             "positions": len(y), "heldout_positions": len(yv)}, budget=budget)
     _ckpt_path(out).unlink(missing_ok=True)
     return {"out": str(out), "exit_layer": exit_layer, "positions": len(y), "heldout_positions": len(yv),
             "agreement_before": before, "agreement_after": after, "heldout_before": before_val,
@@ -246,7 +248,8 @@ def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig |
     tag = _tag("small", small.fingerprint, cfg.epochs, cfg.lr, per_step, cfg.seed, [r.get("key") for r in seqs])
     with torch.inference_mode():
         before = _token_agreement(small, seqs)
-    losses = _train(params, loss_fn, len(seqs), step_cfg, out, tag, "align small model", progress)
+    run = _train(params, loss_fn, len(seqs), step_cfg, out, tag, "align small model", progress)
+    losses = run.losses[run.start:]
     trained.eval().requires_grad_(False)
     with torch.inference_mode():
         after = _token_agreement(trained, seqs)

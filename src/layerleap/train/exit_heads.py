@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from ..files import reading, save_safetensors
 from .data import conversation_seqs
-from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, train
+from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, items_seen, train
+from ..drafters import weights
 from ..drafters.exit_heads import ExitHead, HeadError, LensHead, new_head, save_heads
 from .. import validate as V
 from ..core.model import Transformer
@@ -341,13 +342,19 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
                            timing["seconds"], asdict(cfg))
 
 
-def save_trained(result: HeadTrainResult, path, meta: dict | None = None, dtype: torch.dtype = torch.float32):
-    """Save the result's heads with the training facts in the file's metadata."""
+def save_trained(result: HeadTrainResult, path, meta: dict | None = None, dtype: torch.dtype = torch.float32,
+                 command: str | None = None):
+    """Save the result's heads with the training budget and settings in the file's metadata.
+    ``command``: the command recorded as the one that made the file (default: this process's)."""
     heads = [result.heads[x] for x in sorted(result.heads)]
-    info = {"tokens": result.tokens, "steps": result.steps, "train_s": round(result.seconds, 1),
-            "cache_s": round(result.cache_seconds, 1), "config": json.dumps(result.config, default=list),
-            "final_loss": result.losses[-1] if result.losses else ""}
-    return save_heads(heads, path, meta={**info, **(meta or {})}, dtype=dtype)
+    model = heads[0].model
+    cfg = result.config
+    budget = weights.Budget(f"{weights.SHAREGPT}: {result.tokens} positions of whole conversations, chat template",
+                            items_seen(result.steps, result.tokens, cfg["batch_tokens"]), result.steps,
+                            result.seconds, weights.machine(model.device), command or weights.command_line())
+    info = {"positions": result.tokens, "epochs": cfg["epochs"], "cache_s": round(result.cache_seconds, 1),
+            "train_config": json.dumps(cfg, default=list), "final_loss": result.losses[-1] if result.losses else None}
+    return save_heads(heads, path, meta={**info, **(meta or {})}, dtype=dtype, budget=budget)
 
 
 __all__ = ["HeadTrainConfig", "HeadTrainResult", "train_heads", "save_trained", "cache_hidden", "agreement",

@@ -161,6 +161,13 @@ def epoch_batch(step: int, n: int, batch: int, seed: int) -> torch.Tensor:
     return perm[i * batch:(i + 1) * batch]
 
 
+def items_seen(steps: int, n: int, batch: int) -> int:
+    """Items the first ``steps`` steps of ``epoch_batch`` draw (repeats counted): a file's tokens."""
+    per_epoch = -(-n // batch)
+    epochs, rest = divmod(steps, per_epoch)
+    return epochs * n + min(n, rest * batch)
+
+
 # -- the state file --------------------------------------------------------------------------------
 def save_state(ckpt: Checkpoint, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, step: int,
                losses: list, seconds: float) -> None:

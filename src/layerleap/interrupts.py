@@ -38,13 +38,13 @@ def interrupted() -> bool:
 @contextmanager
 def deferred():
     """Hold a Ctrl-C that comes inside the block until the block ends."""
-    before = _state["deferring"]
+    before, came_before = _state["deferring"], interrupted()
     _state["deferring"] = True
     try:
         yield
     finally:
         _state["deferring"] = before
-    if not before and interrupted():
+    if not before and not came_before and interrupted():  # held here: raise it now (once)
         raise KeyboardInterrupt
 
 

@@ -9,8 +9,10 @@ measured with (``METRIC_FOR``).
 
 from __future__ import annotations
 
+import importlib
 import re
 
+from .. import interrupts
 from ..errors import LayerleapError
 
 # Spec-Bench category -> metric name
@@ -28,13 +30,21 @@ def _pairs(candidates: list[str], references: list[str]) -> None:
         raise MetricError(f"{len(candidates)} candidates but {len(references)} references: give one reference each")
 
 
+def _library(module: str, package: str, metric: str):
+    """Import a metric's library.  A Ctrl-C that comes during the import waits until it is done: an
+    import cut half way leaves submodules behind (nltk's, under rouge-score) that break the next import,
+    and the report written after a Ctrl-C still scores the finished prompts."""
+    try:
+        with interrupts.deferred():
+            return importlib.import_module(module)
+    except ImportError:
+        raise MetricError(f"{metric} needs the package {package}: pip install 'layerleap[eval]'") from None
+
+
 def rouge_l(candidates: list[str], references: list[str]) -> float:
     """Mean ROUGE-L F1 x 100 (rouge-score, with its Porter stemmer)."""
     _pairs(candidates, references)
-    try:
-        from rouge_score import rouge_scorer
-    except ImportError:
-        raise MetricError("ROUGE-L needs the package rouge-score: pip install 'layerleap[eval]'") from None
+    rouge_scorer = _library("rouge_score.rouge_scorer", "rouge-score", "ROUGE-L")
     if not candidates:
         return 0.0
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
@@ -44,10 +54,7 @@ def rouge_l(candidates: list[str], references: list[str]) -> float:
 def bleu(candidates: list[str], references: list[str]) -> float:
     """Corpus BLEU (sacrebleu, default 13a tokenisation), 0-100."""
     _pairs(candidates, references)
-    try:
-        import sacrebleu
-    except ImportError:
-        raise MetricError("BLEU needs the package sacrebleu: pip install 'layerleap[eval]'") from None
+    sacrebleu = _library("sacrebleu", "sacrebleu", "BLEU")
     if not candidates:
         return 0.0
     return float(sacrebleu.corpus_bleu(list(candidates), [list(references)]).score)
@@ -100,7 +107,7 @@ def metric_for(category: str) -> str:
     return METRIC_FOR.get(category, "rougeL")
 
 
-# -- added for SkipDecode's quality tables (issue 6) ----------------------------------------------------
+# -- SkipDecode's quality tables ------------------------------------------------------------------------
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
@@ -112,10 +119,7 @@ def split_sentences(text: str) -> list[str]:
 def rouge_lsum(candidates: list[str], references: list[str]) -> float:
     """Mean summary-level ROUGE-Lsum F1 x 100, sentences split by ``split_sentences``."""
     _pairs(candidates, references)
-    try:
-        from rouge_score import rouge_scorer
-    except ImportError:
-        raise MetricError("ROUGE-Lsum needs the package rouge-score: pip install 'layerleap[eval]'") from None
+    rouge_scorer = _library("rouge_score.rouge_scorer", "rouge-score", "ROUGE-Lsum")
     if not candidates:
         return 0.0
     scorer = rouge_scorer.RougeScorer(["rougeLsum"], use_stemmer=True)

@@ -1,11 +1,13 @@
 """A list of prompts on tiny random models: a method that batches decodes it as one batch, each row
 as it would decode alone (greedy, and sampled under the per-row seeding rule); a method that does
-not batch refuses more than one prompt."""
+not batch refuses more than one prompt.  ``LAYERLEAP_TEST_DEVICE=cuda`` runs them on a GPU
+(benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from layerleap import GenerationError, Transformer, generate
 from layerleap.core.run import row_seed
 from layerleap.decoding import METHODS
 
+DEVICE = os.environ.get("LAYERLEAP_TEST_DEVICE", "cpu")
 BATCHED = [name for name, m in METHODS.items() if m.batched]
 ONE_AT_A_TIME = [name for name, m in METHODS.items() if not m.batched]
 # options a batched method needs on a 3-layer tiny model (a new batched method with a required
@@ -32,6 +35,7 @@ def _drafter(model: Transformer, name: str) -> dict:
         key = (id(model), name)
         if key not in _MADE:
             draft = Transformer(dataclasses.replace(model.config, n_layers=2)).eval().requires_grad_(False)
+            draft.to(model.device)
             draft.load_state_dict({k: v for k, v in model.state_dict().items()
                                    if not k.startswith("layers.") or int(k.split(".")[1]) < 2})
             _MADE[key] = draft
@@ -46,7 +50,7 @@ def _drafter(model: Transformer, name: str) -> dict:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for p in d.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+                p.add_((torch.randn(p.shape, generator=g) * 0.3).to(p.device))
         _MADE[key] = d
     return {option: _MADE[key]}
 RAGGED = [[5, 9, 2, 7, 7, 1, 3, 8, 30], [11], [4, 4, 60, 2], [17, 3, 3, 3, 3, 3, 90]]
@@ -54,13 +58,13 @@ RAGGED = [[5, 9, 2, 7, 7, 1, 3, 8, 30], [11], [4, 4, 60, 2], [17, 3, 3, 3, 3, 3,
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    return random_model("llama-mha-untied", seed=11, scale=2.0, n_layers=3)
+    return random_model("llama-mha-untied", seed=11, scale=2.0, n_layers=3).to(DEVICE)
 
 
 def with_eos(model: Transformer, eos: int) -> Transformer:
     m = Transformer(dataclasses.replace(model.config, eos_token_ids=(eos,))).eval().requires_grad_(False)
     m.load_state_dict(model.state_dict())
-    return m
+    return m.to(model.device)
 
 
 def options(name: str, model: Transformer) -> dict:

@@ -280,7 +280,7 @@ def _attend_folded(q, k, v, mask, g: int, folded=None) -> torch.Tensor:
     if mask is not None and folded is None:
         folded = mask.repeat(1, 1, g, 1)
     y = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], g * S, hd), k, v, attn_mask=folded)
-    return y.view(B, H, S, hd)
+    return y.reshape(B, H, S, hd)  # a view on the CPU; CUDA's kernels may return other strides
 
 
 class MLP(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -108,7 +109,6 @@ def test_ppd_processes(tmp_path, char_model_dir, moment):
 
 
 _HALF_IMPORT = '''
-import os, signal, sys
 from layerleap import interrupts
 from layerleap.eval import quality
 interrupts.install()
@@ -130,6 +130,6 @@ def test_during_a_metric_import(tmp_path):
     (pkg / "second.py").write_text("from . import first\nVALUE = first.VALUE + 1\n")
     (pkg / "__init__.py").write_text("import os, signal\nfrom . import first\nos.kill(os.getpid(), signal.SIGINT)\n"
                                      "from . import second\n")
-    proc = Proc([__import__("sys").executable, "-c", _HALF_IMPORT], env={"PYTHONPATH": str(tmp_path)})
+    proc = Proc([sys.executable, "-c", _HALF_IMPORT], env={"PYTHONPATH": str(tmp_path)})
     rc, out, err = proc.finish(60)
     assert rc == 0 and out.split() == ["interrupted", "after", "the", "import", "2"], err[-2000:]

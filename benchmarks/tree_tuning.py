@@ -1,21 +1,29 @@
 """Choose the trees of medusa and hidden-transfer and self-spec's draft length per weight format, from
-the measured per-depth acceptance and this machine's measured round costs (as lookup_tuning.py
-chose prompt lookup's).
+the measured per-depth acceptance and this machine's call-cost curve (as lookup_tuning.py chose
+prompt lookup's).
 
-Greedy acceptance is deterministic given the greedy output: a drafter's drafts from position ``p``
-depend only on the tokens up to ``p`` (the accepted path is the greedy text), so one teacher-forced
+Greedy acceptance is deterministic given the greedy output: a drafter's drafts from position ``q``
+depend only on the tokens up to ``q`` (the accepted path is the greedy text), so one teacher-forced
 pass over the greedy output gives, for every position, the rank of each of the next tokens among a
 drafter's step-``i`` drafts (Hidden Transfer's pseudo states, Medusa's heads) and whether the
 early exit's argmax is right (self-spec: a chain of ``k`` drafts keeps ``min(k, run of right
-exits)``).  ``replay`` walks a tree or draft length through those ranks (a round keeps the longest
-drafted path whose ranks the tree holds, plus the target's token) and prices each round with the
-round cost measured for that tree on this machine (``time``: the method itself, decoding time over
-rounds, best of ``--repeat``, interleaved with greedy), so the score is the decoding-time speed-up
-over greedy: accepted tokens per unit of round cost.
+exits)``).  ``replay`` walks each tree or draft length through those ranks (a round keeps the
+longest drafted path whose ranks the tree holds, plus the target's token) and prices each round in
+one-token calls from the call-cost curve ``C(S)`` (``layerleap info --call-cost --json``) and the
+unembedding's share ``u`` of the weights a step reads (decoding is weight-bound):
 
-    python benchmarks/tree_tuning.py record --dtype float32 --prompts 4 --offset 20 --json ranks_f32.json
-    python benchmarks/tree_tuning.py time --dtype float32 --json cost_f32.json
-    python benchmarks/tree_tuning.py replay ranks_f32.json cost_f32.json
+- medusa, ``n`` nodes, depth ``d``: ``C(n) + d u`` (each head ends in the full unembedding);
+- hidden-transfer: layers ``[0, t_1)`` over ``n`` tokens, ``[t_i, t_i+1)`` over ``(i + 1) n`` (the
+  pseudo states), each segment its layer share of ``C(S) - u``, then ``u`` for the nodes' logits and
+  ``u`` for the kept node's pseudo states (one product over ``d`` rows);
+- self-spec, ``k`` drafts at exit layer ``E`` of ``L``: ``k (E/L (1 - u) + u) + C(k + 1)``;
+
+plus ``--overhead-ms`` a round for drafting in Python.  The score is the decoding-time speed-up over
+greedy: emitted tokens per unit of call cost.
+
+    python benchmarks/tree_tuning.py record --dtype float32 --prompts 2 --offset 20 --json ranks_f32.json
+    layerleap info --dtype float32 --threads 2 --call-cost --json cc_f32.json
+    python benchmarks/tree_tuning.py replay ranks_f32.json [more_ranks_f32.json ...] cc_f32.json
 
 ``--offset 20`` keeps the tuning prompts apart from the benchmark's (the first of each category).
 """
@@ -25,7 +33,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import time
 
 CATEGORIES = "summarization,qa,translation,math_reasoning,writing"
 K = 8  # ranks beyond the top-8 count as misses
@@ -54,7 +61,7 @@ def _ranks(step_logits, out: list[int], steps: int) -> list[list[int]]:
 
 def record_one(model, prompt: list[int], out: list[int]) -> dict:
     import torch
-    from layerleap.core import tree as tree_mod
+
     from layerleap.core.run import GenerationConfig, Run
     from layerleap.drafters import medusa_transfer as W
     from layerleap.drafters.exit_heads import get_head
@@ -87,11 +94,13 @@ def record_one(model, prompt: list[int], out: list[int]) -> dict:
         exit_tok = head(hE)[0].argmax(-1).tolist()  # the exit's draft of out[p + 1] from position p
         rec["exit_right"] = [int(p + 1 < n and exit_tok[p] == out[p + 1]) for p in range(n)]
         rec["exit_layer"] = E
+        rec["transfer_layers"] = proj.layers
     return rec
 
 
 def cmd_record(args) -> None:
     import torch
+
     import layerleap
     from layerleap.datasets import spec_bench
     torch.set_num_threads(args.threads)
@@ -102,32 +111,12 @@ def cmd_record(args) -> None:
         rows.append({"id": p.id, "category": p.category, "prompt": r.prompt_ids, "out": r.token_ids,
                      **record_one(model, r.prompt_ids, r.token_ids)})
         print(f"{len(rows)} {p.category} {p.id}", flush=True)
+    from layerleap.eval.roofline import weight_bytes_per_token
+    lm = model.lm_head
+    head_bytes = lm.packed.nbytes if lm.packed is not None else lm.weight.numel() * lm.weight.element_size()
     with open(args.json, "w") as f:
-        json.dump({"dtype": args.dtype, "rows": rows}, f)
-
-
-# -- time: ms per round of each tree and draft length on this machine -----------------------------
-def cmd_time(args) -> None:
-    import torch
-    import layerleap
-    from layerleap.datasets import spec_bench
-    torch.set_num_threads(args.threads)
-    model = layerleap.load("smollm2-135m", dtype=args.dtype)
-    prompt = spec_bench(categories=["writing"], n=1, offset=args.offset)[0].text
-    variants = [("greedy", {})] + [(m, {"tree": t}) for m in ("hidden-transfer", "medusa") for t in TREES] \
-        + [("self-spec", {"draft_len": k}) for k in DRAFT_LENS]
-    best: dict[str, float] = {}
-    for rep in range(args.repeat):  # round-robin: a burst of other work hits every variant alike
-        for m, opt in variants:
-            key = f"{m} {json.dumps(opt)}"
-            t = time.perf_counter()
-            r = layerleap.generate(model, prompt, m, args.max_new_tokens, stop_at_eos=False, chat=True, **opt)
-            decode_ms = (r.stats["wall_s"] - r.stats["ttft_s"]) * 1e3
-            rounds = r.stats.get("rounds") or (len(r.token_ids) - 1)
-            best[key] = min(best.get(key, float("inf")), decode_ms / max(1, rounds))
-            print(f"{rep} {key:40} {best[key]:7.2f} ms/round ({time.perf_counter() - t:.1f} s)", flush=True)
-    with open(args.json, "w") as f:
-        json.dump({"dtype": args.dtype, "threads": args.threads, "ms_per_round": best}, f, indent=1)
+        json.dump({"dtype": args.dtype, "n_layers": model.config.n_layers,
+                   "unembed_share": head_bytes / weight_bytes_per_token(model), "rows": rows}, f)
 
 
 # -- replay ---------------------------------------------------------------------------------------
@@ -154,18 +143,62 @@ def tree_walk(n: int, ranks: list[list[int]], paths: set) -> int:
     return walk(n, lambda p: 0 if p == 0 else accepted_tree(ranks[p - 1], paths))
 
 
+def _json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def curve(path: str) -> dict[int, float]:
+    """``C(S)``: the call-cost ratios of a ``layerleap info --call-cost --json`` report (or of
+    ``call_cost_any.py``'s), extended linearly beyond its sizes and interpolated between them."""
+    d = _json(path)
+    d = d.get("call_cost", d)
+    pts = {int(p["new_tokens"]): p["ms"] for p in d["points"]}
+    xs = sorted(pts)
+    out = {}
+    for S in range(1, 129):
+        lo = max([x for x in xs if x <= S], default=xs[0])
+        hi = min([x for x in xs if x >= S], default=None)
+        if hi is None:  # beyond: the last segment's slope
+            a, b = xs[-2], xs[-1]
+            ms = pts[b] + (pts[b] - pts[a]) / (b - a) * (S - b)
+        else:
+            ms = pts[lo] if hi == lo else pts[lo] + (pts[hi] - pts[lo]) * (S - lo) / (hi - lo)
+        out[S] = ms / pts[1]
+    return out
+
+
+def round_cost(method: str, option, C: dict[int, float], u: float, L: int, layers: list[int], E: int) -> float:
+    """One round in one-token calls (the module docstring's model)."""
+    from layerleap.core.tree import build
+    if method == "self-spec":
+        return option * (E / L * (1 - u) + u) + C[option + 1]
+    buf = build(option)
+    n, d = buf.n, buf.depth
+    if method == "medusa":
+        return C[n] + d * u
+    bounds = [0] + layers[:d] + [L]
+    body = sum((bounds[i + 1] - bounds[i]) / L * (C[(i + 1) * n] - u) for i in range(d + 1))
+    return body + u + u
+
+
 def cmd_replay(args) -> None:
     from layerleap.core.tree import parse_tree
-    data = json.load(open(args.ranks))
-    cost = json.load(open(args.cost))["ms_per_round"]
-    g = cost["greedy {}"]
-    rows = data["rows"]
+    files = [_json(path) for path in args.ranks]
+    data = next(f for f in files if "unembed_share" in f)  # the model's facts (one dtype)
+    rows = [r for f in files for r in f["rows"]]
+    C = curve(args.call_cost)
+    cc = _json(args.call_cost)
+    g_ms = cc.get("call_cost", cc)["points"][0]["ms"]
+    over = args.overhead_ms / g_ms
+    u, L = data["unembed_share"], data["n_layers"]
+    layers, E = next(r["transfer_layers"] for r in data["rows"]), rows[0]["exit_layer"]
     cats = sorted({r["category"] for r in rows})
     table = []
     for m, kind in (("hidden-transfer", "transfer"), ("medusa", "medusa")):
+        steps = len(rows[0][kind][0])
         for t in TREES:
-            key = f"{m} {json.dumps({'tree': t})}"
-            if key not in cost:
+            if len(t.split(",")) > steps:
                 continue
             paths = set(parse_tree(t))
             per = collections.defaultdict(lambda: [0, 0])
@@ -173,11 +206,8 @@ def cmd_replay(args) -> None:
                 n = len(r["out"])
                 per[r["category"]][0] += tree_walk(n, r[kind], paths)
                 per[r["category"]][1] += n - 1
-            table.append((m, f"tree={t}", per, cost[key]))
+            table.append((m, f"tree={t}", per, round_cost(m, t, C, u, L, layers, E) + over))
     for k in DRAFT_LENS:
-        key = f"self-spec {json.dumps({'draft_len': k})}"
-        if key not in cost:
-            continue
         per = collections.defaultdict(lambda: [0, 0])
         for r in rows:
             n, right = len(r["out"]), r["exit_right"]
@@ -189,39 +219,38 @@ def cmd_replay(args) -> None:
                 return a
             per[r["category"]][0] += walk(n, run_len)
             per[r["category"]][1] += n - 1
-        table.append(("self-spec", f"draft_len={k}", per, cost[key]))
-    print(f"{data['dtype']}: greedy {g:.2f} ms/token; speed-up = tokens x greedy ms / (rounds x round ms)")
-    print(f"{'method':16} {'option':14} {'ms/round':>8} {'tok/call':>8} {'all':>6} " + " ".join(f"{c[:8]:>8}" for c in cats))
-    for m, opt, per, ms in sorted(table, key=lambda x: (x[0], -_speed(x[2], x[3], g))):
+        table.append(("self-spec", f"draft_len={k}", per, round_cost("self-spec", k, C, u, L, layers, E) + over))
+    print(f"{data['dtype']}: {len(rows)} prompts, unembedding {u:.0%} of a step's weights, one-token call "
+          f"{g_ms:.2f} ms; speed-up = tokens / (rounds x round cost in one-token calls)")
+    print(f"{'method':16} {'option':14} {'cost':>6} {'tok/call':>8} {'all':>6} " + " ".join(f"{c[:8]:>8}" for c in cats))
+    for m, opt, per, cost in sorted(table, key=lambda x: (x[0], -_speed(x[2], x[3]))):
         rounds, toks = sum(v[0] for v in per.values()), sum(v[1] for v in per.values())
-        print(f"{m:16} {opt:14} {ms:8.2f} {toks / rounds:8.2f} {_speed(per, ms, g):6.3f} "
-              + " ".join(f"{per[c][1] * g / (per[c][0] * ms):8.3f}" for c in cats))
+        print(f"{m:16} {opt:14} {cost:6.2f} {toks / rounds:8.2f} {_speed(per, cost):6.3f} "
+              + " ".join(f"{per[c][1] / (per[c][0] * cost):8.3f}" for c in cats))
 
 
-def _speed(per, ms: float, g: float) -> float:
+def _speed(per, cost: float) -> float:
     rounds, toks = sum(v[0] for v in per.values()), sum(v[1] for v in per.values())
-    return toks * g / (rounds * ms)
+    return toks / (rounds * cost)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record", help="greedy outputs and every position's draft ranks to a JSON file")
-    t = sub.add_parser("time", help="ms per round of each tree / draft length (and greedy) on this machine")
-    for p in (r, t):
-        p.add_argument("--dtype", default="float32")
-        p.add_argument("--threads", type=int, default=2)
-        p.add_argument("--offset", type=int, default=20)
-        p.add_argument("--max-new-tokens", type=int, default=64)
-        p.add_argument("--json", required=True)
+    r.add_argument("--dtype", default="float32")
+    r.add_argument("--threads", type=int, default=2)
+    r.add_argument("--offset", type=int, default=20)
+    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--json", required=True)
     r.add_argument("--categories", default=CATEGORIES)
-    r.add_argument("--prompts", type=int, default=4)
-    t.add_argument("--repeat", type=int, default=3)
+    r.add_argument("--prompts", type=int, default=2)
     p = sub.add_parser("replay", help="rank trees and draft lengths by decoding-time speed-up over greedy")
-    p.add_argument("ranks")
-    p.add_argument("cost")
+    p.add_argument("ranks", nargs="+", help="record's JSON files (one dtype)")
+    p.add_argument("call_cost", help="layerleap info --call-cost --json output (or call_cost_any.py's)")
+    p.add_argument("--overhead-ms", type=float, default=0.5, help="per drafting round, beyond the call")
     args = ap.parse_args()
-    {"record": cmd_record, "time": cmd_time, "replay": cmd_replay}[args.cmd](args)
+    {"record": cmd_record, "replay": cmd_replay}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def test_auto_samples_the_models_distribution(switching):
     passes through a transfer round's tree."""
     target, _ = tiny_pair(3, vocab=6, scale=2.0, n_draft=1)
     prompt = [1, 3, 4, 1, 3, 4, 1, 3]
-    warp = dict(temperature=0.8, top_k=5)
+    warp = {"temperature": 0.8, "top_k": 5}
     p = exact_joint3(target, prompt, warp)
     proj = _transfer(target, layers=(1, 2))
     counts = torch.zeros(6, 6, 6)

@@ -58,7 +58,7 @@ def lossless(monkeypatch):
 
 def test_registry_claims():
     assert set(exactness.lossless_methods()) == {"speculative", "medusa", "hidden-transfer", "ppd", "self-spec",
-                                                 "prompt-lookup"}
+                                                 "prompt-lookup", "auto"}
 
 
 def test_divergence_report(tiny, lossless):
@@ -105,7 +105,8 @@ def test_all_lossless_methods_and_skips(capsys, tmp_path, char_model_dir):
     rc, _, err = cli(capsys, "eval", "exactness", "--model", char_model_dir, "--categories", "qa", "--prompts", 1,
                      "--max-new-tokens", 4, "--transformers", "--json", out)
     rep = json.loads(out.read_text())
-    assert rc == 0 and set(rep["summary"]) == {"ppd", "self-spec", "prompt-lookup", "transformers"}  # no drafters for tiny
+    assert rc == 0 and set(rep["summary"]) == {"ppd", "self-spec", "prompt-lookup", "auto",
+                                                 "transformers"}  # no drafters for tiny (auto: lookup alone)
     assert all(s["equal"] == 1 for s in rep["summary"].values())
     assert rep["config"]["skipped"]["speculative"] == "needs a second model: give --draft NAME"
     assert "no shipped medusa weights" in rep["config"]["skipped"]["medusa"] and "skipping medusa" in err

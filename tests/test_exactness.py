@@ -64,7 +64,9 @@ EXACT = {
                                                "transfer": _random_drafter(m, "transfer", layers=[1, 1])})],
     "self-spec": [("E1 gamma4", lambda m, o: {"exit_layer": 1, "draft_len": 4, "head": "shared"}),
                   ("E=d-1 gamma2", lambda m, o: {"exit_layer": m.config.n_layers - 1, "draft_len": 2,
-                                                  "head": "shared"})],
+                                                  "head": "shared"}),
+                  ("E1 heuristic", lambda m, o: {"exit_layer": 1, "draft_len": 2, "head": "shared",
+                                                 "schedule": "heuristic"})],
 }
 CASES = [(method, label, fn) for method, rows in EXACT.items() for label, fn in rows]
 

@@ -34,11 +34,12 @@ def method_options(model) -> dict[str, dict]:
         "hidden-transfer": {"transfer": drafters.new_drafter(model, "transfer", layers=[1, 2, 3]), "tree": "1,1"},
         "ppd": {"exit_layer": 2, "head": "shared"}, "self-spec": {"exit_layer": 2, "head": "shared", "draft_len": 3},
         "prompt-lookup": {"draft_len": 4},
+        "auto": {"transfer": drafters.new_drafter(model, "transfer", layers=[1, 2]), "tree": "2,1"},
     }
 
 
 METHOD_NAMES = ["greedy", "sample", "skipdecode", "early-exit", "calm", "speculative", "bild", "medusa",
-                "hidden-transfer", "ppd", "self-spec", "prompt-lookup"]
+                "hidden-transfer", "ppd", "self-spec", "prompt-lookup", "auto"]
 
 
 def test_every_builtin_method_is_covered(tiny):

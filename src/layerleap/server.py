@@ -50,7 +50,7 @@ UNSUPPORTED = {  # request fields we cannot honour -> the value that asks for no
 @dataclass
 class ServerConfig:
     model_name: str  # the id clients pass as ``model`` (and /v1/models lists)
-    method: str = "greedy"  # the default method
+    method: str = "auto"  # the default method
     options: dict = field(default_factory=dict)  # the default method's options (models already loaded)
     max_tokens: int = 256  # max_tokens when a request gives none (clipped to the context)
     max_batch: int = 8

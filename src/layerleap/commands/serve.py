@@ -15,7 +15,7 @@ from .basic import _load, _loader, _model_args, _opt_arg, _say, _threads
 @command("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming, /metrics)")
 def _setup(p):
     _model_args(p)
-    p.add_argument("--method", default="greedy", help=f"the default decoding method: {', '.join(METHODS)} "
+    p.add_argument("--method", default="auto", help=f"the default decoding method: {', '.join(METHODS)} "
                    "(a request may choose another in its 'layerleap' field)")
     _opt_arg(p, "NAME=VALUE", "an option of the default method (repeatable)")
     p.add_argument("--host", type=V.text_arg, default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

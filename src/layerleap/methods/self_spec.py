@@ -15,7 +15,9 @@ Sampling draws the drafts from the exit head's warped distribution and accepts t
 sampling: lossless.
 
 ``min_confidence``: stop drafting early when the exit head's top probability falls below it (that
-position is left to the full model; 0 = always draft ``draft_len``).
+position is left to the full model; 0 = always draft ``draft_len``).  ``schedule="heuristic"``: the
+draft length follows the running acceptance (+2 after a round whose drafts were all accepted, -1
+otherwise, at least 1; `transformers`' heuristic schedule); ``"constant"`` keeps ``draft_len``.
 
 Stats: ``exit_layer``, ``head``, ``rounds`` (verification passes), ``drafted``, ``accepted``,
 ``acceptance`` (accepted / drafted), ``tokens_per_round``, ``draft_steps``.
@@ -27,7 +29,7 @@ from numbers import Real
 
 
 from ..core.run import GenerationError, Run, register
-from ..drafters.base import ChainRule, DraftLength
+from ..drafters.base import SCHEDULES, ChainRule, DraftLength
 from ..drafters.early_exit import EarlyExitDrafter
 from . import draft_verify
 from .speculative import MAX_DRAFT_LEN
@@ -52,15 +54,19 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
 
 @register("self-spec", batched=True, sampling=True, exact=True)
 def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
-              head="auto"):
+              head="auto", schedule: str = "constant"):
     """Self-speculative decoding: draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV (greedy-exact; lossless sampling)."""
     from ..drafters.exit_heads import get_head
     d = run.n_layers
     E = default_exit_layer(d) if exit_layer is None else exit_layer
     check_options(d, E, draft_len, min_confidence)
+    if schedule not in SCHEDULES:
+        raise GenerationError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (constant: draft_len "
+                              f"drafts a round; heuristic: +2 after a fully accepted round, -1 otherwise), got {schedule!r}")
     exit_head = get_head(run.model, E, head)
     run.extra.update(exit_layer=E, head=exit_head.kind)
-    rule = ChainRule(DraftLength(draft_len), float(min_confidence), keep_unsure=False)
-    drafter = EarlyExitDrafter(run, E, exit_head, rule, extra_slots=draft_len + 1)  # a batch's fillers
+    rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=False)
+    slots = (draft_len if schedule == "constant" else run.gen.max_new_tokens) + 1  # a batch's fillers; γ may grow
+    drafter = EarlyExitDrafter(run, E, exit_head, rule, extra_slots=slots)
     yield from draft_verify.decode(run, drafter)
     draft_verify.per_row(run, "draft_steps", drafter.draft_steps)

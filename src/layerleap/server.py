@@ -234,7 +234,7 @@ class Reply:
                   else {"index": 0, "text": fin.text})
         choice.update(finish_reason=fin.reason, logprobs=None)
         return {**self._head(False), "choices": [choice], "usage": _usage(self.prompt_len, len(fin.result.token_ids)),
-                "layerleap": {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)}}
+                "layerleap": {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats.to_dict())}}
 
     def chunk(self, text: str | None = None, reason: str | None = None, role: bool = False) -> dict:
         if self.chat:

@@ -24,6 +24,7 @@ from .. import validate as V
 from . import sampling
 from .kv_cache import KVCache
 from .model import Transformer
+from .stats import RECORD_FIELDS, Record, Stats
 
 
 class GenerationError(V.InputError):
@@ -46,11 +47,11 @@ class GenerationConfig:
 class GenerationResult:
     text: str
     token_ids: list[int]
-    stats: dict
+    stats: Stats
     prompt_ids: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats}
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,20 @@ class Run:
         self.model_calls = 0
         self.layer_evals = [0] * self.batch
         self.prompt_layer_evals = [0] * self.batch
-        self.extra: dict = {}  # method-specific counters
+        self.records: dict[type, list[Record]] = {}  # a method's own statistics: kind -> one record per row
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
+
+    def record(self, per_row: list[Record]) -> None:
+        """A method's own statistics: one record per row, all of one kind (``core.stats``)."""
+        kinds = {type(r) for r in per_row}
+        if len(per_row) != self.batch or len(kinds) != 1 or not kinds <= set(RECORD_FIELDS):
+            raise ValueError(f"record one core.stats record of one kind per row ({self.batch}), got {per_row!r}")
+        self.records[type(per_row[0])] = list(per_row)
+
+    def record_all(self, record: Record) -> None:
+        """A record the whole batch shares (a second model's meters)."""
+        self.record([record] * self.batch)
 
     # -- model access (counted) --------------------------------------------------------------
     @property

@@ -113,9 +113,6 @@ class Drafter:
                 keep[b] += len(c.kept(r[0]))
         self.cache.truncate(keep)
 
-    def finish(self, stats: dict) -> None:
-        """Add the drafter's own statistics (once, after the last round)."""
-
     # -- helpers ---------------------------------------------------------------------------------
     def _ids(self, rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.run.model.device)

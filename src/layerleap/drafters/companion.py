@@ -2,9 +2,9 @@
 (``DraftModel``, the drafter over a ``Companion``).
 
 ``Run`` meters the main model (``run.forward`` counts its calls and token-layer evaluations).  A
-``Companion`` gives the second model its own KV cache and its own meters, kept in ``run.extra``
-under ``<name>_calls``, ``<name>_layer_evals`` and ``<name>_prompt_layer_evals`` (so they appear in
-``GenerationResult.stats``; for a batch, the whole batch's).  One cache row per prompt.
+``Companion`` gives the second model its own KV cache and its own meters, a
+``core.stats.CompanionStats`` the whole batch shares (flat in ``GenerationResult.stats`` as
+``<name>_calls``, ``<name>_layer_evals`` and ``<name>_prompt_layer_evals``).  One cache row per prompt.
 
 ``check_pair`` refuses pairs that cannot cooperate: different vocabularies or tokenizers, a
 "small" model larger than the large one, different devices.
@@ -20,6 +20,7 @@ from torch import nn
 from ..core.run import GenerationError, Run
 from ..core.kv_cache import KVCache
 from ..core.model import Transformer
+from ..core.stats import CompanionStats
 from .base import ChainRule, StepDrafter
 
 
@@ -30,15 +31,15 @@ class Companion:
         self.run, self.model, self.name = run, model, name
         longest = max(len(p) for p in run.prompts)
         self.cache: KVCache = model.new_cache(run.batch, longest + run.gen.max_new_tokens + extra_slots + 1)
-        for key in ("calls", "layer_evals", "prompt_layer_evals"):
-            run.extra.setdefault(f"{name}_{key}", 0)
+        self.meters = CompanionStats(name)
+        run.record_all(self.meters)
 
     def length(self, row: int = 0) -> int:
         """Tokens of ``row`` in the cache, left padding excluded (every layer holds the same number)."""
         return int(self.cache.lengths[0, row] - self.cache.pad[row])
 
     def _count(self, key: str, n: int) -> None:
-        self.run.extra[f"{self.name}_{key}"] += n
+        setattr(self.meters, key, getattr(self.meters, key) + n)
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts through every layer; -> logits ``[B, V]`` for the first new position."""

@@ -21,6 +21,7 @@ import torch
 from ..core import tree as tree_mod
 from ..core.kv_cache import KVCache
 from ..core.run import GenerationError, Run
+from ..core.stats import TreeStats
 from ..core.tree import Candidates
 from .base import Drafter
 from .medusa_transfer import MedusaHeads, TransferProjections
@@ -70,8 +71,10 @@ class TreeDrafter(Drafter):
         """Row -> ``states[b, j]`` at the last kept node ``j`` of each live row (``states`` ``[B, S, ...]``)."""
         return {b: states[b, c.kept(r[0])[-1]] for b, (c, r) in enumerate(zip(cands, results)) if c is not None}
 
-    def finish(self, stats: dict) -> None:
-        stats["tree_nodes"] = self.buf.n
+    def tree_stats(self, counts) -> list[TreeStats]:
+        """One row's ``TreeStats`` per ``draft_verify.RoundCounts``."""
+        return [TreeStats(tree_nodes=self.buf.n, accepted_per_round=c.accepted / c.rounds if c.rounds else None)
+                for c in counts]
 
 
 class MedusaDrafter(TreeDrafter):
@@ -156,6 +159,8 @@ class TransferDrafter(TreeDrafter):
             for b, p in self.kept_states(cands, results, pseudo).items():
                 self.topk[b] = top_drafts(self.buf, self.run.model.logits(p))  # [depth, K]
 
-    def finish(self, stats: dict) -> None:
-        super().finish(stats)
-        stats["pseudo_states"] = self.pseudo_states
+    def tree_stats(self, counts) -> list[TreeStats]:
+        rows = super().tree_stats(counts)
+        for r in rows:
+            r.pseudo_states = self.pseudo_states  # the whole batch's
+        return rows

@@ -18,9 +18,9 @@ Rules:
 - ``Rollback``: BiLD's rule (``verify.first_rollback``): drafts are kept up to the first whose
   cross-entropy under the target exceeds ``alpha_rb``; the target picks the token there.
 
-Statistics per row (a list per key for a batch): ``rounds`` (target calls after the prompt pass
+Statistics, one ``core.stats.DraftStats`` per row: ``rounds`` (target calls after the prompt pass
 while the row ran), ``drafted`` (the longest path proposed, summed), ``accepted``, ``acceptance``,
-``tokens_per_round``; ``RoundCounts`` keeps more for the methods' own names.
+``tokens_per_round``; ``RoundCounts`` keeps more for the methods' own records.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 
 from ..core import sampling, verify
 from ..core.run import Run
+from ..core.stats import DraftStats
 from ..core.tree import Candidates
 from ..drafters.base import Drafter
 
@@ -92,9 +93,10 @@ class Rollback:
 EXACT = Exact()
 
 
-def decode(run: Run, drafter: Drafter, rule=EXACT):
-    """Run ``drafter`` with ``rule`` to the end of every row, yielding after each round; then write
-    the statistics into ``run.extra`` and return the per-row ``RoundCounts``."""
+def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
+    """Run ``drafter`` with ``rule`` to the end of every row, yielding after each round; then record
+    the loop's ``DraftStats`` (unless ``loop_stats`` is False: a method that reports the counts under
+    its own names) and return the per-row ``RoundCounts``."""
     B = run.batch
     counts = [RoundCounts() for _ in range(B)]
     drafter.prefill()
@@ -121,8 +123,8 @@ def decode(run: Run, drafter: Drafter, rule=EXACT):
         if run.done:
             break
         yield
-    _write_stats(run, counts)
-    drafter.finish(run.extra)
+    if loop_stats:
+        run.record([draft_stats(out, c) for out, c in zip(run.out, counts)])
     return counts
 
 
@@ -145,20 +147,8 @@ def _count(c: RoundCounts, cand: Candidates, result, target_token: int, scored: 
         c.stops[cand.stop] += 1
 
 
-def _write_stats(run: Run, counts: list[RoundCounts]) -> None:
-    """``rounds``, ``drafted``, ``accepted``, ``acceptance``, ``tokens_per_round`` (a list per key for
-    a batch, a number for one row)."""
-    per_key = {
-        "rounds": [c.rounds for c in counts],
-        "drafted": [c.drafted for c in counts],
-        "accepted": [c.accepted for c in counts],
-        "acceptance": [c.accepted / c.drafted if c.drafted else None for c in counts],
-        "tokens_per_round": [len(out) / c.rounds if c.rounds else None for out, c in zip(run.out, counts)],
-    }
-    for key, values in per_key.items():
-        per_row(run, key, values)
-
-
-def per_row(run: Run, key: str, values: list) -> None:
-    """A statistic with one value per row: a list for a batch, the number for one row."""
-    run.extra[key] = values if run.batch > 1 else values[0]
+def draft_stats(out: list[int], c: RoundCounts) -> DraftStats:
+    """One row's loop statistics from its output and counts."""
+    return DraftStats(rounds=c.rounds, drafted=c.drafted, accepted=c.accepted,
+                      acceptance=c.accepted / c.drafted if c.drafted else None,
+                      tokens_per_round=len(out) / c.rounds if c.rounds else None)

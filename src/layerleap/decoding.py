@@ -211,7 +211,7 @@ class Decoding:
     def __iter__(self):
         group = [i for i in range(len(self.prompt_ids)) if i not in self._cancelled]  # cancelled before it started
         if group:
-            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, rows=group)
+            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, indices=group)
             self._where.update({i: (run, j) for j, i in enumerate(group)})
             seen = [0] * len(group)
             for _ in rounds(self.method.fn, run, self.options):

@@ -79,8 +79,6 @@ def check_thresholds(alpha_fb, alpha_rb, max_small) -> None:
 def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
     """The small model of either form, as a step drafter; sets the ``exit_layer`` and ``head`` stats."""
     model = run.model
-    # a batch's rows ride along as fillers as long as the longest chain (+ its root)
-    extra = (run.gen.max_new_tokens if rule.length is None else rule.length.gamma) + 1
     if small is not None:
         if exit_layer is not None:
             raise GenerationError("give either small= (two models) or exit_layer= (early exit on one model), not both")
@@ -88,7 +86,7 @@ def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
             raise GenerationError("head= chooses the exit head of the early-exit form: drop it with small=")
         check_pair(model, small, "small", "small")
         run.record_all(ExitStats(exit_layer=None, head=None))
-        return DraftModel(run, small, rule, name="small", extra_slots=extra)
+        return DraftModel(run, small, rule, name="small")
     E = default_exit_layer(model) if exit_layer is None else exit_layer
     n = model.config.n_layers
     if isinstance(E, bool) or not isinstance(E, int) or not 1 <= E < n:
@@ -96,7 +94,7 @@ def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
                               f"[0, exit_layer) of this {n}-layer model), got {exit_layer!r}")
     fn, label = exit_head(model, E, head)
     run.record_all(ExitStats(exit_layer=E, head=label))
-    return EarlyExitDrafter(run, E, fn, rule, extra_slots=extra, draft_first=True)
+    return EarlyExitDrafter(run, E, fn, rule, draft_first=True)
 
 
 def decode(run: Run, drafter, alpha_rb: float):

@@ -60,11 +60,11 @@ class Exact:
     def budget(self, run: Run, row: int) -> int:
         return run.remaining(row) - 1  # leave room for the target's own token
 
-    def accept(self, run: Run, row: int, cand: Candidates, rows: torch.Tensor) -> tuple[list[int], int]:
+    def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
         if not g.do_sample:
-            return verify.accept_greedy(cand.tokens, cand.parents, rows)
-        p = sampling.probs(rows, g.temperature, g.top_k, g.top_p)  # [1 + k, V]
+            return verify.accept_greedy(cand.tokens, cand.parents, logits)
+        p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [1 + k, V]
         return verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
 
 
@@ -81,12 +81,12 @@ class Rollback:
     def budget(self, run: Run, row: int) -> int:
         return run.remaining(row)
 
-    def accept(self, run: Run, row: int, cand: Candidates, rows: torch.Tensor) -> tuple[list[int], int]:
+    def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
-        probs = sampling.probs(rows, g.temperature, g.top_k, g.top_p) if g.do_sample else rows.float().softmax(-1)
+        probs = sampling.probs(logits, g.temperature, g.top_k, g.top_p) if g.do_sample else logits.float().softmax(-1)
         m = verify.first_rollback(cand.tokens, probs[:cand.k], self.alpha_rb)
         at = cand.k if m is None else m
-        nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else int(rows[at].argmax())
+        nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else int(logits[at].argmax())
         return list(range(at)), nxt
 
 
@@ -102,24 +102,24 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
     drafter.prefill()
     roots: list[int | None] = [None] * B
     while True:
-        cands = drafter.propose(roots, [None if run.finished[b] else rule.budget(run, b) for b in range(B)])
+        cands = drafter.propose(roots, [None if run.finished[row] else rule.budget(run, row) for row in range(B)])
         if not rule.can_reject and B == 1 and _ends_output(run, cands[0]):
             run.emit(0, cands[0].tokens.tolist())  # nothing could change these drafts
             _count(counts[0], cands[0], None, 0, scored=False, called=False)
             break
         calls = run.model_calls
-        rows = drafter.score(cands)
+        logits = drafter.score(cands)
         called = run.model_calls > calls
-        results = [None if c is None else rule.accept(run, b, c, rows[b]) for b, c in enumerate(cands)]
+        results = [None if c is None else rule.accept(run, row, c, logits[row]) for row, c in enumerate(cands)]
         drafter.update(cands, results)
-        for b, (c, r) in enumerate(zip(cands, results)):
+        for row, (c, r) in enumerate(zip(cands, results)):
             if c is None:
                 continue
-            before = len(run.out[b])
+            before = len(run.out[row])
             new = c.tokens[r[0]].tolist() + [r[1]]
-            run.emit(b, new)
-            _count(counts[b], c, r, int(len(run.out[b]) - before == len(new)), scored=True, called=called)
-            roots[b] = r[1]
+            run.emit(row, new)
+            _count(counts[row], c, r, int(len(run.out[row]) - before == len(new)), scored=True, called=called)
+            roots[row] = r[1]
         if run.done:
             break
         yield

@@ -137,10 +137,11 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
         raise GenerationError(f"k={k} is more than the vocabulary ({model.config.vocab_size} tokens): lower k")
     exit_head = get_head(model, dbar, head)
     lo = d - dbar  # the layers a sub-process runs before the main process needs its result
-    pair = EarlyExit(run, dbar, exit_head, extra_slots=k + 1)
+    pair = EarlyExit(run, dbar, exit_head, round_tokens=k + 1)
     cache = pair.cache
-    head_logits, logits = (rows[0] for rows in pair.prefill())  # the prompt: all layers; the exit head at its end
+    head_logits, logits = (both[0] for both in pair.prefill())  # the prompt: all layers; the exit head at its end
     clock, runs = Clock(), Runs()
+    h_mid: torch.Tensor | None = None  # [1, 1, D] x_t after layer d̄ (set from the second token on)
     clock.run_main(dbar)
     dev = model.device
     pos = len(run.prompts[0])  # position (= cache slot) of x_{t+1}

@@ -62,6 +62,6 @@ def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, mi
     exit_head = get_head(run.model, E, head)
     run.record_all(ExitStats(exit_layer=E, head=exit_head.kind))
     rule = ChainRule(DraftLength(draft_len), float(min_confidence), keep_unsure=False)
-    drafter = EarlyExitDrafter(run, E, exit_head, rule, extra_slots=draft_len + 1)  # a batch's fillers
+    drafter = EarlyExitDrafter(run, E, exit_head, rule)
     yield from draft_verify.decode(run, drafter)
     run.record([SelfSpecStats(draft_steps=n) for n in drafter.draft_steps])

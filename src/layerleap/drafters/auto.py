@@ -29,6 +29,7 @@ import torch
 
 from ..core import tree as tree_mod
 from ..core.run import Run
+from ..core.stats import AutoStats
 from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
 from .trees import TreeDrafter, top_drafts, transfer_pass
@@ -126,9 +127,9 @@ class AutoDrafter(TreeDrafter):
                  buf: tree_mod.TreeBuffers | None = None):
         buf = tree_mod.build("") if proj is None or buf is None else buf
         self.steps = buf.depth if buf.n > 1 else 0
-        super().__init__(run, buf, extra_slots=(buf.n + draft_len) * (self.steps + 1) + 1)
-        self.proj = proj if self.steps else None
         self.draft_len = draft_len
+        super().__init__(run, buf)
+        self.proj = proj if self.steps else None
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
         self.chooser = Chooser(MODES if self.proj is not None else MODES[:1])
         self.pseudo: torch.Tensor | None = None  # [B, steps, n, D] the last transfer call's pseudo states
@@ -136,6 +137,9 @@ class AutoDrafter(TreeDrafter):
         self.round_mode = "lookup"
         self.counted = True
         self.mode_rounds = {m: 0 for m in MODES}
+
+    def round_tokens(self) -> int:
+        return (self.buf.n + self.draft_len) * (self.steps + 1) + 1  # tree, chain, their pseudo states
 
     def propose(self, roots, budgets):
         self.t_round = time.perf_counter()
@@ -189,8 +193,7 @@ class AutoDrafter(TreeDrafter):
         tokens = sum(len(r[0]) + 1 for r in results if r is not None)
         self.chooser.record(self.round_mode, tokens, (time.perf_counter() - self.t_round) * 1e3, self.counted)
 
-    def finish(self, stats: dict) -> None:
-        super().finish(stats)
-        stats["lookup_rounds"] = self.mode_rounds["lookup"]
-        stats["transfer_rounds"] = self.mode_rounds["transfer"]
-        stats["mode_switches"] = self.chooser.switches
+    def auto_stats(self) -> list[AutoStats]:
+        """One ``AutoStats`` per row (the batch shares its rounds' modes)."""
+        return [AutoStats(self.mode_rounds["lookup"], self.mode_rounds["transfer"], self.chooser.switches)
+                for _ in range(self.run.batch)]

@@ -22,6 +22,7 @@ Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``mode
 from __future__ import annotations
 
 from ..core.run import GenerationError, Run, register
+from ..core.stats import LookupStats
 from ..drafters import medusa_transfer as weights
 from ..drafters.auto import AutoDrafter
 from ..drafters.trees import tree_buffers
@@ -59,4 +60,6 @@ def auto(run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX
         buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps)
     drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf)
     counts = yield from draft_verify.decode(run, drafter)
-    draft_verify.per_row(run, "lookups_hit", [c.proposed for c in counts])
+    run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
+    run.record(drafter.tree_stats(counts))
+    run.record(drafter.auto_stats())

@@ -27,17 +27,19 @@ from __future__ import annotations
 
 from ..core.run import Run, register
 from ..drafters.trees import TransferDrafter
-from .medusa import decode_tree
+from .medusa import decode_tree, tuned_tree
 
-# Trees per weight format, chosen by benchmarks/tree_tuning.py: the tree with the most accepted
-# tokens per millisecond of round, from the shipped projections' per-depth draft ranks on held-out
-# Spec-Bench prompts and each format's measured round costs (docs/BENCHMARKS.md, "Choosing trees").
-DEFAULT_TREES = {"float32": "1,1", "bfloat16": "1,1", "float16": "1,1", "q4": "1,1"}
+# Trees per weight format, chosen by benchmarks/tree_tuning.py: the tree with the most emitted tokens
+# per unit of round cost, from the shipped projections' draft ranks on held-out Spec-Bench prompts and
+# each format's call-cost curve (docs/BENCHMARKS.md, "Choosing trees and draft lengths").  Where a
+# call over more tokens is nearly free (fp32) the top-3 of the first pseudo state pays; where it is
+# not (q4, whose bf16 unembedding is 46% of a step) only the top-1.
+DEFAULT_TREES = {"float32": "3", "bfloat16": "3", "float16": "3", "q4": "1"}
 
 
 def default_tree(model) -> str:
     """The tuned tree for the model's weight format."""
-    return DEFAULT_TREES.get(model.dtype_name, DEFAULT_TREES["float32"])
+    return tuned_tree(model, DEFAULT_TREES)
 
 
 @register("hidden-transfer", batched=True, sampling=True, exact=True)

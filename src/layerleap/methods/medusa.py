@@ -18,18 +18,27 @@ from ..drafters import medusa_transfer as weights
 from ..drafters.trees import MedusaDrafter, tree_buffers
 from . import draft_verify
 
-DEFAULT_TREE = "1,1"  # a chain of two drafts: on CPU a wider tree costs more than it gains (docs/HIDDEN_TRANSFER.md)
+# Trees per weight format, chosen by benchmarks/tree_tuning.py as hidden-transfer's are: each head
+# ends in the full unembedding, so one level of the first head's top-k beats any deeper tree here.
+DEFAULT_TREES = {"float32": "3", "bfloat16": "3", "float16": "3", "q4": "2"}
+
+
+def tuned_tree(model, trees: dict[str, str]) -> str:
+    """``trees``' entry for the model's weight format (fp32's for a format it lacks)."""
+    return trees.get(model.dtype_name, trees["float32"])
 
 
 def decode_tree(run: Run, kind: str, name: str, tree, spec, drafter_cls):
     """A tree method: its ``kind`` of weights (``spec``), the checked tree, the shared loop."""
     w = weights.get_drafter(run.model, kind, spec)
     buf = tree_buffers(run, name, tree, w.steps)
-    counts = yield from draft_verify.decode(run, drafter_cls(run, w, buf))
-    draft_verify.per_row(run, "accepted_per_round", [c.accepted / c.rounds if c.rounds else None for c in counts])
+    drafter = drafter_cls(run, w, buf)
+    counts = yield from draft_verify.decode(run, drafter)
+    run.record(drafter.tree_stats(counts))
 
 
 @register("medusa", batched=True, sampling=True, exact=True)
-def medusa(run: Run, *, tree=DEFAULT_TREE, heads="trained"):
-    """Medusa heads drafting a candidate tree (tree=, heads=), verified with tree attention: greedy-exact; lossless sampling."""
+def medusa(run: Run, *, tree=None, heads="trained"):
+    """Medusa heads drafting a candidate tree (tree=, heads=; tree none: the dtype's tuned tree), verified with tree attention: greedy-exact; lossless sampling."""
+    tree = tuned_tree(run.model, DEFAULT_TREES) if tree is None else tree
     yield from decode_tree(run, "medusa", "medusa", tree, heads, MedusaDrafter)

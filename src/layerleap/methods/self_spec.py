@@ -29,10 +29,17 @@ from numbers import Real
 
 
 from ..core.run import GenerationError, Run, register
+from ..core.stats import ExitStats, SelfSpecStats
 from ..drafters.base import SCHEDULES, ChainRule, DraftLength
 from ..drafters.early_exit import EarlyExitDrafter
 from . import draft_verify
 from .speculative import MAX_DRAFT_LEN
+
+
+# Draft lengths per weight format, chosen by benchmarks/tree_tuning.py from the exit's per-position
+# accuracy on held-out Spec-Bench prompts and the call-cost curve: each draft costs half the layers
+# and the exit head's unembedding, so one draft a round is the least loss (docs/BENCHMARKS.md).
+DEFAULT_DRAFT_LENS = {"float32": 1, "bfloat16": 1, "float16": 1, "q4": 1}
 
 
 def default_exit_layer(n_layers: int) -> int:
@@ -53,20 +60,21 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
 
 
 @register("self-spec", batched=True, sampling=True, exact=True)
-def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
+def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int | None = None, min_confidence: float = 0.0,
               head="auto", schedule: str = "constant"):
     """Self-speculative decoding: draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV (greedy-exact; lossless sampling)."""
     from ..drafters.exit_heads import get_head
     d = run.n_layers
     E = default_exit_layer(d) if exit_layer is None else exit_layer
+    draft_len = DEFAULT_DRAFT_LENS.get(run.model.dtype_name, DEFAULT_DRAFT_LENS["float32"]) \
+        if draft_len is None else draft_len
     check_options(d, E, draft_len, min_confidence)
     if schedule not in SCHEDULES:
         raise GenerationError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (constant: draft_len "
                               f"drafts a round; heuristic: +2 after a fully accepted round, -1 otherwise), got {schedule!r}")
     exit_head = get_head(run.model, E, head)
-    run.extra.update(exit_layer=E, head=exit_head.kind)
+    run.record_all(ExitStats(exit_layer=E, head=exit_head.kind))
     rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=False)
-    slots = (draft_len if schedule == "constant" else run.gen.max_new_tokens) + 1  # a batch's fillers; γ may grow
-    drafter = EarlyExitDrafter(run, E, exit_head, rule, extra_slots=slots)
+    drafter = EarlyExitDrafter(run, E, exit_head, rule)
     yield from draft_verify.decode(run, drafter)
-    draft_verify.per_row(run, "draft_steps", drafter.draft_steps)
+    run.record([SelfSpecStats(draft_steps=n) for n in drafter.draft_steps])

@@ -166,3 +166,37 @@ def test_paths_start_at_greedy_and_get_cheaper():
     assert budget.PATHS["early-exit"](d)[0] == {"exit_layer": d}
     assert budget.PATHS["calm"](d)[0]["threshold"] > 1  # never exits
     assert budget.PATHS["bild"](d)[0]["alpha_rb"] <= math.log(2)  # rollback keeps only greedy's argmax
+
+
+def test_bench_shows_quality_beside_speed_and_the_report_draws_the_frontier(char_model, cache):
+    from layerleap.eval import bench
+    from layerleap.eval.report import html_report
+    d = char_model.config.n_layers
+    settings = [{"options": {"exit_layer": d}, "tested": True, "valid": True, "modelled_speedup": 1.0,
+                 "reference_kept": 1.0, "agreement": 1.0, "losses": 0},
+                {"options": {"exit_layer": d - 1}, "tested": True, "valid": False, "modelled_speedup": 1.3,
+                 "reference_kept": 0.5, "agreement": 0.4, "losses": 3}]
+    path = budget.calibration_path(char_model.fingerprint, "float32", "early-exit")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"budgets": {"0.95": {
+        "quality": 0.95, "chosen": {"options": {"exit_layer": d}, "modelled_speedup": 1.0},
+        "faster_than_greedy": False, "settings": settings, "guarantee": "with probability >= 0.8 ..."}}}))
+    methods = {"ee": ("early-exit", {"exit_layer": d - 1}), "sk": ("skipdecode", {})}
+    res = bench.run_bench(char_model, methods, PROMPTS[:2], 4, hf_baseline=False, chat=True, call_cost=False,
+                          warmup=False, progress=False)
+    summary = res.summary
+    assert summary["greedy"]["agreement"] == 1.0 and summary["greedy"]["reference_score"] is not None
+    assert summary["greedy"]["reference_kept"] in (None, pytest.approx(1.0))  # None: greedy scores 0 on them
+    for label in ("ee", "sk"):
+        assert 0 <= summary[label]["agreement"] <= 1 and summary[label]["ppl_ratio"] > 0
+    recs = [r for r in res.records if r.label == "ee"]
+    greedy = {r.prompt_index: r for r in res.records if r.label == "greedy"}
+    assert all(r.agreement == pytest.approx(C.agreement(r.text, greedy[r.prompt_index].text)) for r in recs)
+    assert "agree" in res.table() and "ppl x" in res.table()
+    assert res.config["calibration"]["ee"]["chosen"]["options"] == {"exit_layer": d}
+    page = html_report(res.to_dict())
+    assert "quality against speed" in page and "ee calibrated" in page and "reference kept" in page
+    # without lossy methods the table has no quality columns
+    plain = bench.run_bench(char_model, {"greedy": ("greedy", {})}, PROMPTS[:1], 2, hf_baseline=False, chat=True,
+                            call_cost=False, warmup=False, progress=False)
+    assert "agree" not in plain.table()

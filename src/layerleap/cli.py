@@ -21,7 +21,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     # the modules that define subcommands (add one here for a new one): importing one registers its commands
-    from .commands import basic, bild, exactness, heads, hidden_transfer, native, ppd, serve, skipdecode  # noqa: F401
+    from .commands import (basic, bild, calibrate, exactness, heads, hidden_transfer, native, ppd, serve,  # noqa: F401
+                           skipdecode)
     parser = _Parser(prog="layerleap", description="Faster decoding from intermediate layers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}

@@ -17,6 +17,7 @@ class Prompt:
     id: int
     category: str
     text: str
+    reference: str | None = None  # the data's reference answer (CNN/DM summary, WMT translation, GSM8K solution)
 
 
 def spec_bench(path: str | Path | None = None, categories: list[str] | None = None, n: int | None = None,
@@ -46,8 +47,16 @@ def spec_bench(path: str | Path | None = None, categories: list[str] | None = No
         seen[c] = i + 1
         if i < offset or (n is not None and i >= offset + n):
             continue
-        out.append(Prompt(int(r["question_id"]), c, r["turns"][0]))
+        out.append(Prompt(int(r["question_id"]), c, r["turns"][0], _reference(r)))
     return out
+
+
+def _reference(row: dict) -> str | None:
+    """The first reference of a Spec-Bench row (summarization, translation and math_reasoning have them)."""
+    ref = row.get("reference")
+    if isinstance(ref, list):
+        ref = ref[0] if ref else None
+    return ref if isinstance(ref, str) and ref.strip() else None
 
 
 def spec_bench_categories(path: str | Path | None = None) -> list[str]:

@@ -12,6 +12,7 @@ import inspect
 import numbers
 import os
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -19,7 +20,8 @@ import torch
 from . import methods  # noqa: F401  (registers the built-in methods)
 from . import validate as V
 from .core.model import Transformer
-from .core.stats import RECORD_FIELDS, Stats
+from .methods import budget
+from .core.stats import RECORD_FIELDS, BudgetStats, Stats
 from .core.run import (METHODS, GenerationConfig, GenerationError, GenerationResult, Method, Run, chat_token_ids,
                        drive, register, rounds)
 
@@ -125,7 +127,8 @@ def _check(cond: bool, msg: str):
 
 def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-             do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, **options):
+             do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, quality: float | None = None,
+             **options):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
 
     ``prompt`` is text, a list of token ids, or a list of either.  A list decodes as one batch; a
@@ -133,13 +136,19 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
     and refuses more with a ``GenerationError``.  Method options are keyword arguments (see
     ``layerleap.METHODS[name].options()``).
 
+    ``quality`` (lossy methods: ``skipdecode``, ``calm``, ``early-exit``, ``bild``): the share of
+    greedy's quality to keep, e.g. 0.95; the method runs the setting ``layerleap calibrate`` chose for
+    that budget on this model and dtype (``layerleap.methods.budget``).  Without it, a lossy method
+    given none of its knobs runs its calibrated setting at 0.95 where a calibration file exists.
+    ``result.stats["quality_budget"]`` names the setting and the file.
+
     Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
     (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
     whatever its batch-mates.  Without a seed, one base seed is drawn from torch's global generator (so
     ``torch.manual_seed`` makes the call reproducible) and the same rule applies.
     """
     d = Decoding(model, prompt, method, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                 seed=seed, do_sample=do_sample, stop_at_eos=stop_at_eos, chat=chat, **options)
+                 seed=seed, do_sample=do_sample, stop_at_eos=stop_at_eos, chat=chat, quality=quality, **options)
     for _ in d:
         pass
     return d.results if d.many else d.results[0]
@@ -190,6 +199,10 @@ def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, tempe
     return m, ids, many, gen
 
 
+class BudgetWarning(UserWarning):
+    """A lossy method's calibration found no setting faster than greedy within the quality budget."""
+
+
 class Decoding:
     """One ``generate`` call, driven round by round: iterating yields, after each method round that
     added tokens, the indices of the prompts whose output grew (``tokens(i)`` reads it); once the
@@ -200,9 +213,14 @@ class Decoding:
 
     def __init__(self, model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, **options):
+                 do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False,
+                 quality: float | None = None, **options):
+        options, self.budget = budget.resolve(model, get_method(method).name, options, quality) \
+            if isinstance(model, Transformer) else (options, None)
         m, ids, self.many, self.gen = _prepare(model, prompt, method, max_new_tokens, temperature, top_k, top_p, seed,
                                                do_sample, stop_at_eos, chat, options)
+        if self.budget is not None and not self.budget.faster_than_greedy:
+            warnings.warn(self.budget.note, BudgetWarning, stacklevel=3)
         self.model, self.method, self.options, self.prompt_ids = model, m, options, ids
         self.results: list[GenerationResult | None] = [None] * len(ids)
         self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row
@@ -225,6 +243,8 @@ class Decoding:
             grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
             for j, i in enumerate(group):
                 self.results[i] = _result(self.model, run, j, wall, self.method.name)
+                if self.budget is not None:
+                    self.results[i].stats.budget = BudgetStats(**self.budget.to_dict())
                 if i in self._cancelled:
                     self.results[i].stats.cancelled = True
             if grew:

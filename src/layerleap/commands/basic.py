@@ -16,6 +16,7 @@ import shutil
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +26,8 @@ from ..core import kernels
 from .. import validate as V
 from . import command
 from ..datasets import read_prompts_file, spec_bench
-from ..decoding import METHODS, Decoding, generate, get_method
+from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method
+from ..methods.budget import LOSSY
 from ..errors import LayerleapError
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model, load
 from ..options import ModelLoader, resolve_models, to_device
@@ -174,6 +176,10 @@ def _setup_generate(p):
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _sampling_args(p)
     _opt_arg(p, "NAME=VALUE", "a method option (repeatable)")
+    p.add_argument("--quality", type=V.float_arg(0.0, 1.0, lo_open=True), default=None,
+                   help="lossy methods (skipdecode, calm, early-exit, bild): the share of greedy's quality to keep; "
+                        "runs the setting `layerleap calibrate` chose for it (default: the calibrated 0.95 setting "
+                        "where one exists, unless --opt sets the method's knobs)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print the text as tokens are accepted")
     out.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) per prompt, "
@@ -214,7 +220,7 @@ def _read_stdin() -> str:
     return V.utf8(sys.stdin.buffer.read(), "the prompt on stdin")
 
 
-def _method_options(method: str, items: list[str] | None) -> dict:
+def _method_options(method: str, items: list[str] | None, quality: float | None = None) -> dict:
     """``--opt NAME=VALUE`` items of ``generate``, checked against the method's options (a model-valued
     one must name a model) before any model is loaded."""
     m = get_method(method)
@@ -225,7 +231,7 @@ def _method_options(method: str, items: list[str] | None) -> dict:
         raise LayerleapError(f"method {method!r} has no option {', '.join(unknown)}; its options: "
                              f"{', '.join(allowed) or 'none'}")
     missing = bench.required_options(method, options)
-    if missing:
+    if missing and quality is None:  # with --quality, the calibration sets it (or generate names the fix)
         raise LayerleapError(f"method {method!r} needs the option {missing[0]}: add --opt {missing[0]}=VALUE")
     _check_model_options(method, options)
     return options
@@ -239,11 +245,22 @@ def _check_model_options(method: str, options: dict, label: str = "") -> None:
 
 @_setup_generate
 def run_generate(args) -> int:
-    options = _method_options(args.method, args.opt)  # fail before loading the model
+    options = _method_options(args.method, args.opt, args.quality)  # fail before loading the model
     prompts = _generate_prompts(args)
     threads = _threads(args.threads)
     model = _load(args)
     kwargs = {**_sampling(args), **resolve_models(args.method, options, _loader(args))}
+    if args.quality is not None:
+        kwargs["quality"] = args.quality
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", BudgetWarning)
+        code = _generate(args, model, prompts, kwargs, threads)
+    for msg in dict.fromkeys(str(w.message) for w in said if issubclass(w.category, BudgetWarning)):
+        _say(msg)
+    return code
+
+
+def _generate(args, model, prompts, kwargs: dict, threads: int) -> int:
     if args.stream:
         s = stream(model, prompts[0] if isinstance(prompts, list) else prompts, args.method, args.max_new_tokens,
                    chat=args.chat, **kwargs)
@@ -429,6 +446,9 @@ def _setup_bench(p):
                         "assistant_early_exit=E self-speculative decoding (repeatable)")
     p.add_argument("--call-cost", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the call-cost curve into the report first (default on, ~5 s)")
+    p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure each lossy method's quality beside its speed: agreement with greedy's text, the "
+                        "reference score where the data has one, perplexity against greedy's (default on)")
     p.add_argument("--repeat", type=V.int_arg(1, 20), default=1, metavar="N",
                    help="run each prompt's methods N rounds, round-robin, and keep each one's fastest run "
                         "(for a shared, busy machine; default 1, at most 20)")
@@ -463,7 +483,7 @@ def run_bench(args) -> int:
     result = bench.run_bench(model, methods, prompts, args.max_new_tokens, hf_baseline=args.baseline_hf,
                              chat=args.chat, sampling=_sampling(args), out=args.json,
                              config={"command": _command_line(args)}, call_cost=args.call_cost, hf_extra=hf_extra,
-                             repeat=args.repeat)
+                             repeat=args.repeat, quality=args.quality)
     return _finish(result, args.json, args.html)
 
 
@@ -493,8 +513,9 @@ def _setup_demo(p):
                    f"(default {DEMO_HTML})")
 
 
-def method_blocks(results: dict, width: int | None = None) -> str:
-    """Each generation as a block: its method, exactness and speed, then its text, wrapped."""
+def method_blocks(results: dict, width: int | None = None, quality: dict | None = None) -> str:
+    """Each generation as a block: its method, exactness and speed (and a lossy method's quality,
+    ``quality[label]``), then its text, wrapped."""
     width = min(100, width or shutil.get_terminal_size((100, 24)).columns)
     blocks = []
     for label, r in results.items():
@@ -502,9 +523,26 @@ def method_blocks(results: dict, width: int | None = None) -> str:
         exact = " (greedy-exact)" if get_method(s["method"]).exact and label != "sample" else ""
         head = (f"{label}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
                 f"{s['tokens_per_call']:.2f} tokens/call, {s['layers_per_token']:.1f} layers/token{exact}")
+        if quality and label in quality:
+            head += f"\n  {quality[label]}"
         body = [line for para in r.text.strip().splitlines() for line in (textwrap.wrap(para, width - 2) or [""])]
         blocks.append("\n".join([head] + ["  " + line for line in body]))
     return "\n\n".join(blocks)
+
+
+def demo_quality(model, res, greedy, said=()) -> str:
+    """One line: a lossy method's calibrated budget, its agreement with greedy's text and the full
+    model's perplexity of its text against greedy's (and the budget's note when no faster setting met it)."""
+    from ..eval import calibrate as C
+    b = res.stats.get("quality_budget")
+    parts = [f"calibrated to keep {b['quality']:.0%} of greedy's quality" if b else "not calibrated (its own defaults)"]
+    if greedy is not None:
+        agree = C.agreement(res.text, greedy.text)
+        ppl = C.perplexity(model, res.prompt_ids, res.token_ids) / C.perplexity(model, greedy.prompt_ids,
+                                                                                 greedy.token_ids)
+        parts.append(f"agreement with greedy {agree:.2f}, perplexity {ppl:.2f}x greedy's")
+    parts += [str(w.message) for w in said if issubclass(w.category, BudgetWarning)]
+    return "; ".join(parts)
 
 
 @_setup_demo
@@ -520,9 +558,12 @@ def run_demo(args) -> int:
     print(f"methods: {', '.join(methods)}; sampling: {DEMO_SAMPLING}\n\nprompt (chat): {args.prompt}\n")
     shown = {}
     for label, (name, options) in methods.items():
-        shown[label] = generate(model, args.prompt, name, args.max_new_tokens, chat=True,
-                                **{**DEMO_SAMPLING, **options})
-        print(method_blocks({label: shown[label]}) + "\n", flush=True)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", BudgetWarning)
+            shown[label] = generate(model, args.prompt, name, args.max_new_tokens, chat=True,
+                                    **{**DEMO_SAMPLING, **options})
+        quality = {label: demo_quality(model, shown[label], shown.get("greedy"), said)} if name in LOSSY else None
+        print(method_blocks({label: shown[label]}, quality=quality) + "\n", flush=True)
     print(f"bench: {len(prompts)} Spec-Bench prompts ({args.categories}) × {args.max_new_tokens} new tokens, "
           f"chat, each method then transformers, per prompt", flush=True)
     result = bench.run_bench(model, methods, prompts, args.max_new_tokens, chat=True, sampling=DEMO_SAMPLING,

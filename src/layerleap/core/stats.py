@@ -160,6 +160,21 @@ class SkipStats(Record):
 
 
 @dataclass
+class BudgetStats(Record):
+    """The quality budget a lossy method ran at (``methods.budget``): the budget, the calibrated
+    options, whether a setting faster than greedy met it, its modelled speed-up and the file; flat
+    as one ``quality_budget`` mapping."""
+    quality: float
+    options: dict
+    faster_than_greedy: bool
+    modelled_speedup: float
+    calibration: str
+
+    def flat(self) -> dict:
+        return {"quality_budget": {f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+@dataclass
 class Stats(Mapping):
     """The statistics of one generated sequence (see the module docstring)."""
     method: str
@@ -186,6 +201,7 @@ class Stats(Mapping):
     bild: BildStats | None = None
     ppd: PPDStats | None = None
     skip: SkipStats | None = None
+    budget: BudgetStats | None = None
 
     def to_dict(self) -> dict:
         """The flat form: the common figures and every record's fields (``cancelled`` only when set)."""
@@ -212,5 +228,5 @@ class Stats(Mapping):
 RECORD_FIELDS: dict[type, str] = {
     ExitStats: "exit", DraftStats: "draft", CompanionStats: "companion", SpeculativeStats: "speculative",
     SelfSpecStats: "self_spec", LookupStats: "lookup", TreeStats: "tree", BildStats: "bild", PPDStats: "ppd",
-    SkipStats: "skip", AutoStats: "auto",
+    SkipStats: "skip", AutoStats: "auto", BudgetStats: "budget",
 }

@@ -31,6 +31,7 @@ from ..core.run import GenerationResult
 from ..decoding import generate, get_method
 from ..errors import LayerleapError
 from ..files import write_json
+from ..methods.budget import LOSSY
 from ..core.kernels import cpu_signature
 from ..core.model import Transformer
 
@@ -207,6 +208,10 @@ class Record:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     acceptance: float | None = None  # kept / proposed draft tokens (drafting methods)
+    # quality of a lossy method's output (and greedy's, the reference): see ``_quality``
+    agreement: float | None = None  # ROUGE-L F1 against greedy's text, 0..1
+    reference_score: float | None = None  # against the data's reference (ROUGE-L, sentence BLEU, exact match), 0..1
+    ppl: float | None = None  # the full model's perplexity of the output given the prompt
 
 
 def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult,
@@ -240,6 +245,39 @@ def acceptance(stats: dict) -> float | None:
 def plain_options(options: dict) -> dict:
     """Options as a report shows them: a model given as an option (a draft) by its name."""
     return {k: (v.source or v.config.name) if isinstance(v, Transformer) else v for k, v in options.items()}
+
+
+def calibrations(model: Transformer, methods: MethodSpecs) -> dict:
+    """Each lossy method's calibration at the default budget (its frontier and chosen point), by
+    label: ``{"file", "quality", "chosen", "settings", "guarantee"}`` from the calibration file."""
+    from ..methods import budget
+    out = {}
+    for label, (name, _) in methods.items():
+        if name not in LOSSY:
+            continue
+        for path in budget.calibration_files(model, name):
+            data = budget.read_calibration(path)
+            entry = (data or {}).get("budgets", {}).get(budget.budget_key(budget.DEFAULT_QUALITY))
+            if entry:
+                out[label] = {"file": str(path), "quality": entry["quality"], "chosen": entry.get("chosen"),
+                              "settings": entry.get("settings", []), "guarantee": entry.get("guarantee"),
+                              "faster_than_greedy": entry.get("faster_than_greedy")}
+                break
+    return out
+
+
+def _quality(records: list[Record], ref: Record, prompt: Prompt, model: Transformer, prompt_ids: list[int]) -> None:
+    """Quality beside speed for every lossy method's record (``budget.LOSSY``) and greedy's: agreement
+    with greedy's text, the reference score where the prompt has a reference, and the full model's
+    perplexity of the output."""
+    from . import calibrate as C
+    for r in records:
+        if r.method not in LOSSY and r is not ref:
+            continue
+        r.agreement = 1.0 if r is ref else C.agreement(r.text, ref.text)
+        if prompt.reference:
+            r.reference_score = C.reference_score(prompt.category, r.text, prompt.reference)
+        r.ppl = C.perplexity(model, prompt_ids, r.token_ids)
 
 
 def _compare(records: list[Record], ref: Record, hf: Record | None) -> None:
@@ -338,8 +376,26 @@ def summarize(records: list[Record], labels: list[str] | None = None, reference:
             "mean_ttft_s": _mean([r.ttft_s for r in rs]),
             "matches_hf": _count([r.matches_hf for r in rs]),
             "matches_greedy": _count([r.matches_greedy for r in rs]),
+            **_quality_summary(rs, by, reference),
         }
     return out
+
+
+def _quality_summary(rs: list[Record], by: dict, reference: str) -> dict:
+    """Mean agreement with greedy's text, the summed reference score over greedy's on the same
+    prompts (the share of greedy's quality kept), and mean perplexity over greedy's; {} unmeasured."""
+    pairs = [(r, by.get((reference, r.prompt_index))) for r in rs if r.agreement is not None]
+    pairs = [(r, g) for r, g in pairs if g is not None]
+    if not pairs:
+        return {}
+    refs = [(r.reference_score, g.reference_score) for r, g in pairs
+            if r.reference_score is not None and g.reference_score is not None]
+    g_ref = sum(g for _, g in refs)
+    ppl = [(r.ppl, g.ppl) for r, g in pairs if r.ppl is not None and g.ppl is not None]
+    return {"agreement": sum(r.agreement for r, _ in pairs) / len(pairs),
+            "reference_score": sum(m for m, _ in refs) / len(refs) if refs else None,
+            "reference_kept": sum(m for m, _ in refs) / g_ref if refs and g_ref > 0 else None,
+            "ppl_ratio": (sum(a for a, _ in ppl) / sum(b for _, b in ppl)) if ppl else None}
 
 
 def format_table(summary: dict) -> str:
@@ -357,6 +413,10 @@ def format_table(summary: dict) -> str:
             ("accept", 6, lambda s: num(s.get("acceptance"), ".0%")),
             ("ttft s", 7, lambda s: num(s["mean_ttft_s"], ".3f")),
             ("=HF", 5, lambda s: s["matches_hf"] or "-")]
+    if any(s.get("agreement") is not None for s in summary.values()):  # quality beside speed
+        cols += [("agree", 5, lambda s: num(s.get("agreement"), ".2f")),
+                 ("ref kept", 8, lambda s: num(s.get("reference_kept"), ".0%")),
+                 ("ppl x", 6, lambda s: num(s.get("ppl_ratio"), ".2f", "x"))]
 
     def row(cells):
         return " ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, (_, w, _)) in enumerate(zip(cells, cols)))
@@ -432,7 +492,7 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
               chat: bool = False, sampling: dict | None = None, out: str | Path | None = None,
               config: dict | None = None, warmup: bool = True, progress: bool = True,
               on_prompt: Callable[[BenchResult], None] | None = None, call_cost: bool = True,
-              hf_extra: dict[str, dict] | None = None, repeat: int = 1) -> BenchResult:
+              hf_extra: dict[str, dict] | None = None, repeat: int = 1, quality: bool = True) -> BenchResult:
     """Benchmark ``methods`` (label -> (method, options)) on ``prompts`` (``Prompt``s or strings).
 
     For each prompt every method runs, then the `transformers` baseline; plain ``greedy`` is added
@@ -444,7 +504,9 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     (label -> `generate` options, see ``parse_hf_extra``) times `transformers`' own faster decoding
     too, after its greedy.  ``repeat`` runs every prompt's methods that many rounds (round-robin) and
     keeps each method's fastest run: on a shared machine a burst of other work then spoils one run,
-    not the comparison."""
+    not the comparison.  ``quality`` measures each lossy method's output beside its speed (agreement
+    with greedy's text, the reference score where the data has one, perplexity; ``_quality``) and
+    records each one's calibration (``calibration`` in the report: the quality-speed frontier)."""
     from tqdm.auto import tqdm
 
     prompts = _as_prompts(prompts)
@@ -465,11 +527,13 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
            "n_prompts": len(prompts),
            "categories": sorted({p.category for p in prompts}),
            "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()}}
+    if quality:
+        cfg["calibration"] = calibrations(model, methods)
     extras = dict(hf_extra or {}) if hf_baseline else {}
     result = BenchResult(cfg, labels=list(methods) + ([HF_LABEL] if hf_baseline else []) + list(extras), reference=ref)
     save = (lambda: write_json(out, result.to_dict())) if out else (lambda: None)
     save()
-    runner = _Runner(model, methods, ref, chat, sampling, extras, repeat)
+    runner = _Runner(model, methods, ref, chat, sampling, extras, repeat, quality)
     bar = tqdm(total=len(prompts) * len(result.labels) * repeat, desc="bench", unit="run", disable=not progress, leave=False)
     try:
         if hf_baseline:
@@ -502,8 +566,9 @@ class _Runner:
     """Runs every method, then the baseline, on one prompt."""
 
     def __init__(self, model: Transformer, methods: MethodSpecs, ref: str, chat: bool, sampling: dict,
-                 hf_extra: dict[str, dict] | None = None, repeat: int = 1):
+                 hf_extra: dict[str, dict] | None = None, repeat: int = 1, quality: bool = True):
         self.model, self.methods, self.ref, self.chat, self.sampling = model, methods, ref, chat, sampling
+        self.quality, self.prompt_ids = quality, []
         self.repeat = repeat
         self.hf_extra = hf_extra or {}
         self.greedy_type = {label: _greedy_type(name, sampling) for label, (name, _) in methods.items()}
@@ -529,6 +594,8 @@ class _Runner:
                 if label not in runs or rec.wall_s < runs[label].wall_s:  # the fastest of the rounds
                     runs[label] = rec
         _compare(list(runs.values()), runs[self.ref], runs.get(HF_LABEL))
+        if self.quality and any(name in LOSSY for name, _ in self.methods.values()):
+            _quality(list(runs.values()), runs[self.ref], prompt, self.model, self.prompt_ids)
         return list(runs.values())
 
     def round(self, i: int, prompt: Prompt, n: int, bar, where: str):
@@ -537,7 +604,7 @@ class _Runner:
         for label, (name, options) in self.methods.items():
             bar.set_postfix_str(f"{where} {label}")
             res = self.ours(label, prompt, n)
-            prompt_ids = res.prompt_ids  # the same for every method: generate's own encoding
+            prompt_ids = self.prompt_ids = res.prompt_ids  # the same for every method: generate's own encoding
             yield label, _record(i, prompt, label, name, options, res, self.greedy_type[label])
             bar.update()
         if self.hf is not None:

@@ -144,6 +144,92 @@ def line_chart(title: str, xs: list[float], ys: list[float], xlabel: str, ylabel
     return "".join(out)
 
 
+def frontier_chart(title: str, series: list[tuple[str, list[tuple[float, float]], int | None]], xlabel: str,
+                   ylabel: str, ref_y: float | None = None, ref_label: str = "") -> str:
+    """Quality against speed: one polyline of points per series (a method's settings in order), the
+    point at the series' marked index ringed and labelled (its calibrated setting)."""
+    height, left, bottom, top = 320, 60, 40, 50
+    plot_w, plot_h = WIDTH - left - 30, height - top - bottom
+    pts = [p for _, ps, _ in series for p in ps]
+    xmax = _nice_max(max([x for x, _ in pts] + [1.0]) * 1.05)
+    ymax = _nice_max(max([y for _, y in pts] + [ref_y or 0, 1.0]))
+
+    def px(v):
+        return left + plot_w * v / xmax
+
+    def py(v):
+        return top + plot_h * (1 - v / ymax)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" role="img" '
+           f'aria-label="{escape(title)}">', f'<text x="0" y="16" font-size="14" font-weight="bold">{escape(title)}</text>']
+    lx = left
+    for k, (name, _, _) in enumerate(series):
+        out.append(f'<rect x="{lx}" y="26" width="11" height="11" fill="{PALETTE[k % len(PALETTE)]}"/>'
+                   f'<text x="{lx + 15}" y="36" font-size="12">{escape(name)}</text>')
+        lx += 24 + 7 * len(name)
+    for t in _ticks(ymax):
+        out.append(f'<line x1="{left}" y1="{py(t):.1f}" x2="{left + plot_w}" y2="{py(t):.1f}" stroke="#eee"/>'
+                   f'<text x="{left - 6}" y="{py(t) + 4:.1f}" font-size="11" text-anchor="end" fill="#666">'
+                   f'{t:.2g}</text>')
+    for t in _ticks(xmax):
+        out.append(f'<text x="{px(t):.1f}" y="{top + plot_h + 16}" font-size="11" text-anchor="middle" '
+                   f'fill="#666">{t:.2g}×</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 4}" font-size="12" text-anchor="middle">{escape(xlabel)}</text>'
+               f'<text x="12" y="{top + plot_h / 2}" font-size="12" text-anchor="middle" '
+               f'transform="rotate(-90 12 {top + plot_h / 2})">{escape(ylabel)}</text>'
+               f'<line x1="{px(1):.1f}" y1="{top}" x2="{px(1):.1f}" y2="{top + plot_h}" stroke="#999" '
+               f'stroke-dasharray="2,3"/>')
+    if ref_y is not None:
+        out.append(f'<line x1="{left}" y1="{py(ref_y):.1f}" x2="{left + plot_w}" y2="{py(ref_y):.1f}" stroke="#333" '
+                   f'stroke-dasharray="4,3"/><text x="{left + plot_w - 4}" y="{py(ref_y) - 4:.1f}" font-size="10" '
+                   f'text-anchor="end">{escape(ref_label)}</text>')
+    for k, (name, ps, mark) in enumerate(series):
+        color = PALETTE[k % len(PALETTE)]
+        out.append(f'<polyline points="{" ".join(f"{px(a):.1f},{py(b):.1f}" for a, b in ps)}" fill="none" '
+                   f'stroke="{color}" stroke-width="1.5"/>')
+        for i, (a, b) in enumerate(ps):
+            out.append(f'<circle cx="{px(a):.1f}" cy="{py(b):.1f}" r="3" fill="{color}"><title>{escape(name)}: '
+                       f'{a:.2f}×, {b:.2f}</title></circle>')
+            if i == mark:
+                out.append(f'<circle cx="{px(a):.1f}" cy="{py(b):.1f}" r="8" fill="none" stroke="{color}" '
+                           f'stroke-width="2"/><text x="{px(a) + 10:.1f}" y="{py(b) - 8:.1f}" font-size="11" '
+                           f'fill="{color}">{escape(name)} calibrated</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _frontier(cfg: dict) -> str:
+    """Each lossy method's calibration: its settings' share of prompts that kept the budget against
+    the modelled speed-up, the chosen setting marked."""
+    cals = cfg.get("calibration") or {}
+    series = []
+    for label, c in cals.items():
+        pts, mark = [], None
+        for s in c.get("settings", []):
+            speed = s.get("modelled_speedup")
+            kept = s.get("reference_kept")
+            if speed is None:
+                continue
+            y = kept if kept is not None else s.get("agreement")
+            if (c.get("chosen") or {}).get("options") == s.get("options"):
+                mark = len(pts)
+            pts.append((float(speed), float(y or 0.0)))
+        if pts:
+            series.append((label, pts, mark))
+    if not series:
+        return ('<p class="note">No lossy method in this run has a calibration file (<code>layerleap calibrate '
+                'METHOD</code> writes one).</p>')
+    q = next(iter(cals.values())).get("quality")
+    notes = "".join(f"<li><code>{escape(lb)}</code>: {escape(str(c.get('guarantee')))}"
+                    + ("" if c.get("faster_than_greedy") else " (no setting faster than greedy met the budget)")
+                    + "</li>" for lb, c in cals.items())
+    return (frontier_chart("quality against speed: each setting calibration measured", series,
+                           "speed-up in layer passes (greedy's per token / the setting's)",
+                           "reference score kept (else agreement)", q, f"budget {q}")
+            + '<p class="note">The calibration split\'s settings in the order Learn-then-Test walks them; the ringed '
+              "point is the setting the method runs at the default budget.</p><ul>" + notes + "</ul>")
+
+
 # -- the page ------------------------------------------------------------------------------------------
 def _facts(cfg: dict) -> str:
     load = cfg.get("load_average")
@@ -162,6 +248,9 @@ def _facts(cfg: dict) -> str:
 def _summary_table(summary: dict) -> str:
     head = ["method", "prompts", "tok/s", "vs greedy", "vs transformers", "layers/token", "tokens/call", "acceptance",
             "first token s", "= greedy", "= transformers"]
+    quality = any(s.get("agreement") is not None for s in summary.values())
+    if quality:
+        head += ["agreement", "reference kept", "perplexity ×"]
     rows = []
     for label, s in summary.items():
         cells = [label, str(s["prompts"]), _fmt(s.get("mean_tokens_per_s"), ".1f"),
@@ -169,6 +258,9 @@ def _summary_table(summary: dict) -> str:
                  _fmt(s.get("layers_per_token"), ".1f"), _fmt(s.get("tokens_per_call"), ".2f"),
                  _fmt(s.get("acceptance"), ".0%"), _fmt(s.get("mean_ttft_s"), ".3f"),
                  s.get("matches_greedy") or "-", s.get("matches_hf") or "-"]
+        if quality:
+            cells += [_fmt(s.get("agreement"), ".2f"), _fmt(s.get("reference_kept"), ".0%"),
+                      _fmt(s.get("ppl_ratio"), ".2f", "×")]
         rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
     return ("<table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>")
 
@@ -210,7 +302,11 @@ def html_report(report: dict, title: str | None = None) -> str:
                                                   f'{cfg.get("n_prompts")} prompts finished.</p>',
         "<h2>Summary</h2>", _summary_table(summary),
         '<p class="note">Speed-ups are ratios of summed wall time over the same prompts; "= greedy" counts the '
-        "greedy-decoding runs whose tokens equal plain greedy decoding's.</p>",
+        "greedy-decoding runs whose tokens equal plain greedy decoding's.  Lossy methods' quality: agreement is "
+        "ROUGE-L F1 against greedy's own text; reference kept is the method's summed reference score (ROUGE-L, "
+        "sentence BLEU, exact match of the final answer) over greedy's on the prompts with references; "
+        "perplexity × is the full model's mean perplexity of the method's outputs over that of greedy's.</p>",
+        "<h2>Lossy methods: quality against speed</h2>", _frontier(cfg),
         "<h2>Tokens per second by method and category</h2>",
         hbar_chart("tokens/s (mean over prompts)", labels, series, ".1f"),
         "<h2>Speed against greedy and transformers</h2>",

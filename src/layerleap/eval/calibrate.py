@@ -1,0 +1,415 @@
+"""Calibrating a lossy method to a quality budget: Learn-then-Test over its settings (CALM's procedure).
+
+``calibrate(model, "skipdecode", quality=0.95)`` walks ``budget.PATHS[method]``, the method's
+settings from the most conservative (greedy's own output) to the most aggressive, on the
+calibration split, and keeps the fastest setting that meets the budget with a stated confidence.
+
+**What a prompt keeps.**  For each prompt the method's output is compared with greedy's:
+
+- where the data has a reference (Spec-Bench's CNN/DM summaries, WMT translations, GSM8K solutions)
+  and greedy scores above zero on it, the method's score (ROUGE-L F1, sentence BLEU, the final
+  answer's exact match) must be at least ``quality`` × greedy's;
+- otherwise its agreement with greedy's own text (ROUGE-L F1 against it) must be at least ``quality``;
+- everywhere, the full model's perplexity of the output (given the prompt) must be at most
+  ``ppl_ratio`` (1.5) × its perplexity of greedy's output: the text must stay readable.
+
+A prompt that fails any of these is a *loss* (1), else 0; a setting's risk is its share of lost prompts.
+
+**The guarantee (Learn-then-Test, fixed-sequence testing).**  For each setting j the null
+hypothesis is "risk_j > epsilon"; its p-value from the n calibration prompts with k losses is the
+binomial tail ``P(Binomial(n, epsilon) <= k)`` (exact for a 0/1 loss).  Settings are tested in the
+path's order, each at level ``delta``, stopping at the first that is not rejected; every setting
+before it is *valid*.  Fixed-sequence testing controls the family-wise error at ``delta``, so:
+with probability at least ``1 - delta`` over the draw of the calibration prompts (exchangeable with
+the prompts the method will see), every valid setting, and so the chosen one, loses at most an
+``epsilon`` share of prompts in expectation.  The chosen setting is the valid one with the fewest
+layer passes per token (a pass over several positions counts once: a call over 4 tokens costs
+about what a call over 1 does on this engine), not wall time, which is noisy on a shared machine.
+At least ``ln(delta) / ln(1 - epsilon)`` prompts are needed for even a perfect setting to be
+certified (22 at epsilon = delta = 0.1).
+
+The run is resumable: the report (greedy's outputs, every setting's per-prompt measures) is
+rewritten atomically after each setting; a rerun with the same arguments continues it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import validate as V
+from ..datasets import Prompt, spec_bench
+from ..decoding import generate, get_method
+from ..errors import LayerleapError
+from ..files import read_report, write_json
+from ..methods import budget
+from . import quality as Q
+
+# Spec-Bench categories with references; the tables use each category's first prompts, calibration
+# and the held-out check the ones from these offsets on (the splits never overlap).
+CATEGORIES = ("summarization", "translation", "math_reasoning")
+SPLITS = {"calibration": 40, "holdout": 60}
+TABLE_PROMPTS = 40  # bench tables draw from a category's first 40 prompts
+EPSILON, DELTA, PPL_RATIO = 0.1, 0.1, 1.5
+
+
+class CalibrationError(LayerleapError, ValueError):
+    pass
+
+
+def split_prompts(split: str, per_category: int, categories=CATEGORIES, data=None) -> list[Prompt]:
+    """``per_category`` prompts of each category from the split's offset (``SPLITS``)."""
+    if split not in SPLITS:
+        raise CalibrationError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
+    V.integer(per_category, "prompts per category", 1, 20, hint=" (a split holds 20 per category)")
+    return spec_bench(data, list(categories), per_category, offset=SPLITS[split])
+
+
+def min_prompts(epsilon: float, delta: float) -> int:
+    """The fewest prompts with which a setting that loses none is certified at (epsilon, delta)."""
+    return math.ceil(math.log(delta) / math.log(1 - epsilon))
+
+
+def binomial_p_value(losses: int, n: int, epsilon: float) -> float:
+    """``P(Binomial(n, epsilon) <= losses)``: the p-value of "risk > epsilon" after ``losses`` of ``n``."""
+    return float(sum(math.comb(n, i) * epsilon ** i * (1 - epsilon) ** (n - i) for i in range(losses + 1)))
+
+
+# -- per-prompt measures ---------------------------------------------------------------------------------
+def reference_score(category: str, text: str, reference: str) -> float:
+    """One prompt's score against its reference, 0..1: ROUGE-L F1 (summarization), sentence BLEU
+    (translation), exact match of the final answer (math)."""
+    metric = Q.metric_for(category)
+    if metric == "bleu":
+        sacrebleu = Q._library("sacrebleu", "sacrebleu", "BLEU")
+        return float(sacrebleu.sentence_bleu(text, [reference]).score) / 100.0
+    return Q.score(metric, [text], [reference]) / 100.0
+
+
+def agreement(text: str, greedy_text: str) -> float:
+    """ROUGE-L F1 of ``text`` against greedy's own text, 0..1 (1 for two empty texts)."""
+    if not text.strip() and not greedy_text.strip():
+        return 1.0
+    return Q.rouge_l([text], [greedy_text]) / 100.0
+
+
+def perplexity(model, prompt_ids: list[int], ids: list[int]) -> float:
+    """The full model's perplexity of ``ids`` after ``prompt_ids`` (one forward, no cache)."""
+    if not ids:
+        return 1.0
+    seq = torch.tensor([prompt_ids + ids], dtype=torch.long, device=model.device)  # [1, P+N]
+    with torch.inference_mode():
+        pos = torch.arange(seq.shape[1], device=model.device).unsqueeze(0)
+        h = model.run_layers(model.embed(seq), 0, model.config.n_layers, pos)  # [1, P+N, D]
+        logits = model.logits(h[:, len(prompt_ids) - 1:-1])  # [1, N, V]: the positions predicting ids
+        nll = torch.nn.functional.cross_entropy(logits[0].float(), seq[0, len(prompt_ids):], reduction="mean")
+    return float(torch.exp(nll))
+
+
+@dataclass
+class Output:
+    """One generation on one prompt, with its measures."""
+    text: str
+    token_ids: list[int]
+    layer_passes: float  # per token
+    wall_s: float
+    ppl: float
+    reference_score: float | None = None
+    agreement: float | None = None
+
+
+def layer_passes(stats: dict, n_layers: int) -> float:
+    """Layer passes per generated token: a model call over several positions counts once per layer.
+    BiLD: its small steps run ``exit_layer`` layers, its large passes the rest."""
+    n = max(1, stats["new_tokens"])
+    if "small_steps" in stats and "large_calls" in stats:
+        e = int(stats.get("exit_layer") or n_layers)
+        return (stats["small_steps"] * e + stats["large_calls"] * (n_layers - e) + n_layers) / n
+    return float(stats["layers_per_token"])
+
+
+def kept(out: Output, greedy: Output, quality: float, ppl_ratio: float) -> bool:
+    """Whether ``out`` keeps ``quality`` of greedy's quality on its prompt (see the module doc)."""
+    if out.ppl > ppl_ratio * greedy.ppl:
+        return False
+    if out.reference_score is not None and greedy.reference_score:
+        return out.reference_score >= quality * greedy.reference_score - 1e-9
+    return (out.agreement if out.agreement is not None else 0.0) >= quality - 1e-9
+
+
+# -- running -----------------------------------------------------------------------------------------------
+def run_outputs(model, method: str, options: dict, prompts: list[Prompt], max_new_tokens: int,
+                greedy: list[Output] | None = None, progress: Callable[[str], None] | None = None) -> list[Output]:
+    """``method`` with ``options`` on every prompt (batched by category where the method batches: its
+    rows decode as they would alone), measured against ``greedy``'s outputs when given."""
+    m = get_method(method)
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(p.category if m.batched else str(i), []).append(i)
+    outs: list[Output | None] = [None] * len(prompts)
+    for idx in groups.values():
+        t0 = time.perf_counter()
+        res = generate(model, [prompts[i].text for i in idx], method, max_new_tokens, chat=True, stop_at_eos=False,
+                       **options)
+        wall = (time.perf_counter() - t0) / len(idx)
+        for i, r in zip(idx, res):
+            p = prompts[i]
+            o = Output(r.text, list(r.token_ids), layer_passes(r.stats, model.config.n_layers), wall,
+                       perplexity(model, r.prompt_ids, list(r.token_ids)))
+            if p.reference:
+                o.reference_score = reference_score(p.category, r.text, p.reference)
+            if greedy is not None:
+                o.agreement = agreement(r.text, greedy[i].text)
+            outs[i] = o
+        if progress:
+            progress(f"{method} {_show(options)}: {sum(o is not None for o in outs)}/{len(prompts)} prompts")
+    return outs  # type: ignore[return-value]
+
+
+def greedy_outputs(model, prompts: list[Prompt], max_new_tokens: int,
+                   progress: Callable[[str], None] | None = None) -> list[Output]:
+    outs = run_outputs(model, "greedy", {}, prompts, max_new_tokens, progress=progress)
+    for g in outs:
+        g.agreement = 1.0
+    return outs
+
+
+def _show(options: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
+
+
+@dataclass
+class Setting:
+    """One setting of the path, measured on the split."""
+    index: int
+    options: dict
+    outputs: list[Output]
+    layer_passes: float = 0.0  # mean per token
+    losses: int = 0
+    p_value: float = 1.0
+    valid: bool = False  # rejected "risk > epsilon" within the fixed sequence
+    tested: bool = True  # False: measured after the sequence stopped (for the frontier only)
+    agreement: float = 0.0  # mean
+    reference_kept: float | None = None  # the method's mean reference score / greedy's
+    ppl_ratio: float = 1.0  # mean perplexity / greedy's mean perplexity
+    wall_ratio: float = 1.0  # greedy's wall time / this setting's, same run (noisy)
+
+    @property
+    def modelled_speedup(self) -> float:
+        return self.outputs_layers / self.layer_passes if self.layer_passes else 1.0
+
+    outputs_layers: float = 0.0  # greedy's layer passes per token (n_layers)
+
+
+def summarize(outputs: list[Output], greedy: list[Output], quality: float, ppl_ratio: float) -> dict:
+    refs = [(o.reference_score, g.reference_score) for o, g in zip(outputs, greedy) if g.reference_score is not None]
+    g_ref = sum(g for _, g in refs)
+    return {
+        "layer_passes": sum(o.layer_passes for o in outputs) / len(outputs),
+        "losses": sum(not kept(o, g, quality, ppl_ratio) for o, g in zip(outputs, greedy)),
+        "agreement": sum(o.agreement or 0.0 for o in outputs) / len(outputs),
+        "reference_kept": (sum(o for o, _ in refs) / g_ref) if refs and g_ref > 0 else None,
+        "ppl_ratio": (sum(o.ppl for o in outputs) / len(outputs)) / (sum(g.ppl for g in greedy) / len(greedy)),
+        "wall_ratio": sum(g.wall_s for g in greedy) / max(1e-9, sum(o.wall_s for o in outputs)),
+    }
+
+
+def measure(setting: Setting, greedy: list[Output], quality: float, ppl_ratio: float, epsilon: float) -> None:
+    for k, v in summarize(setting.outputs, greedy, quality, ppl_ratio).items():
+        setattr(setting, k, v)
+    setting.p_value = binomial_p_value(setting.losses, len(setting.outputs), epsilon)
+
+
+def learn_then_test(settings: list[Setting], delta: float) -> list[Setting]:
+    """Fixed-sequence testing: mark settings valid in order until the first p-value above ``delta``."""
+    for s in settings:
+        s.valid = False
+    for s in settings:
+        if not s.tested or s.p_value > delta:
+            break
+        s.valid = True
+    return [s for s in settings if s.valid]
+
+
+def choose(settings: list[Setting]) -> Setting | None:
+    """The valid setting with the fewest layer passes per token (the earlier one on a tie)."""
+    valid = [s for s in settings if s.valid]
+    return min(valid, key=lambda s: (round(s.layer_passes, 6), s.index)) if valid else None
+
+
+@dataclass
+class Calibration:
+    method: str
+    quality: float
+    epsilon: float
+    delta: float
+    ppl_ratio: float
+    split: str
+    config: dict
+    greedy: list[Output] = field(default_factory=list)
+    settings: list[Setting] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def chosen(self) -> Setting | None:
+        return choose(self.settings)
+
+    def budget_entry(self) -> dict:
+        """What a calibration file keeps for this budget."""
+        c = self.chosen
+        n_layers = self.config["n_layers"]
+        return {
+            "quality": self.quality, "epsilon": self.epsilon, "delta": self.delta, "ppl_ratio": self.ppl_ratio,
+            "guarantee": guarantee(self),
+            "split": self.split, "prompts": len(self.greedy), "config": self.config,
+            "chosen": None if c is None else {"options": c.options, "modelled_speedup": n_layers / c.layer_passes,
+                                              **_setting_summary(c)},
+            "faster_than_greedy": c is not None and c.layer_passes < n_layers - 1e-9,
+            "settings": [{"options": s.options, "tested": s.tested, "valid": s.valid,
+                          "modelled_speedup": n_layers / s.layer_passes if s.layer_passes else None,
+                          **_setting_summary(s)} for s in self.settings],
+            "complete": self.done,
+        }
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "quality": self.quality, "epsilon": self.epsilon, "delta": self.delta,
+                "ppl_ratio": self.ppl_ratio, "split": self.split, "config": self.config, "done": self.done,
+                "greedy": [asdict(o) for o in self.greedy],
+                "settings": [{**{k: v for k, v in asdict(s).items() if k != "outputs"},
+                              "outputs": [asdict(o) for o in s.outputs]} for s in self.settings]}
+
+
+def _setting_summary(s: Setting) -> dict:
+    return {"layer_passes": s.layer_passes, "losses": s.losses, "p_value": s.p_value, "agreement": s.agreement,
+            "reference_kept": s.reference_kept, "ppl_ratio": s.ppl_ratio, "wall_ratio": s.wall_ratio}
+
+
+def guarantee(cal: Calibration) -> str:
+    return (f"with probability >= {1 - cal.delta:.2f} over the {len(cal.greedy)} calibration prompts, the chosen "
+            f"setting keeps {cal.quality:.2f} of greedy's quality (reference score, else agreement with greedy's "
+            f"text; perplexity within {cal.ppl_ratio}x greedy's) on all but at most {cal.epsilon:.0%} of prompts in "
+            "expectation (Learn-then-Test, fixed-sequence, binomial p-values)")
+
+
+def _from_dict(d: dict) -> Calibration:
+    cal = Calibration(d["method"], d["quality"], d["epsilon"], d["delta"], d["ppl_ratio"], d["split"], d["config"],
+                      [Output(**o) for o in d["greedy"]], done=d.get("done", False))
+    for s in d["settings"]:
+        outs = [Output(**o) for o in s.pop("outputs")]
+        cal.settings.append(Setting(outputs=outs, **s))
+    return cal
+
+
+def calibrate(model, method: str, quality: float = budget.DEFAULT_QUALITY, *, prompts: list[Prompt],
+              max_new_tokens: int = 64, epsilon: float = EPSILON, delta: float = DELTA, ppl_ratio: float = PPL_RATIO,
+              split: str = "calibration", report: str | Path | None = None, extra: int = 2,
+              progress: Callable[[str], None] | None = None, config: dict | None = None,
+              greedy: list[Output] | None = None) -> Calibration:
+    """Learn-then-Test calibration of ``method`` at ``quality`` on ``prompts`` (see the module doc).
+    ``extra`` settings past the first failure are measured for the quality-speed frontier (never
+    chosen).  With ``report`` the run is rewritten there after each setting and resumed from it.
+    ``greedy``: greedy's outputs on these prompts, when already measured (another method's run)."""
+    if method not in budget.PATHS:
+        raise CalibrationError(f"method {method!r} is not a lossy method with a quality budget: choose one of "
+                               f"{', '.join(budget.LOSSY)}")
+    quality = budget.check_quality(quality)
+    for name, v in (("epsilon", epsilon), ("delta", delta)):
+        V.number(v, name, 0, 1, lo_open=True, hi_open=True)
+    V.number(ppl_ratio, "ppl_ratio", 1)
+    need = min_prompts(epsilon, delta)
+    if len(prompts) < need:
+        raise CalibrationError(f"{len(prompts)} prompts cannot certify any setting at epsilon={epsilon}, "
+                               f"delta={delta}: give at least {need}")
+    d = model.config.n_layers
+    path = budget.PATHS[method](d)
+    cfg = {"model": model.config.name, "fingerprint": model.fingerprint, "dtype": model.dtype_name, "n_layers": d,
+           "max_new_tokens": max_new_tokens, "prompt_ids": [p.id for p in prompts],
+           "categories": sorted({p.category for p in prompts}), **(config or {})}
+    key = {k: cfg[k] for k in ("fingerprint", "dtype", "max_new_tokens", "prompt_ids")}
+    cal = None
+    old = read_report(report, "calibration report", ("config", "settings")) if report else None
+    if old and {k: old["config"].get(k) for k in key} == key and old.get("method") == method \
+            and old.get("quality") == quality and (old.get("epsilon"), old.get("delta")) == (epsilon, delta):
+        cal = _from_dict(old)
+        cal.config.update({k: v for k, v in cfg.items() if k not in key})
+    if cal is None:
+        cal = Calibration(method, quality, epsilon, delta, ppl_ratio, split, cfg)
+    save = (lambda: write_json(report, cal.to_dict())) if report else (lambda: None)
+    if not cal.greedy:
+        cal.greedy = greedy or greedy_outputs(model, prompts, max_new_tokens, progress)
+        save()
+    stopped_at = None
+    for j, options in enumerate(path):
+        if j < len(cal.settings):
+            s = cal.settings[j]
+        else:
+            if stopped_at is not None and j - stopped_at > extra:
+                break
+            if j == 0 and method in budget.FIRST_IS_GREEDY:
+                outs = [Output(**asdict(g)) for g in cal.greedy]
+            else:
+                outs = run_outputs(model, method, options, prompts, max_new_tokens, cal.greedy, progress)
+            s = Setting(j, dict(options), outs)
+            cal.settings.append(s)
+        s.outputs_layers = float(d)
+        measure(s, cal.greedy, quality, ppl_ratio, epsilon)
+        s.tested = stopped_at is None
+        if stopped_at is None and s.p_value > delta:
+            stopped_at = j
+        save()
+        if progress:
+            progress(f"{method} {_show(s.options)}: {s.losses}/{len(prompts)} lost, p={s.p_value:.3f}, "
+                     f"{d / s.layer_passes:.2f}x layer passes, agreement {s.agreement:.2f}, ppl x{s.ppl_ratio:.2f}")
+        if stopped_at is not None and j - stopped_at >= extra:
+            break
+    learn_then_test(cal.settings, delta)
+    cal.done = True
+    cal.config["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    save()
+    return cal
+
+
+def write_calibration(cal: Calibration, path: Path | None = None) -> Path:
+    """Add ``cal``'s budget to the method's calibration file (atomic; other budgets kept)."""
+    cfg = cal.config
+    path = path or budget.calibration_path(cfg["fingerprint"], cfg["dtype"], cal.method)
+    data = budget.read_calibration(path) or {"format": budget.FORMAT, "method": cal.method, "model": cfg["model"],
+                                             "fingerprint": cfg["fingerprint"], "dtype": cfg["dtype"], "budgets": {}}
+    data["budgets"][budget.budget_key(cal.quality)] = cal.budget_entry()
+    write_json(path, data)
+    return path
+
+
+# -- the held-out check ---------------------------------------------------------------------------------
+def holdout_check(model, cal_entry: dict, method: str, prompts: list[Prompt], max_new_tokens: int,
+                  greedy: list[Output] | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """The chosen setting of a calibration file's budget on other prompts: its share of lost prompts
+    against the stated epsilon, its mean agreement, reference score kept and perplexity ratio."""
+    chosen = cal_entry.get("chosen")
+    if not chosen:
+        raise CalibrationError("the calibration chose no setting: nothing to check")
+    q, ppl_ratio = cal_entry["quality"], cal_entry["ppl_ratio"]
+    greedy = greedy or greedy_outputs(model, prompts, max_new_tokens, progress)
+    outs = run_outputs(model, method, chosen["options"], prompts, max_new_tokens, greedy, progress)
+    s = summarize(outs, greedy, q, ppl_ratio)
+    s["loss_rate"] = s["losses"] / len(prompts)
+    s.update(prompts=len(prompts), prompt_ids=[p.id for p in prompts], epsilon=cal_entry["epsilon"],
+             delta=cal_entry["delta"], options=chosen["options"], within_epsilon=s["loss_rate"] <= cal_entry["epsilon"],
+             greedy_reference={c: _mean([g.reference_score for g, p in zip(greedy, prompts) if p.category == c])
+                               for c in sorted({p.category for p in prompts})},
+             method_reference={c: _mean([o.reference_score for o, p in zip(outs, prompts) if p.category == c])
+                               for c in sorted({p.category for p in prompts})},
+             samples=[{"prompt_id": p.id, "greedy": g.text[:200], "method": o.text[:200]}
+                      for p, g, o in list(zip(prompts, greedy, outs))[:3]])
+    return s
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None

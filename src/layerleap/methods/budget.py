@@ -1,0 +1,186 @@
+"""Quality budgets of the lossy methods: the settings ``layerleap calibrate`` tests, and its results.
+
+A lossy method (``skipdecode``, ``calm``, ``early-exit``, ``bild``) trades quality for speed through
+its knobs.  ``PATHS[method](n_layers)`` is the one ordered sequence of settings calibration walks,
+from the most conservative (greedy's own output) to the most aggressive: Learn-then-Test's fixed
+sequence.  ``layerleap calibrate`` (``layerleap.eval.calibrate``) measures each setting on a
+calibration split and writes what it chose to a calibration file, one per model fingerprint, dtype
+and method::
+
+    $LAYERLEAP_CACHE/calibration/<fingerprint>/<dtype>/<method>.json   (the user's own runs)
+    layerleap/data/calibration/<fingerprint>/<dtype>/<method>.json     (shipped with the package)
+
+``calibrated(model, method, quality)`` reads the setting chosen for a budget (the user's file first,
+then the shipped one); ``generate(..., quality=0.95)`` runs it, and a lossy method called with none
+of its knobs runs its calibrated setting at ``DEFAULT_QUALITY`` when a file exists for the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.run import GenerationError
+from ..errors import LayerleapError
+from ..files import cache_root
+
+DEFAULT_QUALITY = 0.95  # the budget a lossy method's defaults keep (when a calibration file exists)
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "calibration"
+FORMAT = 1
+
+
+def _skipdecode(d: int) -> list[dict]:
+    """SkipDecode budgets from the full model down: ``min_exit_layer`` m from d to d/3, ``max_exit_layer``
+    halfway between m and d, a warm-up of 4 layers (fewer when the budget is smaller)."""
+    out = []
+    for m in range(d, max(1, d // 3) - 1, -1):
+        hi = min(d, m + (d - m) // 2)
+        out.append({"min_exit_layer": m, "max_exit_layer": hi, "warmup": min(4, m)})
+    return out
+
+
+def _early_exit(d: int) -> list[dict]:
+    return [{"exit_layer": e} for e in range(d, max(1, d // 2) - 1, -1)]
+
+
+CALM_THRESHOLDS = (1.01, 0.9999, 0.9995, 0.999, 0.998, 0.995, 0.99, 0.98, 0.97, 0.95, 0.9, 0.8)
+
+
+def _calm(d: int) -> list[dict]:
+    """CALM's confidence threshold from "never exits" (a cosine above 1) down, exits allowed from two
+    thirds of the depth."""
+    return [{"threshold": t, "min_exit_layer": max(1, 2 * d // 3)} for t in CALM_THRESHOLDS]
+
+
+BILD_PATH = ((0.5, 0.69), (0.5, 1.0), (0.5, 1.5), (0.5, 2.0), (0.5, 3.0), (0.4, 3.0), (0.3, 4.0), (0.2, 5.0),
+             (0.1, 8.0))
+
+
+def _bild(d: int) -> list[dict]:
+    """BiLD (early-exit form, its default exit layer) from rollback at ln 2 (greedy's output) to
+    rare fallback and rollback."""
+    return [{"alpha_fb": fb, "alpha_rb": rb} for fb, rb in BILD_PATH]
+
+
+PATHS = {"skipdecode": _skipdecode, "early-exit": _early_exit, "calm": _calm, "bild": _bild}
+LOSSY = tuple(PATHS)
+# methods whose first setting decodes greedy's tokens at greedy's cost (tested: SkipDecode's full budget,
+# an exit after the last layer), so calibration reuses greedy's outputs for it
+FIRST_IS_GREEDY = ("skipdecode", "early-exit")
+
+
+def knobs(method: str, n_layers: int) -> set[str]:
+    """The options calibration sets for ``method``."""
+    return {k for s in PATHS[method](n_layers) for k in s}
+
+
+def check_quality(quality) -> float:
+    if isinstance(quality, bool) or not isinstance(quality, (int, float)) or math.isnan(quality) \
+            or not 0 < quality <= 1:
+        raise GenerationError(f"quality must be the share of greedy's quality to keep, in (0, 1] (e.g. 0.95), "
+                             f"got {quality!r}")
+    return float(quality)
+
+
+def budget_key(quality: float) -> str:
+    return f"{quality:.2f}"
+
+
+def calibration_path(fingerprint: str, dtype: str, method: str, root: Path | None = None) -> Path:
+    root = cache_root() / "calibration" if root is None else root
+    return root / fingerprint / dtype / f"{method}.json"
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """The setting a calibration file chose for one budget."""
+    method: str
+    quality: float
+    options: dict
+    faster_than_greedy: bool  # a setting faster than greedy met the budget
+    speedup: float  # modelled: n_layers / the setting's layer passes per token
+    path: str
+    note: str  # one line for the user
+
+    def to_dict(self) -> dict:
+        return {"quality": self.quality, "options": self.options, "faster_than_greedy": self.faster_than_greedy,
+                "modelled_speedup": self.speedup, "calibration": self.path}
+
+
+def read_calibration(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LayerleapError(f"calibration file {path} is unreadable ({type(e).__name__}): delete it and run "
+                             "layerleap calibrate again") from None
+    if not isinstance(data, dict) or not isinstance(data.get("budgets"), dict):
+        raise LayerleapError(f"calibration file {path} has no 'budgets': delete it and run layerleap calibrate again")
+    return data
+
+
+def calibration_files(model, method: str) -> list[Path]:
+    """The user's calibration file of ``method`` on ``model``, then the shipped one."""
+    return [calibration_path(model.fingerprint, model.dtype_name, method, root)
+            for root in (cache_root() / "calibration", SHIPPED)]
+
+
+def calibrated(model, method: str, quality: float) -> Calibrated | None:
+    """The calibrated setting of ``method`` on ``model`` (its fingerprint and dtype) at ``quality``,
+    or None when no calibration file has that budget."""
+    key = budget_key(quality)
+    for path in calibration_files(model, method):
+        data = read_calibration(path)
+        if data is None or key not in data["budgets"]:
+            continue
+        b = data["budgets"][key]
+        chosen = b.get("chosen")
+        if not isinstance(chosen, dict) or not isinstance(chosen.get("options"), dict):
+            raise LayerleapError(f"calibration file {path}: budget {key} has no chosen setting: delete it and run "
+                                 "layerleap calibrate again")
+        fast = bool(b.get("faster_than_greedy"))
+        speed = float(chosen.get("modelled_speedup", 1.0))
+        note = (f"{method} at quality {key}: {_show(chosen['options'])} ({speed:.2f}x greedy's layer passes)" if fast
+                else f"{method}: no setting faster than greedy meets quality {key} on {model.config.name} "
+                     f"({model.dtype_name}); running the fastest one that does, {_show(chosen['options'])}")
+        return Calibrated(method, quality, dict(chosen["options"]), fast, speed, str(path), note)
+    return None
+
+
+def _show(options: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items())
+
+
+def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrated | None]:
+    """The options ``method`` runs with, and the calibration they came from.  ``quality`` given: the
+    calibrated setting for that budget (an error naming ``layerleap calibrate`` when there is none;
+    an option that calibration sets may not be given too).  ``quality`` None and none of the
+    method's knobs given: the calibrated setting at ``DEFAULT_QUALITY`` when a file exists, else the
+    method's own defaults."""
+    if method not in PATHS:
+        if quality is not None:
+            raise GenerationError(f"method {method!r} has no quality budget: quality= applies to the lossy methods "
+                                 f"({', '.join(LOSSY)}); the others are greedy-exact or sample")
+        return options, None
+    mine = knobs(method, model.config.n_layers)
+    if method == "bild" and (options.get("small") is not None or "exit_layer" in options):
+        mine = mine | {"small", "exit_layer"}  # a calibration holds for its default small model only
+    given = sorted(mine & set(options))
+    if quality is None:
+        if given or (method == "skipdecode" and options.keys() & {"schedule", "target_speedup"}):
+            return options, None
+        cal = calibrated(model, method, DEFAULT_QUALITY)
+        return ({**options, **cal.options}, cal) if cal else (options, None)
+    quality = check_quality(quality)
+    if given:
+        raise GenerationError(f"quality={quality} chooses {method}'s {', '.join(sorted(knobs(method, model.config.n_layers)))}: "
+                             f"drop {', '.join(given)} or drop quality")
+    cal = calibrated(model, method, quality)
+    if cal is None:
+        raise GenerationError(f"{method} has no calibration at quality {budget_key(quality)} for {model.config.name} "
+                             f"({model.dtype_name}): run `layerleap calibrate {method} --quality {quality} --dtype "
+                             f"{model.dtype_name}`")
+    return {**options, **cal.options}, cal

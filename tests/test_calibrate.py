@@ -1,0 +1,202 @@
+"""Quality budgets: Learn-then-Test calibration of the lossy methods, calibration files, generate(quality=...)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+import layerleap
+from layerleap.core.run import GenerationError
+from layerleap.datasets import Prompt, spec_bench
+from layerleap.eval import calibrate as C
+from layerleap.methods import budget
+from tiny_models import full_logits, random_model
+
+PROMPTS = [Prompt(i, cat, text, ref) for i, (cat, text, ref) in enumerate([
+    ("translation", "Translate: guten tag", "good day"), ("math_reasoning", "2 plus 3?", "#### 5"),
+    ("qa", "why blue?", None), ("summarization", "sum: a b c d e", "a b c")])]
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def char_model(char_model_dir):
+    return layerleap.load(str(char_model_dir))
+
+
+def test_binomial_p_value_and_min_prompts():
+    assert C.binomial_p_value(0, 22, 0.1) == pytest.approx(0.9 ** 22)
+    assert C.binomial_p_value(1, 10, 0.2) == pytest.approx(0.8 ** 10 + 10 * 0.2 * 0.8 ** 9)
+    assert C.binomial_p_value(10, 10, 0.3) == pytest.approx(1.0)
+    assert C.min_prompts(0.1, 0.1) == 22 and 0.9 ** 22 <= 0.1 < 0.9 ** 21
+
+
+def _setting(i, cost, losses, n=30):
+    s = C.Setting(i, {"k": i}, [], layer_passes=cost, losses=losses)
+    s.p_value = C.binomial_p_value(losses, n, 0.1)
+    return s
+
+
+def test_fixed_sequence_stops_at_the_first_failure_and_chooses_the_cheapest_valid():
+    settings = [_setting(0, 30, 0), _setting(1, 25, 0), _setting(2, 28, 0), _setting(3, 20, 9), _setting(4, 10, 0)]
+    valid = C.learn_then_test(settings, 0.1)
+    assert [s.index for s in valid] == [0, 1, 2]  # setting 4 passes alone but comes after a failure
+    assert C.choose(settings).index == 1
+
+
+def _out(text, ppl=2.0, ref=None, agree=None):
+    return C.Output(text, [], 1.0, 0.1, ppl, ref, agree)
+
+
+def test_kept_checks_reference_agreement_and_perplexity():
+    g = _out("g", ppl=2.0, ref=0.4)
+    assert C.kept(_out("m", ppl=2.9, ref=0.39), g, 0.95, 1.5)
+    assert not C.kept(_out("m", ppl=2.9, ref=0.37), g, 0.95, 1.5)  # below 95% of greedy's score
+    assert not C.kept(_out("m", ppl=3.1, ref=0.5), g, 0.95, 1.5)  # unreadable: perplexity 1.55x greedy's
+    g0 = _out("g", ref=0.0)  # greedy scores nothing on the reference: agreement decides
+    assert C.kept(_out("m", ref=0.0, agree=0.96), g0, 0.95, 1.5)
+    assert not C.kept(_out("m", ref=0.0, agree=0.9), g0, 0.95, 1.5)
+
+
+def test_perplexity_matches_a_plain_forward():
+    model = random_model()
+    prompt, ids = [3, 5, 7, 11], [13, 17, 19]
+    logits = full_logits(model, prompt + ids)  # [S, V]
+    nll = torch.nn.functional.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(ids))
+    assert C.perplexity(model, prompt, ids) == pytest.approx(math.exp(float(nll)), rel=1e-4)
+
+
+def test_reference_scores():
+    assert C.reference_score("math_reasoning", "so the answer is 5", "... #### 5") == 1.0
+    assert C.reference_score("math_reasoning", "the answer is 6", "#### 5") == 0.0
+    assert C.reference_score("summarization", "a b c", "a b c") == pytest.approx(1.0)
+    assert 0 < C.reference_score("translation", "good day to you", "good day to you all") < 1
+    assert C.agreement("same words here", "same words here") == pytest.approx(1.0)
+
+
+def test_splits_are_disjoint_from_the_tables():
+    cal = C.split_prompts("calibration", 20)
+    hold = C.split_prompts("holdout", 20)
+    tables = spec_bench(None, list(C.CATEGORIES), C.TABLE_PROMPTS)
+    ids = [{p.id for p in s} for s in (cal, hold, tables)]
+    assert all(len(s) == 60 for s in ids[:2]) and len(ids[2]) == 120
+    assert not (ids[0] & ids[1]) and not (ids[0] & ids[2]) and not (ids[1] & ids[2])
+    assert all(p.reference for p in cal + hold)
+
+
+def test_calibrate_end_to_end_writes_a_file_generate_reads(char_model, cache, tmp_path):
+    report = tmp_path / "run.json"
+    cal = C.calibrate(char_model, "early-exit", 0.95, prompts=PROMPTS, max_new_tokens=6, epsilon=0.5, delta=0.5,
+                      report=report, extra=1)
+    d = char_model.config.n_layers
+    first = cal.settings[0]
+    assert first.options == {"exit_layer": d} and first.losses == 0 and first.valid
+    assert first.layer_passes == pytest.approx(d)
+    chosen = cal.chosen
+    assert chosen is not None and chosen.valid
+    stop = next((s for s in cal.settings if not s.valid), None)
+    if stop is not None:  # the walk stopped at a failure and measured `extra` more settings untested
+        assert stop.p_value > 0.5
+        assert all(not s.tested for s in cal.settings[stop.index + 1:])
+    path = C.write_calibration(cal)
+    assert path == budget.calibration_path(char_model.fingerprint, "float32", "early-exit")
+    data = json.loads(path.read_text())
+    entry = data["budgets"]["0.95"]
+    assert entry["chosen"]["options"] == chosen.options and "probability" in entry["guarantee"]
+    # generate(quality=...) runs the chosen setting and says which
+    r = layerleap.generate(char_model, "hi", "early-exit", 4, chat=True, quality=0.95)
+    ref = layerleap.generate(char_model, "hi", "early-exit", 4, chat=True, **chosen.options)
+    assert r.token_ids == ref.token_ids and r.stats["quality_budget"]["options"] == chosen.options
+    # the method's defaults are the calibrated setting at 0.95
+    assert layerleap.generate(char_model, "hi", "early-exit", 4, chat=True).token_ids == ref.token_ids
+    # a rerun resumes from the report without decoding again
+    again = C.calibrate(char_model, "early-exit", 0.95, prompts=PROMPTS, max_new_tokens=6, epsilon=0.5, delta=0.5,
+                        report=report, extra=1)
+    assert [s.options for s in again.settings] == [s.options for s in cal.settings]
+    assert [o.text for o in again.greedy] == [o.text for o in cal.greedy]
+
+
+def test_quality_errors_name_the_fix(char_model, cache):
+    with pytest.raises(GenerationError, match="layerleap calibrate calm"):
+        layerleap.generate(char_model, "hi", "calm", 2, chat=True, quality=0.9)
+    with pytest.raises(GenerationError, match="no quality budget"):
+        layerleap.generate(char_model, "hi", "greedy", 2, chat=True, quality=0.9)
+    with pytest.raises(GenerationError, match=r"quality must be .* \(0, 1\]"):
+        layerleap.generate(char_model, "hi", "skipdecode", 2, chat=True, quality=1.5)
+    with pytest.raises(C.CalibrationError, match="at least 22"):
+        C.calibrate(char_model, "calm", prompts=PROMPTS, max_new_tokens=2)
+
+
+def _write(model, method, options, fast, quality="0.95"):
+    path = budget.calibration_path(model.fingerprint, model.dtype_name, method)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"budgets": {quality: {"chosen": {"options": options, "modelled_speedup": 1.0},
+                                                       "faster_than_greedy": fast}}}))
+
+
+def test_no_faster_setting_says_so_once_and_knobs_win(char_model, cache):
+    _write(char_model, "calm", {"threshold": 1.01, "min_exit_layer": 2}, fast=False)
+    with pytest.warns(layerleap.decoding.BudgetWarning, match="no setting faster than greedy"):
+        r = layerleap.generate(char_model, "hi", "calm", 3, chat=True)
+    assert r.stats["quality_budget"]["faster_than_greedy"] is False
+    greedy = layerleap.generate(char_model, "hi", "greedy", 3, chat=True)
+    assert r.token_ids == greedy.token_ids  # a threshold above 1 never exits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = layerleap.generate(char_model, "hi", "calm", 3, chat=True, threshold=0.5)  # a knob: no calibration
+    assert "quality_budget" not in r.stats
+    with pytest.raises(GenerationError, match="drop threshold"):
+        layerleap.generate(char_model, "hi", "calm", 3, chat=True, quality=0.95, threshold=0.5)
+
+
+def test_paths_start_at_greedy_and_get_cheaper():
+    d = 30
+    sd = budget.PATHS["skipdecode"](d)
+    assert sd[0] == {"min_exit_layer": d, "max_exit_layer": d, "warmup": 4}
+    means = [(s["min_exit_layer"] + s["max_exit_layer"]) / 2 for s in sd]
+    assert means == sorted(means, reverse=True)
+    assert budget.PATHS["early-exit"](d)[0] == {"exit_layer": d}
+    assert budget.PATHS["calm"](d)[0]["threshold"] > 1  # never exits
+    assert budget.PATHS["bild"](d)[0]["alpha_rb"] <= math.log(2)  # rollback keeps only greedy's argmax
+
+
+def test_bench_shows_quality_beside_speed_and_the_report_draws_the_frontier(char_model, cache):
+    from layerleap.eval import bench
+    from layerleap.eval.report import html_report
+    d = char_model.config.n_layers
+    settings = [{"options": {"exit_layer": d}, "tested": True, "valid": True, "modelled_speedup": 1.0,
+                 "reference_kept": 1.0, "agreement": 1.0, "losses": 0},
+                {"options": {"exit_layer": d - 1}, "tested": True, "valid": False, "modelled_speedup": 1.3,
+                 "reference_kept": 0.5, "agreement": 0.4, "losses": 3}]
+    path = budget.calibration_path(char_model.fingerprint, "float32", "early-exit")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"budgets": {"0.95": {
+        "quality": 0.95, "chosen": {"options": {"exit_layer": d}, "modelled_speedup": 1.0},
+        "faster_than_greedy": False, "settings": settings, "guarantee": "with probability >= 0.8 ..."}}}))
+    methods = {"ee": ("early-exit", {"exit_layer": d - 1}), "sk": ("skipdecode", {})}
+    res = bench.run_bench(char_model, methods, PROMPTS[:2], 4, hf_baseline=False, chat=True, call_cost=False,
+                          warmup=False, progress=False)
+    summary = res.summary
+    assert summary["greedy"]["agreement"] == 1.0 and summary["greedy"]["reference_score"] is not None
+    assert summary["greedy"]["reference_kept"] in (None, pytest.approx(1.0))  # None: greedy scores 0 on them
+    for label in ("ee", "sk"):
+        assert 0 <= summary[label]["agreement"] <= 1 and summary[label]["ppl_ratio"] > 0
+    recs = [r for r in res.records if r.label == "ee"]
+    greedy = {r.prompt_index: r for r in res.records if r.label == "greedy"}
+    assert all(r.agreement == pytest.approx(C.agreement(r.text, greedy[r.prompt_index].text)) for r in recs)
+    assert "agree" in res.table() and "ppl x" in res.table()
+    assert res.config["calibration"]["ee"]["chosen"]["options"] == {"exit_layer": d}
+    page = html_report(res.to_dict())
+    assert "quality against speed" in page and "ee calibrated" in page and "reference kept" in page
+    # without lossy methods the table has no quality columns
+    plain = bench.run_bench(char_model, {"greedy": ("greedy", {})}, PROMPTS[:1], 2, hf_baseline=False, chat=True,
+                            call_cost=False, warmup=False, progress=False)
+    assert "agree" not in plain.table()

@@ -10,7 +10,7 @@ from .errors import LayerleapError
 __version__ = "0.1.0"
 _EXPORTS = {
     "ModelConfig": "core.config", "tiny_config": "core.config", "KVCache": "core.kv_cache",
-    "Transformer": "core.model", "load": "core.loading", "load_folder": "core.loading", "from_hf": "core.loading",
+    "Transformer": "core.model", "load": "drafters.variants", "load_folder": "core.loading", "from_hf": "core.loading",
     "to_hf": "core.loading", "available_models": "core.loading", "generate": "decoding", "GenerationResult": "decoding",
     "GenerationConfig": "decoding", "GenerationError": "decoding", "METHODS": "decoding", "register": "decoding",
     "get_method": "decoding", "Decoding": "decoding", "stream": "streaming", "TextStream": "streaming",

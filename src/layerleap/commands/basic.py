@@ -29,7 +29,7 @@ from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method
 from ..methods.budget import LOSSY
 from ..errors import LayerleapError
-from ..core.loading import DEFAULT_MODEL, DTYPES, check_model, load
+from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
 from ..options import ModelLoader, resolve_models, to_device
 from ..eval.report import write_html_report
 from ..streaming import stream
@@ -64,6 +64,8 @@ def _model_args(p, dtype: str = "float32") -> None:
     p.add_argument("--dtype", default=dtype, choices=list(DTYPES), help=f"weight dtype (default {dtype})")
     p.add_argument("--device", type=_device, default="cpu", help="torch device for the model(s), e.g. cuda (default cpu)")
     p.add_argument("--threads", type=V.threads_arg, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--variant", default=None, help="a fine-tuned variant of --model: a shipped name (e.g. "
+                   "skipdecode-2x, calm) or a .safetensors file of `layerleap finetune variant`")
 
 
 def _sampling_args(p) -> None:
@@ -90,11 +92,13 @@ def _threads(n: int | None) -> int:
 
 
 def _load(args, name: str | None = None):
-    """The model ``--model`` (or ``name``) with ``--dtype``, on ``--device``."""
+    """The model ``--model`` (or ``name``) with ``--dtype`` (and ``--variant``, for ``--model`` only), on ``--device``."""
+    from ..drafters.variants import load as load_variant
+    variant = getattr(args, "variant", None) if name is None else None
     name = name or args.model
     t = time.perf_counter()
-    model = to_device(load(name, dtype=args.dtype, progress=_say), getattr(args, "device", "cpu"))
-    _say(f"loaded {name} ({args.dtype}) in {time.perf_counter() - t:.1f} s")
+    model = to_device(load_variant(name, dtype=args.dtype, progress=_say, variant=variant), getattr(args, "device", "cpu"))
+    _say(f"loaded {name}{f' variant {variant}' if variant else ''} ({args.dtype}) in {time.perf_counter() - t:.1f} s")
     _check_sizes(model, args)
     return model
 

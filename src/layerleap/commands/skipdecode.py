@@ -5,6 +5,7 @@ speed measurement)."""
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -85,6 +86,65 @@ def run_finetune(args) -> int:
           f"policy warm-up {c['warmup']}, exit layers {c['max_exit_layer']} -> {c['min_exit_layer']} over "
           f"{c['gen_len']} tokens; {c['loss']} loss {first:.3f} (first 5 steps) -> {last:.3f} (last 5)")
     print(f"wrote {out} (load with layerleap.load({str(out)!r}))")
+    return 0
+
+
+@command("finetune variant", help="train low-rank deltas (SkipDecode's policy fine-tune, or CALM's all-layer loss) "
+                                   "on self-distilled data; the file loads as load(MODEL, variant=FILE)")
+def _setup_variant(p):
+    _model_args(p)
+    p.add_argument("--objective", choices=["skipdecode", "calm"], required=True,
+                   help="skipdecode: match the full model with the skipping policy on; calm: every layer predicts "
+                        "through the LM head, loss weighted by layer index")
+    p.add_argument("--out", type=V.weights_arg, required=True,
+                   help="the variant file (.safetensors; rerun with the same settings to resume or extend)")
+    p.add_argument("--data", type=V.path_arg, required=True, help="self-distilled JSON lines {prompt, completion} (token "
+                   "ids): the model's greedy answers to ShareGPT prompts, decoded first where the file has fewer than "
+                   "--self-distill")
+    p.add_argument("--self-distill", type=V.int_arg(0, 100_000), default=256,
+                   help="examples with the model's own greedy answers (default 256)")
+    p.add_argument("--examples", type=V.int_arg(1, 100_000), default=1024,
+                   help="examples in all: the rest are ShareGPT prompts with ShareGPT's answers (default 1024)")
+    p.add_argument("--target-speedup", type=int, choices=TARGETS, default=2, help="skipdecode: Table 2 configuration")
+    p.add_argument("--rank", type=V.int_arg(1, 256), default=16)
+    p.add_argument("--steps", type=V.int_arg(1, 1_000_000), default=1000)
+    p.add_argument("--batch-size", type=V.int_arg(1, 256), default=4)
+    p.add_argument("--lr", type=V.positive_float, default=2e-4)
+    p.add_argument("--min-layer", type=_positive_int, default=4, help="calm: the lowest layer trained to predict")
+    p.add_argument("--layers-per-step", type=_positive_int, default=4, help="calm: layers drawn per step (by weight)")
+    p.add_argument("--max-minutes", type=V.positive_float, default=None, help="stop (and save) after this long")
+    p.add_argument("--save-every", type=_positive_int, default=10)
+    p.add_argument("--seed", type=V.seed_arg, default=0)
+
+
+@_setup_variant
+def run_variant(args) -> int:
+    from ..train.data import prompt_completions, self_distilled
+    from ..train.variant import VariantConfig, train_variant
+    if not str(args.out).endswith(".safetensors"):
+        raise LayerleapError(f"--out {args.out}: a variant is one .safetensors file; name it NAME.safetensors")
+    threads = _threads(args.threads)
+    cmd = _command_line(args)
+    print(f"$ {cmd}", flush=True)
+    model = _load(args)
+    print(_model_line(model, threads), flush=True)
+    own = self_distilled(model, args.data, min(args.self_distill, args.examples)) if args.self_distill else []
+    seen = {tuple(p) for p, _ in own}
+    rest = [e for e in prompt_completions(model.tokenizer, args.examples, 96, 64) if tuple(e[0]) not in seen]
+    examples = own + rest[:max(0, args.examples - len(own))]
+    cfg = VariantConfig(objective=args.objective, rank=args.rank, alpha=2.0 * args.rank,
+                        target_speedup=args.target_speedup, min_layer=args.min_layer,
+                        layers_per_step=args.layers_per_step, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                        save_every=args.save_every, seed=args.seed)
+    data = (f"{len(own)} ShareGPT prompts with {model.config.name}'s greedy answers, {len(examples) - len(own)} with "
+            "ShareGPT's answers; targets: the base model's distributions")
+    res = train_variant(model, args.out, cfg, examples, data, cmd,
+                        max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
+    first = sum(res.losses[:10]) / max(1, len(res.losses[:10]))
+    last = sum(res.losses[-10:]) / max(1, len(res.losses[-10:]))
+    print(f"trained {res.steps_done - res.resumed_from} steps (resumed from {res.resumed_from}; {res.steps_done} in all, "
+          f"{res.seconds:.0f} s); loss {first:.3f} (first 10 steps) -> {last:.3f} (last 10)")
+    print(f"wrote {args.out} (load with layerleap.load({args.model!r}, variant={str(args.out)!r}))")
     return 0
 
 
@@ -356,3 +416,121 @@ def run_eval(args) -> int:
         write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0
+
+
+# -- eval frontier --------------------------------------------------------------------------------------
+def _grids(n_layers: int) -> dict:
+    """Each method's points (label suffix, options) for the frontier."""
+    d = n_layers
+    sd = [(d - 2, d, 4), (d - 6, d, 4), (d - 10, d - 2, 4), *((lo, hi, w) for w, lo, hi in [TABLE2_2X(d)])]
+    return {
+        "skipdecode": [(f"{lo}-{hi} w{w}", {"min_exit_layer": lo, "max_exit_layer": hi, "warmup": w})
+                       for lo, hi, w in sd],
+        "early-exit": [(f"E{e}", {"exit_layer": e}) for e in (d - 2, d - 4, d - 6)],
+        "calm": [(f"cos{t:g}", {"threshold": t}) for t in (0.99, 0.98)],
+        "bild": [("fb0.7 rb1.5", {"alpha_fb": 0.7, "alpha_rb": 1.5})],
+        "bild-no-rollback": [("fb0.7 rb inf", {"alpha_fb": 0.7, "alpha_rb": math.inf})],
+        "bild-no-fallback": [("every 4", {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": 4})],
+    }
+
+
+def TABLE2_2X(n_layers: int) -> tuple[int, int, int]:  # noqa: N802
+    """(warmup, min, max) of Table 2's 2x configuration for this depth."""
+    c = target_config(n_layers, 2)
+    return c.warmup, c.min_exit_layer, c.max_exit_layer
+
+
+def _grid_arg(text: str) -> tuple[str, str]:
+    model, colon, method = text.partition(":")
+    if not colon or not model or not method:
+        raise argparse.ArgumentTypeError(f"{V.show(text)}: write MODEL:METHOD, e.g. base:skipdecode or calm:early-exit")
+    return model.strip(), method.strip()
+
+
+@command("eval frontier", help="quality against speed of the lossy methods on the base model and fine-tuned variants "
+                              "(references, agreement with greedy, the full model's perplexity)")
+def _setup_frontier(p):
+    _model_args(p)
+    p.add_argument("--with-variant", action="append", default=[], metavar="NAME=FILE", type=_variant_arg,
+                   help="a fine-tuned variant to compare (repeatable); the base model is 'base'")
+    p.add_argument("--grid", action="append", type=_grid_arg, required=True, metavar="MODEL:METHOD",
+                   help="points to run: MODEL (base or a variant's NAME) and METHOD (skipdecode, early-exit, calm, "
+                        "bild, bild-no-rollback, bild-no-fallback); repeatable")
+    p.add_argument("--categories", default="summarization,translation,math_reasoning")
+    p.add_argument("--prompts", type=_positive_int, default=4, help="prompts per category (default 4)")
+    p.add_argument("--offset", type=V.nonneg_int, default=0, help="skip this many prompts per category first")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, required=True)
+    p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None)
+
+
+def _variant_arg(text: str) -> tuple[str, str]:
+    name, eq, path = text.partition("=")
+    if not eq or not name.strip() or name.strip() == "base":
+        raise argparse.ArgumentTypeError(f"{V.show(text)}: write NAME=FILE (NAME other than base)")
+    return name.strip(), path.strip()
+
+
+@_setup_frontier
+def run_frontier(args) -> int:
+    from ..drafters.variants import apply
+    from ..eval import frontier as fr
+    threads = _threads(args.threads)
+    cmd = _command_line(args)
+    print(f"$ {cmd}", flush=True)
+    models = {"base": _load(args)}
+    for name, path in args.with_variant:
+        models[name] = apply(_load(args), path)
+    print(_model_line(models["base"], threads), flush=True)
+    grids = _grids(models["base"].config.n_layers)
+    points = []
+    for model, method in args.grid:
+        if model not in models:
+            raise LayerleapError(f"--grid {model}:{method}: no model {model!r}: give --with-variant {model}=FILE or use base")
+        if method not in grids:
+            raise LayerleapError(f"--grid {model}:{method}: choose a method of {', '.join(grids)}")
+        real = "bild" if method.startswith("bild") else method
+        points += [fr.Point(f"{method} {suffix}" + ("" if model == "base" else f" [{model}]"), model, real, opts)
+                   for suffix, opts in grids[method]]
+    report = fr.run(models, points, _csv(args.categories), args.prompts, args.max_new_tokens, args.offset, progress=_say)
+    report.update(command=cmd, machine=machine_config(models["base"]), summary=fr.summary(report["rows"]),
+                  variants=dict(args.with_variant))
+    write_json(args.json, report)
+    for s in report["summary"]:
+        q = "  n/a" if s["quality"] is None else f"{s['quality']:5.1f}"
+        print(f"{s['label']:<40} quality {q}%  agreement {s['agreement']:5.1f}  ppl x{s['ppl_ratio'] or float('nan'):.2f}  "
+              f"speed-up {s['speedup']:.2f}x (implied {s['implied_speedup']:.2f}x)")
+    if args.plot:
+        save_figure(_frontier_figure(report), args.plot)
+    print(f"wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _frontier_figure(report: dict):
+    from ..files import pyplot
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    for ax, key, name in zip(axes, ("quality", "agreement", "ppl_ratio"),
+                             ("quality vs references (% of greedy)", "agreement with greedy (ROUGE-L)",
+                              "full model's perplexity / greedy's")):
+        groups: dict[str, list] = {}
+        for s in report["summary"]:
+            if s[key] is not None:
+                groups.setdefault(s["label"].rsplit(" ", 1)[0] if "[" not in s["label"] else
+                                  s["label"].split(" ")[0] + " " + s["label"].split("[")[1], []).append(s)
+        for g, ss in groups.items():
+            ss = sorted(ss, key=lambda s: s["speedup"])
+            ax.plot([s["speedup"] for s in ss], [s[key] for s in ss], "o-", label=g, ms=4)
+        ax.axvline(1.0, color="grey", lw=0.5)
+        if key == "quality":
+            for b in (95, 90):
+                ax.axhline(b, color="grey", lw=0.5, ls="--")
+        ax.set_xlabel("speed-up over greedy (wall clock, same run)")
+        ax.set_title(name, fontsize=10)
+        if key == "ppl_ratio":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{', '.join(report['categories'])}: {report['n_prompts']} prompts each, "
+                 f"{report['max_new_tokens']} new tokens", fontsize=10)
+    fig.tight_layout()
+    return fig

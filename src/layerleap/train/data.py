@@ -120,3 +120,55 @@ def prompt_completions(tokenizer, n: int, max_prompt: int, gen_len: int) -> list
     if not out:
         raise TrainDataError("no usable ShareGPT examples (prompt too long for --max-prompt?)")
     return out
+
+
+def sharegpt_questions(tokenizer, n: int, max_prompt: int, skip: int = 0) -> list[list[int]]:
+    """Prompt ids (the first human turn in the chat template with the generation prompt) of ``n``
+    ShareGPT conversations, prompts longer than ``max_prompt`` tokens passed over (after ``skip``
+    usable ones)."""
+    from ..datasets import sharegpt_conversations
+    out, seen = [], 0
+    for conv in sharegpt_conversations(limit=None):
+        if len(out) >= n:
+            break
+        if not conv or conv[0].get("from") != "human" or not (conv[0].get("value") or "").strip():
+            continue
+        p = chat_token_ids(tokenizer, [{"role": "user", "content": conv[0]["value"].strip()}],
+                           add_generation_prompt=True)
+        if len(p) > max_prompt:
+            continue
+        seen += 1
+        if seen > skip:
+            out.append(p)
+    if not out:
+        raise TrainDataError("no usable ShareGPT prompts (prompt too long for --max-prompt?)")
+    return out
+
+
+def self_distilled(model, path, n: int, max_prompt: int = 96, gen_len: int = 64, batch: int = 16,
+                   progress: bool = True) -> list[tuple[list[int], list[int]]]:
+    """``n`` pairs (ShareGPT prompt ids, the model's own greedy answer's ids, at most ``gen_len``):
+    self-distilled data.  Written to ``path`` (JSON lines ``{"prompt", "completion"}``, the file
+    rewritten atomically after each batch); a call with the same ``path`` reuses what is there and
+    decodes only the rest."""
+    import json
+    from pathlib import Path
+
+    from tqdm.auto import tqdm
+
+    from ..decoding import generate
+    from ..files import write_text
+    path = Path(path)
+    done: list[tuple[list[int], list[int]]] = []
+    if path.is_file():
+        done = [(r["prompt"], r["completion"]) for r in map(json.loads, path.read_text().splitlines()) if r]
+    prompts = sharegpt_questions(model.tokenizer, n, max_prompt)
+    bar = tqdm(total=len(prompts), initial=len(done), desc="self-distilling", unit="ex", disable=not progress)
+    while len(done) < len(prompts):
+        chunk = prompts[len(done):len(done) + batch]
+        res = generate(model, chunk, "greedy", gen_len)
+        done += [(p, [int(t) for t in r.token_ids]) for p, r in zip(chunk, res)]
+        write_text(path, "".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in done))
+        bar.update(len(chunk))
+    bar.close()
+    return [(p, c) for p, c in done[:n] if c]

@@ -1,0 +1,95 @@
+"""Model variants: low-rank deltas trained by ``train.variant`` and merged by ``drafters.variants``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import random_model
+
+from layerleap.drafters import variants, weights
+from layerleap.train.variant import (
+    Deltas,
+    VariantConfig,
+    VariantTrainError,
+    all_hidden,
+    calm_layers,
+    train_variant,
+)
+
+EXAMPLES = [([1, 2, 3, 4], [5, 6, 7, 8, 9, 10]), ([3, 4, 5], [6, 7, 8, 9]), ([7, 1], [2, 3, 4, 5, 6])] * 2
+
+
+def _cfg(objective: str, steps: int = 6, **kw) -> VariantConfig:
+    return VariantConfig(objective=objective, rank=2, alpha=4.0, steps=steps, batch_size=2, save_every=2, lr=1e-2,
+                         lr_warmup_steps=0, gen_len=6, min_layer=1, target_speedup=2, **kw)
+
+
+def _model():
+    return random_model("llama-gqa-tied", n_layers=4)
+
+
+@pytest.mark.parametrize("objective", ["skipdecode", "calm"])
+def test_training_lowers_the_loss_and_writes_a_variant_with_its_budget(tmp_path, objective):
+    out = tmp_path / f"{objective}.safetensors"
+    res = train_variant(_model(), out, _cfg(objective, steps=12), EXAMPLES, "toy data", "layerleap finetune variant")
+    assert res.steps_done == 12 and len(res.losses) == 12
+    assert sum(res.losses[-3:]) < sum(res.losses[:3])
+    meta = weights.read_meta(out)
+    assert meta["kind"] == "variant" and meta["fingerprint"] == _model().fingerprint
+    assert meta["steps"] == "12" and meta["data"] == "toy data" and meta["command"] == "layerleap finetune variant"
+    assert int(meta["tokens"]) > 0 and float(meta["train_s"]) > 0 and meta["machine"]
+    assert meta["objective"] == objective
+
+
+def test_the_merged_model_computes_what_the_trained_deltas_do(tmp_path):
+    out = tmp_path / "v.safetensors"
+    train_variant(_model(), out, _cfg("skipdecode"), EXAMPLES, "toy")
+    stored = load_file(str(out))
+    hooked = _model()
+    deltas = Deltas(hooked, 2, 4.0, 0)
+    with torch.no_grad():
+        for k, v in deltas.tensors.items():
+            v.copy_(stored[k].float())
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        want = hooked.logits(all_hidden(hooked, ids)[-1])
+    merged = variants.apply(_model(), out)
+    with torch.no_grad():
+        got = merged(ids)
+    assert (got - want).abs().max() < 1e-3
+    assert (got - _model()(ids)).abs().max() > 1e-3  # the deltas changed something
+    assert merged.fingerprint != _model().fingerprint and merged.variant == "v"
+
+
+def test_resume_gives_the_uninterrupted_run(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    train_variant(_model(), a, _cfg("calm", steps=4), EXAMPLES, "toy")
+    train_variant(_model(), b, _cfg("calm", steps=2), EXAMPLES, "toy")
+    res = train_variant(_model(), b, _cfg("calm", steps=4), EXAMPLES, "toy")
+    assert res.resumed_from == 2 and res.steps_done == 4
+    ta, tb = load_file(str(a)), load_file(str(b))
+    assert all(torch.allclose(ta[k].float(), tb[k].float(), atol=1e-2) for k in ta)
+    with pytest.raises(VariantTrainError, match="other settings"):
+        train_variant(_model(), b, _cfg("calm", steps=6, layers_per_step=3), EXAMPLES, "toy")
+
+
+def test_a_variant_refuses_another_model_and_unknown_names(tmp_path):
+    out = tmp_path / "v.safetensors"
+    train_variant(_model(), out, _cfg("calm", steps=2), EXAMPLES, "toy")
+    other = random_model("llama-gqa-tied", n_layers=4, seed=1)
+    with pytest.raises(variants.VariantError, match="another model"):
+        variants.apply(other, out)
+    with pytest.raises(variants.VariantError, match="no variant 'nope'"):
+        variants.variant_file("smollm2-135m", "nope")
+    with pytest.raises(VariantTrainError, match="objective"):
+        train_variant(_model(), out, _cfg("medusa"), EXAMPLES, "toy")
+
+
+def test_calm_layers_are_drawn_by_weight():
+    import random
+    draws = calm_layers(30, 4, 20000, random.Random(0))
+    assert min(draws) >= 4 and max(draws) <= 30
+    share30 = draws.count(30) / len(draws)
+    assert abs(share30 - 30 / sum(range(4, 31))) < 0.01
+    assert draws.count(30) > 5 * draws.count(5)

@@ -15,7 +15,6 @@ import pytest
 for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
 
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import get, post
 
@@ -360,7 +359,7 @@ def _pool_rows(model, chunk: int):
         got = []
         for j in jobs:
             while not j.events.empty():
-                kind, fin = j.events.get_nowait()
+                _, fin = j.events.get_nowait()
             got.append(fin.result.token_ids)
         return got, widest
 
@@ -388,8 +387,8 @@ def test_real_pool_rows_decode_as_alone():
 def test_server_pool_serves_mixed_settings_concurrently(url, tiny):
     """Concurrent greedy, sampled and seeded requests through the server: each its single answer."""
     from test_server import in_parallel
-    kws = [dict(max_tokens=12), dict(max_tokens=10, temperature=0.8, seed=4),
-           dict(max_tokens=8, temperature=1.0, seed=9, extra_body={"top_k": 1})] * 3
+    kws = [{"max_tokens": 12}, {"max_tokens": 10, "temperature": 0.8, "seed": 4},
+           {"max_tokens": 8, "temperature": 1.0, "seed": 9, "extra_body": {"top_k": 1}}] * 3
 
     def ask(c, i):
         return c.completions.create(model="tiny", prompt=f"Request {i} is", **kws[i]).choices[0].text

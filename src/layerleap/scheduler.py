@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .core import sampling
-from .core.model import Transformer
 from .core.kv_cache import KVCache
+from .core.model import Transformer
 from .core.run import GenerationConfig, GenerationResult, row_generators
 from .decoding import Decoding, get_method
 from .errors import LayerleapError

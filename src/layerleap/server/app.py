@@ -47,14 +47,14 @@ class ServerConfig:
     max_tokens: int = 256  # max_tokens when a request gives none (bounded by the context)
     max_batch: int = 16  # rows decoded together (the pool's rows; a batch's rows for the other methods)
     max_running: int = 2  # batches of the methods the pool does not take, decoding in turn
-    continuous: bool = True  # greedy and sample requests join and leave one pool round by round
-    prefill_chunk: int = 512  # prompt tokens the pool prefills per round
     max_waiting: int = 256
     loadable: tuple[str, ...] = ()  # model names a request's options may name (loaded on first use)
     max_body_bytes: int = 2 << 20  # a larger request body is refused (413)
     max_prompt_tokens: int | None = None  # a longer prompt is refused (None: the context less one)
     queue_timeout: float = 600.0  # seconds a request may wait for its turn (then 503)
     shadow_share: float = 0.0  # share of lossy-method requests re-decoded greedily when idle (agreement metric)
+    continuous: bool = True  # greedy and sample requests join and leave one pool round by round
+    prefill_chunk: int = 512  # prompt tokens the pool prefills per round
 
 
 class APIError(Exception):

@@ -412,6 +412,7 @@ CLI = [
     (["eval", "head-cost", *M, "--layers", "99", "--vocab", "8"], "--layers must be an integer in [1, 4]"),
     (["eval", "head-cost", *M, "--reps", "0"], "must be an integer in [1, 10000]"),
     (["eval", "head-cost", *M, "--freq-tokens", "0"], "must be an integer in [1, 10000000]"),
+    (["eval", "drafters", *M], "no drafter to evaluate: add --transfer trained and/or --medusa trained"),
     (["eval", "drafters", *M, "--transfer", "nosuch"], "is neither one of trained nor an existing"),
     (["eval", "drafters", *M, "--medusa", "{FILE}", "--prompts", "1"], "cannot read Medusa heads"),
     (["eval", "drafters", *M, "--plot", "{T}/a.xyz"], "a plot must end in"),

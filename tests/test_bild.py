@@ -14,6 +14,7 @@ import torch
 
 import layerleap
 from layerleap import Transformer, tiny_config
+from layerleap.core.stats import BildStats
 from layerleap.decoding import GenerationConfig, GenerationError, Run
 from layerleap.drafters.base import ChainRule
 from layerleap.drafters.companion import DraftModel
@@ -153,7 +154,8 @@ def test_kv_caches_roll_back_exactly(form):
     else:
         factory = lambda run, rule: EarlyExitDrafter(run, 2, large.logits, rule)  # noqa: E731
     run, drafter = decode(large, factory, alpha_fb=0.3, alpha_rb=1.0, max_small=6)
-    assert run.extra["rollbacks"] >= 2 and run.extra["rolled_back"] >= 2  # rollbacks really happened
+    st = run.records[BildStats][0]
+    assert st.rollbacks >= 2 and st.rolled_back >= 2  # rollbacks really happened
     seq = PROMPT + run.out[0]
     assert len(run.out[0]) == N
     n_large = int(drafter.cache.lengths[-1, 0])

@@ -137,3 +137,51 @@ def test_sampled_tokens_follow_the_models_distribution(method):
     assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3  # (x1, x2)
     assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3  # (x2, x3)
     assert chi2_pvalue(counts.sum((0, 1)), p.sum((0, 1))) > 1e-3  # x3
+
+
+# -- the drafter owns its cache needs ----------------------------------------------------------------
+def test_drafters_size_the_cache_from_their_round():
+    """A drafter declares the most tokens a round appends (``round_tokens``) and the base sizes the
+    target's cache from it: prompt + budget + round + 1 slots.  A γ that may grow is bounded by the
+    budget alone."""
+    from layerleap.decoding import GenerationConfig, Run
+    from layerleap.drafters.base import ChainRule, DraftLength
+    from layerleap.drafters.companion import DraftModel
+    from layerleap.drafters.early_exit import EarlyExitDrafter
+    from layerleap.drafters.prompt_lookup import PromptLookup
+
+    large, small = tiny_pair(1)
+    run = Run(large, [[1, 2, 3], [4, 5]], GenerationConfig(max_new_tokens=10))
+    assert [ChainRule(length).longest(10) for length in (DraftLength(4), DraftLength(4, "heuristic"), None)] == \
+        [4, 10, 10]
+    lookup = PromptLookup(run, 5, 1, 3)
+    assert lookup.round_tokens() == 6 and lookup.cache.max_len == 3 + 10 + 6 + 1
+    early = EarlyExitDrafter(run, 1, large.logits, ChainRule(DraftLength(3)))
+    assert early.cache.max_len == 3 + 10 + 4 + 1 and early.pair.cache is early.cache
+    draft = DraftModel(run, small, ChainRule(DraftLength(2, "heuristic")))
+    assert draft.cache.max_len == draft.model.cache.max_len == 3 + 10 + 11 + 1
+
+
+def test_one_prefill_serves_every_drafter():
+    """The early-exit drafter's prompt pass is ``Run.prefill_at``'s: the same padding (EOS) and the
+    same cache, slot for slot, as the plain prompt pass on a ragged batch, and the same meters."""
+    from layerleap.decoding import GenerationConfig, Run
+    from layerleap.drafters.base import ChainRule, DraftLength
+    from layerleap.drafters.early_exit import EarlyExitDrafter
+    from layerleap.drafters.prompt_lookup import PromptLookup
+
+    import dataclasses
+    large, _ = tiny_pair(1)
+    large.config = dataclasses.replace(large.config, eos_token_ids=(7,))  # padding with EOS, not 0
+    prompts = [[1, 2, 3, 4], [5]]
+    runs = [Run(large, prompts, GenerationConfig(max_new_tokens=4)) for _ in range(2)]
+    plain = PromptLookup(runs[0], 3, 1, 2)
+    early = EarlyExitDrafter(runs[1], 1, large.logits, ChainRule(DraftLength(3)))
+    with torch.inference_mode():
+        want, got = plain.prefill(), early.prefill()
+    torch.testing.assert_close(got, want)
+    n = len(prompts[0])
+    torch.testing.assert_close(early.cache.k[:, :, :, :n], plain.cache.k[:, :, :, :n])  # padding slots too
+    assert early.cache.pad.tolist() == plain.cache.pad.tolist() == [0, 3]
+    assert (runs[0].model_calls, runs[0].layer_evals, runs[0].prompt_layer_evals) == \
+        (runs[1].model_calls, runs[1].layer_evals, runs[1].prompt_layer_evals)

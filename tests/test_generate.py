@@ -276,6 +276,27 @@ def test_stats_batch(tiny):
         assert r.stats["layer_evals"] == L * 6 and r.stats["model_calls"] == 6 and r.stats["batch"] == 2
 
 
+def test_stats_are_typed_per_row(tiny):
+    """A method's own figures are typed records, one per row: a row's are the same kind of value
+    whether it ran alone or in a batch, read as attributes or flat."""
+    from layerleap.core.stats import DraftStats, LookupStats
+    from layerleap.decoding import GenerationConfig, Run
+
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5]]
+    batch = generate(tiny, prompts, "prompt-lookup", max_new_tokens=8, stop_at_eos=False)
+    alone = [generate(tiny, p, "prompt-lookup", max_new_tokens=8, stop_at_eos=False) for p in prompts]
+    for b, a in zip(batch, alone):
+        assert isinstance(b.stats.draft, DraftStats) and isinstance(b.stats.lookup, LookupStats)
+        assert b.stats.bild is None and "small_tokens" not in b.stats
+        assert b.stats.draft == a.stats.draft and b.stats.lookup == a.stats.lookup  # per row, as alone
+        assert b.stats["accepted"] == b.stats.draft.accepted and isinstance(b.stats["accepted"], int)
+        flat = b.to_dict()["stats"]
+        assert flat == dict(b.stats) and json.loads(json.dumps(flat)) == flat
+    run = Run(tiny, prompts, GenerationConfig())
+    with pytest.raises(ValueError, match="per row"):
+        run.record([LookupStats(1)])  # one record for two rows
+
+
 def test_sampling_stats_equal_greedy_counts(tiny):
     L = tiny.config.n_layers
     s = generate(tiny, [1, 2, 3, 4], method="sample", seed=0, max_new_tokens=7, stop_at_eos=False).stats

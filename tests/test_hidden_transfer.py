@@ -88,7 +88,6 @@ def test_pseudo_states_match_a_causal_reference():
     seq = [4, 8, 15, 16, 23]
     with torch.inference_mode():
         run = Run(model, [seq[:1]], GenerationConfig())
-        run.extra["pseudo_states"] = 0
         cache = model.new_cache(1, 32)
         chain = tree_mod.build([1] * (len(seq) - 1))
         real, pseudo = transfer_pass(run, cache, torch.tensor([seq]), chain.mask, chain.depths, proj, 2)

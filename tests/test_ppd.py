@@ -13,6 +13,7 @@ import layerleap
 from layerleap import generate
 from layerleap.decoding import GenerationError, drive
 from layerleap.methods import ppd as ppd_mod
+from layerleap.core.stats import PPDStats
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_ppd_cache_after_decoding_equals_a_plain_prefill(models):
         ppd_mod.EarlyExit.__init__ = orig
     cache = caches[0]
     seq = prompt + run.out[0][:-1]  # the last token is never fed back
-    assert run.extra["matches"] > 0
+    assert run.records[PPDStats][0].matches > 0
     assert cache.lengths[:, 0].tolist() == [len(seq)] * 4
     ref = model.new_cache(1, len(seq) + 1)
     with torch.inference_mode():

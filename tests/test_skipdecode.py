@@ -12,6 +12,7 @@ import layerleap
 from layerleap import GenerationError, LayerleapError, Transformer, generate, tiny_config
 from layerleap.decoding import GenerationConfig, Run, drive
 from layerleap.methods.skipdecode import (budget_at, calm, exit_schedule, layer_ranges, skipdecode, target_config)
+from layerleap.core.stats import SkipStats
 
 D = 6
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
@@ -115,7 +116,7 @@ def _run(model, prompts, max_new, fn, **opts):
 
 def test_kv_lengths_per_layer(model):
     run, cache = _run(model, PROMPTS, 12, skipdecode, min_exit_layer=2, max_exit_layer=5, warmup=1)
-    budgets = run.extra["budgets"]
+    budgets = run.records[SkipStats][0].budgets
     longest = max(map(len, PROMPTS))
     for layer in range(D):
         ran = sum(1 for b in budgets if any(s <= layer < e for s, e in layer_ranges(D, b, 1)))
@@ -161,8 +162,8 @@ def test_calm_never_exiting_equals_greedy(model):
 
 def test_calm_exits_and_fills_kv(model):
     run, cache = _run(model, [PROMPTS[0]], 10, calm, threshold=-1.0, min_exit_layer=2)
-    assert set(run.extra["exit_layers"]) == {2}
-    assert run.extra["kv_filled_layers"] == 9 * (D - 2)
+    assert set(run.records[SkipStats][0].exit_layers) == {2}
+    assert run.records[SkipStats][0].kv_filled_layers == 9 * (D - 2)
     assert run.layer_evals[0] == D + 9 * 2
     assert cache.lengths[:, 0].tolist() == [len(PROMPTS[0]) + 9] * D  # skipped layers were filled
 

@@ -19,11 +19,12 @@ import torch
 from . import methods  # noqa: F401  (registers the built-in methods)
 from . import validate as V
 from .core.model import Transformer
+from .core.stats import RECORD_FIELDS, Stats
 from .core.run import (METHODS, GenerationConfig, GenerationError, GenerationResult, Method, Run, chat_token_ids,
                        drive, register, rounds)
 
 __all__ = ["generate", "Decoding", "get_method", "METHODS", "GenerationConfig", "GenerationError", "GenerationResult",
-           "Method", "Run", "chat_token_ids", "drive", "register", "rounds"]
+           "Method", "Run", "Stats", "chat_token_ids", "drive", "register", "rounds"]
 
 
 def get_method(name: str) -> Method:
@@ -210,7 +211,7 @@ class Decoding:
     def __iter__(self):
         group = [i for i in range(len(self.prompt_ids)) if i not in self._cancelled]  # cancelled before it started
         if group:
-            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, rows=group)
+            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, indices=group)
             self._where.update({i: (run, j) for j, i in enumerate(group)})
             seen = [0] * len(group)
             for _ in rounds(self.method.fn, run, self.options):
@@ -225,7 +226,7 @@ class Decoding:
             for j, i in enumerate(group):
                 self.results[i] = _result(self.model, run, j, wall, self.method.name)
                 if i in self._cancelled:
-                    self.results[i].stats["cancelled"] = True
+                    self.results[i].stats.cancelled = True
             if grew:
                 yield grew
 
@@ -261,21 +262,20 @@ def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int) -
 def _result(model: Transformer, run: Run, row: int, wall: float, method: str) -> GenerationResult:
     toks = run.out[row]
     n = len(toks)
-    stats = {
-        "method": method,
-        "new_tokens": n,
-        "prompt_tokens": len(run.prompts[row]),
-        "model_calls": run.model_calls,
-        "layer_evals": run.layer_evals[row],
-        "prompt_layer_evals": run.prompt_layer_evals[row],
-        "layers_per_token": run.layer_evals[row] / n if n else 0.0,
-        "tokens_per_call": n / max(1, run.model_calls),
-        "wall_s": wall,
-        "tokens_per_s": n / wall if wall > 0 else 0.0,
-        "ttft_s": (run.t_first - run.t0) if run.t_first is not None else None,
-        "batch": run.batch,
-    }
-    for k, v in run.extra.items():
-        stats[k] = v[row] if isinstance(v, list) and len(v) == run.batch and run.batch > 1 else v
+    stats = Stats(
+        method=method,
+        new_tokens=n,
+        prompt_tokens=len(run.prompts[row]),
+        model_calls=run.model_calls,
+        layer_evals=run.layer_evals[row],
+        prompt_layer_evals=run.prompt_layer_evals[row],
+        layers_per_token=run.layer_evals[row] / n if n else 0.0,
+        tokens_per_call=n / max(1, run.model_calls),
+        wall_s=wall,
+        tokens_per_s=n / wall if wall > 0 else 0.0,
+        ttft_s=(run.t_first - run.t0) if run.t_first is not None else None,
+        batch=run.batch,
+        **{RECORD_FIELDS[kind]: records[row] for kind, records in run.records.items()},
+    )
     text = model.tokenizer.decode(toks, skip_special_tokens=True) if model.tokenizer is not None else ""
     return GenerationResult(text, toks, stats, list(run.prompts[row]))

@@ -118,6 +118,9 @@ def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, lis
 
 @_setup_eval
 def run_eval(args) -> int:
+    if not args.transfer and not args.medusa:
+        raise LayerleapError("no drafter to evaluate: add --transfer trained and/or --medusa trained "
+                             "(or a weights file)")
     threads = _threads(args.threads)
     model = _load(args)
     cats = [c for c in args.categories.split(",") if c]

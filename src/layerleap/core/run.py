@@ -24,6 +24,7 @@ from .. import validate as V
 from . import sampling
 from .kv_cache import KVCache
 from .model import Transformer
+from .stats import RECORD_FIELDS, Record, Stats
 
 
 class GenerationError(V.InputError):
@@ -46,11 +47,11 @@ class GenerationConfig:
 class GenerationResult:
     text: str
     token_ids: list[int]
-    stats: dict
+    stats: Stats
     prompt_ids: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats}
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -87,38 +88,49 @@ def row_seed(seed: int, i: int) -> int:
     return (seed + i) % 2**32
 
 
-def row_generators(gen: GenerationConfig, rows, device) -> list[torch.Generator | None]:
-    """One generator per row when sampling: the row of prompt index ``i`` is seeded with
+def row_generators(gen: GenerationConfig, indices, device) -> list[torch.Generator | None]:
+    """One generator per row when sampling: the row of prompt index ``i`` (``indices[row]``) is seeded with
     ``row_seed(seed, i)``, so a row samples what its prompt decoded alone with that seed samples,
     whatever its batch-mates.  Without a seed, the base seed is drawn from torch's global generator
     (``torch.manual_seed`` still makes a call reproducible).  Greedy decoding draws nothing."""
     if not gen.do_sample:
-        return [None for _ in rows]
+        return [None for _ in indices]
     seed = gen.seed
     if seed is None:
         seed = int(torch.randint(0, 2**32, (1,)))
-    return [torch.Generator(device=device).manual_seed(row_seed(seed, i)) for i in rows]
+    return [torch.Generator(device=device).manual_seed(row_seed(seed, i)) for i in indices]
 
 
 class Run:
-    """One ``generate`` call: the model, prompts, configuration, and the meters.  ``rows`` are the
+    """One ``generate`` call: the model, prompts, configuration, and the meters.  ``indices`` are the
     prompt indices of the rows (default ``0..B-1``); they seed the rows' generators (``row_generators``)."""
 
     def __init__(self, model: Transformer, prompts: list[list[int]], gen: GenerationConfig,
-                 rows: list[int] | None = None):
+                 indices: list[int] | None = None):
         self.model = model
         self.prompts = prompts
         self.gen = gen
         self.batch = len(prompts)
-        self.generators = row_generators(gen, range(self.batch) if rows is None else rows, model.device)
+        self.generators = row_generators(gen, range(self.batch) if indices is None else indices, model.device)
         self.out: list[list[int]] = [[] for _ in prompts]
         self.finished = [False] * self.batch
         self.model_calls = 0
         self.layer_evals = [0] * self.batch
         self.prompt_layer_evals = [0] * self.batch
-        self.extra: dict = {}  # method-specific counters
+        self.records: dict[type, list[Record]] = {}  # a method's own statistics: kind -> one record per row
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
+
+    def record(self, per_row: list[Record]) -> None:
+        """A method's own statistics: one record per row, all of one kind (``core.stats``)."""
+        kinds = {type(r) for r in per_row}
+        if len(per_row) != self.batch or len(kinds) != 1 or not kinds <= set(RECORD_FIELDS):
+            raise ValueError(f"record one core.stats record of one kind per row ({self.batch}), got {per_row!r}")
+        self.records[type(per_row[0])] = list(per_row)
+
+    def record_all(self, record: Record) -> None:
+        """A record the whole batch shares (a second model's meters)."""
+        self.record([record] * self.batch)
 
     # -- model access (counted) --------------------------------------------------------------
     @property
@@ -153,33 +165,48 @@ class Run:
     def count(self, n_layers: int, n_positions: int, call: bool = True) -> None:
         """Record ``n_layers`` layers applied to ``n_positions`` positions of every unfinished row."""
         self.model_calls += int(call)
-        for b in range(self.batch):
-            if not self.finished[b]:
-                self.layer_evals[b] += n_layers * n_positions
+        for row in range(self.batch):
+            if not self.finished[row]:
+                self.layer_evals[row] += n_layers * n_positions
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.logits(h)
 
+    def padded_prompts(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts left padded to the longest (with EOS, never attended to) -> (token ids
+        ``[B, T]``, rotary positions ``[B, T]``) on the model's device; sets ``cache.pad``."""
+        longest = max(len(p) for p in self.prompts)
+        eos = self.model.config.eos_token_ids
+        ids = torch.full((self.batch, longest), eos[0] if eos else 0, dtype=torch.long)
+        for row, p in enumerate(self.prompts):
+            ids[row, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            cache.pad[row] = longest - len(p)
+        positions = (torch.arange(longest).unsqueeze(0) - cache.pad.unsqueeze(1)).clamp(min=0)
+        return ids.to(self.model.device), positions.to(self.model.device)
+
     def prefill(self, cache: KVCache, end: int | None = None) -> torch.Tensor:
         """Run the (left-padded) prompts through layers ``[0, end)``; returns the hidden state of the
-        last prompt position ``[B, 1, D]``.  Counted as one model call; the layer evaluations of all
-        but the last prompt position are reported apart (``prompt_layer_evals``), the last one's
-        count towards the first new token, so greedy costs exactly ``n_layers`` per token."""
-        end = self.n_layers if end is None else end
-        longest = max(len(p) for p in self.prompts)
-        ids = torch.full((self.batch, longest), self.model.config.eos_token_ids[0] if self.model.config.eos_token_ids else 0,
-                         dtype=torch.long)
-        for b, p in enumerate(self.prompts):
-            ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-            cache.pad[b] = longest - len(p)
-        positions = (torch.arange(longest).unsqueeze(0) - cache.pad.unsqueeze(1)).clamp(min=0)
-        h = self.model.run_layers(self.model.embed(ids.to(self.model.device)), 0, end, positions.to(self.model.device), cache)
+        last prompt position ``[B, 1, D]`` (``prefill_at`` for states at more layers)."""
+        return self.prefill_at(cache, (self.n_layers if end is None else end,))[-1][:, -1:]
+
+    def prefill_at(self, cache: KVCache, stops: tuple[int, ...]) -> list[torch.Tensor]:
+        """Run the (left-padded) prompts through layers ``[0, stops[-1])``; -> the hidden states of
+        every prompt position ``[B, T, D]`` after each layer of ``stops`` (ascending).  Counted as one
+        model call; the layer evaluations of all but the last prompt position are reported apart
+        (``prompt_layer_evals``), the last one's count towards the first new token, so greedy costs
+        exactly ``n_layers`` per token."""
+        ids, positions = self.padded_prompts(cache)
+        h, start, states = self.model.embed(ids), 0, []
+        for stop in stops:
+            h = self.model.run_layers(h, start, stop, positions, cache)  # [B, T, D]
+            states.append(h)
+            start = stop
         self.model_calls += 1
-        for b, p in enumerate(self.prompts):
+        for row, p in enumerate(self.prompts):
             # the last prompt position predicts the first new token: its layers count as generation
-            self.prompt_layer_evals[b] += end * (len(p) - 1)
-            self.layer_evals[b] += end
-        return h[:, -1:]
+            self.prompt_layer_evals[row] += start * (len(p) - 1)
+            self.layer_evals[row] += start
+        return states
 
     # -- token choice and output ---------------------------------------------------------------
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
@@ -188,7 +215,7 @@ class Run:
         if not g.do_sample:
             return sampling.greedy(logits)
         p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [B, V]
-        return torch.cat([sampling.sample(p[b:b + 1], gen) for b, gen in enumerate(self.generators)])
+        return torch.cat([sampling.sample(p[row:row + 1], gen) for row, gen in enumerate(self.generators)])
 
     def emit(self, row: int, tokens: list[int]) -> bool:
         """Append accepted tokens to ``row`` (stopping at EOS or the budget); True when the row is done."""
@@ -206,8 +233,8 @@ class Run:
 
     def emit_all(self, tokens: torch.Tensor) -> bool:
         """Append one token per row ``[B]``; True when every row is done."""
-        for b, t in enumerate(tokens.tolist()):
-            self.emit(b, [t])
+        for row, t in enumerate(tokens.tolist()):
+            self.emit(row, [t])
         return all(self.finished)
 
     def cancel(self, row: int) -> None:

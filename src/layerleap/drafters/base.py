@@ -4,6 +4,9 @@ A ``Drafter`` proposes candidate tokens, has the target model score them in one 
 back what was accepted (in the spirit of `transformers`' ``CandidateGenerator`` and Medusa's
 ``generate_candidates -> tree_decoding -> evaluate_posterior -> update``):
 
+- ``round_tokens()``: the most tokens one round appends to a row of the target's cache (the root
+  and the longest path of drafts; a batch pads every row to its longest): the base sizes the cache
+  from it;
 - ``prefill()`` -> ``[B, V]``: the prompt pass; the target's logits for the first new position;
 - ``propose(roots, budgets)`` -> one ``Candidates`` per live row: a chain or a tree after the row's
   current position, with the draft distributions when the drafts were sampled;
@@ -41,25 +44,30 @@ class Drafter:
     batched = False
     draft_first = False  # drafts right after the prompt pass (else that token comes from the prompt pass alone)
 
-    def __init__(self, run: Run, extra_slots: int, cache: KVCache | None = None):
+    def __init__(self, run: Run, cache: KVCache | None = None):
         self.run = run
-        self.cache = run.new_cache(extra=extra_slots) if cache is None else cache
-        self.first_rows: torch.Tensor | None = None  # [B, V] the prompt pass's rows
+        self.cache = run.new_cache(extra=self.round_tokens()) if cache is None else cache
+        self.first_logits: torch.Tensor | None = None  # [B, V] the prompt pass's
         self.hidden: torch.Tensor | None = None  # [B, S, D] the last target call's last-layer states
         self.start: torch.Tensor | None = None  # [B] the target cache's length before the last call
 
     # -- the interface ---------------------------------------------------------------------------
+    def round_tokens(self) -> int:
+        """The most tokens one round appends to a row of the target's cache: the root and the
+        longest path of drafts, or more where the drafter feeds positions of its own."""
+        raise NotImplementedError
+
     def prefill(self) -> torch.Tensor:
         """The prompt pass -> the target's logits ``[B, V]`` for the first new position."""
         self.hidden = self.run.prefill(self.cache)  # [B, 1, D]
-        self.first_rows = self.run.logits(self.hidden)[:, -1]
-        return self.first_rows
+        self.first_logits = self.run.logits(self.hidden)[:, -1]
+        return self.first_logits
 
     def propose(self, roots: list[int | None], budgets: list[int | None]) -> list[Candidates | None]:
-        """Each live row's candidates: at most ``budgets[b]`` drafts along any path after ``roots[b]``
-        (None: right after the prompt); None for a finished row (``budgets[b]`` None)."""
+        """Each live row's candidates: at most ``budgets[row]`` drafts along any path after
+        ``roots[row]`` (None: right after the prompt); None for a finished row (``budgets[row]`` None)."""
         return [None if budget is None else Candidates.chain(None, []) if root is None and not self.draft_first
-                else self.propose_row(b, root, budget) for b, (root, budget) in enumerate(zip(roots, budgets))]
+                else self.propose_row(row, root, budget) for row, (root, budget) in enumerate(zip(roots, budgets))]
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
         """One row's candidates, for drafters that propose row by row."""
@@ -70,7 +78,7 @@ class Drafter:
         self.start = self.cache.lengths[0].clone()
         ids, tree = self.batch_tokens(cands)
         if ids is None:  # nothing to feed: the prompt pass already scored the only position
-            return [None if c is None else self.first_rows[b:b + 1] for b, c in enumerate(cands)]
+            return [None if c is None else self.first_logits[row:row + 1] for row, c in enumerate(cands)]
         if tree is not None:  # every row the same tree, at its own position
             pos = (self.start - self.cache.pad).unsqueeze(1) + tree.depths.unsqueeze(0)  # [B, 1 + k]
             pos = pos.clamp(max=self.run.model.config.max_position - 1).to(self.run.model.device)
@@ -80,7 +88,8 @@ class Drafter:
             h = self.run.forward(self.cache, ids, positions=pos)
         self.hidden = h
         logits = self.run.logits(h)  # [B, S, V]
-        return [None if c is None else self._rows(b, c, logits[b, :len(c.fed())]) for b, c in enumerate(cands)]
+        return [None if c is None else self._with_first(row, c, logits[row, :len(c.fed())])
+                for row, c in enumerate(cands)]
 
     def batch_tokens(self, cands: list[Candidates | None]) -> tuple[torch.Tensor | None, Candidates | None]:
         """The fed tokens of every row ``[B, S]`` (None when no row feeds any), and the tree they share
@@ -108,21 +117,18 @@ class Drafter:
             self.cache.compact(self.start, keep)
             return
         keep = self.start.clone()
-        for b, (c, r) in enumerate(zip(cands, results)):
+        for row, (c, r) in enumerate(zip(cands, results)):
             if c is not None:
-                keep[b] += len(c.kept(r[0]))
+                keep[row] += len(c.kept(r[0]))
         self.cache.truncate(keep)
 
-    def finish(self, stats: dict) -> None:
-        """Add the drafter's own statistics (once, after the last round)."""
-
     # -- helpers ---------------------------------------------------------------------------------
-    def _ids(self, rows: list[list[int]]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.run.model.device)
+    def _ids(self, tokens: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.run.model.device)
 
-    def _rows(self, b: int, cand: Candidates, rows: torch.Tensor) -> torch.Tensor:
-        """A row's ``[1 + k, V]`` rows: the prompt pass's row in front when the root was not fed."""
-        return rows if cand.root is not None else torch.cat([self.first_rows[b:b + 1], rows])
+    def _with_first(self, row: int, cand: Candidates, logits: torch.Tensor) -> torch.Tensor:
+        """A row's ``[1 + k, V]`` logits: the prompt pass's in front when the root was not fed."""
+        return logits if cand.root is not None else torch.cat([self.first_logits[row:row + 1], logits])
 
     def seq(self, row: int = 0) -> list[int]:
         """The row's prompt and the tokens emitted so far."""
@@ -159,6 +165,12 @@ class ChainRule:
     min_confidence: float = 0.0
     keep_unsure: bool = True
 
+    def longest(self, max_new_tokens: int) -> int:
+        """The most drafts in one chain: γ, or the output's budget where γ is unset or may grow."""
+        if self.length is None or self.length.schedule != "constant":
+            return max_new_tokens
+        return self.length.gamma
+
     @classmethod
     def fallback(cls, max_small: int | None, alpha_fb: float) -> "ChainRule":
         """BiLD: the small model keeps the token only when its top probability is above ``alpha_fb``."""
@@ -181,55 +193,60 @@ class _Chain:
 
 
 class StepDrafter(Drafter):
-    """A drafter that writes chains one token at a time from its own next-token rows, every row of a
-    batch in the same steps: ``step_rows({row: tokens})`` feeds each listed row its tokens (ONE call)
-    and returns its row of logits after the last; ``own_length(row)`` is how many tokens it holds for
-    the row; ``draft_rows`` ``[B, V]`` are its rows for the first new position (set by ``prefill``).
+    """A drafter that writes chains one token at a time from its own next-token logits, every row of
+    a batch in the same steps: ``step_logits({row: tokens})`` feeds each listed row its tokens (ONE
+    call) and returns the row's logits ``[V]`` after the last; ``own_length(row)`` is how many tokens
+    it holds for the row; ``draft_logits`` ``[B, V]`` are its logits for the first new position (set
+    by ``prefill``).
     Each row has its own γ (``ChainRule.length``, copied per row) and random generator, so a row
     drafts what it drafts alone."""
 
-    def __init__(self, run: Run, rule: ChainRule, extra_slots: int, cache: KVCache | None = None):
-        super().__init__(run, extra_slots, cache)
+    def __init__(self, run: Run, rule: ChainRule, cache: KVCache | None = None):
         self.rule = rule
+        super().__init__(run, cache)
         self.gamma = [None if rule.length is None else copy.copy(rule.length) for _ in range(run.batch)]
         self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
-        self.draft_rows: torch.Tensor | None = None  # [B, V]
-        self.draft_steps = [0] * run.batch  # per row: the draft rows the drafter decided on
+        self.draft_logits: torch.Tensor | None = None  # [B, V] the drafter's for the first new position
+        self.draft_steps = [0] * run.batch  # per row: the draft distributions the drafter decided on
+
+    def round_tokens(self) -> int:
+        return self.rule.longest(self.run.gen.max_new_tokens) + 1  # the root and the chain
 
     def own_length(self, row: int) -> int:
         raise NotImplementedError
 
-    def step_rows(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    def step_logits(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         raise NotImplementedError
 
     def propose(self, roots, budgets) -> list[Candidates | None]:
         chains: dict[int, _Chain] = {}
-        for b, (root, budget) in enumerate(zip(roots, budgets)):
+        for row, (root, budget) in enumerate(zip(roots, budgets)):
             if budget is not None:
-                k = budget if self.gamma[b] is None else min(budget, self.gamma[b].gamma)
-                chains[b] = _Chain(root, budget, 0 if root is None and not self.draft_first else k)
-        writing = {b: c for b, c in chains.items() if c.k > 0}
-        catch_up = {b: self.seq(b)[self.own_length(b):] for b in writing}
-        rows = {b: self.draft_rows[b] for b, t in catch_up.items() if not t}  # right after the prompt
-        rows.update(self.step_rows({b: t for b, t in catch_up.items() if t}) if any(catch_up.values()) else {})
+                k = budget if self.gamma[row] is None else min(budget, self.gamma[row].gamma)
+                chains[row] = _Chain(root, budget, 0 if root is None and not self.draft_first else k)
+        writing = {row: c for row, c in chains.items() if c.k > 0}
+        catch_up = {row: self.seq(row)[self.own_length(row):] for row in writing}
+        logits = {row: self.draft_logits[row] for row, t in catch_up.items() if not t}  # right after the prompt
+        if any(catch_up.values()):
+            logits.update(self.step_logits({row: t for row, t in catch_up.items() if t}))
         while writing:
-            feed = {b: [c.drafts[-1]] for b, c in writing.items() if self._decide(b, c, rows[b])}
-            writing = {b: writing[b] for b in feed}
+            feed = {row: [c.drafts[-1]] for row, c in writing.items() if self._decide(row, c, logits[row])}
+            writing = {row: writing[row] for row in feed}
             if feed:
-                rows = self.step_rows(feed)
-        return [chains[b].candidates() if b in chains else None for b in range(len(roots))]
+                logits = self.step_logits(feed)
+        return [chains[row].candidates() if row in chains else None for row in range(len(roots))]
 
-    def _decide(self, row: int, chain: _Chain, draft_row: torch.Tensor) -> bool:
-        """Draft one token of ``chain`` from ``draft_row`` ``[V]``, or stop it; True to go on."""
+    def _decide(self, row: int, chain: _Chain, logits: torch.Tensor) -> bool:
+        """Draft one token of ``chain`` from the drafter's ``logits`` ``[V]``, or stop it; True to go on."""
         rule, g = self.rule, self.run.gen
         self.draft_steps[row] += 1
-        q = sampling.probs(draft_row, g.temperature, g.top_k, g.top_p) if g.do_sample else (
-            draft_row.float().softmax(-1) if rule.min_confidence > 0 else None)
+        q = sampling.probs(logits, g.temperature, g.top_k, g.top_p) if g.do_sample else (
+            logits.float().softmax(-1) if rule.min_confidence > 0 else None)
         unsure = rule.min_confidence > 0 and float(q.max()) < rule.min_confidence
         if unsure and not rule.keep_unsure:
             chain.stop = "unsure"
             return False
-        chain.drafts.append(verify.draw(q, self.run.generators[row]) if g.do_sample else int(draft_row.argmax()))
+        chain.drafts.append(verify.draw(q, self.run.generators[row]) if g.do_sample else int(logits.argmax()))
         if g.do_sample:
             chain.q_rows.append(q)
         n = len(chain.drafts)

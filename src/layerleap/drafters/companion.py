@@ -2,9 +2,9 @@
 (``DraftModel``, the drafter over a ``Companion``).
 
 ``Run`` meters the main model (``run.forward`` counts its calls and token-layer evaluations).  A
-``Companion`` gives the second model its own KV cache and its own meters, kept in ``run.extra``
-under ``<name>_calls``, ``<name>_layer_evals`` and ``<name>_prompt_layer_evals`` (so they appear in
-``GenerationResult.stats``; for a batch, the whole batch's).  One cache row per prompt.
+``Companion`` gives the second model its own KV cache and its own meters, a
+``core.stats.CompanionStats`` the whole batch shares (flat in ``GenerationResult.stats`` as
+``<name>_calls``, ``<name>_layer_evals`` and ``<name>_prompt_layer_evals``).  One cache row per prompt.
 
 ``check_pair`` refuses pairs that cannot cooperate: different vocabularies or tokenizers, a
 "small" model larger than the large one, different devices.
@@ -20,36 +20,32 @@ from torch import nn
 from ..core.run import GenerationError, Run
 from ..core.kv_cache import KVCache
 from ..core.model import Transformer
+from ..core.stats import CompanionStats
 from .base import ChainRule, StepDrafter
 
 
 class Companion:
     """The second model's cache (one row per prompt, left padded as ``Run.prefill`` pads) and meters."""
 
-    def __init__(self, run: Run, model: Transformer, name: str, extra_slots: int = 0):
+    def __init__(self, run: Run, model: Transformer, name: str, round_tokens: int = 0):
         self.run, self.model, self.name = run, model, name
         longest = max(len(p) for p in run.prompts)
-        self.cache: KVCache = model.new_cache(run.batch, longest + run.gen.max_new_tokens + extra_slots + 1)
-        for key in ("calls", "layer_evals", "prompt_layer_evals"):
-            run.extra.setdefault(f"{name}_{key}", 0)
+        self.cache: KVCache = model.new_cache(run.batch, longest + run.gen.max_new_tokens + round_tokens + 1)
+        self.meters = CompanionStats(name)
+        run.record_all(self.meters)
 
     def length(self, row: int = 0) -> int:
         """Tokens of ``row`` in the cache, left padding excluded (every layer holds the same number)."""
         return int(self.cache.lengths[0, row] - self.cache.pad[row])
 
     def _count(self, key: str, n: int) -> None:
-        self.run.extra[f"{self.name}_{key}"] += n
+        setattr(self.meters, key, getattr(self.meters, key) + n)
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts through every layer; -> logits ``[B, V]`` for the first new position."""
-        prompts, dev = self.run.prompts, self.model.device
-        longest = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-            self.cache.pad[b] = longest - len(p)
-        pos = (torch.arange(longest).unsqueeze(0) - self.cache.pad.unsqueeze(1)).clamp(min=0)
-        logits = self.model(ids.to(dev), positions=pos.to(dev), cache=self.cache)
+        prompts = self.run.prompts
+        ids, pos = self.run.padded_prompts(self.cache)  # [B, T], [B, T]
+        logits = self.model(ids, positions=pos, cache=self.cache)  # [B, T, V]
         self._count("calls", 1)
         n = self.model.config.n_layers  # counted as Run.prefill counts: the last position predicts a new token
         self._count("prompt_layer_evals", n * sum(len(p) - 1 for p in prompts))
@@ -62,24 +58,24 @@ class Companion:
         predicting the token after ``tokens[i]``."""
         B, S = self.cache.batch, max(len(t) for t in feed.values())
         ids = torch.zeros(B, S, dtype=torch.long)
-        for b, t in feed.items():
-            ids[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+        for row, t in feed.items():
+            ids[row, :len(t)] = torch.tensor(t, dtype=torch.long)
         start = self.cache.lengths[0].clone()
         pos = ((start - self.cache.pad).unsqueeze(1) + torch.arange(S)).clamp(max=self.model.config.max_position - 1)
         logits = self.model(ids.to(self.model.device), positions=pos.to(self.model.device), cache=self.cache)
         keep = start.clone()
-        for b, t in feed.items():
-            keep[b] += len(t)
+        for row, t in feed.items():
+            keep[row] += len(t)
         self.cache.truncate(keep)
         self._count("calls", 1)
         self._count("layer_evals", self.model.config.n_layers * sum(len(t) for t in feed.values()))
-        return {b: logits[b, :len(t)] for b, t in feed.items()}
+        return {row: logits[row, :len(t)] for row, t in feed.items()}
 
     def truncate(self, lengths: dict[int, int]) -> None:
         """Roll each listed row back to its first ``lengths[row]`` tokens (no-op where it holds fewer)."""
         new = self.cache.lengths[0].clone()
-        for b, n in lengths.items():
-            new[b] = min(int(new[b]), n + int(self.cache.pad[b]))
+        for row, n in lengths.items():
+            new[row] = min(int(new[row]), n + int(self.cache.pad[row]))
         if bool((new != self.cache.lengths[0]).any()):
             self.cache.truncate(new)
 
@@ -147,21 +143,21 @@ class DraftModel(StepDrafter):
     batched = True
     draft_first = True  # the draft model has its own row for the first new position
 
-    def __init__(self, run: Run, draft: Transformer, rule: ChainRule, name: str = "draft", extra_slots: int = 1):
-        super().__init__(run, rule, extra_slots)
-        self.model = Companion(run, draft, name, extra_slots=extra_slots)
+    def __init__(self, run: Run, draft: Transformer, rule: ChainRule, name: str = "draft"):
+        super().__init__(run, rule)
+        self.model = Companion(run, draft, name, round_tokens=self.round_tokens())
 
     def prefill(self) -> torch.Tensor:
-        rows = super().prefill()
-        self.draft_rows = self.model.prefill()
-        return rows
+        logits = super().prefill()
+        self.draft_logits = self.model.prefill()
+        return logits
 
     def own_length(self, row: int) -> int:
         return self.model.length(row)
 
-    def step_rows(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        return {b: logits[-1] for b, logits in self.model.forward_rows(feed).items()}
+    def step_logits(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        return {row: logits[-1] for row, logits in self.model.forward_rows(feed).items()}
 
     def update(self, cands, results) -> None:
         super().update(cands, results)
-        self.model.truncate({b: len(self.seq(b)) + len(r[0]) for b, r in enumerate(results) if r is not None})
+        self.model.truncate({row: len(self.seq(row)) + len(r[0]) for row, r in enumerate(results) if r is not None})

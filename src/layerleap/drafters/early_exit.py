@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.kv_cache import KVCache
 from ..core.run import Run
 from ..errors import LayerleapError
 from . import exit_heads
@@ -26,13 +27,14 @@ class EarlyExit:
     """One model: layers ``[0, E)`` + an exit head are the small model, all layers the large one.
     The cache's lower layers run ahead of the upper ones by the tokens the small model produced since
     the last large pass; their layer-E hidden states wait in ``h_pending`` (one ``[n, D]`` tensor per
-    row).  Rows of a batch are left padded as ``Run.prefill`` pads them; lengths below count a row's
-    tokens, padding excluded."""
+    row).  Rows of a batch are left padded by ``Run.prefill_at``; lengths below count a row's
+    tokens, padding excluded.  ``cache``: the drafter's (sized by its ``round_tokens``), or a new one
+    with ``round_tokens`` slots beyond the budget (PPD's candidates)."""
 
-    def __init__(self, run: Run, exit_layer: int, head, extra_slots: int = 1):
+    def __init__(self, run: Run, exit_layer: int, head, cache: KVCache | None = None, round_tokens: int = 1):
         self.run, self.E, self.head = run, exit_layer, head
         self.L = run.n_layers
-        self.cache = run.new_cache(extra=extra_slots)  # slots beyond the budget (drafts, PPD candidates)
+        self.cache = run.new_cache(extra=round_tokens) if cache is None else cache
         self.h_pending: list[torch.Tensor | None] = [None] * run.batch  # per row [lower - upper, D]
 
     def small_length(self, row: int = 0) -> int:
@@ -42,76 +44,63 @@ class EarlyExit:
         return int(self.cache.lengths[self.L - 1, row] - self.cache.pad[row])
 
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompts through every layer -> (the exit head's rows, the model's rows) ``[B, V]`` for
-        the first new position."""
-        # Run.prefill returns only the last position after its end layer; the upper layers need
-        # every prompt position's layer-E state, so the prompt pass is done here, padded and metered
-        # as Run.prefill pads and meters it.
-        run, model = self.run, self.run.model
-        longest = max(len(p) for p in run.prompts)
-        ids = torch.zeros(run.batch, longest, dtype=torch.long)
-        for b, p in enumerate(run.prompts):
-            ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-            self.cache.pad[b] = longest - len(p)
-        pos = (torch.arange(longest).unsqueeze(0) - self.cache.pad.unsqueeze(1)).clamp(min=0).to(model.device)
-        h_exit = model.run_layers(model.embed(ids.to(model.device)), 0, self.E, pos, self.cache)
-        h = model.run_layers(h_exit, self.E, self.L, pos, self.cache)
-        run.model_calls += 1
-        for b, p in enumerate(run.prompts):
-            run.prompt_layer_evals[b] += self.L * (len(p) - 1)
-            run.layer_evals[b] += self.L  # the last prompt position predicts the first token (as Run.prefill counts)
-        return self.head(h_exit[:, -1:])[:, -1], run.logits(h[:, -1:])[:, -1]
+        """The prompts through every layer -> (the exit head's logits, the model's logits) ``[B, V]``
+        for the first new position."""
+        h_exit, h = self.run.prefill_at(self.cache, (self.E, self.L))  # [B, T, D] after layers E and L
+        return self.head(h_exit[:, -1:])[:, -1], self.run.logits(h[:, -1:])[:, -1]
 
-    def _layers(self, rows: dict[int, torch.Tensor], start: int, end: int, count_call: bool) -> dict[int, torch.Tensor]:
-        """Layers ``[start, end)`` over each listed row's states ``[S_b, D]`` in ONE call (other rows
+    def _layers(self, states: dict[int, torch.Tensor], start: int, end: int,
+                count_call: bool) -> dict[int, torch.Tensor]:
+        """Layers ``[start, end)`` over each listed row's states ``[S_row, D]`` in ONE call (other rows
         and shorter lists padded with zero states, rolled back) -> the listed rows' outputs."""
-        B, S = self.run.batch, max(int(x.shape[0]) for x in rows.values())
-        D = next(iter(rows.values())).shape[-1]
-        h = next(iter(rows.values())).new_zeros(B, S, D)
-        for b, x in rows.items():
-            h[b, :x.shape[0]] = x
+        B, S = self.run.batch, max(int(x.shape[0]) for x in states.values())
+        D = next(iter(states.values())).shape[-1]
+        h = next(iter(states.values())).new_zeros(B, S, D)
+        for row, x in states.items():
+            h[row, :x.shape[0]] = x
         layers = range(start, end)
         keep = self.cache.lengths[start].clone()
         h = self.run.forward(self.cache, h=h, start=start, end=end, count_call=count_call)
-        for b, x in rows.items():
-            keep[b] += x.shape[0]
+        for row, x in states.items():
+            keep[row] += x.shape[0]
         self.cache.truncate(keep, layers=layers)
-        return {b: h[b, :x.shape[0]] for b, x in rows.items()}
+        return {row: h[row, :x.shape[0]] for row, x in states.items()}
 
     def _embed(self, tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         model = self.run.model
-        return {b: model.embed(torch.tensor([t], dtype=torch.long, device=model.device))[0] for b, t in tokens.items()}
+        return {row: model.embed(torch.tensor([t], dtype=torch.long, device=model.device))[0]
+                for row, t in tokens.items()}
 
     def small_steps(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Layers ``[0, E)`` of each listed row's tokens (one call) -> the exit head's row ``[V]`` after
-        the row's last token; their layer-E states wait for the large pass."""
+        """Layers ``[0, E)`` of each listed row's tokens (one call) -> the exit head's logits ``[V]``
+        after the row's last token; their layer-E states wait for the large pass."""
         out = self._layers(self._embed(feed), 0, self.E, count_call=True)
-        rows = {}
-        for b, h in out.items():
-            self.h_pending[b] = h if self.h_pending[b] is None else torch.cat([self.h_pending[b], h])
-            rows[b] = self.head(h[-1:].unsqueeze(0))[0, -1]
-        return rows
+        logits = {}
+        for row, h in out.items():
+            self.h_pending[row] = h if self.h_pending[row] is None else torch.cat([self.h_pending[row], h])
+            logits[row] = self.head(h[-1:].unsqueeze(0))[0, -1]
+        return logits
 
     def small_step(self, tokens: list[int]) -> torch.Tensor:
         return self.small_steps({0: tokens})[0]
 
     def large_passes(self, fed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """``fed[b]`` = everything after row ``b``'s upper layers' cache.  Tokens the small model
+        """``fed[row]`` = everything after the row's upper layers' cache.  Tokens the small model
         already ran continue from their layer-E states; the rest (at most the newest two) run from
-        the embedding.  One model call -> logits ``[len(fed[b]), V]`` per row."""
+        the embedding.  One model call -> logits ``[len(fed[row]), V]`` per row."""
         fresh = {}
-        for b, tokens in fed.items():
-            ahead = self.small_length(b) - self.large_length(b)  # tokens with a layer-E state waiting
+        for row, tokens in fed.items():
+            ahead = self.small_length(row) - self.large_length(row)  # tokens with a layer-E state waiting
             if tokens[ahead:]:
-                fresh[b] = tokens[ahead:]
+                fresh[row] = tokens[ahead:]
         low = self._layers(self._embed(fresh), 0, self.E, count_call=True) if fresh else {}
         states = {}
-        for b in fed:
-            parts = [x for x in (self.h_pending[b], low.get(b)) if x is not None]
-            states[b] = torch.cat(parts) if len(parts) > 1 else parts[0]
-            self.h_pending[b] = None
+        for row in fed:
+            parts = [x for x in (self.h_pending[row], low.get(row)) if x is not None]
+            states[row] = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self.h_pending[row] = None
         out = self._layers(states, self.E, self.L, count_call=not fresh)
-        return {b: self.run.logits(h.unsqueeze(0))[0] for b, h in out.items()}
+        return {row: self.run.logits(h.unsqueeze(0))[0] for row, h in out.items()}
 
     def large_pass(self, tokens: list[int]) -> torch.Tensor:
         return self.large_passes({0: tokens})[0]
@@ -139,32 +128,31 @@ class EarlyExitDrafter(StepDrafter):
 
     batched = True
 
-    def __init__(self, run: Run, exit_layer: int, head, rule: ChainRule, extra_slots: int = 1,
-                 draft_first: bool = False):
-        self.pair = EarlyExit(run, exit_layer, head, extra_slots=extra_slots)
+    def __init__(self, run: Run, exit_layer: int, head, rule: ChainRule, draft_first: bool = False):
         self.draft_first = draft_first  # BiLD: the small model proposes the first token too
-        super().__init__(run, rule, extra_slots, cache=self.pair.cache)
+        super().__init__(run, rule)
+        self.pair = EarlyExit(run, exit_layer, head, cache=self.cache)
 
     def prefill(self) -> torch.Tensor:
-        self.draft_rows, self.first_rows = self.pair.prefill()
-        return self.first_rows
+        self.draft_logits, self.first_logits = self.pair.prefill()
+        return self.first_logits
 
     def own_length(self, row: int) -> int:
         return self.pair.small_length(row)
 
-    def step_rows(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    def step_logits(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         return self.pair.small_steps(feed)
 
     def score(self, cands):
-        fed = {b: c.fed() for b, c in enumerate(cands) if c is not None and c.fed()}  # after the upper layers' cache
-        rows = self.pair.large_passes(fed) if fed else {}
-        return [None if c is None else self._rows(b, c, rows[b]) if b in rows else self.first_rows[b:b + 1]
-                for b, c in enumerate(cands)]
+        fed = {row: c.fed() for row, c in enumerate(cands) if c is not None and c.fed()}  # after the upper cache
+        logits = self.pair.large_passes(fed) if fed else {}
+        return [None if c is None else self._with_first(row, c, logits[row]) if row in logits
+                else self.first_logits[row:row + 1] for row, c in enumerate(cands)]
 
     def update(self, cands, results) -> None:
-        for b, r in enumerate(results):
+        for row, r in enumerate(results):
             if r is not None:
-                self.pair.truncate(len(self.seq(b)) + len(r[0]), b)  # the root and the accepted drafts stay
+                self.pair.truncate(len(self.seq(row)) + len(r[0]), row)  # the root and the accepted drafts stay
         self.update_length(cands, results)
 
 

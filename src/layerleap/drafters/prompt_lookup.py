@@ -47,9 +47,12 @@ class PromptLookup(Drafter):
     batched = True
 
     def __init__(self, run: Run, draft_len: int, min_ngram: int, max_ngram: int):
-        super().__init__(run, extra_slots=draft_len + 1)
         self.draft_len = draft_len
+        super().__init__(run)
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
+
+    def round_tokens(self) -> int:
+        return self.draft_len + 1  # the root and the draft
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
         return Candidates.chain(root, self.index[row].draft(min(self.draft_len, budget)))

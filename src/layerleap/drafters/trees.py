@@ -21,6 +21,7 @@ import torch
 from ..core import tree as tree_mod
 from ..core.kv_cache import KVCache
 from ..core.run import GenerationError, Run
+from ..core.stats import TreeStats
 from ..core.tree import Candidates
 from .base import Drafter
 from .medusa_transfer import MedusaHeads, TransferProjections
@@ -56,9 +57,9 @@ class TreeDrafter(Drafter):
 
     batched = True
 
-    def __init__(self, run: Run, buf: tree_mod.TreeBuffers, extra_slots: int):
-        super().__init__(run, extra_slots)
+    def __init__(self, run: Run, buf: tree_mod.TreeBuffers):
         self.buf = buf
+        super().__init__(run)
         self.topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: the next round's drafts
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
@@ -67,17 +68,22 @@ class TreeDrafter(Drafter):
         return Candidates.from_tree(self.buf, root, self.topk[row])
 
     def kept_states(self, cands, results, states: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Row -> ``states[b, j]`` at the last kept node ``j`` of each live row (``states`` ``[B, S, ...]``)."""
-        return {b: states[b, c.kept(r[0])[-1]] for b, (c, r) in enumerate(zip(cands, results)) if c is not None}
+        """Row -> ``states[row, j]`` at the last kept node ``j`` of each live row (``states`` ``[B, S, ...]``)."""
+        return {row: states[row, c.kept(r[0])[-1]] for row, (c, r) in enumerate(zip(cands, results)) if c is not None}
 
-    def finish(self, stats: dict) -> None:
-        stats["tree_nodes"] = self.buf.n
+    def tree_stats(self, counts) -> list[TreeStats]:
+        """One row's ``TreeStats`` per ``draft_verify.RoundCounts``."""
+        return [TreeStats(tree_nodes=self.buf.n, accepted_per_round=c.accepted / c.rounds if c.rounds else None)
+                for c in counts]
 
 
 class MedusaDrafter(TreeDrafter):
     def __init__(self, run: Run, heads: MedusaHeads, buf: tree_mod.TreeBuffers):
-        super().__init__(run, buf, extra_slots=buf.n + 1)
+        super().__init__(run, buf)
         self.heads = heads
+
+    def round_tokens(self) -> int:
+        return self.buf.n + 1  # the root and the tree
 
     def _draft_from(self, row: int, h: torch.Tensor) -> None:
         """Drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
@@ -87,17 +93,17 @@ class MedusaDrafter(TreeDrafter):
             self.topk[row] = top_drafts(self.buf, logits)
 
     def prefill(self) -> torch.Tensor:
-        rows = super().prefill()
-        for b in range(self.run.batch):
-            self._draft_from(b, self.hidden[b, -1])
-        return rows
+        logits = super().prefill()
+        for row in range(self.run.batch):
+            self._draft_from(row, self.hidden[row, -1])
+        return logits
 
     def update(self, cands, results) -> None:
         called = self.start is not None and bool((self.cache.lengths[0] != self.start).any())
         super().update(cands, results)
         if called:
-            for b, h in self.kept_states(cands, results, self.hidden).items():
-                self._draft_from(b, h)
+            for row, h in self.kept_states(cands, results, self.hidden).items():
+                self._draft_from(row, h)
 
 
 def transfer_pass(run: Run, cache: KVCache, tokens: torch.Tensor, mask: torch.Tensor, depths: torch.Tensor,
@@ -128,10 +134,13 @@ def transfer_pass(run: Run, cache: KVCache, tokens: torch.Tensor, mask: torch.Te
 class TransferDrafter(TreeDrafter):
     def __init__(self, run: Run, proj: TransferProjections, buf: tree_mod.TreeBuffers):
         self.steps = buf.depth if buf.n > 1 else 0
-        super().__init__(run, buf, extra_slots=buf.n * (self.steps + 1) + 1)
+        super().__init__(run, buf)
         self.proj = proj
         self.pseudo_states = 0
         self.pseudo: torch.Tensor | None = None  # [B, steps, n, D]
+
+    def round_tokens(self) -> int:
+        return self.buf.n * (self.steps + 1) + 1  # the tree's nodes, and each node's pseudo states
 
     def score(self, cands):
         live = [c for c in cands if c is not None]
@@ -146,16 +155,18 @@ class TransferDrafter(TreeDrafter):
         h, self.pseudo = transfer_pass(self.run, self.cache, ids, mask, depths, self.proj, self.steps)
         self.pseudo_states += self.steps * k1 * len(live)
         logits = self.run.model.logits(h)  # [B, n, V]
-        return [None if c is None else logits[b] for b, c in enumerate(cands)]
+        return [None if c is None else logits[row] for row, c in enumerate(cands)]
 
     def update(self, cands, results) -> None:
         called = next(c for c in cands if c is not None).root is not None
         super().update(cands, results)
         if called and self.steps:
             pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
-            for b, p in self.kept_states(cands, results, pseudo).items():
-                self.topk[b] = top_drafts(self.buf, self.run.model.logits(p))  # [depth, K]
+            for row, p in self.kept_states(cands, results, pseudo).items():
+                self.topk[row] = top_drafts(self.buf, self.run.model.logits(p))  # [depth, K]
 
-    def finish(self, stats: dict) -> None:
-        super().finish(stats)
-        stats["pseudo_states"] = self.pseudo_states
+    def tree_stats(self, counts) -> list[TreeStats]:
+        stats = super().tree_stats(counts)
+        for r in stats:
+            r.pseudo_states = self.pseudo_states  # the whole batch's
+        return stats

@@ -363,10 +363,10 @@ class ParallelPPD:
         for rank in range(1, k + 1):  # end of this generation
             link.send(torch.tensor([STOP, 0, 0]), rank)
         self._busy = False
-        st = stats(d, dbar, k, len(out), runs, clock)
+        st = stats(d, dbar, k, len(out), runs, clock, head=self.exit_head.kind).to_dict()
         st.update(method="ppd-parallel", units=k + 1, head_on=self.head_on, new_tokens=len(out), wall_s=wall,
                   tokens_per_s=len(out) / wall if wall > 0 else 0.0, ttft_s=t_first - t0 if t_first else None,
-                  comm_s=link.comm_s, head=self.exit_head.kind, threads_per_unit=self.threads)
+                  comm_s=link.comm_s, threads_per_unit=self.threads)
         text = model.tokenizer.decode(out, skip_special_tokens=True) if model.tokenizer is not None else ""
         return ParallelResult(out, text, st)
 

@@ -51,14 +51,11 @@ import math
 from numbers import Real
 
 from ..core.run import GenerationError, Run, register
+from ..core.stats import BildStats, ExitStats
 from ..drafters.base import ChainRule
 from ..drafters.companion import DraftModel, check_pair
 from ..drafters.early_exit import EarlyExitDrafter, exit_head
 from . import draft_verify
-
-
-STATS = ("small_steps", "small_tokens", "fallbacks", "forced", "final_checks", "rollbacks", "rolled_back",
-         "large_tokens", "large_calls", "fallback_rate", "rollback_rate")
 
 
 def default_exit_layer(model) -> int:
@@ -82,42 +79,39 @@ def check_thresholds(alpha_fb, alpha_rb, max_small) -> None:
 def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
     """The small model of either form, as a step drafter; sets the ``exit_layer`` and ``head`` stats."""
     model = run.model
-    # a batch's rows ride along as fillers as long as the longest chain (+ its root)
-    extra = (run.gen.max_new_tokens if rule.length is None else rule.length.gamma) + 1
     if small is not None:
         if exit_layer is not None:
             raise GenerationError("give either small= (two models) or exit_layer= (early exit on one model), not both")
         if head != "auto":
             raise GenerationError("head= chooses the exit head of the early-exit form: drop it with small=")
         check_pair(model, small, "small", "small")
-        run.extra.update(exit_layer=None, head=None)
-        return DraftModel(run, small, rule, name="small", extra_slots=extra)
+        run.record_all(ExitStats(exit_layer=None, head=None))
+        return DraftModel(run, small, rule, name="small")
     E = default_exit_layer(model) if exit_layer is None else exit_layer
     n = model.config.n_layers
     if isinstance(E, bool) or not isinstance(E, int) or not 1 <= E < n:
         raise GenerationError(f"exit_layer must be an integer in [1, {n - 1}] (the small model is layers "
                               f"[0, exit_layer) of this {n}-layer model), got {exit_layer!r}")
     fn, label = exit_head(model, E, head)
-    run.extra.update(exit_layer=E, head=label)
-    return EarlyExitDrafter(run, E, fn, rule, extra_slots=extra, draft_first=True)
+    run.record_all(ExitStats(exit_layer=E, head=label))
+    return EarlyExitDrafter(run, E, fn, rule, draft_first=True)
 
 
 def decode(run: Run, drafter, alpha_rb: float):
     """Algorithm 1 over the shared loop, yielding after each large-model step; BiLD's statistics."""
-    counts = yield from draft_verify.decode(run, drafter, draft_verify.Rollback(alpha_rb))
-    for key in ("rounds", "drafted", "accepted", "acceptance", "tokens_per_round"):
-        run.extra.pop(key, None)  # BiLD reports its own names for these
-    for b, c in enumerate(counts):
-        st = dict(small_steps=drafter.draft_steps[b], small_tokens=c.drafted, fallbacks=c.stops["unsure"],
-                  forced=c.stops["length"], final_checks=c.stops["budget"] + c.stops["eos"], rollbacks=c.rollbacks,
-                  rolled_back=c.rolled_back, large_tokens=c.target_tokens)
-        st["large_calls"] = st["fallbacks"] + st["forced"] + st["final_checks"]
-        st["fallback_rate"] = st["fallbacks"] / st["small_steps"] if st["small_steps"] else 0.0
-        st["rollback_rate"] = st["rollbacks"] / st["large_calls"] if st["large_calls"] else 0.0
-        for key, v in st.items():
-            run.extra.setdefault(key, []).append(v)
-    for key in STATS:
-        draft_verify.per_row(run, key, run.extra[key])
+    counts = yield from draft_verify.decode(run, drafter, draft_verify.Rollback(alpha_rb), loop_stats=False)
+    run.record([bild_stats(steps, c) for steps, c in zip(drafter.draft_steps, counts)])
+
+
+def bild_stats(small_steps: int, c: draft_verify.RoundCounts) -> BildStats:
+    """One row's BiLD statistics from its small-model steps and the loop's counts."""
+    fallbacks, forced, final_checks = c.stops["unsure"], c.stops["length"], c.stops["budget"] + c.stops["eos"]
+    large_calls = fallbacks + forced + final_checks
+    return BildStats(small_steps=small_steps, small_tokens=c.drafted, fallbacks=fallbacks, forced=forced,
+                     final_checks=final_checks, rollbacks=c.rollbacks, rolled_back=c.rolled_back,
+                     large_tokens=c.target_tokens, large_calls=large_calls,
+                     fallback_rate=fallbacks / small_steps if small_steps else 0.0,
+                     rollback_rate=c.rollbacks / large_calls if large_calls else 0.0)
 
 
 @register("bild", batched=True, sampling=True, models=("small",))

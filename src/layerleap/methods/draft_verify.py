@@ -18,9 +18,9 @@ Rules:
 - ``Rollback``: BiLD's rule (``verify.first_rollback``): drafts are kept up to the first whose
   cross-entropy under the target exceeds ``alpha_rb``; the target picks the token there.
 
-Statistics per row (a list per key for a batch): ``rounds`` (target calls after the prompt pass
+Statistics, one ``core.stats.DraftStats`` per row: ``rounds`` (target calls after the prompt pass
 while the row ran), ``drafted`` (the longest path proposed, summed), ``accepted``, ``acceptance``,
-``tokens_per_round``; ``RoundCounts`` keeps more for the methods' own names.
+``tokens_per_round``; ``RoundCounts`` keeps more for the methods' own records.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 
 from ..core import sampling, verify
 from ..core.run import Run
+from ..core.stats import DraftStats
 from ..core.tree import Candidates
 from ..drafters.base import Drafter
 
@@ -59,11 +60,11 @@ class Exact:
     def budget(self, run: Run, row: int) -> int:
         return run.remaining(row) - 1  # leave room for the target's own token
 
-    def accept(self, run: Run, row: int, cand: Candidates, rows: torch.Tensor) -> tuple[list[int], int]:
+    def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
         if not g.do_sample:
-            return verify.accept_greedy(cand.tokens, cand.parents, rows)
-        p = sampling.probs(rows, g.temperature, g.top_k, g.top_p)  # [1 + k, V]
+            return verify.accept_greedy(cand.tokens, cand.parents, logits)
+        p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [1 + k, V]
         return verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
 
 
@@ -80,49 +81,50 @@ class Rollback:
     def budget(self, run: Run, row: int) -> int:
         return run.remaining(row)
 
-    def accept(self, run: Run, row: int, cand: Candidates, rows: torch.Tensor) -> tuple[list[int], int]:
+    def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
-        probs = sampling.probs(rows, g.temperature, g.top_k, g.top_p) if g.do_sample else rows.float().softmax(-1)
+        probs = sampling.probs(logits, g.temperature, g.top_k, g.top_p) if g.do_sample else logits.float().softmax(-1)
         m = verify.first_rollback(cand.tokens, probs[:cand.k], self.alpha_rb)
         at = cand.k if m is None else m
-        nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else int(rows[at].argmax())
+        nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else int(logits[at].argmax())
         return list(range(at)), nxt
 
 
 EXACT = Exact()
 
 
-def decode(run: Run, drafter: Drafter, rule=EXACT):
-    """Run ``drafter`` with ``rule`` to the end of every row, yielding after each round; then write
-    the statistics into ``run.extra`` and return the per-row ``RoundCounts``."""
+def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
+    """Run ``drafter`` with ``rule`` to the end of every row, yielding after each round; then record
+    the loop's ``DraftStats`` (unless ``loop_stats`` is False: a method that reports the counts under
+    its own names) and return the per-row ``RoundCounts``."""
     B = run.batch
     counts = [RoundCounts() for _ in range(B)]
     drafter.prefill()
     roots: list[int | None] = [None] * B
     while True:
-        cands = drafter.propose(roots, [None if run.finished[b] else rule.budget(run, b) for b in range(B)])
+        cands = drafter.propose(roots, [None if run.finished[row] else rule.budget(run, row) for row in range(B)])
         if not rule.can_reject and B == 1 and _ends_output(run, cands[0]):
             run.emit(0, cands[0].tokens.tolist())  # nothing could change these drafts
             _count(counts[0], cands[0], None, 0, scored=False, called=False)
             break
         calls = run.model_calls
-        rows = drafter.score(cands)
+        logits = drafter.score(cands)
         called = run.model_calls > calls
-        results = [None if c is None else rule.accept(run, b, c, rows[b]) for b, c in enumerate(cands)]
+        results = [None if c is None else rule.accept(run, row, c, logits[row]) for row, c in enumerate(cands)]
         drafter.update(cands, results)
-        for b, (c, r) in enumerate(zip(cands, results)):
+        for row, (c, r) in enumerate(zip(cands, results)):
             if c is None:
                 continue
-            before = len(run.out[b])
+            before = len(run.out[row])
             new = c.tokens[r[0]].tolist() + [r[1]]
-            run.emit(b, new)
-            _count(counts[b], c, r, int(len(run.out[b]) - before == len(new)), scored=True, called=called)
-            roots[b] = r[1]
+            run.emit(row, new)
+            _count(counts[row], c, r, int(len(run.out[row]) - before == len(new)), scored=True, called=called)
+            roots[row] = r[1]
         if run.done:
             break
         yield
-    _write_stats(run, counts)
-    drafter.finish(run.extra)
+    if loop_stats:
+        run.record([draft_stats(out, c) for out, c in zip(run.out, counts)])
     return counts
 
 
@@ -145,20 +147,8 @@ def _count(c: RoundCounts, cand: Candidates, result, target_token: int, scored: 
         c.stops[cand.stop] += 1
 
 
-def _write_stats(run: Run, counts: list[RoundCounts]) -> None:
-    """``rounds``, ``drafted``, ``accepted``, ``acceptance``, ``tokens_per_round`` (a list per key for
-    a batch, a number for one row)."""
-    per_key = {
-        "rounds": [c.rounds for c in counts],
-        "drafted": [c.drafted for c in counts],
-        "accepted": [c.accepted for c in counts],
-        "acceptance": [c.accepted / c.drafted if c.drafted else None for c in counts],
-        "tokens_per_round": [len(out) / c.rounds if c.rounds else None for out, c in zip(run.out, counts)],
-    }
-    for key, values in per_key.items():
-        per_row(run, key, values)
-
-
-def per_row(run: Run, key: str, values: list) -> None:
-    """A statistic with one value per row: a list for a batch, the number for one row."""
-    run.extra[key] = values if run.batch > 1 else values[0]
+def draft_stats(out: list[int], c: RoundCounts) -> DraftStats:
+    """One row's loop statistics from its output and counts."""
+    return DraftStats(rounds=c.rounds, drafted=c.drafted, accepted=c.accepted,
+                      acceptance=c.accepted / c.drafted if c.drafted else None,
+                      tokens_per_round=len(out) / c.rounds if c.rounds else None)

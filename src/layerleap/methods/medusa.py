@@ -25,8 +25,9 @@ def decode_tree(run: Run, kind: str, name: str, tree, spec, drafter_cls):
     """A tree method: its ``kind`` of weights (``spec``), the checked tree, the shared loop."""
     w = weights.get_drafter(run.model, kind, spec)
     buf = tree_buffers(run, name, tree, w.steps)
-    counts = yield from draft_verify.decode(run, drafter_cls(run, w, buf))
-    draft_verify.per_row(run, "accepted_per_round", [c.accepted / c.rounds if c.rounds else None for c in counts])
+    drafter = drafter_cls(run, w, buf)
+    counts = yield from draft_verify.decode(run, drafter)
+    run.record(drafter.tree_stats(counts))
 
 
 @register("medusa", batched=True, sampling=True, exact=True)

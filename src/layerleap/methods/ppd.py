@@ -38,6 +38,7 @@ import torch
 
 from ..core import verify
 from ..core.run import GenerationError, Run, register
+from ..core.stats import PPDStats
 from ..drafters.early_exit import EarlyExit
 
 
@@ -103,20 +104,20 @@ class Runs:
         return self.matches / self.trials if self.trials else None
 
 
-def stats(d: int, dbar: int, k: int, n_tokens: int, runs: Runs, clock: Clock) -> dict:
+def stats(d: int, dbar: int, k: int, n_tokens: int, runs: Runs, clock: Clock,
+          head: str | None = None) -> PPDStats:
     """The statistics every PPD executor reports (this emulation and the multi-process one)."""
     p = runs.p_correct
-    out = {"exit_layer": dbar, "k": k, "trials": runs.trials, "matches": runs.matches, "p_correct": p,
-           "runs": len(runs.lengths), "run_lengths": list(runs.lengths),
-           "latency_units": clock.main, "compute_units": clock.compute, "greedy_units": d * n_tokens,
-           "theorem_latency_units": theorem_latency(d, dbar, n_tokens, p or 0.0) if n_tokens else 0.0,
-           "theorem_compute_units": theorem_compute(d, dbar, k, n_tokens, p or 0.0) if n_tokens else 0.0}
-    if n_tokens:
-        out["latency_per_token"] = clock.main / n_tokens
-        out["compute_per_token"] = clock.compute / n_tokens
-        out["normalised_latency"] = clock.main / (d * n_tokens)
-    out["compute_per_time_unit"] = clock.compute / clock.main if clock.main else None
-    return out
+    return PPDStats(
+        exit_layer=dbar, k=k, trials=runs.trials, matches=runs.matches, p_correct=p, runs=len(runs.lengths),
+        run_lengths=list(runs.lengths), latency_units=clock.main, compute_units=clock.compute,
+        greedy_units=d * n_tokens,
+        theorem_latency_units=theorem_latency(d, dbar, n_tokens, p or 0.0) if n_tokens else 0.0,
+        theorem_compute_units=theorem_compute(d, dbar, k, n_tokens, p or 0.0) if n_tokens else 0.0,
+        latency_per_token=clock.main / n_tokens if n_tokens else None,
+        compute_per_token=clock.compute / n_tokens if n_tokens else None,
+        normalised_latency=clock.main / (d * n_tokens) if n_tokens else None,
+        compute_per_time_unit=clock.compute / clock.main if clock.main else None, head=head)
 
 
 def top_candidates(head_logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -136,10 +137,11 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
         raise GenerationError(f"k={k} is more than the vocabulary ({model.config.vocab_size} tokens): lower k")
     exit_head = get_head(model, dbar, head)
     lo = d - dbar  # the layers a sub-process runs before the main process needs its result
-    pair = EarlyExit(run, dbar, exit_head, extra_slots=k + 1)
+    pair = EarlyExit(run, dbar, exit_head, round_tokens=k + 1)
     cache = pair.cache
-    head_logits, logits = (rows[0] for rows in pair.prefill())  # the prompt: all layers; the exit head at its end
+    head_logits, logits = (both[0] for both in pair.prefill())  # the prompt: all layers; the exit head at its end
     clock, runs = Clock(), Runs()
+    h_mid: torch.Tensor | None = None  # [1, 1, D] x_t after layer d̄ (set from the second token on)
     clock.run_main(dbar)
     dev = model.device
     pos = len(run.prompts[0])  # position (= cache slot) of x_{t+1}
@@ -173,8 +175,7 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
         head_logits = exit_head(h_mid)[0, -1]
         logits = None
         pos += 1
-    run.extra["head"] = exit_head.kind
-    run.extra.update(stats(d, dbar, k, len(run.out[0]), runs, clock))
+    run.record([stats(d, dbar, k, len(run.out[0]), runs, clock, head=exit_head.kind)])
 
 
 def expected_speedup(d: int, dbar: int, p: float) -> float:

@@ -24,6 +24,7 @@ Stats, per row: ``rounds`` (model calls after the prompt while the row ran), ``d
 from __future__ import annotations
 
 from ..core.run import GenerationError, Run, register
+from ..core.stats import LookupStats
 from ..drafters.prompt_lookup import NgramIndex, PromptLookup
 from . import draft_verify
 
@@ -61,4 +62,4 @@ def prompt_lookup(run: Run, *, draft_len: int | None = None, max_ngram: int = DE
         min_ngram = tuned[1] if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) else min(tuned[1], max_ngram)
     check_options(draft_len, max_ngram, min_ngram)
     counts = yield from draft_verify.decode(run, PromptLookup(run, draft_len, min_ngram, max_ngram))
-    draft_verify.per_row(run, "lookups_hit", [c.proposed for c in counts])
+    run.record([LookupStats(lookups_hit=c.proposed) for c in counts])

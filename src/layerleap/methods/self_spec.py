@@ -27,6 +27,7 @@ from numbers import Real
 
 
 from ..core.run import GenerationError, Run, register
+from ..core.stats import ExitStats, SelfSpecStats
 from ..drafters.base import ChainRule, DraftLength
 from ..drafters.early_exit import EarlyExitDrafter
 from . import draft_verify
@@ -59,8 +60,8 @@ def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, mi
     E = default_exit_layer(d) if exit_layer is None else exit_layer
     check_options(d, E, draft_len, min_confidence)
     exit_head = get_head(run.model, E, head)
-    run.extra.update(exit_layer=E, head=exit_head.kind)
+    run.record_all(ExitStats(exit_layer=E, head=exit_head.kind))
     rule = ChainRule(DraftLength(draft_len), float(min_confidence), keep_unsure=False)
-    drafter = EarlyExitDrafter(run, E, exit_head, rule, extra_slots=draft_len + 1)  # a batch's fillers
+    drafter = EarlyExitDrafter(run, E, exit_head, rule)
     yield from draft_verify.decode(run, drafter)
-    draft_verify.per_row(run, "draft_steps", drafter.draft_steps)
+    run.record([SelfSpecStats(draft_steps=n) for n in drafter.draft_steps])

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from ..core.run import GenerationError, Run, register
+from ..core.stats import SkipStats
 
 DECAYS = ("linear", "power")
 # The paper's Table 2 (OPT-1.3B, 24 layers, and OPT-6.7B, 32 layers): target speed-up ->
@@ -152,17 +153,14 @@ def check_schedule(schedule, n_layers: int, warmup: int) -> list[int]:
     return sched
 
 
-def _per_row(run: Run, key: str, values: list) -> None:
-    run.extra[key] = values if run.batch > 1 else values[0]
-
-
-def _active_layer_stats(run: Run) -> None:
-    """Average active layers per generated token (the first token's pass, the prompt's last
-    position, counts as generation with all the layers it ran) and the speed-up it implies, per row."""
+def _active_layer_stats(run: Run, **schedule) -> None:
+    """Record, per row, the average active layers per generated token (the first token's pass, the
+    prompt's last position, counts as generation with all the layers it ran), the speed-up it
+    implies, and ``schedule`` (``SkipStats``' budgets or exits, the same for every row)."""
     d = run.n_layers
     avgs = [run.layer_evals[b] / len(run.out[b]) if run.out[b] else float(d) for b in range(run.batch)]
-    _per_row(run, "avg_active_layers", avgs)
-    _per_row(run, "budget_speedup", [d / a if a else float("inf") for a in avgs])
+    run.record([SkipStats(avg_active_layers=a, budget_speedup=d / a if a else float("inf"), **schedule)
+                for a in avgs])
 
 
 # -- SkipDecode ------------------------------------------------------------------------------------
@@ -221,8 +219,7 @@ def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: i
             h = run.forward(cache, h=h, start=s, end=e, count_call=i == 0)
         used.append(b)
         n += 1
-    run.extra["budgets"] = tuple(used)  # a tuple: the same for every row
-    _active_layer_stats(run)
+    _active_layer_stats(run, budgets=tuple(used))
 
 
 # -- baselines -------------------------------------------------------------------------------------
@@ -274,9 +271,7 @@ def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
             run.model.fill_kv(h, exit_at, d, pos, cache)
             filled += d - exit_at
         exits.append(exit_at)
-    run.extra["exit_layers"] = tuple(exits)
-    run.extra["kv_filled_layers"] = filled
-    _active_layer_stats(run)
+    _active_layer_stats(run, exit_layers=tuple(exits), kv_filled_layers=filled)
 
 
 __all__ = ["skipdecode", "early_exit", "calm", "target_config", "SkipConfig", "budget_at", "exit_schedule",

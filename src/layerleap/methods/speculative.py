@@ -45,6 +45,7 @@ import math
 from numbers import Real
 
 from ..core.run import GenerationError, Run, register
+from ..core.stats import SpeculativeStats
 from ..drafters.base import SCHEDULES, ChainRule, DraftLength
 from ..drafters.companion import DraftModel, check_pair
 from . import draft_verify
@@ -76,7 +77,6 @@ def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "consta
     check_options(draft_len, schedule, min_confidence)
     check_pair(run.model, draft, "draft", "draft")
     rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=True)
-    counts = yield from draft_verify.decode(run, DraftModel(run, draft, rule, extra_slots=draft_len + 1))
-    draft_verify.per_row(run, "draft_len_max", [c.draft_max for c in counts])
-    draft_verify.per_row(run, "draft_len_mean", [c.drafted / c.rounds if c.rounds else None for c in counts])
-    draft_verify.per_row(run, "confidence_stops", [c.stops["unsure"] for c in counts])
+    counts = yield from draft_verify.decode(run, DraftModel(run, draft, rule))
+    run.record([SpeculativeStats(draft_len_max=c.draft_max, draft_len_mean=c.drafted / c.rounds if c.rounds else None,
+                                 confidence_stops=c.stops["unsure"]) for c in counts])

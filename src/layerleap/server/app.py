@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import random
+import sys
 import threading
 import time
 import uuid
@@ -44,14 +45,16 @@ class ServerConfig:
     method: str = "auto"  # the default method
     options: dict = field(default_factory=dict)  # the default method's options (models already loaded)
     max_tokens: int = 256  # max_tokens when a request gives none (bounded by the context)
-    max_batch: int = 8
-    max_running: int = 2
+    max_batch: int = 16  # rows decoded together (the pool's rows; a batch's rows for the other methods)
+    max_running: int = 2  # batches of the methods the pool does not take, decoding in turn
     max_waiting: int = 256
     loadable: tuple[str, ...] = ()  # model names a request's options may name (loaded on first use)
     max_body_bytes: int = 2 << 20  # a larger request body is refused (413)
     max_prompt_tokens: int | None = None  # a longer prompt is refused (None: the context less one)
     queue_timeout: float = 600.0  # seconds a request may wait for its turn (then 503)
     shadow_share: float = 0.0  # share of lossy-method requests re-decoded greedily when idle (agreement metric)
+    continuous: bool = True  # greedy and sample requests join and leave one pool round by round
+    prefill_chunk: int = 512  # prompt tokens the pool prefills per round
 
 
 class APIError(Exception):
@@ -98,7 +101,7 @@ class AppState:
 
     def load(self) -> tuple[int, int]:
         s = self.scheduler
-        return (len(s.waiting), len(s.running)) if s else (0, 0)
+        return (len(s.waiting), s.running_jobs()) if s else (0, 0)
 
     def retry_after(self) -> int:
         """Seconds until the queue has room, roughly."""
@@ -551,10 +554,17 @@ def create_app(model: Transformer, cfg: ServerConfig, loader: Callable[[str], Tr
                                  queue_timeout=cfg.queue_timeout, on_cancel=st.metrics.cancel,
                                  on_timeout=st.metrics.timeouts.inc,
                                  idle=(lambda: shadow_step(st)) if cfg.shadow_share > 0 else None,
-                                 has_idle_work=lambda: bool(st.shadows) or st.shadow_run is not None)
+                                 has_idle_work=lambda: bool(st.shadows) or st.shadow_run is not None,
+                                 on_rows_done=st.metrics.rows_done, pool_rows=cfg.max_batch if cfg.continuous else 0,
+                                 prefill_chunk=cfg.prefill_chunk)
         st.scheduler.start()
-        yield
-        await st.scheduler.stop()
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, 0.001))  # the event loop gets the GIL back within 1 ms of asking
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(switch)
+            await st.scheduler.stop()
 
     app = FastAPI(title="layerleap", summary="an OpenAI-compatible server over one layerleap model",
                   lifespan=lifespan, redoc_url=None)

@@ -72,7 +72,7 @@ class Metrics:
                                        "sampled answer first differs (shadow checks)", ["method"], buckets=share,
                                        registry=r)
         waiting = Gauge("layerleap_waiting_requests", "requests waiting in the queue", registry=r)
-        running = Gauge("layerleap_running_batches", "batches decoding", registry=r)
+        running = Gauge("layerleap_running_requests", "requests decoding (prefilling or generating)", registry=r)
         waiting.set_function(lambda: state()[0])
         running.set_function(lambda: state()[1])
         self._drafts: dict[str, list[int]] = {}  # method -> [proposed, accepted]
@@ -82,15 +82,18 @@ class Metrics:
 
     def batch_done(self, batch) -> None:
         """A batch ended: its rows' tokens, passes, acceptance, first-token times and queue waits."""
-        from ..eval.bench import draft_counts
         rows = [(job, r) for job, r in zip(batch.jobs, batch.decoding.results) if r is not None]
-        if not rows:
-            return
-        method = rows[0][1].stats["method"]
-        self.batch_size.observe(len(rows))
-        self.passes.labels(method).inc(rows[0][1].stats["model_calls"])  # one Run: its calls serve every row
-        d = self._drafts.setdefault(method, [0, 0])
+        if rows:
+            self.passes.labels(rows[0][1].stats["method"]).inc(rows[0][1].stats["model_calls"])  # shared calls
+            self.rows_done(rows, len(rows))
+
+    def rows_done(self, rows: list, width: int) -> None:
+        """Requests that ended: (job, GenerationResult) pairs of one method; ``width`` rows decoded together."""
+        from ..eval.bench import draft_counts
+        self.batch_size.observe(width)
         for job, r in rows:
+            method = r.stats["method"]
+            d = self._drafts.setdefault(method, [0, 0])
             n = len(r.token_ids)
             self.tokens.labels(method).inc(n)
             self.prompt_tokens.labels(method).inc(len(r.prompt_ids))
@@ -108,8 +111,8 @@ class Metrics:
                 self.accepted.labels(method).inc(counts[1])
                 d[0] += counts[0]
                 d[1] += counts[1]
-        if d[0]:
-            self.acceptance.labels(method).set(d[1] / d[0])
+            if d[0]:
+                self.acceptance.labels(method).set(d[1] / d[0])
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest

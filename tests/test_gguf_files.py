@@ -43,11 +43,13 @@ def _raw_blocks(qtype, n_rows: int, n_cols: int, rng) -> np.ndarray:
               gguf.GGMLQuantizationType.Q6_K: (nbytes - 2, 1)}[qtype]
     start, n = halves
     raw[:, start:start + 2 * n] = (rng.random((raw.shape[0], n)) * 0.002 + 1e-4).astype(np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # 16 signed 8-bit sub-block scales: keep them small
+        raw[:, 192:208] = rng.integers(1, 8, (raw.shape[0], 16), dtype=np.uint8)
     return raw.reshape(n_rows, -1)
 
 
 def write_gguf(path: Path, qtype: str = "Q4_0", arch: str = "llama", head: str | None = None,
-               seed: int = 0) -> Path:
+               seed: int = 0, rope_theta: float = 10000.0) -> Path:
     """A tiny random model as a GGUF file: layer matrices in ``qtype``, the embedding in Q8_0 (tied)
     or ``head`` (an untied output matrix in that type), norms in F32."""
     rng = np.random.default_rng(seed)
@@ -60,7 +62,7 @@ def write_gguf(path: Path, qtype: str = "Q4_0", arch: str = "llama", head: str |
     w.add_feed_forward_length(FF)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -143,11 +145,13 @@ def test_every_common_type_loads_dense_and_q4(tmp_path, qtype):
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_qwen2_and_mistral_files_with_an_untied_head(tmp_path, arch):
-    path = write_gguf(tmp_path / f"tiny-{arch}.gguf", "Q4_K", arch=arch, head="Q6_K")
+    """llama.cpp writes Mistral models under the ``llama`` architecture (rope theta 1e6 here)."""
+    path = write_gguf(tmp_path / f"tiny-{arch}.gguf", "Q4_K", arch="qwen2" if arch == "qwen2" else "llama",
+                      head="Q6_K", rope_theta=1e6 if arch == "mistral" else 1e4)
     msgs = []
     dense = layerleap.load(str(path), dtype="float32", progress=msgs.append)
     q4 = layerleap.load(str(path), dtype="q4", progress=msgs.append)
-    assert dense.config.model_type == arch and dense.config.qkv_bias == (arch == "qwen2")
+    assert dense.config.qkv_bias == (arch == "qwen2") and dense.config.rope_theta == (1e6 if arch == "mistral" else 1e4)
     assert not dense.config.tie_embeddings
     assert any("lm_head.weight (Q8_0 from Q6_K)" in m for m in msgs)
     ids = q4.tokenizer.encode("hello")
@@ -174,7 +178,10 @@ def test_a_truncated_file_is_named_before_any_tensor_is_read(tmp_path):
     with pytest.raises(ModelFileError, match="cut.gguf is truncated: tensor .* download it again"):
         layerleap.load(str(cut), dtype="q4")
     cut.write_bytes(data[:100])
-    with pytest.raises(ModelFileError, match="not a readable GGUF file"):
+    with pytest.raises(ModelFileError, match="the GGUF header is cut short or corrupt"):
+        layerleap.load(str(cut))
+    cut.write_bytes(b"PK\x03\x04" + data[4:])
+    with pytest.raises(ModelFileError, match="magic bytes: it is not a GGUF file"):
         layerleap.load(str(cut))
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("gguf-*"))
 

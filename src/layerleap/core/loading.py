@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -479,7 +480,9 @@ def check_model(name_or_path, name: str = "model") -> str:
     text = str(name_or_path)
     if text in PACKAGED:
         return text
-    if p.suffix.lower() == ".gguf" and p.is_file():
+    if p.suffix.lower() == ".gguf":
+        if not p.is_file():
+            raise ModelNotFound(f"{name + ': ' if name and name != 'model' else ''}no GGUF file at {p}")
         return text
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -507,41 +510,38 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> T
     return quantize_model(load_folder(path, "float32", pack=False)) if q4 else load_folder(path, dtype)
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
-    """Read a GGUF file's header and check it against the file before any tensor is read: every
-    tensor's data inside the file, a supported architecture and tensor types.  -> (architecture,
-    {tensor type: count}); a problem raises ``ModelFileError`` (a bad file) or ``ConfigError`` (an
-    architecture or type layerleap does not load), one line naming it."""
-    from gguf import GGML_QUANT_SIZES, GGUFReader
-    from .weight_files import ModelFileError
+    """Read a GGUF file's header (``weight_files.gguf_header``) and check it against the file before
+    any tensor is read: every tensor's data inside the file, a supported architecture and tensor
+    types.  -> (architecture, {tensor type: count}); a problem raises ``ModelFileError`` (a bad file)
+    or ``ConfigError`` (an architecture or type layerleap does not load), one line naming it."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from .weight_files import ModelFileError, gguf_header
     size = path.stat().st_size
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError, IndexError, struct errors ... on a bad header
-        raise ModelFileError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): "
-                             "download or convert it again") from None
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[-1]).decode() if field is not None else "?"
+    meta, tensors, start = gguf_header(path)
+    arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(f"{path.name}: GGUF architecture {arch!r} is not supported (layerleap loads "
-                          f"{', '.join(GGUF_ARCHITECTURES)})")
+        raise ConfigError(f"{path.name}: GGUF architecture {arch!r} is not supported (layerleap loads llama "
+                          "(Llama and Mistral files) and qwen2)")
     types: dict[str, int] = {}
-    for t in reader.tensors:
-        qtype = t.tensor_type.name
+    for name, type_id, dims, offset in tensors:
+        try:
+            qtype = GGMLQuantizationType(type_id).name
+        except ValueError:
+            qtype = f"#{type_id}"
         if qtype not in GGUF_TYPES:
-            raise ConfigError(f"{path.name}: tensor {t.name} is of GGUF type {qtype}, which layerleap does not "
+            raise ConfigError(f"{path.name}: tensor {name} is of GGUF type {qtype}, which layerleap does not "
                               f"read (it reads {', '.join(GGUF_TYPES)}): requantize the file with llama.cpp")
-        block, nbytes = GGML_QUANT_SIZES[t.tensor_type]
-        need = int(t.n_elements) // block * nbytes
-        if int(t.data_offset) + need > size:
-            raise ModelFileError(f"{path} is truncated: tensor {t.name} needs bytes up to "
-                                 f"{int(t.data_offset) + need}, the file has {size}: download it again")
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+        need = math.prod(dims) // block * nbytes
+        if start + offset + need > size:
+            raise ModelFileError(f"{path} is truncated: tensor {name} needs bytes up to {start + offset + need}, "
+                                 f"the file has {size}: download it again")
         types[qtype] = types.get(qtype, 0) + 1
-    del reader
     return arch, types
 
 

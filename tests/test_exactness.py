@@ -71,17 +71,23 @@ EXACT = {
 CASES = [(method, label, fn) for method, rows in EXACT.items() for label, fn in rows]
 
 
+Q4_KERNELS = [k for k, ok in (("torch", kernels.int4_supported()), ("blocks", kernels.blocks_available())) if ok]
 FORMATS = ["dense"] + (["onednn"] if kernels.ONEDNN and DEVICE == "cpu" else []) \
-    + (["q4"] if kernels.int4_supported() and DEVICE == "cpu" else [])
+    + ([f"q4-{k}" for k in Q4_KERNELS] if DEVICE == "cpu" else [])
 
 
 def _in_format(model, fmt: str):
-    """The model with its weights as dense parameters, oneDNN's packed layout or 4-bit groups."""
+    """The model with its weights as dense parameters, oneDNN's packed layout or 4-bit groups (with
+    torch's int4 kernel or the native block kernel)."""
     if fmt == "onednn":
         for lin in model.projections():
             lin.pack(kernels.OneDNNWeight(lin.weight.detach(), lin.bias))
         return model
-    return quantize_model(model) if fmt == "q4" else model
+    if fmt.startswith("q4-"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(kernels.Q4_ENV, fmt.removeprefix("q4-"))
+            return quantize_model(model)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +111,7 @@ def test_exact_methods_equal_naive_greedy(models, name, fmt, seed, plen, method,
     prompt = _prompt(model.config.vocab_size, plen, seed)
     # fp32: the naive no-cache loop; q4 (bf16 logits, where a different kernel path can flip a tie):
     # greedy decoding in the same dtype, which is what a lossless method promises to equal
-    want = naive_greedy(model, prompt, 12) if fmt != "q4" else \
+    want = naive_greedy(model, prompt, 12) if not fmt.startswith("q4") else \
         generate(model, prompt, "greedy", 12, stop_at_eos=False).token_ids
     got = generate(model, prompt, method, 12, stop_at_eos=False, **options(model, other))
     assert got.token_ids == want, f"{method} ({label}) differs from greedy on {name}"

@@ -8,10 +8,11 @@ affine map per group of 32 inputs: ``kernels.QuantizedRows`` holds exactly that,
 Other block types keep the file's precision where it matters and are re-quantized where it does
 not, and the conversion says which:
 
-- the embedding table and the LM head (GGUF files keep them at 6-8 bits): a Q8_0 embedding stays
-  8-bit codes with its scales (``kernels.Int8Rows``, exact), anything else is dense; the LM head
-  multiplies in bf16 (on SmolLM2-135M a 4-bit LM head lowered the greedy top-1 agreement with the
-  fp32 model from 97.8% to 87.5% of positions; ``docs/BENCHMARKS.md``);
+- the embedding table and the LM head (GGUF files keep them at 6-8 bits): a Q8_0 table stays 8-bit
+  codes with its scales (``kernels.Int8Rows``, exact), another type (Q6_K, F16, ...) is re-quantized
+  to 8-bit groups of 32 (Q8_0, ``kernels.quantize_q8``); never 4 bits (on SmolLM2-135M a 4-bit LM
+  head lowered the greedy top-1 agreement with the fp32 model from 97.8% to 87.5% of positions;
+  ``docs/BENCHMARKS.md``);
 - a projection inside a layer in another type (Q6_K, Q5_*, Q8_0, ...) is dequantized and
   re-quantized to 4-bit groups of 32 (min-max);
 - fp32/fp16 tensors (norms, biases) stay dense.
@@ -34,13 +35,14 @@ from torch import nn
 
 from .config import ConfigError, ModelConfig
 from ..files import save_safetensors
-from .kernels import GROUP, Int8Rows, QuantizedRows, quantize
+from .kernels import GROUP, Int8Rows, QuantizedRows, quantize, quantize_q8
 from .model import Transformer
 
 FORMAT = "layerleap-q4-v1"
 WEIGHTS = "q4.safetensors"
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 OUTER = ("model.embed_tokens.weight", "lm_head.weight")  # kept at the file's precision (see above)
+BLOCKS_LAYOUT = "blocks16-v1"  # kernels.BlockWeight's layout (one for every CPU)
 
 
 # -- GGUF blocks -> QuantizedRows -------------------------------------------------------------------
@@ -185,6 +187,9 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
         if len(shape) == 2 and name not in OUTER:
             requantized[name] = qtype
             hf[name] = _Requantized(w)
+        elif len(shape) == 2 and shape[1] % GROUP == 0 and qtype not in ("F32",):
+            kept[name] = f"Q8_0 from {qtype}"
+            hf[name] = _Requantized(w, bits=8)
         else:
             kept[name] = qtype
             hf[name] = w
@@ -201,7 +206,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for k, v in ours.items():
         if isinstance(v, _Requantized):
-            v = quantize(v.exact)
+            v = quantize(v.exact) if v.bits == 4 else quantize_q8(v.exact)
         elif isinstance(v, torch.Tensor) and v.dim() == 2:
             v = v.to(torch.bfloat16)  # an outer matrix of another type: bf16, as it multiplies
         tensors.update(weight_tensors(k, v))
@@ -214,14 +219,14 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     progress("4-bit weights: every layer's GGUF 4-bit blocks kept"
              + (f"; {len(requantized)} layer tensor(s) re-quantized to 4-bit groups of {GROUP} "
                 f"({', '.join(sorted(set(requantized.values())))})" if requantized else "")
-             + (f"; kept at the file's precision: {', '.join(f'{k} ({v})' for k, v in outer.items())}" if outer else ""))
+             + (f"; embedding and LM head: {', '.join(f'{k} ({v})' for k, v in outer.items())}" if outer else ""))
 
 
 class _Requantized:
     """A dense weight to be quantized after fusion (its exact values feed the fingerprint)."""
 
-    def __init__(self, exact: torch.Tensor):
-        self.exact = exact
+    def __init__(self, exact: torch.Tensor, bits: int = 4):
+        self.exact, self.bits = exact, bits
         self.shape = exact.shape
 
 
@@ -269,7 +274,11 @@ def read(folder: Path) -> tuple[dict[str, QuantizedRows | torch.Tensor], dict]:
 
 # -- the packed layout, cached per CPU --------------------------------------------------------------
 def packed_file(folder: Path) -> Path:
-    from .kernels import packed_layout
+    """The packed cache for this CPU's 4-bit format: the block layout is the same on every CPU, torch's
+    int4 layout depends on the CPU and torch version."""
+    from .kernels import packed_layout, q4_format
+    if q4_format() == "blocks":
+        return folder / f"packed-{BLOCKS_LAYOUT}.safetensors"
     return folder / f"packed-{packed_layout()}.safetensors"
 
 
@@ -279,14 +288,14 @@ def save_packed(folder: Path, model) -> None:
     (packed again at load), the norms.  The metadata maps every packed module to the module whose
     tensors it uses (a tied head shares the embedding's 4-bit weight) and to its format."""
     from ..errors import LayerleapError
-    from .kernels import Int4Weight, Int8Rows
+    from .kernels import BlockWeight, Int4Weight, Int8Rows
     from .model import Embedding, Linear
     tensors, modules, first = {}, {}, {}
     for name, mod in model.named_modules():
         if not isinstance(mod, (Linear, Embedding)) or mod.packed is None:
             continue
         fmt = mod.packed
-        if not isinstance(fmt, (Int4Weight, Int8Rows)):  # oneDNN: stored dense, packed again at load
+        if not isinstance(fmt, (Int4Weight, Int8Rows, BlockWeight)):  # oneDNN: stored dense, packed again at load
             tensors[f"{name}.weight"] = fmt.dense().contiguous()
             if fmt.bias is not None:
                 tensors[f"{name}.bias"] = fmt.bias
@@ -348,7 +357,7 @@ def assemble_q4(config: ModelConfig, formats: dict, dense: dict, tokenizer=None,
 def build_q4_packed(config: ModelConfig, tensors: dict, modules: dict, tokenizer=None) -> Transformer:
     """A 4-bit model from the packed cache (``gguf_q4.save_packed``): ``modules`` maps each packed
     module to [the module whose tensors it uses, the format's class name]."""
-    from .kernels import Int4Weight, Int8Rows
+    from .kernels import BlockWeight, Int4Weight, Int8Rows
     formats, made = {}, {}
     for name, (owner, kind) in modules.items():
         if owner not in made:
@@ -356,6 +365,9 @@ def build_q4_packed(config: ModelConfig, tensors: dict, modules: dict, tokenizer
             if kind == "Int4Weight":
                 made[owner] = Int4Weight.from_packed(tensors.pop(f"{owner}.packed"), tensors.pop(f"{owner}.scale_zero"),
                                                      n, tensors.pop(f"{owner}.bias", None))
+            elif kind == "BlockWeight":
+                made[owner] = BlockWeight(tensors.pop(f"{owner}.codes"), tensors.pop(f"{owner}.dm"), n,
+                                          int(tensors.pop(f"{owner}.bits")[0]), tensors.pop(f"{owner}.bias", None))
             elif kind == "Int8Rows":
                 made[owner] = Int8Rows(tensors.pop(f"{owner}.int8"), tensors.pop(f"{owner}.int8_scale"))
             else:

@@ -348,6 +348,138 @@ class Int4Weight(PackedWeight):
         return self.packed.numel() + self.scale_zero.numel() * 2
 
 
+# -- 4- and 8-bit blocks for the native kernel ---------------------------------------------------------
+BLOCK_ROWS = 16  # output rows per block: one 64-byte vector holds 4 inputs of 16 rows
+
+
+def _native_blocks():
+    """The native module when it was built with ``block_matmul``, else None."""
+    from . import native
+    mod = native.module()
+    return mod if mod is not None and hasattr(mod, "block_matmul") else None
+
+
+def blocks_available() -> bool:
+    return _native_blocks() is not None
+
+
+def _exact_half(t: torch.Tensor) -> bool:
+    h = t.half()
+    return bool(torch.isfinite(h).all()) and torch.equal(h.float(), t.float())
+
+
+class BlockWeight(PackedWeight):
+    """A weight as GGUF stores it, 4-bit codes (Q4_0, Q4_1, Q4_K's sub-blocks) or 8-bit codes (Q8_0),
+    with one scale and minimum per group of 32 inputs, laid out in blocks of 16 output rows for the
+    native kernel (``native/decoder.cpp``, ``block_matmul``): ``w = code * scale + minimum``.
+
+    Codes, scales and minimums are the file's own (scales in fp16 when every one is exactly an fp16,
+    as Q4_0/Q4_1/Q8_0 store them; in fp32 otherwise, e.g. Q4_K's products of two scales), so
+    ``dense()`` equals gguf's dequantization bit for bit.  The kernel rounds the activations to 8 bits
+    per group of 32 (as llama.cpp does) and sums each group exactly in integers: a row's result
+    depends only on that row, whatever the number of rows in a call.  ``rows(ids)`` looks rows up
+    (an embedding table; a tied LM head shares it)."""
+
+    def __init__(self, codes: torch.Tensor, dm: torch.Tensor, out_features: int, bits: int,
+                 bias: torch.Tensor | None = None):
+        nb, g = dm.shape[0], dm.shape[1]
+        per = 4 if bits == 4 else 8
+        if bits not in (4, 8) or dm.shape[2:] != (2, BLOCK_ROWS) or codes.shape != (nb, g, per, BLOCK_ROWS, 4) \
+                or not (nb - 1) * BLOCK_ROWS < out_features <= nb * BLOCK_ROWS:
+            raise KernelError(f"block weight codes {tuple(codes.shape)} do not fit scales {tuple(dm.shape)}, "
+                              f"{bits} bits and {out_features} outputs")
+        self.codes, self.dm, self.bits = codes.to(torch.uint8).contiguous(), dm.contiguous(), bits
+        self.out_features, self.in_features = out_features, g * GROUP
+        self.dtype = torch.bfloat16
+        self.bias = None if bias is None else bias.detach().float()
+
+    @classmethod
+    def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None = None) -> "BlockWeight":
+        n, k = rows.q.shape
+        if k % GROUP:
+            raise KernelError(f"4-bit weights need an input size that is a multiple of {GROUP}, got {k}")
+        blocks = cls._blocked(rows.q.to(torch.uint8), 8).view(-1, k // GROUP, 4, 2, BLOCK_ROWS, 4)
+        codes = blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)  # [NB, G, 4, 16, 4]
+        return cls(codes, cls._scales(rows.scale, rows.minimum), n, 4, bias)
+
+    @classmethod
+    def from_int8(cls, rows: "Int8Rows") -> "BlockWeight":
+        """GGUF's Q8_0 (``w = q * d``) as unsigned codes ``q + 128`` with the minimum ``-128 d``."""
+        codes = cls._blocked((rows.codes.to(torch.int16) + 128).to(torch.uint8), 8)
+        return cls(codes, cls._scales(rows.scale, -128 * rows.scale), rows.out_features, 8)
+
+    @staticmethod
+    def _blocked(q: torch.Tensor, per: int) -> torch.Tensor:
+        """Codes ``[N, K]`` -> ``[NB, G, 8, 16, 4]``: block, group, run of 4 inputs, row, input."""
+        n, k = q.shape
+        pad = -n % BLOCK_ROWS
+        if pad:
+            q = torch.cat([q, q.new_zeros(pad, k)])
+        return q.view(-1, BLOCK_ROWS, k // GROUP, per, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+    @staticmethod
+    def _scales(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+        """``[N, G]`` scales and minimums -> ``[NB, G, 2, 16]``, fp16 when that is exact, else fp32."""
+        n, g = scale.shape
+        pad = -n % BLOCK_ROWS
+        dm = torch.stack([scale.float(), minimum.float()], 1)  # [N, 2, G]
+        if pad:
+            dm = torch.cat([dm, dm.new_zeros(pad, 2, g)])
+        dm = dm.view(-1, BLOCK_ROWS, 2, g).permute(0, 3, 2, 1).contiguous()
+        return dm.half() if _exact_half(dm) else dm
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        mod = _native_blocks()
+        if mod is None:
+            raise KernelError("the native block kernel is not built: run `layerleap native --build`")
+        y = mod.block_matmul(x.reshape(-1, self.in_features), self.codes, self.dm, self.out_features, False)
+        y = self._add_bias(y)
+        return y.view(*lead, self.out_features).to(x.dtype if x.is_floating_point() else torch.bfloat16)
+
+    def _codes_of(self, nb: torch.Tensor | None = None, lane: torch.Tensor | None = None) -> torch.Tensor:
+        """Codes ``[n, K]`` of every row (or of rows ``nb * 16 + lane``)."""
+        c = self.codes
+        if self.bits == 4:
+            c = torch.stack([c & 0x0F, c >> 4], 3).flatten(2, 3)  # [NB, G, 8, 16, 4]
+        c = c.permute(0, 3, 1, 2, 4)  # [NB, 16, G, 8, 4]
+        if nb is None:
+            return c.reshape(-1, self.in_features)[: self.out_features]
+        return c[nb, lane].reshape(-1, self.in_features)
+
+    def _dm_of(self, nb=None, lane=None) -> tuple[torch.Tensor, torch.Tensor]:
+        dm = self.dm.float().permute(0, 3, 1, 2)  # [NB, 16, G, 2]
+        dm = dm.reshape(-1, *dm.shape[2:])[: self.out_features] if nb is None else dm[nb, lane]
+        return dm[..., 0], dm[..., 1]
+
+    @staticmethod
+    def _values(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+        n, k = codes.shape
+        g = codes.view(n, k // GROUP, GROUP).float()
+        return (g * scale.unsqueeze(-1) + minimum.unsqueeze(-1)).view(n, k)
+
+    def dense(self) -> torch.Tensor:
+        """``[N, K]`` fp32, exact (the file's own values)."""
+        return self._values(self._codes_of(), *self._dm_of())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) dequantized, ``[*ids.shape, K]`` bf16: an embedding lookup."""
+        flat = ids.reshape(-1)
+        nb, lane = flat // BLOCK_ROWS, flat % BLOCK_ROWS
+        out = self._values(self._codes_of(nb, lane), *self._dm_of(nb, lane)).to(torch.bfloat16)
+        return out.view(*ids.shape, self.in_features)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {"codes": self.codes, "dm": self.dm, "bits": torch.tensor([self.bits])}
+        if self.bias is not None:
+            out["bias"] = self.bias
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.dm.numel() * self.dm.element_size()
+
+
 # -- choosing a format per CPU -----------------------------------------------------------------------
 @functools.cache
 def cpu_signature() -> str:
@@ -424,3 +556,75 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
         except LayerleapError:  # an unwritable cache only costs the measurement next time
             pass
     return known[key]["choice"]
+
+
+Q4_ENV = "LAYERLEAP_Q4_KERNEL"  # "blocks" or "torch": skip the measurement
+
+
+def quantize_q8(weight: torch.Tensor) -> Int8Rows:
+    """Symmetric 8-bit quantization of ``[N, K]`` in groups of ``GROUP`` (GGUF's Q8_0: ``d = amax / 127``
+    rounded to fp16, ``q = round(w / d)``), for an LM head or embedding that arrives dense."""
+    N, K = weight.shape
+    if K % GROUP:
+        raise KernelError(f"8-bit rows need an input size that is a multiple of {GROUP}, got {K}")
+    w = weight.detach().float().view(N, K // GROUP, GROUP)
+    d = (w.abs().amax(-1) / 127).half().float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = (w / safe.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8).view(N, K)
+    return Int8Rows(q, d)
+
+
+def measure_q4(rows=(1, 4, 8, 16), mb: float = 48.0) -> dict:
+    """Seconds for a stack of decoder-sized 4-bit products (``mb`` MB of codes, 1536x576) with torch's
+    int4 kernel and with the native block kernel, at each row count."""
+    g = torch.Generator().manual_seed(0)
+    n_mats = max(1, int(mb * 1e6 / (1536 * 576 // 2)))
+    mats = [QuantizedRows(torch.randint(0, 16, (1536, 576), generator=g, dtype=torch.uint8),
+                          torch.rand(1536, 18, generator=g).half().float() * 0.01,
+                          -torch.rand(1536, 18, generator=g).half().float() * 0.1) for _ in range(n_mats)]
+    blocks = [BlockWeight.from_rows(r) for r in mats]
+    torch_int4 = [Int4Weight(r) for r in mats]
+    out = {}
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, 576, generator=g).to(torch.bfloat16)
+            out[m] = {"torch": _time_products([lambda w=w: w(x) for w in torch_int4]),
+                      "blocks": _time_products([lambda w=w: w(x) for w in blocks])}
+    return out
+
+
+def q4_format() -> str:
+    """``"blocks"`` (the native kernel, ``BlockWeight``) or ``"torch"`` (``Int4Weight``): how this CPU
+    multiplies 4-bit weights fastest over 1 to 16 rows.
+
+    Only one kernel there: that one.  Both: measured once per CPU signature, torch version, native
+    build and thread count (``measure_q4``, a few seconds; the sum over 1, 4, 8 and 16 rows decides)
+    and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_Q4_KERNEL`` overrides."""
+    have_blocks, have_torch = blocks_available(), int4_supported()
+    if not (have_blocks and have_torch):
+        return "blocks" if have_blocks else "torch"
+    forced = os.environ.get(Q4_ENV, "").strip().lower()
+    if forced in ("blocks", "torch"):
+        return forced
+    from . import native
+    key = f"{cpu_signature()} | torch {torch.__version__} | q4 | native {native.build_dir().name[:12]} | " \
+          f"{torch.get_num_threads()} threads"
+    path = cache_root() / "kernels.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known.get(key), dict) or known[key].get("choice") not in ("blocks", "torch"):
+        times = measure_q4()
+        total = {k: sum(t[k] for t in times.values()) for k in ("torch", "blocks")}
+        known[key] = {"choice": min(total, key=total.get), "seconds": {str(m): t for m, t in times.items()}}
+        try:
+            write_json(path, known)
+        except LayerleapError:
+            pass
+    return known[key]["choice"]
+
+
+def q4_weight(rows: QuantizedRows, bias: torch.Tensor | None = None) -> "BlockWeight | Int4Weight":
+    """``rows`` in this CPU's 4-bit format (``q4_format``)."""
+    return BlockWeight.from_rows(rows, bias) if q4_format() == "blocks" else Int4Weight(rows, bias)

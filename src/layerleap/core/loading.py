@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -479,17 +480,21 @@ def check_model(name_or_path, name: str = "model") -> str:
     text = str(name_or_path)
     if text in PACKAGED:
         return text
+    if p.suffix.lower() == ".gguf":
+        if not p.is_file():
+            raise ModelNotFound(f"{name + ': ' if name and name != 'model' else ''}no GGUF file at {p}")
+        return text
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelNotFound(f"{p} has no config.json: it is not a Hugging Face model folder")
         return text
     raise ModelNotFound(f"{name + ': ' if name and name != 'model' else ''}unknown model {V.show(text)}: give one of "
-                        f"{', '.join(PACKAGED)} or a local Hugging Face model folder")
+                        f"{', '.join(PACKAGED)}, a local Hugging Face model folder or a .gguf file")
 
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> Transformer:
-    """Load a packaged model by name (``smollm2-135m``, ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``)
-    or a local Hugging Face Llama-family folder.  ``dtype="q4"`` keeps a packaged GGUF's 4-bit
+    """Load a packaged model by name (``smollm2-135m``, ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``),
+    a local Hugging Face Llama-family folder or a GGUF file (``load_gguf``).  ``dtype="q4"`` keeps a packaged GGUF's 4-bit
     blocks as they are (no dense copy is ever built) and quantizes a folder's weights to them."""
     _dtype(dtype)
     V.callable_or_none(progress, "progress")
@@ -499,8 +504,78 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> T
         if q4:
             return load_q4_folder(packaged_folder(name_or_path, progress, q4=True), name=name_or_path)
         return load_folder(packaged_folder(name_or_path, progress), dtype, name=name_or_path)
-    folder = Path(name_or_path).expanduser()
-    return quantize_model(load_folder(folder, "float32", pack=False)) if q4 else load_folder(folder, dtype)
+    path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return load_gguf(path, dtype, progress)
+    return quantize_model(load_folder(path, "float32", pack=False)) if q4 else load_folder(path, dtype)
+
+
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
+    """Read a GGUF file's header (``weight_files.gguf_header``) and check it against the file before
+    any tensor is read: every tensor's data inside the file, a supported architecture and tensor
+    types.  -> (architecture, {tensor type: count}); a problem raises ``ModelFileError`` (a bad file)
+    or ``ConfigError`` (an architecture or type layerleap does not load), one line naming it."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from .weight_files import ModelFileError, gguf_header
+    size = path.stat().st_size
+    meta, tensors, start = gguf_header(path)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"{path.name}: GGUF architecture {arch!r} is not supported (layerleap loads llama "
+                          "(Llama and Mistral files) and qwen2)")
+    types: dict[str, int] = {}
+    for name, type_id, dims, offset in tensors:
+        try:
+            qtype = GGMLQuantizationType(type_id).name
+        except ValueError:
+            qtype = f"#{type_id}"
+        if qtype not in GGUF_TYPES:
+            raise ConfigError(f"{path.name}: tensor {name} is of GGUF type {qtype}, which layerleap does not "
+                              f"read (it reads {', '.join(GGUF_TYPES)}): requantize the file with llama.cpp")
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+        need = math.prod(dims) // block * nbytes
+        if start + offset + need > size:
+            raise ModelFileError(f"{path} is truncated: tensor {name} needs bytes up to {start + offset + need}, "
+                                 f"the file has {size}: download it again")
+        types[qtype] = types.get(qtype, 0) + 1
+    return arch, types
+
+
+def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
+    """The cache folder of a user's GGUF file (keyed by its path, size and modification time),
+    converted on first use as a packaged model's is (``packaged_folder``); the file is checked first
+    (``check_gguf``)."""
+    import hashlib
+    progress = progress or _to_stderr
+    path = path.resolve()
+    check_gguf(path)
+    st = path.stat()
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    folder = cache_root() / f"gguf-{path.stem[:40]}-{key}{'-q4' if q4 else ''}"
+    if q4:
+        from . import gguf_q4
+
+        def fill(tmp: Path) -> None:
+            progress(f"reading {path.name}'s blocks (once; later loads use the cache) …")
+            gguf_q4.convert(path, tmp, progress)
+        return _cache_entry(folder, fill, progress, gguf_q4.check)
+
+    return _cache_entry(folder, lambda tmp: _convert_gguf([path], tmp, progress), progress, check_folder)
+
+
+def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:
+    """A Llama, Qwen2 or Mistral GGUF file (F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K tensors)
+    with its own tokenizer and chat template.  ``dtype="q4"`` keeps 4-bit blocks as they are and
+    re-quantizes the other layer types (a message says which, once, at conversion); other dtypes
+    dequantize every tensor."""
+    _dtype(dtype)
+    if dtype in QUANTIZED:
+        return load_q4_folder(gguf_folder(path, True, progress), name=path.stem)
+    return load_folder(gguf_folder(path, False, progress), dtype, name=path.stem)
 
 
 def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
@@ -523,21 +598,28 @@ def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
 
 def build_q4(config: ModelConfig, weights: dict, tokenizer=None, source=None) -> Transformer:
     """A Transformer from ``{our name: kernels.QuantizedRows, kernels.Int8Rows or dense tensor}``:
-    4-bit projections as ``Int4Weight``, an 8-bit embedding looked up by rows, everything dense in
-    bf16 (a dense LM head is then packed for oneDNN by ``optimize_layout``).  A tied LM head shares
-    a 4-bit embedding; beside an 8-bit one it gets the embedding's exact values in bf16."""
+    4-bit projections in this CPU's 4-bit format (``kernels.q4_format``: the native block kernel,
+    ``BlockWeight``, or torch's ``Int4Weight``), an 8-bit embedding as 8-bit blocks (or looked up
+    by rows beside torch's kernel), everything dense in bf16 (a dense LM head is then packed for
+    oneDNN by ``optimize_layout``).  A tied LM head shares a 4-bit or 8-bit block embedding; beside
+    torch's kernel and an 8-bit embedding it gets the embedding's exact values in bf16."""
     from .gguf_q4 import assemble_q4
-    from .kernels import Int4Weight, Int8Rows, QuantizedRows
+    from .kernels import BlockWeight, Int4Weight, Int8Rows, QuantizedRows, q4_format, q4_weight
+    blocks = q4_format() == "blocks"
     formats = {}
     for name, w in list(weights.items()):
         if isinstance(w, QuantizedRows):
             mod = name.removesuffix(".weight")
-            formats[mod] = Int4Weight(weights.pop(name), weights.pop(f"{mod}.bias", None))
-        elif isinstance(w, Int8Rows):
-            formats[name.removesuffix(".weight")] = weights.pop(name)
+            formats[mod] = q4_weight(weights.pop(name), weights.pop(f"{mod}.bias", None))
+        elif isinstance(w, Int8Rows):  # beside torch's kernel: an embedding looked up by rows, a head in bf16
+            weights.pop(name)
+            if blocks or name == "tok_embeddings.weight":
+                formats[name.removesuffix(".weight")] = BlockWeight.from_int8(w) if blocks else w
+            else:
+                weights[name] = w.dense().to(torch.bfloat16)
     if config.tie_embeddings and "lm_head.weight" not in weights and "lm_head" not in formats:
         emb = formats.get("tok_embeddings")
-        if isinstance(emb, Int4Weight):
+        if isinstance(emb, (Int4Weight, BlockWeight)):
             formats["lm_head"] = emb
         else:
             dense = emb.dense() if emb is not None else weights["tok_embeddings.weight"]
@@ -547,16 +629,21 @@ def build_q4(config: ModelConfig, weights: dict, tokenizer=None, source=None) ->
 
 def quantize_model(model: Transformer) -> Transformer:
     """``model``'s projections as 4-bit groups of 32 (min-max per group, ``kernels.quantize``); the
-    embedding table and the LM head stay dense in bf16 (a 4-bit LM head costs far more quality than
-    it saves time, see ``gguf_q4``); the model keeps its fingerprint."""
-    from .kernels import quantize
+    embedding table and the LM head as 8-bit groups of 32 (GGUF's Q8_0, ``kernels.quantize_q8``)
+    where the native block kernel multiplies them, else dense in bf16 (a 4-bit LM head costs far
+    more quality than it saves time, see ``gguf_q4``); the model keeps its fingerprint."""
+    from .kernels import q4_format, quantize, quantize_q8
     fingerprint = model.fingerprint
     outer = ("tok_embeddings.weight", "lm_head.weight")
+    eight = q4_format() == "blocks" and model.config.hidden_size % 32 == 0
     weights = {}
     for k, v in model.dense_state().items():
         if k == "lm_head.weight" and model.config.tie_embeddings and torch.equal(v, model.tok_embeddings.dense_weight()):
             continue
-        weights[k] = quantize(v) if v.dim() == 2 and k not in outer else v.detach()
+        if v.dim() == 2:
+            weights[k] = quantize(v) if k not in outer else quantize_q8(v) if eight else v.detach()
+        else:
+            weights[k] = v.detach()
     out = build_q4(model.config, weights, model.tokenizer, model.source)
     out.set_fingerprint(fingerprint)
     return out

@@ -132,7 +132,7 @@ class Embedding(nn.Embedding):
     """``nn.Embedding`` whose table may be packed (4-bit groups, possibly shared with a tied LM head,
     or 8-bit rows): rows are dequantized as they are looked up."""
 
-    packed: kernels.Int4Weight | kernels.Int8Rows | None = None
+    packed: kernels.Int4Weight | kernels.Int8Rows | kernels.BlockWeight | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids) if self.packed is None else self.packed.rows(ids)
@@ -435,7 +435,8 @@ class Transformer(nn.Module):
     @property
     def dtype_name(self) -> str:
         """``"float32"``, ``"bfloat16"``, ... or ``"q4"`` when the projections hold 4-bit weights."""
-        if any(isinstance(lin.packed, kernels.Int4Weight) for lin in self.projections()):
+        if any(isinstance(lin.packed, kernels.Int4Weight) or getattr(lin.packed, "bits", 0) == 4
+               for lin in self.projections()):
             return "q4"
         return str(self.dtype).removeprefix("torch.")
 
@@ -481,7 +482,7 @@ class Transformer(nn.Module):
                 lin.pack(kernels.OneDNNWeight(w, lin.bias))
                 continue
             w = w.t().contiguous().t() if col else w.contiguous()
-            if lin is self.lm_head and self.config.tie_embeddings and not col:
+            if lin is self.lm_head and self.config.tie_embeddings and not col and self.tok_embeddings.packed is None:
                 w = self.tok_embeddings.weight
             lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad) if not isinstance(w, nn.Parameter) else w
         return self
@@ -562,6 +563,7 @@ def fingerprint_of(config: ModelConfig, weights) -> str:
     for name, p in sorted(items, key=lambda kv: kv[0]):
         flat = p.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 4096)].to(torch.bfloat16).float()  # same for fp32 and bf16 copies
+        sample = sample + 0.0  # -0.0 -> 0.0: a 4-bit block's zero has either sign, by how it is dequantized
         hsh.update(name.encode())
         hsh.update(str(tuple(p.shape)).encode())
         hsh.update(sample.cpu().numpy().tobytes())

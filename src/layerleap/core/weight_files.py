@@ -225,3 +225,77 @@ def read_json(path: Path, what: str = "file") -> dict:
     if not isinstance(obj, dict):
         raise ModelFileError(f"{path} holds JSON {type(obj).__name__}, not an object: repair or replace the {what}")
     return obj
+
+
+# -- a GGUF file's header, read without the tensors -------------------------------------------------
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]], int]:
+    """A GGUF file's metadata (scalars and strings; arrays skipped), its tensor infos ``(name, type
+    id, dims, offset)`` and where the tensor data starts, read with plain reads (the ``gguf`` reader
+    maps every tensor at once and fails without naming what is wrong in a truncated file).  A header
+    that does not parse raises ``ModelFileError`` naming the file."""
+    import mmap
+    import struct
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file
+            raise ModelFileError(f"{path} is empty: it is not a GGUF file") from None
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        v = struct.unpack_from(fmt, buf, pos)[0]
+        pos += struct.calcsize(fmt)
+        return v
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        if pos + n > len(buf):
+            raise struct.error("string past the end")
+        v = bytes(buf[pos:pos + n]).decode("utf-8", "replace")
+        pos += n
+        return v
+
+    def value(kind: int):
+        nonlocal pos
+        if kind in _GGUF_SCALARS:
+            return take(_GGUF_SCALARS[kind])
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item, n = take("<I"), take("<Q")
+            if item in _GGUF_SCALARS:
+                pos += n * struct.calcsize(_GGUF_SCALARS[item])
+            else:
+                for _ in range(n):
+                    value(item)
+            return None
+        raise struct.error(f"unknown value type {kind}")
+
+    try:
+        if bytes(buf[:4]) != b"GGUF":
+            raise ModelFileError(f"{path} does not start with GGUF's magic bytes: it is not a GGUF file")
+        pos = 4
+        version, n_tensors, n_kv = take("<I"), take("<Q"), take("<Q")
+        if version not in (2, 3):
+            raise ModelFileError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(take("<I"))
+        tensors = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = [take("<Q") for _ in range(take("<I"))]
+            tensors.append((name, take("<I"), dims, take("<Q")))
+        align = int(meta.get("general.alignment") or 32)
+        start = (pos + align - 1) // align * align
+    except struct.error:
+        raise ModelFileError(f"{path}: the GGUF header is cut short or corrupt: download or convert it again") from None
+    finally:
+        buf.close()
+    return meta, tensors, start

@@ -81,7 +81,7 @@ _ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _projection(lin):
     """(kind, a, b, bias, out, in) of a ``model.Linear`` for ``decoder.cpp``'s ``Proj``, or None."""
-    from ..kernels import Int4Weight, OneDNNWeight
+    from ..kernels import BlockWeight, Int4Weight, OneDNNWeight
     fmt = lin.packed
     if fmt is None:
         return 0, lin.weight, torch.empty(0), lin.bias, lin.out_features, lin.in_features
@@ -89,6 +89,8 @@ def _projection(lin):
         return 1, fmt.packed, torch.empty(0), fmt.bias, fmt.out_features, fmt.in_features
     if isinstance(fmt, Int4Weight):
         return 2, fmt.packed, fmt.scale_zero, fmt.bias, fmt.out_features, fmt.in_features
+    if isinstance(fmt, BlockWeight):
+        return 3, fmt.codes, fmt.dm, fmt.bias, fmt.out_features, fmt.in_features
     return None
 
 

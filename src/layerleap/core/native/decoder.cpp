@@ -17,12 +17,14 @@ using c10::optional;
 
 namespace {
 
-enum Kind : int64_t { DENSE = 0, ONEDNN = 1, INT4 = 2 };
+enum Kind : int64_t { DENSE = 0, ONEDNN = 1, INT4 = 2, BLOCKS = 3 };
+
+Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool portable);
 
 struct Proj {  // one projection: the weight format's tensors (see kernels.py)
   int64_t kind;
-  Tensor a;              // DENSE: weight [N, K]; ONEDNN: packed weight; INT4: packed codes [N', K/2]
-  Tensor b;              // INT4: scale_zero [K/32, N', 2]; else undefined
+  Tensor a;              // DENSE: weight [N, K]; ONEDNN: packed weight; INT4: packed codes [N', K/2]; BLOCKS: codes
+  Tensor b;              // INT4: scale_zero [K/32, N', 2]; BLOCKS: scales and minimums; else undefined
   optional<Tensor> bias;
   int64_t out;           // output features (INT4 cuts its padding)
   int64_t in;            // input features
@@ -52,6 +54,11 @@ Tensor project(const Proj& p, const Tensor& x, bool detour) {
     auto x2 = x.reshape({-1, p.in});
     if (x2.scalar_type() != p.a.scalar_type()) x2 = x2.to(p.a.scalar_type());
     return onednn_linear(x2, p.a, p.bias).view(sizes);
+  }
+  if (p.kind == BLOCKS) {  // BlockWeight.matmul
+    auto y = block_matmul(x.reshape({-1, p.in}), p.a, p.b, p.out, false);
+    if (p.bias.has_value()) y = y + p.bias->to(y.scalar_type());
+    return y.view(sizes).to(x.scalar_type());
   }
   auto x2 = x.reshape({-1, p.in}).to(at::kBFloat16);
   Tensor y;
@@ -280,6 +287,272 @@ Tensor attend_folded(const Tensor& q, const Tensor& k, const Tensor& v, const op
   return y.view({B, H, S, hd});
 }
 
+
+// -- 4-bit and 8-bit block products ---------------------------------------------------------------------
+// A weight in blocks (kernels.BlockWeight): codes of 16 output rows x 32 inputs (one group) lie together,
+// lane-major in 4-byte runs, so that one 64-byte vector holds 4 consecutive inputs of 16 rows:
+//   4-bit: codes [N/16, G, 4, 16, 4] bytes, vector i's low nibbles are inputs 8i..8i+3 of each row and
+//          its high nibbles inputs 8i+4..8i+7 (w = code * d + m, codes 0..15);
+//   8-bit: codes [N/16, G, 8, 16, 4] bytes, vector j holds inputs 4j..4j+3 (w = code * d + m, codes
+//          0..255; GGUF's Q8_0 as code = q + 128, m = -128 d).
+// dm [N/16, G, 2, 16] (fp16 or fp32): each group's scale d for 16 rows, then its minimum m.
+// Activations are rounded to 8 bits per group of 32 (llama.cpp's Q8_1): xq = round(x / dx), dx = amax / 127,
+// sx = dx * sum(xq).  Then y[s, n] = sum_g (d_g dx_g * sum_i code_i xq_i + m_g sx_g), the groups in
+// order, each group's integer sum exact: a row's result depends only on that row of x (never on how
+// many rows a call has or how they are split between threads), on every path.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LL_BLOCKS_ISA "avx512-vnni"
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define LL_BLOCKS_ISA "avx2"
+#include <immintrin.h>
+#else
+#define LL_BLOCKS_ISA "portable"
+#endif
+
+struct QX {  // activations rounded to 8 bits: [M, K] codes, [M, G] scales and scaled sums
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, QX& out) {
+  const int64_t G = K / 32;
+  out.q.resize(M * K);
+  out.d.resize(M * G);
+  out.s.resize(M * G);
+  for (int64_t r = 0; r < M * G; r++) {
+    const float* xr = x + r * 32;
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xr[i]));
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    int8_t* q = &out.q[r * 32];
+    for (int i = 0; i < 32; i++) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xr[i] * id));
+      q[i] = static_cast<int8_t>(std::max(-127, std::min(127, v)));
+      sum += q[i];
+    }
+    out.d[r] = d;
+    out.s[r] = d * static_cast<float>(sum);
+  }
+}
+
+static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// the portable path: the same sums and the same fused multiply-adds, one row of 16 lanes at a time
+template <int BITS, typename SC>
+static void blocks_portable(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
+                            int64_t nb1, float* y, int64_t N) {
+  constexpr int J = BITS == 4 ? 4 : 8;
+  auto val = [](SC v) -> float {
+    if constexpr (std::is_same_v<SC, float>) return v; else return half_to_float(v);
+  };
+  const int64_t K = G * 32;
+  for (int64_t nb = nb0; nb < nb1; nb++)
+    for (int64_t s = 0; s < M; s++) {
+      float acc[16] = {0};
+      for (int64_t g = 0; g < G; g++) {
+        const uint8_t* c = codes + (nb * G + g) * J * 64;
+        const SC* sc = dm + (nb * G + g) * 32;
+        const int8_t* x = &xq.q[s * K + g * 32];
+        const float dx = xq.d[s * G + g], sx = xq.s[s * G + g];
+        for (int l = 0; l < 16; l++) {
+          int32_t isum = 0;
+          for (int j = 0; j < 8; j++)
+            for (int t = 0; t < 4; t++) {
+              int32_t code;
+              if constexpr (BITS == 4) {
+                const uint8_t b = c[((j / 2) * 16 + l) * 4 + t];
+                code = j % 2 ? b >> 4 : b & 0x0F;
+              } else {
+                code = c[(j * 16 + l) * 4 + t];
+              }
+              isum += code * x[4 * j + t];
+            }
+          acc[l] = std::fma(static_cast<float>(isum), val(sc[l]) * dx, acc[l]);
+          acc[l] = std::fma(val(sc[16 + l]), sx, acc[l]);
+        }
+      }
+      for (int l = 0; l < 16 && nb * 16 + l < N; l++) y[s * N + nb * 16 + l] = acc[l];
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+template <typename SC>
+static inline __m512 load16(const SC* p) {
+  if constexpr (std::is_same_v<SC, float>) return _mm512_loadu_ps(p);
+  else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// T rows of activations against one block of 16 output rows (all groups)
+template <int BITS, typename SC, int T>
+static inline void blocks_tile(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G,
+                               int64_t nb, float* y, int64_t N) {
+  constexpr int J = BITS == 4 ? 4 : 8;
+  const int64_t K = G * 32;
+  __m512 acc[T];
+  for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* c = codes + (nb * G + g) * J * 64;
+    __m512i w[8];
+    if constexpr (BITS == 4) {
+      for (int i = 0; i < 4; i++) {
+        const __m512i p = _mm512_loadu_si512(c + i * 64);
+        w[2 * i] = _mm512_and_si512(p, low);
+        w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+      }
+    } else {
+      for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(c + j * 64);
+    }
+    const __m512 d = load16(dm + (nb * G + g) * 32), m = load16(dm + (nb * G + g) * 32 + 16);
+    for (int t = 0; t < T; t++) {
+      const int32_t* x = reinterpret_cast<const int32_t*>(&xq.q[(s0 + t) * K + g * 32]);
+      __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        a = _mm512_dpbusd_epi32(a, w[j], _mm512_set1_epi32(x[j]));
+        b = _mm512_dpbusd_epi32(b, w[j + 1], _mm512_set1_epi32(x[j + 1]));
+      }
+      const __m512i isum = _mm512_add_epi32(a, b);
+      const float dx = xq.d[(s0 + t) * G + g], sx = xq.s[(s0 + t) * G + g];
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[t]);
+      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), acc[t]);
+    }
+  }
+  const int64_t n0 = nb * 16, live = std::min<int64_t>(16, N - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1);
+  for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(y + (s0 + t) * N + n0, keep, acc[t]);
+}
+
+template <int BITS, typename SC>
+static void blocks_simd(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
+                        int64_t nb1, float* y, int64_t N) {
+  for (int64_t nb = nb0; nb < nb1; nb++)
+    for (int64_t s0 = 0; s0 < M; s0 += 8) {
+      switch (std::min<int64_t>(8, M - s0)) {
+        case 1: blocks_tile<BITS, SC, 1>(codes, dm, xq, s0, G, nb, y, N); break;
+        case 2: blocks_tile<BITS, SC, 2>(codes, dm, xq, s0, G, nb, y, N); break;
+        case 3: blocks_tile<BITS, SC, 3>(codes, dm, xq, s0, G, nb, y, N); break;
+        case 4: blocks_tile<BITS, SC, 4>(codes, dm, xq, s0, G, nb, y, N); break;
+        case 5: blocks_tile<BITS, SC, 5>(codes, dm, xq, s0, G, nb, y, N); break;
+        case 6: blocks_tile<BITS, SC, 6>(codes, dm, xq, s0, G, nb, y, N); break;
+        case 7: blocks_tile<BITS, SC, 7>(codes, dm, xq, s0, G, nb, y, N); break;
+        default: blocks_tile<BITS, SC, 8>(codes, dm, xq, s0, G, nb, y, N); break;
+      }
+    }
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+template <typename SC>
+static inline __m256 load8(const SC* p) {
+  if constexpr (std::is_same_v<SC, float>) return _mm256_loadu_ps(p);
+  else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// T rows against 8 of a block's 16 output rows (half h)
+template <int BITS, typename SC, int T>
+static inline void blocks_tile(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G,
+                               int64_t nb, int h, float* y, int64_t N) {
+  constexpr int J = BITS == 4 ? 4 : 8;
+  const int64_t K = G * 32;
+  __m256 acc[T];
+  for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* c = codes + (nb * G + g) * J * 64 + h * 32;
+    __m256i w[8];
+    if constexpr (BITS == 4) {
+      for (int i = 0; i < 4; i++) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i * 64));
+        w[2 * i] = _mm256_and_si256(p, low);
+        w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      }
+    } else {
+      for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64));
+    }
+    const __m256 d = load8(dm + (nb * G + g) * 32 + h * 8), m = load8(dm + (nb * G + g) * 32 + 16 + h * 8);
+    for (int t = 0; t < T; t++) {
+      const int32_t* x = reinterpret_cast<const int32_t*>(&xq.q[(s0 + t) * K + g * 32]);
+      __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j += 2) {
+        a = dot_u8s8(a, w[j], _mm256_set1_epi32(x[j]));
+        b = dot_u8s8(b, w[j + 1], _mm256_set1_epi32(x[j + 1]));
+      }
+      const __m256i isum = _mm256_add_epi32(a, b);
+      const float dx = xq.d[(s0 + t) * G + g], sx = xq.s[(s0 + t) * G + g];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[t]);
+    }
+  }
+  const int64_t n0 = nb * 16 + h * 8;
+  for (int t = 0; t < T; t++) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[t]);
+    for (int l = 0; l < 8 && n0 + l < N; l++) y[(s0 + t) * N + n0 + l] = out[l];
+  }
+}
+
+template <int BITS, typename SC>
+static void blocks_simd(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
+                        int64_t nb1, float* y, int64_t N) {
+  for (int64_t nb = nb0; nb < nb1; nb++)
+    for (int h = 0; h < 2; h++)
+      for (int64_t s0 = 0; s0 < M; s0 += 4) {
+        switch (std::min<int64_t>(4, M - s0)) {
+          case 1: blocks_tile<BITS, SC, 1>(codes, dm, xq, s0, G, nb, h, y, N); break;
+          case 2: blocks_tile<BITS, SC, 2>(codes, dm, xq, s0, G, nb, h, y, N); break;
+          case 3: blocks_tile<BITS, SC, 3>(codes, dm, xq, s0, G, nb, h, y, N); break;
+          default: blocks_tile<BITS, SC, 4>(codes, dm, xq, s0, G, nb, h, y, N); break;
+        }
+      }
+}
+#endif
+
+// x [M, K] (fp32 or bf16) times a block weight (see above) -> [M, N] fp32.  portable: the scalar path
+// even where a vector path was built (for tests).
+Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "block_matmul: x [M, K] with K a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && dm.is_contiguous(),
+              "block_matmul: contiguous uint8 codes and scales");
+  TORCH_CHECK(dm.scalar_type() == at::kFloat || dm.scalar_type() == at::kHalf, "block_matmul: fp32 or fp16 scales");
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32, NB = (N + 15) / 16;
+  TORCH_CHECK(dm.numel() == NB * G * 32, "block_matmul: scales do not fit the shape");
+  const int64_t per = codes.numel() / (NB * G * 64);
+  TORCH_CHECK((per == 4 || per == 8) && codes.numel() == NB * G * 64 * per, "block_matmul: codes do not fit the shape");
+  auto xf = x.to(at::kFloat).contiguous();
+  QX xq;
+  quantize_rows(xf.data_ptr<float>(), M, K, xq);
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, NB / (4 * std::max(1, at::get_num_threads())));
+  auto run = [&](auto* sc) {
+    using SC = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
+    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+#if defined(__AVX512VNNI__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
+      if (!portable) {
+        if (per == 4) blocks_simd<4, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+        else blocks_simd<8, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+        return;
+      }
+#endif
+      if (per == 4) blocks_portable<4, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+      else blocks_portable<8, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+    });
+  };
+  if (dm.scalar_type() == at::kFloat) run(dm.data_ptr<float>());
+  else run(reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()));
+  return y;
+}
+
+std::string blocks_isa() { return LL_BLOCKS_ISA; }
 }  // namespace
 
 // Model.run_layers over layers [0, L') of the given stacks, cache rows all starting at `start` (the
@@ -338,4 +611,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("attend_rows", &attend_rows, "attention for a few new tokens, row by row (see decoder.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("block_matmul", &block_matmul, "x times a 4- or 8-bit block weight (see decoder.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("blocks_isa", &blocks_isa, "the vector path block_matmul was built with");
 }

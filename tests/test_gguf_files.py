@@ -1,0 +1,209 @@
+"""Any GGUF file as a llama.cpp user has it: ``layerleap.load("model.gguf")`` on tiny random Llama,
+Qwen2 and Mistral files written here with the ``gguf`` package (F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K,
+Q5_K, Q6_K tensors), their own tokenizer and chat template; a truncated file, an unsupported
+architecture or tensor type gets one line naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import layerleap
+from layerleap.core import kernels
+from layerleap.core.config import ConfigError
+from layerleap.core.loading import check_gguf
+from layerleap.core.weight_files import ModelFileError
+
+gguf = pytest.importorskip("gguf")
+
+D, FF, LAYERS, HEADS, KV = 256, 512, 2, 4, 2  # 256: Q4_K/Q5_K/Q6_K super-blocks fit the rows
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _vocab() -> tuple[list[str], list[str], list[int]]:
+    """A byte-level BPE vocabulary: the 256 byte symbols, a few merges, three special tokens."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    byte = sorted(ByteLevel.alphabet())
+    merges = ["h e", "l l", "he ll", "o Ġ"]
+    tokens = byte + ["he", "ll", "hell", "oĠ", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types = [1] * (len(tokens) - 3) + [3, 3, 3]
+    return tokens, merges, types
+
+
+def _raw_blocks(qtype, n_rows: int, n_cols: int, rng) -> np.ndarray:
+    """Random blocks of a type gguf cannot quantize to: random codes, small finite fp16 scales."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n_rows * n_cols // block, nbytes), dtype=np.uint8)
+    halves = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q5_K: (0, 2),
+              gguf.GGMLQuantizationType.Q6_K: (nbytes - 2, 1)}[qtype]
+    start, n = halves
+    raw[:, start:start + 2 * n] = (rng.random((raw.shape[0], n)) * 0.002 + 1e-4).astype(np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # 16 signed 8-bit sub-block scales: keep them small
+        raw[:, 192:208] = rng.integers(1, 8, (raw.shape[0], 16), dtype=np.uint8)
+    return raw.reshape(n_rows, -1)
+
+
+def write_gguf(path: Path, qtype: str = "Q4_0", arch: str = "llama", head: str | None = None,
+               seed: int = 0, rope_theta: float = 10000.0) -> Path:
+    """A tiny random model as a GGUF file: layer matrices in ``qtype``, the embedding in Q8_0 (tied)
+    or ``head`` (an untied output matrix in that type), norms in F32."""
+    rng = np.random.default_rng(seed)
+    tokens, merges, types = _vocab()
+    V, hd = len(tokens), D // HEADS
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_context_length(256)
+    w.add_embedding_length(D)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FF)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(V - 2)
+    w.add_eos_token_id(V - 1)
+    w.add_chat_template(TEMPLATE)
+    Q = gguf.GGMLQuantizationType
+
+    def add(name: str, shape: tuple[int, int], kind: str) -> None:
+        t = Q[kind]
+        if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            w.add_tensor(name, _raw_blocks(t, *shape, rng), raw_dtype=t)
+            return
+        dense = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+        if t == Q.F32:
+            w.add_tensor(name, dense)
+        elif t == Q.F16:
+            w.add_tensor(name, dense.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(dense, t), raw_dtype=t)
+
+    add("token_embd.weight", (V, D), "Q8_0")
+    if head:
+        add("output.weight", (V, D), head)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    for i in range(LAYERS):
+        for name, shape in (("attn_q", (HEADS * hd, D)), ("attn_k", (KV * hd, D)), ("attn_v", (KV * hd, D)),
+                            ("attn_output", (D, HEADS * hd)), ("ffn_gate", (FF, D)), ("ffn_up", (FF, D)),
+                            ("ffn_down", (D, FF))):
+            add(f"blk.{i}.{name}.weight", shape, qtype)
+        if arch == "qwen2":
+            for name, n in (("attn_q", HEADS * hd), ("attn_k", KV * hd), ("attn_v", KV * hd)):
+                w.add_tensor(f"blk.{i}.{name}.bias", (0.1 * rng.standard_normal(n)).astype(np.float32))
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _tmp_cache(tmp_path, monkeypatch):
+    blocks = kernels.blocks_available()  # the native module, found (and kept) in the real cache first
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(kernels.KERNEL_ENV, "dense")  # skip the one-time kernel measurements
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks" if blocks else "torch")
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids]))[0].float()
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_every_common_type_loads_dense_and_q4(tmp_path, qtype):
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
+    msgs = []
+    dense = layerleap.load(str(path), dtype="float32", progress=msgs.append)
+    q4 = layerleap.load(str(path), dtype="q4", progress=msgs.append)
+    assert q4.dtype_name == "q4" and q4.fingerprint == dense.fingerprint
+    assert dense.config.n_layers == LAYERS and dense.config.hidden_size == D
+    kept = qtype in ("Q4_0", "Q4_1", "Q4_K")
+    note = [m for m in msgs if m.startswith("4-bit weights")]
+    assert len(note) == 1 and (("re-quantized" in note[0]) != kept) and (kept or qtype in note[0])
+    if kept:  # 4-bit blocks kept as stored: the q4 model holds the dense model's values exactly
+        for a, b in zip(q4.projections()[:-1], dense.projections()[:-1]):
+            assert torch.equal(a.dense_weight().float(), b.dense_weight().float())
+    ids = q4.tokenizer.encode("hello hello")
+    a, b = _logits(dense, ids), _logits(q4, ids)
+    assert (a - b).abs().max() < (0.1 if kept else 0.3) * a.abs().max()  # re-quantized: 4-bit min-max error
+    again = []
+    layerleap.load(str(path), dtype="q4", progress=again.append)  # the cache: no conversion message
+    assert not any(m.startswith("4-bit weights") for m in again)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_files_with_an_untied_head(tmp_path, arch):
+    """llama.cpp writes Mistral models under the ``llama`` architecture (rope theta 1e6 here)."""
+    path = write_gguf(tmp_path / f"tiny-{arch}.gguf", "Q4_K", arch="qwen2" if arch == "qwen2" else "llama",
+                      head="Q6_K", rope_theta=1e6 if arch == "mistral" else 1e4)
+    msgs = []
+    dense = layerleap.load(str(path), dtype="float32", progress=msgs.append)
+    q4 = layerleap.load(str(path), dtype="q4", progress=msgs.append)
+    assert dense.config.qkv_bias == (arch == "qwen2") and dense.config.rope_theta == (1e6 if arch == "mistral" else 1e4)
+    assert not dense.config.tie_embeddings
+    assert any("lm_head.weight (Q8_0 from Q6_K)" in m for m in msgs)
+    ids = q4.tokenizer.encode("hello")
+    a, b = _logits(dense, ids), _logits(q4, ids)
+    assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    m = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    tok = m.tokenizer
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    out = layerleap.generate(m, "hello", max_new_tokens=5, chat=True, stop_at_eos=False)
+    assert len(out.token_ids) == 5
+
+
+def test_a_truncated_file_is_named_before_any_tensor_is_read(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelFileError, match="cut.gguf is truncated: tensor .* download it again"):
+        layerleap.load(str(cut), dtype="q4")
+    cut.write_bytes(data[:100])
+    with pytest.raises(ModelFileError, match="the GGUF header is cut short or corrupt"):
+        layerleap.load(str(cut))
+    cut.write_bytes(b"PK\x03\x04" + data[4:])
+    with pytest.raises(ModelFileError, match="magic bytes: it is not a GGUF file"):
+        layerleap.load(str(cut))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("gguf-*"))
+
+
+def test_unsupported_architecture_or_type_is_one_line(tmp_path):
+    path = write_gguf(tmp_path / "falcon.gguf", "Q4_0", arch="falcon")
+    with pytest.raises(ConfigError, match="architecture 'falcon' is not supported") as e:
+        check_gguf(path)
+    assert "\n" not in str(e.value)
+    path = write_gguf(tmp_path / "q5_0.gguf", "Q5_0")
+    with pytest.raises(ConfigError, match="of GGUF type Q5_0, which layerleap does not read") as e:
+        layerleap.load(str(path), dtype="q4")
+    assert "\n" not in str(e.value)
+
+
+def test_cli_takes_a_gguf_path(tmp_path, capsys):
+    from layerleap.cli import main
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_1")
+    code = main(["generate", "--model", str(path), "--dtype", "q4", "--prompt", "hello", "--max-new-tokens", "3",
+                 "--json"])
+    out = capsys.readouterr()
+    assert code == 0 and json.loads(out.out)["stats"]["new_tokens"] == 3
+    assert main(["generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "missing.gguf" in err and "Traceback" not in err

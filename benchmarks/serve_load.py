@@ -134,7 +134,8 @@ def main() -> None:
     batch_lines = [ln for ln in metrics.splitlines() if ln.startswith("layerleap_batch_size_")]
     report = {
         "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]),
-        "cpu": cpu_signature(), "cores": os.cpu_count(), "load_average_before": load_before, "load_average_after": load_after,
+        "cpu": cpu_signature(), "cores": os.cpu_count(),
+        "load_average_before": load_before, "load_average_after": load_after,
         "model": args.model, "dtype": args.dtype, "method": args.method, "options": args.opt or [],
         "server_threads": args.threads, "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
         "max_batch": args.max_batch, "max_running": args.max_running,

@@ -212,7 +212,8 @@ class Record:
 def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult,
             greedy_type: bool) -> Record:
     s = res.stats
-    return Record(i, prompt.id, prompt.category, label, method, plain_options(options), s["new_tokens"], len(res.prompt_ids),
+    return Record(i, prompt.id, prompt.category, label, method, plain_options(options), s["new_tokens"],
+                  len(res.prompt_ids),
                   s["wall_s"], s["tokens_per_s"], s["ttft_s"], s["model_calls"], s["layers_per_token"],
                   s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids),
                   acceptance=acceptance(s))
@@ -470,7 +471,8 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     save = (lambda: write_json(out, result.to_dict())) if out else (lambda: None)
     save()
     runner = _Runner(model, methods, ref, chat, sampling, extras, repeat)
-    bar = tqdm(total=len(prompts) * len(result.labels) * repeat, desc="bench", unit="run", disable=not progress, leave=False)
+    bar = tqdm(total=len(prompts) * len(result.labels) * repeat, desc="bench", unit="run",
+               disable=not progress, leave=False)
     try:
         if hf_baseline:
             bar.set_postfix_str(f"{HF_LABEL} model")

@@ -32,5 +32,6 @@ from .medusa import DEFAULT_TREE, decode_tree
 
 @register("hidden-transfer", batched=True, sampling=True, exact=True)
 def hidden_transfer(run: Run, *, tree=DEFAULT_TREE, transfer="trained"):
-    """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=): greedy-exact; lossless sampling."""
+    """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=):
+    greedy-exact; lossless sampling."""
     yield from decode_tree(run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter)

@@ -32,5 +32,6 @@ def decode_tree(run: Run, kind: str, name: str, tree, spec, drafter_cls):
 
 @register("medusa", batched=True, sampling=True, exact=True)
 def medusa(run: Run, *, tree=DEFAULT_TREE, heads="trained"):
-    """Medusa heads drafting a candidate tree (tree=, heads=), verified with tree attention: greedy-exact; lossless sampling."""
+    """Medusa heads drafting a candidate tree (tree=, heads=), verified with tree attention: greedy-exact;
+    lossless sampling."""
     yield from decode_tree(run, "medusa", "medusa", tree, heads, MedusaDrafter)

@@ -54,7 +54,8 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
 @register("self-spec", batched=True, sampling=True, exact=True)
 def self_spec(run: Run, *, exit_layer: int | None = None, draft_len: int = 3, min_confidence: float = 0.0,
               head="auto"):
-    """Self-speculative decoding: draft with layers [0, exit_layer) + exit head, verify with one full pass reusing their KV (greedy-exact; lossless sampling)."""
+    """Self-speculative decoding: draft with layers [0, exit_layer) + exit head, verify with one full pass
+    reusing their KV (greedy-exact; lossless sampling)."""
     from ..drafters.exit_heads import get_head
     d = run.n_layers
     E = default_exit_layer(d) if exit_layer is None else exit_layer

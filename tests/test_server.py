@@ -172,7 +172,16 @@ BAD = [
     ({"prompt": ["a", "b"]}, 400, None),
     ({"prompt": ""}, 400, None),
     ({"prompt": "a", "stream": "yes"}, 400, None),
+    ({"prompt": "a", "stream": True, "stream_options": "x"}, 400, None),
+    ({"prompt": "a", "temperature": "0.5"}, 400, None),
+    ({"prompt": "a", "seed": -1}, 400, None),
+    ({"prompt": "a", "max_tokens": 2, "frobnicate": 1}, 400, None),
+    ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, None),
+    ({"prompt": "a", "min_p": 0.1}, 400, None),
 ]
+PARAMS = {"stream_options": "stream_options", "temperature": "temperature", "seed": "seed", "frobnicate": "frobnicate",
+          "response_format": "response_format", "min_p": "min_p", "stream": "stream", "n": "n", "stop": "stop",
+          "logprobs": "logprobs", "max_tokens": "max_tokens"}
 
 
 @pytest.mark.parametrize("body,status,code", BAD, ids=[str(i) for i in range(len(BAD))])
@@ -183,6 +192,9 @@ def test_bad_requests_get_openai_errors(tiny_server, body, status, code):
     assert err["message"] and err["type"] == "invalid_request_error" and "Traceback" not in r.text
     if code:
         assert err["code"] == code
+    named = [PARAMS[k] for k in body if k in PARAMS and k != "prompt"] if isinstance(body, dict) else []
+    if status == 400 and len(named) == 1 and body.get(named[0]) not in (None,) and not code:
+        assert err["param"] == named[0] and named[0] in err["message"], err
 
 
 def test_junk_option_values_never_give_a_server_error(tiny_server):

@@ -8,10 +8,12 @@ batch key, i.e. the same batching method, options and settings, decode as one ``
 method round each in turn.  The rounds run
 in one worker thread, so model calls never overlap and the event loop stays free to take requests.
 A job whose client went away is cancelled: dropped while it waits, its row stopped while it runs
-(a batch ends when all its rows have).
+(a batch ends when all its rows have); a job that waits longer than ``queue_timeout`` seconds fails.
 
 Text goes out as ``layerleap.streaming.TextPieces`` cuts it (whole characters, joining to the
-final text) through a ``StopText`` filter for OpenAI's ``stop`` strings.
+final text) through a ``StopText`` filter for OpenAI's ``stop`` strings; a row that emits one of its
+``stop_token_ids`` ends before that token.  Detokenizing runs in the worker thread, beside the model
+calls, so the event loop only moves finished pieces.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
-from .decoding import Decoding, get_method
-from .core.run import GenerationConfig, GenerationResult
-from .errors import LayerleapError
 from .core.model import Transformer
+from .core.run import GenerationConfig, GenerationResult
+from .decoding import Decoding, get_method
+from .errors import LayerleapError
 from .streaming import TextPieces
 
 
@@ -44,7 +48,8 @@ class Settings:
     def decoding(self, model: Transformer, prompts) -> Decoding:
         g = self.gen
         return Decoding(model, prompts, self.method, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
-                        top_p=g.top_p, seed=g.seed, do_sample=g.do_sample, **self.options)
+                        top_p=g.top_p, seed=g.seed, do_sample=g.do_sample, stop_at_eos=g.stop_at_eos,
+                        **self.options)
 
     def batch_key(self, serial: int) -> tuple:
         """Jobs with equal keys may decode as one batch: a batching method with the same options and
@@ -55,7 +60,7 @@ class Settings:
             return ("alone", serial)
         sampling = (g.temperature, g.top_k, g.top_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
-        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling)
+        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos)
 
 
 class StopText:
@@ -89,8 +94,9 @@ class StopText:
 class Finish:
     """How a job ended: its result (tokens, stats) and OpenAI's finish reason."""
     result: GenerationResult
-    reason: str  # "stop" (EOS or a stop string) or "length"
+    reason: str  # "stop" (EOS, a stop string or a stop token) or "length"
     text: str  # all the text sent
+    completion_tokens: int  # the tokens the answer holds (a stop token's round may have made more)
 
 
 _serial = itertools.count()
@@ -99,19 +105,34 @@ _serial = itertools.count()
 class Job:
     """One request in the queue (see the module docstring for its events)."""
 
-    def __init__(self, prompt_ids: list[int], settings: Settings, stops: list[str] | None = None):
+    def __init__(self, prompt_ids: list[int], settings: Settings, stops: list[str] | None = None,
+                 stop_token_ids: tuple[int, ...] = ()):
         self.prompt_ids, self.settings = prompt_ids, settings
         self.serial = next(_serial)
         self.key = settings.batch_key(self.serial)
         self.events: asyncio.Queue = asyncio.Queue()
         self.stop = StopText(stops or [])
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.cut: int | None = None  # tokens kept when a stop token ended the row
         self.text: list[str] = []
         self.cancelled = False
         self.finished = False
+        self.reason: str | None = None  # OpenAI's finish reason, once done
+        self.t_submit = time.monotonic()
+        self.t_start: float | None = None  # when its batch took it
+        self.t_first: float | None = None  # when its first text went out
+
+    def tokens(self, toks: list[int]) -> list[int]:
+        """The row's tokens up to (not including) its first stop token."""
+        if self.cut is None and self.stop_token_ids:
+            self.cut = next((n for n, t in enumerate(toks) if t in self.stop_token_ids), None)
+        return toks if self.cut is None else toks[:self.cut]
 
     def send(self, piece: str) -> None:
         piece = self.stop.push(piece)
         if piece:
+            if self.t_first is None:
+                self.t_first = time.monotonic()
             self.text.append(piece)
             self.events.put_nowait(("text", piece))
 
@@ -120,10 +141,11 @@ class Job:
             return
         self.send_rest()
         toks = result.token_ids
-        reason = "stop" if self.stop.hit or (toks and toks[-1] in eos_ids) or \
+        reason = "stop" if self.stop.hit or self.cut is not None or (toks and toks[-1] in eos_ids) or \
             len(toks) < self.settings.max_new_tokens else "length"
-        self.finished = True
-        self.events.put_nowait(("done", Finish(result, reason, "".join(self.text))))
+        self.finished, self.reason = True, reason
+        n = len(toks) if self.cut is None else self.cut
+        self.events.put_nowait(("done", Finish(result, reason, "".join(self.text), n)))
 
     def send_rest(self) -> None:
         rest = self.stop.finish()
@@ -146,19 +168,38 @@ class Batch:
         self.pieces = [TextPieces(model.tokenizer) for _ in jobs]
         self.rounds = iter(self.decoding)
         self.over = False
+        now = time.monotonic()
+        for job in jobs:
+            job.t_start = now
 
-    def step(self) -> list[int] | None:
-        """One method round (in the worker thread): the rows that grew, or None when the batch ended."""
-        return next(self.rounds, None)
-
-    def dispatch(self, grew: list[int] | None) -> None:
-        """Send the new text of the rows that grew; finish the jobs whose rows ended (on the event loop)."""
+    def step(self) -> tuple[list[int] | None, dict[int, str]]:
+        """One method round and its text (in the worker thread): (the rows that grew, or None when the
+        batch ended; each grown or ended row's new text)."""
         d = self.decoding
+        grew = next(self.rounds, None)
+        texts = {}
         for i in grew or []:
+            job = self.jobs[i]
+            if job.finished or job.cancelled:
+                continue
+            texts[i] = self.pieces[i].push(job.tokens(d.tokens(i)))
+            if job.cut is not None:
+                d.cancel(i)  # a stop token: the row ends here
+        if grew is None:
+            for i, job in enumerate(self.jobs):
+                if d.results[i] is not None and not job.finished:
+                    texts[i] = self.pieces[i].finish(job.tokens(d.results[i].token_ids))
+        return grew, texts
+
+    def dispatch(self, grew: list[int] | None, texts: dict[int, str]) -> None:
+        """Send the rows' new text; stop rows that hit a stop string; finish the jobs whose rows ended
+        (on the event loop)."""
+        d = self.decoding
+        for i, text in texts.items():
             job = self.jobs[i]
             if job.finished:
                 continue
-            job.send(self.pieces[i].push(d.tokens(i)))
+            job.send(text)
             if job.stop.hit:
                 d.cancel(i)
         if grew is None:
@@ -168,8 +209,6 @@ class Batch:
                 if d.results[i] is None:  # cancelled before it started
                     job.fail(LayerleapError("cancelled"))
                     continue
-                if not job.finished and not job.stop.hit:
-                    job.send(self.pieces[i].finish(d.results[i].token_ids))
                 job.done(d.results[i], eos)
 
     def cancel_gone(self) -> None:
@@ -183,13 +222,27 @@ class Batch:
             job.fail(error)
 
 
+class QueueTimeout(LayerleapError):
+    """A job waited in the queue longer than the server's ``queue_timeout``."""
+
+
 class Scheduler:
-    """Waiting jobs, running batches, and the task that serves them (``start()`` on the event loop)."""
+    """Waiting jobs, running batches, and the task that serves them (``start()`` on the event loop).
+    ``on_cancel(job, stage)`` hears of each client that went away ("waiting" or "running");
+    ``on_batch_done(batch)`` of each batch that ended, ``on_timeout()`` of each job that waited too long.
+    ``idle()``, while ``has_idle_work()``, runs one short step of background work (in the worker thread)
+    whenever no request waits or runs."""
 
     def __init__(self, model: Transformer, max_batch: int = 8, max_running: int = 2, max_waiting: int = 256,
-                 on_batch_done: Callable[[Batch], None] | None = None):
+                 on_batch_done: Callable[[Batch], None] | None = None, queue_timeout: float = 600.0,
+                 on_cancel: Callable[[Job, str], None] | None = None, on_timeout: Callable[[], None] | None = None,
+                 idle: Callable[[], None] | None = None, has_idle_work: Callable[[], bool] = lambda: False):
         self.model, self.max_batch, self.max_running, self.max_waiting = model, max_batch, max_running, max_waiting
+        self.queue_timeout = queue_timeout
         self.on_batch_done = on_batch_done or (lambda batch: None)
+        self.on_cancel = on_cancel or (lambda job, stage: None)
+        self.on_timeout = on_timeout or (lambda: None)
+        self.idle, self.has_idle_work = idle, has_idle_work
         self.waiting: list[Job] = []
         self.running: list[Batch] = []
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="layerleap-model")
@@ -206,7 +259,9 @@ class Scheduler:
                 await self.task
             except asyncio.CancelledError:
                 pass
-        self.executor.shutdown(wait=True)
+        for job in self.waiting + [j for b in self.running for j in b.jobs]:
+            job.fail(LayerleapError("the server is shutting down"))
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     async def run_in_worker(self, fn, *args):
         """``fn(*args)`` in the model thread (between rounds): e.g. loading a model an option names."""
@@ -221,17 +276,33 @@ class Scheduler:
         return True
 
     def cancel(self, job: Job) -> None:
+        """The client of ``job`` went away: drop it if it waits, stop its row if it runs."""
+        if job.finished or job.cancelled:
+            return
         job.cancelled = True
         if job in self.waiting:
             self.waiting.remove(job)
+            self.on_cancel(job, "waiting")
             job.fail(LayerleapError("cancelled"))
+            return
         for batch in self.running:
             if job in batch.jobs:
+                self.on_cancel(job, "running")
                 batch.cancel_gone()
+
+    def _expire(self) -> None:
+        """Fail the jobs that waited longer than ``queue_timeout``."""
+        now = time.monotonic()
+        for job in [j for j in self.waiting if now - j.t_submit > self.queue_timeout]:
+            self.waiting.remove(job)
+            self.on_timeout()
+            job.fail(QueueTimeout(f"the request waited {now - job.t_submit:.0f} s in the queue, over the server's "
+                                  f"limit of {self.queue_timeout:g} s: retry later"))
 
     def _admit(self) -> None:
         """While fewer than ``max_running`` batches run: the oldest waiting job and the waiting jobs with
         its batch key (up to ``max_batch``) become a new batch."""
+        self._expire()
         while self.waiting and len(self.running) < self.max_running:
             key = self.waiting[0].key
             jobs = [j for j in self.waiting if j.key == key][:self.max_batch]
@@ -246,13 +317,19 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while True:
             if not self.waiting and not self.running:
+                if self.idle is not None and self.has_idle_work():
+                    try:
+                        await loop.run_in_executor(self.executor, self.idle)
+                    except Exception:
+                        logging.getLogger("layerleap.server").exception("background work failed")
+                    continue
                 self.wake.clear()
                 await self.wake.wait()
             self._admit()
             for batch in list(self.running):
                 try:
-                    grew = await loop.run_in_executor(self.executor, batch.step)
-                    batch.dispatch(grew)
+                    grew, texts = await loop.run_in_executor(self.executor, batch.step)
+                    batch.dispatch(grew, texts)
                 except Exception as e:  # noqa: BLE001  (a failed batch answers its requests; the server goes on)
                     batch.fail(e)
                 if batch.over:

@@ -30,6 +30,17 @@ def _setup(p):
                    "call at a time in turn (default 2)")
     p.add_argument("--max-waiting", type=V.int_arg(1, 1_000_000), default=256,
                    help="queued requests before 429 (default 256)")
+    p.add_argument("--max-body", type=V.int_arg(1024, 1 << 30), default=2 << 20, help="request body bytes, at most "
+                   "(default 2 MiB; more is a 413)")
+    p.add_argument("--max-prompt-tokens", type=V.int_arg(1, 10_000_000), default=None, help="prompt tokens, at most "
+                   "(default: the context less one)")
+    p.add_argument("--queue-timeout", type=V.float_arg(0.1, 86400), default=600.0, help="seconds a request may wait "
+                   "for its turn before a 503 (default 600)")
+    p.add_argument("--drain-seconds", type=V.float_arg(0, 86400), default=30.0, help="on SIGTERM or Ctrl-C, seconds "
+                   "the requests under way get to finish (default 30)")
+    p.add_argument("--shadow-share", type=V.float_arg(0, 1), default=0.0, help="share of lossy-method requests "
+                   "re-decoded greedily when idle, for /metrics' agreement with greedy (default 0: off)")
+    p.add_argument("--no-access-log", action="store_true", help="do not log one line per request to stderr")
 
 
 @_setup
@@ -49,11 +60,27 @@ def run_serve(args) -> int:
     options = resolve_models(args.method, options, loader)
     Decoding(model, [0], args.method, 1, **options)  # the default method and options are valid
     cfg = ServerConfig(args.name or args.model, args.method, options, args.max_tokens, args.max_batch,
-                       args.max_running, args.max_waiting, loadable=tuple(PACKAGED) + tuple(loader.models))
+                       args.max_running, args.max_waiting, loadable=tuple(PACKAGED) + tuple(loader.models),
+                       max_body_bytes=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
+                       queue_timeout=args.queue_timeout, shadow_share=args.shadow_share)
+    if not args.no_access_log:
+        _access_log()
     _say(f"serving {cfg.model_name} ({args.dtype}, {threads} threads) with {args.method} "
          f"on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
-    uvicorn.run(create_app(model, cfg, loader), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(model, cfg, loader), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.drain_seconds)
     return 0
+
+
+def _access_log() -> None:
+    """One line per request on stderr: client, method and path, status, milliseconds."""
+    import logging
+    log = logging.getLogger("layerleap.access")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def _check_bind(host: str, port: int) -> None:

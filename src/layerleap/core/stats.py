@@ -83,6 +83,16 @@ class TreeStats(Record):
 
 
 @dataclass
+class AutoStats(Record):
+    """``auto``: nodes per tree, the rounds of each kind of call and the switches between them (the
+    whole batch's)."""
+    tree_nodes: int
+    lookup_rounds: int
+    transfer_rounds: int
+    mode_switches: int
+
+
+@dataclass
 class CompanionStats(Record):
     """A second model's meters (``name`` "draft" or "small"), the whole batch's; flat as
     ``<name>_calls``, ``<name>_layer_evals``, ``<name>_prompt_layer_evals``."""
@@ -172,6 +182,7 @@ class Stats(Mapping):
     self_spec: SelfSpecStats | None = None
     lookup: LookupStats | None = None
     tree: TreeStats | None = None
+    auto: AutoStats | None = None
     bild: BildStats | None = None
     ppd: PPDStats | None = None
     skip: SkipStats | None = None
@@ -200,6 +211,6 @@ class Stats(Mapping):
 
 RECORD_FIELDS: dict[type, str] = {
     ExitStats: "exit", DraftStats: "draft", CompanionStats: "companion", SpeculativeStats: "speculative",
-    SelfSpecStats: "self_spec", LookupStats: "lookup", TreeStats: "tree", BildStats: "bild", PPDStats: "ppd",
-    SkipStats: "skip",
+    SelfSpecStats: "self_spec", LookupStats: "lookup", TreeStats: "tree", AutoStats: "auto", BildStats: "bild",
+    PPDStats: "ppd", SkipStats: "skip",
 }

@@ -230,6 +230,20 @@ class Candidates:
         tokens = draft_tokens(buffers, root, topk)
         return cls(root, tokens[1:], buffers.parents[1:] - 1, None, buffers.mask, buffers.depths)
 
+    @classmethod
+    def from_parents(cls, root: int, tokens: list[int], parents: list[int]) -> "Candidates":
+        """A tree of drafts ``tokens`` with ``parents`` (-1: a child of the root; parents before their
+        children), its mask and depths computed from the parents."""
+        k = len(tokens)
+        depths = [0] * (k + 1)  # root first
+        mask = torch.eye(k + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for j, p in enumerate(parents, start=1):
+            depths[j] = depths[p + 1] + 1
+            mask[j] |= mask[p + 1]
+        return cls(root, torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None,
+                   mask, torch.tensor(depths, dtype=torch.long))
+
     @property
     def k(self) -> int:
         return int(self.tokens.shape[0])

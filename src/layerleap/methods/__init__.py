@@ -9,3 +9,4 @@ from . import hidden_transfer  # noqa: F401
 from . import ppd  # noqa: F401
 from . import self_spec  # noqa: F401
 from . import prompt_lookup  # noqa: F401
+from . import auto  # noqa: F401

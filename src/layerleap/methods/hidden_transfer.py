@@ -27,11 +27,22 @@ from __future__ import annotations
 
 from ..core.run import Run, register
 from ..drafters.trees import TransferDrafter
-from .medusa import DEFAULT_TREE, decode_tree
+from .medusa import decode_tree
+
+# Trees per weight format, chosen by benchmarks/tree_tuning.py: the tree with the most accepted
+# tokens per millisecond of round, from the shipped projections' per-depth draft ranks on held-out
+# Spec-Bench prompts and each format's measured round costs (docs/BENCHMARKS.md, "Choosing trees").
+DEFAULT_TREES = {"float32": "1,1", "bfloat16": "1,1", "float16": "1,1", "q4": "1,1"}
+
+
+def default_tree(model) -> str:
+    """The tuned tree for the model's weight format."""
+    return DEFAULT_TREES.get(model.dtype_name, DEFAULT_TREES["float32"])
 
 
 @register("hidden-transfer", batched=True, sampling=True, exact=True)
-def hidden_transfer(run: Run, *, tree=DEFAULT_TREE, transfer="trained"):
-    """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=):
-    greedy-exact; lossless sampling."""
+def hidden_transfer(run: Run, *, tree=None, transfer="trained"):
+    """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=; tree
+    none: the dtype's tuned tree): greedy-exact; lossless sampling."""
+    tree = default_tree(run.model) if tree is None else tree
     yield from decode_tree(run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter)

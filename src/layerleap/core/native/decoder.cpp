@@ -333,6 +333,9 @@ Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("run_layers", &run_layers, "layerleap decoder layers (see decoder.cpp)");
-  m.def("attend_rows", &attend_rows, "attention for a few new tokens, row by row (see decoder.cpp)");
+  // the calls let go of the GIL: a server's event loop (or any other Python thread) runs meanwhile
+  m.def("run_layers", &run_layers, "layerleap decoder layers (see decoder.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attend_rows", &attend_rows, "attention for a few new tokens, row by row (see decoder.cpp)",
+        py::call_guard<py::gil_scoped_release>());
 }

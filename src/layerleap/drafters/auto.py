@@ -1,0 +1,200 @@
+"""The ``auto`` drafter: prompt lookup's copied chain and Hidden Transfer's tree in one verification
+call, and a choice, round by round, between two kinds of call by the tokens per millisecond each
+has given on this request, on this machine.
+
+- a *plain* call (``"lookup"``): the root and the prompt-lookup chain (none where nothing matches:
+  then the call is a greedy step, at a greedy step's cost);
+- a *transfer* call (``"transfer"``): Hidden Transfer's pass (``trees.transfer_pass``) over the root,
+  the tree drafted from the last transfer call's pseudo states and, for one row, the lookup chain
+  merged into that tree as one more branch (``merge_chain``); it verifies them and makes the pseudo
+  states that draft the next tree.
+
+Each mode's rate is a decaying sum of emitted tokens over a decaying sum of wall milliseconds per
+round (proposal, call, acceptance and drafting: what the round cost here).  The drafter starts with
+plain calls, probes transfer calls for ``PROBE`` rounds after ``FIRST_PROBE`` rounds (the first
+transfer round after a plain one has no tree yet and is not counted), keeps the faster mode, and
+probes the other again after a gap that doubles each time the probe loses.  The choice changes only
+which drafts are verified, never what is accepted: greedy output is greedy decoding, and sampled
+output is lossless (every draft is a deterministic, one-hot proposal, siblings distinct).
+
+A batch shares the mode; a transfer call then verifies every row's tree of the one shape (the lookup
+chains ride only in plain calls, where chains of any length pad)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..core import tree as tree_mod
+from ..core.run import Run
+from ..core.stats import AutoStats
+from ..core.tree import Candidates
+from .prompt_lookup import NgramIndex
+from .trees import TreeDrafter, top_drafts, transfer_pass
+
+MODES = ("lookup", "transfer")
+FIRST_PROBE = 3  # plain rounds before the first probe of transfer calls (0: start with the probe)
+PROBE = 4  # counted rounds a probe lasts
+GAP = 8  # rounds between probes, doubled after each probe that does not change the mode
+DECAY = 0.85  # weight of the past in a mode's rate
+
+
+@dataclass
+class Rate:
+    """Tokens per millisecond of one mode, decaying sums."""
+    tokens: float = 0.0
+    ms: float = 0.0
+    rounds: int = 0
+
+    def add(self, tokens: int, ms: float) -> None:
+        self.tokens = DECAY * self.tokens + tokens
+        self.ms = DECAY * self.ms + ms
+        self.rounds += 1
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.ms if self.ms > 0 else 0.0
+
+
+class Chooser:
+    """Which mode the next round uses: the faster by ``Rate``, with probes of the other."""
+
+    def __init__(self, modes: tuple[str, ...]):
+        self.modes = modes
+        self.rates = {m: Rate() for m in modes}
+        self.best = modes[0]
+        self.mode = modes[0]
+        self.probe_left = 0
+        self.next_probe = FIRST_PROBE
+        self.gap = GAP
+        self.rounds = 0
+        self.switches = 0
+        if len(modes) > 1 and FIRST_PROBE == 0:  # probe at once
+            self.probe_left = PROBE
+            self.mode = modes[1]
+
+    def record(self, mode: str, tokens: int, ms: float, counted: bool) -> None:
+        """One round's outcome; then choose the next round's mode."""
+        self.rounds += 1
+        if counted:
+            self.rates[mode].add(tokens, ms)
+        if len(self.modes) == 1:
+            return
+        if self.probe_left > 0:
+            self.probe_left -= int(counted)
+            if self.probe_left == 0:  # the probe ends: keep the faster
+                winner = max(self.modes, key=lambda m: self.rates[m].value)
+                self.gap = self.gap if winner != self.best else 2 * self.gap
+                self.best = winner
+                self.next_probe = self.rounds + self.gap
+                self._set(winner)
+            return
+        if self.rounds >= self.next_probe:
+            self.probe_left = PROBE
+            self._set(next(m for m in self.modes if m != self.best))
+
+    def _set(self, mode: str) -> None:
+        self.switches += int(mode != self.mode)
+        self.mode = mode
+
+
+def merge_chain(tree: Candidates, chain: list[int]) -> Candidates:
+    """``tree``'s drafts with ``chain`` (drafts after the same root) as one more branch: the chain follows
+    the tree's nodes while its tokens match them and branches off at the first that does not (so no
+    node has two children with one token)."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    kids: dict[int, dict[int, int]] = {}
+    for j, (t, p) in enumerate(zip(tokens, parents)):
+        kids.setdefault(p, {}).setdefault(t, j)
+    node = -1
+    for t in chain:
+        nxt = kids.get(node, {}).get(t)
+        if nxt is None:
+            tokens.append(t)
+            parents.append(node)
+            nxt = len(tokens) - 1
+            kids.setdefault(node, {})[t] = nxt
+        node = nxt
+    return Candidates.from_parents(tree.root, tokens, parents)
+
+
+class AutoDrafter(TreeDrafter):
+    """Prompt lookup and, when ``proj`` is given, Hidden Transfer's tree ``buf`` (see the module docstring)."""
+
+    def __init__(self, run: Run, draft_len: int, min_ngram: int, max_ngram: int, proj=None,
+                 buf: tree_mod.TreeBuffers | None = None):
+        buf = tree_mod.build("") if proj is None or buf is None else buf
+        self.steps = buf.depth if buf.n > 1 else 0
+        self.draft_len = draft_len
+        super().__init__(run, buf)
+        self.proj = proj if self.steps else None
+        self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
+        self.chooser = Chooser(MODES if self.proj is not None else MODES[:1])
+        self.pseudo: torch.Tensor | None = None  # [B, steps, n, D] the last transfer call's pseudo states
+        self.t_round = 0.0
+        self.round_mode = "lookup"
+        self.counted = True
+        self.mode_rounds = {m: 0 for m in MODES}
+
+    def round_tokens(self) -> int:
+        # the tree with the lookup chain merged in, and each node's pseudo states
+        return (self.buf.n + self.draft_len) * (self.steps + 1) + 1
+
+    def propose(self, roots, budgets):
+        self.t_round = time.perf_counter()
+        self.round_mode = self.chooser.mode
+        # a transfer round right after a plain one has no tree yet: it only makes the pseudo states
+        self.counted = self.round_mode == "lookup" or any(t is not None for t in self.topk)
+        return super().propose(roots, budgets)
+
+    def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
+        if root is None:
+            return Candidates.chain(None, [])
+        chain = self.index[row].draft(min(self.draft_len, budget))
+        if self.round_mode == "lookup":
+            return Candidates.chain(root, chain)
+        if self.run.batch > 1:  # one tree shape for every row: no chains beside it
+            return super().propose_row(row, root, budget)
+        tree = super().propose_row(row, root, budget)
+        return merge_chain(tree, chain) if chain else tree
+
+    def score(self, cands):
+        live = [c for c in cands if c is not None]
+        if self.round_mode == "lookup" or live[0].root is None:
+            return super().score(cands)
+        self.start = self.cache.lengths[0].clone()
+        ids, tree = self.batch_tokens(cands)
+        shape = tree if tree is not None else live[0]
+        k1 = shape.k + 1
+        mask = shape.mask if shape.mask is not None else torch.ones(k1, k1, dtype=torch.bool).tril()
+        depths = shape.depths if shape.depths is not None else torch.arange(k1)
+        h, self.pseudo = transfer_pass(self.run, self.cache, ids, mask, depths, self.proj, self.steps)
+        self.hidden = h
+        logits = self.run.model.logits(h)  # [B, n, V]
+        return [None if c is None else logits[row] for row, c in enumerate(cands)]
+
+    def update(self, cands, results) -> None:
+        live = next(c for c in cands if c is not None)
+        called = live.root is not None
+        super().update(cands, results)
+        for ix, c, r in zip(self.index, cands, results):
+            if c is not None:
+                ix.extend(c.tokens[r[0]].tolist() + [r[1]])
+        if not called:
+            return
+        if self.round_mode == "transfer":
+            pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
+            for row, p in self.kept_states(cands, results, pseudo).items():
+                self.topk[row] = top_drafts(self.buf, self.run.model.logits(p))  # [depth, K]
+        else:
+            self.topk = [None] * self.run.batch  # drafts from an older position: of no use
+        self.mode_rounds[self.round_mode] += 1
+        tokens = sum(len(r[0]) + 1 for r in results if r is not None)
+        self.chooser.record(self.round_mode, tokens, (time.perf_counter() - self.t_round) * 1e3, self.counted)
+
+    def auto_stats(self) -> AutoStats:
+        """The whole batch's rounds of each kind and switches (once, after the last round)."""
+        return AutoStats(tree_nodes=self.buf.n, lookup_rounds=self.mode_rounds["lookup"],
+                         transfer_rounds=self.mode_rounds["transfer"], mode_switches=self.chooser.switches)

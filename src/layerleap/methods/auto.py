@@ -1,0 +1,66 @@
+"""``auto``: one lossless method that chooses, round by round, how to draft on this machine.
+
+Every round verifies, in one model call, either prompt lookup's copied chain (a plain call; where
+nothing matches it is a greedy step) or Hidden Transfer's tree with the lookup chain merged in as
+one more branch (a transfer call, which also makes the pseudo states that draft the next tree).
+Which of the two is decided from the tokens per millisecond each kind of round has given on this
+request (``drafters.auto.Chooser``): a request that copies its prompt stays on cheap plain calls, one
+where Hidden Transfer's drafts pay keeps its tree, and one where neither does decodes at greedy's
+pace.  Medusa and self-speculation are not among its drafts: on the models and machines measured,
+Hidden Transfer's tree dominates Medusa's at the same cost and early-exit drafts cost more than they
+save (``docs/BENCHMARKS.md``).
+
+The greedy output is greedy decoding, token for token, whatever was chosen; sampling is lossless
+(one-hot drafts, SpecInfer's rule).  A list of prompts decodes as one batch (one mode for the batch;
+a transfer call verifies the tree alone).  Without Hidden Transfer weights for the model
+(``transfer="auto"`` finds none, or ``transfer=None``) it is prompt lookup.
+
+Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``mode_switches``,
+``tree_nodes``.
+"""
+
+from __future__ import annotations
+
+from ..core.run import GenerationError, Run, register
+from ..core.stats import LookupStats
+from ..drafters import medusa_transfer as weights
+from ..drafters.auto import AutoDrafter
+from ..drafters.trees import tree_buffers
+from . import draft_verify
+from .hidden_transfer import default_tree
+from .prompt_lookup import DEFAULT_MAX_NGRAM, DEFAULTS, check_options
+
+
+def transfer_weights(run: Run, spec):
+    """The Hidden Transfer projections ``spec`` names, or None: "auto" is the shipped ones when the
+    model has any; None / "none" is none."""
+    if spec is None or spec == "none":
+        return None
+    if spec == "auto":
+        return weights.get_drafter(run.model, "transfer") if weights.shipped_files(run.model, "transfer") else None
+    return weights.get_drafter(run.model, "transfer", spec)
+
+
+@register("auto", batched=True, sampling=True, exact=True)
+def auto(run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int | None = None,
+         tree=None, transfer="auto"):
+    """Lossless: prompt lookup's chain and Hidden Transfer's tree, the faster per round on this machine
+    (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer: 'auto', a weights file or none)."""
+    tuned = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
+    draft_len = tuned[0] if draft_len is None else draft_len
+    if min_ngram is None:
+        chosen = isinstance(max_ngram, int) and not isinstance(max_ngram, bool)
+        min_ngram = min(tuned[1], max_ngram) if chosen else tuned[1]
+    check_options(draft_len, max_ngram, min_ngram)
+    if transfer is not None and not isinstance(transfer, (str, weights.TransferProjections)) \
+            and not hasattr(transfer, "__fspath__"):
+        raise GenerationError(f"transfer must be 'auto', a weights file, Hidden Transfer projections or none, "
+                              f"got {transfer!r}")
+    proj = transfer_weights(run, transfer)
+    buf = None
+    if proj is not None:
+        buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps)
+    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf)
+    counts = yield from draft_verify.decode(run, drafter)
+    run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
+    run.record_all(drafter.auto_stats())

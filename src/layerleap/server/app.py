@@ -1,0 +1,591 @@
+"""The FastAPI app: route handlers over one ``AppState`` (``app.state.layerleap``), an ASGI guard for
+the body limit, the request counter and the access log, and OpenAI's response shapes.
+
+Nothing slow runs on the event loop: prompts are tokenized in a thread pool, and the model calls
+and the detokenizing run in the scheduler's worker thread (the native layers let go of the GIL
+while they compute), so ``/health`` and the streams keep moving while a long prompt prefills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from ..core.model import Transformer
+from ..core.run import GenerationConfig, chat_token_ids
+from ..decoding import METHODS, get_method
+from ..errors import LayerleapError
+from ..options import model_options
+from ..scheduler import Finish, Job, QueueTimeout, Scheduler, Settings
+from .metrics import Metrics, endpoint_label
+from .schema import ChatRequest, CompletionRequest, _Request
+
+access_log = logging.getLogger("layerleap.access")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # the id clients pass as ``model`` (and /v1/models lists)
+    method: str = "greedy"  # the default method
+    options: dict = field(default_factory=dict)  # the default method's options (models already loaded)
+    max_tokens: int = 256  # max_tokens when a request gives none (bounded by the context)
+    max_batch: int = 8
+    max_running: int = 2
+    max_waiting: int = 256
+    loadable: tuple[str, ...] = ()  # model names a request's options may name (loaded on first use)
+    max_body_bytes: int = 2 << 20  # a larger request body is refused (413)
+    max_prompt_tokens: int | None = None  # a longer prompt is refused (None: the context less one)
+    queue_timeout: float = 600.0  # seconds a request may wait for its turn (then 503)
+    shadow_share: float = 0.0  # share of lossy-method requests re-decoded greedily when idle (agreement metric)
+
+
+class APIError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is over this server's limit of {limit} bytes: send less")
+
+
+# -- the state ---------------------------------------------------------------------------------------
+@dataclass
+class AppState:
+    """What the handlers share: the model, the config, the scheduler (made at start-up) and the metrics."""
+    model: Transformer
+    cfg: ServerConfig
+    loader: Callable[[str], Transformer] | None = None
+    scheduler: Scheduler | None = None
+    metrics: Metrics = None  # type: ignore[assignment]
+    latency_s: float = 5.0  # a running mean of request latency (for Retry-After)
+    shadows: list = field(default_factory=list)  # (method, prompt ids, tokens) waiting for a shadow check
+    shadow_run: tuple | None = None  # the shadow check under way: (method, tokens, Decoding, its rounds)
+
+    def __post_init__(self):
+        self.metrics = Metrics(self.load)
+
+    def load(self) -> tuple[int, int]:
+        s = self.scheduler
+        return (len(s.waiting), len(s.running)) if s else (0, 0)
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has room, roughly."""
+        waiting, _ = self.load()
+        return max(1, min(60, math.ceil(self.latency_s * waiting / max(1, self.cfg.max_batch * self.cfg.max_running))))
+
+    def context(self) -> int:
+        return self.model.config.max_position
+
+
+def state_of(request: Request) -> AppState:
+    return request.app.state.layerleap
+
+
+# -- requests ----------------------------------------------------------------------------------------
+def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
+    """The fields of a completion request as ``Settings`` (what ``generate`` gets)."""
+    cfg, context = st.cfg, st.context()
+    refused = body.refused()
+    if refused:
+        raise _bad(f"{refused} is not supported by this server: leave it out", refused)
+    if body.n != 1:
+        raise _bad(f"n={body.n}: this server returns one choice per request: leave n out or set n=1", "n")
+    limit = cfg.max_prompt_tokens or context - 1
+    if prompt_len > limit:
+        raise _bad(f"the prompt has {prompt_len} tokens, over this server's limit of {limit}: shorten it",
+                   "messages" if isinstance(body, ChatRequest) else "prompt", "context_length_exceeded")
+    ext = body.layerleap
+    method = ext.method or cfg.method
+    if method not in METHODS:
+        raise _bad(f"unknown method {method!r}: choose one of {', '.join(METHODS)}", "layerleap.method",
+                   "unknown_method")
+    options = {**cfg.options, **ext.options} if method == cfg.method else dict(ext.options)
+    max_key, max_tokens = _max_tokens(body)
+    if max_tokens is None:
+        max_tokens = max(1, min(cfg.max_tokens, context - prompt_len))
+    if prompt_len + max_tokens > context:
+        raise _bad(f"This model's maximum context length is {context} tokens. However, you requested "
+                   f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                   "Please reduce the length of the prompt or max_tokens.", max_key, "context_length_exceeded")
+    m = get_method(method)
+    temperature = body.temperature
+    if temperature is None:
+        do_sample, temperature = m.default_sample, 1.0
+    elif temperature == 0:
+        do_sample, temperature = False, 1.0
+    else:
+        do_sample = True
+        if not m.sampling:
+            if method != "greedy":
+                raise _bad(f"method {method!r} decodes greedily: use temperature 0 (or leave it out), or a sampling "
+                           f"method ({', '.join(n for n, x in METHODS.items() if x.sampling)})", "temperature")
+            method, options = "sample", {}  # greedy with a temperature: the same loop, sampled
+    top_k = max(0, body.top_k if body.top_k is not None else ext.top_k or 0)
+    top_p = 1.0 if body.top_p is None else body.top_p
+    vocab = st.model.config.vocab_size
+    if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+        raise _bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+    gen = GenerationConfig(int(max_tokens), do_sample, float(temperature), int(top_k), float(top_p), body.seed,
+                           not body.ignore_eos)
+    return Settings(method, options, gen)
+
+
+def _max_tokens(body: _Request) -> tuple[str, int | None]:
+    """(the field that set it, max_tokens or None for the default): max_completion_tokens, max_tokens or
+    llama.cpp's n_predict (-1: the default)."""
+    given = [(k, v) for k, v in (("max_completion_tokens", getattr(body, "max_completion_tokens", None)),
+                                 ("max_tokens", body.max_tokens),
+                                 ("n_predict", None if body.n_predict in (None, -1) else body.n_predict))
+             if v is not None]
+    if len({v for _, v in given}) > 1:
+        raise _bad(f"{' and '.join(k for k, _ in given)} disagree: give one of them", given[0][0])
+    if given and given[0][1] < 1:
+        raise _bad(f"{given[0][0]} must be at least 1", given[0][0])
+    return given[0] if given else ("max_tokens", None)
+
+
+def prompt_ids(body: _Request, model: Transformer) -> list[int]:
+    """The request's prompt as token ids (in a worker thread: tokenizing a long prompt takes a while)."""
+    tok = model.tokenizer
+    if isinstance(body, ChatRequest):
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise _bad("this model has no chat template: use /v1/completions", "messages")
+        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        return chat_token_ids(tok, plain, add_generation_prompt=True)
+    if isinstance(body.prompt, str):
+        if tok is None:
+            raise _bad("this model has no tokenizer: give the prompt as token ids", "prompt")
+        return [int(i) for i in tok(body.prompt)["input_ids"]]
+    vocab = model.config.vocab_size
+    if not all(0 <= t < vocab for t in body.prompt):
+        raise _bad(f"prompt token ids must be in [0, {vocab})", "prompt")
+    return list(body.prompt)
+
+
+async def load_options(st: AppState, settings: Settings) -> Settings:
+    """Models the options name, loaded (in the model's worker thread) if the server may load them."""
+    options = dict(settings.options)
+    for key in model_options(settings.method):
+        value = options.get(key)
+        if isinstance(value, str):
+            if st.loader is None or value not in st.cfg.loadable:
+                allowed = f"only {', '.join(st.cfg.loadable)}" if st.cfg.loadable else "no models"
+                raise _bad(f"option {key}={value!r}: this server loads {allowed} for {key}=; start it with --opt "
+                           f"{key}={value} to serve another", f"layerleap.options.{key}")
+            try:
+                options[key] = await st.scheduler.run_in_worker(st.loader, value)
+            except LayerleapError as e:  # e.g. a packaged model that is not installed
+                raise _bad(f"option {key}={value!r}: {e}", f"layerleap.options.{key}") from None
+    return Settings(settings.method, options, settings.gen)
+
+
+def check_decoding(model: Transformer, ids: list[int], s: Settings) -> None:
+    """What ``generate`` would refuse (option names, values it checks up front), before queueing."""
+    try:
+        s.decoding(model, ids)
+    except LayerleapError as e:
+        raise _bad(str(e), "layerleap.options") from None
+
+
+# -- responses ---------------------------------------------------------------------------------------
+def _jsonable(x):
+    """Stats as JSON: non-finite floats become null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):  # a dict, or a result's Stats (read flat)
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x if isinstance(x, (int, str, bool)) or x is None else str(x)
+
+
+def _usage(prompt_len: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+
+
+@dataclass
+class Reply:
+    """The OpenAI envelope of one request's answer (chat or text completion)."""
+    chat: bool
+    model: str
+    prompt_len: int
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
+                "model": self.model}
+
+    def full(self, fin: Finish) -> dict:
+        choice = ({"index": 0, "message": {"role": "assistant", "content": fin.text}} if self.chat
+                  else {"index": 0, "text": fin.text})
+        choice.update(finish_reason=fin.reason, logprobs=None)
+        return {**self._head(False), "choices": [choice], "usage": _usage(self.prompt_len, fin.completion_tokens),
+                "layerleap": {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)}}
+
+    def chunk(self, text: str | None = None, reason: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update(finish_reason=reason, logprobs=None)
+        return {**self._head(True), "choices": [choice]}
+
+    def usage_chunk(self, fin: Finish) -> dict:
+        return {**self._head(True), "choices": [], "usage": _usage(self.prompt_len, fin.completion_tokens)}
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+# -- handlers ----------------------------------------------------------------------------------------
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatRequest, request: Request):
+    """A chat completion (OpenAI's body; ``layerleap`` chooses the method)."""
+    return await complete(request, body, chat=True)
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request):
+    """A text completion (OpenAI's body; ``layerleap`` chooses the method)."""
+    return await complete(request, body, chat=False)
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "layerleap"}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    return {"object": "list", "data": [_model_card(state_of(request).cfg.model_name)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    name = state_of(request).cfg.model_name
+    if model_id != name:
+        return _not_found(model_id, name).response()
+    return _model_card(name)
+
+
+@router.get("/health")
+async def health(request: Request):
+    st = state_of(request)
+    waiting, running = st.load()
+    return {"status": "ok", "model": st.cfg.model_name, "method": st.cfg.method, "waiting": waiting,
+            "running": running}
+
+
+@router.get("/metrics")
+async def prometheus(request: Request):
+    from prometheus_client import CONTENT_TYPE_LATEST
+    return Response(state_of(request).metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _not_found(name: str, served: str) -> APIError:
+    return APIError(404, f"the model {name!r} does not exist here: this server serves {served!r}", "model",
+                    "model_not_found")
+
+
+async def complete(request: Request, body: _Request, chat: bool) -> Response:
+    st = state_of(request)
+    t0 = time.perf_counter()
+    try:
+        if body.model is not None and body.model != st.cfg.model_name:
+            raise _not_found(body.model, st.cfg.model_name)
+        ids = await run_in_threadpool(prompt_ids, body, st.model)
+        settings = await load_options(st, request_settings(body, st, len(ids)))
+        await run_in_threadpool(check_decoding, st.model, ids, settings)
+        job = Job(ids, settings, body.stops(), tuple(body.stop_token_ids or ()))
+        if not st.scheduler.submit(job):
+            raise APIError(429, "the server's queue is full: retry later", code="queue_full", type="rate_limit_error",
+                           retry_after=st.retry_after())
+    except APIError as e:
+        return e.response()
+    reply = Reply(chat, st.cfg.model_name, len(ids))
+    watcher = asyncio.create_task(_watch(request, st, job))
+    try:
+        first = await _next_event(st, job)
+    except APIError as e:
+        watcher.cancel()
+        return e.response()
+    if not body.stream:
+        try:
+            event = first
+            while event[0] != "done":
+                event = await _next_event(st, job)
+        except APIError as e:
+            return e.response()
+        finally:
+            watcher.cancel()
+        _done(st, request, t0)
+        return JSONResponse(reply.full(event[1]))
+    usage = bool(body.stream_options and body.stream_options.include_usage)
+    return StreamingResponse(_events(request, st, job, reply, first, usage, watcher, t0),
+                             media_type="text/event-stream")
+
+
+def _done(st: AppState, request: Request, t0: float) -> None:
+    dt = time.perf_counter() - t0
+    st.metrics.latency.labels(endpoint_label(request.url.path)).observe(dt)
+    st.latency_s += 0.1 * (dt - st.latency_s)
+
+
+async def _watch(request: Request, st: AppState, job: Job) -> None:
+    """Cancel ``job`` when its client goes away (waiting or running, streamed or not)."""
+    while not job.finished:
+        if await request.is_disconnected():
+            st.scheduler.cancel(job)
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _next_event(st: AppState, job: Job):
+    kind, value = await job.events.get()
+    if kind == "error":
+        if isinstance(value, QueueTimeout):
+            raise APIError(503, str(value), code="queue_timeout", type="server_error", retry_after=st.retry_after())
+        if isinstance(value, APIError):
+            raise value
+        if isinstance(value, LayerleapError):
+            raise _bad(str(value))
+        raise APIError(500, f"internal error ({type(value).__name__}) while decoding", type="server_error")
+    return kind, value
+
+
+async def _events(request: Request, st: AppState, job: Job, reply: Reply, event, usage: bool, watcher, t0: float):
+    """The server-sent events of a streamed answer."""
+    try:
+        if reply.chat:
+            yield _sse(reply.chunk(role=True))
+        while True:
+            kind, value = event
+            if kind == "text":
+                yield _sse(reply.chunk(value))
+            else:
+                yield _sse(reply.chunk(None, value.reason))
+                if usage:
+                    yield _sse(reply.usage_chunk(value))
+                break
+            try:
+                event = await _next_event(st, job)
+            except APIError as e:
+                yield _sse(e.body())
+                break
+        yield b"data: [DONE]\n\n"
+        _done(st, request, t0)
+    finally:
+        watcher.cancel()
+        if not job.finished:
+            st.scheduler.cancel(job)
+
+
+# -- errors ------------------------------------------------------------------------------------------
+def _param(loc) -> str:
+    """A pydantic error location as OpenAI's ``param`` (``messages[0].content``), union branches left out."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "list", "dict"):
+            out += ("." if out else "") + part
+        else:
+            break  # a union branch ("list[TextPart]", "function-after[...]"): the field is named already
+    return out
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    e = exc.errors()[0]
+    param = _param(e.get("loc", ()))
+    if e["type"] == "json_invalid":
+        return _bad(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}): send a JSON "
+                    "object")
+    if not param:
+        return _bad("the request body must be a JSON object with OpenAI's fields (see /docs)")
+    if e["type"] == "extra_forbidden":
+        return _bad(f"{param} is not a field this server knows: leave it out (the fields: /docs)", param)
+    msg = e["msg"].removeprefix("Value error, ")
+    return _bad(f"{param}: {msg[0].lower() + msg[1:]}", param)
+
+
+def _handlers(app: FastAPI) -> None:
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        return validation_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc):
+        return APIError(500, f"internal error ({type(exc).__name__}): the server could not answer this request",
+                        type="server_error").response()
+
+
+class Guard:
+    """Pure ASGI middleware (it leaves ``receive`` to the handlers, so they see a client go away): the
+    body limit (413), the request counter and the access log."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st: AppState = scope["app"].state.layerleap
+        limit, t0, status, size = st.cfg.max_body_bytes, time.perf_counter(), [500], [0]
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+
+        async def limited():
+            message = await receive()
+            if message["type"] == "http.request":
+                size[0] += len(message.get("body", b""))
+                if size[0] > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if length.isdigit() and int(length) > limit:
+                await APIError(413, str(BodyTooLarge(limit).detail), code="body_too_large").response()(
+                    scope, receive, counted)
+            else:
+                await self.app(scope, limited, counted)
+        finally:
+            path = scope.get("path", "")
+            st.metrics.requests.labels(endpoint_label(path), str(status[0])).inc()
+            client = scope.get("client") or ("-", 0)
+            access_log.info('%s "%s %s" %d %.0fms', client[0], scope.get("method"), path, status[0],
+                            1000 * (time.perf_counter() - t0))
+
+
+# -- shadow checks -----------------------------------------------------------------------------------
+def shadow_pick(st: AppState, batch) -> None:
+    """Keep a sampled share of a lossy method's finished rows for a greedy re-decode when idle."""
+    if st.cfg.shadow_share <= 0:
+        return
+    for job, r in zip(batch.jobs, batch.decoding.results):
+        m = get_method(job.settings.method)
+        if r is None or job.cancelled or m.exact or job.settings.gen.do_sample or not r.token_ids:
+            continue
+        if random.random() < st.cfg.shadow_share and len(st.shadows) < 64:
+            st.shadows.append((m.name, job.prompt_ids, list(r.token_ids)))
+
+
+def shadow_step(st: AppState) -> None:
+    """One round of the greedy re-decode of a kept row (in the worker thread, when idle); at its end,
+    the row's agreement with greedy: the share of positions with greedy's token, and the share of
+    greedy's tokens before the first difference."""
+    from ..decoding import Decoding
+    from ..eval.quality import common_prefix
+    if st.shadow_run is None:
+        method, ids, toks = st.shadows.pop(0)
+        d = Decoding(st.model, ids, "greedy", len(toks))
+        st.shadow_run = (method, toks, d, iter(d))
+    method, toks, d, rounds = st.shadow_run
+    if next(rounds, None) is not None:
+        return
+    st.shadow_run = None
+    want = d.results[0].token_ids
+    st.metrics.shadow_agreement.labels(method).observe(sum(a == b for a, b in zip(toks, want)) / len(want))
+    st.metrics.shadow_prefix.labels(method).observe(common_prefix(toks, want) / len(want))
+
+
+# -- the app -----------------------------------------------------------------------------------------
+def create_app(model: Transformer, cfg: ServerConfig, loader: Callable[[str], Transformer] | None = None) -> FastAPI:
+    """The FastAPI app serving ``model``; ``loader(name)`` loads a model a request's option names (only
+    names in ``cfg.loadable``)."""
+    st = AppState(model, cfg, loader)
+
+    def batch_done(batch) -> None:
+        st.metrics.batch_done(batch)
+        shadow_pick(st, batch)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        st.scheduler = Scheduler(model, cfg.max_batch, cfg.max_running, cfg.max_waiting, on_batch_done=batch_done,
+                                 queue_timeout=cfg.queue_timeout, on_cancel=st.metrics.cancel,
+                                 on_timeout=st.metrics.timeouts.inc,
+                                 idle=(lambda: shadow_step(st)) if cfg.shadow_share > 0 else None,
+                                 has_idle_work=lambda: bool(st.shadows) or st.shadow_run is not None)
+        st.scheduler.start()
+        yield
+        await st.scheduler.stop()
+
+    app = FastAPI(title="layerleap", summary="an OpenAI-compatible server over one layerleap model",
+                  lifespan=lifespan, redoc_url=None)
+    app.state.layerleap = st
+    _handlers(app)
+    app.add_middleware(Guard)
+    app.include_router(router)
+    return app
+
+
+class ServerThread:
+    """Run ``app`` with uvicorn in a background thread (tests, notebooks): ``with ServerThread(app) as url:``
+    gives ``http://127.0.0.1:PORT``; leaving the block stops the server."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_seconds: float = 30):
+        import uvicorn
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=drain_seconds))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.host = host
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise LayerleapError("the server did not start (is the port free?)")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://{self.host}:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

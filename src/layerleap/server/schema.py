@@ -1,0 +1,178 @@
+"""The request bodies as pydantic models: OpenAI's fields, the answer-changing fields of vLLM and
+llama.cpp that the server implements, and the ``layerleap`` extension as a typed sub-model.
+
+Types are strict (``"5"`` is not a number, ``"yes"`` is not a boolean) and unknown fields are refused,
+so a wrong type or a misspelt field is a 400 naming the field, and nothing a client sends is
+silently ignored.  A field that would change the answer and that the server cannot honour is
+declared (it shows in ``/docs``) and refused when it asks for anything (``REFUSED``: the value that
+asks for nothing).  Fields that do not change the answer (``user``, ``metadata``, ``store``, …) are
+taken and left unused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..validate import SEED_MAX
+
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+
+# answer-changing fields the server cannot honour -> the values that ask for nothing (accepted)
+REFUSED: dict[str, tuple] = {
+    # OpenAI
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "audio": (None,),
+    "modalities": (None, ["text"]), "reasoning_effort": (None,), "verbosity": (None,),
+    "web_search_options": (None,), "response_format": (None, {"type": "text"}),
+    # vLLM
+    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    # llama.cpp
+    "grammar": (None, ""), "json_schema": (None,), "repeat_penalty": (None, 1, 1.0), "typical_p": (None, 1, 1.0),
+    "mirostat": (None, 0), "n_probs": (None, 0), "dynatemp_range": (None, 0, 0.0),
+    "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_keep": (None, 0),
+}
+
+Id = int  # a token id; the vocabulary bound is checked against the model
+
+
+class LayerleapOptions(BaseModel):
+    """The ``layerleap`` field: the decoding method and its options for this request."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    method: str | None = Field(None, description="a layerleap method (`layerleap methods`); default: the server's")
+    options: dict[str, Any] = Field(default_factory=dict, description="the method's options, merged over the "
+                                    "server's --opt when the method is the server's")
+    top_k: int | None = Field(None, ge=0, description="sample from the k likeliest tokens (0: all); the same as the "
+                              "top-level top_k")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = Field(False, description="a last chunk with the usage")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _Request(BaseModel):
+    """The fields chat and text completions share."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's "
+                                   "--max-tokens, bounded by the context)")
+    n_predict: int | None = Field(None, ge=-1, description="llama.cpp's name for max_tokens (-1: the default)")
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy; above 0: sampling; absent: the "
+                                      "method's own default")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="sample from the k likeliest tokens (0 or -1: all)")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="a seeded sample is reproducible")
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOPS} strings; the text ends before the "
+                                         "first one")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (not returned)")
+    ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_tokens")
+    n: int = Field(1, description="choices per request: 1")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    layerleap: LayerleapOptions = Field(default_factory=LayerleapOptions)
+    # taken and unused: they do not change the answer
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prediction: dict | None = None
+    parallel_tool_calls: bool | None = None
+    cache_prompt: bool | None = None  # llama.cpp
+    # refused unless they ask for nothing (REFUSED)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    response_format: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    repeat_penalty: Any = None
+    min_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    grammar: Any = None
+    json_schema: Any = None
+    typical_p: Any = None
+    mirostat: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stops(cls, v):
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v) or len(v) > MAX_STOPS:
+            raise ValueError(f"must be a string or a list of at most {MAX_STOPS} strings")
+        return v
+
+    def stops(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def refused(self) -> str | None:
+        """The first field given that asks for what the server cannot do."""
+        given = self.model_dump(exclude_unset=True)
+        return next((k for k, nothing in REFUSED.items() if k in given and given[k] not in nothing), None)
+
+
+class ChatRequest(_Request):
+    """``POST /v1/chat/completions``."""
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``."""
+    prompt: str | list[int] = Field(description="one string or one list of token ids")
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # one prompt in a list
+        if isinstance(v, str) and v.strip():
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        raise ValueError("must be one non-empty string (or one list of token ids): send one prompt per request")

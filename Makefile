@@ -26,6 +26,7 @@ demo: $(STAMP) native
 	$(BIN)/layerleap demo
 
 test: $(STAMP) native
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 # optional: the Qwen2.5-Coder 0.5B/1.5B pair for two-model benchmarks (1.6 GB)

@@ -10,7 +10,6 @@ shipped lens heads on SmolLM2-135M, 1 thread (docs/HEADS.md):
 
 PYTHONPATH=src python benchmarks/heads_full_cost.py [out.json]
 """
-import json
 import os
 import sys
 

@@ -3,7 +3,8 @@
 hits / tokens from the JSON.
 
 PYTHONPATH=src python benchmarks/heads_tables.py docs/heads/match_rate_greedy.json [--position-layers 15,23]
-PYTHONPATH=src python benchmarks/heads_tables.py docs/heads/match_rate_sampling.json --sampling docs/heads/match_rate_greedy.json
+PYTHONPATH=src python benchmarks/heads_tables.py docs/heads/match_rate_sampling.json \
+    --sampling docs/heads/match_rate_greedy.json
 """
 import argparse
 import json
@@ -48,12 +49,15 @@ def positions(report, layer):
         edges, G = r["bucket_edges"], r["config"]["max_new_tokens"]
         spans = [f"{a + 1}–{(edges[j + 1] if j + 1 < len(edges) else G)}" for j, a in enumerate(edges)]
         if not lines:
-            lines = ["| category | k | head | " + " | ".join(spans) + " | total |", "|---|---|---|" + "---|" * (len(spans) + 1)]
-        lines.append(f"| {name}: tokens per group | | | " + " | ".join(map(str, r["bucket_tokens"])) + f" | {r['tokens']} |")
+            lines = ["| category | k | head | " + " | ".join(spans) + " | total |",
+                     "|---|---|---|" + "---|" * (len(spans) + 1)]
+        tokens = " | ".join(map(str, r["bucket_tokens"]))
+        lines.append(f"| {name}: tokens per group | | | {tokens} | {r['tokens']} |")
         for k in r["config"]["ks"]:
             for h in r["rates"]:
                 cells = [pct(v) for v in r["by_position"][h][str(layer)][str(k)]]
-                lines.append(f"| {name} | {k} | {h} | " + " | ".join(cells) + f" | {pct(r['rates'][h][str(layer)][str(k)])} |")
+                total = pct(r["rates"][h][str(layer)][str(k)])
+                lines.append(f"| {name} | {k} | {h} | " + " | ".join(cells) + f" | {total} |")
     return "\n".join(lines)
 
 
@@ -62,10 +66,10 @@ def sampling(report, greedy, k=3):
     rows = {}
     for name, r in greedy["results"].items():
         rows.setdefault(r.get("category", name), {})["greedy"] = r
-    for name, r in report["results"].items():
+    for _name, r in report["results"].items():
         rows.setdefault(r["category"], {})[r["mode"]] = r
     layers = next(iter(report["results"].values()))["config"]["layers"]
-    lines = [f"| category | decoding (tokens) | head | " + " | ".join(f"L{x}" for x in layers) + " |",
+    lines = ["| category | decoding (tokens) | head | " + " | ".join(f"L{x}" for x in layers) + " |",
              "|---|---|---|" + "---|" * len(layers)]
     for cat, modes in rows.items():
         if len(modes) < 2:

@@ -33,8 +33,9 @@ def main() -> None:
             wc = w.t().contiguous().t()
             xb, wb = x.bfloat16(), w.bfloat16()
             n = 10 if name == "lm_head" or rows > 1 else 200
-            cases = {"fp32 row": lambda: F.linear(x, w), "fp32 col": lambda: F.linear(x, wc),
-                     "bf16": lambda: F.linear(xb, wb), "bf16 via fp32": lambda: F.linear(xb.float(), wb.float()).bfloat16()}
+            cases = {"fp32 row": lambda x=x, w=w: F.linear(x, w), "fp32 col": lambda x=x, wc=wc: F.linear(x, wc),
+                     "bf16": lambda xb=xb, wb=wb: F.linear(xb, wb),
+                     "bf16 via fp32": lambda xb=xb, wb=wb: F.linear(xb.float(), wb.float()).bfloat16()}
             best = {k: min(ms(f, n) for _ in range(3)) for k, f in cases.items()}
             print(f"rows {rows:4} {name:8} " + "  ".join(f"{k} {v:.3f} ms" for k, v in best.items()))
 

@@ -358,7 +358,8 @@ def machine(s: Setup, args) -> dict:
         "dtypes": list(s.models), "threads": args.threads, "methods": {k: {"method": n, "options": o}
                                                                       for k, (n, o) in s.methods.items()},
         "max_new_tokens": s.max_new_tokens, "chat": not args.no_chat, "n_prompts": len(s.prompts),
-        "prompts": [{"id": p.id, "category": p.category, "tokens": len(i), "ids": i} for p, i in zip(s.prompts, s.prompt_ids)],
+        "prompts": [{"id": p.id, "category": p.category, "tokens": len(i), "ids": i}
+                    for p, i in zip(s.prompts, s.prompt_ids)],
         "llama_cpp_params": {}, "thread_blocks": [], "load_before": load_average(),
     }
 

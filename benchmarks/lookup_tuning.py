@@ -67,7 +67,8 @@ def cmd_record(args) -> None:
 def cmd_replay(args) -> None:
     rows = json.load(open(args.outputs))
     cc = json.load(open(args.call_cost))
-    cost = {int(p["new_tokens"]): p["ms"] for p in cc["points"]} if "points" in cc else {int(s): v for s, v in cc.items()}
+    points = cc["points"] if "points" in cc else None
+    cost = {int(p["new_tokens"]): p["ms"] for p in points} if points else {int(s): v for s, v in cc.items()}
     top = max(cost)
     for s in range(top + 1, 66):  # beyond the measured sizes: the last step's slope
         cost[s] = cost[top] + (cost[top] - cost[top - 1]) * (s - top)

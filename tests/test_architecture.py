@@ -184,6 +184,7 @@ def test_imports_only_go_down(layer):
             continue
         for dst in sorted(targets):
             there = layer_of(dst)
-            if dst != "layerleap" and (there is None or there[1] > here[1] or (there[1] == here[1] and there[0] != here[0])):
+            wrong_layer = there is None or there[1] > here[1] or (there[1] == here[1] and there[0] != here[0])
+            if dst != "layerleap" and wrong_layer:
                 wrong.append(f"{src} ({here[0]}) imports {dst} ({there[0] if there else 'no layer'})")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)

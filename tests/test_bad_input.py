@@ -125,9 +125,12 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     save_file({"chunks": torch.arange(10)}, str(root / "chunks1d.safetensors"))
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"))
     save_file({"chunks": torch.full((2, 8), 10**6)}, str(root / "chunksvocab.safetensors"))
-    out = {"D": str(char_model_dir), "T": str(root), "BUSYPORT": str(busy_port), "FILE": str(root / "notes.txt"), "NOTES_JSON": str(root / "notes.json"),
-           "GARBAGE": str(root / "garbage.jsonl"), "WEIRD": str(root / "weird.jsonl"), "EMPTY": str(root / "empty"), "NOTMODEL": str(root / "notmodel"),
-           "MEDUSA": str(medusa), "CHUNKS1D": str(root / "chunks1d.safetensors"), "CHUNKS": str(root / "chunks.safetensors"),
+    out = {"D": str(char_model_dir), "T": str(root), "BUSYPORT": str(busy_port), "FILE": str(root / "notes.txt"),
+           "NOTES_JSON": str(root / "notes.json"),
+           "GARBAGE": str(root / "garbage.jsonl"), "WEIRD": str(root / "weird.jsonl"), "EMPTY": str(root / "empty"),
+           "NOTMODEL": str(root / "notmodel"),
+           "MEDUSA": str(medusa), "CHUNKS1D": str(root / "chunks1d.safetensors"),
+           "CHUNKS": str(root / "chunks.safetensors"),
            "CHUNKSVOCAB": str(root / "chunksvocab.safetensors")}
     for name, damage in BROKEN.items():
         out[name] = str(_break_folder(root, name.lower(), damage))
@@ -174,7 +177,8 @@ CLI = [
     (["generate", "--model", "{NOSHARD}", "--prompt", "hi"], "lacks the shard(s) model-00002-of-00002.safetensors"),
     (["generate", "--model", "{BADCONFIG}", "--prompt", "hi"], "config.json is not valid JSON"),
     (["generate", "--model", "{BADTOKENIZER}", "--prompt", "hi"], "tokenizer.json is not valid JSON"),
-    (["generate", "--model", "{BADHEADER}", "--prompt", "hi"], "model-00002-of-00002.safetensors is not a safetensors file"),
+    (["generate", "--model", "{BADHEADER}", "--prompt", "hi"],
+     "model-00002-of-00002.safetensors is not a safetensors file"),
     (["generate", "--model", "{SHAPES}", "--prompt", "hi"], "config.json implies"),
     (["generate", "--model", "{NOHEADS}", "--prompt", "hi"], "num_attention_heads is missing"),
     (["generate", "--model", "{KV0}", "--prompt", "hi"], "num_key_value_heads must be a positive integer"),
@@ -233,7 +237,8 @@ CLI = [
     (G + ["--method", "skipdecode", "--opt", "max_len=true"], "max_len=True must be an integer"),
     (G + ["--method", "skipdecode", "--opt", "decay=cubic"], "unknown decay 'cubic'"),
     (G + ["--method", "skipdecode", "--opt", "schedule=1234"], "schedule must be a list of integer exit layers"),
-    (G + ["--method", "skipdecode", "--opt", "min_exit_layer=3", "--opt", "max_exit_layer=2"], "min_exit_layer=3 > max_exit_layer=2"),
+    (G + ["--method", "skipdecode", "--opt", "min_exit_layer=3", "--opt", "max_exit_layer=2"],
+     "min_exit_layer=3 > max_exit_layer=2"),
     (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer >= 1"),
     (G + ["--method", "ppd", "--opt", "k=abc"], "k must be an integer >= 1"),
     (G + ["--method", "ppd", "--opt", "k=100000"], "more than the vocabulary"),
@@ -482,7 +487,8 @@ CLI = [
     (MR + ["--layers", "0"], "each item must be a positive integer"),
     (MR + ["--layers", "99", "--heads", "shared", "--category", "qa"], "layers must be integers in [1, 4]"),
     (MR + ["--layers", "2", "--k", "0"], "each item must be a positive integer"),
-    (MR + ["--layers", "2", "--k", "1000000", "--heads", "shared", "--category", "qa"], "k must be an integer in [1, 128]"),
+    (MR + ["--layers", "2", "--k", "1000000", "--heads", "shared", "--category", "qa"],
+     "k must be an integer in [1, 128]"),
     (MR + ["--mode", "fast"], "--mode fast unknown"),
     (MR + ["--top-p", "0"], "must be a finite number in (0, 1]"),
     (MR + ["--temperature", "0"], "must be a finite number >= 1e-06"),
@@ -512,7 +518,8 @@ CLI = [
     (SV + ["--heads", "trained", "--vocab", "128", "--out", "{T}/s.safetensors"], "below the full vocabulary"),
     (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.bin"], "must end in .safetensors"),
     (SV + ["--heads", "trained", "--vocab", "8,16", "--out", "{T}/s.safetensors"], "must contain {vocab}"),
-    (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--json", "{FILE}"], "must end in .json"),
+    (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--json", "{FILE}"],
+     "must end in .json"),
     (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--storage", "int8"], "invalid choice"),
 ]
 
@@ -688,7 +695,8 @@ API = [
     (_heads_cfg(lr=math.nan), "lr must be a finite number > 0, got nan"),
     (_heads_cfg(layers=(99,)), "layers must be integers in [1, 3]"),
     (_heads_cfg(epochs=True), "epochs must be a positive integer, got True"),
-    (lambda m, p: importlib.import_module("layerleap.train.align").TrainConfig(lr=math.nan).check(), "lr must be a finite number > 0"),
+    (lambda m, p: importlib.import_module("layerleap.train.align").TrainConfig(lr=math.nan).check(),
+     "lr must be a finite number > 0"),
     (lambda m, p: importlib.import_module("layerleap.train.skipdecode").TrainConfig(lr=math.inf).resolve(4),
      "lr must be a finite number > 0, got inf"),
     (_match_cfg(top_p=2.0), "top_p must be a finite number in (0, 1]"),
@@ -698,13 +706,15 @@ API = [
     (_exactness({"p": ("ppd", {})}, out="r.txt"), "must end in .json"),
     (_bench(max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (_bench(out="/proc/x.json"), "cannot be written"),
-    (lambda m, p: layerleap.core.loading.check_folder(__import__("pathlib").Path(p["BADHEADER"])), "is not a safetensors file"),
+    (lambda m, p: layerleap.core.loading.check_folder(__import__("pathlib").Path(p["BADHEADER"])),
+     "is not a safetensors file"),
     # found by the fuzzing pass
     (_gen(__import__("numpy").array(["a"])), "an array prompt must hold integer token ids"),
     (lambda m, p: layerleap.tiny_config(n_kv_heads=0), "n_kv_heads must be a positive integer, got 0"),
     (lambda m, p: layerleap.tiny_config(vocab_size="97"), "vocab_size must be a positive integer, got '97'"),
     (lambda m, p: layerleap.ModelConfig.from_hf("x"), "a Hugging Face config is a dict"),
-    (lambda m, p: importlib.import_module("layerleap.eval.bench").run_bench(m, ["greedy"], ["hi"], 2, hf_baseline=False),
+    (lambda m, p: importlib.import_module("layerleap.eval.bench").run_bench(m, ["greedy"], ["hi"], 2,
+                                                                            hf_baseline=False),
      "methods must map labels to (method, options) pairs"),
     (lambda m, p: importlib.import_module("layerleap.eval.bench").run_bench(m, {}, "hello", 2, hf_baseline=False),
      "prompts must be a list of prompts, got str"),
@@ -716,11 +726,13 @@ API = [
     (_exactness(["ppd"]), "methods must map labels"),
     (lambda m, p: importlib.import_module("layerleap.eval.exactness").run_exactness(m, {}, "hello", 2),
      "prompts must be a list of Spec-Bench prompts"),
-    (lambda m, p: importlib.import_module("layerleap.files").save_figure(__import__("matplotlib.figure").figure.Figure(),
-                                                                  p["T"] + "/x.xyz"), "a plot must end in one of .png"),
-    (lambda m, p: importlib.import_module("layerleap.eval.sweep").run_sweep(m, [], "hello", 2, models={}), "prompts must be a list"),
+    (lambda m, p: importlib.import_module("layerleap.files").save_figure(
+        __import__("matplotlib.figure").figure.Figure(), p["T"] + "/x.xyz"), "a plot must end in one of .png"),
+    (lambda m, p: importlib.import_module("layerleap.eval.sweep").run_sweep(m, [], "hello", 2, models={}),
+     "prompts must be a list"),
     (lambda m, p: importlib.import_module("layerleap.eval.match_rate").match_rate(
-        m, "hello", importlib.import_module("layerleap.eval.match_rate").MatchRateConfig(layers=(2,), heads=("shared",))),
+        m, "hello",
+        importlib.import_module("layerleap.eval.match_rate").MatchRateConfig(layers=(2,), heads=("shared",))),
      "prompts must be a list of texts or token-id lists, got str"),
 ]
 
@@ -739,7 +751,8 @@ def _run(argv, stdin=None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("argv, stdin, message", [
-    (["generate", "--model", "{D}", "--prompt", "-"], b"\xff\xfe\x80 not utf-8", "is not UTF-8 text (byte 0xff at offset 0)"),
+    (["generate", "--model", "{D}", "--prompt", "-"], b"\xff\xfe\x80 not utf-8",
+     "is not UTF-8 text (byte 0xff at offset 0)"),
     (["generate", "--model", "{D}", "--prompt", b"caf\xe9"], None, "is not valid UTF-8 text"),
     (["bench", "--model", "{D}", "--json", b"r\xff.json"], None, "is not valid UTF-8 text"),
 ])

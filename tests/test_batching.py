@@ -26,7 +26,8 @@ OPTIONS = {"early-exit": {"exit_layer": 2}, "skipdecode": {"min_exit_layer": 1, 
            "medusa": {"tree": "2,1"}, "hidden-transfer": {"tree": "2,1"},
            "speculative": {"draft_len": 3, "schedule": "heuristic", "min_confidence": 0.3}}
 # untrained drafters for the tree methods, perturbed so that drafts are sometimes right, sometimes not
-DRAFTERS = {"medusa": ("heads", "medusa", {"steps": 2}), "hidden-transfer": ("transfer", "transfer", {"layers": [1, 2]})}
+DRAFTERS = {"medusa": ("heads", "medusa", {"steps": 2}),
+            "hidden-transfer": ("transfer", "transfer", {"layers": [1, 2]})}
 _MADE: dict = {}
 
 

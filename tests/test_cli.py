@@ -228,7 +228,8 @@ def test_bench_call_cost_and_transformers_extras(capsys, tmp_path, tiny_hf_dir, 
     recs = {r["label"]: r for r in d["records"]}
     assert {"transformers-lookup", "transformers-early-exit", "prompt-lookup"} <= set(recs)
     want = recs["greedy"]["token_ids"]
-    assert all(recs[k]["token_ids"] == want for k in ("transformers-lookup", "transformers-early-exit", "prompt-lookup"))
+    labels = ("transformers-lookup", "transformers-early-exit", "prompt-lookup")
+    assert all(recs[k]["token_ids"] == want for k in labels)
     cc = d["call_cost"]
     assert [p["new_tokens"] for p in cc["points"]] == [1, 2, 4, 8, 16] and cc["points"][0]["ratio"] == 1.0
     assert all(p["ms"] > 0 for p in cc["points"]) and d["config"]["cpu"] and len(d["config"]["load_average"]) == 3

@@ -59,7 +59,8 @@ def test_list_and_tree_options_reach_the_method(capsys, tiny_hf_dir, tiny, metho
         heads = drafters.new_drafter(tiny, "medusa", steps=2)
         monkeypatch.setattr(drafters, "get_drafter", lambda model, kind, spec: heads)
         kwargs = {**kwargs, "heads": heads}
-    argv = ["generate", "--model", tiny_hf_dir, "--prompt", "Hello", "--max-new-tokens", 6, "--method", method, "--json"]
+    argv = ["generate", "--model", tiny_hf_dir, "--prompt", "Hello", "--max-new-tokens", 6, "--method", method,
+            "--json"]
     rc, out, err = cli(capsys, *argv, *[a for o in opts for a in ("--opt", o)])
     assert rc == 0, err
     assert json.loads(out)["token_ids"] == generate(tiny, "Hello", method, 6, **kwargs).token_ids

@@ -74,7 +74,8 @@ def test_divergence_report(tiny, lossless):
         logits = full_logits(tiny, ref.prompt_ids + ref.token_ids[:FLIP_AT])[-1]
         top2 = logits.topk(2).indices.tolist()
         assert (d["prompt_id"], d["label"], d["position"]) == (p.id, "flip", FLIP_AT)
-        assert (d["reference_token"], d["method_token"]) == (ref.token_ids[FLIP_AT], top2[1]) and top2[0] == ref.token_ids[FLIP_AT]
+        assert (d["reference_token"], d["method_token"]) == (ref.token_ids[FLIP_AT], top2[1])
+        assert top2[0] == ref.token_ids[FLIP_AT]
         assert d["logit_gap"] == pytest.approx(float(logits[top2[0]] - logits[top2[1]]), abs=1e-5)
         assert d["logit_gap"] > 0 and d["near_tie"] == (d["logit_gap"] < 1e-4)
         assert d["reference_text"] == tiny.tokenizer.decode([top2[0]])
@@ -92,7 +93,8 @@ def test_command_exit_codes_and_near_ties(capsys, tmp_path, char_model_dir, loss
     rc, stdout, err = cli(capsys, *base, "--methods", "flip", "--json", out)
     assert rc == 1  # a divergence that is not a near-tie
     rep = json.loads(out.read_text())
-    assert rep["config"]["command"].startswith("layerleap eval exactness") and rep["summary"]["flip"]["unexplained"] == 1
+    assert rep["config"]["command"].startswith("layerleap eval exactness")
+    assert rep["summary"]["flip"]["unexplained"] == 1
     assert "flip on prompt" in stdout and "logit gap" in stdout
     rc, stdout, _ = cli(capsys, *base, "--methods", "flip", "--near-tie", "1e9", "--json", tmp_path / "t.json")
     assert rc == 0 and json.loads((tmp_path / "t.json").read_text())["divergences"][0]["near_tie"]

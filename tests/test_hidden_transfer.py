@@ -45,9 +45,11 @@ def models():
 def test_equals_greedy(models, name, tree, method):
     model = models[name]
     for seed, plen in [(0, 1), (1, 6), (2, 19)]:
-        prompt = torch.randint(0, model.config.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+        prompt = torch.randint(0, model.config.vocab_size, (plen,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
         want = naive_greedy(model, prompt, 16)
-        opt = ({"transfer": transfer_for(model, seed)} if method == "hidden-transfer" else {"heads": medusa_for(model, seed)})
+        opt = ({"transfer": transfer_for(model, seed)} if method == "hidden-transfer"
+               else {"heads": medusa_for(model, seed)})
         got = generate(model, prompt, method, 16, stop_at_eos=False, tree=tree, **opt)
         assert got.token_ids == want, f"{method} tree={tree} differs from greedy on {name} (prompt {seed})"
         st = got.stats

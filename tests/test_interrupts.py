@@ -46,7 +46,8 @@ def test_during_decoding(char_model_dir):
 
 def test_during_a_sweep(tmp_path, char_model_dir):
     report = tmp_path / "s.json"
-    proc = Proc([*layerleap_bin, "sweep", "bild", "--model", str(char_model_dir), "--exit-layer", "2", "--head", "shared",
+    proc = Proc([*layerleap_bin, "sweep", "bild", "--model", str(char_model_dir), "--exit-layer", "2",
+                 "--head", "shared",
                  "--alpha-fb", "0.5", "--alpha-rb", "1", "--draft-lens", "2", "--categories", "qa,writing",
                  "--prompts", "12", "--max-new-tokens", "48", "--threads", "1", "--json", str(report),
                  "--plot", str(tmp_path / "s.png")])
@@ -65,7 +66,8 @@ def test_during_training_then_resume(tmp_path, char_model_dir):
     chunks = tmp_path / "chunks.safetensors"
     save_file({"chunks": torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))}, str(chunks))
     out = tmp_path / "medusa.safetensors"
-    argv = [*layerleap_bin, "train", "medusa", "--model", str(char_model_dir), "--chunks", str(chunks), "--seq-len", "16",
+    argv = [*layerleap_bin, "train", "medusa", "--model", str(char_model_dir), "--chunks", str(chunks),
+            "--seq-len", "16",
             "--heads", "2", "--steps", "60", "--save-every", "3", "--threads", "1", "--out", str(out)]
     proc = Proc(argv)
     proc.wait_for(r"train medusa: +\d+%.*\| *([7-9]|\d\d+)/60")

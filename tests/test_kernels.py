@@ -33,7 +33,8 @@ def test_onednn_matches_dense_product(dtype, rows):
     got = fmt(x)
     assert got.shape == (1, rows, 96) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
+                               atol=tol, rtol=tol)
     assert torch.equal(fmt.dense(), w)  # unpacking gives the weight back exactly
 
 

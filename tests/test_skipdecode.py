@@ -122,7 +122,7 @@ def test_kv_lengths_per_layer(model):
         ran = sum(1 for b in budgets if any(s <= layer < e for s, e in layer_ranges(D, b, 1)))
         assert cache.lengths[layer].tolist() == [longest + ran] * len(PROMPTS)
     # every layer a token ran had all earlier tokens: the layers that ran at step n ran at every step < n
-    sets = [{l for s, e in layer_ranges(D, b, 1) for l in range(s, e)} for b in budgets]
+    sets = [{layer for s, e in layer_ranges(D, b, 1) for layer in range(s, e)} for b in budgets]
     assert all(later <= earlier for earlier, later in zip(sets, sets[1:]))
 
 
@@ -202,7 +202,8 @@ def test_finetune_saves_resumes_reloads(tiny_hf_dir, tmp_path):
     from layerleap.train.skipdecode import STATE_JSON, TrainConfig, finetune
 
     g = torch.Generator().manual_seed(1)
-    examples = [(torch.randint(3, 500, (int(n),), generator=g).tolist(), torch.randint(3, 500, (10,), generator=g).tolist())
+    examples = [(torch.randint(3, 500, (int(n),), generator=g).tolist(),
+                 torch.randint(3, 500, (10,), generator=g).tolist())
                 for n in torch.randint(4, 12, (8,), generator=g)]
     cfg = dict(min_exit_layer=2, max_exit_layer=3, warmup=1, batch_size=2, lr=1e-2, gen_len=10, save_every=1, seed=0)
     base = layerleap.load(str(tiny_hf_dir))

@@ -114,7 +114,7 @@ def test_cancel_stops_a_row_and_the_rest_go_on(tiny):
     prompts = ["one two three", "four five", "six"]
     want = generate(tiny, prompts, "greedy", 12, stop_at_eos=False)
     d = Decoding(tiny, prompts, "greedy", 12, stop_at_eos=False)
-    for grew in d:
+    for _grew in d:
         if len(d.tokens(1)) == 3:
             d.cancel(1)
     assert d.results[1].stats["cancelled"] and d.results[1].token_ids == want[1].token_ids[:3]

@@ -54,7 +54,8 @@ def test_messages(roles, strip, want):
 
 def test_conversation_seqs():
     seqs, seen = data.conversation_seqs(CharTokenizer(), 1000, 12, return_seen=True)
-    assert [text(s) for s in seqs] == ["u:hi there|a", "s:be brief|u", "u:more|a:yes"]  # conv 4: "user", "chatgpt" dropped
+    # conv 4: "user", "chatgpt" dropped
+    assert [text(s) for s in seqs] == ["u:hi there|a", "s:be brief|u", "u:more|a:yes"]
     assert seen == 4
     assert [text(s) for s in data.conversation_seqs(CharTokenizer(), 15, 12, skip=1)] == ["s:be brief|u", "u:m"]
     with pytest.raises(LayerleapError, match="no usable ShareGPT"):

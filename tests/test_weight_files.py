@@ -79,7 +79,8 @@ def _same(want: dict, got: dict, bf16: bool):
         a, b = module.state_dict(), got[key].state_dict()
         assert sorted(a) == sorted(b)
         for k in a:
-            torch.testing.assert_close(b[k].float(), (a[k].to(torch.bfloat16) if bf16 else a[k]).float(), rtol=0, atol=0)
+            torch.testing.assert_close(b[k].float(), (a[k].to(torch.bfloat16) if bf16 else a[k]).float(),
+                                       rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("write, old, bf16", [(_v1_heads, "layerleap-exit-heads-v1", False),
@@ -223,4 +224,5 @@ def test_the_old_files_in_docs_load_on_the_real_model():
     h = torch.randn(1, 2, model.config.hidden_size, dtype=model.dtype)
     assert adapter(h).shape == sub(h).shape == (1, 2, model.config.vocab_size)
     assert heads.get_head(model, 8, "trained").kind == "lens"
-    assert drafters.get_drafter(model, "medusa").steps == 3 and drafters.get_drafter(model, "transfer").layers == [15, 20, 25]
+    assert drafters.get_drafter(model, "medusa").steps == 3
+    assert drafters.get_drafter(model, "transfer").layers == [15, 20, 25]

@@ -19,6 +19,11 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _members(group: str) -> str:
+    """The ``{a,b,...}`` metavar of a command group: its members' names."""
+    return "{" + ",".join(m.partition(" ")[2] for m in _COMMANDS if m.startswith(group + " ")) + "}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     # the modules that define subcommands (add one here for a new one): importing one registers its commands
     from .commands import (basic, bild, calibrate, exactness, heads, hidden_transfer, native, ppd, serve,  # noqa: F401
@@ -32,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
             if group not in groups:
                 gp = sub.add_parser(group, help=GROUP_HELP.get(group, group), description=GROUP_HELP.get(group))
                 groups[group] = gp.add_subparsers(dest="what", required=True, parser_class=_Parser,
-                                                  metavar=f"{{{','.join(m.partition(' ')[2] for m in _COMMANDS if m.startswith(group + ' '))}}}")
+                                                  metavar=_members(group))
             p = groups[group].add_parser(member, help=help_, description=help_)
         else:
             p = sub.add_parser(name, help=help_, description=help_)

@@ -141,7 +141,8 @@ def _json_prompt(path: Path, n: int, line: str) -> str:
                              "for plain prompts") from None
     if isinstance(value, dict):
         turns = value.get("turns")
-        value = next((value[k] for k in PROMPT_KEYS if k in value), turns[0] if isinstance(turns, list) and turns else None)
+        value = next((value[k] for k in PROMPT_KEYS if k in value),
+                     turns[0] if isinstance(turns, list) and turns else None)
     if not isinstance(value, str) or not value.strip():
         raise LayerleapError(f"{path}:{n}: a prompt line is a JSON string or an object with a non-empty "
                              f"{', '.join(repr(k) for k in PROMPT_KEYS)} or 'turns' field")

@@ -1,4 +1,5 @@
-"""Placing models on a device, and method options that name a second model (``speculative``'s ``draft=``, ``bild``'s ``small=``).
+"""Placing models on a device, and method options that name a second model (``speculative``'s ``draft=``,
+``bild``'s ``small=``).
 
 On the command line and in a server request such an option is a model name or folder; ``ModelLoader``
 loads it once, with the main model's dtype and device, and ``resolve_models`` swaps the names in a

@@ -16,7 +16,8 @@ GROUP_HELP = {  # the group commands' own help lines
     "eval": "quality and speed tables of a method",
     "sweep": "sweep a method's thresholds: quality against latency",
     "theory": "a method's theory: formulas, simulation and trade-off plots",
-    "heads": "exit heads and drafter weight files: restrict to a sub-vocabulary, show what a file holds, upgrade an older one",
+    "heads": "exit heads and drafter weight files: restrict to a sub-vocabulary, show what a file holds, upgrade "
+             "an older one",
 }
 
 

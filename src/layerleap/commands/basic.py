@@ -62,7 +62,8 @@ def _model_args(p, dtype: str = "float32") -> None:
     p.add_argument("--model", type=_model_arg, default=DEFAULT_MODEL, help=f"packaged model name or Hugging Face "
                    f"folder (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default=dtype, choices=list(DTYPES), help=f"weight dtype (default {dtype})")
-    p.add_argument("--device", type=_device, default="cpu", help="torch device for the model(s), e.g. cuda (default cpu)")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="torch device for the model(s), e.g. cuda (default cpu)")
     p.add_argument("--threads", type=V.threads_arg, default=None, help="torch threads (default: all cores)")
     p.add_argument("--variant", default=None, help="a fine-tuned variant of --model: a shipped name (e.g. "
                    "skipdecode-2x, calm) or a .safetensors file of `layerleap finetune variant`")
@@ -324,7 +325,8 @@ def _option_text(value) -> str:
 def methods_table() -> dict:
     """Every registered method: its options (with defaults) and flags."""
     from ..decoding import METHODS as registry
-    return {name: {"exact": m.exact, "batches": m.batched, "samples": m.sampling, "samples_by_default": m.default_sample,
+    return {name: {"exact": m.exact, "batches": m.batched, "samples": m.sampling,
+                   "samples_by_default": m.default_sample,
                    "options": {k: (None if v is inspect.Parameter.empty else v) for k, v in m.options().items()},
                    "required": [k for k, v in m.options().items() if v is inspect.Parameter.empty],
                    "model_options": list(m.models), "description": m.description}
@@ -458,7 +460,8 @@ def _setup_bench(p):
                         "(for a shared, busy machine; default 1, at most 20)")
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
                    help="write the report here (after every prompt)")
-    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=None, help="also write the report as one self-contained "
+    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=None,
+                   help="also write the report as one self-contained "
                    "HTML page with charts")
 
 
@@ -513,7 +516,8 @@ def _setup_demo(p):
     p.add_argument("--categories", default=DEMO_CATEGORIES, help=f"bench categories (default {DEMO_CATEGORIES})")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the bench report here")
-    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=DEMO_HTML, help=f"the bench report as an HTML page "
+    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=DEMO_HTML,
+                   help=f"the bench report as an HTML page "
                    f"(default {DEMO_HTML})")
 
 

@@ -42,7 +42,8 @@ def _form_args(p) -> None:
     form.add_argument("--exit-layer", type=_positive_int, default=None,
                       help="early-exit form: layers [0, E) and an exit head are the small model")
     form.add_argument("--small", type=_model_arg, default=None, help="two-model form: the small model (name or folder)")
-    p.add_argument("--head", type=V.name_or_file_arg(HEADS, "exit head file"), default="auto", help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
+    p.add_argument("--head", type=V.name_or_file_arg(HEADS, "exit head file"), default="auto",
+                   help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
                    "(default auto: a shipped trained head if there is one, else shared)")
 
 
@@ -77,19 +78,24 @@ def _spec_settings(text: str) -> list:
 
 
 # -- sweep ------------------------------------------------------------------------------------------
-@command("sweep bild", help="BiLD over (alpha_fb, alpha_rb): quality against latency, the paper's Figures 4/9 and Table 1")
+@command("sweep bild",
+         help="BiLD over (alpha_fb, alpha_rb): quality against latency, the paper's Figures 4/9 and Table 1")
 def _setup_sweep(p):
     _model_args(p)
     _form_args(p)
-    p.add_argument("--alpha-fb", type=V.float_list_arg(0.0, 1.0, none=True), default=DEFAULT_FB, help=f"fallback thresholds (default {DEFAULT_FB}; none: no "
+    p.add_argument("--alpha-fb", type=V.float_list_arg(0.0, 1.0, none=True), default=DEFAULT_FB,
+                   help=f"fallback thresholds (default {DEFAULT_FB}; none: no "
                    "BiLD points)")
-    p.add_argument("--alpha-rb", type=V.float_list_arg(0.0, None, none=True, allow_inf=True), default=DEFAULT_RB, help=f"rollback thresholds; inf = never (default {DEFAULT_RB}; "
+    p.add_argument("--alpha-rb", type=V.float_list_arg(0.0, None, none=True, allow_inf=True), default=DEFAULT_RB,
+                   help=f"rollback thresholds; inf = never (default {DEFAULT_RB}; "
                    "none: no BiLD points)")
     p.add_argument("--max-small", type=_max_small, default=10, help="longest small-model run (default 10; none)")
-    p.add_argument("--draft-lens", type=V.int_list_arg(1, MAX_DRAFT_LEN, none=True), default="2,4", help="speculative decoding draft lengths γ; its draft is the small "
+    p.add_argument("--draft-lens", type=V.int_list_arg(1, MAX_DRAFT_LEN, none=True), default="2,4",
+                   help="speculative decoding draft lengths γ; its draft is the small "
                    "model, or in the early-exit form the same first E layers and head; constant schedule, no "
                    "confidence stop (default 2,4; none: skip)")
-    p.add_argument("--speculative", type=_spec_settings, default="", metavar="SETTINGS", help="more speculative decoding points, each "
+    p.add_argument("--speculative", type=_spec_settings, default="", metavar="SETTINGS",
+                   help="more speculative decoding points, each "
                    "SCHEDULE:γ[:MIN_CONFIDENCE], e.g. heuristic:4,heuristic:4:0.4,constant:20:0.4 (schedule constant "
                    "or heuristic, γ the first draft length, min_confidence the confidence stop; default none)")
     p.add_argument("--transformers", action="store_true", help="add `transformers` generate on the same weights as "
@@ -102,10 +108,13 @@ def _setup_sweep(p):
                    help="a Spec-Bench question.jsonl (default: the shipped copy)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the chat template (default on)")
-    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="the report (rewritten after every prompt; "
+    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
+                   help="the report (rewritten after every prompt; "
                    "rerunning with the same settings resumes)")
-    p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None, help="quality against latency, one panel per category")
-    p.add_argument("--table", metavar="OUT.md", type=V.table_arg, default=None, help="write the markdown tables here too")
+    p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None,
+                   help="quality against latency, one panel per category")
+    p.add_argument("--table", metavar="OUT.md", type=V.table_arg, default=None,
+                   help="write the markdown tables here too")
 
 
 @_setup_sweep
@@ -148,7 +157,8 @@ def run_sweep(args) -> int:
         form = f"early exit at layer {E} of {large.config.n_layers}, head {shown}"
     print(f"{_model_line(large, threads)}, device {_device_name(large)}\nBiLD {form}; max_small {args.max_small}\n"
           f"{len(prompts)} Spec-Bench prompts ({args.categories}, {args.prompts} each) × {args.max_new_tokens} "
-          f"new tokens, chat {args.chat}; {len(fbs) * len(rbs)} BiLD points + {len(gammas) + len(settings)} speculative "
+          f"new tokens, chat {args.chat}; {len(fbs) * len(rbs)} BiLD points + {len(gammas) + len(settings)} "
+          f"speculative "
           f"+ greedy, "
           f"interleaved per prompt", flush=True)
     points = (sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas)
@@ -179,13 +189,15 @@ def run_sweep(args) -> int:
 
 
 # -- align ------------------------------------------------------------------------------------------
-@command("align", help="BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs")
+@command("align",
+         help="BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs")
 def _setup_align(p):
     _model_args(p)
     _form_args(p)
     p.add_argument("--out", type=V.path_arg, required=True,
                    help="the exit head file (.safetensors) or the small model's new folder")
-    p.add_argument("--categories", default=SWEEP_CATEGORIES, help=f"calibration categories (default {SWEEP_CATEGORIES})")
+    p.add_argument("--categories", default=SWEEP_CATEGORIES,
+                   help=f"calibration categories (default {SWEEP_CATEGORIES})")
     p.add_argument("--prompts", type=_positive_int, default=16, help="calibration prompts per category (default 16)")
     p.add_argument("--offset", type=V.nonneg_int, default=8, help="skip this many prompts per category first, to keep "
                    "calibration apart from `sweep`'s evaluation prompts (default 8 = sweep's default --prompts)")
@@ -193,14 +205,17 @@ def _setup_align(p):
     p.add_argument("--data", type=V.in_file_arg, default=None,
                    help="a Spec-Bench question.jsonl (default: the shipped copy)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--work", type=V.path_arg, default=None, help="the calibration outputs JSON (default OUT.calib.json); reused on rerun")
+    p.add_argument("--work", type=V.path_arg, default=None,
+                   help="the calibration outputs JSON (default OUT.calib.json); reused on rerun")
     p.add_argument("--epochs", type=V.int_arg(1, 10_000), default=4)
-    p.add_argument("--lr", type=V.positive_float, default=None, help="learning rate (default 1e-3 exit head, 1e-5 small model)")
+    p.add_argument("--lr", type=V.positive_float, default=None,
+                   help="learning rate (default 1e-3 exit head, 1e-5 small model)")
     p.add_argument("--batch-tokens", type=_positive_int, default=256, help="output tokens per step (default 256)")
     p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument("--save-every", type=_positive_int, default=20, help="checkpoint every N steps (default 20)")
     p.add_argument("--rank", type=V.nonneg_int, default=64, help="exit head adapter rank (default 64; 0 = full matrix)")
-    p.add_argument("--val-every", type=V.nonneg_int, default=4, help="hold out every n-th calibration prompt to measure "
+    p.add_argument("--val-every", type=V.nonneg_int, default=4,
+                   help="hold out every n-th calibration prompt to measure "
                    "agreement (default 4; 0 = none)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -242,9 +257,10 @@ def run_align(args) -> int:
     else:
         held = (f"; held-out {rep['heldout_before']:.3f} before, {rep['heldout_after']:.3f} after"
                 if rep.get("heldout_after") is not None else "")
+        loss = rep["final_loss"] if rep["final_loss"] is None else round(rep["final_loss"], 4)
         print(f"agreement with the large model's greedy tokens (training prompts): "
               f"{rep['agreement_before']:.3f} before, {rep['agreement_after']:.3f} after{held}; "
-              f"{rep['steps_run']} steps run, final loss {rep['final_loss'] if rep['final_loss'] is None else round(rep['final_loss'], 4)}")
+              f"{rep['steps_run']} steps run, final loss {loss}")
         print(f"wrote {rep['out']}")
     return 0
 

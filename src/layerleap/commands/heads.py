@@ -38,7 +38,8 @@ def _setup_train(p):
     from ..train.exit_heads import HeadTrainConfig
     d = HeadTrainConfig()
     _model_args(p)
-    p.add_argument("--layers", type=LAYERS_ARG, required=True, help="comma list of layers, e.g. 8,15,23 (1 .. n_layers-1)")
+    p.add_argument("--layers", type=LAYERS_ARG, required=True,
+                   help="comma list of layers, e.g. 8,15,23 (1 .. n_layers-1)")
     p.add_argument("--kind", choices=["lens", "full"], default="lens",
                    help="lens: a D x D affine map before the frozen final norm and unembedding (small, default); "
                         "full: a trainable norm and V x D unembedding per layer (PPD's)")
@@ -48,7 +49,8 @@ def _setup_train(p):
                    help=f"ShareGPT positions to train on (default {d.tokens})")
     p.add_argument("--epochs", type=V.int_arg(1, 10_000), default=d.epochs)
     p.add_argument("--batch-tokens", type=V.int_arg(1, 1_000_000), default=d.batch_tokens, help="positions per step")
-    p.add_argument("--lr", type=V.positive_float, default=None, help="AdamW learning rate (default 1e-3 lens, 2e-5 full = Appendix A)")
+    p.add_argument("--lr", type=V.positive_float, default=None,
+                   help="AdamW learning rate (default 1e-3 lens, 2e-5 full = Appendix A)")
     p.add_argument("--init", choices=["lstsq", "identity"], default=d.init,
                    help="lens start: ridge regression onto the final state (default) or the identity (shared head)")
     p.add_argument("--candidates", type=V.nonneg_int, default=d.candidates,
@@ -56,11 +58,13 @@ def _setup_train(p):
                         f"{d.candidates}; 0: full-vocabulary softmax, ~10x slower)")
     p.add_argument("--negatives", type=V.nonneg_int, default=d.negatives, help="random ids added to each step's set")
     p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help="cut conversations after this many tokens")
-    p.add_argument("--skip-conversations", type=V.nonneg_int, default=0, help="ShareGPT conversations to pass over first")
+    p.add_argument("--skip-conversations", type=V.nonneg_int, default=0,
+                   help="ShareGPT conversations to pass over first")
     p.add_argument("--eval-tokens", type=V.int_arg(0, 10_000_000), default=4000,
                    help="held-out ShareGPT positions (after the training ones) for the agreement check (0: none)")
     p.add_argument("--out", type=V.weights_arg, required=True, help="the heads file (.safetensors) to write")
-    p.add_argument("--work", type=V.out_dir_arg, default=None, help="folder for the hidden-state cache and resumable state "
+    p.add_argument("--work", type=V.out_dir_arg, default=None,
+                   help="folder for the hidden-state cache and resumable state "
                    "(default OUT.work; rerun the same command to resume)")
     p.add_argument("--keep-work", action="store_true", help="keep the work folder after success")
     p.add_argument("--storage", choices=["float32", "bfloat16"], default="float32", help="weights dtype in the file")
@@ -104,7 +108,8 @@ def run_train(args) -> int:
             tr = agreement(res.heads[layer], cv[layer], final, (1, 3, 5))
             rows[layer] = {"shared": sh, "trained": tr}
             print(f"layer {layer:>3}: top-1 agreement with the final layer  shared {sh['top1']:.3f}  trained "
-                  f"{tr['top1']:.3f}   top-5 {sh['top5']:.3f} -> {tr['top5']:.3f}   KL {sh['kl']:.2f} -> {tr['kl']:.2f}",
+                  f"{tr['top1']:.3f}   top-5 {sh['top5']:.3f} -> {tr['top5']:.3f}   "
+                  f"KL {sh['kl']:.2f} -> {tr['kl']:.2f}",
                   flush=True)
         report["held_out"] = {"tokens": len(final), "by_layer": rows}
     meta = {"wall_s": round(wall, 1), "threads": threads, "torch": torch.__version__}
@@ -123,13 +128,15 @@ def run_train(args) -> int:
 
 
 # -- match-rate ---------------------------------------------------------------------------------------
-@command("match-rate", help="PPD's match rate: how often an early top-k (exit head at a layer) holds the full model's token")
+@command("match-rate",
+         help="PPD's match rate: how often an early top-k (exit head at a layer) holds the full model's token")
 def _setup_match(p):
     _model_args(p)
     p.add_argument("--layers", type=LAYERS_ARG, default="10,15,20,25",
                    help="comma list of layers to probe (default 10,15,20,25)")
     p.add_argument("--k", type=V.int_list_arg(1), default="1,3,5", help="comma list of top-k sizes (default 1,3,5)")
-    p.add_argument("--heads", default="shared,trained", help="comma list: shared, trained (shipped), auto, or heads files")
+    p.add_argument("--heads", default="shared,trained",
+                   help="comma list: shared, trained (shipped), auto, or heads files")
     p.add_argument("--category", default="summarization,qa,translation",
                    help="Spec-Bench categories, comma list (one table each)")
     p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
@@ -168,7 +175,8 @@ def run_match(args) -> int:
             raise LayerleapError(f"no prompts left in category {c} after --offset {args.offset}")
     cmd, model, threads = _start(args)
     head_names = _csv(args.heads) or ["shared"]
-    base = MatchRateConfig(layers=tuple(layers), ks=tuple(ks), heads=tuple(head_names), max_new_tokens=args.max_new_tokens,
+    base = MatchRateConfig(layers=tuple(layers), ks=tuple(ks), heads=tuple(head_names),
+                           max_new_tokens=args.max_new_tokens,
                            top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, seed=args.seed,
                            buckets=args.buckets)
     base.check(model)
@@ -199,7 +207,8 @@ def run_match(args) -> int:
 
 
 # -- eval head-cost ---------------------------------------------------------------------------------
-@command("eval head-cost", help="what an exit head adds to the cost of a token at its layer (full and sub-vocabulary heads)")
+@command("eval head-cost",
+         help="what an exit head adds to the cost of a token at its layer (full and sub-vocabulary heads)")
 def _setup_cost(p):
     _model_args(p)
     p.add_argument("--layers", type=LAYERS_ARG, default="8,15,23", help="comma list of layers")
@@ -260,10 +269,12 @@ def _setup_sub(p):
     _model_args(p)
     p.add_argument("--heads", type=HEAD_ARG, required=True,
                    help="a heads file (shared or lens heads), or 'trained' (the shipped file)")
-    p.add_argument("--vocab", type=V.int_list_arg(1), required=True, help="comma list of sub-vocabulary sizes, e.g. 8192,16384")
+    p.add_argument("--vocab", type=V.int_list_arg(1), required=True,
+                   help="comma list of sub-vocabulary sizes, e.g. 8192,16384")
     p.add_argument("--out", type=V.path_arg, required=True,
                    help="the file to write; with several sizes it must contain {vocab}")
-    p.add_argument("--layers", type=LAYERS_ARG, default=None, help="comma list of layers to keep (default: all in --heads)")
+    p.add_argument("--layers", type=LAYERS_ARG, default=None,
+                   help="comma list of layers to keep (default: all in --heads)")
     p.add_argument("--freq-tokens", type=V.int_arg(1, 10_000_000), default=20000,
                    help="ShareGPT positions (the first ones) whose final-layer argmax ranks the ids (default 20000)")
     p.add_argument("--storage", choices=["float32", "bfloat16"], default="bfloat16", help="weights dtype in the file")
@@ -301,7 +312,8 @@ def run_sub(args) -> int:
         raise LayerleapError(f"--heads {args.heads} has no heads at layers {', '.join(map(str, missing))} "
                              f"(it has {', '.join(map(str, sorted(src)))})")
     if any(src[x].kind == "full" for x in layers):
-        raise LayerleapError("full heads have their own V x D unembedding: sub-vocabularies are for shared and lens heads")
+        raise LayerleapError("full heads have their own V x D unembedding: sub-vocabularies are for shared and "
+                             "lens heads")
     t0 = time.perf_counter()
     order, counts = frequent_vocab(model, args.freq_tokens)
     total, seen = int(counts.sum()), int((counts > 0).sum())

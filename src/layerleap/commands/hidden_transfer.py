@@ -26,7 +26,8 @@ DRAFTER_ARG = V.name_or_file_arg(("trained",), "drafter weights file")
 
 
 @command("train transfer", "train medusa",
-         help="train Hidden Transfer projections (--layers t1,t2,..) or Medusa heads (--heads k) on ShareGPT, backbone frozen")
+         help="train Hidden Transfer projections (--layers t1,t2,..) or Medusa heads (--heads k) on ShareGPT, "
+              "backbone frozen")
 def _setup_train(p):
     _model_args(p)
     p.add_argument("--layers", type=V.int_list_arg(1), default="15,20,25",
@@ -93,7 +94,8 @@ def run_train(args) -> int:
     return 0
 
 
-@command("eval drafters", help="draft accuracy per step (top-1/3/5) of Hidden Transfer and Medusa weights on the model's greedy text (Figure 3)")
+@command("eval drafters", help="draft accuracy per step (top-1/3/5) of Hidden Transfer and Medusa weights on the "
+                               "model's greedy text (Figure 3)")
 def _setup_eval(p):
     _model_args(p)
     p.add_argument("--transfer", type=DRAFTER_ARG, action="append", default=[],

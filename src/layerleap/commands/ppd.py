@@ -26,7 +26,8 @@ HEAD_ARG = V.name_or_file_arg(("auto", "shared", "trained"), "exit heads file")
 def _setup_theory(p):
     p.add_argument("--layers", type=V.int_arg(2, 100_000), default=40, help="d, the model's layers (default 40: "
                    "Vicuna-13B)")
-    p.add_argument("--exit-layer", type=_positive_int, default=None, help="d̄, the early-prediction layer (default d/2)")
+    p.add_argument("--exit-layer", type=_positive_int, default=None,
+                   help="d̄, the early-prediction layer (default d/2)")
     p.add_argument("--k", type=V.int_arg(1, 100_000), default=1, help="sub-processes (default 1)")
     p.add_argument("--p-correct", type=V.probability_arg, default=0.5, help="match rate p (default 0.5)")
     p.add_argument("--tokens", type=V.int_arg(1, 1_000_000), default=128, help="ℓ, tokens generated (default 128)")
@@ -45,7 +46,8 @@ def _setup_theory(p):
                    help="d̄ values to measure (default 15,20,25)")
     m.add_argument("--ks", type=V.int_list_arg(1), default="1,3,5", help="k values (default 1,3,5)")
     m.add_argument("--head", type=HEAD_ARG, default="auto", help="exit head: auto, shared, trained or a heads file")
-    m.add_argument("--out", type=V.out_dir_arg, default=None, metavar="DIR", help="write match_rates.json and tradeoff_d{d̄}.png here")
+    m.add_argument("--out", type=V.out_dir_arg, default=None, metavar="DIR",
+                   help="write match_rates.json and tradeoff_d{d̄}.png here")
 
 
 @_setup_theory
@@ -218,7 +220,8 @@ def _setup_selfspec(p):
     p.add_argument("--exit-layer", type=_positive_int, default=15, help="the drafting / early-prediction layer")
     p.add_argument("--draft-lens", type=V.int_list_arg(1, MAX_DRAFT_LEN), default="2,4",
                    help="self-spec draft lengths (default 2,4)")
-    p.add_argument("--min-confidence", type=V.probability_arg, default=0.5, help="also run self-spec with this adaptive stop "
+    p.add_argument("--min-confidence", type=V.probability_arg, default=0.5,
+                   help="also run self-spec with this adaptive stop "
                    "(0 = skip that variant)")
     p.add_argument("--head", type=HEAD_ARG, default="auto", help="exit head: auto, shared, trained or a heads file")
     p.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
@@ -246,8 +249,8 @@ def run_selfspec(args) -> int:
         ours[f"self-spec g{g}"] = ("self-spec", {"exit_layer": E, "draft_len": g, "head": args.head})
     if args.min_confidence > 0:
         g = max(args.draft_lens)
-        ours[f"self-spec g{g} c{args.min_confidence}"] = ("self-spec", {"exit_layer": E, "draft_len": g, "head": args.head,
-                                                                        "min_confidence": args.min_confidence})
+        ours[f"self-spec g{g} c{args.min_confidence}"] = ("self-spec", {
+            "exit_layer": E, "draft_len": g, "head": args.head, "min_confidence": args.min_confidence})
     if 2 * E >= model.config.n_layers:
         ours["ppd k1 (emulated)"] = ("ppd", {"exit_layer": E, "k": 1, "head": args.head})
     hf = HFBaseline(model)
@@ -266,7 +269,7 @@ def run_selfspec(args) -> int:
         return out[0, t.shape[1]:].tolist(), time.perf_counter() - t0
 
     warm = generate(model, prompts[0].text, "greedy", 4, chat=True)
-    for label, (name, opts) in ours.items():
+    for _label, (name, opts) in ours.items():
         generate(model, prompts[0].text, name, 8, chat=True, stop_at_eos=False, **opts)
     for extra in hf_variants.values():
         hf_run(warm.prompt_ids, 8, extra)
@@ -275,8 +278,8 @@ def run_selfspec(args) -> int:
         for label, (name, opts) in ours.items():
             r = generate(model, pr.text, name, args.max_new_tokens, stop_at_eos=False, chat=True, **opts)
             ref = ref or r
-            keep = {k: r.stats.get(k) for k in ("head", "acceptance", "tokens_per_round", "p_correct", "layers_per_token",
-                                                "latency_units", "greedy_units", "ttft_s")}
+            keep = {k: r.stats.get(k) for k in ("head", "acceptance", "tokens_per_round", "p_correct",
+                                                "layers_per_token", "latency_units", "greedy_units", "ttft_s")}
             records.append({"category": pr.category, "id": pr.id, "label": label, "wall_s": r.stats["wall_s"],
                             "tokens": len(r.token_ids), "equal": r.token_ids == ref.token_ids, **keep})
         for label, extra in hf_variants.items():
@@ -304,7 +307,8 @@ def run_selfspec(args) -> int:
     for cat, row in summary.items():
         print(f"== {cat}")
         for lb, s in row.items():
-            extra = "".join(f" {k} {s[k]:.3f}" for k in ("acceptance", "tokens_per_round", "p_correct") if s[k] is not None)
+            extra = "".join(f" {k} {s[k]:.3f}" for k in ("acceptance", "tokens_per_round", "p_correct")
+                            if s[k] is not None)
             print(f"  {lb:42} {s['tokens_per_s']:6.1f} tok/s {s['vs_greedy']:5.2f}x ={s['equal']}{extra}")
     if args.json:
         write_json(args.json, {"command": _command_line(args), "model": model.config.name, "threads": threads,

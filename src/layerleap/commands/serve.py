@@ -18,7 +18,8 @@ def _setup(p):
     p.add_argument("--method", default="auto", help=f"the default decoding method: {', '.join(METHODS)} "
                    "(a request may choose another in its 'layerleap' field)")
     _opt_arg(p, "NAME=VALUE", "an option of the default method (repeatable)")
-    p.add_argument("--host", type=V.text_arg, default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--host", type=V.text_arg, default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=V.int_arg(0, 65535), default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--name", type=V.text_arg, default=None, help="the model id clients pass (default: --model)")
     p.add_argument("--max-tokens", type=V.int_arg(1, 1_000_000), default=256,
@@ -32,7 +33,8 @@ def _setup(p):
                    "prefills per round, between decoding rounds (default 512)")
     p.add_argument("--max-running", type=V.int_arg(1, 1024), default=2, help="batches decoding at once, one model "
                    "call at a time in turn (default 2)")
-    p.add_argument("--max-waiting", type=V.int_arg(1, 1_000_000), default=256, help="queued requests before 429 (default 256)")
+    p.add_argument("--max-waiting", type=V.int_arg(1, 1_000_000), default=256,
+                   help="queued requests before 429 (default 256)")
     p.add_argument("--max-body", type=V.int_arg(1024, 1 << 30), default=2 << 20, help="request body bytes, at most "
                    "(default 2 MiB; more is a 413)")
     p.add_argument("--max-prompt-tokens", type=V.int_arg(1, 10_000_000), default=None, help="prompt tokens, at most "

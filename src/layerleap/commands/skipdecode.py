@@ -37,7 +37,8 @@ def _finetuned_arg(it: str) -> tuple[int, str]:
 
 
 # -- finetune -----------------------------------------------------------------------------------------
-@command("finetune skipdecode", help="fine-tune the model with the SkipDecode skipping policy on (Table 2 configurations)")
+@command("finetune skipdecode",
+         help="fine-tune the model with the SkipDecode skipping policy on (Table 2 configurations)")
 def _setup_finetune(p):
     _model_args(p)
     p.add_argument("--target-speedup", type=int, choices=TARGETS, default=2,
@@ -82,7 +83,8 @@ def run_finetune(args) -> int:
     c = res.config
     first = sum(res.losses[:5]) / max(1, len(res.losses[:5]))
     last = sum(res.losses[-5:]) / max(1, len(res.losses[-5:]))
-    print(f"trained {res.steps_done - res.resumed_from} steps (resumed from {res.resumed_from}) in {res.seconds:.0f} s; "
+    print(f"trained {res.steps_done - res.resumed_from} steps (resumed from {res.resumed_from}) in "
+          f"{res.seconds:.0f} s; "
           f"policy warm-up {c['warmup']}, exit layers {c['max_exit_layer']} -> {c['min_exit_layer']} over "
           f"{c['gen_len']} tokens; {c['loss']} loss {first:.3f} (first 5 steps) -> {last:.3f} (last 5)")
     print(f"wrote {out} (load with layerleap.load({str(out)!r}))")
@@ -149,7 +151,8 @@ def run_variant(args) -> int:
 
 
 # -- eval ---------------------------------------------------------------------------------------------
-@command("eval skipdecode", "eval skipdecode-speed", help="SkipDecode tables: quality (skipdecode, Table 4/5 form) or wall-clock speed-up by batch size (skipdecode-speed)")
+@command("eval skipdecode", "eval skipdecode-speed", help="SkipDecode tables: quality (skipdecode, Table 4/5 form) or "
+                                                          "wall-clock speed-up by batch size (skipdecode-speed)")
 def _setup_eval(p):
     _model_args(p)
     p.add_argument("--targets", type=_speedups, default="2,3,4,5", help="target speed-ups (default 2,3,4,5)")
@@ -182,13 +185,15 @@ def _quality_rows(model, prompts, refs, label, method, opts, max_new, rows, kind
     texts = [r.text for r in res]
     avg = sum(r.stats["layers_per_token"] for r in res) / len(res)
     row = {"label": label, "kind": kind, "method": method, "options": opts, "category": prompts[0].category,
-           "avg_layers": avg, "rougeL": evaluation.rouge_l(texts, refs), "rougeLsum": evaluation.rouge_lsum(texts, refs),
+           "avg_layers": avg, "rougeL": evaluation.rouge_l(texts, refs),
+           "rougeLsum": evaluation.rouge_lsum(texts, refs),
            "bleu": evaluation.bleu(texts, refs), "tokens": sum(r.stats["new_tokens"] for r in res),
            "seconds": time.perf_counter() - t, "texts": texts}
     rows.append(row)
     if bar is not None:
         bar.update()
-    _say(f"  {row['category']:<13} {label:<28} layers {avg:5.1f}  ROUGE-L {row['rougeL']:5.1f}  BLEU {row['bleu']:5.1f}  "
+    _say(f"  {row['category']:<13} {label:<28} layers {avg:5.1f}  ROUGE-L {row['rougeL']:5.1f}  BLEU "
+         f"{row['bleu']:5.1f}  "
          f"({row['seconds']:.0f} s)")
     return row
 
@@ -247,7 +252,8 @@ def quality_tables(report: dict) -> str:
     cats = list(dict.fromkeys(r["category"] for r in rows))
     n = report["n_prompts"]
     out = ["### Table 4 form: SkipDecode, quality against the base model's greedy output\n",
-           "| category | target speed-up | model | avg generated layers | implied speed-up | ROUGE-L | ROUGE-Lsum | BLEU |",
+           "| category | target speed-up | model | avg generated layers | implied speed-up | ROUGE-L | ROUGE-Lsum "
+           "| BLEU |",
            "|---|---|---|---|---|---|---|---|"]
     for c in cats:
         for r in rows:
@@ -256,11 +262,13 @@ def quality_tables(report: dict) -> str:
                 d = rows[0]["avg_layers"]
                 out.append(f"| {c} ({n[c]} prompts) | {r['target']}x | {model} | {r['avg_layers']:.1f} | "
                            f"{d / r['avg_layers']:.2f} | {r['rougeL']:.1f} | {r['rougeLsum']:.1f} | {r['bleu']:.1f} |")
-    out += ["", "### Table 5 form: SkipDecode against fixed early exit and CALM-style exit (ROUGE-L / BLEU vs greedy)\n",
+    out += ["",
+            "### Table 5 form: SkipDecode against fixed early exit and CALM-style exit (ROUGE-L / BLEU vs greedy)\n",
             "| category | target | SkipDecode (base) | SkipDecode (fine-tuned) | early-exit (truncation) |",
             "|---|---|---|---|---|"]
     for c in cats:
-        targets = sorted({r["target"] for r in rows if r["category"] == c and r["kind"] in ("skipdecode", "skipdecode-ft")})
+        targets = sorted({r["target"] for r in rows
+                          if r["category"] == c and r["kind"] in ("skipdecode", "skipdecode-ft")})
         for s in targets:
             cell = {}
             for k in ("skipdecode", "skipdecode-ft", "early-exit"):
@@ -270,8 +278,11 @@ def quality_tables(report: dict) -> str:
             out.append(f"| {c} | {s}x | {cell['skipdecode']} | {cell['skipdecode-ft']} | {cell['early-exit']} |")
     calm = [r for r in rows if r["kind"] == "calm"]
     if calm:
-        out += ["", "CALM-style per-token exit (batch 1; its average layers is not controlled, it follows the threshold):\n",
-                "| category | threshold | avg generated layers | implied speed-up | ROUGE-L | BLEU |", "|---|---|---|---|---|---|"]
+        out += ["",
+                "CALM-style per-token exit (batch 1; its average layers is not controlled, it follows the "
+                "threshold):\n",
+                "| category | threshold | avg generated layers | implied speed-up | ROUGE-L | BLEU |",
+                "|---|---|---|---|---|---|"]
         for r in calm:
             d = rows[0]["avg_layers"]
             out.append(f"| {r['category']} | {r['options']['threshold']} | {r['avg_layers']:.1f} | "
@@ -324,7 +335,9 @@ def _eval_speed(args, model, threads) -> dict:
     from tqdm.auto import tqdm
 
     def batches(B: int) -> list:
-        return [[p] for p in pool[:4]] if B == 1 else [pool[i:i + B] for i in range(0, need, B)][: max(1, 4 // B) if B < 4 else 1]
+        if B == 1:
+            return [[p] for p in pool[:4]]
+        return [pool[i:i + B] for i in range(0, need, B)][: max(1, 4 // B) if B < 4 else 1]
     bar = tqdm(total=sum(len(batches(B)) for B in sizes) * args.repeats * len(labels), desc="eval skipdecode-speed",
                unit="run", leave=False)
     for B in sizes:
@@ -333,10 +346,12 @@ def _eval_speed(args, model, threads) -> dict:
             for g in groups:
                 for lab in labels:  # interleaved: every method on the same batch back to back
                     m, o = opts[lab]
-                    res = generate(model, [p.text for p in g], m, args.max_new_tokens, chat=True, stop_at_eos=False, **o)
+                    res = generate(model, [p.text for p in g], m, args.max_new_tokens, chat=True,
+                                   stop_at_eos=False, **o)
                     s0 = res[0].stats
                     runs.append({"batch": B, "repeat": rep, "label": lab, "wall_s": s0["wall_s"],
-                                 "decode_s": s0["wall_s"] - s0["ttft_s"], "tokens": sum(r.stats["new_tokens"] for r in res),
+                                 "decode_s": s0["wall_s"] - s0["ttft_s"],
+                                 "tokens": sum(r.stats["new_tokens"] for r in res),
                                  "avg_layers": sum(r.stats["layers_per_token"] for r in res) / len(res)})
                     bar.update()
             _say(f"  batch {B} repeat {rep + 1}/{args.repeats} done")
@@ -353,9 +368,10 @@ def _eval_speed(args, model, threads) -> dict:
             implied = d / avg
             sp_dec = sum(r["decode_s"] for r in g) / sum(r["decode_s"] for r in rs)
             sp_all = sum(r["wall_s"] for r in g) / sum(r["wall_s"] for r in rs)
+            greedy_ms = 1e3 * sum(r["decode_s"] for r in g) / sum(r["tokens"] / B - 1 for r in g)
             summary.append({"batch": B, "label": lab, "avg_layers": avg, "implied": implied, "speedup_decode": sp_dec,
                             "speedup_total": sp_all, "fraction": sp_dec / implied, "runs": len(rs),
-                            "tokens": sum(r["tokens"] for r in rs), "greedy_ms_per_step": 1e3 * sum(r["decode_s"] for r in g) / sum(r["tokens"] / B - 1 for r in g)})
+                            "tokens": sum(r["tokens"] for r in rs), "greedy_ms_per_step": greedy_ms})
     report["summary"] = summary
     if args.json:
         write_json(args.json, report)
@@ -363,10 +379,12 @@ def _eval_speed(args, model, threads) -> dict:
 
 
 def speed_table(report: dict) -> str:
-    out = ["| batch | setting | avg active layers | implied speed-up (d/avg) | measured decode speed-up | measured / implied | "
-           "total speed-up (with prefill) | greedy ms per step | runs × tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| batch | setting | avg active layers | implied speed-up (d/avg) | measured decode speed-up | "
+           "measured / implied | total speed-up (with prefill) | greedy ms per step | runs × tokens |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for s in report["summary"]:
-        out.append(f"| {s['batch']} | {s['label']} | {s['avg_layers']:.2f} | {s['implied']:.2f} | {s['speedup_decode']:.2f} | "
+        out.append(f"| {s['batch']} | {s['label']} | {s['avg_layers']:.2f} | {s['implied']:.2f} | "
+                   f"{s['speedup_decode']:.2f} | "
                    f"{100 * s['fraction']:.0f}% | {s['speedup_total']:.2f} | {s['greedy_ms_per_step']:.0f} | "
                    f"{s['runs']} runs, {s['tokens']} tokens |")
     return "\n".join(out)

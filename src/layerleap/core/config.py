@@ -47,7 +47,8 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.qkv_bias and self.model_type != "qwen2":
             raise ConfigError(f"qkv_bias=True needs model_type='qwen2': transformers' attention_bias on "
-                              f"{self.model_type!r} also biases the output projection, which layerleap does not implement")
+                              f"{self.model_type!r} also biases the output projection, which layerleap does not "
+                              "implement")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -73,7 +74,8 @@ class ModelConfig:
             raise ConfigError(f"rope_scaling must be an object, got {str(rope)[:40]!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
-            raise ConfigError(f"unsupported rope scaling {rope_type!r}: only the default rotary embedding is implemented")
+            raise ConfigError(f"unsupported rope scaling {rope_type!r}: only the default rotary embedding is "
+                              "implemented")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported activation {hf.get('hidden_act')!r}: only SwiGLU (silu) is implemented")
         if hf.get("mlp_bias"):

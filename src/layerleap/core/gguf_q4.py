@@ -216,6 +216,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     save_safetensors(out / WEIGHTS, tensors, meta)
     ctx.save_config_and_tokenizer(out)
     outer = {k: v for k, v in kept.items() if k in OUTER}
+    kept = ", ".join(f"{k} ({v})" for k, v in outer.items())
     progress("4-bit weights: every layer's GGUF 4-bit blocks kept"
              + (f"; {len(requantized)} layer tensor(s) re-quantized to 4-bit groups of {GROUP} "
                 f"({', '.join(sorted(set(requantized.values())))})" if requantized else "")
@@ -234,7 +235,8 @@ def _cat_rows(parts: list):
     """``hf_to_ours``'s fuse for mixed parts: rows of QuantizedRows, dense tensors or _Requantized."""
     if all(isinstance(p, QuantizedRows) for p in parts):
         return QuantizedRows.cat(parts)
-    dense = [p.exact if isinstance(p, _Requantized) else p.dense() if isinstance(p, QuantizedRows) else p for p in parts]
+    dense = [p.exact if isinstance(p, _Requantized) else p.dense() if isinstance(p, QuantizedRows) else p
+             for p in parts]
     return _Requantized(torch.cat(dense, 0))
 
 

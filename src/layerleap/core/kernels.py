@@ -521,8 +521,8 @@ def measure_onednn(dtype: torch.dtype, rows=(1, 8), mb: float = 96.0) -> dict:
     with torch.inference_mode():
         for m in rows:
             x = torch.randn(m, 576, generator=g).to(dtype)
-            out[m] = {"dense": _time_products([lambda w=w: F.linear(x, w) for w in dense]),
-                      "onednn": _time_products([lambda p=p: p(x) for p in packed])}
+            out[m] = {"dense": _time_products([lambda w=w, x=x: F.linear(x, w) for w in dense]),
+                      "onednn": _time_products([lambda p=p, x=x: p(x) for p in packed])}
     return out
 
 

@@ -91,7 +91,8 @@ def _gguf_parts(pm: PackagedModel) -> list[Path]:
     dirs = [_package_dir(m) for m in pm.modules]
     if any(d is None for d in dirs):
         missing = [p for p, d in zip(pm.packages, dirs) if d is None]
-        raise MissingPackage(f"{pm.install_hint()} (missing: {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''})")
+        more = " …" if len(missing) > 4 else ""
+        raise MissingPackage(f"{pm.install_hint()} (missing: {', '.join(missing[:4])}{more})")
     if pm.gguf_name:
         f = dirs[0] / pm.gguf_name
         if not f.is_file():
@@ -171,7 +172,8 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
             continue
         w = torch.from_numpy(np.array(r.weights, dtype=np.float32, order="C", copy=True))
         if tuple(w.shape) != ctx.expected[name]:
-            raise ConfigError(f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected {ctx.expected[name]}")
+            raise ConfigError(f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected "
+                              f"{ctx.expected[name]}")
         shard[name] = w
         size += w.numel() * 4
         if size >= SHARD_BYTES:
@@ -285,7 +287,8 @@ def ours_to_hf(model: Transformer, contiguous: bool = True) -> dict:
     the model holds them in; ``contiguous=False`` returns views of dense weights (no copies)."""
     c = model.config
     hd = c.head_dim
-    sd = {"model.embed_tokens.weight": model.tok_embeddings.dense_weight().data, "model.norm.weight": model.norm.weight.data}
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.dense_weight().data,
+          "model.norm.weight": model.norm.weight.data}
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         sizes = [c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd]
@@ -373,9 +376,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (c.n_heads * hd, D), p + "self_attn.k_proj.weight": (c.n_kv_heads * hd, D),
-                    p + "self_attn.v_proj.weight": (c.n_kv_heads * hd, D), p + "self_attn.o_proj.weight": (D, c.n_heads * hd),
-                    p + "mlp.gate_proj.weight": (c.intermediate_size, D), p + "mlp.up_proj.weight": (c.intermediate_size, D),
+        out.update({p + "self_attn.q_proj.weight": (c.n_heads * hd, D),
+                    p + "self_attn.k_proj.weight": (c.n_kv_heads * hd, D),
+                    p + "self_attn.v_proj.weight": (c.n_kv_heads * hd, D),
+                    p + "self_attn.o_proj.weight": (D, c.n_heads * hd),
+                    p + "mlp.gate_proj.weight": (c.intermediate_size, D),
+                    p + "mlp.up_proj.weight": (c.intermediate_size, D),
                     p + "mlp.down_proj.weight": (D, c.intermediate_size), p + "input_layernorm.weight": (D,),
                     p + "post_attention_layernorm.weight": (D,)})
         if c.qkv_bias:
@@ -407,8 +413,8 @@ def check_folder(folder: Path, name: str | None = None):
         for k, e in entries.items():
             short = k.removeprefix("model.") if not k.startswith("lm_head") else k
             if short in found and not k.endswith("rotary_emb.inv_freq"):
-                raise ModelFileError(f"weight {k!r} is in both {found[short][0].name} and {f.name} in {folder}: keep one "
-                                     "copy of the weights (or write an index)")
+                raise ModelFileError(f"weight {k!r} is in both {found[short][0].name} and {f.name} in {folder}: "
+                                     "keep one copy of the weights (or write an index)")
             found[short] = (f, tuple(e["shape"]))
     for k, shape in expected_shapes(config).items():
         short = k.removeprefix("model.") if not k.startswith("lm_head") else k
@@ -638,7 +644,8 @@ def quantize_model(model: Transformer) -> Transformer:
     eight = q4_format() == "blocks" and model.config.hidden_size % 32 == 0
     weights = {}
     for k, v in model.dense_state().items():
-        if k == "lm_head.weight" and model.config.tie_embeddings and torch.equal(v, model.tok_embeddings.dense_weight()):
+        tied = k == "lm_head.weight" and model.config.tie_embeddings
+        if tied and torch.equal(v, model.tok_embeddings.dense_weight()):
             continue
         if v.dim() == 2:
             weights[k] = quantize(v) if k not in outer else quantize_q8(v) if eight else v.detach()

@@ -246,8 +246,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
     row's result depends only on its query and the keys it sees, in every dtype and for chains and
     trees alike (on this CPU it is also 2-4x faster than ``F.scaled_dot_product_attention`` for a
     few tokens).  Without it, in bf16/fp16 a call over ``1 < S <= ROW_BY_ROW_MAX`` new tokens appended
-    to a cache attends one new token at a time, each to exactly the keys it sees (``[0, start + i]``): the same attention
-    call, on the same inputs, that decoding that token alone makes.  The kernel's results for a row
+    to a cache attends one new token at a time, each to exactly the keys it sees (``[0, start + i]``): the same
+    attention call, on the same inputs, that decoding that token alone makes.  The kernel's results for a row
     depend on how many rows and keys a call has, and with bf16 logits (ties within one rounding step
     are common) that alone made a verified token differ from greedy decoding's; this way the rows of
     a verification call equal greedy decoding's bit for bit wherever the new tokens form a chain
@@ -417,7 +417,7 @@ class Transformer(nn.Module):
         """All layers: ``[B, S]`` ids -> ``[B, S, V]`` logits.  Positions default to continuing the
         cache (``lengths - pad``), or ``0 .. S-1`` without one."""
         if positions is None:
-            base = (cache.lengths[0] - cache.pad).unsqueeze(1) if cache is not None else torch.zeros(1, 1, dtype=torch.long)
+            base = torch.zeros(1, 1, dtype=torch.long) if cache is None else (cache.lengths[0] - cache.pad).unsqueeze(1)
             positions = (base + torch.arange(ids.shape[1])).expand(ids.shape[0], -1).to(ids.device)
         h = self.run_layers(self.embed(ids), 0, self.config.n_layers, positions, cache, mask)
         return self.logits(h)
@@ -451,7 +451,8 @@ class Transformer(nn.Module):
 
     def projections(self) -> list[Linear]:
         """Every matrix product of a step: each layer's qkv, o, gate_up and down, then the LM head."""
-        return [m for blk in self.layers for m in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)] + [self.lm_head]
+        per_layer = [m for blk in self.layers for m in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)]
+        return per_layer + [self.lm_head]
 
     PROJECTIONS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight", "lm_head.weight")
 
@@ -484,7 +485,9 @@ class Transformer(nn.Module):
             w = w.t().contiguous().t() if col else w.contiguous()
             if lin is self.lm_head and self.config.tie_embeddings and not col and self.tok_embeddings.packed is None:
                 w = self.tok_embeddings.weight
-            lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad) if not isinstance(w, nn.Parameter) else w
+            if not isinstance(w, nn.Parameter):
+                w = nn.Parameter(w, requires_grad=lin.weight.requires_grad)
+            lin.weight = w
         return self
 
     def unpack(self) -> "Transformer":

@@ -76,8 +76,8 @@ METHODS: dict[str, Method] = {}
 def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False,
              exact: bool = False, models: tuple[str, ...] = ()):
     def deco(fn):
-        doc = (fn.__doc__ or "").strip().splitlines()
-        METHODS[name] = Method(name, fn, batched, sampling, default_sample, doc[0] if doc else "", exact, tuple(models))
+        summary = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, one line
+        METHODS[name] = Method(name, fn, batched, sampling, default_sample, summary, exact, tuple(models))
         return fn
     return deco
 

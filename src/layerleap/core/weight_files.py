@@ -120,8 +120,8 @@ def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_majo
         v = take(p + "self_attn.v_proj.weight", (c.n_kv_heads * hd, D))
         out[p + "attn.qkv.weight"] = fuse([q, k, v])
         if c.qkv_bias:
-            out[p + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", (m * hd,))
-                                                  for n, m in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads))])
+            heads = (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads))
+            out[p + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", (m * hd,)) for n, m in heads])
         out[p + "attn.o.weight"] = take(p + "self_attn.o_proj.weight", (D, c.n_heads * hd))
         gate = take(p + "mlp.gate_proj.weight", (c.intermediate_size, D))
         up = take(p + "mlp.up_proj.weight", (c.intermediate_size, D))

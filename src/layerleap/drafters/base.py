@@ -17,8 +17,9 @@ back what was accepted (in the spirit of `transformers`' ``CandidateGenerator`` 
 
 The base class scores with the target model itself (chains padded with filler tokens that nothing
 attends to; trees with tree attention, every row of a batch the same tree at its own position) and
-rolls the target's cache back by position (chains) or keeps each row's accepted path (trees).  ``StepDrafter`` is a drafter that writes its chain one token at a time from its
-own next-token rows (a draft model, an early exit), stopping by ``ChainRule``.
+rolls the target's cache back by position (chains) or keeps each row's accepted path (trees).
+``StepDrafter`` is a drafter that writes its chain one token at a time from its own next-token logits
+(a draft model, an early exit), stopping by ``ChainRule``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ decoding).
 ``EarlyExit`` keeps the lower layers' cache ahead of the upper ones by the tokens the small model
 has produced since the last large pass; their layer-E hidden states wait in ``h_pending``, so the
 large model runs only layers ``[E, n_layers)`` for them and no layer is computed twice for a kept
-token.  ``EarlyExitDrafter`` is the drafter over it.  ``exit_head`` resolves the ``head=`` option of the methods that use it.
+token.  ``EarlyExitDrafter`` is the drafter over it.  ``exit_head`` resolves the ``head=`` option of the
+methods that use it.
 """
 
 from __future__ import annotations

@@ -264,7 +264,8 @@ def get_head(model: Transformer, layer: int, head="auto") -> ExitHead:
     layer); "auto" (trained if shipped, else shared); a path to a heads file; or an ``ExitHead``."""
     if isinstance(head, ExitHead):
         if head.layer != layer or head.model is not model:
-            raise HeadError(f"the given head is for layer {head.layer} of another model or layer: pass one for layer {layer}")
+            raise HeadError(f"the given head is for layer {head.layer} of another model or layer: pass one for "
+                            f"layer {layer}")
         return head
     check_layer(model, layer)
     if head == "shared":

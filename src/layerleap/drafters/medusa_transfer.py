@@ -9,8 +9,8 @@
   zero at start, with the model's own unembedding (frozen, shared: only ``D x D`` per head).
 
 Files: one weights file each (``drafters.weights``: the model's fingerprint and the training budget
-in its metadata; a file made for another model is refused), written atomically.  Shipped files live in ``layerleap/data/transfer/`` and
-``layerleap/data/medusa/`` and are found by fingerprint.
+in its metadata; a file made for another model is refused), written atomically.  Shipped files live
+in ``layerleap/data/transfer/`` and ``layerleap/data/medusa/`` and are found by fingerprint.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def get_drafter(model: Transformer, kind: str, spec="trained") -> _Drafter:
     cls = TransferProjections if kind == "transfer" else MedusaHeads
     if isinstance(spec, _Drafter):
         if not isinstance(spec, cls) or spec.model is not model:
-            raise DrafterError(f"the given drafter is not {kind} weights of this model: pass {cls.__name__} made for it")
+            raise DrafterError(f"the given drafter is not {kind} weights of this model: pass {cls.__name__} made "
+                               "for it")
         return spec
     if spec == "trained":
         files = shipped_files(model, kind)

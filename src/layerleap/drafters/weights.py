@@ -164,7 +164,8 @@ def read(model, path, kind: Kind):
         raise kind.error(f"no such {kind.what} file {str(path)!r}: give a file written by `{kind.command}`")
     meta = read_meta(p, kind.error, f"train them again with `{kind.command}`", kind.what)
     if meta.get("format") != FORMAT or meta.get("kind") != kind.name:
-        raise kind.error(f"{p} is not a file of {kind.what} (format {meta.get('format')!r}, kind {meta.get('kind')!r}): "
+        raise kind.error(f"{p} is not a file of {kind.what} (format {meta.get('format')!r}, kind "
+                         f"{meta.get('kind')!r}): "
                          f"write one with `{kind.command}`")
     if meta.get("fingerprint") != model.fingerprint:
         raise kind.error(f"{p} holds {kind.what} trained for another model (fingerprint {meta.get('fingerprint')}, "
@@ -174,7 +175,8 @@ def read(model, path, kind: Kind):
         with safe_open(str(p), "pt") as f:
             tensors = {meta.get("tensor_prefix", "") + k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # a truncated file: safetensors' own error kinds
-        raise kind.error(f"cannot read {kind.what} {p}: {str(e)[:100]}; train them again with `{kind.command}`") from None
+        raise kind.error(f"cannot read {kind.what} {p}: {str(e)[:100]}; train them again with "
+                         f"`{kind.command}`") from None
     try:
         return kind.build(model, json.loads(meta["build"]), tensors)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:

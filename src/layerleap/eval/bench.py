@@ -217,7 +217,8 @@ class Record:
 def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult,
             greedy_type: bool) -> Record:
     s = res.stats
-    return Record(i, prompt.id, prompt.category, label, method, plain_options(options), s["new_tokens"], len(res.prompt_ids),
+    return Record(i, prompt.id, prompt.category, label, method, plain_options(options), s["new_tokens"],
+                  len(res.prompt_ids),
                   s["wall_s"], s["tokens_per_s"], s["ttft_s"], s["model_calls"], s["layers_per_token"],
                   s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids),
                   acceptance=acceptance(s))

@@ -185,7 +185,8 @@ def position_table(res: MatchRateResult, layer: int) -> str:
     """Tables 6-8's layout at one layer: one row per (k, head), one column per token-position group."""
     edges, G = res.bucket_edges, res.config["max_new_tokens"]
     spans = [f"{a + 1}-{(edges[j + 1] if j + 1 < len(edges) else G)}" for j, a in enumerate(edges)]
-    lines = [f"layer {layer}, by token position", f"{'k':>3} {'head':<10}" + "".join(f"{s:>8}" for s in spans) + f"{'total':>8}"]
+    header = f"{'k':>3} {'head':<10}" + "".join(f"{s:>8}" for s in spans) + f"{'total':>8}"
+    lines = [f"layer {layer}, by token position", header]
     for k in res.config["ks"]:
         for h in res.rates:
             cells = "".join(f"{'-':>8}" if r is None else f"{100 * r:>7.1f}%" for r in res.by_position[h][layer][k])

@@ -72,7 +72,8 @@ def hbar_chart(title: str, rows: list[str], series: list[tuple[str, list[float |
         return LABEL_W + plot_w * v / vmax
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" role="img" '
-           f'aria-label="{escape(title)}">', f'<text x="0" y="16" font-size="14" font-weight="bold">{escape(title)}</text>']
+           f'aria-label="{escape(title)}">', f'<text x="0" y="16" font-size="14" '
+                                             f'font-weight="bold">{escape(title)}</text>']
     lx = LABEL_W
     for k, (name, _) in enumerate(series if len(series) > 1 else []):
         out.append(f'<rect x="{lx}" y="26" width="11" height="11" fill="{PALETTE[k % len(PALETTE)]}"/>'
@@ -94,7 +95,8 @@ def hbar_chart(title: str, rows: list[str], series: list[tuple[str, list[float |
                 continue
             color = PALETTE[k % len(PALETTE)]
             out.append(f'<rect x="{LABEL_W}" y="{y}" width="{max(0.5, x(v) - LABEL_W):.1f}" height="{bar_h - 2}" '
-                       f'fill="{color}"><title>{escape(row)} · {escape(name)}: {format(v, fmt)}{escape(unit)}</title></rect>'
+                       f'fill="{color}"><title>{escape(row)} · {escape(name)}: {format(v, fmt)}{escape(unit)}'
+                       f'</title></rect>'
                        f'<text x="{x(v) + 4:.1f}" y="{y + 10}" font-size="10">{format(v, fmt)}{escape(unit)}</text>')
     if ref is not None:
         out.append(f'<line x1="{x(ref):.1f}" y1="{top - 4}" x2="{x(ref):.1f}" y2="{height - 26}" stroke="#333" '
@@ -119,7 +121,8 @@ def line_chart(title: str, xs: list[float], ys: list[float], xlabel: str, ylabel
         return top + plot_h * (1 - v / ymax)
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" role="img" '
-           f'aria-label="{escape(title)}">', f'<text x="0" y="16" font-size="14" font-weight="bold">{escape(title)}</text>']
+           f'aria-label="{escape(title)}">', f'<text x="0" y="16" font-size="14" '
+                                             f'font-weight="bold">{escape(title)}</text>']
     for t in _ticks(ymax):
         out.append(f'<line x1="{left}" y1="{py(t):.1f}" x2="{left + plot_w}" y2="{py(t):.1f}" stroke="#eee"/>'
                    f'<text x="{left - 6}" y="{py(t) + 4:.1f}" font-size="11" text-anchor="end" fill="#666">'
@@ -127,7 +130,8 @@ def line_chart(title: str, xs: list[float], ys: list[float], xlabel: str, ylabel
     for t in _ticks(xmax):
         out.append(f'<text x="{px(t):.1f}" y="{top + plot_h + 16}" font-size="11" text-anchor="middle" '
                    f'fill="#666">{t:g}</text>')
-    out.append(f'<text x="{left + plot_w / 2}" y="{height - 4}" font-size="12" text-anchor="middle">{escape(xlabel)}</text>'
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 4}" font-size="12" '
+               f'text-anchor="middle">{escape(xlabel)}</text>'
                f'<text x="12" y="{top + plot_h / 2}" font-size="12" text-anchor="middle" '
                f'transform="rotate(-90 12 {top + plot_h / 2})">{escape(ylabel)}</text>'
                f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#999"/>')
@@ -237,9 +241,11 @@ def _facts(cfg: dict) -> str:
             ("dtype", cfg.get("dtype")), ("threads", f"{cfg.get('threads')} of {cfg.get('cpu_cores')} cores"),
             ("CPU", cfg.get("cpu", cfg.get("machine"))), ("platform", cfg.get("platform")),
             ("load average", ", ".join(f"{x:.2f}" for x in load) if load else None),
-            ("software", f"python {cfg.get('python')}, torch {cfg.get('torch')}, transformers {cfg.get('transformers')}"),
+            ("software", f"python {cfg.get('python')}, torch {cfg.get('torch')}, "
+                         f"transformers {cfg.get('transformers')}"),
             ("run", f"{cfg.get('n_prompts')} prompts ({', '.join(cfg.get('categories') or []) or '-'}) × "
-                    f"{cfg.get('max_new_tokens')} new tokens, chat {cfg.get('chat')}, sampling {cfg.get('sampling') or '-'}"),
+                    f"{cfg.get('max_new_tokens')} new tokens, chat {cfg.get('chat')}, "
+                    f"sampling {cfg.get('sampling') or '-'}"),
             ("date", cfg.get("date"))]
     return "<table class=facts>" + "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>"
                                            for k, v in rows if v is not None) + "</table>"
@@ -317,7 +323,8 @@ def html_report(report: dict, title: str | None = None) -> str:
         hbar_chart("accepted share of proposed draft tokens", drafting,
                    [("acceptance", [100 * summary[lb]["acceptance"] for lb in drafting])], ".0f", "%")
         if drafting else '<p class="note">No drafting method in this run.</p>',
-        hbar_chart("new tokens per model call", ours, [("tokens/call", [summary[lb].get("tokens_per_call") for lb in ours])],
+        hbar_chart("new tokens per model call", ours,
+                   [("tokens/call", [summary[lb].get("tokens_per_call") for lb in ours])],
                    ".2f", "", 1.0, "1 (greedy)"),
         "<h2>Layers per token</h2>",
         hbar_chart("token-layer evaluations per generated token (rejected drafts included)", labels,

@@ -103,7 +103,8 @@ HF_ASSISTED = "transformers assisted"
 def transformers_points() -> list[Point]:
     """`transformers` ``generate`` on the same weights: plain greedy, and assisted generation (the
     small model as ``assistant_model``, or in the early-exit form ``assistant_early_exit=E``)."""
-    return [Point(HF_GREEDY, "transformers", {"assisted": False}), Point(HF_ASSISTED, "transformers", {"assisted": True})]
+    return [Point(HF_GREEDY, "transformers", {"assisted": False}),
+            Point(HF_ASSISTED, "transformers", {"assisted": True})]
 
 
 def hf_view(model):
@@ -155,7 +156,8 @@ class HFRunner:
         from ..core.run import GenerationResult
         kw = {}
         if assisted:
-            kw = {"assistant_model": self.assistant} if self.assistant is not None else {"assistant_early_exit": self.exit_layer}
+            kw = ({"assistant_model": self.assistant} if self.assistant is not None
+                  else {"assistant_early_exit": self.exit_layer})
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.large.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -316,14 +318,16 @@ def _measure(rs: list[dict], greedy: dict) -> dict:
         "fallback_rate": sums["fallbacks"] / sums["small_steps"] if sums["small_steps"] else None,
         "rollback_rate": sums["rollbacks"] / sums["large_calls"] if sums["large_calls"] else None,
         "large_calls_per_token": sums["large_calls"] / tokens if tokens and sums["large_calls"] else None,
-        "small_share": (sums["small_tokens"] - sums["rolled_back"]) / tokens if tokens and sums["small_tokens"] else None,
+        "small_share": ((sums["small_tokens"] - sums["rolled_back"]) / tokens
+                        if tokens and sums["small_tokens"] else None),
         "acceptance": sums["accepted"] / sums["drafted"] if sums["drafted"] else None,
         "draft_len_mean": sums["drafted"] / sums["rounds"] if sums["rounds"] else None,  # speculative: mean γ used
         "tokens_per_round": tokens / sums["rounds"] if tokens and sums["rounds"] else None,
         "draft_calls_per_token": sums["draft_calls"] / tokens if tokens and sums["draft_calls"] else None,
         "model_calls_per_token": sums["model_calls"] / tokens if tokens and sums["model_calls"] else None,
         "confidence_stops": sums["confidence_stops"] if sums["rounds"] else None,
-        "layers_per_token": sums["layer_evals"] / tokens if tokens and sums["layer_evals"] else None,  # None: not metered (transformers)
+        # None: not metered (transformers)
+        "layers_per_token": sums["layer_evals"] / tokens if tokens and sums["layer_evals"] else None,
         "identical": sum(r["token_ids"] == greedy[r["prompt_index"]]["token_ids"] for r in rs),
     }
 
@@ -374,8 +378,9 @@ def table(summary: dict) -> str:
     for label in (HF_GREEDY, HF_ASSISTED):  # yardsticks: whatever their quality, at their speed
         e = summary.get(label)
         if e is not None:
-            lines.append(f"| {label} | " + " | ".join(cell((label, e["categories"][c] if c != "mean" else e))
-                                                      if c == "mean" or c in e["categories"] else "—" for c in cols) + " |")
+            cells = [cell((label, e["categories"][c] if c != "mean" else e))
+                     if c == "mean" or c in e["categories"] else "—" for c in cols]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -435,7 +440,8 @@ def plot(summary: dict, path: str | Path, title: str = "") -> Path:
             e = summary.get(label)
             if e is not None and c in e["categories"]:
                 m = e["categories"][c]
-                ax.scatter([m["latency"]], [m["quality"]], marker=marker, s=70, color="tab:orange", label=label, zorder=4)
+                ax.scatter([m["latency"]], [m["quality"]], marker=marker, s=70, color="tab:orange",
+                           label=label, zorder=4)
         ax.scatter([1.0], [100.0], marker="X", s=120, color="black", label="greedy (large)", zorder=5)
         ax.axhline(100.0, color="gray", lw=0.8, ls="--")
         ax.axhline(99.0, color="gray", lw=0.8, ls=":")

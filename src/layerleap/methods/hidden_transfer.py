@@ -44,6 +44,7 @@ def default_tree(model) -> str:
 
 @register("hidden-transfer", batched=True, sampling=True, exact=True)
 def hidden_transfer(run: Run, *, tree=None, transfer="trained"):
-    """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=; tree none: the dtype's tuned tree): greedy-exact; lossless sampling."""
+    """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=; tree
+    none: the dtype's tuned tree): greedy-exact; lossless sampling."""
     tree = default_tree(run.model) if tree is None else tree
     yield from decode_tree(run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter)

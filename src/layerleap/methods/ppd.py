@@ -127,7 +127,8 @@ def top_candidates(head_logits: torch.Tensor, k: int) -> torch.Tensor:
 
 @register("ppd", exact=True)
 def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
-    """Predictive Pipelined Decoding (exact greedy): early top-k at layer exit_layer (default d/2) start k pipelined sub-passes (clock in layer units)."""
+    """Predictive Pipelined Decoding (exact greedy): early top-k at layer exit_layer (default d/2) start k
+    pipelined sub-passes (clock in layer units)."""
     from ..drafters.exit_heads import get_head
     model = run.model
     d = run.n_layers

@@ -55,11 +55,13 @@ def check_options(draft_len, max_ngram, min_ngram) -> None:
 @register("prompt-lookup", batched=True, sampling=True, exact=True)
 def prompt_lookup(run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM,
                   min_ngram: int | None = None):
-    """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default."""
+    """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call
+    (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default."""
     tuned = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
     draft_len = tuned[0] if draft_len is None else draft_len
     if min_ngram is None:  # the dtype's default, never above a max_ngram the caller chose
-        min_ngram = tuned[1] if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) else min(tuned[1], max_ngram)
+        chosen = isinstance(max_ngram, int) and not isinstance(max_ngram, bool)
+        min_ngram = min(tuned[1], max_ngram) if chosen else tuned[1]
     check_options(draft_len, max_ngram, min_ngram)
     counts = yield from draft_verify.decode(run, PromptLookup(run, draft_len, min_ngram, max_ngram))
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])

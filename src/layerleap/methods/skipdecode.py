@@ -242,7 +242,8 @@ def early_exit(run: Run, *, exit_layer: int):
 
 @register("calm", batched=False, sampling=True)
 def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
-    """CALM-style early exit on hidden-state saturation (cosine of consecutive layers), skipped KV filled from the exit state."""
+    """CALM-style early exit on hidden-state saturation (cosine of consecutive layers), skipped KV filled
+    from the exit state."""
     d = run.n_layers
     if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or math.isnan(threshold):
         raise GenerationError(f"threshold must be a number (cosine similarity; > 1 never exits), got {threshold!r}")

@@ -57,8 +57,8 @@ MAX_DRAFT_LEN = 256  # drafts per round; more only wastes draft calls on rejecte
 
 def check_options(draft_len, schedule, min_confidence) -> None:
     if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 1 <= draft_len <= MAX_DRAFT_LEN:
-        raise GenerationError(f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}] (γ, the drafted tokens per round), "
-                              f"got {draft_len!r}")
+        raise GenerationError(f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}] (γ, the drafted tokens per "
+                              f"round), got {draft_len!r}")
     if schedule not in SCHEDULES:
         raise GenerationError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (constant: γ = draft_len; "
                               f"heuristic: +2 after a fully accepted round, -1 otherwise), got {schedule!r}")
@@ -71,7 +71,8 @@ def check_options(draft_len, schedule, min_confidence) -> None:
 @register("speculative", batched=True, sampling=True, exact=True, models=("draft",))
 def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "constant",
                 min_confidence: float = 0.4):
-    """Speculative decoding with a draft model (draft=, γ = draft_len, schedule, min_confidence): greedy-exact or lossless sampling."""
+    """Speculative decoding with a draft model (draft=, γ = draft_len, schedule, min_confidence):
+    greedy-exact or lossless sampling."""
     if draft is None:
         raise GenerationError("method 'speculative' needs a draft model: generate(..., draft=layerleap.load(...))")
     check_options(draft_len, schedule, min_confidence)

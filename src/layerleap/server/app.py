@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -227,7 +227,7 @@ def _jsonable(x):
     """Stats as JSON: non-finite floats become null."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):  # a dict, or a result's Stats (read flat)
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]

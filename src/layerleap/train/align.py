@@ -19,8 +19,8 @@ Two stages, each resumable:
      folder (config.json, model.safetensors, tokenizer files) that ``layerleap.load`` reads.
 
    A checkpoint (trainable weights, Adam moments, the step) is written atomically every
-   ``save_every`` steps and on Ctrl-C next to the output (``train.loop``); a rerun with the same settings resumes from it, with the
-   same data order.  Progress is a tqdm bar.
+   ``save_every`` steps and on Ctrl-C next to the output (``train.loop``); a rerun with the same settings
+   resumes from it, with the same data order.  Progress is a tqdm bar.
 
 Weights are safetensors only, written through a temporary file and ``os.replace``.
 """

@@ -17,9 +17,10 @@ A ``lens`` starts from a ridge regression of the final state's direction on the 
 shared head).
 
 State (heads, optimiser, step, losses) is written atomically to ``work/state.safetensors`` every
-``save_every`` steps and on Ctrl-C (``train.loop``) and the cache to ``work/cache.safetensors`` once; running again with the same
-``work`` folder and settings resumes and gives the same heads as an uninterrupted run (same thread
-count).  The data order is a function of (seed, epoch), so nothing random is carried in the state.
+``save_every`` steps and on Ctrl-C (``train.loop``) and the cache to ``work/cache.safetensors`` once;
+running again with the same ``work`` folder and settings resumes and gives the same heads as an
+uninterrupted run (same thread count).  The data order is a function of (seed, epoch), so nothing
+random is carried in the state.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class HeadTrainConfig:
         if self.kind not in DEFAULT_LR:
             raise TrainHeadsError(f"cannot train head kind {self.kind!r}: choose lens or full (shared has no weights)")
         if self.loss not in LOSSES:
-            raise TrainHeadsError(f"unknown loss {self.loss!r}: choose kl (the final layer's distribution) or ce (its argmax)")
+            raise TrainHeadsError(f"unknown loss {self.loss!r}: choose kl (the final layer's distribution) or ce "
+                                  "(its argmax)")
         if self.init not in INITS:
             raise TrainHeadsError(f"unknown init {self.init!r}: choose {' or '.join(INITS)}")
         V_ = model.config.vocab_size

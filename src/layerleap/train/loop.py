@@ -183,7 +183,8 @@ def save_state(ckpt: Checkpoint, params: dict[str, torch.Tensor], opt: torch.opt
     save_safetensors(ckpt.path, tensors, meta)
 
 
-def load_state(ckpt: Checkpoint, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer) -> tuple[int, list, float]:
+def load_state(ckpt: Checkpoint, params: dict[str, torch.Tensor],
+               opt: torch.optim.Optimizer) -> tuple[int, list, float]:
     """Restore the tensors and the optimiser from ``ckpt``; -> (step, losses, seconds)."""
     from safetensors import safe_open
     with reading(ckpt.path, ckpt.what, ckpt.fix), safe_open(str(ckpt.path), "pt") as f:

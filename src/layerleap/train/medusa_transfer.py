@@ -93,7 +93,8 @@ def pairs(n: int, steps: int):
     return [(i, torch.arange(0, n - i)) for i in range(1, steps + 1)]
 
 
-def transfer_outputs(model: Transformer, proj: drafters.TransferProjections, ids: torch.Tensor, steps: int | None = None):
+def transfer_outputs(model: Transformer, proj: drafters.TransferProjections, ids: torch.Tensor,
+                     steps: int | None = None):
     """One training pass over ``ids`` ``[B, N]``, each row a chain with pseudo states for every
     position -> (real last-layer states ``[B, N, D]``, pseudo last-layer states ``[B, steps, N, D]``);
     gradients reach ``proj`` only."""

@@ -42,7 +42,8 @@ from ..methods.skipdecode import budget_at, check_budget_range, layer_ranges, ta
 from ..core.model import Transformer
 
 STATE_JSON = "skipdecode_train.json"
-OPT_FILE = "train_state/optimizer.safetensors"  # the loop's state; a subfolder: the loader reads every *.safetensors beside config.json
+# the loop's state; a subfolder: the loader reads every *.safetensors beside config.json
+OPT_FILE = "train_state/optimizer.safetensors"
 WEIGHTS = "model.safetensors"
 
 

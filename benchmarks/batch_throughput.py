@@ -43,13 +43,14 @@ def prompt_ids(model, categories: str, per_category: int) -> tuple[list[dict], l
     """The first ``per_category`` first-turn prompts of each category, in the file's order, as chat
     token ids -> (their description, their ids)."""
     prompts = spec_bench(categories=categories, n=per_category)
-    ids = [chat_token_ids(model.tokenizer, [{"role": "user", "content": p.text}], add_generation_prompt=True)
-           for p in prompts]
+    ids = [
+        chat_token_ids(model.tokenizer, [{"role": "user", "content": p.text}], add_generation_prompt=True)
+        for p in prompts
+    ]
     return [{"id": p.id, "category": p.category, "tokens": len(i)} for p, i in zip(prompts, ids)], ids
 
 
-def decode(model, prompts: list[list[int]], method: str, batch: int | None, max_new_tokens: int,
-           seed_batch: int = 1):
+def decode(model, prompts: list[list[int]], method: str, batch: int | None, max_new_tokens: int, seed_batch: int = 1):
     """One arm: ``batch`` None = one call per prompt, else calls of ``batch`` prompts -> (seconds, results,
     model calls).  A sampling method is seeded with 0; alone, prompt ``i`` gets the seed its row has in
     a batch of ``seed_batch`` (the call's seed plus the row index), so the arms sample the same tokens."""
@@ -57,14 +58,17 @@ def decode(model, prompts: list[list[int]], method: str, batch: int | None, max_
     kw = dict(stop_at_eos=False, seed=seed)
     t = time.perf_counter()
     if batch is None:
-        res = [layerleap.generate(model, [p], method, max_new_tokens,
-                                  **{**kw, "seed": None if seed is None else seed + i % seed_batch})[0]
-               for i, p in enumerate(prompts)]
+        res = [
+            layerleap.generate(
+                model, [p], method, max_new_tokens, **{**kw, "seed": None if seed is None else seed + i % seed_batch}
+            )[0]
+            for i, p in enumerate(prompts)
+        ]
         calls = sum(r.stats["model_calls"] for r in res)
     else:
         res, calls = [], 0
         for i in range(0, len(prompts), batch):
-            out = layerleap.generate(model, prompts[i:i + batch], method, max_new_tokens, **kw)
+            out = layerleap.generate(model, prompts[i : i + batch], method, max_new_tokens, **kw)
             res += out
             calls += out[0].stats["model_calls"]
     return time.perf_counter() - t, res, calls
@@ -75,8 +79,10 @@ def differing(alone, batched) -> list[dict]:
     out = []
     for i, (a, b) in enumerate(zip(alone, batched)):
         if a.token_ids != b.token_ids:
-            pos = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
-                       min(len(a.token_ids), len(b.token_ids)))
+            pos = next(
+                (j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                min(len(a.token_ids), len(b.token_ids)),
+            )
             out.append({"row": i, "first_difference": pos})
     return out
 
@@ -89,27 +95,39 @@ def bench_method(model, prompts, method: str, args) -> dict:
     for b in arms:  # warm-up: the method's code paths at each batch size, a few tokens
         decode(model, prompts[: b or 1], method, b, 4)
     for r in range(args.rounds):
-        for b in (arms if r % 2 == 0 else arms[::-1]):
+        for b in arms if r % 2 == 0 else arms[::-1]:
             s, res, calls[b] = decode(model, prompts, method, b, args.max_new_tokens)
             times[b].append(s)
             results.setdefault(b, res)
             label = "per prompt" if b is None else f"batch {b}"
-            print(f"  {method} round {r + 1}/{args.rounds} {label:>10}: {s:7.2f} s "
-                  f"{sum(len(x.token_ids) for x in res) / s:7.1f} tok/s", flush=True)
+            print(
+                f"  {method} round {r + 1}/{args.rounds} {label:>10}: {s:7.2f} s "
+                f"{sum(len(x.token_ids) for x in res) / s:7.1f} tok/s",
+                flush=True,
+            )
     tokens = sum(len(x.token_ids) for x in results[None])
     alone = min(times[None])
     sizes = {}
     for b in args.batches:
         diff = None if layerleap.METHODS[method].default_sample else differing(results[None], results[b])
         sizes[str(b)] = {
-            "batched_s": min(times[b]), "batched_rounds_s": times[b], "batched_tok_s": tokens / min(times[b]),
-            "batched_model_calls": calls[b], "per_prompt_tok_s": tokens / alone,
+            "batched_s": min(times[b]),
+            "batched_rounds_s": times[b],
+            "batched_tok_s": tokens / min(times[b]),
+            "batched_model_calls": calls[b],
+            "per_prompt_tok_s": tokens / alone,
             "ratio": alone / min(times[b]),
             "ratio_by_round": [a / t for a, t in zip(times[None], times[b])],
-            "rows_differing": None if diff is None else len(diff), "differences": diff,
+            "rows_differing": None if diff is None else len(diff),
+            "differences": diff,
         }
-    return {"tokens": tokens, "per_prompt_s": alone, "per_prompt_rounds_s": times[None],
-            "per_prompt_model_calls": calls[None], "sizes": sizes}
+    return {
+        "tokens": tokens,
+        "per_prompt_s": alone,
+        "per_prompt_rounds_s": times[None],
+        "per_prompt_model_calls": calls[None],
+        "sizes": sizes,
+    }
 
 
 def sample_check(model, prompts, method: str, args) -> dict:
@@ -130,15 +148,23 @@ def plot(report: dict, path: Path) -> None:
     for color, (method, m) in zip(colors, sorted(report["methods"].items())):
         bs = sorted(int(b) for b in m["sizes"])
         ax.plot(bs, [m["sizes"][str(b)]["batched_tok_s"] for b in bs], "o-", color=color, label=f"{method} batched")
-        ax.plot(bs, [m["sizes"][str(b)]["per_prompt_tok_s"] for b in bs], "--", color=color,
-                label=f"{method} one call per prompt")
+        ax.plot(
+            bs,
+            [m["sizes"][str(b)]["per_prompt_tok_s"] for b in bs],
+            "--",
+            color=color,
+            label=f"{method} one call per prompt",
+        )
     c = report["config"]
     ax.set_xscale("log", base=2)
     ax.set_xticks(c["batches"], [str(b) for b in c["batches"]])
     ax.set_xlabel("batch size (prompts per generate call)")
     ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"SmolLM2-135M {c['dtype']}, {len(c['prompts'])} prompts x {c['max_new_tokens']} tokens, "
-                 f"{c['threads']} threads", fontsize=10)
+    ax.set_title(
+        f"SmolLM2-135M {c['dtype']}, {len(c['prompts'])} prompts x {c['max_new_tokens']} tokens, "
+        f"{c['threads']} threads",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -149,8 +175,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or q4")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--methods", default="greedy,prompt-lookup",
-                    help="comma-separated batched methods (layerleap.METHODS[name].batched)")
+    ap.add_argument(
+        "--methods",
+        default="greedy,prompt-lookup",
+        help="comma-separated batched methods (layerleap.METHODS[name].batched)",
+    )
     ap.add_argument("--categories", default=CATEGORIES, help="Spec-Bench categories the prompts come from")
     ap.add_argument("--per-category", type=int, default=2, help="first-turn prompts per category (the first ones)")
     ap.add_argument("--batches", default="1,4,16")
@@ -164,18 +193,31 @@ def main() -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in layerleap.METHODS or not layerleap.METHODS[m].batched:
-            sys.exit(f"error: {m!r} is not a batched method: choose from "
-                     f"{', '.join(n for n, x in layerleap.METHODS.items() if x.batched)}")
+            sys.exit(
+                f"error: {m!r} is not a batched method: choose from "
+                f"{', '.join(n for n, x in layerleap.METHODS.items() if x.batched)}"
+            )
     torch.set_num_threads(args.threads)
     model = layerleap.load("smollm2-135m", dtype=args.dtype)
     described, prompts = prompt_ids(model, args.categories, args.per_category)
-    print(f"{len(prompts)} prompts ({args.categories}, first {args.per_category} each), "
-          f"{min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens, {args.max_new_tokens} new tokens each",
-          flush=True)
+    print(
+        f"{len(prompts)} prompts ({args.categories}, first {args.per_category} each), "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens, {args.max_new_tokens} new tokens each",
+        flush=True,
+    )
     out = Path(args.out or ROOT / "docs" / "results" / f"batch_throughput_{args.dtype}.json")
-    config = {"model": "smollm2-135m", "dtype": args.dtype, "threads": args.threads, "prompts": described,
-              "categories": args.categories, "max_new_tokens": args.max_new_tokens, "batches": args.batches,
-              "rounds": args.rounds, "kept": "fastest round of each arm", "stop_at_eos": False}
+    config = {
+        "model": "smollm2-135m",
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "prompts": described,
+        "categories": args.categories,
+        "max_new_tokens": args.max_new_tokens,
+        "batches": args.batches,
+        "rounds": args.rounds,
+        "kept": "fastest round of each arm",
+        "stop_at_eos": False,
+    }
     report = {"config": config, "methods": {}}
     if out.is_file():
         old = json.loads(out.read_text())
@@ -185,21 +227,29 @@ def main() -> None:
             print(f"{out} holds other settings: starting it afresh", flush=True)
     with torch.inference_mode():
         for method in methods:
-            machine = {"cpu": cpu_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "load_average_start": load_average(),
-                       "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            machine = {
+                "cpu": cpu_info(),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "load_average_start": load_average(),
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
             print(f"{method}: {args.rounds} rounds, load average {machine['load_average_start']}", flush=True)
             entry = bench_method(model, prompts, method, args)
             if layerleap.METHODS[method].default_sample:
                 entry["sampled_rows_differing"] = sample_check(model, prompts, method, args)
-                print(f"  {method}: sampled rows differing from alone, by B: {entry['sampled_rows_differing']}",
-                      flush=True)
+                print(
+                    f"  {method}: sampled rows differing from alone, by B: {entry['sampled_rows_differing']}",
+                    flush=True,
+                )
             machine["load_average_end"] = load_average()
             report["methods"][method] = {**entry, "machine": machine, "command": command}
             for b, s in entry["sizes"].items():
-                print(f"  {method} B={b:>2}: per prompt {s['per_prompt_tok_s']:6.1f} tok/s, batched "
-                      f"{s['batched_tok_s']:6.1f} tok/s, x{s['ratio']:.2f}, rows differing {s['rows_differing']}",
-                      flush=True)
+                print(
+                    f"  {method} B={b:>2}: per prompt {s['per_prompt_tok_s']:6.1f} tok/s, batched "
+                    f"{s['batched_tok_s']:6.1f} tok/s, x{s['ratio']:.2f}, rows differing {s['rows_differing']}",
+                    flush=True,
+                )
             write_json(out, report)
             plot(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}", flush=True)

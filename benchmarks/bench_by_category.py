@@ -25,8 +25,10 @@ def rows(report: dict, ours: str = "greedy", ref: str = "transformers") -> list[
     out = []
     for cat, by in sums.items():
         a, b = by[ours], by[ref]
-        out.append(f"| {dtype} | {cat} ({a[4]}) | {a[2] / a[0]:.1f} | {b[2] / b[0]:.1f} | **{b[0] / a[0]:.2f}×** | "
-                   f"{b[1] / a[1]:.2f}× | {a[3] / a[4]:.2f} / {b[3] / b[4]:.2f} |")
+        out.append(
+            f"| {dtype} | {cat} ({a[4]}) | {a[2] / a[0]:.1f} | {b[2] / b[0]:.1f} | **{b[0] / a[0]:.2f}×** | "
+            f"{b[1] / a[1]:.2f}× | {a[3] / a[4]:.2f} / {b[3] / b[4]:.2f} |"
+        )
     return out
 
 

@@ -55,11 +55,18 @@ def main() -> None:
                 call(s)
                 times[s].append(time.perf_counter() - t)
     best = {s: min(v) * 1e3 for s, v in times.items()}
-    out = {"layerleap": os.path.dirname(layerleap.__file__), "dtype": args.dtype, "threads": args.threads,
-           "context": args.context, "rounds": args.rounds, "cpu": platform.processor() or platform.machine(),
-           "load_average": list(os.getloadavg()),
-           "points": [{"new_tokens": s, "ms": round(best[s], 2), "ratio": round(best[s] / best[sizes[0]], 3)}
-                      for s in sizes]}
+    out = {
+        "layerleap": os.path.dirname(layerleap.__file__),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "context": args.context,
+        "rounds": args.rounds,
+        "cpu": platform.processor() or platform.machine(),
+        "load_average": list(os.getloadavg()),
+        "points": [
+            {"new_tokens": s, "ms": round(best[s], 2), "ratio": round(best[s] / best[sizes[0]], 3)} for s in sizes
+        ],
+    }
     print(f"{out['layerleap']}  {args.dtype}, {args.threads} threads, context {args.context}, best of {args.rounds}")
     for p in out["points"]:
         print(f"  S={p['new_tokens']:<3} {p['ms']:8.2f} ms  x{p['ratio']:.2f}")

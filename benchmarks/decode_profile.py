@@ -48,10 +48,19 @@ def main() -> None:
     mm = ev.get("aten::mm", 0.0) + ev.get("aten::addmm", 0.0)
     attn = sum(v for k, v in ev.items() if "scaled_dot_product" in k)
     n_ops = sum(e.count for e in prof.key_averages()) / args.steps
-    out = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "context": args.context,
-           "step_ms": round(step_ms, 2), "profiled_ms": round(total, 2), "matmul_ms": round(mm, 2),
-           "attention_ms": round(attn, 2), "other_ms": round(total - mm - attn, 2),
-           "aten_ops_per_step": round(n_ops), "weight_mb": round(model.weight_bytes() / 2**20, 1)}
+    out = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "context": args.context,
+        "step_ms": round(step_ms, 2),
+        "profiled_ms": round(total, 2),
+        "matmul_ms": round(mm, 2),
+        "attention_ms": round(attn, 2),
+        "other_ms": round(total - mm - attn, 2),
+        "aten_ops_per_step": round(n_ops),
+        "weight_mb": round(model.weight_bytes() / 2**20, 1),
+    }
     print(json.dumps(out, indent=1))
 
 

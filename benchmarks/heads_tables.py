@@ -6,6 +6,7 @@ PYTHONPATH=src python benchmarks/heads_tables.py docs/heads/match_rate_greedy.js
 PYTHONPATH=src python benchmarks/heads_tables.py docs/heads/match_rate_sampling.json \
     --sampling docs/heads/match_rate_greedy.json
 """
+
 import argparse
 import json
 
@@ -21,8 +22,10 @@ def table2(report):
     layers = first["config"]["layers"]
     ks = first["config"]["ks"]
     heads = list(first["rates"])
-    lines = ["| category (tokens) | k | head | " + " | ".join(f"L{x}" for x in layers) + " |",
-             "|---|---|---|" + "---|" * len(layers)]
+    lines = [
+        "| category (tokens) | k | head | " + " | ".join(f"L{x}" for x in layers) + " |",
+        "|---|---|---|" + "---|" * len(layers),
+    ]
     pooled = {h: {x: {k: 0 for k in ks} for x in layers} for h in heads}
     total = 0
     for name, r in res.items():
@@ -36,8 +39,11 @@ def table2(report):
                 lines.append(f"| {name} ({r['tokens']}) | {k} | {h} | " + " | ".join(cells) + " |")
     for k in ks:
         for h in heads:
-            lines.append(f"| **all** ({total}) | {k} | {h} | "
-                         + " | ".join(f"**{pct(pooled[h][x][k] / total)}**" for x in layers) + " |")
+            lines.append(
+                f"| **all** ({total}) | {k} | {h} | "
+                + " | ".join(f"**{pct(pooled[h][x][k] / total)}**" for x in layers)
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -49,8 +55,10 @@ def positions(report, layer):
         edges, G = r["bucket_edges"], r["config"]["max_new_tokens"]
         spans = [f"{a + 1}–{(edges[j + 1] if j + 1 < len(edges) else G)}" for j, a in enumerate(edges)]
         if not lines:
-            lines = ["| category | k | head | " + " | ".join(spans) + " | total |",
-                     "|---|---|---|" + "---|" * (len(spans) + 1)]
+            lines = [
+                "| category | k | head | " + " | ".join(spans) + " | total |",
+                "|---|---|---|" + "---|" * (len(spans) + 1),
+            ]
         tokens = " | ".join(map(str, r["bucket_tokens"]))
         lines.append(f"| {name}: tokens per group | | | {tokens} | {r['tokens']} |")
         for k in r["config"]["ks"]:
@@ -69,15 +77,20 @@ def sampling(report, greedy, k=3):
     for _name, r in report["results"].items():
         rows.setdefault(r["category"], {})[r["mode"]] = r
     layers = next(iter(report["results"].values()))["config"]["layers"]
-    lines = ["| category | decoding (tokens) | head | " + " | ".join(f"L{x}" for x in layers) + " |",
-             "|---|---|---|" + "---|" * len(layers)]
+    lines = [
+        "| category | decoding (tokens) | head | " + " | ".join(f"L{x}" for x in layers) + " |",
+        "|---|---|---|" + "---|" * len(layers),
+    ]
     for cat, modes in rows.items():
         if len(modes) < 2:
             continue
         for h in next(iter(modes.values()))["rates"]:
             for mode, r in modes.items():
-                lines.append(f"| {cat} | {mode} ({r['tokens']}) | {h} | "
-                             + " | ".join(pct(r["rates"][h][str(x)][str(k)]) for x in layers) + " |")
+                lines.append(
+                    f"| {cat} | {mode} ({r['tokens']}) | {h} | "
+                    + " | ".join(pct(r["rates"][h][str(x)][str(k)]) for x in layers)
+                    + " |"
+                )
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ def ms(fn, n: int) -> float:
 def main() -> None:
     torch.set_num_threads(1)
     from layerleap.core.model import cpu_has_native_bf16
+
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, native bf16: {cpu_has_native_bf16()}")
     for rows in (1, 700):
         for name, (o, i) in SHAPES.items():
@@ -33,9 +34,12 @@ def main() -> None:
             wc = w.t().contiguous().t()
             xb, wb = x.bfloat16(), w.bfloat16()
             n = 10 if name == "lm_head" or rows > 1 else 200
-            cases = {"fp32 row": lambda x=x, w=w: F.linear(x, w), "fp32 col": lambda x=x, wc=wc: F.linear(x, wc),
-                     "bf16": lambda xb=xb, wb=wb: F.linear(xb, wb),
-                     "bf16 via fp32": lambda xb=xb, wb=wb: F.linear(xb.float(), wb.float()).bfloat16()}
+            cases = {
+                "fp32 row": lambda x=x, w=w: F.linear(x, w),
+                "fp32 col": lambda x=x, wc=wc: F.linear(x, wc),
+                "bf16": lambda xb=xb, wb=wb: F.linear(xb, wb),
+                "bf16 via fp32": lambda xb=xb, wb=wb: F.linear(xb.float(), wb.float()).bfloat16(),
+            }
             best = {k: min(ms(f, n) for _ in range(3)) for k, f in cases.items()}
             print(f"rows {rows:4} {name:8} " + "  ".join(f"{k} {v:.3f} ms" for k, v in best.items()))
 

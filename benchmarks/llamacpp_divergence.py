@@ -25,8 +25,9 @@ from llamacpp_vs_layerleap import LLAMA_GREEDY, gguf_file  # noqa: E402
 def ours_logits(model, ids: list[int]) -> np.ndarray:
     with torch.inference_mode():
         cache = model.new_cache(1, len(ids) + 1)
-        h = model.run_layers(model.embed(torch.tensor([ids])), 0, model.config.n_layers,
-                             torch.arange(len(ids)).unsqueeze(0), cache)  # [1, S, D]
+        h = model.run_layers(
+            model.embed(torch.tensor([ids])), 0, model.config.n_layers, torch.arange(len(ids)).unsqueeze(0), cache
+        )  # [1, S, D]
         return model.unembed(model.final_norm(h[:, -1:])).float().reshape(-1).numpy()  # [V]
 
 
@@ -37,6 +38,7 @@ def top2(x: np.ndarray) -> str:
 
 def main() -> None:
     from llama_cpp import Llama
+
     report = json.loads(Path(sys.argv[1]).read_text())
     cfg = report["config"]
     torch.set_num_threads(1)
@@ -48,8 +50,11 @@ def main() -> None:
     for r in recs:
         if r["engine"] != "layerleap" or r["agree_llamacpp"] == r["new_tokens"]:
             continue
-        ref = next(x for x in recs if x["label"] == LLAMA_GREEDY and x["threads"] == r["threads"]
-                   and x["prompt_index"] == r["prompt_index"])
+        ref = next(
+            x
+            for x in recs
+            if x["label"] == LLAMA_GREEDY and x["threads"] == r["threads"] and x["prompt_index"] == r["prompt_index"]
+        )
         model = models.get(r["dtype"]) or models.setdefault(r["dtype"], layerleap.load(cfg["model"], dtype=r["dtype"]))
         k = r["agree_llamacpp"]
         ids = report_prompt_ids(model, report, r) + ref["token_ids"][:k]
@@ -57,18 +62,22 @@ def main() -> None:
         llm.eval(ids)
         theirs = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(model.config.vocab_size,)).copy()
         ours = ours_logits(model, ids)
-        print(f"| {r['category']} {r['prompt_id']} | {r['dtype']} | {k} | {top2(theirs)} | {top2(ours)} | "
-              f"{np.abs(theirs - ours).max():.2f} |")
+        print(
+            f"| {r['category']} {r['prompt_id']} | {r['dtype']} | {k} | {top2(theirs)} | {top2(ours)} | "
+            f"{np.abs(theirs - ours).max():.2f} |"
+        )
 
 
 def report_prompt_ids(model, report: dict, r: dict) -> list[int]:
     """The prompt ids the benchmark used: kept in the report, else the Spec-Bench prompt again under
     the chat template (or raw)."""
     from layerleap.datasets import spec_bench
+
     kept = report["config"]["prompts"][r["prompt_index"]].get("ids")
     if kept:
         return kept
     from layerleap.decoding import chat_token_ids
+
     p = next(p for p in spec_bench() if p.id == r["prompt_id"])
     if report["config"]["chat"]:
         return chat_token_ids(model.tokenizer, [{"role": "user", "content": p.text}], add_generation_prompt=True)

@@ -62,11 +62,13 @@ def gguf_file(name: str) -> Path:
     size = sum(p.stat().st_size for p in parts)
     out = cache_root() / f"{name}-{size:x}.gguf"
     if not out.is_file() or out.stat().st_size != size:
+
         def join(tmp: Path) -> None:
             with open(tmp, "wb") as dst:
                 for p in parts:
                     with open(p, "rb") as src:
                         shutil.copyfileobj(src, dst, 16 << 20)
+
         print(f"joining {len(parts)} chunks into {out} …", file=sys.stderr, flush=True)
         atomic_write(out, join)
     return out
@@ -83,9 +85,14 @@ def cpu_info() -> dict:
     except OSError:
         pass
     flags = set(fields.get("flags", "").split())
-    return {"model_name": fields.get("model name", platform.processor() or "?"),
-            "vendor": fields.get("vendor_id"), "family": fields.get("cpu family"), "model": fields.get("model"),
-            "flags": {f: f in flags for f in CPU_FLAGS}, "cores": os.cpu_count()}
+    return {
+        "model_name": fields.get("model name", platform.processor() or "?"),
+        "vendor": fields.get("vendor_id"),
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
+        "flags": {f: f in flags for f in CPU_FLAGS},
+        "cores": os.cpu_count(),
+    }
 
 
 def load_average() -> list[float]:
@@ -144,6 +151,7 @@ class CountingLookup:
 
     def __init__(self, max_ngram_size: int, num_pred_tokens: int):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
         self.inner = LlamaPromptLookupDecoding(max_ngram_size=max_ngram_size, num_pred_tokens=num_pred_tokens)
         self.calls = self.drafted = 0
 
@@ -159,12 +167,26 @@ class LlamaCpp:
 
     def __init__(self, path: Path, threads: int, n_ctx: int, lookup: tuple[int, int] | None = None):
         from llama_cpp import Llama
+
         self.draft = CountingLookup(*lookup) if lookup else None
-        self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         draft_model=self.draft, verbose=False)
-        self.params = {"n_ctx": n_ctx, "n_batch": self.llm.n_batch, "n_ubatch": self.llm.context_params.n_ubatch,
-                       "n_threads": threads, "n_threads_batch": threads, "flash_attn": "binding default (off)",
-                       "lookup": {"max_ngram_size": lookup[0], "num_pred_tokens": lookup[1]} if lookup else None}
+        self.llm = Llama(
+            str(path),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            draft_model=self.draft,
+            verbose=False,
+        )
+        self.params = {
+            "n_ctx": n_ctx,
+            "n_batch": self.llm.n_batch,
+            "n_ubatch": self.llm.context_params.n_ubatch,
+            "n_threads": threads,
+            "n_threads_batch": threads,
+            "flash_attn": "binding default (off)",
+            "lookup": {"max_ngram_size": lookup[0], "num_pred_tokens": lookup[1]} if lookup else None,
+        }
 
     def generate(self, prompt_ids: list[int], n: int) -> tuple[list[int], float, float]:
         """-> (n new token ids, wall s, time to the first token s); the whole prompt is evaluated
@@ -204,6 +226,7 @@ class Setup:
 def run_threads(s: Setup, threads: int, report: dict, save) -> None:
     """Every prompt at one thread count, interleaved: llama.cpp (greedy, lookup), then layerleap."""
     from tqdm.auto import tqdm
+
     torch.set_num_threads(threads)
     n_ctx = max(len(p) for p in s.prompt_ids) + s.max_new_tokens + 16
     engines = {LLAMA_GREEDY: LlamaCpp(s.gguf, threads, n_ctx)}
@@ -216,8 +239,12 @@ def run_threads(s: Setup, threads: int, report: dict, save) -> None:
     for model in s.models.values():
         for name, options in s.methods.values():
             layerleap.generate(model, shortest, name, WARMUP_TOKENS, stop_at_eos=False, **options)
-    block = {"threads": threads, "torch_threads": torch.get_num_threads(), "load_before": load_average(),
-             "thread_nice_before": thread_nice()}
+    block = {
+        "threads": threads,
+        "torch_threads": torch.get_num_threads(),
+        "load_before": load_average(),
+        "thread_nice_before": thread_nice(),
+    }
     runs = len(s.prompts) * (len(engines) + len(s.models) * len(s.methods))
     with tqdm(total=runs, desc=f"{threads} thread(s)", unit="run", leave=False) as bar:
         for i, (prompt, ids) in enumerate(zip(s.prompts, s.prompt_ids)):
@@ -226,9 +253,27 @@ def run_threads(s: Setup, threads: int, report: dict, save) -> None:
                 bar.set_postfix_str(f"{prompt.category} {label}")
                 load, nice = load_average(), max(thread_nice(), default=0)
                 toks, wall, ttft = eng.generate(ids, s.max_new_tokens)
-                recs.append(Record(threads, i, prompt.id, prompt.category, len(ids), label, "llama.cpp", "gguf",
-                                   "greedy" if label == LLAMA_GREEDY else "prompt-lookup",
-                                   eng.params["lookup"] or {}, len(toks), wall, ttft, load, nice, toks, eng.counters()))
+                recs.append(
+                    Record(
+                        threads,
+                        i,
+                        prompt.id,
+                        prompt.category,
+                        len(ids),
+                        label,
+                        "llama.cpp",
+                        "gguf",
+                        "greedy" if label == LLAMA_GREEDY else "prompt-lookup",
+                        eng.params["lookup"] or {},
+                        len(toks),
+                        wall,
+                        ttft,
+                        load,
+                        nice,
+                        toks,
+                        eng.counters(),
+                    )
+                )
                 bar.update()
             for dtype, model in s.models.items():
                 for mlabel, (name, options) in s.methods.items():
@@ -238,9 +283,27 @@ def run_threads(s: Setup, threads: int, report: dict, save) -> None:
                     t0 = time.perf_counter()
                     res = layerleap.generate(model, ids, name, s.max_new_tokens, stop_at_eos=False, **options)
                     wall = time.perf_counter() - t0
-                    recs.append(Record(threads, i, prompt.id, prompt.category, len(ids), label, "layerleap", dtype,
-                                       name, dict(options), len(res.token_ids), wall, res.stats["ttft_s"], load,
-                                       nice, list(res.token_ids), {"model_calls": res.stats["model_calls"]}))
+                    recs.append(
+                        Record(
+                            threads,
+                            i,
+                            prompt.id,
+                            prompt.category,
+                            len(ids),
+                            label,
+                            "layerleap",
+                            dtype,
+                            name,
+                            dict(options),
+                            len(res.token_ids),
+                            wall,
+                            res.stats["ttft_s"],
+                            load,
+                            nice,
+                            list(res.token_ids),
+                            {"model_calls": res.stats["model_calls"]},
+                        )
+                    )
                     bar.update()
             ref = recs[0].token_ids
             for r in recs:
@@ -261,34 +324,50 @@ def summarize(records: list[dict]) -> list[dict]:
         rs = [r for r in records if r["threads"] == threads and r["label"] == label]
         ref = [r for r in records if r["threads"] == threads and r["label"] == LLAMA_GREEDY]
         tokens, wall, ttft = (sum(r[k] for r in rs) for k in ("new_tokens", "wall_s", "ttft_s"))
-        out.append({
-            "threads": threads, "label": label, "prompts": len(rs), "new_tokens": tokens, "wall_s": wall,
-            "ttft_s": ttft, "tokens_per_s": tokens / wall, "decode_tokens_per_s": (tokens - len(rs)) / (wall - ttft),
-            "vs_llamacpp": sum(r["wall_s"] for r in ref) / wall if ref else None,
-            "same_as_llamacpp": sum(r["agree_llamacpp"] == r["new_tokens"] for r in rs),
-            "mean_agree_llamacpp": sum(r["agree_llamacpp"] for r in rs) / len(rs),
-        })
+        out.append(
+            {
+                "threads": threads,
+                "label": label,
+                "prompts": len(rs),
+                "new_tokens": tokens,
+                "wall_s": wall,
+                "ttft_s": ttft,
+                "tokens_per_s": tokens / wall,
+                "decode_tokens_per_s": (tokens - len(rs)) / (wall - ttft),
+                "vs_llamacpp": sum(r["wall_s"] for r in ref) / wall if ref else None,
+                "same_as_llamacpp": sum(r["agree_llamacpp"] == r["new_tokens"] for r in rs),
+                "mean_agree_llamacpp": sum(r["agree_llamacpp"] for r in rs) / len(rs),
+            }
+        )
     return out
 
 
 def prompt_table(records: list[dict]) -> str:
-    lines = ["| threads | prompt | prompt tokens | engine | tok/s | TTFT s | decode tok/s | agree |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| threads | prompt | prompt tokens | engine | tok/s | TTFT s | decode tok/s | agree |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
-        lines.append(f"| {r['threads']} | {r['category']} {r['prompt_id']} | {r['prompt_tokens']} | {r['label']} | "
-                     f"{r['tokens_per_s']:.1f} | {r['ttft_s']:.3f} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{r['agree_llamacpp']}/{r['new_tokens']} |")
+        lines.append(
+            f"| {r['threads']} | {r['category']} {r['prompt_id']} | {r['prompt_tokens']} | {r['label']} | "
+            f"{r['tokens_per_s']:.1f} | {r['ttft_s']:.3f} | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['agree_llamacpp']}/{r['new_tokens']} |"
+        )
     return "\n".join(lines)
 
 
 def summary_table(summary: list[dict]) -> str:
-    lines = ["| threads | engine | tok/s | vs llama.cpp | TTFT s (sum) | decode tok/s | = llama.cpp | agree (mean) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| threads | engine | tok/s | vs llama.cpp | TTFT s (sum) | decode tok/s | = llama.cpp | agree (mean) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in summary:
         vs = "-" if s["vs_llamacpp"] is None else f"{s['vs_llamacpp']:.2f}×"
-        lines.append(f"| {s['threads']} | {s['label']} | {s['tokens_per_s']:.1f} | {vs} | {s['ttft_s']:.2f} | "
-                     f"{s['decode_tokens_per_s']:.1f} | {s['same_as_llamacpp']}/{s['prompts']} | "
-                     f"{s['mean_agree_llamacpp']:.1f} |")
+        lines.append(
+            f"| {s['threads']} | {s['label']} | {s['tokens_per_s']:.1f} | {vs} | {s['ttft_s']:.2f} | "
+            f"{s['decode_tokens_per_s']:.1f} | {s['same_as_llamacpp']}/{s['prompts']} | "
+            f"{s['mean_agree_llamacpp']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -306,8 +385,12 @@ def _int_list(text: str) -> list[int]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", choices=sorted(PACKAGED))
-    ap.add_argument("--dtypes", "--dtype", default="float32",
-                    help="layerleap dtypes, comma-separated: any that layerleap.load accepts (default float32)")
+    ap.add_argument(
+        "--dtypes",
+        "--dtype",
+        default="float32",
+        help="layerleap dtypes, comma-separated: any that layerleap.load accepts (default float32)",
+    )
     ap.add_argument("--threads", type=_int_list, default=[1], help="thread counts, comma-separated (default 1)")
     ap.add_argument("--methods", default="greedy", help="layerleap methods, comma-separated (LABEL=METHOD allowed)")
     ap.add_argument("--opt", action="append", default=[], metavar="METHOD.NAME=VALUE", help="a method option")
@@ -329,8 +412,10 @@ def prepare(args) -> Setup:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        raise LayerleapError("this benchmark needs llama-cpp-python: run `make llamacpp` (or pip install -e "
-                             "'.[llamacpp]'; it builds llama.cpp from source, ~8 minutes on 2 cores)") from None
+        raise LayerleapError(
+            "this benchmark needs llama-cpp-python: run `make llamacpp` (or pip install -e "
+            "'.[llamacpp]'; it builds llama.cpp from source, ~8 minutes on 2 cores)"
+        ) from None
     methods = parse_methods(args.methods, args.opt)
     gguf = gguf_file(args.model)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -339,28 +424,53 @@ def prepare(args) -> Setup:
     models = {d: layerleap.load(args.model, dtype=d) for d in dtypes}
     tok = next(iter(models.values())).tokenizer
     prompts = spec_bench(categories=args.categories.split(","), n=args.prompts)
-    ids = [chat_token_ids(tok, [{"role": "user", "content": p.text}], add_generation_prompt=True)
-           if not args.no_chat else tok(p.text)["input_ids"] for p in prompts]
-    return Setup(gguf, prompts, ids, models, methods, args.max_new_tokens,
-                 None if args.no_lookup else (args.lookup_ngram, args.lookup_tokens))
+    ids = [
+        chat_token_ids(tok, [{"role": "user", "content": p.text}], add_generation_prompt=True)
+        if not args.no_chat
+        else tok(p.text)["input_ids"]
+        for p in prompts
+    ]
+    return Setup(
+        gguf,
+        prompts,
+        ids,
+        models,
+        methods,
+        args.max_new_tokens,
+        None if args.no_lookup else (args.lookup_ngram, args.lookup_tokens),
+    )
 
 
 def machine(s: Setup, args) -> dict:
     import llama_cpp
     import transformers
+
     return {
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]), "cpu": cpu_info(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "layerleap": layerleap.__version__, "llama_cpp_python": llama_cpp.__version__,
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "cpu": cpu_info(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "layerleap": layerleap.__version__,
+        "llama_cpp_python": llama_cpp.__version__,
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
-        "model": args.model, "gguf": str(s.gguf), "gguf_bytes": s.gguf.stat().st_size,
-        "dtypes": list(s.models), "threads": args.threads, "methods": {k: {"method": n, "options": o}
-                                                                      for k, (n, o) in s.methods.items()},
-        "max_new_tokens": s.max_new_tokens, "chat": not args.no_chat, "n_prompts": len(s.prompts),
-        "prompts": [{"id": p.id, "category": p.category, "tokens": len(i), "ids": i}
-                    for p, i in zip(s.prompts, s.prompt_ids)],
-        "llama_cpp_params": {}, "thread_blocks": [], "load_before": load_average(),
+        "model": args.model,
+        "gguf": str(s.gguf),
+        "gguf_bytes": s.gguf.stat().st_size,
+        "dtypes": list(s.models),
+        "threads": args.threads,
+        "methods": {k: {"method": n, "options": o} for k, (n, o) in s.methods.items()},
+        "max_new_tokens": s.max_new_tokens,
+        "chat": not args.no_chat,
+        "n_prompts": len(s.prompts),
+        "prompts": [
+            {"id": p.id, "category": p.category, "tokens": len(i), "ids": i} for p, i in zip(s.prompts, s.prompt_ids)
+        ],
+        "llama_cpp_params": {},
+        "thread_blocks": [],
+        "load_before": load_average(),
     }
 
 
@@ -374,10 +484,13 @@ def main(argv=None) -> int:
     report = {"config": machine(s, args), "records": [], "complete": False}
     save = (lambda: write_json(args.json, report)) if args.json else (lambda: None)
     cfg = report["config"]
-    print(f"{cfg['cpu']['model_name']} (family {cfg['cpu']['family']}, model {cfg['cpu']['model']}), "
-          f"flags {', '.join(f for f, on in cfg['cpu']['flags'].items() if on)}; load {cfg['load_before']}\n"
-          f"llama-cpp-python {cfg['llama_cpp_python']}, torch {cfg['torch']}; {s.gguf.name}; "
-          f"{len(s.prompts)} prompts × {s.max_new_tokens} tokens", flush=True)
+    print(
+        f"{cfg['cpu']['model_name']} (family {cfg['cpu']['family']}, model {cfg['cpu']['model']}), "
+        f"flags {', '.join(f for f, on in cfg['cpu']['flags'].items() if on)}; load {cfg['load_before']}\n"
+        f"llama-cpp-python {cfg['llama_cpp_python']}, torch {cfg['torch']}; {s.gguf.name}; "
+        f"{len(s.prompts)} prompts × {s.max_new_tokens} tokens",
+        flush=True,
+    )
     try:
         for threads in args.threads:
             run_threads(s, threads, report, save)
@@ -390,8 +503,10 @@ def main(argv=None) -> int:
     save()
     print(prompt_table(report["records"]), "", summary_table(report["summary"]), sep="\n")
     niced = sorted({r["nice_before"] for r in report["records"]} - {0})
-    print(f"load average before {cfg['load_before']}, after {cfg['load_after']}"
-          + (f"; some runs had a thread at nice {niced} (slowed by the system)" if niced else ""))
+    print(
+        f"load average before {cfg['load_before']}, after {cfg['load_after']}"
+        + (f"; some runs had a thread at nice {niced} (slowed by the system)" if niced else "")
+    )
     if args.json:
         print(f"report: {args.json}")
     return 0 if report["complete"] else 130

@@ -26,15 +26,16 @@ def draft(seq: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     matching suffix (brute force)."""
     end = len(seq)
     for n in range(min(max_n, end - 1), min_n - 1, -1):
-        suf = seq[end - n:]
+        suf = seq[end - n :]
         for s in range(end - n - 1, -1, -1):
-            if seq[s:s + n] == suf:
-                return seq[s + n:s + n + k]
+            if seq[s : s + n] == suf:
+                return seq[s + n : s + n + k]
     return []
 
 
-def replay(prompt: list[int], out: list[int], cost: dict[int, float], min_n: int, max_n: int, k: int,
-           overhead_ms: float) -> tuple[float, int]:
+def replay(
+    prompt: list[int], out: list[int], cost: dict[int, float], min_n: int, max_n: int, k: int, overhead_ms: float
+) -> tuple[float, int]:
     """(ms of decoding after the first token, model calls) for one variant on one output."""
     seq, i, t, calls = list(prompt) + [out[0]], 1, 0.0, 0
     while i < len(out):
@@ -44,7 +45,7 @@ def replay(prompt: list[int], out: list[int], cost: dict[int, float], min_n: int
             a += 1
         t += cost[1 + len(d)] + (overhead_ms if d else 0.0)
         calls += 1
-        seq += out[i:i + a + 1]
+        seq += out[i : i + a + 1]
         i += a + 1
     return t, calls
 
@@ -53,6 +54,7 @@ def cmd_record(args) -> None:
     import torch
     import layerleap
     from layerleap.datasets import spec_bench
+
     torch.set_num_threads(args.threads)
     model = layerleap.load("smollm2-135m", dtype=args.dtype)
     rows = []

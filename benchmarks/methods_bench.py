@@ -40,10 +40,31 @@ def cmd_run(args) -> None:
         if complete(path):
             print(f"{cat}: done ({path})", flush=True)
             continue
-        cmd = [sys.executable, "-m", "layerleap", "bench", "--dtype", args.dtype, "--threads", str(args.threads),
-               "--categories", cat, "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
-               "--chat", "--methods", args.methods, "--repeat", str(args.repeat), "--json", str(path),
-               "--html", str(out / f"{cat}.html")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "layerleap",
+            "bench",
+            "--dtype",
+            args.dtype,
+            "--threads",
+            str(args.threads),
+            "--categories",
+            cat,
+            "--prompts",
+            str(args.prompts),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--chat",
+            "--methods",
+            args.methods,
+            "--repeat",
+            str(args.repeat),
+            "--json",
+            str(path),
+            "--html",
+            str(out / f"{cat}.html"),
+        ]
         cmd += ["--hf-extra", "lookup"] if args.hf else ["--no-baseline-hf"]
         print(" ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True)
@@ -54,8 +75,11 @@ def _load(folder: Path) -> list[dict]:
 
 
 def cmd_table(args) -> None:
-    print("| dtype | method | vs greedy (decoding) | " + " | ".join(CATEGORIES)
-          + " | vs `transformers` greedy | tokens/call | acceptance | = greedy |")
+    print(
+        "| dtype | method | vs greedy (decoding) | "
+        + " | ".join(CATEGORIES)
+        + " | vs `transformers` greedy | tokens/call | acceptance | = greedy |"
+    )
     print("|---" * (len(CATEGORIES) + 7) + "|")
     for folder in args.folders:
         reps = _load(Path(folder))
@@ -86,8 +110,10 @@ def cmd_table(args) -> None:
             vs_hf = f"{hf['all'][0] / by['all'][0]:.2f}×" if hf else "-"
             acc = f"{sum(e[1]) / len(e[1]):.0%}" if e[1] else "-"
             same = f"{e[2]}/{e[3]}" if e[3] else "-"
-            print(f"| {dtype} | `{label}` | **{g['all'][0] / by['all'][0]:.2f}×** ({g['all'][1] / by['all'][1]:.2f}×) "
-                  f"| {cats} | {vs_hf} | {sum(e[0]) / len(e[0]):.2f} | {acc} | {same} |")
+            print(
+                f"| {dtype} | `{label}` | **{g['all'][0] / by['all'][0]:.2f}×** ({g['all'][1] / by['all'][1]:.2f}×) "
+                f"| {cats} | {vs_hf} | {sum(e[0]) / len(e[0]):.2f} | {acc} | {same} |"
+            )
 
 
 def main() -> None:
@@ -101,8 +127,12 @@ def main() -> None:
     r.add_argument("--max-new-tokens", type=int, default=64)
     r.add_argument("--methods", default=METHODS)
     r.add_argument("--repeat", type=int, default=2)
-    r.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
-                   help="time `transformers` greedy and its prompt lookup too (default on)")
+    r.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time `transformers` greedy and its prompt lookup too (default on)",
+    )
     r.add_argument("--out", required=True)
     t = sub.add_parser("table", help="the markdown table from run's folders")
     t.add_argument("folders", nargs="+")

@@ -41,8 +41,10 @@ def main() -> None:
         return model.logits(model.run_layers(model.embed(ids), 0, model.config.n_layers, pos, cache)[:, -1:])
 
     with torch.inference_mode():
-        print(f"{args.dtype}, {args.tokens} tokens: ours {best_ms(ours):.0f} ms, "
-              f"transformers {best_ms(lambda: hf(ids, logits_to_keep=1).logits):.0f} ms")
+        print(
+            f"{args.dtype}, {args.tokens} tokens: ours {best_ms(ours):.0f} ms, "
+            f"transformers {best_ms(lambda: hf(ids, logits_to_keep=1).logits):.0f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,14 @@ def mapping_error(model) -> dict:
         tot_w += float(exact.abs().double().sum())
         n += d.numel()
         tensors += 1
-    return {"tensors": tensors, "weights": n, "max_abs_dw": worst, "mean_abs_dw": tot_abs / n,
-            "mean_abs_w": tot_w / n, "relative_mean_dw": tot_abs / tot_w}
+    return {
+        "tensors": tensors,
+        "weights": n,
+        "max_abs_dw": worst,
+        "mean_abs_dw": tot_abs / n,
+        "mean_abs_w": tot_w / n,
+        "relative_mean_dw": tot_abs / tot_w,
+    }
 
 
 def main() -> None:
@@ -63,13 +69,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dense = layerleap.load("smollm2-135m", dtype="float32")
     q4 = layerleap.load("smollm2-135m", dtype="q4")
-    report = {"command": "python benchmarks/q4_quality.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "load_average": list(os.getloadavg()), "mapping": mapping_error(q4)}
+    report = {
+        "command": "python benchmarks/q4_quality.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "load_average": list(os.getloadavg()),
+        "mapping": mapping_error(q4),
+    }
     cats = sorted({p.category for p in spec_bench()})
     per_cat = -(-args.prompts // len(cats))
-    prompts = [p for i in range(per_cat) for c in cats for p in spec_bench(categories=[c], n=per_cat)[i:i + 1]]
+    prompts = [p for i in range(per_cat) for c in cats for p in spec_bench(categories=[c], n=per_cat)[i : i + 1]]
     prompts = prompts[: args.prompts]
     same, first, agree, total, dl_sum, dl_max, rows = 0, [], 0, 0, 0.0, 0.0, []
     t0 = time.time()
@@ -89,18 +99,35 @@ def main() -> None:
         d = (l32 - lq).abs()
         dl_sum += float(d.mean(-1).sum())
         dl_max = max(dl_max, float(d.max()))
-        rows.append({"id": p.id, "category": p.category, "first_difference": k,
-                     "teacher_forced_agreement": float((l32.argmax(-1) == lq.argmax(-1)).float().mean())})
-        print(f"[{i + 1}/{len(prompts)}] {p.category} {p.id}: first difference {k}, "
-              f"{time.time() - t0:.0f} s", flush=True)
+        rows.append(
+            {
+                "id": p.id,
+                "category": p.category,
+                "first_difference": k,
+                "teacher_forced_agreement": float((l32.argmax(-1) == lq.argmax(-1)).float().mean()),
+            }
+        )
+        print(
+            f"[{i + 1}/{len(prompts)}] {p.category} {p.id}: first difference {k}, {time.time() - t0:.0f} s", flush=True
+        )
     report["quality"] = {
-        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "identical_outputs": same, "mean_first_difference": sum(first) / len(first),
-        "teacher_forced_top1_agreement": agree / total, "mean_abs_logit_delta": dl_sum / total,
-        "max_abs_logit_delta": dl_max, "per_prompt": rows}
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "identical_outputs": same,
+        "mean_first_difference": sum(first) / len(first),
+        "teacher_forced_top1_agreement": agree / total,
+        "mean_abs_logit_delta": dl_sum / total,
+        "max_abs_logit_delta": dl_max,
+        "per_prompt": rows,
+    }
     report["load_average_end"] = list(os.getloadavg())
-    print(json.dumps({k: v for k, v in report.items() if k != "quality"} | {
-        "quality": {k: v for k, v in report["quality"].items() if k != "per_prompt"}}, indent=1))
+    print(
+        json.dumps(
+            {k: v for k, v in report.items() if k != "quality"}
+            | {"quality": {k: v for k, v in report["quality"].items() if k != "per_prompt"}},
+            indent=1,
+        )
+    )
     if args.json:
         write_json(args.json, report)
 

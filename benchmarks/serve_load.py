@@ -36,10 +36,29 @@ def free_port() -> int:
 
 
 def start_server(args, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "layerleap", "serve", "--model", args.model, "--dtype", args.dtype, "--method",
-           args.method, "--port", str(port), "--threads", str(args.threads), "--max-batch", str(args.max_batch),
-           "--max-running", str(args.max_running), "--no-access-log",
-           *[a for o in args.opt or [] for a in ("--opt", o)], *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "layerleap",
+        "serve",
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--method",
+        args.method,
+        "--port",
+        str(port),
+        "--threads",
+        str(args.threads),
+        "--max-batch",
+        str(args.max_batch),
+        "--max-running",
+        str(args.max_running),
+        "--no-access-log",
+        *[a for o in args.opt or [] for a in ("--opt", o)],
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -57,6 +76,7 @@ def start_server(args, port: int, extra: list[str]) -> subprocess.Popen:
 
 def client(url: str, model: str, prompts: list[str], first: int, args, deadline: float, out: list, lock) -> None:
     import openai
+
     c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=args.timeout)
     i = first
     while time.monotonic() < deadline:
@@ -65,9 +85,13 @@ def client(url: str, model: str, prompts: list[str], first: int, args, deadline:
         t0 = time.perf_counter()
         rec = {"start": t0, "ok": False, "tokens": 0, "ttft_s": None}
         try:
-            stream = c.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=args.max_tokens, stream=True,
-                                               stream_options={"include_usage": True})
+            stream = c.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=args.max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             for chunk in stream:
                 if rec["ttft_s"] is None and chunk.choices and chunk.choices[0].delta.content:
                     rec["ttft_s"] = time.perf_counter() - t0
@@ -105,8 +129,13 @@ def rss_mib(pid: int) -> dict:
 def queue_wait_p99(metrics: str) -> float | None:
     """The p99 queue wait from the server's histogram: the upper bound of the bucket that holds it."""
     from prometheus_client.parser import text_string_to_metric_families
-    buckets = [(float(s.labels["le"]), s.value) for f in text_string_to_metric_families(metrics)
-               for s in f.samples if s.name == "layerleap_queue_wait_seconds_bucket"]
+
+    buckets = [
+        (float(s.labels["le"]), s.value)
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name == "layerleap_queue_wait_seconds_bucket"
+    ]
     total = max((v for _, v in buckets), default=0)
     return next((le for le, v in sorted(buckets) if v >= 0.99 * total), None) if total else None
 
@@ -119,8 +148,10 @@ def load_level(url: str, port: int, proc, prompts: list[str], clients: int, args
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     deadline = time.monotonic() + args.seconds
-    threads = [threading.Thread(target=client, args=(url, args.model, prompts, k, args, deadline, records, lock))
-               for k in range(clients)]
+    threads = [
+        threading.Thread(target=client, args=(url, args.model, prompts, k, args, deadline, records, lock))
+        for k in range(clients)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -133,15 +164,22 @@ def load_level(url: str, port: int, proc, prompts: list[str], clients: int, args
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     tokens = sum(r["tokens"] for r in ok)
     return {
-        "clients": clients, "wall_s": wall, "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+        "clients": clients,
+        "wall_s": wall,
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
         "error_samples": sorted({r.get("error", "") for r in records if not r["ok"]})[:5],
         **{f"latency_p{q}_s": percentile(lat, q) for q in (50, 95, 99)},
         "latency_mean_s": statistics.fmean(lat) if lat else None,
         **{f"ttft_p{q}_s": percentile(ttft, q) for q in (50, 95, 99)},
         "queue_wait_p99_s (server, cumulative)": queue_wait_p99(metrics),
-        "completion_tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else None,
-        "requests_per_s": len(ok) / wall if wall > 0 else None, **rss_mib(proc.pid),
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "requests_per_s": len(ok) / wall if wall > 0 else None,
+        **rss_mib(proc.pid),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
     }
 
 
@@ -157,8 +195,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--max-running", type=int, default=2)
-    ap.add_argument("--baseline", action="store_true", help="also run every level against a server that answers "
-                    "one request at a time (--max-batch 1 --max-running 1 --no-continuous), interleaved")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run every level against a server that answers "
+        "one request at a time (--max-batch 1 --max-running 1 --no-continuous), interleaved",
+    )
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--json", default=None, help="write the report here")
     args = ap.parse_args()
@@ -170,9 +212,18 @@ def main() -> None:
         modes["one at a time"] = ["--max-batch", "1", "--max-running", "1", "--no-continuous"]
     report = {
         "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]),
-        "cpu": cpu_signature(), "cores": os.cpu_count(), "model": args.model, "dtype": args.dtype,
-        "method": args.method, "options": args.opt or [], "server_threads": args.threads, "seconds": args.seconds,
-        "max_tokens": args.max_tokens, "max_batch": args.max_batch, "max_running": args.max_running, "runs": [],
+        "cpu": cpu_signature(),
+        "cores": os.cpu_count(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "method": args.method,
+        "options": args.opt or [],
+        "server_threads": args.threads,
+        "seconds": args.seconds,
+        "max_tokens": args.max_tokens,
+        "max_batch": args.max_batch,
+        "max_running": args.max_running,
+        "runs": [],
     }
     for clients in levels:  # the modes interleaved level by level: both see the same machine load
         for mode, extra in modes.items():
@@ -188,6 +239,7 @@ def main() -> None:
             print(json.dumps(run), flush=True)
     if args.json:
         from layerleap.files import write_json
+
         write_json(args.json, report)
 
 

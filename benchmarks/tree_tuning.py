@@ -36,8 +36,25 @@ import json
 
 CATEGORIES = "summarization,qa,translation,math_reasoning,writing"
 K = 8  # ranks beyond the top-8 count as misses
-TREES = ["1", "2", "3", "1,1", "2,1", "3,1", "2,2", "4,1", "4,2", "1,1,1", "2,1,1", "3,1,1", "2,2,1", "3,2,1",
-         "4,2,1", "1,1,1,1", "2,1,1,1"]
+TREES = [
+    "1",
+    "2",
+    "3",
+    "1,1",
+    "2,1",
+    "3,1",
+    "2,2",
+    "4,1",
+    "4,2",
+    "1,1,1",
+    "2,1,1",
+    "3,1,1",
+    "2,2,1",
+    "3,2,1",
+    "4,2,1",
+    "1,1,1,1",
+    "2,1,1,1",
+]
 DRAFT_LENS = [1, 2, 3, 4, 5, 6]
 
 
@@ -67,6 +84,7 @@ def record_one(model, prompt: list[int], out: list[int]) -> dict:
     from layerleap.drafters.exit_heads import get_head
     from layerleap.drafters.trees import transfer_pass
     from layerleap.methods.self_spec import default_exit_layer
+
     rec = {}
     ids = torch.tensor([out])
     n = len(out)
@@ -89,8 +107,9 @@ def record_one(model, prompt: list[int], out: list[int]) -> dict:
         hE = model.run_layers(model.embed(ids), 0, E, pos, cache)
         hL = model.run_layers(hE, E, model.config.n_layers, pos, cache)
         z = model.final_norm(hL[0])
-        rec["medusa"] = _ranks(torch.stack([heads.logits(i, z) for i in range(1, heads.steps + 1)], 1), out,
-                               heads.steps)
+        rec["medusa"] = _ranks(
+            torch.stack([heads.logits(i, z) for i in range(1, heads.steps + 1)], 1), out, heads.steps
+        )
         exit_tok = head(hE)[0].argmax(-1).tolist()  # the exit's draft of out[p + 1] from position p
         rec["exit_right"] = [int(p + 1 < n and exit_tok[p] == out[p + 1]) for p in range(n)]
         rec["exit_layer"] = E
@@ -103,27 +122,43 @@ def cmd_record(args) -> None:
 
     import layerleap
     from layerleap.datasets import spec_bench
+
     torch.set_num_threads(args.threads)
     model = layerleap.load("smollm2-135m", dtype=args.dtype)
     rows = []
     for p in spec_bench(categories=args.categories.split(","), n=args.prompts, offset=args.offset):
         r = layerleap.generate(model, p.text, "greedy", args.max_new_tokens, stop_at_eos=False, chat=True)
-        rows.append({"id": p.id, "category": p.category, "prompt": r.prompt_ids, "out": r.token_ids,
-                     **record_one(model, r.prompt_ids, r.token_ids)})
+        rows.append(
+            {
+                "id": p.id,
+                "category": p.category,
+                "prompt": r.prompt_ids,
+                "out": r.token_ids,
+                **record_one(model, r.prompt_ids, r.token_ids),
+            }
+        )
         print(f"{len(rows)} {p.category} {p.id}", flush=True)
     from layerleap.eval.roofline import weight_bytes_per_token
+
     lm = model.lm_head
     head_bytes = lm.packed.nbytes if lm.packed is not None else lm.weight.numel() * lm.weight.element_size()
     with open(args.json, "w") as f:
-        json.dump({"dtype": args.dtype, "n_layers": model.config.n_layers,
-                   "unembed_share": head_bytes / weight_bytes_per_token(model), "rows": rows}, f)
+        json.dump(
+            {
+                "dtype": args.dtype,
+                "n_layers": model.config.n_layers,
+                "unembed_share": head_bytes / weight_bytes_per_token(model),
+                "rows": rows,
+            },
+            f,
+        )
 
 
 # -- replay ---------------------------------------------------------------------------------------
 def accepted_tree(ranks: list[int], paths: set[tuple[int, ...]]) -> int:
     """Drafts a tree keeps at one position: the longest prefix of the true tokens' ranks it holds."""
     a = 0
-    while a < len(ranks) and ranks[a] >= 0 and tuple(ranks[:a + 1]) in paths:
+    while a < len(ranks) and ranks[a] >= 0 and tuple(ranks[: a + 1]) in paths:
         a += 1
     return a
 
@@ -171,6 +206,7 @@ def curve(path: str) -> dict[int, float]:
 def round_cost(method: str, option, C: dict[int, float], u: float, L: int, layers: list[int], E: int) -> float:
     """One round in one-token calls (the module docstring's model)."""
     from layerleap.core.tree import build
+
     if method == "self-spec":
         return option * (E / L * (1 - u) + u) + C[option + 1]
     buf = build(option)
@@ -184,6 +220,7 @@ def round_cost(method: str, option, C: dict[int, float], u: float, L: int, layer
 
 def cmd_replay(args) -> None:
     from layerleap.core.tree import parse_tree
+
     files = [_json(path) for path in args.ranks]
     data = next(f for f in files if "unembed_share" in f)  # the model's facts (one dtype)
     rows = [r for f in files for r in f["rows"]]
@@ -217,16 +254,23 @@ def cmd_replay(args) -> None:
                 while a < k and p + a < len(right) and right[p + a]:
                     a += 1
                 return a
+
             per[r["category"]][0] += walk(n, run_len)
             per[r["category"]][1] += n - 1
         table.append(("self-spec", f"draft_len={k}", per, round_cost("self-spec", k, C, u, L, layers, E) + over))
-    print(f"{data['dtype']}: {len(rows)} prompts, unembedding {u:.0%} of a step's weights, one-token call "
-          f"{g_ms:.2f} ms; speed-up = tokens / (rounds x round cost in one-token calls)")
-    print(f"{'method':16} {'option':14} {'cost':>6} {'tok/call':>8} {'all':>6} " + " ".join(f"{c[:8]:>8}" for c in cats))
+    print(
+        f"{data['dtype']}: {len(rows)} prompts, unembedding {u:.0%} of a step's weights, one-token call "
+        f"{g_ms:.2f} ms; speed-up = tokens / (rounds x round cost in one-token calls)"
+    )
+    print(
+        f"{'method':16} {'option':14} {'cost':>6} {'tok/call':>8} {'all':>6} " + " ".join(f"{c[:8]:>8}" for c in cats)
+    )
     for m, opt, per, cost in sorted(table, key=lambda x: (x[0], -_speed(x[2], x[3]))):
         rounds, toks = sum(v[0] for v in per.values()), sum(v[1] for v in per.values())
-        print(f"{m:16} {opt:14} {cost:6.2f} {toks / rounds:8.2f} {_speed(per, cost):6.3f} "
-              + " ".join(f"{per[c][1] / (per[c][0] * cost):8.3f}" for c in cats))
+        print(
+            f"{m:16} {opt:14} {cost:6.2f} {toks / rounds:8.2f} {_speed(per, cost):6.3f} "
+            + " ".join(f"{per[c][1] / (per[c][0] * cost):8.3f}" for c in cats)
+        )
 
 
 def _speed(per, cost: float) -> float:

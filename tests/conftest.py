@@ -54,6 +54,7 @@ def char_model_dir(tmp_path_factory):
     as a Hugging Face folder named ``tiny``: a complete text model that loads in milliseconds (the
     real 49k-token tokenizer of ``tiny_hf_dir`` takes most of a second to load)."""
     from tiny_models import save_char_model
+
     folder = tmp_path_factory.mktemp("char_model") / "tiny"
     save_char_model(folder)
     return folder

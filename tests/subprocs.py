@@ -26,14 +26,21 @@ class Proc:
     """A subprocess whose stdout and stderr are collected by threads (so a full pipe never blocks it)."""
 
     def __init__(self, argv: list[str], env: dict | None = None, cwd=None, group: bool = False):
-        full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-                "LAYERLEAP_TEST_THREADS": "1", **(env or {})}
+        full = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+            "LAYERLEAP_TEST_THREADS": "1",
+            **(env or {}),
+        }
         # group: its own process group, so that signal_group reaches its children too, as a terminal's Ctrl-C
-        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full, cwd=cwd,
-                                  start_new_session=group)
+        self.p = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full, cwd=cwd, start_new_session=group
+        )
         self.out, self.err = bytearray(), bytearray()
-        self._threads = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
-                         for s, b in ((self.p.stdout, self.out), (self.p.stderr, self.err))]
+        self._threads = [
+            threading.Thread(target=self._pump, args=(s, b), daemon=True)
+            for s, b in ((self.p.stdout, self.out), (self.p.stderr, self.err))
+        ]
         for t in self._threads:
             t.start()
 

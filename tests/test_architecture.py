@@ -33,16 +33,29 @@ PKG = SRC / "layerleap"
 
 # (layer, rank, module-name prefixes); a name matches a prefix equal to it or below it
 LAYERS = [
-    ("base", 0, ("layerleap.errors", "layerleap.files", "layerleap.validate", "layerleap.interrupts",
-                 "layerleap.loaded", "layerleap.datasets")),
+    (
+        "base",
+        0,
+        (
+            "layerleap.errors",
+            "layerleap.files",
+            "layerleap.validate",
+            "layerleap.interrupts",
+            "layerleap.loaded",
+            "layerleap.datasets",
+        ),
+    ),
     ("core", 1, ("layerleap.core",)),
     ("drafters", 2, ("layerleap.drafters",)),
     ("methods", 3, ("layerleap.methods",)),
     ("api", 4, ("layerleap.decoding", "layerleap.streaming", "layerleap.options")),
     ("train", 5, ("layerleap.train",)),
     ("eval", 5, ("layerleap.eval",)),
-    ("app", 6, ("layerleap.__main__", "layerleap.cli", "layerleap.commands", "layerleap.server",
-                "layerleap.scheduler")),
+    (
+        "app",
+        6,
+        ("layerleap.__main__", "layerleap.cli", "layerleap.commands", "layerleap.server", "layerleap.scheduler"),
+    ),
 ]
 
 
@@ -68,12 +81,17 @@ def _imported(node: ast.AST, name: str, is_pkg: bool, known) -> list[str]:
     if isinstance(node, ast.ImportFrom):
         if node.level:
             base = name.split(".") if is_pkg else name.split(".")[:-1]
-            base = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            base = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
         else:
             base = node.module or ""
         return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
-    if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+    if (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
         return [node.args[0].value]
     return []
 

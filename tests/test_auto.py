@@ -71,14 +71,16 @@ def test_chooser_keeps_the_faster_mode_and_backs_off(monkeypatch):
 
 
 @pytest.mark.parametrize("seed,plen", [(0, 3), (1, 9), (2, 17)])
-@pytest.mark.parametrize("options", [{"tree": "2,1"}, {"tree": "1,1", "draft_len": 2, "max_ngram": 2},
-                                     {"tree": "2,2,1", "min_ngram": 2}])
+@pytest.mark.parametrize(
+    "options", [{"tree": "2,1"}, {"tree": "1,1", "draft_len": 2, "max_ngram": 2}, {"tree": "2,2,1", "min_ngram": 2}]
+)
 def test_auto_equals_greedy_while_switching(switching, seed, plen, options):
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)
-    layers = [1, 1, 2][:len(options["tree"].split(","))]
+    layers = [1, 1, 2][: len(options["tree"].split(","))]
     prompt = torch.randint(0, 8, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()  # repeats
-    r = layerleap.generate(model, prompt, "auto", 20, stop_at_eos=False, transfer=_transfer(model, layers=layers),
-                           **options)
+    r = layerleap.generate(
+        model, prompt, "auto", 20, stop_at_eos=False, transfer=_transfer(model, layers=layers), **options
+    )
     assert r.token_ids == naive_greedy(model, prompt, 20)
     assert r.stats["transfer_rounds"] > 2 and r.stats["lookup_rounds"] > 2 and r.stats["mode_switches"] > 2
 
@@ -118,8 +120,19 @@ def test_auto_samples_the_models_distribution(switching):
     counts = torch.zeros(6, 6, 6)
     drafted = accepted = 0
     for seed in range(800):
-        r = layerleap.generate(target, prompt, "auto", 3, do_sample=True, seed=seed, stop_at_eos=False,
-                               tree="2,1", draft_len=2, transfer=proj, **warp)
+        r = layerleap.generate(
+            target,
+            prompt,
+            "auto",
+            3,
+            do_sample=True,
+            seed=seed,
+            stop_at_eos=False,
+            tree="2,1",
+            draft_len=2,
+            transfer=proj,
+            **warp,
+        )
         counts[tuple(r.token_ids)] += 1
         drafted += r.stats["drafted"]
         accepted += r.stats["accepted"]

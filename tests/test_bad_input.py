@@ -45,24 +45,27 @@ def _config(**changes):
             else:
                 cfg[k] = v
         (f / "config.json").write_text(json.dumps(cfg))
+
     return damage
 
 
 def _overlap(f):
     import struct
+
     p = f / "model-00001-of-00002.safetensors"
     b = p.read_bytes()
     n = struct.unpack("<Q", b[:8])[0]
-    header = json.loads(b[8:8 + n])
+    header = json.loads(b[8 : 8 + n])
     names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
     begin, end = header[names[1]]["data_offsets"]
     header[names[1]]["data_offsets"] = [0, end - begin]  # shares the first tensor's bytes
     text = json.dumps(header).encode()
-    p.write_bytes(struct.pack("<Q", len(text)) + text + b[8 + n:])
+    p.write_bytes(struct.pack("<Q", len(text)) + text + b[8 + n :])
 
 
 def _duplicate(f):
     import shutil
+
     (f / "model.safetensors.index.json").unlink()
     shutil.copy(f / "model-00001-of-00002.safetensors", f / "copy.safetensors")
 
@@ -70,8 +73,8 @@ def _duplicate(f):
 BROKEN = {
     "TRUNCATED": _truncate,
     "NOSHARD": lambda f: (f / "model-00002-of-00002.safetensors").unlink(),
-    "BADCONFIG": lambda f: (f / "config.json").write_text("{\"model_type\": llama"),
-    "BADTOKENIZER": lambda f: (f / "tokenizer.json").write_text("{\"version\": "),
+    "BADCONFIG": lambda f: (f / "config.json").write_text('{"model_type": llama'),
+    "BADTOKENIZER": lambda f: (f / "tokenizer.json").write_text('{"version": '),
     "BADHEADER": lambda f: (f / "model-00002-of-00002.safetensors").write_bytes(b"\xff" * 64),
     "SHAPES": _config(hidden_size=64),
     "NOHEADS": _config(num_attention_heads=None),
@@ -85,9 +88,12 @@ BROKEN = {
     "ROPESTR": _config(rope_scaling="yes"),
     "EOSBAD": _config(eos_token_id=[1, "x"]),
     "EPSNAN": lambda f: (f / "config.json").write_text(
-        (f / "config.json").read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": NaN')),
-    "BADTOKCONFIG": lambda f: ((f / "tokenizer.json").write_text("{}"),
-                               (f / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')),
+        (f / "config.json").read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": NaN')
+    ),
+    "BADTOKCONFIG": lambda f: (
+        (f / "tokenizer.json").write_text("{}"),
+        (f / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}'),
+    ),
 }
 
 
@@ -95,6 +101,7 @@ BROKEN = {
 def busy_port():
     """A port this process listens on (so a server cannot bind it)."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -105,6 +112,7 @@ def busy_port():
 def places(tmp_path_factory, char_model_dir, busy_port):
     root = tmp_path_factory.mktemp("bad_input")
     from layerleap.drafters import medusa_transfer as drafters
+
     tiny = layerleap.load_folder(char_model_dir)
     medusa = root / "medusa.safetensors"
     drafters.save_drafter(drafters.new_drafter(tiny, "medusa", steps=2), medusa)
@@ -122,16 +130,25 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     (root / "notmodel").mkdir()
     (root / "notmodel" / "keep.txt").write_text("x")
     from safetensors.torch import save_file
+
     save_file({"chunks": torch.arange(10)}, str(root / "chunks1d.safetensors"))
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"))
     save_file({"chunks": torch.full((2, 8), 10**6)}, str(root / "chunksvocab.safetensors"))
-    out = {"D": str(char_model_dir), "T": str(root), "BUSYPORT": str(busy_port), "FILE": str(root / "notes.txt"),
-           "NOTES_JSON": str(root / "notes.json"),
-           "GARBAGE": str(root / "garbage.jsonl"), "WEIRD": str(root / "weird.jsonl"), "EMPTY": str(root / "empty"),
-           "NOTMODEL": str(root / "notmodel"),
-           "MEDUSA": str(medusa), "CHUNKS1D": str(root / "chunks1d.safetensors"),
-           "CHUNKS": str(root / "chunks.safetensors"),
-           "CHUNKSVOCAB": str(root / "chunksvocab.safetensors")}
+    out = {
+        "D": str(char_model_dir),
+        "T": str(root),
+        "BUSYPORT": str(busy_port),
+        "FILE": str(root / "notes.txt"),
+        "NOTES_JSON": str(root / "notes.json"),
+        "GARBAGE": str(root / "garbage.jsonl"),
+        "WEIRD": str(root / "weird.jsonl"),
+        "EMPTY": str(root / "empty"),
+        "NOTMODEL": str(root / "notmodel"),
+        "MEDUSA": str(medusa),
+        "CHUNKS1D": str(root / "chunks1d.safetensors"),
+        "CHUNKS": str(root / "chunks.safetensors"),
+        "CHUNKSVOCAB": str(root / "chunksvocab.safetensors"),
+    }
     for name, damage in BROKEN.items():
         out[name] = str(_break_folder(root, name.lower(), damage))
     return out
@@ -177,8 +194,10 @@ CLI = [
     (["generate", "--model", "{NOSHARD}", "--prompt", "hi"], "lacks the shard(s) model-00002-of-00002.safetensors"),
     (["generate", "--model", "{BADCONFIG}", "--prompt", "hi"], "config.json is not valid JSON"),
     (["generate", "--model", "{BADTOKENIZER}", "--prompt", "hi"], "tokenizer.json is not valid JSON"),
-    (["generate", "--model", "{BADHEADER}", "--prompt", "hi"],
-     "model-00002-of-00002.safetensors is not a safetensors file"),
+    (
+        ["generate", "--model", "{BADHEADER}", "--prompt", "hi"],
+        "model-00002-of-00002.safetensors is not a safetensors file",
+    ),
     (["generate", "--model", "{SHAPES}", "--prompt", "hi"], "config.json implies"),
     (["generate", "--model", "{NOHEADS}", "--prompt", "hi"], "num_attention_heads is missing"),
     (["generate", "--model", "{KV0}", "--prompt", "hi"], "num_key_value_heads must be a positive integer"),
@@ -237,8 +256,10 @@ CLI = [
     (G + ["--method", "skipdecode", "--opt", "max_len=true"], "max_len=True must be an integer"),
     (G + ["--method", "skipdecode", "--opt", "decay=cubic"], "unknown decay 'cubic'"),
     (G + ["--method", "skipdecode", "--opt", "schedule=1234"], "schedule must be a list of integer exit layers"),
-    (G + ["--method", "skipdecode", "--opt", "min_exit_layer=3", "--opt", "max_exit_layer=2"],
-     "min_exit_layer=3 > max_exit_layer=2"),
+    (
+        G + ["--method", "skipdecode", "--opt", "min_exit_layer=3", "--opt", "max_exit_layer=2"],
+        "min_exit_layer=3 > max_exit_layer=2",
+    ),
     (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer >= 1"),
     (G + ["--method", "ppd", "--opt", "k=abc"], "k must be an integer >= 1"),
     (G + ["--method", "ppd", "--opt", "k=100000"], "more than the vocabulary"),
@@ -320,8 +341,10 @@ CLI = [
     (SB + ["--alpha-fb", "nan"], "got nan"),
     (SB + ["--alpha-fb", "x"], "each item must be a finite number"),
     (SB + ["--alpha-fb", ",".join(["0.5"] * 101)], "beyond the limit of 100"),
-    (SB + ["--alpha-fb", ",".join(f"0.{i:02d}" for i in range(30)), "--alpha-rb", ",".join(map(str, range(1, 31)))],
-     "900 is beyond the limit of 200"),
+    (
+        SB + ["--alpha-fb", ",".join(f"0.{i:02d}" for i in range(30)), "--alpha-rb", ",".join(map(str, range(1, 31)))],
+        "900 is beyond the limit of 200",
+    ),
     (SB + ["--alpha-rb", "-1"], "--alpha-rb: each item must be a finite number >= 0"),
     (SB + ["--alpha-rb", "nan"], "got nan"),
     (SB + ["--draft-lens", "0"], "each item must be an integer in [1, 256]"),
@@ -445,8 +468,10 @@ CLI = [
     (["theory", "ppd", "--seed", "-1"], "must be an integer in [0, "),
     (["theory", "ppd", "--measure", *M, "--out", "{FILE}"], "is a file: give a folder"),
     (["theory", "ppd", "--measure", *M, "--exit-layers", "99", "--prompts", "1"], "--exit-layer must be in [2, 3]"),
-    (["theory", "ppd", "--measure", *M, "--exit-layers", "2", "--ks", "100000", "--prompts", "1"],
-     "--ks must be an integer in [1, 128]"),
+    (
+        ["theory", "ppd", "--measure", *M, "--exit-layers", "2", "--ks", "100000", "--prompts", "1"],
+        "--ks must be an integer in [1, 128]",
+    ),
     (["theory", "ppd", "--measure", *M, "--head", "nosuch"], "is neither one of"),
     # train heads
     (["train", "heads", *M, "--out", "{T}/h.safetensors"], "the following arguments are required: --layers"),
@@ -459,8 +484,10 @@ CLI = [
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--tokens", "0"], "must be an integer in [1, 10000000]"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--lr", "nan"], "got nan"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--candidates", "-1"], "must be an integer >= 0"),
-    (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--candidates", "1000000"],
-     "candidates must be an integer in [0, 128]"),
+    (
+        TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--candidates", "1000000"],
+        "candidates must be an integer in [0, 128]",
+    ),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--negatives", "-1"], "must be an integer >= 0"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--work", "{FILE}"], "is a file: give a folder"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--work", "{T}/work"], "training state"),
@@ -487,8 +514,10 @@ CLI = [
     (MR + ["--layers", "0"], "each item must be a positive integer"),
     (MR + ["--layers", "99", "--heads", "shared", "--category", "qa"], "layers must be integers in [1, 4]"),
     (MR + ["--layers", "2", "--k", "0"], "each item must be a positive integer"),
-    (MR + ["--layers", "2", "--k", "1000000", "--heads", "shared", "--category", "qa"],
-     "k must be an integer in [1, 128]"),
+    (
+        MR + ["--layers", "2", "--k", "1000000", "--heads", "shared", "--category", "qa"],
+        "k must be an integer in [1, 128]",
+    ),
     (MR + ["--mode", "fast"], "--mode fast unknown"),
     (MR + ["--top-p", "0"], "must be a finite number in (0, 1]"),
     (MR + ["--temperature", "0"], "must be a finite number >= 1e-06"),
@@ -518,8 +547,10 @@ CLI = [
     (SV + ["--heads", "trained", "--vocab", "128", "--out", "{T}/s.safetensors"], "below the full vocabulary"),
     (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.bin"], "must end in .safetensors"),
     (SV + ["--heads", "trained", "--vocab", "8,16", "--out", "{T}/s.safetensors"], "must contain {vocab}"),
-    (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--json", "{FILE}"],
-     "must end in .json"),
+    (
+        SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--json", "{FILE}"],
+        "must end in .json",
+    ),
     (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--storage", "int8"], "invalid choice"),
 ]
 
@@ -544,6 +575,7 @@ def test_cli(capsys, places, argv, message):
 
 def test_the_table_is_large_and_covers_every_command():
     from layerleap import cli
+
     cli.build_parser()
     covered = {" ".join(a[:2]) if " ".join(a[:2]) in cli._COMMANDS else a[0] for a, _ in CLI if a}
     assert set(cli._COMMANDS) <= covered, set(cli._COMMANDS) - covered
@@ -563,13 +595,16 @@ def _gen(prompt, **kw):
 def _medusa(**kw):
     def run(m, p):
         from layerleap.drafters import medusa_transfer as drafters
+
         heads = drafters.new_drafter(m, "medusa", steps=2)
         return layerleap.generate(m, [1, 2, 3], "medusa", 2, heads=heads, **kw)
+
     return run
 
 
 def _theory(**kw):
     from layerleap.eval import theory
+
     args = {"d": 40, "dbar": 20, "k": 1, "p": 0.5, "n_tokens": 128, **kw}
     return lambda m, p: theory.figures(args["d"], args["dbar"], args["k"], args["p"], args["n_tokens"])
 
@@ -577,22 +612,28 @@ def _theory(**kw):
 def _train_drafter(out="m.safetensors", **kw):
     def run(m, p):
         from layerleap.train import medusa_transfer as train_drafters
+
         cfg = train_drafters.TrainConfig(kind="medusa", steps_ahead=1, train_steps=1, seq_len=8, **kw)
         return train_drafters.train(m, p["T"] + "/" + out, cfg, chunks=[[1] * 8], progress=False)
+
     return run
 
 
 def _heads_cfg(**kw):
     def run(m, p):
         from layerleap.train.exit_heads import HeadTrainConfig
+
         return HeadTrainConfig(**{"layers": (2,), **kw}).check(m)
+
     return run
 
 
 def _match_cfg(**kw):
     def run(m, p):
         from layerleap.eval.match_rate import MatchRateConfig
+
         return MatchRateConfig(**{"layers": (2,), "heads": ("shared",), **kw}).check(m)
+
     return run
 
 
@@ -600,14 +641,18 @@ def _exactness(methods, n=2, **kw):
     def run(m, p):
         from layerleap.datasets import spec_bench
         from layerleap.eval.exactness import run_exactness
+
         return run_exactness(m, methods, spec_bench(categories=["qa"], n=1), n, progress=False, **kw)
+
     return run
 
 
 def _bench(**kw):
     def run(m, p):
         from layerleap.eval.bench import run_bench
+
         return run_bench(m, {}, ["hi"], **{"max_new_tokens": 2, "hf_baseline": False, "progress": False, **kw})
+
     return run
 
 
@@ -687,18 +732,24 @@ API = [
     # the functions the commands use
     (_theory(p=math.nan), "--p-correct must be a finite number, got nan"),
     (_theory(d="40"), "--layers must be an integer"),
-    (lambda m, p: importlib.import_module("layerleap.eval.theory").simulate(40, 20, 1, 0.5, 8, trials=0),
-     "trials must be a positive integer"),
+    (
+        lambda m, p: importlib.import_module("layerleap.eval.theory").simulate(40, 20, 1, 0.5, 8, trials=0),
+        "trials must be a positive integer",
+    ),
     (_train_drafter(out="m.bin"), "must end in .safetensors"),
     (_train_drafter(lr=math.nan), "lr must be a finite number > 0, got nan"),
     (_train_drafter(seed=-1), "seed must be an integer in [0, "),
     (_heads_cfg(lr=math.nan), "lr must be a finite number > 0, got nan"),
     (_heads_cfg(layers=(99,)), "layers must be integers in [1, 3]"),
     (_heads_cfg(epochs=True), "epochs must be a positive integer, got True"),
-    (lambda m, p: importlib.import_module("layerleap.train.align").TrainConfig(lr=math.nan).check(),
-     "lr must be a finite number > 0"),
-    (lambda m, p: importlib.import_module("layerleap.train.skipdecode").TrainConfig(lr=math.inf).resolve(4),
-     "lr must be a finite number > 0, got inf"),
+    (
+        lambda m, p: importlib.import_module("layerleap.train.align").TrainConfig(lr=math.nan).check(),
+        "lr must be a finite number > 0",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.train.skipdecode").TrainConfig(lr=math.inf).resolve(4),
+        "lr must be a finite number > 0, got inf",
+    ),
     (_match_cfg(top_p=2.0), "top_p must be a finite number in (0, 1]"),
     (_match_cfg(ks=(10**6,)), "k must be an integer in [1, 128]"),
     (_exactness({"s": ("sample", {})}), "does not claim greedy-exactness"),
@@ -706,34 +757,55 @@ API = [
     (_exactness({"p": ("ppd", {})}, out="r.txt"), "must end in .json"),
     (_bench(max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (_bench(out="/proc/x.json"), "cannot be written"),
-    (lambda m, p: layerleap.core.loading.check_folder(__import__("pathlib").Path(p["BADHEADER"])),
-     "is not a safetensors file"),
+    (
+        lambda m, p: layerleap.core.loading.check_folder(__import__("pathlib").Path(p["BADHEADER"])),
+        "is not a safetensors file",
+    ),
     # found by the fuzzing pass
     (_gen(__import__("numpy").array(["a"])), "an array prompt must hold integer token ids"),
     (lambda m, p: layerleap.tiny_config(n_kv_heads=0), "n_kv_heads must be a positive integer, got 0"),
     (lambda m, p: layerleap.tiny_config(vocab_size="97"), "vocab_size must be a positive integer, got '97'"),
     (lambda m, p: layerleap.ModelConfig.from_hf("x"), "a Hugging Face config is a dict"),
-    (lambda m, p: importlib.import_module("layerleap.eval.bench").run_bench(m, ["greedy"], ["hi"], 2,
-                                                                            hf_baseline=False),
-     "methods must map labels to (method, options) pairs"),
-    (lambda m, p: importlib.import_module("layerleap.eval.bench").run_bench(m, {}, "hello", 2, hf_baseline=False),
-     "prompts must be a list of prompts, got str"),
+    (
+        lambda m, p: importlib.import_module("layerleap.eval.bench").run_bench(
+            m, ["greedy"], ["hi"], 2, hf_baseline=False
+        ),
+        "methods must map labels to (method, options) pairs",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.eval.bench").run_bench(m, {}, "hello", 2, hf_baseline=False),
+        "prompts must be a list of prompts, got str",
+    ),
     (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(n=-1), "n must be a positive integer"),
     (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(n=True), "n must be a positive integer"),
     (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(5), "path must be a path"),
-    (lambda m, p: importlib.import_module("layerleap.eval.theory").simulate(40, 20, 1, 0.5, 128, trials=10**9),
-     "is beyond the limit of 50,000,000"),
+    (
+        lambda m, p: importlib.import_module("layerleap.eval.theory").simulate(40, 20, 1, 0.5, 128, trials=10**9),
+        "is beyond the limit of 50,000,000",
+    ),
     (_exactness(["ppd"]), "methods must map labels"),
-    (lambda m, p: importlib.import_module("layerleap.eval.exactness").run_exactness(m, {}, "hello", 2),
-     "prompts must be a list of Spec-Bench prompts"),
-    (lambda m, p: importlib.import_module("layerleap.files").save_figure(
-        __import__("matplotlib.figure").figure.Figure(), p["T"] + "/x.xyz"), "a plot must end in one of .png"),
-    (lambda m, p: importlib.import_module("layerleap.eval.sweep").run_sweep(m, [], "hello", 2, models={}),
-     "prompts must be a list"),
-    (lambda m, p: importlib.import_module("layerleap.eval.match_rate").match_rate(
-        m, "hello",
-        importlib.import_module("layerleap.eval.match_rate").MatchRateConfig(layers=(2,), heads=("shared",))),
-     "prompts must be a list of texts or token-id lists, got str"),
+    (
+        lambda m, p: importlib.import_module("layerleap.eval.exactness").run_exactness(m, {}, "hello", 2),
+        "prompts must be a list of Spec-Bench prompts",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.files").save_figure(
+            __import__("matplotlib.figure").figure.Figure(), p["T"] + "/x.xyz"
+        ),
+        "a plot must end in one of .png",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.eval.sweep").run_sweep(m, [], "hello", 2, models={}),
+        "prompts must be a list",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.eval.match_rate").match_rate(
+            m,
+            "hello",
+            importlib.import_module("layerleap.eval.match_rate").MatchRateConfig(layers=(2,), heads=("shared",)),
+        ),
+        "prompts must be a list of texts or token-id lists, got str",
+    ),
 ]
 
 
@@ -750,12 +822,18 @@ def _run(argv, stdin=None) -> subprocess.CompletedProcess:
     return subprocess.run(layerleap_cmd() + argv, input=stdin, capture_output=True, timeout=300)
 
 
-@pytest.mark.parametrize("argv, stdin, message", [
-    (["generate", "--model", "{D}", "--prompt", "-"], b"\xff\xfe\x80 not utf-8",
-     "is not UTF-8 text (byte 0xff at offset 0)"),
-    (["generate", "--model", "{D}", "--prompt", b"caf\xe9"], None, "is not valid UTF-8 text"),
-    (["bench", "--model", "{D}", "--json", b"r\xff.json"], None, "is not valid UTF-8 text"),
-])
+@pytest.mark.parametrize(
+    "argv, stdin, message",
+    [
+        (
+            ["generate", "--model", "{D}", "--prompt", "-"],
+            b"\xff\xfe\x80 not utf-8",
+            "is not UTF-8 text (byte 0xff at offset 0)",
+        ),
+        (["generate", "--model", "{D}", "--prompt", b"caf\xe9"], None, "is not valid UTF-8 text"),
+        (["bench", "--model", "{D}", "--json", b"r\xff.json"], None, "is not valid UTF-8 text"),
+    ],
+)
 def test_subprocess(places, argv, stdin, message):
     argv = [a if isinstance(a, bytes) else _fill([a], places)[0] for a in argv]
     p = _run(argv, stdin)

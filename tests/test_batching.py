@@ -22,12 +22,18 @@ BATCHED = [name for name, m in METHODS.items() if m.batched]
 ONE_AT_A_TIME = [name for name, m in METHODS.items() if not m.batched]
 # options a batched method needs on a 3-layer tiny model (a new batched method with a required
 # option must be added here)
-OPTIONS = {"early-exit": {"exit_layer": 2}, "skipdecode": {"min_exit_layer": 1, "max_exit_layer": 3},
-           "medusa": {"tree": "2,1"}, "hidden-transfer": {"tree": "2,1"},
-           "speculative": {"draft_len": 3, "schedule": "heuristic", "min_confidence": 0.3}}
+OPTIONS = {
+    "early-exit": {"exit_layer": 2},
+    "skipdecode": {"min_exit_layer": 1, "max_exit_layer": 3},
+    "medusa": {"tree": "2,1"},
+    "hidden-transfer": {"tree": "2,1"},
+    "speculative": {"draft_len": 3, "schedule": "heuristic", "min_confidence": 0.3},
+}
 # untrained drafters for the tree methods, perturbed so that drafts are sometimes right, sometimes not
-DRAFTERS = {"medusa": ("heads", "medusa", {"steps": 2}),
-            "hidden-transfer": ("transfer", "transfer", {"layers": [1, 2]})}
+DRAFTERS = {
+    "medusa": ("heads", "medusa", {"steps": 2}),
+    "hidden-transfer": ("transfer", "transfer", {"layers": [1, 2]}),
+}
 _MADE: dict = {}
 
 
@@ -37,8 +43,9 @@ def _drafter(model: Transformer, name: str) -> dict:
         if key not in _MADE:
             draft = Transformer(dataclasses.replace(model.config, n_layers=2)).eval().requires_grad_(False)
             draft.to(model.device)
-            draft.load_state_dict({k: v for k, v in model.state_dict().items()
-                                   if not k.startswith("layers.") or int(k.split(".")[1]) < 2})
+            draft.load_state_dict(
+                {k: v for k, v in model.state_dict().items() if not k.startswith("layers.") or int(k.split(".")[1]) < 2}
+            )
             _MADE[key] = draft
         return {"draft": _MADE[key]}
     if name not in DRAFTERS:
@@ -47,6 +54,7 @@ def _drafter(model: Transformer, name: str) -> dict:
     key = (id(model), name)
     if key not in _MADE:
         from layerleap.drafters import medusa_transfer
+
         d = medusa_transfer.new_drafter(model, kind, **config)
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -54,6 +62,8 @@ def _drafter(model: Transformer, name: str) -> dict:
                 p.add_((torch.randn(p.shape, generator=g) * 0.3).to(p.device))
         _MADE[key] = d
     return {option: _MADE[key]}
+
+
 RAGGED = [[5, 9, 2, 7, 7, 1, 3, 8, 30], [11], [4, 4, 60, 2], [17, 3, 3, 3, 3, 3, 90]]
 
 
@@ -69,8 +79,11 @@ def with_eos(model: Transformer, eos: int) -> Transformer:
 
 
 def options(name: str, model: Transformer) -> dict:
-    missing = [k for k, v in METHODS[name].options().items()
-               if v is inspect.Parameter.empty and k not in {**OPTIONS.get(name, {}), **_drafter(model, name)}]
+    missing = [
+        k
+        for k, v in METHODS[name].options().items()
+        if v is inspect.Parameter.empty and k not in {**OPTIONS.get(name, {}), **_drafter(model, name)}
+    ]
     assert not missing, f"add {name}'s required options {missing} to OPTIONS"
     return {**OPTIONS.get(name, {}), **_drafter(model, name)}
 
@@ -100,8 +113,10 @@ def test_a_list_of_one_prompt_is_a_batch_of_one(model, name):
 def _alone(model, name, prompts, n, **kw):
     """Each prompt decoded alone, seeded as its row of a batch would be."""
     seed = kw.pop("seed", None)
-    return [generate(model, p, name, n, **kw, **({} if seed is None else {"seed": row_seed(seed, i)})).token_ids
-            for i, p in enumerate(prompts)]
+    return [
+        generate(model, p, name, n, **kw, **({} if seed is None else {"seed": row_seed(seed, i)})).token_ids
+        for i, p in enumerate(prompts)
+    ]
 
 
 @pytest.mark.parametrize("name", BATCHED)

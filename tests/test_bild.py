@@ -22,16 +22,15 @@ from layerleap.drafters.early_exit import EarlyExitDrafter
 from layerleap.methods import bild as bild_mod
 
 
-
-
 def tiny_pair(seed: int, n_small: int = 2, scale: float = 6.0):
     torch.manual_seed(seed)
     large = Transformer(tiny_config(tie_embeddings=False)).eval()
     with torch.no_grad():
         large.lm_head.weight.mul_(scale)
     small = Transformer(tiny_config(tie_embeddings=False, n_layers=n_small)).eval()
-    small.load_state_dict({k: v for k, v in large.state_dict().items()
-                           if not k.startswith("layers.") or int(k.split(".")[1]) < n_small})
+    small.load_state_dict(
+        {k: v for k, v in large.state_dict().items() if not k.startswith("layers.") or int(k.split(".")[1]) < n_small}
+    )
     return large, small
 
 
@@ -197,8 +196,18 @@ def test_sampling_always_falling_back_is_the_large_models_sampling():
     for seed in (0, 1):
         want = layerleap.generate(large, PROMPT, "sample", N, seed=seed, temperature=0.9, stop_at_eos=False).token_ids
         for form in forms(large, small).values():
-            got = layerleap.generate(large, PROMPT, "bild", N, do_sample=True, seed=seed, temperature=0.9,
-                                     stop_at_eos=False, alpha_fb=1.0, **form).token_ids
+            got = layerleap.generate(
+                large,
+                PROMPT,
+                "bild",
+                N,
+                do_sample=True,
+                seed=seed,
+                temperature=0.9,
+                stop_at_eos=False,
+                alpha_fb=1.0,
+                **form,
+            ).token_ids
             assert got == want
 
 
@@ -218,6 +227,7 @@ def test_defaults_run_the_early_exit_form_on_one_model():
     assert r.stats["exit_layer"] == bild_mod.default_exit_layer(large) == 3
     assert r.stats["head"] in ("shared", "trained") and len(r.token_ids) == 8
     from layerleap.eval import bench
+
     assert "bild" in bench.runnable_methods()
 
 
@@ -225,6 +235,7 @@ def test_truncated_model_uses_the_given_head():
     """The early-exit draft for speculative decoding: layers [0, E) of the model and the exit head."""
     from layerleap.drafters.exit_heads import AdapterHead
     from layerleap.drafters.companion import truncated
+
     large, _ = tiny_pair(0)
     head = AdapterHead(large, 2, rank=4)
     with torch.no_grad():
@@ -251,23 +262,26 @@ def test_a_callable_head_is_used():
     assert r.stats["head"] == "custom" and len(calls) == N
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"alpha_fb": -0.1}, r"alpha_fb must be a probability in \[0, 1\]"),
-    ({"alpha_fb": 1.5}, r"alpha_fb must be a probability in \[0, 1\]"),
-    ({"alpha_fb": "high"}, "alpha_fb must be"),
-    ({"alpha_fb": True}, "alpha_fb must be"),
-    ({"alpha_rb": -1.0}, "alpha_rb must be a cross-entropy >= 0"),
-    ({"alpha_rb": float("nan")}, "alpha_rb must be"),
-    ({"max_small": 0}, "max_small must be an integer >= 1"),
-    ({"max_small": 2.5}, "max_small must be an integer >= 1"),
-    ({"exit_layer": 0}, r"exit_layer must be an integer in \[1, 3\]"),
-    ({"exit_layer": 4}, r"exit_layer must be an integer in \[1, 3\]"),
-    ({"exit_layer": "2"}, "exit_layer must be an integer"),
-    ({"exit_layer": 2, "small": "SMALL"}, "either small= .* or exit_layer="),
-    ({"small": "SMALL", "head": "shared"}, "head= chooses the exit head"),
-    ({"small": "a model"}, "must be a layerleap model"),
-    ({"exit_layer": 2, "head": "/no/such/head.safetensors"}, "no such exit heads file"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"alpha_fb": -0.1}, r"alpha_fb must be a probability in \[0, 1\]"),
+        ({"alpha_fb": 1.5}, r"alpha_fb must be a probability in \[0, 1\]"),
+        ({"alpha_fb": "high"}, "alpha_fb must be"),
+        ({"alpha_fb": True}, "alpha_fb must be"),
+        ({"alpha_rb": -1.0}, "alpha_rb must be a cross-entropy >= 0"),
+        ({"alpha_rb": float("nan")}, "alpha_rb must be"),
+        ({"max_small": 0}, "max_small must be an integer >= 1"),
+        ({"max_small": 2.5}, "max_small must be an integer >= 1"),
+        ({"exit_layer": 0}, r"exit_layer must be an integer in \[1, 3\]"),
+        ({"exit_layer": 4}, r"exit_layer must be an integer in \[1, 3\]"),
+        ({"exit_layer": "2"}, "exit_layer must be an integer"),
+        ({"exit_layer": 2, "small": "SMALL"}, "either small= .* or exit_layer="),
+        ({"small": "SMALL", "head": "shared"}, "head= chooses the exit head"),
+        ({"small": "a model"}, "must be a layerleap model"),
+        ({"exit_layer": 2, "head": "/no/such/head.safetensors"}, "no such exit heads file"),
+    ],
+)
 def test_bad_options(options, message):
     large, small = tiny_pair(0)
     options = {k: small if v == "SMALL" else v for k, v in options.items()}
@@ -315,11 +329,13 @@ CALIB = [[5, 7, 11], [3, 1, 4, 1, 5], [9, 2, 6], [8, 8, 3, 2], [10, 20, 30], [42
 def test_align_exit_head_raises_agreement_and_loads(tmp_path):
     from layerleap.drafters.exit_heads import load_exit_head
     from layerleap.train import align
+
     large, _ = tiny_pair(0)
     recs = _records(large, CALIB)
     out = tmp_path / "head.safetensors"
-    rep = align.align_exit_head(large, 2, recs, out, align.TrainConfig(epochs=30, lr=3e-2, batch_tokens=32),
-                                progress=False)
+    rep = align.align_exit_head(
+        large, 2, recs, out, align.TrainConfig(epochs=30, lr=3e-2, batch_tokens=32), progress=False
+    )
     assert out.is_file() and not align._ckpt_path(out).exists()
     assert rep["agreement_after"] > rep["agreement_before"] + 0.1
     head = load_exit_head(large, 2, out)
@@ -336,6 +352,7 @@ def test_align_exit_head_raises_agreement_and_loads(tmp_path):
 def test_align_training_resumes_where_it_stopped(tmp_path):
     """Interrupted at step 5 and rerun, training ends with the same weights as an uninterrupted run."""
     from layerleap.train import align
+
     target = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
 
     def train(out, stop_at=None):
@@ -363,10 +380,12 @@ def test_align_training_resumes_where_it_stopped(tmp_path):
 
 def test_align_small_model_saves_a_loadable_folder(tmp_path):
     from layerleap.train import align
+
     large, small = tiny_pair(1)
     recs = _records(large, CALIB)
-    rep = align.align_small(small, recs, tmp_path / "aligned", align.TrainConfig(epochs=8, lr=1e-2, batch_tokens=24),
-                            progress=False)
+    rep = align.align_small(
+        small, recs, tmp_path / "aligned", align.TrainConfig(epochs=8, lr=1e-2, batch_tokens=24), progress=False
+    )
     assert rep["agreement_after"] > rep["agreement_before"]
     loaded = layerleap.load_folder(tmp_path / "aligned")
     assert loaded.config.n_layers == 2
@@ -378,6 +397,7 @@ def test_align_small_model_saves_a_loadable_folder(tmp_path):
 
 def test_calibration_is_resumable(tmp_path, monkeypatch):
     from layerleap.train import align
+
     large, _ = tiny_pair(0)
     large.tokenizer = None
     calls = []
@@ -401,6 +421,7 @@ def test_calibration_is_resumable(tmp_path, monkeypatch):
 # -- the command line: sweep and align ---------------------------------------------------------------
 def cli(capsys, *argv):
     from layerleap.cli import main
+
     try:
         rc = main([str(a) for a in argv])
     except SystemExit as e:
@@ -411,17 +432,51 @@ def cli(capsys, *argv):
 
 def test_sweep_bild_command(capsys, tmp_path, tiny_hf_dir):
     import json
+
     out = tmp_path / "sweep.json"
-    rc, stdout, err = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--exit-layer", 2, "--head", "shared",
-                          "--alpha-fb", "0.5,1", "--alpha-rb", "0.69,inf", "--draft-lens", "2",
-                          "--categories", "summarization,translation", "--prompts", 1, "--max-new-tokens", 6,
-                          "--threads", 1, "--json", out, "--plot", tmp_path / "s.png", "--table", tmp_path / "s.md")
+    rc, stdout, err = cli(
+        capsys,
+        "sweep",
+        "bild",
+        "--model",
+        tiny_hf_dir,
+        "--exit-layer",
+        2,
+        "--head",
+        "shared",
+        "--alpha-fb",
+        "0.5,1",
+        "--alpha-rb",
+        "0.69,inf",
+        "--draft-lens",
+        "2",
+        "--categories",
+        "summarization,translation",
+        "--prompts",
+        1,
+        "--max-new-tokens",
+        6,
+        "--threads",
+        1,
+        "--json",
+        out,
+        "--plot",
+        tmp_path / "s.png",
+        "--table",
+        tmp_path / "s.md",
+    )
     assert rc == 0, err
     rep = json.loads(out.read_text())
     assert rep["complete"] and rep["prompts_done"] == 2
     s = rep["summary"]
-    assert set(s) == {"greedy", "bild fb=0.5 rb=0.69", "bild fb=1 rb=0.69", "bild fb=0.5 rb=inf", "bild fb=1 rb=inf",
-                      "speculative γ=2"}
+    assert set(s) == {
+        "greedy",
+        "bild fb=0.5 rb=0.69",
+        "bild fb=1 rb=0.69",
+        "bild fb=0.5 rb=inf",
+        "bild fb=1 rb=inf",
+        "speculative γ=2",
+    }
     for label in ("bild fb=1 rb=inf", "bild fb=0.5 rb=0.69", "speculative γ=2", "greedy"):  # exact by construction
         assert s[label]["identical"] == 2, label
         assert s[label]["categories"]["summarization"]["quality"] == pytest.approx(100.0)
@@ -429,26 +484,52 @@ def test_sweep_bild_command(capsys, tmp_path, tiny_hf_dir):
     assert "BiLD, no loss" in stdout and (tmp_path / "s.png").stat().st_size > 1000
     assert "sweep bild" in (tmp_path / "s.md").read_text()
     # rerunning with the same settings resumes: nothing left to run
-    rc, _, _ = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--exit-layer", 2, "--head", "shared",
-                   "--alpha-fb", "0.5,1", "--alpha-rb", "0.69,inf", "--draft-lens", "2",
-                   "--categories", "summarization,translation", "--prompts", 1, "--max-new-tokens", 6,
-                   "--threads", 1, "--json", out)
+    rc, _, _ = cli(
+        capsys,
+        "sweep",
+        "bild",
+        "--model",
+        tiny_hf_dir,
+        "--exit-layer",
+        2,
+        "--head",
+        "shared",
+        "--alpha-fb",
+        "0.5,1",
+        "--alpha-rb",
+        "0.69,inf",
+        "--draft-lens",
+        "2",
+        "--categories",
+        "summarization,translation",
+        "--prompts",
+        1,
+        "--max-new-tokens",
+        6,
+        "--threads",
+        1,
+        "--json",
+        out,
+    )
     assert rc == 0 and json.loads(out.read_text())["resumed_from"] == 2
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--alpha-fb", "2"], r"--alpha-fb: each item must be a finite number in \[0, 1\], got 2"),
-    (["--alpha-rb", "-1"], "--alpha-rb: each item must be a finite number >= 0"),
-    (["--alpha-fb", "x"], "each item must be a finite number"),
-    (["--draft-lens", "0"], r"each item must be an integer in \[1, 256\]"),
-    (["--speculative", "fast:2"], "schedule must be one of 'constant', 'heuristic'"),
-    (["--speculative", "heuristic"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
-    (["--speculative", "heuristic:x"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
-    (["--speculative", "constant:4:2"], "min_confidence must be a probability"),
-    (["--exit-layer", 9], r"--exit-layer must be in \[1, 3\]"),
-    (["--small", "{D}", "--head", "shared"], "--head chooses the exit head"),
-    (["--small", "x"], "unknown model 'x'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--alpha-fb", "2"], r"--alpha-fb: each item must be a finite number in \[0, 1\], got 2"),
+        (["--alpha-rb", "-1"], "--alpha-rb: each item must be a finite number >= 0"),
+        (["--alpha-fb", "x"], "each item must be a finite number"),
+        (["--draft-lens", "0"], r"each item must be an integer in \[1, 256\]"),
+        (["--speculative", "fast:2"], "schedule must be one of 'constant', 'heuristic'"),
+        (["--speculative", "heuristic"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
+        (["--speculative", "heuristic:x"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
+        (["--speculative", "constant:4:2"], "min_confidence must be a probability"),
+        (["--exit-layer", 9], r"--exit-layer must be in \[1, 3\]"),
+        (["--small", "{D}", "--head", "shared"], "--head chooses the exit head"),
+        (["--small", "x"], "unknown model 'x'"),
+    ],
+)
 def test_sweep_bad_input(capsys, tiny_hf_dir, argv, message):
     argv = [str(tiny_hf_dir) if a == "{D}" else a for a in argv]
     rc, _, err = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--prompts", 1, "--max-new-tokens", 2, *argv)
@@ -458,8 +539,26 @@ def test_sweep_bad_input(capsys, tiny_hf_dir, argv, message):
 
 def test_align_command_writes_a_head(capsys, tmp_path, tiny_hf_dir):
     out = tmp_path / "h.safetensors"
-    rc, stdout, err = cli(capsys, "align", "--model", tiny_hf_dir, "--exit-layer", 2, "--out", out, "--categories",
-                          "summarization", "--prompts", 2, "--max-new-tokens", 5, "--epochs", 2, "--threads", 1)
+    rc, stdout, err = cli(
+        capsys,
+        "align",
+        "--model",
+        tiny_hf_dir,
+        "--exit-layer",
+        2,
+        "--out",
+        out,
+        "--categories",
+        "summarization",
+        "--prompts",
+        2,
+        "--max-new-tokens",
+        5,
+        "--epochs",
+        2,
+        "--threads",
+        1,
+    )
     assert rc == 0, err
     assert out.is_file() and (tmp_path / "h.safetensors.calib.json").is_file() and "agreement" in stdout
     rc, _, err = cli(capsys, "align", "--model", tiny_hf_dir, "--out", out)
@@ -474,10 +573,12 @@ def test_transformers_view_shares_our_weights_and_decodes_like_greedy(name):
     from tiny_models import random_model
 
     from layerleap.eval.sweep import HFRunner
+
     dense = random_model(name, seed=1)  # dense weights: transformers gets views of them, no copies
     ours = {t.untyped_storage().data_ptr() for t in dense.parameters()}  # fused q/k/v: views of one storage
-    assert all(p.untyped_storage().data_ptr() in ours for p in HFRunner(dense).hf.parameters()), \
+    assert all(p.untyped_storage().data_ptr() in ours for p in HFRunner(dense).hf.parameters()), (
         "transformers copied weights"
+    )
     large = random_model(name, seed=1).optimize_layout()  # packed: transformers gets dense copies
     small = random_model(name, seed=2, n_layers=1).optimize_layout()
     run = HFRunner(large, small=small)
@@ -490,11 +591,38 @@ def test_transformers_view_shares_our_weights_and_decodes_like_greedy(name):
 
 def test_sweep_with_transformers_yardsticks(capsys, tmp_path, tiny_hf_dir):
     import json
+
     out = tmp_path / "sweep.json"
-    rc, stdout, err = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--exit-layer", 2, "--head", "shared",
-                          "--alpha-fb", "1", "--alpha-rb", "inf", "--draft-lens", "none", "--transformers",
-                          "--categories", "translation", "--prompts", 2, "--max-new-tokens", 5,
-                          "--threads", 1, "--json", out, "--plot", tmp_path / "s.png")
+    rc, stdout, err = cli(
+        capsys,
+        "sweep",
+        "bild",
+        "--model",
+        tiny_hf_dir,
+        "--exit-layer",
+        2,
+        "--head",
+        "shared",
+        "--alpha-fb",
+        "1",
+        "--alpha-rb",
+        "inf",
+        "--draft-lens",
+        "none",
+        "--transformers",
+        "--categories",
+        "translation",
+        "--prompts",
+        2,
+        "--max-new-tokens",
+        5,
+        "--threads",
+        1,
+        "--json",
+        out,
+        "--plot",
+        tmp_path / "s.png",
+    )
     assert rc == 0, err
     s = json.loads(out.read_text())["summary"]
     assert set(s) == {"greedy", "bild fb=1 rb=inf", "transformers greedy", "transformers assisted"}
@@ -506,11 +634,37 @@ def test_sweep_with_transformers_yardsticks(capsys, tmp_path, tiny_hf_dir):
 
 def test_sweep_adaptive_speculative_points_without_bild(capsys, tmp_path, tiny_hf_dir):
     import json
+
     out = tmp_path / "sweep.json"
-    rc, stdout, err = cli(capsys, "sweep", "bild", "--model", tiny_hf_dir, "--exit-layer", 2, "--head", "shared",
-                          "--alpha-fb", "none", "--alpha-rb", "none", "--draft-lens", "2",
-                          "--speculative", "heuristic:2,constant:3:0.5", "--categories", "translation",
-                          "--prompts", 2, "--max-new-tokens", 6, "--threads", 1, "--json", out)
+    rc, stdout, err = cli(
+        capsys,
+        "sweep",
+        "bild",
+        "--model",
+        tiny_hf_dir,
+        "--exit-layer",
+        2,
+        "--head",
+        "shared",
+        "--alpha-fb",
+        "none",
+        "--alpha-rb",
+        "none",
+        "--draft-lens",
+        "2",
+        "--speculative",
+        "heuristic:2,constant:3:0.5",
+        "--categories",
+        "translation",
+        "--prompts",
+        2,
+        "--max-new-tokens",
+        6,
+        "--threads",
+        1,
+        "--json",
+        out,
+    )
     assert rc == 0, err
     rep = json.loads(out.read_text())
     s = rep["summary"]
@@ -531,13 +685,15 @@ def test_a_batch_equals_its_rows_alone(form, sample):
     """Ragged prompts falling back and rolling back at different steps: each row of a batch is what
     its prompt decodes alone (sampled: seeded with seed + row), statistics included."""
     from layerleap.core.run import row_seed
+
     large, small = tiny_pair(1)
     prompts = [PROMPT, [3, 9], PROMPT[::-1] + [2, 2, 8]]
-    kw = dict(forms(large, small)[form], alpha_fb=0.3, alpha_rb=1.0, max_small=6, stop_at_eos=False,
-              do_sample=sample)
+    kw = dict(forms(large, small)[form], alpha_fb=0.3, alpha_rb=1.0, max_small=6, stop_at_eos=False, do_sample=sample)
     batch = layerleap.generate(large, prompts, "bild", N, **kw, **({"seed": 4} if sample else {}))
-    alone = [layerleap.generate(large, p, "bild", N, **kw, **({"seed": row_seed(4, i)} if sample else {}))
-             for i, p in enumerate(prompts)]
+    alone = [
+        layerleap.generate(large, p, "bild", N, **kw, **({"seed": row_seed(4, i)} if sample else {}))
+        for i, p in enumerate(prompts)
+    ]
     assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
     for key in ("rollbacks", "rolled_back", "fallbacks", "small_tokens", "large_tokens"):
         assert [r.stats[key] for r in batch] == [r.stats[key] for r in alone], key

@@ -15,8 +15,9 @@ from layerleap.core.gguf_q4 import blocks_to_rows, q8_0_rows
 from layerleap.core.kernels import BlockWeight, Int8Rows, QuantizedRows
 from layerleap.core.loading import quantize_model
 
-pytestmark = pytest.mark.skipif(not kernels.blocks_available(), reason="the native layers are not built: "
-                                "run `layerleap native --build`")
+pytestmark = pytest.mark.skipif(
+    not kernels.blocks_available(), reason="the native layers are not built: run `layerleap native --build`"
+)
 
 
 def _rows(n: int, k: int, seed: int = 0, half: bool = True) -> QuantizedRows:
@@ -30,8 +31,10 @@ def _rows(n: int, k: int, seed: int = 0, half: bool = True) -> QuantizedRows:
 
 def _int8(n: int, k: int, seed: int = 0) -> Int8Rows:
     g = torch.Generator().manual_seed(seed)
-    return Int8Rows(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
-                    (torch.rand(n, k // 32, generator=g) * 0.01).half().float())
+    return Int8Rows(
+        torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+        (torch.rand(n, k // 32, generator=g) * 0.01).half().float(),
+    )
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -110,6 +113,7 @@ def _gguf_blocks(qtype: str, n_blocks: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 def test_gguf_blocks_are_kept_exactly(qtype):
     from gguf import GGMLQuantizationType, dequantize
+
     n_rows, n_cols = 19, 512
     per_row = n_cols // (256 if qtype == "Q4_K" else 32)
     raw = _gguf_blocks(qtype, n_rows * per_row).reshape(n_rows, -1)
@@ -139,6 +143,7 @@ def blocks_format(monkeypatch):
 @pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied", "mistral-gqa-untied"])
 def test_q4_model_on_blocks_is_close_and_small(name, blocks_format):
     from layerleap.core.loading import build
+
     dense = random_model(name, seed=3)
     q4 = quantize_model(random_model(name, seed=3))
     assert q4.dtype_name == "q4" and q4.fingerprint == dense.fingerprint

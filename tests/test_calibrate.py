@@ -16,9 +16,17 @@ from layerleap.eval import calibrate as C
 from layerleap.methods import budget
 from tiny_models import full_logits, random_model
 
-PROMPTS = [Prompt(i, cat, text, ref) for i, (cat, text, ref) in enumerate([
-    ("translation", "Translate: guten tag", "good day"), ("math_reasoning", "2 plus 3?", "#### 5"),
-    ("qa", "why blue?", None), ("summarization", "sum: a b c d e", "a b c")])]
+PROMPTS = [
+    Prompt(i, cat, text, ref)
+    for i, (cat, text, ref) in enumerate(
+        [
+            ("translation", "Translate: guten tag", "good day"),
+            ("math_reasoning", "2 plus 3?", "#### 5"),
+            ("qa", "why blue?", None),
+            ("summarization", "sum: a b c d e", "a b c"),
+        ]
+    )
+]
 
 
 @pytest.fixture()
@@ -33,10 +41,10 @@ def char_model(char_model_dir):
 
 
 def test_binomial_p_value_and_min_prompts():
-    assert C.binomial_p_value(0, 22, 0.1) == pytest.approx(0.9 ** 22)
-    assert C.binomial_p_value(1, 10, 0.2) == pytest.approx(0.8 ** 10 + 10 * 0.2 * 0.8 ** 9)
+    assert C.binomial_p_value(0, 22, 0.1) == pytest.approx(0.9**22)
+    assert C.binomial_p_value(1, 10, 0.2) == pytest.approx(0.8**10 + 10 * 0.2 * 0.8**9)
     assert C.binomial_p_value(10, 10, 0.3) == pytest.approx(1.0)
-    assert C.min_prompts(0.1, 0.1) == 22 and 0.9 ** 22 <= 0.1 < 0.9 ** 21
+    assert C.min_prompts(0.1, 0.1) == 22 and 0.9**22 <= 0.1 < 0.9**21
 
 
 def _setting(i, cost, losses, n=30):
@@ -70,7 +78,7 @@ def test_perplexity_matches_a_plain_forward():
     model = random_model()
     prompt, ids = [3, 5, 7, 11], [13, 17, 19]
     logits = full_logits(model, prompt + ids)  # [S, V]
-    nll = torch.nn.functional.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(ids))
+    nll = torch.nn.functional.cross_entropy(logits[len(prompt) - 1 : -1], torch.tensor(ids))
     assert C.perplexity(model, prompt, ids) == pytest.approx(math.exp(float(nll)), rel=1e-4)
 
 
@@ -94,8 +102,17 @@ def test_splits_are_disjoint_from_the_tables():
 
 def test_calibrate_end_to_end_writes_a_file_generate_reads(char_model, cache, tmp_path):
     report = tmp_path / "run.json"
-    cal = C.calibrate(char_model, "early-exit", 0.95, prompts=PROMPTS, max_new_tokens=6, epsilon=0.5, delta=0.5,
-                      report=report, extra=1)
+    cal = C.calibrate(
+        char_model,
+        "early-exit",
+        0.95,
+        prompts=PROMPTS,
+        max_new_tokens=6,
+        epsilon=0.5,
+        delta=0.5,
+        report=report,
+        extra=1,
+    )
     d = char_model.config.n_layers
     first = cal.settings[0]
     assert first.options == {"exit_layer": d} and first.losses == 0 and first.valid
@@ -105,7 +122,7 @@ def test_calibrate_end_to_end_writes_a_file_generate_reads(char_model, cache, tm
     stop = next((s for s in cal.settings if not s.valid), None)
     if stop is not None:  # the walk stopped at a failure and measured `extra` more settings untested
         assert stop.p_value > 0.5
-        assert all(not s.tested for s in cal.settings[stop.index + 1:])
+        assert all(not s.tested for s in cal.settings[stop.index + 1 :])
     path = C.write_calibration(cal)
     assert path == budget.calibration_path(char_model.fingerprint, "float32", "early-exit")
     data = json.loads(path.read_text())
@@ -118,8 +135,17 @@ def test_calibrate_end_to_end_writes_a_file_generate_reads(char_model, cache, tm
     # the method's defaults are the calibrated setting at 0.95
     assert layerleap.generate(char_model, "hi", "early-exit", 4, chat=True).token_ids == ref.token_ids
     # a rerun resumes from the report without decoding again
-    again = C.calibrate(char_model, "early-exit", 0.95, prompts=PROMPTS, max_new_tokens=6, epsilon=0.5, delta=0.5,
-                        report=report, extra=1)
+    again = C.calibrate(
+        char_model,
+        "early-exit",
+        0.95,
+        prompts=PROMPTS,
+        max_new_tokens=6,
+        epsilon=0.5,
+        delta=0.5,
+        report=report,
+        extra=1,
+    )
     assert [s.options for s in again.settings] == [s.options for s in cal.settings]
     assert [o.text for o in again.greedy] == [o.text for o in cal.greedy]
 
@@ -138,8 +164,15 @@ def test_quality_errors_name_the_fix(char_model, cache):
 def _write(model, method, options, fast, quality="0.95"):
     path = budget.calibration_path(model.fingerprint, model.dtype_name, method)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"budgets": {quality: {"chosen": {"options": options, "modelled_speedup": 1.0},
-                                                       "faster_than_greedy": fast}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "budgets": {
+                    quality: {"chosen": {"options": options, "modelled_speedup": 1.0}, "faster_than_greedy": fast}
+                }
+            }
+        )
+    )
 
 
 def test_no_faster_setting_says_so_once_and_knobs_win(char_model, cache):
@@ -171,19 +204,49 @@ def test_paths_start_at_greedy_and_get_cheaper():
 def test_bench_shows_quality_beside_speed_and_the_report_draws_the_frontier(char_model, cache):
     from layerleap.eval import bench
     from layerleap.eval.report import html_report
+
     d = char_model.config.n_layers
-    settings = [{"options": {"exit_layer": d}, "tested": True, "valid": True, "modelled_speedup": 1.0,
-                 "reference_kept": 1.0, "agreement": 1.0, "losses": 0},
-                {"options": {"exit_layer": d - 1}, "tested": True, "valid": False, "modelled_speedup": 1.3,
-                 "reference_kept": 0.5, "agreement": 0.4, "losses": 3}]
+    settings = [
+        {
+            "options": {"exit_layer": d},
+            "tested": True,
+            "valid": True,
+            "modelled_speedup": 1.0,
+            "reference_kept": 1.0,
+            "agreement": 1.0,
+            "losses": 0,
+        },
+        {
+            "options": {"exit_layer": d - 1},
+            "tested": True,
+            "valid": False,
+            "modelled_speedup": 1.3,
+            "reference_kept": 0.5,
+            "agreement": 0.4,
+            "losses": 3,
+        },
+    ]
     path = budget.calibration_path(char_model.fingerprint, "float32", "early-exit")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"budgets": {"0.95": {
-        "quality": 0.95, "chosen": {"options": {"exit_layer": d}, "modelled_speedup": 1.0},
-        "faster_than_greedy": False, "settings": settings, "guarantee": "with probability >= 0.8 ..."}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "budgets": {
+                    "0.95": {
+                        "quality": 0.95,
+                        "chosen": {"options": {"exit_layer": d}, "modelled_speedup": 1.0},
+                        "faster_than_greedy": False,
+                        "settings": settings,
+                        "guarantee": "with probability >= 0.8 ...",
+                    }
+                }
+            }
+        )
+    )
     methods = {"ee": ("early-exit", {"exit_layer": d - 1}), "sk": ("skipdecode", {})}
-    res = bench.run_bench(char_model, methods, PROMPTS[:2], 4, hf_baseline=False, chat=True, call_cost=False,
-                          warmup=False, progress=False)
+    res = bench.run_bench(
+        char_model, methods, PROMPTS[:2], 4, hf_baseline=False, chat=True, call_cost=False, warmup=False, progress=False
+    )
     summary = res.summary
     assert summary["greedy"]["agreement"] == 1.0 and summary["greedy"]["reference_score"] is not None
     assert summary["greedy"]["reference_kept"] in (None, pytest.approx(1.0))  # None: greedy scores 0 on them
@@ -197,6 +260,15 @@ def test_bench_shows_quality_beside_speed_and_the_report_draws_the_frontier(char
     page = html_report(res.to_dict())
     assert "quality against speed" in page and "ee calibrated" in page and "reference kept" in page
     # without lossy methods the table has no quality columns
-    plain = bench.run_bench(char_model, {"greedy": ("greedy", {})}, PROMPTS[:1], 2, hf_baseline=False, chat=True,
-                            call_cost=False, warmup=False, progress=False)
+    plain = bench.run_bench(
+        char_model,
+        {"greedy": ("greedy", {})},
+        PROMPTS[:1],
+        2,
+        hf_baseline=False,
+        chat=True,
+        call_cost=False,
+        warmup=False,
+        progress=False,
+    )
     assert "agree" not in plain.table()

@@ -34,14 +34,16 @@ def tiny(tiny_hf_dir):
 def add_method(monkeypatch, name: str, fn) -> None:
     """Register a method for one test only."""
     layerleap.get_method("greedy")  # the built-ins first
-    monkeypatch.setitem(METHODS, name, Method(name, fn, batched=False, sampling=False, default_sample=False,
-                                              description=name))
+    monkeypatch.setitem(
+        METHODS, name, Method(name, fn, batched=False, sampling=False, default_sample=False, description=name)
+    )
 
 
 # -- generate ---------------------------------------------------------------------------------------
 def test_generate_json_matches_api(capsys, tiny_hf_dir, tiny):
-    rc, out, _ = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "The sky is", "--max-new-tokens", 6,
-                     "--json")
+    rc, out, _ = cli(
+        capsys, "generate", "--model", tiny_hf_dir, "--prompt", "The sky is", "--max-new-tokens", 6, "--json"
+    )
     assert rc == 0
     assert out.count("\n") == 1  # exactly one JSON object on stdout
     got = json.loads(out)
@@ -52,12 +54,32 @@ def test_generate_json_matches_api(capsys, tiny_hf_dir, tiny):
 
 
 def test_generate_sampling_chat_matches_api(capsys, tiny_hf_dir, tiny):
-    rc, out, _ = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "Say hi", "--method", "sample",
-                     "--chat", "--seed", 3, "--temperature", 0.8, "--top-k", 50, "--top-p", 0.9,
-                     "--max-new-tokens", 5, "--json")
+    rc, out, _ = cli(
+        capsys,
+        "generate",
+        "--model",
+        tiny_hf_dir,
+        "--prompt",
+        "Say hi",
+        "--method",
+        "sample",
+        "--chat",
+        "--seed",
+        3,
+        "--temperature",
+        0.8,
+        "--top-k",
+        50,
+        "--top-p",
+        0.9,
+        "--max-new-tokens",
+        5,
+        "--json",
+    )
     assert rc == 0
-    ref = layerleap.generate(tiny, "Say hi", method="sample", chat=True, seed=3, temperature=0.8, top_k=50,
-                             top_p=0.9, max_new_tokens=5)
+    ref = layerleap.generate(
+        tiny, "Say hi", method="sample", chat=True, seed=3, temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=5
+    )
     assert json.loads(out)["token_ids"] == ref.token_ids
 
 
@@ -76,16 +98,42 @@ def test_generate_passes_typed_options(capsys, monkeypatch, tiny_hf_dir):
         autoregressive(run)
 
     add_method(monkeypatch, "opty", opty)
-    rc, _, _ = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "Hi", "--method", "opty",
-                   "--max-new-tokens", 2, "--opt", "k=3", "--opt", "flag=true", "--opt", "scale=0.5",
-                   "--opt", "name=abc", "--json")
+    rc, _, _ = cli(
+        capsys,
+        "generate",
+        "--model",
+        tiny_hf_dir,
+        "--prompt",
+        "Hi",
+        "--method",
+        "opty",
+        "--max-new-tokens",
+        2,
+        "--opt",
+        "k=3",
+        "--opt",
+        "flag=true",
+        "--opt",
+        "scale=0.5",
+        "--opt",
+        "name=abc",
+        "--json",
+    )
     assert rc == 0
     assert seen == {"k": 3, "flag": True, "scale": 0.5, "name": "abc"}
 
 
 def test_parse_value_and_methods(monkeypatch):
-    assert [bench.parse_value(s) for s in ("3", "-2", "0.5", "1e-3", "true", "False", "none", "abc")] == \
-        [3, -2, 0.5, 1e-3, True, False, None, "abc"]
+    assert [bench.parse_value(s) for s in ("3", "-2", "0.5", "1e-3", "true", "False", "none", "abc")] == [
+        3,
+        -2,
+        0.5,
+        1e-3,
+        True,
+        False,
+        None,
+        "abc",
+    ]
     add_method(monkeypatch, "opty", lambda run, k=2, name="x": autoregressive(run))
     specs = bench.parse_methods("greedy, a=opty,b=opty", ["a.k=3", "opty.name=z"])
     assert specs == {"greedy": ("greedy", {}), "a": ("opty", {"k": 3, "name": "z"}), "b": ("opty", {"name": "z"})}
@@ -97,8 +145,7 @@ def test_methods_with_required_options_are_skipped(monkeypatch):
     assert "greedy" in runnable and "sample" in runnable and "needs_draft" not in runnable
     with pytest.raises(layerleap.LayerleapError, match="needs option draft"):
         bench.parse_methods("needs_draft")
-    assert bench.parse_methods("needs_draft", ["needs_draft.draft=m"])["needs_draft"] == ("needs_draft",
-                                                                                          {"draft": "m"})
+    assert bench.parse_methods("needs_draft", ["needs_draft.draft=m"])["needs_draft"] == ("needs_draft", {"draft": "m"})
 
 
 def test_probe_methods_skips_methods_that_refuse_their_defaults(monkeypatch, tiny):
@@ -108,8 +155,9 @@ def test_probe_methods_skips_methods_that_refuse_their_defaults(monkeypatch, tin
         autoregressive(run)
 
     add_method(monkeypatch, "picky", picky)
-    usable, skipped = bench.probe_methods(tiny, {"greedy": ("greedy", {}), "picky": ("picky", {}),
-                                                 "p2": ("picky", {"layer": 2})})
+    usable, skipped = bench.probe_methods(
+        tiny, {"greedy": ("greedy", {}), "picky": ("picky", {}), "p2": ("picky", {"layer": 2})}
+    )
     assert list(usable) == ["greedy", "p2"] and skipped == {"picky": "picky needs layer=L"}
 
 
@@ -157,8 +205,9 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, tiny_hf_dir, argv, me
 def test_bad_input_subprocess_has_no_traceback():
     script = Path(sys.executable).with_name("layerleap")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "layerleap"]
-    p = subprocess.run(cmd + ["generate", "--model", "no-such-model", "--prompt", "hi"], capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        cmd + ["generate", "--model", "no-such-model", "--prompt", "hi"], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 2
     assert p.stdout == "" and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [p.stderr.strip()]  # one line
@@ -167,13 +216,19 @@ def test_bad_input_subprocess_has_no_traceback():
 
 # -- info -------------------------------------------------------------------------------------------
 def test_info_json(capsys, tiny_hf_dir, tiny):
-    rc, out, _ = cli(capsys, "info", "--model", tiny_hf_dir, "--json", "--buffer-mb", 8, "--repeats", 1,
-                     "--context", 100)
+    rc, out, _ = cli(
+        capsys, "info", "--model", tiny_hf_dir, "--json", "--buffer-mb", 8, "--repeats", 1, "--context", 100
+    )
     assert rc == 0
     d = json.loads(out)
     c = tiny.config
-    assert (d["layers"], d["hidden_size"], d["heads"], d["kv_heads"], d["vocab_size"]) == \
-        (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.vocab_size)
+    assert (d["layers"], d["hidden_size"], d["heads"], d["kv_heads"], d["vocab_size"]) == (
+        c.n_layers,
+        c.hidden_size,
+        c.n_heads,
+        c.n_kv_heads,
+        c.vocab_size,
+    )
     assert d["parameters"] == tiny.n_params()  # untied: no duplicate head
     assert d["weight_bytes"] == 4 * d["parameters"]
     assert d["kv_bytes_per_token"] == 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
@@ -193,8 +248,26 @@ def test_info_text(capsys, tiny_hf_dir):
 # -- bench ------------------------------------------------------------------------------------------
 def test_bench_json(capsys, tmp_path, tiny_hf_dir, tiny):
     out_file = tmp_path / "b.json"
-    rc, out, err = cli(capsys, "bench", "--model", tiny_hf_dir, "--methods", "greedy,sample", "--categories", "qa",
-                       "--prompts", 1, "--max-new-tokens", 4, "--seed", 0, "--threads", 1, "--json", out_file)
+    rc, out, err = cli(
+        capsys,
+        "bench",
+        "--model",
+        tiny_hf_dir,
+        "--methods",
+        "greedy,sample",
+        "--categories",
+        "qa",
+        "--prompts",
+        1,
+        "--max-new-tokens",
+        4,
+        "--seed",
+        0,
+        "--threads",
+        1,
+        "--json",
+        out_file,
+    )
     assert rc == 0
     assert out.startswith("$ layerleap bench --model")
     assert "transformers" in out and "vs HF" in out and "bench" in err  # table on stdout, progress on stderr
@@ -220,9 +293,28 @@ def test_bench_json(capsys, tmp_path, tiny_hf_dir, tiny):
 
 def test_bench_call_cost_and_transformers_extras(capsys, tmp_path, tiny_hf_dir, tiny):
     out_file = tmp_path / "b.json"
-    rc, out, _ = cli(capsys, "bench", "--model", tiny_hf_dir, "--methods", "greedy,prompt-lookup", "--categories",
-                     "summarization", "--prompts", 1, "--max-new-tokens", 6, "--threads", 1,
-                     "--hf-extra", "lookup:4", "--hf-extra", "early-exit:1", "--json", out_file)
+    rc, out, _ = cli(
+        capsys,
+        "bench",
+        "--model",
+        tiny_hf_dir,
+        "--methods",
+        "greedy,prompt-lookup",
+        "--categories",
+        "summarization",
+        "--prompts",
+        1,
+        "--max-new-tokens",
+        6,
+        "--threads",
+        1,
+        "--hf-extra",
+        "lookup:4",
+        "--hf-extra",
+        "early-exit:1",
+        "--json",
+        out_file,
+    )
     assert rc == 0
     d = json.loads(out_file.read_text())
     recs = {r["label"]: r for r in d["records"]}
@@ -248,8 +340,23 @@ def test_bench_interrupted_keeps_finished_prompts(capsys, monkeypatch, tmp_path,
 
     add_method(monkeypatch, "boom", boom)
     out_file = tmp_path / "b.json"
-    rc, out, err = cli(capsys, "bench", "--model", tiny_hf_dir, "--methods", "greedy,boom", "--categories", "qa",
-                       "--prompts", 2, "--max-new-tokens", 3, "--no-baseline-hf", "--json", out_file)
+    rc, out, err = cli(
+        capsys,
+        "bench",
+        "--model",
+        tiny_hf_dir,
+        "--methods",
+        "greedy,boom",
+        "--categories",
+        "qa",
+        "--prompts",
+        2,
+        "--max-new-tokens",
+        3,
+        "--no-baseline-hf",
+        "--json",
+        out_file,
+    )
     assert rc == 130 and "interrupted: 1 of 2 prompts" in err
     d = json.loads(out_file.read_text())
     assert d["interrupted"] and not d["complete"] and d["prompts_done"] == 1
@@ -266,8 +373,17 @@ def test_run_bench_writes_after_every_prompt(tmp_path, tiny):
         d = json.loads(out_file.read_text())  # valid JSON on disk after each prompt
         seen.append((d["prompts_done"], len(d["records"]), d["complete"]))
 
-    res = bench.run_bench(tiny, {"s": ("sample", {})}, ["Hello", "Tell me more"], 3, hf_baseline=False,
-                          sampling={"seed": 0}, out=out_file, progress=False, on_prompt=check)
+    res = bench.run_bench(
+        tiny,
+        {"s": ("sample", {})},
+        ["Hello", "Tell me more"],
+        3,
+        hf_baseline=False,
+        sampling={"seed": 0},
+        out=out_file,
+        progress=False,
+        on_prompt=check,
+    )
     assert res.labels == ["greedy", "s"]  # plain greedy added as the reference
     assert seen == [(1, 2, False), (2, 4, True)]
     assert "greedy" in res.table() and res.summary["s"]["prompts"] == 2
@@ -283,8 +399,9 @@ def test_run_bench_repeat_keeps_each_methods_fastest_round(tiny, monkeypatch):
         return rec
 
     monkeypatch.setattr(bench, "_record", timed)
-    res = bench.run_bench(tiny, {"s": ("prompt-lookup", {})}, ["Hello"], 3, hf_baseline=False, progress=False,
-                          repeat=3, call_cost=False)
+    res = bench.run_bench(
+        tiny, {"s": ("prompt-lookup", {})}, ["Hello"], 3, hf_baseline=False, progress=False, repeat=3, call_cost=False
+    )
     assert {r.label: r.wall_s for r in res.records} == {"greedy": 2.0, "s": 1.0}
     assert res.config["repeat"] == 3 and res.summary["s"]["speedup_vs_greedy"] == 2.0
 
@@ -292,8 +409,9 @@ def test_run_bench_repeat_keeps_each_methods_fastest_round(tiny, monkeypatch):
 # -- demo -------------------------------------------------------------------------------------------
 def test_demo_on_tiny_model(capsys, tiny_hf_dir, tmp_path):
     html = tmp_path / "demo.html"
-    rc, out, _ = cli(capsys, "demo", "--model", tiny_hf_dir, "--max-new-tokens", 3, "--categories", "qa",
-                     "--html", html)
+    rc, out, _ = cli(
+        capsys, "demo", "--model", tiny_hf_dir, "--max-new-tokens", 3, "--categories", "qa", "--html", html
+    )
     assert rc == 0
     for method in bench.probe_methods(layerleap.load_folder(tiny_hf_dir), bench.runnable_methods())[0]:
         assert f"\n{method}: 3 tokens" in out  # every built-in method that runs without a second model
@@ -303,6 +421,7 @@ def test_demo_on_tiny_model(capsys, tiny_hf_dir, tmp_path):
 
 def test_command_groups_and_duplicate_names(capsys):
     from layerleap import cli, commands
+
     parser = cli.build_parser()
     args = parser.parse_args(["eval", "skipdecode-speed", "--targets", "2"])
     assert (args._name, args.what) == ("eval skipdecode-speed", "skipdecode-speed")

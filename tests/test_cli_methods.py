@@ -36,9 +36,19 @@ def test_methods_lists_every_method_with_flags(capsys):
     assert table["skipdecode"]["batches"] and table["skipdecode"]["options"]["warmup"] == 1
 
 
-@pytest.mark.parametrize("text,value", [("30,28,26", [30, 28, 26]), ("2,1,1", [2, 1, 1]), ("0.5,1", [0.5, 1]),
-                                        ("[[0], [1], [0, 0]]", [[0], [1], [0, 0]]), ('{"a": 1}', {"a": 1}),
-                                        ("0;1;0.0", "0;1;0.0"), ("a,b", "a,b"), ("7", 7)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("30,28,26", [30, 28, 26]),
+        ("2,1,1", [2, 1, 1]),
+        ("0.5,1", [0.5, 1]),
+        ("[[0], [1], [0, 0]]", [[0], [1], [0, 0]]),
+        ('{"a": 1}', {"a": 1}),
+        ("0;1;0.0", "0;1;0.0"),
+        ("a,b", "a,b"),
+        ("7", 7),
+    ],
+)
 def test_option_values(text, value):
     assert bench.parse_value(text) == value
 
@@ -48,19 +58,33 @@ def test_bad_json_option_value():
         bench.parse_value("[1, 2")
 
 
-@pytest.mark.parametrize("method,opts,kwargs", [
-    ("skipdecode", ["schedule=4,3,3,2,2"], {"schedule": [4, 3, 3, 2, 2]}),
-    ("medusa", ["tree=2,1"], {"tree": [2, 1]}),
-    ("medusa", ["tree=[[0],[1],[0,0]]"], {"tree": [[0], [1], [0, 0]]}),
-])
+@pytest.mark.parametrize(
+    "method,opts,kwargs",
+    [
+        ("skipdecode", ["schedule=4,3,3,2,2"], {"schedule": [4, 3, 3, 2, 2]}),
+        ("medusa", ["tree=2,1"], {"tree": [2, 1]}),
+        ("medusa", ["tree=[[0],[1],[0,0]]"], {"tree": [[0], [1], [0, 0]]}),
+    ],
+)
 def test_list_and_tree_options_reach_the_method(capsys, tiny_hf_dir, tiny, method, opts, kwargs, monkeypatch):
     if method == "medusa":  # a random drafter stands in for the shipped heads of the real model
         from layerleap.drafters import medusa_transfer as drafters
+
         heads = drafters.new_drafter(tiny, "medusa", steps=2)
         monkeypatch.setattr(drafters, "get_drafter", lambda model, kind, spec: heads)
         kwargs = {**kwargs, "heads": heads}
-    argv = ["generate", "--model", tiny_hf_dir, "--prompt", "Hello", "--max-new-tokens", 6, "--method", method,
-            "--json"]
+    argv = [
+        "generate",
+        "--model",
+        tiny_hf_dir,
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        6,
+        "--method",
+        method,
+        "--json",
+    ]
     rc, out, err = cli(capsys, *argv, *[a for o in opts for a in ("--opt", o)])
     assert rc == 0, err
     assert json.loads(out)["token_ids"] == generate(tiny, "Hello", method, 6, **kwargs).token_ids
@@ -68,32 +92,74 @@ def test_list_and_tree_options_reach_the_method(capsys, tiny_hf_dir, tiny, metho
 
 def test_draft_option_names_a_model(capsys, tiny_hf_dir, tiny):
     """--opt draft=FOLDER loads the draft model (here the same tiny model: speculative stays exact)."""
-    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "Hello", "--max-new-tokens", 8,
-                       "--method", "speculative", "--opt", f"draft={tiny_hf_dir}", "--opt", "draft_len=3", "--json")
+    rc, out, err = cli(
+        capsys,
+        "generate",
+        "--model",
+        tiny_hf_dir,
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        8,
+        "--method",
+        "speculative",
+        "--opt",
+        f"draft={tiny_hf_dir}",
+        "--opt",
+        "draft_len=3",
+        "--json",
+    )
     assert rc == 0, err
     res = json.loads(out)
     assert res["token_ids"] == generate(tiny, "Hello", "greedy", 8).token_ids and res["stats"]["acceptance"] == 1.0
     assert "for a method option" in err
-    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "Hello", "--method", "bild",
-                       "--opt", "small=/no/such/model")
+    rc, out, err = cli(
+        capsys,
+        "generate",
+        "--model",
+        tiny_hf_dir,
+        "--prompt",
+        "Hello",
+        "--method",
+        "bild",
+        "--opt",
+        "small=/no/such/model",
+    )
     assert rc == 2 and "small" in err and "/no/such/model" in err and "unknown model" in err
 
 
 def test_bench_loads_a_named_draft(capsys, tiny_hf_dir, tmp_path):
     out = tmp_path / "b.json"
-    rc, _, err = cli(capsys, "bench", "--model", tiny_hf_dir, "--methods", "speculative", "--categories", "qa",
-                     "--max-new-tokens", 4, "--opt", f"speculative.draft={tiny_hf_dir}", "--no-baseline-hf",
-                     "--json", out)
+    rc, _, err = cli(
+        capsys,
+        "bench",
+        "--model",
+        tiny_hf_dir,
+        "--methods",
+        "speculative",
+        "--categories",
+        "qa",
+        "--max-new-tokens",
+        4,
+        "--opt",
+        f"speculative.draft={tiny_hf_dir}",
+        "--no-baseline-hf",
+        "--json",
+        out,
+    )
     assert rc == 0, err
     report = json.loads(out.read_text())
     assert report["config"]["methods"]["speculative"]["options"]["draft"] == str(tiny_hf_dir)
     assert report["summary"]["speculative"]["matches_greedy"] == "1/1"
 
 
-@pytest.mark.parametrize("name,content", [
-    ("p.jsonl", '"Hello there"\n{"prompt": "Second one"}\n\n{"turns": ["Third", "ignored"]}\n{"text": "Fourth"}\n'),
-    ("p.txt", "Hello there\nSecond one\n\nThird\nFourth\n"),
-])
+@pytest.mark.parametrize(
+    "name,content",
+    [
+        ("p.jsonl", '"Hello there"\n{"prompt": "Second one"}\n\n{"turns": ["Third", "ignored"]}\n{"text": "Fourth"}\n'),
+        ("p.txt", "Hello there\nSecond one\n\nThird\nFourth\n"),
+    ],
+)
 def test_prompts_file_decodes_a_batch(capsys, tiny_hf_dir, tiny, tmp_path, name, content):
     f = tmp_path / name
     f.write_text(content)
@@ -110,13 +176,25 @@ def test_prompts_file_decodes_a_batch(capsys, tiny_hf_dir, tiny, tmp_path, name,
 def test_prompts_file_with_a_method_that_does_not_batch(capsys, tiny_hf_dir, tiny, tmp_path, method):
     f = tmp_path / "p.txt"
     f.write_text("Hello there\nSecond one\nThird\n")
-    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 5,
-                       "--method", method, "--json")
+    rc, out, err = cli(
+        capsys,
+        "generate",
+        "--model",
+        tiny_hf_dir,
+        "--prompts-file",
+        f,
+        "--max-new-tokens",
+        5,
+        "--method",
+        method,
+        "--json",
+    )
     assert rc == 0, err
     assert f"method {method!r} decodes one prompt at a time: decoding the 3 prompts one after another" in err
     got = [json.loads(line) for line in out.splitlines()]
-    assert [g["token_ids"] for g in got] == [generate(tiny, t, method, 5).token_ids
-                                             for t in ["Hello there", "Second one", "Third"]]
+    assert [g["token_ids"] for g in got] == [
+        generate(tiny, t, method, 5).token_ids for t in ["Hello there", "Second one", "Third"]
+    ]
     assert {g["stats"]["batch"] for g in got} == {1}
 
 
@@ -145,17 +223,38 @@ def test_bad_generate_input(capsys, tiny_hf_dir, tmp_path, args, message):
     assert rc == 2 and message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("args,message", [(["--method", "nope"], "unknown method"), (["--port", "70000"], "--port"),
-                                          (["--opt", "tree=2"], "has no option tree")])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--method", "nope"], "unknown method"),
+        (["--port", "70000"], "--port"),
+        (["--opt", "tree=2"], "has no option tree"),
+    ],
+)
 def test_serve_refuses_bad_arguments_before_serving(capsys, tiny_hf_dir, args, message):
     rc, _, err = cli(capsys, "serve", "--model", tiny_hf_dir, *args)
     assert rc == 2 and message in err
 
 
-@pytest.mark.parametrize("command", ["generate", "info", "bench", "demo", "serve", "train heads", "sweep bild", "align",
-                                     "eval ppd-parallel", "eval skipdecode", "finetune skipdecode"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        "generate",
+        "info",
+        "bench",
+        "demo",
+        "serve",
+        "train heads",
+        "sweep bild",
+        "align",
+        "eval ppd-parallel",
+        "eval skipdecode",
+        "finetune skipdecode",
+    ],
+)
 def test_every_model_command_takes_model_dtype_device(command):
     from layerleap.cli import build_parser
+
     parser = build_parser()
     sub = parser._subparsers._group_actions[0].choices
     p = sub[command.split()[0]]

@@ -35,15 +35,21 @@ def cited(doc: Path) -> list[tuple[int, str, Path]]:
 
 def test_the_scan_finds_citations(tmp_path):
     doc = tmp_path / "X.md"
-    doc.write_text("see docs/ppd/match_rates.json and `benchmarks/serve_load.py --x`,\n"
-                   "[a plot](bench/report.png), [web](https://example.org/a.png), (src/layerleap/cli.py).\n")
+    doc.write_text(
+        "see docs/ppd/match_rates.json and `benchmarks/serve_load.py --x`,\n"
+        "[a plot](bench/report.png), [web](https://example.org/a.png), (src/layerleap/cli.py).\n"
+    )
     assert [(n, s) for n, s, _ in cited(doc)] == [
-        (1, "docs/ppd/match_rates.json"), (1, "benchmarks/serve_load.py"), (2, "src/layerleap/cli.py"),
-        (2, "bench/report.png")]
+        (1, "docs/ppd/match_rates.json"),
+        (1, "benchmarks/serve_load.py"),
+        (2, "src/layerleap/cli.py"),
+        (2, "bench/report.png"),
+    ]
 
 
 def test_every_cited_file_exists():
     assert len(docs()) > 3
-    missing = [f"{doc.relative_to(ROOT)}:{n}: {text}" for doc in docs() for n, text, path in cited(doc)
-               if not path.exists()]
+    missing = [
+        f"{doc.relative_to(ROOT)}:{n}: {text}" for doc in docs() for n, text, path in cited(doc) if not path.exists()
+    ]
     assert not missing, "docs cite files that do not exist:\n" + "\n".join(missing)

@@ -21,10 +21,14 @@ from layerleap.drafters import medusa_transfer
 
 
 # -- the pure rules --------------------------------------------------------------------------------
-P = torch.tensor([[0.05, 0.40, 0.05, 0.30, 0.20, 0.00],  # row 0: the first level
-                  [0.10, 0.20, 0.30, 0.20, 0.10, 0.10],  # after draft 0
-                  [0.30, 0.10, 0.10, 0.10, 0.10, 0.30],  # after draft 1
-                  [0.20, 0.20, 0.20, 0.20, 0.10, 0.10]])  # after draft 2
+P = torch.tensor(
+    [
+        [0.05, 0.40, 0.05, 0.30, 0.20, 0.00],  # row 0: the first level
+        [0.10, 0.20, 0.30, 0.20, 0.10, 0.10],  # after draft 0
+        [0.30, 0.10, 0.10, 0.10, 0.10, 0.30],  # after draft 1
+        [0.20, 0.20, 0.20, 0.20, 0.10, 0.10],
+    ]
+)  # after draft 2
 
 
 def _first_tokens(tokens, parents, q, n=20_000, seed=0):
@@ -129,8 +133,9 @@ def test_sampled_tokens_follow_the_models_distribution(method):
     counts = torch.zeros(6, 6, 6)
     drafted = accepted = 0
     for seed in range(800):
-        r = layerleap.generate(target, prompt, method, 3, do_sample=True, seed=seed, stop_at_eos=False,
-                               **warp, **options)
+        r = layerleap.generate(
+            target, prompt, method, 3, do_sample=True, seed=seed, stop_at_eos=False, **warp, **options
+        )
         counts[tuple(r.token_ids)] += 1
         drafted += r.stats["drafted"]
         accepted += r.stats["accepted"]
@@ -153,8 +158,11 @@ def test_drafters_size_the_cache_from_their_round():
 
     large, small = tiny_pair(1)
     run = Run(large, [[1, 2, 3], [4, 5]], GenerationConfig(max_new_tokens=10))
-    assert [ChainRule(length).longest(10) for length in (DraftLength(4), DraftLength(4, "heuristic"), None)] == \
-        [4, 10, 10]
+    assert [ChainRule(length).longest(10) for length in (DraftLength(4), DraftLength(4, "heuristic"), None)] == [
+        4,
+        10,
+        10,
+    ]
     lookup = PromptLookup(run, 5, 1, 3)
     assert lookup.round_tokens() == 6 and lookup.cache.max_len == 3 + 10 + 6 + 1
     early = EarlyExitDrafter(run, 1, large.logits, ChainRule(DraftLength(3)))
@@ -172,6 +180,7 @@ def test_one_prefill_serves_every_drafter():
     from layerleap.drafters.prompt_lookup import PromptLookup
 
     import dataclasses
+
     large, _ = tiny_pair(1)
     large.config = dataclasses.replace(large.config, eos_token_ids=(7,))  # padding with EOS, not 0
     prompts = [[1, 2, 3, 4], [5]]
@@ -184,5 +193,8 @@ def test_one_prefill_serves_every_drafter():
     n = len(prompts[0])
     torch.testing.assert_close(early.cache.k[:, :, :, :n], plain.cache.k[:, :, :, :n])  # padding slots too
     assert early.cache.pad.tolist() == plain.cache.pad.tolist() == [0, 3]
-    assert (runs[0].model_calls, runs[0].layer_evals, runs[0].prompt_layer_evals) == \
-        (runs[1].model_calls, runs[1].layer_evals, runs[1].prompt_layer_evals)
+    assert (runs[0].model_calls, runs[0].layer_evals, runs[0].prompt_layer_evals) == (
+        runs[1].model_calls,
+        runs[1].layer_evals,
+        runs[1].prompt_layer_evals,
+    )

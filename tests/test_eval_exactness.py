@@ -51,21 +51,33 @@ def lossless(monkeypatch):
     layerleap.get_method("greedy")  # the built-ins first
 
     def add(name, fn):
-        monkeypatch.setitem(METHODS, name, Method(name, fn, batched=False, sampling=False, default_sample=False,
-                                                  description=name, exact=True))
+        monkeypatch.setitem(
+            METHODS,
+            name,
+            Method(name, fn, batched=False, sampling=False, default_sample=False, description=name, exact=True),
+        )
+
     return add
 
 
 def test_registry_claims():
-    assert set(exactness.lossless_methods()) == {"speculative", "medusa", "hidden-transfer", "ppd", "self-spec",
-                                                 "prompt-lookup", "auto"}
+    assert set(exactness.lossless_methods()) == {
+        "speculative",
+        "medusa",
+        "hidden-transfer",
+        "ppd",
+        "self-spec",
+        "prompt-lookup",
+        "auto",
+    }
 
 
 def test_divergence_report(tiny, lossless):
     lossless("flip", flipper)
     prompts = spec_bench(categories=["qa"], n=2)
-    rep = exactness.run_exactness(tiny, {"flip": ("flip", {}), "ppd": ("ppd", {"head": "shared"})}, prompts, 6,
-                                  progress=False)
+    rep = exactness.run_exactness(
+        tiny, {"flip": ("flip", {}), "ppd": ("ppd", {"head": "shared"})}, prompts, 6, progress=False
+    )
     assert rep["complete"] and rep["prompts_done"] == 2
     assert rep["summary"]["ppd"] == {"prompts": 2, "equal": 2, "divergences": 0, "near_ties": 0, "unexplained": 0}
     assert rep["summary"]["flip"]["divergences"] == 2
@@ -104,11 +116,30 @@ def test_command_exit_codes_and_near_ties(capsys, tmp_path, char_model_dir, loss
 
 def test_all_lossless_methods_and_skips(capsys, tmp_path, char_model_dir):
     out = tmp_path / "all.json"
-    rc, _, err = cli(capsys, "eval", "exactness", "--model", char_model_dir, "--categories", "qa", "--prompts", 1,
-                     "--max-new-tokens", 4, "--transformers", "--json", out)
+    rc, _, err = cli(
+        capsys,
+        "eval",
+        "exactness",
+        "--model",
+        char_model_dir,
+        "--categories",
+        "qa",
+        "--prompts",
+        1,
+        "--max-new-tokens",
+        4,
+        "--transformers",
+        "--json",
+        out,
+    )
     rep = json.loads(out.read_text())
-    assert rc == 0 and set(rep["summary"]) == {"ppd", "self-spec", "prompt-lookup", "auto",
-                                                 "transformers"}  # no drafters for tiny (auto: lookup alone)
+    assert rc == 0 and set(rep["summary"]) == {
+        "ppd",
+        "self-spec",
+        "prompt-lookup",
+        "auto",
+        "transformers",
+    }  # no drafters for tiny (auto: lookup alone)
     assert all(s["equal"] == 1 for s in rep["summary"].values())
     assert rep["config"]["skipped"]["speculative"] == "needs a second model: give --draft NAME"
     assert "no shipped medusa weights" in rep["config"]["skipped"]["medusa"] and "skipping medusa" in err
@@ -125,8 +156,22 @@ def test_interrupted_run_resumes(capsys, tmp_path, char_model_dir, lossless):
 
     lossless("stops", stops_once)
     out = tmp_path / "r.json"
-    argv = ["eval", "exactness", "--model", char_model_dir, "--methods", "stops", "--categories", "qa,writing",
-            "--prompts", 1, "--max-new-tokens", 3, "--json", out]
+    argv = [
+        "eval",
+        "exactness",
+        "--model",
+        char_model_dir,
+        "--methods",
+        "stops",
+        "--categories",
+        "qa,writing",
+        "--prompts",
+        1,
+        "--max-new-tokens",
+        3,
+        "--json",
+        out,
+    ]
     rc, _, err = cli(capsys, *argv)
     rep = json.loads(out.read_text())
     assert rc == 130 and "interrupted: 1 of 2 prompts" in err
@@ -137,22 +182,35 @@ def test_interrupted_run_resumes(capsys, tmp_path, char_model_dir, lossless):
     assert len(calls) == 5  # probe, first prompt, stopped; then probe and the second prompt only
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--methods", "sample"], "does not claim greedy-exactness"),
-    (["--methods", "nope"], "unknown method 'nope'"),
-    (["--prompts", "some"], "must be all or a positive integer"),
-    (["--near-tie", "-1"], "must be a finite number >= 0"),
-    (["--json", "notes.txt"], "must end in .json"),
-    (["--draft", "no-such-model"], "unknown model"),
-    (["--opt", "ppd.k=0", "--categories", "qa", "--prompts", "1"], "k must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "sample"], "does not claim greedy-exactness"),
+        (["--methods", "nope"], "unknown method 'nope'"),
+        (["--prompts", "some"], "must be all or a positive integer"),
+        (["--near-tie", "-1"], "must be a finite number >= 0"),
+        (["--json", "notes.txt"], "must end in .json"),
+        (["--draft", "no-such-model"], "unknown model"),
+        (["--opt", "ppd.k=0", "--categories", "qa", "--prompts", "1"], "k must be an integer >= 1"),
+    ],
+)
 def test_bad_input(capsys, char_model_dir, argv, message):
     rc, _, err = cli(capsys, "eval", "exactness", "--model", char_model_dir, *argv)
     assert rc == 2 and message in err and "Traceback" not in err
 
 
-SAMPLE_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "stem", "humanities", "translation", "qa",
-                     "math_reasoning"]
+SAMPLE_CATEGORIES = [
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "stem",
+    "humanities",
+    "translation",
+    "qa",
+    "math_reasoning",
+]
 
 
 @pytest.mark.real

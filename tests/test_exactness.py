@@ -18,9 +18,11 @@ from layerleap.core.loading import quantize_model
 
 DEVICE = os.environ.get("LAYERLEAP_TEST_DEVICE", "cpu")
 
+
 def _random_drafter(model, kind: str, seed: int = 0, scale: float = 0.3, **config):
     """An untrained drafter, perturbed so that its drafts are neither trivial nor always right."""
     from layerleap.drafters import medusa_transfer as drafters
+
     d = drafters.new_drafter(model, kind, **config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -37,43 +39,71 @@ def _mid(m) -> int:
 # same vocabulary (a draft / small model).  Each setting must give the greedy tokens exactly.
 EXACT = {
     "greedy": [("", lambda m, o: {})],
-    "speculative": [("defaults", lambda m, o: {"draft": o}),
-                    ("gamma1", lambda m, o: {"draft": o, "draft_len": 1, "min_confidence": 0.0}),
-                    ("gamma4", lambda m, o: {"draft": o, "draft_len": 4, "min_confidence": 0.0}),
-                    ("heuristic gamma1", lambda m, o: {"draft": o, "draft_len": 1, "schedule": "heuristic"}),
-                    ("heuristic gamma4 conf0.5", lambda m, o: {"draft": o, "draft_len": 4, "schedule": "heuristic",
-                                                               "min_confidence": 0.5}),
-                    ("gamma6 conf0.9", lambda m, o: {"draft": o, "draft_len": 6, "min_confidence": 0.9})],
-    "bild": [("two-model rb<=ln2", lambda m, o: {"small": o, "alpha_fb": 0.6, "alpha_rb": 0.5, "max_small": 5}),
-             ("early-exit rb<=ln2", lambda m, o: {"exit_layer": 1, "head": "shared", "alpha_fb": 0.6,
-                                                   "alpha_rb": 0.6}),
-             ("always-fallback", lambda m, o: {"exit_layer": 1, "head": "shared", "alpha_fb": 1.0})],
-    "skipdecode": [("d..d warmup1", lambda m, o: {"min_exit_layer": m.config.n_layers,
-                                                    "max_exit_layer": m.config.n_layers, "warmup": 1}),
-                   ("d..d warmup0", lambda m, o: {"min_exit_layer": m.config.n_layers,
-                                                    "max_exit_layer": m.config.n_layers, "warmup": 0})],
+    "speculative": [
+        ("defaults", lambda m, o: {"draft": o}),
+        ("gamma1", lambda m, o: {"draft": o, "draft_len": 1, "min_confidence": 0.0}),
+        ("gamma4", lambda m, o: {"draft": o, "draft_len": 4, "min_confidence": 0.0}),
+        ("heuristic gamma1", lambda m, o: {"draft": o, "draft_len": 1, "schedule": "heuristic"}),
+        (
+            "heuristic gamma4 conf0.5",
+            lambda m, o: {"draft": o, "draft_len": 4, "schedule": "heuristic", "min_confidence": 0.5},
+        ),
+        ("gamma6 conf0.9", lambda m, o: {"draft": o, "draft_len": 6, "min_confidence": 0.9}),
+    ],
+    "bild": [
+        ("two-model rb<=ln2", lambda m, o: {"small": o, "alpha_fb": 0.6, "alpha_rb": 0.5, "max_small": 5}),
+        ("early-exit rb<=ln2", lambda m, o: {"exit_layer": 1, "head": "shared", "alpha_fb": 0.6, "alpha_rb": 0.6}),
+        ("always-fallback", lambda m, o: {"exit_layer": 1, "head": "shared", "alpha_fb": 1.0}),
+    ],
+    "skipdecode": [
+        (
+            "d..d warmup1",
+            lambda m, o: {"min_exit_layer": m.config.n_layers, "max_exit_layer": m.config.n_layers, "warmup": 1},
+        ),
+        (
+            "d..d warmup0",
+            lambda m, o: {"min_exit_layer": m.config.n_layers, "max_exit_layer": m.config.n_layers, "warmup": 0},
+        ),
+    ],
     "early-exit": [("E=d", lambda m, o: {"exit_layer": m.config.n_layers})],
     "calm": [("never exits", lambda m, o: {"threshold": 1.5})],
-    "ppd": [("d/2 k1", lambda m, o: {"exit_layer": (m.config.n_layers + 1) // 2, "k": 1, "head": "shared"}),
-            ("d-1 k3", lambda m, o: {"exit_layer": m.config.n_layers - 1, "k": 3, "head": "shared"})],
-    "prompt-lookup": [("defaults", lambda m, o: {}), ("k1 unigram", lambda m, o: {"draft_len": 1, "max_ngram": 1}),
-                      ("k4 bigram", lambda m, o: {"draft_len": 4, "max_ngram": 2})],
-    "auto": [("lookup only", lambda m, o: {"transfer": None}),
-             ("transfer 2,1", lambda m, o: {"tree": "2,1", "transfer": _random_drafter(m, "transfer", layers=[1, 1])}),
-             ("transfer 1,1 k2", lambda m, o: {"tree": "1,1", "draft_len": 2, "max_ngram": 2,
-                                               "transfer": _random_drafter(m, "transfer", layers=[1, 1])})],
-    "self-spec": [("E1 gamma4", lambda m, o: {"exit_layer": 1, "draft_len": 4, "head": "shared"}),
-                  ("E=d-1 gamma2", lambda m, o: {"exit_layer": m.config.n_layers - 1, "draft_len": 2,
-                                                  "head": "shared"}),
-                  ("E1 heuristic", lambda m, o: {"exit_layer": 1, "draft_len": 2, "head": "shared",
-                                                 "schedule": "heuristic"})],
+    "ppd": [
+        ("d/2 k1", lambda m, o: {"exit_layer": (m.config.n_layers + 1) // 2, "k": 1, "head": "shared"}),
+        ("d-1 k3", lambda m, o: {"exit_layer": m.config.n_layers - 1, "k": 3, "head": "shared"}),
+    ],
+    "prompt-lookup": [
+        ("defaults", lambda m, o: {}),
+        ("k1 unigram", lambda m, o: {"draft_len": 1, "max_ngram": 1}),
+        ("k4 bigram", lambda m, o: {"draft_len": 4, "max_ngram": 2}),
+    ],
+    "auto": [
+        ("lookup only", lambda m, o: {"transfer": None}),
+        ("transfer 2,1", lambda m, o: {"tree": "2,1", "transfer": _random_drafter(m, "transfer", layers=[1, 1])}),
+        (
+            "transfer 1,1 k2",
+            lambda m, o: {
+                "tree": "1,1",
+                "draft_len": 2,
+                "max_ngram": 2,
+                "transfer": _random_drafter(m, "transfer", layers=[1, 1]),
+            },
+        ),
+    ],
+    "self-spec": [
+        ("E1 gamma4", lambda m, o: {"exit_layer": 1, "draft_len": 4, "head": "shared"}),
+        ("E=d-1 gamma2", lambda m, o: {"exit_layer": m.config.n_layers - 1, "draft_len": 2, "head": "shared"}),
+        ("E1 heuristic", lambda m, o: {"exit_layer": 1, "draft_len": 2, "head": "shared", "schedule": "heuristic"}),
+    ],
 }
 CASES = [(method, label, fn) for method, rows in EXACT.items() for label, fn in rows]
 
 
 Q4_KERNELS = [k for k, ok in (("torch", kernels.int4_supported()), ("blocks", kernels.blocks_available())) if ok]
-FORMATS = ["dense"] + (["onednn"] if kernels.ONEDNN and DEVICE == "cpu" else []) \
+FORMATS = (
+    ["dense"]
+    + (["onednn"] if kernels.ONEDNN and DEVICE == "cpu" else [])
     + ([f"q4-{k}" for k in Q4_KERNELS] if DEVICE == "cpu" else [])
+)
 
 
 def _in_format(model, fmt: str):
@@ -93,9 +123,14 @@ def _in_format(model, fmt: str):
 @pytest.fixture(scope="module")
 def models():
     """Untied heads and scale 2 give varied greedy tokens; ``other`` differs in seed only."""
-    return {(name, fmt): (_in_format(random_model(name, seed=11, scale=2.0), fmt).to(DEVICE),
-                          _in_format(random_model(name, seed=5, scale=2.0), fmt).to(DEVICE))
-            for name in CONFIGS for fmt in FORMATS}
+    return {
+        (name, fmt): (
+            _in_format(random_model(name, seed=11, scale=2.0), fmt).to(DEVICE),
+            _in_format(random_model(name, seed=5, scale=2.0), fmt).to(DEVICE),
+        )
+        for name in CONFIGS
+        for fmt in FORMATS
+    }
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -111,8 +146,11 @@ def test_exact_methods_equal_naive_greedy(models, name, fmt, seed, plen, method,
     prompt = _prompt(model.config.vocab_size, plen, seed)
     # fp32: the naive no-cache loop; q4 (bf16 logits, where a different kernel path can flip a tie):
     # greedy decoding in the same dtype, which is what a lossless method promises to equal
-    want = naive_greedy(model, prompt, 12) if not fmt.startswith("q4") else \
-        generate(model, prompt, "greedy", 12, stop_at_eos=False).token_ids
+    want = (
+        naive_greedy(model, prompt, 12)
+        if not fmt.startswith("q4")
+        else generate(model, prompt, "greedy", 12, stop_at_eos=False).token_ids
+    )
     got = generate(model, prompt, method, 12, stop_at_eos=False, **options(model, other))
     assert got.token_ids == want, f"{method} ({label}) differs from greedy on {name}"
 
@@ -121,6 +159,7 @@ def test_exact_methods_equal_naive_greedy(models, name, fmt, seed, plen, method,
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_device_logits_match_cpu(models, name):
     from tiny_models import full_logits
+
     model, _ = models[name, "dense"]
     prompt = _prompt(model.config.vocab_size, 9, 3)
     cpu = random_model(name, seed=11, scale=2.0)

@@ -32,6 +32,7 @@ def test_unwritable_target_is_a_clear_error(tmp_path):
 
 def test_safetensors_round_trip_with_string_metadata(tmp_path):
     from safetensors.torch import load_file
+
     path = save_safetensors(tmp_path / "d" / "w.safetensors", {"w": torch.arange(6.0).view(2, 3).t()}, {"step": 3})
     assert torch.equal(load_file(str(path))["w"], torch.arange(6.0).view(2, 3).t())
     assert read_safetensors_meta(path) == {"step": "3"}
@@ -42,8 +43,10 @@ def test_safetensors_round_trip_with_string_metadata(tmp_path):
 
 def test_figure_is_written_by_suffix(tmp_path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots()
     ax.plot([0, 1], [1, 0])
     path = save_figure(fig, tmp_path / "p.png")

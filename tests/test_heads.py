@@ -68,8 +68,9 @@ def _seqs(n_seqs: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _cfg(**kw):
-    base = dict(layers=(1, 2), tokens=10_000, epochs=3, batch_tokens=32, lr=1e-2, init="identity",
-                candidates=0, save_every=2)
+    base = dict(
+        layers=(1, 2), tokens=10_000, epochs=3, batch_tokens=32, lr=1e-2, init="identity", candidates=0, save_every=2
+    )
     base.update(kw)
     return th.HeadTrainConfig(**base)
 
@@ -86,8 +87,9 @@ def test_trained_lens_beats_the_shared_head_on_held_out_text(loss, candidates):
     checks top-1 agreement."""
     model = random_model()
     train, test = _seqs(12, 24, model.config.vocab_size, 0), _seqs(6, 24, model.config.vocab_size, 1)
-    res = th.train_heads(model, _cfg(layers=(1,), loss=loss, candidates=candidates, negatives=16), seqs=train,
-                         progress=False)
+    res = th.train_heads(
+        model, _cfg(layers=(1,), loss=loss, candidates=candidates, negatives=16), seqs=train, progress=False
+    )
     assert res.tokens == 12 * 24 and len(res.losses) == res.steps == 3 * 9
     first, last = sum(res.losses[:3]) / 3, sum(res.losses[-3:]) / 3
     assert last < 0.8 * first  # training lowers the loss
@@ -136,8 +138,13 @@ def test_resume_gives_the_uninterrupted_result(tmp_path):
     torch.testing.assert_close(again.heads[1].proj.weight, whole.heads[1].proj.weight, rtol=0, atol=0)
     # a different setting refuses the folder instead of mixing runs
     with pytest.raises(th.TrainHeadsError, match="other settings"):
-        th.train_heads(model, _cfg(init="lstsq", candidates=4, negatives=8, lr=5e-3), work=tmp_path / "w",
-                       seqs=train, progress=False)
+        th.train_heads(
+            model,
+            _cfg(init="lstsq", candidates=4, negatives=8, lr=5e-3),
+            work=tmp_path / "w",
+            seqs=train,
+            progress=False,
+        )
     path = th.save_trained(rest, tmp_path / "h.safetensors", {"note": "x"}, dtype=torch.bfloat16, command="test")
     meta = heads.read_meta(path)
     # the budget: 128 positions x 3 epochs seen in 3 x 4 steps of 32, the loop's own training time
@@ -153,11 +160,18 @@ def test_training_errors(tmp_path):
     model = random_model()
     n = model.config.n_layers
     train = _seqs(2, 8, model.config.vocab_size, 0)
-    for cfg, match in [(_cfg(layers=()), "no layers"), (_cfg(layers=(n,)), "final layer"),
-                       (_cfg(layers=(0,)), "integers in"), (_cfg(layers=(1, 1)), "repeat"),
-                       (_cfg(kind="shared"), "lens or full"), (_cfg(loss="mse"), "unknown loss"),
-                       (_cfg(init="zeros"), "unknown init"), (_cfg(tokens=0), "tokens must be a positive integer"),
-                       (_cfg(lr=-1.0), "lr must be"), (_cfg(candidates=-1), r"candidates must be an integer in \[0, ")]:
+    for cfg, match in [
+        (_cfg(layers=()), "no layers"),
+        (_cfg(layers=(n,)), "final layer"),
+        (_cfg(layers=(0,)), "integers in"),
+        (_cfg(layers=(1, 1)), "repeat"),
+        (_cfg(kind="shared"), "lens or full"),
+        (_cfg(loss="mse"), "unknown loss"),
+        (_cfg(init="zeros"), "unknown init"),
+        (_cfg(tokens=0), "tokens must be a positive integer"),
+        (_cfg(lr=-1.0), "lr must be"),
+        (_cfg(candidates=-1), r"candidates must be an integer in \[0, "),
+    ]:
         with pytest.raises(th.TrainHeadsError, match=match):
             th.train_heads(model, cfg, seqs=train, progress=False)
     (tmp_path / "f").write_text("x")
@@ -188,6 +202,7 @@ def test_cli_heads_sub_vocab(tmp_path, monkeypatch, capsys, tiny_hf_dir):
     import layerleap
     from layerleap.cli import main
     from layerleap.commands import heads as cmd
+
     model = layerleap.load(str(tiny_hf_dir))
     src = [heads.new_head(model, x, "lens") for x in (1, 2)]
     for h in src:
@@ -217,6 +232,7 @@ def test_cli_heads_sub_vocab(tmp_path, monkeypatch, capsys, tiny_hf_dir):
 
 def test_cli_train_heads_errors(capsys):
     from layerleap.cli import main
+
     assert main(["train", "heads", "--layers", "a,b", "--out", "x.safetensors"]) == 2
     assert "--layers: each item must be a positive integer" in capsys.readouterr().err
 
@@ -228,6 +244,7 @@ def test_shipped_heads_load_and_beat_the_shared_head():
     import layerleap
     from layerleap.datasets import spec_bench
     from layerleap.eval.match_rate import MatchRateConfig, match_rate
+
     model = layerleap.load("smollm2-135m")
     layers = heads.trained_layers(model)
     assert {8, 15, 23} <= set(layers)

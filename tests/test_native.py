@@ -11,8 +11,9 @@ from tiny_models import CONFIGS, random_model
 from layerleap.core import kernels, model as model_mod, native
 from layerleap.core.loading import build, quantize_model
 
-pytestmark = pytest.mark.skipif(native.module() is None, reason="the native layers are not built: "
-                                "run `layerleap native --build`")
+pytestmark = pytest.mark.skipif(
+    native.module() is None, reason="the native layers are not built: run `layerleap native --build`"
+)
 
 
 def _in_format(m, fmt: str):
@@ -116,8 +117,9 @@ def test_attend_rows_gives_a_row_what_it_gets_alone(hd, dtype):
     together = mod.attend_rows(q, k, v, mask)
     for s in range(S):
         n = T - S + s + 1  # the keys row s sees
-        alone = mod.attend_rows(q[:, :, s:s + 1], k[:, :, :n].contiguous(), v[:, :, :n].contiguous(), None)
-        assert torch.equal(together[:, :, s:s + 1], alone), f"row {s}"
+        alone = mod.attend_rows(q[:, :, s : s + 1], k[:, :, :n].contiguous(), v[:, :, :n].contiguous(), None)
+        assert torch.equal(together[:, :, s : s + 1], alone), f"row {s}"
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float().repeat_interleave(3, 1), v.float().repeat_interleave(3, 1), attn_mask=mask)
+        q.float(), k.float().repeat_interleave(3, 1), v.float().repeat_interleave(3, 1), attn_mask=mask
+    )
     assert torch.allclose(together.float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -54,7 +54,7 @@ def test_ppd_stops_at_eos_like_greedy(models):
     model = random_model("llama-mha-untied", seed=11, scale=2.0, eos_token_ids=(eos,))
     r = generate(model, prompt, "ppd", 12, exit_layer=2, k=2, head="shared")
     g = generate(model, prompt, "greedy", 12)
-    assert r.token_ids == g.token_ids == ref[:ref.index(eos) + 1]
+    assert r.token_ids == g.token_ids == ref[: ref.index(eos) + 1]
 
 
 # -- PPD: the clock and the statistics ------------------------------------------------------------
@@ -63,8 +63,16 @@ def test_ppd_clock_equals_theorem_at_realised_p_and_runs_add_up(models, dbar, k)
     model = models["qwen2-gqa-untied"]  # 4 layers
     d = 4
     for seed, plen in PROMPTS:
-        r = generate(model, _prompt(model.config.vocab_size, plen, seed), "ppd", 20, stop_at_eos=False,
-                     exit_layer=dbar, k=k, head="shared")
+        r = generate(
+            model,
+            _prompt(model.config.vocab_size, plen, seed),
+            "ppd",
+            20,
+            stop_at_eos=False,
+            exit_layer=dbar,
+            k=k,
+            head="shared",
+        )
         s = r.stats
         n = len(r.token_ids)
         assert sum(s["run_lengths"]) == n and s["runs"] == len(s["run_lengths"]) == 1 + s["trials"] - s["matches"]
@@ -82,8 +90,9 @@ def test_ppd_computes_each_kept_layer_once(models):
     a taken-over candidate's lower layers are not run again by the main process."""
     model = models["llama-gqa-tied"]
     d, dbar, k = 4, 2, 3
-    r = generate(model, _prompt(model.config.vocab_size, 5, 2), "ppd", 16, stop_at_eos=False, exit_layer=dbar, k=k,
-                 head="shared")
+    r = generate(
+        model, _prompt(model.config.vocab_size, 5, 2), "ppd", 16, stop_at_eos=False, exit_layer=dbar, k=k, head="shared"
+    )
     s = r.stats
     n = len(r.token_ids)
     main = d * n - (d - dbar) * s["matches"]
@@ -94,6 +103,7 @@ def test_ppd_computes_each_kept_layer_once(models):
 def test_ppd_cache_after_decoding_equals_a_plain_prefill(models):
     """The KV entries PPD leaves (taken-over candidates included) are the ones a plain forward makes."""
     from layerleap.decoding import GenerationConfig, Run
+
     model = models["llama-mha-untied"]
     prompt = _prompt(model.config.vocab_size, 5, 3)
     run = Run(model, [prompt], GenerationConfig(max_new_tokens=10, stop_at_eos=False))
@@ -103,6 +113,7 @@ def test_ppd_cache_after_decoding_equals_a_plain_prefill(models):
     def spy(self, *a, **kw):
         orig(self, *a, **kw)
         caches.append(self.cache)
+
     ppd_mod.EarlyExit.__init__ = spy
     try:
         drive(ppd_mod.ppd, run, exit_layer=2, k=2, head="shared")
@@ -115,8 +126,8 @@ def test_ppd_cache_after_decoding_equals_a_plain_prefill(models):
     ref = model.new_cache(1, len(seq) + 1)
     with torch.inference_mode():
         model(torch.tensor([seq]), cache=ref)
-    torch.testing.assert_close(cache.k[:, :, :, :len(seq)], ref.k[:, :, :, :len(seq)], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(cache.v[:, :, :, :len(seq)], ref.v[:, :, :, :len(seq)], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.k[:, :, :, : len(seq)], ref.k[:, :, :, : len(seq)], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.v[:, :, :, : len(seq)], ref.v[:, :, :, : len(seq)], rtol=1e-4, atol=1e-4)
 
 
 def test_ppd_errors(models):
@@ -144,8 +155,17 @@ def test_self_spec_equals_greedy_over_exit_layers_draft_lengths_and_prompts(mode
             for seed, plen in PROMPTS:
                 prompt = _prompt(model.config.vocab_size, plen, seed)
                 want = naive_greedy(model, prompt, 14)
-                r = generate(model, prompt, "self-spec", 14, stop_at_eos=False, exit_layer=E, draft_len=draft_len,
-                             min_confidence=min_conf, head="shared")
+                r = generate(
+                    model,
+                    prompt,
+                    "self-spec",
+                    14,
+                    stop_at_eos=False,
+                    exit_layer=E,
+                    draft_len=draft_len,
+                    min_confidence=min_conf,
+                    head="shared",
+                )
                 assert r.token_ids == want, (name, E, draft_len, min_conf, seed)
                 accepted += r.stats["accepted"]
     assert accepted > 0
@@ -156,8 +176,16 @@ def test_self_spec_reuses_the_drafted_lower_layers(models):
     [E, d) for every verified position, and [0, E) only for tokens the drafter did not run."""
     model = models["llama-gqa-tied"]
     d, E = 4, 2
-    r = generate(model, _prompt(model.config.vocab_size, 5, 1), "self-spec", 16, stop_at_eos=False, exit_layer=E,
-                 draft_len=3, head="shared")
+    r = generate(
+        model,
+        _prompt(model.config.vocab_size, 5, 1),
+        "self-spec",
+        16,
+        stop_at_eos=False,
+        exit_layer=E,
+        draft_len=3,
+        head="shared",
+    )
     s = r.stats
     # every round: draft_steps ran E layers for one token each; the pass covers 1 + drafted positions
     # through [E, d), plus the one position the drafter did not run (the last draft, or the newest
@@ -174,7 +202,7 @@ def test_self_spec_stops_at_eos_and_errors(models):
     eos = ref[5]
     eos_model = random_model("qwen2-gqa-untied", seed=11, scale=2.0, eos_token_ids=(eos,))
     r = generate(eos_model, prompt, "self-spec", 12, exit_layer=2, draft_len=4, head="shared")
-    assert r.token_ids == ref[:ref.index(eos) + 1]
+    assert r.token_ids == ref[: ref.index(eos) + 1]
     with pytest.raises(GenerationError, match="exit_layer"):
         generate(model, [1], "self-spec", 4, exit_layer=4)
     with pytest.raises(GenerationError, match="draft_len"):
@@ -194,6 +222,7 @@ def smollm():
 @pytest.mark.real
 def test_ppd_and_self_spec_equal_greedy_on_smollm2_spec_bench(smollm):
     from layerleap.datasets import spec_bench
+
     prompts = [p.text for p in spec_bench(categories=["qa", "translation", "math_reasoning"], n=1)]
     for text in prompts:
         g = generate(smollm, text, "greedy", 32, stop_at_eos=False, chat=True)

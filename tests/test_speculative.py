@@ -18,16 +18,15 @@ from layerleap.drafters.companion import Companion
 from layerleap.decoding import GenerationError, Run
 
 
-
-
 def tiny_pair(seed: int, vocab: int = 97, scale: float = 6.0, n_draft: int = 2):
     torch.manual_seed(seed)
     target = Transformer(tiny_config(tie_embeddings=False, vocab_size=vocab)).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(scale)
     draft = Transformer(tiny_config(tie_embeddings=False, vocab_size=vocab, n_layers=n_draft)).eval()
-    draft.load_state_dict({k: v for k, v in target.state_dict().items()
-                           if not k.startswith("layers.") or int(k.split(".")[1]) < n_draft})
+    draft.load_state_dict(
+        {k: v for k, v in target.state_dict().items() if not k.startswith("layers.") or int(k.split(".")[1]) < n_draft}
+    )
     return target, draft
 
 
@@ -41,8 +40,9 @@ def test_greedy_equals_target_greedy_over_seeds_and_draft_lengths():
         target, draft = tiny_pair(seed)
         ref = layerleap.generate(target, PROMPT, max_new_tokens=24, stop_at_eos=False).token_ids
         for gamma in (1, 2, 3, 5, 8):
-            r = layerleap.generate(target, PROMPT, "speculative", 24, draft=draft, draft_len=gamma, min_confidence=0.0,
-                                   stop_at_eos=False)
+            r = layerleap.generate(
+                target, PROMPT, "speculative", 24, draft=draft, draft_len=gamma, min_confidence=0.0, stop_at_eos=False
+            )
             assert r.token_ids == ref, (seed, gamma)
             assert r.stats["accepted"] <= r.stats["drafted"]
             assert r.stats["draft_calls"] > 0 and r.stats["draft_layer_evals"] > 0
@@ -50,8 +50,13 @@ def test_greedy_equals_target_greedy_over_seeds_and_draft_lengths():
     assert accepted > 50  # the drafts were really used, so equality is not a trivial all-rejected run
 
 
-ADAPTIVE = [("heuristic", 1, 0.0), ("heuristic", 4, 0.0), ("heuristic", 2, 0.5), ("constant", 8, 0.6),
-            ("constant", 3, 1.0)]
+ADAPTIVE = [
+    ("heuristic", 1, 0.0),
+    ("heuristic", 4, 0.0),
+    ("heuristic", 2, 0.5),
+    ("constant", 8, 0.6),
+    ("constant", 3, 1.0),
+]
 
 
 def test_adaptive_draft_lengths_keep_greedy_exact():
@@ -62,8 +67,17 @@ def test_adaptive_draft_lengths_keep_greedy_exact():
         target, draft = tiny_pair(seed)
         ref = layerleap.generate(target, PROMPT, max_new_tokens=32, stop_at_eos=False).token_ids
         for schedule, gamma, conf in ADAPTIVE:
-            r = layerleap.generate(target, PROMPT, "speculative", 32, draft=draft, draft_len=gamma,
-                                   schedule=schedule, min_confidence=conf, stop_at_eos=False)
+            r = layerleap.generate(
+                target,
+                PROMPT,
+                "speculative",
+                32,
+                draft=draft,
+                draft_len=gamma,
+                schedule=schedule,
+                min_confidence=conf,
+                stop_at_eos=False,
+            )
             assert r.token_ids == ref, (seed, schedule, gamma, conf)
             s = r.stats
             assert s["drafted"] == pytest.approx(s["draft_len_mean"] * s["rounds"])
@@ -80,14 +94,16 @@ def test_adaptive_draft_lengths_keep_greedy_exact():
 
 def test_confidence_one_drafts_one_token_per_round():
     target, draft = tiny_pair(1)
-    r = layerleap.generate(target, PROMPT, "speculative", 20, draft=draft, draft_len=5, min_confidence=1.0,
-                           stop_at_eos=False)
+    r = layerleap.generate(
+        target, PROMPT, "speculative", 20, draft=draft, draft_len=5, min_confidence=1.0, stop_at_eos=False
+    )
     # one draft per round; a last round with one token left drafts none
     assert r.stats["draft_len_max"] == 1 and r.stats["rounds"] - 1 <= r.stats["drafted"] <= r.stats["rounds"]
 
 
 def test_heuristic_schedule_rule():
     from layerleap.methods.speculative import DraftLength
+
     g = DraftLength(4, "heuristic")
     seen = []
     for drafted, accepted in [(4, 4), (6, 6), (8, 3), (7, 0), (6, 6)]:
@@ -113,8 +129,10 @@ def test_greedy_stops_at_eos_like_greedy():
     assert got == want and got[-1] == eos and len(got) == 6
 
 
-@pytest.mark.parametrize("options", [{"draft_len": 4, "min_confidence": 0.0}, {},
-                                     {"draft_len": 2, "schedule": "heuristic", "min_confidence": 0.5}])
+@pytest.mark.parametrize(
+    "options",
+    [{"draft_len": 4, "min_confidence": 0.0}, {}, {"draft_len": 2, "schedule": "heuristic", "min_confidence": 0.5}],
+)
 def test_kv_caches_roll_back_exactly(monkeypatch, options):
     """After decoding, every kept cache entry of the target and of the draft equals a fresh prompt
     pass over the same tokens: rejected drafts left no trace."""
@@ -182,9 +200,11 @@ def exact_joint(target: Transformer, prompt: list[int], warp: dict) -> torch.Ten
     return p1.unsqueeze(1) * p2
 
 
-@pytest.mark.parametrize("options", [{"draft_len": 2, "min_confidence": 0.0},
-                                     {"draft_len": 1, "schedule": "heuristic", "min_confidence": 0.4}],
-                         ids=["constant", "heuristic-confidence"])
+@pytest.mark.parametrize(
+    "options",
+    [{"draft_len": 2, "min_confidence": 0.0}, {"draft_len": 1, "schedule": "heuristic", "min_confidence": 0.4}],
+    ids=["constant", "heuristic-confidence"],
+)
 def test_sampled_tokens_follow_the_targets_distribution(options):
     """End to end: the first two sampled tokens (both drafted, so both pass the acceptance rule)
     over 1,200 seeds, 6-token vocabulary, temperature 0.8 and top-k 5; the joint distribution of the
@@ -198,8 +218,18 @@ def test_sampled_tokens_follow_the_targets_distribution(options):
     counts = torch.zeros(6, 6)
     drafted = accepted = 0
     for seed in range(1200):
-        r = layerleap.generate(target, SHORT, "speculative", 3, draft=draft, do_sample=True,
-                               seed=seed, stop_at_eos=False, **warp, **options)
+        r = layerleap.generate(
+            target,
+            SHORT,
+            "speculative",
+            3,
+            draft=draft,
+            do_sample=True,
+            seed=seed,
+            stop_at_eos=False,
+            **warp,
+            **options,
+        )
         counts[r.token_ids[0], r.token_ids[1]] += 1
         drafted += r.stats["drafted"]
         accepted += r.stats["accepted"]
@@ -260,21 +290,24 @@ class FakeTokenizer:
 DRAFT = object()  # stands for the tiny draft model in the cases below
 
 
-@pytest.mark.parametrize("options, message", [
-    ({}, r"needs the option\(s\) draft"),
-    ({"draft": None}, "needs a draft model"),
-    ({"draft": DRAFT, "draft_len": 0}, r"draft_len must be an integer in \[1, 256\]"),
-    ({"draft": DRAFT, "draft_len": 2.5}, r"draft_len must be an integer in \[1, 256\]"),
-    ({"draft": DRAFT, "draft_len": True}, r"draft_len must be an integer in \[1, 256\]"),
-    ({"draft": DRAFT, "schedule": "fast"}, "schedule must be one of 'constant', 'heuristic'"),
-    ({"draft": DRAFT, "schedule": None}, "schedule must be one of"),
-    ({"draft": DRAFT, "min_confidence": 1.5}, r"min_confidence must be a probability in \[0, 1\]"),
-    ({"draft": DRAFT, "min_confidence": -0.1}, "min_confidence must be a probability"),
-    ({"draft": DRAFT, "min_confidence": float("nan")}, "min_confidence must be a probability"),
-    ({"draft": DRAFT, "min_confidence": True}, "min_confidence must be a probability"),
-    ({"draft": DRAFT, "min_confidence": "0.4"}, "min_confidence must be a probability"),
-    ({"draft": "small"}, "must be a layerleap model"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({}, r"needs the option\(s\) draft"),
+        ({"draft": None}, "needs a draft model"),
+        ({"draft": DRAFT, "draft_len": 0}, r"draft_len must be an integer in \[1, 256\]"),
+        ({"draft": DRAFT, "draft_len": 2.5}, r"draft_len must be an integer in \[1, 256\]"),
+        ({"draft": DRAFT, "draft_len": True}, r"draft_len must be an integer in \[1, 256\]"),
+        ({"draft": DRAFT, "schedule": "fast"}, "schedule must be one of 'constant', 'heuristic'"),
+        ({"draft": DRAFT, "schedule": None}, "schedule must be one of"),
+        ({"draft": DRAFT, "min_confidence": 1.5}, r"min_confidence must be a probability in \[0, 1\]"),
+        ({"draft": DRAFT, "min_confidence": -0.1}, "min_confidence must be a probability"),
+        ({"draft": DRAFT, "min_confidence": float("nan")}, "min_confidence must be a probability"),
+        ({"draft": DRAFT, "min_confidence": True}, "min_confidence must be a probability"),
+        ({"draft": DRAFT, "min_confidence": "0.4"}, "min_confidence must be a probability"),
+        ({"draft": "small"}, "must be a layerleap model"),
+    ],
+)
 def test_bad_options(options, message):
     target, draft = tiny_pair(0)
     options = {k: draft if v is DRAFT else v for k, v in options.items()}
@@ -299,11 +332,13 @@ def test_mismatched_models_are_refused():
 
 def test_method_is_not_in_the_default_runnable_set():
     from layerleap.eval import bench
+
     assert "speculative" not in bench.runnable_methods()  # it needs a draft model
     assert bench.required_options("speculative", {}) == ["draft"]
 
 
 def test_defaults_are_transformers_assisted_generation_defaults():
     from layerleap.decoding import get_method
+
     opts = get_method("speculative").options()
     assert (opts["draft_len"], opts["schedule"], opts["min_confidence"]) == (20, "constant", 0.4)

@@ -26,20 +26,37 @@ def method_options(model) -> dict[str, dict]:
     """Every built-in method with options that run on the tiny model (random drafters and heads)."""
     torch.manual_seed(0)
     return {
-        "greedy": {}, "sample": {"seed": 3}, "skipdecode": {"min_exit_layer": 2, "max_exit_layer": 4},
-        "early-exit": {"exit_layer": 2}, "calm": {"threshold": 0.5, "min_exit_layer": 2},
+        "greedy": {},
+        "sample": {"seed": 3},
+        "skipdecode": {"min_exit_layer": 2, "max_exit_layer": 4},
+        "early-exit": {"exit_layer": 2},
+        "calm": {"threshold": 0.5, "min_exit_layer": 2},
         "speculative": {"draft": truncated(model, 2), "draft_len": 3, "min_confidence": 0.0},
         "bild": {"exit_layer": 2, "head": "shared", "alpha_fb": 0.0},
         "medusa": {"heads": drafters.new_drafter(model, "medusa", steps=2), "tree": "2,1"},
         "hidden-transfer": {"transfer": drafters.new_drafter(model, "transfer", layers=[1, 2, 3]), "tree": "1,1"},
-        "ppd": {"exit_layer": 2, "head": "shared"}, "self-spec": {"exit_layer": 2, "head": "shared", "draft_len": 3},
+        "ppd": {"exit_layer": 2, "head": "shared"},
+        "self-spec": {"exit_layer": 2, "head": "shared", "draft_len": 3},
         "prompt-lookup": {"draft_len": 4},
         "auto": {"transfer": drafters.new_drafter(model, "transfer", layers=[1, 2]), "tree": "2,1"},
     }
 
 
-METHOD_NAMES = ["greedy", "sample", "skipdecode", "early-exit", "calm", "speculative", "bild", "medusa",
-                "hidden-transfer", "ppd", "self-spec", "prompt-lookup", "auto"]
+METHOD_NAMES = [
+    "greedy",
+    "sample",
+    "skipdecode",
+    "early-exit",
+    "calm",
+    "speculative",
+    "bild",
+    "medusa",
+    "hidden-transfer",
+    "ppd",
+    "self-spec",
+    "prompt-lookup",
+    "auto",
+]
 
 
 def test_every_builtin_method_is_covered(tiny):
@@ -90,11 +107,13 @@ def test_text_pieces_hold_back_incomplete_characters(tiny):
 
 def _scripted(tokens: list[int], per_round: int):
     """A method that emits ``tokens`` ``per_round`` at a time (the model is not called)."""
+
     def fn(run):
         for i in range(0, len(tokens), per_round):
-            if run.emit(0, tokens[i:i + per_round]):
+            if run.emit(0, tokens[i : i + per_round]):
                 return
             yield
+
     return fn
 
 
@@ -143,8 +162,27 @@ def test_stream_refuses_a_list_and_a_model_without_tokenizer(tiny):
 
 def test_cli_generate_stream_prints_the_text(tiny_hf_dir, tiny, capsys):
     from layerleap.cli import main
-    rc = main(["generate", "--model", str(tiny_hf_dir), "--prompt", "Hello there", "--max-new-tokens", "12",
-               "--method", "self-spec", "--opt", "exit_layer=2", "--opt", "head=shared", "--stream", "--threads", "1"])
+
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_hf_dir),
+            "--prompt",
+            "Hello there",
+            "--max-new-tokens",
+            "12",
+            "--method",
+            "self-spec",
+            "--opt",
+            "exit_layer=2",
+            "--opt",
+            "head=shared",
+            "--stream",
+            "--threads",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     want = generate(tiny, "Hello there", "self-spec", 12, exit_layer=2, head="shared")
     assert rc == 0 and out.startswith(want.text + "\n") and "[self-spec] " in out

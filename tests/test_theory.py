@@ -23,8 +23,9 @@ def test_equations_3_and_5_give_the_papers_figures():
     g = theory.figures(40, 20, 1, 0.2163, 128)
     assert g["eq3_normalised_latency_per_token"] == pytest.approx(0.892, abs=5e-4)
     assert g["eq5_compute_per_time_unit"] == pytest.approx(1.561, abs=5e-4)
-    assert g["eq6_normalised_compute_per_token"] == pytest.approx(g["eq3_normalised_latency_per_token"]
-                                                                  * g["eq5_compute_per_time_unit"])
+    assert g["eq6_normalised_compute_per_token"] == pytest.approx(
+        g["eq3_normalised_latency_per_token"] * g["eq5_compute_per_time_unit"]
+    )
 
 
 def test_general_forms_reduce_to_equations_3_5_6_at_half_depth():
@@ -32,16 +33,26 @@ def test_general_forms_reduce_to_equations_3_5_6_at_half_depth():
         for p in (0.0, 0.3, 0.9):
             assert theory.latency_per_token_general(40, 20, p) == pytest.approx(theory.eq3_latency_per_token(p))
             assert theory.compute_per_time_unit_general(40, 20, k, p) == pytest.approx(
-                theory.eq5_compute_per_time_unit(k, p))
+                theory.eq5_compute_per_time_unit(k, p)
+            )
             assert theory.compute_per_token_general(40, 20, k, p) == pytest.approx(theory.eq6_compute_per_token(k, p))
 
 
-@pytest.mark.parametrize("d,dbar,k,p,n", [(40, 20, 5, 0.7415, 128), (30, 15, 1, 0.3, 64), (30, 25, 3, 0.8, 16),
-                                          (7, 4, 2, 0.5, 9), (30, 20, 1, 0.0, 32), (30, 20, 1, 1.0, 32)])
+@pytest.mark.parametrize(
+    "d,dbar,k,p,n",
+    [
+        (40, 20, 5, 0.7415, 128),
+        (30, 15, 1, 0.3, 64),
+        (30, 25, 3, 0.8, 16),
+        (7, 4, 2, 0.5, 9),
+        (30, 20, 1, 0.0, 32),
+        (30, 20, 1, 1.0, 32),
+    ],
+)
 def test_monte_carlo_agrees_with_theorem_4_1(d, dbar, k, p, n):
     sim = theory.simulate(d, dbar, k, p, n, trials=3000, seed=1)
     lat, comp = theory.theorem_latency(d, dbar, n, p), theory.theorem_compute(d, dbar, k, n, p)
-    se = sim.sd_latency / sim.trials ** 0.5
+    se = sim.sd_latency / sim.trials**0.5
     assert abs(sim.mean_latency - lat) <= 4 * se + 1e-9
     assert abs(sim.mean_compute - comp) <= 4 * se + 1e-9  # compute = latency + a constant k(d - d̄)ℓ
     assert sim.mean_latency == pytest.approx(lat, rel=0.01)
@@ -51,7 +62,7 @@ def test_monte_carlo_agrees_with_theorem_4_1(d, dbar, k, p, n):
 def test_simulation_is_not_the_theorem_when_p_is_wrong():
     """The check can fail: a simulation at another p is many standard errors off."""
     sim = theory.simulate(30, 15, 1, 0.6, 64, trials=2000, seed=0)
-    se = sim.sd_latency / sim.trials ** 0.5
+    se = sim.sd_latency / sim.trials**0.5
     assert abs(sim.mean_latency - theory.theorem_latency(30, 15, 64, 0.5)) > 10 * se
 
 
@@ -75,8 +86,25 @@ def test_plot_is_written(tmp_path):
 
 
 def test_cli_prints_the_issues_figures(capsys):
-    rc = cli.main(["theory", "ppd", "--layers", "40", "--exit-layer", "20", "--k", "5", "--p-correct", "0.7415",
-                   "--tokens", "128", "--json", "--simulate", "500"])
+    rc = cli.main(
+        [
+            "theory",
+            "ppd",
+            "--layers",
+            "40",
+            "--exit-layer",
+            "20",
+            "--k",
+            "5",
+            "--p-correct",
+            "0.7415",
+            "--tokens",
+            "128",
+            "--json",
+            "--simulate",
+            "500",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert round(out["eq3_normalised_latency_per_token"], 3) == 0.629

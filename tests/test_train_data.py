@@ -16,8 +16,13 @@ CONVS = [
     [{"from": "human", "value": " hi there "}, {"from": "gpt", "value": "hello, how can I help?"}],
     [{"from": "system", "value": "be brief"}, {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}],
     [{"from": "human", "value": "   "}, {"from": "bard", "value": "skipped"}],
-    [{"from": "user", "value": "a question that is rather long"}, {"from": "chatgpt", "value": "an answer"},
-     {"from": "human", "value": "more"}, {"from": "gpt", "value": "yes"}, {"from": "human", "value": "fifth"}],
+    [
+        {"from": "user", "value": "a question that is rather long"},
+        {"from": "chatgpt", "value": "an answer"},
+        {"from": "human", "value": "more"},
+        {"from": "gpt", "value": "yes"},
+        {"from": "human", "value": "fifth"},
+    ],
 ]
 
 
@@ -38,15 +43,19 @@ def text(ids):
 
 @pytest.fixture(autouse=True)
 def sharegpt(monkeypatch):
-    monkeypatch.setattr(layerleap.datasets, "sharegpt_conversations",
-                        lambda limit=None: iter(CONVS[:limit] if limit else CONVS))
+    monkeypatch.setattr(
+        layerleap.datasets, "sharegpt_conversations", lambda limit=None: iter(CONVS[:limit] if limit else CONVS)
+    )
 
 
-@pytest.mark.parametrize("roles, strip, want", [
-    (("human", "gpt", "system"), True, [("user", "hi there"), ("assistant", "hello, how can I help?")]),
-    (("human", "gpt"), False, [("user", " hi there "), ("assistant", "hello, how can I help?")]),
-    (("gpt",), True, [("assistant", "hello, how can I help?")]),
-])
+@pytest.mark.parametrize(
+    "roles, strip, want",
+    [
+        (("human", "gpt", "system"), True, [("user", "hi there"), ("assistant", "hello, how can I help?")]),
+        (("human", "gpt"), False, [("user", " hi there "), ("assistant", "hello, how can I help?")]),
+        (("gpt",), True, [("assistant", "hello, how can I help?")]),
+    ],
+)
 def test_messages(roles, strip, want):
     assert [(m["role"], m["content"]) for m in data.messages(CONVS[0], roles, strip)] == want
     assert data.messages(CONVS[2]) == []  # empty after stripping, and an unknown turn name
@@ -66,8 +75,11 @@ def test_conversation_seqs():
 def test_stream_chunks(seed):
     chunks = data.stream_chunks(CharTokenizer(), 4, 8, seed, eos=0)
     assert all(len(c) == 8 for c in chunks)
-    convs = ["u: hi there |a:hello, how can I help?|"[:32], "u:2+2?|a:4|",  # each cut at 4 * seq_len
-             "u:a question that is rather long|a:an answer|u:more|a:yes|"[:32]]  # the first 4 turns
+    convs = [
+        "u: hi there |a:hello, how can I help?|"[:32],
+        "u:2+2?|a:4|",  # each cut at 4 * seq_len
+        "u:a question that is rather long|a:an answer|u:more|a:yes|"[:32],
+    ]  # the first 4 turns
     joined = ["".join(c + "\0" for c in order) for order in itertools.permutations(convs)]
     assert text(sum(chunks, [])) in [j[: len(j) // 8 * 8] for j in joined]  # the partial last chunk dropped
     assert data.stream_chunks(CharTokenizer(), 4, 8, seed, eos=0) == chunks  # the order is a function of the seed

@@ -28,8 +28,17 @@ def _chunks(vocab, n=8, seq=12, seed=0):
 def test_training_lowers_the_loss(tmp_path, kind):
     model = random_model("llama-mha-untied", seed=2)
     chunks = _chunks(model.config.vocab_size)
-    cfg = TrainConfig(kind=kind, layers=[1, 2], steps_ahead=2, train_steps=25, seq_len=12, batch_size=2,
-                      lr=3e-2, warmup=2, save_every=10)
+    cfg = TrainConfig(
+        kind=kind,
+        layers=[1, 2],
+        steps_ahead=2,
+        train_steps=25,
+        seq_len=12,
+        batch_size=2,
+        lr=3e-2,
+        warmup=2,
+        save_every=10,
+    )
     fresh = drafters.new_drafter(model, kind, layers=[1, 2], steps=2)
     before = train_drafters.eval_loss(model, fresh, chunks)
     report = train_drafters.train(model, tmp_path / f"{kind}.safetensors", cfg, chunks=chunks, progress=False)
@@ -40,10 +49,12 @@ def test_training_lowers_the_loss(tmp_path, kind):
     # trained weights decode greedily, token for token
     from tiny_models import naive_greedy
     from layerleap import generate
+
     prompt = chunks[0][:5]
     opt = {"transfer": trained} if kind == "transfer" else {"heads": trained}
-    res = generate(model, prompt, "hidden-transfer" if kind == "transfer" else "medusa", 10, stop_at_eos=False,
-                   tree="2,1", **opt)
+    res = generate(
+        model, prompt, "hidden-transfer" if kind == "transfer" else "medusa", 10, stop_at_eos=False, tree="2,1", **opt
+    )
     assert res.token_ids == naive_greedy(model, prompt, 10)
 
 
@@ -67,8 +78,13 @@ def test_resume_gives_the_same_weights(tmp_path):
     with pytest.raises(TrainError, match="another model"):
         train_drafters.train(other, tmp_path / "full.safetensors", cfg, chunks=chunks, progress=False)
     with pytest.raises(TrainError, match="layers"):
-        train_drafters.train(model, tmp_path / "full.safetensors", TrainConfig(**{**cfg.__dict__, "layers": [1, 3]}),
-                             chunks=chunks, progress=False)
+        train_drafters.train(
+            model,
+            tmp_path / "full.safetensors",
+            TrainConfig(**{**cfg.__dict__, "layers": [1, 3]}),
+            chunks=chunks,
+            progress=False,
+        )
 
 
 def test_draft_accuracy_counts_the_greedy_tokens():
@@ -76,6 +92,7 @@ def test_draft_accuracy_counts_the_greedy_tokens():
     the greedy text repeats a token (X_{j+2} == argmax at j == X_{j+1})."""
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)
     from tiny_models import naive_greedy
+
     prompt = [5, 6, 7]
     seq = prompt + naive_greedy(model, prompt, 20)
     heads = drafters.new_drafter(model, "medusa", steps=1)

@@ -13,12 +13,15 @@ from layerleap.train.loop import Checkpoint, LoopConfig, Schedule, epoch_batch, 
 TARGET = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("schedule, want", [
-    (Schedule(1.0), [1.0] * 6),
-    (Schedule(1.0, warmup=2), [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
-    (Schedule(1.0, warmup=2, decay=True), [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]),
-    (Schedule(1.0, decay=True), [1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6]),
-])
+@pytest.mark.parametrize(
+    "schedule, want",
+    [
+        (Schedule(1.0), [1.0] * 6),
+        (Schedule(1.0, warmup=2), [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        (Schedule(1.0, warmup=2, decay=True), [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]),
+        (Schedule(1.0, decay=True), [1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6]),
+    ],
+)
 def test_schedule(schedule, want):
     assert [schedule.at(s, 6) for s in range(6)] == pytest.approx(want)
 
@@ -82,10 +85,16 @@ def test_state_belongs_to_its_run(tmp_path):
     def refuse(meta):
         if meta["run"] != "b":
             raise LayerleapError("another run")
+
     with pytest.raises(LayerleapError, match="another run"):
-        train({"w": torch.zeros(4, 4, requires_grad=True)}, lambda s: torch.zeros(()),
-              LoopConfig(3, Schedule(0.1), progress=False), Checkpoint(path, check=refuse))
+        train(
+            {"w": torch.zeros(4, 4, requires_grad=True)},
+            lambda s: torch.zeros(()),
+            LoopConfig(3, Schedule(0.1), progress=False),
+            Checkpoint(path, check=refuse),
+        )
     from layerleap.files import save_safetensors
+
     save_safetensors(path, {"x": torch.zeros(1)}, {"step": "1"})  # a state file of another layout
     with pytest.raises(LayerleapError, match="another version of layerleap: delete it"):
         _run(path)

@@ -21,8 +21,20 @@ EXAMPLES = [([1, 2, 3, 4], [5, 6, 7, 8, 9, 10]), ([3, 4, 5], [6, 7, 8, 9]), ([7,
 
 
 def _cfg(objective: str, steps: int = 6, **kw) -> VariantConfig:
-    return VariantConfig(objective=objective, rank=2, alpha=4.0, steps=steps, batch_size=2, save_every=2, lr=1e-2,
-                         lr_warmup_steps=0, gen_len=6, min_layer=1, target_speedup=2, **kw)
+    return VariantConfig(
+        objective=objective,
+        rank=2,
+        alpha=4.0,
+        steps=steps,
+        batch_size=2,
+        save_every=2,
+        lr=1e-2,
+        lr_warmup_steps=0,
+        gen_len=6,
+        min_layer=1,
+        target_speedup=2,
+        **kw,
+    )
 
 
 def _model():
@@ -88,6 +100,7 @@ def test_a_variant_refuses_another_model_and_unknown_names(tmp_path):
 
 def test_calm_layers_are_drawn_by_weight():
     import random
+
     draws = calm_layers(30, 4, 20000, random.Random(0))
     assert min(draws) >= 4 and max(draws) <= 30
     share30 = draws.count(30) / len(draws)

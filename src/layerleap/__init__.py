@@ -9,17 +9,32 @@ from .errors import LayerleapError
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "ModelConfig": "core.config", "tiny_config": "core.config", "KVCache": "core.kv_cache",
-    "Transformer": "core.model", "load": "drafters.variants", "load_folder": "core.loading", "from_hf": "core.loading",
-    "to_hf": "core.loading", "available_models": "core.loading", "generate": "decoding", "GenerationResult": "decoding",
-    "GenerationConfig": "decoding", "GenerationError": "decoding", "METHODS": "decoding", "register": "decoding",
-    "get_method": "decoding", "Decoding": "decoding", "stream": "streaming", "TextStream": "streaming",
+    "ModelConfig": "core.config",
+    "tiny_config": "core.config",
+    "KVCache": "core.kv_cache",
+    "Transformer": "core.model",
+    "load": "drafters.variants",
+    "load_folder": "core.loading",
+    "from_hf": "core.loading",
+    "to_hf": "core.loading",
+    "available_models": "core.loading",
+    "generate": "decoding",
+    "GenerationResult": "decoding",
+    "GenerationConfig": "decoding",
+    "GenerationError": "decoding",
+    "METHODS": "decoding",
+    "register": "decoding",
+    "get_method": "decoding",
+    "Decoding": "decoding",
+    "stream": "streaming",
+    "TextStream": "streaming",
 }
 __all__ = [*_EXPORTS, "LayerleapError"]
 
 
 def __getattr__(name: str):
     import importlib
+
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value

@@ -16,6 +16,7 @@ def run() -> None:
     interrupts.install()
     try:
         from .cli import main
+
         code = main()
     except KeyboardInterrupt:  # outside a command: importing the commands or parsing
         print("layerleap: interrupted", file=sys.stderr)

@@ -26,8 +26,9 @@ def _members(group: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     # the modules that define subcommands (add one here for a new one): importing one registers its commands
-    from .commands import (basic, bild, calibrate, exactness, heads, hidden_transfer, native, ppd, serve,  # noqa: F401
-                           skipdecode)
+    from .commands import basic, bild, calibrate, exactness, heads, hidden_transfer  # noqa: F401
+    from .commands import native, ppd, serve, skipdecode  # noqa: F401
+
     parser = _Parser(prog="layerleap", description="Faster decoding from intermediate layers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -36,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         if member:
             if group not in groups:
                 gp = sub.add_parser(group, help=GROUP_HELP.get(group, group), description=GROUP_HELP.get(group))
-                groups[group] = gp.add_subparsers(dest="what", required=True, parser_class=_Parser,
-                                                  metavar=_members(group))
+                groups[group] = gp.add_subparsers(
+                    dest="what", required=True, parser_class=_Parser, metavar=_members(group)
+                )
             p = groups[group].add_parser(member, help=help_, description=help_)
         else:
             p = sub.add_parser(name, help=help_, description=help_)

@@ -20,11 +20,13 @@ class Prompt:
     reference: str | None = None  # the data's reference answer (CNN/DM summary, WMT translation, GSM8K solution)
 
 
-def spec_bench(path: str | Path | None = None, categories: list[str] | None = None, n: int | None = None,
-               offset: int = 0) -> list[Prompt]:
+def spec_bench(
+    path: str | Path | None = None, categories: list[str] | None = None, n: int | None = None, offset: int = 0
+) -> list[Prompt]:
     """The first turn of each Spec-Bench question, optionally filtered by category; ``n`` per category
     (after skipping ``offset`` per category, to keep training and evaluation prompts apart)."""
     from . import validate as V
+
     if isinstance(categories, str):  # "qa,writing" or "qa"
         categories = [c.strip() for c in categories.split(",") if c.strip()]
     if categories is not None:
@@ -65,19 +67,28 @@ def spec_bench_categories(path: str | Path | None = None) -> list[str]:
 
 def _read_spec_bench(path) -> list[dict]:
     from . import validate as V
+
     p = V.path(path, "path") if path else SHIPPED_SPEC_BENCH
     if not p.is_file():
         raise LayerleapError(f"Spec-Bench file {p} not found (or not a file): give the path of question.jsonl")
     try:
         rows = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
         for r in rows:  # the fields we use, with their types
-            if not (isinstance(r["category"], str) and isinstance(r["turns"][0], str)
-                    and isinstance(r["question_id"], int) and not isinstance(r["question_id"], bool)):
-                raise TypeError(f"line with question_id {str(r['question_id'])[:20]!r}: question_id must be an "
-                                "integer, category and turns[0] text")
+            if not (
+                isinstance(r["category"], str)
+                and isinstance(r["turns"][0], str)
+                and isinstance(r["question_id"], int)
+                and not isinstance(r["question_id"], bool)
+            ):
+                raise TypeError(
+                    f"line with question_id {str(r['question_id'])[:20]!r}: question_id must be an "
+                    "integer, category and turns[0] text"
+                )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-        raise LayerleapError(f"{p} is not a Spec-Bench question.jsonl ({type(e).__name__}: {e}): "
-                             "each line must be JSON with question_id, category and turns") from None
+        raise LayerleapError(
+            f"{p} is not a Spec-Bench question.jsonl ({type(e).__name__}: {e}): "
+            "each line must be JSON with question_id, category and turns"
+        ) from None
     return rows
 
 
@@ -137,13 +148,17 @@ def _json_prompt(path: Path, n: int, line: str) -> str:
     try:
         value = json.loads(line)
     except json.JSONDecodeError as e:
-        raise LayerleapError(f"{path}:{n} is not JSON ({e.msg}): write one JSON value a line, or use a .txt file "
-                             "for plain prompts") from None
+        raise LayerleapError(
+            f"{path}:{n} is not JSON ({e.msg}): write one JSON value a line, or use a .txt file for plain prompts"
+        ) from None
     if isinstance(value, dict):
         turns = value.get("turns")
-        value = next((value[k] for k in PROMPT_KEYS if k in value),
-                     turns[0] if isinstance(turns, list) and turns else None)
+        value = next(
+            (value[k] for k in PROMPT_KEYS if k in value), turns[0] if isinstance(turns, list) and turns else None
+        )
     if not isinstance(value, str) or not value.strip():
-        raise LayerleapError(f"{path}:{n}: a prompt line is a JSON string or an object with a non-empty "
-                             f"{', '.join(repr(k) for k in PROMPT_KEYS)} or 'turns' field")
+        raise LayerleapError(
+            f"{path}:{n}: a prompt line is a JSON string or an object with a non-empty "
+            f"{', '.join(repr(k) for k in PROMPT_KEYS)} or 'turns' field"
+        )
     return value

@@ -22,11 +22,35 @@ from . import validate as V
 from .core.model import Transformer
 from .methods import budget
 from .core.stats import RECORD_FIELDS, BudgetStats, Stats
-from .core.run import (METHODS, GenerationConfig, GenerationError, GenerationResult, Method, Run, chat_token_ids,
-                       drive, register, rounds)
+from .core.run import (
+    METHODS,
+    GenerationConfig,
+    GenerationError,
+    GenerationResult,
+    Method,
+    Run,
+    chat_token_ids,
+    drive,
+    register,
+    rounds,
+)
 
-__all__ = ["generate", "Decoding", "get_method", "METHODS", "GenerationConfig", "GenerationError", "GenerationResult",
-           "Method", "Run", "Stats", "chat_token_ids", "drive", "register", "rounds"]
+__all__ = [
+    "generate",
+    "Decoding",
+    "get_method",
+    "METHODS",
+    "GenerationConfig",
+    "GenerationError",
+    "GenerationResult",
+    "Method",
+    "Run",
+    "Stats",
+    "chat_token_ids",
+    "drive",
+    "register",
+    "rounds",
+]
 
 
 def get_method(name: str) -> Method:
@@ -36,8 +60,10 @@ def get_method(name: str) -> Method:
 
 
 # -- the public entry point --------------------------------------------------------------------
-PROMPT_FORMS = ("a prompt is text (str), a list of token ids, or a 1-D integer tensor; a batch is a list of "
-                "those or a 2-D integer tensor")
+PROMPT_FORMS = (
+    "a prompt is text (str), a list of token ids, or a 1-D integer tensor; a batch is a list of "
+    "those or a 2-D integer tensor"
+)
 
 
 def _is_id(x) -> bool:
@@ -63,14 +89,17 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
         return [int(i) for i in ids]
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-            raise GenerationError(f"a tensor prompt must be 1-D integer token ids, got a {prompt.dim()}-D "
-                                  f"{str(prompt.dtype).removeprefix('torch.')} tensor: {PROMPT_FORMS}")
+            raise GenerationError(
+                f"a tensor prompt must be 1-D integer token ids, got a {prompt.dim()}-D "
+                f"{str(prompt.dtype).removeprefix('torch.')} tensor: {PROMPT_FORMS}"
+            )
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)) or not all(_is_id(i) for i in prompt):
         raise GenerationError(f"cannot read the prompt {V.show(prompt)}: {PROMPT_FORMS}")
     if chat:
-        raise GenerationError("chat=True wraps text in the chat template; token ids are used as given: drop chat=True "
-                              "or pass text")
+        raise GenerationError(
+            "chat=True wraps text in the chat template; token ids are used as given: drop chat=True or pass text"
+        )
     ids = [int(i) for i in prompt]
     if not ids:
         raise GenerationError("the prompt is empty: give at least one token")
@@ -87,8 +116,9 @@ def _split_prompts(prompt) -> tuple[list, bool]:
     """-> (list of single prompts, whether a list was given)."""
     if isinstance(prompt, np.ndarray):  # token ids
         if prompt.dtype.kind not in "iub":
-            raise GenerationError(f"an array prompt must hold integer token ids, got dtype {prompt.dtype}: "
-                                  f"{PROMPT_FORMS}")
+            raise GenerationError(
+                f"an array prompt must hold integer token ids, got dtype {prompt.dtype}: {PROMPT_FORMS}"
+            )
         prompt = torch.as_tensor(prompt)
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2:
@@ -97,8 +127,9 @@ def _split_prompts(prompt) -> tuple[list, bool]:
             V.at_most(prompt.shape[0], MAX_BATCH, "the batch", "split the prompts into several calls")
             return [prompt[i] for i in range(prompt.shape[0])], True
         if prompt.dim() != 1:
-            raise GenerationError(f"a tensor prompt is 1-D (one prompt) or 2-D (a batch), got {prompt.dim()}-D: "
-                                  f"{PROMPT_FORMS}")
+            raise GenerationError(
+                f"a tensor prompt is 1-D (one prompt) or 2-D (a batch), got {prompt.dim()}-D: {PROMPT_FORMS}"
+            )
         return [prompt], False
     if isinstance(prompt, (list, tuple)):
         if not prompt:
@@ -116,8 +147,10 @@ def batched_methods() -> list[str]:
 
 def one_at_a_time(method: str, n: int) -> str:
     """The refusal of a list of ``n`` prompts by a method that decodes one prompt at a time."""
-    return (f"method {method!r} decodes one prompt at a time and was given {n}: call it once per prompt, or use a "
-            f"method that batches ({', '.join(batched_methods())})")
+    return (
+        f"method {method!r} decodes one prompt at a time and was given {n}: call it once per prompt, or use a "
+        f"method that batches ({', '.join(batched_methods())})"
+    )
 
 
 def _check(cond: bool, msg: str):
@@ -125,10 +158,22 @@ def _check(cond: bool, msg: str):
         raise GenerationError(msg)
 
 
-def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-             do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False, quality: float | None = None,
-             **options):
+def generate(
+    model: Transformer,
+    prompt,
+    method: str = "greedy",
+    max_new_tokens: int = 64,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    do_sample: bool | None = None,
+    stop_at_eos: bool = True,
+    chat: bool = False,
+    quality: float | None = None,
+    **options,
+):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
 
     ``prompt`` is text, a list of token ids, or a list of either.  A list decodes as one batch; a
@@ -147,26 +192,51 @@ def generate(model: Transformer, prompt, method: str = "greedy", max_new_tokens:
     whatever its batch-mates.  Without a seed, one base seed is drawn from torch's global generator (so
     ``torch.manual_seed`` makes the call reproducible) and the same rule applies.
     """
-    d = Decoding(model, prompt, method, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                 seed=seed, do_sample=do_sample, stop_at_eos=stop_at_eos, chat=chat, quality=quality, **options)
+    d = Decoding(
+        model,
+        prompt,
+        method,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        do_sample=do_sample,
+        stop_at_eos=stop_at_eos,
+        chat=chat,
+        quality=quality,
+        **options,
+    )
     for _ in d:
         pass
     return d.results if d.many else d.results[0]
 
 
-def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, temperature: float, top_k: int,
-             top_p: float, seed: int | None, do_sample: bool | None, stop_at_eos: bool, chat: bool,
-             options: dict) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
+def _prepare(
+    model: Transformer,
+    prompt,
+    method: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    do_sample: bool | None,
+    stop_at_eos: bool,
+    chat: bool,
+    options: dict,
+) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
     """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
-    _check(isinstance(model, Transformer), f"model must be a layerleap model (layerleap.load(...)), got "
-           f"{type(model).__name__}")
+    _check(
+        isinstance(model, Transformer),
+        f"model must be a layerleap model (layerleap.load(...)), got {type(model).__name__}",
+    )
     m = get_method(method)
     prompts, many = _split_prompts(prompt)
     _check(m.batched or len(prompts) == 1, one_at_a_time(m.name, len(prompts)))
     with V.raising(GenerationError):
         V.integer(max_new_tokens, "max_new_tokens", 1)
-        V.number(temperature, "temperature", V.MIN_TEMPERATURE,
-                 hint=" (use method='greedy' for deterministic output)")
+        V.number(temperature, "temperature", V.MIN_TEMPERATURE, hint=" (use method='greedy' for deterministic output)")
         V.integer(top_k, "top_k", 0, hint=" (0 = off)")
         V.number(top_p, "top_p", 0, 1, lo_open=True)
         if seed is not None:
@@ -177,20 +247,27 @@ def _prepare(model: Transformer, prompt, method: str, max_new_tokens: int, tempe
         V.flag(chat, "chat")
     allowed = m.options()
     unknown = sorted(set(options) - set(allowed))
-    _check(not unknown, f"method {method!r} has no option {', '.join(unknown)}; its options: "
-           f"{', '.join(allowed) or 'none'}")
+    _check(
+        not unknown,
+        f"method {method!r} has no option {', '.join(unknown)}; its options: {', '.join(allowed) or 'none'}",
+    )
     missing = [k for k, d in allowed.items() if d is inspect.Parameter.empty and k not in options]
-    _check(not missing, f"method {method!r} needs the option(s) {', '.join(missing)}: pass them as keyword "
-           "arguments (--opt name=value on the command line)")
+    _check(
+        not missing,
+        f"method {method!r} needs the option(s) {', '.join(missing)}: pass them as keyword "
+        "arguments (--opt name=value on the command line)",
+    )
     do_sample = m.default_sample if do_sample is None else bool(do_sample)
     _check(not do_sample or m.sampling, f"method {method!r} decodes greedily only: drop do_sample=True")
 
     ids = [_encode(model, p, chat) for p in prompts]
     ctx = model.config.max_position
     for i, p in enumerate(ids):
-        _check(len(p) + max_new_tokens <= ctx,
-               f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
-               f"length {ctx}: shorten the prompt or lower max_new_tokens")
+        _check(
+            len(p) + max_new_tokens <= ctx,
+            f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
+            f"length {ctx}: shorten the prompt or lower max_new_tokens",
+        )
     _check_memory(model, [len(p) for p in ids], max_new_tokens)
     eos = tuple(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
@@ -211,14 +288,42 @@ class Decoding:
     does not batch refuses more than one.  Arguments as ``generate``'s; bad ones raise
     ``GenerationError`` here."""
 
-    def __init__(self, model: Transformer, prompt, method: str = "greedy", max_new_tokens: int = 64, *,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 do_sample: bool | None = None, stop_at_eos: bool = True, chat: bool = False,
-                 quality: float | None = None, **options):
-        options, self.budget = budget.resolve(model, get_method(method).name, options, quality) \
-            if isinstance(model, Transformer) else (options, None)
-        m, ids, self.many, self.gen = _prepare(model, prompt, method, max_new_tokens, temperature, top_k, top_p, seed,
-                                               do_sample, stop_at_eos, chat, options)
+    def __init__(
+        self,
+        model: Transformer,
+        prompt,
+        method: str = "greedy",
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        do_sample: bool | None = None,
+        stop_at_eos: bool = True,
+        chat: bool = False,
+        quality: float | None = None,
+        **options,
+    ):
+        options, self.budget = (
+            budget.resolve(model, get_method(method).name, options, quality)
+            if isinstance(model, Transformer)
+            else (options, None)
+        )
+        m, ids, self.many, self.gen = _prepare(
+            model,
+            prompt,
+            method,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            do_sample,
+            stop_at_eos,
+            chat,
+            options,
+        )
         if self.budget is not None and not self.budget.faster_than_greedy:
             warnings.warn(self.budget.note, BudgetWarning, stacklevel=3)
         self.model, self.method, self.options, self.prompt_ids = model, m, options, ids
@@ -274,9 +379,12 @@ def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int) -
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
-    _check(need <= ram // 2, f"the KV cache of {rows} prompt(s) × {max(lengths) + max_new_tokens} positions needs "
-           f"{need / 2**30:.1f} GiB, beyond half of this machine's {ram / 2**30:.0f} GiB: use fewer or shorter prompts "
-           "per call, or lower max_new_tokens")
+    _check(
+        need <= ram // 2,
+        f"the KV cache of {rows} prompt(s) × {max(lengths) + max_new_tokens} positions needs "
+        f"{need / 2**30:.1f} GiB, beyond half of this machine's {ram / 2**30:.0f} GiB: use fewer or shorter prompts "
+        "per call, or lower max_new_tokens",
+    )
 
 
 def _result(model: Transformer, run: Run, row: int, wall: float, method: str) -> GenerationResult:

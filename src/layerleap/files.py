@@ -47,6 +47,7 @@ def write_json(path: str | Path, obj, indent: int = 1) -> Path:
 def save_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> Path:
     """``tensors`` (made contiguous, on the CPU) to a safetensors file; metadata values as strings."""
     from safetensors.torch import save_file
+
     data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     return atomic_write(path, lambda p: save_file(data, str(p), metadata=meta))
@@ -61,6 +62,7 @@ def pyplot():
         raise LayerleapError("this command draws plots and needs matplotlib: pip install 'layerleap[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -69,6 +71,7 @@ def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     import matplotlib.pyplot as plt
 
     from . import validate as V
+
     try:
         V.plot_file(path, "plot")
         return atomic_write(path, lambda p: fig.savefig(p, dpi=dpi))
@@ -107,6 +110,7 @@ def read_report(path: str | Path, what: str, fields: tuple[str, ...] = ("config"
 def read_safetensors_meta(path: str | Path) -> dict:
     """The metadata of a safetensors file; ``ValueError`` for a truncated or foreign file."""
     from safetensors import safe_open
+
     try:
         with safe_open(str(path), "pt") as f:
             return dict(f.metadata() or {})

@@ -26,6 +26,7 @@ class ModelLoader:
     def __call__(self, name: str) -> Transformer:
         if name not in self.models:
             from .core.loading import load
+
             model = load(name, dtype=self.dtype, progress=self.progress)
             self.models[name] = to_device(model, self.device)
             if self.progress is not None:
@@ -36,6 +37,7 @@ class ModelLoader:
 def to_device(model: Transformer, device: str = "cpu") -> Transformer:
     """``model`` on ``device`` ("cpu", "cuda", "cuda:1", …), or a ``LayerleapError`` naming the fix."""
     import torch
+
     try:
         dev = torch.device(device)
     except RuntimeError as e:

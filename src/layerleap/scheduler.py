@@ -41,6 +41,7 @@ from .streaming import TextPieces
 @dataclass(frozen=True)
 class Settings:
     """What one request decodes with: a method, its options and ``generate``'s other arguments."""
+
     method: str
     options: dict = field(default_factory=dict)
     gen: GenerationConfig = field(default_factory=GenerationConfig)  # its EOS fields are Decoding's own
@@ -51,9 +52,19 @@ class Settings:
 
     def decoding(self, model: Transformer, prompts) -> Decoding:
         g = self.gen
-        return Decoding(model, prompts, self.method, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
-                        top_p=g.top_p, seed=g.seed, do_sample=g.do_sample, stop_at_eos=g.stop_at_eos,
-                        **self.options)
+        return Decoding(
+            model,
+            prompts,
+            self.method,
+            g.max_new_tokens,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
+            seed=g.seed,
+            do_sample=g.do_sample,
+            stop_at_eos=g.stop_at_eos,
+            **self.options,
+        )
 
     def batch_key(self, serial: int) -> tuple:
         """Jobs with equal keys may decode as one batch: a batching method with the same options and
@@ -86,8 +97,8 @@ class StopText:
             self.hit, self.held = True, ""
             return text[:at]
         keep = max((j for s in self.stops for j in range(1, len(s)) if text.endswith(s[:j])), default=0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
 
     def finish(self) -> str:
         out, self.held = self.held, ""
@@ -97,6 +108,7 @@ class StopText:
 @dataclass
 class Finish:
     """How a job ended: its result (tokens, stats) and OpenAI's finish reason."""
+
     result: GenerationResult
     reason: str  # "stop" (EOS, a stop string or a stop token) or "length"
     text: str  # all the text sent
@@ -109,8 +121,13 @@ _serial = itertools.count()
 class Job:
     """One request in the queue (see the module docstring for its events)."""
 
-    def __init__(self, prompt_ids: list[int], settings: Settings, stops: list[str] | None = None,
-                 stop_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        settings: Settings,
+        stops: list[str] | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+    ):
         self.prompt_ids, self.settings = prompt_ids, settings
         self.serial = next(_serial)
         self.key = settings.batch_key(self.serial)
@@ -130,7 +147,7 @@ class Job:
         """The row's tokens up to (not including) its first stop token."""
         if self.cut is None and self.stop_token_ids:
             self.cut = next((n for n, t in enumerate(toks) if t in self.stop_token_ids), None)
-        return toks if self.cut is None else toks[:self.cut]
+        return toks if self.cut is None else toks[: self.cut]
 
     def send(self, piece: str) -> None:
         piece = self.stop.push(piece)
@@ -145,8 +162,14 @@ class Job:
             return
         self.send_rest()
         toks = result.token_ids
-        reason = "stop" if self.stop.hit or self.cut is not None or (toks and toks[-1] in eos_ids) or \
-            len(toks) < self.settings.max_new_tokens else "length"
+        reason = (
+            "stop"
+            if self.stop.hit
+            or self.cut is not None
+            or (toks and toks[-1] in eos_ids)
+            or len(toks) < self.settings.max_new_tokens
+            else "length"
+        )
         self.finished, self.reason = True, reason
         n = len(toks) if self.cut is None else self.cut
         self.events.put_nowait(("done", Finish(result, reason, "".join(self.text), n)))
@@ -263,10 +286,17 @@ class _Row:
     def result(self, model: Transformer, batch: int) -> GenerationResult:
         wall = time.perf_counter() - self.t0
         n = len(self.out)
-        stats = {"method": self.job.settings.method, "new_tokens": n, "prompt_tokens": len(self.job.prompt_ids),
-                 "model_calls": self.calls, "tokens_per_call": n / max(1, self.calls), "wall_s": wall,
-                 "tokens_per_s": n / wall if wall > 0 else 0.0,
-                 "ttft_s": None if self.t_first is None else self.t_first - self.t0, "batch": batch}
+        stats = {
+            "method": self.job.settings.method,
+            "new_tokens": n,
+            "prompt_tokens": len(self.job.prompt_ids),
+            "model_calls": self.calls,
+            "tokens_per_call": n / max(1, self.calls),
+            "wall_s": wall,
+            "tokens_per_s": n / wall if wall > 0 else 0.0,
+            "ttft_s": None if self.t_first is None else self.t_first - self.t0,
+            "batch": batch,
+        }
         if self.job.cancelled:
             stats["cancelled"] = True
         text = model.tokenizer.decode(self.out, skip_special_tokens=True) if model.tokenizer is not None else ""
@@ -315,7 +345,7 @@ class Pool:
         size = min(self.model.config.max_position + 1, max(need, 2 * old.max_len if old else 512))
         self.cache = self.model.new_cache(self.rows, max(size, need))
         if old is not None:
-            for i, r in enumerate(self.decoding):
+            for i, _ in enumerate(self.decoding):
                 n = int(old.lengths[0, i])
                 self.cache.k[:, i, :, :n] = old.k[:, i, :, :n]
                 self.cache.v[:, i, :, :n] = old.v[:, i, :, :n]
@@ -324,14 +354,19 @@ class Pool:
     def _view(self, n: int) -> KVCache:
         """Rows ``[0, n)`` of the pool's cache as a cache (views: writes land in the pool's)."""
         c, view = self.cache, KVCache.__new__(KVCache)
-        view.k, view.v, view.lengths, view.pad, view.max_len = c.k[:, :n], c.v[:, :n], c.lengths[:, :n], c.pad[:n], \
-            c.max_len
+        view.k, view.v, view.lengths, view.pad, view.max_len = (
+            c.k[:, :n],
+            c.v[:, :n],
+            c.lengths[:, :n],
+            c.pad[:n],
+            c.max_len,
+        )
         return view
 
     def _prefill(self, r: _Row) -> None:
         """One chunk of ``r``'s prompt; at the end, its first token and its move into the pool."""
         ids = r.job.prompt_ids
-        part = ids[r.done_ids:r.done_ids + self.chunk]
+        part = ids[r.done_ids : r.done_ids + self.chunk]
         m = self.model
         x = torch.tensor([part], dtype=torch.long, device=m.device)
         positions = torch.arange(r.done_ids, r.done_ids + len(part), device=m.device).unsqueeze(0)  # [1, S]
@@ -364,7 +399,7 @@ class Pool:
         self.widest = max(self.widest, n)
         for i, r in enumerate(self.decoding):
             r.calls += 1
-            r.emit(r.choose(logits[i:i + 1]))
+            r.emit(r.choose(logits[i : i + 1]))
 
     def _leave(self, r: _Row) -> None:
         """``r``'s row is taken by the last decoding row."""
@@ -438,12 +473,22 @@ class Scheduler:
     ``idle()``, while ``has_idle_work()``, runs one short step of background work (in the worker thread)
     whenever no request waits or runs."""
 
-    def __init__(self, model: Transformer, max_batch: int = 8, max_running: int = 2, max_waiting: int = 256,
-                 on_batch_done: Callable[[Batch], None] | None = None, queue_timeout: float = 600.0,
-                 on_cancel: Callable[[Job, str], None] | None = None, on_timeout: Callable[[], None] | None = None,
-                 idle: Callable[[], None] | None = None, has_idle_work: Callable[[], bool] = lambda: False,
-                 on_rows_done: Callable[[list, int], None] | None = None, pool_rows: int = 0,
-                 prefill_chunk: int = 512):
+    def __init__(
+        self,
+        model: Transformer,
+        max_batch: int = 8,
+        max_running: int = 2,
+        max_waiting: int = 256,
+        on_batch_done: Callable[[Batch], None] | None = None,
+        queue_timeout: float = 600.0,
+        on_cancel: Callable[[Job, str], None] | None = None,
+        on_timeout: Callable[[], None] | None = None,
+        idle: Callable[[], None] | None = None,
+        has_idle_work: Callable[[], bool] = lambda: False,
+        on_rows_done: Callable[[list, int], None] | None = None,
+        pool_rows: int = 0,
+        prefill_chunk: int = 512,
+    ):
         self.model, self.max_batch, self.max_running, self.max_waiting = model, max_batch, max_running, max_waiting
         self.queue_timeout = queue_timeout
         self.on_batch_done = on_batch_done or (lambda batch: None)
@@ -512,8 +557,12 @@ class Scheduler:
         for job in [j for j in self.waiting if now - j.t_submit > self.queue_timeout]:
             self.waiting.remove(job)
             self.on_timeout()
-            job.fail(QueueTimeout(f"the request waited {now - job.t_submit:.0f} s in the queue, over the server's "
-                                  f"limit of {self.queue_timeout:g} s: retry later"))
+            job.fail(
+                QueueTimeout(
+                    f"the request waited {now - job.t_submit:.0f} s in the queue, over the server's "
+                    f"limit of {self.queue_timeout:g} s: retry later"
+                )
+            )
 
     def _admit(self) -> None:
         """Plain-decoding jobs join the pool while it has free rows; of the others, while fewer than
@@ -521,14 +570,14 @@ class Scheduler:
         ``max_batch``) become a new batch."""
         self._expire()
         if self.pool is not None:
-            for job in [j for j in self.waiting if Pool.takes(j)][:self.pool.free()]:
+            for job in [j for j in self.waiting if Pool.takes(j)][: self.pool.free()]:
                 self.waiting.remove(job)
                 self.pool.add(job)
         while len(self.running) < self.max_running:
             rest = [j for j in self.waiting if not self._pooled(j)]
             if not rest:
                 break
-            jobs = [j for j in rest if j.key == rest[0].key][:self.max_batch]
+            jobs = [j for j in rest if j.key == rest[0].key][: self.max_batch]
             self.waiting = [j for j in self.waiting if j not in jobs]
             try:
                 self.running.append(Batch(self.model, jobs))

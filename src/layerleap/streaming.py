@@ -39,12 +39,14 @@ class TextPieces:
     def finish(self, tokens: list[int]) -> str:
         text = self._decode(tokens)
         if not text.startswith(self.sent):
-            raise GenerationError("the tokenizer decoded a token sequence to text that does not extend the "
-                                  "text already streamed: this tokenizer cannot be streamed")
+            raise GenerationError(
+                "the tokenizer decoded a token sequence to text that does not extend the "
+                "text already streamed: this tokenizer cannot be streamed"
+            )
         return self._take(text)
 
     def _take(self, text: str) -> str:
-        piece, self.sent = text[len(self.sent):], text
+        piece, self.sent = text[len(self.sent) :], text
         return piece
 
 

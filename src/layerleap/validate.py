@@ -33,8 +33,24 @@ from .errors import LayerleapError
 MIN_TEMPERATURE = 1e-6  # below it logits / temperature overflow float32 (and sampling is greedy anyway)
 SEED_MAX = 2**32 - 1  # training seeds are multiplied by ~1e6 and must stay inside torch's 64-bit seeds
 MAX_LIST = 100  # items in a comma list on the command line
-PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".avif",
-                 ".eps", ".ps", ".pgf", ".raw", ".rgba")  # matplotlib's Agg formats
+PLOT_SUFFIXES = (
+    ".png",
+    ".pdf",
+    ".svg",
+    ".svgz",
+    ".jpg",
+    ".jpeg",
+    ".tif",
+    ".tiff",
+    ".webp",
+    ".gif",
+    ".avif",
+    ".eps",
+    ".ps",
+    ".pgf",
+    ".raw",
+    ".rgba",
+)  # matplotlib's Agg formats
 TABLE_SUFFIXES = (".md", ".markdown", ".txt")
 HTML_SUFFIXES = (".html", ".htm")
 WEIGHTS_SUFFIXES = (".safetensors",)
@@ -89,8 +105,16 @@ def integer(value, name: str, lo: int | None = None, hi: int | None = None, hint
     return v
 
 
-def number(value, name: str, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-           hi_open: bool = False, hint: str = "") -> float:
+def number(
+    value,
+    name: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    hint: str = "",
+) -> float:
     """A finite real number (not ``bool``) within the bounds (``lo_open``/``hi_open``: strict)."""
     want = f"must be a finite number{_bounds(lo, hi, lo_open, hi_open)}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -134,8 +158,9 @@ def text(value, name: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InputError(_say(name, f"is not valid UTF-8 text (character {e.start} cannot be encoded): give "
-                                    "UTF-8 text")) from None
+        raise InputError(
+            _say(name, f"is not valid UTF-8 text (character {e.start} cannot be encoded): give UTF-8 text")
+        ) from None
     return value
 
 
@@ -151,8 +176,10 @@ def utf8(data: bytes, what: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{what} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}): convert it to "
-                         "UTF-8 (e.g. iconv -t utf-8)") from None
+        raise InputError(
+            f"{what} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}): convert it to "
+            "UTF-8 (e.g. iconv -t utf-8)"
+        ) from None
 
 
 def at_most(value: int | float, most: int | float, name: str, fix: str) -> None:
@@ -241,8 +268,9 @@ def report_file(value, name: str) -> Path:
         except (OSError, ValueError):
             ok = False
         if not ok:
-            raise InputError(_say(name, f"{p} exists and is not a layerleap report: choose another file name "
-                                        "(or delete it)"))
+            raise InputError(
+                _say(name, f"{p} exists and is not a layerleap report: choose another file name (or delete it)")
+            )
     return p
 
 
@@ -285,11 +313,13 @@ def input_file(value, name: str, what: str = "file") -> Path:
 # -- argparse types -------------------------------------------------------------------------------
 def _as_arg(check: Callable, convert: Callable | None = None, label: str = "value") -> Callable[[str], object]:
     """``check(value, "")`` as an argparse type over the text (parsed by ``convert`` first)."""
+
     def parse(text: str):
         try:
             return check(convert(text) if convert else text)
         except LayerleapError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     parse.__name__ = label
     return parse
 
@@ -313,11 +343,11 @@ def int_arg(lo: int | None = None, hi: int | None = None, hint: str = "") -> Cal
     return _as_arg(lambda t: integer(_int_text(t, lo, hi, hint), "", lo, hi, hint), label="integer")
 
 
-def float_arg(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-              hi_open: bool = False) -> Callable[[str], float]:
+def float_arg(
+    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False
+) -> Callable[[str], float]:
     want = f"finite number{_bounds(lo, hi, lo_open, hi_open)}"
-    return _as_arg(lambda t: number(_float_text(t, want), "", lo, hi, lo_open=lo_open, hi_open=hi_open),
-                   label="number")
+    return _as_arg(lambda t: number(_float_text(t, want), "", lo, hi, lo_open=lo_open, hi_open=hi_open), label="number")
 
 
 positive_int = int_arg(1)
@@ -336,17 +366,22 @@ def threads_arg(text: str) -> int:
 
 def int_list_arg(lo: int | None = None, hi: int | None = None, none: bool = False) -> Callable[[str], list[int]]:
     """A comma list of integers (``none`` allows the word 'none' or '' for an empty list)."""
+
     def check(t: str) -> list[int]:
         return _items(t, none, lambda s: integer(_int_text(s, lo, hi), "", lo, hi))
+
     return _as_arg(check, label="integer list")
 
 
-def float_list_arg(lo: float | None = None, hi: float | None = None, none: bool = False,
-                   allow_inf: bool = False) -> Callable[[str], list[float]]:
+def float_list_arg(
+    lo: float | None = None, hi: float | None = None, none: bool = False, allow_inf: bool = False
+) -> Callable[[str], list[float]]:
     """A comma list of finite numbers (``allow_inf``: also 'inf')."""
+
     def one(s: str) -> float:
         v = _float_text(s, f"finite number{_bounds(lo, hi)}")
         return v if allow_inf and v == math.inf else number(v, "", lo, hi)
+
     return _as_arg(lambda t: _items(t, none, one), label="number list")
 
 
@@ -381,14 +416,17 @@ in_file_arg = _file_arg(input_file, "file")
 
 def name_or_file_arg(names: tuple[str, ...], what: str) -> Callable[[str], str]:
     """One of ``names`` or an existing file (e.g. an exit head: auto, shared, trained or a heads file)."""
+
     def check(t: str) -> str:
         if t in names:
             return t
         p = path(t, "")
         if not p.is_file():
-            raise InputError(f"{show(t)} is neither one of {', '.join(names)} nor an existing {what}: give one of "
-                             "those")
+            raise InputError(
+                f"{show(t)} is neither one of {', '.join(names)} nor an existing {what}: give one of those"
+            )
         return input_file(t, "", what) and t
+
     return _as_arg(check, label=what)
 
 

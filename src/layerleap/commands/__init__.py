@@ -17,13 +17,14 @@ GROUP_HELP = {  # the group commands' own help lines
     "sweep": "sweep a method's thresholds: quality against latency",
     "theory": "a method's theory: formulas, simulation and trade-off plots",
     "heads": "exit heads and drafter weight files: restrict to a sub-vocabulary, show what a file holds, upgrade "
-             "an older one",
+    "an older one",
 }
 
 
 def command(*names: str, help: str):
     """Register ``setup(parser)`` for each subcommand in ``names`` ("generate", or "group member");
     the decorated function is ``run(args) -> int``."""
+
     def deco(setup: Callable):
         def with_run(run: Callable):
             for name in names:
@@ -31,5 +32,7 @@ def command(*names: str, help: str):
                     raise RuntimeError(f"layerleap command {name!r} is registered twice")
                 _COMMANDS[name] = (help, setup, run)
             return run
+
         return with_run
+
     return deco

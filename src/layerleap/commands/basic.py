@@ -33,6 +33,7 @@ from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
 from ..options import ModelLoader, resolve_models, to_device
 from ..eval.report import write_html_report
 from ..streaming import stream
+
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 DEMO_CATEGORIES = "qa,summarization"
 DEMO_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "seed": 0}  # greedy methods ignore these
@@ -47,6 +48,7 @@ _model_arg = V._as_arg(lambda t: check_model(t, ""), label="model")
 def _device(text: str) -> str:
     """``--device``: a torch device that exists here."""
     import torch
+
     try:
         dev = torch.device(text.strip())
     except (RuntimeError, ValueError):
@@ -59,21 +61,34 @@ def _device(text: str) -> str:
 
 
 def _model_args(p, dtype: str = "float32") -> None:
-    p.add_argument("--model", type=_model_arg, default=DEFAULT_MODEL, help=f"packaged model name or Hugging Face "
-                   f"folder (default {DEFAULT_MODEL})")
+    p.add_argument(
+        "--model",
+        type=_model_arg,
+        default=DEFAULT_MODEL,
+        help=f"packaged model name or Hugging Face folder (default {DEFAULT_MODEL})",
+    )
     p.add_argument("--dtype", default=dtype, choices=list(DTYPES), help=f"weight dtype (default {dtype})")
-    p.add_argument("--device", type=_device, default="cpu",
-                   help="torch device for the model(s), e.g. cuda (default cpu)")
+    p.add_argument(
+        "--device", type=_device, default="cpu", help="torch device for the model(s), e.g. cuda (default cpu)"
+    )
     p.add_argument("--threads", type=V.threads_arg, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--variant", default=None, help="a fine-tuned variant of --model: a shipped name (e.g. "
-                   "skipdecode-2x, calm) or a .safetensors file of `layerleap finetune variant`")
+    p.add_argument(
+        "--variant",
+        default=None,
+        help="a fine-tuned variant of --model: a shipped name (e.g. "
+        "skipdecode-2x, calm) or a .safetensors file of `layerleap finetune variant`",
+    )
 
 
 def _sampling_args(p) -> None:
     p.add_argument("--temperature", type=V.temperature_arg, default=None, help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=V.nonneg_int, default=None, help="keep the k most likely tokens (default 0: off)")
-    p.add_argument("--top-p", type=V.float_arg(0.0, 1.0, lo_open=True), default=None,
-                   help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument(
+        "--top-p",
+        type=V.float_arg(0.0, 1.0, lo_open=True),
+        default=None,
+        help="nucleus sampling mass (default 1.0: off)",
+    )
     p.add_argument("--seed", type=V.seed_arg, default=None, help=f"random seed for sampling (0 .. {V.SEED_MAX})")
 
 
@@ -93,12 +108,16 @@ def _threads(n: int | None) -> int:
 
 
 def _load(args, name: str | None = None):
-    """The model ``--model`` (or ``name``) with ``--dtype`` (and ``--variant``, for ``--model`` only), on ``--device``."""
+    """The model ``--model`` (or ``name``) with ``--dtype`` (and ``--variant``, for ``--model`` only), on
+    ``--device``."""
     from ..drafters.variants import load as load_variant
+
     variant = getattr(args, "variant", None) if name is None else None
     name = name or args.model
     t = time.perf_counter()
-    model = to_device(load_variant(name, dtype=args.dtype, progress=_say, variant=variant), getattr(args, "device", "cpu"))
+    model = to_device(
+        load_variant(name, dtype=args.dtype, progress=_say, variant=variant), getattr(args, "device", "cpu")
+    )
     _say(f"loaded {name}{f' variant {variant}' if variant else ''} ({args.dtype}) in {time.perf_counter() - t:.1f} s")
     _check_sizes(model, args)
     return model
@@ -111,8 +130,10 @@ def _check_sizes(model, args) -> None:
     for opt in ("max_new_tokens", "context"):
         n = getattr(args, opt, None)
         if isinstance(n, int) and n >= ctx:
-            raise LayerleapError(f"--{opt.replace('_', '-')} {n} is beyond {model.config.name}'s context of {ctx} "
-                                 f"tokens: give at most {ctx - 1}")
+            raise LayerleapError(
+                f"--{opt.replace('_', '-')} {n} is beyond {model.config.name}'s context of {ctx} "
+                f"tokens: give at most {ctx - 1}"
+            )
 
 
 def _ram_mb() -> int:
@@ -161,57 +182,82 @@ def _check_writable(path: str | None, flag: str = "--json") -> None:
 
 def _model_line(model, threads: int) -> str:
     import transformers
-    return (f"model {model.config.name} ({model.dtype_name}), threads {threads}, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} cores")
+
+    return (
+        f"model {model.config.name} ({model.dtype_name}), threads {threads}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} cores"
+    )
 
 
 # -- generate ---------------------------------------------------------------------------------------
 @command("generate", help="generate text from a prompt (or a file of prompts) with one decoding method")
 def _setup_generate(p):
     _model_args(p)
-    p.add_argument("--method", default="greedy", help=f"decoding method: {', '.join(METHODS)} (default greedy; "
-                   "`layerleap methods` lists them with their options)")
+    p.add_argument(
+        "--method",
+        default="greedy",
+        help=f"decoding method: {', '.join(METHODS)} (default greedy; "
+        "`layerleap methods` lists them with their options)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", type=V.text_arg, help="the prompt text ('-' reads stdin, UTF-8)")
-    src.add_argument("--prompts-file", type=V.in_file_arg, metavar="FILE",
-                     help="prompts decoded as one batch (one after another, said on stderr, for a method that does "
-                     "not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text' or "
-                     "Spec-Bench 'turns' a line; any other file one prompt a line")
+    src.add_argument(
+        "--prompts-file",
+        type=V.in_file_arg,
+        metavar="FILE",
+        help="prompts decoded as one batch (one after another, said on stderr, for a method that does "
+        "not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text' or "
+        "Spec-Bench 'turns' a line; any other file one prompt a line",
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _sampling_args(p)
     _opt_arg(p, "NAME=VALUE", "a method option (repeatable)")
-    p.add_argument("--quality", type=V.float_arg(0.0, 1.0, lo_open=True), default=None,
-                   help="lossy methods (skipdecode, calm, early-exit, bild): the share of greedy's quality to keep; "
-                        "runs the setting `layerleap calibrate` chose for it (default: the calibrated 0.95 setting "
-                        "where one exists, unless --opt sets the method's knobs)")
+    p.add_argument(
+        "--quality",
+        type=V.float_arg(0.0, 1.0, lo_open=True),
+        default=None,
+        help="lossy methods (skipdecode, calm, early-exit, bild): the share of greedy's quality to keep; "
+        "runs the setting `layerleap calibrate` chose for it (default: the calibrated 0.95 setting "
+        "where one exists, unless --opt sets the method's knobs)",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print the text as tokens are accepted")
-    out.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) per prompt, "
-                     "one a line")
+    out.add_argument(
+        "--json", action="store_true", help="print one JSON object (text, token_ids, stats) per prompt, one a line"
+    )
 
 
 def _opt_arg(p, metavar: str, what: str) -> None:
-    p.add_argument("--opt", action="append", metavar=metavar, help=f"{what}; a value is read as an int, float, "
-                   "true/false, none, a list when it has commas (schedule=30,28,26, tree=2,1,1), JSON when it starts "
-                   "with [ or {, else text; draft= and small= name a model (a packaged name or a folder), loaded "
-                   "with --dtype and --device")
+    p.add_argument(
+        "--opt",
+        action="append",
+        metavar=metavar,
+        help=f"{what}; a value is read as an int, float, "
+        "true/false, none, a list when it has commas (schedule=30,28,26, tree=2,1,1), JSON when it starts "
+        "with [ or {, else text; draft= and small= name a model (a packaged name or a folder), loaded "
+        "with --dtype and --device",
+    )
 
 
 def _stats_line(stats: dict, threads: int) -> str:
     ttft = f", first token {stats['ttft_s']:.3f} s" if stats.get("ttft_s") is not None else ""
-    return (f"[{stats['method']}] {stats['new_tokens']} tokens in {stats['wall_s']:.2f} s "
-            f"({stats['tokens_per_s']:.1f} tok/s{ttft}), {stats['model_calls']} model calls, "
-            f"{stats['layers_per_token']:.1f} layers/token, {stats['tokens_per_call']:.2f} tokens/call, "
-            f"threads {threads}")
+    return (
+        f"[{stats['method']}] {stats['new_tokens']} tokens in {stats['wall_s']:.2f} s "
+        f"({stats['tokens_per_s']:.1f} tok/s{ttft}), {stats['model_calls']} model calls, "
+        f"{stats['layers_per_token']:.1f} layers/token, {stats['tokens_per_call']:.2f} tokens/call, "
+        f"threads {threads}"
+    )
 
 
 def _generate_prompts(args) -> list[str] | str:
     if args.prompts_file:
         prompts = read_prompts_file(args.prompts_file)
         if args.stream and len(prompts) > 1:
-            raise LayerleapError(f"--stream prints one prompt's text as it comes; {args.prompts_file} holds "
-                                 f"{len(prompts)}: drop --stream, or use --prompt")
+            raise LayerleapError(
+                f"--stream prints one prompt's text as it comes; {args.prompts_file} holds "
+                f"{len(prompts)}: drop --stream, or use --prompt"
+            )
         return prompts
     prompt = _read_stdin() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -233,8 +279,9 @@ def _method_options(method: str, items: list[str] | None, quality: float | None 
     options = dict(bench.parse_assignments(items))
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise LayerleapError(f"method {method!r} has no option {', '.join(unknown)}; its options: "
-                             f"{', '.join(allowed) or 'none'}")
+        raise LayerleapError(
+            f"method {method!r} has no option {', '.join(unknown)}; its options: {', '.join(allowed) or 'none'}"
+        )
     missing = bench.required_options(method, options)
     if missing and quality is None:  # with --quality, the calibration sets it (or generate names the fix)
         raise LayerleapError(f"method {method!r} needs the option {missing[0]}: add --opt {missing[0]}=VALUE")
@@ -267,8 +314,14 @@ def run_generate(args) -> int:
 
 def _generate(args, model, prompts, kwargs: dict, threads: int) -> int:
     if args.stream:
-        s = stream(model, prompts[0] if isinstance(prompts, list) else prompts, args.method, args.max_new_tokens,
-                   chat=args.chat, **kwargs)
+        s = stream(
+            model,
+            prompts[0] if isinstance(prompts, list) else prompts,
+            args.method,
+            args.max_new_tokens,
+            chat=args.chat,
+            **kwargs,
+        )
         for piece in s:
             print(piece, end="", flush=True)
         print()
@@ -289,14 +342,21 @@ def _generate_with_progress(model, prompts, args, kwargs):
     A list of prompts decodes as one batch, or, for a method that does not batch, one prompt after
     another (said on stderr)."""
     from tqdm.auto import tqdm
+
     many = isinstance(prompts, list)
     calls = [prompts]
     if many and not get_method(args.method).batched:
-        _say(f"method {args.method!r} decodes one prompt at a time: decoding the {len(prompts)} prompts one after "
-             "another")
+        _say(
+            f"method {args.method!r} decodes one prompt at a time: decoding the {len(prompts)} prompts one after "
+            "another"
+        )
         calls = [[p] for p in prompts]
-    bar = tqdm(total=(len(prompts) if many else 1) * args.max_new_tokens, desc=f"generate ({args.method})",
-               unit="tok", leave=False)
+    bar = tqdm(
+        total=(len(prompts) if many else 1) * args.max_new_tokens,
+        desc=f"generate ({args.method})",
+        unit="tok",
+        leave=False,
+    )
     results, done = [], 0
     try:
         for call in calls:
@@ -325,30 +385,45 @@ def _option_text(value) -> str:
 def methods_table() -> dict:
     """Every registered method: its options (with defaults) and flags."""
     from ..decoding import METHODS as registry
-    return {name: {"exact": m.exact, "batches": m.batched, "samples": m.sampling,
-                   "samples_by_default": m.default_sample,
-                   "options": {k: (None if v is inspect.Parameter.empty else v) for k, v in m.options().items()},
-                   "required": [k for k, v in m.options().items() if v is inspect.Parameter.empty],
-                   "model_options": list(m.models), "description": m.description}
-            for name, m in registry.items()}
+
+    return {
+        name: {
+            "exact": m.exact,
+            "batches": m.batched,
+            "samples": m.sampling,
+            "samples_by_default": m.default_sample,
+            "options": {k: (None if v is inspect.Parameter.empty else v) for k, v in m.options().items()},
+            "required": [k for k, v in m.options().items() if v is inspect.Parameter.empty],
+            "model_options": list(m.models),
+            "description": m.description,
+        }
+        for name, m in registry.items()
+    }
 
 
 @_setup_methods
 def run_methods(args) -> int:
     from ..decoding import METHODS as registry
+
     if args.json:
         print(json.dumps(methods_table(), default=str))
         return 0
     yes = {True: "yes", False: "-"}
     print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7}  options (default)")
     for name, m in registry.items():
-        opts = ", ".join(f"{k}={_option_text(v)}" + (" (a model)" if k in m.models else "")
-                         for k, v in m.options().items()) or "-"
+        opts = (
+            ", ".join(
+                f"{k}={_option_text(v)}" + (" (a model)" if k in m.models else "") for k, v in m.options().items()
+            )
+            or "-"
+        )
         print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {opts}")
         print(f"{'':16} {m.description}")
-    print("\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
-          "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p "
-          "sampling.  Options go in as --opt NAME=VALUE.")
+    print(
+        "\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
+        "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p "
+        "sampling.  Options go in as --opt NAME=VALUE."
+    )
     return 0
 
 
@@ -356,13 +431,21 @@ def run_methods(args) -> int:
 @command("info", help="model facts, measured memory bandwidth and the decoding roofline")
 def _setup_info(p):
     _model_args(p)
-    p.add_argument("--context", type=_positive_int, default=512,
-                   help="tokens in the KV cache for the roofline (default 512)")
-    p.add_argument("--buffer-mb", type=V.int_arg(1, _ram_mb() // 4, "; at most a quarter of this machine's memory"),
-                   default=256, help="bandwidth test buffer (default 256 MB)")
+    p.add_argument(
+        "--context", type=_positive_int, default=512, help="tokens in the KV cache for the roofline (default 512)"
+    )
+    p.add_argument(
+        "--buffer-mb",
+        type=V.int_arg(1, _ram_mb() // 4, "; at most a quarter of this machine's memory"),
+        default=256,
+        help="bandwidth test buffer (default 256 MB)",
+    )
     p.add_argument("--repeats", type=V.int_arg(1, 1000), default=5, help="bandwidth timings, best kept (default 5)")
-    p.add_argument("--call-cost", action="store_true",
-                   help="also time one model call over 1, 2, 4, 8 and 16 new tokens at a 256-token context")
+    p.add_argument(
+        "--call-cost",
+        action="store_true",
+        help="also time one model call over 1, 2, 4, 8 and 16 new tokens at a 256-token context",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -371,16 +454,28 @@ def model_info(model, threads: int, context: int, buffer_mb: int, repeats: int) 
     bw = roofline.measure_bandwidth(model.dtype, buffer_mb, repeats, cols=c.hidden_size)
     params = model.n_params()
     return {
-        "model": c.name, "source": model.source, "model_type": c.model_type, "fingerprint": model.fingerprint,
-        "dtype": model.dtype_name, "threads": threads, "cpu": kernels.cpu_signature(),
-        "layers": c.n_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
-        "max_position": c.max_position, "tie_embeddings": c.tie_embeddings,
+        "model": c.name,
+        "source": model.source,
+        "model_type": c.model_type,
+        "fingerprint": model.fingerprint,
+        "dtype": model.dtype_name,
+        "threads": threads,
+        "cpu": kernels.cpu_signature(),
+        "layers": c.n_layers,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "heads": c.n_heads,
+        "kv_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size,
+        "max_position": c.max_position,
+        "tie_embeddings": c.tie_embeddings,
         "parameters": params,
         "weight_bytes": model.weight_bytes() if model.dtype_name == "q4" else params * model.dtype.itemsize,
         "resident_weight_bytes": model.weight_bytes(),
         "kv_bytes_per_token": roofline.kv_bytes_per_token(model),
-        "bandwidth": vars(bw), "roofline": roofline.roofline(model, bw, context).to_dict(),
+        "bandwidth": vars(bw),
+        "roofline": roofline.roofline(model, bw, context).to_dict(),
     }
 
 
@@ -402,14 +497,23 @@ def format_info(d: dict) -> str:
         ("parameters", f"{d['parameters'] / 1e6:.1f} M"),
         ("weights", f"{_mb(d['weight_bytes'])} ({_mb(d['resident_weight_bytes'])} resident)"),
         ("KV cache", f"{d['kv_bytes_per_token'] / 1e3:.1f} KB per token"),
-        ("bandwidth", f"{bw['sum_gbs']:.1f} GB/s x.sum(), {bw['gemv_gbs']:.1f} GB/s gemv (F.linear of 1 row by "
-                      f"{'x'.join(map(str, bw['gemv_shape']))} {'column' if bw['column_major'] else 'row'}-major; "
-                      f"{bw['buffer_mb']:.0f} MB {bw['dtype']}, best of {bw['repeats']})"),
-        ("read/token", f"{_mb(rl['bytes_per_token'])} = {_mb(rl['weight_bytes_per_token'])} weights + "
-                       f"{rl['context']} × {rl['kv_bytes_per_token'] / 1e3:.1f} KB KV cache"),
-        ("roofline", f"{rl['ms_per_token_gemv']:.1f} ms/token = {rl['tokens_per_s_gemv']:.1f} tok/s at gemv "
-                     f"bandwidth; {rl['ms_per_token_sum']:.1f} ms/token = {rl['tokens_per_s_sum']:.1f} tok/s "
-                     f"at x.sum() bandwidth"),
+        (
+            "bandwidth",
+            f"{bw['sum_gbs']:.1f} GB/s x.sum(), {bw['gemv_gbs']:.1f} GB/s gemv (F.linear of 1 row by "
+            f"{'x'.join(map(str, bw['gemv_shape']))} {'column' if bw['column_major'] else 'row'}-major; "
+            f"{bw['buffer_mb']:.0f} MB {bw['dtype']}, best of {bw['repeats']})",
+        ),
+        (
+            "read/token",
+            f"{_mb(rl['bytes_per_token'])} = {_mb(rl['weight_bytes_per_token'])} weights + "
+            f"{rl['context']} × {rl['kv_bytes_per_token'] / 1e3:.1f} KB KV cache",
+        ),
+        (
+            "roofline",
+            f"{rl['ms_per_token_gemv']:.1f} ms/token = {rl['tokens_per_s_gemv']:.1f} tok/s at gemv "
+            f"bandwidth; {rl['ms_per_token_sum']:.1f} ms/token = {rl['tokens_per_s_sum']:.1f} tok/s "
+            f"at x.sum() bandwidth",
+        ),
     ]
     return "\n".join(f"{k:<12} {v}" for k, v in rows)
 
@@ -435,34 +539,65 @@ def run_info(args) -> int:
 @command("bench", help="time methods against greedy and transformers on Spec-Bench prompts")
 def _setup_bench(p):
     _model_args(p)
-    p.add_argument("--methods", default=None, help="comma-separated METHOD or LABEL=METHOD (default: every "
-                   "method that needs no extra model); plain greedy is always run as the reference")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated METHOD or LABEL=METHOD (default: every "
+        "method that needs no extra model); plain greedy is always run as the reference",
+    )
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
     p.add_argument("--prompts", type=_positive_int, default=1, help="prompts per category (default 1)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--data", type=V.in_file_arg, default=None,
-                   help="a Spec-Bench question.jsonl (default: the shipped copy)")
-    p.add_argument("--baseline-hf", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time transformers generate on the same weights (default on)")
+    p.add_argument(
+        "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
+    )
+    p.add_argument(
+        "--baseline-hf",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time transformers generate on the same weights (default on)",
+    )
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _sampling_args(p)
     _opt_arg(p, "METHOD.NAME=VALUE", "a method option; METHOD is a label or a method name (repeatable)")
-    p.add_argument("--hf-extra", action="append", metavar="lookup[:N]|early-exit:E",
-                   help="also time transformers' prompt lookup (N draft tokens, default 10) or its "
-                        "assistant_early_exit=E self-speculative decoding (repeatable)")
-    p.add_argument("--call-cost", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure the call-cost curve into the report first (default on, ~5 s)")
-    p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure each lossy method's quality beside its speed: agreement with greedy's text, the "
-                        "reference score where the data has one, perplexity against greedy's (default on)")
-    p.add_argument("--repeat", type=V.int_arg(1, 20), default=1, metavar="N",
-                   help="run each prompt's methods N rounds, round-robin, and keep each one's fastest run "
-                        "(for a shared, busy machine; default 1, at most 20)")
-    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
-                   help="write the report here (after every prompt)")
-    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=None,
-                   help="also write the report as one self-contained "
-                   "HTML page with charts")
+    p.add_argument(
+        "--hf-extra",
+        action="append",
+        metavar="lookup[:N]|early-exit:E",
+        help="also time transformers' prompt lookup (N draft tokens, default 10) or its "
+        "assistant_early_exit=E self-speculative decoding (repeatable)",
+    )
+    p.add_argument(
+        "--call-cost",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the call-cost curve into the report first (default on, ~5 s)",
+    )
+    p.add_argument(
+        "--quality",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure each lossy method's quality beside its speed: agreement with greedy's text, the "
+        "reference score where the data has one, perplexity against greedy's (default on)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=V.int_arg(1, 20),
+        default=1,
+        metavar="N",
+        help="run each prompt's methods N rounds, round-robin, and keep each one's fastest run "
+        "(for a shared, busy machine; default 1, at most 20)",
+    )
+    p.add_argument(
+        "--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the report here (after every prompt)"
+    )
+    p.add_argument(
+        "--html",
+        metavar="OUT.html",
+        type=V.html_arg,
+        default=None,
+        help="also write the report as one self-contained HTML page with charts",
+    )
 
 
 def _bench_header(args, model, threads: int, n_prompts: int) -> str:
@@ -487,10 +622,21 @@ def run_bench(args) -> int:
         methods = _usable(model, methods)
     print(_bench_header(args, model, threads, len(prompts)), flush=True)
     hf_extra = dict(bench.parse_hf_extra(x, model.config.n_layers) for x in args.hf_extra or [])
-    result = bench.run_bench(model, methods, prompts, args.max_new_tokens, hf_baseline=args.baseline_hf,
-                             chat=args.chat, sampling=_sampling(args), out=args.json,
-                             config={"command": _command_line(args)}, call_cost=args.call_cost, hf_extra=hf_extra,
-                             repeat=args.repeat, quality=args.quality)
+    result = bench.run_bench(
+        model,
+        methods,
+        prompts,
+        args.max_new_tokens,
+        hf_baseline=args.baseline_hf,
+        chat=args.chat,
+        sampling=_sampling(args),
+        out=args.json,
+        config={"command": _command_line(args)},
+        call_cost=args.call_cost,
+        hf_extra=hf_extra,
+        repeat=args.repeat,
+        quality=args.quality,
+    )
     return _finish(result, args.json, args.html)
 
 
@@ -508,17 +654,24 @@ def _finish(result: bench.BenchResult, out: str | None, html: str | None = None)
 
 
 # -- demo -------------------------------------------------------------------------------------------
-@command("demo", help="every built-in method that needs no second model on one chat prompt, a small benchmark "
-         "against transformers, and its HTML report")
+@command(
+    "demo",
+    help="every built-in method that needs no second model on one chat prompt, a small benchmark "
+    "against transformers, and its HTML report",
+)
 def _setup_demo(p):
     _model_args(p)
     p.add_argument("--prompt", type=V.text_arg, default=DEMO_PROMPT, help="the chat prompt every method answers")
     p.add_argument("--categories", default=DEMO_CATEGORIES, help=f"bench categories (default {DEMO_CATEGORIES})")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the bench report here")
-    p.add_argument("--html", metavar="OUT.html", type=V.html_arg, default=DEMO_HTML,
-                   help=f"the bench report as an HTML page "
-                   f"(default {DEMO_HTML})")
+    p.add_argument(
+        "--html",
+        metavar="OUT.html",
+        type=V.html_arg,
+        default=DEMO_HTML,
+        help=f"the bench report as an HTML page (default {DEMO_HTML})",
+    )
 
 
 def method_blocks(results: dict, width: int | None = None, quality: dict | None = None) -> str:
@@ -529,8 +682,10 @@ def method_blocks(results: dict, width: int | None = None, quality: dict | None 
     for label, r in results.items():
         s = r.stats
         exact = " (greedy-exact)" if get_method(s["method"]).exact and label != "sample" else ""
-        head = (f"{label}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
-                f"{s['tokens_per_call']:.2f} tokens/call, {s['layers_per_token']:.1f} layers/token{exact}")
+        head = (
+            f"{label}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
+            f"{s['tokens_per_call']:.2f} tokens/call, {s['layers_per_token']:.1f} layers/token{exact}"
+        )
         if quality and label in quality:
             head += f"\n  {quality[label]}"
         body = [line for para in r.text.strip().splitlines() for line in (textwrap.wrap(para, width - 2) or [""])]
@@ -542,12 +697,14 @@ def demo_quality(model, res, greedy, said=()) -> str:
     """One line: a lossy method's calibrated budget, its agreement with greedy's text and the full
     model's perplexity of its text against greedy's (and the budget's note when no faster setting met it)."""
     from ..eval import calibrate as C
+
     b = res.stats.get("quality_budget")
     parts = [f"calibrated to keep {b['quality']:.0%} of greedy's quality" if b else "not calibrated (its own defaults)"]
     if greedy is not None:
         agree = C.agreement(res.text, greedy.text)
-        ppl = C.perplexity(model, res.prompt_ids, res.token_ids) / C.perplexity(model, greedy.prompt_ids,
-                                                                                 greedy.token_ids)
+        ppl = C.perplexity(model, res.prompt_ids, res.token_ids) / C.perplexity(
+            model, greedy.prompt_ids, greedy.token_ids
+        )
         parts.append(f"agreement with greedy {agree:.2f}, perplexity {ppl:.2f}x greedy's")
     parts += [str(w.message) for w in said if issubclass(w.category, BudgetWarning)]
     return "; ".join(parts)
@@ -568,14 +725,26 @@ def run_demo(args) -> int:
     for label, (name, options) in methods.items():
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always", BudgetWarning)
-            shown[label] = generate(model, args.prompt, name, args.max_new_tokens, chat=True,
-                                    **{**DEMO_SAMPLING, **options})
+            shown[label] = generate(
+                model, args.prompt, name, args.max_new_tokens, chat=True, **{**DEMO_SAMPLING, **options}
+            )
         quality = {label: demo_quality(model, shown[label], shown.get("greedy"), said)} if name in LOSSY else None
         print(method_blocks({label: shown[label]}, quality=quality) + "\n", flush=True)
-    print(f"bench: {len(prompts)} Spec-Bench prompts ({args.categories}) × {args.max_new_tokens} new tokens, "
-          f"chat, each method then transformers, per prompt", flush=True)
-    result = bench.run_bench(model, methods, prompts, args.max_new_tokens, chat=True, sampling=DEMO_SAMPLING,
-                             out=args.json, config={"command": _command_line(args)})
+    print(
+        f"bench: {len(prompts)} Spec-Bench prompts ({args.categories}) × {args.max_new_tokens} new tokens, "
+        f"chat, each method then transformers, per prompt",
+        flush=True,
+    )
+    result = bench.run_bench(
+        model,
+        methods,
+        prompts,
+        args.max_new_tokens,
+        chat=True,
+        sampling=DEMO_SAMPLING,
+        out=args.json,
+        config={"command": _command_line(args)},
+    )
     rc = _finish(result, args.json, args.html)
     print(f"demo finished in {time.perf_counter() - t0:.0f} s; the report: {Path(args.html).resolve()}")
     return rc

@@ -18,8 +18,18 @@ from .. import validate as V
 from ..drafters.early_exit import HEADS, exit_head
 from ..methods.bild import check_thresholds
 from ..methods.speculative import MAX_DRAFT_LEN
-from .basic import (_command_line, _model_arg, _csv, _load, _model_args, _model_line, _positive_int,
-                    _read_prompts, _say, _threads)
+from .basic import (
+    _command_line,
+    _model_arg,
+    _csv,
+    _load,
+    _model_args,
+    _model_line,
+    _positive_int,
+    _read_prompts,
+    _say,
+    _threads,
+)
 
 SWEEP_CATEGORIES = "summarization,translation,math_reasoning"
 # the paper's ranges: fallback [0.2, 0.6] (summarization) to [0.5, 0.9] (translation), rollback [1, 10];
@@ -39,19 +49,29 @@ def _max_small(text: str):
 
 def _form_args(p) -> None:
     form = p.add_mutually_exclusive_group()
-    form.add_argument("--exit-layer", type=_positive_int, default=None,
-                      help="early-exit form: layers [0, E) and an exit head are the small model")
+    form.add_argument(
+        "--exit-layer",
+        type=_positive_int,
+        default=None,
+        help="early-exit form: layers [0, E) and an exit head are the small model",
+    )
     form.add_argument("--small", type=_model_arg, default=None, help="two-model form: the small model (name or folder)")
-    p.add_argument("--head", type=V.name_or_file_arg(HEADS, "exit head file"), default="auto",
-                   help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
-                   "(default auto: a shipped trained head if there is one, else shared)")
+    p.add_argument(
+        "--head",
+        type=V.name_or_file_arg(HEADS, "exit head file"),
+        default="auto",
+        help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
+        "(default auto: a shipped trained head if there is one, else shared)",
+    )
 
 
 def _load_small(args, large):
     small = _load(args, args.small)
     if small.config.vocab_size != large.config.vocab_size:
-        raise LayerleapError(f"--small {args.small} has another vocabulary than --model {args.model}: "
-                             "choose models with the same tokenizer")
+        raise LayerleapError(
+            f"--small {args.small} has another vocabulary than --model {args.model}: "
+            "choose models with the same tokenizer"
+        )
     return small
 
 
@@ -64,6 +84,7 @@ def _exit_layer(args, model) -> int:
 
 def _device_name(model) -> str:
     import torch
+
     dev = model.device
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
@@ -78,43 +99,78 @@ def _spec_settings(text: str) -> list:
 
 
 # -- sweep ------------------------------------------------------------------------------------------
-@command("sweep bild",
-         help="BiLD over (alpha_fb, alpha_rb): quality against latency, the paper's Figures 4/9 and Table 1")
+@command(
+    "sweep bild", help="BiLD over (alpha_fb, alpha_rb): quality against latency, the paper's Figures 4/9 and Table 1"
+)
 def _setup_sweep(p):
     _model_args(p)
     _form_args(p)
-    p.add_argument("--alpha-fb", type=V.float_list_arg(0.0, 1.0, none=True), default=DEFAULT_FB,
-                   help=f"fallback thresholds (default {DEFAULT_FB}; none: no "
-                   "BiLD points)")
-    p.add_argument("--alpha-rb", type=V.float_list_arg(0.0, None, none=True, allow_inf=True), default=DEFAULT_RB,
-                   help=f"rollback thresholds; inf = never (default {DEFAULT_RB}; "
-                   "none: no BiLD points)")
+    p.add_argument(
+        "--alpha-fb",
+        type=V.float_list_arg(0.0, 1.0, none=True),
+        default=DEFAULT_FB,
+        help=f"fallback thresholds (default {DEFAULT_FB}; none: no BiLD points)",
+    )
+    p.add_argument(
+        "--alpha-rb",
+        type=V.float_list_arg(0.0, None, none=True, allow_inf=True),
+        default=DEFAULT_RB,
+        help=f"rollback thresholds; inf = never (default {DEFAULT_RB}; none: no BiLD points)",
+    )
     p.add_argument("--max-small", type=_max_small, default=10, help="longest small-model run (default 10; none)")
-    p.add_argument("--draft-lens", type=V.int_list_arg(1, MAX_DRAFT_LEN, none=True), default="2,4",
-                   help="speculative decoding draft lengths γ; its draft is the small "
-                   "model, or in the early-exit form the same first E layers and head; constant schedule, no "
-                   "confidence stop (default 2,4; none: skip)")
-    p.add_argument("--speculative", type=_spec_settings, default="", metavar="SETTINGS",
-                   help="more speculative decoding points, each "
-                   "SCHEDULE:γ[:MIN_CONFIDENCE], e.g. heuristic:4,heuristic:4:0.4,constant:20:0.4 (schedule constant "
-                   "or heuristic, γ the first draft length, min_confidence the confidence stop; default none)")
-    p.add_argument("--transformers", action="store_true", help="add `transformers` generate on the same weights as "
-                   "yardsticks: greedy, and assisted generation (assistant_model=the small model; early-exit form: "
-                   "assistant_early_exit=E, its own LM head)")
+    p.add_argument(
+        "--draft-lens",
+        type=V.int_list_arg(1, MAX_DRAFT_LEN, none=True),
+        default="2,4",
+        help="speculative decoding draft lengths γ; its draft is the small "
+        "model, or in the early-exit form the same first E layers and head; constant schedule, no "
+        "confidence stop (default 2,4; none: skip)",
+    )
+    p.add_argument(
+        "--speculative",
+        type=_spec_settings,
+        default="",
+        metavar="SETTINGS",
+        help="more speculative decoding points, each "
+        "SCHEDULE:γ[:MIN_CONFIDENCE], e.g. heuristic:4,heuristic:4:0.4,constant:20:0.4 (schedule constant "
+        "or heuristic, γ the first draft length, min_confidence the confidence stop; default none)",
+    )
+    p.add_argument(
+        "--transformers",
+        action="store_true",
+        help="add `transformers` generate on the same weights as "
+        "yardsticks: greedy, and assisted generation (assistant_model=the small model; early-exit form: "
+        "assistant_early_exit=E, its own LM head)",
+    )
     p.add_argument("--categories", default=SWEEP_CATEGORIES, help=f"Spec-Bench categories (default {SWEEP_CATEGORIES})")
     p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--data", type=V.in_file_arg, default=None,
-                   help="a Spec-Bench question.jsonl (default: the shipped copy)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="wrap prompts in the chat template (default on)")
-    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
-                   help="the report (rewritten after every prompt; "
-                   "rerunning with the same settings resumes)")
-    p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None,
-                   help="quality against latency, one panel per category")
-    p.add_argument("--table", metavar="OUT.md", type=V.table_arg, default=None,
-                   help="write the markdown tables here too")
+    p.add_argument(
+        "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
+    )
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap prompts in the chat template (default on)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="OUT.json",
+        type=V.report_arg,
+        default=None,
+        help="the report (rewritten after every prompt; rerunning with the same settings resumes)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        type=V.plot_arg,
+        default=None,
+        help="quality against latency, one panel per category",
+    )
+    p.add_argument(
+        "--table", metavar="OUT.md", type=V.table_arg, default=None, help="write the markdown tables here too"
+    )
 
 
 @_setup_sweep
@@ -145,6 +201,7 @@ def run_sweep(args) -> int:
         E = args.exit_layer if args.exit_layer is not None else None
         if E is None:
             from ..methods.bild import default_exit_layer
+
             E = default_exit_layer(large)
         else:
             E = _exit_layer(args, large)
@@ -155,30 +212,45 @@ def run_sweep(args) -> int:
             models["transformers"] = sweep_mod.HFRunner(large, exit_layer=E)
         shown = Path(label).name if label not in HEADS + ("custom",) else label
         form = f"early exit at layer {E} of {large.config.n_layers}, head {shown}"
-    print(f"{_model_line(large, threads)}, device {_device_name(large)}\nBiLD {form}; max_small {args.max_small}\n"
-          f"{len(prompts)} Spec-Bench prompts ({args.categories}, {args.prompts} each) × {args.max_new_tokens} "
-          f"new tokens, chat {args.chat}; {len(fbs) * len(rbs)} BiLD points + {len(gammas) + len(settings)} "
-          f"speculative "
-          f"+ greedy, "
-          f"interleaved per prompt", flush=True)
-    points = (sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas)
-              + [t.point() for t in settings])
+    print(
+        f"{_model_line(large, threads)}, device {_device_name(large)}\nBiLD {form}; max_small {args.max_small}\n"
+        f"{len(prompts)} Spec-Bench prompts ({args.categories}, {args.prompts} each) × {args.max_new_tokens} "
+        f"new tokens, chat {args.chat}; {len(fbs) * len(rbs)} BiLD points + {len(gammas) + len(settings)} "
+        f"speculative "
+        f"+ greedy, "
+        f"interleaved per prompt",
+        flush=True,
+    )
+    points = sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas) + [t.point() for t in settings]
     if args.transformers:
         points += sweep_mod.transformers_points()
-    report = sweep_mod.run_sweep(large, points, prompts, args.max_new_tokens, models=models, fixed=fixed,
-                                 chat=args.chat, out=args.json,
-                                 config={"command": _command_line(args), "form": form, "threads": threads,
-                                         "device": _device_name(large)})
+    report = sweep_mod.run_sweep(
+        large,
+        points,
+        prompts,
+        args.max_new_tokens,
+        models=models,
+        fixed=fixed,
+        chat=args.chat,
+        out=args.json,
+        config={"command": _command_line(args), "form": form, "threads": threads, "device": _device_name(large)},
+    )
     summary = report["summary"]
-    text = (f"## Table 1 form (quality vs the large model's greedy output / speed-up over it)\n\n"
-            f"{sweep_mod.table(summary)}\n\n## Every point\n\n{sweep_mod.points_table(summary)}\n")
+    text = (
+        f"## Table 1 form (quality vs the large model's greedy output / speed-up over it)\n\n"
+        f"{sweep_mod.table(summary)}\n\n## Every point\n\n{sweep_mod.points_table(summary)}\n"
+    )
     print(text)
     if args.table:
         write_text(args.table, f"`{_command_line(args)}`\n\n{form}\n\n{text}")
         print(f"wrote {args.table}")
     if args.plot and report["prompts_done"]:
-        sweep_mod.plot(summary, args.plot, title=f"BiLD on {large.config.name} ({form}); {report['prompts_done']} "
-                       f"prompts × {args.max_new_tokens} tokens")
+        sweep_mod.plot(
+            summary,
+            args.plot,
+            title=f"BiLD on {large.config.name} ({form}); {report['prompts_done']} "
+            f"prompts × {args.max_new_tokens} tokens",
+        )
         print(f"wrote {args.plot}")
     if args.json:
         print(f"wrote {args.json}")
@@ -189,34 +261,55 @@ def run_sweep(args) -> int:
 
 
 # -- align ------------------------------------------------------------------------------------------
-@command("align",
-         help="BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs")
+@command(
+    "align",
+    help="BiLD prediction alignment: train the small model (or an exit head) on the large model's greedy outputs",
+)
 def _setup_align(p):
     _model_args(p)
     _form_args(p)
-    p.add_argument("--out", type=V.path_arg, required=True,
-                   help="the exit head file (.safetensors) or the small model's new folder")
-    p.add_argument("--categories", default=SWEEP_CATEGORIES,
-                   help=f"calibration categories (default {SWEEP_CATEGORIES})")
+    p.add_argument(
+        "--out",
+        type=V.path_arg,
+        required=True,
+        help="the exit head file (.safetensors) or the small model's new folder",
+    )
+    p.add_argument(
+        "--categories", default=SWEEP_CATEGORIES, help=f"calibration categories (default {SWEEP_CATEGORIES})"
+    )
     p.add_argument("--prompts", type=_positive_int, default=16, help="calibration prompts per category (default 16)")
-    p.add_argument("--offset", type=V.nonneg_int, default=8, help="skip this many prompts per category first, to keep "
-                   "calibration apart from `sweep`'s evaluation prompts (default 8 = sweep's default --prompts)")
+    p.add_argument(
+        "--offset",
+        type=V.nonneg_int,
+        default=8,
+        help="skip this many prompts per category first, to keep "
+        "calibration apart from `sweep`'s evaluation prompts (default 8 = sweep's default --prompts)",
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--data", type=V.in_file_arg, default=None,
-                   help="a Spec-Bench question.jsonl (default: the shipped copy)")
+    p.add_argument(
+        "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
+    )
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--work", type=V.path_arg, default=None,
-                   help="the calibration outputs JSON (default OUT.calib.json); reused on rerun")
+    p.add_argument(
+        "--work",
+        type=V.path_arg,
+        default=None,
+        help="the calibration outputs JSON (default OUT.calib.json); reused on rerun",
+    )
     p.add_argument("--epochs", type=V.int_arg(1, 10_000), default=4)
-    p.add_argument("--lr", type=V.positive_float, default=None,
-                   help="learning rate (default 1e-3 exit head, 1e-5 small model)")
+    p.add_argument(
+        "--lr", type=V.positive_float, default=None, help="learning rate (default 1e-3 exit head, 1e-5 small model)"
+    )
     p.add_argument("--batch-tokens", type=_positive_int, default=256, help="output tokens per step (default 256)")
     p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument("--save-every", type=_positive_int, default=20, help="checkpoint every N steps (default 20)")
     p.add_argument("--rank", type=V.nonneg_int, default=64, help="exit head adapter rank (default 64; 0 = full matrix)")
-    p.add_argument("--val-every", type=V.nonneg_int, default=4,
-                   help="hold out every n-th calibration prompt to measure "
-                   "agreement (default 4; 0 = none)")
+    p.add_argument(
+        "--val-every",
+        type=V.nonneg_int,
+        default=4,
+        help="hold out every n-th calibration prompt to measure agreement (default 4; 0 = none)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
@@ -227,6 +320,7 @@ def run_align(args) -> int:
     if args.small and args.head != "auto":
         raise LayerleapError("--head is not used by align: it trains a new head")
     from ..datasets import spec_bench
+
     prompts = spec_bench(args.data, _csv(args.categories), args.prompts, offset=args.offset)
     if not prompts:
         raise LayerleapError("no calibration prompts selected: lower --offset or add --categories")
@@ -239,8 +333,11 @@ def run_align(args) -> int:
     large = _load(args)
     if args.exit_layer is not None:
         _exit_layer(args, large)
-    print(f"{_model_line(large, threads)}\ncalibration: {len(prompts)} Spec-Bench prompts ({args.categories}, "
-          f"{args.prompts} each after {args.offset}) × {args.max_new_tokens} greedy tokens -> {work}", flush=True)
+    print(
+        f"{_model_line(large, threads)}\ncalibration: {len(prompts)} Spec-Bench prompts ({args.categories}, "
+        f"{args.prompts} each after {args.offset}) × {args.max_new_tokens} greedy tokens -> {work}",
+        flush=True,
+    )
     records = align_mod.calibrate(large, [p.text for p in prompts], work, args.max_new_tokens, chat=args.chat)
     if args.small:
         small = _load_small(args, large)
@@ -248,19 +345,24 @@ def run_align(args) -> int:
         rep = align_mod.align_small(small, records, out, cfg)
     else:
         E = _exit_layer(args, large)
-        cfg = align_mod.TrainConfig(args.epochs, args.lr or 1e-3, args.batch_tokens, 0.0, args.seed, args.save_every,
-                                    args.rank, args.val_every)
+        cfg = align_mod.TrainConfig(
+            args.epochs, args.lr or 1e-3, args.batch_tokens, 0.0, args.seed, args.save_every, args.rank, args.val_every
+        )
         rep = align_mod.align_exit_head(large, E, records, out, cfg, command=_command_line(args))
     rep["command"] = _command_line(args)
     if args.json:
         print(json.dumps(rep))
     else:
-        held = (f"; held-out {rep['heldout_before']:.3f} before, {rep['heldout_after']:.3f} after"
-                if rep.get("heldout_after") is not None else "")
+        held = (
+            f"; held-out {rep['heldout_before']:.3f} before, {rep['heldout_after']:.3f} after"
+            if rep.get("heldout_after") is not None
+            else ""
+        )
         loss = rep["final_loss"] if rep["final_loss"] is None else round(rep["final_loss"], 4)
-        print(f"agreement with the large model's greedy tokens (training prompts): "
-              f"{rep['agreement_before']:.3f} before, {rep['agreement_after']:.3f} after{held}; "
-              f"{rep['steps_run']} steps run, final loss {loss}")
+        print(
+            f"agreement with the large model's greedy tokens (training prompts): "
+            f"{rep['agreement_before']:.3f} before, {rep['agreement_after']:.3f} after{held}; "
+            f"{rep['steps_run']} steps run, final loss {loss}"
+        )
         print(f"wrote {rep['out']}")
     return 0
-

@@ -17,41 +17,83 @@ from . import command
 from .basic import _command_line, _load, _model_args, _positive_int, _say, _threads
 
 
-@command("calibrate", help="choose a lossy method's fastest setting that keeps a share of greedy's quality, with a "
-         "stated confidence (Learn-then-Test); generate --quality uses it")
+@command(
+    "calibrate",
+    help="choose a lossy method's fastest setting that keeps a share of greedy's quality, with a "
+    "stated confidence (Learn-then-Test); generate --quality uses it",
+)
 def _setup(p):
-    p.add_argument("method", type=_methods, help=f"the lossy method ({', '.join(budget.LOSSY)}), several "
-                   "comma-separated (greedy's outputs are measured once), or all")
+    p.add_argument(
+        "method",
+        type=_methods,
+        help=f"the lossy method ({', '.join(budget.LOSSY)}), several "
+        "comma-separated (greedy's outputs are measured once), or all",
+    )
     _model_args(p)
-    p.add_argument("--quality", type=V.float_arg(0.0, 1.0, lo_open=True), default=budget.DEFAULT_QUALITY,
-                   help=f"share of greedy's quality to keep (default {budget.DEFAULT_QUALITY})")
-    p.add_argument("--prompts", type=V.int_arg(1, 20), default=8,
-                   help="prompts per category (summarization, translation, math_reasoning; default 8)")
+    p.add_argument(
+        "--quality",
+        type=V.float_arg(0.0, 1.0, lo_open=True),
+        default=budget.DEFAULT_QUALITY,
+        help=f"share of greedy's quality to keep (default {budget.DEFAULT_QUALITY})",
+    )
+    p.add_argument(
+        "--prompts",
+        type=V.int_arg(1, 20),
+        default=8,
+        help="prompts per category (summarization, translation, math_reasoning; default 8)",
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--epsilon", type=V.float_arg(0.0, 1.0, lo_open=True, hi_open=True), default=C.EPSILON,
-                   help=f"tolerated share of prompts that lose the budget (default {C.EPSILON})")
-    p.add_argument("--delta", type=V.float_arg(0.0, 1.0, lo_open=True, hi_open=True), default=C.DELTA,
-                   help=f"1 - confidence (default {C.DELTA})")
-    p.add_argument("--extra", type=V.int_arg(0, 20), default=2,
-                   help="settings measured past the first failure, for the frontier plot (default 2)")
+    p.add_argument(
+        "--epsilon",
+        type=V.float_arg(0.0, 1.0, lo_open=True, hi_open=True),
+        default=C.EPSILON,
+        help=f"tolerated share of prompts that lose the budget (default {C.EPSILON})",
+    )
+    p.add_argument(
+        "--delta",
+        type=V.float_arg(0.0, 1.0, lo_open=True, hi_open=True),
+        default=C.DELTA,
+        help=f"1 - confidence (default {C.DELTA})",
+    )
+    p.add_argument(
+        "--extra",
+        type=V.int_arg(0, 20),
+        default=2,
+        help="settings measured past the first failure, for the frontier plot (default 2)",
+    )
     p.add_argument("--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: shipped)")
-    p.add_argument("--report", metavar="RUN.json", type=V.report_arg, default=None,
-                   help="the run's per-prompt data, rewritten after each setting; rerunning resumes it (several "
-                        "methods: RUN.METHOD.json each)")
-    p.add_argument("--out", metavar="DIR", default=None,
-                   help="the folder of calibration files, FINGERPRINT/DTYPE/METHOD.json under it (default: the user "
-                        "cache's calibration folder, which generate reads first)")
-    p.add_argument("--check", metavar="CHECK.json", type=V.report_arg, default=None,
-                   help="instead of calibrating: run the calibrated setting on the held-out split and write the "
-                        "measured violations here")
+    p.add_argument(
+        "--report",
+        metavar="RUN.json",
+        type=V.report_arg,
+        default=None,
+        help="the run's per-prompt data, rewritten after each setting; rerunning resumes it (several "
+        "methods: RUN.METHOD.json each)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help="the folder of calibration files, FINGERPRINT/DTYPE/METHOD.json under it (default: the user "
+        "cache's calibration folder, which generate reads first)",
+    )
+    p.add_argument(
+        "--check",
+        metavar="CHECK.json",
+        type=V.report_arg,
+        default=None,
+        help="instead of calibrating: run the calibrated setting on the held-out split and write the "
+        "measured violations here",
+    )
 
 
 def _methods(text: str) -> list[str]:
     names = list(budget.LOSSY) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in budget.LOSSY]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"{V.show(text)}: choose lossy methods from {', '.join(budget.LOSSY)} "
-                                         "(comma-separated) or all")
+        raise argparse.ArgumentTypeError(
+            f"{V.show(text)}: choose lossy methods from {', '.join(budget.LOSSY)} (comma-separated) or all"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -63,20 +105,37 @@ def run(args) -> int:
     model = _load(args)
     if args.check:
         greedy = C.greedy_outputs(model, prompts, args.max_new_tokens, _say)
-        report = {"command": _command_line(args), "threads": threads, "split": split,
-                  "methods": {m: _check(args, model, prompts, m, greedy) for m in args.method}}
+        report = {
+            "command": _command_line(args),
+            "threads": threads,
+            "split": split,
+            "methods": {m: _check(args, model, prompts, m, greedy) for m in args.method},
+        }
         write_json(args.check, report)
         print(f"wrote {args.check}")
         return 0
-    _say(f"calibrating {', '.join(args.method)} at quality {args.quality} on {len(prompts)} prompts of the {split} "
-         f"split (Spec-Bench {', '.join(C.CATEGORIES)}, from index {C.SPLITS[split]} per category), "
-         f"{args.max_new_tokens} tokens, {threads} threads")
+    _say(
+        f"calibrating {', '.join(args.method)} at quality {args.quality} on {len(prompts)} prompts of the {split} "
+        f"split (Spec-Bench {', '.join(C.CATEGORIES)}, from index {C.SPLITS[split]} per category), "
+        f"{args.max_new_tokens} tokens, {threads} threads"
+    )
     greedy = None
     for method in args.method:
-        cal = C.calibrate(model, method, args.quality, prompts=prompts, max_new_tokens=args.max_new_tokens,
-                          epsilon=args.epsilon, delta=args.delta, split=split, report=_report(args, method),
-                          extra=args.extra,
-                          progress=_say, config={"command": _command_line(args), "threads": threads}, greedy=greedy)
+        cal = C.calibrate(
+            model,
+            method,
+            args.quality,
+            prompts=prompts,
+            max_new_tokens=args.max_new_tokens,
+            epsilon=args.epsilon,
+            delta=args.delta,
+            split=split,
+            report=_report(args, method),
+            extra=args.extra,
+            progress=_say,
+            config={"command": _command_line(args), "threads": threads},
+            greedy=greedy,
+        )
         greedy = cal.greedy
         path = C.write_calibration(cal, _out(args, model, method))
         print(f"{method}:\n{table(cal.budget_entry())}\nwrote {path}\n", flush=True)
@@ -97,20 +156,42 @@ def _report(args, method: str) -> str | None:
 
 
 def _check(args, model, prompts, method: str, greedy) -> dict:
-    entries = [p for p in ([_out(args, model, method)] if args.out else budget.calibration_files(model, method))
-               if p.is_file()]
+    entries = [
+        p for p in ([_out(args, model, method)] if args.out else budget.calibration_files(model, method)) if p.is_file()
+    ]
     if not entries:
-        raise LayerleapError(f"no calibration of {method} for {model.config.name} ({model.dtype_name}): run "
-                             f"layerleap calibrate {args.method} first")
+        raise LayerleapError(
+            f"no calibration of {method} for {model.config.name} ({model.dtype_name}): run "
+            f"layerleap calibrate {args.method} first"
+        )
     data = budget.read_calibration(entries[0])
     key = budget.budget_key(args.quality)
     if key not in data["budgets"]:
-        raise LayerleapError(f"{entries[0]} has no budget {key}: run layerleap calibrate {method} --quality "
-                             f"{args.quality}")
+        raise LayerleapError(
+            f"{entries[0]} has no budget {key}: run layerleap calibrate {method} --quality {args.quality}"
+        )
     res = C.holdout_check(model, data["budgets"][key], method, prompts, args.max_new_tokens, greedy, progress=_say)
     res.update(method=method, quality=args.quality, calibration=str(entries[0]))
-    print(json.dumps({k: res[k] for k in ("method", "options", "prompts", "losses", "loss_rate", "epsilon",
-                                          "within_epsilon", "agreement", "reference_kept", "ppl_ratio")}), flush=True)
+    print(
+        json.dumps(
+            {
+                k: res[k]
+                for k in (
+                    "method",
+                    "options",
+                    "prompts",
+                    "losses",
+                    "loss_rate",
+                    "epsilon",
+                    "within_epsilon",
+                    "agreement",
+                    "reference_kept",
+                    "ppl_ratio",
+                )
+            }
+        ),
+        flush=True,
+    )
     return res
 
 
@@ -120,12 +201,17 @@ def table(entry: dict) -> str:
     lines = [f"{'setting':48} {'speed':>6} {'lost':>5} {'p':>6} {'agree':>6} {'ref':>6} {'ppl':>6}  status"]
     n = entry["prompts"]
     for s in entry["settings"]:
-        status = ("chosen" if s["options"] == chosen else "valid") if s["valid"] else \
-            ("stop" if s["tested"] else "frontier only")
+        status = (
+            ("chosen" if s["options"] == chosen else "valid")
+            if s["valid"]
+            else ("stop" if s["tested"] else "frontier only")
+        )
         ref = "-" if s["reference_kept"] is None else f"{s['reference_kept']:.0%}"
         opts = ", ".join(f"{k}={v}" for k, v in s["options"].items())
-        lines.append(f"{opts:48} {s['modelled_speedup']:5.2f}x {s['losses']:>2}/{n:<2} {s['p_value']:6.3f} "
-                     f"{s['agreement']:6.2f} {ref:>6} {s['ppl_ratio']:5.2f}x  {status}")
+        lines.append(
+            f"{opts:48} {s['modelled_speedup']:5.2f}x {s['losses']:>2}/{n:<2} {s['p_value']:6.3f} "
+            f"{s['agreement']:6.2f} {ref:>6} {s['ppl_ratio']:5.2f}x  {status}"
+        )
     lines.append(f"guarantee: {entry['guarantee']}")
     if not entry["faster_than_greedy"]:
         lines.append("no setting faster than greedy meets the budget: the method runs the fastest one that does")

@@ -13,8 +13,17 @@ from . import command
 from ..errors import LayerleapError
 from ..eval.exactness import NEAR_TIE, check_methods, format_summary, lossless_methods, run_exactness
 from ..decoding import get_method
-from .basic import (_command_line, _csv, _model_arg, _model_args, _model_line, _positive_int, _read_prompts, _say,
-                    _start_with_methods)
+from .basic import (
+    _command_line,
+    _csv,
+    _model_arg,
+    _model_args,
+    _model_line,
+    _positive_int,
+    _read_prompts,
+    _say,
+    _start_with_methods,
+)
 
 
 def _prompts(text: str) -> int | None:
@@ -23,32 +32,65 @@ def _prompts(text: str) -> int | None:
     try:
         return V.positive_int(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be all or a positive integer (prompts per category), got "
-                                         f"{V.show(text)}") from None
+        raise argparse.ArgumentTypeError(
+            f"must be all or a positive integer (prompts per category), got {V.show(text)}"
+        ) from None
 
 
-@command("eval exactness", help="every lossless method against plain greedy (and transformers) on Spec-Bench "
-         "prompts: a resumable report of every divergence and its logit gap")
+@command(
+    "eval exactness",
+    help="every lossless method against plain greedy (and transformers) on Spec-Bench "
+    "prompts: a resumable report of every divergence and its logit gap",
+)
 def _setup(p):
     _model_args(p)
-    p.add_argument("--methods", default="all", help="all: every method whose registry entry claims greedy-"
-                   "exactness; or a comma list of METHOD or LABEL=METHOD (default all)")
+    p.add_argument(
+        "--methods",
+        default="all",
+        help="all: every method whose registry entry claims greedy-"
+        "exactness; or a comma list of METHOD or LABEL=METHOD (default all)",
+    )
     p.add_argument("--opt", action="append", metavar="METHOD.NAME=VALUE", help="a method option (repeatable)")
-    p.add_argument("--draft", type=_model_arg, default=None, help="the draft model of two-model methods "
-                   "(speculative), a name or folder; without it they are listed as skipped")
+    p.add_argument(
+        "--draft",
+        type=_model_arg,
+        default=None,
+        help="the draft model of two-model methods "
+        "(speculative), a name or folder; without it they are listed as skipped",
+    )
     p.add_argument("--prompts", type=_prompts, default="all", help="all, or N prompts per category (default all)")
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
-    p.add_argument("--data", type=V.in_file_arg, default=None,
-                   help="a Spec-Bench question.jsonl (default: the shipped copy, 480 prompts)")
-    p.add_argument("--transformers", action="store_true", help="also compare transformers greedy generate on the "
-                   "same weights with our greedy")
+    p.add_argument(
+        "--data",
+        type=V.in_file_arg,
+        default=None,
+        help="a Spec-Bench question.jsonl (default: the shipped copy, 480 prompts)",
+    )
+    p.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also compare transformers greedy generate on the same weights with our greedy",
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="wrap prompts in the chat template (default on)")
-    p.add_argument("--near-tie", type=V.float_arg(0.0), default=NEAR_TIE,
-                   help=f"a divergence whose logit gap is below this is a near-tie (default {NEAR_TIE:g})")
-    p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None,
-                   help="the report (rewritten after every prompt; rerunning with the same settings resumes)")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap prompts in the chat template (default on)",
+    )
+    p.add_argument(
+        "--near-tie",
+        type=V.float_arg(0.0),
+        default=NEAR_TIE,
+        help=f"a divergence whose logit gap is below this is a near-tie (default {NEAR_TIE:g})",
+    )
+    p.add_argument(
+        "--json",
+        metavar="OUT.json",
+        type=V.report_arg,
+        default=None,
+        help="the report (rewritten after every prompt; rerunning with the same settings resumes)",
+    )
 
 
 def _methods(args) -> tuple[dict, dict]:
@@ -64,8 +106,11 @@ def _methods(args) -> tuple[dict, dict]:
             options[k] = args.draft
             missing.remove(k)
         if missing:
-            need = "a second model: give --draft NAME" if set(missing) & set(models) else \
-                f"the option {missing[0]}: give --opt {label}.{missing[0]}=VALUE"
+            need = (
+                "a second model: give --draft NAME"
+                if set(missing) & set(models)
+                else f"the option {missing[0]}: give --opt {label}.{missing[0]}=VALUE"
+            )
             skipped[label] = f"needs {need}"
             del specs[label]
     for label, (name, options) in specs.items():
@@ -86,12 +131,24 @@ def run(args) -> int:
     skipped.update(refused)
     for label, why in skipped.items():
         _say(f"skipping {label}: {why}")
-    print(f"{_model_line(model, threads)}\n{len(prompts)} Spec-Bench prompts × {args.max_new_tokens} tokens, chat "
-          f"{args.chat}: {', '.join(usable) or 'no method'} against greedy"
-          f"{' and transformers' if args.transformers else ''}", flush=True)
-    report = run_exactness(model, usable, prompts, args.max_new_tokens, chat=args.chat, hf=args.transformers,
-                           out=args.json, near_tie=args.near_tie, skipped=skipped,
-                           config={"command": _command_line(args), "data": args.data or "shipped Spec-Bench"})
+    print(
+        f"{_model_line(model, threads)}\n{len(prompts)} Spec-Bench prompts × {args.max_new_tokens} tokens, chat "
+        f"{args.chat}: {', '.join(usable) or 'no method'} against greedy"
+        f"{' and transformers' if args.transformers else ''}",
+        flush=True,
+    )
+    report = run_exactness(
+        model,
+        usable,
+        prompts,
+        args.max_new_tokens,
+        chat=args.chat,
+        hf=args.transformers,
+        out=args.json,
+        near_tie=args.near_tie,
+        skipped=skipped,
+        config={"command": _command_line(args), "data": args.data or "shipped Spec-Bench"},
+    )
     print(format_summary(report))
     if args.json:
         print(f"wrote {args.json}")

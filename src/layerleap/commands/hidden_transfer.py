@@ -25,27 +25,50 @@ from .basic import _command_line, _load, _model_args, _positive_int, _threads
 DRAFTER_ARG = V.name_or_file_arg(("trained",), "drafter weights file")
 
 
-@command("train transfer", "train medusa",
-         help="train Hidden Transfer projections (--layers t1,t2,..) or Medusa heads (--heads k) on ShareGPT, "
-              "backbone frozen")
+@command(
+    "train transfer",
+    "train medusa",
+    help="train Hidden Transfer projections (--layers t1,t2,..) or Medusa heads (--heads k) on ShareGPT, "
+    "backbone frozen",
+)
 def _setup_train(p):
     _model_args(p)
-    p.add_argument("--layers", type=V.int_list_arg(1), default="15,20,25",
-                   help="transfer: the layer t_i of each step (default 15,20,25)")
+    p.add_argument(
+        "--layers",
+        type=V.int_list_arg(1),
+        default="15,20,25",
+        help="transfer: the layer t_i of each step (default 15,20,25)",
+    )
     p.add_argument("--heads", type=V.int_arg(1, 64), default=3, help="medusa: heads = steps ahead (default 3)")
-    p.add_argument("--out", type=V.weights_arg, required=True, help="weights file to write (safetensors); its "
-                   "checkpoint <out>.ckpt.safetensors makes a rerun resume")
+    p.add_argument(
+        "--out",
+        type=V.weights_arg,
+        required=True,
+        help="weights file to write (safetensors); its checkpoint <out>.ckpt.safetensors makes a rerun resume",
+    )
     p.add_argument("--steps", type=V.int_arg(1, 1_000_000), default=60, help="optimizer steps (default 60)")
     p.add_argument("--batch-size", type=V.int_arg(1, 1024), default=1, help="chunks per step (default 1)")
     p.add_argument("--seq-len", type=V.int_arg(4, 65_536), default=128, help="tokens per chunk (default 128)")
     p.add_argument("--lr", type=V.positive_float, default=1e-3)
     p.add_argument("--seed", type=V.seed_arg, default=0)
-    p.add_argument("--conversations", type=V.int_arg(1, 10_000_000), default=2000,
-                   help="ShareGPT conversations read (default 2000)")
-    p.add_argument("--chunks", type=V.in_file_arg, default=None,
-                   help="pre-tokenized chunks (a file from --save-chunks) instead of ShareGPT")
-    p.add_argument("--save-chunks", type=V.weights_arg, default=None,
-                   help="write the tokenized ShareGPT chunks here (.safetensors) and exit")
+    p.add_argument(
+        "--conversations",
+        type=V.int_arg(1, 10_000_000),
+        default=2000,
+        help="ShareGPT conversations read (default 2000)",
+    )
+    p.add_argument(
+        "--chunks",
+        type=V.in_file_arg,
+        default=None,
+        help="pre-tokenized chunks (a file from --save-chunks) instead of ShareGPT",
+    )
+    p.add_argument(
+        "--save-chunks",
+        type=V.weights_arg,
+        default=None,
+        help="write the tokenized ShareGPT chunks here (.safetensors) and exit",
+    )
     p.add_argument("--save-every", type=_positive_int, default=20)
     p.add_argument("--max-seconds", type=V.positive_float, default=None, help="stop and save after this many seconds")
 
@@ -53,14 +76,18 @@ def _setup_train(p):
 def _read_chunks(path: str, vocab: int) -> list[list[int]]:
     """The token chunks of a ``--save-chunks`` file: a 2-D integer tensor of ids in the vocabulary."""
     from safetensors.torch import load_file
+
     try:
         t = load_file(path)["chunks"]
     except Exception as e:  # safetensors raises its own kinds for a foreign or truncated file
-        raise LayerleapError(f"cannot read chunks {path} ({type(e).__name__}: {str(e)[:80]}): write them with "
-                             "--save-chunks") from None
+        raise LayerleapError(
+            f"cannot read chunks {path} ({type(e).__name__}: {str(e)[:80]}): write them with --save-chunks"
+        ) from None
     if t.dim() != 2 or t.is_floating_point() or not t.numel() or int(t.min()) < 0 or int(t.max()) >= vocab:
-        raise LayerleapError(f"{path} does not hold token chunks for this model (a 2-D tensor of ids below {vocab}): "
-                             "write them with --save-chunks")
+        raise LayerleapError(
+            f"{path} does not hold token chunks for this model (a 2-D tensor of ids below {vocab}): "
+            "write them with --save-chunks"
+        )
     return t.long().tolist()
 
 
@@ -69,10 +96,19 @@ def run_train(args) -> int:
     kind = "transfer" if args.what == "transfer" else "medusa"
     threads = _threads(args.threads)
     model = _load(args)
-    cfg = train_drafters.TrainConfig(kind=kind, layers=args.layers, steps_ahead=args.heads,
-                                     train_steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
-                                     lr=args.lr, seed=args.seed, n_conversations=args.conversations,
-                                     save_every=args.save_every, max_seconds=args.max_seconds)
+    cfg = train_drafters.TrainConfig(
+        kind=kind,
+        layers=args.layers,
+        steps_ahead=args.heads,
+        train_steps=args.steps,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        n_conversations=args.conversations,
+        save_every=args.save_every,
+        max_seconds=args.max_seconds,
+    )
     train_drafters.check_config(cfg, model)
     if args.chunks:
         chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks, model.config.vocab_size)]
@@ -94,14 +130,23 @@ def run_train(args) -> int:
     return 0
 
 
-@command("eval drafters", help="draft accuracy per step (top-1/3/5) of Hidden Transfer and Medusa weights on the "
-                               "model's greedy text (Figure 3)")
+@command(
+    "eval drafters",
+    help="draft accuracy per step (top-1/3/5) of Hidden Transfer and Medusa weights on the "
+    "model's greedy text (Figure 3)",
+)
 def _setup_eval(p):
     _model_args(p)
-    p.add_argument("--transfer", type=DRAFTER_ARG, action="append", default=[],
-                   help="transfer weights file(s) ('trained': shipped)")
-    p.add_argument("--medusa", type=DRAFTER_ARG, action="append", default=[],
-                   help="Medusa heads file(s) ('trained': shipped)")
+    p.add_argument(
+        "--transfer",
+        type=DRAFTER_ARG,
+        action="append",
+        default=[],
+        help="transfer weights file(s) ('trained': shipped)",
+    )
+    p.add_argument(
+        "--medusa", type=DRAFTER_ARG, action="append", default=[], help="Medusa heads file(s) ('trained': shipped)"
+    )
     p.add_argument("--categories", default="summarization,math_reasoning")
     p.add_argument("--prompts", type=_positive_int, default=4, help="prompts per category")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
@@ -111,6 +156,7 @@ def _setup_eval(p):
 
 def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, list[int]]]:
     from tqdm.auto import tqdm
+
     out = []
     for pr in tqdm(prompts, desc="greedy references", unit="prompt", leave=False):
         res = generate(model, pr.text, "greedy", max_new_tokens, chat=True, stop_at_eos=False)
@@ -121,14 +167,18 @@ def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, lis
 @_setup_eval
 def run_eval(args) -> int:
     if not args.transfer and not args.medusa:
-        raise LayerleapError("no drafter to evaluate: add --transfer trained and/or --medusa trained "
-                             "(or a weights file)")
+        raise LayerleapError(
+            "no drafter to evaluate: add --transfer trained and/or --medusa trained (or a weights file)"
+        )
     threads = _threads(args.threads)
     model = _load(args)
     cats = [c for c in args.categories.split(",") if c]
     prompts = spec_bench(None, cats, args.prompts)
-    chosen = [(kind, spec, drafters.get_drafter(model, kind, spec))
-              for kind, specs in (("transfer", args.transfer), ("medusa", args.medusa)) for spec in specs]
+    chosen = [
+        (kind, spec, drafters.get_drafter(model, kind, spec))
+        for kind, specs in (("transfer", args.transfer), ("medusa", args.medusa))
+        for spec in specs
+    ]
     seqs = greedy_sequences(model, prompts, args.max_new_tokens)
     rows = {}
     for kind, spec, d in chosen:
@@ -136,8 +186,13 @@ def run_eval(args) -> int:
         if kind == "transfer":
             label += f"@{','.join(map(str, d.layers))}"
         rows[label] = train_drafters.draft_accuracy(model, d, seqs)
-    report = {"command": _command_line(args), "threads": threads, "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "accuracy": rows}
+    report = {
+        "command": _command_line(args),
+        "threads": threads,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "accuracy": rows,
+    }
     print(accuracy_table(rows))
     if args.json:
         write_json(args.json, report)
@@ -156,6 +211,7 @@ def accuracy_table(rows: dict) -> str:
 
 def accuracy_plot(rows: dict, path: str) -> None:
     from ..files import pyplot
+
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
     for ax, k in zip(axes, (1, 3, 5)):

@@ -15,36 +15,84 @@ from .basic import _load, _loader, _model_args, _opt_arg, _say, _threads
 @command("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming, /metrics)")
 def _setup(p):
     _model_args(p)
-    p.add_argument("--method", default="auto", help=f"the default decoding method: {', '.join(METHODS)} "
-                   "(a request may choose another in its 'layerleap' field)")
+    p.add_argument(
+        "--method",
+        default="auto",
+        help=f"the default decoding method: {', '.join(METHODS)} "
+        "(a request may choose another in its 'layerleap' field)",
+    )
     _opt_arg(p, "NAME=VALUE", "an option of the default method (repeatable)")
-    p.add_argument("--host", type=V.text_arg, default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument(
+        "--host", type=V.text_arg, default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
     p.add_argument("--port", type=V.int_arg(0, 65535), default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--name", type=V.text_arg, default=None, help="the model id clients pass (default: --model)")
-    p.add_argument("--max-tokens", type=V.int_arg(1, 1_000_000), default=256,
-                   help="max_tokens of a request that gives none (default 256)")
-    p.add_argument("--max-batch", type=V.int_arg(1, 4096), default=16, help="requests decoded together, at most "
-                   "(greedy and sample: the continuous pool's rows; other batching methods: a batch's; default 16)")
-    p.add_argument("--no-continuous", action="store_true", help="greedy and sample batch like the other methods "
-                   "(a batch forms from the requests waiting together and takes no new ones) instead of joining the "
-                   "continuous pool")
-    p.add_argument("--prefill-chunk", type=V.int_arg(16, 1_000_000), default=512, help="prompt tokens the pool "
-                   "prefills per round, between decoding rounds (default 512)")
-    p.add_argument("--max-running", type=V.int_arg(1, 1024), default=2, help="batches decoding at once, one model "
-                   "call at a time in turn (default 2)")
-    p.add_argument("--max-waiting", type=V.int_arg(1, 1_000_000), default=256,
-                   help="queued requests before 429 (default 256)")
-    p.add_argument("--max-body", type=V.int_arg(1024, 1 << 30), default=2 << 20, help="request body bytes, at most "
-                   "(default 2 MiB; more is a 413)")
-    p.add_argument("--max-prompt-tokens", type=V.int_arg(1, 10_000_000), default=None, help="prompt tokens, at most "
-                   "(default: the context less one)")
-    p.add_argument("--queue-timeout", type=V.float_arg(0.1, 86400), default=600.0, help="seconds a request may wait "
-                   "for its turn before a 503 (default 600)")
-    p.add_argument("--drain-seconds", type=V.float_arg(0, 86400), default=30.0, help="on SIGTERM or Ctrl-C, seconds "
-                   "the requests under way get to finish (default 30)")
-    p.add_argument("--shadow-share", type=V.float_arg(0, 1), default=0.0, help="share of lossy-method requests "
-                   "re-decoded greedily when idle, for /metrics' agreement with greedy (default 0: off)")
+    p.add_argument(
+        "--max-tokens",
+        type=V.int_arg(1, 1_000_000),
+        default=256,
+        help="max_tokens of a request that gives none (default 256)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=V.int_arg(1, 4096),
+        default=16,
+        help="requests decoded together, at most "
+        "(greedy and sample: the continuous pool's rows; other batching methods: a batch's; default 16)",
+    )
+    p.add_argument(
+        "--no-continuous",
+        action="store_true",
+        help="greedy and sample batch like the other methods "
+        "(a batch forms from the requests waiting together and takes no new ones) instead of joining the "
+        "continuous pool",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=V.int_arg(16, 1_000_000),
+        default=512,
+        help="prompt tokens the pool prefills per round, between decoding rounds (default 512)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=V.int_arg(1, 1024),
+        default=2,
+        help="batches decoding at once, one model call at a time in turn (default 2)",
+    )
+    p.add_argument(
+        "--max-waiting", type=V.int_arg(1, 1_000_000), default=256, help="queued requests before 429 (default 256)"
+    )
+    p.add_argument(
+        "--max-body",
+        type=V.int_arg(1024, 1 << 30),
+        default=2 << 20,
+        help="request body bytes, at most (default 2 MiB; more is a 413)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=V.int_arg(1, 10_000_000),
+        default=None,
+        help="prompt tokens, at most (default: the context less one)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=V.float_arg(0.1, 86400),
+        default=600.0,
+        help="seconds a request may wait for its turn before a 503 (default 600)",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=V.float_arg(0, 86400),
+        default=30.0,
+        help="on SIGTERM or Ctrl-C, seconds the requests under way get to finish (default 30)",
+    )
+    p.add_argument(
+        "--shadow-share",
+        type=V.float_arg(0, 1),
+        default=0.0,
+        help="share of lossy-method requests "
+        "re-decoded greedily when idle, for /metrics' agreement with greedy (default 0: off)",
+    )
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per request to stderr")
 
 
@@ -64,23 +112,42 @@ def run_serve(args) -> int:
     loader = _loader(args)
     options = resolve_models(args.method, options, loader)
     Decoding(model, [0], args.method, 1, **options)  # the default method and options are valid
-    cfg = ServerConfig(args.name or args.model, args.method, options, args.max_tokens, args.max_batch,
-                       args.max_running, args.max_waiting, loadable=tuple(PACKAGED) + tuple(loader.models),
-                       max_body_bytes=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
-                       queue_timeout=args.queue_timeout, shadow_share=args.shadow_share,
-                       continuous=not args.no_continuous, prefill_chunk=args.prefill_chunk)
+    cfg = ServerConfig(
+        args.name or args.model,
+        args.method,
+        options,
+        args.max_tokens,
+        args.max_batch,
+        args.max_running,
+        args.max_waiting,
+        loadable=tuple(PACKAGED) + tuple(loader.models),
+        max_body_bytes=args.max_body,
+        max_prompt_tokens=args.max_prompt_tokens,
+        queue_timeout=args.queue_timeout,
+        shadow_share=args.shadow_share,
+        continuous=not args.no_continuous,
+        prefill_chunk=args.prefill_chunk,
+    )
     if not args.no_access_log:
         _access_log()
-    _say(f"serving {cfg.model_name} ({args.dtype}, {threads} threads) with {args.method} "
-         f"on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
-    uvicorn.run(create_app(model, cfg, loader), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.drain_seconds)
+    _say(
+        f"serving {cfg.model_name} ({args.dtype}, {threads} threads) with {args.method} "
+        f"on http://{args.host}:{args.port}/v1 (Ctrl-C stops)"
+    )
+    uvicorn.run(
+        create_app(model, cfg, loader),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=args.drain_seconds,
+    )
     return 0
 
 
 def _access_log() -> None:
     """One line per request on stderr: client, method and path, status, milliseconds."""
     import logging
+
     log = logging.getLogger("layerleap.access")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -93,6 +160,7 @@ def _check_bind(host: str, port: int) -> None:
     """Bind ``host:port`` once (then let it go) before loading the model: a bad address or a port in use
     is one line, not a server that dies after start-up."""
     import socket
+
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, addr = infos[0]
@@ -100,5 +168,6 @@ def _check_bind(host: str, port: int) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
     except (OSError, UnicodeError) as e:
-        raise LayerleapError(f"cannot serve on {host}:{port} ({getattr(e, 'strerror', None) or e}): choose another "
-                             "--host or --port") from None
+        raise LayerleapError(
+            f"cannot serve on {host}:{port} ({getattr(e, 'strerror', None) or e}): choose another --host or --port"
+        ) from None

@@ -36,8 +36,16 @@ class ModelConfig:
     name: str = "custom"
 
     def __post_init__(self):
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                  "max_position"):
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "max_position",
+        ):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{k} must be a positive integer, got {v!r}")
@@ -46,9 +54,11 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.qkv_bias and self.model_type != "qwen2":
-            raise ConfigError(f"qkv_bias=True needs model_type='qwen2': transformers' attention_bias on "
-                              f"{self.model_type!r} also biases the output projection, which layerleap does not "
-                              "implement")
+            raise ConfigError(
+                f"qkv_bias=True needs model_type='qwen2': transformers' attention_bias on "
+                f"{self.model_type!r} also biases the output projection, which layerleap does not "
+                "implement"
+            )
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -74,15 +84,18 @@ class ModelConfig:
             raise ConfigError(f"rope_scaling must be an object, got {str(rope)[:40]!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
-            raise ConfigError(f"unsupported rope scaling {rope_type!r}: only the default rotary embedding is "
-                              "implemented")
+            raise ConfigError(
+                f"unsupported rope scaling {rope_type!r}: only the default rotary embedding is implemented"
+            )
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported activation {hf.get('hidden_act')!r}: only SwiGLU (silu) is implemented")
         if hf.get("mlp_bias"):
             raise ConfigError("unsupported MLP bias (mlp_bias=true)")
         if model_type != "qwen2" and hf.get("attention_bias"):
-            raise ConfigError("unsupported attention_bias=true: it puts biases on q, k, v and the output "
-                              "projection; layerleap implements Qwen2's q/k/v biases only")
+            raise ConfigError(
+                "unsupported attention_bias=true: it puts biases on q, k, v and the output "
+                "projection; layerleap implements Qwen2's q/k/v biases only"
+            )
         qkv_bias = model_type == "qwen2"
         n_heads = _field(hf, "num_attention_heads")
         hidden = _field(hf, "hidden_size")
@@ -170,9 +183,19 @@ def _number(hf: dict, key: str, default: float) -> float:
 def tiny_config(**overrides) -> ModelConfig:
     """A small random-weight config for tests and examples."""
     base = dict(
-        vocab_size=97, hidden_size=32, intermediate_size=64, n_layers=4, n_heads=4, n_kv_heads=2,
-        head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=256, eos_token_ids=(2,),
-        bos_token_id=1, name="tiny",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position=256,
+        eos_token_ids=(2,),
+        bos_token_id=1,
+        name="tiny",
     )
     base.update(overrides)
     return ModelConfig(**base)

@@ -77,9 +77,11 @@ def blocks_to_rows(data: np.ndarray, qtype: str, n_rows: int, n_cols: int) -> Qu
     else:
         raise ConfigError(f"GGUF block type {qtype} does not map onto 4-bit groups")
     groups = n_cols // GROUP
-    return QuantizedRows(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)).reshape(n_rows, n_cols),
-                         torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)).reshape(n_rows, groups),
-                         torch.from_numpy(np.ascontiguousarray(minimum, dtype=np.float32)).reshape(n_rows, groups))
+    return QuantizedRows(
+        torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)).reshape(n_rows, n_cols),
+        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)).reshape(n_rows, groups),
+        torch.from_numpy(np.ascontiguousarray(minimum, dtype=np.float32)).reshape(n_rows, groups),
+    )
 
 
 def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -105,8 +107,11 @@ def unpack_codes(b: torch.Tensor) -> torch.Tensor:
 
 
 def rows_to_tensors(name: str, rows: QuantizedRows) -> dict[str, torch.Tensor]:
-    return {f"{name}.codes": pack_codes(rows.q), f"{name}.scale": rows.scale.contiguous(),
-            f"{name}.minimum": rows.minimum.contiguous()}
+    return {
+        f"{name}.codes": pack_codes(rows.q),
+        f"{name}.scale": rows.scale.contiguous(),
+        f"{name}.minimum": rows.minimum.contiguous(),
+    }
 
 
 def weight_tensors(name: str, w) -> dict[str, torch.Tensor]:
@@ -138,8 +143,9 @@ def q8_0_rows(data: np.ndarray, n_rows: int, n_cols: int) -> Int8Rows:
     blocks = np.ascontiguousarray(data).reshape(-1, 34)
     d = _f16(blocks[:, :2])[:, 0]
     q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
-    return Int8Rows(torch.from_numpy(q.copy()).reshape(n_rows, n_cols),
-                    torch.from_numpy(d.copy()).reshape(n_rows, n_cols // GROUP))
+    return Int8Rows(
+        torch.from_numpy(q.copy()).reshape(n_rows, n_cols), torch.from_numpy(d.copy()).reshape(n_rows, n_cols // GROUP)
+    )
 
 
 # -- the conversion ---------------------------------------------------------------------------------
@@ -151,6 +157,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
 
     from .weight_files import gguf_context, hf_to_ours
     from .model import fingerprint_of
+
     ctx = gguf_context(gguf_path, out)
     reader = GGUFReader(str(gguf_path))
     hf: dict[str, QuantizedRows | torch.Tensor] = {}
@@ -162,8 +169,12 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
         if rows_n:
             name, order = ctx.map_rows(t.name, rows_n)
         else:
-            r = ctx.processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
-                                      tensor_key_mapping=ctx.key_map, parsed_parameters=ctx.parsed)
+            r = ctx.processor.process(
+                weights=dequantize(t.data, t.tensor_type),
+                name=t.name,
+                tensor_key_mapping=ctx.key_map,
+                parsed_parameters=ctx.parsed,
+            )
             name, order = ctx.key_map.get(r.name), None
         if name is None or name not in ctx.expected:
             continue
@@ -197,8 +208,10 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     if missing:
         raise ConfigError(f"{gguf_path.name}: no GGUF tensor for {missing[:4]}{' …' if len(missing) > 4 else ''}")
     ours = hf_to_ours(hf, ctx.config, consume=True, fuse=_cat_rows)
-    exact = {k: (v.exact if isinstance(v, _Requantized) else v.dense() if isinstance(v, (QuantizedRows, Int8Rows))
-                 else v) for k, v in ours.items()}
+    exact = {
+        k: (v.exact if isinstance(v, _Requantized) else v.dense() if isinstance(v, (QuantizedRows, Int8Rows)) else v)
+        for k, v in ours.items()
+    }
     if ctx.config.tie_embeddings and "lm_head.weight" not in exact:
         exact["lm_head.weight"] = exact["tok_embeddings.weight"]
     fingerprint = fingerprint_of(ctx.config, exact)
@@ -210,17 +223,27 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
         elif isinstance(v, torch.Tensor) and v.dim() == 2:
             v = v.to(torch.bfloat16)  # an outer matrix of another type: bf16, as it multiplies
         tensors.update(weight_tensors(k, v))
-    meta = {"format": FORMAT, "fingerprint": fingerprint, "source": gguf_path.name,
-            "requantized": json.dumps(dict(sorted(requantized.items()))),
-            "kept": json.dumps({k: v for k, v in sorted(kept.items()) if v not in ("F32", "F16")})}
+    meta = {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "source": gguf_path.name,
+        "requantized": json.dumps(dict(sorted(requantized.items()))),
+        "kept": json.dumps({k: v for k, v in sorted(kept.items()) if v not in ("F32", "F16")}),
+    }
     save_safetensors(out / WEIGHTS, tensors, meta)
     ctx.save_config_and_tokenizer(out)
     outer = {k: v for k, v in kept.items() if k in OUTER}
     kept = ", ".join(f"{k} ({v})" for k, v in outer.items())
-    progress("4-bit weights: every layer's GGUF 4-bit blocks kept"
-             + (f"; {len(requantized)} layer tensor(s) re-quantized to 4-bit groups of {GROUP} "
-                f"({', '.join(sorted(set(requantized.values())))})" if requantized else "")
-             + (f"; embedding and LM head: {', '.join(f'{k} ({v})' for k, v in outer.items())}" if outer else ""))
+    progress(
+        "4-bit weights: every layer's GGUF 4-bit blocks kept"
+        + (
+            f"; {len(requantized)} layer tensor(s) re-quantized to 4-bit groups of {GROUP} "
+            f"({', '.join(sorted(set(requantized.values())))})"
+            if requantized
+            else ""
+        )
+        + (f"; embedding and LM head: {', '.join(f'{k} ({v})' for k, v in outer.items())}" if outer else "")
+    )
 
 
 class _Requantized:
@@ -235,8 +258,9 @@ def _cat_rows(parts: list):
     """``hf_to_ours``'s fuse for mixed parts: rows of QuantizedRows, dense tensors or _Requantized."""
     if all(isinstance(p, QuantizedRows) for p in parts):
         return QuantizedRows.cat(parts)
-    dense = [p.exact if isinstance(p, _Requantized) else p.dense() if isinstance(p, QuantizedRows) else p
-             for p in parts]
+    dense = [
+        p.exact if isinstance(p, _Requantized) else p.dense() if isinstance(p, QuantizedRows) else p for p in parts
+    ]
     return _Requantized(torch.cat(dense, 0))
 
 
@@ -246,6 +270,7 @@ def check(folder: Path) -> tuple:
     ``LayerleapError`` that names the file."""
     from .weight_files import ModelFileError, read_json, safetensors_header
     from ..files import read_safetensors_meta
+
     config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=folder.name)
     for tok in ("tokenizer.json", "tokenizer_config.json"):
         if (folder / tok).is_file():
@@ -254,22 +279,30 @@ def check(folder: Path) -> tuple:
     header = safetensors_header(path)
     meta = read_safetensors_meta(path)
     if meta.get("format") != FORMAT or not meta.get("fingerprint"):
-        raise ModelFileError(f"{path} is not a layerleap 4-bit weights file (format {meta.get('format')!r}): "
-                             "delete it to convert again")
-    names = {k.rsplit(".", 1)[0] if k.endswith((".codes", ".scale", ".minimum", ".int8", ".int8_scale")) else k
-             for k in header[0]}
-    need = {"tok_embeddings.weight", "norm.weight"} | {f"layers.{i}.{n}.weight" for i in range(config.n_layers)
-                                                       for n in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")}
+        raise ModelFileError(
+            f"{path} is not a layerleap 4-bit weights file (format {meta.get('format')!r}): delete it to convert again"
+        )
+    names = {
+        k.rsplit(".", 1)[0] if k.endswith((".codes", ".scale", ".minimum", ".int8", ".int8_scale")) else k
+        for k in header[0]
+    }
+    need = {"tok_embeddings.weight", "norm.weight"} | {
+        f"layers.{i}.{n}.weight"
+        for i in range(config.n_layers)
+        for n in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+    }
     missing = sorted(need - names)
     if missing:
-        raise ModelFileError(f"{path} lacks {missing[:3]}: the 4-bit weights are incomplete, delete the folder to "
-                             "convert again")
+        raise ModelFileError(
+            f"{path} lacks {missing[:3]}: the 4-bit weights are incomplete, delete the folder to convert again"
+        )
     return config, meta, header
 
 
 def read(folder: Path) -> tuple[dict[str, QuantizedRows | torch.Tensor], dict]:
     """A q4 cache folder's weights (our names) and its metadata (checked first, ``check``)."""
     from .weight_files import read_safetensors_file
+
     _, meta, header = check(folder)
     return tensors_to_weights(read_safetensors_file(folder / WEIGHTS, header=header)), meta
 
@@ -279,6 +312,7 @@ def packed_file(folder: Path) -> Path:
     """The packed cache for this CPU's 4-bit format: the block layout is the same on every CPU, torch's
     int4 layout depends on the CPU and torch version."""
     from .kernels import packed_layout, q4_format
+
     if q4_format() == "blocks":
         return folder / f"packed-{BLOCKS_LAYOUT}.safetensors"
     return folder / f"packed-{packed_layout()}.safetensors"
@@ -292,6 +326,7 @@ def save_packed(folder: Path, model) -> None:
     from ..errors import LayerleapError
     from .kernels import BlockWeight, Int4Weight, Int8Rows
     from .model import Embedding, Linear
+
     tensors, modules, first = {}, {}, {}
     for name, mod in model.named_modules():
         if not isinstance(mod, (Linear, Embedding)) or mod.packed is None:
@@ -321,6 +356,7 @@ def load_packed(folder: Path, config, tokenizer):
     from ..files import read_safetensors_meta
     from .kernels import KernelError
     from .weight_files import read_safetensors_file
+
     path = packed_file(folder)
     if not path.is_file():
         return None
@@ -339,6 +375,7 @@ def assemble_q4(config: ModelConfig, formats: dict, dense: dict, tokenizer=None,
     """Put ``formats`` (module name -> packed weight) and ``dense`` tensors (state_dict names, cast to
     bf16) into a Transformer built on the meta device; refuse anything left unfilled."""
     from .model import rope_tables
+
     with torch.device("meta"):
         model = Transformer(config, tokenizer=tokenizer, source=source)
     mods = dict(model.named_modules())
@@ -346,8 +383,9 @@ def assemble_q4(config: ModelConfig, formats: dict, dense: dict, tokenizer=None,
         mods[name].pack(fmt)
     if config.tie_embeddings and "lm_head.weight" in dense:
         model.lm_head.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, device="meta"))  # untied
-    _, unexpected = model.load_state_dict({k: v.to(torch.bfloat16) for k, v in dense.items()}, strict=False,
-                                          assign=True)
+    _, unexpected = model.load_state_dict(
+        {k: v.to(torch.bfloat16) for k, v in dense.items()}, strict=False, assign=True
+    )
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and "rope" not in n]
     if unexpected or left:
         raise ConfigError(f"4-bit weights do not fit the config: unexpected {unexpected[:3]}, missing {left[:3]}")
@@ -360,16 +398,26 @@ def build_q4_packed(config: ModelConfig, tensors: dict, modules: dict, tokenizer
     """A 4-bit model from the packed cache (``gguf_q4.save_packed``): ``modules`` maps each packed
     module to [the module whose tensors it uses, the format's class name]."""
     from .kernels import BlockWeight, Int4Weight, Int8Rows
+
     formats, made = {}, {}
     for name, (owner, kind) in modules.items():
         if owner not in made:
             n = int(tensors.pop(f"{owner}.out_features")[0])
             if kind == "Int4Weight":
-                made[owner] = Int4Weight.from_packed(tensors.pop(f"{owner}.packed"), tensors.pop(f"{owner}.scale_zero"),
-                                                     n, tensors.pop(f"{owner}.bias", None))
+                made[owner] = Int4Weight.from_packed(
+                    tensors.pop(f"{owner}.packed"),
+                    tensors.pop(f"{owner}.scale_zero"),
+                    n,
+                    tensors.pop(f"{owner}.bias", None),
+                )
             elif kind == "BlockWeight":
-                made[owner] = BlockWeight(tensors.pop(f"{owner}.codes"), tensors.pop(f"{owner}.dm"), n,
-                                          int(tensors.pop(f"{owner}.bits")[0]), tensors.pop(f"{owner}.bias", None))
+                made[owner] = BlockWeight(
+                    tensors.pop(f"{owner}.codes"),
+                    tensors.pop(f"{owner}.dm"),
+                    n,
+                    int(tensors.pop(f"{owner}.bits")[0]),
+                    tensors.pop(f"{owner}.bias", None),
+                )
             elif kind == "Int8Rows":
                 made[owner] = Int8Rows(tensors.pop(f"{owner}.int8"), tensors.pop(f"{owner}.int8_scale"))
             else:

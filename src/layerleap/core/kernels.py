@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..errors import LayerleapError
 from ..files import cache_root, write_json
+from .cpu import cpu_signature
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
@@ -59,6 +60,7 @@ class _DenseBackward(torch.autograd.Function):
 
 class PackedWeight:
     """What every packed format shares: shape, dtype, autograd through the dense weight."""
+
     out_features: int
     in_features: int
     dtype: torch.dtype  # the activations' dtype it multiplies
@@ -79,6 +81,10 @@ class PackedWeight:
     def nbytes(self) -> int:
         raise NotImplementedError
 
+    def native_proj(self) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """(kind, a, b) for ``decoder.cpp``'s ``Proj``, or None for a format the C++ does not know."""
+        return None
+
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -87,12 +93,16 @@ class PackedWeight:
 class OneDNNWeight(PackedWeight):
     """An fp32 or bf16 weight in oneDNN's blocked layout for its linear kernel."""
 
+    def native_proj(self):
+        return 1, self.packed, torch.empty(0)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = ONEDNN_BATCH_HINT):
         if not ONEDNN:
             raise KernelError("this torch build has no oneDNN: keep dense weights")
         if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or weight.dim() != 2:
-            raise KernelError(f"oneDNN packs 2-D fp32/bf16 CPU weights, got {weight.dtype} {tuple(weight.shape)} "
-                              f"on {weight.device}")
+            raise KernelError(
+                f"oneDNN packs 2-D fp32/bf16 CPU weights, got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+            )
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
@@ -120,6 +130,7 @@ class QuantizedRows:
     """A weight as unsigned 4-bit codes with one scale and minimum per group of ``GROUP`` inputs:
     ``w[n, k] = q[n, k] * scale[n, k // GROUP] + minimum[n, k // GROUP]``, all exact in fp32.
     This is GGUF's Q4_1 form (Q4_K's sub-blocks too) before any rounding a kernel needs."""
+
     q: torch.Tensor  # [N, K] uint8 in 0..15
     scale: torch.Tensor  # [N, K/GROUP] fp32
     minimum: torch.Tensor  # [N, K/GROUP] fp32
@@ -136,8 +147,9 @@ class QuantizedRows:
 
     @staticmethod
     def cat(parts: list["QuantizedRows"]) -> "QuantizedRows":
-        return QuantizedRows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                             torch.cat([p.minimum for p in parts]))
+        return QuantizedRows(
+            torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), torch.cat([p.minimum for p in parts])
+        )
 
     def take_rows(self, index: torch.Tensor) -> "QuantizedRows":
         return QuantizedRows(self.q[index], self.scale[index], self.minimum[index])
@@ -210,7 +222,7 @@ def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     out = []
     for b0 in range(0, n, bn):
         size = min(bn, n - b0)
-        blk = flat[b0 * k // 2:(b0 + size) * k // 2].view(k, size // 2)  # [k, size/2] bytes
+        blk = flat[b0 * k // 2 : (b0 + size) * k // 2].view(k, size // 2)  # [k, size/2] bytes
         lo, hi = blk & 0xF, blk >> 4
         if size == bn and wide:
             rows = torch.cat([lo, hi], dim=1)  # [k, size]: lo holds rows 0..size/2-1, hi the rest
@@ -247,10 +259,14 @@ class Int4Weight(PackedWeight):
     the padding is cut from every result.  Products over more than ``INT4_MAX_ROWS`` rows run 16
     rows at a time (the kernel's path for many rows is about 40x slower per row)."""
 
+    def native_proj(self):
+        return 2, self.packed, self.scale_zero
+
     def __init__(self, rows: QuantizedRows, bias: torch.Tensor | None = None):
         if not int4_supported():
-            raise KernelError("torch's int4 CPU kernel is not available here (torch build or CPU): "
-                              "use dtype float32 or bfloat16")
+            raise KernelError(
+                "torch's int4 CPU kernel is not available here (torch build or CPU): use dtype float32 or bfloat16"
+            )
         n, k = rows.q.shape
         if k % GROUP:
             raise KernelError(f"4-bit weights need an input size that is a multiple of {GROUP}, got {k}")
@@ -268,14 +284,17 @@ class Int4Weight(PackedWeight):
         self.bias = None if bias is None else bias.detach().float()
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int,
-                    bias: torch.Tensor | None = None) -> "Int4Weight":
+    def from_packed(
+        cls, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    ) -> "Int4Weight":
         """A weight from what ``packed`` and ``scale_zero`` held before (``state``), without repacking."""
         self = cls.__new__(cls)
         self.padded, self.in_features = packed.shape[0], packed.shape[1] * 2
         if scale_zero.shape != (self.in_features // GROUP, self.padded, 2) or out_features > self.padded:
-            raise KernelError(f"packed 4-bit weight {tuple(packed.shape)} does not fit its scales "
-                              f"{tuple(scale_zero.shape)} and {out_features} outputs")
+            raise KernelError(
+                f"packed 4-bit weight {tuple(packed.shape)} does not fit its scales "
+                f"{tuple(scale_zero.shape)} and {out_features} outputs"
+            )
         self.out_features, self.dtype = out_features, torch.bfloat16
         self.packed, self.scale_zero = packed.contiguous(), scale_zero.to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.detach().float()
@@ -355,6 +374,7 @@ BLOCK_ROWS = 16  # output rows per block: one 64-byte vector holds 4 inputs of 1
 def _native_blocks():
     """The native module when it was built with ``block_matmul``, else None."""
     from . import native
+
     mod = native.module()
     return mod if mod is not None and hasattr(mod, "block_matmul") else None
 
@@ -380,14 +400,24 @@ class BlockWeight(PackedWeight):
     depends only on that row, whatever the number of rows in a call.  ``rows(ids)`` looks rows up
     (an embedding table; a tied LM head shares it)."""
 
-    def __init__(self, codes: torch.Tensor, dm: torch.Tensor, out_features: int, bits: int,
-                 bias: torch.Tensor | None = None):
+    def native_proj(self):
+        return 3, self.codes, self.dm
+
+    def __init__(
+        self, codes: torch.Tensor, dm: torch.Tensor, out_features: int, bits: int, bias: torch.Tensor | None = None
+    ):
         nb, g = dm.shape[0], dm.shape[1]
         per = 4 if bits == 4 else 8
-        if bits not in (4, 8) or dm.shape[2:] != (2, BLOCK_ROWS) or codes.shape != (nb, g, per, BLOCK_ROWS, 4) \
-                or not (nb - 1) * BLOCK_ROWS < out_features <= nb * BLOCK_ROWS:
-            raise KernelError(f"block weight codes {tuple(codes.shape)} do not fit scales {tuple(dm.shape)}, "
-                              f"{bits} bits and {out_features} outputs")
+        if (
+            bits not in (4, 8)
+            or dm.shape[2:] != (2, BLOCK_ROWS)
+            or codes.shape != (nb, g, per, BLOCK_ROWS, 4)
+            or not (nb - 1) * BLOCK_ROWS < out_features <= nb * BLOCK_ROWS
+        ):
+            raise KernelError(
+                f"block weight codes {tuple(codes.shape)} do not fit scales {tuple(dm.shape)}, "
+                f"{bits} bits and {out_features} outputs"
+            )
         self.codes, self.dm, self.bits = codes.to(torch.uint8).contiguous(), dm.contiguous(), bits
         self.out_features, self.in_features = out_features, g * GROUP
         self.dtype = torch.bfloat16
@@ -481,24 +511,9 @@ class BlockWeight(PackedWeight):
 
 
 # -- choosing a format per CPU -----------------------------------------------------------------------
-@functools.cache
-def cpu_signature() -> str:
-    """The CPU model and the ISA torch dispatches to, e.g. 'AMD EPYC (AVX512)': kernel choices are
-    made, and cached, per signature."""
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
-
-
 def _time_products(fns, repeats: int = 5) -> float:
     import time
+
     for f in fns:
         f()
     best = float("inf")
@@ -521,8 +536,10 @@ def measure_onednn(dtype: torch.dtype, rows=(1, 8), mb: float = 96.0) -> dict:
     with torch.inference_mode():
         for m in rows:
             x = torch.randn(m, 576, generator=g).to(dtype)
-            out[m] = {"dense": _time_products([lambda w=w, x=x: F.linear(x, w) for w in dense]),
-                      "onednn": _time_products([lambda p=p, x=x: p(x) for p in packed])}
+            out[m] = {
+                "dense": _time_products([lambda w=w, x=x: F.linear(x, w) for w in dense]),
+                "onednn": _time_products([lambda p=p, x=x: p(x) for p in packed]),
+            }
     return out
 
 
@@ -539,8 +556,10 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
     forced = os.environ.get(KERNEL_ENV, "").strip().lower()
     if forced in ("onednn", "dense"):
         return forced
-    key = f"{cpu_signature()} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | " \
-          f"{torch.get_num_threads()} threads"
+    key = (
+        f"{cpu_signature()} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | "
+        f"{torch.get_num_threads()} threads"
+    )
     path = cache_root() / "kernels.json"
     try:
         known = json.loads(path.read_text())
@@ -549,8 +568,7 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
     if not isinstance(known.get(key), dict) or known[key].get("choice") not in ("onednn", "dense"):
         times = measure_onednn(dtype)
         total = {k: sum(t[k] for t in times.values()) for k in ("dense", "onednn")}
-        known[key] = {"choice": min(total, key=total.get),
-                      "seconds": {str(m): t for m, t in times.items()}}
+        known[key] = {"choice": min(total, key=total.get), "seconds": {str(m): t for m, t in times.items()}}
         try:
             write_json(path, known)
         except LayerleapError:  # an unwritable cache only costs the measurement next time
@@ -579,17 +597,24 @@ def measure_q4(rows=(1, 4, 8, 16), mb: float = 48.0) -> dict:
     int4 kernel and with the native block kernel, at each row count."""
     g = torch.Generator().manual_seed(0)
     n_mats = max(1, int(mb * 1e6 / (1536 * 576 // 2)))
-    mats = [QuantizedRows(torch.randint(0, 16, (1536, 576), generator=g, dtype=torch.uint8),
-                          torch.rand(1536, 18, generator=g).half().float() * 0.01,
-                          -torch.rand(1536, 18, generator=g).half().float() * 0.1) for _ in range(n_mats)]
+    mats = [
+        QuantizedRows(
+            torch.randint(0, 16, (1536, 576), generator=g, dtype=torch.uint8),
+            torch.rand(1536, 18, generator=g).half().float() * 0.01,
+            -torch.rand(1536, 18, generator=g).half().float() * 0.1,
+        )
+        for _ in range(n_mats)
+    ]
     blocks = [BlockWeight.from_rows(r) for r in mats]
     torch_int4 = [Int4Weight(r) for r in mats]
     out = {}
     with torch.inference_mode():
         for m in rows:
             x = torch.randn(m, 576, generator=g).to(torch.bfloat16)
-            out[m] = {"torch": _time_products([lambda w=w: w(x) for w in torch_int4]),
-                      "blocks": _time_products([lambda w=w: w(x) for w in blocks])}
+            out[m] = {
+                "torch": _time_products([lambda w=w, x=x: w(x) for w in torch_int4]),
+                "blocks": _time_products([lambda w=w, x=x: w(x) for w in blocks]),
+            }
     return out
 
 
@@ -607,8 +632,11 @@ def q4_format() -> str:
     if forced in ("blocks", "torch"):
         return forced
     from . import native
-    key = f"{cpu_signature()} | torch {torch.__version__} | q4 | native {native.build_dir().name[:12]} | " \
-          f"{torch.get_num_threads()} threads"
+
+    key = (
+        f"{cpu_signature()} | torch {torch.__version__} | q4 | native {native.build_dir().name[:12]} | "
+        f"{torch.get_num_threads()} threads"
+    )
     path = cache_root() / "kernels.json"
     try:
         known = json.loads(path.read_text())

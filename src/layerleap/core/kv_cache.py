@@ -19,8 +19,9 @@ class CacheError(LayerleapError, ValueError):
 
 
 class KVCache:
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 dtype=torch.float32, device="cpu"):
+    def __init__(
+        self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype=torch.float32, device="cpu"
+    ):
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -94,8 +95,8 @@ class KVCache:
             self.v[layer].narrow(2, s0, n).copy_(v_new)
         else:
             for b, s in enumerate(starts):
-                self.k[layer, b, :, s:s + n] = k_new[b]
-                self.v[layer, b, :, s:s + n] = v_new[b]
+                self.k[layer, b, :, s : s + n] = k_new[b]
+                self.v[layer, b, :, s : s + n] = v_new[b]
 
     def advance(self, start: int, end: int, n_new: int) -> None:
         self.lengths[start:end] += n_new
@@ -123,6 +124,6 @@ class KVCache:
             s, kb = int(start_t[b]), keep[b].to(torch.long)
             src = (kb + s).to(self.k.device)
             for store in (self.k, self.v):
-                vals = store[layers.start:layers.stop, b, :, :].index_select(2, src)
-                store[layers.start:layers.stop, b, :, s:s + len(kb)] = vals
-            self.lengths[layers.start:layers.stop, b] = s + len(kb)
+                vals = store[layers.start : layers.stop, b, :, :].index_select(2, src)
+                store[layers.start : layers.stop, b, :, s : s + len(kb)] = vals
+            self.lengths[layers.start : layers.stop, b] = s + len(kb)

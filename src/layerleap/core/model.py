@@ -68,8 +68,7 @@ def fp32_detour(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether bf16/fp16 matrix products and attention should run in fp32 here: on a CPU without native
     bf16 (AVX2 EPYC: bf16 matrix kernels ~7x, attention 4-6x slower than fp32).  A CPU with
     AVX512-BF16/AMX keeps bf16 (there the detour is ~8x slower: docs/BENCHMARKS.md)."""
-    return (device.type == "cpu" and dtype != torch.float32
-            and not (dtype == torch.bfloat16 and cpu_has_native_bf16()))
+    return device.type == "cpu" and dtype != torch.float32 and not (dtype == torch.bfloat16 and cpu_has_native_bf16())
 
 
 def linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +167,7 @@ class Attention(nn.Module):
         H, Hkv = self.n_heads, self.n_kv
         heads = self.qkv(x).view(B, S, H + 2 * Hkv, self.hd)
         qk = apply_rope(heads[:, :, : H + Hkv], cos, sin)
-        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), heads[:, :, H + Hkv:].transpose(1, 2)
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), heads[:, :, H + Hkv :].transpose(1, 2)
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, keys: Keys | None) -> torch.Tensor:
         B, S, _ = x.shape
@@ -190,6 +189,7 @@ class Keys:
     token, causal for a first chunk; ``folded``: the mask repeated for grouped query heads folded
     into the query axis (``[B, 1, g*S, total]``), made once per call.  When every row starts at the
     same slot, ``store`` writes through views of the whole cache made once per call."""
+
     starts: list[int] | None
     total: int
     mask: torch.Tensor | None
@@ -212,13 +212,13 @@ class Keys:
         start = self.starts[0]
         if all(s == start for s in self.starts):
             if self.views is None:
-                self.views = cache.k[:, :, :, :self.total], cache.v[:, :, :, :self.total]
+                self.views = cache.k[:, :, :, : self.total], cache.v[:, :, :, : self.total]
             kl, vl = self.views[0][layer], self.views[1][layer]
             kl.narrow(2, start, k.shape[2]).copy_(k)
             vl.narrow(2, start, v.shape[2]).copy_(v)
             return kl, vl
         cache.write(layer, k, v, self.starts)
-        return cache.k[layer, :, :, :self.total], cache.v[layer, :, :, :self.total]
+        return cache.k[layer, :, :, : self.total], cache.v[layer, :, :, : self.total]
 
 
 def _native_ok(h: torch.Tensor, lengths: list[list[int]]) -> bool:
@@ -261,14 +261,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
     if keys.mask is None and S > 1:  # causal over exactly these S keys (no cache, or an empty one)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
     if S <= ROW_BY_ROW_MAX and native.module() is not None:
-        return native.module().attend_rows(q, k if k.dtype == q.dtype else k.to(q.dtype),
-                                           v if v.dtype == q.dtype else v.to(q.dtype), keys.mask)
+        return native.module().attend_rows(
+            q, k if k.dtype == q.dtype else k.to(q.dtype), v if v.dtype == q.dtype else v.to(q.dtype), keys.mask
+        )
     if 1 < S <= ROW_BY_ROW_MAX and keys.uniform and q.dtype != torch.float32:
         first = keys.total - S + 1  # keys the first new token sees
         rows = []
         for i in range(S):
-            m = None if keys.chain else keys.mask[:, :, i:i + 1, :first + i]
-            rows.append(_attend_folded(q[:, :, i:i + 1], k[:, :, :first + i], v[:, :, :first + i], m, g))
+            m = None if keys.chain else keys.mask[:, :, i : i + 1, : first + i]
+            rows.append(_attend_folded(q[:, :, i : i + 1], k[:, :, : first + i], v[:, :, : first + i], m, g))
         return torch.cat(rows, dim=2)
     return _attend_folded(q, k, v, keys.mask, g, keys.folded)
 
@@ -333,8 +334,15 @@ class Transformer(nn.Module):
         """``[B, S]`` token ids -> ``[B, S, D]`` hidden states."""
         return self.tok_embeddings(ids)
 
-    def run_layers(self, h: torch.Tensor, start: int, end: int, positions: torch.Tensor,
-                   cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        start: int,
+        end: int,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Apply layers ``[start, end)`` to ``h`` ``[B, S, D]`` at ``positions`` ``[B, S]``.
 
         With a cache, the new keys/values are appended at each row's length in each layer and the
@@ -382,8 +390,23 @@ class Transformer(nn.Module):
         keys = Keys(None, total, m, c.n_heads // c.n_kv_heads, chain)
         k, v = cache.k[start:end, :, :, :total], cache.v[start:end, :, :, :total]
         return native.module().run_layers(
-            h, cos, sin, k, v, s0, keys.mask, keys.folded, c.n_heads, c.n_kv_heads, c.head_dim,
-            c.intermediate_size, c.rms_norm_eps, fp32_detour(h.dtype, h.device), ROW_BY_ROW_MAX, *args)
+            h,
+            cos,
+            sin,
+            k,
+            v,
+            s0,
+            keys.mask,
+            keys.folded,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            fp32_detour(h.dtype, h.device),
+            ROW_BY_ROW_MAX,
+            *args,
+        )
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sign-folded sin ``[B, S, 1, hd]`` at ``positions`` ``[B, S]``."""
@@ -412,8 +435,13 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.unembed(self.final_norm(h))
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """All layers: ``[B, S]`` ids -> ``[B, S, V]`` logits.  Positions default to continuing the
         cache (``lengths - pad``), or ``0 .. S-1`` without one."""
         if positions is None:
@@ -435,8 +463,10 @@ class Transformer(nn.Module):
     @property
     def dtype_name(self) -> str:
         """``"float32"``, ``"bfloat16"``, ... or ``"q4"`` when the projections hold 4-bit weights."""
-        if any(isinstance(lin.packed, kernels.Int4Weight) or getattr(lin.packed, "bits", 0) == 4
-               for lin in self.projections()):
+        if any(
+            isinstance(lin.packed, kernels.Int4Weight) or getattr(lin.packed, "bits", 0) == 4
+            for lin in self.projections()
+        ):
             return "q4"
         return str(self.dtype).removeprefix("torch.")
 
@@ -461,8 +491,11 @@ class Transformer(nn.Module):
         """Whether dense fp32 projections multiply fastest column-major: on a CPU where
         ``kernels.dense_format`` keeps dense weights (``F.linear``'s one-row fp32 product was 1.4-1.8x
         faster on a column-major weight on the AVX2 EPYC)."""
-        return (dtype == torch.float32 and device_type == "cpu"
-                and kernels.dense_format(dtype, torch.device(device_type)) == "dense")
+        return (
+            dtype == torch.float32
+            and device_type == "cpu"
+            and kernels.dense_format(dtype, torch.device(device_type)) == "dense"
+        )
 
     def optimize_layout(self) -> "Transformer":
         """Hold each projection in the format that multiplies fastest here (``kernels.dense_format``):
@@ -524,8 +557,10 @@ class Transformer(nn.Module):
     def n_params(self) -> int:
         """Parameters of the model as defined (a tied LM head counts once, even when it holds a
         separate copy)."""
-        n = sum(lin.in_features * lin.out_features + (0 if lin.dense_bias() is None else lin.dense_bias().numel())
-                for lin in self.projections())
+        n = sum(
+            lin.in_features * lin.out_features + (0 if lin.dense_bias() is None else lin.dense_bias().numel())
+            for lin in self.projections()
+        )
         n += sum(mod.weight.numel() for mod in self.modules() if isinstance(mod, RMSNorm))
         if not self.config.tie_embeddings:
             n += self.config.vocab_size * self.config.hidden_size

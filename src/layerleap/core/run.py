@@ -73,12 +73,20 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, *, batched: bool = False, sampling: bool = False, default_sample: bool = False,
-             exact: bool = False, models: tuple[str, ...] = ()):
+def register(
+    name: str,
+    *,
+    batched: bool = False,
+    sampling: bool = False,
+    default_sample: bool = False,
+    exact: bool = False,
+    models: tuple[str, ...] = (),
+):
     def deco(fn):
         summary = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, one line
         METHODS[name] = Method(name, fn, batched, sampling, default_sample, summary, exact, tuple(models))
         return fn
+
     return deco
 
 
@@ -105,8 +113,9 @@ class Run:
     """One ``generate`` call: the model, prompts, configuration, and the meters.  ``indices`` are the
     prompt indices of the rows (default ``0..B-1``); they seed the rows' generators (``row_generators``)."""
 
-    def __init__(self, model: Transformer, prompts: list[list[int]], gen: GenerationConfig,
-                 indices: list[int] | None = None):
+    def __init__(
+        self, model: Transformer, prompts: list[list[int]], gen: GenerationConfig, indices: list[int] | None = None
+    ):
         self.model = model
         self.prompts = prompts
         self.gen = gen
@@ -147,9 +156,17 @@ class Run:
         base = cache.lengths[layer] - cache.pad  # [B]
         return (base.unsqueeze(1) + torch.arange(n_new)).to(self.model.device)
 
-    def forward(self, cache: KVCache | None, ids: torch.Tensor | None = None, h: torch.Tensor | None = None,
-                start: int = 0, end: int | None = None, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, count_call: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        cache: KVCache | None,
+        ids: torch.Tensor | None = None,
+        h: torch.Tensor | None = None,
+        start: int = 0,
+        end: int | None = None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        count_call: bool = True,
+    ) -> torch.Tensor:
         """One model call over layers ``[start, end)`` from ``ids`` (embedded) or hidden ``h``.
         Returns the hidden state after layer ``end - 1``."""
         end = self.n_layers if end is None else end
@@ -179,7 +196,7 @@ class Run:
         eos = self.model.config.eos_token_ids
         ids = torch.full((self.batch, longest), eos[0] if eos else 0, dtype=torch.long)
         for row, p in enumerate(self.prompts):
-            ids[row, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            ids[row, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
             cache.pad[row] = longest - len(p)
         positions = (torch.arange(longest).unsqueeze(0) - cache.pad.unsqueeze(1)).clamp(min=0)
         return ids.to(self.model.device), positions.to(self.model.device)
@@ -215,7 +232,7 @@ class Run:
         if not g.do_sample:
             return sampling.greedy(logits)
         p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [B, V]
-        return torch.cat([sampling.sample(p[row:row + 1], gen) for row, gen in enumerate(self.generators)])
+        return torch.cat([sampling.sample(p[row : row + 1], gen) for row, gen in enumerate(self.generators)])
 
     def emit(self, row: int, tokens: list[int]) -> bool:
         """Append accepted tokens to ``row`` (stopping at EOS or the budget); True when the row is done."""
@@ -252,8 +269,9 @@ class Run:
 def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
     """Token ids of ``messages`` (``[{"role", "content"}, ...]``) under the tokenizer's chat template
     (newer `transformers` return a mapping with ``input_ids``, older ones a list)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]

@@ -39,6 +39,7 @@ class DraftStats(Record):
     """The draft-and-verify loop (``methods.draft_verify``): ``rounds`` (target calls after the
     prompt pass while the row ran), ``drafted`` (the longest path proposed, summed), ``accepted``,
     ``acceptance`` (accepted / drafted), ``tokens_per_round``."""
+
     rounds: int
     drafted: int
     accepted: int
@@ -49,6 +50,7 @@ class DraftStats(Record):
 @dataclass
 class ExitStats(Record):
     """The early exit a drafter runs: ``exit_layer`` and the exit ``head`` used (None without one)."""
+
     exit_layer: int | None
     head: str | None
 
@@ -56,6 +58,7 @@ class ExitStats(Record):
 @dataclass
 class SpeculativeStats(Record):
     """Speculative decoding's draft lengths: the longest and mean γ used, rounds cut by ``min_confidence``."""
+
     draft_len_max: int
     draft_len_mean: float | None
     confidence_stops: int
@@ -64,12 +67,14 @@ class SpeculativeStats(Record):
 @dataclass
 class SelfSpecStats(Record):
     """Self-speculative decoding: the exit head's rows the drafter decided on."""
+
     draft_steps: int
 
 
 @dataclass
 class LookupStats(Record):
     """Prompt lookup: rounds that found a draft."""
+
     lookups_hit: int
 
 
@@ -77,6 +82,7 @@ class LookupStats(Record):
 class TreeStats(Record):
     """The tree methods: nodes per tree, accepted drafts per round, and Hidden Transfer's pseudo
     positions evaluated (the whole batch's)."""
+
     tree_nodes: int
     accepted_per_round: float | None
     pseudo_states: int | None = _optional()
@@ -87,6 +93,7 @@ class AutoStats(Record):
     """``auto``: rounds verified by plain calls (``lookup_rounds``: prompt lookup's chain) and by
     transfer calls (``transfer_rounds``: Hidden Transfer's tree and the chain), and how often the
     choice changed (``mode_switches``)."""
+
     lookup_rounds: int
     transfer_rounds: int
     mode_switches: int
@@ -96,20 +103,25 @@ class AutoStats(Record):
 class CompanionStats(Record):
     """A second model's meters (``name`` "draft" or "small"), the whole batch's; flat as
     ``<name>_calls``, ``<name>_layer_evals``, ``<name>_prompt_layer_evals``."""
+
     name: str
     calls: int = 0
     layer_evals: int = 0
     prompt_layer_evals: int = 0
 
     def flat(self) -> dict:
-        return {f"{self.name}_calls": self.calls, f"{self.name}_layer_evals": self.layer_evals,
-                f"{self.name}_prompt_layer_evals": self.prompt_layer_evals}
+        return {
+            f"{self.name}_calls": self.calls,
+            f"{self.name}_layer_evals": self.layer_evals,
+            f"{self.name}_prompt_layer_evals": self.prompt_layer_evals,
+        }
 
 
 @dataclass
 class BildStats(Record):
     """BiLD: small-model steps and tokens, the large model's passes (``large_calls`` = ``fallbacks`` +
     ``forced`` + ``final_checks``), rollbacks and the tokens they discarded, the large model's tokens."""
+
     small_steps: int
     small_tokens: int
     fallbacks: int
@@ -126,6 +138,7 @@ class BildStats(Record):
 @dataclass
 class PPDStats(Record):
     """PPD's clock and early predictions (``methods.ppd``'s docstring names them)."""
+
     exit_layer: int
     k: int
     trials: int
@@ -152,6 +165,7 @@ class PPDStats(Record):
 class SkipStats(Record):
     """The early-exit methods: mean active layers per token and the speed-up it implies; SkipDecode's
     budgets per position, CALM's exit layers per token and the KV layers it filled."""
+
     avg_active_layers: float
     budget_speedup: float
     budgets: tuple[int, ...] | None = _optional()
@@ -164,6 +178,7 @@ class BudgetStats(Record):
     """The quality budget a lossy method ran at (``methods.budget``): the budget, the calibrated
     options, whether a setting faster than greedy met it, its modelled speed-up and the file; flat
     as one ``quality_budget`` mapping."""
+
     quality: float
     options: dict
     faster_than_greedy: bool
@@ -177,6 +192,7 @@ class BudgetStats(Record):
 @dataclass
 class Stats(Mapping):
     """The statistics of one generated sequence (see the module docstring)."""
+
     method: str
     new_tokens: int
     prompt_tokens: int
@@ -226,7 +242,16 @@ class Stats(Mapping):
 
 
 RECORD_FIELDS: dict[type, str] = {
-    ExitStats: "exit", DraftStats: "draft", CompanionStats: "companion", SpeculativeStats: "speculative",
-    SelfSpecStats: "self_spec", LookupStats: "lookup", TreeStats: "tree", BildStats: "bild", PPDStats: "ppd",
-    SkipStats: "skip", AutoStats: "auto", BudgetStats: "budget",
+    ExitStats: "exit",
+    DraftStats: "draft",
+    CompanionStats: "companion",
+    SpeculativeStats: "speculative",
+    SelfSpecStats: "self_spec",
+    LookupStats: "lookup",
+    TreeStats: "tree",
+    BildStats: "bild",
+    PPDStats: "ppd",
+    SkipStats: "skip",
+    AutoStats: "auto",
+    BudgetStats: "budget",
 }

@@ -69,8 +69,10 @@ def topk_paths(shape) -> list[tuple[int, ...]]:
         width *= k
         nodes += width
         if nodes > MAX_NODES:
-            raise TreeError(f"the tree {','.join(map(str, shape))} has more than {MAX_NODES} nodes (the limit): give "
-                            "fewer or narrower levels, e.g. 2,2,1")
+            raise TreeError(
+                f"the tree {','.join(map(str, shape))} has more than {MAX_NODES} nodes (the limit): give "
+                "fewer or narrower levels, e.g. 2,2,1"
+            )
     paths: list[tuple[int, ...]] = []
     level: list[tuple[int, ...]] = [()]
     for k in shape:
@@ -90,20 +92,26 @@ def parse_tree(tree) -> list[tuple[int, ...]]:
     if isinstance(tree, str):
         text = tree.strip().replace(" ", "")
         try:
-            paths = [tuple(int(r) for r in p.split(".")) for p in text.split(";") if p] \
-                if ";" in text or "." in text else None
+            paths = (
+                [tuple(int(r) for r in p.split(".")) for p in text.split(";") if p]
+                if ";" in text or "." in text
+                else None
+            )
             shape = [int(k) for k in text.split(",") if k] if paths is None else None
         except ValueError:
-            raise TreeError(f"cannot read the tree shape {tree!r}: give top-k per depth ('2,1,1') or paths "
-                            "of ranks ('0;1;0.0;0.0.0')") from None
+            raise TreeError(
+                f"cannot read the tree shape {tree!r}: give top-k per depth ('2,1,1') or paths "
+                "of ranks ('0;1;0.0;0.0.0')"
+            ) from None
         return _check_paths(paths) if paths is not None else topk_paths(shape)
     if isinstance(tree, (list, tuple)):
         if all(isinstance(k, int) and not isinstance(k, bool) for k in tree):
             return topk_paths(tree)
         if all(isinstance(p, (list, tuple)) for p in tree):
             return _check_paths([tuple(p) for p in tree])
-    raise TreeError(f"a tree shape is top-k per depth ([2, 1, 1] or '2,1,1') or a list of rank paths "
-                    f"([(0,), (0, 0)]), got {tree!r}")
+    raise TreeError(
+        f"a tree shape is top-k per depth ([2, 1, 1] or '2,1,1') or a list of rank paths ([(0,), (0, 0)]), got {tree!r}"
+    )
 
 
 def _check_paths(paths: list[tuple]) -> list[tuple[int, ...]]:
@@ -190,7 +198,6 @@ def pseudo_offsets(depths: torch.Tensor, sources: list[int], steps: int) -> torc
     return torch.cat(parts)
 
 
-
 # -- one round's proposal ------------------------------------------------------------------------
 @dataclass
 class Candidates:
@@ -219,8 +226,12 @@ class Candidates:
     @classmethod
     def chain(cls, root: int | None, drafts: list[int], q_rows: list[torch.Tensor] | None = None) -> "Candidates":
         k = len(drafts)
-        return cls(root, torch.tensor(drafts, dtype=torch.long), torch.arange(-1, k - 1, dtype=torch.long),
-                   torch.stack(q_rows) if q_rows else None)
+        return cls(
+            root,
+            torch.tensor(drafts, dtype=torch.long),
+            torch.arange(-1, k - 1, dtype=torch.long),
+            torch.stack(q_rows) if q_rows else None,
+        )
 
     @classmethod
     def from_tree(cls, buffers: TreeBuffers, root: int, topk: torch.Tensor | None) -> "Candidates":
@@ -241,8 +252,14 @@ class Candidates:
         for j, p in enumerate(parents, start=1):
             depths[j] = depths[p + 1] + 1
             mask[j] |= mask[p + 1]
-        return cls(root, torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None,
-                   mask, torch.tensor(depths, dtype=torch.long))
+        return cls(
+            root,
+            torch.tensor(tokens, dtype=torch.long),
+            torch.tensor(parents, dtype=torch.long),
+            None,
+            mask,
+            torch.tensor(depths, dtype=torch.long),
+        )
 
     @property
     def k(self) -> int:

@@ -70,8 +70,13 @@ def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
         node = nxt
 
 
-def accept_sampled(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
-                   generator: torch.Generator | None = None) -> tuple[list[int], int]:
+def accept_sampled(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
     """Lossless sampling over a chain or a tree (SpecInfer's multi-step speculative sampling, Miao et
     al. 2024, Algorithm 2; for a chain, Leviathan et al. 2023).  ``p`` ``[1 + k, V]`` verifier
     probabilities laid out as in ``accept_greedy``; ``q`` ``[k, V]`` the distribution each draft was
@@ -127,8 +132,9 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, r / s.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
-def speculative_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                       generator: torch.Generator | None = None) -> tuple[int, int]:
+def speculative_accept(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[int, int]:
     """A chain's ``accept_sampled``: ``draft`` ``[k]`` ids sampled from the draft rows ``q`` ``[k, V]``;
     verifier rows ``p`` ``[k+1, V]`` -> (accepted count n, the token at position n: a residual sample
     after a rejection, a sample of ``p[k]`` when all k were accepted)."""

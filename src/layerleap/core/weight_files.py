@@ -29,8 +29,13 @@ class GGUFContext:
     def __init__(self, path: Path):
         from gguf import GGUFReader
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              get_gguf_hf_weights_map, load_gguf_checkpoint)
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            load_gguf_checkpoint,
+        )
+
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -54,19 +59,23 @@ class GGUFContext:
 
     def process(self, weights, gguf_name: str):
         """A dequantized tensor after the architecture's fix-ups (e.g. Llama's q/k row order)."""
-        return self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping=self.key_map,
-                                      parsed_parameters=self.parsed).weights
+        return self.processor.process(
+            weights=weights, name=gguf_name, tensor_key_mapping=self.key_map, parsed_parameters=self.parsed
+        ).weights
 
     def map_rows(self, gguf_name: str, n_rows: int) -> tuple[str | None, np.ndarray | None]:
         """A 2-D tensor's Hugging Face name and how the fix-ups reorder its rows (an index array, or
         None when they keep the order), found by passing row numbers through the fix-ups."""
         idx = np.arange(n_rows, dtype=np.float32).reshape(n_rows, 1)
-        r = self.processor.process(weights=idx, name=gguf_name, tensor_key_mapping=self.key_map,
-                                   parsed_parameters=self.parsed)
+        r = self.processor.process(
+            weights=idx, name=gguf_name, tensor_key_mapping=self.key_map, parsed_parameters=self.parsed
+        )
         out = np.asarray(r.weights)
         if out.shape != (n_rows, 1) or not np.array_equal(np.sort(out[:, 0]), idx[:, 0]):
-            raise ConfigError(f"{gguf_name}: this architecture's GGUF fix-ups do more than reorder rows; "
-                              "load it as float32 or bfloat16")
+            raise ConfigError(
+                f"{gguf_name}: this architecture's GGUF fix-ups do more than reorder rows; "
+                "load it as float32 or bfloat16"
+            )
         order = out[:, 0].astype(np.int64)
         return self.key_map.get(r.name), (None if np.array_equal(order, np.arange(n_rows)) else order)
 
@@ -79,8 +88,7 @@ def gguf_context(path: Path, out: Path) -> GGUFContext:
     return GGUFContext(path)
 
 
-def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_major: bool = False,
-               fuse=None) -> dict:
+def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_major: bool = False, fuse=None) -> dict:
     """Map a Hugging Face Llama/Qwen2 state dict onto ours (fusing qkv and gate/up), asserting
     every name and shape.  ``consume`` empties ``sd`` as it goes; ``column_major`` builds the fused
     weights directly in that layout (see ``Transformer.optimize_layout``); ``fuse`` replaces the
@@ -92,8 +100,11 @@ def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_majo
     fuse = fuse or cat_rows
 
     c = config
-    renamed = {k.removeprefix("model.") if not k.startswith("lm_head") else k: v for k, v in sd.items()
-               if not k.endswith("rotary_emb.inv_freq")}
+    renamed = {
+        k.removeprefix("model.") if not k.startswith("lm_head") else k: v
+        for k, v in sd.items()
+        if not k.endswith("rotary_emb.inv_freq")
+    }
     if consume:
         sd.clear()
     sd = renamed
@@ -111,8 +122,10 @@ def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_majo
         return t
 
     D, hd = c.hidden_size, c.head_dim
-    out = {"tok_embeddings.weight": take("embed_tokens.weight", (c.vocab_size, D)),
-           "norm.weight": take("norm.weight", (D,))}
+    out = {
+        "tok_embeddings.weight": take("embed_tokens.weight", (c.vocab_size, D)),
+        "norm.weight": take("norm.weight", (D,)),
+    }
     for i in range(c.n_layers):
         p = f"layers.{i}."
         q = take(p + "self_attn.q_proj.weight", (c.n_heads * hd, D))
@@ -137,9 +150,18 @@ def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_majo
     return out
 
 
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _HEADER_MAX = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -148,6 +170,7 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
     header parses, every entry is consistent (dtype, shape, offsets) and the file holds all the data
     (a truncated or foreign file is a ``ModelFileError`` naming it)."""
     import struct
+
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -157,13 +180,16 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
     except OSError as e:
         raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
     if text is None:
-        raise ModelFileError(f"{path} is not a safetensors file or is truncated ({size} bytes): replace it "
-                             "(re-download or re-convert the model)")
+        raise ModelFileError(
+            f"{path} is not a safetensors file or is truncated ({size} bytes): replace it "
+            "(re-download or re-convert the model)"
+        )
     try:
         header = json.loads(text)
     except (ValueError, UnicodeDecodeError):
-        raise ModelFileError(f"{path} has a corrupt safetensors header: replace it (re-download or re-convert "
-                             "the model)") from None
+        raise ModelFileError(
+            f"{path} has a corrupt safetensors header: replace it (re-download or re-convert the model)"
+        ) from None
     if not isinstance(header, dict):
         raise ModelFileError(f"{path} has a corrupt safetensors header: replace it")
     entries = {}
@@ -175,26 +201,33 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
             shape = [V.integer(d, "dim", 0) for d in info["shape"]]
             begin, stop = (V.integer(x, "offset", 0) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError, LayerleapError):
-            raise ModelFileError(f"{path}: tensor {name!r} has a corrupt or unsupported header entry "
-                                 f"({V.show(info)}): replace the file") from None
+            raise ModelFileError(
+                f"{path}: tensor {name!r} has a corrupt or unsupported header entry ({V.show(info)}): replace the file"
+            ) from None
         if stop - begin != math.prod(shape) * dtype.itemsize:
-            raise ModelFileError(f"{path}: tensor {name!r} has {stop - begin} bytes for shape {shape}: the file is "
-                                 "corrupt, replace it")
+            raise ModelFileError(
+                f"{path}: tensor {name!r} has {stop - begin} bytes for shape {shape}: the file is corrupt, replace it"
+            )
         entries[name] = {"dtype": info["dtype"], "shape": shape, "data_offsets": [begin, stop]}
     end = 0
     for name, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"]):  # back to back, as written
         if e["data_offsets"][0] != end:
-            raise ModelFileError(f"{path}: tensor {name!r} does not start where the one before it ends (overlapping or "
-                                 "gapped data): the file is corrupt, replace it")
+            raise ModelFileError(
+                f"{path}: tensor {name!r} does not start where the one before it ends (overlapping or "
+                "gapped data): the file is corrupt, replace it"
+            )
         end = e["data_offsets"][1]
     if 8 + n + end > size:
-        raise ModelFileError(f"{path} is truncated: {size} bytes, its header needs {8 + n + end}: replace it "
-                             "(re-download or re-convert the model)")
+        raise ModelFileError(
+            f"{path} is truncated: {size} bytes, its header needs {8 + n + end}: replace it "
+            "(re-download or re-convert the model)"
+        )
     return entries, 8 + n
 
 
-def read_safetensors_file(path: Path, dtype: torch.dtype | None = None,
-                          header: tuple[dict, int] | None = None) -> dict[str, torch.Tensor]:
+def read_safetensors_file(
+    path: Path, dtype: torch.dtype | None = None, header: tuple[dict, int] | None = None
+) -> dict[str, torch.Tensor]:
     """Read a safetensors file tensor by tensor with plain reads, so every tensor owns its memory
     (no file mapping stays resident beside the weights); floating tensors are cast to ``dtype``
     one at a time.  The header is checked first (``safetensors_header``)."""
@@ -238,6 +271,7 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]]
     that does not parse raises ``ModelFileError`` naming the file."""
     import mmap
     import struct
+
     with open(path, "rb") as f:
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -256,7 +290,7 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]]
         n = take("<Q")
         if pos + n > len(buf):
             raise struct.error("string past the end")
-        v = bytes(buf[pos:pos + n]).decode("utf-8", "replace")
+        v = bytes(buf[pos : pos + n]).decode("utf-8", "replace")
         pos += n
         return v
 

@@ -44,6 +44,7 @@ DECAY = 0.85  # weight of the past in a mode's rate
 @dataclass
 class Rate:
     """Tokens per millisecond of one mode, decaying sums."""
+
     tokens: float = 0.0
     ms: float = 0.0
     rounds: int = 0
@@ -123,8 +124,15 @@ def merge_chain(tree: Candidates, chain: list[int]) -> Candidates:
 class AutoDrafter(TreeDrafter):
     """Prompt lookup and, when ``proj`` is given, Hidden Transfer's tree ``buf`` (see the module docstring)."""
 
-    def __init__(self, run: Run, draft_len: int, min_ngram: int, max_ngram: int, proj=None,
-                 buf: tree_mod.TreeBuffers | None = None):
+    def __init__(
+        self,
+        run: Run,
+        draft_len: int,
+        min_ngram: int,
+        max_ngram: int,
+        proj=None,
+        buf: tree_mod.TreeBuffers | None = None,
+    ):
         buf = tree_mod.build("") if proj is None or buf is None else buf
         self.steps = buf.depth if buf.n > 1 else 0
         self.draft_len = draft_len
@@ -195,5 +203,7 @@ class AutoDrafter(TreeDrafter):
 
     def auto_stats(self) -> list[AutoStats]:
         """One ``AutoStats`` per row (the batch shares its rounds' modes)."""
-        return [AutoStats(self.mode_rounds["lookup"], self.mode_rounds["transfer"], self.chooser.switches)
-                for _ in range(self.run.batch)]
+        return [
+            AutoStats(self.mode_rounds["lookup"], self.mode_rounds["transfer"], self.chooser.switches)
+            for _ in range(self.run.batch)
+        ]

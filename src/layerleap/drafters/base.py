@@ -67,8 +67,14 @@ class Drafter:
     def propose(self, roots: list[int | None], budgets: list[int | None]) -> list[Candidates | None]:
         """Each live row's candidates: at most ``budgets[row]`` drafts along any path after
         ``roots[row]`` (None: right after the prompt); None for a finished row (``budgets[row]`` None)."""
-        return [None if budget is None else Candidates.chain(None, []) if root is None and not self.draft_first
-                else self.propose_row(row, root, budget) for row, (root, budget) in enumerate(zip(roots, budgets))]
+        return [
+            None
+            if budget is None
+            else Candidates.chain(None, [])
+            if root is None and not self.draft_first
+            else self.propose_row(row, root, budget)
+            for row, (root, budget) in enumerate(zip(roots, budgets))
+        ]
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
         """One row's candidates, for drafters that propose row by row."""
@@ -79,7 +85,7 @@ class Drafter:
         self.start = self.cache.lengths[0].clone()
         ids, tree = self.batch_tokens(cands)
         if ids is None:  # nothing to feed: the prompt pass already scored the only position
-            return [None if c is None else self.first_logits[row:row + 1] for row, c in enumerate(cands)]
+            return [None if c is None else self.first_logits[row : row + 1] for row, c in enumerate(cands)]
         if tree is not None:  # every row the same tree, at its own position
             pos = (self.start - self.cache.pad).unsqueeze(1) + tree.depths.unsqueeze(0)  # [B, 1 + k]
             pos = pos.clamp(max=self.run.model.config.max_position - 1).to(self.run.model.device)
@@ -89,8 +95,9 @@ class Drafter:
             h = self.run.forward(self.cache, ids, positions=pos)
         self.hidden = h
         logits = self.run.logits(h)  # [B, S, V]
-        return [None if c is None else self._with_first(row, c, logits[row, :len(c.fed())])
-                for row, c in enumerate(cands)]
+        return [
+            None if c is None else self._with_first(row, c, logits[row, : len(c.fed())]) for row, c in enumerate(cands)
+        ]
 
     def batch_tokens(self, cands: list[Candidates | None]) -> tuple[torch.Tensor | None, Candidates | None]:
         """The fed tokens of every row ``[B, S]`` (None when no row feeds any), and the tree they share
@@ -102,8 +109,9 @@ class Drafter:
         if S == 0:
             return None, None
         tree = next((c for c in cands if c is not None and not c.is_chain), None)
-        if tree is not None and any(c is not None and (c.is_chain or not torch.equal(c.parents, tree.parents))
-                                    for c in cands):
+        if tree is not None and any(
+            c is not None and (c.is_chain or not torch.equal(c.parents, tree.parents)) for c in cands
+        ):
             raise ValueError("the rows of a batch must propose trees of one shape")
         pad = [f + [f[-1] if f else 0] * (S - len(f)) for f in fed]
         return torch.tensor(pad, dtype=torch.long, device=self.run.model.device), tree
@@ -113,8 +121,9 @@ class Drafter:
         if self.start is None or bool((self.cache.lengths[0] == self.start).all()):
             return  # no call this round
         if any(c is not None and not c.is_chain for c in cands):
-            keep = [torch.tensor(c.kept(r[0]) if c is not None else [], dtype=torch.long)
-                    for c, r in zip(cands, results)]
+            keep = [
+                torch.tensor(c.kept(r[0]) if c is not None else [], dtype=torch.long) for c, r in zip(cands, results)
+            ]
             self.cache.compact(self.start, keep)
             return
         keep = self.start.clone()
@@ -129,7 +138,7 @@ class Drafter:
 
     def _with_first(self, row: int, cand: Candidates, logits: torch.Tensor) -> torch.Tensor:
         """A row's ``[1 + k, V]`` logits: the prompt pass's in front when the root was not fed."""
-        return logits if cand.root is not None else torch.cat([self.first_logits[row:row + 1], logits])
+        return logits if cand.root is not None else torch.cat([self.first_logits[row : row + 1], logits])
 
     def seq(self, row: int = 0) -> list[int]:
         """The row's prompt and the tokens emitted so far."""
@@ -143,6 +152,7 @@ SCHEDULES = ("constant", "heuristic")
 @dataclass
 class DraftLength:
     """γ for the next round and how it moves (`transformers`' constant and heuristic schedules)."""
+
     gamma: int
     schedule: str = "constant"
 
@@ -162,6 +172,7 @@ class ChainRule:
       leaving that position to the target (BiLD's fallback, self-speculative decoding).
     Stop reasons, recorded in ``Candidates.stop``: "eos", "budget" (the output's end), "length"
     (γ reached), "unsure"."""
+
     length: DraftLength | None = None
     min_confidence: float = 0.0
     keep_unsure: bool = True
@@ -226,7 +237,7 @@ class StepDrafter(Drafter):
                 k = budget if self.gamma[row] is None else min(budget, self.gamma[row].gamma)
                 chains[row] = _Chain(root, budget, 0 if root is None and not self.draft_first else k)
         writing = {row: c for row, c in chains.items() if c.k > 0}
-        catch_up = {row: self.seq(row)[self.own_length(row):] for row in writing}
+        catch_up = {row: self.seq(row)[self.own_length(row) :] for row in writing}
         logits = {row: self.draft_logits[row] for row, t in catch_up.items() if not t}  # right after the prompt
         if any(catch_up.values()):
             logits.update(self.step_logits({row: t for row, t in catch_up.items() if t}))
@@ -241,8 +252,11 @@ class StepDrafter(Drafter):
         """Draft one token of ``chain`` from the drafter's ``logits`` ``[V]``, or stop it; True to go on."""
         rule, g = self.rule, self.run.gen
         self.draft_steps[row] += 1
-        q = sampling.probs(logits, g.temperature, g.top_k, g.top_p) if g.do_sample else (
-            logits.float().softmax(-1) if rule.min_confidence > 0 else None)
+        q = (
+            sampling.probs(logits, g.temperature, g.top_k, g.top_p)
+            if g.do_sample
+            else (logits.float().softmax(-1) if rule.min_confidence > 0 else None)
+        )
         unsure = rule.min_confidence > 0 and float(q.max()) < rule.min_confidence
         if unsure and not rule.keep_unsure:
             chain.stop = "unsure"
@@ -251,8 +265,17 @@ class StepDrafter(Drafter):
         if g.do_sample:
             chain.q_rows.append(q)
         n = len(chain.drafts)
-        chain.stop = ("eos" if chain.drafts[-1] in self.eos else "budget" if n == chain.budget
-                      else "length" if n == chain.k else "unsure" if unsure else None)
+        chain.stop = (
+            "eos"
+            if chain.drafts[-1] in self.eos
+            else "budget"
+            if n == chain.budget
+            else "length"
+            if n == chain.k
+            else "unsure"
+            if unsure
+            else None
+        )
         return chain.stop is None
 
     def update(self, cands, results) -> None:

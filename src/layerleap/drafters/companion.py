@@ -59,7 +59,7 @@ class Companion:
         B, S = self.cache.batch, max(len(t) for t in feed.values())
         ids = torch.zeros(B, S, dtype=torch.long)
         for row, t in feed.items():
-            ids[row, :len(t)] = torch.tensor(t, dtype=torch.long)
+            ids[row, : len(t)] = torch.tensor(t, dtype=torch.long)
         start = self.cache.lengths[0].clone()
         pos = ((start - self.cache.pad).unsqueeze(1) + torch.arange(S)).clamp(max=self.model.config.max_position - 1)
         logits = self.model(ids.to(self.model.device), positions=pos.to(self.model.device), cache=self.cache)
@@ -69,7 +69,7 @@ class Companion:
         self.cache.truncate(keep)
         self._count("calls", 1)
         self._count("layer_evals", self.model.config.n_layers * sum(len(t) for t in feed.values()))
-        return {row: logits[row, :len(t)] for row, t in feed.items()}
+        return {row: logits[row, : len(t)] for row, t in feed.items()}
 
     def truncate(self, lengths: dict[int, int]) -> None:
         """Roll each listed row back to its first ``lengths[row]`` tokens (no-op where it holds fewer)."""
@@ -97,19 +97,26 @@ def check_pair(large: Transformer, other: Transformer, role: str, option: str) -
         raise GenerationError(f"{option}= must be a layerleap model (layerleap.load(...)), got {type(other).__name__}")
     v1, v2 = large.config.vocab_size, other.config.vocab_size
     if v1 != v2:
-        raise GenerationError(f"the {role} model's vocabulary has {v2} tokens and the large model's {v1}: the two "
-                              f"models must share one tokenizer; choose a {role} model of the same family")
+        raise GenerationError(
+            f"the {role} model's vocabulary has {v2} tokens and the large model's {v1}: the two "
+            f"models must share one tokenizer; choose a {role} model of the same family"
+        )
     t1, t2 = large.tokenizer, other.tokenizer
     if t1 is not None and t2 is not None and not _same_tokenizer(t1, t2):
-        raise GenerationError(f"the {role} model's tokenizer differs from the large model's (same size, other "
-                              f"tokens): choose a {role} model trained with the same tokenizer")
+        raise GenerationError(
+            f"the {role} model's tokenizer differs from the large model's (same size, other "
+            f"tokens): choose a {role} model trained with the same tokenizer"
+        )
     n1, n2 = large.n_params(), other.n_params()
     if n2 > n1:
-        raise GenerationError(f"the {role} model ({n2 / 1e6:.1f}M parameters) is larger than the large model "
-                              f"({n1 / 1e6:.1f}M): pass the smaller one as {option}= and generate with the larger")
+        raise GenerationError(
+            f"the {role} model ({n2 / 1e6:.1f}M parameters) is larger than the large model "
+            f"({n1 / 1e6:.1f}M): pass the smaller one as {option}= and generate with the larger"
+        )
     if large.device != other.device:
-        raise GenerationError(f"the {role} model is on {other.device} and the large model on {large.device}: "
-                              "move both to one device")
+        raise GenerationError(
+            f"the {role} model is on {other.device} and the large model on {large.device}: move both to one device"
+        )
 
 
 def truncated(model: Transformer, n_layers: int, head=None) -> Transformer:

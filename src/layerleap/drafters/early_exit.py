@@ -50,27 +50,29 @@ class EarlyExit:
         h_exit, h = self.run.prefill_at(self.cache, (self.E, self.L))  # [B, T, D] after layers E and L
         return self.head(h_exit[:, -1:])[:, -1], self.run.logits(h[:, -1:])[:, -1]
 
-    def _layers(self, states: dict[int, torch.Tensor], start: int, end: int,
-                count_call: bool) -> dict[int, torch.Tensor]:
+    def _layers(
+        self, states: dict[int, torch.Tensor], start: int, end: int, count_call: bool
+    ) -> dict[int, torch.Tensor]:
         """Layers ``[start, end)`` over each listed row's states ``[S_row, D]`` in ONE call (other rows
         and shorter lists padded with zero states, rolled back) -> the listed rows' outputs."""
         B, S = self.run.batch, max(int(x.shape[0]) for x in states.values())
         D = next(iter(states.values())).shape[-1]
         h = next(iter(states.values())).new_zeros(B, S, D)
         for row, x in states.items():
-            h[row, :x.shape[0]] = x
+            h[row, : x.shape[0]] = x
         layers = range(start, end)
         keep = self.cache.lengths[start].clone()
         h = self.run.forward(self.cache, h=h, start=start, end=end, count_call=count_call)
         for row, x in states.items():
             keep[row] += x.shape[0]
         self.cache.truncate(keep, layers=layers)
-        return {row: h[row, :x.shape[0]] for row, x in states.items()}
+        return {row: h[row, : x.shape[0]] for row, x in states.items()}
 
     def _embed(self, tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         model = self.run.model
-        return {row: model.embed(torch.tensor([t], dtype=torch.long, device=model.device))[0]
-                for row, t in tokens.items()}
+        return {
+            row: model.embed(torch.tensor([t], dtype=torch.long, device=model.device))[0] for row, t in tokens.items()
+        }
 
     def small_steps(self, feed: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """Layers ``[0, E)`` of each listed row's tokens (one call) -> the exit head's logits ``[V]``
@@ -147,8 +149,14 @@ class EarlyExitDrafter(StepDrafter):
     def score(self, cands):
         fed = {row: c.fed() for row, c in enumerate(cands) if c is not None and c.fed()}  # after the upper cache
         logits = self.pair.large_passes(fed) if fed else {}
-        return [None if c is None else self._with_first(row, c, logits[row]) if row in logits
-                else self.first_logits[row:row + 1] for row, c in enumerate(cands)]
+        return [
+            None
+            if c is None
+            else self._with_first(row, c, logits[row])
+            if row in logits
+            else self.first_logits[row : row + 1]
+            for row, c in enumerate(cands)
+        ]
 
     def update(self, cands, results) -> None:
         for row, r in enumerate(results):

@@ -153,7 +153,7 @@ class AdapterHead(ExitHead):
         self.up = nn.Linear(r, D, bias=False)
         with torch.no_grad():
             self.norm.weight.copy_(model.norm.weight.float())
-            nn.init.normal_(self.down.weight, std=D ** -0.5)
+            nn.init.normal_(self.down.weight, std=D**-0.5)
             self.up.weight.zero_()  # starts as the shared head
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -210,7 +210,7 @@ def _build(model: Transformer, build: dict, tensors: dict) -> dict[int, ExitHead
     out = {}
     for layer, kind in zip(build["layers"], build["kinds"]):
         prefix = f"layer{layer}."
-        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         if kind == "adapter":  # its rank is its tensors' (0: a full D x D matrix)
             head = AdapterHead(model, layer, rank=int(state["down.weight"].shape[0]) if "down.weight" in state else 0)
         else:
@@ -223,8 +223,13 @@ def _build(model: Transformer, build: dict, tensors: dict) -> dict[int, ExitHead
 HEADS = weights.Kind("exit-heads", "exit heads", "layerleap train heads", HeadError, _build)
 
 
-def save_heads(heads: list[ExitHead], path, meta: dict | None = None, dtype: torch.dtype = torch.float32,
-               budget: weights.Budget | None = None) -> Path:
+def save_heads(
+    heads: list[ExitHead],
+    path,
+    meta: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+    budget: weights.Budget | None = None,
+) -> Path:
     """Write heads (one model, distinct layers; any kinds, adapter heads too) to one weights file,
     atomically.  ``dtype``: the storage type (bf16 halves a shipped file; loading casts back)."""
     if not heads:
@@ -264,8 +269,9 @@ def get_head(model: Transformer, layer: int, head="auto") -> ExitHead:
     layer); "auto" (trained if shipped, else shared); a path to a heads file; or an ``ExitHead``."""
     if isinstance(head, ExitHead):
         if head.layer != layer or head.model is not model:
-            raise HeadError(f"the given head is for layer {head.layer} of another model or layer: pass one for "
-                            f"layer {layer}")
+            raise HeadError(
+                f"the given head is for layer {head.layer} of another model or layer: pass one for layer {layer}"
+            )
         return head
     check_layer(model, layer)
     if head == "shared":
@@ -278,16 +284,20 @@ def get_head(model: Transformer, layer: int, head="auto") -> ExitHead:
         if head == "auto":
             return new_head(model, layer, "shared")
         have = trained_layers(model)
-        raise HeadError(f"no shipped trained head for layer {layer} of {model.config.name}"
-                        + (f" (shipped layers: {', '.join(map(str, have))})" if have else " (none ship for this model)")
-                        + ": use head='shared', or train one with `layerleap train heads` and pass its file")
+        raise HeadError(
+            f"no shipped trained head for layer {layer} of {model.config.name}"
+            + (f" (shipped layers: {', '.join(map(str, have))})" if have else " (none ship for this model)")
+            + ": use head='shared', or train one with `layerleap train heads` and pass its file"
+        )
     if isinstance(head, (str, Path)):
         heads = load_heads(model, head)
         if layer not in heads:
             if len(heads) == 1:
                 (have,) = heads
-                raise HeadError(f"exit head {head} is for exit_layer={have}, not {layer}: pass exit_layer={have} "
-                                f"or train a head for layer {layer}")
+                raise HeadError(
+                    f"exit head {head} is for exit_layer={have}, not {layer}: pass exit_layer={have} "
+                    f"or train a head for layer {layer}"
+                )
             raise HeadError(f"{head} has heads for layers {', '.join(map(str, sorted(heads)))}, not {layer}")
         return heads[layer]
     raise HeadError(f"head must be 'shared', 'trained', 'auto', a heads file or an ExitHead, got {head!r}")

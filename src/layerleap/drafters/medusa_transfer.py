@@ -66,8 +66,9 @@ class TransferProjections(_Drafter):
         L = model.config.n_layers
         layers = [int(t) for t in layers]
         if not layers or any(not 1 <= t < L for t in layers) or layers != sorted(layers):
-            raise DrafterError(f"transfer layers must be a non-decreasing list in [1, {L - 1}] (one per step), "
-                               f"got {layers}")
+            raise DrafterError(
+                f"transfer layers must be a non-decreasing list in [1, {L - 1}] (one per step), got {layers}"
+            )
         self.layers = layers
         D = model.config.hidden_size
         self.proj = nn.ModuleList(nn.Linear(D, D, bias=False) for _ in layers)
@@ -129,15 +130,19 @@ def _builder(kind: str):
         drafter = new_drafter(model, kind, **config)
         drafter.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
         return drafter.to(model.device).eval().requires_grad_(False)
+
     return build
 
 
-FILE_KINDS = {kind: weights.Kind(kind, what, TRAIN_COMMAND[kind], DrafterError, _builder(kind))
-              for kind, what in (("transfer", "Hidden Transfer projections"), ("medusa", "Medusa heads"))}
+FILE_KINDS = {
+    kind: weights.Kind(kind, what, TRAIN_COMMAND[kind], DrafterError, _builder(kind))
+    for kind, what in (("transfer", "Hidden Transfer projections"), ("medusa", "Medusa heads"))
+}
 
 
-def save_drafter(drafter: _Drafter, path, meta: dict | None = None, dtype=torch.bfloat16,
-                 budget: weights.Budget | None = None) -> Path:
+def save_drafter(
+    drafter: _Drafter, path, meta: dict | None = None, dtype=torch.bfloat16, budget: weights.Budget | None = None
+) -> Path:
     """Write ``drafter`` to a weights file (``dtype``, bf16 by default: a few MB), atomically."""
     return weights.write(path, drafter.model, drafter.kind, drafter.config(), drafter.state_dict(), budget, meta, dtype)
 
@@ -169,15 +174,18 @@ def get_drafter(model: Transformer, kind: str, spec="trained") -> _Drafter:
     cls = TransferProjections if kind == "transfer" else MedusaHeads
     if isinstance(spec, _Drafter):
         if not isinstance(spec, cls) or spec.model is not model:
-            raise DrafterError(f"the given drafter is not {kind} weights of this model: pass {cls.__name__} made "
-                               "for it")
+            raise DrafterError(
+                f"the given drafter is not {kind} weights of this model: pass {cls.__name__} made for it"
+            )
         return spec
     if spec == "trained":
         files = shipped_files(model, kind)
         if not files:
-            raise DrafterError(f"no shipped {kind} weights fit {model.config.name} (fingerprint {model.fingerprint}): "
-                               f"train them with `{TRAIN_COMMAND[kind]}` and pass the file "
-                               f"({'transfer' if kind == 'transfer' else 'heads'}=PATH)")
+            raise DrafterError(
+                f"no shipped {kind} weights fit {model.config.name} (fingerprint {model.fingerprint}): "
+                f"train them with `{TRAIN_COMMAND[kind]}` and pass the file "
+                f"({'transfer' if kind == 'transfer' else 'heads'}=PATH)"
+            )
         return load_drafter(model, files[-1], kind)
     if isinstance(spec, (str, Path)):
         return load_drafter(model, spec, kind)

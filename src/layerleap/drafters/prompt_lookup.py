@@ -29,7 +29,7 @@ class NgramIndex:
         for t in tokens:
             end = len(seq)  # index the n-grams ending at the current last token: t follows them
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.latest[tuple(seq[end - n:end])] = end - n
+                self.latest[tuple(seq[end - n : end])] = end - n
             seq.append(int(t))
 
     def draft(self, k: int) -> list[int]:
@@ -37,9 +37,9 @@ class NgramIndex:
         suffix (longest n first); [] when no suffix occurred before."""
         seq, end = self.tokens, len(self.tokens)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            start = self.latest.get(tuple(seq[end - n:]))
+            start = self.latest.get(tuple(seq[end - n :]))
             if start is not None:
-                return seq[start + n:start + n + k]
+                return seq[start + n : start + n + k]
         return []
 
 

@@ -34,14 +34,18 @@ def tree_buffers(run: Run, name: str, tree, steps: int) -> tree_mod.TreeBuffers:
     if buf.n > 1 and max(buf.max_rank(d) for d in range(1, buf.depth + 1)) > V:
         raise GenerationError(f"the tree takes draft ranks beyond the vocabulary ({V} tokens): give smaller top-k")
     if buf.n > 1 and buf.depth > steps:
-        raise GenerationError(f"the tree is {buf.depth} deep but the {name} weights have {steps} step(s): give a "
-                              f"tree at most {steps} deep, or train more steps")
+        raise GenerationError(
+            f"the tree is {buf.depth} deep but the {name} weights have {steps} step(s): give a "
+            f"tree at most {steps} deep, or train more steps"
+        )
     ctx = run.model.config.max_position
     need = len(run.prompts[0]) + run.gen.max_new_tokens + max(buf.depth, steps) + 1
     if need > ctx:
-        raise GenerationError(f"the tree does not fit the context: prompt + max_new_tokens + tree depth "
-                              f"{max(buf.depth, steps)} + 1 = {need} positions > {ctx}: shorten the prompt, lower "
-                              "max_new_tokens or use a shallower tree")
+        raise GenerationError(
+            f"the tree does not fit the context: prompt + max_new_tokens + tree depth "
+            f"{max(buf.depth, steps)} + 1 = {need} positions > {ctx}: shorten the prompt, lower "
+            "max_new_tokens or use a shallower tree"
+        )
     return buf
 
 
@@ -73,8 +77,10 @@ class TreeDrafter(Drafter):
 
     def tree_stats(self, counts) -> list[TreeStats]:
         """One row's ``TreeStats`` per ``draft_verify.RoundCounts``."""
-        return [TreeStats(tree_nodes=self.buf.n, accepted_per_round=c.accepted / c.rounds if c.rounds else None)
-                for c in counts]
+        return [
+            TreeStats(tree_nodes=self.buf.n, accepted_per_round=c.accepted / c.rounds if c.rounds else None)
+            for c in counts
+        ]
 
 
 class MedusaDrafter(TreeDrafter):
@@ -106,8 +112,15 @@ class MedusaDrafter(TreeDrafter):
                 self._draft_from(row, h)
 
 
-def transfer_pass(run: Run, cache: KVCache, tokens: torch.Tensor, mask: torch.Tensor, depths: torch.Tensor,
-                  proj: TransferProjections, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def transfer_pass(
+    run: Run,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    depths: torch.Tensor,
+    proj: TransferProjections,
+    steps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One model call over the tree ``tokens`` ``[B, n]`` of every row (``mask`` ``[n, n]``, position
     offsets ``depths`` ``[n]``) with pseudo states of ``steps`` transfer steps for every node: ->
     (real nodes' last hidden states ``[B, n, D]``, pseudo states ``[B, steps, n, D]``)."""
@@ -122,8 +135,15 @@ def transfer_pass(run: Run, cache: KVCache, tokens: torch.Tensor, mask: torch.Te
     layer = 0
     for i, end in enumerate(bounds):
         S = h.shape[1]
-        h = run.forward(cache, h=h, start=layer, end=end, positions=pos[:, :S],
-                        mask=full[:S, :S] if S > 1 else None, count_call=False)
+        h = run.forward(
+            cache,
+            h=h,
+            start=layer,
+            end=end,
+            positions=pos[:, :S],
+            mask=full[:S, :S] if S > 1 else None,
+            count_call=False,
+        )
         layer = end
         if i < steps:
             h = torch.cat([h, proj.transfer(i + 1, h[:, :n])], dim=1)  # step i+1's pseudo states

@@ -57,8 +57,10 @@ def merge(model: Transformer, build: dict, tensors: dict[str, torch.Tensor]) -> 
                 a, b = (tensors[k] for k in delta_names(layer, name))  # [r, in], [out, r]
                 lin = projection(model, layer, name)
                 if a.shape != (rank, lin.in_features) or b.shape != (lin.out_features, rank):
-                    raise RuntimeError(f"layer {layer} {name}: deltas {tuple(b.shape)} x {tuple(a.shape)} do not fit "
-                                       f"a {lin.out_features} x {lin.in_features} weight")
+                    raise RuntimeError(
+                        f"layer {layer} {name}: deltas {tuple(b.shape)} x {tuple(a.shape)} do not fit "
+                        f"a {lin.out_features} x {lin.in_features} weight"
+                    )
                 w = lin.weight.float() + (alpha / rank) * (b.float() @ a.float())
                 lin.weight.copy_(w.to(lin.weight.dtype))
     return model.optimize_layout()
@@ -88,21 +90,24 @@ def variant_file(model_name: str, variant: str) -> Path:
     if q.suffix == ".safetensors" and q.is_file():
         return q
     names = shipped_variants(str(model_name))
-    raise VariantError(f"no variant {str(variant)!r} for {model_name}: choose one of "
-                       f"{', '.join(names) or '(none shipped)'} or give a .safetensors file written by "
-                       "`layerleap finetune variant`")
+    raise VariantError(
+        f"no variant {str(variant)!r} for {model_name}: choose one of "
+        f"{', '.join(names) or '(none shipped)'} or give a .safetensors file written by "
+        "`layerleap finetune variant`"
+    )
 
 
 def apply(model: Transformer, path: str | Path) -> Transformer:
     """Merge the variant file ``path`` (checked against the model's fingerprint) into ``model``."""
     if model.dtype not in (torch.float32, torch.bfloat16, torch.float16) or any(
-            lin.format == "int4" for lin in model.projections()):
+        lin.format == "int4" for lin in model.projections()
+    ):
         raise VariantError("a variant merges into dense weights: load the model with dtype float32 or bfloat16, not q4")
     base_fp = model.fingerprint
     got = weights.read(model, path, VARIANT)
     merge(model, got["build"], got["tensors"])
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    model.set_fingerprint(hashlib.sha256(f"{base_fp}+{digest}".encode()).hexdigest()[:len(base_fp)])
+    model.set_fingerprint(hashlib.sha256(f"{base_fp}+{digest}".encode()).hexdigest()[: len(base_fp)])
     model.variant = Path(path).stem
     return model
 

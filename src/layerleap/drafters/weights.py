@@ -49,6 +49,7 @@ class WeightsError(LayerleapError, ValueError):
 class Kind:
     """What a weights file of one kind holds and how it becomes a module.  ``build(model, build_meta,
     tensors)`` -> the loaded module(s), raising ``RuntimeError`` when the tensors do not fit."""
+
     name: str  # the metadata's kind
     what: str  # for messages, e.g. "exit heads"
     command: str  # the command that trains one, e.g. "layerleap train heads"
@@ -60,6 +61,7 @@ class Kind:
 class Budget:
     """What training a file took: the data, positions trained on (with repeats), optimizer steps,
     seconds of training, the machine and the exact command."""
+
     data: str
     tokens: int
     steps: int
@@ -68,8 +70,14 @@ class Budget:
     command: str
 
     def meta(self) -> dict:
-        return {"data": self.data, "tokens": str(int(self.tokens)), "steps": str(int(self.steps)),
-                "train_s": f"{self.seconds:.1f}", "machine": self.machine, "command": self.command}
+        return {
+            "data": self.data,
+            "tokens": str(int(self.tokens)),
+            "steps": str(int(self.steps)),
+            "train_s": f"{self.seconds:.1f}",
+            "machine": self.machine,
+            "command": self.command,
+        }
 
 
 def machine(device: torch.device | str = "cpu") -> str:
@@ -78,6 +86,7 @@ def machine(device: torch.device | str = "cpu") -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (cuda)"
     from ..core.kernels import cpu_signature
+
     return f"{cpu_signature()}, {torch.get_num_threads()} threads"
 
 
@@ -87,13 +96,27 @@ def command_line() -> str:
 
 
 # -- writing --------------------------------------------------------------------------------------
-def write(path, model, kind: str, build: dict, tensors: dict[str, torch.Tensor], budget: Budget | None = None,
-          extra: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+def write(
+    path,
+    model,
+    kind: str,
+    build: dict,
+    tensors: dict[str, torch.Tensor],
+    budget: Budget | None = None,
+    extra: dict | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write ``tensors`` (floating ones stored as ``dtype`` when given) and the metadata atomically."""
     data = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in tensors.items()}
-    meta = {**{k: v for k, v in (extra or {}).items() if v is not None}, **(budget.meta() if budget else {}),
-            "format": FORMAT, "kind": kind, "build": json.dumps(build), "fingerprint": model.fingerprint,
-            "model": model.config.name}
+    meta = {
+        **{k: v for k, v in (extra or {}).items() if v is not None},
+        **(budget.meta() if budget else {}),
+        "format": FORMAT,
+        "kind": kind,
+        "build": json.dumps(build),
+        "fingerprint": model.fingerprint,
+        "model": model.config.name,
+    }
     return save_safetensors(path, data, meta)
 
 
@@ -123,8 +146,12 @@ def _from_v1(meta: dict) -> dict:
             meta["positions"] = meta.pop("tokens")
     elif fmt == _V1_ADAPTER:
         layer = int(meta["exit_layer"])
-        meta = {**meta, "kind": "exit-heads", "build": json.dumps({"layers": [layer], "kinds": ["adapter"]}),
-                "tensor_prefix": f"layer{layer}."}
+        meta = {
+            **meta,
+            "kind": "exit-heads",
+            "build": json.dumps({"layers": [layer], "kinds": ["adapter"]}),
+            "tensor_prefix": f"layer{layer}.",
+        }
     elif fmt == _W1:
         meta = _from_w1(meta)
     elif fmt == _V1_DRAFTER:
@@ -159,24 +186,30 @@ def budget_of(meta: dict) -> dict:
 def read(model, path, kind: Kind):
     """The module(s) of a weights file of ``kind`` for ``model``, checked; not cached (see ``load``)."""
     from safetensors import safe_open
+
     p = Path(path).expanduser()
     if not p.is_file():
         raise kind.error(f"no such {kind.what} file {str(path)!r}: give a file written by `{kind.command}`")
     meta = read_meta(p, kind.error, f"train them again with `{kind.command}`", kind.what)
     if meta.get("format") != FORMAT or meta.get("kind") != kind.name:
-        raise kind.error(f"{p} is not a file of {kind.what} (format {meta.get('format')!r}, kind "
-                         f"{meta.get('kind')!r}): "
-                         f"write one with `{kind.command}`")
+        raise kind.error(
+            f"{p} is not a file of {kind.what} (format {meta.get('format')!r}, kind "
+            f"{meta.get('kind')!r}): "
+            f"write one with `{kind.command}`"
+        )
     if meta.get("fingerprint") != model.fingerprint:
-        raise kind.error(f"{p} holds {kind.what} trained for another model (fingerprint {meta.get('fingerprint')}, "
-                         f"{meta.get('model') or 'unnamed'}; this model {model.fingerprint}): train them for this "
-                         f"model with `{kind.command}`")
+        raise kind.error(
+            f"{p} holds {kind.what} trained for another model (fingerprint {meta.get('fingerprint')}, "
+            f"{meta.get('model') or 'unnamed'}; this model {model.fingerprint}): train them for this "
+            f"model with `{kind.command}`"
+        )
     try:
         with safe_open(str(p), "pt") as f:
             tensors = {meta.get("tensor_prefix", "") + k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # a truncated file: safetensors' own error kinds
-        raise kind.error(f"cannot read {kind.what} {p}: {str(e)[:100]}; train them again with "
-                         f"`{kind.command}`") from None
+        raise kind.error(
+            f"cannot read {kind.what} {p}: {str(e)[:100]}; train them again with `{kind.command}`"
+        ) from None
     try:
         return kind.build(model, json.loads(meta["build"]), tensors)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
@@ -194,8 +227,14 @@ def shipped(model, folder: Path, kind: Kind) -> list[Path]:
     """The weights files in ``folder`` made for this model (matched by fingerprint; looked up once)."""
     if not folder.is_dir():
         return []
-    return per_model(model, f"shipped {kind.name}", folder, lambda: sorted(
-        p for p in folder.glob("*.safetensors") if read_meta(p, kind.error).get("fingerprint") == model.fingerprint))
+    return per_model(
+        model,
+        f"shipped {kind.name}",
+        folder,
+        lambda: sorted(
+            p for p in folder.glob("*.safetensors") if read_meta(p, kind.error).get("fingerprint") == model.fingerprint
+        ),
+    )
 
 
 def upgrade(path, out, budget: dict | None = None, source: str | None = None) -> Path:
@@ -203,6 +242,7 @@ def upgrade(path, out, budget: dict | None = None, source: str | None = None) ->
     ``budget`` (keys of ``BUDGET``) sets training facts the file did not record (or recorded wrong),
     ``source`` says where they come from (kept as ``budget_source``)."""
     from safetensors.torch import load_file
+
     meta = read_meta(path)
     if meta.get("format") != FORMAT:
         raise WeightsError(f"{path} is not a layerleap weights file (format {meta.get('format')!r})")
@@ -224,8 +264,11 @@ def upgrade(path, out, budget: dict | None = None, source: str | None = None) ->
 
 def table(files: dict[str, dict]) -> str:
     """A markdown table of the files' training budgets side by side (``{label: metadata}``)."""
-    rows = [("what", lambda m: f"{m.get('kind')} {m.get('build')}"), ("model", lambda m: m.get("model")),
-            *((k, lambda m, k=k: m.get(k)) for k in BUDGET)]
+    rows = [
+        ("what", lambda m: f"{m.get('kind')} {m.get('build')}"),
+        ("model", lambda m: m.get("model")),
+        *((k, lambda m, k=k: m.get(k)) for k in BUDGET),
+    ]
     lines = ["| | " + " | ".join(files) + " |", "|---" * (len(files) + 1) + "|"]
     for name, get in rows:
         cells = [_cell(name, get(m)) for m in files.values()]

@@ -37,8 +37,10 @@ from ..core.model import Transformer
 
 HF_LABEL = "transformers"
 # `transformers`' own faster decoding, run beside its greedy: label -> generate() keyword arguments
-HF_EXTRAS = {"lookup": ("transformers-lookup", "prompt_lookup_num_tokens", 10),
-             "early-exit": ("transformers-early-exit", "assistant_early_exit", None)}
+HF_EXTRAS = {
+    "lookup": ("transformers-lookup", "prompt_lookup_num_tokens", 10),
+    "early-exit": ("transformers-early-exit", "assistant_early_exit", None),
+}
 
 
 def parse_hf_extra(text: str, n_layers: int) -> tuple[str, dict]:
@@ -54,9 +56,12 @@ def parse_hf_extra(text: str, n_layers: int) -> tuple[str, dict]:
         n = None
     limit = n_layers - 1 if name == "early-exit" else 64
     if n is None or not 1 <= n <= limit:
-        raise LayerleapError(f"{text!r}: {key} must be an integer in [1, {limit}] (e.g. {name}:"
-                             f"{default or n_layers // 2})")
+        raise LayerleapError(
+            f"{text!r}: {key} must be an integer in [1, {limit}] (e.g. {name}:{default or n_layers // 2})"
+        )
     return label, {key: n}
+
+
 REFERENCE = "greedy"
 WARMUP_TOKENS = 8
 
@@ -72,8 +77,9 @@ def parse_value(text: str):
         try:
             return json.loads(stripped)
         except json.JSONDecodeError as e:
-            raise LayerleapError(f"option value {text!r} starts like JSON but is not ({e.msg}): fix it, e.g. "
-                                 "[[0], [1], [0, 0]]") from None
+            raise LayerleapError(
+                f"option value {text!r} starts like JSON but is not ({e.msg}): fix it, e.g. [[0], [1], [0, 0]]"
+            ) from None
     if "," in stripped:
         items = [parse_value(t) for t in stripped.split(",")]
         if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
@@ -110,12 +116,15 @@ def check_options(label: str, method: str, options: dict) -> None:
     allowed = get_method(method).options()
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise LayerleapError(f"method {method!r} ({label}) has no option {', '.join(unknown)}; its options: "
-                             f"{', '.join(allowed) or 'none'}")
+        raise LayerleapError(
+            f"method {method!r} ({label}) has no option {', '.join(unknown)}; its options: "
+            f"{', '.join(allowed) or 'none'}"
+        )
     missing = required_options(method, options)
     if missing:
-        raise LayerleapError(f"method {method!r} ({label}) needs option {', '.join(missing)}: "
-                             f"add --opt {label}.{missing[0]}=VALUE")
+        raise LayerleapError(
+            f"method {method!r} ({label}) needs option {', '.join(missing)}: add --opt {label}.{missing[0]}=VALUE"
+        )
 
 
 def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) -> MethodSpecs:
@@ -156,6 +165,7 @@ def runnable_methods() -> MethodSpecs:
     """Every registered method that runs with its defaults alone (no required option such as a
     draft model), labelled by name: what the demo and a default bench compare."""
     from ..decoding import METHODS
+
     return {name: (name, {}) for name in METHODS if not required_options(name, {})}
 
 
@@ -186,6 +196,7 @@ def with_reference(methods: MethodSpecs) -> tuple[MethodSpecs, str]:
 @dataclass
 class Record:
     """One method on one prompt."""
+
     prompt_index: int
     prompt_id: int
     category: str
@@ -214,14 +225,30 @@ class Record:
     ppl: float | None = None  # the full model's perplexity of the output given the prompt
 
 
-def _record(i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult,
-            greedy_type: bool) -> Record:
+def _record(
+    i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult, greedy_type: bool
+) -> Record:
     s = res.stats
-    return Record(i, prompt.id, prompt.category, label, method, plain_options(options), s["new_tokens"],
-                  len(res.prompt_ids),
-                  s["wall_s"], s["tokens_per_s"], s["ttft_s"], s["model_calls"], s["layers_per_token"],
-                  s["tokens_per_call"], greedy_type, text=res.text, token_ids=list(res.token_ids),
-                  acceptance=acceptance(s))
+    return Record(
+        i,
+        prompt.id,
+        prompt.category,
+        label,
+        method,
+        plain_options(options),
+        s["new_tokens"],
+        len(res.prompt_ids),
+        s["wall_s"],
+        s["tokens_per_s"],
+        s["ttft_s"],
+        s["model_calls"],
+        s["layers_per_token"],
+        s["tokens_per_call"],
+        greedy_type,
+        text=res.text,
+        token_ids=list(res.token_ids),
+        acceptance=acceptance(s),
+    )
 
 
 def draft_counts(stats: dict) -> tuple[int, int] | None:
@@ -252,6 +279,7 @@ def calibrations(model: Transformer, methods: MethodSpecs) -> dict:
     """Each lossy method's calibration at the default budget (its frontier and chosen point), by
     label: ``{"file", "quality", "chosen", "settings", "guarantee"}`` from the calibration file."""
     from ..methods import budget
+
     out = {}
     for label, (name, _) in methods.items():
         if name not in LOSSY:
@@ -260,9 +288,14 @@ def calibrations(model: Transformer, methods: MethodSpecs) -> dict:
             data = budget.read_calibration(path)
             entry = (data or {}).get("budgets", {}).get(budget.budget_key(budget.DEFAULT_QUALITY))
             if entry:
-                out[label] = {"file": str(path), "quality": entry["quality"], "chosen": entry.get("chosen"),
-                              "settings": entry.get("settings", []), "guarantee": entry.get("guarantee"),
-                              "faster_than_greedy": entry.get("faster_than_greedy")}
+                out[label] = {
+                    "file": str(path),
+                    "quality": entry["quality"],
+                    "chosen": entry.get("chosen"),
+                    "settings": entry.get("settings", []),
+                    "guarantee": entry.get("guarantee"),
+                    "faster_than_greedy": entry.get("faster_than_greedy"),
+                }
                 break
     return out
 
@@ -272,6 +305,7 @@ def _quality(records: list[Record], ref: Record, prompt: Prompt, model: Transfor
     with greedy's text, the reference score where the prompt has a reference, and the full model's
     perplexity of the output."""
     from . import calibrate as C
+
     for r in records:
         if r.method not in LOSSY and r is not ref:
             continue
@@ -311,6 +345,7 @@ class HFBaseline:
 
     def __init__(self, model: Transformer):
         from ..core.loading import to_hf
+
         self.model = model
         self.hf = to_hf(model)
         gc = self.hf.generation_config
@@ -324,14 +359,28 @@ class HFBaseline:
         streamer = _FirstToken()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, streamer=streamer,
-                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **options)
+            out = self.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                streamer=streamer,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                **options,
+            )
         wall = time.perf_counter() - t0
-        toks = out[0, ids.shape[1]:].tolist()
+        toks = out[0, ids.shape[1] :].tolist()
         n = len(toks)
-        stats = {"method": HF_LABEL, "new_tokens": n, "model_calls": n, "wall_s": wall,
-                 "tokens_per_s": n / wall if wall > 0 else 0.0, "ttft_s": (streamer.t - t0) if streamer.t else None,
-                 "layers_per_token": float(self.model.config.n_layers), "tokens_per_call": 1.0}
+        stats = {
+            "method": HF_LABEL,
+            "new_tokens": n,
+            "model_calls": n,
+            "wall_s": wall,
+            "tokens_per_s": n / wall if wall > 0 else 0.0,
+            "ttft_s": (streamer.t - t0) if streamer.t else None,
+            "layers_per_token": float(self.model.config.n_layers),
+            "tokens_per_call": 1.0,
+        }
         tok = self.model.tokenizer
         text = tok.decode(toks, skip_special_tokens=True) if tok is not None else ""
         return GenerationResult(text, toks, stats, list(prompt_ids))
@@ -367,10 +416,15 @@ def summarize(records: list[Record], labels: list[str] | None = None, reference:
             continue
         wall, tokens = sum(r.wall_s for r in rs), sum(r.new_tokens for r in rs)
         out[label] = {
-            "method": rs[0].method, "options": rs[0].options, "prompts": len(rs), "new_tokens": tokens,
-            "wall_s": wall, "mean_tokens_per_s": _mean([r.tokens_per_s for r in rs]),
+            "method": rs[0].method,
+            "options": rs[0].options,
+            "prompts": len(rs),
+            "new_tokens": tokens,
+            "wall_s": wall,
+            "mean_tokens_per_s": _mean([r.tokens_per_s for r in rs]),
             "tokens_per_s": tokens / wall if wall > 0 else None,
-            "speedup_vs_greedy": _speedup(rs, by, reference), "speedup_vs_hf": _speedup(rs, by, HF_LABEL),
+            "speedup_vs_greedy": _speedup(rs, by, reference),
+            "speedup_vs_hf": _speedup(rs, by, HF_LABEL),
             "layers_per_token": _mean([r.layers_per_token for r in rs]),
             "tokens_per_call": _mean([r.tokens_per_call for r in rs]),
             "acceptance": _mean([r.acceptance for r in rs]),
@@ -389,35 +443,46 @@ def _quality_summary(rs: list[Record], by: dict, reference: str) -> dict:
     pairs = [(r, g) for r, g in pairs if g is not None]
     if not pairs:
         return {}
-    refs = [(r.reference_score, g.reference_score) for r, g in pairs
-            if r.reference_score is not None and g.reference_score is not None]
+    refs = [
+        (r.reference_score, g.reference_score)
+        for r, g in pairs
+        if r.reference_score is not None and g.reference_score is not None
+    ]
     g_ref = sum(g for _, g in refs)
     ppl = [(r.ppl, g.ppl) for r, g in pairs if r.ppl is not None and g.ppl is not None]
-    return {"agreement": sum(r.agreement for r, _ in pairs) / len(pairs),
-            "reference_score": sum(m for m, _ in refs) / len(refs) if refs else None,
-            "reference_kept": sum(m for m, _ in refs) / g_ref if refs and g_ref > 0 else None,
-            "ppl_ratio": (sum(a for a, _ in ppl) / sum(b for _, b in ppl)) if ppl else None}
+    return {
+        "agreement": sum(r.agreement for r, _ in pairs) / len(pairs),
+        "reference_score": sum(m for m, _ in refs) / len(refs) if refs else None,
+        "reference_kept": sum(m for m, _ in refs) / g_ref if refs and g_ref > 0 else None,
+        "ppl_ratio": (sum(a for a, _ in ppl) / sum(b for _, b in ppl)) if ppl else None,
+    }
 
 
 def format_table(summary: dict) -> str:
     """The summary as a fixed-width text table, one row per method."""
+
     def num(x, spec, suffix=""):
         return "-" if x is None else format(x, spec) + suffix
 
     width = max([16] + [len(label) for label in summary])
-    cols = [("method", width, lambda s: s["label"]), ("prompts", 7, lambda s: str(s["prompts"])),
-            ("tok/s", 7, lambda s: num(s["mean_tokens_per_s"], ".1f")),
-            ("vs greedy", 9, lambda s: num(s["speedup_vs_greedy"], ".2f", "x")),
-            ("vs HF", 6, lambda s: num(s["speedup_vs_hf"], ".2f", "x")),
-            ("layers/tok", 10, lambda s: num(s["layers_per_token"], ".1f")),
-            ("tok/call", 8, lambda s: num(s["tokens_per_call"], ".2f")),
-            ("accept", 6, lambda s: num(s.get("acceptance"), ".0%")),
-            ("ttft s", 7, lambda s: num(s["mean_ttft_s"], ".3f")),
-            ("=HF", 5, lambda s: s["matches_hf"] or "-")]
+    cols = [
+        ("method", width, lambda s: s["label"]),
+        ("prompts", 7, lambda s: str(s["prompts"])),
+        ("tok/s", 7, lambda s: num(s["mean_tokens_per_s"], ".1f")),
+        ("vs greedy", 9, lambda s: num(s["speedup_vs_greedy"], ".2f", "x")),
+        ("vs HF", 6, lambda s: num(s["speedup_vs_hf"], ".2f", "x")),
+        ("layers/tok", 10, lambda s: num(s["layers_per_token"], ".1f")),
+        ("tok/call", 8, lambda s: num(s["tokens_per_call"], ".2f")),
+        ("accept", 6, lambda s: num(s.get("acceptance"), ".0%")),
+        ("ttft s", 7, lambda s: num(s["mean_ttft_s"], ".3f")),
+        ("=HF", 5, lambda s: s["matches_hf"] or "-"),
+    ]
     if any(s.get("agreement") is not None for s in summary.values()):  # quality beside speed
-        cols += [("agree", 5, lambda s: num(s.get("agreement"), ".2f")),
-                 ("ref kept", 8, lambda s: num(s.get("reference_kept"), ".0%")),
-                 ("ppl x", 6, lambda s: num(s.get("ppl_ratio"), ".2f", "x"))]
+        cols += [
+            ("agree", 5, lambda s: num(s.get("agreement"), ".2f")),
+            ("ref kept", 8, lambda s: num(s.get("reference_kept"), ".0%")),
+            ("ppl x", 6, lambda s: num(s.get("ppl_ratio"), ".2f", "x")),
+        ]
 
     def row(cells):
         return " ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, (_, w, _)) in enumerate(zip(cells, cols)))
@@ -430,12 +495,21 @@ def format_table(summary: dict) -> str:
 
 def machine_config(model: Transformer) -> dict:
     import transformers
+
     return {
-        "model": model.config.name, "source": model.source, "fingerprint": model.fingerprint,
-        "dtype": model.dtype_name, "threads": torch.get_num_threads(), "cpu": cpu_signature(),
+        "model": model.config.name,
+        "source": model.source,
+        "fingerprint": model.fingerprint,
+        "dtype": model.dtype_name,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_signature(),
         "load_average": list(os.getloadavg()),
-        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "platform": platform.platform(), "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpu_cores": os.cpu_count(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -462,25 +536,35 @@ class BenchResult:
         return {c: summarize([r for r in self.records if r.category == c], self.labels, self.reference) for c in cats}
 
     def to_dict(self) -> dict:
-        return {"config": self.config, "call_cost": self.call_cost, "prompts_done": self.prompts_done,
-                "interrupted": self.interrupted,
-                "complete": self.prompts_done == self.config.get("n_prompts"), "summary": self.summary,
-                "summary_by_category": self.summary_by_category(), "records": [asdict(r) for r in self.records]}
+        return {
+            "config": self.config,
+            "call_cost": self.call_cost,
+            "prompts_done": self.prompts_done,
+            "interrupted": self.interrupted,
+            "complete": self.prompts_done == self.config.get("n_prompts"),
+            "summary": self.summary,
+            "summary_by_category": self.summary_by_category(),
+            "records": [asdict(r) for r in self.records],
+        }
 
 
 # -- the harness -----------------------------------------------------------------------------------
 def _as_prompts(prompts) -> list[Prompt]:
-    return [p if isinstance(p, Prompt) else Prompt(i, "", V.text(p, "a prompt"))
-            for i, p in enumerate(V.items(prompts, "prompts"))]
+    return [
+        p if isinstance(p, Prompt) else Prompt(i, "", V.text(p, "a prompt"))
+        for i, p in enumerate(V.items(prompts, "prompts"))
+    ]
 
 
 def check_specs(methods) -> None:
     """``methods`` must map labels to (method name, options dict)."""
-    ok = isinstance(methods, dict) and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict)
-                                           for v in methods.values())
+    ok = isinstance(methods, dict) and all(
+        isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict) for v in methods.values()
+    )
     if not ok:
-        raise LayerleapError(f"methods must map labels to (method, options) pairs, e.g. {{'g': ('greedy', {{}})}}, "
-                             f"got {V.show(methods)}")
+        raise LayerleapError(
+            f"methods must map labels to (method, options) pairs, e.g. {{'g': ('greedy', {{}})}}, got {V.show(methods)}"
+        )
 
 
 def _greedy_type(method: str, sampling: dict) -> bool:
@@ -489,11 +573,25 @@ def _greedy_type(method: str, sampling: dict) -> bool:
     return not (m.default_sample if do_sample is None else do_sample)
 
 
-def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens: int, *, hf_baseline: bool = True,
-              chat: bool = False, sampling: dict | None = None, out: str | Path | None = None,
-              config: dict | None = None, warmup: bool = True, progress: bool = True,
-              on_prompt: Callable[[BenchResult], None] | None = None, call_cost: bool = True,
-              hf_extra: dict[str, dict] | None = None, repeat: int = 1, quality: bool = True) -> BenchResult:
+def run_bench(
+    model: Transformer,
+    methods: MethodSpecs,
+    prompts,
+    max_new_tokens: int,
+    *,
+    hf_baseline: bool = True,
+    chat: bool = False,
+    sampling: dict | None = None,
+    out: str | Path | None = None,
+    config: dict | None = None,
+    warmup: bool = True,
+    progress: bool = True,
+    on_prompt: Callable[[BenchResult], None] | None = None,
+    call_cost: bool = True,
+    hf_extra: dict[str, dict] | None = None,
+    repeat: int = 1,
+    quality: bool = True,
+) -> BenchResult:
     """Benchmark ``methods`` (label -> (method, options)) on ``prompts`` (``Prompt``s or strings).
 
     For each prompt every method runs, then the `transformers` baseline; plain ``greedy`` is added
@@ -522,12 +620,20 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     for label, (name, options) in methods.items():
         check_options(label, name, options)
     sampling = dict(sampling or {})
-    cfg = {**machine_config(model), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
-           "sampling": sampling, "hf_baseline": hf_baseline, "hf_extra": dict(hf_extra or {}), "warmup": warmup,
-           "repeat": repeat,
-           "n_prompts": len(prompts),
-           "categories": sorted({p.category for p in prompts}),
-           "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()}}
+    cfg = {
+        **machine_config(model),
+        **(config or {}),
+        "max_new_tokens": max_new_tokens,
+        "chat": chat,
+        "sampling": sampling,
+        "hf_baseline": hf_baseline,
+        "hf_extra": dict(hf_extra or {}),
+        "warmup": warmup,
+        "repeat": repeat,
+        "n_prompts": len(prompts),
+        "categories": sorted({p.category for p in prompts}),
+        "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()},
+    }
     if quality:
         cfg["calibration"] = calibrations(model, methods)
     extras = dict(hf_extra or {}) if hf_baseline else {}
@@ -535,7 +641,9 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
     save = (lambda: write_json(out, result.to_dict())) if out else (lambda: None)
     save()
     runner = _Runner(model, methods, ref, chat, sampling, extras, repeat, quality)
-    bar = tqdm(total=len(prompts) * len(result.labels) * repeat, desc="bench", unit="run", disable=not progress, leave=False)
+    bar = tqdm(
+        total=len(prompts) * len(result.labels) * repeat, desc="bench", unit="run", disable=not progress, leave=False
+    )
     try:
         if hf_baseline:
             bar.set_postfix_str(f"{HF_LABEL} model")
@@ -543,6 +651,7 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
         if call_cost:
             bar.set_postfix_str("call cost")
             from .roofline import call_cost as measure_call_cost
+
             result.call_cost = measure_call_cost(model).to_dict()
             save()
         if warmup:
@@ -566,8 +675,17 @@ def run_bench(model: Transformer, methods: MethodSpecs, prompts, max_new_tokens:
 class _Runner:
     """Runs every method, then the baseline, on one prompt."""
 
-    def __init__(self, model: Transformer, methods: MethodSpecs, ref: str, chat: bool, sampling: dict,
-                 hf_extra: dict[str, dict] | None = None, repeat: int = 1, quality: bool = True):
+    def __init__(
+        self,
+        model: Transformer,
+        methods: MethodSpecs,
+        ref: str,
+        chat: bool,
+        sampling: dict,
+        hf_extra: dict[str, dict] | None = None,
+        repeat: int = 1,
+        quality: bool = True,
+    ):
         self.model, self.methods, self.ref, self.chat, self.sampling = model, methods, ref, chat, sampling
         self.quality, self.prompt_ids = quality, []
         self.repeat = repeat
@@ -577,8 +695,9 @@ class _Runner:
 
     def ours(self, label: str, prompt: Prompt, n: int) -> GenerationResult:
         name, options = self.methods[label]
-        return generate(self.model, prompt.text, name, n, stop_at_eos=False, chat=self.chat,
-                        **{**self.sampling, **options})
+        return generate(
+            self.model, prompt.text, name, n, stop_at_eos=False, chat=self.chat, **{**self.sampling, **options}
+        )
 
     def warmup(self, prompt: Prompt, n: int) -> None:
         results = [self.ours(label, prompt, n) for label in self.methods]
@@ -590,8 +709,13 @@ class _Runner:
     def prompt(self, i: int, prompt: Prompt, n: int, bar) -> list[Record]:
         runs: dict[str, Record] = {}
         for r in range(self.repeat):
-            for label, rec in self.round(i, prompt, n, bar, f"{prompt.category or 'prompt'} {prompt.id}"
-                                         + (f" #{r + 1}" if self.repeat > 1 else "")):
+            for label, rec in self.round(
+                i,
+                prompt,
+                n,
+                bar,
+                f"{prompt.category or 'prompt'} {prompt.id}" + (f" #{r + 1}" if self.repeat > 1 else ""),
+            ):
                 if label not in runs or rec.wall_s < runs[label].wall_s:  # the fastest of the rounds
                     runs[label] = rec
         _compare(list(runs.values()), runs[self.ref], runs.get(HF_LABEL))
@@ -610,11 +734,23 @@ class _Runner:
             bar.update()
         if self.hf is not None:
             bar.set_postfix_str(f"{where} {HF_LABEL}")
-            yield HF_LABEL, _record(i, prompt, HF_LABEL, "transformers.generate", {},
-                                    self.hf.generate(prompt_ids, n), True)
+            yield (
+                HF_LABEL,
+                _record(i, prompt, HF_LABEL, "transformers.generate", {}, self.hf.generate(prompt_ids, n), True),
+            )
             bar.update()
             for label, options in self.hf_extra.items():
                 bar.set_postfix_str(f"{where} {label}")
-                yield label, _record(i, prompt, label, "transformers.generate", options,
-                                     self.hf.generate(prompt_ids, n, **options), True)
+                yield (
+                    label,
+                    _record(
+                        i,
+                        prompt,
+                        label,
+                        "transformers.generate",
+                        options,
+                        self.hf.generate(prompt_ids, n, **options),
+                        True,
+                    ),
+                )
                 bar.update()

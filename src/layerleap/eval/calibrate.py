@@ -78,7 +78,7 @@ def min_prompts(epsilon: float, delta: float) -> int:
 
 def binomial_p_value(losses: int, n: int, epsilon: float) -> float:
     """``P(Binomial(n, epsilon) <= losses)``: the p-value of "risk > epsilon" after ``losses`` of ``n``."""
-    return float(sum(math.comb(n, i) * epsilon ** i * (1 - epsilon) ** (n - i) for i in range(losses + 1)))
+    return float(sum(math.comb(n, i) * epsilon**i * (1 - epsilon) ** (n - i) for i in range(losses + 1)))
 
 
 # -- per-prompt measures ---------------------------------------------------------------------------------
@@ -107,14 +107,15 @@ def perplexity(model, prompt_ids: list[int], ids: list[int]) -> float:
     with torch.inference_mode():
         pos = torch.arange(seq.shape[1], device=model.device).unsqueeze(0)
         h = model.run_layers(model.embed(seq), 0, model.config.n_layers, pos)  # [1, P+N, D]
-        logits = model.logits(h[:, len(prompt_ids) - 1:-1])  # [1, N, V]: the positions predicting ids
-        nll = torch.nn.functional.cross_entropy(logits[0].float(), seq[0, len(prompt_ids):], reduction="mean")
+        logits = model.logits(h[:, len(prompt_ids) - 1 : -1])  # [1, N, V]: the positions predicting ids
+        nll = torch.nn.functional.cross_entropy(logits[0].float(), seq[0, len(prompt_ids) :], reduction="mean")
     return float(torch.exp(nll))
 
 
 @dataclass
 class Output:
     """One generation on one prompt, with its measures."""
+
     text: str
     token_ids: list[int]
     layer_passes: float  # per token
@@ -144,8 +145,15 @@ def kept(out: Output, greedy: Output, quality: float, ppl_ratio: float) -> bool:
 
 
 # -- running -----------------------------------------------------------------------------------------------
-def run_outputs(model, method: str, options: dict, prompts: list[Prompt], max_new_tokens: int,
-                greedy: list[Output] | None = None, progress: Callable[[str], None] | None = None) -> list[Output]:
+def run_outputs(
+    model,
+    method: str,
+    options: dict,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    greedy: list[Output] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[Output]:
     """``method`` with ``options`` on every prompt (batched by category where the method batches: its
     rows decode as they would alone), measured against ``greedy``'s outputs when given."""
     m = get_method(method)
@@ -155,13 +163,19 @@ def run_outputs(model, method: str, options: dict, prompts: list[Prompt], max_ne
     outs: list[Output | None] = [None] * len(prompts)
     for idx in groups.values():
         t0 = time.perf_counter()
-        res = generate(model, [prompts[i].text for i in idx], method, max_new_tokens, chat=True, stop_at_eos=False,
-                       **options)
+        res = generate(
+            model, [prompts[i].text for i in idx], method, max_new_tokens, chat=True, stop_at_eos=False, **options
+        )
         wall = (time.perf_counter() - t0) / len(idx)
         for i, r in zip(idx, res):
             p = prompts[i]
-            o = Output(r.text, list(r.token_ids), layer_passes(r.stats, model.config.n_layers), wall,
-                       perplexity(model, r.prompt_ids, list(r.token_ids)))
+            o = Output(
+                r.text,
+                list(r.token_ids),
+                layer_passes(r.stats, model.config.n_layers),
+                wall,
+                perplexity(model, r.prompt_ids, list(r.token_ids)),
+            )
             if p.reference:
                 o.reference_score = reference_score(p.category, r.text, p.reference)
             if greedy is not None:
@@ -172,8 +186,9 @@ def run_outputs(model, method: str, options: dict, prompts: list[Prompt], max_ne
     return outs  # type: ignore[return-value]
 
 
-def greedy_outputs(model, prompts: list[Prompt], max_new_tokens: int,
-                   progress: Callable[[str], None] | None = None) -> list[Output]:
+def greedy_outputs(
+    model, prompts: list[Prompt], max_new_tokens: int, progress: Callable[[str], None] | None = None
+) -> list[Output]:
     outs = run_outputs(model, "greedy", {}, prompts, max_new_tokens, progress=progress)
     for g in outs:
         g.agreement = 1.0
@@ -187,6 +202,7 @@ def _show(options: dict) -> str:
 @dataclass
 class Setting:
     """One setting of the path, measured on the split."""
+
     index: int
     options: dict
     outputs: list[Output]
@@ -265,77 +281,145 @@ class Calibration:
         c = self.chosen
         n_layers = self.config["n_layers"]
         return {
-            "quality": self.quality, "epsilon": self.epsilon, "delta": self.delta, "ppl_ratio": self.ppl_ratio,
+            "quality": self.quality,
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "ppl_ratio": self.ppl_ratio,
             "guarantee": guarantee(self),
-            "split": self.split, "prompts": len(self.greedy), "config": self.config,
-            "chosen": None if c is None else {"options": c.options, "modelled_speedup": n_layers / c.layer_passes,
-                                              **_setting_summary(c)},
+            "split": self.split,
+            "prompts": len(self.greedy),
+            "config": self.config,
+            "chosen": None
+            if c is None
+            else {"options": c.options, "modelled_speedup": n_layers / c.layer_passes, **_setting_summary(c)},
             "faster_than_greedy": c is not None and c.layer_passes < n_layers - 1e-9,
-            "settings": [{"options": s.options, "tested": s.tested, "valid": s.valid,
-                          "modelled_speedup": n_layers / s.layer_passes if s.layer_passes else None,
-                          **_setting_summary(s)} for s in self.settings],
+            "settings": [
+                {
+                    "options": s.options,
+                    "tested": s.tested,
+                    "valid": s.valid,
+                    "modelled_speedup": n_layers / s.layer_passes if s.layer_passes else None,
+                    **_setting_summary(s),
+                }
+                for s in self.settings
+            ],
             "complete": self.done,
         }
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "quality": self.quality, "epsilon": self.epsilon, "delta": self.delta,
-                "ppl_ratio": self.ppl_ratio, "split": self.split, "config": self.config, "done": self.done,
-                "greedy": [asdict(o) for o in self.greedy],
-                "settings": [{**{k: v for k, v in asdict(s).items() if k != "outputs"},
-                              "outputs": [asdict(o) for o in s.outputs]} for s in self.settings]}
+        return {
+            "method": self.method,
+            "quality": self.quality,
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "ppl_ratio": self.ppl_ratio,
+            "split": self.split,
+            "config": self.config,
+            "done": self.done,
+            "greedy": [asdict(o) for o in self.greedy],
+            "settings": [
+                {**{k: v for k, v in asdict(s).items() if k != "outputs"}, "outputs": [asdict(o) for o in s.outputs]}
+                for s in self.settings
+            ],
+        }
 
 
 def _setting_summary(s: Setting) -> dict:
-    return {"layer_passes": s.layer_passes, "losses": s.losses, "p_value": s.p_value, "agreement": s.agreement,
-            "reference_kept": s.reference_kept, "ppl_ratio": s.ppl_ratio, "wall_ratio": s.wall_ratio}
+    return {
+        "layer_passes": s.layer_passes,
+        "losses": s.losses,
+        "p_value": s.p_value,
+        "agreement": s.agreement,
+        "reference_kept": s.reference_kept,
+        "ppl_ratio": s.ppl_ratio,
+        "wall_ratio": s.wall_ratio,
+    }
 
 
 def guarantee(cal: Calibration) -> str:
-    return (f"with probability >= {1 - cal.delta:.2f} over the {len(cal.greedy)} calibration prompts, the chosen "
-            f"setting keeps {cal.quality:.2f} of greedy's quality (reference score, else agreement with greedy's "
-            f"text; perplexity within {cal.ppl_ratio}x greedy's) on all but at most {cal.epsilon:.0%} of prompts in "
-            "expectation (Learn-then-Test, fixed-sequence, binomial p-values)")
+    return (
+        f"with probability >= {1 - cal.delta:.2f} over the {len(cal.greedy)} calibration prompts, the chosen "
+        f"setting keeps {cal.quality:.2f} of greedy's quality (reference score, else agreement with greedy's "
+        f"text; perplexity within {cal.ppl_ratio}x greedy's) on all but at most {cal.epsilon:.0%} of prompts in "
+        "expectation (Learn-then-Test, fixed-sequence, binomial p-values)"
+    )
 
 
 def _from_dict(d: dict) -> Calibration:
-    cal = Calibration(d["method"], d["quality"], d["epsilon"], d["delta"], d["ppl_ratio"], d["split"], d["config"],
-                      [Output(**o) for o in d["greedy"]], done=d.get("done", False))
+    cal = Calibration(
+        d["method"],
+        d["quality"],
+        d["epsilon"],
+        d["delta"],
+        d["ppl_ratio"],
+        d["split"],
+        d["config"],
+        [Output(**o) for o in d["greedy"]],
+        done=d.get("done", False),
+    )
     for s in d["settings"]:
         outs = [Output(**o) for o in s.pop("outputs")]
         cal.settings.append(Setting(outputs=outs, **s))
     return cal
 
 
-def calibrate(model, method: str, quality: float = budget.DEFAULT_QUALITY, *, prompts: list[Prompt],
-              max_new_tokens: int = 64, epsilon: float = EPSILON, delta: float = DELTA, ppl_ratio: float = PPL_RATIO,
-              split: str = "calibration", report: str | Path | None = None, extra: int = 2,
-              progress: Callable[[str], None] | None = None, config: dict | None = None,
-              greedy: list[Output] | None = None) -> Calibration:
+def calibrate(
+    model,
+    method: str,
+    quality: float = budget.DEFAULT_QUALITY,
+    *,
+    prompts: list[Prompt],
+    max_new_tokens: int = 64,
+    epsilon: float = EPSILON,
+    delta: float = DELTA,
+    ppl_ratio: float = PPL_RATIO,
+    split: str = "calibration",
+    report: str | Path | None = None,
+    extra: int = 2,
+    progress: Callable[[str], None] | None = None,
+    config: dict | None = None,
+    greedy: list[Output] | None = None,
+) -> Calibration:
     """Learn-then-Test calibration of ``method`` at ``quality`` on ``prompts`` (see the module doc).
     ``extra`` settings past the first failure are measured for the quality-speed frontier (never
     chosen).  With ``report`` the run is rewritten there after each setting and resumed from it.
     ``greedy``: greedy's outputs on these prompts, when already measured (another method's run)."""
     if method not in budget.PATHS:
-        raise CalibrationError(f"method {method!r} is not a lossy method with a quality budget: choose one of "
-                               f"{', '.join(budget.LOSSY)}")
+        raise CalibrationError(
+            f"method {method!r} is not a lossy method with a quality budget: choose one of {', '.join(budget.LOSSY)}"
+        )
     quality = budget.check_quality(quality)
     for name, v in (("epsilon", epsilon), ("delta", delta)):
         V.number(v, name, 0, 1, lo_open=True, hi_open=True)
     V.number(ppl_ratio, "ppl_ratio", 1)
     need = min_prompts(epsilon, delta)
     if len(prompts) < need:
-        raise CalibrationError(f"{len(prompts)} prompts cannot certify any setting at epsilon={epsilon}, "
-                               f"delta={delta}: give at least {need}")
+        raise CalibrationError(
+            f"{len(prompts)} prompts cannot certify any setting at epsilon={epsilon}, "
+            f"delta={delta}: give at least {need}"
+        )
     d = model.config.n_layers
     path = budget.PATHS[method](d)
-    cfg = {"model": model.config.name, "fingerprint": model.fingerprint, "dtype": model.dtype_name, "n_layers": d,
-           "max_new_tokens": max_new_tokens, "prompt_ids": [p.id for p in prompts],
-           "categories": sorted({p.category for p in prompts}), **(config or {})}
+    cfg = {
+        "model": model.config.name,
+        "fingerprint": model.fingerprint,
+        "dtype": model.dtype_name,
+        "n_layers": d,
+        "max_new_tokens": max_new_tokens,
+        "prompt_ids": [p.id for p in prompts],
+        "categories": sorted({p.category for p in prompts}),
+        **(config or {}),
+    }
     key = {k: cfg[k] for k in ("fingerprint", "dtype", "max_new_tokens", "prompt_ids")}
     cal = None
     old = read_report(report, "calibration report", ("config", "settings")) if report else None
-    if old and {k: old["config"].get(k) for k in key} == key and old.get("method") == method \
-            and old.get("quality") == quality and (old.get("epsilon"), old.get("delta")) == (epsilon, delta):
+    if (
+        old
+        and {k: old["config"].get(k) for k in key} == key
+        and old.get("method") == method
+        and old.get("quality") == quality
+        and (old.get("epsilon"), old.get("delta")) == (epsilon, delta)
+    ):
         cal = _from_dict(old)
         cal.config.update({k: v for k, v in cfg.items() if k not in key})
     if cal is None:
@@ -364,8 +448,10 @@ def calibrate(model, method: str, quality: float = budget.DEFAULT_QUALITY, *, pr
             stopped_at = j
         save()
         if progress:
-            progress(f"{method} {_show(s.options)}: {s.losses}/{len(prompts)} lost, p={s.p_value:.3f}, "
-                     f"{d / s.layer_passes:.2f}x layer passes, agreement {s.agreement:.2f}, ppl x{s.ppl_ratio:.2f}")
+            progress(
+                f"{method} {_show(s.options)}: {s.losses}/{len(prompts)} lost, p={s.p_value:.3f}, "
+                f"{d / s.layer_passes:.2f}x layer passes, agreement {s.agreement:.2f}, ppl x{s.ppl_ratio:.2f}"
+            )
         if stopped_at is not None and j - stopped_at >= extra:
             break
     learn_then_test(cal.settings, delta)
@@ -379,16 +465,29 @@ def write_calibration(cal: Calibration, path: Path | None = None) -> Path:
     """Add ``cal``'s budget to the method's calibration file (atomic; other budgets kept)."""
     cfg = cal.config
     path = path or budget.calibration_path(cfg["fingerprint"], cfg["dtype"], cal.method)
-    data = budget.read_calibration(path) or {"format": budget.FORMAT, "method": cal.method, "model": cfg["model"],
-                                             "fingerprint": cfg["fingerprint"], "dtype": cfg["dtype"], "budgets": {}}
+    data = budget.read_calibration(path) or {
+        "format": budget.FORMAT,
+        "method": cal.method,
+        "model": cfg["model"],
+        "fingerprint": cfg["fingerprint"],
+        "dtype": cfg["dtype"],
+        "budgets": {},
+    }
     data["budgets"][budget.budget_key(cal.quality)] = cal.budget_entry()
     write_json(path, data)
     return path
 
 
 # -- the held-out check ---------------------------------------------------------------------------------
-def holdout_check(model, cal_entry: dict, method: str, prompts: list[Prompt], max_new_tokens: int,
-                  greedy: list[Output] | None = None, progress: Callable[[str], None] | None = None) -> dict:
+def holdout_check(
+    model,
+    cal_entry: dict,
+    method: str,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    greedy: list[Output] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """The chosen setting of a calibration file's budget on other prompts: its share of lost prompts
     against the stated epsilon, its mean agreement, reference score kept and perplexity ratio."""
     chosen = cal_entry.get("chosen")
@@ -399,14 +498,26 @@ def holdout_check(model, cal_entry: dict, method: str, prompts: list[Prompt], ma
     outs = run_outputs(model, method, chosen["options"], prompts, max_new_tokens, greedy, progress)
     s = summarize(outs, greedy, q, ppl_ratio)
     s["loss_rate"] = s["losses"] / len(prompts)
-    s.update(prompts=len(prompts), prompt_ids=[p.id for p in prompts], epsilon=cal_entry["epsilon"],
-             delta=cal_entry["delta"], options=chosen["options"], within_epsilon=s["loss_rate"] <= cal_entry["epsilon"],
-             greedy_reference={c: _mean([g.reference_score for g, p in zip(greedy, prompts) if p.category == c])
-                               for c in sorted({p.category for p in prompts})},
-             method_reference={c: _mean([o.reference_score for o, p in zip(outs, prompts) if p.category == c])
-                               for c in sorted({p.category for p in prompts})},
-             samples=[{"prompt_id": p.id, "greedy": g.text[:200], "method": o.text[:200]}
-                      for p, g, o in list(zip(prompts, greedy, outs))[:3]])
+    s.update(
+        prompts=len(prompts),
+        prompt_ids=[p.id for p in prompts],
+        epsilon=cal_entry["epsilon"],
+        delta=cal_entry["delta"],
+        options=chosen["options"],
+        within_epsilon=s["loss_rate"] <= cal_entry["epsilon"],
+        greedy_reference={
+            c: _mean([g.reference_score for g, p in zip(greedy, prompts) if p.category == c])
+            for c in sorted({p.category for p in prompts})
+        },
+        method_reference={
+            c: _mean([o.reference_score for o, p in zip(outs, prompts) if p.category == c])
+            for c in sorted({p.category for p in prompts})
+        },
+        samples=[
+            {"prompt_id": p.id, "greedy": g.text[:200], "method": o.text[:200]}
+            for p, g, o in list(zip(prompts, greedy, outs))[:3]
+        ],
+    )
     return s
 
 

@@ -76,8 +76,16 @@ def logit_gap(model: Transformer, prefix: list[int], a: int, b: int) -> float:
     return float(logits[a] - logits[b])
 
 
-def _divergence(model, prompt: Prompt, label: str, method: str, prompt_ids: list[int], ref: list[int],
-                got: list[int], near_tie: float) -> Divergence | None:
+def _divergence(
+    model,
+    prompt: Prompt,
+    label: str,
+    method: str,
+    prompt_ids: list[int],
+    ref: list[int],
+    got: list[int],
+    near_tie: float,
+) -> Divergence | None:
     i = first_difference(ref, got)
     if i is None:
         return None
@@ -88,16 +96,29 @@ def _divergence(model, prompt: Prompt, label: str, method: str, prompt_ids: list
 
     def text(t):
         return tok.decode([t]) if tok is not None and t is not None else ""
-    return Divergence(prompt.id, prompt.category, label, method, i, a, b, text(a), text(b), gap,
-                      gap is not None and abs(gap) < near_tie)
+
+    return Divergence(
+        prompt.id,
+        prompt.category,
+        label,
+        method,
+        i,
+        a,
+        b,
+        text(a),
+        text(b),
+        gap,
+        gap is not None and abs(gap) < near_tie,
+    )
 
 
 def check_methods(methods: MethodSpecs) -> None:
     exact = lossless_methods()
     for label, (name, _) in methods.items():
         if not get_method(name).exact:
-            raise ExactnessError(f"method {name!r} ({label}) does not claim greedy-exactness: choose from "
-                                 f"{', '.join(exact)}")
+            raise ExactnessError(
+                f"method {name!r} ({label}) does not claim greedy-exactness: choose from {', '.join(exact)}"
+            )
 
 
 def _resume(path: Path, cfg: dict) -> dict | None:
@@ -105,8 +126,10 @@ def _resume(path: Path, cfg: dict) -> dict | None:
     if old is None:
         return None
     if any(old["config"].get(k) != cfg.get(k) for k in SETTINGS):
-        raise ExactnessError(f"{path} holds an exactness run with other settings: choose another --json (or delete "
-                             "it), or rerun with its settings to resume")
+        raise ExactnessError(
+            f"{path} holds an exactness run with other settings: choose another --json (or delete "
+            "it), or rerun with its settings to resume"
+        )
     return old
 
 
@@ -117,14 +140,30 @@ def summarize(report: dict) -> dict:
         recs = [r for r in report["records"] if r["label"] == label]
         divs = [d for d in report["divergences"] if d["label"] == label]
         ties = sum(d["near_tie"] for d in divs)
-        out[label] = {"prompts": len(recs), "equal": sum(r["equal"] for r in recs), "divergences": len(divs),
-                      "near_ties": ties, "unexplained": len(divs) - ties}
+        out[label] = {
+            "prompts": len(recs),
+            "equal": sum(r["equal"] for r in recs),
+            "divergences": len(divs),
+            "near_ties": ties,
+            "unexplained": len(divs) - ties,
+        }
     return out
 
 
-def run_exactness(model: Transformer, methods: MethodSpecs, prompts: list[Prompt], max_new_tokens: int, *,
-                  chat: bool = True, hf: bool = False, out: str | Path | None = None, near_tie: float = NEAR_TIE,
-                  config: dict | None = None, skipped: dict | None = None, progress: bool = True) -> dict:
+def run_exactness(
+    model: Transformer,
+    methods: MethodSpecs,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    *,
+    chat: bool = True,
+    hf: bool = False,
+    out: str | Path | None = None,
+    near_tie: float = NEAR_TIE,
+    config: dict | None = None,
+    skipped: dict | None = None,
+    progress: bool = True,
+) -> dict:
     """Compare ``methods`` with plain greedy (and `transformers` greedy with ``hf``) on ``prompts``;
     -> the report (also written to ``out`` after every prompt).  See the module docstring."""
     from tqdm.auto import tqdm
@@ -142,10 +181,19 @@ def run_exactness(model: Transformer, methods: MethodSpecs, prompts: list[Prompt
         raise ExactnessError("prompts must be a non-empty list of Spec-Bench prompts (layerleap.datasets.spec_bench)")
     check_specs(methods)
     check_methods(methods)
-    cfg = {**machine_config(model), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
-           "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()},
-           "skipped": dict(skipped or {}), "transformers": hf, "near_tie": near_tie, "n_prompts": len(prompts),
-           "prompt_ids": [p.id for p in prompts], "categories": sorted({p.category for p in prompts})}
+    cfg = {
+        **machine_config(model),
+        **(config or {}),
+        "max_new_tokens": max_new_tokens,
+        "chat": chat,
+        "methods": {lb: {"method": n, "options": plain_options(o)} for lb, (n, o) in methods.items()},
+        "skipped": dict(skipped or {}),
+        "transformers": hf,
+        "near_tie": near_tie,
+        "n_prompts": len(prompts),
+        "prompt_ids": [p.id for p in prompts],
+        "categories": sorted({p.category for p in prompts}),
+    }
     report = {"config": cfg, "prompts_done": 0, "records": [], "divergences": []}
     old = _resume(Path(out), cfg) if out else None
     if old is not None:
@@ -158,12 +206,18 @@ def run_exactness(model: Transformer, methods: MethodSpecs, prompts: list[Prompt
             write_json(out, report)
 
     runs = len(methods) + 1 + int(hf)
-    bar = tqdm(total=len(prompts) * runs, initial=report["prompts_done"] * runs, desc="eval exactness", unit="run",
-               disable=not progress, leave=False)
+    bar = tqdm(
+        total=len(prompts) * runs,
+        initial=report["prompts_done"] * runs,
+        desc="eval exactness",
+        unit="run",
+        disable=not progress,
+        leave=False,
+    )
     try:
         hf_model = HFBaseline(model) if hf else None
         save(interrupted=False)
-        for prompt in prompts[report["prompts_done"]:]:
+        for prompt in prompts[report["prompts_done"] :]:
             bar.set_postfix_str(f"{prompt.category} {prompt.id} {REFERENCE}")
             ref = generate(model, prompt.text, REFERENCE, max_new_tokens, chat=chat, stop_at_eos=False)
             bar.update()
@@ -174,13 +228,21 @@ def run_exactness(model: Transformer, methods: MethodSpecs, prompts: list[Prompt
                 bar.update()
             for label, (name, options) in methods.items():
                 bar.set_postfix_str(f"{prompt.category} {prompt.id} {label}")
-                found[(label, name)] = generate(model, prompt.text, name, max_new_tokens, chat=chat, stop_at_eos=False,
-                                                **options).token_ids
+                found[(label, name)] = generate(
+                    model, prompt.text, name, max_new_tokens, chat=chat, stop_at_eos=False, **options
+                ).token_ids
                 bar.update()
             for (label, name), got in found.items():
                 d = _divergence(model, prompt, label, name, ref.prompt_ids, ref.token_ids, got, near_tie)
-                report["records"].append({"prompt_id": prompt.id, "category": prompt.category, "label": label,
-                                          "equal": d is None, "tokens": len(got)})
+                report["records"].append(
+                    {
+                        "prompt_id": prompt.id,
+                        "category": prompt.category,
+                        "label": label,
+                        "equal": d is None,
+                        "tokens": len(got),
+                    }
+                )
                 if d is not None:
                     report["divergences"].append(asdict(d))
             report["prompts_done"] += 1
@@ -195,13 +257,17 @@ def run_exactness(model: Transformer, methods: MethodSpecs, prompts: list[Prompt
 def format_summary(report: dict) -> str:
     rows = [f"{'method':<20} {'prompts':>7} {'equal':>6} {'diverge':>7} {'near-tie':>8} {'unexplained':>11}"]
     for label, s in report["summary"].items():
-        rows.append(f"{label:<20} {s['prompts']:>7} {s['equal']:>6} {s['divergences']:>7} {s['near_ties']:>8} "
-                    f"{s['unexplained']:>11}")
+        rows.append(
+            f"{label:<20} {s['prompts']:>7} {s['equal']:>6} {s['divergences']:>7} {s['near_ties']:>8} "
+            f"{s['unexplained']:>11}"
+        )
     for lb, why in report["config"]["skipped"].items():
         rows.append(f"{lb:<20} skipped: {why}")
     for d in report["divergences"]:
         gap = "-" if d["logit_gap"] is None else f"{d['logit_gap']:.3g}"
-        rows.append(f"  {d['label']} on prompt {d['prompt_id']} ({d['category']}): token {d['position']} is "
-                    f"{d['method_token']} {d['method_text']!r}, greedy has {d['reference_token']} "
-                    f"{d['reference_text']!r}; logit gap {gap}{' (near-tie)' if d['near_tie'] else ''}")
+        rows.append(
+            f"  {d['label']} on prompt {d['prompt_id']} ({d['category']}): token {d['position']} is "
+            f"{d['method_token']} {d['method_text']!r}, greedy has {d['reference_token']} "
+            f"{d['reference_text']!r}; logit gap {gap}{' (near-tie)' if d['near_tie'] else ''}"
+        )
     return "\n".join(rows)

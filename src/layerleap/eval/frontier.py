@@ -50,6 +50,7 @@ def references(categories: list[str], n: int, offset: int = 0) -> dict[str, list
     import json
 
     from ..datasets import SHIPPED_SPEC_BENCH
+
     refs = {}
     for r in map(json.loads, SHIPPED_SPEC_BENCH.read_text().splitlines()):
         ref = r.get("reference")
@@ -62,8 +63,10 @@ def references(categories: list[str], n: int, offset: int = 0) -> dict[str, list
             raise LayerleapError(f"no Spec-Bench prompts in category {c} after offset {offset}")
         missing = [p.id for p in ps if p.id not in refs]
         if missing:
-            raise LayerleapError(f"Spec-Bench category {c} has no references (questions {missing[:3]}): choose "
-                                 "summarization, translation or math_reasoning")
+            raise LayerleapError(
+                f"Spec-Bench category {c} has no references (questions {missing[:3]}): choose "
+                "summarization, translation or math_reasoning"
+            )
         out[c] = [(p.text, refs[p.id]) for p in ps]
     return out
 
@@ -77,7 +80,7 @@ def perplexities(model, prompts: list[list[int]], outputs: list[list[int]]) -> l
                 out.append(float("nan"))
                 continue
             ids = torch.tensor([p + o])
-            logits = model(ids)[0, len(p) - 1:-1].float()  # [len(o), V]
+            logits = model(ids)[0, len(p) - 1 : -1].float()  # [len(o), V]
             out.append(math.exp(float(F.cross_entropy(logits, torch.tensor(o)))))
     return out
 
@@ -89,15 +92,18 @@ def _decode(model, method: str, prompts: list[list[int]], max_new: int, options:
     return res, time.perf_counter() - t
 
 
-def run(models: dict, points: list[Point], categories: list[str], n: int, max_new: int, offset: int = 0,
-        progress=None) -> dict:
+def run(
+    models: dict, points: list[Point], categories: list[str], n: int, max_new: int, offset: int = 0, progress=None
+) -> dict:
     """Decode every point on every category (see the module's docstring); -> the report's rows."""
     base = models["base"]
     data = references(categories, n, offset)
     rows: list[dict] = []
     for cat, items in data.items():
-        prompts = [chat_token_ids(base.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
-                   for q, _ in items]
+        prompts = [
+            chat_token_ids(base.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
+            for q, _ in items
+        ]
         refs = [r for _, r in items]
         metric = evaluation.metric_for(cat)
         greedy, g_s = _decode(base, "greedy", prompts, max_new, {})
@@ -105,27 +111,48 @@ def run(models: dict, points: list[Point], categories: list[str], n: int, max_ne
         g_score = evaluation.score(metric, g_text, refs)
         g_ppl = perplexities(base, prompts, [list(r.token_ids) for r in greedy])
         for pt in [Point("greedy", "base", "greedy"), *points]:
-            res, secs = (greedy, g_s) if pt.label == "greedy" else _decode(models[pt.model], pt.method, prompts,
-                                                                          max_new, pt.options)
+            res, secs = (
+                (greedy, g_s)
+                if pt.label == "greedy"
+                else _decode(models[pt.model], pt.method, prompts, max_new, pt.options)
+            )
             texts = [r.text for r in res]
             ppl = perplexities(base, prompts, [list(r.token_ids) for r in res])
             ratios = [a / b for a, b in zip(ppl, g_ppl) if not math.isnan(a) and not math.isnan(b) and b > 0]
             lpt = sum(r.stats["layer_evals"] for r in res) / max(1, sum(r.stats["new_tokens"] for r in res))
             score = evaluation.score(metric, texts, refs)
-            rows.append({"label": pt.label, "model": pt.model, "method": pt.method, "options": pt.options,
-                         "category": cat, "metric": metric, "score": score, "greedy_score": g_score,
-                         "score_share": score / g_score if g_score > 0 else None,
-                         "agreement": evaluation.rouge_l(texts, g_text),
-                         "identical": sum(a == b for a, b in zip(texts, g_text)),
-                         "ppl_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
-                         "layers_per_token": lpt, "n_layers": base.config.n_layers, "implied_speedup": base.config.n_layers / lpt if lpt else None,
-                         "seconds": secs, "greedy_seconds": g_s, "speedup": g_s / secs,
-                         "tokens": sum(r.stats["new_tokens"] for r in res), "n": len(prompts), "texts": texts})
+            rows.append(
+                {
+                    "label": pt.label,
+                    "model": pt.model,
+                    "method": pt.method,
+                    "options": pt.options,
+                    "category": cat,
+                    "metric": metric,
+                    "score": score,
+                    "greedy_score": g_score,
+                    "score_share": score / g_score if g_score > 0 else None,
+                    "agreement": evaluation.rouge_l(texts, g_text),
+                    "identical": sum(a == b for a, b in zip(texts, g_text)),
+                    "ppl_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+                    "layers_per_token": lpt,
+                    "n_layers": base.config.n_layers,
+                    "implied_speedup": base.config.n_layers / lpt if lpt else None,
+                    "seconds": secs,
+                    "greedy_seconds": g_s,
+                    "speedup": g_s / secs,
+                    "tokens": sum(r.stats["new_tokens"] for r in res),
+                    "n": len(prompts),
+                    "texts": texts,
+                }
+            )
             if progress:
                 r = rows[-1]
-                progress(f"{cat:<14} {pt.label:<34} {metric} {score:5.1f} (greedy {g_score:5.1f})  agree "
-                         f"{r['agreement']:5.1f}  ppl x{r['ppl_ratio'] or float('nan'):.2f}  layers {lpt:4.1f}  "
-                         f"speed-up {r['speedup']:.2f}x")
+                progress(
+                    f"{cat:<14} {pt.label:<34} {metric} {score:5.1f} (greedy {g_score:5.1f})  agree "
+                    f"{r['agreement']:5.1f}  ppl x{r['ppl_ratio'] or float('nan'):.2f}  layers {lpt:4.1f}  "
+                    f"speed-up {r['speedup']:.2f}x"
+                )
     return {"rows": rows, "n_prompts": n, "max_new_tokens": max_new, "categories": categories}
 
 
@@ -138,13 +165,21 @@ def summary(rows: list[dict]) -> list[dict]:
         ppl = [r["ppl_ratio"] for r in rs if r["ppl_ratio"] is not None]
         evals = sum(r["layers_per_token"] * r["tokens"] for r in rs)
         tokens = sum(r["tokens"] for r in rs)
-        out.append({"label": label, "model": rs[0]["model"], "method": rs[0]["method"], "options": rs[0]["options"],
-                    "quality": 100 * sum(shares) / len(shares) if shares else None,
-                    "agreement": sum(r["agreement"] for r in rs) / len(rs),
-                    "ppl_ratio": math.exp(sum(map(math.log, ppl)) / len(ppl)) if ppl else None,
-                    "speedup": sum(r["greedy_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
-                    "layers_per_token": evals / tokens, "implied_speedup": rs[0]["n_layers"] * tokens / evals,
-                    "scores": {r["category"]: round(r["score"], 1) for r in rs}})
+        out.append(
+            {
+                "label": label,
+                "model": rs[0]["model"],
+                "method": rs[0]["method"],
+                "options": rs[0]["options"],
+                "quality": 100 * sum(shares) / len(shares) if shares else None,
+                "agreement": sum(r["agreement"] for r in rs) / len(rs),
+                "ppl_ratio": math.exp(sum(map(math.log, ppl)) / len(ppl)) if ppl else None,
+                "speedup": sum(r["greedy_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
+                "layers_per_token": evals / tokens,
+                "implied_speedup": rs[0]["n_layers"] * tokens / evals,
+                "scores": {r["category"]: round(r["score"], 1) for r in rs},
+            }
+        )
     return out
 
 

@@ -110,12 +110,14 @@ def bucket_edges(max_new_tokens: int, buckets: int) -> list[int]:
 
 
 @torch.inference_mode()
-def match_rate(model: Transformer, prompts, cfg: MatchRateConfig, heads: dict | None = None,
-               progress: bool = True) -> MatchRateResult:
+def match_rate(
+    model: Transformer, prompts, cfg: MatchRateConfig, heads: dict | None = None, progress: bool = True
+) -> MatchRateResult:
     """p̂_correct for each head, layer and k over ``prompts`` (texts or token-id lists)."""
     from tqdm import tqdm
     import sys
     from ..decoding import generate
+
     cfg.check(model)
     with V.raising(MatchRateError):
         prompts = V.items(prompts, "prompts", "texts or token-id lists")
@@ -126,12 +128,20 @@ def match_rate(model: Transformer, prompts, cfg: MatchRateConfig, heads: dict | 
     pos_hits = {h: {x: {k: [0] * len(edges) for k in cfg.ks} for x in cfg.layers} for h in heads}
     pos_n = [0] * len(edges)
     total, mismatch = 0, 0
-    sampling = {} if cfg.mode == "greedy" else {
-        "do_sample": True, "temperature": cfg.temperature, "seed": cfg.seed,
-        **({"top_k": cfg.top_k} if cfg.mode == "top-k" else {"top_p": cfg.top_p})}
+    sampling = (
+        {}
+        if cfg.mode == "greedy"
+        else {
+            "do_sample": True,
+            "temperature": cfg.temperature,
+            "seed": cfg.seed,
+            **({"top_k": cfg.top_k} if cfg.mode == "top-k" else {"top_p": cfg.top_p}),
+        }
+    )
     method = "greedy" if cfg.mode == "greedy" else "sample"
-    for i, p in enumerate(tqdm(list(prompts), desc=f"match rate ({cfg.mode})", disable=not progress,
-                               file=sys.stderr, dynamic_ncols=True)):
+    for i, p in enumerate(
+        tqdm(list(prompts), desc=f"match rate ({cfg.mode})", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    ):
         if sampling:
             sampling["seed"] = cfg.seed + i
         res = generate(model, p, method, cfg.max_new_tokens, chat=cfg.chat and isinstance(p, str), **sampling)
@@ -163,8 +173,13 @@ def match_rate(model: Transformer, prompts, cfg: MatchRateConfig, heads: dict | 
                         pos_hits[name][x][k][j] += int(ok[b == j].sum())
         total += G
     rates = {h: {x: {k: hits[h][x][k] / max(1, total) for k in cfg.ks} for x in cfg.layers} for h in heads}
-    by_pos = {h: {x: {k: [pos_hits[h][x][k][j] / pos_n[j] if pos_n[j] else None for j in range(len(edges))]
-                      for k in cfg.ks} for x in cfg.layers} for h in heads}
+    by_pos = {
+        h: {
+            x: {k: [pos_hits[h][x][k][j] / pos_n[j] if pos_n[j] else None for j in range(len(edges))] for k in cfg.ks}
+            for x in cfg.layers
+        }
+        for h in heads
+    }
     return MatchRateResult(asdict(cfg), total, len(prompts), rates, hits, by_pos, pos_n, edges, mismatch)
 
 
@@ -197,6 +212,7 @@ def position_table(res: MatchRateResult, layer: int) -> str:
 def plot(results: dict[str, MatchRateResult], path) -> None:
     """p̂_correct against layer, one line per (head, k), one panel per result (category or mode)."""
     from ..files import pyplot
+
     plt = pyplot()
     n = len(results)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False, sharey=True)
@@ -205,8 +221,14 @@ def plot(results: dict[str, MatchRateResult], path) -> None:
         layers = res.config["layers"]
         for hi, h in enumerate(res.rates):
             for ki, k in enumerate(res.config["ks"]):
-                ax.plot(layers, [100 * res.rates[h][x][k] for x in layers], styles.get(hi, "-"), marker="o",
-                        color=f"C{ki}", label=f"{h}, k={k}")
+                ax.plot(
+                    layers,
+                    [100 * res.rates[h][x][k] for x in layers],
+                    styles.get(hi, "-"),
+                    marker="o",
+                    color=f"C{ki}",
+                    label=f"{h}, k={k}",
+                )
         ax.set_title(f"{name} ({res.tokens} tokens)")
         ax.set_xlabel("layer d̄")
         ax.grid(alpha=0.3)
@@ -216,18 +238,36 @@ def plot(results: dict[str, MatchRateResult], path) -> None:
     save_figure(fig, path)
 
 
-__all__ = ["MatchRateConfig", "MatchRateResult", "match_rate", "table", "position_table", "plot", "MODES",
-           "MatchRateError", "resolve_heads", "layer_states"]
+__all__ = [
+    "MatchRateConfig",
+    "MatchRateResult",
+    "match_rate",
+    "table",
+    "position_table",
+    "plot",
+    "MODES",
+    "MatchRateError",
+    "resolve_heads",
+    "layer_states",
+]
 
 
 # -- cost ---------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def head_cost(model: Transformer, layers, heads: dict[str, ExitHead | None] | None = None, context: int = 128,
-              reps: int = 30, seed: int = 0, progress: bool = True) -> dict:
+def head_cost(
+    model: Transformer,
+    layers,
+    heads: dict[str, ExitHead | None] | None = None,
+    context: int = 128,
+    reps: int = 30,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """Seconds per decode step (one token, KV cache at ``context``) of the layers up to each layer in
     ``layers``, and of each exit head on one row; the head's overhead is ``head / layers(l)``.
     Steps of the layers and of the heads are interleaved rep by rep (shared-machine noise hits both)."""
     import time
+
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=g).to(model.device)
     cache = model.new_cache(1, context + 2)
@@ -240,6 +280,7 @@ def head_cost(model: Transformer, layers, heads: dict[str, ExitHead | None] | No
     t_heads = {name: [] for name in heads}
     hx = None
     from tqdm.auto import tqdm
+
     for _ in tqdm(range(reps + 2), desc="head cost", unit="rep", disable=not progress, leave=False):
         for x in layers:
             t = time.perf_counter()
@@ -253,5 +294,10 @@ def head_cost(model: Transformer, layers, heads: dict[str, ExitHead | None] | No
     med = lambda v: sorted(v[2:])[len(v[2:]) // 2]  # noqa: E731  (median after 2 warm-up reps)
     lay = {x: med(v) for x, v in t_layers.items()}
     hd = {name: med(v) for name, v in t_heads.items()}
-    return {"context": context, "reps": reps, "layers_s": lay, "heads_s": hd,
-            "overhead": {name: {x: hd[name] / lay[x] for x in layers} for name in heads}}
+    return {
+        "context": context,
+        "reps": reps,
+        "layers_s": lay,
+        "heads_s": hd,
+        "overhead": {name: {x: hd[name] / lay[x] for x in layers} for name in heads},
+    }

@@ -85,8 +85,9 @@ class Link:
 
 
 def _group(rank: int, size: int, port: int, timeout_s: float):
-    store = torch.distributed.TCPStore("127.0.0.1", port, size, rank == 0,
-                                       timeout=datetime.timedelta(seconds=timeout_s))
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     return store, torch.distributed.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
 
 
@@ -107,12 +108,14 @@ def _exit_with_parent() -> None:
     """A watchdog thread: when the main process is gone (killed without a chance to stop us), exit at
     once instead of waiting out the communication timeout."""
     import threading
+
     parent = os.getppid()
 
     def watch():
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(0)
+
     threading.Thread(target=watch, daemon=True).start()
 
 
@@ -127,14 +130,25 @@ def _sigint_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _sub_main(rank: int, size: int, port: int, model_src, dbar: int, head, head_on: str, threads: int,
-              timeout_s: float, dtype: str = "float32") -> None:
+def _sub_main(
+    rank: int,
+    size: int,
+    port: int,
+    model_src,
+    dbar: int,
+    head,
+    head_on: str,
+    threads: int,
+    timeout_s: float,
+    dtype: str = "float32",
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process answers Ctrl-C and stops us
     parent = os.getppid()
     _exit_with_parent()
     torch.set_num_threads(threads)
     from ..drafters.exit_heads import get_head
     from ..core.loading import load
+
     model = load(model_src, dtype=dtype, progress=lambda m: None) if isinstance(model_src, str) else model_src
     store, pg = _group(rank, size, port, timeout_s)
     link = Link(pg, rank)
@@ -182,8 +196,11 @@ def _sub_main(rank: int, size: int, port: int, model_src, dbar: int, head, head_
                     pos += 1
     except Exception as e:  # the main process went away (its error is the one to report) or a real failure
         if os.getppid() == parent and rank == 1:
-            print(f"layerleap ppd sub-process {rank}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"layerleap ppd sub-process {rank}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         del pg, store
 
@@ -193,15 +210,27 @@ class ParallelPPD:
     """``k + 1`` processes running PPD.  ``model``: a packaged name (each process loads its own copy) or
     a ``Transformer`` (sent to the sub-processes, which then hold their own copy)."""
 
-    def __init__(self, model, exit_layer: int | None = None, k: int = 1, head="auto", head_on: str = "sub",
-                 threads: int = 1, timeout_s: float = 120.0, dtype: str = "float32"):
+    def __init__(
+        self,
+        model,
+        exit_layer: int | None = None,
+        k: int = 1,
+        head="auto",
+        head_on: str = "sub",
+        threads: int = 1,
+        timeout_s: float = 120.0,
+        dtype: str = "float32",
+    ):
         from ..drafters.exit_heads import get_head
         from ..core.loading import load
+
         units = k + 1 if isinstance(k, int) and not isinstance(k, bool) else None
         cores = os.cpu_count() or 1
         if units is not None and units * threads > cores:
-            raise ParallelError(f"PPD with k={k} needs {units} compute units × {threads} thread(s) = {units * threads} "
-                                f"cores; this machine has {cores}: lower k or --threads")
+            raise ParallelError(
+                f"PPD with k={k} needs {units} compute units × {threads} thread(s) = {units * threads} "
+                f"cores; this machine has {cores}: lower k or --threads"
+            )
         if head_on not in HEAD_ON:
             raise ParallelError(f"head_on must be one of {', '.join(HEAD_ON)}, got {head_on!r}")
         self.model = load(model, dtype=dtype, progress=lambda m: None) if isinstance(model, str) else model
@@ -214,12 +243,16 @@ class ParallelPPD:
         self._busy = False
         torch.set_num_threads(threads)
         import torch.multiprocessing as mp
+
         ctx = mp.get_context("spawn")
         port = _free_port()
         try:
             for rank in range(1, k + 1):
-                p = ctx.Process(target=_sub_main, args=(rank, k + 1, port, model, self.dbar, head, head_on, threads,
-                                                        timeout_s, dtype), daemon=True)
+                p = ctx.Process(
+                    target=_sub_main,
+                    args=(rank, k + 1, port, model, self.dbar, head, head_on, threads, timeout_s, dtype),
+                    daemon=True,
+                )
                 with _sigint_blocked():
                     p.start()
                 self.procs.append(p)
@@ -315,8 +348,9 @@ class ParallelPPD:
             cands = top_candidates(self.exit_head(h_mid)[0, -1], k) if self.head_on == "main" else None
             kv = _kv_rows(cache, lo, pos - 1) if not all(have_kv[1:]) else None
             for rank in range(1, k + 1):
-                link.send(torch.tensor([GO, int(not have_kv[rank]), int(cands[rank - 1]) if cands is not None else -1]),
-                          rank)
+                link.send(
+                    torch.tensor([GO, int(not have_kv[rank]), int(cands[rank - 1]) if cands is not None else -1]), rank
+                )
                 if not have_kv[rank]:
                     link.send(kv, rank)
                 if self.head_on == "sub":
@@ -364,15 +398,24 @@ class ParallelPPD:
             link.send(torch.tensor([STOP, 0, 0]), rank)
         self._busy = False
         st = stats(d, dbar, k, len(out), runs, clock, head=self.exit_head.kind).to_dict()
-        st.update(method="ppd-parallel", units=k + 1, head_on=self.head_on, new_tokens=len(out), wall_s=wall,
-                  tokens_per_s=len(out) / wall if wall > 0 else 0.0, ttft_s=t_first - t0 if t_first else None,
-                  comm_s=link.comm_s, threads_per_unit=self.threads)
+        st.update(
+            method="ppd-parallel",
+            units=k + 1,
+            head_on=self.head_on,
+            new_tokens=len(out),
+            wall_s=wall,
+            tokens_per_s=len(out) / wall if wall > 0 else 0.0,
+            ttft_s=t_first - t0 if t_first else None,
+            comm_s=link.comm_s,
+            threads_per_unit=self.threads,
+        )
         text = model.tokenizer.decode(out, skip_special_tokens=True) if model.tokenizer is not None else ""
         return ParallelResult(out, text, st)
 
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -16,8 +16,7 @@ from .. import interrupts
 from ..errors import LayerleapError
 
 # Spec-Bench category -> metric name
-METRIC_FOR = {"summarization": "rougeL", "translation": "bleu", "math": "exact_match",
-              "math_reasoning": "exact_match"}
+METRIC_FOR = {"summarization": "rougeL", "translation": "bleu", "math": "exact_match", "math_reasoning": "exact_match"}
 METRICS = ("rougeL", "bleu", "exact_match")
 
 
@@ -142,5 +141,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def compare(candidates: list[str], references: list[str]) -> dict:
     """ROUGE-L, ROUGE-Lsum and BLEU of ``candidates`` against ``references`` in one dict."""
-    return {"rougeL": rouge_l(candidates, references), "rougeLsum": rouge_lsum(candidates, references),
-            "bleu": bleu(candidates, references), "n": len(candidates)}
+    return {
+        "rougeL": rouge_l(candidates, references),
+        "rougeLsum": rouge_lsum(candidates, references),
+        "bleu": bleu(candidates, references),
+        "n": len(candidates),
+    }

@@ -39,8 +39,13 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def measure_bandwidth(dtype: torch.dtype = torch.float32, buffer_mb: float = 256, repeats: int = 5,
-                      cols: int = 4096, column_major: bool | None = None) -> Bandwidth:
+def measure_bandwidth(
+    dtype: torch.dtype = torch.float32,
+    buffer_mb: float = 256,
+    repeats: int = 5,
+    cols: int = 4096,
+    column_major: bool | None = None,
+) -> Bandwidth:
     """Best-of-``repeats`` read bandwidth over a ``buffer_mb`` MB buffer of ``dtype``.
 
     The gemv weight is the same buffer viewed as ``[rows, cols]`` (``cols``: the input width, e.g.
@@ -58,8 +63,15 @@ def measure_bandwidth(dtype: torch.dtype = torch.float32, buffer_mb: float = 256
     with torch.inference_mode():
         t_sum = _best_time(buf.sum, repeats)
         t_gemv = _best_time(lambda: F.linear(x, weight), repeats)
-    return Bandwidth(nbytes / t_sum / 1e9, nbytes / t_gemv / 1e9, nbytes / 1e6, str(dtype).removeprefix("torch."),
-                     (rows, cols), column_major, repeats)
+    return Bandwidth(
+        nbytes / t_sum / 1e9,
+        nbytes / t_gemv / 1e9,
+        nbytes / 1e6,
+        str(dtype).removeprefix("torch."),
+        (rows, cols),
+        column_major,
+        repeats,
+    )
 
 
 def kv_bytes_per_token(model: Transformer) -> int:
@@ -70,8 +82,9 @@ def kv_bytes_per_token(model: Transformer) -> int:
 def weight_bytes_per_token(model: Transformer) -> int:
     """Weight bytes one full decoding step reads: every layer, the final norm and the LM head (the
     embedding table is only looked up, one row)."""
-    norms = list(model.norm.parameters()) + [p for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm)
-                                             for p in n.parameters()]
+    norms = list(model.norm.parameters()) + [
+        p for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm) for p in n.parameters()
+    ]
     total = sum(t.numel() * t.element_size() for t in norms)
     for lin in model.projections():
         if lin.packed is not None:
@@ -114,6 +127,7 @@ class CallCost:
 
     Each size is timed ``rounds`` times, round-robin over the sizes (so a disturbance hits every
     size alike), and the best time is kept: on a shared machine the minimum is the call's own cost."""
+
     context: int
     threads: int
     dtype: str
@@ -127,8 +141,9 @@ class CallCost:
         return next(p["ratio"] for p in self.points if p["new_tokens"] == new_tokens)
 
 
-def call_cost(model: Transformer, context: int = 256, sizes=CALL_COST_SIZES, rounds: int = 15,
-              dtype_name: str | None = None) -> CallCost:
+def call_cost(
+    model: Transformer, context: int = 256, sizes=CALL_COST_SIZES, rounds: int = 15, dtype_name: str | None = None
+) -> CallCost:
     """Measure ``CallCost`` on ``model``: a cache holding ``context`` tokens, then calls over
     ``S`` new tokens (causal among themselves), each rolled back before the next."""
     sizes = sorted(set(int(s) for s in sizes))
@@ -157,8 +172,15 @@ def call_cost(model: Transformer, context: int = 256, sizes=CALL_COST_SIZES, rou
                 call(s)
                 times[s].append(time.perf_counter() - t)
     best = {s: min(ts) * 1e3 for s, ts in times.items()}
-    points = [{"new_tokens": s, "ms": round(best[s], 3), "median_ms": round(sorted(ts)[len(ts) // 2] * 1e3, 3),
-               "ratio": round(best[s] / best[1], 3)} for s, ts in times.items()]
+    points = [
+        {
+            "new_tokens": s,
+            "ms": round(best[s], 3),
+            "median_ms": round(sorted(ts)[len(ts) // 2] * 1e3, 3),
+            "ratio": round(best[s] / best[1], 3),
+        }
+        for s, ts in times.items()
+    ]
     return CallCost(context, torch.get_num_threads(), dtype_name or model.dtype_name, rounds, points)
 
 

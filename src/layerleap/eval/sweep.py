@@ -55,19 +55,30 @@ class Point:
 
 
 def bild_grid(alpha_fbs: list[float], alpha_rbs: list[float]) -> list[Point]:
-    return [Point(f"bild fb={fb:g} rb={rb:g}", "bild", {"alpha_fb": fb, "alpha_rb": rb}, fb, rb)
-            for rb in alpha_rbs for fb in alpha_fbs]
+    return [
+        Point(f"bild fb={fb:g} rb={rb:g}", "bild", {"alpha_fb": fb, "alpha_rb": rb}, fb, rb)
+        for rb in alpha_rbs
+        for fb in alpha_fbs
+    ]
 
 
 def speculative_points(gammas: list[int]) -> list[Point]:
     """Fixed-γ speculative decoding (constant schedule, no confidence stop, whatever the defaults)."""
-    return [Point(f"speculative γ={g}", "speculative", {"draft_len": g, "schedule": "constant", "min_confidence": 0.0},
-                  draft_len=g) for g in gammas]
+    return [
+        Point(
+            f"speculative γ={g}",
+            "speculative",
+            {"draft_len": g, "schedule": "constant", "min_confidence": 0.0},
+            draft_len=g,
+        )
+        for g in gammas
+    ]
 
 
 @dataclass(frozen=True)
 class SpecSetting:
     """One speculative decoding setting: ``schedule``, the (first) draft length γ, ``min_confidence``."""
+
     schedule: str
     draft_len: int
     min_confidence: float = 0.0
@@ -76,13 +87,18 @@ class SpecSetting:
         label = f"speculative {self.schedule} γ={self.draft_len}"
         if self.min_confidence:
             label += f" conf={self.min_confidence:g}"
-        return Point(label, "speculative", {"draft_len": self.draft_len, "schedule": self.schedule,
-                                            "min_confidence": self.min_confidence}, draft_len=self.draft_len)
+        return Point(
+            label,
+            "speculative",
+            {"draft_len": self.draft_len, "schedule": self.schedule, "min_confidence": self.min_confidence},
+            draft_len=self.draft_len,
+        )
 
 
 def parse_spec_setting(text: str) -> SpecSetting:
     """``SCHEDULE:γ[:MIN_CONFIDENCE]``, e.g. ``heuristic:4`` or ``constant:20:0.4``."""
     from ..methods.speculative import check_options
+
     parts = text.strip().split(":")
     try:
         if len(parts) not in (2, 3):
@@ -91,8 +107,10 @@ def parse_spec_setting(text: str) -> SpecSetting:
         check_options(setting.draft_len, setting.schedule, setting.min_confidence)
     except (ValueError, LayerleapError) as e:
         why = f": {e}" if isinstance(e, LayerleapError) else ""
-        raise LayerleapError(f"speculative setting {text!r} is not SCHEDULE:γ[:MIN_CONFIDENCE] "
-                             f"(e.g. heuristic:4 or constant:20:0.4){why}") from None
+        raise LayerleapError(
+            f"speculative setting {text!r} is not SCHEDULE:γ[:MIN_CONFIDENCE] "
+            f"(e.g. heuristic:4 or constant:20:0.4){why}"
+        ) from None
     return setting
 
 
@@ -103,8 +121,10 @@ HF_ASSISTED = "transformers assisted"
 def transformers_points() -> list[Point]:
     """`transformers` ``generate`` on the same weights: plain greedy, and assisted generation (the
     small model as ``assistant_model``, or in the early-exit form ``assistant_early_exit=E``)."""
-    return [Point(HF_GREEDY, "transformers", {"assisted": False}),
-            Point(HF_ASSISTED, "transformers", {"assisted": True})]
+    return [
+        Point(HF_GREEDY, "transformers", {"assisted": False}),
+        Point(HF_ASSISTED, "transformers", {"assisted": True}),
+    ]
 
 
 def hf_view(model):
@@ -116,6 +136,7 @@ def hf_view(model):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..core.loading import ours_to_hf
+
     d = model.config.to_hf()
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("meta"):
@@ -154,27 +175,43 @@ class HFRunner:
         import torch
 
         from ..core.run import GenerationResult
+
         kw = {}
         if assisted:
-            kw = ({"assistant_model": self.assistant} if self.assistant is not None
-                  else {"assistant_early_exit": self.exit_layer})
+            kw = (
+                {"assistant_model": self.assistant}
+                if self.assistant is not None
+                else {"assistant_early_exit": self.exit_layer}
+            )
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.large.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **kw)
+            out = self.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                **kw,
+            )
         wall = time.perf_counter() - t0
-        toks = out[0, ids.shape[1]:].tolist()
+        toks = out[0, ids.shape[1] :].tolist()
         tok = self.large.tokenizer
         text = tok.decode(toks, skip_special_tokens=True) if tok is not None else ""
-        stats = {"method": "transformers", "assisted": assisted, "new_tokens": len(toks), "wall_s": wall,
-                 "tokens_per_s": len(toks) / wall if wall > 0 else 0.0}
+        stats = {
+            "method": "transformers",
+            "assisted": assisted,
+            "new_tokens": len(toks),
+            "wall_s": wall,
+            "tokens_per_s": len(toks) / wall if wall > 0 else 0.0,
+        }
         return GenerationResult(text, toks, stats, list(prompt_ids))
 
 
 @dataclass
 class Run1:
     """One point on one prompt."""
+
     prompt_index: int
     category: str
     label: str
@@ -189,9 +226,19 @@ def _json_stats(stats: dict) -> dict:
     return {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool, type(None)))}
 
 
-def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens: int, *, models: dict,
-              fixed: dict | None = None, chat: bool = True, out: str | Path | None = None,
-              config: dict | None = None, progress: bool = True) -> dict:
+def run_sweep(
+    large,
+    points: list[Point],
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    *,
+    models: dict,
+    fixed: dict | None = None,
+    chat: bool = True,
+    out: str | Path | None = None,
+    config: dict | None = None,
+    progress: bool = True,
+) -> dict:
     """Run greedy and ``points`` on every prompt; -> the report (also written to ``out``).
 
     ``models`` holds the model options (``small`` / ``draft``) per method name; ``fixed`` holds
@@ -209,9 +256,17 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
     labels = [p.label for p in points]
     if len(set(labels)) != len(labels):
         raise LayerleapError("two sweep points have the same label: remove duplicate thresholds")
-    cfg = {**machine_config(large), **(config or {}), "max_new_tokens": max_new_tokens, "chat": chat,
-           "n_prompts": len(prompts), "categories": sorted({p.category for p in prompts}), "fixed": fixed,
-           "points": [asdict(p) for p in points], "prompt_ids": [p.id for p in prompts]}
+    cfg = {
+        **machine_config(large),
+        **(config or {}),
+        "max_new_tokens": max_new_tokens,
+        "chat": chat,
+        "n_prompts": len(prompts),
+        "categories": sorted({p.category for p in prompts}),
+        "fixed": fixed,
+        "points": [asdict(p) for p in points],
+        "prompt_ids": [p.id for p in prompts],
+    }
     report = {"config": cfg, "records": [], "prompts_done": 0}
     if out and Path(out).is_file():
         report = _resume(Path(out), cfg, report)
@@ -235,8 +290,14 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
         return r
 
     total = len(prompts) * len(points)
-    bar = tqdm(total=total, initial=report["prompts_done"] * len(points), desc="sweep bild", unit="run",
-               disable=not progress, leave=False)
+    bar = tqdm(
+        total=total,
+        initial=report["prompts_done"] * len(points),
+        desc="sweep bild",
+        unit="run",
+        disable=not progress,
+        leave=False,
+    )
     try:
         bar.set_postfix_str("warm-up")
         for p in points:
@@ -247,8 +308,18 @@ def run_sweep(large, points: list[Point], prompts: list[Prompt], max_new_tokens:
             for p in points:
                 bar.set_postfix_str(f"{prompt.category} {prompt.id} {p.label}")
                 r = one(p, prompt, max_new_tokens)
-                runs.append(Run1(i, prompt.category, p.label, r.stats["wall_s"], r.stats["new_tokens"], r.text,
-                                 list(r.token_ids), _json_stats(r.stats)))
+                runs.append(
+                    Run1(
+                        i,
+                        prompt.category,
+                        p.label,
+                        r.stats["wall_s"],
+                        r.stats["new_tokens"],
+                        r.text,
+                        list(r.token_ids),
+                        _json_stats(r.stats),
+                    )
+                )
                 bar.update()
             report["records"].extend(asdict(r) for r in runs)
             report["prompts_done"] = i + 1
@@ -270,13 +341,19 @@ def _resume(path: Path, cfg: dict, fresh: dict) -> dict:
     old = read_report(path, "a sweep report")
     if old is None:
         return fresh
-    same = all(old["config"].get(k) == cfg[k]
-               for k in ("model", "fingerprint", "max_new_tokens", "chat", "fixed", "points", "prompt_ids"))
+    same = all(
+        old["config"].get(k) == cfg[k]
+        for k in ("model", "fingerprint", "max_new_tokens", "chat", "fixed", "points", "prompt_ids")
+    )
     if not same:
         raise LayerleapError(f"{path} holds a sweep with other settings: choose another --json or delete it")
     done = int(old.get("prompts_done", 0))
-    return {"config": cfg, "records": [r for r in old["records"] if r["prompt_index"] < done], "prompts_done": done,
-            "resumed_from": done}
+    return {
+        "config": cfg,
+        "records": [r for r in old["records"] if r["prompt_index"] < done],
+        "prompts_done": done,
+        "resumed_from": done,
+    }
 
 
 # -- summary --------------------------------------------------------------------------------------------
@@ -292,9 +369,14 @@ def summarize(report: dict) -> dict:
         rs = [r for r in recs if r["label"] == label and r["prompt_index"] in greedy]
         if not rs:
             continue
-        entry = {"method": info[label]["method"], "alpha_fb": info[label]["alpha_fb"],
-                 "alpha_rb": info[label]["alpha_rb"], "draft_len": info[label]["draft_len"],
-                 **_measure(rs, greedy), "categories": {}}
+        entry = {
+            "method": info[label]["method"],
+            "alpha_fb": info[label]["alpha_fb"],
+            "alpha_rb": info[label]["alpha_rb"],
+            "draft_len": info[label]["draft_len"],
+            **_measure(rs, greedy),
+            "categories": {},
+        }
         for c in cats:
             rc = [r for r in rs if r["category"] == c]
             if rc:
@@ -309,17 +391,38 @@ def _measure(rs: list[dict], greedy: dict) -> dict:
     wall = sum(r["wall_s"] for r in rs)
     ref = sum(greedy[r["prompt_index"]]["wall_s"] for r in rs)
     tokens = sum(r["new_tokens"] for r in rs)
-    sums = {k: sum(r["stats"].get(k) or 0 for r in rs) for k in
-            ("fallbacks", "small_steps", "rollbacks", "large_calls", "small_tokens", "rolled_back", "large_tokens",
-             "drafted", "accepted", "layer_evals", "rounds", "draft_calls", "model_calls", "confidence_stops")}
+    sums = {
+        k: sum(r["stats"].get(k) or 0 for r in rs)
+        for k in (
+            "fallbacks",
+            "small_steps",
+            "rollbacks",
+            "large_calls",
+            "small_tokens",
+            "rolled_back",
+            "large_tokens",
+            "drafted",
+            "accepted",
+            "layer_evals",
+            "rounds",
+            "draft_calls",
+            "model_calls",
+            "confidence_stops",
+        )
+    }
     return {
-        "prompts": len(rs), "new_tokens": tokens, "wall_s": wall, "greedy_wall_s": ref,
-        "latency": wall / ref if ref > 0 else None, "speedup": ref / wall if wall > 0 else None,
+        "prompts": len(rs),
+        "new_tokens": tokens,
+        "wall_s": wall,
+        "greedy_wall_s": ref,
+        "latency": wall / ref if ref > 0 else None,
+        "speedup": ref / wall if wall > 0 else None,
         "fallback_rate": sums["fallbacks"] / sums["small_steps"] if sums["small_steps"] else None,
         "rollback_rate": sums["rollbacks"] / sums["large_calls"] if sums["large_calls"] else None,
         "large_calls_per_token": sums["large_calls"] / tokens if tokens and sums["large_calls"] else None,
-        "small_share": ((sums["small_tokens"] - sums["rolled_back"]) / tokens
-                        if tokens and sums["small_tokens"] else None),
+        "small_share": (
+            (sums["small_tokens"] - sums["rolled_back"]) / tokens if tokens and sums["small_tokens"] else None
+        ),
         "acceptance": sums["accepted"] / sums["drafted"] if sums["drafted"] else None,
         "draft_len_mean": sums["drafted"] / sums["rounds"] if sums["rounds"] else None,  # speculative: mean γ used
         "tokens_per_round": tokens / sums["rounds"] if tokens and sums["rounds"] else None,
@@ -371,15 +474,23 @@ def table(summary: dict) -> str:
     head = "| | " + " | ".join(f"{c} ({metric.get(c, 'mean of the columns')})" for c in cols) + " |"
     lines = [head, "|---" * (len(cols) + 1) + "|"]
     lines.append("| greedy (large model) | " + " | ".join("100.0 / 1.00×" for _ in cols) + " |")
-    for name, loss, method in (("BiLD, no loss", NO_LOSS, "bild"), ("BiLD, ≤ 1 point loss", ONE_POINT, "bild"),
-                               ("speculative (lossless)", NO_LOSS, "speculative")):
-        lines.append(f"| {name} | " + " | ".join(cell(best_within(summary, None if c == "mean" else c, loss, method))
-                                                for c in cols) + " |")
+    for name, loss, method in (
+        ("BiLD, no loss", NO_LOSS, "bild"),
+        ("BiLD, ≤ 1 point loss", ONE_POINT, "bild"),
+        ("speculative (lossless)", NO_LOSS, "speculative"),
+    ):
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cell(best_within(summary, None if c == "mean" else c, loss, method)) for c in cols)
+            + " |"
+        )
     for label in (HF_GREEDY, HF_ASSISTED):  # yardsticks: whatever their quality, at their speed
         e = summary.get(label)
         if e is not None:
-            cells = [cell((label, e["categories"][c] if c != "mean" else e))
-                     if c == "mean" or c in e["categories"] else "—" for c in cols]
+            cells = [
+                cell((label, e["categories"][c] if c != "mean" else e)) if c == "mean" or c in e["categories"] else "—"
+                for c in cols
+            ]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -387,8 +498,10 @@ def table(summary: dict) -> str:
 def points_table(summary: dict) -> str:
     """Markdown: every point with its overall speed-up, quality per category, rates."""
     cats = sorted({c for e in summary.values() for c in e["categories"]})
-    head = ("| point | speed-up | " + " | ".join(cats) + " | identical | fallback rate | rollback rate | "
-            "small-model share | layers/token | acceptance | mean γ | tokens/round |")
+    head = (
+        "| point | speed-up | " + " | ".join(cats) + " | identical | fallback rate | rollback rate | "
+        "small-model share | layers/token | acceptance | mean γ | tokens/round |"
+    )
     lines = [head, "|---" * (len(cats) + 10) + "|"]
 
     def f(x, spec):
@@ -396,11 +509,13 @@ def points_table(summary: dict) -> str:
 
     for label, e in summary.items():
         qs = " | ".join(f(e["categories"].get(c, {}).get("quality"), ".1f") for c in cats)
-        lines.append(f"| {label} | {f(e['speedup'], '.2f')}× | {qs} | {e['identical']}/{e['prompts']} | "
-                     f"{f(e['fallback_rate'], '.2f')} | {f(e['rollback_rate'], '.2f')} | "
-                     f"{f(e['small_share'], '.2f')} | {f(e['layers_per_token'], '.1f')} | "
-                     f"{f(e.get('acceptance'), '.2f')} | {f(e.get('draft_len_mean'), '.2f')} | "
-                     f"{f(e.get('tokens_per_round'), '.2f')} |")
+        lines.append(
+            f"| {label} | {f(e['speedup'], '.2f')}× | {qs} | {e['identical']}/{e['prompts']} | "
+            f"{f(e['fallback_rate'], '.2f')} | {f(e['rollback_rate'], '.2f')} | "
+            f"{f(e['small_share'], '.2f')} | {f(e['layers_per_token'], '.1f')} | "
+            f"{f(e.get('acceptance'), '.2f')} | {f(e.get('draft_len_mean'), '.2f')} | "
+            f"{f(e.get('tokens_per_round'), '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -410,20 +525,25 @@ def plot(summary: dict, path: str | Path, title: str = "") -> Path:
     alpha_rb through its alpha_fb points (marker size grows with alpha_fb), greedy as X, speculative
     decoding as squares, lines at greedy's score and 1 point below."""
     from ..files import pyplot
+
     plt = pyplot()
 
     cats = sorted({c for e in summary.values() for c in e["categories"]})
     if not cats:
         raise LayerleapError("nothing to plot: the sweep has no finished prompt")
     fig, axes = plt.subplots(1, len(cats), figsize=(5.2 * len(cats), 4.2), squeeze=False)
-    rbs = sorted({e["alpha_rb"] for e in summary.values() if e["method"] == "bild"},
-                 key=lambda x: (math.isinf(x), x))
+    rbs = sorted({e["alpha_rb"] for e in summary.values() if e["method"] == "bild"}, key=lambda x: (math.isinf(x), x))
     cmap = plt.get_cmap("viridis")
     for ax, c in zip(axes[0], cats):
         for j, rb in enumerate(rbs):
-            pts = sorted(((e["alpha_fb"], e["categories"][c]) for e in summary.values()
-                          if e["method"] == "bild" and e["alpha_rb"] == rb and c in e["categories"]),
-                         key=lambda t: t[0])
+            pts = sorted(
+                (
+                    (e["alpha_fb"], e["categories"][c])
+                    for e in summary.values()
+                    if e["method"] == "bild" and e["alpha_rb"] == rb and c in e["categories"]
+                ),
+                key=lambda t: t[0],
+            )
             if not pts:
                 continue
             x = [m["latency"] for _, m in pts]
@@ -431,17 +551,27 @@ def plot(summary: dict, path: str | Path, title: str = "") -> Path:
             color = cmap(j / max(1, len(rbs) - 1))
             ax.plot(x, y, "-", color=color, alpha=0.6, label=f"BiLD α_rb={rb:g}")
             ax.scatter(x, y, s=[20 + 120 * fb for fb, _ in pts], color=color, zorder=3)
-        spec = [(e["draft_len"], e["categories"][c]) for e in summary.values()
-                if e["method"] == "speculative" and c in e["categories"]]
+        spec = [
+            (e["draft_len"], e["categories"][c])
+            for e in summary.values()
+            if e["method"] == "speculative" and c in e["categories"]
+        ]
         if spec:
-            ax.scatter([m["latency"] for _, m in spec], [m["quality"] for _, m in spec], marker="s", color="tab:red",
-                       label="speculative (γ or first γ = " + ", ".join(str(g) for g, _ in spec) + ")", zorder=4)
+            ax.scatter(
+                [m["latency"] for _, m in spec],
+                [m["quality"] for _, m in spec],
+                marker="s",
+                color="tab:red",
+                label="speculative (γ or first γ = " + ", ".join(str(g) for g, _ in spec) + ")",
+                zorder=4,
+            )
         for label, marker in ((HF_GREEDY, "^"), (HF_ASSISTED, "v")):
             e = summary.get(label)
             if e is not None and c in e["categories"]:
                 m = e["categories"][c]
-                ax.scatter([m["latency"]], [m["quality"]], marker=marker, s=70, color="tab:orange",
-                           label=label, zorder=4)
+                ax.scatter(
+                    [m["latency"]], [m["quality"]], marker=marker, s=70, color="tab:orange", label=label, zorder=4
+                )
         ax.scatter([1.0], [100.0], marker="X", s=120, color="black", label="greedy (large)", zorder=5)
         ax.axhline(100.0, color="gray", lw=0.8, ls="--")
         ax.axhline(99.0, color="gray", lw=0.8, ls=":")

@@ -61,6 +61,7 @@ def compute_per_time_unit_general(d: int, dbar: int, k: int, p: float) -> float:
 def check_inputs(d: int, dbar: int, k: int, p: float, n_tokens: int) -> None:
     from .. import validate as V
     from ..errors import LayerleapError
+
     V.integer(d, "--layers")
     V.integer(dbar, "--exit-layer")
     V.integer(k, "--k")
@@ -69,8 +70,9 @@ def check_inputs(d: int, dbar: int, k: int, p: float, n_tokens: int) -> None:
     if d < 2:
         raise LayerleapError(f"--layers must be at least 2, got {d}")
     if not (d + 1) // 2 <= dbar < d:
-        raise LayerleapError(f"--exit-layer must be in [{(d + 1) // 2}, {d - 1}] (d/2 <= d̄ < d, as Theorem 4.1 "
-                             f"assumes), got {dbar}")
+        raise LayerleapError(
+            f"--exit-layer must be in [{(d + 1) // 2}, {d - 1}] (d/2 <= d̄ < d, as Theorem 4.1 assumes), got {dbar}"
+        )
     if k < 1:
         raise LayerleapError(f"--k must be at least 1, got {k}")
     if not 0 <= p <= 1:
@@ -84,14 +86,26 @@ def figures(d: int, dbar: int, k: int, p: float, n_tokens: int) -> dict:
     check_inputs(d, dbar, k, p, n_tokens)
     lat = theorem_latency(d, dbar, n_tokens, p)
     comp = theorem_compute(d, dbar, k, n_tokens, p)
-    out = {"layers": d, "exit_layer": dbar, "k": k, "p_correct": p, "tokens": n_tokens,
-           "theorem": {"latency_units": lat, "compute_units": comp, "greedy_units": d * n_tokens,
-                       "normalised_latency_per_token": lat / (d * n_tokens),
-                       "normalised_compute_per_token": comp / (d * n_tokens),
-                       "compute_per_time_unit": comp / lat},
-           "approximation": {"normalised_latency_per_token": latency_per_token_general(d, dbar, p),
-                             "compute_per_time_unit": compute_per_time_unit_general(d, dbar, k, p),
-                             "normalised_compute_per_token": compute_per_token_general(d, dbar, k, p)}}
+    out = {
+        "layers": d,
+        "exit_layer": dbar,
+        "k": k,
+        "p_correct": p,
+        "tokens": n_tokens,
+        "theorem": {
+            "latency_units": lat,
+            "compute_units": comp,
+            "greedy_units": d * n_tokens,
+            "normalised_latency_per_token": lat / (d * n_tokens),
+            "normalised_compute_per_token": comp / (d * n_tokens),
+            "compute_per_time_unit": comp / lat,
+        },
+        "approximation": {
+            "normalised_latency_per_token": latency_per_token_general(d, dbar, p),
+            "compute_per_time_unit": compute_per_time_unit_general(d, dbar, k, p),
+            "normalised_compute_per_token": compute_per_token_general(d, dbar, k, p),
+        },
+    }
     if 2 * dbar == d:
         out["eq3_normalised_latency_per_token"] = eq3_latency_per_token(p)
         out["eq5_compute_per_time_unit"] = eq5_compute_per_time_unit(k, p)
@@ -113,8 +127,9 @@ class Simulation:
         return asdict(self)
 
 
-def simulate(d: int, dbar: int, k: int, p: float, n_tokens: int, trials: int = 2000, seed: int = 0,
-             progress: bool = False) -> Simulation:
+def simulate(
+    d: int, dbar: int, k: int, p: float, n_tokens: int, trials: int = 2000, seed: int = 0, progress: bool = False
+) -> Simulation:
     """Generate ``trials`` sequences of ``n_tokens`` tokens on the pipeline schedule of ``methods/ppd.Clock``
     (the main process waits for a sub-process's result when it takes one over), each token's early
     prediction matching with probability ``p`` independently; the mean latency and compute estimate
@@ -122,6 +137,7 @@ def simulate(d: int, dbar: int, k: int, p: float, n_tokens: int, trials: int = 2
     from tqdm.auto import tqdm
 
     from .. import validate as V
+
     check_inputs(d, dbar, k, p, n_tokens)
     V.integer(trials, "trials", 1)
     V.at_most(trials * n_tokens, SIMULATE_MAX, "trials × n_tokens (simulated tokens)", "lower trials or n_tokens")
@@ -129,8 +145,15 @@ def simulate(d: int, dbar: int, k: int, p: float, n_tokens: int, trials: int = 2
     rng = random.Random(seed)
     lo = d - dbar
     lats, comps, runs = [], [], []
-    for _ in tqdm(range(trials), desc="simulate", unit="seq", disable=not progress, leave=False,
-                  mininterval=0.5, miniters=max(1, trials // 100)):
+    for _ in tqdm(
+        range(trials),
+        desc="simulate",
+        unit="seq",
+        disable=not progress,
+        leave=False,
+        mininterval=0.5,
+        miniters=max(1, trials // 100),
+    ):
         clock, n_runs = Clock(), 1
         clock.run_main(dbar)  # x_0: the lower layers
         for t in range(n_tokens):
@@ -150,19 +173,22 @@ def simulate(d: int, dbar: int, k: int, p: float, n_tokens: int, trials: int = 2
     def mean_sd(xs):
         m = sum(xs) / len(xs)
         return m, math.sqrt(sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1))
+
     (ml, sl), (mc, sc) = mean_sd(lats), mean_sd(comps)
     return Simulation(trials, ml, sl, mc, sc, sum(runs) / trials)
 
 
 # -- measured match rates --------------------------------------------------------------------------
 @torch.inference_mode()
-def match_rates(model, prompt_ids: list[int], out_ids: list[int], layers: list[int], ks: list[int],
-                head="auto") -> dict[int, dict[int, tuple[int, int]]]:
+def match_rates(
+    model, prompt_ids: list[int], out_ids: list[int], layers: list[int], ks: list[int], head="auto"
+) -> dict[int, dict[int, tuple[int, int]]]:
     """p̂_correct as PPD realises it, from one forward over the prompt and a greedy output: the exit
     head's top-k at layer d̄ of x_0 (the last prompt token) .. x_{ℓ-2} is compared with the next token
     x_1 .. x_{ℓ-1} (a match for x_ℓ saves nothing: it is never fed back).
     -> ``{d̄: {k: (matches, trials)}}``."""
     from ..drafters.exit_heads import get_head
+
     seq = list(prompt_ids) + list(out_ids[:-2])  # x_0 .. x_{ℓ-2} are the last n positions
     n = len(out_ids) - 1
     if n <= 0:
@@ -187,6 +213,7 @@ def plot_tradeoff(points: dict[str, dict[int, float]], d: int, dbar: int, path, 
     normalised latency per token against compute per time unit (left) and per token (right); grey
     lines are the same formulas over p ∈ [0, 1] for each k.  Written atomically as PNG."""
     from ..files import pyplot
+
     plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))

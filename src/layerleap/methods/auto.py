@@ -42,18 +42,32 @@ def transfer_weights(run: Run, spec):
 
 
 @register("auto", batched=True, sampling=True, exact=True)
-def auto(run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int | None = None,
-         tree=None, transfer="auto"):
-    """Lossless: prompt lookup's chain and Hidden Transfer's tree, the faster per round on this machine (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer: 'auto', a weights file or none)."""
+def auto(
+    run: Run,
+    *,
+    draft_len: int | None = None,
+    max_ngram: int = DEFAULT_MAX_NGRAM,
+    min_ngram: int | None = None,
+    tree=None,
+    transfer="auto",
+):
+    """Lossless: prompt lookup's chain and Hidden Transfer's tree, the faster per round on this machine
+    (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer: 'auto', a weights file or none)."""
     tuned = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
     draft_len = tuned[0] if draft_len is None else draft_len
     if min_ngram is None:
-        min_ngram = tuned[1] if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) else min(tuned[1], max_ngram)
+        min_ngram = (
+            tuned[1] if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) else min(tuned[1], max_ngram)
+        )
     check_options(draft_len, max_ngram, min_ngram)
-    if transfer is not None and not isinstance(transfer, (str, weights.TransferProjections)) \
-            and not hasattr(transfer, "__fspath__"):
-        raise GenerationError(f"transfer must be 'auto', a weights file, Hidden Transfer projections or none, "
-                              f"got {transfer!r}")
+    if (
+        transfer is not None
+        and not isinstance(transfer, (str, weights.TransferProjections))
+        and not hasattr(transfer, "__fspath__")
+    ):
+        raise GenerationError(
+            f"transfer must be 'auto', a weights file, Hidden Transfer projections or none, got {transfer!r}"
+        )
     proj = transfer_weights(run, transfer)
     buf = None
     if proj is not None:

@@ -66,14 +66,20 @@ def default_exit_layer(model) -> int:
 
 def check_thresholds(alpha_fb, alpha_rb, max_small) -> None:
     if isinstance(alpha_fb, bool) or not isinstance(alpha_fb, Real) or not 0 <= alpha_fb <= 1:
-        raise GenerationError(f"alpha_fb must be a probability in [0, 1] (the small model's top probability at "
-                              f"or below which the large model takes over; 1 = always), got {alpha_fb!r}")
+        raise GenerationError(
+            f"alpha_fb must be a probability in [0, 1] (the small model's top probability at "
+            f"or below which the large model takes over; 1 = always), got {alpha_fb!r}"
+        )
     if isinstance(alpha_rb, bool) or not isinstance(alpha_rb, Real) or math.isnan(alpha_rb) or alpha_rb < 0:
-        raise GenerationError(f"alpha_rb must be a cross-entropy >= 0 (roll back a small token the large model "
-                              f"gives probability below exp(-alpha_rb); inf = never), got {alpha_rb!r}")
+        raise GenerationError(
+            f"alpha_rb must be a cross-entropy >= 0 (roll back a small token the large model "
+            f"gives probability below exp(-alpha_rb); inf = never), got {alpha_rb!r}"
+        )
     if max_small is not None and (isinstance(max_small, bool) or not isinstance(max_small, int) or max_small < 1):
-        raise GenerationError(f"max_small must be an integer >= 1 (the longest run of small-model tokens before "
-                              f"the large model checks them) or None for no limit, got {max_small!r}")
+        raise GenerationError(
+            f"max_small must be an integer >= 1 (the longest run of small-model tokens before "
+            f"the large model checks them) or None for no limit, got {max_small!r}"
+        )
 
 
 def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
@@ -90,8 +96,10 @@ def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
     E = default_exit_layer(model) if exit_layer is None else exit_layer
     n = model.config.n_layers
     if isinstance(E, bool) or not isinstance(E, int) or not 1 <= E < n:
-        raise GenerationError(f"exit_layer must be an integer in [1, {n - 1}] (the small model is layers "
-                              f"[0, exit_layer) of this {n}-layer model), got {exit_layer!r}")
+        raise GenerationError(
+            f"exit_layer must be an integer in [1, {n - 1}] (the small model is layers "
+            f"[0, exit_layer) of this {n}-layer model), got {exit_layer!r}"
+        )
     fn, label = exit_head(model, E, head)
     run.record_all(ExitStats(exit_layer=E, head=label))
     return EarlyExitDrafter(run, E, fn, rule, draft_first=True)
@@ -107,16 +115,32 @@ def bild_stats(small_steps: int, c: draft_verify.RoundCounts) -> BildStats:
     """One row's BiLD statistics from its small-model steps and the loop's counts."""
     fallbacks, forced, final_checks = c.stops["unsure"], c.stops["length"], c.stops["budget"] + c.stops["eos"]
     large_calls = fallbacks + forced + final_checks
-    return BildStats(small_steps=small_steps, small_tokens=c.drafted, fallbacks=fallbacks, forced=forced,
-                     final_checks=final_checks, rollbacks=c.rollbacks, rolled_back=c.rolled_back,
-                     large_tokens=c.target_tokens, large_calls=large_calls,
-                     fallback_rate=fallbacks / small_steps if small_steps else 0.0,
-                     rollback_rate=c.rollbacks / large_calls if large_calls else 0.0)
+    return BildStats(
+        small_steps=small_steps,
+        small_tokens=c.drafted,
+        fallbacks=fallbacks,
+        forced=forced,
+        final_checks=final_checks,
+        rollbacks=c.rollbacks,
+        rolled_back=c.rolled_back,
+        large_tokens=c.target_tokens,
+        large_calls=large_calls,
+        fallback_rate=fallbacks / small_steps if small_steps else 0.0,
+        rollback_rate=c.rollbacks / large_calls if large_calls else 0.0,
+    )
 
 
 @register("bild", batched=True, sampling=True, models=("small",))
-def bild(run: Run, *, small=None, exit_layer: int | None = None, alpha_fb: float = 0.5, alpha_rb: float = 2.0,
-         max_small: int | None = 10, head="auto"):
+def bild(
+    run: Run,
+    *,
+    small=None,
+    exit_layer: int | None = None,
+    alpha_fb: float = 0.5,
+    alpha_rb: float = 2.0,
+    max_small: int | None = 10,
+    head="auto",
+):
     """Big Little Decoder: a small model (small= or exit_layer=) with fallback and rollback to the large one."""
     check_thresholds(alpha_fb, alpha_rb, max_small)
     drafter = small_drafter(run, small, exit_layer, head, ChainRule.fallback(max_small, float(alpha_fb)))

@@ -54,8 +54,17 @@ def _calm(d: int) -> list[dict]:
     return [{"threshold": t, "min_exit_layer": max(1, 2 * d // 3)} for t in CALM_THRESHOLDS]
 
 
-BILD_PATH = ((0.5, 0.69), (0.5, 1.0), (0.5, 1.5), (0.5, 2.0), (0.5, 3.0), (0.4, 3.0), (0.3, 4.0), (0.2, 5.0),
-             (0.1, 8.0))
+BILD_PATH = (
+    (0.5, 0.69),
+    (0.5, 1.0),
+    (0.5, 1.5),
+    (0.5, 2.0),
+    (0.5, 3.0),
+    (0.4, 3.0),
+    (0.3, 4.0),
+    (0.2, 5.0),
+    (0.1, 8.0),
+)
 
 
 def _bild(d: int) -> list[dict]:
@@ -77,10 +86,15 @@ def knobs(method: str, n_layers: int) -> set[str]:
 
 
 def check_quality(quality) -> float:
-    if isinstance(quality, bool) or not isinstance(quality, (int, float)) or math.isnan(quality) \
-            or not 0 < quality <= 1:
-        raise GenerationError(f"quality must be the share of greedy's quality to keep, in (0, 1] (e.g. 0.95), "
-                             f"got {quality!r}")
+    if (
+        isinstance(quality, bool)
+        or not isinstance(quality, (int, float))
+        or math.isnan(quality)
+        or not 0 < quality <= 1
+    ):
+        raise GenerationError(
+            f"quality must be the share of greedy's quality to keep, in (0, 1] (e.g. 0.95), got {quality!r}"
+        )
     return float(quality)
 
 
@@ -96,6 +110,7 @@ def calibration_path(fingerprint: str, dtype: str, method: str, root: Path | Non
 @dataclass(frozen=True)
 class Calibrated:
     """The setting a calibration file chose for one budget."""
+
     method: str
     quality: float
     options: dict
@@ -105,8 +120,13 @@ class Calibrated:
     note: str  # one line for the user
 
     def to_dict(self) -> dict:
-        return {"quality": self.quality, "options": self.options, "faster_than_greedy": self.faster_than_greedy,
-                "modelled_speedup": self.speedup, "calibration": self.path}
+        return {
+            "quality": self.quality,
+            "options": self.options,
+            "faster_than_greedy": self.faster_than_greedy,
+            "modelled_speedup": self.speedup,
+            "calibration": self.path,
+        }
 
 
 def read_calibration(path: Path) -> dict | None:
@@ -115,8 +135,9 @@ def read_calibration(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LayerleapError(f"calibration file {path} is unreadable ({type(e).__name__}): delete it and run "
-                             "layerleap calibrate again") from None
+        raise LayerleapError(
+            f"calibration file {path} is unreadable ({type(e).__name__}): delete it and run layerleap calibrate again"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("budgets"), dict):
         raise LayerleapError(f"calibration file {path} has no 'budgets': delete it and run layerleap calibrate again")
     return data
@@ -124,8 +145,10 @@ def read_calibration(path: Path) -> dict | None:
 
 def calibration_files(model, method: str) -> list[Path]:
     """The user's calibration file of ``method`` on ``model``, then the shipped one."""
-    return [calibration_path(model.fingerprint, model.dtype_name, method, root)
-            for root in (cache_root() / "calibration", SHIPPED)]
+    return [
+        calibration_path(model.fingerprint, model.dtype_name, method, root)
+        for root in (cache_root() / "calibration", SHIPPED)
+    ]
 
 
 def calibrated(model, method: str, quality: float) -> Calibrated | None:
@@ -139,13 +162,18 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
         b = data["budgets"][key]
         chosen = b.get("chosen")
         if not isinstance(chosen, dict) or not isinstance(chosen.get("options"), dict):
-            raise LayerleapError(f"calibration file {path}: budget {key} has no chosen setting: delete it and run "
-                                 "layerleap calibrate again")
+            raise LayerleapError(
+                f"calibration file {path}: budget {key} has no chosen setting: delete it and run "
+                "layerleap calibrate again"
+            )
         fast = bool(b.get("faster_than_greedy"))
         speed = float(chosen.get("modelled_speedup", 1.0))
-        note = (f"{method} at quality {key}: {_show(chosen['options'])} ({speed:.2f}x greedy's layer passes)" if fast
-                else f"{method}: no setting faster than greedy meets quality {key} on {model.config.name} "
-                     f"({model.dtype_name}); running the fastest one that does, {_show(chosen['options'])}")
+        note = (
+            f"{method} at quality {key}: {_show(chosen['options'])} ({speed:.2f}x greedy's layer passes)"
+            if fast
+            else f"{method}: no setting faster than greedy meets quality {key} on {model.config.name} "
+            f"({model.dtype_name}); running the fastest one that does, {_show(chosen['options'])}"
+        )
         return Calibrated(method, quality, dict(chosen["options"]), fast, speed, str(path), note)
     return None
 
@@ -162,8 +190,10 @@ def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrate
     method's own defaults."""
     if method not in PATHS:
         if quality is not None:
-            raise GenerationError(f"method {method!r} has no quality budget: quality= applies to the lossy methods "
-                                 f"({', '.join(LOSSY)}); the others are greedy-exact or sample")
+            raise GenerationError(
+                f"method {method!r} has no quality budget: quality= applies to the lossy methods "
+                f"({', '.join(LOSSY)}); the others are greedy-exact or sample"
+            )
         return options, None
     mine = knobs(method, model.config.n_layers)
     if method == "bild" and (options.get("small") is not None or "exit_layer" in options):
@@ -176,11 +206,15 @@ def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrate
         return ({**options, **cal.options}, cal) if cal else (options, None)
     quality = check_quality(quality)
     if given:
-        raise GenerationError(f"quality={quality} chooses {method}'s {', '.join(sorted(knobs(method, model.config.n_layers)))}: "
-                             f"drop {', '.join(given)} or drop quality")
+        raise GenerationError(
+            f"quality={quality} chooses {method}'s {', '.join(sorted(knobs(method, model.config.n_layers)))}: "
+            f"drop {', '.join(given)} or drop quality"
+        )
     cal = calibrated(model, method, quality)
     if cal is None:
-        raise GenerationError(f"{method} has no calibration at quality {budget_key(quality)} for {model.config.name} "
-                             f"({model.dtype_name}): run `layerleap calibrate {method} --quality {quality} --dtype "
-                             f"{model.dtype_name}`")
+        raise GenerationError(
+            f"{method} has no calibration at quality {budget_key(quality)} for {model.config.name} "
+            f"({model.dtype_name}): run `layerleap calibrate {method} --quality {quality} --dtype "
+            f"{model.dtype_name}`"
+        )
     return {**options, **cal.options}, cal

@@ -41,6 +41,7 @@ from ..drafters.base import Drafter
 @dataclass
 class RoundCounts:
     """What the loop saw for one row."""
+
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -84,7 +85,7 @@ class Rollback:
     def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
         probs = sampling.probs(logits, g.temperature, g.top_k, g.top_p) if g.do_sample else logits.float().softmax(-1)
-        m = verify.first_rollback(cand.tokens, probs[:cand.k], self.alpha_rb)
+        m = verify.first_rollback(cand.tokens, probs[: cand.k], self.alpha_rb)
         at = cand.k if m is None else m
         nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else int(logits[at].argmax())
         return list(range(at)), nxt
@@ -149,6 +150,10 @@ def _count(c: RoundCounts, cand: Candidates, result, target_token: int, scored: 
 
 def draft_stats(out: list[int], c: RoundCounts) -> DraftStats:
     """One row's loop statistics from its output and counts."""
-    return DraftStats(rounds=c.rounds, drafted=c.drafted, accepted=c.accepted,
-                      acceptance=c.accepted / c.drafted if c.drafted else None,
-                      tokens_per_round=len(out) / c.rounds if c.rounds else None)
+    return DraftStats(
+        rounds=c.rounds,
+        drafted=c.drafted,
+        accepted=c.accepted,
+        acceptance=c.accepted / c.drafted if c.drafted else None,
+        tokens_per_round=len(out) / c.rounds if c.rounds else None,
+    )

@@ -39,6 +39,7 @@ def decode_tree(run: Run, kind: str, name: str, tree, spec, drafter_cls):
 
 @register("medusa", batched=True, sampling=True, exact=True)
 def medusa(run: Run, *, tree=None, heads="trained"):
-    """Medusa heads drafting a candidate tree (tree=, heads=; tree none: the dtype's tuned tree), verified with tree attention: greedy-exact; lossless sampling."""
+    """Medusa heads drafting a candidate tree (tree=, heads=; tree none: the dtype's tuned tree), verified
+    with tree attention: greedy-exact; lossless sampling."""
     tree = tuned_tree(run.model, DEFAULT_TREES) if tree is None else tree
     yield from decode_tree(run, "medusa", "medusa", tree, heads, MedusaDrafter)

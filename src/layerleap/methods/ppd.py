@@ -61,9 +61,11 @@ def min_exit_layer(n_layers: int) -> int:
 def check_options(n_layers: int, exit_layer, k) -> None:
     lo = min_exit_layer(n_layers)
     if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not lo <= exit_layer < n_layers:
-        raise GenerationError(f"exit_layer (d̄) must be an integer in [{lo}, {n_layers - 1}] for this {n_layers}-layer "
-                              f"model: PPD predicts early at a layer d̄ >= d/2 (the paper's Algorithm 2), "
-                              f"got {exit_layer!r}")
+        raise GenerationError(
+            f"exit_layer (d̄) must be an integer in [{lo}, {n_layers - 1}] for this {n_layers}-layer "
+            f"model: PPD predicts early at a layer d̄ >= d/2 (the paper's Algorithm 2), "
+            f"got {exit_layer!r}"
+        )
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise GenerationError(f"k must be an integer >= 1 (the sub-processes, one early candidate each), got {k!r}")
 
@@ -71,6 +73,7 @@ def check_options(n_layers: int, exit_layer, k) -> None:
 @dataclass
 class Clock:
     """The paper's time units on ``k + 1`` compute units (one unit of time = one layer)."""
+
     main: int = 0  # when the main process finishes what it was given
     compute: int = 0  # layer-units run on every unit
     sub_done: int = 0  # when the sub-processes finish their candidates
@@ -87,6 +90,7 @@ class Clock:
 @dataclass
 class Runs:
     """Runs of consecutively generated tokens: a token whose early candidate matched continues the run."""
+
     lengths: list[int] = field(default_factory=lambda: [1])
     matches: int = 0
     trials: int = 0
@@ -104,20 +108,28 @@ class Runs:
         return self.matches / self.trials if self.trials else None
 
 
-def stats(d: int, dbar: int, k: int, n_tokens: int, runs: Runs, clock: Clock,
-          head: str | None = None) -> PPDStats:
+def stats(d: int, dbar: int, k: int, n_tokens: int, runs: Runs, clock: Clock, head: str | None = None) -> PPDStats:
     """The statistics every PPD executor reports (this emulation and the multi-process one)."""
     p = runs.p_correct
     return PPDStats(
-        exit_layer=dbar, k=k, trials=runs.trials, matches=runs.matches, p_correct=p, runs=len(runs.lengths),
-        run_lengths=list(runs.lengths), latency_units=clock.main, compute_units=clock.compute,
+        exit_layer=dbar,
+        k=k,
+        trials=runs.trials,
+        matches=runs.matches,
+        p_correct=p,
+        runs=len(runs.lengths),
+        run_lengths=list(runs.lengths),
+        latency_units=clock.main,
+        compute_units=clock.compute,
         greedy_units=d * n_tokens,
         theorem_latency_units=theorem_latency(d, dbar, n_tokens, p or 0.0) if n_tokens else 0.0,
         theorem_compute_units=theorem_compute(d, dbar, k, n_tokens, p or 0.0) if n_tokens else 0.0,
         latency_per_token=clock.main / n_tokens if n_tokens else None,
         compute_per_token=clock.compute / n_tokens if n_tokens else None,
         normalised_latency=clock.main / (d * n_tokens) if n_tokens else None,
-        compute_per_time_unit=clock.compute / clock.main if clock.main else None, head=head)
+        compute_per_time_unit=clock.compute / clock.main if clock.main else None,
+        head=head,
+    )
 
 
 def top_candidates(head_logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -130,6 +142,7 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
     """Predictive Pipelined Decoding (exact greedy): early top-k at layer exit_layer (default d/2) start k
     pipelined sub-passes (clock in layer units)."""
     from ..drafters.exit_heads import get_head
+
     model = run.model
     d = run.n_layers
     dbar = min_exit_layer(d) if exit_layer is None else exit_layer
@@ -150,9 +163,15 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
     while True:
         cand = top_candidates(head_logits, k)  # [k]
         # the k sub-processes: candidates for x_{t+1} through layers [0, d - d̄), one batched pass
-        h_cand = run.forward(cache, cand.view(1, k).to(dev), start=0, end=lo,
-                             positions=torch.full((1, k), pos, dtype=torch.long, device=dev), mask=sibling,
-                             count_call=False)  # [1, k, D]
+        h_cand = run.forward(
+            cache,
+            cand.view(1, k).to(dev),
+            start=0,
+            end=lo,
+            positions=torch.full((1, k), pos, dtype=torch.long, device=dev),
+            mask=sibling,
+            count_call=False,
+        )  # [1, k, D]
         clock.run_subs(k, lo)
         if logits is None:  # the main process: layers [d̄, d) of x_t
             logits = run.logits(run.forward(cache, h=h_mid, start=dbar, end=d))[0, -1]
@@ -167,7 +186,7 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
         at = torch.tensor([[pos]], dtype=torch.long, device=dev)
         if j is not None:  # take over the sub-process's state and KV entries: continue at layer d - d̄
             cache.compact(pos, torch.tensor([j]), layers=range(0, lo))
-            h_mid = run.forward(cache, h=h_cand[:, j:j + 1], start=lo, end=dbar, positions=at)
+            h_mid = run.forward(cache, h=h_cand[:, j : j + 1], start=lo, end=dbar, positions=at)
             clock.run_main(dbar - lo, after=clock.sub_done)
         else:  # drop the candidates: x_{t+1} from layer 0
             cache.truncate(pos, layers=range(0, lo))

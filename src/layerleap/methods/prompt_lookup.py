@@ -36,7 +36,10 @@ __all__ = ["NgramIndex", "prompt_lookup"]
 # tokens costs 1.6x a one-token call, fp32's 1.1x, so fp32 drafts longer and from single-token
 # matches.  See docs/BENCHMARKS.md ("Choosing draft lengths") for the command and the table.
 DEFAULTS = {  # dtype name -> (draft_len, min_ngram)
-    "float32": (4, 1), "bfloat16": (4, 1), "float16": (4, 1), "q4": (3, 2),
+    "float32": (4, 1),
+    "bfloat16": (4, 1),
+    "float16": (4, 1),
+    "q4": (3, 2),
 }
 DEFAULT_DRAFT_LEN, DEFAULT_MIN_NGRAM = DEFAULTS["float32"]
 DEFAULT_MAX_NGRAM = 4
@@ -53,8 +56,9 @@ def check_options(draft_len, max_ngram, min_ngram) -> None:
 
 
 @register("prompt-lookup", batched=True, sampling=True, exact=True)
-def prompt_lookup(run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM,
-                  min_ngram: int | None = None):
+def prompt_lookup(
+    run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int | None = None
+):
     """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call
     (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default."""
     tuned = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])

@@ -45,6 +45,7 @@ TABLE2 = {
 @dataclass(frozen=True)
 class SkipConfig:
     """One SkipDecode configuration: what ``target_config`` returns."""
+
     target_speedup: float
     warmup: int
     min_exit_layer: int
@@ -58,10 +59,15 @@ def target_config(n_layers: int, target_speedup: float) -> SkipConfig:
     """The Table 2 configuration for ``target_speedup`` on an ``n_layers`` model: the paper's own
     numbers for 24 and 32 layers, our scaled ones for 30, else min/max chosen around
     ``n_layers / target`` with the paper's max/min ratio of about 2 (2x) to 1.5 (5x)."""
-    if isinstance(target_speedup, bool) or not isinstance(target_speedup, (int, float)) \
-            or not 1 <= target_speedup <= n_layers:
-        raise GenerationError(f"target_speedup must be a number in [1, {n_layers}] (n_layers / the mean layer budget), "
-                              f"got {target_speedup!r}")
+    if (
+        isinstance(target_speedup, bool)
+        or not isinstance(target_speedup, (int, float))
+        or not 1 <= target_speedup <= n_layers
+    ):
+        raise GenerationError(
+            f"target_speedup must be a number in [1, {n_layers}] (n_layers / the mean layer budget), "
+            f"got {target_speedup!r}"
+        )
     s = float(target_speedup)
     if s == 1:
         return SkipConfig(1.0, 1, n_layers, n_layers)
@@ -80,19 +86,26 @@ def check_budget_range(n_layers: int, min_exit_layer: int, max_exit_layer: int, 
         if not isinstance(v, int) or isinstance(v, bool):
             raise GenerationError(f"{name} must be an integer, got {v!r}")
     if not 1 <= min_exit_layer <= n_layers or not 1 <= max_exit_layer <= n_layers:
-        raise GenerationError(f"exit layers must be in [1, {n_layers}] (this model has {n_layers} layers), got "
-                              f"min_exit_layer={min_exit_layer}, max_exit_layer={max_exit_layer}")
+        raise GenerationError(
+            f"exit layers must be in [1, {n_layers}] (this model has {n_layers} layers), got "
+            f"min_exit_layer={min_exit_layer}, max_exit_layer={max_exit_layer}"
+        )
     if min_exit_layer > max_exit_layer:
-        raise GenerationError(f"min_exit_layer={min_exit_layer} > max_exit_layer={max_exit_layer}: budgets must "
-                              "not rise along the sequence (the KV cache of skipped layers would be missing); "
-                              "swap them")
+        raise GenerationError(
+            f"min_exit_layer={min_exit_layer} > max_exit_layer={max_exit_layer}: budgets must "
+            "not rise along the sequence (the KV cache of skipped layers would be missing); "
+            "swap them"
+        )
     if not 0 <= warmup <= min_exit_layer:
-        raise GenerationError(f"warmup={warmup} must be in [0, min_exit_layer={min_exit_layer}]: every budget "
-                              "includes the warm-up layers; lower warmup or raise min_exit_layer")
+        raise GenerationError(
+            f"warmup={warmup} must be in [0, min_exit_layer={min_exit_layer}]: every budget "
+            "includes the warm-up layers; lower warmup or raise min_exit_layer"
+        )
 
 
-def budget_at(n: int, horizon: int, min_exit_layer: int, max_exit_layer: int, decay: str = "linear",
-              power: float = 2.0) -> int:
+def budget_at(
+    n: int, horizon: int, min_exit_layer: int, max_exit_layer: int, decay: str = "linear", power: float = 2.0
+) -> int:
     """The exit budget (number of layers) of generated position ``n``: ``max_exit_layer`` at n = 0,
     ``min_exit_layer`` from n = ``horizon`` on.  linear: ``(1-t) max + t min`` with ``t = n / horizon``
     (the paper's formula); power: ``min + (max - min) (1-t)^power`` (falls faster early, power > 1).
@@ -107,8 +120,9 @@ def budget_at(n: int, horizon: int, min_exit_layer: int, max_exit_layer: int, de
     return int(min(max_exit_layer, max(min_exit_layer, math.floor(b + 0.5 + 1e-9))))
 
 
-def exit_schedule(n_steps: int, horizon: int, min_exit_layer: int, max_exit_layer: int, decay: str = "linear",
-                  power: float = 2.0) -> list[int]:
+def exit_schedule(
+    n_steps: int, horizon: int, min_exit_layer: int, max_exit_layer: int, decay: str = "linear", power: float = 2.0
+) -> list[int]:
     """Budgets of generated positions ``0 .. n_steps-1``."""
     return [budget_at(n, horizon, min_exit_layer, max_exit_layer, decay, power) for n in range(n_steps)]
 
@@ -145,9 +159,11 @@ def check_schedule(schedule, n_layers: int, warmup: int) -> list[int]:
     rises = [i for i in range(1, len(sched)) if sched[i] > sched[i - 1]]
     if rises:
         i = rises[0]
-        raise GenerationError(f"schedule is not monotone: position {i} has budget {sched[i]} > {sched[i - 1]} at "
-                              f"position {i - 1}; budgets must never rise (skipped layers have no KV entries to "
-                              "attend to): make it non-increasing")
+        raise GenerationError(
+            f"schedule is not monotone: position {i} has budget {sched[i]} > {sched[i - 1]} at "
+            f"position {i - 1}; budgets must never rise (skipped layers have no KV entries to "
+            "attend to): make it non-increasing"
+        )
     if warmup > min(sched):
         raise GenerationError(f"warmup={warmup} exceeds the smallest budget {min(sched)} in schedule: lower warmup")
     return sched
@@ -159,15 +175,23 @@ def _active_layer_stats(run: Run, **schedule) -> None:
     implies, and ``schedule`` (``SkipStats``' budgets or exits, the same for every row)."""
     d = run.n_layers
     avgs = [run.layer_evals[b] / len(run.out[b]) if run.out[b] else float(d) for b in range(run.batch)]
-    run.record([SkipStats(avg_active_layers=a, budget_speedup=d / a if a else float("inf"), **schedule)
-                for a in avgs])
+    run.record([SkipStats(avg_active_layers=a, budget_speedup=d / a if a else float("inf"), **schedule) for a in avgs])
 
 
 # -- SkipDecode ------------------------------------------------------------------------------------
 @register("skipdecode", batched=True, sampling=True)
-def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: int | None = None, warmup: int = 1,
-               max_len: int | None = None, decay: str = "linear", power: float = 2.0,
-               schedule: list[int] | None = None, target_speedup: float | None = None):
+def skipdecode(
+    run: Run,
+    *,
+    min_exit_layer: int | None = None,
+    max_exit_layer: int | None = None,
+    warmup: int = 1,
+    max_len: int | None = None,
+    decay: str = "linear",
+    power: float = 2.0,
+    schedule: list[int] | None = None,
+    target_speedup: float | None = None,
+):
     """SkipDecode: one decaying layer budget per position for the whole batch; skip the lower middle layers."""
     d = run.n_layers
     if target_speedup is not None:
@@ -191,14 +215,18 @@ def skipdecode(run: Run, *, min_exit_layer: int | None = None, max_exit_layer: i
     longest = max(len(p) for p in run.prompts)
     ctx = run.model.config.max_position
     if longest + run.gen.max_new_tokens > ctx:
-        raise GenerationError(f"the batch's longest prompt has {longest} tokens; with max_new_tokens="
-                              f"{run.gen.max_new_tokens} it exceeds the context length {ctx}: shorten the prompts, "
-                              "lower max_new_tokens or decode the long prompt in its own batch")
+        raise GenerationError(
+            f"the batch's longest prompt has {longest} tokens; with max_new_tokens="
+            f"{run.gen.max_new_tokens} it exceeds the context length {ctx}: shorten the prompts, "
+            "lower max_new_tokens or decode the long prompt in its own batch"
+        )
     if max_len is None:
         max_len = longest + run.gen.max_new_tokens
     if isinstance(max_len, bool) or not isinstance(max_len, int) or not longest < max_len <= ctx:
-        raise GenerationError(f"max_len={max_len!r} must be an integer sequence length in ({longest}, {ctx}] "
-                              f"(longer than the batch's longest prompt, within the context)")
+        raise GenerationError(
+            f"max_len={max_len!r} must be an integer sequence length in ({longest}, {ctx}] "
+            f"(longer than the batch's longest prompt, within the context)"
+        )
     horizon = max_len - longest
 
     cache = run.new_cache()
@@ -275,5 +303,17 @@ def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
     _active_layer_stats(run, exit_layers=tuple(exits), kv_filled_layers=filled)
 
 
-__all__ = ["skipdecode", "early_exit", "calm", "target_config", "SkipConfig", "budget_at", "exit_schedule",
-           "layer_ranges", "check_schedule", "check_budget_range", "TABLE2", "DECAYS"]
+__all__ = [
+    "skipdecode",
+    "early_exit",
+    "calm",
+    "target_config",
+    "SkipConfig",
+    "budget_at",
+    "exit_schedule",
+    "layer_ranges",
+    "check_schedule",
+    "check_budget_range",
+    "TABLE2",
+    "DECAYS",
+]

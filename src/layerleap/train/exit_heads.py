@@ -83,15 +83,18 @@ class HeadTrainConfig:
             raise TrainHeadsError("no layers to train: give e.g. --layers 10,15,20")
         bad = [x for x in self.layers if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= n - 1]
         if bad:
-            raise TrainHeadsError(f"layers must be integers in [1, {n - 1}] (layer {n} is the final layer, whose "
-                                  f"own head is the target), got {', '.join(map(str, bad))}")
+            raise TrainHeadsError(
+                f"layers must be integers in [1, {n - 1}] (layer {n} is the final layer, whose "
+                f"own head is the target), got {', '.join(map(str, bad))}"
+            )
         if len(set(self.layers)) != len(self.layers):
             raise TrainHeadsError(f"layers repeat: {self.layers}")
         if self.kind not in DEFAULT_LR:
             raise TrainHeadsError(f"cannot train head kind {self.kind!r}: choose lens or full (shared has no weights)")
         if self.loss not in LOSSES:
-            raise TrainHeadsError(f"unknown loss {self.loss!r}: choose kl (the final layer's distribution) or ce "
-                                  "(its argmax)")
+            raise TrainHeadsError(
+                f"unknown loss {self.loss!r}: choose kl (the final layer's distribution) or ce (its argmax)"
+            )
         if self.init not in INITS:
             raise TrainHeadsError(f"unknown init {self.init!r}: choose {' or '.join(INITS)}")
         V_ = model.config.vocab_size
@@ -123,11 +126,18 @@ def cache_hidden(model: Transformer, seqs: list[list[int]], layers, progress: bo
     """``{layer: [N, D] bf16}`` for each training layer and the last layer (``n_layers``): the
     hidden state after that layer at every position of every sequence (one causal pass each)."""
     from tqdm import tqdm
+
     n = model.config.n_layers
     want = sorted(set(layers) | {n})
     out: dict[int, list[torch.Tensor]] = {x: [] for x in want}
-    bar = tqdm(total=sum(map(len, seqs)), desc="cache hidden states", unit="tok", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(map(len, seqs)),
+        desc="cache hidden states",
+        unit="tok",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
     for ids in seqs:
         t = torch.tensor([ids], dtype=torch.long, device=model.device)
         pos = torch.arange(len(ids), device=model.device).unsqueeze(0)
@@ -144,8 +154,10 @@ def cache_hidden(model: Transformer, seqs: list[list[int]], layers, progress: bo
 @torch.inference_mode()
 def final_top_ids(model: Transformer, final: torch.Tensor, k: int, chunk: int = 512) -> torch.Tensor:
     """``[N, k]`` int32: the final layer's top-k token ids at each cached position."""
-    out = [model.logits(final[i:i + chunk].to(model.dtype).unsqueeze(0))[0].topk(k, -1).indices.to(torch.int32)
-           for i in range(0, len(final), chunk)]
+    out = [
+        model.logits(final[i : i + chunk].to(model.dtype).unsqueeze(0))[0].topk(k, -1).indices.to(torch.int32)
+        for i in range(0, len(final), chunk)
+    ]
     return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.int32)
 
 
@@ -174,8 +186,9 @@ def target_logp(model: Transformer, final: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(model.logits(final.to(model.dtype).unsqueeze(0))[0].float(), -1)
 
 
-def head_loss(head: ExitHead, x: torch.Tensor, tlogp: torch.Tensor, loss: str,
-              cand: torch.Tensor | None = None) -> torch.Tensor:
+def head_loss(
+    head: ExitHead, x: torch.Tensor, tlogp: torch.Tensor, loss: str, cand: torch.Tensor | None = None
+) -> torch.Tensor:
     """KL(target || head) or CE on the target's argmax; with ``cand`` (vocabulary ids, the target's
     argmax among them) both distributions are renormalised over those ids (a sampled softmax)."""
     x = x.to(head.model.dtype).unsqueeze(0)
@@ -205,8 +218,8 @@ def agreement(head: ExitHead, x: torch.Tensor, final: torch.Tensor, ks=(1,), chu
     hits = {k: 0 for k in ks}
     kl = ce = 0.0
     for i in range(0, len(x), chunk):
-        t = target_logp(model, final[i:i + chunk])
-        q = F.log_softmax(head(x[i:i + chunk].to(model.dtype).unsqueeze(0))[0].float(), -1)
+        t = target_logp(model, final[i : i + chunk])
+        q = F.log_softmax(head(x[i : i + chunk].to(model.dtype).unsqueeze(0))[0].float(), -1)
         top1 = t.argmax(-1, keepdim=True)
         topk = q.topk(max(ks), -1).indices
         for k in ks:
@@ -220,18 +233,26 @@ def agreement(head: ExitHead, x: torch.Tensor, final: torch.Tensor, ks=(1,), chu
 # -- files ---------------------------------------------------------------------------------------------
 def _config_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
     free = ("save_every",)
-    return json.dumps({**{k: v for k, v in asdict(cfg).items() if k not in free}, "model": fingerprint},
-                      sort_keys=True, default=list)
+    return json.dumps(
+        {**{k: v for k, v in asdict(cfg).items() if k not in free}, "model": fingerprint}, sort_keys=True, default=list
+    )
 
 
 def _cache_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
     keys = ("layers", "tokens", "seq_len", "skip_conversations", "candidates")
-    return json.dumps({**{k: getattr(cfg, k) for k in keys}, "layers": sorted(cfg.layers), "model": fingerprint},
-                      sort_keys=True)
+    return json.dumps(
+        {**{k: getattr(cfg, k) for k in keys}, "layers": sorted(cfg.layers), "model": fingerprint}, sort_keys=True
+    )
 
 
-def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | None, seqs=None,
-                        progress: bool = True, timing: dict | None = None) -> dict[int, torch.Tensor]:
+def load_or_build_cache(
+    model: Transformer,
+    cfg: HeadTrainConfig,
+    work: Path | None,
+    seqs=None,
+    progress: bool = True,
+    timing: dict | None = None,
+) -> dict[int, torch.Tensor]:
     """The hidden-state cache, from ``work`` if it holds one for these settings.  ``timing`` (a dict)
     gets ``"seconds"``: the time it took to build the cache (recorded in the file, so a resumed run
     reports the original build time, not the time to read it back)."""
@@ -240,6 +261,7 @@ def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | N
     timing = {} if timing is None else timing
     if path is not None and path.is_file():
         from safetensors import safe_open
+
         with reading(path, "hidden-state cache"), safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
             if meta.get("key") == key:
@@ -255,8 +277,11 @@ def load_or_build_cache(model: Transformer, cfg: HeadTrainConfig, work: Path | N
         cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
     timing["seconds"] = time.perf_counter() - t0
     if path is not None:
-        save_safetensors(path, {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()},
-                         {"key": key, "seconds": repr(timing["seconds"])})
+        save_safetensors(
+            path,
+            {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()},
+            {"key": key, "seconds": repr(timing["seconds"])},
+        )
     return cache
 
 
@@ -289,6 +314,7 @@ def _objective(model: Transformer, cfg: HeadTrainConfig, cache: dict, heads: lis
         else:
             tlogp = target_logp(model, final[idx])
         return (head_loss(h, cache[h.layer][idx], tlogp, cfg.loss, cand) for h in heads)
+
     return loss
 
 
@@ -299,14 +325,24 @@ def _checkpoint(work: Path | None, cfg: HeadTrainConfig, fingerprint: str) -> Ch
 
     def check(meta: dict) -> None:
         if meta.get("key") != key:
-            raise TrainHeadsError(f"{work} holds a run with other settings or another model: use another "
-                                  "work folder, or the same settings to resume")
-    return Checkpoint(work / STATE_FILE, {"key": key}, check, what="training state",
-                      fix="delete the work folder to start again")
+            raise TrainHeadsError(
+                f"{work} holds a run with other settings or another model: use another "
+                "work folder, or the same settings to resume"
+            )
+
+    return Checkpoint(
+        work / STATE_FILE, {"key": key}, check, what="training state", fix="delete the work folder to start again"
+    )
 
 
-def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | None = None, seqs=None,
-                progress: bool = True, stop_after: int | None = None) -> HeadTrainResult:
+def train_heads(
+    model: Transformer,
+    cfg: HeadTrainConfig,
+    work: str | Path | None = None,
+    seqs=None,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> HeadTrainResult:
     """Train one head per layer in ``cfg.layers`` on ``model`` (frozen).  ``seqs``: token id lists
     to train on (default: ShareGPT in the chat template).  ``work``: the folder for the cache and
     the resumable state (None: in memory only).  ``stop_after``: stop after this many steps of this
@@ -332,32 +368,69 @@ def train_heads(model: Transformer, cfg: HeadTrainConfig, work: str | Path | Non
         for h in heads:
             lstsq_init_(h, cache[h.layer][idx], final[idx], cfg.ridge)
     warm = max(1, round(cfg.warmup_ratio * total)) if cfg.warmup_ratio > 0 else 0
-    loop = LoopConfig(total, Schedule(cfg.learning_rate, warm, decay=True), cfg.weight_decay, grad_clip=cfg.grad_clip,
-                      save_every=cfg.save_every, stop_after=stop_after, loss_digits=6, progress=progress,
-                      desc=f"train {cfg.kind} heads {','.join(map(str, cfg.layers))}")
+    loop = LoopConfig(
+        total,
+        Schedule(cfg.learning_rate, warm, decay=True),
+        cfg.weight_decay,
+        grad_clip=cfg.grad_clip,
+        save_every=cfg.save_every,
+        stop_after=stop_after,
+        loss_digits=6,
+        progress=progress,
+        desc=f"train {cfg.kind} heads {','.join(map(str, cfg.layers))}",
+    )
     params = {f"{h.layer}.{k}": p for h in heads for k, p in h.named_parameters()}
-    run = train(params, _objective(model, cfg, cache, heads), loop, _checkpoint(work, cfg, model.fingerprint),
-                clip_groups=[list(h.parameters()) for h in heads])
+    run = train(
+        params,
+        _objective(model, cfg, cache, heads),
+        loop,
+        _checkpoint(work, cfg, model.fingerprint),
+        clip_groups=[list(h.parameters()) for h in heads],
+    )
     for h in heads:
         h.eval().requires_grad_(False)
-    return HeadTrainResult({h.layer: h for h in heads}, run.step, run.start, N, run.losses, run.seconds,
-                           timing["seconds"], asdict(cfg))
+    return HeadTrainResult(
+        {h.layer: h for h in heads}, run.step, run.start, N, run.losses, run.seconds, timing["seconds"], asdict(cfg)
+    )
 
 
-def save_trained(result: HeadTrainResult, path, meta: dict | None = None, dtype: torch.dtype = torch.float32,
-                 command: str | None = None):
+def save_trained(
+    result: HeadTrainResult,
+    path,
+    meta: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+    command: str | None = None,
+):
     """Save the result's heads with the training budget and settings in the file's metadata.
     ``command``: the command recorded as the one that made the file (default: this process's)."""
     heads = [result.heads[x] for x in sorted(result.heads)]
     model = heads[0].model
     cfg = result.config
-    budget = weights.Budget(f"{weights.SHAREGPT}: {result.tokens} positions of whole conversations, chat template",
-                            items_seen(result.steps, result.tokens, cfg["batch_tokens"]), result.steps,
-                            result.seconds, weights.machine(model.device), command or weights.command_line())
-    info = {"positions": result.tokens, "epochs": cfg["epochs"], "cache_s": round(result.cache_seconds, 1),
-            "train_config": json.dumps(cfg, default=list), "final_loss": result.losses[-1] if result.losses else None}
+    budget = weights.Budget(
+        f"{weights.SHAREGPT}: {result.tokens} positions of whole conversations, chat template",
+        items_seen(result.steps, result.tokens, cfg["batch_tokens"]),
+        result.steps,
+        result.seconds,
+        weights.machine(model.device),
+        command or weights.command_line(),
+    )
+    info = {
+        "positions": result.tokens,
+        "epochs": cfg["epochs"],
+        "cache_s": round(result.cache_seconds, 1),
+        "train_config": json.dumps(cfg, default=list),
+        "final_loss": result.losses[-1] if result.losses else None,
+    }
     return save_heads(heads, path, meta={**info, **(meta or {})}, dtype=dtype, budget=budget)
 
 
-__all__ = ["HeadTrainConfig", "HeadTrainResult", "train_heads", "save_trained", "cache_hidden", "agreement",
-           "lstsq_init_", "TrainHeadsError"]
+__all__ = [
+    "HeadTrainConfig",
+    "HeadTrainResult",
+    "train_heads",
+    "save_trained",
+    "cache_hidden",
+    "agreement",
+    "lstsq_init_",
+    "TrainHeadsError",
+]

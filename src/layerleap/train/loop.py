@@ -38,6 +38,7 @@ class CheckpointError(LayerleapError, ValueError):
 class Schedule:
     """The learning rate at each step: linear warm-up over ``warmup`` steps (``lr * (step + 1) /
     warmup``), then constant, or with ``decay`` linear decay to 0 at the last step."""
+
     lr: float
     warmup: int = 0
     decay: bool = False
@@ -71,6 +72,7 @@ class Checkpoint:
     state; ``check(saved_meta)`` raises when a saved state is another run's.  ``weights=False``: the
     trainer saves its weights itself in ``on_save(step, losses)`` (called before the state is
     written) and restores them before the loop starts."""
+
     path: Path
     meta: dict = field(default_factory=dict)
     check: Callable[[dict], None] | None = None
@@ -89,20 +91,32 @@ class LoopResult:
     seconds_this_run: float
 
 
-def train(params: dict[str, torch.Tensor], loss: Callable[[int], torch.Tensor | Iterable[torch.Tensor]],
-          cfg: LoopConfig, ckpt: Checkpoint | None = None,
-          clip_groups: list[list[torch.Tensor]] | None = None) -> LoopResult:
+def train(
+    params: dict[str, torch.Tensor],
+    loss: Callable[[int], torch.Tensor | Iterable[torch.Tensor]],
+    cfg: LoopConfig,
+    ckpt: Checkpoint | None = None,
+    clip_groups: list[list[torch.Tensor]] | None = None,
+) -> LoopResult:
     """Train ``params`` (each ``requires_grad``) to lower ``loss``; resume from ``ckpt`` when it holds
     a state.  ``clip_groups``: the tensors whose gradient norm is clipped together (default: all)."""
     from tqdm import tqdm
+
     tensors = list(params.values())
     opt = torch.optim.AdamW(tensors, lr=cfg.schedule.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
     start, losses, prior = load_state(ckpt, params, opt) if ckpt and ckpt.path.is_file() else (0, [], 0.0)
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     groups = clip_groups or [tensors]
     step, saved, updating, seconds = start, start, False, prior
-    bar = tqdm(total=cfg.steps, initial=start, desc=cfg.desc, unit="step", disable=not cfg.progress,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=start,
+        desc=cfg.desc,
+        unit="step",
+        disable=not cfg.progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
     t0 = time.perf_counter()
 
     def save():
@@ -158,7 +172,7 @@ def epoch_batch(step: int, n: int, batch: int, seed: int) -> torch.Tensor:
     per_epoch = -(-n // batch)
     epoch, i = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-    return perm[i * batch:(i + 1) * batch]
+    return perm[i * batch : (i + 1) * batch]
 
 
 def items_seen(steps: int, n: int, batch: int) -> int:
@@ -169,8 +183,14 @@ def items_seen(steps: int, n: int, batch: int) -> int:
 
 
 # -- the state file --------------------------------------------------------------------------------
-def save_state(ckpt: Checkpoint, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, step: int,
-               losses: list, seconds: float) -> None:
+def save_state(
+    ckpt: Checkpoint,
+    params: dict[str, torch.Tensor],
+    opt: torch.optim.Optimizer,
+    step: int,
+    losses: list,
+    seconds: float,
+) -> None:
     if ckpt.on_save is not None:
         ckpt.on_save(step, losses)
     tensors = {f"param.{k}": v.detach().clone().contiguous().cpu() for k, v in params.items()} if ckpt.weights else {}
@@ -178,20 +198,27 @@ def save_state(ckpt: Checkpoint, params: dict[str, torch.Tensor], opt: torch.opt
     for i, st in sd["state"].items():
         for k, v in st.items():
             tensors[f"opt.{i}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous().cpu()
-    meta = {**ckpt.meta, "format": FORMAT, "step": str(step), "losses": json.dumps(losses),
-            "seconds": repr(float(seconds)), "param_groups": json.dumps(sd["param_groups"])}
+    meta = {
+        **ckpt.meta,
+        "format": FORMAT,
+        "step": str(step),
+        "losses": json.dumps(losses),
+        "seconds": repr(float(seconds)),
+        "param_groups": json.dumps(sd["param_groups"]),
+    }
     save_safetensors(ckpt.path, tensors, meta)
 
 
-def load_state(ckpt: Checkpoint, params: dict[str, torch.Tensor],
-               opt: torch.optim.Optimizer) -> tuple[int, list, float]:
+def load_state(
+    ckpt: Checkpoint, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer
+) -> tuple[int, list, float]:
     """Restore the tensors and the optimiser from ``ckpt``; -> (step, losses, seconds)."""
     from safetensors import safe_open
+
     with reading(ckpt.path, ckpt.what, ckpt.fix), safe_open(str(ckpt.path), "pt") as f:
         meta = f.metadata() or {}
         if meta.get("format") != FORMAT:
-            raise CheckpointError(f"{ckpt.what} {ckpt.path} was written by another version of layerleap: "
-                                  f"{ckpt.fix}")
+            raise CheckpointError(f"{ckpt.what} {ckpt.path} was written by another version of layerleap: {ckpt.fix}")
         if ckpt.check is not None:
             ckpt.check(meta)
         if ckpt.weights:

@@ -93,8 +93,9 @@ def pairs(n: int, steps: int):
     return [(i, torch.arange(0, n - i)) for i in range(1, steps + 1)]
 
 
-def transfer_outputs(model: Transformer, proj: drafters.TransferProjections, ids: torch.Tensor,
-                     steps: int | None = None):
+def transfer_outputs(
+    model: Transformer, proj: drafters.TransferProjections, ids: torch.Tensor, steps: int | None = None
+):
     """One training pass over ``ids`` ``[B, N]``, each row a chain with pseudo states for every
     position -> (real last-layer states ``[B, N, D]``, pseudo last-layer states ``[B, steps, N, D]``);
     gradients reach ``proj`` only."""
@@ -122,8 +123,10 @@ def transfer_loss(model: Transformer, proj: drafters.TransferProjections, ids: t
     real, pseudo = transfer_outputs(model, proj, ids)
     with torch.no_grad():
         teacher = model.logits(real)  # [B, N, V]
-    losses = [_kl(teacher[:, j + i].flatten(0, 1), model.logits(pseudo[:, i - 1, j]).flatten(0, 1))
-              for i, j in pairs(ids.shape[1], proj.steps)]
+    losses = [
+        _kl(teacher[:, j + i].flatten(0, 1), model.logits(pseudo[:, i - 1, j]).flatten(0, 1))
+        for i, j in pairs(ids.shape[1], proj.steps)
+    ]
     return torch.stack(losses).mean()
 
 
@@ -134,8 +137,9 @@ def medusa_loss(model: Transformer, heads: drafters.MedusaHeads, ids: torch.Tens
         pos = torch.arange(N, device=model.device).unsqueeze(0).expand(B, -1)
         z = model.final_norm(model.run_layers(model.embed(ids.to(model.device)), 0, model.config.n_layers, pos))
         teacher = model.unembed(z)  # [B, N, V]
-    losses = [_kl(teacher[:, j + i].flatten(0, 1), heads.logits(i, z[:, j]).flatten(0, 1))
-              for i, j in pairs(N, heads.steps)]
+    losses = [
+        _kl(teacher[:, j + i].flatten(0, 1), heads.logits(i, z[:, j]).flatten(0, 1)) for i, j in pairs(N, heads.steps)
+    ]
     return torch.stack(losses).mean()
 
 
@@ -160,13 +164,23 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str) -> Checkpoint:
         saved, now = json.loads(meta["config"]), asdict(cfg)
         for key in RESUME_KEYS:
             if saved.get(key) != now.get(key):
-                raise TrainError(f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {now.get(key)!r}: "
-                                 "use the same settings to resume, or delete it to start again")
+                raise TrainError(
+                    f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {now.get(key)!r}: "
+                    "use the same settings to resume, or delete it to start again"
+                )
+
     return Checkpoint(path, {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint}, check)
 
 
-def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | None = None, progress: bool = True,
-          data: str | None = None, command: str | None = None) -> dict:
+def train(
+    model: Transformer,
+    out,
+    cfg: TrainConfig,
+    chunks: list[list[int]] | None = None,
+    progress: bool = True,
+    data: str | None = None,
+    command: str | None = None,
+) -> dict:
     """Train a drafter of ``cfg.kind``; -> a report (losses, tokens, seconds).  Resumes from ``out``'s
     checkpoint when there is one.  ``data`` and ``command``: what the weights file records as the data
     (default: ShareGPT, or "given chunks") and the command that made it (default: this process's)."""
@@ -200,18 +214,46 @@ def train(model: Transformer, out, cfg: TrainConfig, chunks: list[list[int]] | N
         rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
         return lf(model, drafter, torch.tensor(rows, dtype=torch.long))
 
-    loop = LoopConfig(cfg.train_steps, Schedule(cfg.lr, cfg.warmup), grad_clip=cfg.grad_clip, save_every=cfg.save_every,
-                      max_seconds=cfg.max_seconds, loss_digits=5, desc=f"train {cfg.kind}", progress=progress)
+    loop = LoopConfig(
+        cfg.train_steps,
+        Schedule(cfg.lr, cfg.warmup),
+        grad_clip=cfg.grad_clip,
+        save_every=cfg.save_every,
+        max_seconds=cfg.max_seconds,
+        loss_digits=5,
+        desc=f"train {cfg.kind}",
+        progress=progress,
+    )
     run = run_loop(params, loss, loop, _checkpoint(out, cfg, model.fingerprint))
     tokens = run.step * cfg.batch_size * cfg.seq_len
-    budget = weights.Budget(f"{data or weights.SHAREGPT}: {len(chunks)} chunks of {cfg.seq_len} tokens", tokens,
-                            run.step, run.seconds, weights.machine(model.device), command or weights.command_line())
-    meta = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed,
-            "final_loss": run.losses[-1] if run.losses else None}
+    budget = weights.Budget(
+        f"{data or weights.SHAREGPT}: {len(chunks)} chunks of {cfg.seq_len} tokens",
+        tokens,
+        run.step,
+        run.seconds,
+        weights.machine(model.device),
+        command or weights.command_line(),
+    )
+    meta = {
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "lr": cfg.lr,
+        "seed": cfg.seed,
+        "final_loss": run.losses[-1] if run.losses else None,
+    }
     drafters.save_drafter(drafter, out, meta, budget=budget)
-    return {"out": str(out), "losses": run.losses, "tokens": tokens, "train_steps": run.step, "kind": cfg.kind,
-            "train_s": run.seconds, "seconds_this_run": run.seconds_this_run, "resumed_from": run.start,
-            **meta, "data": budget.data}
+    return {
+        "out": str(out),
+        "losses": run.losses,
+        "tokens": tokens,
+        "train_steps": run.step,
+        "kind": cfg.kind,
+        "train_s": run.seconds,
+        "seconds_this_run": run.seconds_this_run,
+        "resumed_from": run.start,
+        **meta,
+        "data": budget.data,
+    }
 
 
 @torch.no_grad()
@@ -231,8 +273,14 @@ def step_logits(model: Transformer, drafter, ids: torch.Tensor) -> torch.Tensor:
         _, pseudo = transfer_outputs(model, drafter, ids)
         return model.logits(pseudo[0])
     N = ids.shape[1]
-    z = model.final_norm(model.run_layers(model.embed(ids.to(model.device)), 0, model.config.n_layers,
-                                          torch.arange(N, device=model.device).unsqueeze(0)))[0]
+    z = model.final_norm(
+        model.run_layers(
+            model.embed(ids.to(model.device)),
+            0,
+            model.config.n_layers,
+            torch.arange(N, device=model.device).unsqueeze(0),
+        )
+    )[0]
     return torch.stack([heads_i for heads_i in (drafter.logits(i, z) for i in range(1, drafter.steps + 1))])
 
 

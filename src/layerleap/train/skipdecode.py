@@ -99,8 +99,10 @@ class TrainConfig:
 # -- the skipping forward pass -------------------------------------------------------------------
 def position_budgets(n_layers: int, length: int, prompt_len: int, cfg: TrainConfig) -> list[int]:
     """Layers run at each position of a sequence: all for the prompt, the decaying budget after."""
-    return [n_layers if t < prompt_len else
-            budget_at(t - prompt_len, cfg.gen_len, cfg.min_exit_layer, cfg.max_exit_layer) for t in range(length)]
+    return [
+        n_layers if t < prompt_len else budget_at(t - prompt_len, cfg.gen_len, cfg.min_exit_layer, cfg.max_exit_layer)
+        for t in range(length)
+    ]
 
 
 def active_mask(n_layers: int, budgets: torch.Tensor, warmup: int) -> torch.Tensor:
@@ -146,7 +148,7 @@ def make_batch(examples, idx: list[int], n_layers: int, cfg: TrainConfig, median
     for r, i in enumerate(idx):
         p, c = examples[i]
         s = p + c
-        ids[r, :len(s)] = torch.tensor(s)
+        ids[r, : len(s)] = torch.tensor(s)
         start = len(p) if cfg.policy_prompt == "own" else median
         budgets[r] = torch.tensor(position_budgets(n_layers, T, start, cfg))
         for t in range(len(p) - 1, len(s) - 1):  # position t predicts token t+1 of the completion
@@ -161,6 +163,7 @@ def save_model(model: Transformer, folder: Path, meta: dict | None = None) -> No
     """A Hugging Face folder loadable by ``layerleap.load(folder)``: config.json, safetensors weights,
     the tokenizer; each file written atomically."""
     from ..core.loading import ours_to_hf
+
     folder.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().clone().contiguous() for k, v in ours_to_hf(model).items()}  # fused q/k/v share storage
     save_safetensors(folder / WEIGHTS, sd, {"format": "pt", **(meta or {})})
@@ -192,8 +195,15 @@ def _trainable(model: Transformer) -> list[torch.nn.Parameter]:
     return params
 
 
-def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=None, teacher: Transformer | None = None,
-             progress: bool = True, base_name: str | None = None) -> TrainResult:
+def finetune(
+    model: Transformer,
+    out: str | Path,
+    cfg: TrainConfig,
+    examples=None,
+    teacher: Transformer | None = None,
+    progress: bool = True,
+    base_name: str | None = None,
+) -> TrainResult:
     """Train ``model`` in place with the skipping policy; write the model folder ``out`` (resuming from
     the state there when its configuration matches)."""
     out = Path(out)
@@ -204,14 +214,18 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
         raise FinetuneError(f"{out} is a file: give a folder for the fine-tuned model")
     state_file = out / STATE_JSON
     if model.source and out.resolve() == Path(model.source).resolve():
-        raise FinetuneError(f"{out} is the model's own folder: write the fine-tuned model to a new folder (rerun with "
-                            "the same --out to resume)")
+        raise FinetuneError(
+            f"{out} is the model's own folder: write the fine-tuned model to a new folder (rerun with "
+            "the same --out to resume)"
+        )
     if out.is_dir() and any(out.iterdir()) and not state_file.is_file():
         raise FinetuneError(f"{out} holds other files, not a fine-tuning run: choose a new folder")
     ctx = model.config.max_position
     if cfg.max_prompt + cfg.gen_len > ctx:
-        raise FinetuneError(f"max_prompt {cfg.max_prompt} + gen_len {cfg.gen_len} tokens exceed the model's context of "
-                            f"{ctx}: lower --max-prompt or --gen-len")
+        raise FinetuneError(
+            f"max_prompt {cfg.max_prompt} + gen_len {cfg.gen_len} tokens exceed the model's context of "
+            f"{ctx}: lower --max-prompt or --gen-len"
+        )
     start_step = _restore(model, out, cfg) if state_file.is_file() else 0
     if cfg.loss == "kd" and teacher is None:
         raise FinetuneError("loss kd needs the base model as teacher")
@@ -220,7 +234,7 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
         if tok is None:
             raise FinetuneError("the model has no tokenizer: pass examples (prompt ids, completion ids)")
         examples = prompt_completions(tok, cfg.n_examples, cfg.max_prompt, cfg.gen_len)
-    examples = [(list(p), list(c)[:cfg.gen_len]) for p, c in examples]
+    examples = [(list(p), list(c)[: cfg.gen_len]) for p, c in examples]
     median = int(statistics.median(len(p) for p, _ in examples))
     pad_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
 
@@ -235,7 +249,7 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
     params = _trainable(model)
 
     def loss(step: int) -> torch.Tensor:
-        idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        idx = order[step * cfg.batch_size : (step + 1) * cfg.batch_size]
         ids, budgets, rows, cols, tgt = make_batch(examples, idx, d, cfg, median, pad_id)
         h = skip_hidden(model, ids, active_mask(d, budgets, cfg.warmup))[rows, cols]  # [N, D] at the loss positions
         logits = model.logits(h.unsqueeze(0))[0]
@@ -249,19 +263,45 @@ def finetune(model: Transformer, out: str | Path, cfg: TrainConfig, examples=Non
 
     def save(step: int, losses: list) -> None:  # the model folder, loadable at every checkpoint
         save_model(model, out, {"skipdecode": json.dumps({**asdict(cfg), "step": step})})
-        write_json(state_file, {"config": asdict(cfg), "step": step, "losses": losses, "base": base_name,
-                                "median_prompt": median, "n_examples": len(examples)})
+        write_json(
+            state_file,
+            {
+                "config": asdict(cfg),
+                "step": step,
+                "losses": losses,
+                "base": base_name,
+                "median_prompt": median,
+                "n_examples": len(examples),
+            },
+        )
 
     def check(meta: dict) -> None:
         if int(meta["step"]) != start_step:
-            raise FinetuneError(f"{out / OPT_FILE} is at step {meta['step']}, the model folder at {start_step}: "
-                                "delete the folder (or choose another --out) to start again")
+            raise FinetuneError(
+                f"{out / OPT_FILE} is at step {meta['step']}, the model folder at {start_step}: "
+                "delete the folder (or choose another --out) to start again"
+            )
 
-    ckpt = Checkpoint(out / OPT_FILE, {}, check, weights=False, on_save=save, what="optimizer state",
-                      fix="delete the folder (or choose another --out) to start again")
+    ckpt = Checkpoint(
+        out / OPT_FILE,
+        {},
+        check,
+        weights=False,
+        on_save=save,
+        what="optimizer state",
+        fix="delete the folder (or choose another --out) to start again",
+    )
     # constant after warm-up: extending a run (more --steps) continues the same schedule
-    loop = LoopConfig(cfg.steps, Schedule(cfg.lr, cfg.lr_warmup_steps), cfg.weight_decay, (0.9, 0.95), cfg.grad_clip,
-                      cfg.save_every, desc=f"finetune skipdecode {cfg.target_speedup:g}x", progress=progress)
+    loop = LoopConfig(
+        cfg.steps,
+        Schedule(cfg.lr, cfg.lr_warmup_steps),
+        cfg.weight_decay,
+        (0.9, 0.95),
+        cfg.grad_clip,
+        cfg.save_every,
+        desc=f"finetune skipdecode {cfg.target_speedup:g}x",
+        progress=progress,
+    )
     model.train()
     try:
         run = run_loop({str(i): p for i, p in enumerate(params)}, loss, loop, ckpt)
@@ -278,17 +318,22 @@ def _restore(model: Transformer, out: Path, cfg: TrainConfig) -> int:
         st = json.loads(state_file.read_text())
         st["config"], st["step"], st["losses"]  # noqa: B018  (the fields a resume reads)
     free = ("steps", "save_every")  # a run may be extended or saved more often
-    diff = sorted(k for k in set(st["config"]) | set(asdict(cfg))
-                  if k not in free and st["config"].get(k) != asdict(cfg).get(k))
+    diff = sorted(
+        k for k in set(st["config"]) | set(asdict(cfg)) if k not in free and st["config"].get(k) != asdict(cfg).get(k)
+    )
     if diff:
-        raise FinetuneError(f"{out} holds a run with other settings ({', '.join(diff)}): use another --out "
-                            "or the same settings to resume")
+        raise FinetuneError(
+            f"{out} holds a run with other settings ({', '.join(diff)}): use another --out "
+            "or the same settings to resume"
+        )
     if st["step"] >= cfg.steps:
-        raise FinetuneError(f"{out} already finished {st['step']} steps: raise --steps to continue, or use "
-                            "another --out")
+        raise FinetuneError(
+            f"{out} already finished {st['step']} steps: raise --steps to continue, or use another --out"
+        )
     if not (out / OPT_FILE).is_file():
         raise FinetuneError(f"{out} lacks {OPT_FILE}: delete the folder (or choose another --out) to start again")
     from ..core.loading import _read_safetensors, hf_to_ours
+
     with reading(out, "fine-tuned weights in", "delete the folder (or choose another --out) to start again"):
         sd = hf_to_ours(_read_safetensors(out), model.config)
     with torch.no_grad():
@@ -298,5 +343,14 @@ def _restore(model: Transformer, out: Path, cfg: TrainConfig) -> int:
     return int(st["step"])
 
 
-__all__ = ["TrainConfig", "TrainResult", "finetune", "skip_hidden", "skip_logits", "active_mask", "position_budgets",
-           "save_model", "FinetuneError"]
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "finetune",
+    "skip_hidden",
+    "skip_logits",
+    "active_mask",
+    "position_budgets",
+    "save_model",
+    "FinetuneError",
+]

@@ -110,8 +110,9 @@ class Deltas:
             for name in variants.PROJECTIONS:
                 lin = variants.projection(model, layer, name)
                 ka, kb = variants.delta_names(layer, name)
-                self.tensors[ka] = (torch.randn(rank, lin.in_features, generator=g) / lin.in_features ** 0.5
-                                    ).requires_grad_(True)
+                self.tensors[ka] = (
+                    torch.randn(rank, lin.in_features, generator=g) / lin.in_features**0.5
+                ).requires_grad_(True)
                 self.tensors[kb] = torch.zeros(lin.out_features, rank, requires_grad=True)
                 self._hooks.append(lin.register_forward_hook(self._hook(self.tensors[ka], self.tensors[kb])))
 
@@ -122,6 +123,7 @@ class Deltas:
             if not self.enabled:
                 return out
             return out + scale * F.linear(F.linear(inputs[0], a), b)  # x A^T B^T: [..., out]
+
         return add
 
     @contextmanager
@@ -137,7 +139,12 @@ class Deltas:
             h.remove()
 
     def build(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "layers": self.layers, "projections": list(variants.PROJECTIONS)}
+        return {
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "layers": self.layers,
+            "projections": list(variants.PROJECTIONS),
+        }
 
 
 # -- objectives -------------------------------------------------------------------------------------
@@ -164,8 +171,13 @@ def _skip_cfg(cfg: VariantConfig, n_layers: int) -> SkipConfig:
     """The policy ``make_batch`` lays out (every layer everywhere for ``calm``)."""
     if cfg.objective == "calm":
         return SkipConfig(min_exit_layer=n_layers, max_exit_layer=n_layers, warmup=0, gen_len=cfg.gen_len)
-    return SkipConfig(target_speedup=cfg.target_speedup, min_exit_layer=cfg.min_exit_layer,
-                      max_exit_layer=cfg.max_exit_layer, warmup=cfg.warmup, gen_len=cfg.gen_len)
+    return SkipConfig(
+        target_speedup=cfg.target_speedup,
+        min_exit_layer=cfg.min_exit_layer,
+        max_exit_layer=cfg.max_exit_layer,
+        warmup=cfg.warmup,
+        gen_len=cfg.gen_len,
+    )
 
 
 def objective(model, deltas: Deltas, examples, cfg: VariantConfig):
@@ -186,6 +198,7 @@ def objective(model, deltas: Deltas, examples, cfg: VariantConfig):
             return sum(_kl(model.logits(hs[i - 1][rows, cols].unsqueeze(0))[0], tlogp) for i in picks) / len(picks)
         h = skip_hidden(model, ids, active_mask(d, budgets, cfg.warmup))[rows, cols]  # [N, D]
         return _kl(model.logits(h.unsqueeze(0))[0], tlogp)
+
     return loss
 
 
@@ -205,13 +218,21 @@ class VariantResult:
     config: dict
 
 
-def train_variant(model, out: str | Path, cfg: VariantConfig, examples, data: str, command: str | None = None,
-                  max_seconds: float | None = None, progress: bool = True) -> VariantResult:
+def train_variant(
+    model,
+    out: str | Path,
+    cfg: VariantConfig,
+    examples,
+    data: str,
+    command: str | None = None,
+    max_seconds: float | None = None,
+    progress: bool = True,
+) -> VariantResult:
     """Train deltas for ``model`` (left unchanged) on ``examples`` (prompt ids, answer ids); write the
     variant file ``out`` (and its state ``out`` + ``.state.safetensors``; resumed from when present)."""
     out = Path(out)
     cfg = cfg.check(model.config.n_layers)
-    examples = [(list(p), list(c)[:cfg.gen_len]) for p, c in examples if c]
+    examples = [(list(p), list(c)[: cfg.gen_len]) for p, c in examples if c]
     if not examples:
         raise VariantTrainError("no training examples (every answer was empty)")
     fingerprint = model.fingerprint  # of the base weights, before anything changes
@@ -234,20 +255,47 @@ def train_variant(model, out: str | Path, cfg: VariantConfig, examples, data: st
     t0, prior = time.perf_counter(), _prior_seconds(state)
 
     def save(step: int, losses: list) -> None:
-        budget = weights.Budget(data, int(positions * cfg.batch_size * step), step,
-                                prior + time.perf_counter() - t0, weights.machine(), command or weights.command_line())
-        extra = {"train_config": json.dumps(asdict(cfg)), "final_loss": f"{sum(losses[-20:]) / max(1, len(losses[-20:])):.4f}"
-                 if losses else None, "examples": str(len(examples)), "mean_sequence": f"{n_tokens:.1f}",
-                 "objective": cfg.objective}
+        budget = weights.Budget(
+            data,
+            int(positions * cfg.batch_size * step),
+            step,
+            prior + time.perf_counter() - t0,
+            weights.machine(),
+            command or weights.command_line(),
+        )
+        extra = {
+            "train_config": json.dumps(asdict(cfg)),
+            "final_loss": f"{sum(losses[-20:]) / max(1, len(losses[-20:])):.4f}" if losses else None,
+            "examples": str(len(examples)),
+            "mean_sequence": f"{n_tokens:.1f}",
+            "objective": cfg.objective,
+        }
         tensors = {k: v.detach().clone() for k, v in deltas.tensors.items()}
-        weights.write(out, _Fp(model, fingerprint), variants.KIND, deltas.build(), tensors, budget, extra,
-                      dtype=torch.bfloat16)
+        weights.write(
+            out, _Fp(model, fingerprint), variants.KIND, deltas.build(), tensors, budget, extra, dtype=torch.bfloat16
+        )
 
-    ckpt = Checkpoint(state, {"settings": settings}, check, weights=True, on_save=save,
-                      what="variant training state", fix="delete it (or choose another --out) to start again")
-    loop = LoopConfig(cfg.steps, Schedule(cfg.lr, cfg.lr_warmup_steps), 0.0, (0.9, 0.99), cfg.grad_clip,
-                      cfg.save_every, max_seconds=max_seconds, loss_digits=5,
-                      desc=f"finetune variant {cfg.objective}", progress=progress)
+    ckpt = Checkpoint(
+        state,
+        {"settings": settings},
+        check,
+        weights=True,
+        on_save=save,
+        what="variant training state",
+        fix="delete it (or choose another --out) to start again",
+    )
+    loop = LoopConfig(
+        cfg.steps,
+        Schedule(cfg.lr, cfg.lr_warmup_steps),
+        0.0,
+        (0.9, 0.99),
+        cfg.grad_clip,
+        cfg.save_every,
+        max_seconds=max_seconds,
+        loss_digits=5,
+        desc=f"finetune variant {cfg.objective}",
+        progress=progress,
+    )
     model.train()
     try:
         res = run_loop(dict(deltas.tensors), objective(model, deltas, examples, cfg), loop, ckpt)
@@ -261,6 +309,7 @@ def _prior_seconds(state: Path) -> float:
     if not state.is_file():
         return 0.0
     from ..files import read_safetensors_meta
+
     try:
         return float(read_safetensors_meta(state).get("seconds", 0.0))
     except ValueError:

@@ -28,7 +28,8 @@ ENV = "LAYERLEAP_NATIVE"  # "0": never use the native layers
 
 def build_dir() -> Path:
     """Where this source, torch version and CPU's build lives (compiled for this CPU's instructions)."""
-    from ..kernels import cpu_signature
+    from ..cpu import cpu_signature
+
     tag = hashlib.sha256(SOURCE.read_bytes() + cpu_signature().encode()).hexdigest()[:12]
     cap = torch.backends.cpu.get_cpu_capability().lower()
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
@@ -43,11 +44,17 @@ def _library(folder: Path) -> Path | None:
 def build(verbose: bool = False):
     """Compile ``decoder.cpp`` (or find it compiled) and load it; raises on a failed build."""
     from torch.utils.cpp_extension import load
+
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    mod = load("layerleap_decoder", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-               extra_ldflags=["-fopenmp"], build_directory=str(folder),
-               verbose=verbose)
+    mod = load(
+        "layerleap_decoder",
+        [str(SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        verbose=verbose,
+    )
     module.cache_clear()
     return mod
 
@@ -71,8 +78,12 @@ def module():
 
 def status() -> dict:
     lib = _library(build_dir())
-    return {"built": lib is not None, "library": str(lib) if lib else None, "in_use": module() is not None,
-            "disabled": os.environ.get(ENV, "").strip() == "0"}
+    return {
+        "built": lib is not None,
+        "library": str(lib) if lib else None,
+        "in_use": module() is not None,
+        "disabled": os.environ.get(ENV, "").strip() == "0",
+    }
 
 
 # -- the arguments, made once per model --------------------------------------------------------------
@@ -81,17 +92,11 @@ _ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _projection(lin):
     """(kind, a, b, bias, out, in) of a ``model.Linear`` for ``decoder.cpp``'s ``Proj``, or None."""
-    from ..kernels import BlockWeight, Int4Weight, OneDNNWeight
     fmt = lin.packed
     if fmt is None:
         return 0, lin.weight, torch.empty(0), lin.bias, lin.out_features, lin.in_features
-    if isinstance(fmt, OneDNNWeight):
-        return 1, fmt.packed, torch.empty(0), fmt.bias, fmt.out_features, fmt.in_features
-    if isinstance(fmt, Int4Weight):
-        return 2, fmt.packed, fmt.scale_zero, fmt.bias, fmt.out_features, fmt.in_features
-    if isinstance(fmt, BlockWeight):
-        return 3, fmt.codes, fmt.dm, fmt.bias, fmt.out_features, fmt.in_features
-    return None
+    proj = fmt.native_proj()
+    return None if proj is None else (*proj, fmt.bias, fmt.out_features, fmt.in_features)
 
 
 def layer_args(model, start: int, end: int):

@@ -114,7 +114,7 @@ def _methods(args) -> tuple[dict, dict]:
             skipped[label] = f"needs {need}"
             del specs[label]
     for label, (name, options) in specs.items():
-        bench.check_options(label, name, options)
+        bench.check_spec(label, name, options)
     return specs, skipped
 
 

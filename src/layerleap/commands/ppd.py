@@ -10,7 +10,9 @@ from pathlib import Path
 
 from ..eval import theory
 from .. import validate as V
-from ..methods.speculative import MAX_DRAFT_LEN
+from ..core import options as O
+from ..decoding import get_method
+from ..methods.ppd import EXIT_LAYER as PPD_EXIT_LAYER
 from ..files import write_json
 from . import command
 from ..errors import LayerleapError
@@ -18,7 +20,7 @@ from .basic import _check_sizes, _command_line, _csv, _load, _model_args, _posit
 
 
 SIMULATE_MAX = theory.SIMULATE_MAX
-HEAD_ARG = V.name_or_file_arg(("auto", "shared", "trained"), "exit heads file")
+HEAD_ARG = O.HEAD.arg()
 
 
 @command(
@@ -187,8 +189,8 @@ def _measure(args) -> int:
 )
 def _setup_parallel(p):
     _model_args(p)
-    p.add_argument("--exit-layer", type=_positive_int, default=None, help="d̄ (default d/2)")
-    p.add_argument("--k", type=_positive_int, default=1, help="sub-processes (default 1: two processes)")
+    p.add_argument("--exit-layer", type=PPD_EXIT_LAYER.arg(), default=None, help="d̄ (default d/2)")
+    p.add_argument("--k", type=O.K.arg(), default=1, help="sub-processes (default 1: two processes)")
     p.add_argument("--head", type=HEAD_ARG, default="auto", help="exit head: auto, shared, trained or a heads file")
     p.add_argument(
         "--head-on",
@@ -307,16 +309,16 @@ def run_parallel(args) -> int:
 )
 def _setup_selfspec(p):
     _model_args(p)
-    p.add_argument("--exit-layer", type=_positive_int, default=15, help="the drafting / early-prediction layer")
+    p.add_argument("--exit-layer", type=O.EXIT_LAYER.arg(), default=15, help="the drafting / early-prediction layer")
     p.add_argument(
         "--draft-lens",
-        type=V.int_list_arg(1, MAX_DRAFT_LEN),
+        type=O.DRAFT_LEN.list_arg(),
         default="2,4",
         help="self-spec draft lengths (default 2,4)",
     )
     p.add_argument(
         "--min-confidence",
-        type=V.probability_arg,
+        type=O.MIN_CONFIDENCE.arg(),
         default=0.5,
         help="also run self-spec with this adaptive stop (0 = skip that variant)",
     )
@@ -340,9 +342,7 @@ def run_selfspec(args) -> int:
     print(f"$ {_command_line(args)}", flush=True)
     model = _load(args)
     E = args.exit_layer
-    from ..methods.self_spec import check_options
-
-    check_options(model.config.n_layers, E, max(args.draft_lens), args.min_confidence)
+    get_method("self-spec").check_options({"exit_layer": E}, model.config)
     ours = {"greedy": ("greedy", {})}
     for g in args.draft_lens:
         ours[f"self-spec g{g}"] = ("self-spec", {"exit_layer": E, "draft_len": g, "head": args.head})

@@ -128,12 +128,12 @@ class Option:
         return _CHECKS[self.kind](self, value, config)
 
     def fail(self, want: str, value, config: ModelConfig | None = None) -> OptionError:
-        model = f" for this {config.n_layers}-layer model" if config is not None and self._on_model() else ""
-        none = f" (or none: {self.none})" if self.none else ""
-        return OptionError(f"{self.name} must be {want}{model}{none}, got {V.show(value)} ({self.help})")
-
-    def _on_model(self) -> bool:
-        return isinstance(self.lo, ModelBound) or isinstance(self.hi, ModelBound)
+        """The one message of this option: the bounds (resolved on the model where they depend on it),
+        what None means, the value given and the meaning."""
+        on_model = [b for b in (self.lo, self.hi) if isinstance(b, ModelBound)] if config is not None else []
+        model = f" ({', '.join(f'{b} = {b.fn(config)}' for b in on_model)} on this model)" if on_model else ""
+        none = f" or none ({self.none})" if self.none else ""
+        return OptionError(f"{self.name} must be {want}{model}{none}, got {V.show(value)}: {self.help}")
 
     def _range(self, config) -> str:
         lo, hi = self.bounds(config)

@@ -105,7 +105,8 @@ def parse_spec_setting(text: str) -> SpecSetting:
             raise ValueError
         setting = SpecSetting(parts[0], int(parts[1]), float(parts[2]) if len(parts) == 3 else 0.0)
         get_method("speculative").check_options(
-            {"draft_len": setting.draft_len, "schedule": setting.schedule, "min_confidence": setting.min_confidence}
+            {"draft_len": setting.draft_len, "schedule": setting.schedule, "min_confidence": setting.min_confidence},
+            partial=True,
         )
     except (ValueError, LayerleapError) as e:
         why = f": {e}" if isinstance(e, LayerleapError) else ""

@@ -108,7 +108,10 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
             raise GenerationError("the prompt is empty: give some text to continue")
         tok = model.tokenizer
         if tok is None:
-            raise GenerationError("this model has no tokenizer: pass token ids instead of text")
+            raise GenerationError(
+                "this model has no tokenizer (its folder has no tokenizer files): pass token ids instead of text, "
+                "or add the tokenizer files"
+            )
         if chat:
             if not getattr(tok, "chat_template", None):
                 raise GenerationError("this tokenizer has no chat template: call without chat=True")

@@ -134,6 +134,15 @@ def _load(args, name: str | None = None):
     return model
 
 
+def _need_tokenizer(model, args) -> None:
+    """Commands that read text prompts need the model's tokenizer: say so, with the fix, right after loading."""
+    if model.tokenizer is None:
+        raise LayerleapError(
+            f"--model {args.model} has no tokenizer (no tokenizer.json or tokenizer_config.json beside its weights): "
+            "copy the tokenizer files of the model it was made from into its folder"
+        )
+
+
 def _check_sizes(model, args) -> None:
     """The arguments whose limits depend on the model (``--max-new-tokens``, ``--context``), checked
     before any heavy work."""
@@ -160,6 +169,7 @@ def _start_with_methods(args, methods: bench.MethodSpecs):
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
+    _need_tokenizer(model, args)
     loader = _loader(args)
     return threads, model, {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
 
@@ -305,6 +315,7 @@ def run_generate(args) -> int:
     prompts = _generate_prompts(args)
     threads = _threads(args.threads)
     model = _load(args)
+    _need_tokenizer(model, args)
     kwargs = {**_sampling(args), **resolve_models(args.method, options, _loader(args))}
     if args.quality is not None:
         kwargs["quality"] = args.quality
@@ -729,11 +740,14 @@ def demo_quality(model, res, greedy, said=()) -> str:
 @_setup_demo
 def run_demo(args) -> int:
     t0 = time.perf_counter()
+    if not args.prompt.strip():
+        raise LayerleapError("--prompt is empty: give the chat prompt every method answers (or leave it out)")
     methods = bench.runnable_methods()
     prompts = _read_prompts(None, _csv(args.categories), 1)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
+    _need_tokenizer(model, args)
     methods = _usable(model, methods)
     print(_model_line(model, threads))
     print(f"methods: {', '.join(methods)}; sampling: {DEMO_SAMPLING}\n\nprompt (chat): {args.prompt}\n")

@@ -95,7 +95,8 @@ def _setup(p):
 
 def _methods(args) -> tuple[dict, dict]:
     """-> (label -> (method, options) to run, label -> why skipped)."""
-    text = ",".join(lossless_methods()) if args.methods.strip().lower() == "all" else args.methods
+    every = args.methods.strip().lower() == "all"
+    text = ",".join(lossless_methods()) if every else args.methods
     specs = bench.parse_methods(text, args.opt, check=False)
     check_methods(specs)
     skipped = {}
@@ -111,6 +112,8 @@ def _methods(args) -> tuple[dict, dict]:
                 if set(missing) & set(models)
                 else f"the option {missing[0]}: give --opt {label}.{missing[0]}=VALUE"
             )
+            if not every:  # asked for by name: refused, not skipped
+                raise LayerleapError(f"method {label} needs {need}")
             skipped[label] = f"needs {need}"
             del specs[label]
     for label, (name, options) in specs.items():

@@ -134,8 +134,16 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     save_file({"chunks": torch.arange(10)}, str(root / "chunks1d.safetensors"))
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"))
     save_file({"chunks": torch.full((2, 8), 10**6)}, str(root / "chunksvocab.safetensors"))
+    (root / "empty.jsonl").write_text("")
+    notok = save_hf_folder(random_model(dict(vocab_size=128, max_position=2048)), root / "notok")  # no tokenizer
+    other = random_model(dict(vocab_size=128, max_position=2048, hidden_size=48, n_heads=4, n_kv_heads=2))
+    other.set_fingerprint(tiny.fingerprint)  # heads of another shape that claim to fit this model
+    drafters.save_drafter(drafters.new_drafter(other, "medusa", steps=2), root / "medusa_shapes.safetensors")
     out = {
         "D": str(char_model_dir),
+        "EMPTYJSONL": str(root / "empty.jsonl"),
+        "NOTOK": str(notok),
+        "MEDUSA_SHAPES": str(root / "medusa_shapes.safetensors"),
         "T": str(root),
         "BUSYPORT": str(busy_port),
         "FILE": str(root / "notes.txt"),
@@ -588,6 +596,29 @@ CLI = [
         "must end in .json",
     ),
     (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--storage", "int8"], "invalid choice"),
+    # one declaration per option: the same message from every command (checked before loading: BEFORE_LOAD)
+    (G + ["--method", "self-spec", "--opt", "draft_len=-1"], "draft_len must be an integer in [1, 256] or none"),
+    (G + ["--method", "prompt-lookup", "--opt", "draft_len=-1"], "draft_len must be an integer in [1, 256] or none"),
+    (G + ["--method", "auto", "--opt", "max_ngram=1000"], "max_ngram must be an integer in [1, 32], got 1000"),
+    (G + ["--method", "prompt-lookup", "--opt", "min_ngram=3", "--opt", "max_ngram=2"], "min_ngram (3) must be <="),
+    (G + ["--method", "self-spec", "--opt", "exit_layer=4"], "exit_layer must be an integer in [1, 3] (n_layers-1 = 3"),
+    (G + ["--method", "bild", "--opt", "exit_layer=4"], "exit_layer must be an integer in [1, 3] (n_layers-1 = 3"),
+    (G + ["--method", "ppd", "--opt", "exit_layer=1"], "exit_layer must be an integer in [2, 3] (ceil(n_layers/2) = 2"),
+    (G + ["--method", "medusa", "--opt", "heads={MEDUSA_SHAPES}"], "do not fit this model: size mismatch for"),
+    (["generate", "--model", "{NOTOK}", "--prompt", "hi"], "has no tokenizer (no tokenizer.json"),
+    (["bench", *M, "--data", "{EMPTYJSONL}"], "holds no questions"),
+    # sampling flags are used or refused, never ignored
+    (
+        G + ["--method", "greedy", "--temperature", "1.5"],
+        "method 'greedy' decodes greedily and would ignore temperature",
+    ),
+    (G + ["--temperature", "1.5"], "use method 'sample' to sample (--method sample)"),
+    (G + ["--method", "ppd", "--seed", "1"], "method 'ppd' decodes greedily and would ignore seed"),
+    (G + ["--method", "ppd", "--do-sample"], "method 'ppd' decodes greedily only: drop do_sample=True (--do-sample)"),
+    (["bench", *M, "--methods", "greedy,ppd", "--temperature", "0.5"], "--temperature: no method of this run samples"),
+    (EX + ["--methods", "speculative"], "method speculative needs a second model: give --draft NAME"),
+    (TM + ["--out", "{T}/m.safetensors", "--layers", "10"], "--layers is for `layerleap train transfer`"),
+    (TT + ["--out", "{T}/t.safetensors", "--heads", "2"], "--heads is for `layerleap train medusa`"),
 ]
 
 
@@ -845,6 +876,31 @@ API = [
         ),
         "prompts must be a list of texts or token-id lists, got str",
     ),
+    # one declaration per option, one checker (core.options); sampling arguments used or refused
+    (
+        _gen("hi", method="self-spec", draft_len=True),
+        "draft_len must be an integer in [1, 256] or none (the dtype's tuned one), got True",
+    ),
+    (_gen("hi", method="self-spec", draft_len=__import__("numpy").int64(0)), "draft_len must be an integer"),
+    (
+        _gen("hi", method="prompt-lookup", draft_len=257),
+        "draft_len must be an integer in [1, 256] or none (the dtype's tuned one), got 257",
+    ),
+    (_gen("hi", method="self-spec", exit_layer=4), "exit_layer must be an integer in [1, 3] (n_layers-1 = 3"),
+    (_gen("hi", method="bild", alpha_rb=math.nan), "alpha_rb must be a finite number >= 0; inf: never roll back"),
+    (_gen("hi", method="self-spec", min_confidence=math.inf), "min_confidence must be a finite number in [0, 1]"),
+    (_gen("hi", method="skipdecode", decay="weird"), "decay must be one of linear, power, got 'weird'"),
+    (_gen("hi", method="medusa", tree="a;b"), "tree: cannot read the tree shape 'a;b'"),
+    (_gen("hi", method="speculative"), "method 'speculative' needs the option draft"),
+    (_gen("hi", method="speculative", draft=None), "draft must be a model"),
+    (_gen("hi", method="greedy", temperature=0.7), "method 'greedy' decodes greedily and would ignore temperature"),
+    (_gen("hi", method="ppd", do_sample=True), "method 'ppd' decodes greedily only"),
+    (_gen("hi", method="self-spec", do_sample=False, top_p=0.5), "do_sample=False decodes greedily and would ignore"),
+    (lambda m, p: layerleap.METHODS["nosuch"], "unknown method 'nosuch': choose one of auto, bild"),
+    (_load("{D}", device="cuda:99"), "device 'cuda:99'"),
+    (_load("{D}", device="gpu"), "device 'gpu'"),
+    (_load("{D}", device=5.5), "device must be text such as 'cpu' or 'cuda', got 5.5"),
+    (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(p["EMPTYJSONL"]), "holds no questions"),
 ]
 
 
@@ -879,3 +935,64 @@ def test_subprocess(places, argv, stdin, message):
     err = p.stderr.decode(errors="replace").strip()
     assert p.returncode == 2 and p.stdout == b"" and "Traceback" not in err, err
     assert message in err.splitlines()[-1] and sum(": error: " in ln for ln in err.splitlines()) == 1, err
+
+
+# -- model-independent checks come before the model loads ------------------------------------------
+BEFORE_LOAD = [
+    (G + ["--method", "medusa", "--opt", "tree=a;b"], "tree: cannot read the tree shape"),
+    (G + ["--method", "medusa", "--opt", "tree=1000"], "more than 512 nodes"),
+    (G + ["--method", "self-spec", "--opt", "draft_len=-1"], "draft_len must be an integer in [1, 256] or none"),
+    (G + ["--method", "skipdecode", "--opt", "decay=weird"], "decay must be one of linear, power"),
+    (G + ["--method", "calm", "--opt", "threshold=nan"], "threshold must be a finite number, got nan"),
+    (G + ["--method", "self-spec", "--opt", "exit_layer=0"], "exit_layer must be an integer in [1, n_layers-1]"),
+    (G + ["--method", "greedy", "--opt", "nosuch=1"], "method 'greedy' has no option nosuch"),
+    (G + ["--method", "self-spec", "--opt", "head=/no/such/head.safetensors"], "head must be one of auto, shared"),
+    (G + ["--method", "medusa", "--opt", "heads=/no/such.safetensors"], "heads must be one of trained or an existing"),
+    (G + ["--method", "greedy", "--temperature", "1.5"], "would ignore temperature"),
+    (G + ["--method", "ppd", "--do-sample"], "decodes greedily only"),
+    (["demo", *M, "--prompt", ""], "--prompt is empty"),
+    (["demo", *M, "--prompt", "  "], "--prompt is empty"),
+    (["bench", *M, "--methods", "calm", "--opt", "calm.threshold=nan"], "threshold must be a finite number, got nan"),
+    (["bench", *M, "--methods", "s=self-spec", "--opt", "s.draft_len=0"], "s: draft_len must be an integer"),
+    (["bench", *M, "--methods", "greedy", "--top-k", "3"], "--top-k: no method of this run samples"),
+    (["serve", *M, "--method", "self-spec", "--opt", "draft_len=0"], "draft_len must be an integer in [1, 256]"),
+    (["serve", *M, "--method", "greedy", "--opt", "k=1"], "method 'greedy' has no option k"),
+    (EX + ["--methods", "speculative"], "needs a second model: give --draft NAME"),
+    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, vocab_size], got 0"),
+    (TM + ["--out", "{T}/m.safetensors", "--layers", "10"], "--layers is for `layerleap train transfer`"),
+    (["eval", "self-spec", *M, "--draft-lens", "0"], "each item draft_len must be an integer in [1, 256]"),
+    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, vocab_size], got 0"),
+    (SB + ["--alpha-fb", "nan"], "alpha_fb must be a finite number in [0, 1]"),
+]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Every way a command loads a model, replaced by a recorder: a row that loads fails the test."""
+    from layerleap.core import loading
+    from layerleap.drafters import variants
+
+    calls = []
+
+    def refuse(*a, **kw):
+        calls.append(a)
+        raise AssertionError(f"the model was loaded: {a}")
+
+    monkeypatch.setattr(variants, "load", refuse)
+    monkeypatch.setattr(loading, "load", refuse)
+    monkeypatch.setattr(loading, "load_folder", refuse)
+    return calls
+
+
+@pytest.mark.parametrize("argv, message", BEFORE_LOAD, ids=[f"{i:03d} {_id(r)}" for i, r in enumerate(BEFORE_LOAD)])
+def test_refused_before_loading(capsys, places, no_loading, argv, message):
+    test_cli(capsys, places, argv, message)
+    assert not no_loading
+
+
+def test_unknown_method_is_a_key_error():
+    with pytest.raises(KeyError, match="unknown method 'nosuch'"):
+        layerleap.METHODS["nosuch"]
+    with pytest.raises(LayerleapError):
+        layerleap.METHODS["nosuch"]
+    assert "nosuch" not in layerleap.METHODS and layerleap.METHODS.get("nosuch") is None

@@ -577,10 +577,12 @@ def to_device(model: Transformer, device: str = "cpu") -> Transformer:
     """``model`` on ``device`` ("cpu", "cuda", "cuda:1", …), or a ``LayerleapError`` naming the fix."""
     import torch
 
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"device must be text such as 'cpu' or 'cuda', got {V.show(device)}")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device {device!r}: {e}") from None
+        raise ConfigError(f"device {device!r}: {str(e).splitlines()[0]}: use cpu or cuda") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r}: no CUDA device here: use cpu")
     if model.device == dev or (dev.type == model.device.type and dev.index is None):
@@ -588,7 +590,7 @@ def to_device(model: Transformer, device: str = "cpu") -> Transformer:
     try:
         return model.to(dev)
     except RuntimeError as e:
-        raise ConfigError(f"device {device!r}: {e}") from None
+        raise ConfigError(f"device {device!r}: {str(e).splitlines()[0]}") from None
 
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"

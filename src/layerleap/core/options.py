@@ -53,14 +53,15 @@ HALF_DEPTH = ModelBound(lambda c: (c.n_layers + 1) // 2, "ceil(n_layers/2)")
 VOCAB = ModelBound(lambda c: c.vocab_size, "vocab_size")
 CONTEXT = ModelBound(lambda c: c.max_position, "context")
 
-KINDS = ("int", "float", "choice", "tree", "int_list", "model", "weights")
+KINDS = ("int", "float", "bool", "text", "choice", "tree", "int_list", "model", "weights", "any")
 
 
 @dataclass(frozen=True)
 class Option:
-    """One method option.  ``kind``: int, float, choice (one of ``choices``), tree (a tree shape),
-    int_list, model (a second model: a loaded one, or a name or folder on the CLI) or weights (one of
-    ``choices``, a weights file, or a loaded object).  ``none``: what None means ('' = not allowed)."""
+    """One method option.  ``kind``: int, float, bool, text, choice (one of ``choices``), tree (a tree
+    shape), int_list, model (a second model: a loaded one, or a name or folder on the CLI), weights (one
+    of ``choices``, a weights file, or a loaded object) or any (unchecked: a method registered without
+    declarations).  ``none``: what None means ('' = not allowed)."""
 
     name: str
     kind: str
@@ -185,6 +186,18 @@ def _float(o: Option, value, config):
     return v
 
 
+def _bool(o: Option, value, config):
+    if not isinstance(value, bool):
+        raise o.fail("true or false", value)
+    return value
+
+
+def _text(o: Option, value, config):
+    if not isinstance(value, str):
+        raise o.fail("text", value)
+    return V.text(value, o.name)
+
+
 def _choice(o: Option, value, config):
     if not isinstance(value, str) or value not in o.choices:
         raise o.fail(f"one of {', '.join(o.choices)}", value)
@@ -211,6 +224,8 @@ def _int_list(o: Option, value, config):
 def _model(o: Option, value, config):
     if isinstance(value, (str, os.PathLike)):
         V.path(value, o.name)
+    elif value is None or isinstance(value, (bytes, bool, numbers.Number, list, tuple, dict)):
+        raise o.fail("a model (layerleap.load(...); on the command line a model name or folder)", value)
     return value  # a loaded model is checked against the main one by the method (companion.check_pair)
 
 
@@ -230,12 +245,27 @@ def _weights(o: Option, value, config):
 _CHECKS = {
     "int": _int,
     "float": _float,
+    "bool": _bool,
+    "text": _text,
+    "any": lambda o, value, config: value,
     "choice": _choice,
     "tree": _tree,
     "int_list": _int_list,
     "model": _model,
     "weights": _weights,
 }
+
+
+def infer(fn: Callable) -> tuple[Option, ...]:
+    """Declarations read from the keyword options of ``fn(run, ...)``'s signature, for a method registered
+    without them: the kind from the default's type (int, float, bool, text; any other default, None or
+    none: unchecked)."""
+    kinds = {bool: "bool", int: "int", float: "float", str: "text"}
+    out = []
+    for p in list(inspect.signature(fn).parameters.values())[1:]:
+        kind = kinds.get(type(p.default), "any")
+        out.append(Option(p.name, kind, "(undeclared)", default=p.default, none="allowed" if kind == "any" else ""))
+    return tuple(out)
 
 
 # -- the shared options -------------------------------------------------------------------------------

@@ -64,7 +64,11 @@ class Method:
     default_sample: bool  # samples unless told otherwise
     description: str
     exact: bool = False  # its greedy output equals plain greedy decoding token for token
-    declared: tuple[O.Option, ...] = ()  # its options (``core.options``), in the order of its signature
+    declared: tuple[O.Option, ...] | None = None  # its options (``core.options``); None: read from ``fn``
+
+    def __post_init__(self):
+        if self.declared is None:
+            object.__setattr__(self, "declared", O.infer(self.fn))
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -108,12 +112,14 @@ def register(
     options: tuple[O.Option, ...] = (),
 ):
     """Register ``fn(run, **options)`` under ``name``; ``options`` declares every keyword option of
-    ``fn`` with the same name and default (checked here, so the declarations cannot drift)."""
+    ``fn`` with the same name and default (checked here, so the declarations cannot drift).  Without
+    ``options``, they are read from the signature (``core.options.infer``: types from the defaults)."""
 
     def deco(fn):
-        _match_signature(name, fn, options)
+        declared = options or O.infer(fn)
+        _match_signature(name, fn, declared)
         summary = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, one line
-        METHODS[name] = Method(name, fn, batched, sampling, default_sample, summary, exact, tuple(options))
+        METHODS[name] = Method(name, fn, batched, sampling, default_sample, summary, exact, tuple(declared))
         return fn
 
     return deco

@@ -38,10 +38,12 @@ REQUIRED = inspect.Parameter.empty  # the default of an option that has none (as
 
 @dataclass(frozen=True)
 class ModelBound:
-    """A bound that depends on the model: ``fn(config)``, written ``text`` in listings."""
+    """A bound that depends on the model: ``fn(config)``, written ``text`` in listings; ``least``: what
+    it is at least on any model (checked before the model loads)."""
 
     fn: Callable[[ModelConfig], int | float]
     text: str
+    least: int = 1
 
     def __str__(self) -> str:
         return self.text
@@ -89,12 +91,12 @@ class Option:
     def bounds(self, config: ModelConfig | None = None) -> tuple:
         """(lo, hi), a model-dependent one resolved with ``config`` or None without it."""
 
-        def one(b):
+        def one(b, low: bool):
             if isinstance(b, ModelBound):
-                return b.fn(config) if config is not None else None
+                return b.fn(config) if config is not None else (b.least if low else None)
             return b
 
-        return one(self.lo), one(self.hi)
+        return one(self.lo, True), one(self.hi, False)
 
     def bounds_text(self) -> str:
         if self.kind == "choice" or (self.kind == "weights" and self.choices):
@@ -137,9 +139,7 @@ class Option:
         return OptionError(f"{self.name} must be {want}{model}{none}, got {V.show(value)}: {self.help}")
 
     def _range(self, config) -> str:
-        lo, hi = self.bounds(config)
-        if config is None:  # a model-dependent bound is named, not resolved
-            lo, hi = (b if b is not None else getattr(self, k) for b, k in ((lo, "lo"), (hi, "hi")))
+        lo, hi = self.bounds(config) if config is not None else (self.lo, self.hi)  # named, not resolved
         return V._bounds(lo, hi, self.lo_open)
 
     def _in_bounds(self, v, config) -> bool:

@@ -56,7 +56,8 @@ def _setup(p):
         type=_model_arg,
         default=None,
         help="the draft model of two-model methods "
-        "(speculative), a name or folder; without it they are listed as skipped",
+        "(speculative), a name or folder; without it --methods all lists them as skipped and a method named in "
+        "--methods is refused",
     )
     p.add_argument("--prompts", type=_prompts, default="all", help="all, or N prompts per category (default all)")
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")

@@ -619,6 +619,10 @@ CLI = [
     (EX + ["--methods", "speculative"], "method speculative needs a second model: give --draft NAME"),
     (TM + ["--out", "{T}/m.safetensors", "--layers", "10"], "--layers is for `layerleap train transfer`"),
     (TT + ["--out", "{T}/t.safetensors", "--heads", "2"], "--heads is for `layerleap train medusa`"),
+    (["theory", "ppd", "--measure", *M, "--layers", "30"], "--layers: not used with --measure"),
+    (["theory", "ppd", "--measure", *M, "--p-correct", "0.3", "--k", "2"], "--k, --p-correct: not used with --measure"),
+    (["theory", "ppd", "--head", "shared"], "--head: not used without --measure: add --measure"),
+    (["bench", *M, "--no-baseline-hf", "--hf-extra", "lookup"], "--hf-extra: not used with --no-baseline-hf"),
 ]
 
 

@@ -108,6 +108,19 @@ def _check_sampling(method: str, args) -> None:
     sampling_choice(get_method(method), getattr(args, "do_sample", None), given)
 
 
+def _given(args, *flags: str) -> list[str]:
+    """Those of ``flags`` written on the command line (``args.argv``; a flag's full spelling)."""
+    words = {a.split("=", 1)[0] for a in getattr(args, "argv", []) if a.startswith("--")}
+    return [f for f in flags if f in words]
+
+
+def _refuse_unused(args, flags: tuple[str, ...], why: str) -> None:
+    """A flag that would be ignored ``why`` (e.g. "with --measure") is refused, never ignored."""
+    used = _given(args, *flags)
+    if used:
+        raise LayerleapError(f"{', '.join(used)}: not used {why}: drop {'it' if len(used) == 1 else 'them'}")
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -632,6 +645,8 @@ def run_bench(args) -> int:
     for label, (name, options) in methods.items():
         _check_model_options(name, options, label)
     _check_bench_sampling(methods, _sampling(args))
+    if not args.baseline_hf:
+        _refuse_unused(args, ("--hf-extra",), "with --no-baseline-hf (it times transformers beside its greedy)")
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
     threads, model, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults

@@ -16,7 +16,18 @@ from ..methods.ppd import EXIT_LAYER as PPD_EXIT_LAYER
 from ..files import write_json
 from . import command
 from ..errors import LayerleapError
-from .basic import _check_sizes, _command_line, _csv, _load, _model_args, _positive_int, _read_prompts, _say, _threads
+from .basic import (
+    _check_sizes,
+    _refuse_unused,
+    _command_line,
+    _csv,
+    _load,
+    _model_args,
+    _positive_int,
+    _read_prompts,
+    _say,
+    _threads,
+)
 
 
 SIMULATE_MAX = theory.SIMULATE_MAX
@@ -50,7 +61,8 @@ def _setup_theory(p):
         "--measure",
         action="store_true",
         help="measure p̂_correct on a model over Spec-Bench prompts and "
-        "draw the trade-off curves (the --layers/--p-correct inputs are then ignored)",
+        "draw the trade-off curves (the theorem's --layers, --exit-layer, --k, --p-correct, --tokens, "
+        "--simulate, --seed and --json are then refused)",
     )
     _model_args(m)
     m.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
@@ -70,10 +82,19 @@ def _setup_theory(p):
     )
 
 
+THEORY_ONLY = ("--layers", "--exit-layer", "--k", "--p-correct", "--tokens", "--simulate", "--seed", "--json")
+MEASURE_ONLY = (
+    *("--model", "--dtype", "--device", "--threads", "--variant", "--categories", "--prompts", "--max-new-tokens"),
+    *("--exit-layers", "--ks", "--head", "--out"),
+)
+
+
 @_setup_theory
 def run_theory(args) -> int:
     if args.measure:
+        _refuse_unused(args, THEORY_ONLY, "with --measure (it measures the model's own d, d̄, k and p̂)")
         return _measure(args)
+    _refuse_unused(args, MEASURE_ONLY, "without --measure: add --measure to measure match rates on a model")
     d = args.layers
     dbar = args.exit_layer or (d + 1) // 2
     out = theory.figures(d, dbar, args.k, args.p_correct, args.tokens)

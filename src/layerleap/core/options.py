@@ -77,7 +77,8 @@ class Option:
     inf: str = ""  # float: what inf means ('' = refused)
 
     def __post_init__(self):
-        assert self.kind in KINDS, self.kind
+        if self.kind not in KINDS:
+            raise ValueError(f"option {self.name}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
 
     def but(self, **changes) -> Option:
         """The same option with another default or narrower bounds (one method's use of it)."""
@@ -101,14 +102,7 @@ class Option:
     def bounds_text(self) -> str:
         if self.kind == "choice" or (self.kind == "weights" and self.choices):
             return " | ".join(self.choices) + (" | a file" if self.kind == "weights" else "")
-        if self.lo is None and self.hi is None:
-            return ""
-        lo, hi = (x if x is None or isinstance(x, ModelBound) else f"{x:g}" for x in (self.lo, self.hi))
-        if hi is None:
-            return f"{'>' if self.lo_open else '>='} {lo}"
-        if lo is None:
-            return f"<= {hi}"
-        return f"{'(' if self.lo_open else '['}{lo}, {hi}]"
+        return V._bounds(self.lo, self.hi, self.lo_open).strip().removeprefix("in ")
 
     def describe(self) -> dict:
         """What ``layerleap methods`` prints."""

@@ -623,6 +623,8 @@ CLI = [
     (["theory", "ppd", "--measure", *M, "--p-correct", "0.3", "--k", "2"], "--k, --p-correct: not used with --measure"),
     (["theory", "ppd", "--head", "shared"], "--head: not used without --measure: add --measure"),
     (["bench", *M, "--no-baseline-hf", "--hf-extra", "lookup"], "--hf-extra: not used with --no-baseline-hf"),
+    (MR + ["--layers", "2", "--temperature", "0.5"], "--temperature: not used with --mode greedy"),
+    (MR + ["--layers", "2", "--mode", "top-k", "--top-p", "0.5"], "--top-p: not used with --mode top-k"),
 ]
 
 

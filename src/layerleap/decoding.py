@@ -211,7 +211,11 @@ def generate(
     ``prompt`` is text, a list of token ids, or a list of either.  A list decodes as one batch; a
     method that does not batch (``METHODS[name].batched`` is False) takes a list of one prompt only
     and refuses more with a ``GenerationError``.  Method options are keyword arguments (see
-    ``layerleap.METHODS[name].options()``).
+    ``layerleap.METHODS[name].options()``), checked by their declarations (``core.options``).
+
+    ``do_sample``: None follows the method (``sample`` samples) unless ``temperature``, ``top_k``,
+    ``top_p`` or ``seed`` is given, which makes a method that can sample sample and is refused by one
+    that decodes greedily only (``sampling_choice``); nothing given is ever ignored.
 
     ``quality`` (lossy methods: ``skipdecode``, ``calm``, ``early-exit``, ``bild``): the share of
     greedy's quality to keep, e.g. 0.95; the method runs the setting ``layerleap calibrate`` chose for

@@ -64,6 +64,7 @@ def get_method(name: str) -> Method:
 
 
 SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
+NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # values that change no distribution: they ask for nothing
 
 
 def sampling_choice(m: Method, do_sample: bool | None, given: dict) -> bool:
@@ -215,7 +216,8 @@ def generate(
 
     ``do_sample``: None follows the method (``sample`` samples) unless ``temperature``, ``top_k``,
     ``top_p`` or ``seed`` is given, which makes a method that can sample sample and is refused by one
-    that decodes greedily only (``sampling_choice``); nothing given is ever ignored.
+    that decodes greedily only (``sampling_choice``); nothing given is ever ignored.  A value that
+    changes no distribution (temperature 1.0, top_k 0, top_p 1.0: the defaults) asks for nothing.
 
     ``quality`` (lossy methods: ``skipdecode``, ``calm``, ``early-exit``, ``bild``): the share of
     greedy's quality to keep, e.g. 0.95; the method runs the setting ``layerleap calibrate`` chose for
@@ -286,7 +288,9 @@ def _prepare(
         V.flag(stop_at_eos, "stop_at_eos")
         V.flag(chat, "chat")
         options.update(m.check_options(options, model.config))
-    given = {k: v for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, seed)) if v is not None}
+    given = {
+        k: v for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, seed)) if v is not None and NEUTRAL.get(k) != v
+    }
     do_sample = sampling_choice(m, do_sample, given)
 
     ids = [_encode(model, p, chat) for p in prompts]

@@ -102,10 +102,13 @@ def _sampling(args) -> dict:
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 
-def _check_sampling(method: str, args) -> None:
-    """Refuse, before loading, a sampling flag that ``method`` would ignore (``decoding.sampling_choice``)."""
-    given = {k: v for k, v in _sampling(args).items() if k != "do_sample"}
-    sampling_choice(get_method(method), getattr(args, "do_sample", None), given)
+def _check_sampling(method: str, args) -> dict:
+    """``generate``'s sampling arguments from the flags, with ``do_sample`` decided: any sampling flag
+    written asks for sampling (``--temperature 1.0`` too); one that ``method`` would ignore is refused
+    before loading (``decoding.sampling_choice``)."""
+    sampling = _sampling(args)
+    given = {k: v for k, v in sampling.items() if k != "do_sample"}
+    return {**sampling, "do_sample": sampling_choice(get_method(method), getattr(args, "do_sample", None), given)}
 
 
 def _given(args, *flags: str) -> list[str]:
@@ -324,12 +327,12 @@ def _check_model_options(method: str, options: dict, label: str = "") -> None:
 @_setup_generate
 def run_generate(args) -> int:
     options = _method_options(args.method, args.opt, args.quality)  # fail before loading the model
-    _check_sampling(args.method, args)
+    sampling = _check_sampling(args.method, args)
     prompts = _generate_prompts(args)
     threads = _threads(args.threads)
     model = _load(args)
     _need_tokenizer(model, args)
-    kwargs = {**_sampling(args), **resolve_models(args.method, options, _loader(args))}
+    kwargs = {**sampling, **resolve_models(args.method, options, _loader(args))}
     if args.quality is not None:
         kwargs["quality"] = args.quality
     with warnings.catch_warnings(record=True) as said:

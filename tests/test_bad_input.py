@@ -397,6 +397,16 @@ CLI = [
     ),
     (SB + ["--exit-layer", "0"], "exit_layer must be an integer in [1, n_layers-1]"),
     (["sweep", "bild", *M, "--small", "no-such-model"], "unknown model 'no-such-model'"),
+    # calibrate, eval frontier, finetune variant
+    (["calibrate", "nope"], "choose lossy methods from skipdecode"),
+    (["calibrate", "skipdecode", *M, "--quality", "1.5"], "--quality: must be a finite number in (0, 1]"),
+    (["calibrate", "skipdecode", *M, "--prompts", "0"], "--prompts: must be an integer in [1, 20]"),
+    (["eval", "frontier", *M, "--grid", "base:nope", "--json", "{T}/f.json"], "--grid base:nope: choose a method"),
+    (["eval", "frontier", *M, "--json", "{T}/f.json"], "the following arguments are required: --grid"),
+    (
+        ["finetune", "variant", *M, "--objective", "nope", "--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"],
+        "argument --objective: invalid choice: 'nope'",
+    ),
     (["sweep", "bild", *M, "--small", "{D}", "--head", "shared"], "--head chooses the exit head"),
     (
         SB + ["--head", "/no/such/head.safetensors"],

@@ -228,6 +228,7 @@ def test_bad_generate_input(capsys, tiny_hf_dir, tmp_path, args, message):
     [
         (["--method", "nope"], "unknown method"),
         (["--port", "70000"], "--port"),
+        (["--method", "greedy", "--opt", "tree=2"], "has no option tree"),
         (["--opt", "nosuch=2"], "has no option nosuch"),
     ],
 )

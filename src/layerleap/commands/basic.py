@@ -186,6 +186,8 @@ def _start_with_methods(args, methods: bench.MethodSpecs):
     threads = _threads(args.threads)
     model = _load(args)
     _need_tokenizer(model, args)
+    for label, (name, opts) in methods.items():  # the bounds on the model, before a second model loads
+        bench.check_spec(label, name, opts, model.config)
     loader = _loader(args)
     return threads, model, {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
 
@@ -332,6 +334,7 @@ def run_generate(args) -> int:
     threads = _threads(args.threads)
     model = _load(args)
     _need_tokenizer(model, args)
+    get_method(args.method).check_options(options, model.config, partial=args.quality is not None)
     kwargs = {**sampling, **resolve_models(args.method, options, _loader(args))}
     if args.quality is not None:
         kwargs["quality"] = args.quality

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import validate as V
 from . import command
-from ..decoding import METHODS, Decoding
+from ..decoding import METHODS, Decoding, get_method
 from ..errors import LayerleapError
 from ..core.loading import PACKAGED
 from ..options import resolve_models
@@ -107,6 +107,7 @@ def run_serve(args) -> int:
     _check_bind(args.host, args.port)
     threads = _threads(args.threads)
     model = _load(args)
+    get_method(args.method).check_options(options, model.config)  # the bounds on the model, before a draft loads
     loader = _loader(args)
     options = resolve_models(args.method, options, loader)
     Decoding(model, [0], args.method, 1, **options)  # the default method and options are valid

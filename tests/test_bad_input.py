@@ -457,7 +457,7 @@ CLI = [
     (FT + ["--out", "{T}/ft", "--steps", "0"], "must be an integer in [1, 1000000]"),
     (FT + ["--out", "{T}/ft", "--batch-size", "5000"], "must be an integer in [1, 1024]"),
     (FT + ["--out", "{T}/ft", "--loss", "mse"], "invalid choice: 'mse'"),
-    (FT + ["--out", "{T}/ft", "--warmup", "-1"], "must be an integer >= 0"),
+    (FT + ["--out", "{T}/ft", "--warmup", "-1"], "warmup must be an integer in [0, n_layers], got -1"),
     (FT + ["--out", "{T}/ft", "--seed", str(2**40)], "must be an integer in [0, 4294967295]"),
     (FT + ["--out", "{T}/ft", "--min-exit-layer", "4", "--max-exit-layer", "2"], "min_exit_layer=4 > max_exit_layer=2"),
     # eval skipdecode / skipdecode-speed

@@ -134,8 +134,16 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     save_file({"chunks": torch.arange(10)}, str(root / "chunks1d.safetensors"))
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"))
     save_file({"chunks": torch.full((2, 8), 10**6)}, str(root / "chunksvocab.safetensors"))
+    (root / "empty.jsonl").write_text("")
+    notok = save_hf_folder(random_model(dict(vocab_size=128, max_position=2048)), root / "notok")  # no tokenizer
+    other = random_model(dict(vocab_size=128, max_position=2048, hidden_size=48, n_heads=4, n_kv_heads=2))
+    other.set_fingerprint(tiny.fingerprint)  # heads of another shape that claim to fit this model
+    drafters.save_drafter(drafters.new_drafter(other, "medusa", steps=2), root / "medusa_shapes.safetensors")
     out = {
         "D": str(char_model_dir),
+        "EMPTYJSONL": str(root / "empty.jsonl"),
+        "NOTOK": str(notok),
+        "MEDUSA_SHAPES": str(root / "medusa_shapes.safetensors"),
         "T": str(root),
         "BUSYPORT": str(busy_port),
         "FILE": str(root / "notes.txt"),
@@ -249,37 +257,67 @@ CLI = [
     (G + ["--method", "medusa", "--opt", "heads={FILE}"], "cannot read Medusa heads"),
     (G + ["--method", "medusa"], "no shipped medusa weights fit tiny"),
     (G + ["--method", "hidden-transfer", "--opt", "transfer={MEDUSA}"], "transfer"),
-    (G + ["--method", "skipdecode", "--opt", "target_speedup=nan"], "target_speedup must be a number in [1, 4]"),
-    (G + ["--method", "skipdecode", "--opt", "target_speedup=inf"], "target_speedup must be a number in [1, 4]"),
-    (G + ["--method", "skipdecode", "--opt", "target_speedup=0.5"], "target_speedup must be a number in [1, 4]"),
+    (
+        G + ["--method", "skipdecode", "--opt", "target_speedup=nan"],
+        "target_speedup must be a finite number in [1, n_layers]",
+    ),
+    (
+        G + ["--method", "skipdecode", "--opt", "target_speedup=inf"],
+        "target_speedup must be a finite number in [1, n_layers]",
+    ),
+    (
+        G + ["--method", "skipdecode", "--opt", "target_speedup=0.5"],
+        "target_speedup must be a finite number in [1, n_layers]",
+    ),
     (G + ["--method", "skipdecode", "--opt", "power=nan"], "power must be a finite number > 0"),
-    (G + ["--method", "skipdecode", "--opt", "max_len=true"], "max_len=True must be an integer"),
-    (G + ["--method", "skipdecode", "--opt", "decay=cubic"], "unknown decay 'cubic'"),
-    (G + ["--method", "skipdecode", "--opt", "schedule=1234"], "schedule must be a list of integer exit layers"),
+    (G + ["--method", "skipdecode", "--opt", "max_len=true"], "max_len must be an integer in [2, context]"),
+    (G + ["--method", "skipdecode", "--opt", "decay=cubic"], "decay must be one of linear, power, got 'cubic'"),
+    (
+        G + ["--method", "skipdecode", "--opt", "schedule=1234"],
+        "schedule must be a non-empty list of integers in [1, n_layers]",
+    ),
     (
         G + ["--method", "skipdecode", "--opt", "min_exit_layer=3", "--opt", "max_exit_layer=2"],
         "min_exit_layer=3 > max_exit_layer=2",
     ),
-    (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer >= 1"),
-    (G + ["--method", "ppd", "--opt", "k=abc"], "k must be an integer >= 1"),
-    (G + ["--method", "ppd", "--opt", "k=100000"], "more than the vocabulary"),
-    (G + ["--method", "ppd", "--opt", "exit_layer=1.5"], "exit_layer (d̄) must be an integer in [2, 3]"),
+    (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer in [1, vocab_size], got 0"),
+    (G + ["--method", "ppd", "--opt", "k=abc"], "k must be an integer in [1, vocab_size], got 'abc'"),
+    (
+        G + ["--method", "ppd", "--opt", "k=100000"],
+        "k must be an integer in [1, 128] (vocab_size = 128 on this model), got 100000",
+    ),
+    (
+        G + ["--method", "ppd", "--opt", "exit_layer=1.5"],
+        "exit_layer must be an integer in [ceil(n_layers/2), n_layers-1]",
+    ),
     (G + ["--method", "self-spec", "--opt", "draft_len=100000"], "draft_len must be an integer in [1, 256]"),
-    (G + ["--method", "self-spec", "--opt", "min_confidence=2"], "min_confidence must be a probability"),
-    (G + ["--method", "self-spec", "--opt", "exit_layer=0"], "exit_layer must be an integer in [1, 3]"),
+    (
+        G + ["--method", "self-spec", "--opt", "min_confidence=2"],
+        "min_confidence must be a finite number in [0, 1], got 2",
+    ),
+    (G + ["--method", "self-spec", "--opt", "exit_layer=0"], "exit_layer must be an integer in [1, n_layers-1]"),
     (G + ["--method", "speculative"], "method 'speculative' needs the option draft: add --opt draft=VALUE"),
     (G + ["--method", "speculative", "--opt", "draft=no-such-model"], "--opt draft: unknown model 'no-such-model'"),
     (G + ["--method", "speculative", "--opt", "draft={D}", "--opt", "draft_len=0"], "draft_len must be an integer"),
     (G + ["--method", "speculative", "--opt", "draft={D}", "--opt", "schedule=fast"], "schedule must be one of"),
-    (G + ["--method", "bild", "--opt", "alpha_fb=nan"], "alpha_fb must be a probability"),
-    (G + ["--method", "bild", "--opt", "alpha_rb=-1"], "alpha_rb must be a cross-entropy"),
+    (G + ["--method", "bild", "--opt", "alpha_fb=nan"], "alpha_fb must be a finite number in [0, 1], got nan"),
+    (
+        G + ["--method", "bild", "--opt", "alpha_rb=-1"],
+        "alpha_rb must be a finite number >= 0; inf: never roll back, got -1",
+    ),
     (G + ["--method", "bild", "--opt", "max_small=0"], "max_small must be an integer >= 1"),
     (G + ["--method", "bild", "--opt", "exit_layer=99"], "exit_layer must be an integer in [1, 3]"),
     (G + ["--method", "bild", "--opt", "small=no-such-model"], "--opt small: unknown model"),
-    (G + ["--method", "calm", "--opt", "threshold=nan"], "threshold must be a number"),
-    (G + ["--method", "calm", "--opt", "min_exit_layer=0"], "min_exit_layer must be an integer in [1, 4]"),
+    (G + ["--method", "calm", "--opt", "threshold=nan"], "threshold must be a finite number, got nan"),
+    (
+        G + ["--method", "calm", "--opt", "min_exit_layer=0"],
+        "min_exit_layer must be an integer in [1, n_layers], got 0",
+    ),
     (G + ["--method", "early-exit"], "needs the option exit_layer"),
-    (G + ["--method", "early-exit", "--opt", "exit_layer=true"], "exit_layer must be an integer in [1, 4], got True"),
+    (
+        G + ["--method", "early-exit", "--opt", "exit_layer=true"],
+        "exit_layer must be an integer in [1, n_layers], got True",
+    ),
     (G + ["--method", "sample", "--opt", "tree=1"], "has no option tree"),
     # methods
     (["methods", "--bogus"], "unrecognized arguments: --bogus"),
@@ -315,7 +353,7 @@ CLI = [
     (["bench", *M, "--repeat", "21"], "--repeat: must be an integer in [1, 20]"),
     (["bench", *M, "--opt", "other.k=1"], "names no method"),
     (["bench", *M, "--opt", "greedy.k=1"], "has no option k"),
-    (["bench", *M, "--methods", "speculative"], "needs option draft"),
+    (["bench", *M, "--methods", "speculative"], "needs the option draft: add --opt speculative.draft=VALUE"),
     (["bench", *M, "--methods", "speculative", "--opt", "speculative.draft=nope"], "unknown model 'nope'"),
     (["bench", *M, "--prompts", "0"], "must be a positive integer"),
     (["bench", *M, "--data", "/no/such/question.jsonl"], "not found"),
@@ -337,24 +375,27 @@ CLI = [
     (["demo", *M, "--max-new-tokens", "0"], "must be a positive integer"),
     (["demo", *M, "--prompt", "\udcff"], "is not valid UTF-8"),
     # sweep bild
-    (SB + ["--alpha-fb", "2"], "--alpha-fb: each item must be a finite number in [0, 1], got 2"),
+    (SB + ["--alpha-fb", "2"], "--alpha-fb: each item alpha_fb must be a finite number in [0, 1], got 2"),
     (SB + ["--alpha-fb", "nan"], "got nan"),
-    (SB + ["--alpha-fb", "x"], "each item must be a finite number"),
+    (SB + ["--alpha-fb", "x"], "each item alpha_fb must be a finite number"),
     (SB + ["--alpha-fb", ",".join(["0.5"] * 101)], "beyond the limit of 100"),
     (
         SB + ["--alpha-fb", ",".join(f"0.{i:02d}" for i in range(30)), "--alpha-rb", ",".join(map(str, range(1, 31)))],
         "900 is beyond the limit of 200",
     ),
-    (SB + ["--alpha-rb", "-1"], "--alpha-rb: each item must be a finite number >= 0"),
+    (SB + ["--alpha-rb", "-1"], "--alpha-rb: each item alpha_rb must be a finite number >= 0"),
     (SB + ["--alpha-rb", "nan"], "got nan"),
-    (SB + ["--draft-lens", "0"], "each item must be an integer in [1, 256]"),
-    (SB + ["--draft-lens", "999"], "each item must be an integer in [1, 256]"),
-    (SB + ["--speculative", "fast:2"], "schedule must be one of 'constant', 'heuristic'"),
+    (SB + ["--draft-lens", "0"], "each item draft_len must be an integer in [1, 256]"),
+    (SB + ["--draft-lens", "999"], "each item draft_len must be an integer in [1, 256]"),
+    (SB + ["--speculative", "fast:2"], "schedule must be one of constant, heuristic"),
     (SB + ["--speculative", "heuristic"], "not SCHEDULE:γ[:MIN_CONFIDENCE]"),
     (SB + ["--speculative", "heuristic:x"], "not SCHEDULE:γ[:MIN_CONFIDENCE]"),
-    (SB + ["--speculative", "constant:4:2"], "min_confidence must be a probability"),
-    (SB + ["--exit-layer", "9"], "--exit-layer must be in [1, 3]"),
-    (SB + ["--exit-layer", "0"], "must be a positive integer"),
+    (SB + ["--speculative", "constant:4:2"], "min_confidence must be a finite number in [0, 1]"),
+    (
+        SB + ["--exit-layer", "9"],
+        "--exit-layer: exit_layer must be an integer in [1, 3] (n_layers-1 = 3 on this model)",
+    ),
+    (SB + ["--exit-layer", "0"], "exit_layer must be an integer in [1, n_layers-1]"),
     (["sweep", "bild", *M, "--small", "no-such-model"], "unknown model 'no-such-model'"),
     # calibrate, eval frontier, finetune variant
     (["calibrate", "nope"], "choose lossy methods from skipdecode"),
@@ -367,9 +408,12 @@ CLI = [
         "argument --objective: invalid choice: 'nope'",
     ),
     (["sweep", "bild", *M, "--small", "{D}", "--head", "shared"], "--head chooses the exit head"),
-    (SB + ["--head", "/no/such/head.safetensors"], "is neither one of auto, shared, trained nor an existing"),
-    (SB + ["--max-small", "x"], "must be an integer in [1, 10000]"),
-    (SB + ["--max-small", "-1"], "must be an integer in [1, 10000]"),
+    (
+        SB + ["--head", "/no/such/head.safetensors"],
+        "head must be one of auto, shared, trained or an existing weights file",
+    ),
+    (SB + ["--max-small", "x"], "max_small must be an integer >= 1 or none"),
+    (SB + ["--max-small", "-1"], "max_small must be an integer >= 1 or none"),
     (SB + ["--json", "{FILE}"], "a JSON report must end in .json"),
     (SB + ["--json", "{NOTES_JSON}"], "exists and is not a layerleap report"),
     (SB + ["--plot", "{T}/x.xyz"], "a plot must end in one of .png"),
@@ -399,7 +443,7 @@ CLI = [
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--work", "{T}/c.txt"], "must end in .json"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--offset", "1000"], "no calibration prompts selected"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--work", "{T}/calib.json"], "is not a calibration file"),
-    (AL + ["--exit-layer", "9", "--out", "{T}/h.safetensors"], "--exit-layer must be in [1, 3]"),
+    (AL + ["--exit-layer", "9", "--out", "{T}/h.safetensors"], "--exit-layer: exit_layer must be an integer in [1, 3]"),
     # finetune skipdecode
     (FT, "the following arguments are required: --out"),
     (FT + ["--out", "{FILE}"], "is a file: give a folder"),
@@ -413,7 +457,7 @@ CLI = [
     (FT + ["--out", "{T}/ft", "--steps", "0"], "must be an integer in [1, 1000000]"),
     (FT + ["--out", "{T}/ft", "--batch-size", "5000"], "must be an integer in [1, 1024]"),
     (FT + ["--out", "{T}/ft", "--loss", "mse"], "invalid choice: 'mse'"),
-    (FT + ["--out", "{T}/ft", "--warmup", "-1"], "must be an integer >= 0"),
+    (FT + ["--out", "{T}/ft", "--warmup", "-1"], "warmup must be an integer in [0, n_layers], got -1"),
     (FT + ["--out", "{T}/ft", "--seed", str(2**40)], "must be an integer in [0, 4294967295]"),
     (FT + ["--out", "{T}/ft", "--min-exit-layer", "4", "--max-exit-layer", "2"], "min_exit_layer=4 > max_exit_layer=2"),
     # eval skipdecode / skipdecode-speed
@@ -436,14 +480,14 @@ CLI = [
     (["eval", "skipdecode-speed", *M, "--batch-sizes", "64", "--categories", "writing"], "the largest batch needs 64"),
     # eval ppd-parallel / self-spec / head-cost / drafters
     (["eval", "ppd-parallel", *M, "--k", "100000"], "cores"),
-    (["eval", "ppd-parallel", *M, "--k", "0"], "must be a positive integer"),
-    (["eval", "ppd-parallel", *M, "--head", "nosuch"], "is neither one of auto, shared, trained"),
+    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, vocab_size], got 0"),
+    (["eval", "ppd-parallel", *M, "--head", "nosuch"], "head must be one of auto, shared, trained or an existing"),
     (["eval", "ppd-parallel", *M, "--head-on", "both"], "invalid choice: 'both'"),
     (["eval", "ppd-parallel", *M, "--json", "{FILE}"], "must end in .json"),
     (["eval", "self-spec", *M, "--exit-layer", "1000", "--prompts", "1"], "exit_layer must be an integer in [1, 3]"),
-    (["eval", "self-spec", *M, "--draft-lens", "0"], "each item must be an integer in [1, 256]"),
+    (["eval", "self-spec", *M, "--draft-lens", "0"], "each item draft_len must be an integer in [1, 256]"),
     (["eval", "self-spec", *M, "--min-confidence", "2"], "must be a finite number in [0, 1]"),
-    (["eval", "self-spec", *M, "--head", "nosuch"], "is neither one of"),
+    (["eval", "self-spec", *M, "--head", "nosuch"], "head must be one of auto, shared, trained"),
     (["eval", "head-cost", *M, "--context", "100000000"], "beyond tiny's context"),
     (["eval", "head-cost", *M, "--vocab", "0"], "each item must be a positive integer"),
     (["eval", "head-cost", *M, "--vocab", "1000000"], "--vocab sizes must be in [1, 128]"),
@@ -462,7 +506,7 @@ CLI = [
     (EX + ["--near-tie", "-1"], "must be a finite number >= 0"),
     (EX + ["--json", "{FILE}"], "must end in .json"),
     (EX + ["--draft", "no-such-model"], "unknown model"),
-    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer >= 1"),
+    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, vocab_size], got 0"),
     # theory ppd
     (["theory", "ppd", "--simulate", "1000000000"], "must be an integer in [0, 50000000]"),
     (["theory", "ppd", "--simulate", "-5"], "must be an integer in [0, 50000000]"),
@@ -482,7 +526,7 @@ CLI = [
         ["theory", "ppd", "--measure", *M, "--exit-layers", "2", "--ks", "100000", "--prompts", "1"],
         "--ks must be an integer in [1, 128]",
     ),
-    (["theory", "ppd", "--measure", *M, "--head", "nosuch"], "is neither one of"),
+    (["theory", "ppd", "--measure", *M, "--head", "nosuch"], "head must be one of auto, shared, trained"),
     # train heads
     (["train", "heads", *M, "--out", "{T}/h.safetensors"], "the following arguments are required: --layers"),
     (TH + ["--layers", "a,b", "--out", "{T}/h.safetensors"], "--layers: each item must be a positive integer"),
@@ -562,6 +606,35 @@ CLI = [
         "must end in .json",
     ),
     (SV + ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors", "--storage", "int8"], "invalid choice"),
+    # one declaration per option: the same message from every command (checked before loading: BEFORE_LOAD)
+    (G + ["--method", "self-spec", "--opt", "draft_len=-1"], "draft_len must be an integer in [1, 256] or none"),
+    (G + ["--method", "prompt-lookup", "--opt", "draft_len=-1"], "draft_len must be an integer in [1, 256] or none"),
+    (G + ["--method", "auto", "--opt", "max_ngram=1000"], "max_ngram must be an integer in [1, 32], got 1000"),
+    (G + ["--method", "prompt-lookup", "--opt", "min_ngram=3", "--opt", "max_ngram=2"], "min_ngram (3) must be <="),
+    (G + ["--method", "self-spec", "--opt", "exit_layer=4"], "exit_layer must be an integer in [1, 3] (n_layers-1 = 3"),
+    (G + ["--method", "bild", "--opt", "exit_layer=4"], "exit_layer must be an integer in [1, 3] (n_layers-1 = 3"),
+    (G + ["--method", "ppd", "--opt", "exit_layer=1"], "exit_layer must be an integer in [2, 3] (ceil(n_layers/2) = 2"),
+    (G + ["--method", "medusa", "--opt", "heads={MEDUSA_SHAPES}"], "do not fit this model: size mismatch for"),
+    (["generate", "--model", "{NOTOK}", "--prompt", "hi"], "has no tokenizer (no tokenizer.json"),
+    (["bench", *M, "--data", "{EMPTYJSONL}"], "holds no questions"),
+    # sampling flags are used or refused, never ignored
+    (
+        G + ["--method", "greedy", "--temperature", "1.5"],
+        "method 'greedy' decodes greedily and would ignore temperature",
+    ),
+    (G + ["--temperature", "1.5"], "use method 'sample' to sample (--method sample)"),
+    (G + ["--method", "ppd", "--seed", "1"], "method 'ppd' decodes greedily and would ignore seed"),
+    (G + ["--method", "ppd", "--do-sample"], "method 'ppd' decodes greedily only: drop do_sample=True (--do-sample)"),
+    (["bench", *M, "--methods", "greedy,ppd", "--temperature", "0.5"], "--temperature: no method of this run samples"),
+    (EX + ["--methods", "speculative"], "method speculative needs a second model: give --draft NAME"),
+    (TM + ["--out", "{T}/m.safetensors", "--layers", "10"], "--layers is for `layerleap train transfer`"),
+    (TT + ["--out", "{T}/t.safetensors", "--heads", "2"], "--heads is for `layerleap train medusa`"),
+    (["theory", "ppd", "--measure", *M, "--layers", "30"], "--layers: not used with --measure"),
+    (["theory", "ppd", "--measure", *M, "--p-correct", "0.3", "--k", "2"], "--k, --p-correct: not used with --measure"),
+    (["theory", "ppd", "--head", "shared"], "--head: not used without --measure: add --measure"),
+    (["bench", *M, "--no-baseline-hf", "--hf-extra", "lookup"], "--hf-extra: not used with --no-baseline-hf"),
+    (MR + ["--layers", "2", "--temperature", "0.5"], "--temperature: not used with --mode greedy"),
+    (MR + ["--layers", "2", "--mode", "top-k", "--top-p", "0.5"], "--top-p: not used with --mode top-k"),
 ]
 
 
@@ -689,8 +762,8 @@ API = [
     (lambda m, p: layerleap.to_hf("tiny"), "to_hf takes a layerleap model"),
     # generate: the model, the method, the prompt
     (lambda m, p: layerleap.generate("tiny", "hi"), "model must be a layerleap model"),
-    (lambda m, p: layerleap.generate(m, "hi", method=None), "unknown method None"),
-    (lambda m, p: layerleap.generate(m, "hi", method=["greedy"]), "unknown method ['greedy']"),
+    (lambda m, p: layerleap.generate(m, "hi", method=None), "a method is named by text, got None"),
+    (lambda m, p: layerleap.generate(m, "hi", method=["greedy"]), "a method is named by text, got ['greedy']"),
     (_gen(b"Hello"), "the prompt is bytes: decode it"),
     (_gen(bytearray(b"Hello")), "the prompt is bytes"),
     (_gen(["hi", b"x"]), "the prompt is bytes"),
@@ -731,14 +804,17 @@ API = [
     (_medusa(tree=[(0,), (60000,)]), "draft ranks beyond the vocabulary"),
     (_medusa(tree="1,1,1"), "the tree is 3 deep"),
     (_medusa(tree=object()), "a tree shape is top-k per depth"),
-    (_gen("hi", method="skipdecode", target_speedup=math.nan), "target_speedup must be a number in [1, 4]"),
-    (_gen("hi", method="skipdecode", schedule="1234"), "schedule must be a list of integer exit layers"),
-    (_gen("hi", method="skipdecode", schedule=[math.inf]), "schedule must be a list of integer exit layers"),
-    (_gen("hi", method="calm", threshold=math.nan), "threshold must be a number"),
+    (
+        _gen("hi", method="skipdecode", target_speedup=math.nan),
+        "target_speedup must be a finite number in [1, 4] (n_layers = 4 on this model)",
+    ),
+    (_gen("hi", method="skipdecode", schedule="1234"), "schedule must be a non-empty list of integers in [1, 4]"),
+    (_gen("hi", method="skipdecode", schedule=[math.inf]), "schedule must be a list of integers in [1, 4]"),
+    (_gen("hi", method="calm", threshold=math.nan), "threshold must be a finite number, got nan"),
     (_gen("hi", method="self-spec", draft_len=10**6), "draft_len must be an integer in [1, 256]"),
     (_gen("hi", method="speculative", draft="tiny"), "draft= must be a layerleap model"),
-    (_gen("hi", method="ppd", k=True), "k must be an integer >= 1"),
-    (_gen("hi", method="medusa", heads=5), "medusa weights must be 'trained', a weights file or a drafter"),
+    (_gen("hi", method="ppd", k=True), "k must be an integer in [1, 128] (vocab_size = 128 on this model), got True"),
+    (_gen("hi", method="medusa", heads=5), "heads must be one of trained, a weights file or loaded weights, got 5"),
     # the functions the commands use
     (_theory(p=math.nan), "--p-correct must be a finite number, got nan"),
     (_theory(d="40"), "--layers must be an integer"),
@@ -816,6 +892,31 @@ API = [
         ),
         "prompts must be a list of texts or token-id lists, got str",
     ),
+    # one declaration per option, one checker (core.options); sampling arguments used or refused
+    (
+        _gen("hi", method="self-spec", draft_len=True),
+        "draft_len must be an integer in [1, 256] or none (the dtype's tuned one), got True",
+    ),
+    (_gen("hi", method="self-spec", draft_len=__import__("numpy").int64(0)), "draft_len must be an integer"),
+    (
+        _gen("hi", method="prompt-lookup", draft_len=257),
+        "draft_len must be an integer in [1, 256] or none (the dtype's tuned one), got 257",
+    ),
+    (_gen("hi", method="self-spec", exit_layer=4), "exit_layer must be an integer in [1, 3] (n_layers-1 = 3"),
+    (_gen("hi", method="bild", alpha_rb=math.nan), "alpha_rb must be a finite number >= 0; inf: never roll back"),
+    (_gen("hi", method="self-spec", min_confidence=math.inf), "min_confidence must be a finite number in [0, 1]"),
+    (_gen("hi", method="skipdecode", decay="weird"), "decay must be one of linear, power, got 'weird'"),
+    (_gen("hi", method="medusa", tree="a;b"), "tree: cannot read the tree shape 'a;b'"),
+    (_gen("hi", method="speculative"), "method 'speculative' needs the option draft"),
+    (_gen("hi", method="speculative", draft=None), "draft must be a model"),
+    (_gen("hi", method="greedy", temperature=0.7), "method 'greedy' decodes greedily and would ignore temperature"),
+    (_gen("hi", method="ppd", do_sample=True), "method 'ppd' decodes greedily only"),
+    (_gen("hi", method="self-spec", do_sample=False, top_p=0.5), "do_sample=False decodes greedily and would ignore"),
+    (lambda m, p: layerleap.METHODS["nosuch"], "unknown method 'nosuch': choose one of auto, bild"),
+    (_load("{D}", device="cuda:99"), "device 'cuda:99'"),
+    (_load("{D}", device="gpu"), "device 'gpu'"),
+    (_load("{D}", device=5.5), "device must be text such as 'cpu' or 'cuda', got 5.5"),
+    (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(p["EMPTYJSONL"]), "holds no questions"),
 ]
 
 
@@ -850,3 +951,64 @@ def test_subprocess(places, argv, stdin, message):
     err = p.stderr.decode(errors="replace").strip()
     assert p.returncode == 2 and p.stdout == b"" and "Traceback" not in err, err
     assert message in err.splitlines()[-1] and sum(": error: " in ln for ln in err.splitlines()) == 1, err
+
+
+# -- model-independent checks come before the model loads ------------------------------------------
+BEFORE_LOAD = [
+    (G + ["--method", "medusa", "--opt", "tree=a;b"], "tree: cannot read the tree shape"),
+    (G + ["--method", "medusa", "--opt", "tree=1000"], "more than 512 nodes"),
+    (G + ["--method", "self-spec", "--opt", "draft_len=-1"], "draft_len must be an integer in [1, 256] or none"),
+    (G + ["--method", "skipdecode", "--opt", "decay=weird"], "decay must be one of linear, power"),
+    (G + ["--method", "calm", "--opt", "threshold=nan"], "threshold must be a finite number, got nan"),
+    (G + ["--method", "self-spec", "--opt", "exit_layer=0"], "exit_layer must be an integer in [1, n_layers-1]"),
+    (G + ["--method", "greedy", "--opt", "nosuch=1"], "method 'greedy' has no option nosuch"),
+    (G + ["--method", "self-spec", "--opt", "head=/no/such/head.safetensors"], "head must be one of auto, shared"),
+    (G + ["--method", "medusa", "--opt", "heads=/no/such.safetensors"], "heads must be one of trained or an existing"),
+    (G + ["--method", "greedy", "--temperature", "1.5"], "would ignore temperature"),
+    (G + ["--method", "ppd", "--do-sample"], "decodes greedily only"),
+    (["demo", *M, "--prompt", ""], "--prompt is empty"),
+    (["demo", *M, "--prompt", "  "], "--prompt is empty"),
+    (["bench", *M, "--methods", "calm", "--opt", "calm.threshold=nan"], "threshold must be a finite number, got nan"),
+    (["bench", *M, "--methods", "s=self-spec", "--opt", "s.draft_len=0"], "s: draft_len must be an integer"),
+    (["bench", *M, "--methods", "greedy", "--top-k", "3"], "--top-k: no method of this run samples"),
+    (["serve", *M, "--method", "self-spec", "--opt", "draft_len=0"], "draft_len must be an integer in [1, 256]"),
+    (["serve", *M, "--method", "greedy", "--opt", "k=1"], "method 'greedy' has no option k"),
+    (EX + ["--methods", "speculative"], "needs a second model: give --draft NAME"),
+    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, vocab_size], got 0"),
+    (TM + ["--out", "{T}/m.safetensors", "--layers", "10"], "--layers is for `layerleap train transfer`"),
+    (["eval", "self-spec", *M, "--draft-lens", "0"], "each item draft_len must be an integer in [1, 256]"),
+    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, vocab_size], got 0"),
+    (SB + ["--alpha-fb", "nan"], "alpha_fb must be a finite number in [0, 1]"),
+]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Every way a command loads a model, replaced by a recorder: a row that loads fails the test."""
+    from layerleap.core import loading
+    from layerleap.drafters import variants
+
+    calls = []
+
+    def refuse(*a, **kw):
+        calls.append(a)
+        raise AssertionError(f"the model was loaded: {a}")
+
+    monkeypatch.setattr(variants, "load", refuse)
+    monkeypatch.setattr(loading, "load", refuse)
+    monkeypatch.setattr(loading, "load_folder", refuse)
+    return calls
+
+
+@pytest.mark.parametrize("argv, message", BEFORE_LOAD, ids=[f"{i:03d} {_id(r)}" for i, r in enumerate(BEFORE_LOAD)])
+def test_refused_before_loading(capsys, places, no_loading, argv, message):
+    test_cli(capsys, places, argv, message)
+    assert not no_loading
+
+
+def test_unknown_method_is_a_key_error():
+    with pytest.raises(KeyError, match="unknown method 'nosuch'"):
+        layerleap.METHODS["nosuch"]
+    with pytest.raises(LayerleapError):
+        layerleap.METHODS["nosuch"]
+    assert "nosuch" not in layerleap.METHODS and layerleap.METHODS.get("nosuch") is None

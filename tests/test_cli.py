@@ -143,7 +143,7 @@ def test_methods_with_required_options_are_skipped(monkeypatch):
     add_method(monkeypatch, "needs_draft", lambda run, draft: autoregressive(run))
     runnable = bench.runnable_methods()
     assert "greedy" in runnable and "sample" in runnable and "needs_draft" not in runnable
-    with pytest.raises(layerleap.LayerleapError, match="needs option draft"):
+    with pytest.raises(layerleap.LayerleapError, match="needs the option draft"):
         bench.parse_methods("needs_draft")
     assert bench.parse_methods("needs_draft", ["needs_draft.draft=m"])["needs_draft"] == ("needs_draft", {"draft": "m"})
 

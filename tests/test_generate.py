@@ -338,7 +338,7 @@ BAD = [
     (dict(method="sample", tree_width=3), "method 'sample' has no option tree_width"),
     (dict(prompt=[5, 97]), r"token ids \[97\] are outside the vocabulary \[0, 97\)"),
     (dict(prompt=[-1, 3]), r"token ids \[-1\] are outside the vocabulary"),
-    (dict(prompt="hello"), "no tokenizer: pass token ids"),
+    (dict(prompt="hello"), r"has no tokenizer \(its folder has no tokenizer files\): pass token ids"),
     (dict(do_sample=True), "method 'greedy' decodes greedily only"),
 ]
 
@@ -361,7 +361,7 @@ def test_method_missing_required_option(tiny, monkeypatch):
 
     layerleap.get_method("greedy")  # register the built-ins first
     monkeypatch.setitem(METHODS, "needs-width", Method("needs-width", needs_width, False, False, False, "x"))
-    with pytest.raises(GenerationError, match=r"method 'needs-width' needs the option\(s\) width"):
+    with pytest.raises(GenerationError, match=r"method 'needs-width' needs the option width: add --opt width=VALUE"):
         generate(tiny, [1, 2], method="needs-width", max_new_tokens=2)
     assert len(generate(tiny, [1, 2], method="needs-width", max_new_tokens=2, width=3).token_ids) <= 2
 

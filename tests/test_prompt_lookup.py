@@ -110,7 +110,7 @@ def test_stops_at_eos_like_greedy():
         ({"draft_len": 0}, "draft_len"),
         ({"max_ngram": 0}, "max_ngram"),
         ({"min_ngram": 3, "max_ngram": 2}, "min_ngram"),
-        ({"draft_len": 1000}, "at most 64"),
+        ({"draft_len": 1000}, r"draft_len must be an integer in \[1, 256\]"),
         ({"draft_len": True}, "draft_len"),
     ],
 )

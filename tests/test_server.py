@@ -224,6 +224,28 @@ def test_bad_requests_get_openai_errors(tiny_server, body, status, code):
         assert err["param"] == named[0] and named[0] in err["message"], err
 
 
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            {"layerleap": {"method": "self-spec", "options": {"draft_len": -1}}},
+            "draft_len must be an integer in [1, 256]",
+        ),
+        ({"layerleap": {"method": "greedy", "options": {"nosuch": 1}}}, "method 'greedy' has no option nosuch"),
+        (  # checked before the model it names is loaded (smollm2-135m would take seconds)
+            {"layerleap": {"method": "speculative", "options": {"draft": "smollm2-135m", "draft_len": 0}}},
+            "draft_len must be an integer in [1, 256], got 0",
+        ),
+        ({"top_p": 0.5, "layerleap": {"method": "ppd"}}, "'ppd' decodes greedily and would ignore temperature, top_p"),
+    ],
+)
+def test_request_options_follow_the_declarations(tiny_server, body, message):
+    r = post(tiny_server, {"prompt": "a", "max_tokens": 2, **body})
+    err = r.json()["error"]
+    assert r.status_code == 400 and message in err["message"], err
+    assert err["param"] in ("layerleap.options", "temperature")
+
+
 def test_junk_option_values_never_give_a_server_error(tiny_server):
     """Every option of every method, given values of the wrong kind: a 4xx (or a valid answer), never a 5xx."""
     layerleap.get_method("greedy")

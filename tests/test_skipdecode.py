@@ -181,7 +181,7 @@ def test_calm_exits_and_fills_kv(model):
         (dict(min_exit_layer=2, max_exit_layer=D + 1), r"\[1, 6\]"),
         (dict(min_exit_layer=2, max_exit_layer=4, warmup=3), "warmup"),
         (dict(schedule=[5, 4, 5, 3]), "not monotone"),
-        (dict(schedule=[7, 3]), "outside"),
+        (dict(schedule=[7, 3]), r"schedule must be a list of integers in \[1, 6\]"),
         (dict(decay="cubic"), "decay"),
         (dict(max_len=3), "max_len"),
     ],

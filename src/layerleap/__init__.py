@@ -25,6 +25,8 @@ _EXPORTS = {
     "METHODS": "decoding",
     "register": "decoding",
     "get_method": "decoding",
+    "UnknownMethod": "decoding",
+    "Option": "core.options",
     "Decoding": "decoding",
     "stream": "streaming",
     "TextStream": "streaming",

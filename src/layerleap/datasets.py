@@ -89,6 +89,8 @@ def _read_spec_bench(path) -> list[dict]:
             f"{p} is not a Spec-Bench question.jsonl ({type(e).__name__}: {e}): "
             "each line must be JSON with question_id, category and turns"
         ) from None
+    if not rows:
+        raise LayerleapError(f"{p} holds no questions: give a Spec-Bench question.jsonl (one JSON question a line)")
     return rows
 
 

@@ -8,7 +8,6 @@ driver live in ``layerleap.core.run``; importing this module registers the built
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import os
 import time
@@ -29,6 +28,7 @@ from .core.run import (
     GenerationResult,
     Method,
     Run,
+    UnknownMethod,
     chat_token_ids,
     drive,
     register,
@@ -46,6 +46,7 @@ __all__ = [
     "Method",
     "Run",
     "Stats",
+    "UnknownMethod",
     "chat_token_ids",
     "drive",
     "register",
@@ -54,9 +55,38 @@ __all__ = [
 
 
 def get_method(name: str) -> Method:
-    if not isinstance(name, str) or name not in METHODS:
-        raise GenerationError(f"unknown method {name!r}: choose one of {', '.join(sorted(METHODS))}")
+    """The registered method ``name``, or an ``UnknownMethod`` (a ``GenerationError`` and ``KeyError``)
+    naming the known ones."""
+    if not isinstance(name, str):
+        known = ", ".join(sorted(METHODS))
+        raise UnknownMethod(f"a method is named by text, got {V.show(name)}: choose one of {known}")
     return METHODS[name]
+
+
+SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
+NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # values that change no distribution: they ask for nothing
+
+
+def sampling_choice(m: Method, do_sample: bool | None, given: dict) -> bool:
+    """Whether ``m`` samples.  ``do_sample`` decides when given; without it, a method samples when it
+    samples by default or when any sampling argument is given (``given``: name -> value, those not None),
+    as ``temperature=0.7`` alone means sampling.  A sampling argument a call would ignore is refused:
+    given to a method that decodes greedily only, or with ``do_sample=False``."""
+    if do_sample is None:
+        if given and not m.sampling:
+            names = ", ".join(given)
+            raise GenerationError(
+                f"method {m.name!r} decodes greedily and would ignore {names}: use method 'sample' to sample "
+                f"(--method sample), a sampling method ({', '.join(n for n, x in METHODS.items() if x.sampling)}), "
+                f"or leave {names} out"
+            )
+        return m.default_sample or bool(given)
+    warps = [k for k in given if k != "seed"]
+    if not do_sample and warps:
+        names = ", ".join(warps)
+        raise GenerationError(f"do_sample=False decodes greedily and would ignore {names}: leave them out or sample")
+    _check(not do_sample or m.sampling, f"method {m.name!r} decodes greedily only: drop do_sample=True (--do-sample)")
+    return do_sample
 
 
 # -- the public entry point --------------------------------------------------------------------
@@ -79,7 +109,10 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
             raise GenerationError("the prompt is empty: give some text to continue")
         tok = model.tokenizer
         if tok is None:
-            raise GenerationError("this model has no tokenizer: pass token ids instead of text")
+            raise GenerationError(
+                "this model has no tokenizer (its folder has no tokenizer files): pass token ids instead of text, "
+                "or add the tokenizer files"
+            )
         if chat:
             if not getattr(tok, "chat_template", None):
                 raise GenerationError("this tokenizer has no chat template: call without chat=True")
@@ -164,9 +197,9 @@ def generate(
     method: str = "greedy",
     max_new_tokens: int = 64,
     *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     do_sample: bool | None = None,
     stop_at_eos: bool = True,
@@ -179,7 +212,12 @@ def generate(
     ``prompt`` is text, a list of token ids, or a list of either.  A list decodes as one batch; a
     method that does not batch (``METHODS[name].batched`` is False) takes a list of one prompt only
     and refuses more with a ``GenerationError``.  Method options are keyword arguments (see
-    ``layerleap.METHODS[name].options()``).
+    ``layerleap.METHODS[name].options()``), checked by their declarations (``core.options``).
+
+    ``do_sample``: None follows the method (``sample`` samples) unless ``temperature``, ``top_k``,
+    ``top_p`` or ``seed`` is given, which makes a method that can sample sample and is refused by one
+    that decodes greedily only (``sampling_choice``); nothing given is ever ignored.  A value that
+    changes no distribution (temperature 1.0, top_k 0, top_p 1.0: the defaults) asks for nothing.
 
     ``quality`` (lossy methods: ``skipdecode``, ``calm``, ``early-exit``, ``bild``): the share of
     greedy's quality to keep, e.g. 0.95; the method runs the setting ``layerleap calibrate`` chose for
@@ -217,9 +255,9 @@ def _prepare(
     prompt,
     method: str,
     max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
     seed: int | None,
     do_sample: bool | None,
     stop_at_eos: bool,
@@ -236,29 +274,24 @@ def _prepare(
     _check(m.batched or len(prompts) == 1, one_at_a_time(m.name, len(prompts)))
     with V.raising(GenerationError):
         V.integer(max_new_tokens, "max_new_tokens", 1)
-        V.number(temperature, "temperature", V.MIN_TEMPERATURE, hint=" (use method='greedy' for deterministic output)")
-        V.integer(top_k, "top_k", 0, hint=" (0 = off)")
-        V.number(top_p, "top_p", 0, 1, lo_open=True)
+        if temperature is not None:
+            hint = " (use method='greedy' for deterministic output)"
+            V.number(temperature, "temperature", V.MIN_TEMPERATURE, hint=hint)
+        if top_k is not None:
+            V.integer(top_k, "top_k", 0, hint=" (0 = off)")
+        if top_p is not None:
+            V.number(top_p, "top_p", 0, 1, lo_open=True)
         if seed is not None:
             V.seed(seed)
         if do_sample is not None:
             V.flag(do_sample, "do_sample")
         V.flag(stop_at_eos, "stop_at_eos")
         V.flag(chat, "chat")
-    allowed = m.options()
-    unknown = sorted(set(options) - set(allowed))
-    _check(
-        not unknown,
-        f"method {method!r} has no option {', '.join(unknown)}; its options: {', '.join(allowed) or 'none'}",
-    )
-    missing = [k for k, d in allowed.items() if d is inspect.Parameter.empty and k not in options]
-    _check(
-        not missing,
-        f"method {method!r} needs the option(s) {', '.join(missing)}: pass them as keyword "
-        "arguments (--opt name=value on the command line)",
-    )
-    do_sample = m.default_sample if do_sample is None else bool(do_sample)
-    _check(not do_sample or m.sampling, f"method {method!r} decodes greedily only: drop do_sample=True")
+        options.update(m.check_options(options, model.config))
+    given = {
+        k: v for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, seed)) if v is not None and NEUTRAL.get(k) != v
+    }
+    do_sample = sampling_choice(m, do_sample, given)
 
     ids = [_encode(model, p, chat) for p in prompts]
     ctx = model.config.max_position
@@ -272,7 +305,17 @@ def _prepare(
     eos = tuple(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
-    gen = GenerationConfig(max_new_tokens, do_sample, float(temperature), top_k, float(top_p), seed, stop_at_eos, eos)
+    d = GenerationConfig()
+    gen = GenerationConfig(
+        max_new_tokens,
+        do_sample,
+        d.temperature if temperature is None else float(temperature),
+        d.top_k if top_k is None else int(top_k),
+        d.top_p if top_p is None else float(top_p),
+        seed,
+        stop_at_eos,
+        eos,
+    )
     return m, ids, many, gen
 
 
@@ -295,9 +338,9 @@ class Decoding:
         method: str = "greedy",
         max_new_tokens: int = 64,
         *,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         seed: int | None = None,
         do_sample: bool | None = None,
         stop_at_eos: bool = True,

@@ -13,6 +13,7 @@ from typing import Callable
 
 from .decoding import get_method
 from .errors import LayerleapError
+from .core.loading import to_device  # noqa: F401  (placing a model: re-exported for the commands)
 from .core.model import Transformer
 
 
@@ -32,24 +33,6 @@ class ModelLoader:
             if self.progress is not None:
                 self.progress(f"loaded {name} ({self.dtype}) for a method option")
         return self.models[name]
-
-
-def to_device(model: Transformer, device: str = "cpu") -> Transformer:
-    """``model`` on ``device`` ("cpu", "cuda", "cuda:1", …), or a ``LayerleapError`` naming the fix."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise LayerleapError(f"device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise LayerleapError(f"device {device!r}: no CUDA device here: use cpu")
-    if model.device == dev or (dev.type == model.device.type and dev.index is None):
-        return model
-    try:
-        return model.to(dev)
-    except RuntimeError as e:
-        raise LayerleapError(f"device {device!r}: {e}") from None
 
 
 def model_options(method: str) -> tuple[str, ...]:

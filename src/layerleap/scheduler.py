@@ -52,17 +52,15 @@ class Settings:
 
     def decoding(self, model: Transformer, prompts) -> Decoding:
         g = self.gen
+        sampling = dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=g.seed) if g.do_sample else {}
         return Decoding(
             model,
             prompts,
             self.method,
             g.max_new_tokens,
-            temperature=g.temperature,
-            top_k=g.top_k,
-            top_p=g.top_p,
-            seed=g.seed,
             do_sample=g.do_sample,
             stop_at_eos=g.stop_at_eos,
+            **sampling,
             **self.options,
         )
 

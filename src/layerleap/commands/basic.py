@@ -8,7 +8,6 @@ argparse rejects malformed numbers the same way.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import shlex
@@ -26,7 +25,7 @@ from ..core import kernels
 from .. import validate as V
 from . import command
 from ..datasets import read_prompts_file, spec_bench
-from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method
+from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
 from ..methods.budget import LOSSY
 from ..errors import LayerleapError
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
@@ -36,7 +35,7 @@ from ..streaming import stream
 
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 DEMO_CATEGORIES = "qa,summarization"
-DEMO_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "seed": 0}  # greedy methods ignore these
+DEMO_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "seed": 0}  # for the method that samples by default
 DEMO_HTML = "layerleap-demo.html"
 
 
@@ -90,11 +89,39 @@ def _sampling_args(p) -> None:
         help="nucleus sampling mass (default 1.0: off)",
     )
     p.add_argument("--seed", type=V.seed_arg, default=None, help=f"random seed for sampling (0 .. {V.SEED_MAX})")
+    p.add_argument(
+        "--do-sample",
+        action="store_true",
+        default=None,
+        help="sample (a sampling flag above implies it; a method that decodes greedily only refuses both)",
+    )
 
 
 def _sampling(args) -> dict:
-    keys = ("temperature", "top_k", "top_p", "seed")
+    keys = ("temperature", "top_k", "top_p", "seed", "do_sample")
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def _check_sampling(method: str, args) -> dict:
+    """``generate``'s sampling arguments from the flags, with ``do_sample`` decided: any sampling flag
+    written asks for sampling (``--temperature 1.0`` too); one that ``method`` would ignore is refused
+    before loading (``decoding.sampling_choice``)."""
+    sampling = _sampling(args)
+    given = {k: v for k, v in sampling.items() if k != "do_sample"}
+    return {**sampling, "do_sample": sampling_choice(get_method(method), getattr(args, "do_sample", None), given)}
+
+
+def _given(args, *flags: str) -> list[str]:
+    """Those of ``flags`` written on the command line (``args.argv``; a flag's full spelling)."""
+    words = {a.split("=", 1)[0] for a in getattr(args, "argv", []) if a.startswith("--")}
+    return [f for f in flags if f in words]
+
+
+def _refuse_unused(args, flags: tuple[str, ...], why: str) -> None:
+    """A flag that would be ignored ``why`` (e.g. "with --measure") is refused, never ignored."""
+    used = _given(args, *flags)
+    if used:
+        raise LayerleapError(f"{', '.join(used)}: not used {why}: drop {'it' if len(used) == 1 else 'them'}")
 
 
 def _say(msg: str) -> None:
@@ -123,6 +150,15 @@ def _load(args, name: str | None = None):
     return model
 
 
+def _need_tokenizer(model, args) -> None:
+    """Commands that read text prompts need the model's tokenizer: say so, with the fix, right after loading."""
+    if model.tokenizer is None:
+        raise LayerleapError(
+            f"--model {args.model} has no tokenizer (no tokenizer.json or tokenizer_config.json beside its weights): "
+            "copy the tokenizer files of the model it was made from into its folder"
+        )
+
+
 def _check_sizes(model, args) -> None:
     """The arguments whose limits depend on the model (``--max-new-tokens``, ``--context``), checked
     before any heavy work."""
@@ -149,6 +185,9 @@ def _start_with_methods(args, methods: bench.MethodSpecs):
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
+    _need_tokenizer(model, args)
+    for label, (name, opts) in methods.items():  # the bounds on the model, before a second model loads
+        bench.check_spec(label, name, opts, model.config)
     loader = _loader(args)
     return threads, model, {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
 
@@ -272,19 +311,11 @@ def _read_stdin() -> str:
 
 
 def _method_options(method: str, items: list[str] | None, quality: float | None = None) -> dict:
-    """``--opt NAME=VALUE`` items of ``generate``, checked against the method's options (a model-valued
-    one must name a model) before any model is loaded."""
-    m = get_method(method)
-    allowed = m.options()
+    """``--opt NAME=VALUE`` items of ``generate``, checked by the method's declarations (names, types, the
+    bounds that do not depend on the model; a model-valued one must name a model) before any model is
+    loaded.  With ``--quality`` a missing option is left to the calibration (or generate names the fix)."""
     options = dict(bench.parse_assignments(items))
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise LayerleapError(
-            f"method {method!r} has no option {', '.join(unknown)}; its options: {', '.join(allowed) or 'none'}"
-        )
-    missing = bench.required_options(method, options)
-    if missing and quality is None:  # with --quality, the calibration sets it (or generate names the fix)
-        raise LayerleapError(f"method {method!r} needs the option {missing[0]}: add --opt {missing[0]}=VALUE")
+    get_method(method).check_options(options, partial=quality is not None)
     _check_model_options(method, options)
     return options
 
@@ -298,10 +329,13 @@ def _check_model_options(method: str, options: dict, label: str = "") -> None:
 @_setup_generate
 def run_generate(args) -> int:
     options = _method_options(args.method, args.opt, args.quality)  # fail before loading the model
+    sampling = _check_sampling(args.method, args)
     prompts = _generate_prompts(args)
     threads = _threads(args.threads)
     model = _load(args)
-    kwargs = {**_sampling(args), **resolve_models(args.method, options, _loader(args))}
+    _need_tokenizer(model, args)
+    get_method(args.method).check_options(options, model.config, partial=args.quality is not None)
+    kwargs = {**sampling, **resolve_models(args.method, options, _loader(args))}
     if args.quality is not None:
         kwargs["quality"] = args.quality
     with warnings.catch_warnings(record=True) as said:
@@ -376,14 +410,17 @@ def _setup_methods(p):
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _option_text(value) -> str:
-    if value is inspect.Parameter.empty:
-        return "required"
-    return "none" if value is None else str(value)
+def _option_text(o) -> str:
+    """One option as ``layerleap methods`` lists it: name=default, type, bounds, what None means, meaning."""
+    default = "required" if o.required else "none" if o.default is None else str(o.default)
+    kind = "a model" if o.kind == "model" else o.kind
+    bounds = f" {o.bounds_text()}" if o.bounds_text() else ""
+    none = "".join(f"; {w}: {m}" for w, m in (("none", o.none), ("inf", o.inf)) if m)
+    return f"{o.name}={default} ({kind}{bounds}{none}): {o.help}"
 
 
 def methods_table() -> dict:
-    """Every registered method: its options (with defaults) and flags."""
+    """Every registered method: its options (defaults, and each one's type, bounds and meaning) and flags."""
     from ..decoding import METHODS as registry
 
     return {
@@ -392,9 +429,10 @@ def methods_table() -> dict:
             "batches": m.batched,
             "samples": m.sampling,
             "samples_by_default": m.default_sample,
-            "options": {k: (None if v is inspect.Parameter.empty else v) for k, v in m.options().items()},
-            "required": [k for k, v in m.options().items() if v is inspect.Parameter.empty],
+            "options": {o.name: (None if o.required else o.default) for o in m.declared},
+            "required": [o.name for o in m.declared if o.required],
             "model_options": list(m.models),
+            "option_specs": {o.name: o.describe() for o in m.declared},
             "description": m.description,
         }
         for name, m in registry.items()
@@ -409,20 +447,16 @@ def run_methods(args) -> int:
         print(json.dumps(methods_table(), default=str))
         return 0
     yes = {True: "yes", False: "-"}
-    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7}  options (default)")
+    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7}  description")
     for name, m in registry.items():
-        opts = (
-            ", ".join(
-                f"{k}={_option_text(v)}" + (" (a model)" if k in m.models else "") for k, v in m.options().items()
-            )
-            or "-"
-        )
-        print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {opts}")
-        print(f"{'':16} {m.description}")
+        print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {m.description}")
+        for o in m.declared:
+            print(f"{'':18}--opt {_option_text(o)}")
     print(
         "\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
         "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p "
-        "sampling.  Options go in as --opt NAME=VALUE."
+        "sampling (--do-sample, or any sampling flag).  Options go in as --opt NAME=VALUE (generate(..., NAME=VALUE) "
+        "in Python); n_layers, vocab_size and context are the model's."
     )
     return 0
 
@@ -616,6 +650,9 @@ def run_bench(args) -> int:
     methods = bench.parse_methods(args.methods or ",".join(bench.runnable_methods()), args.opt)
     for label, (name, options) in methods.items():
         _check_model_options(name, options, label)
+    _check_bench_sampling(methods, _sampling(args))
+    if not args.baseline_hf:
+        _refuse_unused(args, ("--hf-extra",), "with --no-baseline-hf (it times transformers beside its greedy)")
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
     threads, model, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
@@ -638,6 +675,17 @@ def run_bench(args) -> int:
         quality=args.quality,
     )
     return _finish(result, args.json, args.html)
+
+
+def _check_bench_sampling(methods: bench.MethodSpecs, sampling: dict) -> None:
+    """Sampling flags apply to the methods of the run that sample (``bench.samples``): refuse them when
+    none does, rather than ignore them."""
+    if sampling and not any(bench.samples(name, sampling) for name, _ in methods.values()):
+        flags = ", ".join("--" + k.replace("_", "-") for k in sampling)
+        raise LayerleapError(
+            f"{flags}: no method of this run samples ({', '.join(methods)}): add a method that samples by "
+            "default (sample), or --do-sample for every method that can sample"
+        )
 
 
 def _finish(result: bench.BenchResult, out: str | None, html: str | None = None) -> int:
@@ -713,11 +761,14 @@ def demo_quality(model, res, greedy, said=()) -> str:
 @_setup_demo
 def run_demo(args) -> int:
     t0 = time.perf_counter()
+    if not args.prompt.strip():
+        raise LayerleapError("--prompt is empty: give the chat prompt every method answers (or leave it out)")
     methods = bench.runnable_methods()
     prompts = _read_prompts(None, _csv(args.categories), 1)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     model = _load(args)
+    _need_tokenizer(model, args)
     methods = _usable(model, methods)
     print(_model_line(model, threads))
     print(f"methods: {', '.join(methods)}; sampling: {DEMO_SAMPLING}\n\nprompt (chat): {args.prompt}\n")
@@ -725,9 +776,8 @@ def run_demo(args) -> int:
     for label, (name, options) in methods.items():
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always", BudgetWarning)
-            shown[label] = generate(
-                model, args.prompt, name, args.max_new_tokens, chat=True, **{**DEMO_SAMPLING, **options}
-            )
+            sampling = DEMO_SAMPLING if bench.samples(name, DEMO_SAMPLING) else {}
+            shown[label] = generate(model, args.prompt, name, args.max_new_tokens, chat=True, **sampling, **options)
         quality = {label: demo_quality(model, shown[label], shown.get("greedy"), said)} if name in LOSSY else None
         print(method_blocks({label: shown[label]}, quality=quality) + "\n", flush=True)
     print(

@@ -16,8 +16,8 @@ from ..errors import LayerleapError
 from ..files import write_text
 from .. import validate as V
 from ..drafters.early_exit import HEADS, exit_head
-from ..methods.bild import check_thresholds
-from ..methods.speculative import MAX_DRAFT_LEN
+from ..core import options as O
+from ..methods.bild import ALPHA_FB, ALPHA_RB, MAX_SMALL
 from .basic import (
     _command_line,
     _model_arg,
@@ -41,24 +41,18 @@ DEFAULT_RB = "0.5,1,2,4"
 MAX_POINTS = 200  # BiLD grid points (fallback x rollback thresholds) in one sweep
 
 
-def _max_small(text: str):
-    if text.strip().lower() in ("none", "0", "off"):
-        return None
-    return V.int_arg(1, 10_000, " or none")(text)
-
-
 def _form_args(p) -> None:
     form = p.add_mutually_exclusive_group()
     form.add_argument(
         "--exit-layer",
-        type=_positive_int,
+        type=O.EXIT_LAYER.arg(),
         default=None,
         help="early-exit form: layers [0, E) and an exit head are the small model",
     )
     form.add_argument("--small", type=_model_arg, default=None, help="two-model form: the small model (name or folder)")
     p.add_argument(
         "--head",
-        type=V.name_or_file_arg(HEADS, "exit head file"),
+        type=O.HEAD.arg(),
         default="auto",
         help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
         "(default auto: a shipped trained head if there is one, else shared)",
@@ -76,10 +70,10 @@ def _load_small(args, large):
 
 
 def _exit_layer(args, model) -> int:
-    n = model.config.n_layers
-    if not 1 <= args.exit_layer < n:
-        raise LayerleapError(f"--exit-layer must be in [1, {n - 1}] for {model.config.name} ({n} layers)")
-    return args.exit_layer
+    try:
+        return O.EXIT_LAYER.check(args.exit_layer, model.config)
+    except LayerleapError as e:
+        raise LayerleapError(f"--exit-layer: {e}") from None
 
 
 def _device_name(model) -> str:
@@ -107,20 +101,20 @@ def _setup_sweep(p):
     _form_args(p)
     p.add_argument(
         "--alpha-fb",
-        type=V.float_list_arg(0.0, 1.0, none=True),
+        type=ALPHA_FB.list_arg(none=True),
         default=DEFAULT_FB,
         help=f"fallback thresholds (default {DEFAULT_FB}; none: no BiLD points)",
     )
     p.add_argument(
         "--alpha-rb",
-        type=V.float_list_arg(0.0, None, none=True, allow_inf=True),
+        type=ALPHA_RB.list_arg(none=True),
         default=DEFAULT_RB,
         help=f"rollback thresholds; inf = never (default {DEFAULT_RB}; none: no BiLD points)",
     )
-    p.add_argument("--max-small", type=_max_small, default=10, help="longest small-model run (default 10; none)")
+    p.add_argument("--max-small", type=MAX_SMALL.arg(), default=10, help="longest small-model run (default 10; none)")
     p.add_argument(
         "--draft-lens",
-        type=V.int_list_arg(1, MAX_DRAFT_LEN, none=True),
+        type=O.DRAFT_LEN.list_arg(none=True),
         default="2,4",
         help="speculative decoding draft lengths γ; its draft is the small "
         "model, or in the early-exit form the same first E layers and head; constant schedule, no "
@@ -179,9 +173,6 @@ def run_sweep(args) -> int:
     if not fbs or not rbs:
         fbs = rbs = []  # none: no BiLD points
     V.at_most(len(fbs) * len(rbs), MAX_POINTS, "--alpha-fb × --alpha-rb points", "give fewer thresholds")
-    for fb in fbs:
-        for rb in rbs:
-            check_thresholds(fb, rb, args.max_small)
     gammas, settings = args.draft_lens, args.speculative
     if args.small and args.head != "auto":
         raise LayerleapError("--head chooses the exit head of the early-exit form: drop it with --small")

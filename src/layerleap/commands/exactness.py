@@ -56,7 +56,8 @@ def _setup(p):
         type=_model_arg,
         default=None,
         help="the draft model of two-model methods "
-        "(speculative), a name or folder; without it they are listed as skipped",
+        "(speculative), a name or folder; without it --methods all lists them as skipped and a method named in "
+        "--methods is refused",
     )
     p.add_argument("--prompts", type=_prompts, default="all", help="all, or N prompts per category (default all)")
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
@@ -95,7 +96,8 @@ def _setup(p):
 
 def _methods(args) -> tuple[dict, dict]:
     """-> (label -> (method, options) to run, label -> why skipped)."""
-    text = ",".join(lossless_methods()) if args.methods.strip().lower() == "all" else args.methods
+    every = args.methods.strip().lower() == "all"
+    text = ",".join(lossless_methods()) if every else args.methods
     specs = bench.parse_methods(text, args.opt, check=False)
     check_methods(specs)
     skipped = {}
@@ -111,10 +113,12 @@ def _methods(args) -> tuple[dict, dict]:
                 if set(missing) & set(models)
                 else f"the option {missing[0]}: give --opt {label}.{missing[0]}=VALUE"
             )
+            if not every:  # asked for by name: refused, not skipped
+                raise LayerleapError(f"method {label} needs {need}")
             skipped[label] = f"needs {need}"
             del specs[label]
     for label, (name, options) in specs.items():
-        bench.check_options(label, name, options)
+        bench.check_spec(label, name, options)
     return specs, skipped
 
 

@@ -231,6 +231,16 @@ def _setup_match(p):
     p.add_argument("--plot", type=V.plot_arg, default=None, help="write a PNG of p̂_correct against layer to this file")
 
 
+def _refuse_unused_sampling(args, modes: list[str]) -> None:
+    """--top-k, --top-p, --temperature and --seed are used by the sampling modes only: refused without one."""
+    from .basic import _refuse_unused
+
+    unused = [f for f, mode in (("--top-k", "top-k"), ("--top-p", "top-p")) if mode not in modes]
+    if modes == ["greedy"]:
+        unused += ["--temperature", "--seed"]
+    _refuse_unused(args, tuple(unused), f"with --mode {','.join(modes)}")
+
+
 @_setup_match
 def run_match(args) -> int:
     from ..eval.match_rate import MODES, MatchRateConfig, match_rate, plot, position_table, resolve_heads, table
@@ -241,6 +251,7 @@ def run_match(args) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise LayerleapError(f"--mode {', '.join(bad)} unknown: choose from {', '.join(MODES)}")
+    _refuse_unused_sampling(args, modes)
     if args.position_layer is not None and args.position_layer not in layers:
         raise LayerleapError(f"--position-layer {args.position_layer} is not among --layers {args.layers}")
     cats = _csv(args.category) or []

@@ -23,6 +23,8 @@ from .basic import _command_line, _load, _model_args, _positive_int, _threads
 
 
 DRAFTER_ARG = V.name_or_file_arg(("trained",), "drafter weights file")
+TRANSFER_LAYERS = (15, 20, 25)  # train transfer's default t_i
+MEDUSA_HEADS = 3  # train medusa's default heads
 
 
 @command(
@@ -36,10 +38,15 @@ def _setup_train(p):
     p.add_argument(
         "--layers",
         type=V.int_list_arg(1),
-        default="15,20,25",
-        help="transfer: the layer t_i of each step (default 15,20,25)",
+        default=None,
+        help=f"train transfer only: the layer t_i of each step (default {','.join(map(str, TRANSFER_LAYERS))})",
     )
-    p.add_argument("--heads", type=V.int_arg(1, 64), default=3, help="medusa: heads = steps ahead (default 3)")
+    p.add_argument(
+        "--heads",
+        type=V.int_arg(1, 64),
+        default=None,
+        help=f"train medusa only: heads = steps ahead (default {MEDUSA_HEADS})",
+    )
     p.add_argument(
         "--out",
         type=V.weights_arg,
@@ -91,15 +98,27 @@ def _read_chunks(path: str, vocab: int) -> list[list[int]]:
     return t.long().tolist()
 
 
+def _kind_flags(args) -> str:
+    """The drafter kind of ``train transfer`` / ``train medusa``; the other kind's flag is refused, not ignored."""
+    kind = "transfer" if args.what == "transfer" else "medusa"
+    other = {"transfer": ("--heads", args.heads, "medusa"), "medusa": ("--layers", args.layers, "transfer")}[kind]
+    if other[1] is not None:
+        raise LayerleapError(
+            f"{other[0]} is for `layerleap train {other[2]}`; train {kind} takes "
+            f"{'--layers' if kind == 'transfer' else '--heads'}: drop {other[0]}"
+        )
+    return kind
+
+
 @_setup_train
 def run_train(args) -> int:
-    kind = "transfer" if args.what == "transfer" else "medusa"
+    kind = _kind_flags(args)
     threads = _threads(args.threads)
     model = _load(args)
     cfg = train_drafters.TrainConfig(
         kind=kind,
-        layers=args.layers,
-        steps_ahead=args.heads,
+        layers=args.layers or list(TRANSFER_LAYERS),
+        steps_ahead=args.heads or MEDUSA_HEADS,
         train_steps=args.steps,
         seq_len=args.seq_len,
         batch_size=args.batch_size,

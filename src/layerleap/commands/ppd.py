@@ -10,15 +10,28 @@ from pathlib import Path
 
 from ..eval import theory
 from .. import validate as V
-from ..methods.speculative import MAX_DRAFT_LEN
+from ..core import options as O
+from ..decoding import get_method
+from ..methods.ppd import EXIT_LAYER as PPD_EXIT_LAYER
 from ..files import write_json
 from . import command
 from ..errors import LayerleapError
-from .basic import _check_sizes, _command_line, _csv, _load, _model_args, _positive_int, _read_prompts, _say, _threads
+from .basic import (
+    _check_sizes,
+    _refuse_unused,
+    _command_line,
+    _csv,
+    _load,
+    _model_args,
+    _positive_int,
+    _read_prompts,
+    _say,
+    _threads,
+)
 
 
 SIMULATE_MAX = theory.SIMULATE_MAX
-HEAD_ARG = V.name_or_file_arg(("auto", "shared", "trained"), "exit heads file")
+HEAD_ARG = O.HEAD.arg()
 
 
 @command(
@@ -48,7 +61,8 @@ def _setup_theory(p):
         "--measure",
         action="store_true",
         help="measure p̂_correct on a model over Spec-Bench prompts and "
-        "draw the trade-off curves (the --layers/--p-correct inputs are then ignored)",
+        "draw the trade-off curves (the theorem's --layers, --exit-layer, --k, --p-correct, --tokens, "
+        "--simulate, --seed and --json are then refused)",
     )
     _model_args(m)
     m.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
@@ -68,10 +82,19 @@ def _setup_theory(p):
     )
 
 
+THEORY_ONLY = ("--layers", "--exit-layer", "--k", "--p-correct", "--tokens", "--simulate", "--seed", "--json")
+MEASURE_ONLY = (
+    *("--model", "--dtype", "--device", "--threads", "--variant", "--categories", "--prompts", "--max-new-tokens"),
+    *("--exit-layers", "--ks", "--head", "--out"),
+)
+
+
 @_setup_theory
 def run_theory(args) -> int:
     if args.measure:
+        _refuse_unused(args, THEORY_ONLY, "with --measure (it measures the model's own d, d̄, k and p̂)")
         return _measure(args)
+    _refuse_unused(args, MEASURE_ONLY, "without --measure: add --measure to measure match rates on a model")
     d = args.layers
     dbar = args.exit_layer or (d + 1) // 2
     out = theory.figures(d, dbar, args.k, args.p_correct, args.tokens)
@@ -187,8 +210,8 @@ def _measure(args) -> int:
 )
 def _setup_parallel(p):
     _model_args(p)
-    p.add_argument("--exit-layer", type=_positive_int, default=None, help="d̄ (default d/2)")
-    p.add_argument("--k", type=_positive_int, default=1, help="sub-processes (default 1: two processes)")
+    p.add_argument("--exit-layer", type=PPD_EXIT_LAYER.arg(), default=None, help="d̄ (default d/2)")
+    p.add_argument("--k", type=O.K.arg(), default=1, help="sub-processes (default 1: two processes)")
     p.add_argument("--head", type=HEAD_ARG, default="auto", help="exit head: auto, shared, trained or a heads file")
     p.add_argument(
         "--head-on",
@@ -307,16 +330,16 @@ def run_parallel(args) -> int:
 )
 def _setup_selfspec(p):
     _model_args(p)
-    p.add_argument("--exit-layer", type=_positive_int, default=15, help="the drafting / early-prediction layer")
+    p.add_argument("--exit-layer", type=O.EXIT_LAYER.arg(), default=15, help="the drafting / early-prediction layer")
     p.add_argument(
         "--draft-lens",
-        type=V.int_list_arg(1, MAX_DRAFT_LEN),
+        type=O.DRAFT_LEN.list_arg(),
         default="2,4",
         help="self-spec draft lengths (default 2,4)",
     )
     p.add_argument(
         "--min-confidence",
-        type=V.probability_arg,
+        type=O.MIN_CONFIDENCE.arg(),
         default=0.5,
         help="also run self-spec with this adaptive stop (0 = skip that variant)",
     )
@@ -340,9 +363,7 @@ def run_selfspec(args) -> int:
     print(f"$ {_command_line(args)}", flush=True)
     model = _load(args)
     E = args.exit_layer
-    from ..methods.self_spec import check_options
-
-    check_options(model.config.n_layers, E, max(args.draft_lens), args.min_confidence)
+    get_method("self-spec").check_options({"exit_layer": E}, model.config)
     ours = {"greedy": ("greedy", {})}
     for g in args.draft_lens:
         ours[f"self-spec g{g}"] = ("self-spec", {"exit_layer": E, "draft_len": g, "head": args.head})

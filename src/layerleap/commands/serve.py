@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from ..eval import bench
 from .. import validate as V
 from . import command
 from ..decoding import METHODS, Decoding, get_method
 from ..errors import LayerleapError
 from ..core.loading import PACKAGED
 from ..options import resolve_models
-from .basic import _load, _loader, _model_args, _opt_arg, _say, _threads
+from .basic import _load, _loader, _method_options, _model_args, _opt_arg, _say, _threads
 
 
 @command("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming, /metrics)")
@@ -104,11 +103,11 @@ def run_serve(args) -> int:
         from ..server import ServerConfig, create_app
     except ImportError as e:
         raise LayerleapError(f"layerleap serve needs {e.name}: pip install 'layerleap[serve]'") from None
-    get_method(args.method)
+    options = _method_options(args.method, args.opt)  # the method's declarations, before loading
     _check_bind(args.host, args.port)
-    options = dict(bench.parse_assignments(args.opt))
     threads = _threads(args.threads)
     model = _load(args)
+    get_method(args.method).check_options(options, model.config)  # the bounds on the model, before a draft loads
     loader = _loader(args)
     options = resolve_models(args.method, options, loader)
     Decoding(model, [0], args.method, 1, **options)  # the default method and options are valid

@@ -16,7 +16,8 @@ from . import command
 from ..datasets import spec_bench
 from ..decoding import generate, get_method
 from ..errors import LayerleapError
-from ..methods.skipdecode import target_config
+from ..core import options as O
+from ..methods.skipdecode import WARMUP, target_config
 from .. import validate as V
 from .basic import _model_arg, _command_line, _csv, _load, _model_args, _model_line, _positive_int, _say, _threads
 
@@ -49,9 +50,13 @@ def _setup_finetune(p):
         default=2,
         help="Table 2 configuration (30 layers: 2x 10-20, 3x 7-13, 4x 6-9, 5x 5-7; warm-up 1)",
     )
-    p.add_argument("--min-exit-layer", type=_positive_int, default=None, help="override the configuration's minimum")
-    p.add_argument("--max-exit-layer", type=_positive_int, default=None, help="override the configuration's maximum")
-    p.add_argument("--warmup", type=V.nonneg_int, default=None, help="warm-up layers (default 1)")
+    p.add_argument(
+        "--min-exit-layer", type=O.MIN_EXIT_LAYER.arg(), default=None, help="override the configuration's minimum"
+    )
+    p.add_argument(
+        "--max-exit-layer", type=O.MAX_EXIT_LAYER.arg(), default=None, help="override the configuration's maximum"
+    )
+    p.add_argument("--warmup", type=WARMUP.arg(), default=None, help="warm-up layers (default 1)")
     p.add_argument("--out", type=V.out_dir_arg, required=True, help="the fine-tuned model folder (rerun to resume)")
     p.add_argument(
         "--steps", type=V.int_arg(1, 1_000_000), default=30, help="optimizer steps (default 30: ~4 min on 1 CPU core)"

@@ -573,6 +573,26 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> T
     return quantize_model(load_folder(path, "float32", pack=False)) if q4 else load_folder(path, dtype)
 
 
+def to_device(model: Transformer, device: str = "cpu") -> Transformer:
+    """``model`` on ``device`` ("cpu", "cuda", "cuda:1", …), or a ``LayerleapError`` naming the fix."""
+    import torch
+
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"device must be text such as 'cpu' or 'cuda', got {V.show(device)}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r}: {str(e).splitlines()[0]}: use cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: no CUDA device here: use cpu")
+    if model.device == dev or (dev.type == model.device.type and dev.index is None):
+        return model
+    try:
+        return model.to(dev)
+    except RuntimeError as e:
+        raise ConfigError(f"device {device!r}: {str(e).splitlines()[0]}") from None
+
+
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 

@@ -22,6 +22,7 @@ import torch
 
 from .. import validate as V
 from . import sampling
+from . import options as O
 from .kv_cache import KVCache
 from .model import Transformer
 from .stats import RECORD_FIELDS, Record, Stats
@@ -63,14 +64,42 @@ class Method:
     default_sample: bool  # samples unless told otherwise
     description: str
     exact: bool = False  # its greedy output equals plain greedy decoding token for token
-    models: tuple[str, ...] = ()  # options that take a second model (a loaded model, or its name on the CLI)
+    declared: tuple[O.Option, ...] | None = None  # its options (``core.options``); None: read from ``fn``
+
+    def __post_init__(self):
+        if self.declared is None:
+            object.__setattr__(self, "declared", O.infer(self.fn))
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The options that take a second model (a loaded model, or its name on the CLI)."""
+        return tuple(o.name for o in self.declared if o.kind == "model")
 
     def options(self) -> dict[str, object]:
-        sig = inspect.signature(self.fn)
-        return {n: p.default for n, p in list(sig.parameters.items())[1:]}
+        """Option name -> default (``core.options.REQUIRED`` where there is none)."""
+        return {o.name: o.default for o in self.declared}
+
+    def check_options(self, options: dict, config=None, cli: str = "", partial: bool = False) -> dict:
+        """``options`` checked against the declarations (``core.options.check``); model-dependent
+        bounds only with the model's ``config``."""
+        return O.check(self.name, self.declared, options, config, cli, partial)
 
 
-METHODS: dict[str, Method] = {}
+class UnknownMethod(GenerationError, KeyError):
+    """A method name that is not registered: the message names the known ones."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0])
+
+
+class Registry(dict):
+    """Method name -> ``Method``; an unknown name raises ``UnknownMethod`` naming the known ones."""
+
+    def __missing__(self, name):
+        raise UnknownMethod(f"unknown method {name!r}: choose one of {', '.join(sorted(self))}")
+
+
+METHODS: Registry = Registry()
 
 
 def register(
@@ -80,14 +109,28 @@ def register(
     sampling: bool = False,
     default_sample: bool = False,
     exact: bool = False,
-    models: tuple[str, ...] = (),
+    options: tuple[O.Option, ...] = (),
 ):
+    """Register ``fn(run, **options)`` under ``name``; ``options`` declares every keyword option of
+    ``fn`` with the same name and default (checked here, so the declarations cannot drift).  Without
+    ``options``, they are read from the signature (``core.options.infer``: types from the defaults)."""
+
     def deco(fn):
+        declared = options or O.infer(fn)
+        _match_signature(name, fn, declared)
         summary = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, one line
-        METHODS[name] = Method(name, fn, batched, sampling, default_sample, summary, exact, tuple(models))
+        METHODS[name] = Method(name, fn, batched, sampling, default_sample, summary, exact, tuple(declared))
         return fn
 
     return deco
+
+
+def _match_signature(name: str, fn: Callable, options: tuple[O.Option, ...]) -> None:
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    have = {p.name: p.default for p in params}
+    want = {o.name: o.default for o in options}
+    if have != want:
+        raise TypeError(f"method {name!r}: its declared options {want} differ from its signature's {have}")
 
 
 def row_seed(seed: int, i: int) -> int:

@@ -131,7 +131,17 @@ def _check_paths(paths: list[tuple]) -> list[tuple[int, ...]]:
 
 def build(tree) -> TreeBuffers:
     """The flattened tree's buffers (see the module docstring) from any shape ``parse_tree`` reads."""
-    paths = sorted(parse_tree(tree), key=lambda p: (len(p), p))
+    return _buffers(sorted(parse_tree(tree), key=lambda p: (len(p), p)))
+
+
+def chain(n: int) -> TreeBuffers:
+    """A chain of ``n`` nodes below the root (the top-1 at each depth), of any length: an internal
+    layout (training passes over a whole sequence), not a draft tree, so ``MAX_NODES`` does not apply."""
+    return _buffers([(0,) * d for d in range(1, n + 1)])
+
+
+def _buffers(paths: list[tuple[int, ...]]) -> TreeBuffers:
+    """The buffers of checked ``paths``, sorted by depth then rank."""
     index = {(): 0}
     parents, depths, ranks = [-1], [0], [-1]
     for j, p in enumerate(paths, start=1):

@@ -146,9 +146,6 @@ class Drafter:
 
 
 # -- chains written one token at a time ------------------------------------------------------------
-SCHEDULES = ("constant", "heuristic")
-
-
 @dataclass
 class DraftLength:
     """γ for the next round and how it moves (`transformers`' constant and heuristic schedules)."""

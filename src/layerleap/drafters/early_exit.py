@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from ..core.kv_cache import KVCache
+from ..core.options import HEADS  # noqa: F401  (the exit heads a method may name)
 from ..core.run import Run
 from ..errors import LayerleapError
 from . import exit_heads
 from .base import ChainRule, StepDrafter
-
-HEADS = ("auto", "shared", "trained")
 
 
 class EarlyExit:

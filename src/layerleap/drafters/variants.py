@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.loading import load as load_base
+from ..core.loading import load as load_base, to_device
 from ..core.model import Transformer
 from ..errors import LayerleapError
 from . import weights
@@ -112,14 +112,21 @@ def apply(model: Transformer, path: str | Path) -> Transformer:
     return model
 
 
-def load(name_or_path: str = "smollm2-135m", dtype="float32", progress=None, variant: str | None = None) -> Transformer:
-    """``core.loading.load``, then the ``variant``'s deltas merged in (a shipped name or a file)."""
+def load(
+    name_or_path: str = "smollm2-135m",
+    dtype="float32",
+    progress=None,
+    variant: str | None = None,
+    device: str = "cpu",
+) -> Transformer:
+    """``core.loading.load``, then the ``variant``'s deltas merged in (a shipped name or a file), on
+    ``device`` ("cpu", "cuda", "cuda:1"; ``core.loading.to_device``)."""
     if variant is None:
-        return load_base(name_or_path, dtype, progress)
+        return to_device(load_base(name_or_path, dtype, progress), device)
     path = variant_file(name_or_path, variant)
     if dtype in ("q4",):
         raise VariantError("a variant merges into dense weights: load it with dtype float32 or bfloat16, not q4")
-    return apply(load_base(name_or_path, dtype, progress), path)
+    return to_device(apply(load_base(name_or_path, dtype, progress), path), device)
 
 
 __all__ = [

@@ -215,7 +215,16 @@ def read(model, path, kind: Kind):
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
         if isinstance(e, LayerleapError):
             raise
-        raise kind.error(f"{kind.what} {p} do not fit this model: {str(e)[:160]}") from None
+        raise kind.error(f"{kind.what} {p} do not fit this model: {_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    """torch's state_dict error (one line per tensor) as one line: the first mismatch and how many more."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    wrong = [line for line in lines if line.startswith(("size mismatch", "Missing key", "Unexpected key"))]
+    first = (wrong or [" ".join(lines)])[0]
+    first = first if len(first) <= 200 else first[:199] + "…"
+    return first + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "") + ": train them for this model again"
 
 
 def load(model, path, kind: Kind):

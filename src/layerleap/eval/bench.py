@@ -13,7 +13,6 @@ the length), which makes times comparable and greedy tokens comparable one for o
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import platform
@@ -109,22 +108,16 @@ def parse_assignments(items: list[str] | None, form: str = "NAME=VALUE") -> list
 
 def required_options(method: str, options: dict) -> list[str]:
     """Options of ``method`` that have no default and are not in ``options``."""
-    return [n for n, d in get_method(method).options().items() if d is inspect.Parameter.empty and n not in options]
+    return [o.name for o in get_method(method).declared if o.required and o.name not in options]
 
 
-def check_options(label: str, method: str, options: dict) -> None:
-    allowed = get_method(method).options()
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise LayerleapError(
-            f"method {method!r} ({label}) has no option {', '.join(unknown)}; its options: "
-            f"{', '.join(allowed) or 'none'}"
-        )
-    missing = required_options(method, options)
-    if missing:
-        raise LayerleapError(
-            f"method {method!r} ({label}) needs option {', '.join(missing)}: add --opt {label}.{missing[0]}=VALUE"
-        )
+def check_spec(label: str, method: str, options: dict, config=None) -> dict:
+    """The options of the run's ``label`` checked by ``method``'s declarations (``core.options.check``;
+    the model-dependent bounds with the model's ``config``)."""
+    try:
+        return get_method(method).check_options(options, config, cli=f"{label}.")
+    except LayerleapError as e:
+        raise type(e)(f"{label}: {e}" if label != method else str(e)) from None
 
 
 def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) -> MethodSpecs:
@@ -157,7 +150,7 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
             specs[lb][1][opt] = value
     for lb, (name, options) in specs.items():
         if check:
-            check_options(lb, name, options)
+            check_spec(lb, name, options)
     return specs
 
 
@@ -567,10 +560,12 @@ def check_specs(methods) -> None:
         )
 
 
-def _greedy_type(method: str, sampling: dict) -> bool:
+def samples(method: str, sampling: dict) -> bool:
+    """Whether ``method`` samples in a run with ``sampling`` (``generate``'s temperature, top_k, top_p,
+    seed, do_sample): a method that samples by default does, and with ``do_sample=True`` every method
+    that can; the others decode greedily (the greedy reference among them) and get none of ``sampling``."""
     m = get_method(method)
-    do_sample = sampling.get("do_sample")
-    return not (m.default_sample if do_sample is None else do_sample)
+    return m.default_sample or (m.sampling and bool(sampling.get("do_sample")))
 
 
 def run_bench(
@@ -618,7 +613,7 @@ def run_bench(
         V.report_file(out, "out")
     methods, ref = with_reference(methods)
     for label, (name, options) in methods.items():
-        check_options(label, name, options)
+        check_spec(label, name, options, model.config)
     sampling = dict(sampling or {})
     cfg = {
         **machine_config(model),
@@ -690,14 +685,13 @@ class _Runner:
         self.quality, self.prompt_ids = quality, []
         self.repeat = repeat
         self.hf_extra = hf_extra or {}
-        self.greedy_type = {label: _greedy_type(name, sampling) for label, (name, _) in methods.items()}
+        self.greedy_type = {label: not samples(name, sampling) for label, (name, _) in methods.items()}
         self.hf: HFBaseline | None = None
 
     def ours(self, label: str, prompt: Prompt, n: int) -> GenerationResult:
         name, options = self.methods[label]
-        return generate(
-            self.model, prompt.text, name, n, stop_at_eos=False, chat=self.chat, **{**self.sampling, **options}
-        )
+        sampling = self.sampling if samples(name, self.sampling) else {}
+        return generate(self.model, prompt.text, name, n, stop_at_eos=False, chat=self.chat, **sampling, **options)
 
     def warmup(self, prompt: Prompt, n: int) -> None:
         results = [self.ours(label, prompt, n) for label in self.methods]

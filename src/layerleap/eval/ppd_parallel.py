@@ -40,8 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import validate as V
 from ..errors import LayerleapError
-from ..methods.ppd import Clock, Runs, check_options, min_exit_layer, stats, top_candidates
+from ..methods.ppd import EXIT_LAYER, Clock, Runs, min_exit_layer, stats, top_candidates
+from ..core import options as O
 
 STOP, GO, ECHO = 0, 1, 2
 HEAD_ON = ("main", "sub")
@@ -236,7 +238,9 @@ class ParallelPPD:
         self.model = load(model, dtype=dtype, progress=lambda m: None) if isinstance(model, str) else model
         d = self.model.config.n_layers
         self.dbar = min_exit_layer(d) if exit_layer is None else exit_layer
-        check_options(d, self.dbar, k)
+        with V.raising(ParallelError):
+            EXIT_LAYER.check(self.dbar, self.model.config)
+            O.K.check(k, self.model.config)
         self.k, self.head_on, self.threads = k, head_on, threads
         self.exit_head = get_head(self.model, self.dbar, head)
         self.procs: list = []

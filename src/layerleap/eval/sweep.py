@@ -97,14 +97,17 @@ class SpecSetting:
 
 def parse_spec_setting(text: str) -> SpecSetting:
     """``SCHEDULE:γ[:MIN_CONFIDENCE]``, e.g. ``heuristic:4`` or ``constant:20:0.4``."""
-    from ..methods.speculative import check_options
+    from ..decoding import get_method
 
     parts = text.strip().split(":")
     try:
         if len(parts) not in (2, 3):
             raise ValueError
         setting = SpecSetting(parts[0], int(parts[1]), float(parts[2]) if len(parts) == 3 else 0.0)
-        check_options(setting.draft_len, setting.schedule, setting.min_confidence)
+        get_method("speculative").check_options(
+            {"draft_len": setting.draft_len, "schedule": setting.schedule, "min_confidence": setting.min_confidence},
+            partial=True,
+        )
     except (ValueError, LayerleapError) as e:
         why = f": {e}" if isinstance(e, LayerleapError) else ""
         raise LayerleapError(

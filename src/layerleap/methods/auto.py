@@ -21,14 +21,15 @@ Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``mode
 
 from __future__ import annotations
 
-from ..core.run import GenerationError, Run, register
+from ..core import options as O
+from ..core.run import Run, register
 from ..core.stats import LookupStats
 from ..drafters import medusa_transfer as weights
 from ..drafters.auto import AutoDrafter
 from ..drafters.trees import tree_buffers
 from . import draft_verify
 from .hidden_transfer import default_tree
-from .prompt_lookup import DEFAULT_MAX_NGRAM, DEFAULTS, check_options
+from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, tuned
 
 
 def transfer_weights(run: Run, spec):
@@ -41,7 +42,15 @@ def transfer_weights(run: Run, spec):
     return weights.get_drafter(run.model, "transfer", spec)
 
 
-@register("auto", batched=True, sampling=True, exact=True)
+TRANSFER = O.TRANSFER.but(
+    default="auto",
+    choices=("auto", "none"),
+    none="no Hidden Transfer: prompt lookup alone",
+    help="Hidden Transfer projections: auto (the shipped ones, if any), none, or a weights file",
+)
+
+
+@register("auto", batched=True, sampling=True, exact=True, options=(*OPTIONS, O.TREE, TRANSFER))
 def auto(
     run: Run,
     *,
@@ -53,21 +62,7 @@ def auto(
 ):
     """Lossless: prompt lookup's chain and Hidden Transfer's tree, the faster per round on this machine
     (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer: 'auto', a weights file or none)."""
-    tuned = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
-    draft_len = tuned[0] if draft_len is None else draft_len
-    if min_ngram is None:
-        min_ngram = (
-            tuned[1] if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) else min(tuned[1], max_ngram)
-        )
-    check_options(draft_len, max_ngram, min_ngram)
-    if (
-        transfer is not None
-        and not isinstance(transfer, (str, weights.TransferProjections))
-        and not hasattr(transfer, "__fspath__")
-    ):
-        raise GenerationError(
-            f"transfer must be 'auto', a weights file, Hidden Transfer projections or none, got {transfer!r}"
-        )
+    draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     proj = transfer_weights(run, transfer)
     buf = None
     if proj is not None:

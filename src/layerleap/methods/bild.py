@@ -47,9 +47,7 @@ fallbacks / small_steps, ``rollback_rate`` = rollbacks / large_calls, ``exit_lay
 
 from __future__ import annotations
 
-import math
-from numbers import Real
-
+from ..core import options as O
 from ..core.run import GenerationError, Run, register
 from ..core.stats import BildStats, ExitStats
 from ..drafters.base import ChainRule
@@ -64,22 +62,41 @@ def default_exit_layer(model) -> int:
     return max(1, min(model.config.n_layers - 1, round(0.75 * model.config.n_layers)))
 
 
-def check_thresholds(alpha_fb, alpha_rb, max_small) -> None:
-    if isinstance(alpha_fb, bool) or not isinstance(alpha_fb, Real) or not 0 <= alpha_fb <= 1:
-        raise GenerationError(
-            f"alpha_fb must be a probability in [0, 1] (the small model's top probability at "
-            f"or below which the large model takes over; 1 = always), got {alpha_fb!r}"
-        )
-    if isinstance(alpha_rb, bool) or not isinstance(alpha_rb, Real) or math.isnan(alpha_rb) or alpha_rb < 0:
-        raise GenerationError(
-            f"alpha_rb must be a cross-entropy >= 0 (roll back a small token the large model "
-            f"gives probability below exp(-alpha_rb); inf = never), got {alpha_rb!r}"
-        )
-    if max_small is not None and (isinstance(max_small, bool) or not isinstance(max_small, int) or max_small < 1):
-        raise GenerationError(
-            f"max_small must be an integer >= 1 (the longest run of small-model tokens before "
-            f"the large model checks them) or None for no limit, got {max_small!r}"
-        )
+SMALL = O.Option(
+    "small", "model", "the small model (same tokenizer)", none="the early-exit form: layers [0, exit_layer) and a head"
+)
+ALPHA_FB = O.Option(
+    "alpha_fb",
+    "float",
+    "the small model's top probability at or below which the large model takes over; 1 = always",
+    default=0.5,
+    lo=0.0,
+    hi=1.0,
+)
+ALPHA_RB = O.Option(
+    "alpha_rb",
+    "float",
+    "roll back a small token the large model gives probability below exp(-alpha_rb)",
+    default=2.0,
+    lo=0.0,
+    inf="never roll back",
+)
+MAX_SMALL = O.Option(
+    "max_small",
+    "int",
+    "the longest run of small-model tokens before the large model checks them",
+    default=10,
+    lo=1,
+    none="no limit",
+)
+OPTIONS = (
+    SMALL,
+    O.EXIT_LAYER.but(none="three quarters of the depth (without small=)"),
+    ALPHA_FB,
+    ALPHA_RB,
+    MAX_SMALL,
+    O.HEAD,
+)
 
 
 def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
@@ -94,12 +111,6 @@ def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
         run.record_all(ExitStats(exit_layer=None, head=None))
         return DraftModel(run, small, rule, name="small")
     E = default_exit_layer(model) if exit_layer is None else exit_layer
-    n = model.config.n_layers
-    if isinstance(E, bool) or not isinstance(E, int) or not 1 <= E < n:
-        raise GenerationError(
-            f"exit_layer must be an integer in [1, {n - 1}] (the small model is layers "
-            f"[0, exit_layer) of this {n}-layer model), got {exit_layer!r}"
-        )
     fn, label = exit_head(model, E, head)
     run.record_all(ExitStats(exit_layer=E, head=label))
     return EarlyExitDrafter(run, E, fn, rule, draft_first=True)
@@ -130,7 +141,7 @@ def bild_stats(small_steps: int, c: draft_verify.RoundCounts) -> BildStats:
     )
 
 
-@register("bild", batched=True, sampling=True, models=("small",))
+@register("bild", batched=True, sampling=True, options=OPTIONS)
 def bild(
     run: Run,
     *,
@@ -142,6 +153,5 @@ def bild(
     head="auto",
 ):
     """Big Little Decoder: a small model (small= or exit_layer=) with fallback and rollback to the large one."""
-    check_thresholds(alpha_fb, alpha_rb, max_small)
     drafter = small_drafter(run, small, exit_layer, head, ChainRule.fallback(max_small, float(alpha_fb)))
     yield from decode(run, drafter, float(alpha_rb))

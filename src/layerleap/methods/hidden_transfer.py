@@ -25,6 +25,7 @@ Stats as ``medusa`` plus ``pseudo_states`` (pseudo positions evaluated).
 
 from __future__ import annotations
 
+from ..core import options as O
 from ..core.run import Run, register
 from ..drafters.trees import TransferDrafter
 from .medusa import decode_tree, tuned_tree
@@ -42,7 +43,7 @@ def default_tree(model) -> str:
     return tuned_tree(model, DEFAULT_TREES)
 
 
-@register("hidden-transfer", batched=True, sampling=True, exact=True)
+@register("hidden-transfer", batched=True, sampling=True, exact=True, options=(O.TREE, O.TRANSFER))
 def hidden_transfer(run: Run, *, tree=None, transfer="trained"):
     """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=; tree
     none: the dtype's tuned tree): greedy-exact; lossless sampling."""

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import verify
-from ..core.run import GenerationError, Run, register
+from ..core import options as O
+from ..core.run import Run, register
 from ..core.stats import PPDStats
 from ..drafters.early_exit import EarlyExit
 
@@ -56,18 +57,6 @@ def theorem_compute(d: int, dbar: int, k: int, n_tokens: int, p: float) -> float
 def min_exit_layer(n_layers: int) -> int:
     """The smallest d̄ the algorithm is defined for: ceil(d / 2)."""
     return (n_layers + 1) // 2
-
-
-def check_options(n_layers: int, exit_layer, k) -> None:
-    lo = min_exit_layer(n_layers)
-    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not lo <= exit_layer < n_layers:
-        raise GenerationError(
-            f"exit_layer (d̄) must be an integer in [{lo}, {n_layers - 1}] for this {n_layers}-layer "
-            f"model: PPD predicts early at a layer d̄ >= d/2 (the paper's Algorithm 2), "
-            f"got {exit_layer!r}"
-        )
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise GenerationError(f"k must be an integer >= 1 (the sub-processes, one early candidate each), got {k!r}")
 
 
 @dataclass
@@ -137,7 +126,15 @@ def top_candidates(head_logits: torch.Tensor, k: int) -> torch.Tensor:
     return head_logits.topk(k).indices.cpu()
 
 
-@register("ppd", exact=True)
+EXIT_LAYER = O.EXIT_LAYER.but(
+    lo=O.HALF_DEPTH,
+    none="ceil(n_layers/2)",
+    help="d̄, the early-prediction layer: PPD is defined for d̄ >= d/2 (the paper's Algorithm 2)",
+)
+OPTIONS = (EXIT_LAYER, O.K, O.HEAD)
+
+
+@register("ppd", exact=True, options=OPTIONS)
 def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
     """Predictive Pipelined Decoding (exact greedy): early top-k at layer exit_layer (default d/2) start k
     pipelined sub-passes (clock in layer units)."""
@@ -146,9 +143,6 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
     model = run.model
     d = run.n_layers
     dbar = min_exit_layer(d) if exit_layer is None else exit_layer
-    check_options(d, dbar, k)
-    if k > model.config.vocab_size:
-        raise GenerationError(f"k={k} is more than the vocabulary ({model.config.vocab_size} tokens): lower k")
     exit_head = get_head(model, dbar, head)
     lo = d - dbar  # the layers a sub-process runs before the main process needs its result
     pair = EarlyExit(run, dbar, exit_head, round_tokens=k + 1)

@@ -23,6 +23,7 @@ Stats, per row: ``rounds`` (model calls after the prompt while the row ran), ``d
 
 from __future__ import annotations
 
+from ..core import options as O
 from ..core.run import GenerationError, Run, register
 from ..core.stats import LookupStats
 from ..drafters.prompt_lookup import NgramIndex, PromptLookup
@@ -45,27 +46,30 @@ DEFAULT_DRAFT_LEN, DEFAULT_MIN_NGRAM = DEFAULTS["float32"]
 DEFAULT_MAX_NGRAM = 4
 
 
-def check_options(draft_len, max_ngram, min_ngram) -> None:
-    for name, v in (("draft_len", draft_len), ("max_ngram", max_ngram), ("min_ngram", min_ngram)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise GenerationError(f"{name} must be an integer >= 1, got {v!r}")
+OPTIONS = (
+    O.DRAFT_LEN.but(none="the dtype's tuned one"),
+    O.MAX_NGRAM_OPT.but(default=DEFAULT_MAX_NGRAM),
+    O.MIN_NGRAM,
+)
+
+
+def tuned(run: Run, draft_len, max_ngram: int, min_ngram) -> tuple[int, int]:
+    """(draft_len, min_ngram) with the dtype's tuned defaults for those not given (a default min_ngram
+    never above max_ngram); refuses min_ngram > max_ngram."""
+    dl, mn = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
+    draft_len = dl if draft_len is None else draft_len
+    min_ngram = min(mn, max_ngram) if min_ngram is None else min_ngram
     if min_ngram > max_ngram:
-        raise GenerationError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
-    if draft_len > 64:
-        raise GenerationError(f"draft_len must be at most 64 (tokens verified in one call), got {draft_len}")
+        raise GenerationError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram}): lower min_ngram")
+    return draft_len, min_ngram
 
 
-@register("prompt-lookup", batched=True, sampling=True, exact=True)
+@register("prompt-lookup", batched=True, sampling=True, exact=True, options=OPTIONS)
 def prompt_lookup(
     run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int | None = None
 ):
     """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call
     (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default."""
-    tuned = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
-    draft_len = tuned[0] if draft_len is None else draft_len
-    if min_ngram is None:  # the dtype's default, never above a max_ngram the caller chose
-        chosen = isinstance(max_ngram, int) and not isinstance(max_ngram, bool)
-        min_ngram = min(tuned[1], max_ngram) if chosen else tuned[1]
-    check_options(draft_len, max_ngram, min_ngram)
+    draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     counts = yield from draft_verify.decode(run, PromptLookup(run, draft_len, min_ngram, max_ngram))
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])

@@ -25,15 +25,12 @@ Stats: ``exit_layer``, ``head``, ``rounds`` (verification passes), ``drafted``, 
 
 from __future__ import annotations
 
-from numbers import Real
-
-
-from ..core.run import GenerationError, Run, register
+from ..core import options as O
+from ..core.run import Run, register
 from ..core.stats import ExitStats, SelfSpecStats
-from ..drafters.base import SCHEDULES, ChainRule, DraftLength
+from ..drafters.base import ChainRule, DraftLength
 from ..drafters.early_exit import EarlyExitDrafter
 from . import draft_verify
-from .speculative import MAX_DRAFT_LEN
 
 
 # Draft lengths per weight format, chosen by benchmarks/tree_tuning.py from the exit's per-position
@@ -47,24 +44,13 @@ def default_exit_layer(n_layers: int) -> int:
     return max(1, min(n_layers - 1, (n_layers + 1) // 2))
 
 
-def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
-    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < n_layers:
-        raise GenerationError(
-            f"exit_layer must be an integer in [1, {n_layers - 1}] (the drafter is layers "
-            f"[0, exit_layer) of this {n_layers}-layer model and an exit head), got {exit_layer!r}"
-        )
-    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 1 <= draft_len <= MAX_DRAFT_LEN:
-        raise GenerationError(
-            f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}] (tokens drafted per verification), got {draft_len!r}"
-        )
-    if isinstance(min_confidence, bool) or not isinstance(min_confidence, Real) or not 0 <= min_confidence <= 1:
-        raise GenerationError(
-            f"min_confidence must be a probability in [0, 1] (stop drafting when the exit head's "
-            f"top probability is below it; 0 = never), got {min_confidence!r}"
-        )
-
-
-@register("self-spec", batched=True, sampling=True, exact=True)
+@register(
+    "self-spec",
+    batched=True,
+    sampling=True,
+    exact=True,
+    options=(O.EXIT_LAYER, O.DRAFT_LEN.but(none="the dtype's tuned one"), O.MIN_CONFIDENCE, O.HEAD, O.SCHEDULE),
+)
 def self_spec(
     run: Run,
     *,
@@ -83,12 +69,6 @@ def self_spec(
     draft_len = (
         DEFAULT_DRAFT_LENS.get(run.model.dtype_name, DEFAULT_DRAFT_LENS["float32"]) if draft_len is None else draft_len
     )
-    check_options(d, E, draft_len, min_confidence)
-    if schedule not in SCHEDULES:
-        raise GenerationError(
-            f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (constant: draft_len "
-            f"drafts a round; heuristic: +2 after a fully accepted round, -1 otherwise), got {schedule!r}"
-        )
     exit_head = get_head(run.model, E, head)
     run.record_all(ExitStats(exit_layer=E, head=exit_head.kind))
     rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=False)

@@ -28,10 +28,39 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
+from types import SimpleNamespace
+
+from ..core import options as O
 from ..core.run import GenerationError, Run, register
 from ..core.stats import SkipStats
 
-DECAYS = ("linear", "power")
+DECAYS = O.DECAYS
+TARGET_SPEEDUP = O.Option(
+    "target_speedup",
+    "float",
+    "n_layers / the mean layer budget: picks min/max_exit_layer from the paper's Table 2",
+    lo=1.0,
+    hi=O.N_LAYERS,
+    none="2x, unless min/max_exit_layer are given",
+)
+WARMUP = O.Option("warmup", "int", "the bottom layers every token runs", default=1, lo=0, hi=O.N_LAYERS)
+MAX_LEN = O.Option(
+    "max_len",
+    "int",
+    "the sequence length at which the budget reaches min_exit_layer",
+    lo=2,
+    hi=O.CONTEXT,
+    none="the longest prompt + max_new_tokens",
+)
+POWER = O.Option("power", "float", "the exponent of decay=power", default=2.0, lo=0.0, lo_open=True)
+BUDGETS = O.Option(
+    "schedule",
+    "int_list",
+    "explicit exit budgets, one per generated position (non-increasing)",
+    lo=1,
+    hi=O.N_LAYERS,
+    none="budgets decaying from max_exit_layer to min_exit_layer",
+)
 # The paper's Table 2 (OPT-1.3B, 24 layers, and OPT-6.7B, 32 layers): target speed-up ->
 # (warmup, min_exit_layer, max_exit_layer).  The 30-layer column below scales them (×30/24 and
 # ×30/32 agree to within a layer) so that the mean budget (min+max)/2 is n_layers / target.
@@ -59,16 +88,7 @@ def target_config(n_layers: int, target_speedup: float) -> SkipConfig:
     """The Table 2 configuration for ``target_speedup`` on an ``n_layers`` model: the paper's own
     numbers for 24 and 32 layers, our scaled ones for 30, else min/max chosen around
     ``n_layers / target`` with the paper's max/min ratio of about 2 (2x) to 1.5 (5x)."""
-    if (
-        isinstance(target_speedup, bool)
-        or not isinstance(target_speedup, (int, float))
-        or not 1 <= target_speedup <= n_layers
-    ):
-        raise GenerationError(
-            f"target_speedup must be a number in [1, {n_layers}] (n_layers / the mean layer budget), "
-            f"got {target_speedup!r}"
-        )
-    s = float(target_speedup)
+    s = TARGET_SPEEDUP.check(target_speedup, depth(n_layers))
     if s == 1:
         return SkipConfig(1.0, 1, n_layers, n_layers)
     if n_layers in TABLE2 and s in TABLE2[n_layers]:
@@ -81,15 +101,14 @@ def target_config(n_layers: int, target_speedup: float) -> SkipConfig:
     return SkipConfig(s, 1, lo, hi)
 
 
+def depth(n_layers: int) -> SimpleNamespace:
+    """What the options' model-dependent bounds read, for code that knows only the depth."""
+    return SimpleNamespace(n_layers=n_layers)
+
+
 def check_budget_range(n_layers: int, min_exit_layer: int, max_exit_layer: int, warmup: int) -> None:
-    for name, v in (("min_exit_layer", min_exit_layer), ("max_exit_layer", max_exit_layer), ("warmup", warmup)):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise GenerationError(f"{name} must be an integer, got {v!r}")
-    if not 1 <= min_exit_layer <= n_layers or not 1 <= max_exit_layer <= n_layers:
-        raise GenerationError(
-            f"exit layers must be in [1, {n_layers}] (this model has {n_layers} layers), got "
-            f"min_exit_layer={min_exit_layer}, max_exit_layer={max_exit_layer}"
-        )
+    for o, v in ((O.MIN_EXIT_LAYER, min_exit_layer), (O.MAX_EXIT_LAYER, max_exit_layer), (WARMUP, warmup)):
+        o.check(v, depth(n_layers))
     if min_exit_layer > max_exit_layer:
         raise GenerationError(
             f"min_exit_layer={min_exit_layer} > max_exit_layer={max_exit_layer}: budgets must "
@@ -116,7 +135,7 @@ def budget_at(
     elif decay == "power":
         b = min_exit_layer + (max_exit_layer - min_exit_layer) * (1 - t) ** power
     else:
-        raise GenerationError(f"unknown decay {decay!r}: choose one of {', '.join(DECAYS)}")
+        O.DECAY.check(decay)
     return int(min(max_exit_layer, max(min_exit_layer, math.floor(b + 0.5 + 1e-9))))
 
 
@@ -143,19 +162,7 @@ def layer_ranges(n_layers: int, budget: int, warmup: int) -> list[tuple[int, int
 
 def check_schedule(schedule, n_layers: int, warmup: int) -> list[int]:
     """Validate an explicit list of budgets (one per generated position)."""
-    try:
-        if isinstance(schedule, (str, bytes)):
-            raise TypeError
-        sched = [int(b) for b in schedule]
-        if any(isinstance(b, bool) or int(b) != b for b in schedule):
-            raise ValueError
-    except (TypeError, ValueError, OverflowError):
-        raise GenerationError(f"schedule must be a list of integer exit layers, got {schedule!r}") from None
-    if not sched:
-        raise GenerationError("schedule is empty: give one exit layer per generated position")
-    bad = [b for b in sched if not 1 <= b <= n_layers]
-    if bad:
-        raise GenerationError(f"schedule has exit layers {bad[:5]} outside [1, {n_layers}]")
+    sched = BUDGETS.check(schedule, depth(n_layers))
     rises = [i for i in range(1, len(sched)) if sched[i] > sched[i - 1]]
     if rises:
         i = rises[0]
@@ -179,7 +186,21 @@ def _active_layer_stats(run: Run, **schedule) -> None:
 
 
 # -- SkipDecode ------------------------------------------------------------------------------------
-@register("skipdecode", batched=True, sampling=True)
+@register(
+    "skipdecode",
+    batched=True,
+    sampling=True,
+    options=(
+        O.MIN_EXIT_LAYER.but(default=None, none="from target_speedup"),
+        O.MAX_EXIT_LAYER.but(none="from target_speedup"),
+        WARMUP,
+        MAX_LEN,
+        O.DECAY,
+        POWER,
+        BUDGETS,
+        TARGET_SPEEDUP,
+    ),
+)
 def skipdecode(
     run: Run,
     *,
@@ -204,13 +225,7 @@ def skipdecode(
             min_exit_layer = cfg.min_exit_layer if min_exit_layer is None else min_exit_layer
             max_exit_layer = cfg.max_exit_layer if max_exit_layer is None else max_exit_layer
         check_budget_range(d, min_exit_layer, max_exit_layer, warmup)
-        if decay not in DECAYS:
-            raise GenerationError(f"unknown decay {decay!r}: choose one of {', '.join(DECAYS)}")
-        if isinstance(power, bool) or not isinstance(power, (int, float)) or not 0 < power < math.inf:
-            raise GenerationError(f"power must be a finite number > 0, got {power!r}")
     else:
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise GenerationError(f"warmup must be an integer >= 0, got {warmup!r}")
         schedule = check_schedule(schedule, d, warmup)
     longest = max(len(p) for p in run.prompts)
     ctx = run.model.config.max_position
@@ -222,10 +237,9 @@ def skipdecode(
         )
     if max_len is None:
         max_len = longest + run.gen.max_new_tokens
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or not longest < max_len <= ctx:
+    if not longest < max_len:
         raise GenerationError(
-            f"max_len={max_len!r} must be an integer sequence length in ({longest}, {ctx}] "
-            f"(longer than the batch's longest prompt, within the context)"
+            f"max_len={max_len} must be longer than the batch's longest prompt ({longest} tokens): raise it"
         )
     horizon = max_len - longest
 
@@ -251,12 +265,14 @@ def skipdecode(
 
 
 # -- baselines -------------------------------------------------------------------------------------
-@register("early-exit", batched=True, sampling=True)
+EXIT_AT = O.EXIT_LAYER.but(
+    default=O.REQUIRED, none="", hi=O.N_LAYERS, help="every token runs layers [0, exit_layer); n_layers = greedy"
+)
+
+
+@register("early-exit", batched=True, sampling=True, options=(EXIT_AT,))
 def early_exit(run: Run, *, exit_layer: int):
     """Fixed early exit: every token (prompt included) runs layers [0, exit_layer) and is predicted from there."""
-    d = run.n_layers
-    if not isinstance(exit_layer, int) or isinstance(exit_layer, bool) or not 1 <= exit_layer <= d:
-        raise GenerationError(f"exit_layer must be an integer in [1, {d}], got {exit_layer!r}")
     cache = run.new_cache()
     h = run.prefill(cache, end=exit_layer)
     while True:
@@ -268,15 +284,11 @@ def early_exit(run: Run, *, exit_layer: int):
     _active_layer_stats(run)
 
 
-@register("calm", batched=False, sampling=True)
+@register("calm", batched=False, sampling=True, options=(O.THRESHOLD, O.MIN_EXIT_LAYER))
 def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
     """CALM-style early exit on hidden-state saturation (cosine of consecutive layers), skipped KV filled
     from the exit state."""
     d = run.n_layers
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or math.isnan(threshold):
-        raise GenerationError(f"threshold must be a number (cosine similarity; > 1 never exits), got {threshold!r}")
-    if isinstance(min_exit_layer, bool) or not isinstance(min_exit_layer, int) or not 1 <= min_exit_layer <= d:
-        raise GenerationError(f"min_exit_layer must be an integer in [1, {d}], got {min_exit_layer!r}")
     cache = run.new_cache()
     h = run.prefill(cache)
     exits: list[int] = []

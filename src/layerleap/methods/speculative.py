@@ -41,49 +41,26 @@ Stats: ``draft_calls``, ``draft_layer_evals`` (the draft's own meters), ``drafte
 
 from __future__ import annotations
 
-import math
-from numbers import Real
-
-from ..core.run import GenerationError, Run, register
+from ..core import options as O
+from ..core.run import Run, register
 from ..core.stats import SpeculativeStats
-from ..drafters.base import SCHEDULES, ChainRule, DraftLength
+from ..drafters.base import ChainRule, DraftLength
 from ..drafters.companion import DraftModel, check_pair
 from . import draft_verify
 
-__all__ = ["DraftLength", "check_options", "speculative"]
-
-MAX_DRAFT_LEN = 256  # drafts per round; more only wastes draft calls on rejected tokens
+__all__ = ["DraftLength", "speculative"]
 
 
-def check_options(draft_len, schedule, min_confidence) -> None:
-    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 1 <= draft_len <= MAX_DRAFT_LEN:
-        raise GenerationError(
-            f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}] (γ, the drafted tokens per round), got {draft_len!r}"
-        )
-    if schedule not in SCHEDULES:
-        raise GenerationError(
-            f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (constant: γ = draft_len; "
-            f"heuristic: +2 after a fully accepted round, -1 otherwise), got {schedule!r}"
-        )
-    if (
-        isinstance(min_confidence, bool)
-        or not isinstance(min_confidence, Real)
-        or math.isnan(min_confidence)
-        or not 0 <= min_confidence <= 1
-    ):
-        raise GenerationError(
-            f"min_confidence must be a probability in [0, 1] (stop drafting after a draft token "
-            f"whose top probability is below it; 0 = off), got {min_confidence!r}"
-        )
-
-
-@register("speculative", batched=True, sampling=True, exact=True, models=("draft",))
+@register(
+    "speculative",
+    batched=True,
+    sampling=True,
+    exact=True,
+    options=(O.DRAFT_MODEL, O.DRAFT_LEN.but(default=20), O.SCHEDULE, O.MIN_CONFIDENCE.but(default=0.4)),
+)
 def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "constant", min_confidence: float = 0.4):
     """Speculative decoding with a draft model (draft=, γ = draft_len, schedule, min_confidence):
     greedy-exact or lossless sampling."""
-    if draft is None:
-        raise GenerationError("method 'speculative' needs a draft model: generate(..., draft=layerleap.load(...))")
-    check_options(draft_len, schedule, min_confidence)
     check_pair(run.model, draft, "draft", "draft")
     rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=True)
     counts = yield from draft_verify.decode(run, DraftModel(run, draft, rule))

@@ -147,6 +147,10 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
             f"unknown method {method!r}: choose one of {', '.join(METHODS)}", "layerleap.method", "unknown_method"
         )
     options = {**cfg.options, **ext.options} if method == cfg.method else dict(ext.options)
+    try:  # the method's declarations, before any model an option names is loaded
+        get_method(method).check_options(options, st.model.config)
+    except LayerleapError as e:
+        raise _bad(str(e), "layerleap.options") from None
     max_key, max_tokens = _max_tokens(body)
     if max_tokens is None:
         max_tokens = max(1, min(cfg.max_tokens, context - prompt_len))
@@ -160,6 +164,10 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         )
     m = get_method(method)
     temperature = body.temperature
+    top_k = max(0, body.top_k if body.top_k is not None else ext.top_k or 0)
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if temperature is None and (top_k or top_p < 1) and not m.default_sample:
+        temperature = 1.0  # top_k / top_p ask for sampling, as a temperature does (the CLI's rule)
     if temperature is None:
         do_sample, temperature = m.default_sample, 1.0
     elif temperature == 0:
@@ -169,13 +177,12 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         if not m.sampling:
             if method != "greedy":
                 raise _bad(
-                    f"method {method!r} decodes greedily: use temperature 0 (or leave it out), or a sampling "
-                    f"method ({', '.join(n for n, x in METHODS.items() if x.sampling)})",
+                    f"method {method!r} decodes greedily and would ignore temperature, top_p and top_k: leave them "
+                    f"out (or use temperature 0), or a sampling method "
+                    f"({', '.join(n for n, x in METHODS.items() if x.sampling)})",
                     "temperature",
                 )
             method, options = "sample", {}  # greedy with a temperature: the same loop, sampled
-    top_k = max(0, body.top_k if body.top_k is not None else ext.top_k or 0)
-    top_p = 1.0 if body.top_p is None else body.top_p
     vocab = st.model.config.vocab_size
     if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
         raise _bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")

@@ -101,7 +101,7 @@ def transfer_outputs(
     gradients reach ``proj`` only."""
     steps = proj.steps if steps is None else steps
     B, N = ids.shape
-    chain = tree_mod.build([1] * (N - 1)) if N > 1 else tree_mod.build([])
+    chain = tree_mod.chain(N - 1)
     sources = list(range(N))
     mask = tree_mod.pseudo_mask(chain.mask, sources, steps).to(model.device)  # [S, S]
     pos = tree_mod.pseudo_offsets(chain.depths, sources, steps).unsqueeze(0).expand(B, -1).to(model.device)

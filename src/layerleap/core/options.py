@@ -1,0 +1,359 @@
+"""Method options, each declared once: its name, type, default, bounds and meaning.
+
+A method lists the options it takes (``register(..., options=(DRAFT_LEN, EXIT_LAYER.but(default=None)))``)
+and ``check`` is the one checker that runs those declarations: ``generate`` (the Python API), the CLI's
+``--opt`` and method flags, the server's ``layerleap.options``, bench, sweep and exactness all call it,
+and ``layerleap methods`` prints the same declarations.  A shared option (``exit_layer``, ``draft_len``,
+``tree``, ``head``, ...) is declared here once and reused with its one message; a method may change its
+default (``.but(default=...)``), or narrow its bounds where its algorithm needs it (PPD's d̄ >= d/2).
+
+Bounds may depend on the model (``exit_layer`` in ``[1, n_layers - 1]``): ``ModelBound``.  ``check``
+without a model checks everything else (type, fixed bounds, choices, files), which the CLI does before
+loading the model; with the model's config it checks the model-dependent bounds too.
+
+Values: integers accept any ``numbers.Integral`` but ``bool``; floats refuse ``bool``, nan and (unless
+the option gives ``inf`` a meaning) infinities; ``None`` only where the option says what it means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import validate as V
+from .config import ModelConfig
+from .tree import TreeError, parse_tree
+
+
+class OptionError(V.InputError):
+    """A method option with a bad name or value: the message names the problem and the fix."""
+
+
+REQUIRED = inspect.Parameter.empty  # the default of an option that has none (as in a signature)
+
+
+@dataclass(frozen=True)
+class ModelBound:
+    """A bound that depends on the model: ``fn(config)``, written ``text`` in listings; ``least``: what
+    it is at least on any model (checked before the model loads)."""
+
+    fn: Callable[[ModelConfig], int | float]
+    text: str
+    least: int = 1
+
+    def __str__(self) -> str:
+        return self.text
+
+
+N_LAYERS = ModelBound(lambda c: c.n_layers, "n_layers")
+LAST_EXIT = ModelBound(lambda c: c.n_layers - 1, "n_layers-1")
+HALF_DEPTH = ModelBound(lambda c: (c.n_layers + 1) // 2, "ceil(n_layers/2)")
+VOCAB = ModelBound(lambda c: c.vocab_size, "vocab_size")
+CONTEXT = ModelBound(lambda c: c.max_position, "context")
+
+KINDS = ("int", "float", "bool", "text", "choice", "tree", "int_list", "model", "weights", "any")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One method option.  ``kind``: int, float, bool, text, choice (one of ``choices``), tree (a tree
+    shape), int_list, model (a second model: a loaded one, or a name or folder on the CLI), weights (one
+    of ``choices``, a weights file, or a loaded object) or any (unchecked: a method registered without
+    declarations).  ``none``: what None means ('' = not allowed)."""
+
+    name: str
+    kind: str
+    help: str
+    default: object = None
+    lo: int | float | ModelBound | None = None
+    hi: int | float | ModelBound | None = None
+    lo_open: bool = False
+    choices: tuple[str, ...] = ()
+    none: str = ""
+    inf: str = ""  # float: what inf means ('' = refused)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"option {self.name}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
+
+    def but(self, **changes) -> Option:
+        """The same option with another default or narrower bounds (one method's use of it)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    # -- bounds -----------------------------------------------------------------------------------
+    def bounds(self, config: ModelConfig | None = None) -> tuple:
+        """(lo, hi), a model-dependent one resolved with ``config`` or None without it."""
+
+        def one(b, low: bool):
+            if isinstance(b, ModelBound):
+                return b.fn(config) if config is not None else (b.least if low else None)
+            return b
+
+        return one(self.lo, True), one(self.hi, False)
+
+    def bounds_text(self) -> str:
+        if self.kind == "choice" or (self.kind == "weights" and self.choices):
+            return " | ".join(self.choices) + (" | a file" if self.kind == "weights" else "")
+        return V._bounds(self.lo, self.hi, self.lo_open).strip().removeprefix("in ")
+
+    def describe(self) -> dict:
+        """What ``layerleap methods`` prints."""
+        return {
+            "type": self.kind,
+            "default": None if self.required else self.default,
+            "required": self.required,
+            "bounds": self.bounds_text(),
+            "none": self.none,
+            "inf": self.inf,
+            "meaning": self.help,
+        }
+
+    # -- the check --------------------------------------------------------------------------------
+    def check(self, value, config: ModelConfig | None = None):
+        """``value`` as the method gets it, or an ``OptionError`` naming the bounds and the meaning.
+        Without ``config``, model-dependent bounds are left for the check with the model."""
+        if value is None and self.none:
+            return None
+        return _CHECKS[self.kind](self, value, config)
+
+    def fail(self, want: str, value, config: ModelConfig | None = None) -> OptionError:
+        """The one message of this option: the bounds (resolved on the model where they depend on it),
+        what None means, the value given and the meaning."""
+        on_model = [b for b in (self.lo, self.hi) if isinstance(b, ModelBound)] if config is not None else []
+        model = f" ({', '.join(f'{b} = {b.fn(config)}' for b in on_model)} on this model)" if on_model else ""
+        none = f" or none ({self.none})" if self.none else ""
+        return OptionError(f"{self.name} must be {want}{model}{none}, got {V.show(value)}: {self.help}")
+
+    def _range(self, config) -> str:
+        lo, hi = self.bounds(config) if config is not None else (self.lo, self.hi)  # named, not resolved
+        return V._bounds(lo, hi, self.lo_open)
+
+    def _in_bounds(self, v, config) -> bool:
+        lo, hi = self.bounds(config)
+        if lo is not None and (v <= lo if self.lo_open else v < lo):
+            return False
+        return hi is None or v <= hi
+
+    def arg(self) -> Callable[[str], object]:
+        """This option as an argparse ``type`` (the model-independent checks; the same message)."""
+        return V._as_arg(lambda t: self.check(self.parse(t)), label=self.name)
+
+    def list_arg(self, none: bool = False) -> Callable[[str], list]:
+        """A comma list of values of this option as an argparse ``type`` (``none``: 'none' or '' is [])."""
+        return V._as_arg(lambda t: V._items(t, none, lambda x: self.check(self.parse(x))), label=f"{self.name} list")
+
+    def parse(self, text: str):
+        """A command-line value as the API would pass it: None (for 'none' where the option allows it),
+        an int, a float, or the text."""
+        t = text.strip()
+        if self.none and t.lower() in ("none", "null"):
+            return None
+        for cast in (int, float):
+            try:
+                return cast(t)
+            except ValueError:
+                pass
+        return text
+
+
+def _int(o: Option, value, config):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not o._in_bounds(int(value), config):
+        raise o.fail(f"an integer{o._range(config)}", value, config)
+    return int(value)
+
+
+def _float(o: Option, value, config):
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    v = float(value) if ok else None
+    ok = ok and v == v and (abs(v) != float("inf") or (bool(o.inf) and v > 0)) and o._in_bounds(v, config)
+    if not ok:
+        extra = f"; inf: {o.inf}" if o.inf else ""
+        raise o.fail(f"a finite number{o._range(config)}{extra}", value, config)
+    return v
+
+
+def _bool(o: Option, value, config):
+    if not isinstance(value, bool):
+        raise o.fail("true or false", value)
+    return value
+
+
+def _text(o: Option, value, config):
+    if not isinstance(value, str):
+        raise o.fail("text", value)
+    return V.text(value, o.name)
+
+
+def _choice(o: Option, value, config):
+    if not isinstance(value, str) or value not in o.choices:
+        raise o.fail(f"one of {', '.join(o.choices)}", value)
+    return value
+
+
+def _tree(o: Option, value, config):
+    try:
+        parse_tree(value)
+    except TreeError as e:
+        raise OptionError(f"{o.name}: {e}") from None
+    return value
+
+
+def _int_list(o: Option, value, config):
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+        raise o.fail(f"a non-empty list of integers{o._range(config)}", value, config)
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not o._in_bounds(int(v), config):
+            raise o.fail(f"a list of integers{o._range(config)}", value, config)
+    return [int(v) for v in value]
+
+
+def _model(o: Option, value, config):
+    if isinstance(value, (str, os.PathLike)):
+        V.path(value, o.name)
+    elif value is None or isinstance(value, (bytes, bool, numbers.Number, list, tuple, dict)):
+        raise o.fail("a model (layerleap.load(...); on the command line a model name or folder)", value)
+    return value  # a loaded model is checked against the main one by the method (companion.check_pair)
+
+
+def _weights(o: Option, value, config):
+    if isinstance(value, str) and value in o.choices:
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        p = V.path(value, o.name)
+        if not p.is_file():
+            raise o.fail(f"one of {', '.join(o.choices)} or an existing weights file", value)
+        return value
+    if isinstance(value, (bytes, bool, numbers.Number, list, tuple, dict)):
+        raise o.fail(f"one of {', '.join(o.choices)}, a weights file or loaded weights", value)
+    return value  # a loaded head or drafter: the method checks it fits the model
+
+
+_CHECKS = {
+    "int": _int,
+    "float": _float,
+    "bool": _bool,
+    "text": _text,
+    "any": lambda o, value, config: value,
+    "choice": _choice,
+    "tree": _tree,
+    "int_list": _int_list,
+    "model": _model,
+    "weights": _weights,
+}
+
+
+def infer(fn: Callable) -> tuple[Option, ...]:
+    """Declarations read from the keyword options of ``fn(run, ...)``'s signature, for a method registered
+    without them: the kind from the default's type (int, float, bool, text; any other default, None or
+    none: unchecked)."""
+    kinds = {bool: "bool", int: "int", float: "float", str: "text"}
+    out = []
+    for p in list(inspect.signature(fn).parameters.values())[1:]:
+        kind = kinds.get(type(p.default), "any")
+        out.append(Option(p.name, kind, "(undeclared)", default=p.default, none="allowed" if kind == "any" else ""))
+    return tuple(out)
+
+
+# -- the shared options -------------------------------------------------------------------------------
+MAX_DRAFT_LEN = 256  # drafts per round; more only wastes calls on rejected tokens
+MAX_NGRAM = 32  # the n-gram index keeps every n-gram of min_ngram..max_ngram tokens: memory grows with n
+SCHEDULES = ("constant", "heuristic")
+DECAYS = ("linear", "power")
+HEADS = ("auto", "shared", "trained")
+
+EXIT_LAYER = Option(
+    "exit_layer",
+    "int",
+    "the drafting layer: layers [0, exit_layer) and an exit head predict early",
+    lo=1,
+    hi=LAST_EXIT,
+    none="half the depth",
+)
+DRAFT_LEN = Option("draft_len", "int", "γ: the most tokens drafted per round", lo=1, hi=MAX_DRAFT_LEN)
+MIN_CONFIDENCE = Option(
+    "min_confidence",
+    "float",
+    "stop drafting after a draft whose top probability is below it; 0 = off",
+    default=0.0,
+    lo=0.0,
+    hi=1.0,
+)
+SCHEDULE = Option(
+    "schedule",
+    "choice",
+    "constant: γ = draft_len; heuristic: +2 after a fully accepted round, -1 otherwise",
+    default="constant",
+    choices=SCHEDULES,
+)
+HEAD = Option(
+    "head",
+    "weights",
+    "the exit head: auto (trained if shipped, else shared), shared, trained, or a heads file",
+    default="auto",
+    choices=HEADS,
+)
+TREE = Option(
+    "tree",
+    "tree",
+    "the draft tree: top-k per depth ('2,1,1') or rank paths ('0;1;0.0')",
+    none="the weight format's tuned tree",
+)
+MAX_NGRAM_OPT = Option("max_ngram", "int", "the longest n-gram looked up", default=4, lo=1, hi=MAX_NGRAM)
+MIN_NGRAM = Option(
+    "min_ngram", "int", "the shortest n-gram looked up (<= max_ngram)", lo=1, hi=MAX_NGRAM, none="the dtype's tuned one"
+)
+K = Option("k", "int", "the sub-processes, one early candidate each", default=1, lo=1, hi=VOCAB)
+THRESHOLD = Option("threshold", "float", "exit once cos(h_l, h_(l-1)) reaches it; above 1 never exits", default=0.95)
+DECAY = Option("decay", "choice", "how the layer budget falls along the sequence", default="linear", choices=DECAYS)
+DRAFT_MODEL = Option("draft", "model", "the draft model (same tokenizer)", default=REQUIRED)
+TRANSFER = Option(
+    "transfer",
+    "weights",
+    "Hidden Transfer projections: trained (shipped) or a weights file",
+    default="trained",
+    choices=("trained",),
+)
+MEDUSA_HEADS = Option(
+    "heads", "weights", "Medusa heads: trained (shipped) or a weights file", default="trained", choices=("trained",)
+)
+MIN_EXIT_LAYER = Option(
+    "min_exit_layer", "int", "the fewest layers a token runs (its exit budget)", default=1, lo=1, hi=N_LAYERS
+)
+MAX_EXIT_LAYER = Option("max_exit_layer", "int", "the most layers a token runs (its exit budget)", lo=1, hi=N_LAYERS)
+
+
+def check(
+    name: str,
+    declared: tuple[Option, ...],
+    options: dict,
+    config: ModelConfig | None = None,
+    cli: str = "",
+    partial: bool = False,
+) -> dict:
+    """``options`` of method ``name`` checked against its declarations -> the checked values (ints as
+    ``int``, floats as ``float``).  Unknown names and missing required options are refused; values are
+    checked as ``Option.check`` does (model-dependent bounds only with ``config``).  ``cli``: the prefix
+    of the option on the command line (bench's ``LABEL.``), for the fix the message names.  ``partial``:
+    a missing required option is left for later (a calibration that sets it)."""
+    by_name = {o.name: o for o in declared}
+    unknown = sorted(set(options) - set(by_name), key=str)
+    if unknown:
+        raise OptionError(
+            f"method {name!r} has no option {', '.join(map(str, unknown))}; its options: {', '.join(by_name) or 'none'}"
+            " (`layerleap methods` lists them)"
+        )
+    missing = [o.name for o in declared if o.required and o.name not in options and not partial]
+    if missing:
+        raise OptionError(
+            f"method {name!r} needs the option {missing[0]}: add --opt {cli}{missing[0]}=VALUE (in Python: "
+            f"{missing[0]}=...)"
+        )
+    return {k: by_name[k].check(v, config) for k, v in options.items()}

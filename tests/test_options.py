@@ -1,0 +1,197 @@
+"""Method options are declared once (``core.options``) and read by everything the same way: the Python
+API (``generate``), the command line (``--opt``) and ``layerleap methods`` agree on every registered
+method's option names, defaults and bounds, and refuse a bad value with the declaration's one message."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cli import cli
+
+import layerleap
+from layerleap.core import options as O
+from layerleap.decoding import METHODS, GenerationError
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "layerleap"
+
+
+@pytest.fixture(scope="module")
+def tiny(char_model_dir):
+    return layerleap.load_folder(char_model_dir)
+
+
+def _bad(o: O.Option):
+    """A value the declaration refuses on any model (None where nothing is refused without a model)."""
+    return {
+        "int": -1,
+        "float": math.nan,
+        "bool": "maybe",
+        "text": 5,
+        "choice": "weird",
+        "tree": "a;b",
+        "int_list": "x",
+        "weights": "/no/such/weights.safetensors",
+    }.get(o.kind)
+
+
+def _text(value) -> str:
+    return "nan" if isinstance(value, float) and math.isnan(value) else str(value)
+
+
+def _needed(m, model_name: str, skip: str) -> tuple[dict, list[str]]:
+    """The required options of ``m`` other than ``skip``, for the API (values) and the CLI (--opt items)."""
+    api, argv = {}, []
+    for o in m.declared:
+        if o.required and o.name != skip:
+            api[o.name] = "MODEL" if o.kind == "model" else 1
+            argv += ["--opt", f"{o.name}={model_name if o.kind == 'model' else 1}"]
+    return api, argv
+
+
+CASES = [(name, o.name) for name, m in METHODS.items() for o in m.declared if _bad(o) is not None]
+
+
+def test_every_method_declares_its_signature():
+    assert len(CASES) > 30
+    for name, m in METHODS.items():
+        params = list(inspect.signature(m.fn).parameters.values())[1:]
+        assert {p.name: p.default for p in params} == m.options(), name
+        assert all(o.kind != "any" for o in m.declared), f"{name}: every built-in option has a type"
+
+
+def test_methods_json_lists_the_declarations(capsys):
+    rc, out, _ = cli(capsys, "methods", "--json")
+    assert rc == 0
+    table = json.loads(out)
+    assert set(table) == set(METHODS)
+    for name, m in METHODS.items():
+        specs = table[name]["option_specs"]
+        assert list(specs) == [o.name for o in m.declared], name
+        for o in m.declared:
+            assert specs[o.name]["bounds"] == o.bounds_text() and specs[o.name]["meaning"] == o.help
+            assert specs[o.name]["required"] == o.required
+            if not o.required:
+                assert specs[o.name]["default"] == o.default == table[name]["options"][o.name]
+    rc, out, _ = cli(capsys, "methods")
+    for m in METHODS.values():
+        for o in m.declared:
+            assert f"--opt {o.name}=" in out and o.help in out
+
+
+@pytest.mark.parametrize("method, option", CASES, ids=[f"{m}.{o}" for m, o in CASES])
+def test_cli_and_api_refuse_a_bad_value_alike(capsys, char_model_dir, tiny, method, option):
+    m = METHODS[method]
+    o = next(x for x in m.declared if x.name == option)
+    bad = _bad(o)
+    api, argv = _needed(m, str(char_model_dir), option)
+    api = {k: tiny if v == "MODEL" else v for k, v in api.items()}
+    with pytest.raises(O.OptionError) as before:
+        m.check_options({**api, option: bad})  # what the CLI checks before loading
+    with pytest.raises(O.OptionError) as after:
+        m.check_options({**api, option: bad}, tiny.config)
+    with pytest.raises(GenerationError) as e:
+        layerleap.generate(tiny, "hi", method, 2, **api, **{option: bad})
+    assert str(e.value) == str(after.value) and option in str(e.value)
+    rc, _, err = cli(
+        capsys, "generate", "--model", char_model_dir, "--prompt", "hi", "--method", method, *argv,
+        "--opt", f"{option}={_text(bad)}",
+    )  # fmt: skip
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"layerleap generate: error: {before.value}"
+    assert "loaded" not in err  # refused before the model loads
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_cli_and_api_refuse_an_unknown_option_alike(capsys, char_model_dir, tiny, method):
+    with pytest.raises(GenerationError) as e:
+        layerleap.generate(tiny, "hi", method, 2, nosuch=1)
+    rc, _, err = cli(
+        capsys, "generate", "--model", char_model_dir, "--prompt", "hi", "--method", method, "--opt", "nosuch=1"
+    )
+    assert rc == 2 and err.strip().splitlines()[-1] == f"layerleap generate: error: {e.value}"
+    assert f"method {method!r} has no option nosuch; its options: " in str(e.value)
+
+
+def test_model_bounds_are_resolved_on_the_model(tiny):
+    n = tiny.config.n_layers
+    with pytest.raises(GenerationError, match=rf"exit_layer must be an integer in \[1, {n - 1}\] \(n_layers-1 = "):
+        layerleap.generate(tiny, "hi", "self-spec", 2, exit_layer=n)
+    with pytest.raises(GenerationError, match=rf"in \[{(n + 1) // 2}, {n - 1}\] \(ceil\(n_layers/2\) = "):
+        layerleap.generate(tiny, "hi", "ppd", 2, exit_layer=1)
+    with pytest.raises(GenerationError, match=rf"k must be an integer in \[1, {tiny.config.vocab_size}\]"):
+        layerleap.generate(tiny, "hi", "ppd", 2, k=tiny.config.vocab_size + 1)
+
+
+def test_any_integral_is_an_integer_and_bool_is_not(tiny):
+    ref = layerleap.generate(tiny, "hello hello", "self-spec", 6, exit_layer=2, draft_len=2, head="shared")
+    for kind in (np.int64, np.int32, int):
+        r = layerleap.generate(
+            tiny, "hello hello", "self-spec", 6, exit_layer=kind(2), draft_len=kind(2), head="shared"
+        )
+        assert r.token_ids == ref.token_ids
+    with pytest.raises(GenerationError, match="draft_len must be an integer .* got True"):
+        layerleap.generate(tiny, "hi", "self-spec", 2, draft_len=True)
+    with pytest.raises(GenerationError, match="max_ngram must be an integer .* got 2.0"):
+        layerleap.generate(tiny, "hi", "prompt-lookup", 2, max_ngram=2.0)
+
+
+def test_no_method_checks_its_options_by_hand():
+    """The per-method ``check_options`` copies are gone: the declarations are the one checker."""
+    for path in (SRC / "methods").glob("*.py"):
+        text = path.read_text()
+        assert "def check_options" not in text and "isinstance(exit_layer" not in text, path.name
+        assert "isinstance(draft_len" not in text and "isinstance(min_confidence" not in text, path.name
+
+
+# -- sampling flags are used or refused --------------------------------------------------------------
+def test_a_temperature_makes_a_sampling_method_sample(capsys, char_model_dir, tiny):
+    prompt = "the cat sat on the mat"
+    rc, out, _ = cli(
+        capsys, "generate", "--model", char_model_dir, "--prompt", prompt, "--method", "self-spec",
+        "--temperature", "0.9", "--seed", "1", "--max-new-tokens", "12", "--json",
+    )  # fmt: skip
+    assert rc == 0
+    got = json.loads(out)["token_ids"]
+    api = layerleap.generate(tiny, prompt, "self-spec", 12, temperature=0.9, seed=1)
+    sampled = layerleap.generate(tiny, prompt, "self-spec", 12, do_sample=True, temperature=0.9, seed=1)
+    greedy = layerleap.generate(tiny, prompt, "greedy", 12)
+    assert got == api.token_ids == sampled.token_ids != greedy.token_ids
+    rc, out, _ = cli(
+        capsys, "generate", "--model", char_model_dir, "--prompt", prompt, "--method", "self-spec",
+        "--do-sample", "--seed", "1", "--max-new-tokens", "12", "--json",
+    )  # fmt: skip
+    assert (
+        rc == 0 and json.loads(out)["token_ids"] == layerleap.generate(tiny, prompt, "self-spec", 12, seed=1).token_ids
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "greedy", "--temperature", "1.5"], "'greedy' decodes greedily and would ignore temperature"),
+        (["--method", "greedy", "--seed", "3"], "would ignore seed: use method 'sample' to sample (--method sample)"),
+        (["--method", "ppd", "--top-k", "5", "--top-p", "0.5"], "'ppd' decodes greedily and would ignore top_k, top_p"),
+        (
+            ["--method", "early-exit", "--opt", "exit_layer=2", "--do-sample", "--method", "ppd"],
+            "decodes greedily only",
+        ),
+    ],
+)
+def test_ignored_sampling_flags_are_refused(capsys, char_model_dir, argv, message):
+    rc, _, err = cli(capsys, "generate", "--model", char_model_dir, "--prompt", "hi", *argv)
+    assert rc == 2 and message in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_training_chains_are_not_draft_trees():
+    """A training pass over a long sequence is a chain of any length, not a draft tree (its node limit)."""
+    from layerleap.core import tree
+
+    c = tree.chain(600)
+    assert c.n == 601 and c.depth == 600 and bool((c.mask == c.mask.new_ones(601, 601).tril()).all())
+    small = tree.chain(3)
+    assert small.paths == tree.build([1, 1, 1]).paths and bool((small.mask == tree.build([1, 1, 1]).mask).all())

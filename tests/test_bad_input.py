@@ -394,7 +394,7 @@ CLI = [
     (FT, "the following arguments are required: --out"),
     (FT + ["--out", "{FILE}"], "is a file: give a folder"),
     (FT + ["--out", "{T}/ft"], "fine-tuning state"),
-    (FT + ["--out", "{D}"], "is the --model folder"),
+    (FT + ["--out", "{D}"], "is also --model"),
     (FT + ["--out", "{NOTMODEL}"], "holds other files, not a fine-tuning run"),
     (FT + ["--out", "{T}/ft", "--gen-len", "100000"], "exceed the model's context of 2048"),
     (FT + ["--out", "/proc/ft"], "cannot be written"),

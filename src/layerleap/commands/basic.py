@@ -42,7 +42,7 @@ DEMO_HTML = "layerleap-demo.html"
 
 # -- shared arguments and helpers -------------------------------------------------------------------
 _positive_int = V.positive_int  # the argparse types of every command live in layerleap.validate
-_model_arg = V._as_arg(lambda t: check_model(t, ""), label="model")
+_model_arg = V.tagged(V._as_arg(lambda t: check_model(t, ""), label="model"), "in")
 
 
 def _device(text: str) -> str:
@@ -74,6 +74,7 @@ def _model_args(p, dtype: str = "float32") -> None:
     p.add_argument("--threads", type=V.threads_arg, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--variant",
+        type=V.tagged(str, "in"),
         default=None,
         help="a fine-tuned variant of --model: a shipped name (e.g. "
         "skipdecode-2x, calm) or a .safetensors file of `layerleap finetune variant`",
@@ -268,7 +269,8 @@ def _generate_prompts(args) -> list[str] | str:
 def _read_stdin() -> str:
     if sys.stdin is None:
         raise LayerleapError("--prompt - reads stdin, but stdin is closed: pipe the prompt in or give it as text")
-    return V.utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+    data = V.read_bounded(sys.stdin.buffer, "the prompt on stdin (--prompt -)", "LAYERLEAP_MAX_PROMPT_MB")
+    return V.utf8(data, "the prompt on stdin")
 
 
 def _method_options(method: str, items: list[str] | None, quality: float | None = None) -> dict:

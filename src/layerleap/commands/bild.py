@@ -13,7 +13,7 @@ from ..eval import sweep as sweep_mod
 from . import command
 from ..drafters.companion import truncated
 from ..errors import LayerleapError
-from ..files import write_text
+from ..files import check_replace, write_text
 from .. import validate as V
 from ..drafters.early_exit import HEADS, exit_head
 from ..methods.bild import check_thresholds
@@ -270,7 +270,7 @@ def _setup_align(p):
     _form_args(p)
     p.add_argument(
         "--out",
-        type=V.path_arg,
+        type=V.out_path_arg,
         required=True,
         help="the exit head file (.safetensors) or the small model's new folder",
     )
@@ -292,7 +292,7 @@ def _setup_align(p):
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--work",
-        type=V.path_arg,
+        type=V.out_path_arg,
         default=None,
         help="the calibration outputs JSON (default OUT.calib.json); reused on rerun",
     )
@@ -325,6 +325,8 @@ def run_align(args) -> int:
     if not prompts:
         raise LayerleapError("no calibration prompts selected: lower --offset or add --categories")
     out = V.weights_file(args.out, "--out") if args.exit_layer is not None else V.output_dir(args.out, "--out")
+    if args.exit_layer is not None:
+        check_replace(out, "exit-heads", "--out")
     if args.small and out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise LayerleapError(f"--out {out} exists and is not a model folder: choose another --out")
     work = V.output_file(args.work or out.with_name(out.name + ".calib.json"), "--work", (".json",))

@@ -73,6 +73,7 @@ def _setup(p):
     p.add_argument(
         "--out",
         metavar="DIR",
+        type=V.out_dir_arg,
         default=None,
         help="the folder of calibration files, FINGERPRINT/DTYPE/METHOD.json under it (default: the user "
         "cache's calibration folder, which generate reads first)",

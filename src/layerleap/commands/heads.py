@@ -13,7 +13,7 @@ from pathlib import Path
 from . import command
 from ..errors import LayerleapError
 from .. import validate as V
-from ..files import write_json
+from ..files import check_replace, holds, read_safetensors_meta, write_json
 from ..drafters.exit_heads import check_layer
 from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _threads
 
@@ -29,6 +29,16 @@ def _start(args):
 
 
 HEAD_ARG = V.name_or_file_arg(("trained",), "heads file")
+
+
+def _holds(path) -> str:
+    """What the weights file ``path`` holds (``files.holds``): what ``heads upgrade`` may replace."""
+    try:
+        return holds(read_safetensors_meta(path))
+    except ValueError:
+        return "weights"
+
+
 LAYERS_ARG = V.int_list_arg(1)
 
 
@@ -93,7 +103,9 @@ def _setup_train(p):
         default=4000,
         help="held-out ShareGPT positions (after the training ones) for the agreement check (0: none)",
     )
-    p.add_argument("--out", type=V.weights_arg, required=True, help="the heads file (.safetensors) to write")
+    p.add_argument(
+        "--out", type=V.weights_out("exit-heads"), required=True, help="the heads file (.safetensors) to write"
+    )
     p.add_argument(
         "--work",
         type=V.out_dir_arg,
@@ -386,7 +398,10 @@ def _setup_sub(p):
         "--vocab", type=V.int_list_arg(1), required=True, help="comma list of sub-vocabulary sizes, e.g. 8192,16384"
     )
     p.add_argument(
-        "--out", type=V.path_arg, required=True, help="the file to write; with several sizes it must contain {vocab}"
+        "--out",
+        type=V.out_path_arg,
+        required=True,
+        help="the file to write; with several sizes it must contain {vocab}",
     )
     p.add_argument(
         "--layers", type=LAYERS_ARG, default=None, help="comma list of layers to keep (default: all in --heads)"
@@ -412,7 +427,7 @@ def run_sub(args) -> int:
         raise LayerleapError(f"--out {args.out} must contain {{vocab}} to write {len(sizes)} sizes")
     outs = {s: args.out.replace("{vocab}", str(s)) for s in sizes}
     for o in outs.values():
-        V.weights_file(o, "--out")
+        check_replace(V.weights_file(o, "--out"), "exit-heads", "--out")
     cmd, model, threads = _start(args)
     vocab = model.config.vocab_size
     if any(not 0 < s < vocab for s in sizes):
@@ -544,7 +559,12 @@ def run_info(args) -> int:
 )
 def _setup_upgrade(p):
     p.add_argument("file", type=V.in_file_arg, metavar="FILE")
-    p.add_argument("--out", type=V.weights_arg, required=True, help="the file to write (may be FILE)")
+    p.add_argument(
+        "--out",
+        type=V.weights_out(lambda a: _holds(a.file), may_be=("FILE",)),
+        required=True,
+        help="the file to write (may be FILE)",
+    )
     p.add_argument(
         "--budget",
         action="append",

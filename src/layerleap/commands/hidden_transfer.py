@@ -42,7 +42,7 @@ def _setup_train(p):
     p.add_argument("--heads", type=V.int_arg(1, 64), default=3, help="medusa: heads = steps ahead (default 3)")
     p.add_argument(
         "--out",
-        type=V.weights_arg,
+        type=V.weights_out(lambda a: a.what),
         required=True,
         help="weights file to write (safetensors); its checkpoint <out>.ckpt.safetensors makes a rerun resume",
     )
@@ -65,7 +65,7 @@ def _setup_train(p):
     )
     p.add_argument(
         "--save-chunks",
-        type=V.weights_arg,
+        type=V.weights_out("token-chunks"),
         default=None,
         help="write the tokenized ShareGPT chunks here (.safetensors) and exit",
     )
@@ -116,7 +116,9 @@ def run_train(args) -> int:
         eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
         chunks = stream_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
     if args.save_chunks:
-        save_safetensors(args.save_chunks, {"chunks": torch.tensor(chunks, dtype=torch.int32)})
+        save_safetensors(
+            args.save_chunks, {"chunks": torch.tensor(chunks, dtype=torch.int32)}, {"kind": "token-chunks"}
+        )
         print(f"wrote {len(chunks)} chunks of {cfg.seq_len} tokens to {args.save_chunks}")
         return 0
     t = time.perf_counter()

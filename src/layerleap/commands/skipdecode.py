@@ -137,13 +137,13 @@ def _setup_variant(p):
     )
     p.add_argument(
         "--out",
-        type=V.weights_arg,
+        type=V.weights_out("variant"),
         required=True,
         help="the variant file (.safetensors; rerun with the same settings to resume or extend)",
     )
     p.add_argument(
         "--data",
-        type=V.path_arg,
+        type=V.in_path_arg,
         required=True,
         help="self-distilled JSON lines {prompt, completion} (token "
         "ids): the model's greedy answers to ShareGPT prompts, decoded first where the file has fewer than "

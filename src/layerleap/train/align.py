@@ -65,8 +65,8 @@ def calibrate(
     done: dict = {}
     if path.is_file():
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError:
+            data = json.loads(V.read_bounded(path, f"calibration file {path}"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
             raise AlignError(f"{path} is not valid JSON: delete it to start the calibration again") from None
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             raise AlignError(f"{path} is not a calibration file: delete it or choose another --work")

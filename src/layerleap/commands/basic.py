@@ -23,7 +23,7 @@ import torch
 
 from ..eval import bench, roofline
 from ..core import kernels
-from .. import validate as V
+from .. import validate as V, workload
 from . import command
 from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method
@@ -553,6 +553,7 @@ def _setup_bench(p):
     p.add_argument(
         "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
     )
+    workload.add_args(p)
     p.add_argument(
         "--baseline-hf",
         action=argparse.BooleanOptionalAction,
@@ -622,8 +623,10 @@ def run_bench(args) -> int:
     threads, model, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
-    print(_bench_header(args, model, threads, len(prompts)), flush=True)
     hf_extra = dict(bench.parse_hf_extra(x, model.config.n_layers) for x in args.hf_extra or [])
+    runs = (len(methods) + 1 + bool(args.baseline_hf) + len(hf_extra)) * len(prompts) * args.repeat
+    workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
+    print(_bench_header(args, model, threads, len(prompts)), flush=True)
     result = bench.run_bench(
         model,
         methods,

@@ -14,7 +14,7 @@ from . import command
 from ..drafters.companion import truncated
 from ..errors import LayerleapError
 from ..files import check_replace, write_text
-from .. import validate as V
+from .. import validate as V, workload
 from ..drafters.early_exit import HEADS, exit_head
 from ..methods.bild import check_thresholds
 from ..methods.speculative import MAX_DRAFT_LEN
@@ -148,6 +148,7 @@ def _setup_sweep(p):
     p.add_argument(
         "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
     )
+    workload.add_args(p)
     p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -224,6 +225,7 @@ def run_sweep(args) -> int:
     points = sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas) + [t.point() for t in settings]
     if args.transformers:
         points += sweep_mod.transformers_points()
+    workload.check(args, workload.decoding(large, (len(points) + 1) * len(prompts), args.max_new_tokens))
     report = sweep_mod.run_sweep(
         large,
         points,
@@ -289,6 +291,7 @@ def _setup_align(p):
     p.add_argument(
         "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
     )
+    workload.add_args(p)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--work",
@@ -335,6 +338,12 @@ def run_align(args) -> int:
     large = _load(args)
     if args.exit_layer is not None:
         _exit_layer(args, large)
+    trained = large.n_params() if args.small else 0  # the small model: about the large one's size at most
+    workload.check(
+        args,
+        workload.decoding(large, len(prompts), args.max_new_tokens, "calibration prompts"),
+        workload.training(large, args.epochs * len(prompts) * args.max_new_tokens, trained, "positions × epochs"),
+    )
     print(
         f"{_model_line(large, threads)}\ncalibration: {len(prompts)} Spec-Bench prompts ({args.categories}, "
         f"{args.prompts} each after {args.offset}) × {args.max_new_tokens} greedy tokens -> {work}",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import command
 from ..errors import LayerleapError
-from .. import validate as V
+from .. import validate as V, workload
 from ..files import check_replace, holds, read_safetensors_meta, write_json
 from ..drafters.exit_heads import check_layer
 from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _threads
@@ -120,6 +120,7 @@ def _setup_train(p):
     p.add_argument(
         "--json", type=V.report_arg, default=None, help="also write the training report (losses, agreement) as JSON"
     )
+    workload.add_args(p)
 
 
 @_setup_train
@@ -150,6 +151,13 @@ def run_train(args) -> int:
     )
     cmd, model, threads = _start(args)
     cfg.check(model)
+    D, vocab = model.config.hidden_size, model.config.vocab_size
+    head = D * (D if cfg.kind == "lens" else 0) + D * (cfg.candidates + cfg.negatives if cfg.candidates else vocab)
+    workload.check(
+        args,
+        workload.training(model, cfg.tokens + args.eval_tokens, what="positions through the model"),
+        workload.flops(model, 6 * head * len(cfg.layers) * cfg.tokens * cfg.epochs, f"{cfg.epochs:,} epochs"),
+    )
     t0 = time.perf_counter()
     res = train_heads(model, cfg, work=work)
     wall = time.perf_counter() - t0

@@ -17,7 +17,7 @@ from . import command
 from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError
-from .. import validate as V
+from .. import validate as V, workload
 from ..files import save_figure, save_safetensors, write_json
 from .basic import _command_line, _load, _model_args, _positive_int, _threads
 
@@ -71,6 +71,7 @@ def _setup_train(p):
     )
     p.add_argument("--save-every", type=_positive_int, default=20)
     p.add_argument("--max-seconds", type=V.positive_float, default=None, help="stop and save after this many seconds")
+    workload.add_args(p)
 
 
 def _read_chunks(path: str, vocab: int) -> list[list[int]]:
@@ -110,6 +111,8 @@ def run_train(args) -> int:
         max_seconds=args.max_seconds,
     )
     train_drafters.check_config(cfg, model)
+    if not args.save_chunks and args.max_seconds is None:
+        workload.check(args, workload.training(model, cfg.train_steps * cfg.batch_size * cfg.seq_len))
     if args.chunks:
         chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks, model.config.vocab_size)]
     else:

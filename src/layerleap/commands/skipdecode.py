@@ -17,7 +17,7 @@ from ..datasets import spec_bench
 from ..decoding import generate, get_method
 from ..errors import LayerleapError
 from ..methods.skipdecode import target_config
-from .. import validate as V
+from .. import validate as V, workload
 from .basic import _model_arg, _command_line, _csv, _load, _model_args, _model_line, _positive_int, _say, _threads
 
 TARGETS = (2, 3, 4, 5)
@@ -77,6 +77,7 @@ def _setup_finetune(p):
     )
     p.add_argument("--save-every", type=_positive_int, default=10)
     p.add_argument("--seed", type=V.seed_arg, default=0)
+    workload.add_args(p)
 
 
 @_setup_finetune
@@ -106,6 +107,8 @@ def run_finetune(args) -> int:
         save_every=args.save_every,
         seed=args.seed,
     )
+    positions = cfg.steps * cfg.batch_size * (cfg.max_prompt + cfg.gen_len)
+    workload.check(args, workload.training(model, positions, model.n_params()))
     print(_model_line(model, threads), flush=True)
     res = finetune(model, out, cfg, teacher=teacher, base_name=args.model)
     c = res.config
@@ -169,6 +172,7 @@ def _setup_variant(p):
     p.add_argument("--min-layer", type=_positive_int, default=4, help="calm: the lowest layer trained to predict")
     p.add_argument("--layers-per-step", type=_positive_int, default=4, help="calm: layers drawn per step (by weight)")
     p.add_argument("--max-minutes", type=V.positive_float, default=None, help="stop (and save) after this long")
+    workload.add_args(p)
     p.add_argument("--save-every", type=_positive_int, default=10)
     p.add_argument("--seed", type=V.seed_arg, default=0)
 
@@ -185,6 +189,12 @@ def run_variant(args) -> int:
     print(f"$ {cmd}", flush=True)
     model = _load(args)
     print(_model_line(model, threads), flush=True)
+    if args.max_minutes is None:
+        workload.check(
+            args,
+            workload.decoding(model, min(args.self_distill, args.examples), 64, "self-distilled examples"),
+            workload.training(model, args.steps * args.batch_size * (96 + 64), model.n_params()),
+        )
     own = self_distilled(model, args.data, min(args.self_distill, args.examples)) if args.self_distill else []
     seen = {tuple(p) for p, _ in own}
     rest = [e for e in prompt_completions(model.tokenizer, args.examples, 96, 64) if tuple(e[0]) not in seen]

@@ -840,3 +840,211 @@ def test_subprocess(places, argv, stdin, message):
     err = p.stderr.decode(errors="replace").strip()
     assert p.returncode == 2 and p.stdout == b"" and "Traceback" not in err, err
     assert message in err.splitlines()[-1] and sum(": error: " in ln for ln in err.splitlines()) == 1, err
+
+
+# -- never overwrite an input -------------------------------------------------------------------------
+# Every command compares its output paths with its input paths before any work (``cli.check_paths``):
+# an output that is an input (by inode: hard and symbolic links too), a folder output that holds an
+# input, two outputs that are one path, and an existing output of another kind are refused, and every
+# byte under the folder stays as it was.
+
+
+@pytest.fixture
+def victims(tmp_path, char_model_dir):
+    """A fresh folder of things a command must not destroy: ``{name: path}``."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from layerleap.drafters import medusa_transfer as drafters
+
+    root = tmp_path / "v"
+    model = root / "model"
+    shutil.copytree(char_model_dir, model)
+    drafters.save_drafter(
+        drafters.new_drafter(layerleap.load_folder(model), "medusa", steps=2), root / "medusa.safetensors"
+    )
+    save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"), {"kind": "token-chunks"})
+    save_file({"x": torch.zeros(2)}, str(root / "plain.safetensors"))
+    save_file({"chunks": torch.arange(6).view(2, 3)}, str(root / "short.safetensors"), {"kind": "token-chunks"})
+    os.link(root / "chunks.safetensors", root / "hardlink.safetensors")
+    os.symlink(root / "chunks.safetensors", root / "symlink.safetensors")
+    os.link(root / "medusa.safetensors", root / "medusa-link.json")
+    (root / "README.md").write_text("# my notes\n")
+    (root / "page.html").write_text("<html>mine</html>\n")
+    (root / "report.json").write_text(json.dumps({"command": "layerleap bench", "mine": True}))
+    (root / "table.md").write_text("`layerleap sweep bild` mine\n")
+    (root / "plot.png").write_bytes(b"\x89PNG mine")
+    (root / "ours.html").write_text("<p>Written by layerleap 1</p>\n")
+    (root / "data.jsonl").write_text('{"prompt": [1, 2], "completion": [3]}\n')
+    (root / "held").mkdir()
+    (root / "held" / "v.safetensors").write_bytes(b"a variant of mine")
+    return {"T": str(root), "M": str(model), **{p.stem.upper(): str(p) for p in root.iterdir() if p.is_file()}}
+
+
+def _snapshot(root) -> dict:
+    from pathlib import Path
+
+    return {str(p): (p.read_bytes() if p.is_file() else None) for p in sorted(Path(root).rglob("*"))}
+
+
+def _refused(argv, places, message, capsys):
+    before = _snapshot(places["T"])
+    rc = main(_fill(argv, places))
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, (rc, err[-2000:])
+    assert _fill([message], places)[0] in err.strip().splitlines()[-1], err[-2000:]
+    assert _snapshot(places["T"]) == before, "an input's bytes changed (or a file appeared)"
+
+
+TTV = ["train", "transfer", "--model", "{M}", "--steps", "1", "--seq-len", "8", "--layers", "2"]
+TMV = ["train", "medusa", "--model", "{M}", "--steps", "1", "--seq-len", "8"]
+OVERWRITE = [
+    # an output that is an input
+    (TTV + ["--out", "{CHUNKS}", "--chunks", "{CHUNKS}"], "--out {CHUNKS} is also --chunks"),
+    (TMV + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS}", "--save-chunks", "{CHUNKS}"], "is also --chunks"),
+    (TMV + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS}", "--save-chunks", "{HARDLINK}"], "is also --chunks"),
+    (TMV + ["--out", "{SYMLINK}", "--chunks", "{CHUNKS}"], "--out {SYMLINK} is also --chunks"),
+    (TMV + ["--out", "{M}/model.safetensors"], "holds tensors"),
+    (
+        ["heads", "info", "{MEDUSA}", "--json", "{MEDUSA-LINK}"],
+        "{MEDUSA-LINK} exists and is not a layerleap report",
+    ),
+    (["finetune", "skipdecode", "--model", "{M}", "--steps", "1", "--out", "{T}"], "--out {T} holds --model {M}"),
+    (["finetune", "skipdecode", "--model", "{M}", "--steps", "1", "--out", "{M}"], "--out {M} is also --model"),
+    (["theory", "ppd", "--measure", "--model", "{M}", "--out", "{M}"], "is also --model"),
+    (["calibrate", "calm", "--model", "{M}", "--out", "{T}"], "holds --model"),
+    (["bench", "--model", "{M}", "--data", "{REPORT}", "--json", "{REPORT}"], "--json {REPORT} is also --data"),
+    # two outputs that are one path
+    (
+        [
+            "train",
+            "heads",
+            "--model",
+            "{M}",
+            "--layers",
+            "2",
+            "--out",
+            "{T}/x.safetensors",
+            "--work",
+            "{T}/x.safetensors",
+        ],
+        "--out and --work name one path",
+    ),
+    (
+        TMV + ["--out", "{T}/c.safetensors", "--save-chunks", "{T}/c.safetensors"],
+        "--out and --save-chunks name one path",
+    ),
+    # an existing output of another kind
+    (TTV + ["--out", "{MEDUSA}"], "--out {MEDUSA} exists and holds medusa, not transfer"),
+    (TMV + ["--out", "{CHUNKS}"], "holds token-chunks, not medusa"),
+    (TMV + ["--out", "{T}/m.safetensors", "--save-chunks", "{MEDUSA}"], "holds medusa, not token-chunks"),
+    (TMV + ["--out", "{PLAIN}"], "holds tensors without a layerleap kind, not medusa"),
+    (["heads", "upgrade", "{MEDUSA}", "--out", "{CHUNKS}"], "holds token-chunks, not medusa"),
+    (["train", "heads", "--model", "{M}", "--layers", "2", "--out", "{MEDUSA}"], "holds medusa, not exit-heads"),
+    (
+        ["finetune", "variant", "--model", "{M}", "--objective", "calm", "--out", "{MEDUSA}", "--data", "{DATA}"],
+        "not variant",
+    ),
+    (["align", "--model", "{M}", "--exit-layer", "2", "--out", "{MEDUSA}"], "holds medusa, not exit-heads"),
+    (
+        ["heads", "sub-vocab", "--model", "{M}", "--heads", "trained", "--vocab", "8", "--out", "{CHUNKS}"],
+        "not exit-heads",
+    ),
+    (["sweep", "bild", "--model", "{M}", "--exit-layer", "2", "--table", "{README}"], "is not a layerleap table"),
+    (["eval", "skipdecode", "--model", "{M}", "--table", "{README}"], "is not a layerleap table"),
+    (["bench", "--model", "{M}", "--html", "{PAGE}"], "--html {PAGE} exists and is not a layerleap HTML report"),
+    (["demo", "--model", "{M}", "--html", "{PAGE}"], "is not a layerleap HTML report"),
+    (
+        [
+            "eval",
+            "frontier",
+            "--model",
+            "{M}",
+            "--grid",
+            "base:calm",
+            "--json",
+            "{T}/r.json",
+            "--plot",
+            "{PLOT}",
+            "--variant",
+            "{PLOT}",
+        ],
+        "--plot {PLOT} is also --variant",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, message", OVERWRITE, ids=[f"ow{i:02d} {_id(r)}" for i, r in enumerate(OVERWRITE)])
+def test_no_command_overwrites_an_input(capsys, victims, argv, message):
+    _refused(argv, victims, message, capsys)
+
+
+REQUIRED = {  # the least each command needs to parse (the flag under test comes last and wins)
+    "train heads": ["--layers", "2", "--out", "{T}/h.safetensors"],
+    "align": ["--exit-layer", "2", "--out", "{T}/a.safetensors"],
+    "finetune skipdecode": ["--out", "{T}/ft"],
+    "finetune variant": ["--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"],
+    "heads sub-vocab": ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors"],
+    "train medusa": ["--out", "{T}/m.safetensors"],
+    "train transfer": ["--out", "{T}/t.safetensors"],
+    "eval frontier": ["--grid", "base:calm", "--json", "{T}/f.json"],
+    "calibrate": ["calm"],
+}
+VICTIM = {  # a file each kind of output accepts as its own (so only the input rule can refuse it)
+    "JSON report": "{REPORT}",
+    "plot file": "{PLOT}",
+    "table file": "{TABLE}",
+    "HTML report": "{OURS}",
+    "weights file": None,  # by kind: below
+    "folder": "{T}/held",
+    "path": "{T}/held",
+}
+
+
+def _output_flags():
+    import argparse
+
+    from layerleap import cli
+
+    cli.build_parser()
+    for name, (_, setup, _) in cli._COMMANDS.items():
+        p = argparse.ArgumentParser()
+        setup(p)
+        for _, flag, t in cli._path_args(p):
+            if t.role == "out":
+                yield name, flag, t
+
+
+def _victim(name, flag, t):
+    label = t.__name__
+    if label == "weights file":
+        kind = t.tags["kind"]
+        kind = {"train medusa": "medusa", "train transfer": "transfer"}.get(name) if callable(kind) else kind
+        return {"medusa": "{MEDUSA}", "token-chunks": "{CHUNKS}"}.get(kind, "{T}/held/v.safetensors")
+    return VICTIM[label]
+
+
+@pytest.mark.parametrize(
+    "name, flag, t", [x for x in _output_flags() if x[0] not in ("heads info", "heads upgrade")], ids=lambda x: str(x)
+)
+def test_every_output_flag_refuses_an_input(capsys, victims, name, flag, t):
+    """Each output flag of each command, pointed at the file (or the folder of the file) also given as
+    ``--variant``: refused before any work, every byte kept."""
+    victim = _victim(name, flag, t)
+    variant = "{T}/held/v.safetensors" if victim in ("{T}/held", "{T}/held/v.safetensors") else victim
+    argv = [*name.split(), "--model", "{M}", *REQUIRED.get(name, []), "--variant", variant, flag, victim]
+    _refused(argv, victims, f"{flag} {victim} {'holds' if victim == '{T}/held' else 'is also'} --variant", capsys)
+
+
+def test_the_output_rule_is_not_in_the_way(capsys, victims):
+    """Allowed: rewriting a weights file in place (``heads upgrade FILE --out FILE``), replacing an
+    earlier output of the same kind, an output folder inside the model's folder."""
+    from layerleap.files import check_distinct, check_replace
+    from pathlib import Path
+
+    assert main(_fill(["heads", "upgrade", "{MEDUSA}", "--out", "{MEDUSA}"], victims)) == 0
+    check_replace(victims["MEDUSA"], "medusa")
+    check_distinct([("--out", Path(victims["M"]) / "new")], [("--model", Path(victims["M"]))])
+    check_distinct([("--json", Path(victims["T"]) / "r.json")], [("--data", Path(victims["T"]) / "nosuch.json")])

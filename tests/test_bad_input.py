@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,6 +135,7 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     save_file({"chunks": torch.arange(10)}, str(root / "chunks1d.safetensors"))
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"))
     save_file({"chunks": torch.full((2, 8), 10**6)}, str(root / "chunksvocab.safetensors"))
+    save_file({"chunks": torch.arange(6).view(2, 3)}, str(root / "short.safetensors"))
     out = {
         "D": str(char_model_dir),
         "T": str(root),
@@ -148,6 +150,7 @@ def places(tmp_path_factory, char_model_dir, busy_port):
         "CHUNKS1D": str(root / "chunks1d.safetensors"),
         "CHUNKS": str(root / "chunks.safetensors"),
         "CHUNKSVOCAB": str(root / "chunksvocab.safetensors"),
+        "SHORT": str(root / "short.safetensors"),
     }
     for name, damage in BROKEN.items():
         out[name] = str(_break_folder(root, name.lower(), damage))
@@ -510,6 +513,47 @@ CLI = [
     (TM + ["--out", "{T}/m.safetensors", "--device", "tpu"], "is not a torch device"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "x"], "each item must be a positive integer"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "2,99", "--chunks", "{CHUNKS}"], "transfer layers must be"),
+    # sizes with bounds: chunks too short for the steps ahead, a data file that is not one
+    (
+        TM + ["--out", "{T}/m.safetensors", "--chunks", "{SHORT}", "--heads", "3"],
+        "chunks of 3 tokens leave no target 3",
+    ),
+    (TM + ["--out", "{T}/m.safetensors", "--seq-len", "4", "--heads", "5"], "seq_len 4 leaves no target 5 steps ahead"),
+    (TT + ["--out", "{T}/t.safetensors", "--layers", "1,2,3", "--chunks", "{SHORT}"], "leave no target 3 steps ahead"),
+    (
+        ["finetune", "variant", *M, "--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{GARBAGE}"],
+        "is not self-distilled data",
+    ),
+    # runs of hours refused unless asked (--max-hours H or --yes)
+    (
+        SB
+        + ["--prompts", "80", "--categories", "qa,writing,translation", "--max-new-tokens", "512"]
+        + ["--alpha-fb", "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", "--alpha-rb", "1,2,3,4,5,6,7,8,9,10"],
+        "this run would take at least",
+    ),
+    (SB + ["--max-hours", "0.000001"], "beyond the limit of 1e-06 h: add --max-hours 1 (or --yes)"),
+    (TM + ["--out", "{T}/m.safetensors", "--steps", "1000000", "--batch-size", "1024", "--seq-len", "2048"], "583 h"),
+    (TT + ["--out", "{T}/t.safetensors", "--layers", "2", "--max-hours", "1e-9"], "beyond the limit of 1e-09 h"),
+    (
+        TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--tokens", "10000000", "--epochs", "10000"],
+        "10,000 epochs",
+    ),
+    (["eval", "exactness", *M, "--prompts", "all", "--max-new-tokens", "2040", "--max-hours", "0.5"], "would take"),
+    (["bench", *M, "--prompts", "100", "--repeat", "20", "--max-new-tokens", "1000"], "would take at least"),
+    (["calibrate", "calm", *M, "--max-hours", "0.00001"], "beyond the limit of 1e-05 h"),
+    (FT + ["--out", "{T}/ftx", "--steps", "1000000", "--batch-size", "1024"], "would take at least"),
+    (
+        ["finetune", "variant", *M, "--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"]
+        + ["--steps", "1000000", "--batch-size", "256"],
+        "would take at least",
+    ),
+    (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--max-hours", "1e-9"], "beyond the limit of 1e-09 h"),
+    (TM + ["--out", "{T}/m.safetensors", "--max-hours", "0"], "--max-hours: must be a finite number > 0"),
+    (EX + ["--max-hours", "nan"], "--max-hours: must be a finite number > 0, got nan"),
+    (["bench", *M, "--max-hours", "many"], "--max-hours: must be a finite number > 0"),
+    # eval frontier
+    (["eval", "frontier", *M, "--grid", "base:calm", "--json", "{NOTES_JSON}"], "exists and is not a layerleap report"),
+    (["eval", "frontier", *M, "--grid", "base", "--json", "{T}/f.json"], "write MODEL:METHOD"),
     # match-rate
     (MR + ["--layers", "0"], "each item must be a positive integer"),
     (MR + ["--layers", "99", "--heads", "shared", "--category", "qa"], "layers must be integers in [1, 4]"),
@@ -609,12 +653,13 @@ def _theory(**kw):
     return lambda m, p: theory.figures(args["d"], args["dbar"], args["k"], args["p"], args["n_tokens"])
 
 
-def _train_drafter(out="m.safetensors", **kw):
+def _train_drafter(out="m.safetensors", chunks=None, **kw):
     def run(m, p):
         from layerleap.train import medusa_transfer as train_drafters
 
         cfg = train_drafters.TrainConfig(kind="medusa", steps_ahead=1, train_steps=1, seq_len=8, **kw)
-        return train_drafters.train(m, p["T"] + "/" + out, cfg, chunks=[[1] * 8], progress=False)
+        given = [[1] * 8] if chunks is None else chunks
+        return train_drafters.train(m, p["T"] + "/" + out, cfg, chunks=given, progress=False)
 
     return run
 
@@ -761,6 +806,34 @@ API = [
         lambda m, p: layerleap.core.loading.check_folder(__import__("pathlib").Path(p["BADHEADER"])),
         "is not a safetensors file",
     ),
+    # sizes with bounds
+    (_train_drafter(chunks=[[1]]), "token chunks of 1 tokens leave no target 1 steps ahead"),
+    (_train_drafter(chunks=[]), "no token chunks to train on"),
+    (_train_drafter(chunks=[[1] * 8, [1] * 9]), "token chunks must be lists of one length, got lengths [8, 9]"),
+    (_train_drafter(chunks=[[1] * 8, 5]), "token chunks must be lists of one length"),
+    # an existing file of another kind is never replaced
+    (
+        lambda m, p: importlib.import_module("layerleap.files").save_safetensors(
+            p["MEDUSA"], {"x": torch.zeros(1)}, {"kind": "transfer"}
+        ),
+        "exists and holds medusa, not transfer",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.files").save_safetensors(p["MEDUSA"], {"x": torch.zeros(1)}),
+        "holds medusa, not tensors without a layerleap kind",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.files").save_safetensors(
+            p["FILE"], {"x": torch.zeros(1)}, {"kind": "medusa"}
+        ),
+        "exists and is not a safetensors file",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.files").check_distinct(
+            [("out", Path(p["T"]))], [("data", Path(p["FILE"]))]
+        ),
+        "writing there could destroy the input",
+    ),
     # found by the fuzzing pass
     (_gen(__import__("numpy").array(["a"])), "an array prompt must hold integer token ids"),
     (lambda m, p: layerleap.tiny_config(n_kv_heads=0), "n_kv_heads must be a positive integer, got 0"),
@@ -831,6 +904,7 @@ def _run(argv, stdin=None) -> subprocess.CompletedProcess:
             "is not UTF-8 text (byte 0xff at offset 0)",
         ),
         (["generate", "--model", "{D}", "--prompt", b"caf\xe9"], None, "is not valid UTF-8 text"),
+        (["generate", "--model", "{D}", "--prompt", "-"], b"\0" * 2_000_001, "is larger than the limit of 1 MB"),
         (["bench", "--model", "{D}", "--json", b"r\xff.json"], None, "is not valid UTF-8 text"),
     ],
 )
@@ -1048,3 +1122,41 @@ def test_the_output_rule_is_not_in_the_way(capsys, victims):
     check_replace(victims["MEDUSA"], "medusa")
     check_distinct([("--out", Path(victims["M"]) / "new")], [("--model", Path(victims["M"]))])
     check_distinct([("--json", Path(victims["T"]) / "r.json")], [("--data", Path(victims["T"]) / "nosuch.json")])
+
+
+# -- sizes with bounds: a file or stdin is read up to a limit that an environment variable lifts ------
+SIZES = [
+    (
+        {"LAYERLEAP_MAX_INPUT_MB": "0.000001"},
+        G[:3] + ["--prompts-file", "{FILE}"],
+        "is larger than the limit of 1e-06 MB",
+    ),
+    ({"LAYERLEAP_MAX_INPUT_MB": "0.000001"}, ["bench", *M, "--data", "{WEIRD}"], "set LAYERLEAP_MAX_INPUT_MB=MB"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "0.000001"}, SB + ["--data", "{WEIRD}"], "Spec-Bench file"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "lots"}, G[:3] + ["--prompts-file", "{FILE}"], "must be a number of megabytes"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "-1"}, G[:3] + ["--prompts-file", "{FILE}"], "must be a positive number of megabytes"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "nan"}, G[:3] + ["--prompts-file", "{FILE}"], "must be a positive number"),
+    (
+        {"LAYERLEAP_MAX_INPUT_MB": "0.000001"},
+        ["finetune", "variant", *M, "--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{GARBAGE}"],
+        "--data {GARBAGE} is larger than the limit",
+    ),
+]
+
+
+@pytest.mark.parametrize("env, argv, message", SIZES, ids=[f"size{i}" for i in range(len(SIZES))])
+def test_size_limits(monkeypatch, capsys, places, env, argv, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = main(_fill(argv, places))
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert _fill([message], places)[0] in err.strip().splitlines()[-1], err[-2000:]
+
+
+def test_yes_runs_what_the_estimate_refuses(capsys, places, tmp_path):
+    argv = TM + ["--out", str(tmp_path / "m.safetensors"), "--chunks", "{CHUNKS}", "--max-hours", "1e-9"]
+    assert main(_fill(argv, places)) == 2
+    assert "beyond the limit of 1e-09 h" in capsys.readouterr().err
+    assert main(_fill(argv + ["--yes"], places)) == 0
+    assert (tmp_path / "m.safetensors").is_file()

@@ -953,6 +953,8 @@ def victims(tmp_path, char_model_dir):
     (root / "ours.html").write_text("<p>Written by layerleap 1</p>\n")
     (root / "data.jsonl").write_text('{"prompt": [1, 2], "completion": [3]}\n')
     (root / "held").mkdir()
+    shutil.copy(root / "chunks.safetensors", root / "c.safetensors.ckpt.safetensors")
+    (root / "mo.safetensors.work").write_text("mine")
     (root / "held" / "v.safetensors").write_bytes(b"a variant of mine")
     return {"T": str(root), "M": str(model), **{p.stem.upper(): str(p) for p in root.iterdir() if p.is_file()}}
 
@@ -990,6 +992,23 @@ OVERWRITE = [
     (["theory", "ppd", "--measure", "--model", "{M}", "--out", "{M}"], "is also --model"),
     (["calibrate", "calm", "--model", "{M}", "--out", "{T}"], "holds --model"),
     (["bench", "--model", "{M}", "--data", "{REPORT}", "--json", "{REPORT}"], "--json {REPORT} is also --data"),
+    # a file an output brings beside it (its checkpoint, work folder) that is an input
+    (TMV + ["--out", "{T}/c.safetensors", "--chunks", "{T}/c.safetensors.ckpt.safetensors"], "--out's checkpoint"),
+    (
+        [
+            "train",
+            "heads",
+            "--model",
+            "{M}",
+            "--layers",
+            "2",
+            "--out",
+            "{T}/mo.safetensors",
+            "--variant",
+            "{T}/mo.safetensors.work",
+        ],
+        "--out's work folder",
+    ),
     # two outputs that are one path
     (
         [

@@ -131,16 +131,17 @@ def check_distinct(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path
     ``outputs``/``inputs`` are ``(flag, path)``; ``allowed`` holds ``(output flag, input flag)`` pairs
     that may be one file (``heads upgrade FILE --out FILE`` rewrites in place)."""
     for i, (oname, out) in enumerate(outputs):
+        flag = oname.split("'")[0]  # "--out's checkpoint": the fix is another --out
         for iname, inp in inputs:
             if (oname, iname) in allowed or not inp.exists():
                 continue
             if _same(out, inp):
                 raise LayerleapError(
-                    f"{oname} {out} is also {iname}: writing it would destroy the input: choose another {oname}"
+                    f"{oname} {out} is also {iname}: writing it would destroy the input: choose another {flag}"
                 )
             if _inside(inp, out):
                 raise LayerleapError(
-                    f"{oname} {out} holds {iname} {inp}: writing there could destroy the input: choose another {oname}"
+                    f"{oname} {out} holds {iname} {inp}: writing there could destroy the input: choose another {flag}"
                 )
         for oname2, out2 in outputs[i + 1 :]:
             if _same(out, out2):

@@ -444,7 +444,8 @@ def _file_arg(check: Callable, label: str, role: str | None = None, **tags) -> C
     all paths before a command runs (``cli.check_paths``): an output is never an input, never another
     output, and replaces only a file of its own kind (``kind``: what a weights output holds, a string
     or a function of the parsed args; ``text``: the kind of text file; ``may_be``: input flags it may
-    equal, as ``heads upgrade FILE --out FILE``)."""
+    equal, as ``heads upgrade FILE --out FILE``; ``also``: ``(what, suffix)`` of the files written
+    beside it, named by the output's name and a suffix, such as a checkpoint)."""
     parse = _as_arg(lambda t: (check(t, ""), t)[1], label=label)
     parse.role, parse.tags = role, tags
     return parse

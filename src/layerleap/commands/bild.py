@@ -272,7 +272,9 @@ def _setup_align(p):
     _form_args(p)
     p.add_argument(
         "--out",
-        type=V.out_path_arg,
+        type=V.tagged(
+            V.path_arg, "out", also=(("calibration file", ".calib.json"), ("checkpoint", ".ckpt.safetensors"))
+        ),
         required=True,
         help="the exit head file (.safetensors) or the small model's new folder",
     )

@@ -104,7 +104,10 @@ def _setup_train(p):
         help="held-out ShareGPT positions (after the training ones) for the agreement check (0: none)",
     )
     p.add_argument(
-        "--out", type=V.weights_out("exit-heads"), required=True, help="the heads file (.safetensors) to write"
+        "--out",
+        type=V.weights_out("exit-heads", also=(("work folder", ".work"),)),
+        required=True,
+        help="the heads file (.safetensors) to write",
     )
     p.add_argument(
         "--work",

@@ -42,7 +42,7 @@ def _setup_train(p):
     p.add_argument("--heads", type=V.int_arg(1, 64), default=3, help="medusa: heads = steps ahead (default 3)")
     p.add_argument(
         "--out",
-        type=V.weights_out(lambda a: a.what),
+        type=V.weights_out(lambda a: a.what, also=(("checkpoint", ".ckpt.safetensors"),)),
         required=True,
         help="weights file to write (safetensors); its checkpoint <out>.ckpt.safetensors makes a rerun resume",
     )

@@ -812,6 +812,7 @@ API = [
     (_train_drafter(chunks=[[1] * 8, [1] * 9]), "token chunks must be lists of one length, got lengths [8, 9]"),
     (_train_drafter(chunks=[[1] * 8, 5]), "token chunks must be lists of one length"),
     # an existing file of another kind is never replaced
+    (_train_drafter(out="chunks.safetensors"), "out {T}/chunks.safetensors exists and holds tensors without"),
     (
         lambda m, p: importlib.import_module("layerleap.files").save_safetensors(
             p["MEDUSA"], {"x": torch.zeros(1)}, {"kind": "transfer"}
@@ -887,7 +888,7 @@ def test_api(tiny, places, call, message):
     with pytest.raises(LayerleapError) as e:
         call(tiny, places)
     text = str(e.value)
-    assert text and "\n" not in text and message in text, text
+    assert text and "\n" not in text and _fill([message], places)[0] in text, text
 
 
 # -- real subprocesses ------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def _setup_variant(p):
     )
     p.add_argument(
         "--out",
-        type=V.weights_out("variant"),
+        type=V.weights_out("variant", also=(("state", ".state.safetensors"),)),
         required=True,
         help="the variant file (.safetensors; rerun with the same settings to resume or extend)",
     )

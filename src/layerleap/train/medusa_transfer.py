@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ..drafters import medusa_transfer as drafters, weights
 from ..core import tree as tree_mod
 from ..errors import LayerleapError
+from ..files import check_replace
 from .data import stream_chunks
 from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
 from .. import validate as V
@@ -213,6 +214,7 @@ def train(
     check_config(cfg, model)
     with V.raising(TrainError):
         V.weights_file(out, "out")
+    check_replace(out, cfg.kind, "out")  # before any work, not when the weights are written
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
     try:

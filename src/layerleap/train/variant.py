@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from .. import validate as V
 from ..drafters import variants, weights
 from ..errors import LayerleapError
+from ..files import check_replace
 from ..methods.skipdecode import check_budget_range, target_config
 from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch
 from .loop import train as run_loop
@@ -232,6 +233,7 @@ def train_variant(
     variant file ``out`` (and its state ``out`` + ``.state.safetensors``; resumed from when present)."""
     out = Path(out)
     cfg = cfg.check(model.config.n_layers)
+    check_replace(out, variants.KIND, "out")  # before any work, not when the weights are written
     examples = [(list(p), list(c)[: cfg.gen_len]) for p, c in examples if c]
     if not examples:
         raise VariantTrainError("no training examples (every answer was empty)")

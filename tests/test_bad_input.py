@@ -993,6 +993,11 @@ OVERWRITE = [
     (["theory", "ppd", "--measure", "--model", "{M}", "--out", "{M}"], "is also --model"),
     (["calibrate", "calm", "--model", "{M}", "--out", "{T}"], "holds --model"),
     (["bench", "--model", "{M}", "--data", "{REPORT}", "--json", "{REPORT}"], "--json {REPORT} is also --data"),
+    (
+        ["eval", "frontier", "--model", "{M}", "--grid", "base:calm", "--json", "{T}/r.json"]
+        + ["--with-variant", "v={PLOT}", "--plot", "{PLOT}"],
+        "--plot {PLOT} is also --with-variant",
+    ),
     # a file an output brings beside it (its checkpoint, work folder) that is an input
     (TMV + ["--out", "{T}/c.safetensors", "--chunks", "{T}/c.safetensors.ckpt.safetensors"], "--out's checkpoint"),
     (

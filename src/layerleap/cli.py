@@ -66,7 +66,7 @@ def check_paths(args) -> None:
     from . import files
 
     named = [
-        (flag, Path(str(v)).expanduser(), type_)
+        (flag, Path(str(type_.tags.get("path_of", str)(v))).expanduser(), type_)
         for dest, flag, type_ in getattr(args, "_paths", [])
         for v in (lambda x: x if isinstance(x, list) else [x])(getattr(args, dest, None))
         if v is not None

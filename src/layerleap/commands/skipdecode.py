@@ -247,7 +247,7 @@ def _setup_eval(p):
     p.add_argument("--targets", type=_speedups, default="2,3,4,5", help="target speed-ups (default 2,3,4,5)")
     p.add_argument(
         "--finetuned",
-        type=_finetuned_arg,
+        type=V.tagged(_finetuned_arg, "in", path_of=lambda v: v[1]),
         action="append",
         metavar="SPEEDUP=FOLDER",
         default=[],
@@ -699,7 +699,7 @@ def _setup_frontier(p):
         action="append",
         default=[],
         metavar="NAME=FILE",
-        type=_variant_arg,
+        type=V.tagged(_variant_arg, "in", path_of=lambda v: v[1]),
         help="a fine-tuned variant to compare (repeatable); the base model is 'base'",
     )
     p.add_argument(

@@ -72,13 +72,14 @@ def check_paths(args) -> None:
         if v is not None
     ]
     outs = [(flag, p, t) for flag, p, t in named if t.role == "out"]
-    outs += [  # the files an output brings beside it (a checkpoint, a work folder)
-        (f"{flag}'s {what}", p.with_name(p.name + suffix), t)
-        for flag, p, t in list(outs)
+    beside = [  # the files an output brings beside it (a checkpoint, a work folder): never an input either
+        (f"{flag}'s {what}", p.with_name(p.name + suffix))
+        for flag, p, t in outs
         for what, suffix in t.tags.get("also", ())
     ]
     allowed = tuple((flag, f) for flag, _, t in outs for f in t.tags.get("may_be", ()))
-    files.check_distinct([(f, p) for f, p, _ in outs], [(f, p) for f, p, t in named if t.role == "in"], allowed)
+    ins = [(f, p) for f, p, t in named if t.role == "in"]
+    files.check_distinct([(f, p) for f, p, _ in outs] + beside, ins, allowed)
     for flag, p, t in outs:
         kind = t.tags.get("kind")
         if kind is not None:

@@ -193,9 +193,11 @@ def read_report(path: str | Path, what: str, fields: tuple[str, ...] = ("config"
     path = Path(path)
     if not path.is_file() or not path.stat().st_size:
         return None
+    from .validate import read_bounded
+
     try:
-        old = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        old = json.loads(read_bounded(path, f"{what} {path}"))
+    except (OSError, ValueError):  # a file past the size limit is not a report of ours either
         old = None
     if not isinstance(old, dict) or not isinstance(old.get("config"), dict) or any(f not in old for f in fields):
         raise LayerleapError(f"{path} exists and is not {what}: choose another --json (or delete it)")

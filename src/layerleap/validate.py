@@ -302,8 +302,8 @@ def report_file(value, name: str) -> Path:
     p = output_file(value, name, (".json",), "JSON report")
     if p.is_file() and p.stat().st_size:
         try:
-            ok = is_report(json.loads(p.read_bytes()))
-        except (OSError, ValueError):
+            ok = is_report(json.loads(read_bounded(p, f"{name} {p}".strip())))
+        except (OSError, ValueError):  # InputError is a ValueError: a file past the limit is no report of ours
             ok = False
         if not ok:
             raise InputError(

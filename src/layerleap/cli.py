@@ -61,12 +61,11 @@ def check_paths(args) -> None:
     """The one check of every path a command names, before it runs: an output is not an input (nor a
     folder holding one, nor a hard link to one), two outputs are not one path, and an existing output
     is only replaced by the same kind of file (weights of the same kind, a layerleap table or page)."""
-    from pathlib import Path
-
     from . import files
+    from . import validate as V
 
     named = [
-        (flag, Path(str(type_.tags.get("path_of", str)(v))).expanduser(), type_)
+        (flag, V.path(str(type_.tags.get("path_of", str)(v)), flag), type_)
         for dest, flag, type_ in getattr(args, "_paths", [])
         for v in (lambda x: x if isinstance(x, list) else [x])(getattr(args, dest, None))
         if v is not None

@@ -33,6 +33,8 @@ from .errors import LayerleapError
 MIN_TEMPERATURE = 1e-6  # below it logits / temperature overflow float32 (and sampling is greedy anyway)
 SEED_MAX = 2**32 - 1  # training seeds are multiplied by ~1e6 and must stay inside torch's 64-bit seeds
 MAX_LIST = 100  # items in a comma list on the command line
+LR_MAX = 1.0  # learning rates: Adam's steps are about lr per weight, and 1 already wipes out any weight
+NAME_MAX, PATH_MAX = 255, 4096  # bytes in one file name and in a path (Linux's limits; the OS says ENAMETOOLONG)
 PLOT_SUFFIXES = (
     ".png",
     ".pdf",
@@ -126,6 +128,11 @@ def number(
     if bad:
         raise InputError(_say(name, f"{want}, got {show(v)}{hint}"))
     return v
+
+
+def learning_rate(value, name: str = "lr") -> float:
+    """An optimiser's step size in ``(0, LR_MAX]`` (above it Adam's update overflows float32 in a step)."""
+    return number(value, name, 0.0, LR_MAX, lo_open=True)
 
 
 def probability(value, name: str) -> float:
@@ -244,6 +251,10 @@ def path(value, name: str) -> Path:
     if "\0" in s:
         raise InputError(_say(name, "contains a NUL character: give a plain path"))
     text(s, name)
+    if len(s.encode()) >= PATH_MAX or any(len(part.encode()) > NAME_MAX for part in s.split(os.sep)):
+        raise InputError(
+            _say(name, f"{show(s)} is too long for a path (a name at most {NAME_MAX} bytes): give a shorter one")
+        )
     try:
         return Path(s).expanduser()
     except RuntimeError:  # ~user of an unknown user: the path as written
@@ -394,6 +405,7 @@ seed_arg = int_arg(0, SEED_MAX)
 probability_arg = float_arg(0.0, 1.0)
 positive_float = float_arg(0.0, lo_open=True)
 temperature_arg = float_arg(MIN_TEMPERATURE)
+lr_arg = float_arg(0.0, LR_MAX, lo_open=True)
 
 
 def threads_arg(text: str) -> int:

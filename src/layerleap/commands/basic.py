@@ -74,7 +74,7 @@ def _model_args(p, dtype: str = "float32") -> None:
     p.add_argument("--threads", type=V.threads_arg, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--variant",
-        type=V.tagged(str, "in"),
+        type=V.tagged(V.path_arg, "in"),
         default=None,
         help="a fine-tuned variant of --model: a shipped name (e.g. "
         "skipdecode-2x, calm) or a .safetensors file of `layerleap finetune variant`",

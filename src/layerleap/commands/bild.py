@@ -302,9 +302,7 @@ def _setup_align(p):
         help="the calibration outputs JSON (default OUT.calib.json); reused on rerun",
     )
     p.add_argument("--epochs", type=V.int_arg(1, 10_000), default=4)
-    p.add_argument(
-        "--lr", type=V.positive_float, default=None, help="learning rate (default 1e-3 exit head, 1e-5 small model)"
-    )
+    p.add_argument("--lr", type=V.lr_arg, default=None, help="learning rate (default 1e-3 exit head, 1e-5 small model)")
     p.add_argument("--batch-tokens", type=_positive_int, default=256, help="output tokens per step (default 256)")
     p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument("--save-every", type=_positive_int, default=20, help="checkpoint every N steps (default 20)")

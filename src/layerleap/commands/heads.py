@@ -75,7 +75,7 @@ def _setup_train(p):
     p.add_argument("--batch-tokens", type=V.int_arg(1, 1_000_000), default=d.batch_tokens, help="positions per step")
     p.add_argument(
         "--lr",
-        type=V.positive_float,
+        type=V.lr_arg,
         default=None,
         help="AdamW learning rate (default 1e-3 lens, 2e-5 full = Appendix A)",
     )

@@ -49,7 +49,7 @@ def _setup_train(p):
     p.add_argument("--steps", type=V.int_arg(1, 1_000_000), default=60, help="optimizer steps (default 60)")
     p.add_argument("--batch-size", type=V.int_arg(1, 1024), default=1, help="chunks per step (default 1)")
     p.add_argument("--seq-len", type=V.int_arg(4, 65_536), default=128, help="tokens per chunk (default 128)")
-    p.add_argument("--lr", type=V.positive_float, default=1e-3)
+    p.add_argument("--lr", type=V.lr_arg, default=1e-3)
     p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument(
         "--conversations",

@@ -57,7 +57,7 @@ def _setup_finetune(p):
         "--steps", type=V.int_arg(1, 1_000_000), default=30, help="optimizer steps (default 30: ~4 min on 1 CPU core)"
     )
     p.add_argument("--batch-size", type=V.int_arg(1, 1024), default=4)
-    p.add_argument("--lr", type=V.positive_float, default=5e-5)
+    p.add_argument("--lr", type=V.lr_arg, default=5e-5)
     p.add_argument(
         "--loss",
         choices=["kd", "ce"],
@@ -168,7 +168,7 @@ def _setup_variant(p):
     p.add_argument("--rank", type=V.int_arg(1, 256), default=16)
     p.add_argument("--steps", type=V.int_arg(1, 1_000_000), default=1000)
     p.add_argument("--batch-size", type=V.int_arg(1, 256), default=4)
-    p.add_argument("--lr", type=V.positive_float, default=2e-4)
+    p.add_argument("--lr", type=V.lr_arg, default=2e-4)
     p.add_argument("--min-layer", type=_positive_int, default=4, help="calm: the lowest layer trained to predict")
     p.add_argument("--layers-per-step", type=_positive_int, default=4, help="calm: layers drawn per step (by weight)")
     p.add_argument("--max-minutes", type=V.positive_float, default=None, help="stop (and save) after this long")

@@ -112,7 +112,7 @@ class TrainConfig:
     def check(self) -> None:
         with V.raising(AlignError):
             V.integer(self.epochs, "epochs", 1)
-            V.number(self.lr, "lr", 0, lo_open=True)
+            V.learning_rate(self.lr)
             V.integer(self.batch_tokens, "batch_tokens", 1)
             V.number(self.weight_decay, "weight_decay", 0)
             V.seed(self.seed)

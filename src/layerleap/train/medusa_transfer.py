@@ -74,7 +74,7 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
         V.integer(cfg.warmup, "warmup", 0)
         V.integer(cfg.n_conversations, "n_conversations", 1)
         V.integer(cfg.save_every, "save_every", 1)
-        V.number(cfg.lr, "lr", 0, lo_open=True)
+        V.learning_rate(cfg.lr)
         V.number(cfg.grad_clip, "grad_clip", 0, lo_open=True)
         V.seed(cfg.seed)
         if cfg.max_seconds is not None:

@@ -79,7 +79,7 @@ class VariantConfig:
                 V.integer(getattr(self, k), k, 1)
             V.integer(self.min_layer, "min_layer", 1, n_layers)
             V.integer(self.lr_warmup_steps, "lr_warmup_steps", 0)
-            V.number(self.lr, "lr", 0, lo_open=True)
+            V.learning_rate(self.lr)
             V.number(self.alpha, "alpha", 0, lo_open=True)
             V.number(self.grad_clip, "grad_clip", 0)
             V.seed(self.seed)

@@ -252,6 +252,7 @@ def _setup_match(p):
     )
     p.add_argument("--json", type=V.report_arg, default=None, help="write every figure as JSON to this file")
     p.add_argument("--plot", type=V.plot_arg, default=None, help="write a PNG of p̂_correct against layer to this file")
+    workload.add_args(p)
 
 
 @_setup_match
@@ -285,6 +286,8 @@ def run_match(args) -> int:
         buckets=args.buckets,
     )
     base.check(model)
+    runs = len(_csv(args.mode) or ["greedy"]) * sum(len(ps) for ps in prompts.values())
+    workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
     heads = resolve_heads(model, head_names, layers)
     pos_layer = args.position_layer or layers[len(layers) // 2]
     results, report = {}, {"command": cmd, "model": model.config.name, "threads": threads, "results": {}}

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..eval import theory
-from .. import validate as V
+from .. import validate as V, workload
 from ..methods.speculative import MAX_DRAFT_LEN
 from ..files import write_json
 from . import command
@@ -325,6 +325,7 @@ def _setup_selfspec(p):
     p.add_argument("--prompts", type=_positive_int, default=1)
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None)
+    workload.add_args(p)
 
 
 @_setup_selfspec
@@ -362,6 +363,8 @@ def run_selfspec(args) -> int:
             "num_assistant_tokens": g,
             "num_assistant_tokens_schedule": "constant",
         }
+    runs = (len(ours) + len(hf_variants)) * len(prompts)
+    workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
     records = []
 
     def hf_run(ids, n, extra):

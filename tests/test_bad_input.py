@@ -1239,3 +1239,29 @@ def test_yes_runs_what_the_estimate_refuses(capsys, places, tmp_path):
     assert "beyond the limit of 1e-09 h" in capsys.readouterr().err
     assert main(_fill(argv + ["--yes"], places)) == 0
     assert (tmp_path / "m.safetensors").is_file()
+
+
+def test_the_estimate_refuses_hours_and_passes_the_defaults():
+    """On a SmolLM2-135M-sized model (fp32, CPU): the defaults of the long commands start, the runs
+    of hours in the examples are refused with their estimate."""
+    import argparse
+
+    from layerleap import workload
+
+    class Model:  # what the estimate reads of a model
+        device = torch.device("cpu")
+
+        def n_params(self):
+            return 134_515_008
+
+        def parameters(self):
+            return iter([torch.zeros(1)])
+
+    m, args = Model(), argparse.Namespace(max_hours=workload.MAX_HOURS, yes=False)
+    workload.check(args, workload.decoding(m, 8 * 480, 128))  # eval exactness: 7 lossless methods + greedy
+    workload.check(args, workload.training(m, 60 * 1 * 128))  # train medusa's defaults
+    with pytest.raises(workload.TooLong, match=r"at least 47 h .*add --max-hours 48 \(or --yes\)"):
+        workload.check(args, workload.decoding(m, (100 + 2 + 1) * 240, 512))  # a 10×10 BiLD grid, 240 prompts
+    with pytest.raises(workload.TooLong, match="at least"):
+        workload.check(args, workload.training(m, 1_000_000 * 1024 * 8192))
+    workload.check(argparse.Namespace(max_hours=2.0, yes=True), workload.training(m, 10**15))

@@ -582,6 +582,10 @@ CLI = [
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--max-hours", "1e-9"], "beyond the limit of 1e-09 h"),
     (MR + ["--layers", "2", "--heads", "shared", "--category", "qa", "--max-hours", "1e-9"], "beyond the limit"),
     (["eval", "self-spec", *M, "--exit-layer", "2", "--categories", "qa", "--max-hours", "1e-9"], "beyond the limit"),
+    (
+        ["eval", "frontier", *M, "--grid", "base:calm", "--json", "{T}/f.json", "--max-hours", "1e-9"],
+        "beyond the limit",
+    ),
     (TM + ["--out", "{T}/m.safetensors", "--max-hours", "0"], "--max-hours: must be a finite number > 0"),
     (TM + ["--out", "{T}/m.safetensors", "--lr", "1e40"], "--lr: must be a finite number in (0, 1], got 1e+40"),
     (

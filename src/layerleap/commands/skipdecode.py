@@ -717,6 +717,7 @@ def _setup_frontier(p):
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, required=True)
     p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None)
+    workload.add_args(p)
 
 
 def _variant_arg(text: str) -> tuple[str, str]:
@@ -752,6 +753,8 @@ def run_frontier(args) -> int:
             fr.Point(f"{method} {suffix}" + ("" if model == "base" else f" [{model}]"), model, real, opts)
             for suffix, opts in grids[method]
         ]
+    runs = (len(points) + len(models)) * args.prompts * len(_csv(args.categories) or [""])  # + greedy per model
+    workload.check(args, workload.decoding(models["base"], runs, args.max_new_tokens))
     report = fr.run(
         models, points, _csv(args.categories), args.prompts, args.max_new_tokens, args.offset, progress=_say
     )

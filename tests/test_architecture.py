@@ -43,6 +43,7 @@ LAYERS = [
             "layerleap.interrupts",
             "layerleap.loaded",
             "layerleap.datasets",
+            "layerleap.workload",
         ),
     ),
     ("core", 1, ("layerleap.core",)),

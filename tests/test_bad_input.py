@@ -4,7 +4,29 @@
 
 CLI rows run in-process through ``layerleap.cli.main``; a few run as real subprocesses (undecodable
 bytes on stdin and in argv, and the console script itself).  ``{NAME}`` in a row is a path made by
-the ``places`` fixture (tiny models, broken model folders, files that are not what they claim)."""
+the ``places`` fixture (tiny models, broken model folders, files that are not what they claim).
+
+Four kinds of fault have a rule each, checked in one place: an output never replaces an input or a
+file of another kind (``cli.check_paths``, ``files.check_replace``: a test fails if any byte under
+the folder changes), files and stdin are read up to a limit (``validate.read_bounded``), a run
+estimated beyond ``--max-hours`` is refused (``workload``), and Ctrl-C during a heavy import waits
+for the import (``interrupts.HEAVY``, in test_interrupts.py).
+
+A fuzz pass (a script, not part of the suite) sent hostile values -- empty, negative, NaN, inf,
+40-digit numbers, 5,000-character strings, undecodable bytes, NUL, ``~nosuchuser``, /dev/null,
+/proc/self/mem, folders, the files of other arguments (hard links too) -- to every argument of every
+command (2,058 command lines, in-process on a tiny model, each stopped after 8 s), to ``generate``,
+``load``, every method option and ``save_safetensors`` (444 calls) and to both server routes (434
+requests: every field with 16 values of the wrong kind, broken JSON, a 3 MB body).  The first
+pass found 19 tracebacks: a name longer than the OS allows (now refused in ``validate.path``),
+``~nosuchuser`` in ``--variant`` (pathlib's RuntimeError), ``--lr 1e40`` (Adam overflowed; learning
+rates now lie in (0, 1]); rows for each are in the tables below.  The second pass: 2,936 inputs
+over 3 surfaces, 0 tracebacks, 0 server errors (5xx), 0 changed input files; 2,731 clean refusals,
+169 accepted (read as valid values), 2 weights replaced by weights of their kind (allowed), 34
+stopped by the time limit while doing real work.  Left: ``theory
+ppd`` without ``--measure`` accepts the ``--measure`` flags and ignores them, and the ``auto``
+method's ``tree`` option accepts any value (method options are declared with their bounds in
+``layerleap.options``' design)."""
 
 from __future__ import annotations
 
@@ -12,6 +34,7 @@ import importlib
 import json
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,6 +162,7 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     other = random_model(dict(vocab_size=128, max_position=2048, hidden_size=48, n_heads=4, n_kv_heads=2))
     other.set_fingerprint(tiny.fingerprint)  # heads of another shape that claim to fit this model
     drafters.save_drafter(drafters.new_drafter(other, "medusa", steps=2), root / "medusa_shapes.safetensors")
+    save_file({"chunks": torch.arange(6).view(2, 3)}, str(root / "short.safetensors"))
     out = {
         "D": str(char_model_dir),
         "EMPTYJSONL": str(root / "empty.jsonl"),
@@ -156,6 +180,7 @@ def places(tmp_path_factory, char_model_dir, busy_port):
         "CHUNKS1D": str(root / "chunks1d.safetensors"),
         "CHUNKS": str(root / "chunks.safetensors"),
         "CHUNKSVOCAB": str(root / "chunksvocab.safetensors"),
+        "SHORT": str(root / "short.safetensors"),
     }
     for name, damage in BROKEN.items():
         out[name] = str(_break_folder(root, name.lower(), damage))
@@ -434,7 +459,7 @@ CLI = [
     (AL + ["--small", "{D}", "--head", "shared", "--out", "{T}/s"], "--head is not used by align"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--offset", "-1"], "must be an integer >= 0"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--epochs", "0"], "must be an integer in [1, 10000]"),
-    (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--lr", "0"], "must be a finite number > 0"),
+    (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--lr", "0"], "must be a finite number in (0, 1]"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--lr", "nan"], "got nan"),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--seed", "-5"], "must be an integer in [0, "),
     (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--rank", "-1"], "must be an integer >= 0"),
@@ -448,7 +473,7 @@ CLI = [
     (FT, "the following arguments are required: --out"),
     (FT + ["--out", "{FILE}"], "is a file: give a folder"),
     (FT + ["--out", "{T}/ft"], "fine-tuning state"),
-    (FT + ["--out", "{D}"], "is the --model folder"),
+    (FT + ["--out", "{D}"], "is also --model"),
     (FT + ["--out", "{NOTMODEL}"], "holds other files, not a fine-tuning run"),
     (FT + ["--out", "{T}/ft", "--gen-len", "100000"], "exceed the model's context of 2048"),
     (FT + ["--out", "/proc/ft"], "cannot be written"),
@@ -553,7 +578,7 @@ CLI = [
     (TM + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS}"], "checkpoint"),
     (TM + ["--out", "{T}/m.safetensors", "--seq-len", "2"], "must be an integer in [4, 65536]"),
     (TM + ["--out", "{T}/m.safetensors", "--seq-len", "4096"], "seq_len must be an integer in [4, 2048]"),
-    (TM + ["--out", "{T}/m.safetensors", "--lr", "0"], "must be a finite number > 0"),
+    (TM + ["--out", "{T}/m.safetensors", "--lr", "0"], "must be a finite number in (0, 1]"),
     (TM + ["--out", "{T}/m.safetensors", "--chunks", "/no/such.safetensors"], "not found"),
     (TM + ["--out", "{T}/m.safetensors", "--chunks", "{GARBAGE}"], "cannot read chunks"),
     (TM + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS1D}"], "does not hold token chunks"),
@@ -564,6 +589,73 @@ CLI = [
     (TM + ["--out", "{T}/m.safetensors", "--device", "tpu"], "is not a torch device"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "x"], "each item must be a positive integer"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "2,99", "--chunks", "{CHUNKS}"], "transfer layers must be"),
+    # sizes with bounds: chunks too short for the steps ahead, a data file that is not one
+    (
+        TM + ["--out", "{T}/m.safetensors", "--chunks", "{SHORT}", "--heads", "3"],
+        "chunks of 3 tokens leave no target 3",
+    ),
+    (TM + ["--out", "{T}/m.safetensors", "--seq-len", "4", "--heads", "5"], "seq_len 4 leaves no target 5 steps ahead"),
+    (TT + ["--out", "{T}/t.safetensors", "--layers", "1,2,3", "--chunks", "{SHORT}"], "leave no target 3 steps ahead"),
+    (
+        ["finetune", "variant", *M, "--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{GARBAGE}"],
+        "is not self-distilled data",
+    ),
+    # runs of hours refused unless asked (--max-hours H or --yes)
+    (
+        SB
+        + ["--prompts", "80", "--categories", "qa,writing,translation", "--max-new-tokens", "512"]
+        + ["--alpha-fb", "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", "--alpha-rb", "1,2,3,4,5,6,7,8,9,10"],
+        "this run would take at least",
+    ),
+    (SB + ["--max-hours", "0.000001"], "beyond the limit of 1e-06 h: add --max-hours 1 (or --yes)"),
+    (TM + ["--out", "{T}/m.safetensors", "--steps", "1000000", "--batch-size", "1024", "--seq-len", "2048"], "583 h"),
+    (TT + ["--out", "{T}/t.safetensors", "--layers", "2", "--max-hours", "1e-9"], "beyond the limit of 1e-09 h"),
+    (
+        TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--tokens", "10000000", "--epochs", "10000"],
+        "10,000 epochs",
+    ),
+    (["eval", "exactness", *M, "--prompts", "all", "--max-new-tokens", "2040", "--max-hours", "0.5"], "would take"),
+    (["bench", *M, "--prompts", "100", "--repeat", "20", "--max-new-tokens", "1000"], "would take at least"),
+    (["calibrate", "calm", *M, "--max-hours", "0.00001"], "beyond the limit of 1e-05 h"),
+    (FT + ["--out", "{T}/ftx", "--steps", "1000000", "--batch-size", "1024"], "would take at least"),
+    (
+        ["finetune", "variant", *M, "--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"]
+        + ["--steps", "1000000", "--batch-size", "256"],
+        "would take at least",
+    ),
+    (AL + ["--exit-layer", "2", "--out", "{T}/h.safetensors", "--max-hours", "1e-9"], "beyond the limit of 1e-09 h"),
+    (MR + ["--layers", "2", "--heads", "shared", "--category", "qa", "--max-hours", "1e-9"], "beyond the limit"),
+    (["eval", "self-spec", *M, "--exit-layer", "2", "--categories", "qa", "--max-hours", "1e-9"], "beyond the limit"),
+    (
+        ["eval", "frontier", *M, "--grid", "base:calm", "--json", "{T}/f.json", "--max-hours", "1e-9"],
+        "beyond the limit",
+    ),
+    (TM + ["--out", "{T}/m.safetensors", "--max-hours", "0"], "--max-hours: must be a finite number > 0"),
+    (TM + ["--out", "{T}/m.safetensors", "--lr", "1e40"], "--lr: must be a finite number in (0, 1], got 1e+40"),
+    (
+        [
+            "finetune",
+            "variant",
+            *M,
+            "--objective",
+            "calm",
+            "--out",
+            "{T}/v.safetensors",
+            "--data",
+            "{T}/d.jsonl",
+            "--lr",
+            "9" * 40,
+        ],
+        "--lr: must be a finite number in (0, 1]",
+    ),
+    (G + ["--variant", "x" * 300], "is too long for a path (a name at most 255 bytes)"),
+    (["eval", "head-cost", *M, "--json", "x" * 5000 + ".json"], "is too long for a path"),
+    (["calibrate", "calm", *M, "--variant", "~nosuch/x"], "no variant '~nosuch/x'"),
+    (EX + ["--max-hours", "nan"], "--max-hours: must be a finite number > 0, got nan"),
+    (["bench", *M, "--max-hours", "many"], "--max-hours: must be a finite number > 0"),
+    # eval frontier
+    (["eval", "frontier", *M, "--grid", "base:calm", "--json", "{NOTES_JSON}"], "exists and is not a layerleap report"),
+    (["eval", "frontier", *M, "--grid", "base", "--json", "{T}/f.json"], "write MODEL:METHOD"),
     # match-rate
     (MR + ["--layers", "0"], "each item must be a positive integer"),
     (MR + ["--layers", "99", "--heads", "shared", "--category", "qa"], "layers must be integers in [1, 4]"),
@@ -692,12 +784,13 @@ def _theory(**kw):
     return lambda m, p: theory.figures(args["d"], args["dbar"], args["k"], args["p"], args["n_tokens"])
 
 
-def _train_drafter(out="m.safetensors", **kw):
+def _train_drafter(out="m.safetensors", chunks=None, **kw):
     def run(m, p):
         from layerleap.train import medusa_transfer as train_drafters
 
         cfg = train_drafters.TrainConfig(kind="medusa", steps_ahead=1, train_steps=1, seq_len=8, **kw)
-        return train_drafters.train(m, p["T"] + "/" + out, cfg, chunks=[[1] * 8], progress=False)
+        given = [[1] * 8] if chunks is None else chunks
+        return train_drafters.train(m, p["T"] + "/" + out, cfg, chunks=given, progress=False)
 
     return run
 
@@ -823,18 +916,18 @@ API = [
         "trials must be a positive integer",
     ),
     (_train_drafter(out="m.bin"), "must end in .safetensors"),
-    (_train_drafter(lr=math.nan), "lr must be a finite number > 0, got nan"),
+    (_train_drafter(lr=math.nan), "lr must be a finite number in (0, 1], got nan"),
     (_train_drafter(seed=-1), "seed must be an integer in [0, "),
-    (_heads_cfg(lr=math.nan), "lr must be a finite number > 0, got nan"),
+    (_heads_cfg(lr=math.nan), "lr must be a finite number in (0, 1], got nan"),
     (_heads_cfg(layers=(99,)), "layers must be integers in [1, 3]"),
     (_heads_cfg(epochs=True), "epochs must be a positive integer, got True"),
     (
         lambda m, p: importlib.import_module("layerleap.train.align").TrainConfig(lr=math.nan).check(),
-        "lr must be a finite number > 0",
+        "lr must be a finite number in (0, 1]",
     ),
     (
         lambda m, p: importlib.import_module("layerleap.train.skipdecode").TrainConfig(lr=math.inf).resolve(4),
-        "lr must be a finite number > 0, got inf",
+        "lr must be a finite number in (0, 1], got inf",
     ),
     (_match_cfg(top_p=2.0), "top_p must be a finite number in (0, 1]"),
     (_match_cfg(ks=(10**6,)), "k must be an integer in [1, 128]"),
@@ -846,6 +939,35 @@ API = [
     (
         lambda m, p: layerleap.core.loading.check_folder(__import__("pathlib").Path(p["BADHEADER"])),
         "is not a safetensors file",
+    ),
+    # sizes with bounds
+    (_train_drafter(chunks=[[1]]), "token chunks of 1 tokens leave no target 1 steps ahead"),
+    (_train_drafter(chunks=[]), "no token chunks to train on"),
+    (_train_drafter(chunks=[[1] * 8, [1] * 9]), "token chunks must be lists of one length, got lengths [8, 9]"),
+    (_train_drafter(chunks=[[1] * 8, 5]), "token chunks must be lists of one length"),
+    # an existing file of another kind is never replaced
+    (_train_drafter(out="chunks.safetensors"), "out {T}/chunks.safetensors exists and holds tensors without"),
+    (
+        lambda m, p: importlib.import_module("layerleap.files").save_safetensors(
+            p["MEDUSA"], {"x": torch.zeros(1)}, {"kind": "transfer"}
+        ),
+        "exists and holds medusa, not transfer",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.files").save_safetensors(p["MEDUSA"], {"x": torch.zeros(1)}),
+        "holds medusa, not tensors without a layerleap kind",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.files").save_safetensors(
+            p["FILE"], {"x": torch.zeros(1)}, {"kind": "medusa"}
+        ),
+        "exists and is not a safetensors file",
+    ),
+    (
+        lambda m, p: importlib.import_module("layerleap.files").check_distinct(
+            [("out", Path(p["T"]))], [("data", Path(p["FILE"]))]
+        ),
+        "writing there could destroy the input",
     ),
     # found by the fuzzing pass
     (_gen(__import__("numpy").array(["a"])), "an array prompt must hold integer token ids"),
@@ -925,7 +1047,7 @@ def test_api(tiny, places, call, message):
     with pytest.raises(LayerleapError) as e:
         call(tiny, places)
     text = str(e.value)
-    assert text and "\n" not in text and message in text, text
+    assert text and "\n" not in text and _fill([message], places)[0] in text, text
 
 
 # -- real subprocesses ------------------------------------------------------------------------------
@@ -942,6 +1064,7 @@ def _run(argv, stdin=None) -> subprocess.CompletedProcess:
             "is not UTF-8 text (byte 0xff at offset 0)",
         ),
         (["generate", "--model", "{D}", "--prompt", b"caf\xe9"], None, "is not valid UTF-8 text"),
+        (["generate", "--model", "{D}", "--prompt", "-"], b"\0" * 2_000_001, "is larger than the limit of 1 MB"),
         (["bench", "--model", "{D}", "--json", b"r\xff.json"], None, "is not valid UTF-8 text"),
     ],
 )
@@ -1012,3 +1135,299 @@ def test_unknown_method_is_a_key_error():
     with pytest.raises(LayerleapError):
         layerleap.METHODS["nosuch"]
     assert "nosuch" not in layerleap.METHODS and layerleap.METHODS.get("nosuch") is None
+
+
+# -- never overwrite an input -------------------------------------------------------------------------
+# Every command compares its output paths with its input paths before any work (``cli.check_paths``):
+# an output that is an input (by inode: hard and symbolic links too), a folder output that holds an
+# input, two outputs that are one path, and an existing output of another kind are refused, and every
+# byte under the folder stays as it was.
+
+
+@pytest.fixture
+def victims(tmp_path, char_model_dir):
+    """A fresh folder of things a command must not destroy: ``{name: path}``."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from layerleap.drafters import medusa_transfer as drafters
+
+    root = tmp_path / "v"
+    model = root / "model"
+    shutil.copytree(char_model_dir, model)
+    drafters.save_drafter(
+        drafters.new_drafter(layerleap.load_folder(model), "medusa", steps=2), root / "medusa.safetensors"
+    )
+    save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"), {"kind": "token-chunks"})
+    save_file({"x": torch.zeros(2)}, str(root / "plain.safetensors"))
+    save_file({"chunks": torch.arange(6).view(2, 3)}, str(root / "short.safetensors"), {"kind": "token-chunks"})
+    os.link(root / "chunks.safetensors", root / "hardlink.safetensors")
+    os.symlink(root / "chunks.safetensors", root / "symlink.safetensors")
+    os.link(root / "medusa.safetensors", root / "medusa-link.json")
+    (root / "README.md").write_text("# my notes\n")
+    (root / "page.html").write_text("<html>mine</html>\n")
+    (root / "report.json").write_text(json.dumps({"command": "layerleap bench", "mine": True}))
+    (root / "table.md").write_text("`layerleap sweep bild` mine\n")
+    (root / "plot.png").write_bytes(b"\x89PNG mine")
+    (root / "ours.html").write_text("<p>Written by layerleap 1</p>\n")
+    (root / "data.jsonl").write_text('{"prompt": [1, 2], "completion": [3]}\n')
+    (root / "held").mkdir()
+    shutil.copy(root / "chunks.safetensors", root / "c.safetensors.ckpt.safetensors")
+    (root / "mo.safetensors.work").write_text("mine")
+    (root / "held" / "v.safetensors").write_bytes(b"a variant of mine")
+    return {"T": str(root), "M": str(model), **{p.stem.upper(): str(p) for p in root.iterdir() if p.is_file()}}
+
+
+def _snapshot(root) -> dict:
+    from pathlib import Path
+
+    return {str(p): (p.read_bytes() if p.is_file() else None) for p in sorted(Path(root).rglob("*"))}
+
+
+def _refused(argv, places, message, capsys):
+    before = _snapshot(places["T"])
+    rc = main(_fill(argv, places))
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, (rc, err[-2000:])
+    assert _fill([message], places)[0] in err.strip().splitlines()[-1], err[-2000:]
+    assert _snapshot(places["T"]) == before, "an input's bytes changed (or a file appeared)"
+
+
+TTV = ["train", "transfer", "--model", "{M}", "--steps", "1", "--seq-len", "8", "--layers", "2"]
+TMV = ["train", "medusa", "--model", "{M}", "--steps", "1", "--seq-len", "8"]
+OVERWRITE = [
+    # an output that is an input
+    (TTV + ["--out", "{CHUNKS}", "--chunks", "{CHUNKS}"], "--out {CHUNKS} is also --chunks"),
+    (TMV + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS}", "--save-chunks", "{CHUNKS}"], "is also --chunks"),
+    (TMV + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS}", "--save-chunks", "{HARDLINK}"], "is also --chunks"),
+    (TMV + ["--out", "{SYMLINK}", "--chunks", "{CHUNKS}"], "--out {SYMLINK} is also --chunks"),
+    (TMV + ["--out", "{M}/model.safetensors"], "holds tensors"),
+    (
+        ["heads", "info", "{MEDUSA}", "--json", "{MEDUSA-LINK}"],
+        "{MEDUSA-LINK} exists and is not a layerleap report",
+    ),
+    (["finetune", "skipdecode", "--model", "{M}", "--steps", "1", "--out", "{T}"], "--out {T} holds --model {M}"),
+    (["finetune", "skipdecode", "--model", "{M}", "--steps", "1", "--out", "{M}"], "--out {M} is also --model"),
+    (["theory", "ppd", "--measure", "--model", "{M}", "--out", "{M}"], "is also --model"),
+    (["calibrate", "calm", "--model", "{M}", "--out", "{T}"], "holds --model"),
+    (["bench", "--model", "{M}", "--data", "{REPORT}", "--json", "{REPORT}"], "--json {REPORT} is also --data"),
+    (
+        ["eval", "frontier", "--model", "{M}", "--grid", "base:calm", "--json", "{T}/r.json"]
+        + ["--with-variant", "v={PLOT}", "--plot", "{PLOT}"],
+        "--plot {PLOT} is also --with-variant",
+    ),
+    # a file an output brings beside it (its checkpoint, work folder) that is an input
+    (TMV + ["--out", "{T}/c.safetensors", "--chunks", "{T}/c.safetensors.ckpt.safetensors"], "--out's checkpoint"),
+    (
+        [
+            "train",
+            "heads",
+            "--model",
+            "{M}",
+            "--layers",
+            "2",
+            "--out",
+            "{T}/mo.safetensors",
+            "--variant",
+            "{T}/mo.safetensors.work",
+        ],
+        "--out's work folder",
+    ),
+    # two outputs that are one path
+    (
+        [
+            "train",
+            "heads",
+            "--model",
+            "{M}",
+            "--layers",
+            "2",
+            "--out",
+            "{T}/x.safetensors",
+            "--work",
+            "{T}/x.safetensors",
+        ],
+        "--out and --work name one path",
+    ),
+    (
+        TMV + ["--out", "{T}/c.safetensors", "--save-chunks", "{T}/c.safetensors"],
+        "--out and --save-chunks name one path",
+    ),
+    # an existing output of another kind
+    (TTV + ["--out", "{MEDUSA}"], "--out {MEDUSA} exists and holds medusa, not transfer"),
+    (TMV + ["--out", "{CHUNKS}"], "holds token-chunks, not medusa"),
+    (TMV + ["--out", "{T}/m.safetensors", "--save-chunks", "{MEDUSA}"], "holds medusa, not token-chunks"),
+    (TMV + ["--out", "{PLAIN}"], "holds tensors without a layerleap kind, not medusa"),
+    (["heads", "upgrade", "{MEDUSA}", "--out", "{CHUNKS}"], "holds token-chunks, not medusa"),
+    (["train", "heads", "--model", "{M}", "--layers", "2", "--out", "{MEDUSA}"], "holds medusa, not exit-heads"),
+    (
+        ["finetune", "variant", "--model", "{M}", "--objective", "calm", "--out", "{MEDUSA}", "--data", "{DATA}"],
+        "not variant",
+    ),
+    (["align", "--model", "{M}", "--exit-layer", "2", "--out", "{MEDUSA}"], "holds medusa, not exit-heads"),
+    (
+        ["heads", "sub-vocab", "--model", "{M}", "--heads", "trained", "--vocab", "8", "--out", "{CHUNKS}"],
+        "not exit-heads",
+    ),
+    (["sweep", "bild", "--model", "{M}", "--exit-layer", "2", "--table", "{README}"], "is not a layerleap table"),
+    (["eval", "skipdecode", "--model", "{M}", "--table", "{README}"], "is not a layerleap table"),
+    (["bench", "--model", "{M}", "--html", "{PAGE}"], "--html {PAGE} exists and is not a layerleap HTML report"),
+    (["demo", "--model", "{M}", "--html", "{PAGE}"], "is not a layerleap HTML report"),
+    (
+        [
+            "eval",
+            "frontier",
+            "--model",
+            "{M}",
+            "--grid",
+            "base:calm",
+            "--json",
+            "{T}/r.json",
+            "--plot",
+            "{PLOT}",
+            "--variant",
+            "{PLOT}",
+        ],
+        "--plot {PLOT} is also --variant",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, message", OVERWRITE, ids=[f"ow{i:02d} {_id(r)}" for i, r in enumerate(OVERWRITE)])
+def test_no_command_overwrites_an_input(capsys, victims, argv, message):
+    _refused(argv, victims, message, capsys)
+
+
+REQUIRED = {  # the least each command needs to parse (the flag under test comes last and wins)
+    "train heads": ["--layers", "2", "--out", "{T}/h.safetensors"],
+    "align": ["--exit-layer", "2", "--out", "{T}/a.safetensors"],
+    "finetune skipdecode": ["--out", "{T}/ft"],
+    "finetune variant": ["--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"],
+    "heads sub-vocab": ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors"],
+    "train medusa": ["--out", "{T}/m.safetensors"],
+    "train transfer": ["--out", "{T}/t.safetensors"],
+    "eval frontier": ["--grid", "base:calm", "--json", "{T}/f.json"],
+    "calibrate": ["calm"],
+}
+VICTIM = {  # a file each kind of output accepts as its own (so only the input rule can refuse it)
+    "JSON report": "{REPORT}",
+    "plot file": "{PLOT}",
+    "table file": "{TABLE}",
+    "HTML report": "{OURS}",
+    "weights file": None,  # by kind: below
+    "folder": "{T}/held",
+    "path": "{T}/held",
+}
+
+
+def _output_flags():
+    import argparse
+
+    from layerleap import cli
+
+    cli.build_parser()
+    for name, (_, setup, _) in cli._COMMANDS.items():
+        p = argparse.ArgumentParser()
+        setup(p)
+        for _, flag, t in cli._path_args(p):
+            if t.role == "out":
+                yield name, flag, t
+
+
+def _victim(name, flag, t):
+    label = t.__name__
+    if label == "weights file":
+        kind = t.tags["kind"]
+        kind = {"train medusa": "medusa", "train transfer": "transfer"}.get(name) if callable(kind) else kind
+        return {"medusa": "{MEDUSA}", "token-chunks": "{CHUNKS}"}.get(kind, "{T}/held/v.safetensors")
+    return VICTIM[label]
+
+
+@pytest.mark.parametrize(
+    "name, flag, t", [x for x in _output_flags() if x[0] not in ("heads info", "heads upgrade")], ids=lambda x: str(x)
+)
+def test_every_output_flag_refuses_an_input(capsys, victims, name, flag, t):
+    """Each output flag of each command, pointed at the file (or the folder of the file) also given as
+    ``--variant``: refused before any work, every byte kept."""
+    victim = _victim(name, flag, t)
+    variant = "{T}/held/v.safetensors" if victim in ("{T}/held", "{T}/held/v.safetensors") else victim
+    argv = [*name.split(), "--model", "{M}", *REQUIRED.get(name, []), "--variant", variant, flag, victim]
+    _refused(argv, victims, f"{flag} {victim} {'holds' if victim == '{T}/held' else 'is also'} --variant", capsys)
+
+
+def test_the_output_rule_is_not_in_the_way(capsys, victims):
+    """Allowed: rewriting a weights file in place (``heads upgrade FILE --out FILE``), replacing an
+    earlier output of the same kind, an output folder inside the model's folder."""
+    from layerleap.files import check_distinct, check_replace
+    from pathlib import Path
+
+    assert main(_fill(["heads", "upgrade", "{MEDUSA}", "--out", "{MEDUSA}"], victims)) == 0
+    check_replace(victims["MEDUSA"], "medusa")
+    check_distinct([("--out", Path(victims["M"]) / "new")], [("--model", Path(victims["M"]))])
+    check_distinct([("--json", Path(victims["T"]) / "r.json")], [("--data", Path(victims["T"]) / "nosuch.json")])
+
+
+# -- sizes with bounds: a file or stdin is read up to a limit that an environment variable lifts ------
+SIZES = [
+    (
+        {"LAYERLEAP_MAX_INPUT_MB": "0.000001"},
+        G[:3] + ["--prompts-file", "{FILE}"],
+        "is larger than the limit of 1e-06 MB",
+    ),
+    ({"LAYERLEAP_MAX_INPUT_MB": "0.000001"}, ["bench", *M, "--data", "{WEIRD}"], "set LAYERLEAP_MAX_INPUT_MB=MB"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "0.000001"}, SB + ["--data", "{WEIRD}"], "Spec-Bench file"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "lots"}, G[:3] + ["--prompts-file", "{FILE}"], "must be a number of megabytes"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "-1"}, G[:3] + ["--prompts-file", "{FILE}"], "must be a positive number of megabytes"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "nan"}, G[:3] + ["--prompts-file", "{FILE}"], "must be a positive number"),
+    (
+        {"LAYERLEAP_MAX_INPUT_MB": "0.000001"},
+        ["finetune", "variant", *M, "--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{GARBAGE}"],
+        "--data {GARBAGE} is larger than the limit",
+    ),
+]
+
+
+@pytest.mark.parametrize("env, argv, message", SIZES, ids=[f"size{i}" for i in range(len(SIZES))])
+def test_size_limits(monkeypatch, capsys, places, env, argv, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = main(_fill(argv, places))
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert _fill([message], places)[0] in err.strip().splitlines()[-1], err[-2000:]
+
+
+def test_yes_runs_what_the_estimate_refuses(capsys, places, tmp_path):
+    argv = TM + ["--out", str(tmp_path / "m.safetensors"), "--chunks", "{CHUNKS}", "--max-hours", "1e-9"]
+    assert main(_fill(argv, places)) == 2
+    assert "beyond the limit of 1e-09 h" in capsys.readouterr().err
+    assert main(_fill(argv + ["--yes"], places)) == 0
+    assert (tmp_path / "m.safetensors").is_file()
+
+
+def test_the_estimate_refuses_hours_and_passes_the_defaults():
+    """On a SmolLM2-135M-sized model (fp32, CPU): the defaults of the long commands start, the runs
+    of hours in the examples are refused with their estimate."""
+    import argparse
+
+    from layerleap import workload
+
+    class Model:  # what the estimate reads of a model
+        device = torch.device("cpu")
+
+        def n_params(self):
+            return 134_515_008
+
+        def parameters(self):
+            return iter([torch.zeros(1)])
+
+    m, args = Model(), argparse.Namespace(max_hours=workload.MAX_HOURS, yes=False)
+    workload.check(args, workload.decoding(m, 8 * 480, 128))  # eval exactness: 7 lossless methods + greedy
+    workload.check(args, workload.training(m, 60 * 1 * 128))  # train medusa's defaults
+    with pytest.raises(workload.TooLong, match=r"at least 47 h .*add --max-hours 48 \(or --yes\)"):
+        workload.check(args, workload.decoding(m, (100 + 2 + 1) * 240, 512))  # a 10×10 BiLD grid, 240 prompts
+    with pytest.raises(workload.TooLong, match="at least"):
+        workload.check(args, workload.training(m, 1_000_000 * 1024 * 8192))
+    workload.check(argparse.Namespace(max_hours=2.0, yes=True), workload.training(m, 10**15))

@@ -213,3 +213,29 @@ def test_during_a_metric_import(tmp_path):
     proc = Proc([sys.executable, "-c", _HALF_IMPORT], env={"PYTHONPATH": str(tmp_path)})
     rc, out, err = proc.finish(60)
     assert rc == 0 and out.split() == ["interrupted", "after", "the", "import", "2"], err[-2000:]
+
+
+def test_a_heavy_import_is_never_cut(tmp_path):
+    """A Ctrl-C during the first import of a heavy library (matplotlib under ``match-rate --plot``)
+    waits until the import is done, then interrupts: the module ran to its end, and no traceback of
+    the library's comes out.  Here the library interrupts itself half way."""
+    (tmp_path / "fakeheavy.py").write_text(
+        "import os, signal, time, builtins\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.2)\n"
+        "builtins.fakeheavy_done = True\n"
+    )
+    code = (
+        "import sys, builtins\n"
+        "from layerleap import interrupts\n"
+        "interrupts.install()\n"
+        "interrupts.HEAVY = interrupts.HEAVY | {'fakeheavy'}\n"
+        "try:\n"
+        "    import fakeheavy\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', getattr(builtins, 'fakeheavy_done', False))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    p = __import__("subprocess").run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert p.stdout.strip() == "interrupted True", p.stdout + p.stderr
+    assert "Traceback" not in p.stderr

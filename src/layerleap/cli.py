@@ -44,8 +44,47 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p = sub.add_parser(name, help=help_, description=help_)
         setup(p)
-        p.set_defaults(_run=run, _name=name)
+        p.set_defaults(_run=run, _name=name, _paths=_path_args(p))
     return parser
+
+
+def _path_args(p: argparse.ArgumentParser) -> list[tuple[str, str, object]]:
+    """``(dest, flag, type)`` of the arguments whose type marks a path as an input or an output."""
+    return [
+        (a.dest, a.option_strings[0] if a.option_strings else a.metavar or a.dest, a.type)
+        for a in p._actions
+        if getattr(a.type, "role", None) in ("in", "out")
+    ]
+
+
+def check_paths(args) -> None:
+    """The one check of every path a command names, before it runs: an output is not an input (nor a
+    folder holding one, nor a hard link to one), two outputs are not one path, and an existing output
+    is only replaced by the same kind of file (weights of the same kind, a layerleap table or page)."""
+    from . import files
+    from . import validate as V
+
+    named = [
+        (flag, V.path(str(type_.tags.get("path_of", str)(v)), flag), type_)
+        for dest, flag, type_ in getattr(args, "_paths", [])
+        for v in (lambda x: x if isinstance(x, list) else [x])(getattr(args, dest, None))
+        if v is not None
+    ]
+    outs = [(flag, p, t) for flag, p, t in named if t.role == "out"]
+    beside = [  # the files an output brings beside it (a checkpoint, a work folder): never an input either
+        (f"{flag}'s {what}", p.with_name(p.name + suffix))
+        for flag, p, t in outs
+        for what, suffix in t.tags.get("also", ())
+    ]
+    allowed = tuple((flag, f) for flag, _, t in outs for f in t.tags.get("may_be", ()))
+    ins = [(f, p) for f, p, t in named if t.role == "in"]
+    files.check_distinct([(f, p) for f, p, _ in outs] + beside, ins, allowed)
+    for flag, p, t in outs:
+        kind = t.tags.get("kind")
+        if kind is not None:
+            files.check_replace(p, kind(args) if callable(kind) else kind, flag)
+        if "text" in t.tags:
+            files.check_replace_text(p, t.tags["text"], flag)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     args.argv = argv  # the command line, for reports
     try:
+        check_paths(args)
         code = int(args._run(args) or 0)
     except LayerleapError as e:
         if not interrupts.interrupted():  # else a library turned the Ctrl-C into another error

@@ -72,7 +72,8 @@ def _read_spec_bench(path) -> list[dict]:
     if not p.is_file():
         raise LayerleapError(f"Spec-Bench file {p} not found (or not a file): give the path of question.jsonl")
     try:
-        rows = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = V.read_bounded(p, f"Spec-Bench file {p}").decode("utf-8")
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         for r in rows:  # the fields we use, with their types
             if not (
                 isinstance(r["category"], str)
@@ -133,11 +134,14 @@ def read_prompts_file(path: str | Path) -> list[str]:
     """Prompts from a file: ``.jsonl`` holds one JSON value a line (a string, or an object with
     "prompt", "text", "content" or Spec-Bench's "turns"), any other file one prompt a line.  Blank
     lines are skipped."""
+    from . import validate as V
+
     p = Path(path)
     if not p.is_file():
         raise LayerleapError(f"prompts file {p} not found (or not a file): give a .jsonl or text file")
+    text = V.read_bounded(p, f"prompts file {p}")
     try:
-        lines = [(n, line) for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+        lines = [(n, line) for n, line in enumerate(text.decode("utf-8").splitlines(), 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise LayerleapError(f"cannot read prompts file {p} ({type(e).__name__}): give a UTF-8 text file") from None
     prompts = [_json_prompt(p, n, line) for n, line in lines] if p.suffix == ".jsonl" else [ln for _, ln in lines]

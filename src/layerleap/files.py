@@ -44,13 +44,108 @@ def write_json(path: str | Path, obj, indent: int = 1) -> Path:
     return write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
-def save_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> Path:
-    """``tensors`` (made contiguous, on the CPU) to a safetensors file; metadata values as strings."""
+def save_safetensors(
+    path: str | Path, tensors: dict, metadata: dict | None = None, may_replace: Callable[[dict], bool] | None = None
+) -> Path:
+    """``tensors`` (made contiguous, on the CPU) to a safetensors file; metadata values as strings.
+    An existing file is only replaced when it holds the same kind of thing (``holds``) or
+    ``may_replace(its metadata)`` says so: weights never replace training data, a model or other weights."""
     from safetensors.torch import save_file
 
-    data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     meta = {k: str(v) for k, v in (metadata or {}).items()}
+    check_replace(path, holds(meta), may_replace=may_replace)
+    data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     return atomic_write(path, lambda p: save_file(data, str(p), metadata=meta))
+
+
+# -- what an existing output holds: replaced only by the same kind of thing ---------------------------
+_OLD_KINDS = {"layerleap-exit-heads-v1": "exit-heads", "layerleap-bild-exit-head-v1": "exit-heads"}
+
+
+def holds(meta: dict) -> str:
+    """What a safetensors file holds, from its metadata: a weights file's ``kind`` (``medusa``,
+    ``transfer``, ``exit-heads``, ``variant``, ``token-chunks``), ``training state``, else its ``format``."""
+    fmt = str(meta.get("format") or "")
+    if fmt.startswith("layerleap-train-state"):
+        return "training state"
+    kind = meta.get("kind") or _OLD_KINDS.get(fmt)
+    if kind == "adapter-head":
+        return "exit-heads"
+    return kind or (f"tensors of format {fmt!r}" if fmt else "tensors without a layerleap kind")
+
+
+def check_replace(
+    path: str | Path, kind: str, name: str = "", may_replace: Callable[[dict], bool] | None = None
+) -> None:
+    """Refuse (``LayerleapError``) to replace an existing file that is not a safetensors file holding
+    ``kind``; a missing file passes."""
+    path = Path(path)
+    if not path.exists():
+        return
+    say = f"{name} {path}" if name else str(path)
+    fix = f"choose another {name or 'path'} (or delete it)"
+    try:
+        old = read_safetensors_meta(path)
+    except (ValueError, OSError):
+        raise LayerleapError(f"{say} exists and is not a safetensors file: {fix}") from None
+    if holds(old) != kind and not (may_replace is not None and may_replace(old)):
+        raise LayerleapError(f"{say} exists and holds {holds(old)}, not {kind}: {fix}")
+
+
+TEXT_MARKS = {  # how a text output layerleap wrote can be told from a user's file
+    "table": (lambda head, tail: head.startswith(b"`layerleap ")),
+    "HTML report": (lambda head, tail: b"Written by layerleap" in tail),
+}
+
+
+def check_replace_text(path: str | Path, what: str, name: str = "") -> None:
+    """Refuse to replace an existing, non-empty text file (a table, an HTML report) that layerleap did
+    not write (``TEXT_MARKS``): ``--table README.md`` must not eat a README."""
+    path = Path(path)
+    if not path.is_file() or not path.stat().st_size:
+        return
+    with open(path, "rb") as f:
+        head = f.read(64)
+        f.seek(max(0, path.stat().st_size - 4096))
+        tail = f.read()
+    if not TEXT_MARKS[what](head, tail):
+        say = f"{name} {path}" if name else str(path)
+        raise LayerleapError(f"{say} exists and is not a layerleap {what}: choose another file name (or delete it)")
+
+
+def _same(a: Path, b: Path) -> bool:
+    """The same file or folder: one inode (hard links, symbolic links) or, for missing ones, one path."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def _inside(inner: Path, outer: Path) -> bool:
+    return outer.is_dir() and inner.resolve().is_relative_to(outer.resolve())
+
+
+def check_distinct(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]], allowed=()) -> None:
+    """The paths one command names: refuse (before any work) an output that is an input (by inode, so
+    hard links too), a folder output that holds an input, and two outputs that are one path.
+    ``outputs``/``inputs`` are ``(flag, path)``; ``allowed`` holds ``(output flag, input flag)`` pairs
+    that may be one file (``heads upgrade FILE --out FILE`` rewrites in place)."""
+    for i, (oname, out) in enumerate(outputs):
+        flag = oname.split("'")[0]  # "--out's checkpoint": the fix is another --out
+        for iname, inp in inputs:
+            if (oname, iname) in allowed or not inp.exists():
+                continue
+            if _same(out, inp):
+                raise LayerleapError(
+                    f"{oname} {out} is also {iname}: writing it would destroy the input: choose another {flag}"
+                )
+            if _inside(inp, out):
+                raise LayerleapError(
+                    f"{oname} {out} holds {iname} {inp}: writing there could destroy the input: choose another {flag}"
+                )
+        for oname2, out2 in outputs[i + 1 :]:
+            if _same(out, out2):
+                raise LayerleapError(f"{oname} and {oname2} name one path, {out}: give each its own")
 
 
 def pyplot():
@@ -98,9 +193,11 @@ def read_report(path: str | Path, what: str, fields: tuple[str, ...] = ("config"
     path = Path(path)
     if not path.is_file() or not path.stat().st_size:
         return None
+    from .validate import read_bounded
+
     try:
-        old = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        old = json.loads(read_bounded(path, f"{what} {path}"))
+    except (OSError, ValueError):  # a file past the size limit is not a report of ours either
         old = None
     if not isinstance(old, dict) or not isinstance(old.get("config"), dict) or any(f not in old for f in fields):
         raise LayerleapError(f"{path} exists and is not {what}: choose another --json (or delete it)")

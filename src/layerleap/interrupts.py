@@ -4,7 +4,11 @@
 SIGINT handler.  The first Ctrl-C raises ``KeyboardInterrupt`` and is remembered; later ones are
 ignored while it unwinds (clean-up, saving a report, stopping sub-processes).  Inside ``deferred()``
 (importing torch and the commands: a C extension interrupted half way can abort the process) the
-interrupt waits until the block ends.  A library that swallows the ``KeyboardInterrupt`` or turns it
+interrupt waits until the block ends.  Every first import of a heavy library (``HEAVY``: matplotlib,
+transformers, the metrics' libraries, safetensors, tqdm ...), wherever in the code it is, runs
+inside ``deferred()`` too: ``install`` puts a finder first on ``sys.meta_path`` that wraps those
+modules' ``exec_module`` (an import cut half way leaves submodules behind that break the next import,
+or ends in the library's own traceback).  A library that swallows the ``KeyboardInterrupt`` or turns it
 into another error cannot hide it: ``cli.main`` asks ``interrupted()`` before reporting, and a
 process still running ``GRACE_S`` seconds after the Ctrl-C exits with code 130 anyway.
 
@@ -12,6 +16,7 @@ Nothing here acts unless ``install`` ran: the Python API keeps Python's own Ctrl
 
 from __future__ import annotations
 
+import importlib.abc
 import os
 import signal
 import sys
@@ -20,14 +25,63 @@ import time
 from contextlib import contextmanager
 
 GRACE_S = 15.0  # how long the clean-up after a Ctrl-C may take
+HEAVY = frozenset(
+    "torch numpy safetensors tokenizers transformers huggingface_hub tqdm matplotlib PIL rouge_score nltk "
+    "sacrebleu absl scipy regex jinja2 yaml".split()
+)  # libraries imported lazily whose import a Ctrl-C must not cut
 _state = {"installed": False, "at": None, "deferring": False}
 
 
 def install() -> None:
-    """Handle SIGINT as above (not when the process was started with SIGINT ignored)."""
+    """Handle SIGINT as above (not when the process was started with SIGINT ignored), and defer
+    Ctrl-C during the imports of ``HEAVY`` libraries."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_sigint)
         _state["installed"] = True
+        if not any(isinstance(f, _DeferredImports) for f in sys.meta_path):
+            sys.meta_path.insert(0, _DeferredImports())
+
+
+class _DeferredImports(importlib.abc.MetaPathFinder):
+    """Finds a ``HEAVY`` module with the other finders and runs its loading inside ``deferred()``."""
+
+    def __init__(self):
+        self._finding = threading.local()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.partition(".")[0] not in HEAVY or getattr(self._finding, "on", False):
+            return None
+        self._finding.on = True
+        try:
+            spec = next(
+                (s for f in sys.meta_path if f is not self and (s := _spec(f, fullname, path, target)) is not None),
+                None,
+            )
+        finally:
+            self._finding.on = False
+        run = getattr(getattr(spec, "loader", None), "exec_module", None)
+        if run is not None and not getattr(run, "deferred", False):
+            try:
+                spec.loader.exec_module = _deferring(run)
+            except (AttributeError, TypeError):  # a loader that takes no attributes: loaded as it is
+                pass
+        return spec
+
+
+def _spec(finder, fullname, path, target):
+    find = getattr(finder, "find_spec", None)
+    return find(fullname, path, target) if find is not None else None
+
+
+def _deferring(run):
+    def exec_module(module):
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            return run(module)
+        with deferred():
+            run(module)
+
+    exec_module.deferred = True
+    return exec_module
 
 
 def interrupted() -> bool:

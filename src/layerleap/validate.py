@@ -33,6 +33,8 @@ from .errors import LayerleapError
 MIN_TEMPERATURE = 1e-6  # below it logits / temperature overflow float32 (and sampling is greedy anyway)
 SEED_MAX = 2**32 - 1  # training seeds are multiplied by ~1e6 and must stay inside torch's 64-bit seeds
 MAX_LIST = 100  # items in a comma list on the command line
+LR_MAX = 1.0  # learning rates: Adam's steps are about lr per weight, and 1 already wipes out any weight
+NAME_MAX, PATH_MAX = 255, 4096  # bytes in one file name and in a path (Linux's limits; the OS says ENAMETOOLONG)
 PLOT_SUFFIXES = (
     ".png",
     ".pdf",
@@ -128,6 +130,11 @@ def number(
     return v
 
 
+def learning_rate(value, name: str = "lr") -> float:
+    """An optimiser's step size in ``(0, LR_MAX]`` (above it Adam's update overflows float32 in a step)."""
+    return number(value, name, 0.0, LR_MAX, lo_open=True)
+
+
 def probability(value, name: str) -> float:
     return number(value, name, 0.0, 1.0)
 
@@ -182,6 +189,44 @@ def utf8(data: bytes, what: str) -> str:
         ) from None
 
 
+# -- bounded reads: a prompt or data file is read up to a limit, never without one --------------------
+LIMITS_MB = {  # env var -> default megabytes
+    "LAYERLEAP_MAX_PROMPT_MB": 1,  # one prompt (stdin, --prompt): ~250k tokens, beyond any model's context
+    "LAYERLEAP_MAX_INPUT_MB": 64,  # a prompts file, a Spec-Bench question.jsonl, a data or calibration file
+}
+
+
+def limit_bytes(env: str) -> int:
+    """The limit in bytes that ``env`` sets (megabytes; its default from ``LIMITS_MB``)."""
+    raw = os.environ.get(env, "").strip()
+    try:
+        mb = float(raw) if raw else LIMITS_MB[env]
+    except ValueError:
+        raise InputError(f"{env}={show(raw)} must be a number of megabytes") from None
+    if not math.isfinite(mb) or mb <= 0:
+        raise InputError(f"{env}={show(raw)} must be a positive number of megabytes")
+    return int(mb * 1e6)
+
+
+def read_bounded(source, what: str, env: str = "LAYERLEAP_MAX_INPUT_MB") -> bytes:
+    """The bytes of a file (a path) or a binary stream, refused (``InputError``) past ``env``'s limit
+    without reading more than the limit (300 MB of NULs on stdin must not grow the process)."""
+    most = limit_bytes(env)
+    try:
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as f:
+                data = f.read(most + 1)
+        else:
+            data = source.read(most + 1)
+    except OSError as e:
+        raise InputError(f"cannot read {what} ({e.strerror or e})") from None
+    if len(data) > most:
+        raise InputError(
+            f"{what} is larger than the limit of {most / 1e6:g} MB: give a smaller one (or set {env}=MB to lift it)"
+        )
+    return data
+
+
 def at_most(value: int | float, most: int | float, name: str, fix: str) -> None:
     """Refuse a size beyond ``most`` (work that would run for hours or exhaust memory)."""
     if value > most:
@@ -206,6 +251,10 @@ def path(value, name: str) -> Path:
     if "\0" in s:
         raise InputError(_say(name, "contains a NUL character: give a plain path"))
     text(s, name)
+    if len(s.encode()) >= PATH_MAX or any(len(part.encode()) > NAME_MAX for part in s.split(os.sep)):
+        raise InputError(
+            _say(name, f"{show(s)} is too long for a path (a name at most {NAME_MAX} bytes): give a shorter one")
+        )
     try:
         return Path(s).expanduser()
     except RuntimeError:  # ~user of an unknown user: the path as written
@@ -264,8 +313,8 @@ def report_file(value, name: str) -> Path:
     p = output_file(value, name, (".json",), "JSON report")
     if p.is_file() and p.stat().st_size:
         try:
-            ok = is_report(json.loads(p.read_bytes()))
-        except (OSError, ValueError):
+            ok = is_report(json.loads(read_bounded(p, f"{name} {p}".strip())))
+        except (OSError, ValueError):  # InputError is a ValueError: a file past the limit is no report of ours
             ok = False
         if not ok:
             raise InputError(
@@ -356,6 +405,7 @@ seed_arg = int_arg(0, SEED_MAX)
 probability_arg = float_arg(0.0, 1.0)
 positive_float = float_arg(0.0, lo_open=True)
 temperature_arg = float_arg(MIN_TEMPERATURE)
+lr_arg = float_arg(0.0, LR_MAX, lo_open=True)
 
 
 def threads_arg(text: str) -> int:
@@ -399,19 +449,48 @@ def _items(t: str, none: bool, one: Callable) -> list:
         raise InputError(f"each item {e}") from None
 
 
-def _file_arg(check: Callable, label: str) -> Callable[[str], str]:
-    """A path check as an argparse type that keeps the text (commands print and store it)."""
-    return _as_arg(lambda t: (check(t, ""), t)[1], label=label)
+def _file_arg(check: Callable, label: str, role: str | None = None, **tags) -> Callable[[str], str]:
+    """A path check as an argparse type that keeps the text (commands print and store it).
+
+    ``role`` ("in" or "out") and ``tags`` mark what the path is for the command line's one check of
+    all paths before a command runs (``cli.check_paths``): an output is never an input, never another
+    output, and replaces only a file of its own kind (``kind``: what a weights output holds, a string
+    or a function of the parsed args; ``text``: the kind of text file; ``may_be``: input flags it may
+    equal, as ``heads upgrade FILE --out FILE``; ``also``: ``(what, suffix)`` of the files written
+    beside it, named by the output's name and a suffix, such as a checkpoint)."""
+    parse = _as_arg(lambda t: (check(t, ""), t)[1], label=label)
+    parse.role, parse.tags = role, tags
+    return parse
+
+
+def tagged(parse: Callable, role: str, **tags) -> Callable:
+    """``parse`` (an argparse type, e.g. a model name or folder) marked as an input or output path."""
+
+    def wrapped(text: str):
+        return parse(text)
+
+    wrapped.__name__ = getattr(parse, "__name__", "path")
+    wrapped.role, wrapped.tags = role, tags
+    return wrapped
+
+
+def weights_out(kind, **tags) -> Callable[[str], str]:
+    """A weights output (.safetensors) that replaces only a file holding ``kind`` (``files.holds``)."""
+    return _file_arg(weights_file, "weights file", "out", kind=kind, **tags)
 
 
 path_arg = _file_arg(path, "path")
-report_arg = _file_arg(report_file, "JSON report")
-plot_arg = _file_arg(plot_file, "plot file")
-table_arg = _file_arg(table_file, "table file")
-html_arg = _file_arg(lambda v, n: output_file(v, n, HTML_SUFFIXES, "HTML report"), "HTML report")
-weights_arg = _file_arg(weights_file, "weights file")
-out_dir_arg = _file_arg(output_dir, "folder")
-in_file_arg = _file_arg(input_file, "file")
+in_path_arg = _file_arg(path, "path", "in")
+out_path_arg = _file_arg(path, "path", "out")
+report_arg = _file_arg(report_file, "JSON report", "out")
+plot_arg = _file_arg(plot_file, "plot file", "out")
+table_arg = _file_arg(table_file, "table file", "out", text="table")
+html_arg = _file_arg(
+    lambda v, n: output_file(v, n, HTML_SUFFIXES, "HTML report"), "HTML report", "out", text="HTML report"
+)
+weights_arg = _file_arg(weights_file, "weights file", "out")
+out_dir_arg = _file_arg(output_dir, "folder", "out")
+in_file_arg = _file_arg(input_file, "file", "in")
 
 
 def name_or_file_arg(names: tuple[str, ...], what: str) -> Callable[[str], str]:
@@ -427,7 +506,7 @@ def name_or_file_arg(names: tuple[str, ...], what: str) -> Callable[[str], str]:
             )
         return input_file(t, "", what) and t
 
-    return _as_arg(check, label=what)
+    return tagged(_as_arg(check, label=what), "in")
 
 
 def text_arg(t: str) -> str:

@@ -22,7 +22,7 @@ import torch
 
 from ..eval import bench, roofline
 from ..core import kernels
-from .. import validate as V
+from .. import validate as V, workload
 from . import command
 from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
@@ -41,7 +41,7 @@ DEMO_HTML = "layerleap-demo.html"
 
 # -- shared arguments and helpers -------------------------------------------------------------------
 _positive_int = V.positive_int  # the argparse types of every command live in layerleap.validate
-_model_arg = V._as_arg(lambda t: check_model(t, ""), label="model")
+_model_arg = V.tagged(V._as_arg(lambda t: check_model(t, ""), label="model"), "in")
 
 
 def _device(text: str) -> str:
@@ -73,6 +73,7 @@ def _model_args(p, dtype: str = "float32") -> None:
     p.add_argument("--threads", type=V.threads_arg, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--variant",
+        type=V.tagged(V.path_arg, "in"),
         default=None,
         help="a fine-tuned variant of --model: a shipped name (e.g. "
         "skipdecode-2x, calm) or a .safetensors file of `layerleap finetune variant`",
@@ -307,7 +308,8 @@ def _generate_prompts(args) -> list[str] | str:
 def _read_stdin() -> str:
     if sys.stdin is None:
         raise LayerleapError("--prompt - reads stdin, but stdin is closed: pipe the prompt in or give it as text")
-    return V.utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+    data = V.read_bounded(sys.stdin.buffer, "the prompt on stdin (--prompt -)", "LAYERLEAP_MAX_PROMPT_MB")
+    return V.utf8(data, "the prompt on stdin")
 
 
 def _method_options(method: str, items: list[str] | None, quality: float | None = None) -> dict:
@@ -585,6 +587,7 @@ def _setup_bench(p):
     p.add_argument(
         "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
     )
+    workload.add_args(p)
     p.add_argument(
         "--baseline-hf",
         action=argparse.BooleanOptionalAction,
@@ -657,8 +660,10 @@ def run_bench(args) -> int:
     threads, model, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
-    print(_bench_header(args, model, threads, len(prompts)), flush=True)
     hf_extra = dict(bench.parse_hf_extra(x, model.config.n_layers) for x in args.hf_extra or [])
+    runs = (len(methods) + 1 + bool(args.baseline_hf) + len(hf_extra)) * len(prompts) * args.repeat
+    workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
+    print(_bench_header(args, model, threads, len(prompts)), flush=True)
     result = bench.run_bench(
         model,
         methods,

@@ -13,8 +13,8 @@ from ..eval import sweep as sweep_mod
 from . import command
 from ..drafters.companion import truncated
 from ..errors import LayerleapError
-from ..files import write_text
-from .. import validate as V
+from ..files import check_replace, write_text
+from .. import validate as V, workload
 from ..drafters.early_exit import HEADS, exit_head
 from ..core import options as O
 from ..methods.bild import ALPHA_FB, ALPHA_RB, MAX_SMALL
@@ -142,6 +142,7 @@ def _setup_sweep(p):
     p.add_argument(
         "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
     )
+    workload.add_args(p)
     p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -215,6 +216,7 @@ def run_sweep(args) -> int:
     points = sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas) + [t.point() for t in settings]
     if args.transformers:
         points += sweep_mod.transformers_points()
+    workload.check(args, workload.decoding(large, (len(points) + 1) * len(prompts), args.max_new_tokens))
     report = sweep_mod.run_sweep(
         large,
         points,
@@ -261,7 +263,9 @@ def _setup_align(p):
     _form_args(p)
     p.add_argument(
         "--out",
-        type=V.path_arg,
+        type=V.tagged(
+            V.path_arg, "out", also=(("calibration file", ".calib.json"), ("checkpoint", ".ckpt.safetensors"))
+        ),
         required=True,
         help="the exit head file (.safetensors) or the small model's new folder",
     )
@@ -280,17 +284,16 @@ def _setup_align(p):
     p.add_argument(
         "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
     )
+    workload.add_args(p)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--work",
-        type=V.path_arg,
+        type=V.out_path_arg,
         default=None,
         help="the calibration outputs JSON (default OUT.calib.json); reused on rerun",
     )
     p.add_argument("--epochs", type=V.int_arg(1, 10_000), default=4)
-    p.add_argument(
-        "--lr", type=V.positive_float, default=None, help="learning rate (default 1e-3 exit head, 1e-5 small model)"
-    )
+    p.add_argument("--lr", type=V.lr_arg, default=None, help="learning rate (default 1e-3 exit head, 1e-5 small model)")
     p.add_argument("--batch-tokens", type=_positive_int, default=256, help="output tokens per step (default 256)")
     p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument("--save-every", type=_positive_int, default=20, help="checkpoint every N steps (default 20)")
@@ -316,6 +319,8 @@ def run_align(args) -> int:
     if not prompts:
         raise LayerleapError("no calibration prompts selected: lower --offset or add --categories")
     out = V.weights_file(args.out, "--out") if args.exit_layer is not None else V.output_dir(args.out, "--out")
+    if args.exit_layer is not None:
+        check_replace(out, "exit-heads", "--out")
     if args.small and out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise LayerleapError(f"--out {out} exists and is not a model folder: choose another --out")
     work = V.output_file(args.work or out.with_name(out.name + ".calib.json"), "--work", (".json",))
@@ -324,6 +329,12 @@ def run_align(args) -> int:
     large = _load(args)
     if args.exit_layer is not None:
         _exit_layer(args, large)
+    trained = large.n_params() if args.small else 0  # the small model: about the large one's size at most
+    workload.check(
+        args,
+        workload.decoding(large, len(prompts), args.max_new_tokens, "calibration prompts"),
+        workload.training(large, args.epochs * len(prompts) * args.max_new_tokens, trained, "positions × epochs"),
+    )
     print(
         f"{_model_line(large, threads)}\ncalibration: {len(prompts)} Spec-Bench prompts ({args.categories}, "
         f"{args.prompts} each after {args.offset}) × {args.max_new_tokens} greedy tokens -> {work}",

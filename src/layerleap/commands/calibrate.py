@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .. import validate as V
+from .. import validate as V, workload
 from ..errors import LayerleapError
 from ..eval import calibrate as C
 from ..files import write_json
@@ -73,6 +73,7 @@ def _setup(p):
     p.add_argument(
         "--out",
         metavar="DIR",
+        type=V.out_dir_arg,
         default=None,
         help="the folder of calibration files, FINGERPRINT/DTYPE/METHOD.json under it (default: the user "
         "cache's calibration folder, which generate reads first)",
@@ -85,6 +86,7 @@ def _setup(p):
         help="instead of calibrating: run the calibrated setting on the held-out split and write the "
         "measured violations here",
     )
+    workload.add_args(p)
 
 
 def _methods(text: str) -> list[str]:
@@ -103,6 +105,8 @@ def run(args) -> int:
     split = "holdout" if args.check else "calibration"
     prompts = C.split_prompts(split, args.prompts, data=args.data)
     model = _load(args)
+    settings = 1 + sum(1 if args.check else min(len(budget.PATHS[m](model.config.n_layers)), 3) for m in args.method)
+    workload.check(args, workload.decoding(model, settings * len(prompts), args.max_new_tokens))
     if args.check:
         greedy = C.greedy_outputs(model, prompts, args.max_new_tokens, _say)
         report = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ..eval import bench
-from .. import validate as V
+from .. import validate as V, workload
 from . import command
 from ..errors import LayerleapError
 from ..eval.exactness import NEAR_TIE, check_methods, format_summary, lossless_methods, run_exactness
@@ -92,6 +92,7 @@ def _setup(p):
         default=None,
         help="the report (rewritten after every prompt; rerunning with the same settings resumes)",
     )
+    workload.add_args(p)
 
 
 def _methods(args) -> tuple[dict, dict]:
@@ -133,6 +134,8 @@ def run(args) -> int:
         if args.methods.strip().lower() != "all" or set(options) - set(get_method(name).models):
             raise LayerleapError(f"method {label}: {why}")
     skipped.update(refused)
+    runs = (len(usable) + 1 + bool(args.transformers)) * len(prompts)
+    workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
     for label, why in skipped.items():
         _say(f"skipping {label}: {why}")
     print(

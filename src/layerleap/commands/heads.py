@@ -12,8 +12,8 @@ from pathlib import Path
 
 from . import command
 from ..errors import LayerleapError
-from .. import validate as V
-from ..files import write_json
+from .. import validate as V, workload
+from ..files import check_replace, holds, read_safetensors_meta, write_json
 from ..drafters.exit_heads import check_layer
 from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _threads
 
@@ -29,6 +29,16 @@ def _start(args):
 
 
 HEAD_ARG = V.name_or_file_arg(("trained",), "heads file")
+
+
+def _holds(path) -> str:
+    """What the weights file ``path`` holds (``files.holds``): what ``heads upgrade`` may replace."""
+    try:
+        return holds(read_safetensors_meta(path))
+    except ValueError:
+        return "weights"
+
+
 LAYERS_ARG = V.int_list_arg(1)
 
 
@@ -65,7 +75,7 @@ def _setup_train(p):
     p.add_argument("--batch-tokens", type=V.int_arg(1, 1_000_000), default=d.batch_tokens, help="positions per step")
     p.add_argument(
         "--lr",
-        type=V.positive_float,
+        type=V.lr_arg,
         default=None,
         help="AdamW learning rate (default 1e-3 lens, 2e-5 full = Appendix A)",
     )
@@ -93,7 +103,12 @@ def _setup_train(p):
         default=4000,
         help="held-out ShareGPT positions (after the training ones) for the agreement check (0: none)",
     )
-    p.add_argument("--out", type=V.weights_arg, required=True, help="the heads file (.safetensors) to write")
+    p.add_argument(
+        "--out",
+        type=V.weights_out("exit-heads", also=(("work folder", ".work"),)),
+        required=True,
+        help="the heads file (.safetensors) to write",
+    )
     p.add_argument(
         "--work",
         type=V.out_dir_arg,
@@ -108,6 +123,7 @@ def _setup_train(p):
     p.add_argument(
         "--json", type=V.report_arg, default=None, help="also write the training report (losses, agreement) as JSON"
     )
+    workload.add_args(p)
 
 
 @_setup_train
@@ -138,6 +154,13 @@ def run_train(args) -> int:
     )
     cmd, model, threads = _start(args)
     cfg.check(model)
+    D, vocab = model.config.hidden_size, model.config.vocab_size
+    head = D * (D if cfg.kind == "lens" else 0) + D * (cfg.candidates + cfg.negatives if cfg.candidates else vocab)
+    workload.check(
+        args,
+        workload.training(model, cfg.tokens + args.eval_tokens, what="positions through the model"),
+        workload.flops(model, 6 * head * len(cfg.layers) * cfg.tokens * cfg.epochs, f"{cfg.epochs:,} epochs"),
+    )
     t0 = time.perf_counter()
     res = train_heads(model, cfg, work=work)
     wall = time.perf_counter() - t0
@@ -229,6 +252,7 @@ def _setup_match(p):
     )
     p.add_argument("--json", type=V.report_arg, default=None, help="write every figure as JSON to this file")
     p.add_argument("--plot", type=V.plot_arg, default=None, help="write a PNG of p̂_correct against layer to this file")
+    workload.add_args(p)
 
 
 def _refuse_unused_sampling(args, modes: list[str]) -> None:
@@ -273,6 +297,8 @@ def run_match(args) -> int:
         buckets=args.buckets,
     )
     base.check(model)
+    runs = len(_csv(args.mode) or ["greedy"]) * sum(len(ps) for ps in prompts.values())
+    workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
     heads = resolve_heads(model, head_names, layers)
     pos_layer = args.position_layer or layers[len(layers) // 2]
     results, report = {}, {"command": cmd, "model": model.config.name, "threads": threads, "results": {}}
@@ -397,7 +423,10 @@ def _setup_sub(p):
         "--vocab", type=V.int_list_arg(1), required=True, help="comma list of sub-vocabulary sizes, e.g. 8192,16384"
     )
     p.add_argument(
-        "--out", type=V.path_arg, required=True, help="the file to write; with several sizes it must contain {vocab}"
+        "--out",
+        type=V.out_path_arg,
+        required=True,
+        help="the file to write; with several sizes it must contain {vocab}",
     )
     p.add_argument(
         "--layers", type=LAYERS_ARG, default=None, help="comma list of layers to keep (default: all in --heads)"
@@ -423,7 +452,7 @@ def run_sub(args) -> int:
         raise LayerleapError(f"--out {args.out} must contain {{vocab}} to write {len(sizes)} sizes")
     outs = {s: args.out.replace("{vocab}", str(s)) for s in sizes}
     for o in outs.values():
-        V.weights_file(o, "--out")
+        check_replace(V.weights_file(o, "--out"), "exit-heads", "--out")
     cmd, model, threads = _start(args)
     vocab = model.config.vocab_size
     if any(not 0 < s < vocab for s in sizes):
@@ -555,7 +584,12 @@ def run_info(args) -> int:
 )
 def _setup_upgrade(p):
     p.add_argument("file", type=V.in_file_arg, metavar="FILE")
-    p.add_argument("--out", type=V.weights_arg, required=True, help="the file to write (may be FILE)")
+    p.add_argument(
+        "--out",
+        type=V.weights_out(lambda a: _holds(a.file), may_be=("FILE",)),
+        required=True,
+        help="the file to write (may be FILE)",
+    )
     p.add_argument(
         "--budget",
         action="append",

@@ -17,7 +17,7 @@ from . import command
 from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError
-from .. import validate as V
+from .. import validate as V, workload
 from ..files import save_figure, save_safetensors, write_json
 from .basic import _command_line, _load, _model_args, _positive_int, _threads
 
@@ -49,14 +49,14 @@ def _setup_train(p):
     )
     p.add_argument(
         "--out",
-        type=V.weights_arg,
+        type=V.weights_out(lambda a: a.what, also=(("checkpoint", ".ckpt.safetensors"),)),
         required=True,
         help="weights file to write (safetensors); its checkpoint <out>.ckpt.safetensors makes a rerun resume",
     )
     p.add_argument("--steps", type=V.int_arg(1, 1_000_000), default=60, help="optimizer steps (default 60)")
     p.add_argument("--batch-size", type=V.int_arg(1, 1024), default=1, help="chunks per step (default 1)")
     p.add_argument("--seq-len", type=V.int_arg(4, 65_536), default=128, help="tokens per chunk (default 128)")
-    p.add_argument("--lr", type=V.positive_float, default=1e-3)
+    p.add_argument("--lr", type=V.lr_arg, default=1e-3)
     p.add_argument("--seed", type=V.seed_arg, default=0)
     p.add_argument(
         "--conversations",
@@ -72,12 +72,13 @@ def _setup_train(p):
     )
     p.add_argument(
         "--save-chunks",
-        type=V.weights_arg,
+        type=V.weights_out("token-chunks"),
         default=None,
         help="write the tokenized ShareGPT chunks here (.safetensors) and exit",
     )
     p.add_argument("--save-every", type=_positive_int, default=20)
     p.add_argument("--max-seconds", type=V.positive_float, default=None, help="stop and save after this many seconds")
+    workload.add_args(p)
 
 
 def _read_chunks(path: str, vocab: int) -> list[list[int]]:
@@ -129,13 +130,17 @@ def run_train(args) -> int:
         max_seconds=args.max_seconds,
     )
     train_drafters.check_config(cfg, model)
+    if not args.save_chunks and args.max_seconds is None:
+        workload.check(args, workload.training(model, cfg.train_steps * cfg.batch_size * cfg.seq_len))
     if args.chunks:
         chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks, model.config.vocab_size)]
     else:
         eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
         chunks = stream_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
     if args.save_chunks:
-        save_safetensors(args.save_chunks, {"chunks": torch.tensor(chunks, dtype=torch.int32)})
+        save_safetensors(
+            args.save_chunks, {"chunks": torch.tensor(chunks, dtype=torch.int32)}, {"kind": "token-chunks"}
+        )
         print(f"wrote {len(chunks)} chunks of {cfg.seq_len} tokens to {args.save_chunks}")
         return 0
     t = time.perf_counter()

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..eval import theory
-from .. import validate as V
+from .. import validate as V, workload
 from ..core import options as O
 from ..decoding import get_method
 from ..methods.ppd import EXIT_LAYER as PPD_EXIT_LAYER
@@ -348,6 +348,7 @@ def _setup_selfspec(p):
     p.add_argument("--prompts", type=_positive_int, default=1)
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None)
+    workload.add_args(p)
 
 
 @_setup_selfspec
@@ -383,6 +384,8 @@ def run_selfspec(args) -> int:
             "num_assistant_tokens": g,
             "num_assistant_tokens_schedule": "constant",
         }
+    runs = (len(ours) + len(hf_variants)) * len(prompts)
+    workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
     records = []
 
     def hf_run(ids, n, extra):

@@ -18,7 +18,7 @@ from ..decoding import generate, get_method
 from ..errors import LayerleapError
 from ..core import options as O
 from ..methods.skipdecode import WARMUP, target_config
-from .. import validate as V
+from .. import validate as V, workload
 from .basic import _model_arg, _command_line, _csv, _load, _model_args, _model_line, _positive_int, _say, _threads
 
 TARGETS = (2, 3, 4, 5)
@@ -62,7 +62,7 @@ def _setup_finetune(p):
         "--steps", type=V.int_arg(1, 1_000_000), default=30, help="optimizer steps (default 30: ~4 min on 1 CPU core)"
     )
     p.add_argument("--batch-size", type=V.int_arg(1, 1024), default=4)
-    p.add_argument("--lr", type=V.positive_float, default=5e-5)
+    p.add_argument("--lr", type=V.lr_arg, default=5e-5)
     p.add_argument(
         "--loss",
         choices=["kd", "ce"],
@@ -82,6 +82,7 @@ def _setup_finetune(p):
     )
     p.add_argument("--save-every", type=_positive_int, default=10)
     p.add_argument("--seed", type=V.seed_arg, default=0)
+    workload.add_args(p)
 
 
 @_setup_finetune
@@ -111,6 +112,8 @@ def run_finetune(args) -> int:
         save_every=args.save_every,
         seed=args.seed,
     )
+    positions = cfg.steps * cfg.batch_size * (cfg.max_prompt + cfg.gen_len)
+    workload.check(args, workload.training(model, positions, model.n_params()))
     print(_model_line(model, threads), flush=True)
     res = finetune(model, out, cfg, teacher=teacher, base_name=args.model)
     c = res.config
@@ -142,13 +145,13 @@ def _setup_variant(p):
     )
     p.add_argument(
         "--out",
-        type=V.weights_arg,
+        type=V.weights_out("variant", also=(("state", ".state.safetensors"),)),
         required=True,
         help="the variant file (.safetensors; rerun with the same settings to resume or extend)",
     )
     p.add_argument(
         "--data",
-        type=V.path_arg,
+        type=V.in_path_arg,
         required=True,
         help="self-distilled JSON lines {prompt, completion} (token "
         "ids): the model's greedy answers to ShareGPT prompts, decoded first where the file has fewer than "
@@ -170,10 +173,11 @@ def _setup_variant(p):
     p.add_argument("--rank", type=V.int_arg(1, 256), default=16)
     p.add_argument("--steps", type=V.int_arg(1, 1_000_000), default=1000)
     p.add_argument("--batch-size", type=V.int_arg(1, 256), default=4)
-    p.add_argument("--lr", type=V.positive_float, default=2e-4)
+    p.add_argument("--lr", type=V.lr_arg, default=2e-4)
     p.add_argument("--min-layer", type=_positive_int, default=4, help="calm: the lowest layer trained to predict")
     p.add_argument("--layers-per-step", type=_positive_int, default=4, help="calm: layers drawn per step (by weight)")
     p.add_argument("--max-minutes", type=V.positive_float, default=None, help="stop (and save) after this long")
+    workload.add_args(p)
     p.add_argument("--save-every", type=_positive_int, default=10)
     p.add_argument("--seed", type=V.seed_arg, default=0)
 
@@ -190,6 +194,12 @@ def run_variant(args) -> int:
     print(f"$ {cmd}", flush=True)
     model = _load(args)
     print(_model_line(model, threads), flush=True)
+    if args.max_minutes is None:
+        workload.check(
+            args,
+            workload.decoding(model, min(args.self_distill, args.examples), 64, "self-distilled examples"),
+            workload.training(model, args.steps * args.batch_size * (96 + 64), model.n_params()),
+        )
     own = self_distilled(model, args.data, min(args.self_distill, args.examples)) if args.self_distill else []
     seen = {tuple(p) for p, _ in own}
     rest = [e for e in prompt_completions(model.tokenizer, args.examples, 96, 64) if tuple(e[0]) not in seen]
@@ -242,7 +252,7 @@ def _setup_eval(p):
     p.add_argument("--targets", type=_speedups, default="2,3,4,5", help="target speed-ups (default 2,3,4,5)")
     p.add_argument(
         "--finetuned",
-        type=_finetuned_arg,
+        type=V.tagged(_finetuned_arg, "in", path_of=lambda v: v[1]),
         action="append",
         metavar="SPEEDUP=FOLDER",
         default=[],
@@ -694,7 +704,7 @@ def _setup_frontier(p):
         action="append",
         default=[],
         metavar="NAME=FILE",
-        type=_variant_arg,
+        type=V.tagged(_variant_arg, "in", path_of=lambda v: v[1]),
         help="a fine-tuned variant to compare (repeatable); the base model is 'base'",
     )
     p.add_argument(
@@ -712,6 +722,7 @@ def _setup_frontier(p):
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, required=True)
     p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None)
+    workload.add_args(p)
 
 
 def _variant_arg(text: str) -> tuple[str, str]:
@@ -747,6 +758,8 @@ def run_frontier(args) -> int:
             fr.Point(f"{method} {suffix}" + ("" if model == "base" else f" [{model}]"), model, real, opts)
             for suffix, opts in grids[method]
         ]
+    runs = (len(points) + len(models)) * args.prompts * len(_csv(args.categories) or [""])  # + greedy per model
+    workload.check(args, workload.decoding(models["base"], runs, args.max_new_tokens))
     report = fr.run(
         models, points, _csv(args.categories), args.prompts, args.max_new_tokens, args.offset, progress=_say
     )

@@ -23,6 +23,7 @@ import torch
 
 from ..core.loading import load as load_base, to_device
 from ..core.model import Transformer
+from .. import validate as V
 from ..errors import LayerleapError
 from . import weights
 
@@ -83,10 +84,11 @@ def variant_file(model_name: str, variant: str) -> Path:
     """The file of ``variant``: a shipped name for ``model_name``, or a path."""
     if not isinstance(variant, (str, Path)) or not str(variant).strip():
         raise VariantError(f"variant must be a shipped variant name or a .safetensors file, got {variant!r}")
+    with V.raising(VariantError):
+        q = V.path(variant, "variant")
     p = FOLDER / str(model_name) / f"{variant}.safetensors"
     if p.is_file():
         return p
-    q = Path(variant).expanduser()
     if q.suffix == ".safetensors" and q.is_file():
         return q
     names = shipped_variants(str(model_name))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import re
 
-from .. import interrupts
 from ..errors import LayerleapError
 
 # Spec-Bench category -> metric name
@@ -30,12 +29,10 @@ def _pairs(candidates: list[str], references: list[str]) -> None:
 
 
 def _library(module: str, package: str, metric: str):
-    """Import a metric's library.  A Ctrl-C that comes during the import waits until it is done: an
-    import cut half way leaves submodules behind (nltk's, under rouge-score) that break the next import,
-    and the report written after a Ctrl-C still scores the finished prompts."""
+    """Import a metric's library (on the command line a Ctrl-C during the import waits until it is
+    done, as for every heavy library: ``interrupts.HEAVY``)."""
     try:
-        with interrupts.deferred():
-            return importlib.import_module(module)
+        return importlib.import_module(module)
     except ImportError:
         raise MetricError(f"{metric} needs the package {package}: pip install 'layerleap[eval]'") from None
 

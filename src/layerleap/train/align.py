@@ -65,8 +65,8 @@ def calibrate(
     done: dict = {}
     if path.is_file():
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError:
+            data = json.loads(V.read_bounded(path, f"calibration file {path}"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
             raise AlignError(f"{path} is not valid JSON: delete it to start the calibration again") from None
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             raise AlignError(f"{path} is not a calibration file: delete it or choose another --work")
@@ -112,7 +112,7 @@ class TrainConfig:
     def check(self) -> None:
         with V.raising(AlignError):
             V.integer(self.epochs, "epochs", 1)
-            V.number(self.lr, "lr", 0, lo_open=True)
+            V.learning_rate(self.lr)
             V.integer(self.batch_tokens, "batch_tokens", 1)
             V.number(self.weight_decay, "weight_decay", 0)
             V.seed(self.seed)

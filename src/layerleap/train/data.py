@@ -17,7 +17,9 @@ Which turn names a trainer keeps and whether values are stripped are its own set
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from ..core.run import chat_token_ids
 from ..errors import LayerleapError
@@ -167,6 +169,21 @@ def sharegpt_questions(tokenizer, n: int, max_prompt: int, skip: int = 0) -> lis
     return out
 
 
+def _read_distilled(path: Path) -> list[tuple[list[int], list[int]]]:
+    """The self-distilled pairs already in ``path`` (JSON lines {prompt, completion} of token ids)."""
+    from .. import validate as V
+
+    text = V.read_bounded(path, f"--data {path}")
+    try:
+        rows = [json.loads(line) for line in text.decode("utf-8").splitlines() if line.strip()]
+        return [(list(map(int, r["prompt"])), list(map(int, r["completion"]))) for r in rows]
+    except (ValueError, KeyError, TypeError) as e:
+        raise LayerleapError(
+            f"--data {path} is not self-distilled data ({type(e).__name__}): each line must be JSON "
+            '{"prompt": [ids], "completion": [ids]}: choose another --data (or delete it)'
+        ) from None
+
+
 def self_distilled(
     model, path, n: int, max_prompt: int = 96, gen_len: int = 64, batch: int = 16, progress: bool = True
 ) -> list[tuple[list[int], list[int]]]:
@@ -185,7 +202,7 @@ def self_distilled(
     path = Path(path)
     done: list[tuple[list[int], list[int]]] = []
     if path.is_file():
-        done = [(r["prompt"], r["completion"]) for r in map(json.loads, path.read_text().splitlines()) if r]
+        done = _read_distilled(path)
     prompts = sharegpt_questions(model.tokenizer, n, max_prompt)
     bar = tqdm(total=len(prompts), initial=len(done), desc="self-distilling", unit="ex", disable=not progress)
     while len(done) < len(prompts):

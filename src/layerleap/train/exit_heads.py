@@ -105,7 +105,7 @@ class HeadTrainConfig:
                 V.integer(getattr(self, k), k, 1)
             V.integer(self.skip_conversations, "skip_conversations", 0)
             if self.lr is not None:
-                V.number(self.lr, "lr", 0, lo_open=True)
+                V.learning_rate(self.lr)
             V.number(self.warmup_ratio, "warmup_ratio", 0, 1, hi_open=True)
             V.number(self.weight_decay, "weight_decay", 0)
             V.number(self.grad_clip, "grad_clip", 0)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ..drafters import medusa_transfer as drafters, weights
 from ..core import tree as tree_mod
 from ..errors import LayerleapError
+from ..files import check_replace
 from .data import stream_chunks
 from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
 from .. import validate as V
@@ -73,11 +74,36 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
         V.integer(cfg.warmup, "warmup", 0)
         V.integer(cfg.n_conversations, "n_conversations", 1)
         V.integer(cfg.save_every, "save_every", 1)
-        V.number(cfg.lr, "lr", 0, lo_open=True)
+        V.learning_rate(cfg.lr)
         V.number(cfg.grad_clip, "grad_clip", 0, lo_open=True)
         V.seed(cfg.seed)
         if cfg.max_seconds is not None:
             V.number(cfg.max_seconds, "max_seconds", 0, lo_open=True)
+    if cfg.seq_len <= _steps(cfg):
+        raise TrainError(
+            f"seq_len {cfg.seq_len} leaves no target {_steps(cfg)} steps ahead: give --seq-len above {_steps(cfg)}"
+        )
+
+
+def _steps(cfg: TrainConfig) -> int:
+    """How many tokens ahead the drafter predicts (Medusa's heads, Hidden Transfer's layers)."""
+    return len(cfg.layers) if cfg.kind == "transfer" else cfg.steps_ahead
+
+
+def check_chunks(chunks, cfg: TrainConfig) -> None:
+    """Refuse token chunks that cannot train (before training): none, ragged, or too short for a
+    target ``_steps(cfg)`` tokens ahead."""
+    if not isinstance(chunks, list) or not chunks:
+        raise TrainError("no token chunks to train on: give a non-empty list of equal-length token-id lists")
+    lengths = {len(c) if isinstance(c, (list, tuple)) else -1 for c in chunks}
+    if -1 in lengths or len(lengths) > 1:
+        raise TrainError(f"token chunks must be lists of one length, got lengths {sorted(lengths)[:5]}")
+    (n,) = lengths
+    if n <= _steps(cfg):
+        raise TrainError(
+            f"token chunks of {n} tokens leave no target {_steps(cfg)} steps ahead: give chunks longer than "
+            f"{_steps(cfg)} tokens (--seq-len, or --save-chunks with a larger one)"
+        )
 
 
 # -- losses -------------------------------------------------------------------------------------------
@@ -188,6 +214,7 @@ def train(
     check_config(cfg, model)
     with V.raising(TrainError):
         V.weights_file(out, "out")
+    check_replace(out, cfg.kind, "out")  # before any work, not when the weights are written
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
     try:
@@ -203,6 +230,7 @@ def train(
             raise TrainError("training on ShareGPT needs a model with a tokenizer")
         eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
         chunks = stream_chunks(tok, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
+    check_chunks(chunks, cfg)
     params = dict(drafter.named_parameters())
     for p in params.values():
         p.requires_grad_(True)

@@ -89,7 +89,7 @@ class TrainConfig:
             for k in ("steps", "batch_size", "gen_len", "max_prompt", "save_every", "n_examples"):
                 V.integer(getattr(out, k), k, 1)
             V.integer(out.lr_warmup_steps, "lr_warmup_steps", 0)
-            V.number(out.lr, "lr", 0, lo_open=True)
+            V.learning_rate(out.lr)
             V.number(out.weight_decay, "weight_decay", 0)
             V.number(out.grad_clip, "grad_clip", 0)
             V.seed(out.seed)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from .. import validate as V
 from ..drafters import variants, weights
 from ..errors import LayerleapError
+from ..files import check_replace
 from ..methods.skipdecode import check_budget_range, target_config
 from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch
 from .loop import train as run_loop
@@ -78,7 +79,7 @@ class VariantConfig:
                 V.integer(getattr(self, k), k, 1)
             V.integer(self.min_layer, "min_layer", 1, n_layers)
             V.integer(self.lr_warmup_steps, "lr_warmup_steps", 0)
-            V.number(self.lr, "lr", 0, lo_open=True)
+            V.learning_rate(self.lr)
             V.number(self.alpha, "alpha", 0, lo_open=True)
             V.number(self.grad_clip, "grad_clip", 0)
             V.seed(self.seed)
@@ -232,6 +233,7 @@ def train_variant(
     variant file ``out`` (and its state ``out`` + ``.state.safetensors``; resumed from when present)."""
     out = Path(out)
     cfg = cfg.check(model.config.n_layers)
+    check_replace(out, variants.KIND, "out")  # before any work, not when the weights are written
     examples = [(list(p), list(c)[: cfg.gen_len]) for p, c in examples if c]
     if not examples:
         raise VariantTrainError("no training examples (every answer was empty)")

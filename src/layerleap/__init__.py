@@ -26,6 +26,7 @@ _EXPORTS = {
     "register": "decoding",
     "get_method": "decoding",
     "Decoding": "decoding",
+    "Grammar": "core.grammar",
     "stream": "streaming",
     "TextStream": "streaming",
 }

@@ -21,6 +21,7 @@ from . import methods  # noqa: F401  (registers the built-in methods)
 from . import validate as V
 from .core.model import Transformer
 from .methods import budget
+from .core.grammar import Grammar
 from .core.stats import RECORD_FIELDS, BudgetStats, Stats
 from .core.run import (
     METHODS,
@@ -37,6 +38,7 @@ from .core.run import (
 
 __all__ = [
     "generate",
+    "Grammar",
     "Decoding",
     "get_method",
     "METHODS",
@@ -172,6 +174,7 @@ def generate(
     stop_at_eos: bool = True,
     chat: bool = False,
     quality: float | None = None,
+    grammar: Grammar | None = None,
     **options,
 ):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
@@ -186,6 +189,11 @@ def generate(
     that budget on this model and dtype (``layerleap.methods.budget``).  Without it, a lossy method
     given none of its knobs runs its calibrated setting at 0.95 where a calibration file exists.
     ``result.stats["quality_budget"]`` names the setting and the file.
+
+    ``grammar`` (structured output, ``layerleap.Grammar``: ``Grammar.json(schema)``, ``.regex``,
+    ``.choice``, ``.gbnf``): every token is chosen from those the grammar allows, and a row ends where
+    the grammar does.  Methods with ``METHODS[name].grammar`` follow one; the lossless ones stay
+    lossless (greedy output equal to constrained greedy decoding).
 
     Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
     (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
@@ -205,6 +213,7 @@ def generate(
         stop_at_eos=stop_at_eos,
         chat=chat,
         quality=quality,
+        grammar=grammar,
         **options,
     )
     for _ in d:
@@ -225,6 +234,7 @@ def _prepare(
     stop_at_eos: bool,
     chat: bool,
     options: dict,
+    grammar: Grammar | None = None,
 ) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
     """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
     _check(
@@ -259,6 +269,7 @@ def _prepare(
     )
     do_sample = m.default_sample if do_sample is None else bool(do_sample)
     _check(not do_sample or m.sampling, f"method {method!r} decodes greedily only: drop do_sample=True")
+    _check_grammar(m, grammar)
 
     ids = [_encode(model, p, chat) for p in prompts]
     ctx = model.config.max_position
@@ -272,8 +283,27 @@ def _prepare(
     eos = tuple(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
-    gen = GenerationConfig(max_new_tokens, do_sample, float(temperature), top_k, float(top_p), seed, stop_at_eos, eos)
+    gen = GenerationConfig(
+        max_new_tokens, do_sample, float(temperature), top_k, float(top_p), seed, stop_at_eos, eos, grammar
+    )
+    if grammar is not None:
+        grammar.start(model, 1, eos)  # compiles it (kept): a bad grammar is refused here, before decoding
     return m, ids, many, gen
+
+
+def grammar_methods() -> list[str]:
+    return [name for name, m in METHODS.items() if m.grammar]
+
+
+def _check_grammar(m: Method, grammar) -> None:
+    _check(
+        grammar is None or isinstance(grammar, Grammar),
+        f"grammar must be a layerleap.Grammar (Grammar.json(schema), .regex, .choice, .gbnf), got {V.show(grammar)}",
+    )
+    _check(
+        grammar is None or m.grammar,
+        f"method {m.name!r} cannot follow a grammar: use one that can ({', '.join(grammar_methods())})",
+    )
 
 
 class BudgetWarning(UserWarning):
@@ -303,6 +333,7 @@ class Decoding:
         stop_at_eos: bool = True,
         chat: bool = False,
         quality: float | None = None,
+        grammar: Grammar | None = None,
         **options,
     ):
         options, self.budget = (
@@ -323,6 +354,7 @@ class Decoding:
             stop_at_eos,
             chat,
             options,
+            grammar,
         )
         if self.budget is not None and not self.budget.faster_than_greedy:
             warnings.warn(self.budget.note, BudgetWarning, stacklevel=3)

@@ -44,6 +44,7 @@ class Drafter:
 
     batched = False
     draft_first = False  # drafts right after the prompt pass (else that token comes from the prompt pass alone)
+    grammar_drafts = False  # its chains may be replaced by one-hot chains under a grammar (update reads cands)
 
     def __init__(self, run: Run, cache: KVCache | None = None):
         self.run = run

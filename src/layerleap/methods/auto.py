@@ -41,7 +41,7 @@ def transfer_weights(run: Run, spec):
     return weights.get_drafter(run.model, "transfer", spec)
 
 
-@register("auto", batched=True, sampling=True, exact=True)
+@register("auto", batched=True, sampling=True, exact=True, grammar=True)
 def auto(
     run: Run,
     *,

@@ -55,7 +55,7 @@ def check_options(draft_len, max_ngram, min_ngram) -> None:
         raise GenerationError(f"draft_len must be at most 64 (tokens verified in one call), got {draft_len}")
 
 
-@register("prompt-lookup", batched=True, sampling=True, exact=True)
+@register("prompt-lookup", batched=True, sampling=True, exact=True, grammar=True)
 def prompt_lookup(
     run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int | None = None
 ):

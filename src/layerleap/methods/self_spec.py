@@ -64,7 +64,7 @@ def check_options(n_layers: int, exit_layer, draft_len, min_confidence) -> None:
         )
 
 
-@register("self-spec", batched=True, sampling=True, exact=True)
+@register("self-spec", batched=True, sampling=True, exact=True, grammar=True)
 def self_spec(
     run: Run,
     *,

@@ -77,7 +77,7 @@ def check_options(draft_len, schedule, min_confidence) -> None:
         )
 
 
-@register("speculative", batched=True, sampling=True, exact=True, models=("draft",))
+@register("speculative", batched=True, sampling=True, exact=True, models=("draft",), grammar=True)
 def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "constant", min_confidence: float = 0.4):
     """Speculative decoding with a draft model (draft=, γ = draft_len, schedule, min_confidence):
     greedy-exact or lossless sampling."""

@@ -193,7 +193,9 @@ BAD = [
     ({"prompt": "a", "temperature": "0.5"}, 400, None),
     ({"prompt": "a", "seed": -1}, 400, None),
     ({"prompt": "a", "max_tokens": 2, "frobnicate": 1}, 400, None),
-    ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, None),
+    ({"prompt": "a", "response_format": {"type": "json_object"}, "layerleap": {"method": "ppd"}}, 400, None),
+    ({"prompt": "a", "response_format": {"type": "yaml"}}, 400, None),
+    ({"prompt": "a", "response_format": "json"}, 400, None),
     ({"prompt": "a", "min_p": 0.1}, 400, None),
 ]
 PARAMS = {

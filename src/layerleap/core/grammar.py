@@ -28,6 +28,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..validate import InputError
@@ -190,9 +191,6 @@ def _matcher(model, grammar: Grammar, eos_ids: tuple[int, ...]):
 
 
 # -- one row's state ---------------------------------------------------------------------------------
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 class Constraint:
     """One row's grammar state: the tokens it allows next (``allowed``, ``mask``), the tokens it
     forces, and ``advance`` as tokens are chosen.  ``stopped`` once nothing but the end of the output
@@ -207,11 +205,12 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(self.bits.data_ptr(), self.bits.numel() * 4)
         if self.matcher.is_error():
             raise RuntimeError(f"the grammar matcher failed: {self.matcher.get_error()}")
-        return ((self.bits.unsqueeze(-1) >> _SHIFTS) & 1).bool().flatten()[: self.vocab]  # [V]
+        bits = np.unpackbits(self.bits.numpy().view(np.uint8), bitorder="little")[: self.vocab]  # [V] 0/1
+        return torch.from_numpy(bits.view(np.bool_))
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``[V]`` logits with the tokens the grammar forbids at -inf (a new tensor)."""
-        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+        return torch.where(self.allowed().to(logits.device), logits, float("-inf"))
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):

@@ -216,6 +216,11 @@ class Constraint:
         if not self.matcher.consume_token(int(token)):
             raise RuntimeError(f"token {int(token)} breaks the grammar: {self.matcher.get_error()}")
 
+    def rollback(self, n: int) -> None:
+        """Take back the last ``n`` tokens ``advance`` took."""
+        if n:
+            self.matcher.rollback(n)
+
     @property
     def stopped(self) -> bool:
         return self.matcher.is_stopped()

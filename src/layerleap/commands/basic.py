@@ -392,6 +392,7 @@ def methods_table() -> dict:
             "batches": m.batched,
             "samples": m.sampling,
             "samples_by_default": m.default_sample,
+            "grammar": m.grammar,
             "options": {k: (None if v is inspect.Parameter.empty else v) for k, v in m.options().items()},
             "required": [k for k, v in m.options().items() if v is inspect.Parameter.empty],
             "model_options": list(m.models),
@@ -409,7 +410,7 @@ def run_methods(args) -> int:
         print(json.dumps(methods_table(), default=str))
         return 0
     yes = {True: "yes", False: "-"}
-    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7}  options (default)")
+    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7} {'grammar':7}  options (default)")
     for name, m in registry.items():
         opts = (
             ", ".join(
@@ -417,12 +418,13 @@ def run_methods(args) -> int:
             )
             or "-"
         )
-        print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {opts}")
+        print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7} {yes[m.grammar]:7}  {opts}")
         print(f"{'':16} {m.description}")
     print(
         "\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
         "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p "
-        "sampling.  Options go in as --opt NAME=VALUE."
+        "sampling; grammar: follows a grammar (structured output: generate(..., grammar=layerleap.Grammar...), "
+        "the server's response_format).  Options go in as --opt NAME=VALUE."
     )
     return 0
 

@@ -473,7 +473,8 @@ PERSON = {
 
 def test_structured_output_fields_equal_generate_with_their_grammar(url, tiny):
     """Each field of OpenAI, vLLM and llama.cpp that asks for structured output gives what ``generate``
-    gives with its grammar: in the pool (greedy), in a batch (prompt lookup), streamed and not."""
+    gives with its grammar: in the pool (greedy, sample), in a batch (prompt lookup, the server's default
+    auto), streamed and not."""
     import openai
 
     pytest.importorskip("llguidance")
@@ -503,6 +504,11 @@ def test_structured_output_fields_equal_generate_with_their_grammar(url, tiny):
     for field, grammar in cases:
         r = post(url, {"prompt": "Answer:", "max_tokens": 24, **field}).json()
         assert r["choices"][0]["text"] == generate(tiny, "Answer:", "greedy", 24, grammar=grammar).text, field
+    for seed in range(3):  # sampled in the pool, within the grammar, as generate samples it
+        body = {"prompt": "Answer:", "max_tokens": 24, "temperature": 1.0, "seed": seed, "guided_choice": ["no", "yes"]}
+        body["layerleap"] = {"method": "sample"}
+        want = generate(tiny, "Answer:", "sample", 24, seed=seed, grammar=Grammar.choice(["no", "yes"])).text
+        assert post(url, body).json()["choices"][0]["text"] == want in ("no", "yes")
 
 
 def test_structured_output_refusals_name_the_field(url):

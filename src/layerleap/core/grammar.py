@@ -137,9 +137,10 @@ class Grammar:
         return [Constraint(proto.deep_copy(), model.config.vocab_size) for _ in range(rows)]
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+def _first_line(e: BaseException | str) -> str:
+    """An error's text on one line (at most 300 characters)."""
+    text = " ".join(str(e).split())
+    return (text[:299] + "…" if len(text) > 300 else text) or type(e).__name__
 
 
 # -- llguidance's tokenizer and compiled grammars, kept per model ------------------------------------

@@ -511,6 +511,32 @@ def test_structured_output_fields_equal_generate_with_their_grammar(url, tiny):
         assert post(url, body).json()["choices"][0]["text"] == want in ("no", "yes")
 
 
+def test_concurrent_requests_with_different_grammars_decode_as_alone(url, tiny):
+    """Rows of one pool (greedy) each follow their own grammar; prompt lookup's requests, whose batch key
+    holds the grammar, decode in batches of their own, at the same time."""
+    pytest.importorskip("llguidance")
+    from test_server import in_parallel
+
+    from layerleap import Grammar
+
+    asks = [
+        ({"guided_choice": ["yes", "no", "maybe"]}, Grammar.choice(["yes", "no", "maybe"])),
+        ({"guided_regex": "[0-9]{2}-[a-c]+"}, Grammar.regex("[0-9]{2}-[a-c]+")),
+        ({"guided_json": PERSON}, Grammar.json(PERSON)),
+        ({"grammar": 'root ::= "x" [a-c]+ "!"'}, Grammar.gbnf('root ::= "x" [a-c]+ "!"')),
+        ({}, None),
+    ]
+    for method in ("greedy", "prompt-lookup"):
+        want = [generate(tiny, f"Answer {i}:", method, 24, grammar=g).text for i, (_, g) in enumerate(asks)]
+
+        def ask(c, i, method=method):
+            extra = {**asks[i][0], "layerleap": {"method": method}}
+            return c.completions.create(model="tiny", prompt=f"Answer {i}:", max_tokens=24, extra_body=extra)
+
+        got = [r.choices[0].text for r in in_parallel(url, ask, len(asks))]
+        assert got == want, method
+
+
 def test_structured_output_refusals_name_the_field(url):
     pytest.importorskip("llguidance")
     cases = [

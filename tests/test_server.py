@@ -36,7 +36,7 @@ def tiny(tiny_hf_dir):
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny):
-    cfg = ServerConfig("tiny", max_tokens=32, max_batch=8, max_running=2)
+    cfg = ServerConfig("tiny", method="greedy", max_tokens=32, max_batch=8, max_running=2)
     with ServerThread(create_app(tiny, cfg)) as url:
         yield url
 
@@ -193,7 +193,9 @@ BAD = [
     ({"prompt": "a", "temperature": "0.5"}, 400, None),
     ({"prompt": "a", "seed": -1}, 400, None),
     ({"prompt": "a", "max_tokens": 2, "frobnicate": 1}, 400, None),
-    ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, None),
+    ({"prompt": "a", "response_format": {"type": "json_object"}, "layerleap": {"method": "ppd"}}, 400, None),
+    ({"prompt": "a", "response_format": {"type": "yaml"}}, 400, None),
+    ({"prompt": "a", "response_format": "json"}, 400, None),
     ({"prompt": "a", "min_p": 0.1}, 400, None),
 ]
 PARAMS = {
@@ -371,5 +373,5 @@ def test_real_eight_concurrent_clients(smollm_server):
 
     assert in_parallel(url, ask, 8) == want
     m = get(url + "/metrics").text
-    assert _metric(m, 'layerleap_completions_total{method="greedy"}') >= 6
+    assert _metric(m, 'layerleap_completions_total{method="greedy",') >= 6  # by method and finish reason
     assert 0 < _metric(m, 'layerleap_acceptance{method="self-spec"}') <= 1

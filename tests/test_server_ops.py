@@ -349,6 +349,13 @@ HONOURED = {
     "stream_options",
     "messages",
     "prompt",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "grammar",
+    "json_schema",
 }
 UNUSED = {
     "user",
@@ -395,6 +402,11 @@ VALUES = {
     "repeat_penalty": 1.2,
     "min_tokens": 2,
     "grammar": 'root ::= "a"',
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-c]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "b"',
+    "json_schema": {"type": "object"},
     "skip_special_tokens": False,
     "echo": True,
     "best_of": 2,
@@ -448,6 +460,103 @@ def test_honoured_fields_change_the_answer_as_they_say(url, tiny):
     r = post(url, {"prompt": "The sky is", "max_tokens": 12, "ignore_eos": True}).json()
     assert r["choices"][0]["text"] == generate(tiny, "The sky is", "greedy", 12, stop_at_eos=False).text
     assert r["usage"]["completion_tokens"] == 12
+
+
+# -- structured output -------------------------------------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "maximum": 99}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_fields_equal_generate_with_their_grammar(url, tiny):
+    """Each field of OpenAI, vLLM and llama.cpp that asks for structured output gives what ``generate``
+    gives with its grammar: in the pool (greedy, sample), in a batch (prompt lookup, the server's default
+    auto), streamed and not."""
+    import openai
+
+    pytest.importorskip("llguidance")
+    from layerleap import Grammar
+
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "A person as JSON:"}]
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for method in ("greedy", "prompt-lookup"):
+        want = generate(tiny, "A person as JSON:", method, 40, chat=True, grammar=Grammar.json(PERSON)).text
+        extra = {"layerleap": {"method": method}}
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, response_format=rf, extra_body=extra)
+        assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+        assert set(json.loads(want)) == {"name", "age"}
+        chunks = c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=40, response_format=rf, extra_body=extra, stream=True
+        )
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    cases = [
+        ({"guided_choice": ["yes", "no", "maybe"]}, Grammar.choice(["yes", "no", "maybe"])),
+        ({"guided_regex": "[0-9]{2}-[a-c]+"}, Grammar.regex("[0-9]{2}-[a-c]+")),
+        ({"grammar": 'root ::= "x" [a-c]+ "!"'}, Grammar.gbnf('root ::= "x" [a-c]+ "!"')),
+        ({"guided_json": PERSON}, Grammar.json(PERSON)),
+        ({"json_schema": PERSON}, Grammar.json(PERSON)),
+        ({"response_format": {"type": "json_object"}}, Grammar.json()),
+    ]
+    for field, grammar in cases:
+        r = post(url, {"prompt": "Answer:", "max_tokens": 24, **field}).json()
+        assert r["choices"][0]["text"] == generate(tiny, "Answer:", "greedy", 24, grammar=grammar).text, field
+    for seed in range(3):  # sampled in the pool, within the grammar, as generate samples it
+        body = {"prompt": "Answer:", "max_tokens": 24, "temperature": 1.0, "seed": seed, "guided_choice": ["no", "yes"]}
+        body["layerleap"] = {"method": "sample"}
+        want = generate(tiny, "Answer:", "sample", 24, seed=seed, grammar=Grammar.choice(["no", "yes"])).text
+        assert post(url, body).json()["choices"][0]["text"] == want in ("no", "yes")
+
+
+def test_concurrent_requests_with_different_grammars_decode_as_alone(url, tiny):
+    """Rows of one pool (greedy) each follow their own grammar; prompt lookup's requests, whose batch key
+    holds the grammar, decode in batches of their own, at the same time."""
+    pytest.importorskip("llguidance")
+    from test_server import in_parallel
+
+    from layerleap import Grammar
+
+    asks = [
+        ({"guided_choice": ["yes", "no", "maybe"]}, Grammar.choice(["yes", "no", "maybe"])),
+        ({"guided_regex": "[0-9]{2}-[a-c]+"}, Grammar.regex("[0-9]{2}-[a-c]+")),
+        ({"guided_json": PERSON}, Grammar.json(PERSON)),
+        ({"grammar": 'root ::= "x" [a-c]+ "!"'}, Grammar.gbnf('root ::= "x" [a-c]+ "!"')),
+        ({}, None),
+    ]
+    for method in ("greedy", "prompt-lookup"):
+        want = [generate(tiny, f"Answer {i}:", method, 24, grammar=g).text for i, (_, g) in enumerate(asks)]
+
+        def ask(c, i, method=method):
+            extra = {**asks[i][0], "layerleap": {"method": method}}
+            return c.completions.create(model="tiny", prompt=f"Answer {i}:", max_tokens=24, extra_body=extra)
+
+        got = [r.choices[0].text for r in in_parallel(url, ask, len(asks))]
+        assert got == want, method
+
+
+def test_structured_output_refusals_name_the_field(url):
+    pytest.importorskip("llguidance")
+    cases = [
+        ({"response_format": {"type": "xml"}}, "response_format", "json_object"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+            "response_format",
+            "nope",
+        ),
+        ({"guided_regex": "(("}, "guided_regex", "regex"),
+        ({"grammar": "root ::= missing"}, "grammar", "missing"),
+        ({"guided_choice": []}, "guided_choice", "non-empty"),
+        ({"guided_json": "{"}, "guided_json", "not valid JSON"),
+        ({"guided_regex": "a", "grammar": 'root ::= "a"'}, "guided_regex", "give one of them"),
+        ({"guided_regex": "a", "layerleap": {"method": "ppd"}}, "guided_regex", "prompt-lookup"),
+    ]
+    for fields, param, words in cases:
+        r = post(url, {"prompt": "a", "max_tokens": 4, **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+        assert words in r.json()["error"]["message"], r.text
 
 
 # -- metrics -----------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ _EXPORTS = {
     "UnknownMethod": "decoding",
     "Option": "core.options",
     "Decoding": "decoding",
+    "Grammar": "core.grammar",
     "stream": "streaming",
     "TextStream": "streaming",
 }

@@ -20,6 +20,7 @@ from . import methods  # noqa: F401  (registers the built-in methods)
 from . import validate as V
 from .core.model import Transformer
 from .methods import budget
+from .core.grammar import Grammar
 from .core.stats import RECORD_FIELDS, BudgetStats, Stats
 from .core.run import (
     METHODS,
@@ -37,6 +38,7 @@ from .core.run import (
 
 __all__ = [
     "generate",
+    "Grammar",
     "Decoding",
     "get_method",
     "METHODS",
@@ -205,6 +207,7 @@ def generate(
     stop_at_eos: bool = True,
     chat: bool = False,
     quality: float | None = None,
+    grammar: Grammar | None = None,
     **options,
 ):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
@@ -225,6 +228,11 @@ def generate(
     given none of its knobs runs its calibrated setting at 0.95 where a calibration file exists.
     ``result.stats["quality_budget"]`` names the setting and the file.
 
+    ``grammar`` (structured output, ``layerleap.Grammar``: ``Grammar.json(schema)``, ``.regex``,
+    ``.choice``, ``.gbnf``): every token is chosen from those the grammar allows, and a row ends where
+    the grammar does.  Methods with ``METHODS[name].grammar`` follow one; the lossless ones stay
+    lossless (greedy output equal to constrained greedy decoding).
+
     Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
     (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
     whatever its batch-mates.  Without a seed, one base seed is drawn from torch's global generator (so
@@ -243,6 +251,7 @@ def generate(
         stop_at_eos=stop_at_eos,
         chat=chat,
         quality=quality,
+        grammar=grammar,
         **options,
     )
     for _ in d:
@@ -263,6 +272,7 @@ def _prepare(
     stop_at_eos: bool,
     chat: bool,
     options: dict,
+    grammar: Grammar | None = None,
 ) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
     """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
     _check(
@@ -292,6 +302,7 @@ def _prepare(
         k: v for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, seed)) if v is not None and NEUTRAL.get(k) != v
     }
     do_sample = sampling_choice(m, do_sample, given)
+    _check_grammar(m, grammar)
 
     ids = [_encode(model, p, chat) for p in prompts]
     ctx = model.config.max_position
@@ -315,8 +326,26 @@ def _prepare(
         seed,
         stop_at_eos,
         eos,
+        grammar,
     )
+    if grammar is not None:
+        grammar.start(model, 1, eos)  # compiles it (kept): a bad grammar is refused here, before decoding
     return m, ids, many, gen
+
+
+def grammar_methods() -> list[str]:
+    return [name for name, m in METHODS.items() if m.grammar]
+
+
+def _check_grammar(m: Method, grammar) -> None:
+    _check(
+        grammar is None or isinstance(grammar, Grammar),
+        f"grammar must be a layerleap.Grammar (Grammar.json(schema), .regex, .choice, .gbnf), got {V.show(grammar)}",
+    )
+    _check(
+        grammar is None or m.grammar,
+        f"method {m.name!r} cannot follow a grammar: use one that can ({', '.join(grammar_methods())})",
+    )
 
 
 class BudgetWarning(UserWarning):
@@ -346,6 +375,7 @@ class Decoding:
         stop_at_eos: bool = True,
         chat: bool = False,
         quality: float | None = None,
+        grammar: Grammar | None = None,
         **options,
     ):
         options, self.budget = (
@@ -366,6 +396,7 @@ class Decoding:
             stop_at_eos,
             chat,
             options,
+            grammar,
         )
         if self.budget is not None and not self.budget.faster_than_greedy:
             warnings.warn(self.budget.note, BudgetWarning, stacklevel=3)

@@ -61,6 +61,7 @@ class Settings:
             do_sample=g.do_sample,
             stop_at_eos=g.stop_at_eos,
             **sampling,
+            grammar=g.grammar,
             **self.options,
         )
 
@@ -73,7 +74,7 @@ class Settings:
             return ("alone", serial)
         sampling = (g.temperature, g.top_k, g.top_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
-        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos)
+        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar)
 
 
 class StopText:
@@ -257,6 +258,8 @@ class _Row:
     def __init__(self, model: Transformer, job: Job, eos_ids: tuple[int, ...]):
         self.job, self.gen, self.eos_ids = job, job.settings.gen, eos_ids
         self.generator = row_generators(self.gen, [0], model.device)[0]  # what the job alone would draw
+        grammar = self.gen.grammar
+        self.constraint = None if grammar is None else grammar.start(model, 1, eos_ids)[0]  # structured output
         self.cache = model.new_cache(1, len(job.prompt_ids) + 1)  # the prefill's
         self.done_ids = 0  # prompt tokens prefilled
         self.out: list[int] = []
@@ -269,6 +272,8 @@ class _Row:
     def choose(self, logits: torch.Tensor) -> int:
         """``[1, V]`` -> the row's next token, as ``Run.choose`` picks it."""
         g = self.gen
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits[0]).unsqueeze(0)
         if not g.do_sample:
             return int(sampling.greedy(logits)[0])
         return int(sampling.sample(sampling.probs(logits, g.temperature, g.top_k, g.top_p), self.generator)[0])
@@ -278,7 +283,13 @@ class _Row:
             self.t_first = time.perf_counter()
         self.out.append(token)
         g = self.gen
-        if (g.stop_at_eos and token in self.eos_ids) or len(self.out) >= g.max_new_tokens:
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        if (
+            (g.stop_at_eos and token in self.eos_ids)
+            or len(self.out) >= g.max_new_tokens
+            or (self.constraint is not None and self.constraint.stopped)
+        ):
             self.finished = True
 
     def result(self, model: Transformer, batch: int) -> GenerationResult:

@@ -28,7 +28,9 @@ from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
 from ..methods.budget import LOSSY
 from ..errors import LayerleapError
+from ..core.grammar import Grammar
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
+from ..files import reading
 from ..options import ModelLoader, resolve_models, to_device
 from ..eval.report import write_html_report
 from ..streaming import stream
@@ -261,11 +263,44 @@ def _setup_generate(p):
         "runs the setting `layerleap calibrate` chose for it (default: the calibrated 0.95 setting "
         "where one exists, unless --opt sets the method's knobs)",
     )
+    _grammar_args(p)
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print the text as tokens are accepted")
     out.add_argument(
         "--json", action="store_true", help="print one JSON object (text, token_ids, stats) per prompt, one a line"
     )
+
+
+def _grammar_args(p) -> None:
+    """Structured output: one grammar the text must follow (``layerleap.Grammar``)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="structured output: JSON that this JSON schema describes (a file, or the schema itself when it "
+        "starts with {)",
+    )
+    g.add_argument("--json-object", action="store_true", help="structured output: a JSON object")
+    g.add_argument("--regex", metavar="PATTERN", help="structured output: text the regular expression matches")
+    g.add_argument("--grammar", metavar="FILE", help="structured output: text of a GBNF (root ::= ...) or Lark grammar")
+
+
+def _grammar(args):
+    """The grammar the flags ask for, or None (read and checked before the model loads)."""
+    if args.json_object:
+        return Grammar.json()
+    if args.regex is not None:
+        return Grammar.regex(args.regex)
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            with reading(text, "JSON schema file", "give a readable JSON file or the schema itself"):
+                text = Path(text).read_text()
+        return Grammar.json(text)
+    if args.grammar is not None:
+        with reading(args.grammar, "grammar file", "give a readable GBNF or Lark file"):
+            return Grammar.gbnf(Path(args.grammar).read_text())
+    return None
 
 
 def _opt_arg(p, metavar: str, what: str) -> None:
@@ -333,11 +368,17 @@ def run_generate(args) -> int:
     options = _method_options(args.method, args.opt, args.quality)  # fail before loading the model
     sampling = _check_sampling(args.method, args)
     prompts = _generate_prompts(args)
+    grammar = _grammar(args)
+    if grammar is not None and not get_method(args.method).grammar:
+        follow = ", ".join(n for n, m in METHODS.items() if m.grammar)
+        raise LayerleapError(f"method {args.method!r} cannot follow a grammar: use --method with one of {follow}")
     threads = _threads(args.threads)
     model = _load(args)
     _need_tokenizer(model, args)
     get_method(args.method).check_options(options, model.config, partial=args.quality is not None)
     kwargs = {**sampling, **resolve_models(args.method, options, _loader(args))}
+    if grammar is not None:
+        kwargs["grammar"] = grammar
     if args.quality is not None:
         kwargs["quality"] = args.quality
     with warnings.catch_warnings(record=True) as said:
@@ -431,6 +472,7 @@ def methods_table() -> dict:
             "batches": m.batched,
             "samples": m.sampling,
             "samples_by_default": m.default_sample,
+            "grammar": m.grammar,
             "options": {o.name: (None if o.required else o.default) for o in m.declared},
             "required": [o.name for o in m.declared if o.required],
             "model_options": list(m.models),
@@ -449,16 +491,17 @@ def run_methods(args) -> int:
         print(json.dumps(methods_table(), default=str))
         return 0
     yes = {True: "yes", False: "-"}
-    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7}  description")
+    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7} {'grammar':7}  description")
     for name, m in registry.items():
-        print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7}  {m.description}")
+        print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7} {yes[m.grammar]:7}  {m.description}")
         for o in m.declared:
             print(f"{'':18}--opt {_option_text(o)}")
     print(
         "\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
         "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p "
-        "sampling (--do-sample, or any sampling flag).  Options go in as --opt NAME=VALUE (generate(..., NAME=VALUE) "
-        "in Python); n_layers, vocab_size and context are the model's."
+        "sampling (--do-sample, or any sampling flag); grammar: follows a grammar (structured output: "
+        "generate(..., grammar=layerleap.Grammar...), the server's response_format).  Options go in as --opt "
+        "NAME=VALUE (generate(..., NAME=VALUE) in Python); n_layers, vocab_size and context are the model's."
     )
     return 0
 

@@ -23,6 +23,7 @@ import torch
 from .. import validate as V
 from . import sampling
 from . import options as O
+from .grammar import Grammar, mask_rows
 from .kv_cache import KVCache
 from .model import Transformer
 from .stats import RECORD_FIELDS, Record, Stats
@@ -42,6 +43,7 @@ class GenerationConfig:
     seed: int | None = None
     stop_at_eos: bool = True
     eos_ids: tuple[int, ...] = ()
+    grammar: Grammar | None = None  # structured output: every token follows it (``core.grammar``)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Method:
     description: str
     exact: bool = False  # its greedy output equals plain greedy decoding token for token
     declared: tuple[O.Option, ...] | None = None  # its options (``core.options``); None: read from ``fn``
+    grammar: bool = False  # follows a grammar (structured output): every token it keeps is chosen masked
 
     def __post_init__(self):
         if self.declared is None:
@@ -110,6 +113,7 @@ def register(
     default_sample: bool = False,
     exact: bool = False,
     options: tuple[O.Option, ...] = (),
+    grammar: bool = False,
 ):
     """Register ``fn(run, **options)`` under ``name``; ``options`` declares every keyword option of
     ``fn`` with the same name and default (checked here, so the declarations cannot drift).  Without
@@ -119,7 +123,7 @@ def register(
         declared = options or O.infer(fn)
         _match_signature(name, fn, declared)
         summary = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, one line
-        METHODS[name] = Method(name, fn, batched, sampling, default_sample, summary, exact, tuple(declared))
+        METHODS[name] = Method(name, fn, batched, sampling, default_sample, summary, exact, tuple(declared), grammar)
         return fn
 
     return deco
@@ -164,6 +168,8 @@ class Run:
         self.gen = gen
         self.batch = len(prompts)
         self.generators = row_generators(gen, range(self.batch) if indices is None else indices, model.device)
+        # structured output: each row's grammar state (None: unconstrained)
+        self.constraints = gen.grammar.start(model, self.batch, gen.eos_ids) if gen.grammar is not None else None
         self.out: list[list[int]] = [[] for _ in prompts]
         self.finished = [False] * self.batch
         self.model_calls = 0
@@ -270,23 +276,34 @@ class Run:
 
     # -- token choice and output ---------------------------------------------------------------
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[B, V]`` logits -> ``[B]`` tokens, greedy or sampled as configured."""
+        """``[B, V]`` logits -> ``[B]`` tokens, greedy or sampled as configured (from the tokens each row's
+        grammar allows, under one)."""
         g = self.gen
+        if self.constraints is not None:
+            logits = mask_rows(self.constraints, logits)
         if not g.do_sample:
             return sampling.greedy(logits)
         p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [B, V]
         return torch.cat([sampling.sample(p[row : row + 1], gen) for row, gen in enumerate(self.generators)])
 
     def emit(self, row: int, tokens: list[int]) -> bool:
-        """Append accepted tokens to ``row`` (stopping at EOS or the budget); True when the row is done."""
+        """Append accepted tokens to ``row`` (stopping at EOS, the budget, or the end of the row's grammar);
+        True when the row is done."""
         if self.finished[row]:
             return True
         if self.t_first is None and tokens:
             self.t_first = time.perf_counter()
         out = self.out[row]
+        grammar = None if self.constraints is None else self.constraints[row]
         for t in tokens:
+            if grammar is not None:
+                grammar.advance(t)
             out.append(int(t))
-            if (self.gen.stop_at_eos and int(t) in self.gen.eos_ids) or len(out) >= self.gen.max_new_tokens:
+            if (
+                (self.gen.stop_at_eos and int(t) in self.gen.eos_ids)
+                or len(out) >= self.gen.max_new_tokens
+                or (grammar is not None and grammar.stopped)
+            ):
                 self.finished[row] = True
                 break
         return self.finished[row]

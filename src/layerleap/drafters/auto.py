@@ -160,6 +160,8 @@ class AutoDrafter(TreeDrafter):
         if root is None:
             return Candidates.chain(None, [])
         chain = self.index[row].draft(min(self.draft_len, budget))
+        if self.run.constraints is not None:  # under a grammar: what it allows of the copy, then what it forces
+            chain = self.run.constraints[row].draft(chain, min(self.draft_len, budget))
         if self.round_mode == "lookup":
             return Candidates.chain(root, chain)
         if self.run.batch > 1:  # one tree shape for every row: no chains beside it

@@ -44,6 +44,7 @@ class Drafter:
 
     batched = False
     draft_first = False  # drafts right after the prompt pass (else that token comes from the prompt pass alone)
+    grammar_drafts = False  # its chains may be replaced by one-hot chains under a grammar (update reads cands)
 
     def __init__(self, run: Run, cache: KVCache | None = None):
         self.run = run
@@ -243,11 +244,22 @@ class StepDrafter(Drafter):
             writing = {row: writing[row] for row in feed}
             if feed:
                 logits = self.step_logits(feed)
+        if self.run.constraints is not None:  # back to the emitted tokens' state (``_decide`` advanced it)
+            for row, c in chains.items():
+                self.run.constraints[row].rollback(len(c.drafts))
         return [chains[row].candidates() if row in chains else None for row in range(len(roots))]
 
     def _decide(self, row: int, chain: _Chain, logits: torch.Tensor) -> bool:
-        """Draft one token of ``chain`` from the drafter's ``logits`` ``[V]``, or stop it; True to go on."""
+        """Draft one token of ``chain`` from the drafter's ``logits`` ``[V]``, or stop it; True to go on.
+        Under a grammar the drafter chooses from the tokens it allows after the chain so far (its state is
+        advanced by each draft here and rolled back at the end of ``propose``)."""
         rule, g = self.rule, self.run.gen
+        grammar = None if self.run.constraints is None else self.run.constraints[row]
+        if grammar is not None:
+            if grammar.stopped:
+                chain.stop = "eos"  # the grammar is complete: the output ends here
+                return False
+            logits = grammar.mask(logits)
         self.draft_steps[row] += 1
         q = (
             sampling.probs(logits, g.temperature, g.top_k, g.top_p)
@@ -259,12 +271,14 @@ class StepDrafter(Drafter):
             chain.stop = "unsure"
             return False
         chain.drafts.append(verify.draw(q, self.run.generators[row]) if g.do_sample else int(logits.argmax()))
+        if grammar is not None:
+            grammar.advance(chain.drafts[-1])
         if g.do_sample:
             chain.q_rows.append(q)
         n = len(chain.drafts)
         chain.stop = (
             "eos"
-            if chain.drafts[-1] in self.eos
+            if chain.drafts[-1] in self.eos or (grammar is not None and grammar.stopped)
             else "budget"
             if n == chain.budget
             else "length"

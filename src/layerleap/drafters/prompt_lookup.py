@@ -45,6 +45,7 @@ class NgramIndex:
 
 class PromptLookup(Drafter):
     batched = True
+    grammar_drafts = True  # under a grammar: the allowed part of the copy, then the forced tokens
 
     def __init__(self, run: Run, draft_len: int, min_ngram: int, max_ngram: int):
         self.draft_len = draft_len

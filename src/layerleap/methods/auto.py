@@ -50,7 +50,7 @@ TRANSFER = O.TRANSFER.but(
 )
 
 
-@register("auto", batched=True, sampling=True, exact=True, options=(*OPTIONS, O.TREE, TRANSFER))
+@register("auto", batched=True, sampling=True, exact=True, grammar=True, options=(*OPTIONS, O.TREE, TRANSFER))
 def auto(
     run: Run,
     *,

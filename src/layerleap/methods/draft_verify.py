@@ -15,6 +15,11 @@ Rules:
   (``verify.accept_greedy``: output equal to greedy decoding); sampling accepts by speculative
   sampling on a chain and SpecInfer's multi-draft rule on a tree (``verify.accept_sampled``:
   distributed exactly as the target's own sampling).
+- Under a grammar (structured output, ``core.grammar``), ``Exact`` masks the target's logits at
+  every node by the tokens the grammar allows after the node's path, so the output is constrained
+  greedy decoding token for token (sampling: lossless for the masked distributions); a drafter
+  whose chains are copies (``Drafter.grammar_drafts``) has them cut to what the grammar allows and
+  extended by the tokens it forces.
 - ``Rollback``: BiLD's rule (``verify.first_rollback``): drafts are kept up to the first whose
   cross-entropy under the target exceeds ``alpha_rb``; the target picks the token there.
 
@@ -63,6 +68,9 @@ class Exact:
 
     def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
+        if run.constraints is not None:  # every node scored by the tokens the grammar allows after its path
+            allowed = run.constraints[row].tree_masks(cand.tokens.tolist(), cand.parents.tolist())  # [1 + k, V]
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         if not g.do_sample:
             return verify.accept_greedy(cand.tokens, cand.parents, logits)
         p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [1 + k, V]
@@ -103,7 +111,10 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
     drafter.prefill()
     roots: list[int | None] = [None] * B
     while True:
-        cands = drafter.propose(roots, [None if run.finished[row] else rule.budget(run, row) for row in range(B)])
+        budgets = [None if run.finished[row] else rule.budget(run, row) for row in range(B)]
+        cands = drafter.propose(roots, budgets)
+        if run.constraints is not None and drafter.grammar_drafts:
+            cands = grammar_drafts(run, drafter, cands, budgets)
         if not rule.can_reject and B == 1 and _ends_output(run, cands[0]):
             run.emit(0, cands[0].tokens.tolist())  # nothing could change these drafts
             _count(counts[0], cands[0], None, 0, scored=False, called=False)
@@ -127,6 +138,20 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
     if loop_stats:
         run.record([draft_stats(out, c) for out, c in zip(run.out, counts)])
     return counts
+
+
+def grammar_drafts(run: Run, drafter: Drafter, cands: list, budgets: list) -> list:
+    """Each row's chain under its grammar (``Constraint.draft``): the drafts it allows, then the tokens it
+    forces, as many as a round holds.  For drafters whose drafts are one-hot copies (no ``q``) and that
+    read back what was proposed from the candidates (``Drafter.grammar_drafts``)."""
+    out = []
+    for row, c in enumerate(cands):
+        if c is None or not c.is_chain or c.q is not None:
+            out.append(c)
+            continue
+        limit = min(budgets[row], drafter.round_tokens() - 1)
+        out.append(Candidates.chain(c.root, run.constraints[row].draft(c.tokens.tolist(), limit)))
+    return out
 
 
 def _ends_output(run: Run, cand: Candidates) -> bool:

@@ -43,7 +43,7 @@ def default_tree(model) -> str:
     return tuned_tree(model, DEFAULT_TREES)
 
 
-@register("hidden-transfer", batched=True, sampling=True, exact=True, options=(O.TREE, O.TRANSFER))
+@register("hidden-transfer", batched=True, sampling=True, exact=True, grammar=True, options=(O.TREE, O.TRANSFER))
 def hidden_transfer(run: Run, *, tree=None, transfer="trained"):
     """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=; tree
     none: the dtype's tuned tree): greedy-exact; lossless sampling."""

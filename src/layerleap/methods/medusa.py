@@ -38,7 +38,7 @@ def decode_tree(run: Run, kind: str, name: str, tree, spec, drafter_cls):
     run.record(drafter.tree_stats(counts))
 
 
-@register("medusa", batched=True, sampling=True, exact=True, options=(O.TREE, O.MEDUSA_HEADS))
+@register("medusa", batched=True, sampling=True, exact=True, grammar=True, options=(O.TREE, O.MEDUSA_HEADS))
 def medusa(run: Run, *, tree=None, heads="trained"):
     """Medusa heads drafting a candidate tree (tree=, heads=; tree none: the dtype's tuned tree), verified
     with tree attention: greedy-exact; lossless sampling."""

@@ -64,7 +64,7 @@ def tuned(run: Run, draft_len, max_ngram: int, min_ngram) -> tuple[int, int]:
     return draft_len, min_ngram
 
 
-@register("prompt-lookup", batched=True, sampling=True, exact=True, options=OPTIONS)
+@register("prompt-lookup", batched=True, sampling=True, exact=True, grammar=True, options=OPTIONS)
 def prompt_lookup(
     run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int | None = None
 ):

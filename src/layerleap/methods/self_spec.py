@@ -49,6 +49,7 @@ def default_exit_layer(n_layers: int) -> int:
     batched=True,
     sampling=True,
     exact=True,
+    grammar=True,
     options=(O.EXIT_LAYER, O.DRAFT_LEN.but(none="the dtype's tuned one"), O.MIN_CONFIDENCE, O.HEAD, O.SCHEDULE),
 )
 def self_spec(

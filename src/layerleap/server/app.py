@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ..core.grammar import Grammar, GrammarError
 from ..core.model import Transformer
 from ..core.run import GenerationConfig, chat_token_ids
 from ..decoding import METHODS, get_method
@@ -34,7 +35,7 @@ from ..errors import LayerleapError
 from ..options import model_options
 from ..scheduler import Finish, Job, QueueTimeout, Scheduler, Settings
 from .metrics import Metrics, endpoint_label
-from .schema import ChatRequest, CompletionRequest, _Request
+from .schema import GRAMMAR_FIELDS, ChatRequest, CompletionRequest, _Request
 
 access_log = logging.getLogger("layerleap.access")
 
@@ -146,6 +147,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         raise _bad(
             f"unknown method {method!r}: choose one of {', '.join(METHODS)}", "layerleap.method", "unknown_method"
         )
+    field, grammar = request_grammar(body)
     options = {**cfg.options, **ext.options} if method == cfg.method else dict(ext.options)
     try:  # the method's declarations, before any model an option names is loaded
         get_method(method).check_options(options, st.model.config)
@@ -183,13 +185,39 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
                     "temperature",
                 )
             method, options = "sample", {}  # greedy with a temperature: the same loop, sampled
+    if grammar is not None and not METHODS[method].grammar:
+        raise _bad(
+            f"{field}: method {method!r} cannot follow a grammar: choose one that can in layerleap.method "
+            f"({', '.join(n for n, x in METHODS.items() if x.grammar)})",
+            field,
+        )
     vocab = st.model.config.vocab_size
     if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
         raise _bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
     gen = GenerationConfig(
-        int(max_tokens), do_sample, float(temperature), int(top_k), float(top_p), body.seed, not body.ignore_eos
+        int(max_tokens),
+        do_sample,
+        float(temperature),
+        int(top_k),
+        float(top_p),
+        body.seed,
+        not body.ignore_eos,
+        grammar=grammar,
     )
     return Settings(method, options, gen)
+
+
+def request_grammar(body: _Request) -> tuple[str | None, Grammar | None]:
+    """The structured-output field given and its grammar, (None, None) without one (400s naming the field)."""
+    fields = body.grammar_fields()
+    if len(fields) > 1:
+        raise _bad(f"{' and '.join(fields)} each ask for structured output: give one of them", fields[0])
+    if not fields:
+        return None, None
+    try:
+        return fields[0], GRAMMAR_FIELDS[fields[0]](getattr(body, fields[0]))
+    except GrammarError as e:
+        raise _bad(f"{fields[0]}: {e}", fields[0]) from None
 
 
 def _max_tokens(body: _Request) -> tuple[str, int | None]:
@@ -249,10 +277,13 @@ async def load_options(st: AppState, settings: Settings) -> Settings:
     return Settings(settings.method, options, settings.gen)
 
 
-def check_decoding(model: Transformer, ids: list[int], s: Settings) -> None:
-    """What ``generate`` would refuse (option names, values it checks up front), before queueing."""
+def check_decoding(model: Transformer, ids: list[int], s: Settings, grammar_field: str | None = None) -> None:
+    """What ``generate`` would refuse (option names, values it checks up front, a grammar that does not
+    compile), before queueing."""
     try:
         s.decoding(model, ids)
+    except GrammarError as e:
+        raise _bad(f"{grammar_field}: {e}", grammar_field) from None
     except LayerleapError as e:
         raise _bad(str(e), "layerleap.options") from None
 
@@ -384,7 +415,8 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             raise _not_found(body.model, st.cfg.model_name)
         ids = await run_in_threadpool(prompt_ids, body, st.model)
         settings = await load_options(st, request_settings(body, st, len(ids)))
-        await run_in_threadpool(check_decoding, st.model, ids, settings)
+        fields = body.grammar_fields()
+        await run_in_threadpool(check_decoding, st.model, ids, settings, fields[0] if fields else None)
         job = Job(ids, settings, body.stops(), tuple(body.stop_token_ids or ()))
         if not st.scheduler.submit(job):
             raise APIError(

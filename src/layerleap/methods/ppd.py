@@ -138,9 +138,11 @@ def top_candidates(head_logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @register("ppd", exact=True)
-def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
+def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto", draft_vocab="auto"):
     """Predictive Pipelined Decoding (exact greedy): early top-k at layer exit_layer (default d/2) start k
-    pipelined sub-passes (clock in layer units)."""
+    pipelined sub-passes (clock in layer units).  draft_vocab: the exit head scores only a shipped set
+    of frequent tokens ('auto'), all tokens ('full'), or a draft-vocabulary file's."""
+    from ..drafters.draft_vocab import get_draft_vocab, with_draft_vocab
     from ..drafters.exit_heads import get_head
 
     model = run.model
@@ -149,7 +151,10 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
     check_options(d, dbar, k)
     if k > model.config.vocab_size:
         raise GenerationError(f"k={k} is more than the vocabulary ({model.config.vocab_size} tokens): lower k")
-    exit_head = get_head(model, dbar, head)
+    vocab = get_draft_vocab(model, draft_vocab)
+    if vocab is not None and k > vocab.size:
+        raise GenerationError(f"k={k} is more than the draft vocabulary ({vocab.size} tokens): lower k")
+    exit_head = with_draft_vocab(get_head(model, dbar, head), vocab)
     lo = d - dbar  # the layers a sub-process runs before the main process needs its result
     pair = EarlyExit(run, dbar, exit_head, round_tokens=k + 1)
     cache = pair.cache

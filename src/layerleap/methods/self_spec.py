@@ -73,9 +73,12 @@ def self_spec(
     min_confidence: float = 0.0,
     head="auto",
     schedule: str = "constant",
+    draft_vocab="auto",
 ):
     """Self-speculative decoding: draft with layers [0, exit_layer) + exit head, verify with one full
-    pass reusing their KV (greedy-exact; lossless sampling)."""
+    pass reusing their KV (greedy-exact; lossless sampling).  draft_vocab: the exit head scores only a
+    shipped set of frequent tokens ('auto'), all tokens ('full'), or a draft-vocabulary file's."""
+    from ..drafters.draft_vocab import get_draft_vocab, with_draft_vocab
     from ..drafters.exit_heads import get_head
 
     d = run.n_layers
@@ -89,7 +92,7 @@ def self_spec(
             f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (constant: draft_len "
             f"drafts a round; heuristic: +2 after a fully accepted round, -1 otherwise), got {schedule!r}"
         )
-    exit_head = get_head(run.model, E, head)
+    exit_head = with_draft_vocab(get_head(run.model, E, head), get_draft_vocab(run.model, draft_vocab))
     run.record_all(ExitStats(exit_layer=E, head=exit_head.kind))
     rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=False)
     drafter = EarlyExitDrafter(run, E, exit_head, rule)

@@ -18,6 +18,8 @@ Which turn names a trainer keeps and whether values are stripped are its own set
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 from ..core.run import chat_token_ids
 from ..errors import LayerleapError
@@ -167,15 +169,54 @@ def sharegpt_questions(tokenizer, n: int, max_prompt: int, skip: int = 0) -> lis
     return out
 
 
+def self_distill_path(model, max_prompt: int = 96, gen_len: int = 64) -> Path:
+    """Where ``self_distilled`` data of ``model`` (by fingerprint) and these settings is cached."""
+    from ..files import cache_root
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", model.config.name or "model")
+    return cache_root() / "self-distill" / f"{name}-{model.fingerprint[:16]}-p{max_prompt}-g{gen_len}.jsonl"
+
+
+def read_self_distilled(path, fingerprint: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """The pairs (prompt ids, completion ids) of a self-distilled JSON-lines file; refuses one written
+    for another model (``fingerprint``: the reader's) or one that is not such a file."""
+    import json
+
+    path = Path(path).expanduser()
+    out = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise TrainDataError(f"cannot read self-distilled data {path}: {e.strerror or e}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            pair = ([int(t) for t in r["prompt"]], [int(t) for t in r["completion"]])
+        except (ValueError, KeyError, TypeError):
+            raise TrainDataError(
+                f"{path} line {i} is not a self-distilled record ({{'prompt': [ids], 'completion': [ids]}}): "
+                "write it with `layerleap train data --self-distill`"
+            ) from None
+        if fingerprint and r.get("model", fingerprint) != fingerprint:
+            raise TrainDataError(
+                f"{path} holds answers of another model (fingerprint {r.get('model')}; this model "
+                f"{fingerprint}): write this model's with `layerleap train data --self-distill`"
+            )
+        out.append(pair)
+    return out
+
+
 def self_distilled(
     model, path, n: int, max_prompt: int = 96, gen_len: int = 64, batch: int = 16, progress: bool = True
 ) -> list[tuple[list[int], list[int]]]:
     """``n`` pairs (ShareGPT prompt ids, the model's own greedy answer's ids, at most ``gen_len``):
-    self-distilled data.  Written to ``path`` (JSON lines ``{"prompt", "completion"}``, the file
-    rewritten atomically after each batch); a call with the same ``path`` reuses what is there and
-    decodes only the rest."""
+    self-distilled data, decoded ``batch`` prompts at a time as one batch.  Written to ``path`` (JSON
+    lines ``{"prompt", "completion", "model"}``, the file rewritten atomically after each batch); a
+    call with the same ``path`` reuses what is there and decodes only the rest (a file of another
+    model is refused)."""
     import json
-    from pathlib import Path
 
     from tqdm.auto import tqdm
 
@@ -183,16 +224,16 @@ def self_distilled(
     from ..files import write_text
 
     path = Path(path)
-    done: list[tuple[list[int], list[int]]] = []
-    if path.is_file():
-        done = [(r["prompt"], r["completion"]) for r in map(json.loads, path.read_text().splitlines()) if r]
+    fp = model.fingerprint
+    done = read_self_distilled(path, fp) if path.is_file() else []
     prompts = sharegpt_questions(model.tokenizer, n, max_prompt)
-    bar = tqdm(total=len(prompts), initial=len(done), desc="self-distilling", unit="ex", disable=not progress)
+    start = min(len(done), len(prompts))
+    bar = tqdm(total=len(prompts), initial=start, desc="self-distilling", unit="ex", disable=not progress)
     while len(done) < len(prompts):
         chunk = prompts[len(done) : len(done) + batch]
         res = generate(model, chunk, "greedy", gen_len)
         done += [(p, [int(t) for t in r.token_ids]) for p, r in zip(chunk, res)]
-        write_text(path, "".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in done))
+        write_text(path, "".join(json.dumps({"prompt": p, "completion": c, "model": fp}) + "\n" for p, c in done))
         bar.update(len(chunk))
     bar.close()
     return [(p, c) for p, c in done[:n] if c]

@@ -55,20 +55,6 @@ def run_data(args) -> int:
     return 0
 
 
-def read_data(model, spec: str, max_prompt: int = 96, gen_len: int = 64) -> tuple[str, list]:
-    """``--data``: "self-distill" (the cached file of ``train data --self-distill``) or a .jsonl file ->
-    (its path, its pairs)."""
-    from ..train.data import read_self_distilled, self_distill_path
-
-    path = self_distill_path(model, max_prompt, gen_len) if spec == "self-distill" else spec
-    if spec == "self-distill" and not path.is_file():
-        raise LayerleapError(
-            f"no self-distilled data for {model.config.name} yet: write it with "
-            "`layerleap train data --self-distill 1000` (or give --data FILE.jsonl)"
-        )
-    return str(path), read_self_distilled(path, model.fingerprint)
-
-
 # -- eval draft-vocab -----------------------------------------------------------------------------
 @command(
     "eval draft-vocab",
@@ -124,7 +110,9 @@ def run_vocab(args) -> int:
     cmd, model, threads = _start(args)
     V_ = model.config.vocab_size
     sizes = sorted({min(s, V_) for s in args.sizes} | {V_})
-    path, pairs = read_data(model, args.data)
+    from ..train.data import load_self_distilled
+
+    path, pairs = load_self_distilled(model, args.data)
     cut = len(pairs) - int(round(args.held_out * len(pairs)))
     counted = [c for _, c in pairs[:cut]]
     if not any(counted):
@@ -147,7 +135,7 @@ def run_vocab(args) -> int:
     report = {
         "command": cmd,
         "threads": threads,
-        "data": path,
+        "data": str(path),
         "answers_counted": cut,
         "tokens_counted": n_counted,
         "distinct_ids": seen,
@@ -160,7 +148,8 @@ def run_vocab(args) -> int:
         if not 0 < chosen < V_:
             raise LayerleapError(f"--size {chosen}: a draft vocabulary is smaller than the vocabulary ({V_})")
         meta = {
-            "data": f"{path}: greedy answers of {model.config.name} to ShareGPT prompts (first {cut} answers)",
+            "data": f"self-distilled: {model.config.name}'s greedy answers to the first {cut} usable ShareGPT "
+            f"prompts ({path.name})",
             "tokens": str(n_counted),
             "ids_by_count": str(min(chosen, seen)),
             "coverage": ", ".join(f"{k} {coverage_by_size(order, [chosen], v)[chosen]:.4f}" for k, v in held.items()),

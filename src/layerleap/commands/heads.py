@@ -15,6 +15,7 @@ from ..errors import LayerleapError
 from .. import validate as V
 from ..files import write_json
 from ..drafters.exit_heads import check_layer
+from ..train.data import DATA_CHOICES
 from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _threads
 
 
@@ -88,6 +89,13 @@ def _setup_train(p):
         "--skip-conversations", type=V.nonneg_int, default=0, help="ShareGPT conversations to pass over first"
     )
     p.add_argument(
+        "--data",
+        type=V.name_or_file_arg(DATA_CHOICES, "self-distilled data file (.jsonl)"),
+        default="sharegpt",
+        help="sharegpt (default), self-distill (the model's own answers: `layerleap train data --self-distill`) "
+        "or a self-distilled .jsonl",
+    )
+    p.add_argument(
         "--eval-tokens",
         type=V.int_arg(0, 10_000_000),
         default=4000,
@@ -114,7 +122,7 @@ def _setup_train(p):
 def run_train(args) -> int:
     import torch
 
-    from ..train.data import conversation_seqs
+    from ..train.data import conversation_seqs, load_self_distilled, self_distilled_seqs
     from ..train.exit_heads import HeadTrainConfig, agreement, cache_hidden, save_trained, train_heads
     from ..drafters.exit_heads import new_head
 
@@ -138,8 +146,13 @@ def run_train(args) -> int:
     )
     cmd, model, threads = _start(args)
     cfg.check(model)
+    seqs = None
+    if args.data != "sharegpt":
+        path, pairs = load_self_distilled(model, args.data)
+        seqs = self_distilled_seqs(pairs, cfg.tokens, cfg.seq_len)
+        cfg.data = f"self-distilled: {model.config.name}'s greedy answers to ShareGPT prompts ({path.name})"
     t0 = time.perf_counter()
-    res = train_heads(model, cfg, work=work)
+    res = train_heads(model, cfg, work=work, seqs=seqs)
     wall = time.perf_counter() - t0
     report = {
         "command": cmd,

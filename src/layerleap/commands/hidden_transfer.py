@@ -12,7 +12,7 @@ import torch
 
 from ..drafters import medusa_transfer as drafters
 from ..train import medusa_transfer as train_drafters
-from ..train.data import stream_chunks
+from ..train.data import DATA_CHOICES, load_self_distilled, self_distilled_chunks, stream_chunks
 from . import command
 from ..datasets import spec_bench
 from ..decoding import generate
@@ -23,6 +23,7 @@ from .basic import _command_line, _load, _model_args, _positive_int, _threads
 
 
 DRAFTER_ARG = V.name_or_file_arg(("trained",), "drafter weights file")
+TRAIN_DATA_ARG = V.name_or_file_arg(DATA_CHOICES, "self-distilled data file (.jsonl)")
 
 
 @command(
@@ -56,6 +57,13 @@ def _setup_train(p):
         type=V.int_arg(1, 10_000_000),
         default=2000,
         help="ShareGPT conversations read (default 2000)",
+    )
+    p.add_argument(
+        "--data",
+        type=TRAIN_DATA_ARG,
+        default="sharegpt",
+        help="sharegpt (default), self-distill (the model's own answers: `layerleap train data --self-distill`) "
+        "or a self-distilled .jsonl",
     )
     p.add_argument(
         "--chunks",
@@ -110,17 +118,22 @@ def run_train(args) -> int:
         max_seconds=args.max_seconds,
     )
     train_drafters.check_config(cfg, model)
+    eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
+    data = None
     if args.chunks:
         chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks, model.config.vocab_size)]
+        data = f"pre-tokenized chunks {Path(args.chunks).name}"
+    elif args.data != "sharegpt":
+        path, pairs = load_self_distilled(model, args.data)
+        chunks = self_distilled_chunks(pairs, cfg.seq_len, cfg.seed, eos)
+        data = f"self-distilled: {len(pairs)} greedy answers of {model.config.name} to ShareGPT prompts ({path.name})"
     else:
-        eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
         chunks = stream_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
     if args.save_chunks:
         save_safetensors(args.save_chunks, {"chunks": torch.tensor(chunks, dtype=torch.int32)})
         print(f"wrote {len(chunks)} chunks of {cfg.seq_len} tokens to {args.save_chunks}")
         return 0
     t = time.perf_counter()
-    data = f"pre-tokenized chunks {Path(args.chunks).name}" if args.chunks else None
     report = train_drafters.train(model, args.out, cfg, chunks=chunks, data=data, command=_command_line(args))
     report.update(command=_command_line(args), threads=threads, wall_s=time.perf_counter() - t, device=args.device)
     losses = report.pop("losses")

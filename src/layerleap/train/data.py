@@ -237,3 +237,53 @@ def self_distilled(
         bar.update(len(chunk))
     bar.close()
     return [(p, c) for p, c in done[:n] if c]
+
+
+DATA_CHOICES = ("sharegpt", "self-distill")  # a trainer's --data, besides a self-distilled .jsonl
+
+
+def load_self_distilled(model, spec: str = "self-distill", max_prompt: int = 96, gen_len: int = 64):
+    """A trainer's self-distilled data: "self-distill" (the cached file ``layerleap train data
+    --self-distill`` writes: the one of these settings, else the newest of this model) or a .jsonl
+    file -> (its path, its pairs (prompt ids, answer ids))."""
+    path = self_distill_path(model, max_prompt, gen_len) if spec == "self-distill" else Path(spec).expanduser()
+    if spec == "self-distill" and not path.is_file():
+        others = sorted(path.parent.glob(path.name.rsplit("-p", 1)[0] + "-p*.jsonl"), key=lambda p: p.stat().st_mtime)
+        path = others[-1] if others else path
+    if spec == "self-distill" and not path.is_file():
+        raise TrainDataError(
+            f"no self-distilled data for {model.config.name} yet: write it with "
+            "`layerleap train data --self-distill 1000` (or give --data FILE.jsonl)"
+        )
+    pairs = [(p, c) for p, c in read_self_distilled(path, model.fingerprint) if c]
+    if not pairs:
+        raise TrainDataError(f"{path} holds no answers: write some with `layerleap train data --self-distill`")
+    return path, pairs
+
+
+def self_distilled_chunks(pairs, seq_len: int, seed: int, eos: int) -> list[list[int]]:
+    """Chunks of ``seq_len`` tokens (as ``stream_chunks``) from self-distilled pairs: each prompt and
+    its answer, the pairs shuffled with ``seed`` and joined by ``eos``."""
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    stream: list[int] = []
+    for i in order:
+        stream.extend(pairs[i][0] + pairs[i][1])
+        stream.append(eos)
+    chunks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    if not chunks:
+        raise TrainDataError(f"the self-distilled data holds fewer than {seq_len} tokens: write more answers")
+    return chunks
+
+
+def self_distilled_seqs(pairs, tokens: int, seq_len: int) -> list[list[int]]:
+    """Whole prompt-and-answer sequences (as ``conversation_seqs``), each cut at ``seq_len``, until
+    ``tokens`` positions are collected."""
+    out, total = [], 0
+    for p, c in pairs:
+        ids = (p + c)[:seq_len][: tokens - total]
+        out.append(ids)
+        total += len(ids)
+        if total >= tokens:
+            break
+    return out

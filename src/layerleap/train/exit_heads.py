@@ -76,6 +76,7 @@ class HeadTrainConfig:
     seed: int = 0
     save_every: int = 50
     skip_conversations: int = 0  # ShareGPT conversations skipped first (held-out splits)
+    data: str = "sharegpt"  # what the positions are: ShareGPT conversations, or a label of the given sequences
 
     def check(self, model: Transformer) -> "HeadTrainConfig":
         n = model.config.n_layers
@@ -239,7 +240,7 @@ def _config_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
 
 
 def _cache_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
-    keys = ("layers", "tokens", "seq_len", "skip_conversations", "candidates")
+    keys = ("layers", "tokens", "seq_len", "skip_conversations", "candidates", "data")
     return json.dumps(
         {**{k: getattr(cfg, k) for k in keys}, "layers": sorted(cfg.layers), "model": fingerprint}, sort_keys=True
     )
@@ -406,8 +407,11 @@ def save_trained(
     heads = [result.heads[x] for x in sorted(result.heads)]
     model = heads[0].model
     cfg = result.config
+    data = cfg.get("data", "sharegpt")
     budget = weights.Budget(
-        f"{weights.SHAREGPT}: {result.tokens} positions of whole conversations, chat template",
+        f"{weights.SHAREGPT}: {result.tokens} positions of whole conversations, chat template"
+        if data == "sharegpt"
+        else f"{data}: {result.tokens} positions of prompts and answers, chat template",
         items_seen(result.steps, result.tokens, cfg["batch_tokens"]),
         result.steps,
         result.seconds,

@@ -123,6 +123,7 @@ def run_train(args) -> int:
     import torch
 
     from ..train.data import conversation_seqs, load_self_distilled, self_distilled_seqs
+    from ..train.distributed import init_from_env
     from ..train.exit_heads import HeadTrainConfig, agreement, cache_hidden, save_trained, train_heads
     from ..drafters.exit_heads import new_head
 
@@ -144,6 +145,9 @@ def run_train(args) -> int:
         save_every=args.save_every,
         seed=args.seed,
     )
+    ranks = init_from_env(args.device)  # under torchrun: data-parallel, rank 0 writes
+    if args.threads is None:
+        args.threads = ranks.threads()
     cmd, model, threads = _start(args)
     cfg.check(model)
     seqs = None
@@ -167,7 +171,10 @@ def run_train(args) -> int:
         "wall_s": round(wall, 1),
         "threads": threads,
         "losses": res.losses,
+        "processes": ranks.world,
     }
+    if not ranks.main:
+        return 0
     if args.eval_tokens > 0:  # held out: the conversations after those trained on
         _, seen = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations, return_seen=True)
         val = conversation_seqs(model.tokenizer, args.eval_tokens, cfg.seq_len, seen)

@@ -12,6 +12,7 @@ import torch
 
 from ..drafters import medusa_transfer as drafters
 from ..train import medusa_transfer as train_drafters
+from ..train.distributed import init_from_env
 from ..train.data import DATA_CHOICES, load_self_distilled, self_distilled_chunks, stream_chunks
 from . import command
 from ..datasets import spec_bench
@@ -102,7 +103,8 @@ def _read_chunks(path: str, vocab: int) -> list[list[int]]:
 @_setup_train
 def run_train(args) -> int:
     kind = "transfer" if args.what == "transfer" else "medusa"
-    threads = _threads(args.threads)
+    ranks = init_from_env(args.device)  # under torchrun: data-parallel, rank 0 writes
+    threads = _threads(args.threads or ranks.threads())
     model = _load(args)
     cfg = train_drafters.TrainConfig(
         kind=kind,
@@ -136,6 +138,9 @@ def run_train(args) -> int:
     t = time.perf_counter()
     report = train_drafters.train(model, args.out, cfg, chunks=chunks, data=data, command=_command_line(args))
     report.update(command=_command_line(args), threads=threads, wall_s=time.perf_counter() - t, device=args.device)
+    if not ranks.main:
+        return 0
+    report["processes"] = ranks.world
     losses = report.pop("losses")
     first = sum(losses[:5]) / max(1, len(losses[:5]))
     last = sum(losses[-5:]) / max(1, len(losses[-5:]))

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..files import reading, save_safetensors
+from . import distributed
 from .data import conversation_seqs
 from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, items_seen, train
 from ..drafters import weights
@@ -277,7 +278,7 @@ def load_or_build_cache(
     if cfg.candidates:
         cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
     timing["seconds"] = time.perf_counter() - t0
-    if path is not None:
+    if path is not None and distributed.ranks().main:
         save_safetensors(
             path,
             {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()},
@@ -303,18 +304,22 @@ def _objective(model: Transformer, cfg: HeadTrainConfig, cache: dict, heads: lis
     """``loss(step)``: each head's loss on the step's batch of cached positions, one at a time (a
     ``[B, V]`` graph alive at once)."""
     final = cache[model.config.n_layers]
+    ranks = distributed.ranks()
 
     def loss(step: int):
-        idx = epoch_batch(step, len(final), cfg.batch_tokens, cfg.seed)
+        batch = epoch_batch(step, len(final), cfg.batch_tokens, cfg.seed)
+        idx, weight = batch[ranks.rank :: ranks.world], len(batch[ranks.rank :: ranks.world]) / len(batch)
+        if not len(idx):  # no positions for this process this step
+            return [torch.zeros((), requires_grad=True)]
         cand = None
-        if cfg.candidates:
+        if cfg.candidates:  # the whole batch's candidate set, on every process
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-            cand = step_candidates(cache[TOP_KEY][idx], model.config.vocab_size, cfg.negatives, gen)
+            cand = step_candidates(cache[TOP_KEY][batch], model.config.vocab_size, cfg.negatives, gen)
             tlogp = target_logp_at(model, final[idx], cand.to(model.device))
             cand = cand.to(model.device)
         else:
             tlogp = target_logp(model, final[idx])
-        return (head_loss(h, cache[h.layer][idx], tlogp, cfg.loss, cand) for h in heads)
+        return (weight * head_loss(h, cache[h.layer][idx], tlogp, cfg.loss, cand) for h in heads)
 
     return loss
 

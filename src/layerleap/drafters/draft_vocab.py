@@ -25,9 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from ..core.model import Transformer
+from ..core import kernels
+from ..core.model import Linear, Transformer
 from ..errors import LayerleapError
 from ..files import read_safetensors_meta, save_safetensors
 from ..loaded import per_model
@@ -43,9 +44,26 @@ class DraftVocabError(LayerleapError, ValueError):
     """A draft vocabulary that cannot be made or loaded: the message names the problem and the fix."""
 
 
+def unembedding_rows(model: Transformer, weight: torch.Tensor) -> Linear:
+    """A ``K x D`` unembedding (rows of an LM head) held as the model holds its projections
+    (``Transformer.optimize_layout``: oneDNN's packed layout, or dense, column-major for fp32 where
+    that multiplies faster), so one draft row costs ``K / V`` of the full product."""
+    K, D = weight.shape
+    lin = Linear(D, K, bias=False, device="meta")
+    w = weight.detach().contiguous()
+    if w.device.type == "cpu" and kernels.dense_format(w.dtype, w.device) == "onednn":
+        lin.pack(kernels.OneDNNWeight(w))
+        return lin
+    if Transformer.column_major(w.dtype, w.device.type):
+        w = w.t().contiguous().t()
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    return lin
+
+
 class DraftVocab:
     """The ``K`` token ids ``ids`` drafters score, and the unembedding rows ``weight`` ``[K, D]`` they
-    multiply by (the model's dense LM head rows, in the model's dtype)."""
+    multiply by (the model's dense LM head rows, in the model's dtype; ``head``: the same rows as a
+    ``Linear`` in the layout the model's projections use)."""
 
     def __init__(self, model: Transformer, ids, meta: dict | None = None):
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
@@ -55,6 +73,7 @@ class DraftVocab:
         self.model = model
         self.ids = ids.to(model.device)  # [K]
         self.weight = model.head_weight().detach()[self.ids].contiguous()  # [K, D]
+        self.head = unembedding_rows(model, self.weight)
         self.meta = dict(meta or {})
 
     @property
@@ -63,7 +82,7 @@ class DraftVocab:
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """Normalised last-layer states ``z`` ``[.., D]`` -> fp32 logits ``[.., K]`` over the ids."""
-        return F.linear(z.to(self.weight.dtype), self.weight).float()
+        return self.head(z.to(self.weight.dtype)).float()
 
     def token(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into the ids (any shape) -> token ids of the full vocabulary."""
@@ -84,12 +103,12 @@ class VocabHead:
         self.head, self.vocab = head, vocab
         own = head.unembed_weight()
         shared = own is head.model.head_weight() or own.data_ptr() == head.model.head_weight().data_ptr()
-        self.weight = vocab.weight if shared else own.detach()[vocab.ids].contiguous()  # [K, D]
-        self.layer, self.kind = head.layer, head.kind
+        self.rows = vocab.head if shared else unembedding_rows(head.model, own.detach()[vocab.ids])  # K x D
+        self.layer, self.kind, self.dtype = head.layer, head.kind, own.dtype
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         z = self.head.normed(h)
-        return self.vocab.scatter(F.linear(z.to(self.weight.dtype), self.weight).float())
+        return self.vocab.scatter(self.rows(z.to(self.dtype)).float())
 
 
 def with_draft_vocab(head, vocab: DraftVocab | None):

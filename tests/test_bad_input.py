@@ -356,6 +356,16 @@ CLI = [
     (SB + ["--exit-layer", "9"], "--exit-layer must be in [1, 3]"),
     (SB + ["--exit-layer", "0"], "must be a positive integer"),
     (["sweep", "bild", *M, "--small", "no-such-model"], "unknown model 'no-such-model'"),
+    # calibrate, eval frontier, finetune variant
+    (["calibrate", "nope"], "choose lossy methods from skipdecode"),
+    (["calibrate", "skipdecode", *M, "--quality", "1.5"], "--quality: must be a finite number in (0, 1]"),
+    (["calibrate", "skipdecode", *M, "--prompts", "0"], "--prompts: must be an integer in [1, 20]"),
+    (["eval", "frontier", *M, "--grid", "base:nope", "--json", "{T}/f.json"], "--grid base:nope: choose a method"),
+    (["eval", "frontier", *M, "--json", "{T}/f.json"], "the following arguments are required: --grid"),
+    (
+        ["finetune", "variant", *M, "--objective", "nope", "--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"],
+        "argument --objective: invalid choice: 'nope'",
+    ),
     (["sweep", "bild", *M, "--small", "{D}", "--head", "shared"], "--head chooses the exit head"),
     (SB + ["--head", "/no/such/head.safetensors"], "is neither one of auto, shared, trained nor an existing"),
     (SB + ["--max-small", "x"], "must be an integer in [1, 10000]"),

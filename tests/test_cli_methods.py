@@ -28,7 +28,7 @@ def test_methods_lists_every_method_with_flags(capsys):
     assert rows["greedy"] == ["yes", "yes", "-"] and rows["sample"] == ["-", "yes", "yes"]
     assert rows["self-spec"] == ["yes", "yes", "yes"] and rows["bild"] == ["-", "yes", "yes"]
     assert rows["ppd"] == ["yes", "-", "-"]
-    assert "draft=required (a model)" in out and "tree=1,1" in out
+    assert "draft=required (a model)" in out and "tree=none" in out
     rc, out, _ = cli(capsys, "methods", "--json")
     table = json.loads(out)
     assert table["speculative"]["exact"] and table["speculative"]["required"] == ["draft"]
@@ -228,7 +228,7 @@ def test_bad_generate_input(capsys, tiny_hf_dir, tmp_path, args, message):
     [
         (["--method", "nope"], "unknown method"),
         (["--port", "70000"], "--port"),
-        (["--opt", "tree=2"], "has no option tree"),
+        (["--method", "greedy", "--opt", "tree=2"], "has no option tree"),
     ],
 )
 def test_serve_refuses_bad_arguments_before_serving(capsys, tiny_hf_dir, args, message):

@@ -20,6 +20,7 @@ METHODS = {
     "medusa": lambda m, seed: {"heads": medusa_for(m, seed), "tree": "3,1"},
     "self-spec": lambda m, seed: {"exit_layer": 1, "draft_len": 3, "head": "shared"},
     "ppd": lambda m, seed: {"exit_layer": 2, "k": 2, "head": "shared"},
+    "auto": lambda m, seed: {"transfer": transfer_for(m, seed), "tree": "2,1", "draft_len": 2},
 }
 
 
@@ -129,3 +130,27 @@ def test_real_model_shipped_draft_vocab_equals_greedy(method):
         assert got.token_ids == want.token_ids
         accepted += got.stats["accepted"]
     assert accepted >= 3
+
+
+@pytest.mark.parametrize("method", ["self-spec", "medusa"])
+def test_sampling_with_a_draft_vocab_follows_the_models_distribution(method):
+    """The drafter sees 4 of the 6 ids (self-spec: its distribution renormalised over them, zero
+    elsewhere); the sampled tokens still follow the model's own distribution."""
+    from test_draft_verify import SAMPLING, exact_joint3
+    from test_speculative import chi2_pvalue, tiny_pair
+
+    target, draft = tiny_pair(3, vocab=6, scale=2.0, n_draft=1)
+    prompt = [1, 3, 4, 1, 3, 4, 1, 3]
+    warp = dict(temperature=0.8, top_k=5)
+    p = exact_joint3(target, prompt, warp)
+    options = {**SAMPLING[method](target, draft), "draft_vocab": dv.DraftVocab(target, [0, 1, 3, 4])}
+    counts = torch.zeros(6, 6, 6)
+    drafted = accepted = 0
+    for seed in range(800):
+        r = generate(target, prompt, method, 3, do_sample=True, seed=seed, stop_at_eos=False, **warp, **options)
+        counts[tuple(r.token_ids)] += 1
+        drafted += r.stats["drafted"]
+        accepted += r.stats["accepted"]
+    assert 0 < accepted < drafted
+    assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3  # (x1, x2)
+    assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3  # (x2, x3)

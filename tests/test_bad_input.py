@@ -548,6 +548,7 @@ CLI = [
     (["eval", "draft-vocab", "--model", "{D}", "--held-out", "1"], "must be a finite number in [0, 1)"),
     (["eval", "draft-vocab", "--model", "{D}", "--out", "{T}/v.bin"], "must end in .safetensors"),
     (["eval", "draft-vocab", "--model", "{D}", "--sizes", "0"], "each item must be a positive integer"),
+    (["eval", "draft-vocab", "--model", "{D}", "--size", "128"], "a draft vocabulary is smaller than the vocabulary"),
     # heads sub-vocab
     (SV + ["--heads", "nosuch", "--vocab", "8", "--out", "{T}/s.safetensors"], "is neither one of trained"),
     (SV + ["--heads", "{FILE}", "--vocab", "8", "--out", "{T}/s.safetensors"], "cannot read exit heads"),

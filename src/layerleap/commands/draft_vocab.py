@@ -106,32 +106,26 @@ def _setup_vocab(p):
 def run_vocab(args) -> int:
     from ..drafters import draft_vocab as dv
     from ..eval.draft_vocab import choose_size, coverage_by_size, draft_cost
+    from ..train.data import load_self_distilled
 
     cmd, model, threads = _start(args)
     V_ = model.config.vocab_size
+    if args.size is not None and args.size >= V_:
+        raise LayerleapError(f"--size {args.size}: a draft vocabulary is smaller than the vocabulary ({V_})")
     sizes = sorted({min(s, V_) for s in args.sizes} | {V_})
-    from ..train.data import load_self_distilled
-
     path, pairs = load_self_distilled(model, args.data)
     cut = len(pairs) - int(round(args.held_out * len(pairs)))
-    counted = [c for _, c in pairs[:cut]]
-    if not any(counted):
-        raise LayerleapError(f"{path} has no answers to count: write more with `layerleap train data --self-distill`")
-    order, counts = dv.rank_tokens(counted, V_)
+    order, counts = dv.rank_tokens([c for _, c in pairs[:cut]], V_)
     n_counted, seen = int(counts.sum()), int((counts > 0).sum())
-    held = {"self-distill held out": [c for _, c in pairs[cut:]]}
-    if args.calibration_prompts:
-        held["spec-bench calibration"] = _calibration_answers(model, args.calibration_prompts, args.max_new_tokens)
-    held = {k: v for k, v in held.items() if any(v)}
+    held = _held_out(model, pairs[cut:], args)
     cover = {name: coverage_by_size(order, sizes, toks) for name, toks in held.items()}
     costs = [draft_cost(model, sizes, rows, reps=args.reps) for rows in args.rows]
     print(f"ids ranked on {n_counted} tokens of {cut} answers ({seen} distinct ids) from {path}")
     print(_table(sizes, cover, costs, held))
     gate = cover.get("self-distill held out") or next(iter(cover.values()), {V_: 1.0})
-    chosen = args.size or choose_size({k: c for k, c in gate.items()}, args.min_coverage)
-    print(
-        f"chosen K = {chosen}" + (" (--size)" if args.size else f" (the smallest with coverage >= {args.min_coverage})")
-    )
+    chosen = args.size or choose_size(gate, args.min_coverage)
+    how = "--size" if args.size else f"the smallest with coverage >= {args.min_coverage}"
+    print(f"chosen K = {chosen} ({how})")
     report = {
         "command": cmd,
         "threads": threads,
@@ -145,8 +139,10 @@ def run_vocab(args) -> int:
         "chosen": chosen,
     }
     if args.out:
-        if not 0 < chosen < V_:
-            raise LayerleapError(f"--size {chosen}: a draft vocabulary is smaller than the vocabulary ({V_})")
+        if chosen >= V_:
+            raise LayerleapError(
+                f"no size below the vocabulary reaches --min-coverage {args.min_coverage}: lower it or give --size"
+            )
         meta = {
             "data": f"self-distilled: {model.config.name}'s greedy answers to the first {cut} usable ShareGPT "
             f"prompts ({path.name})",
@@ -161,6 +157,15 @@ def run_vocab(args) -> int:
     if args.json:
         write_json(args.json, report)
     return 0
+
+
+def _held_out(model, pairs, args) -> dict[str, list[list[int]]]:
+    """The token lists coverage is measured on: the held-out answers, and greedy answers to Spec-Bench
+    calibration prompts (``--calibration-prompts``); empty sets left out."""
+    held = {"self-distill held out": [c for _, c in pairs]}
+    if args.calibration_prompts:
+        held["spec-bench calibration"] = _calibration_answers(model, args.calibration_prompts, args.max_new_tokens)
+    return {k: v for k, v in held.items() if any(v)}
 
 
 def _calibration_answers(model, per_category: int, max_new_tokens: int) -> list[list[int]]:

@@ -83,6 +83,8 @@ def test_files_round_trip_and_refuse(tmp_path, models):
     model, other = models["llama-gqa-tied"], models["qwen2-gqa-untied"]
     order, counts = dv.rank_tokens([[5, 5, 9], [9, 5, 2]], model.config.vocab_size)
     assert order[:3].tolist() == [5, 9, 2] and int(counts[5]) == 3
+    then, _ = dv.rank_tokens([[5]], model.config.vocab_size, then=[[7, 7, 3, 5]])  # unseen ids by their text count
+    assert then[:4].tolist() == [5, 7, 3, 0] and sorted(then.tolist()) == list(range(model.config.vocab_size))
     assert dv.coverage(order[:2], [[5, 5, 9], [9, 5, 2]]) == pytest.approx(5 / 6)
     path = dv.save(tmp_path / "v.safetensors", model, order[:8], {"data": "test", "coverage": "0.8"})
     vocab = dv.get_draft_vocab(model, str(path))

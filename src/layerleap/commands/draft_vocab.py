@@ -70,6 +70,13 @@ def _setup_vocab(p):
         help="what the ids are counted on: 'self-distill' (the cached `train data --self-distill`) or a .jsonl",
     )
     p.add_argument(
+        "--text-conversations",
+        type=V.int_arg(0, 1_000_000),
+        default=2000,
+        help="ShareGPT conversations whose answers' token counts rank the ids the model's answers never "
+        "used (default 2000; 0: those by id)",
+    )
+    p.add_argument(
         "--held-out",
         type=V.float_arg(0.0, 1.0, hi_open=True),
         default=0.2,
@@ -106,7 +113,7 @@ def _setup_vocab(p):
 def run_vocab(args) -> int:
     from ..drafters import draft_vocab as dv
     from ..eval.draft_vocab import choose_size, coverage_by_size, draft_cost
-    from ..train.data import load_self_distilled
+    from ..train.data import answer_tokens, load_self_distilled
 
     cmd, model, threads = _start(args)
     V_ = model.config.vocab_size
@@ -115,12 +122,16 @@ def run_vocab(args) -> int:
     sizes = sorted({min(s, V_) for s in args.sizes} | {V_})
     path, pairs = load_self_distilled(model, args.data)
     cut = len(pairs) - int(round(args.held_out * len(pairs)))
-    order, counts = dv.rank_tokens([c for _, c in pairs[:cut]], V_)
+    text = answer_tokens(model.tokenizer, args.text_conversations) if args.text_conversations else []
+    order, counts = dv.rank_tokens([c for _, c in pairs[:cut]], V_, text)
     n_counted, seen = int(counts.sum()), int((counts > 0).sum())
     held = _held_out(model, pairs[cut:], args)
     cover = {name: coverage_by_size(order, sizes, toks) for name, toks in held.items()}
     costs = [draft_cost(model, sizes, rows, reps=args.reps) for rows in args.rows]
-    print(f"ids ranked on {n_counted} tokens of {cut} answers ({seen} distinct ids) from {path}")
+    print(
+        f"ids ranked on {n_counted} tokens of {cut} answers ({seen} distinct ids) from {path}, then on "
+        f"{sum(map(len, text))} tokens of {len(text)} ShareGPT answers"
+    )
     print(_table(sizes, cover, costs, held))
     gate = cover.get("self-distill held out") or next(iter(cover.values()), {V_: 1.0})
     chosen = args.size or choose_size(gate, args.min_coverage)
@@ -133,6 +144,7 @@ def run_vocab(args) -> int:
         "answers_counted": cut,
         "tokens_counted": n_counted,
         "distinct_ids": seen,
+        "text_tokens": sum(map(len, text)),
         "held_out_tokens": {k: sum(map(len, v)) for k, v in held.items()},
         "coverage": {k: {str(s): round(c, 4) for s, c in v.items()} for k, v in cover.items()},
         "cost": costs,
@@ -145,7 +157,8 @@ def run_vocab(args) -> int:
             )
         meta = {
             "data": f"self-distilled: {model.config.name}'s greedy answers to the first {cut} usable ShareGPT "
-            f"prompts ({path.name})",
+            f"prompts ({path.name}); ids they never used ranked by their count in the answers of the first "
+            f"{args.text_conversations} ShareGPT conversations, then by id",
             "tokens": str(n_counted),
             "ids_by_count": str(min(chosen, seen)),
             "coverage": ", ".join(f"{k} {coverage_by_size(order, [chosen], v)[chosen]:.4f}" for k, v in held.items()),

@@ -119,13 +119,18 @@ def with_draft_vocab(head, vocab: DraftVocab | None):
 
 
 # -- counting -------------------------------------------------------------------------------------
-def rank_tokens(token_lists, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order [V], counts [V])``: every id, most frequent in ``token_lists`` first (ties and unseen
-    ids by increasing id)."""
-    from .exit_heads import rank_by_count
+def rank_tokens(token_lists, vocab_size: int, then=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order [V], counts [V])``: every id, most frequent in ``token_lists`` first; ties (the ids
+    never seen among them) by their count in ``then`` (other token lists, e.g. text), then by id."""
+    counts = _counts(token_lists, vocab_size)
+    second = _counts(then or [], vocab_size)
+    score = counts.double() * (float(second.max()) + 1) + second.double()
+    return torch.argsort(-score, stable=True), counts
 
-    flat = [t for ts in token_lists for t in ts]
-    return rank_by_count(torch.tensor(flat or [0], dtype=torch.long)[: len(flat)], vocab_size)
+
+def _counts(token_lists, vocab_size: int) -> torch.Tensor:
+    flat = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
+    return torch.bincount(flat, minlength=vocab_size)[:vocab_size]
 
 
 def coverage(ids: torch.Tensor, token_lists) -> float:

@@ -239,6 +239,18 @@ def self_distilled(
     return [(p, c) for p, c in done[:n] if c]
 
 
+def answer_tokens(tokenizer, n_conversations: int) -> list[list[int]]:
+    """The token ids of the assistant turns of the first ``n_conversations`` ShareGPT conversations
+    (no template: the answers' text alone)."""
+    from ..datasets import sharegpt_conversations
+
+    return [
+        tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+        for conv in sharegpt_conversations(limit=n_conversations)
+        for m in messages(conv, ("gpt", "chatgpt", "assistant"))
+    ]
+
+
 DATA_CHOICES = ("sharegpt", "self-distill")  # a trainer's --data, besides a self-distilled .jsonl
 
 

@@ -213,7 +213,7 @@ CLI = [
     # the command line itself
     ([], "the following arguments are required: COMMAND"),
     (["nope"], "invalid choice: 'nope'"),
-    (["train"], "the following arguments are required: {heads,transfer,medusa}"),
+    (["train"], "the following arguments are required: {heads,transfer,medusa,data}"),
     (["eval"], "the following arguments are required"),
     (["generate"], "one of the arguments --prompt --prompts-file is required"),
     (["generate", "--prompt"], "expected one argument"),
@@ -675,6 +675,16 @@ CLI = [
     (MR + ["--plot", "{T}/p.xyz"], "a plot must end in"),
     (MR + ["--category", "nope"], "unknown Spec-Bench categories"),
     (MR + ["--category", "writing", "--offset", "1000"], "no prompts left in category writing"),
+    # train data / eval draft-vocab
+    (["train", "data", "--model", "{D}"], "the following arguments are required: --self-distill"),
+    (["train", "data", "--model", "{D}", "--self-distill", "0"], "must be an integer in [1, 1000000]"),
+    (["train", "data", "--model", "{D}", "--self-distill", "2", "--batch", "0"], "must be an integer in [1, 1024]"),
+    (["eval", "draft-vocab", "--model", "{D}", "--data", "{GARBAGE}"], "line 1 is not a self-distilled record"),
+    (["eval", "draft-vocab", "--model", "{D}", "--data", "nosuch"], "is neither one of self-distill"),
+    (["eval", "draft-vocab", "--model", "{D}", "--held-out", "1"], "must be a finite number in [0, 1)"),
+    (["eval", "draft-vocab", "--model", "{D}", "--out", "{T}/v.bin"], "must end in .safetensors"),
+    (["eval", "draft-vocab", "--model", "{D}", "--sizes", "0"], "each item must be a positive integer"),
+    (["eval", "draft-vocab", "--model", "{D}", "--size", "128"], "a draft vocabulary is smaller than the vocabulary"),
     # heads sub-vocab
     (SV + ["--heads", "nosuch", "--vocab", "8", "--out", "{T}/s.safetensors"], "is neither one of trained"),
     (SV + ["--heads", "{FILE}", "--vocab", "8", "--out", "{T}/s.safetensors"], "cannot read exit heads"),
@@ -891,6 +901,8 @@ API = [
     (_gen("hi", chat=1), "chat must be True or False"),
     (_gen("hi", stop_at_eos=None), "stop_at_eos must be True or False"),
     # method options
+    (_medusa(draft_vocab=3), "draft_vocab must be 'auto', 'full', a draft-vocabulary file"),
+    (_medusa(draft_vocab="/no/such.safetensors"), "no such draft-vocabulary file"),
     (_medusa(tree=100000), "more than 512 nodes"),
     (_medusa(tree=[(0,)] * 600), "beyond the limit of 512 nodes"),
     (_medusa(tree=[40000]), "the tree 40000 has more than 512 nodes"),

@@ -15,6 +15,7 @@ from ..errors import LayerleapError
 from .. import validate as V, workload
 from ..files import check_replace, holds, read_safetensors_meta, write_json
 from ..drafters.exit_heads import check_layer
+from ..train.data import DATA_CHOICES
 from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _threads
 
 
@@ -98,6 +99,13 @@ def _setup_train(p):
         "--skip-conversations", type=V.nonneg_int, default=0, help="ShareGPT conversations to pass over first"
     )
     p.add_argument(
+        "--data",
+        type=V.name_or_file_arg(DATA_CHOICES, "self-distilled data file (.jsonl)"),
+        default="sharegpt",
+        help="sharegpt (default), self-distill (the model's own answers: `layerleap train data --self-distill`) "
+        "or a self-distilled .jsonl",
+    )
+    p.add_argument(
         "--eval-tokens",
         type=V.int_arg(0, 10_000_000),
         default=4000,
@@ -130,7 +138,8 @@ def _setup_train(p):
 def run_train(args) -> int:
     import torch
 
-    from ..train.data import conversation_seqs
+    from ..train.data import conversation_seqs, load_self_distilled, self_distilled_seqs
+    from ..train.distributed import init_from_env
     from ..train.exit_heads import HeadTrainConfig, agreement, cache_hidden, save_trained, train_heads
     from ..drafters.exit_heads import new_head
 
@@ -152,8 +161,16 @@ def run_train(args) -> int:
         save_every=args.save_every,
         seed=args.seed,
     )
+    ranks = init_from_env(args.device)  # under torchrun: data-parallel, rank 0 writes
+    if args.threads is None:
+        args.threads = ranks.threads()
     cmd, model, threads = _start(args)
     cfg.check(model)
+    seqs = None
+    if args.data != "sharegpt":
+        path, pairs = load_self_distilled(model, args.data)
+        seqs = self_distilled_seqs(pairs, cfg.tokens, cfg.seq_len)
+        cfg.data = f"self-distilled: {model.config.name}'s greedy answers to ShareGPT prompts ({path.name})"
     D, vocab = model.config.hidden_size, model.config.vocab_size
     head = D * (D if cfg.kind == "lens" else 0) + D * (cfg.candidates + cfg.negatives if cfg.candidates else vocab)
     workload.check(
@@ -162,7 +179,7 @@ def run_train(args) -> int:
         workload.flops(model, 6 * head * len(cfg.layers) * cfg.tokens * cfg.epochs, f"{cfg.epochs:,} epochs"),
     )
     t0 = time.perf_counter()
-    res = train_heads(model, cfg, work=work)
+    res = train_heads(model, cfg, work=work, seqs=seqs)
     wall = time.perf_counter() - t0
     report = {
         "command": cmd,
@@ -177,7 +194,10 @@ def run_train(args) -> int:
         "wall_s": round(wall, 1),
         "threads": threads,
         "losses": res.losses,
+        "processes": ranks.world,
     }
+    if not ranks.main:
+        return 0
     if args.eval_tokens > 0:  # held out: the conversations after those trained on
         _, seen = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations, return_seen=True)
         val = conversation_seqs(model.tokenizer, args.eval_tokens, cfg.seq_len, seen)

@@ -12,7 +12,8 @@ import torch
 
 from ..drafters import medusa_transfer as drafters
 from ..train import medusa_transfer as train_drafters
-from ..train.data import stream_chunks
+from ..train.distributed import init_from_env
+from ..train.data import DATA_CHOICES, load_self_distilled, self_distilled_chunks, stream_chunks
 from . import command
 from ..datasets import spec_bench
 from ..decoding import generate
@@ -25,6 +26,7 @@ from .basic import _command_line, _load, _model_args, _positive_int, _threads
 DRAFTER_ARG = V.name_or_file_arg(("trained",), "drafter weights file")
 TRANSFER_LAYERS = (15, 20, 25)  # train transfer's default t_i
 MEDUSA_HEADS = 3  # train medusa's default heads
+TRAIN_DATA_ARG = V.name_or_file_arg(DATA_CHOICES, "self-distilled data file (.jsonl)")
 
 
 @command(
@@ -63,6 +65,13 @@ def _setup_train(p):
         type=V.int_arg(1, 10_000_000),
         default=2000,
         help="ShareGPT conversations read (default 2000)",
+    )
+    p.add_argument(
+        "--data",
+        type=TRAIN_DATA_ARG,
+        default="sharegpt",
+        help="sharegpt (default), self-distill (the model's own answers: `layerleap train data --self-distill`) "
+        "or a self-distilled .jsonl",
     )
     p.add_argument(
         "--chunks",
@@ -114,7 +123,8 @@ def _kind_flags(args) -> str:
 @_setup_train
 def run_train(args) -> int:
     kind = _kind_flags(args)
-    threads = _threads(args.threads)
+    ranks = init_from_env(args.device)  # under torchrun: data-parallel, rank 0 writes
+    threads = _threads(args.threads or ranks.threads())
     model = _load(args)
     cfg = train_drafters.TrainConfig(
         kind=kind,
@@ -132,10 +142,16 @@ def run_train(args) -> int:
     train_drafters.check_config(cfg, model)
     if not args.save_chunks and args.max_seconds is None:
         workload.check(args, workload.training(model, cfg.train_steps * cfg.batch_size * cfg.seq_len))
+    eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
+    data = None
     if args.chunks:
         chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks, model.config.vocab_size)]
+        data = f"pre-tokenized chunks {Path(args.chunks).name}"
+    elif args.data != "sharegpt":
+        path, pairs = load_self_distilled(model, args.data)
+        chunks = self_distilled_chunks(pairs, cfg.seq_len, cfg.seed, eos)
+        data = f"self-distilled: {len(pairs)} greedy answers of {model.config.name} to ShareGPT prompts ({path.name})"
     else:
-        eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
         chunks = stream_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
     if args.save_chunks:
         save_safetensors(
@@ -144,9 +160,11 @@ def run_train(args) -> int:
         print(f"wrote {len(chunks)} chunks of {cfg.seq_len} tokens to {args.save_chunks}")
         return 0
     t = time.perf_counter()
-    data = f"pre-tokenized chunks {Path(args.chunks).name}" if args.chunks else None
     report = train_drafters.train(model, args.out, cfg, chunks=chunks, data=data, command=_command_line(args))
     report.update(command=_command_line(args), threads=threads, wall_s=time.perf_counter() - t, device=args.device)
+    if not ranks.main:
+        return 0
+    report["processes"] = ranks.world
     losses = report.pop("losses")
     first = sum(losses[:5]) / max(1, len(losses[:5]))
     last = sum(losses[-5:]) / max(1, len(losses[-5:]))

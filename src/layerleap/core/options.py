@@ -321,6 +321,14 @@ TRANSFER = Option(
     default="trained",
     choices=("trained",),
 )
+DRAFT_VOCAB = Option(
+    "draft_vocab",
+    "weights",
+    "the tokens a draft scores: auto (the shipped set of frequent tokens, else all), full (the whole vocabulary) "
+    "or a draft-vocabulary file; verification scores the whole vocabulary",
+    default="auto",
+    choices=("auto", "full"),
+)
 MEDUSA_HEADS = Option(
     "heads", "weights", "Medusa heads: trained (shipped) or a weights file", default="trained", choices=("trained",)
 )

@@ -32,7 +32,8 @@ from ..core.run import Run
 from ..core.stats import AutoStats
 from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
-from .trees import TreeDrafter, top_drafts, transfer_pass
+from .draft_vocab import DraftVocab
+from .trees import TreeDrafter, draft_logits, top_drafts, transfer_pass
 
 MODES = ("lookup", "transfer")
 FIRST_PROBE = 3  # plain rounds before the first probe of transfer calls (0: start with the probe)
@@ -132,11 +133,12 @@ class AutoDrafter(TreeDrafter):
         max_ngram: int,
         proj=None,
         buf: tree_mod.TreeBuffers | None = None,
+        vocab: DraftVocab | None = None,
     ):
         buf = tree_mod.build("") if proj is None or buf is None else buf
         self.steps = buf.depth if buf.n > 1 else 0
         self.draft_len = draft_len
-        super().__init__(run, buf)
+        super().__init__(run, buf, vocab)
         self.proj = proj if self.steps else None
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
         self.chooser = Chooser(MODES if self.proj is not None else MODES[:1])
@@ -195,8 +197,9 @@ class AutoDrafter(TreeDrafter):
             return
         if self.round_mode == "transfer":
             pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
-            for b, p in self.kept_states(cands, results, pseudo).items():
-                self.topk[b] = top_drafts(self.buf, self.run.model.logits(p))  # [depth, K]
+            for b, p in self.kept_states(cands, results, pseudo).items():  # p [steps, D]
+                z = self.run.model.final_norm(p)
+                self.topk[b] = top_drafts(self.buf, draft_logits(self.run, z, self.vocab), self.vocab)
         else:
             self.topk = [None] * self.run.batch  # drafts from an older position: of no use
         self.mode_rounds[self.round_mode] += 1

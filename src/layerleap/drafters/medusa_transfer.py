@@ -108,12 +108,16 @@ class MedusaHeads(_Drafter):
     def steps(self) -> int:
         return len(self.heads)
 
-    def logits(self, step: int, z: torch.Tensor) -> torch.Tensor:
-        """Logits ``[.., V]`` of head ``step`` (1-based: the token ``step + 1`` ahead) from normalised
-        last-layer states ``z`` ``[.., D]``."""
+    def state(self, step: int, z: torch.Tensor) -> torch.Tensor:
+        """What head ``step`` (1-based: the token ``step + 1`` ahead) feeds the unembedding, ``[.., D]``,
+        from normalised last-layer states ``z`` ``[.., D]``."""
         lin = self.heads[step - 1]
         z32 = z.to(lin.weight.dtype)
-        return self.model.unembed((z32 + F.silu(lin(z32))).to(self.model.dtype))
+        return (z32 + F.silu(lin(z32))).to(self.model.dtype)
+
+    def logits(self, step: int, z: torch.Tensor) -> torch.Tensor:
+        """Logits ``[.., V]`` of head ``step`` from normalised last-layer states ``z`` ``[.., D]``."""
+        return self.model.unembed(self.state(step, z))
 
 
 def new_drafter(model: Transformer, kind: str, **config) -> _Drafter:

@@ -24,15 +24,18 @@ from ..core.run import GenerationError, Run
 from ..core.stats import TreeStats
 from ..core.tree import Candidates
 from .base import Drafter
+from .draft_vocab import DraftVocab
 from .medusa_transfer import MedusaHeads, TransferProjections
 
 
-def tree_buffers(run: Run, name: str, tree, steps: int) -> tree_mod.TreeBuffers:
-    """The tree's buffers, after checking the tree against the trained steps and the context."""
+def tree_buffers(run: Run, name: str, tree, steps: int, vocab: DraftVocab | None = None) -> tree_mod.TreeBuffers:
+    """The tree's buffers, after checking the tree against the trained steps, the (draft) vocabulary
+    and the context."""
     buf = tree_mod.build(tree)
-    V = run.model.config.vocab_size
+    V = run.model.config.vocab_size if vocab is None else vocab.size
     if buf.n > 1 and max(buf.max_rank(d) for d in range(1, buf.depth + 1)) > V:
-        raise GenerationError(f"the tree takes draft ranks beyond the vocabulary ({V} tokens): give smaller top-k")
+        what = "vocabulary" if vocab is None else "draft vocabulary"
+        raise GenerationError(f"the tree takes draft ranks beyond the {what} ({V} tokens): give smaller top-k")
     if buf.n > 1 and buf.depth > steps:
         raise GenerationError(
             f"the tree is {buf.depth} deep but the {name} weights have {steps} step(s): give a "
@@ -49,10 +52,17 @@ def tree_buffers(run: Run, name: str, tree, steps: int) -> tree_mod.TreeBuffers:
     return buf
 
 
-def top_drafts(buf: tree_mod.TreeBuffers, step_logits: torch.Tensor) -> torch.Tensor:
-    """``[k, V]`` draft logits by step -> ``[depth, K]`` top-K token ids (K: the widest level)."""
+def top_drafts(buf: tree_mod.TreeBuffers, step_logits: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
+    """``[k, V]`` draft logits by step (``[k, vocab.size]`` over a draft vocabulary's ids) -> ``[depth, K]``
+    top-K token ids (K: the widest level)."""
     K = max(buf.max_rank(d) for d in range(1, buf.depth + 1))
-    return step_logits[: buf.depth].topk(K, dim=-1).indices.cpu()
+    top = step_logits[: buf.depth].topk(K, dim=-1).indices
+    return (top if vocab is None else vocab.token(top)).cpu()
+
+
+def draft_logits(run: Run, z: torch.Tensor, vocab: DraftVocab | None) -> torch.Tensor:
+    """Normalised states ``z`` ``[.., D]`` -> draft logits: ``[.., V]``, or ``[.., K]`` over ``vocab``'s ids."""
+    return run.model.unembed(z) if vocab is None else vocab.logits(z)
 
 
 class TreeDrafter(Drafter):
@@ -61,8 +71,8 @@ class TreeDrafter(Drafter):
 
     batched = True
 
-    def __init__(self, run: Run, buf: tree_mod.TreeBuffers):
-        self.buf = buf
+    def __init__(self, run: Run, buf: tree_mod.TreeBuffers, vocab: DraftVocab | None = None):
+        self.buf, self.vocab = buf, vocab  # vocab: the draft vocabulary (None: the full one)
         super().__init__(run)
         self.topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: the next round's drafts
 
@@ -84,8 +94,8 @@ class TreeDrafter(Drafter):
 
 
 class MedusaDrafter(TreeDrafter):
-    def __init__(self, run: Run, heads: MedusaHeads, buf: tree_mod.TreeBuffers):
-        super().__init__(run, buf)
+    def __init__(self, run: Run, heads: MedusaHeads, buf: tree_mod.TreeBuffers, vocab: DraftVocab | None = None):
+        super().__init__(run, buf, vocab)
         self.heads = heads
 
     def round_tokens(self) -> int:
@@ -95,8 +105,8 @@ class MedusaDrafter(TreeDrafter):
         """Drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
         if self.buf.n > 1:
             z = self.run.model.final_norm(h)
-            logits = torch.stack([self.heads.logits(i, z) for i in range(1, self.buf.depth + 1)])  # [depth, V]
-            self.topk[row] = top_drafts(self.buf, logits)
+            states = torch.stack([self.heads.state(i, z) for i in range(1, self.buf.depth + 1)])  # [depth, D]
+            self.topk[row] = top_drafts(self.buf, draft_logits(self.run, states, self.vocab), self.vocab)
 
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()
@@ -152,9 +162,9 @@ def transfer_pass(
 
 
 class TransferDrafter(TreeDrafter):
-    def __init__(self, run: Run, proj: TransferProjections, buf: tree_mod.TreeBuffers):
+    def __init__(self, run: Run, proj: TransferProjections, buf: tree_mod.TreeBuffers, vocab: DraftVocab | None = None):
         self.steps = buf.depth if buf.n > 1 else 0
-        super().__init__(run, buf)
+        super().__init__(run, buf, vocab)
         self.proj = proj
         self.pseudo_states = 0
         self.pseudo: torch.Tensor | None = None  # [B, steps, n, D]
@@ -182,8 +192,9 @@ class TransferDrafter(TreeDrafter):
         super().update(cands, results)
         if called and self.steps:
             pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
-            for row, p in self.kept_states(cands, results, pseudo).items():
-                self.topk[row] = top_drafts(self.buf, self.run.model.logits(p))  # [depth, K]
+            for row, p in self.kept_states(cands, results, pseudo).items():  # p [steps, D]
+                z = self.run.model.final_norm(p)
+                self.topk[row] = top_drafts(self.buf, draft_logits(self.run, z, self.vocab), self.vocab)
 
     def tree_stats(self, counts) -> list[TreeStats]:
         stats = super().tree_stats(counts)

@@ -26,6 +26,7 @@ from ..core.run import Run, register
 from ..core.stats import LookupStats
 from ..drafters import medusa_transfer as weights
 from ..drafters.auto import AutoDrafter
+from ..drafters.draft_vocab import get_draft_vocab
 from ..drafters.trees import tree_buffers
 from . import draft_verify
 from .hidden_transfer import default_tree
@@ -50,7 +51,9 @@ TRANSFER = O.TRANSFER.but(
 )
 
 
-@register("auto", batched=True, sampling=True, exact=True, grammar=True, options=(*OPTIONS, O.TREE, TRANSFER))
+@register(
+    "auto", batched=True, sampling=True, exact=True, grammar=True, options=(*OPTIONS, O.TREE, TRANSFER, O.DRAFT_VOCAB)
+)
 def auto(
     run: Run,
     *,
@@ -59,15 +62,18 @@ def auto(
     min_ngram: int | None = None,
     tree=None,
     transfer="auto",
+    draft_vocab="auto",
 ):
     """Lossless: prompt lookup's chain and Hidden Transfer's tree, the faster per round on this machine
-    (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer: 'auto', a weights file or none)."""
+    (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer: 'auto', a weights file or none;
+    draft_vocab: the pseudo states score a shipped set of frequent tokens ('auto'), all ('full') or a file's)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     proj = transfer_weights(run, transfer)
-    buf = None
+    buf = vocab = None
     if proj is not None:
-        buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps)
-    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf)
+        vocab = get_draft_vocab(run.model, draft_vocab)
+        buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
+    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab)
     counts = yield from draft_verify.decode(run, drafter)
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
     run.record(drafter.tree_stats(counts))

@@ -43,9 +43,17 @@ def default_tree(model) -> str:
     return tuned_tree(model, DEFAULT_TREES)
 
 
-@register("hidden-transfer", batched=True, sampling=True, exact=True, grammar=True, options=(O.TREE, O.TRANSFER))
-def hidden_transfer(run: Run, *, tree=None, transfer="trained"):
+@register(
+    "hidden-transfer",
+    batched=True,
+    sampling=True,
+    exact=True,
+    grammar=True,
+    options=(O.TREE, O.TRANSFER, O.DRAFT_VOCAB),
+)
+def hidden_transfer(run: Run, *, tree=None, transfer="trained", draft_vocab="auto"):
     """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=; tree
-    none: the dtype's tuned tree): greedy-exact; lossless sampling."""
+    none: the dtype's tuned tree): greedy-exact; lossless sampling.  draft_vocab: pseudo states score
+    only a shipped set of frequent tokens ('auto'), all tokens ('full'), or a draft-vocabulary file's."""
     tree = default_tree(run.model) if tree is None else tree
-    yield from decode_tree(run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter)
+    yield from decode_tree(run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter, draft_vocab)

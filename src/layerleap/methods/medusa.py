@@ -16,6 +16,7 @@ from __future__ import annotations
 from ..core import options as O
 from ..core.run import Run, register
 from ..drafters import medusa_transfer as weights
+from ..drafters.draft_vocab import get_draft_vocab
 from ..drafters.trees import MedusaDrafter, tree_buffers
 from . import draft_verify
 
@@ -29,18 +30,23 @@ def tuned_tree(model, trees: dict[str, str]) -> str:
     return trees.get(model.dtype_name, trees["float32"])
 
 
-def decode_tree(run: Run, kind: str, name: str, tree, spec, drafter_cls):
-    """A tree method: its ``kind`` of weights (``spec``), the checked tree, the shared loop."""
+def decode_tree(run: Run, kind: str, name: str, tree, spec, drafter_cls, draft_vocab="auto"):
+    """A tree method: its ``kind`` of weights (``spec``), the draft vocabulary, the checked tree, the
+    shared loop."""
     w = weights.get_drafter(run.model, kind, spec)
-    buf = tree_buffers(run, name, tree, w.steps)
-    drafter = drafter_cls(run, w, buf)
+    vocab = get_draft_vocab(run.model, draft_vocab)
+    buf = tree_buffers(run, name, tree, w.steps, vocab)
+    drafter = drafter_cls(run, w, buf, vocab)
     counts = yield from draft_verify.decode(run, drafter)
     run.record(drafter.tree_stats(counts))
 
 
-@register("medusa", batched=True, sampling=True, exact=True, grammar=True, options=(O.TREE, O.MEDUSA_HEADS))
-def medusa(run: Run, *, tree=None, heads="trained"):
+@register(
+    "medusa", batched=True, sampling=True, exact=True, grammar=True, options=(O.TREE, O.MEDUSA_HEADS, O.DRAFT_VOCAB)
+)
+def medusa(run: Run, *, tree=None, heads="trained", draft_vocab="auto"):
     """Medusa heads drafting a candidate tree (tree=, heads=; tree none: the dtype's tuned tree), verified
-    with tree attention: greedy-exact; lossless sampling."""
+    with tree attention: greedy-exact; lossless sampling.  draft_vocab: the heads score only a shipped
+    set of frequent tokens ('auto'), all tokens ('full'), or a draft-vocabulary file's."""
     tree = tuned_tree(run.model, DEFAULT_TREES) if tree is None else tree
-    yield from decode_tree(run, "medusa", "medusa", tree, heads, MedusaDrafter)
+    yield from decode_tree(run, "medusa", "medusa", tree, heads, MedusaDrafter, draft_vocab)

@@ -38,7 +38,7 @@ import torch
 
 from ..core import verify
 from ..core import options as O
-from ..core.run import Run, register
+from ..core.run import GenerationError, Run, register
 from ..core.stats import PPDStats
 from ..drafters.early_exit import EarlyExit
 
@@ -131,19 +131,24 @@ EXIT_LAYER = O.EXIT_LAYER.but(
     none="ceil(n_layers/2)",
     help="d̄, the early-prediction layer: PPD is defined for d̄ >= d/2 (the paper's Algorithm 2)",
 )
-OPTIONS = (EXIT_LAYER, O.K, O.HEAD)
+OPTIONS = (EXIT_LAYER, O.K, O.HEAD, O.DRAFT_VOCAB)
 
 
 @register("ppd", exact=True, options=OPTIONS)
-def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto"):
+def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto", draft_vocab="auto"):
     """Predictive Pipelined Decoding (exact greedy): early top-k at layer exit_layer (default d/2) start k
-    pipelined sub-passes (clock in layer units)."""
+    pipelined sub-passes (clock in layer units).  draft_vocab: the exit head scores only a shipped set
+    of frequent tokens ('auto'), all tokens ('full'), or a draft-vocabulary file's."""
+    from ..drafters.draft_vocab import get_draft_vocab, with_draft_vocab
     from ..drafters.exit_heads import get_head
 
     model = run.model
     d = run.n_layers
     dbar = min_exit_layer(d) if exit_layer is None else exit_layer
-    exit_head = get_head(model, dbar, head)
+    vocab = get_draft_vocab(model, draft_vocab)
+    if vocab is not None and k > vocab.size:
+        raise GenerationError(f"k={k} is more than the draft vocabulary ({vocab.size} tokens): lower k")
+    exit_head = with_draft_vocab(get_head(model, dbar, head), vocab)
     lo = d - dbar  # the layers a sub-process runs before the main process needs its result
     pair = EarlyExit(run, dbar, exit_head, round_tokens=k + 1)
     cache = pair.cache

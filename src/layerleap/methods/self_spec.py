@@ -50,7 +50,14 @@ def default_exit_layer(n_layers: int) -> int:
     sampling=True,
     exact=True,
     grammar=True,
-    options=(O.EXIT_LAYER, O.DRAFT_LEN.but(none="the dtype's tuned one"), O.MIN_CONFIDENCE, O.HEAD, O.SCHEDULE),
+    options=(
+        O.EXIT_LAYER,
+        O.DRAFT_LEN.but(none="the dtype's tuned one"),
+        O.MIN_CONFIDENCE,
+        O.HEAD,
+        O.SCHEDULE,
+        O.DRAFT_VOCAB,
+    ),
 )
 def self_spec(
     run: Run,
@@ -60,9 +67,12 @@ def self_spec(
     min_confidence: float = 0.0,
     head="auto",
     schedule: str = "constant",
+    draft_vocab="auto",
 ):
     """Self-speculative decoding: draft with layers [0, exit_layer) + exit head, verify with one full
-    pass reusing their KV (greedy-exact; lossless sampling)."""
+    pass reusing their KV (greedy-exact; lossless sampling).  draft_vocab: the exit head scores only a
+    shipped set of frequent tokens ('auto'), all tokens ('full'), or a draft-vocabulary file's."""
+    from ..drafters.draft_vocab import get_draft_vocab, with_draft_vocab
     from ..drafters.exit_heads import get_head
 
     d = run.n_layers
@@ -70,7 +80,7 @@ def self_spec(
     draft_len = (
         DEFAULT_DRAFT_LENS.get(run.model.dtype_name, DEFAULT_DRAFT_LENS["float32"]) if draft_len is None else draft_len
     )
-    exit_head = get_head(run.model, E, head)
+    exit_head = with_draft_vocab(get_head(run.model, E, head), get_draft_vocab(run.model, draft_vocab))
     run.record_all(ExitStats(exit_layer=E, head=exit_head.kind))
     rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=False)
     drafter = EarlyExitDrafter(run, E, exit_head, rule)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 from ..core.run import chat_token_ids
@@ -169,47 +170,131 @@ def sharegpt_questions(tokenizer, n: int, max_prompt: int, skip: int = 0) -> lis
     return out
 
 
-def _read_distilled(path: Path) -> list[tuple[list[int], list[int]]]:
-    """The self-distilled pairs already in ``path`` (JSON lines {prompt, completion} of token ids)."""
+def self_distill_path(model, max_prompt: int = 96, gen_len: int = 64) -> Path:
+    """Where ``self_distilled`` data of ``model`` (by fingerprint) and these settings is cached."""
+    from ..files import cache_root
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", model.config.name or "model")
+    return cache_root() / "self-distill" / f"{name}-{model.fingerprint[:16]}-p{max_prompt}-g{gen_len}.jsonl"
+
+
+def read_self_distilled(path, fingerprint: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """The pairs (prompt ids, completion ids) of a self-distilled JSON-lines file; refuses one written
+    for another model (``fingerprint``: the reader's) or one that is not such a file."""
+    path = Path(path).expanduser()
+    out = []
     from .. import validate as V
 
-    text = V.read_bounded(path, f"--data {path}")
     try:
-        rows = [json.loads(line) for line in text.decode("utf-8").splitlines() if line.strip()]
-        return [(list(map(int, r["prompt"])), list(map(int, r["completion"]))) for r in rows]
-    except (ValueError, KeyError, TypeError) as e:
-        raise LayerleapError(
-            f"--data {path} is not self-distilled data ({type(e).__name__}): each line must be JSON "
-            '{"prompt": [ids], "completion": [ids]}: choose another --data (or delete it)'
-        ) from None
+        lines = V.read_bounded(path, f"--data {path}").decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TrainDataError(f"cannot read self-distilled data {path}: {getattr(e, 'strerror', None) or e}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            pair = ([int(t) for t in r["prompt"]], [int(t) for t in r["completion"]])
+        except (ValueError, KeyError, TypeError):
+            raise TrainDataError(
+                f"{path} line {i} is not a self-distilled record ({{'prompt': [ids], 'completion': [ids]}}): "
+                "write it with `layerleap train data --self-distill`"
+            ) from None
+        if fingerprint and r.get("model", fingerprint) != fingerprint:
+            raise TrainDataError(
+                f"{path} holds answers of another model (fingerprint {r.get('model')}; this model "
+                f"{fingerprint}): write this model's with `layerleap train data --self-distill`"
+            )
+        out.append(pair)
+    return out
 
 
 def self_distilled(
     model, path, n: int, max_prompt: int = 96, gen_len: int = 64, batch: int = 16, progress: bool = True
 ) -> list[tuple[list[int], list[int]]]:
     """``n`` pairs (ShareGPT prompt ids, the model's own greedy answer's ids, at most ``gen_len``):
-    self-distilled data.  Written to ``path`` (JSON lines ``{"prompt", "completion"}``, the file
-    rewritten atomically after each batch); a call with the same ``path`` reuses what is there and
-    decodes only the rest."""
-    import json
-    from pathlib import Path
-
+    self-distilled data, decoded ``batch`` prompts at a time as one batch.  Written to ``path`` (JSON
+    lines ``{"prompt", "completion", "model"}``, the file rewritten atomically after each batch); a
+    call with the same ``path`` reuses what is there and decodes only the rest (a file of another
+    model is refused)."""
     from tqdm.auto import tqdm
 
     from ..decoding import generate
     from ..files import write_text
 
     path = Path(path)
-    done: list[tuple[list[int], list[int]]] = []
-    if path.is_file():
-        done = _read_distilled(path)
+    fp = model.fingerprint
+    done = read_self_distilled(path, fp) if path.is_file() else []
     prompts = sharegpt_questions(model.tokenizer, n, max_prompt)
-    bar = tqdm(total=len(prompts), initial=len(done), desc="self-distilling", unit="ex", disable=not progress)
+    start = min(len(done), len(prompts))
+    bar = tqdm(total=len(prompts), initial=start, desc="self-distilling", unit="ex", disable=not progress)
     while len(done) < len(prompts):
         chunk = prompts[len(done) : len(done) + batch]
         res = generate(model, chunk, "greedy", gen_len)
         done += [(p, [int(t) for t in r.token_ids]) for p, r in zip(chunk, res)]
-        write_text(path, "".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in done))
+        write_text(path, "".join(json.dumps({"prompt": p, "completion": c, "model": fp}) + "\n" for p, c in done))
         bar.update(len(chunk))
     bar.close()
     return [(p, c) for p, c in done[:n] if c]
+
+
+def answer_tokens(tokenizer, n_conversations: int) -> list[list[int]]:
+    """The token ids of the assistant turns of the first ``n_conversations`` ShareGPT conversations
+    (no template: the answers' text alone)."""
+    from ..datasets import sharegpt_conversations
+
+    return [
+        tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+        for conv in sharegpt_conversations(limit=n_conversations)
+        for m in messages(conv, ("gpt", "chatgpt", "assistant"))
+    ]
+
+
+DATA_CHOICES = ("sharegpt", "self-distill")  # a trainer's --data, besides a self-distilled .jsonl
+
+
+def load_self_distilled(model, spec: str = "self-distill", max_prompt: int = 96, gen_len: int = 64):
+    """A trainer's self-distilled data: "self-distill" (the cached file ``layerleap train data
+    --self-distill`` writes: the one of these settings, else the newest of this model) or a .jsonl
+    file -> (its path, its pairs (prompt ids, answer ids))."""
+    path = self_distill_path(model, max_prompt, gen_len) if spec == "self-distill" else Path(spec).expanduser()
+    if spec == "self-distill" and not path.is_file():
+        others = sorted(path.parent.glob(path.name.rsplit("-p", 1)[0] + "-p*.jsonl"), key=lambda p: p.stat().st_mtime)
+        path = others[-1] if others else path
+    if spec == "self-distill" and not path.is_file():
+        raise TrainDataError(
+            f"no self-distilled data for {model.config.name} yet: write it with "
+            "`layerleap train data --self-distill 1000` (or give --data FILE.jsonl)"
+        )
+    pairs = [(p, c) for p, c in read_self_distilled(path, model.fingerprint) if c]
+    if not pairs:
+        raise TrainDataError(f"{path} holds no answers: write some with `layerleap train data --self-distill`")
+    return path, pairs
+
+
+def self_distilled_chunks(pairs, seq_len: int, seed: int, eos: int) -> list[list[int]]:
+    """Chunks of ``seq_len`` tokens (as ``stream_chunks``) from self-distilled pairs: each prompt and
+    its answer, the pairs shuffled with ``seed`` and joined by ``eos``."""
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    stream: list[int] = []
+    for i in order:
+        stream.extend(pairs[i][0] + pairs[i][1])
+        stream.append(eos)
+    chunks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    if not chunks:
+        raise TrainDataError(f"the self-distilled data holds fewer than {seq_len} tokens: write more answers")
+    return chunks
+
+
+def self_distilled_seqs(pairs, tokens: int, seq_len: int) -> list[list[int]]:
+    """Whole prompt-and-answer sequences (as ``conversation_seqs``), each cut at ``seq_len``, until
+    ``tokens`` positions are collected."""
+    out, total = [], 0
+    for p, c in pairs:
+        ids = (p + c)[:seq_len][: tokens - total]
+        out.append(ids)
+        total += len(ids)
+        if total >= tokens:
+            break
+    return out

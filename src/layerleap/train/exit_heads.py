@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..files import reading, save_safetensors
+from . import distributed
 from .data import conversation_seqs
 from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, items_seen, train
 from ..drafters import weights
@@ -76,6 +77,7 @@ class HeadTrainConfig:
     seed: int = 0
     save_every: int = 50
     skip_conversations: int = 0  # ShareGPT conversations skipped first (held-out splits)
+    data: str = "sharegpt"  # what the positions are: ShareGPT conversations, or a label of the given sequences
 
     def check(self, model: Transformer) -> "HeadTrainConfig":
         n = model.config.n_layers
@@ -239,7 +241,7 @@ def _config_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
 
 
 def _cache_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
-    keys = ("layers", "tokens", "seq_len", "skip_conversations", "candidates")
+    keys = ("layers", "tokens", "seq_len", "skip_conversations", "candidates", "data")
     return json.dumps(
         {**{k: getattr(cfg, k) for k in keys}, "layers": sorted(cfg.layers), "model": fingerprint}, sort_keys=True
     )
@@ -276,7 +278,7 @@ def load_or_build_cache(
     if cfg.candidates:
         cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
     timing["seconds"] = time.perf_counter() - t0
-    if path is not None:
+    if path is not None and distributed.ranks().main:
         save_safetensors(
             path,
             {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()},
@@ -302,18 +304,22 @@ def _objective(model: Transformer, cfg: HeadTrainConfig, cache: dict, heads: lis
     """``loss(step)``: each head's loss on the step's batch of cached positions, one at a time (a
     ``[B, V]`` graph alive at once)."""
     final = cache[model.config.n_layers]
+    ranks = distributed.ranks()
 
     def loss(step: int):
-        idx = epoch_batch(step, len(final), cfg.batch_tokens, cfg.seed)
+        batch = epoch_batch(step, len(final), cfg.batch_tokens, cfg.seed)
+        idx, weight = batch[ranks.rank :: ranks.world], len(batch[ranks.rank :: ranks.world]) / len(batch)
+        if not len(idx):  # no positions for this process this step
+            return [torch.zeros((), requires_grad=True)]
         cand = None
-        if cfg.candidates:
+        if cfg.candidates:  # the whole batch's candidate set, on every process
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-            cand = step_candidates(cache[TOP_KEY][idx], model.config.vocab_size, cfg.negatives, gen)
+            cand = step_candidates(cache[TOP_KEY][batch], model.config.vocab_size, cfg.negatives, gen)
             tlogp = target_logp_at(model, final[idx], cand.to(model.device))
             cand = cand.to(model.device)
         else:
             tlogp = target_logp(model, final[idx])
-        return (head_loss(h, cache[h.layer][idx], tlogp, cfg.loss, cand) for h in heads)
+        return (weight * head_loss(h, cache[h.layer][idx], tlogp, cfg.loss, cand) for h in heads)
 
     return loss
 
@@ -406,8 +412,11 @@ def save_trained(
     heads = [result.heads[x] for x in sorted(result.heads)]
     model = heads[0].model
     cfg = result.config
+    data = cfg.get("data", "sharegpt")
     budget = weights.Budget(
-        f"{weights.SHAREGPT}: {result.tokens} positions of whole conversations, chat template",
+        f"{weights.SHAREGPT}: {result.tokens} positions of whole conversations, chat template"
+        if data == "sharegpt"
+        else f"{data}: {result.tokens} positions of prompts and answers, chat template",
         items_seen(result.steps, result.tokens, cfg["batch_tokens"]),
         result.steps,
         result.seconds,

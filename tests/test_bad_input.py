@@ -598,7 +598,7 @@ CLI = [
     (TT + ["--out", "{T}/t.safetensors", "--layers", "1,2,3", "--chunks", "{SHORT}"], "leave no target 3 steps ahead"),
     (
         ["finetune", "variant", *M, "--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{GARBAGE}"],
-        "is not self-distilled data",
+        "is not a self-distilled record",
     ),
     # runs of hours refused unless asked (--max-hours H or --yes)
     (
@@ -901,8 +901,8 @@ API = [
     (_gen("hi", chat=1), "chat must be True or False"),
     (_gen("hi", stop_at_eos=None), "stop_at_eos must be True or False"),
     # method options
-    (_medusa(draft_vocab=3), "draft_vocab must be 'auto', 'full', a draft-vocabulary file"),
-    (_medusa(draft_vocab="/no/such.safetensors"), "no such draft-vocabulary file"),
+    (_medusa(draft_vocab=3), "draft_vocab must be one of auto, full, a weights file or loaded weights, got 3"),
+    (_medusa(draft_vocab="/no/such.safetensors"), "draft_vocab must be one of auto, full or an existing weights file"),
     (_medusa(tree=100000), "more than 512 nodes"),
     (_medusa(tree=[(0,)] * 600), "beyond the limit of 512 nodes"),
     (_medusa(tree=[40000]), "the tree 40000 has more than 512 nodes"),

@@ -95,6 +95,7 @@ def test_state_belongs_to_its_run(tmp_path):
         )
     from layerleap.files import save_safetensors
 
+    path.unlink()  # save_safetensors would not replace training state with tensors of no kind
     save_safetensors(path, {"x": torch.zeros(1)}, {"step": "1"})  # a state file of another layout
     with pytest.raises(LayerleapError, match="another version of layerleap: delete it"):
         _run(path)

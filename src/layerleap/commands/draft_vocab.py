@@ -105,7 +105,9 @@ def _setup_vocab(p):
     p.add_argument("--size", type=V.int_arg(1), default=None, help="write this K instead of the chosen one")
     p.add_argument("--rows", type=V.int_list_arg(1, 64), default="1,3", help="draft rows timed per call")
     p.add_argument("--reps", type=V.int_arg(1, 10_000), default=30, help="timed repetitions (median)")
-    p.add_argument("--out", type=V.weights_arg, default=None, help="write the chosen ids here (.safetensors)")
+    p.add_argument(
+        "--out", type=V.weights_out("draft-vocab"), default=None, help="write the chosen ids here (.safetensors)"
+    )
     p.add_argument("--json", type=V.report_arg, default=None, help="also write the table as JSON")
 
 

@@ -344,9 +344,11 @@ def save_packed(folder: Path, model) -> None:
             tensors[f"{name}.out_features"] = torch.tensor([fmt.out_features])
     tensors.update({n: p.detach() for n, p in model.named_parameters()})  # norms, dense tables
     meta = {"format": FORMAT + "-packed", "fingerprint": model.fingerprint, "modules": json.dumps(modules)}
+    path = packed_file(folder)
     try:
-        save_safetensors(packed_file(folder), tensors, meta)
-    except LayerleapError:
+        path.unlink(missing_ok=True)  # the cache's own file, unreadable or stale (else it was loaded): rebuilt
+        save_safetensors(path, tensors, meta)
+    except (LayerleapError, OSError):
         pass
 
 

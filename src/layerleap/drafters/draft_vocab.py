@@ -149,6 +149,7 @@ def save(path, model: Transformer, ids: torch.Tensor, meta: dict) -> Path:
     full = {
         **{k: v for k, v in meta.items() if v is not None},
         "format": FORMAT,
+        "kind": "draft-vocab",
         "fingerprint": model.fingerprint,
         "model": model.config.name,
         "size": str(len(ids)),

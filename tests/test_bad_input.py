@@ -630,6 +630,19 @@ CLI = [
         ["eval", "frontier", *M, "--grid", "base:calm", "--json", "{T}/f.json", "--max-hours", "1e-9"],
         "beyond the limit",
     ),
+    (["eval", "skipdecode", *M, "--prompts", "1", "--max-hours", "1e-9"], "24 runs × 64 tokens"),
+    (
+        ["eval", "skipdecode-speed", *M, "--batch-sizes", "1", "--targets", "2", "--max-hours", "1e-9"],
+        "4 batched runs",
+    ),
+    (["eval", "drafters", *M, "--transfer", "trained", "--max-hours", "1e-9"], "drafted positions"),
+    (["eval", "ppd-parallel", *M, "--prompts", "1", "--max-hours", "1e-9"], "beyond the limit of 1e-09 h"),
+    (["demo", *M, "--max-hours", "1e-9"], "beyond the limit of 1e-09 h"),
+    (
+        ["theory", "ppd", "--measure", *M, "--exit-layers", "2", "--ks", "1", "--max-hours", "1e-9"],
+        "greedy references × 64 tokens",
+    ),
+    (["theory", "ppd", "--max-hours", "5"], "--max-hours: not used without --measure"),
     (TM + ["--out", "{T}/m.safetensors", "--max-hours", "0"], "--max-hours: must be a finite number > 0"),
     (TM + ["--out", "{T}/m.safetensors", "--lr", "1e40"], "--lr: must be a finite number in (0, 1], got 1e+40"),
     (
@@ -1438,6 +1451,12 @@ def test_the_estimate_refuses_hours_and_passes_the_defaults():
     m, args = Model(), argparse.Namespace(max_hours=workload.MAX_HOURS, yes=False)
     workload.check(args, workload.decoding(m, 8 * 480, 128))  # eval exactness: 7 lossless methods + greedy
     workload.check(args, workload.training(m, 60 * 1 * 128))  # train medusa's defaults
+    workload.check(args, workload.decoding(m, 2 * (1 + 4 * 2 + 3 * 8), 64))  # eval skipdecode: 2 categories
+    workload.check(args, workload.decoding(m, (4 + 1 + 1) * 2 * 5, 64))  # eval skipdecode-speed
+    workload.check(args, workload.decoding(m, 8, 64), workload.training(m, 2 * 8 * 64))  # eval drafters, 2 drafters
+    workload.check(args, workload.decoding(m, 3 * 5 * 2, 64))  # eval ppd-parallel
+    workload.check(args, workload.decoding(m, 11 + 13 * 2, 32))  # demo: 11 methods, then bench on 2 prompts
+    workload.check(args, workload.decoding(m, 5 * 3, 64))  # theory ppd --measure
     with pytest.raises(workload.TooLong, match=r"at least 47 h .*add --max-hours 48 \(or --yes\)"):
         workload.check(args, workload.decoding(m, (100 + 2 + 1) * 240, 512))  # a 10×10 BiLD grid, 240 prompts
     with pytest.raises(workload.TooLong, match="at least"):

@@ -768,6 +768,7 @@ def _setup_demo(p):
         default=DEMO_HTML,
         help=f"the bench report as an HTML page (default {DEMO_HTML})",
     )
+    workload.add_args(p)
 
 
 def method_blocks(results: dict, width: int | None = None, quality: dict | None = None) -> str:
@@ -818,6 +819,8 @@ def run_demo(args) -> int:
     model = _load(args)
     _need_tokenizer(model, args)
     methods = _usable(model, methods)
+    bench_runs = (len(methods) + 1 + 1) * len(prompts)  # as bench: each method, greedy and transformers
+    workload.check(args, workload.decoding(model, len(methods) + bench_runs, args.max_new_tokens))
     print(_model_line(model, threads))
     print(f"methods: {', '.join(methods)}; sampling: {DEMO_SAMPLING}\n\nprompt (chat): {args.prompt}\n")
     shown = {}

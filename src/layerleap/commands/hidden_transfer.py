@@ -194,6 +194,7 @@ def _setup_eval(p):
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", type=V.report_arg, default=None)
     p.add_argument("--plot", type=V.plot_arg, default=None, help="a PNG of top-1 accuracy per step")
+    workload.add_args(p)
 
 
 def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[int, list[int]]]:
@@ -216,6 +217,12 @@ def run_eval(args) -> int:
     model = _load(args)
     cats = [c for c in args.categories.split(",") if c]
     prompts = spec_bench(None, cats, args.prompts)
+    n = len(args.transfer) + len(args.medusa)  # then one forward of every greedy reference per drafter
+    workload.check(
+        args,
+        workload.decoding(model, len(prompts), args.max_new_tokens, "greedy references"),
+        workload.training(model, n * len(prompts) * args.max_new_tokens, what="drafted positions"),
+    )
     chosen = [
         (kind, spec, drafters.get_drafter(model, kind, spec))
         for kind, specs in (("transfer", args.transfer), ("medusa", args.medusa))

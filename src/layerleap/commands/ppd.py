@@ -80,12 +80,13 @@ def _setup_theory(p):
         metavar="DIR",
         help="write match_rates.json and tradeoff_d{d̄}.png here",
     )
+    workload.add_args(m)
 
 
 THEORY_ONLY = ("--layers", "--exit-layer", "--k", "--p-correct", "--tokens", "--simulate", "--seed", "--json")
 MEASURE_ONLY = (
     *("--model", "--dtype", "--device", "--threads", "--variant", "--categories", "--prompts", "--max-new-tokens"),
-    *("--exit-layers", "--ks", "--head", "--out"),
+    *("--exit-layers", "--ks", "--head", "--out", "--max-hours", "--yes"),
 )
 
 
@@ -152,6 +153,7 @@ def _measure(args) -> int:
         theory.check_inputs(d, L, 1, 0.5, 1)
     for k in ks:
         V.integer(k, "--ks", 1, model.config.vocab_size, f" (the vocabulary of {model.config.name})")
+    workload.check(args, workload.decoding(model, len(prompts), args.max_new_tokens, "greedy references"))
     totals: dict = {}
     for pr in tqdm(prompts, desc="match rates", unit="prompt"):
         g = generate(model, pr.text, "greedy", args.max_new_tokens, stop_at_eos=False, chat=True)
@@ -223,6 +225,7 @@ def _setup_parallel(p):
     p.add_argument("--prompts", type=_positive_int, default=2, help="prompts per category (default 2)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the report here")
+    workload.add_args(p)
 
 
 @_setup_parallel
@@ -239,11 +242,22 @@ def run_parallel(args) -> int:
     threads = args.threads or 1
     print(f"$ {_command_line(args)}", flush=True)
     records = []
+
+    def before_start(model) -> None:  # greedy on one unit, PPD, greedy on all units: per prompt
+        _check_sizes(model, args)
+        workload.check(args, workload.decoding(model, 3 * len(prompts), args.max_new_tokens))
+
     with ParallelPPD(
-        args.model, args.exit_layer, args.k, args.head, args.head_on, threads=threads, dtype=args.dtype
+        args.model,
+        args.exit_layer,
+        args.k,
+        args.head,
+        args.head_on,
+        threads=threads,
+        dtype=args.dtype,
+        check=before_start,
     ) as ex:
         model = ex.model
-        _check_sizes(model, args)
         _say(f"{args.k + 1} processes × {threads} thread(s), d̄={ex.dbar}, head {ex.exit_head.kind} on {args.head_on}")
         ids0 = generate(model, prompts[0].text, "greedy", 4, chat=True).prompt_ids
         ex.generate(ids0, 8, stop_at_eos=False)  # warm-up

@@ -280,6 +280,18 @@ def _setup_eval(p):
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None)
     p.add_argument("--table", metavar="OUT.md", type=V.table_arg, default=None)
     p.add_argument("--plot", metavar="OUT.png", type=V.plot_arg, default=None)
+    workload.add_args(p)
+
+
+def _quality_runs(args, n_prompts: int, ft: int) -> int:
+    """Decodings of one category in ``eval skipdecode`` (``ft`` fine-tuned targets): a batched method
+    decodes the category's prompts in one call, another (CALM) one prompt at a time."""
+
+    def runs(method: str) -> int:
+        return 1 if get_method(method).batched else n_prompts
+
+    base = 0 if args.skip_base else (runs("skipdecode") + runs("early-exit")) * len(args.targets)
+    return runs("greedy") + ft * runs("skipdecode") + base + len(args.calm_thresholds) * runs("calm")
 
 
 def _quality_rows(model, prompts, refs, label, method, opts, max_new, rows, kind, bar=None):
@@ -335,6 +347,9 @@ def _eval_quality(args, model, threads) -> dict:
         "n_prompts": {c: len(v) for c, v in by_cat.items()},
         "max_new_tokens": args.max_new_tokens,
     }
+    ft = sum(s in fts for s in targets)
+    runs = sum(_quality_runs(args, len(ps), ft) for ps in by_cat.values())
+    workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
     ft_models = {s: _load(args, f) for s, f in fts.items()}
     from tqdm.auto import tqdm
 
@@ -528,13 +543,16 @@ def _eval_speed(args, model, threads) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "prompts": [p.id for p in pool],
     }
-    generate(model, pool[0].text, "greedy", 8, chat=True)  # warm-up
-    from tqdm.auto import tqdm
 
     def batches(B: int) -> list:
         if B == 1:
             return [[p] for p in pool[:4]]
         return [pool[i : i + B] for i in range(0, need, B)][: max(1, 4 // B) if B < 4 else 1]
+
+    runs = sum(len(batches(B)) for B in sizes) * args.repeats * len(labels)  # a batch decodes its prompts together
+    workload.check(args, workload.decoding(model, runs, args.max_new_tokens, "batched runs"))
+    generate(model, pool[0].text, "greedy", 8, chat=True)  # warm-up
+    from tqdm.auto import tqdm
 
     bar = tqdm(
         total=sum(len(batches(B)) for B in sizes) * args.repeats * len(labels),

@@ -210,7 +210,8 @@ def _sub_main(
 # -- the main process -----------------------------------------------------------------------------
 class ParallelPPD:
     """``k + 1`` processes running PPD.  ``model``: a packaged name (each process loads its own copy) or
-    a ``Transformer`` (sent to the sub-processes, which then hold their own copy)."""
+    a ``Transformer`` (sent to the sub-processes, which then hold their own copy).  ``check(model)``, if
+    given, runs on the main process's model before any sub-process starts (a raise starts none)."""
 
     def __init__(
         self,
@@ -222,6 +223,7 @@ class ParallelPPD:
         threads: int = 1,
         timeout_s: float = 120.0,
         dtype: str = "float32",
+        check=None,
     ):
         from ..drafters.exit_heads import get_head
         from ..core.loading import load
@@ -243,6 +245,8 @@ class ParallelPPD:
             O.K.check(k, self.model.config)
         self.k, self.head_on, self.threads = k, head_on, threads
         self.exit_head = get_head(self.model, self.dbar, head)
+        if check is not None:
+            check(self.model)
         self.procs: list = []
         self._busy = False
         torch.set_num_threads(threads)

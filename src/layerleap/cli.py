@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from . import interrupts
 from .commands import _COMMANDS, GROUP_HELP
@@ -87,8 +88,14 @@ def check_paths(args) -> None:
             files.check_replace_text(p, t.tags["text"], flag)
 
 
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning on the command line: one line naming its kind, not the library line that raised it."""
+    return f"layerleap: {category.__name__}: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    warnings.formatwarning = _warning_line
     try:
         with interrupts.deferred():  # importing torch and the commands
             parser = build_parser()

@@ -108,3 +108,24 @@ def test_cli_writes_the_cache_and_the_trainers_read_it(tmp_path, char_model_dir,
     got = generate(model, "hi", "medusa", 8, heads=str(out), draft_vocab=str(vocab), tree="2", stop_at_eos=False)
     assert got.token_ids == generate(model, "hi", "greedy", 8, stop_at_eos=False).token_ids
     capsys.readouterr()
+
+
+def test_cli_init_trains_on_from_a_file_and_heads_info_shows_both(tmp_path, char_model_dir, capsys):
+    D = str(char_model_dir)
+    assert main(["train", "data", "--model", D, "--threads", "1", "--self-distill", "3", "--gen-len", "8"]) == 0
+    argv = ["--model", D, "--threads", "1", "--steps", "2", "--seq-len", "8", "--data", "self-distill"]
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    assert main(["train", "medusa", "--heads", "1", *argv, "--out", str(old)]) == 0
+    assert main(["train", "medusa", "--heads", "1", *argv, "--init", str(old), "--out", str(new)]) == 0
+    capsys.readouterr()
+    assert main(["heads", "info", str(old), str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "| tokens | 16 | 32 |" in out and "| steps | 2 | 4 |" in out
+    assert "| init_from | not recorded | old.safetensors: 16 tokens, 2 steps" in out
+    assert main(["heads", "info", str(new)]) == 0
+    assert "this_run       16 tokens, 2 steps" in capsys.readouterr().out
+    bad = ["train", "transfer", "--layers", "1", *argv, "--init", str(old), "--out", str(tmp_path / "t.safetensors")]
+    assert main(bad) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and "error: --init: " in err.splitlines()[-1]
+    assert "not a file of Hidden Transfer projections" in err.splitlines()[-1]

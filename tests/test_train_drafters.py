@@ -100,3 +100,86 @@ def test_draft_accuracy_counts_the_greedy_tokens():
     js = range(len(prompt) - 1, len(seq) - 2)
     want = sum(seq[j + 2] == seq[j + 1] for j in js) / len(js)
     assert acc[1]["n"] == len(js) and acc[1][1] == pytest.approx(want)
+
+
+def _small(kind, **kw) -> TrainConfig:
+    return TrainConfig(
+        **{
+            "kind": kind,
+            "layers": [1, 2],
+            "steps_ahead": 2,
+            "train_steps": 4,
+            "seq_len": 12,
+            "batch_size": 1,
+            "lr": 1e-2,
+            "warmup": 0,
+            "save_every": 2,
+            **kw,
+        }
+    )
+
+
+@pytest.mark.parametrize("kind", ["transfer", "medusa"])
+def test_init_starts_from_the_files_weights_and_adds_its_budget(tmp_path, kind):
+    """``init``: the first step's loss is the loss of the file's weights (not of fresh ones), and the
+    written file's budget is the two runs' total, each run's own recorded beside it."""
+    import json
+
+    from layerleap.drafters import weights
+
+    model = random_model("llama-mha-untied", seed=2)
+    chunks = _chunks(model.config.vocab_size, seed=3)
+    first = train_drafters.train(model, tmp_path / "a.safetensors", _small(kind), chunks=chunks, progress=False)
+    a = drafters.load_drafter(model, first["out"], kind)
+    fresh = drafters.new_drafter(model, kind, layers=[1, 2], steps=2)
+    at_file = train_drafters.eval_loss(model, a, chunks[:1])  # step 0's batch: chunk 0
+    assert abs(at_file - train_drafters.eval_loss(model, fresh, chunks[:1])) > 1e-3
+    cfg = _small(kind, train_steps=3, init=first["out"])
+    second = train_drafters.train(model, tmp_path / "b.safetensors", cfg, chunks=chunks, progress=False)
+    assert second["losses"][0] == pytest.approx(at_file, abs=2e-5)
+
+    meta_a, meta_b = drafters.read_meta(first["out"]), drafters.read_meta(second["out"])
+    assert int(meta_b["tokens"]) == int(meta_a["tokens"]) + 3 * 12 == 7 * 12
+    assert int(meta_b["steps"]) == 7
+    assert float(meta_b["train_s"]) == pytest.approx(float(meta_a["train_s"]) + second["train_s"], abs=0.15)
+    before, run = json.loads(meta_b[weights.INIT_FROM]), json.loads(meta_b[weights.THIS_RUN])
+    assert before == {"file": "a.safetensors", **weights.budget_of(meta_a)}
+    assert (run["tokens"], run["steps"]) == ("36", "3")
+    assert meta_b["data"] == f"{meta_a['data']}; then {run['data']}"
+    assert meta_b["machine"] == f"{meta_a['machine']}; then {run['machine']}"
+    # a third run from the second keeps the whole chain
+    third = train_drafters.train(
+        model,
+        tmp_path / "c.safetensors",
+        _small(kind, train_steps=1, init=second["out"]),
+        chunks=chunks,
+        progress=False,
+    )
+    meta_c = drafters.read_meta(third["out"])
+    assert int(meta_c["tokens"]) == 8 * 12
+    assert json.loads(json.loads(meta_c[weights.INIT_FROM])[weights.INIT_FROM])["file"] == "a.safetensors"
+    table = weights.table({"a": meta_a, "b": meta_b})
+    assert "| init_from | not recorded | a.safetensors: 48 tokens, 4 steps" in table
+    assert "| this_run | not recorded | 36 tokens, 3 steps" in table
+
+
+def test_init_of_another_kind_shape_or_model_is_refused(tmp_path):
+    model = random_model("llama-mha-untied", seed=2)
+    chunks = _chunks(model.config.vocab_size, seed=3)
+    t = train_drafters.train(model, tmp_path / "t.safetensors", _small("transfer"), chunks=chunks, progress=False)
+    m = train_drafters.train(model, tmp_path / "m.safetensors", _small("medusa"), chunks=chunks, progress=False)
+    cases = [
+        (_small("medusa", init=t["out"]), "--init: .* is not a file of Medusa heads"),
+        (_small("transfer", init=m["out"]), "--init: .* is not a file of Hidden Transfer projections"),
+        (_small("transfer", layers=[1, 3], init=t["out"]), "for --layers 1,2, not .*give --layers 1,2"),
+        (_small("medusa", steps_ahead=3, init=m["out"]), "for --heads 2, not .*give --heads 2"),
+    ]
+    for cfg, msg in cases:
+        with pytest.raises(TrainError, match=msg):
+            train_drafters.train(model, tmp_path / "x.safetensors", cfg, chunks=chunks, progress=False)
+    other = random_model("llama-mha-untied", seed=9)
+    with pytest.raises(TrainError, match="--init: .*another model"):
+        train_drafters.train(
+            other, tmp_path / "x.safetensors", _small("transfer", init=t["out"]), chunks=chunks, progress=False
+        )
+    assert not (tmp_path / "x.safetensors").exists()

@@ -586,14 +586,19 @@ def run_info(args) -> int:
                     "model",
                     "fingerprint",
                     *weights.BUDGET,
+                    weights.INIT_FROM,
+                    weights.THIS_RUN,
                     "old_format",
                     "converted_from",
                     "budget_source",
                 ]
             )
             for k in keys:
+                value = (
+                    weights.stage(m.get(k)) if k in (weights.INIT_FROM, weights.THIS_RUN) and not args.all else m.get(k)
+                )
                 if k in m or k in weights.BUDGET:
-                    print(f"  {k:<14} {m.get(k) if m.get(k) not in (None, '') else 'not recorded'}")
+                    print(f"  {k:<14} {value if value not in (None, '') else 'not recorded'}")
     return 0
 
 

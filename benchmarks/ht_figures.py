@@ -96,7 +96,7 @@ def masked_plot(rows: dict, path: Path) -> None:
     steps = sorted(next(iter(rows.values())), key=int)
     width = 0.8 / len(rows)
     for r, (label, acc) in enumerate(rows.items()):
-        for k, hatch in ((1, ""), (5, "//")):
+        for k, hatch in ((5, "//"), (1, "")):  # top-5 behind top-1
             xs = [int(s) + 1 + (r - (len(rows) - 1) / 2) * width for s in steps]
             ax.bar(
                 xs,

@@ -10,7 +10,8 @@ per reference, the decoding pass of ``train.medusa_transfer.transfer_outputs``):
 - Figure 7: accuracy with the earlier pseudo states masked in the attention, against unmasked.
 
 Writes ``ht_figures.json`` and ``fig3_accuracy.png``, ``fig4_cosine.png``, ``fig7_masked.png`` into
-``--out``.  On other projections: ``--transfer FILE`` (and ``--out`` elsewhere to keep these).
+``--out``.  On other projections: ``--transfer FILE`` (and ``--out`` elsewhere to keep these);
+``--replot`` redraws the PNGs from ``--out``'s JSON.
 
 PYTHONPATH=src python benchmarks/ht_figures.py --threads 1 --prompts 6 --max-new-tokens 96 \\
     --transfer trained --out docs/hidden_transfer
@@ -19,6 +20,7 @@ PYTHONPATH=src python benchmarks/ht_figures.py --threads 1 --prompts 6 --max-new
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -31,6 +33,7 @@ from layerleap.commands.hidden_transfer import accuracy_plot, accuracy_table, gr
 from layerleap.core.kernels import cpu_signature
 from layerleap.datasets import spec_bench
 from layerleap.drafters import medusa_transfer as drafters
+from layerleap.errors import LayerleapError
 from layerleap.files import pyplot, save_figure, write_json
 from layerleap.train import exit_heads as eh
 from layerleap.train import medusa_transfer as mt
@@ -51,7 +54,23 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("docs/hidden_transfer"))
+    p.add_argument("--replot", action="store_true", help="redraw the PNGs from --out's ht_figures.json, run nothing")
     return p.parse_args(argv)
+
+
+def _int_keys(d):
+    """A report read back from JSON: its step, K and layer keys as integers again."""
+    if not isinstance(d, dict):
+        return d
+    return {(int(k) if k.isdigit() else k): _int_keys(v) for k, v in d.items()}
+
+
+def plots(report: dict, out: Path) -> None:
+    cos = report["figure4_cosine"]
+    layers = [min(by_layer) for _, by_layer in sorted(cos["pseudo"].items())]  # t_i: each step's first layer
+    accuracy_plot(report["figure3_accuracy"], str(out / "fig3_accuracy.png"))
+    cosine_plot(cos, layers, out / "fig4_cosine.png")
+    masked_plot(report["figure7_masked"], out / "fig7_masked.png")
 
 
 def early_exit(model, layers: list[int], steps: int, tokens: int) -> tuple[dict, dict]:
@@ -117,6 +136,13 @@ def masked_plot(rows: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.replot:
+        path = args.out / "ht_figures.json"
+        if not path.is_file():
+            raise LayerleapError(f"no {path} to redraw: run without --replot first, or give its folder as --out")
+        report = _int_keys(json.loads(path.read_text()))
+        plots(report, args.out)
+        return 0
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model = layerleap.load(args.model)
@@ -152,9 +178,7 @@ def main(argv=None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "ht_figures.json", report)
-    accuracy_plot(acc, str(args.out / "fig3_accuracy.png"))
-    cosine_plot(cos, proj.layers, args.out / "fig4_cosine.png")
-    masked_plot(masked, args.out / "fig7_masked.png")
+    plots(report, args.out)
     print(accuracy_table(acc))
     print(accuracy_table(masked))
     for key in ("pseudo", "copy"):
@@ -165,4 +189,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (LayerleapError, OSError) as e:  # bad input: one line naming the problem, exit code 2
+        print(f"ht_figures: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -103,6 +103,19 @@ def test_run_limit_hands_over_every_max_small_tokens():
     assert r.stats["large_tokens"] == N // 5 and r.stats["small_tokens"] == N - N // 5
 
 
+@pytest.mark.parametrize("form", ["two models", "early exit"])
+def test_no_fallback_hands_over_at_a_fixed_interval(form):
+    """The paper's no-fallback ablation (Figure 5) is alpha_fb=0 with max_small=k: the small model never
+    hands over by confidence, the large model checks every k small tokens, and rollback still acts."""
+    large, small = tiny_pair(1)
+    for k in (3, 5):
+        s = run_bild(large, alpha_fb=0.0, alpha_rb=1.0, max_small=k, **forms(large, small)[form]).stats
+        assert s["fallbacks"] == 0 and s["forced"] >= 1 and s["rollbacks"] >= 1, (k, s)
+        assert s["large_calls"] == s["forced"] + s["final_checks"]
+        # each forced check follows exactly k small steps; a check at the budget follows at most k
+        assert k * s["forced"] <= s["small_steps"] <= k * s["large_calls"], (k, s)
+
+
 def test_pending_tokens_are_checked_before_returning():
     """The last small tokens go through the rollback policy too: with a strict threshold and a large
     run limit the tail of the output is the large model's, not the small model's."""

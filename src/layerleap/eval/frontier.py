@@ -43,6 +43,7 @@ class Point:
     model: str  # a key of the models given to ``run``
     method: str
     options: dict = field(default_factory=dict)
+    group: str = ""  # the curve the point belongs to (e.g. "bild-no-rollback"); default: the method
 
 
 def references(categories: list[str], n: int, offset: int = 0) -> dict[str, list[tuple[str, str]]]:
@@ -126,6 +127,7 @@ def run(
                     "label": pt.label,
                     "model": pt.model,
                     "method": pt.method,
+                    "group": pt.group or pt.method,
                     "options": pt.options,
                     "category": cat,
                     "metric": metric,
@@ -170,6 +172,7 @@ def summary(rows: list[dict]) -> list[dict]:
                 "label": label,
                 "model": rs[0]["model"],
                 "method": rs[0]["method"],
+                "group": rs[0].get("group", rs[0]["method"]),
                 "options": rs[0]["options"],
                 "quality": 100 * sum(shares) / len(shares) if shares else None,
                 "agreement": sum(r["agreement"] for r in rs) / len(rs),

@@ -278,7 +278,7 @@ def test_frontier_grids_hold_table2_points_and_bilds_ablations():
     sd = {label: o for label, o in g["skipdecode"]}
     assert sd["10-20 w1"] == {"min_exit_layer": 10, "max_exit_layer": 20, "warmup": 1}  # Table 2, 2x
     assert sd["7-13 w1"] == {"min_exit_layer": 7, "max_exit_layer": 13, "warmup": 1}  # Table 2, 3x
-    assert [o["exit_layer"] for _, o in g["early-exit"]] == [28, 26, 24, 15, 10]
+    assert [o["exit_layer"] for _, o in g["early-exit"]] == [28, 24, 15, 10]
     full, no_rb, no_fb = g["bild"], g["bild-no-rollback"], g["bild-no-fallback"]
     assert [o["alpha_fb"] for _, o in no_rb] == [o["alpha_fb"] for _, o in full]  # the same fallback thresholds
     assert all(o["alpha_rb"] == math.inf for _, o in no_rb)

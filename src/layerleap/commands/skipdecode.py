@@ -689,17 +689,17 @@ def _grids(n_layers: int) -> dict:
     d = n_layers
     sd = [(d - 2, d, 4), (d - 6, d, 4), (d - 10, d - 2, 4), *(table2(d, t) for t in (2, 3) if t <= d)]
     sd = [(lo, hi, min(w, lo)) for lo, hi, w in dict.fromkeys(sd) if lo >= 1]
-    exits = [e for e in dict.fromkeys((d - 2, d - 4, d - 6, d // 2, d // 3)) if 1 <= e < d]
-    fbs = (0.3, 0.5, 0.7, 0.9)
+    exits = [e for e in dict.fromkeys((d - 2, d - 6, d // 2, d // 3)) if 1 <= e < d]
+    fbs = (0.3, 0.5, 0.7)
     return {
         "skipdecode": [
             (f"{lo}-{hi} w{w}", {"min_exit_layer": lo, "max_exit_layer": hi, "warmup": w}) for lo, hi, w in sd
         ],
         "early-exit": [(f"E{e}", {"exit_layer": e}) for e in exits],
-        "calm": [(f"cos{t:g}", {"threshold": t}) for t in (0.99, 0.98, 0.97, 0.95)],
+        "calm": [(f"cos{t:g}", {"threshold": t}) for t in (0.99, 0.97, 0.95)],
         "bild": [(f"fb{fb:g} rb1.5", {"alpha_fb": fb, "alpha_rb": 1.5}) for fb in fbs],
         "bild-no-rollback": [(f"fb{fb:g} rb inf", {"alpha_fb": fb, "alpha_rb": math.inf}) for fb in fbs],
-        "bild-no-fallback": [(f"every {k}", {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": k}) for k in (3, 4, 6, 10)],
+        "bild-no-fallback": [(f"every {k}", {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": k}) for k in (3, 6, 10)],
     }
 
 
@@ -785,7 +785,14 @@ def run_frontier(args) -> int:
     runs = (len(points) + len(models)) * args.prompts * len(_csv(args.categories) or [""])  # + greedy per model
     workload.check(args, workload.decoding(models["base"], runs, args.max_new_tokens))
     report = fr.run(
-        models, points, _csv(args.categories), args.prompts, args.max_new_tokens, args.offset, progress=_say
+        models,
+        points,
+        _csv(args.categories),
+        args.prompts,
+        args.max_new_tokens,
+        args.offset,
+        progress=_say,
+        partial=lambda rep: write_json(args.json, {**rep, "command": cmd, "partial": True}),
     )
     report.update(
         command=cmd,

@@ -94,9 +94,17 @@ def _decode(model, method: str, prompts: list[list[int]], max_new: int, options:
 
 
 def run(
-    models: dict, points: list[Point], categories: list[str], n: int, max_new: int, offset: int = 0, progress=None
+    models: dict,
+    points: list[Point],
+    categories: list[str],
+    n: int,
+    max_new: int,
+    offset: int = 0,
+    progress=None,
+    partial=None,
 ) -> dict:
-    """Decode every point on every category (see the module's docstring); -> the report's rows."""
+    """Decode every point on every category (see the module's docstring); -> the report's rows.
+    ``partial(report)`` is called with the rows so far after every point (to save them)."""
     base = models["base"]
     data = references(categories, n, offset)
     rows: list[dict] = []
@@ -148,6 +156,8 @@ def run(
                     "texts": texts,
                 }
             )
+            if partial:
+                partial({"rows": rows, "n_prompts": n, "max_new_tokens": max_new, "categories": categories})
             if progress:
                 r = rows[-1]
                 progress(

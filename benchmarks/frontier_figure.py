@@ -4,7 +4,7 @@ ablation apart from CALM):
     python benchmarks/frontier_figure.py REPORT.json OUT.png bild,bild-no-rollback,bild-no-fallback
 
 Table columns per point: each category's score against the references (ROUGE-L, BLEU), agreement
-with greedy's text (ROUGE-L), the full model's perplexity of the output over its perplexity of greedy's,
+with greedy's text (ROUGE-L), outputs identical to greedy's, the full model's perplexity of the output over its perplexity of greedy's,
 layer passes per token, the wall-clock speed-up over greedy (summed times), and the same per token
 (time per generated token; outputs that stop at EOS earlier than greedy's do not count as faster).
 """
@@ -31,8 +31,10 @@ def table(report: dict, only: list[str]) -> str:
     metric = {c: greedy[c]["metric"] for c in cats}
     head = [f"{c} ({metric[c]})" for c in cats]
     out = [
-        "| point | " + " | ".join(head) + " | agreement | ppl ratio | layers / token | speed-up | per token |",
-        "|---" * (len(cats) + 6) + "|",
+        "| point | "
+        + " | ".join(head)
+        + " | agreement | identical | ppl ratio | layers / token | speed-up | per token |",
+        "|---" * (len(cats) + 7) + "|",
     ]
     for s in report["summary"]:
         if s.get("group", s["method"]) not in ("greedy", *only):
@@ -40,7 +42,8 @@ def table(report: dict, only: list[str]) -> str:
         rows = [r for r in report["rows"] if r["label"] == s["label"]]
         scores = " | ".join(f"{s['scores'][c]:.1f}" if c in s["scores"] else "–" for c in cats)
         out.append(
-            f"| {s['label']} | {scores} | {s['agreement']:.1f} | {s['ppl_ratio']:.2f} | "
+            f"| {s['label']} | {scores} | {s['agreement']:.1f} | "
+            f"{sum(r['identical'] for r in rows)}/{sum(r['n'] for r in rows)} | {s['ppl_ratio']:.2f} | "
             f"{s['layers_per_token']:.1f} | {s['speedup']:.2f}× | {per_token_speedup(rows, greedy):.2f}× |"
         )
     return "\n".join(out)

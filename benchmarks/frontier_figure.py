@@ -4,9 +4,10 @@ ablation apart from CALM):
     python benchmarks/frontier_figure.py REPORT.json OUT.png bild,bild-no-rollback,bild-no-fallback
 
 Table columns per point: each category's score against the references (ROUGE-L, BLEU), agreement
-with greedy's text (ROUGE-L), outputs identical to greedy's, the full model's perplexity of the output over its perplexity of greedy's,
-layer passes per token, the wall-clock speed-up over greedy (summed times), and the same per token
-(time per generated token; outputs that stop at EOS earlier than greedy's do not count as faster).
+with greedy's text (ROUGE-L), outputs identical to greedy's, the full model's perplexity of the output
+over its perplexity of greedy's, layer passes per token, the wall-clock speed-up over greedy (summed
+times), and the same per token (time per generated token; outputs that stop at EOS earlier than
+greedy's do not count as faster).
 """
 
 from __future__ import annotations

@@ -383,6 +383,20 @@ def blocks_available() -> bool:
     return _native_blocks() is not None
 
 
+Q4_ACTIVATIONS_ENV = "LAYERLEAP_Q4_ACTIVATIONS"  # "15" (the default) or "8": the block kernel's activation bits
+
+
+def fine_activations() -> bool:
+    """Whether ``BlockWeight`` rounds activations to 15 bits (``$LAYERLEAP_Q4_ACTIVATIONS`` unset or
+    15) or to 8 bits (8: llama.cpp's rounding, half the multiplications, further from fp32)."""
+    bits = os.environ.get(Q4_ACTIVATIONS_ENV, "").strip() or "15"
+    if bits not in ("8", "15"):
+        raise KernelError(
+            f"{Q4_ACTIVATIONS_ENV} must be 8 or 15 (activation bits of the q4 block kernel), got {bits!r}"
+        )
+    return bits == "15"
+
+
 def _exact_half(t: torch.Tensor) -> bool:
     h = t.half()
     return bool(torch.isfinite(h).all()) and torch.equal(h.float(), t.float())
@@ -395,16 +409,24 @@ class BlockWeight(PackedWeight):
 
     Codes, scales and minimums are the file's own (scales in fp16 when every one is exactly an fp16,
     as Q4_0/Q4_1/Q8_0 store them; in fp32 otherwise, e.g. Q4_K's products of two scales), so
-    ``dense()`` equals gguf's dequantization bit for bit.  The kernel rounds the activations to 8 bits
-    per group of 32 (as llama.cpp does) and sums each group exactly in integers: a row's result
-    depends only on that row, whatever the number of rows in a call.  ``rows(ids)`` looks rows up
-    (an embedding table; a tied LM head shares it)."""
+    ``dense()`` equals gguf's dequantization bit for bit.  The kernel rounds the activations per group
+    of 32, to 15 bits (``fine``, the default: the next-token distribution as close to fp32's as torch's
+    int4 kernel with bf16 activations gets) or to 8 bits as llama.cpp does (half the multiplications;
+    ``$LAYERLEAP_Q4_ACTIVATIONS``, ``fine_activations``),
+    and sums each group exactly in integers: a row's result depends only on that row, whatever the
+    number of rows in a call.  ``rows(ids)`` looks rows up (an embedding table; a tied LM head shares it)."""
 
     def native_proj(self):
-        return 3, self.codes, self.dm
+        return (4 if self.fine else 3), self.codes, self.dm  # decoder.cpp's BLOCKS_FINE / BLOCKS
 
     def __init__(
-        self, codes: torch.Tensor, dm: torch.Tensor, out_features: int, bits: int, bias: torch.Tensor | None = None
+        self,
+        codes: torch.Tensor,
+        dm: torch.Tensor,
+        out_features: int,
+        bits: int,
+        bias: torch.Tensor | None = None,
+        fine: bool | None = None,
     ):
         nb, g = dm.shape[0], dm.shape[1]
         per = 4 if bits == 4 else 8
@@ -422,6 +444,7 @@ class BlockWeight(PackedWeight):
         self.out_features, self.in_features = out_features, g * GROUP
         self.dtype = torch.bfloat16
         self.bias = None if bias is None else bias.detach().float()
+        self.fine = fine_activations() if fine is None else fine
 
     @classmethod
     def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None = None) -> "BlockWeight":
@@ -463,7 +486,7 @@ class BlockWeight(PackedWeight):
         mod = _native_blocks()
         if mod is None:
             raise KernelError("the native block kernel is not built: run `layerleap native --build`")
-        y = mod.block_matmul(x.reshape(-1, self.in_features), self.codes, self.dm, self.out_features, False)
+        y = mod.block_matmul(x.reshape(-1, self.in_features), self.codes, self.dm, self.out_features, self.fine, "")
         y = self._add_bias(y)
         return y.view(*lead, self.out_features).to(x.dtype if x.is_floating_point() else torch.bfloat16)
 
@@ -635,7 +658,7 @@ def q4_format() -> str:
 
     key = (
         f"{cpu_signature()} | torch {torch.__version__} | q4 | native {native.build_dir().name[:12]} | "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads" + ("" if fine_activations() else " | 8-bit activations")
     )
     path = cache_root() / "kernels.json"
     try:

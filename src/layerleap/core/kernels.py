@@ -491,18 +491,16 @@ class BlockWeight(PackedWeight):
         return y.view(*lead, self.out_features).to(x.dtype if x.is_floating_point() else torch.bfloat16)
 
     def _codes_of(self, nb: torch.Tensor | None = None, lane: torch.Tensor | None = None) -> torch.Tensor:
-        """Codes ``[n, K]`` of every row (or of rows ``nb * 16 + lane``)."""
-        c = self.codes
-        if self.bits == 4:
-            c = torch.stack([c & 0x0F, c >> 4], 3).flatten(2, 3)  # [NB, G, 8, 16, 4]
-        c = c.permute(0, 3, 1, 2, 4)  # [NB, 16, G, 8, 4]
-        if nb is None:
-            return c.reshape(-1, self.in_features)[: self.out_features]
-        return c[nb, lane].reshape(-1, self.in_features)
+        """Codes ``[n, K]`` of every row (or of rows ``nb * 16 + lane``, picked before unpacking)."""
+        c = self.codes.permute(0, 3, 1, 2, 4)  # [NB, 16, G, 4 or 8, 4]
+        c = c.reshape(-1, *c.shape[2:])[: self.out_features] if nb is None else c[nb, lane]
+        if self.bits == 4:  # byte i's low nibbles: inputs 8i..8i+3, its high nibbles: 8i+4..8i+7
+            c = torch.stack([c & 0x0F, c >> 4], -2)  # [n, G, 4, 2, 4]
+        return c.reshape(-1, self.in_features)
 
     def _dm_of(self, nb=None, lane=None) -> tuple[torch.Tensor, torch.Tensor]:
-        dm = self.dm.float().permute(0, 3, 1, 2)  # [NB, 16, G, 2]
-        dm = dm.reshape(-1, *dm.shape[2:])[: self.out_features] if nb is None else dm[nb, lane]
+        dm = self.dm.permute(0, 3, 1, 2)  # [NB, 16, G, 2]
+        dm = (dm.reshape(-1, *dm.shape[2:])[: self.out_features] if nb is None else dm[nb, lane]).float()
         return dm[..., 0], dm[..., 1]
 
     @staticmethod

@@ -19,7 +19,8 @@ using c10::optional;
 
 namespace {
 
-enum Kind : int64_t { DENSE = 0, ONEDNN = 1, INT4 = 2, BLOCKS = 3, BLOCKS_FINE = 4 };  // see kernels.py
+// kernels.py's formats; BLOCKS_FINE: a block weight whose activations are rounded to 15 bits, BLOCKS: to 8
+enum Kind : int64_t { DENSE = 0, ONEDNN = 1, INT4 = 2, BLOCKS = 3, BLOCKS_FINE = 4 };
 
 Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
                     const std::string& path);

@@ -49,6 +49,19 @@ class Proc:
         for chunk in iter(lambda: stream.read1(4096), b""):
             buf.extend(chunk)
 
+    def wait_for_library(self, name: str, timeout: float = 120.0) -> None:
+        """Block until the process has mapped a shared library whose file name holds ``name`` (Linux:
+        /proc/PID/maps), e.g. "libtorch" once it is importing torch; fail if it ends first."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.p.poll() is None:
+            try:
+                if name in Path(f"/proc/{self.p.pid}/maps").read_text():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.01)
+        raise AssertionError(f"{name} was never loaded (exit {self.p.poll()}): {self.text_err()[-2000:]}")
+
     def wait_for(self, pattern: str, timeout: float = 120.0, stream: str = "err") -> None:
         """Block until ``pattern`` (a regex) shows up on stderr (or stdout); fail if the process ends or
         time runs out."""

@@ -218,6 +218,7 @@ CLI = [
     (["generate"], "one of the arguments --prompt --prompts-file is required"),
     (["generate", "--prompt"], "expected one argument"),
     (G + ["--bogus"], "unrecognized arguments: --bogus"),
+    (["generate", "--model", "{D}", "--prompt", "hi", "--max-new", "2"], "unrecognized arguments: --max-new"),
     # generate: the model
     (["generate", "--model", "no-such-model", "--prompt", "hi"], "unknown model 'no-such-model'"),
     (["generate", "--model", "{FILE}", "--prompt", "hi"], "unknown model"),

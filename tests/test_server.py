@@ -245,7 +245,14 @@ def test_request_options_follow_the_declarations(tiny_server, body, message):
     r = post(tiny_server, {"prompt": "a", "max_tokens": 2, **body})
     err = r.json()["error"]
     assert r.status_code == 400 and message in err["message"], err
-    assert err["param"] in ("layerleap.options", "temperature")
+    assert err["param"] in ("layerleap.options", "top_p")
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 0.7), ("top_p", 0.5), ("top_k", 5)])
+def test_a_greedy_method_refusing_sampling_names_the_field_sent(tiny_server, field, value):
+    r = post(tiny_server, {"prompt": "a", "max_tokens": 2, field: value, "layerleap": {"method": "ppd"}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == field, err
 
 
 def test_junk_option_values_never_give_a_server_error(tiny_server):

@@ -9,12 +9,12 @@ import os
 import signal
 import sys
 
-from . import interrupts
-
 
 def run() -> None:
-    interrupts.install()
-    try:
+    try:  # a Ctrl-C while the handling itself is imported ends the same way
+        from . import interrupts
+
+        interrupts.install()
         from .cli import main
 
         code = main()

@@ -82,6 +82,13 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def _sampling_field(body) -> str:
+    """The request field that asked for sampling (the error's ``param``): temperature, else top_p, else top_k."""
+    if body.temperature is not None:
+        return "temperature"
+    return "top_p" if body.top_p is not None and body.top_p < 1 else "top_k"
+
+
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
 
@@ -182,7 +189,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
                     f"method {method!r} decodes greedily and would ignore temperature, top_p and top_k: leave them "
                     f"out (or use temperature 0), or a sampling method "
                     f"({', '.join(n for n, x in METHODS.items() if x.sampling)})",
-                    "temperature",
+                    _sampling_field(body),
                 )
             method, options = "sample", {}  # greedy with a temperature: the same loop, sampled
     if grammar is not None and not METHODS[method].grammar:

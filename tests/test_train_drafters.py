@@ -100,3 +100,94 @@ def test_draft_accuracy_counts_the_greedy_tokens():
     js = range(len(prompt) - 1, len(seq) - 2)
     want = sum(seq[j + 2] == seq[j + 1] for j in js) / len(js)
     assert acc[1]["n"] == len(js) and acc[1][1] == pytest.approx(want)
+
+
+def _greedy_seq(model, prompt, n):
+    from tiny_models import naive_greedy
+
+    return prompt + naive_greedy(model, prompt, n)
+
+
+def test_transfer_trace_and_pseudo_cosine():
+    """The trace sees each layer from t_1 to the last once, its last states are the pass's output, its
+    real rows are those of a plain pass; the cosines are those of the states computed directly."""
+    model = random_model("llama-gqa-tied", seed=3)
+    proj = drafters.new_drafter(model, "transfer", layers=[1, 2])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in proj.proj:
+            p.weight.add_(0.3 * torch.randn(p.weight.shape, generator=g))
+    prompt = [5, 6, 7, 8]
+    seq = _greedy_seq(model, prompt, 8)
+    N, L = len(seq), model.config.n_layers
+    ids = torch.tensor([seq])
+    seen = {}
+    with torch.no_grad():
+        real, pseudo = train_drafters.transfer_outputs(model, proj, ids, trace=lambda x, h: seen.setdefault(x, h))
+        plain = {x: model.run_layers(model.embed(ids), 0, x, torch.arange(N)[None]) for x in range(1, L + 1)}
+    assert sorted(seen) == list(range(1, L + 1))
+    assert seen[1].shape[1] == 2 * N and seen[2].shape[1] == seen[L].shape[1] == 3 * N  # step 2 joins at t_2
+    torch.testing.assert_close(seen[L][:, N:].reshape(1, 2, N, -1), pseudo)
+    for x in seen:
+        torch.testing.assert_close(seen[x][:, :N], plain[x], atol=1e-5, rtol=1e-5)
+    cos = train_drafters.pseudo_cosine(model, proj, [(len(prompt), seq)])
+    assert sorted(cos["pseudo"][1]) == list(range(1, L + 1)) and sorted(cos["pseudo"][2]) == list(range(2, L + 1))
+    js = torch.arange(len(prompt) - 1, N - 2 - 1)
+    assert cos["n"][2] == len(js)
+    h2 = plain[2][0]  # step 2's pseudo state at its layer is W_2 h_j, compared with h_{j+2}
+    with torch.no_grad():
+        want = torch.nn.functional.cosine_similarity(proj.transfer(2, h2[js]), h2[js + 2], dim=-1).mean()
+    assert cos["pseudo"][2][2] == pytest.approx(float(want), abs=1e-5)
+    copy = torch.nn.functional.cosine_similarity(plain[L][0, js], plain[L][0, js + 2], dim=-1).mean()
+    assert cos["copy"][2][L] == pytest.approx(float(copy), abs=1e-5)
+
+
+def test_masked_pseudo_states_change_only_later_steps():
+    """Figure 7's ablation: step 1 has no earlier pseudo state, so masking leaves it; step 2 changes."""
+    model = random_model("llama-gqa-tied", seed=5, scale=2.0)
+    proj = drafters.new_drafter(model, "transfer", layers=[1, 1])
+    seq = _greedy_seq(model, [4, 9, 2], 10)
+    ids = torch.tensor(seq)
+    on = train_drafters.step_logits(model, proj, ids)
+    off = train_drafters.step_logits(model, proj, ids, see_earlier=False)
+    torch.testing.assert_close(on[0], off[0])
+    assert (on[1] - off[1]).abs().max() > 1e-3
+
+
+def test_early_exit_heads_predict_ahead():
+    """``ahead_cache`` pairs a state with the final state ``ahead`` positions on in the same sequence;
+    an early exit at a layer scores its heads on that layer's state; trained on a repeating stream
+    its step-2 head learns the token two ahead."""
+    from layerleap.drafters.exit_heads import new_head
+    from layerleap.train import exit_heads as eh
+
+    model = random_model("llama-gqa-tied", seed=6, scale=4.0)
+    L = model.config.n_layers
+    seqs = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    cache = eh.cache_hidden(model, seqs, [2], progress=False)
+    cache[eh.TOP_KEY] = eh.final_top_ids(model, cache[L], 4)
+    two = eh.ahead_cache(cache, [5, 3], 2, L)
+    assert len(two[L]) == 3 + 1  # no pair crosses into the next sequence
+    for k, src, dst in ((2, [0, 1, 2, 5], None), (L, None, [2, 3, 4, 7]), (eh.TOP_KEY, None, [2, 3, 4, 7])):
+        torch.testing.assert_close(two[k], cache[k][src or dst])
+    assert eh.ahead_cache(cache, [5, 3], 0, L) is cache
+    with pytest.raises(eh.TrainHeadsError, match="lengths"):
+        eh.ahead_cache(cache, [5, 4], 1, L)
+    shared = [new_head(model, 2, "shared") for _ in range(2)]
+    seq = torch.tensor(seqs[0])
+    got = train_drafters.step_logits(model, train_drafters.EarlyExit(2, shared), seq)
+    h = model.run_layers(model.embed(seq[None]), 0, 2, torch.arange(5)[None])
+    torch.testing.assert_close(got, model.logits(h)[0].expand(2, -1, -1))
+    # trained on the model's own greedy text, the step-2 head learns the token two after the next
+    g = torch.Generator().manual_seed(1)
+    text = [_greedy_seq(model, torch.randint(3, 40, (3,), generator=g).tolist(), 21) for _ in range(12)]
+    cache = eh.cache_hidden(model, text, [2], progress=False)
+    cache[eh.TOP_KEY] = eh.final_top_ids(model, cache[L], 4)
+    cfg = eh.HeadTrainConfig(
+        layers=(2,), tokens=len(cache[L]), epochs=30, batch_tokens=64, negatives=8, candidates=4, lr=1e-2
+    )
+    res = eh.train_heads(model, cfg, cache=eh.ahead_cache(cache, [24] * 12, 2, L), progress=False)
+    refs = [(3, t) for t in text]
+    before = train_drafters.draft_accuracy(model, train_drafters.EarlyExit(2, shared), refs, (1,))
+    after = train_drafters.draft_accuracy(model, train_drafters.EarlyExit(2, [shared[0], res.heads[2]]), refs, (1,))
+    assert after[2][1] > before[2][1] + 0.2, (before, after)

@@ -62,6 +62,10 @@ def test_pseudo_mask_rules():
         assert not m[p1, others].any() and not m[p2, others].any()
     offs = tree.pseudo_offsets(b.depths, sources, 2)
     assert offs.tolist() == [0, 1, 1, 2, 2] + [1, 2, 2, 3, 3] + [2, 3, 3, 4, 4]
+    # the paper's "masked" ablation: only the step-2 -> step-1 block differs
+    masked = tree.pseudo_mask(b.mask, sources, 2, see_earlier=False)
+    diff = (masked != m).nonzero().tolist()
+    assert diff == [[n + k + s, n + s] for s in range(k)] and not masked[n + k :, n : n + k].any()
 
 
 def _onehot(targets, V=50):

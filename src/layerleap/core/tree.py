@@ -177,7 +177,7 @@ def draft_tokens(buffers: TreeBuffers, root: int, topk: torch.Tensor) -> torch.T
     return toks
 
 
-def pseudo_mask(tree_mask: torch.Tensor, sources: list[int], steps: int) -> torch.Tensor:
+def pseudo_mask(tree_mask: torch.Tensor, sources: list[int], steps: int, see_earlier: bool = True) -> torch.Tensor:
     """Hidden Transfer's attention over ``n`` tree nodes followed by pseudo states of ``steps``
     transfer steps (step-major: all sources' step 1, then step 2, ...): ``[S, S]`` bool with
     ``S = n + steps * len(sources)``.
@@ -185,7 +185,9 @@ def pseudo_mask(tree_mask: torch.Tensor, sources: list[int], steps: int) -> torc
     The pseudo state of step ``i`` made from node ``x`` stands for the token ``i`` positions after
     ``x``; it sees the real states ``x`` itself sees (the cache and ``x``'s ancestors), ``x``,
     the pseudo states of steps ``< i`` made from ``x``, and itself (§3.3).  Real nodes never see
-    a pseudo state, so their outputs are exactly those of the tree alone."""
+    a pseudo state, so their outputs are exactly those of the tree alone.  ``see_earlier=False`` is
+    the "masked" setting of the paper's ablation (Figure 7): a pseudo state sees no earlier pseudo
+    state, only the real states and itself."""
     n = tree_mask.shape[0]
     m = len(sources)
     S = n + steps * m
@@ -195,7 +197,7 @@ def pseudo_mask(tree_mask: torch.Tensor, sources: list[int], steps: int) -> torc
     for i in range(steps):
         rows = n + i * m + torch.arange(m)
         mask[rows, :n] = tree_mask[src]
-        for j in range(i + 1):  # the same source's steps 1..i+1 (itself included)
+        for j in range(i + 1) if see_earlier else (i,):  # the same source's steps 1..i+1 (itself included)
             mask[rows, n + j * m + torch.arange(m)] = True
     return mask
 

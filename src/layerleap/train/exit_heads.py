@@ -163,6 +163,25 @@ def final_top_ids(model: Transformer, final: torch.Tensor, k: int, chunk: int = 
     return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.int32)
 
 
+def ahead_cache(cache: dict, lengths: list[int], ahead: int, n_layers: int) -> dict:
+    """A ``cache_hidden`` cache (with ``final_top_ids`` under ``TOP_KEY``, if present) of sequences of
+    ``lengths`` tokens re-paired so that each intermediate state at position ``j`` faces the final
+    state at ``j + ahead`` of the same sequence: heads trained on it predict the token ``ahead``
+    positions after the next one (the Hidden Transfer paper's early-exit baseline, Figure 3).
+    ``ahead=0`` returns the cache unchanged."""
+    if ahead == 0:
+        return cache
+    if sum(lengths) != len(cache[n_layers]):
+        raise TrainHeadsError(f"the lengths sum to {sum(lengths)}, the cache holds {len(cache[n_layers])} positions")
+    src, dst, start = [], [], 0
+    for n in lengths:
+        src.append(torch.arange(start, start + max(0, n - ahead)))  # j with j + ahead in the sequence
+        dst.append(src[-1] + ahead)
+        start += n
+    src, dst = torch.cat(src), torch.cat(dst)
+    return {k: v[dst] if k in (n_layers, TOP_KEY) else v[src] for k, v in cache.items()}
+
+
 # -- lens initialisation ---------------------------------------------------------------------------
 def lstsq_init_(head: LensHead, x: torch.Tensor, final: torch.Tensor, ridge: float = 1e-2) -> None:
     """Set the lens so that ``h + W h + b`` fits the direction of the final state (scaled to the
@@ -348,11 +367,13 @@ def train_heads(
     seqs=None,
     progress: bool = True,
     stop_after: int | None = None,
+    cache: dict | None = None,
 ) -> HeadTrainResult:
     """Train one head per layer in ``cfg.layers`` on ``model`` (frozen).  ``seqs``: token id lists
     to train on (default: ShareGPT in the chat template).  ``work``: the folder for the cache and
     the resumable state (None: in memory only).  ``stop_after``: stop after this many steps of this
-    call (to test resumption)."""
+    call (to test resumption).  ``cache``: a hidden-state cache to train on instead (``cache_hidden``
+    with ``TOP_KEY`` when ``cfg.candidates``, e.g. from ``ahead_cache``)."""
     cfg.check(model)
     model.requires_grad_(False)
     work = Path(work) if work is not None else None
@@ -360,8 +381,9 @@ def train_heads(
         if work.exists() and not work.is_dir():
             raise TrainHeadsError(f"work folder {work} is a file: give a folder")
         work.mkdir(parents=True, exist_ok=True)
-    timing: dict = {}
-    cache = load_or_build_cache(model, cfg, work, seqs, progress, timing)
+    timing: dict = {"seconds": 0.0}
+    if cache is None:
+        cache = load_or_build_cache(model, cfg, work, seqs, progress, timing)
     final = cache[model.config.n_layers]
     N = len(final)
     total = cfg.steps(N)
@@ -441,5 +463,6 @@ __all__ = [
     "cache_hidden",
     "agreement",
     "lstsq_init_",
+    "ahead_cache",
     "TrainHeadsError",
 ]

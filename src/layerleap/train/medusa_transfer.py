@@ -121,16 +121,24 @@ def pairs(n: int, steps: int):
 
 
 def transfer_outputs(
-    model: Transformer, proj: drafters.TransferProjections, ids: torch.Tensor, steps: int | None = None
+    model: Transformer,
+    proj: drafters.TransferProjections,
+    ids: torch.Tensor,
+    steps: int | None = None,
+    see_earlier: bool = True,
+    trace=None,
 ):
     """One training pass over ``ids`` ``[B, N]``, each row a chain with pseudo states for every
     position -> (real last-layer states ``[B, N, D]``, pseudo last-layer states ``[B, steps, N, D]``);
-    gradients reach ``proj`` only."""
+    gradients reach ``proj`` only.  ``see_earlier=False``: a pseudo state does not see the earlier
+    steps' pseudo states (``tree.pseudo_mask``, the paper's "masked" ablation).  ``trace(layer, h)``,
+    if given, is called with the states ``h`` ``[B, S, D]`` after each ``layer`` in ``[t_1, L]``
+    (real rows first, then the pseudo states of the steps with ``t_i <= layer``, step-major)."""
     steps = proj.steps if steps is None else steps
     B, N = ids.shape
     chain = tree_mod.chain(N - 1)
     sources = list(range(N))
-    mask = tree_mod.pseudo_mask(chain.mask, sources, steps).to(model.device)  # [S, S]
+    mask = tree_mod.pseudo_mask(chain.mask, sources, steps, see_earlier).to(model.device)  # [S, S]
     pos = tree_mod.pseudo_offsets(chain.depths, sources, steps).unsqueeze(0).expand(B, -1).to(model.device)
     bounds = proj.layers[:steps] + [model.config.n_layers]
     with torch.no_grad():
@@ -140,9 +148,22 @@ def transfer_outputs(
         h = torch.cat([h, proj.transfer(i + 1, h[:, :N])], dim=1)
         S = h.shape[1]
         end = bounds[i + 1]
-        h = model.run_layers(h, layer, end, pos[:, :S], None, mask[:S, :S])
+        h = _run_traced(model, h, layer, end, pos[:, :S], mask[:S, :S], trace)
         layer = end
+    if trace is not None:
+        trace(layer, h)
     return h[:, :N], h[:, N:].reshape(B, steps, N, -1)
+
+
+def _run_traced(model: Transformer, h, start: int, end: int, pos, mask, trace):
+    """``model.run_layers`` over ``[start, end)``; with ``trace``, one layer at a time, ``trace(l, h)``
+    before layer ``l`` runs (the states after ``l`` layers)."""
+    if trace is None:
+        return model.run_layers(h, start, end, pos, None, mask)
+    for layer in range(start, end):
+        trace(layer, h)
+        h = model.run_layers(h, layer, layer + 1, pos, None, mask)
+    return h
 
 
 def transfer_loss(model: Transformer, proj: drafters.TransferProjections, ids: torch.Tensor) -> torch.Tensor:
@@ -298,37 +319,55 @@ def eval_loss(model: Transformer, drafter, chunks: list[list[int]]) -> float:
     return sum(float(lf(model, drafter, torch.tensor([c]))) for c in chunks) / len(chunks)
 
 
-# -- draft accuracy (the paper's Figure 3 and Figures 5-6) -----------------------------------------
+# -- draft accuracy (the paper's Figure 3 and Figures 5-7) -----------------------------------------
+@dataclass
+class EarlyExit:
+    """The paper's early-exit baseline (Figure 3): LM heads on the state after one intermediate
+    ``layer``, head ``i`` (1-based) trained to predict the token ``i + 1`` ahead, i.e. ``i`` tokens
+    after the next one (exit heads trained with ``train.exit_heads.ahead_cache``)."""
+
+    layer: int
+    heads: list  # [steps] exit heads at ``layer``
+    kind = "early-exit"
+
+    @property
+    def steps(self) -> int:
+        return len(self.heads)
+
+
 @torch.no_grad()
-def step_logits(model: Transformer, drafter, ids: torch.Tensor) -> torch.Tensor:
+def step_logits(model: Transformer, drafter, ids: torch.Tensor, see_earlier: bool = True) -> torch.Tensor:
     """Draft logits ``[steps, N, V]`` at every position of one sequence ``ids`` ``[N]``: step ``i`` at
-    position ``j`` predicts token ``j + i + 1`` (one pass, as decoding computes it)."""
+    position ``j`` predicts token ``j + i + 1`` (one pass, as decoding computes it).  ``see_earlier``:
+    Hidden Transfer's mask (``transfer_outputs``)."""
     ids = ids.unsqueeze(0)
     if drafter.kind == "transfer":
-        _, pseudo = transfer_outputs(model, drafter, ids)
+        _, pseudo = transfer_outputs(model, drafter, ids, see_earlier=see_earlier)
         return model.logits(pseudo[0])
     N = ids.shape[1]
-    z = model.final_norm(
-        model.run_layers(
-            model.embed(ids.to(model.device)),
-            0,
-            model.config.n_layers,
-            torch.arange(N, device=model.device).unsqueeze(0),
-        )
-    )[0]
-    return torch.stack([heads_i for heads_i in (drafter.logits(i, z) for i in range(1, drafter.steps + 1))])
+    last = drafter.layer if drafter.kind == "early-exit" else model.config.n_layers
+    h = model.run_layers(
+        model.embed(ids.to(model.device)), 0, last, torch.arange(N, device=model.device).unsqueeze(0)
+    )  # [1, N, D]
+    if drafter.kind == "early-exit":
+        return torch.stack([head(h)[0] for head in drafter.heads])
+    z = model.final_norm(h)[0]
+    return torch.stack([drafter.logits(i, z) for i in range(1, drafter.steps + 1)])
 
 
 @torch.no_grad()
-def draft_accuracy(model: Transformer, drafter, sequences: list[tuple[int, list[int]]], topk=(1, 3, 5)) -> dict:
+def draft_accuracy(
+    model: Transformer, drafter, sequences: list[tuple[int, list[int]]], topk=(1, 3, 5), see_earlier: bool = True
+) -> dict:
     """Top-K accuracy per step on greedy text: ``sequences`` are (prompt length, prompt + the model's
     greedy continuation); at every continuation position ``j`` (and the last prompt position), step
-    ``i``'s top-K is checked against the greedy token ``j + i + 1``.  -> {step: {K: accuracy, "n": count}}."""
+    ``i``'s top-K is checked against the greedy token ``j + i + 1``.  -> {step: {K: accuracy, "n": count}}.
+    ``see_earlier``: Hidden Transfer's mask (``transfer_outputs``)."""
     hits = {i: {k: 0 for k in topk} for i in range(1, drafter.steps + 1)}
     count = {i: 0 for i in hits}
     for plen, seq in sequences:
         ids = torch.tensor(seq, dtype=torch.long)
-        lg = step_logits(model, drafter, ids)  # [steps, N, V]
+        lg = step_logits(model, drafter, ids, see_earlier)  # [steps, N, V]
         top = lg.topk(max(topk), dim=-1).indices.cpu()  # [steps, N, Kmax]
         for i in hits:
             js = torch.arange(plen - 1, len(seq) - i - 1)
@@ -339,3 +378,43 @@ def draft_accuracy(model: Transformer, drafter, sequences: list[tuple[int, list[
                 hits[i][k] += int((top[i - 1, js, :k] == want).any(-1).sum())
             count[i] += js.numel()
     return {i: {**{k: hits[i][k] / count[i] if count[i] else None for k in topk}, "n": count[i]} for i in hits}
+
+
+@torch.no_grad()
+def pseudo_cosine(model: Transformer, proj: drafters.TransferProjections, sequences: list[tuple[int, list[int]]]):
+    """The paper's Figure 4 on greedy text (``sequences`` as in ``draft_accuracy``): at each layer
+    ``l`` from ``t_i`` to the last, the mean cosine similarity of step ``i``'s pseudo state made at
+    position ``j`` with the real state of position ``j + i`` (the token it stands for), over the same
+    positions ``j`` as ``draft_accuracy``.  Also ``copy``: the cosine of the real state at ``j``
+    itself with that of ``j + i`` (what a pseudo state would score if it were a copy of its source).
+    -> {"pseudo": {step: {layer: cos}}, "copy": {step: {layer: cos}}, "n": {step: count}}."""
+    sums: dict = {"pseudo": {}, "copy": {}}  # key -> step -> layer -> sum of cosines
+    count = {i: 0 for i in range(1, proj.steps + 1)}
+    for plen, seq in sequences:
+        transfer_outputs(
+            model, proj, torch.tensor([seq], dtype=torch.long), trace=_cosine_sums(sums, proj, plen, len(seq))
+        )
+        for i in count:
+            count[i] += max(0, len(seq) - i - plen)
+    out = {
+        key: {i: {lay: v / count[i] for lay, v in sorted(d.items())} for i, d in by.items()} for key, by in sums.items()
+    }
+    return {**out, "n": count}
+
+
+def _cosine_sums(sums: dict, proj: drafters.TransferProjections, plen: int, N: int):
+    """The ``transfer_outputs`` trace of ``pseudo_cosine`` for one sequence of ``N`` tokens, adding
+    into ``sums``."""
+
+    def trace(layer: int, h: torch.Tensor) -> None:
+        real = h[0, :N].float()  # [N, D]
+        for i in range(1, proj.steps + 1):
+            if layer < proj.layers[i - 1] or N - i - plen <= 0:
+                continue
+            js = torch.arange(plen - 1, N - i - 1)  # sources j with the target j + i
+            pseudo = h[0, N + (i - 1) * N + js].float()  # [len(js), D]
+            for key, x in (("pseudo", pseudo), ("copy", real[js])):
+                by_layer = sums[key].setdefault(i, {})
+                by_layer[layer] = by_layer.get(layer, 0.0) + F.cosine_similarity(x, real[js + i], dim=-1).sum().item()
+
+    return trace

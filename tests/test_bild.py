@@ -711,3 +711,25 @@ def test_a_batch_equals_its_rows_alone(form, sample):
     for key in ("rollbacks", "rolled_back", "fallbacks", "small_tokens", "large_tokens"):
         assert [r.stats[key] for r in batch] == [r.stats[key] for r in alone], key
     assert sum(r.stats["rollbacks"] for r in batch) >= 2
+
+
+def test_eval_frontier_runs_bilds_ablations_and_calm(capsys, tmp_path, tiny_hf_dir):
+    import json
+
+    out = tmp_path / "frontier.json"
+    grids = ["--grid", "base:bild", "--grid", "base:bild-no-rollback", "--grid", "base:bild-no-fallback"]
+    rc, stdout, err = cli(
+        capsys,
+        *("eval", "frontier", "--model", tiny_hf_dir, *grids, "--grid", "base:calm", "--threads", 1),
+        *("--categories", "translation", "--prompts", 2, "--max-new-tokens", 6, "--json", out, "--yes"),
+    )
+    assert rc == 0, err
+    report = json.loads(out.read_text())
+    assert "partial" not in report
+    groups = [s["group"] for s in report["summary"]]
+    assert groups == ["greedy"] + ["bild"] * 3 + ["bild-no-rollback"] * 3 + ["bild-no-fallback"] * 3 + ["calm"] * 3
+    rows = {r["label"]: r for r in report["rows"]}
+    assert rows["greedy"]["identical"] == 2 and rows["greedy"]["speedup"] == 1.0
+    assert all(r["n"] == 2 and r["tokens"] > 0 and r["seconds"] > 0 for r in rows.values())
+    assert rows["bild-no-fallback every 3"]["options"] == {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": 3}
+    assert rows["bild-no-rollback fb0.5 rb inf"]["options"]["alpha_rb"] == math.inf

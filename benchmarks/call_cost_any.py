@@ -6,6 +6,8 @@ measurement, for before/after comparisons on one machine.
     PYTHONPATH=/path/to/old/checkout/src python benchmarks/call_cost_any.py --dtype float32 --threads 2
 
 Both interleave: ``--rounds`` rounds, each timing every size once; the best of the rounds is kept.
+``--clock cpu`` (one thread only) times the calling thread's CPU time instead of the wall clock, so
+that other processes on a shared machine do not count.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,2,4,8,16")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu times one thread: use --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     model = layerleap.load("smollm2-135m", dtype=args.dtype)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -51,9 +57,9 @@ def main() -> None:
             call(s)
         for _ in range(args.rounds):
             for s in sizes:
-                t = time.perf_counter()
+                t = clock()
                 call(s)
-                times[s].append(time.perf_counter() - t)
+                times[s].append(clock() - t)
     best = {s: min(v) * 1e3 for s, v in times.items()}
     out = {
         "layerleap": os.path.dirname(layerleap.__file__),
@@ -61,13 +67,17 @@ def main() -> None:
         "threads": args.threads,
         "context": args.context,
         "rounds": args.rounds,
+        "clock": args.clock,
         "cpu": platform.processor() or platform.machine(),
         "load_average": list(os.getloadavg()),
         "points": [
             {"new_tokens": s, "ms": round(best[s], 2), "ratio": round(best[s] / best[sizes[0]], 3)} for s in sizes
         ],
     }
-    print(f"{out['layerleap']}  {args.dtype}, {args.threads} threads, context {args.context}, best of {args.rounds}")
+    print(
+        f"{out['layerleap']}  {args.dtype}, {args.threads} threads, context {args.context}, best of {args.rounds}, "
+        f"{args.clock} clock"
+    )
     for p in out["points"]:
         print(f"  S={p['new_tokens']:<3} {p['ms']:8.2f} ms  x{p['ratio']:.2f}")
     if args.json:

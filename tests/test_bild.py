@@ -103,6 +103,19 @@ def test_run_limit_hands_over_every_max_small_tokens():
     assert r.stats["large_tokens"] == N // 5 and r.stats["small_tokens"] == N - N // 5
 
 
+@pytest.mark.parametrize("form", ["two models", "early exit"])
+def test_no_fallback_hands_over_at_a_fixed_interval(form):
+    """The paper's no-fallback ablation (Figure 5) is alpha_fb=0 with max_small=k: the small model never
+    hands over by confidence, the large model checks every k small tokens, and rollback still acts."""
+    large, small = tiny_pair(1)
+    for k in (3, 5):
+        s = run_bild(large, alpha_fb=0.0, alpha_rb=1.0, max_small=k, **forms(large, small)[form]).stats
+        assert s["fallbacks"] == 0 and s["forced"] >= 1 and s["rollbacks"] >= 1, (k, s)
+        assert s["large_calls"] == s["forced"] + s["final_checks"]
+        # each forced check follows exactly k small steps; a check at the budget follows at most k
+        assert k * s["forced"] <= s["small_steps"] <= k * s["large_calls"], (k, s)
+
+
 def test_pending_tokens_are_checked_before_returning():
     """The last small tokens go through the rollback policy too: with a strict threshold and a large
     run limit the tail of the output is the large model's, not the small model's."""
@@ -698,3 +711,25 @@ def test_a_batch_equals_its_rows_alone(form, sample):
     for key in ("rollbacks", "rolled_back", "fallbacks", "small_tokens", "large_tokens"):
         assert [r.stats[key] for r in batch] == [r.stats[key] for r in alone], key
     assert sum(r.stats["rollbacks"] for r in batch) >= 2
+
+
+def test_eval_frontier_runs_bilds_ablations_and_calm(capsys, tmp_path, tiny_hf_dir):
+    import json
+
+    out = tmp_path / "frontier.json"
+    grids = ["--grid", "base:bild", "--grid", "base:bild-no-rollback", "--grid", "base:bild-no-fallback"]
+    rc, stdout, err = cli(
+        capsys,
+        *("eval", "frontier", "--model", tiny_hf_dir, *grids, "--grid", "base:calm", "--threads", 1),
+        *("--categories", "translation", "--prompts", 2, "--max-new-tokens", 6, "--json", out, "--yes"),
+    )
+    assert rc == 0, err
+    report = json.loads(out.read_text())
+    assert "partial" not in report
+    groups = [s["group"] for s in report["summary"]]
+    assert groups == ["greedy"] + ["bild"] * 3 + ["bild-no-rollback"] * 3 + ["bild-no-fallback"] * 3 + ["calm"] * 3
+    rows = {r["label"]: r for r in report["rows"]}
+    assert rows["greedy"]["identical"] == 2 and rows["greedy"]["speedup"] == 1.0
+    assert all(r["n"] == 2 and r["tokens"] > 0 and r["seconds"] > 0 for r in rows.values())
+    assert rows["bild-no-fallback every 3"]["options"] == {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": 3}
+    assert rows["bild-no-rollback fb0.5 rb inf"]["options"]["alpha_rb"] == math.inf

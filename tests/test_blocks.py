@@ -37,15 +37,23 @@ def _int8(n: int, k: int, seed: int = 0) -> Int8Rows:
     )
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64: activations rounded to 8 bits per group of 32 (amax/127),
-    each group's integer dot product with the codes, scaled; ``w`` the exact dense weight [N, K]."""
+def _reference(x: torch.Tensor, w: torch.Tensor, fine: bool = True) -> torch.Tensor:
+    """What the kernel computes, in float64: activations rounded per group of 32 to ``qmax`` steps of
+    amax/qmax (15 bits fine, 8 bits coarse), each group's integer dot product with the codes, scaled;
+    ``w`` the exact dense weight [N, K]."""
+    qmax = 127 * 128 if fine else 127
     M, K = x.shape
     xg = x.double().view(M, K // 32, 32)
     amax = xg.abs().amax(-1, keepdim=True)
-    d = amax / 127
-    q = torch.where(amax > 0, torch.round(xg * (127 / amax.clamp_min(1e-30))), torch.zeros_like(xg))
+    d = amax / qmax
+    q = torch.where(amax > 0, torch.round(xg * (qmax / amax.clamp_min(1e-30))), torch.zeros_like(xg))
     return (q * d).view(M, K) @ w.double().t()
+
+
+def _weight(bits: int, n: int, k: int, seed: int, half: bool = True, fine: bool = True) -> BlockWeight:
+    w = BlockWeight.from_rows(_rows(n, k, seed, half)) if bits == 4 else BlockWeight.from_int8(_int8(n, k, seed))
+    w.fine = fine
+    return w
 
 
 SHAPES = [(1, 32, 16), (3, 64, 17), (5, 96, 37), (16, 576, 48), (17, 160, 100), (2, 1536, 64)]
@@ -53,39 +61,76 @@ SHAPES = [(1, 32, 16), (3, 64, 17), (5, 96, 37), (16, 576, 48), (17, 160, 100), 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_block_product_matches_dense_reference(m, k, n, bits):
-    w = BlockWeight.from_rows(_rows(n, k, seed=n)) if bits == 4 else BlockWeight.from_int8(_int8(n, k, seed=n))
+@pytest.mark.parametrize("fine", [True, False])
+def test_block_product_matches_dense_reference(m, k, n, bits, fine):
+    w = _weight(bits, n, k, seed=n, fine=fine)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
     y = w(x)
     assert y.shape == (m, n) and y.dtype == torch.float32
     dense = w.dense()
-    ref = _reference(x, dense)
+    ref = _reference(x, dense, fine)
     scale = ref.abs().max().item()
     assert (y.double() - ref).abs().max().item() < 1e-5 * scale + 1e-6  # the same sum up to fp32 rounding
-    # and close to the product without rounding the activations (8-bit activations: ~1% of the output)
+    # and close to the product without rounding the activations (15 bits: ~1e-4 of the output, 8: ~1%)
     exact = x.double() @ dense.double().t()
-    assert (y.double() - exact).abs().max().item() < 0.02 * exact.abs().max().item()
+    assert (y.double() - exact).abs().max().item() < (1e-3 if fine else 0.02) * exact.abs().max().item()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_vector_path_equals_portable_path_bit_for_bit(bits):
+@pytest.mark.parametrize("fine", [True, False])
+def test_every_row_count_matches_dense_reference(bits, fine):
+    w = _weight(bits, 37, 96, seed=7, fine=fine)
+    dense = w.dense()
+    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(8)) * torch.linspace(0.01, 30, 96)
+    x[3, 5] = 500.0  # an outlier in one group
+    for m in range(1, 17):
+        ref = _reference(x[:m], dense, fine)
+        assert (w(x[:m]).double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-6, m
+
+
+def _paths() -> list[str]:
+    return list(kernels._native_blocks().blocks_paths())
+
+
+def test_the_paths_built_here_include_the_portable_one():
     mod = kernels._native_blocks()
-    w = BlockWeight.from_rows(_rows(45, 192, 1)) if bits == 4 else BlockWeight.from_int8(_int8(45, 192, 1))
-    x = torch.randn(11, 192, generator=torch.Generator().manual_seed(2))
-    a = mod.block_matmul(x, w.codes, w.dm, w.out_features, False)
-    b = mod.block_matmul(x, w.codes, w.dm, w.out_features, True)
-    assert torch.equal(a, b), mod.blocks_isa()
+    assert _paths()[-1] == "portable" and mod.blocks_isa() == _paths()[0]
+    with pytest.raises(RuntimeError, match="no path"):
+        mod.block_matmul(torch.zeros(1, 32), *_weight(4, 16, 32, 0).native_proj()[1:], 16, True, "sse9")
 
 
 @pytest.mark.parametrize("half", [True, False])
-def test_a_row_gets_the_same_bits_in_any_call(half):
-    w = BlockWeight.from_rows(_rows(70, 256, 3, half=half))
-    assert w.dm.dtype == (torch.float16 if half else torch.float32)
-    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    whole = w(x)
-    assert whole.dtype == torch.bfloat16
-    for lo, hi in ((0, 1), (3, 7), (5, 13), (0, 17), (16, 17)):
-        assert torch.equal(w(x[lo:hi]), whole[lo:hi])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fine", [True, False])
+def test_every_path_equals_portable_path_bit_for_bit(bits, half, fine):
+    mod = kernels._native_blocks()
+    w = _weight(bits, 45, 192, 1, half)
+    x = torch.randn(16, 192, generator=torch.Generator().manual_seed(2))
+    b = mod.block_matmul(x, w.codes, w.dm, w.out_features, fine, "portable")
+    for path in _paths():
+        for m in range(1, 17):
+            a = mod.block_matmul(x[:m], w.codes, w.dm, w.out_features, fine, path)
+            assert torch.equal(a, b[:m]), (path, m)
+
+
+@pytest.mark.parametrize("fine", [True, False])
+def test_extreme_codes_and_activations_do_not_overflow(fine):
+    """8-bit codes 0, 1 and 255 against activations at their group's maximum (where 16-bit pair sums
+    of 8-bit products would saturate), and 4-bit codes 15: the integer sums stay exact."""
+    mod = kernels._native_blocks()
+    n, k = 16, 64
+    q = torch.full((n, k), 127, dtype=torch.int8)
+    q[1::2] = -128
+    q[::4, ::3] = -127
+    rows4 = QuantizedRows(torch.full((n, k), 15, dtype=torch.uint8), torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    for w in (BlockWeight.from_int8(Int8Rows(q, torch.full((n, k // 32), 2.0**-10))), BlockWeight.from_rows(rows4)):
+        ref = x.double() @ w.dense().double().t()
+        for path in _paths():
+            y = mod.block_matmul(x, w.codes, w.dm, w.out_features, fine, path)
+            assert (y.double() - ref).abs().max().item() < 1e-6 * ref.abs().max().item(), (w.bits, path)
 
 
 def test_codes_scales_and_lookups_are_exact():
@@ -160,3 +205,16 @@ def test_q4_model_on_blocks_is_close_and_small(name, blocks_format):
     with torch.inference_mode():
         a, b = ref(ids), q4(ids)
     assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_activation_bits_follow_the_environment(monkeypatch):
+    r = _rows(16, 64)
+    assert BlockWeight.from_rows(r).fine and BlockWeight.from_rows(r).native_proj()[0] == 4
+    monkeypatch.setenv(kernels.Q4_ACTIVATIONS_ENV, "8")
+    coarse = BlockWeight.from_rows(r)
+    assert not coarse.fine and coarse.native_proj()[0] == 3
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(9))
+    assert (coarse(x).double() - _reference(x, coarse.dense(), fine=False)).abs().max() < 1e-5
+    monkeypatch.setenv(kernels.Q4_ACTIVATIONS_ENV, "16")
+    with pytest.raises(kernels.KernelError, match="LAYERLEAP_Q4_ACTIVATIONS must be 8 or 15"):
+        BlockWeight.from_rows(r)

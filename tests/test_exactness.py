@@ -103,19 +103,21 @@ FORMATS = (
     ["dense"]
     + (["onednn"] if kernels.ONEDNN and DEVICE == "cpu" else [])
     + ([f"q4-{k}" for k in Q4_KERNELS] if DEVICE == "cpu" else [])
+    + (["q4-blocks8"] if "blocks" in Q4_KERNELS and DEVICE == "cpu" else [])  # 8-bit activations
 )
 
 
 def _in_format(model, fmt: str):
     """The model with its weights as dense parameters, oneDNN's packed layout or 4-bit groups (with
-    torch's int4 kernel or the native block kernel)."""
+    torch's int4 kernel or the native block kernel, with 15-bit activations or, ``q4-blocks8``, 8-bit)."""
     if fmt == "onednn":
         for lin in model.projections():
             lin.pack(kernels.OneDNNWeight(lin.weight.detach(), lin.bias))
         return model
     if fmt.startswith("q4-"):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(kernels.Q4_ENV, fmt.removeprefix("q4-"))
+            mp.setenv(kernels.Q4_ENV, fmt.removeprefix("q4-").removesuffix("8"))
+            mp.setenv(kernels.Q4_ACTIVATIONS_ENV, "8" if fmt.endswith("8") else "15")
             return quantize_model(model)
     return model
 

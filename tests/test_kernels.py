@@ -213,3 +213,15 @@ def test_q8_0_blocks_map_exactly_to_8bit_rows():
     want = dequantize(raw.reshape(2, -1), GGMLQuantizationType.Q8_0)
     assert np.array_equal(rows.dense().numpy(), want)
     torch.testing.assert_close(rows.rows(torch.tensor([1, 0])), rows.dense()[[1, 0]].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_q4_kernel_choice_is_a_vote_over_row_counts():
+    from layerleap.core.kernels import _q4_winner
+
+    def t(torch_s, blocks_s):
+        return {"torch": torch_s, "blocks": blocks_s}
+
+    # blocks faster at 3 of 4 sizes; one size slowed 50-fold by another process does not decide
+    assert _q4_winner({1: t(10, 4), 4: t(15, 6), 8: t(28, 14), 16: t(54, 1131)}) == "blocks"
+    assert _q4_winner({1: t(4, 10), 4: t(6, 15), 8: t(14, 28), 16: t(1131, 54)}) == "torch"
+    assert _q4_winner({1: t(10, 4), 4: t(15, 6), 8: t(1, 14), 16: t(1, 54)}) == "torch"  # a tie: the total

@@ -243,8 +243,8 @@ def test_q4_keeps_the_gguf_blocks(smollm, smollm_q4):
     with torch.inference_mode():
         lq, l32 = m(torch.tensor([ids]))[0], smollm(torch.tensor([ids]))[0]
     assert (lq.argmax(-1) == l32.argmax(-1)).float().mean() >= 0.6
-    # over a longer text: the next-token distributions stay close to fp32's (the block kernel also rounds
-    # activations to 8 bits per 32, as llama.cpp does: KL about 0.006 nats against int4's 0.0015)
+    # over a longer text: the next-token distributions stay close to fp32's (KL about 0.0015 nats for
+    # both kernels; 0.006 with the block kernel's 8-bit activations, LAYERLEAP_Q4_ACTIVATIONS=8)
     text = " ".join(["Layerleap makes decoder-only language models generate text faster by using what their"] * 2)
     text += " intermediate layers already know, and by letting cooperating models share the work. " * 3
     ids = torch.tensor([smollm.tokenizer(text)["input_ids"]])
@@ -252,7 +252,7 @@ def test_q4_keeps_the_gguf_blocks(smollm, smollm_q4):
         lq, l32 = m(ids)[0].float().log_softmax(-1), smollm(ids)[0].float().log_softmax(-1)
     kl = (l32.exp() * (l32 - lq)).sum(-1).mean().item()
     assert kl < 0.02 and (lq.argmax(-1) == l32.argmax(-1)).float().mean() >= 0.9, kl
-    if formats == {"int4"}:  # bf16 activations; the block kernel's 8-bit ones answer this one otherwise
+    if formats == {"int4"} or m.lm_head.packed.fine:  # 8-bit activations answer this one otherwise
         res = generate(m, "What is the capital of France?", chat=True, max_new_tokens=12)
         assert "Paris" in res.text, res.text
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import json
 
 import pytest
@@ -268,3 +269,21 @@ def test_rouge_lsum_and_compare():
     assert ev.rouge_lsum(["the cat sat. a dog ran."], ["the cat sat. a dog ran."]) == pytest.approx(100.0)
     c = ev.compare(["the cat sat on the mat"], ["the cat sat on a mat"])
     assert 0 < c["rougeL"] < 100 and 0 < c["bleu"] < 100 and c["n"] == 1
+
+
+def test_frontier_grids_hold_table2_points_and_bilds_ablations():
+    from layerleap.commands.skipdecode import _grids
+
+    g = _grids(30)
+    sd = {label: o for label, o in g["skipdecode"]}
+    assert sd["10-20 w1"] == {"min_exit_layer": 10, "max_exit_layer": 20, "warmup": 1}  # Table 2, 2x
+    assert sd["7-13 w1"] == {"min_exit_layer": 7, "max_exit_layer": 13, "warmup": 1}  # Table 2, 3x
+    assert [o["exit_layer"] for _, o in g["early-exit"]] == [28, 24, 15, 10]
+    full, no_rb, no_fb = g["bild"], g["bild-no-rollback"], g["bild-no-fallback"]
+    assert [o["alpha_fb"] for _, o in no_rb] == [o["alpha_fb"] for _, o in full]  # the same fallback thresholds
+    assert all(o["alpha_rb"] == math.inf for _, o in no_rb)
+    assert all(o["alpha_fb"] == 0 and o["alpha_rb"] == 1.5 and 3 <= o["max_small"] <= 10 for _, o in no_fb)
+    for d in (2, 4):  # tiny models: only layers that exist
+        g = _grids(d)
+        assert all(1 <= o["exit_layer"] < d for _, o in g["early-exit"])
+        assert all(1 <= o["warmup"] <= o["min_exit_layer"] <= o["max_exit_layer"] <= d for _, o in g["skipdecode"])

@@ -77,8 +77,8 @@ def _model_args(p, dtype: str = "float32") -> None:
         "--variant",
         type=V.tagged(V.path_arg, "in"),
         default=None,
-        help="a fine-tuned variant of --model: a shipped name (e.g. "
-        "skipdecode-2x, calm) or a .safetensors file of `layerleap finetune variant`",
+        help="a fine-tuned variant of --model: a .safetensors file of `layerleap finetune variant`, or the "
+        "name of a variant shipped in layerleap/data/variants/MODEL/ (none ships for smollm2-135m)",
     )
 
 

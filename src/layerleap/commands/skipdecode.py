@@ -682,25 +682,31 @@ def run_eval(args) -> int:
 
 # -- eval frontier --------------------------------------------------------------------------------------
 def _grids(n_layers: int) -> dict:
-    """Each method's points (label suffix, options) for the frontier."""
+    """Each method's points (label suffix, options) for the frontier: from near-greedy settings to the
+    SkipDecode paper's 2x and 3x budgets (Table 5's matched speed-ups: an exit layer and CALM thresholds
+    at about the same layer count), and BiLD's ablations (its paper's Figure 5: no rollback at the same
+    fallback thresholds; no fallback, the large model called after every k small tokens, k in [3, 10])."""
     d = n_layers
-    sd = [(d - 2, d, 4), (d - 6, d, 4), (d - 10, d - 2, 4), *((lo, hi, w) for w, lo, hi in [TABLE2_2X(d)])]
+    sd = [(d - 2, d, 4), (d - 6, d, 4), (d - 10, d - 2, 4), *(table2(d, t) for t in (2, 3) if t <= d)]
+    sd = [(lo, hi, min(w, lo)) for lo, hi, w in dict.fromkeys(sd) if lo >= 1]
+    exits = [e for e in dict.fromkeys((d - 2, d - 6, d // 2, d // 3)) if 1 <= e < d]
+    fbs = (0.3, 0.5, 0.7)
     return {
         "skipdecode": [
             (f"{lo}-{hi} w{w}", {"min_exit_layer": lo, "max_exit_layer": hi, "warmup": w}) for lo, hi, w in sd
         ],
-        "early-exit": [(f"E{e}", {"exit_layer": e}) for e in (d - 2, d - 4, d - 6)],
-        "calm": [(f"cos{t:g}", {"threshold": t}) for t in (0.99, 0.98)],
-        "bild": [("fb0.7 rb1.5", {"alpha_fb": 0.7, "alpha_rb": 1.5})],
-        "bild-no-rollback": [("fb0.7 rb inf", {"alpha_fb": 0.7, "alpha_rb": math.inf})],
-        "bild-no-fallback": [("every 4", {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": 4})],
+        "early-exit": [(f"E{e}", {"exit_layer": e}) for e in exits],
+        "calm": [(f"cos{t:g}", {"threshold": t}) for t in (0.99, 0.97, 0.95)],
+        "bild": [(f"fb{fb:g} rb1.5", {"alpha_fb": fb, "alpha_rb": 1.5}) for fb in fbs],
+        "bild-no-rollback": [(f"fb{fb:g} rb inf", {"alpha_fb": fb, "alpha_rb": math.inf}) for fb in fbs],
+        "bild-no-fallback": [(f"every {k}", {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": k}) for k in (3, 6, 10)],
     }
 
 
-def TABLE2_2X(n_layers: int) -> tuple[int, int, int]:  # noqa: N802
-    """(warmup, min, max) of Table 2's 2x configuration for this depth."""
-    c = target_config(n_layers, 2)
-    return c.warmup, c.min_exit_layer, c.max_exit_layer
+def table2(n_layers: int, target: int) -> tuple[int, int, int]:
+    """(min, max, warmup) of Table 2's configuration for ``target``x at this depth."""
+    c = target_config(n_layers, target)
+    return c.min_exit_layer, c.max_exit_layer, c.warmup
 
 
 def _grid_arg(text: str) -> tuple[str, str]:
@@ -773,13 +779,20 @@ def run_frontier(args) -> int:
             raise LayerleapError(f"--grid {model}:{method}: choose a method of {', '.join(grids)}")
         real = "bild" if method.startswith("bild") else method
         points += [
-            fr.Point(f"{method} {suffix}" + ("" if model == "base" else f" [{model}]"), model, real, opts)
+            fr.Point(f"{method} {suffix}" + ("" if model == "base" else f" [{model}]"), model, real, opts, method)
             for suffix, opts in grids[method]
         ]
     runs = (len(points) + len(models)) * args.prompts * len(_csv(args.categories) or [""])  # + greedy per model
     workload.check(args, workload.decoding(models["base"], runs, args.max_new_tokens))
     report = fr.run(
-        models, points, _csv(args.categories), args.prompts, args.max_new_tokens, args.offset, progress=_say
+        models,
+        points,
+        _csv(args.categories),
+        args.prompts,
+        args.max_new_tokens,
+        args.offset,
+        progress=_say,
+        partial=lambda rep: write_json(args.json, {**rep, "command": cmd, "partial": True}),
     )
     report.update(
         command=cmd,
@@ -801,7 +814,9 @@ def run_frontier(args) -> int:
     return 0
 
 
-def _frontier_figure(report: dict):
+def _frontier_figure(report: dict, only: list[str] | None = None):
+    """Quality, agreement and perplexity against speed-up, one curve per method (and model); ``only``
+    keeps those curves (and greedy)."""
     from ..files import pyplot
 
     plt = pyplot()
@@ -817,13 +832,9 @@ def _frontier_figure(report: dict):
     ):
         groups: dict[str, list] = {}
         for s in report["summary"]:
-            if s[key] is not None:
-                groups.setdefault(
-                    s["label"].rsplit(" ", 1)[0]
-                    if "[" not in s["label"]
-                    else s["label"].split(" ")[0] + " " + s["label"].split("[")[1],
-                    [],
-                ).append(s)
+            if s[key] is not None and (only is None or s.get("group", s["method"]) in ("greedy", *only)):
+                curve = s.get("group", s["method"]) + ("" if s["model"] == "base" else f" [{s['model']}]")
+                groups.setdefault(curve, []).append(s)
         for g, ss in groups.items():
             ss = sorted(ss, key=lambda s: s["speedup"])
             ax.plot([s["speedup"] for s in ss], [s[key] for s in ss], "o-", label=g, ms=4)

@@ -383,6 +383,20 @@ def blocks_available() -> bool:
     return _native_blocks() is not None
 
 
+Q4_ACTIVATIONS_ENV = "LAYERLEAP_Q4_ACTIVATIONS"  # "15" (the default) or "8": the block kernel's activation bits
+
+
+def fine_activations() -> bool:
+    """Whether ``BlockWeight`` rounds activations to 15 bits (``$LAYERLEAP_Q4_ACTIVATIONS`` unset or
+    15) or to 8 bits (8: llama.cpp's rounding, half the multiplications, further from fp32)."""
+    bits = os.environ.get(Q4_ACTIVATIONS_ENV, "").strip() or "15"
+    if bits not in ("8", "15"):
+        raise KernelError(
+            f"{Q4_ACTIVATIONS_ENV} must be 8 or 15 (activation bits of the q4 block kernel), got {bits!r}"
+        )
+    return bits == "15"
+
+
 def _exact_half(t: torch.Tensor) -> bool:
     h = t.half()
     return bool(torch.isfinite(h).all()) and torch.equal(h.float(), t.float())
@@ -395,16 +409,24 @@ class BlockWeight(PackedWeight):
 
     Codes, scales and minimums are the file's own (scales in fp16 when every one is exactly an fp16,
     as Q4_0/Q4_1/Q8_0 store them; in fp32 otherwise, e.g. Q4_K's products of two scales), so
-    ``dense()`` equals gguf's dequantization bit for bit.  The kernel rounds the activations to 8 bits
-    per group of 32 (as llama.cpp does) and sums each group exactly in integers: a row's result
-    depends only on that row, whatever the number of rows in a call.  ``rows(ids)`` looks rows up
-    (an embedding table; a tied LM head shares it)."""
+    ``dense()`` equals gguf's dequantization bit for bit.  The kernel rounds the activations per group
+    of 32, to 15 bits (``fine``, the default: the next-token distribution as close to fp32's as torch's
+    int4 kernel with bf16 activations gets) or to 8 bits as llama.cpp does (half the multiplications;
+    ``$LAYERLEAP_Q4_ACTIVATIONS``, ``fine_activations``),
+    and sums each group exactly in integers: a row's result depends only on that row, whatever the
+    number of rows in a call.  ``rows(ids)`` looks rows up (an embedding table; a tied LM head shares it)."""
 
     def native_proj(self):
-        return 3, self.codes, self.dm
+        return (4 if self.fine else 3), self.codes, self.dm  # decoder.cpp's BLOCKS_FINE / BLOCKS
 
     def __init__(
-        self, codes: torch.Tensor, dm: torch.Tensor, out_features: int, bits: int, bias: torch.Tensor | None = None
+        self,
+        codes: torch.Tensor,
+        dm: torch.Tensor,
+        out_features: int,
+        bits: int,
+        bias: torch.Tensor | None = None,
+        fine: bool | None = None,
     ):
         nb, g = dm.shape[0], dm.shape[1]
         per = 4 if bits == 4 else 8
@@ -422,6 +444,7 @@ class BlockWeight(PackedWeight):
         self.out_features, self.in_features = out_features, g * GROUP
         self.dtype = torch.bfloat16
         self.bias = None if bias is None else bias.detach().float()
+        self.fine = fine_activations() if fine is None else fine
 
     @classmethod
     def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None = None) -> "BlockWeight":
@@ -463,23 +486,21 @@ class BlockWeight(PackedWeight):
         mod = _native_blocks()
         if mod is None:
             raise KernelError("the native block kernel is not built: run `layerleap native --build`")
-        y = mod.block_matmul(x.reshape(-1, self.in_features), self.codes, self.dm, self.out_features, False)
+        y = mod.block_matmul(x.reshape(-1, self.in_features), self.codes, self.dm, self.out_features, self.fine, "")
         y = self._add_bias(y)
         return y.view(*lead, self.out_features).to(x.dtype if x.is_floating_point() else torch.bfloat16)
 
     def _codes_of(self, nb: torch.Tensor | None = None, lane: torch.Tensor | None = None) -> torch.Tensor:
-        """Codes ``[n, K]`` of every row (or of rows ``nb * 16 + lane``)."""
-        c = self.codes
-        if self.bits == 4:
-            c = torch.stack([c & 0x0F, c >> 4], 3).flatten(2, 3)  # [NB, G, 8, 16, 4]
-        c = c.permute(0, 3, 1, 2, 4)  # [NB, 16, G, 8, 4]
-        if nb is None:
-            return c.reshape(-1, self.in_features)[: self.out_features]
-        return c[nb, lane].reshape(-1, self.in_features)
+        """Codes ``[n, K]`` of every row (or of rows ``nb * 16 + lane``, picked before unpacking)."""
+        c = self.codes.permute(0, 3, 1, 2, 4)  # [NB, 16, G, 4 or 8, 4]
+        c = c.reshape(-1, *c.shape[2:])[: self.out_features] if nb is None else c[nb, lane]
+        if self.bits == 4:  # byte i's low nibbles: inputs 8i..8i+3, its high nibbles: 8i+4..8i+7
+            c = torch.stack([c & 0x0F, c >> 4], -2)  # [n, G, 4, 2, 4]
+        return c.reshape(-1, self.in_features)
 
     def _dm_of(self, nb=None, lane=None) -> tuple[torch.Tensor, torch.Tensor]:
-        dm = self.dm.float().permute(0, 3, 1, 2)  # [NB, 16, G, 2]
-        dm = dm.reshape(-1, *dm.shape[2:])[: self.out_features] if nb is None else dm[nb, lane]
+        dm = self.dm.permute(0, 3, 1, 2)  # [NB, 16, G, 2]
+        dm = (dm.reshape(-1, *dm.shape[2:])[: self.out_features] if nb is None else dm[nb, lane]).float()
         return dm[..., 0], dm[..., 1]
 
     @staticmethod
@@ -618,12 +639,23 @@ def measure_q4(rows=(1, 4, 8, 16), mb: float = 48.0) -> dict:
     return out
 
 
+def _q4_winner(times: dict) -> str:
+    """The kernel faster at more of the row counts (the total time on a tie): one size that another
+    process on a shared machine slowed does not decide alone."""
+    wins = sum(t["blocks"] < t["torch"] for t in times.values())
+    if 2 * wins != len(times):
+        return "blocks" if 2 * wins > len(times) else "torch"
+    total = {k: sum(t[k] for t in times.values()) for k in ("torch", "blocks")}
+    return min(total, key=total.get)
+
+
 def q4_format() -> str:
     """``"blocks"`` (the native kernel, ``BlockWeight``) or ``"torch"`` (``Int4Weight``): how this CPU
     multiplies 4-bit weights fastest over 1 to 16 rows.
 
     Only one kernel there: that one.  Both: measured once per CPU signature, torch version, native
-    build and thread count (``measure_q4``, a few seconds; the sum over 1, 4, 8 and 16 rows decides)
+    build, thread count and activation bits (``measure_q4``, a few seconds; the kernel faster at more
+    of 1, 4, 8 and 16 rows wins, the sum over them on a tie)
     and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_Q4_KERNEL`` overrides."""
     have_blocks, have_torch = blocks_available(), int4_supported()
     if not (have_blocks and have_torch):
@@ -635,7 +667,7 @@ def q4_format() -> str:
 
     key = (
         f"{cpu_signature()} | torch {torch.__version__} | q4 | native {native.build_dir().name[:12]} | "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads" + ("" if fine_activations() else " | 8-bit activations")
     )
     path = cache_root() / "kernels.json"
     try:
@@ -644,8 +676,7 @@ def q4_format() -> str:
         known = {}
     if not isinstance(known.get(key), dict) or known[key].get("choice") not in ("blocks", "torch"):
         times = measure_q4()
-        total = {k: sum(t[k] for t in times.values()) for k in ("torch", "blocks")}
-        known[key] = {"choice": min(total, key=total.get), "seconds": {str(m): t for m, t in times.items()}}
+        known[key] = {"choice": _q4_winner(times), "seconds": {str(m): t for m, t in times.items()}}
         try:
             write_json(path, known)
         except LayerleapError:

@@ -7,8 +7,9 @@ Loading merges them into the dense weights before the weights are packed for the
 variant runs exactly as fast as the model it came from.  A full 135M model is 540 MB; its deltas
 at rank 16 are 8 MB.
 
-``layerleap.load("smollm2-135m", variant="skipdecode-2x")`` loads the shipped file
-``data/variants/smollm2-135m/skipdecode-2x.safetensors``; ``variant=`` may also be a file path.
+``layerleap.load(MODEL, variant=FILE)`` loads a file of deltas; a name instead of a path loads the file
+shipped as ``data/variants/MODEL/NAME.safetensors`` (none ships for smollm2-135m: the fine-tunes
+this CPU allows are too short to pay, ``docs/SKIPDECODE.md``).
 The merged model has a fingerprint of its own (the base's and the file's), so heads trained for
 the base model are not silently used with it.  Written by ``layerleap finetune variant``
 (``train/variant.py``), with the training budget every trained file records.

@@ -1,9 +1,10 @@
 """The quality-speed frontier of the lossy methods (SkipDecode's Table 4/5 and Figure 4, BiLD's
 Figures 5 and 7), on one or more models (the base and its fine-tuned variants).
 
-For every category the prompts decode one at a time (batch 1 for every method):
-first the base model's greedy decoding, then every point ``(model, method, options)``, all back to
-back, so that speed-ups are ratios measured in one run under the same load.  Per point and
+For every category the prompts decode one at a time (batch 1 for every method), interleaved: for
+each prompt the base model's greedy decoding, then every point ``(model, method, options)``, back to
+back, so that speed-ups are ratios measured in one run under the same load (a change of load hits
+greedy and every point alike).  Per point and
 category:
 
 - ``score``: the category's measure against Spec-Bench's references (``quality.metric_for``:
@@ -43,6 +44,7 @@ class Point:
     model: str  # a key of the models given to ``run``
     method: str
     options: dict = field(default_factory=dict)
+    group: str = ""  # the curve the point belongs to (e.g. "bild-no-rollback"); default: the method
 
 
 def references(categories: list[str], n: int, offset: int = 0) -> dict[str, list[tuple[str, str]]]:
@@ -85,20 +87,36 @@ def perplexities(model, prompts: list[list[int]], outputs: list[list[int]]) -> l
     return out
 
 
-def _decode(model, method: str, prompts: list[list[int]], max_new: int, options: dict):
-    """Each prompt on its own (batch 1 for every method, so that speed-ups compare like with like)."""
-    t = time.perf_counter()
-    res = [generate(model, p, method, max_new, **options) for p in prompts]
-    return res, time.perf_counter() - t
+def _decode_interleaved(models: dict, points: list, prompts: list[list[int]], max_new: int, progress=None):
+    """For each prompt every point in turn (batch 1): -> ``{label: (results, seconds)}``."""
+    out = {pt.label: ([], 0.0) for pt in points}
+    for i, p in enumerate(prompts):
+        for pt in points:
+            t = time.perf_counter()
+            r = generate(models[pt.model], p, pt.method, max_new, **pt.options)
+            res, secs = out[pt.label]
+            out[pt.label] = (res + [r], secs + time.perf_counter() - t)
+        if progress:
+            progress(f"prompt {i + 1}/{len(prompts)}: {len(points)} points decoded")
+    return out
 
 
 def run(
-    models: dict, points: list[Point], categories: list[str], n: int, max_new: int, offset: int = 0, progress=None
+    models: dict,
+    points: list[Point],
+    categories: list[str],
+    n: int,
+    max_new: int,
+    offset: int = 0,
+    progress=None,
+    partial=None,
 ) -> dict:
-    """Decode every point on every category (see the module's docstring); -> the report's rows."""
+    """Decode every point on every category (see the module's docstring); -> the report's rows.
+    ``partial(report)`` is called with the rows so far after every category (to save them)."""
     base = models["base"]
     data = references(categories, n, offset)
     rows: list[dict] = []
+    all_points = [Point("greedy", "base", "greedy"), *points]
     for cat, items in data.items():
         prompts = [
             chat_token_ids(base.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
@@ -106,16 +124,13 @@ def run(
         ]
         refs = [r for _, r in items]
         metric = evaluation.metric_for(cat)
-        greedy, g_s = _decode(base, "greedy", prompts, max_new, {})
+        decoded = _decode_interleaved(models, all_points, prompts, max_new, progress)
+        greedy, g_s = decoded["greedy"]
         g_text = [r.text for r in greedy]
         g_score = evaluation.score(metric, g_text, refs)
         g_ppl = perplexities(base, prompts, [list(r.token_ids) for r in greedy])
-        for pt in [Point("greedy", "base", "greedy"), *points]:
-            res, secs = (
-                (greedy, g_s)
-                if pt.label == "greedy"
-                else _decode(models[pt.model], pt.method, prompts, max_new, pt.options)
-            )
+        for pt in all_points:
+            res, secs = decoded[pt.label]
             texts = [r.text for r in res]
             ppl = perplexities(base, prompts, [list(r.token_ids) for r in res])
             ratios = [a / b for a, b in zip(ppl, g_ppl) if not math.isnan(a) and not math.isnan(b) and b > 0]
@@ -126,6 +141,7 @@ def run(
                     "label": pt.label,
                     "model": pt.model,
                     "method": pt.method,
+                    "group": pt.group or pt.method,
                     "options": pt.options,
                     "category": cat,
                     "metric": metric,
@@ -153,6 +169,8 @@ def run(
                     f"{r['agreement']:5.1f}  ppl x{r['ppl_ratio'] or float('nan'):.2f}  layers {lpt:4.1f}  "
                     f"speed-up {r['speedup']:.2f}x"
                 )
+        if partial:
+            partial({"rows": rows, "n_prompts": n, "max_new_tokens": max_new, "categories": categories})
     return {"rows": rows, "n_prompts": n, "max_new_tokens": max_new, "categories": categories}
 
 
@@ -170,6 +188,7 @@ def summary(rows: list[dict]) -> list[dict]:
                 "label": label,
                 "model": rs[0]["model"],
                 "method": rs[0]["method"],
+                "group": rs[0].get("group", rs[0]["method"]),
                 "options": rs[0]["options"],
                 "quality": 100 * sum(shares) / len(shares) if shares else None,
                 "agreement": sum(r["agreement"] for r in rs) / len(rs),

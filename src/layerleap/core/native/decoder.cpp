@@ -8,7 +8,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <vector>
 
@@ -17,9 +19,11 @@ using c10::optional;
 
 namespace {
 
-enum Kind : int64_t { DENSE = 0, ONEDNN = 1, INT4 = 2, BLOCKS = 3 };
+// kernels.py's formats; BLOCKS_FINE: a block weight whose activations are rounded to 15 bits, BLOCKS: to 8
+enum Kind : int64_t { DENSE = 0, ONEDNN = 1, INT4 = 2, BLOCKS = 3, BLOCKS_FINE = 4 };
 
-Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool portable);
+Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
+                    const std::string& path);
 
 struct Proj {  // one projection: the weight format's tensors (see kernels.py)
   int64_t kind;
@@ -55,8 +59,8 @@ Tensor project(const Proj& p, const Tensor& x, bool detour) {
     if (x2.scalar_type() != p.a.scalar_type()) x2 = x2.to(p.a.scalar_type());
     return onednn_linear(x2, p.a, p.bias).view(sizes);
   }
-  if (p.kind == BLOCKS) {  // BlockWeight.matmul
-    auto y = block_matmul(x.reshape({-1, p.in}), p.a, p.b, p.out, false);
+  if (p.kind == BLOCKS || p.kind == BLOCKS_FINE) {  // BlockWeight.matmul
+    auto y = block_matmul(x.reshape({-1, p.in}), p.a, p.b, p.out, p.kind == BLOCKS_FINE, "");
     if (p.bias.has_value()) y = y + p.bias->to(y.scalar_type());
     return y.view(sizes).to(x.scalar_type());
   }
@@ -296,66 +300,82 @@ Tensor attend_folded(const Tensor& q, const Tensor& k, const Tensor& v, const op
 //   8-bit: codes [N/16, G, 8, 16, 4] bytes, vector j holds inputs 4j..4j+3 (w = code * d + m, codes
 //          0..255; GGUF's Q8_0 as code = q + 128, m = -128 d).
 // dm [N/16, G, 2, 16] (fp16 or fp32): each group's scale d for 16 rows, then its minimum m.
-// Activations are rounded to 8 bits per group of 32 (llama.cpp's Q8_1): xq = round(x / dx), dx = amax / 127,
-// sx = dx * sum(xq).  Then y[s, n] = sum_g (d_g dx_g * sum_i code_i xq_i + m_g sx_g), the groups in
-// order, each group's integer sum exact: a row's result depends only on that row of x (never on how
-// many rows a call has or how they are split between threads), on every path.
+// Activations are rounded per group of 32 inputs: xq = round(x / dx), dx = amax / QMAX, sx = dx * sum(xq)
+// for the minimum's term.  Coarse: QMAX = 127 (8 bits, llama.cpp's Q8_1); fine: QMAX = 127 * 128
+// (15 bits), kept as two int8 halves xq = 128 hi + lo (hi in -127..127, lo in -64..63) for the 8-bit
+// integer dot products, twice the multiplications of coarse.  Then
+// y[s, n] = sum_g (d_g dx_g * sum_i code_i xq_i + m_g sx_g), the groups in order, each group's integer
+// sum exact (at most 32 * 255 * QMAX < 2^31): a row's result depends only on that row of x (never on
+// how many rows a call has or how they are split between threads), and every path gives the same bits.
+// The weights are read once per 8 activation rows (AVX-512; 4 with AVX2).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define LL_BLOCKS_ISA "avx512-vnni"
+#define LL_AVX512 1
 #include <immintrin.h>
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#define LL_BLOCKS_ISA "avx2"
+#endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define LL_AVX2 1
 #include <immintrin.h>
-#else
-#define LL_BLOCKS_ISA "portable"
 #endif
 
-struct QX {  // activations rounded to 8 bits: [M, K] codes, [M, G] scales and scaled sums
+// Activations rounded per group of 32, group-major so that a tile's rows of one group lie together:
+// record g * M + s holds row s's group g: q[64 * record] 32 values (fine: hi) then 32 more (fine: lo),
+// d, s, n the scale, the scaled sum and the integer sum.
+struct QX {
+  int64_t M;
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> n;
 };
 
-static void quantize_rows(const float* x, int64_t M, int64_t K, QX& out) {
+static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& out) {
   const int64_t G = K / 32;
-  out.q.resize(M * K);
+  const int32_t qmax = fine ? 127 * 128 : 127;
+  out.M = M;
+  out.q.assign(M * G * 64, 0);
   out.d.resize(M * G);
   out.s.resize(M * G);
-  for (int64_t r = 0; r < M * G; r++) {
-    const float* xr = x + r * 32;
-    float amax = 0.0f;
-    for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xr[i]));
-    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
-    int8_t* q = &out.q[r * 32];
-    for (int i = 0; i < 32; i++) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xr[i] * id));
-      q[i] = static_cast<int8_t>(std::max(-127, std::min(127, v)));
-      sum += q[i];
+  out.n.resize(M * G);
+  for (int64_t row = 0; row < M; row++)
+    for (int64_t g = 0; g < G; g++) {
+      const float* xr = x + row * K + g * 32;
+      const int64_t r = g * M + row;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xr[i]));
+      const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
+      int8_t* q = &out.q[r * 64];
+      int32_t sum = 0;
+      for (int i = 0; i < 32; i++) {
+        const int32_t v = std::max(-qmax, std::min(qmax, static_cast<int32_t>(std::nearbyint(xr[i] * id))));
+        const int32_t h = fine ? (v + 64) >> 7 : v;  // arithmetic shift: round to nearest
+        q[i] = static_cast<int8_t>(h);
+        q[32 + i] = static_cast<int8_t>(v - 128 * h * fine);
+        sum += v;
+      }
+      out.d[r] = d;
+      out.s[r] = d * static_cast<float>(sum);
+      out.n[r] = sum;
     }
-    out.d[r] = d;
-    out.s[r] = d * static_cast<float>(sum);
-  }
 }
 
 static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-// the portable path: the same sums and the same fused multiply-adds, one row of 16 lanes at a time
-template <int BITS, typename SC>
+// the portable path: the same integer sums and the same fused multiply-adds, one row of 16 lanes at a time
+template <int BITS, bool FINE, typename SC>
 static void blocks_portable(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
                             int64_t nb1, float* y, int64_t N) {
   constexpr int J = BITS == 4 ? 4 : 8;
   auto val = [](SC v) -> float {
     if constexpr (std::is_same_v<SC, float>) return v; else return half_to_float(v);
   };
-  const int64_t K = G * 32;
   for (int64_t nb = nb0; nb < nb1; nb++)
     for (int64_t s = 0; s < M; s++) {
       float acc[16] = {0};
       for (int64_t g = 0; g < G; g++) {
         const uint8_t* c = codes + (nb * G + g) * J * 64;
         const SC* sc = dm + (nb * G + g) * 32;
-        const int8_t* x = &xq.q[s * K + g * 32];
-        const float dx = xq.d[s * G + g], sx = xq.s[s * G + g];
+        const int64_t r = g * M + s;
+        const int8_t* hi = &xq.q[r * 64];
+        const float dx = xq.d[r], sx = xq.s[r];
         for (int l = 0; l < 16; l++) {
           int32_t isum = 0;
           for (int j = 0; j < 8; j++)
@@ -367,7 +387,7 @@ static void blocks_portable(const uint8_t* codes, const SC* dm, const QX& xq, in
               } else {
                 code = c[(j * 16 + l) * 4 + t];
               }
-              isum += code * x[4 * j + t];
+              isum += code * (FINE ? 128 * hi[4 * j + t] + hi[32 + 4 * j + t] : hi[4 * j + t]);
             }
           acc[l] = std::fma(static_cast<float>(isum), val(sc[l]) * dx, acc[l]);
           acc[l] = std::fma(val(sc[16 + l]), sx, acc[l]);
@@ -377,77 +397,98 @@ static void blocks_portable(const uint8_t* codes, const SC* dm, const QX& xq, in
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Runs f(std::integral_constant<int, T>) for T = min(rows, MAX) (1..MAX): a tile's row count fixed at
+// compile time, so that its accumulators stay in registers.
+template <int MAX, typename F>
+static inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (MAX > 1) {
+    if (rows < MAX) return with_rows<MAX - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MAX>());
+}
+
+#ifdef LL_AVX512
 template <typename SC>
 static inline __m512 load16(const SC* p) {
   if constexpr (std::is_same_v<SC, float>) return _mm512_loadu_ps(p);
   else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// T rows of activations against one block of 16 output rows (all groups)
-template <int BITS, typename SC, int T>
-static inline void blocks_tile(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G,
-                               int64_t nb, float* y, int64_t N) {
+// T rows of activations against one block of 16 output rows (all groups); each group's codes are
+// loaded (and split into nibbles) once for the T rows
+template <int BITS, bool FINE, typename SC, int T>
+static inline void tile512(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G, int64_t nb,
+                           float* y, int64_t N) {
   constexpr int J = BITS == 4 ? 4 : 8;
-  const int64_t K = G * 32;
+  const int64_t M = xq.M;
   __m512 acc[T];
+#pragma GCC unroll 8
   for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * J * 64;
     __m512i w[8];
     if constexpr (BITS == 4) {
+#pragma GCC unroll 4
       for (int i = 0; i < 4; i++) {
         const __m512i p = _mm512_loadu_si512(c + i * 64);
         w[2 * i] = _mm512_and_si512(p, low);
         w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
       }
     } else {
+#pragma GCC unroll 8
       for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(c + j * 64);
     }
     const __m512 d = load16(dm + (nb * G + g) * 32), m = load16(dm + (nb * G + g) * 32 + 16);
+    const int32_t* x = reinterpret_cast<const int32_t*>(&xq.q[(g * M + s0) * 64]);  // row t at x + 16 t
+    const float* dx = &xq.d[g * M + s0];
+    const float* sx = &xq.s[g * M + s0];
+#pragma GCC unroll 8
     for (int t = 0; t < T; t++) {
-      const int32_t* x = reinterpret_cast<const int32_t*>(&xq.q[(s0 + t) * K + g * 32]);
+      const int32_t* h = x + 16 * t;
       __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+#pragma GCC unroll 8
       for (int j = 0; j < 8; j += 2) {
-        a = _mm512_dpbusd_epi32(a, w[j], _mm512_set1_epi32(x[j]));
-        b = _mm512_dpbusd_epi32(b, w[j + 1], _mm512_set1_epi32(x[j + 1]));
+        a = _mm512_dpbusd_epi32(a, w[j], _mm512_set1_epi32(h[j]));
+        b = _mm512_dpbusd_epi32(b, w[j + 1], _mm512_set1_epi32(h[j + 1]));
       }
-      const __m512i isum = _mm512_add_epi32(a, b);
-      const float dx = xq.d[(s0 + t) * G + g], sx = xq.s[(s0 + t) * G + g];
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[t]);
-      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), acc[t]);
+      __m512i isum = _mm512_add_epi32(a, b);
+      if constexpr (FINE) {
+        __m512i e = _mm512_setzero_si512(), f = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j += 2) {
+          e = _mm512_dpbusd_epi32(e, w[j], _mm512_set1_epi32(h[8 + j]));
+          f = _mm512_dpbusd_epi32(f, w[j + 1], _mm512_set1_epi32(h[8 + j + 1]));
+        }
+        isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 7), _mm512_add_epi32(e, f));
+      }
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx[t])), acc[t]);
+      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t]), acc[t]);
     }
   }
   const int64_t n0 = nb * 16, live = std::min<int64_t>(16, N - n0);
   const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1);
+#pragma GCC unroll 8
   for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(y + (s0 + t) * N + n0, keep, acc[t]);
 }
 
-template <int BITS, typename SC>
-static void blocks_simd(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
-                        int64_t nb1, float* y, int64_t N) {
+template <int BITS, bool FINE, typename SC>
+static void blocks_avx512(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
+                          int64_t nb1, float* y, int64_t N) {
   for (int64_t nb = nb0; nb < nb1; nb++)
-    for (int64_t s0 = 0; s0 < M; s0 += 8) {
-      switch (std::min<int64_t>(8, M - s0)) {
-        case 1: blocks_tile<BITS, SC, 1>(codes, dm, xq, s0, G, nb, y, N); break;
-        case 2: blocks_tile<BITS, SC, 2>(codes, dm, xq, s0, G, nb, y, N); break;
-        case 3: blocks_tile<BITS, SC, 3>(codes, dm, xq, s0, G, nb, y, N); break;
-        case 4: blocks_tile<BITS, SC, 4>(codes, dm, xq, s0, G, nb, y, N); break;
-        case 5: blocks_tile<BITS, SC, 5>(codes, dm, xq, s0, G, nb, y, N); break;
-        case 6: blocks_tile<BITS, SC, 6>(codes, dm, xq, s0, G, nb, y, N); break;
-        case 7: blocks_tile<BITS, SC, 7>(codes, dm, xq, s0, G, nb, y, N); break;
-        default: blocks_tile<BITS, SC, 8>(codes, dm, xq, s0, G, nb, y, N); break;
-      }
-    }
+    for (int64_t s0 = 0; s0 < M; s0 += 8)
+      with_rows<8>(M - s0, [&](auto T) { tile512<BITS, FINE, SC, decltype(T)::value>(codes, dm, xq, s0, G, nb, y, N); });
 }
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#endif
+
+#ifdef LL_AVX2
 template <typename SC>
 static inline __m256 load8(const SC* p) {
   if constexpr (std::is_same_v<SC, float>) return _mm256_loadu_ps(p);
   else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// acc + the 4-products sums of u (unsigned, at most 128 when `wide`, else at most 15) and s (signed)
 static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u, s);
@@ -456,42 +497,60 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// T rows against 8 of a block's 16 output rows (half h)
-template <int BITS, typename SC, int T>
-static inline void blocks_tile(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G,
-                               int64_t nb, int h, float* y, int64_t N) {
+// T rows against 8 of a block's 16 output rows (half h).  8-bit codes c are taken as c - 128 (signed)
+// in the products (unsigned |c - 128| times the activation with c - 128's sign, as llama.cpp does, so
+// that maddubs' 16-bit pair sums cannot saturate), and 128 * sum(xq) added back: the same integer sum.
+template <int BITS, bool FINE, typename SC, int T>
+static inline void tile256(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G, int64_t nb,
+                           int half, float* y, int64_t N) {
   constexpr int J = BITS == 4 ? 4 : 8;
-  const int64_t K = G * 32;
+  const int64_t M = xq.M;
   __m256 acc[T];
+#pragma GCC unroll 4
   for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < G; g++) {
-    const uint8_t* c = codes + (nb * G + g) * J * 64 + h * 32;
-    __m256i w[8];
+    const uint8_t* c = codes + (nb * G + g) * J * 64 + half * 32;
+    __m256i w[8], sg[8];
     if constexpr (BITS == 4) {
+#pragma GCC unroll 4
       for (int i = 0; i < 4; i++) {
         const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i * 64));
         w[2 * i] = _mm256_and_si256(p, low);
         w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
       }
     } else {
-      for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64));
-    }
-    const __m256 d = load8(dm + (nb * G + g) * 32 + h * 8), m = load8(dm + (nb * G + g) * 32 + 16 + h * 8);
-    for (int t = 0; t < T; t++) {
-      const int32_t* x = reinterpret_cast<const int32_t*>(&xq.q[(s0 + t) * K + g * 32]);
-      __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-      for (int j = 0; j < 8; j += 2) {
-        a = dot_u8s8(a, w[j], _mm256_set1_epi32(x[j]));
-        b = dot_u8s8(b, w[j + 1], _mm256_set1_epi32(x[j + 1]));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; j++) {
+        sg[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64)), flip);
+        w[j] = _mm256_abs_epi8(sg[j]);  // -128 stays 0x80: 128 as unsigned
       }
-      const __m256i isum = _mm256_add_epi32(a, b);
-      const float dx = xq.d[(s0 + t) * G + g], sx = xq.s[(s0 + t) * G + g];
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[t]);
-      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[t]);
+    }
+    const __m256 d = load8(dm + (nb * G + g) * 32 + half * 8), m = load8(dm + (nb * G + g) * 32 + 16 + half * 8);
+    const int64_t r0 = g * M + s0;
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+      const int32_t* h = reinterpret_cast<const int32_t*>(&xq.q[(r0 + t) * 64]);
+      __m256i a = _mm256_setzero_si256(), e = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; j++) {
+        __m256i xh = _mm256_set1_epi32(h[j]);
+        if constexpr (BITS == 8) xh = _mm256_sign_epi8(xh, sg[j]);
+        a = dot_u8s8(a, w[j], xh);
+        if constexpr (FINE) {
+          __m256i xl = _mm256_set1_epi32(h[8 + j]);
+          if constexpr (BITS == 8) xl = _mm256_sign_epi8(xl, sg[j]);
+          e = dot_u8s8(e, w[j], xl);
+        }
+      }
+      __m256i isum = FINE ? _mm256_add_epi32(_mm256_slli_epi32(a, 7), e) : a;
+      if constexpr (BITS == 8) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(128 * xq.n[r0 + t]));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xq.d[r0 + t])), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.s[r0 + t]), acc[t]);
     }
   }
-  const int64_t n0 = nb * 16 + h * 8;
+  const int64_t n0 = nb * 16 + half * 8;
+#pragma GCC unroll 4
   for (int t = 0; t < T; t++) {
     float out[8];
     _mm256_storeu_ps(out, acc[t]);
@@ -499,60 +558,87 @@ static inline void blocks_tile(const uint8_t* codes, const SC* dm, const QX& xq,
   }
 }
 
-template <int BITS, typename SC>
-static void blocks_simd(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
+template <int BITS, bool FINE, typename SC>
+static void blocks_avx2(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
                         int64_t nb1, float* y, int64_t N) {
   for (int64_t nb = nb0; nb < nb1; nb++)
-    for (int h = 0; h < 2; h++)
-      for (int64_t s0 = 0; s0 < M; s0 += 4) {
-        switch (std::min<int64_t>(4, M - s0)) {
-          case 1: blocks_tile<BITS, SC, 1>(codes, dm, xq, s0, G, nb, h, y, N); break;
-          case 2: blocks_tile<BITS, SC, 2>(codes, dm, xq, s0, G, nb, h, y, N); break;
-          case 3: blocks_tile<BITS, SC, 3>(codes, dm, xq, s0, G, nb, h, y, N); break;
-          default: blocks_tile<BITS, SC, 4>(codes, dm, xq, s0, G, nb, h, y, N); break;
-        }
-      }
+    for (int half = 0; half < 2; half++)
+      for (int64_t s0 = 0; s0 < M; s0 += 4)
+        with_rows<4>(M - s0, [&](auto T) {
+          tile256<BITS, FINE, SC, decltype(T)::value>(codes, dm, xq, s0, G, nb, half, y, N);
+        });
 }
 #endif
 
-// x [M, K] (fp32 or bf16) times a block weight (see above) -> [M, N] fp32.  portable: the scalar path
-// even where a vector path was built (for tests).
-Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool portable) {
+// The vector paths this build holds, best first; "portable" is always there.
+std::vector<std::string> blocks_paths() {
+  std::vector<std::string> out;
+#ifdef LL_AVX512
+  out.push_back("avx512-vnni");
+#endif
+#ifdef LL_AVX2
+  out.push_back(
+#if defined(__AVXVNNI__)
+      "avx2-vnni"
+#else
+      "avx2"
+#endif
+  );
+#endif
+  out.push_back("portable");
+  return out;
+}
+
+// x [M, K] (fp32 or bf16) times a block weight (see above) -> [M, N] fp32.  fine: 15-bit activations
+// (else 8-bit).  path: one of blocks_paths() (tests compare them), "" for the best.
+Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
+                    const std::string& path) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "block_matmul: x [M, K] with K a multiple of 32");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && dm.is_contiguous(),
               "block_matmul: contiguous uint8 codes and scales");
   TORCH_CHECK(dm.scalar_type() == at::kFloat || dm.scalar_type() == at::kHalf, "block_matmul: fp32 or fp16 scales");
+  const auto paths = blocks_paths();
+  const std::string use = path.empty() ? paths[0] : path;
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), use) != paths.end(), "block_matmul: no path ", use, " here");
   const int64_t M = x.size(0), K = x.size(1), G = K / 32, NB = (N + 15) / 16;
   TORCH_CHECK(dm.numel() == NB * G * 32, "block_matmul: scales do not fit the shape");
   const int64_t per = codes.numel() / (NB * G * 64);
   TORCH_CHECK((per == 4 || per == 8) && codes.numel() == NB * G * 64 * per, "block_matmul: codes do not fit the shape");
   auto xf = x.to(at::kFloat).contiguous();
   QX xq;
-  quantize_rows(xf.data_ptr<float>(), M, K, xq);
+  quantize_rows(xf.data_ptr<float>(), M, K, fine, xq);
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* c = codes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, NB / (4 * std::max(1, at::get_num_threads())));
-  auto run = [&](auto* sc) {
+  auto run = [&](auto* sc, auto bits, auto fine_) {
     using SC = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
+    constexpr int B = decltype(bits)::value;
+    constexpr bool F = decltype(fine_)::value;
     at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-#if defined(__AVX512VNNI__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
-      if (!portable) {
-        if (per == 4) blocks_simd<4, SC>(c, sc, xq, M, G, b0, b1, yp, N);
-        else blocks_simd<8, SC>(c, sc, xq, M, G, b0, b1, yp, N);
-        return;
-      }
+#ifdef LL_AVX512
+      if (use == "avx512-vnni") return blocks_avx512<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
-      if (per == 4) blocks_portable<4, SC>(c, sc, xq, M, G, b0, b1, yp, N);
-      else blocks_portable<8, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+#ifdef LL_AVX2
+      if (use != "portable") return blocks_avx2<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+#endif
+      blocks_portable<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
     });
   };
-  if (dm.scalar_type() == at::kFloat) run(dm.data_ptr<float>());
-  else run(reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()));
+  auto with_scales = [&](auto bits, auto fine_) {
+    if (dm.scalar_type() == at::kFloat) run(dm.data_ptr<float>(), bits, fine_);
+    else run(reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), bits, fine_);
+  };
+  auto with_bits = [&](auto fine_) {
+    if (per == 4) with_scales(std::integral_constant<int, 4>(), fine_);
+    else with_scales(std::integral_constant<int, 8>(), fine_);
+  };
+  if (fine) with_bits(std::true_type());
+  else with_bits(std::false_type());
   return y;
 }
 
-std::string blocks_isa() { return LL_BLOCKS_ISA; }
+std::string blocks_isa() { return blocks_paths()[0]; }
 }  // namespace
 
 // Model.run_layers over layers [0, L') of the given stacks, cache rows all starting at `start` (the
@@ -613,5 +699,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_matmul", &block_matmul, "x times a 4- or 8-bit block weight (see decoder.cpp)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("blocks_isa", &blocks_isa, "the vector path block_matmul was built with");
+  m.def("blocks_isa", &blocks_isa, "the vector path block_matmul takes by default");
+  m.def("blocks_paths", &blocks_paths, "the paths block_matmul was built with, best first");
 }

@@ -745,6 +745,11 @@ CLI = [
     (EX + ["--methods", "speculative"], "method speculative needs a second model: give --draft NAME"),
     (TM + ["--out", "{T}/m.safetensors", "--layers", "10"], "--layers is for `layerleap train transfer`"),
     (TT + ["--out", "{T}/t.safetensors", "--heads", "2"], "--heads is for `layerleap train medusa`"),
+    (TT + ["--out", "{T}/t.safetensors", "--init", "{T}/nosuch.safetensors"], "not found (or not a file)"),
+    (
+        TT + ["--out", "{T}/t.safetensors", "--layers", "1", "--init", "{MEDUSA}"],
+        "is not a file of Hidden Transfer projections",
+    ),
     (["theory", "ppd", "--measure", *M, "--layers", "30"], "--layers: not used with --measure"),
     (["theory", "ppd", "--measure", *M, "--p-correct", "0.3", "--k", "2"], "--k, --p-correct: not used with --measure"),
     (["theory", "ppd", "--head", "shared"], "--head: not used without --measure: add --measure"),

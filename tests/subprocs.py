@@ -33,8 +33,15 @@ class Proc:
             **(env or {}),
         }
         # group: its own process group, so that signal_group reaches its children too, as a terminal's Ctrl-C
+        # Ctrl-C as a terminal gives it, even where the tests run as a background job (which ignores SIGINT)
         self.p = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full, cwd=cwd, start_new_session=group
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full,
+            cwd=cwd,
+            start_new_session=group,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.out, self.err = bytearray(), bytearray()
         self._threads = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -239,6 +240,13 @@ def test_a_heavy_import_is_never_cut(tmp_path):
         "    print('interrupted', getattr(builtins, 'fakeheavy_done', False))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    p = __import__("subprocess").run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    p = __import__("subprocess").run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal, even from a background job
+    )
     assert p.stdout.strip() == "interrupted True", p.stdout + p.stderr
     assert "Traceback" not in p.stderr

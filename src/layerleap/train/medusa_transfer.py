@@ -221,16 +221,8 @@ def _ckpt_path(out: Path) -> Path:
     return out.with_name(out.name + ".ckpt.safetensors")
 
 
-RESUME_KEYS = (
-    "kind",
-    "layers",
-    "steps_ahead",
-    "seq_len",
-    "seed",
-    "lr",
-    "batch_size",
-    "init",
-)  # a rerun may change the others
+# the settings a resumed run must share with its checkpoint (a rerun may change the others)
+RESUME_KEYS = ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size", "init")
 
 
 def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str) -> Checkpoint:

@@ -37,15 +37,19 @@ from pathlib import Path
 import torch
 
 import layerleap
-from layerleap.eval.bench import parse_methods
+from layerleap.eval.bench import check_spec, parse_methods
 from layerleap.datasets import Prompt, spec_bench
 from layerleap.decoding import chat_token_ids
 from layerleap.errors import LayerleapError
 from layerleap.eval.quality import common_prefix
 from layerleap.files import atomic_write, write_json
+from layerleap.options import ModelLoader, resolve_models
+from llamacpp_engine import LlamaCpp
 from layerleap.core.loading import PACKAGED, _gguf_parts, cache_root
 
 LLAMA_GREEDY, LLAMA_LOOKUP = "llama.cpp greedy", "llama.cpp lookup"
+SPEC_BENCH_FIVE = ("summarization", "qa", "translation", "math_reasoning", "writing")
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 WARMUP_TOKENS = 8
 
@@ -145,72 +149,6 @@ class Record:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s}
 
 
-class CountingLookup:
-    """The binding's ``LlamaPromptLookupDecoding``, counting its calls (one per model call after the
-    prompt) and the tokens it proposed."""
-
-    def __init__(self, max_ngram_size: int, num_pred_tokens: int):
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        self.inner = LlamaPromptLookupDecoding(max_ngram_size=max_ngram_size, num_pred_tokens=num_pred_tokens)
-        self.calls = self.drafted = 0
-
-    def __call__(self, input_ids, /, **kwargs):
-        out = self.inner(input_ids, **kwargs)
-        self.calls += 1
-        self.drafted += len(out)
-        return out
-
-
-class LlamaCpp:
-    """One llama.cpp context on the GGUF file, greedy (temperature 0, top-k 1, no penalties)."""
-
-    def __init__(self, path: Path, threads: int, n_ctx: int, lookup: tuple[int, int] | None = None):
-        from llama_cpp import Llama
-
-        self.draft = CountingLookup(*lookup) if lookup else None
-        self.llm = Llama(
-            str(path),
-            n_ctx=n_ctx,
-            n_batch=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            draft_model=self.draft,
-            verbose=False,
-        )
-        self.params = {
-            "n_ctx": n_ctx,
-            "n_batch": self.llm.n_batch,
-            "n_ubatch": self.llm.context_params.n_ubatch,
-            "n_threads": threads,
-            "n_threads_batch": threads,
-            "flash_attn": "binding default (off)",
-            "lookup": {"max_ngram_size": lookup[0], "num_pred_tokens": lookup[1]} if lookup else None,
-        }
-
-    def generate(self, prompt_ids: list[int], n: int) -> tuple[list[int], float, float]:
-        """-> (n new token ids, wall s, time to the first token s); the whole prompt is evaluated
-        anew every time (no prefix reuse from the previous call)."""
-        self.llm.reset()
-        if self.draft is not None:
-            self.draft.calls = self.draft.drafted = 0
-        out: list[int] = []
-        t0 = time.perf_counter()
-        ttft = 0.0
-        for tok in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-            if not out:
-                ttft = time.perf_counter() - t0
-            out.append(int(tok))
-            if len(out) == n:
-                break
-        return out, time.perf_counter() - t0, ttft
-
-    def counters(self) -> dict:
-        """Model calls (the prompt's included) and drafted tokens of the last ``generate`` (lookup only:
-        the binding asks the draft model once before every model call after the prompt)."""
-        return {"model_calls": self.draft.calls + 1, "drafted": self.draft.drafted} if self.draft else {}
-
-
 # -- the run --------------------------------------------------------------------------------------
 @dataclass
 class Setup:
@@ -218,26 +156,41 @@ class Setup:
     prompts: list[Prompt]
     prompt_ids: list[list[int]]
     models: dict[str, layerleap.Transformer]  # dtype -> model
-    methods: dict[str, tuple[str, dict]]
+    methods: dict[str, tuple[str, dict]]  # label -> (method, options as given: a draft model by name)
+    resolved: dict[str, dict[str, tuple[str, dict]]]  # dtype -> label -> (method, options, models loaded)
     max_new_tokens: int
     lookup: tuple[int, int] | None
+    llama_draft: tuple[str, int] | None  # (packaged model, tokens a round) for llama.cpp speculative
+
+
+def llama_spec_label(draft: str) -> str:
+    return f"llama.cpp speculative ({draft} draft)"
+
+
+def llama_engines(s: Setup, threads: int, n_ctx: int) -> dict[str, LlamaCpp]:
+    """llama.cpp greedy, with prompt lookup, with a draft model: the ones the run asks for."""
+    engines = {LLAMA_GREEDY: LlamaCpp(s.gguf, threads, n_ctx)}
+    if s.lookup:
+        engines[LLAMA_LOOKUP] = LlamaCpp(s.gguf, threads, n_ctx, lookup=s.lookup)
+    if s.llama_draft:
+        name, tokens = s.llama_draft
+        engines[llama_spec_label(name)] = LlamaCpp(s.gguf, threads, n_ctx, draft=(gguf_file(name), tokens))
+    return engines
 
 
 def run_threads(s: Setup, threads: int, report: dict, save) -> None:
-    """Every prompt at one thread count, interleaved: llama.cpp (greedy, lookup), then layerleap."""
+    """Every prompt at one thread count, interleaved: llama.cpp (greedy, lookup, draft model), then layerleap."""
     from tqdm.auto import tqdm
 
     torch.set_num_threads(threads)
     n_ctx = max(len(p) for p in s.prompt_ids) + s.max_new_tokens + 16
-    engines = {LLAMA_GREEDY: LlamaCpp(s.gguf, threads, n_ctx)}
-    if s.lookup:
-        engines[LLAMA_LOOKUP] = LlamaCpp(s.gguf, threads, n_ctx, s.lookup)
+    engines = llama_engines(s, threads, n_ctx)
     report["config"]["llama_cpp_params"][str(threads)] = {k: e.params for k, e in engines.items()}
     shortest = min(s.prompt_ids, key=len)
     for e in engines.values():  # warm-up: page in the weights, first-call set-up
         e.generate(shortest, WARMUP_TOKENS)
-    for model in s.models.values():
-        for name, options in s.methods.values():
+    for dtype, model in s.models.items():
+        for name, options in s.resolved[dtype].values():
             layerleap.generate(model, shortest, name, WARMUP_TOKENS, stop_at_eos=False, **options)
     block = {
         "threads": threads,
@@ -263,8 +216,8 @@ def run_threads(s: Setup, threads: int, report: dict, save) -> None:
                         label,
                         "llama.cpp",
                         "gguf",
-                        "greedy" if label == LLAMA_GREEDY else "prompt-lookup",
-                        eng.params["lookup"] or {},
+                        eng.method,
+                        eng.params["draft"] or {},
                         len(toks),
                         wall,
                         ttft,
@@ -276,7 +229,7 @@ def run_threads(s: Setup, threads: int, report: dict, save) -> None:
                 )
                 bar.update()
             for dtype, model in s.models.items():
-                for mlabel, (name, options) in s.methods.items():
+                for mlabel, (name, options) in s.resolved[dtype].items():
                     label = f"layerleap {dtype} {mlabel}"
                     bar.set_postfix_str(f"{prompt.category} {label}")
                     load, nice = load_average(), max(thread_nice(), default=0)
@@ -294,7 +247,7 @@ def run_threads(s: Setup, threads: int, report: dict, save) -> None:
                             "layerleap",
                             dtype,
                             name,
-                            dict(options),
+                            dict(s.methods[mlabel][1]),
                             len(res.token_ids),
                             wall,
                             res.stats["ttft_s"],
@@ -313,6 +266,155 @@ def run_threads(s: Setup, threads: int, report: dict, save) -> None:
     block["load_after"] = load_average()
     block["thread_nice_after"] = thread_nice()
     report["config"]["thread_blocks"].append(block)
+
+
+# -- prefill alone ----------------------------------------------------------------------------------
+def run_prefill(s: Setup, threads: int, repeat: int, report: dict, save) -> None:
+    """The prompt pass alone (the time to the first token of a one-token generation) of every prompt,
+    ``repeat`` rounds, interleaved per prompt: llama.cpp, then each layerleap dtype."""
+    torch.set_num_threads(threads)
+    llama = LlamaCpp(s.gguf, threads, max(len(p) for p in s.prompt_ids) + 16)
+    report["config"]["llama_cpp_params"][str(threads)] = {LLAMA_GREEDY: llama.params}
+    engines = {LLAMA_GREEDY: lambda ids: llama.generate(ids, 1)[2]}
+    for dtype, model in s.models.items():
+        engines[f"layerleap {dtype} greedy"] = lambda ids, m=model: layerleap.generate(
+            m, ids, "greedy", 1, stop_at_eos=False
+        ).stats["ttft_s"]
+    for prefill in engines.values():  # warm-up
+        prefill(s.prompt_ids[0])
+    block = {"threads": threads, "torch_threads": torch.get_num_threads(), "load_before": load_average()}
+    for r in range(repeat):
+        for i, ids in enumerate(s.prompt_ids):
+            for label, prefill in engines.items():
+                load = load_average()
+                secs = prefill(ids)
+                report["records"].append(
+                    {
+                        "threads": threads,
+                        "round": r,
+                        "prompt_index": i,
+                        "label": label,
+                        "prompt_tokens": len(ids),
+                        "prefill_s": secs,
+                        "tokens_per_s": len(ids) / secs,
+                        "load_before": load,
+                    }
+                )
+            save()
+    block["load_after"] = load_average()
+    report["config"]["thread_blocks"].append(block)
+
+
+def summarize_prefill(records: list[dict]) -> list[dict]:
+    """Per thread count and engine: the summed tokens over the summed time, the best run, and the ratio
+    to llama.cpp's summed time."""
+    out = []
+    for threads, label in dict.fromkeys((r["threads"], r["label"]) for r in records):
+        rs = [r for r in records if r["threads"] == threads and r["label"] == label]
+        ref = sum(r["prefill_s"] for r in records if r["threads"] == threads and r["label"] == LLAMA_GREEDY)
+        secs = sum(r["prefill_s"] for r in rs)
+        out.append(
+            {
+                "threads": threads,
+                "label": label,
+                "runs": len(rs),
+                "tokens": sum(r["prompt_tokens"] for r in rs),
+                "prefill_s": secs,
+                "tokens_per_s": sum(r["prompt_tokens"] for r in rs) / secs,
+                "best_tokens_per_s": max(r["tokens_per_s"] for r in rs),
+                "vs_llamacpp": ref / secs,
+            }
+        )
+    return out
+
+
+def prefill_table(summary: list[dict]) -> str:
+    lines = ["| threads | engine | runs | prefill tok/s | best run tok/s | vs llama.cpp |", "|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(
+            f"| {s['threads']} | {s['label']} | {s['runs']} | {s['tokens_per_s']:.0f} | "
+            f"{s['best_tokens_per_s']:.0f} | {s['vs_llamacpp']:.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+# -- memory -----------------------------------------------------------------------------------------
+def memory_specs(s: Setup, args) -> dict[str, dict]:
+    """One probe per engine (``llamacpp_engine.py``): llama.cpp greedy and with its draft model, then
+    every layerleap dtype and method, on the longest prompt."""
+    ids = max(s.prompt_ids, key=len)
+    base = {"ids": ids, "new_tokens": s.max_new_tokens, "threads": args.threads[0]}
+    gguf_bytes = s.gguf.stat().st_size
+    llama = {**base, "engine": "llama.cpp", "gguf": str(s.gguf), "n_ctx": len(ids) + s.max_new_tokens + 16}
+    specs = {LLAMA_GREEDY: {**llama, "file_bytes": gguf_bytes}}
+    if s.llama_draft:
+        name, tokens = s.llama_draft
+        path = gguf_file(name)
+        specs[llama_spec_label(name)] = {
+            **llama,
+            "draft_gguf": str(path),
+            "draft_tokens": tokens,
+            "file_bytes": gguf_bytes + path.stat().st_size,
+        }
+    for dtype in s.models:
+        for label, (name, options) in s.methods.items():
+            drafts = [gguf_file(v).stat().st_size for v in options.values() if isinstance(v, str) and v in PACKAGED]
+            specs[f"layerleap {dtype} {label}"] = {
+                **base,
+                "engine": "layerleap",
+                "model": args.model,
+                "dtype": dtype,
+                "method": name,
+                "options": options,
+                "file_bytes": gguf_bytes + sum(drafts),
+            }
+    return specs
+
+
+def run_memory(s: Setup, args, report: dict, save) -> None:
+    """Each engine in its own process, one after another (``llamacpp_engine.py`` prints its readings)."""
+    import json
+    import subprocess
+
+    probe = Path(__file__).with_name("llamacpp_engine.py")
+    for label, spec in memory_specs(s, args).items():
+        print(f"memory: {label} …", file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, str(probe), json.dumps(spec)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise LayerleapError(f"the memory probe of {label} failed: {done.stderr.strip()[-2000:]}")
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        report["records"].append(
+            {
+                "label": label,
+                "file_bytes": spec["file_bytes"],
+                "prompt_tokens": len(spec["ids"]),
+                "new_tokens": spec["new_tokens"],
+                "threads": spec["threads"],
+                **out,
+            }
+        )
+        save()
+
+
+def memory_table(records: list[dict]) -> str:
+    """Resident memory in MB; "model" is the growth from after the imports to after the generation,
+    set against the weight files plus the KV cache the engine allocated."""
+    lines = [
+        "| engine | after imports | after load | after generation | peak | model (generation − imports) "
+        "| of it file-backed | after malloc_trim | GGUF file(s) | KV cache | model / (file + KV) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        mb = {k: r[k]["VmRSS"] / 1e6 for k in ("after_imports", "after_load", "after_generate")}
+        own = mb["after_generate"] - mb["after_imports"]
+        own_file = (r["after_generate"]["RssFile"] - r["after_imports"]["RssFile"]) / 1e6
+        lines.append(
+            f"| {r['label']} | {mb['after_imports']:.0f} | {mb['after_load']:.0f} | {mb['after_generate']:.0f} | "
+            f"{r['after_generate']['VmHWM'] / 1e6:.0f} | {own:.0f} | "
+            f"{own_file:.0f} | {r['after_trim']['VmRSS'] / 1e6:.0f} | {r['file_bytes'] / 1e6:.0f} | "
+            f"{r['kv_bytes'] / 1e6:.1f} | {own * 1e6 / (r['file_bytes'] + r['kv_bytes']):.2f}× |"
+        )
+    return "\n".join(lines)
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -394,17 +496,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=_int_list, default=[1], help="thread counts, comma-separated (default 1)")
     ap.add_argument("--methods", default="greedy", help="layerleap methods, comma-separated (LABEL=METHOD allowed)")
     ap.add_argument("--opt", action="append", default=[], metavar="METHOD.NAME=VALUE", help="a method option")
-    ap.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
-    ap.add_argument("--prompts", type=int, default=1, help="Spec-Bench prompts per category")
+    ap.add_argument(
+        "--prompt-set",
+        choices=("spec-bench", "short-chat"),
+        default="spec-bench",
+        help="spec-bench: the first prompts of each category; short-chat: the shortest first turns of "
+        "Spec-Bench's eight MT-bench categories (default spec-bench)",
+    )
+    ap.add_argument(
+        "--categories",
+        default=None,
+        help=f"Spec-Bench categories (default {','.join(SPEC_BENCH_FIVE)}; with --prompt-set short-chat "
+        f"{','.join(MT_BENCH)})",
+    )
+    ap.add_argument("--prompts", type=int, default=1, help="prompts per category")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--no-chat", action="store_true", help="raw prompt text instead of the chat template")
     ap.add_argument("--no-lookup", action="store_true", help="skip llama.cpp's prompt lookup decoding")
     ap.add_argument("--lookup-ngram", type=int, default=2, help="LlamaPromptLookupDecoding max_ngram_size")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="LlamaPromptLookupDecoding num_pred_tokens")
+    ap.add_argument(
+        "--llama-draft",
+        default=None,
+        choices=sorted(PACKAGED),
+        help="add llama.cpp speculative decoding with this packaged model as the draft (default: the "
+        "draft= of a speculative method of --methods, where it names a packaged model)",
+    )
+    ap.add_argument("--llama-draft-tokens", type=int, default=4, help="tokens the llama.cpp draft model proposes")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="N",
+        help="time the prompt pass alone on prompts of exactly N token ids (raw text, no chat template), "
+        "llama.cpp against each layerleap dtype, instead of generating",
+    )
+    ap.add_argument("--repeat", type=int, default=3, help="--prefill: rounds over the prompts (default 3)")
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure each engine's resident memory after loading and after a generation of the longest "
+        "prompt, each in its own process, instead of timing",
+    )
     ap.add_argument("--json", default=None, help="write the report here (atomically, after every prompt)")
     args = ap.parse_args(argv)
-    if args.prompts < 1 or args.max_new_tokens < 2:
-        ap.error("--prompts must be >= 1 and --max-new-tokens >= 2")
+    if args.prompts < 1 or args.max_new_tokens < 2 or args.llama_draft_tokens < 1 or args.repeat < 1:
+        ap.error("--prompts, --llama-draft-tokens and --repeat must be >= 1, --max-new-tokens >= 2")
+    if args.prefill is not None and (args.prefill < 2 or args.memory):
+        ap.error("--prefill takes a prompt length >= 2, and not with --memory")
     return args
 
 
@@ -421,24 +560,57 @@ def prepare(args) -> Setup:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes:
         raise LayerleapError("no dtype given: e.g. --dtypes float32,bfloat16")
-    models = {d: layerleap.load(args.model, dtype=d) for d in dtypes}
-    tok = next(iter(models.values())).tokenizer
-    prompts = spec_bench(categories=args.categories.split(","), n=args.prompts)
-    ids = [
-        chat_token_ids(tok, [{"role": "user", "content": p.text}], add_generation_prompt=True)
-        if not args.no_chat
-        else tok(p.text)["input_ids"]
-        for p in prompts
-    ]
+    models, resolved = {}, {}
+    for d in dtypes:  # draft= and small= name a model: loaded once per dtype, as `layerleap bench` does
+        loader = ModelLoader(d)
+        models[d] = loader(args.model)
+        for label, (name, opts) in methods.items():
+            check_spec(label, name, opts, models[d].config)
+        resolved[d] = {lb: (name, resolve_models(name, opts, loader)) for lb, (name, opts) in methods.items()}
+    tok = models[dtypes[0]].tokenizer
+    prompts = select_prompts(args)
+    if args.prefill:
+        ids = prefill_ids(tok, prompts, args.prefill)
+    else:
+        ids = [
+            chat_token_ids(tok, [{"role": "user", "content": p.text}], add_generation_prompt=True)
+            if not args.no_chat
+            else tok(p.text)["input_ids"]
+            for p in prompts
+        ]
+    draft = args.llama_draft or next(
+        (o["draft"] for n, o in methods.values() if n == "speculative" and o.get("draft") in PACKAGED), None
+    )
     return Setup(
         gguf,
         prompts,
         ids,
         models,
         methods,
+        resolved,
         args.max_new_tokens,
         None if args.no_lookup else (args.lookup_ngram, args.lookup_tokens),
+        (draft, args.llama_draft_tokens) if draft else None,
     )
+
+
+def select_prompts(args) -> list[Prompt]:
+    """Spec-Bench's first ``--prompts`` of each category, or (short-chat) the ``--prompts`` shortest
+    first turns of each category (by characters, then id): by default the eight MT-bench ones."""
+    if args.prompt_set == "spec-bench":
+        return spec_bench(categories=(args.categories or ",".join(SPEC_BENCH_FIVE)).split(","), n=args.prompts)
+    out = []
+    for c in (args.categories or ",".join(MT_BENCH)).split(","):
+        out += sorted(spec_bench(categories=[c]), key=lambda p: (len(p.text), p.id))[: args.prompts]
+    return out
+
+
+def prefill_ids(tok, prompts: list[Prompt], length: int) -> list[list[int]]:
+    """As many prompts of exactly ``length`` token ids as ``prompts`` holds: consecutive windows of
+    the prompts' raw texts joined by blank lines (repeated where they are too short)."""
+    ids = tok("\n\n".join(p.text for p in prompts))["input_ids"]
+    ids = ids * -(-length * len(prompts) // len(ids))
+    return [ids[i * length : (i + 1) * length] for i in range(len(prompts))]
 
 
 def machine(s: Setup, args) -> dict:
@@ -463,7 +635,10 @@ def machine(s: Setup, args) -> dict:
         "threads": args.threads,
         "methods": {k: {"method": n, "options": o} for k, (n, o) in s.methods.items()},
         "max_new_tokens": s.max_new_tokens,
-        "chat": not args.no_chat,
+        "chat": not args.no_chat and not args.prefill,
+        "prompt_set": args.prompt_set,
+        "mode": "memory" if args.memory else f"prefill {args.prefill}" if args.prefill else "generate",
+        "llama_draft": {"model": s.llama_draft[0], "tokens": s.llama_draft[1]} if s.llama_draft else None,
         "n_prompts": len(s.prompts),
         "prompts": [
             {"id": p.id, "category": p.category, "tokens": len(i), "ids": i} for p, i in zip(s.prompts, s.prompt_ids)
@@ -488,21 +663,39 @@ def main(argv=None) -> int:
         f"{cfg['cpu']['model_name']} (family {cfg['cpu']['family']}, model {cfg['cpu']['model']}), "
         f"flags {', '.join(f for f, on in cfg['cpu']['flags'].items() if on)}; load {cfg['load_before']}\n"
         f"llama-cpp-python {cfg['llama_cpp_python']}, torch {cfg['torch']}; {s.gguf.name}; "
-        f"{len(s.prompts)} prompts × {s.max_new_tokens} tokens",
+        f"{len(s.prompt_ids)} prompts ({args.prompt_set}"
+        + (f", {args.prefill} tokens each, prefill alone)" if args.prefill else f") × {s.max_new_tokens} tokens")
+        + (", memory" if args.memory else ""),
         flush=True,
     )
     try:
-        for threads in args.threads:
-            run_threads(s, threads, report, save)
+        if args.memory:
+            run_memory(s, args, report, save)
+        for threads in args.threads if not args.memory else []:
+            if args.prefill:
+                run_prefill(s, threads, args.repeat, report, save)
+            else:
+                run_threads(s, threads, report, save)
         report["complete"] = True
     except KeyboardInterrupt:
         print("interrupted: the report holds the prompts that finished", file=sys.stderr)
+    except LayerleapError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cfg["load_after"] = load_average()
     cfg["torch_threads_after"] = torch.get_num_threads()
-    report["summary"] = summarize(report["records"])
-    save()
-    print(prompt_table(report["records"]), "", summary_table(report["summary"]), sep="\n")
-    niced = sorted({r["nice_before"] for r in report["records"]} - {0})
+    if args.memory:
+        save()
+        print(memory_table(report["records"]))
+    elif args.prefill:
+        report["summary"] = summarize_prefill(report["records"])
+        save()
+        print(prefill_table(report["summary"]))
+    else:
+        report["summary"] = summarize(report["records"])
+        save()
+        print(prompt_table(report["records"]), "", summary_table(report["summary"]), sep="\n")
+    niced = sorted({r.get("nice_before", 0) for r in report["records"]} - {0})
     print(
         f"load average before {cfg['load_before']}, after {cfg['load_after']}"
         + (f"; some runs had a thread at nice {niced} (slowed by the system)" if niced else "")

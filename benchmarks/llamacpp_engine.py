@@ -47,16 +47,6 @@ def resident() -> dict:
 GREEDY = {"top_k": 1, "top_p": 1.0, "min_p": 0.0, "temp": 0.0, "repeat_penalty": 1.0}
 
 
-def take(llm, ids: list[int], n: int) -> list[int]:
-    """The first ``n`` greedy tokens of ``llm.generate`` after ``ids`` (EOS does not stop it)."""
-    out: list[int] = []
-    for tok in llm.generate(ids, **GREEDY):
-        out.append(int(tok))
-        if len(out) == n:
-            break
-    return out
-
-
 class CountingLookup:
     """The binding's ``LlamaPromptLookupDecoding``, counting its calls (one per model call after the
     prompt) and the tokens it proposed."""
@@ -76,17 +66,20 @@ class CountingLookup:
 
 
 class LlamaDraft(LlamaDraftModel):
-    """Speculative decoding's drafter as a second ``Llama`` (ours: the binding ships only prompt
-    lookup as a draft model).  Each call gets the target's sequence so far (prompt, accepted tokens
-    and the token the target just chose) and greedily drafts ``num_pred_tokens`` tokens with the
-    draft GGUF through ``Llama.generate``.  That call keeps the draft's KV cache for the longest
-    prefix it shares with the new sequence (``reset=True`` matches prefixes and removes the
-    cache past it), so a round evaluates only what is new: the first call evaluates the whole
-    prompt, later ones the one or two tokens after the last accepted draft token, then one token
-    per further draft token.  Always ``num_pred_tokens`` tokens (no confidence stop), none past
-    the context."""
+    """Speculative decoding's drafter as a second ``Llama`` on the draft GGUF (ours: the binding ships
+    only prompt lookup as a draft model), drafting as layerleap's ``speculative`` does by default.
 
-    def __init__(self, path: Path, threads: int, n_ctx: int, num_pred_tokens: int):
+    Each call gets the target's sequence so far (prompt, accepted tokens, and the token the target
+    just chose).  The draft context keeps its KV cache for the longest prefix it shares with that
+    sequence and evaluates only the rest (``Llama.eval`` drops the cache past ``n_tokens``): the
+    whole prompt on the first call, later the tokens after the last draft token the target kept
+    (one or two).  Then it drafts greedily, one ``eval`` of one token each, up to ``num_pred_tokens``
+    tokens, and stops after a token whose draft probability (softmax of the draft's logits, read with
+    ``llama_get_logits_ith``) is below ``min_confidence``: that token is still proposed, as layerleap
+    does (0 turns the stop off).  The last proposed token is not evaluated by the draft model; the
+    next call evaluates it if the target keeps it."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, num_pred_tokens: int, min_confidence: float = 0.0):
         from llama_cpp import Llama
 
         self.llm = Llama(
@@ -97,15 +90,40 @@ class LlamaDraft(LlamaDraftModel):
             n_threads_batch=threads,
             verbose=False,
         )
-        self.n_ctx = n_ctx
-        self.params = {"draft_gguf": Path(path).name, "num_pred_tokens": num_pred_tokens, "n_ctx": n_ctx}
-        self.num_pred_tokens = num_pred_tokens
+        self.n_ctx, self.n_vocab = n_ctx, self.llm.n_vocab()
+        self.num_pred_tokens, self.min_confidence = num_pred_tokens, min_confidence
+        self.params = {
+            "draft_gguf": Path(path).name,
+            "num_pred_tokens": num_pred_tokens,
+            "min_confidence": min_confidence,
+            "n_ctx": n_ctx,
+        }
         self.calls = self.drafted = 0
+
+    def _next(self) -> tuple[int, float]:
+        """The draft's greedy token after what it has evaluated, and its probability."""
+        import llama_cpp
+
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+        tok = int(logits.argmax())
+        return tok, float(1.0 / np.exp(logits - logits[tok]).sum())
 
     def __call__(self, input_ids, /, **kwargs):
         ids = [int(t) for t in input_ids]
-        n = min(self.num_pred_tokens, self.n_ctx - len(ids) - 1)
-        out = take(self.llm, ids, n) if n > 0 else []
+        have = self.llm.input_ids[: self.llm.n_tokens]
+        keep = 0
+        while keep < min(len(have), len(ids) - 1) and have[keep] == ids[keep]:
+            keep += 1
+        self.llm.n_tokens = keep  # the next eval drops the draft's cache past the shared prefix
+        self.llm.eval(ids[keep:])
+        out: list[int] = []
+        room = min(self.num_pred_tokens, self.n_ctx - len(ids) - 1)
+        while len(out) < room:
+            tok, p = self._next()
+            out.append(tok)
+            if p < self.min_confidence or len(out) == room:
+                break
+            self.llm.eval([tok])
         self.calls += 1
         self.drafted += len(out)
         return np.array(out, dtype=np.intc)
@@ -116,10 +134,11 @@ class LlamaDraft(LlamaDraftModel):
 
 
 class LlamaCpp:
-    """One llama.cpp context on the GGUF file, greedy (temperature 0, top-k 1, no penalties); with
-    ``lookup`` (max n-gram, tokens) the binding's prompt lookup drafts, with ``draft`` (a GGUF path,
-    tokens) a second model does (``LlamaDraft``).  With a draft model the binding asks llama.cpp for
-    the logits of every position, the prompt's included (``logits_all``), and copies them out."""
+    """One llama.cpp context on the GGUF file, greedy (temperature 0, top-k 1, no penalties).  With
+    ``lookup`` (max n-gram, tokens) the binding's prompt lookup drafts; with ``draft`` (a GGUF path,
+    most tokens a round, confidence stop) a second model does (``LlamaDraft``).  With either, the
+    binding asks llama.cpp for the logits of every position, the prompt's included
+    (``logits_all``), and copies them out."""
 
     def __init__(
         self,
@@ -127,7 +146,7 @@ class LlamaCpp:
         threads: int,
         n_ctx: int,
         lookup: tuple[int, int] | None = None,
-        draft: tuple[Path, int] | None = None,
+        draft: tuple[Path, int, float] | None = None,
     ):
         from llama_cpp import Llama
 
@@ -135,7 +154,7 @@ class LlamaCpp:
         if lookup:
             self.draft = CountingLookup(*lookup)
         elif draft:
-            self.draft = LlamaDraft(draft[0], threads, n_ctx, draft[1])
+            self.draft = LlamaDraft(draft[0], threads, n_ctx, *draft[1:])
         else:
             self.draft = None
         self.llm = Llama(
@@ -198,7 +217,9 @@ def probe_llamacpp(spec: dict) -> dict:
     import llama_cpp  # noqa: F401  (the imports' memory belongs to the baseline)
 
     out = {"after_imports": resident()}
-    draft = (Path(spec["draft_gguf"]), spec["draft_tokens"]) if spec.get("draft_gguf") else None
+    draft = (
+        (Path(spec["draft_gguf"]), spec["draft_tokens"], spec["draft_confidence"]) if spec.get("draft_gguf") else None
+    )
     eng = LlamaCpp(Path(spec["gguf"]), spec["threads"], spec["n_ctx"], draft=draft)
     out["after_load"] = resident()
     eng.generate(spec["ids"], spec["new_tokens"])

@@ -16,9 +16,21 @@ quantized weights; layerleap loads the same file through its converter in the dt
         --json docs/results/llamacpp_vs_layerleap.json
 
 ``--dtypes`` takes any dtype that ``layerleap.load`` accepts; ``--methods greedy,self-spec --opt
-self-spec.draft_len=4`` adds layerleap methods (names from ``layerleap.METHODS``).  The JSON report
-(written atomically after every prompt) records the CPU model and flags, the versions, the thread
-counts, the load average before and after, and the command line.
+self-spec.draft_len=4`` adds layerleap methods (names from ``layerleap.METHODS``).  A ``draft=`` or
+``small=`` option names a model (a packaged name or a folder), loaded in each dtype as ``layerleap
+bench`` loads it; a ``speculative`` method whose draft is a packaged model also adds llama.cpp
+speculative decoding with that model's GGUF as the draft (``--llama-draft``, ``--llama-draft-tokens``;
+the drafter is ``llamacpp_engine.LlamaDraft``, ours, since the binding ships only prompt lookup):
+
+    python benchmarks/llamacpp_vs_layerleap.py --model qwen2.5-coder-1.5b --dtypes q4 --threads 1,2 \\
+        --methods greedy,prompt-lookup,speculative --opt speculative.draft=qwen2.5-coder-0.5b
+
+``--prompt-set short-chat`` takes the shortest first turn of each of Spec-Bench's eight MT-bench
+categories instead of the first Spec-Bench prompts.  ``--prefill 512`` times the prompt pass alone
+on prompts of exactly 512 token ids, and ``--memory`` the resident memory of each engine after
+loading and after a generation, each engine in a process of its own (``llamacpp_engine.py``).  The
+JSON report (written atomically after every prompt) records the CPU model and flags, the versions,
+the thread counts, the load average before and after, and the command line.
 """
 
 from __future__ import annotations
@@ -160,7 +172,7 @@ class Setup:
     resolved: dict[str, dict[str, tuple[str, dict]]]  # dtype -> label -> (method, options, models loaded)
     max_new_tokens: int
     lookup: tuple[int, int] | None
-    llama_draft: tuple[str, int] | None  # (packaged model, tokens a round) for llama.cpp speculative
+    llama_draft: tuple[str, int, float] | None  # (packaged model, most tokens a round, confidence stop)
 
 
 def llama_spec_label(draft: str) -> str:
@@ -173,8 +185,8 @@ def llama_engines(s: Setup, threads: int, n_ctx: int) -> dict[str, LlamaCpp]:
     if s.lookup:
         engines[LLAMA_LOOKUP] = LlamaCpp(s.gguf, threads, n_ctx, lookup=s.lookup)
     if s.llama_draft:
-        name, tokens = s.llama_draft
-        engines[llama_spec_label(name)] = LlamaCpp(s.gguf, threads, n_ctx, draft=(gguf_file(name), tokens))
+        name, tokens, confidence = s.llama_draft
+        engines[llama_spec_label(name)] = LlamaCpp(s.gguf, threads, n_ctx, draft=(gguf_file(name), tokens, confidence))
     return engines
 
 
@@ -348,12 +360,13 @@ def memory_specs(s: Setup, args) -> dict[str, dict]:
     llama = {**base, "engine": "llama.cpp", "gguf": str(s.gguf), "n_ctx": len(ids) + s.max_new_tokens + 16}
     specs = {LLAMA_GREEDY: {**llama, "file_bytes": gguf_bytes}}
     if s.llama_draft:
-        name, tokens = s.llama_draft
+        name, tokens, confidence = s.llama_draft
         path = gguf_file(name)
         specs[llama_spec_label(name)] = {
             **llama,
             "draft_gguf": str(path),
             "draft_tokens": tokens,
+            "draft_confidence": confidence,
             "file_bytes": gguf_bytes + path.stat().st_size,
         }
     for dtype in s.models:
@@ -522,7 +535,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="add llama.cpp speculative decoding with this packaged model as the draft (default: the "
         "draft= of a speculative method of --methods, where it names a packaged model)",
     )
-    ap.add_argument("--llama-draft-tokens", type=int, default=4, help="tokens the llama.cpp draft model proposes")
+    ap.add_argument(
+        "--llama-draft-tokens",
+        type=int,
+        default=None,
+        help="most tokens the llama.cpp draft model proposes a round (default: the speculative method's "
+        "draft_len, else its default 20)",
+    )
+    ap.add_argument(
+        "--llama-draft-confidence",
+        type=float,
+        default=None,
+        help="the llama.cpp draft stops after a token below this probability (default: the speculative "
+        "method's min_confidence, else its default 0.4; 0 = off)",
+    )
     ap.add_argument(
         "--prefill",
         type=int,
@@ -540,7 +566,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--json", default=None, help="write the report here (atomically, after every prompt)")
     args = ap.parse_args(argv)
-    if args.prompts < 1 or args.max_new_tokens < 2 or args.llama_draft_tokens < 1 or args.repeat < 1:
+    if args.prompts < 1 or args.max_new_tokens < 2 or (args.llama_draft_tokens or 1) < 1 or args.repeat < 1:
         ap.error("--prompts, --llama-draft-tokens and --repeat must be >= 1, --max-new-tokens >= 2")
     if args.prefill is not None and (args.prefill < 2 or args.memory):
         ap.error("--prefill takes a prompt length >= 2, and not with --memory")
@@ -578,9 +604,11 @@ def prepare(args) -> Setup:
             else tok(p.text)["input_ids"]
             for p in prompts
         ]
-    draft = args.llama_draft or next(
-        (o["draft"] for n, o in methods.values() if n == "speculative" and o.get("draft") in PACKAGED), None
-    )
+    spec = next((o for n, o in methods.values() if n == "speculative"), {})
+    draft = args.llama_draft or (spec["draft"] if spec.get("draft") in PACKAGED else None)
+    tokens = args.llama_draft_tokens or int(spec.get("draft_len", 20))
+    confidence = args.llama_draft_confidence
+    confidence = float(spec.get("min_confidence", 0.4)) if confidence is None else confidence
     return Setup(
         gguf,
         prompts,
@@ -590,7 +618,7 @@ def prepare(args) -> Setup:
         resolved,
         args.max_new_tokens,
         None if args.no_lookup else (args.lookup_ngram, args.lookup_tokens),
-        (draft, args.llama_draft_tokens) if draft else None,
+        (draft, tokens, confidence) if draft else None,
     )
 
 
@@ -638,7 +666,7 @@ def machine(s: Setup, args) -> dict:
         "chat": not args.no_chat and not args.prefill,
         "prompt_set": args.prompt_set,
         "mode": "memory" if args.memory else f"prefill {args.prefill}" if args.prefill else "generate",
-        "llama_draft": {"model": s.llama_draft[0], "tokens": s.llama_draft[1]} if s.llama_draft else None,
+        "llama_draft": dict(zip(("model", "tokens", "min_confidence"), s.llama_draft)) if s.llama_draft else None,
         "n_prompts": len(s.prompts),
         "prompts": [
             {"id": p.id, "category": p.category, "tokens": len(i), "ids": i} for p, i in zip(s.prompts, s.prompt_ids)

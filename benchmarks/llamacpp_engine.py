@@ -195,6 +195,12 @@ class LlamaCpp:
                 break
         return out, time.perf_counter() - t0, ttft
 
+    def close(self) -> None:
+        """Free both contexts now (a thread count's engines go before the next one's load)."""
+        self.llm.close()
+        if isinstance(self.draft, LlamaDraft):
+            self.draft.llm.close()
+
     def counters(self) -> dict:
         """Model calls (the prompt's included) and drafted tokens of the last ``generate`` (the
         binding asks the draft model once before every model call after the prompt)."""

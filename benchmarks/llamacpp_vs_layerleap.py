@@ -278,6 +278,8 @@ def run_threads(s: Setup, threads: int, report: dict, save) -> None:
     block["load_after"] = load_average()
     block["thread_nice_after"] = thread_nice()
     report["config"]["thread_blocks"].append(block)
+    for e in engines.values():
+        e.close()
 
 
 # -- prefill alone ----------------------------------------------------------------------------------
@@ -315,6 +317,7 @@ def run_prefill(s: Setup, threads: int, repeat: int, report: dict, save) -> None
             save()
     block["load_after"] = load_average()
     report["config"]["thread_blocks"].append(block)
+    llama.close()
 
 
 def summarize_prefill(records: list[dict]) -> list[dict]:

@@ -190,6 +190,26 @@ def test_no_faster_setting_says_so_once_and_knobs_win(char_model, cache):
         layerleap.generate(char_model, "hi", "calm", 3, chat=True, quality=0.95, threshold=0.5)
 
 
+@pytest.mark.parametrize("method", budget.LOSSY)
+def test_uncalibrated_defaults_say_so_and_a_calibration_or_knob_silences_it(char_model, cache, method):
+    if method == "early-exit":  # it has no default exit layer: uncalibrated, it asks for one
+        with pytest.raises(GenerationError, match="needs the option exit_layer"):
+            layerleap.generate(char_model, "hi", method, 2, chat=True)
+    else:
+        with pytest.warns(layerleap.decoding.BudgetWarning, match=f"calibrate {method} --dtype float32"):
+            layerleap.generate(char_model, "hi", method, 2, chat=True)
+    knob = sorted(budget.knobs(method, char_model.config.n_layers))[0]
+    value = budget.PATHS[method](char_model.config.n_layers)[0][knob]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layerleap.generate(char_model, "hi", method, 2, chat=True, **{knob: value})
+    _write(char_model, method, budget.PATHS[method](char_model.config.n_layers)[0], fast=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = layerleap.generate(char_model, "hi", method, 2, chat=True)
+    assert r.stats["quality_budget"]["faster_than_greedy"] is True
+
+
 def test_paths_start_at_greedy_and_get_cheaper():
     d = 30
     sd = budget.PATHS["skipdecode"](d)

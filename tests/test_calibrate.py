@@ -292,3 +292,30 @@ def test_bench_shows_quality_beside_speed_and_the_report_draws_the_frontier(char
         progress=False,
     )
     assert "agree" not in plain.table()
+
+
+@pytest.mark.parametrize("dtype,sizes", [("float32", {3}), ("bfloat16", {1})])
+def test_batches_only_where_rows_decode_as_alone(char_model_dir, monkeypatch, dtype, sizes):
+    """fp32 decodes a category as one batch; bf16 (and q4), whose logits tie, decode each prompt alone."""
+    model = layerleap.load(str(char_model_dir), dtype=dtype)
+    seen = []
+    real = C.generate
+
+    def spy(model, texts, *args, **kwargs):
+        seen.append(len(texts))
+        return real(model, texts, *args, **kwargs)
+
+    monkeypatch.setattr(C, "generate", spy)
+    same = [Prompt(i, "qa", text, None) for i, text in enumerate(["hi", "why blue?", "a b c d"])]
+    C.run_outputs(model, "greedy", {}, same, 2)
+    assert set(seen) == sizes
+
+
+def test_a_budget_no_setting_meets_runs_the_most_conservative_and_says_so(char_model, cache):
+    path = budget.calibration_path(char_model.fingerprint, char_model.dtype_name, "calm")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    first = {"options": {"threshold": 1.01, "min_exit_layer": 2}, "losses": 4}
+    path.write_text(json.dumps({"budgets": {"0.95": {"chosen": None, "prompts": 24, "settings": [first]}}}))
+    with pytest.warns(layerleap.decoding.BudgetWarning, match="not even its most conservative.*lost 4 of 24"):
+        r = layerleap.generate(char_model, "hi", "calm", 3, chat=True)
+    assert r.stats["quality_budget"]["options"] == first["options"]

@@ -162,6 +162,15 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
             continue
         b = data["budgets"][key]
         chosen = b.get("chosen")
+        settings = b.get("settings")
+        if chosen is None and isinstance(settings, list) and settings and isinstance(settings[0], dict):
+            first = settings[0]  # no setting met the budget: the most conservative one, said as such
+            note = (
+                f"{method}: no setting meets quality {key} on {model.config.name} ({model.dtype_name}), not even "
+                f"its most conservative, {_show(first.get('options', {}))} (it lost {first.get('losses')} of "
+                f"{b.get('prompts')} calibration prompts); running that one"
+            )
+            return Calibrated(method, quality, dict(first.get("options", {})), False, 1.0, str(path), note)
         if not isinstance(chosen, dict) or not isinstance(chosen.get("options"), dict):
             raise LayerleapError(
                 f"calibration file {path}: budget {key} has no chosen setting: delete it and run "

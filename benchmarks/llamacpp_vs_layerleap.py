@@ -19,8 +19,9 @@ quantized weights; layerleap loads the same file through its converter in the dt
 self-spec.draft_len=4`` adds layerleap methods (names from ``layerleap.METHODS``).  A ``draft=`` or
 ``small=`` option names a model (a packaged name or a folder), loaded in each dtype as ``layerleap
 bench`` loads it; a ``speculative`` method whose draft is a packaged model also adds llama.cpp
-speculative decoding with that model's GGUF as the draft (``--llama-draft``, ``--llama-draft-tokens``;
-the drafter is ``llamacpp_engine.LlamaDraft``, ours, since the binding ships only prompt lookup):
+speculative decoding with that model's GGUF as the draft (``--llama-draft``, ``--llama-draft-tokens``,
+``--llama-draft-confidence``; the drafter is ``llamacpp_engine.LlamaDraft``, ours, since the binding
+ships only prompt lookup):
 
     python benchmarks/llamacpp_vs_layerleap.py --model qwen2.5-coder-1.5b --dtypes q4 --threads 1,2 \\
         --methods greedy,prompt-lookup,speculative --opt speculative.draft=qwen2.5-coder-0.5b

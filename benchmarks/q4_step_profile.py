@@ -8,8 +8,10 @@ cache writes) and the rest (Python, dispatch).
 Each group of products is timed as one pass over every layer's weight of that kind (more bytes than
 the caches hold, as in a step), best of ``--repeats`` passes; a step is timed the same way.
 ``--variants super,fp32`` profiles the model as loaded and a twin whose Q4_K scales are expanded to
-fp32 (the block kernel's layout before super-block scales; the same bits), and ``--decode-tokens``
-adds greedy decoding on a few prompts, the variants interleaved per prompt.
+fp32 (the block kernel's layout before super-block scales; the same bits); ``old`` reads
+``--old-folder``, a q4 folder converted before Q6_K tensors were kept (they are re-quantized there:
+4 bits in the layers, 8 for the head), with fp32 Q4_K scales.  ``--decode-tokens`` adds greedy
+decoding on a few prompts, the variants interleaved per prompt.
 """
 
 from __future__ import annotations
@@ -113,6 +115,20 @@ def profile_threads(model, threads: int, context: int, repeats: int) -> dict:
     }
 
 
+def load_old(folder: str, like):
+    """The model of an older q4 folder (its check refuses it now): weights read as they are."""
+    from pathlib import Path
+
+    from layerleap.core.gguf_q4 import WEIGHTS, tensors_to_weights
+    from layerleap.core.loading import build_q4
+    from layerleap.core.weight_files import read_safetensors_file
+
+    weights = tensors_to_weights(read_safetensors_file(Path(folder) / WEIGHTS))
+    model = build_q4(like.config, weights, like.tokenizer)
+    model.set_fingerprint(like.fingerprint)
+    return fp32_scales(model)
+
+
 def fp32_scales(model):
     """``model`` with every super-block scale layout expanded to fp32 scales (in place)."""
     from layerleap.core.kernels import BlockWeight
@@ -154,7 +170,8 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--variants", default="super", help="super (as loaded) and/or fp32 (scales expanded)")
+    ap.add_argument("--variants", default="super", help="super (as loaded), fp32 (scales expanded), old")
+    ap.add_argument("--old-folder", default=None, help="an older q4 folder of the same model (variant old)")
     ap.add_argument("--decode-tokens", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--no-profile", action="store_true")
@@ -162,6 +179,9 @@ def main() -> None:
     args = ap.parse_args()
     models = {}
     for v in args.variants.split(","):
+        if v == "old":
+            models[v] = load_old(args.old_folder, next(iter(models.values())))
+            continue
         m = layerleap.load(args.model, dtype="q4")
         models[v] = fp32_scales(m) if v == "fp32" else m
     out = {"variants": {}, "decode_tok_s": {}}

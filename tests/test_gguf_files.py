@@ -185,6 +185,26 @@ def test_qwen2_and_mistral_files_with_an_untied_head(tmp_path, arch):
     assert (a - b).abs().max() < 0.1 * a.abs().max()
 
 
+@pytest.mark.skipif(not kernels.blocks_available(), reason="the native block kernel is not built")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_lossless_methods_equal_greedy_on_q4_k_and_q6_k_blocks(tmp_path, qtype):
+    """Q4_K layers (super-block scales) or Q6_K layers (6-bit blocks), a Q6_K head: every call size gives
+    a row the same bits, so drafting methods equal greedy decoding token for token."""
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, arch="qwen2", head="Q6_K", seed=4)
+    q4 = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    draft = layerleap.load(str(write_gguf(tmp_path / "draft.gguf", "Q4_K", head="Q6_K", seed=5)), dtype="q4")
+    assert {lin.packed.bits for lin in q4.projections()} == ({4, 6} if qtype == "Q4_K" else {6})
+    assert {lin.packed.dm.dtype for lin in q4.projections()} == {torch.uint8}
+    ids = q4.tokenizer.encode("hello hello hell hello he")
+    want = layerleap.generate(q4, ids, "greedy", 16, stop_at_eos=False).token_ids
+    for method, options in (
+        ("prompt-lookup", {"draft_len": 4, "max_ngram": 2}),
+        ("speculative", {"draft": draft, "draft_len": 4, "min_confidence": 0.0}),
+        ("self-spec", {"exit_layer": 1, "draft_len": 3, "head": "shared"}),
+    ):
+        assert layerleap.generate(q4, ids, method, 16, stop_at_eos=False, **options).token_ids == want, method
+
+
 def test_tokenizer_and_chat_template_come_from_the_file(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
     m = layerleap.load(str(path), dtype="q4", progress=lambda s: None)

@@ -151,13 +151,13 @@ PROMPTS = [
 def decode(models: dict, threads: int, n_prompts: int, tokens: int) -> dict:
     """Greedy decode tok/s (tokens after the first over the time after it) per variant, interleaved."""
     torch.set_num_threads(threads)
-    tok = next(iter(models.values())).tokenizer
     spent = {k: [0.0, 0] for k in models}
+    for model in models.values():  # warm-up
+        layerleap.generate(model, PROMPTS[0], "greedy", 4, chat=True, stop_at_eos=False)
     for text in PROMPTS[:n_prompts]:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         for name, model in models.items():
             t0 = time.perf_counter()
-            res = layerleap.generate(model, ids, "greedy", tokens, stop_at_eos=False)
+            res = layerleap.generate(model, text, "greedy", tokens, chat=True, stop_at_eos=False)
             wall = time.perf_counter() - t0
             spent[name][0] += wall - res.stats["ttft_s"]
             spent[name][1] += len(res.token_ids) - 1

@@ -661,8 +661,8 @@ def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
 
 def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:
     """A Llama, Qwen2 or Mistral GGUF file (F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K tensors)
-    with its own tokenizer and chat template.  ``dtype="q4"`` keeps 4-bit blocks as they are and
-    re-quantizes the other layer types (a message says which, once, at conversion); other dtypes
+    with its own tokenizer and chat template.  ``dtype="q4"`` keeps 4-bit and Q6_K blocks as they are
+    and re-quantizes the other layer types (a message says which, once, at conversion); other dtypes
     dequantize every tensor."""
     _dtype(dtype)
     if dtype in QUANTIZED:

@@ -5,6 +5,8 @@ write leaves whole shards only."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tiny_models import random_model
@@ -173,3 +175,25 @@ def test_transfer_refuses_the_cache(tmp_path):
     cfg = _cfg(kind="transfer", layers=[1, 2], state_cache=str(tmp_path / "sc"))
     with pytest.raises(TrainError, match="cannot train from cached states: drop --state-cache"):
         train_drafters.train(MODEL, tmp_path / "t.safetensors", cfg, chunks=chunks, progress=False)
+
+
+def test_the_cli_stores_then_reads_the_states(capsys, tmp_path, char_model_dir):
+    from safetensors.torch import save_file
+
+    from layerleap.cli import main
+
+    chunks = tmp_path / "chunks.safetensors"
+    save_file({"chunks": torch.randint(3, 100, (6, 8), dtype=torch.int32)}, str(chunks), {"kind": "token-chunks"})
+    train = ["train", "medusa", "--model", str(char_model_dir), "--threads", "1", "--chunks", str(chunks)]
+    train += ["--seq-len", "8", "--batch-size", "2", "--steps", "4", "--state-cache", str(tmp_path / "sc")]
+    assert main([*train, "--out", str(tmp_path / "a.safetensors")]) == 0
+    assert "none cached for this model and data yet; the first pass stores them" in capsys.readouterr().err
+    assert main([*train, "--out", str(tmp_path / "b.safetensors")]) == 0
+    out, err = capsys.readouterr()
+    assert "all 6 items cached, the backbone does not run" in err and '"backbone_chunks": 0' in out
+    heads = ["train", "heads", "--model", str(char_model_dir), "--threads", "1", "--layers", "1", "--tokens", "40"]
+    heads += ["--epochs", "1", "--eval-tokens", "0", "--state-cache", str(tmp_path / "sc")]
+    assert main([*heads, "--out", str(tmp_path / "h1.safetensors")]) == 0
+    assert "none cached for this model and data yet" in capsys.readouterr().err
+    assert main([*heads, "--out", str(tmp_path / "h2.safetensors")]) == 0
+    assert re.search(r"all \d+ items cached, the backbone does not run", capsys.readouterr().err)

@@ -190,6 +190,26 @@ def test_no_faster_setting_says_so_once_and_knobs_win(char_model, cache):
         layerleap.generate(char_model, "hi", "calm", 3, chat=True, quality=0.95, threshold=0.5)
 
 
+@pytest.mark.parametrize("method", budget.LOSSY)
+def test_uncalibrated_defaults_say_so_and_a_calibration_or_knob_silences_it(char_model, cache, method):
+    if method == "early-exit":  # it has no default exit layer: uncalibrated, it asks for one
+        with pytest.raises(GenerationError, match="needs the option exit_layer"):
+            layerleap.generate(char_model, "hi", method, 2, chat=True)
+    else:
+        with pytest.warns(layerleap.decoding.BudgetWarning, match=f"calibrate {method} --dtype float32"):
+            layerleap.generate(char_model, "hi", method, 2, chat=True)
+    knob = sorted(budget.knobs(method, char_model.config.n_layers))[0]
+    value = budget.PATHS[method](char_model.config.n_layers)[0][knob]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layerleap.generate(char_model, "hi", method, 2, chat=True, **{knob: value})
+    _write(char_model, method, budget.PATHS[method](char_model.config.n_layers)[0], fast=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = layerleap.generate(char_model, "hi", method, 2, chat=True)
+    assert r.stats["quality_budget"]["faster_than_greedy"] is True
+
+
 def test_paths_start_at_greedy_and_get_cheaper():
     d = 30
     sd = budget.PATHS["skipdecode"](d)
@@ -272,3 +292,30 @@ def test_bench_shows_quality_beside_speed_and_the_report_draws_the_frontier(char
         progress=False,
     )
     assert "agree" not in plain.table()
+
+
+@pytest.mark.parametrize("dtype,sizes", [("float32", {3}), ("bfloat16", {1})])
+def test_batches_only_where_rows_decode_as_alone(char_model_dir, monkeypatch, dtype, sizes):
+    """fp32 decodes a category as one batch; bf16 (and q4), whose logits tie, decode each prompt alone."""
+    model = layerleap.load(str(char_model_dir), dtype=dtype)
+    seen = []
+    real = C.generate
+
+    def spy(model, texts, *args, **kwargs):
+        seen.append(len(texts))
+        return real(model, texts, *args, **kwargs)
+
+    monkeypatch.setattr(C, "generate", spy)
+    same = [Prompt(i, "qa", text, None) for i, text in enumerate(["hi", "why blue?", "a b c d"])]
+    C.run_outputs(model, "greedy", {}, same, 2)
+    assert set(seen) == sizes
+
+
+def test_a_budget_no_setting_meets_runs_the_most_conservative_and_says_so(char_model, cache):
+    path = budget.calibration_path(char_model.fingerprint, char_model.dtype_name, "calm")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    first = {"options": {"threshold": 1.01, "min_exit_layer": 2}, "losses": 4}
+    path.write_text(json.dumps({"budgets": {"0.95": {"chosen": None, "prompts": 24, "settings": [first]}}}))
+    with pytest.warns(layerleap.decoding.BudgetWarning, match="not even its most conservative.*lost 4 of 24"):
+        r = layerleap.generate(char_model, "hi", "calm", 3, chat=True)
+    assert r.stats["quality_budget"]["options"] == first["options"]

@@ -75,9 +75,11 @@ EXACT = {
         ("defaults", lambda m, o: {}),
         ("k1 unigram", lambda m, o: {"draft_len": 1, "max_ngram": 1}),
         ("k4 bigram", lambda m, o: {"draft_len": 4, "max_ngram": 2}),
+        ("k4 adaptive", lambda m, o: {"draft_len": 4, "adaptive": True}),
     ],
     "auto": [
         ("lookup only", lambda m, o: {"transfer": None}),
+        ("adaptive 2,1", lambda m, o: {"tree": "2,1", "adaptive": True, "transfer": _random_drafter(m, "transfer", layers=[1, 1])}),
         ("transfer 2,1", lambda m, o: {"tree": "2,1", "transfer": _random_drafter(m, "transfer", layers=[1, 1])}),
         (
             "transfer 1,1 k2",

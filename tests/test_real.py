@@ -271,6 +271,20 @@ def test_q4_lossless_methods_equal_q4_greedy(smollm_q4, prompts, method, options
         assert got.token_ids == want, f"{method} on {p[:40]!r}"
 
 
+def test_q4_auto_leaves_transfer_out_unless_asked(smollm_q4, prompts):
+    """In q4 "auto" is prompt lookup (its transfer tree costs more than it gains there); given the
+    shipped projections' file it probes transfer calls again, and stays equal to greedy either way."""
+    from layerleap.drafters import medusa_transfer
+
+    p = prompts[3]
+    want = generate(smollm_q4, p, max_new_tokens=40, chat=True, stop_at_eos=False).token_ids
+    plain = generate(smollm_q4, p, "auto", 40, chat=True, stop_at_eos=False)
+    assert plain.token_ids == want and plain.stats["transfer_rounds"] == 0
+    (path,) = medusa_transfer.shipped_files(smollm_q4, "transfer")
+    asked = generate(smollm_q4, p, "auto", 40, chat=True, stop_at_eos=False, transfer=str(path))
+    assert asked.token_ids == want and asked.stats["transfer_rounds"] > 0
+
+
 def test_q4_cache_repairs_itself(smollm_q4, tmp_path, monkeypatch):
     """A truncated packed-weights file is rebuilt from the 4-bit blocks, a broken 4-bit file from the GGUF."""
     import shutil

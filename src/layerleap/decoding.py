@@ -400,6 +400,10 @@ class Decoding:
         )
         if self.budget is not None and not self.budget.faster_than_greedy:
             warnings.warn(self.budget.note, BudgetWarning, stacklevel=3)
+        elif self.budget is None and isinstance(model, Transformer):
+            note = budget.uncalibrated_note(model, m.name, options, quality)
+            if note:
+                warnings.warn(note, BudgetWarning, stacklevel=3)
         self.model, self.method, self.options, self.prompt_ids = model, m, options, ids
         self.results: list[GenerationResult | None] = [None] * len(ids)
         self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row

@@ -278,6 +278,13 @@ EXIT_LAYER = Option(
     none="half the depth",
 )
 DRAFT_LEN = Option("draft_len", "int", "γ: the most tokens drafted per round", lo=1, hi=MAX_DRAFT_LEN)
+ADAPTIVE = Option(
+    "adaptive",
+    "bool",
+    "cut each round's chain to the length with the most expected tokens per unit of call cost, from the "
+    "row's running acceptance and the dtype's call-cost curve (draft_len stays the most)",
+    default=False,
+)
 MIN_CONFIDENCE = Option(
     "min_confidence",
     "float",

@@ -33,6 +33,7 @@ from ..core.stats import AutoStats
 from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
 from .draft_vocab import DraftVocab
+from .lengths import LengthChooser
 from .trees import TreeDrafter, draft_logits, top_drafts, transfer_pass
 
 MODES = ("lookup", "transfer")
@@ -134,6 +135,7 @@ class AutoDrafter(TreeDrafter):
         proj=None,
         buf: tree_mod.TreeBuffers | None = None,
         vocab: DraftVocab | None = None,
+        adaptive: bool = False,
     ):
         buf = tree_mod.build("") if proj is None or buf is None else buf
         self.steps = buf.depth if buf.n > 1 else 0
@@ -141,6 +143,7 @@ class AutoDrafter(TreeDrafter):
         super().__init__(run, buf, vocab)
         self.proj = proj if self.steps else None
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
+        self.lengths = LengthChooser(run.batch, run.model.dtype_name, draft_len) if adaptive else None
         self.chooser = Chooser(MODES if self.proj is not None else MODES[:1])
         self.pseudo: torch.Tensor | None = None  # [B, steps, n, D] the last transfer call's pseudo states
         self.t_round = 0.0
@@ -165,7 +168,7 @@ class AutoDrafter(TreeDrafter):
         if self.run.constraints is not None:  # under a grammar: what it allows of the copy, then what it forces
             chain = self.run.constraints[row].draft(chain, min(self.draft_len, budget))
         if self.round_mode == "lookup":
-            return Candidates.chain(root, chain)
+            return Candidates.chain(root, self.lengths.cut(row, chain) if self.lengths else chain)
         if self.run.batch > 1:  # one tree shape for every row: no chains beside it
             return super().propose_row(row, root, budget)
         tree = super().propose_row(row, root, budget)
@@ -190,9 +193,11 @@ class AutoDrafter(TreeDrafter):
         live = next(c for c in cands if c is not None)
         called = live.root is not None
         super().update(cands, results)
-        for ix, c, r in zip(self.index, cands, results):
+        for row, (ix, c, r) in enumerate(zip(self.index, cands, results)):
             if c is not None:
                 ix.extend(c.tokens[r[0]].tolist() + [r[1]])
+                if self.lengths and called and self.round_mode == "lookup":
+                    self.lengths.observe(row, c.k, len(r[0]), r[1])
         if not called:
             return
         if self.round_mode == "transfer":

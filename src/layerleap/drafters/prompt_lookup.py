@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..core.run import Run
 from ..core.tree import Candidates
 from .base import Drafter
+from .lengths import LengthChooser
 
 
 class NgramIndex:
@@ -47,19 +48,23 @@ class PromptLookup(Drafter):
     batched = True
     grammar_drafts = True  # under a grammar: the allowed part of the copy, then the forced tokens
 
-    def __init__(self, run: Run, draft_len: int, min_ngram: int, max_ngram: int):
+    def __init__(self, run: Run, draft_len: int, min_ngram: int, max_ngram: int, adaptive: bool = False):
         self.draft_len = draft_len
         super().__init__(run)
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
+        self.lengths = LengthChooser(run.batch, run.model.dtype_name, draft_len) if adaptive else None
 
     def round_tokens(self) -> int:
         return self.draft_len + 1  # the root and the draft
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
-        return Candidates.chain(root, self.index[row].draft(min(self.draft_len, budget)))
+        chain = self.index[row].draft(min(self.draft_len, budget))
+        return Candidates.chain(root, self.lengths.cut(row, chain) if self.lengths else chain)
 
     def update(self, cands, results) -> None:
         super().update(cands, results)
-        for ix, c, r in zip(self.index, cands, results):
+        for row, (ix, c, r) in enumerate(zip(self.index, cands, results)):
             if c is not None:
                 ix.extend(c.tokens[r[0]].tolist() + [r[1]])
+                if self.lengths and c.root is not None:
+                    self.lengths.observe(row, c.k, len(r[0]), r[1])

@@ -154,12 +154,15 @@ def run_outputs(
     greedy: list[Output] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[Output]:
-    """``method`` with ``options`` on every prompt (batched by category where the method batches: its
-    rows decode as they would alone), measured against ``greedy``'s outputs when given."""
+    """``method`` with ``options`` on every prompt, measured against ``greedy``'s outputs when given.
+    In fp32 a method that batches decodes each category as one batch (its rows decode as they would
+    alone, tested); in other dtypes every prompt decodes alone, as a user's request does (bf16 logits
+    tie often enough for a padded batch to break a tie differently)."""
     m = get_method(method)
+    batch = m.batched and model.dtype_name == "float32"
     groups: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
-        groups.setdefault(p.category if m.batched else str(i), []).append(i)
+        groups.setdefault(p.category if batch else str(i), []).append(i)
     outs: list[Output | None] = [None] * len(prompts)
     for idx in groups.values():
         t0 = time.perf_counter()

@@ -13,7 +13,8 @@ save (``docs/BENCHMARKS.md``).
 The greedy output is greedy decoding, token for token, whatever was chosen; sampling is lossless
 (one-hot drafts, SpecInfer's rule).  A list of prompts decodes as one batch (one mode for the batch;
 a transfer call verifies the tree alone).  Without Hidden Transfer weights for the model
-(``transfer="auto"`` finds none, or ``transfer=None``) it is prompt lookup.
+(``transfer="auto"`` finds none, or ``transfer=None``), and by default in q4, where Hidden Transfer's
+tree costs more than it gains (``NO_TRANSFER_DTYPES``), it is prompt lookup.
 
 Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``mode_switches``,
 ``tree_nodes``.
@@ -33,13 +34,22 @@ from .hidden_transfer import default_tree
 from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, tuned
 
 
+# Weight formats where "auto" leaves Hidden Transfer out: in q4 a call over a tree's rows costs far more
+# than a one-token call (x1.6 at 4 rows, against fp32's x1.05), and the transfer tree lost to greedy
+# in every category of the 15-prompt q4 run (0.82x on a Zen 4 EPYC with the block kernel, 0.72x on
+# a Zen 5 with torch's int4 kernel; docs/BENCHMARKS.md), so its probes only cost.
+NO_TRANSFER_DTYPES = ("q4",)
+
+
 def transfer_weights(run: Run, spec):
     """The Hidden Transfer projections ``spec`` names, or None: "auto" is the shipped ones when the
-    model has any; None / "none" is none."""
+    model has any and its dtype is not in ``NO_TRANSFER_DTYPES``; None / "none" is none."""
     if spec is None or spec == "none":
         return None
     if spec == "auto":
-        return weights.get_drafter(run.model, "transfer") if weights.shipped_files(run.model, "transfer") else None
+        if run.model.dtype_name in NO_TRANSFER_DTYPES or not weights.shipped_files(run.model, "transfer"):
+            return None
+        return weights.get_drafter(run.model, "transfer")
     return weights.get_drafter(run.model, "transfer", spec)
 
 
@@ -47,7 +57,7 @@ TRANSFER = O.TRANSFER.but(
     default="auto",
     choices=("auto", "none"),
     none="no Hidden Transfer: prompt lookup alone",
-    help="Hidden Transfer projections: auto (the shipped ones, if any), none, or a weights file",
+    help="Hidden Transfer projections: auto (the shipped ones, if any, except in q4), none, or a weights file",
 )
 
 
@@ -63,17 +73,19 @@ def auto(
     tree=None,
     transfer="auto",
     draft_vocab="auto",
+    adaptive: bool = False,
 ):
     """Lossless: prompt lookup's chain and Hidden Transfer's tree, the faster per round on this machine
     (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer: 'auto', a weights file or none;
-    draft_vocab: the pseudo states score a shipped set of frequent tokens ('auto'), all ('full') or a file's)."""
+    draft_vocab: the pseudo states score a shipped set of frequent tokens ('auto'), all ('full') or a file's;
+    adaptive: a plain call's chain length from the running acceptance)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     proj = transfer_weights(run, transfer)
     buf = vocab = None
     if proj is not None:
         vocab = get_draft_vocab(run.model, draft_vocab)
         buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
-    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab)
+    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive)
     counts = yield from draft_verify.decode(run, drafter)
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
     run.record(drafter.tree_stats(counts))

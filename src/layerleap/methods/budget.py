@@ -12,7 +12,8 @@ and method::
 
 ``calibrated(model, method, quality)`` reads the setting chosen for a budget (the user's file first,
 then the shipped one); ``generate(..., quality=0.95)`` runs it, and a lossy method called with none
-of its knobs runs its calibrated setting at ``DEFAULT_QUALITY`` when a file exists for the model.
+of its knobs runs its calibrated setting at ``DEFAULT_QUALITY`` when a file exists for the model,
+else its own defaults with a warning (``uncalibrated_note``).
 """
 
 from __future__ import annotations
@@ -161,6 +162,15 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
             continue
         b = data["budgets"][key]
         chosen = b.get("chosen")
+        settings = b.get("settings")
+        if chosen is None and isinstance(settings, list) and settings and isinstance(settings[0], dict):
+            first = settings[0]  # no setting met the budget: the most conservative one, said as such
+            note = (
+                f"{method}: no setting meets quality {key} on {model.config.name} ({model.dtype_name}), not even "
+                f"its most conservative, {_show(first.get('options', {}))} (it lost {first.get('losses')} of "
+                f"{b.get('prompts')} calibration prompts); running that one"
+            )
+            return Calibrated(method, quality, dict(first.get("options", {})), False, 1.0, str(path), note)
         if not isinstance(chosen, dict) or not isinstance(chosen.get("options"), dict):
             raise LayerleapError(
                 f"calibration file {path}: budget {key} has no chosen setting: delete it and run "
@@ -182,6 +192,36 @@ def _show(options: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in options.items())
 
 
+def _given(model, method: str, options: dict) -> list[str]:
+    """The options given that a calibration of ``method`` would set."""
+    mine = knobs(method, model.config.n_layers)
+    if method == "bild" and (options.get("small") is not None or "exit_layer" in options):
+        mine = mine | {"small", "exit_layer"}  # a calibration holds for its default small model only
+    return sorted(mine & set(options))
+
+
+def _runs_as_given(model, method: str, options: dict) -> bool:
+    """True when ``options`` already choose the setting (a knob, or SkipDecode's own schedule)."""
+    return bool(_given(model, method, options)) or (
+        method == "skipdecode" and bool(options.keys() & {"schedule", "target_speedup"})
+    )
+
+
+def uncalibrated_note(model, method: str, options: dict, quality) -> str | None:
+    """One line for a lossy method that runs its own defaults because no calibration file exists for
+    ``model`` in its dtype (none of its knobs given, no ``quality``): their quality is unmeasured
+    there, and on a small model they can print unreadable text.  None otherwise."""
+    if method not in PATHS or quality is not None or _runs_as_given(model, method, options):
+        return None
+    if calibrated(model, method, DEFAULT_QUALITY) is not None:
+        return None
+    return (
+        f"{method}: no calibration for {model.config.name} ({model.dtype_name}), so it runs its uncalibrated "
+        f"defaults, whose quality is unmeasured here; run `layerleap calibrate {method} --dtype "
+        f"{model.dtype_name}` to get a setting that keeps {DEFAULT_QUALITY:.0%} of greedy's quality"
+    )
+
+
 def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrated | None]:
     """The options ``method`` runs with, and the calibration they came from.  ``quality`` given: the
     calibrated setting for that budget (an error naming ``layerleap calibrate`` when there is none;
@@ -195,12 +235,9 @@ def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrate
                 f"({', '.join(LOSSY)}); the others are greedy-exact or sample"
             )
         return options, None
-    mine = knobs(method, model.config.n_layers)
-    if method == "bild" and (options.get("small") is not None or "exit_layer" in options):
-        mine = mine | {"small", "exit_layer"}  # a calibration holds for its default small model only
-    given = sorted(mine & set(options))
+    given = _given(model, method, options)
     if quality is None:
-        if given or (method == "skipdecode" and options.keys() & {"schedule", "target_speedup"}):
+        if _runs_as_given(model, method, options):
             return options, None
         cal = calibrated(model, method, DEFAULT_QUALITY)
         return ({**options, **cal.options}, cal) if cal else (options, None)

@@ -50,6 +50,7 @@ OPTIONS = (
     O.DRAFT_LEN.but(none="the dtype's tuned one"),
     O.MAX_NGRAM_OPT.but(default=DEFAULT_MAX_NGRAM),
     O.MIN_NGRAM,
+    O.ADAPTIVE,
 )
 
 
@@ -66,10 +67,16 @@ def tuned(run: Run, draft_len, max_ngram: int, min_ngram) -> tuple[int, int]:
 
 @register("prompt-lookup", batched=True, sampling=True, exact=True, grammar=True, options=OPTIONS)
 def prompt_lookup(
-    run: Run, *, draft_len: int | None = None, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int | None = None
+    run: Run,
+    *,
+    draft_len: int | None = None,
+    max_ngram: int = DEFAULT_MAX_NGRAM,
+    min_ngram: int | None = None,
+    adaptive: bool = False,
 ):
     """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call
-    (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default."""
+    (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default;
+    adaptive: each round's length from the running acceptance (``drafters.lengths``)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
-    counts = yield from draft_verify.decode(run, PromptLookup(run, draft_len, min_ngram, max_ngram))
+    counts = yield from draft_verify.decode(run, PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive))
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])

@@ -1,0 +1,98 @@
+"""Draft lengths from the running acceptance: how many of a chain's drafts are worth a call.
+
+A call over ``S`` new tokens costs ``c(S)`` one-token calls (the weight format's call-cost curve,
+``CALL_COST``).  A chain of ``L`` drafts whose i-th draft is kept, given the ones before it were,
+with probability ``a_i`` emits ``E(L) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_L`` tokens.  Each round
+keeps the ``L`` (0 included: a greedy step) that maximises ``E(L) / c(L + 1)``, the tokens per unit
+of call cost, with ``a_i`` estimated per row from the rounds so far (decaying counts under a uniform
+prior).  A round that drafts nothing still learns ``a_1``: the target's next token shows whether the
+first draft would have been kept.  The choice cuts what is verified, never what is accepted, so a
+lossless method stays lossless."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Call cost over S = 1..8 new tokens relative to one token, 256 cached tokens, 2 threads (fp32 and
+# bf16: a 2-core AMD EPYC Zen 5; q4: the same, torch's int4 kernel; the block kernel on a Zen 4
+# measured x1.10 / 1.35 / 2.09 at S = 2 / 4 / 8 in `layerleap bench`'s curve).  A curve that dips
+# (timing noise) is held at its running maximum.  docs/results/call_cost_1to8_<dtype>_t2.json.
+CALL_COST = {
+    "float32": (1.0, 1.065, 1.133, 1.133, 1.133, 1.133, 1.264, 1.264),
+    "bfloat16": (1.0, 1.088, 1.162, 1.232, 1.277, 1.366, 1.52, 1.568),
+    "q4": (1.0, 1.122, 1.246, 1.341, 1.8, 1.874, 1.915, 2.089),
+}
+CALL_COST["float16"] = CALL_COST["bfloat16"]
+DECAY = 0.9  # weight of the past rounds in the acceptance counts
+PRIOR = (1.0, 1.0)  # kept, missed pseudo-counts of every draft position (a uniform prior: 0.5)
+
+
+def call_cost(costs: tuple[float, ...], s: int) -> float:
+    """``c(s)``: the curve's value, extended linearly past its end."""
+    if s <= len(costs):
+        return costs[s - 1]
+    step = costs[-1] - costs[-2]
+    return costs[-1] + step * (s - len(costs))
+
+
+def expected_tokens(rates: list[float], length: int) -> float:
+    """``E(L)``: tokens a round emits with ``length`` drafts kept with conditional rates ``rates``."""
+    total, p = 1.0, 1.0
+    for a in rates[:length]:
+        p *= a
+        total += p
+    return total
+
+
+def best_length(rates: list[float], costs: tuple[float, ...], most: int) -> int:
+    """The ``L`` in ``0..most`` with the most expected tokens per unit of call cost (the shorter on a tie)."""
+    return max(range(most + 1), key=lambda n: (expected_tokens(rates, n) / call_cost(costs, n + 1), -n))
+
+
+@dataclass
+class RunningAcceptance:
+    """Decaying counts of one row's kept and tried drafts per position (position i is tried when the
+    i drafts before it were kept)."""
+
+    size: int
+    kept: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.kept = [0.0] * self.size
+        self.tried = [0.0] * self.size
+
+    def rates(self) -> list[float]:
+        a, b = PRIOR
+        return [(k + a) / (t + a + b) for k, t in zip(self.kept, self.tried)]
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A round that verified ``drafted`` drafts and kept the first ``accepted``."""
+        self.kept = [DECAY * k for k in self.kept]
+        self.tried = [DECAY * t for t in self.tried]
+        for i in range(min(accepted + 1, drafted, self.size)):
+            self.tried[i] += 1.0
+            self.kept[i] += float(i < accepted)
+
+
+class LengthChooser:
+    """Per row of a batch: cuts each round's chain to its best length (``cut``) and learns from what
+    the target kept (``observe``)."""
+
+    def __init__(self, batch: int, dtype_name: str, most: int):
+        self.costs = CALL_COST.get(dtype_name, CALL_COST["float32"])
+        self.rows = [RunningAcceptance(most) for _ in range(batch)]
+        self.first: list[int | None] = [None] * batch  # a cut chain's first draft (None: none cut away)
+
+    def cut(self, row: int, chain: list[int]) -> list[int]:
+        n = best_length(self.rows[row].rates(), self.costs, len(chain)) if chain else 0
+        self.first[row] = chain[0] if chain and n == 0 else None
+        return chain[:n]
+
+    def observe(self, row: int, drafted: int, accepted: int, next_token: int | None) -> None:
+        if drafted == 0 and self.first[row] is not None:  # nothing verified: was the first draft right?
+            hit = int(next_token == self.first[row])
+            self.rows[row].observe(1, hit)
+        elif drafted:
+            self.rows[row].observe(drafted, accepted)
+        self.first[row] = None

@@ -197,3 +197,15 @@ def test_the_cli_stores_then_reads_the_states(capsys, tmp_path, char_model_dir):
     assert "none cached for this model and data yet" in capsys.readouterr().err
     assert main([*heads, "--out", str(tmp_path / "h2.safetensors")]) == 0
     assert re.search(r"all \d+ items cached, the backbone does not run", capsys.readouterr().err)
+
+
+def test_only_a_few_shards_are_held_in_memory(tmp_path):
+    from layerleap.train import state_cache
+
+    items = _chunks(MODEL.config.vocab_size, n=2 * state_cache.LOADED + 4, seq=5, seed=7)
+    n = MODEL.config.n_layers
+    store = StateCache(tmp_path, MODEL, [n], items, shard_items=1)
+    whole = store.fill(progress=False)[n]
+    assert len(store._shards) == state_cache.LOADED and store.complete()
+    again = StateCache(tmp_path, MODEL, [n], items, shard_items=1)
+    assert torch.equal(again.fill(progress=False)[n], whole) and again.computed == 0

@@ -25,6 +25,7 @@ import hashlib
 import json
 import re
 import sys
+from collections import OrderedDict
 from pathlib import Path
 import torch
 
@@ -33,6 +34,7 @@ from ..files import cache_root, reading, save_safetensors
 
 FORMAT = "layerleap-state-cache-1"
 SHARD_ITEMS = 64  # items per shard (64 chunks of 128 tokens of SmolLM2's last layer: 9.4 MB in bf16)
+LOADED = 8  # shards held in memory at once (the items are read in order: the rest wait on disk)
 
 
 class StateCacheError(LayerleapError, ValueError):
@@ -93,7 +95,7 @@ class StateCache:
             / f"{name}-{model.fingerprint[:16]}"
             / f"{model.dtype_name}-layers{layers_txt}-{tag}"
         )
-        self._shards: dict[int, dict[str, torch.Tensor]] = {}  # shard -> its tensors (read or written)
+        self._shards: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()  # the last LOADED shards used
         self._pending: dict[int, dict[int, dict[int, torch.Tensor]]] = {}  # shard -> item -> layer -> [n, D]
         self.computed = 0  # items this process ran through the backbone
 
@@ -124,9 +126,16 @@ class StateCache:
             return f"state cache {self.dir}: none cached for this model and data yet; the first pass stores them"
         return f"state cache {self.dir}: {have} of {n} items cached; the first pass stores the rest"
 
+    def _keep(self, s: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._shards[s] = tensors
+        self._shards.move_to_end(s)
+        while len(self._shards) > LOADED:
+            self._shards.popitem(last=False)
+        return tensors
+
     def _load(self, s: int) -> dict[str, torch.Tensor] | None:
         if s in self._shards:
-            return self._shards[s]
+            return self._keep(s, self._shards[s])
         path = self.shard_path(s)
         if not path.is_file():
             return None
@@ -141,8 +150,7 @@ class StateCache:
         ids = torch.cat([torch.tensor(self.items[i], dtype=torch.int32) for i in span])
         if not torch.equal(tensors.get("ids", torch.empty(0)), ids) or len(tensors.get("lengths", ())) != len(span):
             raise StateCacheError(f"state cache shard {path} holds other token ids than this data: {fix}")
-        self._shards[s] = tensors
-        return tensors
+        return self._keep(s, tensors)
 
     def _write(self, s: int) -> None:
         span = self._span(s)
@@ -151,7 +159,7 @@ class StateCache:
         tensors["ids"] = torch.cat([torch.tensor(self.items[i], dtype=torch.int32) for i in span])
         tensors["lengths"] = torch.tensor([len(self.items[i]) for i in span], dtype=torch.int64)
         save_safetensors(self.shard_path(s), tensors, {"format": FORMAT, "key": self.key})
-        self._shards[s] = tensors
+        self._keep(s, tensors)
 
     # -- items -------------------------------------------------------------------------------------
     def get(self, i: int) -> dict[int, torch.Tensor] | None:

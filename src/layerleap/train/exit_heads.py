@@ -319,14 +319,17 @@ def _sequences(model: Transformer, cfg: HeadTrainConfig, seqs):
 
 def _from_state_cache(model: Transformer, cfg: HeadTrainConfig, seqs, root, progress: bool, timing: dict):
     """``load_or_build_cache`` from a ``StateCache`` under ``root``: the backbone runs only for the
-    sequences not stored there yet (the final layer's top ids are recomputed, a pass of the head)."""
+    sequences not stored there yet, and the final layer's top ids are stored beside them."""
     t0 = time.perf_counter()
     store = StateCache(root, model, [*cfg.layers, model.config.n_layers], _sequences(model, cfg, seqs))
     if progress:
         print(store.describe(), file=sys.stderr, flush=True)
     cache: dict = store.fill(progress)
     if cfg.candidates:
-        cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
+        final = cache[model.config.n_layers]
+        cache[TOP_KEY] = store.derived(
+            f"final_top{cfg.candidates}", lambda: final_top_ids(model, final, cfg.candidates)
+        )
     timing["seconds"] = time.perf_counter() - t0
     timing["backbone_items"] = store.computed
     return cache

@@ -161,6 +161,22 @@ class StateCache:
         save_safetensors(self.shard_path(s), tensors, {"format": FORMAT, "key": self.key})
         self._keep(s, tensors)
 
+    def derived(self, name: str, compute) -> torch.Tensor:
+        """A tensor computed from the whole cache (``compute()``), stored beside the shards under the
+        same key (``<name>.safetensors``) and read back by later runs."""
+        path = self.dir / f"{name}.safetensors"
+        if path.is_file():
+            from safetensors import safe_open
+
+            fix = f"delete {self.dir} to rebuild it"
+            with reading(path, "state cache file", fix), safe_open(str(path), "pt") as f:
+                if (f.metadata() or {}).get("key") != self.key:
+                    raise StateCacheError(f"state cache file {path} was written for another model or data: {fix}")
+                return f.get_tensor(name)
+        value = compute()
+        save_safetensors(path, {name: value}, {"format": FORMAT, "key": self.key})
+        return value
+
     # -- items -------------------------------------------------------------------------------------
     def get(self, i: int) -> dict[int, torch.Tensor] | None:
         """Item ``i``'s states ``{layer: [n_i, D]}`` in the storage dtype, or None when not stored."""

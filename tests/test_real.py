@@ -271,6 +271,17 @@ def test_q4_lossless_methods_equal_q4_greedy(smollm_q4, prompts, method, options
         assert got.token_ids == want, f"{method} on {p[:40]!r}"
 
 
+@pytest.mark.parametrize("method", ["skipdecode", "early-exit", "calm", "bild"])
+def test_q4_lossy_defaults_keep_their_calibrated_word(smollm_q4, prompts, method):
+    """The shipped q4 calibration at 0.95 chose greedy's output for every lossy method on this model:
+    their defaults decode greedy's tokens, and say which calibrated setting ran."""
+    p = prompts[5]
+    want = generate(smollm_q4, p, max_new_tokens=32, chat=True, stop_at_eos=False).token_ids
+    got = generate(smollm_q4, p, method, 32, chat=True, stop_at_eos=False)
+    assert got.token_ids == want
+    assert got.stats["quality_budget"]["calibration"].endswith(f"q4/{method}.json")
+
+
 def test_q4_auto_leaves_transfer_out_unless_asked(smollm_q4, prompts):
     """In q4 "auto" is prompt lookup (its transfer tree costs more than it gains there); given the
     shipped projections' file it probes transfer calls again, and stays equal to greedy either way."""

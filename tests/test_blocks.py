@@ -11,8 +11,8 @@ import torch
 from tiny_models import random_model
 
 from layerleap.core import kernels
-from layerleap.core.gguf_q4 import blocks_to_rows, q8_0_rows
-from layerleap.core.kernels import BlockWeight, Int8Rows, QuantizedRows
+from layerleap.core.gguf_q4 import blocks_to_rows, q6_k_rows, q8_0_rows
+from layerleap.core.kernels import BlockWeight, Int8Rows, Q6Rows, QuantizedRows
 from layerleap.core.loading import quantize_model
 
 pytestmark = pytest.mark.skipif(
@@ -168,7 +168,128 @@ def test_gguf_blocks_are_kept_exactly(qtype):
         w = BlockWeight.from_rows(blocks_to_rows(raw, qtype, n_rows, n_cols))
     want = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n_rows, n_cols)
     assert np.array_equal(w.dense().numpy(), want)  # codes and scales as stored
-    assert w.dm.dtype == (torch.float32 if qtype == "Q4_K" else torch.float16)  # fp16 wherever exact
+    # fp16 wherever exact; Q4_K's scales as its fp16 pair per super-block times 6-bit multipliers
+    assert w.dm.dtype == (torch.uint8 if qtype == "Q4_K" else torch.float16)
+    if qtype == "Q4_K":
+        ids = torch.tensor([18, 0, 7])
+        assert np.array_equal(w.rows(ids).float().numpy(), torch.from_numpy(want)[ids].bfloat16().float().numpy())
+
+
+def _q4k_rows(n: int, k: int, seed: int = 0, most: int = 63) -> QuantizedRows:
+    """Random Q4_K-like rows: per 8 groups an fp16 d and dmin (either sign) times 6-bit multipliers
+    (at most ``most``), exact in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    s = k // 256
+    d = (torch.randn(n, s, 2, 1, generator=g) * 0.01).half().float()
+    mult = torch.randint(0, most + 1, (n, s, 2, 8), generator=g).float()
+    v = (d * mult).view(n, s, 2, 8).permute(0, 2, 1, 3).reshape(n, 2, k // 32)
+    return QuantizedRows(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), v[:, 0], v[:, 1])
+
+
+@pytest.mark.parametrize("m,n,most", [(1, 16, 63), (3, 37, 63), (8, 45, 40), (17, 100, 5)])
+def test_super_block_scales_equal_fp32_scales_bit_for_bit(m, n, most):
+    """Q4_K's scales as 8-bit multipliers of an fp16 per super-block (0.625 bits a weight) give the
+    same bits as the same scales in fp32 (2 bits a weight) on every path, and match the reference."""
+    mod = kernels._native_blocks()
+    rows = _q4k_rows(n, 512, seed=n, most=most)
+    w = BlockWeight.from_rows(rows)
+    assert w.dm.dtype == torch.uint8 and w.dm.shape == ((n + 15) // 16, 2, kernels.SUPER_BYTES)
+    assert torch.equal(w.dense(), rows.dense())
+    assert w.nbytes == w.codes.numel() + w.dm.numel() < 0.6 * 16 * ((n + 15) // 16) * 512
+    fp32 = w._dm_blocks()
+    assert fp32.dtype == torch.float32 and fp32.shape == ((n + 15) // 16, 16, 2, 16)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    ref = _reference(x, rows.dense())
+    for fine in (True, False):
+        want = mod.block_matmul(x, w.codes, fp32, n, fine, "portable")
+        for path in _paths():
+            assert torch.equal(mod.block_matmul(x, w.codes, w.dm, n, fine, path), want), (path, fine)
+    assert (w(x).double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-6
+
+
+def test_scales_that_are_no_products_stay_fp32():
+    rows = _rows(20, 512, 3, half=False)  # arbitrary fp32 scales
+    assert BlockWeight.from_rows(rows).dm.dtype == torch.float32
+    mixed = QuantizedRows.cat([_q4k_rows(16, 512, 1), rows])  # one block of rows is not Q4_K: all fp32
+    w = BlockWeight.from_rows(mixed)
+    assert w.dm.dtype == torch.float32 and torch.equal(w.dense(), mixed.dense())
+    r = _q4k_rows(16, 512, 2)
+    part = QuantizedRows(r.q[:, :288], r.scale[:, :9], r.minimum[:, :9])  # 9 groups: no whole super-blocks
+    assert BlockWeight.from_rows(part).dm.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="scales do not fit"):
+        w8 = BlockWeight.from_rows(_q4k_rows(16, 512, 4))
+        kernels._native_blocks().block_matmul(torch.zeros(1, 256), w8.codes, w8.dm, 16, True, "")
+
+
+def _q6(n: int, k: int, seed: int = 0) -> Q6Rows:
+    g = torch.Generator().manual_seed(seed)
+    return Q6Rows(
+        torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8),
+        torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8),
+        (torch.rand(n, k // 256, generator=g) * 1e-3).half().float(),
+    )
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 16), (3, 512, 17), (8, 256, 45), (17, 768, 100), (2, 1536, 33)])
+@pytest.mark.parametrize("fine", [True, False])
+def test_6bit_product_matches_dense_reference(m, k, n, fine):
+    """Q6_K as stored (6-bit codes, int8 scales per 16, fp16 per 256) against the dense reference, and
+    every path (1 to 16 rows) equal to the portable one bit for bit."""
+    rows = _q6(n, k, seed=n)
+    w = BlockWeight.from_q6(rows)
+    w.fine = fine
+    assert w.bits == 6 and w.codes.shape == ((n + 15) // 16, k // 32, 6, 16, 4)
+    assert w.nbytes == w.codes.numel() + w.dm.numel() and w.nbytes * 8 == 6.5625 * 16 * ((n + 15) // 16) * k
+    dense = w.dense()
+    assert torch.equal(dense, rows.dense())
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * torch.linspace(0.1, 3, k)
+    ref = _reference(x, dense, fine)
+    y = w(x)
+    assert y.shape == (m, n) and (y.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-6
+    mod = kernels._native_blocks()
+    xs = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
+    want = mod.block_matmul(xs, w.codes, w.dm, n, fine, "portable")
+    for path in _paths():
+        for rows_n in (1, 3, 8, 9, 16):
+            got = mod.block_matmul(xs[:rows_n], w.codes, w.dm, n, fine, path)
+            assert torch.equal(got, want[:rows_n]), (path, rows_n)
+
+
+@pytest.mark.parametrize("fine", [True, False])
+def test_6bit_extreme_codes_and_scales_do_not_overflow(fine):
+    n, k = 16, 512
+    q = torch.full((n, k), 63, dtype=torch.uint8)
+    q[1::2] = 0
+    sc = torch.full((n, k // 16), 127, dtype=torch.int8)
+    sc[::3] = -128
+    w = BlockWeight.from_q6(Q6Rows(q, sc, torch.full((n, k // 256), 2.0**-12)))
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    ref = x.double() @ w.dense().double().t()
+    for path in _paths():
+        y = kernels._native_blocks().block_matmul(x, w.codes, w.dm, n, fine, path)
+        assert (y.double() - ref).abs().max().item() < 1e-6 * ref.abs().max().item(), path
+
+
+def test_gguf_q6_k_blocks_are_kept_exactly():
+    from gguf import GGMLQuantizationType, dequantize
+
+    n_rows, n_cols = 21, 512
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (n_rows * n_cols // 256, 210), dtype=np.uint8)
+    raw[:, 208:210] = (rng.standard_normal((raw.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(n_rows, -1)
+    rows = q6_k_rows(raw, n_rows, n_cols)
+    want = dequantize(raw, GGMLQuantizationType.Q6_K).reshape(n_rows, n_cols)
+    assert np.array_equal(rows.dense().numpy(), want)
+    w = BlockWeight.from_q6(rows)
+    assert np.array_equal(w.dense().numpy(), want)
+    ids = torch.tensor([[20, 0], [16, 5]])
+    assert torch.equal(w.rows(ids), torch.from_numpy(want)[ids].to(torch.bfloat16))
+    assert torch.equal(rows.take_rows(torch.tensor([3, 1])).dense(), rows.dense()[[3, 1]])
+    with pytest.raises(kernels.KernelError):
+        BlockWeight(w.codes, w.dm, n_rows, 4)
 
 
 def test_refuses_codes_that_do_not_fit():

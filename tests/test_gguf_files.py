@@ -147,10 +147,11 @@ def test_every_common_type_loads_dense_and_q4(tmp_path, qtype):
     q4 = layerleap.load(str(path), dtype="q4", progress=msgs.append)
     assert q4.dtype_name == "q4" and q4.fingerprint == dense.fingerprint
     assert dense.config.n_layers == LAYERS and dense.config.hidden_size == D
-    kept = qtype in ("Q4_0", "Q4_1", "Q4_K")
+    kept = qtype in ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
     note = [m for m in msgs if m.startswith("4-bit weights")]
     assert len(note) == 1 and (("re-quantized" in note[0]) != kept) and (kept or qtype in note[0])
-    if kept:  # 4-bit blocks kept as stored: the q4 model holds the dense model's values exactly
+    kept = kept and (qtype != "Q6_K" or kernels.blocks_available())  # torch's int4 kernel re-quantizes Q6_K
+    if kept:  # blocks kept as stored: the q4 model holds the dense model's values exactly
         for a, b in zip(q4.projections()[:-1], dense.projections()[:-1]):
             assert torch.equal(a.dense_weight().float(), b.dense_weight().float())
     ids = q4.tokenizer.encode("hello hello")
@@ -176,10 +177,32 @@ def test_qwen2_and_mistral_files_with_an_untied_head(tmp_path, arch):
     q4 = layerleap.load(str(path), dtype="q4", progress=msgs.append)
     assert dense.config.qkv_bias == (arch == "qwen2") and dense.config.rope_theta == (1e6 if arch == "mistral" else 1e4)
     assert not dense.config.tie_embeddings
-    assert any("lm_head.weight (Q8_0 from Q6_K)" in m for m in msgs)
+    assert any("lm_head.weight (Q6_K)" in m for m in msgs)
+    if kernels.blocks_available():  # the 6-bit head as stored
+        assert q4.lm_head.packed.bits == 6 and torch.equal(q4.lm_head.dense_weight(), dense.lm_head.dense_weight())
     ids = q4.tokenizer.encode("hello")
     a, b = _logits(dense, ids), _logits(q4, ids)
     assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+@pytest.mark.skipif(not kernels.blocks_available(), reason="the native block kernel is not built")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_lossless_methods_equal_greedy_on_q4_k_and_q6_k_blocks(tmp_path, qtype):
+    """Q4_K layers (super-block scales) or Q6_K layers (6-bit blocks), a Q6_K head: every call size gives
+    a row the same bits, so drafting methods equal greedy decoding token for token."""
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, arch="qwen2", head="Q6_K", seed=4)
+    q4 = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    draft = layerleap.load(str(write_gguf(tmp_path / "draft.gguf", "Q4_K", head="Q6_K", seed=5)), dtype="q4")
+    assert {lin.packed.bits for lin in q4.projections()} == ({4, 6} if qtype == "Q4_K" else {6})
+    assert {lin.packed.dm.dtype for lin in q4.projections()} == {torch.uint8}
+    ids = q4.tokenizer.encode("hello hello hell hello he")
+    want = layerleap.generate(q4, ids, "greedy", 16, stop_at_eos=False).token_ids
+    for method, options in (
+        ("prompt-lookup", {"draft_len": 4, "max_ngram": 2}),
+        ("speculative", {"draft": draft, "draft_len": 4, "min_confidence": 0.0}),
+        ("self-spec", {"exit_layer": 1, "draft_len": 3, "head": "shared"}),
+    ):
+        assert layerleap.generate(q4, ids, method, 16, stop_at_eos=False, **options).token_ids == want, method
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(tmp_path):

@@ -5,23 +5,31 @@ GGUF's Q4_0 and Q4_1 blocks (32 weights, a scale and a minimum or offset) and Q4
 affine map per group of 32 inputs: ``kernels.QuantizedRows`` holds exactly that, exact in fp32
 (``QuantizedRows.dense()`` equals gguf's own dequantization bit for bit).
 
-Other block types keep the file's precision where it matters and are re-quantized where it does
-not, and the conversion says which:
+Q6_K tensors (which Q4_K_M files use for some ``ffn_down``/``attn_v`` and the LM head) are kept as
+stored too (``kernels.Q6Rows``: 6-bit codes, an int8 scale per 16 inputs, an fp16 one per 256, exact),
+and the native block kernel multiplies them as they are (beside torch's int4 kernel they are
+re-quantized at load: 4 bits in the layers, 8 for the embedding and head).  Other block types keep the
+file's precision where it matters and are re-quantized where it does not, and the conversion says
+which:
 
 - the embedding table and the LM head (GGUF files keep them at 6-8 bits): a Q8_0 table stays 8-bit
-  codes with its scales (``kernels.Int8Rows``, exact), another type (Q6_K, F16, ...) is re-quantized
+  codes with its scales (``kernels.Int8Rows``, exact), another type (F16, Q5_K, ...) is re-quantized
   to 8-bit groups of 32 (Q8_0, ``kernels.quantize_q8``); never 4 bits (on SmolLM2-135M a 4-bit LM
   head lowered the greedy top-1 agreement with the fp32 model from 97.8% to 87.5% of positions;
   ``docs/BENCHMARKS.md``);
-- a projection inside a layer in another type (Q6_K, Q5_*, Q8_0, ...) is dequantized and
-  re-quantized to 4-bit groups of 32 (min-max);
+- a projection inside a layer in another type (Q5_*, Q8_0, ...), or fused from parts of different
+  types (a Q4_K ``attn_q`` with a Q6_K ``attn_v``), is dequantized and re-quantized to 4-bit groups
+  of 32 (min-max);
 - fp32/fp16 tensors (norms, biases) stay dense.
 
 ``convert`` writes a q4 cache folder: ``config.json``, the tokenizer, and ``q4.safetensors`` with a
 4-bit weight as ``NAME.codes`` (uint8 ``[N, K/2]``, the low nibble the even input), ``NAME.scale``
 and ``NAME.minimum`` (fp32 ``[N, K/32]``), an 8-bit table as ``NAME.int8`` and ``NAME.int8_scale``,
-or ``NAME`` for a dense tensor; its metadata names the model's fingerprint (computed from the exact
-values, so it equals the dense model's).
+a Q6_K weight as ``NAME.q6`` (uint8 codes ``[N, K]``), ``NAME.q6_scale`` (int8 ``[N, K/16]``) and
+``NAME.q6_d`` (fp32 ``[N, K/256]``), or ``NAME`` for a dense tensor; its metadata names the model's
+fingerprint (computed from the exact values, so it equals the dense model's).  A folder converted
+before Q6_K was kept (its metadata lacks ``q6_k``, and it re-quantized Q6_K tensors) fails ``check``
+and is converted again.
 """
 
 from __future__ import annotations
@@ -35,14 +43,16 @@ from torch import nn
 
 from .config import ConfigError, ModelConfig
 from ..files import save_safetensors
-from .kernels import GROUP, Int8Rows, QuantizedRows, quantize, quantize_q8
+from .kernels import GROUP, Q6_BLOCK, Int8Rows, Q6Rows, QuantizedRows, quantize, quantize_q8
 from .model import Transformer
 
 FORMAT = "layerleap-q4-v1"
 WEIGHTS = "q4.safetensors"
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 OUTER = ("model.embed_tokens.weight", "lm_head.weight")  # kept at the file's precision (see above)
-BLOCKS_LAYOUT = "blocks16-v1"  # kernels.BlockWeight's layout (one for every CPU)
+BLOCKS_LAYOUT = "blocks16-v2"  # kernels.BlockWeight's layout (one for every CPU)
+WEIGHT_KEYS = (".codes", ".scale", ".minimum", ".int8", ".int8_scale", ".q6", ".q6_scale", ".q6_d")
+SIDE_KEYS = tuple(k for k in WEIGHT_KEYS if k not in (".codes", ".int8", ".q6"))  # beside a weight's main tensor
 
 
 # -- GGUF blocks -> QuantizedRows -------------------------------------------------------------------
@@ -120,6 +130,8 @@ def weight_tensors(name: str, w) -> dict[str, torch.Tensor]:
         return rows_to_tensors(name, w)
     if isinstance(w, Int8Rows):
         return {f"{name}.{k}": v for k, v in w.state().items()}
+    if isinstance(w, Q6Rows):
+        return {f"{name}.q6": w.q.contiguous(), f"{name}.q6_scale": w.sc.contiguous(), f"{name}.q6_d": w.d.contiguous()}
     return {name: w.contiguous()}
 
 
@@ -133,9 +145,29 @@ def tensors_to_weights(tensors: dict[str, torch.Tensor]) -> dict:
         elif key.endswith(".int8"):
             name = key[: -len(".int8")]
             out[name] = Int8Rows(t, tensors[f"{name}.int8_scale"])
-        elif not key.endswith((".scale", ".minimum", ".int8_scale")):
+        elif key.endswith(".q6"):
+            name = key[: -len(".q6")]
+            out[name] = Q6Rows(t, tensors[f"{name}.q6_scale"], tensors[f"{name}.q6_d"])
+        elif not key.endswith(SIDE_KEYS):
             out[key] = t
     return out
+
+
+def q6_k_rows(data: np.ndarray, n_rows: int, n_cols: int) -> Q6Rows:
+    """A Q6_K tensor's raw bytes (blocks of 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+    scales, an fp16 scale) -> exact ``Q6Rows`` (ggml's order of the codes)."""
+    blocks = np.ascontiguousarray(data).reshape(-1, 210)
+    n = blocks.shape[0]
+    ql = blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = (ql & 0x0F).reshape(n, 2, 128) | ((qh & 0x03).reshape(n, 2, 128) << 4)  # [n, 2 halves, 128]
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
+    d = _f16(blocks[:, 208:210])
+    return Q6Rows(
+        torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)).reshape(n_rows, n_cols),
+        torch.from_numpy(sc.copy()).reshape(n_rows, n_cols // 16),
+        torch.from_numpy(np.ascontiguousarray(d)).reshape(n_rows, n_cols // Q6_BLOCK),
+    )
 
 
 def q8_0_rows(data: np.ndarray, n_rows: int, n_cols: int) -> Int8Rows:
@@ -183,6 +215,12 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
             rows = blocks_to_rows(t.data, qtype, *shape)
             hf[name] = rows if order is None else rows.take_rows(torch.from_numpy(order))
             continue
+        if len(shape) == 2 and qtype == "Q6_K" and shape[1] % Q6_BLOCK == 0:
+            rows = q6_k_rows(t.data, *shape)
+            hf[name] = rows if order is None else rows.take_rows(torch.from_numpy(order))
+            if name in OUTER:
+                kept[name] = qtype
+            continue
         if name in OUTER and qtype == "Q8_0" and order is None and shape[1] % GROUP == 0:
             hf[name] = q8_0_rows(t.data, *shape)
             kept[name] = qtype
@@ -208,8 +246,15 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     if missing:
         raise ConfigError(f"{gguf_path.name}: no GGUF tensor for {missing[:4]}{' …' if len(missing) > 4 else ''}")
     ours = hf_to_ours(hf, ctx.config, consume=True, fuse=_cat_rows)
+    requantized.update({k: "fused from mixed types" for k, v in ours.items() if getattr(v, "mixed", False)})
     exact = {
-        k: (v.exact if isinstance(v, _Requantized) else v.dense() if isinstance(v, (QuantizedRows, Int8Rows)) else v)
+        k: (
+            v.exact
+            if isinstance(v, _Requantized)
+            else v.dense()
+            if isinstance(v, (QuantizedRows, Int8Rows, Q6Rows))
+            else v
+        )
         for k, v in ours.items()
     }
     if ctx.config.tie_embeddings and "lm_head.weight" not in exact:
@@ -229,13 +274,14 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
         "source": gguf_path.name,
         "requantized": json.dumps(dict(sorted(requantized.items()))),
         "kept": json.dumps({k: v for k, v in sorted(kept.items()) if v not in ("F32", "F16")}),
+        "q6_k": "blocks",  # Q6_K tensors kept as stored (a folder without this re-quantized them: converted again)
     }
     save_safetensors(out / WEIGHTS, tensors, meta)
     ctx.save_config_and_tokenizer(out)
     outer = {k: v for k, v in kept.items() if k in OUTER}
     kept = ", ".join(f"{k} ({v})" for k, v in outer.items())
     progress(
-        "4-bit weights: every layer's GGUF 4-bit blocks kept"
+        "4-bit weights: every layer's GGUF 4-bit (and Q6_K) blocks kept"
         + (
             f"; {len(requantized)} layer tensor(s) re-quantized to 4-bit groups of {GROUP} "
             f"({', '.join(sorted(set(requantized.values())))})"
@@ -249,8 +295,8 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
 class _Requantized:
     """A dense weight to be quantized after fusion (its exact values feed the fingerprint)."""
 
-    def __init__(self, exact: torch.Tensor, bits: int = 4):
-        self.exact, self.bits = exact, bits
+    def __init__(self, exact: torch.Tensor, bits: int = 4, mixed: bool = False):
+        self.exact, self.bits, self.mixed = exact, bits, mixed  # mixed: fused from kept blocks of two types
         self.shape = exact.shape
 
 
@@ -258,10 +304,14 @@ def _cat_rows(parts: list):
     """``hf_to_ours``'s fuse for mixed parts: rows of QuantizedRows, dense tensors or _Requantized."""
     if all(isinstance(p, QuantizedRows) for p in parts):
         return QuantizedRows.cat(parts)
+    if all(isinstance(p, Q6Rows) for p in parts):
+        return Q6Rows.cat(parts)
+    kept = [isinstance(p, (QuantizedRows, Q6Rows)) for p in parts]
     dense = [
-        p.exact if isinstance(p, _Requantized) else p.dense() if isinstance(p, QuantizedRows) else p for p in parts
+        p.exact if isinstance(p, _Requantized) else p.dense() if isinstance(p, (QuantizedRows, Q6Rows)) else p
+        for p in parts
     ]
-    return _Requantized(torch.cat(dense, 0))
+    return _Requantized(torch.cat(dense, 0), mixed=any(kept) and all(kept))
 
 
 def check(folder: Path) -> tuple:
@@ -282,10 +332,9 @@ def check(folder: Path) -> tuple:
         raise ModelFileError(
             f"{path} is not a layerleap 4-bit weights file (format {meta.get('format')!r}): delete it to convert again"
         )
-    names = {
-        k.rsplit(".", 1)[0] if k.endswith((".codes", ".scale", ".minimum", ".int8", ".int8_scale")) else k
-        for k in header[0]
-    }
+    if meta.get("q6_k") != "blocks" and "Q6_K" in meta.get("requantized", "") + meta.get("kept", ""):
+        raise ModelFileError(f"{path} re-quantized its Q6_K tensors (an older conversion): delete it to convert again")
+    names = {k.rsplit(".", 1)[0] if k.endswith(WEIGHT_KEYS) else k for k in header[0]}
     need = {"tok_embeddings.weight", "norm.weight"} | {
         f"layers.{i}.{n}.weight"
         for i in range(config.n_layers)

@@ -155,6 +155,37 @@ class QuantizedRows:
         return QuantizedRows(self.q[index], self.scale[index], self.minimum[index])
 
 
+Q6_BLOCK = 256  # Q6_K's super-block: one fp16 scale per 256 inputs, an int8 one per 16
+
+
+@dataclass
+class Q6Rows:
+    """GGUF's Q6_K as stored: ``w[n, k] = d[n, k // 256] * sc[n, k // 16] * (q[n, k] - 32)`` with 6-bit
+    codes, int8 sub-block scales and fp16 super-block scales; ``dense()`` equals gguf's dequantization
+    bit for bit (``d * sc`` first, exact in fp32, then times the code)."""
+
+    q: torch.Tensor  # [N, K] uint8 in 0..63
+    sc: torch.Tensor  # [N, K/16] int8
+    d: torch.Tensor  # [N, K/256] fp32, each exactly an fp16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dense(self) -> torch.Tensor:
+        """``[N, K]`` fp32, exact."""
+        n, k = self.q.shape
+        dsc = self.d.repeat_interleave(Q6_BLOCK // 16, 1) * self.sc.float()  # [N, K/16]
+        return (dsc.unsqueeze(-1) * (self.q.view(n, k // 16, 16).float() - 32)).view(n, k)
+
+    @staticmethod
+    def cat(parts: list["Q6Rows"]) -> "Q6Rows":
+        return Q6Rows(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "sc", "d")))
+
+    def take_rows(self, index: torch.Tensor) -> "Q6Rows":
+        return Q6Rows(self.q[index], self.sc[index], self.d[index])
+
+
 class Int8Rows:
     """An embedding table as 8-bit codes with one scale per group of ``GROUP`` (GGUF's Q8_0:
     ``w = q * d``), looked up row by row; exact, ``dense()`` equals gguf's dequantization."""
@@ -402,13 +433,56 @@ def _exact_half(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(h).all()) and torch.equal(h.float(), t.float())
 
 
+SUPER = 8  # groups per super-block of 8-bit scale multipliers (Q4_K's 256 inputs)
+SUPER_BYTES = 64 + SUPER * 32  # a block's super-block: fp16 D and M for 16 rows, then sc and mn per group
+Q6_SUPER_BYTES = 32 + 16 * 16  # a 6-bit block's super-block: fp16 D for 16 rows, then int8 sc per 16 inputs
+
+
+def _factor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``v`` ``[R, 8]`` fp32 -> (``D`` ``[R]``, each exactly an fp16; ``c`` ``[R, 8]`` integers 0..255)
+    with ``D * c == v`` exactly in fp32, or None where some row has none.  ``D`` is tried as the
+    largest ``|v|`` over 63, 62, ... (Q4_K gives its largest sub-block scale the multiplier 63)."""
+    top = v.gather(1, v.abs().argmax(1, keepdim=True)).squeeze(1)  # [R]
+    D, c = torch.zeros_like(top), torch.zeros(v.shape, dtype=torch.uint8)
+    todo = torch.nonzero(top != 0).squeeze(1)
+    for most in range(63, 0, -1):
+        if not len(todo):
+            break
+        t, vv = top[todo], v[todo]
+        d = t / most
+        q = torch.round(vv / d.unsqueeze(1))
+        ok = (d.half().float() == d) & (d * most == t)
+        ok &= ((q >= 0) & (q <= 255) & (d.unsqueeze(1) * q == vv)).all(1)
+        D[todo[ok]], c[todo[ok]] = d[ok], q[ok].to(torch.uint8)
+        todo = todo[~ok]
+    return None if len(todo) else (D, c)
+
+
+def _super_scales(dm: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[NB, G, 2, 16]`` -> ``[NB, G/8, 320]`` bytes (``native/decoder.cpp``'s super-block
+    scales) when every 8 groups' scales and minimums are an fp16 times 8-bit multipliers, else ``dm``."""
+    nb, g = dm.shape[:2]
+    v = dm.view(nb, g // SUPER, SUPER, 2, BLOCK_ROWS).permute(0, 1, 3, 4, 2)  # [NB, S, 2, 16, 8]
+    sample = _factor(v[:4].reshape(-1, SUPER))  # most fp32 scales are not products: tell early
+    whole = None if sample is None else _factor(v.reshape(-1, SUPER))
+    if whole is None:
+        return dm
+    D, c = whole
+    pair = D.half().view(nb, g // SUPER, 2 * BLOCK_ROWS).view(torch.uint8)  # [NB, S, 64]
+    mult = c.view(nb, g // SUPER, 2, BLOCK_ROWS, SUPER).permute(0, 1, 4, 2, 3).reshape(nb, g // SUPER, -1)
+    return torch.cat([pair, mult], -1).contiguous()
+
+
 class BlockWeight(PackedWeight):
     """A weight as GGUF stores it, 4-bit codes (Q4_0, Q4_1, Q4_K's sub-blocks) or 8-bit codes (Q8_0),
     with one scale and minimum per group of 32 inputs, laid out in blocks of 16 output rows for the
-    native kernel (``native/decoder.cpp``, ``block_matmul``): ``w = code * scale + minimum``.
+    native kernel (``native/decoder.cpp``, ``block_matmul``): ``w = code * scale + minimum``; or
+    Q6_K's 6-bit codes (``bits=6``, ``from_q6``): ``w = D * sc * (code - 32)``, an int8 ``sc`` per 16
+    inputs and an fp16 ``D`` per 256.
 
     Codes, scales and minimums are the file's own (scales in fp16 when every one is exactly an fp16,
-    as Q4_0/Q4_1/Q8_0 store them; in fp32 otherwise, e.g. Q4_K's products of two scales), so
+    as Q4_0/Q4_1/Q8_0 store them; as Q4_K stores them where every 8 groups' scales and minimums are
+    an fp16 times 8-bit multipliers, ``_super_scales``: 0.625 bits a weight; in fp32 otherwise), so
     ``dense()`` equals gguf's dequantization bit for bit.  The kernel rounds the activations per group
     of 32, to 15 bits (``fine``, the default: the next-token distribution as close to fp32's as torch's
     int4 kernel with bf16 activations gets) or to 8 bits as llama.cpp does (half the multiplications;
@@ -428,11 +502,13 @@ class BlockWeight(PackedWeight):
         bias: torch.Tensor | None = None,
         fine: bool | None = None,
     ):
-        nb, g = dm.shape[0], dm.shape[1]
-        per = 4 if bits == 4 else 8
+        nb, g = dm.shape[0], dm.shape[1] * (SUPER if dm.dtype == torch.uint8 else 1)
+        per = bits if bits in (4, 6) else 8
+        super_bytes = Q6_SUPER_BYTES if bits == 6 else SUPER_BYTES
         if (
-            bits not in (4, 8)
-            or dm.shape[2:] != (2, BLOCK_ROWS)
+            bits not in (4, 6, 8)
+            or dm.shape[2:] != ((super_bytes,) if dm.dtype == torch.uint8 else (2, BLOCK_ROWS))
+            or (bits == 6 and dm.dtype != torch.uint8)
             or codes.shape != (nb, g, per, BLOCK_ROWS, 4)
             or not (nb - 1) * BLOCK_ROWS < out_features <= nb * BLOCK_ROWS
         ):
@@ -456,6 +532,29 @@ class BlockWeight(PackedWeight):
         return cls(codes, cls._scales(rows.scale, rows.minimum), n, 4, bias)
 
     @classmethod
+    def from_q6(cls, rows: Q6Rows, bias: torch.Tensor | None = None) -> "BlockWeight":
+        """GGUF's Q6_K as stored: 6-bit codes (low 4 bits as the 4-bit layout, high 2 bits packed four to
+        a byte), int8 scales per 16 inputs and fp16 scales per 256 (``native/decoder.cpp``)."""
+        n, k = rows.q.shape
+        if k % Q6_BLOCK:
+            raise KernelError(f"6-bit blocks need an input size that is a multiple of {Q6_BLOCK}, got {k}")
+        b = cls._blocked(rows.q.to(torch.uint8), 8)  # [NB, G, 8, 16, 4]
+        nb, g = b.shape[:2]
+        low = (b & 0x0F).view(nb, g, 4, 2, BLOCK_ROWS, 4)
+        high = (b >> 4).view(nb, g, 2, 4, BLOCK_ROWS, 4)
+        high = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+        codes = torch.cat([low[:, :, :, 0] | (low[:, :, :, 1] << 4), high], 2)  # [NB, G, 6, 16, 4]
+        pad = -n % BLOCK_ROWS
+        d, sc = rows.d.half(), rows.sc.to(torch.int8)
+        if pad:
+            d, sc = torch.cat([d, d.new_zeros(pad, d.shape[1])]), torch.cat([sc, sc.new_zeros(pad, sc.shape[1])])
+        s = k // Q6_BLOCK
+        d = d.view(nb, BLOCK_ROWS, s).permute(0, 2, 1).contiguous().view(torch.uint8)  # [NB, S, 32]
+        sc = sc.view(nb, BLOCK_ROWS, s, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [NB, S, 16, 16]
+        dm = torch.cat([d, sc.reshape(nb, s, -1)], -1)  # [NB, S, 288]
+        return cls(codes, dm, n, 6, bias)
+
+    @classmethod
     def from_int8(cls, rows: "Int8Rows") -> "BlockWeight":
         """GGUF's Q8_0 (``w = q * d``) as unsigned codes ``q + 128`` with the minimum ``-128 d``."""
         codes = cls._blocked((rows.codes.to(torch.int16) + 128).to(torch.uint8), 8)
@@ -472,14 +571,28 @@ class BlockWeight(PackedWeight):
 
     @staticmethod
     def _scales(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-        """``[N, G]`` scales and minimums -> ``[NB, G, 2, 16]``, fp16 when that is exact, else fp32."""
+        """``[N, G]`` scales and minimums -> ``[NB, G, 2, 16]``, fp16 when that is exact; else, when every
+        super-block of ``SUPER`` groups is an fp16 times 8-bit multipliers (Q4_K), ``[NB, G/8, 320]``
+        bytes (``_super_scales``); else fp32."""
         n, g = scale.shape
         pad = -n % BLOCK_ROWS
         dm = torch.stack([scale.float(), minimum.float()], 1)  # [N, 2, G]
         if pad:
             dm = torch.cat([dm, dm.new_zeros(pad, 2, g)])
-        dm = dm.view(-1, BLOCK_ROWS, 2, g).permute(0, 3, 2, 1).contiguous()
-        return dm.half() if _exact_half(dm) else dm
+        dm = dm.view(-1, BLOCK_ROWS, 2, g).permute(0, 3, 2, 1).contiguous()  # [NB, G, 2, 16]
+        if _exact_half(dm):
+            return dm.half()
+        return _super_scales(dm) if g % SUPER == 0 else dm
+
+    def _dm_blocks(self, nb: torch.Tensor | None = None) -> torch.Tensor:
+        """Scales and minimums ``[NB, G, 2, 16]`` fp32 (of blocks ``nb`` only, when given): exact."""
+        dm = self.dm if nb is None else self.dm[nb]
+        if dm.dtype != torch.uint8:
+            return dm.float()
+        n, s = dm.shape[:2]
+        pair = dm[..., :64].contiguous().view(torch.float16).float().view(n, s, 1, 2, BLOCK_ROWS)  # D, M
+        mult = dm[..., 64:].reshape(n, s, SUPER, 2, BLOCK_ROWS).float()  # sc, mn
+        return (pair * mult).view(n, s * SUPER, 2, BLOCK_ROWS)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -492,15 +605,36 @@ class BlockWeight(PackedWeight):
 
     def _codes_of(self, nb: torch.Tensor | None = None, lane: torch.Tensor | None = None) -> torch.Tensor:
         """Codes ``[n, K]`` of every row (or of rows ``nb * 16 + lane``, picked before unpacking)."""
-        c = self.codes.permute(0, 3, 1, 2, 4)  # [NB, 16, G, 4 or 8, 4]
+        c = self.codes.permute(0, 3, 1, 2, 4)  # [NB, 16, G, 4, 6 or 8 vectors, 4]
         c = c.reshape(-1, *c.shape[2:])[: self.out_features] if nb is None else c[nb, lane]
-        if self.bits == 4:  # byte i's low nibbles: inputs 8i..8i+3, its high nibbles: 8i+4..8i+7
+        if self.bits == 6:  # vector 4 + j/4's bits 2(j%4), 2(j%4)+1: the high bits of inputs 4j..4j+3
+            high = torch.stack([(c[:, :, 4:] >> (2 * i)) & 3 for i in range(4)], -2)  # [n, G, 2, 4, 4]
+            c = c[:, :, :4]
+        if self.bits in (4, 6):  # byte i's low nibbles: inputs 8i..8i+3, its high nibbles: 8i+4..8i+7
             c = torch.stack([c & 0x0F, c >> 4], -2)  # [n, G, 4, 2, 4]
+        if self.bits == 6:
+            c = c | (high.reshape(c.shape) << 4)
         return c.reshape(-1, self.in_features)
 
+    def _q6_scales(self, nb=None, lane=None) -> torch.Tensor:
+        """6 bits: the scales ``d * sc`` per 16 inputs, ``[n, K/16]`` fp32 (exact)."""
+        dm = self.dm if nb is None else self.dm[nb]  # [NB or n, S, 288]
+        m, s = dm.shape[:2]
+        d = dm[..., :32].contiguous().view(torch.float16).float()  # [m, S, 16 rows]
+        sc = dm[..., 32:].contiguous().view(torch.int8).view(m, s, 16, BLOCK_ROWS).float()  # [m, S, 16 sub, 16 rows]
+        dsc = (d.unsqueeze(2) * sc).permute(0, 3, 1, 2).reshape(m, BLOCK_ROWS, -1)  # [m, 16 rows, K/16]
+        return dsc.reshape(-1, dsc.shape[-1])[: self.out_features] if nb is None else dsc[torch.arange(m), lane]
+
+    def _dense_of(self, nb=None, lane=None) -> torch.Tensor:
+        codes = self._codes_of(nb, lane)
+        if self.bits != 6:
+            return self._values(codes, *self._dm_of(nb, lane))
+        n, k = codes.shape
+        return (self._q6_scales(nb, lane).unsqueeze(-1) * (codes.reshape(n, k // 16, 16).float() - 32)).reshape(n, k)
+
     def _dm_of(self, nb=None, lane=None) -> tuple[torch.Tensor, torch.Tensor]:
-        dm = self.dm.permute(0, 3, 1, 2)  # [NB, 16, G, 2]
-        dm = (dm.reshape(-1, *dm.shape[2:])[: self.out_features] if nb is None else dm[nb, lane]).float()
+        dm = self._dm_blocks(nb).permute(0, 3, 1, 2)  # [NB or n, 16, G, 2]
+        dm = dm.reshape(-1, *dm.shape[2:])[: self.out_features] if nb is None else dm[torch.arange(len(nb)), lane]
         return dm[..., 0], dm[..., 1]
 
     @staticmethod
@@ -511,13 +645,13 @@ class BlockWeight(PackedWeight):
 
     def dense(self) -> torch.Tensor:
         """``[N, K]`` fp32, exact (the file's own values)."""
-        return self._values(self._codes_of(), *self._dm_of())
+        return self._dense_of()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized, ``[*ids.shape, K]`` bf16: an embedding lookup."""
         flat = ids.reshape(-1)
         nb, lane = flat // BLOCK_ROWS, flat % BLOCK_ROWS
-        out = self._values(self._codes_of(nb, lane), *self._dm_of(nb, lane)).to(torch.bfloat16)
+        out = self._dense_of(nb, lane).to(torch.bfloat16)
         return out.view(*ids.shape, self.in_features)
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -661,8 +661,8 @@ def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
 
 def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:
     """A Llama, Qwen2 or Mistral GGUF file (F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K tensors)
-    with its own tokenizer and chat template.  ``dtype="q4"`` keeps 4-bit blocks as they are and
-    re-quantizes the other layer types (a message says which, once, at conversion); other dtypes
+    with its own tokenizer and chat template.  ``dtype="q4"`` keeps 4-bit and Q6_K blocks as they are
+    and re-quantizes the other layer types (a message says which, once, at conversion); other dtypes
     dequantize every tensor."""
     _dtype(dtype)
     if dtype in QUANTIZED:
@@ -690,18 +690,28 @@ def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
 
 
 def build_q4(config: ModelConfig, weights: dict, tokenizer=None, source=None) -> Transformer:
-    """A Transformer from ``{our name: kernels.QuantizedRows, kernels.Int8Rows or dense tensor}``:
+    """A Transformer from ``{our name: kernels.QuantizedRows, Int8Rows, Q6Rows or dense tensor}``:
     4-bit projections in this CPU's 4-bit format (``kernels.q4_format``: the native block kernel,
     ``BlockWeight``, or torch's ``Int4Weight``), an 8-bit embedding as 8-bit blocks (or looked up
-    by rows beside torch's kernel), everything dense in bf16 (a dense LM head is then packed for
-    oneDNN by ``optimize_layout``).  A tied LM head shares a 4-bit or 8-bit block embedding; beside
+    by rows beside torch's kernel), GGUF's Q6_K (``kernels.Q6Rows``) as 6-bit blocks (beside torch's
+    kernel re-quantized: 4 bits in the layers, 8 for the embedding and head), everything dense in
+    bf16 (a dense LM head is then packed for oneDNN by ``optimize_layout``).  A tied LM head shares a
+    block embedding; beside
     torch's kernel and an 8-bit embedding it gets the embedding's exact values in bf16."""
     from .gguf_q4 import assemble_q4
-    from .kernels import BlockWeight, Int4Weight, Int8Rows, QuantizedRows, q4_format, q4_weight
+    from .kernels import BlockWeight, Int4Weight, Int8Rows, Q6Rows, QuantizedRows, q4_format, q4_weight
+    from .kernels import quantize, quantize_q8
 
     blocks = q4_format() == "blocks"
     formats = {}
     for name, w in list(weights.items()):
+        if isinstance(w, Q6Rows):  # the block kernel multiplies Q6_K as stored; beside torch's, 4 or 8 bits
+            mod = name.removesuffix(".weight")
+            if blocks:
+                formats[mod] = BlockWeight.from_q6(weights.pop(name), weights.pop(f"{mod}.bias", None))
+                continue
+            outer = name in ("tok_embeddings.weight", "lm_head.weight")
+            w = weights[name] = quantize_q8(w.dense()) if outer else quantize(w.dense())
         if isinstance(w, QuantizedRows):
             mod = name.removesuffix(".weight")
             formats[mod] = q4_weight(weights.pop(name), weights.pop(f"{mod}.bias", None))

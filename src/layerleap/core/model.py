@@ -464,7 +464,7 @@ class Transformer(nn.Module):
     def dtype_name(self) -> str:
         """``"float32"``, ``"bfloat16"``, ... or ``"q4"`` when the projections hold 4-bit weights."""
         if any(
-            isinstance(lin.packed, kernels.Int4Weight) or getattr(lin.packed, "bits", 0) == 4
+            isinstance(lin.packed, kernels.Int4Weight) or getattr(lin.packed, "bits", 0) in (4, 6)
             for lin in self.projections()
         ):
             return "q4"

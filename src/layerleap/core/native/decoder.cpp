@@ -299,7 +299,12 @@ Tensor attend_folded(const Tensor& q, const Tensor& k, const Tensor& v, const op
 //          its high nibbles inputs 8i+4..8i+7 (w = code * d + m, codes 0..15);
 //   8-bit: codes [N/16, G, 8, 16, 4] bytes, vector j holds inputs 4j..4j+3 (w = code * d + m, codes
 //          0..255; GGUF's Q8_0 as code = q + 128, m = -128 d).
-// dm [N/16, G, 2, 16] (fp16 or fp32): each group's scale d for 16 rows, then its minimum m.
+// dm [N/16, G, 2, 16] (fp16 or fp32): each group's scale d for 16 rows, then its minimum m; or, for a
+// weight whose scales and minimums are 8-bit multiples of one fp16 per super-block of 8 groups (GGUF's
+// Q4_K: d = D * sc, m = M * mn with 6-bit sc, mn), dm [N/16, G/8, 320] bytes: the super-block's D for
+// 16 rows and its M (fp16, 64 bytes), then each of its 8 groups' sc for 16 rows and mn (uint8, 32
+// bytes).  D * sc and M * mn are exact in fp32, so both forms give the same d and m, and the same bits;
+// the second reads 0.625 bits a weight for them instead of 2 (fp32).
 // Activations are rounded per group of 32 inputs: xq = round(x / dx), dx = amax / QMAX, sx = dx * sum(xq)
 // for the minimum's term.  Coarse: QMAX = 127 (8 bits, llama.cpp's Q8_1); fine: QMAX = 127 * 128
 // (15 bits), kept as two int8 halves xq = 128 hi + lo (hi in -127..127, lo in -64..63) for the 8-bit
@@ -324,7 +329,7 @@ struct QX {
   int64_t M;
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> n;
+  std::vector<int32_t> n, n16;  // n16: the integer sums of inputs 0..15 and 16..31 (2 per record)
 };
 
 static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& out) {
@@ -335,6 +340,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& o
   out.d.resize(M * G);
   out.s.resize(M * G);
   out.n.resize(M * G);
+  out.n16.resize(2 * M * G);
   for (int64_t row = 0; row < M; row++)
     for (int64_t g = 0; g < G; g++) {
       const float* xr = x + row * K + g * 32;
@@ -350,7 +356,9 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& o
         q[i] = static_cast<int8_t>(h);
         q[32 + i] = static_cast<int8_t>(v - 128 * h * fine);
         sum += v;
+        if (i == 15) out.n16[2 * r] = sum;
       }
+      out.n16[2 * r + 1] = sum - out.n16[2 * r];
       out.d[r] = d;
       out.s[r] = d * static_cast<float>(sum);
       out.n[r] = sum;
@@ -359,20 +367,109 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& o
 
 static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
+constexpr int64_t SUPER = 8;                      // groups per super-block of 8-bit multipliers
+constexpr int64_t SUPER_BYTES = 64 + SUPER * 32;  // its fp16 D, M for 16 rows, then sc, mn per group
+
+// a group's scales and minimums for the 16 rows of block nb: SC float or uint16_t (fp16 bits) holds
+// them, uint8_t a super-block's fp16 pair and the group's multipliers
+template <typename SC>
+static inline const uint8_t* super_of(const SC* dm, int64_t nb, int64_t G, int64_t g) {
+  return reinterpret_cast<const uint8_t*>(dm) + (nb * (G / SUPER) + g / SUPER) * SUPER_BYTES;
+}
+
+template <typename SC>
+static inline void group_dm(const SC* dm, int64_t nb, int64_t G, int64_t g, float* d, float* m) {
+  if constexpr (std::is_same_v<SC, uint8_t>) {
+    const uint8_t* base = super_of(dm, nb, G, g);
+    uint16_t h[32];
+    std::memcpy(h, base, 64);
+    const uint8_t* mult = base + 64 + (g % SUPER) * 32;
+    for (int l = 0; l < 16; l++) {
+      d[l] = half_to_float(h[l]) * static_cast<float>(mult[l]);
+      m[l] = half_to_float(h[16 + l]) * static_cast<float>(mult[16 + l]);
+    }
+  } else {
+    const SC* sc = dm + (nb * G + g) * 32;
+    for (int l = 0; l < 16; l++) {
+      if constexpr (std::is_same_v<SC, float>) {
+        d[l] = sc[l];
+        m[l] = sc[16 + l];
+      } else {
+        d[l] = half_to_float(sc[l]);
+        m[l] = half_to_float(sc[16 + l]);
+      }
+    }
+  }
+}
+
+// -- 6-bit blocks (GGUF's Q6_K): w = D * sc * (code - 32), codes 0..63, an int8 sc per 16 inputs and an fp16 D
+// per 256.  codes [N/16, G, 6, 16, 4] bytes: vectors 0..3 the low 4 bits as the 4-bit layout, vectors 4 and 5
+// the high 2 bits, vector 4 + j/4 holding those of inputs 4j..4j+3 at bits 2(j%4)..2(j%4)+1;
+// dm [N/16, G/8, 288] bytes: per super-block of 8 groups D for 16 rows (fp16, 32 bytes), then sc for each
+// of its 16 sub-blocks of 16 inputs for 16 rows (int8, 256 bytes).  Each half group's integer sum
+// sum_i (code_i - 32) xq_i is exact (at most 16 * 63 * 127 * 128 < 2^31), scaled by (D sc) dx (D sc is exact
+// in fp32); the two halves are added in order.
+constexpr int64_t Q6_SUPER_BYTES = 32 + 16 * 16;
+
+static inline const uint8_t* q6_super(const uint8_t* dm, int64_t nb, int64_t G, int64_t g) {
+  return dm + (nb * (G / SUPER) + g / SUPER) * Q6_SUPER_BYTES;
+}
+
+// the scales D * sc of both halves of group g for the 16 rows of block nb
+static inline void q6_scales(const uint8_t* dm, int64_t nb, int64_t G, int64_t g, float* d0, float* d1) {
+  const uint8_t* base = q6_super(dm, nb, G, g);
+  uint16_t h[16];
+  std::memcpy(h, base, 32);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(base + 32 + (g % SUPER) * 32);
+  for (int l = 0; l < 16; l++) {
+    d0[l] = half_to_float(h[l]) * static_cast<float>(sc[l]);
+    d1[l] = half_to_float(h[l]) * static_cast<float>(sc[16 + l]);
+  }
+}
+
+template <bool FINE>
+static void blocks6_portable(const uint8_t* codes, const uint8_t* dm, const QX& xq, int64_t M, int64_t G,
+                             int64_t nb0, int64_t nb1, float* y, int64_t N) {
+  for (int64_t nb = nb0; nb < nb1; nb++)
+    for (int64_t s = 0; s < M; s++) {
+      float acc[16] = {0};
+      for (int64_t g = 0; g < G; g++) {
+        const uint8_t* c = codes + (nb * G + g) * 6 * 64;
+        float d0[16], d1[16];
+        q6_scales(dm, nb, G, g, d0, d1);
+        const int64_t r = g * M + s;
+        const int8_t* hi = &xq.q[r * 64];
+        const float dx = xq.d[r];
+        for (int l = 0; l < 16; l++) {
+          int32_t half[2] = {0, 0};
+          for (int j = 0; j < 8; j++)
+            for (int t = 0; t < 4; t++) {
+              const uint8_t b = c[((j / 2) * 16 + l) * 4 + t];
+              const int32_t low = j % 2 ? b >> 4 : b & 0x0F;
+              const int32_t high = (c[256 + ((j / 4) * 16 + l) * 4 + t] >> (2 * (j % 4))) & 3;
+              half[j / 4] += (low | (high << 4)) * (FINE ? 128 * hi[4 * j + t] + hi[32 + 4 * j + t] : hi[4 * j + t]);
+            }
+          const int32_t i0 = half[0] - 32 * xq.n16[2 * r], i1 = half[1] - 32 * xq.n16[2 * r + 1];
+          acc[l] = std::fma(static_cast<float>(i0), d0[l] * dx, acc[l]);
+          acc[l] = std::fma(static_cast<float>(i1), d1[l] * dx, acc[l]);
+        }
+      }
+      for (int l = 0; l < 16 && nb * 16 + l < N; l++) y[s * N + nb * 16 + l] = acc[l];
+    }
+}
+
 // the portable path: the same integer sums and the same fused multiply-adds, one row of 16 lanes at a time
 template <int BITS, bool FINE, typename SC>
 static void blocks_portable(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
                             int64_t nb1, float* y, int64_t N) {
   constexpr int J = BITS == 4 ? 4 : 8;
-  auto val = [](SC v) -> float {
-    if constexpr (std::is_same_v<SC, float>) return v; else return half_to_float(v);
-  };
   for (int64_t nb = nb0; nb < nb1; nb++)
     for (int64_t s = 0; s < M; s++) {
       float acc[16] = {0};
       for (int64_t g = 0; g < G; g++) {
         const uint8_t* c = codes + (nb * G + g) * J * 64;
-        const SC* sc = dm + (nb * G + g) * 32;
+        float sd[16], sm[16];
+        group_dm(dm, nb, G, g, sd, sm);
         const int64_t r = g * M + s;
         const int8_t* hi = &xq.q[r * 64];
         const float dx = xq.d[r], sx = xq.s[r];
@@ -389,8 +486,8 @@ static void blocks_portable(const uint8_t* codes, const SC* dm, const QX& xq, in
               }
               isum += code * (FINE ? 128 * hi[4 * j + t] + hi[32 + 4 * j + t] : hi[4 * j + t]);
             }
-          acc[l] = std::fma(static_cast<float>(isum), val(sc[l]) * dx, acc[l]);
-          acc[l] = std::fma(val(sc[16 + l]), sx, acc[l]);
+          acc[l] = std::fma(static_cast<float>(isum), sd[l] * dx, acc[l]);
+          acc[l] = std::fma(sm[l], sx, acc[l]);
         }
       }
       for (int l = 0; l < 16 && nb * 16 + l < N; l++) y[s * N + nb * 16 + l] = acc[l];
@@ -412,6 +509,23 @@ template <typename SC>
 static inline __m512 load16(const SC* p) {
   if constexpr (std::is_same_v<SC, float>) return _mm512_loadu_ps(p);
   else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// a group's scales d and minimums m for the 16 rows of block nb (group_dm's values)
+template <typename SC>
+static inline void dm512(const SC* dm, int64_t nb, int64_t G, int64_t g, __m512& d, __m512& m) {
+  if constexpr (std::is_same_v<SC, uint8_t>) {
+    const uint8_t* base = super_of(dm, nb, G, g);
+    const uint8_t* mult = base + 64 + (g % SUPER) * 32;
+    auto widen = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    d = _mm512_mul_ps(load16(reinterpret_cast<const uint16_t*>(base)), widen(mult));
+    m = _mm512_mul_ps(load16(reinterpret_cast<const uint16_t*>(base + 32)), widen(mult + 16));
+  } else {
+    d = load16(dm + (nb * G + g) * 32);
+    m = load16(dm + (nb * G + g) * 32 + 16);
+  }
 }
 
 // T rows of activations against one block of 16 output rows (all groups); each group's codes are
@@ -439,7 +553,8 @@ static inline void tile512(const uint8_t* codes, const SC* dm, const QX& xq, int
 #pragma GCC unroll 8
       for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(c + j * 64);
     }
-    const __m512 d = load16(dm + (nb * G + g) * 32), m = load16(dm + (nb * G + g) * 32 + 16);
+    __m512 d, m;
+    dm512(dm, nb, G, g, d, m);
     const int32_t* x = reinterpret_cast<const int32_t*>(&xq.q[(g * M + s0) * 64]);  // row t at x + 16 t
     const float* dx = &xq.d[g * M + s0];
     const float* sx = &xq.s[g * M + s0];
@@ -472,6 +587,82 @@ static inline void tile512(const uint8_t* codes, const SC* dm, const QX& xq, int
   for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(y + (s0 + t) * N + n0, keep, acc[t]);
 }
 
+// 6-bit: T rows against one block of 16 output rows (see blocks6_portable)
+template <bool FINE, int T>
+static inline void tile512_6(const uint8_t* codes, const uint8_t* dm, const QX& xq, int64_t s0, int64_t G,
+                             int64_t nb, float* y, int64_t N) {
+  const int64_t M = xq.M;
+  __m512 acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* c = codes + (nb * G + g) * 6 * 64;
+    __m512i w[8];
+    const __m512i h0 = _mm512_loadu_si512(c + 256), h1 = _mm512_loadu_si512(c + 320);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+      const __m512i p = _mm512_loadu_si512(c + i * 64);
+      w[2 * i] = _mm512_and_si512(p, low);
+      w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+    }
+    // the high bits of vector j sit at bits 2(j%4) of h[j/4]: moved to bits 4 and 5
+    w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h0, 4), two));
+    w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h0, 2), two));
+    w[2] = _mm512_or_si512(w[2], _mm512_and_si512(h0, two));
+    w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_srli_epi16(h0, 2), two));
+    w[4] = _mm512_or_si512(w[4], _mm512_and_si512(_mm512_slli_epi16(h1, 4), two));
+    w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_slli_epi16(h1, 2), two));
+    w[6] = _mm512_or_si512(w[6], _mm512_and_si512(h1, two));
+    w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h1, 2), two));
+    const uint8_t* base = q6_super(dm, nb, G, g);
+    const __m512 D = load16(reinterpret_cast<const uint16_t*>(base));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(base + 32 + (g % SUPER) * 32);
+    auto widen = [](const int8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    const __m512 d0 = _mm512_mul_ps(D, widen(sc)), d1 = _mm512_mul_ps(D, widen(sc + 16));
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) {
+      const int64_t r = g * M + s0 + t;
+      const int32_t* h = reinterpret_cast<const int32_t*>(&xq.q[r * 64]);
+      __m512i a[2], e[2];
+#pragma GCC unroll 2
+      for (int k = 0; k < 2; k++) {  // half k: vectors 4k..4k+3
+        __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * k], _mm512_set1_epi32(h[4 * k]));
+        __m512i v = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * k + 1], _mm512_set1_epi32(h[4 * k + 1]));
+        u = _mm512_dpbusd_epi32(u, w[4 * k + 2], _mm512_set1_epi32(h[4 * k + 2]));
+        v = _mm512_dpbusd_epi32(v, w[4 * k + 3], _mm512_set1_epi32(h[4 * k + 3]));
+        a[k] = _mm512_add_epi32(u, v);
+        if constexpr (FINE) {
+          __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * k], _mm512_set1_epi32(h[8 + 4 * k]));
+          __m512i q = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * k + 1], _mm512_set1_epi32(h[9 + 4 * k]));
+          p = _mm512_dpbusd_epi32(p, w[4 * k + 2], _mm512_set1_epi32(h[10 + 4 * k]));
+          q = _mm512_dpbusd_epi32(q, w[4 * k + 3], _mm512_set1_epi32(h[11 + 4 * k]));
+          e[k] = _mm512_add_epi32(p, q);
+          a[k] = _mm512_add_epi32(_mm512_slli_epi32(a[k], 7), e[k]);
+        }
+        a[k] = _mm512_sub_epi32(a[k], _mm512_set1_epi32(32 * xq.n16[2 * r + k]));
+      }
+      const __m512 dx = _mm512_set1_ps(xq.d[r]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[0]), _mm512_mul_ps(d0, dx), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[1]), _mm512_mul_ps(d1, dx), acc[t]);
+    }
+  }
+  const int64_t n0 = nb * 16, live = std::min<int64_t>(16, N - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1);
+#pragma GCC unroll 8
+  for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(y + (s0 + t) * N + n0, keep, acc[t]);
+}
+
+template <bool FINE>
+static void blocks6_avx512(const uint8_t* codes, const uint8_t* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
+                           int64_t nb1, float* y, int64_t N) {
+  for (int64_t nb = nb0; nb < nb1; nb++)
+    for (int64_t s0 = 0; s0 < M; s0 += 8)
+      with_rows<8>(M - s0, [&](auto T) { tile512_6<FINE, decltype(T)::value>(codes, dm, xq, s0, G, nb, y, N); });
+}
+
 template <int BITS, bool FINE, typename SC>
 static void blocks_avx512(const uint8_t* codes, const SC* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
                           int64_t nb1, float* y, int64_t N) {
@@ -486,6 +677,23 @@ template <typename SC>
 static inline __m256 load8(const SC* p) {
   if constexpr (std::is_same_v<SC, float>) return _mm256_loadu_ps(p);
   else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// rows 8h..8h+7 of a group's scales d and minimums m (group_dm's values)
+template <typename SC>
+static inline void dm256(const SC* dm, int64_t nb, int64_t G, int64_t g, int half, __m256& d, __m256& m) {
+  if constexpr (std::is_same_v<SC, uint8_t>) {
+    const uint8_t* base = super_of(dm, nb, G, g);
+    const uint8_t* mult = base + 64 + (g % SUPER) * 32 + half * 8;
+    auto widen = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    d = _mm256_mul_ps(load8(reinterpret_cast<const uint16_t*>(base) + half * 8), widen(mult));
+    m = _mm256_mul_ps(load8(reinterpret_cast<const uint16_t*>(base) + 16 + half * 8), widen(mult + 16));
+  } else {
+    d = load8(dm + (nb * G + g) * 32 + half * 8);
+    m = load8(dm + (nb * G + g) * 32 + 16 + half * 8);
+  }
 }
 
 // acc + the 4-products sums of u (unsigned, at most 128 when `wide`, else at most 15) and s (signed)
@@ -526,7 +734,8 @@ static inline void tile256(const uint8_t* codes, const SC* dm, const QX& xq, int
         w[j] = _mm256_abs_epi8(sg[j]);  // -128 stays 0x80: 128 as unsigned
       }
     }
-    const __m256 d = load8(dm + (nb * G + g) * 32 + half * 8), m = load8(dm + (nb * G + g) * 32 + 16 + half * 8);
+    __m256 d, m;
+    dm256(dm, nb, G, g, half, d, m);
     const int64_t r0 = g * M + s0;
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
@@ -556,6 +765,79 @@ static inline void tile256(const uint8_t* codes, const SC* dm, const QX& xq, int
     _mm256_storeu_ps(out, acc[t]);
     for (int l = 0; l < 8 && n0 + l < N; l++) y[(s0 + t) * N + n0 + l] = out[l];
   }
+}
+
+// 6-bit: T rows against 8 of a block's 16 output rows (half hf; see blocks6_portable).  Codes are at most 63,
+// so maddubs' 16-bit pair sums cannot saturate.
+template <bool FINE, int T>
+static inline void tile256_6(const uint8_t* codes, const uint8_t* dm, const QX& xq, int64_t s0, int64_t G,
+                             int64_t nb, int hf, float* y, int64_t N) {
+  const int64_t M = xq.M;
+  __m256 acc[T];
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* c = codes + (nb * G + g) * 6 * 64 + hf * 32;
+    __m256i w[8];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i * 64));
+      w[2 * i] = _mm256_and_si256(p, low);
+      w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+    }
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++) {
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 256 + k * 64));
+      w[4 * k] = _mm256_or_si256(w[4 * k], _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
+      w[4 * k + 1] = _mm256_or_si256(w[4 * k + 1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
+      w[4 * k + 2] = _mm256_or_si256(w[4 * k + 2], _mm256_and_si256(hb, two));
+      w[4 * k + 3] = _mm256_or_si256(w[4 * k + 3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
+    }
+    const uint8_t* base = q6_super(dm, nb, G, g);
+    const __m256 D = load8(reinterpret_cast<const uint16_t*>(base) + hf * 8);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(base + 32 + (g % SUPER) * 32 + hf * 8);
+    auto widen = [](const int8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    const __m256 d0 = _mm256_mul_ps(D, widen(sc)), d1 = _mm256_mul_ps(D, widen(sc + 16));
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+      const int64_t r = g * M + s0 + t;
+      const int32_t* h = reinterpret_cast<const int32_t*>(&xq.q[r * 64]);
+      __m256i a[2];
+#pragma GCC unroll 2
+      for (int k = 0; k < 2; k++) {
+        __m256i u = _mm256_setzero_si256(), e = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 4 * k; j < 4 * k + 4; j++) {
+          u = dot_u8s8(u, w[j], _mm256_set1_epi32(h[j]));
+          if constexpr (FINE) e = dot_u8s8(e, w[j], _mm256_set1_epi32(h[8 + j]));
+        }
+        a[k] = FINE ? _mm256_add_epi32(_mm256_slli_epi32(u, 7), e) : u;
+        a[k] = _mm256_sub_epi32(a[k], _mm256_set1_epi32(32 * xq.n16[2 * r + k]));
+      }
+      const __m256 dx = _mm256_set1_ps(xq.d[r]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[0]), _mm256_mul_ps(d0, dx), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[1]), _mm256_mul_ps(d1, dx), acc[t]);
+    }
+  }
+  const int64_t n0 = nb * 16 + hf * 8;
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[t]);
+    for (int l = 0; l < 8 && n0 + l < N; l++) y[(s0 + t) * N + n0 + l] = out[l];
+  }
+}
+
+template <bool FINE>
+static void blocks6_avx2(const uint8_t* codes, const uint8_t* dm, const QX& xq, int64_t M, int64_t G, int64_t nb0,
+                         int64_t nb1, float* y, int64_t N) {
+  for (int64_t nb = nb0; nb < nb1; nb++)
+    for (int hf = 0; hf < 2; hf++)
+      for (int64_t s0 = 0; s0 < M; s0 += 4)
+        with_rows<4>(M - s0, [&](auto T) { tile256_6<FINE, decltype(T)::value>(codes, dm, xq, s0, G, nb, hf, y, N); });
 }
 
 template <int BITS, bool FINE, typename SC>
@@ -596,14 +878,20 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "block_matmul: x [M, K] with K a multiple of 32");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && dm.is_contiguous(),
               "block_matmul: contiguous uint8 codes and scales");
-  TORCH_CHECK(dm.scalar_type() == at::kFloat || dm.scalar_type() == at::kHalf, "block_matmul: fp32 or fp16 scales");
+  TORCH_CHECK(dm.scalar_type() == at::kFloat || dm.scalar_type() == at::kHalf || dm.scalar_type() == at::kByte,
+              "block_matmul: fp32, fp16 or super-block (uint8) scales");
   const auto paths = blocks_paths();
   const std::string use = path.empty() ? paths[0] : path;
   TORCH_CHECK(std::find(paths.begin(), paths.end(), use) != paths.end(), "block_matmul: no path ", use, " here");
   const int64_t M = x.size(0), K = x.size(1), G = K / 32, NB = (N + 15) / 16;
-  TORCH_CHECK(dm.numel() == NB * G * 32, "block_matmul: scales do not fit the shape");
   const int64_t per = codes.numel() / (NB * G * 64);
-  TORCH_CHECK((per == 4 || per == 8) && codes.numel() == NB * G * 64 * per, "block_matmul: codes do not fit the shape");
+  TORCH_CHECK((per == 4 || per == 6 || per == 8) && codes.numel() == NB * G * 64 * per,
+              "block_matmul: codes do not fit the shape");
+  const bool super = dm.scalar_type() == at::kByte;
+  const int64_t super_bytes = per == 6 ? Q6_SUPER_BYTES : SUPER_BYTES;
+  TORCH_CHECK(super ? G % SUPER == 0 && dm.numel() == NB * (G / SUPER) * super_bytes
+                    : per != 6 && dm.numel() == NB * G * 32,
+              "block_matmul: scales do not fit the shape");
   auto xf = x.to(at::kFloat).contiguous();
   QX xq;
   quantize_rows(xf.data_ptr<float>(), M, K, fine, xq);
@@ -627,10 +915,25 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
   };
   auto with_scales = [&](auto bits, auto fine_) {
     if (dm.scalar_type() == at::kFloat) run(dm.data_ptr<float>(), bits, fine_);
+    else if (super) run(dm.data_ptr<uint8_t>(), bits, fine_);
     else run(reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), bits, fine_);
+  };
+  auto six = [&](auto fine_) {
+    constexpr bool F = decltype(fine_)::value;
+    const uint8_t* sc = dm.data_ptr<uint8_t>();
+    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+#ifdef LL_AVX512
+      if (use == "avx512-vnni") return blocks6_avx512<F>(c, sc, xq, M, G, b0, b1, yp, N);
+#endif
+#ifdef LL_AVX2
+      if (use != "portable") return blocks6_avx2<F>(c, sc, xq, M, G, b0, b1, yp, N);
+#endif
+      blocks6_portable<F>(c, sc, xq, M, G, b0, b1, yp, N);
+    });
   };
   auto with_bits = [&](auto fine_) {
     if (per == 4) with_scales(std::integral_constant<int, 4>(), fine_);
+    else if (per == 6) six(fine_);
     else with_scales(std::integral_constant<int, 8>(), fine_);
   };
   if (fine) with_bits(std::true_type());

@@ -571,6 +571,7 @@ CLI = [
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--negatives", "-1"], "must be an integer >= 0"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--work", "{FILE}"], "is a file: give a folder"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--work", "{T}/work"], "training state"),
+    (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--state-cache", "{FILE}"], "is a file: give a folder"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--json", "{FILE}"], "must end in .json"),
     (TH + ["--layers", "2", "--out", "{T}/h.safetensors", "--kind", "shared"], "invalid choice: 'shared'"),
     # train medusa / transfer
@@ -586,6 +587,8 @@ CLI = [
     (TM + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKSVOCAB}"], "does not hold token chunks"),
     (TM + ["--out", "{T}/m.safetensors", "--save-chunks", "{T}/c.npy"], "must end in .safetensors"),
     (TM + ["--out", "{T}/m.safetensors", "--max-seconds", "0"], "must be a finite number > 0"),
+    (TM + ["--out", "{T}/m.safetensors", "--state-cache", "{FILE}"], "is a file: give a folder"),
+    (TT + ["--out", "{T}/t.safetensors", "--state-cache", "{T}/sc"], "--state-cache is for train medusa"),
     (TM + ["--out", "{T}/m.safetensors", "--max-seconds", "nan"], "got nan"),
     (TM + ["--out", "{T}/m.safetensors", "--device", "tpu"], "is not a torch device"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "x"], "each item must be a positive integer"),

@@ -61,3 +61,19 @@ def test_adaptive_lookup_drafts_less_where_copies_fail(monkeypatch):
     cut = layerleap.generate(model, prompt, "prompt-lookup", 24, stop_at_eos=False, min_ngram=1, adaptive=True)
     assert cut.token_ids == plain.token_ids
     assert cut.stats["drafted"] < plain.stats["drafted"]
+
+
+@pytest.mark.parametrize("dtype,given,want", [("q4", None, True), ("float32", None, False), ("q4", False, False)])
+def test_adaptive_is_on_by_default_in_q4_only(dtype, given, want):
+    from types import SimpleNamespace
+
+    from layerleap.methods.prompt_lookup import adaptive_default
+
+    run = SimpleNamespace(model=SimpleNamespace(dtype_name=dtype))
+    assert adaptive_default(run, given) is want
+
+
+def test_adaptive_refuses_a_non_bool():
+    model = random_model("llama-gqa-tied", seed=3, scale=2.0)
+    with pytest.raises(layerleap.GenerationError, match="adaptive"):
+        layerleap.generate(model, [1, 2, 3], "prompt-lookup", 4, adaptive=3)

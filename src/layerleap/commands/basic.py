@@ -131,6 +131,24 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _state_cache_arg(p, who: str) -> None:
+    """``--state-cache [DIR]`` of the trainers whose heads read a fixed layer of the frozen backbone
+    (``train.state_cache``); ``who``: what the option does in this command."""
+    from ..train.state_cache import default_root
+
+    p.add_argument(
+        "--state-cache",
+        type=V.out_dir_arg,
+        nargs="?",
+        const=str(default_root()),
+        default=None,
+        metavar="DIR",
+        help=f"{who}: keep the frozen backbone's hidden states in DIR (default {default_root()}), keyed by model, "
+        "dtype, layers and data; the first pass stores them (bf16 shards) and later epochs and runs read them "
+        "instead of running the model",
+    )
+
+
 def _threads(n: int | None) -> int:
     n = n or os.cpu_count() or 1
     torch.set_num_threads(n)

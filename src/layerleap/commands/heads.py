@@ -16,7 +16,7 @@ from .. import validate as V, workload
 from ..files import check_replace, holds, read_safetensors_meta, write_json
 from ..drafters.exit_heads import check_layer
 from ..train.data import DATA_CHOICES
-from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _threads
+from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _state_cache_arg, _threads
 
 
 def _start(args):
@@ -125,6 +125,7 @@ def _setup_train(p):
         "(default OUT.work; rerun the same command to resume)",
     )
     p.add_argument("--keep-work", action="store_true", help="keep the work folder after success")
+    _state_cache_arg(p, "the states after --layers and the last layer, kept for later runs (not in --work)")
     p.add_argument("--storage", choices=["float32", "bfloat16"], default="float32", help="weights dtype in the file")
     p.add_argument("--save-every", type=_positive_int, default=d.save_every, help="steps between checkpoints")
     p.add_argument("--seed", type=V.seed_arg, default=0)
@@ -179,7 +180,7 @@ def run_train(args) -> int:
         workload.flops(model, 6 * head * len(cfg.layers) * cfg.tokens * cfg.epochs, f"{cfg.epochs:,} epochs"),
     )
     t0 = time.perf_counter()
-    res = train_heads(model, cfg, work=work, seqs=seqs)
+    res = train_heads(model, cfg, work=work, seqs=seqs, state_cache=args.state_cache)
     wall = time.perf_counter() - t0
     report = {
         "command": cmd,

@@ -20,7 +20,7 @@ from ..decoding import generate
 from ..errors import LayerleapError
 from .. import validate as V, workload
 from ..files import save_figure, save_safetensors, write_json
-from .basic import _command_line, _load, _model_args, _positive_int, _threads
+from .basic import _command_line, _load, _model_args, _positive_int, _state_cache_arg, _threads
 
 
 DRAFTER_ARG = V.name_or_file_arg(("trained",), "drafter weights file")
@@ -94,6 +94,11 @@ def _setup_train(p):
     )
     p.add_argument("--save-every", type=_positive_int, default=20)
     p.add_argument("--max-seconds", type=V.positive_float, default=None, help="stop and save after this many seconds")
+    _state_cache_arg(
+        p,
+        "train medusa only (Hidden Transfer's pseudo states run through the layers above t_1 at every step, "
+        "so its projections cannot train from cached states)",
+    )
     workload.add_args(p)
 
 
@@ -146,6 +151,7 @@ def run_train(args) -> int:
         save_every=args.save_every,
         max_seconds=args.max_seconds,
         init=args.init,
+        state_cache=args.state_cache,
     )
     train_drafters.check_config(cfg, model)
     if not args.save_chunks and args.max_seconds is None:

@@ -283,7 +283,8 @@ ADAPTIVE = Option(
     "bool",
     "cut each round's chain to the length with the most expected tokens per unit of call cost, from the "
     "row's running acceptance and the dtype's call-cost curve (draft_len stays the most)",
-    default=False,
+    default=None,
+    none="the dtype's tuned default (on in q4)",
 )
 MIN_CONFIDENCE = Option(
     "min_confidence",

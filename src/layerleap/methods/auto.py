@@ -31,7 +31,7 @@ from ..drafters.draft_vocab import get_draft_vocab
 from ..drafters.trees import tree_buffers
 from . import draft_verify
 from .hidden_transfer import default_tree
-from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, tuned
+from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, adaptive_default, tuned
 
 
 # Weight formats where "auto" leaves Hidden Transfer out: in q4 a call over a tree's rows costs far more
@@ -73,19 +73,19 @@ def auto(
     tree=None,
     transfer="auto",
     draft_vocab="auto",
-    adaptive: bool = False,
+    adaptive: bool | None = None,
 ):
     """Lossless: prompt lookup's chain and Hidden Transfer's tree, the faster per round on this machine
     (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer: 'auto', a weights file or none;
     draft_vocab: the pseudo states score a shipped set of frequent tokens ('auto'), all ('full') or a file's;
-    adaptive: a plain call's chain length from the running acceptance)."""
+    adaptive: a plain call's chain length from the running acceptance; none: on in q4)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     proj = transfer_weights(run, transfer)
     buf = vocab = None
     if proj is not None:
         vocab = get_draft_vocab(run.model, draft_vocab)
         buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
-    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive)
+    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive_default(run, adaptive))
     counts = yield from draft_verify.decode(run, drafter)
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
     run.record(drafter.tree_stats(counts))

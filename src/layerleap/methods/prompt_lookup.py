@@ -43,6 +43,11 @@ DEFAULTS = {  # dtype name -> (draft_len, min_ngram)
     "q4": (3, 2),
 }
 DEFAULT_DRAFT_LEN, DEFAULT_MIN_NGRAM = DEFAULTS["float32"]
+# Where each round's chain length follows the running acceptance by default (``drafters.lengths``):
+# in q4, where every row of a call costs (x1.12 at two tokens), it gave 1.13x greedy against 1.08x
+# for fixed chains (1.11x against 0.97x on summarization; 15 Spec-Bench prompts, 1 thread, a Zen 4
+# EPYC; docs/BENCHMARKS.md).  In fp32 the rows are nearly free and the cut changes little.
+ADAPTIVE_DTYPES = ("q4",)
 DEFAULT_MAX_NGRAM = 4
 
 
@@ -65,6 +70,11 @@ def tuned(run: Run, draft_len, max_ngram: int, min_ngram) -> tuple[int, int]:
     return draft_len, min_ngram
 
 
+def adaptive_default(run: Run, adaptive: bool | None) -> bool:
+    """``adaptive`` as given, or the dtype's default (``ADAPTIVE_DTYPES``)."""
+    return run.model.dtype_name in ADAPTIVE_DTYPES if adaptive is None else adaptive
+
+
 @register("prompt-lookup", batched=True, sampling=True, exact=True, grammar=True, options=OPTIONS)
 def prompt_lookup(
     run: Run,
@@ -72,11 +82,12 @@ def prompt_lookup(
     draft_len: int | None = None,
     max_ngram: int = DEFAULT_MAX_NGRAM,
     min_ngram: int | None = None,
-    adaptive: bool = False,
+    adaptive: bool | None = None,
 ):
     """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call
     (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default;
-    adaptive: each round's length from the running acceptance (``drafters.lengths``)."""
+    adaptive: each round's length from the running acceptance (``drafters.lengths``; none: on in q4)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
+    adaptive = adaptive_default(run, adaptive)
     counts = yield from draft_verify.decode(run, PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive))
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])

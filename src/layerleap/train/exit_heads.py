@@ -17,7 +17,9 @@ A ``lens`` starts from a ridge regression of the final state's direction on the 
 shared head).
 
 State (heads, optimiser, step, losses) is written atomically to ``work/state.safetensors`` every
-``save_every`` steps and on Ctrl-C (``train.loop``) and the cache to ``work/cache.safetensors`` once;
+``save_every`` steps and on Ctrl-C (``train.loop``) and the cache to ``work/cache.safetensors`` once
+(or, with ``state_cache``, to a ``train.state_cache`` folder that later runs on the same model and
+data read instead of running the backbone);
 running again with the same ``work`` folder and settings resumes and gives the same heads as an
 uninterrupted run (same thread count).  The data order is a function of (seed, epoch), so nothing
 random is carried in the state.
@@ -39,6 +41,7 @@ from ..files import reading, save_safetensors
 from . import distributed
 from .data import conversation_seqs
 from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, items_seen, train
+from .state_cache import StateCache
 from ..drafters import weights
 from ..drafters.exit_heads import ExitHead, HeadError, LensHead, new_head, save_heads
 from .. import validate as V
@@ -273,13 +276,17 @@ def load_or_build_cache(
     seqs=None,
     progress: bool = True,
     timing: dict | None = None,
+    state_cache=None,
 ) -> dict[int, torch.Tensor]:
     """The hidden-state cache, from ``work`` if it holds one for these settings.  ``timing`` (a dict)
     gets ``"seconds"``: the time it took to build the cache (recorded in the file, so a resumed run
-    reports the original build time, not the time to read it back)."""
+    reports the original build time, not the time to read it back).  ``state_cache``: a folder
+    (``train.state_cache``) that keeps the states for later runs instead of ``work``."""
     key = _cache_key(cfg, model.fingerprint)
-    path = work / CACHE_FILE if work is not None else None
+    path = work / CACHE_FILE if work is not None and state_cache is None else None
     timing = {} if timing is None else timing
+    if state_cache is not None:
+        return _from_state_cache(model, cfg, seqs, state_cache, progress, timing)
     if path is not None and path.is_file():
         from safetensors import safe_open
 
@@ -289,11 +296,7 @@ def load_or_build_cache(
                 timing["seconds"] = float(meta.get("seconds", 0.0))
                 return {(k if k == TOP_KEY else int(k.removeprefix("layer"))): f.get_tensor(k) for k in f.keys()}
     t0 = time.perf_counter()
-    if seqs is None:
-        if model.tokenizer is None:
-            raise TrainHeadsError("the model has no tokenizer: pass token sequences (seqs=)")
-        seqs = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations)
-    cache = cache_hidden(model, seqs, cfg.layers, progress)
+    cache = cache_hidden(model, _sequences(model, cfg, seqs), cfg.layers, progress)
     if cfg.candidates:
         cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
     timing["seconds"] = time.perf_counter() - t0
@@ -303,6 +306,32 @@ def load_or_build_cache(
             {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()},
             {"key": key, "seconds": repr(timing["seconds"])},
         )
+    return cache
+
+
+def _sequences(model: Transformer, cfg: HeadTrainConfig, seqs):
+    if seqs is not None:
+        return seqs
+    if model.tokenizer is None:
+        raise TrainHeadsError("the model has no tokenizer: pass token sequences (seqs=)")
+    return conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations)
+
+
+def _from_state_cache(model: Transformer, cfg: HeadTrainConfig, seqs, root, progress: bool, timing: dict):
+    """``load_or_build_cache`` from a ``StateCache`` under ``root``: the backbone runs only for the
+    sequences not stored there yet, and the final layer's top ids are stored beside them."""
+    t0 = time.perf_counter()
+    store = StateCache(root, model, [*cfg.layers, model.config.n_layers], _sequences(model, cfg, seqs))
+    if progress:
+        print(store.describe(), file=sys.stderr, flush=True)
+    cache: dict = store.fill(progress)
+    if cfg.candidates:
+        final = cache[model.config.n_layers]
+        cache[TOP_KEY] = store.derived(
+            f"final_top{cfg.candidates}", lambda: final_top_ids(model, final, cfg.candidates)
+        )
+    timing["seconds"] = time.perf_counter() - t0
+    timing["backbone_items"] = store.computed
     return cache
 
 
@@ -368,12 +397,15 @@ def train_heads(
     progress: bool = True,
     stop_after: int | None = None,
     cache: dict | None = None,
+    state_cache=None,
 ) -> HeadTrainResult:
     """Train one head per layer in ``cfg.layers`` on ``model`` (frozen).  ``seqs``: token id lists
     to train on (default: ShareGPT in the chat template).  ``work``: the folder for the cache and
     the resumable state (None: in memory only).  ``stop_after``: stop after this many steps of this
     call (to test resumption).  ``cache``: a hidden-state cache to train on instead (``cache_hidden``
-    with ``TOP_KEY`` when ``cfg.candidates``, e.g. from ``ahead_cache``)."""
+    with ``TOP_KEY`` when ``cfg.candidates``, e.g. from ``ahead_cache``).  ``state_cache``: a folder
+    keeping the hidden states for later runs (``train.state_cache``; the work folder then holds the
+    training state only)."""
     cfg.check(model)
     model.requires_grad_(False)
     work = Path(work) if work is not None else None
@@ -383,7 +415,7 @@ def train_heads(
         work.mkdir(parents=True, exist_ok=True)
     timing: dict = {"seconds": 0.0}
     if cache is None:
-        cache = load_or_build_cache(model, cfg, work, seqs, progress, timing)
+        cache = load_or_build_cache(model, cfg, work, seqs, progress, timing, state_cache)
     final = cache[model.config.n_layers]
     N = len(final)
     total = cfg.steps(N)

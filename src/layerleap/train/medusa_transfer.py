@@ -14,7 +14,12 @@ with a target (``j + i <= N - 1``) and the steps.  ``init``: start from a weight
   pseudo state seeing the real state of the position before it; here it sees the step-1 pseudo
   state instead, as it does when decoding.)
 - Medusa: one no-gradient pass gives the last layer's normalised states ``z`` and ``P``; the heads
-  train on ``z``.
+  train on ``z``.  With ``state_cache`` (a folder) the last layer's states of each chunk are stored
+  the first time the chunk is seen (``train.state_cache``) and read back by every later epoch and
+  run, so the backbone runs once per chunk; ``P`` is recomputed from them through the frozen final
+  norm and unembedding.  The states are rounded to ``state_dtype`` on the first pass too, so a run
+  gives the same weights whether the cache was empty or full.  Hidden Transfer cannot: its pseudo
+  states run through the layers above ``t_1``.
 
 Chunks: ShareGPT conversations in the model's chat template, concatenated with EOS between them and
 cut into ``seq_len`` tokens; the order is shuffled with ``seed``.  State (weights, Adam moments,
@@ -26,6 +31,7 @@ bf16, a weights file with the model's fingerprint and the training budget (``dra
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +45,7 @@ from ..files import check_replace
 from . import distributed
 from .data import stream_chunks
 from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
+from .state_cache import StateCache, backbone_states
 from .. import validate as V
 from ..core.model import Transformer
 
@@ -63,6 +70,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     max_seconds: float | None = None  # stop (and save) after this long, whatever train_steps says
     init: str | None = None  # a weights file of this kind, model and shape to start from (else fresh)
+    state_cache: str | None = None  # medusa: a folder for the last layer's states (``train.state_cache``)
+    state_dtype: str = "bfloat16"  # the dtype the cached states are stored in
 
 
 def check_config(cfg: TrainConfig, model: Transformer) -> None:
@@ -82,6 +91,16 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
         V.seed(cfg.seed)
         if cfg.max_seconds is not None:
             V.number(cfg.max_seconds, "max_seconds", 0, lo_open=True)
+    if cfg.state_cache is not None:
+        if cfg.kind != "medusa":
+            raise TrainError(
+                "--state-cache is for train medusa: Hidden Transfer's pseudo states run through the layers "
+                "above t_1 at every step, so its projections cannot train from cached states: drop --state-cache"
+            )
+        if cfg.state_dtype not in ("bfloat16", "float32"):
+            raise TrainError(f"state_dtype {cfg.state_dtype!r}: choose bfloat16 or float32")
+        if distributed.ranks().world > 1:
+            raise TrainError("--state-cache trains in one process: run it without torchrun, or drop --state-cache")
     if cfg.seq_len <= _steps(cfg):
         raise TrainError(
             f"seq_len {cfg.seq_len} leaves no target {_steps(cfg)} steps ahead: give --seq-len above {_steps(cfg)}"
@@ -180,12 +199,17 @@ def transfer_loss(model: Transformer, proj: drafters.TransferProjections, ids: t
     return torch.stack(losses).mean()
 
 
-def medusa_loss(model: Transformer, heads: drafters.MedusaHeads, ids: torch.Tensor) -> torch.Tensor:
-    """``ids`` ``[B, N]`` -> the mean KL over heads and sources with a target."""
+def medusa_loss(
+    model: Transformer, heads: drafters.MedusaHeads, ids: torch.Tensor, last: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``ids`` ``[B, N]`` -> the mean KL over heads and sources with a target.  ``last``: the last
+    layer's states ``[B, N, D]`` of ``ids`` (before the final norm), from a ``StateCache``; without
+    it the backbone runs."""
     B, N = ids.shape
     with torch.no_grad():
-        pos = torch.arange(N, device=model.device).unsqueeze(0).expand(B, -1)
-        z = model.final_norm(model.run_layers(model.embed(ids.to(model.device)), 0, model.config.n_layers, pos))
+        if last is None:
+            last = backbone_states(model, ids, [model.config.n_layers])[model.config.n_layers]
+        z = model.final_norm(last.to(model.device, model.dtype))  # [B, N, D]
         teacher = model.unembed(z)  # [B, N, V]
     losses = [
         _kl(teacher[:, j + i].flatten(0, 1), heads.logits(i, z[:, j]).flatten(0, 1)) for i, j in pairs(N, heads.steps)
@@ -284,13 +308,17 @@ def train(
         torch.backends.cuda.matmul.allow_tf32 = True
 
     ranks = distributed.ranks()
+    store = _state_cache(model, cfg, chunks, progress)
 
     def loss(step: int) -> torch.Tensor:
-        rows = [chunks[(step * cfg.batch_size + b) % len(chunks)] for b in range(cfg.batch_size)]
-        mine, weight = ranks.share(rows)  # this process's rows (all of them without torchrun)
+        idx = [(step * cfg.batch_size + b) % len(chunks) for b in range(cfg.batch_size)]
+        mine, weight = ranks.share(idx)  # this process's rows (all of them without torchrun)
         if not mine:
             return torch.zeros((), requires_grad=True)
-        return weight * lf(model, drafter, torch.tensor(mine, dtype=torch.long))
+        ids = torch.tensor([chunks[i] for i in mine], dtype=torch.long)
+        if store is not None:
+            return weight * medusa_loss(model, drafter, ids, store.states(mine)[model.config.n_layers])
+        return weight * lf(model, drafter, ids)
 
     loop = LoopConfig(
         cfg.train_steps,
@@ -303,6 +331,8 @@ def train(
         progress=progress,
     )
     run = run_loop(params, loss, loop, _checkpoint(out, cfg, model.fingerprint))
+    if store is not None and progress:
+        print(store.describe(), file=sys.stderr, flush=True)
     tokens = run.step * cfg.batch_size * cfg.seq_len
     budget = weights.Budget(
         f"{data or weights.SHAREGPT}: {len(chunks)} chunks of {cfg.seq_len} tokens",
@@ -333,7 +363,18 @@ def train(
         "resumed_from": run.start,
         **meta,
         "data": budget.data,
+        **({"state_cache": str(store.dir), "backbone_chunks": store.computed} if store is not None else {}),
     }
+
+
+def _state_cache(model: Transformer, cfg: TrainConfig, chunks, progress: bool) -> StateCache | None:
+    """The last layer's states of ``chunks`` under ``cfg.state_cache`` (None: the backbone runs every step)."""
+    if cfg.state_cache is None:
+        return None
+    store = StateCache(cfg.state_cache, model, [model.config.n_layers], chunks, getattr(torch, cfg.state_dtype))
+    if progress:
+        print(store.describe(), file=sys.stderr, flush=True)
+    return store
 
 
 @torch.no_grad()

@@ -79,7 +79,10 @@ EXACT = {
     ],
     "auto": [
         ("lookup only", lambda m, o: {"transfer": None}),
-        ("adaptive 2,1", lambda m, o: {"tree": "2,1", "adaptive": True, "transfer": _random_drafter(m, "transfer", layers=[1, 1])}),
+        (
+            "adaptive 2,1",
+            lambda m, o: {"tree": "2,1", "adaptive": True, "transfer": _random_drafter(m, "transfer", layers=[1, 1])},
+        ),
         ("transfer 2,1", lambda m, o: {"tree": "2,1", "transfer": _random_drafter(m, "transfer", layers=[1, 1])}),
         (
             "transfer 1,1 k2",

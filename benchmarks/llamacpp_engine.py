@@ -65,6 +65,16 @@ class CountingLookup:
         return out
 
 
+def open_llama(path: Path, threads: int, n_ctx: int, **extra):
+    """A llama.cpp context on ``path``: a batch of the whole context, ``threads`` for decoding and
+    for the prompt, quiet."""
+    from llama_cpp import Llama
+
+    return Llama(
+        str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **extra
+    )
+
+
 class LlamaDraft(LlamaDraftModel):
     """Speculative decoding's drafter as a second ``Llama`` on the draft GGUF (ours: the binding ships
     only prompt lookup as a draft model), drafting as layerleap's ``speculative`` does by default.
@@ -80,16 +90,7 @@ class LlamaDraft(LlamaDraftModel):
     next call evaluates it if the target keeps it."""
 
     def __init__(self, path: Path, threads: int, n_ctx: int, num_pred_tokens: int, min_confidence: float = 0.0):
-        from llama_cpp import Llama
-
-        self.llm = Llama(
-            str(path),
-            n_ctx=n_ctx,
-            n_batch=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
+        self.llm = open_llama(path, threads, n_ctx)
         self.n_ctx, self.n_vocab = n_ctx, self.llm.n_vocab()
         self.num_pred_tokens, self.min_confidence = num_pred_tokens, min_confidence
         self.params = {
@@ -148,8 +149,6 @@ class LlamaCpp:
         lookup: tuple[int, int] | None = None,
         draft: tuple[Path, int, float] | None = None,
     ):
-        from llama_cpp import Llama
-
         self.method = "prompt-lookup" if lookup else "speculative" if draft else "greedy"
         if lookup:
             self.draft = CountingLookup(*lookup)
@@ -157,15 +156,7 @@ class LlamaCpp:
             self.draft = LlamaDraft(draft[0], threads, n_ctx, *draft[1:])
         else:
             self.draft = None
-        self.llm = Llama(
-            str(path),
-            n_ctx=n_ctx,
-            n_batch=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            draft_model=self.draft,
-            verbose=False,
-        )
+        self.llm = open_llama(path, threads, n_ctx, draft_model=self.draft)
         self.params = {
             "n_ctx": n_ctx,
             "n_batch": self.llm.n_batch,

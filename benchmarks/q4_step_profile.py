@@ -26,17 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import layerleap
 from layerleap.core import native
-from layerleap.eval.roofline import measure_bandwidth
-
-
-def best(fn, repeats: int) -> float:
-    fn()
-    out = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t)
-    return out
+from layerleap.eval.roofline import best_time as best, measure_bandwidth
 
 
 def weight_kind(fmt) -> str:

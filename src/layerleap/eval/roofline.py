@@ -29,7 +29,8 @@ class Bandwidth:
     repeats: int
 
 
-def _best_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``fn`` (seconds), after one warm-up call."""
     fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -61,8 +62,8 @@ def measure_bandwidth(
     weight = buf.view(cols, rows).t() if column_major else buf.view(rows, cols)  # [rows, cols] either way
     x = torch.ones(1, cols, dtype=dtype)
     with torch.inference_mode():
-        t_sum = _best_time(buf.sum, repeats)
-        t_gemv = _best_time(lambda: F.linear(x, weight), repeats)
+        t_sum = best_time(buf.sum, repeats)
+        t_gemv = best_time(lambda: F.linear(x, weight), repeats)
     return Bandwidth(
         nbytes / t_sum / 1e9,
         nbytes / t_gemv / 1e9,

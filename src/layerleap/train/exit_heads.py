@@ -41,7 +41,7 @@ from ..files import reading, save_safetensors
 from . import distributed
 from .data import conversation_seqs
 from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, items_seen, train
-from .state_cache import StateCache
+from .state_cache import StateCache, backbone_states
 from ..drafters import weights
 from ..drafters.exit_heads import ExitHead, HeadError, LensHead, new_head, save_heads
 from .. import validate as V
@@ -144,13 +144,9 @@ def cache_hidden(model: Transformer, seqs: list[list[int]], layers, progress: bo
         dynamic_ncols=True,
     )
     for ids in seqs:
-        t = torch.tensor([ids], dtype=torch.long, device=model.device)
-        pos = torch.arange(len(ids), device=model.device).unsqueeze(0)
-        h, done = model.embed(t), 0
+        h = backbone_states(model, torch.tensor([ids], dtype=torch.long), want)
         for x in want:
-            h = model.run_layers(h, done, x, pos)
-            done = x
-            out[x].append(h[0].to(torch.bfloat16).cpu())
+            out[x].append(h[x][0].to(torch.bfloat16, copy=True).cpu())  # a copy: not an inference tensor
         bar.update(len(ids))
     bar.close()
     return {x: torch.cat(v) for x, v in out.items()}

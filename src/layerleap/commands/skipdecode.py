@@ -202,7 +202,11 @@ def run_variant(args) -> int:
         )
     own = self_distilled(model, args.data, min(args.self_distill, args.examples)) if args.self_distill else []
     seen = {tuple(p) for p, _ in own}
-    rest = [e for e in prompt_completions(model.tokenizer, args.examples, 96, 64) if tuple(e[0]) not in seen]
+    rest = (
+        []
+        if len(own) >= args.examples
+        else [e for e in prompt_completions(model.tokenizer, args.examples, 96, 64) if tuple(e[0]) not in seen]
+    )
     examples = own + rest[: max(0, args.examples - len(own))]
     cfg = VariantConfig(
         objective=args.objective,

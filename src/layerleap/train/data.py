@@ -225,6 +225,8 @@ def self_distilled(
     path = Path(path)
     fp = model.fingerprint
     done = read_self_distilled(path, fp) if path.is_file() else []
+    if len(done) >= n:  # nothing to decode: ShareGPT is not read
+        return [(p, c) for p, c in done[:n] if c]
     prompts = sharegpt_questions(model.tokenizer, n, max_prompt)
     start = min(len(done), len(prompts))
     bar = tqdm(total=len(prompts), initial=start, desc="self-distilling", unit="ex", disable=not progress)

@@ -14,24 +14,25 @@ PY=${PY:-python3}
 L="$PY -m layerleap"
 D=$HT/self_distill.jsonl
 stage() { echo "== $(date +%T) $1"; }
+# STAGES: which to run (a rerun skips what an earlier call wrote; the data then comes as $D.gz in .devcarry)
+want() { [[ " ${STAGES:-sd transfer medusa lens variants} " == *" $1 "* ]]; }
 stage start; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
+if want sd; then
 stage self-distill
 timeout ${SD_S:-110} $PY benchmarks/device_self_distill.py --prompts .devcarry/prompts.safetensors --out $D \
   --device $DEV --batch ${SD_BATCH:-1024} --gen-len ${SD_GEN:-192} --max-seconds ${SD_GEN_S:-60} 2>&1 | tail -6
-N=$(wc -l <$D)
 gzip -c $D >$OUT/self_distill.jsonl.gz
+elif [ ! -f $D ]; then gunzip -c .devcarry/self_distill.jsonl.gz >$D; fi
+N=$(wc -l <$D)
 A="--device $DEV --data $D --seq-len ${SEQ:-256} --batch-size 16 --lr ${LR:-5e-4} --save-every 200 --steps 1000000 --yes"
-stage transfer
-$L train transfer --layers 15,20,25 --init src/layerleap/data/transfer/smollm2-135m.safetensors $A \
+want transfer && stage transfer && $L train transfer --layers 15,20,25 --init src/layerleap/data/transfer/smollm2-135m.safetensors $A \
   --max-seconds ${HT_S:-120} --out $OUT/transfer.safetensors 2>&1 | grep -v "it/s\]" | tail -8
-stage medusa
-$L train medusa --heads 3 --init src/layerleap/data/medusa/smollm2-135m.safetensors $A \
+want medusa && stage medusa && $L train medusa --heads 3 --init src/layerleap/data/medusa/smollm2-135m.safetensors $A \
   --max-seconds ${MEDUSA_S:-45} --out $OUT/medusa.safetensors 2>&1 | grep -v "it/s\]" | tail -8
-stage lens
-timeout ${LENS_S:-75} $L train heads --device $DEV --data $D --layers 8,10,12,15,18,20,23,25 --kind lens \
+want lens && stage lens && timeout ${LENS_S:-75} $L train heads --device $DEV --data $D --layers 8,10,12,15,18,20,23,25 --kind lens \
   --tokens ${LENS_TOKENS:-400000} --epochs 2 --storage bfloat16 --out $OUT/lens.safetensors --work $HT/lenswork \
   --eval-tokens 0 --yes 2>&1 | grep -v "it/s\]" | tail -8
-for obj in skipdecode calm; do
+want variants && for obj in skipdecode calm; do
   stage "variant $obj"
   $L finetune variant --device $DEV --objective $obj --data $D --self-distill $N --examples $N \
     --batch-size ${VB:-32} --steps 1000000 --max-minutes ${VAR_MIN:-0.9} --yes \

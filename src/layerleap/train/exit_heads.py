@@ -156,7 +156,7 @@ def cache_hidden(model: Transformer, seqs: list[list[int]], layers, progress: bo
 def final_top_ids(model: Transformer, final: torch.Tensor, k: int, chunk: int = 512) -> torch.Tensor:
     """``[N, k]`` int32: the final layer's top-k token ids at each cached position."""
     out = [
-        model.logits(final[i : i + chunk].to(model.dtype).unsqueeze(0))[0].topk(k, -1).indices.to(torch.int32)
+        model.logits(final[i : i + chunk].to(model.device, model.dtype).unsqueeze(0))[0].topk(k, -1).indices.cpu().to(torch.int32)
         for i in range(0, len(final), chunk)
     ]
     return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.int32)
@@ -203,7 +203,7 @@ def lstsq_init_(head: LensHead, x: torch.Tensor, final: torch.Tensor, ridge: flo
 def target_logp(model: Transformer, final: torch.Tensor) -> torch.Tensor:
     """Final-layer log-probabilities ``[N, V]`` from cached final states ``[N, D]``."""
     with torch.no_grad():
-        return F.log_softmax(model.logits(final.to(model.dtype).unsqueeze(0))[0].float(), -1)
+        return F.log_softmax(model.logits(final.to(model.device, model.dtype).unsqueeze(0))[0].float(), -1)
 
 
 def head_loss(
@@ -211,7 +211,7 @@ def head_loss(
 ) -> torch.Tensor:
     """KL(target || head) or CE on the target's argmax; with ``cand`` (vocabulary ids, the target's
     argmax among them) both distributions are renormalised over those ids (a sampled softmax)."""
-    x = x.to(head.model.dtype).unsqueeze(0)
+    x = x.to(head.model.device, head.model.dtype).unsqueeze(0)
     logits = (head(x) if cand is None else head.logits_at(x, cand))[0].float()
     if loss == "ce":
         return F.cross_entropy(logits, tlogp.argmax(-1))
@@ -226,7 +226,7 @@ def step_candidates(top: torch.Tensor, vocab: int, negatives: int, gen: torch.Ge
 
 def target_logp_at(model: Transformer, final: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        hn = model.final_norm(final.to(model.dtype)).float()
+        hn = model.final_norm(final.to(model.device, model.dtype)).float()
         return F.log_softmax(F.linear(hn, model.head_weight()[cand].float()), -1)
 
 
@@ -239,7 +239,7 @@ def agreement(head: ExitHead, x: torch.Tensor, final: torch.Tensor, ks=(1,), chu
     kl = ce = 0.0
     for i in range(0, len(x), chunk):
         t = target_logp(model, final[i : i + chunk])
-        q = F.log_softmax(head(x[i : i + chunk].to(model.dtype).unsqueeze(0))[0].float(), -1)
+        q = F.log_softmax(head(x[i : i + chunk].to(model.device, model.dtype).unsqueeze(0))[0].float(), -1)
         top1 = t.argmax(-1, keepdim=True)
         topk = q.topk(max(ks), -1).indices
         for k in ks:

@@ -111,10 +111,11 @@ class Deltas:
             for name in variants.PROJECTIONS:
                 lin = variants.projection(model, layer, name)
                 ka, kb = variants.delta_names(layer, name)
+                dev = lin.weight.device  # drawn on the CPU: the same deltas on every device
                 self.tensors[ka] = (
-                    torch.randn(rank, lin.in_features, generator=g) / lin.in_features**0.5
-                ).requires_grad_(True)
-                self.tensors[kb] = torch.zeros(lin.out_features, rank, requires_grad=True)
+                    (torch.randn(rank, lin.in_features, generator=g) / lin.in_features**0.5).to(dev).requires_grad_(True)
+                )
+                self.tensors[kb] = torch.zeros(lin.out_features, rank, device=dev, requires_grad=True)
                 self._hooks.append(lin.register_forward_hook(self._hook(self.tensors[ka], self.tensors[kb])))
 
     def _hook(self, a: torch.Tensor, b: torch.Tensor):
@@ -153,7 +154,7 @@ def all_hidden(model, ids: torch.Tensor) -> list[torch.Tensor]:
     """Hidden states ``[B, T, D]`` after every layer (causal, no cache)."""
     B, T = ids.shape
     h = model.embed(ids)
-    cos, sin = model._rope(torch.arange(T).unsqueeze(0).expand(B, -1), h.dtype)
+    cos, sin = model._rope(torch.arange(T, device=ids.device).unsqueeze(0).expand(B, -1), h.dtype)
     out = []
     for layer, blk in enumerate(model.layers):
         h = blk(h, cos, sin, layer, None, None)
@@ -190,6 +191,7 @@ def objective(model, deltas: Deltas, examples, cfg: VariantConfig):
     def loss(step: int) -> torch.Tensor:
         idx = epoch_batch(step, len(examples), cfg.batch_size, cfg.seed).tolist()
         ids, budgets, rows, cols, _ = make_batch(examples, idx, d, skip, 0, pad)
+        ids, rows, cols = ids.to(model.device), rows.to(model.device), cols.to(model.device)
         with torch.no_grad(), deltas.off():  # the base model's own next-token distributions: the targets
             th = skip_hidden(model, ids, torch.ones(d, *ids.shape, dtype=torch.bool))[rows, cols]  # [N, D]
             tlogp = F.log_softmax(model.logits(th.unsqueeze(0))[0], -1)  # [N, V]

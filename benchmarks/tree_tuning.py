@@ -26,6 +26,7 @@ greedy: emitted tokens per unit of call cost.
     python benchmarks/tree_tuning.py replay ranks_f32.json [more_ranks_f32.json ...] cc_f32.json
 
 ``--offset 20`` keeps the tuning prompts apart from the benchmark's (the first of each category).
+``record --transfer FILE --medusa FILE`` records other weights files' ranks than the shipped ones.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def _ranks(step_logits, out: list[int], steps: int) -> list[list[int]]:
     return rows
 
 
-def record_one(model, prompt: list[int], out: list[int]) -> dict:
+def record_one(model, prompt: list[int], out: list[int], transfer="trained", medusa="trained") -> dict:
+    """Per-position draft ranks of the projections ``transfer`` and the heads ``medusa`` ("trained": the
+    shipped files, else a weights file) and the early exit's hits, over the greedy text ``out``."""
     import torch
 
     from layerleap.core.run import GenerationConfig, Run
@@ -90,7 +93,7 @@ def record_one(model, prompt: list[int], out: list[int]) -> dict:
     n = len(out)
     with torch.inference_mode():
         # Hidden Transfer: the pseudo states of every position of the greedy text, in one pass
-        proj = W.get_drafter(model, "transfer")
+        proj = W.get_drafter(model, "transfer", transfer)
         run = Run(model, [prompt], GenerationConfig(max_new_tokens=n + 8))
         cache = run.new_cache(extra=n * (proj.steps + 1))
         run.prefill(cache)
@@ -98,7 +101,7 @@ def record_one(model, prompt: list[int], out: list[int]) -> dict:
         _, pseudo = transfer_pass(run, cache, ids, mask, torch.arange(n), proj, proj.steps)  # [1, steps, n, D]
         rec["transfer"] = _ranks(model.logits(pseudo[0].transpose(0, 1)), out, proj.steps)
         # Medusa and the early exit: last-layer and layer-E states of the greedy text
-        heads = W.get_drafter(model, "medusa")
+        heads = W.get_drafter(model, "medusa", medusa)
         E = default_exit_layer(model.config.n_layers)
         head = get_head(model, E, "auto")
         cache = model.new_cache(1, len(prompt) + n + 1)
@@ -134,7 +137,7 @@ def cmd_record(args) -> None:
                 "category": p.category,
                 "prompt": r.prompt_ids,
                 "out": r.token_ids,
-                **record_one(model, r.prompt_ids, r.token_ids),
+                **record_one(model, r.prompt_ids, r.token_ids, args.transfer, args.medusa),
             }
         )
         print(f"{len(rows)} {p.category} {p.id}", flush=True)
@@ -148,6 +151,7 @@ def cmd_record(args) -> None:
                 "dtype": args.dtype,
                 "n_layers": model.config.n_layers,
                 "unembed_share": head_bytes / weight_bytes_per_token(model),
+                "weights": {"transfer": args.transfer, "medusa": args.medusa},
                 "rows": rows,
             },
             f,
@@ -289,6 +293,8 @@ def main() -> None:
     r.add_argument("--json", required=True)
     r.add_argument("--categories", default=CATEGORIES)
     r.add_argument("--prompts", type=int, default=2)
+    r.add_argument("--transfer", default="trained", help="projections: trained (shipped) or a weights file")
+    r.add_argument("--medusa", default="trained", help="Medusa heads: trained (shipped) or a weights file")
     p = sub.add_parser("replay", help="rank trees and draft lengths by decoding-time speed-up over greedy")
     p.add_argument("ranks", nargs="+", help="record's JSON files (one dtype)")
     p.add_argument("call_cost", help="layerleap info --call-cost --json output (or call_cost_any.py's)")

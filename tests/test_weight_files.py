@@ -292,6 +292,19 @@ def test_shipped_files_are_todays_format_with_a_full_budget(path):
     assert all(meta.get(k) for k in weights.BUDGET), weights.budget_of(meta)
 
 
+@pytest.mark.parametrize("kind", ["transfer", "medusa"])
+def test_shipped_drafters_record_both_training_stages(kind):
+    """The shipped SmolLM2 drafters were trained on ShareGPT, then on from that file on the model's own
+    answers: the budget is the sum of both runs, and each run is recorded apart."""
+    meta = weights.read_meta(ROOT / "src" / "layerleap" / "data" / kind / "smollm2-135m.safetensors")
+    first, second = json.loads(meta[weights.INIT_FROM]), json.loads(meta[weights.THIS_RUN])
+    for key in ("tokens", "steps"):
+        assert int(meta[key]) == int(first[key]) + int(second[key]), key
+    assert float(meta["train_s"]) == pytest.approx(float(first["train_s"]) + float(second["train_s"]), abs=0.1)
+    assert first["data"].startswith("ShareGPT") and second["data"].startswith("self-distilled")
+    assert f"--init src/layerleap/data/{kind}/smollm2-135m.safetensors" in second["command"]
+
+
 @pytest.mark.parametrize("path", OLD, ids=lambda p: p.name)
 def test_the_old_files_in_docs_are_read_as_earlier_formats(path):
     meta = weights.read_meta(path)

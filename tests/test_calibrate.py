@@ -319,3 +319,55 @@ def test_a_budget_no_setting_meets_runs_the_most_conservative_and_says_so(char_m
     with pytest.warns(layerleap.decoding.BudgetWarning, match="not even its most conservative.*lost 4 of 24"):
         r = layerleap.generate(char_model, "hi", "calm", 3, chat=True)
     assert r.stats["quality_budget"]["options"] == first["options"]
+
+
+def _variant_of(model_dir, seed: int = 0, scale: float = 0.5):
+    """The model in ``model_dir`` with random rank-2 deltas merged into every projection (a variant)."""
+    from layerleap.drafters import variants
+
+    model = layerleap.load(str(model_dir))
+    g = torch.Generator().manual_seed(seed)
+    build = {"rank": 2, "alpha": 2.0, "layers": list(range(model.config.n_layers)), "projections": variants.PROJECTIONS}
+    tensors = {}
+    for layer in build["layers"]:
+        for name in variants.PROJECTIONS:
+            lin = variants.projection(model, layer, name)
+            a, b = variants.delta_names(layer, name)
+            tensors[a] = scale * torch.randn(2, lin.in_features, generator=g)
+            tensors[b] = scale * torch.randn(lin.out_features, 2, generator=g)
+    return variants.merge(model, build, tensors)
+
+
+def test_a_variant_is_calibrated_against_its_base_models_greedy_and_perplexity(char_model, char_model_dir, cache):
+    variant = _variant_of(char_model_dir)
+    base_greedy = C.greedy_outputs(char_model, PROMPTS, 6)
+    own_greedy = C.greedy_outputs(variant, PROMPTS, 6)
+    assert [o.text for o in own_greedy] != [o.text for o in base_greedy]  # the deltas change the output
+    cal = C.calibrate(
+        variant, "early-exit", 0.95, prompts=PROMPTS, max_new_tokens=6, epsilon=0.5, delta=0.5, extra=0, base=char_model
+    )
+    assert [o.text for o in cal.greedy] == [o.text for o in base_greedy]
+    assert [o.ppl for o in cal.greedy] == pytest.approx([o.ppl for o in base_greedy])
+    assert cal.config["base_fingerprint"] == char_model.fingerprint
+    # the full depth decodes the variant's own greedy text: measured against the base's, not copied
+    full = cal.settings[0]
+    assert full.options == {"exit_layer": variant.config.n_layers}
+    assert [o.text for o in full.outputs] == [o.text for o in own_greedy]
+    assert full.agreement < 1.0
+    from layerleap.core.run import chat_token_ids
+
+    ids = [chat_token_ids(char_model.tokenizer, [{"role": "user", "content": p.text}], True) for p in PROMPTS]
+    by_base = [C.perplexity(char_model, i, o.token_ids) for i, o in zip(ids, full.outputs)]
+    by_variant = [C.perplexity(variant, i, o.token_ids) for i, o in zip(ids, full.outputs)]
+    assert [o.ppl for o in full.outputs] == pytest.approx(by_base, rel=1e-4)
+    assert by_base != pytest.approx(by_variant, rel=1e-2)
+    with pytest.raises(C.CalibrationError, match="same --model and --dtype"):
+        C.calibrate(
+            variant,
+            "early-exit",
+            prompts=PROMPTS,
+            max_new_tokens=6,
+            epsilon=0.5,
+            delta=0.5,
+            base=layerleap.load(str(char_model_dir), dtype="bfloat16"),
+        )

@@ -371,3 +371,14 @@ def test_a_variant_is_calibrated_against_its_base_models_greedy_and_perplexity(c
             delta=0.5,
             base=layerleap.load(str(char_model_dir), dtype="bfloat16"),
         )
+
+
+def test_the_table_says_when_not_even_the_first_setting_meets_the_budget():
+    from layerleap.commands.calibrate import table
+
+    first = {"options": {"exit_layer": 4}, "tested": True, "valid": False, "modelled_speedup": 1.0}
+    first.update(layer_passes=4.0, losses=3, p_value=0.9, agreement=0.3, reference_kept=None, ppl_ratio=1.9)
+    entry = {"prompts": 4, "settings": [first], "guarantee": "g", "chosen": None, "faster_than_greedy": False}
+    assert "not even the first" in table(entry) and "fastest one that does" not in table(entry)
+    entry.update(chosen={"options": first["options"]}, settings=[{**first, "valid": True}])
+    assert "fastest one that does" in table(entry)

@@ -222,6 +222,8 @@ def table(entry: dict) -> str:
             f"{s['agreement']:6.2f} {ref:>6} {s['ppl_ratio']:5.2f}x  {status}"
         )
     lines.append(f"guarantee: {entry['guarantee']}")
-    if not entry["faster_than_greedy"]:
+    if entry.get("chosen") is None:
+        lines.append("no setting meets the budget, not even the first: the method runs the first, with a warning")
+    elif not entry["faster_than_greedy"]:
         lines.append("no setting faster than greedy meets the budget: the method runs the fastest one that does")
     return "\n".join(lines)

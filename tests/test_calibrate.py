@@ -361,6 +361,11 @@ def test_a_variant_is_calibrated_against_its_base_models_greedy_and_perplexity(c
     by_variant = [C.perplexity(variant, i, o.token_ids) for i, o in zip(ids, full.outputs)]
     assert [o.ppl for o in full.outputs] == pytest.approx(by_base, rel=1e-4)
     assert by_base != pytest.approx(by_variant, rel=1e-2)
+    variant.variant = "v"  # as drafters.variants.apply names it
+    C.write_calibration(cal)
+    assert cal.chosen is None  # the variant's own full depth lost too many prompts: generate says to drop it
+    with pytest.warns(layerleap.decoding.BudgetWarning, match="without variant v decodes greedy's own"):
+        layerleap.generate(variant, "hi", "early-exit", 3, chat=True, quality=0.95)
     with pytest.raises(C.CalibrationError, match="same --model and --dtype"):
         C.calibrate(
             variant,

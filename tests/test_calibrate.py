@@ -321,21 +321,33 @@ def test_a_budget_no_setting_meets_runs_the_most_conservative_and_says_so(char_m
     assert r.stats["quality_budget"]["options"] == first["options"]
 
 
-def _variant_of(model_dir, seed: int = 0, scale: float = 0.5):
-    """The model in ``model_dir`` with random rank-2 deltas merged into every projection (a variant)."""
+def _build(model) -> dict:
     from layerleap.drafters import variants
 
-    model = layerleap.load(str(model_dir))
+    return {"rank": 2, "alpha": 2.0, "layers": list(range(model.config.n_layers)), "projections": variants.PROJECTIONS}
+
+
+def _deltas(model, seed: int = 0, scale: float = 0.5) -> dict:
+    """Random rank-2 deltas for every projection of ``model`` (``A`` [2, in], ``B`` [out, 2])."""
+    from layerleap.drafters import variants
+
     g = torch.Generator().manual_seed(seed)
-    build = {"rank": 2, "alpha": 2.0, "layers": list(range(model.config.n_layers)), "projections": variants.PROJECTIONS}
     tensors = {}
-    for layer in build["layers"]:
+    for layer in range(model.config.n_layers):
         for name in variants.PROJECTIONS:
             lin = variants.projection(model, layer, name)
             a, b = variants.delta_names(layer, name)
             tensors[a] = scale * torch.randn(2, lin.in_features, generator=g)
             tensors[b] = scale * torch.randn(lin.out_features, 2, generator=g)
-    return variants.merge(model, build, tensors)
+    return tensors
+
+
+def _variant_of(model_dir):
+    """The model in ``model_dir`` with the deltas of ``_deltas`` merged in (a variant)."""
+    from layerleap.drafters import variants
+
+    model = layerleap.load(str(model_dir))
+    return variants.merge(model, _build(model), _deltas(model))
 
 
 def test_a_variant_is_calibrated_against_its_base_models_greedy_and_perplexity(char_model, char_model_dir, cache):
@@ -387,3 +399,29 @@ def test_the_table_says_when_not_even_the_first_setting_meets_the_budget():
     assert "not even the first" in table(entry) and "fastest one that does" not in table(entry)
     entry.update(chosen={"options": first["options"]}, settings=[{**first, "valid": True}])
     assert "fastest one that does" in table(entry)
+
+
+def test_calibrate_cli_with_a_variant_measures_against_the_base_model(char_model, char_model_dir, cache, tmp_path):
+    """``layerleap calibrate METHOD --variant FILE``: greedy's outputs are the base model's."""
+    from layerleap.cli import main
+    from layerleap.drafters import variants, weights
+
+    variant = _variant_of(char_model_dir)
+    rows, qid = [], 0
+    for cat, ref in (("summarization", "a b"), ("translation", "good day"), ("math_reasoning", "#### 4")):
+        for i in range(C.SPLITS["calibration"] + 1):
+            qid += 1
+            rows.append({"question_id": qid, "category": cat, "turns": [f"q{i} {cat[:4]}"], "reference": [ref]})
+    data = tmp_path / "question.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    path = weights.write(tmp_path / "v.safetensors", char_model, variants.KIND, _build(char_model), _deltas(char_model))
+    report = tmp_path / "run.json"
+    argv = ["calibrate", "early-exit", "--model", str(char_model_dir), "--variant", str(path), "--data", str(data)]
+    argv += ["--prompts", "1", "--epsilon", "0.5", "--delta", "0.5", "--max-new-tokens", "5", "--extra", "0"]
+    assert main([*argv, "--report", str(report), "--out", str(tmp_path / "cal"), "--yes"]) == 0
+    run = json.loads(report.read_text())
+    prompts = C.split_prompts("calibration", 1, data=str(data))
+    assert [g["text"] for g in run["greedy"]] == [o.text for o in C.greedy_outputs(char_model, prompts, 5)]
+    assert run["config"]["base_fingerprint"] == char_model.fingerprint
+    own = [o.text for o in C.greedy_outputs(variant, prompts, 5)]
+    assert [o["text"] for o in run["settings"][0]["outputs"]] == own

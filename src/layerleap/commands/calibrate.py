@@ -20,7 +20,8 @@ from .basic import _command_line, _load, _model_args, _positive_int, _say, _thre
 @command(
     "calibrate",
     help="choose a lossy method's fastest setting that keeps a share of greedy's quality, with a "
-    "stated confidence (Learn-then-Test); generate --quality uses it",
+    "stated confidence (Learn-then-Test); generate --quality uses it; with --variant, greedy's output and "
+    "the perplexity are the base model's",
 )
 def _setup(p):
     p.add_argument(

@@ -222,3 +222,20 @@ def test_other_tokenizer_classes_go_through_autotokenizer(tiny_hf_dir, tmp_path,
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda f, **k: seen.append(f) or real(f, **k))
     loading.load_tokenizer(folder)
     assert seen == [folder]
+
+
+def test_freed_memory_goes_back_after_a_load_and_a_long_prompt_pass(char_model_dir, monkeypatch):
+    """glibc keeps freed heap pages resident: a load and a call whose prompts hold LONG_PROMPT_PASS
+    tokens or more hand them back (``malloc_trim``); shorter calls do not pay for it."""
+    from layerleap import decoding
+
+    calls = []
+    monkeypatch.setattr(loading, "release_freed_memory", lambda: calls.append("load"))
+    monkeypatch.setattr(decoding, "release_freed_memory", lambda: calls.append("generate"))
+    model = layerleap.load(str(char_model_dir))
+    assert calls and set(calls) == {"load"}
+    calls.clear()
+    layerleap.generate(model, "a" * 10, "greedy", 2)
+    assert calls == []
+    layerleap.generate(model, ["a" * (decoding.LONG_PROMPT_PASS // 2)] * 2, "greedy", 2)
+    assert calls == ["generate"]

@@ -30,6 +30,7 @@ import torch
 
 from .. import validate as V
 from .config import ConfigError, ModelConfig
+from .cpu import release_freed_memory
 from ..errors import LayerleapError
 from ..files import cache_root
 from .model import Transformer, fingerprint_of
@@ -360,7 +361,7 @@ def build(
     del sd
     if tied:
         model.lm_head.weight = model.tok_embeddings.weight
-    _release_freed_memory()
+    release_freed_memory()
     from .model import rope_tables
 
     cos, sin = rope_tables(config)
@@ -478,16 +479,6 @@ def check_folder(folder: Path, name: str | None = None):
     return config, headers
 
 
-def _release_freed_memory() -> None:
-    """Hand the loader's freed temporaries back to the OS (glibc keeps them otherwise)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _read_safetensors(folder: Path, dtype: torch.dtype | None = None, headers: dict | None = None) -> dict:
     headers = headers if headers is not None else {f: safetensors_header(f) for f in weight_files(folder)}
     sd = {}
@@ -582,6 +573,12 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> T
     _dtype(dtype)
     V.callable_or_none(progress, "progress")
     check_model(name_or_path)
+    model = _load(name_or_path, dtype, progress)
+    release_freed_memory()  # the loading's temporaries (13 MB in q4, 90 MB in fp32 for SmolLM2)
+    return model
+
+
+def _load(name_or_path: str, dtype, progress) -> Transformer:
     q4 = dtype in QUANTIZED
     if isinstance(name_or_path, str) and name_or_path in PACKAGED:
         if q4:

@@ -696,6 +696,14 @@ CLI = [
     (["train", "data", "--model", "{D}"], "the following arguments are required: --self-distill"),
     (["train", "data", "--model", "{D}", "--self-distill", "0"], "must be an integer in [1, 1000000]"),
     (["train", "data", "--model", "{D}", "--self-distill", "2", "--batch", "0"], "must be an integer in [1, 1024]"),
+    (
+        ["train", "data", "--model", "{D}", "--self-distill", "2", "--temperature", "0"],
+        "must be a finite number >= 1e-06",
+    ),
+    (
+        ["train", "data", "--model", "{D}", "--self-distill", "2", "--seed", "-1"],
+        "must be an integer in [0, 4294967295]",
+    ),
     (["eval", "draft-vocab", "--model", "{D}", "--data", "{GARBAGE}"], "line 1 is not a self-distilled record"),
     (["eval", "draft-vocab", "--model", "{D}", "--data", "nosuch"], "is neither one of self-distill"),
     (["eval", "draft-vocab", "--model", "{D}", "--held-out", "1"], "must be a finite number in [0, 1)"),

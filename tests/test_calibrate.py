@@ -319,3 +319,109 @@ def test_a_budget_no_setting_meets_runs_the_most_conservative_and_says_so(char_m
     with pytest.warns(layerleap.decoding.BudgetWarning, match="not even its most conservative.*lost 4 of 24"):
         r = layerleap.generate(char_model, "hi", "calm", 3, chat=True)
     assert r.stats["quality_budget"]["options"] == first["options"]
+
+
+def _build(model) -> dict:
+    from layerleap.drafters import variants
+
+    return {"rank": 2, "alpha": 2.0, "layers": list(range(model.config.n_layers)), "projections": variants.PROJECTIONS}
+
+
+def _deltas(model, seed: int = 0, scale: float = 0.5) -> dict:
+    """Random rank-2 deltas for every projection of ``model`` (``A`` [2, in], ``B`` [out, 2])."""
+    from layerleap.drafters import variants
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model.config.n_layers):
+        for name in variants.PROJECTIONS:
+            lin = variants.projection(model, layer, name)
+            a, b = variants.delta_names(layer, name)
+            tensors[a] = scale * torch.randn(2, lin.in_features, generator=g)
+            tensors[b] = scale * torch.randn(lin.out_features, 2, generator=g)
+    return tensors
+
+
+def _variant_of(model_dir):
+    """The model in ``model_dir`` with the deltas of ``_deltas`` merged in (a variant)."""
+    from layerleap.drafters import variants
+
+    model = layerleap.load(str(model_dir))
+    return variants.merge(model, _build(model), _deltas(model))
+
+
+def test_a_variant_is_calibrated_against_its_base_models_greedy_and_perplexity(char_model, char_model_dir, cache):
+    variant = _variant_of(char_model_dir)
+    base_greedy = C.greedy_outputs(char_model, PROMPTS, 6)
+    own_greedy = C.greedy_outputs(variant, PROMPTS, 6)
+    assert [o.text for o in own_greedy] != [o.text for o in base_greedy]  # the deltas change the output
+    cal = C.calibrate(
+        variant, "early-exit", 0.95, prompts=PROMPTS, max_new_tokens=6, epsilon=0.5, delta=0.5, extra=0, base=char_model
+    )
+    assert [o.text for o in cal.greedy] == [o.text for o in base_greedy]
+    assert [o.ppl for o in cal.greedy] == pytest.approx([o.ppl for o in base_greedy])
+    assert cal.config["base_fingerprint"] == char_model.fingerprint
+    # the full depth decodes the variant's own greedy text: measured against the base's, not copied
+    full = cal.settings[0]
+    assert full.options == {"exit_layer": variant.config.n_layers}
+    assert [o.text for o in full.outputs] == [o.text for o in own_greedy]
+    assert full.agreement < 1.0
+    from layerleap.core.run import chat_token_ids
+
+    ids = [chat_token_ids(char_model.tokenizer, [{"role": "user", "content": p.text}], True) for p in PROMPTS]
+    by_base = [C.perplexity(char_model, i, o.token_ids) for i, o in zip(ids, full.outputs)]
+    by_variant = [C.perplexity(variant, i, o.token_ids) for i, o in zip(ids, full.outputs)]
+    assert [o.ppl for o in full.outputs] == pytest.approx(by_base, rel=1e-4)
+    assert by_base != pytest.approx(by_variant, rel=1e-2)
+    variant.variant = "v"  # as drafters.variants.apply names it
+    C.write_calibration(cal)
+    assert cal.chosen is None  # the variant's own full depth lost too many prompts: generate says to drop it
+    with pytest.warns(layerleap.decoding.BudgetWarning, match="without variant v decodes greedy's own"):
+        layerleap.generate(variant, "hi", "early-exit", 3, chat=True, quality=0.95)
+    with pytest.raises(C.CalibrationError, match="same --model and --dtype"):
+        C.calibrate(
+            variant,
+            "early-exit",
+            prompts=PROMPTS,
+            max_new_tokens=6,
+            epsilon=0.5,
+            delta=0.5,
+            base=layerleap.load(str(char_model_dir), dtype="bfloat16"),
+        )
+
+
+def test_the_table_says_when_not_even_the_first_setting_meets_the_budget():
+    from layerleap.commands.calibrate import table
+
+    first = {"options": {"exit_layer": 4}, "tested": True, "valid": False, "modelled_speedup": 1.0}
+    first.update(layer_passes=4.0, losses=3, p_value=0.9, agreement=0.3, reference_kept=None, ppl_ratio=1.9)
+    entry = {"prompts": 4, "settings": [first], "guarantee": "g", "chosen": None, "faster_than_greedy": False}
+    assert "not even the first" in table(entry) and "fastest one that does" not in table(entry)
+    entry.update(chosen={"options": first["options"]}, settings=[{**first, "valid": True}])
+    assert "fastest one that does" in table(entry)
+
+
+def test_calibrate_cli_with_a_variant_measures_against_the_base_model(char_model, char_model_dir, cache, tmp_path):
+    """``layerleap calibrate METHOD --variant FILE``: greedy's outputs are the base model's."""
+    from layerleap.cli import main
+    from layerleap.drafters import variants, weights
+
+    variant = _variant_of(char_model_dir)
+    rows, qid = [], 0
+    for cat, ref in (("summarization", "a b"), ("translation", "good day"), ("math_reasoning", "#### 4")):
+        for i in range(C.SPLITS["calibration"] + 1):
+            qid += 1
+            rows.append({"question_id": qid, "category": cat, "turns": [f"q{i} {cat[:4]}"], "reference": [ref]})
+    data = tmp_path / "question.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    path = weights.write(tmp_path / "v.safetensors", char_model, variants.KIND, _build(char_model), _deltas(char_model))
+    report = tmp_path / "run.json"
+    argv = ["calibrate", "early-exit", "--model", str(char_model_dir), "--variant", str(path), "--data", str(data)]
+    argv += ["--prompts", "1", "--epsilon", "0.5", "--delta", "0.5", "--max-new-tokens", "5", "--extra", "0"]
+    assert main([*argv, "--report", str(report), "--out", str(tmp_path / "cal"), "--yes"]) == 0
+    run = json.loads(report.read_text())
+    prompts = C.split_prompts("calibration", 1, data=str(data))
+    assert [g["text"] for g in run["greedy"]] == [o.text for o in C.greedy_outputs(char_model, prompts, 5)]
+    assert run["config"]["base_fingerprint"] == char_model.fingerprint
+    own = [o.text for o in C.greedy_outputs(variant, prompts, 5)]
+    assert [o["text"] for o in run["settings"][0]["outputs"]] == own

@@ -165,3 +165,77 @@ def test_sharded_folder_loads(tmp_path):
         torch.testing.assert_close(loaded(ids), m(ids), atol=1e-5, rtol=1e-5)
     m16 = layerleap.load_folder(tmp_path, dtype="bfloat16")
     assert m16.dtype == torch.bfloat16 and m16.fingerprint == loaded.fingerprint == m.fingerprint
+
+
+# -- what a load costs -----------------------------------------------------------------------
+def test_load_imports_no_compiler_stack(tiny_hf_dir):
+    """Building the model on the meta device draws no random weights and computes the rope tables on
+    the CPU, so a load never imports torch's compiler stack (torch._dynamo and sympy: 70 MB, 1 s)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, layerleap\n"
+        f"m = layerleap.load({str(tiny_hf_dir)!r})\n"
+        "print(m.tokenizer('hi')['input_ids'] != [], 'torch._dynamo' in sys.modules, 'sympy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False", "False"]
+
+
+def test_generic_tokenizer_equals_autotokenizer(tiny_hf_dir):
+    """A folder whose tokenizer_config names a generic fast tokenizer loads it from tokenizer.json
+    directly: the same ids, special tokens and chat template as ``AutoTokenizer``."""
+    from transformers import AutoTokenizer
+
+    ours, auto = loading.load_tokenizer(Path(tiny_hf_dir)), AutoTokenizer.from_pretrained(tiny_hf_dir)
+    assert json.loads((Path(tiny_hf_dir) / "tokenizer_config.json").read_text())["tokenizer_class"] in (
+        loading.GENERIC_TOKENIZERS
+    )
+    text = "Hello <|im_start|> wörld,\n\n  spaces\t<|im_end|>"
+    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert ours.decode(list(range(200, 400))) == auto.decode(list(range(200, 400)))
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id, ours.all_special_ids) == (
+        auto.eos_token_id,
+        auto.bos_token_id,
+        auto.pad_token_id,
+        auto.all_special_ids,
+    )
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    assert ours.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == auto.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_other_tokenizer_classes_go_through_autotokenizer(tiny_hf_dir, tmp_path, monkeypatch):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_hf_dir, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    seen = []
+    import transformers
+
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda f, **k: seen.append(f) or real(f, **k))
+    loading.load_tokenizer(folder)
+    assert seen == [folder]
+
+
+def test_freed_memory_goes_back_after_a_load_and_a_long_prompt_pass(char_model_dir, monkeypatch):
+    """glibc keeps freed heap pages resident: a load and a call whose prompts hold LONG_PROMPT_PASS
+    tokens or more hand them back (``malloc_trim``); shorter calls do not pay for it."""
+    from layerleap import decoding
+
+    calls = []
+    monkeypatch.setattr(loading, "release_freed_memory", lambda: calls.append("load"))
+    monkeypatch.setattr(decoding, "release_freed_memory", lambda: calls.append("generate"))
+    model = layerleap.load(str(char_model_dir))
+    assert calls and set(calls) == {"load"}
+    calls.clear()
+    layerleap.generate(model, "a" * 10, "greedy", 2)
+    assert calls == []
+    layerleap.generate(model, ["a" * (decoding.LONG_PROMPT_PASS // 2)] * 2, "greedy", 2)
+    assert calls == ["generate"]

@@ -65,6 +65,34 @@ def test_resumes_and_writes_atomically(tmp_path, char_model, monkeypatch):
     assert calls == [1, 1]
 
 
+def test_sampled_answers(tmp_path, char_model, capsys):
+    """--temperature samples the answers (prompt i with seed + i: a resumed or rebatched run samples the
+    same ones) into a cache file of their own, which the trainers describe as sampled."""
+    from layerleap.drafters import medusa_transfer as drafters
+
+    path = tmp_path / "s.jsonl"
+    got = data.self_distilled(char_model, path, 4, gen_len=8, batch=3, progress=False, temperature=1.5, seed=7)
+    for i, (p, c) in enumerate(got):
+        assert c == generate(char_model, p, "sample", 8, temperature=1.5, seed=7 + i).token_ids
+    greedy = [generate(char_model, p, "greedy", 8).token_ids for p, _ in got]
+    assert [c for _, c in got] != greedy  # sampling at 1.5 departs from greedy somewhere
+    again = tmp_path / "again.jsonl"
+    data.self_distilled(char_model, again, 2, gen_len=8, batch=1, progress=False, temperature=1.5, seed=7)
+    assert data.self_distilled(char_model, again, 4, gen_len=8, batch=2, progress=False, temperature=1.5, seed=7) == got
+    assert data.answers_kind(path) == "answers sampled at temperature 1.5"
+    assert data.answers_kind(tmp_path / "none.jsonl") == "greedy answers"
+    cached = data.self_distill_path(char_model, gen_len=8, temperature=1.5)
+    assert cached.name.endswith("-g8-t1.5.jsonl") and cached != data.self_distill_path(char_model, gen_len=8)
+    D = char_model.source
+    argv = ["train", "data", "--model", D, "--threads", "1", "--self-distill", "3", "--gen-len", "8"]
+    assert main(argv + ["--temperature", "1.5"]) == 0
+    assert "sampled at temperature 1.5" in capsys.readouterr().out and cached.is_file()
+    out = tmp_path / "m.safetensors"
+    argv = ["train", "medusa", "--model", D, "--threads", "1", "--steps", "1", "--seq-len", "8", "--heads", "1"]
+    assert main(argv + ["--data", str(cached), "--out", str(out)]) == 0
+    assert "answers sampled at temperature 1.5" in drafters.read_meta(out)["data"]
+
+
 def test_another_models_file_is_refused(tmp_path, char_model):
     path = tmp_path / "sd.jsonl"
     path.write_text(json.dumps({"prompt": [1], "completion": [2], "model": "someoneelse"}) + "\n")

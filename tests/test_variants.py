@@ -54,6 +54,17 @@ def test_training_lowers_the_loss_and_writes_a_variant_with_its_budget(tmp_path,
     assert meta["objective"] == objective
 
 
+def test_the_budget_names_the_device_it_trained_on(tmp_path, monkeypatch):
+    """A run on a GPU records the GPU (``weights.machine(device)``), not the host's CPU."""
+    seen = []
+    monkeypatch.setattr(weights, "machine", lambda *a: seen.append(a) or "the device")
+    model = _model()
+    out = tmp_path / "v.safetensors"
+    train_variant(model, out, _cfg("calm", steps=2), EXAMPLES, "toy")
+    assert seen and all(a == (model.device,) for a in seen)
+    assert weights.read_meta(out)["machine"] == "the device"
+
+
 def test_the_merged_model_computes_what_the_trained_deltas_do(tmp_path):
     out = tmp_path / "v.safetensors"
     train_variant(_model(), out, _cfg("skipdecode"), EXAMPLES, "toy")

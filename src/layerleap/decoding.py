@@ -18,6 +18,7 @@ import torch
 
 from . import methods  # noqa: F401  (registers the built-in methods)
 from . import validate as V
+from .core.cpu import release_freed_memory
 from .core.model import Transformer
 from .methods import budget
 from .core.grammar import Grammar
@@ -145,6 +146,7 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
 
 
 MAX_BATCH = 4096  # prompts in one call
+LONG_PROMPT_PASS = 256  # prompt tokens in a call after which its freed buffers go back to the OS
 
 
 def _split_prompts(prompt) -> tuple[list, bool]:
@@ -423,6 +425,8 @@ class Decoding:
                 if all(i in self._cancelled for i in group):
                     break
             wall = time.perf_counter() - run.t0
+            if sum(map(len, run.prompts)) >= LONG_PROMPT_PASS:  # its buffers back to the OS (~1 ms)
+                release_freed_memory()
             grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
             for j, i in enumerate(group):
                 self.results[i] = _result(self.model, run, j, wall, self.method.name)

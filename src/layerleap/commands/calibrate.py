@@ -20,7 +20,8 @@ from .basic import _command_line, _load, _model_args, _positive_int, _say, _thre
 @command(
     "calibrate",
     help="choose a lossy method's fastest setting that keeps a share of greedy's quality, with a "
-    "stated confidence (Learn-then-Test); generate --quality uses it",
+    "stated confidence (Learn-then-Test); generate --quality uses it; with --variant, greedy's output and "
+    "the perplexity are the base model's",
 )
 def _setup(p):
     p.add_argument(
@@ -105,15 +106,16 @@ def run(args) -> int:
     split = "holdout" if args.check else "calibration"
     prompts = C.split_prompts(split, args.prompts, data=args.data)
     model = _load(args)
+    base = _load(args, args.model) if args.variant else None  # a variant keeps a share of its base model's quality
     settings = 1 + sum(1 if args.check else min(len(budget.PATHS[m](model.config.n_layers)), 3) for m in args.method)
     workload.check(args, workload.decoding(model, settings * len(prompts), args.max_new_tokens))
     if args.check:
-        greedy = C.greedy_outputs(model, prompts, args.max_new_tokens, _say)
+        greedy = C.greedy_outputs(base or model, prompts, args.max_new_tokens, _say)
         report = {
             "command": _command_line(args),
             "threads": threads,
             "split": split,
-            "methods": {m: _check(args, model, prompts, m, greedy) for m in args.method},
+            "methods": {m: _check(args, model, prompts, m, greedy, base) for m in args.method},
         }
         write_json(args.check, report)
         print(f"wrote {args.check}")
@@ -122,6 +124,7 @@ def run(args) -> int:
         f"calibrating {', '.join(args.method)} at quality {args.quality} on {len(prompts)} prompts of the {split} "
         f"split (Spec-Bench {', '.join(C.CATEGORIES)}, from index {C.SPLITS[split]} per category), "
         f"{args.max_new_tokens} tokens, {threads} threads"
+        + (f"; variant {args.variant} against the base model's greedy output and perplexity" if base else "")
     )
     greedy = None
     for method in args.method:
@@ -139,6 +142,7 @@ def run(args) -> int:
             progress=_say,
             config={"command": _command_line(args), "threads": threads},
             greedy=greedy,
+            base=base,
         )
         greedy = cal.greedy
         path = C.write_calibration(cal, _out(args, model, method))
@@ -159,7 +163,7 @@ def _report(args, method: str) -> str | None:
     return str(p.with_name(f"{p.stem}.{method}{p.suffix}"))
 
 
-def _check(args, model, prompts, method: str, greedy) -> dict:
+def _check(args, model, prompts, method: str, greedy, base=None) -> dict:
     entries = [
         p for p in ([_out(args, model, method)] if args.out else budget.calibration_files(model, method)) if p.is_file()
     ]
@@ -174,7 +178,9 @@ def _check(args, model, prompts, method: str, greedy) -> dict:
         raise LayerleapError(
             f"{entries[0]} has no budget {key}: run layerleap calibrate {method} --quality {args.quality}"
         )
-    res = C.holdout_check(model, data["budgets"][key], method, prompts, args.max_new_tokens, greedy, progress=_say)
+    res = C.holdout_check(
+        model, data["budgets"][key], method, prompts, args.max_new_tokens, greedy, progress=_say, base=base
+    )
     res.update(method=method, quality=args.quality, calibration=str(entries[0]))
     print(
         json.dumps(
@@ -217,6 +223,8 @@ def table(entry: dict) -> str:
             f"{s['agreement']:6.2f} {ref:>6} {s['ppl_ratio']:5.2f}x  {status}"
         )
     lines.append(f"guarantee: {entry['guarantee']}")
-    if not entry["faster_than_greedy"]:
+    if entry.get("chosen") is None:
+        lines.append("no setting meets the budget, not even the first: the method runs the first, with a warning")
+    elif not entry["faster_than_greedy"]:
         lines.append("no setting faster than greedy meets the budget: the method runs the fastest one that does")
     return "\n".join(lines)

@@ -19,8 +19,8 @@ DATA_ARG = V.name_or_file_arg(("self-distill",), "self-distilled data file (.jso
 # -- train data -----------------------------------------------------------------------------------
 @command(
     "train data",
-    help="write training data: --self-distill decodes the model's own greedy answers to ShareGPT prompts "
-    "(batched, resumable, cached by model fingerprint)",
+    help="write training data: --self-distill decodes the model's own answers to ShareGPT prompts, greedy "
+    "or sampled (--temperature; batched, resumable, cached by model fingerprint)",
 )
 def _setup_data(p):
     _model_args(p)
@@ -35,6 +35,13 @@ def _setup_data(p):
     p.add_argument("--gen-len", type=V.int_arg(1, 65_536), default=64, help="tokens per answer (default 64)")
     p.add_argument("--batch", type=V.int_arg(1, 1024), default=16, help="prompts decoded as one batch (default 16)")
     p.add_argument(
+        "--temperature",
+        type=V.temperature_arg,
+        default=None,
+        help="sample the answers at this temperature instead of decoding greedily (a cache file of their own)",
+    )
+    p.add_argument("--seed", type=V.seed_arg, default=0, help="sampling: prompt i samples with seed + i (default 0)")
+    p.add_argument(
         "--out",
         type=V.path_arg,
         default=None,
@@ -47,11 +54,21 @@ def run_data(args) -> int:
     from ..train.data import self_distill_path, self_distilled
 
     _, model, _ = _start(args)
-    path = args.out or self_distill_path(model, args.max_prompt, args.gen_len)
+    path = args.out or self_distill_path(model, args.max_prompt, args.gen_len, args.temperature)
     t = time.perf_counter()
-    pairs = self_distilled(model, path, args.self_distill, args.max_prompt, args.gen_len, args.batch)
+    pairs = self_distilled(
+        model,
+        path,
+        args.self_distill,
+        args.max_prompt,
+        args.gen_len,
+        args.batch,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
     tokens = sum(len(c) for _, c in pairs)
-    print(f"wrote {path}: {len(pairs)} answers, {tokens} tokens ({time.perf_counter() - t:.0f} s)")
+    kind = f"answers sampled at temperature {args.temperature:g}" if args.temperature else "greedy answers"
+    print(f"wrote {path}: {len(pairs)} {kind}, {tokens} tokens ({time.perf_counter() - t:.0f} s)")
     return 0
 
 

@@ -139,7 +139,7 @@ def _setup_train(p):
 def run_train(args) -> int:
     import torch
 
-    from ..train.data import conversation_seqs, load_self_distilled, self_distilled_seqs
+    from ..train.data import answers_kind, conversation_seqs, load_self_distilled, self_distilled_seqs
     from ..train.distributed import init_from_env
     from ..train.exit_heads import HeadTrainConfig, agreement, cache_hidden, save_trained, train_heads
     from ..drafters.exit_heads import new_head
@@ -171,7 +171,7 @@ def run_train(args) -> int:
     if args.data != "sharegpt":
         path, pairs = load_self_distilled(model, args.data)
         seqs = self_distilled_seqs(pairs, cfg.tokens, cfg.seq_len)
-        cfg.data = f"self-distilled: {model.config.name}'s greedy answers to ShareGPT prompts ({path.name})"
+        cfg.data = f"self-distilled: {model.config.name}'s {answers_kind(path)} to ShareGPT prompts ({path.name})"
     D, vocab = model.config.hidden_size, model.config.vocab_size
     head = D * (D if cfg.kind == "lens" else 0) + D * (cfg.candidates + cfg.negatives if cfg.candidates else vocab)
     workload.check(

@@ -13,7 +13,7 @@ import torch
 from ..drafters import medusa_transfer as drafters
 from ..train import medusa_transfer as train_drafters
 from ..train.distributed import init_from_env
-from ..train.data import DATA_CHOICES, load_self_distilled, self_distilled_chunks, stream_chunks
+from ..train.data import DATA_CHOICES, answers_kind, load_self_distilled, self_distilled_chunks, stream_chunks
 from . import command
 from ..datasets import spec_bench
 from ..decoding import generate
@@ -164,7 +164,8 @@ def run_train(args) -> int:
     elif args.data != "sharegpt":
         path, pairs = load_self_distilled(model, args.data)
         chunks = self_distilled_chunks(pairs, cfg.seq_len, cfg.seed, eos)
-        data = f"self-distilled: {len(pairs)} greedy answers of {model.config.name} to ShareGPT prompts ({path.name})"
+        kind = answers_kind(path)
+        data = f"self-distilled: {len(pairs)} {kind} of {model.config.name} to ShareGPT prompts ({path.name})"
     else:
         chunks = stream_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
     if args.save_chunks:

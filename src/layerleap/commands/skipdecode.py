@@ -733,7 +733,8 @@ def _setup_frontier(p):
         default=[],
         metavar="NAME=FILE",
         type=V.tagged(_variant_arg, "in", path_of=lambda v: v[1]),
-        help="a fine-tuned variant to compare (repeatable); the base model is 'base'",
+        help="a fine-tuned variant to compare (repeatable); the base model is 'base', and every point is "
+        "measured against the base model's greedy output and perplexity",
     )
     p.add_argument(
         "--grid",

@@ -46,8 +46,9 @@ def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     ``rotate_half(x) * sin == roll(x, hd/2) * sin_signed`` exactly, with the first half of
     ``sin_signed`` negated, so applying the rotation takes one roll instead of split + cat + neg."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    t = torch.arange(config.max_position, dtype=torch.int64).float()
+    cpu = torch.device("cpu")  # on the CPU also inside a meta-device context (see ``skip_meta_init``)
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
+    t = torch.arange(config.max_position, dtype=torch.int64, device=cpu).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     sin = emb.sin()
@@ -88,11 +89,20 @@ def _moves(fn, dtype: torch.dtype) -> bool:
     return out.device != probe.device or out.dtype != probe.dtype
 
 
+# skip_meta_init: a weight on the meta device is a placeholder that a loader assigns, so ``Linear`` and
+# ``Embedding`` draw no random values for it.  Drawing them on meta tensors would go through torch's
+# reference decompositions, which import its compiler stack (torch._dynamo, sympy: 70 MB, 1 s).
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight may be packed for a CPU kernel (``kernels``: oneDNN's layout or
     4-bit groups).  While packed, ``weight`` and ``bias`` are None (the packed weight holds both),
     ``dense_weight()`` gives the weight back and ``unpack()`` restores a dense parameter.  Moving
     or casting the module (``.to``, ``.float()``) unpacks it first."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # see ``skip_meta_init``
+            super().reset_parameters()
 
     packed: kernels.PackedWeight | None = None
 
@@ -130,6 +140,10 @@ class Linear(nn.Linear):
 class Embedding(nn.Embedding):
     """``nn.Embedding`` whose table may be packed (4-bit groups, possibly shared with a tied LM head,
     or 8-bit rows): rows are dequantized as they are looked up."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # see ``skip_meta_init``
+            super().reset_parameters()
 
     packed: kernels.Int4Weight | kernels.Int8Rows | kernels.BlockWeight | None = None
 

@@ -8,8 +8,8 @@ variant runs exactly as fast as the model it came from.  A full 135M model is 54
 at rank 16 are 8 MB.
 
 ``layerleap.load(MODEL, variant=FILE)`` loads a file of deltas; a name instead of a path loads the file
-shipped as ``data/variants/MODEL/NAME.safetensors`` (none ships for smollm2-135m: the fine-tunes
-this CPU allows are too short to pay, ``docs/SKIPDECODE.md``).
+shipped as ``data/variants/MODEL/NAME.safetensors`` (none ships for smollm2-135m: neither a CPU
+fine-tune nor 48 s on an H200 keeps a quality budget against the base model, ``docs/QUALITY.md``).
 The merged model has a fingerprint of its own (the base's and the file's), so heads trained for
 the base model are not silently used with it.  Written by ``layerleap finetune variant``
 (``train/variant.py``), with the training budget every trained file records.

@@ -15,6 +15,11 @@ calibration split, and keeps the fastest setting that meets the budget with a st
 
 A prompt that fails any of these is a *loss* (1), else 0; a setting's risk is its share of lost prompts.
 
+**A fine-tuned variant** (``drafters.variants``) is calibrated against its base model: greedy's outputs
+are the base model's and the perplexity is the base model's (``calibrate(variant, ..., base=base)``),
+since the budget promises a share of what the user would get without the method and its fine-tune.
+The full-budget setting then decodes the variant's own greedy text, so it is measured, not copied.
+
 **The guarantee (Learn-then-Test, fixed-sequence testing).**  For each setting j the null
 hypothesis is "risk_j > epsilon"; its p-value from the n calibration prompts with k losses is the
 binomial tail ``P(Binomial(n, epsilon) <= k)`` (exact for a 0/1 loss).  Settings are tested in the
@@ -153,8 +158,10 @@ def run_outputs(
     max_new_tokens: int,
     greedy: list[Output] | None = None,
     progress: Callable[[str], None] | None = None,
+    base=None,
 ) -> list[Output]:
-    """``method`` with ``options`` on every prompt, measured against ``greedy``'s outputs when given.
+    """``method`` with ``options`` on every prompt, measured against ``greedy``'s outputs when given,
+    the perplexity by ``base`` (default: ``model``).
     In fp32 a method that batches decodes each category as one batch (its rows decode as they would
     alone, tested); in other dtypes every prompt decodes alone, as a user's request does (bf16 logits
     tie often enough for a padded batch to break a tie differently)."""
@@ -177,7 +184,7 @@ def run_outputs(
                 list(r.token_ids),
                 layer_passes(r.stats, model.config.n_layers),
                 wall,
-                perplexity(model, r.prompt_ids, list(r.token_ids)),
+                perplexity(base or model, r.prompt_ids, list(r.token_ids)),
             )
             if p.reference:
                 o.reference_score = reference_score(p.category, r.text, p.reference)
@@ -382,11 +389,14 @@ def calibrate(
     progress: Callable[[str], None] | None = None,
     config: dict | None = None,
     greedy: list[Output] | None = None,
+    base=None,
 ) -> Calibration:
     """Learn-then-Test calibration of ``method`` at ``quality`` on ``prompts`` (see the module doc).
     ``extra`` settings past the first failure are measured for the quality-speed frontier (never
     chosen).  With ``report`` the run is rewritten there after each setting and resumed from it.
-    ``greedy``: greedy's outputs on these prompts, when already measured (another method's run)."""
+    ``greedy``: greedy's outputs on these prompts, when already measured (another method's run).
+    ``base``: the model whose greedy output and perplexity the budget keeps a share of, when
+    ``model`` is a fine-tuned variant of it (default: ``model`` itself)."""
     if method not in budget.PATHS:
         raise CalibrationError(
             f"method {method!r} is not a lossy method with a quality budget: choose one of {', '.join(budget.LOSSY)}"
@@ -403,6 +413,7 @@ def calibrate(
         )
     d = model.config.n_layers
     path = budget.PATHS[method](d)
+    judge = _judge(model, base)
     cfg = {
         "model": model.config.name,
         "fingerprint": model.fingerprint,
@@ -411,9 +422,10 @@ def calibrate(
         "max_new_tokens": max_new_tokens,
         "prompt_ids": [p.id for p in prompts],
         "categories": sorted({p.category for p in prompts}),
+        **({} if judge is model else {"base_fingerprint": judge.fingerprint}),
         **(config or {}),
     }
-    key = {k: cfg[k] for k in ("fingerprint", "dtype", "max_new_tokens", "prompt_ids")}
+    key = {k: cfg.get(k) for k in ("fingerprint", "dtype", "max_new_tokens", "prompt_ids", "base_fingerprint")}
     cal = None
     old = read_report(report, "calibration report", ("config", "settings")) if report else None
     if (
@@ -429,7 +441,7 @@ def calibrate(
         cal = Calibration(method, quality, epsilon, delta, ppl_ratio, split, cfg)
     save = (lambda: write_json(report, cal.to_dict())) if report else (lambda: None)
     if not cal.greedy:
-        cal.greedy = greedy or greedy_outputs(model, prompts, max_new_tokens, progress)
+        cal.greedy = greedy or greedy_outputs(judge, prompts, max_new_tokens, progress)
         save()
     stopped_at = None
     for j, options in enumerate(path):
@@ -438,10 +450,10 @@ def calibrate(
         else:
             if stopped_at is not None and j - stopped_at > extra:
                 break
-            if j == 0 and method in budget.FIRST_IS_GREEDY:
+            if j == 0 and method in budget.FIRST_IS_GREEDY and judge is model:
                 outs = [Output(**asdict(g)) for g in cal.greedy]
             else:
-                outs = run_outputs(model, method, options, prompts, max_new_tokens, cal.greedy, progress)
+                outs = run_outputs(model, method, options, prompts, max_new_tokens, cal.greedy, progress, judge)
             s = Setting(j, dict(options), outs)
             cal.settings.append(s)
         s.outputs_layers = float(d)
@@ -462,6 +474,20 @@ def calibrate(
     cal.config["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     save()
     return cal
+
+
+def _judge(model, base):
+    """The model whose greedy output and perplexity define quality: ``base`` (a variant's base model,
+    checked to be the same architecture and dtype) or ``model``."""
+    if base is None or base is model:
+        return model
+    if base.config.n_layers != model.config.n_layers or base.dtype_name != model.dtype_name:
+        raise CalibrationError(
+            f"base model {base.config.name} ({base.config.n_layers} layers, {base.dtype_name}) is not the base of "
+            f"{model.config.name} ({model.config.n_layers} layers, {model.dtype_name}): load both with the same "
+            "--model and --dtype"
+        )
+    return base
 
 
 def write_calibration(cal: Calibration, path: Path | None = None) -> Path:
@@ -490,15 +516,18 @@ def holdout_check(
     max_new_tokens: int,
     greedy: list[Output] | None = None,
     progress: Callable[[str], None] | None = None,
+    base=None,
 ) -> dict:
     """The chosen setting of a calibration file's budget on other prompts: its share of lost prompts
-    against the stated epsilon, its mean agreement, reference score kept and perplexity ratio."""
+    against the stated epsilon, its mean agreement, reference score kept and perplexity ratio
+    (against ``base``'s greedy output and perplexity when ``model`` is a variant of it)."""
     chosen = cal_entry.get("chosen")
     if not chosen:
         raise CalibrationError("the calibration chose no setting: nothing to check")
     q, ppl_ratio = cal_entry["quality"], cal_entry["ppl_ratio"]
-    greedy = greedy or greedy_outputs(model, prompts, max_new_tokens, progress)
-    outs = run_outputs(model, method, chosen["options"], prompts, max_new_tokens, greedy, progress)
+    judge = _judge(model, base)
+    greedy = greedy or greedy_outputs(judge, prompts, max_new_tokens, progress)
+    outs = run_outputs(model, method, chosen["options"], prompts, max_new_tokens, greedy, progress, judge)
     s = summarize(outs, greedy, q, ppl_ratio)
     s["loss_rate"] = s["losses"] / len(prompts)
     s.update(

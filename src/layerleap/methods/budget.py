@@ -169,6 +169,11 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
                 f"{method}: no setting meets quality {key} on {model.config.name} ({model.dtype_name}), not even "
                 f"its most conservative, {_show(first.get('options', {}))} (it lost {first.get('losses')} of "
                 f"{b.get('prompts')} calibration prompts); running that one"
+                + (
+                    f" (the base model without variant {model.variant} decodes greedy's own output)"
+                    if getattr(model, "variant", None)
+                    else ""
+                )
             )
             return Calibrated(method, quality, dict(first.get("options", {})), False, 1.0, str(path), note)
         if not isinstance(chosen, dict) or not isinstance(chosen.get("options"), dict):

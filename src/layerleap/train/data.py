@@ -170,12 +170,14 @@ def sharegpt_questions(tokenizer, n: int, max_prompt: int, skip: int = 0) -> lis
     return out
 
 
-def self_distill_path(model, max_prompt: int = 96, gen_len: int = 64) -> Path:
-    """Where ``self_distilled`` data of ``model`` (by fingerprint) and these settings is cached."""
+def self_distill_path(model, max_prompt: int = 96, gen_len: int = 64, temperature: float | None = None) -> Path:
+    """Where ``self_distilled`` data of ``model`` (by fingerprint) and these settings is cached; sampled
+    answers (``temperature``) in a file of their own (``-t0.7``)."""
     from ..files import cache_root
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", model.config.name or "model")
-    return cache_root() / "self-distill" / f"{name}-{model.fingerprint[:16]}-p{max_prompt}-g{gen_len}.jsonl"
+    t = f"-t{temperature:g}" if temperature else ""
+    return cache_root() / "self-distill" / f"{name}-{model.fingerprint[:16]}-p{max_prompt}-g{gen_len}{t}.jsonl"
 
 
 def read_self_distilled(path, fingerprint: str | None = None) -> list[tuple[list[int], list[int]]]:
@@ -210,13 +212,23 @@ def read_self_distilled(path, fingerprint: str | None = None) -> list[tuple[list
 
 
 def self_distilled(
-    model, path, n: int, max_prompt: int = 96, gen_len: int = 64, batch: int = 16, progress: bool = True
+    model,
+    path,
+    n: int,
+    max_prompt: int = 96,
+    gen_len: int = 64,
+    batch: int = 16,
+    progress: bool = True,
+    temperature: float | None = None,
+    seed: int = 0,
 ) -> list[tuple[list[int], list[int]]]:
-    """``n`` pairs (ShareGPT prompt ids, the model's own greedy answer's ids, at most ``gen_len``):
-    self-distilled data, decoded ``batch`` prompts at a time as one batch.  Written to ``path`` (JSON
-    lines ``{"prompt", "completion", "model"}``, the file rewritten atomically after each batch); a
-    call with the same ``path`` reuses what is there and decodes only the rest (a file of another
-    model is refused)."""
+    """``n`` pairs (ShareGPT prompt ids, the model's own answer's ids, at most ``gen_len``):
+    self-distilled data, decoded ``batch`` prompts at a time as one batch: greedy answers, or with
+    ``temperature`` answers sampled at it (prompt ``i`` with the seed ``seed + i``, so a resumed or
+    rebatched run samples the same answers).  Written to ``path`` (JSON lines ``{"prompt",
+    "completion", "model"}`` and ``"temperature"`` when sampled, the file rewritten atomically after
+    each batch); a call with the same ``path`` reuses what is there and decodes only the rest (a file
+    of another model is refused)."""
     from tqdm.auto import tqdm
 
     from ..decoding import generate
@@ -232,9 +244,15 @@ def self_distilled(
     bar = tqdm(total=len(prompts), initial=start, desc="self-distilling", unit="ex", disable=not progress)
     while len(done) < len(prompts):
         chunk = prompts[len(done) : len(done) + batch]
-        res = generate(model, chunk, "greedy", gen_len)
+        if temperature:
+            res = generate(model, chunk, "sample", gen_len, temperature=temperature, seed=seed + len(done))
+        else:
+            res = generate(model, chunk, "greedy", gen_len)
         done += [(p, [int(t) for t in r.token_ids]) for p, r in zip(chunk, res)]
-        write_text(path, "".join(json.dumps({"prompt": p, "completion": c, "model": fp}) + "\n" for p, c in done))
+        extra = {"temperature": temperature} if temperature else {}
+        write_text(
+            path, "".join(json.dumps({"prompt": p, "completion": c, "model": fp, **extra}) + "\n" for p, c in done)
+        )
         bar.update(len(chunk))
     bar.close()
     return [(p, c) for p, c in done[:n] if c]
@@ -272,6 +290,17 @@ def load_self_distilled(model, spec: str = "self-distill", max_prompt: int = 96,
     if not pairs:
         raise TrainDataError(f"{path} holds no answers: write some with `layerleap train data --self-distill`")
     return path, pairs
+
+
+def answers_kind(path) -> str:
+    """ "greedy answers", or "answers sampled at temperature T" for a file ``self_distilled`` sampled
+    (its records carry the temperature): how the weights trained on it describe their data."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            t = json.loads(f.readline() or "{}").get("temperature")
+    except (OSError, ValueError, AttributeError):
+        t = None
+    return f"answers sampled at temperature {t:g}" if isinstance(t, (int, float)) and t else "greedy answers"
 
 
 def self_distilled_chunks(pairs, seq_len: int, seed: int, eos: int) -> list[list[int]]:

@@ -155,10 +155,8 @@ def cache_hidden(model: Transformer, seqs: list[list[int]], layers, progress: bo
 @torch.inference_mode()
 def final_top_ids(model: Transformer, final: torch.Tensor, k: int, chunk: int = 512) -> torch.Tensor:
     """``[N, k]`` int32: the final layer's top-k token ids at each cached position."""
-    out = [
-        model.logits(final[i : i + chunk].to(model.device, model.dtype).unsqueeze(0))[0].topk(k, -1).indices.cpu().to(torch.int32)
-        for i in range(0, len(final), chunk)
-    ]
+    rows = (final[i : i + chunk].to(model.device, model.dtype) for i in range(0, len(final), chunk))
+    out = [model.logits(x.unsqueeze(0))[0].topk(k, -1).indices.cpu().to(torch.int32) for x in rows]
     return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.int32)
 
 

@@ -112,9 +112,8 @@ class Deltas:
                 lin = variants.projection(model, layer, name)
                 ka, kb = variants.delta_names(layer, name)
                 dev = lin.weight.device  # drawn on the CPU: the same deltas on every device
-                self.tensors[ka] = (
-                    (torch.randn(rank, lin.in_features, generator=g) / lin.in_features**0.5).to(dev).requires_grad_(True)
-                )
+                a = torch.randn(rank, lin.in_features, generator=g) / lin.in_features**0.5
+                self.tensors[ka] = a.to(dev).requires_grad_(True)
                 self.tensors[kb] = torch.zeros(lin.out_features, rank, device=dev, requires_grad=True)
                 self._hooks.append(lin.register_forward_hook(self._hook(self.tensors[ka], self.tensors[kb])))
 
@@ -264,7 +263,7 @@ def train_variant(
             int(positions * cfg.batch_size * step),
             step,
             prior + time.perf_counter() - t0,
-            weights.machine(),
+            weights.machine(model.device),
             command or weights.command_line(),
         )
         extra = {

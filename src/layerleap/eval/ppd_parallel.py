@@ -123,12 +123,17 @@ def _exit_with_parent() -> None:
 
 @contextmanager
 def _sigint_blocked():
-    """Block SIGINT in this thread while sub-processes start: they inherit the blocked signal (so a
-    Ctrl-C during their start-up cannot print a traceback), and a Ctrl-C meanwhile reaches us after."""
+    """Start sub-processes that ignore SIGINT from their first instruction: a spawned process inherits
+    an ignored signal (not a blocked one: its mask is reset), so a Ctrl-C while it imports torch
+    cannot print a traceback; the main process answers it and stops them.  SIGINT stays blocked here
+    meanwhile (Linux keeps a blocked signal pending whatever its disposition), so a Ctrl-C during the
+    start reaches our own handler once it is back."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
+        signal.signal(signal.SIGINT, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 

@@ -5,16 +5,15 @@ travel pre-tokenized: `--save-prompts FILE` writes them here, `--prompts FILE` r
 
   python benchmarks/device_self_distill.py --save-prompts .devcarry/prompts.safetensors --n 16000
   python benchmarks/device_self_distill.py --prompts .devcarry/prompts.safetensors --out sd.jsonl \\
-      --device cuda --batch 1024 --gen-len 64 --max-seconds 90 [--start FILE.jsonl]
+      --device cuda --batch 1024 --gen-len 64
 
---start: an existing self-distilled file of the same model; its answers are kept and its prompts
-skipped.  The output is rewritten atomically after every batch, so a run stopped at any point
-leaves a whole file."""
+The decoding is `layerleap.train.data.self_distilled`: the output is rewritten atomically after
+every batch, so a run stopped at any point (the device script's `timeout`) leaves a whole file, and
+a rerun with the same --out decodes only the rest."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -47,31 +46,15 @@ def read_prompts(path: str) -> list[list[int]]:
 
 def decode(args) -> None:
     import layerleap
-    from layerleap.decoding import generate
-    from layerleap.files import write_text
-    from layerleap.train.data import read_self_distilled
+    from layerleap.train.data import self_distilled
 
-    t0 = time.perf_counter()
     model = layerleap.load("smollm2-135m", dtype=args.dtype, device=args.device)
-    fp = model.fingerprint
-    done = read_self_distilled(args.start, fp) if args.start else []
-    seen = {tuple(p) for p, _ in done}
-    todo = [p for p in read_prompts(args.prompts) if tuple(p) not in seen]
-    # longest prompts together: less left padding per batch
-    todo.sort(key=len)
-    print(f"model loaded in {time.perf_counter() - t0:.1f}s; {len(done)} answers kept, {len(todo)} prompts to answer")
+    prompts = sorted(read_prompts(args.prompts), key=len)  # prompts of like length together: less padding
     t0 = time.perf_counter()
-    new = 0
-    for i in range(0, len(todo), args.batch):
-        if time.perf_counter() - t0 > args.max_seconds:
-            break
-        chunk = todo[i : i + args.batch]
-        res = generate(model, chunk, "greedy", args.gen_len)
-        done += [(p, [int(t) for t in r.token_ids]) for p, r in zip(chunk, res)]
-        new += sum(len(r.token_ids) for r in res)
-        write_text(args.out, "".join(json.dumps({"prompt": p, "completion": c, "model": fp}) + "\n" for p, c in done))
-        el = time.perf_counter() - t0
-        print(f"{len(done)} answers, {new} new tokens in {el:.1f}s ({new / el:.0f} tok/s)", flush=True)
+    pairs = self_distilled(model, args.out, len(prompts), gen_len=args.gen_len, batch=args.batch, prompts=prompts)
+    el = time.perf_counter() - t0
+    tokens = sum(len(c) for _, c in pairs)
+    print(f"{len(pairs)} answers, {tokens} tokens in {el:.1f}s ({tokens / el:.0f} tok/s)")
 
 
 def main(argv=None) -> int:
@@ -81,12 +64,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt", type=int, default=96)
     ap.add_argument("--prompts")
     ap.add_argument("--out")
-    ap.add_argument("--start")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--gen-len", type=int, default=64)
-    ap.add_argument("--max-seconds", type=float, default=90)
     args = ap.parse_args(argv)
     if args.save_prompts:
         save_prompts(args.save_prompts, args.n, args.max_prompt)

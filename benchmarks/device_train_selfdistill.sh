@@ -20,7 +20,7 @@ stage start; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
 if want sd; then
 stage self-distill
 timeout ${SD_S:-110} $PY benchmarks/device_self_distill.py --prompts .devcarry/prompts.safetensors --out $D \
-  --device $DEV --batch ${SD_BATCH:-1024} --gen-len ${SD_GEN:-192} --max-seconds ${SD_GEN_S:-60} 2>&1 | tail -6
+  --device $DEV --batch ${SD_BATCH:-1024} --gen-len ${SD_GEN:-192} 2>&1 | tail -6
 gzip -c $D >$OUT/self_distill.jsonl.gz
 elif [ ! -f $D ]; then gunzip -c .devcarry/self_distill.jsonl.gz >$D; fi
 N=$(wc -l <$D)

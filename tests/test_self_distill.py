@@ -93,6 +93,15 @@ def test_sampled_answers(tmp_path, char_model, capsys):
     assert "answers sampled at temperature 1.5" in drafters.read_meta(out)["data"]
 
 
+def test_given_prompts_are_answered_without_sharegpt(tmp_path, char_model, monkeypatch):
+    """``prompts=``: the first ``n`` of them answered in order (a machine without the ShareGPT package)."""
+    monkeypatch.setattr(layerleap.datasets, "sharegpt_conversations", lambda limit=None: 1 / 0)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    got = data.self_distilled(char_model, tmp_path / "p.jsonl", 2, gen_len=5, batch=2, progress=False, prompts=prompts)
+    assert [p for p, _ in got] == prompts[:2]
+    assert [c for _, c in got] == [generate(char_model, p, "greedy", 5).token_ids for p in prompts[:2]]
+
+
 def test_another_models_file_is_refused(tmp_path, char_model):
     path = tmp_path / "sd.jsonl"
     path.write_text(json.dumps({"prompt": [1], "completion": [2], "model": "someoneelse"}) + "\n")

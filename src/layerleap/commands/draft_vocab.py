@@ -51,7 +51,7 @@ def _setup_data(p):
 
 @_setup_data
 def run_data(args) -> int:
-    from ..train.data import self_distill_path, self_distilled
+    from ..train.data import answers_kind, self_distill_path, self_distilled
 
     _, model, _ = _start(args)
     path = args.out or self_distill_path(model, args.max_prompt, args.gen_len, args.temperature)
@@ -67,8 +67,7 @@ def run_data(args) -> int:
         seed=args.seed,
     )
     tokens = sum(len(c) for _, c in pairs)
-    kind = f"answers sampled at temperature {args.temperature:g}" if args.temperature else "greedy answers"
-    print(f"wrote {path}: {len(pairs)} {kind}, {tokens} tokens ({time.perf_counter() - t:.0f} s)")
+    print(f"wrote {path}: {len(pairs)} {answers_kind(path)}, {tokens} tokens ({time.perf_counter() - t:.0f} s)")
     return 0
 
 

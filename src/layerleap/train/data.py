@@ -221,6 +221,7 @@ def self_distilled(
     progress: bool = True,
     temperature: float | None = None,
     seed: int = 0,
+    prompts: list[list[int]] | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     """``n`` pairs (ShareGPT prompt ids, the model's own answer's ids, at most ``gen_len``):
     self-distilled data, decoded ``batch`` prompts at a time as one batch: greedy answers, or with
@@ -228,7 +229,8 @@ def self_distilled(
     rebatched run samples the same answers).  Written to ``path`` (JSON lines ``{"prompt",
     "completion", "model"}`` and ``"temperature"`` when sampled, the file rewritten atomically after
     each batch); a call with the same ``path`` reuses what is there and decodes only the rest (a file
-    of another model is refused)."""
+    of another model is refused).  ``prompts``: prompt ids to answer instead of ShareGPT's (the first
+    ``n``; a machine without the ShareGPT package, ``benchmarks/device_self_distill.py``)."""
     from tqdm.auto import tqdm
 
     from ..decoding import generate
@@ -239,7 +241,7 @@ def self_distilled(
     done = read_self_distilled(path, fp) if path.is_file() else []
     if len(done) >= n:  # nothing to decode: ShareGPT is not read
         return [(p, c) for p, c in done[:n] if c]
-    prompts = sharegpt_questions(model.tokenizer, n, max_prompt)
+    prompts = sharegpt_questions(model.tokenizer, n, max_prompt) if prompts is None else prompts[:n]
     start = min(len(done), len(prompts))
     bar = tqdm(total=len(prompts), initial=start, desc="self-distilling", unit="ex", disable=not progress)
     while len(done) < len(prompts):

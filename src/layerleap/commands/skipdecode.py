@@ -176,6 +176,12 @@ def _setup_variant(p):
     p.add_argument("--lr", type=V.lr_arg, default=2e-4)
     p.add_argument("--min-layer", type=_positive_int, default=4, help="calm: the lowest layer trained to predict")
     p.add_argument("--layers-per-step", type=_positive_int, default=4, help="calm: layers drawn per step (by weight)")
+    p.add_argument(
+        "--anchor",
+        type=V.float_arg(0, 100),
+        default=0.0,
+        help="weight of KL(base || variant at full depth), which keeps the full model's own output (default 0)",
+    )
     p.add_argument("--max-minutes", type=V.positive_float, default=None, help="stop (and save) after this long")
     workload.add_args(p)
     p.add_argument("--save-every", type=_positive_int, default=10)
@@ -215,6 +221,7 @@ def run_variant(args) -> int:
         target_speedup=args.target_speedup,
         min_layer=args.min_layer,
         layers_per_step=args.layers_per_step,
+        anchor=args.anchor,
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,

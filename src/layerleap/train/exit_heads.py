@@ -127,14 +127,20 @@ class HeadTrainConfig:
 
 
 @torch.inference_mode()
-def cache_hidden(model: Transformer, seqs: list[list[int]], layers, progress: bool = True) -> dict[int, torch.Tensor]:
+def cache_hidden(
+    model: Transformer, seqs: list[list[int]], layers, progress: bool = True, pass_tokens: int | None = None
+) -> dict[int, torch.Tensor]:
     """``{layer: [N, D] bf16}`` for each training layer and the last layer (``n_layers``): the
-    hidden state after that layer at every position of every sequence (one causal pass each)."""
+    hidden state after that layer at every position of every sequence, in the sequences' order.
+    Sequences of similar length run together, right-padded, in causal passes of at most
+    ``pass_tokens`` padded tokens (none: 32,768 on a GPU, 2,048 on the CPU); a position never sees
+    the padding after it, so a batch gives each sequence's own states."""
     from tqdm import tqdm
 
     n = model.config.n_layers
     want = sorted(set(layers) | {n})
-    out: dict[int, list[torch.Tensor]] = {x: [] for x in want}
+    budget = pass_tokens or (32768 if model.device.type == "cuda" else 2048)
+    got: dict[int, dict[int, torch.Tensor]] = {}  # sequence -> layer -> [n_i, D]
     bar = tqdm(
         total=sum(map(len, seqs)),
         desc="cache hidden states",
@@ -143,13 +149,32 @@ def cache_hidden(model: Transformer, seqs: list[list[int]], layers, progress: bo
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    for ids in seqs:
-        h = backbone_states(model, torch.tensor([ids], dtype=torch.long), want)
-        for x in want:
-            out[x].append(h[x][0].to(torch.bfloat16, copy=True).cpu())  # a copy: not an inference tensor
-        bar.update(len(ids))
+    for batch in _length_batches(seqs, budget):
+        T = max(len(seqs[i]) for i in batch)
+        ids = torch.zeros(len(batch), T, dtype=torch.long)  # [B, T], right-padded
+        for row, i in enumerate(batch):
+            ids[row, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
+        h = backbone_states(model, ids, want)
+        for row, i in enumerate(batch):
+            # a copy: not an inference tensor
+            got[i] = {x: h[x][row, : len(seqs[i])].to(torch.bfloat16, copy=True).cpu() for x in want}
+            bar.update(len(seqs[i]))
     bar.close()
-    return {x: torch.cat(v) for x, v in out.items()}
+    empty = torch.zeros(0, model.config.hidden_size, dtype=torch.bfloat16)
+    return {x: torch.cat([got[i][x] for i in range(len(seqs))]) if seqs else empty for x in want}
+
+
+def _length_batches(seqs: list[list[int]], budget: int) -> list[list[int]]:
+    """Indices of ``seqs`` in batches of similar length, each at most ``budget`` padded tokens
+    (a longer sequence alone)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[list[int]] = []
+    for i in order:
+        if out and len(seqs[i]) * (len(out[-1]) + 1) <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 @torch.inference_mode()

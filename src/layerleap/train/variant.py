@@ -17,6 +17,10 @@ model).  The base is the same weights with the deltas switched off, so no second
   the LM-head cost (a 49152-word head costs eight decoder layers).  The last layer's term keeps the
   full model's own predictions where they were.
 
+Both add ``anchor`` × KL(base ‖ variant at full depth) when ``anchor`` > 0: the deltas are merged into
+every layer, so a variant trained only on its fast path also rewords the full model's output, which
+a quality budget measured against the base model's greedy text then loses (``docs/QUALITY.md``).
+
 The loop (``train.loop``) saves the deltas and AdamW's state every ``save_every`` steps and on
 Ctrl-C, and rewrites the variant file each time, so the file is always loadable and its budget
 (steps, tokens, seconds) says what it has had; running again resumes, a larger ``steps`` extends.
@@ -62,6 +66,7 @@ class VariantConfig:
     warmup: int | None = None
     min_layer: int = 4  # calm: the lowest layer that learns to predict
     layers_per_step: int = 4  # calm: layers drawn per step
+    anchor: float = 0.0  # weight of KL(base ‖ variant at full depth), which keeps the full model's output
     steps: int = 1000
     batch_size: int = 4
     lr: float = 2e-4
@@ -82,6 +87,7 @@ class VariantConfig:
             V.learning_rate(self.lr)
             V.number(self.alpha, "alpha", 0, lo_open=True)
             V.number(self.grad_clip, "grad_clip", 0)
+            V.number(self.anchor, "anchor", 0)
             V.seed(self.seed)
         out = VariantConfig(**asdict(self))
         if out.objective == "skipdecode":
@@ -191,15 +197,23 @@ def objective(model, deltas: Deltas, examples, cfg: VariantConfig):
         idx = epoch_batch(step, len(examples), cfg.batch_size, cfg.seed).tolist()
         ids, budgets, rows, cols, _ = make_batch(examples, idx, d, skip, 0, pad)
         ids, rows, cols = ids.to(model.device), rows.to(model.device), cols.to(model.device)
+        every = torch.ones(d, *ids.shape, dtype=torch.bool)  # [d, B, T]: every layer at every position
         with torch.no_grad(), deltas.off():  # the base model's own next-token distributions: the targets
-            th = skip_hidden(model, ids, torch.ones(d, *ids.shape, dtype=torch.bool))[rows, cols]  # [N, D]
+            th = skip_hidden(model, ids, every)[rows, cols]  # [N, D]
             tlogp = F.log_softmax(model.logits(th.unsqueeze(0))[0], -1)  # [N, V]
         if cfg.objective == "calm":
             hs = all_hidden(model, ids)
             picks = calm_layers(d, cfg.min_layer, cfg.layers_per_step, random.Random(cfg.seed * 100003 + step))
-            return sum(_kl(model.logits(hs[i - 1][rows, cols].unsqueeze(0))[0], tlogp) for i in picks) / len(picks)
+            drawn = sum(_kl(model.logits(hs[i - 1][rows, cols].unsqueeze(0))[0], tlogp) for i in picks) / len(picks)
+            return drawn + (
+                cfg.anchor * _kl(model.logits(hs[-1][rows, cols].unsqueeze(0))[0], tlogp) if cfg.anchor else 0
+            )
         h = skip_hidden(model, ids, active_mask(d, budgets, cfg.warmup))[rows, cols]  # [N, D]
-        return _kl(model.logits(h.unsqueeze(0))[0], tlogp)
+        skipping = _kl(model.logits(h.unsqueeze(0))[0], tlogp)
+        if not cfg.anchor:
+            return skipping
+        full = skip_hidden(model, ids, every)[rows, cols]  # [N, D]
+        return skipping + cfg.anchor * _kl(model.logits(full.unsqueeze(0))[0], tlogp)
 
     return loss
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import layerleap
-from layerleap.core import kernels
+from layerleap.core import gguf_q4, kernels
 from layerleap.core.config import ConfigError
+from layerleap.core.kernels import MixedRows
 from layerleap.core.loading import check_gguf
 from layerleap.core.weight_files import ModelFileError
 
@@ -61,9 +62,11 @@ def write_gguf(
     head: str | None = None,
     seed: int = 0,
     rope_theta: float = 10000.0,
+    tensor_types: dict[str, str] | None = None,
 ) -> Path:
-    """A tiny random model as a GGUF file: layer matrices in ``qtype``, the embedding in Q8_0 (tied)
-    or ``head`` (an untied output matrix in that type), norms in F32."""
+    """A tiny random model as a GGUF file: layer matrices in ``qtype`` (or ``tensor_types[name]``, e.g.
+    ``{"blk.0.attn_v": "Q6_K"}``), the embedding in Q8_0 (tied) or ``head`` (an untied output matrix
+    in that type), norms in F32."""
     rng = np.random.default_rng(seed)
     tokens, merges, types = _vocab()
     V, hd = len(tokens), D // HEADS
@@ -113,7 +116,7 @@ def write_gguf(
             ("ffn_up", (FF, D)),
             ("ffn_down", (D, FF)),
         ):
-            add(f"blk.{i}.{name}.weight", shape, qtype)
+            add(f"blk.{i}.{name}.weight", shape, (tensor_types or {}).get(f"blk.{i}.{name}", qtype))
         if arch == "qwen2":
             for name, n in (("attn_q", HEADS * hd), ("attn_k", KV * hd), ("attn_v", KV * hd)):
                 w.add_tensor(f"blk.{i}.{name}.bias", (0.1 * rng.standard_normal(n)).astype(np.float32))
@@ -203,6 +206,90 @@ def test_lossless_methods_equal_greedy_on_q4_k_and_q6_k_blocks(tmp_path, qtype):
         ("self-spec", {"exit_layer": 1, "draft_len": 3, "head": "shared"}),
     ):
         assert layerleap.generate(q4, ids, method, 16, stop_at_eos=False, **options).token_ids == want, method
+
+
+MIXED = {"blk.0.attn_v": "Q6_K", "blk.1.attn_k": "Q6_K", "blk.1.ffn_up": "Q6_K"}  # Q4_K_M's mix, and more
+
+
+def test_weights_fused_from_mixed_block_types_keep_every_part(tmp_path):
+    """Q4_K_M files store some layers' ``attn_q``/``attn_k`` in Q4_K and ``attn_v`` in Q6_K: the fused
+    qkv (and q/k/v in three runs, a gate/up pair) keeps each part in the file's own blocks, nothing is
+    re-quantized; with the block kernel the q4 model holds the file's dequantized values exactly and
+    its logits are as close to the dense model's as the other kept types' (also from the packed cache)."""
+    path = write_gguf(tmp_path / "mixed.gguf", "Q4_K", arch="qwen2", head="Q6_K", seed=6, tensor_types=MIXED)
+    msgs = []
+    dense = layerleap.load(str(path), dtype="float32", progress=msgs.append)
+    q4 = layerleap.load(str(path), dtype="q4", progress=msgs.append)
+    note = [m for m in msgs if m.startswith("4-bit weights")]
+    assert len(note) == 1 and "re-quantized" not in note[0]
+    weights, meta = gguf_q4.read(next((tmp_path / "cache").glob("gguf-mixed-*-q4")))
+    assert json.loads(meta["requantized"]) == {}
+    kinds = {k: [type(p).__name__ for p in w.parts] for k, w in weights.items() if isinstance(w, MixedRows)}
+    assert kinds == {
+        "layers.0.attn.qkv.weight": ["QuantizedRows", "Q6Rows"],
+        "layers.1.attn.qkv.weight": ["QuantizedRows", "Q6Rows", "QuantizedRows"],
+        "layers.1.mlp.gate_up.weight": ["QuantizedRows", "Q6Rows"],
+    }
+    want = dense.dense_state()
+    for k in kinds:  # the file's own values, as gguf dequantizes them
+        assert torch.equal(weights[k].dense(), want[k]), k
+    if kernels.blocks_available():
+        assert [p.bits for p in q4.layers[1].attn.qkv.packed.parts] == [4, 6, 4]
+        for a, b in zip(q4.projections(), dense.projections()):
+            assert torch.equal(a.dense_weight().float(), b.dense_weight().float())
+    ids = q4.tokenizer.encode("hello hello")
+    a, b = _logits(dense, ids), _logits(q4, ids)
+    assert (a - b).abs().max() < 0.1 * a.abs().max()  # as test_every_common_type_loads_dense_and_q4's kept types
+    again = layerleap.load(str(path), dtype="q4", progress=msgs.append)  # from the packed cache
+    assert torch.equal(_logits(again, ids), b) and type(again.layers[0].attn.qkv.packed) is type(
+        q4.layers[0].attn.qkv.packed
+    )
+
+
+def test_a_folder_that_re_quantized_mixed_parts_is_converted_again(tmp_path):
+    from safetensors.torch import load_file
+
+    from layerleap.files import read_safetensors_meta, save_safetensors
+
+    path = write_gguf(tmp_path / "mixed.gguf", "Q4_K", seed=6, tensor_types=MIXED)
+    layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    folder = next((tmp_path / "cache").glob("gguf-mixed-*-q4"))
+    file = folder / gguf_q4.WEIGHTS
+    meta = read_safetensors_meta(file)
+    del meta["mixed"]
+    meta["requantized"] = json.dumps({"layers.0.attn.qkv.weight": "fused from mixed types"})
+    save_safetensors(file, load_file(str(file)), meta)  # as an older conversion wrote it
+    with pytest.raises(ModelFileError, match="re-quantized its weights fused from mixed block types"):
+        gguf_q4.check(folder)
+    msgs = []
+    layerleap.load(str(path), dtype="q4", progress=msgs.append)
+    assert any("rebuilding it" in m for m in msgs) and any(m.startswith("4-bit weights") for m in msgs)
+    gguf_q4.check(folder)
+
+
+@pytest.mark.skipif(not kernels.blocks_available(), reason="the native block kernel is not built")
+def test_mixed_parts_give_native_and_python_layers_the_same_bits_and_methods_equal_greedy(tmp_path, monkeypatch):
+    from layerleap.core import model as model_mod, native
+
+    path = write_gguf(tmp_path / "mixed.gguf", "Q4_K", arch="qwen2", head="Q6_K", seed=7, tensor_types=MIXED)
+    q4 = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    ids = torch.tensor([q4.tokenizer.encode("hello hello hell")])
+
+    def calls(native_on: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(model_mod, "_native_ok", real if native_on else (lambda h, lengths: False))
+        cache = q4.new_cache(1, 40)
+        with torch.inference_mode():
+            out = [q4(ids, cache=cache), q4(ids[:, :1], cache=cache), q4(ids[:, :4], cache=cache)]
+        return [*out, cache.k.clone(), cache.v.clone()]
+
+    real = model_mod._native_ok
+    assert native.layer_args(q4, 0, LAYERS) is not None  # the C++ layers take the stacked weights
+    for a, b in zip(calls(False), calls(True)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(model_mod, "_native_ok", real)
+    want = layerleap.generate(q4, ids[0].tolist(), "greedy", 16, stop_at_eos=False).token_ids
+    got = layerleap.generate(q4, ids[0].tolist(), "prompt-lookup", 16, stop_at_eos=False, draft_len=4, max_ngram=2)
+    assert got.token_ids == want
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(tmp_path):

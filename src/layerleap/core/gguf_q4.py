@@ -17,19 +17,23 @@ which:
   to 8-bit groups of 32 (Q8_0, ``kernels.quantize_q8``); never 4 bits (on SmolLM2-135M a 4-bit LM
   head lowered the greedy top-1 agreement with the fp32 model from 97.8% to 87.5% of positions;
   ``docs/BENCHMARKS.md``);
-- a projection inside a layer in another type (Q5_*, Q8_0, ...), or fused from parts of different
-  types (a Q4_K ``attn_q`` with a Q6_K ``attn_v``), is dequantized and re-quantized to 4-bit groups
-  of 32 (min-max);
+- a projection fused from kept parts of different types (Q4_K_M's Q4_K ``attn_q``/``attn_k`` with a
+  Q6_K ``attn_v``) keeps each part as stored (``kernels.MixedRows``; the block kernel multiplies it as
+  ``kernels.StackWeight``);
+- a projection inside a layer in another type (Q5_*, Q8_0, ...) is dequantized and re-quantized to
+  4-bit groups of 32 (min-max), with the parts fused with it;
 - fp32/fp16 tensors (norms, biases) stay dense.
 
 ``convert`` writes a q4 cache folder: ``config.json``, the tokenizer, and ``q4.safetensors`` with a
 4-bit weight as ``NAME.codes`` (uint8 ``[N, K/2]``, the low nibble the even input), ``NAME.scale``
 and ``NAME.minimum`` (fp32 ``[N, K/32]``), an 8-bit table as ``NAME.int8`` and ``NAME.int8_scale``,
 a Q6_K weight as ``NAME.q6`` (uint8 codes ``[N, K]``), ``NAME.q6_scale`` (int8 ``[N, K/16]``) and
-``NAME.q6_d`` (fp32 ``[N, K/256]``), or ``NAME`` for a dense tensor; its metadata names the model's
-fingerprint (computed from the exact values, so it equals the dense model's).  A folder converted
-before Q6_K was kept (its metadata lacks ``q6_k``, and it re-quantized Q6_K tensors) fails ``check``
-and is converted again.
+``NAME.q6_d`` (fp32 ``[N, K/256]``), a weight of mixed parts as ``NAME.parts`` (their count) and part
+``i`` under ``NAME.part{i}`` in its own form, or ``NAME`` for a dense tensor; its metadata names the
+model's fingerprint (computed from the exact values, so it equals the dense model's).  A folder
+converted before Q6_K was kept (its metadata lacks ``q6_k``, and it re-quantized Q6_K tensors), or
+before mixed parts were kept (it lacks ``mixed`` and re-quantized such a fused weight), fails
+``check`` and is converted again.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from torch import nn
 
 from .config import ConfigError, ModelConfig
 from ..files import save_safetensors
-from .kernels import GROUP, Q6_BLOCK, Int8Rows, Q6Rows, QuantizedRows, quantize, quantize_q8
+from .kernels import GROUP, Q6_BLOCK, Int8Rows, MixedRows, Q6Rows, QuantizedRows, quantize, quantize_q8
 from .model import Transformer
 
 FORMAT = "layerleap-q4-v1"
@@ -51,8 +55,9 @@ WEIGHTS = "q4.safetensors"
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 OUTER = ("model.embed_tokens.weight", "lm_head.weight")  # kept at the file's precision (see above)
 BLOCKS_LAYOUT = "blocks16-v2"  # kernels.BlockWeight's layout (one for every CPU)
-WEIGHT_KEYS = (".codes", ".scale", ".minimum", ".int8", ".int8_scale", ".q6", ".q6_scale", ".q6_d")
+WEIGHT_KEYS = (".codes", ".scale", ".minimum", ".int8", ".int8_scale", ".q6", ".q6_scale", ".q6_d", ".parts")
 SIDE_KEYS = tuple(k for k in WEIGHT_KEYS if k not in (".codes", ".int8", ".q6"))  # beside a weight's main tensor
+STACK_PART_KEYS = ("codes", "dm", "bits", "out_features")  # a packed StackWeight's tensors per part
 
 
 # -- GGUF blocks -> QuantizedRows -------------------------------------------------------------------
@@ -132,11 +137,17 @@ def weight_tensors(name: str, w) -> dict[str, torch.Tensor]:
         return {f"{name}.{k}": v for k, v in w.state().items()}
     if isinstance(w, Q6Rows):
         return {f"{name}.q6": w.q.contiguous(), f"{name}.q6_scale": w.sc.contiguous(), f"{name}.q6_d": w.d.contiguous()}
+    if isinstance(w, MixedRows):
+        out = {f"{name}.parts": torch.tensor([len(w.parts)])}
+        for i, part in enumerate(w.parts):
+            out.update(weight_tensors(f"{name}.part{i}", part))
+        return out
     return {name: w.contiguous()}
 
 
 def tensors_to_weights(tensors: dict[str, torch.Tensor]) -> dict:
-    """The inverse of ``weight_tensors`` over a whole file: ``{name: QuantizedRows, Int8Rows or tensor}``."""
+    """The inverse of ``weight_tensors`` over a whole file: ``{name: QuantizedRows, Int8Rows, Q6Rows,
+    MixedRows or tensor}``."""
     out: dict = {}
     for key, t in tensors.items():
         if key.endswith(".codes"):
@@ -150,6 +161,10 @@ def tensors_to_weights(tensors: dict[str, torch.Tensor]) -> dict:
             out[name] = Q6Rows(t, tensors[f"{name}.q6_scale"], tensors[f"{name}.q6_d"])
         elif not key.endswith(SIDE_KEYS):
             out[key] = t
+    for key, t in tensors.items():
+        if key.endswith(".parts"):
+            name = key[: -len(".parts")]
+            out[name] = MixedRows([out.pop(f"{name}.part{i}") for i in range(int(t[0]))])
     return out
 
 
@@ -246,13 +261,12 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     if missing:
         raise ConfigError(f"{gguf_path.name}: no GGUF tensor for {missing[:4]}{' …' if len(missing) > 4 else ''}")
     ours = hf_to_ours(hf, ctx.config, consume=True, fuse=_cat_rows)
-    requantized.update({k: "fused from mixed types" for k, v in ours.items() if getattr(v, "mixed", False)})
     exact = {
         k: (
             v.exact
             if isinstance(v, _Requantized)
             else v.dense()
-            if isinstance(v, (QuantizedRows, Int8Rows, Q6Rows))
+            if isinstance(v, (QuantizedRows, Int8Rows, Q6Rows, MixedRows))
             else v
         )
         for k, v in ours.items()
@@ -275,6 +289,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
         "requantized": json.dumps(dict(sorted(requantized.items()))),
         "kept": json.dumps({k: v for k, v in sorted(kept.items()) if v not in ("F32", "F16")}),
         "q6_k": "blocks",  # Q6_K tensors kept as stored (a folder without this re-quantized them: converted again)
+        "mixed": "parts",  # fused parts of different types kept as stored (without: re-quantized, converted again)
     }
     save_safetensors(out / WEIGHTS, tensors, meta)
     ctx.save_config_and_tokenizer(out)
@@ -295,23 +310,21 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
 class _Requantized:
     """A dense weight to be quantized after fusion (its exact values feed the fingerprint)."""
 
-    def __init__(self, exact: torch.Tensor, bits: int = 4, mixed: bool = False):
-        self.exact, self.bits, self.mixed = exact, bits, mixed  # mixed: fused from kept blocks of two types
+    def __init__(self, exact: torch.Tensor, bits: int = 4):
+        self.exact, self.bits = exact, bits
         self.shape = exact.shape
 
 
 def _cat_rows(parts: list):
-    """``hf_to_ours``'s fuse for mixed parts: rows of QuantizedRows, dense tensors or _Requantized."""
-    if all(isinstance(p, QuantizedRows) for p in parts):
-        return QuantizedRows.cat(parts)
-    if all(isinstance(p, Q6Rows) for p in parts):
-        return Q6Rows.cat(parts)
-    kept = [isinstance(p, (QuantizedRows, Q6Rows)) for p in parts]
+    """``hf_to_ours``'s fuse: kept blocks stay as stored (``MixedRows`` when their types differ); with a
+    dense tensor or ``_Requantized`` among them, all is re-quantized."""
+    if all(isinstance(p, (QuantizedRows, Q6Rows)) for p in parts):
+        return MixedRows.of(parts)
     dense = [
         p.exact if isinstance(p, _Requantized) else p.dense() if isinstance(p, (QuantizedRows, Q6Rows)) else p
         for p in parts
     ]
-    return _Requantized(torch.cat(dense, 0), mixed=any(kept) and all(kept))
+    return _Requantized(torch.cat(dense, 0))
 
 
 def check(folder: Path) -> tuple:
@@ -334,6 +347,11 @@ def check(folder: Path) -> tuple:
         )
     if meta.get("q6_k") != "blocks" and "Q6_K" in meta.get("requantized", "") + meta.get("kept", ""):
         raise ModelFileError(f"{path} re-quantized its Q6_K tensors (an older conversion): delete it to convert again")
+    if meta.get("mixed") != "parts" and "fused from mixed types" in meta.get("requantized", ""):
+        raise ModelFileError(
+            f"{path} re-quantized its weights fused from mixed block types (an older conversion): "
+            "delete it to convert again"
+        )
     names = {k.rsplit(".", 1)[0] if k.endswith(WEIGHT_KEYS) else k for k in header[0]}
     need = {"tok_embeddings.weight", "norm.weight"} | {
         f"layers.{i}.{n}.weight"
@@ -373,7 +391,7 @@ def save_packed(folder: Path, model) -> None:
     (packed again at load), the norms.  The metadata maps every packed module to the module whose
     tensors it uses (a tied head shares the embedding's 4-bit weight) and to its format."""
     from ..errors import LayerleapError
-    from .kernels import BlockWeight, Int4Weight, Int8Rows
+    from .kernels import BlockWeight, Int4Weight, Int8Rows, StackWeight
     from .model import Embedding, Linear
 
     tensors, modules, first = {}, {}, {}
@@ -381,7 +399,7 @@ def save_packed(folder: Path, model) -> None:
         if not isinstance(mod, (Linear, Embedding)) or mod.packed is None:
             continue
         fmt = mod.packed
-        if not isinstance(fmt, (Int4Weight, Int8Rows, BlockWeight)):  # oneDNN: stored dense, packed again at load
+        if not isinstance(fmt, (Int4Weight, Int8Rows, BlockWeight, StackWeight)):  # oneDNN: stored dense, packed again
             tensors[f"{name}.weight"] = fmt.dense().contiguous()
             if fmt.bias is not None:
                 tensors[f"{name}.bias"] = fmt.bias
@@ -448,7 +466,7 @@ def assemble_q4(config: ModelConfig, formats: dict, dense: dict, tokenizer=None,
 def build_q4_packed(config: ModelConfig, tensors: dict, modules: dict, tokenizer=None) -> Transformer:
     """A 4-bit model from the packed cache (``gguf_q4.save_packed``): ``modules`` maps each packed
     module to [the module whose tensors it uses, the format's class name]."""
-    from .kernels import BlockWeight, Int4Weight, Int8Rows
+    from .kernels import BlockWeight, Int4Weight, Int8Rows, StackWeight
 
     formats, made = {}, {}
     for name, (owner, kind) in modules.items():
@@ -471,6 +489,11 @@ def build_q4_packed(config: ModelConfig, tensors: dict, modules: dict, tokenizer
                 )
             elif kind == "Int8Rows":
                 made[owner] = Int8Rows(tensors.pop(f"{owner}.int8"), tensors.pop(f"{owner}.int8_scale"))
+            elif kind == "StackWeight":
+                n_parts = int(tensors[f"{owner}.parts"][0])
+                keys = ["parts", "bias"] + [f"part{i}.{k}" for i in range(n_parts) for k in STACK_PART_KEYS]
+                state = {k: tensors.pop(f"{owner}.{k}") for k in keys if f"{owner}.{k}" in tensors}
+                made[owner] = StackWeight.from_state(state)
             else:
                 raise ConfigError(f"unknown packed format {kind!r}")
         formats[name] = made[owner]

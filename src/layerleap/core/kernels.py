@@ -85,6 +85,10 @@ class PackedWeight:
         """(kind, a, b) for ``decoder.cpp``'s ``Proj``, or None for a format the C++ does not know."""
         return None
 
+    def native_parts(self) -> list[tuple]:
+        """The ``Proj`` entries that follow this one's (a stacked weight's parts), none by default."""
+        return []
+
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -184,6 +188,36 @@ class Q6Rows:
 
     def take_rows(self, index: torch.Tensor) -> "Q6Rows":
         return Q6Rows(self.q[index], self.sc[index], self.d[index])
+
+
+@dataclass
+class MixedRows:
+    """A fused weight whose row ranges come in different block types (GGUF Q4_K_M's Q4_K ``attn_q`` and
+    ``attn_k`` over a Q6_K ``attn_v``): each part as stored, in row order; ``dense()`` stacks their
+    exact values."""
+
+    parts: list  # QuantizedRows or Q6Rows, [N_i, K] each, neighbours of different types
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dense(self) -> torch.Tensor:
+        """``[N, K]`` fp32, exact."""
+        return torch.cat([p.dense() for p in self.parts])
+
+    @staticmethod
+    def of(parts: list) -> "QuantizedRows | Q6Rows | MixedRows":
+        """The rows of ``parts`` (QuantizedRows or Q6Rows) stacked: neighbours of one type joined, a
+        single part's own type when they all share one."""
+        runs: list[list] = []
+        for p in parts:
+            if runs and type(runs[-1][-1]) is type(p):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        joined = [type(run[0]).cat(run) for run in runs]
+        return joined[0] if len(joined) == 1 else MixedRows(joined)
 
 
 class Int8Rows:
@@ -663,6 +697,78 @@ class BlockWeight(PackedWeight):
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.dm.numel() * self.dm.element_size()
+
+
+class StackWeight(PackedWeight):
+    """Block weights over consecutive output rows of one product: a fused weight whose parts have
+    different block types (``MixedRows``, e.g. 4-bit ``q``/``k`` rows over 6-bit ``v`` rows), each
+    part kept as stored.  ``matmul`` multiplies every part by the native kernel, puts the rows side by
+    side, then adds the bias: a row's result is the one a single block weight holding that row gives
+    (``native/decoder.cpp``'s ``STACK`` does the same calls)."""
+
+    def native_proj(self):
+        return 5, torch.empty(0), torch.empty(0)  # decoder.cpp's STACK, followed by its parts
+
+    def native_parts(self) -> list[tuple]:
+        """``decoder.cpp``'s ``Proj`` entries of the parts (kind, a, b, bias, out, in), in row order."""
+        return [(*p.native_proj(), None, p.out_features, p.in_features) for p in self.parts]
+
+    def __init__(self, parts: list[BlockWeight], bias: torch.Tensor | None = None):
+        if not parts or any(not isinstance(p, BlockWeight) or p.bias is not None for p in parts):
+            raise KernelError("a stacked weight holds block weights without their own bias")
+        if len({p.in_features for p in parts}) != 1:
+            raise KernelError(f"stacked block weights differ in inputs: {[p.in_features for p in parts]}")
+        self.parts = parts
+        self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
+        self.dtype = torch.bfloat16
+        self.bias = None if bias is None else bias.detach().float()
+
+    @classmethod
+    def from_mixed(cls, rows: MixedRows, bias: torch.Tensor | None = None) -> "StackWeight":
+        return cls(
+            [BlockWeight.from_q6(p) if isinstance(p, Q6Rows) else BlockWeight.from_rows(p) for p in rows.parts], bias
+        )
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        mod = _native_blocks()
+        if mod is None:
+            raise KernelError("the native block kernel is not built: run `layerleap native --build`")
+        x2 = x.reshape(-1, self.in_features)
+        y = torch.cat([mod.block_matmul(x2, p.codes, p.dm, p.out_features, p.fine, "") for p in self.parts], 1)
+        y = self._add_bias(y)
+        return y.view(*lead, self.out_features).to(x.dtype if x.is_floating_point() else torch.bfloat16)
+
+    def dense(self) -> torch.Tensor:
+        """``[N, K]`` fp32, exact (the file's own values)."""
+        return torch.cat([p.dense() for p in self.parts])
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {"parts": torch.tensor([len(self.parts)])}
+        for i, p in enumerate(self.parts):
+            out.update({f"part{i}.{k}": v for k, v in p.state().items()})
+            out[f"part{i}.out_features"] = torch.tensor([p.out_features])
+        if self.bias is not None:
+            out["bias"] = self.bias
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> "StackWeight":
+        """The weight ``state()`` describes (the block layout is the same on every CPU)."""
+        parts = [
+            BlockWeight(
+                state[f"part{i}.codes"],
+                state[f"part{i}.dm"],
+                int(state[f"part{i}.out_features"][0]),
+                int(state[f"part{i}.bits"][0]),
+            )
+            for i in range(int(state["parts"][0]))
+        ]
+        return cls(parts, state.get("bias"))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
 
 
 # -- choosing a format per CPU -----------------------------------------------------------------------

@@ -705,21 +705,30 @@ def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
 
 
 def build_q4(config: ModelConfig, weights: dict, tokenizer=None, source=None) -> Transformer:
-    """A Transformer from ``{our name: kernels.QuantizedRows, Int8Rows, Q6Rows or dense tensor}``:
-    4-bit projections in this CPU's 4-bit format (``kernels.q4_format``: the native block kernel,
-    ``BlockWeight``, or torch's ``Int4Weight``), an 8-bit embedding as 8-bit blocks (or looked up
+    """A Transformer from ``{our name: kernels.QuantizedRows, Int8Rows, Q6Rows, MixedRows or dense
+    tensor}``: 4-bit projections in this CPU's 4-bit format (``kernels.q4_format``: the native block
+    kernel, ``BlockWeight``, or torch's ``Int4Weight``), an 8-bit embedding as 8-bit blocks (or looked up
     by rows beside torch's kernel), GGUF's Q6_K (``kernels.Q6Rows``) as 6-bit blocks (beside torch's
-    kernel re-quantized: 4 bits in the layers, 8 for the embedding and head), everything dense in
+    kernel re-quantized: 4 bits in the layers, 8 for the embedding and head), a weight of mixed parts
+    as the block weights of its parts (``kernels.StackWeight``; beside torch's kernel its 4-bit parts
+    kept and the others re-quantized to 4 bits), everything dense in
     bf16 (a dense LM head is then packed for oneDNN by ``optimize_layout``).  A tied LM head shares a
     block embedding; beside
     torch's kernel and an 8-bit embedding it gets the embedding's exact values in bf16."""
     from .gguf_q4 import assemble_q4
-    from .kernels import BlockWeight, Int4Weight, Int8Rows, Q6Rows, QuantizedRows, q4_format, q4_weight
-    from .kernels import quantize, quantize_q8
+    from .kernels import BlockWeight, Int4Weight, Int8Rows, MixedRows, Q6Rows, QuantizedRows, q4_format, q4_weight
+    from .kernels import StackWeight, quantize, quantize_q8
 
     blocks = q4_format() == "blocks"
     formats = {}
     for name, w in list(weights.items()):
+        if isinstance(w, MixedRows):  # parts of different block types: each multiplied as stored
+            mod = name.removesuffix(".weight")
+            if blocks:
+                formats[mod] = StackWeight.from_mixed(weights.pop(name), weights.pop(f"{mod}.bias", None))
+                continue
+            parts = [p if isinstance(p, QuantizedRows) else quantize(p.dense()) for p in w.parts]
+            w = weights[name] = QuantizedRows.cat(parts)
         if isinstance(w, Q6Rows):  # the block kernel multiplies Q6_K as stored; beside torch's, 4 or 8 bits
             mod = name.removesuffix(".weight")
             if blocks:

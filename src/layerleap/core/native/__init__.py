@@ -90,13 +90,17 @@ def status() -> dict:
 _ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _projection(lin):
-    """(kind, a, b, bias, out, in) of a ``model.Linear`` for ``decoder.cpp``'s ``Proj``, or None."""
+def _projection(lin) -> list[tuple] | None:
+    """The entries (kind, a, b, bias, out, in) of a ``model.Linear`` for ``decoder.cpp``'s ``Proj``: one,
+    or a stacked weight's own followed by its parts' (``kernels.StackWeight``); None for a format the
+    C++ does not know."""
     fmt = lin.packed
     if fmt is None:
-        return 0, lin.weight, torch.empty(0), lin.bias, lin.out_features, lin.in_features
+        return [(0, lin.weight, torch.empty(0), lin.bias, lin.out_features, lin.in_features)]
     proj = fmt.native_proj()
-    return None if proj is None else (*proj, fmt.bias, fmt.out_features, fmt.in_features)
+    if proj is None:
+        return None
+    return [(*proj, fmt.bias, fmt.out_features, fmt.in_features), *fmt.native_parts()]
 
 
 def layer_args(model, start: int, end: int):
@@ -111,6 +115,6 @@ def layer_args(model, start: int, end: int):
         args = None
         if all(p is not None for p in projs):
             norms = [w for blk in model.layers[start:end] for w in (blk.attn_norm.weight, blk.mlp_norm.weight)]
-            args = (norms, *map(list, zip(*projs)))
+            args = (norms, *map(list, zip(*(entry for p in projs for entry in p))))
         store[(start, end)] = held = (formats, args)
     return held[1]

@@ -19,8 +19,9 @@ using c10::optional;
 
 namespace {
 
-// kernels.py's formats; BLOCKS_FINE: a block weight whose activations are rounded to 15 bits, BLOCKS: to 8
-enum Kind : int64_t { DENSE = 0, ONEDNN = 1, INT4 = 2, BLOCKS = 3, BLOCKS_FINE = 4 };
+// kernels.py's formats; BLOCKS_FINE: a block weight whose activations are rounded to 15 bits, BLOCKS: to 8;
+// STACK: block weights over consecutive output rows (kernels.StackWeight), its parts the entries after it
+enum Kind : int64_t { DENSE = 0, ONEDNN = 1, INT4 = 2, BLOCKS = 3, BLOCKS_FINE = 4, STACK = 5 };
 
 Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
                     const std::string& path);
@@ -32,6 +33,7 @@ struct Proj {  // one projection: the weight format's tensors (see kernels.py)
   optional<Tensor> bias;
   int64_t out;           // output features (INT4 cuts its padding)
   int64_t in;            // input features
+  std::vector<Proj> parts;  // STACK: the block weights of its rows, in order
 };
 
 Tensor onednn_linear(const Tensor& x2, const Tensor& w, const optional<Tensor>& bias) {
@@ -61,6 +63,14 @@ Tensor project(const Proj& p, const Tensor& x, bool detour) {
   }
   if (p.kind == BLOCKS || p.kind == BLOCKS_FINE) {  // BlockWeight.matmul
     auto y = block_matmul(x.reshape({-1, p.in}), p.a, p.b, p.out, p.kind == BLOCKS_FINE, "");
+    if (p.bias.has_value()) y = y + p.bias->to(y.scalar_type());
+    return y.view(sizes).to(x.scalar_type());
+  }
+  if (p.kind == STACK) {  // StackWeight.matmul
+    auto x2 = x.reshape({-1, p.in});
+    std::vector<Tensor> ys;
+    for (const auto& q : p.parts) ys.push_back(block_matmul(x2, q.a, q.b, q.out, q.kind == BLOCKS_FINE, ""));
+    auto y = at::cat(ys, 1);
     if (p.bias.has_value()) y = y + p.bias->to(y.scalar_type());
     return y.view(sizes).to(x.scalar_type());
   }
@@ -947,7 +957,7 @@ std::string blocks_isa() { return blocks_paths()[0]; }
 // Model.run_layers over layers [0, L') of the given stacks, cache rows all starting at `start` (the
 // caller checked): h [B, S, D]; cos/sin [B, S, 1, hd]; K/V [L', B, Hkv, total, hd] views of the cache;
 // mask/folded: Keys.mask / Keys.folded; projections 4 per layer (qkv, o, gate_up,
-// down), norms 2 per layer.
+// down; a STACK entry is followed by its parts' entries, whose outputs add up to its own), norms 2 per layer.
 Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& K, const Tensor& V, int64_t start,
                   const optional<Tensor>& mask, const optional<Tensor>& folded, int64_t H, int64_t Hkv,
                   int64_t hd, int64_t inter, double eps, bool detour, int64_t row_by_row_max,
@@ -955,11 +965,19 @@ Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& 
                   const std::vector<Tensor>& b, const std::vector<optional<Tensor>>& bias,
                   const std::vector<int64_t>& outs, const std::vector<int64_t>& ins) {
   const int64_t L = K.size(0), B = h.size(0), S = h.size(1), g = H / Hkv;
+  size_t next = 0;  // the entry read next
+  auto entry = [&]() {
+    TORCH_CHECK(next < kinds.size(), "run_layers: fewer projections than the layers take");
+    auto i = next++;
+    return Proj{kinds[i], a[i], b[i], bias[i], outs[i], ins[i], {}};
+  };
   for (int64_t l = 0; l < L; l++) {
     Proj p[4];
     for (int j = 0; j < 4; j++) {
-      auto i = l * 4 + j;
-      p[j] = Proj{kinds[i], a[i], b[i], bias[i], outs[i], ins[i]};
+      p[j] = entry();
+      for (int64_t rows = 0; p[j].kind == STACK && rows < p[j].out; rows += p[j].parts.back().out) {
+        p[j].parts.push_back(entry());
+      }
     }
     // Attention.project
     auto x = rms_norm(h, norms[2 * l], eps);

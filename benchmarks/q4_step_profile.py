@@ -10,8 +10,11 @@ the caches hold, as in a step), best of ``--repeats`` passes; a step is timed th
 ``--variants super,fp32`` profiles the model as loaded and a twin whose Q4_K scales are expanded to
 fp32 (the block kernel's layout before super-block scales; the same bits); ``old`` reads
 ``--old-folder``, a q4 folder converted before Q6_K tensors were kept (they are re-quantized there:
-4 bits in the layers, 8 for the head), with fp32 Q4_K scales.  ``--decode-tokens`` adds greedy
-decoding on a few prompts, the variants interleaved per prompt.
+4 bits in the layers, 8 for the head), with fp32 Q4_K scales; ``requant`` is the model as loaded
+with every weight fused from parts of different block types (``kernels.StackWeight``: Q4_K_M's Q4_K
+``attn_q``/``attn_k`` over a Q6_K ``attn_v``) re-quantized to one 4-bit block weight (min-max groups
+of 32), as conversions did before such parts were kept.  ``--decode-tokens`` adds greedy decoding on
+a few prompts, the variants interleaved per prompt.
 """
 
 from __future__ import annotations
@@ -130,6 +133,17 @@ def fp32_scales(model):
     return model
 
 
+def requantized_mixed(model):
+    """``model`` with every stacked weight re-quantized to one 4-bit block weight (in place)."""
+    from layerleap.core.kernels import BlockWeight, StackWeight, quantize
+
+    for mod in model.modules():
+        fmt = getattr(mod, "packed", None)
+        if isinstance(fmt, StackWeight):
+            mod.packed = BlockWeight.from_rows(quantize(fmt.dense()), fmt.bias)
+    return model
+
+
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain the difference between a list and a tuple in Python.",
@@ -160,7 +174,9 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--variants", default="super", help="super (as loaded), fp32 (scales expanded), old")
+    ap.add_argument(
+        "--variants", default="super", help="super (as loaded), fp32 (scales expanded), old, requant (mixed parts)"
+    )
     ap.add_argument("--old-folder", default=None, help="an older q4 folder of the same model (variant old)")
     ap.add_argument("--decode-tokens", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=2)
@@ -173,7 +189,7 @@ def main() -> None:
             models[v] = load_old(args.old_folder, next(iter(models.values())))
             continue
         m = layerleap.load(args.model, dtype="q4")
-        models[v] = fp32_scales(m) if v == "fp32" else m
+        models[v] = fp32_scales(m) if v == "fp32" else requantized_mixed(m) if v == "requant" else m
     out = {"variants": {}, "decode_tok_s": {}}
     for t in map(int, args.threads.split(",")):
         if args.decode_tokens:

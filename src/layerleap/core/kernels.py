@@ -12,6 +12,9 @@ A projection (``model.Linear``) holds either a dense ``[out, in]`` weight, multi
   (``aten._weight_int4pack_mm_for_cpu``, bf16 activations).  GGUF Q4_1 and Q4_K blocks map onto it
   without re-quantizing; the kernel keeps scale and zero in bf16 (``docs/BENCHMARKS.md`` gives the
   error that costs).
+- ``BlockWeight``: GGUF's blocks as stored (4-, 6- or 8-bit codes with their scales), multiplied by
+  the native block kernel (``native/decoder.cpp``); ``StackWeight``: block weights of different
+  types over consecutive output rows of one fused product.
 
 Every format answers ``fmt(x)`` (``[..., in] -> [..., out]``), ``dense()`` (the weight as a dense
 ``[out, in]`` tensor) and ``nbytes``; ``Int4Weight`` also answers ``rows(ids)`` for embeddings.

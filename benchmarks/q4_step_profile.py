@@ -13,7 +13,8 @@ fp32 (the block kernel's layout before super-block scales; the same bits); ``old
 4 bits in the layers, 8 for the head), with fp32 Q4_K scales; ``requant`` is the model as loaded
 with every weight fused from parts of different block types (``kernels.StackWeight``: Q4_K_M's Q4_K
 ``attn_q``/``attn_k`` over a Q6_K ``attn_v``) re-quantized to one 4-bit block weight (min-max groups
-of 32), as conversions did before such parts were kept.  ``--decode-tokens`` adds greedy decoding on
+of 32), as conversions did before such parts were kept; after ``super`` it is the same loaded model,
+those weights swapped in before each of its turns.  ``--decode-tokens`` adds greedy decoding on
 a few prompts, the variants interleaved per prompt.
 """
 
@@ -133,15 +134,28 @@ def fp32_scales(model):
     return model
 
 
-def requantized_mixed(model):
-    """``model`` with every stacked weight re-quantized to one 4-bit block weight (in place)."""
+def requantized_mixed(model) -> dict:
+    """``{module: a 4-bit block weight}`` for every stacked weight of ``model``: its rows re-quantized."""
     from layerleap.core.kernels import BlockWeight, StackWeight, quantize
 
-    for mod in model.modules():
-        fmt = getattr(mod, "packed", None)
-        if isinstance(fmt, StackWeight):
-            mod.packed = BlockWeight.from_rows(quantize(fmt.dense()), fmt.bias)
-    return model
+    return {
+        mod: BlockWeight.from_rows(quantize(mod.packed.dense()), mod.packed.bias)
+        for mod in model.modules()
+        if isinstance(getattr(mod, "packed", None), StackWeight)
+    }
+
+
+class Variant:
+    """A model to time, with the formats ``use`` puts into some of its modules first: two variants of one
+    loaded model differ in those weights only, not in where the others sit in memory."""
+
+    def __init__(self, model, formats: dict | None = None):
+        self.model, self.formats = model, formats or {}
+
+    def use(self):
+        for mod, fmt in self.formats.items():
+            mod.packed = fmt
+        return self.model
 
 
 PROMPTS = [
@@ -152,14 +166,15 @@ PROMPTS = [
 ]
 
 
-def decode(models: dict, threads: int, n_prompts: int, tokens: int) -> dict:
+def decode(models: dict, threads: int, n_prompts: int, tokens: int, rounds: int = 1) -> dict:
     """Greedy decode tok/s (tokens after the first over the time after it) per variant, interleaved."""
     torch.set_num_threads(threads)
     spent = {k: [0.0, 0] for k in models}
-    for model in models.values():  # warm-up
-        layerleap.generate(model, PROMPTS[0], "greedy", 4, chat=True, stop_at_eos=False)
-    for text in PROMPTS[:n_prompts]:
-        for name, model in models.items():
+    for variant in models.values():  # warm-up
+        layerleap.generate(variant.use(), PROMPTS[0], "greedy", 4, chat=True, stop_at_eos=False)
+    for text in PROMPTS[:n_prompts] * rounds:
+        for name, variant in models.items():
+            model = variant.use()
             t0 = time.perf_counter()
             res = layerleap.generate(model, text, "greedy", tokens, chat=True, stop_at_eos=False)
             wall = time.perf_counter() - t0
@@ -180,23 +195,29 @@ def main() -> None:
     ap.add_argument("--old-folder", default=None, help="an older q4 folder of the same model (variant old)")
     ap.add_argument("--decode-tokens", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="times over the prompts (decoding)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     models = {}
     for v in args.variants.split(","):
         if v == "old":
-            models[v] = load_old(args.old_folder, next(iter(models.values())))
-            continue
-        m = layerleap.load(args.model, dtype="q4")
-        models[v] = fp32_scales(m) if v == "fp32" else requantized_mixed(m) if v == "requant" else m
+            models[v] = Variant(load_old(args.old_folder, next(iter(models.values())).model))
+        elif v == "requant" and "super" in models:  # the loaded model, its stacked weights swapped in turn
+            m = models["super"].model
+            swapped = requantized_mixed(m)
+            models["super"].formats = {mod: mod.packed for mod in swapped}
+            models[v] = Variant(m, swapped)
+        else:
+            m = layerleap.load(args.model, dtype="q4")
+            models[v] = Variant(fp32_scales(m) if v == "fp32" else m, requantized_mixed(m) if v == "requant" else None)
     out = {"variants": {}, "decode_tok_s": {}}
     for t in map(int, args.threads.split(",")):
         if args.decode_tokens:
-            out["decode_tok_s"][t] = decode(models, t, args.prompts, args.decode_tokens)
-        for v, m in models.items():
+            out["decode_tok_s"][t] = decode(models, t, args.prompts, args.decode_tokens, args.rounds)
+        for v, variant in models.items():
             if not args.no_profile:
-                out["variants"].setdefault(v, []).append(profile_threads(m, t, args.context, args.repeats))
+                out["variants"].setdefault(v, []).append(profile_threads(variant.use(), t, args.context, args.repeats))
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

@@ -15,13 +15,14 @@ with every weight fused from parts of different block types (``kernels.StackWeig
 ``attn_q``/``attn_k`` over a Q6_K ``attn_v``) re-quantized to one 4-bit block weight (min-max groups
 of 32), as conversions did before such parts were kept; after ``super`` it is the same loaded model,
 those weights swapped in before each of its turns.  ``--decode-tokens`` adds greedy decoding on
-a few prompts, the variants interleaved per prompt.
+a few prompts, the variants interleaved per prompt; ``--step-rounds`` times one-token calls, the variants in turn.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
 
@@ -183,6 +184,29 @@ def decode(models: dict, threads: int, n_prompts: int, tokens: int, rounds: int 
     return {k: round(n / s, 2) for k, (s, n) in spent.items()}
 
 
+def interleaved_steps(models: dict, threads: int, context: int, rounds: int) -> dict:
+    """A one-token call's cost per variant after ``context`` tokens, the variants taking turns: each
+    round, the best of 3 calls by the thread's CPU time (ms); the minimum and median over the rounds."""
+    torch.set_num_threads(threads)
+    tok, caches = torch.tensor([[42]]), {}
+    times: dict[str, list[float]] = {k: [] for k in models}
+    with torch.inference_mode():
+        for name, variant in models.items():
+            model = variant.use()
+            caches[name] = model.new_cache(1, context + 8)
+            model(torch.randint(0, 1000, (1, context), generator=torch.Generator().manual_seed(0)), cache=caches[name])
+        for _ in range(rounds):
+            for name, variant in models.items():
+                model, cache, best_s = variant.use(), caches[name], float("inf")
+                for _ in range(3):
+                    t0 = time.thread_time()
+                    model(tok, cache=cache)
+                    best_s = min(best_s, time.thread_time() - t0)
+                    cache.lengths -= 1  # the same context every call
+                times[name].append(best_s * 1e3)
+    return {k: {"min_ms": round(min(t), 2), "median_ms": round(statistics.median(t), 2)} for k, t in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -196,6 +220,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="times over the prompts (decoding)")
+    ap.add_argument("--step-rounds", type=int, default=0, help="rounds of one-token calls, variants in turn")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -211,8 +236,10 @@ def main() -> None:
         else:
             m = layerleap.load(args.model, dtype="q4")
             models[v] = Variant(fp32_scales(m) if v == "fp32" else m, requantized_mixed(m) if v == "requant" else None)
-    out = {"variants": {}, "decode_tok_s": {}}
+    out = {"variants": {}, "decode_tok_s": {}, "step_cpu_ms": {}}
     for t in map(int, args.threads.split(",")):
+        if args.step_rounds:
+            out["step_cpu_ms"][t] = interleaved_steps(models, t, args.context, args.step_rounds)
         if args.decode_tokens:
             out["decode_tok_s"][t] = decode(models, t, args.prompts, args.decode_tokens, args.rounds)
         for v, variant in models.items():

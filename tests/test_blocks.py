@@ -339,3 +339,29 @@ def test_activation_bits_follow_the_environment(monkeypatch):
     monkeypatch.setenv(kernels.Q4_ACTIVATIONS_ENV, "16")
     with pytest.raises(kernels.KernelError, match="LAYERLEAP_Q4_ACTIVATIONS must be 8 or 15"):
         BlockWeight.from_rows(r)
+
+
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_stacked_parts_of_two_block_types_equal_each_part_alone(m):
+    """A weight fused from 4-bit rows, 6-bit rows and 4-bit rows again (``MixedRows`` of 40 + 17 + 16
+    rows, the middle part not a whole block of 16) keeps every part exactly, and each output row is the
+    one its own part's block weight gives, bias included; its packed state rebuilds the same weight."""
+    from layerleap.core.kernels import MixedRows, StackWeight
+
+    parts = [_q4k_rows(40, 512, seed=1), _q6(17, 512, seed=2), _q4k_rows(16, 512, seed=3)]
+    mixed = MixedRows.of(parts)
+    assert isinstance(mixed, MixedRows) and mixed.shape == (73, 512)
+    assert torch.equal(mixed.dense(), torch.cat([p.dense() for p in parts]))
+    bias = torch.randn(73, generator=torch.Generator().manual_seed(4))
+    w = StackWeight.from_mixed(mixed, bias)
+    assert [p.bits for p in w.parts] == [4, 6, 4] and torch.equal(w.dense(), mixed.dense())
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    alone = [  # each part as its own block weight with its share of the bias
+        BlockWeight.from_q6(p, b) if isinstance(p, Q6Rows) else BlockWeight.from_rows(p, b)
+        for p, b in zip(parts, bias.split([40, 17, 16]))
+    ]
+    assert torch.equal(w(x), torch.cat([a(x) for a in alone], 1))  # bias added in fp32, then bf16: the same bits
+    again = StackWeight.from_state(w.state())
+    assert torch.equal(again(x), w(x)) and torch.equal(again.dense(), w.dense())
+    assert MixedRows.of(parts[:1] + parts[2:]).shape == (56, 512)  # one type: plain QuantizedRows
+    assert isinstance(MixedRows.of(parts[:1] + parts[2:]), QuantizedRows)

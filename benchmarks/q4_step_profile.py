@@ -173,8 +173,8 @@ def decode(models: dict, threads: int, n_prompts: int, tokens: int, rounds: int 
     spent = {k: [0.0, 0] for k in models}
     for variant in models.values():  # warm-up
         layerleap.generate(variant.use(), PROMPTS[0], "greedy", 4, chat=True, stop_at_eos=False)
-    for text in PROMPTS[:n_prompts] * rounds:
-        for name, variant in models.items():
+    for i, text in enumerate(PROMPTS[:n_prompts] * rounds):
+        for name, variant in list(models.items())[:: -1 if i % 2 else 1]:  # ABBA: neither always goes first
             model = variant.use()
             t0 = time.perf_counter()
             res = layerleap.generate(model, text, "greedy", tokens, chat=True, stop_at_eos=False)
@@ -195,8 +195,8 @@ def interleaved_steps(models: dict, threads: int, context: int, rounds: int) -> 
             model = variant.use()
             caches[name] = model.new_cache(1, context + 8)
             model(torch.randint(0, 1000, (1, context), generator=torch.Generator().manual_seed(0)), cache=caches[name])
-        for _ in range(rounds):
-            for name, variant in models.items():
+        for r in range(rounds):
+            for name, variant in list(models.items())[:: -1 if r % 2 else 1]:
                 model, cache, best_s = variant.use(), caches[name], float("inf")
                 for _ in range(3):
                     t0 = time.thread_time()

@@ -211,11 +211,16 @@ def test_lossless_methods_equal_greedy_on_q4_k_and_q6_k_blocks(tmp_path, qtype):
 MIXED = {"blk.0.attn_v": "Q6_K", "blk.1.attn_k": "Q6_K", "blk.1.ffn_up": "Q6_K"}  # Q4_K_M's mix, and more
 
 
-def test_weights_fused_from_mixed_block_types_keep_every_part(tmp_path):
+@pytest.mark.parametrize("kernel", ["blocks", "torch"])
+def test_weights_fused_from_mixed_block_types_keep_every_part(tmp_path, monkeypatch, kernel):
     """Q4_K_M files store some layers' ``attn_q``/``attn_k`` in Q4_K and ``attn_v`` in Q6_K: the fused
     qkv (and q/k/v in three runs, a gate/up pair) keeps each part in the file's own blocks, nothing is
-    re-quantized; with the block kernel the q4 model holds the file's dequantized values exactly and
-    its logits are as close to the dense model's as the other kept types' (also from the packed cache)."""
+    re-quantized; with the block kernel the q4 model holds the file's dequantized values exactly, and
+    with either kernel its logits are as close to the dense model's as the other kept types' (also
+    from the packed cache; beside torch's int4 kernel the Q6_K parts are re-quantized at load)."""
+    if not (kernels.blocks_available() if kernel == "blocks" else kernels.int4_supported()):
+        pytest.skip(f"no {kernel} kernel here")
+    monkeypatch.setenv(kernels.Q4_ENV, kernel)
     path = write_gguf(tmp_path / "mixed.gguf", "Q4_K", arch="qwen2", head="Q6_K", seed=6, tensor_types=MIXED)
     msgs = []
     dense = layerleap.load(str(path), dtype="float32", progress=msgs.append)
@@ -233,7 +238,7 @@ def test_weights_fused_from_mixed_block_types_keep_every_part(tmp_path):
     want = dense.dense_state()
     for k in kinds:  # the file's own values, as gguf dequantizes them
         assert torch.equal(weights[k].dense(), want[k]), k
-    if kernels.blocks_available():
+    if kernel == "blocks":
         assert [p.bits for p in q4.layers[1].attn.qkv.packed.parts] == [4, 6, 4]
         for a, b in zip(q4.projections(), dense.projections()):
             assert torch.equal(a.dense_weight().float(), b.dense_weight().float())

@@ -197,8 +197,9 @@ def q8_0_rows(data: np.ndarray, n_rows: int, n_cols: int) -> Int8Rows:
 
 # -- the conversion ---------------------------------------------------------------------------------
 def convert(gguf_path: Path, out: Path, progress) -> None:
-    """Read ``gguf_path`` into a q4 cache folder ``out`` (see the module's doc): every 2-D weight as
-    ``QuantizedRows`` (exact for Q4_0/Q4_1/Q4_K, re-quantized otherwise), the rest dense."""
+    """Read ``gguf_path`` into a q4 cache folder ``out`` (see the module's doc): every 2-D weight as its
+    blocks (``QuantizedRows``, ``Q6Rows``, ``Int8Rows`` or ``MixedRows``: exact) or re-quantized, the
+    rest dense."""
     from gguf import GGUFReader, dequantize
     from tqdm.auto import tqdm
 

@@ -20,6 +20,12 @@ prompt pass is plain), so drafting starts with the second token.  Greedy output 
 model's greedy decoding, whatever the projections; sampling verifies the tree by SpecInfer's
 multi-draft rule (lossless).
 
+``tree="dynamic"`` (EAGLE-2, ``drafters.trees.DynamicTree``) builds each round's tree from the kept
+node's pseudo states' own confidence.  Which positions get pseudo states stays fixed: every node of
+the tree, for every trained step (any node may be the last kept one, and the next tree may take
+every step), so a node costs ``1 + steps`` positions in the upper layers, which the count chosen
+each round prices (``TransferDrafter.round_cost``).
+
 Stats as ``medusa`` plus ``pseudo_states`` (pseudo positions evaluated).
 """
 
@@ -49,11 +55,14 @@ def default_tree(model) -> str:
     sampling=True,
     exact=True,
     grammar=True,
-    options=(O.TREE, O.TRANSFER, O.DRAFT_VOCAB),
+    options=(O.TREE_DYNAMIC, O.TREE_NODES, O.TREE_DEPTH, O.TRANSFER, O.DRAFT_VOCAB),
 )
-def hidden_transfer(run: Run, *, tree=None, transfer="trained", draft_vocab="auto"):
+def hidden_transfer(run: Run, *, tree=None, tree_nodes=None, tree_depth=None, transfer="trained", draft_vocab="auto"):
     """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=; tree
-    none: the dtype's tuned tree): greedy-exact; lossless sampling.  draft_vocab: pseudo states score
+    none: the dtype's tuned tree; 'dynamic': each round the paths of the highest product of draft
+    probabilities, tree_nodes of them): greedy-exact; lossless sampling.  draft_vocab: pseudo states score
     only a shipped set of frequent tokens ('auto'), all tokens ('full'), or a draft-vocabulary file's."""
     tree = default_tree(run.model) if tree is None else tree
-    yield from decode_tree(run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter, draft_vocab)
+    yield from decode_tree(
+        run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter, draft_vocab, tree_nodes, tree_depth
+    )

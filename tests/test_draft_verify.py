@@ -115,7 +115,6 @@ SAMPLING = {
     "medusa": lambda t, d: {"tree": "2,1", "heads": _perturbed(t, "medusa", steps=2)},
     "hidden-transfer": lambda t, d: {"tree": "2,1", "transfer": _perturbed(t, "transfer", layers=[1, 2])},
     "medusa dynamic": lambda t, d: {"tree": "dynamic", "tree_nodes": 3, "heads": _perturbed(t, "medusa", steps=2)},
-    "hidden-transfer dynamic": lambda t, d: {"tree": "dynamic", "transfer": _perturbed(t, "transfer", layers=[1, 2])},
     "auto": lambda t, d: {"tree": "2,1", "draft_len": 2, "transfer": _perturbed(t, "transfer", layers=[1, 2])},
 }
 

@@ -338,7 +338,7 @@ TREE_DEPTH = Option(
     "tree='dynamic': the most draft steps along a path (Hidden Transfer: the pseudo steps every node gets)",
     lo=1,
     hi=MAX_DRAFT_LEN,
-    none="every step the weights have",
+    none="the method's tuned depth: hidden-transfer 1 (each step costs every node a pseudo state), medusa every step",
 )
 MAX_NGRAM_OPT = Option("max_ngram", "int", "the longest n-gram looked up", default=4, lo=1, hi=MAX_NGRAM)
 MIN_NGRAM = Option(

@@ -34,7 +34,7 @@ from ..core.stats import TreeStats
 from ..core.tree import Candidates
 from .base import Drafter
 from .draft_vocab import DraftVocab
-from .lengths import long_call_cost
+from .lengths import DECAY, long_call_cost
 from .medusa_transfer import MedusaHeads, TransferProjections
 
 
@@ -78,11 +78,30 @@ def draft_logits(run: Run, z: torch.Tensor, vocab: DraftVocab | None) -> torch.T
 AUTO_MOST = 16  # the most nodes of a dynamic tree whose count is chosen each round
 
 
+@dataclass
+class RunningScale:
+    """One row's decaying sums of the drafts its dynamic trees were expected to keep (their nodes'
+    values) and of the drafts kept: ``factor`` turns the drafts' confidence into the row's acceptance
+    (a prior of one kept per one expected)."""
+
+    expected: float = 1.0
+    kept: float = 1.0
+
+    def observe(self, expected: float, kept: int) -> None:
+        self.expected = DECAY * self.expected + expected
+        self.kept = DECAY * self.kept + kept
+
+    @property
+    def factor(self) -> float:
+        return self.kept / self.expected
+
+
 @dataclass(frozen=True)
 class DynamicTree:
     """EAGLE-2's dynamic tree over ``depth`` draft steps: ``nodes`` paths of the highest value a round,
-    or (``nodes`` None) the count, up to ``AUTO_MOST``, whose expected tokens ``1 + v_1 + .. + v_n``
-    (a path's value estimates its acceptance) per unit of round cost is the highest."""
+    or (``nodes`` None) the count, up to ``AUTO_MOST``, whose expected tokens ``1 + s (v_1 + .. + v_n)``
+    per unit of round cost is the highest (a path's value ``v`` estimates its acceptance; ``s``, the
+    row's ``RunningScale.factor``, corrects the drafts' over- or under-confidence)."""
 
     depth: int
     nodes: int | None
@@ -97,23 +116,29 @@ class DynamicTree:
         ids = p.indices if vocab is None else vocab.token(p.indices)
         return ids.cpu(), p.values.cpu()
 
-    def candidates(self, root: int, ids: torch.Tensor, conf: torch.Tensor, budget: int, cost) -> Candidates:
+    def candidates(
+        self, root: int, ids: torch.Tensor, conf: torch.Tensor, budget: int, cost, scale: float = 1.0
+    ) -> tuple[Candidates, float | None]:
         """This round's tree after ``root`` from the row's drafts (``ids``, ``conf``: ``top``'s), no path
-        longer than ``budget``; ``cost(n)``: a round's cost with ``n`` nodes, in one-token calls."""
+        longer than ``budget``; ``cost(n)``: a round's cost with ``n`` nodes, in one-token calls.  -> (the
+        tree, the drafts it is expected to keep: its nodes' values summed; with no node, the first draft's
+        value; None with no draft at all)."""
         best = tree_mod.best_paths(conf[: max(0, min(self.depth, budget))].tolist(), self.most)
-        best = best[: self.choose([v for _, v in best], cost) if self.nodes is None else self.nodes]
-        if not best:
-            return Candidates.chain(root, [])
+        values = [v for _, v in best]
+        n = self.choose(values, cost, scale) if self.nodes is None else self.nodes
+        if not best[:n]:
+            return Candidates.chain(root, []), values[0] if values else None
+        best = best[:n]
         index = {p: j for j, (p, _) in enumerate(best)}
         tokens = [int(ids[len(p) - 1, p[-1]]) for p, _ in best]
-        return Candidates.from_parents(root, tokens, [index.get(p[:-1], -1) for p, _ in best])
+        return Candidates.from_parents(root, tokens, [index.get(p[:-1], -1) for p, _ in best]), sum(values[:n])
 
     @staticmethod
-    def choose(values: list[float], cost: Callable[[int], float]) -> int:
-        """The ``n`` (0 included: a greedy step) with the most ``(1 + v_1 + .. + v_n) / cost(n)``."""
+    def choose(values: list[float], cost: Callable[[int], float], scale: float = 1.0) -> int:
+        """The ``n`` (0 included: a greedy step) with the most ``(1 + scale (v_1 + .. + v_n)) / cost(n)``."""
         sums = [1.0]
         for v in values:
-            sums.append(sums[-1] + v)
+            sums.append(sums[-1] + scale * v)
         return max(range(len(sums)), key=lambda n: (sums[n] / cost(n), -n))
 
 
@@ -132,6 +157,9 @@ class TreeDrafter(Drafter):
         self.topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: the next round's drafts
         self.conf: list[torch.Tensor | None] = [None] * run.batch  # dynamic: per row [depth, K], their probabilities
         self.nodes = [0] * run.batch  # dynamic: the nodes each row proposed, summed
+        self.scales = [RunningScale() for _ in range(run.batch)]  # dynamic: confidence -> acceptance
+        self.expected: list[tuple[float, int | None] | None] = [None] * run.batch  # dynamic: the round's
+        # drafts expected to be kept, and the first draft where the tree has no node (is it the target's token?)
 
     @property
     def draft_steps(self) -> int:
@@ -163,9 +191,20 @@ class TreeDrafter(Drafter):
             return Candidates.chain(root, [])
         if self.dynamic is None:
             return Candidates.from_tree(self.buf, root, self.topk[row])
-        cand = self.dynamic.candidates(root, self.topk[row], self.conf[row], budget, self.round_cost)
+        cand, expected = self.dynamic.candidates(
+            root, self.topk[row], self.conf[row], budget, self.round_cost, self.scales[row].factor
+        )
         self.nodes[row] += cand.k
+        self.expected[row] = None if expected is None else (expected, None if cand.k else int(self.topk[row][0, 0]))
         return cand
+
+    def update(self, cands, results) -> None:
+        super().update(cands, results)
+        for row, (c, r) in enumerate(zip(cands, results)):
+            if c is not None and self.expected[row] is not None:  # a dynamic tree learns how sure its drafts are
+                expected, first = self.expected[row]
+                self.scales[row].observe(expected, len(r[0]) if first is None else int(r[1] == first))
+                self.expected[row] = None
 
     def kept_states(self, cands, results, states: torch.Tensor) -> dict[int, torch.Tensor]:
         """Row -> ``states[row, j]`` at the last kept node ``j`` of each live row (``states`` ``[B, S, ...]``)."""

@@ -32,11 +32,21 @@ def tuned_tree(model, trees: dict[str, str]) -> str:
 
 
 def decode_tree(
-    run: Run, kind: str, name: str, tree, spec, drafter_cls, draft_vocab="auto", tree_nodes=None, tree_depth=None
+    run: Run,
+    kind: str,
+    name: str,
+    tree,
+    spec,
+    drafter_cls,
+    draft_vocab="auto",
+    tree_nodes=None,
+    tree_depth=None,
+    tuned_depth=None,
 ):
     """A tree method: its ``kind`` of weights (``spec``), the draft vocabulary, the checked tree (or
     ``"dynamic"``: EAGLE-2's tree each round, ``tree_nodes`` nodes or, None, the count chosen each
-    round, at most ``tree_depth`` deep), the shared loop."""
+    round, at most ``tree_depth`` deep, None: ``tuned_depth``, or every step of the weights), the shared
+    loop."""
     for opt, value in (("tree_nodes", tree_nodes), ("tree_depth", tree_depth)):
         if value is not None and tree != "dynamic":
             raise GenerationError(
@@ -49,7 +59,8 @@ def decode_tree(
             f"{w.steps}, or train more steps"
         )
     vocab = get_draft_vocab(run.model, draft_vocab)
-    dynamic = DynamicTree(w.steps if tree_depth is None else tree_depth, tree_nodes) if tree == "dynamic" else None
+    depth = tree_depth or min(tuned_depth or w.steps, w.steps)
+    dynamic = DynamicTree(depth, tree_nodes) if tree == "dynamic" else None
     buf = tree_buffers(run, name, "" if dynamic else tree, w.steps, vocab)
     drafter = drafter_cls(run, w, buf, vocab, dynamic)
     counts = yield from draft_verify.decode(run, drafter)

@@ -158,6 +158,8 @@ class TreeDrafter(Drafter):
         self.conf: list[torch.Tensor | None] = [None] * run.batch  # dynamic: per row [depth, K], their probabilities
         self.nodes = [0] * run.batch  # dynamic: the nodes each row proposed, summed
         self.scales = [RunningScale() for _ in range(run.batch)]  # dynamic: confidence -> acceptance
+        dtype = run.model.dtype_name  # (a walk over the weights: read once)
+        self.costs = [self.round_cost(n, dtype) for n in range(dynamic.most + 1)] if dynamic is not None else []
         self.expected: list[tuple[float, int | None] | None] = [None] * run.batch  # dynamic: the round's
         # drafts expected to be kept, and the first draft where the tree has no node (is it the target's token?)
 
@@ -171,13 +173,9 @@ class TreeDrafter(Drafter):
         """The most nodes of a round's tree, the root included."""
         return self.dynamic.most + 1 if self.dynamic is not None else self.buf.n
 
-    def call_cost(self, s: int) -> float:
-        """A call over ``s`` new tokens, in one-token calls (the weight format's curve)."""
-        return long_call_cost(self.run.model.dtype_name, s)
-
-    def round_cost(self, n: int) -> float:
-        """A round's call with ``n`` draft nodes, in one-token calls."""
-        return self.call_cost(n + 1)
+    def round_cost(self, n: int, dtype: str) -> float:
+        """A round's call with ``n`` draft nodes, in one-token calls (weight format ``dtype``'s curve)."""
+        return long_call_cost(dtype, n + 1)
 
     def set_drafts(self, row: int, step_logits: torch.Tensor) -> None:
         """The row's drafts for its next tree from draft logits by step ``[steps, V]``."""
@@ -192,7 +190,7 @@ class TreeDrafter(Drafter):
         if self.dynamic is None:
             return Candidates.from_tree(self.buf, root, self.topk[row])
         cand, expected = self.dynamic.candidates(
-            root, self.topk[row], self.conf[row], budget, self.round_cost, self.scales[row].factor
+            root, self.topk[row], self.conf[row], budget, self.costs.__getitem__, self.scales[row].factor
         )
         self.nodes[row] += cand.k
         self.expected[row] = None if expected is None else (expected, None if cand.k else int(self.topk[row][0, 0]))
@@ -322,12 +320,14 @@ class TransferDrafter(TreeDrafter):
     def round_tokens(self) -> int:
         return self.most_nodes * (self.steps + 1) + 1  # the tree's nodes, and each node's pseudo states
 
-    def round_cost(self, n: int) -> float:
+    def round_cost(self, n: int, dtype: str) -> float:
         """Layers ``[0, t_1)`` over the ``n + 1`` nodes, ``[t_i, t_i+1)`` over them and their pseudo states
         of steps ``1..i``: each segment its share of the layers' call cost."""
         L = self.run.model.config.n_layers
         bounds = [0] + self.proj.layers[: self.steps] + [L]
-        return sum((bounds[i + 1] - bounds[i]) / L * self.call_cost((i + 1) * (n + 1)) for i in range(self.steps + 1))
+        return sum(
+            (bounds[i + 1] - bounds[i]) / L * long_call_cost(dtype, (i + 1) * (n + 1)) for i in range(self.steps + 1)
+        )
 
     def score(self, cands):
         live = [c for c in cands if c is not None]

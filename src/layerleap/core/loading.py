@@ -797,8 +797,8 @@ def to_hf(model: Transformer):
     hf = AutoModelForCausalLM.from_config(cfg, dtype=model.dtype)
     sd = {k: v.contiguous() for k, v in ours_to_hf(model).items()}
     sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
-    hf.load_state_dict(sd, strict=True)
-    return hf.eval()
+    hf.load_state_dict(sd, strict=True)  # copies into the CPU parameters from_config made
+    return hf.to(model.device).eval()
 
 
 def available_models() -> dict[str, bool]:

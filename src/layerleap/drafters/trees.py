@@ -233,7 +233,7 @@ class MedusaDrafter(TreeDrafter):
         self.heads = heads
 
     def round_tokens(self) -> int:
-        return self.most_nodes  # the root and the tree
+        return self.most_nodes + 1  # the root and the tree
 
     def _draft_from(self, row: int, h: torch.Tensor) -> None:
         """Drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""

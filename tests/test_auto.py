@@ -140,3 +140,78 @@ def test_auto_samples_the_models_distribution(switching):
     assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3
     assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3
     assert chi2_pvalue(counts.sum((0, 1)), p.sum((0, 1))) > 1e-3
+
+
+def _medusa(model, seed=0, steps=2):
+    d = medusa_transfer.new_drafter(model, "medusa", steps=steps)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return d
+
+
+def test_chooser_probes_every_mode_and_keeps_the_fastest(monkeypatch):
+    """Three modes: each is probed once before the gaps start, the fastest is kept, and the others
+    are probed in turn."""
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
+    monkeypatch.setattr(auto_drafter, "PROBE", 2)
+    monkeypatch.setattr(auto_drafter, "GAP", 4)
+    c = Chooser(("lookup", "transfer", "medusa"))
+    modes = []
+    gain = {"lookup": 1, "transfer": 2, "medusa": 4}
+    for _ in range(80):
+        modes.append(c.mode)
+        c.record(c.mode, gain[c.mode], 10.0, counted=True)
+    assert modes[:6] == ["lookup"] * 2 + ["transfer"] * 2 + ["medusa"] * 2
+    assert c.best == "medusa" and modes[-20:].count("medusa") >= 16
+    later = modes[6:]
+    assert "lookup" in later and "transfer" in later  # both probed again, in turn
+
+
+@pytest.mark.parametrize("seed,plen", [(0, 3), (1, 9), (2, 17)])
+@pytest.mark.parametrize("transfer", [True, False])
+def test_auto_with_medusa_equals_greedy_while_switching(switching, seed, plen, transfer):
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    prompt = torch.randint(0, 8, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+    proj = _transfer(model, layers=(1, 1)) if transfer else "none"
+    r = layerleap.generate(
+        model, prompt, "auto", 24, stop_at_eos=False, transfer=proj, medusa=_medusa(model), tree="2,1"
+    )
+    assert r.token_ids == naive_greedy(model, prompt, 24)
+    assert r.stats["medusa_rounds"] > 2 and r.stats["lookup_rounds"] > 2
+    assert (r.stats["transfer_rounds"] > 0) == transfer
+    assert r.stats["accepted"] > 0
+
+
+def test_auto_with_medusa_batch_equals_rows_alone(switching):
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    heads, proj = _medusa(model), _transfer(model)
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 7, 4, 5, 6, 1, 2], [3]]
+    batch = layerleap.generate(model, prompts, "auto", 16, stop_at_eos=False, transfer=proj, medusa=heads, tree="2,1")
+    for p, b in zip(prompts, batch):
+        assert b.token_ids == naive_greedy(model, p, 16)
+    assert batch[0].stats["medusa_rounds"] > 0
+
+
+def test_auto_with_medusa_samples_the_models_distribution(switching):
+    """The first three sampled tokens over many seeds against the model's exact joint, with Medusa
+    calls among the rounds."""
+    target, _ = tiny_pair(3, vocab=6, scale=2.0, n_draft=1)
+    prompt = [1, 3, 4, 1, 3, 4, 1, 3]
+    warp = {"temperature": 0.8, "top_k": 5}
+    p = exact_joint3(target, prompt, warp)
+    heads = _medusa(target)
+    counts = torch.zeros(6, 6, 6)
+    medusa_rounds = 0
+    for seed in range(800):
+        r = layerleap.generate(
+            target, prompt, "auto", 3, do_sample=True, seed=seed, stop_at_eos=False, draft_len=2,
+            transfer="none", medusa=heads, **warp,
+        )  # fmt: skip
+        counts[tuple(r.token_ids)] += 1
+        medusa_rounds += r.stats["medusa_rounds"]
+    assert medusa_rounds > 0
+    assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3
+    assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3
+    assert chi2_pvalue(counts.sum((0, 1)), p.sum((0, 1))) > 1e-3

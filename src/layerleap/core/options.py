@@ -366,6 +366,14 @@ DRAFT_VOCAB = Option(
 MEDUSA_HEADS = Option(
     "heads", "weights", "Medusa heads: trained (shipped) or a weights file", default="trained", choices=("trained",)
 )
+AUTO_MEDUSA = Option(
+    "medusa",
+    "weights",
+    "Medusa heads for auto's Medusa calls: auto (the shipped ones, if any, except in q4), none, or a weights file",
+    default="auto",
+    choices=("auto", "none"),
+    none="no Medusa calls",
+)
 MIN_EXIT_LAYER = Option(
     "min_exit_layer", "int", "the fewest layers a token runs (its exit budget)", default=1, lo=1, hi=N_LAYERS
 )

@@ -90,12 +90,14 @@ class TreeStats(Record):
 
 @dataclass
 class AutoStats(Record):
-    """``auto``: rounds verified by plain calls (``lookup_rounds``: prompt lookup's chain) and by
-    transfer calls (``transfer_rounds``: Hidden Transfer's tree and the chain), and how often the
-    choice changed (``mode_switches``)."""
+    """``auto``: rounds verified by plain calls (``lookup_rounds``: prompt lookup's chain), by
+    transfer calls (``transfer_rounds``: Hidden Transfer's tree and the chain) and by Medusa calls
+    (``medusa_rounds``: Medusa's tree and the chain), and how often the choice changed
+    (``mode_switches``)."""
 
     lookup_rounds: int
     transfer_rounds: int
+    medusa_rounds: int
     mode_switches: int
 
 

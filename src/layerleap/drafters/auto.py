@@ -1,19 +1,23 @@
-"""The ``auto`` drafter: prompt lookup's copied chain and Hidden Transfer's tree in one verification
-call, and a choice, round by round, between two kinds of call by the tokens per millisecond each
-has given on this request, on this machine.
+"""The ``auto`` drafter: prompt lookup's copied chain and Hidden Transfer's or Medusa's tree in one
+verification call, and a choice, round by round, between the kinds of call by the tokens per
+millisecond each has given on this request, on this machine.
 
 - a *plain* call (``"lookup"``): the root and the prompt-lookup chain (none where nothing matches:
   then the call is a greedy step, at a greedy step's cost);
 - a *transfer* call (``"transfer"``): Hidden Transfer's pass (``trees.transfer_pass``) over the root,
   the tree drafted from the last transfer call's pseudo states and, for one row, the lookup chain
   merged into that tree as one more branch (``merge_chain``); it verifies them and makes the pseudo
-  states that draft the next tree.
+  states that draft the next tree;
+- a *Medusa* call (``"medusa"``): the root and the tree Medusa's heads drafted from the last call's
+  state at its last kept node (whatever that call's kind), with the lookup chain merged in as above.
+  The heads run only after a round whose successor is a Medusa round.
 
 Each mode's rate is a decaying sum of emitted tokens over a decaying sum of wall milliseconds per
 round (proposal, call, acceptance and drafting: what the round cost here).  The drafter starts with
 plain calls, probes transfer calls for ``PROBE`` rounds after ``FIRST_PROBE`` rounds (the first
 transfer round after a plain one has no tree yet and is not counted), keeps the faster mode, and
-probes the other again after a gap that doubles each time the probe loses.  The choice changes only
+probes the others again, in turn, after a gap that doubles each time a probe loses (the modes are
+probed one after another the first time).  The choice changes only
 which drafts are verified, never what is accepted: greedy output is greedy decoding, and sampled
 output is lossless (every draft is a deterministic, one-hot proposal, siblings distinct).
 
@@ -36,7 +40,7 @@ from .draft_vocab import DraftVocab
 from .lengths import LengthChooser
 from .trees import TreeDrafter, draft_logits, top_drafts, transfer_pass
 
-MODES = ("lookup", "transfer")
+MODES = ("lookup", "transfer", "medusa")
 FIRST_PROBE = 3  # plain rounds before the first probe of transfer calls (0: start with the probe)
 PROBE = 4  # counted rounds a probe lasts
 GAP = 8  # rounds between probes, doubled after each probe that does not change the mode
@@ -74,6 +78,7 @@ class Chooser:
         self.gap = GAP
         self.rounds = 0
         self.switches = 0
+        self.turn = -1  # the last probed of the other modes, by position
         if len(modes) > 1 and FIRST_PROBE == 0:  # probe at once
             self.probe_left = PROBE
             self.mode = modes[1]
@@ -87,8 +92,12 @@ class Chooser:
             return
         if self.probe_left > 0:
             self.probe_left -= int(counted)
-            if self.probe_left == 0:  # the probe ends: keep the faster
+            if self.probe_left == 0:  # the probe ends: keep the fastest, or probe a mode never probed
                 winner = max(self.modes, key=lambda m: self.rates[m].value)
+                if any(self.rates[m].rounds == 0 for m in self.modes if m != winner):
+                    self.best, self.probe_left = winner, PROBE
+                    self._set(self._next_probe())
+                    return
                 self.gap = self.gap if winner != self.best else 2 * self.gap
                 self.best = winner
                 self.next_probe = self.rounds + self.gap
@@ -96,7 +105,16 @@ class Chooser:
             return
         if self.rounds >= self.next_probe:
             self.probe_left = PROBE
-            self._set(next(m for m in self.modes if m != self.best))
+            self._set(self._next_probe())
+
+    def _next_probe(self) -> str:
+        """The mode to probe: one never probed yet, else the next after the last probed, in order."""
+        others = [m for m in self.modes if m != self.best]
+        fresh = [m for m in others if self.rates[m].rounds == 0]
+        if fresh:
+            return fresh[0]
+        self.turn = (self.turn + 1) % len(others)
+        return others[self.turn]
 
     def _set(self, mode: str) -> None:
         self.switches += int(mode != self.mode)
@@ -124,7 +142,8 @@ def merge_chain(tree: Candidates, chain: list[int]) -> Candidates:
 
 
 class AutoDrafter(TreeDrafter):
-    """Prompt lookup and, when ``proj`` is given, Hidden Transfer's tree ``buf`` (see the module docstring)."""
+    """Prompt lookup and, when ``proj`` is given, Hidden Transfer's tree ``buf``, and when ``heads`` are
+    given, Medusa's tree ``medusa_buf`` (see the module docstring)."""
 
     def __init__(
         self,
@@ -136,15 +155,21 @@ class AutoDrafter(TreeDrafter):
         buf: tree_mod.TreeBuffers | None = None,
         vocab: DraftVocab | None = None,
         adaptive: bool = False,
+        heads=None,
+        medusa_buf: tree_mod.TreeBuffers | None = None,
     ):
         buf = tree_mod.build("") if proj is None or buf is None else buf
         self.steps = buf.depth if buf.n > 1 else 0
         self.draft_len = draft_len
+        self.heads = heads if heads is not None and medusa_buf is not None and medusa_buf.n > 1 else None
+        self.medusa_buf = medusa_buf if self.heads is not None else None
         super().__init__(run, buf, vocab)
         self.proj = proj if self.steps else None
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
         self.lengths = LengthChooser(run.batch, run.model.dtype_name, draft_len) if adaptive else None
-        self.chooser = Chooser(MODES if self.proj is not None else MODES[:1])
+        self.medusa_topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: Medusa's drafts
+        kinds = {"lookup": True, "transfer": self.proj is not None, "medusa": self.heads is not None}
+        self.chooser = Chooser(tuple(m for m in MODES if kinds[m]))
         self.pseudo: torch.Tensor | None = None  # [B, steps, n, D] the last transfer call's pseudo states
         self.t_round = 0.0
         self.round_mode = "lookup"
@@ -152,13 +177,28 @@ class AutoDrafter(TreeDrafter):
         self.mode_rounds = {m: 0 for m in MODES}
 
     def round_tokens(self) -> int:
-        return (self.buf.n + self.draft_len) * (self.steps + 1) + 1  # tree, chain, their pseudo states
+        transfer = (self.buf.n + self.draft_len) * (self.steps + 1) + 1  # tree, chain, their pseudo states
+        return max(transfer, (self.medusa_buf.n if self.heads else 0) + self.draft_len + 1)
+
+    def prefill(self) -> torch.Tensor:
+        logits = super().prefill()
+        if self.chooser.mode == "medusa":
+            for row in range(self.run.batch):
+                self._medusa_from(row, self.hidden[row, -1])
+        return logits
+
+    def _medusa_from(self, row: int, h: torch.Tensor) -> None:
+        """Medusa's drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
+        z = self.run.model.final_norm(h)
+        states = torch.stack([self.heads.state(i, z) for i in range(1, self.medusa_buf.depth + 1)])  # [depth, D]
+        self.medusa_topk[row] = top_drafts(self.medusa_buf, draft_logits(self.run, states, self.vocab), self.vocab)
 
     def propose(self, roots, budgets):
         self.t_round = time.perf_counter()
         self.round_mode = self.chooser.mode
-        # a transfer round right after a plain one has no tree yet: it only makes the pseudo states
-        self.counted = self.round_mode == "lookup" or any(t is not None for t in self.topk)
+        # a transfer round right after another kind has no tree yet: it only makes the pseudo states
+        drafts = {"transfer": self.topk, "medusa": self.medusa_topk}.get(self.round_mode)
+        self.counted = drafts is None or any(t is not None for t in drafts)
         return super().propose(roots, budgets)
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
@@ -169,14 +209,18 @@ class AutoDrafter(TreeDrafter):
             chain = self.run.constraints[row].draft(chain, min(self.draft_len, budget))
         if self.round_mode == "lookup":
             return Candidates.chain(root, self.lengths.cut(row, chain) if self.lengths else chain)
+        if self.round_mode == "medusa":
+            drafts = self.medusa_topk[row]
+            tree = Candidates.chain(root, []) if drafts is None else Candidates.from_tree(self.medusa_buf, root, drafts)
+        else:
+            tree = super().propose_row(row, root, budget)
         if self.run.batch > 1:  # one tree shape for every row: no chains beside it
-            return super().propose_row(row, root, budget)
-        tree = super().propose_row(row, root, budget)
+            return tree
         return merge_chain(tree, chain) if chain else tree
 
     def score(self, cands):
         live = [c for c in cands if c is not None]
-        if self.round_mode == "lookup" or live[0].root is None:
+        if self.round_mode != "transfer" or live[0].root is None:
             return super().score(cands)
         self.start = self.cache.lengths[0].clone()
         ids, tree = self.batch_tokens(cands)
@@ -209,11 +253,23 @@ class AutoDrafter(TreeDrafter):
             self.topk = [None] * self.run.batch  # drafts from an older position: of no use
         self.mode_rounds[self.round_mode] += 1
         tokens = sum(len(r[0]) + 1 for r in results if r is not None)
+        self.medusa_topk = [None] * self.run.batch
+        if self.chooser.mode == "medusa":  # the heads' time is this round's: it ends when they have drafted
+            for row, h in self.kept_states(cands, results, self.hidden).items():
+                self._medusa_from(row, h)
         self.chooser.record(self.round_mode, tokens, (time.perf_counter() - self.t_round) * 1e3, self.counted)
+        if self.chooser.mode == "medusa" and all(t is None for t in self.medusa_topk):
+            for row, h in self.kept_states(cands, results, self.hidden).items():
+                self._medusa_from(row, h)
 
     def auto_stats(self) -> list[AutoStats]:
         """One ``AutoStats`` per row (the batch shares its rounds' modes)."""
         return [
-            AutoStats(self.mode_rounds["lookup"], self.mode_rounds["transfer"], self.chooser.switches)
+            AutoStats(
+                self.mode_rounds["lookup"],
+                self.mode_rounds["transfer"],
+                self.mode_rounds["medusa"],
+                self.chooser.switches,
+            )
             for _ in range(self.run.batch)
         ]

@@ -1,14 +1,14 @@
 """``auto``: one lossless method that chooses, round by round, how to draft on this machine.
 
 Every round verifies, in one model call, either prompt lookup's copied chain (a plain call; where
-nothing matches it is a greedy step) or Hidden Transfer's tree with the lookup chain merged in as
-one more branch (a transfer call, which also makes the pseudo states that draft the next tree).
-Which of the two is decided from the tokens per millisecond each kind of round has given on this
-request (``drafters.auto.Chooser``): a request that copies its prompt stays on cheap plain calls, one
-where Hidden Transfer's drafts pay keeps its tree, and one where neither does decodes at greedy's
-pace.  Medusa and self-speculation are not among its drafts: on the models and machines measured,
-Hidden Transfer's tree dominates Medusa's at the same cost and early-exit drafts cost more than they
-save (``docs/BENCHMARKS.md``).
+nothing matches it is a greedy step), Hidden Transfer's tree with the lookup chain merged in as
+one more branch (a transfer call, which also makes the pseudo states that draft the next tree), or
+Medusa's tree with the chain merged in (a Medusa call; ``medusa=``).  Which is decided from the
+tokens per millisecond each kind of round has given on this request (``drafters.auto.Chooser``): a
+request that copies its prompt stays on cheap plain calls, one where a tree's drafts pay keeps that
+tree, and one where none does decodes at greedy's pace.  Self-speculation is not among its drafts:
+early-exit drafts cost more than they save on the models and machines measured
+(``docs/BENCHMARKS.md``).
 
 The greedy output is greedy decoding, token for token, whatever was chosen; sampling is lossless
 (one-hot drafts, SpecInfer's rule).  A list of prompts decodes as one batch (one mode for the batch;
@@ -16,8 +16,8 @@ a transfer call verifies the tree alone).  Without Hidden Transfer weights for t
 (``transfer="auto"`` finds none, or ``transfer=None``), and by default in q4, where Hidden Transfer's
 tree costs more than it gains (``NO_TRANSFER_DTYPES``), it is prompt lookup.
 
-Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``mode_switches``,
-``tree_nodes``.
+Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``medusa_rounds``,
+``mode_switches``, ``tree_nodes``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from ..drafters.draft_vocab import get_draft_vocab
 from ..drafters.trees import tree_buffers
 from . import draft_verify
 from .hidden_transfer import default_tree
+from .medusa import DEFAULT_TREES as MEDUSA_TREES
+from .medusa import tuned_tree
 from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, adaptive_default, tuned
 
 
@@ -41,16 +43,16 @@ from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, adaptive_default, tuned
 NO_TRANSFER_DTYPES = ("q4",)
 
 
-def transfer_weights(run: Run, spec):
-    """The Hidden Transfer projections ``spec`` names, or None: "auto" is the shipped ones when the
-    model has any and its dtype is not in ``NO_TRANSFER_DTYPES``; None / "none" is none."""
+def drafter_weights(run: Run, kind: str, spec):
+    """The ``kind`` weights ("transfer" or "medusa") ``spec`` names, or None: "auto" is the shipped
+    ones when the model has any and its dtype is not in ``NO_TRANSFER_DTYPES``; None / "none" is none."""
     if spec is None or spec == "none":
         return None
     if spec == "auto":
-        if run.model.dtype_name in NO_TRANSFER_DTYPES or not weights.shipped_files(run.model, "transfer"):
+        if run.model.dtype_name in NO_TRANSFER_DTYPES or not weights.shipped_files(run.model, kind):
             return None
-        return weights.get_drafter(run.model, "transfer")
-    return weights.get_drafter(run.model, "transfer", spec)
+        return weights.get_drafter(run.model, kind)
+    return weights.get_drafter(run.model, kind, spec)
 
 
 TRANSFER = O.TRANSFER.but(
@@ -59,10 +61,16 @@ TRANSFER = O.TRANSFER.but(
     none="no Hidden Transfer: prompt lookup alone",
     help="Hidden Transfer projections: auto (the shipped ones, if any, except in q4), none, or a weights file",
 )
+MEDUSA = O.AUTO_MEDUSA
 
 
 @register(
-    "auto", batched=True, sampling=True, exact=True, grammar=True, options=(*OPTIONS, O.TREE, TRANSFER, O.DRAFT_VOCAB)
+    "auto",
+    batched=True,
+    sampling=True,
+    exact=True,
+    grammar=True,
+    options=(*OPTIONS, O.TREE, TRANSFER, MEDUSA, O.DRAFT_VOCAB),
 )
 def auto(
     run: Run,
@@ -72,20 +80,26 @@ def auto(
     min_ngram: int | None = None,
     tree=None,
     transfer="auto",
+    medusa=MEDUSA.default,
     draft_vocab="auto",
     adaptive: bool | None = None,
 ):
-    """Lossless: prompt lookup's chain and Hidden Transfer's tree, the faster per round on this machine
-    (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer: 'auto', a weights file or none;
+    """Lossless: prompt lookup's chain, Hidden Transfer's tree or Medusa's, the fastest per round on this
+    machine (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer, medusa: 'auto', a
+    weights file or none;
     draft_vocab: the pseudo states score a shipped set of frequent tokens ('auto'), all ('full') or a file's;
     adaptive: a plain call's chain length from the running acceptance; none: on in q4)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
-    proj = transfer_weights(run, transfer)
-    buf = vocab = None
+    proj = drafter_weights(run, "transfer", transfer)
+    heads = drafter_weights(run, "medusa", medusa)
+    buf = medusa_buf = None
+    vocab = get_draft_vocab(run.model, draft_vocab) if proj is not None or heads is not None else None
     if proj is not None:
-        vocab = get_draft_vocab(run.model, draft_vocab)
         buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
-    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive_default(run, adaptive))
+    if heads is not None:
+        medusa_buf = tree_buffers(run, "auto", tuned_tree(run.model, MEDUSA_TREES), heads.steps, vocab)
+    adaptive = adaptive_default(run, adaptive)
+    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive, heads, medusa_buf)
     counts = yield from draft_verify.decode(run, drafter)
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
     run.record(drafter.tree_stats(counts))

@@ -282,7 +282,7 @@ CLI = [
     (G + ["--method", "medusa", "--opt", "heads={MEDUSA}", "--opt", "tree=0.1;2"], "has no parent"),
     (
         G + ["--method", "medusa", "--opt", "heads={MEDUSA}", "--opt", "tree=2,1", "--opt", "tree_nodes=4"],
-        "tree_nodes shapes a dynamic tree, and the tree is '2,1': give tree='dynamic' too",
+        "tree_nodes shapes a dynamic tree only, and the tree is not one: give tree='dynamic' too",
     ),
     (
         G + ["--method", "medusa", "--opt", "heads={MEDUSA}", "--opt", "tree=dynamic", "--opt", "tree_nodes=0"],

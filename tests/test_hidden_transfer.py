@@ -228,7 +228,9 @@ def test_errors(models):
         generate(model, [1, 2], "medusa", 4, tree="1,x", heads=medusa_for(model))
     with pytest.raises(drafters.DrafterError, match="layers"):
         drafters.new_drafter(model, "transfer", layers=[3, 1])
-    with pytest.raises(GenerationError, match="tree_nodes shapes a dynamic tree, and the tree is '2,1'"):
+    with pytest.raises(
+        GenerationError, match="tree_nodes shapes a dynamic tree only, and the tree is not one: give tree='dynamic'"
+    ):
         generate(model, [1, 2], "medusa", 4, tree="2,1", tree_nodes=4, heads=medusa_for(model))
     with pytest.raises(GenerationError, match="tree_depth is 3 but the hidden-transfer weights have 2 step"):
         generate(

@@ -50,7 +50,7 @@ def decode_tree(
     for opt, value in (("tree_nodes", tree_nodes), ("tree_depth", tree_depth)):
         if value is not None and tree != "dynamic":
             raise GenerationError(
-                f"{opt} shapes a dynamic tree, and the tree is {tree!r}: give tree='dynamic' too, or drop {opt}"
+                f"{opt} shapes a dynamic tree only, and the tree is not one: give tree='dynamic' too, or drop {opt}"
             )
     w = weights.get_drafter(run.model, kind, spec)
     if tree_depth is not None and tree_depth > w.steps:

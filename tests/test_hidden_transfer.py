@@ -251,7 +251,7 @@ def test_errors(models):
 @pytest.mark.real
 @pytest.mark.parametrize("method", ["hidden-transfer", "medusa"])
 def test_real_model_shipped_weights_equal_greedy(method):
-    """SmolLM2-135M with the shipped weights (default) and two trees: greedy token for token, with
+    """SmolLM2-135M with the shipped weights (default) and two trees, and the dynamic tree: greedy token for token, with
     drafts accepted (the shipped weights are trained), and the shipped files refuse another model."""
     import layerleap
     from layerleap.datasets import spec_bench
@@ -263,9 +263,10 @@ def test_real_model_shipped_weights_equal_greedy(method):
     accepted = 0
     for pr, tree in zip(prompts, ["1,1", "2,2,1"]):
         want = generate(model, pr.text, "greedy", 40, chat=True, stop_at_eos=False)
-        got = generate(model, pr.text, method, 40, chat=True, stop_at_eos=False, tree=tree)
-        assert got.token_ids == want.token_ids
-        accepted += got.stats["accepted"]
+        for t in (tree, "dynamic"):
+            got = generate(model, pr.text, method, 40, chat=True, stop_at_eos=False, tree=t)
+            assert got.token_ids == want.token_ids, f"{method} tree={t}"
+            accepted += got.stats["accepted"]
     assert accepted >= 5
     tiny = random_model("llama-gqa-tied")
     kind = "transfer" if method == "hidden-transfer" else "medusa"

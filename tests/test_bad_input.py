@@ -280,6 +280,15 @@ CLI = [
     (G + ["--method", "medusa", "--opt", "heads={MEDUSA}", "--opt", "tree=1,1,1"], "the tree is 3 deep"),
     (G + ["--method", "medusa", "--opt", "heads={MEDUSA}", "--opt", "tree=a;b"], "cannot read the tree shape"),
     (G + ["--method", "medusa", "--opt", "heads={MEDUSA}", "--opt", "tree=0.1;2"], "has no parent"),
+    (
+        G + ["--method", "medusa", "--opt", "heads={MEDUSA}", "--opt", "tree=2,1", "--opt", "tree_nodes=4"],
+        "tree_nodes shapes a dynamic tree only, and the tree is not one: give tree='dynamic' too",
+    ),
+    (
+        G + ["--method", "medusa", "--opt", "heads={MEDUSA}", "--opt", "tree=dynamic", "--opt", "tree_nodes=0"],
+        "tree_nodes must be an integer in [1, 64]",
+    ),
+    (G + ["--method", "auto", "--opt", "tree=dynamic"], "cannot read the tree shape 'dynamic'"),
     (G + ["--method", "medusa", "--opt", "heads={FILE}"], "cannot read Medusa heads"),
     (G + ["--method", "medusa"], "no shipped medusa weights fit tiny"),
     (G + ["--method", "hidden-transfer", "--opt", "transfer={MEDUSA}"], "transfer"),

@@ -94,6 +94,36 @@ EXACT = {
             },
         ),
     ],
+    "medusa": [
+        ("dynamic", lambda m, o: {"tree": "dynamic", "heads": _random_drafter(m, "medusa", scale=0.05, steps=3)}),
+        (
+            "dynamic n6 d2",
+            lambda m, o: {
+                "tree": "dynamic",
+                "tree_nodes": 6,
+                "tree_depth": 2,
+                "heads": _random_drafter(m, "medusa", scale=0.05, steps=3),
+            },
+        ),
+    ],
+    "hidden-transfer": [
+        (
+            "dynamic",
+            lambda m, o: {
+                "tree": "dynamic",
+                "transfer": _random_drafter(m, "transfer", scale=0.05, layers=[1, _mid(m)]),
+            },
+        ),
+        (
+            "dynamic n4 d1",
+            lambda m, o: {
+                "tree": "dynamic",
+                "tree_nodes": 4,
+                "tree_depth": 1,
+                "transfer": _random_drafter(m, "transfer", scale=0.05, layers=[1, _mid(m)]),
+            },
+        ),
+    ],
     "self-spec": [
         ("E1 gamma4", lambda m, o: {"exit_layer": 1, "draft_len": 4, "head": "shared"}),
         ("E=d-1 gamma2", lambda m, o: {"exit_layer": m.config.n_layers - 1, "draft_len": 2, "head": "shared"}),

@@ -128,6 +128,11 @@ DRAFTING = {
     "speculative": lambda m, d: {"draft": d, "draft_len": 4, "min_confidence": 0.0},
     "self-spec": lambda m, d: {"exit_layer": 1, "draft_len": 3, "head": "shared"},
     "medusa": lambda m, d: {"tree": "2,1", "heads": _random_heads(m, "medusa", steps=2)},
+    "medusa dynamic": lambda m, d: {"tree": "dynamic", "heads": _random_heads(m, "medusa", steps=2)},
+    "hidden-transfer dynamic": lambda m, d: {
+        "tree": "dynamic",
+        "transfer": _random_heads(m, "transfer", layers=[1, 1]),
+    },
     "auto": lambda m, d: {"tree": "2,1", "transfer": _random_heads(m, "transfer", layers=[1, 1])},
 }
 

@@ -63,11 +63,89 @@ def test_equals_greedy(models, name, tree, method):
         assert st["new_tokens"] == 16 and st["model_calls"] >= 1 + -(-15 // (depth + 1))
 
 
+DYNAMIC = [(None, None), (1, None), (3, None), (8, None), (None, 1), (5, 2)]  # (tree_nodes, tree_depth)
+
+
+@pytest.mark.parametrize("nodes,depth", DYNAMIC, ids=[f"n{n}-d{d}" for n, d in DYNAMIC])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("method", ["hidden-transfer", "medusa"])
+def test_dynamic_tree_equals_greedy(models, name, nodes, depth, method):
+    """tree="dynamic" (EAGLE-2): each round's tree from the drafts' confidence, of a fixed node count or
+    (None) the count chosen each round, at most ``depth`` deep: greedy token for token."""
+    model = models[name]
+    for seed, plen in [(0, 1), (1, 6), (2, 19)]:
+        prompt = torch.randint(
+            0, model.config.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)
+        ).tolist()
+        want = naive_greedy(model, prompt, 16)
+        opt = (
+            {"transfer": transfer_for(model, seed, 0.05)}
+            if method == "hidden-transfer"
+            else {"heads": medusa_for(model, seed, 0.05)}
+        )
+        got = generate(
+            model, prompt, method, 16, stop_at_eos=False, tree="dynamic", tree_nodes=nodes, tree_depth=depth, **opt
+        )
+        assert got.token_ids == want, f"{method} dynamic {nodes},{depth} differs from greedy on {name} ({seed})"
+        st = got.stats
+        assert st["accepted"] <= st["drafted"] and st["new_tokens"] == 16
+        assert nodes is None or st["tree_nodes"] <= nodes + 1
+
+
+def test_dynamic_tree_batch_rows_decode_as_alone(models):
+    """Rows of a batch verify dynamic trees of their own shapes in one call (per-row masks, filler
+    tokens): each row as it decodes alone, greedy and with EOS ending rows at different times."""
+    model = models["llama-mha-untied"]
+    prompts = [[5, 9, 2, 7, 7, 1, 3, 8, 30], [11], [4, 4, 60, 2], [17, 3, 3, 3, 3, 3, 90]]
+    for method, opt in [
+        ("hidden-transfer", {"transfer": transfer_for(model, 1, 0.05)}),
+        ("medusa", {"heads": medusa_for(model, 1, 0.05)}),
+    ]:
+        for nodes in (None, 4):
+            kw = dict(opt, tree="dynamic", tree_nodes=nodes, stop_at_eos=False)
+            alone = [generate(model, p, method, 14, **kw).token_ids for p in prompts]
+            assert [r.token_ids for r in generate(model, prompts, method, 14, **kw)] == alone
+            assert alone == [naive_greedy(model, p, 14) for p in prompts]
+
+
+def test_dynamic_tree_paths_are_the_best_by_value():
+    """``best_paths``: the n paths of highest product of draft probabilities, every parent before its
+    children, against brute force over every path."""
+    import itertools
+
+    g = torch.Generator().manual_seed(3)
+    for depth, K, n in [(1, 5, 3), (3, 4, 9), (3, 6, 30), (2, 3, 9)]:
+        probs = torch.rand(depth, K, generator=g).softmax(-1).sort(descending=True).values.tolist()
+        got = tree_mod.best_paths(probs, n)
+        every = []
+        for d in range(1, depth + 1):
+            for path in itertools.product(range(K), repeat=d):
+                every.append(torch.tensor([probs[i][r] for i, r in enumerate(path)]).prod().item())
+        want = sorted(every, reverse=True)[:n]
+        assert [v for _, v in got] == pytest.approx(want)
+        seen = set()
+        for path, _ in got:
+            assert len(path) == 1 or path[:-1] in seen
+            seen.add(path)
+
+
+def test_dynamic_tree_count_follows_confidence_and_cost():
+    """The count chosen each round: more nodes where the drafts are sure and calls over more tokens are
+    cheap, none where they are unsure."""
+    from layerleap.drafters.trees import DynamicTree
+
+    flat = lambda n: 1.0  # noqa: E731 (calls of any size cost one)
+    steep = lambda n: 1.0 + n  # noqa: E731 (each node costs a whole call)
+    assert DynamicTree.choose([0.9, 0.8, 0.1], flat) == 3
+    assert DynamicTree.choose([0.9, 0.8, 0.1], steep) == 0
+    assert DynamicTree.choose([0.9, 0.8, 0.1], lambda n: 1.0 + 0.1 * n) == 2
+
+
 def test_drafts_get_accepted_and_stop_at_eos(models):
     """A tied random model tends to repeat its input: drafts are accepted, so multi-token paths (and
     the cache compaction after them) are exercised; EOS stops the output like greedy."""
     model = models["llama-gqa-tied"]
-    total = 0
+    total = dynamic = 0
     for seed in range(6):
         prompt = torch.randint(0, 97, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
         want = naive_greedy(model, prompt, 24)
@@ -75,13 +153,16 @@ def test_drafts_get_accepted_and_stop_at_eos(models):
             ("hidden-transfer", {"transfer": transfer_for(model, seed, 0.05)}),
             ("medusa", {"heads": medusa_for(model, seed, 0.0)}),
         ]:
-            got = generate(model, prompt, method, 24, stop_at_eos=False, tree="2,2,1", **opt)
-            assert got.token_ids == want
-            total += got.stats["accepted"]
+            for tree in ("2,2,1", "dynamic"):
+                got = generate(model, prompt, method, 24, stop_at_eos=False, tree=tree, **opt)
+                assert got.token_ids == want
+                total += got.stats["accepted"]
+                dynamic += got.stats["accepted"] if tree == "dynamic" else 0
         res = generate(model, prompt, "hidden-transfer", 24, tree="2,2,1", transfer=transfer_for(model, seed, 0.05))
         ref = naive_greedy(model, prompt, 24, eos=tuple(model.config.eos_token_ids))
         assert res.token_ids == ref
     assert total > 10, f"only {total} drafts accepted: the tests would not exercise multi-token acceptance"
+    assert dynamic > 5, f"only {dynamic} drafts of dynamic trees accepted"
 
 
 def test_pseudo_states_match_a_causal_reference():
@@ -147,12 +228,30 @@ def test_errors(models):
         generate(model, [1, 2], "medusa", 4, tree="1,x", heads=medusa_for(model))
     with pytest.raises(drafters.DrafterError, match="layers"):
         drafters.new_drafter(model, "transfer", layers=[3, 1])
+    with pytest.raises(
+        GenerationError, match="tree_nodes shapes a dynamic tree only, and the tree is not one: give tree='dynamic'"
+    ):
+        generate(model, [1, 2], "medusa", 4, tree="2,1", tree_nodes=4, heads=medusa_for(model))
+    with pytest.raises(GenerationError, match="tree_depth is 3 but the hidden-transfer weights have 2 step"):
+        generate(
+            model,
+            [1, 2],
+            "hidden-transfer",
+            4,
+            tree="dynamic",
+            tree_depth=3,
+            transfer=transfer_for(model, layers=[1, 2]),
+        )
+    with pytest.raises(GenerationError, match="tree_nodes must be an integer in \\[1, 64\\]"):
+        generate(model, [1, 2], "medusa", 4, tree="dynamic", tree_nodes=0, heads=medusa_for(model))
+    with pytest.raises(GenerationError, match="cannot read the tree shape 'dynamic'"):  # auto's tree is static
+        generate(model, [1, 2], "auto", 4, tree="dynamic", transfer=transfer_for(model))
 
 
 @pytest.mark.real
 @pytest.mark.parametrize("method", ["hidden-transfer", "medusa"])
 def test_real_model_shipped_weights_equal_greedy(method):
-    """SmolLM2-135M with the shipped weights (default) and two trees: greedy token for token, with
+    """SmolLM2-135M with the shipped weights (default) and two trees, and the dynamic tree: greedy token for token, with
     drafts accepted (the shipped weights are trained), and the shipped files refuse another model."""
     import layerleap
     from layerleap.datasets import spec_bench
@@ -164,9 +263,10 @@ def test_real_model_shipped_weights_equal_greedy(method):
     accepted = 0
     for pr, tree in zip(prompts, ["1,1", "2,2,1"]):
         want = generate(model, pr.text, "greedy", 40, chat=True, stop_at_eos=False)
-        got = generate(model, pr.text, method, 40, chat=True, stop_at_eos=False, tree=tree)
-        assert got.token_ids == want.token_ids
-        accepted += got.stats["accepted"]
+        for t in (tree, "dynamic"):
+            got = generate(model, pr.text, method, 40, chat=True, stop_at_eos=False, tree=t)
+            assert got.token_ids == want.token_ids, f"{method} tree={t}"
+            accepted += got.stats["accepted"]
     assert accepted >= 5
     tiny = random_model("llama-gqa-tied")
     kind = "transfer" if method == "hidden-transfer" else "medusa"

@@ -61,9 +61,9 @@ KINDS = ("int", "float", "bool", "text", "choice", "tree", "int_list", "model", 
 @dataclass(frozen=True)
 class Option:
     """One method option.  ``kind``: int, float, bool, text, choice (one of ``choices``), tree (a tree
-    shape), int_list, model (a second model: a loaded one, or a name or folder on the CLI), weights (one
-    of ``choices``, a weights file, or a loaded object) or any (unchecked: a method registered without
-    declarations).  ``none``: what None means ('' = not allowed)."""
+    shape, or one of ``choices``: a tree chosen while decoding), int_list, model (a second model: a loaded
+    one, or a name or folder on the CLI), weights (one of ``choices``, a weights file, or a loaded object)
+    or any (unchecked: a method registered without declarations).  ``none``: what None means ('' = not allowed)."""
 
     name: str
     kind: str
@@ -100,6 +100,8 @@ class Option:
         return one(self.lo, True), one(self.hi, False)
 
     def bounds_text(self) -> str:
+        if self.kind == "tree" and self.choices:
+            return "a tree | " + " | ".join(self.choices)
         if self.kind == "choice" or (self.kind == "weights" and self.choices):
             return " | ".join(self.choices) + (" | a file" if self.kind == "weights" else "")
         return V._bounds(self.lo, self.hi, self.lo_open).strip().removeprefix("in ")
@@ -199,6 +201,8 @@ def _choice(o: Option, value, config):
 
 
 def _tree(o: Option, value, config):
+    if isinstance(value, str) and value.strip() in o.choices:  # a named tree ("dynamic")
+        return value.strip()
     try:
         parse_tree(value)
     except TreeError as e:
@@ -313,6 +317,28 @@ TREE = Option(
     "tree",
     "the draft tree: top-k per depth ('2,1,1') or rank paths ('0;1;0.0')",
     none="the weight format's tuned tree",
+)
+TREE_DYNAMIC = TREE.but(
+    help="the draft tree: top-k per depth ('2,1,1'), rank paths ('0;1;0.0') or 'dynamic' (each round the "
+    "paths of the highest product of draft probabilities, EAGLE-2; tree_nodes of them)",
+    choices=("dynamic",),
+)
+MAX_TREE_NODES = 64  # a dynamic tree's most nodes; the draft steps' top-64 each
+TREE_NODES = Option(
+    "tree_nodes",
+    "int",
+    "tree='dynamic': the draft nodes each round verifies",
+    lo=1,
+    hi=MAX_TREE_NODES,
+    none="chosen each round: the count (up to 16) with the most expected tokens per unit of call cost",
+)
+TREE_DEPTH = Option(
+    "tree_depth",
+    "int",
+    "tree='dynamic': the most draft steps along a path (Hidden Transfer: the pseudo steps every node gets)",
+    lo=1,
+    hi=MAX_DRAFT_LEN,
+    none="the method's tuned depth: hidden-transfer 1 (each step costs every node a pseudo state), medusa every step",
 )
 MAX_NGRAM_OPT = Option("max_ngram", "int", "the longest n-gram looked up", default=4, lo=1, hi=MAX_NGRAM)
 MIN_NGRAM = Option(

@@ -22,6 +22,7 @@ then rank).  ``TreeBuffers`` holds what one verification pass needs:
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -175,6 +176,25 @@ def draft_tokens(buffers: TreeBuffers, root: int, topk: torch.Tensor) -> torch.T
         d, r = buffers.depths[1:], buffers.ranks[1:]
         toks[1:] = topk[d - 1, r]
     return toks
+
+
+def best_paths(probs: list[list[float]], n: int) -> list[tuple[tuple[int, ...], float]]:
+    """EAGLE-2's dynamic tree (Li et al. 2024, §4) for drafts whose steps are drawn from one state: the
+    ``n`` paths of highest *value*, the product of the draft probabilities along the path, from
+    ``probs[d][r]`` (step ``d + 1``'s ``r``-th most likely draft, most likely first), best first.
+    Best-first search: a path is pushed after its predecessor (the sibling of rank one less, or for
+    rank 0 the parent) is taken, so every path comes after its parent (the set is a tree)."""
+    heap = [(-probs[0][0], (0,), 1.0)] if probs and probs[0] else []  # (-value, path, the parent's value)
+    out = []
+    while heap and len(out) < n:
+        v, path, parent = heapq.heappop(heap)
+        out.append((path, -v))
+        d, r = len(path), path[-1]
+        if r + 1 < len(probs[d - 1]):
+            heapq.heappush(heap, (-parent * probs[d - 1][r + 1], path[:-1] + (r + 1,), parent))
+        if d < len(probs):
+            heapq.heappush(heap, (v * probs[d][0], path + (0,), -v))
+    return out
 
 
 def pseudo_mask(tree_mask: torch.Tensor, sources: list[int], steps: int, see_earlier: bool = True) -> torch.Tensor:

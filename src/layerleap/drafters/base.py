@@ -16,7 +16,8 @@ back what was accepted (in the spirit of `transformers`' ``CandidateGenerator`` 
   rolls its caches back to them and keeps what it needs for the next round.
 
 The base class scores with the target model itself (chains padded with filler tokens that nothing
-attends to; trees with tree attention, every row of a batch the same tree at its own position) and
+attends to; trees with tree attention, every row of a batch the same tree at its own position, or
+each its own tree with per-row masks: ``BatchTree``) and
 rolls the target's cache back by position (chains) or keeps each row's accepted path (trees).
 ``StepDrafter`` is a drafter that writes its chain one token at a time from its own next-token logits
 (a draft model, an early exit), stopping by ``ChainRule``.
@@ -36,6 +37,36 @@ from ..core.run import Run
 from ..core.tree import Candidates
 
 Result = tuple[list[int], int | None]  # (accepted draft indices, the target's next token)
+
+
+@dataclass
+class BatchTree:
+    """The trees of a batch whose rows propose different shapes (a dynamic tree): each row's mask and
+    position offsets over ``S`` fed tokens; a chain is causal, and a row's filler tokens (past its own
+    tokens, or a finished row's) see only themselves at offset 0."""
+
+    mask: torch.Tensor  # [B, S, S] bool
+    depths: torch.Tensor  # [B, S] long
+
+    @property
+    def k(self) -> int:
+        return int(self.mask.shape[-1]) - 1
+
+    @classmethod
+    def of(cls, cands: list[Candidates | None], S: int) -> "BatchTree":
+        mask = torch.eye(S, dtype=torch.bool).repeat(len(cands), 1, 1)
+        depths = torch.zeros(len(cands), S, dtype=torch.long)
+        for row, c in enumerate(cands):
+            if c is None:
+                continue
+            n = len(c.fed())
+            if c.is_chain:
+                mask[row, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+                depths[row, :n] = torch.arange(n)
+            else:  # a tree: its root is fed (the round after the prompt proposes no tree)
+                mask[row, :n, :n] = c.mask
+                depths[row, :n] = c.depths
+        return cls(mask, depths)
 
 
 class Drafter:
@@ -87,8 +118,9 @@ class Drafter:
         ids, tree = self.batch_tokens(cands)
         if ids is None:  # nothing to feed: the prompt pass already scored the only position
             return [None if c is None else self.first_logits[row : row + 1] for row, c in enumerate(cands)]
-        if tree is not None:  # every row the same tree, at its own position
-            pos = (self.start - self.cache.pad).unsqueeze(1) + tree.depths.unsqueeze(0)  # [B, 1 + k]
+        if tree is not None:  # every row the same tree (or its own: a BatchTree), at its own position
+            depths = tree.depths if tree.depths.dim() == 2 else tree.depths.unsqueeze(0)
+            pos = (self.start - self.cache.pad).unsqueeze(1) + depths  # [B, 1 + k]
             pos = pos.clamp(max=self.run.model.config.max_position - 1).to(self.run.model.device)
             h = self.run.forward(self.cache, ids, positions=pos, mask=tree.mask.to(self.run.model.device))
         else:
@@ -100,22 +132,21 @@ class Drafter:
             None if c is None else self._with_first(row, c, logits[row, : len(c.fed())]) for row, c in enumerate(cands)
         ]
 
-    def batch_tokens(self, cands: list[Candidates | None]) -> tuple[torch.Tensor | None, Candidates | None]:
+    def batch_tokens(self, cands: list[Candidates | None]) -> tuple[torch.Tensor | None, Candidates | BatchTree | None]:
         """The fed tokens of every row ``[B, S]`` (None when no row feeds any), and the tree they share
-        (None for chains).  Chains of different lengths and finished rows are padded with filler
-        tokens that nothing attends to and that ``update`` rolls back; rows of a tree must share its
-        shape."""
+        (None for chains): one ``Candidates`` when every row's tree has one shape, else a ``BatchTree``
+        of each row's mask and depths.  Chains of different lengths and finished rows are padded with
+        filler tokens that nothing attends to and that ``update`` rolls back."""
         fed = [c.fed() if c is not None else [] for c in cands]
         S = max(len(f) for f in fed)
         if S == 0:
             return None, None
-        tree = next((c for c in cands if c is not None and not c.is_chain), None)
-        if tree is not None and any(
-            c is not None and (c.is_chain or not torch.equal(c.parents, tree.parents)) for c in cands
-        ):
-            raise ValueError("the rows of a batch must propose trees of one shape")
         pad = [f + [f[-1] if f else 0] * (S - len(f)) for f in fed]
-        return torch.tensor(pad, dtype=torch.long, device=self.run.model.device), tree
+        ids = torch.tensor(pad, dtype=torch.long, device=self.run.model.device)
+        tree = next((c for c in cands if c is not None and not c.is_chain), None)
+        if tree is None or all(c is None or (not c.is_chain and torch.equal(c.parents, tree.parents)) for c in cands):
+            return ids, tree
+        return ids, BatchTree.of(cands, S)
 
     def update(self, cands: list[Candidates | None], results: list[Result | None]) -> None:
         """Keep, in the target's cache, each row's root and accepted drafts; drop the rest."""

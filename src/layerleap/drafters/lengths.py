@@ -23,6 +23,9 @@ CALL_COST = {
     "q4": (1.0, 1.122, 1.246, 1.341, 1.8, 1.874, 1.915, 2.089),
 }
 CALL_COST["float16"] = CALL_COST["bfloat16"]
+# The call cost at 16 new tokens relative to one (the same machine and threads,
+# docs/results/call_cost_after_<dtype>_t2.json), for calls past 8 tokens (dynamic trees).
+CALL_COST_16 = {"float32": 1.591, "bfloat16": 2.13, "float16": 2.13, "q4": 3.03}
 DECAY = 0.9  # weight of the past rounds in the acceptance counts
 PRIOR = (1.0, 1.0)  # kept, missed pseudo-counts of every draft position (a uniform prior: 0.5)
 
@@ -33,6 +36,16 @@ def call_cost(costs: tuple[float, ...], s: int) -> float:
         return costs[s - 1]
     step = costs[-1] - costs[-2]
     return costs[-1] + step * (s - len(costs))
+
+
+def long_call_cost(dtype_name: str, s: int) -> float:
+    """``c(s)`` of the weight format (fp32's for one it lacks): ``CALL_COST`` up to 8 tokens, then linear
+    to the 16-token point and on at that slope."""
+    costs = CALL_COST.get(dtype_name, CALL_COST["float32"])
+    c16 = CALL_COST_16.get(dtype_name, CALL_COST_16["float32"])
+    if s <= len(costs):
+        return costs[s - 1]
+    return costs[-1] + (c16 - costs[-1]) * (s - len(costs)) / (16 - len(costs))
 
 
 def expected_tokens(rates: list[float], length: int) -> float:

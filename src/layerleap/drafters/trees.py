@@ -12,9 +12,18 @@ with tree attention in one call (``tree.build`` shapes, ``verify.accept_greedy``
 
 Drafts are the heads' top-k, chosen deterministically, so sampling verifies them as one-hot
 proposals (lossless).  A batch verifies one tree shape per call, each row filled with its own
-drafts at its own position, and keeps each row's accepted path."""
+drafts at its own position, and keeps each row's accepted path.
+
+``tree="dynamic"`` (``DynamicTree``) instead builds each row's tree every round from its drafts'
+own confidence, as EAGLE-2 (Li et al. 2024, §4) does: the paths with the highest product of draft
+probabilities (``tree.best_paths``), a fixed count of them or the count with the most expected
+tokens per unit of round cost (``lengths.long_call_cost``).  Rows of a batch then verify trees of
+their own shapes in the one call (per-row masks)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -25,6 +34,7 @@ from ..core.stats import TreeStats
 from ..core.tree import Candidates
 from .base import Drafter
 from .draft_vocab import DraftVocab
+from .lengths import DECAY, long_call_cost
 from .medusa_transfer import MedusaHeads, TransferProjections
 
 
@@ -65,48 +75,172 @@ def draft_logits(run: Run, z: torch.Tensor, vocab: DraftVocab | None) -> torch.T
     return run.model.unembed(z) if vocab is None else vocab.logits(z)
 
 
+AUTO_MOST = 16  # the most nodes of a dynamic tree whose count is chosen each round
+
+
+@dataclass
+class RunningScale:
+    """One row's decaying sums of the drafts its dynamic trees were expected to keep (their nodes'
+    values) and of the drafts kept: ``factor`` turns the drafts' confidence into the row's acceptance
+    (a prior of one kept per one expected)."""
+
+    expected: float = 1.0
+    kept: float = 1.0
+
+    def observe(self, expected: float, kept: int) -> None:
+        self.expected = DECAY * self.expected + expected
+        self.kept = DECAY * self.kept + kept
+
+    @property
+    def factor(self) -> float:
+        return self.kept / self.expected
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic tree over ``depth`` draft steps: ``nodes`` paths of the highest value a round,
+    or (``nodes`` None) the count, up to ``AUTO_MOST``, whose expected tokens ``1 + s (v_1 + .. + v_n)``
+    per unit of round cost is the highest (a path's value ``v`` estimates its acceptance; ``s``, the
+    row's ``RunningScale.factor``, corrects the drafts' over- or under-confidence)."""
+
+    depth: int
+    nodes: int | None
+
+    @property
+    def most(self) -> int:
+        return AUTO_MOST if self.nodes is None else self.nodes
+
+    def top(self, step_logits: torch.Tensor, vocab: DraftVocab | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits ``[steps, V]`` -> (top-K ids ``[depth, K]``, their probabilities ``[depth, K]``)."""
+        p = step_logits[: self.depth].float().softmax(-1).topk(min(self.most, step_logits.shape[-1]), dim=-1)
+        ids = p.indices if vocab is None else vocab.token(p.indices)
+        return ids.cpu(), p.values.cpu()
+
+    def candidates(
+        self, root: int, ids: torch.Tensor, conf: torch.Tensor, budget: int, cost, scale: float = 1.0
+    ) -> tuple[Candidates, float | None]:
+        """This round's tree after ``root`` from the row's drafts (``ids``, ``conf``: ``top``'s), no path
+        longer than ``budget``; ``cost(n)``: a round's cost with ``n`` nodes, in one-token calls.  -> (the
+        tree, the drafts it is expected to keep: its nodes' values summed; with no node, the first draft's
+        value; None with no draft at all)."""
+        best = tree_mod.best_paths(conf[: max(0, min(self.depth, budget))].tolist(), self.most)
+        values = [v for _, v in best]
+        n = self.choose(values, cost, scale) if self.nodes is None else self.nodes
+        if not best[:n]:
+            return Candidates.chain(root, []), values[0] if values else None
+        best = best[:n]
+        index = {p: j for j, (p, _) in enumerate(best)}
+        tokens = [int(ids[len(p) - 1, p[-1]]) for p, _ in best]
+        return Candidates.from_parents(root, tokens, [index.get(p[:-1], -1) for p, _ in best]), sum(values[:n])
+
+    @staticmethod
+    def choose(values: list[float], cost: Callable[[int], float], scale: float = 1.0) -> int:
+        """The ``n`` (0 included: a greedy step) with the most ``(1 + scale (v_1 + .. + v_n)) / cost(n)``."""
+        sums = [1.0]
+        for v in values:
+            sums.append(sums[-1] + scale * v)
+        return max(range(len(sums)), key=lambda n: (sums[n] / cost(n), -n))
+
+
 class TreeDrafter(Drafter):
     """What the tree drafters share: the tree, each row's drafts for the next round, the last kept
-    node.  Every row of a batch proposes the same tree shape, filled with its own drafts."""
+    node.  Every row of a batch proposes the same tree shape, filled with its own drafts (a dynamic
+    tree: each row its own shape)."""
 
     batched = True
 
-    def __init__(self, run: Run, buf: tree_mod.TreeBuffers, vocab: DraftVocab | None = None):
-        self.buf, self.vocab = buf, vocab  # vocab: the draft vocabulary (None: the full one)
+    def __init__(
+        self, run: Run, buf: tree_mod.TreeBuffers, vocab: DraftVocab | None = None, dynamic: DynamicTree | None = None
+    ):
+        self.buf, self.vocab, self.dynamic = buf, vocab, dynamic  # vocab: the draft vocabulary (None: the full one)
         super().__init__(run)
         self.topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: the next round's drafts
+        self.conf: list[torch.Tensor | None] = [None] * run.batch  # dynamic: per row [depth, K], their probabilities
+        self.nodes = [0] * run.batch  # dynamic: the nodes each row proposed, summed
+        self.scales = [RunningScale() for _ in range(run.batch)]  # dynamic: confidence -> acceptance
+        dtype = run.model.dtype_name  # (a walk over the weights: read once)
+        self.costs = [self.round_cost(n, dtype) for n in range(dynamic.most + 1)] if dynamic is not None else []
+        self.expected: list[tuple[float, int | None] | None] = [None] * run.batch  # dynamic: the round's
+        # drafts expected to be kept, and the first draft where the tree has no node (is it the target's token?)
+
+    @property
+    def draft_steps(self) -> int:
+        """The draft steps each round makes: the tree's depth (a dynamic tree's most)."""
+        return self.dynamic.depth if self.dynamic is not None else (self.buf.depth if self.buf.n > 1 else 0)
+
+    @property
+    def most_nodes(self) -> int:
+        """The most nodes of a round's tree, the root included."""
+        return self.dynamic.most + 1 if self.dynamic is not None else self.buf.n
+
+    def round_cost(self, n: int, dtype: str) -> float:
+        """A round's call with ``n`` draft nodes, in one-token calls (weight format ``dtype``'s curve)."""
+        return long_call_cost(dtype, n + 1)
+
+    def set_drafts(self, row: int, step_logits: torch.Tensor) -> None:
+        """The row's drafts for its next tree from draft logits by step ``[steps, V]``."""
+        if self.dynamic is None:
+            self.topk[row] = top_drafts(self.buf, step_logits, self.vocab)
+        else:
+            self.topk[row], self.conf[row] = self.dynamic.top(step_logits, self.vocab)
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
         if root is None or self.topk[row] is None:  # nothing drafts the first position after the prompt
             return Candidates.chain(root, [])
-        return Candidates.from_tree(self.buf, root, self.topk[row])
+        if self.dynamic is None:
+            return Candidates.from_tree(self.buf, root, self.topk[row])
+        cand, expected = self.dynamic.candidates(
+            root, self.topk[row], self.conf[row], budget, self.costs.__getitem__, self.scales[row].factor
+        )
+        self.nodes[row] += cand.k
+        self.expected[row] = None if expected is None else (expected, None if cand.k else int(self.topk[row][0, 0]))
+        return cand
+
+    def update(self, cands, results) -> None:
+        super().update(cands, results)
+        for row, (c, r) in enumerate(zip(cands, results)):
+            if c is not None and self.expected[row] is not None:  # a dynamic tree learns how sure its drafts are
+                expected, first = self.expected[row]
+                self.scales[row].observe(expected, len(r[0]) if first is None else int(r[1] == first))
+                self.expected[row] = None
 
     def kept_states(self, cands, results, states: torch.Tensor) -> dict[int, torch.Tensor]:
         """Row -> ``states[row, j]`` at the last kept node ``j`` of each live row (``states`` ``[B, S, ...]``)."""
         return {row: states[row, c.kept(r[0])[-1]] for row, (c, r) in enumerate(zip(cands, results)) if c is not None}
 
     def tree_stats(self, counts) -> list[TreeStats]:
-        """One row's ``TreeStats`` per ``draft_verify.RoundCounts``."""
+        """One row's ``TreeStats`` per ``draft_verify.RoundCounts`` (a dynamic tree: its mean nodes a round,
+        the root included)."""
         return [
-            TreeStats(tree_nodes=self.buf.n, accepted_per_round=c.accepted / c.rounds if c.rounds else None)
-            for c in counts
+            TreeStats(
+                tree_nodes=self.buf.n if self.dynamic is None else round(1 + nodes / max(1, c.rounds)),
+                accepted_per_round=c.accepted / c.rounds if c.rounds else None,
+            )
+            for c, nodes in zip(counts, self.nodes)
         ]
 
 
 class MedusaDrafter(TreeDrafter):
-    def __init__(self, run: Run, heads: MedusaHeads, buf: tree_mod.TreeBuffers, vocab: DraftVocab | None = None):
-        super().__init__(run, buf, vocab)
+    def __init__(
+        self,
+        run: Run,
+        heads: MedusaHeads,
+        buf: tree_mod.TreeBuffers,
+        vocab: DraftVocab | None = None,
+        dynamic: DynamicTree | None = None,
+    ):
+        super().__init__(run, buf, vocab, dynamic)
         self.heads = heads
 
     def round_tokens(self) -> int:
-        return self.buf.n + 1  # the root and the tree
+        return self.most_nodes + 1  # the root and the tree
 
     def _draft_from(self, row: int, h: torch.Tensor) -> None:
         """Drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
-        if self.buf.n > 1:
+        if self.draft_steps:
             z = self.run.model.final_norm(h)
-            states = torch.stack([self.heads.state(i, z) for i in range(1, self.buf.depth + 1)])  # [depth, D]
-            self.topk[row] = top_drafts(self.buf, draft_logits(self.run, states, self.vocab), self.vocab)
+            states = torch.stack([self.heads.state(i, z) for i in range(1, self.draft_steps + 1)])  # [depth, D]
+            self.set_drafts(row, draft_logits(self.run, states, self.vocab))
 
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()
@@ -132,14 +266,21 @@ def transfer_pass(
     steps: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One model call over the tree ``tokens`` ``[B, n]`` of every row (``mask`` ``[n, n]``, position
-    offsets ``depths`` ``[n]``) with pseudo states of ``steps`` transfer steps for every node: ->
-    (real nodes' last hidden states ``[B, n, D]``, pseudo states ``[B, steps, n, D]``)."""
+    offsets ``depths`` ``[n]``; or each row's: ``[B, n, n]``, ``[B, n]``) with pseudo states of ``steps``
+    transfer steps for every node: -> (real nodes' last hidden states ``[B, n, D]``, pseudo states
+    ``[B, steps, n, D]``)."""
     model = run.model
     B, n = tokens.shape
     sources = list(range(n))
-    full = tree_mod.pseudo_mask(mask, sources, steps).to(model.device)  # [S, S]
+    if mask.dim() == 2:
+        full = tree_mod.pseudo_mask(mask, sources, steps)  # [S, S]
+        offsets = tree_mod.pseudo_offsets(depths, sources, steps).unsqueeze(0)  # [1, S]
+    else:
+        full = torch.stack([tree_mod.pseudo_mask(m, sources, steps) for m in mask])  # [B, S, S]
+        offsets = torch.stack([tree_mod.pseudo_offsets(d, sources, steps) for d in depths])  # [B, S]
+    full = full.to(model.device)
     base = (cache.lengths[0] - cache.pad).unsqueeze(1)  # [B, 1]
-    pos = (base + tree_mod.pseudo_offsets(depths, sources, steps).unsqueeze(0)).to(model.device)  # [B, S]
+    pos = (base + offsets).to(model.device)  # [B, S]
     h = model.embed(tokens.to(model.device))  # [B, n, D]
     bounds = proj.layers[:steps] + [model.config.n_layers]
     layer = 0
@@ -151,7 +292,7 @@ def transfer_pass(
             start=layer,
             end=end,
             positions=pos[:, :S],
-            mask=full[:S, :S] if S > 1 else None,
+            mask=full[..., :S, :S] if S > 1 else None,
             count_call=False,
         )
         layer = end
@@ -162,15 +303,31 @@ def transfer_pass(
 
 
 class TransferDrafter(TreeDrafter):
-    def __init__(self, run: Run, proj: TransferProjections, buf: tree_mod.TreeBuffers, vocab: DraftVocab | None = None):
-        self.steps = buf.depth if buf.n > 1 else 0
-        super().__init__(run, buf, vocab)
+    def __init__(
+        self,
+        run: Run,
+        proj: TransferProjections,
+        buf: tree_mod.TreeBuffers,
+        vocab: DraftVocab | None = None,
+        dynamic: DynamicTree | None = None,
+    ):
+        self.steps = dynamic.depth if dynamic is not None else (buf.depth if buf.n > 1 else 0)
         self.proj = proj
+        super().__init__(run, buf, vocab, dynamic)
         self.pseudo_states = 0
         self.pseudo: torch.Tensor | None = None  # [B, steps, n, D]
 
     def round_tokens(self) -> int:
-        return self.buf.n * (self.steps + 1) + 1  # the tree's nodes, and each node's pseudo states
+        return self.most_nodes * (self.steps + 1) + 1  # the tree's nodes, and each node's pseudo states
+
+    def round_cost(self, n: int, dtype: str) -> float:
+        """Layers ``[0, t_1)`` over the ``n + 1`` nodes, ``[t_i, t_i+1)`` over them and their pseudo states
+        of steps ``1..i``: each segment its share of the layers' call cost."""
+        L = self.run.model.config.n_layers
+        bounds = [0] + self.proj.layers[: self.steps] + [L]
+        return sum(
+            (bounds[i + 1] - bounds[i]) / L * long_call_cost(dtype, (i + 1) * (n + 1)) for i in range(self.steps + 1)
+        )
 
     def score(self, cands):
         live = [c for c in cands if c is not None]
@@ -185,7 +342,7 @@ class TransferDrafter(TreeDrafter):
         h, self.pseudo = transfer_pass(self.run, self.cache, ids, mask, depths, self.proj, self.steps)
         self.pseudo_states += self.steps * k1 * len(live)
         logits = self.run.model.logits(h)  # [B, n, V]
-        return [None if c is None else logits[row] for row, c in enumerate(cands)]
+        return [None if c is None else logits[row, : len(c.fed())] for row, c in enumerate(cands)]
 
     def update(self, cands, results) -> None:
         called = next(c for c in cands if c is not None).root is not None
@@ -194,7 +351,7 @@ class TransferDrafter(TreeDrafter):
             pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
             for row, p in self.kept_states(cands, results, pseudo).items():  # p [steps, D]
                 z = self.run.model.final_norm(p)
-                self.topk[row] = top_drafts(self.buf, draft_logits(self.run, z, self.vocab), self.vocab)
+                self.set_drafts(row, draft_logits(self.run, z, self.vocab))
 
     def tree_stats(self, counts) -> list[TreeStats]:
         stats = super().tree_stats(counts)

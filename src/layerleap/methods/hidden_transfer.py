@@ -20,6 +20,14 @@ prompt pass is plain), so drafting starts with the second token.  Greedy output 
 model's greedy decoding, whatever the projections; sampling verifies the tree by SpecInfer's
 multi-draft rule (lossless).
 
+``tree="dynamic"`` (EAGLE-2, ``drafters.trees.DynamicTree``) builds each round's tree from the kept
+node's pseudo states' own confidence.  Which positions get pseudo states stays fixed within a round:
+every node of the tree, for every step the next tree may take (``tree_depth``; any node may be the
+last kept one), so a node costs ``1 + tree_depth`` positions in the upper layers, which the count
+chosen each round prices (``TransferDrafter.round_cost``).  The depth is 1 unless given: deeper
+trees pay every node's further pseudo states, more than their drafts gain on SmolLM2-135M
+(docs/HIDDEN_TRANSFER.md, "Dynamic trees").
+
 Stats as ``medusa`` plus ``pseudo_states`` (pseudo positions evaluated).
 """
 
@@ -49,11 +57,15 @@ def default_tree(model) -> str:
     sampling=True,
     exact=True,
     grammar=True,
-    options=(O.TREE, O.TRANSFER, O.DRAFT_VOCAB),
+    options=(O.TREE_DYNAMIC, O.TREE_NODES, O.TREE_DEPTH, O.TRANSFER, O.DRAFT_VOCAB),
 )
-def hidden_transfer(run: Run, *, tree=None, transfer="trained", draft_vocab="auto"):
+def hidden_transfer(run: Run, *, tree=None, tree_nodes=None, tree_depth=None, transfer="trained", draft_vocab="auto"):
     """Hidden Transfer: pseudo hidden states from trained projections draft a tree (tree=, transfer=; tree
-    none: the dtype's tuned tree): greedy-exact; lossless sampling.  draft_vocab: pseudo states score
-    only a shipped set of frequent tokens ('auto'), all tokens ('full'), or a draft-vocabulary file's."""
+    none: the dtype's tuned tree; 'dynamic': each round the paths of the highest product of draft
+    probabilities, tree_nodes of them, tree_depth deep, none: 1): greedy-exact; lossless sampling.
+    draft_vocab: pseudo states score only a shipped set of frequent tokens ('auto'), all tokens ('full'),
+    or a draft-vocabulary file's."""
     tree = default_tree(run.model) if tree is None else tree
-    yield from decode_tree(run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter, draft_vocab)
+    yield from decode_tree(
+        run, "transfer", "hidden-transfer", tree, transfer, TransferDrafter, draft_vocab, tree_nodes, tree_depth, 1
+    )

@@ -34,6 +34,15 @@ def medusa_for(model, seed=0, scale=0.3, steps=3):
     return _perturb(drafters.new_drafter(model, "medusa", steps=steps), seed, scale)
 
 
+def _cases(model, method: str, scale: float = 0.3):
+    """(seed, prompt, greedy's 16 tokens, the method's drafter option) for three prompt lengths."""
+    for seed, plen in [(0, 1), (1, 6), (2, 19)]:
+        prompt = torch.randint(0, model.config.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed))
+        drafter = transfer_for(model, seed, scale) if method == "hidden-transfer" else medusa_for(model, seed, scale)
+        opt = {"transfer": drafter} if method == "hidden-transfer" else {"heads": drafter}
+        yield seed, prompt.tolist(), naive_greedy(model, prompt.tolist(), 16), opt
+
+
 @pytest.fixture(scope="module")
 def models():
     return {name: random_model(name, seed=11, scale=2.0) for name in CONFIGS}
@@ -44,16 +53,7 @@ def models():
 @pytest.mark.parametrize("method", ["hidden-transfer", "medusa"])
 def test_equals_greedy(models, name, tree, method):
     model = models[name]
-    for seed, plen in [(0, 1), (1, 6), (2, 19)]:
-        prompt = torch.randint(
-            0, model.config.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)
-        ).tolist()
-        want = naive_greedy(model, prompt, 16)
-        opt = (
-            {"transfer": transfer_for(model, seed)}
-            if method == "hidden-transfer"
-            else {"heads": medusa_for(model, seed)}
-        )
+    for seed, prompt, want, opt in _cases(model, method):
         got = generate(model, prompt, method, 16, stop_at_eos=False, tree=tree, **opt)
         assert got.token_ids == want, f"{method} tree={tree} differs from greedy on {name} (prompt {seed})"
         st = got.stats
@@ -73,16 +73,7 @@ def test_dynamic_tree_equals_greedy(models, name, nodes, depth, method):
     """tree="dynamic" (EAGLE-2): each round's tree from the drafts' confidence, of a fixed node count or
     (None) the count chosen each round, at most ``depth`` deep: greedy token for token."""
     model = models[name]
-    for seed, plen in [(0, 1), (1, 6), (2, 19)]:
-        prompt = torch.randint(
-            0, model.config.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)
-        ).tolist()
-        want = naive_greedy(model, prompt, 16)
-        opt = (
-            {"transfer": transfer_for(model, seed, 0.05)}
-            if method == "hidden-transfer"
-            else {"heads": medusa_for(model, seed, 0.05)}
-        )
+    for seed, prompt, want, opt in _cases(model, method, scale=0.05):
         got = generate(
             model, prompt, method, 16, stop_at_eos=False, tree="dynamic", tree_nodes=nodes, tree_depth=depth, **opt
         )

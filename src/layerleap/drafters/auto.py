@@ -38,7 +38,7 @@ from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
 from .draft_vocab import DraftVocab
 from .lengths import LengthChooser
-from .trees import TreeDrafter, draft_logits, top_drafts, transfer_pass
+from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts, transfer_pass
 
 MODES = ("lookup", "transfer", "medusa")
 FIRST_PROBE = 3  # plain rounds before the first probe of transfer calls (0: start with the probe)
@@ -189,9 +189,8 @@ class AutoDrafter(TreeDrafter):
 
     def _medusa_from(self, row: int, h: torch.Tensor) -> None:
         """Medusa's drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
-        z = self.run.model.final_norm(h)
-        states = torch.stack([self.heads.state(i, z) for i in range(1, self.medusa_buf.depth + 1)])  # [depth, D]
-        self.medusa_topk[row] = top_drafts(self.medusa_buf, draft_logits(self.run, states, self.vocab), self.vocab)
+        logits = medusa_logits(self.run, self.heads, h, self.medusa_buf.depth, self.vocab)  # [depth, V | K]
+        self.medusa_topk[row] = top_drafts(self.medusa_buf, logits, self.vocab)
 
     def propose(self, roots, budgets):
         self.t_round = time.perf_counter()

@@ -220,6 +220,14 @@ class TreeDrafter(Drafter):
         ]
 
 
+def medusa_logits(run: Run, heads: MedusaHeads, h: torch.Tensor, steps: int, vocab: DraftVocab | None) -> torch.Tensor:
+    """The first ``steps`` heads' draft logits ``[steps, V]`` (``[steps, K]`` over ``vocab``) from one
+    last-layer state ``h`` ``[D]``."""
+    z = run.model.final_norm(h)
+    states = torch.stack([heads.state(i, z) for i in range(1, steps + 1)])  # [steps, D]
+    return draft_logits(run, states, vocab)
+
+
 class MedusaDrafter(TreeDrafter):
     def __init__(
         self,
@@ -238,9 +246,7 @@ class MedusaDrafter(TreeDrafter):
     def _draft_from(self, row: int, h: torch.Tensor) -> None:
         """Drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
         if self.draft_steps:
-            z = self.run.model.final_norm(h)
-            states = torch.stack([self.heads.state(i, z) for i in range(1, self.draft_steps + 1)])  # [depth, D]
-            self.set_drafts(row, draft_logits(self.run, states, self.vocab))
+            self.set_drafts(row, medusa_logits(self.run, self.heads, h, self.draft_steps, self.vocab))
 
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()

@@ -51,3 +51,24 @@ def test_figure_is_written_by_suffix(tmp_path):
     ax.plot([0, 1], [1, 0])
     path = save_figure(fig, tmp_path / "p.png")
     assert path.read_bytes()[:4] == b"\x89PNG" and len(list(tmp_path.iterdir())) == 1
+
+
+def _check_out(path: str) -> str:
+    from layerleap import validate as V
+
+    V.output_file(path, "out", (".safetensors",))
+    return "ok"
+
+
+def test_processes_checking_one_new_path_at_once_all_pass(tmp_path):
+    """Ranks of one torchrun job check the same output path at once, each making and removing its
+    missing folder: none of them sees the others' folder come or go as an error, and no probe file
+    is left (a folder one process made while another was inside it may stay, empty)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for i in range(20):
+        path = str(tmp_path / f"run{i}" / "deep" / "m.safetensors")
+        with ctx.Pool(4) as pool:
+            assert pool.map(_check_out, [path] * 8) == ["ok"] * 8
+        assert not [f for f in (tmp_path / f"run{i}").rglob("*") if f.is_file()]

@@ -24,6 +24,8 @@ import json
 import math
 import numbers
 import os
+import random
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
@@ -263,25 +265,51 @@ def path(value, name: str) -> Path:
 
 def _try_create(p: Path, name: str, folder: bool = False) -> None:
     """Create and remove a temporary file beside ``p`` (inside it when ``folder``), making and then
-    removing any missing parent folders: the proof that ``p`` can be written."""
+    removing any missing parent folders: the proof that ``p`` can be written.  Processes that check
+    the same path at once (the ranks of a ``torchrun`` job) may make or remove each other's folders
+    in between: such a race is tried again, a few times."""
+    for attempt in range(RACE_TRIES):
+        try:
+            return _create_once(p, name, folder)
+        except (FileExistsError, FileNotFoundError) as e:
+            if attempt == RACE_TRIES - 1:
+                raise InputError(
+                    _say(name, f"{p} cannot be written ({e.strerror or e}): choose a writable path")
+                ) from None
+            time.sleep(random.uniform(0.001, 0.01))  # let the other process finish its check
+
+
+RACE_TRIES = 20
+
+
+def _create_once(p: Path, name: str, folder: bool) -> None:
     where = p if folder else p.parent
-    made: list[Path] = []
+    missing: list[Path] = []
     d = where
+    made: list[Path] = []  # the folders this call made, deepest last
     try:
         while not d.exists():
-            made.append(d)
+            missing.append(d)
             d = d.parent
         if not d.is_dir():
+            if not d.exists():  # removed since it was seen: another process's check
+                raise FileNotFoundError(2, "No such file or directory", str(d))
             raise InputError(_say(name, f"{p}: {d} is not a folder: choose another path"))
-        for m in reversed(made):
-            m.mkdir()
+        for m in reversed(missing):
+            try:
+                m.mkdir()
+            except FileExistsError:  # another process made it: theirs to remove
+                continue
+            made.append(m)
         probe = where / f".{p.name or 'x'}.{os.getpid()}.probe"
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         os.unlink(probe)
+    except (FileExistsError, FileNotFoundError):
+        raise
     except OSError as e:
         raise InputError(_say(name, f"{p} cannot be written ({e.strerror or e}): choose a writable path")) from None
     finally:
-        for m in made:  # deepest first; only the folders made here, only while empty
+        for m in reversed(made):  # deepest first; only the folders made here, only while empty
             try:
                 m.rmdir()
             except OSError:

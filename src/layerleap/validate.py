@@ -263,6 +263,9 @@ def path(value, name: str) -> Path:
         return Path(s)
 
 
+RACE_TRIES = 20  # checks of one path by processes racing each other, before a race counts as a failure
+
+
 def _try_create(p: Path, name: str, folder: bool = False) -> None:
     """Create and remove a temporary file beside ``p`` (inside it when ``folder``), making and then
     removing any missing parent folders: the proof that ``p`` can be written.  Processes that check
@@ -277,9 +280,6 @@ def _try_create(p: Path, name: str, folder: bool = False) -> None:
                     _say(name, f"{p} cannot be written ({e.strerror or e}): choose a writable path")
                 ) from None
             time.sleep(random.uniform(0.001, 0.01))  # let the other process finish its check
-
-
-RACE_TRIES = 20
 
 
 def _create_once(p: Path, name: str, folder: bool) -> None:

@@ -247,7 +247,7 @@ class AutoDrafter(TreeDrafter):
             pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
             for b, p in self.kept_states(cands, results, pseudo).items():  # p [steps, D]
                 z = self.run.model.final_norm(p)
-                self.topk[b] = top_drafts(self.buf, draft_logits(self.run, z, self.vocab), self.vocab)
+                self.set_drafts(b, draft_logits(self.run, z, self.vocab))
         else:
             self.topk = [None] * self.run.batch  # drafts from an older position: of no use
         self.mode_rounds[self.round_mode] += 1

@@ -114,6 +114,29 @@ def test_every_path_equals_portable_path_bit_for_bit(bits, half, fine):
 
 
 @pytest.mark.parametrize("fine", [True, False])
+def test_vector_rounding_of_activations_equals_the_portable_one(fine):
+    """The vector paths round activations with their own instructions, the portable path with scalar
+    code: equal bits for groups of zeros, ties at half a step, outliers, tiny and huge magnitudes."""
+    mod = kernels._native_blocks()
+    w = _weight(4, 33, 320, 4)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(7, 320, generator=g)
+    x[0, :32] = 0.0  # a group of zeros
+    x[1] = torch.round(x[1] * 4) / 4  # many exact ties
+    x[1, ::32] = 4.0  # amax 4: steps of 4/qmax
+    x[2, 40] = 1e4  # an outlier
+    x[3] *= 1e-30
+    x[4] *= 1e30
+    x[5, 64:96] = -2.0  # a constant group
+    x[6] = torch.arange(320) % 7 - 3.0
+    want = mod.block_matmul(x, w.codes, w.dm, w.out_features, fine, "portable")
+    for path in _paths():
+        for m in (1, 7):
+            got = mod.block_matmul(x[:m], w.codes, w.dm, w.out_features, fine, path)
+            assert torch.equal(got, want[:m]), (path, m)
+
+
+@pytest.mark.parametrize("fine", [True, False])
 def test_extreme_codes_and_activations_do_not_overflow(fine):
     """8-bit codes 0, 1 and 255 against activations at their group's maximum (where 16-bit pair sums
     of 8-bit products would saturate), and 4-bit codes 15: the integer sums stay exact."""
@@ -365,3 +388,29 @@ def test_stacked_parts_of_two_block_types_equal_each_part_alone(m):
     assert torch.equal(again(x), w(x)) and torch.equal(again.dense(), w.dense())
     assert MixedRows.of(parts[:1] + parts[2:]).shape == (56, 512)  # one type: plain QuantizedRows
     assert isinstance(MixedRows.of(parts[:1] + parts[2:]), QuantizedRows)
+
+
+def test_block_weights_moved_to_huge_pages_give_the_same_bits():
+    """``kernels.to_huge_pages`` copies codes and scales into one arena (a weight met twice, once): the
+    products and the dense weights stay the same bits; a tensor that does not fit stays where it is."""
+    from layerleap.core.cpu import HUGE_PAGE, HugePageArena
+    from layerleap.core.kernels import StackWeight
+
+    w4, w8 = _weight(4, 45, 192, 1), _weight(8, 20, 96, 2)
+    stack = StackWeight([BlockWeight.from_rows(_q4k_rows(16, 256, 3)), BlockWeight.from_q6(_q6(17, 256, 4))])
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(3))
+    x8 = torch.randn(3, 96, generator=torch.Generator().manual_seed(4))
+    xs = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    before = [w4(x), w8(x8), stack(xs), w4.dense(), stack.dense()]
+    kernels.to_huge_pages([w4, stack, w8, w4])
+    assert all(torch.equal(a, b) for a, b in zip(before, [w4(x), w8(x8), stack(xs), w4.dense(), stack.dense()]))
+    arena = HugePageArena(128)
+    if arena.buf is None:  # no transparent huge pages here: nothing moves
+        return
+    ptrs = sorted(t.data_ptr() for b in (w4, w8, *stack.parts) for t in (b.codes, b.dm))
+    assert ptrs[0] % HUGE_PAGE == 0 and len(set(ptrs)) == 8 and all(p % 64 == 0 for p in ptrs)
+    small = torch.arange(10, dtype=torch.float32)
+    placed = arena.place(small)
+    assert torch.equal(placed, small) and placed.data_ptr() % HUGE_PAGE == 0
+    big = torch.zeros(200, dtype=torch.uint8)
+    assert arena.place(big) is big  # no room left

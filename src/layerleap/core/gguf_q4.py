@@ -444,11 +444,13 @@ def load_packed(folder: Path, config, tokenizer):
 def assemble_q4(config: ModelConfig, formats: dict, dense: dict, tokenizer=None, source=None) -> Transformer:
     """Put ``formats`` (module name -> packed weight) and ``dense`` tensors (state_dict names, cast to
     bf16) into a Transformer built on the meta device; refuse anything left unfilled."""
+    from .kernels import to_huge_pages
     from .model import rope_tables
 
     with torch.device("meta"):
         model = Transformer(config, tokenizer=tokenizer, source=source)
     mods = dict(model.named_modules())
+    to_huge_pages(formats.values())
     for name, fmt in formats.items():
         mods[name].pack(fmt)
     if config.tie_embeddings and "lm_head.weight" in dense:

@@ -775,6 +775,21 @@ class StackWeight(PackedWeight):
 
 
 # -- choosing a format per CPU -----------------------------------------------------------------------
+def to_huge_pages(formats) -> None:
+    """Moves the codes and scales of every ``BlockWeight`` among ``formats`` (a ``StackWeight``'s parts
+    included; a weight met twice, a tied LM head, once) into one ``cpu.HugePageArena``, in place."""
+    from .cpu import HugePageArena
+
+    blocks: dict[int, BlockWeight] = {}
+    for fmt in formats:
+        for b in fmt.parts if isinstance(fmt, StackWeight) else [fmt]:
+            if isinstance(b, BlockWeight):
+                blocks.setdefault(id(b), b)
+    arena = HugePageArena(sum(HugePageArena.size(t) for b in blocks.values() for t in (b.codes, b.dm)))
+    for b in blocks.values():  # one weight at a time: its old tensors are freed as it moves
+        b.codes, b.dm = arena.place(b.codes), arena.place(b.dm)
+
+
 def _time_products(fns, repeats: int = 5) -> float:
     import time
 

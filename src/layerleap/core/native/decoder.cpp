@@ -342,7 +342,45 @@ struct QX {
   std::vector<int32_t> n, n16;  // n16: the integer sums of inputs 0..15 and 16..31 (2 per record)
 };
 
-static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& out) {
+#ifdef LL_AVX512
+// quantize_rows' rounding of one group (record r) with AVX-512: the same operations on each value (the
+// product with qmax / amax rounded to the nearest, ties to even, as nearbyint does), so the same bits
+static inline void quantize_group512(const float* xr, int32_t qmax, bool fine, int8_t* q, QX& out, int64_t r) {
+  const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
+  const __m512i hi = _mm512_set1_epi32(qmax), lo = _mm512_set1_epi32(-qmax);
+  auto round = [&](__m512 v) {
+    return _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvt_roundps_epi32(
+                                                         _mm512_mul_ps(v, _mm512_set1_ps(id)),
+                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  };
+  const __m512i v0 = round(x0), v1 = round(x1);
+  if (fine) {
+    const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(v0, _mm512_set1_epi32(64)), 7);
+    const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(v1, _mm512_set1_epi32(64)), 7);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(h0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(h1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32), _mm512_cvtepi32_epi8(_mm512_sub_epi32(v0, _mm512_slli_epi32(h0, 7))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 48), _mm512_cvtepi32_epi8(_mm512_sub_epi32(v1, _mm512_slli_epi32(h1, 7))));
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(v0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(v1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32), _mm512_cvtepi32_epi8(_mm512_setzero_si512()));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 48), _mm512_cvtepi32_epi8(_mm512_setzero_si512()));
+  }
+  const int32_t n0 = _mm512_reduce_add_epi32(v0), n1 = _mm512_reduce_add_epi32(v1);
+  out.n16[2 * r] = n0;
+  out.n16[2 * r + 1] = n1;
+  out.d[r] = d;
+  out.s[r] = d * static_cast<float>(n0 + n1);
+  out.n[r] = n0 + n1;
+}
+#endif
+
+// vec: the vector rounding where the build has it (the same bits; the portable path keeps the scalar one,
+// so that tests comparing the paths compare the two)
+static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& out, bool vec = true) {
   const int64_t G = K / 32;
   const int32_t qmax = fine ? 127 * 128 : 127;
   out.M = M;
@@ -355,6 +393,12 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& o
     for (int64_t g = 0; g < G; g++) {
       const float* xr = x + row * K + g * 32;
       const int64_t r = g * M + row;
+#ifdef LL_AVX512
+      if (vec) {
+        quantize_group512(xr, qmax, fine, &out.q[r * 64], out, r);
+        continue;
+      }
+#endif
       float amax = 0.0f;
       for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xr[i]));
       const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
@@ -504,6 +548,25 @@ static void blocks_portable(const uint8_t* codes, const SC* dm, const QX& xq, in
     }
 }
 
+#if defined(LL_AVX512) || defined(LL_AVX2)
+// The codes of a group PREFETCH bytes on (a later group of the block, or the next blocks: a weight is one
+// run of bytes, read in order) asked into the cache: one core's hardware prefetchers alone keep too few
+// lines in flight to stream at the memory's speed.  Into L1 where the activations' records are small
+// (4- and 8-bit codes, K <= L1_PREFETCH_K), else into L2, so that the lines on their way do not push the
+// activations out of L1.  Measured on a 2-core Zen 4, 1 row: 4-bit products 12-20% faster, 6-bit 25%.
+constexpr int64_t PREFETCH = 8192;
+constexpr int64_t L1_PREFETCH_K = 4096;
+template <int LINES>
+static inline void prefetch_ahead(const uint8_t* c, bool l1) {
+  const char* p = reinterpret_cast<const char*>(c + PREFETCH);
+#pragma GCC unroll 8
+  for (int i = 0; i < LINES; i++) {
+    if (l1) _mm_prefetch(p + i * 64, _MM_HINT_T0);
+    else _mm_prefetch(p + i * 64, _MM_HINT_T1);
+  }
+}
+#endif
+
 // Runs f(std::integral_constant<int, T>) for T = min(rows, MAX) (1..MAX): a tile's row count fixed at
 // compile time, so that its accumulators stay in registers.
 template <int MAX, typename F>
@@ -551,6 +614,7 @@ static inline void tile512(const uint8_t* codes, const SC* dm, const QX& xq, int
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * J * 64;
+    prefetch_ahead<J>(c, G * 32 <= L1_PREFETCH_K);
     __m512i w[8];
     if constexpr (BITS == 4) {
 #pragma GCC unroll 4
@@ -608,6 +672,7 @@ static inline void tile512_6(const uint8_t* codes, const uint8_t* dm, const QX& 
   const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * 6 * 64;
+    prefetch_ahead<6>(c, false);
     __m512i w[8];
     const __m512i h0 = _mm512_loadu_si512(c + 256), h1 = _mm512_loadu_si512(c + 320);
 #pragma GCC unroll 4
@@ -729,6 +794,7 @@ static inline void tile256(const uint8_t* codes, const SC* dm, const QX& xq, int
   const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * J * 64 + half * 32;
+    if (half == 0) prefetch_ahead<J>(c, G * 32 <= L1_PREFETCH_K);  // half 1 reads the same lines again
     __m256i w[8], sg[8];
     if constexpr (BITS == 4) {
 #pragma GCC unroll 4
@@ -789,6 +855,7 @@ static inline void tile256_6(const uint8_t* codes, const uint8_t* dm, const QX& 
   const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * 6 * 64 + hf * 32;
+    if (hf == 0) prefetch_ahead<6>(c, false);
     __m256i w[8];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
@@ -904,7 +971,7 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
               "block_matmul: scales do not fit the shape");
   auto xf = x.to(at::kFloat).contiguous();
   QX xq;
-  quantize_rows(xf.data_ptr<float>(), M, K, fine, xq);
+  quantize_rows(xf.data_ptr<float>(), M, K, fine, xq, use != "portable");
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* c = codes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();

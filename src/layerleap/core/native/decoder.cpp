@@ -384,7 +384,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& o
   const int64_t G = K / 32;
   const int32_t qmax = fine ? 127 * 128 : 127;
   out.M = M;
-  out.q.assign(M * G * 64, 0);
+  out.q.resize(M * G * 64);  // every record's 64 bytes are written below
   out.d.resize(M * G);
   out.s.resize(M * G);
   out.n.resize(M * G);
@@ -565,6 +565,20 @@ static inline void prefetch_ahead(const uint8_t* c, bool l1) {
     else _mm_prefetch(p + i * 64, _MM_HINT_T1);
   }
 }
+
+// The scales of the group as many groups on (flat index i = nb * G + g, CODE_BYTES of codes a group): a
+// second, slower run of bytes beside the codes (super-blocks: SUPER_SIZE bytes per SUPER groups)
+template <int CODE_BYTES, int64_t SUPER_SIZE, typename SC>
+static inline void prefetch_scales(const SC* dm, int64_t i, bool l1) {
+  const int64_t j = i + PREFETCH / CODE_BYTES;
+  const char* p = std::is_same_v<SC, uint8_t> ? reinterpret_cast<const char*>(dm) + j * SUPER_SIZE / SUPER
+                                              : reinterpret_cast<const char*>(dm + j * 32);
+#pragma GCC unroll 2
+  for (size_t off = 0; off < (std::is_same_v<SC, uint8_t> ? 1 : sizeof(SC) / 2); off++) {
+    if (l1) _mm_prefetch(p + 64 * off, _MM_HINT_T0);
+    else _mm_prefetch(p + 64 * off, _MM_HINT_T1);
+  }
+}
 #endif
 
 // Runs f(std::integral_constant<int, T>) for T = min(rows, MAX) (1..MAX): a tile's row count fixed at
@@ -615,6 +629,7 @@ static inline void tile512(const uint8_t* codes, const SC* dm, const QX& xq, int
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * J * 64;
     prefetch_ahead<J>(c, G * 32 <= L1_PREFETCH_K);
+    prefetch_scales<J * 64, SUPER_BYTES>(dm, nb * G + g, G * 32 <= L1_PREFETCH_K);
     __m512i w[8];
     if constexpr (BITS == 4) {
 #pragma GCC unroll 4
@@ -673,6 +688,7 @@ static inline void tile512_6(const uint8_t* codes, const uint8_t* dm, const QX& 
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * 6 * 64;
     prefetch_ahead<6>(c, false);
+    prefetch_scales<6 * 64, Q6_SUPER_BYTES>(dm, nb * G + g, false);
     __m512i w[8];
     const __m512i h0 = _mm512_loadu_si512(c + 256), h1 = _mm512_loadu_si512(c + 320);
 #pragma GCC unroll 4
@@ -794,7 +810,10 @@ static inline void tile256(const uint8_t* codes, const SC* dm, const QX& xq, int
   const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * J * 64 + half * 32;
-    if (half == 0) prefetch_ahead<J>(c, G * 32 <= L1_PREFETCH_K);  // half 1 reads the same lines again
+    if (half == 0) {  // half 1 reads the same lines again
+      prefetch_ahead<J>(c, G * 32 <= L1_PREFETCH_K);
+      prefetch_scales<J * 64, SUPER_BYTES>(dm, nb * G + g, G * 32 <= L1_PREFETCH_K);
+    }
     __m256i w[8], sg[8];
     if constexpr (BITS == 4) {
 #pragma GCC unroll 4
@@ -855,7 +874,10 @@ static inline void tile256_6(const uint8_t* codes, const uint8_t* dm, const QX& 
   const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * 6 * 64 + hf * 32;
-    if (hf == 0) prefetch_ahead<6>(c, false);
+    if (hf == 0) {
+      prefetch_ahead<6>(c, false);
+      prefetch_scales<6 * 64, Q6_SUPER_BYTES>(dm, nb * G + g, false);
+    }
     __m256i w[8];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
@@ -970,7 +992,7 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
                     : per != 6 && dm.numel() == NB * G * 32,
               "block_matmul: scales do not fit the shape");
   auto xf = x.to(at::kFloat).contiguous();
-  QX xq;
+  thread_local QX xq;  // a few rows' buffers kept from call to call (a decoding step makes ~100 calls)
   quantize_rows(xf.data_ptr<float>(), M, K, fine, xq, use != "portable");
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* c = codes.data_ptr<uint8_t>();
@@ -1015,6 +1037,7 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
   };
   if (fine) with_bits(std::true_type());
   else with_bits(std::false_type());
+  if (xq.q.capacity() > (1 << 20)) xq = QX();  // a prompt's rows: handed back, not kept per thread
   return y;
 }
 

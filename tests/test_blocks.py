@@ -414,3 +414,19 @@ def test_block_weights_moved_to_huge_pages_give_the_same_bits():
     assert torch.equal(placed, small) and placed.data_ptr() % HUGE_PAGE == 0
     big = torch.zeros(200, dtype=torch.uint8)
     assert arena.place(big) is big  # no room left
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_two_threads_give_the_bits_of_one(bits):
+    """The blocks split between threads (and each call's rounded activations shared with them): the
+    same bits as one thread, at every row count, after a call with more rows than the next."""
+    w = BlockWeight.from_q6(_q6(200, 512, 5)) if bits == 6 else _weight(bits, 200, 512, 5)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(7))
+    one = [w(x[:m]) for m in (9, 1, 4)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = [w(x[:m]) for m in (9, 1, 4)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))

@@ -992,7 +992,10 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
                     : per != 6 && dm.numel() == NB * G * 32,
               "block_matmul: scales do not fit the shape");
   auto xf = x.to(at::kFloat).contiguous();
-  thread_local QX xq;  // a few rows' buffers kept from call to call (a decoding step makes ~100 calls)
+  // a few rows' buffers kept from call to call (a decoding step makes ~100 calls); a reference, so that the
+  // worker threads below read the caller's own
+  thread_local QX held;
+  QX& xq = held;
   quantize_rows(xf.data_ptr<float>(), M, K, fine, xq, use != "portable");
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* c = codes.data_ptr<uint8_t>();
@@ -1037,7 +1040,7 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
   };
   if (fine) with_bits(std::true_type());
   else with_bits(std::false_type());
-  if (xq.q.capacity() > (1 << 20)) xq = QX();  // a prompt's rows: handed back, not kept per thread
+  if (xq.q.capacity() > (1 << 20)) held = QX();  // a prompt's rows: handed back, not kept per thread
   return y;
 }
 

@@ -566,18 +566,15 @@ static inline void prefetch_ahead(const uint8_t* c, bool l1) {
   }
 }
 
-// The scales of the group as many groups on (flat index i = nb * G + g, CODE_BYTES of codes a group): a
-// second, slower run of bytes beside the codes (super-blocks: SUPER_SIZE bytes per SUPER groups)
+// The scales of the group as many groups on (flat index i = nb * G + g, CODE_BYTES of codes a group), into
+// L2: a second, slower run of bytes beside the codes (super-blocks: SUPER_SIZE bytes per SUPER groups)
 template <int CODE_BYTES, int64_t SUPER_SIZE, typename SC>
-static inline void prefetch_scales(const SC* dm, int64_t i, bool l1) {
+static inline void prefetch_scales(const SC* dm, int64_t i) {
   const int64_t j = i + PREFETCH / CODE_BYTES;
   const char* p = std::is_same_v<SC, uint8_t> ? reinterpret_cast<const char*>(dm) + j * SUPER_SIZE / SUPER
                                               : reinterpret_cast<const char*>(dm + j * 32);
-#pragma GCC unroll 2
-  for (size_t off = 0; off < (std::is_same_v<SC, uint8_t> ? 1 : sizeof(SC) / 2); off++) {
-    if (l1) _mm_prefetch(p + 64 * off, _MM_HINT_T0);
-    else _mm_prefetch(p + 64 * off, _MM_HINT_T1);
-  }
+  _mm_prefetch(p, _MM_HINT_T1);
+  if constexpr (sizeof(SC) == 4) _mm_prefetch(p + 64, _MM_HINT_T1);  // fp32: 128 bytes a group
 }
 #endif
 
@@ -629,7 +626,7 @@ static inline void tile512(const uint8_t* codes, const SC* dm, const QX& xq, int
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * J * 64;
     prefetch_ahead<J>(c, G * 32 <= L1_PREFETCH_K);
-    prefetch_scales<J * 64, SUPER_BYTES>(dm, nb * G + g, G * 32 <= L1_PREFETCH_K);
+    prefetch_scales<J * 64, SUPER_BYTES>(dm, nb * G + g);
     __m512i w[8];
     if constexpr (BITS == 4) {
 #pragma GCC unroll 4
@@ -688,7 +685,7 @@ static inline void tile512_6(const uint8_t* codes, const uint8_t* dm, const QX& 
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* c = codes + (nb * G + g) * 6 * 64;
     prefetch_ahead<6>(c, false);
-    prefetch_scales<6 * 64, Q6_SUPER_BYTES>(dm, nb * G + g, false);
+    prefetch_scales<6 * 64, Q6_SUPER_BYTES>(dm, nb * G + g);
     __m512i w[8];
     const __m512i h0 = _mm512_loadu_si512(c + 256), h1 = _mm512_loadu_si512(c + 320);
 #pragma GCC unroll 4
@@ -812,7 +809,7 @@ static inline void tile256(const uint8_t* codes, const SC* dm, const QX& xq, int
     const uint8_t* c = codes + (nb * G + g) * J * 64 + half * 32;
     if (half == 0) {  // half 1 reads the same lines again
       prefetch_ahead<J>(c, G * 32 <= L1_PREFETCH_K);
-      prefetch_scales<J * 64, SUPER_BYTES>(dm, nb * G + g, G * 32 <= L1_PREFETCH_K);
+      prefetch_scales<J * 64, SUPER_BYTES>(dm, nb * G + g);
     }
     __m256i w[8], sg[8];
     if constexpr (BITS == 4) {
@@ -876,7 +873,7 @@ static inline void tile256_6(const uint8_t* codes, const uint8_t* dm, const QX& 
     const uint8_t* c = codes + (nb * G + g) * 6 * 64 + hf * 32;
     if (hf == 0) {
       prefetch_ahead<6>(c, false);
-      prefetch_scales<6 * 64, Q6_SUPER_BYTES>(dm, nb * G + g, false);
+      prefetch_scales<6 * 64, Q6_SUPER_BYTES>(dm, nb * G + g);
     }
     __m256i w[8];
 #pragma GCC unroll 4

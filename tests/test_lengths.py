@@ -137,3 +137,21 @@ def test_adaptive_refuses_a_non_bool():
     model = random_model("llama-gqa-tied", seed=3, scale=2.0)
     with pytest.raises(layerleap.GenerationError, match="adaptive"):
         layerleap.generate(model, [1, 2, 3], "prompt-lookup", 4, adaptive=3)
+
+
+def test_dynamic_trees_draft_by_the_saved_curve(saved_curves):
+    """A dynamic tree's node count is priced by the machine's saved curve: more nodes where a call over
+    more tokens is cheap; greedy's tokens either way."""
+    from layerleap.drafters import medusa_transfer
+
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    heads = medusa_transfer.new_drafter(model, "medusa", steps=3)
+    prompt = list(range(5, 25))
+    want = layerleap.generate(model, prompt, "greedy", 24, stop_at_eos=False).token_ids
+    drafted = {}
+    for name, step in (("flat", 0.0), ("steep", 1.0)):
+        cost_curve.save(model, steep(step), ms_one=3.0)
+        got = layerleap.generate(model, prompt, "medusa", 24, stop_at_eos=False, heads=heads, tree="dynamic")
+        drafted[name] = got.stats["drafted"]
+        assert got.token_ids == want
+    assert drafted["flat"] > drafted["steep"]

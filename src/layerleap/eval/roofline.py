@@ -161,8 +161,11 @@ def call_cost(
         ids = {s: torch.randint(0, vocab, (1, s), generator=gen).to(model.device) for s in sizes}
         pos = {s: (context + torch.arange(s)).unsqueeze(0).to(model.device) for s in sizes}
 
+        sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
         def call(s: int) -> None:
             model.logits(model.run_layers(model.embed(ids[s]), 0, n, pos[s], cache))
+            sync()  # a GPU's call ends when its kernels do, not when they are queued
             cache.truncate(context)
 
         for s in sizes:  # warm-up

@@ -37,7 +37,7 @@ from ..core.stats import AutoStats
 from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
 from .draft_vocab import DraftVocab
-from .lengths import LengthChooser
+from .lengths import LengthChooser, curve_for
 from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts, transfer_pass
 
 MODES = ("lookup", "transfer", "medusa")
@@ -166,7 +166,7 @@ class AutoDrafter(TreeDrafter):
         super().__init__(run, buf, vocab)
         self.proj = proj if self.steps else None
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
-        self.lengths = LengthChooser(run.batch, run.model.dtype_name, draft_len) if adaptive else None
+        self.lengths = LengthChooser(run.batch, curve_for(run.model), draft_len) if adaptive else None
         self.medusa_topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: Medusa's drafts
         kinds = {"lookup": True, "transfer": self.proj is not None, "medusa": self.heads is not None}
         self.chooser = Chooser(tuple(m for m in MODES if kinds[m]))

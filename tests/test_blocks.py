@@ -390,6 +390,21 @@ def test_stacked_parts_of_two_block_types_equal_each_part_alone(m):
     assert isinstance(MixedRows.of(parts[:1] + parts[2:]), QuantizedRows)
 
 
+def _vm_flags(address: int) -> set[str]:
+    """The kernel's flags of the mapping holding ``address`` (``/proc/self/smaps``: ``hg`` advised for
+    huge pages, ``sh`` shared)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    return set()
+
+
 def test_block_weights_moved_to_huge_pages_give_the_same_bits():
     """``kernels.to_huge_pages`` copies codes and scales into one arena (a weight met twice, once): the
     products and the dense weights stay the same bits; a tensor that does not fit stays where it is."""
@@ -409,6 +424,7 @@ def test_block_weights_moved_to_huge_pages_give_the_same_bits():
         return
     ptrs = sorted(t.data_ptr() for b in (w4, w8, *stack.parts) for t in (b.codes, b.dm))
     assert ptrs[0] % HUGE_PAGE == 0 and len(set(ptrs)) == 8 and all(p % 64 == 0 for p in ptrs)
+    assert {"hg"} <= _vm_flags(w4.codes.data_ptr()) and "sh" not in _vm_flags(w4.codes.data_ptr())
     small = torch.arange(10, dtype=torch.float32)
     placed = arena.place(small)
     assert torch.equal(placed, small) and placed.data_ptr() % HUGE_PAGE == 0

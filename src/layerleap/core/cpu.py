@@ -52,7 +52,8 @@ class HugePageArena:
         if advice is None or nbytes <= 0:
             return
         try:
-            mm = mmap.mmap(-1, nbytes + HUGE_PAGE)
+            # private: a shared anonymous mapping is shmem, whose huge pages a separate setting rules
+            mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             mm.madvise(advice)
         except (OSError, ValueError):
             return

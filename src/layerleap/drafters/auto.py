@@ -37,28 +37,42 @@ from ..core.stats import AutoStats
 from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
 from .draft_vocab import DraftVocab
-from .lengths import LengthChooser
+from .lengths import LengthChooser, long_call_cost
 from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts, transfer_pass
 
 MODES = ("lookup", "transfer", "medusa")
-FIRST_PROBE = 3  # plain rounds before the first probe of transfer calls (0: start with the probe)
+FIRST_PROBE = 3  # plain rounds before the first probe, when the drafter starts with plain calls (0: at once)
 PROBE = 4  # counted rounds a probe lasts
 GAP = 8  # rounds between probes, doubled after each probe that does not change the mode
 DECAY = 0.85  # weight of the past in a mode's rate
+LAST_PROBE = 16  # no probe starts with fewer tokens than this left to the request
 
 
 @dataclass
 class Rate:
-    """Tokens per millisecond of one mode, decaying sums."""
+    """Tokens per millisecond of one mode: decaying sums over the rounds it ran and the rounds of
+    other modes that showed what it would have given (``read``, with an estimated wall time)."""
 
     tokens: float = 0.0
     ms: float = 0.0
-    rounds: int = 0
+    call_ms: float = 0.0  # the rounds run: their wall time less drafting for later rounds
+    units: float = 0.0  # ... and their calls' cost in one-token calls
+    rounds: int = 0  # rounds run or read
+    runs: int = 0  # rounds run
 
-    def add(self, tokens: int, ms: float) -> None:
+    def add(self, tokens: int, ms: float, call_ms: float = 0.0, units: float = 0.0) -> None:
+        """A round run (or read, with ``call_ms`` and ``units`` 0)."""
         self.tokens = DECAY * self.tokens + tokens
         self.ms = DECAY * self.ms + ms
+        self.call_ms = DECAY * self.call_ms + call_ms
+        self.units = DECAY * self.units + units
         self.rounds += 1
+        self.runs += int(units > 0)
+
+    @property
+    def ms_per_unit(self) -> float | None:
+        """Milliseconds a unit of call cost has taken in the rounds run (None before one)."""
+        return self.call_ms / self.units if self.units > 0 else None
 
     @property
     def value(self) -> float:
@@ -66,51 +80,89 @@ class Rate:
 
 
 class Chooser:
-    """Which mode the next round uses: the faster by ``Rate``, with probes of the other."""
+    """Which mode the next round uses: the fastest by ``Rate`` once each compared mode has ``PROBE``
+    rounds.  The plain mode is read from every tree round (its chain is in the tree: what it would
+    have kept, at the round's time less the tree's extra call cost), so only tree modes are probed."""
 
     def __init__(self, modes: tuple[str, ...]):
         self.modes = modes
         self.rates = {m: Rate() for m in modes}
-        self.best = modes[0]
-        self.mode = modes[0]
+        self.mode = "medusa" if "medusa" in modes else modes[0]  # a Medusa call also shows the plain mode's
+        self.best = self.mode
         self.probe_left = 0
-        self.next_probe = FIRST_PROBE
+        self.next_probe = FIRST_PROBE if self.mode == "lookup" else GAP
         self.gap = GAP
         self.rounds = 0
         self.switches = 0
-        self.turn = -1  # the last probed of the other modes, by position
-        if len(modes) > 1 and FIRST_PROBE == 0:  # probe at once
+        self.turn = -1  # the last probed of the tree modes, by position
+        if len(modes) > 1 and self.next_probe == 0:  # probe at once
             self.probe_left = PROBE
-            self.mode = modes[1]
+            self.mode = self._next_probe()
 
-    def record(self, mode: str, tokens: int, ms: float, counted: bool) -> None:
-        """One round's outcome; then choose the next round's mode."""
+    def record(
+        self,
+        mode: str,
+        tokens: int,
+        ms: float,
+        counted: bool,
+        units: float = 1.0,
+        draft_ms: float = 0.0,
+        plain: tuple[int, float] | None = None,
+        left: int | None = None,
+    ) -> None:
+        """One round's outcome (``units``: its call's cost in one-token calls; ``draft_ms``: time spent
+        drafting for another mode; ``plain``: the tokens and call cost a plain round would have had here;
+        ``left``: tokens the request has left), then choose the next round's mode."""
         self.rounds += 1
         if counted:
-            self.rates[mode].add(tokens, ms)
+            self.rates[mode].add(tokens, ms, ms - draft_ms, units)
+        per_unit = self.rates[mode].ms_per_unit
+        if plain is not None and mode != "lookup" and "lookup" in self.rates and per_unit is not None:
+            plain_ms = ms - draft_ms - per_unit * (units - plain[1])  # the call without the tree's extra nodes
+            self.rates["lookup"].add(plain[0], max(plain_ms, 0.1))
         if len(self.modes) == 1:
             return
         if self.probe_left > 0:
             self.probe_left -= int(counted)
-            if self.probe_left == 0:  # the probe ends: keep the fastest, or probe a mode never probed
-                winner = max(self.modes, key=lambda m: self.rates[m].value)
-                if any(self.rates[m].rounds == 0 for m in self.modes if m != winner):
-                    self.best, self.probe_left = winner, PROBE
-                    self._set(self._next_probe())
-                    return
-                self.gap = self.gap if winner != self.best else 2 * self.gap
-                self.best = winner
-                self.next_probe = self.rounds + self.gap
-                self._set(winner)
+            if self.probe_left == 0:
+                self._end_probe()
             return
-        if self.rounds >= self.next_probe:
-            self.probe_left = PROBE
+        if self.rounds >= self.next_probe and (left is None or left >= LAST_PROBE) and self._probed():
+            self.best, self.probe_left = self.mode, PROBE
             self._set(self._next_probe())
+            return
+        self._set(self._fastest())
+
+    def _fastest(self) -> str:
+        """The fastest mode with ``PROBE`` rounds, if the current one has as many."""
+        known = [m for m in self.modes if self.rates[m].rounds >= PROBE]
+        if self.mode not in known:
+            return self.mode
+        return max(known, key=lambda m: self.rates[m].value)
+
+    def _end_probe(self) -> None:
+        """Keep the fastest, or probe a tree mode never run; back off when the mode stays."""
+        winner = max((m for m in self.modes if self.rates[m].rounds), key=lambda m: self.rates[m].value)
+        if any(self.rates[m].runs == 0 for m in self._tree_modes(winner)):
+            self.best, self.probe_left = winner, PROBE
+            self._set(self._next_probe())
+            return
+        self.gap = self.gap if winner != self.best else 2 * self.gap
+        self.best = winner
+        self.next_probe = self.rounds + self.gap
+        self._set(winner)
+
+    def _tree_modes(self, current: str) -> list[str]:
+        """The modes a round of ``current`` does not show: the tree modes but ``current``."""
+        return [m for m in self.modes if m not in ("lookup", current)]
+
+    def _probed(self) -> bool:
+        return bool(self._tree_modes(self.mode))
 
     def _next_probe(self) -> str:
-        """The mode to probe: one never probed yet, else the next after the last probed, in order."""
-        others = [m for m in self.modes if m != self.best]
-        fresh = [m for m in others if self.rates[m].rounds == 0]
+        """The mode to probe: a tree mode never run yet, else the next after the last probed, in order."""
+        others = self._tree_modes(self.mode)
+        fresh = [m for m in others if self.rates[m].runs == 0]
         if fresh:
             return fresh[0]
         self.turn = (self.turn + 1) % len(others)
@@ -175,6 +227,9 @@ class AutoDrafter(TreeDrafter):
         self.round_mode = "lookup"
         self.counted = True
         self.mode_rounds = {m: 0 for m in MODES}
+        self.chains: list[list[int]] = [[] for _ in range(run.batch)]  # each row's lookup chain this round
+        self.left: int | None = None  # the most tokens a row has left before this round
+        self.draft_ms = 0.0  # this round's time in Medusa's heads
 
     def round_tokens(self) -> int:
         transfer = (self.buf.n + self.draft_len) * (self.steps + 1) + 1  # tree, chain, their pseudo states
@@ -189,8 +244,10 @@ class AutoDrafter(TreeDrafter):
 
     def _medusa_from(self, row: int, h: torch.Tensor) -> None:
         """Medusa's drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
+        t = time.perf_counter()
         logits = medusa_logits(self.run, self.heads, h, self.medusa_buf.depth, self.vocab)  # [depth, V | K]
         self.medusa_topk[row] = top_drafts(self.medusa_buf, logits, self.vocab)
+        self.draft_ms += (time.perf_counter() - t) * 1e3
 
     def propose(self, roots, budgets):
         self.t_round = time.perf_counter()
@@ -198,6 +255,8 @@ class AutoDrafter(TreeDrafter):
         # a transfer round right after another kind has no tree yet: it only makes the pseudo states
         drafts = {"transfer": self.topk, "medusa": self.medusa_topk}.get(self.round_mode)
         self.counted = drafts is None or any(t is not None for t in drafts)
+        self.left = max((b for b in budgets if b is not None), default=None)
+        self.draft_ms = 0.0
         return super().propose(roots, budgets)
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
@@ -206,6 +265,7 @@ class AutoDrafter(TreeDrafter):
         chain = self.index[row].draft(min(self.draft_len, budget))
         if self.run.constraints is not None:  # under a grammar: what it allows of the copy, then what it forces
             chain = self.run.constraints[row].draft(chain, min(self.draft_len, budget))
+        self.chains[row] = chain
         if self.round_mode == "lookup":
             return Candidates.chain(root, self.lengths.cut(row, chain) if self.lengths else chain)
         if self.round_mode == "medusa":
@@ -256,10 +316,28 @@ class AutoDrafter(TreeDrafter):
         if self.chooser.mode == "medusa":  # the heads' time is this round's: it ends when they have drafted
             for row, h in self.kept_states(cands, results, self.hidden).items():
                 self._medusa_from(row, h)
-        self.chooser.record(self.round_mode, tokens, (time.perf_counter() - self.t_round) * 1e3, self.counted)
+        ms = (time.perf_counter() - self.t_round) * 1e3
+        units, plain = self._costs(cands, results)
+        self.chooser.record(self.round_mode, tokens, ms, self.counted, units, self.draft_ms, plain, self.left)
         if self.chooser.mode == "medusa" and all(t is None for t in self.medusa_topk):
             for row, h in self.kept_states(cands, results, self.hidden).items():
                 self._medusa_from(row, h)
+
+    def _costs(self, cands, results) -> tuple[float, tuple[int, float]]:
+        """This round's call cost in one-token calls, and the tokens and call cost a plain round would
+        have had: each row's chain kept while it agrees with what the round emitted (exact under greedy
+        decoding, where what is emitted does not depend on the drafts; a chain that agrees to the end
+        may have kept more)."""
+        dtype = self.run.model.dtype_name
+        live = [(c, r, ch) for c, r, ch in zip(cands, results, self.chains) if c is not None]
+        n = 1 + max(c.k for c, _, _ in live)
+        calls = n * (self.steps + 1) if self.round_mode == "transfer" else n  # a transfer call: pseudo states
+        tokens = 0
+        for c, r, chain in live:
+            emitted = c.tokens[r[0]].tolist() + [r[1]]
+            agree = next((i for i, (a, b) in enumerate(zip(chain, emitted)) if a != b), min(len(chain), len(emitted)))
+            tokens += agree + 1
+        return long_call_cost(dtype, calls), (tokens, long_call_cost(dtype, 1 + max(len(ch) for _, _, ch in live)))
 
     def auto_stats(self) -> list[AutoStats]:
         """One ``AutoStats`` per row (the batch shares its rounds' modes)."""

@@ -1,7 +1,7 @@
-"""``auto``: prompt lookup's chain and Hidden Transfer's tree verified in one call, the kind of call
-chosen per round.  Whatever the choice, greedy output is greedy decoding and sampling is lossless:
-the schedule is forced here (probes at once, every round or two) so both kinds of round and the
-switches between them run within a few tokens."""
+"""``auto``: prompt lookup's chain and Hidden Transfer's or Medusa's tree verified in one call, the kind
+of call chosen per round.  Whatever the choice, greedy output is greedy decoding and sampling is
+lossless: the schedule is forced here (``Cycle``: another kind every round) so every kind of round and
+the switches between them run within a few tokens; the chooser is tested on its own."""
 
 from __future__ import annotations
 
@@ -19,12 +19,28 @@ from layerleap.drafters import medusa_transfer
 from layerleap.drafters.auto import Chooser, merge_chain
 
 
+class Cycle:
+    """A chooser that switches every round, through ``ORDER``'s modes that the drafter has (a transfer
+    call twice: the first after another kind has no tree)."""
+
+    ORDER = ("transfer", "transfer", "medusa", "lookup")
+
+    def __init__(self, modes):
+        self.order = [m for m in self.ORDER if m in modes]
+        self.i, self.switches = 0, 0
+        self.mode = self.order[0]
+
+    def record(self, mode, *args, **kwargs):
+        self.i += 1
+        nxt = self.order[self.i % len(self.order)]
+        self.switches += int(nxt != self.mode)
+        self.mode = nxt
+
+
 @pytest.fixture
 def switching(monkeypatch):
-    """Probe transfer calls at once, for one round, then every other round."""
-    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 0)
-    monkeypatch.setattr(auto_drafter, "PROBE", 1)
-    monkeypatch.setattr(auto_drafter, "GAP", 1)
+    """Switch the kind of call every round (whatever the rounds' speeds)."""
+    monkeypatch.setattr(auto_drafter, "Chooser", Cycle)
 
 
 def _transfer(model, seed=0, layers=(1, 1)):
@@ -151,22 +167,55 @@ def _medusa(model, seed=0, steps=2):
     return d
 
 
-def test_chooser_probes_every_mode_and_keeps_the_fastest(monkeypatch):
-    """Three modes: each is probed once before the gaps start, the fastest is kept, and the others
-    are probed in turn."""
-    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
+def test_chooser_probes_the_tree_modes_and_keeps_the_fastest(monkeypatch):
+    """Three modes: Medusa first (its rounds show the plain mode's), Hidden Transfer probed after a gap,
+    then again in gaps that grow; the plain mode is never run when the rounds read from it are slow."""
     monkeypatch.setattr(auto_drafter, "PROBE", 2)
     monkeypatch.setattr(auto_drafter, "GAP", 4)
     c = Chooser(("lookup", "transfer", "medusa"))
     modes = []
-    gain = {"lookup": 1, "transfer": 2, "medusa": 4}
+    gain = {"transfer": 2, "medusa": 4}
     for _ in range(80):
         modes.append(c.mode)
-        c.record(c.mode, gain[c.mode], 10.0, counted=True)
-    assert modes[:6] == ["lookup"] * 2 + ["transfer"] * 2 + ["medusa"] * 2
-    assert c.best == "medusa" and modes[-20:].count("medusa") >= 16
-    later = modes[6:]
-    assert "lookup" in later and "transfer" in later  # both probed again, in turn
+        c.record(c.mode, gain[c.mode], 10.0, True, units=1.2, plain=(1, 1.0))
+    assert modes[:6] == ["medusa"] * 4 + ["transfer"] * 2
+    assert c.best == "medusa" and "lookup" not in modes
+    assert 2 < modes.count("transfer") <= 2 * 4 and c.gap > 8  # probed again, less and less often
+
+
+def test_chooser_reads_the_plain_mode_from_tree_rounds(monkeypatch):
+    """Medusa rounds show what the chain alone would have kept; its time is the round's less the heads'
+    drafting and the tree's share of the call (here 10 - 1 - 9 / 1.2 * 0.2 = 7.5 ms)."""
+    monkeypatch.setattr(auto_drafter, "PROBE", 2)
+    monkeypatch.setattr(auto_drafter, "GAP", 6)
+    for plain, switch in ((1, False), (3, True)):  # 1 / 7.5 < 2 / 10 < 3 / 7.5 tokens per ms
+        c = Chooser(("lookup", "medusa"))
+        modes = []
+        for _ in range(40):
+            modes.append(c.mode)
+            if c.mode == "medusa":
+                c.record("medusa", 2, 10.0, True, units=1.2, draft_ms=1.0, plain=(plain, 1.0))
+            else:
+                c.record("lookup", 3, 7.5, True, units=1.0)
+        assert c.rates["lookup"].tokens / c.rates["lookup"].ms == pytest.approx(plain / 7.5)
+        if not switch:
+            assert modes == ["medusa"] * 40 and c.switches == 0  # nothing to probe: the plain mode is read
+            continue
+        # Medusa until both modes have PROBE rounds, then plain calls, Medusa probed after the gap
+        assert modes[:6] == ["medusa"] * 2 + ["lookup"] * 4 and modes[6:8] == ["medusa"] * 2
+        assert modes[8:20] == ["lookup"] * 12 and modes[20:22] == ["medusa"] * 2  # lost: the gap doubled
+        assert modes[22:] == ["lookup"] * 18 and c.gap == 24
+
+
+def test_chooser_starts_no_probe_near_the_end(monkeypatch):
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
+    for left, probed in ((auto_drafter.LAST_PROBE, True), (auto_drafter.LAST_PROBE - 1, False)):
+        c = Chooser(("lookup", "transfer"))
+        modes = []
+        for _ in range(10):
+            modes.append(c.mode)
+            c.record(c.mode, 1, 10.0, True, left=left)
+        assert ("transfer" in modes) == probed
 
 
 @pytest.mark.parametrize("seed,plen", [(0, 3), (1, 9), (2, 17)])
@@ -215,3 +264,39 @@ def test_auto_with_medusa_samples_the_models_distribution(switching):
     assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3
     assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3
     assert chi2_pvalue(counts.sum((0, 1)), p.sum((0, 1))) > 1e-3
+
+
+@pytest.mark.parametrize(  # prompts whose greedy output repeats itself (2, 7, 7, 7, ... 2, 7, 7, 7)
+    "mode,prompt", [("medusa", [3]), ("transfer", [3]), ("transfer", [0, 1, 2, 0, 1, 2, 0, 1])]
+)
+def test_auto_reads_what_the_chain_alone_would_keep(monkeypatch, mode, prompt):
+    """In a tree round, the plain mode's tokens read from the round are what a plain call with the
+    same chain keeps under greedy decoding: the chain's drafts while they equal greedy's tokens, plus one."""
+
+    class Stay(Cycle):
+        ORDER = (mode,)
+
+    monkeypatch.setattr(auto_drafter, "Chooser", Stay)
+    seen = []
+    costs = auto_drafter.AutoDrafter._costs
+
+    def spy(self, cands, results):
+        units, plain = costs(self, cands, results)
+        seen.append((len(self.run.out[0]), list(self.chains[0]), plain[0]))
+        return units, plain
+
+    monkeypatch.setattr(auto_drafter.AutoDrafter, "_costs", spy)
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    r = layerleap.generate(
+        model, prompt, "auto", 40, stop_at_eos=False, transfer=_transfer(model), medusa=_medusa(model), tree="2,1"
+    )
+    ref = naive_greedy(model, prompt, 48)
+    assert r.token_ids == ref[:40]
+    kept = []
+    for pos, chain, plain in seen:
+        agree = 0
+        while agree < len(chain) and chain[agree] == ref[pos + agree]:
+            agree += 1
+        assert plain == agree + 1, (pos, chain)
+        kept.append(agree)
+    assert max(kept) >= 2 and 0 in kept, kept  # chains of several drafts kept, and chains missed

@@ -48,7 +48,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--methods", default="auto,medusa,prompt-lookup")
+    ap.add_argument(
+        "--methods",
+        default="auto,medusa,prompt-lookup",
+        help="comma-separated METHOD or LABEL=METHOD:KEY=VALUE[:KEY=VALUE] (e.g. auto-nt=auto:transfer=none)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -60,19 +64,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = layerleap.load("smollm2-135m", dtype=args.dtype)
     ours = auto_method.AutoDrafter
-    labels = {m: (m, ours) for m in args.methods.split(",")}
+    labels = {}
+    for spec in args.methods.split(","):
+        label, _, rest = spec.partition("=")
+        meth, *opts = (rest or label).split(":")
+        labels[label] = (meth, ours, dict(o.split("=", 1) for o in opts))
     if args.ref:
-        labels[f"auto-{args.ref}"] = ("auto", drafter_at(args.ref))
-    labels["greedy"] = ("greedy", ours)
+        labels[f"auto-{args.ref}"] = ("auto", drafter_at(args.ref), {})
+    labels["greedy"] = ("greedy", ours, {})
     prompts = []
     for cat in args.categories.split(","):
         got = spec_bench(categories=cat, n=args.prompts, offset=args.offset)
         prompts += (
             got if len(got) == args.prompts else spec_bench(categories=cat, n=args.prompts, offset=args.small_offset)
         )
-    for meth, drafter in labels.values():  # warm up every path
+    for meth, drafter, opts in labels.values():  # warm up every path
         auto_method.AutoDrafter = drafter
-        layerleap.generate(model, "Hello there.", meth, 8, chat=True)
+        layerleap.generate(model, "Hello there.", meth, 8, chat=True, **opts)
     wall = collections.defaultdict(lambda: collections.defaultdict(float))
     rounds = collections.defaultdict(lambda: collections.defaultdict(int))
     names = list(labels)
@@ -80,10 +88,10 @@ def main() -> None:
         order = names[i % len(names) :] + names[: i % len(names)]
         outs = {}
         for lab in order:
-            meth, drafter = labels[lab]
+            meth, drafter, opts = labels[lab]
             auto_method.AutoDrafter = drafter
             t = time.perf_counter()
-            r = layerleap.generate(model, p.text, meth, args.max_new_tokens, chat=True)
+            r = layerleap.generate(model, p.text, meth, args.max_new_tokens, chat=True, **opts)
             s = time.perf_counter() - t
             outs[lab] = r.token_ids
             for k in (p.category, "all"):
@@ -98,8 +106,8 @@ def main() -> None:
     for k, w in wall.items():
         print(f"{k} | " + " | ".join(f"{w['greedy'] / w[lab]:.3f}" for lab in shown))
     for (k, lab), r in rounds.items():
-        if k == "all" and lab.startswith("auto"):
-            print(lab, dict(r))
+        if lab.startswith("auto"):
+            print(k, lab, "rounds:", " ".join(f"{m.split('_')[0]}={n}" for m, n in r.items()))
     sys.stdout.flush()
 
 

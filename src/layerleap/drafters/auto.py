@@ -87,10 +87,10 @@ class Chooser:
     def __init__(self, modes: tuple[str, ...]):
         self.modes = modes
         self.rates = {m: Rate() for m in modes}
-        self.mode = "medusa" if "medusa" in modes else modes[0]  # a Medusa call also shows the plain mode's
+        self.mode = modes[0]
         self.best = self.mode
         self.probe_left = 0
-        self.next_probe = FIRST_PROBE if self.mode == "lookup" else GAP
+        self.next_probe = FIRST_PROBE
         self.gap = GAP
         self.rounds = 0
         self.switches = 0
@@ -116,10 +116,8 @@ class Chooser:
         self.rounds += 1
         if counted:
             self.rates[mode].add(tokens, ms, ms - draft_ms, units)
-        per_unit = self.rates[mode].ms_per_unit
-        if plain is not None and mode != "lookup" and "lookup" in self.rates and per_unit is not None:
-            plain_ms = ms - draft_ms - per_unit * (units - plain[1])  # the call without the tree's extra nodes
-            self.rates["lookup"].add(plain[0], max(plain_ms, 0.1))
+        if plain is not None and mode != "lookup" and "lookup" in self.rates:
+            self._read_plain(mode, ms - draft_ms, units, *plain)
         if len(self.modes) == 1:
             return
         if self.probe_left > 0:
@@ -133,6 +131,16 @@ class Chooser:
             return
         self._set(self._fastest())
 
+    def _read_plain(self, mode: str, call_ms: float, units: float, tokens: int, plain_units: float) -> None:
+        """The plain mode's round read from a tree round: its tokens, at the ms per unit of call cost its
+        own rounds took (a tree's call may cost more than its size says: its attention is masked), else at
+        the round's time less the tree's extra nodes."""
+        lookup = self.rates["lookup"]
+        if lookup.ms_per_unit is not None:
+            lookup.add(tokens, plain_units * lookup.ms_per_unit)
+        elif self.rates[mode].ms_per_unit is not None:
+            lookup.add(tokens, max(call_ms - self.rates[mode].ms_per_unit * (units - plain_units), 0.1))
+
     def _fastest(self) -> str:
         """The fastest mode with ``PROBE`` rounds, if the current one has as many."""
         known = [m for m in self.modes if self.rates[m].rounds >= PROBE]
@@ -141,20 +149,17 @@ class Chooser:
         return max(known, key=lambda m: self.rates[m].value)
 
     def _end_probe(self) -> None:
-        """Keep the fastest, or probe a tree mode never run; back off when the mode stays."""
+        """Keep the fastest; back off when the mode stays."""
         winner = max((m for m in self.modes if self.rates[m].rounds), key=lambda m: self.rates[m].value)
-        if any(self.rates[m].runs == 0 for m in self._tree_modes(winner)):
-            self.best, self.probe_left = winner, PROBE
-            self._set(self._next_probe())
-            return
         self.gap = self.gap if winner != self.best else 2 * self.gap
         self.best = winner
         self.next_probe = self.rounds + self.gap
         self._set(winner)
 
     def _tree_modes(self, current: str) -> list[str]:
-        """The modes a round of ``current`` does not show: the tree modes but ``current``."""
-        return [m for m in self.modes if m not in ("lookup", current)]
+        """The modes a round of ``current`` does not show: the tree modes but ``current`` (Medusa first: its
+        first round has a tree, a transfer call's has none)."""
+        return [m for m in ("medusa", "transfer") if m in self.modes and m != current]
 
     def _probed(self) -> bool:
         return bool(self._tree_modes(self.mode))

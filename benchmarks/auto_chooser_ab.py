@@ -7,7 +7,9 @@ held-out prompts (``--offset 20``: the benchmark tables use the first prompts of
 
 (writing has 10 prompts: it starts at ``--small-offset``, 3.)
 
-Prints, per category and over all, each method's summed greedy wall time over its own (end to end).
+Prints, per category and over all, each method's summed greedy wall time over its own (end to end),
+and the same in process CPU time (at one thread, less disturbed by other jobs on the machine; the
+chooser itself times rounds by the wall clock).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def main() -> None:
         auto_method.AutoDrafter = drafter
         layerleap.generate(model, "Hello there.", meth, 8, chat=True, **opts)
     wall = collections.defaultdict(lambda: collections.defaultdict(float))
+    cpu = collections.defaultdict(lambda: collections.defaultdict(float))
     rounds = collections.defaultdict(lambda: collections.defaultdict(int))
     names = list(labels)
     for i, p in enumerate(prompts):
@@ -90,21 +93,23 @@ def main() -> None:
         for lab in order:
             meth, drafter, opts = labels[lab]
             auto_method.AutoDrafter = drafter
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             r = layerleap.generate(model, p.text, meth, args.max_new_tokens, chat=True, **opts)
-            s = time.perf_counter() - t
+            s, c = time.perf_counter() - t, time.process_time() - c
             outs[lab] = r.token_ids
             for k in (p.category, "all"):
                 wall[k][lab] += s
+                cpu[k][lab] += c
                 for st in ("lookup_rounds", "transfer_rounds", "medusa_rounds"):
                     rounds[(k, lab)][st] += r.stats.get(st, 0) or 0
         bad = [lab for lab, o in outs.items() if o != outs["greedy"]]
         print(f"{i + 1}/{len(prompts)} {p.category} {p.id}" + (f" DIFFERS: {bad}" if bad else ""), flush=True)
     auto_method.AutoDrafter = ours
     shown = [lab for lab in names if lab != "greedy"]
-    print("category | " + " | ".join(shown))
-    for k, w in wall.items():
-        print(f"{k} | " + " | ".join(f"{w['greedy'] / w[lab]:.3f}" for lab in shown))
+    for name, times in (("wall", wall), ("process CPU time", cpu)):
+        print(f"{name}: category | " + " | ".join(shown))
+        for k, w in times.items():
+            print(f"{k} | " + " | ".join(f"{w['greedy'] / w[lab]:.3f}" for lab in shown))
     for (k, lab), r in rounds.items():
         if lab.startswith("auto"):
             print(k, lab, "rounds:", " ".join(f"{m.split('_')[0]}={n}" for m, n in r.items()))

@@ -168,43 +168,51 @@ def _medusa(model, seed=0, steps=2):
 
 
 def test_chooser_probes_the_tree_modes_and_keeps_the_fastest(monkeypatch):
-    """Three modes: Medusa first (its rounds show the plain mode's), Hidden Transfer probed after a gap,
-    then again in gaps that grow; the plain mode is never run when the rounds read from it are slow."""
+    """Three modes: plain calls first, then Medusa's probed (its rounds show the plain mode's too), then
+    Hidden Transfer's after a gap, and again in gaps that grow; the slow plain mode is not run again."""
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
     monkeypatch.setattr(auto_drafter, "PROBE", 2)
     monkeypatch.setattr(auto_drafter, "GAP", 4)
     c = Chooser(("lookup", "transfer", "medusa"))
     modes = []
-    gain = {"transfer": 2, "medusa": 4}
+    gain = {"lookup": 1, "transfer": 2, "medusa": 4}
     for _ in range(80):
         modes.append(c.mode)
-        c.record(c.mode, gain[c.mode], 10.0, True, units=1.2, plain=(1, 1.0))
-    assert modes[:6] == ["medusa"] * 4 + ["transfer"] * 2
-    assert c.best == "medusa" and "lookup" not in modes
+        c.record(c.mode, gain[c.mode], 10.0, True, units=1.0 if c.mode == "lookup" else 1.2, plain=(1, 1.0))
+    assert modes[:10] == ["lookup"] * 2 + ["medusa"] * 6 + ["transfer"] * 2
+    assert c.best == "medusa" and "lookup" not in modes[2:]
     assert 2 < modes.count("transfer") <= 2 * 4 and c.gap > 8  # probed again, less and less often
 
 
 def test_chooser_reads_the_plain_mode_from_tree_rounds(monkeypatch):
-    """Medusa rounds show what the chain alone would have kept; its time is the round's less the heads'
-    drafting and the tree's share of the call (here 10 - 1 - 9 / 1.2 * 0.2 = 7.5 ms)."""
+    """Medusa rounds show what the chain alone would have kept, priced at the plain rounds' own ms per
+    unit of call cost: when the chain starts to hit, the plain mode is chosen without a probe."""
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
     monkeypatch.setattr(auto_drafter, "PROBE", 2)
-    monkeypatch.setattr(auto_drafter, "GAP", 6)
-    for plain, switch in ((1, False), (3, True)):  # 1 / 7.5 < 2 / 10 < 3 / 7.5 tokens per ms
-        c = Chooser(("lookup", "medusa"))
-        modes = []
-        for _ in range(40):
-            modes.append(c.mode)
-            if c.mode == "medusa":
-                c.record("medusa", 2, 10.0, True, units=1.2, draft_ms=1.0, plain=(plain, 1.0))
-            else:
-                c.record("lookup", 3, 7.5, True, units=1.0)
-        assert c.rates["lookup"].tokens / c.rates["lookup"].ms == pytest.approx(plain / 7.5)
-        if not switch:
-            assert modes == ["medusa"] * 40 and c.switches == 0  # nothing to probe: the plain mode is read
-            continue
-        # Medusa until both modes have PROBE rounds, then plain calls, Medusa probed after the gap
-        assert modes[:6] == ["medusa"] * 2 + ["lookup"] * 4 and modes[6:8] == ["medusa"] * 2
-        assert modes[8:20] == ["lookup"] * 12 and modes[20:22] == ["medusa"] * 2  # lost: the gap doubled
-        assert modes[22:] == ["lookup"] * 18 and c.gap == 24
+    monkeypatch.setattr(auto_drafter, "GAP", 50)
+    c = Chooser(("lookup", "medusa"))
+    modes = []
+    for i in range(40):
+        modes.append(c.mode)
+        hits = 1 if i < 20 else 3  # the chain's tokens: 1 / 7.5 < 2 / 10 < 3 / 7.5 tokens per ms
+        if c.mode == "medusa":
+            c.record("medusa", 2, 10.0, True, units=1.2, draft_ms=1.0, plain=(hits, 1.0))
+        else:
+            c.record("lookup", hits, 7.5, True, units=1.0)
+    assert modes[:20] == ["lookup"] * 2 + ["medusa"] * 18  # the probe won; the chain missed
+    assert modes[23:] == ["lookup"] * 17 and c.switches == 2  # read: plain calls pay again
+    assert c.rates["lookup"].runs == 2 + 17 + modes[20:23].count("lookup")
+
+
+def test_chooser_prices_a_read_round_by_the_tree_call_before_a_plain_one(monkeypatch):
+    """Before any plain round, the plain mode's time is the tree round's less the heads' drafting and
+    the tree's extra call cost: 10 - 1 - 9 / 1.2 * (1.2 - 1.0) = 7.5 ms."""
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 0)
+    c = Chooser(("lookup", "medusa"))
+    assert c.mode == "medusa"
+    c.record("medusa", 2, 10.0, True, units=1.2, draft_ms=1.0, plain=(3, 1.0))
+    assert c.rates["lookup"].ms == pytest.approx(7.5) and c.rates["lookup"].tokens == 3
+    assert c.rates["lookup"].runs == 0 and c.rates["medusa"].runs == 1
 
 
 def test_chooser_starts_no_probe_near_the_end(monkeypatch):

@@ -14,6 +14,9 @@ import torch
 # 5-25x faster on one).  LAYERLEAP_TEST_THREADS overrides.
 TEST_THREADS = int(os.environ.get("LAYERLEAP_TEST_THREADS", "1"))
 torch.set_num_threads(TEST_THREADS)
+# Draft lengths and trees are priced by the shipped call-cost curves, not by one that `layerleap info
+# --call-cost` saved on this machine (tests of the saved curves set their own cache).
+os.environ["LAYERLEAP_CALL_COST"] = "shipped"
 
 
 @pytest.fixture(autouse=True)

@@ -245,6 +245,21 @@ def test_info_text(capsys, tiny_hf_dir):
         assert word in out
 
 
+def test_info_call_cost_saves_the_curve_that_draft_lengths_use(capsys, tmp_path, monkeypatch, tiny_hf_dir, tiny):
+    from layerleap.drafters.lengths import curve_for
+
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv("LAYERLEAP_CALL_COST")
+    assert curve_for(tiny).source == "shipped"
+    rc, out, _ = cli(capsys, "info", "--model", tiny_hf_dir, "--buffer-mb", 8, "--repeats", 1, "--call-cost")
+    assert rc == 0 and "S=16" in out and "saved for this machine" in out
+    (entry,) = json.loads((tmp_path / "call_cost.json").read_text()).values()
+    assert sorted(map(int, entry["ratios"])) == [1, 2, 3, 4, 5, 6, 7, 8, 16] and entry["ms_one_token"] > 0
+    curve = curve_for(tiny)
+    assert curve.source == "measured" and curve(1) == 1.0
+    assert all(a <= b for a, b in zip(curve.costs, curve.costs[1:]))  # held at its running maximum
+
+
 # -- bench ------------------------------------------------------------------------------------------
 def test_bench_json(capsys, tmp_path, tiny_hf_dir, tiny):
     out_file = tmp_path / "b.json"

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 import layerleap
+from layerleap.core import cost_curve
 from layerleap.drafters import lengths as L
 from tiny_models import random_model
 
@@ -42,7 +45,7 @@ def test_running_acceptance_counts_tried_positions_only():
 
 
 def test_chooser_stops_drafting_and_learns_back_from_the_next_token():
-    c = L.LengthChooser(1, "q4", 3)
+    c = L.LengthChooser(1, L.shipped_curve("q4"), 3)
     for _ in range(10):  # drafts that are always wrong
         chain = c.cut(0, [7, 8, 9])
         c.observe(0, len(chain), 0, next_token=1)
@@ -57,7 +60,7 @@ def test_adaptive_lookup_drafts_less_where_copies_fail(monkeypatch):
     monkeypatch.setitem(L.CALL_COST, "float32", L.CALL_COST["q4"])  # rows priced as in q4
     model = random_model("llama-gqa-tied", seed=3, scale=2.0)
     prompt = list(range(1, 40)) * 2  # every bigram recurs, but a random model rarely continues the copy
-    plain = layerleap.generate(model, prompt, "prompt-lookup", 24, stop_at_eos=False, min_ngram=1)
+    plain = layerleap.generate(model, prompt, "prompt-lookup", 24, stop_at_eos=False, min_ngram=1, adaptive=False)
     cut = layerleap.generate(model, prompt, "prompt-lookup", 24, stop_at_eos=False, min_ngram=1, adaptive=True)
     assert cut.token_ids == plain.token_ids
     assert cut.stats["drafted"] < plain.stats["drafted"]
@@ -73,7 +76,82 @@ def test_adaptive_is_on_by_default_in_q4_only(dtype, given, want):
     assert adaptive_default(run, given) is want
 
 
+@pytest.fixture
+def saved_curves(tmp_path, monkeypatch):
+    """A fresh cache where curves saved by ``info --call-cost`` are read (the suite ignores them)."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv("LAYERLEAP_CALL_COST")
+    return tmp_path
+
+
+def steep(step: float) -> dict[int, float]:
+    return {s: 1.0 + step * (s - 1) for s in cost_curve.SIZES}
+
+
+def test_a_saved_curve_prices_the_model_on_this_machine_only(saved_curves, monkeypatch):
+    model = random_model("llama-gqa-tied", seed=3)
+    assert L.curve_for(model) == L.shipped_curve("float32")
+    ratios = steep(0.5)
+    ratios[5] = 2.5  # a dip below c(4) = 2.5: timing noise, held at the running maximum
+    ratios[4] = 2.6
+    assert cost_curve.save(model, ratios, ms_one=3.0)
+    curve = L.curve_for(model)
+    assert curve.source == "measured" and curve.costs[:6] == (1.0, 1.5, 2.0, 2.6, 2.6, 3.5)
+    assert curve(16) == pytest.approx(8.5) and curve(12) == pytest.approx(4.5 + 4 * (8.5 - 4.5) / 8)
+    other = random_model("llama-gqa-tied", seed=3, n_layers=3)  # another shape: not its curve
+    assert L.curve_for(other).source == "shipped"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # other threads: not their curve
+    assert L.curve_for(model).source == "shipped"
+    monkeypatch.undo()
+    monkeypatch.setenv("LAYERLEAP_CALL_COST", "shipped")
+    assert L.curve_for(model).source == "shipped"
+
+
+def test_a_saved_curve_decides_whether_chains_are_cut(saved_curves):
+    from types import SimpleNamespace
+
+    from layerleap.methods.prompt_lookup import adaptive_default
+
+    model = random_model("llama-gqa-tied", seed=3, scale=2.0)
+    run = SimpleNamespace(model=model)
+    assert adaptive_default(run, None) is False  # fp32's shipped curve: rows nearly free
+    cost_curve.save(model, steep(0.4), ms_one=3.0)  # a second token costs x1.4 here
+    assert adaptive_default(run, None) is True
+    prompt = list(range(1, 40)) * 2
+    plain = layerleap.generate(model, prompt, "prompt-lookup", 24, stop_at_eos=False, min_ngram=1, adaptive=False)
+    cut = layerleap.generate(model, prompt, "prompt-lookup", 24, stop_at_eos=False, min_ngram=1)
+    assert cut.token_ids == plain.token_ids and cut.stats["drafted"] < plain.stats["drafted"]
+
+
+def test_a_partial_or_broken_saved_curve_is_ignored(saved_curves):
+    model = random_model("llama-gqa-tied", seed=3)
+    with pytest.raises(ValueError, match="missing"):
+        cost_curve.save(model, {1: 1.0, 2: 1.1}, ms_one=3.0)
+    (saved_curves / cost_curve.FILE).write_text("{not json")
+    assert L.curve_for(model).source == "shipped"
+    assert cost_curve.save(model, steep(0.1), ms_one=3.0)  # and a save replaces it
+    assert L.curve_for(model).source == "measured"
+
+
 def test_adaptive_refuses_a_non_bool():
     model = random_model("llama-gqa-tied", seed=3, scale=2.0)
     with pytest.raises(layerleap.GenerationError, match="adaptive"):
         layerleap.generate(model, [1, 2, 3], "prompt-lookup", 4, adaptive=3)
+
+
+def test_dynamic_trees_draft_by_the_saved_curve(saved_curves):
+    """A dynamic tree's node count is priced by the machine's saved curve: more nodes where a call over
+    more tokens is cheap; greedy's tokens either way."""
+    from layerleap.drafters import medusa_transfer
+
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    heads = medusa_transfer.new_drafter(model, "medusa", steps=3)
+    prompt = list(range(5, 25))
+    want = layerleap.generate(model, prompt, "greedy", 24, stop_at_eos=False).token_ids
+    drafted = {}
+    for name, step in (("flat", 0.0), ("steep", 1.0)):
+        cost_curve.save(model, steep(step), ms_one=3.0)
+        got = layerleap.generate(model, prompt, "medusa", 24, stop_at_eos=False, heads=heads, tree="dynamic")
+        drafted[name] = got.stats["drafted"]
+        assert got.token_ids == want
+    assert drafted["flat"] > drafted["steep"]

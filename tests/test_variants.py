@@ -129,6 +129,21 @@ def test_a_variant_refuses_another_model_and_unknown_names(tmp_path):
         train_variant(_model(), out, _cfg("medusa"), EXAMPLES, "toy")
 
 
+@pytest.mark.parametrize("kernel", ["blocks", "torch"])
+def test_a_variant_refuses_a_q4_model_on_either_kernel(tmp_path, monkeypatch, kernel):
+    from layerleap.core import kernels
+    from layerleap.core.loading import quantize_model
+
+    if kernel == "blocks" and not kernels.blocks_available() or kernel == "torch" and not kernels.int4_supported():
+        pytest.skip(f"no {kernel} 4-bit kernel here")
+    out = tmp_path / "v.safetensors"
+    train_variant(_model(), out, _cfg("calm", steps=2), EXAMPLES, "toy")
+    monkeypatch.setenv(kernels.Q4_ENV, kernel)
+    q4 = quantize_model(_model())
+    with pytest.raises(variants.VariantError, match="not q4"):
+        variants.apply(q4, out)
+
+
 def test_calm_layers_are_drawn_by_weight():
     import random
 

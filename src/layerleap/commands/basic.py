@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..eval import bench, roofline
-from ..core import kernels
+from ..core import cost_curve, kernels
 from .. import validate as V, workload
 from . import command
 from ..datasets import read_prompts_file, spec_bench
@@ -541,7 +541,9 @@ def _setup_info(p):
     p.add_argument(
         "--call-cost",
         action="store_true",
-        help="also time one model call over 1, 2, 4, 8 and 16 new tokens at a 256-token context",
+        help="also time one model call over 1 to 8 and 16 new tokens at a 256-token context, and save the "
+        "curve for this machine: prompt lookup's and auto's chain cuts and the dynamic trees then price "
+        "their calls by it",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -620,15 +622,20 @@ def run_info(args) -> int:
     threads = _threads(args.threads)
     model = _load(args)
     d = model_info(model, threads, args.context, args.buffer_mb, args.repeats)
-    cc = roofline.call_cost(model) if args.call_cost else None
+    cc = roofline.call_cost(model, sizes=cost_curve.SIZES) if args.call_cost else None
     if cc is not None:
         d["call_cost"] = cc.to_dict()
+        d["call_cost"]["saved"] = cost_curve.save(
+            model, {p["new_tokens"]: p["ratio"] for p in cc.points}, cc.points[0]["ms"]
+        )
     if args.json:
         print(json.dumps(d))
     else:
         print(format_info(d))
         if cc is not None:
             print(roofline.format_call_cost(cc, d["roofline"]["ms_per_token_sum"]))
+            if d["call_cost"]["saved"]:
+                print(f"saved for this machine in {cost_curve.cache_root() / cost_curve.FILE}")
     return 0
 
 

@@ -37,7 +37,7 @@ from ..core.stats import AutoStats
 from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
 from .draft_vocab import DraftVocab
-from .lengths import LengthChooser, long_call_cost
+from .lengths import LengthChooser, curve_for
 from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts, transfer_pass
 
 MODES = ("lookup", "transfer", "medusa")
@@ -223,7 +223,8 @@ class AutoDrafter(TreeDrafter):
         super().__init__(run, buf, vocab)
         self.proj = proj if self.steps else None
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
-        self.lengths = LengthChooser(run.batch, run.model.dtype_name, draft_len) if adaptive else None
+        self.curve = curve_for(run.model)
+        self.lengths = LengthChooser(run.batch, self.curve, draft_len) if adaptive else None
         self.medusa_topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: Medusa's drafts
         kinds = {"lookup": True, "transfer": self.proj is not None, "medusa": self.heads is not None}
         self.chooser = Chooser(tuple(m for m in MODES if kinds[m]))
@@ -333,7 +334,6 @@ class AutoDrafter(TreeDrafter):
         have had: each row's chain kept while it agrees with what the round emitted (exact under greedy
         decoding, where what is emitted does not depend on the drafts; a chain that agrees to the end
         may have kept more)."""
-        dtype = self.run.model.dtype_name
         live = [(c, r, ch) for c, r, ch in zip(cands, results, self.chains) if c is not None]
         n = 1 + max(c.k for c, _, _ in live)
         calls = n * (self.steps + 1) if self.round_mode == "transfer" else n  # a transfer call: pseudo states
@@ -342,7 +342,7 @@ class AutoDrafter(TreeDrafter):
             emitted = c.tokens[r[0]].tolist() + [r[1]]
             agree = next((i for i, (a, b) in enumerate(zip(chain, emitted)) if a != b), min(len(chain), len(emitted)))
             tokens += agree + 1
-        return long_call_cost(dtype, calls), (tokens, long_call_cost(dtype, 1 + max(len(ch) for _, _, ch in live)))
+        return self.curve(calls), (tokens, self.curve(1 + max(len(ch) for _, _, ch in live)))
 
     def auto_stats(self) -> list[AutoStats]:
         """One ``AutoStats`` per row (the batch shares its rounds' modes)."""

@@ -1,17 +1,20 @@
 """Draft lengths from the running acceptance: how many of a chain's drafts are worth a call.
 
-A call over ``S`` new tokens costs ``c(S)`` one-token calls (the weight format's call-cost curve,
-``CALL_COST``).  A chain of ``L`` drafts whose i-th draft is kept, given the ones before it were,
-with probability ``a_i`` emits ``E(L) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_L`` tokens.  Each round
-keeps the ``L`` (0 included: a greedy step) that maximises ``E(L) / c(L + 1)``, the tokens per unit
-of call cost, with ``a_i`` estimated per row from the rounds so far (decaying counts under a uniform
-prior).  A round that drafts nothing still learns ``a_1``: the target's next token shows whether the
-first draft would have been kept.  The choice cuts what is verified, never what is accepted, so a
+A call over ``S`` new tokens costs ``c(S)`` one-token calls (``curve_for``: this machine's curve for
+the model where ``layerleap info --call-cost`` saved one, else the weight format's ``CALL_COST``).
+A chain of ``L`` drafts whose i-th draft is kept, given the ones before it were, with probability
+``a_i`` emits ``E(L) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_L`` tokens.  Each round keeps the ``L``
+(0 included: a greedy step) that maximises ``E(L) / c(L + 1)``, the tokens per unit of call cost,
+with ``a_i`` estimated per row from the rounds so far (decaying counts under a uniform prior).  A
+round that drafts nothing still learns ``a_1``: the target's next token shows whether the first
+draft would have been kept.  The choice cuts what is verified, never what is accepted, so a
 lossless method stays lossless."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..core import cost_curve
 
 # Call cost over S = 1..8 new tokens relative to one token, 256 cached tokens, 2 threads (fp32 and
 # bf16: a 2-core AMD EPYC Zen 5; q4: the same, torch's int4 kernel; the block kernel on a Zen 4
@@ -23,6 +26,10 @@ CALL_COST = {
     "q4": (1.0, 1.122, 1.246, 1.341, 1.8, 1.874, 1.915, 2.089),
 }
 CALL_COST["float16"] = CALL_COST["bfloat16"]
+# Where a 2-token call costs at least this many one-token calls, chains are cut by default
+# (``adaptive``): in q4 (x1.12) the cut gave 1.13x greedy against 1.08x for fixed chains (15 Spec-Bench
+# prompts, 1 thread, a Zen 4 EPYC); in fp32 (x1.07) the rows are nearly free and it changes little.
+ADAPTIVE_STEP = 1.10
 # The call cost at 16 new tokens relative to one (the same machine and threads,
 # docs/results/call_cost_after_<dtype>_t2.json), for calls past 8 tokens (dynamic trees).
 CALL_COST_16 = {"float32": 1.591, "bfloat16": 2.13, "float16": 2.13, "q4": 3.03}
@@ -38,14 +45,40 @@ def call_cost(costs: tuple[float, ...], s: int) -> float:
     return costs[-1] + step * (s - len(costs))
 
 
-def long_call_cost(dtype_name: str, s: int) -> float:
-    """``c(s)`` of the weight format (fp32's for one it lacks): ``CALL_COST`` up to 8 tokens, then linear
-    to the 16-token point and on at that slope."""
-    costs = CALL_COST.get(dtype_name, CALL_COST["float32"])
-    c16 = CALL_COST_16.get(dtype_name, CALL_COST_16["float32"])
-    if s <= len(costs):
-        return costs[s - 1]
-    return costs[-1] + (c16 - costs[-1]) * (s - len(costs)) / (16 - len(costs))
+@dataclass(frozen=True)
+class CostCurve:
+    """``c(S)``, a model call over ``S`` new tokens in one-token calls: ``costs`` for S = 1..8, then
+    linear to ``c16`` at 16 tokens and on at that slope.  ``source``: "measured" (this machine's, saved
+    by ``layerleap info --call-cost``) or "shipped" (the weight format's ``CALL_COST``)."""
+
+    costs: tuple[float, ...]
+    c16: float
+    source: str = "shipped"
+
+    def __call__(self, s: int) -> float:
+        if s <= len(self.costs):
+            return self.costs[s - 1]
+        return self.costs[-1] + (self.c16 - self.costs[-1]) * (s - len(self.costs)) / (16 - len(self.costs))
+
+
+def shipped_curve(dtype_name: str) -> CostCurve:
+    """The weight format's shipped curve (fp32's for a format without one)."""
+    return CostCurve(
+        CALL_COST.get(dtype_name, CALL_COST["float32"]), CALL_COST_16.get(dtype_name, CALL_COST_16["float32"])
+    )
+
+
+def curve_for(model) -> CostCurve:
+    """``model``'s curve on this machine: the one ``layerleap info --call-cost`` saved for it, else the
+    shipped one.  A saved curve that dips (timing noise) is held at its running maximum."""
+    ratios = cost_curve.saved(model)
+    if ratios is None:
+        return shipped_curve(model.dtype_name)
+    costs, top = [], 0.0
+    for s in range(1, 9):
+        top = max(top, ratios[s] / ratios[1])
+        costs.append(top)
+    return CostCurve(tuple(costs), max(top, ratios[16] / ratios[1]), "measured")
 
 
 def expected_tokens(rates: list[float], length: int) -> float:
@@ -88,12 +121,17 @@ class RunningAcceptance:
             self.kept[i] += float(i < accepted)
 
 
+def adaptive_default(model) -> bool:
+    """Whether chains are cut by default: where a 2-token call costs ``ADAPTIVE_STEP`` or more."""
+    return curve_for(model)(2) >= ADAPTIVE_STEP
+
+
 class LengthChooser:
     """Per row of a batch: cuts each round's chain to its best length (``cut``) and learns from what
     the target kept (``observe``)."""
 
-    def __init__(self, batch: int, dtype_name: str, most: int):
-        self.costs = CALL_COST.get(dtype_name, CALL_COST["float32"])
+    def __init__(self, batch: int, curve: CostCurve, most: int):
+        self.costs = curve.costs
         self.rows = [RunningAcceptance(most) for _ in range(batch)]
         self.first: list[int | None] = [None] * batch  # a cut chain's first draft (None: none cut away)
 

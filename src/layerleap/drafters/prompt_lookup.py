@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..core.run import Run
 from ..core.tree import Candidates
 from .base import Drafter
-from .lengths import LengthChooser
+from .lengths import LengthChooser, curve_for
 
 
 class NgramIndex:
@@ -52,7 +52,7 @@ class PromptLookup(Drafter):
         self.draft_len = draft_len
         super().__init__(run)
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
-        self.lengths = LengthChooser(run.batch, run.model.dtype_name, draft_len) if adaptive else None
+        self.lengths = LengthChooser(run.batch, curve_for(run.model), draft_len) if adaptive else None
 
     def round_tokens(self) -> int:
         return self.draft_len + 1  # the root and the draft

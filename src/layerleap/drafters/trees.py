@@ -17,7 +17,7 @@ drafts at its own position, and keeps each row's accepted path.
 ``tree="dynamic"`` (``DynamicTree``) instead builds each row's tree every round from its drafts'
 own confidence, as EAGLE-2 (Li et al. 2024, §4) does: the paths with the highest product of draft
 probabilities (``tree.best_paths``), a fixed count of them or the count with the most expected
-tokens per unit of round cost (``lengths.long_call_cost``).  Rows of a batch then verify trees of
+tokens per unit of round cost (``lengths.curve_for``).  Rows of a batch then verify trees of
 their own shapes in the one call (per-row masks)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..core.stats import TreeStats
 from ..core.tree import Candidates
 from .base import Drafter
 from .draft_vocab import DraftVocab
-from .lengths import DECAY, long_call_cost
+from .lengths import DECAY, curve_for
 from .medusa_transfer import MedusaHeads, TransferProjections
 
 
@@ -158,8 +158,8 @@ class TreeDrafter(Drafter):
         self.conf: list[torch.Tensor | None] = [None] * run.batch  # dynamic: per row [depth, K], their probabilities
         self.nodes = [0] * run.batch  # dynamic: the nodes each row proposed, summed
         self.scales = [RunningScale() for _ in range(run.batch)]  # dynamic: confidence -> acceptance
-        dtype = run.model.dtype_name  # (a walk over the weights: read once)
-        self.costs = [self.round_cost(n, dtype) for n in range(dynamic.most + 1)] if dynamic is not None else []
+        self.curve = curve_for(run.model)
+        self.costs = [self.round_cost(n) for n in range(dynamic.most + 1)] if dynamic is not None else []
         self.expected: list[tuple[float, int | None] | None] = [None] * run.batch  # dynamic: the round's
         # drafts expected to be kept, and the first draft where the tree has no node (is it the target's token?)
 
@@ -173,9 +173,9 @@ class TreeDrafter(Drafter):
         """The most nodes of a round's tree, the root included."""
         return self.dynamic.most + 1 if self.dynamic is not None else self.buf.n
 
-    def round_cost(self, n: int, dtype: str) -> float:
-        """A round's call with ``n`` draft nodes, in one-token calls (weight format ``dtype``'s curve)."""
-        return long_call_cost(dtype, n + 1)
+    def round_cost(self, n: int) -> float:
+        """A round's call with ``n`` draft nodes, in one-token calls (``self.curve``)."""
+        return self.curve(n + 1)
 
     def set_drafts(self, row: int, step_logits: torch.Tensor) -> None:
         """The row's drafts for its next tree from draft logits by step ``[steps, V]``."""
@@ -326,14 +326,12 @@ class TransferDrafter(TreeDrafter):
     def round_tokens(self) -> int:
         return self.most_nodes * (self.steps + 1) + 1  # the tree's nodes, and each node's pseudo states
 
-    def round_cost(self, n: int, dtype: str) -> float:
+    def round_cost(self, n: int) -> float:
         """Layers ``[0, t_1)`` over the ``n + 1`` nodes, ``[t_i, t_i+1)`` over them and their pseudo states
         of steps ``1..i``: each segment its share of the layers' call cost."""
         L = self.run.model.config.n_layers
         bounds = [0] + self.proj.layers[: self.steps] + [L]
-        return sum(
-            (bounds[i + 1] - bounds[i]) / L * long_call_cost(dtype, (i + 1) * (n + 1)) for i in range(self.steps + 1)
-        )
+        return sum((bounds[i + 1] - bounds[i]) / L * self.curve((i + 1) * (n + 1)) for i in range(self.steps + 1))
 
     def score(self, cands):
         live = [c for c in cands if c is not None]

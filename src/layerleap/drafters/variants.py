@@ -102,9 +102,7 @@ def variant_file(model_name: str, variant: str) -> Path:
 
 def apply(model: Transformer, path: str | Path) -> Transformer:
     """Merge the variant file ``path`` (checked against the model's fingerprint) into ``model``."""
-    if model.dtype not in (torch.float32, torch.bfloat16, torch.float16) or any(
-        lin.format == "int4" for lin in model.projections()
-    ):
+    if model.dtype not in (torch.float32, torch.bfloat16, torch.float16) or model.dtype_name == "q4":
         raise VariantError("a variant merges into dense weights: load the model with dtype float32 or bfloat16, not q4")
     base_fp = model.fingerprint
     got = weights.read(model, path, VARIANT)

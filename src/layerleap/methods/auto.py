@@ -88,7 +88,8 @@ def auto(
     machine (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer, medusa: 'auto', a
     weights file or none;
     draft_vocab: the pseudo states score a shipped set of frequent tokens ('auto'), all ('full') or a file's;
-    adaptive: a plain call's chain length from the running acceptance; none: on in q4)."""
+    adaptive: a plain call's chain length from the running acceptance; none: on where the call-cost
+    curve makes a second token cost, as in q4)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     proj = drafter_weights(run, "transfer", transfer)
     heads = drafter_weights(run, "medusa", medusa)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from ..core import options as O
 from ..core.run import GenerationError, Run, register
 from ..core.stats import LookupStats
+from ..drafters import lengths
 from ..drafters.prompt_lookup import NgramIndex, PromptLookup
 from . import draft_verify
 
@@ -43,11 +44,6 @@ DEFAULTS = {  # dtype name -> (draft_len, min_ngram)
     "q4": (3, 2),
 }
 DEFAULT_DRAFT_LEN, DEFAULT_MIN_NGRAM = DEFAULTS["float32"]
-# Where each round's chain length follows the running acceptance by default (``drafters.lengths``):
-# in q4, where every row of a call costs (x1.12 at two tokens), it gave 1.13x greedy against 1.08x
-# for fixed chains (1.11x against 0.97x on summarization; 15 Spec-Bench prompts, 1 thread, a Zen 4
-# EPYC; docs/BENCHMARKS.md).  In fp32 the rows are nearly free and the cut changes little.
-ADAPTIVE_DTYPES = ("q4",)
 DEFAULT_MAX_NGRAM = 4
 
 
@@ -71,8 +67,9 @@ def tuned(run: Run, draft_len, max_ngram: int, min_ngram) -> tuple[int, int]:
 
 
 def adaptive_default(run: Run, adaptive: bool | None) -> bool:
-    """``adaptive`` as given, or the dtype's default (``ADAPTIVE_DTYPES``)."""
-    return run.model.dtype_name in ADAPTIVE_DTYPES if adaptive is None else adaptive
+    """``adaptive`` as given, or on where this machine's call-cost curve makes a second token cost
+    (``lengths.adaptive_default``)."""
+    return lengths.adaptive_default(run.model) if adaptive is None else adaptive
 
 
 @register("prompt-lookup", batched=True, sampling=True, exact=True, grammar=True, options=OPTIONS)
@@ -86,7 +83,8 @@ def prompt_lookup(
 ):
     """Prompt lookup: drafts copied from the prompt and output by n-gram match, verified in one call
     (greedy-exact; lossless sampling); draft_len and min_ngram none: the dtype's tuned default;
-    adaptive: each round's length from the running acceptance (``drafters.lengths``; none: on in q4)."""
+    adaptive: each round's length from the running acceptance (``drafters.lengths``; none: on where the
+    call-cost curve makes a second token cost, as in q4)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     adaptive = adaptive_default(run, adaptive)
     counts = yield from draft_verify.decode(run, PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive))

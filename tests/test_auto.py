@@ -215,6 +215,22 @@ def test_chooser_prices_a_read_round_by_the_tree_call_before_a_plain_one(monkeyp
     assert c.rates["lookup"].runs == 0 and c.rates["medusa"].runs == 1
 
 
+def test_chooser_probes_no_tree_mode_its_bound_puts_below_the_current(monkeypatch):
+    """Plain rounds of 3 tokens in 10 ms (10 ms per unit of call cost): a Medusa call of cost 1.2 that
+    could have given at most 3 tokens (0.25 per ms) is never probed; one that could have given 4
+    (0.33 per ms) is."""
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
+    monkeypatch.setattr(auto_drafter, "PROBE", 2)
+    for most, probed in ((3, False), (4, True)):
+        c = Chooser(("lookup", "medusa"))
+        modes = []
+        for _ in range(30):
+            modes.append(c.mode)
+            c.record(c.mode, 3, 10.0, True, units=1.0, plain=(3, 1.0), bounds={"medusa": (most, 1.2)})
+        assert ("medusa" in modes) == probed and modes[:2] == ["lookup"] * 2
+        assert c.most("medusa") == pytest.approx(most / 12)
+
+
 def test_chooser_starts_no_probe_near_the_end(monkeypatch):
     monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
     for left, probed in ((auto_drafter.LAST_PROBE, True), (auto_drafter.LAST_PROBE - 1, False)):
@@ -279,19 +295,21 @@ def test_auto_with_medusa_samples_the_models_distribution(switching):
 )
 def test_auto_reads_what_the_chain_alone_would_keep(monkeypatch, mode, prompt):
     """In a tree round, the plain mode's tokens read from the round are what a plain call with the
-    same chain keeps under greedy decoding: the chain's drafts while they equal greedy's tokens, plus one."""
+    same chain keeps under greedy decoding: the chain's drafts while they equal greedy's tokens, plus one;
+    and the round's bound for its own mode (the tree's depth or the chain's agreement, plus one) holds."""
 
     class Stay(Cycle):
         ORDER = (mode,)
 
     monkeypatch.setattr(auto_drafter, "Chooser", Stay)
-    seen = []
+    seen, emitted = [], []
     costs = auto_drafter.AutoDrafter._costs
 
     def spy(self, cands, results):
-        units, plain = costs(self, cands, results)
+        units, plain, bounds = costs(self, cands, results)
         seen.append((len(self.run.out[0]), list(self.chains[0]), plain[0]))
-        return units, plain
+        emitted.append((len(results[0][0]) + 1, bounds[mode][0]))
+        return units, plain, bounds
 
     monkeypatch.setattr(auto_drafter.AutoDrafter, "_costs", spy)
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)
@@ -308,3 +326,7 @@ def test_auto_reads_what_the_chain_alone_would_keep(monkeypatch, mode, prompt):
         assert plain == agree + 1, (pos, chain)
         kept.append(agree)
     assert max(kept) >= 2 and 0 in kept, kept  # chains of several drafts kept, and chains missed
+    assert all(got <= most for got, most in emitted)  # the tree mode's bound holds for its own rounds
+    assert any(got == most for got, most in emitted)
+    if mode == "medusa":  # its tree kept more than the chain: the bound's depth term is needed
+        assert any(got > 1 + a for (got, _), a in zip(emitted, kept))

@@ -79,6 +79,19 @@ class Rate:
         return self.tokens / self.ms if self.ms > 0 else 0.0
 
 
+@dataclass
+class Bound:
+    """Decaying sums, over rounds with a lookup chain, of the most tokens a tree mode's call could have
+    given there and of that call's cost (one-token calls)."""
+
+    tokens: float = 0.0
+    units: float = 0.0
+
+    def add(self, tokens: int, units: float) -> None:
+        self.tokens = DECAY * self.tokens + tokens
+        self.units = DECAY * self.units + units
+
+
 class Chooser:
     """Which mode the next round uses: the fastest by ``Rate`` once each compared mode has ``PROBE``
     rounds.  The plain mode is read from every tree round (its chain is in the tree: what it would
@@ -87,6 +100,7 @@ class Chooser:
     def __init__(self, modes: tuple[str, ...]):
         self.modes = modes
         self.rates = {m: Rate() for m in modes}
+        self.bounds = {m: Bound() for m in modes if m != "lookup"}
         self.mode = modes[0]
         self.best = self.mode
         self.probe_left = 0
@@ -109,15 +123,20 @@ class Chooser:
         draft_ms: float = 0.0,
         plain: tuple[int, float] | None = None,
         left: int | None = None,
+        bounds: dict[str, tuple[int, float]] | None = None,
     ) -> None:
         """One round's outcome (``units``: its call's cost in one-token calls; ``draft_ms``: time spent
         drafting for another mode; ``plain``: the tokens and call cost a plain round would have had here;
-        ``left``: tokens the request has left), then choose the next round's mode."""
+        ``left``: tokens the request has left; ``bounds``: tree mode -> the most tokens its call could
+        have given here and that call's cost), then choose the next round's mode."""
         self.rounds += 1
         if counted:
             self.rates[mode].add(tokens, ms, ms - draft_ms, units)
         if plain is not None and mode != "lookup" and "lookup" in self.rates:
             self._read_plain(mode, ms - draft_ms, units, *plain)
+        for m, (most, cost) in (bounds or {}).items():
+            if m in self.bounds and m != mode:
+                self.bounds[m].add(most, cost)
         if len(self.modes) == 1:
             return
         if self.probe_left > 0:
@@ -125,7 +144,7 @@ class Chooser:
             if self.probe_left == 0:
                 self._end_probe()
             return
-        if self.rounds >= self.next_probe and (left is None or left >= LAST_PROBE) and self._probed():
+        if self.rounds >= self.next_probe and (left is None or left >= LAST_PROBE) and self._may_win():
             self.best, self.probe_left = self.mode, PROBE
             self._set(self._next_probe())
             return
@@ -161,12 +180,24 @@ class Chooser:
         first round has a tree, a transfer call's has none)."""
         return [m for m in ("medusa", "transfer") if m in self.modes and m != current]
 
-    def _probed(self) -> bool:
-        return bool(self._tree_modes(self.mode))
+    def most(self, mode: str) -> float | None:
+        """A tree mode's best rate by its ``Bound``: its most tokens at its call's cost priced at its own
+        rounds' ms per unit (the plain mode's before it ran: a tree call costs at least its size); None
+        while unpriced."""
+        b = self.bounds[mode]
+        lookup = self.rates.get("lookup")
+        per_unit = self.rates[mode].ms_per_unit or (lookup.ms_per_unit if lookup else None)
+        return b.tokens / (b.units * per_unit) if per_unit and b.units > 0 else None
+
+    def _may_win(self) -> list[str]:
+        """The tree modes a probe might find faster than the current mode (those not bounded below it)."""
+        now = self.rates[self.mode].value
+        return [m for m in self._tree_modes(self.mode) if (self.most(m) or float("inf")) > now]
 
     def _next_probe(self) -> str:
-        """The mode to probe: a tree mode never run yet, else the next after the last probed, in order."""
-        others = self._tree_modes(self.mode)
+        """The mode to probe: a tree mode never run yet, else the next after the last probed, in order,
+        of those that might win."""
+        others = self._may_win() or self._tree_modes(self.mode)
         fresh = [m for m in others if self.rates[m].runs == 0]
         if fresh:
             return fresh[0]
@@ -323,26 +354,39 @@ class AutoDrafter(TreeDrafter):
             for row, h in self.kept_states(cands, results, self.hidden).items():
                 self._medusa_from(row, h)
         ms = (time.perf_counter() - self.t_round) * 1e3
-        units, plain = self._costs(cands, results)
-        self.chooser.record(self.round_mode, tokens, ms, self.counted, units, self.draft_ms, plain, self.left)
+        units, plain, bounds = self._costs(cands, results)
+        self.chooser.record(self.round_mode, tokens, ms, self.counted, units, self.draft_ms, plain, self.left, bounds)
         if self.chooser.mode == "medusa" and all(t is None for t in self.medusa_topk):
             for row, h in self.kept_states(cands, results, self.hidden).items():
                 self._medusa_from(row, h)
 
-    def _costs(self, cands, results) -> tuple[float, tuple[int, float]]:
-        """This round's call cost in one-token calls, and the tokens and call cost a plain round would
-        have had: each row's chain kept while it agrees with what the round emitted (exact under greedy
+    def _costs(self, cands, results) -> tuple[float, tuple[int, float], dict[str, tuple[int, float]]]:
+        """This round's call cost in one-token calls; the tokens and call cost a plain round would have
+        had: each row's chain kept while it agrees with what the round emitted (exact under greedy
         decoding, where what is emitted does not depend on the drafts; a chain that agrees to the end
-        may have kept more)."""
+        may have kept more); and per tree mode the most tokens its call could have given (its tree
+        keeps at most its depth, the merged chain what it agrees) and that call's cost."""
         live = [(c, r, ch) for c, r, ch in zip(cands, results, self.chains) if c is not None]
         n = 1 + max(c.k for c, _, _ in live)
-        calls = n * (self.steps + 1) if self.round_mode == "transfer" else n  # a transfer call: pseudo states
-        tokens = 0
+        units = self.curve(n * (self.steps + 1) if self.round_mode == "transfer" else n)  # transfer: pseudo states
+        agree = []
         for c, r, chain in live:
             emitted = c.tokens[r[0]].tolist() + [r[1]]
-            agree = next((i for i, (a, b) in enumerate(zip(chain, emitted)) if a != b), min(len(chain), len(emitted)))
-            tokens += agree + 1
-        return self.curve(calls), (tokens, self.curve(1 + max(len(ch) for _, _, ch in live)))
+            agree.append(
+                next((i for i, (a, b) in enumerate(zip(chain, emitted)) if a != b), min(len(chain), len(emitted)))
+            )
+        chain = max(len(ch) for _, _, ch in live)
+        plain = (sum(agree) + len(agree), self.curve(1 + chain))
+        trees = {
+            "medusa": (self.medusa_buf, 1),
+            "transfer": (self.buf if self.proj is not None else None, self.steps + 1),
+        }
+        bounds = {  # (one row: a batch's tree calls carry no chains)
+            m: (sum(1 + max(a, buf.depth) for a in agree), self.curve((buf.n + chain) * calls))
+            for m, (buf, calls) in trees.items()
+            if buf is not None and self.run.batch == 1
+        }
+        return units, plain, bounds
 
     def auto_stats(self) -> list[AutoStats]:
         """One ``AutoStats`` per row (the batch shares its rounds' modes)."""

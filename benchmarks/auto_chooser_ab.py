@@ -27,7 +27,7 @@ def drafter_at(ref: str):
     src = subprocess.run(
         ["git", "show", f"{ref}:src/layerleap/drafters/auto.py"], capture_output=True, text=True, check=True
     ).stdout
-    spec = importlib.util.spec_from_loader(f"layerleap.drafters._auto_{ref}", loader=None)
+    spec = importlib.util.spec_from_loader(f"layerleap.drafters._auto_{abs(hash(ref))}", loader=None)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "layerleap.drafters"
     sys.modules[spec.name] = mod  # (dataclasses look their module up)
@@ -37,7 +37,9 @@ def drafter_at(ref: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ref", default=None, help="also time `auto` as this git revision has it (label auto-REF)")
+    ap.add_argument(
+        "--ref", action="append", default=[], help="also time `auto` as this git revision has it (label auto-REF)"
+    )
     ap.add_argument("--offset", type=int, default=20)
     ap.add_argument(
         "--small-offset",
@@ -71,8 +73,8 @@ def main() -> None:
         label, _, rest = spec.partition("=")
         meth, *opts = (rest or label).split(":")
         labels[label] = (meth, ours, dict(o.split("=", 1) for o in opts))
-    if args.ref:
-        labels[f"auto-{args.ref}"] = ("auto", drafter_at(args.ref), {})
+    for ref in args.ref:
+        labels[f"auto-{ref}"] = ("auto", drafter_at(ref), {})
     labels["greedy"] = ("greedy", ours, {})
     prompts = []
     for cat in args.categories.split(","):

@@ -13,16 +13,26 @@ millisecond each has given on this request, on this machine.
   The heads run only after a round whose successor is a Medusa round.
 
 Each mode's rate is a decaying sum of emitted tokens over a decaying sum of wall milliseconds per
-round (proposal, call, acceptance and drafting: what the round cost here).  The drafter starts with
-plain calls, probes transfer calls for ``PROBE`` rounds after ``FIRST_PROBE`` rounds (the first
-transfer round after a plain one has no tree yet and is not counted), keeps the faster mode, and
-probes the others again, in turn, after a gap that doubles each time a probe loses (the modes are
-probed one after another the first time).  The choice changes only
-which drafts are verified, never what is accepted: greedy output is greedy decoding, and sampled
-output is lossless (every draft is a deterministic, one-hot proposal, siblings distinct).
+round (proposal, call, acceptance and drafting: what the round cost here).  A tree call verifies the
+lookup chain merged into its tree, so every tree round also shows what a plain call would have
+given there: the chain's drafts while they agree with what the round emitted, plus one (exact under
+greedy decoding, where what is emitted does not depend on the drafts).  That is read into the plain
+mode's rate, priced at the milliseconds per unit of call cost (``lengths.curve_for``'s curve) the
+plain rounds took, so plain calls are never probed.  The drafter starts with ``FIRST_PROBE`` plain
+rounds, then probes Medusa calls (and, after a gap, transfer calls: the first transfer round after
+another kind has no tree yet and is not counted) for ``PROBE`` rounds each, and follows the fastest
+mode (of those with ``PROBE`` rounds, the current one included).  Tree modes are probed again, in
+turn, after a gap that doubles each time a probe does not change the mode, but only where the chains
+leave them room to win: a tree call keeps at most its tree's depth or the chain's agreement, plus
+one, so the rounds bound each tree mode's rate (``Bound``, priced at its own rounds' milliseconds per
+unit of call cost, else the plain rounds').  No probe starts with fewer than ``LAST_PROBE`` tokens
+left.  The choice changes only which drafts are verified, never what is accepted: greedy output is
+greedy decoding, and sampled output is lossless (every draft is a deterministic, one-hot proposal,
+siblings distinct).
 
-A batch shares the mode; a transfer call then verifies every row's tree of the one shape (the lookup
-chains ride only in plain calls, where chains of any length pad)."""
+A batch shares the mode; a tree call then verifies every row's tree of the one shape (the lookup
+chains ride only in plain calls, where chains of any length pad; the plain mode is still read from a
+tree round, and no bound is drawn)."""
 
 from __future__ import annotations
 
@@ -51,7 +61,7 @@ LAST_PROBE = 16  # no probe starts with fewer tokens than this left to the reque
 @dataclass
 class Rate:
     """Tokens per millisecond of one mode: decaying sums over the rounds it ran and the rounds of
-    other modes that showed what it would have given (``read``, with an estimated wall time)."""
+    other modes that showed what it would have given (added with an estimated wall time)."""
 
     tokens: float = 0.0
     ms: float = 0.0
@@ -94,8 +104,8 @@ class Bound:
 
 class Chooser:
     """Which mode the next round uses: the fastest by ``Rate`` once each compared mode has ``PROBE``
-    rounds.  The plain mode is read from every tree round (its chain is in the tree: what it would
-    have kept, at the round's time less the tree's extra call cost), so only tree modes are probed."""
+    rounds.  The plain mode is read from every tree round (its chain is in the tree), so only tree
+    modes are probed, and only those whose ``Bound`` leaves them room to win."""
 
     def __init__(self, modes: tuple[str, ...]):
         self.modes = modes

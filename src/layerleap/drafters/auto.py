@@ -91,15 +91,31 @@ class Rate:
 
 @dataclass
 class Bound:
-    """Decaying sums, over rounds with a lookup chain, of the most tokens a tree mode's call could have
-    given there and of that call's cost (one-token calls)."""
+    """What a tree mode's call would have given in the rounds of other modes: decaying sums of its
+    estimated tokens there and of that call's cost (one-token calls).  A tree call keeps what the
+    chain alone would (``plain``) and at most ``most``; it is estimated to keep ``plain + hit * (most -
+    plain)``, ``hit`` the share of that room its own rounds filled (decaying sums; 1 before one)."""
 
     tokens: float = 0.0
     units: float = 0.0
+    filled: float = 0.0
+    room: float = 0.0
 
-    def add(self, tokens: int, units: float) -> None:
-        self.tokens = DECAY * self.tokens + tokens
+    @property
+    def hit(self) -> float:
+        return self.filled / self.room if self.room > 0 else 1.0
+
+    def add(self, plain: int, most: int, units: float) -> None:
+        """A round of another mode: the chain alone kept ``plain`` tokens; this mode's call could have kept
+        ``most`` at cost ``units``."""
+        self.tokens = DECAY * self.tokens + plain + self.hit * (most - plain)
         self.units = DECAY * self.units + units
+
+    def own(self, tokens: int, plain: int, most: int) -> None:
+        """A round of this mode: it kept ``tokens`` where the chain alone would have kept ``plain``."""
+        if most > plain:
+            self.filled = DECAY * self.filled + tokens - plain
+            self.room = DECAY * self.room + most - plain
 
 
 class Chooser:
@@ -145,8 +161,12 @@ class Chooser:
         if plain is not None and mode != "lookup" and "lookup" in self.rates:
             self._read_plain(mode, ms - draft_ms, units, *plain)
         for m, (most, cost) in (bounds or {}).items():
-            if m in self.bounds and m != mode:
-                self.bounds[m].add(most, cost)
+            if m not in self.bounds or plain is None:
+                continue
+            if m != mode:
+                self.bounds[m].add(plain[0], most, cost)
+            elif counted:
+                self.bounds[m].own(tokens, plain[0], most)
         if len(self.modes) == 1:
             return
         if self.probe_left > 0:
@@ -191,7 +211,7 @@ class Chooser:
         return [m for m in ("medusa", "transfer") if m in self.modes and m != current]
 
     def most(self, mode: str) -> float | None:
-        """A tree mode's best rate by its ``Bound``: its most tokens at its call's cost priced at its own
+        """A tree mode's rate by its ``Bound``: its estimated tokens at its call's cost priced at its own
         rounds' ms per unit (the plain mode's before it ran: a tree call costs at least its size); None
         while unpriced."""
         b = self.bounds[mode]

@@ -155,3 +155,25 @@ def test_dynamic_trees_draft_by_the_saved_curve(saved_curves):
         drafted[name] = got.stats["drafted"]
         assert got.token_ids == want
     assert drafted["flat"] > drafted["steep"]
+
+
+def test_a_gpu_without_a_saved_curve_measures_it_once(saved_curves, monkeypatch):
+    """No shipped curve fits a GPU: the first method that needs one measures it there and saves it; a
+    CPU keeps the shipped curve; ``LAYERLEAP_CALL_COST=shipped`` measures nothing."""
+    model = random_model("llama-gqa-tied", seed=3)
+    calls = []
+
+    def fake_time_calls(m, context, sizes, rounds):
+        calls.append(rounds)
+        return context, {s: [1e-3 * (1 + 0.5 * (s - 1)), 2e-3] for s in sizes}
+
+    monkeypatch.setattr(cost_curve, "time_calls", fake_time_calls)
+    assert L.curve_for(model).source == "shipped" and not calls  # a CPU: the shipped curve
+    monkeypatch.setattr(cost_curve, "key", lambda m: "a GPU | cuda | tiny | float32")
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setenv("LAYERLEAP_CALL_COST", "shipped")
+    assert L.curve_for(model).source == "shipped" and not calls
+    monkeypatch.delenv("LAYERLEAP_CALL_COST")
+    curve = L.curve_for(model)
+    assert curve.source == "measured" and curve(3) == pytest.approx(2.0) and len(calls) == 1
+    assert L.curve_for(model).source == "measured" and len(calls) == 1  # saved: not measured again

@@ -3,13 +3,16 @@
 ``c(S)`` is the time of one model call over ``S`` new tokens relative to a one-token call.  Methods
 that choose draft lengths and tree sizes by the expected tokens per unit of call cost
 (``drafters.lengths``) read it here: the curve measured for this CPU (or GPU), model shape, weight
-format, thread count and device if one was saved, else the weight format's shipped curve.  Curves
-are saved in ``<cache>/call_cost.json``; ``$LAYERLEAP_CALL_COST=shipped`` ignores them."""
+format, thread count and device if one was saved, else the weight format's shipped curve (measured
+on CPUs).  On a GPU, where no shipped curve applies, the first method that needs the curve measures
+it (``measure``, under a second for a small model) and saves it.  Curves are saved in
+``<cache>/call_cost.json``; ``$LAYERLEAP_CALL_COST=shipped`` ignores them and measures nothing."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -71,3 +74,55 @@ def save(model, ratios: dict[int, float], ms_one: float) -> bool:
     except LayerleapError:
         return False
     return True
+
+
+def time_calls(model, context: int, sizes, rounds: int) -> tuple[int, dict[int, list[float]]]:
+    """(the context used, seconds of each of ``rounds`` model calls over ``S`` new tokens (causal among themselves, all
+    layers and the LM head) after ``context`` cached tokens, for each ``S`` in ``sizes`` (1 always),
+    round-robin over the sizes so that a disturbance hits every size alike); each call is rolled
+    back before the next.  A model with a short context uses what fits.  On a GPU a call ends when
+    its kernels do."""
+    sizes = sorted({int(s) for s in sizes} | {1})
+    n = model.config.n_layers
+    context = max(1, min(context, model.config.max_position - max(sizes)))  # a short-context model: what fits
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    times: dict[int, list[float]] = {s: [] for s in sizes}
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        cache = model.new_cache(1, context + max(sizes))
+        model(torch.randint(0, vocab, (1, context), generator=gen).to(model.device), cache=cache)
+        ids = {s: torch.randint(0, vocab, (1, s), generator=gen).to(model.device) for s in sizes}
+        pos = {s: (context + torch.arange(s)).unsqueeze(0).to(model.device) for s in sizes}
+
+        def call(s: int) -> None:
+            model.logits(model.run_layers(model.embed(ids[s]), 0, n, pos[s], cache))
+            sync()
+            cache.truncate(context)
+
+        for s in sizes:  # warm-up
+            call(s)
+        for _ in range(rounds):
+            for s in sizes:
+                t = time.perf_counter()
+                call(s)
+                times[s].append(time.perf_counter() - t)
+    return context, times
+
+
+def measure(model, rounds: int = 5) -> dict[int, float]:
+    """Measure ``model``'s curve here (``SIZES``, 256 cached tokens, the best of ``rounds`` per size),
+    save it, and return ``{S: c(S)}``."""
+    best = {s: min(ts) for s, ts in time_calls(model, 256, SIZES, rounds)[1].items()}
+    ratios = {s: best[s] / best[1] for s in SIZES}
+    save(model, ratios, best[1] * 1e3)
+    return ratios
+
+
+def for_model(model) -> dict[int, float] | None:
+    """The curve to price ``model``'s calls by: the saved one; on a GPU without one, measured now; else
+    None (the caller's shipped curve)."""
+    if os.environ.get(ENV, "").strip().lower() == "shipped":
+        return None
+    ratios = saved(model)
+    return measure(model) if ratios is None and model.device.type == "cuda" else ratios

@@ -69,9 +69,10 @@ def shipped_curve(dtype_name: str) -> CostCurve:
 
 
 def curve_for(model) -> CostCurve:
-    """``model``'s curve on this machine: the one ``layerleap info --call-cost`` saved for it, else the
-    shipped one.  A saved curve that dips (timing noise) is held at its running maximum."""
-    ratios = cost_curve.saved(model)
+    """``model``'s curve on this machine: the one ``layerleap info --call-cost`` saved for it (on a GPU
+    without one: measured now, ``cost_curve.for_model``), else the shipped one.  A measured curve that
+    dips (timing noise) is held at its running maximum."""
+    ratios = cost_curve.for_model(model)
     if ratios is None:
         return shipped_curve(model.dtype_name)
     costs, top = [], 0.0

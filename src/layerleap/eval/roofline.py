@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ..core import cost_curve
 from ..core.model import Transformer
 
 
@@ -147,31 +148,7 @@ def call_cost(
 ) -> CallCost:
     """Measure ``CallCost`` on ``model``: a cache holding ``context`` tokens, then calls over
     ``S`` new tokens (causal among themselves), each rolled back before the next."""
-    sizes = sorted(set(int(s) for s in sizes))
-    if 1 not in sizes:
-        sizes = [1] + sizes
-    n = model.config.n_layers
-    context = max(1, min(context, model.config.max_position - max(sizes)))  # a short-context model: what fits
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    times: dict[int, list[float]] = {s: [] for s in sizes}
-    with torch.inference_mode():
-        cache = model.new_cache(1, context + max(sizes))
-        model(torch.randint(0, vocab, (1, context), generator=gen).to(model.device), cache=cache)
-        ids = {s: torch.randint(0, vocab, (1, s), generator=gen).to(model.device) for s in sizes}
-        pos = {s: (context + torch.arange(s)).unsqueeze(0).to(model.device) for s in sizes}
-
-        def call(s: int) -> None:
-            model.logits(model.run_layers(model.embed(ids[s]), 0, n, pos[s], cache))
-            cache.truncate(context)
-
-        for s in sizes:  # warm-up
-            call(s)
-        for _ in range(rounds):
-            for s in sizes:
-                t = time.perf_counter()
-                call(s)
-                times[s].append(time.perf_counter() - t)
+    context, times = cost_curve.time_calls(model, context, sizes, rounds)
     best = {s: min(ts) * 1e3 for s, ts in times.items()}
     points = [
         {

@@ -22,11 +22,12 @@ plain rounds took, so plain calls are never probed.  The drafter starts with ``F
 rounds, then probes Medusa calls (and, after a gap, transfer calls: the first transfer round after
 another kind has no tree yet and is not counted) for ``PROBE`` rounds each, and follows the fastest
 mode (of those with ``PROBE`` rounds, the current one included).  Tree modes are probed again, in
-turn, after a gap that doubles each time a probe does not change the mode, but only where the chains
-leave them room to win: a tree call keeps at most its tree's depth or the chain's agreement, plus
-one, so the rounds bound each tree mode's rate (``Bound``, priced at its own rounds' milliseconds per
-unit of call cost, else the plain rounds').  No probe starts with fewer than ``LAST_PROBE`` tokens
-left.  The choice changes only which drafts are verified, never what is accepted: greedy output is
+turn, after a gap that doubles each time a probe does not change the mode, but only where they might
+win: a tree call keeps what the chain alone keeps and at most its tree's depth or the chain's
+agreement, plus one, and fills the share of that room its own rounds filled (the whole room before
+it ran), so every round estimates each tree mode's rate (``Bound``, priced at its own rounds'
+milliseconds per unit of call cost, else the plain rounds').  No probe starts with fewer than
+``LAST_PROBE`` tokens left.  The choice changes only which drafts are verified, never what is accepted: greedy output is
 greedy decoding, and sampled output is lossless (every draft is a deterministic, one-hot proposal,
 siblings distinct).
 
@@ -121,7 +122,7 @@ class Bound:
 class Chooser:
     """Which mode the next round uses: the fastest by ``Rate`` once each compared mode has ``PROBE``
     rounds.  The plain mode is read from every tree round (its chain is in the tree), so only tree
-    modes are probed, and only those whose ``Bound`` leaves them room to win."""
+    modes are probed, and only those whose ``Bound`` estimate beats the current mode."""
 
     def __init__(self, modes: tuple[str, ...]):
         self.modes = modes
@@ -220,7 +221,7 @@ class Chooser:
         return b.tokens / (b.units * per_unit) if per_unit and b.units > 0 else None
 
     def _may_win(self) -> list[str]:
-        """The tree modes a probe might find faster than the current mode (those not bounded below it)."""
+        """The tree modes a probe might find faster than the current mode (unpriced, or estimated faster)."""
         now = self.rates[self.mode].value
         return [m for m in self._tree_modes(self.mode) if (self.most(m) or float("inf")) > now]
 

@@ -231,7 +231,7 @@ def test_chooser_probes_no_tree_mode_its_bound_puts_below_the_current(monkeypatc
             c.record(c.mode, 3, ms, True, units=units, plain=(3, 1.0), bounds={"medusa": (most, 1.2)})
         assert modes.count("medusa") == 2 * probes and modes[:2] == ["lookup"] * 2
         assert c.bounds["medusa"].hit == (0.0 if probes else 1.0)
-        assert c.most("medusa") == pytest.approx(3 / 12, rel=0.01)  # (the estimates before it have decayed)
+        assert c.estimate("medusa") == pytest.approx(3 / 12, rel=0.01)  # (the estimates before it have decayed)
 
 
 def test_bound_estimates_a_tree_mode_by_the_room_its_rounds_filled():

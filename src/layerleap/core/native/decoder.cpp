@@ -13,6 +13,9 @@
 #include <string>
 #include <limits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 using at::Tensor;
 using c10::optional;
@@ -178,18 +181,133 @@ static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
   return fold<1>(p[0], p[1]);
 }
 
+// exp_neg on 16 lanes: the same operations on each lane, so the same bits as exp_neg for each element.
+static inline v16 splat(float f) { return v16{} + f; }
+static inline v16 floor16(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+  for (int i = 0; i < 16; i++) x[i] = std::floor(x[i]);
+  return x;
+#endif
+}
+static inline v16 exp_neg16(v16 x) {
+  const v16 lo = splat(-87.3f);
+  x = x < lo ? lo : x;  // std::max(x, -87.3f)
+  const v16 n = floor16(x * 1.44269504088896341f + 0.5f);
+  const v16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  i16v bits = reinterpret_cast<i16v&>(p);
+  bits += __builtin_convertvector(n, i16v) << 23;
+  return reinterpret_cast<v16&>(bits);
+}
+
+// The first ``n`` (<= 16) elements at p as fp32 (zeros after them).
+template <typename T>
+static inline v16 load16f(const T* p, int64_t n) {
+  v16 x = {0};
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == 16) {
+      std::memcpy(&x, p, sizeof(v16));
+      return x;
+    }
+  }
+  for (int64_t i = 0; i < n; i++) x[i] = static_cast<float>(p[i]);
+  return x;
+}
+
+// Runs f(NR, NS) with both fixed at compile time (1..4 each), so that a tile's accumulators stay in registers.
+template <typename F>
+static inline void with_tile(int64_t nr, int64_t ns, F&& f) {
+  auto rows = [&](auto NS) {
+    switch (nr) {
+      case 1: return f(std::integral_constant<int, 1>{}, NS);
+      case 2: return f(std::integral_constant<int, 2>{}, NS);
+      case 3: return f(std::integral_constant<int, 3>{}, NS);
+      default: return f(std::integral_constant<int, 4>{}, NS);
+    }
+  };
+  switch (ns) {
+    case 1: return rows(std::integral_constant<int, 1>{});
+    case 2: return rows(std::integral_constant<int, 2>{});
+    case 3: return rows(std::integral_constant<int, 3>{});
+    default: return rows(std::integral_constant<int, 4>{});
+  }
+}
+
+// Pass 3 of attend_rows for query rows r0 .. r0+NR-1 of one key/value head and head-dim slices
+// [d0, d0 + 16 NS) (clipped to hd): out row = sum_t p_t v_t / sum_t p_t over the keys in order, skipping
+// weights of 0.  p: the rows' weights (row stride pstride); out: the head group's first output row
+// (row r at (r / S) * S * hd + (r % S) * hd).
+template <typename T, int NR, int NS>
+static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d0, const float* p, int64_t pstride,
+                       T* out, int64_t S, int64_t r0, int64_t hd_out) {
+  v16 acc[NR][NS];
+  float sums[NR];
+  int64_t w[NS];
+  for (int j = 0; j < NR; j++) {
+    sums[j] = 0.0f;
+    for (int i = 0; i < NS; i++) acc[j][i] = v16{0};
+  }
+  for (int i = 0; i < NS; i++) w[i] = std::max<int64_t>(0, std::min<int64_t>(16, hd - d0 - 16 * i));
+  const bool full = w[NS - 1] == 16;
+  for (int64_t t = 0; t < Tk; t++) {  // each value slice read once for these rows, in key order
+    v16 vt[NS];
+    if constexpr (std::is_same_v<T, float>) {
+      if (full) {
+        for (int i = 0; i < NS; i++) std::memcpy(&vt[i], v + t * vs + d0 + 16 * i, sizeof(v16));
+      } else {
+        for (int i = 0; i < NS; i++) vt[i] = load16f(v + t * vs + d0 + 16 * i, w[i]);
+      }
+    } else {
+      for (int i = 0; i < NS; i++) vt[i] = load16f(v + t * vs + d0 + 16 * i, w[i]);
+    }
+    for (int j = 0; j < NR; j++) {
+      // a weight of 0 (a masked key; an underflowed one adds nothing either) leaves the sums as they
+      // are: sums[j] + 0 is sums[j] (never -0), and the accumulators are kept, not added to
+      const float pj = p[j * pstride + t];
+      const v16 pv = splat(pj);
+      const auto add = pv != 0.0f;
+      sums[j] += pj;
+      for (int i = 0; i < NS; i++) acc[j][i] = add ? acc[j][i] + pv * vt[i] : acc[j][i];
+    }
+  }
+  for (int j = 0; j < NR; j++) {
+    const int64_t r = r0 + j;
+    const float inv = sums[j] > 0 ? 1.0f / sums[j] : 0.0f;
+    T* orow = out + (r / S) * S * hd_out + (r % S) * hd_out + d0;
+    for (int i = 0; i < NS; i++)
+      for (int64_t d = 0; d < w[i]; d++) orow[16 * i + d] = static_cast<T>(acc[j][i][d] * inv);
+  }
+}
+
 // Attention for a few new tokens (model.attend's native branch), in fp32.  Each query row's score for
 // a key is ``dot`` of the scaled query and the key, the softmax visits the keys its mask row allows in
 // key order (skipping the others) and accumulates the values in that order: a row's result depends
 // only on its query and the keys it sees, so a token verified in one call with others (a chain, or a
 // tree whose other branches are masked) gets exactly what a call over that token alone gives, in
-// every dtype.  Keys are read 16 at a time (``dot16``; converted to fp32 once per task) and shared by the
-// g*S query rows of their key/value head.  q [B, H, S, hd]; k, v [B, Hkv, T, hd] (any strides, hd contiguous);
-// mask [B|1, 1, S, T] bool or none.
+// every dtype.  q [B, H, S, hd]; k, v [B, Hkv, T, hd] (any strides, hd contiguous); mask [B|1, 1, S, T]
+// bool or none.  Three passes, each split between threads so that every thread reads its own share of
+// the cache (at long contexts the keys and values are most of a step's bytes):
+//   1. scores, by runs of KEY_RUN keys: keys read 16 at a time (``dot16``, as fp32) and shared by the g*S
+//      query rows of their key/value head (a masked key's score is -inf);
+//   2. per query row: the maximum, then exp(score - max) (``exp_neg16``; 0 for a masked key);
+//   3. by 16 of the head dim at a time: each row's weighted sum of the values and the sum of its weights,
+//      both in key order (the same sums, element by element, whichever thread and slice computes them).
+// Small calls run on the calling thread (a fork and join costs more than the work).
+constexpr int64_t KEY_RUN = 256;
+constexpr int64_t PARALLEL_MIN = 8192;  // query rows x keys below which the passes run on the calling thread
+
 template <typename T>
 void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask, Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), hd = q.size(3), Hkv = k.size(1), Tk = k.size(2);
-  const int64_t g = H / Hkv, R = g * S;
+  const int64_t g = H / Hkv, R = g * S, BK = B * Hkv, Tp = (Tk + 15) / 16 * 16;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
@@ -208,19 +326,28 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
     m3 = mask->stride(3);
   }
   const float NEG = -std::numeric_limits<float>::infinity();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(R, at::get_num_threads()));  // row slices per head
-  at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(R * hd), kf(16 * hd), zeros(hd, 0.0f), vf(hd), scores(R * Tk), acc(R * hd), sums(R);
+  // the calling thread's buffers: scaled queries [BK, R, hd], then scores / weights [BK, R, Tp]
+  thread_local std::vector<float> held;
+  held.resize(BK * R * (hd + Tp));
+  float* qf = held.data();
+  float* scores = qf + BK * R * hd;
+  const bool serial = BK * R * Tk < PARALLEL_MIN;
+  const auto grain = [&](int64_t n) { return serial ? n : 1; };
+  const int64_t runs = (Tk + KEY_RUN - 1) / KEY_RUN;
+  for (int64_t bk = 0; bk < BK; bk++) {
+    const int64_t b = bk / Hkv, kvh = bk % Hkv;
+    for (int64_t r = 0; r < R; r++) {  // row r: query head kvh*g + r/S, token r%S
+      const T* qrow = qp + b * qs0 + (kvh * g + r / S) * qs1 + (r % S) * qs2;
+      for (int64_t d = 0; d < hd; d++) qf[(bk * R + r) * hd + d] = static_cast<float>(qrow[d * qs3]) * scale;
+    }
+  }
+  at::parallel_for(0, BK * runs, grain(BK * runs), [&](int64_t begin, int64_t end) {  // 1. scores
+    std::vector<float> kf(16 * hd), zeros(hd, 0.0f);
     for (int64_t task = begin; task < end; task++) {
-      const int64_t bk = task / parts, part = task % parts;
-      const int64_t b = bk / Hkv, kvh = bk % Hkv;
-      const int64_t r0 = R * part / parts, r1 = R * (part + 1) / parts;
-      for (int64_t r = r0; r < r1; r++) {  // row r: query head kvh*g + r/S, token r%S
-        const T* qrow = qp + b * qs0 + (kvh * g + r / S) * qs1 + (r % S) * qs2;
-        for (int64_t d = 0; d < hd; d++) qf[r * hd + d] = static_cast<float>(qrow[d * qs3]) * scale;
-      }
+      const int64_t bk = task / runs, b = bk / Hkv, kvh = bk % Hkv;
+      const int64_t t1 = std::min(Tk, (task % runs + 1) * KEY_RUN);
       const T* kbase = kp + b * ks0 + kvh * ks1;
-      for (int64_t t0 = 0; t0 < Tk; t0 += 16) {  // 16 keys at a time, each as fp32
+      for (int64_t t0 = task % runs * KEY_RUN; t0 < t1; t0 += 16) {
         const int64_t nb = std::min<int64_t>(16, Tk - t0);
         const float* kt[16];
         for (int64_t j = 0; j < 16; j++) {
@@ -233,48 +360,62 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
             kt[j] = &kf[j * hd];
           }
         }
-        for (int64_t r = r0; r < r1; r++) {
+        for (int64_t r = 0; r < R; r++) {
           const bool* mrow = mp ? mp + b * m0 + (r % S) * m2 : nullptr;
+          const float* qr = qf + (bk * R + r) * hd;
           float sc[16];
           if (hd % 16 == 0) {
-            const v16 s16 = dot16(&qf[r * hd], kt, hd);
+            const v16 s16 = dot16(qr, kt, hd);
             std::memcpy(sc, &s16, sizeof(v16));
           } else {
-            for (int64_t j = 0; j < nb; j++) sc[j] = dot(&qf[r * hd], kt[j], hd);
+            for (int64_t j = 0; j < nb; j++) sc[j] = dot(qr, kt[j], hd);
           }
-          for (int64_t j = 0; j < nb; j++)
-            scores[r * Tk + t0 + j] = (mrow && !mrow[(t0 + j) * m3]) ? NEG : sc[j];
+          float* sr = scores + (bk * R + r) * Tp + t0;
+          if (!mrow && nb == 16) {
+            std::memcpy(sr, sc, sizeof(sc));
+          } else {
+            for (int64_t j = 0; j < 16; j++) sr[j] = j >= nb || (mrow && !mrow[(t0 + j) * m3]) ? NEG : sc[j];
+          }
         }
       }
-      for (int64_t r = r0; r < r1; r++) {
-        float* sr = &scores[r * Tk];
-        float mx = NEG;
-        for (int64_t t = 0; t < Tk; t++) mx = std::max(mx, sr[t]);
-        for (int64_t t = 0; t < Tk; t++) sr[t] = sr[t] == NEG ? 0.0f : exp_neg(sr[t] - mx);
-        std::fill(acc.begin() + r * hd, acc.begin() + (r + 1) * hd, 0.0f);
-        sums[r] = 0.0f;
+    }
+  });
+  at::parallel_for(0, BK * R, grain(BK * R), [&](int64_t begin, int64_t end) {  // 2. weights
+    for (int64_t row = begin; row < end; row++) {
+      float* sr = scores + row * Tp;
+      v16 m16 = splat(NEG);
+      for (int64_t t = 0; t < Tp; t += 16) {
+        v16 x;
+        std::memcpy(&x, sr + t, sizeof(v16));
+        m16 = m16 < x ? x : m16;
       }
+      float mx = NEG;
+      for (int i = 0; i < 16; i++) mx = std::max(mx, m16[i]);
+      for (int64_t t = 0; t < Tp; t += 16) {
+        v16 x;
+        std::memcpy(&x, sr + t, sizeof(v16));
+        const v16 e = exp_neg16(x - mx);
+        x = x == NEG ? v16{0} : e;
+        std::memcpy(sr + t, &x, sizeof(v16));
+      }
+    }
+  });
+  const int64_t slices = (hd + 15) / 16;
+  // a task: NS (<= 4) slices of 16 of the head dim for every row, NR (<= 4) rows at a time, their
+  // NR * NS accumulators in registers (independent sums, so the additions overlap)
+  const int64_t per = serial || BK * slices >= 2 * at::get_num_threads() ? 4 : 2;  // slices a task
+  const int64_t groups = (slices + per - 1) / per;
+  at::parallel_for(0, BK * groups, grain(BK * groups), [&](int64_t begin, int64_t end) {  // 3. values
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t bk = task / groups, b = bk / Hkv, kvh = bk % Hkv;
+      const int64_t s0 = task % groups * per, ns = std::min(per, slices - s0);
       const T* vbase = vp + b * vs0 + kvh * vs1;
-      for (int64_t t = 0; t < Tk; t++) {  // each value row read once for all rows, accumulated in key order
-        const float* vt;
-        if constexpr (std::is_same_v<T, float>) {
-          vt = vbase + t * vs2;
-        } else {
-          for (int64_t d = 0; d < hd; d++) vf[d] = static_cast<float>(vbase[t * vs2 + d]);
-          vt = vf.data();
-        }
-        for (int64_t r = r0; r < r1; r++) {
-          const float p = scores[r * Tk + t];
-          if (p == 0.0f) continue;  // a masked key (an underflowed weight adds nothing either)
-          sums[r] += p;
-          float* ar = &acc[r * hd];
-          for (int64_t d = 0; d < hd; d++) ar[d] += p * vt[d];
-        }
-      }
-      for (int64_t r = r0; r < r1; r++) {
-        const float inv = sums[r] > 0 ? 1.0f / sums[r] : 0.0f;
-        T* orow = op + ((b * H + kvh * g + r / S) * S + r % S) * hd;
-        for (int64_t d = 0; d < hd; d++) orow[d] = static_cast<T>(acc[r * hd + d] * inv);
+      for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int64_t nr = std::min<int64_t>(4, R - r0);
+        with_tile(nr, ns, [&](auto NR, auto NS) {
+          value_tile<T, NR, NS>(vbase, vs2, Tk, hd, s0 * 16, scores + (bk * R + r0) * Tp, Tp,
+                                op + (b * H + kvh * g) * S * hd, S, r0, hd);
+        });
       }
     }
   });

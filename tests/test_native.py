@@ -123,3 +123,35 @@ def test_attend_rows_gives_a_row_what_it_gets_alone(hd, dtype):
         q.float(), k.float().repeat_interleave(3, 1), v.float().repeat_interleave(3, 1), attn_mask=mask
     )
     assert torch.allclose(together.float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("hd", [64, 40])  # 40: a head dim that ends in a partial slice of 16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_rows_at_long_contexts_is_exact_and_the_same_on_any_threads(hd, dtype):
+    """Past the sizes that run on the calling thread, attention is split between threads by runs of
+    keys, rows and slices of the head dim: a tree's node (its siblings masked, keys past several runs)
+    still gets exactly what the call over its own path gives, and 1, 2 and 3 threads give the same bits."""
+    mod = native.module()
+    g = torch.Generator().manual_seed(hd)
+    T0 = 1100  # cached keys (several runs of keys, past the calling-thread-only sizes)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    q = torch.randn(1, 9, 4, hd, generator=g).to(dtype)
+    k, v = (torch.randn(1, 3, T0 + 4, hd, generator=g).to(dtype) for _ in range(2))
+    mask = torch.cat([torch.ones(4, T0, dtype=torch.bool), tree], 1).view(1, 1, 4, T0 + 4)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(mod.attend_rows(q, k, v, mask))
+            for node, path in ((3, [0, 1, 3]), (2, [0, 2])):  # the path's keys, in order, as decoding has them
+                idx = torch.tensor(list(range(T0)) + [T0 + i for i in path])
+                alone = mod.attend_rows(q[:, :, node : node + 1], k[:, :, idx], v[:, :, idx], None)
+                assert torch.equal(outs[-1][:, :, node : node + 1], alone), f"{n} threads, node {node}"
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(3, 1), v.float().repeat_interleave(3, 1), attn_mask=mask
+    )
+    assert torch.allclose(outs[0].float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)

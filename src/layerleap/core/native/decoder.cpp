@@ -373,6 +373,13 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
           float* sr = scores + (bk * R + r) * Tp + t0;
           if (!mrow && nb == 16) {
             std::memcpy(sr, sc, sizeof(sc));
+          } else if (nb == 16 && m3 == 1) {  // 16 mask entries side by side: compared at once
+            v16 x;
+            i16v seen;
+            std::memcpy(&x, sc, sizeof(v16));
+            for (int j = 0; j < 16; j++) seen[j] = mrow[t0 + j];
+            x = seen != 0 ? x : splat(NEG);
+            std::memcpy(sr, &x, sizeof(v16));
           } else {
             for (int64_t j = 0; j < 16; j++) sr[j] = j >= nb || (mrow && !mrow[(t0 + j) * m3]) ? NEG : sc[j];
           }
@@ -403,7 +410,8 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
   const int64_t slices = (hd + 15) / 16;
   // a task: NS (<= 4) slices of 16 of the head dim for every row, NR (<= 4) rows at a time, their
   // NR * NS accumulators in registers (independent sums, so the additions overlap)
-  const int64_t per = serial || BK * slices >= 2 * at::get_num_threads() ? 4 : 2;  // slices a task
+  int64_t per = 4;  // slices a task: the most that still gives every thread a share (whole rows alone)
+  while (!serial && per > 1 && BK * ((slices + per - 1) / per) < 2 * at::get_num_threads()) per /= 2;
   const int64_t groups = (slices + per - 1) / per;
   at::parallel_for(0, BK * groups, grain(BK * groups), [&](int64_t begin, int64_t end) {  // 3. values
     for (int64_t task = begin; task < end; task++) {

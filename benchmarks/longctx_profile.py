@@ -62,6 +62,52 @@ def attention_only(model, cache, ctx: int, ids, mask) -> float:
     return run
 
 
+def step_call(model, cache, ctx: int, call):
+    """One model call over ``call`` = (ids, depths, mask) after ``ctx`` cached tokens."""
+    ids, depths, mask = call
+    pos = (ctx + depths).unsqueeze(0)
+    n = model.config.n_layers
+
+    def run():
+        cache.lengths[:] = ctx  # back to the context (the filled slots stay as the prompt wrote them)
+        model.logits(model.run_layers(model.embed(ids), 0, n, pos, cache, mask))
+
+    return run
+
+
+def mask_call(cache, call):
+    """Building the mask of ``call``."""
+    ids, _, mask = call
+    return lambda: cache.attention_mask(0, ids.shape[1], mask)
+
+
+def profile(model, contexts: list[int], threads: list[int], rounds: int, n_calls: int) -> dict:
+    """``{(context, call, threads): {"step"|"attn"|"mask": [ms per round]}}``."""
+    kinds = calls()
+    cache = model.new_cache(1, max(contexts) + 8)
+    torch.set_num_threads(max(threads))
+    g = torch.Generator().manual_seed(0)
+    n = model.config.n_layers
+    prompt = torch.randint(0, model.config.vocab_size, (1, max(contexts)), generator=g)
+    model.run_layers(model.embed(prompt), 0, n, torch.arange(max(contexts)).unsqueeze(0), cache)
+    variants = [(ctx, kind, t) for ctx in contexts for kind in kinds for t in threads]
+    variants = [v for v in variants if v[1] == "one" or v[2] == threads[0]]
+    samples = {v: {"step": [], "attn": [], "mask": []} for v in variants}
+    for r in range(rounds + 1):  # round 0 warms up
+        for v in variants:
+            ctx, kind, t = v
+            torch.set_num_threads(t)
+            ids, _, mask = kinds[kind]
+            cache.lengths[:] = ctx
+            step = timed(step_call(model, cache, ctx, kinds[kind]), n_calls)
+            attn = timed(attention_only(model, cache, ctx, ids, mask), n_calls)
+            mk = timed(mask_call(cache, kinds[kind]), n_calls)
+            if r:
+                for key, val in (("step", step), ("attn", attn), ("mask", mk)):
+                    samples[v][key].append(val)
+    return samples
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -77,40 +123,8 @@ def main() -> None:
     report = {"load_before": os.getloadavg(), "args": vars(args), "rows": []}
     for dtype in args.dtypes.split(","):
         model = layerleap.load(args.model, dtype=dtype)
-        n = model.config.n_layers
-        kinds = calls()
-        cache = model.new_cache(1, max(contexts) + 8)
-        torch.set_num_threads(max(threads))
-        g = torch.Generator().manual_seed(0)
         with torch.inference_mode():
-            prompt = torch.randint(0, model.config.vocab_size, (1, max(contexts)), generator=g)
-            model.run_layers(model.embed(prompt), 0, n, torch.arange(max(contexts)).unsqueeze(0), cache)
-            variants = [(ctx, kind, t) for ctx in contexts for kind in kinds for t in threads]
-            variants = [v for v in variants if v[1] == "one" or v[2] == threads[0]]
-            samples = {v: {"step": [], "attn": [], "mask": []} for v in variants}
-
-            def step_fn(ctx, kind):
-                ids, depths, mask = kinds[kind]
-                pos = (ctx + depths).unsqueeze(0)
-
-                def run():
-                    cache.lengths[:] = ctx  # back to the context (the filled slots stay as the prompt wrote them)
-                    model.logits(model.run_layers(model.embed(ids), 0, n, pos, cache, mask))
-
-                return run
-
-            for r in range(args.rounds + 1):  # round 0 warms up
-                for v in variants:
-                    ctx, kind, t = v
-                    torch.set_num_threads(t)
-                    ids, _, mask = kinds[kind]
-                    cache.lengths[:] = ctx
-                    step = timed(step_fn(ctx, kind), args.calls)
-                    attn = timed(attention_only(model, cache, ctx, ids, mask), args.calls)
-                    mk = timed(lambda: cache.attention_mask(0, ids.shape[1], mask), args.calls)
-                    if r:
-                        for key, val in (("step", step), ("attn", attn), ("mask", mk)):
-                            samples[v][key].append(val)
+            samples = profile(model, contexts, threads, args.rounds, args.calls)
         for (ctx, kind, t), s in samples.items():
             med = {k: statistics.median(x) for k, x in s.items()}
             one = statistics.median(samples[(ctx, "one", t)]["step"])

@@ -101,6 +101,39 @@ def test_a_tree_call_gives_each_node_the_logits_of_its_own_path(monkeypatch):
                 assert torch.equal(rows[-1], got[node]), f"{fmt}: node {node}"
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "q4"])
+def test_a_tree_call_after_a_long_prompt_gives_each_node_its_path_on_two_threads(fmt):
+    """After a long prompt (attention split between threads), a verified tree's node gets the logits of
+    decoding its path one token at a time, bit for bit, and one thread gives the same logits as two."""
+    if fmt == "q4" and not kernels.int4_supported():
+        pytest.skip("no int4 kernel")
+    m = random_model(dict(max_position=2048, head_dim=16, n_heads=6, n_kv_heads=2), seed=3, scale=2.0)
+    m = _in_format(m, fmt)
+    g = torch.Generator().manual_seed(1)
+    P = 1000
+    prompt = torch.randint(0, m.config.vocab_size, (1, P), generator=g)
+    nodes = torch.randint(0, m.config.vocab_size, (1, 4), generator=g)  # root, a, b (sibling of a), a1
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        with torch.inference_mode():
+            cache = m.new_cache(1, P + 8)
+            m(prompt, cache=cache)
+            for n in (2, 1):
+                torch.set_num_threads(n)
+                cache.truncate(P)
+                got[n] = m(nodes, positions=torch.tensor([[P, P + 1, P + 1, P + 2]]), cache=cache, mask=tree)[0]
+            torch.set_num_threads(2)
+            for path, node in (([0, 1, 3], 3), ([0, 2], 2)):
+                cache.truncate(P)
+                rows = [m(nodes[:, [i]], cache=cache)[0, 0] for i in path]
+                assert torch.equal(rows[-1], got[2][node]), f"{fmt}: node {node}"
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[1], got[2])
+
+
 @pytest.mark.parametrize("hd", [16, 64, 24])  # multiples of 16 take the 16-key shuffle path, 24 the plain one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attend_rows_gives_a_row_what_it_gets_alone(hd, dtype):

@@ -326,7 +326,8 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
     m3 = mask->stride(3);
   }
   const float NEG = -std::numeric_limits<float>::infinity();
-  // the calling thread's buffers: scaled queries [BK, R, hd], then scores / weights [BK, R, Tp]
+  // the calling thread's buffers, kept between calls up to 16 MB: scaled queries [BK, R, hd], then
+  // scores / weights [BK, R, Tp]
   thread_local std::vector<float> held;
   held.resize(BK * R * (hd + Tp));
   float* qf = held.data();
@@ -427,6 +428,7 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
       }
     }
   });
+  if (held.capacity() > (1 << 22)) std::vector<float>().swap(held);  // a big batch's buffers: handed back
 }
 
 Tensor attend_rows(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask) {

@@ -97,27 +97,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
   return w * at::rms_norm(x.to(at::kFloat), {x.size(-1)}, c10::nullopt, eps).to(x.scalar_type());
 }
 
-// exp(x) for x <= 0 in fp32 (Cephes' expf: a degree-6 polynomial after range reduction, within 2 ulp),
-// written so the compiler vectorizes it; the same result for an element wherever it sits.
 typedef float v16 __attribute__((vector_size(64)));  // 16 lanes (split by the compiler where narrower)
-
-static inline float exp_neg(float x) {
-  x = std::max(x, -87.3f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&p, &bits, 4);
-  return p;
-}
 
 // The dot product of a and b over n elements in a fixed order: 16 lanes of partial sums over the
 // 16-element chunks in order, then the lanes added pairwise (8+8, 4+4, 2+2, 1+1), then the tail in
@@ -181,7 +161,7 @@ static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
   return fold<1>(p[0], p[1]);
 }
 
-// exp_neg on 16 lanes: the same operations on each lane, so the same bits as exp_neg for each element.
+// Helpers of exp_neg16 below.
 static inline v16 splat(float f) { return v16{} + f; }
 static inline v16 floor16(v16 x) {
 #if defined(__AVX512F__)
@@ -191,6 +171,8 @@ static inline v16 floor16(v16 x) {
   return x;
 #endif
 }
+// exp(x) for x <= 0 in fp32 on 16 lanes (Cephes' expf: a degree-6 polynomial after range reduction,
+// within 2 ulp); the same result for an element wherever it sits.
 static inline v16 exp_neg16(v16 x) {
   const v16 lo = splat(-87.3f);
   x = x < lo ? lo : x;  // std::max(x, -87.3f)

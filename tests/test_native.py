@@ -188,3 +188,72 @@ def test_attend_rows_at_long_contexts_is_exact_and_the_same_on_any_threads(hd, d
         q.float(), k.float().repeat_interleave(3, 1), v.float().repeat_interleave(3, 1), attn_mask=mask
     )
     assert torch.allclose(outs[0].float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def _q4_blocks(m, monkeypatch):
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    return quantize_model(m)
+
+
+@pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied", "mistral-gqa-untied"])
+def test_q4_layers_on_a_team_equal_one_thread_and_python(name, monkeypatch):
+    """Calls of a few rows on block weights run their layers on a team (thread 0 runs the layers, the
+    others take shares of the products and attention and stream weights ahead): the logits and the
+    cache equal those of one thread, of two threads without a team and of the Python path, bit for bit."""
+    mod = native.module()
+    m = _q4_blocks(random_model(name, seed=4, scale=2.0), monkeypatch)
+    threads, was = torch.get_num_threads(), mod.team_settings()[:2]
+    runs, teamed = {}, {}
+    try:
+        for key, n, team, window in (
+            ("1 thread", 1, 1, -1),
+            ("2, no team", 2, 0, -1),
+            ("2, team", 2, 1, 6 << 20),
+            ("2, team, tiny window", 2, 1, 4096),
+            ("2, team, no stream", 2, 1, 0),
+        ):
+            torch.set_num_threads(n)
+            before = mod.team_settings(team, window)[2]
+            runs[key] = _calls(m, True, monkeypatch)
+            teamed[key] = mod.team_settings()[2] - before
+        torch.set_num_threads(2)
+        runs["python"] = _calls(m, False, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+        mod.team_settings(*was)
+    assert teamed["1 thread"] == teamed["2, no team"] == 0
+    assert all(teamed[k] >= 4 for k in teamed if "team," in k), teamed  # one token and a tree, in 2 batches
+    for key, outs in runs.items():
+        for i, (a, b) in enumerate(zip(runs["1 thread"], outs)):
+            assert torch.equal(a, b), f"{key}: output {i} differs"
+
+
+@pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
+def test_q4_team_hands_back_an_error(monkeypatch):
+    """An error in a layer run on a team reaches the caller (and the team's threads stop)."""
+    mod = native.module()
+    m = _q4_blocks(random_model("llama-gqa-tied", seed=1), monkeypatch)
+    args = native.layer_args(m, 0, m.config.n_layers)
+    c = m.config
+    h = torch.randn(1, 1, c.hidden_size)
+    cos = sin = torch.zeros(1, 1, 1, c.head_dim)
+    cache = m.new_cache(1, 8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def run(k, v):
+        rest = (c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, False, 16)
+        return mod.run_layers(h, cos, sin, k, v, 0, None, None, *rest, *args)
+
+    before = mod.team_settings()[2]
+    try:
+        # keys whose head dim is not contiguous: attention (on the team's thread 0) refuses them
+        k, v = (t.transpose(3, 4).contiguous().transpose(3, 4) for t in (cache.k, cache.v))
+        with pytest.raises(RuntimeError, match="contiguous in the head dim"):
+            run(k, v)
+        out = run(cache.k, cache.v)
+        assert out.shape == h.shape and torch.isfinite(out).all()
+        assert mod.team_settings()[2] - before == 2
+    finally:
+        torch.set_num_threads(threads)

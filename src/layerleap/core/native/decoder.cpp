@@ -13,6 +13,15 @@
 #include <string>
 #include <limits>
 #include <vector>
+#include <array>
+#include <atomic>
+#include <exception>
+#include <thread>
+#include <utility>
+#include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -269,6 +278,142 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
   }
 }
 
+// -- a team for the layers of a call with a few rows ----------------------------------------------------
+// A call with a few new tokens reads every weight once and does little arithmetic per byte: on 1 thread
+// its block products already stream at about the memory's speed, and the ~40 small ATen calls of a layer
+// (norms, rope, cache writes, residual adds) run on one thread whatever the thread count.  So a second
+// thread gains little by splitting each product alone.  With a team, the call's layers run inside one
+// OpenMP region: thread 0 runs them as on 1 thread; the other threads take their shares of its parallel
+// loops (the block products, attention: ``par_for``, split as at::parallel_for splits them) and, while
+// they wait, stream the weights a few products ahead into the caches (``Team::stream``), so that the
+// products read them from the last-level cache, at twice the speed of memory for two threads.  The
+// shares are those of at::parallel_for, and every loop's result does not depend on its split: the same bits.
+constexpr int TEAM_MAX = 64;
+constexpr int64_t TEAM_ROWS = 16;  // the most rows (batch x new tokens) a call runs on a team
+// bytes of weights streamed ahead of thread 0's product; teams_on: calls may run on a team (both settable
+// by ``team_settings``, for timing one against the other in one process)
+std::atomic<int64_t> stream_window{6 << 20};
+std::atomic<bool> teams_on{true};
+std::atomic<int64_t> team_calls{0};  // calls run on a team so far (tests check that teams run)
+constexpr int64_t STREAM_STEP = 4096;       // bytes streamed between looks for a share of a loop
+
+struct alignas(64) Mark {
+  std::atomic<int64_t> v{0};
+};
+
+struct Team {
+  int n = 1;                          // threads, thread 0 included
+  std::atomic<int64_t> seq{0};        // loops posted so far (each helper takes its share of the last)
+  std::atomic<bool> quit{false};
+  Mark done[TEAM_MAX];                // per helper: the last loop whose share it finished
+  void (*call)(const void*, int64_t, int64_t) = nullptr;
+  const void* fn = nullptr;           // the posted loop's body
+  int64_t begin = 0, end = 0, chunk = 0, shares = 0;
+  std::exception_ptr failed[TEAM_MAX];
+  // the weights in the order the products read them: (first byte, bytes), and where thread 0 reads
+  std::vector<std::pair<const char*, int64_t>> ranges;
+  std::atomic<int64_t> cursor{0};     // index into ranges of the product thread 0 is at
+  size_t next = 0;                    // helper 1: the range it streams, and how far in
+  int64_t offset = 0, ahead = 0;      // ahead: bytes streamed beyond the start of range `cursor`
+  int64_t seen_cursor = -1;
+
+  // the body f over [b, e) in shares of at::parallel_for's sizes: thread 0 takes the first
+  template <typename F>
+  void parallel(int64_t b, int64_t e, int64_t grain, const F& f) {
+    const int64_t range = e - b;
+    const int64_t parts = std::min<int64_t>(n, grain > 0 ? (range + grain - 1) / grain : range);
+    if (range <= 0) return;
+    if (parts <= 1) return f(b, e);
+    call = [](const void* p, int64_t x, int64_t y) { (*static_cast<const F*>(p))(x, y); };
+    fn = &f;
+    begin = b, end = e, shares = parts, chunk = (range + parts - 1) / parts;
+    const int64_t s = seq.load(std::memory_order_relaxed) + 1;
+    seq.store(s, std::memory_order_release);
+    std::exception_ptr mine;
+    try {
+      f(b, std::min(e, b + chunk));
+    } catch (...) {
+      mine = std::current_exception();
+    }
+    for (int t = 1; t < n; t++) wait_for([&] { return done[t].v.load(std::memory_order_acquire) >= s; });
+    if (mine) std::rethrow_exception(mine);
+    for (int t = 1; t < n; t++)
+      if (failed[t]) std::rethrow_exception(std::exchange(failed[t], nullptr));
+  }
+
+  static inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+  }
+
+  template <typename P>
+  static void wait_for(P ready) {
+    for (int64_t spins = 0; !ready(); spins++) {
+      relax();
+      if (spins > (1 << 16)) std::this_thread::yield();  // a busy machine: let the other thread run
+    }
+  }
+
+  // helper t (1 .. n-1): takes its share of each posted loop until thread 0 says stop; between loops,
+  // helper 1 streams weights ahead
+  void serve(int t) {
+    int64_t taken = 0, idle = 0;
+    while (true) {
+      const int64_t s = seq.load(std::memory_order_acquire);
+      if (s != taken) {
+        taken = s;
+        if (quit.load(std::memory_order_acquire)) return;
+        const int64_t b0 = begin + t * chunk;
+        if (t < shares && b0 < end) {
+          try {
+            call(fn, b0, std::min(end, b0 + chunk));
+          } catch (...) {
+            failed[t] = std::current_exception();
+          }
+        }
+        done[t].v.store(s, std::memory_order_release);
+        idle = 0;
+      } else if (t != 1 || !stream()) {
+        relax();
+        if (++idle > (1 << 16)) std::this_thread::yield();
+      }
+    }
+  }
+
+  // thread 0: the product reading range i starts (the stream runs up to STREAM_WINDOW bytes past it)
+  void at_range(int64_t i) { cursor.store(i, std::memory_order_relaxed); }
+
+  // up to STREAM_STEP bytes of the weights ahead asked into the caches; false when the window is full
+  bool stream() {
+    const int64_t c = cursor.load(std::memory_order_relaxed);
+    if (c != seen_cursor) {  // thread 0 moved on: the bytes between count no more
+      if (next < static_cast<size_t>(c)) next = c, offset = 0;
+      ahead = 0;
+      for (size_t i = c; i < next; i++) ahead += ranges[i].second;
+      ahead += offset;
+      seen_cursor = c;
+    }
+    if (next >= ranges.size() || ahead >= stream_window.load(std::memory_order_relaxed)) return false;
+    const char* p = ranges[next].first;
+    const int64_t stop = std::min(ranges[next].second, offset + STREAM_STEP);
+    for (int64_t o = offset; o < stop; o += 64) __builtin_prefetch(p + o, 0, 3);
+    ahead += stop - offset;
+    offset = stop;
+    if (offset >= ranges[next].second) next++, offset = 0;
+    return true;
+  }
+};
+
+thread_local Team* team_of_thread = nullptr;  // set on thread 0 of a team while it runs the layers
+
+// at::parallel_for, or, on thread 0 of a team, the team's split of the loop
+template <typename F>
+static inline void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (Team* team = team_of_thread) return team->parallel(begin, end, grain, f);
+  at::parallel_for(begin, end, grain, f);
+}
+
 // Attention for a few new tokens (model.attend's native branch), in fp32.  Each query row's score for
 // a key is ``dot`` of the scaled query and the key, the softmax visits the keys its mask row allows in
 // key order (skipping the others) and accumulates the values in that order: a row's result depends
@@ -324,7 +469,7 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
       for (int64_t d = 0; d < hd; d++) qf[(bk * R + r) * hd + d] = static_cast<float>(qrow[d * qs3]) * scale;
     }
   }
-  at::parallel_for(0, BK * runs, grain(BK * runs), [&](int64_t begin, int64_t end) {  // 1. scores
+  par_for(0, BK * runs, grain(BK * runs), [&](int64_t begin, int64_t end) {  // 1. scores
     std::vector<float> kf(16 * hd), zeros(hd, 0.0f);
     for (int64_t task = begin; task < end; task++) {
       const int64_t bk = task / runs, b = bk / Hkv, kvh = bk % Hkv;
@@ -370,7 +515,7 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
       }
     }
   });
-  at::parallel_for(0, BK * R, grain(BK * R), [&](int64_t begin, int64_t end) {  // 2. weights
+  par_for(0, BK * R, grain(BK * R), [&](int64_t begin, int64_t end) {  // 2. weights
     for (int64_t row = begin; row < end; row++) {
       float* sr = scores + row * Tp;
       v16 m16 = splat(NEG);
@@ -396,7 +541,7 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
   int64_t per = 4;  // slices a task: the most that still gives every thread a share (whole rows alone)
   while (!serial && per > 1 && BK * ((slices + per - 1) / per) < 2 * at::get_num_threads()) per /= 2;
   const int64_t groups = (slices + per - 1) / per;
-  at::parallel_for(0, BK * groups, grain(BK * groups), [&](int64_t begin, int64_t end) {  // 3. values
+  par_for(0, BK * groups, grain(BK * groups), [&](int64_t begin, int64_t end) {  // 3. values
     for (int64_t task = begin; task < end; task++) {
       const int64_t bk = task / groups, b = bk / Hkv, kvh = bk % Hkv;
       const int64_t s0 = task % groups * per, ns = std::min(per, slices - s0);
@@ -1135,7 +1280,7 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
     using SC = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
     constexpr int B = decltype(bits)::value;
     constexpr bool F = decltype(fine_)::value;
-    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    par_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
 #ifdef LL_AVX512
       if (use == "avx512-vnni") return blocks_avx512<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
@@ -1153,7 +1298,7 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
   auto six = [&](auto fine_) {
     constexpr bool F = decltype(fine_)::value;
     const uint8_t* sc = dm.data_ptr<uint8_t>();
-    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    par_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
 #ifdef LL_AVX512
       if (use == "avx512-vnni") return blocks6_avx512<F>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
@@ -1194,45 +1339,111 @@ Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& 
     auto i = next++;
     return Proj{kinds[i], a[i], b[i], bias[i], outs[i], ins[i], {}};
   };
+  std::vector<std::array<Proj, 4>> projs(L);
+  std::vector<std::array<int64_t, 4>> first(L);  // each product's first range in a team's stream
+  std::vector<std::pair<const char*, int64_t>> ranges;
+  bool blocks_only = true;
+  auto bytes = [](const Tensor& t) { return std::make_pair(static_cast<const char*>(t.data_ptr()), t.nbytes()); };
   for (int64_t l = 0; l < L; l++) {
-    Proj p[4];
+    auto& p = projs[l];
     for (int j = 0; j < 4; j++) {
       p[j] = entry();
       for (int64_t rows = 0; p[j].kind == STACK && rows < p[j].out; rows += p[j].parts.back().out) {
         p[j].parts.push_back(entry());
       }
+      first[l][j] = static_cast<int64_t>(ranges.size());
+      blocks_only = blocks_only && (p[j].kind == BLOCKS || p[j].kind == BLOCKS_FINE || p[j].kind == STACK);
+      for (const Proj& q : p[j].kind == STACK ? p[j].parts : std::vector<Proj>{p[j]}) {
+        if (q.kind != BLOCKS && q.kind != BLOCKS_FINE) continue;
+        ranges.push_back(bytes(q.a));
+        ranges.push_back(bytes(q.b));
+      }
     }
-    // Attention.project
-    auto x = rms_norm(h, norms[2 * l], eps);
-    auto heads = project(p[0], x, detour).view({B, S, H + 2 * Hkv, hd});
-    auto part = heads.narrow(2, 0, H + Hkv);
-    auto qk = part * cos + at::roll(part, {hd / 2}, {-1}) * sin;
-    auto q = qk.narrow(2, 0, H).transpose(1, 2);
-    auto k = qk.narrow(2, H, Hkv).transpose(1, 2);
-    auto v = heads.narrow(2, H + Hkv, Hkv).transpose(1, 2);
-    // Keys.store (rows agree)
-    auto kl = K.select(0, l), vl = V.select(0, l);
-    kl.narrow(2, start, S).copy_(k);
-    vl.narrow(2, start, S).copy_(v);
-    if (q.scalar_type() != kl.scalar_type()) q = q.to(kl.scalar_type());
-    // attend
-    Tensor y;
-    if (!mask.has_value() && S > 1) {
-      y = at::scaled_dot_product_attention(q, kl, vl, c10::nullopt, 0.0, true, c10::nullopt, g > 1);
-    } else if (S <= row_by_row_max) {
-      y = attend_rows(q, kl, vl, mask);
-    } else {
-      y = attend_folded(q, kl, vl, mask, g, folded);
-    }
-    y = y.transpose(1, 2).reshape({B, S, H * hd});
-    if (y.scalar_type() != h.scalar_type()) y = y.to(h.scalar_type());
-    h = h + project(p[1], y, detour);
-    // MLP
-    auto gu = project(p[2], rms_norm(h, norms[2 * l + 1], eps), detour);
-    auto act = at::silu(gu.narrow(-1, 0, inter)) * gu.narrow(-1, inter, inter);
-    h = h + project(p[3], act, detour);
   }
+  Team* team = nullptr;
+  auto layers = [&]() {
+    for (int64_t l = 0; l < L; l++) {
+      const auto& p = projs[l];
+      auto mark = [&](int j) {
+        if (team) team->at_range(first[l][j]);
+      };
+      // Attention.project
+      auto x = rms_norm(h, norms[2 * l], eps);
+      mark(0);
+      auto heads = project(p[0], x, detour).view({B, S, H + 2 * Hkv, hd});
+      auto part = heads.narrow(2, 0, H + Hkv);
+      auto qk = part * cos + at::roll(part, {hd / 2}, {-1}) * sin;
+      auto q = qk.narrow(2, 0, H).transpose(1, 2);
+      auto k = qk.narrow(2, H, Hkv).transpose(1, 2);
+      auto v = heads.narrow(2, H + Hkv, Hkv).transpose(1, 2);
+      // Keys.store (rows agree)
+      auto kl = K.select(0, l), vl = V.select(0, l);
+      kl.narrow(2, start, S).copy_(k);
+      vl.narrow(2, start, S).copy_(v);
+      if (q.scalar_type() != kl.scalar_type()) q = q.to(kl.scalar_type());
+      // attend
+      Tensor y;
+      if (!mask.has_value() && S > 1) {
+        y = at::scaled_dot_product_attention(q, kl, vl, c10::nullopt, 0.0, true, c10::nullopt, g > 1);
+      } else if (S <= row_by_row_max) {
+        y = attend_rows(q, kl, vl, mask);
+      } else {
+        y = attend_folded(q, kl, vl, mask, g, folded);
+      }
+      y = y.transpose(1, 2).reshape({B, S, H * hd});
+      if (y.scalar_type() != h.scalar_type()) y = y.to(h.scalar_type());
+      mark(1);
+      h = h + project(p[1], y, detour);
+      // MLP
+      mark(2);
+      auto gu = project(p[2], rms_norm(h, norms[2 * l + 1], eps), detour);
+      auto act = at::silu(gu.narrow(-1, 0, inter)) * gu.narrow(-1, inter, inter);
+      mark(3);
+      h = h + project(p[3], act, detour);
+    }
+  };
+  // a team where the attention takes attend_rows (on the team) and every product is a block weight
+  const int threads = at::get_num_threads();
+  const bool rows_attend = (mask.has_value() || S == 1) && S <= row_by_row_max;
+  if (!teams_on || threads < 2 || at::in_parallel_region() || !blocks_only || !rows_attend || B * S > TEAM_ROWS) {
+    layers();
+    return h;
+  }
+  Team crew;
+  crew.ranges = std::move(ranges);
+  team_calls.fetch_add(1, std::memory_order_relaxed);
+  std::exception_ptr failed;
+#pragma omp parallel num_threads(std::min(threads, TEAM_MAX))
+  {
+    const int t = omp_get_thread_num();
+    if (t == 0) {
+      crew.n = omp_get_num_threads();
+      team = &crew;
+      team_of_thread = team;
+      try {
+        layers();
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      team_of_thread = nullptr;
+      crew.quit.store(true, std::memory_order_release);
+      crew.seq.fetch_add(1, std::memory_order_release);
+    } else {
+      crew.serve(t);
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
   return h;
+}
+
+// Whether calls of a few rows run their layers on a team, and how many bytes of weights its helper
+// streams ahead (0: none); -1 leaves a setting as it is.  Gives the settings before the call and the
+// number of calls run on a team so far.
+std::vector<int64_t> team_settings(int64_t on, int64_t window) {
+  std::vector<int64_t> was = {teams_on.load() ? 1 : 0, stream_window.load(), team_calls.load()};
+  if (on >= 0) teams_on.store(on != 0);
+  if (window >= 0) stream_window.store(window);
+  return was;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1243,6 +1454,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_matmul", &block_matmul, "x times a 4- or 8-bit block weight (see decoder.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("team_settings", &team_settings, "teams on (1/0) and the stream window in bytes; -1 keeps one",
+        py::arg("on") = -1, py::arg("window") = -1);
   m.def("blocks_isa", &blocks_isa, "the vector path block_matmul takes by default");
   m.def("blocks_paths", &blocks_paths, "the paths block_matmul was built with, best first");
 }

@@ -35,8 +35,9 @@ namespace {
 // STACK: block weights over consecutive output rows (kernels.StackWeight), its parts the entries after it
 enum Kind : int64_t { DENSE = 0, ONEDNN = 1, INT4 = 2, BLOCKS = 3, BLOCKS_FINE = 4, STACK = 5 };
 
-Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
-                    const std::string& path);
+Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
+                       const std::string& path, at::ScalarType out);
+constexpr int64_t FUSED_ROWS = 64;  // the most rows whose bf16 conversions block_matmul_to makes itself
 
 struct Proj {  // one projection: the weight format's tensors (see kernels.py)
   int64_t kind;
@@ -74,14 +75,18 @@ Tensor project(const Proj& p, const Tensor& x, bool detour) {
     return onednn_linear(x2, p.a, p.bias).view(sizes);
   }
   if (p.kind == BLOCKS || p.kind == BLOCKS_FINE) {  // BlockWeight.matmul
-    auto y = block_matmul(x.reshape({-1, p.in}), p.a, p.b, p.out, p.kind == BLOCKS_FINE, "");
+    const bool fuse = x.scalar_type() == at::kBFloat16 && !p.bias.has_value() && rows <= FUSED_ROWS;
+    auto y = block_matmul_to(x.reshape({-1, p.in}), p.a, p.b, p.out, p.kind == BLOCKS_FINE, "",
+                             fuse ? at::kBFloat16 : at::kFloat);
+    if (fuse) return y.view(sizes);  // the same bits as y.to(bf16) below
     if (p.bias.has_value()) y = y + p.bias->to(y.scalar_type());
     return y.view(sizes).to(x.scalar_type());
   }
   if (p.kind == STACK) {  // StackWeight.matmul
     auto x2 = x.reshape({-1, p.in});
     std::vector<Tensor> ys;
-    for (const auto& q : p.parts) ys.push_back(block_matmul(x2, q.a, q.b, q.out, q.kind == BLOCKS_FINE, ""));
+    for (const auto& q : p.parts)
+      ys.push_back(block_matmul_to(x2, q.a, q.b, q.out, q.kind == BLOCKS_FINE, "", at::kFloat));
     auto y = at::cat(ys, 1);
     if (p.bias.has_value()) y = y + p.bias->to(y.scalar_type());
     return y.view(sizes).to(x.scalar_type());
@@ -292,7 +297,7 @@ constexpr int TEAM_MAX = 64;
 constexpr int64_t TEAM_ROWS = 16;  // the most rows (batch x new tokens) a call runs on a team
 // bytes of weights streamed ahead of thread 0's product; teams_on: calls may run on a team (both settable
 // by ``team_settings``, for timing one against the other in one process)
-std::atomic<int64_t> stream_window{6 << 20};
+std::atomic<int64_t> stream_window{4 << 20};
 std::atomic<bool> teams_on{true};
 std::atomic<int64_t> team_calls{0};  // calls run on a team so far (tests check that teams run)
 constexpr int64_t STREAM_STEP = 4096;       // bytes streamed between looks for a share of a loop
@@ -316,6 +321,7 @@ struct Team {
   size_t next = 0;                    // helper 1: the range it streams, and how far in
   int64_t offset = 0, ahead = 0;      // ahead: bytes streamed beyond the start of range `cursor`
   int64_t seen_cursor = -1;
+  int32_t touched = 0;                // the loaded bytes' sum (kept, so that the loads stay)
 
   // the body f over [b, e) in shares of at::parallel_for's sizes: thread 0 takes the first
   template <typename F>
@@ -381,10 +387,10 @@ struct Team {
     }
   }
 
-  // thread 0: the product reading range i starts (the stream runs up to STREAM_WINDOW bytes past it)
+  // thread 0: the product reading range i starts (the stream runs up to stream_window bytes past its start)
   void at_range(int64_t i) { cursor.store(i, std::memory_order_relaxed); }
 
-  // up to STREAM_STEP bytes of the weights ahead asked into the caches; false when the window is full
+  // up to STREAM_STEP bytes of the weights ahead loaded into the caches; false when the window is full
   bool stream() {
     const int64_t c = cursor.load(std::memory_order_relaxed);
     if (c != seen_cursor) {  // thread 0 moved on: the bytes between count no more
@@ -397,7 +403,9 @@ struct Team {
     if (next >= ranges.size() || ahead >= stream_window.load(std::memory_order_relaxed)) return false;
     const char* p = ranges[next].first;
     const int64_t stop = std::min(ranges[next].second, offset + STREAM_STEP);
-    for (int64_t o = offset; o < stop; o += 64) __builtin_prefetch(p + o, 0, 3);
+    int32_t sum = 0;  // a byte of each line loaded (on a Zen 4, prefetch instructions brought fewer lines)
+    for (int64_t o = offset; o < stop; o += 64) sum += *reinterpret_cast<const volatile char*>(p + o);
+    touched += sum;
     ahead += stop - offset;
     offset = stop;
     if (offset >= ranges[next].second) next++, offset = 0;
@@ -1247,8 +1255,17 @@ std::vector<std::string> blocks_paths() {
 
 // x [M, K] (fp32 or bf16) times a block weight (see above) -> [M, N] fp32.  fine: 15-bit activations
 // (else 8-bit).  path: one of blocks_paths() (tests compare them), "" for the best.
-Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
-                    const std::string& path) {
+// fp32 -> bf16 as ATen's vectorized conversion: rounded to the nearest, ties to even; NaN -> 0xFFFF
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return std::isnan(f) ? 0xFFFF : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// out: the result's dtype, fp32 or (up to FUSED_ROWS rows) bf16, the same bits as y.to(bf16) on ATen's
+// vectorized path; a bf16 x is widened here (exact), without ATen calls
+Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
+                       const std::string& path, at::ScalarType out) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "block_matmul: x [M, K] with K a multiple of 32");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && dm.is_contiguous(),
               "block_matmul: contiguous uint8 codes and scales");
@@ -1266,15 +1283,37 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
   TORCH_CHECK(super ? G % SUPER == 0 && dm.numel() == NB * (G / SUPER) * super_bytes
                     : per != 6 && dm.numel() == NB * G * 32,
               "block_matmul: scales do not fit the shape");
-  auto xf = x.to(at::kFloat).contiguous();
+  TORCH_CHECK(out == at::kFloat || (out == at::kBFloat16 && M <= FUSED_ROWS), "block_matmul: fp32 out, or bf16 for few rows");
   // a few rows' buffers kept from call to call (a decoding step makes ~100 calls); a reference, so that the
   // worker threads below read the caller's own
   thread_local QX held;
+  thread_local std::vector<float> xbuf, ybuf;
   QX& xq = held;
-  quantize_rows(xf.data_ptr<float>(), M, K, fine, xq, use != "portable");
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  Tensor xf;
+  const float* xp;
+  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && M <= FUSED_ROWS) {
+    xbuf.resize(M * K);
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < M * K; i++) {
+      const uint32_t u = static_cast<uint32_t>(xb[i]) << 16;
+      std::memcpy(&xbuf[i], &u, 4);
+    }
+    xp = xbuf.data();
+  } else {
+    xf = x.to(at::kFloat).contiguous();
+    xp = xf.data_ptr<float>();
+  }
+  quantize_rows(xp, M, K, fine, xq, use != "portable");
+  Tensor y;
+  float* yp;
+  if (out == at::kBFloat16) {
+    ybuf.resize(M * N);
+    yp = ybuf.data();
+  } else {
+    y = at::empty({M, N}, x.options().dtype(at::kFloat));
+    yp = y.data_ptr<float>();
+  }
   const uint8_t* c = codes.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, NB / (4 * std::max(1, at::get_num_threads())));
   auto run = [&](auto* sc, auto bits, auto fine_) {
     using SC = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
@@ -1316,7 +1355,17 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
   if (fine) with_bits(std::true_type());
   else with_bits(std::false_type());
   if (xq.q.capacity() > (1 << 20)) held = QX();  // a prompt's rows: handed back, not kept per thread
+  if (out == at::kBFloat16) {
+    y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
+    uint16_t* yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < M * N; i++) yb[i] = bf16_bits(yp[i]);
+  }
   return y;
+}
+
+Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
+                    const std::string& path) {
+  return block_matmul_to(x, codes, dm, N, fine, path, at::kFloat);
 }
 
 std::string blocks_isa() { return blocks_paths()[0]; }

@@ -244,7 +244,7 @@ def test_q4_team_hands_back_an_error(monkeypatch):
 
     def run(k, v):
         rest = (c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, False, 16)
-        return mod.run_layers(h, cos, sin, k, v, 0, None, None, *rest, *args)
+        return mod.run_layers(h, cos, sin, k, v, 0, None, None, *rest, *args, native.after_layers(m, c.n_layers))
 
     before = mod.team_settings()[2]
     try:

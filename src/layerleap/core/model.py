@@ -420,6 +420,7 @@ class Transformer(nn.Module):
             fp32_detour(h.dtype, h.device),
             ROW_BY_ROW_MAX,
             *args,
+            native.after_layers(self, end),
         )
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):

@@ -118,3 +118,11 @@ def layer_args(model, start: int, end: int):
             args = (norms, *map(list, zip(*(entry for p in projs for entry in p))))
         store[(start, end)] = held = (formats, args)
     return held[1]
+
+
+def after_layers(model, end: int) -> list[torch.Tensor]:
+    """The LM head's block codes and scales when layers ``[.., end)`` end the model (``run_layers``' ``after``:
+    a call run on a team streams part of them into the caches during its last layer), else none."""
+    head = model.lm_head.packed
+    proj = None if head is None or end != model.config.n_layers else head.native_proj()
+    return [head.codes, head.dm] if proj is not None and proj[0] in (3, 4) else []  # BLOCKS, BLOCKS_FINE

@@ -301,6 +301,7 @@ std::atomic<int64_t> stream_window{4 << 20};
 std::atomic<bool> teams_on{true};
 std::atomic<int64_t> team_calls{0};  // calls run on a team so far (tests check that teams run)
 constexpr int64_t STREAM_STEP = 4096;       // bytes streamed between looks for a share of a loop
+constexpr int64_t AFTER_BYTES = 12 << 20;   // of the call after's weight's codes (run_layers' `after`)
 
 struct alignas(64) Mark {
   std::atomic<int64_t> v{0};
@@ -317,6 +318,8 @@ struct Team {
   std::exception_ptr failed[TEAM_MAX];
   // the weights in the order the products read them: (first byte, bytes), and where thread 0 reads
   std::vector<std::pair<const char*, int64_t>> ranges;
+  size_t tail = SIZE_MAX;             // ranges from here on: the weights of the call after (a head), streamed
+  int64_t tail_from = 0;              // once thread 0 is at this range (the last layer), past the window
   std::atomic<int64_t> cursor{0};     // index into ranges of the product thread 0 is at
   size_t next = 0;                    // helper 1: the range it streams, and how far in
   int64_t offset = 0, ahead = 0;      // ahead: bytes streamed beyond the start of range `cursor`
@@ -400,7 +403,8 @@ struct Team {
       ahead += offset;
       seen_cursor = c;
     }
-    if (next >= ranges.size() || ahead >= stream_window.load(std::memory_order_relaxed)) return false;
+    if (next >= ranges.size()) return false;
+    if (next < tail ? ahead >= stream_window.load(std::memory_order_relaxed) : c < tail_from) return false;
     const char* p = ranges[next].first;
     const int64_t stop = std::min(ranges[next].second, offset + STREAM_STEP);
     int32_t sum = 0;  // a byte of each line loaded (on a Zen 4, prefetch instructions brought fewer lines)
@@ -1374,13 +1378,15 @@ std::string blocks_isa() { return blocks_paths()[0]; }
 // Model.run_layers over layers [0, L') of the given stacks, cache rows all starting at `start` (the
 // caller checked): h [B, S, D]; cos/sin [B, S, 1, hd]; K/V [L', B, Hkv, total, hd] views of the cache;
 // mask/folded: Keys.mask / Keys.folded; projections 4 per layer (qkv, o, gate_up,
-// down; a STACK entry is followed by its parts' entries, whose outputs add up to its own), norms 2 per layer.
+// down; a STACK entry is followed by its parts' entries, whose outputs add up to its own), norms 2 per layer;
+// after: the codes and scales of the block weight the caller multiplies next (the LM head), or none: a team
+// streams part of it during the last layer.
 Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& K, const Tensor& V, int64_t start,
                   const optional<Tensor>& mask, const optional<Tensor>& folded, int64_t H, int64_t Hkv,
                   int64_t hd, int64_t inter, double eps, bool detour, int64_t row_by_row_max,
                   const std::vector<Tensor>& norms, const std::vector<int64_t>& kinds, const std::vector<Tensor>& a,
                   const std::vector<Tensor>& b, const std::vector<optional<Tensor>>& bias,
-                  const std::vector<int64_t>& outs, const std::vector<int64_t>& ins) {
+                  const std::vector<int64_t>& outs, const std::vector<int64_t>& ins, const std::vector<Tensor>& after) {
   const int64_t L = K.size(0), B = h.size(0), S = h.size(1), g = H / Hkv;
   size_t next = 0;  // the entry read next
   auto entry = [&]() {
@@ -1459,6 +1465,18 @@ Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& 
     return h;
   }
   Team crew;
+  crew.tail = ranges.size();
+  crew.tail_from = L > 0 ? first[L - 1][0] : 0;
+  // the next call's block weight (the LM head: codes, then scales), as its products will read it, split
+  // between the threads as par_for splits its blocks: the first AFTER_BYTES / threads of each thread's share
+  if (after.size() == 2) {
+    const int n = std::min(threads, TEAM_MAX);
+    for (const Tensor& t : after) {
+      auto [base, size] = bytes(t);
+      const int64_t each = std::min<int64_t>(size / n, AFTER_BYTES * size / (n * bytes(after[0]).second));
+      for (int i = 0; i < n; i++) ranges.emplace_back(base + size * i / n, each);
+    }
+  }
   crew.ranges = std::move(ranges);
   team_calls.fetch_add(1, std::memory_order_relaxed);
   std::exception_ptr failed;

@@ -1375,6 +1375,56 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
 std::string blocks_isa() { return blocks_paths()[0]; }
 }  // namespace
 
+// Attention.project's rope and Keys.store for bf16 heads, cos, sin and cache, in one pass and no ATen
+// calls: each value rounded to bf16 where ATen's bf16 operations round it (part * cos, roll(part) * sin,
+// their sum; a bf16 operation computes in fp32 and rounds once), so the same bits.  heads [B, S, H + 2 Hkv,
+// hd] contiguous; cos, sin [B, S, 1, hd]; kl, vl [B, Hkv, T, hd] (hd contiguous): rows start .. start+S-1
+// get the rotated keys and the values.  Gives q [B, H, S, hd] (rotated; a transposed view).
+bool rope_fusable(const Tensor& heads, const Tensor& cos, const Tensor& sin, const Tensor& kl, const Tensor& vl) {
+  const auto bf = at::kBFloat16;
+  return heads.scalar_type() == bf && cos.scalar_type() == bf && sin.scalar_type() == bf && kl.scalar_type() == bf &&
+         vl.scalar_type() == bf && heads.is_contiguous() && heads.size(-1) % 2 == 0 && cos.dim() == 4 &&
+         cos.sizes() == sin.sizes() && cos.size(0) == heads.size(0) && cos.size(1) == heads.size(1) &&
+         cos.size(2) == 1 && cos.size(3) == heads.size(3) && cos.strides() == sin.strides() && kl.stride(3) == 1 &&
+         vl.stride(3) == 1;
+}
+
+Tensor rope_store(const Tensor& heads, const Tensor& cos, const Tensor& sin, const Tensor& kl, const Tensor& vl,
+                  int64_t start, int64_t H, int64_t Hkv) {
+  const int64_t B = heads.size(0), S = heads.size(1), R = heads.size(2), hd = heads.size(3), half = hd / 2;
+  auto qh = at::empty({B, S, H, hd}, heads.options());
+  auto bits = [](const Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  auto f = [](uint16_t v) {
+    const uint32_t u = static_cast<uint32_t>(v) << 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+  };
+  auto r = [&](float x) { return f(bf16_bits(x)); };  // rounded to bf16, as a float
+  const uint16_t *x = bits(heads), *cp = bits(cos), *sp = bits(sin);
+  uint16_t *qp = bits(qh), *kp = bits(kl), *vp = bits(vl);
+  const int64_t c0 = cos.stride(0), c1 = cos.stride(1), c3 = cos.stride(3);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t s = 0; s < S; s++) {
+      const uint16_t *c = cp + b * c0 + s * c1, *sn = sp + b * c0 + s * c1;
+      const uint16_t* row0 = x + (b * S + s) * R * hd;
+      for (int64_t j = 0; j < H + Hkv; j++) {
+        const uint16_t* row = row0 + j * hd;
+        uint16_t* out = j < H ? qp + ((b * S + s) * H + j) * hd
+                              : kp + b * kl.stride(0) + (j - H) * kl.stride(1) + (start + s) * kl.stride(2);
+        for (int64_t d = 0; d < hd; d++) {
+          const float a = r(f(row[d]) * f(c[d * c3])), e = r(f(row[(d + half) % hd]) * f(sn[d * c3]));
+          out[d] = bf16_bits(a + e);
+        }
+      }
+      for (int64_t j = 0; j < Hkv; j++) {
+        uint16_t* out = vp + b * vl.stride(0) + j * vl.stride(1) + (start + s) * vl.stride(2);
+        std::memcpy(out, row0 + (H + Hkv + j) * hd, hd * sizeof(uint16_t));
+      }
+    }
+  return qh.transpose(1, 2);
+}
+
 // Model.run_layers over layers [0, L') of the given stacks, cache rows all starting at `start` (the
 // caller checked): h [B, S, D]; cos/sin [B, S, 1, hd]; K/V [L', B, Hkv, total, hd] views of the cache;
 // mask/folded: Keys.mask / Keys.folded; projections 4 per layer (qkv, o, gate_up,
@@ -1426,16 +1476,21 @@ Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& 
       auto x = rms_norm(h, norms[2 * l], eps);
       mark(0);
       auto heads = project(p[0], x, detour).view({B, S, H + 2 * Hkv, hd});
-      auto part = heads.narrow(2, 0, H + Hkv);
-      auto qk = part * cos + at::roll(part, {hd / 2}, {-1}) * sin;
-      auto q = qk.narrow(2, 0, H).transpose(1, 2);
-      auto k = qk.narrow(2, H, Hkv).transpose(1, 2);
-      auto v = heads.narrow(2, H + Hkv, Hkv).transpose(1, 2);
-      // Keys.store (rows agree)
       auto kl = K.select(0, l), vl = V.select(0, l);
-      kl.narrow(2, start, S).copy_(k);
-      vl.narrow(2, start, S).copy_(v);
-      if (q.scalar_type() != kl.scalar_type()) q = q.to(kl.scalar_type());
+      Tensor q;
+      if (rope_fusable(heads, cos, sin, kl, vl)) {
+        q = rope_store(heads, cos, sin, kl, vl, start, H, Hkv);
+      } else {
+        auto part = heads.narrow(2, 0, H + Hkv);
+        auto qk = part * cos + at::roll(part, {hd / 2}, {-1}) * sin;
+        q = qk.narrow(2, 0, H).transpose(1, 2);
+        auto k = qk.narrow(2, H, Hkv).transpose(1, 2);
+        auto v = heads.narrow(2, H + Hkv, Hkv).transpose(1, 2);
+        // Keys.store (rows agree)
+        kl.narrow(2, start, S).copy_(k);
+        vl.narrow(2, start, S).copy_(v);
+        if (q.scalar_type() != kl.scalar_type()) q = q.to(kl.scalar_type());
+      }
       // attend
       Tensor y;
       if (!mask.has_value() && S > 1) {

@@ -47,6 +47,54 @@ def test_onednn_gradient_flows_to_the_input():
     torch.testing.assert_close(x.grad, w.sum(0).expand(3, -1))
 
 
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_padded_product_is_the_padded_rows_cut(dtype):
+    """A product that its rows table pads runs over the rows and zero rows, and returns only its own."""
+    w, b = _w(96, 576, 11, dtype), _w(1, 96, 12, dtype)[0]
+    plain = OneDNNWeight(w, b, rows=())
+    padded = OneDNNWeight(w, b, rows=(0, 4, 6, 3))
+    for m, to in ((1, 4), (2, 6), (3, 3), (5, 5)):
+        x = _w(m, 576, 13 + m, dtype).view(1, m, 576)
+        got = padded(x)
+        assert got.shape == (1, m, 96) and got.dtype == dtype
+        want = plain(torch.cat([x[0], x.new_zeros(to - m, 576)]))[:m]
+        assert torch.equal(got[0], want)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(
+            got[0].float(), torch.nn.functional.linear(x[0].float(), w.float(), b.float()), atol=tol, rtol=tol
+        )
+
+
+def test_padded_rows_take_a_larger_count_only_when_clearly_faster():
+    from layerleap.core.kernels import padded_rows
+
+    # one and two rows slower than four: both run at four; three within 5% of four stays
+    seconds = {1: 10.0, 2: 11.0, 3: 8.2, 4: 8.0, 5: 9.0, 8: 12.0}
+    assert padded_rows(seconds) == (0, 4, 4, 3, 4, 5, 6, 7, 8)
+    assert padded_rows({1: 10.0, 2: 9.8, 4: 9.6, 8: 9.7}) == (0, 1, 2, 3, 4, 5, 6, 7, 8)  # noise decides nothing
+    assert padded_rows({1: 10.0, 2: 5.0, 4: 5.0}) == (0, 2, 2, 3, 4)  # a tie: the fewer rows
+
+
+@needs_onednn
+def test_onednn_rows_are_measured_once_beside_the_format_choice(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    calls = []
+    fake = {m: 10.0 - (m == 4) * 3 for m in range(1, kernels.ONEDNN_PAD_MAX + 1)}
+    monkeypatch.setattr(kernels, "measure_onednn_rows", lambda dtype: calls.append("rows") or fake)
+    monkeypatch.setattr(
+        kernels, "measure_onednn", lambda dtype: calls.append("format") or {1: {"dense": 2, "onednn": 1}}
+    )
+    want = (0, 4, 4, 4, 4, 5, 6, 7, 8)
+    assert kernels.onednn_rows(torch.float32) == want
+    assert kernels.dense_format(torch.float32, torch.device("cpu")) == "onednn"
+    assert kernels.onednn_rows(torch.float32) == want
+    assert kernels.dense_format(torch.float32, torch.device("cpu")) == "onednn"
+    assert calls == ["rows", "format"]  # each measured once, neither measurement dropping the other's
+    assert kernels.OneDNNWeight(_w(8, 32)).rows == want  # the weight's default: this CPU's table
+
+
 # -- 4-bit groups -----------------------------------------------------------------------------------
 def test_quantize_is_min_max_per_group():
     w = _w(8, 64, 6)

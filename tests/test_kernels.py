@@ -52,8 +52,8 @@ def test_onednn_gradient_flows_to_the_input():
 def test_onednn_padded_product_is_the_padded_rows_cut(dtype):
     """A product that its rows table pads runs over the rows and zero rows, and returns only its own."""
     w, b = _w(96, 576, 11, dtype), _w(1, 96, 12, dtype)[0]
-    plain = OneDNNWeight(w, b, rows=())
-    padded = OneDNNWeight(w, b, rows=(0, 4, 6, 3))
+    plain = OneDNNWeight(w, b, pad_to=())
+    padded = OneDNNWeight(w, b, pad_to=(0, 4, 6, 3))
     for m, to in ((1, 4), (2, 6), (3, 3), (5, 5)):
         x = _w(m, 576, 13 + m, dtype).view(1, m, 576)
         got = padded(x)
@@ -92,7 +92,7 @@ def test_onednn_rows_are_measured_once_beside_the_format_choice(monkeypatch, tmp
     assert kernels.onednn_rows(torch.float32) == want
     assert kernels.dense_format(torch.float32, torch.device("cpu")) == "onednn"
     assert calls == ["rows", "format"]  # each measured once, neither measurement dropping the other's
-    assert kernels.OneDNNWeight(_w(8, 32)).rows == want  # the weight's default: this CPU's table
+    assert kernels.OneDNNWeight(_w(8, 32)).pad_to == want  # the weight's default: this CPU's table
 
 
 # -- 4-bit groups -----------------------------------------------------------------------------------

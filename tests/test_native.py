@@ -23,7 +23,7 @@ def _in_format(m, fmt: str):
     if fmt.startswith("onednn"):
         rows = PADDED if fmt == "onednn-padded" else None
         for lin in m.projections():
-            lin.pack(kernels.OneDNNWeight(lin.weight.detach(), lin.bias, rows=rows))
+            lin.pack(kernels.OneDNNWeight(lin.weight.detach(), lin.bias, pad_to=rows))
         return m
     if fmt == "bf16":
         sd = {k: v.clone() for k, v in m.dense_state().items()}

@@ -103,17 +103,17 @@ class OneDNNWeight(PackedWeight):
     """An fp32 or bf16 weight in oneDNN's blocked layout for its linear kernel."""
 
     def native_proj(self):
-        return 1, self.packed, self.rows_table
+        return 1, self.packed, self.pad_table
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         batch_hint: int = ONEDNN_BATCH_HINT,
-        rows: tuple[int, ...] | None = None,
+        pad_to: tuple[int, ...] | None = None,
     ):
-        """``rows[m]``: how many rows a product over ``m`` rows runs at (zero rows appended, their
-        results cut; counts from ``len(rows)`` on run as they are); None: this CPU's ``onednn_rows``,
+        """``pad_to[m]``: how many rows a product over ``m`` rows runs at (zero rows appended, their
+        results cut; counts from ``len(pad_to)`` on run as they are); None: this CPU's ``onednn_rows``,
         ``()``: every count as it is."""
         if not ONEDNN:
             raise KernelError("this torch build has no oneDNN: keep dense weights")
@@ -125,8 +125,8 @@ class OneDNNWeight(PackedWeight):
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
         self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
-        self.rows = onednn_rows(self.dtype) if rows is None else tuple(rows)
-        self.rows_table = torch.tensor(self.rows, dtype=torch.long)  # for decoder.cpp's Proj
+        self.pad_to = onednn_rows(self.dtype) if pad_to is None else tuple(pad_to)
+        self.pad_table = torch.tensor(self.pad_to, dtype=torch.long)  # for decoder.cpp's Proj
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -134,7 +134,7 @@ class OneDNNWeight(PackedWeight):
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         m = x2.shape[0]
-        to = self.rows[m] if m < len(self.rows) else m
+        to = self.pad_to[m] if m < len(self.pad_to) else m
         if to > m:
             x2 = torch.cat([x2, x2.new_zeros(to - m, self.in_features)])  # [to, in]
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
@@ -834,7 +834,7 @@ def measure_onednn(dtype: torch.dtype, rows=(1, 8), mb: float = 96.0) -> dict:
     a CPU's caches) with dense ``F.linear`` and with oneDNN's packed weights, at each row count."""
     g = torch.Generator().manual_seed(0)
     dense = _decoder_stack(dtype, mb, g)
-    packed = [OneDNNWeight(w, rows=()) for w in dense]
+    packed = [OneDNNWeight(w, pad_to=()) for w in dense]
     out = {}
     with torch.inference_mode():
         for m in rows:
@@ -852,7 +852,7 @@ def measure_onednn_rows(dtype: torch.dtype, rows=range(1, ONEDNN_PAD_MAX + 1), m
     import time
 
     g = torch.Generator().manual_seed(0)
-    packed = [OneDNNWeight(w, rows=()) for w in _decoder_stack(dtype, mb, g)]
+    packed = [OneDNNWeight(w, pad_to=()) for w in _decoder_stack(dtype, mb, g)]
     xs = {m: torch.randn(m, 576, generator=g).to(dtype) for m in rows}
     best = {m: float("inf") for m in rows}
     with torch.inference_mode():

@@ -528,7 +528,7 @@ class Transformer(nn.Module):
                 continue
             w = lin.weight.detach()
             if fmt == "onednn":
-                lin.pack(kernels.OneDNNWeight(w, lin.bias, rows=rows))
+                lin.pack(kernels.OneDNNWeight(w, lin.bias, pad_to=rows))
                 continue
             w = w.t().contiguous().t() if col else w.contiguous()
             if lin is self.lm_head and self.config.tie_embeddings and not col and self.tok_embeddings.packed is None:

@@ -59,7 +59,7 @@ Tensor project(const Proj& p, const Tensor& x, bool detour) {
     return at::linear(x, p.a, p.bias);
   }
   sizes.back() = p.out;
-  if (p.kind == ONEDNN) {  // padded with zero rows to p.b[rows] rows where that is more (OneDNNWeight.rows)
+  if (p.kind == ONEDNN) {  // padded with zero rows to p.b[rows] rows where that is more (OneDNNWeight.pad_to)
     auto x2 = x.reshape({-1, p.in});
     if (x2.scalar_type() != p.a.scalar_type()) x2 = x2.to(p.a.scalar_type());
     int64_t to = rows < p.b.numel() ? p.b.data_ptr<int64_t>()[rows] : rows;

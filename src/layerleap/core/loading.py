@@ -523,7 +523,7 @@ def load_tokenizer(folder: Path):
     code, about 600 modules and 50 MB, to resolve the same class).  Other classes go through
     ``AutoTokenizer``, except in a cache folder whose tokenizer a probe found ``Tokenizer``
     reproduces (``check_light_tokenizer``)."""
-    from .tokenizer import Tokenizer, plain_tokenizer_config, verified_config
+    from .tokenizer import Tokenizer, backend, plain_tokenizer_config, verified_config
 
     cfg = folder / "tokenizer_config.json"
     try:
@@ -531,10 +531,12 @@ def load_tokenizer(folder: Path):
     except (OSError, ValueError, AttributeError):
         cls = None
     has_json = (folder / "tokenizer.json").is_file()
-    light = plain_tokenizer_config(folder) if cls in GENERIC_TOKENIZERS and has_json else None
-    light = light if light is not None else verified_config(folder) if has_json else None
-    if light is not None:
-        return Tokenizer(folder, light)
+    if cls in GENERIC_TOKENIZERS and has_json:
+        rust = backend(folder)
+        if (plain := plain_tokenizer_config(folder, rust)) is not None:
+            return Tokenizer(folder, plain, rust)
+    if has_json and (verified := verified_config(folder)) is not None:
+        return Tokenizer(folder, verified)
     if cls in GENERIC_TOKENIZERS and has_json:
         from transformers import PreTrainedTokenizerFast
 

@@ -59,27 +59,31 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def plain_tokenizer_config(folder: Path) -> dict | None:
-    """``tokenizer_config.json`` of ``folder`` when ``Tokenizer`` reproduces `transformers` on it,
-    else None."""
+def backend(folder: Path):
+    """``folder``'s ``tokenizer.json`` as a `tokenizers` object."""
+    from tokenizers import Tokenizer as Backend
+
+    return Backend.from_file(str(folder / "tokenizer.json"))
+
+
+def plain_tokenizer_config(folder: Path, rust) -> dict | None:
+    """``tokenizer_config.json`` of ``folder`` when ``Tokenizer`` reproduces `transformers` on it and
+    on ``rust`` (its ``backend``), else None."""
     try:
         cfg = json.loads((folder / "tokenizer_config.json").read_text())
-        spec = json.loads((folder / "tokenizer.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(cfg, dict) or not isinstance(spec, dict):
+    if not isinstance(cfg, dict):
         return None
     extra = set(cfg) - PLAIN_KEYS
     extra -= {k for k in FALSE_KEYS if not cfg.get(k)}  # present but off
-    if extra or spec.get("truncation") is not None or spec.get("padding") is not None:
+    if extra or rust.truncation is not None or rust.padding is not None:
         return None
-    model = spec.get("model") or {}
-    vocab = len(model.get("vocab") or ()) + len(spec.get("added_tokens") or ())
-    special = {t["content"] for t in spec.get("added_tokens") or () if t.get("special")}
+    special = {t.content for t in rust.get_added_tokens_decoder().values() if t.special}
     named = {_token_text(cfg.get(k)) for k in SPECIAL_TOKENS} - {None}
-    if vocab > MAX_VOCAB or not named <= special or not isinstance(_chat_template(folder, cfg), (str, type(None))):
+    if rust.get_vocab_size(with_added_tokens=True) > MAX_VOCAB or not named <= special:
         return None
-    return cfg
+    return cfg if isinstance(_chat_template(folder, cfg), (str, type(None))) else None
 
 
 def files_digest(folder: Path) -> str:
@@ -167,11 +171,9 @@ class Encoding(dict):
 class Tokenizer:
     """``tokenizer.json`` and the chat template of a model folder (see the module's docstring)."""
 
-    def __init__(self, folder: Path, cfg: dict):
-        from tokenizers import Tokenizer as Backend
-
+    def __init__(self, folder: Path, cfg: dict, rust=None):
         self.folder = Path(folder)
-        self.backend_tokenizer = Backend.from_file(str(self.folder / "tokenizer.json"))
+        self.backend_tokenizer = rust if rust is not None else backend(self.folder)
         self.chat_template = _chat_template(self.folder, cfg)
         self.name_or_path = str(self.folder)
         self._hf = None

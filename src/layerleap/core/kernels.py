@@ -794,10 +794,13 @@ class StackWeight(PackedWeight):
 
 
 # -- choosing a format per CPU -----------------------------------------------------------------------
+TRIM_EVERY = 64 << 20  # bytes of weights moved into huge pages between two hand-backs of freed memory
+
+
 def to_huge_pages(formats) -> None:
     """Moves the codes and scales of every ``BlockWeight`` among ``formats`` (a ``StackWeight``'s parts
     included; a weight met twice, a tied LM head, once) into one ``cpu.HugePageArena``, in place."""
-    from .cpu import HugePageArena
+    from .cpu import HugePageArena, release_freed_memory
 
     blocks: dict[int, BlockWeight] = {}
     for fmt in formats:
@@ -805,8 +808,13 @@ def to_huge_pages(formats) -> None:
             if isinstance(b, BlockWeight):
                 blocks.setdefault(id(b), b)
     arena = HugePageArena(sum(HugePageArena.size(t) for b in blocks.values() for t in (b.codes, b.dm)))
+    moved = 0
     for b in blocks.values():  # one weight at a time: its old tensors are freed as it moves
+        moved += b.codes.nbytes + b.dm.nbytes
         b.codes, b.dm = arena.place(b.codes), arena.place(b.dm)
+        if moved >= TRIM_EVERY:  # glibc keeps freed heap pages resident: the load would peak at twice the weights
+            release_freed_memory()
+            moved = 0
 
 
 def _time_products(fns, repeats: int = 5) -> float:

@@ -949,14 +949,14 @@ def _valid_rows(rows) -> bool:
 
 
 def onednn_rows(dtype: torch.dtype) -> tuple[int, ...]:
-    """``rows[m]``: the row count this CPU multiplies ``m`` rows at with ``OneDNNWeight`` (``m`` below
-    ``ONEDNN_PAD_MAX``; ``padded_rows`` of ``measure_onednn_rows``): oneDNN picks its kernel's blocking
-    by the row count, and on the Zen 4 EPYC one or two fp32 rows cost about 1.25x four rows.
+    """``rows[m]``: the row count this CPU multiplies ``m`` rows at with ``OneDNNWeight`` (``m`` up to
+    ``ONEDNN_PAD_MAX``; ``padded_rows`` of ``measure_onednn_rows``): oneDNN's kernel runs differently
+    by row count, and on the Zen 4 EPYC one or two fp32 rows cost 1.2-1.4x four to six rows.
 
     Padding changes no row's result where a row's result is the same at both counts (on the Zen 4
     EPYC it is from 2 to 16 rows in fp32 and bf16, and a one-row fp32 product over 1536 inputs rounds
     differently from them: padded, a one-token call's products equal a verification call's rows).
-    Measured once per CPU signature, torch version, dtype and thread count (about half a second) and
+    Measured once per CPU signature, torch version, dtype and thread count (under a second) and
     remembered in ``<cache>/kernels.json`` beside ``dense_format``'s choice."""
     entry = _remembered(
         _onednn_key(dtype),

@@ -95,6 +95,15 @@ def test_onednn_rows_are_measured_once_beside_the_format_choice(monkeypatch, tmp
     assert kernels.OneDNNWeight(_w(8, 32)).pad_to == want  # the weight's default: this CPU's table
 
 
+@needs_onednn
+def test_a_single_onednn_row_never_runs_alone(monkeypatch, tmp_path):
+    """Where padding does not pay, one row still runs at two rows' count: a one-token call's products
+    round as a verification call's rows do."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "measure_onednn_rows", lambda dtype: {m: 1.0 + m for m in range(1, 9)})
+    assert kernels.onednn_rows(torch.float32) == (0, 2, 2, 3, 4, 5, 6, 7, 8)
+
+
 # -- 4-bit groups -----------------------------------------------------------------------------------
 def test_quantize_is_min_max_per_group():
     w = _w(8, 64, 6)

@@ -956,6 +956,10 @@ def onednn_rows(dtype: torch.dtype) -> tuple[int, ...]:
     Padding changes no row's result where a row's result is the same at both counts (on the Zen 4
     EPYC it is from 2 to 16 rows in fp32 and bf16, and a one-row fp32 product over 1536 inputs rounds
     differently from them: padded, a one-token call's products equal a verification call's rows).
+    A single row never runs alone, even where that would be faster: it runs at the count two rows
+    run at, so that a one-token call's products round as a verification call's rows do on any CPU
+    (the lossless methods' token-for-token promise).
+
     Measured once per CPU signature, torch version, dtype and thread count (under a second) and
     remembered in ``<cache>/kernels.json`` beside ``dense_format``'s choice."""
     entry = _remembered(
@@ -966,7 +970,10 @@ def onednn_rows(dtype: torch.dtype) -> tuple[int, ...]:
             "row_seconds": {str(m): t for m, t in s.items()},
         },
     )
-    return tuple(entry["rows"])
+    rows = list(entry["rows"])
+    if len(rows) > 2 and rows[1] == 1:
+        rows[1] = rows[2]
+    return tuple(rows)
 
 
 Q4_ENV = "LAYERLEAP_Q4_KERNEL"  # "blocks" or "torch": skip the measurement

@@ -28,7 +28,7 @@ demo: $(STAMP) native
 test: $(STAMP) native
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto  # one worker per core (pytest-xdist); each test runs on one thread
 
 # optional: the Qwen2.5-Coder 0.5B/1.5B pair for two-model benchmarks (1.6 GB)
 pair: $(STAMP)

@@ -1397,7 +1397,9 @@ def _victim(name, flag, t):
 
 
 @pytest.mark.parametrize(
-    "name, flag, t", [x for x in _output_flags() if x[0] not in ("heads info", "heads upgrade")], ids=lambda x: str(x)
+    "name, flag, t",
+    [x for x in _output_flags() if x[0] not in ("heads info", "heads upgrade")],
+    ids=lambda x: getattr(x, "__name__", str(x)),
 )
 def test_every_output_flag_refuses_an_input(capsys, victims, name, flag, t):
     """Each output flag of each command, pointed at the file (or the folder of the file) also given as

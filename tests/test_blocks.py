@@ -432,6 +432,20 @@ def test_block_weights_moved_to_huge_pages_give_the_same_bits():
     assert arena.place(big) is big  # no room left
 
 
+def test_moving_weights_to_huge_pages_hands_freed_memory_back_as_it_goes(monkeypatch):
+    """A load does not hold the weights twice: every ``TRIM_EVERY`` bytes moved, the freed copies go
+    back to the system (``cpu.release_freed_memory``)."""
+    from layerleap.core import cpu
+
+    ws = [_weight(4, 64, 256, seed) for seed in range(6)]
+    per = ws[0].codes.nbytes + ws[0].dm.nbytes
+    trims = []
+    monkeypatch.setattr(cpu, "release_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr(kernels, "TRIM_EVERY", 2 * per)
+    kernels.to_huge_pages(ws)
+    assert len(trims) == 3
+
+
 @pytest.mark.parametrize("bits", [4, 6, 8])
 def test_two_threads_give_the_bits_of_one(bits):
     """The blocks split between threads (and each call's rounded activations shared with them): the

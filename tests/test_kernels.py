@@ -47,6 +47,63 @@ def test_onednn_gradient_flows_to_the_input():
     torch.testing.assert_close(x.grad, w.sum(0).expand(3, -1))
 
 
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_padded_product_is_the_padded_rows_cut(dtype):
+    """A product that its rows table pads runs over the rows and zero rows, and returns only its own."""
+    w, b = _w(96, 576, 11, dtype), _w(1, 96, 12, dtype)[0]
+    plain = OneDNNWeight(w, b, pad_to=())
+    padded = OneDNNWeight(w, b, pad_to=(0, 4, 6, 3))
+    for m, to in ((1, 4), (2, 6), (3, 3), (5, 5)):
+        x = _w(m, 576, 13 + m, dtype).view(1, m, 576)
+        got = padded(x)
+        assert got.shape == (1, m, 96) and got.dtype == dtype
+        want = plain(torch.cat([x[0], x.new_zeros(to - m, 576)]))[:m]
+        assert torch.equal(got[0], want)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(
+            got[0].float(), torch.nn.functional.linear(x[0].float(), w.float(), b.float()), atol=tol, rtol=tol
+        )
+
+
+def test_padded_rows_take_a_larger_count_only_when_clearly_faster():
+    from layerleap.core.kernels import padded_rows
+
+    # one and two rows slower than four: both run at four; three within 5% of four stays
+    seconds = {1: 10.0, 2: 11.0, 3: 8.2, 4: 8.0, 5: 9.0, 8: 12.0}
+    assert padded_rows(seconds) == (0, 4, 4, 3, 4, 5, 6, 7, 8)
+    assert padded_rows({1: 10.0, 2: 9.8, 4: 9.6, 8: 9.7}) == (0, 1, 2, 3, 4, 5, 6, 7, 8)  # noise decides nothing
+    assert padded_rows({1: 10.0, 2: 5.0, 4: 5.0}) == (0, 2, 2, 3, 4)  # a tie: the fewer rows
+
+
+@needs_onednn
+def test_onednn_rows_are_measured_once_beside_the_format_choice(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    calls = []
+    fake = {m: 10.0 - (m == 4) * 3 for m in range(1, kernels.ONEDNN_PAD_MAX + 1)}
+    monkeypatch.setattr(kernels, "measure_onednn_rows", lambda dtype: calls.append("rows") or fake)
+    monkeypatch.setattr(
+        kernels, "measure_onednn", lambda dtype: calls.append("format") or {1: {"dense": 2, "onednn": 1}}
+    )
+    want = (0, 4, 4, 4, 4, 5, 6, 7, 8)
+    assert kernels.onednn_rows(torch.float32) == want
+    assert kernels.dense_format(torch.float32, torch.device("cpu")) == "onednn"
+    assert kernels.onednn_rows(torch.float32) == want
+    assert kernels.dense_format(torch.float32, torch.device("cpu")) == "onednn"
+    assert calls == ["rows", "format"]  # each measured once, neither measurement dropping the other's
+    assert kernels.OneDNNWeight(_w(8, 32)).pad_to == want  # the weight's default: this CPU's table
+
+
+@needs_onednn
+def test_a_single_onednn_row_never_runs_alone(monkeypatch, tmp_path):
+    """Where padding does not pay, one row still runs at two rows' count: a one-token call's products
+    round as a verification call's rows do."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "measure_onednn_rows", lambda dtype: {m: 1.0 + m for m in range(1, 9)})
+    assert kernels.onednn_rows(torch.float32) == (0, 2, 2, 3, 4, 5, 6, 7, 8)
+
+
 # -- 4-bit groups -----------------------------------------------------------------------------------
 def test_quantize_is_min_max_per_group():
     w = _w(8, 64, 6)
@@ -195,6 +252,21 @@ def test_verification_call_equals_one_token_calls_bit_for_bit(name, fmt, monkeyp
         m = build(m.config, sd, torch.bfloat16)
     else:
         m = quantize_model(m)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, m.config.vocab_size, (11,), generator=g).tolist()
+    tokens = torch.randint(0, m.config.vocab_size, (6,), generator=g).tolist()
+    assert torch.equal(_chain_logits(m, prompt, tokens, True), _chain_logits(m, prompt, tokens, False))
+
+
+@needs_onednn
+def test_fp32_verification_call_equals_one_token_calls_with_padded_rows():
+    """oneDNN may round a one-row fp32 product differently from the same row among more rows (on the
+    Zen 4 EPYC, over 1536 inputs: the MLP's down projection here, where these logits then differ).
+    With one row padded to the chain's length, a verification call's logits equal the one-token
+    calls' bit for bit."""
+    m = random_model("llama-gqa-tied", seed=6, scale=2.0, intermediate_size=1536)
+    for lin in m.projections():
+        lin.pack(OneDNNWeight(lin.weight.detach(), lin.bias, pad_to=(0, 6, 6, 6, 6, 6, 6)))
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, m.config.vocab_size, (11,), generator=g).tolist()
     tokens = torch.randint(0, m.config.vocab_size, (6,), generator=g).tolist()

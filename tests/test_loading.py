@@ -4,6 +4,8 @@ the converter is replaced; test_real.py checks the real converted folder)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,28 +186,114 @@ def test_load_imports_no_compiler_stack(tiny_hf_dir):
     assert out.stdout.split() == ["True", "False", "False"]
 
 
-def test_generic_tokenizer_equals_autotokenizer(tiny_hf_dir):
+def test_generic_tokenizer_equals_autotokenizer(tiny_hf_dir, tmp_path):
     """A folder whose tokenizer_config names a generic fast tokenizer loads it from tokenizer.json
-    directly: the same ids, special tokens and chat template as ``AutoTokenizer``."""
+    without `transformers`: the same ids, text, special tokens and chat templates as ``AutoTokenizer``
+    on the probe set (Spec-Bench questions, special tokens, odd whitespace, random id sequences).
+    The probe notices a difference: another chat template."""
+    import shutil
+
     from transformers import AutoTokenizer
 
+    from layerleap.core.tokenizer import Tokenizer, probe_texts, reproduces
+
     ours, auto = loading.load_tokenizer(Path(tiny_hf_dir)), AutoTokenizer.from_pretrained(tiny_hf_dir)
+    assert isinstance(ours, Tokenizer)
     assert json.loads((Path(tiny_hf_dir) / "tokenizer_config.json").read_text())["tokenizer_class"] in (
         loading.GENERIC_TOKENIZERS
     )
+    assert reproduces(ours, auto, probe_texts())
     text = "Hello <|im_start|> wörld,\n\n  spaces\t<|im_end|>"
     assert ours(text)["input_ids"] == auto(text)["input_ids"]
-    assert ours.decode(list(range(200, 400))) == auto.decode(list(range(200, 400)))
-    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id, ours.all_special_ids) == (
-        auto.eos_token_id,
-        auto.bos_token_id,
-        auto.pad_token_id,
-        auto.all_special_ids,
-    )
     msgs = [{"role": "user", "content": "Why is the sky blue?"}]
-    assert ours.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == auto.apply_chat_template(
-        msgs, add_generation_prompt=True, tokenize=False
+    kw = dict(add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ours.apply_chat_template(msgs, **kw) == auto.apply_chat_template(msgs, **kw)
+
+    folder = tmp_path / "other-template"
+    shutil.copytree(tiny_hf_dir, folder)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert not reproduces(loading.load_tokenizer(folder), auto, probe_texts()[:3])
+
+
+def test_generic_tokenizer_hands_other_calls_to_transformers(tiny_hf_dir):
+    """A chat call with template variables, or an attribute the light tokenizer lacks, goes to
+    `transformers`' own tokenizer (built once)."""
+    ours = loading.load_tokenizer(Path(tiny_hf_dir))
+    msgs = [{"role": "user", "content": "Why?"}]
+    with_tools = ours.apply_chat_template(msgs, tokenize=False, tools=[], add_generation_prompt=True)
+    assert with_tools == ours.hf.apply_chat_template(msgs, tokenize=False, tools=[], add_generation_prompt=True)
+    assert ours.padding_side == ours.hf.padding_side and ours.hf is ours.hf
+
+
+def test_tokenizer_settings_it_does_not_reproduce_stay_on_transformers(tiny_hf_dir, tmp_path):
+    """Clean-up of spaces, a truncation rule or a named special token missing from the vocabulary
+    keep a generic tokenizer on `transformers`."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    for change in (
+        lambda cfg, spec: cfg.update(clean_up_tokenization_spaces=True),
+        lambda cfg, spec: spec.update(truncation={"max_length": 8, "strategy": "LongestFirst", "stride": 0}),
+        lambda cfg, spec: cfg.update(sep_token="<never-seen>"),
+    ):
+        folder = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_hf_dir, folder)
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        change(cfg, spec)
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+        assert isinstance(loading.load_tokenizer(folder), PreTrainedTokenizerFast)
+
+
+def test_cache_folder_of_another_class_goes_light_once_a_probe_matches(tiny_hf_dir, tmp_path, monkeypatch):
+    """A cache folder of another tokenizer class loads through ``AutoTokenizer`` once; a probe finds
+    that ``Tokenizer`` reproduces it and notes that beside the files, so the next load is light.  A
+    changed file voids the note; a failed probe is noted too and not repeated."""
+    import shutil
+
+    from layerleap.core import tokenizer as light
+
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    folder = tmp_path / "gguf-model"
+    shutil.copytree(tiny_hf_dir, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    probes = []
+    real = light.reproduces
+    monkeypatch.setattr(light, "reproduces", lambda *a, **k: probes.append(1) or real(*a, **k))
+    first = loading.load_tokenizer(folder)
+    assert type(first).__name__ == "GPT2Tokenizer" and probes == [1]
+    assert json.loads((folder / light.VERIFIED).read_text())["reproduces"] is True
+    second = loading.load_tokenizer(folder)
+    assert isinstance(second, light.Tokenizer) and probes == [1]
+    text = "Why is the sky blue? <|im_end|>"
+    assert second(text)["input_ids"] == first(text)["input_ids"]
+
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # voids the note
+    monkeypatch.setattr(light, "reproduces", lambda *a, **k: probes.append(1) or False)
+    assert type(loading.load_tokenizer(folder)).__name__ == "GPT2Tokenizer" and len(probes) == 2
+    assert type(loading.load_tokenizer(folder)).__name__ == "GPT2Tokenizer" and len(probes) == 2
+    outside = tmp_path.parent / f"{tmp_path.name}-user"  # a user's folder is never written to
+    shutil.copytree(folder, outside)
+    (outside / light.VERIFIED).unlink()
+    loading.load_tokenizer(outside)
+    assert not (outside / light.VERIFIED).exists()
+
+
+def test_loading_and_generating_text_never_imports_transformers(char_model_dir):
+    """A model whose tokenizer is generic loads, chats and decodes without importing `transformers`."""
+    code = (
+        "import sys, layerleap\n"
+        f"m = layerleap.load({str(char_model_dir)!r})\n"
+        "r = layerleap.generate(m, 'hello', 'greedy', 4, chat=True)\n"
+        "assert isinstance(r.text, str)\n"
+        "print(sorted(k for k in sys.modules if k.split('.')[0] == 'transformers'))\n"
     )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_other_tokenizer_classes_go_through_autotokenizer(tiny_hf_dir, tmp_path, monkeypatch):

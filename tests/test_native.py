@@ -16,10 +16,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+PADDED = (0, 3, 5, 3, 6, 5, 6, 7, 8)  # a rows table that pads one token, a batch of two and a chain of 4
+
+
 def _in_format(m, fmt: str):
-    if fmt == "onednn":
+    if fmt.startswith("onednn"):
+        rows = PADDED if fmt == "onednn-padded" else None
         for lin in m.projections():
-            lin.pack(kernels.OneDNNWeight(lin.weight.detach(), lin.bias))
+            lin.pack(kernels.OneDNNWeight(lin.weight.detach(), lin.bias, pad_to=rows))
         return m
     if fmt == "bf16":
         sd = {k: v.clone() for k, v in m.dense_state().items()}
@@ -49,7 +53,7 @@ def _calls(m, native_on: bool, monkeypatch):
     return outs
 
 
-@pytest.mark.parametrize("fmt", ["dense", "onednn", "bf16", "q4"])
+@pytest.mark.parametrize("fmt", ["dense", "onednn", "onednn-padded", "bf16", "q4"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_native_layers_equal_python(name, fmt, monkeypatch):
     if fmt == "q4" and not kernels.int4_supported():

@@ -241,11 +241,11 @@ def _check_writable(path: str | None, flag: str = "--json") -> None:
 
 
 def _model_line(model, threads: int) -> str:
-    import transformers
+    from importlib.metadata import version  # the version without importing `transformers` (35 MB)
 
     return (
         f"model {model.config.name} ({model.dtype_name}), threads {threads}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} cores"
+        f"torch {torch.__version__}, transformers {version('transformers')}, {os.cpu_count()} cores"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -27,8 +28,6 @@ def release_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc's ``malloc_trim``; elsewhere nothing): glibc keeps
     the freed temporaries of a load or of a long prompt pass resident otherwise.  About a millisecond."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
@@ -72,6 +71,11 @@ class HugePageArena:
         if self.buf is None or self.at + self.size(t) > self.end:
             return t
         out = self.buf[self.at : self.at + n].view(t.dtype).view(t.shape)
-        out.copy_(t)
+        if t.is_contiguous() and t.device.type == "cpu":
+            # one thread's memmove: torch's copy forks a parallel region per tensor, and on a busy
+            # machine each waits for a time slice (a 135M model's 242 tensors: 2.5 s instead of 0.2)
+            ctypes.memmove(out.data_ptr(), t.data_ptr(), n)
+        else:
+            out.copy_(t)
         self.at += self.size(t)
         return out

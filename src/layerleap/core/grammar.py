@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..validate import InputError
+from .tokenizer import Tokenizer
 
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 KINDS = ("json", "regex", "choice", "gbnf")
@@ -161,6 +162,7 @@ def _tokenizer(model, eos_ids: tuple[int, ...]):
                 raise GrammarError("this model has no tokenizer: structured output needs one")
             try:
                 eos = list(eos_ids) or None
+                tok = tok.hf if isinstance(tok, Tokenizer) else tok  # llguidance reads `transformers`' object
                 per[eos_ids] = ll.hf.from_tokenizer(tok, n_vocab=model.config.vocab_size, eos_token=eos)
             except (ValueError, RuntimeError, TypeError) as e:
                 raise GrammarError(

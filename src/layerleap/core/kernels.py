@@ -4,9 +4,10 @@ A projection (``model.Linear``) holds either a dense ``[out, in]`` weight, multi
 ``F.linear``, or one of these packed weights:
 
 - ``OneDNNWeight``: fp32 or bf16 in oneDNN's blocked layout (``mkldnn._reorder_linear_weight``),
-  multiplied by oneDNN's linear kernel.  For one row it streams the weight at nearly the memory
-  bandwidth, and it stays nearly flat up to 16 rows, where ``F.linear`` costs 1.4-3x more (see
-  ``docs/BENCHMARKS.md``).  This is what makes a call over a few new tokens cost about one call.
+  multiplied by oneDNN's linear kernel.  It stays nearly flat from 1 to 16 rows, where ``F.linear``
+  costs 1.4-3x more (see ``docs/BENCHMARKS.md``).  This is what makes a call over a few new tokens
+  cost about one call.  Where a few more rows multiply faster than fewer (on the Zen 4 EPYC one fp32
+  row cost about 1.25x four rows), a product runs padded with zero rows (``onednn_rows``).
 - ``Int4Weight``: 4-bit codes in groups of 32 along the input with a scale and a zero per group
   (``w = (q - 8) * scale + zero``), multiplied by torch's int4 CPU kernel
   (``aten._weight_int4pack_mm_for_cpu``, bf16 activations).  GGUF Q4_1 and Q4_K blocks map onto it
@@ -39,6 +40,7 @@ from .cpu import cpu_signature
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 ONEDNN_BATCH_HINT = 16  # the row count oneDNN's layout is chosen for: 1..16 rows all run near the 1-row cost
+ONEDNN_PAD_MAX = 8  # products over fewer rows than this may run padded with zero rows (``onednn_rows``)
 GROUP = 32  # int4 group size along the input (GGUF's Q4_0/Q4_1 block, Q4_K's sub-block)
 INT4_MAX_ROWS = 16  # above this many rows the int4 kernel takes a slow path: multiply 16 rows at a time
 
@@ -101,9 +103,18 @@ class OneDNNWeight(PackedWeight):
     """An fp32 or bf16 weight in oneDNN's blocked layout for its linear kernel."""
 
     def native_proj(self):
-        return 1, self.packed, torch.empty(0)
+        return 1, self.packed, self.pad_table
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = ONEDNN_BATCH_HINT):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        batch_hint: int = ONEDNN_BATCH_HINT,
+        pad_to: tuple[int, ...] | None = None,
+    ):
+        """``pad_to[m]``: how many rows a product over ``m`` rows runs at (zero rows appended, their
+        results cut; counts from ``len(pad_to)`` on run as they are); None: this CPU's ``onednn_rows``,
+        ``()``: every count as it is."""
         if not ONEDNN:
             raise KernelError("this torch build has no oneDNN: keep dense weights")
         if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or weight.dim() != 2:
@@ -114,13 +125,21 @@ class OneDNNWeight(PackedWeight):
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
         self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
+        self.pad_to = onednn_rows(self.dtype) if pad_to is None else tuple(pad_to)
+        self.pad_table = torch.tensor(self.pad_to, dtype=torch.long)  # for decoder.cpp's Proj
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features)  # [m, in]
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
+        m = x2.shape[0]
+        to = self.pad_to[m] if m < len(self.pad_to) else m
+        if to > m:
+            x2 = torch.cat([x2, x2.new_zeros(to - m, self.in_features)])  # [to, in]
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        if to > m:
+            y = y[:m]
         return y.view(*lead, self.out_features)
 
     def dense(self) -> torch.Tensor:
@@ -775,10 +794,13 @@ class StackWeight(PackedWeight):
 
 
 # -- choosing a format per CPU -----------------------------------------------------------------------
+TRIM_EVERY = 64 << 20  # bytes of weights moved into huge pages between two hand-backs of freed memory
+
+
 def to_huge_pages(formats) -> None:
     """Moves the codes and scales of every ``BlockWeight`` among ``formats`` (a ``StackWeight``'s parts
     included; a weight met twice, a tied LM head, once) into one ``cpu.HugePageArena``, in place."""
-    from .cpu import HugePageArena
+    from .cpu import HugePageArena, release_freed_memory
 
     blocks: dict[int, BlockWeight] = {}
     for fmt in formats:
@@ -786,8 +808,13 @@ def to_huge_pages(formats) -> None:
             if isinstance(b, BlockWeight):
                 blocks.setdefault(id(b), b)
     arena = HugePageArena(sum(HugePageArena.size(t) for b in blocks.values() for t in (b.codes, b.dm)))
+    moved = 0
     for b in blocks.values():  # one weight at a time: its old tensors are freed as it moves
+        moved += b.codes.nbytes + b.dm.nbytes
         b.codes, b.dm = arena.place(b.codes), arena.place(b.dm)
+        if moved >= TRIM_EVERY:  # glibc keeps freed heap pages resident: the load would peak at twice the weights
+            release_freed_memory()
+            moved = 0
 
 
 def _time_products(fns, repeats: int = 5) -> float:
@@ -804,13 +831,18 @@ def _time_products(fns, repeats: int = 5) -> float:
     return best
 
 
+def _decoder_stack(dtype: torch.dtype, mb: float, g: torch.Generator) -> list[torch.Tensor]:
+    """Decoder-sized weights (3072x576, ``mb`` MB in all: more than a CPU's caches)."""
+    n_mats = max(1, int(mb * 1e6 / (3072 * 576 * dtype.itemsize)))
+    return [(torch.randn(3072, 576, generator=g) * 0.02).to(dtype) for _ in range(n_mats)]
+
+
 def measure_onednn(dtype: torch.dtype, rows=(1, 8), mb: float = 96.0) -> dict:
     """Seconds for a stack of decoder-sized products (576x3072-like, ``mb`` MB of weights, more than
     a CPU's caches) with dense ``F.linear`` and with oneDNN's packed weights, at each row count."""
     g = torch.Generator().manual_seed(0)
-    n_mats = max(1, int(mb * 1e6 / (3072 * 576 * dtype.itemsize)))
-    dense = [(torch.randn(3072, 576, generator=g) * 0.02).to(dtype) for _ in range(n_mats)]
-    packed = [OneDNNWeight(w) for w in dense]
+    dense = _decoder_stack(dtype, mb, g)
+    packed = [OneDNNWeight(w, pad_to=()) for w in dense]
     out = {}
     with torch.inference_mode():
         for m in rows:
@@ -822,7 +854,74 @@ def measure_onednn(dtype: torch.dtype, rows=(1, 8), mb: float = 96.0) -> dict:
     return out
 
 
+def measure_onednn_rows(dtype: torch.dtype, rows=range(1, ONEDNN_PAD_MAX + 1), mb: float = 96.0, rounds: int = 7):
+    """``{m: seconds}``: the best of ``rounds`` for the stack of ``measure_onednn`` with oneDNN's packed
+    weights over ``m`` rows, the row counts round-robin in each round (a disturbance hits all alike)."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    packed = [OneDNNWeight(w, pad_to=()) for w in _decoder_stack(dtype, mb, g)]
+    xs = {m: torch.randn(m, 576, generator=g).to(dtype) for m in rows}
+    best = {m: float("inf") for m in rows}
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # the first round warms up
+            for m, x in xs.items():
+                t = time.perf_counter()
+                for p in packed:
+                    p(x)
+                if r:
+                    best[m] = min(best[m], time.perf_counter() - t)
+    return best
+
+
+def padded_rows(seconds: dict[int, float], margin: float = 0.05) -> tuple[int, ...]:
+    """``rows[m]`` for ``m`` below the largest measured count: the count ``n >= m`` of least ``seconds``
+    where it beats ``m``'s own time by more than ``margin`` (a small difference may be noise), else ``m``;
+    ``rows[0] = 0``."""
+    counts = sorted(seconds)
+    out = [0]
+    for m in range(1, counts[-1] + 1):
+        if m not in seconds:
+            out.append(m)
+            continue
+        n = min((c for c in counts if c >= m), key=lambda c: (seconds[c], c))
+        out.append(n if seconds[n] < (1 - margin) * seconds[m] else m)
+    return tuple(out)
+
+
 KERNEL_ENV = "LAYERLEAP_KERNELS"  # "onednn" or "dense": skip the measurement
+
+
+def _onednn_key(dtype: torch.dtype) -> str:
+    return (
+        f"{cpu_signature()} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | "
+        f"{torch.get_num_threads()} threads"
+    )
+
+
+def _remembered(key: str, ok, measure) -> dict:
+    """``<cache>/kernels.json``'s entry ``key`` where ``ok(entry)``, else that entry updated with
+    ``measure()``'s fields and saved (an unwritable cache only costs the measurement next time)."""
+    path = cache_root() / "kernels.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    entry = known.get(key) if isinstance(known.get(key), dict) else {}
+    if not ok(entry):
+        known[key] = entry = {**entry, **measure()}
+        try:
+            write_json(path, known)
+        except LayerleapError:
+            pass
+    return entry
+
+
+def _measure_format(dtype: torch.dtype) -> dict:
+    times = measure_onednn(dtype)
+    total = {k: sum(t[k] for t in times.values()) for k in ("dense", "onednn")}
+    return {"choice": min(total, key=total.get), "seconds": {str(m): t for m, t in times.items()}}
 
 
 def dense_format(dtype: torch.dtype, device: torch.device) -> str:
@@ -835,24 +934,46 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
     forced = os.environ.get(KERNEL_ENV, "").strip().lower()
     if forced in ("onednn", "dense"):
         return forced
-    key = (
-        f"{cpu_signature()} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | "
-        f"{torch.get_num_threads()} threads"
+    entry = _remembered(
+        _onednn_key(dtype), lambda e: e.get("choice") in ("onednn", "dense"), lambda: _measure_format(dtype)
     )
-    path = cache_root() / "kernels.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known.get(key), dict) or known[key].get("choice") not in ("onednn", "dense"):
-        times = measure_onednn(dtype)
-        total = {k: sum(t[k] for t in times.values()) for k in ("dense", "onednn")}
-        known[key] = {"choice": min(total, key=total.get), "seconds": {str(m): t for m, t in times.items()}}
-        try:
-            write_json(path, known)
-        except LayerleapError:  # an unwritable cache only costs the measurement next time
-            pass
-    return known[key]["choice"]
+    return entry["choice"]
+
+
+def _valid_rows(rows) -> bool:
+    return (
+        isinstance(rows, list)
+        and len(rows) == ONEDNN_PAD_MAX + 1
+        and all(isinstance(n, int) and n >= m for m, n in enumerate(rows))
+    )
+
+
+def onednn_rows(dtype: torch.dtype) -> tuple[int, ...]:
+    """``rows[m]``: the row count this CPU multiplies ``m`` rows at with ``OneDNNWeight`` (``m`` up to
+    ``ONEDNN_PAD_MAX``; ``padded_rows`` of ``measure_onednn_rows``): oneDNN's kernel runs differently
+    by row count, and on the Zen 4 EPYC one or two fp32 rows cost 1.2-1.4x four to six rows.
+
+    Padding changes no row's result where a row's result is the same at both counts (on the Zen 4
+    EPYC it is from 2 to 16 rows in fp32 and bf16, and a one-row fp32 product over 1536 inputs rounds
+    differently from them: padded, a one-token call's products equal a verification call's rows).
+    A single row never runs alone, even where that would be faster: it runs at the count two rows
+    run at, so that a one-token call's products round as a verification call's rows do on any CPU
+    (the lossless methods' token-for-token promise).
+
+    Measured once per CPU signature, torch version, dtype and thread count (under a second) and
+    remembered in ``<cache>/kernels.json`` beside ``dense_format``'s choice."""
+    entry = _remembered(
+        _onednn_key(dtype),
+        lambda e: _valid_rows(e.get("rows")),
+        lambda: {
+            "rows": list(padded_rows(s := measure_onednn_rows(dtype))),
+            "row_seconds": {str(m): t for m, t in s.items()},
+        },
+    )
+    rows = list(entry["rows"])
+    if len(rows) > 2 and rows[1] == 1:
+        rows[1] = rows[2]
+    return tuple(rows)
 
 
 Q4_ENV = "LAYERLEAP_Q4_KERNEL"  # "blocks" or "torch": skip the measurement

@@ -523,12 +523,13 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = self.rope_cos.to(self.dtype), self.rope_sin.to(self.dtype)
         fmt = kernels.dense_format(self.dtype, self.device)
         col = self.column_major(self.dtype, self.device.type)
+        rows = kernels.onednn_rows(self.dtype) if fmt == "onednn" else None  # measured once, not per weight
         for lin in self.projections():
             if lin.packed is not None:
                 continue
             w = lin.weight.detach()
             if fmt == "onednn":
-                lin.pack(kernels.OneDNNWeight(w, lin.bias))
+                lin.pack(kernels.OneDNNWeight(w, lin.bias, pad_to=rows))
                 continue
             w = w.t().contiguous().t() if col else w.contiguous()
             if lin is self.lm_head and self.config.tie_embeddings and not col and self.tok_embeddings.packed is None:

@@ -42,7 +42,7 @@ constexpr int64_t FUSED_ROWS = 64;  // the most rows whose bf16 conversions bloc
 struct Proj {  // one projection: the weight format's tensors (see kernels.py)
   int64_t kind;
   Tensor a;              // DENSE: weight [N, K]; ONEDNN: packed weight; INT4: packed codes [N', K/2]; BLOCKS: codes
-  Tensor b;              // INT4: scale_zero [K/32, N', 2]; BLOCKS: scales and minimums; else undefined
+  Tensor b;              // INT4: scale_zero [K/32, N', 2]; BLOCKS: scales and minimums; ONEDNN: rows table (int64)
   optional<Tensor> bias;
   int64_t out;           // output features (INT4 cuts its padding)
   int64_t in;            // input features
@@ -69,10 +69,13 @@ Tensor project(const Proj& p, const Tensor& x, bool detour) {
     return at::linear(x, p.a, p.bias);
   }
   sizes.back() = p.out;
-  if (p.kind == ONEDNN) {
+  if (p.kind == ONEDNN) {  // padded with zero rows to p.b[rows] rows where that is more (OneDNNWeight.pad_to)
     auto x2 = x.reshape({-1, p.in});
     if (x2.scalar_type() != p.a.scalar_type()) x2 = x2.to(p.a.scalar_type());
-    return onednn_linear(x2, p.a, p.bias).view(sizes);
+    int64_t to = rows < p.b.numel() ? p.b.data_ptr<int64_t>()[rows] : rows;
+    if (to <= rows) return onednn_linear(x2, p.a, p.bias).view(sizes);
+    x2 = at::cat({x2, x2.new_zeros({to - rows, p.in})});
+    return onednn_linear(x2, p.a, p.bias).narrow(0, 0, rows).view(sizes);
   }
   if (p.kind == BLOCKS || p.kind == BLOCKS_FINE) {  // BlockWeight.matmul
     const bool fuse = x.scalar_type() == at::kBFloat16 && !p.bias.has_value() && rows <= FUSED_ROWS;
@@ -1442,6 +1445,8 @@ Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& 
   auto entry = [&]() {
     TORCH_CHECK(next < kinds.size(), "run_layers: fewer projections than the layers take");
     auto i = next++;
+    TORCH_CHECK(kinds[i] != ONEDNN || (b[i].scalar_type() == at::kLong && b[i].is_contiguous()),
+                "run_layers: a oneDNN projection's rows table must be contiguous int64");
     return Proj{kinds[i], a[i], b[i], bias[i], outs[i], ins[i], {}};
   };
   std::vector<std::array<Proj, 4>> projs(L);

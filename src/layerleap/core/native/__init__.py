@@ -1,6 +1,7 @@
 """The decoder layers in C++ (``decoder.cpp``): the same ATen calls as ``model.py``'s Python path, in
-the same order, so every result is equal bit for bit; a decoding step spends less time in the
-Python interpreter (about 3 ms of a 10 ms q4 step on 1 thread, ``docs/BENCHMARKS.md``).
+the same order (a few bf16 steps done without ATen, rounded where ATen rounds), so every result is
+equal bit for bit; a decoding step spends less time in the Python interpreter (about 3 ms of a
+10 ms q4 step on 1 thread, ``docs/BENCHMARKS.md``).
 
 It is compiled once per torch version, CPU and source (``torch.utils.cpp_extension``: a C++
 compiler, ninja and torch's headers; about 30 s) by ``layerleap native --build`` (``make install``

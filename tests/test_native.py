@@ -261,3 +261,14 @@ def test_q4_team_hands_back_an_error(monkeypatch):
         assert mod.team_settings()[2] - before == 2
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("hidden", [200, 1000])  # a tail past the 8-lane vectors; more than 16 rows of them
+def test_bf16_layers_of_odd_widths_equal_python(hidden, monkeypatch):
+    """bf16 layers whose norms, rope and cache writes run without ATen calls give the Python path's bits
+    at widths that are not a multiple of the vector sizes."""
+    m = _in_format(random_model(dict(hidden_size=hidden, intermediate_size=136), seed=6, scale=2.0), "bf16")
+    want = _calls(m, False, monkeypatch)
+    got = _calls(m, True, monkeypatch)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"output {i} differs"

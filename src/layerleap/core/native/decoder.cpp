@@ -16,6 +16,8 @@
 #include <limits>
 #include <vector>
 #include <array>
+#include <map>
+#include <mutex>
 #include <atomic>
 #include <exception>
 #include <thread>
@@ -110,9 +112,110 @@ Tensor project(const Proj& p, const Tensor& x, bool detour) {
   return y.view(sizes).to(x.scalar_type());
 }
 
+// fp32 -> bf16 as ATen's vectorized conversion: rounded to the nearest, ties to even; NaN -> 0xFFFF
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return std::isnan(f) ? 0xFFFF : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// RMSNorm.forward for bf16 x and weight without ATen calls: ATen's operations on this build, value for
+// value (x*x in fp32; their sum in the order of ATen's vectorized inner sum: 8-lane vectors, 4 rows of
+// them interleaved, a cascade of 4 levels, then the tail and the lanes; / D; + eps; 1 / sqrt; x * that,
+// rounded to bf16; times the weight, rounded).  Whether ATen sums so here is checked once per size
+// against ATen itself (rms_norm_exact); where it does not, the ATen calls run.
+typedef float v8f __attribute__((vector_size(32)));
+
+__attribute__((optimize("fp-contract=off"))) static float aten_sum_of_squares(const float* x, int64_t n,
+                                                                              float* sq) {
+  for (int64_t i = 0; i < n; i++) sq[i] = x[i] * x[i];
+  constexpr int64_t W = 8, ILP = 4, LEVELS = 4;
+  const int64_t vecs = n / W, rows = vecs / ILP;
+  auto load = [&](int64_t v) {
+    v8f a;
+    std::memcpy(&a, sq + v * W, sizeof(a));
+    return a;
+  };
+  int64_t log2 = 0;
+  while ((int64_t{1} << log2) < rows) log2++;
+  const int64_t power = std::max<int64_t>(4, log2 / LEVELS), step = int64_t{1} << power, mask = step - 1;
+  v8f acc[ILP][LEVELS] = {};
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; j++, i++)
+      for (int64_t k = 0; k < ILP; k++) acc[k][0] += load(i * ILP + k);
+    for (int64_t j = 1; j < LEVELS; j++) {
+      for (int64_t k = 0; k < ILP; k++) {
+        acc[k][j] += acc[k][j - 1];
+        acc[k][j - 1] = v8f{};
+      }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < rows; i++)
+    for (int64_t k = 0; k < ILP; k++) acc[k][0] += load(i * ILP + k);
+  for (int64_t j = 1; j < LEVELS; j++)
+    for (int64_t k = 0; k < ILP; k++) acc[k][0] += acc[k][j];
+  v8f p = acc[0][0];
+  for (int64_t v = rows * ILP; v < vecs; v++) p += load(v);
+  for (int64_t k = 1; k < ILP; k++) p += acc[k][0];
+  float s = 0.0f;
+  for (int64_t k = vecs * W; k < n; k++) s += sq[k];
+  for (int l = 0; l < W; l++) s += p[l];
+  return s;
+}
+
+static Tensor rms_norm_bf16(const Tensor& x, const Tensor& w, double eps) {
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  auto out = at::empty(x.sizes(), x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  thread_local std::vector<float> buf;
+  buf.resize(2 * D);
+  float *xf = buf.data(), *sq = xf + D;
+  auto f = [](uint16_t v) {
+    const uint32_t u = static_cast<uint32_t>(v) << 16;
+    float y;
+    std::memcpy(&y, &u, 4);
+    return y;
+  };
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t d = 0; d < D; d++) xf[d] = f(xp[r * D + d]);
+    const float mean = aten_sum_of_squares(xf, D, sq) / static_cast<float>(D);
+    const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+    for (int64_t d = 0; d < D; d++) op[r * D + d] = bf16_bits(f(wp[d]) * f(bf16_bits(xf[d] * inv)));
+  }
+  return out;
+}
+
+// whether rms_norm_bf16 gives ATen's bits for rows of D (checked once per D and eps on random rows)
+static bool rms_norm_exact(int64_t D, double eps) {
+  static std::mutex lock;
+  static std::map<std::pair<int64_t, double>, bool> known;
+  std::lock_guard<std::mutex> hold(lock);
+  auto it = known.find({D, eps});
+  if (it != known.end()) return it->second;
+  uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(D);  // a fixed pseudo-random sequence
+  auto next = [&]() {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return static_cast<float>(state >> 40) / static_cast<float>(1 << 24) - 0.5f;  // in [-0.5, 0.5)
+  };
+  std::vector<float> xs(64 * D), ws(D);
+  for (auto& v : xs) v = 6.0f * (next() + next() + next());
+  for (auto& v : ws) v = 1.0f + next();
+  auto x = at::from_blob(xs.data(), {64, D}, at::kFloat).to(at::kBFloat16);
+  auto w = at::from_blob(ws.data(), {D}, at::kFloat).to(at::kBFloat16);
+  auto want = w * at::rms_norm(x.to(at::kFloat), {D}, c10::nullopt, eps).to(at::kBFloat16);
+  return known[{D, eps}] = at::equal(rms_norm_bf16(x, w, eps), want);
+}
+
 // RMSNorm.forward
 Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
   if (x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat) return at::rms_norm(x, {x.size(-1)}, w, eps);
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+      w.is_contiguous() && w.numel() == x.size(-1) && x.numel() <= 64 * x.size(-1) && rms_norm_exact(x.size(-1), eps))
+    return rms_norm_bf16(x, w, eps);
   return w * at::rms_norm(x.to(at::kFloat), {x.size(-1)}, c10::nullopt, eps).to(x.scalar_type());
 }
 
@@ -1264,13 +1367,6 @@ std::vector<std::string> blocks_paths() {
 
 // x [M, K] (fp32 or bf16) times a block weight (see above) -> [M, N] fp32.  fine: 15-bit activations
 // (else 8-bit).  path: one of blocks_paths() (tests compare them), "" for the best.
-// fp32 -> bf16 as ATen's vectorized conversion: rounded to the nearest, ties to even; NaN -> 0xFFFF
-static inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return std::isnan(f) ? 0xFFFF : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
 // out: the result's dtype, fp32 or (up to FUSED_ROWS rows) bf16, the same bits as y.to(bf16) on ATen's
 // vectorized path; a bf16 x is widened here (exact), without ATen calls
 Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,

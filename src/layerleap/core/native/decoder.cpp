@@ -2,7 +2,7 @@
 // path (Block -> Attention -> attend, RMSNorm, Linear with its weight format), so the results are
 // equal bit for bit; what this saves is the Python interpreter between the ~40 small calls of a
 // layer.  A few steps are done here without ATen, rounding where ATen rounds (bf16 conversions around
-// the block products, rope and the cache writes: the same bits), and calls of a few rows on block
+// the block products, rope and the cache writes, RMSNorm: the same bits), and calls of a few rows on block
 // weights run on a team of threads (see Team).  Built on first request by layerleap/native/__init__.py; model.py falls back to Python
 // when it is not built, and for the cases this file does not take (see run_layers' checks there).
 #include <torch/extension.h>

@@ -173,6 +173,22 @@ def test_calm_exits_and_fills_kv(model):
     assert cache.lengths[:, 0].tolist() == [len(PROMPTS[0]) + 9] * D  # skipped layers were filled
 
 
+@pytest.mark.parametrize("threshold, min_exit, first", [(1.5, 1, D), (1.01, 4, D), (0.999, 4, 3), (-1.0, 1, 0)])
+def test_calm_runs_the_layers_before_its_first_check_in_one_call(model, monkeypatch, threshold, min_exit, first):
+    """A token can exit after layer ``min_exit_layer`` at the earliest, so the layers before it run in
+    one call (all of them for a threshold no cosine reaches: greedy's cost); one model call a token."""
+    ranges = []
+    real = model.run_layers
+    monkeypatch.setattr(model, "run_layers", lambda h, a, b, *r, **k: ranges.append((a, b)) or real(h, a, b, *r, **k))
+    run, _ = _run(model, [PROMPTS[0]], 5, calm, threshold=threshold, min_exit_layer=min_exit)
+    after_prefill = ranges[1:]
+    starts = [i for i, (a, _) in enumerate(after_prefill) if a == 0]
+    assert len(starts) == 4  # 4 tokens after the prompt's
+    for i in starts:
+        assert after_prefill[i] == ((0, first) if first else (0, 1))
+    assert run.model_calls == 1 + 4
+
+
 # -- errors ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "opts,match",

@@ -284,6 +284,18 @@ def early_exit(run: Run, *, exit_layer: int):
     _active_layer_stats(run)
 
 
+NEVER_SATURATES = 1.0 + 1e-3  # a threshold above the largest cosine fp32 rounding gives (1 + a few ulp)
+
+
+def calm_first_check(d: int, threshold: float, min_exit_layer: int) -> int:
+    """The layer before which CALM checks nothing: a token can exit after layer ``min_exit_layer``
+    at the earliest, so layers ``[0, min_exit_layer - 1)`` run in one call; a threshold no cosine
+    reaches never exits, so all ``d`` layers do (greedy's cost, greedy's tokens)."""
+    if threshold > NEVER_SATURATES:
+        return d
+    return min(d, max(0, min_exit_layer - 1))
+
+
 @register("calm", batched=False, sampling=True, options=(O.THRESHOLD, O.MIN_EXIT_LAYER))
 def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
     """CALM-style early exit on hidden-state saturation (cosine of consecutive layers), skipped KV filled
@@ -301,13 +313,14 @@ def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
         h = run.model.embed(tok.unsqueeze(1))
         pos = run.positions(cache, 1, 0)
         exit_at = d
-        for layer in range(d):
+        first = calm_first_check(d, threshold, min_exit_layer)  # layers [0, first) run in one call
+        h = run.forward(cache, h=h, start=0, end=first, positions=pos) if first else h
+        for layer in range(first, d):
             prev = h
             h = run.forward(cache, h=h, start=layer, end=layer + 1, positions=pos, count_call=layer == 0)
-            if layer + 1 >= min_exit_layer and layer + 1 < d:
-                if float(F.cosine_similarity(h[0, -1], prev[0, -1], dim=0)) >= threshold:
-                    exit_at = layer + 1
-                    break
+            if layer + 1 < d and float(F.cosine_similarity(h[0, -1], prev[0, -1], dim=0)) >= threshold:
+                exit_at = layer + 1
+                break
         if exit_at < d:
             run.model.fill_kv(h, exit_at, d, pos, cache)
             filled += d - exit_at

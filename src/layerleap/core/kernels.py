@@ -1048,19 +1048,13 @@ def q4_format() -> str:
         f"{cpu_signature()} | torch {torch.__version__} | q4 | native {native.build_dir().name[:12]} | "
         f"{torch.get_num_threads()} threads" + ("" if fine_activations() else " | 8-bit activations")
     )
-    path = cache_root() / "kernels.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known.get(key), dict) or known[key].get("choice") not in ("blocks", "torch"):
-        times = measure_q4()
-        known[key] = {"choice": _q4_winner(times), "seconds": {str(m): t for m, t in times.items()}}
-        try:
-            write_json(path, known)
-        except LayerleapError:
-            pass
-    return known[key]["choice"]
+    entry = _remembered(key, lambda e: e.get("choice") in ("blocks", "torch"), _measure_q4_format)
+    return entry["choice"]
+
+
+def _measure_q4_format() -> dict:
+    times = measure_q4()
+    return {"choice": _q4_winner(times), "seconds": {str(m): t for m, t in times.items()}}
 
 
 def q4_weight(rows: QuantizedRows, bias: torch.Tensor | None = None) -> "BlockWeight | Int4Weight":

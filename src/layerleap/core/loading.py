@@ -570,7 +570,7 @@ def check_light_tokenizer(folder: Path, tokenizer) -> bool:
     try:
         note = {"reproduces": ok, "digest": files_digest(folder), "class": type(tokenizer).__name__}
         write_json(folder / VERIFIED, note)
-    except OSError:
+    except LayerleapError:  # an unwritable cache only costs the probe next time
         pass
     return ok
 

@@ -940,6 +940,39 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
     return entry["choice"]
 
 
+def draft_head_rows(weight: torch.Tensor) -> int:
+    """The most rows to multiply by a drafter's unembedding rows ``weight`` ``[K, D]`` one at a time on
+    a column-major weight before oneDNN's packed product over all of them is faster (0: always oneDNN).
+    Drafts only propose (verification scores the full vocabulary in the model's own format), so any
+    rounding will do; on the Zen 4 EPYC the packed product over 12,288 x 576 fp32 rows took 7.5-8 ms
+    for one or two rows, ``F.linear`` on the column-major weight 1.1 ms for one row and 15 ms for two.
+    Measured once per CPU signature, torch version, dtype, thread count and shape, and remembered in
+    ``<cache>/kernels.json``; ``$LAYERLEAP_KERNELS`` forces one (dense: always row by row)."""
+    if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or not ONEDNN:
+        return 1 << 30
+    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if forced in ("onednn", "dense"):
+        return 0 if forced == "onednn" else 1 << 30
+    K, D = weight.shape
+    entry = _remembered(
+        f"{_onednn_key(weight.dtype)} | draft head {K}x{D}",
+        lambda e: isinstance(e.get("row_s"), float) and isinstance(e.get("onednn_s"), float),
+        lambda: _measure_draft_head(weight),
+    )
+    return int(entry["onednn_s"] // entry["row_s"])
+
+
+def _measure_draft_head(weight: torch.Tensor) -> dict:
+    """Seconds for one row by ``weight`` column-major (``F.linear``) and by oneDNN's packed layout."""
+    packed = OneDNNWeight(weight, pad_to=())
+    cm = weight.t().contiguous().t()
+    x = torch.randn(1, weight.shape[1]).to(weight.dtype)
+    with torch.inference_mode():
+        row = _time_products([lambda: F.linear(x, cm)] * 4) / 4
+        onednn = _time_products([lambda: packed(x)] * 4) / 4
+    return {"row_s": row, "onednn_s": onednn}
+
+
 def _valid_rows(rows) -> bool:
     return (
         isinstance(rows, list)

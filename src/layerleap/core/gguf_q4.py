@@ -332,8 +332,7 @@ def check(folder: Path) -> tuple:
     """Check a q4 cache folder without reading its weights: -> (config, metadata, header).  Every
     problem (config, tokenizer, a truncated or foreign weights file, a missing weight) raises a
     ``LayerleapError`` that names the file."""
-    from .weight_files import ModelFileError, read_json, safetensors_header
-    from ..files import read_safetensors_meta
+    from .weight_files import ModelFileError, read_json, safetensors_header, safetensors_metadata
 
     config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=folder.name)
     for tok in ("tokenizer.json", "tokenizer_config.json"):
@@ -341,7 +340,7 @@ def check(folder: Path) -> tuple:
             read_json(folder / tok, "tokenizer file")
     path = folder / WEIGHTS
     header = safetensors_header(path)
-    meta = read_safetensors_meta(path)
+    meta = safetensors_metadata(path)
     if meta.get("format") != FORMAT or not meta.get("fingerprint"):
         raise ModelFileError(
             f"{path} is not a layerleap 4-bit weights file (format {meta.get('format')!r}): delete it to convert again"
@@ -423,15 +422,14 @@ def save_packed(folder: Path, model) -> None:
 def load_packed(folder: Path, config, tokenizer):
     """The model from ``packed_file`` when it is there and sound, else None (then it is rebuilt)."""
     from ..errors import LayerleapError
-    from ..files import read_safetensors_meta
     from .kernels import KernelError
-    from .weight_files import read_safetensors_file
+    from .weight_files import read_safetensors_file, safetensors_metadata
 
     path = packed_file(folder)
     if not path.is_file():
         return None
     try:
-        meta = read_safetensors_meta(path)
+        meta = safetensors_metadata(path)
         if meta.get("format") != FORMAT + "-packed":
             return None
         model = build_q4_packed(config, read_safetensors_file(path), json.loads(meta["modules"]), tokenizer)

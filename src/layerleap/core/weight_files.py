@@ -165,10 +165,9 @@ _ST_DTYPES = {
 _HEADER_MAX = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def safetensors_header(path: Path) -> tuple[dict, int]:
-    """The tensor entries of a safetensors file and where its data starts, after checking that the
-    header parses, every entry is consistent (dtype, shape, offsets) and the file holds all the data
-    (a truncated or foreign file is a ``ModelFileError`` naming it)."""
+def _header_json(path: Path) -> tuple[dict, int, int]:
+    """A safetensors file's JSON header, its length and the file's size (``ModelFileError`` for a file
+    whose header cannot be read)."""
     import struct
 
     try:
@@ -192,6 +191,23 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
         ) from None
     if not isinstance(header, dict):
         raise ModelFileError(f"{path} has a corrupt safetensors header: replace it")
+    return header, n, size
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file, from its header without importing `safetensors` (a
+    load does not map its library); ``ModelFileError`` for a file whose header cannot be read."""
+    meta = _header_json(path)[0].get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ModelFileError(f"{path} has a corrupt safetensors header (its metadata): replace it")
+    return dict(meta)
+
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """The tensor entries of a safetensors file and where its data starts, after checking that the
+    header parses, every entry is consistent (dtype, shape, offsets) and the file holds all the data
+    (a truncated or foreign file is a ``ModelFileError`` naming it)."""
+    header, n, size = _header_json(path)
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":

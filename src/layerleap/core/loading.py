@@ -744,6 +744,7 @@ def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
 
     config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=name or folder.name)
     tokenizer = load_tokenizer(folder)
+    release_freed_memory()  # the parse of tokenizer.json (about 30 MB for SmolLM2's), before the weights come
     model = gguf_q4.load_packed(folder, config, tokenizer)
     if model is None:
         weights, meta = gguf_q4.read(folder)

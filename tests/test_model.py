@@ -282,6 +282,11 @@ def test_rope_tables_grow_with_the_positions_and_give_the_full_tables_values():
     assert torch.equal(full_logits(fresh, prompt), full_logits(ref, prompt))  # no cache: grown by a scan
     with pytest.raises(IndexError):  # past max_position, as before
         fresh(torch.zeros(1, 1, dtype=torch.long), positions=torch.tensor([[4096]]))
+    odd = random_model(dict(max_position=4096), seed=2).to(torch.bfloat16)  # a position past the cache's slots
+    tok, at = torch.tensor([[3]]), torch.tensor([[3000]])
+    with torch.inference_mode():
+        got, want = odd(tok, positions=at, cache=odd.new_cache(1, 8)), ref(tok, positions=at, cache=ref.new_cache(1, 8))
+    assert torch.equal(got, want) and odd.rope_cos.shape[0] == 4096
 
 
 @pytest.mark.parametrize("native", [False, True])

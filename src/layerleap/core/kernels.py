@@ -899,15 +899,20 @@ def _onednn_key(dtype: torch.dtype) -> str:
     )
 
 
+def _known() -> dict:
+    """``<cache>/kernels.json``: the choices measured so far ({} when there is none or it is unreadable)."""
+    try:
+        known = json.loads((cache_root() / "kernels.json").read_text())
+    except (OSError, ValueError):
+        known = {}
+    return known if isinstance(known, dict) else {}
+
+
 def _remembered(key: str, ok, measure) -> dict:
     """``<cache>/kernels.json``'s entry ``key`` where ``ok(entry)``, else that entry updated with
     ``measure()``'s fields and saved (an unwritable cache only costs the measurement next time)."""
     path = cache_root() / "kernels.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
+    known = _known()
     entry = known.get(key) if isinstance(known.get(key), dict) else {}
     if not ok(entry):
         known[key] = entry = {**entry, **measure()}
@@ -1068,21 +1073,30 @@ def q4_format() -> str:
     Only one kernel there: that one.  Both: measured once per CPU signature, torch version, native
     build, thread count and activation bits (``measure_q4``, a few seconds; the kernel faster at more
     of 1, 4, 8 and 16 rows wins, the sum over them on a tie)
-    and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_Q4_KERNEL`` overrides."""
-    have_blocks, have_torch = blocks_available(), int4_supported()
+    and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_Q4_KERNEL`` overrides.  The block kernel
+    forced or remembered needs no check of torch's kernel (its trial product maps about 7 MB of
+    torch's code that a load with the block kernel never runs)."""
+    forced = os.environ.get(Q4_ENV, "").strip().lower()
+    have_blocks = blocks_available()
+    if have_blocks and (forced == "blocks" or not forced and _known().get(_q4_key(), {}).get("choice") == "blocks"):
+        return "blocks"
+    have_torch = int4_supported()
     if not (have_blocks and have_torch):
         return "blocks" if have_blocks else "torch"
-    forced = os.environ.get(Q4_ENV, "").strip().lower()
     if forced in ("blocks", "torch"):
         return forced
+    entry = _remembered(_q4_key(), lambda e: e.get("choice") in ("blocks", "torch"), _measure_q4_format)
+    return entry["choice"]
+
+
+def _q4_key() -> str:
+    """``q4_format``'s entry in ``<cache>/kernels.json``: CPU, torch, native build, threads, activation bits."""
     from . import native
 
-    key = (
+    return (
         f"{cpu_signature()} | torch {torch.__version__} | q4 | native {native.build_dir().name[:12]} | "
         f"{torch.get_num_threads()} threads" + ("" if fine_activations() else " | 8-bit activations")
     )
-    entry = _remembered(key, lambda e: e.get("choice") in ("blocks", "torch"), _measure_q4_format)
-    return entry["choice"]
 
 
 def _measure_q4_format() -> dict:

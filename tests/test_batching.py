@@ -27,7 +27,7 @@ OPTIONS = {
     "skipdecode": {"min_exit_layer": 1, "max_exit_layer": 3},
     "medusa": {"tree": "2,1"},
     "hidden-transfer": {"tree": "2,1"},
-    "eagle": {"draft_len": 3},
+    "eagle": {"draft_len": 3, "width": 2},
     "speculative": {"draft_len": 3, "schedule": "heuristic", "min_confidence": 0.3},
 }
 # untrained drafters for the tree methods, perturbed so that drafts are sometimes right, sometimes not

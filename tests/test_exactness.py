@@ -110,6 +110,14 @@ EXACT = {
         ("gamma1", lambda m, o: {"eagle_head": _random_drafter(m, "eagle", scale=0.05), "draft_len": 1}),
         ("gamma4", lambda m, o: {"eagle_head": _random_drafter(m, "eagle", scale=0.05), "draft_len": 4}),
         (
+            "gamma1 width3",
+            lambda m, o: {"eagle_head": _random_drafter(m, "eagle", scale=0.05), "draft_len": 1, "width": 3},
+        ),
+        (
+            "gamma3 width4",
+            lambda m, o: {"eagle_head": _random_drafter(m, "eagle", scale=0.05), "draft_len": 3, "width": 4},
+        ),
+        (
             "gamma5 conf0.3 full vocab",
             lambda m, o: {
                 "eagle_head": _random_drafter(m, "eagle", scale=0.05),

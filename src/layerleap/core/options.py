@@ -366,6 +366,14 @@ DRAFT_VOCAB = Option(
 MEDUSA_HEADS = Option(
     "heads", "weights", "Medusa heads: trained (shipped) or a weights file", default="trained", choices=("trained",)
 )
+WIDTH = Option(
+    "width",
+    "int",
+    "the first draft's top-k verified side by side in a tree (the chain goes on from the top one)",
+    lo=1,
+    hi=64,
+    none="the weight format's tuned width: fp32/bf16 3, q4 1",
+)
 EAGLE_HEAD = Option(
     "eagle_head",
     "weights",

@@ -5,7 +5,9 @@ the next round's root (the target's own token) and ``h`` give the first draft, e
 ``s_1 = step(final_norm(h), root)``, ``s_i = step(final_norm(s_{i-1}), d_{i-1})``, ``d_i`` the top
 token of ``final_norm(s_i)`` over the draft vocabulary.  Rows of a batch draft together, one head
 call per step.  The chain ends at ``draft_len``, at an end-of-sequence draft, or after a draft whose
-top probability is below ``min_confidence``.  Drafts are argmax choices (one-hot proposals), so
+top probability is below ``min_confidence``.  ``width`` > 1 adds the first draft's next ``width - 1``
+candidates as siblings (a tree of one chain and a fan at its first level, verified with tree
+attention; the chain goes on from the top one).  Drafts are top-k choices (one-hot proposals), so
 greedy output is greedy decoding's and sampling stays lossless."""
 
 from __future__ import annotations
@@ -24,16 +26,24 @@ class EagleDrafter(Drafter):
     batched = True
 
     def __init__(
-        self, run: Run, head: EagleHead, draft_len: int, vocab: DraftVocab | None = None, min_confidence: float = 0.0
+        self,
+        run: Run,
+        head: EagleHead,
+        draft_len: int,
+        vocab: DraftVocab | None = None,
+        min_confidence: float = 0.0,
+        width: int = 1,
     ):
         self.head, self.draft_len, self.vocab, self.min_confidence = head, draft_len, vocab, min_confidence
+        self.width = width
+        self.siblings: dict[int, list[int]] = {}  # row -> the first draft's other candidates this round
         super().__init__(run)
         self.kept_state: list[torch.Tensor | None] = [None] * run.batch  # per row [D]: the last kept position's
         self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
         self.head_steps = 0  # head calls (each drafts one token for every drafting row)
 
     def round_tokens(self) -> int:
-        return self.draft_len + 1  # the root and the chain
+        return self.draft_len + self.width  # the root, the chain and the first draft's siblings
 
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()
@@ -45,16 +55,28 @@ class EagleDrafter(Drafter):
         rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b is not None and root is not None and b > 0]
         chains = self.draft(rows, [roots[r] for r in rows], [min(budgets[r], self.draft_len) for r in rows])
         return [
-            None if b is None else Candidates.chain(root, chains.get(row, []))
+            None if b is None else self.candidates(root, chains.get(row, []), self.siblings.get(row, []))
             for row, (root, b) in enumerate(zip(roots, budgets))
         ]
+
+    @staticmethod
+    def candidates(root: int | None, chain: list[int], siblings: list[int]) -> Candidates:
+        """The chain after ``root``, with ``siblings`` of its first draft as a fan (a tree) when there are any."""
+        if not siblings or not chain:
+            return Candidates.chain(root, chain)
+        tokens = [chain[0], *siblings, *chain[1:]]
+        n = len(siblings)
+        parents = [-1] * (1 + n) + ([0] + list(range(n + 1, n + len(chain) - 1)) if len(chain) > 1 else [])
+        return Candidates.from_parents(root, tokens, parents)
 
     @torch.no_grad()
     def draft(self, rows: list[int], roots: list[int], lengths: list[int]) -> dict[int, list[int]]:
         """Each listed row's chain after its root, at most its length long."""
         chains: dict[int, list[int]] = {row: [] for row in rows}
+        self.siblings = {}
         model = self.run.model
         live = list(range(len(rows)))
+        first = True
         z = model.final_norm(torch.stack([self.kept_state[r] for r in rows])) if rows else None  # [R, D]
         x = torch.tensor(roots, dtype=torch.long, device=model.device)  # [R]
         while live:
@@ -62,6 +84,9 @@ class EagleDrafter(Drafter):
             logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
             top = logits.argmax(-1)
             tokens = (top if self.vocab is None else self.vocab.token(top)).tolist()
+            if first and self.width > 1:
+                self.fan(rows, live, logits)
+            first = False
             sure = logits.float().softmax(-1).amax(-1).tolist() if self.min_confidence > 0 else [1.0] * len(live)
             self.head_steps += 1
             keep = []
@@ -75,6 +100,14 @@ class EagleDrafter(Drafter):
                 sel = torch.tensor(keep, device=model.device)
                 z, x = z[sel], top.new_tensor([tokens[j] for j in keep])
         return chains
+
+    def fan(self, rows: list[int], live: list[int], logits: torch.Tensor) -> None:
+        """The first draft's next ``width - 1`` candidates of each drafting row (``logits`` ``[R, V or K]``)."""
+        k = min(self.width, logits.shape[-1])
+        top = logits.topk(k, dim=-1).indices[:, 1:]
+        ids = (top if self.vocab is None else self.vocab.token(top)).tolist()
+        for j, i in enumerate(live):
+            self.siblings[rows[i]] = ids[j]
 
     def update(self, cands, results) -> None:
         called = self.start is not None and bool((self.cache.lengths[0] != self.start).any())

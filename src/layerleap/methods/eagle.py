@@ -20,6 +20,7 @@ from . import draft_verify
 # at draft_len 1-4 (docs/HIDDEN_TRANSFER.md, "The EAGLE head"): the shipped head's drafts are kept
 # 24-26% of the time, so a second draft adds less than its head step and its verification row cost.
 DEFAULT_DRAFT_LEN = {"float32": 1, "bfloat16": 1, "float16": 1, "q4": 1}
+DEFAULT_WIDTH = {"float32": 3, "bfloat16": 3, "float16": 3, "q4": 1}
 
 
 @register(
@@ -28,15 +29,17 @@ DEFAULT_DRAFT_LEN = {"float32": 1, "bfloat16": 1, "float16": 1, "q4": 1}
     sampling=True,
     exact=True,
     grammar=True,
-    options=(O.DRAFT_LEN, O.MIN_CONFIDENCE, O.EAGLE_HEAD, O.DRAFT_VOCAB),
+    options=(O.DRAFT_LEN, O.WIDTH, O.MIN_CONFIDENCE, O.EAGLE_HEAD, O.DRAFT_VOCAB),
 )
-def eagle(run: Run, *, draft_len=None, min_confidence=0.0, eagle_head="trained", draft_vocab="auto"):
-    """The EAGLE head drafting a chain feature by feature (draft_len: the most drafts a round, none: the
-    dtype's tuned length; min_confidence: stop after a less sure draft), verified in one call:
-    greedy-exact; lossless sampling.  draft_vocab as medusa's."""
+def eagle(run: Run, *, draft_len=None, width=None, min_confidence=0.0, eagle_head="trained", draft_vocab="auto"):
+    """The EAGLE head drafting a chain feature by feature (draft_len: the most drafts a round; width: the
+    first draft's top-k verified side by side; none: the dtype's tuned ones; min_confidence: stop after a
+    less sure draft), verified in one call: greedy-exact; lossless sampling.  draft_vocab as medusa's."""
     head = weights.get_drafter(run.model, "eagle", eagle_head)
-    if draft_len is None:
-        draft_len = DEFAULT_DRAFT_LEN.get(run.model.dtype_name, DEFAULT_DRAFT_LEN["float32"])
-    drafter = EagleDrafter(run, head, draft_len, get_draft_vocab(run.model, draft_vocab), min_confidence)
+    dtype = run.model.dtype_name
+    draft_len = DEFAULT_DRAFT_LEN.get(dtype, DEFAULT_DRAFT_LEN["float32"]) if draft_len is None else draft_len
+    width = DEFAULT_WIDTH.get(dtype, DEFAULT_WIDTH["float32"]) if width is None else width
+    vocab = get_draft_vocab(run.model, draft_vocab)
+    drafter = EagleDrafter(run, head, draft_len, vocab, min_confidence, width)
     yield from draft_verify.decode(run, drafter)
     run.record([EagleStats(head_steps=drafter.head_steps)] * run.batch)

@@ -174,6 +174,7 @@ class Run:
         self.finished = [False] * self.batch
         self.model_calls = 0
         self.layer_evals = [0] * self.batch
+        self.layer_calls = [0] * self.batch  # model calls over a layer range each row took part in
         self.prompt_layer_evals = [0] * self.batch
         self.records: dict[type, list[Record]] = {}  # a method's own statistics: kind -> one record per row
         self.t0 = time.perf_counter()
@@ -226,6 +227,9 @@ class Run:
             positions = self.positions(cache, S, start)
         h = self.model.run_layers(h, start, end, positions, cache, mask)
         self.count(end - start, S, call=count_call)
+        for row in range(self.batch):
+            if end > start and not self.finished[row]:
+                self.layer_calls[row] += 1
         return h
 
     def count(self, n_layers: int, n_positions: int, call: bool = True) -> None:
@@ -272,6 +276,7 @@ class Run:
             # the last prompt position predicts the first new token: its layers count as generation
             self.prompt_layer_evals[row] += start * (len(p) - 1)
             self.layer_evals[row] += start
+            self.layer_calls[row] += 1  # (one call per token for greedy)
         return states
 
     # -- token choice and output ---------------------------------------------------------------

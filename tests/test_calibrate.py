@@ -487,3 +487,29 @@ def test_calibrate_cli_with_a_variant_measures_against_the_base_model(char_model
     assert run["config"]["base_fingerprint"] == char_model.fingerprint
     own = [o.text for o in C.greedy_outputs(variant, prompts, 5)]
     assert [o["text"] for o in run["settings"][0]["outputs"]] == own
+
+
+PRICED = sorted(p for p in budget.SHIPPED.glob("*/*/*.json") if '"step_cost"' in p.read_text())
+
+
+@pytest.mark.parametrize("path", PRICED, ids=lambda p: "/".join(p.parts[-2:]))
+def test_shipped_files_choose_the_fastest_valid_setting_by_their_measured_step_cost(path):
+    """Every shipped budget was priced with the step cost it records: its chosen setting is the valid one
+    modelled fastest (the earlier on a tie), and it says it is faster than greedy only when modelled so."""
+    for key, entry in json.loads(path.read_text())["budgets"].items():
+        cost = SC.StepCost.from_dict(entry["config"]["step_cost"])
+        settings = []
+        for i, s in enumerate(entry["settings"]):
+            setting = C.Setting(i, s["options"], [], layer_passes=s["layer_passes"], valid=s["valid"])
+            setting.calls, setting.checks, setting.heads, setting.filled = (
+                s["calls"],
+                s["checks"],
+                s["heads"],
+                s["filled"],
+            )
+            setting.modelled_speedup = cost.speedup(**setting.counts())
+            assert setting.modelled_speedup == pytest.approx(s["modelled_speedup"], rel=1e-4), (key, s["options"])
+            settings.append(setting)
+        chosen = C.choose(settings)
+        assert entry["chosen"]["options"] == chosen.options
+        assert entry["faster_than_greedy"] == C.faster_than_greedy(chosen)

@@ -5,8 +5,9 @@ process that holds llama.cpp alone:
 
     python benchmarks/llamacpp_engine.py '{"engine": "llama.cpp", "gguf": "...", "ids": [...], ...}'
 
-prints one JSON line: the resident memory (VmRSS) after the imports, after loading, after one
-generation, and the peak (VmHWM).  ``engine`` ``layerleap`` loads ``model`` with ``dtype`` instead.
+prints one JSON line: the resident memory (VmRSS) after the imports, after loading, while decoding
+(the largest reading between tokens or rounds, the KV cache live), after one generation, and the
+peak (VmHWM).  ``engine`` ``layerleap`` loads ``model`` with ``dtype`` instead.
 """
 
 from __future__ import annotations
@@ -167,9 +168,10 @@ class LlamaCpp:
             "draft": self.draft.params if self.draft else None,
         }
 
-    def generate(self, prompt_ids: list[int], n: int) -> tuple[list[int], float, float]:
+    def generate(self, prompt_ids: list[int], n: int, each=None) -> tuple[list[int], float, float]:
         """-> (n new token ids, wall s, time to the first token s); the whole prompt is evaluated
-        anew every time (no prefix reuse from the previous call), the draft model's too."""
+        anew every time (no prefix reuse from the previous call), the draft model's too.  ``each()``,
+        when given, is called after every token."""
         self.llm.reset()
         if isinstance(self.draft, CountingLookup):
             self.draft.calls = self.draft.drafted = 0
@@ -182,6 +184,8 @@ class LlamaCpp:
             if not out:
                 ttft = time.perf_counter() - t0
             out.append(int(tok))
+            if each is not None:
+                each()
             if len(out) == n:
                 break
         return out, time.perf_counter() - t0, ttft
@@ -210,6 +214,18 @@ def kv_bytes(llm) -> int:
 
 
 # -- the memory probe (one engine per process) ----------------------------------------------------
+class LargestReading:
+    """``resident()`` at its largest VmRSS over the calls (``largest.reading``)."""
+
+    def __init__(self):
+        self.reading: dict = {}
+
+    def __call__(self) -> None:
+        now = resident()
+        if now["VmRSS"] > self.reading.get("VmRSS", -1):
+            self.reading = now
+
+
 def probe_llamacpp(spec: dict) -> dict:
     import llama_cpp  # noqa: F401  (the imports' memory belongs to the baseline)
 
@@ -219,7 +235,9 @@ def probe_llamacpp(spec: dict) -> dict:
     )
     eng = LlamaCpp(Path(spec["gguf"]), spec["threads"], spec["n_ctx"], draft=draft)
     out["after_load"] = resident()
-    eng.generate(spec["ids"], spec["new_tokens"])
+    largest = LargestReading()
+    eng.generate(spec["ids"], spec["new_tokens"], each=largest)
+    out["while_decoding"] = largest.reading
     out["after_generate"] = resident()
     out["after_trim"] = trimmed()
     out["kv_bytes"] = kv_bytes(eng.llm) + (kv_bytes(eng.draft.llm) if draft else 0)
@@ -240,7 +258,10 @@ def probe_layerleap(spec: dict) -> dict:
     model = loader(spec["model"])
     options = resolve_models(spec["method"], spec.get("options", {}), loader)
     out["after_load"] = resident()
-    layerleap.generate(model, spec["ids"], spec["method"], spec["new_tokens"], stop_at_eos=False, **options)
+    largest = LargestReading()
+    for _ in layerleap.Decoding(model, spec["ids"], spec["method"], spec["new_tokens"], stop_at_eos=False, **options):
+        largest()  # after each round (a generation's buffers go back to the system when it ends)
+    out["while_decoding"] = largest.reading
     out["after_generate"] = resident()
     out["after_trim"] = trimmed()
     slots = len(spec["ids"]) + spec["new_tokens"] + 1  # the cache a generation allocates (core/run.py)

@@ -29,7 +29,7 @@ ships only prompt lookup):
 ``--prompt-set short-chat`` takes the shortest first turn of each of Spec-Bench's eight MT-bench
 categories instead of the first Spec-Bench prompts.  ``--prefill 512`` times the prompt pass alone
 on prompts of exactly 512 token ids, and ``--memory`` the resident memory of each engine after
-loading and after a generation, each engine in a process of its own (``llamacpp_engine.py``).  The
+loading, while decoding and after a generation, each engine in a process of its own (``llamacpp_engine.py``).  The
 JSON report (written atomically after every prompt) records the CPU model and flags, the versions,
 the thread counts, the load average before and after, and the command line.
 """
@@ -414,20 +414,21 @@ def run_memory(s: Setup, args, report: dict, save) -> None:
 
 
 def memory_table(records: list[dict]) -> str:
-    """Resident memory in MB; "model" is the growth from after the imports to after the generation,
-    set against the weight files plus the KV cache the engine allocated."""
+    """Resident memory in MB; "model" is the growth from after the imports to the largest reading while
+    decoding (the KV cache live), set against the weight files plus the KV cache the engine allocated."""
     lines = [
-        "| engine | after imports | after load | after generation | peak | model (generation − imports) "
-        "| of it file-backed | after malloc_trim | GGUF file(s) | KV cache | model / (file + KV) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| engine | after imports | after load | while decoding | after generation | peak "
+        "| model (decoding − imports) | of it file-backed | after malloc_trim | GGUF file(s) | KV cache "
+        "| model / (file + KV) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        mb = {k: r[k]["VmRSS"] / 1e6 for k in ("after_imports", "after_load", "after_generate")}
-        own = mb["after_generate"] - mb["after_imports"]
-        own_file = (r["after_generate"]["RssFile"] - r["after_imports"]["RssFile"]) / 1e6
+        mb = {k: r[k]["VmRSS"] / 1e6 for k in ("after_imports", "after_load", "while_decoding", "after_generate")}
+        own = mb["while_decoding"] - mb["after_imports"]
+        own_file = (r["while_decoding"]["RssFile"] - r["after_imports"]["RssFile"]) / 1e6
         lines.append(
-            f"| {r['label']} | {mb['after_imports']:.0f} | {mb['after_load']:.0f} | {mb['after_generate']:.0f} | "
-            f"{r['after_generate']['VmHWM'] / 1e6:.0f} | {own:.0f} | "
+            f"| {r['label']} | {mb['after_imports']:.0f} | {mb['after_load']:.0f} | {mb['while_decoding']:.0f} | "
+            f"{mb['after_generate']:.0f} | {r['after_generate']['VmHWM'] / 1e6:.0f} | {own:.0f} | "
             f"{own_file:.0f} | {r['after_trim']['VmRSS'] / 1e6:.0f} | {r['file_bytes'] / 1e6:.0f} | "
             f"{r['kv_bytes'] / 1e6:.1f} | {own * 1e6 / (r['file_bytes'] + r['kv_bytes']):.2f}× |"
         )
@@ -565,8 +566,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--memory",
         action="store_true",
-        help="measure each engine's resident memory after loading and after a generation of the longest "
-        "prompt, each in its own process, instead of timing",
+        help="measure each engine's resident memory after loading, while decoding and after a generation of "
+        "the longest prompt, each in its own process, instead of timing",
     )
     ap.add_argument("--json", default=None, help="write the report here (atomically, after every prompt)")
     args = ap.parse_args(argv)

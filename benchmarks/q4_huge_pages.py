@@ -1,6 +1,7 @@
-"""A q4 model's one-token call with its block weights on transparent huge pages (as loaded,
-``kernels.to_huge_pages``) against a twin whose weights are copied to ordinary 4 KB pages, the two
-taking turns in one process (thread CPU time; each round keeps the best of 3 calls).
+"""A q4 model's one-token call with its block weights on transparent huge pages (as loaded: read
+there from the packed cache, ``gguf_q4.load_packed``) against a twin whose weights are copied to
+ordinary 4 KB pages, the two taking turns in one process (thread CPU time; each round keeps the best
+of 3 calls).
 
     python benchmarks/q4_huge_pages.py --model qwen2.5-coder-1.5b --threads 1 --context 256 --rounds 40
 """

@@ -204,6 +204,7 @@ AL = ["align", "--model", "{D}", "--prompts", "1", "--max-new-tokens", "2"]
 FT = ["finetune", "skipdecode", "--model", "{D}", "--steps", "1"]
 TH = ["train", "heads", "--model", "{D}", "--tokens", "10"]
 TM = ["train", "medusa", "--model", "{D}", "--steps", "1", "--seq-len", "8"]
+TE = ["train", "eagle", "--model", "{D}", "--steps", "1", "--seq-len", "8"]
 TT = ["train", "transfer", "--model", "{D}", "--steps", "1", "--seq-len", "8"]
 MR = ["match-rate", "--model", "{D}", "--prompts", "1", "--max-new-tokens", "2"]
 SV = ["heads", "sub-vocab", "--model", "{D}"]
@@ -213,7 +214,7 @@ CLI = [
     # the command line itself
     ([], "the following arguments are required: COMMAND"),
     (["nope"], "invalid choice: 'nope'"),
-    (["train"], "the following arguments are required: {heads,transfer,medusa,data}"),
+    (["train"], "the following arguments are required: {heads,transfer,medusa,eagle,data}"),
     (["eval"], "the following arguments are required"),
     (["generate"], "one of the arguments --prompt --prompts-file is required"),
     (["generate", "--prompt"], "expected one argument"),
@@ -608,6 +609,9 @@ CLI = [
         "chunks of 3 tokens leave no target 3",
     ),
     (TM + ["--out", "{T}/m.safetensors", "--seq-len", "4", "--heads", "5"], "seq_len 4 leaves no target 5 steps ahead"),
+    (TE + ["--out", "{T}/e.safetensors", "--heads", "2"], "--heads is for `layerleap train medusa`; train eagle takes"),
+    (TE + ["--out", "{T}/e.safetensors", "--unroll", "0"], "must be an integer in [1, 64]"),
+    (TM + ["--out", "{T}/m.safetensors", "--unroll", "2"], "--unroll is for `layerleap train eagle`"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "1,2,3", "--chunks", "{SHORT}"], "leave no target 3 steps ahead"),
     (
         ["finetune", "variant", *M, "--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{GARBAGE}"],
@@ -959,6 +963,8 @@ API = [
     (_gen("hi", method="speculative", draft="tiny"), "draft= must be a layerleap model"),
     (_gen("hi", method="ppd", k=True), "k must be an integer in [1, 128] (vocab_size = 128 on this model), got True"),
     (_gen("hi", method="medusa", heads=5), "heads must be one of trained, a weights file or loaded weights, got 5"),
+    (_gen("hi", method="eagle", eagle_head=5), "eagle_head must be one of trained, a weights file or loaded"),
+    (_gen("hi", method="eagle"), "no shipped eagle weights fit"),
     # the functions the commands use
     (_theory(p=math.nan), "--p-correct must be a finite number, got nan"),
     (_theory(d="40"), "--layers must be an integer"),
@@ -1359,6 +1365,7 @@ REQUIRED = {  # the least each command needs to parse (the flag under test comes
     "heads sub-vocab": ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors"],
     "train medusa": ["--out", "{T}/m.safetensors"],
     "train transfer": ["--out", "{T}/t.safetensors"],
+    "train eagle": ["--out", "{T}/e.safetensors"],
     "eval frontier": ["--grid", "base:calm", "--json", "{T}/f.json"],
     "calibrate": ["calm"],
 }
@@ -1391,7 +1398,11 @@ def _victim(name, flag, t):
     label = t.__name__
     if label == "weights file":
         kind = t.tags["kind"]
-        kind = {"train medusa": "medusa", "train transfer": "transfer"}.get(name) if callable(kind) else kind
+        kind = (
+            {"train medusa": "medusa", "train transfer": "transfer", "train eagle": "eagle"}.get(name)
+            if callable(kind)
+            else kind
+        )
         return {"medusa": "{MEDUSA}", "token-chunks": "{CHUNKS}"}.get(kind, "{T}/held/v.safetensors")
     return VICTIM[label]
 

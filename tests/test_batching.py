@@ -27,12 +27,14 @@ OPTIONS = {
     "skipdecode": {"min_exit_layer": 1, "max_exit_layer": 3},
     "medusa": {"tree": "2,1"},
     "hidden-transfer": {"tree": "2,1"},
+    "eagle": {"draft_len": 3},
     "speculative": {"draft_len": 3, "schedule": "heuristic", "min_confidence": 0.3},
 }
 # untrained drafters for the tree methods, perturbed so that drafts are sometimes right, sometimes not
 DRAFTERS = {
     "medusa": ("heads", "medusa", {"steps": 2}),
     "hidden-transfer": ("transfer", "transfer", {"layers": [1, 2]}),
+    "eagle": ("eagle_head", "eagle", {}),
 }
 _MADE: dict = {}
 

@@ -5,6 +5,8 @@ the extension is not built (``layerleap native --build``)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -460,3 +462,21 @@ def test_two_threads_give_the_bits_of_one(bits):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+@pytest.mark.parametrize("how", ["forced", "remembered"])
+def test_the_block_kernel_chosen_skips_the_trial_of_torchs(how, monkeypatch, tmp_path):
+    """``q4_format`` with the block kernel forced or remembered never runs torch's int4 trial product
+    (it maps about 7 MB of torch's code); a remembered ``torch`` still checks that torch's kernel runs."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.Q4_ENV, raising=False)
+    trials = []
+    monkeypatch.setattr(kernels, "int4_supported", lambda: trials.append(1) or True)
+    if how == "forced":
+        monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    else:
+        (tmp_path / "kernels.json").write_text(json.dumps({kernels._q4_key(): {"choice": "blocks"}}))
+    assert kernels.q4_format() == "blocks" and trials == []
+    (tmp_path / "kernels.json").write_text(json.dumps({kernels._q4_key(): {"choice": "torch"}}))
+    monkeypatch.delenv(kernels.Q4_ENV, raising=False)
+    assert kernels.q4_format() == "torch" and trials == [1]

@@ -114,6 +114,7 @@ SAMPLING = {
     "self-spec": lambda t, d: {"exit_layer": 1, "draft_len": 2, "head": "shared"},
     "medusa": lambda t, d: {"tree": "2,1", "heads": _perturbed(t, "medusa", steps=2)},
     "hidden-transfer": lambda t, d: {"tree": "2,1", "transfer": _perturbed(t, "transfer", layers=[1, 2])},
+    "eagle": lambda t, d: {"draft_len": 2, "eagle_head": _perturbed(t, "eagle")},
     "medusa dynamic": lambda t, d: {"tree": "dynamic", "tree_nodes": 3, "heads": _perturbed(t, "medusa", steps=2)},
     "auto": lambda t, d: {"tree": "2,1", "draft_len": 2, "transfer": _perturbed(t, "transfer", layers=[1, 2])},
 }

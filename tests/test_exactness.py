@@ -106,6 +106,19 @@ EXACT = {
             },
         ),
     ],
+    "eagle": [
+        ("gamma1", lambda m, o: {"eagle_head": _random_drafter(m, "eagle", scale=0.05), "draft_len": 1}),
+        ("gamma4", lambda m, o: {"eagle_head": _random_drafter(m, "eagle", scale=0.05), "draft_len": 4}),
+        (
+            "gamma5 conf0.3 full vocab",
+            lambda m, o: {
+                "eagle_head": _random_drafter(m, "eagle", scale=0.05),
+                "draft_len": 5,
+                "min_confidence": 0.3,
+                "draft_vocab": "full",
+            },
+        ),
+    ],
     "hidden-transfer": [
         (
             "dynamic",

@@ -41,6 +41,20 @@ def test_safetensors_round_trip_with_string_metadata(tmp_path):
         read_safetensors_meta(tmp_path / "bad.safetensors")
 
 
+def test_safetensors_metadata_reads_the_header_as_safetensors_does(tmp_path):
+    """A load reads the metadata from the header itself (``weight_files.safetensors_metadata``): the
+    same as `safetensors` gives, and a file without a readable header is a ``ModelFileError``."""
+    from layerleap.core.weight_files import ModelFileError, safetensors_metadata
+
+    path = save_safetensors(tmp_path / "w.safetensors", {"w": torch.ones(3)}, {"format": "x", "n": 2})
+    assert safetensors_metadata(path) == read_safetensors_meta(path) == {"format": "x", "n": "2"}
+    assert safetensors_metadata(save_safetensors(tmp_path / "plain.safetensors", {"w": torch.ones(1)})) == {}
+    for bad in (b"not a file", path.read_bytes()[:20]):
+        (tmp_path / "bad.safetensors").write_bytes(bad)
+        with pytest.raises(ModelFileError, match="bad.safetensors"):
+            safetensors_metadata(tmp_path / "bad.safetensors")
+
+
 def test_figure_is_written_by_suffix(tmp_path):
     import matplotlib
 

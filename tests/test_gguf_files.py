@@ -251,6 +251,36 @@ def test_weights_fused_from_mixed_block_types_keep_every_part(tmp_path, monkeypa
     )
 
 
+@pytest.mark.skipif(not kernels.blocks_available(), reason="the native block kernel is not built")
+def test_the_packed_cache_reads_block_weights_straight_into_huge_pages(tmp_path, monkeypatch):
+    """A load from the packed cache reads every block weight's codes and scales (a fused weight's
+    parts too) into one huge-page arena as it reads the file, so the weights are never held twice;
+    the model gives the logits of the first load, which moved them there after building them."""
+    import mmap
+
+    from layerleap.core.cpu import HUGE_PAGE
+    from layerleap.core.kernels import BlockWeight, StackWeight
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no transparent huge pages here")
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    path = write_gguf(tmp_path / "mixed.gguf", "Q4_K", arch="qwen2", head="Q6_K", seed=6, tensor_types=MIXED)
+    first = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    ids = first.tokenizer.encode("hello hello")
+    monkeypatch.setattr(kernels, "to_huge_pages", lambda formats: pytest.fail("moved after the read"))
+    again = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    blocks = {
+        id(b): b
+        for m in again.modules()
+        if isinstance(getattr(m, "packed", None), (BlockWeight, StackWeight))
+        for b in (m.packed.parts if isinstance(m.packed, StackWeight) else [m.packed])
+    }.values()
+    storages = {t.untyped_storage().data_ptr() for b in blocks for t in (b.codes, b.dm)}
+    assert len(blocks) > 4 and len(storages) == 1
+    assert min(t.data_ptr() for b in blocks for t in (b.codes, b.dm)) % HUGE_PAGE == 0
+    assert torch.equal(_logits(again, ids), _logits(first, ids))
+
+
 def test_a_folder_that_re_quantized_mixed_parts_is_converted_again(tmp_path):
     from safetensors.torch import load_file
 

@@ -319,17 +319,20 @@ def test_other_tokenizer_classes_go_through_autotokenizer(tiny_hf_dir, tmp_path,
 
 
 def test_freed_memory_goes_back_after_a_load_and_a_long_prompt_pass(char_model_dir, monkeypatch):
-    """glibc keeps freed heap pages resident: a load and a call whose prompts hold LONG_PROMPT_PASS
-    tokens or more hand them back (``malloc_trim``); shorter calls do not pay for it."""
+    """glibc keeps freed heap pages resident: a load, and a call whose prompts hold LONG_PROMPT_PASS
+    tokens or more (right after the prompt pass, so they are not held while decoding, and at its end),
+    hand them back (``malloc_trim``); shorter calls do not pay for it."""
     from layerleap import decoding
+    from layerleap.core import run
 
     calls = []
     monkeypatch.setattr(loading, "release_freed_memory", lambda: calls.append("load"))
     monkeypatch.setattr(decoding, "release_freed_memory", lambda: calls.append("generate"))
+    monkeypatch.setattr(run, "release_freed_memory", lambda: calls.append("prompt pass"))
     model = layerleap.load(str(char_model_dir))
     assert calls and set(calls) == {"load"}
     calls.clear()
     layerleap.generate(model, "a" * 10, "greedy", 2)
     assert calls == []
     layerleap.generate(model, ["a" * (decoding.LONG_PROMPT_PASS // 2)] * 2, "greedy", 2)
-    assert calls == ["generate"]
+    assert calls == ["prompt pass", "generate"]

@@ -258,6 +258,37 @@ def test_cached_decoding_equals_full_forward(model, chunks):
     assert cache.lengths.tolist() == [[s, s]] * model.config.n_layers
 
 
+def test_rope_tables_grow_with_the_positions_and_give_the_full_tables_values():
+    """A model holds rope tables for ``ROPE_ROWS`` positions at first (a 32k-position model's full
+    tables take 16 MB in bf16); a call past them doubles the tables, and every row equals the row of
+    the full table, so a long prompt decodes as with the full tables (cached and not)."""
+    from layerleap.core.model import ROPE_ROWS, rope_tables
+
+    cfg = tiny_config(max_position=8192, head_dim=64, n_heads=2, n_kv_heads=1, hidden_size=128)
+    full_cos, full_sin = rope_tables(cfg, cfg.max_position)
+    cos, sin = rope_tables(cfg)
+    assert (
+        cos.shape[0] == ROPE_ROWS and torch.equal(cos, full_cos[:ROPE_ROWS]) and torch.equal(sin, full_sin[:ROPE_ROWS])
+    )
+    model = random_model(dict(max_position=4096), seed=2).to(torch.bfloat16)
+    ref = random_model(dict(max_position=4096), seed=2).to(torch.bfloat16)
+    ref.rope_cos, ref.rope_sin = (t.to(torch.bfloat16) for t in rope_tables(ref.config, 4096))
+    assert model.rope_cos.shape[0] == ROPE_ROWS
+    prompt = rand_ids(model.config.vocab_size, 1, ROPE_ROWS + 100, seed=5)[0].tolist()
+    got = layerleap.generate(model, prompt, "greedy", 8, stop_at_eos=False).token_ids
+    assert model.rope_cos.shape[0] == 2 * ROPE_ROWS and model.rope_cos.dtype == torch.bfloat16
+    assert got == layerleap.generate(ref, prompt, "greedy", 8, stop_at_eos=False).token_ids
+    fresh = random_model(dict(max_position=4096), seed=2).to(torch.bfloat16)
+    assert torch.equal(full_logits(fresh, prompt), full_logits(ref, prompt))  # no cache: grown by a scan
+    with pytest.raises(IndexError):  # past max_position, as before
+        fresh(torch.zeros(1, 1, dtype=torch.long), positions=torch.tensor([[4096]]))
+    odd = random_model(dict(max_position=4096), seed=2).to(torch.bfloat16)  # a position past the cache's slots
+    tok, at = torch.tensor([[3]]), torch.tensor([[3000]])
+    with torch.inference_mode():
+        got, want = odd(tok, positions=at, cache=odd.new_cache(1, 8)), ref(tok, positions=at, cache=ref.new_cache(1, 8))
+    assert torch.equal(got, want) and odd.rope_cos.shape[0] == 4096
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_cache_dtype_on_cpu_is_fp32_for_bf16_without_native_bf16(model, monkeypatch, native):
     from layerleap.core import model as model_mod

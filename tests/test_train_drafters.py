@@ -24,7 +24,10 @@ def _chunks(vocab, n=8, seq=12, seed=0):
     return out
 
 
-@pytest.mark.parametrize("kind", ["transfer", "medusa"])
+METHOD = {"transfer": ("hidden-transfer", "transfer"), "medusa": ("medusa", "heads"), "eagle": ("eagle", "eagle_head")}
+
+
+@pytest.mark.parametrize("kind", ["transfer", "medusa", "eagle"])
 def test_training_lowers_the_loss(tmp_path, kind):
     model = random_model("llama-mha-untied", seed=2)
     chunks = _chunks(model.config.vocab_size)
@@ -51,10 +54,9 @@ def test_training_lowers_the_loss(tmp_path, kind):
     from layerleap import generate
 
     prompt = chunks[0][:5]
-    opt = {"transfer": trained} if kind == "transfer" else {"heads": trained}
-    res = generate(
-        model, prompt, "hidden-transfer" if kind == "transfer" else "medusa", 10, stop_at_eos=False, tree="2,1", **opt
-    )
+    method, option = METHOD[kind]
+    shape = {"draft_len": 3} if kind == "eagle" else {"tree": "2,1"}
+    res = generate(model, prompt, method, 10, stop_at_eos=False, **shape, **{option: trained})
     assert res.token_ids == naive_greedy(model, prompt, 10)
 
 

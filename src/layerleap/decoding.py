@@ -27,6 +27,7 @@ from .core.run import (
     METHODS,
     GenerationConfig,
     GenerationError,
+    LONG_PROMPT_PASS,
     GenerationResult,
     Method,
     Run,
@@ -146,7 +147,6 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
 
 
 MAX_BATCH = 4096  # prompts in one call
-LONG_PROMPT_PASS = 256  # prompt tokens in a call after which its freed buffers go back to the OS
 
 
 def _split_prompts(prompt) -> tuple[list, bool]:

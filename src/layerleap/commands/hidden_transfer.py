@@ -26,14 +26,16 @@ from .basic import _command_line, _load, _model_args, _positive_int, _state_cach
 DRAFTER_ARG = V.name_or_file_arg(("trained",), "drafter weights file")
 TRANSFER_LAYERS = (15, 20, 25)  # train transfer's default t_i
 MEDUSA_HEADS = 3  # train medusa's default heads
+EAGLE_UNROLL = 3  # train eagle's default draft steps unrolled
 TRAIN_DATA_ARG = V.name_or_file_arg(DATA_CHOICES, "self-distilled data file (.jsonl)")
 
 
 @command(
     "train transfer",
     "train medusa",
-    help="train Hidden Transfer projections (--layers t1,t2,..) or Medusa heads (--heads k) on ShareGPT, "
-    "backbone frozen",
+    "train eagle",
+    help="train Hidden Transfer projections (--layers t1,t2,..), Medusa heads (--heads k) or the EAGLE head "
+    "(--unroll k) on ShareGPT or self-distilled data, backbone frozen",
 )
 def _setup_train(p):
     _model_args(p)
@@ -48,6 +50,12 @@ def _setup_train(p):
         type=V.int_arg(1, 64),
         default=None,
         help=f"train medusa only: heads = steps ahead (default {MEDUSA_HEADS})",
+    )
+    p.add_argument(
+        "--unroll",
+        type=V.int_arg(1, 64),
+        default=None,
+        help=f"train eagle only: draft steps unrolled, each fed the head's own state (default {EAGLE_UNROLL})",
     )
     p.add_argument(
         "--out",
@@ -96,8 +104,8 @@ def _setup_train(p):
     p.add_argument("--max-seconds", type=V.positive_float, default=None, help="stop and save after this many seconds")
     _state_cache_arg(
         p,
-        "train medusa only (Hidden Transfer's pseudo states run through the layers above t_1 at every step, "
-        "so its projections cannot train from cached states)",
+        "train medusa and train eagle only (Hidden Transfer's pseudo states run through the layers above t_1 at "
+        "every step, so its projections cannot train from cached states)",
     )
     workload.add_args(p)
 
@@ -120,15 +128,17 @@ def _read_chunks(path: str, vocab: int) -> list[list[int]]:
     return t.long().tolist()
 
 
+KIND_FLAGS = {"transfer": "--layers", "medusa": "--heads", "eagle": "--unroll"}
+
+
 def _kind_flags(args) -> str:
-    """The drafter kind of ``train transfer`` / ``train medusa``; the other kind's flag is refused, not ignored."""
-    kind = "transfer" if args.what == "transfer" else "medusa"
-    other = {"transfer": ("--heads", args.heads, "medusa"), "medusa": ("--layers", args.layers, "transfer")}[kind]
-    if other[1] is not None:
-        raise LayerleapError(
-            f"{other[0]} is for `layerleap train {other[2]}`; train {kind} takes "
-            f"{'--layers' if kind == 'transfer' else '--heads'}: drop {other[0]}"
-        )
+    """The drafter kind of ``train transfer`` / ``medusa`` / ``eagle``; another kind's flag is refused, not ignored."""
+    kind = args.what
+    for other, flag in KIND_FLAGS.items():
+        if other != kind and getattr(args, flag[2:]) is not None:
+            raise LayerleapError(
+                f"{flag} is for `layerleap train {other}`; train {kind} takes {KIND_FLAGS[kind]}: drop {flag}"
+            )
     return kind
 
 
@@ -141,7 +151,7 @@ def run_train(args) -> int:
     cfg = train_drafters.TrainConfig(
         kind=kind,
         layers=args.layers or list(TRANSFER_LAYERS),
-        steps_ahead=args.heads or MEDUSA_HEADS,
+        steps_ahead=(args.unroll or EAGLE_UNROLL) if kind == "eagle" else (args.heads or MEDUSA_HEADS),
         train_steps=args.steps,
         seq_len=args.seq_len,
         batch_size=args.batch_size,

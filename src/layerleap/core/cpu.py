@@ -61,21 +61,30 @@ class HugePageArena:
         self.buf, self.at, self.end = buf, start, start + nbytes
 
     @staticmethod
-    def size(t: torch.Tensor) -> int:
-        """The bytes ``t`` takes in an arena (rounded up to a cache line)."""
-        return -(-t.numel() * t.element_size() // 64) * 64
+    def size(t: torch.Tensor | int) -> int:
+        """The bytes ``t`` (a tensor or a byte count) takes in an arena (rounded up to a cache line)."""
+        n = t if isinstance(t, int) else t.numel() * t.element_size()
+        return -(-n // 64) * 64
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """The next ``nbytes`` of the arena as a uint8 tensor to fill (None when there is no arena or no room)."""
+        if self.buf is None or self.at + self.size(nbytes) > self.end:
+            return None
+        out = self.buf[self.at : self.at + nbytes]
+        self.at += self.size(nbytes)
+        return out
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of ``t`` in the arena (``t`` itself when there is no arena or no room)."""
         n = t.numel() * t.element_size()
-        if self.buf is None or self.at + self.size(t) > self.end:
+        room = self.take(n)
+        if room is None:
             return t
-        out = self.buf[self.at : self.at + n].view(t.dtype).view(t.shape)
+        out = room.view(t.dtype).view(t.shape)
         if t.is_contiguous() and t.device.type == "cpu":
             # one thread's memmove: torch's copy forks a parallel region per tensor, and on a busy
             # machine each waits for a time slice (a 135M model's 242 tensors: 2.5 s instead of 0.2)
             ctypes.memmove(out.data_ptr(), t.data_ptr(), n)
         else:
             out.copy_(t)
-        self.at += self.size(t)
         return out

@@ -58,6 +58,10 @@ BLOCKS_LAYOUT = "blocks16-v2"  # kernels.BlockWeight's layout (one for every CPU
 WEIGHT_KEYS = (".codes", ".scale", ".minimum", ".int8", ".int8_scale", ".q6", ".q6_scale", ".q6_d", ".parts")
 SIDE_KEYS = tuple(k for k in WEIGHT_KEYS if k not in (".codes", ".int8", ".q6"))  # beside a weight's main tensor
 STACK_PART_KEYS = ("codes", "dm", "bits", "out_features")  # a packed StackWeight's tensors per part
+BLOCK_TENSORS = (
+    ".codes",
+    ".dm",
+)  # the packed file's block-weight tensors (a StackWeight's parts' too): read into huge pages
 
 
 # -- GGUF blocks -> QuantizedRows -------------------------------------------------------------------
@@ -332,8 +336,7 @@ def check(folder: Path) -> tuple:
     """Check a q4 cache folder without reading its weights: -> (config, metadata, header).  Every
     problem (config, tokenizer, a truncated or foreign weights file, a missing weight) raises a
     ``LayerleapError`` that names the file."""
-    from .weight_files import ModelFileError, read_json, safetensors_header
-    from ..files import read_safetensors_meta
+    from .weight_files import ModelFileError, read_json, safetensors_header, safetensors_metadata
 
     config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=folder.name)
     for tok in ("tokenizer.json", "tokenizer_config.json"):
@@ -341,7 +344,7 @@ def check(folder: Path) -> tuple:
             read_json(folder / tok, "tokenizer file")
     path = folder / WEIGHTS
     header = safetensors_header(path)
-    meta = read_safetensors_meta(path)
+    meta = safetensors_metadata(path)
     if meta.get("format") != FORMAT or not meta.get("fingerprint"):
         raise ModelFileError(
             f"{path} is not a layerleap 4-bit weights file (format {meta.get('format')!r}): delete it to convert again"
@@ -423,34 +426,48 @@ def save_packed(folder: Path, model) -> None:
 def load_packed(folder: Path, config, tokenizer):
     """The model from ``packed_file`` when it is there and sound, else None (then it is rebuilt)."""
     from ..errors import LayerleapError
-    from ..files import read_safetensors_meta
+    from .cpu import HugePageArena
     from .kernels import KernelError
-    from .weight_files import read_safetensors_file
+    from .weight_files import read_safetensors_file, safetensors_header, safetensors_metadata
 
     path = packed_file(folder)
     if not path.is_file():
         return None
     try:
-        meta = read_safetensors_meta(path)
+        meta = safetensors_metadata(path)
         if meta.get("format") != FORMAT + "-packed":
             return None
-        model = build_q4_packed(config, read_safetensors_file(path), json.loads(meta["modules"]), tokenizer)
+        header = safetensors_header(path)
+        blocks = [e["data_offsets"] for k, e in header[0].items() if k.endswith(BLOCK_TENSORS)]
+        arena = HugePageArena(sum(HugePageArena.size(stop - begin) for begin, stop in blocks))
+        place = (
+            (lambda name, n: arena.take(n) if name.endswith(BLOCK_TENSORS) else None) if arena.buf is not None else None
+        )
+        tensors = read_safetensors_file(path, header=header, place=place)
+        model = build_q4_packed(
+            config, tensors, json.loads(meta["modules"]), tokenizer, in_huge_pages=place is not None
+        )
     except (LayerleapError, KernelError, KeyError, ValueError, RuntimeError, TypeError):
         return None
     model.set_fingerprint(meta["fingerprint"])
     return model
 
 
-def assemble_q4(config: ModelConfig, formats: dict, dense: dict, tokenizer=None, source=None) -> Transformer:
+def assemble_q4(
+    config: ModelConfig, formats: dict, dense: dict, tokenizer=None, source=None, in_huge_pages: bool = False
+) -> Transformer:
     """Put ``formats`` (module name -> packed weight) and ``dense`` tensors (state_dict names, cast to
-    bf16) into a Transformer built on the meta device; refuse anything left unfilled."""
+    bf16) into a Transformer built on the meta device; refuse anything left unfilled.  The block
+    weights' tensors move into huge pages (``kernels.to_huge_pages``) unless ``in_huge_pages`` says
+    they were read there."""
     from .kernels import to_huge_pages
     from .model import rope_tables
 
     with torch.device("meta"):
         model = Transformer(config, tokenizer=tokenizer, source=source)
     mods = dict(model.named_modules())
-    to_huge_pages(formats.values())
+    if not in_huge_pages:
+        to_huge_pages(formats.values())
     for name, fmt in formats.items():
         mods[name].pack(fmt)
     if config.tie_embeddings and "lm_head.weight" in dense:
@@ -466,9 +483,12 @@ def assemble_q4(config: ModelConfig, formats: dict, dense: dict, tokenizer=None,
     return model.eval().requires_grad_(False).optimize_layout()
 
 
-def build_q4_packed(config: ModelConfig, tensors: dict, modules: dict, tokenizer=None) -> Transformer:
+def build_q4_packed(
+    config: ModelConfig, tensors: dict, modules: dict, tokenizer=None, in_huge_pages: bool = False
+) -> Transformer:
     """A 4-bit model from the packed cache (``gguf_q4.save_packed``): ``modules`` maps each packed
-    module to [the module whose tensors it uses, the format's class name]."""
+    module to [the module whose tensors it uses, the format's class name]; ``in_huge_pages``: the
+    block weights' tensors were read into huge pages (``assemble_q4``)."""
     from .kernels import BlockWeight, Int4Weight, Int8Rows, StackWeight
 
     formats, made = {}, {}
@@ -500,4 +520,4 @@ def build_q4_packed(config: ModelConfig, tensors: dict, modules: dict, tokenizer
             else:
                 raise ConfigError(f"unknown packed format {kind!r}")
         formats[name] = made[owner]
-    return assemble_q4(config, formats, tensors, tokenizer)
+    return assemble_q4(config, formats, tensors, tokenizer, in_huge_pages=in_huge_pages)

@@ -899,15 +899,20 @@ def _onednn_key(dtype: torch.dtype) -> str:
     )
 
 
+def _known() -> dict:
+    """``<cache>/kernels.json``: the choices measured so far ({} when there is none or it is unreadable)."""
+    try:
+        known = json.loads((cache_root() / "kernels.json").read_text())
+    except (OSError, ValueError):
+        known = {}
+    return known if isinstance(known, dict) else {}
+
+
 def _remembered(key: str, ok, measure) -> dict:
     """``<cache>/kernels.json``'s entry ``key`` where ``ok(entry)``, else that entry updated with
     ``measure()``'s fields and saved (an unwritable cache only costs the measurement next time)."""
     path = cache_root() / "kernels.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
+    known = _known()
     entry = known.get(key) if isinstance(known.get(key), dict) else {}
     if not ok(entry):
         known[key] = entry = {**entry, **measure()}
@@ -938,6 +943,39 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
         _onednn_key(dtype), lambda e: e.get("choice") in ("onednn", "dense"), lambda: _measure_format(dtype)
     )
     return entry["choice"]
+
+
+def draft_head_rows(weight: torch.Tensor) -> int:
+    """The most rows to multiply by a drafter's unembedding rows ``weight`` ``[K, D]`` one at a time on
+    a column-major weight before oneDNN's packed product over all of them is faster (0: always oneDNN).
+    Drafts only propose (verification scores the full vocabulary in the model's own format), so any
+    rounding will do; on the Zen 4 EPYC the packed product over 12,288 x 576 fp32 rows took 7.5-8 ms
+    for one or two rows, ``F.linear`` on the column-major weight 1.1 ms for one row and 15 ms for two.
+    Measured once per CPU signature, torch version, dtype, thread count and shape, and remembered in
+    ``<cache>/kernels.json``; ``$LAYERLEAP_KERNELS`` forces one (dense: always row by row)."""
+    if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or not ONEDNN:
+        return 1 << 30
+    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if forced in ("onednn", "dense"):
+        return 0 if forced == "onednn" else 1 << 30
+    K, D = weight.shape
+    entry = _remembered(
+        f"{_onednn_key(weight.dtype)} | draft head {K}x{D}",
+        lambda e: isinstance(e.get("row_s"), float) and isinstance(e.get("onednn_s"), float),
+        lambda: _measure_draft_head(weight),
+    )
+    return int(entry["onednn_s"] // entry["row_s"])
+
+
+def _measure_draft_head(weight: torch.Tensor) -> dict:
+    """Seconds for one row by ``weight`` column-major (``F.linear``) and by oneDNN's packed layout."""
+    packed = OneDNNWeight(weight, pad_to=())
+    cm = weight.t().contiguous().t()
+    x = torch.randn(1, weight.shape[1]).to(weight.dtype)
+    with torch.inference_mode():
+        row = _time_products([lambda: F.linear(x, cm)] * 4) / 4
+        onednn = _time_products([lambda: packed(x)] * 4) / 4
+    return {"row_s": row, "onednn_s": onednn}
 
 
 def _valid_rows(rows) -> bool:
@@ -1035,21 +1073,30 @@ def q4_format() -> str:
     Only one kernel there: that one.  Both: measured once per CPU signature, torch version, native
     build, thread count and activation bits (``measure_q4``, a few seconds; the kernel faster at more
     of 1, 4, 8 and 16 rows wins, the sum over them on a tie)
-    and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_Q4_KERNEL`` overrides."""
-    have_blocks, have_torch = blocks_available(), int4_supported()
+    and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_Q4_KERNEL`` overrides.  The block kernel
+    forced or remembered needs no check of torch's kernel (its trial product maps about 7 MB of
+    torch's code that a load with the block kernel never runs)."""
+    forced = os.environ.get(Q4_ENV, "").strip().lower()
+    have_blocks = blocks_available()
+    if have_blocks and (forced == "blocks" or not forced and _known().get(_q4_key(), {}).get("choice") == "blocks"):
+        return "blocks"
+    have_torch = int4_supported()
     if not (have_blocks and have_torch):
         return "blocks" if have_blocks else "torch"
-    forced = os.environ.get(Q4_ENV, "").strip().lower()
     if forced in ("blocks", "torch"):
         return forced
+    entry = _remembered(_q4_key(), lambda e: e.get("choice") in ("blocks", "torch"), _measure_q4_format)
+    return entry["choice"]
+
+
+def _q4_key() -> str:
+    """``q4_format``'s entry in ``<cache>/kernels.json``: CPU, torch, native build, threads, activation bits."""
     from . import native
 
-    key = (
+    return (
         f"{cpu_signature()} | torch {torch.__version__} | q4 | native {native.build_dir().name[:12]} | "
         f"{torch.get_num_threads()} threads" + ("" if fine_activations() else " | 8-bit activations")
     )
-    entry = _remembered(key, lambda e: e.get("choice") in ("blocks", "torch"), _measure_q4_format)
-    return entry["choice"]
 
 
 def _measure_q4_format() -> dict:

@@ -40,15 +40,24 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
-def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin ``[max_position, head_dim]`` in fp32 (the Hugging Face 'default' rope).
+ROPE_ROWS = 1024  # positions a model's rope tables cover at first; they double as longer calls need them
+
+
+def rope_rows(config: ModelConfig, need: int = ROPE_ROWS) -> int:
+    """Rows of rope tables that cover positions ``[0, need)``: a power of two, at most ``max_position``."""
+    return min(config.max_position, 1 << max(need - 1, 1).bit_length())
+
+
+def rope_tables(config: ModelConfig, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin ``[rows, head_dim]`` in fp32 (the Hugging Face 'default' rope) for
+    positions ``[0, rows)``, by default ``rope_rows(config)``; a row's values do not depend on ``rows``.
 
     ``rotate_half(x) * sin == roll(x, hd/2) * sin_signed`` exactly, with the first half of
     ``sin_signed`` negated, so applying the rotation takes one roll instead of split + cat + neg."""
     dim = config.head_dim
     cpu = torch.device("cpu")  # on the CPU also inside a meta-device context (see ``skip_meta_init``)
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
-    t = torch.arange(config.max_position, dtype=torch.int64, device=cpu).float()
+    t = torch.arange(rope_rows(config) if rows is None else rows, dtype=torch.int64, device=cpu).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     sin = emb.sin()
@@ -368,7 +377,7 @@ class Transformer(nn.Module):
             raise ValueError(f"layer range [{start}, {end}) is outside [0, {self.config.n_layers}]")
         if start == end:
             return h
-        cos, sin = self._rope(positions, h.dtype)
+        cos, sin = self._rope(positions, h.dtype, None if cache is None else cache.max_len)
         S = h.shape[1]
         groups = self.config.n_heads // self.config.n_kv_heads
         if cache is None:
@@ -423,9 +432,31 @@ class Transformer(nn.Module):
             native.after_layers(self, end),
         )
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sign-folded sin ``[B, S, 1, hd]`` at ``positions`` ``[B, S]``."""
-        return self.rope_cos[positions].unsqueeze(2).to(dtype), self.rope_sin[positions].unsqueeze(2).to(dtype)
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None):
+        """cos, sign-folded sin ``[B, S, 1, hd]`` at ``positions`` ``[B, S]``, all below ``bound`` when it
+        is given (a cache's slots: no scan of ``positions``); the tables grow to cover them."""
+        rows, full = self.rope_cos.shape[0], self.config.max_position
+        if rows < full:
+            if positions.device.type != "cpu" or self.rope_cos.device.type != "cpu":
+                need = full  # an index out of range cannot be caught on an accelerator: the whole table, once
+            else:
+                need = bound if bound is not None else int(positions.max()) + 1 if positions.numel() else 0
+            if need > rows:
+                self._grow_rope(need)
+        try:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        except IndexError:  # a position at or past ``bound``: the whole table (past it, the error stands)
+            if self.rope_cos.shape[0] >= full:
+                raise
+            self._grow_rope(full)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        return cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype)
+
+    def _grow_rope(self, need: int) -> None:
+        """Rope tables for ``rope_rows(config, need)`` positions, in the tables' dtype and device."""
+        cos, sin = rope_tables(self.config, rope_rows(self.config, need))
+        old = self.rope_cos
+        self.rope_cos, self.rope_sin = cos.to(old.device, old.dtype), sin.to(old.device, old.dtype)
 
     def fill_kv(self, h: torch.Tensor, start: int, end: int, positions: torch.Tensor, cache: KVCache) -> None:
         """Write keys/values of layers ``[start, end)`` computed from one hidden state ``h`` ``[B, S, D]``
@@ -433,7 +464,7 @@ class Transformer(nn.Module):
         CALM-style early exit uses it to give skipped layers cache entries from the exit state."""
         if int(cache.lengths[start:end].max()) + h.shape[1] > cache.max_len:
             raise CacheError(f"KV cache overflow: {h.shape[1]} more slots do not fit in {cache.max_len}")
-        cos, sin = self._rope(positions, h.dtype)
+        cos, sin = self._rope(positions, h.dtype, cache.max_len)
         for layer in range(start, end):
             blk = self.layers[layer]
             _, k, v = blk.attn.project(blk.attn_norm(h), cos, sin)

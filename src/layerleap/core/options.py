@@ -366,6 +366,13 @@ DRAFT_VOCAB = Option(
 MEDUSA_HEADS = Option(
     "heads", "weights", "Medusa heads: trained (shipped) or a weights file", default="trained", choices=("trained",)
 )
+EAGLE_HEAD = Option(
+    "eagle_head",
+    "weights",
+    "the EAGLE head: trained (shipped) or a weights file",
+    default="trained",
+    choices=("trained",),
+)
 AUTO_MEDUSA = Option(
     "medusa",
     "weights",

@@ -72,6 +72,13 @@ class SelfSpecStats(Record):
 
 
 @dataclass
+class EagleStats(Record):
+    """The EAGLE head: head calls, each drafting one token for every drafting row (the whole batch's)."""
+
+    head_steps: int
+
+
+@dataclass
 class LookupStats(Record):
     """Prompt lookup: rounds that found a draft."""
 
@@ -216,6 +223,7 @@ class Stats(Mapping):
     companion: CompanionStats | None = None
     speculative: SpeculativeStats | None = None
     self_spec: SelfSpecStats | None = None
+    eagle: EagleStats | None = None
     lookup: LookupStats | None = None
     tree: TreeStats | None = None
     auto: AutoStats | None = None
@@ -252,6 +260,7 @@ RECORD_FIELDS: dict[type, str] = {
     CompanionStats: "companion",
     SpeculativeStats: "speculative",
     SelfSpecStats: "self_spec",
+    EagleStats: "eagle",
     LookupStats: "lookup",
     TreeStats: "tree",
     BildStats: "bild",

@@ -165,10 +165,9 @@ _ST_DTYPES = {
 _HEADER_MAX = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def safetensors_header(path: Path) -> tuple[dict, int]:
-    """The tensor entries of a safetensors file and where its data starts, after checking that the
-    header parses, every entry is consistent (dtype, shape, offsets) and the file holds all the data
-    (a truncated or foreign file is a ``ModelFileError`` naming it)."""
+def _header_json(path: Path) -> tuple[dict, int, int]:
+    """A safetensors file's JSON header, its length and the file's size (``ModelFileError`` for a file
+    whose header cannot be read)."""
     import struct
 
     try:
@@ -192,6 +191,23 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
         ) from None
     if not isinstance(header, dict):
         raise ModelFileError(f"{path} has a corrupt safetensors header: replace it")
+    return header, n, size
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file, from its header without importing `safetensors` (a
+    load does not map its library); ``ModelFileError`` for a file whose header cannot be read."""
+    meta = _header_json(path)[0].get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ModelFileError(f"{path} has a corrupt safetensors header (its metadata): replace it")
+    return dict(meta)
+
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """The tensor entries of a safetensors file and where its data starts, after checking that the
+    header parses, every entry is consistent (dtype, shape, offsets) and the file holds all the data
+    (a truncated or foreign file is a ``ModelFileError`` naming it)."""
+    header, n, size = _header_json(path)
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -226,22 +242,28 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
 
 
 def read_safetensors_file(
-    path: Path, dtype: torch.dtype | None = None, header: tuple[dict, int] | None = None
+    path: Path, dtype: torch.dtype | None = None, header: tuple[dict, int] | None = None, place=None
 ) -> dict[str, torch.Tensor]:
     """Read a safetensors file tensor by tensor with plain reads, so every tensor owns its memory
     (no file mapping stays resident beside the weights); floating tensors are cast to ``dtype``
-    one at a time.  The header is checked first (``safetensors_header``)."""
+    one at a time.  The header is checked first (``safetensors_header``).  ``place(name, nbytes)``,
+    when given, returns a uint8 tensor of ``nbytes`` to read tensor ``name`` into (e.g. room in a
+    ``cpu.HugePageArena``), or None for memory of its own."""
     entries, base = header or safetensors_header(Path(path))
     out = {}
     with open(path, "rb") as f:
         for name, info in entries.items():
             begin, end = info["data_offsets"]
             f.seek(base + begin)
-            buf = bytearray(f.read(end - begin))
-            if len(buf) != end - begin:
+            room = place(name, end - begin) if place is not None and end > begin else None
+            buf = bytearray(end - begin) if room is None else room.numpy()
+            if f.readinto(buf) != end - begin:
                 raise ModelFileError(f"{path} is truncated at tensor {name!r}: replace it")
             dt = _ST_DTYPES[info["dtype"]]
-            t = torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)
+            if room is not None:
+                t = room.view(dt)
+            else:
+                t = torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)
             t = t.reshape(info["shape"])
             out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out

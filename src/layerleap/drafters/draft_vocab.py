@@ -25,10 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
+import torch.nn.functional as F
 
 from ..core import kernels
-from ..core.model import Linear, Transformer
+from ..core.model import Transformer
 from ..errors import LayerleapError
 from ..files import read_safetensors_meta, save_safetensors
 from ..loaded import per_model
@@ -44,20 +44,28 @@ class DraftVocabError(LayerleapError, ValueError):
     """A draft vocabulary that cannot be made or loaded: the message names the problem and the fix."""
 
 
-def unembedding_rows(model: Transformer, weight: torch.Tensor) -> Linear:
-    """A ``K x D`` unembedding (rows of an LM head) held as the model holds its projections
-    (``Transformer.optimize_layout``: oneDNN's packed layout, or dense, column-major for fp32 where
-    that multiplies faster), so one draft row costs ``K / V`` of the full product."""
-    K, D = weight.shape
-    lin = Linear(D, K, bias=False, device="meta")
-    w = weight.detach().contiguous()
-    if w.device.type == "cpu" and kernels.dense_format(w.dtype, w.device) == "onednn":
-        lin.pack(kernels.OneDNNWeight(w))
-        return lin
-    if Transformer.column_major(w.dtype, w.device.type):
-        w = w.t().contiguous().t()
-    lin.weight = nn.Parameter(w, requires_grad=False)
-    return lin
+class DraftRows:
+    """A ``K x D`` unembedding (rows of an LM head) for drafts: ``x`` ``[.., D]`` -> ``[.., K]``.  Up to
+    ``kernels.draft_head_rows`` rows are multiplied one at a time by the column-major weight, more at once
+    in oneDNN's packed layout (on a CPU where oneDNN serves; else a dense product), whichever this CPU
+    runs faster, so one draft row costs about ``K / V`` of the full product, or less."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().contiguous()
+        self.row_by_row = kernels.draft_head_rows(w)
+        cpu = w.device.type == "cpu"
+        self.column_major = w.t().contiguous().t() if cpu else w  # [K, D] strided as [D, K]
+        self.packed = kernels.OneDNNWeight(w) if cpu and kernels.ONEDNN and self.row_by_row < 1 << 30 else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [n, D]
+        n = rows.shape[0]
+        if n <= self.row_by_row or self.packed is None:
+            out = torch.cat([F.linear(rows[i : i + 1], self.column_major) for i in range(n)]) if n > 1 else None
+            out = F.linear(rows, self.column_major) if out is None else out
+        else:
+            out = self.packed(rows)
+        return out.reshape(*x.shape[:-1], -1)
 
 
 class DraftVocab:
@@ -73,7 +81,7 @@ class DraftVocab:
         self.model = model
         self.ids = ids.to(model.device)  # [K]
         self.weight = model.head_weight().detach()[self.ids].contiguous()  # [K, D]
-        self.head = unembedding_rows(model, self.weight)
+        self.head = DraftRows(self.weight)
         self.meta = dict(meta or {})
 
     @property
@@ -103,7 +111,7 @@ class VocabHead:
         self.head, self.vocab = head, vocab
         own = head.unembed_weight()
         shared = own is head.model.head_weight() or own.data_ptr() == head.model.head_weight().data_ptr()
-        self.rows = vocab.head if shared else unembedding_rows(head.model, own.detach()[vocab.ids])  # K x D
+        self.rows = vocab.head if shared else DraftRows(own.detach()[vocab.ids])  # K x D
         self.layer, self.kind, self.dtype = head.layer, head.kind, own.dtype
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:

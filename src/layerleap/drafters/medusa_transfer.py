@@ -7,6 +7,13 @@
 - ``MedusaHeads`` (Cai et al. 2023, Medusa-1): head ``i`` maps the last layer's normalised state
   ``z`` to logits for the token ``i + 1`` ahead: ``unembed(z + SiLU(W_i z + b_i))``, ``W_i, b_i``
   zero at start, with the model's own unembedding (frozen, shared: only ``D x D`` per head).
+- ``EagleHead`` (after Li et al. 2024, EAGLE, §4): one head drafts a chain feature by feature.  From
+  a position's normalised last-layer state ``z_j`` and the embedding of the token after it,
+  ``x_{j+1}``, it predicts the state of position ``j + 1``: ``s = u + MLP(u)``,
+  ``u = W [z_j; e(x_{j+1}) / rms]``; ``final_norm(s)`` through the model's own unembedding drafts
+  ``x_{j+2}`` and feeds the next step with that draft.  Where EAGLE has a decoder layer attending to
+  earlier features, this head has a residual SwiGLU block on the one position: no cache of its own,
+  a few MB of weights, about one layer's cost per draft.
 
 Files: one weights file each (``drafters.weights``: the model's fingerprint and the training budget
 in its metadata; a file made for another model is refused), written atomically.  Shipped files live
@@ -26,8 +33,12 @@ from ..core.model import Transformer
 from . import weights
 
 DATA = Path(__file__).parent.parent / "data"
-KINDS = ("transfer", "medusa")
-TRAIN_COMMAND = {"transfer": "layerleap train transfer", "medusa": "layerleap train medusa"}
+KINDS = ("transfer", "medusa", "eagle")
+TRAIN_COMMAND = {
+    "transfer": "layerleap train transfer",
+    "medusa": "layerleap train medusa",
+    "eagle": "layerleap train eagle",
+}
 
 
 class DrafterError(LayerleapError, ValueError):
@@ -120,11 +131,55 @@ class MedusaHeads(_Drafter):
         return self.model.unembed(self.state(step, z))
 
 
+class EagleHead(_Drafter):
+    """One head that drafts a chain of any length: ``step(z, x)`` maps normalised last-layer states
+    ``z`` and the tokens ``x`` after them to the states of the next positions (module docstring).
+    ``hidden``: the SwiGLU block's width.  At start it copies ``z`` (``W = [I, 0]``, the block's output
+    zero), so an untrained head drafts the token after the last one again."""
+
+    kind = "eagle"
+    CONFIG = ("hidden",)
+    MOST_STEPS = 64  # the longest chain a round drafts (one head serves every step)
+
+    def __init__(self, model: Transformer, hidden: int):
+        super().__init__(model)
+        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+            raise DrafterError(f"the EAGLE head's hidden width must be a positive integer, got {hidden!r}")
+        D = model.config.hidden_size
+        self.hidden = hidden
+        self.fc = nn.Linear(2 * D, D, bias=False)
+        self.norm = nn.Parameter(torch.ones(D))
+        self.gate_up = nn.Linear(D, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, D, bias=False)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :D].copy_(torch.eye(D))
+            self.down.weight.zero_()
+
+    @property
+    def steps(self) -> int:
+        return self.MOST_STEPS
+
+    def step(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Normalised states ``z`` ``[.., D]`` and the tokens after them ``x`` ``[..]`` -> the next
+        positions' states ``[.., D]`` (before the final norm, in the model's dtype)."""
+        w = self.fc.weight
+        e = self.model.embed(x).to(w.dtype)  # [.., D]
+        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)
+        u = self.fc(torch.cat([z.to(w.dtype), e], dim=-1))  # [.., D]
+        v = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        gate, up = self.gate_up(v).chunk(2, dim=-1)
+        return (u + self.down(F.silu(gate) * up)).to(self.model.dtype)
+
+
 def new_drafter(model: Transformer, kind: str, **config) -> _Drafter:
     if kind == "transfer":
         return TransferProjections(model, config["layers"]).to(model.device)
     if kind == "medusa":
         return MedusaHeads(model, int(config["steps"])).to(model.device)
+    if kind == "eagle":
+        hidden = config.get("hidden") or model.config.intermediate_size
+        return EagleHead(model, int(hidden)).to(model.device)
     raise DrafterError(f"unknown drafter kind {kind!r}: choose one of {', '.join(KINDS)}")
 
 
@@ -140,7 +195,11 @@ def _builder(kind: str):
 
 FILE_KINDS = {
     kind: weights.Kind(kind, what, TRAIN_COMMAND[kind], DrafterError, _builder(kind))
-    for kind, what in (("transfer", "Hidden Transfer projections"), ("medusa", "Medusa heads"))
+    for kind, what in (
+        ("transfer", "Hidden Transfer projections"),
+        ("medusa", "Medusa heads"),
+        ("eagle", "the EAGLE head"),
+    )
 }
 
 
@@ -175,7 +234,7 @@ def shipped_files(model: Transformer, kind: str) -> list[Path]:
 def get_drafter(model: Transformer, kind: str, spec="trained") -> _Drafter:
     """``spec``: "trained" (the shipped weights for this model), a path to a weights file, or a drafter
     of this model."""
-    cls = TransferProjections if kind == "transfer" else MedusaHeads
+    cls = {"transfer": TransferProjections, "medusa": MedusaHeads, "eagle": EagleHead}[_file_kind(kind).name]
     if isinstance(spec, _Drafter):
         if not isinstance(spec, cls) or spec.model is not model:
             raise DrafterError(
@@ -188,7 +247,7 @@ def get_drafter(model: Transformer, kind: str, spec="trained") -> _Drafter:
             raise DrafterError(
                 f"no shipped {kind} weights fit {model.config.name} (fingerprint {model.fingerprint}): "
                 f"train them with `{TRAIN_COMMAND[kind]}` and pass the file "
-                f"({'transfer' if kind == 'transfer' else 'heads'}=PATH)"
+                f"({'heads' if kind == 'medusa' else kind}=PATH)"
             )
         return load_drafter(model, files[-1], kind)
     if isinstance(spec, (str, Path)):

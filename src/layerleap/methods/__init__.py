@@ -6,6 +6,7 @@ from . import speculative  # noqa: F401
 from . import bild  # noqa: F401
 from . import medusa  # noqa: F401
 from . import hidden_transfer  # noqa: F401
+from . import eagle  # noqa: F401
 from . import ppd  # noqa: F401
 from . import self_spec  # noqa: F401
 from . import prompt_lookup  # noqa: F401

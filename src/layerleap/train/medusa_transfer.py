@@ -13,6 +13,11 @@ with a target (``j + i <= N - 1``) and the steps.  ``init``: start from a weight
   so training sees exactly what decoding computes.  (The paper trains each step on its own, a step-2
   pseudo state seeing the real state of the position before it; here it sees the step-1 pseudo
   state instead, as it does when decoding.)
+- EAGLE head: the same pass's states, unrolled ``steps_ahead`` steps as decoding runs it: step
+  ``i`` feeds the head its own step ``i - 1`` output (the real ``z_j`` at step 1) and the data's
+  token ``x_{j+i}``, and its state stands for position ``j + i``: the loss is the KL above against
+  ``P_{j+i}`` plus a smooth-L1 pull of its normalised state towards the real ``z_{j+i}`` (EAGLE's
+  feature regression), averaged over the steps.  It trains from ``state_cache`` as Medusa does.
 - Medusa: one no-gradient pass gives the last layer's normalised states ``z`` and ``P``; the heads
   train on ``z``.  With ``state_cache`` (a folder) the last layer's states of each chunk are stored
   the first time the chunk is seen (``train.state_cache``) and read back by every later epoch and
@@ -58,7 +63,7 @@ class TrainError(LayerleapError, ValueError):
 class TrainConfig:
     kind: str = "transfer"
     layers: list[int] = field(default_factory=lambda: [15, 20, 25])  # transfer: t_i per step
-    steps_ahead: int = 3  # medusa: number of heads
+    steps_ahead: int = 3  # medusa: number of heads; eagle: draft steps unrolled
     train_steps: int = 200
     seq_len: int = 128
     batch_size: int = 1  # chunks per step
@@ -92,10 +97,10 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
         if cfg.max_seconds is not None:
             V.number(cfg.max_seconds, "max_seconds", 0, lo_open=True)
     if cfg.state_cache is not None:
-        if cfg.kind != "medusa":
+        if cfg.kind == "transfer":
             raise TrainError(
-                "--state-cache is for train medusa: Hidden Transfer's pseudo states run through the layers "
-                "above t_1 at every step, so its projections cannot train from cached states: drop --state-cache"
+                "--state-cache is for train medusa and train eagle: Hidden Transfer's pseudo states run through the "
+                "layers above t_1 at every step, so its projections cannot train from cached states: drop --state-cache"
             )
         if cfg.state_dtype not in ("bfloat16", "float32"):
             raise TrainError(f"state_dtype {cfg.state_dtype!r}: choose bfloat16 or float32")
@@ -217,7 +222,35 @@ def medusa_loss(
     return torch.stack(losses).mean()
 
 
-def loss_fn(kind: str):
+REGRESSION = 1.0  # the weight of the EAGLE head's feature regression beside its KL
+
+
+def eagle_loss(
+    model: Transformer, head: drafters.EagleHead, ids: torch.Tensor, last: torch.Tensor | None = None, steps: int = 3
+) -> torch.Tensor:
+    """``ids`` ``[B, N]`` -> the mean over ``steps`` unrolled draft steps of the KL to the model's next-token
+    distribution and ``REGRESSION`` times the smooth-L1 distance of the head's normalised state to the
+    real one (module docstring).  ``last`` as ``medusa_loss``'s."""
+    B, N = ids.shape
+    with torch.no_grad():
+        if last is None:
+            last = backbone_states(model, ids, [model.config.n_layers])[model.config.n_layers]
+        z = model.final_norm(last.to(model.device, model.dtype))  # [B, N, D]
+        teacher = model.unembed(z)  # [B, N, V]
+    ids = ids.to(model.device)
+    z_in, losses = z, []
+    for i in range(1, min(steps, N - 1) + 1):
+        n = N - i  # sources j = 0..n-1: the state of position j + i from that of j + i - 1 and token x_{j+i}
+        zi = model.final_norm(head.step(z_in[:, :n], ids[:, i:]))  # [B, n, D]
+        kl = _kl(teacher[:, i:].flatten(0, 1), model.unembed(zi).flatten(0, 1))
+        losses.append(kl + REGRESSION * F.smooth_l1_loss(zi.float(), z[:, i:].float()))
+        z_in = zi
+    return torch.stack(losses).mean()
+
+
+def loss_fn(kind: str, steps: int = 3):
+    if kind == "eagle":
+        return lambda model, head, ids, last=None: eagle_loss(model, head, ids, last, steps)
     return transfer_loss if kind == "transfer" else medusa_loss
 
 
@@ -230,6 +263,11 @@ def start_from(drafter: drafters._Drafter, path) -> dict:
     except drafters.DrafterError as e:
         raise TrainError(f"--init: {e}") from None
     if loaded.config() != drafter.config():
+        if drafter.kind == "eagle":
+            raise TrainError(
+                f"--init {path} holds an EAGLE head {loaded.hidden} wide, not {drafter.hidden}: "
+                "give a head made for this model, or train from scratch without --init"
+            )
         flag = "--layers" if drafter.kind == "transfer" else "--heads"
         have = ",".join(map(str, loaded.layers)) if drafter.kind == "transfer" else str(loaded.steps)
         raise TrainError(
@@ -303,7 +341,7 @@ def train(
     params = dict(drafter.named_parameters())
     for p in params.values():
         p.requires_grad_(True)
-    lf = loss_fn(cfg.kind)
+    lf = loss_fn(cfg.kind, cfg.steps_ahead)
     if model.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -317,7 +355,7 @@ def train(
             return torch.zeros((), requires_grad=True)
         ids = torch.tensor([chunks[i] for i in mine], dtype=torch.long)
         if store is not None:
-            return weight * medusa_loss(model, drafter, ids, store.states(mine)[model.config.n_layers])
+            return weight * lf(model, drafter, ids, store.states(mine)[model.config.n_layers])
         return weight * lf(model, drafter, ids)
 
     loop = LoopConfig(

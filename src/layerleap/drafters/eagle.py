@@ -1,0 +1,85 @@
+"""The EAGLE head's drafter: a chain drafted feature by feature (``medusa_transfer.EagleHead``).
+
+After each verification call, every row keeps the last-layer state ``h`` of its last kept position;
+the next round's root (the target's own token) and ``h`` give the first draft, each draft the next:
+``s_1 = step(final_norm(h), root)``, ``s_i = step(final_norm(s_{i-1}), d_{i-1})``, ``d_i`` the top
+token of ``final_norm(s_i)`` over the draft vocabulary.  Rows of a batch draft together, one head
+call per step.  The chain ends at ``draft_len``, at an end-of-sequence draft, or after a draft whose
+top probability is below ``min_confidence``.  Drafts are argmax choices (one-hot proposals), so
+greedy output is greedy decoding's and sampling stays lossless."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.run import Run
+from ..core.tree import Candidates
+from .base import Drafter
+from .draft_vocab import DraftVocab
+from .medusa_transfer import EagleHead
+from .trees import draft_logits
+
+
+class EagleDrafter(Drafter):
+    batched = True
+
+    def __init__(
+        self, run: Run, head: EagleHead, draft_len: int, vocab: DraftVocab | None = None, min_confidence: float = 0.0
+    ):
+        self.head, self.draft_len, self.vocab, self.min_confidence = head, draft_len, vocab, min_confidence
+        super().__init__(run)
+        self.kept_state: list[torch.Tensor | None] = [None] * run.batch  # per row [D]: the last kept position's
+        self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
+        self.head_steps = 0  # head calls (each drafts one token for every drafting row)
+
+    def round_tokens(self) -> int:
+        return self.draft_len + 1  # the root and the chain
+
+    def prefill(self) -> torch.Tensor:
+        logits = super().prefill()
+        for row in range(self.run.batch):
+            self.kept_state[row] = self.hidden[row, -1]
+        return logits
+
+    def propose(self, roots, budgets) -> list[Candidates | None]:
+        rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b is not None and root is not None and b > 0]
+        chains = self.draft(rows, [roots[r] for r in rows], [min(budgets[r], self.draft_len) for r in rows])
+        return [
+            None if b is None else Candidates.chain(root, chains.get(row, []))
+            for row, (root, b) in enumerate(zip(roots, budgets))
+        ]
+
+    @torch.no_grad()
+    def draft(self, rows: list[int], roots: list[int], lengths: list[int]) -> dict[int, list[int]]:
+        """Each listed row's chain after its root, at most its length long."""
+        chains: dict[int, list[int]] = {row: [] for row in rows}
+        model = self.run.model
+        live = list(range(len(rows)))
+        z = model.final_norm(torch.stack([self.kept_state[r] for r in rows])) if rows else None  # [R, D]
+        x = torch.tensor(roots, dtype=torch.long, device=model.device)  # [R]
+        while live:
+            z = model.final_norm(self.head.step(z, x))  # [R', D]
+            logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
+            top = logits.argmax(-1)
+            tokens = (top if self.vocab is None else self.vocab.token(top)).tolist()
+            sure = logits.float().softmax(-1).amax(-1).tolist() if self.min_confidence > 0 else [1.0] * len(live)
+            self.head_steps += 1
+            keep = []
+            for j, i in enumerate(live):
+                chain = chains[rows[i]]
+                chain.append(tokens[j])
+                if len(chain) < lengths[i] and tokens[j] not in self.eos and sure[j] >= self.min_confidence:
+                    keep.append(j)
+            live = [live[j] for j in keep]
+            if keep:
+                sel = torch.tensor(keep, device=model.device)
+                z, x = z[sel], top.new_tensor([tokens[j] for j in keep])
+        return chains
+
+    def update(self, cands, results) -> None:
+        called = self.start is not None and bool((self.cache.lengths[0] != self.start).any())
+        super().update(cands, results)
+        if called:
+            for row, (c, r) in enumerate(zip(cands, results)):
+                if c is not None:
+                    self.kept_state[row] = self.hidden[row, c.kept(r[0])[-1]]

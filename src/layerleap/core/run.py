@@ -219,9 +219,11 @@ class Run:
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         count_call: bool = True,
+        rows=None,
     ) -> torch.Tensor:
         """One model call over layers ``[start, end)`` from ``ids`` (embedded) or hidden ``h``.
-        Returns the hidden state after layer ``end - 1``."""
+        Returns the hidden state after layer ``end - 1``.  ``rows``: the rows with work in the call (the
+        others ride along padded; default every row), whose ``layer_calls`` it counts."""
         end = self.n_layers if end is None else end
         if h is None:
             h = self.model.embed(ids)
@@ -230,7 +232,7 @@ class Run:
             positions = self.positions(cache, S, start)
         h = self.model.run_layers(h, start, end, positions, cache, mask)
         self.count(end - start, S, call=count_call)
-        for row in range(self.batch):
+        for row in range(self.batch) if rows is None else rows:
             if end > start and not self.finished[row]:
                 self.layer_calls[row] += 1
         return h

@@ -4,7 +4,8 @@ calibrate`` models a lossy setting's speed with.
 A lossy method saves layer passes, but a token that runs its layers in several model calls pays each
 call's fixed cost (the attention mask, the rotary tables, the native call and its thread team: in q4
 on one thread of a Zen 4 EPYC one more call costs 0.09 ms, 60% of a layer pass), and CALM reads a
-cosine back after each layer it may exit at.  So a setting is priced by what it does per token, against greedy's one-token step::
+cosine back after each layer it may exit at.  So a setting is priced by what it does per token,
+against greedy's one-token step::
 
     ms = step + (passes - n_layers) * layer + (calls - 1) * call + checks * check
             + (heads - 1) * head + filled * fill

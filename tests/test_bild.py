@@ -708,7 +708,7 @@ def test_a_batch_equals_its_rows_alone(form, sample):
         for i, p in enumerate(prompts)
     ]
     assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
-    for key in ("rollbacks", "rolled_back", "fallbacks", "small_tokens", "large_tokens"):
+    for key in ("rollbacks", "rolled_back", "fallbacks", "small_tokens", "large_tokens", "layer_calls"):
         assert [r.stats[key] for r in batch] == [r.stats[key] for r in alone], key
     assert sum(r.stats["rollbacks"] for r in batch) >= 2
 

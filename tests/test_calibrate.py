@@ -13,7 +13,9 @@ import layerleap
 from layerleap.core.run import GenerationError
 from layerleap.datasets import Prompt, spec_bench
 from layerleap.eval import calibrate as C
+from layerleap.eval import step_cost as SC
 from layerleap.methods import budget
+from layerleap.methods.skipdecode import NEVER_SATURATES
 from tiny_models import full_logits, random_model
 
 PROMPTS = [
@@ -47,9 +49,14 @@ def test_binomial_p_value_and_min_prompts():
     assert C.min_prompts(0.1, 0.1) == 22 and 0.9**22 <= 0.1 < 0.9**21
 
 
-def _setting(i, cost, losses, n=30):
-    s = C.Setting(i, {"k": i}, [], layer_passes=cost, losses=losses)
+# q4-like prices (ms) of a 30-layer model: a one-layer call costs about 60% of its layer's pass
+PRICES = SC.StepCost(n_layers=30, step=6.0, layer=0.16, call=0.1, check=0.03, head=1.1, fill=0.12)
+
+
+def _setting(i, cost, losses, n=30, calls=1.0, checks=0.0, prices=PRICES):
+    s = C.Setting(i, {"k": i}, [], layer_passes=cost, losses=losses, calls=calls, checks=checks)
     s.p_value = C.binomial_p_value(losses, n, 0.1)
+    s.modelled_speedup = prices.speedup(**s.counts())
     return s
 
 
@@ -58,6 +65,59 @@ def test_fixed_sequence_stops_at_the_first_failure_and_chooses_the_cheapest_vali
     valid = C.learn_then_test(settings, 0.1)
     assert [s.index for s in valid] == [0, 1, 2]  # setting 4 passes alone but comes after a failure
     assert C.choose(settings).index == 1
+    assert C.faster_than_greedy(C.choose(settings))
+
+
+def test_step_cost_prices_calls_checks_heads_and_fills_beside_layer_passes():
+    assert PRICES.speedup(30) == 1.0  # greedy's own counts: exactly its step
+    assert PRICES.token_ms(28, calls=2) == pytest.approx(6.0 - 2 * 0.16 + 0.1)
+    assert PRICES.token_ms(30, calls=12, checks=11) == pytest.approx(6.0 + 11 * 0.1 + 11 * 0.03)
+    assert PRICES.token_ms(20, heads=3, filled=10) == pytest.approx(6.0 - 10 * 0.16 + 2 * 1.1 + 10 * 0.12)
+    layers = SC.layers_only(30)
+    assert layers.speedup(24, calls=7, checks=6) == pytest.approx(30 / 24)  # the layer-pass model
+    assert SC.StepCost.from_dict(PRICES.to_dict()) == PRICES
+
+
+def test_a_setting_that_saves_layers_but_adds_calls_is_not_chosen_over_the_first():
+    """CALM at a threshold it rarely reaches: 0.01 layer passes fewer a token, but 11 one-layer calls
+    and checks more; priced as measured it is slower than greedy's own setting, which is kept."""
+    rare = dict(calls=12.0, checks=11.0)
+    settings = [_setting(0, 30, 0), _setting(1, 29.99, 0, **rare), _setting(2, 29.9, 0, **rare), _setting(3, 28, 9)]
+    C.learn_then_test(settings, 0.1)
+    assert settings[1].modelled_speedup < 0.85 and settings[2].modelled_speedup < 0.85
+    assert C.choose(settings).index == 0 and not C.faster_than_greedy(C.choose(settings))
+    # by layer passes alone, the slow setting would have won
+    old = [
+        _setting(j, s.layer_passes, s.losses, calls=s.calls, checks=s.checks, prices=SC.layers_only(30))
+        for j, s in enumerate(settings)
+    ]
+    C.learn_then_test(old, 0.1)
+    assert C.choose(old).index == 2 and C.faster_than_greedy(C.choose(old))
+    # a setting that saves more than its calls cost is chosen, and said to be faster
+    settings.insert(3, _setting(3, 22, 0, calls=9, checks=8))
+    C.learn_then_test(settings, 0.1)
+    assert C.choose(settings).index == 3 and C.faster_than_greedy(settings[3])
+
+
+def test_step_cost_measures_nonnegative_prices(char_model):
+    cost = SC.measure(char_model, context=16, rounds=2)
+    assert cost.n_layers == char_model.config.n_layers and cost.step > 0
+    assert all(math.isfinite(v) and v >= 0 for v in (cost.layer, cost.call, cost.check, cost.head, cost.fill))
+    assert cost.speedup(cost.n_layers) == 1.0
+
+
+def test_step_counts_of_greedy_and_of_calm_checking_every_layer(char_model):
+    d, n = char_model.config.n_layers, 5
+    g = layerleap.generate(char_model, "hi", "greedy", n, chat=True, stop_at_eos=False)
+    assert C.step_counts(g.stats) == {"calls": 1.0, "checks": 0.0, "heads": 1.0, "filled": 0.0}
+    # a threshold no cosine reaches that still checks: layers [0, 1) in one call, then one call per layer
+    c = layerleap.generate(
+        char_model, "hi", "calm", n, chat=True, stop_at_eos=False, threshold=NEVER_SATURATES, min_exit_layer=2
+    )
+    assert c.token_ids == g.token_ids
+    counts = C.step_counts(c.stats)
+    assert counts["calls"] == pytest.approx((1 + (n - 1) * (1 + d - 1)) / n)  # the prompt's call, then 1 + (d - 1)
+    assert counts["checks"] == pytest.approx((n - 1) * (d - 2) / n) and counts["filled"] == 0.0
 
 
 def _out(text, ppl=2.0, ref=None, agree=None):
@@ -116,7 +176,7 @@ def test_calibrate_end_to_end_writes_a_file_generate_reads(char_model, cache, tm
     d = char_model.config.n_layers
     first = cal.settings[0]
     assert first.options == {"exit_layer": d} and first.losses == 0 and first.valid
-    assert first.layer_passes == pytest.approx(d)
+    assert first.layer_passes == pytest.approx(d) and first.calls == 1.0 and first.modelled_speedup == 1.0
     chosen = cal.chosen
     assert chosen is not None and chosen.valid
     stop = next((s for s in cal.settings if not s.valid), None)
@@ -128,6 +188,8 @@ def test_calibrate_end_to_end_writes_a_file_generate_reads(char_model, cache, tm
     data = json.loads(path.read_text())
     entry = data["budgets"]["0.95"]
     assert entry["chosen"]["options"] == chosen.options and "probability" in entry["guarantee"]
+    assert SC.StepCost.from_dict(entry["config"]["step_cost"]).n_layers == d  # the prices it was modelled with
+    assert entry["faster_than_greedy"] == (round(entry["chosen"]["modelled_speedup"], 3) > 1)
     # generate(quality=...) runs the chosen setting and says which
     r = layerleap.generate(char_model, "hi", "early-exit", 4, chat=True, quality=0.95)
     ref = layerleap.generate(char_model, "hi", "early-exit", 4, chat=True, **chosen.options)
@@ -425,3 +487,26 @@ def test_calibrate_cli_with_a_variant_measures_against_the_base_model(char_model
     assert run["config"]["base_fingerprint"] == char_model.fingerprint
     own = [o.text for o in C.greedy_outputs(variant, prompts, 5)]
     assert [o["text"] for o in run["settings"][0]["outputs"]] == own
+
+
+@pytest.mark.parametrize("path", sorted(budget.SHIPPED.glob("*/*/*.json")), ids=lambda p: "/".join(p.parts[-2:]))
+def test_shipped_files_choose_the_fastest_valid_setting_by_their_measured_step_cost(path):
+    """Every shipped budget was priced with the step cost it records: its chosen setting is the valid one
+    modelled fastest (the earlier on a tie), and it says it is faster than greedy only when modelled so."""
+    for key, entry in json.loads(path.read_text())["budgets"].items():
+        cost = SC.StepCost.from_dict(entry["config"]["step_cost"])
+        settings = []
+        for i, s in enumerate(entry["settings"]):
+            setting = C.Setting(i, s["options"], [], layer_passes=s["layer_passes"], valid=s["valid"])
+            setting.calls, setting.checks, setting.heads, setting.filled = (
+                s["calls"],
+                s["checks"],
+                s["heads"],
+                s["filled"],
+            )
+            setting.modelled_speedup = cost.speedup(**setting.counts())
+            assert setting.modelled_speedup == pytest.approx(s["modelled_speedup"], rel=1e-4), (key, s["options"])
+            settings.append(setting)
+        chosen = C.choose(settings)
+        assert entry["chosen"]["options"] == chosen.options
+        assert entry["faster_than_greedy"] == C.faster_than_greedy(chosen)

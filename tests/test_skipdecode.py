@@ -187,6 +187,9 @@ def test_calm_runs_the_layers_before_its_first_check_in_one_call(model, monkeypa
     for i in starts:
         assert after_prefill[i] == ((0, first) if first else (0, 1))
     assert run.model_calls == 1 + 4
+    assert run.layer_calls[0] == len(ranges)  # every call over a range of layers, the prompt's included
+    checks = sum(1 for a, b in after_prefill if a >= first and b == a + 1 < D)  # a check after each such layer
+    assert run.records[SkipStats][0].exit_checks == checks
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -480,6 +480,7 @@ def _result(model: Transformer, run: Run, row: int, wall: float, method: str) ->
         layer_evals=run.layer_evals[row],
         prompt_layer_evals=run.prompt_layer_evals[row],
         layers_per_token=run.layer_evals[row] / n if n else 0.0,
+        layer_calls=run.layer_calls[row],
         tokens_per_call=n / max(1, run.model_calls),
         wall_s=wall,
         tokens_per_s=n / wall if wall > 0 else 0.0,

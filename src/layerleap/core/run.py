@@ -177,6 +177,7 @@ class Run:
         self.finished = [False] * self.batch
         self.model_calls = 0
         self.layer_evals = [0] * self.batch
+        self.layer_calls = [0] * self.batch  # model calls over a layer range each row took part in
         self.prompt_layer_evals = [0] * self.batch
         self.records: dict[type, list[Record]] = {}  # a method's own statistics: kind -> one record per row
         self.t0 = time.perf_counter()
@@ -218,9 +219,11 @@ class Run:
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         count_call: bool = True,
+        rows=None,
     ) -> torch.Tensor:
         """One model call over layers ``[start, end)`` from ``ids`` (embedded) or hidden ``h``.
-        Returns the hidden state after layer ``end - 1``."""
+        Returns the hidden state after layer ``end - 1``.  ``rows``: the rows with work in the call (the
+        others ride along padded; default every row), whose ``layer_calls`` it counts."""
         end = self.n_layers if end is None else end
         if h is None:
             h = self.model.embed(ids)
@@ -229,6 +232,9 @@ class Run:
             positions = self.positions(cache, S, start)
         h = self.model.run_layers(h, start, end, positions, cache, mask)
         self.count(end - start, S, call=count_call)
+        for row in range(self.batch) if rows is None else rows:
+            if end > start and not self.finished[row]:
+                self.layer_calls[row] += 1
         return h
 
     def count(self, n_layers: int, n_positions: int, call: bool = True) -> None:
@@ -275,6 +281,7 @@ class Run:
             # the last prompt position predicts the first new token: its layers count as generation
             self.prompt_layer_evals[row] += start * (len(p) - 1)
             self.layer_evals[row] += start
+            self.layer_calls[row] += 1  # (one call per token for greedy)
         if sum(map(len, self.prompts)) >= LONG_PROMPT_PASS:
             release_freed_memory()  # else the pass's freed buffers stay resident while decoding (~1 ms)
         return states

@@ -173,13 +173,15 @@ class PPDStats(Record):
 @dataclass
 class SkipStats(Record):
     """The early-exit methods: mean active layers per token and the speed-up it implies; SkipDecode's
-    budgets per position, CALM's exit layers per token and the KV layers it filled."""
+    budgets per position, CALM's exit layers per token, the KV layers it filled and the saturation
+    checks it made."""
 
     avg_active_layers: float
     budget_speedup: float
     budgets: tuple[int, ...] | None = _optional()
     exit_layers: tuple[int, ...] | None = _optional()
     kv_filled_layers: int | None = _optional()
+    exit_checks: int | None = _optional()
 
 
 @dataclass
@@ -209,6 +211,7 @@ class Stats(Mapping):
     layer_evals: int
     prompt_layer_evals: int
     layers_per_token: float
+    layer_calls: int  # model calls over a range of layers while the row decoded (the prompt's: one)
     tokens_per_call: float
     wall_s: float
     tokens_per_s: float

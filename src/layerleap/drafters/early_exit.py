@@ -61,7 +61,7 @@ class EarlyExit:
             h[row, : x.shape[0]] = x
         layers = range(start, end)
         keep = self.cache.lengths[start].clone()
-        h = self.run.forward(self.cache, h=h, start=start, end=end, count_call=count_call)
+        h = self.run.forward(self.cache, h=h, start=start, end=end, count_call=count_call, rows=list(states))
         for row, x in states.items():
             keep[row] += x.shape[0]
         self.cache.truncate(keep, layers=layers)

@@ -27,9 +27,13 @@ path's order, each at level ``delta``, stopping at the first that is not rejecte
 before it is *valid*.  Fixed-sequence testing controls the family-wise error at ``delta``, so:
 with probability at least ``1 - delta`` over the draw of the calibration prompts (exchangeable with
 the prompts the method will see), every valid setting, and so the chosen one, loses at most an
-``epsilon`` share of prompts in expectation.  The chosen setting is the valid one with the fewest
-layer passes per token (a pass over several positions counts once: a call over 4 tokens costs
-about what a call over 1 does on this engine), not wall time, which is noisy on a shared machine.
+``epsilon`` share of prompts in expectation.  The chosen setting is the valid one with the highest
+modelled speed-up (``step_cost``): its layer passes per token (a pass over several positions counts
+once: a call over 4 tokens costs about what a call over 1 does on this engine), model calls, CALM's
+saturation checks, LM heads and filled KV layers per token, each priced as measured on this model,
+dtype and thread count before the run, not wall time, which is noisy on a shared machine.  A
+setting modelled no faster than the first (to 3 decimals) is never chosen over it, and where the
+chosen one is modelled no faster than greedy the file says so (``faster_than_greedy``).
 At least ``ln(delta) / ln(1 - epsilon)`` prompts are needed for even a perfect setting to be
 certified (22 at epsilon = delta = 0.1).
 
@@ -55,6 +59,8 @@ from ..errors import LayerleapError
 from ..files import read_report, write_json
 from ..methods import budget
 from . import quality as Q
+from . import step_cost as SC
+from .step_cost import StepCost
 
 # Spec-Bench categories with references; the tables use each category's first prompts, calibration
 # and the held-out check the ones from these offsets on (the splits never overlap).
@@ -128,6 +134,11 @@ class Output:
     ppl: float
     reference_score: float | None = None
     agreement: float | None = None
+    # per token (``step_cost``); None: a report written before they were counted (priced as greedy's)
+    calls: float | None = None
+    checks: float | None = None
+    heads: float | None = None
+    filled: float | None = None
 
 
 def layer_passes(stats: dict, n_layers: int) -> float:
@@ -138,6 +149,21 @@ def layer_passes(stats: dict, n_layers: int) -> float:
         e = int(stats.get("exit_layer") or n_layers)
         return (stats["small_steps"] * e + stats["large_calls"] * (n_layers - e) + n_layers) / n
     return float(stats["layers_per_token"])
+
+
+def step_counts(stats: dict) -> dict:
+    """Per generated token: model calls over a range of layers, CALM's saturation checks, LM heads (BiLD's
+    small steps and large passes each predict) and the layers whose KV entries CALM filled."""
+    n = max(1, stats["new_tokens"])
+    heads = 1.0
+    if "small_steps" in stats and "large_calls" in stats:
+        heads = (stats["small_steps"] + stats["large_calls"] + 1) / n
+    return {
+        "calls": stats["layer_calls"] / n,
+        "checks": (stats.get("exit_checks") or 0) / n,
+        "heads": heads,
+        "filled": (stats.get("kv_filled_layers") or 0) / n,
+    }
 
 
 def kept(out: Output, greedy: Output, quality: float, ppl_ratio: float) -> bool:
@@ -185,6 +211,7 @@ def run_outputs(
                 layer_passes(r.stats, model.config.n_layers),
                 wall,
                 perplexity(base or model, r.prompt_ids, list(r.token_ids)),
+                **step_counts(r.stats),
             )
             if p.reference:
                 o.reference_score = reference_score(p.category, r.text, p.reference)
@@ -217,6 +244,11 @@ class Setting:
     options: dict
     outputs: list[Output]
     layer_passes: float = 0.0  # mean per token
+    calls: float = 1.0  # the means per token of step_counts
+    checks: float = 0.0
+    heads: float = 1.0
+    filled: float = 0.0
+    modelled_speedup: float = 1.0  # greedy's step time over the setting's, priced by ``step_cost``
     losses: int = 0
     p_value: float = 1.0
     valid: bool = False  # rejected "risk > epsilon" within the fixed sequence
@@ -226,11 +258,15 @@ class Setting:
     ppl_ratio: float = 1.0  # mean perplexity / greedy's mean perplexity
     wall_ratio: float = 1.0  # greedy's wall time / this setting's, same run (noisy)
 
-    @property
-    def modelled_speedup(self) -> float:
-        return self.outputs_layers / self.layer_passes if self.layer_passes else 1.0
-
-    outputs_layers: float = 0.0  # greedy's layer passes per token (n_layers)
+    def counts(self) -> dict:
+        """What ``StepCost.speedup`` prices: the setting's means per token."""
+        return {
+            "passes": self.layer_passes,
+            "calls": self.calls,
+            "checks": self.checks,
+            "heads": self.heads,
+            "filled": self.filled,
+        }
 
 
 def summarize(outputs: list[Output], greedy: list[Output], quality: float, ppl_ratio: float) -> dict:
@@ -238,6 +274,7 @@ def summarize(outputs: list[Output], greedy: list[Output], quality: float, ppl_r
     g_ref = sum(g for _, g in refs)
     return {
         "layer_passes": sum(o.layer_passes for o in outputs) / len(outputs),
+        **{k: sum(_count(o, k) for o in outputs) / len(outputs) for k in ("calls", "checks", "heads", "filled")},
         "losses": sum(not kept(o, g, quality, ppl_ratio) for o, g in zip(outputs, greedy)),
         "agreement": sum(o.agreement or 0.0 for o in outputs) / len(outputs),
         "reference_kept": (sum(o for o, _ in refs) / g_ref) if refs and g_ref > 0 else None,
@@ -246,10 +283,21 @@ def summarize(outputs: list[Output], greedy: list[Output], quality: float, ppl_r
     }
 
 
-def measure(setting: Setting, greedy: list[Output], quality: float, ppl_ratio: float, epsilon: float) -> None:
+_GREEDY_COUNTS = {"calls": 1.0, "checks": 0.0, "heads": 1.0, "filled": 0.0}
+
+
+def _count(o: Output, k: str) -> float:
+    v = getattr(o, k)
+    return _GREEDY_COUNTS[k] if v is None else v
+
+
+def measure(
+    setting: Setting, greedy: list[Output], quality: float, ppl_ratio: float, epsilon: float, cost: StepCost
+) -> None:
     for k, v in summarize(setting.outputs, greedy, quality, ppl_ratio).items():
         setattr(setting, k, v)
     setting.p_value = binomial_p_value(setting.losses, len(setting.outputs), epsilon)
+    setting.modelled_speedup = cost.speedup(**setting.counts()) if setting.layer_passes else 1.0
 
 
 def learn_then_test(settings: list[Setting], delta: float) -> list[Setting]:
@@ -264,9 +312,15 @@ def learn_then_test(settings: list[Setting], delta: float) -> list[Setting]:
 
 
 def choose(settings: list[Setting]) -> Setting | None:
-    """The valid setting with the fewest layer passes per token (the earlier one on a tie)."""
+    """The valid setting with the highest modelled speed-up to 3 decimals (the earlier one on a tie, so
+    that one modelled no faster than the path's first is never chosen over it)."""
     valid = [s for s in settings if s.valid]
-    return min(valid, key=lambda s: (round(s.layer_passes, 6), s.index)) if valid else None
+    return min(valid, key=lambda s: (-round(s.modelled_speedup, 3), s.index)) if valid else None
+
+
+def faster_than_greedy(s: Setting | None) -> bool:
+    """Whether ``s`` is modelled faster than greedy's own step (to 3 decimals)."""
+    return s is not None and round(s.modelled_speedup, 3) > 1.0
 
 
 @dataclass
@@ -289,7 +343,6 @@ class Calibration:
     def budget_entry(self) -> dict:
         """What a calibration file keeps for this budget."""
         c = self.chosen
-        n_layers = self.config["n_layers"]
         return {
             "quality": self.quality,
             "epsilon": self.epsilon,
@@ -301,14 +354,14 @@ class Calibration:
             "config": self.config,
             "chosen": None
             if c is None
-            else {"options": c.options, "modelled_speedup": n_layers / c.layer_passes, **_setting_summary(c)},
-            "faster_than_greedy": c is not None and c.layer_passes < n_layers - 1e-9,
+            else {"options": c.options, "modelled_speedup": c.modelled_speedup, **_setting_summary(c)},
+            "faster_than_greedy": faster_than_greedy(c),
             "settings": [
                 {
                     "options": s.options,
                     "tested": s.tested,
                     "valid": s.valid,
-                    "modelled_speedup": n_layers / s.layer_passes if s.layer_passes else None,
+                    "modelled_speedup": s.modelled_speedup if s.layer_passes else None,
                     **_setting_summary(s),
                 }
                 for s in self.settings
@@ -337,6 +390,7 @@ class Calibration:
 def _setting_summary(s: Setting) -> dict:
     return {
         "layer_passes": s.layer_passes,
+        **{k: s.counts()[k] for k in ("calls", "checks", "heads", "filled")},
         "losses": s.losses,
         "p_value": s.p_value,
         "agreement": s.agreement,
@@ -367,9 +421,10 @@ def _from_dict(d: dict) -> Calibration:
         [Output(**o) for o in d["greedy"]],
         done=d.get("done", False),
     )
+    known = Setting.__dataclass_fields__
     for s in d["settings"]:
         outs = [Output(**o) for o in s.pop("outputs")]
-        cal.settings.append(Setting(outputs=outs, **s))
+        cal.settings.append(Setting(outputs=outs, **{k: v for k, v in s.items() if k in known}))
     return cal
 
 
@@ -390,13 +445,15 @@ def calibrate(
     config: dict | None = None,
     greedy: list[Output] | None = None,
     base=None,
+    step_cost: StepCost | None = None,
 ) -> Calibration:
     """Learn-then-Test calibration of ``method`` at ``quality`` on ``prompts`` (see the module doc).
     ``extra`` settings past the first failure are measured for the quality-speed frontier (never
     chosen).  With ``report`` the run is rewritten there after each setting and resumed from it.
     ``greedy``: greedy's outputs on these prompts, when already measured (another method's run).
     ``base``: the model whose greedy output and perplexity the budget keeps a share of, when
-    ``model`` is a fine-tuned variant of it (default: ``model`` itself)."""
+    ``model`` is a fine-tuned variant of it (default: ``model`` itself).  ``step_cost``: the prices of
+    a token's parts (default: the resumed report's, else measured here now, ``step_cost.measure``)."""
     if method not in budget.PATHS:
         raise CalibrationError(
             f"method {method!r} is not a lossy method with a quality budget: choose one of {', '.join(budget.LOSSY)}"
@@ -439,6 +496,7 @@ def calibrate(
         cal.config.update({k: v for k, v in cfg.items() if k not in key})
     if cal is None:
         cal = Calibration(method, quality, epsilon, delta, ppl_ratio, split, cfg)
+    cost = _step_cost(cal, model, step_cost)
     save = (lambda: write_json(report, cal.to_dict())) if report else (lambda: None)
     if not cal.greedy:
         cal.greedy = greedy or greedy_outputs(judge, prompts, max_new_tokens, progress)
@@ -456,8 +514,7 @@ def calibrate(
                 outs = run_outputs(model, method, options, prompts, max_new_tokens, cal.greedy, progress, judge)
             s = Setting(j, dict(options), outs)
             cal.settings.append(s)
-        s.outputs_layers = float(d)
-        measure(s, cal.greedy, quality, ppl_ratio, epsilon)
+        measure(s, cal.greedy, quality, ppl_ratio, epsilon, cost)
         s.tested = stopped_at is None
         if stopped_at is None and s.p_value > delta:
             stopped_at = j
@@ -465,7 +522,8 @@ def calibrate(
         if progress:
             progress(
                 f"{method} {_show(s.options)}: {s.losses}/{len(prompts)} lost, p={s.p_value:.3f}, "
-                f"{d / s.layer_passes:.2f}x layer passes, agreement {s.agreement:.2f}, ppl x{s.ppl_ratio:.2f}"
+                f"modelled {s.modelled_speedup:.2f}x greedy ({s.layer_passes:.2f} layer passes, {s.calls:.2f} calls "
+                f"per token), agreement {s.agreement:.2f}, ppl x{s.ppl_ratio:.2f}"
             )
         if stopped_at is not None and j - stopped_at >= extra:
             break
@@ -474,6 +532,15 @@ def calibrate(
     cal.config["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     save()
     return cal
+
+
+def _step_cost(cal: Calibration, model, given: StepCost | None) -> StepCost:
+    """The prices the run's settings are modelled with, recorded in its config: ``given``, else the
+    resumed report's, else measured on ``model`` now."""
+    old = cal.config.get("step_cost")
+    cost = given or (StepCost.from_dict(old) if isinstance(old, dict) else SC.measure(model))
+    cal.config["step_cost"] = cost.to_dict()
+    return cost
 
 
 def _judge(model, base):

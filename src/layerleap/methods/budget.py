@@ -116,7 +116,8 @@ class Calibrated:
     quality: float
     options: dict
     faster_than_greedy: bool  # a setting faster than greedy met the budget
-    speedup: float  # modelled: n_layers / the setting's layer passes per token
+    speedup: float  # modelled: greedy's step time over the setting's, its layer passes, calls and checks priced
+    # as measured on the calibrating machine (``eval.step_cost``)
     path: str
     note: str  # one line for the user
 
@@ -184,7 +185,7 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
         fast = bool(b.get("faster_than_greedy"))
         speed = float(chosen.get("modelled_speedup", 1.0))
         note = (
-            f"{method} at quality {key}: {_show(chosen['options'])} ({speed:.2f}x greedy's layer passes)"
+            f"{method} at quality {key}: {_show(chosen['options'])} (modelled {speed:.2f}x greedy's step)"
             if fast
             else f"{method}: no setting faster than greedy meets quality {key} on {model.config.name} "
             f"({model.dtype_name}); running the fastest one that does, {_show(chosen['options'])}"

@@ -304,7 +304,7 @@ def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
     cache = run.new_cache()
     h = run.prefill(cache)
     exits: list[int] = []
-    filled = 0
+    filled = checks = 0
     while True:
         tok = run.choose(run.logits(h)[:, -1])
         if run.emit_all(tok):
@@ -318,14 +318,17 @@ def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
         for layer in range(first, d):
             prev = h
             h = run.forward(cache, h=h, start=layer, end=layer + 1, positions=pos, count_call=layer == 0)
-            if layer + 1 < d and float(F.cosine_similarity(h[0, -1], prev[0, -1], dim=0)) >= threshold:
+            if layer + 1 == d:
+                break
+            checks += 1
+            if float(F.cosine_similarity(h[0, -1], prev[0, -1], dim=0)) >= threshold:
                 exit_at = layer + 1
                 break
         if exit_at < d:
             run.model.fill_kv(h, exit_at, d, pos, cache)
             filled += d - exit_at
         exits.append(exit_at)
-    _active_layer_stats(run, exit_layers=tuple(exits), kv_filled_layers=filled)
+    _active_layer_stats(run, exit_layers=tuple(exits), kv_filled_layers=filled, exit_checks=checks)
 
 
 __all__ = [

@@ -156,3 +156,20 @@ def test_sampling_with_a_draft_vocab_follows_the_models_distribution(method):
     assert 0 < accepted < drafted
     assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3  # (x1, x2)
     assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3  # (x2, x3)
+
+
+def test_draft_rows_give_the_product_one_row_at_a_time_or_at_once(monkeypatch):
+    """``DraftRows``: up to ``draft_head_rows`` rows one at a time on the column-major weight, more in one
+    product; either way the logits are the product's (to rounding); a small weight is never measured."""
+    from layerleap.core import kernels
+    from layerleap.drafters.draft_vocab import DraftRows
+
+    w = torch.randn(64, 32)
+    assert kernels.draft_head_rows(w) == 0
+    x = torch.randn(2, 3, 32)
+    for rows in (0, 2, 6, 1 << 30):
+        monkeypatch.setattr(kernels, "draft_head_rows", lambda weight, rows=rows: rows)
+        head = DraftRows(w)
+        assert head.row_by_row == rows
+        torch.testing.assert_close(head(x), x @ w.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(head(x[0, :1]), x[0, :1] @ w.T, rtol=1e-5, atol=1e-5)

@@ -945,6 +945,9 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
     return entry["choice"]
 
 
+DRAFT_HEAD_MEASURED = 1 << 20  # weights of fewer elements are multiplied in one product, unmeasured
+
+
 def draft_head_rows(weight: torch.Tensor) -> int:
     """The most rows to multiply by a drafter's unembedding rows ``weight`` ``[K, D]`` one at a time on
     a column-major weight before oneDNN's packed product over all of them is faster (0: always oneDNN).
@@ -959,6 +962,8 @@ def draft_head_rows(weight: torch.Tensor) -> int:
     if forced in ("onednn", "dense"):
         return 0 if forced == "onednn" else 1 << 30
     K, D = weight.shape
+    if K * D < DRAFT_HEAD_MEASURED:
+        return 0  # small enough to stay in cache: one product, nothing to measure
     entry = _remembered(
         f"{_onednn_key(weight.dtype)} | draft head {K}x{D}",
         lambda e: isinstance(e.get("row_s"), float) and isinstance(e.get("onednn_s"), float),

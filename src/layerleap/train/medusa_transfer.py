@@ -204,18 +204,25 @@ def transfer_loss(model: Transformer, proj: drafters.TransferProjections, ids: t
     return torch.stack(losses).mean()
 
 
+@torch.no_grad()
+def last_states(model: Transformer, ids: torch.Tensor, last: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's normalised states ``[B, N, D]`` of ``ids`` ``[B, N]`` and the model's logits
+    there ``[B, N, V]``, from ``last`` (the states before the final norm, a ``StateCache``'s) or, without
+    it, from a backbone pass."""
+    if last is None:
+        last = backbone_states(model, ids, [model.config.n_layers])[model.config.n_layers]
+    z = model.final_norm(last.to(model.device, model.dtype))
+    return z, model.unembed(z)
+
+
 def medusa_loss(
     model: Transformer, heads: drafters.MedusaHeads, ids: torch.Tensor, last: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``ids`` ``[B, N]`` -> the mean KL over heads and sources with a target.  ``last``: the last
     layer's states ``[B, N, D]`` of ``ids`` (before the final norm), from a ``StateCache``; without
     it the backbone runs."""
-    B, N = ids.shape
-    with torch.no_grad():
-        if last is None:
-            last = backbone_states(model, ids, [model.config.n_layers])[model.config.n_layers]
-        z = model.final_norm(last.to(model.device, model.dtype))  # [B, N, D]
-        teacher = model.unembed(z)  # [B, N, V]
+    N = ids.shape[1]
+    z, teacher = last_states(model, ids, last)
     losses = [
         _kl(teacher[:, j + i].flatten(0, 1), heads.logits(i, z[:, j]).flatten(0, 1)) for i, j in pairs(N, heads.steps)
     ]
@@ -231,12 +238,8 @@ def eagle_loss(
     """``ids`` ``[B, N]`` -> the mean over ``steps`` unrolled draft steps of the KL to the model's next-token
     distribution and ``REGRESSION`` times the smooth-L1 distance of the head's normalised state to the
     real one (module docstring).  ``last`` as ``medusa_loss``'s."""
-    B, N = ids.shape
-    with torch.no_grad():
-        if last is None:
-            last = backbone_states(model, ids, [model.config.n_layers])[model.config.n_layers]
-        z = model.final_norm(last.to(model.device, model.dtype))  # [B, N, D]
-        teacher = model.unembed(z)  # [B, N, V]
+    N = ids.shape[1]
+    z, teacher = last_states(model, ids, last)
     ids = ids.to(model.device)
     z_in, losses = z, []
     for i in range(1, min(steps, N - 1) + 1):

@@ -65,6 +65,7 @@ def test_registry_claims():
         "speculative",
         "medusa",
         "hidden-transfer",
+        "eagle",
         "ppd",
         "self-spec",
         "prompt-lookup",

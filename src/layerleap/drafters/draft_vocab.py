@@ -47,8 +47,9 @@ class DraftVocabError(LayerleapError, ValueError):
 class DraftRows:
     """A ``K x D`` unembedding (rows of an LM head) for drafts: ``x`` ``[.., D]`` -> ``[.., K]``.  Up to
     ``kernels.draft_head_rows`` rows are multiplied one at a time by the column-major weight, more at once
-    in oneDNN's packed layout (on a CPU where oneDNN serves; else a dense product), whichever this CPU
-    runs faster, so one draft row costs about ``K / V`` of the full product, or less."""
+    in oneDNN's packed layout (on a CPU where oneDNN serves; on an accelerator one dense product over
+    every row), whichever this CPU runs faster, so one draft row costs about ``K / V`` of the full
+    product, or less."""
 
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().contiguous()
@@ -60,11 +61,12 @@ class DraftRows:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [n, D]
         n = rows.shape[0]
-        if n <= self.row_by_row or self.packed is None:
-            out = torch.cat([F.linear(rows[i : i + 1], self.column_major) for i in range(n)]) if n > 1 else None
-            out = F.linear(rows, self.column_major) if out is None else out
-        else:
+        if self.packed is not None and n > self.row_by_row:
             out = self.packed(rows)
+        elif 1 < n <= self.row_by_row:
+            out = torch.cat([F.linear(rows[i : i + 1], self.column_major) for i in range(n)])
+        else:
+            out = F.linear(rows, self.column_major)
         return out.reshape(*x.shape[:-1], -1)
 
 

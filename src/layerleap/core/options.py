@@ -267,6 +267,12 @@ def infer(fn: Callable) -> tuple[Option, ...]:
 
 
 # -- the shared options -------------------------------------------------------------------------------
+def per_dtype(model, table: dict):
+    """``table``'s entry (a tree, a draft length, ...) for the model's weight format: a method's per-dtype
+    default (fp32's entry for a format the table lacks)."""
+    return table.get(model.dtype_name, table["float32"])
+
+
 MAX_DRAFT_LEN = 256  # drafts per round; more only wastes calls on rejected tokens
 MAX_NGRAM = 32  # the n-gram index keeps every n-gram of min_ngram..max_ngram tokens: memory grows with n
 SCHEDULES = ("constant", "heuristic")

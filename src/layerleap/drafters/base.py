@@ -150,7 +150,7 @@ class Drafter:
 
     def update(self, cands: list[Candidates | None], results: list[Result | None]) -> None:
         """Keep, in the target's cache, each row's root and accepted drafts; drop the rest."""
-        if self.start is None or bool((self.cache.lengths[0] == self.start).all()):
+        if not self.called():
             return  # no call this round
         if any(c is not None and not c.is_chain for c in cands):
             keep = [
@@ -165,6 +165,10 @@ class Drafter:
         self.cache.truncate(keep)
 
     # -- helpers ---------------------------------------------------------------------------------
+    def called(self) -> bool:
+        """Whether this round's ``score`` made a target call (the round after the prompt makes none)."""
+        return self.start is not None and bool((self.cache.lengths[0] != self.start).any())
+
     def _ids(self, tokens: list[list[int]]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.run.model.device)
 

@@ -110,7 +110,7 @@ class EagleDrafter(Drafter):
             self.siblings[rows[i]] = ids[j]
 
     def update(self, cands, results) -> None:
-        called = self.start is not None and bool((self.cache.lengths[0] != self.start).any())
+        called = self.called()
         super().update(cands, results)
         if called:
             for row, (c, r) in enumerate(zip(cands, results)):

@@ -255,7 +255,7 @@ class MedusaDrafter(TreeDrafter):
         return logits
 
     def update(self, cands, results) -> None:
-        called = self.start is not None and bool((self.cache.lengths[0] != self.start).any())
+        called = self.called()
         super().update(cands, results)
         if called:
             for row, h in self.kept_states(cands, results, self.hidden).items():

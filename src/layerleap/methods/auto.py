@@ -32,7 +32,6 @@ from ..drafters.trees import tree_buffers
 from . import draft_verify
 from .hidden_transfer import default_tree
 from .medusa import DEFAULT_TREES as MEDUSA_TREES
-from .medusa import tuned_tree
 from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, adaptive_default, tuned
 
 
@@ -98,7 +97,7 @@ def auto(
     if proj is not None:
         buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
     if heads is not None:
-        medusa_buf = tree_buffers(run, "auto", tuned_tree(run.model, MEDUSA_TREES), heads.steps, vocab)
+        medusa_buf = tree_buffers(run, "auto", O.per_dtype(run.model, MEDUSA_TREES), heads.steps, vocab)
     adaptive = adaptive_default(run, adaptive)
     drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive, heads, medusa_buf)
     counts = yield from draft_verify.decode(run, drafter)

@@ -16,9 +16,10 @@ from ..drafters.draft_vocab import get_draft_vocab
 from ..drafters.eagle import EagleDrafter
 from . import draft_verify
 
-# Draft lengths per weight format, from one interleaved run over 10 Spec-Bench prompts x 64 tokens
-# at draft_len 1-4 (docs/HIDDEN_TRANSFER.md, "The EAGLE head"): the shipped head's drafts are kept
-# 24-26% of the time, so a second draft adds less than its head step and its verification row cost.
+# Draft lengths and widths per weight format, from one interleaved run over 10 Spec-Bench prompts x 64
+# tokens at draft_len 1-2 and width 1, 3, 5 (benchmarks/eagle_tuning.py, docs/HIDDEN_TRANSFER.md, "The
+# EAGLE head"): a second draft of the shipped head adds less than its head step and verification row
+# cost; in fp32 two siblings of the first draft lift its acceptance from 26% to 41% at ×1.03 a call.
 DEFAULT_DRAFT_LEN = {"float32": 1, "bfloat16": 1, "float16": 1, "q4": 1}
 DEFAULT_WIDTH = {"float32": 3, "bfloat16": 3, "float16": 3, "q4": 1}
 
@@ -36,9 +37,8 @@ def eagle(run: Run, *, draft_len=None, width=None, min_confidence=0.0, eagle_hea
     first draft's top-k verified side by side; none: the dtype's tuned ones; min_confidence: stop after a
     less sure draft), verified in one call: greedy-exact; lossless sampling.  draft_vocab as medusa's."""
     head = weights.get_drafter(run.model, "eagle", eagle_head)
-    dtype = run.model.dtype_name
-    draft_len = DEFAULT_DRAFT_LEN.get(dtype, DEFAULT_DRAFT_LEN["float32"]) if draft_len is None else draft_len
-    width = DEFAULT_WIDTH.get(dtype, DEFAULT_WIDTH["float32"]) if width is None else width
+    draft_len = O.per_dtype(run.model, DEFAULT_DRAFT_LEN) if draft_len is None else draft_len
+    width = O.per_dtype(run.model, DEFAULT_WIDTH) if width is None else width
     vocab = get_draft_vocab(run.model, draft_vocab)
     drafter = EagleDrafter(run, head, draft_len, vocab, min_confidence, width)
     yield from draft_verify.decode(run, drafter)

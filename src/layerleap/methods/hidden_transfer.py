@@ -36,7 +36,7 @@ from __future__ import annotations
 from ..core import options as O
 from ..core.run import Run, register
 from ..drafters.trees import TransferDrafter
-from .medusa import decode_tree, tuned_tree
+from .medusa import decode_tree
 
 # Trees per weight format, chosen by benchmarks/tree_tuning.py: the tree with the most emitted tokens
 # per unit of round cost, from the shipped projections' draft ranks on held-out Spec-Bench prompts and
@@ -48,7 +48,7 @@ DEFAULT_TREES = {"float32": "3", "bfloat16": "3", "float16": "3", "q4": "1"}
 
 def default_tree(model) -> str:
     """The tuned tree for the model's weight format."""
-    return tuned_tree(model, DEFAULT_TREES)
+    return O.per_dtype(model, DEFAULT_TREES)
 
 
 @register(

@@ -26,11 +26,6 @@ from . import draft_verify
 DEFAULT_TREES = {"float32": "3", "bfloat16": "3", "float16": "3", "q4": "2"}
 
 
-def tuned_tree(model, trees: dict[str, str]) -> str:
-    """``trees``' entry for the model's weight format (fp32's for a format it lacks)."""
-    return trees.get(model.dtype_name, trees["float32"])
-
-
 def decode_tree(
     run: Run,
     kind: str,
@@ -80,5 +75,5 @@ def medusa(run: Run, *, tree=None, tree_nodes=None, tree_depth=None, heads="trai
     each round the paths of the highest product of draft probabilities, tree_nodes of them), verified with
     tree attention: greedy-exact; lossless sampling.  draft_vocab: the heads score only a shipped set of
     frequent tokens ('auto'), all tokens ('full'), or a draft-vocabulary file's."""
-    tree = tuned_tree(run.model, DEFAULT_TREES) if tree is None else tree
+    tree = O.per_dtype(run.model, DEFAULT_TREES) if tree is None else tree
     yield from decode_tree(run, "medusa", "medusa", tree, heads, MedusaDrafter, draft_vocab, tree_nodes, tree_depth)

@@ -58,7 +58,7 @@ OPTIONS = (
 def tuned(run: Run, draft_len, max_ngram: int, min_ngram) -> tuple[int, int]:
     """(draft_len, min_ngram) with the dtype's tuned defaults for those not given (a default min_ngram
     never above max_ngram); refuses min_ngram > max_ngram."""
-    dl, mn = DEFAULTS.get(run.model.dtype_name, DEFAULTS["float32"])
+    dl, mn = O.per_dtype(run.model, DEFAULTS)
     draft_len = dl if draft_len is None else draft_len
     min_ngram = min(mn, max_ngram) if min_ngram is None else min_ngram
     if min_ngram > max_ngram:

@@ -77,9 +77,7 @@ def self_spec(
 
     d = run.n_layers
     E = default_exit_layer(d) if exit_layer is None else exit_layer
-    draft_len = (
-        DEFAULT_DRAFT_LENS.get(run.model.dtype_name, DEFAULT_DRAFT_LENS["float32"]) if draft_len is None else draft_len
-    )
+    draft_len = O.per_dtype(run.model, DEFAULT_DRAFT_LENS) if draft_len is None else draft_len
     exit_head = with_draft_vocab(get_head(run.model, E, head), get_draft_vocab(run.model, draft_vocab))
     run.record_all(ExitStats(exit_layer=E, head=exit_head.kind))
     rule = ChainRule(DraftLength(draft_len, schedule), float(min_confidence), keep_unsure=False)

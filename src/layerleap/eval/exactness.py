@@ -220,7 +220,6 @@ def run_exactness(
         for prompt in prompts[report["prompts_done"] :]:
             bar.set_postfix_str(f"{prompt.category} {prompt.id} {REFERENCE}")
             ref = generate(model, prompt.text, REFERENCE, max_new_tokens, chat=chat, stop_at_eos=False)
-            bar.update()
             found = {}
             if hf_model is not None:
                 bar.set_postfix_str(f"{prompt.category} {prompt.id} {HF_LABEL}")
@@ -247,6 +246,7 @@ def run_exactness(
                     report["divergences"].append(asdict(d))
             report["prompts_done"] += 1
             save(interrupted=False)
+            bar.update()  # the reference run counts once the prompt is saved
     except KeyboardInterrupt:
         save(interrupted=True)
     finally:

@@ -323,12 +323,14 @@ def run_sweep(
                         _json_stats(r.stats),
                     )
                 )
-                bar.update()
+                if len(runs) < len(points):  # the prompt's last run counts once it is saved
+                    bar.update()
             report["records"].extend(asdict(r) for r in runs)
             report["prompts_done"] = i + 1
             report["summary"] = summarize(report)
             if out:
                 write_json(out, report)
+            bar.update()
     except KeyboardInterrupt:
         report["interrupted"] = True
     finally:

@@ -173,3 +173,33 @@ def test_draft_rows_give_the_product_one_row_at_a_time_or_at_once(monkeypatch):
         assert head.row_by_row == rows
         torch.testing.assert_close(head(x), x @ w.T, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(head(x[0, :1]), x[0, :1] @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["hidden-transfer", "medusa", "auto"])
+def test_draft_rows_as_8_bit_blocks_keep_the_top_drafts_and_greedy(models, method, monkeypatch):
+    """Where ``draft_head_q8`` says so, ``DraftRows`` multiplies 8-bit blocks: the logits are the product's
+    to 8-bit rounding (the same top token on these rows), and a drafter scoring them stays greedy-exact."""
+    from layerleap.core import kernels
+    from layerleap.drafters.draft_vocab import DraftRows
+
+    if not kernels.blocks_available():
+        pytest.skip("the native block kernel is not built")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 64, generator=g)
+    assert not kernels.draft_head_q8(w)  # small: never measured, never 8-bit
+    monkeypatch.setattr(kernels, "draft_head_q8", lambda weight: weight.shape[1] % kernels.GROUP == 0)
+    head = DraftRows(w)
+    assert head.q8 is not None and head.column_major is None and head.packed is None
+    x = torch.randn(3, 5, 64, generator=g)
+    got, want = head(x), x @ w.T
+    assert got.shape == want.shape and got.dtype == x.dtype
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    model = models["qwen2-gqa-untied"]
+    assert model.config.hidden_size % kernels.GROUP == 0
+    prompt = torch.randint(0, model.config.vocab_size, (7,), generator=g).tolist()
+    want = naive_greedy(model, prompt, 16)
+    vocab = dv.DraftVocab(model, torch.arange(0, model.config.vocab_size, 2))
+    assert vocab.head.q8 is not None
+    got = generate(model, prompt, method, 16, stop_at_eos=False, draft_vocab=vocab, **METHODS[method](model, 3))
+    assert got.token_ids == want

@@ -45,23 +45,30 @@ class DraftVocabError(LayerleapError, ValueError):
 
 
 class DraftRows:
-    """A ``K x D`` unembedding (rows of an LM head) for drafts: ``x`` ``[.., D]`` -> ``[.., K]``.  Up to
-    ``kernels.draft_head_rows`` rows are multiplied one at a time by the column-major weight, more at once
-    in oneDNN's packed layout (on a CPU where oneDNN serves; on an accelerator one dense product over
-    every row), whichever this CPU runs faster, so one draft row costs about ``K / V`` of the full
+    """A ``K x D`` unembedding (rows of an LM head) for drafts: ``x`` ``[.., D]`` -> ``[.., K]``.  Where
+    ``kernels.draft_head_q8`` measured it fastest, the rows are kept as 8-bit blocks for the native
+    kernel (drafts only propose: the rounding changes no exact method's output).  Otherwise up to
+    ``kernels.draft_head_rows`` rows are multiplied one at a time by the column-major weight, more at
+    once in oneDNN's packed layout (on a CPU where oneDNN serves; on an accelerator one dense product
+    over every row), whichever this CPU runs faster, so one draft row costs about ``K / V`` of the full
     product, or less."""
 
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().contiguous()
-        self.row_by_row = kernels.draft_head_rows(w)
+        self.dtype = w.dtype
+        self.q8 = kernels.BlockWeight.from_int8(kernels.quantize_q8(w)) if kernels.draft_head_q8(w) else None
+        self.row_by_row = 0 if self.q8 is not None else kernels.draft_head_rows(w)
         cpu = w.device.type == "cpu"
-        self.column_major = w.t().contiguous().t() if cpu else w  # [K, D] strided as [D, K]
-        self.packed = kernels.OneDNNWeight(w) if cpu and kernels.ONEDNN and self.row_by_row < 1 << 30 else None
+        self.column_major = None if self.q8 is not None else w.t().contiguous().t() if cpu else w  # [K, D] as [D, K]
+        dense = cpu and kernels.ONEDNN and self.q8 is None and self.row_by_row < 1 << 30
+        self.packed = kernels.OneDNNWeight(w) if dense else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [n, D]
         n = rows.shape[0]
-        if self.packed is not None and n > self.row_by_row:
+        if self.q8 is not None:
+            out = self.q8.matmul(rows.float()).to(x.dtype)
+        elif self.packed is not None and n > self.row_by_row:
             out = self.packed(rows)
         elif 1 < n <= self.row_by_row:
             out = torch.cat([F.linear(rows[i : i + 1], self.column_major) for i in range(n)])
@@ -71,9 +78,9 @@ class DraftRows:
 
 
 class DraftVocab:
-    """The ``K`` token ids ``ids`` drafters score, and the unembedding rows ``weight`` ``[K, D]`` they
-    multiply by (the model's dense LM head rows, in the model's dtype; ``head``: the same rows as a
-    ``Linear`` in the layout the model's projections use)."""
+    """The ``K`` token ids ``ids`` drafters score, and ``head``, the unembedding rows ``[K, D]`` they
+    multiply by (the model's LM head rows, dense in the model's dtype, in the layout ``DraftRows``
+    measured fastest here)."""
 
     def __init__(self, model: Transformer, ids, meta: dict | None = None):
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
@@ -82,8 +89,7 @@ class DraftVocab:
             raise DraftVocabError(f"a draft vocabulary must be distinct token ids in [0, {V}), got {len(ids)} ids")
         self.model = model
         self.ids = ids.to(model.device)  # [K]
-        self.weight = model.head_weight().detach()[self.ids].contiguous()  # [K, D]
-        self.head = DraftRows(self.weight)
+        self.head = DraftRows(model.head_weight().detach()[self.ids])  # [K, D]
         self.meta = dict(meta or {})
 
     @property
@@ -92,7 +98,7 @@ class DraftVocab:
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """Normalised last-layer states ``z`` ``[.., D]`` -> fp32 logits ``[.., K]`` over the ids."""
-        return self.head(z.to(self.weight.dtype)).float()
+        return self.head(z.to(self.head.dtype)).float()
 
     def token(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into the ids (any shape) -> token ids of the full vocabulary."""

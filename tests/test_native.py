@@ -272,3 +272,23 @@ def test_bf16_layers_of_odd_widths_equal_python(hidden, monkeypatch):
     got = _calls(m, True, monkeypatch)
     for i, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"output {i} differs"
+
+
+def test_layer_args_follow_a_change_of_format():
+    """``layer_args`` keeps the arguments per model and layer range, and makes them again when a
+    projection is packed, unpacked or given a new weight: the C++ never reads a weight that is gone."""
+    m = random_model("llama-gqa-tied", seed=2)
+    first = native.layer_args(m, 0, 2)  # (norms, kinds, weights, ...): one entry per projection
+    assert first is not None and native.layer_args(m, 0, 2) is first
+    lin = m.layers[1].mlp.down
+    lin.weight = torch.nn.Parameter(lin.weight.detach().clone(), requires_grad=False)
+    second = native.layer_args(m, 0, 2)
+    assert second is not first and second[2][-1] is lin.weight and first[2][-1] is not lin.weight
+    assert native.layer_args(m, 0, 2) is second
+    if kernels.ONEDNN:
+        lin.pack(kernels.OneDNNWeight(lin.weight.detach()))
+        third = native.layer_args(m, 0, 2)
+        assert third is not second and third[1][-1] != 0  # no longer a dense weight
+        lin.unpack()
+        assert native.layer_args(m, 0, 2)[1][-1] == 0
+    assert native.layer_args(m, 1, 2) is not native.layer_args(m, 0, 2)

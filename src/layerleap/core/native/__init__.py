@@ -107,9 +107,15 @@ def _projection(lin) -> list[tuple] | None:
 def layer_args(model, start: int, end: int):
     """The per-layer lists ``run_layers`` takes for layers ``[start, end)``, or None when a projection
     holds a format the C++ does not know.  Kept per model and layer range while the formats stay."""
-    lins = [lin for blk in model.layers[start:end] for lin in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)]
-    formats = tuple(id(lin.packed) if lin.packed is not None else id(lin.weight) for lin in lins)
     store = _ARGS.setdefault(model, {})
+    blocks = tuple(model.layers._modules.values())[start:end]
+    known = store.get(("linears", start, end))
+    if known is None or known[0] != blocks:  # the projections, found once per layer range
+        lins = [lin for blk in blocks for lin in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)]
+        store[("linears", start, end)] = known = (blocks, lins)
+    lins = known[1]
+    # each projection's format, read past nn.Module's attribute lookup (this runs on every call)
+    formats = tuple(id(lin.packed) if lin.packed is not None else id(lin._parameters["weight"]) for lin in lins)
     held = store.get((start, end))
     if held is None or held[0] != formats:
         projs = [_projection(lin) for lin in lins]

@@ -475,8 +475,12 @@ def test_the_block_kernel_chosen_skips_the_trial_of_torchs(how, monkeypatch, tmp
     if how == "forced":
         monkeypatch.setenv(kernels.Q4_ENV, "blocks")
     else:
-        (tmp_path / "kernels.json").write_text(json.dumps({kernels._q4_key(): {"choice": "blocks"}}))
+        (tmp_path / "kernels.json").write_text(
+            json.dumps({kernels._q4_key(): {"choice": "blocks", "timing": kernels.TIMING}})
+        )
     assert kernels.q4_format() == "blocks" and trials == []
-    (tmp_path / "kernels.json").write_text(json.dumps({kernels._q4_key(): {"choice": "torch"}}))
+    (tmp_path / "kernels.json").write_text(
+        json.dumps({kernels._q4_key(): {"choice": "torch", "timing": kernels.TIMING}})
+    )
     monkeypatch.delenv(kernels.Q4_ENV, raising=False)
     assert kernels.q4_format() == "torch" and trials == [1]

@@ -817,17 +817,24 @@ def to_huge_pages(formats) -> None:
             moved = 0
 
 
-def _time_products(fns, repeats: int = 5) -> float:
+TIMING = "rounds"  # how an entry of kernels.json was timed (``_best_of_rounds``); others are timed again
+
+
+def _best_of_rounds(configs: dict, rounds: int = 7) -> dict:
+    """``{key: seconds}``: the least time of each ``configs[key]`` (a list of calls run back to back) over
+    ``rounds`` rounds that run every configuration once, in turn, after one round of warm-up.  Spreading
+    each configuration's tries over the whole measurement keeps a burst of other work on a shared
+    machine (which can make a two-thread product 40x slower while it lasts) from deciding a choice."""
     import time
 
-    for f in fns:
-        f()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for f in fns:
-            f()
-        best = min(best, time.perf_counter() - t)
+    best = {key: float("inf") for key in configs}
+    for r in range(rounds + 1):
+        for key, fns in configs.items():
+            t = time.perf_counter()
+            for f in fns:
+                f()
+            if r:
+                best[key] = min(best[key], time.perf_counter() - t)
     return best
 
 
@@ -843,15 +850,14 @@ def measure_onednn(dtype: torch.dtype, rows=(1, 8), mb: float = 96.0) -> dict:
     g = torch.Generator().manual_seed(0)
     dense = _decoder_stack(dtype, mb, g)
     packed = [OneDNNWeight(w, pad_to=()) for w in dense]
-    out = {}
+    xs = {m: torch.randn(m, 576, generator=g).to(dtype) for m in rows}
+    configs = {}
+    for m, x in xs.items():
+        configs[m, "dense"] = [lambda w=w, x=x: F.linear(x, w) for w in dense]
+        configs[m, "onednn"] = [lambda p=p, x=x: p(x) for p in packed]
     with torch.inference_mode():
-        for m in rows:
-            x = torch.randn(m, 576, generator=g).to(dtype)
-            out[m] = {
-                "dense": _time_products([lambda w=w, x=x: F.linear(x, w) for w in dense]),
-                "onednn": _time_products([lambda p=p, x=x: p(x) for p in packed]),
-            }
-    return out
+        best = _best_of_rounds(configs)
+    return {m: {kind: best[m, kind] for kind in ("dense", "onednn")} for m in rows}
 
 
 def measure_onednn_rows(dtype: torch.dtype, rows=range(1, ONEDNN_PAD_MAX + 1), mb: float = 96.0, rounds: int = 7):
@@ -926,7 +932,7 @@ def _remembered(key: str, ok, measure) -> dict:
 def _measure_format(dtype: torch.dtype) -> dict:
     times = measure_onednn(dtype)
     total = {k: sum(t[k] for t in times.values()) for k in ("dense", "onednn")}
-    return {"choice": min(total, key=total.get), "seconds": {str(m): t for m, t in times.items()}}
+    return {"choice": min(total, key=total.get), "seconds": {str(m): t for m, t in times.items()}, "timing": TIMING}
 
 
 def dense_format(dtype: torch.dtype, device: torch.device) -> str:
@@ -940,7 +946,9 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
     if forced in ("onednn", "dense"):
         return forced
     entry = _remembered(
-        _onednn_key(dtype), lambda e: e.get("choice") in ("onednn", "dense"), lambda: _measure_format(dtype)
+        _onednn_key(dtype),
+        lambda e: e.get("choice") in ("onednn", "dense") and e.get("timing") == TIMING,
+        lambda: _measure_format(dtype),
     )
     return entry["choice"]
 
@@ -999,7 +1007,7 @@ def _draft_head_entry(weight: torch.Tensor) -> dict:
 
     def ok(e: dict) -> bool:
         keys = ("row_s", "onednn_s", "q8_s") if q8 else ("row_s", "onednn_s")
-        return all(isinstance(e.get(k), float) for k in keys)
+        return all(isinstance(e.get(k), float) for k in keys) and e.get("timing") == TIMING
 
     return _remembered(f"{_onednn_key(weight.dtype)} | draft head {K}x{D}", ok, lambda: _measure_draft_head(weight, q8))
 
@@ -1010,14 +1018,12 @@ def _measure_draft_head(weight: torch.Tensor, q8: bool) -> dict:
     packed = OneDNNWeight(weight, pad_to=())
     cm = weight.t().contiguous().t()
     x = torch.randn(1, weight.shape[1]).to(weight.dtype)
+    configs = {"row_s": [lambda: F.linear(x, cm)] * 4, "onednn_s": [lambda: packed(x)] * 4}
+    if q8:
+        blocks = BlockWeight.from_int8(quantize_q8(weight))
+        configs["q8_s"] = [lambda: blocks.matmul(x)] * 4
     with torch.inference_mode():
-        row = _time_products([lambda: F.linear(x, cm)] * 4) / 4
-        onednn = _time_products([lambda: packed(x)] * 4) / 4
-        out = {"row_s": row, "onednn_s": onednn}
-        if q8:
-            blocks = BlockWeight.from_int8(quantize_q8(weight))
-            out["q8_s"] = _time_products([lambda: blocks.matmul(x)] * 4) / 4
-    return out
+        return {**{key: seconds / 4 for key, seconds in _best_of_rounds(configs).items()}, "timing": TIMING}
 
 
 def _valid_rows(rows) -> bool:
@@ -1087,15 +1093,14 @@ def measure_q4(rows=(1, 4, 8, 16), mb: float = 48.0) -> dict:
     ]
     blocks = [BlockWeight.from_rows(r) for r in mats]
     torch_int4 = [Int4Weight(r) for r in mats]
-    out = {}
+    configs = {}
+    for m in rows:
+        x = torch.randn(m, 576, generator=g).to(torch.bfloat16)
+        configs[m, "torch"] = [lambda w=w, x=x: w(x) for w in torch_int4]
+        configs[m, "blocks"] = [lambda w=w, x=x: w(x) for w in blocks]
     with torch.inference_mode():
-        for m in rows:
-            x = torch.randn(m, 576, generator=g).to(torch.bfloat16)
-            out[m] = {
-                "torch": _time_products([lambda w=w, x=x: w(x) for w in torch_int4]),
-                "blocks": _time_products([lambda w=w, x=x: w(x) for w in blocks]),
-            }
-    return out
+        best = _best_of_rounds(configs, rounds=5)
+    return {m: {kind: best[m, kind] for kind in ("torch", "blocks")} for m in rows}
 
 
 def _q4_winner(times: dict) -> str:
@@ -1127,7 +1132,9 @@ def q4_format() -> str:
         return "blocks" if have_blocks else "torch"
     if forced in ("blocks", "torch"):
         return forced
-    entry = _remembered(_q4_key(), lambda e: e.get("choice") in ("blocks", "torch"), _measure_q4_format)
+    entry = _remembered(
+        _q4_key(), lambda e: e.get("choice") in ("blocks", "torch") and e.get("timing") == TIMING, _measure_q4_format
+    )
     return entry["choice"]
 
 
@@ -1143,7 +1150,7 @@ def _q4_key() -> str:
 
 def _measure_q4_format() -> dict:
     times = measure_q4()
-    return {"choice": _q4_winner(times), "seconds": {str(m): t for m, t in times.items()}}
+    return {"choice": _q4_winner(times), "seconds": {str(m): t for m, t in times.items()}, "timing": TIMING}
 
 
 def q4_weight(rows: QuantizedRows, bias: torch.Tensor | None = None) -> "BlockWeight | Int4Weight":

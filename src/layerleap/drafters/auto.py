@@ -25,9 +25,9 @@ probed one after another the first time).  The choice changes only
 which drafts are verified, never what is accepted: greedy output is greedy decoding, and sampled
 output is lossless (every draft is a deterministic, one-hot proposal, siblings distinct).
 
-A batch shares the mode; a transfer or Medusa call then verifies every row's tree of the one shape,
-an EAGLE call each row's own drafts (per-row masks where their shapes differ), and the lookup chains
-ride only in plain calls, where chains of any length pad."""
+A batch shares the mode; a transfer or Medusa call then verifies every row's tree of the one shape
+(the lookup chains ride only in plain and EAGLE calls), an EAGLE call each row's own drafts and chain
+(per-row masks where their shapes differ, as they do in any batch of EAGLE drafts)."""
 
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ class AutoDrafter(TreeDrafter):
             tree = self.eagle.candidates(root, *self.eagle_drafts.get(row, ([], [])))
         else:
             tree = super().propose_row(row, root, budget)
-        if self.run.batch > 1:  # one tree shape for every row: no chains beside it
+        if self.run.batch > 1 and self.round_mode != "eagle":  # one tree shape for every row: no chains beside it
             return tree
         return merge_chain(tree, chain) if chain else tree
 

@@ -14,9 +14,10 @@ early-exit drafts cost more than they save on the models and machines measured
 
 The greedy output is greedy decoding, token for token, whatever was chosen; sampling is lossless
 (one-hot drafts, SpecInfer's rule).  A list of prompts decodes as one batch (one mode for the batch;
-a transfer call verifies the tree alone).  Without Hidden Transfer weights for the model
-(``transfer="auto"`` finds none, or ``transfer=None``), and by default in q4, where Hidden Transfer's
-tree costs more than it gains (``NO_TRANSFER_DTYPES``), it is prompt lookup.
+a transfer or Medusa call verifies each row's tree alone, without its lookup chain).  Without
+drafter weights for the model (``transfer``, ``medusa`` and ``eagle`` "auto" find none, or none are
+given), and by default in q4, where the trees and the EAGLE head's drafts cost more than they gain
+(``NO_TRANSFER_DTYPES``, ``NO_EAGLE_DTYPES``), it is prompt lookup.
 
 Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``medusa_rounds``,
 ``eagle_rounds``, ``mode_switches``, ``tree_nodes``.
@@ -44,7 +45,11 @@ from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, adaptive_default, tuned
 # in every category of the 15-prompt q4 run (0.82x on a Zen 4 EPYC with the block kernel, 0.72x on
 # a Zen 5 with torch's int4 kernel; docs/BENCHMARKS.md), so its probes only cost.
 NO_TRANSFER_DTYPES = ("q4",)
-# Weight formats where "auto" leaves the EAGLE head out (MEASURED BELOW).
+# Weight formats where "auto" leaves the EAGLE head out: in q4 its calls (one draft, no fan: the eagle
+# method's q4 defaults) cost more than they gain, and their probes cost besides: interleaved on 15
+# Spec-Bench prompts x 64 tokens (2 threads, a 2-core Zen 5 EPYC, best of 3), auto with EAGLE calls ran
+# at 0.98x greedy against 1.03x without them (1.43 against 1.34 tokens per call; the eagle method 0.82x,
+# prompt lookup 1.03x; docs/BENCHMARKS.md, "auto with EAGLE calls").
 NO_EAGLE_DTYPES = ("q4",)
 LEFT_OUT = {"transfer": NO_TRANSFER_DTYPES, "medusa": NO_TRANSFER_DTYPES, "eagle": NO_EAGLE_DTYPES}
 

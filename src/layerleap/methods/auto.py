@@ -49,7 +49,10 @@ NO_TRANSFER_DTYPES = ("q4",)
 # method's q4 defaults) cost more than they gain, and their probes cost besides: interleaved on 15
 # Spec-Bench prompts x 64 tokens (2 threads, a 2-core Zen 5 EPYC, best of 3), auto with EAGLE calls ran
 # at 0.98x greedy against 1.03x without them (1.43 against 1.34 tokens per call; the eagle method 0.82x,
-# prompt lookup 1.03x; docs/BENCHMARKS.md, "auto with EAGLE calls").
+# prompt lookup 1.03x; docs/BENCHMARKS.md, "auto with EAGLE calls").  fp32 keeps them: in the same kind
+# of run they were level (0.96x against 0.97x, 1.73 against 1.69 tokens per call; ahead on
+# math_reasoning, behind on translation) on a CPU where a two-token fp32 call costs x1.70 of a one-token
+# one and no tree pays for its rows.
 NO_EAGLE_DTYPES = ("q4",)
 LEFT_OUT = {"transfer": NO_TRANSFER_DTYPES, "medusa": NO_TRANSFER_DTYPES, "eagle": NO_EAGLE_DTYPES}
 
@@ -109,7 +112,7 @@ def auto(
     heads = drafter_weights(run, "medusa", medusa)
     head = drafter_weights(run, "eagle", eagle)
     buf = medusa_buf = chains = None
-    vocab = get_draft_vocab(run.model, draft_vocab) if (proj, heads, head) != (None, None, None) else None
+    vocab = get_draft_vocab(run.model, draft_vocab) if any(d is not None for d in (proj, heads, head)) else None
     if proj is not None:
         buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
     if heads is not None:

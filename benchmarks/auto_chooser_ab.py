@@ -102,7 +102,7 @@ def main() -> None:
             for k in (p.category, "all"):
                 wall[k][lab] += s
                 cpu[k][lab] += c
-                for st in ("lookup_rounds", "transfer_rounds", "medusa_rounds"):
+                for st in ("lookup_rounds", "transfer_rounds", "medusa_rounds", "eagle_rounds"):
                     rounds[(k, lab)][st] += r.stats.get(st, 0) or 0
         bad = [lab for lab, o in outs.items() if o != outs["greedy"]]
         print(f"{i + 1}/{len(prompts)} {p.category} {p.id}" + (f" DIFFERS: {bad}" if bad else ""), flush=True)

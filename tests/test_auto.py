@@ -100,7 +100,7 @@ def test_auto_without_transfer_weights_is_prompt_lookup():
     a = layerleap.generate(model, prompt, "auto", 16, stop_at_eos=False)  # no shipped weights for it
     b = layerleap.generate(model, prompt, "prompt-lookup", 16, stop_at_eos=False)
     assert a.token_ids == b.token_ids and a.stats["model_calls"] == b.stats["model_calls"]
-    assert a.stats["transfer_rounds"] == 0
+    assert a.stats["transfer_rounds"] == a.stats["medusa_rounds"] == a.stats["eagle_rounds"] == 0
 
 
 def test_auto_refuses_bad_transfer():
@@ -215,3 +215,136 @@ def test_auto_with_medusa_samples_the_models_distribution(switching):
     assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3
     assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3
     assert chi2_pvalue(counts.sum((0, 1)), p.sum((0, 1))) > 1e-3
+
+
+def _eagle(model, seed=0, scale=0.3):
+    d = medusa_transfer.new_drafter(model, "eagle")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return d
+
+
+def test_chooser_probes_four_modes_in_turn(monkeypatch):
+    """With EAGLE calls too: every mode is probed once, in order, before the gaps start; the fastest
+    (here EAGLE's) is kept."""
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
+    monkeypatch.setattr(auto_drafter, "PROBE", 2)
+    monkeypatch.setattr(auto_drafter, "GAP", 4)
+    c = Chooser(auto_drafter.MODES)
+    modes = []
+    gain = {"lookup": 1, "transfer": 2, "medusa": 2, "eagle": 4}
+    for _ in range(80):
+        modes.append(c.mode)
+        c.record(c.mode, gain[c.mode], 10.0, counted=True)
+    assert modes[:8] == ["lookup"] * 2 + ["transfer"] * 2 + ["medusa"] * 2 + ["eagle"] * 2
+    assert c.best == "eagle" and modes[-20:].count("eagle") >= 16
+
+
+@pytest.mark.parametrize("seed,plen", [(0, 3), (1, 9), (2, 17)])
+@pytest.mark.parametrize("others", ["none", "transfer", "transfer+medusa"])
+@pytest.mark.parametrize("width", [1, 3])
+def test_auto_with_eagle_equals_greedy_while_switching(switching, monkeypatch, seed, plen, others, width):
+    """EAGLE calls (the head's chain and fan with the lookup chain merged in) among the other kinds,
+    switched every round or two: greedy's tokens, EAGLE rounds among them."""
+    from layerleap.methods import eagle as eagle_method
+
+    monkeypatch.setitem(eagle_method.DEFAULT_WIDTH, "float32", width)
+    monkeypatch.setitem(eagle_method.DEFAULT_DRAFT_LEN, "float32", 3)
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    prompt = torch.randint(0, 8, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+    proj = _transfer(model, layers=(1, 1)) if "transfer" in others else "none"
+    heads = _medusa(model) if "medusa" in others else "none"
+    r = layerleap.generate(
+        model, prompt, "auto", 24, stop_at_eos=False, transfer=proj, medusa=heads, eagle=_eagle(model), tree="2,1"
+    )
+    assert r.token_ids == naive_greedy(model, prompt, 24)
+    assert r.stats["eagle_rounds"] > 0 and r.stats["lookup_rounds"] > 0 and r.stats["mode_switches"] >= 2
+    assert (r.stats["transfer_rounds"] > 0) == ("transfer" in others)
+    assert (r.stats["medusa_rounds"] > 0) == ("medusa" in others)
+
+
+def test_auto_eagle_rounds_draft_with_the_head(monkeypatch):
+    """Only EAGLE calls after the prompt (a probe that never ends): greedy's tokens, every round's
+    candidates the head's first draft and its two siblings (fp32's width 3)."""
+    from layerleap.drafters.eagle import EagleChains
+
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 0)
+    monkeypatch.setattr(auto_drafter, "PROBE", 10_000)
+    made = []
+    real = EagleChains.candidates
+
+    def spy(root, chain, siblings):
+        made.append((len(chain), len(siblings)))
+        return real(root, chain, siblings)
+
+    monkeypatch.setattr(EagleChains, "candidates", staticmethod(spy))
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    prompt = [3, 1, 4, 1, 5]
+    r = layerleap.generate(
+        model, prompt, "auto", 20, stop_at_eos=False, transfer="none", medusa="none", eagle=_eagle(model)
+    )
+    assert r.token_ids == naive_greedy(model, prompt, 20)
+    assert r.stats["lookup_rounds"] == 0 and r.stats["eagle_rounds"] == len(made) > 0
+    assert set(made) == {(1, 2)}
+
+
+def test_auto_with_eagle_batch_equals_rows_alone(switching):
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    head, proj = _eagle(model), _transfer(model)
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 7, 4, 5, 6, 1, 2], [3]]
+    batch = layerleap.generate(model, prompts, "auto", 16, stop_at_eos=False, transfer=proj, eagle=head, tree="2,1")
+    for p, b in zip(prompts, batch):
+        assert b.token_ids == naive_greedy(model, p, 16)
+    assert batch[0].stats["eagle_rounds"] > 0
+
+
+def test_auto_with_eagle_samples_the_models_distribution(switching):
+    """The first three sampled tokens over many seeds against the model's exact joint, with EAGLE
+    calls among the rounds."""
+    target, _ = tiny_pair(3, vocab=6, scale=2.0, n_draft=1)
+    prompt = [1, 3, 4, 1, 3, 4, 1, 3]
+    warp = {"temperature": 0.8, "top_k": 5}
+    p = exact_joint3(target, prompt, warp)
+    head = _eagle(target)
+    counts = torch.zeros(6, 6, 6)
+    eagle_rounds = drafted = accepted = 0
+    for seed in range(800):
+        r = layerleap.generate(
+            target, prompt, "auto", 3, do_sample=True, seed=seed, stop_at_eos=False, draft_len=2,
+            transfer="none", medusa="none", eagle=head, **warp,
+        )  # fmt: skip
+        counts[tuple(r.token_ids)] += 1
+        eagle_rounds += r.stats["eagle_rounds"]
+        drafted += r.stats["drafted"]
+        accepted += r.stats["accepted"]
+    assert eagle_rounds > 0 and 0 < accepted < drafted
+    assert chi2_pvalue(counts.sum(2), p.sum(2)) > 1e-3
+    assert chi2_pvalue(counts.sum(0), p.sum(0)) > 1e-3
+    assert chi2_pvalue(counts.sum((0, 1)), p.sum((0, 1))) > 1e-3
+
+
+def test_auto_refuses_bad_eagle():
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    with pytest.raises(layerleap.GenerationError, match="eagle"):
+        layerleap.generate(model, [1, 2], "auto", 4, eagle=3)
+    with pytest.raises(medusa_transfer.DrafterError, match="not eagle weights of this model"):
+        layerleap.generate(model, [1, 2], "auto", 4, eagle=_medusa(model))  # Medusa heads, not an EAGLE head
+
+
+def test_auto_eagle_sampled_batch_rows_equal_rows_alone(monkeypatch):
+    """With the kind of call fixed (EAGLE calls only: the choice is by wall time, so a batch and a row
+    alone may otherwise choose differently and draw differently), row i of a sampled batch seeded with
+    s samples what its prompt alone samples with seed s + i."""
+    from layerleap.core.run import row_seed
+
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 0)
+    monkeypatch.setattr(auto_drafter, "PROBE", 10_000)
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 7, 4, 5, 6, 1, 2], [3]]
+    kw = dict(transfer="none", medusa="none", eagle=_eagle(model), do_sample=True, temperature=1.5)
+    batch = layerleap.generate(model, prompts, "auto", 12, stop_at_eos=False, seed=5, **kw)
+    for i, (p, b) in enumerate(zip(prompts, batch)):
+        alone = layerleap.generate(model, p, "auto", 12, stop_at_eos=False, seed=row_seed(5, i), **kw)
+        assert b.token_ids == alone.token_ids and alone.stats["eagle_rounds"] > 0

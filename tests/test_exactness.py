@@ -79,6 +79,15 @@ EXACT = {
     ],
     "auto": [
         ("lookup only", lambda m, o: {"transfer": None}),
+        ("eagle", lambda m, o: {"transfer": None, "eagle": _random_drafter(m, "eagle", scale=0.05)}),
+        (
+            "eagle and transfer 2,1",
+            lambda m, o: {
+                "tree": "2,1",
+                "transfer": _random_drafter(m, "transfer", layers=[1, 1]),
+                "eagle": _random_drafter(m, "eagle", scale=0.05),
+            },
+        ),
         (
             "adaptive 2,1",
             lambda m, o: {"tree": "2,1", "adaptive": True, "transfer": _random_drafter(m, "transfer", layers=[1, 1])},

@@ -134,6 +134,7 @@ DRAFTING = {
         "transfer": _random_heads(m, "transfer", layers=[1, 1]),
     },
     "auto": lambda m, d: {"tree": "2,1", "transfer": _random_heads(m, "transfer", layers=[1, 1])},
+    "auto eagle": lambda m, d: {"transfer": None, "eagle": _random_heads(m, "eagle")},
 }
 
 

@@ -171,6 +171,7 @@ def test_batch_of_4_equals_one_by_one(smollm, prompts, ours20):
         ("hidden-transfer", {}),
         ("eagle", {}),
         ("eagle", {"draft_len": 3, "width": 2}),
+        ("auto", {}),
         ("speculative", {"draft": 15, "draft_len": 4}),
         ("self-spec", {}),
     ],
@@ -292,17 +293,31 @@ def test_q4_lossy_defaults_keep_their_calibrated_word(smollm_q4, prompts, method
 
 
 def test_q4_auto_leaves_transfer_out_unless_asked(smollm_q4, prompts):
-    """In q4 "auto" is prompt lookup (its transfer tree costs more than it gains there); given the
-    shipped projections' file it probes transfer calls again, and stays equal to greedy either way."""
+    """In q4 "auto" is prompt lookup (its transfer tree and the EAGLE head's drafts cost more than they
+    gain there); given the shipped projections' or head's file it probes those calls again, and stays
+    equal to greedy either way."""
     from layerleap.drafters import medusa_transfer
 
     p = prompts[3]
     want = generate(smollm_q4, p, max_new_tokens=40, chat=True, stop_at_eos=False).token_ids
     plain = generate(smollm_q4, p, "auto", 40, chat=True, stop_at_eos=False)
-    assert plain.token_ids == want and plain.stats["transfer_rounds"] == 0
-    (path,) = medusa_transfer.shipped_files(smollm_q4, "transfer")
-    asked = generate(smollm_q4, p, "auto", 40, chat=True, stop_at_eos=False, transfer=str(path))
-    assert asked.token_ids == want and asked.stats["transfer_rounds"] > 0
+    assert plain.token_ids == want
+    assert plain.stats["transfer_rounds"] == plain.stats["medusa_rounds"] == plain.stats["eagle_rounds"] == 0
+    for kind, rounds in (("transfer", "transfer_rounds"), ("eagle", "eagle_rounds")):
+        (path,) = medusa_transfer.shipped_files(smollm_q4, kind)
+        asked = generate(smollm_q4, p, "auto", 40, chat=True, stop_at_eos=False, **{kind: str(path)})
+        assert asked.token_ids == want and asked.stats[rounds] > 0, kind
+
+
+def test_auto_probes_eagle_calls_in_fp32(smollm, prompts):
+    """In fp32 "auto" has the shipped EAGLE head (eagle="auto") and probes its calls; eagle="none" has
+    none; both equal greedy."""
+    for i in (2, 12):
+        want = generate(smollm, prompts[i], max_new_tokens=48, chat=True, stop_at_eos=False).token_ids
+        got = generate(smollm, prompts[i], "auto", 48, chat=True, stop_at_eos=False)
+        assert got.token_ids == want and got.stats["eagle_rounds"] > 0, i
+        off = generate(smollm, prompts[i], "auto", 48, chat=True, stop_at_eos=False, eagle="none")
+        assert off.token_ids == want and off.stats["eagle_rounds"] == 0, i
 
 
 def test_q4_cache_repairs_itself(smollm_q4, tmp_path, monkeypatch):

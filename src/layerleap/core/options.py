@@ -395,6 +395,14 @@ AUTO_MEDUSA = Option(
     choices=("auto", "none"),
     none="no Medusa calls",
 )
+AUTO_EAGLE = Option(
+    "eagle",
+    "weights",
+    "the EAGLE head for auto's EAGLE calls: auto (the shipped one, if any, except in q4), none, or a weights file",
+    default="auto",
+    choices=("auto", "none"),
+    none="no EAGLE calls",
+)
 MIN_EXIT_LAYER = Option(
     "min_exit_layer", "int", "the fewest layers a token runs (its exit budget)", default=1, lo=1, hi=N_LAYERS
 )

@@ -98,13 +98,14 @@ class TreeStats(Record):
 @dataclass
 class AutoStats(Record):
     """``auto``: rounds verified by plain calls (``lookup_rounds``: prompt lookup's chain), by
-    transfer calls (``transfer_rounds``: Hidden Transfer's tree and the chain) and by Medusa calls
-    (``medusa_rounds``: Medusa's tree and the chain), and how often the choice changed
-    (``mode_switches``)."""
+    transfer calls (``transfer_rounds``: Hidden Transfer's tree and the chain), by Medusa calls
+    (``medusa_rounds``: Medusa's tree and the chain) and by EAGLE calls (``eagle_rounds``: the EAGLE
+    head's drafts and the chain), and how often the choice changed (``mode_switches``)."""
 
     lookup_rounds: int
     transfer_rounds: int
     medusa_rounds: int
+    eagle_rounds: int
     mode_switches: int
 
 

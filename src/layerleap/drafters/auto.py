@@ -10,7 +10,11 @@ millisecond each has given on this request, on this machine.
   states that draft the next tree;
 - a *Medusa* call (``"medusa"``): the root and the tree Medusa's heads drafted from the last call's
   state at its last kept node (whatever that call's kind), with the lookup chain merged in as above.
-  The heads run only after a round whose successor is a Medusa round.
+  The heads run only after a round whose successor is a Medusa round;
+- an *EAGLE* call (``"eagle"``): the root and the EAGLE head's drafts (``eagle.EagleChains``: a chain
+  drafted feature by feature from the last call's state at its last kept node and the root, with
+  the first draft's top-k as a fan), with the lookup chain merged in as above.  The head drafts at
+  the start of the round, once the root is known.
 
 Each mode's rate is a decaying sum of emitted tokens over a decaying sum of wall milliseconds per
 round (proposal, call, acceptance and drafting: what the round cost here).  The drafter starts with
@@ -21,8 +25,9 @@ probed one after another the first time).  The choice changes only
 which drafts are verified, never what is accepted: greedy output is greedy decoding, and sampled
 output is lossless (every draft is a deterministic, one-hot proposal, siblings distinct).
 
-A batch shares the mode; a transfer call then verifies every row's tree of the one shape (the lookup
-chains ride only in plain calls, where chains of any length pad)."""
+A batch shares the mode; a transfer or Medusa call then verifies every row's tree of the one shape
+(the lookup chains ride only in plain and EAGLE calls), an EAGLE call each row's own drafts and chain
+(per-row masks where their shapes differ, as they do in any batch of EAGLE drafts)."""
 
 from __future__ import annotations
 
@@ -37,10 +42,11 @@ from ..core.stats import AutoStats
 from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
 from .draft_vocab import DraftVocab
+from .eagle import EagleChains
 from .lengths import LengthChooser, curve_for
 from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts, transfer_pass
 
-MODES = ("lookup", "transfer", "medusa")
+MODES = ("lookup", "transfer", "medusa", "eagle")
 FIRST_PROBE = 3  # plain rounds before the first probe of transfer calls (0: start with the probe)
 PROBE = 4  # counted rounds a probe lasts
 GAP = 8  # rounds between probes, doubled after each probe that does not change the mode
@@ -142,8 +148,9 @@ def merge_chain(tree: Candidates, chain: list[int]) -> Candidates:
 
 
 class AutoDrafter(TreeDrafter):
-    """Prompt lookup and, when ``proj`` is given, Hidden Transfer's tree ``buf``, and when ``heads`` are
-    given, Medusa's tree ``medusa_buf`` (see the module docstring)."""
+    """Prompt lookup and, when ``proj`` is given, Hidden Transfer's tree ``buf``, when ``heads`` are
+    given, Medusa's tree ``medusa_buf``, and when ``eagle`` is given, the EAGLE head's drafts (see the
+    module docstring)."""
 
     def __init__(
         self,
@@ -157,18 +164,27 @@ class AutoDrafter(TreeDrafter):
         adaptive: bool = False,
         heads=None,
         medusa_buf: tree_mod.TreeBuffers | None = None,
+        eagle: EagleChains | None = None,
     ):
         buf = tree_mod.build("") if proj is None or buf is None else buf
         self.steps = buf.depth if buf.n > 1 else 0
         self.draft_len = draft_len
         self.heads = heads if heads is not None and medusa_buf is not None and medusa_buf.n > 1 else None
         self.medusa_buf = medusa_buf if self.heads is not None else None
+        self.eagle = eagle
         super().__init__(run, buf, vocab)
         self.proj = proj if self.steps else None
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
         self.lengths = LengthChooser(run.batch, curve_for(run.model), draft_len) if adaptive else None
         self.medusa_topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: Medusa's drafts
-        kinds = {"lookup": True, "transfer": self.proj is not None, "medusa": self.heads is not None}
+        self.kept_state: list[torch.Tensor | None] = [None] * run.batch  # EAGLE: per row [D], the last kept node's
+        self.eagle_drafts: dict[int, tuple[list[int], list[int]]] = {}  # EAGLE: row -> (chain, siblings)
+        kinds = {
+            "lookup": True,
+            "transfer": self.proj is not None,
+            "medusa": self.heads is not None,
+            "eagle": eagle is not None,
+        }
         self.chooser = Chooser(tuple(m for m in MODES if kinds[m]))
         self.pseudo: torch.Tensor | None = None  # [B, steps, n, D] the last transfer call's pseudo states
         self.t_round = 0.0
@@ -178,10 +194,13 @@ class AutoDrafter(TreeDrafter):
 
     def round_tokens(self) -> int:
         transfer = (self.buf.n + self.draft_len) * (self.steps + 1) + 1  # tree, chain, their pseudo states
-        return max(transfer, (self.medusa_buf.n if self.heads else 0) + self.draft_len + 1)
+        eagle = self.eagle.most_nodes if self.eagle else 0
+        return max(transfer, max(self.medusa_buf.n if self.heads else 0, eagle + 1) + self.draft_len + 1)
 
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()
+        if self.eagle is not None:
+            self.kept_state = [self.hidden[row, -1] for row in range(self.run.batch)]
         if self.chooser.mode == "medusa":
             for row in range(self.run.batch):
                 self._medusa_from(row, self.hidden[row, -1])
@@ -198,6 +217,12 @@ class AutoDrafter(TreeDrafter):
         # a transfer round right after another kind has no tree yet: it only makes the pseudo states
         drafts = {"transfer": self.topk, "medusa": self.medusa_topk}.get(self.round_mode)
         self.counted = drafts is None or any(t is not None for t in drafts)
+        self.eagle_drafts = {}
+        if self.round_mode == "eagle":  # every row's drafts, one head call per step for the batch
+            rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b and root is not None]
+            lengths = [min(budgets[r], self.eagle.draft_len) for r in rows]
+            chains, siblings = self.eagle.draft([self.kept_state[r] for r in rows], [roots[r] for r in rows], lengths)
+            self.eagle_drafts = {row: (c, s) for row, c, s in zip(rows, chains, siblings)}
         return super().propose(roots, budgets)
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
@@ -211,9 +236,11 @@ class AutoDrafter(TreeDrafter):
         if self.round_mode == "medusa":
             drafts = self.medusa_topk[row]
             tree = Candidates.chain(root, []) if drafts is None else Candidates.from_tree(self.medusa_buf, root, drafts)
+        elif self.round_mode == "eagle":
+            tree = self.eagle.candidates(root, *self.eagle_drafts.get(row, ([], [])))
         else:
             tree = super().propose_row(row, root, budget)
-        if self.run.batch > 1:  # one tree shape for every row: no chains beside it
+        if self.run.batch > 1 and self.round_mode != "eagle":  # one tree shape for every row: no chains beside it
             return tree
         return merge_chain(tree, chain) if chain else tree
 
@@ -243,6 +270,11 @@ class AutoDrafter(TreeDrafter):
                     self.lengths.observe(row, c.k, len(r[0]), r[1])
         if not called:
             return
+        if self.eagle is not None:  # whatever the call's kind, its last kept node's state drafts an EAGLE round
+            self.kept_state = [
+                None if c is None else self.hidden[row, c.kept(r[0])[-1]]
+                for row, (c, r) in enumerate(zip(cands, results))
+            ]
         if self.round_mode == "transfer":
             pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
             for b, p in self.kept_states(cands, results, pseudo).items():  # p [steps, D]
@@ -268,6 +300,7 @@ class AutoDrafter(TreeDrafter):
                 self.mode_rounds["lookup"],
                 self.mode_rounds["transfer"],
                 self.mode_rounds["medusa"],
+                self.mode_rounds["eagle"],
                 self.chooser.switches,
             )
             for _ in range(self.run.batch)

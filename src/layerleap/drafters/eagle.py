@@ -8,7 +8,10 @@ call per step.  The chain ends at ``draft_len``, at an end-of-sequence draft, or
 top probability is below ``min_confidence``.  ``width`` > 1 adds the first draft's next ``width - 1``
 candidates as siblings (a tree of one chain and a fan at its first level, verified with tree
 attention; the chain goes on from the top one).  Drafts are top-k choices (one-hot proposals), so
-greedy output is greedy decoding's and sampling stays lossless."""
+greedy output is greedy decoding's and sampling stays lossless.
+
+``EagleChains`` is the drafting itself, shared by ``EagleDrafter`` and ``auto``'s EAGLE calls
+(``drafters.auto``)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,80 @@ from .base import Drafter
 from .draft_vocab import DraftVocab
 from .medusa_transfer import EagleHead
 from .trees import draft_logits
+
+
+class EagleChains:
+    """The head's drafts for rows of a batch: ``draft(states, roots, lengths)`` -> each row's chain and
+    its first draft's siblings; ``candidates`` turns them into a row's ``Candidates``."""
+
+    def __init__(
+        self,
+        run: Run,
+        head: EagleHead,
+        draft_len: int,
+        vocab: DraftVocab | None = None,
+        min_confidence: float = 0.0,
+        width: int = 1,
+    ):
+        self.run, self.head, self.draft_len, self.vocab = run, head, draft_len, vocab
+        self.min_confidence, self.width = min_confidence, width
+        self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
+        self.head_steps = 0  # head calls (each drafts one token for every drafting row)
+
+    @property
+    def most_nodes(self) -> int:
+        """The most draft nodes of one row's candidates (the chain and the first draft's siblings)."""
+        return self.draft_len + self.width - 1
+
+    @staticmethod
+    def candidates(root: int | None, chain: list[int], siblings: list[int]) -> Candidates:
+        """The chain after ``root``, with ``siblings`` of its first draft as a fan (a tree) when there are any."""
+        if not siblings or not chain:
+            return Candidates.chain(root, chain)
+        tokens = [chain[0], *siblings, *chain[1:]]
+        n = len(siblings)
+        parents = [-1] * (1 + n) + ([0] + list(range(n + 1, n + len(chain) - 1)) if len(chain) > 1 else [])
+        return Candidates.from_parents(root, tokens, parents)
+
+    @torch.no_grad()
+    def draft(
+        self, states: list[torch.Tensor], roots: list[int], lengths: list[int]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Rows' chains from their last kept positions' last-layer states (``[D]`` each) and their roots,
+        each at most its length (>= 1) long, drafted together one head call per step -> (the chains, each
+        chain's first draft's next ``width - 1`` candidates)."""
+        chains: list[list[int]] = [[] for _ in roots]
+        siblings: list[list[int]] = [[] for _ in roots]
+        if not roots:
+            return chains, siblings
+        model = self.run.model
+        live = list(range(len(roots)))
+        first = True
+        z = model.final_norm(torch.stack(states))  # [R, D]
+        x = torch.tensor(roots, dtype=torch.long, device=model.device)  # [R]
+        while live:
+            z = model.final_norm(self.head.step(z, x))  # [R', D]
+            logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
+            top = logits.argmax(-1)
+            tokens = (top if self.vocab is None else self.vocab.token(top)).tolist()
+            if first and self.width > 1:
+                k = min(self.width, logits.shape[-1])
+                fan = logits.topk(k, dim=-1).indices[:, 1:]
+                for j, ids in enumerate((fan if self.vocab is None else self.vocab.token(fan)).tolist()):
+                    siblings[live[j]] = ids
+            first = False
+            sure = logits.float().softmax(-1).amax(-1).tolist() if self.min_confidence > 0 else [1.0] * len(live)
+            self.head_steps += 1
+            keep = []
+            for j, i in enumerate(live):
+                chains[i].append(tokens[j])
+                if len(chains[i]) < lengths[i] and tokens[j] not in self.eos and sure[j] >= self.min_confidence:
+                    keep.append(j)
+            live = [live[j] for j in keep]
+            if keep:
+                sel = torch.tensor(keep, device=model.device)
+                z, x = z[sel], top.new_tensor([tokens[j] for j in keep])
+        return chains, siblings
 
 
 class EagleDrafter(Drafter):
@@ -34,16 +111,16 @@ class EagleDrafter(Drafter):
         min_confidence: float = 0.0,
         width: int = 1,
     ):
-        self.head, self.draft_len, self.vocab, self.min_confidence = head, draft_len, vocab, min_confidence
-        self.width = width
-        self.siblings: dict[int, list[int]] = {}  # row -> the first draft's other candidates this round
+        self.chains = EagleChains(run, head, draft_len, vocab, min_confidence, width)
         super().__init__(run)
         self.kept_state: list[torch.Tensor | None] = [None] * run.batch  # per row [D]: the last kept position's
-        self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
-        self.head_steps = 0  # head calls (each drafts one token for every drafting row)
+
+    @property
+    def head_steps(self) -> int:
+        return self.chains.head_steps
 
     def round_tokens(self) -> int:
-        return self.draft_len + self.width  # the root, the chain and the first draft's siblings
+        return self.chains.most_nodes + 1  # the root, the chain and the first draft's siblings
 
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()
@@ -53,61 +130,13 @@ class EagleDrafter(Drafter):
 
     def propose(self, roots, budgets) -> list[Candidates | None]:
         rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b is not None and root is not None and b > 0]
-        chains = self.draft(rows, [roots[r] for r in rows], [min(budgets[r], self.draft_len) for r in rows])
+        lengths = [min(budgets[r], self.chains.draft_len) for r in rows]
+        chains, siblings = self.chains.draft([self.kept_state[r] for r in rows], [roots[r] for r in rows], lengths)
+        drafted = {row: (c, s) for row, c, s in zip(rows, chains, siblings)}
         return [
-            None if b is None else self.candidates(root, chains.get(row, []), self.siblings.get(row, []))
+            None if b is None else self.chains.candidates(root, *drafted.get(row, ([], [])))
             for row, (root, b) in enumerate(zip(roots, budgets))
         ]
-
-    @staticmethod
-    def candidates(root: int | None, chain: list[int], siblings: list[int]) -> Candidates:
-        """The chain after ``root``, with ``siblings`` of its first draft as a fan (a tree) when there are any."""
-        if not siblings or not chain:
-            return Candidates.chain(root, chain)
-        tokens = [chain[0], *siblings, *chain[1:]]
-        n = len(siblings)
-        parents = [-1] * (1 + n) + ([0] + list(range(n + 1, n + len(chain) - 1)) if len(chain) > 1 else [])
-        return Candidates.from_parents(root, tokens, parents)
-
-    @torch.no_grad()
-    def draft(self, rows: list[int], roots: list[int], lengths: list[int]) -> dict[int, list[int]]:
-        """Each listed row's chain after its root, at most its length long."""
-        chains: dict[int, list[int]] = {row: [] for row in rows}
-        self.siblings = {}
-        model = self.run.model
-        live = list(range(len(rows)))
-        first = True
-        z = model.final_norm(torch.stack([self.kept_state[r] for r in rows])) if rows else None  # [R, D]
-        x = torch.tensor(roots, dtype=torch.long, device=model.device)  # [R]
-        while live:
-            z = model.final_norm(self.head.step(z, x))  # [R', D]
-            logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
-            top = logits.argmax(-1)
-            tokens = (top if self.vocab is None else self.vocab.token(top)).tolist()
-            if first and self.width > 1:
-                self.fan(rows, live, logits)
-            first = False
-            sure = logits.float().softmax(-1).amax(-1).tolist() if self.min_confidence > 0 else [1.0] * len(live)
-            self.head_steps += 1
-            keep = []
-            for j, i in enumerate(live):
-                chain = chains[rows[i]]
-                chain.append(tokens[j])
-                if len(chain) < lengths[i] and tokens[j] not in self.eos and sure[j] >= self.min_confidence:
-                    keep.append(j)
-            live = [live[j] for j in keep]
-            if keep:
-                sel = torch.tensor(keep, device=model.device)
-                z, x = z[sel], top.new_tensor([tokens[j] for j in keep])
-        return chains
-
-    def fan(self, rows: list[int], live: list[int], logits: torch.Tensor) -> None:
-        """The first draft's next ``width - 1`` candidates of each drafting row (``logits`` ``[R, V or K]``)."""
-        k = min(self.width, logits.shape[-1])
-        top = logits.topk(k, dim=-1).indices[:, 1:]
-        ids = (top if self.vocab is None else self.vocab.token(top)).tolist()
-        for j, i in enumerate(live):
-            self.siblings[rows[i]] = ids[j]
 
     def update(self, cands, results) -> None:
         called = self.called()

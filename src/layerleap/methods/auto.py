@@ -2,8 +2,10 @@
 
 Every round verifies, in one model call, either prompt lookup's copied chain (a plain call; where
 nothing matches it is a greedy step), Hidden Transfer's tree with the lookup chain merged in as
-one more branch (a transfer call, which also makes the pseudo states that draft the next tree), or
-Medusa's tree with the chain merged in (a Medusa call; ``medusa=``).  Which is decided from the
+one more branch (a transfer call, which also makes the pseudo states that draft the next tree),
+Medusa's tree with the chain merged in (a Medusa call; ``medusa=``), or the EAGLE head's drafts
+(its chain and the first draft's top-k, the ``eagle`` method's per-dtype draft length and width)
+with the chain merged in (an EAGLE call; ``eagle=``).  Which is decided from the
 tokens per millisecond each kind of round has given on this request (``drafters.auto.Chooser``): a
 request that copies its prompt stays on cheap plain calls, one where a tree's drafts pay keeps that
 tree, and one where none does decodes at greedy's pace.  Self-speculation is not among its drafts:
@@ -12,12 +14,13 @@ early-exit drafts cost more than they save on the models and machines measured
 
 The greedy output is greedy decoding, token for token, whatever was chosen; sampling is lossless
 (one-hot drafts, SpecInfer's rule).  A list of prompts decodes as one batch (one mode for the batch;
-a transfer call verifies the tree alone).  Without Hidden Transfer weights for the model
-(``transfer="auto"`` finds none, or ``transfer=None``), and by default in q4, where Hidden Transfer's
-tree costs more than it gains (``NO_TRANSFER_DTYPES``), it is prompt lookup.
+a transfer or Medusa call verifies each row's tree alone, without its lookup chain).  Without
+drafter weights for the model (``transfer``, ``medusa`` and ``eagle`` "auto" find none, or none are
+given), and by default in q4, where the trees and the EAGLE head's drafts cost more than they gain
+(``NO_TRANSFER_DTYPES``, ``NO_EAGLE_DTYPES``), it is prompt lookup.
 
 Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``medusa_rounds``,
-``mode_switches``, ``tree_nodes``.
+``eagle_rounds``, ``mode_switches``, ``tree_nodes``.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from ..core.stats import LookupStats
 from ..drafters import medusa_transfer as weights
 from ..drafters.auto import AutoDrafter
 from ..drafters.draft_vocab import get_draft_vocab
+from ..drafters.eagle import EagleChains
 from ..drafters.trees import tree_buffers
 from . import draft_verify
+from . import eagle as eagle_method
 from .hidden_transfer import default_tree
 from .medusa import DEFAULT_TREES as MEDUSA_TREES
 from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, adaptive_default, tuned
@@ -40,15 +45,26 @@ from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, adaptive_default, tuned
 # in every category of the 15-prompt q4 run (0.82x on a Zen 4 EPYC with the block kernel, 0.72x on
 # a Zen 5 with torch's int4 kernel; docs/BENCHMARKS.md), so its probes only cost.
 NO_TRANSFER_DTYPES = ("q4",)
+# Weight formats where "auto" leaves the EAGLE head out: in q4 its calls (one draft, no fan: the eagle
+# method's q4 defaults) cost more than they gain, and their probes cost besides: interleaved on 15
+# Spec-Bench prompts x 64 tokens (2 threads, a 2-core Zen 5 EPYC, best of 3), auto with EAGLE calls ran
+# at 0.98x greedy against 1.03x without them (1.43 against 1.34 tokens per call; the eagle method 0.82x,
+# prompt lookup 1.03x; docs/BENCHMARKS.md, "auto with EAGLE calls").  fp32 keeps them: in the same kind
+# of run they were level (0.96x against 0.97x, 1.73 against 1.69 tokens per call; ahead on
+# math_reasoning, behind on translation) on a CPU where a two-token fp32 call costs x1.70 of a one-token
+# one and no tree pays for its rows.
+NO_EAGLE_DTYPES = ("q4",)
+LEFT_OUT = {"transfer": NO_TRANSFER_DTYPES, "medusa": NO_TRANSFER_DTYPES, "eagle": NO_EAGLE_DTYPES}
 
 
 def drafter_weights(run: Run, kind: str, spec):
-    """The ``kind`` weights ("transfer" or "medusa") ``spec`` names, or None: "auto" is the shipped
-    ones when the model has any and its dtype is not in ``NO_TRANSFER_DTYPES``; None / "none" is none."""
+    """The ``kind`` weights ("transfer", "medusa" or "eagle") ``spec`` names, or None: "auto" is the
+    shipped ones when the model has any and its dtype is not left out for the kind (``LEFT_OUT``);
+    None / "none" is none."""
     if spec is None or spec == "none":
         return None
     if spec == "auto":
-        if run.model.dtype_name in NO_TRANSFER_DTYPES or not weights.shipped_files(run.model, kind):
+        if run.model.dtype_name in LEFT_OUT[kind] or not weights.shipped_files(run.model, kind):
             return None
         return weights.get_drafter(run.model, kind)
     return weights.get_drafter(run.model, kind, spec)
@@ -61,6 +77,7 @@ TRANSFER = O.TRANSFER.but(
     help="Hidden Transfer projections: auto (the shipped ones, if any, except in q4), none, or a weights file",
 )
 MEDUSA = O.AUTO_MEDUSA
+EAGLE = O.AUTO_EAGLE
 
 
 @register(
@@ -69,7 +86,7 @@ MEDUSA = O.AUTO_MEDUSA
     sampling=True,
     exact=True,
     grammar=True,
-    options=(*OPTIONS, O.TREE, TRANSFER, MEDUSA, O.DRAFT_VOCAB),
+    options=(*OPTIONS, O.TREE, TRANSFER, MEDUSA, EAGLE, O.DRAFT_VOCAB),
 )
 def auto(
     run: Run,
@@ -80,26 +97,31 @@ def auto(
     tree=None,
     transfer="auto",
     medusa=MEDUSA.default,
+    eagle=EAGLE.default,
     draft_vocab="auto",
     adaptive: bool | None = None,
 ):
-    """Lossless: prompt lookup's chain, Hidden Transfer's tree or Medusa's, the fastest per round on this
-    machine (draft_len, min_ngram, tree none: the dtype's tuned defaults; transfer, medusa: 'auto', a
-    weights file or none;
+    """Lossless: prompt lookup's chain, Hidden Transfer's tree, Medusa's or the EAGLE head's drafts, the
+    fastest per round on this machine (draft_len, min_ngram, tree none: the dtype's tuned defaults;
+    transfer, medusa, eagle: 'auto', a weights file or none;
     draft_vocab: the pseudo states score a shipped set of frequent tokens ('auto'), all ('full') or a file's;
     adaptive: a plain call's chain length from the running acceptance; none: on where the call-cost
     curve makes a second token cost, as in q4)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     proj = drafter_weights(run, "transfer", transfer)
     heads = drafter_weights(run, "medusa", medusa)
-    buf = medusa_buf = None
-    vocab = get_draft_vocab(run.model, draft_vocab) if proj is not None or heads is not None else None
+    head = drafter_weights(run, "eagle", eagle)
+    buf = medusa_buf = chains = None
+    vocab = get_draft_vocab(run.model, draft_vocab) if any(d is not None for d in (proj, heads, head)) else None
     if proj is not None:
         buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
     if heads is not None:
         medusa_buf = tree_buffers(run, "auto", O.per_dtype(run.model, MEDUSA_TREES), heads.steps, vocab)
+    if head is not None:
+        eagle_len = O.per_dtype(run.model, eagle_method.DEFAULT_DRAFT_LEN)
+        chains = EagleChains(run, head, eagle_len, vocab, width=O.per_dtype(run.model, eagle_method.DEFAULT_WIDTH))
     adaptive = adaptive_default(run, adaptive)
-    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive, heads, medusa_buf)
+    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive, heads, medusa_buf, chains)
     counts = yield from draft_verify.decode(run, drafter)
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
     run.record(drafter.tree_stats(counts))

@@ -390,7 +390,8 @@ EAGLE_HEAD = Option(
 AUTO_MEDUSA = Option(
     "medusa",
     "weights",
-    "Medusa heads for auto's Medusa calls: auto (the shipped ones, if any, except in q4), none, or a weights file",
+    "Medusa heads for auto's Medusa calls: auto (the shipped ones, if any, except in q4 or with the EAGLE head), "
+    "none, or a weights file",
     default="auto",
     choices=("auto", "none"),
     none="no Medusa calls",

@@ -17,7 +17,9 @@ The greedy output is greedy decoding, token for token, whatever was chosen; samp
 a transfer or Medusa call verifies each row's tree alone, without its lookup chain).  Without
 drafter weights for the model (``transfer``, ``medusa`` and ``eagle`` "auto" find none, or none are
 given), and by default in q4, where the trees and the EAGLE head's drafts cost more than they gain
-(``NO_TRANSFER_DTYPES``, ``NO_EAGLE_DTYPES``), it is prompt lookup.
+(``NO_TRANSFER_DTYPES``, ``NO_EAGLE_DTYPES``), it is prompt lookup.  Where the EAGLE head is in use,
+``transfer`` and ``medusa`` "auto" mean none: its calls beat both trees' on the models and machines
+measured, and each kind of call more is probed at its cost (a weights file still adds them).
 
 Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``medusa_rounds``,
 ``eagle_rounds``, ``mode_switches``, ``tree_nodes``.
@@ -49,11 +51,12 @@ NO_TRANSFER_DTYPES = ("q4",)
 # method's q4 defaults) cost more than they gain, and their probes cost besides: interleaved on 15
 # Spec-Bench prompts x 64 tokens (2 threads, a 2-core Zen 5 EPYC, best of 3), auto with EAGLE calls ran
 # at 0.98x greedy against 1.03x without them (1.43 against 1.34 tokens per call; the eagle method 0.82x,
-# prompt lookup 1.03x; docs/BENCHMARKS.md, "auto with EAGLE calls").  fp32 keeps them: in the same kind
-# of run they were level (0.96x against 0.97x, 1.73 against 1.69 tokens per call; ahead on
-# math_reasoning, behind on translation) on a CPU where a two-token fp32 call costs x1.70 of a one-token
-# one and no tree pays for its rows.
+# prompt lookup 1.03x; docs/BENCHMARKS.md, "auto with EAGLE calls").
 NO_EAGLE_DTYPES = ("q4",)
+# Where the EAGLE head is in use, "auto" (the default) for transfer and medusa means none: the head's
+# drafts beat both trees, and every kind of call more is probed at its cost.  Interleaved on the same 15
+# prompts in fp32 (Zen 5, 2 threads, best of 2), prompt lookup and EAGLE calls alone ran at 1.27x greedy,
+# ahead of all four kinds (1.22x) and of all but Medusa's (1.23x) in every category but qa (level).
 LEFT_OUT = {"transfer": NO_TRANSFER_DTYPES, "medusa": NO_TRANSFER_DTYPES, "eagle": NO_EAGLE_DTYPES}
 
 
@@ -74,7 +77,8 @@ TRANSFER = O.TRANSFER.but(
     default="auto",
     choices=("auto", "none"),
     none="no Hidden Transfer: prompt lookup alone",
-    help="Hidden Transfer projections: auto (the shipped ones, if any, except in q4), none, or a weights file",
+    help="Hidden Transfer projections: auto (the shipped ones, if any, except in q4 or with the EAGLE head), none, "
+    "or a weights file",
 )
 MEDUSA = O.AUTO_MEDUSA
 EAGLE = O.AUTO_EAGLE
@@ -108,9 +112,9 @@ def auto(
     adaptive: a plain call's chain length from the running acceptance; none: on where the call-cost
     curve makes a second token cost, as in q4)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
-    proj = drafter_weights(run, "transfer", transfer)
-    heads = drafter_weights(run, "medusa", medusa)
     head = drafter_weights(run, "eagle", eagle)
+    proj = None if head is not None and transfer == "auto" else drafter_weights(run, "transfer", transfer)
+    heads = None if head is not None and medusa == "auto" else drafter_weights(run, "medusa", medusa)
     buf = medusa_buf = chains = None
     vocab = get_draft_vocab(run.model, draft_vocab) if any(d is not None for d in (proj, heads, head)) else None
     if proj is not None:

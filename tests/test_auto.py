@@ -17,11 +17,14 @@ from layerleap.core.tree import Candidates, build
 from layerleap.drafters import auto as auto_drafter
 from layerleap.drafters import medusa_transfer
 from layerleap.drafters.auto import Chooser, merge_chain
+from layerleap.methods import auto as auto_method
 
 
 @pytest.fixture
 def switching(monkeypatch):
-    """Probe transfer calls at once, for one round, then every other round."""
+    """Probe transfer calls at once, for one round, then every other round (plain calls beside EAGLE
+    calls whatever the call-cost curve)."""
+    monkeypatch.setattr(auto_method, "plain_calls", lambda model: True)
     monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 0)
     monkeypatch.setattr(auto_drafter, "PROBE", 1)
     monkeypatch.setattr(auto_drafter, "GAP", 1)
@@ -348,3 +351,21 @@ def test_auto_eagle_sampled_batch_rows_equal_rows_alone(monkeypatch):
     for i, (p, b) in enumerate(zip(prompts, batch)):
         alone = layerleap.generate(model, p, "auto", 12, stop_at_eos=False, seed=row_seed(5, i), **kw)
         assert b.token_ids == alone.token_ids and alone.stats["eagle_rounds"] > 0
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_auto_with_eagle_makes_plain_calls_only_where_a_second_token_costs(monkeypatch, flat):
+    """With the EAGLE head and a flat call-cost curve every call is an EAGLE call (the lookup chain merged
+    in: a prompt that repeats itself is copied in long steps); where a second token costs, plain calls
+    come back among them.  Greedy's tokens either way."""
+    monkeypatch.setattr(auto_method, "plain_calls", lambda model: not flat)
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 1)
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    kw = dict(transfer="none", medusa="none", eagle=_eagle(model))
+    r = layerleap.generate(model, prompt, "auto", 24, stop_at_eos=False, **kw)
+    assert r.token_ids == naive_greedy(model, prompt, 24)
+    if flat:
+        assert r.stats["lookup_rounds"] == 0 and r.stats["eagle_rounds"] == r.stats["model_calls"] - 1
+    else:
+        assert r.stats["lookup_rounds"] > 0 and r.stats["eagle_rounds"] > 0

@@ -150,7 +150,8 @@ def merge_chain(tree: Candidates, chain: list[int]) -> Candidates:
 class AutoDrafter(TreeDrafter):
     """Prompt lookup and, when ``proj`` is given, Hidden Transfer's tree ``buf``, when ``heads`` are
     given, Medusa's tree ``medusa_buf``, and when ``eagle`` is given, the EAGLE head's drafts (see the
-    module docstring)."""
+    module docstring).  ``plain=False`` with ``eagle``: no plain calls (the lookup chain rides in the
+    other kinds' calls only)."""
 
     def __init__(
         self,
@@ -165,6 +166,7 @@ class AutoDrafter(TreeDrafter):
         heads=None,
         medusa_buf: tree_mod.TreeBuffers | None = None,
         eagle: EagleChains | None = None,
+        plain: bool = True,
     ):
         buf = tree_mod.build("") if proj is None or buf is None else buf
         self.steps = buf.depth if buf.n > 1 else 0
@@ -180,7 +182,7 @@ class AutoDrafter(TreeDrafter):
         self.kept_state: list[torch.Tensor | None] = [None] * run.batch  # EAGLE: per row [D], the last kept node's
         self.eagle_drafts: dict[int, tuple[list[int], list[int]]] = {}  # EAGLE: row -> (chain, siblings)
         kinds = {
-            "lookup": True,
+            "lookup": plain or eagle is None,
             "transfer": self.proj is not None,
             "medusa": self.heads is not None,
             "eagle": eagle is not None,

@@ -32,6 +32,7 @@ from ..core.run import Run, register
 from ..core.stats import LookupStats
 from ..drafters import medusa_transfer as weights
 from ..drafters.auto import AutoDrafter
+from ..drafters import lengths
 from ..drafters.draft_vocab import get_draft_vocab
 from ..drafters.eagle import EagleChains
 from ..drafters.trees import tree_buffers
@@ -53,10 +54,23 @@ NO_TRANSFER_DTYPES = ("q4",)
 # at 0.98x greedy against 1.03x without them (1.43 against 1.34 tokens per call; the eagle method 0.82x,
 # prompt lookup 1.03x; docs/BENCHMARKS.md, "auto with EAGLE calls").
 NO_EAGLE_DTYPES = ("q4",)
+
+
+# Where the EAGLE head is in use and this machine's call-cost curve is flat (a second token costs less
+# than lengths.ADAPTIVE_STEP of a one-token call, as in fp32), every call is an EAGLE call with the
+# lookup chain merged in: no plain calls, so nothing to probe.  Interleaved on 15 Spec-Bench prompts x
+# 64 tokens (fp32, Zen 5, 2 threads, best of 2): 1.42x greedy against 1.38x choosing between plain and
+# EAGLE calls, and at or above the eagle method (1.22x) and the chooser in every category.
 # Where the EAGLE head is in use, "auto" (the default) for transfer and medusa means none: the head's
 # drafts beat both trees, and every kind of call more is probed at its cost.  Interleaved on the same 15
 # prompts in fp32 (Zen 5, 2 threads, best of 2), prompt lookup and EAGLE calls alone ran at 1.27x greedy,
 # ahead of all four kinds (1.22x) and of all but Medusa's (1.23x) in every category but qa (level).
+def plain_calls(model) -> bool:
+    """Whether ``auto`` makes plain calls beside EAGLE calls: where this machine's call-cost curve makes a
+    second token cost (``lengths.adaptive_default``; see the comment above)."""
+    return lengths.adaptive_default(model)
+
+
 LEFT_OUT = {"transfer": NO_TRANSFER_DTYPES, "medusa": NO_TRANSFER_DTYPES, "eagle": NO_EAGLE_DTYPES}
 
 
@@ -125,7 +139,10 @@ def auto(
         eagle_len = O.per_dtype(run.model, eagle_method.DEFAULT_DRAFT_LEN)
         chains = EagleChains(run, head, eagle_len, vocab, width=O.per_dtype(run.model, eagle_method.DEFAULT_WIDTH))
     adaptive = adaptive_default(run, adaptive)
-    drafter = AutoDrafter(run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive, heads, medusa_buf, chains)
+    plain = head is None or plain_calls(run.model)
+    drafter = AutoDrafter(
+        run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive, heads, medusa_buf, chains, plain
+    )
     counts = yield from draft_verify.decode(run, drafter)
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
     run.record(drafter.tree_stats(counts))

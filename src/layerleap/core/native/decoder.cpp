@@ -322,6 +322,23 @@ static inline v16 load16f(const T* p, int64_t n) {
       return x;
     }
   }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // a bf16 is the top half of its fp32: exact
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __mmask16 live = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16);
+    std::memcpy(&x, &w, sizeof(v16));
+    return x;
+#else
+    if (n == 16) {
+      uint16_t b[16];
+      i16v w;
+      std::memcpy(b, p, sizeof(b));
+      for (int i = 0; i < 16; i++) w[i] = static_cast<int32_t>(static_cast<uint32_t>(b[i]) << 16);
+      std::memcpy(&x, &w, sizeof(v16));
+      return x;
+    }
+#endif
+  }
   for (int64_t i = 0; i < n; i++) x[i] = static_cast<float>(p[i]);
   return x;
 }
@@ -604,7 +621,13 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
           } else if constexpr (std::is_same_v<T, float>) {
             kt[j] = kbase + (t0 + j) * ks2;
           } else {
-            for (int64_t d = 0; d < hd; d++) kf[j * hd + d] = static_cast<float>(kbase[(t0 + j) * ks2 + d]);
+            const T* krow = kbase + (t0 + j) * ks2;
+            int64_t d = 0;
+            for (; d + 16 <= hd; d += 16) {
+              const v16 x = load16f(krow + d, 16);
+              std::memcpy(&kf[j * hd + d], &x, sizeof(v16));
+            }
+            for (; d < hd; d++) kf[j * hd + d] = static_cast<float>(krow[d]);
             kt[j] = &kf[j * hd];
           }
         }

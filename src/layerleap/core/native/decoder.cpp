@@ -403,8 +403,12 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
     const int64_t r = r0 + j;
     const float inv = sums[j] > 0 ? 1.0f / sums[j] : 0.0f;
     T* orow = out + (r / S) * S * hd_out + (r % S) * hd_out + d0;
-    for (int i = 0; i < NS; i++)
-      for (int64_t d = 0; d < w[i]; d++) orow[16 * i + d] = static_cast<T>(acc[j][i][d] * inv);
+    for (int i = 0; i < NS; i++) {
+      float lanes[16];  // a copy: read by lane here, so that the loop above keeps acc in registers
+      const v16 a = acc[j][i] * inv;
+      std::memcpy(lanes, &a, sizeof(a));
+      for (int64_t d = 0; d < w[i]; d++) orow[16 * i + d] = static_cast<T>(lanes[d]);
+    }
   }
 }
 
@@ -1422,10 +1426,8 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
   if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && M <= FUSED_ROWS) {
     xbuf.resize(M * K);
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < M * K; i++) {
-      const uint32_t u = static_cast<uint32_t>(xb[i]) << 16;
-      std::memcpy(&xbuf[i], &u, 4);
-    }
+    uint32_t* xw = reinterpret_cast<uint32_t*>(xbuf.data());  // a local pointer: a loop the compiler vectorizes
+    for (int64_t i = 0; i < M * K; i++) xw[i] = static_cast<uint32_t>(xb[i]) << 16;
     xp = xbuf.data();
   } else {
     xf = x.to(at::kFloat).contiguous();
@@ -1536,8 +1538,14 @@ Tensor rope_store(const Tensor& heads, const Tensor& cos, const Tensor& sin, con
         const uint16_t* row = row0 + j * hd;
         uint16_t* out = j < H ? qp + ((b * S + s) * H + j) * hd
                               : kp + b * kl.stride(0) + (j - H) * kl.stride(1) + (start + s) * kl.stride(2);
-        for (int64_t d = 0; d < hd; d++) {
-          const float a = r(f(row[d]) * f(c[d * c3])), e = r(f(row[(d + half) % hd]) * f(sn[d * c3]));
+        // the partner of d is d + half in the first half, d - half in the second: two loops without a
+        // modulo, which the compiler vectorizes
+        for (int64_t d = 0; d < half; d++) {
+          const float a = r(f(row[d]) * f(c[d * c3])), e = r(f(row[d + half]) * f(sn[d * c3]));
+          out[d] = bf16_bits(a + e);
+        }
+        for (int64_t d = half; d < hd; d++) {
+          const float a = r(f(row[d]) * f(c[d * c3])), e = r(f(row[d - half]) * f(sn[d * c3]));
           out[d] = bf16_bits(a + e);
         }
       }

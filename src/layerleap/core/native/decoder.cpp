@@ -378,6 +378,32 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
   }
   for (int i = 0; i < NS; i++) w[i] = std::max<int64_t>(0, std::min<int64_t>(16, hd - d0 - 16 * i));
   const bool full = w[NS - 1] == 16;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // the loop below with intrinsics, the same operations (a weight's product added as one fused multiply-add,
+  // as the compiler makes of it there): GCC kept that loop's accumulators in memory, stored every key
+  if (full || !std::is_same_v<T, float>) {
+    __m512 a[NR][NS];
+    for (int j = 0; j < NR; j++)
+      for (int i = 0; i < NS; i++) a[j][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < Tk; t++) {
+      __m512 vt[NS];
+      for (int i = 0; i < NS; i++) {
+        const v16 x = load16f(v + t * vs + d0 + 16 * i, w[i]);
+        std::memcpy(&vt[i], &x, sizeof(x));
+      }
+      for (int j = 0; j < NR; j++) {
+        const float pj = p[j * pstride + t];
+        sums[j] += pj;
+        if (pj != 0.0f) {
+          const __m512 pv = _mm512_set1_ps(pj);
+          for (int i = 0; i < NS; i++) a[j][i] = _mm512_fmadd_ps(pv, vt[i], a[j][i]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; j++)
+      for (int i = 0; i < NS; i++) std::memcpy(&acc[j][i], &a[j][i], sizeof(v16));
+  } else
+#endif
   for (int64_t t = 0; t < Tk; t++) {  // each value slice read once for these rows, in key order
     v16 vt[NS];
     if constexpr (std::is_same_v<T, float>) {

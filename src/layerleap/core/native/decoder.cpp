@@ -589,7 +589,7 @@ static inline void par_for(int64_t begin, int64_t end, int64_t grain, const F& f
 // every dtype.  q [B, H, S, hd]; k, v [B, Hkv, T, hd] (any strides, hd contiguous); mask [B|1, 1, S, T]
 // bool or none.  Three passes, each split between threads so that every thread reads its own share of
 // the cache (at long contexts the keys and values are most of a step's bytes):
-//   1. scores, by runs of KEY_RUN keys: keys read 16 at a time (``dot16``, as fp32) and shared by the g*S
+//   1. scores, by runs of up to KEY_RUN keys: keys read 16 at a time (``dot16``, as fp32) and shared by the g*S
 //      query rows of their key/value head (a masked key's score is -inf);
 //   2. per query row: the maximum, then exp(score - max) (``exp_neg16``; 0 for a masked key);
 //   3. by 16 of the head dim at a time: each row's weighted sum of the values and the sum of its weights,
@@ -628,7 +628,10 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
   float* scores = qf + BK * R * hd;
   const bool serial = BK * R * Tk < PARALLEL_MIN;
   const auto grain = [&](int64_t n) { return serial ? n : 1; };
+  // runs of at most KEY_RUN keys, of equal length (a multiple of 16): 264 keys as 144 + 120, not 256 + 8, so
+  // that the threads' shares of the tasks are alike (a key's score does not depend on its run)
   const int64_t runs = (Tk + KEY_RUN - 1) / KEY_RUN;
+  const int64_t run_len = runs > 0 ? ((Tk + runs - 1) / runs + 15) / 16 * 16 : KEY_RUN;
   for (int64_t bk = 0; bk < BK; bk++) {
     const int64_t b = bk / Hkv, kvh = bk % Hkv;
     for (int64_t r = 0; r < R; r++) {  // row r: query head kvh*g + r/S, token r%S
@@ -640,9 +643,9 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
     std::vector<float> kf(16 * hd), zeros(hd, 0.0f);
     for (int64_t task = begin; task < end; task++) {
       const int64_t bk = task / runs, b = bk / Hkv, kvh = bk % Hkv;
-      const int64_t t1 = std::min(Tk, (task % runs + 1) * KEY_RUN);
+      const int64_t t1 = std::min(Tk, (task % runs + 1) * run_len);
       const T* kbase = kp + b * ks0 + kvh * ks1;
-      for (int64_t t0 = task % runs * KEY_RUN; t0 < t1; t0 += 16) {
+      for (int64_t t0 = task % runs * run_len; t0 < t1; t0 += 16) {
         const int64_t nb = std::min<int64_t>(16, Tk - t0);
         const float* kt[16];
         for (int64_t j = 0; j < 16; j++) {

@@ -283,6 +283,27 @@ static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
   return fold<1>(p[0], p[1]);
 }
 
+// dot16 over 16 keys stored chunk by chunk: kc[(c * 16 + j) * 16 + i] is element 16 c + i of key j (the
+// same arithmetic, in the same order; the keys' addresses are fixed offsets from kc, none kept apart)
+static inline v16 dot16_packed(const float* q, const float* kc, int64_t hd) {
+  v16 p[16];
+  for (int j = 0; j < 16; j++) p[j] = v16{0};
+  for (int64_t d = 0; d < hd; d += 16) {
+    v16 x;
+    std::memcpy(&x, q + d, sizeof(v16));
+    const float* chunk = kc + d * 16;
+    for (int j = 0; j < 16; j++) {
+      v16 y;
+      std::memcpy(&y, chunk + 16 * j, sizeof(v16));
+      p[j] += x * y;
+    }
+  }
+  for (int j = 0; j < 8; j++) p[j] = fold<8>(p[2 * j], p[2 * j + 1]);
+  for (int j = 0; j < 4; j++) p[j] = fold<4>(p[2 * j], p[2 * j + 1]);
+  for (int j = 0; j < 2; j++) p[j] = fold<2>(p[2 * j], p[2 * j + 1]);
+  return fold<1>(p[0], p[1]);
+}
+
 // Helpers of exp_neg16 below.
 static inline v16 splat(float f) { return v16{} + f; }
 static inline v16 floor16(v16 x) {
@@ -648,8 +669,16 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
       for (int64_t t0 = task % runs * run_len; t0 < t1; t0 += 16) {
         const int64_t nb = std::min<int64_t>(16, Tk - t0);
         const float* kt[16];
+        // half-precision keys with hd a multiple of 16: widened into kf chunk by chunk (dot16_packed)
+        const bool packed = !std::is_same_v<T, float> && hd % 16 == 0;
         for (int64_t j = 0; j < 16; j++) {
-          if (j >= nb) {
+          if (packed) {
+            const T* krow = kbase + (t0 + j) * ks2;
+            for (int64_t d = 0; d < hd; d += 16) {
+              const v16 x = j < nb ? load16f(krow + d, 16) : v16{0};
+              std::memcpy(&kf[(d + j) * 16], &x, sizeof(v16));  // chunk d / 16, key j
+            }
+          } else if (j >= nb) {
             kt[j] = zeros.data();
           } else if constexpr (std::is_same_v<T, float>) {
             kt[j] = kbase + (t0 + j) * ks2;
@@ -668,7 +697,10 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
           const bool* mrow = mp ? mp + b * m0 + (r % S) * m2 : nullptr;
           const float* qr = qf + (bk * R + r) * hd;
           float sc[16];
-          if (hd % 16 == 0) {
+          if (packed) {
+            const v16 s16 = dot16_packed(qr, kf.data(), hd);
+            std::memcpy(sc, &s16, sizeof(v16));
+          } else if (hd % 16 == 0) {
             const v16 s16 = dot16(qr, kt, hd);
             std::memcpy(sc, &s16, sizeof(v16));
           } else {
@@ -681,7 +713,9 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
             v16 x;
             i16v seen;
             std::memcpy(&x, sc, sizeof(v16));
-            for (int j = 0; j < 16; j++) seen[j] = mrow[t0 + j];
+            uint8_t bytes[16];  // a bool is a byte: the 16 entries read at once
+            std::memcpy(bytes, mrow + t0, sizeof(bytes));
+            for (int j = 0; j < 16; j++) seen[j] = bytes[j];
             x = seen != 0 ? x : splat(NEG);
             std::memcpy(sr, &x, sizeof(v16));
           } else {

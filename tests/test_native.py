@@ -194,6 +194,33 @@ def test_attend_rows_at_long_contexts_is_exact_and_the_same_on_any_threads(hd, d
     assert torch.allclose(outs[0].float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("hd", [64, 40])  # 40: the last slice of 16 is partial
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S", [1, 5, 16])
+def test_attend_rows_in_half_precision_is_the_fp32_result_rounded(hd, dtype, S):
+    """bf16 and fp16 queries, keys and values are widened to fp32 exactly (16 at a time for bf16) and the
+    arithmetic is fp32's: the result is the fp32 call's on the widened inputs, rounded once, bit for bit
+    (masked keys and a ragged key count included)."""
+    mod = native.module()
+    if mod is None:
+        pytest.skip("native module not built")
+    g = torch.Generator().manual_seed(hd * 100 + S)
+    T = 300 + S  # two runs of keys, not a multiple of 16
+    q = torch.randn(1, 9, S, hd, generator=g).to(dtype)
+    k, v = (torch.randn(1, 3, T, hd, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(1, 1, S, T, generator=g) < 0.7
+    mask[..., 0] = True
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = mod.attend_rows(q, k, v, mask)
+            want = mod.attend_rows(q.float(), k.float(), v.float(), mask).to(dtype)
+            assert torch.equal(got, want), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _q4_blocks(m, monkeypatch):
     monkeypatch.setenv(kernels.Q4_ENV, "blocks")
     return quantize_model(m)

@@ -283,6 +283,27 @@ static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
   return fold<1>(p[0], p[1]);
 }
 
+// dot16 over 16 keys stored chunk by chunk: kc[(c * 16 + j) * 16 + i] is element 16 c + i of key j (the
+// same arithmetic, in the same order; the keys' addresses are fixed offsets from kc, none kept apart)
+static inline v16 dot16_packed(const float* q, const float* kc, int64_t hd) {
+  v16 p[16];
+  for (int j = 0; j < 16; j++) p[j] = v16{0};
+  for (int64_t d = 0; d < hd; d += 16) {
+    v16 x;
+    std::memcpy(&x, q + d, sizeof(v16));
+    const float* chunk = kc + d * 16;
+    for (int j = 0; j < 16; j++) {
+      v16 y;
+      std::memcpy(&y, chunk + 16 * j, sizeof(v16));
+      p[j] += x * y;
+    }
+  }
+  for (int j = 0; j < 8; j++) p[j] = fold<8>(p[2 * j], p[2 * j + 1]);
+  for (int j = 0; j < 4; j++) p[j] = fold<4>(p[2 * j], p[2 * j + 1]);
+  for (int j = 0; j < 2; j++) p[j] = fold<2>(p[2 * j], p[2 * j + 1]);
+  return fold<1>(p[0], p[1]);
+}
+
 // Helpers of exp_neg16 below.
 static inline v16 splat(float f) { return v16{} + f; }
 static inline v16 floor16(v16 x) {
@@ -321,6 +342,23 @@ static inline v16 load16f(const T* p, int64_t n) {
       std::memcpy(&x, p, sizeof(v16));
       return x;
     }
+  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // a bf16 is the top half of its fp32: exact
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __mmask16 live = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16);
+    std::memcpy(&x, &w, sizeof(v16));
+    return x;
+#else
+    if (n == 16) {
+      uint16_t b[16];
+      i16v w;
+      std::memcpy(b, p, sizeof(b));
+      for (int i = 0; i < 16; i++) w[i] = static_cast<int32_t>(static_cast<uint32_t>(b[i]) << 16);
+      std::memcpy(&x, &w, sizeof(v16));
+      return x;
+    }
+#endif
   }
   for (int64_t i = 0; i < n; i++) x[i] = static_cast<float>(p[i]);
   return x;
@@ -361,6 +399,32 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
   }
   for (int i = 0; i < NS; i++) w[i] = std::max<int64_t>(0, std::min<int64_t>(16, hd - d0 - 16 * i));
   const bool full = w[NS - 1] == 16;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // the loop below with intrinsics, the same operations (a weight's product added as one fused multiply-add,
+  // as the compiler makes of it there): GCC kept that loop's accumulators in memory, stored every key
+  if (full || !std::is_same_v<T, float>) {
+    __m512 a[NR][NS];
+    for (int j = 0; j < NR; j++)
+      for (int i = 0; i < NS; i++) a[j][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < Tk; t++) {
+      __m512 vt[NS];
+      for (int i = 0; i < NS; i++) {
+        const v16 x = load16f(v + t * vs + d0 + 16 * i, w[i]);
+        std::memcpy(&vt[i], &x, sizeof(x));
+      }
+      for (int j = 0; j < NR; j++) {
+        const float pj = p[j * pstride + t];
+        sums[j] += pj;
+        if (pj != 0.0f) {
+          const __m512 pv = _mm512_set1_ps(pj);
+          for (int i = 0; i < NS; i++) a[j][i] = _mm512_fmadd_ps(pv, vt[i], a[j][i]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; j++)
+      for (int i = 0; i < NS; i++) std::memcpy(&acc[j][i], &a[j][i], sizeof(v16));
+  } else
+#endif
   for (int64_t t = 0; t < Tk; t++) {  // each value slice read once for these rows, in key order
     v16 vt[NS];
     if constexpr (std::is_same_v<T, float>) {
@@ -386,8 +450,12 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
     const int64_t r = r0 + j;
     const float inv = sums[j] > 0 ? 1.0f / sums[j] : 0.0f;
     T* orow = out + (r / S) * S * hd_out + (r % S) * hd_out + d0;
-    for (int i = 0; i < NS; i++)
-      for (int64_t d = 0; d < w[i]; d++) orow[16 * i + d] = static_cast<T>(acc[j][i][d] * inv);
+    for (int i = 0; i < NS; i++) {
+      float lanes[16];  // a copy: read by lane here, so that the loop above keeps acc in registers
+      const v16 a = acc[j][i] * inv;
+      std::memcpy(lanes, &a, sizeof(a));
+      for (int64_t d = 0; d < w[i]; d++) orow[16 * i + d] = static_cast<T>(lanes[d]);
+    }
   }
 }
 
@@ -542,7 +610,7 @@ static inline void par_for(int64_t begin, int64_t end, int64_t grain, const F& f
 // every dtype.  q [B, H, S, hd]; k, v [B, Hkv, T, hd] (any strides, hd contiguous); mask [B|1, 1, S, T]
 // bool or none.  Three passes, each split between threads so that every thread reads its own share of
 // the cache (at long contexts the keys and values are most of a step's bytes):
-//   1. scores, by runs of KEY_RUN keys: keys read 16 at a time (``dot16``, as fp32) and shared by the g*S
+//   1. scores, by runs of up to KEY_RUN keys: keys read 16 at a time (``dot16``, as fp32) and shared by the g*S
 //      query rows of their key/value head (a masked key's score is -inf);
 //   2. per query row: the maximum, then exp(score - max) (``exp_neg16``; 0 for a masked key);
 //   3. by 16 of the head dim at a time: each row's weighted sum of the values and the sum of its weights,
@@ -581,7 +649,10 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
   float* scores = qf + BK * R * hd;
   const bool serial = BK * R * Tk < PARALLEL_MIN;
   const auto grain = [&](int64_t n) { return serial ? n : 1; };
+  // runs of at most KEY_RUN keys, of equal length (a multiple of 16): 264 keys as 144 + 120, not 256 + 8, so
+  // that the threads' shares of the tasks are alike (a key's score does not depend on its run)
   const int64_t runs = (Tk + KEY_RUN - 1) / KEY_RUN;
+  const int64_t run_len = runs > 0 ? ((Tk + runs - 1) / runs + 15) / 16 * 16 : KEY_RUN;
   for (int64_t bk = 0; bk < BK; bk++) {
     const int64_t b = bk / Hkv, kvh = bk % Hkv;
     for (int64_t r = 0; r < R; r++) {  // row r: query head kvh*g + r/S, token r%S
@@ -593,18 +664,32 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
     std::vector<float> kf(16 * hd), zeros(hd, 0.0f);
     for (int64_t task = begin; task < end; task++) {
       const int64_t bk = task / runs, b = bk / Hkv, kvh = bk % Hkv;
-      const int64_t t1 = std::min(Tk, (task % runs + 1) * KEY_RUN);
+      const int64_t t1 = std::min(Tk, (task % runs + 1) * run_len);
       const T* kbase = kp + b * ks0 + kvh * ks1;
-      for (int64_t t0 = task % runs * KEY_RUN; t0 < t1; t0 += 16) {
+      for (int64_t t0 = task % runs * run_len; t0 < t1; t0 += 16) {
         const int64_t nb = std::min<int64_t>(16, Tk - t0);
         const float* kt[16];
+        // half-precision keys with hd a multiple of 16: widened into kf chunk by chunk (dot16_packed)
+        const bool packed = !std::is_same_v<T, float> && hd % 16 == 0;
         for (int64_t j = 0; j < 16; j++) {
-          if (j >= nb) {
+          if (packed) {
+            const T* krow = kbase + (t0 + j) * ks2;
+            for (int64_t d = 0; d < hd; d += 16) {
+              const v16 x = j < nb ? load16f(krow + d, 16) : v16{0};
+              std::memcpy(&kf[(d + j) * 16], &x, sizeof(v16));  // chunk d / 16, key j
+            }
+          } else if (j >= nb) {
             kt[j] = zeros.data();
           } else if constexpr (std::is_same_v<T, float>) {
             kt[j] = kbase + (t0 + j) * ks2;
           } else {
-            for (int64_t d = 0; d < hd; d++) kf[j * hd + d] = static_cast<float>(kbase[(t0 + j) * ks2 + d]);
+            const T* krow = kbase + (t0 + j) * ks2;
+            int64_t d = 0;
+            for (; d + 16 <= hd; d += 16) {
+              const v16 x = load16f(krow + d, 16);
+              std::memcpy(&kf[j * hd + d], &x, sizeof(v16));
+            }
+            for (; d < hd; d++) kf[j * hd + d] = static_cast<float>(krow[d]);
             kt[j] = &kf[j * hd];
           }
         }
@@ -612,7 +697,10 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
           const bool* mrow = mp ? mp + b * m0 + (r % S) * m2 : nullptr;
           const float* qr = qf + (bk * R + r) * hd;
           float sc[16];
-          if (hd % 16 == 0) {
+          if (packed) {
+            const v16 s16 = dot16_packed(qr, kf.data(), hd);
+            std::memcpy(sc, &s16, sizeof(v16));
+          } else if (hd % 16 == 0) {
             const v16 s16 = dot16(qr, kt, hd);
             std::memcpy(sc, &s16, sizeof(v16));
           } else {
@@ -625,7 +713,9 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
             v16 x;
             i16v seen;
             std::memcpy(&x, sc, sizeof(v16));
-            for (int j = 0; j < 16; j++) seen[j] = mrow[t0 + j];
+            uint8_t bytes[16];  // a bool is a byte: the 16 entries read at once
+            std::memcpy(bytes, mrow + t0, sizeof(bytes));
+            for (int j = 0; j < 16; j++) seen[j] = bytes[j];
             x = seen != 0 ? x : splat(NEG);
             std::memcpy(sr, &x, sizeof(v16));
           } else {
@@ -1399,10 +1489,8 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
   if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && M <= FUSED_ROWS) {
     xbuf.resize(M * K);
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < M * K; i++) {
-      const uint32_t u = static_cast<uint32_t>(xb[i]) << 16;
-      std::memcpy(&xbuf[i], &u, 4);
-    }
+    uint32_t* xw = reinterpret_cast<uint32_t*>(xbuf.data());  // a local pointer: a loop the compiler vectorizes
+    for (int64_t i = 0; i < M * K; i++) xw[i] = static_cast<uint32_t>(xb[i]) << 16;
     xp = xbuf.data();
   } else {
     xf = x.to(at::kFloat).contiguous();
@@ -1513,8 +1601,14 @@ Tensor rope_store(const Tensor& heads, const Tensor& cos, const Tensor& sin, con
         const uint16_t* row = row0 + j * hd;
         uint16_t* out = j < H ? qp + ((b * S + s) * H + j) * hd
                               : kp + b * kl.stride(0) + (j - H) * kl.stride(1) + (start + s) * kl.stride(2);
-        for (int64_t d = 0; d < hd; d++) {
-          const float a = r(f(row[d]) * f(c[d * c3])), e = r(f(row[(d + half) % hd]) * f(sn[d * c3]));
+        // the partner of d is d + half in the first half, d - half in the second: two loops without a
+        // modulo, which the compiler vectorizes
+        for (int64_t d = 0; d < half; d++) {
+          const float a = r(f(row[d]) * f(c[d * c3])), e = r(f(row[d + half]) * f(sn[d * c3]));
+          out[d] = bf16_bits(a + e);
+        }
+        for (int64_t d = half; d < hd; d++) {
+          const float a = r(f(row[d]) * f(c[d * c3])), e = r(f(row[d - half]) * f(sn[d * c3]));
           out[d] = bf16_bits(a + e);
         }
       }

@@ -369,3 +369,29 @@ def test_auto_with_eagle_makes_plain_calls_only_where_a_second_token_costs(monke
         assert r.stats["lookup_rounds"] == 0 and r.stats["eagle_rounds"] == r.stats["model_calls"] - 1
     else:
         assert r.stats["lookup_rounds"] > 0 and r.stats["eagle_rounds"] > 0
+
+
+def test_a_seeded_sample_reproduces_whatever_the_clock_says(monkeypatch):
+    """Sampling, the kinds of call are chosen by the call-cost curve's price of each round, not by wall
+    time: with a clock that jumps at random, the same seed draws the same tokens, while the choice
+    still moves between kinds of call."""
+    import random
+
+    monkeypatch.setattr(auto_method, "plain_calls", lambda model: True)
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 1)
+    monkeypatch.setattr(auto_drafter, "GAP", 2)
+    jumpy = random.Random(0)
+    clock = {"t": 0.0}
+
+    def perf_counter():
+        clock["t"] += jumpy.choice([1e-4, 1e-3, 5e-2])
+        return clock["t"]
+
+    monkeypatch.setattr(auto_drafter.time, "perf_counter", perf_counter)
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    kw = dict(
+        transfer=_transfer(model), medusa="none", eagle=_eagle(model), tree="2,1", do_sample=True, temperature=1.5
+    )
+    runs = [layerleap.generate(model, [3, 1, 4, 1, 5], "auto", 32, stop_at_eos=False, seed=9, **kw) for _ in range(4)]
+    assert len({tuple(r.token_ids) for r in runs}) == 1
+    assert runs[0].stats["mode_switches"] >= 2

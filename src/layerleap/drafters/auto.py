@@ -17,7 +17,10 @@ millisecond each has given on this request, on this machine.
   the start of the round, once the root is known.
 
 Each mode's rate is a decaying sum of emitted tokens over a decaying sum of wall milliseconds per
-round (proposal, call, acceptance and drafting: what the round cost here).  The drafter starts with
+round (proposal, call, acceptance and drafting: what the round cost here); when sampling, over the
+call-cost curve's price of each round's rows instead, so that the choices, and with them what a seed
+draws, do not depend on the clock: a seeded sample reproduces (a batch's rows share the choices, so
+a row may still draw otherwise than its prompt alone).  The drafter starts with
 plain calls, probes transfer calls for ``PROBE`` rounds after ``FIRST_PROBE`` rounds (the first
 transfer round after a plain one has no tree yet and is not counted), keeps the faster mode, and
 probes the others again, in turn, after a gap that doubles each time a probe loses (the modes are
@@ -177,7 +180,8 @@ class AutoDrafter(TreeDrafter):
         super().__init__(run, buf, vocab)
         self.proj = proj if self.steps else None
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
-        self.lengths = LengthChooser(run.batch, curve_for(run.model), draft_len) if adaptive else None
+        self.curve = curve_for(run.model)
+        self.lengths = LengthChooser(run.batch, self.curve, draft_len) if adaptive else None
         self.medusa_topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: Medusa's drafts
         self.kept_state: list[torch.Tensor | None] = [None] * run.batch  # EAGLE: per row [D], the last kept node's
         self.eagle_drafts: dict[int, tuple[list[int], list[int]]] = {}  # EAGLE: row -> (chain, siblings)
@@ -290,10 +294,19 @@ class AutoDrafter(TreeDrafter):
         if self.chooser.mode == "medusa":  # the heads' time is this round's: it ends when they have drafted
             for row, h in self.kept_states(cands, results, self.hidden).items():
                 self._medusa_from(row, h)
-        self.chooser.record(self.round_mode, tokens, (time.perf_counter() - self.t_round) * 1e3, self.counted)
+        self.chooser.record(self.round_mode, tokens, self._round_cost(cands), self.counted)
         if self.chooser.mode == "medusa" and all(t is None for t in self.medusa_topk):
             for row, h in self.kept_states(cands, results, self.hidden).items():
                 self._medusa_from(row, h)
+
+    def _round_cost(self, cands) -> float:
+        """What this round cost: wall milliseconds (greedy: the output is the same whatever is chosen); when
+        sampling, the call-cost curve's price of its rows in one-token calls, so that the choice, and with
+        it what a seed draws, does not depend on the clock."""
+        if not self.run.gen.do_sample:
+            return (time.perf_counter() - self.t_round) * 1e3
+        rows = max(c.k + 1 for c in cands if c is not None)
+        return self.curve(rows * (self.steps + 1) if self.round_mode == "transfer" else rows)
 
     def auto_stats(self) -> list[AutoStats]:
         """One ``AutoStats`` per row (the batch shares its rounds' modes)."""

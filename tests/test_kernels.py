@@ -3,6 +3,7 @@ be, close to the dense product where they round, and usable by every part of the
 
 from __future__ import annotations
 
+import json
 import numpy as np
 import pytest
 import torch
@@ -329,3 +330,35 @@ def test_q4_kernel_choice_is_a_vote_over_row_counts():
     assert _q4_winner({1: t(10, 4), 4: t(15, 6), 8: t(28, 14), 16: t(54, 1131)}) == "blocks"
     assert _q4_winner({1: t(4, 10), 4: t(6, 15), 8: t(14, 28), 16: t(1131, 54)}) == "torch"
     assert _q4_winner({1: t(10, 4), 4: t(15, 6), 8: t(1, 14), 16: t(1, 54)}) == "torch"  # a tie: the total
+
+
+def test_q8_products_are_measured_for_frozen_drafter_layers_only(monkeypatch, tmp_path):
+    """``q8_products_faster``: small weights are never measured (dense); larger ones are measured once and
+    remembered; and the EAGLE head uses 8-bit copies only while frozen, giving the dense step's states
+    to 8-bit rounding."""
+    from layerleap.drafters import medusa_transfer
+    from tiny_models import random_model
+
+    if not kernels.blocks_available():  # loaded from the real cache before the test's own
+        pytest.skip("the native block kernel is not built")
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    assert not kernels.q8_products_faster([torch.randn(64, 64)])
+    big = [torch.randn(1024, 1024)]
+    first = kernels.q8_products_faster(big)
+    assert "q8 products 1024x1024" in " ".join(json.loads((tmp_path / "kernels.json").read_text()))
+    assert kernels.q8_products_faster(big) == first
+    model = random_model("llama-gqa-tied", seed=3)
+    head = medusa_transfer.new_drafter(model, "eagle")
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    z, x = torch.randn(2, model.config.hidden_size), torch.tensor([1, 2])
+    with torch.no_grad():
+        dense = head.step(z, x)
+        assert head._products()[0] is head.fc  # parameters still train: the layers themselves
+        head.requires_grad_(False)
+        monkeypatch.setattr(kernels, "q8_products_faster", lambda ws: True)
+        fast = head._products()
+        assert fast[0] is not head.fc
+        got = head.step(z, x)
+    assert (got - dense).abs().max() < 0.02 * dense.abs().max()

@@ -1001,6 +1001,43 @@ def draft_head_q8(weight: torch.Tensor) -> bool:
     return entry["q8_s"] < min(entry["row_s"], entry["onednn_s"])
 
 
+def q8_products_faster(weights: list[torch.Tensor]) -> bool:
+    """Whether one row through the dense products ``weights`` (``[N, K]`` each, frozen: a drafter's own
+    layers) runs faster with each held as 8-bit blocks (``quantize_q8`` -> ``BlockWeight``) than with
+    ``F.linear``: drafts only propose, so the rounding changes no exact method's output.  Measured once
+    per CPU signature, torch version, dtype, thread count and shapes (``_best_of_rounds``), remembered
+    in ``<cache>/kernels.json``; False for fewer than ``DRAFT_HEAD_MEASURED`` elements in all, on an
+    accelerator, without the native kernel, for inputs not a multiple of ``GROUP`` or when
+    ``$LAYERLEAP_KERNELS`` forces a dense kernel."""
+    if (
+        not weights
+        or sum(w.numel() for w in weights) < DRAFT_HEAD_MEASURED
+        or any(w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % GROUP for w in weights)
+        or weights[0].dtype not in ONEDNN_DTYPES
+        or not blocks_available()
+        or os.environ.get(KERNEL_ENV, "").strip().lower() in ("onednn", "dense")
+    ):
+        return False
+    shapes = ", ".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights)
+
+    def measure() -> dict:
+        xs = [torch.randn(1, w.shape[1]).to(w.dtype) for w in weights]
+        blocks = [BlockWeight.from_int8(quantize_q8(w.detach())) for w in weights]
+        configs = {
+            "dense_s": [lambda w=w, x=x: F.linear(x, w) for w, x in zip(weights, xs)],
+            "q8_s": [lambda b=b, x=x: b.matmul(x) for b, x in zip(blocks, xs)],
+        }
+        with torch.inference_mode():
+            return {**_best_of_rounds(configs), "timing": TIMING}
+
+    entry = _remembered(
+        f"{_onednn_key(weights[0].dtype)} | q8 products {shapes}",
+        lambda e: all(isinstance(e.get(k), float) for k in ("dense_s", "q8_s")) and e.get("timing") == TIMING,
+        measure,
+    )
+    return entry["q8_s"] < entry["dense_s"]
+
+
 def _draft_head_entry(weight: torch.Tensor) -> dict:
     K, D = weight.shape
     q8 = blocks_available() and D % GROUP == 0

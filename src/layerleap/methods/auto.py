@@ -31,8 +31,8 @@ from ..core import options as O
 from ..core.run import Run, register
 from ..core.stats import LookupStats
 from ..drafters import medusa_transfer as weights
-from ..drafters.auto import AutoDrafter
 from ..drafters import lengths
+from ..drafters.auto import AutoDrafter
 from ..drafters.draft_vocab import get_draft_vocab
 from ..drafters.eagle import EagleChains
 from ..drafters.trees import tree_buffers
@@ -51,20 +51,18 @@ NO_TRANSFER_DTYPES = ("q4",)
 # Weight formats where "auto" leaves the EAGLE head out: in q4 its calls (one draft, no fan: the eagle
 # method's q4 defaults) cost more than they gain, and their probes cost besides: interleaved on 15
 # Spec-Bench prompts x 64 tokens (2 threads, a 2-core Zen 5 EPYC, best of 3), auto with EAGLE calls ran
-# at 0.98x greedy against 1.03x without them (1.43 against 1.34 tokens per call; the eagle method 0.82x,
-# prompt lookup 1.03x; docs/BENCHMARKS.md, "auto with EAGLE calls").
+# at 0.98x greedy against 1.03x without them (docs/BENCHMARKS.md, "auto with EAGLE calls"), and at 1.04x
+# against 1.06x in a run of the same kind once the head's products were 8-bit blocks.
 NO_EAGLE_DTYPES = ("q4",)
 
 
 # Where the EAGLE head is in use and this machine's call-cost curve is flat (a second token costs less
 # than lengths.ADAPTIVE_STEP of a one-token call, as in fp32), every call is an EAGLE call with the
-# lookup chain merged in: no plain calls, so nothing to probe.  Interleaved on 15 Spec-Bench prompts x
-# 64 tokens (fp32, Zen 5, 2 threads, best of 2): 1.42x greedy against 1.38x choosing between plain and
-# EAGLE calls, and at or above the eagle method (1.22x) and the chooser in every category.
-# Where the EAGLE head is in use, "auto" (the default) for transfer and medusa means none: the head's
-# drafts beat both trees, and every kind of call more is probed at its cost.  Interleaved on the same 15
-# prompts in fp32 (Zen 5, 2 threads, best of 2), prompt lookup and EAGLE calls alone ran at 1.27x greedy,
-# ahead of all four kinds (1.22x) and of all but Medusa's (1.23x) in every category but qa (level).
+# lookup chain merged in: no plain calls, so nothing to probe.  With the head in use, "auto" (the
+# default) for transfer and medusa means none: the head's drafts beat both trees, and each kind of call
+# more is probed at its cost.  On 15 Spec-Bench prompts in fp32 (Zen 5, 2 threads, best of 3) that is
+# 1.40x greedy against 1.31x for lookup, Hidden Transfer and Medusa calls chosen round by round
+# (docs/BENCHMARKS.md, "auto with EAGLE calls").
 def plain_calls(model) -> bool:
     """Whether ``auto`` makes plain calls beside EAGLE calls: where this machine's call-cost curve makes a
     second token cost (``lengths.adaptive_default``; see the comment above)."""

@@ -10,17 +10,25 @@ import torch
 
 @functools.cache
 def cpu_signature() -> str:
-    """The CPU model and the ISA torch dispatches to, e.g. 'AMD EPYC (AVX512)': kernel choices are
-    made, and cached, per signature."""
-    name = "unknown CPU"
+    """The CPU model, its family and model numbers where the kernel gives them (one model name can
+    cover generations: an "AMD EPYC" is a Zen 4 at family 25, a Zen 5 at 26) and the ISA torch
+    dispatches to, e.g. 'AMD EPYC, family 26 model 2 (AVX512)': kernel choices are made, and native
+    builds cached, per signature."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:  # the first processor's block ends
                     break
     except OSError:
         pass
+    name = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        name += f", family {fields['cpu family']} model {fields['model']}"
     return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 

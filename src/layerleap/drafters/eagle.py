@@ -102,16 +102,8 @@ class EagleChains:
 class EagleDrafter(Drafter):
     batched = True
 
-    def __init__(
-        self,
-        run: Run,
-        head: EagleHead,
-        draft_len: int,
-        vocab: DraftVocab | None = None,
-        min_confidence: float = 0.0,
-        width: int = 1,
-    ):
-        self.chains = EagleChains(run, head, draft_len, vocab, min_confidence, width)
+    def __init__(self, run: Run, chains: EagleChains):
+        self.chains = chains
         super().__init__(run)
         self.kept_state: list[torch.Tensor | None] = [None] * run.batch  # per row [D]: the last kept position's
 

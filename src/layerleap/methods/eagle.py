@@ -13,7 +13,7 @@ from ..core.run import Run, register
 from ..core.stats import EagleStats
 from ..drafters import medusa_transfer as weights
 from ..drafters.draft_vocab import get_draft_vocab
-from ..drafters.eagle import EagleDrafter
+from ..drafters.eagle import EagleChains, EagleDrafter
 from . import draft_verify
 
 # Draft lengths and widths per weight format, from one interleaved run over 10 Spec-Bench prompts x 64
@@ -40,6 +40,6 @@ def eagle(run: Run, *, draft_len=None, width=None, min_confidence=0.0, eagle_hea
     draft_len = O.per_dtype(run.model, DEFAULT_DRAFT_LEN) if draft_len is None else draft_len
     width = O.per_dtype(run.model, DEFAULT_WIDTH) if width is None else width
     vocab = get_draft_vocab(run.model, draft_vocab)
-    drafter = EagleDrafter(run, head, draft_len, vocab, min_confidence, width)
+    drafter = EagleDrafter(run, EagleChains(run, head, draft_len, vocab, min_confidence, width))
     yield from draft_verify.decode(run, drafter)
     run.record([EagleStats(head_steps=drafter.head_steps)] * run.batch)

@@ -986,16 +986,7 @@ def draft_head_q8(weight: torch.Tensor) -> bool:
     0.19 ms in bf16 (oneDNN) and 0.65 ms in fp32.  Measured with ``draft_head_rows`` (same entry of
     ``<cache>/kernels.json``); never for small weights, on an accelerator, without the native kernel,
     or when ``$LAYERLEAP_KERNELS`` forces a dense kernel."""
-    K, D = weight.shape
-    if (
-        weight.device.type != "cpu"
-        or K * D < DRAFT_HEAD_MEASURED
-        or D % GROUP
-        or weight.dtype not in ONEDNN_DTYPES
-        or not ONEDNN
-        or not blocks_available()
-        or os.environ.get(KERNEL_ENV, "").strip().lower() in ("onednn", "dense")
-    ):
+    if not ONEDNN or not _q8_measurable([weight]):
         return False
     entry = _draft_head_entry(weight)
     return entry["q8_s"] < min(entry["row_s"], entry["onednn_s"])
@@ -1009,14 +1000,7 @@ def q8_products_faster(weights: list[torch.Tensor]) -> bool:
     in ``<cache>/kernels.json``; False for fewer than ``DRAFT_HEAD_MEASURED`` elements in all, on an
     accelerator, without the native kernel, for inputs not a multiple of ``GROUP`` or when
     ``$LAYERLEAP_KERNELS`` forces a dense kernel."""
-    if (
-        not weights
-        or sum(w.numel() for w in weights) < DRAFT_HEAD_MEASURED
-        or any(w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % GROUP for w in weights)
-        or weights[0].dtype not in ONEDNN_DTYPES
-        or not blocks_available()
-        or os.environ.get(KERNEL_ENV, "").strip().lower() in ("onednn", "dense")
-    ):
+    if not _q8_measurable(weights):
         return False
     shapes = ", ".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights)
 
@@ -1036,6 +1020,20 @@ def q8_products_faster(weights: list[torch.Tensor]) -> bool:
         measure,
     )
     return entry["q8_s"] < entry["dense_s"]
+
+
+def _q8_measurable(weights: list[torch.Tensor]) -> bool:
+    """Whether 8-bit block copies of ``weights`` are worth timing against their dense products: CPU
+    weights of ``DRAFT_HEAD_MEASURED`` elements or more in all, inputs a multiple of ``GROUP``, the
+    native kernel built, and no dense kernel forced by ``$LAYERLEAP_KERNELS``."""
+    return (
+        bool(weights)
+        and sum(w.numel() for w in weights) >= DRAFT_HEAD_MEASURED
+        and all(w.device.type == "cpu" and w.dim() == 2 and w.shape[1] % GROUP == 0 for w in weights)
+        and weights[0].dtype in ONEDNN_DTYPES
+        and blocks_available()
+        and os.environ.get(KERNEL_ENV, "").strip().lower() not in ("onednn", "dense")
+    )
 
 
 def _draft_head_entry(weight: torch.Tensor) -> dict:

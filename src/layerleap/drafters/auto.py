@@ -183,7 +183,7 @@ class AutoDrafter(TreeDrafter):
         self.curve = curve_for(run.model)
         self.lengths = LengthChooser(run.batch, self.curve, draft_len) if adaptive else None
         self.medusa_topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: Medusa's drafts
-        self.kept_state: list[torch.Tensor | None] = [None] * run.batch  # EAGLE: per row [D], the last kept node's
+        self.kept_state: dict[int, torch.Tensor] = {}  # EAGLE: row -> [D], its last kept node's state
         self.eagle_drafts: dict[int, tuple[list[int], list[int]]] = {}  # EAGLE: row -> (chain, siblings)
         kinds = {
             "lookup": plain or eagle is None,
@@ -206,7 +206,7 @@ class AutoDrafter(TreeDrafter):
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()
         if self.eagle is not None:
-            self.kept_state = [self.hidden[row, -1] for row in range(self.run.batch)]
+            self.kept_state = dict(enumerate(self.hidden[:, -1]))
         if self.chooser.mode == "medusa":
             for row in range(self.run.batch):
                 self._medusa_from(row, self.hidden[row, -1])
@@ -225,10 +225,7 @@ class AutoDrafter(TreeDrafter):
         self.counted = drafts is None or any(t is not None for t in drafts)
         self.eagle_drafts = {}
         if self.round_mode == "eagle":  # every row's drafts, one head call per step for the batch
-            rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b and root is not None]
-            lengths = [min(budgets[r], self.eagle.draft_len) for r in rows]
-            chains, siblings = self.eagle.draft([self.kept_state[r] for r in rows], [roots[r] for r in rows], lengths)
-            self.eagle_drafts = {row: (c, s) for row, c, s in zip(rows, chains, siblings)}
+            self.eagle_drafts = self.eagle.for_rows(self.kept_state, roots, budgets)
         return super().propose(roots, budgets)
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
@@ -277,10 +274,7 @@ class AutoDrafter(TreeDrafter):
         if not called:
             return
         if self.eagle is not None:  # whatever the call's kind, its last kept node's state drafts an EAGLE round
-            self.kept_state = [
-                None if c is None else self.hidden[row, c.kept(r[0])[-1]]
-                for row, (c, r) in enumerate(zip(cands, results))
-            ]
+            self.kept_state.update(self.kept_states(cands, results, self.hidden))
         if self.round_mode == "transfer":
             pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
             for b, p in self.kept_states(cands, results, pseudo).items():  # p [steps, D]

@@ -58,6 +58,15 @@ class EagleChains:
         parents = [-1] * (1 + n) + ([0] + list(range(n + 1, n + len(chain) - 1)) if len(chain) > 1 else [])
         return Candidates.from_parents(root, tokens, parents)
 
+    def for_rows(self, states, roots, budgets) -> dict[int, tuple[list[int], list[int]]]:
+        """Row -> (its chain, its first draft's siblings) for every row with a root and a budget left,
+        drafted from ``states[row]`` (the last kept position's last-layer state ``[D]``), the chain at
+        most ``min(budget, draft_len)`` long."""
+        rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b and root is not None]
+        lengths = [min(budgets[r], self.draft_len) for r in rows]
+        chains, siblings = self.draft([states[r] for r in rows], [roots[r] for r in rows], lengths)
+        return {row: (c, s) for row, c, s in zip(rows, chains, siblings)}
+
     @torch.no_grad()
     def draft(
         self, states: list[torch.Tensor], roots: list[int], lengths: list[int]
@@ -121,10 +130,7 @@ class EagleDrafter(Drafter):
         return logits
 
     def propose(self, roots, budgets) -> list[Candidates | None]:
-        rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b is not None and root is not None and b > 0]
-        lengths = [min(budgets[r], self.chains.draft_len) for r in rows]
-        chains, siblings = self.chains.draft([self.kept_state[r] for r in rows], [roots[r] for r in rows], lengths)
-        drafted = {row: (c, s) for row, c, s in zip(rows, chains, siblings)}
+        drafted = self.chains.for_rows(self.kept_state, roots, budgets)
         return [
             None if b is None else self.chains.candidates(root, *drafted.get(row, ([], [])))
             for row, (root, b) in enumerate(zip(roots, budgets))

@@ -51,8 +51,7 @@ NO_TRANSFER_DTYPES = ("q4",)
 # Weight formats where "auto" leaves the EAGLE head out: in q4 its calls (one draft, no fan: the eagle
 # method's q4 defaults) cost more than they gain, and their probes cost besides: interleaved on 15
 # Spec-Bench prompts x 64 tokens (2 threads, a 2-core Zen 5 EPYC, best of 3), auto with EAGLE calls ran
-# at 0.98x greedy against 1.03x without them (docs/BENCHMARKS.md, "auto with EAGLE calls"), and at 1.04x
-# against 1.06x in a run of the same kind once the head's products were 8-bit blocks.
+# at 1.04x greedy against 1.06x without them (docs/BENCHMARKS.md, "auto with EAGLE calls").
 NO_EAGLE_DTYPES = ("q4",)
 
 
@@ -61,7 +60,7 @@ NO_EAGLE_DTYPES = ("q4",)
 # lookup chain merged in: no plain calls, so nothing to probe.  With the head in use, "auto" (the
 # default) for transfer and medusa means none: the head's drafts beat both trees, and each kind of call
 # more is probed at its cost.  On 15 Spec-Bench prompts in fp32 (Zen 5, 2 threads, best of 3) that is
-# 1.40x greedy against 1.31x for lookup, Hidden Transfer and Medusa calls chosen round by round
+# 1.42x greedy against 1.28x for lookup, Hidden Transfer and Medusa calls chosen round by round
 # (docs/BENCHMARKS.md, "auto with EAGLE calls").
 def plain_calls(model) -> bool:
     """Whether ``auto`` makes plain calls beside EAGLE calls: where this machine's call-cost curve makes a

@@ -15,8 +15,8 @@ import layerleap
 from layerleap.core import verify
 from layerleap.core.tree import Candidates, build
 from layerleap.drafters import auto as auto_drafter
-from layerleap.drafters import medusa_transfer
-from layerleap.drafters.auto import Chooser, merge_chain
+from layerleap.drafters import lengths, medusa_transfer
+from layerleap.drafters.auto import Chooser, merge_chain, shared_prefix
 from layerleap.methods import auto as auto_method
 
 
@@ -48,6 +48,8 @@ def test_merge_chain_follows_the_tree_then_branches():
     assert m.mask[6].tolist() == [True, False, True, False, True, True, True]  # root, 6, 8, 4, 2
     m2 = merge_chain(tree, [3])  # a new first-level sibling
     assert m2.parents.tolist() == [-1, -1, 0, 1, -1]
+    assert [shared_prefix(tree, c) for c in ([6, 8, 4, 2], [3], [5, 8, 8], [])] == [2, 0, 2, 0]
+    assert m.k - tree.k == 4 - shared_prefix(tree, [6, 8, 4, 2])  # the new rows are the chain's unshared drafts
     logits = torch.full((1 + m.k, 10), -1.0)
     for row, want in ((0, 6), (2, 8), (4, 4), (5, 2), (6, 1)):  # the verifier agrees with the chain
         logits[row, want] = 1.0
@@ -395,3 +397,18 @@ def test_a_seeded_sample_reproduces_whatever_the_clock_says(monkeypatch):
     runs = [layerleap.generate(model, [3, 1, 4, 1, 5], "auto", 32, stop_at_eos=False, seed=9, **kw) for _ in range(4)]
     assert len({tuple(r.token_ids) for r in runs}) == 1
     assert runs[0].stats["mode_switches"] >= 2
+
+
+def test_auto_cuts_a_merged_chain_the_target_does_not_follow(monkeypatch):
+    """EAGLE calls only, rows priced as in q4: a prompt whose every token recurs makes lookup chains the
+    random target rarely continues; the merged cut (``adaptive`` none) verifies fewer of them than whole
+    chains (``adaptive=False``), and both give greedy's tokens."""
+    monkeypatch.setattr(auto_method, "plain_calls", lambda model: False)
+    monkeypatch.setitem(lengths.CALL_COST, "float32", lengths.CALL_COST["q4"])
+    model = random_model("llama-gqa-tied", seed=3, scale=2.0)
+    prompt = list(range(1, 40)) * 2
+    kw = dict(stop_at_eos=False, min_ngram=1, transfer="none", medusa="none", eagle=_eagle(model))
+    whole = layerleap.generate(model, prompt, "auto", 24, adaptive=False, **kw)
+    cut = layerleap.generate(model, prompt, "auto", 24, **kw)
+    assert cut.token_ids == whole.token_ids == naive_greedy(model, prompt, 24)
+    assert cut.stats["eagle_rounds"] > 0 and cut.stats["drafted"] < whole.stats["drafted"]

@@ -177,3 +177,40 @@ def test_a_gpu_without_a_saved_curve_measures_it_once(saved_curves, monkeypatch)
     curve = L.curve_for(model)
     assert curve.source == "measured" and curve(3) == pytest.approx(2.0) and len(calls) == 1
     assert L.curve_for(model).source == "measured" and len(calls) == 1  # saved: not measured again
+
+
+SHIPPED_F32 = L.CostCurve(L.CALL_COST["float32"], L.CALL_COST_16["float32"])
+
+
+def test_merged_cut_keeps_a_chain_that_the_target_follows_and_drops_one_it_does_not():
+    cut = L.MergedChainCut(2, L.shipped_curve("q4"), 4)  # rows that cost
+    chain = [5, 6, 7, 8]
+    for _ in range(15):  # row 0: the target continues the chain; row 1: never
+        assert cut.cut(0, chain, shared=0, nodes=3) is not None
+        cut.observe(0, kept=chain, next_token=9, tree_kept=0)
+        cut.cut(1, chain, shared=0, nodes=3)
+        cut.observe(1, kept=[], next_token=1, tree_kept=0)
+    assert cut.cut(0, chain, shared=0, nodes=3) == chain
+    assert cut.cut(1, chain, shared=0, nodes=3) == []
+
+
+def test_merged_cut_prices_only_the_rows_past_the_shared_prefix():
+    curve = L.CostCurve((1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0), 3.0)  # a step at 5 rows
+    cut = L.MergedChainCut(1, curve, 4)
+    cut.rows[0].kept, cut.rows[0].tried = [4.0, 0.0, 0.0, 0.0], [4.0, 4.0, 4.0, 4.0]  # 1st kept, the rest missed
+    # a tree of 3 nodes: 4 rows with the root; one new row for the chain's first draft costs a step
+    assert cut.cut(0, [5, 6, 7, 8], shared=0, nodes=3) == []
+    # the chain's first draft is a tree node: it costs nothing, and adds nothing the tree does not hold
+    assert cut.cut(0, [5, 6, 7, 8], shared=1, nodes=3) == []
+    cut.rows[0].kept = [4.0, 4.0, 4.0, 4.0]  # now every draft is kept: the rows past the step pay
+    assert cut.cut(0, [5, 6, 7, 8], shared=1, nodes=3) == [5, 6, 7, 8]
+
+
+def test_merged_cut_learns_from_the_whole_chain_when_it_was_cut():
+    cut = L.MergedChainCut(1, SHIPPED_F32, 3)
+    cut.cut(0, [5, 6, 7], shared=0, nodes=3)
+    cut.observe(0, kept=[5, 6], next_token=4, tree_kept=0)  # the call kept 5, 6 (by whatever branch)
+    assert cut.rows[0].tried == [1.0, 1.0, 1.0] and cut.rows[0].kept == [1.0, 1.0, 0.0]
+    assert cut.tree_tokens[0] == pytest.approx(L.DECAY * L.TREE_PRIOR + (1 - L.DECAY) * 1)
+    cut.observe(0, kept=[5], next_token=6, tree_kept=1)  # nothing pending: nothing learned
+    assert cut.rows[0].tried == [1.0, 1.0, 1.0]

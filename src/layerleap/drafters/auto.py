@@ -16,6 +16,10 @@ millisecond each has given on this request, on this machine.
   the first draft's top-k as a fan), with the lookup chain merged in as above.  The head drafts at
   the start of the round, once the root is known.
 
+A chain merged into a tree is cut to the length whose new rows pay beside the tree's
+(``lengths.MergedChainCut``: the chain's running acceptance past the nodes it shares with the tree,
+priced with the call-cost curve); ``adaptive=False`` merges whole chains.
+
 Each mode's rate is a decaying sum of emitted tokens over a decaying sum of wall milliseconds per
 round (proposal, call, acceptance and drafting: what the round cost here); when sampling, over the
 call-cost curve's price of each round's rows instead, so that the choices, and with them what a seed
@@ -46,7 +50,7 @@ from ..core.tree import Candidates
 from .prompt_lookup import NgramIndex
 from .draft_vocab import DraftVocab
 from .eagle import EagleChains
-from .lengths import LengthChooser, curve_for
+from .lengths import LengthChooser, MergedChainCut, curve_for
 from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts, transfer_pass
 
 MODES = ("lookup", "transfer", "medusa", "eagle")
@@ -130,6 +134,18 @@ class Chooser:
         self.mode = mode
 
 
+def shared_prefix(tree: Candidates, chain: list[int]) -> int:
+    """How many of ``chain``'s first drafts follow ``tree``'s nodes from the root (``merge_chain`` shares them)."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    node, n = -1, 0
+    for t in chain:
+        node = next((j for j, (u, p) in enumerate(zip(tokens, parents)) if p == node and u == t), None)
+        if node is None:
+            break
+        n += 1
+    return n
+
+
 def merge_chain(tree: Candidates, chain: list[int]) -> Candidates:
     """``tree``'s drafts with ``chain`` (drafts after the same root) as one more branch: the chain follows
     the tree's nodes while its tokens match them and branches off at the first that does not (so no
@@ -170,6 +186,7 @@ class AutoDrafter(TreeDrafter):
         medusa_buf: tree_mod.TreeBuffers | None = None,
         eagle: EagleChains | None = None,
         plain: bool = True,
+        cut_merged: bool = False,
     ):
         buf = tree_mod.build("") if proj is None or buf is None else buf
         self.steps = buf.depth if buf.n > 1 else 0
@@ -182,6 +199,7 @@ class AutoDrafter(TreeDrafter):
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
         self.curve = curve_for(run.model)
         self.lengths = LengthChooser(run.batch, self.curve, draft_len) if adaptive else None
+        self.cuts = MergedChainCut(run.batch, self.curve, draft_len) if cut_merged else None
         self.medusa_topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: Medusa's drafts
         self.kept_state: dict[int, torch.Tensor] = {}  # EAGLE: row -> [D], its last kept node's state
         self.eagle_drafts: dict[int, tuple[list[int], list[int]]] = {}  # EAGLE: row -> (chain, siblings)
@@ -245,6 +263,8 @@ class AutoDrafter(TreeDrafter):
             tree = super().propose_row(row, root, budget)
         if self.run.batch > 1 and self.round_mode != "eagle":  # one tree shape for every row: no chains beside it
             return tree
+        if self.cuts is not None:
+            chain = self.cuts.cut(row, chain, shared_prefix(tree, chain), tree.k)
         return merge_chain(tree, chain) if chain else tree
 
     def score(self, cands):
@@ -271,6 +291,9 @@ class AutoDrafter(TreeDrafter):
                 ix.extend(c.tokens[r[0]].tolist() + [r[1]])
                 if self.lengths and called and self.round_mode == "lookup":
                     self.lengths.observe(row, c.k, len(r[0]), r[1])
+                if self.cuts and called:  # the tree's nodes come first in a merged call (merge_chain)
+                    nodes = self.cuts.pending.get(row, ([], 0))[1]
+                    self.cuts.observe(row, c.tokens[r[0]].tolist(), r[1], sum(int(j < nodes) for j in r[0]))
         if not called:
             return
         if self.eagle is not None:  # whatever the call's kind, its last kept node's state drafts an EAGLE round

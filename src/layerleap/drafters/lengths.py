@@ -148,3 +148,52 @@ class LengthChooser:
         elif drafted:
             self.rows[row].observe(drafted, accepted)
         self.first[row] = None
+
+
+TREE_PRIOR = 1.5  # tokens a round's tree alone gives, before a row has observed any
+
+
+class MergedChainCut:
+    """Per row of a batch: cuts the lookup chain merged into a tree (``auto``'s EAGLE, transfer and
+    Medusa calls, ``auto.merge_chain``) to the length whose new rows pay for themselves.
+
+    The chain follows the tree's nodes for its first ``s`` drafts (``shared``) and branches off there.
+    Where the chain is kept past ``s``, the tree is kept to exactly ``s`` (its own node at ``s + 1``
+    differs from the chain's), so the chain's first ``n`` drafts add ``P_(s+1) + ... + P_n`` expected
+    tokens (``P_i``: the chain kept to ``i``, from the row's running acceptance) to the tree's own
+    ``T`` (a decaying mean of the tokens the tree alone gave), for ``n - s`` rows more.  Each round
+    keeps the ``n`` with the most ``(T + gain(n)) / c(nodes + 1 + n - s)``.  The chain's acceptance is
+    learned from the whole chain against what the call showed of the target's continuation (its kept
+    tokens and the next one), so a cut chain still learns."""
+
+    def __init__(self, batch: int, curve: CostCurve, most: int):
+        self.curve = curve
+        self.rows = [RunningAcceptance(most) for _ in range(batch)]
+        self.tree_tokens = [TREE_PRIOR] * batch
+        self.pending: dict[int, tuple[list[int], int]] = {}  # row -> (its whole chain, the tree's nodes)
+
+    def cut(self, row: int, chain: list[int], shared: int, nodes: int) -> list[int]:
+        """``chain``'s best prefix beside a tree of ``nodes`` drafts whose first ``shared`` it follows."""
+        self.pending[row] = (chain, nodes)
+        base, gain, p = self.tree_tokens[row], 0.0, 1.0
+        best, best_n = base / self.curve(nodes + 1), 0
+        for n, a in enumerate(self.rows[row].rates()[: len(chain)], start=1):
+            p *= a
+            gain += p if n > shared else 0.0
+            score = (base + gain) / self.curve(nodes + 1 + max(0, n - shared))
+            if score > best:
+                best, best_n = score, n
+        return chain[:best_n]
+
+    def observe(self, row: int, kept: list[int], next_token: int | None, tree_kept: int) -> None:
+        """A call that kept the drafts ``kept`` (``tree_kept`` of them tree nodes) and gave ``next_token``."""
+        if row not in self.pending:
+            return
+        chain, nodes = self.pending.pop(row)
+        known = kept + ([] if next_token is None else [next_token])
+        drafted = min(len(chain), len(known))
+        matched = next((i for i in range(drafted) if chain[i] != known[i]), drafted)
+        if drafted:
+            self.rows[row].observe(drafted, matched)
+        if nodes:
+            self.tree_tokens[row] = DECAY * self.tree_tokens[row] + (1 - DECAY) * (1 + tree_kept)

@@ -91,6 +91,11 @@ TRANSFER = O.TRANSFER.but(
     help="Hidden Transfer projections: auto (the shipped ones, if any, except in q4 or with the EAGLE head), none, "
     "or a weights file",
 )
+ADAPTIVE = O.ADAPTIVE.but(
+    none="a chain merged into a tree: always (its rows are priced beside the tree's, lengths.MergedChainCut); "
+    "a plain call's: where a 2-token call costs x1.10 or more of a 1-token one (q4's shipped curve; fp32's not)"
+)
+AUTO_OPTIONS = tuple(ADAPTIVE if o.name == "adaptive" else o for o in OPTIONS)
 MEDUSA = O.AUTO_MEDUSA
 EAGLE = O.AUTO_EAGLE
 
@@ -101,7 +106,7 @@ EAGLE = O.AUTO_EAGLE
     sampling=True,
     exact=True,
     grammar=True,
-    options=(*OPTIONS, O.TREE, TRANSFER, MEDUSA, EAGLE, O.DRAFT_VOCAB),
+    options=(*AUTO_OPTIONS, O.TREE, TRANSFER, MEDUSA, EAGLE, O.DRAFT_VOCAB),
 )
 def auto(
     run: Run,
@@ -120,8 +125,8 @@ def auto(
     fastest per round on this machine (draft_len, min_ngram, tree none: the dtype's tuned defaults;
     transfer, medusa, eagle: 'auto', a weights file or none;
     draft_vocab: the pseudo states score a shipped set of frequent tokens ('auto'), all ('full') or a file's;
-    adaptive: a plain call's chain length from the running acceptance; none: on where the call-cost
-    curve makes a second token cost, as in q4)."""
+    adaptive: chain lengths from the running acceptance and the call-cost curve; none: a chain merged
+    into a tree always, a plain call's where the curve makes a second token cost, as in q4)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     head = drafter_weights(run, "eagle", eagle)
     proj = None if head is not None and transfer == "auto" else drafter_weights(run, "transfer", transfer)
@@ -135,10 +140,11 @@ def auto(
     if head is not None:
         eagle_len = O.per_dtype(run.model, eagle_method.DEFAULT_DRAFT_LEN)
         chains = EagleChains(run, head, eagle_len, vocab, width=O.per_dtype(run.model, eagle_method.DEFAULT_WIDTH))
+    cut_merged = adaptive is not False
     adaptive = adaptive_default(run, adaptive)
     plain = head is None or plain_calls(run.model)
     drafter = AutoDrafter(
-        run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive, heads, medusa_buf, chains, plain
+        run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive, heads, medusa_buf, chains, plain, cut_merged
     )
     counts = yield from draft_verify.decode(run, drafter)
     run.record([LookupStats(lookups_hit=c.proposed) for c in counts])

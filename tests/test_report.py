@@ -156,3 +156,21 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     assert (width, height) == (1000, 1400) and colours > 20  # drawn, not a blank page
     dom = subprocess.run([*cmd[:-2], "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=180).stdout
     assert dom.count("<svg") == page.read_text().count("<svg") and "milliseconds per model call" in dom
+
+
+def test_the_bar_shows_a_prompts_last_run_only_once_it_is_saved():
+    class Bar:
+        n = 0
+
+        def update(self):
+            self.n += 1
+
+    bar = Bar()
+    held = bench._LastRunAfterSave(bar, 3)
+    for _ in range(3):
+        held.update()
+    assert bar.n == 2  # the third run waits for the save
+    held.saved()
+    assert bar.n == 3
+    held.update()
+    assert bar.n == 4 and held.runs == 1

@@ -652,10 +652,12 @@ def run_bench(
         if warmup:
             bar.set_postfix_str("warm-up")
             runner.warmup(min(prompts, key=lambda p: len(p.text)), min(WARMUP_TOKENS, max_new_tokens))
+        held = _LastRunAfterSave(bar, len(result.labels) * repeat)
         for i, prompt in enumerate(prompts):
-            result.records.extend(runner.prompt(i, prompt, max_new_tokens, bar))
+            result.records.extend(runner.prompt(i, prompt, max_new_tokens, held))
             result.prompts_done += 1
             save()
+            held.saved()
             if on_prompt is not None:
                 on_prompt(result)
     except KeyboardInterrupt:
@@ -665,6 +667,27 @@ def run_bench(
     result.config["load_average_end"] = list(os.getloadavg())
     save()
     return result
+
+
+class _LastRunAfterSave:
+    """The progress bar, with each prompt's last run shown only once the prompt is saved (``saved``): an
+    interrupt after the bar moved finds the prompt in the report."""
+
+    def __init__(self, bar, per_prompt: int):
+        self.bar, self.per_prompt, self.runs = bar, per_prompt, 0
+
+    def set_postfix_str(self, text: str) -> None:
+        self.bar.set_postfix_str(text)
+
+    def update(self) -> None:
+        self.runs += 1
+        if self.runs < self.per_prompt:
+            self.bar.update()
+
+    def saved(self) -> None:
+        if self.runs >= self.per_prompt:
+            self.bar.update()
+        self.runs = 0
 
 
 class _Runner:

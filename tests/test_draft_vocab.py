@@ -218,9 +218,9 @@ def test_an_exit_head_over_a_draft_vocab_reuses_its_rows_without_unpacking_the_h
     monkeypatch.setenv(kernels.Q4_ENV, "blocks")
     q4 = quantize_model(random_model("llama-gqa-tied", seed=5, scale=2.0))
     assert q4.lm_head.packed is not None
-    vocab = dv.DraftVocab(q4, torch.arange(0, q4.config.vocab_size, 3))
-    full = dv.with_draft_vocab(new_head(q4, 1, "full"), vocab)
-    assert full.rows is not vocab.head
+    ids = torch.arange(0, q4.config.vocab_size, 3)
+    rows = q4.head_weight()[ids]
+    full_head = new_head(q4, 1, "full")  # copies the whole head: unpacks it once
     prompt = [5, 9, 2, 7]
     want = generate(q4, prompt, "greedy", 12, stop_at_eos=False).token_ids
 
@@ -228,6 +228,10 @@ def test_an_exit_head_over_a_draft_vocab_reuses_its_rows_without_unpacking_the_h
         raise AssertionError("the LM head was unpacked")
 
     monkeypatch.setattr(type(q4.lm_head.packed), "dense", unpacked)
+    assert torch.equal(q4.head_rows(ids), rows)  # only the rows asked for, exact
+    vocab = dv.DraftVocab(q4, ids)
+    full = dv.with_draft_vocab(full_head, vocab)
+    assert full.rows is not vocab.head
     for kind in ("shared", "lens"):
         head = new_head(q4, 1, kind)
         cut = dv.with_draft_vocab(head, vocab)

@@ -89,7 +89,7 @@ class DraftVocab:
             raise DraftVocabError(f"a draft vocabulary must be distinct token ids in [0, {V}), got {len(ids)} ids")
         self.model = model
         self.ids = ids.to(model.device)  # [K]
-        self.head = DraftRows(model.head_weight().detach()[self.ids])  # [K, D]
+        self.head = DraftRows(model.head_rows(self.ids))  # [K, D]
         self.meta = dict(meta or {})
 
     @property

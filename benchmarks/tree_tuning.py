@@ -207,19 +207,23 @@ def curve(path: str) -> dict[int, float]:
     return out
 
 
-def round_cost(method: str, option, C: dict[int, float], u: float, L: int, layers: list[int], E: int) -> float:
-    """One round in one-token calls (the module docstring's model)."""
+def round_cost(
+    method: str, option, C: dict[int, float], u: float, L: int, layers: list[int], E: int, ud: float | None = None
+) -> float:
+    """One round in one-token calls (the module docstring's model); ``ud``: a draft row's unembedding
+    (the draft vocabulary's), ``u`` where not given."""
     from layerleap.core.tree import build
 
+    ud = u if ud is None else ud
     if method == "self-spec":
-        return option * (E / L * (1 - u) + u) + C[option + 1]
+        return option * (E / L * (1 - u) + ud) + C[option + 1]
     buf = build(option)
     n, d = buf.n, buf.depth
     if method == "medusa":
-        return C[n] + d * u
+        return C[n] + d * ud
     bounds = [0] + layers[:d] + [L]
     body = sum((bounds[i + 1] - bounds[i]) / L * (C[(i + 1) * n] - u) for i in range(d + 1))
-    return body + u + u
+    return body + u + ud
 
 
 def cmd_replay(args) -> None:
@@ -233,6 +237,7 @@ def cmd_replay(args) -> None:
     g_ms = cc.get("call_cost", cc)["points"][0]["ms"]
     over = args.overhead_ms / g_ms
     u, L = data["unembed_share"], data["n_layers"]
+    ud = None if args.draft_ms is None else args.draft_ms / g_ms
     layers, E = next(r["transfer_layers"] for r in data["rows"]), rows[0]["exit_layer"]
     cats = sorted({r["category"] for r in rows})
     table = []
@@ -247,7 +252,7 @@ def cmd_replay(args) -> None:
                 n = len(r["out"])
                 per[r["category"]][0] += tree_walk(n, r[kind], paths)
                 per[r["category"]][1] += n - 1
-            table.append((m, f"tree={t}", per, round_cost(m, t, C, u, L, layers, E) + over))
+            table.append((m, f"tree={t}", per, round_cost(m, t, C, u, L, layers, E, ud) + over))
     for k in DRAFT_LENS:
         per = collections.defaultdict(lambda: [0, 0])
         for r in rows:
@@ -261,7 +266,7 @@ def cmd_replay(args) -> None:
 
             per[r["category"]][0] += walk(n, run_len)
             per[r["category"]][1] += n - 1
-        table.append(("self-spec", f"draft_len={k}", per, round_cost("self-spec", k, C, u, L, layers, E) + over))
+        table.append(("self-spec", f"draft_len={k}", per, round_cost("self-spec", k, C, u, L, layers, E, ud) + over))
     print(
         f"{data['dtype']}: {len(rows)} prompts, unembedding {u:.0%} of a step's weights, one-token call "
         f"{g_ms:.2f} ms; speed-up = tokens / (rounds x round cost in one-token calls)"
@@ -299,6 +304,13 @@ def main() -> None:
     p.add_argument("ranks", nargs="+", help="record's JSON files (one dtype)")
     p.add_argument("call_cost", help="layerleap info --call-cost --json output (or call_cost_any.py's)")
     p.add_argument("--overhead-ms", type=float, default=0.5, help="per drafting round, beyond the call")
+    p.add_argument(
+        "--draft-ms",
+        type=float,
+        default=None,
+        help="one draft row's unembedding in ms (the draft vocabulary's: benchmarks/draft_vocab_head.py); "
+        "default: the full unembedding's share of a step",
+    )
     args = ap.parse_args()
     {"record": cmd_record, "replay": cmd_replay}[args.cmd](args)
 

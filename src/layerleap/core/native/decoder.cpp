@@ -1765,6 +1765,36 @@ std::vector<int64_t> team_settings(int64_t on, int64_t window) {
   return was;
 }
 
+// The instruction sets this build was compiled for (the compiler's feature macros): which vector paths it
+// holds, and whether its fp32 sums are fused multiply-adds ("fma"; without them they round twice, so a
+// build for a target without FMA gives other bits in attention than one with it; the block products'
+// fused steps are std::fma on every path, the same bits everywhere).
+static std::vector<std::string> build_features() {
+  std::vector<std::string> out;
+#if defined(__AVX512F__)
+  out.push_back("avx512f");
+#endif
+#if defined(__AVX512BW__)
+  out.push_back("avx512bw");
+#endif
+#if defined(__AVX512VNNI__)
+  out.push_back("avx512vnni");
+#endif
+#if defined(__AVX2__)
+  out.push_back("avx2");
+#endif
+#if defined(__AVXVNNI__)
+  out.push_back("avxvnni");
+#endif
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  out.push_back("fma");
+#endif
+#if defined(__F16C__)
+  out.push_back("f16c");
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the calls let go of the GIL: a server's event loop (or any other Python thread) runs meanwhile
   m.def("run_layers", &run_layers, "layerleap decoder layers (see decoder.cpp)",
@@ -1777,4 +1807,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("on") = -1, py::arg("window") = -1);
   m.def("blocks_isa", &blocks_isa, "the vector path block_matmul takes by default");
   m.def("blocks_paths", &blocks_paths, "the paths block_matmul was built with, best first");
+  m.def("build_features", &build_features, "the instruction sets this build was compiled for");
 }

@@ -830,11 +830,35 @@ struct QX {
   std::vector<int32_t> n, n16;  // n16: the integer sums of inputs 0..15 and 16..31 (2 per record)
 };
 
+// An activation as fp32: X is float, or uint16_t holding a bf16's bits (the top half of its fp32: exact).
+template <typename X>
+static inline float act(const X* p, int i) {
+  if constexpr (std::is_same_v<X, float>) {
+    return p[i];
+  } else {
+    const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+}
+
 #ifdef LL_AVX512
+template <typename X>
+static inline __m512 act16(const X* p) {
+  if constexpr (std::is_same_v<X, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
 // quantize_rows' rounding of one group (record r) with AVX-512: the same operations on each value (the
 // product with qmax / amax rounded to the nearest, ties to even, as nearbyint does), so the same bits
-static inline void quantize_group512(const float* xr, int32_t qmax, bool fine, int8_t* q, QX& out, int64_t r) {
-  const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+template <typename X>
+static inline void quantize_group512(const X* xr, int32_t qmax, bool fine, int8_t* q, QX& out, int64_t r) {
+  const __m512 x0 = act16(xr), x1 = act16(xr + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
   const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
   const __m512i hi = _mm512_set1_epi32(qmax), lo = _mm512_set1_epi32(-qmax);
@@ -866,9 +890,14 @@ static inline void quantize_group512(const float* xr, int32_t qmax, bool fine, i
 }
 #endif
 
+// The rounding of x [M, K] (fp32, or bf16 bits) into out, record by record (each on its own: the same bits
+// however the records are split).  On a team the records are split between its threads (a call of 8
+// rows rounds 8 * K / 32 groups before its products); a call off a team rounds on the calling thread.
 // vec: the vector rounding where the build has it (the same bits; the portable path keeps the scalar one,
 // so that tests comparing the paths compare the two)
-static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& out, bool vec = true) {
+constexpr int64_t ROUND_GRAIN = 64;  // records (groups of 32) a thread's share holds at least
+template <typename X>
+static void quantize_rows(const X* x, int64_t M, int64_t K, bool fine, QX& out, bool vec = true) {
   const int64_t G = K / 32;
   const int32_t qmax = fine ? 127 * 128 : 127;
   out.M = M;
@@ -877,9 +906,10 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& o
   out.s.resize(M * G);
   out.n.resize(M * G);
   out.n16.resize(2 * M * G);
-  for (int64_t row = 0; row < M; row++)
-    for (int64_t g = 0; g < G; g++) {
-      const float* xr = x + row * K + g * 32;
+  auto records = [&](int64_t i0, int64_t i1) {  // row-major: i = row * G + g, record r = g * M + row
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t row = i / G, g = i % G;
+      const X* xr = x + row * K + g * 32;
       const int64_t r = g * M + row;
 #ifdef LL_AVX512
       if (vec) {
@@ -888,23 +918,26 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& o
       }
 #endif
       float amax = 0.0f;
-      for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xr[i]));
+      for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(act(xr, j)));
       const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
       int8_t* q = &out.q[r * 64];
       int32_t sum = 0;
-      for (int i = 0; i < 32; i++) {
-        const int32_t v = std::max(-qmax, std::min(qmax, static_cast<int32_t>(std::nearbyint(xr[i] * id))));
+      for (int j = 0; j < 32; j++) {
+        const int32_t v = std::max(-qmax, std::min(qmax, static_cast<int32_t>(std::nearbyint(act(xr, j) * id))));
         const int32_t h = fine ? (v + 64) >> 7 : v;  // arithmetic shift: round to nearest
-        q[i] = static_cast<int8_t>(h);
-        q[32 + i] = static_cast<int8_t>(v - 128 * h * fine);
+        q[j] = static_cast<int8_t>(h);
+        q[32 + j] = static_cast<int8_t>(v - 128 * h * fine);
         sum += v;
-        if (i == 15) out.n16[2 * r] = sum;
+        if (j == 15) out.n16[2 * r] = sum;
       }
       out.n16[2 * r + 1] = sum - out.n16[2 * r];
       out.d[r] = d;
       out.s[r] = d * static_cast<float>(sum);
       out.n[r] = sum;
     }
+  };
+  if (team_of_thread) par_for(0, M * G, ROUND_GRAIN, records);
+  else records(0, M * G);
 }
 
 static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -1482,21 +1515,14 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
   // a few rows' buffers kept from call to call (a decoding step makes ~100 calls); a reference, so that the
   // worker threads below read the caller's own
   thread_local QX held;
-  thread_local std::vector<float> xbuf, ybuf;
+  thread_local std::vector<float> ybuf;
   QX& xq = held;
-  Tensor xf;
-  const float* xp;
-  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && M <= FUSED_ROWS) {
-    xbuf.resize(M * K);
-    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    uint32_t* xw = reinterpret_cast<uint32_t*>(xbuf.data());  // a local pointer: a loop the compiler vectorizes
-    for (int64_t i = 0; i < M * K; i++) xw[i] = static_cast<uint32_t>(xb[i]) << 16;
-    xp = xbuf.data();
+  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && M <= FUSED_ROWS) {  // widened as it is read
+    quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, fine, xq, use != "portable");
   } else {
-    xf = x.to(at::kFloat).contiguous();
-    xp = xf.data_ptr<float>();
+    const Tensor xf = x.to(at::kFloat).contiguous();
+    quantize_rows(xf.data_ptr<float>(), M, K, fine, xq, use != "portable");
   }
-  quantize_rows(xp, M, K, fine, xq, use != "portable");
   Tensor y;
   float* yp;
   if (out == at::kBFloat16) {

@@ -226,14 +226,20 @@ def _q4_blocks(m, monkeypatch):
     return quantize_model(m)
 
 
+# wide enough that a team splits the rounding of a call's activations too (8 rows of 512 or 1024 inputs:
+# 128 or 256 groups of 32, more than one share's least)
+WIDE = dict(hidden_size=512, intermediate_size=1024, n_heads=8, n_kv_heads=2, head_dim=64, n_layers=2)
+
+
 @pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
-@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied", "mistral-gqa-untied"])
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied", "mistral-gqa-untied", "wide"])
 def test_q4_layers_on_a_team_equal_one_thread_and_python(name, monkeypatch):
     """Calls of a few rows on block weights run their layers on a team (thread 0 runs the layers, the
-    others take shares of the products and attention and stream weights ahead): the logits and the
-    cache equal those of one thread, of two threads without a team and of the Python path, bit for bit."""
+    others take shares of the products, the rounding of their activations and attention, and stream
+    weights ahead): the logits and the cache equal those of one thread, of two threads without a team
+    and of the Python path, bit for bit."""
     mod = native.module()
-    m = _q4_blocks(random_model(name, seed=4, scale=2.0), monkeypatch)
+    m = _q4_blocks(random_model(WIDE if name == "wide" else name, seed=4, scale=2.0), monkeypatch)
     threads, was = torch.get_num_threads(), mod.team_settings()[:2]
     runs, teamed = {}, {}
     try:

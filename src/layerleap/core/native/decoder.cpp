@@ -1491,7 +1491,8 @@ std::vector<std::string> blocks_paths() {
 // x [M, K] (fp32 or bf16) times a block weight (see above) -> [M, N] fp32.  fine: 15-bit activations
 // (else 8-bit).  path: one of blocks_paths() (tests compare them), "" for the best.
 // out: the result's dtype, fp32 or (up to FUSED_ROWS rows) bf16, the same bits as y.to(bf16) on ATen's
-// vectorized path; a bf16 x is widened here (exact), without ATen calls
+// vectorized path, each share of the columns rounded by the thread that computed it; a bf16 x is widened
+// as it is rounded (exact), without ATen calls
 Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
                        const std::string& path, at::ScalarType out) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "block_matmul: x [M, K] with K a multiple of 32");
@@ -1523,15 +1524,25 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
     const Tensor xf = x.to(at::kFloat).contiguous();
     quantize_rows(xf.data_ptr<float>(), M, K, fine, xq, use != "portable");
   }
-  Tensor y;
+  Tensor y = at::empty({M, N}, x.options().dtype(out));
   float* yp;
+  uint16_t* yb = nullptr;  // bf16 out: each share's columns rounded by the thread that computed them
   if (out == at::kBFloat16) {
     ybuf.resize(M * N);
     yp = ybuf.data();
+    yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   } else {
-    y = at::empty({M, N}, x.options().dtype(at::kFloat));
     yp = y.data_ptr<float>();
   }
+  auto rounded = [&](int64_t b0, int64_t b1) {
+    if (!yb) return;
+    const int64_t n0 = b0 * 16, n1 = std::min(N, b1 * 16);
+    for (int64_t s = 0; s < M; s++) {
+      const float* from = yp + s * N;
+      uint16_t* to = yb + s * N;
+      for (int64_t n = n0; n < n1; n++) to[n] = bf16_bits(from[n]);
+    }
+  };
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const int64_t grain = std::max<int64_t>(1, NB / (4 * std::max(1, at::get_num_threads())));
   auto run = [&](auto* sc, auto bits, auto fine_) {
@@ -1539,13 +1550,16 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
     constexpr int B = decltype(bits)::value;
     constexpr bool F = decltype(fine_)::value;
     par_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+      [&] {
 #ifdef LL_AVX512
-      if (use == "avx512-vnni") return blocks_avx512<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+        if (use == "avx512-vnni") return blocks_avx512<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
 #ifdef LL_AVX2
-      if (use != "portable") return blocks_avx2<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+        if (use != "portable") return blocks_avx2<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
-      blocks_portable<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+        blocks_portable<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+      }();
+      rounded(b0, b1);
     });
   };
   auto with_scales = [&](auto bits, auto fine_) {
@@ -1557,13 +1571,16 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
     constexpr bool F = decltype(fine_)::value;
     const uint8_t* sc = dm.data_ptr<uint8_t>();
     par_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+      [&] {
 #ifdef LL_AVX512
-      if (use == "avx512-vnni") return blocks6_avx512<F>(c, sc, xq, M, G, b0, b1, yp, N);
+        if (use == "avx512-vnni") return blocks6_avx512<F>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
 #ifdef LL_AVX2
-      if (use != "portable") return blocks6_avx2<F>(c, sc, xq, M, G, b0, b1, yp, N);
+        if (use != "portable") return blocks6_avx2<F>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
-      blocks6_portable<F>(c, sc, xq, M, G, b0, b1, yp, N);
+        blocks6_portable<F>(c, sc, xq, M, G, b0, b1, yp, N);
+      }();
+      rounded(b0, b1);
     });
   };
   auto with_bits = [&](auto fine_) {
@@ -1574,11 +1591,6 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
   if (fine) with_bits(std::true_type());
   else with_bits(std::false_type());
   if (xq.q.capacity() > (1 << 20)) held = QX();  // a prompt's rows: handed back, not kept per thread
-  if (out == at::kBFloat16) {
-    y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
-    uint16_t* yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < M * N; i++) yb[i] = bf16_bits(yp[i]);
-  }
   return y;
 }
 

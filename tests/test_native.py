@@ -240,25 +240,26 @@ def test_q4_layers_on_a_team_equal_one_thread_and_python(name, monkeypatch):
     and of the Python path, bit for bit."""
     mod = native.module()
     m = _q4_blocks(random_model(WIDE if name == "wide" else name, seed=4, scale=2.0), monkeypatch)
-    threads, was = torch.get_num_threads(), mod.team_settings()[:2]
+    threads, was = torch.get_num_threads(), mod.team_settings()
     runs, teamed = {}, {}
     try:
-        for key, n, team, window in (
-            ("1 thread", 1, 1, -1),
-            ("2, no team", 2, 0, -1),
-            ("2, team", 2, 1, 6 << 20),
-            ("2, team, tiny window", 2, 1, 4096),
-            ("2, team, no stream", 2, 1, 0),
+        for key, n, team, window, rounds in (
+            ("1 thread", 1, 1, -1, 1),
+            ("2, no team", 2, 0, -1, 1),
+            ("2, team", 2, 1, 6 << 20, 1),
+            ("2, team, tiny window", 2, 1, 4096, 1),
+            ("2, team, no stream", 2, 1, 0, 1),
+            ("2, team, thread 0 rounds", 2, 1, 6 << 20, 0),
         ):
             torch.set_num_threads(n)
-            before = mod.team_settings(team, window)[2]
+            before = mod.team_settings(team, window, rounds)[2]
             runs[key] = _calls(m, True, monkeypatch)
             teamed[key] = mod.team_settings()[2] - before
         torch.set_num_threads(2)
         runs["python"] = _calls(m, False, monkeypatch)
     finally:
         torch.set_num_threads(threads)
-        mod.team_settings(*was)
+        mod.team_settings(was[0], was[1], was[3])
     assert teamed["1 thread"] == teamed["2, no team"] == 0
     assert all(teamed[k] >= 4 for k in teamed if "team," in k), teamed  # one token and a tree, in 2 batches
     for key, outs in runs.items():

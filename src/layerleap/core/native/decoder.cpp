@@ -475,6 +475,11 @@ constexpr int64_t TEAM_ROWS = 16;  // the most rows (batch x new tokens) a call 
 // by ``team_settings``, for timing one against the other in one process)
 std::atomic<int64_t> stream_window{4 << 20};
 std::atomic<bool> teams_on{true};
+// whether a team splits the rounding of a product's activations between its threads (settable too; the
+// same bits).  Off: on a 2-core Zen 5 the split made an 8-token q4 call slower, not faster
+// (benchmarks/q4_team_rounding.py): the extra join, and thread 0 then reads half the rounded rows from
+// the other core's cache on its way through the products
+std::atomic<bool> team_rounds{false};
 std::atomic<int64_t> team_calls{0};  // calls run on a team so far (tests check that teams run)
 constexpr int64_t STREAM_STEP = 4096;       // bytes streamed between looks for a share of a loop
 constexpr int64_t AFTER_BYTES = 12 << 20;   // of the call after's weight's codes (run_layers' `after`)
@@ -891,8 +896,8 @@ static inline void quantize_group512(const X* xr, int32_t qmax, bool fine, int8_
 #endif
 
 // The rounding of x [M, K] (fp32, or bf16 bits) into out, record by record (each on its own: the same bits
-// however the records are split).  On a team the records are split between its threads (a call of 8
-// rows rounds 8 * K / 32 groups before its products); a call off a team rounds on the calling thread.
+// however the records are split): on the calling thread, or, on a team where team_rounds says so, split
+// between its threads (a call of 8 rows rounds 8 * K / 32 groups before its products).
 // vec: the vector rounding where the build has it (the same bits; the portable path keeps the scalar one,
 // so that tests comparing the paths compare the two)
 constexpr int64_t ROUND_GRAIN = 64;  // records (groups of 32) a thread's share holds at least
@@ -906,11 +911,12 @@ static void quantize_rows(const X* x, int64_t M, int64_t K, bool fine, QX& out, 
   out.s.resize(M * G);
   out.n.resize(M * G);
   out.n16.resize(2 * M * G);
-  auto records = [&](int64_t i0, int64_t i1) {  // row-major: i = row * G + g, record r = g * M + row
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t row = i / G, g = i % G;
+  // records in their order (r = g * M + row): a thread's share of d, s and n lies together, no cache line
+  // of them written by two threads (but at the ends of the shares)
+  auto records = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const int64_t g = r / M, row = r % M;
       const X* xr = x + row * K + g * 32;
-      const int64_t r = g * M + row;
 #ifdef LL_AVX512
       if (vec) {
         quantize_group512(xr, qmax, fine, &out.q[r * 64], out, r);
@@ -936,7 +942,7 @@ static void quantize_rows(const X* x, int64_t M, int64_t K, bool fine, QX& out, 
       out.n[r] = sum;
     }
   };
-  if (team_of_thread) par_for(0, M * G, ROUND_GRAIN, records);
+  if (team_of_thread && team_rounds.load(std::memory_order_relaxed)) par_for(0, M * G, ROUND_GRAIN, records);
   else records(0, M * G);
 }
 
@@ -1793,13 +1799,16 @@ Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& 
   return h;
 }
 
-// Whether calls of a few rows run their layers on a team, and how many bytes of weights its helper
-// streams ahead (0: none); -1 leaves a setting as it is.  Gives the settings before the call and the
-// number of calls run on a team so far.
-std::vector<int64_t> team_settings(int64_t on, int64_t window) {
-  std::vector<int64_t> was = {teams_on.load() ? 1 : 0, stream_window.load(), team_calls.load()};
+// Whether calls of a few rows run their layers on a team, how many bytes of weights its helper streams
+// ahead (0: none) and whether its threads share the rounding of a product's activations (rounds; else
+// thread 0 rounds them: the same bits); -1 leaves a setting as it is.  Gives the settings before the
+// call: on, window, the number of calls run on a team so far, rounds.
+std::vector<int64_t> team_settings(int64_t on, int64_t window, int64_t rounds) {
+  std::vector<int64_t> was = {teams_on.load() ? 1 : 0, stream_window.load(), team_calls.load(),
+                              team_rounds.load() ? 1 : 0};
   if (on >= 0) teams_on.store(on != 0);
   if (window >= 0) stream_window.store(window);
+  if (rounds >= 0) team_rounds.store(rounds != 0);
   return was;
 }
 
@@ -1841,8 +1850,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_matmul", &block_matmul, "x times a 4- or 8-bit block weight (see decoder.cpp)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("team_settings", &team_settings, "teams on (1/0) and the stream window in bytes; -1 keeps one",
-        py::arg("on") = -1, py::arg("window") = -1);
+  m.def("team_settings", &team_settings,
+        "teams on (1/0), the stream window in bytes, the team rounding activations (1/0); -1 keeps one",
+        py::arg("on") = -1, py::arg("window") = -1, py::arg("rounds") = -1);
   m.def("blocks_isa", &blocks_isa, "the vector path block_matmul takes by default");
   m.def("blocks_paths", &blocks_paths, "the paths block_matmul was built with, best first");
   m.def("build_features", &build_features, "the instruction sets this build was compiled for");

@@ -424,6 +424,46 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
     for (int j = 0; j < NR; j++)
       for (int i = 0; i < NS; i++) std::memcpy(&acc[j][i], &a[j][i], sizeof(v16));
   } else
+#elif defined(__AVX2__) && defined(__FMA__)
+  // the same with AVX2, a slice of 16 as two halves of 8 lanes: each lane the same fused multiply-adds in
+  // the same order, so the bits of the AVX-512 path (the loop below left GCC's accumulators in memory here too)
+  if (full || !std::is_same_v<T, float>) {
+    __m256 a[NR][NS][2];
+    for (int j = 0; j < NR; j++)
+      for (int i = 0; i < NS; i++) a[j][i][0] = a[j][i][1] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < Tk; t++) {
+      __m256 vt[NS][2];
+      for (int i = 0; i < NS; i++) {
+        const T* src = v + t * vs + d0 + 16 * i;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (w[i] == 16) {  // a bf16 is the top half of its fp32: exact
+            for (int h = 0; h < 2; h++) {
+              const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * h));
+              vt[i][h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+            }
+            continue;
+          }
+        }
+        const v16 x = load16f(src, w[i]);
+        std::memcpy(&vt[i][0], &x, sizeof(__m256));
+        std::memcpy(&vt[i][1], reinterpret_cast<const char*>(&x) + sizeof(__m256), sizeof(__m256));
+      }
+      for (int j = 0; j < NR; j++) {
+        const float pj = p[j * pstride + t];
+        sums[j] += pj;
+        if (pj != 0.0f) {
+          const __m256 pv = _mm256_set1_ps(pj);
+          for (int i = 0; i < NS; i++)
+            for (int h = 0; h < 2; h++) a[j][i][h] = _mm256_fmadd_ps(pv, vt[i][h], a[j][i][h]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; j++)
+      for (int i = 0; i < NS; i++) {
+        std::memcpy(&acc[j][i], &a[j][i][0], sizeof(__m256));
+        std::memcpy(reinterpret_cast<char*>(&acc[j][i]) + sizeof(__m256), &a[j][i][1], sizeof(__m256));
+      }
+  } else
 #endif
   for (int64_t t = 0; t < Tk; t++) {  // each value slice read once for these rows, in key order
     v16 vt[NS];

@@ -262,10 +262,55 @@ static inline v16 fold(v16 x, v16 y) {
   return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define LL_DOT16_AVX2 1
+// dot16's arithmetic with AVX2: each key's 16 lanes of partial sums as two halves of 8 (the same
+// multiply-adds, lane by lane), 4 keys at a time so that their accumulators stay in registers, then the
+// same tree (lanes i + i+8, + i+4, + i+2, + i+1) with 8-lane shuffles: the bits of the generic code.
+// key(j, d): key j's elements d .. d+15.
+template <typename Key>
+static inline v16 dot16_avx2(const float* q, Key key, int64_t hd) {
+  __m256 s8[16];
+  for (int j0 = 0; j0 < 16; j0 += 4) {
+    __m256 lo[4], hi[4];
+    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 16) {
+      const __m256 x0 = _mm256_loadu_ps(q + d), x1 = _mm256_loadu_ps(q + d + 8);
+      for (int j = 0; j < 4; j++) {
+        const float* k = key(j0 + j, d);
+        lo[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k), lo[j]);
+        hi[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(k + 8), hi[j]);
+      }
+    }
+    for (int j = 0; j < 4; j++) s8[j0 + j] = _mm256_add_ps(lo[j], hi[j]);  // lane i + lane i+8
+  }
+  auto reduce8 = [](const __m256* k) {  // keys k[0..7], 8 lanes each -> one lane each, in order
+    __m256 f4[4], f2[2];
+    for (int i = 0; i < 4; i++)  // [key 2i: lanes i + i+4 | key 2i+1: the same]
+      f4[i] = _mm256_add_ps(_mm256_permute2f128_ps(k[2 * i], k[2 * i + 1], 0x20),
+                            _mm256_permute2f128_ps(k[2 * i], k[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)  // lanes i + i+2: [4i: 2, 4i+2: 2 | 4i+1: 2, 4i+3: 2]
+      f2[i] = _mm256_add_ps(_mm256_shuffle_ps(f4[2 * i], f4[2 * i + 1], 0x44),
+                            _mm256_shuffle_ps(f4[2 * i], f4[2 * i + 1], 0xEE));
+    // lanes 0 + 1: [keys 0, 2, 4, 6 | 1, 3, 5, 7], then in order
+    const __m256 f1 = _mm256_add_ps(_mm256_shuffle_ps(f2[0], f2[1], 0x88), _mm256_shuffle_ps(f2[0], f2[1], 0xDD));
+    return _mm256_permutevar8x32_ps(f1, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  };
+  const __m256 r0 = reduce8(s8), r1 = reduce8(s8 + 8);
+  v16 out;
+  std::memcpy(&out, &r0, sizeof(r0));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(r0), &r1, sizeof(r1));
+  return out;
+}
+#endif
+
 // Scores of 16 consecutive keys (rows k, k + ks, …; zero rows past the end) against q, hd a multiple
 // of 16: the same arithmetic as ``dot`` for each key (lane-wise partial sums over the chunks in order,
 // then lanes added as i+8, i+4, i+2, i+1), done for 16 keys at once with shuffles.
 static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
+#ifdef LL_DOT16_AVX2
+  return dot16_avx2(q, [&](int j, int64_t d) { return keys[j] + d; }, hd);
+#endif
   v16 p[16];
   for (int j = 0; j < 16; j++) p[j] = v16{0};
   for (int64_t d = 0; d < hd; d += 16) {
@@ -286,6 +331,9 @@ static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
 // dot16 over 16 keys stored chunk by chunk: kc[(c * 16 + j) * 16 + i] is element 16 c + i of key j (the
 // same arithmetic, in the same order; the keys' addresses are fixed offsets from kc, none kept apart)
 static inline v16 dot16_packed(const float* q, const float* kc, int64_t hd) {
+#ifdef LL_DOT16_AVX2
+  return dot16_avx2(q, [&](int j, int64_t d) { return kc + d * 16 + 16 * j; }, hd);
+#endif
   v16 p[16];
   for (int j = 0; j < 16; j++) p[j] = v16{0};
   for (int64_t d = 0; d < hd; d += 16) {

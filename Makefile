@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install native demo test pair llamacpp bench clean
+.PHONY: install native demo test test-march pair llamacpp bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,18 @@ test: $(STAMP) native
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -n auto  # one worker per core (pytest-xdist); each test runs on one thread
+
+# the native layers built for other CPUs' instruction sets (LAYERLEAP_NATIVE_MARCH) and run here: the AVX2
+# paths (x86-64-v3) and the portable ones (x86-64), each build's own native tests, then each against the
+# default build (tests/test_native_march.py); a few minutes, mostly the two builds
+MARCHES ?= x86-64-v3 x86-64
+test-march: $(STAMP) native
+	for m in $(MARCHES); do \
+	  LAYERLEAP_NATIVE_MARCH=$$m $(BIN)/layerleap native --build && \
+	  LAYERLEAP_NATIVE_MARCH=$$m $(BIN)/python -m pytest -q -n auto tests/test_native.py tests/test_blocks.py \
+	    || exit 1; \
+	done
+	LAYERLEAP_TEST_MARCH="$(MARCHES)" $(BIN)/python -m pytest -q tests/test_native_march.py
 
 # optional: the Qwen2.5-Coder 0.5B/1.5B pair for two-model benchmarks (1.6 GB)
 pair: $(STAMP)

@@ -226,33 +226,40 @@ def _q4_blocks(m, monkeypatch):
     return quantize_model(m)
 
 
+# wide enough that a team splits the rounding of a call's activations too (8 rows of 512 or 1024 inputs:
+# 128 or 256 groups of 32, more than one share's least)
+WIDE = dict(hidden_size=512, intermediate_size=1024, n_heads=8, n_kv_heads=2, head_dim=64, n_layers=2)
+
+
 @pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
-@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied", "mistral-gqa-untied"])
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-gqa-untied", "mistral-gqa-untied", "wide"])
 def test_q4_layers_on_a_team_equal_one_thread_and_python(name, monkeypatch):
     """Calls of a few rows on block weights run their layers on a team (thread 0 runs the layers, the
-    others take shares of the products and attention and stream weights ahead): the logits and the
-    cache equal those of one thread, of two threads without a team and of the Python path, bit for bit."""
+    others take shares of the products, the rounding of their activations and attention, and stream
+    weights ahead): the logits and the cache equal those of one thread, of two threads without a team
+    and of the Python path, bit for bit."""
     mod = native.module()
-    m = _q4_blocks(random_model(name, seed=4, scale=2.0), monkeypatch)
-    threads, was = torch.get_num_threads(), mod.team_settings()[:2]
+    m = _q4_blocks(random_model(WIDE if name == "wide" else name, seed=4, scale=2.0), monkeypatch)
+    threads, was = torch.get_num_threads(), mod.team_settings()
     runs, teamed = {}, {}
     try:
-        for key, n, team, window in (
-            ("1 thread", 1, 1, -1),
-            ("2, no team", 2, 0, -1),
-            ("2, team", 2, 1, 6 << 20),
-            ("2, team, tiny window", 2, 1, 4096),
-            ("2, team, no stream", 2, 1, 0),
+        for key, n, team, window, rounds in (
+            ("1 thread", 1, 1, -1, 1),
+            ("2, no team", 2, 0, -1, 1),
+            ("2, team", 2, 1, 6 << 20, 1),
+            ("2, team, tiny window", 2, 1, 4096, 1),
+            ("2, team, no stream", 2, 1, 0, 1),
+            ("2, team, thread 0 rounds", 2, 1, 6 << 20, 0),
         ):
             torch.set_num_threads(n)
-            before = mod.team_settings(team, window)[2]
+            before = mod.team_settings(team, window, rounds)[2]
             runs[key] = _calls(m, True, monkeypatch)
             teamed[key] = mod.team_settings()[2] - before
         torch.set_num_threads(2)
         runs["python"] = _calls(m, False, monkeypatch)
     finally:
         torch.set_num_threads(threads)
-        mod.team_settings(*was)
+        mod.team_settings(was[0], was[1], was[3])
     assert teamed["1 thread"] == teamed["2, no team"] == 0
     assert all(teamed[k] >= 4 for k in teamed if "team," in k), teamed  # one token and a tree, in 2 batches
     for key, outs in runs.items():

@@ -48,5 +48,6 @@ def run(args) -> int:
             if st["built"]
             else "not built: run `layerleap native --build`"
         )
-        print(f"native decoder layers: {state}" + (f" ({st['library']})" if st["library"] else ""))
+        target = "" if st["march"] == "native" else f", -march={st['march']} ({native.MARCH_ENV})"
+        print(f"native decoder layers: {state}" + (f" ({st['library']}{target})" if st["library"] else target))
     return 0

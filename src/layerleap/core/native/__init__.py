@@ -7,6 +7,12 @@ It is compiled once per torch version, CPU and source (``torch.utils.cpp_extensi
 compiler, ninja and torch's headers; about 30 s) by ``layerleap native --build`` (``make install``
 runs it), and kept in ``<cache>/native``.  Until it is built, or where it cannot be, the model runs
 its Python path; ``LAYERLEAP_NATIVE=0`` turns it off.  Nothing is compiled unasked.
+
+It is compiled for this CPU's instructions (``-march=native``: on a CPU with AVX-512 VNNI its AVX-512
+paths, on one with AVX2 and FMA its AVX2 paths, else the portable C++).  ``LAYERLEAP_NATIVE_MARCH``
+names another target for GCC's ``-march`` (``x86-64-v3``: the AVX2 paths, ``x86-64``: the portable
+ones), kept in a folder of its own, built and used while the variable is set: so the paths of other
+CPUs are built and tested on this one (``tests/test_native_march.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 import weakref
 from pathlib import Path
@@ -25,16 +32,31 @@ from ...files import cache_root
 
 SOURCE = Path(__file__).with_name("decoder.cpp")
 ENV = "LAYERLEAP_NATIVE"  # "0": never use the native layers
+MARCH_ENV = "LAYERLEAP_NATIVE_MARCH"  # the compiler's -march target; unset: "native" (this CPU's)
+
+
+def march() -> str:
+    """The ``-march`` target the extension is built and loaded for: ``$LAYERLEAP_NATIVE_MARCH`` or native."""
+    value = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", value):
+        from ...errors import LayerleapError
+
+        raise LayerleapError(f"{MARCH_ENV}={value!r} is no -march target (letters, digits, '.', '_', '+', '-')")
+    return value
 
 
 def build_dir() -> Path:
-    """Where this source, torch version and CPU's build lives (compiled for this CPU's instructions)."""
+    """Where this source, torch version, CPU and -march target's build lives (by default compiled for this
+    CPU's instructions; another target in a folder of its own, with a tag of its own)."""
     from ..cpu import cpu_signature
 
-    tag = hashlib.sha256(SOURCE.read_bytes() + cpu_signature().encode()).hexdigest()[:12]
+    target = march()
+    key = SOURCE.read_bytes() + cpu_signature().encode() + (b"" if target == "native" else f"|{target}".encode())
+    tag = hashlib.sha256(key).hexdigest()[:12]
     cap = torch.backends.cpu.get_cpu_capability().lower()
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return cache_root() / "native" / f"{tag}-torch{torch.__version__.split('+')[0]}-{cap}-{py}"
+    suffix = "" if target == "native" else f"-{target}"
+    return cache_root() / "native" / f"{tag}-torch{torch.__version__.split('+')[0]}-{cap}-{py}{suffix}"
 
 
 def _library(folder: Path) -> Path | None:
@@ -51,7 +73,7 @@ def build(verbose: bool = False):
     mod = load(
         "layerleap_decoder",
         [str(SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=["-O3", f"-march={march()}", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
         verbose=verbose,
@@ -84,6 +106,7 @@ def status() -> dict:
         "library": str(lib) if lib else None,
         "in_use": module() is not None,
         "disabled": os.environ.get(ENV, "").strip() == "0",
+        "march": march(),
     }
 
 

@@ -262,10 +262,55 @@ static inline v16 fold(v16 x, v16 y) {
   return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define LL_DOT16_AVX2 1
+// dot16's arithmetic with AVX2: each key's 16 lanes of partial sums as two halves of 8 (the same
+// multiply-adds, lane by lane), 4 keys at a time so that their accumulators stay in registers, then the
+// same tree (lanes i + i+8, + i+4, + i+2, + i+1) with 8-lane shuffles: the bits of the generic code.
+// key(j, d): key j's elements d .. d+15.
+template <typename Key>
+static inline v16 dot16_avx2(const float* q, Key key, int64_t hd) {
+  __m256 s8[16];
+  for (int j0 = 0; j0 < 16; j0 += 4) {
+    __m256 lo[4], hi[4];
+    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 16) {
+      const __m256 x0 = _mm256_loadu_ps(q + d), x1 = _mm256_loadu_ps(q + d + 8);
+      for (int j = 0; j < 4; j++) {
+        const float* k = key(j0 + j, d);
+        lo[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k), lo[j]);
+        hi[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(k + 8), hi[j]);
+      }
+    }
+    for (int j = 0; j < 4; j++) s8[j0 + j] = _mm256_add_ps(lo[j], hi[j]);  // lane i + lane i+8
+  }
+  auto reduce8 = [](const __m256* k) {  // keys k[0..7], 8 lanes each -> one lane each, in order
+    __m256 f4[4], f2[2];
+    for (int i = 0; i < 4; i++)  // [key 2i: lanes i + i+4 | key 2i+1: the same]
+      f4[i] = _mm256_add_ps(_mm256_permute2f128_ps(k[2 * i], k[2 * i + 1], 0x20),
+                            _mm256_permute2f128_ps(k[2 * i], k[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)  // lanes i + i+2: [4i: 2, 4i+2: 2 | 4i+1: 2, 4i+3: 2]
+      f2[i] = _mm256_add_ps(_mm256_shuffle_ps(f4[2 * i], f4[2 * i + 1], 0x44),
+                            _mm256_shuffle_ps(f4[2 * i], f4[2 * i + 1], 0xEE));
+    // lanes 0 + 1: [keys 0, 2, 4, 6 | 1, 3, 5, 7], then in order
+    const __m256 f1 = _mm256_add_ps(_mm256_shuffle_ps(f2[0], f2[1], 0x88), _mm256_shuffle_ps(f2[0], f2[1], 0xDD));
+    return _mm256_permutevar8x32_ps(f1, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  };
+  const __m256 r0 = reduce8(s8), r1 = reduce8(s8 + 8);
+  v16 out;
+  std::memcpy(&out, &r0, sizeof(r0));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(r0), &r1, sizeof(r1));
+  return out;
+}
+#endif
+
 // Scores of 16 consecutive keys (rows k, k + ks, …; zero rows past the end) against q, hd a multiple
 // of 16: the same arithmetic as ``dot`` for each key (lane-wise partial sums over the chunks in order,
 // then lanes added as i+8, i+4, i+2, i+1), done for 16 keys at once with shuffles.
 static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
+#ifdef LL_DOT16_AVX2
+  return dot16_avx2(q, [&](int j, int64_t d) { return keys[j] + d; }, hd);
+#endif
   v16 p[16];
   for (int j = 0; j < 16; j++) p[j] = v16{0};
   for (int64_t d = 0; d < hd; d += 16) {
@@ -286,6 +331,9 @@ static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
 // dot16 over 16 keys stored chunk by chunk: kc[(c * 16 + j) * 16 + i] is element 16 c + i of key j (the
 // same arithmetic, in the same order; the keys' addresses are fixed offsets from kc, none kept apart)
 static inline v16 dot16_packed(const float* q, const float* kc, int64_t hd) {
+#ifdef LL_DOT16_AVX2
+  return dot16_avx2(q, [&](int j, int64_t d) { return kc + d * 16 + 16 * j; }, hd);
+#endif
   v16 p[16];
   for (int j = 0; j < 16; j++) p[j] = v16{0};
   for (int64_t d = 0; d < hd; d += 16) {
@@ -424,6 +472,46 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
     for (int j = 0; j < NR; j++)
       for (int i = 0; i < NS; i++) std::memcpy(&acc[j][i], &a[j][i], sizeof(v16));
   } else
+#elif defined(__AVX2__) && defined(__FMA__)
+  // the same with AVX2, a slice of 16 as two halves of 8 lanes: each lane the same fused multiply-adds in
+  // the same order, so the bits of the AVX-512 path (the loop below left GCC's accumulators in memory here too)
+  if (full || !std::is_same_v<T, float>) {
+    __m256 a[NR][NS][2];
+    for (int j = 0; j < NR; j++)
+      for (int i = 0; i < NS; i++) a[j][i][0] = a[j][i][1] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < Tk; t++) {
+      __m256 vt[NS][2];
+      for (int i = 0; i < NS; i++) {
+        const T* src = v + t * vs + d0 + 16 * i;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (w[i] == 16) {  // a bf16 is the top half of its fp32: exact
+            for (int h = 0; h < 2; h++) {
+              const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * h));
+              vt[i][h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+            }
+            continue;
+          }
+        }
+        const v16 x = load16f(src, w[i]);
+        std::memcpy(&vt[i][0], &x, sizeof(__m256));
+        std::memcpy(&vt[i][1], reinterpret_cast<const char*>(&x) + sizeof(__m256), sizeof(__m256));
+      }
+      for (int j = 0; j < NR; j++) {
+        const float pj = p[j * pstride + t];
+        sums[j] += pj;
+        if (pj != 0.0f) {
+          const __m256 pv = _mm256_set1_ps(pj);
+          for (int i = 0; i < NS; i++)
+            for (int h = 0; h < 2; h++) a[j][i][h] = _mm256_fmadd_ps(pv, vt[i][h], a[j][i][h]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; j++)
+      for (int i = 0; i < NS; i++) {
+        std::memcpy(&acc[j][i], &a[j][i][0], sizeof(__m256));
+        std::memcpy(reinterpret_cast<char*>(&acc[j][i]) + sizeof(__m256), &a[j][i][1], sizeof(__m256));
+      }
+  } else
 #endif
   for (int64_t t = 0; t < Tk; t++) {  // each value slice read once for these rows, in key order
     v16 vt[NS];
@@ -475,6 +563,16 @@ constexpr int64_t TEAM_ROWS = 16;  // the most rows (batch x new tokens) a call 
 // by ``team_settings``, for timing one against the other in one process)
 std::atomic<int64_t> stream_window{4 << 20};
 std::atomic<bool> teams_on{true};
+// whether a team splits the rounding of a product's activations between its threads (settable too; the
+// same bits).  Where the build rounds with AVX-512, not: on a 2-core Zen 5 the split made an 8-token q4
+// call no faster (the extra join, and thread 0 then reads half the rounded rows from the other core's
+// cache); where it rounds with scalar code (AVX2, portable), yes: there the same call ran about 1 ms
+// (5%) faster split, on the same machine (benchmarks/q4_team_rounding.py, both settings timed in turn)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+std::atomic<bool> team_rounds{false};
+#else
+std::atomic<bool> team_rounds{true};
+#endif
 std::atomic<int64_t> team_calls{0};  // calls run on a team so far (tests check that teams run)
 constexpr int64_t STREAM_STEP = 4096;       // bytes streamed between looks for a share of a loop
 constexpr int64_t AFTER_BYTES = 12 << 20;   // of the call after's weight's codes (run_layers' `after`)
@@ -830,11 +928,35 @@ struct QX {
   std::vector<int32_t> n, n16;  // n16: the integer sums of inputs 0..15 and 16..31 (2 per record)
 };
 
+// An activation as fp32: X is float, or uint16_t holding a bf16's bits (the top half of its fp32: exact).
+template <typename X>
+static inline float act(const X* p, int i) {
+  if constexpr (std::is_same_v<X, float>) {
+    return p[i];
+  } else {
+    const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+}
+
 #ifdef LL_AVX512
+template <typename X>
+static inline __m512 act16(const X* p) {
+  if constexpr (std::is_same_v<X, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
 // quantize_rows' rounding of one group (record r) with AVX-512: the same operations on each value (the
 // product with qmax / amax rounded to the nearest, ties to even, as nearbyint does), so the same bits
-static inline void quantize_group512(const float* xr, int32_t qmax, bool fine, int8_t* q, QX& out, int64_t r) {
-  const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+template <typename X>
+static inline void quantize_group512(const X* xr, int32_t qmax, bool fine, int8_t* q, QX& out, int64_t r) {
+  const __m512 x0 = act16(xr), x1 = act16(xr + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
   const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
   const __m512i hi = _mm512_set1_epi32(qmax), lo = _mm512_set1_epi32(-qmax);
@@ -866,9 +988,14 @@ static inline void quantize_group512(const float* xr, int32_t qmax, bool fine, i
 }
 #endif
 
+// The rounding of x [M, K] (fp32, or bf16 bits) into out, record by record (each on its own: the same bits
+// however the records are split): on the calling thread, or, on a team where team_rounds says so, split
+// between its threads (a call of 8 rows rounds 8 * K / 32 groups before its products).
 // vec: the vector rounding where the build has it (the same bits; the portable path keeps the scalar one,
 // so that tests comparing the paths compare the two)
-static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& out, bool vec = true) {
+constexpr int64_t ROUND_GRAIN = 64;  // records (groups of 32) a thread's share holds at least
+template <typename X>
+static void quantize_rows(const X* x, int64_t M, int64_t K, bool fine, QX& out, bool vec = true) {
   const int64_t G = K / 32;
   const int32_t qmax = fine ? 127 * 128 : 127;
   out.M = M;
@@ -877,10 +1004,12 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& o
   out.s.resize(M * G);
   out.n.resize(M * G);
   out.n16.resize(2 * M * G);
-  for (int64_t row = 0; row < M; row++)
-    for (int64_t g = 0; g < G; g++) {
-      const float* xr = x + row * K + g * 32;
-      const int64_t r = g * M + row;
+  // records in their order (r = g * M + row): a thread's share of d, s and n lies together, no cache line
+  // of them written by two threads (but at the ends of the shares)
+  auto records = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const int64_t g = r / M, row = r % M;
+      const X* xr = x + row * K + g * 32;
 #ifdef LL_AVX512
       if (vec) {
         quantize_group512(xr, qmax, fine, &out.q[r * 64], out, r);
@@ -888,23 +1017,26 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, bool fine, QX& o
       }
 #endif
       float amax = 0.0f;
-      for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xr[i]));
+      for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(act(xr, j)));
       const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
       int8_t* q = &out.q[r * 64];
       int32_t sum = 0;
-      for (int i = 0; i < 32; i++) {
-        const int32_t v = std::max(-qmax, std::min(qmax, static_cast<int32_t>(std::nearbyint(xr[i] * id))));
+      for (int j = 0; j < 32; j++) {
+        const int32_t v = std::max(-qmax, std::min(qmax, static_cast<int32_t>(std::nearbyint(act(xr, j) * id))));
         const int32_t h = fine ? (v + 64) >> 7 : v;  // arithmetic shift: round to nearest
-        q[i] = static_cast<int8_t>(h);
-        q[32 + i] = static_cast<int8_t>(v - 128 * h * fine);
+        q[j] = static_cast<int8_t>(h);
+        q[32 + j] = static_cast<int8_t>(v - 128 * h * fine);
         sum += v;
-        if (i == 15) out.n16[2 * r] = sum;
+        if (j == 15) out.n16[2 * r] = sum;
       }
       out.n16[2 * r + 1] = sum - out.n16[2 * r];
       out.d[r] = d;
       out.s[r] = d * static_cast<float>(sum);
       out.n[r] = sum;
     }
+  };
+  if (team_of_thread && team_rounds.load(std::memory_order_relaxed)) par_for(0, M * G, ROUND_GRAIN, records);
+  else records(0, M * G);
 }
 
 static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -1458,7 +1590,8 @@ std::vector<std::string> blocks_paths() {
 // x [M, K] (fp32 or bf16) times a block weight (see above) -> [M, N] fp32.  fine: 15-bit activations
 // (else 8-bit).  path: one of blocks_paths() (tests compare them), "" for the best.
 // out: the result's dtype, fp32 or (up to FUSED_ROWS rows) bf16, the same bits as y.to(bf16) on ATen's
-// vectorized path; a bf16 x is widened here (exact), without ATen calls
+// vectorized path, each share of the columns rounded by the thread that computed it; a bf16 x is widened
+// as it is rounded (exact), without ATen calls
 Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, int64_t N, bool fine,
                        const std::string& path, at::ScalarType out) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "block_matmul: x [M, K] with K a multiple of 32");
@@ -1482,30 +1615,33 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
   // a few rows' buffers kept from call to call (a decoding step makes ~100 calls); a reference, so that the
   // worker threads below read the caller's own
   thread_local QX held;
-  thread_local std::vector<float> xbuf, ybuf;
+  thread_local std::vector<float> ybuf;
   QX& xq = held;
-  Tensor xf;
-  const float* xp;
-  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && M <= FUSED_ROWS) {
-    xbuf.resize(M * K);
-    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    uint32_t* xw = reinterpret_cast<uint32_t*>(xbuf.data());  // a local pointer: a loop the compiler vectorizes
-    for (int64_t i = 0; i < M * K; i++) xw[i] = static_cast<uint32_t>(xb[i]) << 16;
-    xp = xbuf.data();
+  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && M <= FUSED_ROWS) {  // widened as it is read
+    quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, fine, xq, use != "portable");
   } else {
-    xf = x.to(at::kFloat).contiguous();
-    xp = xf.data_ptr<float>();
+    const Tensor xf = x.to(at::kFloat).contiguous();
+    quantize_rows(xf.data_ptr<float>(), M, K, fine, xq, use != "portable");
   }
-  quantize_rows(xp, M, K, fine, xq, use != "portable");
-  Tensor y;
+  Tensor y = at::empty({M, N}, x.options().dtype(out));
   float* yp;
+  uint16_t* yb = nullptr;  // bf16 out: each share's columns rounded by the thread that computed them
   if (out == at::kBFloat16) {
     ybuf.resize(M * N);
     yp = ybuf.data();
+    yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   } else {
-    y = at::empty({M, N}, x.options().dtype(at::kFloat));
     yp = y.data_ptr<float>();
   }
+  auto rounded = [&](int64_t b0, int64_t b1) {
+    if (!yb) return;
+    const int64_t n0 = b0 * 16, n1 = std::min(N, b1 * 16);
+    for (int64_t s = 0; s < M; s++) {
+      const float* from = yp + s * N;
+      uint16_t* to = yb + s * N;
+      for (int64_t n = n0; n < n1; n++) to[n] = bf16_bits(from[n]);
+    }
+  };
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const int64_t grain = std::max<int64_t>(1, NB / (4 * std::max(1, at::get_num_threads())));
   auto run = [&](auto* sc, auto bits, auto fine_) {
@@ -1513,13 +1649,16 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
     constexpr int B = decltype(bits)::value;
     constexpr bool F = decltype(fine_)::value;
     par_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+      [&] {
 #ifdef LL_AVX512
-      if (use == "avx512-vnni") return blocks_avx512<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+        if (use == "avx512-vnni") return blocks_avx512<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
 #ifdef LL_AVX2
-      if (use != "portable") return blocks_avx2<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+        if (use != "portable") return blocks_avx2<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
-      blocks_portable<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+        blocks_portable<B, F, SC>(c, sc, xq, M, G, b0, b1, yp, N);
+      }();
+      rounded(b0, b1);
     });
   };
   auto with_scales = [&](auto bits, auto fine_) {
@@ -1531,13 +1670,16 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
     constexpr bool F = decltype(fine_)::value;
     const uint8_t* sc = dm.data_ptr<uint8_t>();
     par_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+      [&] {
 #ifdef LL_AVX512
-      if (use == "avx512-vnni") return blocks6_avx512<F>(c, sc, xq, M, G, b0, b1, yp, N);
+        if (use == "avx512-vnni") return blocks6_avx512<F>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
 #ifdef LL_AVX2
-      if (use != "portable") return blocks6_avx2<F>(c, sc, xq, M, G, b0, b1, yp, N);
+        if (use != "portable") return blocks6_avx2<F>(c, sc, xq, M, G, b0, b1, yp, N);
 #endif
-      blocks6_portable<F>(c, sc, xq, M, G, b0, b1, yp, N);
+        blocks6_portable<F>(c, sc, xq, M, G, b0, b1, yp, N);
+      }();
+      rounded(b0, b1);
     });
   };
   auto with_bits = [&](auto fine_) {
@@ -1548,11 +1690,6 @@ Tensor block_matmul_to(const Tensor& x, const Tensor& codes, const Tensor& dm, i
   if (fine) with_bits(std::true_type());
   else with_bits(std::false_type());
   if (xq.q.capacity() > (1 << 20)) held = QX();  // a prompt's rows: handed back, not kept per thread
-  if (out == at::kBFloat16) {
-    y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
-    uint16_t* yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < M * N; i++) yb[i] = bf16_bits(yp[i]);
-  }
   return y;
 }
 
@@ -1755,14 +1892,47 @@ Tensor run_layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& 
   return h;
 }
 
-// Whether calls of a few rows run their layers on a team, and how many bytes of weights its helper
-// streams ahead (0: none); -1 leaves a setting as it is.  Gives the settings before the call and the
-// number of calls run on a team so far.
-std::vector<int64_t> team_settings(int64_t on, int64_t window) {
-  std::vector<int64_t> was = {teams_on.load() ? 1 : 0, stream_window.load(), team_calls.load()};
+// Whether calls of a few rows run their layers on a team, how many bytes of weights its helper streams
+// ahead (0: none) and whether its threads share the rounding of a product's activations (rounds; else
+// thread 0 rounds them: the same bits); -1 leaves a setting as it is.  Gives the settings before the
+// call: on, window, the number of calls run on a team so far, rounds.
+std::vector<int64_t> team_settings(int64_t on, int64_t window, int64_t rounds) {
+  std::vector<int64_t> was = {teams_on.load() ? 1 : 0, stream_window.load(), team_calls.load(),
+                              team_rounds.load() ? 1 : 0};
   if (on >= 0) teams_on.store(on != 0);
   if (window >= 0) stream_window.store(window);
+  if (rounds >= 0) team_rounds.store(rounds != 0);
   return was;
+}
+
+// The instruction sets this build was compiled for (the compiler's feature macros): which vector paths it
+// holds, and whether its fp32 sums are fused multiply-adds ("fma"; without them they round twice, so a
+// build for a target without FMA gives other bits in attention than one with it; the block products'
+// fused steps are std::fma on every path, the same bits everywhere).
+static std::vector<std::string> build_features() {
+  std::vector<std::string> out;
+#if defined(__AVX512F__)
+  out.push_back("avx512f");
+#endif
+#if defined(__AVX512BW__)
+  out.push_back("avx512bw");
+#endif
+#if defined(__AVX512VNNI__)
+  out.push_back("avx512vnni");
+#endif
+#if defined(__AVX2__)
+  out.push_back("avx2");
+#endif
+#if defined(__AVXVNNI__)
+  out.push_back("avxvnni");
+#endif
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  out.push_back("fma");
+#endif
+#if defined(__F16C__)
+  out.push_back("f16c");
+#endif
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1773,8 +1943,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_matmul", &block_matmul, "x times a 4- or 8-bit block weight (see decoder.cpp)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("team_settings", &team_settings, "teams on (1/0) and the stream window in bytes; -1 keeps one",
-        py::arg("on") = -1, py::arg("window") = -1);
+  m.def("team_settings", &team_settings,
+        "teams on (1/0), the stream window in bytes, the team rounding activations (1/0); -1 keeps one",
+        py::arg("on") = -1, py::arg("window") = -1, py::arg("rounds") = -1);
   m.def("blocks_isa", &blocks_isa, "the vector path block_matmul takes by default");
   m.def("blocks_paths", &blocks_paths, "the paths block_matmul was built with, best first");
+  m.def("build_features", &build_features, "the instruction sets this build was compiled for");
 }

@@ -988,6 +988,76 @@ static inline void quantize_group512(const X* xr, int32_t qmax, bool fine, int8_
 }
 #endif
 
+#if defined(LL_AVX2) && !defined(LL_AVX512)
+template <typename X>
+static inline __m256 act8(const X* p) {
+  if constexpr (std::is_same_v<X, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// 32 int32 values (each in -127..127) as 32 bytes in their order: packs saturate, which leaves them as
+// they are, then the 4-byte pieces the two packs interleave by lane put back in order
+static inline void store_bytes32(int8_t* q, __m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, order));
+}
+
+static inline int32_t sum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// quantize_rows' rounding of one group (record r) with AVX2: the same operations on each value as the
+// scalar and AVX-512 roundings (amax the largest |x|, exact in any order; the product with qmax / amax,
+// converted rounding to the nearest, ties to even, as nearbyint does in the default rounding mode; then
+// clamped), so the same bits
+template <typename X>
+static inline void quantize_group256(const X* xr, int32_t qmax, bool fine, int8_t* q, QX& out, int64_t r) {
+  const __m256 x0 = act8(xr), x1 = act8(xr + 8), x2 = act8(xr + 16), x3 = act8(xr + 24);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
+  const __m256i hi = _mm256_set1_epi32(qmax), lo = _mm256_set1_epi32(-qmax);
+  const __m256 vid = _mm256_set1_ps(id);
+  auto round = [&](__m256 v) {
+    // _mm256_cvtps_epi32 rounds as MXCSR says: to the nearest, ties to even, as nearbyint
+    return _mm256_max_epi32(lo, _mm256_min_epi32(hi, _mm256_cvtps_epi32(_mm256_mul_ps(v, vid))));
+  };
+  const __m256i v0 = round(x0), v1 = round(x1), v2 = round(x2), v3 = round(x3);
+  if (fine) {
+    const __m256i half = _mm256_set1_epi32(64);
+    const __m256i h0 = _mm256_srai_epi32(_mm256_add_epi32(v0, half), 7);
+    const __m256i h1 = _mm256_srai_epi32(_mm256_add_epi32(v1, half), 7);
+    const __m256i h2 = _mm256_srai_epi32(_mm256_add_epi32(v2, half), 7);
+    const __m256i h3 = _mm256_srai_epi32(_mm256_add_epi32(v3, half), 7);
+    store_bytes32(q, h0, h1, h2, h3);
+    store_bytes32(q + 32, _mm256_sub_epi32(v0, _mm256_slli_epi32(h0, 7)), _mm256_sub_epi32(v1, _mm256_slli_epi32(h1, 7)),
+                  _mm256_sub_epi32(v2, _mm256_slli_epi32(h2, 7)), _mm256_sub_epi32(v3, _mm256_slli_epi32(h3, 7)));
+  } else {
+    store_bytes32(q, v0, v1, v2, v3);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32), _mm256_setzero_si256());
+  }
+  const int32_t n0 = sum8_epi32(_mm256_add_epi32(v0, v1)), n1 = sum8_epi32(_mm256_add_epi32(v2, v3));
+  out.n16[2 * r] = n0;
+  out.n16[2 * r + 1] = n1;
+  out.d[r] = d;
+  out.s[r] = d * static_cast<float>(n0 + n1);
+  out.n[r] = n0 + n1;
+}
+#endif
+
 // The rounding of x [M, K] (fp32, or bf16 bits) into out, record by record (each on its own: the same bits
 // however the records are split): on the calling thread, or, on a team where team_rounds says so, split
 // between its threads (a call of 8 rows rounds 8 * K / 32 groups before its products).
@@ -1013,6 +1083,11 @@ static void quantize_rows(const X* x, int64_t M, int64_t K, bool fine, QX& out, 
 #ifdef LL_AVX512
       if (vec) {
         quantize_group512(xr, qmax, fine, &out.q[r * 64], out, r);
+        continue;
+      }
+#elif defined(LL_AVX2)
+      if (vec) {
+        quantize_group256(xr, qmax, fine, &out.q[r * 64], out, r);
         continue;
       }
 #endif

@@ -564,11 +564,13 @@ constexpr int64_t TEAM_ROWS = 16;  // the most rows (batch x new tokens) a call 
 std::atomic<int64_t> stream_window{4 << 20};
 std::atomic<bool> teams_on{true};
 // whether a team splits the rounding of a product's activations between its threads (settable too; the
-// same bits).  Where the build rounds with AVX-512, not: on a 2-core Zen 5 the split made an 8-token q4
-// call no faster (the extra join, and thread 0 then reads half the rounded rows from the other core's
-// cache); where it rounds with scalar code (AVX2, portable), yes: there the same call ran about 1 ms
-// (5%) faster split, on the same machine (benchmarks/q4_team_rounding.py, both settings timed in turn)
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// same bits).  Where the build rounds with vector code (AVX-512, AVX2), not: on a 2-core Zen 5 the split
+// made an 8-token q4 call no faster (the extra join, and thread 0 then reads half the rounded rows from
+// the other core's cache); where it rounds with scalar code (portable), yes: an x86-64-v3 build rounding
+// with the scalar code ran the same call about 1 ms (5%) faster split, on the same machine
+// (benchmarks/q4_team_rounding.py, both settings timed in turn)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
+    (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
 std::atomic<bool> team_rounds{false};
 #else
 std::atomic<bool> team_rounds{true};

@@ -23,6 +23,26 @@ import torch
 import layerleap
 
 
+def primed_calls(model, sizes: list[int], context: int):
+    """``call(s)``: one model call over ``s`` random new tokens after a cached ``context``-token random
+    prompt (its logits ``[1, s, V]``), the cache cut back to the prompt after each.  Under
+    ``torch.inference_mode()``."""
+    n, vocab = model.config.n_layers, model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    cache = model.new_cache(1, context + max(sizes))
+    prompt = torch.randint(0, vocab, (1, context), generator=g)
+    model.logits(model.run_layers(model.embed(prompt), 0, n, torch.arange(context).unsqueeze(0), cache))
+    ids = {s: torch.randint(0, vocab, (1, s), generator=g) for s in sizes}
+    pos = {s: (context + torch.arange(s)).unsqueeze(0) for s in sizes}
+
+    def call(s: int) -> torch.Tensor:
+        y = model.logits(model.run_layers(model.embed(ids[s]), 0, n, pos[s], cache))
+        cache.truncate(context)
+        return y
+
+    return call
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32")
@@ -39,20 +59,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = layerleap.load("smollm2-135m", dtype=args.dtype)
     sizes = [int(s) for s in args.sizes.split(",")]
-    n, vocab = model.config.n_layers, model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
     times = {s: [] for s in sizes}
     with torch.inference_mode():
-        cache = model.new_cache(1, args.context + max(sizes))
-        prompt = torch.randint(0, vocab, (1, args.context), generator=g)
-        model.logits(model.run_layers(model.embed(prompt), 0, n, torch.arange(args.context).unsqueeze(0), cache))
-        ids = {s: torch.randint(0, vocab, (1, s), generator=g) for s in sizes}
-        pos = {s: (args.context + torch.arange(s)).unsqueeze(0) for s in sizes}
-
-        def call(s):
-            model.logits(model.run_layers(model.embed(ids[s]), 0, n, pos[s], cache))
-            cache.truncate(args.context)
-
+        call = primed_calls(model, sizes, args.context)
         for s in sizes:
             call(s)
         for _ in range(args.rounds):

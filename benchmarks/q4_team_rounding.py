@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from call_cost_any import primed_calls
+
 import layerleap
 from layerleap.core import native
 
@@ -32,24 +34,12 @@ def main() -> None:
         raise SystemExit("needs the native layers of this source: run `layerleap native --build`")
     model = layerleap.load("smollm2-135m", dtype="q4")
     sizes = [int(s) for s in args.sizes.split(",")]
-    n, vocab = model.config.n_layers, model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
     settings = {"team rounds": 1, "thread 0 rounds": 0}
     times = {(k, s): [] for k in settings for s in sizes}
     was = mod.team_settings()
     try:
         with torch.inference_mode():
-            cache = model.new_cache(1, args.context + max(sizes))
-            prompt = torch.randint(0, vocab, (1, args.context), generator=g)
-            model.logits(model.run_layers(model.embed(prompt), 0, n, torch.arange(args.context).unsqueeze(0), cache))
-            ids = {s: torch.randint(0, vocab, (1, s), generator=g) for s in sizes}
-            pos = {s: (args.context + torch.arange(s)).unsqueeze(0) for s in sizes}
-
-            def call(s):
-                y = model.logits(model.run_layers(model.embed(ids[s]), 0, n, pos[s], cache))
-                cache.truncate(args.context)
-                return y
-
+            call = primed_calls(model, sizes, args.context)
             for s in sizes:
                 outs = []
                 for rounds in settings.values():

@@ -187,9 +187,9 @@ def test_merged_cut_keeps_a_chain_that_the_target_follows_and_drops_one_it_does_
     chain = [5, 6, 7, 8]
     for _ in range(15):  # row 0: the target continues the chain; row 1: never
         assert cut.cut(0, chain, shared=0, nodes=3) is not None
-        cut.observe(0, kept=chain, next_token=9, tree_kept=0)
+        cut.observe(0, kept=chain, kept_at=[3, 4, 5, 6], next_token=9)
         cut.cut(1, chain, shared=0, nodes=3)
-        cut.observe(1, kept=[], next_token=1, tree_kept=0)
+        cut.observe(1, kept=[], kept_at=[], next_token=1)
     assert cut.cut(0, chain, shared=0, nodes=3) == chain
     assert cut.cut(1, chain, shared=0, nodes=3) == []
 
@@ -209,8 +209,8 @@ def test_merged_cut_prices_only_the_rows_past_the_shared_prefix():
 def test_merged_cut_learns_from_the_whole_chain_when_it_was_cut():
     cut = L.MergedChainCut(1, SHIPPED_F32, 3)
     cut.cut(0, [5, 6, 7], shared=0, nodes=3)
-    cut.observe(0, kept=[5, 6], next_token=4, tree_kept=0)  # the call kept 5, 6 (by whatever branch)
+    cut.observe(0, kept=[5, 6], kept_at=[3, 4], next_token=4)  # the call kept 5, 6 on the chain's branch
     assert cut.rows[0].tried == [1.0, 1.0, 1.0] and cut.rows[0].kept == [1.0, 1.0, 0.0]
     assert cut.tree_tokens[0] == pytest.approx(L.DECAY * L.TREE_PRIOR + (1 - L.DECAY) * 1)
-    cut.observe(0, kept=[5], next_token=6, tree_kept=1)  # nothing pending: nothing learned
+    cut.observe(0, kept=[5], kept_at=[0], next_token=6)  # nothing pending: nothing learned
     assert cut.rows[0].tried == [1.0, 1.0, 1.0]

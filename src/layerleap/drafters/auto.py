@@ -291,9 +291,8 @@ class AutoDrafter(TreeDrafter):
                 ix.extend(c.tokens[r[0]].tolist() + [r[1]])
                 if self.lengths and called and self.round_mode == "lookup":
                     self.lengths.observe(row, c.k, len(r[0]), r[1])
-                if self.cuts and called:  # the tree's nodes come first in a merged call (merge_chain)
-                    nodes = self.cuts.pending.get(row, ([], 0))[1]
-                    self.cuts.observe(row, c.tokens[r[0]].tolist(), r[1], sum(int(j < nodes) for j in r[0]))
+                if self.cuts and called:
+                    self.cuts.observe(row, c.tokens[r[0]].tolist(), list(r[0]), r[1])
         if not called:
             return
         if self.eagle is not None:  # whatever the call's kind, its last kept node's state drafts an EAGLE round

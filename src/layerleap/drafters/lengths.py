@@ -185,11 +185,13 @@ class MergedChainCut:
                 best, best_n = score, n
         return chain[:best_n]
 
-    def observe(self, row: int, kept: list[int], next_token: int | None, tree_kept: int) -> None:
-        """A call that kept the drafts ``kept`` (``tree_kept`` of them tree nodes) and gave ``next_token``."""
+    def observe(self, row: int, kept: list[int], kept_at: list[int], next_token: int | None) -> None:
+        """A call that kept the drafts ``kept``, at offsets ``kept_at`` among the merged drafts (the tree's
+        nodes first, ``merge_chain``), and gave ``next_token``."""
         if row not in self.pending:
             return
         chain, nodes = self.pending.pop(row)
+        tree_kept = sum(j < nodes for j in kept_at)
         known = kept + ([] if next_token is None else [next_token])
         drafted = min(len(chain), len(known))
         matched = next((i for i in range(drafted) if chain[i] != known[i]), drafted)

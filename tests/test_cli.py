@@ -260,6 +260,35 @@ def test_info_call_cost_saves_the_curve_that_draft_lengths_use(capsys, tmp_path,
     assert all(a <= b for a, b in zip(curve.costs, curve.costs[1:]))  # held at its running maximum
 
 
+def test_info_call_cost_measured_while_others_run_keeps_the_saved_curve(capsys, tmp_path, monkeypatch, tiny_hf_dir):
+    from layerleap.eval import roofline
+
+    class Busy:  # other processes held half the CPUs during the measurement
+        share = 0.5
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv("LAYERLEAP_CALL_COST")
+    args = ("info", "--model", tiny_hf_dir, "--buffer-mb", 8, "--repeats", 1, "--call-cost")
+    monkeypatch.setattr(roofline, "OtherLoad", Busy)
+    rc, out, _ = cli(capsys, *args)  # nothing saved yet: the busy measurement is saved
+    assert rc == 0 and "saved for this machine" in out and "other processes used 50% of the CPUs" in out
+    path = tmp_path / "call_cost.json"
+    path.write_text(path.read_text().replace('"1": 1.0,', '"1": 0.999,'))  # mark the saved curve
+    before = path.read_text()
+    rc, out, _ = cli(capsys, *args, "--json")
+    assert rc == 0 and path.read_text() == before
+    d = json.loads(out)["call_cost"]
+    assert d["saved"] is False and d["kept_saved"] is True and d["other_cpu_share"] == 0.5
+    rc, out, _ = cli(capsys, *args)
+    assert "not saved: other processes were running" in out and path.read_text() == before
+
+
 # -- bench ------------------------------------------------------------------------------------------
 def test_bench_json(capsys, tmp_path, tiny_hf_dir, tiny):
     out_file = tmp_path / "b.json"
@@ -445,3 +474,17 @@ def test_command_groups_and_duplicate_names(capsys):
     assert e.value.code == 2
     with pytest.raises(RuntimeError, match="registered twice"):
         commands.command("sweep bild", help="again")(lambda p: None)(lambda a: 0)
+
+
+def test_other_load_counts_another_process_cpu_time():
+    import subprocess
+    import sys
+
+    from layerleap.core.cpu import OtherLoad
+
+    spin = "import time\nwhile time.process_time() < 0.6: pass"  # 0.6 s of CPU time, however long it takes
+    with OtherLoad() as other:
+        subprocess.run([sys.executable, "-c", spin], check=True)
+    if other.share is None:
+        pytest.skip("this system does not report its CPUs' busy time (/proc/stat)")
+    assert other.seconds >= 0.55 and 0 < other.share <= 1.0

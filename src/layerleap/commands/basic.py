@@ -625,17 +625,23 @@ def run_info(args) -> int:
     cc = roofline.call_cost(model, sizes=cost_curve.SIZES) if args.call_cost else None
     if cc is not None:
         d["call_cost"] = cc.to_dict()
-        d["call_cost"]["saved"] = cost_curve.save(
+        busy = cc.other_cpu_share is not None and cc.other_cpu_share > roofline.BUSY_SHARE
+        kept = busy and cost_curve.saved(model) is not None  # a disturbed curve never replaces a saved one
+        d["call_cost"]["saved"] = not kept and cost_curve.save(
             model, {p["new_tokens"]: p["ratio"] for p in cc.points}, cc.points[0]["ms"]
         )
+        d["call_cost"]["kept_saved"] = kept
     if args.json:
         print(json.dumps(d))
     else:
         print(format_info(d))
         if cc is not None:
             print(roofline.format_call_cost(cc, d["roofline"]["ms_per_token_sum"]))
+            where = cost_curve.cache_root() / cost_curve.FILE
             if d["call_cost"]["saved"]:
-                print(f"saved for this machine in {cost_curve.cache_root() / cost_curve.FILE}")
+                print(f"saved for this machine in {where}")
+            elif d["call_cost"]["kept_saved"]:
+                print(f"not saved: other processes were running; the curve saved in {where} stays (measure again when the machine is idle)")
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import time
 
 import torch
 
@@ -39,6 +41,48 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds every process on this machine has spent since boot (``/proc/stat``'s first line:
+    user, nice, system, irq, softirq and steal time), or None where the system does not say."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """How much of the machine's CPUs other processes used while a ``with`` block ran: ``share`` is
+    their CPU seconds (every process's busy time, ``/proc/stat``, less this process's own) over the
+    block's wall time times the CPU count, e.g. 0.5 on 2 cores when another job held one core
+    throughout.  None where the system does not say (not Linux).  Timings taken at a share above a
+    few percent measure the other work too."""
+
+    def __init__(self):
+        self.share: float | None = None
+        self.seconds: float | None = None  # the other processes' CPU seconds
+
+    def __enter__(self) -> OtherLoad:
+        self._busy, self._own, self._wall = _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, wall = _busy_cpu_seconds(), time.perf_counter() - self._wall
+        if busy is None or self._busy is None or wall <= 0:
+            return
+        self.seconds = max(0.0, (busy - self._busy) - (_own_cpu_seconds() - self._own))
+        self.share = min(1.0, self.seconds / (wall * (os.cpu_count() or 1)))
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 HUGE_PAGE = 1 << 21  # a transparent huge page on x86-64 (2 MB)

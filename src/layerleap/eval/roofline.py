@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import cost_curve
+from ..core.cpu import OtherLoad
 from ..core.model import Transformer
 
 
@@ -120,6 +121,7 @@ def roofline(model: Transformer, bw: Bandwidth, context: int = 256) -> Roofline:
 
 # -- the cost of one model call over S new tokens -----------------------------------------------
 CALL_COST_SIZES = (1, 2, 4, 8, 16)
+BUSY_SHARE = 0.05  # other processes' share of the CPUs above which a measured curve is not saved over one
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class CallCost:
     dtype: str
     rounds: int
     points: list[dict]  # [{"new_tokens": S, "ms": best, "median_ms": median, "ratio": ms / ms(S=1)}]
+    other_cpu_share: float | None = None  # the CPUs' share other processes used meanwhile (``cpu.OtherLoad``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,7 +151,8 @@ def call_cost(
 ) -> CallCost:
     """Measure ``CallCost`` on ``model``: a cache holding ``context`` tokens, then calls over
     ``S`` new tokens (causal among themselves), each rolled back before the next."""
-    context, times = cost_curve.time_calls(model, context, sizes, rounds)
+    with OtherLoad() as others:
+        context, times = cost_curve.time_calls(model, context, sizes, rounds)
     best = {s: min(ts) * 1e3 for s, ts in times.items()}
     points = [
         {
@@ -159,7 +163,8 @@ def call_cost(
         }
         for s, ts in times.items()
     ]
-    return CallCost(context, torch.get_num_threads(), dtype_name or model.dtype_name, rounds, points)
+    share = None if others.share is None else round(others.share, 3)
+    return CallCost(context, torch.get_num_threads(), dtype_name or model.dtype_name, rounds, points, share)
 
 
 def format_call_cost(cc: CallCost, roofline_ms: float | None = None) -> str:
@@ -169,4 +174,6 @@ def format_call_cost(cc: CallCost, roofline_ms: float | None = None) -> str:
     rows = [f"  S={p['new_tokens']:<3} {p['ms']:8.2f} ms  x{p['ratio']:.2f}" for p in cc.points]
     if roofline_ms:
         rows[0] += f"  ({roofline_ms / cc.points[0]['ms']:.0%} of the roofline's {roofline_ms:.1f} ms)"
+    if cc.other_cpu_share is not None and cc.other_cpu_share > BUSY_SHARE:
+        rows.append(f"  (other processes used {cc.other_cpu_share:.0%} of the CPUs meanwhile)")
     return "\n".join([head] + rows)

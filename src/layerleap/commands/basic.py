@@ -641,7 +641,8 @@ def run_info(args) -> int:
             if d["call_cost"]["saved"]:
                 print(f"saved for this machine in {where}")
             elif d["call_cost"]["kept_saved"]:
-                print(f"not saved: other processes were running; the curve saved in {where} stays (measure again when the machine is idle)")
+                print(f"not saved: other processes were running; the curve saved in {where} stays")
+                print("(measure again when the machine is idle)")
     return 0
 
 

@@ -319,6 +319,8 @@ def test_bench_json(capsys, tmp_path, tiny_hf_dir, tiny):
     cfg = d["config"]
     assert cfg["command"].startswith("layerleap bench") and cfg["threads"] == 1 and cfg["dtype"] == "float32"
     assert {"torch", "date", "cpu_cores", "model", "max_new_tokens"} <= set(cfg)
+    assert cfg["other_cpu_share"] is None or 0 <= cfg["other_cpu_share"] <= 1  # (None: no /proc/stat)
+    assert 0 <= d["call_cost"]["other_cpu_share"] <= 1 or d["call_cost"]["other_cpu_share"] is None
     assert d["complete"] and not d["interrupted"] and d["prompts_done"] == 1
     recs = {r["label"]: r for r in d["records"]}
     assert set(recs) == {"greedy", "sample", "transformers"}

@@ -770,6 +770,9 @@ def _check_bench_sampling(methods: bench.MethodSpecs, sampling: dict) -> None:
 
 def _finish(result: bench.BenchResult, out: str | None, html: str | None = None) -> int:
     print(result.table())
+    share = result.config.get("other_cpu_share")
+    if share is not None and share > roofline.BUSY_SHARE:
+        print(f"other processes used {share:.0%} of the CPUs during the run: its times include their work")
     if out:
         print(f"wrote {out}")
     if html:

@@ -31,6 +31,7 @@ from ..decoding import generate, get_method
 from ..errors import LayerleapError
 from ..files import write_json
 from ..methods.budget import LOSSY
+from ..core.cpu import OtherLoad
 from ..core.kernels import cpu_signature
 from ..core.model import Transformer
 
@@ -639,6 +640,7 @@ def run_bench(
     bar = tqdm(
         total=len(prompts) * len(result.labels) * repeat, desc="bench", unit="run", disable=not progress, leave=False
     )
+    others = OtherLoad().__enter__()  # (not a ``with``: the share is recorded even on an interrupt)
     try:
         if hf_baseline:
             bar.set_postfix_str(f"{HF_LABEL} model")
@@ -665,6 +667,8 @@ def run_bench(
     finally:
         bar.close()
     result.config["load_average_end"] = list(os.getloadavg())
+    others.__exit__(None, None, None)
+    result.config["other_cpu_share"] = None if others.share is None else round(others.share, 3)
     save()
     return result
 

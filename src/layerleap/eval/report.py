@@ -324,6 +324,10 @@ def _frontier(cfg: dict) -> str:
 
 
 # -- the page ------------------------------------------------------------------------------------------
+def _share(share: float | None) -> str | None:
+    return None if share is None else f"{share:.0%} of the CPUs during the run"
+
+
 def _facts(cfg: dict) -> str:
     load = cfg.get("load_average")
     rows = [
@@ -333,6 +337,7 @@ def _facts(cfg: dict) -> str:
         ("CPU", cfg.get("cpu", cfg.get("machine"))),
         ("platform", cfg.get("platform")),
         ("load average", ", ".join(f"{x:.2f}" for x in load) if load else None),
+        ("other processes", _share(cfg.get("other_cpu_share"))),
         ("software", f"python {cfg.get('python')}, torch {cfg.get('torch')}, transformers {cfg.get('transformers')}"),
         (
             "run",

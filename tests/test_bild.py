@@ -189,6 +189,9 @@ def test_early_exit_computes_no_layer_twice():
     r = run_bild(large, exit_layer=2, head="shared", alpha_fb=1.0).stats
     assert r["layer_evals"] == g["layer_evals"] == 4 * N  # (the prompt's last position counts as generation)
     assert r["prompt_layer_evals"] == g["prompt_layer_evals"]
+    # a certain fallback runs no small step (its exit head would be thrown away): one call a token, as greedy
+    assert r["model_calls"] == g["model_calls"] and r["small_steps"] == 0
+    assert r["fallbacks"] == r["large_calls"] == N and r["fallback_rate"] == 1.0  # every step the large model's
     # kept small tokens: N - 1 small steps (layers 0-1; the first token came from the prompt pass),
     # then the final check: layers 0-1 for the last token alone, layers 2-3 for all N
     r = run_bild(large, exit_layer=2, head="shared", alpha_fb=0.0, alpha_rb=1e9, max_small=None).stats

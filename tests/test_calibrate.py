@@ -280,7 +280,17 @@ def test_paths_start_at_greedy_and_get_cheaper():
     assert means == sorted(means, reverse=True)
     assert budget.PATHS["early-exit"](d)[0] == {"exit_layer": d}
     assert budget.PATHS["calm"](d)[0]["threshold"] > 1  # never exits
-    assert budget.PATHS["bild"](d)[0]["alpha_rb"] <= math.log(2)  # rollback keeps only greedy's argmax
+    assert all(s["alpha_rb"] <= math.log(2) for s in budget.PATHS["bild"](d)[:2])  # keeps only greedy's argmax
+
+
+@pytest.mark.parametrize("method", budget.FIRST_IS_GREEDY)
+def test_first_settings_said_to_be_greedy_decode_greedy_at_its_cost(method, char_model):
+    """Calibration reuses greedy's outputs and costs for these: they must be greedy's, call for call."""
+    g = layerleap.generate(char_model, "hello there", "greedy", 12, stop_at_eos=False)
+    options = budget.PATHS[method](char_model.config.n_layers)[0]
+    r = layerleap.generate(char_model, "hello there", method, 12, stop_at_eos=False, **options)
+    assert r.token_ids == g.token_ids
+    assert r.stats["model_calls"] == g.stats["model_calls"] and r.stats["layer_evals"] == g.stats["layer_evals"]
 
 
 def test_bench_shows_quality_beside_speed_and_the_report_draws_the_frontier(char_model, cache):

@@ -56,6 +56,7 @@ def _calm(d: int) -> list[dict]:
 
 
 BILD_PATH = (
+    (1.0, 0.69),  # always fall back: the large model takes every step, greedy's tokens at greedy's cost
     (0.5, 0.69),
     (0.5, 1.0),
     (0.5, 1.5),
@@ -69,16 +70,16 @@ BILD_PATH = (
 
 
 def _bild(d: int) -> list[dict]:
-    """BiLD (early-exit form, its default exit layer) from rollback at ln 2 (greedy's output) to
-    rare fallback and rollback."""
+    """BiLD (early-exit form, its default exit layer) from always falling back (greedy's output, no
+    small step) and rollback at ln 2 (greedy's output) to rare fallback and rollback."""
     return [{"alpha_fb": fb, "alpha_rb": rb} for fb, rb in BILD_PATH]
 
 
 PATHS = {"skipdecode": _skipdecode, "early-exit": _early_exit, "calm": _calm, "bild": _bild}
 LOSSY = tuple(PATHS)
 # methods whose first setting decodes greedy's tokens at greedy's cost (tested: SkipDecode's full budget,
-# an exit after the last layer), so calibration reuses greedy's outputs for it
-FIRST_IS_GREEDY = ("skipdecode", "early-exit")
+# an exit after the last layer, BiLD always falling back), so calibration reuses greedy's outputs for it
+FIRST_IS_GREEDY = ("skipdecode", "early-exit", "bild")
 
 
 def knobs(method: str, n_layers: int) -> set[str]:

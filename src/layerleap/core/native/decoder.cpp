@@ -1666,6 +1666,72 @@ static inline void tile256(const uint8_t* codes, const SC* dm, const QX& xq, int
   }
 }
 
+#if defined(__AVXVNNI__)
+constexpr bool AVX2_VNNI = true;
+#else
+constexpr bool AVX2_VNNI = false;
+#endif
+
+// tile256 for 4-bit codes without AVX-VNNI: the same integer sums in fewer instructions and registers.  A code
+// vector is split into its nibbles once and used for the T rows at once; maddubs' 16-bit pair sums are added
+// in 16 bits (each at most 2 * 15 * 127 in size, the 8 of a group less than 2^15: exact) and widened once a
+// group, so a group's integer sums, and all that follows from them, are tile256's.  The 16-bit additions
+// saturate (never here), which keeps GCC from reassociating them: with plain ones it moved every product
+// ahead of the sums and out of the registers (1.5x slower).
+template <bool FINE, typename SC, int T>
+static inline void tile256_q4(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G, int64_t nb,
+                              int half, float* y, int64_t N) {
+  const int64_t M = xq.M;
+  __m256 acc[T];
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* c = codes + (nb * G + g) * 4 * 64 + half * 32;
+    if (half == 0) {  // half 1 reads the same lines again
+      prefetch_ahead<4>(c, G * 32 <= L1_PREFETCH_K);
+      prefetch_scales<4 * 64, SUPER_BYTES>(dm, nb * G + g);
+    }
+    const int64_t r0 = g * M + s0;
+    const int32_t* h = reinterpret_cast<const int32_t*>(&xq.q[r0 * 64]);  // row t's at h + 16 t
+    __m256i ph[T], pl[T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) ph[t] = pl[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i * 64));
+      const __m256i w0 = _mm256_and_si256(p, low), w1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; t++) {
+        const int32_t* ht = h + 16 * t;
+        ph[t] = _mm256_adds_epi16(ph[t], _mm256_maddubs_epi16(w0, _mm256_set1_epi32(ht[2 * i])));
+        ph[t] = _mm256_adds_epi16(ph[t], _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ht[2 * i + 1])));
+        if constexpr (FINE) {
+          pl[t] = _mm256_adds_epi16(pl[t], _mm256_maddubs_epi16(w0, _mm256_set1_epi32(ht[8 + 2 * i])));
+          pl[t] = _mm256_adds_epi16(pl[t], _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ht[8 + 2 * i + 1])));
+        }
+      }
+    }
+    __m256 d, m;
+    dm256(dm, nb, G, g, half, d, m);
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+      const __m256i a = _mm256_madd_epi16(ph[t], _mm256_set1_epi16(1));
+      const __m256i e = FINE ? _mm256_madd_epi16(pl[t], _mm256_set1_epi16(1)) : _mm256_setzero_si256();
+      const __m256i isum = FINE ? _mm256_add_epi32(_mm256_slli_epi32(a, 7), e) : a;
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xq.d[r0 + t])), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.s[r0 + t]), acc[t]);
+    }
+  }
+  const int64_t n0 = nb * 16 + half * 8;
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[t]);
+    for (int l = 0; l < 8 && n0 + l < N; l++) y[(s0 + t) * N + n0 + l] = out[l];
+  }
+}
+
 // 6-bit: T rows against 8 of a block's 16 output rows (half hf; see blocks6_portable).  Codes are at most 63,
 // so maddubs' 16-bit pair sums cannot saturate.
 template <bool FINE, int T>
@@ -1750,7 +1816,9 @@ static void blocks_avx2(const uint8_t* codes, const SC* dm, const QX& xq, int64_
     for (int half = 0; half < 2; half++)
       for (int64_t s0 = 0; s0 < M; s0 += 4)
         with_rows<4>(M - s0, [&](auto T) {
-          tile256<BITS, FINE, SC, decltype(T)::value>(codes, dm, xq, s0, G, nb, half, y, N);
+          constexpr int R = decltype(T)::value;
+          if constexpr (BITS == 4 && !AVX2_VNNI) tile256_q4<FINE, SC, R>(codes, dm, xq, s0, G, nb, half, y, N);
+          else tile256<BITS, FINE, SC, R>(codes, dm, xq, s0, G, nb, half, y, N);
         });
 }
 #endif

@@ -1732,6 +1732,65 @@ static inline void tile256_q4(const uint8_t* codes, const SC* dm, const QX& xq, 
   }
 }
 
+// tile256 for 8-bit codes without AVX-VNNI: the same integer sums, each code vector loaded (and its sign and
+// size taken) once for the T rows at once.  maddubs' pair sums are widened at once here (two of them may
+// not fit 16 bits); the empty asm after each addition keeps GCC from reassociating the sums (it moved
+// every product ahead of them and out of the registers).
+template <bool FINE, typename SC, int T>
+static inline void tile256_q8(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G, int64_t nb,
+                              int half, float* y, int64_t N) {
+  const int64_t M = xq.M;
+  __m256 acc[T];
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), one = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* c = codes + (nb * G + g) * 8 * 64 + half * 32;
+    if (half == 0) {  // half 1 reads the same lines again
+      prefetch_ahead<8>(c, G * 32 <= L1_PREFETCH_K);
+      prefetch_scales<8 * 64, SUPER_BYTES>(dm, nb * G + g);
+    }
+    const int64_t r0 = g * M + s0;
+    const int32_t* h = reinterpret_cast<const int32_t*>(&xq.q[r0 * 64]);  // row t's at h + 16 t
+    __m256i a[T], e[T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) a[t] = e[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+      const __m256i sg = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64)), flip);
+      const __m256i w = _mm256_abs_epi8(sg);  // -128 stays 0x80: 128 as unsigned
+#pragma GCC unroll 4
+      for (int t = 0; t < T; t++) {
+        const int32_t* ht = h + 16 * t;
+        const __m256i xh = _mm256_sign_epi8(_mm256_set1_epi32(ht[j]), sg);
+        a[t] = _mm256_add_epi32(a[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xh), one));
+        asm("" : "+x"(a[t]));
+        if constexpr (FINE) {
+          const __m256i xl = _mm256_sign_epi8(_mm256_set1_epi32(ht[8 + j]), sg);
+          e[t] = _mm256_add_epi32(e[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xl), one));
+          asm("" : "+x"(e[t]));
+        }
+      }
+    }
+    __m256 d, m;
+    dm256(dm, nb, G, g, half, d, m);
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+      __m256i isum = FINE ? _mm256_add_epi32(_mm256_slli_epi32(a[t], 7), e[t]) : a[t];
+      isum = _mm256_add_epi32(isum, _mm256_set1_epi32(128 * xq.n[r0 + t]));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xq.d[r0 + t])), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.s[r0 + t]), acc[t]);
+    }
+  }
+  const int64_t n0 = nb * 16 + half * 8;
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[t]);
+    for (int l = 0; l < 8 && n0 + l < N; l++) y[(s0 + t) * N + n0 + l] = out[l];
+  }
+}
+
 // 6-bit: T rows against 8 of a block's 16 output rows (half hf; see blocks6_portable).  Codes are at most 63,
 // so maddubs' 16-bit pair sums cannot saturate.
 template <bool FINE, int T>
@@ -1818,6 +1877,7 @@ static void blocks_avx2(const uint8_t* codes, const SC* dm, const QX& xq, int64_
         with_rows<4>(M - s0, [&](auto T) {
           constexpr int R = decltype(T)::value;
           if constexpr (BITS == 4 && !AVX2_VNNI) tile256_q4<FINE, SC, R>(codes, dm, xq, s0, G, nb, half, y, N);
+          else if constexpr (BITS == 8 && !AVX2_VNNI) tile256_q8<FINE, SC, R>(codes, dm, xq, s0, G, nb, half, y, N);
           else tile256<BITS, FINE, SC, R>(codes, dm, xq, s0, G, nb, half, y, N);
         });
 }

@@ -381,6 +381,27 @@ static inline v16 exp_neg16(v16 x) {
   return reinterpret_cast<v16&>(bits);
 }
 
+#ifdef LL_DOT16_AVX2
+// exp_neg16 on 8 lanes with AVX2: its operations in its order, each the one instruction the AVX-512 build
+// makes of it (the clamp a max that keeps a NaN, the products fused into the additions where GCC fuses
+// them there, p * r * r + r as (p * r) * r + r), so the same bits lane for lane.
+static inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  // x < lo ? lo : x
+  const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvttps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+#endif
+
 // The first ``n`` (<= 16) elements at p as fp32 (zeros after them).
 template <typename T>
 static inline v16 load16f(const T* p, int64_t n) {
@@ -397,6 +418,16 @@ static inline v16 load16f(const T* p, int64_t n) {
     const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16);
     std::memcpy(&x, &w, sizeof(v16));
     return x;
+#elif defined(__AVX2__)
+    if (n == 16) {  // the same, 8 lanes at a time
+      __m256i w[2];
+      for (int h = 0; h < 2; h++) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h));
+        w[h] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16);
+      }
+      std::memcpy(&x, w, sizeof(v16));
+      return x;
+    }
 #else
     if (n == 16) {
       uint16_t b[16];
@@ -408,6 +439,17 @@ static inline v16 load16f(const T* p, int64_t n) {
     }
 #endif
   }
+#if defined(__F16C__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::Half>) {  // F16C's conversion, as static_cast<float> makes it here
+    if (n == 16) {
+      __m256 h[2];
+      for (int i = 0; i < 2; i++)
+        h[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i)));
+      std::memcpy(&x, h, sizeof(v16));
+      return x;
+    }
+  }
+#endif
   for (int64_t i = 0; i < n; i++) x[i] = static_cast<float>(p[i]);
   return x;
 }
@@ -430,6 +472,75 @@ static inline void with_tile(int64_t nr, int64_t ns, F&& f) {
     default: return rows(std::integral_constant<int, 4>{});
   }
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 16 values from src as fp32 in two halves of 8 lanes (FULL: all 16; else the first n, zeros after them)
+template <bool FULL, typename T>
+static inline void load8x2(const T* src, int64_t n, __m256& lo, __m256& hi) {
+  if constexpr (FULL && std::is_same_v<T, float>) {
+    lo = _mm256_loadu_ps(src);
+    hi = _mm256_loadu_ps(src + 8);
+  } else if constexpr (FULL && std::is_same_v<T, c10::BFloat16>) {  // a bf16 is the top half of its fp32
+    auto f = [](const T* q) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    };
+    lo = f(src);
+    hi = f(src + 8);
+  } else if constexpr (FULL && std::is_same_v<T, c10::Half>) {  // F16C's conversion, as static_cast<float>
+    lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8)));
+  } else {
+    const v16 x = load16f(src, FULL ? 16 : n);
+    std::memcpy(&lo, &x, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  }
+}
+
+// value_tile's loop over the keys for its NR rows and NC (NR * NC <= 4) of its slices, with AVX2: a slice
+// of 16 as two halves of 8 lanes, each lane the fused multiply-adds of the AVX-512 path in its order (a
+// weight of 0 skipped), so its bits; in registers (NR * NC * 2 <= 8 accumulators, the weight and the
+// values).  FULL: every slice 16 wide.  v: the first slice's values of key 0; w: the slices' widths;
+// acc: row j's slice i at acc[j * stride + i].
+template <typename T, int NR, int NC, bool FULL>
+static inline void value_keys_avx2(const T* v, int64_t vs, int64_t Tk, const int64_t* w, const float* p,
+                                   int64_t pstride, v16* acc, int64_t stride) {
+  __m256 a[NR][NC][2];
+  for (int j = 0; j < NR; j++)
+    for (int i = 0; i < NC; i++) a[j][i][0] = a[j][i][1] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < Tk; t++) {
+    __m256 vt[NC][2];
+    for (int i = 0; i < NC; i++) load8x2<FULL>(v + t * vs + 16 * i, w[i], vt[i][0], vt[i][1]);
+    for (int j = 0; j < NR; j++) {
+      const float pj = p[j * pstride + t];
+      if (pj != 0.0f) {
+        const __m256 pv = _mm256_set1_ps(pj);
+        for (int i = 0; i < NC; i++)
+          for (int h = 0; h < 2; h++) a[j][i][h] = _mm256_fmadd_ps(pv, vt[i][h], a[j][i][h]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; j++)
+    for (int i = 0; i < NC; i++) std::memcpy(&acc[j * stride + i], a[j][i], sizeof(v16));
+}
+
+// the same with sums: the rows' weight sums (each in key order, as value_tile adds them), null: not wanted.
+// Made in a loop of their own: in the keys' loop their registers pushed an accumulator into memory.
+template <typename T, int NR, int NC>
+static inline void value_run_avx2(const T* v, int64_t vs, int64_t Tk, const int64_t* w, const float* p,
+                                  int64_t pstride, float* sums, v16* acc, int64_t stride) {
+  if (sums) {
+    float s[NR] = {};
+    for (int64_t t = 0; t < Tk; t++)
+      for (int j = 0; j < NR; j++) s[j] += p[j * pstride + t];
+    for (int j = 0; j < NR; j++) sums[j] = s[j];
+  }
+  if (w[NC - 1] == 16)
+    value_keys_avx2<T, NR, NC, true>(v, vs, Tk, w, p, pstride, acc, stride);
+  else
+    value_keys_avx2<T, NR, NC, false>(v, vs, Tk, w, p, pstride, acc, stride);
+}
+#endif
 
 // Pass 3 of attend_rows for query rows r0 .. r0+NR-1 of one key/value head and head-dim slices
 // [d0, d0 + 16 NS) (clipped to hd): out row = sum_t p_t v_t / sum_t p_t over the keys in order, skipping
@@ -473,44 +584,13 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
       for (int i = 0; i < NS; i++) std::memcpy(&acc[j][i], &a[j][i], sizeof(v16));
   } else
 #elif defined(__AVX2__) && defined(__FMA__)
-  // the same with AVX2, a slice of 16 as two halves of 8 lanes: each lane the same fused multiply-adds in
-  // the same order, so the bits of the AVX-512 path (the loop below left GCC's accumulators in memory here too)
+  // the same with AVX2 (value_run_avx2): runs of NC of the NS slices, so that a run's accumulators fit in
+  // AVX2's 16 registers, each over every key; the rows' weight sums made in the first run
   if (full || !std::is_same_v<T, float>) {
-    __m256 a[NR][NS][2];
-    for (int j = 0; j < NR; j++)
-      for (int i = 0; i < NS; i++) a[j][i][0] = a[j][i][1] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < Tk; t++) {
-      __m256 vt[NS][2];
-      for (int i = 0; i < NS; i++) {
-        const T* src = v + t * vs + d0 + 16 * i;
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (w[i] == 16) {  // a bf16 is the top half of its fp32: exact
-            for (int h = 0; h < 2; h++) {
-              const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * h));
-              vt[i][h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-            }
-            continue;
-          }
-        }
-        const v16 x = load16f(src, w[i]);
-        std::memcpy(&vt[i][0], &x, sizeof(__m256));
-        std::memcpy(&vt[i][1], reinterpret_cast<const char*>(&x) + sizeof(__m256), sizeof(__m256));
-      }
-      for (int j = 0; j < NR; j++) {
-        const float pj = p[j * pstride + t];
-        sums[j] += pj;
-        if (pj != 0.0f) {
-          const __m256 pv = _mm256_set1_ps(pj);
-          for (int i = 0; i < NS; i++)
-            for (int h = 0; h < 2; h++) a[j][i][h] = _mm256_fmadd_ps(pv, vt[i][h], a[j][i][h]);
-        }
-      }
-    }
-    for (int j = 0; j < NR; j++)
-      for (int i = 0; i < NS; i++) {
-        std::memcpy(&acc[j][i], &a[j][i][0], sizeof(__m256));
-        std::memcpy(reinterpret_cast<char*>(&acc[j][i]) + sizeof(__m256), &a[j][i][1], sizeof(__m256));
-      }
+    constexpr int NC = NR * NS <= 4 ? NS : NR == 2 && NS % 2 == 0 ? 2 : 1;
+    for (int i = 0; i < NS; i += NC)
+      value_run_avx2<T, NR, NC>(v + d0 + 16 * i, vs, Tk, w + i, p, pstride, i == 0 ? sums : nullptr, &acc[0][i],
+                                NS);
   } else
 #endif
   for (int64_t t = 0; t < Tk; t++) {  // each value slice read once for these rows, in key order
@@ -774,6 +854,15 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
         for (int64_t j = 0; j < 16; j++) {
           if (packed) {
             const T* krow = kbase + (t0 + j) * ks2;
+#ifdef LL_DOT16_AVX2
+            for (int64_t d = 0; d < hd; d += 16) {  // the same with AVX2 (through a v16, GCC's code went
+              __m256 lo = _mm256_setzero_ps(), hi = lo;  // through the general registers)
+              if (j < nb) load8x2<true>(krow + d, 16, lo, hi);
+              _mm256_storeu_ps(&kf[(d + j) * 16], lo);
+              _mm256_storeu_ps(&kf[(d + j) * 16 + 8], hi);
+            }
+            continue;
+#endif
             for (int64_t d = 0; d < hd; d += 16) {
               const v16 x = j < nb ? load16f(krow + d, 16) : v16{0};
               std::memcpy(&kf[(d + j) * 16], &x, sizeof(v16));  // chunk d / 16, key j
@@ -828,6 +917,26 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
   par_for(0, BK * R, grain(BK * R), [&](int64_t begin, int64_t end) {  // 2. weights
     for (int64_t row = begin; row < end; row++) {
       float* sr = scores + row * Tp;
+#ifdef LL_DOT16_AVX2
+      {  // the loops below with AVX2, 16 lanes as two halves of 8: the same operations lane for lane (the
+         // maximum a max of x and the running one, as the AVX-512 build makes it), so the same bits
+        const __m256 neg = _mm256_set1_ps(NEG);
+        __m256 m8[2] = {neg, neg};
+        for (int64_t t = 0; t < Tp; t += 16)
+          for (int h = 0; h < 2; h++) m8[h] = _mm256_max_ps(_mm256_loadu_ps(sr + t + 8 * h), m8[h]);
+        float lanes[16];
+        std::memcpy(lanes, m8, sizeof(lanes));
+        float mx = NEG;
+        for (int i = 0; i < 16; i++) mx = std::max(mx, lanes[i]);
+        const __m256 m = _mm256_set1_ps(mx);
+        for (int64_t t = 0; t < Tp; t += 8) {
+          const __m256 x = _mm256_loadu_ps(sr + t);
+          const __m256 e = exp_neg8(_mm256_sub_ps(x, m));
+          _mm256_storeu_ps(sr + t, _mm256_andnot_ps(_mm256_cmp_ps(x, neg, _CMP_EQ_OQ), e));  // x == NEG: 0
+        }
+        continue;
+      }
+#endif
       v16 m16 = splat(NEG);
       for (int64_t t = 0; t < Tp; t += 16) {
         v16 x;
@@ -1557,6 +1666,131 @@ static inline void tile256(const uint8_t* codes, const SC* dm, const QX& xq, int
   }
 }
 
+#if defined(__AVXVNNI__)
+constexpr bool AVX2_VNNI = true;
+#else
+constexpr bool AVX2_VNNI = false;
+#endif
+
+// tile256 for 4-bit codes without AVX-VNNI: the same integer sums in fewer instructions and registers.  A code
+// vector is split into its nibbles once and used for the T rows at once; maddubs' 16-bit pair sums are added
+// in 16 bits (each at most 2 * 15 * 127 in size, the 8 of a group less than 2^15: exact) and widened once a
+// group, so a group's integer sums, and all that follows from them, are tile256's.  The 16-bit additions
+// saturate (never here), which keeps GCC from reassociating them: with plain ones it moved every product
+// ahead of the sums and out of the registers (1.5x slower).
+template <bool FINE, typename SC, int T>
+static inline void tile256_q4(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G, int64_t nb,
+                              int half, float* y, int64_t N) {
+  const int64_t M = xq.M;
+  __m256 acc[T];
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* c = codes + (nb * G + g) * 4 * 64 + half * 32;
+    if (half == 0) {  // half 1 reads the same lines again
+      prefetch_ahead<4>(c, G * 32 <= L1_PREFETCH_K);
+      prefetch_scales<4 * 64, SUPER_BYTES>(dm, nb * G + g);
+    }
+    const int64_t r0 = g * M + s0;
+    const int32_t* h = reinterpret_cast<const int32_t*>(&xq.q[r0 * 64]);  // row t's at h + 16 t
+    __m256i ph[T], pl[T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) ph[t] = pl[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i * 64));
+      const __m256i w0 = _mm256_and_si256(p, low), w1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; t++) {
+        const int32_t* ht = h + 16 * t;
+        ph[t] = _mm256_adds_epi16(ph[t], _mm256_maddubs_epi16(w0, _mm256_set1_epi32(ht[2 * i])));
+        ph[t] = _mm256_adds_epi16(ph[t], _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ht[2 * i + 1])));
+        if constexpr (FINE) {
+          pl[t] = _mm256_adds_epi16(pl[t], _mm256_maddubs_epi16(w0, _mm256_set1_epi32(ht[8 + 2 * i])));
+          pl[t] = _mm256_adds_epi16(pl[t], _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ht[8 + 2 * i + 1])));
+        }
+      }
+    }
+    __m256 d, m;
+    dm256(dm, nb, G, g, half, d, m);
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+      const __m256i a = _mm256_madd_epi16(ph[t], _mm256_set1_epi16(1));
+      const __m256i e = FINE ? _mm256_madd_epi16(pl[t], _mm256_set1_epi16(1)) : _mm256_setzero_si256();
+      const __m256i isum = FINE ? _mm256_add_epi32(_mm256_slli_epi32(a, 7), e) : a;
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xq.d[r0 + t])), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.s[r0 + t]), acc[t]);
+    }
+  }
+  const int64_t n0 = nb * 16 + half * 8;
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[t]);
+    for (int l = 0; l < 8 && n0 + l < N; l++) y[(s0 + t) * N + n0 + l] = out[l];
+  }
+}
+
+// tile256 for 8-bit codes without AVX-VNNI: the same integer sums, each code vector loaded (and its sign and
+// size taken) once for the T rows at once.  maddubs' pair sums are widened at once here (two of them may
+// not fit 16 bits); the empty asm after each addition keeps GCC from reassociating the sums (it moved
+// every product ahead of them and out of the registers).
+template <bool FINE, typename SC, int T>
+static inline void tile256_q8(const uint8_t* codes, const SC* dm, const QX& xq, int64_t s0, int64_t G, int64_t nb,
+                              int half, float* y, int64_t N) {
+  const int64_t M = xq.M;
+  __m256 acc[T];
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), one = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* c = codes + (nb * G + g) * 8 * 64 + half * 32;
+    if (half == 0) {  // half 1 reads the same lines again
+      prefetch_ahead<8>(c, G * 32 <= L1_PREFETCH_K);
+      prefetch_scales<8 * 64, SUPER_BYTES>(dm, nb * G + g);
+    }
+    const int64_t r0 = g * M + s0;
+    const int32_t* h = reinterpret_cast<const int32_t*>(&xq.q[r0 * 64]);  // row t's at h + 16 t
+    __m256i a[T], e[T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) a[t] = e[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+      const __m256i sg = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64)), flip);
+      const __m256i w = _mm256_abs_epi8(sg);  // -128 stays 0x80: 128 as unsigned
+#pragma GCC unroll 4
+      for (int t = 0; t < T; t++) {
+        const int32_t* ht = h + 16 * t;
+        const __m256i xh = _mm256_sign_epi8(_mm256_set1_epi32(ht[j]), sg);
+        a[t] = _mm256_add_epi32(a[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xh), one));
+        asm("" : "+x"(a[t]));
+        if constexpr (FINE) {
+          const __m256i xl = _mm256_sign_epi8(_mm256_set1_epi32(ht[8 + j]), sg);
+          e[t] = _mm256_add_epi32(e[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xl), one));
+          asm("" : "+x"(e[t]));
+        }
+      }
+    }
+    __m256 d, m;
+    dm256(dm, nb, G, g, half, d, m);
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+      __m256i isum = FINE ? _mm256_add_epi32(_mm256_slli_epi32(a[t], 7), e[t]) : a[t];
+      isum = _mm256_add_epi32(isum, _mm256_set1_epi32(128 * xq.n[r0 + t]));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xq.d[r0 + t])), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.s[r0 + t]), acc[t]);
+    }
+  }
+  const int64_t n0 = nb * 16 + half * 8;
+#pragma GCC unroll 4
+  for (int t = 0; t < T; t++) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[t]);
+    for (int l = 0; l < 8 && n0 + l < N; l++) y[(s0 + t) * N + n0 + l] = out[l];
+  }
+}
+
 // 6-bit: T rows against 8 of a block's 16 output rows (half hf; see blocks6_portable).  Codes are at most 63,
 // so maddubs' 16-bit pair sums cannot saturate.
 template <bool FINE, int T>
@@ -1641,7 +1875,10 @@ static void blocks_avx2(const uint8_t* codes, const SC* dm, const QX& xq, int64_
     for (int half = 0; half < 2; half++)
       for (int64_t s0 = 0; s0 < M; s0 += 4)
         with_rows<4>(M - s0, [&](auto T) {
-          tile256<BITS, FINE, SC, decltype(T)::value>(codes, dm, xq, s0, G, nb, half, y, N);
+          constexpr int R = decltype(T)::value;
+          if constexpr (BITS == 4 && !AVX2_VNNI) tile256_q4<FINE, SC, R>(codes, dm, xq, s0, G, nb, half, y, N);
+          else if constexpr (BITS == 8 && !AVX2_VNNI) tile256_q8<FINE, SC, R>(codes, dm, xq, s0, G, nb, half, y, N);
+          else tile256<BITS, FINE, SC, R>(codes, dm, xq, s0, G, nb, half, y, N);
         });
 }
 #endif

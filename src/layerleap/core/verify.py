@@ -58,7 +58,7 @@ def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     ``1 + j`` the children of draft ``j``) -> (the drafts of the longest root-first path whose every
     token is the verifier's argmax at its parent, the verifier's token after it).  The output is the
     verifier's greedy decoding, token for token."""
-    target = logits.argmax(-1).cpu().tolist()  # [1 + k]
+    target = sampling.top_ids(logits)  # [1 + k]
     toks, kids = tokens.cpu().tolist(), children(parents)
     path, node = [], -1
     while True:

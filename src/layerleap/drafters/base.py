@@ -314,7 +314,7 @@ class StepDrafter(Drafter):
         if unsure and not rule.keep_unsure:
             chain.stop = "unsure"
             return False
-        chain.drafts.append(verify.draw(q, self.run.generators[row]) if g.do_sample else int(logits.argmax()))
+        chain.drafts.append(verify.draw(q, self.run.generators[row]) if g.do_sample else sampling.top_ids(logits))
         if grammar is not None:
             grammar.advance(chain.drafts[-1])
         if g.do_sample:

@@ -95,7 +95,7 @@ class Rollback:
         probs = sampling.probs(logits, g.temperature, g.top_k, g.top_p) if g.do_sample else logits.float().softmax(-1)
         m = verify.first_rollback(cand.tokens, probs[: cand.k], self.alpha_rb)
         at = cand.k if m is None else m
-        nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else int(logits[at].argmax())
+        nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else sampling.top_ids(logits[at])
         return list(range(at)), nxt
 
 

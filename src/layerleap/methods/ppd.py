@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core import verify
+from ..core import sampling, verify
 from ..core import options as O
 from ..core.run import GenerationError, Run, register
 from ..core.stats import PPDStats
@@ -175,7 +175,7 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto", dra
         if logits is None:  # the main process: layers [d̄, d) of x_t
             logits = run.logits(run.forward(cache, h=h_mid, start=dbar, end=d))[0, -1]
         clock.run_main(d - dbar)
-        x = int(logits.argmax())
+        x = sampling.top_ids(logits)
         if run.emit(0, [x]):
             cache.truncate(pos, layers=range(0, lo))  # the last candidates are not needed
             break

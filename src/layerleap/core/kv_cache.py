@@ -66,6 +66,9 @@ class KVCache:
         if uniform and no_pad and new_mask is None and (n_new == 1 or s0 == 0):
             return None, total  # one token sees everything; a first chunk is plain causal
         dev = self.k.device
+        if uniform and no_pad and new_mask is None:  # a chain: new token i sees the slots up to its own, s0 + i
+            mask = torch.arange(total, device=dev) <= torch.arange(s0, total, device=dev).view(-1, 1)  # [S, T]
+            return mask.expand(self.batch, 1, n_new, total), total
         key = torch.arange(total, device=dev)  # [T]
         st = start.to(dev).view(-1, 1, 1)  # [B,1,1]
         rel = key.view(1, 1, -1) - st  # [B,1,T] key offset from the row's first new slot

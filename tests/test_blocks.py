@@ -171,6 +171,24 @@ def test_codes_scales_and_lookups_are_exact():
     assert torch.equal(b8.rows(torch.tensor([20, 3])), e.rows(torch.tensor([20, 3])))
 
 
+def test_packed_embedding_serves_decoding_lookups_from_its_rows_cache():
+    """A few ids (a decoding step) come from rows dequantized before: the same values as unpacking them
+    for that lookup, for every packed table, repeated ids, and again after the table is packed anew."""
+    from layerleap.core.model import ROW_CACHE_IDS, Embedding
+
+    emb = Embedding(37, 64)
+    for table in (BlockWeight.from_rows(_rows(37, 64, 1)), _int8(37, 64, 2), BlockWeight.from_int8(_int8(37, 64, 3))):
+        emb.pack(table)
+        with torch.no_grad():
+            for ids in ([[5]], [[5, 5, 36]], [[0], [17]], [3], [[1] * ROW_CACHE_IDS], [list(range(ROW_CACHE_IDS + 1))]):
+                ids = torch.tensor(ids)
+                first, again = emb(ids), emb(ids)
+                want = table.rows(ids)
+                assert first.dtype == want.dtype and torch.equal(first, want) and torch.equal(again, want)
+            assert emb._rows[0] is table and 5 in emb._rows[1]  # the decoding lookups were kept
+        assert torch.equal(emb(torch.tensor([[5]])), table.rows(torch.tensor([[5]])))  # with grad: unpacked
+
+
 def _gguf_blocks(qtype: str, n_blocks: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     size = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34}[qtype]

@@ -93,6 +93,17 @@ def test_truncate_refuses_growing(model, length):
         cache.truncate(6)  # layer 0 now holds only 4
 
 
+def test_truncate_refuses_left_padding_of_any_row(model):
+    """One length for every row is checked against each row's padding and filled length."""
+    cache = model.new_cache(2, 12)
+    step(model, cache, rand_ids(model.config.vocab_size, 2, 8, seed=7))
+    cache.pad[:] = torch.tensor([3, 0])
+    with pytest.raises(CacheError, match="cannot truncate"):
+        cache.truncate(2)  # inside row 0's padding
+    cache.truncate(3, layers=range(1, 2))
+    assert cache.lengths[1].tolist() == [3, 3] and cache.lengths[0].tolist() == [8, 8]
+
+
 # -- compact ---------------------------------------------------------------------------------
 TREE = [-1, 0, 0, 1, 2, 3]  # 0 -> {1, 2}; 1 -> 3 -> 5; 2 -> 4
 

@@ -108,8 +108,13 @@ class KVCache:
     def truncate(self, length, layers: range | None = None) -> None:
         """Roll back to ``length`` slots (an int or a per-row ``[B]`` tensor) in ``layers``."""
         layers = range(self.n_layers) if layers is None else layers
-        new = torch.as_tensor(length, dtype=torch.long).expand(self.batch)
         sl = slice(layers.start, layers.stop)
+        if isinstance(length, int):  # one length for every row: checked against the extremes
+            if length < int(self.pad.max()) or length > int(self.lengths[sl].min()):
+                raise CacheError(f"cannot truncate to {length}: outside [left padding, filled length]")
+            self.lengths[sl] = length
+            return
+        new = torch.as_tensor(length, dtype=torch.long).expand(self.batch)
         if bool((new < self.pad).any()) or bool((new > self.lengths[sl]).any()):
             raise CacheError(f"cannot truncate to {new.tolist()}: outside [left padding, filled length]")
         self.lengths[sl] = new

@@ -116,7 +116,9 @@ class EarlyExit:
         upper, lower = self.large_length(row), self.small_length(row)
         pad = int(self.cache.pad[row])
         for layers, length in ((range(self.E, self.L), upper), (range(0, self.E), lower)):
-            if length > n:
+            if length > n and self.run.batch == 1:
+                self.cache.truncate(n + pad, layers=layers)
+            elif length > n:
                 new = self.cache.lengths[layers.start].clone()
                 new[row] = n + pad
                 self.cache.truncate(new, layers=layers)

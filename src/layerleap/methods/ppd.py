@@ -122,7 +122,10 @@ def stats(d: int, dbar: int, k: int, n_tokens: int, runs: Runs, clock: Clock, he
 
 
 def top_candidates(head_logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The early top-k ``[k]`` of one logits row ``[V]`` (best first)."""
+    """The early top-k ``[k]`` of one logits row ``[V]`` (best first; for k = 1 the argmax by
+    ``sampling.top_ids``, 3 against 58 us for ``topk`` over 49,152 logits)."""
+    if k == 1:
+        return torch.tensor([sampling.top_ids(head_logits)])
     return head_logits.topk(k).indices.cpu()
 
 
@@ -158,7 +161,8 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto", dra
     clock.run_main(dbar)
     dev = model.device
     pos = len(run.prompts[0])  # position (= cache slot) of x_{t+1}
-    sibling = torch.eye(k, dtype=torch.bool)  # candidates see the cache and themselves, not each other
+    # candidates see the cache and themselves, not each other (one candidate: every slot, no mask to build)
+    sibling = torch.eye(k, dtype=torch.bool) if k > 1 else None
     while True:
         cand = top_candidates(head_logits, k)  # [k]
         # the k sub-processes: candidates for x_{t+1} through layers [0, d - d̄), one batched pass

@@ -128,7 +128,8 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
             if c is None:
                 continue
             before = len(run.out[row])
-            new = c.tokens[r[0]].tolist() + [r[1]]
+            drafts = c.tokens.tolist()
+            new = [drafts[j] for j in r[0]] + [r[1]]
             run.emit(row, new)
             _count(counts[row], c, r, int(len(run.out[row]) - before == len(new)), scored=True, called=called)
             roots[row] = r[1]

@@ -43,6 +43,11 @@ class EarlyExit:
     def large_length(self, row: int = 0) -> int:
         return int(self.cache.lengths[self.L - 1, row] - self.cache.pad[row])
 
+    def lengths(self, row: int = 0) -> tuple[int, int, int]:
+        """``(small_length, large_length, padding)`` of ``row`` from one read of the cache's lengths."""
+        col, pad = self.cache.lengths[:, row].tolist(), int(self.cache.pad[row])
+        return col[0] - pad, col[self.L - 1] - pad, pad
+
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts through every layer -> (the exit head's logits, the model's logits) ``[B, V]``
         for the first new position."""
@@ -96,7 +101,8 @@ class EarlyExit:
         the embedding.  One model call -> logits ``[len(fed[row]), V]`` per row."""
         fresh = {}
         for row, tokens in fed.items():
-            ahead = self.small_length(row) - self.large_length(row)  # tokens with a layer-E state waiting
+            small, large, _ = self.lengths(row)
+            ahead = small - large  # tokens with a layer-E state waiting
             if tokens[ahead:]:
                 fresh[row] = tokens[ahead:]
         low = self._layers(self._embed(fresh), 0, self.E, count_call=True) if fresh else {}
@@ -113,8 +119,7 @@ class EarlyExit:
 
     def truncate(self, n: int, row: int = 0) -> None:
         """Roll ``row`` back to its first ``n`` tokens in every layer (no-op where it holds fewer)."""
-        upper, lower = self.large_length(row), self.small_length(row)
-        pad = int(self.cache.pad[row])
+        lower, upper, pad = self.lengths(row)
         for layers, length in ((range(self.E, self.L), upper), (range(0, self.E), lower)):
             if length > n and self.run.batch == 1:
                 self.cache.truncate(n + pad, layers=layers)

@@ -180,8 +180,9 @@ def test_packed_embedding_serves_decoding_lookups_from_its_rows_cache():
     for table in (BlockWeight.from_rows(_rows(37, 64, 1)), _int8(37, 64, 2), BlockWeight.from_int8(_int8(37, 64, 3))):
         emb.pack(table)
         with torch.no_grad():
-            for ids in ([[5]], [[5, 5, 36]], [[0], [17]], [3], [[1] * ROW_CACHE_IDS], [list(range(ROW_CACHE_IDS + 1))]):
-                ids = torch.tensor(ids)
+            many = [list(range(ROW_CACHE_IDS + 1))]  # a prompt's ids: unpacked for the lookup
+            for ids in ([[5]], [[5, 5, 36]], [[0], [17]], [3], [[1] * ROW_CACHE_IDS], many, [[]]):
+                ids = torch.tensor(ids, dtype=torch.long)
                 first, again = emb(ids), emb(ids)
                 want = table.rows(ids)
                 assert first.dtype == want.dtype and torch.equal(first, want) and torch.equal(again, want)

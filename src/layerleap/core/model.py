@@ -168,7 +168,7 @@ class Embedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return super().forward(ids)
-        if ids.numel() > ROW_CACHE_IDS or ids.device.type != "cpu" or torch.is_grad_enabled():
+        if not 0 < ids.numel() <= ROW_CACHE_IDS or ids.device.type != "cpu" or torch.is_grad_enabled():
             return self.packed.rows(ids)
         table, rows = self._rows
         if table is not self.packed or len(rows) > ROW_CACHE:

@@ -212,8 +212,8 @@ class ChainRule:
 
     @property
     def never_drafts(self) -> bool:
-        """Every draft row would be unsure and left to the target (BiLD's ``alpha_fb=1``): a chain
-        stops before its first draft, so the drafter need not run at all."""
+        """Every draft row would be unsure and left to the target (BiLD's ``alpha_fb=1``): no chain
+        gets a draft, so the drafter need not run at all."""
         return self.min_confidence > 1.0 and not self.keep_unsure
 
     def longest(self, max_new_tokens: int) -> int:
@@ -275,9 +275,6 @@ class StepDrafter(Drafter):
             if budget is not None:
                 k = budget if self.gamma[row] is None else min(budget, self.gamma[row].gamma)
                 chains[row] = _Chain(root, budget, 0 if root is None and not self.draft_first else k)
-        if self.rule.never_drafts:  # every row's first draft would be unsure: nothing to run
-            for c in chains.values():
-                c.k, c.stop = 0, "unsure"
         writing = {row: c for row, c in chains.items() if c.k > 0}
         catch_up = {row: self.seq(row)[self.own_length(row) :] for row in writing}
         logits = {row: self.draft_logits[row] for row, t in catch_up.items() if not t}  # right after the prompt

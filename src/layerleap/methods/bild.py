@@ -54,6 +54,7 @@ from ..drafters.base import ChainRule
 from ..drafters.companion import DraftModel, check_pair
 from ..drafters.early_exit import EarlyExitDrafter, exit_head
 from . import draft_verify
+from .baseline import autoregressive_rounds
 
 
 def default_exit_layer(model) -> int:
@@ -101,6 +102,15 @@ OPTIONS = (
 
 def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
     """The small model of either form, as a step drafter; sets the ``exit_layer`` and ``head`` stats."""
+    E, fn = check_form(run, small, exit_layer, head)
+    if small is not None:
+        return DraftModel(run, small, rule, name="small")
+    return EarlyExitDrafter(run, E, fn, rule, draft_first=True)
+
+
+def check_form(run: Run, small, exit_layer, head):
+    """Check the small model's options -> ``(E, exit head)`` of the early-exit form, ``(None, None)`` for
+    two models; records the ``exit_layer`` and ``head`` stats."""
     model = run.model
     if small is not None:
         if exit_layer is not None:
@@ -109,11 +119,11 @@ def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
             raise GenerationError("head= chooses the exit head of the early-exit form: drop it with small=")
         check_pair(model, small, "small", "small")
         run.record_all(ExitStats(exit_layer=None, head=None))
-        return DraftModel(run, small, rule, name="small")
+        return None, None
     E = default_exit_layer(model) if exit_layer is None else exit_layer
     fn, label = exit_head(model, E, head)
     run.record_all(ExitStats(exit_layer=E, head=label))
-    return EarlyExitDrafter(run, E, fn, rule, draft_first=True)
+    return E, fn
 
 
 def decode(run: Run, drafter, alpha_rb: float):
@@ -153,5 +163,33 @@ def bild(
     head="auto",
 ):
     """Big Little Decoder: a small model (small= or exit_layer=) with fallback and rollback to the large one."""
-    drafter = small_drafter(run, small, exit_layer, head, ChainRule.fallback(max_small, float(alpha_fb)))
+    rule = ChainRule.fallback(max_small, float(alpha_fb))
+    if rule.never_drafts:
+        yield from large_only(run, small, exit_layer, head)
+        return
+    drafter = small_drafter(run, small, exit_layer, head, rule)
     yield from decode(run, drafter, float(alpha_rb))
+
+
+def large_only(run: Run, small, exit_layer, head):
+    """``alpha_fb = 1``: every step falls back, so the large model decodes alone, one call a token, and
+    no small step runs (its token would be thrown away); the options are checked as for any setting."""
+    check_form(run, small, exit_layer, head)
+    yield from autoregressive_rounds(run)
+    run.record([_large_only_stats(len(out)) for out in run.out])
+
+
+def _large_only_stats(n: int) -> BildStats:
+    return BildStats(
+        small_steps=0,
+        small_tokens=0,
+        fallbacks=n,
+        forced=0,
+        final_checks=0,
+        rollbacks=0,
+        rolled_back=0,
+        large_tokens=n,
+        large_calls=n,
+        fallback_rate=float(n > 0),  # every step the large model's
+        rollback_rate=0.0,
+    )

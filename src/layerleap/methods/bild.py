@@ -146,7 +146,7 @@ def bild_stats(small_steps: int, c: draft_verify.RoundCounts) -> BildStats:
         rolled_back=c.rolled_back,
         large_tokens=c.target_tokens,
         large_calls=large_calls,
-        fallback_rate=fallbacks / small_steps if small_steps else float(fallbacks > 0),  # (alpha_fb=1: no small step)
+        fallback_rate=fallbacks / small_steps if small_steps else 0.0,
         rollback_rate=c.rollbacks / large_calls if large_calls else 0.0,
     )
 

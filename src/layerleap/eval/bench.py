@@ -640,34 +640,33 @@ def run_bench(
     bar = tqdm(
         total=len(prompts) * len(result.labels) * repeat, desc="bench", unit="run", disable=not progress, leave=False
     )
-    others = OtherLoad().__enter__()  # (not a ``with``: the share is recorded even on an interrupt)
-    try:
-        if hf_baseline:
-            bar.set_postfix_str(f"{HF_LABEL} model")
-            runner.hf = HFBaseline(model)
-        if call_cost:
-            bar.set_postfix_str("call cost")
-            from .roofline import call_cost as measure_call_cost
+    with OtherLoad() as others:  # other processes' share of the CPUs during the run
+        try:
+            if hf_baseline:
+                bar.set_postfix_str(f"{HF_LABEL} model")
+                runner.hf = HFBaseline(model)
+            if call_cost:
+                bar.set_postfix_str("call cost")
+                from .roofline import call_cost as measure_call_cost
 
-            result.call_cost = measure_call_cost(model).to_dict()
-            save()
-        if warmup:
-            bar.set_postfix_str("warm-up")
-            runner.warmup(min(prompts, key=lambda p: len(p.text)), min(WARMUP_TOKENS, max_new_tokens))
-        held = _LastRunAfterSave(bar, len(result.labels) * repeat)
-        for i, prompt in enumerate(prompts):
-            result.records.extend(runner.prompt(i, prompt, max_new_tokens, held))
-            result.prompts_done += 1
-            save()
-            held.saved()
-            if on_prompt is not None:
-                on_prompt(result)
-    except KeyboardInterrupt:
-        result.interrupted = True
-    finally:
-        bar.close()
+                result.call_cost = measure_call_cost(model).to_dict()
+                save()
+            if warmup:
+                bar.set_postfix_str("warm-up")
+                runner.warmup(min(prompts, key=lambda p: len(p.text)), min(WARMUP_TOKENS, max_new_tokens))
+            held = _LastRunAfterSave(bar, len(result.labels) * repeat)
+            for i, prompt in enumerate(prompts):
+                result.records.extend(runner.prompt(i, prompt, max_new_tokens, held))
+                result.prompts_done += 1
+                save()
+                held.saved()
+                if on_prompt is not None:
+                    on_prompt(result)
+        except KeyboardInterrupt:
+            result.interrupted = True
+        finally:
+            bar.close()
     result.config["load_average_end"] = list(os.getloadavg())
-    others.__exit__(None, None, None)
     result.config["other_cpu_share"] = None if others.share is None else round(others.share, 3)
     save()
     return result

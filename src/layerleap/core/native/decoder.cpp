@@ -595,7 +595,7 @@ static inline __m512 load16_avx512(const T* p, __mmask16 live, int64_t n) {
 // the accumulators as they are).  Written so that GCC keeps the NR * NS accumulators in registers: no
 // branch per weight, the values' lanes masked once (FULL: every slice 16 wide), and a function of its own
 // without SLP vectorization (GCC packed the rows' weight sums into a vector, and inlined, with a branch per
-// weight, it kept every accumulator in memory and stored them all every key: about twice the time).
+// weight, it kept every accumulator in memory and stored them all every key).
 // v: the first slice's values of key 0; w: the slices' widths; acc: row j's slice i at acc[j * NS + i].
 template <typename T, int NR, int NS, bool FULL>
 __attribute__((noinline, optimize("no-tree-slp-vectorize"))) static void value_keys_avx512(

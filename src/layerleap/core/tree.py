@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -50,7 +51,7 @@ class TreeBuffers:
     def n(self) -> int:
         return int(self.parents.shape[0])
 
-    @property
+    @cached_property
     def depth(self) -> int:
         return int(self.depths.max())
 
@@ -58,6 +59,16 @@ class TreeBuffers:
         """How many draft tokens of step ``depth`` the tree uses (the top-k it needs)."""
         sel = self.depths == depth
         return int(self.ranks[sel].max()) + 1 if bool(sel.any()) else 0
+
+    @cached_property
+    def widest(self) -> int:
+        """The most draft tokens any step uses (the top-k the drafts need; 0 for the root alone)."""
+        return max((self.max_rank(d) for d in range(1, self.depth + 1)), default=0)
+
+    @cached_property
+    def draft_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each draft node's step index and rank ``([n - 1], [n - 1])``: where ``draft_tokens`` reads it."""
+        return self.depths[1:] - 1, self.ranks[1:]
 
 
 def topk_paths(shape) -> list[tuple[int, ...]]:
@@ -173,8 +184,7 @@ def draft_tokens(buffers: TreeBuffers, root: int, topk: torch.Tensor) -> torch.T
     toks = torch.empty(buffers.n, dtype=torch.long)
     toks[0] = root
     if buffers.n > 1:
-        d, r = buffers.depths[1:], buffers.ranks[1:]
-        toks[1:] = topk[d - 1, r]
+        toks[1:] = topk[buffers.draft_index]
     return toks
 
 

@@ -43,7 +43,7 @@ def tree_buffers(run: Run, name: str, tree, steps: int, vocab: DraftVocab | None
     and the context."""
     buf = tree_mod.build(tree)
     V = run.model.config.vocab_size if vocab is None else vocab.size
-    if buf.n > 1 and max(buf.max_rank(d) for d in range(1, buf.depth + 1)) > V:
+    if buf.widest > V:
         what = "vocabulary" if vocab is None else "draft vocabulary"
         raise GenerationError(f"the tree takes draft ranks beyond the {what} ({V} tokens): give smaller top-k")
     if buf.n > 1 and buf.depth > steps:
@@ -65,8 +65,7 @@ def tree_buffers(run: Run, name: str, tree, steps: int, vocab: DraftVocab | None
 def top_drafts(buf: tree_mod.TreeBuffers, step_logits: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
     """``[k, V]`` draft logits by step (``[k, vocab.size]`` over a draft vocabulary's ids) -> ``[depth, K]``
     top-K token ids (K: the widest level)."""
-    K = max(buf.max_rank(d) for d in range(1, buf.depth + 1))
-    top = step_logits[: buf.depth].topk(K, dim=-1).indices
+    top = step_logits[: buf.depth].topk(buf.widest, dim=-1).indices
     return (top if vocab is None else vocab.token(top)).cpu()
 
 
@@ -337,7 +336,7 @@ class TransferDrafter(TreeDrafter):
         live = [c for c in cands if c is not None]
         if live[0].root is None:  # right after the prompt: the prompt pass scored the first position
             return super().score(cands)
-        self.start = self.cache.lengths[0].clone()
+        self.mark_start()
         ids, tree = self.batch_tokens(cands)
         shape = tree if tree is not None else live[0]
         k1 = shape.k + 1

@@ -271,7 +271,7 @@ class AutoDrafter(TreeDrafter):
         live = [c for c in cands if c is not None]
         if self.round_mode != "transfer" or live[0].root is None:
             return super().score(cands)
-        self.start = self.cache.lengths[0].clone()
+        self.mark_start()
         ids, tree = self.batch_tokens(cands)
         shape = tree if tree is not None else live[0]
         k1 = shape.k + 1

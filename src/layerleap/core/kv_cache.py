@@ -115,7 +115,7 @@ class KVCache:
                 self.v[layer, b, :, s : s + n] = v_new[b]
 
     def advance(self, start: int, end: int, n_new: int) -> None:
-        self.lengths[start:end] += n_new
+        self.lengths[start:end].add_(n_new)  # in place through the view (no copy back)
 
     # -- rollback and compaction --------------------------------------------------------
     def truncate(self, length, layers: range | None = None) -> None:

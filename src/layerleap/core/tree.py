@@ -66,6 +66,11 @@ class TreeBuffers:
         return max((self.max_rank(d) for d in range(1, self.depth + 1)), default=0)
 
     @cached_property
+    def draft_parents(self) -> torch.Tensor:
+        """Each draft node's parent draft ``[n - 1]`` (-1: the root's child), as ``Candidates`` keeps them."""
+        return self.parents[1:] - 1
+
+    @cached_property
     def draft_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each draft node's step index and rank ``([n - 1], [n - 1])``: where ``draft_tokens`` reads it."""
         return self.depths[1:] - 1, self.ranks[1:]
@@ -281,7 +286,7 @@ class Candidates:
         if buffers.n == 1 or topk is None:
             return cls.chain(root, [])
         tokens = draft_tokens(buffers, root, topk)
-        return cls(root, tokens[1:], buffers.parents[1:] - 1, None, buffers.mask, buffers.depths)
+        return cls(root, tokens[1:], buffers.draft_parents, None, buffers.mask, buffers.depths)
 
     @classmethod
     def from_parents(cls, root: int, tokens: list[int], parents: list[int]) -> "Candidates":

@@ -294,11 +294,11 @@ class Candidates:
         children), its mask and depths computed from the parents."""
         k = len(tokens)
         depths = [0] * (k + 1)  # root first
-        mask = torch.eye(k + 1, dtype=torch.bool)
-        mask[:, 0] = True
+        seen = [{0}]  # per node: itself and its ancestors, the root included
         for j, p in enumerate(parents, start=1):
             depths[j] = depths[p + 1] + 1
-            mask[j] |= mask[p + 1]
+            seen.append(seen[p + 1] | {j})
+        mask = torch.tensor([[i in s for i in range(k + 1)] for s in seen], dtype=torch.bool)  # [1 + k, 1 + k]
         return cls(
             root,
             torch.tensor(tokens, dtype=torch.long),

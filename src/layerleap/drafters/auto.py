@@ -282,11 +282,13 @@ class AutoDrafter(TreeDrafter):
         super().update(cands, results)
         for row, (ix, c, r) in enumerate(zip(self.index, cands, results)):
             if c is not None:
-                ix.extend(c.tokens[r[0]].tolist() + [r[1]])
+                drafts = c.tokens.tolist()
+                kept = [drafts[j] for j in r[0]]
+                ix.extend(kept + [r[1]])
                 if self.lengths and called and self.round_mode == "lookup":
                     self.lengths.observe(row, c.k, len(r[0]), r[1])
                 if self.cuts and called:
-                    self.cuts.observe(row, c.tokens[r[0]].tolist(), list(r[0]), r[1])
+                    self.cuts.observe(row, kept, list(r[0]), r[1])
         if not called:
             return
         if self.eagle is not None:  # whatever the call's kind, its last kept node's state drafts an EAGLE round

@@ -140,11 +140,12 @@ class KVCache:
         if isinstance(keep, torch.Tensor):
             keep = keep.to(torch.long)
             keep = list(keep.unsqueeze(0).expand(self.batch, -1) if keep.dim() == 1 else keep)
-        start_t = torch.as_tensor(start, dtype=torch.long).expand(self.batch)
-        for b in range(self.batch):
-            s, kb = int(start_t[b]), keep[b].to(torch.long)
-            src = (kb + s).to(self.k.device)
-            for store in (self.k, self.v):
-                vals = store[layers.start : layers.stop, b, :, :].index_select(2, src)
-                store[layers.start : layers.stop, b, :, s : s + len(kb)] = vals
-            self.lengths[layers.start : layers.stop, b] = s + len(kb)
+        starts = torch.as_tensor(start, dtype=torch.long).expand(self.batch).tolist()
+        sl = slice(layers.start, layers.stop)
+        for b, s in enumerate(starts):
+            offsets = keep[b].tolist()
+            for i, off in enumerate(offsets):  # increasing: slot s + off moves down to s + i, never one still unread
+                if off != i:
+                    for store in (self.k, self.v):
+                        store[sl, b, :, s + i].copy_(store[sl, b, :, s + off])  # [L', Hkv, hd]
+            self.lengths[sl, b] = s + len(offsets)

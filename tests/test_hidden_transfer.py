@@ -161,7 +161,7 @@ def test_pseudo_states_match_a_causal_reference():
     all layers into a cache, then W_1 h^{t1} run on from layer t1 as a new causal token, W_2 h^{t2}
     joining it at layer t2 (steps see earlier steps of the same position)."""
     from layerleap.decoding import GenerationConfig, Run
-    from layerleap.drafters.trees import transfer_pass
+    from layerleap.drafters.trees import pseudo_layout, transfer_pass
 
     model = random_model("llama-mha-untied", seed=3, n_layers=4)
     proj = transfer_for(model, 1, 0.3, layers=[1, 3])
@@ -170,7 +170,8 @@ def test_pseudo_states_match_a_causal_reference():
         run = Run(model, [seq[:1]], GenerationConfig())
         cache = model.new_cache(1, 32)
         chain = tree_mod.build([1] * (len(seq) - 1))
-        real, pseudo = transfer_pass(run, cache, torch.tensor([seq]), chain.mask, chain.depths, proj, 2)
+        layout = pseudo_layout(chain.mask, chain.depths, 2)
+        real, pseudo = transfer_pass(run, cache, torch.tensor([seq]), layout, proj, 2)
         real, pseudo = real[0], pseudo[0]
         # reference
         ref_cache = model.new_cache(1, 32)

@@ -319,6 +319,21 @@ def test_mask_tree(batched_mask):
     assert mask[0, 0, 2].tolist() == [True, True, True, True, False, True, False]  # node 2 sees root + itself
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("batched_mask", [False, True])
+def test_mask_tree_without_padding(rows, batched_mask):
+    """Rows without padding at one length take one tree mask (every old slot, the tree among the new
+    tokens, each token itself even where the tree mask leaves it out), as the general rule gives."""
+    tm = tree_mask([-1, 0, 0, 1])
+    tm[3, 3] = False  # a mask without its diagonal still lets a token see itself
+    nm = tm.unsqueeze(0) if batched_mask else tm
+    mask, total = _cache([5] * rows).attention_mask(0, 4, nm)
+    assert total == 9 and mask.shape == (rows, 1, 4, 9)
+    for b in range(rows):
+        assert torch.equal(mask[b, 0], _expected(5, 0, 4, tm))
+    assert mask[0, 0, 3].tolist() == [True] * 5 + [True, True, False, True]
+
+
 def test_mask_ragged_rows_with_tree():
     """Rows at different lengths: each row's new tokens start at its own length; slots past them
     (stale entries up to the longest row) are hidden."""

@@ -275,7 +275,7 @@ class _Row:
         if self.constraint is not None:
             logits = self.constraint.mask(logits[0]).unsqueeze(0)
         if not g.do_sample:
-            return int(sampling.greedy(logits)[0])
+            return sampling.top_ids(logits[0])
         return int(sampling.sample(sampling.probs(logits, g.temperature, g.top_k, g.top_p), self.generator)[0])
 
     def emit(self, token: int) -> None:

@@ -69,6 +69,8 @@ class KVCache:
         if uniform and no_pad and new_mask is None:  # a chain: new token i sees the slots up to its own, s0 + i
             mask = torch.arange(total, device=dev) <= torch.arange(s0, total, device=dev).view(-1, 1)  # [S, T]
             return mask.expand(self.batch, 1, n_new, total), total
+        if uniform and no_pad and (new_mask.dim() == 2 or new_mask.shape[0] == 1):  # one tree for every row
+            return self._tree_mask(s0, new_mask.reshape(n_new, n_new)).expand(self.batch, 1, n_new, total), total
         key = torch.arange(total, device=dev)  # [T]
         st = start.to(dev).view(-1, 1, 1)  # [B,1,1]
         rel = key.view(1, 1, -1) - st  # [B,1,T] key offset from the row's first new slot
@@ -87,6 +89,17 @@ class KVCache:
         mask = ((old | new) & real) | (rel == qi)  # a token always sees itself (keeps padded rows finite)
         return mask.unsqueeze(1), total
 
+    def _tree_mask(self, s0: int, new_mask: torch.Tensor) -> torch.Tensor:
+        """``attention_mask``'s ``[S, s0 + S]`` for rows without padding that all start at ``s0``: every old
+        slot, then ``new_mask`` ``[S, S]`` among the new tokens, each token seeing itself (the general rule's
+        result, from three tensor operations instead of fifteen)."""
+        n = new_mask.shape[0]
+        mask = torch.ones(n, s0 + n, dtype=torch.bool, device=self.k.device)  # [S, T]
+        new = mask[:, s0:]  # [S, S]
+        new.copy_(new_mask)
+        new.diagonal().fill_(True)
+        return mask
+
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, starts: list[int] | None = None) -> None:
         """Write ``[B, Hkv, S, D]`` keys/values at each row's current length (does not advance).
         ``starts`` (``[B]`` ints) is ``lengths[layer]`` when the caller has already read it."""
@@ -102,7 +115,7 @@ class KVCache:
                 self.v[layer, b, :, s : s + n] = v_new[b]
 
     def advance(self, start: int, end: int, n_new: int) -> None:
-        self.lengths[start:end] += n_new
+        self.lengths[start:end].add_(n_new)  # in place through the view (no copy back)
 
     # -- rollback and compaction --------------------------------------------------------
     def truncate(self, length, layers: range | None = None) -> None:
@@ -127,11 +140,12 @@ class KVCache:
         if isinstance(keep, torch.Tensor):
             keep = keep.to(torch.long)
             keep = list(keep.unsqueeze(0).expand(self.batch, -1) if keep.dim() == 1 else keep)
-        start_t = torch.as_tensor(start, dtype=torch.long).expand(self.batch)
-        for b in range(self.batch):
-            s, kb = int(start_t[b]), keep[b].to(torch.long)
-            src = (kb + s).to(self.k.device)
-            for store in (self.k, self.v):
-                vals = store[layers.start : layers.stop, b, :, :].index_select(2, src)
-                store[layers.start : layers.stop, b, :, s : s + len(kb)] = vals
-            self.lengths[layers.start : layers.stop, b] = s + len(kb)
+        starts = torch.as_tensor(start, dtype=torch.long).expand(self.batch).tolist()
+        sl = slice(layers.start, layers.stop)
+        for b, s in enumerate(starts):
+            offsets = keep[b].tolist()
+            for i, off in enumerate(offsets):  # increasing: slot s + off moves down to s + i, never one still unread
+                if off != i:
+                    for store in (self.k, self.v):
+                        store[sl, b, :, s + i].copy_(store[sl, b, :, s + off])  # [L', Hkv, hd]
+            self.lengths[sl, b] = s + len(offsets)

@@ -408,12 +408,12 @@ class Transformer(nn.Module):
                 h = self.layers[layer](h, cos, sin, layer, None, keys)
             return h
         lengths = cache.lengths[start:end].tolist()  # [L', B] as ints: one read for the whole call
-        chain = mask is None and not bool(cache.pad.any())
         if _native_ok(h, lengths):
-            out = self._native_layers(h, start, end, cos, sin, cache, mask, lengths[0][0], chain)
+            out = self._native_layers(h, start, end, cos, sin, cache, mask, lengths[0][0])
             if out is not None:
                 cache.advance(start, end, S)
                 return out
+        chain = mask is None and not bool(cache.pad.any())
         keys = None
         for layer in range(start, end):
             if keys is None or lengths[layer - start] != lengths[layer - start - 1]:
@@ -423,7 +423,7 @@ class Transformer(nn.Module):
         cache.advance(start, end, S)
         return h
 
-    def _native_layers(self, h, start: int, end: int, cos, sin, cache: KVCache, mask, s0: int, chain: bool):
+    def _native_layers(self, h, start: int, end: int, cos, sin, cache: KVCache, mask, s0: int):
         """Layers ``[start, end)`` by ``native``'s C++ (the same calls as the Python path: equal results),
         or None when a projection's format is not one it takes."""
         args = native.layer_args(self, start, end)
@@ -431,7 +431,9 @@ class Transformer(nn.Module):
             return None
         c = self.config
         m, total = cache.attention_mask(start, h.shape[1], mask)
-        keys = Keys(None, total, m, c.n_heads // c.n_kv_heads, chain)
+        g = c.n_heads // c.n_kv_heads
+        # the folded mask serves only calls over more new tokens than attend row by row
+        folded = m.repeat(1, 1, g, 1) if m is not None and g > 1 and h.shape[1] > ROW_BY_ROW_MAX else None
         k, v = cache.k[start:end, :, :, :total], cache.v[start:end, :, :, :total]
         return native.module().run_layers(
             h,
@@ -440,8 +442,8 @@ class Transformer(nn.Module):
             k,
             v,
             s0,
-            keys.mask,
-            keys.folded,
+            m,
+            folded,
             c.n_heads,
             c.n_kv_heads,
             c.head_dim,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -50,7 +51,7 @@ class TreeBuffers:
     def n(self) -> int:
         return int(self.parents.shape[0])
 
-    @property
+    @cached_property
     def depth(self) -> int:
         return int(self.depths.max())
 
@@ -58,6 +59,21 @@ class TreeBuffers:
         """How many draft tokens of step ``depth`` the tree uses (the top-k it needs)."""
         sel = self.depths == depth
         return int(self.ranks[sel].max()) + 1 if bool(sel.any()) else 0
+
+    @cached_property
+    def widest(self) -> int:
+        """The most draft tokens any step uses (the top-k the drafts need; 0 for the root alone)."""
+        return max((self.max_rank(d) for d in range(1, self.depth + 1)), default=0)
+
+    @cached_property
+    def draft_parents(self) -> torch.Tensor:
+        """Each draft node's parent draft ``[n - 1]`` (-1: the root's child), as ``Candidates`` keeps them."""
+        return self.parents[1:] - 1
+
+    @cached_property
+    def draft_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each draft node's step index and rank ``([n - 1], [n - 1])``: where ``draft_tokens`` reads it."""
+        return self.depths[1:] - 1, self.ranks[1:]
 
 
 def topk_paths(shape) -> list[tuple[int, ...]]:
@@ -173,8 +189,7 @@ def draft_tokens(buffers: TreeBuffers, root: int, topk: torch.Tensor) -> torch.T
     toks = torch.empty(buffers.n, dtype=torch.long)
     toks[0] = root
     if buffers.n > 1:
-        d, r = buffers.depths[1:], buffers.ranks[1:]
-        toks[1:] = topk[d - 1, r]
+        toks[1:] = topk[buffers.draft_index]
     return toks
 
 
@@ -271,7 +286,7 @@ class Candidates:
         if buffers.n == 1 or topk is None:
             return cls.chain(root, [])
         tokens = draft_tokens(buffers, root, topk)
-        return cls(root, tokens[1:], buffers.parents[1:] - 1, None, buffers.mask, buffers.depths)
+        return cls(root, tokens[1:], buffers.draft_parents, None, buffers.mask, buffers.depths)
 
     @classmethod
     def from_parents(cls, root: int, tokens: list[int], parents: list[int]) -> "Candidates":
@@ -279,11 +294,11 @@ class Candidates:
         children), its mask and depths computed from the parents."""
         k = len(tokens)
         depths = [0] * (k + 1)  # root first
-        mask = torch.eye(k + 1, dtype=torch.bool)
-        mask[:, 0] = True
+        seen = [{0}]  # per node: itself and its ancestors, the root included
         for j, p in enumerate(parents, start=1):
             depths[j] = depths[p + 1] + 1
-            mask[j] |= mask[p + 1]
+            seen.append(seen[p + 1] | {j})
+        mask = torch.tensor([[i in s for i in range(k + 1)] for s in seen], dtype=torch.bool)  # [1 + k, 1 + k]
         return cls(
             root,
             torch.tensor(tokens, dtype=torch.long),

@@ -51,7 +51,7 @@ from .prompt_lookup import NgramIndex
 from .draft_vocab import DraftVocab
 from .eagle import EagleChains
 from .lengths import LengthChooser, MergedChainCut, curve_for
-from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts, transfer_pass
+from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts
 
 MODES = ("lookup", "transfer", "medusa", "eagle")
 FIRST_PROBE = 3  # plain rounds before the first probe of transfer calls (0: start with the probe)
@@ -271,13 +271,7 @@ class AutoDrafter(TreeDrafter):
         live = [c for c in cands if c is not None]
         if self.round_mode != "transfer" or live[0].root is None:
             return super().score(cands)
-        self.start = self.cache.lengths[0].clone()
-        ids, tree = self.batch_tokens(cands)
-        shape = tree if tree is not None else live[0]
-        k1 = shape.k + 1
-        mask = shape.mask if shape.mask is not None else torch.ones(k1, k1, dtype=torch.bool).tril()
-        depths = shape.depths if shape.depths is not None else torch.arange(k1)
-        h, self.pseudo = transfer_pass(self.run, self.cache, ids, mask, depths, self.proj, self.steps)
+        h, self.pseudo = self.transfer_call(cands, self.proj)
         self.hidden = h
         logits = self.run.model.logits(h)  # [B, n, V]
         return [None if c is None else logits[b] for b, c in enumerate(cands)]
@@ -288,11 +282,13 @@ class AutoDrafter(TreeDrafter):
         super().update(cands, results)
         for row, (ix, c, r) in enumerate(zip(self.index, cands, results)):
             if c is not None:
-                ix.extend(c.tokens[r[0]].tolist() + [r[1]])
+                drafts = c.tokens.tolist()
+                kept = [drafts[j] for j in r[0]]
+                ix.extend(kept + [r[1]])
                 if self.lengths and called and self.round_mode == "lookup":
                     self.lengths.observe(row, c.k, len(r[0]), r[1])
                 if self.cuts and called:
-                    self.cuts.observe(row, c.tokens[r[0]].tolist(), list(r[0]), r[1])
+                    self.cuts.observe(row, kept, list(r[0]), r[1])
         if not called:
             return
         if self.eagle is not None:  # whatever the call's kind, its last kept node's state drafts an EAGLE round

@@ -83,6 +83,7 @@ class Drafter:
         self.first_logits: torch.Tensor | None = None  # [B, V] the prompt pass's
         self.hidden: torch.Tensor | None = None  # [B, S, D] the last target call's last-layer states
         self.start: torch.Tensor | None = None  # [B] the target cache's length before the last call
+        self.start_lengths: list[int] = []  # the same as ints
 
     # -- the interface ---------------------------------------------------------------------------
     def round_tokens(self) -> int:
@@ -114,7 +115,7 @@ class Drafter:
 
     def score(self, cands: list[Candidates | None]) -> list[torch.Tensor | None]:
         """One target call over every live row's root and drafts (None: a finished row)."""
-        self.start = self.cache.lengths[0].clone()
+        self.mark_start()
         ids, tree = self.batch_tokens(cands)
         if ids is None:  # nothing to feed: the prompt pass already scored the only position
             return [None if c is None else self.first_logits[row : row + 1] for row, c in enumerate(cands)]
@@ -152,22 +153,22 @@ class Drafter:
         """Keep, in the target's cache, each row's root and accepted drafts; drop the rest."""
         if not self.called():
             return  # no call this round
-        if any(c is not None and not c.is_chain for c in cands):
-            keep = [
-                torch.tensor(c.kept(r[0]) if c is not None else [], dtype=torch.long) for c, r in zip(cands, results)
-            ]
-            self.cache.compact(self.start, keep)
+        kept = [[] if c is None else c.kept(r[0]) for c, r in zip(cands, results)]  # offsets among the fed tokens
+        if any(k != list(range(len(k))) for k in kept):  # a tree path past other nodes: moved down to its root
+            self.cache.compact(self.start, [torch.tensor(k, dtype=torch.long) for k in kept])
             return
-        keep = self.start.clone()
-        for row, (c, r) in enumerate(zip(cands, results)):
-            if c is not None:
-                keep[row] += len(c.kept(r[0]))
-        self.cache.truncate(keep)
+        lengths = [s + len(k) for s, k in zip(self.start_lengths, kept)]  # what each row keeps is a prefix
+        self.cache.truncate(lengths[0] if lengths.count(lengths[0]) == len(lengths) else torch.tensor(lengths))
 
     # -- helpers ---------------------------------------------------------------------------------
+    def mark_start(self) -> None:
+        """Note the target cache's lengths before this round's call (``update`` rolls back to them)."""
+        self.start = self.cache.lengths[0].clone()
+        self.start_lengths = self.start.tolist()
+
     def called(self) -> bool:
         """Whether this round's ``score`` made a target call (the round after the prompt makes none)."""
-        return self.start is not None and bool((self.cache.lengths[0] != self.start).any())
+        return self.start is not None and self.cache.lengths[0].tolist() != self.start_lengths
 
     def _ids(self, tokens: list[list[int]]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.run.model.device)

@@ -91,6 +91,7 @@ class DraftVocab:
         self.ids = ids.to(model.device)  # [K]
         self.head = DraftRows(model.head_rows(self.ids))  # [K, D]
         self.meta = dict(meta or {})
+        self._id_list: list[int] | None = None  # ids as ints, once asked for (``tokens``)
 
     @property
     def size(self) -> int:
@@ -103,6 +104,12 @@ class DraftVocab:
     def token(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into the ids (any shape) -> token ids of the full vocabulary."""
         return self.ids.to(index.device)[index]
+
+    def tokens(self, index: list[int]) -> list[int]:
+        """``token`` for a list of indices, as ints."""
+        if self._id_list is None:
+            self._id_list = self.ids.tolist()
+        return [self._id_list[i] for i in index]
 
     def scatter(self, sub: torch.Tensor) -> torch.Tensor:
         """``[.., K]`` logits -> ``[.., V]`` with -inf outside the ids."""

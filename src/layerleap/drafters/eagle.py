@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core import sampling
 from ..core.run import Run
 from ..core.tree import Candidates
 from .base import Drafter
@@ -86,8 +87,8 @@ class EagleChains:
         while live:
             z = model.final_norm(self.head.step(z, x))  # [R', D]
             logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
-            top = logits.argmax(-1)
-            tokens = (top if self.vocab is None else self.vocab.token(top)).tolist()
+            top = sampling.top_ids(logits)  # [R'] indices into the vocabulary or the draft vocabulary
+            tokens = top if self.vocab is None else self.vocab.tokens(top)
             if first and self.width > 1:
                 k = min(self.width, logits.shape[-1])
                 fan = logits.topk(k, dim=-1).indices[:, 1:]
@@ -104,7 +105,7 @@ class EagleChains:
             live = [live[j] for j in keep]
             if keep:
                 sel = torch.tensor(keep, device=model.device)
-                z, x = z[sel], top.new_tensor([tokens[j] for j in keep])
+                z, x = z[sel], torch.tensor([tokens[j] for j in keep], device=model.device)
         return chains, siblings
 
 

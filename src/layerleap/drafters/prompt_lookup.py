@@ -65,6 +65,7 @@ class PromptLookup(Drafter):
         super().update(cands, results)
         for row, (ix, c, r) in enumerate(zip(self.index, cands, results)):
             if c is not None:
-                ix.extend(c.tokens[r[0]].tolist() + [r[1]])
+                drafts = c.tokens.tolist()
+                ix.extend([drafts[j] for j in r[0]] + [r[1]])
                 if self.lengths and c.root is not None:
                     self.lengths.observe(row, c.k, len(r[0]), r[1])

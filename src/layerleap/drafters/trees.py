@@ -43,7 +43,7 @@ def tree_buffers(run: Run, name: str, tree, steps: int, vocab: DraftVocab | None
     and the context."""
     buf = tree_mod.build(tree)
     V = run.model.config.vocab_size if vocab is None else vocab.size
-    if buf.n > 1 and max(buf.max_rank(d) for d in range(1, buf.depth + 1)) > V:
+    if buf.widest > V:
         what = "vocabulary" if vocab is None else "draft vocabulary"
         raise GenerationError(f"the tree takes draft ranks beyond the {what} ({V} tokens): give smaller top-k")
     if buf.n > 1 and buf.depth > steps:
@@ -65,8 +65,7 @@ def tree_buffers(run: Run, name: str, tree, steps: int, vocab: DraftVocab | None
 def top_drafts(buf: tree_mod.TreeBuffers, step_logits: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
     """``[k, V]`` draft logits by step (``[k, vocab.size]`` over a draft vocabulary's ids) -> ``[depth, K]``
     top-K token ids (K: the widest level)."""
-    K = max(buf.max_rank(d) for d in range(1, buf.depth + 1))
-    top = step_logits[: buf.depth].topk(K, dim=-1).indices
+    top = step_logits[: buf.depth].topk(buf.widest, dim=-1).indices
     return (top if vocab is None else vocab.token(top)).cpu()
 
 
@@ -162,6 +161,7 @@ class TreeDrafter(Drafter):
         self.costs = [self.round_cost(n) for n in range(dynamic.most + 1)] if dynamic is not None else []
         self.expected: list[tuple[float, int | None] | None] = [None] * run.batch  # dynamic: the round's
         # drafts expected to be kept, and the first draft where the tree has no node (is it the target's token?)
+        self.layout: tuple = (None, None)  # transfer calls: (a tree's mask, its pseudo_layout)
 
     @property
     def draft_steps(self) -> int:
@@ -203,6 +203,26 @@ class TreeDrafter(Drafter):
                 expected, first = self.expected[row]
                 self.scales[row].observe(expected, len(r[0]) if first is None else int(r[1] == first))
                 self.expected[row] = None
+
+    def transfer_call(self, cands, proj: TransferProjections) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden Transfer's pass (``transfer_pass``) over every live row's root and tree (one shape, or each
+        row's) with ``self.steps`` pseudo states per node -> (real nodes' last hidden states ``[B, n, D]``,
+        pseudo states ``[B, steps, n, D]``)."""
+        self.mark_start()
+        ids, tree = self.batch_tokens(cands)
+        shape = tree if tree is not None else next(c for c in cands if c is not None)
+        return transfer_pass(self.run, self.cache, ids, self.pseudo_layout(shape), proj, self.steps)
+
+    def pseudo_layout(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pseudo_layout`` of the round's tree ``shape`` (a ``Candidates`` or ``BatchTree``; a chain is
+        causal), kept for the next round while its mask is the same tensor (a fixed tree's buffers)."""
+        if shape.mask is not None and self.layout[0] is shape.mask:
+            return self.layout[1]
+        k1 = shape.k + 1
+        mask = shape.mask if shape.mask is not None else torch.ones(k1, k1, dtype=torch.bool).tril()
+        depths = shape.depths if shape.depths is not None else torch.arange(k1)
+        self.layout = (shape.mask, pseudo_layout(mask, depths, self.steps))
+        return self.layout[1]
 
     def kept_states(self, cands, results, states: torch.Tensor) -> dict[int, torch.Tensor]:
         """Row -> ``states[row, j]`` at the last kept node ``j`` of each live row (``states`` ``[B, S, ...]``)."""
@@ -262,28 +282,31 @@ class MedusaDrafter(TreeDrafter):
                 self._draft_from(row, h)
 
 
+def pseudo_layout(mask: torch.Tensor, depths: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transfer call's attention mask and position offsets over a tree (``mask`` ``[n, n]``, ``depths``
+    ``[n]``; or each row's: ``[B, n, n]``, ``[B, n]``) and its pseudo states of ``steps`` transfer steps for
+    every node: -> (``[S, S]`` or ``[B, S, S]``, ``[1, S]`` or ``[B, S]``; ``tree.pseudo_mask``'s layout)."""
+    sources = list(range(mask.shape[-1]))
+    if mask.dim() == 2:
+        return tree_mod.pseudo_mask(mask, sources, steps), tree_mod.pseudo_offsets(depths, sources, steps).unsqueeze(0)
+    full = torch.stack([tree_mod.pseudo_mask(m, sources, steps) for m in mask])  # [B, S, S]
+    return full, torch.stack([tree_mod.pseudo_offsets(d, sources, steps) for d in depths])  # [B, S]
+
+
 def transfer_pass(
     run: Run,
     cache: KVCache,
     tokens: torch.Tensor,
-    mask: torch.Tensor,
-    depths: torch.Tensor,
+    layout: tuple[torch.Tensor, torch.Tensor],
     proj: TransferProjections,
     steps: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One model call over the tree ``tokens`` ``[B, n]`` of every row (``mask`` ``[n, n]``, position
-    offsets ``depths`` ``[n]``; or each row's: ``[B, n, n]``, ``[B, n]``) with pseudo states of ``steps``
-    transfer steps for every node: -> (real nodes' last hidden states ``[B, n, D]``, pseudo states
-    ``[B, steps, n, D]``)."""
+    """One model call over the tree ``tokens`` ``[B, n]`` of every row with pseudo states of ``steps``
+    transfer steps for every node (``layout``: ``pseudo_layout``'s mask and offsets): -> (real nodes' last
+    hidden states ``[B, n, D]``, pseudo states ``[B, steps, n, D]``)."""
     model = run.model
     B, n = tokens.shape
-    sources = list(range(n))
-    if mask.dim() == 2:
-        full = tree_mod.pseudo_mask(mask, sources, steps)  # [S, S]
-        offsets = tree_mod.pseudo_offsets(depths, sources, steps).unsqueeze(0)  # [1, S]
-    else:
-        full = torch.stack([tree_mod.pseudo_mask(m, sources, steps) for m in mask])  # [B, S, S]
-        offsets = torch.stack([tree_mod.pseudo_offsets(d, sources, steps) for d in depths])  # [B, S]
+    full, offsets = layout
     full = full.to(model.device)
     base = (cache.lengths[0] - cache.pad).unsqueeze(1)  # [B, 1]
     pos = (base + offsets).to(model.device)  # [B, S]
@@ -337,14 +360,8 @@ class TransferDrafter(TreeDrafter):
         live = [c for c in cands if c is not None]
         if live[0].root is None:  # right after the prompt: the prompt pass scored the first position
             return super().score(cands)
-        self.start = self.cache.lengths[0].clone()
-        ids, tree = self.batch_tokens(cands)
-        shape = tree if tree is not None else live[0]
-        k1 = shape.k + 1
-        mask = shape.mask if shape.mask is not None else torch.ones(k1, k1, dtype=torch.bool).tril()
-        depths = shape.depths if shape.depths is not None else torch.arange(k1)
-        h, self.pseudo = transfer_pass(self.run, self.cache, ids, mask, depths, self.proj, self.steps)
-        self.pseudo_states += self.steps * k1 * len(live)
+        h, self.pseudo = self.transfer_call(cands, self.proj)
+        self.pseudo_states += self.steps * h.shape[1] * len(live)
         logits = self.run.model.logits(h)  # [B, n, V]
         return [None if c is None else logits[row, : len(c.fed())] for row, c in enumerate(cands)]
 

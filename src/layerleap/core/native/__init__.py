@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import operator
 import os
 import re
 import sys
@@ -127,6 +128,9 @@ def _projection(lin) -> list[tuple] | None:
     return [(*proj, fmt.bias, fmt.out_features, fmt.in_features), *fmt.native_parts()]
 
 
+_PACKED = operator.attrgetter("packed")
+
+
 def layer_args(model, start: int, end: int):
     """The per-layer lists ``run_layers`` takes for layers ``[start, end)``, or None when a projection
     holds a format the C++ does not know.  Kept per model and layer range while the formats stay."""
@@ -137,10 +141,13 @@ def layer_args(model, start: int, end: int):
         lins = [lin for blk in blocks for lin in (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)]
         store[("linears", start, end)] = known = (blocks, lins)
     lins = known[1]
-    # each projection's format, read past nn.Module's attribute lookup (this runs on every call)
-    formats = tuple(id(lin.packed) if lin.packed is not None else id(lin._parameters["weight"]) for lin in lins)
+    # each projection's format, its packed weight or else its weight parameter, read past nn.Module's
+    # attribute lookup (this runs on every call); held, not by id, so that none can be freed and its id reused
+    formats = tuple(map(_PACKED, lins))
+    if None in formats:
+        formats = tuple(p if p is not None else lin._parameters["weight"] for p, lin in zip(formats, lins))
     held = store.get((start, end))
-    if held is None or held[0] != formats:
+    if held is None or len(held[0]) != len(formats) or not all(map(operator.is_, held[0], formats)):
         projs = [_projection(lin) for lin in lins]
         args = None
         if all(p is not None for p in projs):

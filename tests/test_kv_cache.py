@@ -177,6 +177,18 @@ def test_compact_keep_all_is_noop(model):
     assert torch.equal(cache.k, k0) and torch.equal(cache.v, v0) and cache.length() == 9
 
 
+def test_compact_refuses_offsets_that_do_not_increase(model):
+    """Slots move down in place, so the kept offsets must increase; a refused call moves nothing."""
+    cache = model.new_cache(2, 12)
+    step(model, cache, rand_ids(model.config.vocab_size, 2, 9, seed=16))
+    k0 = cache.k.clone()
+    with pytest.raises(CacheError, match="must increase"):
+        cache.compact(4, [torch.tensor([0, 2]), torch.tensor([3, 1])])
+    with pytest.raises(CacheError, match="must increase"):
+        cache.compact(4, torch.tensor([[0, 1, 2], [0, 0, 1]]))  # a repeat before the last offset
+    assert torch.equal(cache.k, k0) and cache.length() == 9
+
+
 # -- per-layer lengths -----------------------------------------------------------------------
 @pytest.mark.parametrize("a", [1, 2, 3])
 def test_per_layer_lengths_then_catch_up(model, a):

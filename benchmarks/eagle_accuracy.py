@@ -4,7 +4,7 @@ position ``j``, step ``i`` is fed the greedy tokens up to ``x_{j+i}`` and the he
 step before, as a round's chain is when its earlier drafts were right; its top-1 and top-3 over the
 shipped draft vocabulary are checked against greedy's token ``x_{j+i+1}``.
 
-  PYTHONPATH=src python benchmarks/eagle_accuracy.py [PROMPTS_PER_CATEGORY] [STEPS]
+  PYTHONPATH=src python benchmarks/eagle_accuracy.py [PROMPTS_PER_CATEGORY] [STEPS] [HEAD_FILE]
 
 Spec-Bench prompts from the 11th of each category (none of the benchmark table's), chat template,
 64 greedy tokens each, fp32."""
@@ -21,7 +21,7 @@ from layerleap.train.data import chat_token_ids
 
 n, steps = (int(sys.argv[1]) if len(sys.argv) > 1 else 2), (int(sys.argv[2]) if len(sys.argv) > 2 else 4)
 model = layerleap.load("smollm2-135m")
-head = weights.get_drafter(model, "eagle", "trained")
+head = weights.get_drafter(model, "eagle", sys.argv[3] if len(sys.argv) > 3 else "trained")
 vocab = get_draft_vocab(model, "auto")
 prompts = spec_bench(categories="summarization,qa,translation,math_reasoning,writing", n=n, offset=10)
 hits = {i: {1: 0, 3: 0} for i in range(1, steps + 1)}

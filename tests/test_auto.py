@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_draft_verify import exact_joint3
 from test_speculative import chi2_pvalue, tiny_pair
-from tiny_models import naive_greedy, random_model
+from tiny_models import COSTLY_ROWS, naive_greedy, random_model
 
 import layerleap
 from layerleap.core import verify
@@ -413,11 +413,11 @@ def test_a_seeded_sample_reproduces_whatever_the_clock_says(monkeypatch):
 
 
 def test_auto_cuts_a_merged_chain_the_target_does_not_follow(monkeypatch):
-    """EAGLE calls only, rows priced as in q4: a prompt whose every token recurs makes lookup chains the
+    """EAGLE calls only, rows that cost (q4 with torch's int4 kernel): a prompt whose every token recurs makes lookup chains the
     random target rarely continues; the merged cut (``adaptive`` none) verifies fewer of them than whole
     chains (``adaptive=False``), and both give greedy's tokens."""
     monkeypatch.setattr(auto_method, "plain_calls", lambda model: False)
-    monkeypatch.setitem(lengths.CALL_COST, "float32", lengths.CALL_COST["q4"])
+    monkeypatch.setitem(lengths.CALL_COST, "float32", COSTLY_ROWS)
     model = random_model("llama-gqa-tied", seed=3, scale=2.0)
     prompt = list(range(1, 40)) * 2
     kw = dict(stop_at_eos=False, min_ngram=1, transfer="none", medusa="none", eagle=_eagle(model))

@@ -10,7 +10,7 @@ import torch
 import layerleap
 from layerleap.core import cost_curve
 from layerleap.drafters import lengths as L
-from tiny_models import random_model
+from tiny_models import COSTLY_ROWS, COSTLY_ROWS_16, random_model
 
 FLAT = (1.0,) * 8
 STEEP = (1.0, 2.0, 3.0, 4.0)
@@ -27,8 +27,8 @@ def test_expected_tokens_and_call_cost():
     [
         ([0.9] * 4, FLAT, 4, 4),  # free rows: draft everything
         ([0.9] * 4, STEEP, 4, 0),  # each row a full step: no draft beats a greedy step
-        ([0.05] * 4, L.CALL_COST["q4"], 4, 0),  # rarely right, rows cost: none
-        ([0.8, 0.8, 0.1, 0.1], L.CALL_COST["q4"], 4, 2),  # stop where acceptance falls
+        ([0.05] * 4, COSTLY_ROWS, 4, 0),  # rarely right, rows cost: none
+        ([0.8, 0.8, 0.1, 0.1], COSTLY_ROWS, 4, 2),  # stop where acceptance falls
         ([0.9] * 4, FLAT, 2, 2),  # never past the chain
     ],
 )
@@ -45,7 +45,7 @@ def test_running_acceptance_counts_tried_positions_only():
 
 
 def test_chooser_stops_drafting_and_learns_back_from_the_next_token():
-    c = L.LengthChooser(1, L.shipped_curve("q4"), 3)
+    c = L.LengthChooser(1, L.CostCurve(COSTLY_ROWS, COSTLY_ROWS_16), 3)
     for _ in range(10):  # drafts that are always wrong
         chain = c.cut(0, [7, 8, 9])
         c.observe(0, len(chain), 0, next_token=1)
@@ -57,7 +57,7 @@ def test_chooser_stops_drafting_and_learns_back_from_the_next_token():
 
 
 def test_adaptive_lookup_drafts_less_where_copies_fail(monkeypatch):
-    monkeypatch.setitem(L.CALL_COST, "float32", L.CALL_COST["q4"])  # rows priced as in q4
+    monkeypatch.setitem(L.CALL_COST, "float32", COSTLY_ROWS)  # rows that cost
     model = random_model("llama-gqa-tied", seed=3, scale=2.0)
     prompt = list(range(1, 40)) * 2  # every bigram recurs, but a random model rarely continues the copy
     plain = layerleap.generate(model, prompt, "prompt-lookup", 24, stop_at_eos=False, min_ngram=1, adaptive=False)
@@ -66,12 +66,19 @@ def test_adaptive_lookup_drafts_less_where_copies_fail(monkeypatch):
     assert cut.stats["drafted"] < plain.stats["drafted"]
 
 
-@pytest.mark.parametrize("dtype,given,want", [("q4", None, True), ("float32", None, False), ("q4", False, False)])
-def test_adaptive_is_on_by_default_in_q4_only(dtype, given, want):
+@pytest.mark.parametrize(
+    "dtype,costly,given,want",
+    [("q4", True, None, True), ("q4", False, None, False), ("float32", False, None, False), ("q4", True, False, False)],
+)
+def test_adaptive_is_on_by_default_where_a_second_token_costs(monkeypatch, dtype, costly, given, want):
+    """Chains are cut by default where the curve makes a 2-token call cost ADAPTIVE_STEP or more (q4 with
+    torch's int4 kernel), not where it is nearly flat (fp32; q4's shipped block-kernel curve)."""
     from types import SimpleNamespace
 
     from layerleap.methods.prompt_lookup import adaptive_default
 
+    if costly:
+        monkeypatch.setitem(L.CALL_COST, dtype, COSTLY_ROWS)
     run = SimpleNamespace(model=SimpleNamespace(dtype_name=dtype))
     assert adaptive_default(run, given) is want
 
@@ -183,7 +190,7 @@ SHIPPED_F32 = L.CostCurve(L.CALL_COST["float32"], L.CALL_COST_16["float32"])
 
 
 def test_merged_cut_keeps_a_chain_that_the_target_follows_and_drops_one_it_does_not():
-    cut = L.MergedChainCut(2, L.shipped_curve("q4"), 4)  # rows that cost
+    cut = L.MergedChainCut(2, L.CostCurve(COSTLY_ROWS, COSTLY_ROWS_16), 4)  # rows that cost
     chain = [5, 6, 7, 8]
     for _ in range(15):  # row 0: the target continues the chain; row 1: never
         assert cut.cut(0, chain, shared=0, nodes=3) is not None

@@ -153,3 +153,9 @@ def save_char_model(folder, seed: int = 0, **overrides):
     save_hf_folder(model, folder)
     save_char_tokenizer(folder)
     return model
+
+
+# q4's call-cost curve with torch's int4 kernel (S = 1..8, and 16): rows that cost, as the tests of
+# chain cutting need; the shipped q4 curve (the block kernel) is nearly flat at 2 tokens.
+COSTLY_ROWS = (1.0, 1.122, 1.246, 1.341, 1.8, 1.874, 1.915, 2.089)
+COSTLY_ROWS_16 = 3.03

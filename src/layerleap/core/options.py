@@ -294,7 +294,7 @@ ADAPTIVE = Option(
     "cut each round's chain to the length with the most expected tokens per unit of call cost, from the "
     "row's running acceptance and this machine's call-cost curve (draft_len stays the most)",
     default=None,
-    none="on where a 2-token call costs x1.10 or more of a 1-token one (q4's shipped curve; fp32's not)",
+    none="on where a 2-token call costs x1.10 or more of a 1-token one (q4 with torch's int4 kernel; fp32 not)",
 )
 MIN_CONFIDENCE = Option(
     "min_confidence",

@@ -17,22 +17,24 @@ from dataclasses import dataclass, field
 from ..core import cost_curve
 
 # Call cost over S = 1..8 new tokens relative to one token, 256 cached tokens, 2 threads (fp32 and
-# bf16: a 2-core AMD EPYC Zen 5; q4: the same, torch's int4 kernel; the block kernel on a Zen 4
-# measured x1.10 / 1.35 / 2.09 at S = 2 / 4 / 8 in `layerleap bench`'s curve).  A curve that dips
-# (timing noise) is held at its running maximum.  docs/results/call_cost_1to8_<dtype>_t2.json.
+# bf16: a 2-core AMD EPYC Zen 5, docs/results/call_cost_1to8_<dtype>_t2.json; q4: the same machine
+# with the native block kernel, `layerleap info --dtype q4 --call-cost --threads 2`, the curve it
+# saved; torch's int4 kernel there cost x1.12 / 1.34 / 2.09 at S = 2 / 4 / 8).  A curve that dips
+# (timing noise) is held at its running maximum.
 CALL_COST = {
     "float32": (1.0, 1.065, 1.133, 1.133, 1.133, 1.133, 1.264, 1.264),
     "bfloat16": (1.0, 1.088, 1.162, 1.232, 1.277, 1.366, 1.52, 1.568),
-    "q4": (1.0, 1.122, 1.246, 1.341, 1.8, 1.874, 1.915, 2.089),
+    "q4": (1.0, 1.054, 1.167, 1.229, 1.339, 1.453, 1.548, 1.689),
 }
 CALL_COST["float16"] = CALL_COST["bfloat16"]
 # Where a 2-token call costs at least this many one-token calls, chains are cut by default
-# (``adaptive``): in q4 (x1.12) the cut gave 1.13x greedy against 1.08x for fixed chains (15 Spec-Bench
-# prompts, 1 thread, a Zen 4 EPYC); in fp32 (x1.07) the rows are nearly free and it changes little.
+# (``adaptive``): with torch's int4 kernel in q4 (x1.12) the cut gave 1.13x greedy against 1.08x for
+# fixed chains (15 Spec-Bench prompts, 1 thread, a Zen 4 EPYC); where rows are nearly free (fp32 x1.07,
+# q4's block kernel x1.05) it changes little.
 ADAPTIVE_STEP = 1.10
-# The call cost at 16 new tokens relative to one (the same machine and threads,
+# The call cost at 16 new tokens relative to one (the same machines and threads,
 # docs/results/call_cost_after_<dtype>_t2.json), for calls past 8 tokens (dynamic trees).
-CALL_COST_16 = {"float32": 1.591, "bfloat16": 2.13, "float16": 2.13, "q4": 3.03}
+CALL_COST_16 = {"float32": 1.591, "bfloat16": 2.13, "float16": 2.13, "q4": 2.867}
 DECAY = 0.9  # weight of the past rounds in the acceptance counts
 PRIOR = (1.0, 1.0)  # kept, missed pseudo-counts of every draft position (a uniform prior: 0.5)
 

@@ -51,7 +51,16 @@ def decode(args) -> None:
     model = layerleap.load("smollm2-135m", dtype=args.dtype, device=args.device)
     prompts = sorted(read_prompts(args.prompts), key=len)  # prompts of like length together: less padding
     t0 = time.perf_counter()
-    pairs = self_distilled(model, args.out, len(prompts), gen_len=args.gen_len, batch=args.batch, prompts=prompts)
+    pairs = self_distilled(
+        model,
+        args.out,
+        len(prompts),
+        gen_len=args.gen_len,
+        batch=args.batch,
+        prompts=prompts,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
     el = time.perf_counter() - t0
     tokens = sum(len(c) for _, c in pairs)
     print(f"{len(pairs)} answers, {tokens} tokens in {el:.1f}s ({tokens / el:.0f} tok/s)")
@@ -68,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--temperature", type=float, help="sample the answers at this temperature (default: greedy)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling: prompt i samples with seed + i")
     args = ap.parse_args(argv)
     if args.save_prompts:
         save_prompts(args.save_prompts, args.n, args.max_prompt)

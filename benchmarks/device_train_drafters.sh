@@ -6,7 +6,8 @@
 # travels in pieces .devcarry/piece.* (an earlier call may have left some in $HT), the `gguf` wheel in
 # .devcarry/*.whl, the pre-tokenized prompts in .devcarry/prompts.safetensors
 # (`python benchmarks/device_self_distill.py --save-prompts ...`).  Each stage has its own seconds
-# (SD_S, HT_S, MEDUSA_S, EAGLE_S; 0 skips it).  Writes to $OUT.
+# (SD_S, HT_S, MEDUSA_S, EAGLE_S; 0 skips it).  SD_TEMP > 0 adds answers sampled at that temperature
+# to the greedy ones (SD_TEMP_S seconds): more varied text for the drafters to learn from.  Writes to $OUT.
 set -u
 HT=${HT:-/root/ht}
 DEV=${DEV:-cuda}
@@ -27,6 +28,13 @@ if [ "${SD_S:-100}" != 0 ]; then
   stage self-distill
   timeout ${SD_S:-100} $PY benchmarks/device_self_distill.py --prompts .devcarry/prompts.safetensors --out $D \
     --device $DEV --batch ${SD_BATCH:-1024} --gen-len ${SD_GEN:-192} 2>&1 | tail -3
+fi
+if [ "${SD_TEMP:-0}" != 0 ]; then
+  stage "self-distill, sampled at ${SD_TEMP}"
+  timeout ${SD_TEMP_S:-60} $PY benchmarks/device_self_distill.py --prompts .devcarry/prompts.safetensors \
+    --out $HT/sampled.jsonl --device $DEV --batch ${SD_BATCH:-1024} --gen-len ${SD_GEN:-192} --temperature $SD_TEMP 2>&1 | tail -3
+  gzip -c $HT/sampled.jsonl >$OUT/self_distill_sampled.jsonl.gz
+  cat $HT/sampled.jsonl >>$D
 fi
 gzip -c $D >$OUT/self_distill.jsonl.gz; wc -l $D
 A="--device $DEV --data $D --seq-len 256 --save-every 100 --steps 1000000 --yes"

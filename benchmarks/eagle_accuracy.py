@@ -42,7 +42,8 @@ with torch.inference_mode():
             for k in (1, 3):
                 hits[i][k] += int((top[js, :k] == want).any(-1).sum())
             count[i] += len(js)
-print(f"{len(prompts)} prompts, fp32, shipped EAGLE head and draft vocabulary")
+which = sys.argv[3] if len(sys.argv) > 3 else "shipped"
+print(f"{len(prompts)} prompts, fp32, EAGLE head {which}, shipped draft vocabulary")
 print("| step | top-1 | top-3 | positions |")
 print("|---|---|---|---|")
 for i in hits:

@@ -292,14 +292,22 @@ def test_q4_lossy_defaults_keep_their_calibrated_word(smollm_q4, prompts, method
         )
 
 
-def test_q4_auto_leaves_transfer_out_unless_asked(smollm_q4, prompts):
-    """In q4 "auto" is prompt lookup (its transfer tree and the EAGLE head's drafts cost more than they
-    gain there); given the shipped projections' or head's file it probes those calls again, and stays
-    equal to greedy either way."""
-    from layerleap.drafters import medusa_transfer
+def test_q4_auto_makes_eagle_calls_where_rows_are_cheap_and_leaves_drafters_out_where_they_cost(
+    smollm_q4, prompts, monkeypatch
+):
+    """In q4 on the shipped curve (the block kernel's: a second token nearly free) every "auto" call is an
+    EAGLE call, with no transfer or Medusa calls.  Where rows cost (torch's int4 kernel's curve) "auto" is
+    prompt lookup; given the shipped projections' or head's file it probes those calls again.  Every run
+    equals greedy."""
+    from layerleap.drafters import lengths, medusa_transfer
+    from tiny_models import COSTLY_ROWS
 
     p = prompts[3]
     want = generate(smollm_q4, p, max_new_tokens=40, chat=True, stop_at_eos=False).token_ids
+    flat = generate(smollm_q4, p, "auto", 40, chat=True, stop_at_eos=False)
+    assert flat.token_ids == want
+    assert flat.stats["eagle_rounds"] > 0 and flat.stats["transfer_rounds"] == flat.stats["medusa_rounds"] == 0
+    monkeypatch.setitem(lengths.CALL_COST, "q4", COSTLY_ROWS)
     plain = generate(smollm_q4, p, "auto", 40, chat=True, stop_at_eos=False)
     assert plain.token_ids == want
     assert plain.stats["transfer_rounds"] == plain.stats["medusa_rounds"] == plain.stats["eagle_rounds"] == 0

@@ -414,8 +414,8 @@ def test_a_seeded_sample_reproduces_whatever_the_clock_says(monkeypatch):
 
 def test_auto_cuts_a_merged_chain_the_target_does_not_follow(monkeypatch):
     """EAGLE calls only, rows that cost (q4 with torch's int4 kernel): a prompt whose every token recurs
-    makes lookup chains the random target rarely continues; the merged cut (``adaptive`` none) verifies fewer of them than whole
-    chains (``adaptive=False``), and both give greedy's tokens."""
+    makes lookup chains the random target rarely continues; the merged cut (``adaptive`` none) verifies
+    fewer of them than whole chains (``adaptive=False``), and both give greedy's tokens."""
     monkeypatch.setattr(auto_method, "plain_calls", lambda model: False)
     monkeypatch.setitem(lengths.CALL_COST, "float32", COSTLY_ROWS)
     model = random_model("llama-gqa-tied", seed=3, scale=2.0)

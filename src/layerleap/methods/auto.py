@@ -53,8 +53,9 @@ NO_TRANSFER_DTYPES = ("q4",)
 # (``plain_calls`` false): in q4 with plain calls beside them, EAGLE calls (one draft, no fan: the eagle
 # method's q4 defaults) and their probes cost what they gain: interleaved on 15 Spec-Bench prompts x 64
 # tokens (2 threads, a 2-core Zen 5 EPYC, best of 3), auto with the head ran at 1.06x greedy against
-# 1.07x without it on torch's int4 kernel's q4 curve (x1.12 at 2 tokens).  Where a second token costs under ADAPTIVE_STEP (the block
-# kernel's curve on that EPYC: x1.03-1.08 at 2 tokens), every call is an EAGLE call with the lookup
+# 1.07x without it on torch's int4 kernel's q4 curve (x1.12 at 2 tokens).  Where a second token costs
+# under ADAPTIVE_STEP (the block kernel's curve on that EPYC, q4's shipped one: x1.03-1.08 at 2
+# tokens), every call is an EAGLE call with the lookup
 # chain merged in: 1.08x and 1.09x against 1.05x, in two runs (docs/BENCHMARKS.md, "auto with EAGLE calls").
 NO_EAGLE_DTYPES = ("q4",)
 

@@ -320,33 +320,6 @@ static inline __m256 reduce8_avx2(const __m256* k) {
   return _mm256_permutevar8x32_ps(f1, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// dot16's arithmetic with AVX2: each key's 16 lanes of partial sums as two halves of 8 (the same
-// multiply-adds, lane by lane), 4 keys at a time so that their accumulators stay in registers, then the
-// same tree (lanes i + i+8, + i+4, + i+2, + i+1) with 8-lane shuffles: the bits of the generic code.
-// key(j, d): key j's elements d .. d+15.
-template <typename Key>
-static inline v16 dot16_avx2(const float* q, Key key, int64_t hd) {
-  __m256 s8[16];
-  for (int j0 = 0; j0 < 16; j0 += 4) {
-    __m256 lo[4], hi[4];
-    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < hd; d += 16) {
-      const __m256 x0 = _mm256_loadu_ps(q + d), x1 = _mm256_loadu_ps(q + d + 8);
-      for (int j = 0; j < 4; j++) {
-        const float* k = key(j0 + j, d);
-        lo[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k), lo[j]);
-        hi[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(k + 8), hi[j]);
-      }
-    }
-    for (int j = 0; j < 4; j++) s8[j0 + j] = _mm256_add_ps(lo[j], hi[j]);  // lane i + lane i+8
-  }
-  const __m256 r0 = reduce8_avx2(s8), r1 = reduce8_avx2(s8 + 8);
-  v16 out;
-  std::memcpy(&out, &r0, sizeof(r0));
-  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(r0), &r1, sizeof(r1));
-  return out;
-}
-
 // 8 values at p as fp32 (exact: a bf16 is the top half of its fp32; an fp16 converted by F16C, as
 // static_cast<float> converts it here)
 template <typename T>
@@ -367,10 +340,6 @@ static inline __m256 load8f(const T* p) {
   }
 }
 
-// dot16_rows with AVX2: NQ query rows (row n at q + n * qs) against the same 16 keys (key j's elements at
-// key[j], in the cache's dtype: widened in registers as they are read, each key chunk once for the NQ rows),
-// KG keys at a time, their NQ * KG * 2 accumulators in registers (the queries read by the multiply-adds from
-// memory); each row's multiply-adds and tree those of dot16_avx2, so the bits of dot16.
 // dot16_tail with AVX2 (two halves of 8 lanes; the products apart, then the multiply-adds fused, as dot's)
 static inline v16 dot16_tail_avx2(v16 s, const float* q, const float* kt, int64_t hd16, int64_t hd) {
   __m256 h[2];
@@ -390,6 +359,11 @@ static inline v16 dot16_tail_avx2(v16 s, const float* q, const float* kt, int64_
   return s;
 }
 
+// dot16_rows with AVX2: NQ query rows (row n at q + n * qs) against the same 16 keys (key j's elements at
+// key[j], in the cache's dtype: widened in registers as they are read, each key chunk once for the NQ rows),
+// KG keys at a time, their NQ * KG * 2 accumulators in registers (the queries read by the multiply-adds from
+// memory).  Each key's 16 lanes of partial sums as two halves of 8, the same multiply-adds lane by lane,
+// then the same tree (lanes i + i+8, then reduce8_avx2): the bits of dot16.
 template <int NQ, typename T>
 static inline void dot16_rows_avx2(const float* q, int64_t qs, const T* const* key, int64_t hd, v16* out) {
   constexpr int KG = NQ == 1 ? 4 : 2;
@@ -423,9 +397,6 @@ static inline void dot16_rows_avx2(const float* q, int64_t qs, const T* const* k
 // of 16: the same arithmetic as ``dot`` for each key (lane-wise partial sums over the chunks in order,
 // then lanes added as i+8, i+4, i+2, i+1), done for 16 keys at once with shuffles.
 static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
-#ifdef LL_DOT16_AVX2
-  return dot16_avx2(q, [&](int j, int64_t d) { return keys[j] + d; }, hd);
-#endif
   v16 p[16];
   for (int j = 0; j < 16; j++) p[j] = v16{0};
   for (int64_t d = 0; d < hd; d += 16) {
@@ -446,9 +417,6 @@ static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
 // dot16 over 16 keys stored chunk by chunk: kc[(c * 16 + j) * 16 + i] is element 16 c + i of key j (the
 // same arithmetic, in the same order; the keys' addresses are fixed offsets from kc, none kept apart)
 static inline v16 dot16_packed(const float* q, const float* kc, int64_t hd) {
-#ifdef LL_DOT16_AVX2
-  return dot16_avx2(q, [&](int j, int64_t d) { return kc + d * 16 + 16 * j; }, hd);
-#endif
   v16 p[16];
   for (int j = 0; j < 16; j++) p[j] = v16{0};
   for (int64_t d = 0; d < hd; d += 16) {
@@ -669,6 +637,8 @@ __attribute__((noinline)) static void value_keys_avx2(
   for (int j = 0; j < NR; j++)
     for (int i = 0; i < NC; i++) a[j][i][0] = a[j][i][1] = _mm256_setzero_ps();
   const __m256 zero = _mm256_setzero_ps();
+  // key t's products for the NR rows and NC slices (TEST: each kept only where its weight is not 0, NaN
+  // included), and its weights added to the rows' sums
 #define LL_VALUE_KEY(TEST)                                                                                 \
   {                                                                                                        \
     __m256 vt[NC][2];                                                                                      \

@@ -753,7 +753,7 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
   const bool full = w[NS - 1] == 16;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // the loop below with intrinsics, the same operations (value_keys_avx512)
-  if (full || !std::is_same_v<T, float>) {
+  if (true) {
     if (full)
       value_keys_avx512<T, NR, NS, true>(v + d0, vs, Tk, w, p, pstride, sums, &acc[0][0]);
     else
@@ -1155,7 +1155,7 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
             }
           }
         }
-        if (hd % 16 == 0) {  // NQ rows at a time (dot16_rows; about 7% faster in bf16 than row by row)
+        {  // NQ rows at a time (dot16_rows; about 7% faster in bf16 than row by row), then dot's tail
           constexpr int NQ = 3;
           for (; r + NQ <= R; r += NQ) {
             v16 s16[NQ];
@@ -1163,8 +1163,9 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
             if (packed)
               dot16_rows<NQ>(qr, hd, [&](int j, int64_t d) { return kf.data() + d * 16 + 16 * j; }, hd, s16);
             else
-              dot16_rows<NQ>(qr, hd, [&](int j, int64_t d) { return kt[j] + d; }, hd, s16);
+              dot16_rows<NQ>(qr, hd, [&](int j, int64_t d) { return kt[j] + d; }, hd16, s16);
             for (int n = 0; n < NQ; n++) {
+              if (hd16 < hd) s16[n] = dot16_tail(s16[n], qr + n * hd, ktail.data(), hd16, hd);
               put(r + n, tok, reinterpret_cast<const float*>(&s16[n]));
               if (++tok == S) tok = 0;
             }

@@ -221,12 +221,13 @@ Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
 
 typedef float v16 __attribute__((vector_size(64)));  // 16 lanes (split by the compiler where narrower)
 
-// x as it is, rounded: a product passed through here is never fused into the addition after it
+// x as it is, rounded: a product passed through here is never fused into the addition after it (the
+// compiler sees no product in what the empty asm hands back)
 template <typename V>
 static inline V rounded(V x) {
 #if defined(__AVX512F__)
   asm("" : "+v"(x));
-#elif defined(__FMA__)
+#else
   asm("" : "+m"(x));
 #endif
   return x;

@@ -48,6 +48,44 @@ def _activations(g: torch.Generator, m: int, k: int) -> torch.Tensor:
     return x
 
 
+def _random_attention(mod, t: dict) -> None:
+    """attend_rows on random shapes: ragged key counts (not multiples of 8 or 16), head dims with partial
+    slices (hd % 16 of 4, 8, 12: the tail of each key's dot product), 1 to 24 query rows a key head, fp32,
+    bf16 and fp16, masks of every kind (none, causal, random, rows with every key masked, strided),
+    strided queries and keys, 1 and 2 threads."""
+    g = torch.Generator().manual_seed(7)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    threads = torch.get_num_threads()
+    for i in range(96):
+        dt = pick([torch.float32, torch.bfloat16, torch.float16])
+        B, hkv, grp = pick([1, 1, 2]), pick([1, 2, 3]), pick([1, 2, 3, 4])
+        S = pick([1, 2, 3, 5, 8, 9, 17, 24]) // grp or 1
+        hd = pick([64, 128, 16, 8, 20, 24, 36, 40, 44, 72, 80, 100])
+        T = pick([1, 5, 7, 8, 9, 15, 16, 17, 31, 33, 100, 255, 257, 300, 520])
+        q = (torch.randn(B, S, hkv * grp, hd, generator=g) * 2).to(dt).transpose(1, 2)  # strided
+        if i % 3:
+            q = q.contiguous()
+        k = (torch.randn(B, hkv, T + 5, hd, generator=g) * 2).to(dt)[:, :, 2 : 2 + T]  # strided keys
+        v = torch.randn(B, hkv, T, hd, generator=g).to(dt)
+        kind = pick(["none", "causal", "random", "dead rows", "strided"])
+        mask = None
+        if kind == "causal":
+            mask = torch.ones(S, T, dtype=torch.bool).tril(max(0, T - S)).view(1, 1, S, T)
+        elif kind == "random":
+            mask = torch.rand(pick([1, B]), 1, S, T, generator=g) < pick([0.1, 0.5, 0.9])
+        elif kind == "dead rows":
+            mask = torch.rand(1, 1, S, T, generator=g) < 0.7
+            mask[:, :, ::2] = False
+        elif kind == "strided":
+            mask = (torch.rand(1, 1, S, 2 * T, generator=g) < 0.8)[..., ::2]
+        torch.set_num_threads(1 + i % 2)
+        t[f"attend/random/{i}/{str(dt)[6:]}/hd{hd}/T{T}/S{S}/{kind}"] = mod.attend_rows(q, k, v, mask)
+    torch.set_num_threads(threads)
+
+
 def outputs() -> dict:
     mod = native.module()
     if mod is None:
@@ -76,6 +114,7 @@ def outputs() -> dict:
                 mask = torch.rand(1, 1, S, T, generator=g) < 0.7
                 mask[..., 0] = True
                 t[f"attend/{hd}/{str(dt)[6:]}/{S}"] = mod.attend_rows(q, k, v, mask)
+    _random_attention(mod, t)
     for name in ("llama-gqa-tied", "mistral-gqa-untied"):
         m32 = random_model(name)
         sd = {k: v.clone() for k, v in m32.dense_state().items()}

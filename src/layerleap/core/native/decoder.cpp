@@ -221,10 +221,26 @@ Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
 
 typedef float v16 __attribute__((vector_size(64)));  // 16 lanes (split by the compiler where narrower)
 
+// x as it is, rounded: a product passed through here is never fused into the addition after it (the
+// compiler sees no product in what the empty asm hands back)
+template <typename V>
+static inline V rounded(V x) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(x));
+#else
+  asm("" : "+m"(x));
+#endif
+  return x;
+}
+
 // The dot product of a and b over n elements in a fixed order: 16 lanes of partial sums over the
 // 16-element chunks in order, then the lanes added pairwise (8+8, 4+4, 2+2, 1+1), then the tail in
-// order.  The same inputs give the same bits wherever the call sits.
-static inline float dot(const float* a, const float* b, int64_t n) {
+// order: where 8 or more elements are left, 8 products, each rounded, added one by one; then the rest
+// as multiply-adds, fused where the build has FMA.  (That is what GCC made of a plain loop over the tail
+// on AVX-512; on AVX2 it made 4 more products apart, so hd % 8 of 4 to 7 gave other bits there; spelled out
+// here, every build gives the same.)  The same inputs give the same bits wherever the call sits.
+// Attention takes it 16 keys at a time (dot16, dot16_tail).
+[[maybe_unused]] static inline float dot(const float* a, const float* b, int64_t n) {
   v16 acc = {0};
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
@@ -238,7 +254,33 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   for (int w = 8; w >= 1; w /= 2)
     for (int i = 0; i < w; i++) l[i] += l[i + w];
   float s = l[0];
+  if (n - d >= 8)
+    for (const int64_t e = d + 8; d < e; d++) s += rounded(a[d] * b[d]);
+#if defined(__FMA__)
+  for (; d < n; d++) s = std::fma(a[d], b[d], s);
+#else
   for (; d < n; d++) s += a[d] * b[d];
+#endif
+  return s;
+}
+
+// dot's tail for 16 keys at once: s (their sums over the chunks, as dot16 gives them) plus the products of
+// elements hd16 .. hd-1 of q and of the keys (kt: element d of key j at kt[(d - hd16) * 16 + j]), in dot's
+// order with its roundings (the multiply-adds fused where dot's are: the compiler fuses both where the build
+// has FMA)
+static inline v16 dot16_tail(v16 s, const float* q, const float* kt, int64_t hd16, int64_t hd) {
+  int64_t d = hd16;
+  if (hd - d >= 8)
+    for (const int64_t e = d + 8; d < e; d++) {
+      v16 k;
+      std::memcpy(&k, kt + (d - hd16) * 16, sizeof(v16));
+      s += rounded(q[d] * k);
+    }
+  for (; d < hd; d++) {
+    v16 k;
+    std::memcpy(&k, kt + (d - hd16) * 16, sizeof(v16));
+    s += q[d] * k;
+  }
   return s;
 }
 
@@ -264,43 +306,91 @@ static inline v16 fold(v16 x, v16 y) {
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define LL_DOT16_AVX2 1
-// dot16's arithmetic with AVX2: each key's 16 lanes of partial sums as two halves of 8 (the same
-// multiply-adds, lane by lane), 4 keys at a time so that their accumulators stay in registers, then the
-// same tree (lanes i + i+8, + i+4, + i+2, + i+1) with 8-lane shuffles: the bits of the generic code.
-// key(j, d): key j's elements d .. d+15.
-template <typename Key>
-static inline v16 dot16_avx2(const float* q, Key key, int64_t hd) {
-  __m256 s8[16];
-  for (int j0 = 0; j0 < 16; j0 += 4) {
-    __m256 lo[4], hi[4];
-    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+// dot16's last three levels with AVX2: keys k[0..7], each its 8 lanes (lane i: lanes i + i+8 of dot16's
+// partial sums) -> one lane each, in key order: lanes i + i+4, then + i+2, then + i+1, with 8-lane shuffles.
+static inline __m256 reduce8_avx2(const __m256* k) {
+  __m256 f4[4], f2[2];
+  for (int i = 0; i < 4; i++)  // [key 2i: lanes i + i+4 | key 2i+1: the same]
+    f4[i] = _mm256_add_ps(_mm256_permute2f128_ps(k[2 * i], k[2 * i + 1], 0x20),
+                          _mm256_permute2f128_ps(k[2 * i], k[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; i++)  // lanes i + i+2: [4i: 2, 4i+2: 2 | 4i+1: 2, 4i+3: 2]
+    f2[i] = _mm256_add_ps(_mm256_shuffle_ps(f4[2 * i], f4[2 * i + 1], 0x44),
+                          _mm256_shuffle_ps(f4[2 * i], f4[2 * i + 1], 0xEE));
+  // lanes 0 + 1: [keys 0, 2, 4, 6 | 1, 3, 5, 7], then in order
+  const __m256 f1 = _mm256_add_ps(_mm256_shuffle_ps(f2[0], f2[1], 0x88), _mm256_shuffle_ps(f2[0], f2[1], 0xDD));
+  return _mm256_permutevar8x32_ps(f1, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// 8 values at p as fp32 (exact: a bf16 is the top half of its fp32; an fp16 converted by F16C, as
+// static_cast<float> converts it here)
+template <typename T>
+static inline __m256 load8f(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  } else {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    float x[8];
+    for (int i = 0; i < 8; i++) x[i] = static_cast<float>(p[i]);
+    return _mm256_loadu_ps(x);
+#endif
+  }
+}
+
+// dot16_tail with AVX2 (two halves of 8 lanes; the products apart, then the multiply-adds fused, as dot's)
+static inline v16 dot16_tail_avx2(v16 s, const float* q, const float* kt, int64_t hd16, int64_t hd) {
+  __m256 h[2];
+  std::memcpy(h, &s, sizeof(h));
+  int64_t d = hd16;
+  if (hd - d >= 8)
+    for (const int64_t e = d + 8; d < e; d++)
+      for (int i = 0; i < 2; i++) {
+        __m256 p = _mm256_mul_ps(_mm256_set1_ps(q[d]), _mm256_loadu_ps(kt + (d - hd16) * 16 + 8 * i));
+        asm("" : "+x"(p));  // rounded: not fused into the addition
+        h[i] = _mm256_add_ps(h[i], p);
+      }
+  for (; d < hd; d++)
+    for (int i = 0; i < 2; i++)
+      h[i] = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_loadu_ps(kt + (d - hd16) * 16 + 8 * i), h[i]);
+  std::memcpy(&s, h, sizeof(h));
+  return s;
+}
+
+// dot16_rows with AVX2: NQ query rows (row n at q + n * qs) against the same 16 keys (key j's elements at
+// key[j], in the cache's dtype: widened in registers as they are read, each key chunk once for the NQ rows),
+// KG keys at a time, their NQ * KG * 2 accumulators in registers (the queries read by the multiply-adds from
+// memory).  Each key's 16 lanes of partial sums as two halves of 8, the same multiply-adds lane by lane,
+// then the same tree (lanes i + i+8, then reduce8_avx2): the bits of dot16.
+template <int NQ, typename T>
+static inline void dot16_rows_avx2(const float* q, int64_t qs, const T* const* key, int64_t hd, v16* out) {
+  constexpr int KG = NQ == 1 ? 4 : 2;
+  __m256 s8[NQ][16];
+  for (int j0 = 0; j0 < 16; j0 += KG) {
+    __m256 a[NQ][KG][2];
+    for (int n = 0; n < NQ; n++)
+      for (int j = 0; j < KG; j++) a[n][j][0] = a[n][j][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < hd; d += 16) {
-      const __m256 x0 = _mm256_loadu_ps(q + d), x1 = _mm256_loadu_ps(q + d + 8);
-      for (int j = 0; j < 4; j++) {
-        const float* k = key(j0 + j, d);
-        lo[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k), lo[j]);
-        hi[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(k + 8), hi[j]);
+      for (int j = 0; j < KG; j++) {
+        const T* k = key[j0 + j] + d;
+        for (int h = 0; h < 2; h++) {
+          const __m256 kv = load8f(k + 8 * h);
+          for (int n = 0; n < NQ; n++)
+            a[n][j][h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + n * qs + d + 8 * h), kv, a[n][j][h]);
+        }
       }
     }
-    for (int j = 0; j < 4; j++) s8[j0 + j] = _mm256_add_ps(lo[j], hi[j]);  // lane i + lane i+8
+    for (int n = 0; n < NQ; n++)
+      for (int j = 0; j < KG; j++) s8[n][j0 + j] = _mm256_add_ps(a[n][j][0], a[n][j][1]);  // lane i + i+8
   }
-  auto reduce8 = [](const __m256* k) {  // keys k[0..7], 8 lanes each -> one lane each, in order
-    __m256 f4[4], f2[2];
-    for (int i = 0; i < 4; i++)  // [key 2i: lanes i + i+4 | key 2i+1: the same]
-      f4[i] = _mm256_add_ps(_mm256_permute2f128_ps(k[2 * i], k[2 * i + 1], 0x20),
-                            _mm256_permute2f128_ps(k[2 * i], k[2 * i + 1], 0x31));
-    for (int i = 0; i < 2; i++)  // lanes i + i+2: [4i: 2, 4i+2: 2 | 4i+1: 2, 4i+3: 2]
-      f2[i] = _mm256_add_ps(_mm256_shuffle_ps(f4[2 * i], f4[2 * i + 1], 0x44),
-                            _mm256_shuffle_ps(f4[2 * i], f4[2 * i + 1], 0xEE));
-    // lanes 0 + 1: [keys 0, 2, 4, 6 | 1, 3, 5, 7], then in order
-    const __m256 f1 = _mm256_add_ps(_mm256_shuffle_ps(f2[0], f2[1], 0x88), _mm256_shuffle_ps(f2[0], f2[1], 0xDD));
-    return _mm256_permutevar8x32_ps(f1, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  };
-  const __m256 r0 = reduce8(s8), r1 = reduce8(s8 + 8);
-  v16 out;
-  std::memcpy(&out, &r0, sizeof(r0));
-  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(r0), &r1, sizeof(r1));
-  return out;
+  for (int n = 0; n < NQ; n++) {
+    const __m256 r0 = reduce8_avx2(s8[n]), r1 = reduce8_avx2(s8[n] + 8);
+    std::memcpy(&out[n], &r0, sizeof(r0));
+    std::memcpy(reinterpret_cast<char*>(&out[n]) + sizeof(r0), &r1, sizeof(r1));
+  }
 }
 #endif
 
@@ -308,9 +398,6 @@ static inline v16 dot16_avx2(const float* q, Key key, int64_t hd) {
 // of 16: the same arithmetic as ``dot`` for each key (lane-wise partial sums over the chunks in order,
 // then lanes added as i+8, i+4, i+2, i+1), done for 16 keys at once with shuffles.
 static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
-#ifdef LL_DOT16_AVX2
-  return dot16_avx2(q, [&](int j, int64_t d) { return keys[j] + d; }, hd);
-#endif
   v16 p[16];
   for (int j = 0; j < 16; j++) p[j] = v16{0};
   for (int64_t d = 0; d < hd; d += 16) {
@@ -331,9 +418,6 @@ static inline v16 dot16(const float* q, const float* const* keys, int64_t hd) {
 // dot16 over 16 keys stored chunk by chunk: kc[(c * 16 + j) * 16 + i] is element 16 c + i of key j (the
 // same arithmetic, in the same order; the keys' addresses are fixed offsets from kc, none kept apart)
 static inline v16 dot16_packed(const float* q, const float* kc, int64_t hd) {
-#ifdef LL_DOT16_AVX2
-  return dot16_avx2(q, [&](int j, int64_t d) { return kc + d * 16 + 16 * j; }, hd);
-#endif
   v16 p[16];
   for (int j = 0; j < 16; j++) p[j] = v16{0};
   for (int64_t d = 0; d < hd; d += 16) {
@@ -472,8 +556,16 @@ static inline v16 load16f(const T* p, int64_t n) {
     }
 #endif
   }
-#if defined(__F16C__) && !defined(__AVX512F__)
+#if defined(__F16C__) && defined(__AVX512F__)
   if constexpr (std::is_same_v<T, c10::Half>) {  // F16C's conversion, as static_cast<float> makes it here
+    if (n == 16) {
+      const __m512 h = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      std::memcpy(&x, &h, sizeof(v16));
+      return x;
+    }
+  }
+#elif defined(__F16C__)
+  if constexpr (std::is_same_v<T, c10::Half>) {  // the same, 8 lanes at a time
     if (n == 16) {
       __m256 h[2];
       for (int i = 0; i < 2; i++)
@@ -506,72 +598,90 @@ static inline void with_tile(int64_t nr, int64_t ns, F&& f) {
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// 16 values from src as fp32 in two halves of 8 lanes (FULL: all 16; else the first n, zeros after them)
-template <bool FULL, typename T>
-static inline void load8x2(const T* src, int64_t n, __m256& lo, __m256& hi) {
-  if constexpr (FULL && std::is_same_v<T, float>) {
-    lo = _mm256_loadu_ps(src);
-    hi = _mm256_loadu_ps(src + 8);
-  } else if constexpr (FULL && std::is_same_v<T, c10::BFloat16>) {  // a bf16 is the top half of its fp32
-    auto f = [](const T* q) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-    };
-    lo = f(src);
-    hi = f(src + 8);
-  } else if constexpr (FULL && std::is_same_v<T, c10::Half>) {  // F16C's conversion, as static_cast<float>
-    lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8)));
-  } else {
-    const v16 x = load16f(src, FULL ? 16 : n);
-    std::memcpy(&lo, &x, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
-  }
-}
-
-// value_tile's loop over the keys for its NR rows and NC (NR * NC <= 4) of its slices, with AVX2: a slice
-// of 16 as two halves of 8 lanes, each lane the fused multiply-adds of the AVX-512 path in its order (a
-// weight of 0 skipped), so its bits; in registers (NR * NC * 2 <= 8 accumulators, the weight and the
-// values).  FULL: every slice 16 wide.  v: the first slice's values of key 0; w: the slices' widths;
-// acc: row j's slice i at acc[j * stride + i].
-template <typename T, int NR, int NC, bool FULL>
-static inline void value_keys_avx2(const T* v, int64_t vs, int64_t Tk, const int64_t* w, const float* p,
-                                   int64_t pstride, v16* acc, int64_t stride) {
-  __m256 a[NR][NC][2];
-  for (int j = 0; j < NR; j++)
-    for (int i = 0; i < NC; i++) a[j][i][0] = a[j][i][1] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < Tk; t++) {
-    __m256 vt[NC][2];
-    for (int i = 0; i < NC; i++) load8x2<FULL>(v + t * vs + 16 * i, w[i], vt[i][0], vt[i][1]);
-    for (int j = 0; j < NR; j++) {
-      const float pj = p[j * pstride + t];
-      if (pj != 0.0f) {
-        const __m256 pv = _mm256_set1_ps(pj);
-        for (int i = 0; i < NC; i++)
-          for (int h = 0; h < 2; h++) a[j][i][h] = _mm256_fmadd_ps(pv, vt[i][h], a[j][i][h]);
+#ifdef LL_DOT16_AVX2
+// n (<= 8; 8: all, <= 0: none) values at p as fp32, zeros after them (FULL: 8), as load16f makes them
+template <typename T, bool FULL>
+static inline __m256 load8_part(const T* p, int64_t n) {
+  if constexpr (!FULL) {
+    if (n < 8) {
+      if (n <= 0) return _mm256_setzero_ps();
+      if constexpr (std::is_same_v<T, float>) {
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        return _mm256_maskload_ps(p, live);
+      } else {
+        T x[8] = {};
+        for (int64_t i = 0; i < n; i++) x[i] = p[i];
+        return load8f(x);
       }
     }
   }
-  for (int j = 0; j < NR; j++)
-    for (int i = 0; i < NC; i++) std::memcpy(&acc[j * stride + i], a[j][i], sizeof(v16));
+  return load8f(p);
 }
 
-// the same with sums: the rows' weight sums (each in key order, as value_tile adds them), null: not wanted.
-// Made in a loop of their own: in the keys' loop their registers pushed an accumulator into memory.
-template <typename T, int NR, int NC>
-static inline void value_run_avx2(const T* v, int64_t vs, int64_t Tk, const int64_t* w, const float* p,
-                                  int64_t pstride, float* sums, v16* acc, int64_t stride) {
-  if (sums) {
-    float s[NR] = {};
-    for (int64_t t = 0; t < Tk; t++)
-      for (int j = 0; j < NR; j++) s[j] += p[j * pstride + t];
-    for (int j = 0; j < NR; j++) sums[j] = s[j];
+// value_tile's loop over the keys for its NR rows and NC of its slices with AVX2 (NR * NC <= 4: the 2 NR NC
+// accumulators in registers; a slice of 16 as two halves of 8 lanes), each lane the fused multiply-adds of
+// the AVX-512 path in its order, so its bits.  A weight of 0 leaves the accumulators as they are: AVX2 has
+// no masked multiply-add, so the keys go in blocks of 8, and a block whose weights for these rows are all
+// nonzero (the usual case) adds with no test at all; a block with a 0 (a masked key, an underflow) keeps
+// each multiply-add's result only where the weight is not 0 (a blend).  No branch per weight: with one,
+// GCC's loop took 4 taken jumps a key, and with the rows' weight sums in 4 registers of their own it kept
+// the accumulators in memory (so the sums share one, row j in lane j, each still added in key order).
+// FULL: every slice 16 wide; v: the first slice's values of key 0; w: the slices' widths; acc: row j's
+// slice i at acc[j * STRIDE + i]; SUMS: the rows' weight sums into sums[0 .. NR).
+template <typename T, int NR, int NC, int STRIDE, bool FULL, bool SUMS>
+__attribute__((noinline)) static void value_keys_avx2(
+    const T* v, int64_t vs, int64_t Tk, const int64_t* w, const float* p, int64_t pstride, float* sums, v16* acc) {
+  static_assert(NR <= 4, "the rows' weight sums in one register");
+  __m256 a[NR][NC][2];
+  __m128 s = _mm_setzero_ps();  // row j's weight sum in lane j
+  for (int j = 0; j < NR; j++)
+    for (int i = 0; i < NC; i++) a[j][i][0] = a[j][i][1] = _mm256_setzero_ps();
+  const __m256 zero = _mm256_setzero_ps();
+  // key t's products for the NR rows and NC slices (TEST: each kept only where its weight is not 0, NaN
+  // included), and its weights added to the rows' sums
+#define LL_VALUE_KEY(TEST)                                                                                 \
+  {                                                                                                        \
+    __m256 vt[NC][2];                                                                                      \
+    for (int i = 0; i < NC; i++)                                                                           \
+      for (int h = 0; h < 2; h++) vt[i][h] = load8_part<T, FULL>(v + t * vs + 16 * i + 8 * h, w[i] - 8 * h); \
+    for (int j = 0; j < NR; j++) {                                                                         \
+      const __m256 pv = _mm256_set1_ps(p[j * pstride + t]);                                                \
+      const __m256 keep = _mm256_cmp_ps(pv, zero, _CMP_NEQ_UQ);                                            \
+      for (int i = 0; i < NC; i++)                                                                         \
+        for (int h = 0; h < 2; h++) {                                                                      \
+          const __m256 f = _mm256_fmadd_ps(pv, vt[i][h], a[j][i][h]);                                      \
+          a[j][i][h] = TEST ? _mm256_blendv_ps(a[j][i][h], f, keep) : f;                                   \
+        }                                                                                                  \
+    }                                                                                                      \
+    if (SUMS)                                                                                              \
+      s = _mm_add_ps(s, _mm_setr_ps(p[t], NR > 1 ? p[pstride + t] : 0.0f, NR > 2 ? p[2 * pstride + t] : 0.0f, \
+                                    NR > 3 ? p[3 * pstride + t] : 0.0f));                                  \
   }
-  if (w[NC - 1] == 16)
-    value_keys_avx2<T, NR, NC, true>(v, vs, Tk, w, p, pstride, acc, stride);
-  else
-    value_keys_avx2<T, NR, NC, false>(v, vs, Tk, w, p, pstride, acc, stride);
+  int64_t t = 0;
+  while (t + 8 <= Tk) {
+    __m256 zeros = _mm256_cmp_ps(_mm256_loadu_ps(p + t), zero, _CMP_EQ_OQ);
+    for (int j = 1; j < NR; j++)
+      zeros = _mm256_or_ps(zeros, _mm256_cmp_ps(_mm256_loadu_ps(p + j * pstride + t), zero, _CMP_EQ_OQ));
+    const int64_t t1 = t + 8;
+    if (_mm256_movemask_ps(zeros) == 0) {
+      for (; t < t1; t++) LL_VALUE_KEY(false)
+    } else {
+      for (; t < t1; t++) LL_VALUE_KEY(true)
+    }
+  }
+  for (; t < Tk; t++) LL_VALUE_KEY(true)
+#undef LL_VALUE_KEY
+  if (SUMS) {
+    float lanes[4];
+    _mm_storeu_ps(lanes, s);
+    for (int j = 0; j < NR; j++) sums[j] = lanes[j];
+  }
+  for (int j = 0; j < NR; j++)
+    for (int i = 0; i < NC; i++) {
+      _mm256_storeu_ps(reinterpret_cast<float*>(acc + j * STRIDE + i), a[j][i][0]);
+      _mm256_storeu_ps(reinterpret_cast<float*>(acc + j * STRIDE + i) + 8, a[j][i][1]);
+    }
 }
 #endif
 
@@ -644,20 +754,26 @@ static void value_tile(const T* v, int64_t vs, int64_t Tk, int64_t hd, int64_t d
   const bool full = w[NS - 1] == 16;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // the loop below with intrinsics, the same operations (value_keys_avx512)
-  if (full || !std::is_same_v<T, float>) {
+  if (true) {
     if (full)
       value_keys_avx512<T, NR, NS, true>(v + d0, vs, Tk, w, p, pstride, sums, &acc[0][0]);
     else
       value_keys_avx512<T, NR, NS, false>(v + d0, vs, Tk, w, p, pstride, sums, &acc[0][0]);
   } else
-#elif defined(__AVX2__) && defined(__FMA__)
-  // the same with AVX2 (value_run_avx2): runs of NC of the NS slices, so that a run's accumulators fit in
+#elif defined(LL_DOT16_AVX2)
+  // the same with AVX2 (value_keys_avx2): runs of NC of the NS slices, so that a run's accumulators fit in
   // AVX2's 16 registers, each over every key; the rows' weight sums made in the first run
-  if (full || !std::is_same_v<T, float>) {
+  if (true) {
     constexpr int NC = NR * NS <= 4 ? NS : NR == 2 && NS % 2 == 0 ? 2 : 1;
-    for (int i = 0; i < NS; i += NC)
-      value_run_avx2<T, NR, NC>(v + d0 + 16 * i, vs, Tk, w + i, p, pstride, i == 0 ? sums : nullptr, &acc[0][i],
-                                NS);
+    for (int i = 0; i < NS; i += NC) {
+      const auto run = [&](auto FULL, auto SUMS) {
+        value_keys_avx2<T, NR, NC, NS, FULL, SUMS>(v + d0 + 16 * i, vs, Tk, w + i, p, pstride, sums, &acc[0][i]);
+      };
+      if (full)
+        i == 0 ? run(std::true_type{}, std::true_type{}) : run(std::true_type{}, std::false_type{});
+      else
+        i == 0 ? run(std::false_type{}, std::true_type{}) : run(std::false_type{}, std::false_type{});
+    }
   } else
 #endif
   for (int64_t t = 0; t < Tk; t++) {  // each value slice read once for these rows, in key order
@@ -874,7 +990,7 @@ constexpr int64_t PARALLEL_MIN = 8192;  // query rows x keys below which the pas
 template <typename T>
 void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask, Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), hd = q.size(3), Hkv = k.size(1), Tk = k.size(2);
-  const int64_t g = H / Hkv, R = g * S, BK = B * Hkv, Tp = (Tk + 15) / 16 * 16;
+  const int64_t g = H / Hkv, R = g * S, BK = B * Hkv, Tp = (Tk + 15) / 16 * 16, hd16 = hd / 16 * 16;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
@@ -920,7 +1036,8 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
     }
   }
   par_for(0, BK * runs, grain(BK * runs), [&](int64_t begin, int64_t end) {  // 1. scores
-    std::vector<float> kf(16 * hd), zeros(hd, 0.0f);
+    // ktail: hd not a multiple of 16, the keys' last hd % 16 elements as fp32, element by element (16 keys each)
+    std::vector<float> kf(16 * hd), zeros(hd, 0.0f), ktail(16 * 16);
     for (int64_t task = begin; task < end; task++) {
       const int64_t bk = task / runs, b = bk / Hkv, kvh = bk % Hkv;
       const int64_t t1 = std::min(Tk, (task % runs + 1) * run_len);
@@ -928,23 +1045,22 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
       for (int64_t t0 = task % runs * run_len; t0 < t1; t0 += 16) {
         const int64_t nb = std::min<int64_t>(16, Tk - t0);
         const float* kt[16];
+#ifdef LL_DOT16_AVX2
+        // AVX2: keys of every dtype read where they are, widened in registers as dot16_rows_avx2 reads them
+        // (the same values), the rows past the end zeros
+        const bool rows_avx2 = true;
+#else
+        const bool rows_avx2 = false;
+#endif
         // half-precision keys with hd a multiple of 16: widened into kf chunk by chunk (dot16_packed)
-        const bool packed = !std::is_same_v<T, float> && hd % 16 == 0;
-        // bf16 keys, a full block (AVX-512): widened in registers as dot16_rows reads them (the same values;
-        // a widening is 2 instructions), not stored into kf and read back (which took 1.3-1.8x the time)
-        const bool direct = std::is_same_v<T, c10::BFloat16> && WIDEN_IN_REGISTERS && packed && nb == 16;
-        for (int64_t j = 0; j < 16 && !direct; j++) {
+        const bool packed = !std::is_same_v<T, float> && hd % 16 == 0 && !rows_avx2;
+        // bf16 and fp16 keys, a full block (AVX-512): widened in registers as dot16_rows reads them (the same
+        // values; a widening is 1 or 2 instructions), not stored into kf and read back (which took 1.3-1.8x the
+        // time in bf16)
+        const bool direct = !std::is_same_v<T, float> && WIDEN_IN_REGISTERS && packed && nb == 16;
+        for (int64_t j = 0; j < 16 && !direct && !rows_avx2; j++) {
           if (packed) {
             const T* krow = kbase + (t0 + j) * ks2;
-#ifdef LL_DOT16_AVX2
-            for (int64_t d = 0; d < hd; d += 16) {  // the same with AVX2 (through a v16, GCC's code went
-              __m256 lo = _mm256_setzero_ps(), hi = lo;  // through the general registers)
-              if (j < nb) load8x2<true>(krow + d, 16, lo, hi);
-              _mm256_storeu_ps(&kf[(d + j) * 16], lo);
-              _mm256_storeu_ps(&kf[(d + j) * 16 + 8], hi);
-            }
-            continue;
-#endif
             for (int64_t d = 0; d < hd; d += 16) {
               const v16 x = j < nb ? load16f(krow + d, 16) : v16{0};
               std::memcpy(&kf[(d + j) * 16], &x, sizeof(v16));  // chunk d / 16, key j
@@ -964,6 +1080,9 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
             kt[j] = &kf[j * hd];
           }
         }
+        if (hd16 < hd && !rows_avx2)
+          for (int64_t d = hd16; d < hd; d++)
+            for (int j = 0; j < 16; j++) ktail[(d - hd16) * 16 + j] = kt[j][d];
         // a row's 16 scores into its scores row, masked (row r: token r % S, kept as tok)
         const auto put = [&](int64_t r, int64_t tok, const float* sc) {
           const bool* mrow = mp ? mp + b * m0 + tok * m2 : nullptr;
@@ -971,6 +1090,14 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
           if (!mrow && nb == 16) {
             std::memcpy(sr, sc, 16 * sizeof(float));
           } else if (nb == 16 && m3 == 1) {  // 16 mask entries side by side: compared at once
+#ifdef LL_DOT16_AVX2
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mrow + t0));  // a bool a byte
+            const __m256i seen[2] = {_mm256_cvtepu8_epi32(bytes), _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
+            for (int h = 0; h < 2; h++) {
+              const __m256 hidden = _mm256_castsi256_ps(_mm256_cmpeq_epi32(seen[h], _mm256_setzero_si256()));
+              _mm256_storeu_ps(sr + 8 * h, _mm256_blendv_ps(_mm256_loadu_ps(sc + 8 * h), _mm256_set1_ps(NEG), hidden));
+            }
+#else
             v16 x;
             i16v seen;
             std::memcpy(&x, sc, sizeof(v16));
@@ -979,12 +1106,37 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
             for (int j = 0; j < 16; j++) seen[j] = bytes[j];
             x = seen != 0 ? x : splat(NEG);
             std::memcpy(sr, &x, sizeof(v16));
+#endif
           } else {
             for (int64_t j = 0; j < 16; j++) sr[j] = j >= nb || (mrow && !mrow[(t0 + j) * m3]) ? NEG : sc[j];
           }
         };
         int64_t r = 0, tok = 0;
-#ifndef LL_DOT16_AVX2
+#ifdef LL_DOT16_AVX2
+        if (rows_avx2) {  // three rows at a time, as below
+          const T* kr[16];
+          for (int j = 0; j < 16; j++)
+            kr[j] = j < nb ? kbase + (t0 + j) * ks2 : reinterpret_cast<const T*>(zeros.data());  // hd zeros
+          for (int64_t d = hd16; d < hd; d++)
+            for (int j = 0; j < 16; j++) ktail[(d - hd16) * 16 + j] = static_cast<float>(kr[j][d]);
+          for (; r < R; r += 3) {
+            v16 s16[3];
+            const float* qr = qf + (bk * R + r) * hd;
+            const int64_t nq = std::min<int64_t>(3, R - r);
+            if (nq == 3)
+              dot16_rows_avx2<3>(qr, hd, kr, hd16, s16);
+            else if (nq == 2)
+              dot16_rows_avx2<2>(qr, hd, kr, hd16, s16);
+            else
+              dot16_rows_avx2<1>(qr, hd, kr, hd16, s16);
+            for (int n = 0; n < nq; n++) {
+              if (hd16 < hd) s16[n] = dot16_tail_avx2(s16[n], qr + n * hd, ktail.data(), hd16, hd);
+              put(r + n, tok, reinterpret_cast<const float*>(&s16[n]));
+              if (++tok == S) tok = 0;
+            }
+          }
+        }
+#else
         if (direct) {
           const T* k0 = kbase + t0 * ks2;
           const auto key = [&](int j, int64_t d) { return load16f(k0 + j * ks2 + d, 16); };
@@ -1004,7 +1156,7 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
             }
           }
         }
-        if (hd % 16 == 0) {  // NQ rows at a time (dot16_rows; about 7% faster in bf16 than row by row)
+        {  // NQ rows at a time (dot16_rows; about 7% faster in bf16 than row by row), then dot's tail
           constexpr int NQ = 3;
           for (; r + NQ <= R; r += NQ) {
             v16 s16[NQ];
@@ -1012,8 +1164,9 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
             if (packed)
               dot16_rows<NQ>(qr, hd, [&](int j, int64_t d) { return kf.data() + d * 16 + 16 * j; }, hd, s16);
             else
-              dot16_rows<NQ>(qr, hd, [&](int j, int64_t d) { return kt[j] + d; }, hd, s16);
+              dot16_rows<NQ>(qr, hd, [&](int j, int64_t d) { return kt[j] + d; }, hd16, s16);
             for (int n = 0; n < NQ; n++) {
+              if (hd16 < hd) s16[n] = dot16_tail(s16[n], qr + n * hd, ktail.data(), hd16, hd);
               put(r + n, tok, reinterpret_cast<const float*>(&s16[n]));
               if (++tok == S) tok = 0;
             }
@@ -1029,8 +1182,9 @@ void attend_rows_impl(const Tensor& q, const Tensor& k, const Tensor& v, const o
           } else if (hd % 16 == 0) {
             const v16 s16 = dot16(qr, kt, hd);
             std::memcpy(sc, &s16, sizeof(v16));
-          } else {
-            for (int64_t j = 0; j < nb; j++) sc[j] = dot(qr, kt[j], hd);
+          } else {  // dot for 16 keys at once: its chunks as dot16's, then its tail
+            const v16 s16 = dot16_tail(dot16(qr, kt, hd16), qr, ktail.data(), hd16, hd);
+            std::memcpy(sc, &s16, sizeof(v16));
           }
           put(r, tok, sc);
           if (++tok == S) tok = 0;

@@ -327,3 +327,67 @@ def test_layer_args_follow_a_change_of_format():
         lin.unpack()
         assert native.layer_args(m, 0, 2)[1][-1] == 0
     assert native.layer_args(m, 1, 2) is not native.layer_args(m, 0, 2)
+
+
+@pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
+def test_eagle_step_equals_the_torch_draft_and_keeps_eagle_and_auto_exact(monkeypatch):
+    """In a q4 model whose EAGLE head and draft vocabulary are held as 8-bit blocks, one native call
+    (``EagleHead.native_step``) gives the torch path's next states and draft logits bit for bit, the
+    same chains, and eagle and auto stay q4 greedy token for token."""
+    from layerleap import generate
+    from layerleap.drafters import draft_vocab as dv, medusa_transfer
+    from layerleap.drafters.eagle import EagleChains
+
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    monkeypatch.setattr(kernels, "q8_products_faster", lambda ws: True)
+    monkeypatch.setattr(kernels, "draft_head_q8", lambda w: w.shape[1] % kernels.GROUP == 0)
+    q4 = quantize_model(random_model("llama-gqa-tied", seed=5, scale=2.0))
+    assert q4.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    head = medusa_transfer.new_drafter(q4, "eagle")
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    head.eval().requires_grad_(False)  # frozen, as loaded drafters are
+    V = q4.config.vocab_size
+    vocab = dv.DraftVocab(q4, torch.arange(0, V, 2))
+    assert vocab.head.q8 is not None
+    with torch.inference_mode():
+        step = head.native_step(vocab)
+        assert step is not None and head.native_step(vocab) is step  # made once
+        assert head.native_step(None) is None  # the full vocabulary: the torch path
+        z = q4.final_norm(torch.randn(3, q4.config.hidden_size, generator=g).to(torch.bfloat16))
+        x = torch.randint(0, V, (3,), generator=g)
+        want_z = q4.final_norm(head.step(z, x))
+        got_z, got = step(z, x)
+        assert torch.equal(got_z, want_z) and torch.equal(got, vocab.logits(want_z))
+
+    class Gen:
+        eos_ids, stop_at_eos = (), False
+
+    run = type("R", (), {"model": q4, "gen": Gen()})()
+    states = list(torch.randn(3, q4.config.hidden_size, generator=g).to(torch.bfloat16))
+    chains = EagleChains(run, head, 4, vocab, width=2)
+    native_chains = chains.draft(states, [3, 8, 11], [4, 2, 3])
+    monkeypatch.setattr(type(head), "native_step", lambda self, vocab: None)
+    assert chains.draft(states, [3, 8, 11], [4, 2, 3]) == native_chains
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "q8_products_faster", lambda ws: True)
+    monkeypatch.setattr(kernels, "draft_head_q8", lambda w: w.shape[1] % kernels.GROUP == 0)
+
+    calls = []
+    real = type(head).native_step
+
+    def spy(self, vocab):
+        out = real(self, vocab)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(type(head), "native_step", spy)
+    prompt = [5, 9, 2, 7, 5, 9]
+    want = generate(q4, prompt, "greedy", 16, stop_at_eos=False).token_ids
+    for method, opts in (("eagle", {"eagle_head": head, "draft_len": 2, "width": 2}), ("auto", {"eagle": head})):
+        calls.clear()
+        got = generate(q4, prompt, method, 16, stop_at_eos=False, draft_vocab=vocab, **opts)
+        assert got.token_ids == want, f"{method} with the native EAGLE step differs from q4 greedy"
+        assert calls and all(calls), f"{method} did not draft with the native step"

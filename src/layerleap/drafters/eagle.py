@@ -84,9 +84,13 @@ class EagleChains:
         first = True
         z = model.final_norm(torch.stack(states))  # [R, D]
         x = torch.tensor(roots, dtype=torch.long, device=model.device)  # [R]
+        native = self.head.native_step(self.vocab)  # the same step in one native call, where it serves
         while live:
-            z = model.final_norm(self.head.step(z, x))  # [R', D]
-            logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
+            if native is not None:
+                z, logits = native(z.contiguous(), x)
+            else:
+                z = model.final_norm(self.head.step(z, x))  # [R', D]
+                logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
             top = sampling.top_ids(logits)  # [R'] indices into the vocabulary or the draft vocabulary
             tokens = top if self.vocab is None else self.vocab.tokens(top)
             if first and self.width > 1:

@@ -166,12 +166,44 @@ class EagleHead(_Drafter):
         positions' states ``[.., D]`` (before the final norm, in the model's dtype)."""
         w = self.fc.weight
         fc, gate_up, down = self._products()
-        e = self.model.embed(x).to(w.dtype)  # [.., D]
-        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)
+        D = (w.shape[0],)
+        # the fused F.rms_norm in fp32 is bitwise x * rsqrt(mean(x^2) + eps) (times the weight): one kernel
+        e = F.rms_norm(self.model.embed(x).to(w.dtype), D, eps=1e-6)  # [.., D]
         u = fc(torch.cat([z.to(w.dtype), e], dim=-1)).to(w.dtype)  # [.., D]
-        v = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        v = F.rms_norm(u, D, self.norm, eps=1e-6)
         gate, up = gate_up(v).to(w.dtype).chunk(2, dim=-1)
         return (u + down(F.silu(gate) * up).to(w.dtype)).to(self.model.dtype)
+
+    def native_step(self, vocab):
+        """``(z, x) -> (final_norm(step(z, x)), vocab.logits(...))`` in one call of the native module
+        (``decoder.cpp``'s ``eagle_step``: the same kernels, so the same bits), or None where it does not
+        serve: no native module, products not held as 8-bit blocks (``_products``), no 8-bit draft
+        vocabulary (``draft_vocab.DraftRows``), or a model not in bf16 on a CPU."""
+        from ..core import native
+
+        mod, model = native.module(), self.model
+        rows = getattr(getattr(vocab, "head", None), "q8", None)
+        if mod is None or rows is None or not hasattr(mod, "eagle_step") or torch.is_grad_enabled():
+            return None
+        if model.dtype != torch.bfloat16 or model.device.type != "cpu" or self.norm.dtype != torch.float32:
+            return None
+        blocks = [getattr(p, "__self__", None) for p in self._products()]
+        if not all(isinstance(b, kernels.BlockWeight) and b.fine == rows.fine for b in blocks):
+            return None
+        held = getattr(self, "_native", None)
+        key = (tuple(blocks), rows)
+        if held is None or held[0] != key:
+            ws = [t for b in (*blocks, rows) for t in (b.codes, b.dm)]
+            outs = [b.out_features for b in (*blocks, rows)]
+            eps = model.norm.eps
+            norm, final = self.norm.detach(), model.norm.weight.detach()
+
+            def step(z: torch.Tensor, x: torch.Tensor):
+                e = model.embed(x).reshape(z.shape)
+                return mod.eagle_step(z, e, ws, outs, norm, final, eps, rows.fine)
+
+            self._native = held = (key, step)
+        return held[1]
 
     def _products(self):
         """The three products: the layers themselves while they train, else, where this CPU measures it

@@ -2292,6 +2292,29 @@ Tensor block_matmul(const Tensor& x, const Tensor& codes, const Tensor& dm, int6
 }
 
 std::string blocks_isa() { return blocks_paths()[0]; }
+
+// One EAGLE draft step for R rows (drafters/eagle.py: EagleChains.draft, EagleHead.step, the model's final
+// norm and the draft vocabulary's 8-bit product), in one call and the same ATen and block kernels as the
+// Python path, so the same bits: z [R, D] the rows' normalised states (bf16), e [R, D] the embeddings of the
+// tokens after them (bf16); w holds the codes and scales of the head's fc, gate_up and down and of the draft
+// vocabulary's rows, outs their output sizes; norm the head's own norm (fp32), final_w the model's final
+// norm (bf16).  Gives the next normalised states [R, D] (bf16) and the draft logits [R, K] (fp32).
+std::vector<Tensor> eagle_step(const Tensor& z, const Tensor& e, const std::vector<Tensor>& w,
+                               const std::vector<int64_t>& outs, const Tensor& norm, const Tensor& final_w,
+                               double final_eps, bool fine) {
+  TORCH_CHECK(w.size() == 8 && outs.size() == 4, "eagle_step: four block weights (codes, scales) and sizes");
+  TORCH_CHECK(z.dim() == 2 && e.sizes() == z.sizes() && z.scalar_type() == at::kBFloat16,
+              "eagle_step: bf16 states and embeddings [R, D]");
+  const int64_t D = z.size(1), H = outs[1] / 2;
+  auto e32 = at::rms_norm(e.to(at::kFloat), {D}, c10::nullopt, 1e-6);
+  auto u = block_matmul_to(at::cat({z.to(at::kFloat), e32}, -1), w[0], w[1], outs[0], fine, "", at::kFloat);
+  auto v = at::rms_norm(u, {D}, norm, 1e-6);
+  auto g = block_matmul_to(v, w[2], w[3], outs[1], fine, "", at::kFloat);
+  auto a = at::silu(g.narrow(1, 0, H)) * g.narrow(1, H, H);
+  auto s = (u + block_matmul_to(a, w[4], w[5], outs[2], fine, "", at::kFloat)).to(at::kBFloat16);
+  auto zn = rms_norm(s, final_w, final_eps);
+  return {zn, block_matmul_to(zn, w[6], w[7], outs[3], fine, "", at::kFloat)};
+}
 }  // namespace
 
 // Attention.project's rope and Keys.store for bf16 heads, cos, sin and cache, in one pass and no ATen
@@ -2539,6 +2562,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("team_settings", &team_settings,
         "teams on (1/0), the stream window in bytes, the team rounding activations (1/0); -1 keeps one",
         py::arg("on") = -1, py::arg("window") = -1, py::arg("rounds") = -1);
+  m.def("eagle_step", &eagle_step, "one EAGLE draft step with 8-bit block weights (see decoder.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("blocks_isa", &blocks_isa, "the vector path block_matmul takes by default");
   m.def("blocks_paths", &blocks_paths, "the paths block_matmul was built with, best first");
   m.def("build_features", &build_features, "the instruction sets this build was compiled for");

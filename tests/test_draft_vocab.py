@@ -242,3 +242,52 @@ def test_an_exit_head_over_a_draft_vocab_reuses_its_rows_without_unpacking_the_h
     for method, opts in (("self-spec", {"exit_layer": 1, "draft_len": 2}), ("ppd", {"exit_layer": 2, "k": 2})):
         got = generate(q4, prompt, method, 12, stop_at_eos=False, draft_vocab=vocab, head="shared", **opts)
         assert got.token_ids == want, f"{method} over a draft vocabulary differs from q4 greedy"
+
+
+def test_eagle_chains_score_the_most_frequent_ids_of_the_shipped_set_in_q4(monkeypatch):
+    """``DraftVocab.first`` keeps the first ids (a file's most frequent), made once; EAGLE's chains score
+    the dtype's ``DRAFT_VOCAB_SIZE`` of them only when ``draft_vocab`` is "auto" (a file or a given set is
+    scored whole), and eagle and auto over the cut set stay q4 greedy token for token."""
+    from layerleap.core import kernels
+    from layerleap.core.loading import quantize_model
+    from layerleap.drafters import medusa_transfer
+    from layerleap.methods import eagle as eagle_method
+
+    model = random_model("llama-gqa-tied", seed=5, scale=2.0)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randperm(model.config.vocab_size, generator=g)[:40]
+    vocab = dv.DraftVocab(model, ids, {"size": "40"})
+    cut = vocab.first(12)
+    assert torch.equal(cut.ids, ids[:12]) and cut.meta["size"] == "12" and vocab.first(12) is cut
+    assert vocab.first(40) is vocab and vocab.first(99) is vocab
+    monkeypatch.setattr(eagle_method, "DRAFT_VOCAB_SIZE", {"float32": None, "q4": 12})
+    assert eagle_method.chains_vocab(model, vocab, "auto") is vocab  # fp32: the whole set
+    assert eagle_method.chains_vocab(model, None, "auto") is None
+    if not kernels.blocks_available():
+        pytest.skip("the native block kernel is not built")
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    q4 = quantize_model(model)
+    assert q4.dtype_name == "q4"
+    v4 = dv.DraftVocab(q4, ids)
+    assert eagle_method.chains_vocab(q4, v4, "auto") is v4.first(12)
+    assert eagle_method.chains_vocab(q4, v4, "some.safetensors") is v4  # a file: scored whole
+    monkeypatch.setattr(dv, "get_draft_vocab", lambda m, spec="auto": v4 if spec == "auto" else None)
+    monkeypatch.setattr(eagle_method, "get_draft_vocab", dv.get_draft_vocab)
+    import layerleap.methods.auto as auto_method
+
+    monkeypatch.setattr(auto_method, "get_draft_vocab", dv.get_draft_vocab)
+    head = medusa_transfer.new_drafter(q4, "eagle")
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    head.requires_grad_(False)
+    scored = []
+    real = dv.DraftVocab.logits
+    monkeypatch.setattr(dv.DraftVocab, "logits", lambda self, z: scored.append(self.size) or real(self, z))
+    prompt = [5, 9, 2, 7, 5, 9]
+    want = generate(q4, prompt, "greedy", 16, stop_at_eos=False).token_ids
+    for method, opts in (("eagle", {"eagle_head": head, "draft_len": 2}), ("auto", {"eagle": head})):
+        scored.clear()
+        got = generate(q4, prompt, method, 16, stop_at_eos=False, **opts)
+        assert got.token_ids == want, f"{method} over the cut draft vocabulary differs from q4 greedy"
+        assert scored and set(scored) == {12}, f"{method} scored {set(scored)} ids, not the first 12"

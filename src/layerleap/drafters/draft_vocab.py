@@ -92,10 +92,20 @@ class DraftVocab:
         self.head = DraftRows(model.head_rows(self.ids))  # [K, D]
         self.meta = dict(meta or {})
         self._id_list: list[int] | None = None  # ids as ints, once asked for (``tokens``)
+        self._firsts: dict[int, DraftVocab] = {}  # ``first``'s, by size
 
     @property
     def size(self) -> int:
         return len(self.ids)
+
+    def first(self, size: int) -> "DraftVocab":
+        """The draft vocabulary of the first ``size`` ids (a file's ids are most frequent first), made once;
+        this one where it holds no more."""
+        if size >= self.size:
+            return self
+        if size not in self._firsts:
+            self._firsts[size] = DraftVocab(self.model, self.ids[:size], {**self.meta, "size": str(size)})
+        return self._firsts[size]
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """Normalised last-layer states ``z`` ``[.., D]`` -> fp32 logits ``[.., K]`` over the ids."""

@@ -152,7 +152,9 @@ def auto(
         medusa_buf = tree_buffers(run, "auto", O.per_dtype(run.model, MEDUSA_TREES), heads.steps, vocab)
     if head is not None:
         eagle_len = O.per_dtype(run.model, eagle_method.DEFAULT_DRAFT_LEN)
-        chains = EagleChains(run, head, eagle_len, vocab, width=O.per_dtype(run.model, eagle_method.DEFAULT_WIDTH))
+        width = O.per_dtype(run.model, eagle_method.DEFAULT_WIDTH)
+        eagle_vocab = eagle_method.chains_vocab(run.model, vocab, draft_vocab)
+        chains = EagleChains(run, head, eagle_len, eagle_vocab, width=width)
     cut_merged = adaptive is not False
     adaptive = adaptive_default(run, adaptive)
     plain = head is None or plain_calls(run.model)

@@ -291,3 +291,30 @@ def test_eagle_chains_score_the_most_frequent_ids_of_the_shipped_set_in_q4(monke
         got = generate(q4, prompt, method, 16, stop_at_eos=False, **opts)
         assert got.token_ids == want, f"{method} over the cut draft vocabulary differs from q4 greedy"
         assert scored and set(scored) == {12}, f"{method} scored {set(scored)} ids, not the first 12"
+
+
+def test_the_first_rows_of_8_bit_draft_rows_share_their_blocks(monkeypatch):
+    """``DraftRows.first`` cuts 8-bit rows to their first whole blocks without measuring or quantizing
+    again: the same logits as the first columns of the whole product, over the same memory; rows held
+    otherwise, or a cut inside a block, give None (``DraftVocab.first`` then makes rows of its own)."""
+    from layerleap.core import kernels
+    from layerleap.drafters.draft_vocab import DraftRows
+
+    if not kernels.blocks_available():
+        pytest.skip("the native block kernel is not built")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(80, 64, generator=g)
+    assert DraftRows(w).first(32) is None  # small: dense rows
+    monkeypatch.setattr(kernels, "draft_head_q8", lambda weight: True)
+    rows = DraftRows(w)
+
+    def measured(weight):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(kernels, "draft_head_q8", measured)
+    cut = rows.first(32)
+    assert cut is not None and cut.q8.out_features == 32
+    assert cut.q8.codes.data_ptr() == rows.q8.codes.data_ptr()
+    x = torch.randn(3, 64, generator=g)
+    assert torch.equal(cut(x), rows(x)[:, :32])
+    assert rows.first(40) is None and rows.first(96) is None

@@ -63,6 +63,17 @@ class DraftRows:
         dense = cpu and kernels.ONEDNN and self.q8 is None and self.row_by_row < 1 << 30
         self.packed = kernels.OneDNNWeight(w) if dense else None
 
+    def first(self, n: int) -> "DraftRows | None":
+        """The first ``n`` rows on their own, sharing these rows' 8-bit blocks (no copy, nothing measured
+        again), or None where they are not held as 8-bit blocks or ``n`` cuts a block of rows."""
+        if self.q8 is None or n % kernels.BLOCK_ROWS or not 0 < n <= self.q8.out_features:
+            return None
+        q8, nb = self.q8, n // kernels.BLOCK_ROWS
+        out = object.__new__(DraftRows)
+        out.dtype, out.row_by_row, out.column_major, out.packed = self.dtype, 0, None, None
+        out.q8 = kernels.BlockWeight(q8.codes[:nb], q8.dm[:nb], n, q8.bits, fine=q8.fine)
+        return out
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [n, D]
         n = rows.shape[0]
@@ -82,14 +93,14 @@ class DraftVocab:
     multiply by (the model's LM head rows, dense in the model's dtype, in the layout ``DraftRows``
     measured fastest here)."""
 
-    def __init__(self, model: Transformer, ids, meta: dict | None = None):
+    def __init__(self, model: Transformer, ids, meta: dict | None = None, head: DraftRows | None = None):
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         V = model.config.vocab_size
         if len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= V or len(torch.unique(ids)) != len(ids):
             raise DraftVocabError(f"a draft vocabulary must be distinct token ids in [0, {V}), got {len(ids)} ids")
         self.model = model
         self.ids = ids.to(model.device)  # [K]
-        self.head = DraftRows(model.head_rows(self.ids))  # [K, D]
+        self.head = DraftRows(model.head_rows(self.ids)) if head is None else head  # [K, D]
         self.meta = dict(meta or {})
         self._id_list: list[int] | None = None  # ids as ints, once asked for (``tokens``)
         self._firsts: dict[int, DraftVocab] = {}  # ``first``'s, by size
@@ -99,12 +110,14 @@ class DraftVocab:
         return len(self.ids)
 
     def first(self, size: int) -> "DraftVocab":
-        """The draft vocabulary of the first ``size`` ids (a file's ids are most frequent first), made once;
-        this one where it holds no more."""
+        """The draft vocabulary of the first ``size`` ids (a file's ids are most frequent first), made once
+        (its rows this one's first where they are 8-bit blocks, ``DraftRows.first``); this one where it
+        holds no more."""
         if size >= self.size:
             return self
         if size not in self._firsts:
-            self._firsts[size] = DraftVocab(self.model, self.ids[:size], {**self.meta, "size": str(size)})
+            meta = {**self.meta, "size": str(size)}
+            self._firsts[size] = DraftVocab(self.model, self.ids[:size], meta, self.head.first(size))
         return self._firsts[size]
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:

@@ -391,3 +391,26 @@ def test_eagle_step_equals_the_torch_draft_and_keeps_eagle_and_auto_exact(monkey
         got = generate(q4, prompt, method, 16, stop_at_eos=False, draft_vocab=vocab, **opts)
         assert got.token_ids == want, f"{method} with the native EAGLE step differs from q4 greedy"
         assert calls and all(calls), f"{method} did not draft with the native step"
+
+
+@pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
+def test_native_logits_equal_the_final_norm_and_the_head(monkeypatch):
+    """``Transformer.logits`` of a q4 model (bf16 rows, an 8-bit block head) in one native call gives the
+    Python path's bits, ``unembed(final_norm(h))``, for one row, a chain and a batch; more rows than the
+    fused rounding takes, or autograd, take the Python path."""
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    q4 = quantize_model(random_model("llama-gqa-tied", seed=5, scale=2.0))
+    assert isinstance(q4.lm_head.packed, kernels.BlockWeight) and q4.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    D = q4.config.hidden_size
+    with torch.inference_mode():
+        for shape in ((1, 1, D), (1, 5, D), (2, 3, D), (4, D)):
+            h = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
+            assert q4._native_logits(h) is not None
+            want = q4.unembed(q4.final_norm(h))
+            got = q4.logits(h)
+            assert got.dtype == torch.float32 and got.shape == want.shape and torch.equal(got, want)
+        h = torch.randn(1, q4.NATIVE_LOGITS_ROWS + 1, D).to(torch.bfloat16)
+        assert q4._native_logits(h) is None and torch.equal(q4.logits(h), q4.unembed(q4.final_norm(h)))
+    with torch.enable_grad():
+        assert q4._native_logits(torch.randn(1, 1, D).to(torch.bfloat16)) is None

@@ -502,7 +502,34 @@ class Transformer(nn.Module):
         return self.lm_head(h).float()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.unembed(self.final_norm(h))
+        out = self._native_logits(h)
+        return self.unembed(self.final_norm(h)) if out is None else out
+
+    NATIVE_LOGITS_ROWS = 64  # decoder.cpp's FUSED_ROWS: the most rows its bf16 products round themselves
+
+    def _native_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """``unembed(final_norm(h))`` in one call of the native module (``decoder.cpp``'s ``final_logits``: the
+        same kernels and roundings, so the same bits) for a few bf16 rows and a block LM head without bias on
+        a CPU, without autograd; else None."""
+        head = self.lm_head.packed
+        if not isinstance(head, kernels.BlockWeight) or head.bias is not None or h.dtype != torch.bfloat16:
+            return None
+        rows = h.numel() // h.shape[-1]
+        if rows > self.NATIVE_LOGITS_ROWS or h.device.type != "cpu" or torch.is_grad_enabled():
+            return None
+        mod = native.module()
+        if mod is None or not hasattr(mod, "final_logits") or self.norm.weight.dtype != torch.bfloat16:
+            return None
+        out = mod.final_logits(
+            h.reshape(rows, -1).contiguous(),
+            self.norm.weight,
+            self.norm.eps,
+            head.codes,
+            head.dm,
+            head.out_features,
+            head.fine,
+        )
+        return out.view(*h.shape[:-1], head.out_features)
 
     def forward(
         self,

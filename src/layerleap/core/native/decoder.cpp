@@ -2315,6 +2315,16 @@ std::vector<Tensor> eagle_step(const Tensor& z, const Tensor& e, const std::vect
   auto zn = rms_norm(s, final_w, final_eps);
   return {zn, block_matmul_to(zn, w[6], w[7], outs[3], fine, "", at::kFloat)};
 }
+
+// Transformer.logits for a few bf16 rows and a block LM head without bias: the final norm (RMSNorm.forward)
+// and the head's product rounded to bf16 (BlockWeight.matmul's .to(bf16), fused), then widened to fp32
+// (Transformer.unembed), in one call: the same bits.  h [rows, D] contiguous bf16, at most FUSED_ROWS rows.
+Tensor final_logits(const Tensor& h, const Tensor& norm, double eps, const Tensor& codes, const Tensor& dm, int64_t N,
+                    bool fine) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16 && h.size(0) <= FUSED_ROWS,
+              "final_logits: bf16 rows [M, D], at most ", FUSED_ROWS);
+  return block_matmul_to(rms_norm(h, norm, eps), codes, dm, N, fine, "", at::kBFloat16).to(at::kFloat);
+}
 }  // namespace
 
 // Attention.project's rope and Keys.store for bf16 heads, cos, sin and cache, in one pass and no ATen
@@ -2563,6 +2573,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "teams on (1/0), the stream window in bytes, the team rounding activations (1/0); -1 keeps one",
         py::arg("on") = -1, py::arg("window") = -1, py::arg("rounds") = -1);
   m.def("eagle_step", &eagle_step, "one EAGLE draft step with 8-bit block weights (see decoder.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("final_logits", &final_logits, "the final norm and a block LM head for a few bf16 rows (see decoder.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("blocks_isa", &blocks_isa, "the vector path block_matmul takes by default");
   m.def("blocks_paths", &blocks_paths, "the paths block_matmul was built with, best first");

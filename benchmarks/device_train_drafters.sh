@@ -7,7 +7,9 @@
 # .devcarry/*.whl, the pre-tokenized prompts in .devcarry/prompts.safetensors
 # (`python benchmarks/device_self_distill.py --save-prompts ...`).  Each stage has its own seconds
 # (SD_S, HT_S, MEDUSA_S, EAGLE_S; 0 skips it).  SD_TEMP > 0 adds answers sampled at that temperature
-# to the greedy ones (SD_TEMP_S seconds): more varied text for the drafters to learn from.  Writes to $OUT.
+# to the greedy ones (SD_TEMP_S seconds): more varied text for the drafters to learn from.  EAGLE_ATTENTION=1
+# trains the EAGLE head with EAGLE's attention layer (`--attention`, its block from the shipped head).
+# Writes to $OUT.
 set -u
 HT=${HT:-/root/ht}
 DEV=${DEV:-cuda}
@@ -50,7 +52,7 @@ if [ "${MEDUSA_S:-45}" != 0 ]; then
 fi
 if [ "${EAGLE_S:-60}" != 0 ]; then
   stage eagle
-  $L eagle --unroll 4 --init src/layerleap/data/eagle/smollm2-135m.safetensors $A --batch-size ${EAGLE_BS:-32} \
+  $L eagle --unroll 4 ${EAGLE_ATTENTION:+--attention} --init src/layerleap/data/eagle/smollm2-135m.safetensors $A --batch-size ${EAGLE_BS:-32} \
     --lr ${EAGLE_LR:-2e-4} --max-seconds ${EAGLE_S:-60} --out $OUT/eagle.safetensors 2>&1 | grep -v "it/s\]" | tail -6
 fi
 rm -f $OUT/*.ckpt.safetensors

@@ -81,6 +81,10 @@ EXACT = {
         ("lookup only", lambda m, o: {"transfer": None}),
         ("eagle", lambda m, o: {"transfer": None, "eagle": _random_drafter(m, "eagle", scale=0.05)}),
         (
+            "attending eagle",
+            lambda m, o: {"transfer": None, "eagle": _random_drafter(m, "eagle", scale=0.05, attention=True)},
+        ),
+        (
             "eagle and transfer 2,1",
             lambda m, o: {
                 "tree": "2,1",
@@ -125,6 +129,14 @@ EXACT = {
         (
             "gamma3 width4",
             lambda m, o: {"eagle_head": _random_drafter(m, "eagle", scale=0.05), "draft_len": 3, "width": 4},
+        ),
+        (
+            "attention gamma3 width2",
+            lambda m, o: {
+                "eagle_head": _random_drafter(m, "eagle", scale=0.05, attention=True),
+                "draft_len": 3,
+                "width": 2,
+            },
         ),
         (
             "gamma5 conf0.3 full vocab",

@@ -58,6 +58,12 @@ def _setup_train(p):
         help=f"train eagle only: draft steps unrolled, each fed the head's own state (default {EAGLE_UNROLL})",
     )
     p.add_argument(
+        "--attention",
+        action="store_true",
+        help="train eagle only: EAGLE's attention layer over the earlier positions before the head's block "
+        "(--init may name a head without it: the attention starts at zero output)",
+    )
+    p.add_argument(
         "--out",
         type=V.weights_out(lambda a: a.what, also=(("checkpoint", ".ckpt.safetensors"),)),
         required=True,
@@ -162,6 +168,7 @@ def run_train(args) -> int:
         max_seconds=args.max_seconds,
         init=args.init,
         state_cache=args.state_cache,
+        attention=args.attention,
     )
     train_drafters.check_config(cfg, model)
     if not args.save_chunks and args.max_seconds is None:

@@ -195,6 +195,7 @@ class AutoDrafter(TreeDrafter):
         self.medusa_buf = medusa_buf if self.heads is not None else None
         self.eagle = eagle
         super().__init__(run, buf, vocab)
+        self.keeps_prompt = eagle is not None and eagle.attends
         self.proj = proj if self.steps else None
         self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
         self.curve = curve_for(run.model)
@@ -224,6 +225,7 @@ class AutoDrafter(TreeDrafter):
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()
         if self.eagle is not None:
+            self.eagle.open_rows(self)
             self.kept_state = dict(enumerate(self.hidden[:, -1]))
         if self.chooser.mode == "medusa":
             for row in range(self.run.batch):
@@ -292,6 +294,7 @@ class AutoDrafter(TreeDrafter):
         if not called:
             return
         if self.eagle is not None:  # whatever the call's kind, its last kept node's state drafts an EAGLE round
+            self.eagle.advance_rows(dict(self.kept_state), cands, results, self.hidden)
             self.kept_state.update(self.kept_states(cands, results, self.hidden))
         if self.round_mode == "transfer":
             pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]

@@ -82,6 +82,8 @@ class Drafter:
         self.cache = run.new_cache(extra=self.round_tokens()) if cache is None else cache
         self.first_logits: torch.Tensor | None = None  # [B, V] the prompt pass's
         self.hidden: torch.Tensor | None = None  # [B, S, D] the last target call's last-layer states
+        self.keeps_prompt = False  # whether ``prefill`` keeps every prompt position's state (``prompt_states``)
+        self.prompt_states: torch.Tensor | None = None  # [B, T, D] the prompt pass's, when kept
         self.start: torch.Tensor | None = None  # [B] the target cache's length before the last call
         self.start_lengths: list[int] = []  # the same as ints
 
@@ -93,7 +95,9 @@ class Drafter:
 
     def prefill(self) -> torch.Tensor:
         """The prompt pass -> the target's logits ``[B, V]`` for the first new position."""
-        self.hidden = self.run.prefill(self.cache)  # [B, 1, D]
+        states = self.run.prefill_at(self.cache, (self.run.n_layers,))[-1]  # [B, T, D], left-padded
+        self.prompt_states = states if self.keeps_prompt else None
+        self.hidden = states[:, -1:]  # [B, 1, D]
         self.first_logits = self.run.logits(self.hidden)[:, -1]
         return self.first_logits
 

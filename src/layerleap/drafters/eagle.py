@@ -10,6 +10,10 @@ candidates as siblings (a tree of one chain and a fan at its first level, verifi
 attention; the chain goes on from the top one).  Drafts are top-k choices (one-hot proposals), so
 greedy output is greedy decoding's and sampling stays lossless.
 
+An attending head (``EagleHead.attention``) keeps each row's keys and values of the pairs (a kept
+position's state, the token after it) in a ``HeadCache``: the prompt's pairs from the prompt pass
+(``open``), each call's kept pairs after it (``advance``); a chain's own drafts extend a copy.
+
 ``EagleChains`` is the drafting itself, shared by ``EagleDrafter`` and ``auto``'s EAGLE calls
 (``drafters.auto``)."""
 
@@ -22,7 +26,7 @@ from ..core.run import Run
 from ..core.tree import Candidates
 from .base import Drafter
 from .draft_vocab import DraftVocab
-from .medusa_transfer import EagleHead
+from .medusa_transfer import EagleHead, HeadCache
 from .trees import draft_logits
 
 
@@ -43,6 +47,54 @@ class EagleChains:
         self.min_confidence, self.width = min_confidence, width
         self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
         self.head_steps = 0  # head calls (each drafts one token for every drafting row)
+        self.caches: dict[int, HeadCache] = {}  # an attending head's: row -> its pairs' keys and values
+
+    @property
+    def attends(self) -> bool:
+        return self.head.attention
+
+    def open_rows(self, drafter: Drafter) -> None:
+        """An attending head's caches of every row's prompt pairs (``open``) from ``drafter``'s prompt
+        pass (``Drafter.prompt_states``, then dropped)."""
+        states, drafter.prompt_states = drafter.prompt_states, None
+        if not self.attends:
+            return
+        T = states.shape[1]
+        for row, prompt in enumerate(self.run.prompts):
+            self.open(row, states[row, T - len(prompt) :], prompt)
+
+    def open(self, row: int, states: torch.Tensor, ids: list[int]) -> None:
+        """Row ``row``'s cache of the pairs of its prompt ``ids`` (``n``) from its states ``[n, D]``."""
+        model = self.run.model
+        z = model.final_norm(states[:-1])  # [n - 1, D]
+        x = torch.tensor(ids[1:], dtype=torch.long, device=model.device)
+        self.caches[row] = HeadCache(*self.head.entries(z, x, 1))
+
+    def advance(self, row: int, before: torch.Tensor, cand: Candidates, result) -> None:
+        """After a call: row ``row``'s pairs of the positions it kept, from ``before`` (the state of the
+        position before the call's first kept one ``[D]``) and the call's states there (the drafter's
+        ``hidden``)."""
+        if not self.attends or row not in self.caches:
+            return
+        fed, kept = cand.fed(), cand.kept(result[0])
+        if not kept:
+            return
+        model = self.run.model
+        hidden = self._hidden[row, kept[:-1]]  # [m - 1, D]
+        z = model.final_norm(torch.cat([before.unsqueeze(0), hidden]))  # [m, D]
+        x = torch.tensor([fed[j] for j in kept], dtype=torch.long, device=model.device)
+        cache = self.caches[row]
+        self.caches[row] = cache.extended(*self.head.entries(z, x, cache.length + 1))
+
+    def advance_rows(self, before: dict, cands, results, hidden: torch.Tensor) -> None:
+        """``advance`` for every live row: ``before`` row -> its last kept state before the call,
+        ``hidden`` ``[B, S, D]`` the call's states."""
+        if not self.attends:
+            return
+        self._hidden = hidden
+        for row, (c, r) in enumerate(zip(cands, results)):
+            if c is not None and r is not None and row in before:
+                self.advance(row, before[row], c, r)
 
     @property
     def most_nodes(self) -> int:
@@ -65,16 +117,17 @@ class EagleChains:
         most ``min(budget, draft_len)`` long."""
         rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b and root is not None]
         lengths = [min(budgets[r], self.draft_len) for r in rows]
-        chains, siblings = self.draft([states[r] for r in rows], [roots[r] for r in rows], lengths)
+        chains, siblings = self.draft([states[r] for r in rows], [roots[r] for r in rows], lengths, rows)
         return {row: (c, s) for row, c, s in zip(rows, chains, siblings)}
 
     @torch.no_grad()
     def draft(
-        self, states: list[torch.Tensor], roots: list[int], lengths: list[int]
+        self, states: list[torch.Tensor], roots: list[int], lengths: list[int], rows: list[int] | None = None
     ) -> tuple[list[list[int]], list[list[int]]]:
         """Rows' chains from their last kept positions' last-layer states (``[D]`` each) and their roots,
         each at most its length (>= 1) long, drafted together one head call per step -> (the chains, each
-        chain's first draft's next ``width - 1`` candidates)."""
+        chain's first draft's next ``width - 1`` candidates).  ``rows``: the batch rows they are (an
+        attending head reads their caches; default ``0..``)."""
         chains: list[list[int]] = [[] for _ in roots]
         siblings: list[list[int]] = [[] for _ in roots]
         if not roots:
@@ -85,9 +138,14 @@ class EagleChains:
         z = model.final_norm(torch.stack(states))  # [R, D]
         x = torch.tensor(roots, dtype=torch.long, device=model.device)  # [R]
         native = self.head.native_step(self.vocab)  # the same step in one native call, where it serves
+        caches = [self.caches[r] for r in (rows or range(len(roots)))] if self.attends else None
         while live:
             if native is not None:
                 z, logits = native(z.contiguous(), x)
+            elif caches is not None:
+                s, caches = self.head.step_rows(z, x, caches)
+                z = model.final_norm(s)  # [R', D]
+                logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
             else:
                 z = model.final_norm(self.head.step(z, x))  # [R', D]
                 logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
@@ -110,6 +168,7 @@ class EagleChains:
             if keep:
                 sel = torch.tensor(keep, device=model.device)
                 z, x = z[sel], torch.tensor([tokens[j] for j in keep], device=model.device)
+                caches = [caches[j] for j in keep] if caches is not None else None
         return chains, siblings
 
 
@@ -119,6 +178,7 @@ class EagleDrafter(Drafter):
     def __init__(self, run: Run, chains: EagleChains):
         self.chains = chains
         super().__init__(run)
+        self.keeps_prompt = chains.attends
         self.kept_state: list[torch.Tensor | None] = [None] * run.batch  # per row [D]: the last kept position's
 
     @property
@@ -130,6 +190,7 @@ class EagleDrafter(Drafter):
 
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()
+        self.chains.open_rows(self)
         for row in range(self.run.batch):
             self.kept_state[row] = self.hidden[row, -1]
         return logits
@@ -145,6 +206,8 @@ class EagleDrafter(Drafter):
         called = self.called()
         super().update(cands, results)
         if called:
+            before = dict(enumerate(self.kept_state))
+            self.chains.advance_rows(before, cands, results, self.hidden)
             for row, (c, r) in enumerate(zip(cands, results)):
                 if c is not None:
                     self.kept_state[row] = self.hidden[row, c.kept(r[0])[-1]]

@@ -11,9 +11,10 @@
   a position's normalised last-layer state ``z_j`` and the embedding of the token after it,
   ``x_{j+1}``, it predicts the state of position ``j + 1``: ``s = u + MLP(u)``,
   ``u = W [z_j; e(x_{j+1}) / rms]``; ``final_norm(s)`` through the model's own unembedding drafts
-  ``x_{j+2}`` and feeds the next step with that draft.  Where EAGLE has a decoder layer attending to
-  earlier features, this head has a residual SwiGLU block on the one position: no cache of its own,
-  a few MB of weights, about one layer's cost per draft.
+  ``x_{j+2}`` and feeds the next step with that draft.  ``attention=False``: a residual SwiGLU block
+  on the one position, no cache of its own.  ``attention=True``: EAGLE's decoder layer, the block after
+  a causal attention layer over the earlier positions' ``u`` (``u <- u + Attn(norm(u))``, the model's
+  head counts and rope), whose keys and values the drafter keeps per row (``HeadCache``).
 
 Files: one weights file each (``drafters.weights``: the model's fingerprint and the training budget
 in its metadata; a file made for another model is refused), written atomically.  Shipped files live
@@ -22,6 +23,7 @@ in ``layerleap/data/transfer/`` and ``layerleap/data/medusa/`` and are found by 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +32,7 @@ from torch import nn
 
 from ..errors import LayerleapError
 from ..core import kernels
-from ..core.model import Transformer
+from ..core.model import Transformer, apply_rope
 from . import weights
 
 DATA = Path(__file__).parent.parent / "data"
@@ -132,23 +134,50 @@ class MedusaHeads(_Drafter):
         return self.model.unembed(self.state(step, z))
 
 
+@dataclass
+class HeadCache:
+    """One row's keys and values of an attending EAGLE head: ``[Hkv, L, hd]`` each, for the pairs at
+    positions ``1..L`` (the pair of a position's state and the token after it sits at that token's
+    position); the next pair's position is ``L + 1``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[1])
+
+    def extended(self, k: torch.Tensor, v: torch.Tensor) -> "HeadCache":
+        """This cache with the entries ``k``, ``v`` ``[Hkv, n, hd]`` after its own."""
+        return HeadCache(torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1))
+
+
 class EagleHead(_Drafter):
     """One head that drafts a chain of any length: ``step(z, x)`` maps normalised last-layer states
     ``z`` and the tokens ``x`` after them to the states of the next positions (module docstring).
-    ``hidden``: the SwiGLU block's width.  At start it copies ``z`` (``W = [I, 0]``, the block's output
+    ``hidden``: the SwiGLU block's width; ``attention``: EAGLE's attention over the earlier positions
+    before the block.  At start it copies ``z`` (``W = [I, 0]``, the block's and the attention's outputs
     zero), so an untrained head drafts the token after the last one again."""
 
     kind = "eagle"
-    CONFIG = ("hidden",)
+    CONFIG = ("hidden", "attention")
     MOST_STEPS = 64  # the longest chain a round drafts (one head serves every step)
 
-    def __init__(self, model: Transformer, hidden: int):
+    def __init__(self, model: Transformer, hidden: int, attention: bool = False):
         super().__init__(model)
         if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
             raise DrafterError(f"the EAGLE head's hidden width must be a positive integer, got {hidden!r}")
-        D = model.config.hidden_size
-        self.hidden = hidden
+        if not isinstance(attention, bool):
+            raise DrafterError(f"the EAGLE head's attention must be true or false, got {attention!r}")
+        c = model.config
+        D = c.hidden_size
+        self.hidden, self.attention = hidden, attention
         self.fc = nn.Linear(2 * D, D, bias=False)
+        if attention:
+            self.n_heads, self.n_kv, self.hd = c.n_heads, c.n_kv_heads, c.head_dim
+            self.attn_norm = nn.Parameter(torch.ones(D))
+            self.qkv = nn.Linear(D, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=False)
+            self.o = nn.Linear(c.n_heads * c.head_dim, D, bias=False)
         self.norm = nn.Parameter(torch.ones(D))
         self.gate_up = nn.Linear(D, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, D, bias=False)
@@ -156,6 +185,8 @@ class EagleHead(_Drafter):
             self.fc.weight.zero_()
             self.fc.weight[:, :D].copy_(torch.eye(D))
             self.down.weight.zero_()
+            if attention:
+                self.o.weight.zero_()
 
     @property
     def steps(self) -> int:
@@ -163,14 +194,71 @@ class EagleHead(_Drafter):
 
     def step(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Normalised states ``z`` ``[.., D]`` and the tokens after them ``x`` ``[..]`` -> the next
-        positions' states ``[.., D]`` (before the final norm, in the model's dtype)."""
+        positions' states ``[.., D]`` (before the final norm, in the model's dtype).  An attending head:
+        ``z`` ``[B, N, D]`` are a sequence's positions ``0..N-1``, each attending to those before it
+        (as it trains; decoding uses ``step_rows``)."""
+        u = self._pair(z, x)
+        if self.attention:
+            pos = torch.arange(1, u.shape[-2] + 1, device=u.device)
+            q, k, v = self._qkv(u, pos)  # [B, H | Hkv, N, hd]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, N, hd]
+            u = u + self.o(y.transpose(-3, -2).flatten(-2))
+        return self._block(u)
+
+    def step_rows(
+        self, z: torch.Tensor, x: torch.Tensor, caches: list[HeadCache]
+    ) -> tuple[torch.Tensor, list[HeadCache]]:
+        """An attending head's next states ``[R, D]`` for rows' normalised states ``z`` ``[R, D]`` and the
+        tokens after them ``x`` ``[R]``, each pair at its row's next position, attending to its row's
+        ``caches[r]`` and itself -> (the states, each row's cache with the pair added)."""
+        u = self._pair(z, x)  # [R, D]
+        ys, out = [], []
+        for r, cache in enumerate(caches):
+            pos = torch.tensor([cache.length + 1], device=u.device)
+            q, k, v = self._qkv(u[r : r + 1], pos)  # [H | Hkv, 1, hd]
+            grown = cache.extended(k, v)
+            ys.append(F.scaled_dot_product_attention(q, grown.k, grown.v, enable_gqa=True).flatten(-3))
+            out.append(grown)
+        u = u + self.o(torch.stack(ys).reshape(len(caches), -1))
+        return self._block(u), out
+
+    def entries(self, z: torch.Tensor, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``[Hkv, n, hd]`` of ``n`` pairs (normalised states ``z`` ``[n, D]``, the
+        tokens after them ``x`` ``[n]``) at positions ``start..start + n - 1``: a pair's entry depends on
+        the pair alone."""
+        u = self._pair(z, x)
+        _, k, v = self._qkv(u, torch.arange(start, start + u.shape[0], device=u.device), queries=False)
+        return k, v
+
+    def _pair(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``u = W [z; e(x) / rms]`` ``[.., D]`` in the head's dtype."""
         w = self.fc.weight
-        fc, gate_up, down = self._products()
-        D = (w.shape[0],)
+        fc = self._products()[0]
         # the fused F.rms_norm in fp32 is bitwise x * rsqrt(mean(x^2) + eps) (times the weight): one kernel
-        e = F.rms_norm(self.model.embed(x).to(w.dtype), D, eps=1e-6)  # [.., D]
-        u = fc(torch.cat([z.to(w.dtype), e], dim=-1)).to(w.dtype)  # [.., D]
-        v = F.rms_norm(u, D, self.norm, eps=1e-6)
+        e = F.rms_norm(self.model.embed(x).to(w.dtype), (w.shape[0],), eps=1e-6)  # [.., D]
+        return fc(torch.cat([z.to(w.dtype), e], dim=-1)).to(w.dtype)
+
+    def _qkv(self, u: torch.Tensor, pos: torch.Tensor, queries: bool = True):
+        """``u`` ``[.., N, D]`` at positions ``pos`` ``[N]`` -> rotated queries ``[.., H, N, hd]`` (None
+        without ``queries``), rotated keys and values ``[.., Hkv, N, hd]``."""
+        H, Hkv = self.n_heads, self.n_kv
+        a = F.rms_norm(u, (u.shape[-1],), self.attn_norm, eps=1e-6)
+        w = self.qkv.weight if queries else self.qkv.weight[H * self.hd :]
+        heads = F.linear(a, w).unflatten(-1, (-1, self.hd))  # [.., N, (H) + 2 Hkv, hd]
+        cos, sin = self.model._rope(pos.unsqueeze(0), heads.dtype)  # [1, N, 1, hd]
+        cos, sin = cos[0], sin[0]
+        if not queries:
+            k = apply_rope(heads[..., :Hkv, :], cos, sin)
+            return None, k.transpose(-3, -2), heads[..., Hkv:, :].transpose(-3, -2)
+        qk = apply_rope(heads[..., : H + Hkv, :], cos, sin)
+        q, k = qk[..., :H, :].transpose(-3, -2), qk[..., H:, :].transpose(-3, -2)
+        return q, k, heads[..., H + Hkv :, :].transpose(-3, -2)
+
+    def _block(self, u: torch.Tensor) -> torch.Tensor:
+        """``u + SwiGLU(norm(u))`` in the model's dtype."""
+        _, gate_up, down = self._products()
+        w = self.fc.weight
+        v = F.rms_norm(u, (w.shape[0],), self.norm, eps=1e-6)
         gate, up = gate_up(v).to(w.dtype).chunk(2, dim=-1)
         return (u + down(F.silu(gate) * up).to(w.dtype)).to(self.model.dtype)
 
@@ -184,6 +272,8 @@ class EagleHead(_Drafter):
         mod, model = native.module(), self.model
         rows = getattr(getattr(vocab, "head", None), "q8", None)
         if mod is None or rows is None or not hasattr(mod, "eagle_step") or torch.is_grad_enabled():
+            return None
+        if self.attention:  # its drafts attend to the row's cache: the step in torch (``step_rows``)
             return None
         if model.dtype != torch.bfloat16 or model.device.type != "cpu" or self.norm.dtype != torch.float32:
             return None
@@ -229,7 +319,7 @@ def new_drafter(model: Transformer, kind: str, **config) -> _Drafter:
         return MedusaHeads(model, int(config["steps"])).to(model.device)
     if kind == "eagle":
         hidden = config.get("hidden") or model.config.intermediate_size
-        return EagleHead(model, int(hidden)).to(model.device)
+        return EagleHead(model, int(hidden), bool(config.get("attention", False))).to(model.device)
     raise DrafterError(f"unknown drafter kind {kind!r}: choose one of {', '.join(KINDS)}")
 
 

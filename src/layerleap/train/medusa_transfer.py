@@ -77,6 +77,7 @@ class TrainConfig:
     init: str | None = None  # a weights file of this kind, model and shape to start from (else fresh)
     state_cache: str | None = None  # medusa: a folder for the last layer's states (``train.state_cache``)
     state_dtype: str = "bfloat16"  # the dtype the cached states are stored in
+    attention: bool = False  # eagle: EAGLE's attention over the earlier positions (``EagleHead.attention``)
 
 
 def check_config(cfg: TrainConfig, model: Transformer) -> None:
@@ -106,6 +107,8 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
             raise TrainError(f"state_dtype {cfg.state_dtype!r}: choose bfloat16 or float32")
         if distributed.ranks().world > 1:
             raise TrainError("--state-cache trains in one process: run it without torchrun, or drop --state-cache")
+    if cfg.attention and cfg.kind != "eagle":
+        raise TrainError(f"--attention is for train eagle, not train {cfg.kind}: drop --attention")
     if cfg.seq_len <= _steps(cfg):
         raise TrainError(
             f"seq_len {cfg.seq_len} leaves no target {_steps(cfg)} steps ahead: give --seq-len above {_steps(cfg)}"
@@ -265,11 +268,14 @@ def start_from(drafter: drafters._Drafter, path) -> dict:
         loaded = drafters.load_drafter(drafter.model, path, drafter.kind)
     except drafters.DrafterError as e:
         raise TrainError(f"--init: {e}") from None
-    if loaded.config() != drafter.config():
+    grows = drafter.kind == "eagle" and drafter.attention and not loaded.attention and loaded.hidden == drafter.hidden
+    if loaded.config() != drafter.config() and not grows:
         if drafter.kind == "eagle":
             raise TrainError(
-                f"--init {path} holds an EAGLE head {loaded.hidden} wide, not {drafter.hidden}: "
-                "give a head made for this model, or train from scratch without --init"
+                f"--init {path} holds an EAGLE head {loaded.hidden} wide"
+                f"{' with attention' if loaded.attention else ''}, not {drafter.hidden}"
+                f"{' with attention' if drafter.attention else ''}: give a head made for this model and shape "
+                "(a head without attention may start one with), or train from scratch without --init"
             )
         flag = "--layers" if drafter.kind == "transfer" else "--heads"
         have = ",".join(map(str, loaded.layers)) if drafter.kind == "transfer" else str(loaded.steps)
@@ -277,8 +283,8 @@ def start_from(drafter: drafters._Drafter, path) -> dict:
             f"--init {path} holds {drafter.kind} weights for {flag} {have}, not {drafter.config()}: "
             f"give {flag} {have}, or train from scratch without --init"
         )
-    with torch.no_grad():
-        drafter.load_state_dict(loaded.state_dict())
+    with torch.no_grad():  # an EAGLE head without attention into one with: the attention starts at zero output
+        drafter.load_state_dict(loaded.state_dict(), strict=not grows)
     return {**drafters.read_meta(path), "file": Path(path).name}
 
 
@@ -287,7 +293,7 @@ def _ckpt_path(out: Path) -> Path:
 
 
 # the settings a resumed run must share with its checkpoint (a rerun may change the others)
-RESUME_KEYS = ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size", "init")
+RESUME_KEYS = ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size", "init", "attention")
 
 
 def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str) -> Checkpoint:
@@ -327,7 +333,9 @@ def train(
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
     try:
-        drafter = drafters.new_drafter(model, cfg.kind, layers=cfg.layers, steps=cfg.steps_ahead)
+        drafter = drafters.new_drafter(
+            model, cfg.kind, layers=cfg.layers, steps=cfg.steps_ahead, attention=cfg.attention
+        )
     except drafters.DrafterError as e:
         raise TrainError(str(e)) from None
     init = start_from(drafter, cfg.init) if cfg.init else None

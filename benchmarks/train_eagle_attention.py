@@ -180,7 +180,9 @@ def main() -> int:
         weights.command_line(),
         meta,
     )
-    drafters.save_drafter(head, a.out, {"lr": a.lr, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:]))}, budget=budget)
+    drafters.save_drafter(
+        head, a.out, {"lr": a.lr, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:]))}, budget=budget
+    )
     print(f"wrote {a.out}: {step} steps, {positions} positions, {seconds:.0f} s", flush=True)
     if a.eval:
         for name, h in (("start", start), ("trained", head)):

@@ -328,6 +328,30 @@ def test_auto_probes_eagle_calls_in_fp32(smollm, prompts):
         assert off.token_ids == want and off.stats["eagle_rounds"] == 0, i
 
 
+def test_attending_eagle_head_equals_greedy(smollm, prompts, ours20):
+    """An EAGLE head with attention (the shipped block, random attention) in a batch of 4 with chains of
+    3, and in ``auto``: greedy's tokens; its drafts get some accepted."""
+    from layerleap.drafters import medusa_transfer as drafters
+
+    head = drafters.new_drafter(smollm, "eagle", attention=True)
+    head.load_state_dict(drafters.get_drafter(smollm, "eagle").state_dict(), strict=False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name in ("qkv", "o"):
+            w = getattr(head, name).weight
+            w.copy_(torch.randn(w.shape, generator=g) * 0.02)
+    head.eval().requires_grad_(False)
+    pick, n = [0, 5, 10, 19], 32
+    batch = generate(
+        smollm, [prompts[i] for i in pick], "eagle", n, chat=True, stop_at_eos=False, eagle_head=head, draft_len=3
+    )
+    for i, b in zip(pick, batch):
+        assert b.token_ids == ours20[i].token_ids[:n], f"prompt {i}"
+    assert sum(b.stats["accepted"] for b in batch) > 0
+    got = generate(smollm, prompts[2], "auto", n, chat=True, stop_at_eos=False, eagle=head)
+    assert got.token_ids == ours20[2].token_ids[:n] and got.stats["eagle_rounds"] > 0
+
+
 def test_q4_cache_repairs_itself(smollm_q4, tmp_path, monkeypatch):
     """A truncated packed-weights file is rebuilt from the 4-bit blocks, a broken 4-bit file from the GGUF."""
     import shutil

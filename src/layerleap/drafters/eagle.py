@@ -70,18 +70,16 @@ class EagleChains:
         x = torch.tensor(ids[1:], dtype=torch.long, device=model.device)
         self.caches[row] = HeadCache(*self.head.entries(z, x, 1))
 
-    def advance(self, row: int, before: torch.Tensor, cand: Candidates, result) -> None:
+    def advance(self, row: int, before: torch.Tensor, cand: Candidates, result, hidden: torch.Tensor) -> None:
         """After a call: row ``row``'s pairs of the positions it kept, from ``before`` (the state of the
-        position before the call's first kept one ``[D]``) and the call's states there (the drafter's
-        ``hidden``)."""
+        position before the call's first kept one ``[D]``) and the call's states ``hidden`` ``[S, D]``."""
         if not self.attends or row not in self.caches:
             return
         fed, kept = cand.fed(), cand.kept(result[0])
         if not kept:
             return
         model = self.run.model
-        hidden = self._hidden[row, kept[:-1]]  # [m - 1, D]
-        z = model.final_norm(torch.cat([before.unsqueeze(0), hidden]))  # [m, D]
+        z = model.final_norm(torch.cat([before.unsqueeze(0), hidden[kept[:-1]]]))  # [m, D]
         x = torch.tensor([fed[j] for j in kept], dtype=torch.long, device=model.device)
         cache = self.caches[row]
         self.caches[row] = cache.extended(*self.head.entries(z, x, cache.length + 1))
@@ -91,10 +89,9 @@ class EagleChains:
         ``hidden`` ``[B, S, D]`` the call's states."""
         if not self.attends:
             return
-        self._hidden = hidden
         for row, (c, r) in enumerate(zip(cands, results)):
             if c is not None and r is not None and row in before:
-                self.advance(row, before[row], c, r)
+                self.advance(row, before[row], c, r, hidden[row])
 
     @property
     def most_nodes(self) -> int:

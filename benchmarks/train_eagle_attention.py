@@ -11,11 +11,13 @@ cached states of self-distilled sequences, and measure its first draft against t
    linearly to 5% at ``--seconds``.  ``--init`` (default: the shipped head) starts it: a head without
    attention gives the block, the attention starting at zero output.
 3. The file is written with its budget (``layerleap heads info``); ``--eval N`` then prints the first
-   draft's teacher-forced top-1 on the model's greedy answers to N Spec-Bench prompts per category
-   from the 11th (none of the benchmark tables'), for the start head and the trained one.
+   draft's teacher-forced top-1 on the model's greedy answers (64 tokens, past EOS) to N Spec-Bench
+   prompts per category from the 11th (none of the benchmark tables'), for the start head and the
+   trained one; ``--eval-only FILE ...`` measures heads without training.
 
   PYTHONPATH=src python benchmarks/train_eagle_attention.py --data FILE.jsonl --out eagle.safetensors \\
       --seconds 1500 [--init trained|FILE] [--lr 6e-4] [--tokens 4096] [--eval 8]
+  PYTHONPATH=src python benchmarks/train_eagle_attention.py --eval-only trained eagle.safetensors --eval 8
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from layerleap.datasets import spec_bench
 from layerleap.drafters import medusa_transfer as drafters
 from layerleap.drafters import weights
 from layerleap.drafters.draft_vocab import get_draft_vocab
-from layerleap.train.data import answers_kind, chat_token_ids, load_self_distilled
+from layerleap.commands.hidden_transfer import greedy_sequences
+from layerleap.train.data import answers_kind, load_self_distilled
 from layerleap.train.medusa_transfer import start_from
 from layerleap.train.state_cache import StateCache, backbone_states, default_root
 
@@ -98,16 +101,13 @@ def padded(model, store: StateCache, seqs, idx):
     return z, ids, mask
 
 
-def first_draft_top1(model, head, vocab, n: int) -> tuple[float, int]:
-    """Teacher-forced top-1 of the first draft at the answer positions of the model's greedy answers
-    (64 tokens) to ``n`` Spec-Bench prompts per category from the 11th."""
-    prompts = spec_bench(categories="summarization,qa,translation,math_reasoning,writing", n=n, offset=10)
+def first_draft_top1(model, head, vocab, sequences) -> tuple[float, int]:
+    """Teacher-forced top-1 of the first draft at the answer positions of ``sequences`` (prompt length,
+    prompt and greedy answer: ``greedy_sequences``)."""
     hits = count = 0
     with torch.inference_mode():
-        for p in prompts:
-            ids = chat_token_ids(model.tokenizer, [{"role": "user", "content": p.text}], add_generation_prompt=True)
-            plen = len(ids)
-            ids = torch.tensor([ids + layerleap.generate(model, ids, "greedy", 64).token_ids])
+        for plen, seq in sequences:
+            ids = torch.tensor([seq])
             N = ids.shape[1]
             z = model.final_norm(model.run_layers(model.embed(ids), 0, model.config.n_layers, torch.arange(N)[None]))
             top = vocab.token(vocab.logits(model.final_norm(head.step(z[:, :-1], ids[:, 1:]))[0]).argmax(-1))
@@ -117,11 +117,23 @@ def first_draft_top1(model, head, vocab, n: int) -> tuple[float, int]:
     return hits / count, count
 
 
+def evaluate(model, heads: dict, n: int) -> None:
+    """Each head's first-draft top-1 on the model's greedy answers (64 tokens) to ``n`` Spec-Bench prompts
+    per category from the 11th."""
+    prompts = spec_bench(categories="summarization,qa,translation,math_reasoning,writing", n=n, offset=10)
+    sequences = greedy_sequences(model, prompts, 64)
+    vocab = get_draft_vocab(model, "auto")
+    for name, head in heads.items():
+        acc, count = first_draft_top1(model, head, vocab, sequences)
+        print(f"first draft top-1, {name}: {acc:.1%} of {count} answer positions", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", required=True, help="self-distilled .jsonl (`layerleap train data --self-distill`)")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seconds", type=float, required=True)
+    ap.add_argument("--data", help="self-distilled .jsonl (`layerleap train data --self-distill`)")
+    ap.add_argument("--out")
+    ap.add_argument("--seconds", type=float)
+    ap.add_argument("--eval-only", nargs="+", default=None, help="only measure these heads ('trained': shipped)")
     ap.add_argument("--init", default="trained")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--tokens", type=int, default=4096)
@@ -132,6 +144,11 @@ def main() -> int:
     torch.manual_seed(a.seed)
     model = layerleap.load("smollm2-135m")
     model.requires_grad_(False)
+    if a.eval_only:
+        evaluate(model, {f: drafters.get_drafter(model, "eagle", f) for f in a.eval_only}, a.eval or 8)
+        return 0
+    if not (a.data and a.out and a.seconds):
+        ap.error("training needs --data, --out and --seconds (or --eval-only FILE ...)")
     path, pairs = load_self_distilled(model, a.data)
     seqs = [p + c for p, c in pairs]
     store = StateCache(a.states or default_root(), model, [model.config.n_layers], seqs, torch.bfloat16)
@@ -185,9 +202,7 @@ def main() -> int:
     )
     print(f"wrote {a.out}: {step} steps, {positions} positions, {seconds:.0f} s", flush=True)
     if a.eval:
-        for name, h in (("start", start), ("trained", head)):
-            acc, n = first_draft_top1(model, h, vocab, a.eval)
-            print(f"first draft top-1, {name} head: {acc:.1%} of {n} answer positions", flush=True)
+        evaluate(model, {"start head": start, "trained head": head}, a.eval)
     return 0
 
 

@@ -197,13 +197,14 @@ class EagleHead(_Drafter):
         positions' states ``[.., D]`` (before the final norm, in the model's dtype).  An attending head:
         ``z`` ``[B, N, D]`` are a sequence's positions ``0..N-1``, each attending to those before it
         (as it trains; decoding uses ``step_rows``)."""
-        u = self._pair(z, x)
+        products = self._products()
+        u = self._pair(z, x, products[0])
         if self.attention:
             pos = torch.arange(1, u.shape[-2] + 1, device=u.device)
             q, k, v = self._qkv(u, pos)  # [B, H | Hkv, N, hd]
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, N, hd]
             u = u + self.o(y.transpose(-3, -2).flatten(-2))
-        return self._block(u)
+        return self._block(u, products)
 
     def step_rows(
         self, z: torch.Tensor, x: torch.Tensor, caches: list[HeadCache]
@@ -211,7 +212,8 @@ class EagleHead(_Drafter):
         """An attending head's next states ``[R, D]`` for rows' normalised states ``z`` ``[R, D]`` and the
         tokens after them ``x`` ``[R]``, each pair at its row's next position, attending to its row's
         ``caches[r]`` and itself -> (the states, each row's cache with the pair added)."""
-        u = self._pair(z, x)  # [R, D]
+        products = self._products()
+        u = self._pair(z, x, products[0])  # [R, D]
         ys, out = [], []
         for r, cache in enumerate(caches):
             pos = torch.tensor([cache.length + 1], device=u.device)
@@ -220,20 +222,19 @@ class EagleHead(_Drafter):
             ys.append(F.scaled_dot_product_attention(q, grown.k, grown.v, enable_gqa=True).flatten(-3))
             out.append(grown)
         u = u + self.o(torch.stack(ys).reshape(len(caches), -1))
-        return self._block(u), out
+        return self._block(u, products), out
 
     def entries(self, z: torch.Tensor, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values ``[Hkv, n, hd]`` of ``n`` pairs (normalised states ``z`` ``[n, D]``, the
         tokens after them ``x`` ``[n]``) at positions ``start..start + n - 1``: a pair's entry depends on
         the pair alone."""
-        u = self._pair(z, x)
+        u = self._pair(z, x, self._products()[0])
         _, k, v = self._qkv(u, torch.arange(start, start + u.shape[0], device=u.device), queries=False)
         return k, v
 
-    def _pair(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``u = W [z; e(x) / rms]`` ``[.., D]`` in the head's dtype."""
+    def _pair(self, z: torch.Tensor, x: torch.Tensor, fc) -> torch.Tensor:
+        """``u = W [z; e(x) / rms]`` ``[.., D]`` in the head's dtype (``fc``: the product, ``_products``)."""
         w = self.fc.weight
-        fc = self._products()[0]
         # the fused F.rms_norm in fp32 is bitwise x * rsqrt(mean(x^2) + eps) (times the weight): one kernel
         e = F.rms_norm(self.model.embed(x).to(w.dtype), (w.shape[0],), eps=1e-6)  # [.., D]
         return fc(torch.cat([z.to(w.dtype), e], dim=-1)).to(w.dtype)
@@ -254,9 +255,9 @@ class EagleHead(_Drafter):
         q, k = qk[..., :H, :].transpose(-3, -2), qk[..., H:, :].transpose(-3, -2)
         return q, k, heads[..., H + Hkv :, :].transpose(-3, -2)
 
-    def _block(self, u: torch.Tensor) -> torch.Tensor:
-        """``u + SwiGLU(norm(u))`` in the model's dtype."""
-        _, gate_up, down = self._products()
+    def _block(self, u: torch.Tensor, products) -> torch.Tensor:
+        """``u + SwiGLU(norm(u))`` in the model's dtype (``products``: ``_products``)."""
+        _, gate_up, down = products
         w = self.fc.weight
         v = F.rms_norm(u, (w.shape[0],), self.norm, eps=1e-6)
         gate, up = gate_up(v).to(w.dtype).chunk(2, dim=-1)

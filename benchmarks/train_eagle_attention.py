@@ -37,29 +37,25 @@ from layerleap.drafters.draft_vocab import get_draft_vocab
 from layerleap.commands.hidden_transfer import greedy_sequences
 from layerleap.train.data import answers_kind, load_self_distilled
 from layerleap.train.medusa_transfer import start_from
-from layerleap.train.state_cache import StateCache, backbone_states, default_root
+from layerleap.train.state_cache import StateCache, default_root
 
 REGRESSION = 1.0  # the feature regression's weight beside the KL (``train.medusa_transfer.REGRESSION``)
 
 
-def fill_states(model, store: StateCache, seqs: list[list[int]], batch: int = 8) -> None:
-    """Every item's last-layer states into ``store``, shard by shard, ``batch`` items of similar length
-    through the backbone together (right-padded: causal attention keeps each item's own states)."""
-    L = model.config.n_layers
-    t0, done, total = time.time(), 0, sum(map(len, seqs))
-    for s in range(store.n_shards):
-        span = [i for i in store._span(s) if store.get(i) is None]
-        span.sort(key=lambda i: len(seqs[i]))
-        for b in range(0, len(span), batch):
-            idx = span[b : b + batch]
-            n = max(len(seqs[i]) for i in idx)
-            ids = torch.tensor([seqs[i] + [0] * (n - len(seqs[i])) for i in idx])
-            h = backbone_states(model, ids, [L])[L]
-            for r, i in enumerate(idx):
-                store.put(i, {L: h[r, : len(seqs[i])]})
-            done += sum(len(seqs[i]) for i in idx)
+def fill_states(store: StateCache) -> None:
+    """Every sequence's last-layer states into ``store`` (``StateCache.compute``, eight at a time), with
+    progress."""
+    t0, done, total = time.time(), 0, sum(map(len, store.items))
+
+    def report(shard: int, tokens: int) -> None:
+        nonlocal done
+        done += tokens
         rate = done / max(time.time() - t0, 1e-9)
-        print(f"states: shard {s + 1}/{store.n_shards}, {done}/{total} tokens computed, {rate:.0f} tok/s", flush=True)
+        print(
+            f"states: shard {shard + 1}/{store.n_shards}, {done}/{total} tokens computed, {rate:.0f} tok/s", flush=True
+        )
+
+    store.compute(batch=8, report=report)
 
 
 def batches(lengths: list[int], tokens: int) -> list[list[int]]:
@@ -153,7 +149,7 @@ def main() -> int:
     seqs = [p + c for p, c in pairs]
     store = StateCache(a.states or default_root(), model, [model.config.n_layers], seqs, torch.bfloat16)
     print(store.describe(), flush=True)
-    fill_states(model, store, seqs)
+    fill_states(store)
     head = drafters.new_drafter(model, "eagle", attention=True)
     init = drafters.shipped_files(model, "eagle")[-1] if a.init == "trained" else a.init
     meta = start_from(head, init)

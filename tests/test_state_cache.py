@@ -212,3 +212,24 @@ def test_only_a_few_shards_are_held_in_memory(tmp_path):
     assert len(store._shards) == state_cache.LOADED and store.complete()
     again = StateCache(tmp_path, MODEL, [n], items, shard_items=1)
     assert torch.equal(again.fill(progress=False)[n], whole) and again.computed == 0
+
+
+def test_compute_batches_items_of_other_lengths(tmp_path):
+    """``compute`` runs the missing items through the backbone a few at a time, right-padded: each
+    item's states are those it has alone (up to the batched products' rounding); shards are written,
+    and a second cache of the same data computes nothing."""
+    from layerleap.train.state_cache import backbone_states
+
+    items = [s[: 4 + i] for i, s in enumerate(_chunks(MODEL.config.vocab_size, n=7, seq=12, seed=8))]
+    n = MODEL.config.n_layers
+    store = StateCache(tmp_path, MODEL, [n], items, shard_items=3)
+    shards = []
+    store.compute(batch=2, report=lambda s, tokens: shards.append((s, tokens)))
+    assert store.complete() and store.computed == 7
+    assert shards == [(s, sum(len(items[i]) for i in range(3 * s, min(7, 3 * s + 3)))) for s in range(3)]
+    again = StateCache(tmp_path, MODEL, [n], items, shard_items=3)
+    again.compute(batch=2)
+    assert again.computed == 0
+    for i, ids in enumerate(items):
+        alone = backbone_states(MODEL, torch.tensor([ids]), [n])[n][0].to(store.dtype)
+        torch.testing.assert_close(again.get(i)[n], alone, atol=2e-2, rtol=2e-2)

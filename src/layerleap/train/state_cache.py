@@ -213,6 +213,23 @@ class StateCache:
             self.computed += len(missing)
         return {x: torch.stack([got[i][x] for i in idx]) for x in self.layers}
 
+    def compute(self, batch: int = 8, report=None) -> None:
+        """Run every item not stored through the backbone and store it, shard by shard, ``batch`` items of
+        similar length together (right-padded: causal attention keeps each item's states its own, up to
+        the rounding of the batched products); ``report(shard, tokens)`` after each shard."""
+        for s in range(self.n_shards):
+            todo = sorted((i for i in self._span(s) if self.get(i) is None), key=lambda i: len(self.items[i]))
+            for b in range(0, len(todo), batch):
+                idx = todo[b : b + batch]
+                n = max(len(self.items[i]) for i in idx)
+                ids = torch.tensor([self.items[i] + [0] * (n - len(self.items[i])) for i in idx])
+                h = backbone_states(self.model, ids, self.layers)
+                for r, i in enumerate(idx):
+                    self.put(i, {x: h[x][r, : len(self.items[i])] for x in self.layers})
+                self.computed += len(idx)
+            if report is not None:
+                report(s, sum(len(self.items[i]) for i in todo))
+
     def fill(self, progress: bool = True) -> dict[int, torch.Tensor]:
         """Every item's states (computed one item at a time where not stored) ->
         ``{layer: [sum n_i, D]}`` in the storage dtype, the items one after another."""

@@ -31,6 +31,24 @@ def _random_drafter(model, kind: str, seed: int = 0, scale: float = 0.3, **confi
     return d
 
 
+_CORPORA: dict[int, object] = {}
+
+
+def _corpus(model):
+    """REST's datastore for ``model``: the greedy continuations of the test prompts (drafts that are
+    right) and copies with every third token changed (drafts that are wrong)."""
+    from layerleap.drafters.corpus import Corpus
+
+    if id(model) not in _CORPORA:
+        V, seqs = model.config.vocab_size, []
+        for seed, plen in PROMPTS:
+            p = _prompt(V, plen, seed)
+            s = p + generate(model, p, "greedy", 16, stop_at_eos=False).token_ids
+            seqs += [s, [(t + 1) % V if i % 3 == 2 else t for i, t in enumerate(s)]]
+        _CORPORA[id(model)] = Corpus(seqs, V)
+    return _CORPORA[id(model)]
+
+
 def _mid(m) -> int:
     return max(1, m.config.n_layers // 2)
 
@@ -77,8 +95,18 @@ EXACT = {
         ("k4 bigram", lambda m, o: {"draft_len": 4, "max_ngram": 2}),
         ("k4 adaptive", lambda m, o: {"draft_len": 4, "adaptive": True}),
     ],
+    "rest": [
+        ("corpus", lambda m, o: {"corpus": _corpus(m)}),
+        ("corpus k1 unigram", lambda m, o: {"corpus": _corpus(m), "draft_len": 1, "max_ngram": 1}),
+        ("corpus k4 adaptive", lambda m, o: {"corpus": _corpus(m), "draft_len": 4, "adaptive": True}),
+    ],
     "auto": [
         ("lookup only", lambda m, o: {"transfer": None}),
+        ("lookup and corpus", lambda m, o: {"transfer": None, "corpus": _corpus(m)}),
+        (
+            "eagle and corpus",
+            lambda m, o: {"transfer": None, "eagle": _random_drafter(m, "eagle", scale=0.05), "corpus": _corpus(m)},
+        ),
         ("eagle", lambda m, o: {"transfer": None, "eagle": _random_drafter(m, "eagle", scale=0.05)}),
         (
             "attending eagle",
@@ -216,7 +244,10 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("seed,plen", [(0, 1), (1, 5), (2, 17)])
+PROMPTS = [(0, 1), (1, 5), (2, 17)]  # (seed, length) of the random prompts
+
+
+@pytest.mark.parametrize("seed,plen", PROMPTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("method,label,options", CASES, ids=[f"{m}-{lab}" if lab else m for m, lab, _ in CASES])

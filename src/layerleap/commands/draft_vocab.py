@@ -1,6 +1,7 @@
 """``layerleap train data --self-distill`` (the model's own greedy answers to ShareGPT prompts, cached
-by model fingerprint) and ``layerleap eval draft-vocab`` (a reduced draft vocabulary: coverage and
-cost per size, and the chosen set written as a draft-vocabulary file)."""
+by model fingerprint), ``layerleap train corpus`` (those answers as REST's datastore, with the tokens
+per call it gives on held-out greedy text) and ``layerleap eval draft-vocab`` (a reduced draft
+vocabulary: coverage and cost per size, and the chosen set written as a draft-vocabulary file)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,76 @@ def run_data(args) -> int:
     tokens = sum(len(c) for _, c in pairs)
     print(f"wrote {path}: {len(pairs)} {answers_kind(path)}, {tokens} tokens ({time.perf_counter() - t:.0f} s)")
     return 0
+
+
+# -- train corpus --------------------------------------------------------------------------------
+@command(
+    "train corpus",
+    help="write a corpus for the rest method (REST's datastore) from the model's self-distilled answers, and "
+    "measure the tokens per call it gives beside prompt lookup on held-out greedy answers",
+)
+def _setup_corpus(p):
+    _model_args(p)
+    p.add_argument(
+        "--data",
+        type=DATA_ARG,
+        default="self-distill",
+        help="the answers: 'self-distill' (the cached `train data --self-distill`) or a self-distilled .jsonl",
+    )
+    p.add_argument("--out", type=V.weights_out("corpus"), required=True, help="the corpus file to write (.safetensors)")
+    p.add_argument(
+        "--calibration-prompts",
+        type=V.int_arg(0, 20),
+        default=4,
+        help="Spec-Bench calibration prompts per category whose greedy answers measure the corpus (default 4; 0: none)",
+    )
+    p.add_argument("--max-new-tokens", type=V.int_arg(1, 4096), default=64, help="tokens per calibration answer")
+    p.add_argument("--draft-len", type=V.int_arg(1, 64), default=4, help="tokens drafted per round in the replay")
+    p.add_argument("--json", type=V.report_arg, default=None, help="also write the measurement as JSON")
+
+
+@_setup_corpus
+def run_corpus(args) -> int:
+    from ..drafters import corpus as cp
+    from ..drafters.prompt_lookup import lookup_index
+    from ..eval.corpus import replay
+    from ..methods.prompt_lookup import DEFAULT_MAX_NGRAM
+    from ..train.data import answers_kind, load_self_distilled
+
+    cmd, model, threads = _start(args)
+    path, pairs = load_self_distilled(model, args.data)
+    meta = {
+        "data": f"self-distilled: {model.config.name}'s {answers_kind(path)} to {len(pairs)} ShareGPT prompts "
+        f"({path.name})",
+        "command": cmd,
+    }
+    out = cp.save(args.out, model, [c for _, c in pairs], meta)
+    store = cp.read(model, out)
+    print(f"wrote {out}: {store.sequences} answers, {len(store)} tokens")
+    report = {"command": cmd, "threads": threads, "data": str(path), "sequences": store.sequences, "tokens": len(store)}
+    if args.calibration_prompts:
+        held = _calibration_sequences(model, args.calibration_prompts, args.max_new_tokens)
+        report["replay"] = {}
+        for name, store_ in (("prompt lookup", None), ("rest", store)):
+            r = replay(held, lambda ids, s=store_: lookup_index(ids, 1, DEFAULT_MAX_NGRAM, s), args.draft_len)
+            report["replay"][name] = r
+            print(
+                f"{name}: {r['tokens_per_call']:.3f} tokens per call on {len(held)} held-out greedy answers "
+                f"({r['tokens']} tokens, draft length {args.draft_len})"
+            )
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+def _calibration_sequences(model, per_category: int, max_new_tokens: int) -> list[tuple[int, list[int]]]:
+    """``(prompt length, prompt and greedy answer ids)`` for the Spec-Bench calibration split (chat template)."""
+    from ..decoding import generate
+    from ..eval.calibrate import split_prompts
+
+    prompts = [p.text for p in split_prompts("calibration", per_category)]
+    results = generate(model, prompts, "greedy", max_new_tokens, chat=True, stop_at_eos=False)
+    return [(len(r.prompt_ids), r.prompt_ids + r.token_ids) for r in results]
 
 
 # -- eval draft-vocab -----------------------------------------------------------------------------

@@ -369,6 +369,15 @@ DRAFT_VOCAB = Option(
     default="auto",
     choices=("auto", "full"),
 )
+CORPUS = Option(
+    "corpus",
+    "weights",
+    "where the prompt and output hold no match, draft from this datastore of the model's own answers: auto "
+    "(the shipped one for this model, if any), none, or a corpus file (layerleap train corpus)",
+    default="auto",
+    choices=("auto", "none"),
+    none="none",
+)
 MEDUSA_HEADS = Option(
     "heads", "weights", "Medusa heads: trained (shipped) or a weights file", default="trained", choices=("trained",)
 )

@@ -80,9 +80,10 @@ class EagleStats(Record):
 
 @dataclass
 class LookupStats(Record):
-    """Prompt lookup: rounds that found a draft."""
+    """Prompt lookup: rounds that found a draft; REST: of them, those drafted from the corpus."""
 
     lookups_hit: int
+    corpus_drafts: int | None = _optional()
 
 
 @dataclass

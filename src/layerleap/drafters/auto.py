@@ -47,7 +47,8 @@ from ..core import tree as tree_mod
 from ..core.run import Run
 from ..core.stats import AutoStats
 from ..core.tree import Candidates
-from .prompt_lookup import NgramIndex
+from .corpus import Corpus
+from .prompt_lookup import lookup_index
 from .draft_vocab import DraftVocab
 from .eagle import EagleChains
 from .lengths import LengthChooser, MergedChainCut, curve_for
@@ -187,6 +188,7 @@ class AutoDrafter(TreeDrafter):
         eagle: EagleChains | None = None,
         plain: bool = True,
         cut_merged: bool = False,
+        corpus: Corpus | None = None,
     ):
         buf = tree_mod.build("") if proj is None or buf is None else buf
         self.steps = buf.depth if buf.n > 1 else 0
@@ -197,7 +199,7 @@ class AutoDrafter(TreeDrafter):
         super().__init__(run, buf, vocab)
         self.keeps_prompt = eagle is not None and eagle.attends
         self.proj = proj if self.steps else None
-        self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
+        self.index = [lookup_index(p, min_ngram, max_ngram, corpus) for p in run.prompts]
         self.curve = curve_for(run.model)
         self.lengths = LengthChooser(run.batch, self.curve, draft_len) if adaptive else None
         self.cuts = MergedChainCut(run.batch, self.curve, draft_len) if cut_merged else None

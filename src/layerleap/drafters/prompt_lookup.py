@@ -4,13 +4,16 @@ draft model and no training.
 The last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) are looked up in the prompt
 and the output so far (``NgramIndex``); the tokens that followed their latest earlier occurrence are
 the draft, up to ``draft_len`` of them.  A copy is a deterministic, one-hot proposal.  Each row of a
-batch keeps its own index; one call scores every row's chain."""
+batch keeps its own index; one call scores every row's chain.  With a ``Corpus`` (``CorpusIndex``,
+REST's datastore of the model's own answers), a row whose prompt and output hold no match drafts
+from the corpus instead."""
 
 from __future__ import annotations
 
 from ..core.run import Run
 from ..core.tree import Candidates
 from .base import Drafter
+from .corpus import Corpus
 from .lengths import LengthChooser, curve_for
 
 
@@ -44,14 +47,45 @@ class NgramIndex:
         return []
 
 
+class CorpusIndex(NgramIndex):
+    """An ``NgramIndex`` that, where the sequence holds no earlier occurrence of its suffix, drafts from
+    a ``Corpus`` (REST's datastore) with the same n-gram bounds; ``from_corpus`` counts those drafts."""
+
+    def __init__(self, tokens: list[int], min_n: int, max_n: int, corpus: Corpus):
+        self.corpus = corpus
+        self.from_corpus = 0
+        super().__init__(tokens, min_n, max_n)
+
+    def draft(self, k: int) -> list[int]:
+        chain = super().draft(k)
+        if chain or k < 1:
+            return chain
+        chain = self.corpus.draft(self.tokens, k, self.min_n, self.max_n)
+        self.from_corpus += bool(chain)
+        return chain
+
+
+def lookup_index(tokens: list[int], min_n: int, max_n: int, corpus: Corpus | None = None) -> NgramIndex:
+    """Prompt lookup's index of ``tokens``, drafting from ``corpus`` too where one is given."""
+    return NgramIndex(tokens, min_n, max_n) if corpus is None else CorpusIndex(tokens, min_n, max_n, corpus)
+
+
 class PromptLookup(Drafter):
     batched = True
     grammar_drafts = True  # under a grammar: the allowed part of the copy, then the forced tokens
 
-    def __init__(self, run: Run, draft_len: int, min_ngram: int, max_ngram: int, adaptive: bool = False):
+    def __init__(
+        self,
+        run: Run,
+        draft_len: int,
+        min_ngram: int,
+        max_ngram: int,
+        adaptive: bool = False,
+        corpus: Corpus | None = None,
+    ):
         self.draft_len = draft_len
         super().__init__(run)
-        self.index = [NgramIndex(p, min_ngram, max_ngram) for p in run.prompts]
+        self.index = [lookup_index(p, min_ngram, max_ngram, corpus) for p in run.prompts]
         self.lengths = LengthChooser(run.batch, curve_for(run.model), draft_len) if adaptive else None
 
     def round_tokens(self) -> int:

@@ -10,4 +10,5 @@ from . import eagle  # noqa: F401
 from . import ppd  # noqa: F401
 from . import self_spec  # noqa: F401
 from . import prompt_lookup  # noqa: F401
+from . import rest  # noqa: F401
 from . import auto  # noqa: F401

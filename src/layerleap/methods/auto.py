@@ -34,6 +34,7 @@ from ..core.stats import LookupStats
 from ..drafters import medusa_transfer as weights
 from ..drafters import lengths
 from ..drafters.auto import AutoDrafter
+from ..drafters.corpus import get_corpus
 from ..drafters.draft_vocab import get_draft_vocab
 from ..drafters.eagle import EagleChains
 from ..drafters.trees import tree_buffers
@@ -111,6 +112,7 @@ ADAPTIVE = O.ADAPTIVE.but(
 AUTO_OPTIONS = tuple(ADAPTIVE if o.name == "adaptive" else o for o in OPTIONS)
 MEDUSA = O.AUTO_MEDUSA
 EAGLE = O.AUTO_EAGLE
+CORPUS = O.CORPUS.but(default="none")
 
 
 @register(
@@ -119,7 +121,7 @@ EAGLE = O.AUTO_EAGLE
     sampling=True,
     exact=True,
     grammar=True,
-    options=(*AUTO_OPTIONS, O.TREE, TRANSFER, MEDUSA, EAGLE, O.DRAFT_VOCAB),
+    options=(*AUTO_OPTIONS, O.TREE, TRANSFER, MEDUSA, EAGLE, O.DRAFT_VOCAB, CORPUS),
 )
 def auto(
     run: Run,
@@ -133,13 +135,15 @@ def auto(
     eagle=EAGLE.default,
     draft_vocab="auto",
     adaptive: bool | None = None,
+    corpus=CORPUS.default,
 ):
     """Lossless: prompt lookup's chain, Hidden Transfer's tree, Medusa's or the EAGLE head's drafts, the
     fastest per round on this machine (draft_len, min_ngram, tree none: the dtype's tuned defaults;
     transfer, medusa, eagle: 'auto', a weights file or none;
     draft_vocab: the pseudo states score a shipped set of frequent tokens ('auto'), all ('full') or a file's;
     adaptive: chain lengths from the running acceptance and the call-cost curve; none: a chain merged
-    into a tree always, a plain call's where the curve makes a second token cost, as in q4)."""
+    into a tree always, a plain call's where the curve makes a second token cost, as in q4;
+    corpus: where the prompt and output hold no match, the chain from this datastore (rest's))."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     head = drafter_weights(run, "eagle", eagle)
     proj = None if head is not None and transfer == "auto" else drafter_weights(run, "transfer", transfer)
@@ -159,9 +163,27 @@ def auto(
     adaptive = adaptive_default(run, adaptive)
     plain = head is None or plain_calls(run.model)
     drafter = AutoDrafter(
-        run, draft_len, min_ngram, max_ngram, proj, buf, vocab, adaptive, heads, medusa_buf, chains, plain, cut_merged
+        run,
+        draft_len,
+        min_ngram,
+        max_ngram,
+        proj,
+        buf,
+        vocab,
+        adaptive,
+        heads,
+        medusa_buf,
+        chains,
+        plain,
+        cut_merged,
+        corpus=get_corpus(run.model, corpus),
     )
     counts = yield from draft_verify.decode(run, drafter)
-    run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
+    run.record(
+        [
+            LookupStats(lookups_hit=c.proposed, corpus_drafts=getattr(ix, "from_corpus", None))
+            for c, ix in zip(counts, drafter.index)
+        ]
+    )
     run.record(drafter.tree_stats(counts))
     run.record(drafter.auto_stats())

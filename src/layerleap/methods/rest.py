@@ -1,0 +1,59 @@
+"""REST, retrieval-based speculative decoding (He et al. 2024), on top of prompt lookup: drafts that
+need no draft model and no training, from the prompt and output so far and from a datastore of the
+model's own answers.
+
+Each round drafts as prompt lookup does (``methods.prompt_lookup``: the tokens that followed the
+latest earlier occurrence of the longest matching suffix, ``max_ngram`` down to ``min_ngram``
+tokens).  Where the prompt and output hold no such occurrence, the draft comes from the corpus
+(``drafters.corpus``): the continuation most occurrences of the longest matching suffix share there,
+token by token.  The shipped corpus of SmolLM2-135M-Instruct holds its greedy answers to 8,147
+ShareGPT prompts (1.29 M tokens); ``layerleap train corpus`` writes one for any model from its
+``layerleap train data --self-distill`` answers.  REST proper drafts from a datastore of other text
+(UltraChat, The Stack) as a tree of frequent continuations; here the datastore is the model's own
+text and the draft one chain.
+
+One call verifies the last token and the draft, as prompt lookup's: greedy output is greedy decoding
+token for token, sampling is lossless (every draft is a one-hot proposal).  Batches, grammars and
+the adaptive draft length work as in prompt lookup.  Without a corpus (``corpus="none"``, or a model
+none ships for under ``"auto"``) it is prompt lookup.
+
+Stats, per row: prompt lookup's, and ``corpus_drafts`` (rounds drafted from the corpus).
+"""
+
+from __future__ import annotations
+
+from ..core import options as O
+from ..core.run import Run, register
+from ..core.stats import LookupStats
+from ..drafters.corpus import get_corpus
+from ..drafters.prompt_lookup import PromptLookup
+from . import draft_verify
+from .prompt_lookup import DEFAULT_MAX_NGRAM, adaptive_default, tuned
+from .prompt_lookup import OPTIONS as LOOKUP_OPTIONS
+
+OPTIONS = (*LOOKUP_OPTIONS, O.CORPUS)
+
+
+@register("rest", batched=True, sampling=True, exact=True, grammar=True, options=OPTIONS)
+def rest(
+    run: Run,
+    *,
+    draft_len: int | None = None,
+    max_ngram: int = DEFAULT_MAX_NGRAM,
+    min_ngram: int | None = None,
+    adaptive: bool | None = None,
+    corpus="auto",
+):
+    """REST: prompt lookup, and where the prompt and output hold no match, the draft that a datastore
+    of the model's own answers suggests (greedy-exact; lossless sampling); corpus: auto (the shipped
+    one for this model), none or a corpus file."""
+    draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
+    store = get_corpus(run.model, corpus)
+    drafter = PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive_default(run, adaptive), store)
+    counts = yield from draft_verify.decode(run, drafter)
+    run.record(
+        [
+            LookupStats(lookups_hit=c.proposed, corpus_drafts=getattr(ix, "from_corpus", 0))
+            for c, ix in zip(counts, drafter.index)
+        ]
+    )

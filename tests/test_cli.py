@@ -337,6 +337,19 @@ def test_bench_json(capsys, tmp_path, tiny_hf_dir, tiny):
     assert s["greedy"]["matches_hf"] == "1/1" and s["transformers"]["speedup_vs_hf"] == pytest.approx(1.0)
 
 
+def test_bench_offset_takes_later_prompts_of_each_category(capsys, tmp_path, tiny_hf_dir):
+    out_file = tmp_path / "b.json"
+    args = ["bench", "--model", tiny_hf_dir, "--methods", "greedy", "--categories", "qa,translation"]
+    args += ["--prompts", 1, "--offset", 2, "--max-new-tokens", 2, "--no-baseline-hf", "--no-call-cost"]
+    rc, out, err = cli(capsys, *args, "--threads", 1, "--json", out_file)
+    assert rc == 0
+    want = [p.id for c in ("qa", "translation") for p in layerleap.datasets.spec_bench(categories=[c], n=3)[2:]]
+    got = sorted({r["prompt_id"] for r in json.loads(out_file.read_text())["records"]})
+    assert got == sorted(want) and len(got) == 2
+    rc, out, err = cli(capsys, "bench", "--model", tiny_hf_dir, "--offset", "-1")
+    assert rc == 2 and "--offset" in err and "Traceback" not in err
+
+
 def test_bench_call_cost_and_transformers_extras(capsys, tmp_path, tiny_hf_dir, tiny):
     out_file = tmp_path / "b.json"
     rc, out, _ = cli(

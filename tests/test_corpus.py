@@ -69,6 +69,10 @@ def test_a_draft_follows_the_longest_match_and_the_most_shared_continuation():
     ix = CorpusIndex([0, 9, 3], 1, 4, corpus)
     assert ix.draft(2) == [7, 7] and ix.from_corpus == 1  # "9 3 7" twice; then 7 and 8 once each
     assert type(lookup_index([1], 1, 4)) is NgramIndex
+    ix = lookup_index([0, 9, 3], 1, 4, corpus, most=1)
+    assert ix.draft(3) == [7] and ix.last_from_corpus  # at most one token from the corpus
+    ix.extend([7, 9, 3])
+    assert ix.draft(3) == [7, 9, 3] and not ix.last_from_corpus  # the sequence's own copy: whole
 
 
 def test_replay_counts_the_tokens_greedy_verification_keeps():
@@ -87,6 +91,7 @@ def test_replay_counts_the_tokens_greedy_verification_keeps():
         ("rest", {}),
         ("rest", {"draft_len": 1, "max_ngram": 1}),
         ("rest", {"draft_len": 4, "adaptive": True}),
+        ("rest", {"draft_len": 3, "corpus_draft_len": 1}),
         ("auto", {"transfer": None}),
     ],
 )

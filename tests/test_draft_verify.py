@@ -18,6 +18,7 @@ import layerleap
 from layerleap.core import sampling, verify
 from layerleap.core.tree import Candidates, build
 from layerleap.drafters import medusa_transfer
+from layerleap.drafters.corpus import Corpus
 
 
 # -- the pure rules --------------------------------------------------------------------------------
@@ -111,6 +112,8 @@ def _perturbed(model, kind: str, **config):
 SAMPLING = {
     "speculative": lambda t, d: {"draft": d, "draft_len": 2, "min_confidence": 0.0},
     "prompt-lookup": lambda t, d: {"draft_len": 2},
+    # the corpus continues the tokens the prompt lacks (0, 2, 5), where prompt lookup finds nothing
+    "rest": lambda t, d: {"draft_len": 2, "corpus": Corpus([[0, 2, 5, 1], [2, 0, 0, 3], [5, 5, 2, 4]], 6)},
     "self-spec": lambda t, d: {"exit_layer": 1, "draft_len": 2, "head": "shared"},
     "medusa": lambda t, d: {"tree": "2,1", "heads": _perturbed(t, "medusa", steps=2)},
     "hidden-transfer": lambda t, d: {"tree": "2,1", "transfer": _perturbed(t, "transfer", layers=[1, 2])},

@@ -122,8 +122,17 @@ def test_constrained_greedy_is_the_masked_argmax_and_follows_the_grammar(tiny, n
     assert name != "json_schema" or len(got.token_ids) < 48  # the bounded schema ends
 
 
+def _text_corpus(model):
+    """REST's datastore from a little JSON and prose: drafts that a grammar allows in part."""
+    from layerleap.drafters.corpus import Corpus
+
+    texts = ['{"name": "Alice", "age": 30}', '{"items": [1, 2, 3], "ok": true}', "The answer is yes, because"]
+    return Corpus([model.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], model.config.vocab_size)
+
+
 DRAFTING = {
     "prompt-lookup": lambda m, d: {},
+    "rest": lambda m, d: {"corpus": _text_corpus(m)},
     "prompt-lookup k8 unigram": lambda m, d: {"draft_len": 8, "max_ngram": 1},
     "speculative": lambda m, d: {"draft": d, "draft_len": 4, "min_confidence": 0.0},
     "self-spec": lambda m, d: {"exit_layer": 1, "draft_len": 3, "head": "shared"},

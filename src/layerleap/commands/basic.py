@@ -227,8 +227,8 @@ def _csv(text: str | None) -> list[str] | None:
     return items or None
 
 
-def _read_prompts(path: str | None, categories: list[str] | None, n: int) -> list:
-    prompts = spec_bench(path, categories, n)  # raises LayerleapError for an unreadable file
+def _read_prompts(path: str | None, categories: list[str] | None, n: int, offset: int = 0) -> list:
+    prompts = spec_bench(path, categories, n, offset)  # raises LayerleapError for an unreadable file
     if not prompts:
         raise LayerleapError(f"no prompts selected from {path or 'the shipped Spec-Bench'}")
     return prompts
@@ -658,6 +658,12 @@ def _setup_bench(p):
     )
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
     p.add_argument("--prompts", type=_positive_int, default=1, help="prompts per category (default 1)")
+    p.add_argument(
+        "--offset",
+        type=V.int_arg(0, 1_000_000),
+        default=0,
+        help="skip this many prompts of each category first (default 0): held-out prompts for a second run",
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument(
         "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
@@ -731,7 +737,7 @@ def run_bench(args) -> int:
     _check_bench_sampling(methods, _sampling(args))
     if not args.baseline_hf:
         _refuse_unused(args, ("--hf-extra",), "with --no-baseline-hf (it times transformers beside its greedy)")
-    prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
+    prompts = _read_prompts(args.data, _csv(args.categories), args.prompts, args.offset)
     threads, model, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)

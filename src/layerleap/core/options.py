@@ -378,6 +378,14 @@ CORPUS = Option(
     choices=("auto", "none"),
     none="none",
 )
+CORPUS_DRAFT_LEN = Option(
+    "corpus_draft_len",
+    "int",
+    "the most tokens a round drafts from the corpus (<= draft_len applies too)",
+    lo=1,
+    hi=MAX_DRAFT_LEN,
+    none="the dtype's tuned one",
+)
 MEDUSA_HEADS = Option(
     "heads", "weights", "Medusa heads: trained (shipped) or a weights file", default="trained", choices=("trained",)
 )

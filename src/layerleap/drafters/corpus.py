@@ -70,7 +70,7 @@ class Corpus:
         self.sequences = int((tokens == self.sep).sum())
         bits = max(1, int(self.sep).bit_length())
         self.bits, self.key_tokens = bits, max(1, 63 // bits)
-        self._padded = np.concatenate([tokens.astype(np.int64), np.full(MAX_N + 1, self.sep, np.int64)])
+        self._padded = np.concatenate([tokens.astype(np.int32), np.full(MAX_N + 1, self.sep, np.int32)])
         self.keys, self.order = self._sort()  # [N] packed prefixes, ascending; [N] their positions
 
     def __len__(self) -> int:
@@ -84,7 +84,8 @@ class Corpus:
 
     def _sort(self) -> tuple[np.ndarray, np.ndarray]:
         n, p = len(self.tokens), self._padded
-        cols = [p[j : j + n] for j in range(self.key_tokens)]  # a SEP ends an n-gram: its packed digits stay SEP
+        cols = [p[j : j + n].astype(np.int64) for j in range(self.key_tokens)]
+        # a SEP ends an n-gram: the packed digits after it stay SEP
         for j in range(1, self.key_tokens):
             cols[j] = np.where(cols[j - 1] == self.sep, self.sep, cols[j])
         keys = self._pack(cols)

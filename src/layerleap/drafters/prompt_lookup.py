@@ -48,26 +48,33 @@ class NgramIndex:
 
 
 class CorpusIndex(NgramIndex):
-    """An ``NgramIndex`` that, where the sequence holds no earlier occurrence of its suffix, drafts from
-    a ``Corpus`` (REST's datastore) with the same n-gram bounds; ``from_corpus`` counts those drafts."""
+    """An ``NgramIndex`` that, where the sequence holds no earlier occurrence of its suffix, drafts up
+    to ``most`` tokens from a ``Corpus`` (REST's datastore) with the same n-gram bounds; ``from_corpus``
+    counts those drafts."""
 
-    def __init__(self, tokens: list[int], min_n: int, max_n: int, corpus: Corpus):
-        self.corpus = corpus
+    def __init__(self, tokens: list[int], min_n: int, max_n: int, corpus: Corpus, most: int | None = None):
+        self.corpus, self.most = corpus, most
         self.from_corpus = 0
+        self.last_from_corpus = False  # whether the latest draft came from the corpus
         super().__init__(tokens, min_n, max_n)
 
     def draft(self, k: int) -> list[int]:
         chain = super().draft(k)
+        self.last_from_corpus = False
         if chain or k < 1:
             return chain
-        chain = self.corpus.draft(self.tokens, k, self.min_n, self.max_n)
+        chain = self.corpus.draft(self.tokens, k if self.most is None else min(k, self.most), self.min_n, self.max_n)
         self.from_corpus += bool(chain)
+        self.last_from_corpus = bool(chain)
         return chain
 
 
-def lookup_index(tokens: list[int], min_n: int, max_n: int, corpus: Corpus | None = None) -> NgramIndex:
-    """Prompt lookup's index of ``tokens``, drafting from ``corpus`` too where one is given."""
-    return NgramIndex(tokens, min_n, max_n) if corpus is None else CorpusIndex(tokens, min_n, max_n, corpus)
+def lookup_index(
+    tokens: list[int], min_n: int, max_n: int, corpus: Corpus | None = None, most: int | None = None
+) -> NgramIndex:
+    """Prompt lookup's index of ``tokens``, drafting up to ``most`` tokens from ``corpus`` too where one
+    is given."""
+    return NgramIndex(tokens, min_n, max_n) if corpus is None else CorpusIndex(tokens, min_n, max_n, corpus, most)
 
 
 class PromptLookup(Drafter):
@@ -82,10 +89,11 @@ class PromptLookup(Drafter):
         max_ngram: int,
         adaptive: bool = False,
         corpus: Corpus | None = None,
+        corpus_len: int | None = None,
     ):
         self.draft_len = draft_len
         super().__init__(run)
-        self.index = [lookup_index(p, min_ngram, max_ngram, corpus) for p in run.prompts]
+        self.index = [lookup_index(p, min_ngram, max_ngram, corpus, corpus_len) for p in run.prompts]
         self.lengths = LengthChooser(run.batch, curve_for(run.model), draft_len) if adaptive else None
 
     def round_tokens(self) -> int:

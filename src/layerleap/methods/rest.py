@@ -31,7 +31,11 @@ from . import draft_verify
 from .prompt_lookup import DEFAULT_MAX_NGRAM, adaptive_default, tuned
 from .prompt_lookup import OPTIONS as LOOKUP_OPTIONS
 
-OPTIONS = (*LOOKUP_OPTIONS, O.CORPUS)
+OPTIONS = (*LOOKUP_OPTIONS, O.CORPUS, O.CORPUS_DRAFT_LEN)
+# The most tokens a round drafts from the corpus, per weight format.  Its drafts are kept less often
+# than a copy from the prompt (20-30% of them against 20-40%), so where a call's extra rows cost
+# (q4: x1.23 at 4 tokens) it drafts one; see docs/BENCHMARKS.md ("REST").
+CORPUS_DRAFT_LEN = {"float32": None, "bfloat16": None, "float16": None, "q4": 1}
 
 
 @register("rest", batched=True, sampling=True, exact=True, grammar=True, options=OPTIONS)
@@ -43,13 +47,17 @@ def rest(
     min_ngram: int | None = None,
     adaptive: bool | None = None,
     corpus="auto",
+    corpus_draft_len: int | None = None,
 ):
     """REST: prompt lookup, and where the prompt and output hold no match, the draft that a datastore
     of the model's own answers suggests (greedy-exact; lossless sampling); corpus: auto (the shipped
-    one for this model), none or a corpus file."""
+    one for this model), none or a corpus file; corpus_draft_len: the most tokens drafted from it (none:
+    the dtype's tuned one, draft_len but in q4 1)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     store = get_corpus(run.model, corpus)
-    drafter = PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive_default(run, adaptive), store)
+    most = O.per_dtype(run.model, CORPUS_DRAFT_LEN) if corpus_draft_len is None else corpus_draft_len
+    adaptive = adaptive_default(run, adaptive)
+    drafter = PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive, store, most)
     counts = yield from draft_verify.decode(run, drafter)
     run.record(
         [

@@ -376,7 +376,7 @@ CORPUS = Option(
     "(the shipped one for this model, if any), none, or a corpus file (layerleap train corpus)",
     default="auto",
     choices=("auto", "none"),
-    none="none",
+    none="no corpus",
 )
 CORPUS_DRAFT_LEN = Option(
     "corpus_draft_len",

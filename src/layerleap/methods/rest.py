@@ -33,7 +33,7 @@ from .prompt_lookup import OPTIONS as LOOKUP_OPTIONS
 
 OPTIONS = (*LOOKUP_OPTIONS, O.CORPUS, O.CORPUS_DRAFT_LEN)
 # The most tokens a round drafts from the corpus, per weight format.  Its drafts are kept less often
-# than a copy from the prompt (20-30% of them against 20-40%), so where a call's extra rows cost
+# than a copy from the prompt (in q4 30% of them against 41%), so where a call's extra rows cost
 # (q4: x1.23 at 4 tokens) it drafts one; see docs/BENCHMARKS.md ("REST").
 CORPUS_DRAFT_LEN = {"float32": None, "bfloat16": None, "float16": None, "q4": 1}
 

@@ -214,7 +214,7 @@ CLI = [
     # the command line itself
     ([], "the following arguments are required: COMMAND"),
     (["nope"], "invalid choice: 'nope'"),
-    (["train"], "the following arguments are required: {heads,transfer,medusa,eagle,data}"),
+    (["train"], "the following arguments are required: {heads,transfer,medusa,eagle,data,corpus}"),
     (["eval"], "the following arguments are required"),
     (["generate"], "one of the arguments --prompt --prompts-file is required"),
     (["generate", "--prompt"], "expected one argument"),
@@ -716,6 +716,17 @@ CLI = [
     (
         ["train", "data", "--model", "{D}", "--self-distill", "2", "--seed", "-1"],
         "must be an integer in [0, 4294967295]",
+    ),
+    (["train", "corpus", "--model", "{D}"], "the following arguments are required: --out"),
+    (["train", "corpus", "--model", "{D}", "--out", "{T}/c.bin"], "must end in .safetensors"),
+    (
+        ["train", "corpus", "--model", "{D}", "--data", "{GARBAGE}", "--out", "{T}/c.safetensors"],
+        "line 1 is not a self-distilled record",
+    ),
+    (["train", "corpus", "--model", "{D}", "--data", "nosuch", "--out", "{T}/c.safetensors"], "is neither one of"),
+    (
+        ["train", "corpus", "--model", "{D}", "--out", "{T}/c.safetensors", "--calibration-prompts", "21"],
+        "must be an integer in [0, 20]",
     ),
     (["eval", "draft-vocab", "--model", "{D}", "--data", "{GARBAGE}"], "line 1 is not a self-distilled record"),
     (["eval", "draft-vocab", "--model", "{D}", "--data", "nosuch"], "is neither one of self-distill"),
@@ -1363,6 +1374,7 @@ REQUIRED = {  # the least each command needs to parse (the flag under test comes
     "finetune skipdecode": ["--out", "{T}/ft"],
     "finetune variant": ["--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"],
     "heads sub-vocab": ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors"],
+    "train corpus": ["--out", "{T}/corpus.safetensors"],
     "train medusa": ["--out", "{T}/m.safetensors"],
     "train transfer": ["--out", "{T}/t.safetensors"],
     "train eagle": ["--out", "{T}/e.safetensors"],

@@ -174,3 +174,15 @@ def test_train_corpus_writes_a_corpus_and_measures_it(tmp_path, char_model_dir, 
     assert set(replayed) == {"prompt lookup", "rest"} and replayed["rest"]["tokens"] == 6 + len(ids) - 1
     assert replayed["rest"]["calls"] < replayed["prompt lookup"]["calls"]  # the answers are in the corpus
     assert "tokens per call" in capsys.readouterr().out
+
+
+def test_the_shipped_corpus_records_what_it_holds():
+    from pathlib import Path
+
+    from layerleap.files import read_safetensors_meta
+
+    (path,) = (Path(cp.__file__).parent.parent / "data" / "corpus").glob("*.safetensors")
+    meta = read_safetensors_meta(path)
+    assert meta["format"] == cp.FORMAT and meta["kind"] == "corpus" and meta["model"] == "smollm2-135m"
+    assert int(meta["sequences"]) == 8147 and int(meta["tokens"]) > 1_000_000
+    assert "greedy answers" in meta["data"] and meta["command"].startswith("layerleap train corpus")

@@ -69,6 +69,7 @@ def test_registry_claims():
         "ppd",
         "self-spec",
         "prompt-lookup",
+        "rest",
         "auto",
     }
 
@@ -138,9 +139,10 @@ def test_all_lossless_methods_and_skips(capsys, tmp_path, char_model_dir):
         "ppd",
         "self-spec",
         "prompt-lookup",
+        "rest",
         "auto",
         "transformers",
-    }  # no drafters for tiny (auto: lookup alone)
+    }  # no drafters for tiny (auto: lookup alone; rest: no corpus, prompt lookup)
     assert all(s["equal"] == 1 for s in rep["summary"].values())
     assert rep["config"]["skipped"]["speculative"] == "needs a second model: give --draft NAME"
     assert "no shipped medusa weights" in rep["config"]["skipped"]["medusa"] and "skipping medusa" in err

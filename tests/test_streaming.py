@@ -39,6 +39,7 @@ def method_options(model) -> dict[str, dict]:
         "ppd": {"exit_layer": 2, "head": "shared"},
         "self-spec": {"exit_layer": 2, "head": "shared", "draft_len": 3},
         "prompt-lookup": {"draft_len": 4},
+        "rest": {"draft_len": 4},
         "auto": {"transfer": drafters.new_drafter(model, "transfer", layers=[1, 2]), "tree": "2,1"},
     }
 
@@ -57,6 +58,7 @@ METHOD_NAMES = [
     "ppd",
     "self-spec",
     "prompt-lookup",
+    "rest",
     "auto",
 ]
 

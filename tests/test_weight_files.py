@@ -279,8 +279,11 @@ def test_heads_info_prints_the_budgets_side_by_side(tmp_path, capsys):
 
 
 # -- the files in the repository ------------------------------------------------------------------------
-SHIPPED = sorted(  # the drafter weights (draft vocabularies are id lists with their own format: test_draft_vocab)
-    p for p in (ROOT / "src" / "layerleap" / "data").glob("*/*.safetensors") if p.parent.name != "draft_vocab"
+SHIPPED = sorted(  # the drafter weights (draft vocabularies and corpora are id lists with formats of their own:
+    # test_draft_vocab, test_corpus)
+    p
+    for p in (ROOT / "src" / "layerleap" / "data").glob("*/*.safetensors")
+    if p.parent.name not in ("draft_vocab", "corpus")
 )
 OLD = [ROOT / "docs" / "bild" / "head-e8.safetensors", ROOT / "docs" / "heads" / "smollm2-135m-lens-v8192.safetensors"]
 

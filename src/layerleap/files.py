@@ -215,6 +215,31 @@ def read_safetensors_meta(path: str | Path) -> dict:
         raise ValueError(str(e)) from None
 
 
+def read_made_for(path, fmt: str, name: str, fingerprint: str, what: str, command: str, error: type, framework="pt"):
+    """``(tensor, metadata)``: the tensor ``name`` of a layerleap file of format ``fmt`` made for the model
+    with ``fingerprint``.  A missing, truncated or foreign file, or another model's, raises ``error``
+    (a ``LayerleapError``) naming the file and the fix (``command``, which writes one)."""
+    from safetensors import safe_open
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise error(f"no such {what} file {str(path)!r}: write one with `{command}`")
+    try:
+        meta = read_safetensors_meta(p)
+        with safe_open(str(p), framework) as f:
+            tensor = f.get_tensor(name) if meta.get("format") == fmt else None
+    except Exception as e:  # truncated or foreign: safetensors' own error kinds
+        raise error(f"cannot read {what} {p}: {str(e)[:100]}; write it again with `{command}`") from None
+    if tensor is None:
+        raise error(f"{p} is not a {what} file (format {meta.get('format')!r}): use `{command}`")
+    if meta.get("fingerprint") != fingerprint:
+        raise error(
+            f"{p} was made for another model (fingerprint {meta.get('fingerprint')}, "
+            f"{meta.get('model') or 'unnamed'}; this model {fingerprint}): write one for it with `{command}`"
+        )
+    return tensor, meta
+
+
 def cache_root() -> Path:
     """The user cache (converted models, kernel choices): ``$LAYERLEAP_CACHE`` or ``~/.cache/layerleap``."""
     return Path(os.environ.get("LAYERLEAP_CACHE") or Path.home() / ".cache" / "layerleap")

@@ -36,6 +36,21 @@ def per_model(model, kind: str, path, load: Callable[[], T]) -> T:
     return store[key]
 
 
+def shipped_files(model, folder: Path, read_meta: Callable[[Path], dict] | None = None) -> list[Path]:
+    """The safetensors files in ``folder`` made for ``model`` (matched by the fingerprint in their
+    metadata, read by ``read_meta``), looked up once per model."""
+    from .files import read_safetensors_meta
+
+    if not folder.is_dir():
+        return []
+    meta = read_meta or read_safetensors_meta
+
+    def find() -> list[Path]:
+        return sorted(p for p in folder.glob("*.safetensors") if meta(p).get("fingerprint") == model.fingerprint)
+
+    return per_model(model, f"shipped {folder}", folder, find)
+
+
 def clear(model=None) -> None:
     """Forget what was loaded for ``model`` (or for every model)."""
     if model is None:

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LayerleapError
-from ..files import read_safetensors_meta, save_safetensors
-from ..loaded import per_model
+from ..files import read_made_for, save_safetensors
+from ..loaded import per_model, shipped_files
 
 FORMAT = "layerleap-corpus-1"
 SHIPPED_DIR = Path(__file__).parent.parent / "data" / "corpus"
@@ -157,47 +157,15 @@ def save(path, model, sequences, meta: dict) -> Path:
 
 def read(model, path) -> Corpus:
     """A corpus from a file written by ``save``; refuses a foreign file or another model's."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise CorpusError(f"no such corpus file {str(path)!r}: write one with `{COMMAND}`")
-    from safetensors import safe_open
-
-    try:
-        meta = read_safetensors_meta(p)
-        with safe_open(str(p), "np") as f:
-            tokens = f.get_tensor("tokens") if meta.get("format") == FORMAT else None
-    except Exception as e:  # truncated or foreign: safetensors' own error kinds
-        raise CorpusError(f"cannot read corpus {p}: {str(e)[:100]}; write it again with `{COMMAND}`") from None
-    if tokens is None:
-        raise CorpusError(f"{p} is not a corpus file (format {meta.get('format')!r}): use `{COMMAND}`")
-    if meta.get("fingerprint") != model.fingerprint:
-        raise CorpusError(
-            f"{p} holds another model's answers (fingerprint {meta.get('fingerprint')}, "
-            f"{meta.get('model') or 'unnamed'}; this model {model.fingerprint}): write one for it with `{COMMAND}`"
-        )
+    tokens, meta = read_made_for(path, FORMAT, "tokens", model.fingerprint, "corpus", COMMAND, CorpusError, "np")
     if tokens.dtype not in (np.uint16, np.int32):
-        raise CorpusError(f"{p} holds tokens of type {tokens.dtype}, not uint16 or int32: write it with `{COMMAND}`")
+        raise CorpusError(f"{path} holds tokens of type {tokens.dtype}, not uint16 or int32: write it with `{COMMAND}`")
     return Corpus(tokens, model.config.vocab_size, meta)
 
 
 def load(model, path) -> Corpus:
     """``read`` once per model and file."""
     return per_model(model, "corpus", path, lambda: read(model, path))
-
-
-def shipped_files(model) -> list[Path]:
-    """The shipped corpus files of this model's answers (matched by fingerprint)."""
-    if not SHIPPED_DIR.is_dir():
-        return []
-
-    def find() -> list[Path]:
-        return sorted(
-            p
-            for p in SHIPPED_DIR.glob("*.safetensors")
-            if read_safetensors_meta(p).get("fingerprint") == model.fingerprint
-        )
-
-    return per_model(model, "shipped corpus", SHIPPED_DIR, find)
 
 
 def get_corpus(model, spec="auto") -> Corpus | None:
@@ -213,7 +181,7 @@ def get_corpus(model, spec="auto") -> Corpus | None:
     if spec == "none" or spec is None:
         return None
     if spec == "auto":
-        files = shipped_files(model)
+        files = shipped_files(model, SHIPPED_DIR)
         return load(model, files[-1]) if files else None
     if isinstance(spec, (str, Path)):
         return load(model, spec)

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from ..core import kernels
 from ..core.model import Transformer
 from ..errors import LayerleapError
-from ..files import read_safetensors_meta, save_safetensors
-from ..loaded import per_model
+from ..files import read_made_for, save_safetensors
+from ..loaded import per_model, shipped_files
 from .exit_heads import ExitHead
 
 FORMAT = "layerleap-draft-vocab-1"
@@ -204,47 +204,14 @@ def save(path, model: Transformer, ids: torch.Tensor, meta: dict) -> Path:
 
 def read(model: Transformer, path) -> DraftVocab:
     """A draft vocabulary from a file written by ``save``; refuses a foreign file or another model."""
-    from safetensors import safe_open
-
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DraftVocabError(f"no such draft-vocabulary file {str(path)!r}: write one with `{COMMAND}`")
-    try:
-        meta = read_safetensors_meta(p)
-        with safe_open(str(p), "pt") as f:
-            ids = f.get_tensor("ids") if meta.get("format") == FORMAT else None
-    except Exception as e:  # truncated or foreign: safetensors' own error kinds
-        raise DraftVocabError(
-            f"cannot read draft vocabulary {p}: {str(e)[:100]}; write it again with `{COMMAND}`"
-        ) from None
-    if ids is None:
-        raise DraftVocabError(f"{p} is not a draft-vocabulary file (format {meta.get('format')!r}): use `{COMMAND}`")
-    if meta.get("fingerprint") != model.fingerprint:
-        raise DraftVocabError(
-            f"{p} was counted for another model (fingerprint {meta.get('fingerprint')}, "
-            f"{meta.get('model') or 'unnamed'}; this model {model.fingerprint}): write one for it with `{COMMAND}`"
-        )
+    what = "draft-vocabulary"
+    ids, meta = read_made_for(path, FORMAT, "ids", model.fingerprint, what, COMMAND, DraftVocabError)
     return DraftVocab(model, ids, meta)
 
 
 def load(model: Transformer, path) -> DraftVocab:
     """``read`` once per model and file."""
     return per_model(model, "draft vocab", path, lambda: read(model, path))
-
-
-def shipped_files(model: Transformer) -> list[Path]:
-    """The shipped draft-vocabulary files counted for this model (matched by fingerprint)."""
-    if not SHIPPED_DIR.is_dir():
-        return []
-
-    def find() -> list[Path]:
-        return sorted(
-            p
-            for p in SHIPPED_DIR.glob("*.safetensors")
-            if read_safetensors_meta(p).get("fingerprint") == model.fingerprint
-        )
-
-    return per_model(model, "shipped draft vocab", SHIPPED_DIR, find)
 
 
 def get_draft_vocab(model: Transformer, spec="auto") -> DraftVocab | None:
@@ -257,7 +224,7 @@ def get_draft_vocab(model: Transformer, spec="auto") -> DraftVocab | None:
     if spec == "full" or spec is None:
         return None
     if spec == "auto":
-        files = shipped_files(model)
+        files = shipped_files(model, SHIPPED_DIR)
         return load(model, files[-1]) if files else None
     if isinstance(spec, (str, Path)):
         return load(model, spec)

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import LayerleapError
 from ..files import read_safetensors_meta, reading, save_safetensors
-from ..loaded import per_model
+from ..loaded import per_model, shipped_files
 
 FORMAT = "layerleap-weights-2"
 BUDGET = ("data", "tokens", "steps", "train_s", "machine", "command")  # the training budget's keys
@@ -256,16 +256,7 @@ def load(model, path, kind: Kind):
 
 def shipped(model, folder: Path, kind: Kind) -> list[Path]:
     """The weights files in ``folder`` made for this model (matched by fingerprint; looked up once)."""
-    if not folder.is_dir():
-        return []
-    return per_model(
-        model,
-        f"shipped {kind.name}",
-        folder,
-        lambda: sorted(
-            p for p in folder.glob("*.safetensors") if read_meta(p, kind.error).get("fingerprint") == model.fingerprint
-        ),
-    )
+    return shipped_files(model, folder, lambda p: read_meta(p, kind.error))
 
 
 def upgrade(path, out, budget: dict | None = None, source: str | None = None) -> Path:

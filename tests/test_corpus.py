@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -123,8 +124,13 @@ def test_without_a_corpus_rest_is_prompt_lookup(models):
     model = models["llama-gqa-tied"]
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     want = generate(model, prompt, "prompt-lookup", 12, stop_at_eos=False)
-    for corpus in ("auto", "none"):  # nothing ships for a random model
-        got = generate(model, prompt, "rest", 12, stop_at_eos=False, corpus=corpus)
+    said = "no corpus ships for tiny, so it drafts as prompt lookup: write one with `layerleap train corpus`"
+    with pytest.warns(cp.CorpusWarning, match=said):
+        auto = generate(model, prompt, "rest", 12, stop_at_eos=False)  # nothing ships for a random model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cp.CorpusWarning)  # asked for none: nothing to say
+        none = generate(model, prompt, "rest", 12, stop_at_eos=False, corpus="none")
+    for got in (auto, none):
         assert got.token_ids == want.token_ids and got.stats.model_calls == want.stats.model_calls
         assert got.stats.lookup.corpus_drafts == 0
 

@@ -46,6 +46,10 @@ class CorpusError(LayerleapError, ValueError):
     """A corpus that cannot be made or loaded: the message names the problem and the fix."""
 
 
+class CorpusWarning(UserWarning):
+    """``corpus="auto"`` on a model no corpus ships for: the method drafts without one."""
+
+
 class Corpus:
     """Token sequences end to end for n-gram lookups (see the module docstring)."""
 

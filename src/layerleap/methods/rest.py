@@ -15,17 +15,19 @@ text and the draft one chain.
 One call verifies the last token and the draft, as prompt lookup's: greedy output is greedy decoding
 token for token, sampling is lossless (every draft is a one-hot proposal).  Batches, grammars and
 the adaptive draft length work as in prompt lookup.  Without a corpus (``corpus="none"``, or a model
-none ships for under ``"auto"``) it is prompt lookup.
+none ships for under ``"auto"``, which says so with a ``CorpusWarning``) it is prompt lookup.
 
 Stats, per row: prompt lookup's, and ``corpus_drafts`` (rounds drafted from the corpus).
 """
 
 from __future__ import annotations
 
+import warnings
+
 from ..core import options as O
 from ..core.run import Run, register
 from ..core.stats import LookupStats
-from ..drafters.corpus import get_corpus
+from ..drafters.corpus import COMMAND, CorpusWarning, get_corpus
 from ..drafters.prompt_lookup import PromptLookup
 from . import draft_verify
 from .prompt_lookup import DEFAULT_MAX_NGRAM, adaptive_default, tuned
@@ -55,6 +57,13 @@ def rest(
     the dtype's tuned one, draft_len but in q4 1)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     store = get_corpus(run.model, corpus)
+    if store is None and corpus == "auto":
+        warnings.warn(
+            f"rest: no corpus ships for {run.model.config.name or 'this model'}, so it drafts as prompt lookup: "
+            f"write one with `{COMMAND}` (from `layerleap train data --self-distill` answers) and pass corpus=FILE",
+            CorpusWarning,
+            stacklevel=2,
+        )
     most = O.per_dtype(run.model, CORPUS_DRAFT_LEN) if corpus_draft_len is None else corpus_draft_len
     adaptive = adaptive_default(run, adaptive)
     drafter = PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive, store, most)

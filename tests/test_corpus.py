@@ -71,9 +71,9 @@ def test_a_draft_follows_the_longest_match_and_the_most_shared_continuation():
     assert ix.draft(2) == [7, 7] and ix.from_corpus == 1  # "9 3 7" twice; then 7 and 8 once each
     assert type(lookup_index([1], 1, 4)) is NgramIndex
     ix = lookup_index([0, 9, 3], 1, 4, corpus, most=1)
-    assert ix.draft(3) == [7] and ix.last_from_corpus  # at most one token from the corpus
+    assert ix.draft(3) == [7] and ix.from_corpus == 1  # at most one token from the corpus
     ix.extend([7, 9, 3])
-    assert ix.draft(3) == [7, 9, 3] and not ix.last_from_corpus  # the sequence's own copy: whole
+    assert ix.draft(3) == [7, 9, 3] and ix.from_corpus == 1  # the sequence's own copy: whole
 
 
 def test_replay_counts_the_tokens_greedy_verification_keeps():
@@ -132,7 +132,7 @@ def test_without_a_corpus_rest_is_prompt_lookup(models):
         none = generate(model, prompt, "rest", 12, stop_at_eos=False, corpus="none")
     for got in (auto, none):
         assert got.token_ids == want.token_ids and got.stats.model_calls == want.stats.model_calls
-        assert got.stats.lookup.corpus_drafts == 0
+        assert got.stats.lookup.corpus_drafts is None  # no corpus: nothing drafted from one
 
 
 def test_files_round_trip_and_refuse(tmp_path, models):

@@ -11,6 +11,7 @@ from the corpus instead."""
 from __future__ import annotations
 
 from ..core.run import Run
+from ..core.stats import LookupStats
 from ..core.tree import Candidates
 from .base import Drafter
 from .corpus import Corpus
@@ -55,18 +56,21 @@ class CorpusIndex(NgramIndex):
     def __init__(self, tokens: list[int], min_n: int, max_n: int, corpus: Corpus, most: int | None = None):
         self.corpus, self.most = corpus, most
         self.from_corpus = 0
-        self.last_from_corpus = False  # whether the latest draft came from the corpus
         super().__init__(tokens, min_n, max_n)
 
     def draft(self, k: int) -> list[int]:
         chain = super().draft(k)
-        self.last_from_corpus = False
         if chain or k < 1:
             return chain
         chain = self.corpus.draft(self.tokens, k if self.most is None else min(k, self.most), self.min_n, self.max_n)
         self.from_corpus += bool(chain)
-        self.last_from_corpus = bool(chain)
         return chain
+
+
+def lookup_stats(counts, index: list[NgramIndex]) -> list[LookupStats]:
+    """Per row: the rounds that found a draft and, where the row's index has a corpus, those drafted
+    from it."""
+    return [LookupStats(c.proposed, getattr(ix, "from_corpus", None)) for c, ix in zip(counts, index)]
 
 
 def lookup_index(

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 from ..core import options as O
 from ..core.run import Run, register
-from ..core.stats import LookupStats
 from ..drafters import medusa_transfer as weights
 from ..drafters import lengths
 from ..drafters.auto import AutoDrafter
 from ..drafters.corpus import get_corpus
 from ..drafters.draft_vocab import get_draft_vocab
 from ..drafters.eagle import EagleChains
+from ..drafters.prompt_lookup import lookup_stats
 from ..drafters.trees import tree_buffers
 from . import draft_verify
 from . import eagle as eagle_method
@@ -179,11 +179,6 @@ def auto(
         corpus=get_corpus(run.model, corpus),
     )
     counts = yield from draft_verify.decode(run, drafter)
-    run.record(
-        [
-            LookupStats(lookups_hit=c.proposed, corpus_drafts=getattr(ix, "from_corpus", None))
-            for c, ix in zip(counts, drafter.index)
-        ]
-    )
+    run.record(lookup_stats(counts, drafter.index))
     run.record(drafter.tree_stats(counts))
     run.record(drafter.auto_stats())

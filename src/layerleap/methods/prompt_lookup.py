@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from ..core import options as O
 from ..core.run import GenerationError, Run, register
-from ..core.stats import LookupStats
 from ..drafters import lengths
-from ..drafters.prompt_lookup import NgramIndex, PromptLookup
+from ..drafters.prompt_lookup import NgramIndex, PromptLookup, lookup_stats
 from . import draft_verify
 
 __all__ = ["NgramIndex", "prompt_lookup"]
@@ -87,5 +86,6 @@ def prompt_lookup(
     call-cost curve makes a second token cost, as in q4)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     adaptive = adaptive_default(run, adaptive)
-    counts = yield from draft_verify.decode(run, PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive))
-    run.record([LookupStats(lookups_hit=c.proposed) for c in counts])
+    drafter = PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive)
+    counts = yield from draft_verify.decode(run, drafter)
+    run.record(lookup_stats(counts, drafter.index))

@@ -17,7 +17,8 @@ token for token, sampling is lossless (every draft is a one-hot proposal).  Batc
 the adaptive draft length work as in prompt lookup.  Without a corpus (``corpus="none"``, or a model
 none ships for under ``"auto"``, which says so with a ``CorpusWarning``) it is prompt lookup.
 
-Stats, per row: prompt lookup's, and ``corpus_drafts`` (rounds drafted from the corpus).
+Stats, per row: prompt lookup's, and ``corpus_drafts`` (rounds drafted from the corpus; left out
+without a corpus).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ import warnings
 
 from ..core import options as O
 from ..core.run import Run, register
-from ..core.stats import LookupStats
 from ..drafters.corpus import COMMAND, CorpusWarning, get_corpus
-from ..drafters.prompt_lookup import PromptLookup
+from ..drafters.prompt_lookup import PromptLookup, lookup_stats
 from . import draft_verify
 from .prompt_lookup import DEFAULT_MAX_NGRAM, adaptive_default, tuned
 from .prompt_lookup import OPTIONS as LOOKUP_OPTIONS
@@ -68,9 +68,4 @@ def rest(
     adaptive = adaptive_default(run, adaptive)
     drafter = PromptLookup(run, draft_len, min_ngram, max_ngram, adaptive, store, most)
     counts = yield from draft_verify.decode(run, drafter)
-    run.record(
-        [
-            LookupStats(lookups_hit=c.proposed, corpus_drafts=getattr(ix, "from_corpus", 0))
-            for c, ix in zip(counts, drafter.index)
-        ]
-    )
+    run.record(lookup_stats(counts, drafter.index))

@@ -736,3 +736,80 @@ def test_eval_frontier_runs_bilds_ablations_and_calm(capsys, tmp_path, tiny_hf_d
     assert all(r["n"] == 2 and r["tokens"] > 0 and r["seconds"] > 0 for r in rows.values())
     assert rows["bild-no-fallback every 3"]["options"] == {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": 3}
     assert rows["bild-no-rollback fb0.5 rb inf"]["options"]["alpha_rb"] == math.inf
+
+
+# -- the EAGLE form ----------------------------------------------------------------------------------
+def bigram_pair(seed: int, eps: float = 0.3):
+    """A large model whose layers add little to the residual stream (its next token is mostly a function of
+    the current one) and an EAGLE head that drafts exactly that function: the head's state is the current
+    token's normalised embedding.  The drafts are often the large model's own tokens, not always."""
+    from layerleap.drafters import medusa_transfer
+
+    torch.manual_seed(seed)
+    large = Transformer(tiny_config(tie_embeddings=False)).eval()
+    with torch.no_grad():
+        large.lm_head.weight.mul_(6.0)
+        for layer in large.layers:
+            layer.attn.o.weight.mul_(eps)
+            layer.mlp.down.weight.mul_(eps)
+    head = medusa_transfer.new_drafter(large, "eagle")
+    D = large.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, D:] = torch.eye(D)
+        head.down.weight.zero_()
+    return large, head
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_eagle_form_at_or_below_ln2_gives_the_large_models_greedy_output(monkeypatch, width):
+    from layerleap.methods import eagle as eagle_method
+
+    monkeypatch.setitem(eagle_method.DEFAULT_WIDTH, "float32", width)
+    kept = 0
+    for seed in SEEDS:
+        large, head = bigram_pair(seed)
+        ref = greedy(large).token_ids
+        for alpha_rb in (0.0, 0.69):
+            for alpha_fb, max_small in ((0.0, 1), (0.0, 10), (0.3, None), (0.6, 3)):
+                r = run_bild(large, eagle=head, alpha_fb=alpha_fb, alpha_rb=alpha_rb, max_small=max_small)
+                s = r.stats
+                assert r.token_ids == ref, (seed, alpha_rb, alpha_fb, max_small)
+                assert s["head"] == "eagle" and s["exit_layer"] is None
+                assert s["large_tokens"] + s["small_tokens"] - s["rolled_back"] == N
+                assert s["large_calls"] == s["fallbacks"] + s["forced"] + s["final_checks"]
+                assert s["scored_drafts"] >= s["small_tokens"] - s["rolled_back"]
+                if max_small is not None:
+                    assert s["small_tokens"] <= max_small * s["large_calls"]
+                kept += s["small_tokens"] - s["rolled_back"]
+    assert kept > 100  # the head's drafts really were kept, so the equality is not trivial
+
+
+def test_eagle_form_falls_back_below_its_confidence_and_rolls_back_by_alpha_rb(monkeypatch):
+    from layerleap.methods import eagle as eagle_method
+
+    monkeypatch.setitem(eagle_method.DEFAULT_WIDTH, "float32", 1)  # chains: at alpha_rb = inf all is kept
+    large, head = bigram_pair(0)
+    sure = run_bild(large, eagle=head, alpha_fb=0.0, alpha_rb=0.69, max_small=10).stats
+    unsure = run_bild(large, eagle=head, alpha_fb=0.99, alpha_rb=0.69, max_small=10).stats
+    assert sure["fallbacks"] == 0 and unsure["fallbacks"] > 0
+    assert unsure["small_tokens"] < sure["small_tokens"]
+    # lenient rollback keeps at least what the strict rule keeps, and everything at alpha_rb = inf
+    strict = run_bild(large, eagle=head, alpha_fb=0.0, alpha_rb=0.69, max_small=4).stats
+    lenient = run_bild(large, eagle=head, alpha_fb=0.0, alpha_rb=math.inf, max_small=4).stats
+    assert lenient["rolled_back"] == 0 and strict["rolled_back"] > 0
+
+
+def test_eagle_form_is_the_default_only_where_a_head_ships(monkeypatch):
+    from layerleap.drafters import medusa_transfer
+
+    large, head = bigram_pair(1)
+    assert run_bild(large, n=8, alpha_fb=0.0, alpha_rb=0.69).stats["head"] != "eagle"  # no shipped head
+    monkeypatch.setattr(medusa_transfer, "shipped_files", lambda model, kind: ["x"] if kind == "eagle" else [])
+    monkeypatch.setattr(medusa_transfer, "get_drafter", lambda model, kind, spec="trained": head)
+    r = run_bild(large, n=8, alpha_fb=0.0, alpha_rb=0.69, max_small=1)
+    assert r.stats["head"] == "eagle" and r.token_ids == greedy(large, 8).token_ids
+    assert run_bild(large, n=8, exit_layer=2, alpha_fb=0.0).stats["exit_layer"] == 2  # a given form wins
+    assert run_bild(large, n=8, eagle="none", alpha_fb=0.0).stats["head"] != "eagle"
+    with pytest.raises(GenerationError, match="give one small model"):
+        run_bild(large, n=8, eagle=head, exit_layer=2)

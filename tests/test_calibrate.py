@@ -109,7 +109,8 @@ def test_step_cost_measures_nonnegative_prices(char_model):
 def test_step_counts_of_greedy_and_of_calm_checking_every_layer(char_model):
     d, n = char_model.config.n_layers, 5
     g = layerleap.generate(char_model, "hi", "greedy", n, chat=True, stop_at_eos=False)
-    assert C.step_counts(g.stats) == {"calls": 1.0, "checks": 0.0, "heads": 1.0, "filled": 0.0}
+    greedy_counts = {"calls": 1.0, "checks": 0.0, "heads": 1.0, "filled": 0.0, "rows": 0.0, "drafts": 0.0}
+    assert C.step_counts(g.stats) == greedy_counts
     # a threshold no cosine reaches that still checks: layers [0, 1) in one call, then one call per layer
     c = layerleap.generate(
         char_model, "hi", "calm", n, chat=True, stop_at_eos=False, threshold=NEVER_SATURATES, min_exit_layer=2

@@ -261,14 +261,34 @@ def test_greedy_accept_and_residual():
     torch.testing.assert_close(verify.residual(same, same), same)
 
 
-def test_first_rollback_rule():
-    probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7]])
+def test_rollback_rule_on_a_chain():
+    probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.5, 0.5]])
     toks = torch.tensor([0, 0, 0])  # -log p = 0.105, 0.511, 1.204
-    assert verify.first_rollback(toks, probs, 2.0) is None
-    assert verify.first_rollback(toks, probs, 1.0) == 2
-    assert verify.first_rollback(toks, probs, 0.5) == 1
-    assert verify.first_rollback(toks, probs, math.inf) is None
-    assert verify.first_rollback(toks, probs, 0.69) == 2  # ln 2: only tokens with p >= 1/2 stay
+    parents = torch.arange(-1, 2)
+
+    def kept(alpha_rb, own=None):
+        return len(verify.rollback_path(toks, parents, probs, alpha_rb, own))
+
+    assert kept(2.0) == 3 and kept(math.inf) == 3
+    assert kept(1.0) == 2 and kept(0.69) == 2  # ln 2: only tokens with p >= 1/2 stay
+    assert kept(0.5) == 1
+    assert kept(0.5, own=[0, 0, 1, 0]) == 2  # the verifier's own choice is never rolled back
+    assert kept(0.5, own=[0, 1, 1, 0]) == 1
+
+
+def test_rollback_rule_on_a_tree_walks_the_most_likely_children():
+    # root -> drafts 0 (token 1) and 1 (token 2); draft 2 (token 0) below draft 1
+    toks, parents = torch.tensor([1, 2, 0]), torch.tensor([-1, -1, 1])
+    probs = torch.tensor([[0.1, 0.3, 0.6], [1.0, 0.0, 0.0], [0.3, 0.6, 0.1], [1.0, 0.0, 0.0]])
+    assert verify.rollback_path(toks, parents, probs, 1.0) == [1]  # token 2 (p 0.6), then token 0 (p 0.3 < e^-1)
+    assert verify.rollback_path(toks, parents, probs, 1.0, own=[2, 0, 1, 0]) == [1]  # not its choice
+    assert verify.rollback_path(toks, parents, probs, 1.0, own=[2, 0, 0, 0]) == [1, 2]
+    assert verify.rollback_path(toks, parents, probs, 0.4) == []  # -log 0.6 = 0.51
+    assert verify.rollback_path(toks, parents, probs, math.inf) == [1, 2]
+    for alpha_rb in (0.0, 0.69):  # with greedy's own choices: accept_greedy's path
+        own = probs.argmax(-1).tolist()
+        want = verify.accept_greedy(toks, parents, probs)[0]
+        assert verify.rollback_path(toks, parents, probs, alpha_rb, own) == want
 
 
 # -- errors ------------------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ class BildStats(Record):
     large_calls: int
     fallback_rate: float
     rollback_rate: float
+    scored_drafts: int = 0  # draft tokens the large model's passes scored (a tree's every node)
 
 
 @dataclass

@@ -17,10 +17,10 @@ the tree ``parents = -1, 0, .., k-2``.
   flattened-tree layouts that tests and tools use.
 - ``match_candidate``: PPD's check (Yang et al. 2023, Algorithm 1 line 22): which of the early top-k
   candidates equals the token the full model chose, if any.
-- ``hard_cross_entropy`` / ``first_rollback``: BiLD's rollback rule (Kim et al. 2023, §3.4 and
+- ``hard_cross_entropy`` / ``rollback_path``: BiLD's rollback rule (Kim et al. 2023, §3.4 and
   §4.1): the distance of a draft token from the verifier is the cross-entropy between the draft's
   hard label and the verifier's soft label, ``-log p(d_i)``; the first position where it exceeds
-  ``alpha_rb`` is rolled back.
+  ``alpha_rb`` is rolled back (on a tree, along the path of the verifier's most likely children).
 
 ``p`` and ``q`` are probability rows (already warped by temperature / top-k / top-p, see
 ``sampling.probs``); every function takes one sequence (no batch dimension).
@@ -28,7 +28,6 @@ the tree ``parents = -1, 0, .., k-2``.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -151,14 +150,28 @@ def hard_cross_entropy(tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tenso
     return -torch.log(pt)
 
 
-def first_rollback(tokens: torch.Tensor, probs: torch.Tensor, alpha_rb: float) -> int | None:
-    """BiLD's rollback policy: the first ``i`` with ``-log probs[i, tokens[i]] > alpha_rb``, or None.
-    ``alpha_rb = inf`` never rolls back; ``alpha_rb <= ln 2`` keeps only tokens the verifier gives
-    at least half its probability, i.e. its argmax."""
-    if math.isinf(alpha_rb) or tokens.numel() == 0:
-        return None
-    bad = (hard_cross_entropy(tokens, probs) > alpha_rb).nonzero()
-    return int(bad[0, 0]) if bad.numel() else None
+def rollback_path(
+    tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, alpha_rb: float, own: list[int] | None = None
+) -> list[int]:
+    """BiLD's rollback policy over a chain or a tree -> the drafts of the kept path.  From the root, each
+    step takes the child the verifier gives the most probability and keeps it while its cross-entropy
+    ``-log p`` is at most ``alpha_rb`` (on a chain: every draft before the first rolled back one).
+    ``own`` (greedy decoding: each row's argmax) also keeps a child that is the verifier's own choice
+    there, which a rollback would only put back.  ``tokens`` ``[k]``, ``parents`` ``[k]`` (-1 for the
+    first level), ``probs`` ``[1 + k, V]`` laid out as in ``accept_greedy``.  With ``own`` and
+    ``alpha_rb <= ln 2`` (a kept draft has at least half the probability: the argmax) the path is
+    ``accept_greedy``'s."""
+    toks, kids = tokens.cpu().tolist(), children(parents)
+    path, node = [], -1
+    while kids.get(node):
+        row = probs[node + 1]  # [V]
+        best = max(kids[node], key=lambda c: (float(row[toks[c]]), -c))
+        ce = float(hard_cross_entropy(tokens[best : best + 1], row.unsqueeze(0))[0])
+        if ce > alpha_rb and not (own is not None and toks[best] == own[node + 1]):
+            return path
+        path.append(best)
+        node = best
+    return path
 
 
 def tree_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:

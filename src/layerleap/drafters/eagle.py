@@ -5,7 +5,8 @@ the next round's root (the target's own token) and ``h`` give the first draft, e
 ``s_1 = step(final_norm(h), root)``, ``s_i = step(final_norm(s_{i-1}), d_{i-1})``, ``d_i`` the top
 token of ``final_norm(s_i)`` over the draft vocabulary.  Rows of a batch draft together, one head
 call per step.  The chain ends at ``draft_len``, at an end-of-sequence draft, or after a draft whose
-top probability is below ``min_confidence``.  ``width`` > 1 adds the first draft's next ``width - 1``
+top probability is below ``min_confidence`` (with ``keep_unsure`` False, before such a draft: BiLD's
+fallback leaves that position to the target).  ``width`` > 1 adds the first draft's next ``width - 1``
 candidates as siblings (a tree of one chain and a fan at its first level, verified with tree
 attention; the chain goes on from the top one).  Drafts are top-k choices (one-hot proposals), so
 greedy output is greedy decoding's and sampling stays lossless.
@@ -42,11 +43,14 @@ class EagleChains:
         vocab: DraftVocab | None = None,
         min_confidence: float = 0.0,
         width: int = 1,
+        keep_unsure: bool = True,
     ):
         self.run, self.head, self.draft_len, self.vocab = run, head, draft_len, vocab
-        self.min_confidence, self.width = min_confidence, width
+        self.min_confidence, self.width, self.keep_unsure = min_confidence, width, keep_unsure
         self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
         self.head_steps = 0  # head calls (each drafts one token for every drafting row)
+        self.row_steps = [0] * run.batch  # per row: the head steps that drafted for it
+        self.stops: dict[int, str] = {}  # row -> why its last chain ended (``ChainRule``'s reasons)
         self.caches: dict[int, HeadCache] = {}  # an attending head's: row -> its pairs' keys and values
 
     @property
@@ -115,6 +119,10 @@ class EagleChains:
         rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b and root is not None]
         lengths = [min(budgets[r], self.draft_len) for r in rows]
         chains, siblings = self.draft([states[r] for r in rows], [roots[r] for r in rows], lengths, rows)
+        self.stops = {
+            row: "budget" if stop == "length" and lengths[i] == budgets[row] else stop
+            for i, (row, stop) in enumerate(zip(rows, self.last_stops))
+        }
         return {row: (c, s) for row, c, s in zip(rows, chains, siblings)}
 
     @torch.no_grad()
@@ -127,6 +135,7 @@ class EagleChains:
         attending head reads their caches; default ``0..``)."""
         chains: list[list[int]] = [[] for _ in roots]
         siblings: list[list[int]] = [[] for _ in roots]
+        self.last_stops: list[str] = ["length"] * len(roots)  # why each chain ended: eos, length, unsure
         if not roots:
             return chains, siblings
         model = self.run.model
@@ -158,8 +167,15 @@ class EagleChains:
             self.head_steps += 1
             keep = []
             for j, i in enumerate(live):
+                self.row_steps[(rows or range(len(roots)))[i]] += 1
+                unsure = sure[j] < self.min_confidence
+                if unsure and not self.keep_unsure:  # BiLD's fallback: the target takes this position
+                    self.last_stops[i] = "unsure"
+                    continue
                 chains[i].append(tokens[j])
-                if len(chains[i]) < lengths[i] and tokens[j] not in self.eos and sure[j] >= self.min_confidence:
+                stop = "eos" if tokens[j] in self.eos else "length" if len(chains[i]) >= lengths[i] else None
+                self.last_stops[i] = stop or ("unsure" if unsure else "length")
+                if stop is None and not unsure:
                     keep.append(j)
             live = [live[j] for j in keep]
             if keep:
@@ -192,12 +208,20 @@ class EagleDrafter(Drafter):
             self.kept_state[row] = self.hidden[row, -1]
         return logits
 
+    @property
+    def draft_steps(self) -> list[int]:
+        """Per row: the head steps that drafted for it (BiLD's small-model steps)."""
+        return self.chains.row_steps
+
     def propose(self, roots, budgets) -> list[Candidates | None]:
         drafted = self.chains.for_rows(self.kept_state, roots, budgets)
-        return [
-            None if b is None else self.chains.candidates(root, *drafted.get(row, ([], [])))
-            for row, (root, b) in enumerate(zip(roots, budgets))
-        ]
+        out = []
+        for row, (root, b) in enumerate(zip(roots, budgets)):
+            cand = None if b is None else self.chains.candidates(root, *drafted.get(row, ([], [])))
+            if cand is not None and row in drafted:
+                cand.stop = self.chains.stops.get(row)
+            out.append(cand)
+        return out
 
     def update(self, cands, results) -> None:
         called = self.called()

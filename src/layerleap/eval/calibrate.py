@@ -57,7 +57,7 @@ from ..datasets import Prompt, spec_bench
 from ..decoding import generate, get_method
 from ..errors import LayerleapError
 from ..files import read_report, write_json
-from ..methods import budget
+from ..methods import bild, budget
 from . import quality as Q
 from . import step_cost as SC
 from .step_cost import StepCost
@@ -139,30 +139,45 @@ class Output:
     checks: float | None = None
     heads: float | None = None
     filled: float | None = None
+    rows: float | None = None
+    drafts: float | None = None
 
 
 def layer_passes(stats: dict, n_layers: int) -> float:
     """Layer passes per generated token: a model call over several positions counts once per layer.
     BiLD: its small steps run ``exit_layer`` layers, its large passes the rest."""
     n = max(1, stats["new_tokens"])
+    if _eagle_form(stats):  # every call runs every layer, over its root and drafts
+        return n_layers * stats["layer_calls"] / n
     if "small_steps" in stats and "large_calls" in stats:
         e = int(stats.get("exit_layer") or n_layers)
         return (stats["small_steps"] * e + stats["large_calls"] * (n_layers - e) + n_layers) / n
     return float(stats["layers_per_token"])
 
 
+def _eagle_form(stats: dict) -> bool:
+    """BiLD with the EAGLE head as its small model."""
+    return "small_steps" in stats and stats.get("head") == "eagle"
+
+
 def step_counts(stats: dict) -> dict:
     """Per generated token: model calls over a range of layers, CALM's saturation checks, LM heads (BiLD's
-    small steps and large passes each predict) and the layers whose KV entries CALM filled."""
+    small steps and large passes each predict), the layers whose KV entries CALM filled, and for BiLD's
+    EAGLE form the drafts its calls scored beside their roots and its head's steps."""
     n = max(1, stats["new_tokens"])
-    heads = 1.0
-    if "small_steps" in stats and "large_calls" in stats:
+    heads, rows, drafts = 1.0, 0.0, 0.0
+    if _eagle_form(stats):  # one LM head a call, over its rows
+        heads = stats["layer_calls"] / n
+        rows, drafts = stats.get("scored_drafts", stats["small_tokens"]) / n, stats["small_steps"] / n
+    elif "small_steps" in stats and "large_calls" in stats:
         heads = (stats["small_steps"] + stats["large_calls"] + 1) / n
     return {
         "calls": stats["layer_calls"] / n,
         "checks": (stats.get("exit_checks") or 0) / n,
         "heads": heads,
         "filled": (stats.get("kv_filled_layers") or 0) / n,
+        "rows": rows,
+        "drafts": drafts,
     }
 
 
@@ -248,6 +263,8 @@ class Setting:
     checks: float = 0.0
     heads: float = 1.0
     filled: float = 0.0
+    rows: float = 0.0
+    drafts: float = 0.0
     modelled_speedup: float = 1.0  # greedy's step time over the setting's, priced by ``step_cost``
     losses: int = 0
     p_value: float = 1.0
@@ -266,6 +283,8 @@ class Setting:
             "checks": self.checks,
             "heads": self.heads,
             "filled": self.filled,
+            "rows": self.rows,
+            "drafts": self.drafts,
         }
 
 
@@ -274,7 +293,7 @@ def summarize(outputs: list[Output], greedy: list[Output], quality: float, ppl_r
     g_ref = sum(g for _, g in refs)
     return {
         "layer_passes": sum(o.layer_passes for o in outputs) / len(outputs),
-        **{k: sum(_count(o, k) for o in outputs) / len(outputs) for k in ("calls", "checks", "heads", "filled")},
+        **{k: sum(_count(o, k) for o in outputs) / len(outputs) for k in _GREEDY_COUNTS},
         "losses": sum(not kept(o, g, quality, ppl_ratio) for o, g in zip(outputs, greedy)),
         "agreement": sum(o.agreement or 0.0 for o in outputs) / len(outputs),
         "reference_kept": (sum(o for o, _ in refs) / g_ref) if refs and g_ref > 0 else None,
@@ -283,7 +302,7 @@ def summarize(outputs: list[Output], greedy: list[Output], quality: float, ppl_r
     }
 
 
-_GREEDY_COUNTS = {"calls": 1.0, "checks": 0.0, "heads": 1.0, "filled": 0.0}
+_GREEDY_COUNTS = {"calls": 1.0, "checks": 0.0, "heads": 1.0, "filled": 0.0, "rows": 0.0, "drafts": 0.0}
 
 
 def _count(o: Output, k: str) -> float:
@@ -538,7 +557,8 @@ def _step_cost(cal: Calibration, model, given: StepCost | None) -> StepCost:
     """The prices the run's settings are modelled with, recorded in its config: ``given``, else the
     resumed report's, else measured on ``model`` now."""
     old = cal.config.get("step_cost")
-    cost = given or (StepCost.from_dict(old) if isinstance(old, dict) else SC.measure(model))
+    draft = bild.eagle_step(model) if cal.method == "bild" else None  # its EAGLE form's head step
+    cost = given or (StepCost.from_dict(old) if isinstance(old, dict) else SC.measure(model, draft_step=draft))
     cal.config["step_cost"] = cost.to_dict()
     return cost
 

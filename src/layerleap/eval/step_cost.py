@@ -8,13 +8,16 @@ cosine back after each layer it may exit at.  So a setting is priced by what it 
 against greedy's one-token step::
 
     ms = step + (passes - n_layers) * layer + (calls - 1) * call + checks * check
-            + (heads - 1) * head + filled * fill
+            + (heads - 1) * head + filled * fill + rows * row + drafts * draft
     modelled speed-up = step / ms          (greedy: passes = n_layers, calls = heads = 1: exactly 1)
 
 ``passes``: layer passes per token (a call over several positions counts once per layer);
 ``calls``: model calls over a range of layers (``Stats.layer_calls``); ``checks``: CALM's saturation
 checks; ``heads``: LM heads evaluated (BiLD's small steps each predict); ``filled``: layers whose KV
-entries CALM filled from an exit state.  ``measure`` times the parts on this model, dtype and thread
+entries CALM filled from an exit state; ``rows``: draft tokens a call scores beside its own (a call
+over ``1 + r`` positions costs ``r * row`` more than a one-token call's layers and LM head); ``drafts``:
+small-model steps of a drafter that is not the model's own layers (BiLD's EAGLE head).
+``measure`` times the parts on this model, dtype and thread
 count: one token after ``context`` cached tokens, each variant the best of ``rounds`` taken round-robin
 so that a burst of other work hits every variant alike.
 """
@@ -40,9 +43,18 @@ class StepCost:
     head: float  # one more LM head: final norm, unembedding, the choice
     fill: float  # one layer's KV entries computed from an exit state
     context: int = 256
+    row: float = 0.0  # one more position in a call (its layers and LM head), from a call over ROWS
+    draft: float = 0.0  # one step of the drafter's own small model (0: none measured)
 
     def token_ms(
-        self, passes: float, calls: float = 1.0, checks: float = 0.0, heads: float = 1.0, filled: float = 0.0
+        self,
+        passes: float,
+        calls: float = 1.0,
+        checks: float = 0.0,
+        heads: float = 1.0,
+        filled: float = 0.0,
+        rows: float = 0.0,
+        drafts: float = 0.0,
     ) -> float:
         """The modelled milliseconds of a token with these per-token counts (see the module doc)."""
         return (
@@ -52,11 +64,13 @@ class StepCost:
             + checks * self.check
             + (heads - 1) * self.head
             + filled * self.fill
+            + rows * self.row
+            + drafts * self.draft
         )
 
-    def speedup(self, passes: float, calls: float = 1.0, checks: float = 0.0, heads: float = 1.0, filled=0.0) -> float:
-        """Greedy's step over the token's modelled time."""
-        return self.step / max(1e-9, self.token_ms(passes, calls, checks, heads, filled))
+    def speedup(self, passes: float, **counts) -> float:
+        """Greedy's step over the token's modelled time (``counts`` as ``token_ms``'s)."""
+        return self.step / max(1e-9, self.token_ms(passes, **counts))
 
     def to_dict(self) -> dict:
         return {k: round(v, 5) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -69,6 +83,9 @@ class StepCost:
 def layers_only(n_layers: int) -> StepCost:
     """The layer-pass model (no call, check, head or fill costs): what a setting saves in layers only."""
     return StepCost(n_layers, float(n_layers), 1.0, 0.0, 0.0, 0.0, 0.0)
+
+
+ROWS = 4  # the positions of the call that prices ``row``
 
 
 def _variants(model, cache, context: int) -> dict:
@@ -96,8 +113,15 @@ def _variants(model, cache, context: int) -> dict:
         model.fill_kv(model.embed(ids), 0, n, pos, cache)
         cache.truncate(context)
 
+    def rows() -> None:
+        many = ids.repeat(1, ROWS)  # [1, ROWS]
+        h = model.run_layers(model.embed(many), 0, n, pos + torch.arange(ROWS, device=model.device), cache)
+        int(model.logits(h)[0].argmax(-1)[-1])
+        cache.truncate(context)
+
     return {
         "step": lambda: one_call(True),
+        "rows": rows,
         "layers": lambda: one_call(False),
         "split": lambda: per_layer(False),
         "checked": lambda: per_layer(True),
@@ -105,16 +129,19 @@ def _variants(model, cache, context: int) -> dict:
     }
 
 
-def measure(model, context: int = 256, rounds: int = 20) -> StepCost:
-    """Time the parts of a token on ``model`` here (module doc); every price is at least 0."""
+def measure(model, context: int = 256, rounds: int = 20, draft_step=None) -> StepCost:
+    """Time the parts of a token on ``model`` here (module doc); every price is at least 0.
+    ``draft_step``: one step of a drafter's own small model, timed with the rest (else ``draft`` is 0)."""
     n = model.config.n_layers
     context = max(1, min(context, model.config.max_position - 1))
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
-        cache = model.new_cache(1, context + 1)
+        cache = model.new_cache(1, context + ROWS)
         model(torch.randint(0, model.config.vocab_size, (1, context), generator=gen).to(model.device), cache=cache)
         fns = _variants(model, cache, context)
+        if draft_step is not None:
+            fns["draft"] = draft_step
         for f in fns.values():  # warm-up
             f()
             f()
@@ -135,4 +162,6 @@ def measure(model, context: int = 256, rounds: int = 20) -> StepCost:
         head=max(0.0, best["step"] - best["layers"]),
         fill=best["fill"] / n,
         context=context,
+        row=max(0.0, best["rows"] - best["step"]) / (ROWS - 1),
+        draft=best.get("draft", 0.0),
     )

@@ -10,7 +10,7 @@ Small-model tokens still pending when generation ends (budget or EOS) are checke
 before the result is returned, so every emitted small token passed the rollback policy (with
 ``alpha_rb = inf`` that last pass is skipped: it could not change anything).
 
-Two forms:
+Three forms:
 
 - **two models** (``small=``): a small and a large model with the same tokenizer, each with its
   own KV cache; the small model's cost is metered in ``small_calls`` / ``small_layer_evals``.
@@ -19,13 +19,19 @@ Two forms:
   states; when the large model takes over it runs layers ``[E, n_layers)`` from those states (and
   the full stack only for tokens the small model has not run), so the skipped layers' caches hold
   real values, not CALM's copies of the exit state, and no layer is computed twice for a kept token.
+- **the EAGLE head** (``eagle=``; by default where the model ships one and neither ``small`` nor
+  ``exit_layer`` is given): the small model is the trained EAGLE head (``drafters.eagle``), which drafts
+  from the large model's own last-layer state of the last kept position, one head step a token; the
+  large model's pass over its chain gives the state the next chain starts from.  Its fallback
+  confidence is the head's top probability over its draft vocabulary.
 
 BiLD is a policy over the shared draft-and-verify loop (``draft_verify``): the small model is a
 step drafter whose chain stops at the fallback rule (``ChainRule.fallback``: a token whose top
 probability is not above ``alpha_fb`` is left to the large model; ``max_small`` is the chain's
 length), and the large model's pass accepts by the rollback rule (``draft_verify.Rollback``)
 instead of a greedy or speculative match.  The drafters are the same as speculative decoding's
-(``DraftModel``) and self-speculative decoding's (``EarlyExitDrafter``).
+(``DraftModel``) and self-speculative decoding's (``EarlyExitDrafter``), and the ``eagle`` method's
+(``EagleDrafter``, a chain with no fan).
 
 Both caches roll back exactly (``KVCache.truncate``): a rejected token and everything after it
 leave every layer; kept tokens are never recomputed.  Greedy (``do_sample=False``) or sampling
@@ -47,13 +53,19 @@ fallbacks / small_steps, ``rollback_rate`` = rollbacks / large_calls, ``exit_lay
 
 from __future__ import annotations
 
+import torch
+
 from ..core import options as O
 from ..core.run import GenerationError, Run, register
 from ..core.stats import BildStats, ExitStats
 from ..drafters.base import ChainRule
+from ..drafters import medusa_transfer as weights
 from ..drafters.companion import DraftModel, check_pair
+from ..drafters.draft_vocab import get_draft_vocab
+from ..drafters.eagle import EagleChains, EagleDrafter
 from ..drafters.early_exit import EarlyExitDrafter, exit_head
 from . import draft_verify
+from . import eagle as eagle_method
 from .baseline import autoregressive_rounds
 
 
@@ -90,9 +102,19 @@ MAX_SMALL = O.Option(
     lo=1,
     none="no limit",
 )
+EAGLE = O.Option(
+    "eagle",
+    "weights",
+    "the small model as the EAGLE head: auto (the shipped head where the model has one and neither small= nor "
+    "exit_layer= is given), none, or a weights file",
+    default="auto",
+    choices=("auto", "none"),
+    none="no EAGLE head: small= or the early-exit form",
+)
 OPTIONS = (
     SMALL,
-    O.EXIT_LAYER.but(none="three quarters of the depth (without small=)"),
+    O.EXIT_LAYER.but(none="three quarters of the depth (without small= or the EAGLE head)"),
+    EAGLE,
     ALPHA_FB,
     ALPHA_RB,
     MAX_SMALL,
@@ -100,18 +122,72 @@ OPTIONS = (
 )
 
 
-def small_drafter(run: Run, small, exit_layer, head, rule: ChainRule):
-    """The small model of either form, as a step drafter; sets the ``exit_layer`` and ``head`` stats."""
-    E, fn = check_form(run, small, exit_layer, head)
+def small_drafter(run: Run, small, exit_layer, head, eagle, rule: ChainRule):
+    """The small model of any form, as a drafter; sets the ``exit_layer`` and ``head`` stats."""
+    E, fn = check_form(run, small, exit_layer, head, eagle)
+    if fn == "eagle":
+        return eagle_drafter(run, E, rule)
     if small is not None:
         return DraftModel(run, small, rule, name="small")
     return EarlyExitDrafter(run, E, fn, rule, draft_first=True)
 
 
-def check_form(run: Run, small, exit_layer, head):
+def eagle_drafter(run: Run, head, rule: ChainRule) -> EagleDrafter:
+    """The EAGLE head as BiLD's small model: a chain over the ``eagle`` method's draft vocabulary, ended by
+    the fallback rule (a draft whose top probability is not above ``alpha_fb`` is left to the large model)
+    or at ``max_small`` drafts, with the ``eagle`` method's fan of its first draft's next candidates
+    (``eagle.DEFAULT_WIDTH``: 3 in fp32, none in q4) that the rollback rule walks as a tree."""
+    vocab = eagle_method.chains_vocab(run.model, get_draft_vocab(run.model, "auto"), "auto")
+    longest = rule.longest(run.gen.max_new_tokens)
+    width = O.per_dtype(run.model, eagle_method.DEFAULT_WIDTH)
+    chains = EagleChains(run, head, longest, vocab, rule.min_confidence, width, keep_unsure=rule.keep_unsure)
+    return EagleDrafter(run, chains)
+
+
+def eagle_head(model, eagle, given: bool):
+    """The EAGLE head ``eagle`` names, or None: "auto" is the shipped head when the model has one and no
+    other small model is ``given``; "none" / None is none."""
+    if eagle is None or eagle == "none" or (eagle == "auto" and (given or not weights.shipped_files(model, "eagle"))):
+        return None
+    if given:
+        raise GenerationError("give one small model: small=, exit_layer= or eagle=, not two of them")
+    return weights.get_drafter(model, "eagle", "trained" if eagle == "auto" else eagle)
+
+
+def eagle_step(model):
+    """One step of BiLD's small model in its default form on ``model`` when that is the EAGLE head (one
+    draft from a state, over the draft vocabulary), as a callable for pricing it; None otherwise."""
+    head = eagle_head(model, "auto", False)
+    if head is None:
+        return None
+    vocab = eagle_method.chains_vocab(model, get_draft_vocab(model, "auto"), "auto")
+    g = torch.Generator().manual_seed(0)
+    z = model.final_norm(torch.randn(1, model.config.hidden_size, generator=g).to(model.device, model.dtype))  # [1, D]
+    x = torch.tensor([1], device=model.device)  # [1]
+    native = head.native_step(vocab)
+
+    def step() -> None:
+        if native is not None:
+            logits = native(z.contiguous(), x)[1]
+        else:
+            s = model.final_norm(head.step(z, x))  # [1, D]
+            logits = model.unembed(s) if vocab is None else vocab.logits(s)
+        int(logits.argmax(-1)[0])
+
+    return step
+
+
+def check_form(run: Run, small, exit_layer, head, eagle="none"):
     """Check the small model's options -> ``(E, exit head)`` of the early-exit form, ``(None, None)`` for
-    two models; records the ``exit_layer`` and ``head`` stats."""
+    two models, ``(the EAGLE head, "eagle")`` for the EAGLE form; records the ``exit_layer`` and ``head``
+    stats."""
     model = run.model
+    found = eagle_head(model, eagle, small is not None or exit_layer is not None)
+    if found is not None:
+        if head != "auto":
+            raise GenerationError("head= chooses the exit head of the early-exit form: drop it with the EAGLE head")
+        run.record_all(ExitStats(exit_layer=None, head="eagle"))
+        return found, "eagle"
     if small is not None:
         if exit_layer is not None:
             raise GenerationError("give either small= (two models) or exit_layer= (early exit on one model), not both")
@@ -148,6 +224,7 @@ def bild_stats(small_steps: int, c: draft_verify.RoundCounts) -> BildStats:
         large_calls=large_calls,
         fallback_rate=fallbacks / small_steps if small_steps else 0.0,
         rollback_rate=c.rollbacks / large_calls if large_calls else 0.0,
+        scored_drafts=c.scored,
     )
 
 
@@ -161,20 +238,22 @@ def bild(
     alpha_rb: float = 2.0,
     max_small: int | None = 10,
     head="auto",
+    eagle="auto",
 ):
-    """Big Little Decoder: a small model (small= or exit_layer=) with fallback and rollback to the large one."""
+    """Big Little Decoder: a small model (small=, exit_layer= or the EAGLE head) with fallback and rollback
+    to the large one."""
     rule = ChainRule.fallback(max_small, float(alpha_fb))
     if rule.never_drafts:
-        yield from large_only(run, small, exit_layer, head)
+        yield from large_only(run, small, exit_layer, head, eagle)
         return
-    drafter = small_drafter(run, small, exit_layer, head, rule)
+    drafter = small_drafter(run, small, exit_layer, head, eagle, rule)
     yield from decode(run, drafter, float(alpha_rb))
 
 
-def large_only(run: Run, small, exit_layer, head):
+def large_only(run: Run, small, exit_layer, head, eagle="none"):
     """``alpha_fb = 1``: every step falls back, so the large model decodes alone, one call a token, and
     no small step runs (its token would be thrown away); the options are checked as for any setting."""
-    check_form(run, small, exit_layer, head)
+    check_form(run, small, exit_layer, head, eagle)
     yield from autoregressive_rounds(run)
     run.record([_large_only_stats(len(out)) for out in run.out])
 

@@ -55,24 +55,29 @@ def _calm(d: int) -> list[dict]:
     return [{"threshold": t, "min_exit_layer": max(1, 2 * d // 3)} for t in CALM_THRESHOLDS]
 
 
-BILD_PATH = (
-    (1.0, 0.69),  # always fall back: the large model takes every step, greedy's tokens at greedy's cost
-    (0.5, 0.69),
-    (0.5, 1.0),
-    (0.5, 1.5),
-    (0.5, 2.0),
-    (0.5, 3.0),
-    (0.4, 3.0),
-    (0.3, 4.0),
-    (0.2, 5.0),
-    (0.1, 8.0),
+BILD_PATH = (  # (alpha_fb, alpha_rb, max_small)
+    (1.0, 0.69, 10),  # always fall back: the large model takes every step, greedy's tokens at greedy's cost
+    (0.0, 0.69, 1),  # one small token a round, kept only where it is the large model's own: greedy's tokens
+    (0.2, 0.69, 10),  # runs of confident small tokens, still greedy's tokens
+    (0.5, 0.69, 10),
+    (0.0, 1.0, 1),
+    (0.5, 1.0, 10),
+    (0.0, 1.5, 1),
+    (0.5, 1.5, 10),
+    (0.5, 2.0, 10),
+    (0.5, 3.0, 10),
+    (0.4, 3.0, 10),
+    (0.3, 4.0, 10),
+    (0.2, 5.0, 10),
+    (0.1, 8.0, 10),
 )
 
 
 def _bild(d: int) -> list[dict]:
-    """BiLD (early-exit form, its default exit layer) from always falling back (greedy's output, no
-    small step) and rollback at ln 2 (greedy's output) to rare fallback and rollback."""
-    return [{"alpha_fb": fb, "alpha_rb": rb} for fb, rb in BILD_PATH]
+    """BiLD (its default small model: the EAGLE head where the model ships one, else the early-exit form)
+    from always falling back (greedy's output, no small step), through the settings whose rollback at
+    ln 2 keeps greedy's output, to rare fallback and lenient rollback."""
+    return [{"alpha_fb": fb, "alpha_rb": rb, "max_small": n} for fb, rb, n in BILD_PATH]
 
 
 PATHS = {"skipdecode": _skipdecode, "early-exit": _early_exit, "calm": _calm, "bild": _bild}

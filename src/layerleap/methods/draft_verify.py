@@ -20,8 +20,9 @@ Rules:
   greedy decoding token for token (sampling: lossless for the masked distributions); a drafter
   whose chains are copies (``Drafter.grammar_drafts``) has them cut to what the grammar allows and
   extended by the tokens it forces.
-- ``Rollback``: BiLD's rule (``verify.first_rollback``): drafts are kept up to the first whose
-  cross-entropy under the target exceeds ``alpha_rb``; the target picks the token there.
+- ``Rollback``: BiLD's rule (``verify.rollback_path``): drafts are kept up to the first whose
+  cross-entropy under the target exceeds ``alpha_rb`` (greedy: and that is not the target's own
+  choice); the target picks the token there.
 
 Statistics, one ``core.stats.DraftStats`` per row: ``rounds`` (target calls after the prompt pass
 while the row ran), ``drafted`` (the longest path proposed, summed), ``accepted``, ``acceptance``,
@@ -54,8 +55,9 @@ class RoundCounts:
     draft_max: int = 0
     target_tokens: int = 0  # emitted tokens the target chose (not drafts)
     stops: Counter = field(default_factory=Counter)  # chain stop reasons of scored rounds
-    rolled_back: int = 0  # drafts the target rejected
+    rolled_back: int = 0  # drafts the target rejected (of a tree: of its longest path)
     rollbacks: int = 0  # rounds with a rejected draft
+    scored: int = 0  # draft tokens the target's calls scored (a tree's every node)
 
 
 class Exact:
@@ -78,8 +80,9 @@ class Exact:
 
 
 class Rollback:
-    """BiLD's rollback policy over a chain (``alpha_rb``), the target choosing (greedy or sampled)
-    the token at the first rejected position or after the chain.  Its chain may fill the output: the
+    """BiLD's rollback policy (``alpha_rb``) over a chain, or a tree (``verify.rollback_path``: at each
+    node the child the target gives the most probability), the target choosing (greedy or sampled)
+    the token at the first rejected position or after the path.  Its chain may fill the output: the
     target's token then falls outside and is dropped; with ``alpha_rb = inf`` such a round is not
     scored at all (it could change nothing)."""
 
@@ -93,10 +96,11 @@ class Rollback:
     def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
         probs = sampling.probs(logits, g.temperature, g.top_k, g.top_p) if g.do_sample else logits.float().softmax(-1)
-        m = verify.first_rollback(cand.tokens, probs[: cand.k], self.alpha_rb)
-        at = cand.k if m is None else m
+        own = None if g.do_sample else sampling.top_ids(logits)  # [1 + k] greedy's own choices
+        path = verify.rollback_path(cand.tokens, cand.parents, probs, self.alpha_rb, own)
+        at = 1 + path[-1] if path else 0  # the row that predicts after the path
         nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else sampling.top_ids(logits[at])
-        return list(range(at)), nxt
+        return path, nxt
 
 
 EXACT = Exact()
@@ -168,8 +172,9 @@ def _count(c: RoundCounts, cand: Candidates, result, target_token: int, scored: 
     c.proposed += int(cand.k > 0)
     c.draft_max = max(c.draft_max, cand.k)
     c.target_tokens += target_token
-    c.rolled_back += cand.k - acc if scored else 0
-    c.rollbacks += int(scored and acc < cand.k)
+    c.rolled_back += cand.depth - acc if scored else 0
+    c.rollbacks += int(scored and acc < cand.depth)
+    c.scored += cand.k if called else 0
     if scored and cand.stop is not None:
         c.stops[cand.stop] += 1
 

@@ -515,6 +515,7 @@ def test_shipped_files_choose_the_fastest_valid_setting_by_their_measured_step_c
                 s["heads"],
                 s["filled"],
             )
+            setting.rows, setting.drafts = s.get("rows", 0.0), s.get("drafts", 0.0)  # BiLD's EAGLE form
             setting.modelled_speedup = cost.speedup(**setting.counts())
             assert setting.modelled_speedup == pytest.approx(s["modelled_speedup"], rel=1e-4), (key, s["options"])
             settings.append(setting)

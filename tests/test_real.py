@@ -287,15 +287,18 @@ def test_q4_lossless_methods_equal_q4_greedy(smollm_q4, prompts, method, options
 @pytest.mark.parametrize("method", ["skipdecode", "early-exit", "calm", "bild"])
 def test_q4_lossy_defaults_keep_their_calibrated_word(smollm_q4, prompts, method):
     """The shipped q4 calibration at 0.95 chose greedy's output for every lossy method on this model:
-    their defaults decode greedy's tokens, and say which calibrated setting ran; but BiLD's, each runs a
-    token's layers in one call, as greedy does (CALM checking its last layers one call each is slower)."""
+    their defaults decode greedy's tokens, and say which calibrated setting ran.  But BiLD's, each runs a
+    token's layers in one call, as greedy does (CALM checking its last layers one call each is slower);
+    BiLD's is its EAGLE form's lossless setting, modelled faster than greedy."""
     p = prompts[5]
     want = generate(smollm_q4, p, max_new_tokens=32, chat=True, stop_at_eos=False).token_ids
     got = generate(smollm_q4, p, method, 32, chat=True, stop_at_eos=False)
     assert got.token_ids == want
     assert got.stats["quality_budget"]["calibration"].endswith(f"q4/{method}.json")
-    assert got.stats["quality_budget"]["faster_than_greedy"] is False
-    if method != "bild":
+    assert got.stats["quality_budget"]["faster_than_greedy"] is (method == "bild")
+    if method == "bild":
+        assert got.stats["head"] == "eagle" and got.stats["small_tokens"] > got.stats["rolled_back"]
+    else:
         assert (
             got.stats["layer_calls"] == got.stats["new_tokens"] and got.stats["quality_budget"]["modelled_speedup"] == 1
         )
@@ -335,6 +338,19 @@ def test_auto_probes_eagle_calls_in_fp32(smollm, prompts):
         assert got.token_ids == want and got.stats["eagle_rounds"] > 0, i
         off = generate(smollm, prompts[i], "auto", 48, chat=True, stop_at_eos=False, eagle="none")
         assert off.token_ids == want and off.stats["eagle_rounds"] == 0, i
+
+
+def test_bild_default_is_its_eagle_form_and_decodes_greedys_output(smollm, prompts):
+    """In fp32 the shipped 0.95 calibration chose BiLD's EAGLE form with rollback at ln 2: greedy's tokens,
+    the head's drafts kept in fewer large-model calls than tokens, said faster than greedy; as a batch too."""
+    ps = [prompts[1], prompts[6]]
+    want = [generate(smollm, p, max_new_tokens=32, chat=True, stop_at_eos=False).token_ids for p in ps]
+    got = generate(smollm, ps, "bild", 32, chat=True, stop_at_eos=False)
+    assert [r.token_ids for r in got] == want
+    for r in got:
+        s = r.stats
+        assert s["head"] == "eagle" and s["quality_budget"]["faster_than_greedy"] is True
+        assert s["small_tokens"] - s["rolled_back"] > 0 and s["large_calls"] < 32
 
 
 def test_attending_eagle_head_equals_greedy(smollm, prompts, ours20):

@@ -49,7 +49,7 @@ class EagleChains:
         self.min_confidence, self.width, self.keep_unsure = min_confidence, width, keep_unsure
         self.eos = set(run.gen.eos_ids) if run.gen.stop_at_eos else set()
         self.head_steps = 0  # head calls (each drafts one token for every drafting row)
-        self.row_steps = [0] * run.batch  # per row: the head steps that drafted for it
+        self.row_steps: dict[int, int] = {}  # row -> the head steps that drafted for it
         self.stops: dict[int, str] = {}  # row -> why its last chain ended (``ChainRule``'s reasons)
         self.caches: dict[int, HeadCache] = {}  # an attending head's: row -> its pairs' keys and values
 
@@ -167,7 +167,8 @@ class EagleChains:
             self.head_steps += 1
             keep = []
             for j, i in enumerate(live):
-                self.row_steps[(rows or range(len(roots)))[i]] += 1
+                row = (rows or range(len(roots)))[i]
+                self.row_steps[row] = self.row_steps.get(row, 0) + 1
                 unsure = sure[j] < self.min_confidence
                 if unsure and not self.keep_unsure:  # BiLD's fallback: the target takes this position
                     self.last_stops[i] = "unsure"
@@ -211,7 +212,7 @@ class EagleDrafter(Drafter):
     @property
     def draft_steps(self) -> list[int]:
         """Per row: the head steps that drafted for it (BiLD's small-model steps)."""
-        return self.chains.row_steps
+        return [self.chains.row_steps.get(row, 0) for row in range(self.run.batch)]
 
     def propose(self, roots, budgets) -> list[Candidates | None]:
         drafted = self.chains.for_rows(self.kept_state, roots, budgets)

@@ -530,6 +530,31 @@ def test_sweep_bild_command(capsys, tmp_path, tiny_hf_dir):
     assert rc == 0 and json.loads(out.read_text())["resumed_from"] == 2
 
 
+def test_sweep_bild_eagle_form(capsys, tmp_path, tiny_hf_dir):
+    """``--eagle FILE``: BiLD's points with that head as the small model, and the eagle method with the same
+    head as the lossless yardstick; rollback at ln 2 and the eagle method give greedy's output."""
+    import json
+
+    from layerleap.drafters import medusa_transfer
+
+    model = layerleap.load(str(tiny_hf_dir))
+    head_file = medusa_transfer.save_drafter(medusa_transfer.new_drafter(model, "eagle"), tmp_path / "e.safetensors")
+    out = tmp_path / "sweep.json"
+    rc, stdout, err = cli(
+        capsys,
+        *("sweep", "bild", "--model", tiny_hf_dir, "--eagle", head_file, "--alpha-fb", "0", "--alpha-rb", "0.69,inf"),
+        *("--max-small", 1, "--categories", "summarization", "--prompts", 1, "--max-new-tokens", 6, "--threads", 1),
+        *("--json", out, "--table", tmp_path / "s.md"),
+    )
+    assert rc == 0, err
+    rep = json.loads(out.read_text())
+    s = rep["summary"]
+    assert set(s) == {"greedy", "bild fb=0 rb=0.69", "bild fb=0 rb=inf", "eagle"}
+    assert s["bild fb=0 rb=0.69"]["identical"] == s["eagle"]["identical"] == 1
+    assert s["bild fb=0 rb=inf"]["small_share"] > 0  # never rolled back: the head's tokens are kept
+    assert "EAGLE head e.safetensors" in stdout and "| eagle (lossless) |" in stdout
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -544,6 +569,11 @@ def test_sweep_bild_command(capsys, tmp_path, tiny_hf_dir):
         (["--exit-layer", 9], r"--exit-layer: exit_layer must be an integer in \[1, 3\]"),
         (["--small", "{D}", "--head", "shared"], "--head chooses the exit head"),
         (["--small", "x"], "unknown model 'x'"),
+        (["--eagle", "trained"], "--eagle: no shipped eagle weights fit"),
+        (["--eagle", "nofile.safetensors"], r"--eagle: no such file 'nofile.safetensors' \(the EAGLE head\)"),
+        (["--eagle", "trained", "--head", "shared"], "--head chooses the exit head .* drop it with --eagle"),
+        (["--eagle", "trained", "--transformers"], "--eagle has no draft model"),
+        (["--eagle", "trained", "--exit-layer", 2], "not allowed with argument"),
     ],
 )
 def test_sweep_bad_input(capsys, tiny_hf_dir, argv, message):

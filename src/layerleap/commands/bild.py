@@ -41,8 +41,16 @@ DEFAULT_RB = "0.5,1,2,4"
 MAX_POINTS = 200  # BiLD grid points (fallback x rollback thresholds) in one sweep
 
 
-def _form_args(p) -> None:
+def _form_args(p, eagle: bool = False) -> None:
     form = p.add_mutually_exclusive_group()
+    if eagle:
+        form.add_argument(
+            "--eagle",
+            metavar="HEAD",
+            default=None,
+            help="EAGLE form: the EAGLE head is the small model: trained (the one shipped for the model) or a file "
+            "from `layerleap train eagle`; the lossless yardstick is then the eagle method",
+        )
     form.add_argument(
         "--exit-layer",
         type=O.EXIT_LAYER.arg(),
@@ -98,7 +106,7 @@ def _spec_settings(text: str) -> list:
 )
 def _setup_sweep(p):
     _model_args(p)
-    _form_args(p)
+    _form_args(p, eagle=True)
     p.add_argument(
         "--alpha-fb",
         type=ALPHA_FB.list_arg(none=True),
@@ -175,8 +183,14 @@ def run_sweep(args) -> int:
         fbs = rbs = []  # none: no BiLD points
     V.at_most(len(fbs) * len(rbs), MAX_POINTS, "--alpha-fb × --alpha-rb points", "give fewer thresholds")
     gammas, settings = args.draft_lens, args.speculative
-    if args.small and args.head != "auto":
-        raise LayerleapError("--head chooses the exit head of the early-exit form: drop it with --small")
+    if (args.small or args.eagle) and args.head != "auto":
+        given = "--small" if args.small else "--eagle"
+        raise LayerleapError(f"--head chooses the exit head of the early-exit form: drop it with {given}")
+    if args.eagle and (args.transformers or settings):
+        raise LayerleapError(
+            "--eagle has no draft model for speculative decoding or transformers' assisted generation: "
+            "drop --transformers and --speculative (the eagle method is its lossless yardstick)"
+        )
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
@@ -189,6 +203,10 @@ def run_sweep(args) -> int:
         if args.transformers:
             models["transformers"] = sweep_mod.HFRunner(large, small=small)
         form = f"two models: small {args.small}"
+    elif args.eagle:
+        head = _eagle_head(large, args.eagle)
+        models = {"bild": {"eagle": head}, "eagle": {"eagle_head": head}}
+        form = f"EAGLE head {'shipped' if args.eagle == 'trained' else Path(args.eagle).name}"
     else:
         E = args.exit_layer if args.exit_layer is not None else None
         if E is None:
@@ -213,7 +231,8 @@ def run_sweep(args) -> int:
         f"interleaved per prompt",
         flush=True,
     )
-    points = sweep_mod.bild_grid(fbs, rbs) + sweep_mod.speculative_points(gammas) + [t.point() for t in settings]
+    lossless = sweep_mod.eagle_points() if args.eagle and gammas else sweep_mod.speculative_points(gammas)
+    points = sweep_mod.bild_grid(fbs, rbs) + lossless + [t.point() for t in settings]
     if args.transformers:
         points += sweep_mod.transformers_points()
     workload.check(args, workload.decoding(large, (len(points) + 1) * len(prompts), args.max_new_tokens))
@@ -251,6 +270,16 @@ def run_sweep(args) -> int:
         _say(f"interrupted: {report['prompts_done']} of {len(prompts)} prompts finished")
         return 130
     return 0
+
+
+def _eagle_head(large, spec: str):
+    """The EAGLE head ``--eagle`` names, as a CLI error where it cannot be had."""
+    from ..drafters import medusa_transfer
+
+    try:
+        return medusa_transfer.get_drafter(large, "eagle", spec)
+    except LayerleapError as e:
+        raise LayerleapError(f"--eagle: {e}") from None
 
 
 # -- align ------------------------------------------------------------------------------------------

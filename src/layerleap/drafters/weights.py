@@ -211,7 +211,7 @@ def read(model, path, kind: Kind):
 
     p = Path(path).expanduser()
     if not p.is_file():
-        raise kind.error(f"no such {kind.what} file {str(path)!r}: give a file written by `{kind.command}`")
+        raise kind.error(f"no such file {str(path)!r} ({kind.what}): give a file written by `{kind.command}`")
     meta = read_meta(p, kind.error, f"train them again with `{kind.command}`", kind.what)
     if meta.get("format") != FORMAT or meta.get("kind") != kind.name:
         raise kind.error(

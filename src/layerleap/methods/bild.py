@@ -31,7 +31,8 @@ probability is not above ``alpha_fb`` is left to the large model; ``max_small`` 
 length), and the large model's pass accepts by the rollback rule (``draft_verify.Rollback``)
 instead of a greedy or speculative match.  The drafters are the same as speculative decoding's
 (``DraftModel``) and self-speculative decoding's (``EarlyExitDrafter``), and the ``eagle`` method's
-(``EagleDrafter``, a chain with no fan).
+(``EagleDrafter``: a chain, and in fp32 its first draft's siblings, which the rollback rule walks as a
+tree).
 
 Both caches roll back exactly (``KVCache.truncate``): a rejected token and everything after it
 leave every layer; kept tokens are never recomputed.  Greedy (``do_sample=False``) or sampling
@@ -39,8 +40,9 @@ leave every layer; kept tokens are never recomputed.  Greedy (``do_sample=False`
 and rollback tests use those same distributions).
 
 Exact limits (tested): ``alpha_fb=1`` (always fall back) gives the large model's greedy output;
-``alpha_rb <= ln 2`` (0.69) keeps only small tokens the large model gives at least half its
-probability, i.e. its argmax, and so also gives its greedy output; ``alpha_fb=0, alpha_rb=inf,
+``alpha_rb <= ln 2`` (0.69) keeps only small tokens that are the large model's argmax (a token it
+gives at least half its probability is; and greedy never rolls back the large model's own argmax,
+which a rollback would only put back), and so also gives its greedy output; ``alpha_fb=0, alpha_rb=inf,
 max_small=None`` (never fall back, never roll back, no run limit) gives the small model's greedy
 output.
 
@@ -137,11 +139,16 @@ def eagle_drafter(run: Run, head, rule: ChainRule) -> EagleDrafter:
     the fallback rule (a draft whose top probability is not above ``alpha_fb`` is left to the large model)
     or at ``max_small`` drafts, with the ``eagle`` method's fan of its first draft's next candidates
     (``eagle.DEFAULT_WIDTH``: 3 in fp32, none in q4) that the rollback rule walks as a tree."""
-    vocab = eagle_method.chains_vocab(run.model, get_draft_vocab(run.model, "auto"), "auto")
+    vocab = _eagle_vocab(run.model)
     longest = rule.longest(run.gen.max_new_tokens)
     width = O.per_dtype(run.model, eagle_method.DEFAULT_WIDTH)
     chains = EagleChains(run, head, longest, vocab, rule.min_confidence, width, keep_unsure=rule.keep_unsure)
     return EagleDrafter(run, chains)
+
+
+def _eagle_vocab(model):
+    """The draft vocabulary the EAGLE form scores: the ``eagle`` method's default one."""
+    return eagle_method.chains_vocab(model, get_draft_vocab(model, "auto"), "auto")
 
 
 def eagle_head(model, eagle, given: bool):
@@ -160,7 +167,7 @@ def eagle_step(model):
     head = eagle_head(model, "auto", False)
     if head is None:
         return None
-    vocab = eagle_method.chains_vocab(model, get_draft_vocab(model, "auto"), "auto")
+    vocab = _eagle_vocab(model)
     g = torch.Generator().manual_seed(0)
     z = model.final_norm(torch.randn(1, model.config.hidden_size, generator=g).to(model.device, model.dtype))  # [1, D]
     x = torch.tensor([1], device=model.device)  # [1]

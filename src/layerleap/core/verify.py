@@ -28,7 +28,6 @@ the tree ``parents = -1, 0, .., k-2``.
 
 from __future__ import annotations
 
-
 import torch
 
 from . import sampling

@@ -409,7 +409,7 @@ class Calibration:
 def _setting_summary(s: Setting) -> dict:
     return {
         "layer_passes": s.layer_passes,
-        **{k: s.counts()[k] for k in ("calls", "checks", "heads", "filled", "rows", "drafts")},
+        **{k: v for k, v in s.counts().items() if k != "passes"},
         "losses": s.losses,
         "p_value": s.p_value,
         "agreement": s.agreement,

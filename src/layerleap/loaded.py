@@ -51,6 +51,20 @@ def shipped_files(model, folder: Path, read_meta: Callable[[Path], dict] | None 
     return per_model(model, f"shipped {folder}", folder, find)
 
 
+def shipped_or_file(model, spec, none: str, folder: Path, load: Callable, fail: Callable[[], Exception]):
+    """A file-backed option's value: ``none`` (or None) -> None; "auto" -> the newest file shipped in
+    ``folder`` for ``model`` (None where none is), loaded by ``load(model, path)``; a path -> that
+    file, loaded; anything else -> ``fail()`` raised."""
+    if spec == none or spec is None:
+        return None
+    if spec == "auto":
+        files = shipped_files(model, folder)
+        return load(model, files[-1]) if files else None
+    if isinstance(spec, (str, Path)):
+        return load(model, spec)
+    raise fail()
+
+
 def clear(model=None) -> None:
     """Forget what was loaded for ``model`` (or for every model)."""
     if model is None:

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import LayerleapError
 from ..files import read_made_for, save_safetensors
-from ..loaded import per_model, shipped_files
+from ..loaded import per_model, shipped_or_file
 
 FORMAT = "layerleap-corpus-1"
 SHIPPED_DIR = Path(__file__).parent.parent / "data" / "corpus"
@@ -182,11 +182,11 @@ def get_corpus(model, spec="auto") -> Corpus | None:
                 f"{model.config.vocab_size}: make one for this model with `{COMMAND}`"
             )
         return spec
-    if spec == "none" or spec is None:
-        return None
-    if spec == "auto":
-        files = shipped_files(model, SHIPPED_DIR)
-        return load(model, files[-1]) if files else None
-    if isinstance(spec, (str, Path)):
-        return load(model, spec)
-    raise CorpusError(f"corpus must be 'auto', 'none', a corpus file or a Corpus, got {spec!r}")
+    return shipped_or_file(
+        model,
+        spec,
+        "none",
+        SHIPPED_DIR,
+        load,
+        lambda: CorpusError(f"corpus must be 'auto', 'none', a corpus file or a Corpus, got {spec!r}"),
+    )

@@ -31,7 +31,7 @@ from ..core import kernels
 from ..core.model import Transformer
 from ..errors import LayerleapError
 from ..files import read_made_for, save_safetensors
-from ..loaded import per_model, shipped_files
+from ..loaded import per_model, shipped_or_file
 from .exit_heads import ExitHead
 
 FORMAT = "layerleap-draft-vocab-1"
@@ -221,11 +221,13 @@ def get_draft_vocab(model: Transformer, spec="auto") -> DraftVocab | None:
         if spec.model is not model:
             raise DraftVocabError("the given draft vocabulary is for another model: make one for this model")
         return spec
-    if spec == "full" or spec is None:
-        return None
-    if spec == "auto":
-        files = shipped_files(model, SHIPPED_DIR)
-        return load(model, files[-1]) if files else None
-    if isinstance(spec, (str, Path)):
-        return load(model, spec)
-    raise DraftVocabError(f"draft_vocab must be 'auto', 'full', a draft-vocabulary file or a DraftVocab, got {spec!r}")
+    return shipped_or_file(
+        model,
+        spec,
+        "full",
+        SHIPPED_DIR,
+        load,
+        lambda: DraftVocabError(
+            f"draft_vocab must be 'auto', 'full', a draft-vocabulary file or a DraftVocab, got {spec!r}"
+        ),
+    )

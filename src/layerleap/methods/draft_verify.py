@@ -99,7 +99,7 @@ class Rollback:
         own = None if g.do_sample else sampling.top_ids(logits)  # [1 + k] greedy's own choices
         path = verify.rollback_path(cand.tokens, cand.parents, probs, self.alpha_rb, own)
         at = 1 + path[-1] if path else 0  # the row that predicts after the path
-        nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else sampling.top_ids(logits[at])
+        nxt = verify.draw(probs[at], run.generators[row]) if g.do_sample else own[at]
         return path, nxt
 
 

@@ -58,6 +58,19 @@ def test_merge_chain_follows_the_tree_then_branches():
     assert verify.accept_greedy(m.tokens, m.parents, logits) == ([1, 3, 4, 5], 1)
 
 
+def test_merge_chain_keeps_sampled_drafts_distributions_first():
+    """A tree whose drafts were drawn (``q``) keeps its rows of ``q`` in front; the copied nodes merged
+    after them are certain (one-hot) proposals, and a shared prefix adds none."""
+    q = torch.softmax(torch.randn(2, 10), -1)
+    tree = Candidates.chain(7, [5, 8], list(q))
+    m = merge_chain(tree, [5, 3, 4])  # shares 5, then branches: 3 under 5, 4 under 3
+    assert m.tokens.tolist() == [5, 8, 3, 4] and m.parents.tolist() == [-1, 0, 0, 2]
+    assert torch.equal(m.q[:2], q)
+    assert m.q[2:].tolist() == [[1.0 if i == t else 0.0 for i in range(10)] for t in (3, 4)]
+    assert torch.equal(merge_chain(tree, [5, 8]).q, q)
+    assert merge_chain(Candidates.chain(7, [5]), [6]).q is None
+
+
 def test_chooser_keeps_the_faster_mode_and_backs_off(monkeypatch):
     monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 2)
     monkeypatch.setattr(auto_drafter, "PROBE", 2)
@@ -282,11 +295,11 @@ def test_auto_eagle_rounds_draft_with_the_head(monkeypatch):
     made = []
     real = EagleChains.candidates
 
-    def spy(root, chain, siblings):
+    def spy(self, root, chain, siblings, q=None):
         made.append((len(chain), len(siblings)))
-        return real(root, chain, siblings)
+        return real(self, root, chain, siblings, q)
 
-    monkeypatch.setattr(EagleChains, "candidates", staticmethod(spy))
+    monkeypatch.setattr(EagleChains, "candidates", spy)
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)
     prompt = [3, 1, 4, 1, 5]
     r = layerleap.generate(

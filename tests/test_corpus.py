@@ -58,6 +58,18 @@ def test_occurrences_equal_a_brute_force_scan(vocab):
                 assert corpus.tokens[start : start + n].tolist() == gram and corpus.tokens[start + n] != corpus.sep
 
 
+def test_the_radix_order_is_the_stable_order_of_the_packed_keys():
+    """16-bit tokens are sorted one token at a time; the positions come out as one stable sort of the
+    packed keys orders them (equal keys by position), so drafts do not depend on the sort."""
+    rng = random.Random(3)
+    seqs = [[rng.randrange(9) for _ in range(rng.randrange(0, 40))] for _ in range(200)]
+    corpus = cp.Corpus(seqs, 9)
+    assert corpus.bits <= 16
+    order = np.argsort(corpus.keys[np.argsort(corpus.order)], kind="stable")  # the keys by position, sorted
+    assert corpus.order.tolist() == order.tolist()
+    assert (np.diff(corpus.keys.astype(np.int64)) >= 0).all()
+
+
 def test_a_draft_follows_the_longest_match_and_the_most_shared_continuation():
     corpus = cp.Corpus([[1, 2, 3, 4, 5], [2, 3, 4, 6], [9, 3, 7, 7], [9, 3, 7, 8], [8, 3, 7, 8]], 10)
     assert corpus.draft([0, 2, 3], 3) == [4, 5]  # "2 3" is the longest suffix that occurs: 4, then 5 (a tie: lowest)

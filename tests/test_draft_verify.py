@@ -151,6 +151,45 @@ def test_sampled_tokens_follow_the_models_distribution(method):
     assert chi2_pvalue(counts.sum((0, 1)), p.sum((0, 1))) > 1e-3  # x3
 
 
+def test_eagle_drafts_are_drawn_from_the_heads_distribution_when_sampling(monkeypatch):
+    """Under sampling the EAGLE head's chain drafts are drawn (they vary with the seed) from the
+    distribution ``q`` that goes with them (a warped distribution holding the draft); the fan's
+    siblings are one-hot and differ from the drawn draft.  In greedy decoding no ``q`` goes along."""
+    from layerleap.drafters.eagle import EagleChains
+
+    target, _ = tiny_pair(3, vocab=6, scale=2.0, n_draft=1)
+    head = _perturbed(target, "eagle")
+    made = []
+    real = EagleChains.candidates
+
+    def spy(self, root, chain, siblings, q=None):
+        cand = real(self, root, chain, siblings, q)
+        made.append(cand)
+        return cand
+
+    monkeypatch.setattr(EagleChains, "candidates", spy)
+    prompt = [1, 3, 4, 1, 3, 4, 1, 3]
+    firsts = set()
+    for seed in range(30):
+        made.clear()
+        layerleap.generate(
+            target, prompt, "eagle", 6, do_sample=True, seed=seed, temperature=1.5, stop_at_eos=False,
+            draft_len=2, width=3, eagle_head=head,
+        )  # fmt: skip
+        for c in (c for c in made if c.k):
+            assert c.q is not None and c.q.shape == (c.k, 6)
+            torch.testing.assert_close(c.q.sum(-1), torch.ones(c.k, dtype=c.q.dtype))
+            toks, parents = c.tokens.tolist(), c.parents.tolist()
+            assert all(float(c.q[j, t]) > 0 for j, t in enumerate(toks))
+            fan = [j for j, p in enumerate(parents) if p == -1][1:]
+            assert all(float(c.q[j, toks[j]]) == 1.0 for j in fan) and toks[0] not in [toks[j] for j in fan]
+            firsts.add(toks[0])
+    assert len(firsts) >= 3  # drawn, not the argmax every time
+    made.clear()
+    layerleap.generate(target, prompt, "eagle", 6, stop_at_eos=False, draft_len=2, width=3, eagle_head=head)
+    assert made and all(c.q is None for c in made)
+
+
 # -- the drafter owns its cache needs ----------------------------------------------------------------
 def test_drafters_size_the_cache_from_their_round():
     """A drafter declares the most tokens a round appends (``round_tokens``) and the base sizes the

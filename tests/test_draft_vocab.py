@@ -134,10 +134,10 @@ def test_real_model_shipped_draft_vocab_equals_greedy(method):
     assert accepted >= 3
 
 
-@pytest.mark.parametrize("method", ["self-spec", "medusa"])
+@pytest.mark.parametrize("method", ["self-spec", "medusa", "eagle", "eagle width"])
 def test_sampling_with_a_draft_vocab_follows_the_models_distribution(method):
-    """The drafter sees 4 of the 6 ids (self-spec: its distribution renormalised over them, zero
-    elsewhere); the sampled tokens still follow the model's own distribution."""
+    """The drafter sees 4 of the 6 ids (self-spec and the EAGLE head's sampled drafts: its distribution
+    renormalised over them, zero elsewhere); the sampled tokens still follow the model's own distribution."""
     from test_draft_verify import SAMPLING, exact_joint3
     from test_speculative import chi2_pvalue, tiny_pair
 
@@ -149,7 +149,7 @@ def test_sampling_with_a_draft_vocab_follows_the_models_distribution(method):
     counts = torch.zeros(6, 6, 6)
     drafted = accepted = 0
     for seed in range(800):
-        r = generate(target, prompt, method, 3, do_sample=True, seed=seed, stop_at_eos=False, **warp, **options)
+        r = generate(target, prompt, method.split()[0], 3, do_sample=True, seed=seed, stop_at_eos=False, **warp, **options)
         counts[tuple(r.token_ids)] += 1
         drafted += r.stats["drafted"]
         accepted += r.stats["accepted"]

@@ -82,7 +82,14 @@ def _model_args(p, dtype: str = "float32") -> None:
     )
 
 
-def _sampling_args(p) -> None:
+DO_SAMPLE_HELP = "sample (a sampling flag above implies it; a method that decodes greedily only refuses both)"
+BENCH_DO_SAMPLE_HELP = (
+    "every method of the run that can sample samples (without it the sampling flags above apply to the methods "
+    "that sample by default, such as sample; the others decode greedily, greedy among them)"
+)
+
+
+def _sampling_args(p, do_sample_help: str = DO_SAMPLE_HELP) -> None:
     p.add_argument("--temperature", type=V.temperature_arg, default=None, help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=V.nonneg_int, default=None, help="keep the k most likely tokens (default 0: off)")
     p.add_argument(
@@ -96,7 +103,7 @@ def _sampling_args(p) -> None:
         "--do-sample",
         action="store_true",
         default=None,
-        help="sample (a sampling flag above implies it; a method that decodes greedily only refuses both)",
+        help=do_sample_help,
     )
 
 
@@ -676,7 +683,7 @@ def _setup_bench(p):
         help="also time transformers generate on the same weights (default on)",
     )
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    _sampling_args(p)
+    _sampling_args(p, BENCH_DO_SAMPLE_HELP)
     _opt_arg(p, "METHOD.NAME=VALUE", "a method option; METHOD is a label or a method name (repeatable)")
     p.add_argument(
         "--hf-extra",

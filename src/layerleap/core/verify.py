@@ -88,16 +88,23 @@ def accept_sampled(
     siblings drawn independently from one ``q`` or chosen deterministically (one-hot ``q``: accept
     ``x`` with probability ``r(x)``, else drop ``x`` from ``r``)."""
     dev = _device(generator, p)
-    p = p.to(dev).double()
-    q = None if q is None else q.to(dev).double()
     toks, kids = tokens.cpu().tolist(), children(parents)
     path, node = [], -1
     while True:
-        r = p[node + 1]  # [V]
+        r = p[node + 1].to(dev).double()  # [V]: only the rows the walk reaches, in fp64
         for c in kids.get(node, ()):
             x = toks[c]
-            q_c = torch.zeros_like(r).index_fill_(0, torch.tensor([x], device=dev), 1.0) if q is None else q[c]
             u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=dev))
+            if q is None:  # a certain proposal: accept with probability r(x), else drop x from r
+                if u < float(r[x]):
+                    path.append(c)
+                    node = c
+                    break
+                r = r.clone()
+                r[x] = 0.0  # residual(r, one-hot x): the same values, so the same sum
+                r = r / r.sum()
+                continue
+            q_c = q[c].to(dev).double()
             if u * float(q_c[x]) < float(r[x]):  # u < r/q, without a division
                 path.append(c)
                 node = c

@@ -30,7 +30,8 @@ transfer round after a plain one has no tree yet and is not counted), keeps the 
 probes the others again, in turn, after a gap that doubles each time a probe loses (the modes are
 probed one after another the first time).  The choice changes only
 which drafts are verified, never what is accepted: greedy output is greedy decoding, and sampled
-output is lossless (every draft is a deterministic, one-hot proposal, siblings distinct).
+output is lossless (every draft is a deterministic, one-hot proposal, siblings distinct, except the EAGLE
+head's chain drafts, which are drawn from its distribution and tried first: ``merge_chain``).
 
 A batch shares the mode; a transfer or Medusa call then verifies every row's tree of the one shape
 (the lookup chains ride only in plain and EAGLE calls), an EAGLE call each row's own drafts and chain
@@ -150,7 +151,8 @@ def shared_prefix(tree: Candidates, chain: list[int]) -> int:
 def merge_chain(tree: Candidates, chain: list[int]) -> Candidates:
     """``tree``'s drafts with ``chain`` (drafts after the same root) as one more branch: the chain follows
     the tree's nodes while its tokens match them and branches off at the first that does not (so no
-    node has two children with one token)."""
+    node has two children with one token).  The chain's own nodes come after the tree's, so a sampled
+    draft of the tree (``q``) is tried before the copies beside it; they are one-hot proposals."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     kids: dict[int, dict[int, int]] = {}
     for j, (t, p) in enumerate(zip(tokens, parents)):
@@ -164,7 +166,14 @@ def merge_chain(tree: Candidates, chain: list[int]) -> Candidates:
             nxt = len(tokens) - 1
             kids.setdefault(node, {})[t] = nxt
         node = nxt
-    return Candidates.from_parents(tree.root, tokens, parents)
+    merged = Candidates.from_parents(tree.root, tokens, parents)
+    if tree.q is not None and merged.k > tree.k:  # [k, V]: the copied nodes' certain proposals after the tree's
+        extra = torch.zeros(merged.k - tree.k, tree.q.shape[-1], dtype=tree.q.dtype, device=tree.q.device)
+        extra[torch.arange(len(extra)), merged.tokens[tree.k :].to(extra.device)] = 1.0
+        merged.q = torch.cat([tree.q, extra])
+    else:
+        merged.q = tree.q
+    return merged
 
 
 class AutoDrafter(TreeDrafter):
@@ -205,7 +214,7 @@ class AutoDrafter(TreeDrafter):
         self.cuts = MergedChainCut(run.batch, self.curve, draft_len) if cut_merged else None
         self.medusa_topk: list[torch.Tensor | None] = [None] * run.batch  # per row [depth, K]: Medusa's drafts
         self.kept_state: dict[int, torch.Tensor] = {}  # EAGLE: row -> [D], its last kept node's state
-        self.eagle_drafts: dict[int, tuple[list[int], list[int]]] = {}  # EAGLE: row -> (chain, siblings)
+        self.eagle_drafts: dict[int, tuple] = {}  # EAGLE: row -> (chain, siblings, sampled drafts' distributions)
         kinds = {
             "lookup": plain or eagle is None,
             "transfer": self.proj is not None,
@@ -262,7 +271,7 @@ class AutoDrafter(TreeDrafter):
             drafts = self.medusa_topk[row]
             tree = Candidates.chain(root, []) if drafts is None else Candidates.from_tree(self.medusa_buf, root, drafts)
         elif self.round_mode == "eagle":
-            tree = self.eagle.candidates(root, *self.eagle_drafts.get(row, ([], [])))
+            tree = self.eagle.candidates(root, *self.eagle_drafts.get(row, ([], [], None)))
         else:
             tree = super().propose_row(row, root, budget)
         if self.run.batch > 1 and self.round_mode != "eagle":  # one tree shape for every row: no chains beside it

@@ -8,8 +8,14 @@ call per step.  The chain ends at ``draft_len``, at an end-of-sequence draft, or
 top probability is below ``min_confidence`` (with ``keep_unsure`` False, before such a draft: BiLD's
 fallback leaves that position to the target).  ``width`` > 1 adds the first draft's next ``width - 1``
 candidates as siblings (a tree of one chain and a fan at its first level, verified with tree
-attention; the chain goes on from the top one).  Drafts are top-k choices (one-hot proposals), so
-greedy output is greedy decoding's and sampling stays lossless.
+attention; the chain goes on from the top one).  In greedy decoding drafts are top-k choices (one-hot
+proposals), so the output is greedy decoding's.  When the run samples, each chain draft is drawn from
+the head's own distribution over the draft vocabulary, warped as the target's (temperature, top-k,
+top-p), with the row's generator, and its distribution ``q`` goes with the candidates: the target
+accepts it with probability ``min(1, p / q)`` (speculative sampling), which keeps more drafts than a
+one-hot argmax whenever the head's distribution is spread like the target's.  The fan's siblings
+stay one-hot: the distribution's top tokens other than the drawn one, tried after it.  Either way
+sampling is lossless (``verify.accept_sampled``).
 
 An attending head (``EagleHead.attention``) keeps each row's keys and values of the pairs (a kept
 position's state, the token after it) in a ``HeadCache``: the prompt's pairs from the prompt pass
@@ -102,15 +108,19 @@ class EagleChains:
         """The most draft nodes of one row's candidates (the chain and the first draft's siblings)."""
         return self.draft_len + self.width - 1
 
-    @staticmethod
-    def candidates(root: int | None, chain: list[int], siblings: list[int]) -> Candidates:
-        """The chain after ``root``, with ``siblings`` of its first draft as a fan (a tree) when there are any."""
+    def candidates(self, root: int | None, chain: list[int], siblings: list[int], q: list | None = None) -> Candidates:
+        """The chain after ``root``, with ``siblings`` of its first draft as a fan (a tree) when there are
+        any; ``q``: the distribution each chain draft was drawn from (``[V]`` each; sampled drafts), the
+        siblings then one-hot."""
         if not siblings or not chain:
-            return Candidates.chain(root, chain)
+            return Candidates.chain(root, chain, q or None)
         tokens = [chain[0], *siblings, *chain[1:]]
         n = len(siblings)
         parents = [-1] * (1 + n) + ([0] + list(range(n + 1, n + len(chain) - 1)) if len(chain) > 1 else [])
-        return Candidates.from_parents(root, tokens, parents)
+        cand = Candidates.from_parents(root, tokens, parents)
+        if q:
+            cand.q = torch.stack([q[0], *(one_hot(s, q[0]) for s in siblings), *q[1:]])  # [k, V]
+        return cand
 
     def for_rows(self, states, roots, budgets) -> dict[int, tuple[list[int], list[int]]]:
         """Row -> (its chain, its first draft's siblings) for every row with a root and a budget left,
@@ -123,7 +133,8 @@ class EagleChains:
             row: "budget" if stop == "length" and lengths[i] == budgets[row] else stop
             for i, (row, stop) in enumerate(zip(rows, self.last_stops))
         }
-        return {row: (c, s) for row, c, s in zip(rows, chains, siblings)}
+        qs = self.last_q or [None] * len(rows)
+        return {row: (c, s, q) for row, c, s, q in zip(rows, chains, siblings, qs)}
 
     @torch.no_grad()
     def draft(
@@ -136,9 +147,13 @@ class EagleChains:
         chains: list[list[int]] = [[] for _ in roots]
         siblings: list[list[int]] = [[] for _ in roots]
         self.last_stops: list[str] = ["length"] * len(roots)  # why each chain ended: eos, length, unsure
+        gen = self.run.gen
+        # sampled drafts: each chain draft's distribution [V], per row (``candidates``' q)
+        self.last_q: list[list[torch.Tensor]] | None = [[] for _ in roots] if gen.do_sample else None
         if not roots:
             return chains, siblings
         model = self.run.model
+        row_of = list(rows or range(len(roots)))
         live = list(range(len(roots)))
         first = True
         z = model.final_norm(torch.stack(states))  # [R, D]
@@ -155,13 +170,17 @@ class EagleChains:
             else:
                 z = model.final_norm(self.head.step(z, x))  # [R', D]
                 logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
-            top = sampling.top_ids(logits)  # [R'] indices into the vocabulary or the draft vocabulary
+            if self.last_q is None:
+                top = sampling.top_ids(logits)  # [R'] indices into the vocabulary or the draft vocabulary
+            else:  # drawn from the head's warped distribution with each row's generator
+                q = sampling.probs(logits, gen.temperature, gen.top_k, gen.top_p)  # [R', V or K]
+                top = [int(sampling.sample(q[j], self.run.generators[row_of[i]])) for j, i in enumerate(live)]
+                for j, i in enumerate(live):
+                    self.last_q[i].append(q[j] if self.vocab is None else self._widen(q[j]))
             tokens = top if self.vocab is None else self.vocab.tokens(top)
             if first and self.width > 1:
-                k = min(self.width, logits.shape[-1])
-                fan = logits.topk(k, dim=-1).indices[:, 1:]
-                for j, ids in enumerate((fan if self.vocab is None else self.vocab.token(fan)).tolist()):
-                    siblings[live[j]] = ids
+                for j, i in enumerate(live):  # the next best candidates after the first draft
+                    siblings[i] = self._fan(logits[j], top[j])
             first = False
             sure = logits.float().softmax(-1).amax(-1).tolist() if self.min_confidence > 0 else [1.0] * len(live)
             self.head_steps += 1
@@ -184,6 +203,25 @@ class EagleChains:
                 z, x = z[sel], torch.tensor([tokens[j] for j in keep], device=model.device)
                 caches = [caches[j] for j in keep] if caches is not None else None
         return chains, siblings
+
+    def _fan(self, logits: torch.Tensor, first: int) -> list[int]:
+        """The ``width - 1`` best candidates of one row's first draft ``logits`` ``[V or K]`` other than its
+        drawn or top one ``first`` (an index into them), as token ids."""
+        k = min(self.width, logits.shape[-1])
+        best = [i for i in logits.topk(k).indices.tolist() if i != first][: k - 1]
+        return best if self.vocab is None else self.vocab.tokens(best)
+
+    def _widen(self, q: torch.Tensor) -> torch.Tensor:
+        """A draft distribution over the draft vocabulary ``[K]`` -> over the full vocabulary ``[V]``."""
+        full = q.new_zeros(self.run.model.config.vocab_size)
+        return full.index_copy_(0, self.vocab.ids.to(q.device), q)
+
+
+def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    """The certain proposal of ``token`` as a distribution shaped as ``like`` ``[V]``."""
+    out = torch.zeros_like(like)
+    out[token] = 1.0
+    return out
 
 
 class EagleDrafter(Drafter):
@@ -218,7 +256,7 @@ class EagleDrafter(Drafter):
         drafted = self.chains.for_rows(self.kept_state, roots, budgets)
         out = []
         for row, (root, b) in enumerate(zip(roots, budgets)):
-            cand = None if b is None else self.chains.candidates(root, *drafted.get(row, ([], [])))
+            cand = None if b is None else self.chains.candidates(root, *drafted.get(row, ([], [], None)))
             if cand is not None and row in drafted:
                 cand.stop = self.chains.stops.get(row)
             out.append(cand)

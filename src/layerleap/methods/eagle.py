@@ -1,7 +1,8 @@
 """The EAGLE head (after Li et al. 2024, EAGLE): a chain drafted from the model's own last-layer
 features, one small head call per draft (``drafters.eagle.EagleDrafter``), verified in one call; the
 call that verifies a chain gives the state the next chain starts from.  Greedy output is exactly the
-model's greedy decoding; sampling verifies the argmax drafts as one-hot proposals (lossless).
+model's greedy decoding.  When sampling, the chain's drafts are drawn from the head's own warped
+distribution and verified by speculative sampling (``drafters.eagle``): lossless.
 
 Stats: ``rounds``, ``drafted``, ``accepted``, ``acceptance``, ``tokens_per_round`` (``draft_verify``)
 and ``head_steps`` (head calls, each drafting one token for every drafting row)."""

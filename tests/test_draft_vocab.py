@@ -149,7 +149,8 @@ def test_sampling_with_a_draft_vocab_follows_the_models_distribution(method):
     counts = torch.zeros(6, 6, 6)
     drafted = accepted = 0
     for seed in range(800):
-        r = generate(target, prompt, method.split()[0], 3, do_sample=True, seed=seed, stop_at_eos=False, **warp, **options)
+        name = method.split()[0]
+        r = generate(target, prompt, name, 3, do_sample=True, seed=seed, stop_at_eos=False, **warp, **options)
         counts[tuple(r.token_ids)] += 1
         drafted += r.stats["drafted"]
         accepted += r.stats["accepted"]

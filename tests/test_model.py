@@ -289,6 +289,21 @@ def test_rope_tables_grow_with_the_positions_and_give_the_full_tables_values():
     assert torch.equal(got, want) and odd.rope_cos.shape[0] == 4096
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rows_of_one_position_equal_the_gathered_rows(dtype):
+    """A decoding step's one position reads a row of the tables kept in the activations' dtype; it equals
+    the row gathered for many positions, converted as before, and follows the tables when they grow."""
+    model = random_model(dict(max_position=4096), seed=2)
+    for at in (0, 7, 1023, 1500):  # the last one grows the tables
+        cos, sin = model._rope(torch.tensor([[at]]), dtype, at + 1)
+        many_cos, many_sin = model._rope(torch.tensor([[at, 0]]), dtype, at + 1)
+        assert cos.shape == (1, 1, 1, model.config.head_dim) and cos.dtype == dtype
+        assert torch.equal(cos[0, 0], many_cos[0, 0]) and torch.equal(sin[0, 0], many_sin[0, 0])
+        assert torch.equal(cos[0, 0, 0], model.rope_cos[at].to(dtype))
+        assert torch.equal(sin[0, 0, 0], model.rope_sin[at].to(dtype))
+    assert model.rope_cos.shape[0] == 2048
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_cache_dtype_on_cpu_is_fp32_for_bf16_without_native_bf16(model, monkeypatch, native):
     from layerleap.core import model as model_mod

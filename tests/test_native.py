@@ -327,6 +327,14 @@ def test_layer_args_follow_a_change_of_format():
         lin.unpack()
         assert native.layer_args(m, 0, 2)[1][-1] == 0
     assert native.layer_args(m, 1, 2) is not native.layer_args(m, 0, 2)
+    before = native.layer_args(m, 0, 2)
+    m.layers[1] = type(m.layers[1])(m.config)  # another layer: its own weights
+    swapped = native.layer_args(m, 0, 2)
+    assert swapped is not before and swapped[2][-1] is m.layers[1].mlp.down.weight
+    m.to(torch.bfloat16)  # cast: the arguments hold the weights as they are now
+    moved = native.layer_args(m, 0, 2)
+    assert moved[2][-1] is m.layers[1].mlp.down.weight and moved[2][-1].dtype == torch.bfloat16
+    assert all(w.dtype == torch.bfloat16 for w in moved[0])  # the norms too
 
 
 @pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
@@ -363,7 +371,7 @@ def test_eagle_step_equals_the_torch_draft_and_keeps_eagle_and_auto_exact(monkey
         assert torch.equal(got_z, want_z) and torch.equal(got, vocab.logits(want_z))
 
     class Gen:
-        eos_ids, stop_at_eos = (), False
+        eos_ids, stop_at_eos, do_sample = (), False, False
 
     run = type("R", (), {"model": q4, "gen": Gen()})()
     states = list(torch.randn(3, q4.config.hidden_size, generator=g).to(torch.bfloat16))

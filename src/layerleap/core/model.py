@@ -115,6 +115,11 @@ class Linear(nn.Linear):
 
     packed: kernels.PackedWeight | None = None
 
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("packed", "weight", "bias"):
+            native.formats_changed()  # the native layers' argument lists look again (``native.layer_args``)
+        super().__setattr__(name, value)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x) if self.packed is None else self.packed(x)
 
@@ -143,6 +148,7 @@ class Linear(nn.Linear):
     def _apply(self, fn, recurse=True):
         if self.packed is not None and _moves(fn, self.packed.dtype):
             self.unpack()
+        native.formats_changed()  # a moved or cast parameter may be a new tensor
         return super()._apply(fn, recurse)
 
 
@@ -466,14 +472,33 @@ class Transformer(nn.Module):
                 need = bound if bound is not None else int(positions.max()) + 1 if positions.numel() else 0
             if need > rows:
                 self._grow_rope(need)
+        cos_t, sin_t = self._rope_in(dtype)
+        if positions.numel() == 1 and positions.device.type == "cpu":  # a decoding step: one row of each table
+            i = int(positions)
+            if 0 <= i < cos_t.shape[0]:
+                shape = (*positions.shape, 1, cos_t.shape[1])  # [B, S, 1, hd]
+                return cos_t[i : i + 1].view(shape), sin_t[i : i + 1].view(shape)
         try:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            cos, sin = cos_t[positions], sin_t[positions]
         except IndexError:  # a position at or past ``bound``: the whole table (past it, the error stands)
             if self.rope_cos.shape[0] >= full:
                 raise
             self._grow_rope(full)
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        return cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype)
+            cos_t, sin_t = self._rope_in(dtype)
+            cos, sin = cos_t[positions], sin_t[positions]
+        return cos.unsqueeze(2), sin.unsqueeze(2)
+
+    def _rope_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rope tables in ``dtype`` (each value converted as ``.to(dtype)`` converts it), kept while the
+        tables stay: a step indexes them without converting its rows again."""
+        cos, sin = self.rope_cos, self.rope_sin
+        held = self.__dict__.get("_rope_in_dtypes")  # (the tables they come from, dtype -> (cos, sin))
+        if held is None or held[0] is not cos or held[1] is not sin:
+            held = (cos, sin, {})  # not a buffer: made again when the tables grow or move
+            self.__dict__["_rope_in_dtypes"] = held
+        if dtype not in held[2]:
+            held[2][dtype] = (cos.to(dtype), sin.to(dtype))
+        return held[2][dtype]
 
     def _grow_rope(self, need: int) -> None:
         """Rope tables for ``rope_rows(config, need)`` positions, in the tables' dtype and device."""

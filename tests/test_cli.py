@@ -350,6 +350,21 @@ def test_bench_offset_takes_later_prompts_of_each_category(capsys, tmp_path, tin
     assert rc == 2 and "--offset" in err and "Traceback" not in err
 
 
+def test_bench_says_which_rows_sample(capsys, tiny_hf_dir):
+    """A sampling flag applies to the methods that sample by default; --do-sample to every method that
+    can; the header names them and how they sample."""
+    args = ["bench", "--model", tiny_hf_dir, "--methods", "sample,prompt-lookup", "--categories", "qa"]
+    args += ["--prompts", 1, "--max-new-tokens", 2, "--no-baseline-hf", "--no-call-cost", "--no-quality"]
+    rc, out, err = cli(capsys, *args, "--threads", 1, "--temperature", "0.7", "--seed", 4)
+    assert rc == 0, err
+    assert "sampling (temperature 0.7, seed 4): sample; the other rows decode greedily" in out
+    rc, out, err = cli(capsys, *args, "--threads", 1, "--do-sample")
+    assert rc == 0, err
+    assert "sampling (defaults): sample, prompt-lookup;" in out
+    rc, out, err = cli(capsys, *args[:4], "greedy", *args[5:], "--threads", 1)
+    assert rc == 0 and "sampling" not in out
+
+
 def test_bench_call_cost_and_transformers_extras(capsys, tmp_path, tiny_hf_dir, tiny):
     out_file = tmp_path / "b.json"
     rc, out, _ = cli(

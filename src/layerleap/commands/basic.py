@@ -725,8 +725,14 @@ def _setup_bench(p):
     )
 
 
-def _bench_header(args, model, threads: int, n_prompts: int) -> str:
-    return f"{_model_line(model, threads)}\n{n_prompts} prompts × {args.max_new_tokens} new tokens"
+def _bench_header(args, model, threads: int, n_prompts: int, methods: bench.MethodSpecs | None = None) -> str:
+    head = f"{_model_line(model, threads)}\n{n_prompts} prompts × {args.max_new_tokens} new tokens"
+    sampling = _sampling(args)
+    sampled = [label for label, (name, _) in (methods or {}).items() if bench.samples(name, sampling)]
+    if sampled:  # which rows sample, and how: the others decode greedily
+        warps = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sampling.items() if k != "do_sample") or "defaults"
+        head += f"\nsampling ({warps}): {', '.join(sampled)}; the other rows decode greedily"
+    return head
 
 
 def _usable(model, methods: bench.MethodSpecs) -> bench.MethodSpecs:
@@ -751,7 +757,7 @@ def run_bench(args) -> int:
     hf_extra = dict(bench.parse_hf_extra(x, model.config.n_layers) for x in args.hf_extra or [])
     runs = (len(methods) + 1 + bool(args.baseline_hf) + len(hf_extra)) * len(prompts) * args.repeat
     workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
-    print(_bench_header(args, model, threads, len(prompts)), flush=True)
+    print(_bench_header(args, model, threads, len(prompts), methods), flush=True)
     result = bench.run_bench(
         model,
         methods,

@@ -18,7 +18,7 @@ def _setup(p):
         "--method",
         default="auto",
         help=f"the default decoding method: {', '.join(METHODS)} "
-        "(a request may choose another in its 'layerleap' field)",
+        "(default auto; a request may choose another in its 'layerleap' field)",
     )
     _opt_arg(p, "NAME=VALUE", "an option of the default method (repeatable)")
     p.add_argument(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import CONFIGS, random_model
 
 from layerleap.core import kernels, model as model_mod, native
@@ -338,6 +339,38 @@ def test_layer_args_follow_a_change_of_format():
 
 
 @pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
+def test_rms_norm_of_a_few_bf16_rows_is_one_native_call_with_the_same_bits(monkeypatch):
+    """``RMSNorm`` on up to ``NATIVE_NORM_ROWS`` bf16 rows on a CPU outside autograd is decoder.cpp's
+    ``rms_norm``: the bits of the ATen formula, contiguous or not; more rows, or autograd, stay in ATen."""
+    if native.module() is None or not hasattr(native.module(), "rms_norm"):
+        pytest.skip("the native module is not built")
+    norm = model_mod.RMSNorm(96, 1e-5).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
+    calls = []
+    real = native.module()
+
+    class Spy:
+        def __getattr__(self, name):
+            if name != "rms_norm":
+                return getattr(real, name)
+            return lambda *args: calls.append(1) or real.rms_norm(*args)
+
+    monkeypatch.setattr(native, "module", lambda: Spy())
+    for rows in (1, 3, model_mod.NATIVE_NORM_ROWS, model_mod.NATIVE_NORM_ROWS + 1):
+        x = (torch.randn(rows, 2, 96, generator=g) * 4).to(torch.bfloat16)[:, 1]  # not contiguous
+        want = norm.weight * F.rms_norm(x.float(), (96,), eps=1e-5).to(torch.bfloat16)
+        calls.clear()
+        with torch.inference_mode():
+            got = norm(x)
+        assert torch.equal(got, want)
+        assert calls == ([1] if rows <= model_mod.NATIVE_NORM_ROWS else [])
+    calls.clear()
+    assert torch.equal(norm(x[:2]), norm.weight * F.rms_norm(x[:2].float(), (96,), eps=1e-5).to(torch.bfloat16))
+    assert calls == []  # autograd on: ATen
+
+
 def test_eagle_step_equals_the_torch_draft_and_keeps_eagle_and_auto_exact(monkeypatch):
     """In a q4 model whose EAGLE head and draft vocabulary are held as 8-bit blocks, one native call
     (``EagleHead.native_step``) gives the torch path's next states and draft logits bit for bit, the
@@ -369,6 +402,15 @@ def test_eagle_step_equals_the_torch_draft_and_keeps_eagle_and_auto_exact(monkey
         want_z = q4.final_norm(head.step(z, x))
         got_z, got = step(z, x)
         assert torch.equal(got_z, want_z) and torch.equal(got, vocab.logits(want_z))
+    with torch.no_grad():  # a weight changed in place: the step is made again from the new weight
+        head.down.weight.mul_(0.5)
+        again = head.native_step(vocab)
+        assert again is not None and again is not step and head.native_step(vocab) is again
+        z2, _ = again(z, x)
+        assert torch.equal(z2, q4.final_norm(head.step(z, x))) and not torch.equal(z2, got_z)
+        step = again
+    with torch.enable_grad():
+        assert head.native_step(vocab) is None  # autograd: the torch path
 
     class Gen:
         eos_ids, stop_at_eos, do_sample = (), False, False

@@ -37,7 +37,21 @@ class RMSNorm(nn.Module):
         # F.rms_norm is bitwise equal to weight * (x * rsqrt(mean(x^2) + eps)) and one kernel.
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, x.shape[-1:], self.weight, eps=self.eps)
+        if x.dtype == torch.bfloat16 and x.numel() <= NATIVE_NORM_ROWS * x.shape[-1] and _native_cpu(x):
+            # a few bf16 rows (drafters' states): the same bits in one native call, not four ATen ones
+            return native.module().rms_norm(x.contiguous(), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+NATIVE_NORM_ROWS = 64  # decoder.cpp's rms_norm: its own bf16 loop up to this many rows (else ATen's, the same bits)
+
+
+def _native_cpu(x: torch.Tensor) -> bool:
+    """Whether the native module is built with ``rms_norm`` and can take ``x``: on a CPU, outside autograd."""
+    if x.device.type != "cpu" or torch.is_grad_enabled():
+        return False
+    mod = native.module()
+    return mod is not None and hasattr(mod, "rms_norm")
 
 
 ROPE_ROWS = 1024  # positions a model's rope tables cover at first; they double as longer calls need them

@@ -156,7 +156,7 @@ class EagleChains:
         row_of = list(rows or range(len(roots)))
         live = list(range(len(roots)))
         first = True
-        z = model.final_norm(torch.stack(states))  # [R, D]
+        z = model.final_norm(states[0].unsqueeze(0) if len(states) == 1 else torch.stack(states))  # [R, D]
         x = torch.tensor(roots, dtype=torch.long, device=model.device)  # [R]
         native = self.head.native_step(self.vocab)  # the same step in one native call, where it serves
         caches = [self.caches[r] for r in (rows or range(len(roots)))] if self.attends else None

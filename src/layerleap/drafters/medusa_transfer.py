@@ -270,6 +270,24 @@ class EagleHead(_Drafter):
         vocabulary (``draft_vocab.DraftRows``), or a model not in bf16 on a CPU."""
         from ..core import native
 
+        if torch.is_grad_enabled():
+            return None
+        # (vocab, the module, the model's dtype, the weights and their versions, the step): a round's check
+        # in a few attribute reads while nothing it was made from changed
+        quick = self.__dict__.get("_native_quick")
+        ws = (self.fc.weight, self.gate_up.weight, self.down.weight)
+        key = (vocab, native.module(), self.model.dtype)
+        if quick is not None and all(a is b for a, b in zip(key, quick[:3])):
+            if all(w is held and _version(w) == v for w, (held, v) in zip(ws, quick[3])):
+                return quick[4]
+        step = self._native_step(vocab)
+        self.__dict__["_native_quick"] = (*key, tuple((w, _version(w)) for w in ws), step)
+        return step
+
+    def _native_step(self, vocab):
+        """``native_step`` made from its checks (see there)."""
+        from ..core import native
+
         mod, model = native.module(), self.model
         rows = getattr(getattr(vocab, "head", None), "q8", None)
         if mod is None or rows is None or not hasattr(mod, "eagle_step") or torch.is_grad_enabled():
@@ -304,13 +322,18 @@ class EagleHead(_Drafter):
         ws = [m.weight for m in layers]
         if any(w.requires_grad for w in ws) or torch.is_grad_enabled() and self.training:
             return layers
-        key = tuple((w.data_ptr(), -1 if w.is_inference() else w._version) for w in ws)
+        key = tuple((w.data_ptr(), _version(w)) for w in ws)
         held = getattr(self, "_q8", None)
         if held is None or held[0] != key:
             q8 = kernels.q8_products_faster(ws)
             blocks = [kernels.BlockWeight.from_int8(kernels.quantize_q8(w.detach())) for w in ws] if q8 else None
             self._q8 = held = (key, [b.matmul for b in blocks] if blocks else layers)
         return held[1]
+
+
+def _version(w: torch.Tensor) -> int:
+    """``w``'s in-place change counter; -1 for an inference tensor, which cannot change in place."""
+    return -1 if w.is_inference() else w._version
 
 
 def new_drafter(model: Transformer, kind: str, **config) -> _Drafter:

@@ -2576,6 +2576,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("final_logits", &final_logits, "the final norm and a block LM head for a few bf16 rows (see decoder.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm.forward in one call, the same bits (see decoder.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("blocks_isa", &blocks_isa, "the vector path block_matmul takes by default");
   m.def("blocks_paths", &blocks_paths, "the paths block_matmul was built with, best first");
   m.def("build_features", &build_features, "the instruction sets this build was compiled for");

@@ -188,6 +188,15 @@ def test_eagle_drafts_are_drawn_from_the_heads_distribution_when_sampling(monkey
     made.clear()
     layerleap.generate(target, prompt, "eagle", 6, stop_at_eos=False, draft_len=2, width=3, eagle_head=head)
     assert made and all(c.q is None for c in made)
+    made.clear()  # BiLD's fallback drops an unsure draft: its distribution goes with it
+    for seed in range(10):
+        layerleap.generate(
+            target, prompt, "bild", 6, do_sample=True, seed=seed, temperature=1.5, stop_at_eos=False,
+            eagle=head, alpha_fb=0.4, max_small=3,
+        )  # fmt: skip
+    drawn = [c for c in made if c.k]
+    assert drawn and all(c.q is not None and c.q.shape[0] == c.k for c in drawn)
+    assert any(c.stop == "unsure" for c in drawn)
 
 
 # -- the drafter owns its cache needs ----------------------------------------------------------------

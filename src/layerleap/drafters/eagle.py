@@ -122,8 +122,9 @@ class EagleChains:
             cand.q = torch.stack([q[0], *(one_hot(s, q[0]) for s in siblings), *q[1:]])  # [k, V]
         return cand
 
-    def for_rows(self, states, roots, budgets) -> dict[int, tuple[list[int], list[int]]]:
-        """Row -> (its chain, its first draft's siblings) for every row with a root and a budget left,
+    def for_rows(self, states, roots, budgets) -> dict[int, tuple]:
+        """Row -> (its chain, its first draft's siblings, its chain drafts' distributions when they were
+        drawn, else None) for every row with a root and a budget left,
         drafted from ``states[row]`` (the last kept position's last-layer state ``[D]``), the chain at
         most ``min(budget, draft_len)`` long."""
         rows = [r for r, (root, b) in enumerate(zip(roots, budgets)) if b and root is not None]
@@ -170,13 +171,12 @@ class EagleChains:
             else:
                 z = model.final_norm(self.head.step(z, x))  # [R', D]
                 logits = draft_logits(self.run, z, self.vocab)  # [R', V or K]
+            q = None
             if self.last_q is None:
                 top = sampling.top_ids(logits)  # [R'] indices into the vocabulary or the draft vocabulary
             else:  # drawn from the head's warped distribution with each row's generator
                 q = sampling.probs(logits, gen.temperature, gen.top_k, gen.top_p)  # [R', V or K]
                 top = [int(sampling.sample(q[j], self.run.generators[row_of[i]])) for j, i in enumerate(live)]
-                for j, i in enumerate(live):
-                    self.last_q[i].append(q[j] if self.vocab is None else self._widen(q[j]))
             tokens = top if self.vocab is None else self.vocab.tokens(top)
             if first and self.width > 1:
                 for j, i in enumerate(live):  # the next best candidates after the first draft
@@ -193,6 +193,8 @@ class EagleChains:
                     self.last_stops[i] = "unsure"
                     continue
                 chains[i].append(tokens[j])
+                if q is not None:  # the kept draft's distribution, over the full vocabulary
+                    self.last_q[i].append(q[j] if self.vocab is None else self._widen(q[j]))
                 stop = "eos" if tokens[j] in self.eos else "length" if len(chains[i]) >= lengths[i] else None
                 self.last_stops[i] = stop or ("unsure" if unsure else "length")
                 if stop is None and not unsure:

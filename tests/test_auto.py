@@ -295,11 +295,11 @@ def test_auto_eagle_rounds_draft_with_the_head(monkeypatch):
     made = []
     real = EagleChains.candidates
 
-    def spy(self, root, chain, siblings, q=None):
+    def spy(root, chain, siblings, q=None):
         made.append((len(chain), len(siblings)))
-        return real(self, root, chain, siblings, q)
+        return real(root, chain, siblings, q)
 
-    monkeypatch.setattr(EagleChains, "candidates", spy)
+    monkeypatch.setattr(EagleChains, "candidates", staticmethod(spy))
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)
     prompt = [3, 1, 4, 1, 5]
     r = layerleap.generate(

@@ -162,12 +162,12 @@ def test_eagle_drafts_are_drawn_from_the_heads_distribution_when_sampling(monkey
     made = []
     real = EagleChains.candidates
 
-    def spy(self, root, chain, siblings, q=None):
-        cand = real(self, root, chain, siblings, q)
+    def spy(root, chain, siblings, q=None):
+        cand = real(root, chain, siblings, q)
         made.append(cand)
         return cand
 
-    monkeypatch.setattr(EagleChains, "candidates", spy)
+    monkeypatch.setattr(EagleChains, "candidates", staticmethod(spy))
     prompt = [1, 3, 4, 1, 3, 4, 1, 3]
     firsts = set()
     for seed in range(30):

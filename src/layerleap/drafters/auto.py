@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..core import tree as tree_mod
 from ..core.run import Run
@@ -167,12 +168,10 @@ def merge_chain(tree: Candidates, chain: list[int]) -> Candidates:
             kids.setdefault(node, {})[t] = nxt
         node = nxt
     merged = Candidates.from_parents(tree.root, tokens, parents)
+    merged.q = tree.q
     if tree.q is not None and merged.k > tree.k:  # [k, V]: the copied nodes' certain proposals after the tree's
-        extra = torch.zeros(merged.k - tree.k, tree.q.shape[-1], dtype=tree.q.dtype, device=tree.q.device)
-        extra[torch.arange(len(extra)), merged.tokens[tree.k :].to(extra.device)] = 1.0
-        merged.q = torch.cat([tree.q, extra])
-    else:
-        merged.q = tree.q
+        copied = F.one_hot(merged.tokens[tree.k :], tree.q.shape[-1]).to(tree.q)
+        merged.q = torch.cat([tree.q, copied])
     return merged
 
 

@@ -27,6 +27,7 @@ position's state, the token after it) in a ``HeadCache``: the prompt's pairs fro
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..core import sampling
 from ..core.run import Run
@@ -108,7 +109,8 @@ class EagleChains:
         """The most draft nodes of one row's candidates (the chain and the first draft's siblings)."""
         return self.draft_len + self.width - 1
 
-    def candidates(self, root: int | None, chain: list[int], siblings: list[int], q: list | None = None) -> Candidates:
+    @staticmethod
+    def candidates(root: int | None, chain: list[int], siblings: list[int], q: list | None = None) -> Candidates:
         """The chain after ``root``, with ``siblings`` of its first draft as a fan (a tree) when there are
         any; ``q``: the distribution each chain draft was drawn from (``[V]`` each; sampled drafts), the
         siblings then one-hot."""
@@ -119,7 +121,8 @@ class EagleChains:
         parents = [-1] * (1 + n) + ([0] + list(range(n + 1, n + len(chain) - 1)) if len(chain) > 1 else [])
         cand = Candidates.from_parents(root, tokens, parents)
         if q:
-            cand.q = torch.stack([q[0], *(one_hot(s, q[0]) for s in siblings), *q[1:]])  # [k, V]
+            fan = F.one_hot(torch.tensor(siblings), q[0].shape[-1]).to(q[0])  # certain proposals
+            cand.q = torch.cat([q[0].unsqueeze(0), fan, *(d.unsqueeze(0) for d in q[1:])])  # [k, V]
         return cand
 
     def for_rows(self, states, roots, budgets) -> dict[int, tuple]:
@@ -160,7 +163,7 @@ class EagleChains:
         z = model.final_norm(states[0].unsqueeze(0) if len(states) == 1 else torch.stack(states))  # [R, D]
         x = torch.tensor(roots, dtype=torch.long, device=model.device)  # [R]
         native = self.head.native_step(self.vocab)  # the same step in one native call, where it serves
-        caches = [self.caches[r] for r in (rows or range(len(roots)))] if self.attends else None
+        caches = [self.caches[r] for r in row_of] if self.attends else None
         while live:
             if native is not None:
                 z, logits = native(z.contiguous(), x)
@@ -186,7 +189,7 @@ class EagleChains:
             self.head_steps += 1
             keep = []
             for j, i in enumerate(live):
-                row = (rows or range(len(roots)))[i]
+                row = row_of[i]
                 self.row_steps[row] = self.row_steps.get(row, 0) + 1
                 unsure = sure[j] < self.min_confidence
                 if unsure and not self.keep_unsure:  # BiLD's fallback: the target takes this position
@@ -217,13 +220,6 @@ class EagleChains:
         """A draft distribution over the draft vocabulary ``[K]`` -> over the full vocabulary ``[V]``."""
         full = q.new_zeros(self.run.model.config.vocab_size)
         return full.index_copy_(0, self.vocab.ids.to(q.device), q)
-
-
-def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
-    """The certain proposal of ``token`` as a distribution shaped as ``like`` ``[V]``."""
-    out = torch.zeros_like(like)
-    out[token] = 1.0
-    return out
 
 
 class EagleDrafter(Drafter):

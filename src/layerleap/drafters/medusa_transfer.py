@@ -285,12 +285,12 @@ class EagleHead(_Drafter):
         return step
 
     def _native_step(self, vocab):
-        """``native_step`` made from its checks (see there)."""
+        """``native_step`` made anew from its checks (see there)."""
         from ..core import native
 
         mod, model = native.module(), self.model
         rows = getattr(getattr(vocab, "head", None), "q8", None)
-        if mod is None or rows is None or not hasattr(mod, "eagle_step") or torch.is_grad_enabled():
+        if mod is None or rows is None or not hasattr(mod, "eagle_step"):
             return None
         if self.attention:  # its drafts attend to the row's cache: the step in torch (``step_rows``)
             return None
@@ -299,20 +299,16 @@ class EagleHead(_Drafter):
         blocks = [getattr(p, "__self__", None) for p in self._products()]
         if not all(isinstance(b, kernels.BlockWeight) and b.fine == rows.fine for b in blocks):
             return None
-        held = getattr(self, "_native", None)
-        key = (tuple(blocks), rows)
-        if held is None or held[0] != key:
-            ws = [t for b in (*blocks, rows) for t in (b.codes, b.dm)]
-            outs = [b.out_features for b in (*blocks, rows)]
-            eps = model.norm.eps
-            norm, final = self.norm.detach(), model.norm.weight.detach()
+        ws = [t for b in (*blocks, rows) for t in (b.codes, b.dm)]
+        outs = [b.out_features for b in (*blocks, rows)]
+        eps = model.norm.eps
+        norm, final = self.norm.detach(), model.norm.weight.detach()
 
-            def step(z: torch.Tensor, x: torch.Tensor):
-                e = model.embed(x).reshape(z.shape)
-                return mod.eagle_step(z, e, ws, outs, norm, final, eps, rows.fine)
+        def step(z: torch.Tensor, x: torch.Tensor):
+            e = model.embed(x).reshape(z.shape)
+            return mod.eagle_step(z, e, ws, outs, norm, final, eps, rows.fine)
 
-            self._native = held = (key, step)
-        return held[1]
+        return step
 
     def _products(self):
         """The three products: the layers themselves while they train, else, where this CPU measures it

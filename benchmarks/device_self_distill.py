@@ -4,6 +4,7 @@ data --self-distill` (JSON lines {prompt, completion, model}), for the device ru
 travel pre-tokenized: `--save-prompts FILE` writes them here, `--prompts FILE` reads them there.
 
   python benchmarks/device_self_distill.py --save-prompts .devcarry/prompts.safetensors --n 16000
+  python benchmarks/device_self_distill.py --save-prompts .devcarry/prompts.safetensors --later-turns --n 24000
   python benchmarks/device_self_distill.py --prompts .devcarry/prompts.safetensors --out sd.jsonl \\
       --device cuda --batch 1024 --gen-len 64
 
@@ -18,7 +19,37 @@ import sys
 import time
 
 
-def save_prompts(path: str, n: int, max_prompt: int) -> None:
+def later_turn_prompts(tok, n: int, max_prompt: int, min_chars: int = 24) -> list[list[int]]:
+    """Prompt ids of up to ``n`` ShareGPT human turns after the first, each alone in the chat template:
+    text that the first-turn prompts (`sharegpt_questions`) never show.  Turns shorter than
+    ``min_chars`` ("continue", "more") and texts seen before (a first turn too) are passed over; the
+    conversations are taken in the package's order, and the kept turns shuffled with seed 0."""
+    import random
+
+    from layerleap.datasets import sharegpt_conversations
+    from layerleap.train.data import chat_token_ids
+
+    seen: set[str] = set()
+    texts: list[str] = []
+    for conv in sharegpt_conversations(limit=None):
+        humans = [(t.get("value") or "").strip() for t in conv if t.get("from") == "human"]
+        seen.update(humans[:1])
+        for text in humans[1:]:
+            if len(text) >= min_chars and text not in seen:
+                seen.add(text)
+                texts.append(text)
+    random.Random(0).shuffle(texts)
+    out = []
+    for text in texts:
+        if len(out) >= n:
+            break
+        p = chat_token_ids(tok, [{"role": "user", "content": text}], add_generation_prompt=True)
+        if len(p) <= max_prompt:
+            out.append(p)
+    return out
+
+
+def save_prompts(path: str, n: int, max_prompt: int, later_turns: bool = False) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -26,7 +57,7 @@ def save_prompts(path: str, n: int, max_prompt: int) -> None:
     from layerleap.train.data import sharegpt_questions
 
     tok = layerleap.load("smollm2-135m").tokenizer
-    prompts = sharegpt_questions(tok, n, max_prompt)
+    prompts = later_turn_prompts(tok, n, max_prompt) if later_turns else sharegpt_questions(tok, n, max_prompt)
     flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int32)
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
     save_file({"ids": flat, "lens": lens}, path, metadata={"max_prompt": str(max_prompt)})
@@ -50,6 +81,8 @@ def decode(args) -> None:
 
     model = layerleap.load("smollm2-135m", dtype=args.dtype, device=args.device)
     prompts = sorted(read_prompts(args.prompts), key=len)  # prompts of like length together: less padding
+    k, n = (int(x) for x in args.part.split("/"))
+    prompts = prompts[k - 1 :: n]  # part k of n: the processes of one GPU share its prompts
     t0 = time.perf_counter()
     pairs = self_distilled(
         model,
@@ -71,17 +104,23 @@ def main(argv=None) -> int:
     ap.add_argument("--save-prompts")
     ap.add_argument("--n", type=int, default=16000)
     ap.add_argument("--max-prompt", type=int, default=96)
+    ap.add_argument(
+        "--later-turns",
+        action="store_true",
+        help="--save-prompts: the human turns after the first, each alone (other text than the first turns)",
+    )
     ap.add_argument("--prompts")
     ap.add_argument("--out")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--part", default="1/1", help="decode only part K/N of the prompts (N processes on one GPU)")
     ap.add_argument("--temperature", type=float, help="sample the answers at this temperature (default: greedy)")
     ap.add_argument("--seed", type=int, default=0, help="sampling: prompt i samples with seed + i")
     args = ap.parse_args(argv)
     if args.save_prompts:
-        save_prompts(args.save_prompts, args.n, args.max_prompt)
+        save_prompts(args.save_prompts, args.n, args.max_prompt, args.later_turns)
     elif args.prompts and args.out:
         decode(args)
     else:

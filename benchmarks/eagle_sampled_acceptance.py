@@ -10,7 +10,7 @@ the model's distribution p and the head's q (both warped by the temperature, q o
 vocabulary): sum(min(p, q)), p(argmax q) and the sum of p over q's top 3.  The last is estimated with
 8 draws per position (``verify.accept_sampled``'s rule, seeded).  fp32, 2 threads.
 
-    PYTHONPATH=src python benchmarks/eagle_sampled_acceptance.py [--temperatures 0.7,1.0] [--prompts 2]
+    PYTHONPATH=src python benchmarks/eagle_sampled_acceptance.py [--temperatures 0.7,1.0] [--prompts 2] [--head FILE]
 
 Prompts: Spec-Bench summarization, qa, translation, math_reasoning and writing, ``--prompts`` per
 category from the 21st on (none of the benchmark tables' prompts)."""
@@ -50,13 +50,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--temperatures", default="0.7,1.0")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per category (default 2)")
+    ap.add_argument("--head", default="trained", help="the EAGLE head: trained (shipped) or a weights file")
     args = ap.parse_args()
     torch.set_num_threads(2)
     model = layerleap.load("smollm2-135m")
-    head = weights.get_drafter(model, "eagle", "trained")
+    head = weights.get_drafter(model, "eagle", args.head)
     vocab = get_draft_vocab(model, "auto")
     prompts = spec_bench(categories=CATEGORIES, n=args.prompts, offset=20)
-    print(f"{len(prompts)} Spec-Bench prompts x 64 sampled tokens, fp32, the shipped EAGLE head and draft vocabulary")
+    print(f"{len(prompts)} Spec-Bench prompts x 64 sampled tokens, fp32, EAGLE head {args.head}, the shipped draft vocabulary")
     print("| temperature | positions | drawn from q | argmax, one-hot | top 3, one-hot | drawn, then 2 one-hot |")
     print("|---|---|---|---|---|---|")
     for T in (float(t) for t in args.temperatures.split(",")):

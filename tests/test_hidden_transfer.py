@@ -285,3 +285,27 @@ def test_a_weights_file_is_read_once_per_model(tmp_path, models, monkeypatch):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: read it again
     drafters.load_drafter(model, path, "medusa")
     assert len(reads) == 2
+
+
+def test_loaders_hand_their_temporaries_back_once(tmp_path, models, monkeypatch):
+    """A drafter, a draft vocabulary and a corpus, each read for the first time, return the heap their
+    reading freed to the OS (``cpu.release_freed_memory``); read again from the cache, they do not."""
+    from layerleap.core import cpu
+    from layerleap.drafters import corpus as cp
+    from layerleap.drafters import draft_vocab as dv
+
+    model = models["llama-gqa-tied"]
+    trims = []
+    monkeypatch.setattr(cpu, "release_freed_memory", lambda: trims.append(1))
+    loads = [
+        lambda: drafters.load_drafter(model, tmp_path / "m.safetensors", "medusa"),
+        lambda: dv.get_draft_vocab(model, str(tmp_path / "v.safetensors")),
+        lambda: cp.get_corpus(model, str(tmp_path / "c.safetensors")),
+    ]
+    drafters.save_drafter(medusa_for(model), tmp_path / "m.safetensors")
+    dv.save(tmp_path / "v.safetensors", model, torch.arange(16), {"data": "test"})
+    cp.save(tmp_path / "c.safetensors", model, [[1, 2, 3]], {"data": "test", "command": "x"})
+    for i, load in enumerate(loads):
+        first = load()
+        assert len(trims) == i + 1
+        assert load() is first and len(trims) == i + 1  # from the cache: nothing read, nothing to return

@@ -6,8 +6,11 @@ import ctypes
 import functools
 import os
 import time
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @functools.cache
@@ -41,6 +44,13 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def released(value: T) -> T:
+    """``value``, after ``release_freed_memory``: for loaders whose temporaries (dequantized rows, a
+    measured kernel's trials, an index's sort) would otherwise stay resident beside what they made."""
+    release_freed_memory()
+    return value
 
 
 def _busy_cpu_seconds() -> float | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.cpu import released
 from ..errors import LayerleapError
 from ..files import read_made_for, save_safetensors
 from ..loaded import per_model, shipped_or_file
@@ -175,7 +176,7 @@ def read(model, path) -> Corpus:
 
 def load(model, path) -> Corpus:
     """``read`` once per model and file."""
-    return per_model(model, "corpus", path, lambda: read(model, path))
+    return per_model(model, "corpus", path, lambda: released(read(model, path)))
 
 
 def get_corpus(model, spec="auto") -> Corpus | None:

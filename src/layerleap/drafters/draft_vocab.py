@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import kernels
+from ..core.cpu import released
 from ..core.model import Transformer
 from ..errors import LayerleapError
 from ..files import read_made_for, save_safetensors
@@ -211,7 +212,7 @@ def read(model: Transformer, path) -> DraftVocab:
 
 def load(model: Transformer, path) -> DraftVocab:
     """``read`` once per model and file."""
-    return per_model(model, "draft vocab", path, lambda: read(model, path))
+    return per_model(model, "draft vocab", path, lambda: released(read(model, path)))
 
 
 def get_draft_vocab(model: Transformer, spec="auto") -> DraftVocab | None:

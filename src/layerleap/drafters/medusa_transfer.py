@@ -32,6 +32,7 @@ from torch import nn
 
 from ..errors import LayerleapError
 from ..core import kernels
+from ..core.cpu import release_freed_memory
 from ..core.model import Transformer, apply_rope
 from . import weights
 
@@ -324,6 +325,7 @@ class EagleHead(_Drafter):
             q8 = kernels.q8_products_faster(ws)
             blocks = [kernels.BlockWeight.from_int8(kernels.quantize_q8(w.detach())) for w in ws] if q8 else None
             self._q8 = held = (key, [b.matmul for b in blocks] if blocks else layers)
+            release_freed_memory()  # the measurement's and the quantization's temporaries
         return held[1]
 
 

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ..core.cpu import released
 from ..errors import LayerleapError
 from ..files import read_safetensors_meta, reading, save_safetensors
 from ..loaded import per_model, shipped_files
@@ -251,7 +252,7 @@ def _one_line(e: Exception) -> str:
 
 def load(model, path, kind: Kind):
     """``read`` once per model and file (by path, size and modification time)."""
-    return per_model(model, kind.name, path, lambda: read(model, path, kind))
+    return per_model(model, kind.name, path, lambda: released(read(model, path, kind)))
 
 
 def shipped(model, folder: Path, kind: Kind) -> list[Path]:

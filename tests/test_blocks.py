@@ -171,6 +171,30 @@ def test_codes_scales_and_lookups_are_exact():
     assert torch.equal(b8.rows(torch.tensor([20, 3])), e.rows(torch.tensor([20, 3])))
 
 
+def test_rows_taken_from_8bit_blocks_are_those_rows_exactly(monkeypatch):
+    """``take_rows`` keeps the rows' own codes and scales (any ids, repeated, across blocks, an odd
+    count), so its product is the rows' product bit for bit; 4-bit blocks are refused.  A q4 model's
+    draft vocabulary takes its 8-bit rows that way where 8-bit rows are the fastest (forced here)."""
+    from layerleap.drafters import draft_vocab as dv
+
+    w = BlockWeight.from_int8(_int8(53, 96, 7))
+    ids = torch.tensor([52, 0, 17, 16, 17, 31, 33])
+    taken = w.take_rows(ids)
+    assert taken.out_features == 7 and taken.fine == w.fine and torch.equal(taken.dense(), w.dense_rows(ids))
+    x = torch.randn(3, 96)
+    assert torch.equal(taken.matmul(x), w.matmul(x)[:, ids])
+    with pytest.raises(kernels.KernelError, match="8-bit"):
+        BlockWeight.from_rows(_rows(16, 64, 1)).take_rows(ids[:1])
+    model = quantize_model(random_model("llama-gqa-tied"))
+    assert isinstance(model.lm_head.packed, BlockWeight) and model.lm_head.packed.bits == 8
+    monkeypatch.setattr(kernels, "draft_head_q8", lambda weight: True)
+    vocab = dv.DraftVocab(model, torch.tensor([9, 3, 40, 41]))
+    assert vocab.head.q8 is not None and vocab.head.column_major is None
+    assert torch.equal(vocab.head.q8.dense(), model.head_rows(vocab.ids))
+    z = torch.randn(2, model.config.hidden_size)
+    assert torch.equal(vocab.logits(z), dv.DraftRows(model.head_rows(vocab.ids))(z).float())
+
+
 def test_packed_embedding_serves_decoding_lookups_from_its_rows_cache():
     """A few ids (a decoding step) come from rows dequantized before: the same values as unpacking them
     for that lookup, for every packed table, repeated ids, and again after the table is packed anew."""

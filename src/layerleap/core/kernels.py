@@ -708,6 +708,18 @@ class BlockWeight(PackedWeight):
         flat = ids.reshape(-1).long()
         return self._dense_of(flat // BLOCK_ROWS, flat % BLOCK_ROWS)
 
+    def take_rows(self, ids: torch.Tensor) -> "BlockWeight":
+        """Rows ``ids`` ``[n]`` of 8-bit blocks as a block weight of their own: their codes, scales and
+        minimums as they are, so its ``dense()`` is ``dense_rows(ids)`` bit for bit, made without a
+        dense copy."""
+        if self.bits != 8:
+            raise KernelError(f"take_rows takes 8-bit blocks, not {self.bits}-bit ones")
+        flat = ids.reshape(-1).long()
+        nb, lane = flat // BLOCK_ROWS, flat % BLOCK_ROWS
+        scale, minimum = self._dm_of(nb, lane)  # [n, G] each, fp32, exact
+        codes = self._blocked(self._codes_of(nb, lane), 8)
+        return BlockWeight(codes, self._scales(scale, minimum), len(flat), 8, fine=self.fine)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized, ``[*ids.shape, K]`` bf16: an embedding lookup."""
         flat = ids.reshape(-1)

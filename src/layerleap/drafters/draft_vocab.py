@@ -64,6 +64,21 @@ class DraftRows:
         dense = cpu and kernels.ONEDNN and self.q8 is None and self.row_by_row < 1 << 30
         self.packed = kernels.OneDNNWeight(w) if dense else None
 
+    @classmethod
+    def of_head(cls, model: Transformer, ids: torch.Tensor) -> "DraftRows":
+        """The rows ``ids`` of ``model``'s LM head.  A head held as 8-bit blocks (q4's) gives its own
+        blocks of those rows where 8-bit rows are this CPU's fastest (``kernels.draft_head_q8``, asked
+        with a stand-in of their shape: the answer depends on nothing else), so no dense copy of the
+        rows is made; otherwise the rows dequantized, as ``DraftRows(model.head_rows(ids))``."""
+        packed = model.lm_head.packed
+        if isinstance(packed, kernels.BlockWeight) and packed.bits == 8:
+            if kernels.draft_head_q8(torch.zeros(len(ids), packed.in_features)):  # fp32, as head_rows gives
+                out = object.__new__(cls)
+                out.dtype, out.row_by_row, out.column_major, out.packed = torch.float32, 0, None, None
+                out.q8 = packed.take_rows(ids)
+                return out
+        return cls(model.head_rows(ids))
+
     def first(self, n: int) -> "DraftRows | None":
         """The first ``n`` rows on their own, sharing these rows' 8-bit blocks (no copy, nothing measured
         again), or None where they are not held as 8-bit blocks or ``n`` cuts a block of rows."""
@@ -91,8 +106,8 @@ class DraftRows:
 
 class DraftVocab:
     """The ``K`` token ids ``ids`` drafters score, and ``head``, the unembedding rows ``[K, D]`` they
-    multiply by (the model's LM head rows, dense in the model's dtype, in the layout ``DraftRows``
-    measured fastest here)."""
+    multiply by (the model's LM head rows in the layout ``DraftRows`` measured fastest here: a q4
+    head's own 8-bit blocks of those rows, or the rows dense)."""
 
     def __init__(self, model: Transformer, ids, meta: dict | None = None, head: DraftRows | None = None):
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
@@ -101,7 +116,7 @@ class DraftVocab:
             raise DraftVocabError(f"a draft vocabulary must be distinct token ids in [0, {V}), got {len(ids)} ids")
         self.model = model
         self.ids = ids.to(model.device)  # [K]
-        self.head = DraftRows(model.head_rows(self.ids)) if head is None else head  # [K, D]
+        self.head = DraftRows.of_head(model, self.ids) if head is None else head  # [K, D]
         self.meta = dict(meta or {})
         self._id_list: list[int] | None = None  # ids as ints, once asked for (``tokens``)
         self._firsts: dict[int, DraftVocab] = {}  # ``first``'s, by size

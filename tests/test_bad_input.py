@@ -976,6 +976,10 @@ API = [
     (_gen("hi", method="medusa", heads=5), "heads must be one of trained, a weights file or loaded weights, got 5"),
     (_gen("hi", method="eagle", eagle_head=5), "eagle_head must be one of trained, a weights file or loaded"),
     (_gen("hi", method="eagle"), "no shipped eagle weights fit"),
+    (  # "none" said once, with its meaning
+        _gen("hi", method="auto", eagle="/no/such.safetensors"),
+        "eagle must be one of auto, an existing weights file or none (no EAGLE calls), got",
+    ),
     # the functions the commands use
     (_theory(p=math.nan), "--p-correct must be a finite number, got nan"),
     (_theory(d="40"), "--layers must be an integer"),

@@ -233,11 +233,17 @@ def _weights(o: Option, value, config):
     if isinstance(value, (str, os.PathLike)):
         p = V.path(value, o.name)
         if not p.is_file():
-            raise o.fail(f"one of {', '.join(o.choices)} or an existing weights file", value)
+            raise o.fail(_one_of(o, "an existing weights file"), value)
         return value
     if isinstance(value, (bytes, bool, numbers.Number, list, tuple, dict)):
-        raise o.fail(f"one of {', '.join(o.choices)}, a weights file or loaded weights", value)
+        raise o.fail(_one_of(o, "a weights file", "loaded weights"), value)
     return value  # a loaded head or drafter: the method checks it fits the model
+
+
+def _one_of(o: Option, *more: str) -> str:
+    """ "one of" the option's named choices and ``more``; "none" is left to ``fail``, said once with its meaning."""
+    items = [c for c in o.choices if not (o.none and c == "none")] + list(more)
+    return "one of " + (", ".join(items) if o.none else ", ".join(items[:-1]) + " or " + items[-1])
 
 
 _CHECKS = {

@@ -91,7 +91,9 @@ def accept_sampled(
     toks, kids = tokens.cpu().tolist(), children(parents)
     path, node = [], -1
     while True:
-        r = p[node + 1].to(dev).double()  # [V]: only the rows the walk reaches, in fp64
+        # [V]: only the rows the walk reaches, as they are until a rejection makes a residual (in fp64);
+        # the tests read single entries (exact in Python floats) and ``sample`` sums in fp64 either way
+        r = p[node + 1].to(dev)
         for c in kids.get(node, ()):
             x = toks[c]
             u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=dev))
@@ -100,16 +102,15 @@ def accept_sampled(
                     path.append(c)
                     node = c
                     break
-                r = r.clone()
+                r = r.clone() if r.dtype == torch.float64 else r.double()
                 r[x] = 0.0  # residual(r, one-hot x): the same values, so the same sum
                 r = r / r.sum()
                 continue
-            q_c = q[c].to(dev).double()
-            if u * float(q_c[x]) < float(r[x]):  # u < r/q, without a division
+            if u * float(q[c, x]) < float(r[x]):  # u < r/q, without a division
                 path.append(c)
                 node = c
                 break
-            r = residual(r.unsqueeze(0), q_c.unsqueeze(0))[0]
+            r = residual(r.double().unsqueeze(0), q[c].to(dev).double().unsqueeze(0))[0]
         else:
             return path, int(sampling.sample(r.unsqueeze(0), generator)[0])
 

@@ -64,7 +64,8 @@ _OLD_KINDS = {"layerleap-exit-heads-v1": "exit-heads", "layerleap-bild-exit-head
 
 def holds(meta: dict) -> str:
     """What a safetensors file holds, from its metadata: a weights file's ``kind`` (``medusa``,
-    ``transfer``, ``exit-heads``, ``variant``, ``token-chunks``), ``training state``, else its ``format``."""
+    ``transfer``, ``eagle``, ``exit-heads``, ``variant``, ``corpus``, ``draft-vocab``, ``token-chunks``),
+    ``training state``, else its ``format``."""
     fmt = str(meta.get("format") or "")
     if fmt.startswith("layerleap-train-state"):
         return "training state"

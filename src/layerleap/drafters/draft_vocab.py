@@ -72,7 +72,8 @@ class DraftRows:
         rows is made; otherwise the rows dequantized, as ``DraftRows(model.head_rows(ids))``."""
         packed = model.lm_head.packed
         if isinstance(packed, kernels.BlockWeight) and packed.bits == 8:
-            if kernels.draft_head_q8(torch.zeros(len(ids), packed.in_features)):  # fp32, as head_rows gives
+            shape_of = torch.zeros(1, packed.in_features).expand(len(ids), -1)  # fp32 as head_rows gives; no memory
+            if kernels.draft_head_q8(shape_of):
                 out = object.__new__(cls)
                 out.dtype, out.row_by_row, out.column_major, out.packed = torch.float32, 0, None, None
                 out.q8 = packed.take_rows(ids)

@@ -74,11 +74,15 @@ class DraftRows:
         if isinstance(packed, kernels.BlockWeight) and packed.bits == 8:
             shape_of = torch.zeros(1, packed.in_features).expand(len(ids), -1)  # fp32 as head_rows gives; no memory
             if kernels.draft_head_q8(shape_of):
-                out = object.__new__(cls)
-                out.dtype, out.row_by_row, out.column_major, out.packed = torch.float32, 0, None, None
-                out.q8 = packed.take_rows(ids)
-                return out
+                return cls._of_blocks(packed.take_rows(ids), torch.float32)
         return cls(model.head_rows(ids))
+
+    @classmethod
+    def _of_blocks(cls, q8: kernels.BlockWeight, dtype: torch.dtype) -> "DraftRows":
+        """Rows held as the 8-bit blocks ``q8`` alone (``dtype``: what their products are cast to)."""
+        out = object.__new__(cls)
+        out.dtype, out.row_by_row, out.column_major, out.packed, out.q8 = dtype, 0, None, None, q8
+        return out
 
     def first(self, n: int) -> "DraftRows | None":
         """The first ``n`` rows on their own, sharing these rows' 8-bit blocks (no copy, nothing measured
@@ -86,10 +90,7 @@ class DraftRows:
         if self.q8 is None or n % kernels.BLOCK_ROWS or not 0 < n <= self.q8.out_features:
             return None
         q8, nb = self.q8, n // kernels.BLOCK_ROWS
-        out = object.__new__(DraftRows)
-        out.dtype, out.row_by_row, out.column_major, out.packed = self.dtype, 0, None, None
-        out.q8 = kernels.BlockWeight(q8.codes[:nb], q8.dm[:nb], n, q8.bits, fine=q8.fine)
-        return out
+        return self._of_blocks(kernels.BlockWeight(q8.codes[:nb], q8.dm[:nb], n, q8.bits, fine=q8.fine), self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [n, D]

@@ -156,6 +156,22 @@ def test_kv_caches_roll_back_exactly(monkeypatch, options):
         torch.testing.assert_close(cache.v[:, :, :, :n], fresh.v, rtol=1e-4, atol=1e-5)
 
 
+def test_companion_prompt_pass_keeps_the_last_positions_logits_alone(monkeypatch):
+    """The second model's prompt pass gives the logits of each row's last prompt position, those of a
+    whole pass over the prompt, and holds nothing more: not a view into every position's logits."""
+    got = []
+    prefill = Companion.prefill
+    monkeypatch.setattr(Companion, "prefill", lambda self: got.append(prefill(self)) or got[-1])
+    target, draft = tiny_pair(1)
+    prompts = [PROMPT, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
+    layerleap.generate(target, prompts, "speculative", 4, draft=draft, stop_at_eos=False)
+    (logits,) = got
+    assert logits.shape == (2, draft.config.vocab_size)
+    assert logits.untyped_storage().nbytes() == logits.numel() * logits.element_size()
+    for row, p in enumerate(prompts):
+        torch.testing.assert_close(logits[row], draft(torch.tensor([p]))[0, -1], rtol=1e-4, atol=1e-5)
+
+
 # -- sampling: lossless --------------------------------------------------------------------------
 def chi2_pvalue(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
     """Pearson's chi-square test of counts against probabilities (cells with p > 0); the p-value from

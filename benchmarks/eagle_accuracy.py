@@ -6,7 +6,7 @@ shipped draft vocabulary are checked against greedy's token ``x_{j+i+1}``.
 
   PYTHONPATH=src python benchmarks/eagle_accuracy.py [PROMPTS_PER_CATEGORY] [STEPS] [HEAD_FILE]
 
-Spec-Bench prompts from the 11th of each category (none of the benchmark table's), chat template,
+Spec-Bench prompts from the 11th of each category that has them (none of the benchmark table's), chat template,
 64 greedy tokens each, fp32."""
 
 import sys

@@ -1,7 +1,7 @@
 """The EAGLE head's draft length and width, interleaved with greedy (and other methods) per prompt:
-10 Spec-Bench prompts from the 11th of each category (none of the benchmark table's), chat
-template, 64 new tokens, the shipped head; prints each setting's speed against greedy, acceptance
-and tokens per call, and checks every output against greedy's.
+8 Spec-Bench prompts, 2 from the 11th of each category that has them (writing has 10; none of
+the benchmark table's), chat template, 64 new tokens, the shipped head; prints each setting's speed
+against greedy, acceptance and tokens per call, and checks every output against greedy's.
 
   PYTHONPATH=src python benchmarks/eagle_tuning.py HEAD DTYPE DRAFT_LENS [OTHER_METHODS]
   e.g. benchmarks/eagle_tuning.py trained float32 1,2 hidden-transfer,medusa"""

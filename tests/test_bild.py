@@ -769,7 +769,12 @@ def test_eval_frontier_runs_bilds_ablations_and_calm(capsys, tmp_path, tiny_hf_d
     rows = {r["label"]: r for r in report["rows"]}
     assert rows["greedy"]["identical"] == 2 and rows["greedy"]["speedup"] == 1.0
     assert all(r["n"] == 2 and r["tokens"] > 0 and r["seconds"] > 0 for r in rows.values())
-    assert rows["bild-no-fallback every 3"]["options"] == {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": 3}
+    assert rows["bild-no-fallback every 3"]["options"] == {
+        "eagle": "none",
+        "alpha_fb": 0.0,
+        "alpha_rb": 1.5,
+        "max_small": 3,
+    }
     assert rows["bild-no-rollback fb0.5 rb inf"]["options"]["alpha_rb"] == math.inf
 
 

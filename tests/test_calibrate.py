@@ -238,6 +238,21 @@ def _write(model, method, options, fast, quality="0.95"):
     )
 
 
+def test_bilds_calibration_holds_for_its_default_small_model_only(char_model, cache):
+    """A BiLD calibration was made with the default small model: another one (``small``, ``exit_layer``,
+    or an ``eagle`` other than "auto") runs as given, not with the calibrated thresholds."""
+    setting = {"alpha_fb": 0.0, "alpha_rb": 0.69, "max_small": 1}
+    _write(char_model, "bild", setting, fast=True)
+    options, cal = budget.resolve(char_model, "bild", {}, None)
+    assert cal is not None and options == setting
+    options, cal = budget.resolve(char_model, "bild", {"eagle": "auto"}, None)
+    assert cal is not None and options == {"eagle": "auto", **setting}
+    for other in ({"eagle": "none"}, {"exit_layer": 1}, {"eagle": "none", "exit_layer": 1}):
+        assert budget.resolve(char_model, "bild", dict(other), None) == (other, None)
+    with pytest.raises(layerleap.GenerationError, match="drop eagle"):
+        budget.resolve(char_model, "bild", {"eagle": "none"}, 0.95)
+
+
 def test_no_faster_setting_says_so_once_and_knobs_win(char_model, cache):
     _write(char_model, "calm", {"threshold": 1.01, "min_exit_layer": 2}, fast=False)
     with pytest.warns(layerleap.decoding.BudgetWarning, match="no setting faster than greedy"):

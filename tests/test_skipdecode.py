@@ -302,6 +302,7 @@ def test_frontier_grids_hold_table2_points_and_bilds_ablations():
     assert [o["alpha_fb"] for _, o in no_rb] == [o["alpha_fb"] for _, o in full]  # the same fallback thresholds
     assert all(o["alpha_rb"] == math.inf for _, o in no_rb)
     assert all(o["alpha_fb"] == 0 and o["alpha_rb"] == 1.5 and 3 <= o["max_small"] <= 10 for _, o in no_fb)
+    assert all(o["eagle"] == "none" for _, o in full + no_rb + no_fb)  # the early-exit form, as the paper's
     for d in (2, 4):  # tiny models: only layers that exist
         g = _grids(d)
         assert all(1 <= o["exit_layer"] < d for _, o in g["early-exit"])

@@ -696,21 +696,25 @@ def _grids(n_layers: int) -> dict:
     """Each method's points (label suffix, options) for the frontier: from near-greedy settings to the
     SkipDecode paper's 2x and 3x budgets (Table 5's matched speed-ups: an exit layer and CALM thresholds
     at about the same layer count), and BiLD's ablations (its paper's Figure 5: no rollback at the same
-    fallback thresholds; no fallback, the large model called after every k small tokens, k in [3, 10])."""
+    fallback thresholds; no fallback, the large model called after every k small tokens, k in [3, 10]), in
+    BiLD's early-exit form (``eagle="none"``), as its paper compares it with CALM."""
     d = n_layers
     sd = [(d - 2, d, 4), (d - 6, d, 4), (d - 10, d - 2, 4), *(table2(d, t) for t in (2, 3) if t <= d)]
     sd = [(lo, hi, min(w, lo)) for lo, hi, w in dict.fromkeys(sd) if lo >= 1]
     exits = [e for e in dict.fromkeys((d - 2, d - 6, d // 2, d // 3)) if 1 <= e < d]
     fbs = (0.3, 0.5, 0.7)
+    ee = {"eagle": "none"}  # BiLD's early-exit form, the setting of its paper's comparison with CALM
     return {
         "skipdecode": [
             (f"{lo}-{hi} w{w}", {"min_exit_layer": lo, "max_exit_layer": hi, "warmup": w}) for lo, hi, w in sd
         ],
         "early-exit": [(f"E{e}", {"exit_layer": e}) for e in exits],
         "calm": [(f"cos{t:g}", {"threshold": t}) for t in (0.99, 0.97, 0.95)],
-        "bild": [(f"fb{fb:g} rb1.5", {"alpha_fb": fb, "alpha_rb": 1.5}) for fb in fbs],
-        "bild-no-rollback": [(f"fb{fb:g} rb inf", {"alpha_fb": fb, "alpha_rb": math.inf}) for fb in fbs],
-        "bild-no-fallback": [(f"every {k}", {"alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": k}) for k in (3, 6, 10)],
+        "bild": [(f"fb{fb:g} rb1.5", {**ee, "alpha_fb": fb, "alpha_rb": 1.5}) for fb in fbs],
+        "bild-no-rollback": [(f"fb{fb:g} rb inf", {**ee, "alpha_fb": fb, "alpha_rb": math.inf}) for fb in fbs],
+        "bild-no-fallback": [
+            (f"every {k}", {**ee, "alpha_fb": 0.0, "alpha_rb": 1.5, "max_small": k}) for k in (3, 6, 10)
+        ],
     }
 
 

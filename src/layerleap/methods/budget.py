@@ -207,8 +207,10 @@ def _show(options: dict) -> str:
 def _given(model, method: str, options: dict) -> list[str]:
     """The options given that a calibration of ``method`` would set."""
     mine = knobs(method, model.config.n_layers)
-    if method == "bild" and (options.get("small") is not None or "exit_layer" in options):
-        mine = mine | {"small", "exit_layer"}  # a calibration holds for its default small model only
+    if method == "bild" and (
+        options.get("small") is not None or "exit_layer" in options or options.get("eagle", "auto") != "auto"
+    ):
+        mine = mine | {"small", "exit_layer", "eagle"}  # a calibration holds for its default small model only
     return sorted(mine & set(options))
 
 

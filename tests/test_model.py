@@ -239,6 +239,18 @@ def test_run_layers_refuses_bad_range(model):
             model.run_layers(h, s, e, pos)
 
 
+@pytest.mark.parametrize("start", [-1, 3, 11])
+def test_logits_from_scores_only_the_positions_asked_for(model, start):
+    ids = rand_ids(model.config.vocab_size, 2, 12, seed=5)
+    with torch.inference_mode():
+        full = model(ids)
+        cache = model.new_cache(2, 16)
+        got = model(ids, cache=cache, logits_from=start)
+    assert got.shape == full[:, start:].shape
+    assert_close(got, full[:, start:])
+    assert cache.lengths.tolist() == [[12, 12]] * model.config.n_layers  # every position's keys are kept
+
+
 # -- cached decoding --------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "chunks",

@@ -576,14 +576,16 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         mask: torch.Tensor | None = None,
+        logits_from: int = 0,
     ) -> torch.Tensor:
-        """All layers: ``[B, S]`` ids -> ``[B, S, V]`` logits.  Positions default to continuing the
-        cache (``lengths - pad``), or ``0 .. S-1`` without one."""
+        """All layers: ``[B, S]`` ids -> ``[B, S - logits_from, V]`` logits of the positions from
+        ``logits_from`` on (a long prompt's pass needs the last one only: ``-1``).  Positions default to
+        continuing the cache (``lengths - pad``), or ``0 .. S-1`` without one."""
         if positions is None:
             base = torch.zeros(1, 1, dtype=torch.long) if cache is None else (cache.lengths[0] - cache.pad).unsqueeze(1)
             positions = (base + torch.arange(ids.shape[1])).expand(ids.shape[0], -1).to(ids.device)
         h = self.run_layers(self.embed(ids), 0, self.config.n_layers, positions, cache, mask)
-        return self.logits(h)
+        return self.logits(h[:, logits_from:] if logits_from else h)
 
     # -- facts -----------------------------------------------------------------------------
     @property

@@ -116,9 +116,7 @@ def perplexity(model, prompt_ids: list[int], ids: list[int]) -> float:
         return 1.0
     seq = torch.tensor([prompt_ids + ids], dtype=torch.long, device=model.device)  # [1, P+N]
     with torch.inference_mode():
-        pos = torch.arange(seq.shape[1], device=model.device).unsqueeze(0)
-        h = model.run_layers(model.embed(seq), 0, model.config.n_layers, pos)  # [1, P+N, D]
-        logits = model.logits(h[:, len(prompt_ids) - 1 : -1])  # [1, N, V]: the positions predicting ids
+        logits = model(seq, logits_from=len(prompt_ids) - 1)[:, :-1]  # [1, N, V]: the positions predicting ids
         nll = torch.nn.functional.cross_entropy(logits[0].float(), seq[0, len(prompt_ids) :], reduction="mean")
     return float(torch.exp(nll))
 

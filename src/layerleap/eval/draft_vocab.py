@@ -34,7 +34,7 @@ def draft_cost(model: Transformer, sizes, rows: int = 1, context: int = 128, rep
     times: dict = {k: [] for k in sizes}
     times["step"] = []
     with torch.inference_mode():
-        model(ids[:, :context], cache=cache)
+        model(ids[:, :context], cache=cache, logits_from=-1)
         for _ in range(reps + 2):
             t = time.perf_counter()
             model(ids[:, context:], cache=cache)

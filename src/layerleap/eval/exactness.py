@@ -72,7 +72,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def logit_gap(model: Transformer, prefix: list[int], a: int, b: int) -> float:
     """``logit[a] - logit[b]`` at the position after ``prefix``, one plain no-cache forward."""
     ids = torch.tensor([prefix], dtype=torch.long, device=model.device)
-    logits = model(ids)[0, -1].float()
+    logits = model(ids, logits_from=-1)[0, -1].float()
     return float(logits[a] - logits[b])
 
 

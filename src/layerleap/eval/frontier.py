@@ -28,14 +28,13 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
 
 from ..core.run import chat_token_ids
 from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError
 from . import quality as evaluation
+from .calibrate import perplexity
 
 
 @dataclass(frozen=True)
@@ -74,17 +73,9 @@ def references(categories: list[str], n: int, offset: int = 0) -> dict[str, list
 
 
 def perplexities(model, prompts: list[list[int]], outputs: list[list[int]]) -> list[float]:
-    """The model's perplexity of each output after its prompt (teacher-forced, one row at a time)."""
-    out = []
-    with torch.inference_mode():
-        for p, o in zip(prompts, outputs):
-            if not o:
-                out.append(float("nan"))
-                continue
-            ids = torch.tensor([p + o])
-            logits = model(ids)[0, len(p) - 1 : -1].float()  # [len(o), V]
-            out.append(math.exp(float(F.cross_entropy(logits, torch.tensor(o)))))
-    return out
+    """The model's perplexity of each output after its prompt (teacher-forced, one row at a time; NaN for
+    an empty output)."""
+    return [perplexity(model, p, o) if o else float("nan") for p, o in zip(prompts, outputs)]
 
 
 def _decode_interleaved(models: dict, points: list, prompts: list[list[int]], max_new: int, progress=None):

@@ -252,3 +252,60 @@ def test_one_prefill_serves_every_drafter():
         runs[1].layer_evals,
         runs[1].prompt_layer_evals,
     )
+
+
+# -- the loop's counts and limits ------------------------------------------------------------------
+def test_drafts_after_an_end_of_sequence_token_are_not_counted_accepted():
+    """A prompt-lookup chain copies greedy's own continuation, an end-of-sequence token inside it: the
+    output stops there, and only the drafts it emitted count as accepted."""
+    import dataclasses
+
+    from tiny_models import random_model
+
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    p = torch.randint(0, 97, (6,), generator=torch.Generator().manual_seed(5)).tolist()
+    cont = layerleap.generate(model, p, "greedy", 12, stop_at_eos=False).token_ids
+    pp = p + cont + p  # the prompt's tail repeats its start: lookup drafts the continuation
+    checked = 0
+    for eos in dict.fromkeys(cont[1:8]):
+        model.config = dataclasses.replace(model.config, eos_token_ids=(eos,))
+        r = layerleap.generate(model, pp, "prompt-lookup", 12, draft_len=8)
+        assert r.token_ids == layerleap.generate(model, pp, "greedy", 12).token_ids
+        s = r.stats
+        assert s["accepted"] <= len(r.token_ids) - 1, (eos, r.token_ids, s)  # the first token is the prompt pass's
+        checked += s["drafted"] > s["accepted"]
+    assert checked  # some chain held drafts past the end
+
+
+def test_a_second_model_with_a_shorter_context_is_refused_for_a_longer_prompt():
+    from tiny_models import random_model
+
+    large = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    small = random_model("llama-gqa-tied", seed=5, scale=2.0, max_position=64)
+    fits = list(range(1, 60))
+    want = layerleap.generate(large, fits, "greedy", 12).token_ids
+    assert layerleap.generate(large, fits, "speculative", 12, draft=small).token_ids == want
+    for method, kw in (("speculative", {"draft": small}), ("bild", {"small": small})):
+        with pytest.raises(layerleap.GenerationError, match="more than the (draft|small) model's context"):
+            layerleap.generate(large, list(range(1, 66)), method, 8, **kw)
+
+
+def test_a_tree_must_fit_the_context_for_the_longest_prompt_in_any_order():
+    from tiny_models import random_model
+
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    heads = medusa_transfer.new_drafter(model, "medusa", steps=3)
+    long, short = [i % 90 + 1 for i in range(model.config.max_position - 6)], [1, 2, 3]
+    for batch in ([long, short], [short, long]):
+        with pytest.raises(layerleap.GenerationError, match="the longest prompt"):
+            layerleap.generate(model, batch, "medusa", 6, heads=heads, tree="1,1,1")
+
+
+def test_a_numpy_integer_seed_samples_as_the_same_int():
+    import numpy as np
+
+    from tiny_models import random_model
+
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    a = layerleap.generate(model, [5, 6, 7], "sample", 8, seed=np.int64(3)).token_ids
+    assert a == layerleap.generate(model, [5, 6, 7], "sample", 8, seed=3).token_ids

@@ -75,7 +75,9 @@ def sampling_choice(m: Method, do_sample: bool | None, given: dict) -> bool:
     """Whether ``m`` samples.  ``do_sample`` decides when given; without it, a method samples when it
     samples by default or when any sampling argument is given (``given``: name -> value, those not None),
     as ``temperature=0.7`` alone means sampling.  A sampling argument a call would ignore is refused:
-    given to a method that decodes greedily only, or with ``do_sample=False``."""
+    given to a method that decodes greedily only, or a warp (temperature, top_k, top_p) with
+    ``do_sample=False``; a seed with ``do_sample=False`` is allowed (it changes nothing), so that one
+    set of arguments serves both choices."""
     if do_sample is None:
         if given and not m.sampling:
             names = ", ".join(given)
@@ -221,7 +223,8 @@ def generate(
 
     ``do_sample``: None follows the method (``sample`` samples) unless ``temperature``, ``top_k``,
     ``top_p`` or ``seed`` is given, which makes a method that can sample sample and is refused by one
-    that decodes greedily only (``sampling_choice``); nothing given is ever ignored.  A value that
+    that decodes greedily only (``sampling_choice``); nothing given is ignored, except a seed with
+    ``do_sample=False`` (greedy decoding draws nothing).  A value that
     changes no distribution (temperature 1.0, top_k 0, top_p 1.0: the defaults) asks for nothing.
 
     ``quality`` (lossy methods: ``skipdecode``, ``calm``, ``early-exit``, ``bild``): the share of
@@ -325,7 +328,7 @@ def _prepare(
         d.temperature if temperature is None else float(temperature),
         d.top_k if top_k is None else int(top_k),
         d.top_p if top_p is None else float(top_p),
-        seed,
+        None if seed is None else int(seed),  # numpy integers too: torch's generators take Python ints
         stop_at_eos,
         eos,
         grammar,

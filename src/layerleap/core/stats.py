@@ -38,7 +38,8 @@ class Record:
 class DraftStats(Record):
     """The draft-and-verify loop (``methods.draft_verify``): ``rounds`` (target calls after the
     prompt pass while the row ran), ``drafted`` (the longest path proposed, summed), ``accepted``,
-    ``acceptance`` (accepted / drafted), ``tokens_per_round``."""
+    ``acceptance`` (accepted / drafted: drafts after an end-of-sequence token are never accepted),
+    ``tokens_per_round`` (the row's new tokens over ``rounds``: the prompt pass's token included)."""
 
     rounds: int
     drafted: int

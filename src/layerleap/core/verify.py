@@ -166,8 +166,9 @@ def rollback_path(
     ``own`` (greedy decoding: each row's argmax) also keeps a child that is the verifier's own choice
     there, which a rollback would only put back.  ``tokens`` ``[k]``, ``parents`` ``[k]`` (-1 for the
     first level), ``probs`` ``[1 + k, V]`` laid out as in ``accept_greedy``.  With ``own`` and
-    ``alpha_rb <= ln 2`` (a kept draft has at least half the probability: the argmax) the path is
-    ``accept_greedy``'s."""
+    ``alpha_rb < ln 2`` (a kept draft has more than half the probability: the argmax) the path is
+    ``accept_greedy``'s (at exactly ln 2 too, except where the verifier splits its probability half and half,
+    within float32 rounding, between the draft and another token)."""
     toks, kids = tokens.cpu().tolist(), children(parents)
     path, node = [], -1
     while kids.get(node):

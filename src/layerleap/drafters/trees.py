@@ -52,10 +52,10 @@ def tree_buffers(run: Run, name: str, tree, steps: int, vocab: DraftVocab | None
             f"tree at most {steps} deep, or train more steps"
         )
     ctx = run.model.config.max_position
-    need = len(run.prompts[0]) + run.gen.max_new_tokens + max(buf.depth, steps) + 1
+    need = max(map(len, run.prompts)) + run.gen.max_new_tokens + max(buf.depth, steps) + 1  # the longest row
     if need > ctx:
         raise GenerationError(
-            f"the tree does not fit the context: prompt + max_new_tokens + tree depth "
+            f"the tree does not fit the context: the longest prompt + max_new_tokens + tree depth "
             f"{max(buf.depth, steps)} + 1 = {need} positions > {ctx}: shorten the prompt, lower "
             "max_new_tokens or use a shallower tree"
         )

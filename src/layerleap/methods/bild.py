@@ -40,8 +40,8 @@ leave every layer; kept tokens are never recomputed.  Greedy (``do_sample=False`
 and rollback tests use those same distributions).
 
 Exact limits (tested): ``alpha_fb=1`` (always fall back) gives the large model's greedy output;
-``alpha_rb <= ln 2`` (0.69) keeps only small tokens that are the large model's argmax (a token it
-gives at least half its probability is; and greedy never rolls back the large model's own argmax,
+``alpha_rb < ln 2`` (0.69) keeps only small tokens that are the large model's argmax (a token it
+gives more than half its probability is; and greedy never rolls back the large model's own argmax,
 which a rollback would only put back), and so also gives its greedy output; ``alpha_fb=0, alpha_rb=inf,
 max_small=None`` (never fall back, never roll back, no run limit) gives the small model's greedy
 output.

@@ -121,7 +121,7 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
             cands = grammar_drafts(run, drafter, cands, budgets)
         if not rule.can_reject and B == 1 and _ends_output(run, cands[0]):
             run.emit(0, cands[0].tokens.tolist())  # nothing could change these drafts
-            _count(counts[0], cands[0], None, 0, scored=False, called=False)
+            _count(counts[0], cands[0], cands[0].k, 0, scored=False, called=False)
             break
         calls = run.model_calls
         logits = drafter.score(cands)
@@ -135,7 +135,8 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
             drafts = c.tokens.tolist()
             new = [drafts[j] for j in r[0]] + [r[1]]
             run.emit(row, new)
-            _count(counts[row], c, r, int(len(run.out[row]) - before == len(new)), scored=True, called=called)
+            emitted = len(run.out[row]) - before  # fewer than len(new) where an end-of-sequence token came first
+            _count(counts[row], c, min(len(r[0]), emitted), int(emitted == len(new)), scored=True, called=called)
             roots[row] = r[1]
         if run.done:
             break
@@ -164,8 +165,9 @@ def _ends_output(run: Run, cand: Candidates) -> bool:
     return cand.stop in ("budget", "eos")
 
 
-def _count(c: RoundCounts, cand: Candidates, result, target_token: int, scored: bool, called: bool) -> None:
-    acc = cand.k if result is None else len(result[0])
+def _count(c: RoundCounts, cand: Candidates, acc: int, target_token: int, scored: bool, called: bool) -> None:
+    """Add one round of one row: ``acc`` drafts accepted and emitted (none after an end-of-sequence token),
+    ``target_token`` 1 where the target's own next token was emitted too."""
     c.rounds += int(called)
     c.drafted += cand.depth
     c.accepted += acc

@@ -161,6 +161,9 @@ def test_stop_string_cuts_the_text(client, tiny):
         (["a", "X", "Z"], ["XY"], "aXZ"),
         (["hello"], ["lo", "el"], "h"),
         (["aX"], ["XY"], "aX"),
+        (["ab", "cd"], ["abcd", "c"], "ab"),  # the match that ends first, however the text came in
+        (["abc", "d"], ["abcd", "c"], "ab"),
+        (["xa", "bc"], ["xbc", "ab"], "x"),
     ],
 )
 def test_stop_text(pieces, stops, want):

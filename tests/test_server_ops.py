@@ -454,12 +454,31 @@ def test_every_known_field_is_honoured_or_refused_by_name(url, field):
     body[field] = VALUES.get(field, {"something": 1} if field.endswith("_options") else 7)
     if field in ("max_completion_tokens", "n_predict"):
         del body["max_tokens"]
+    if field == "stream_options":
+        body["stream"] = True  # it applies to streamed answers alone
     r = post(url, body, "/v1/chat/completions" if chat else "/v1/completions")
     if field in HONOURED | UNUSED:
         assert r.status_code == 200, r.text
     else:
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert field in r.json()["error"]["message"]
+
+
+def test_fields_that_ask_for_nothing_are_taken(url):
+    """Each refused field's values that ask for nothing pass, as clients written for vLLM or llama.cpp send
+    them; stream_options without stream is refused, as OpenAI refuses it."""
+    from layerleap.server.schema import REFUSED
+
+    chat_only = {"tools", "functions", "tool_choice", "function_call", "audio", "modalities"}
+    chat_only |= {"reasoning_effort", "verbosity", "web_search_options"}
+    for field, nothing in REFUSED.items():
+        chat = field in chat_only
+        body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+        for value in nothing:
+            r = post(url, body | {"max_tokens": 2, field: value}, "/v1/chat/completions" if chat else "/v1/completions")
+            assert r.status_code == 200, (field, value, r.text)
+    r = post(url, {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
 
 
 def test_honoured_fields_change_the_answer_as_they_say(url, tiny):
@@ -657,8 +676,9 @@ def _pool_rows(model, chunk: int):
         while pending or pool.jobs():
             if pending and pool.free() and rounds % 3 == 0:
                 pool.add(pending.pop(0))
-            texts, done = pool.step()
-            pool.dispatch(texts, done)
+            texts, done, failed = pool.step()
+            assert not failed
+            pool.dispatch(texts, done, failed)
             widest, rounds = max(widest, pool.widest), rounds + 1
         got = []
         for j in jobs:
@@ -726,3 +746,124 @@ def test_server_pool_serves_mixed_settings_concurrently(url, tiny):
             seed=kw.get("seed"),
         )
         assert got[i] == want.text, i
+
+
+# -- failures and early ends stay with their request -------------------------------------------------------
+def test_a_prompt_whose_cache_cannot_grow_fails_alone(tiny, monkeypatch):
+    """The pool's cache cannot grow for one request (no memory for it): that request gets a server error,
+    the one decoding beside it its answer, and the server serves the next one."""
+    from layerleap import scheduler
+
+    room = scheduler.Pool._room
+
+    def short_of_memory(self, need):
+        if need > 1000:
+            raise RuntimeError("out of memory for this request")
+        room(self, need)
+
+    monkeypatch.setattr(scheduler.Pool, "_room", short_of_memory)
+    with ServerThread(create_app(tiny, ServerConfig("tiny", method="greedy", max_tokens=16))) as u:
+        first = raw_request(u, {"prompt": "Go on and on", "max_tokens": 400, "stream": True})
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        big = post(u, {"prompt": "And more", "max_tokens": 1500})
+        assert big.status_code == 500 and "RuntimeError" in big.json()["error"]["message"], big.text
+        assert get(u + "/health").json()["running"] == 1  # the first one still decodes
+        first.close()
+        ok = post(u, {"prompt": "The sky is", "max_tokens": 5}).json()
+        assert ok["choices"][0]["text"] == generate(tiny, "The sky is", "greedy", 5).text
+
+
+def test_a_request_whose_admission_fails_fails_alone(tiny, monkeypatch):
+    """A cache that cannot be made when a request joins fails that request, not the scheduler."""
+    new_cache = type(tiny).new_cache
+
+    def refusing(self, batch, max_len, *a, **k):
+        if max_len == 301:  # the one prompt of 300 ids
+            raise RuntimeError("no memory for this cache")
+        return new_cache(self, batch, max_len, *a, **k)
+
+    monkeypatch.setattr(type(tiny), "new_cache", refusing)
+    with ServerThread(create_app(tiny, ServerConfig("tiny", method="greedy", max_tokens=4))) as u:
+        r = post(u, {"prompt": [5] * 300, "max_tokens": 4})
+        assert r.status_code == 500, r.text
+        for method in ("greedy", "prompt-lookup"):
+            ok = post(u, {"prompt": "The sky is", "max_tokens": 5, "layerleap": {"method": method}})
+            assert ok.json()["choices"][0]["text"] == generate(tiny, "The sky is", "greedy", 5).text
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_bad_request(url, monkeypatch):
+    import jinja2
+
+    from layerleap.server import app
+
+    def alternate(tok, messages, add_generation_prompt):
+        raise jinja2.exceptions.TemplateError("Conversation roles must alternate user/assistant/user/assistant")
+
+    monkeypatch.setattr(app, "chat_token_ids", alternate)
+    r = post(
+        url,
+        {"messages": [{"role": "system", "content": "a"}, {"role": "system", "content": "b"}]},
+        "/v1/chat/completions",
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "roles must alternate" in r.json()["error"]["message"]
+
+
+def test_a_row_that_ends_early_answers_before_its_batch_mates(tiny):
+    """Batched with a long request, a request cut by its stop string answers as soon as it ends: the long
+    one is still decoding then."""
+    import concurrent.futures as cf
+
+    full = generate(tiny, "Hello there", "greedy", 40, stop_at_eos=False).text
+    stop = full[len(full) // 3 : len(full) // 3 + 3]
+    both = {"prompt": "Hello there", "max_tokens": 1800, "ignore_eos": True}  # one batch key: one batch
+    cfg = ServerConfig("tiny", method="prompt-lookup", max_tokens=16, max_running=1)
+    with ServerThread(create_app(tiny, cfg)) as u:
+        blocker = raw_request(u, {"prompt": "x", "max_tokens": 1800, "stream": True})
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        with cf.ThreadPoolExecutor(2) as ex:
+            long = ex.submit(post, u, both)
+            short = ex.submit(post, u, both | {"stop": stop})
+            assert wait_for(lambda: get(u + "/health").json()["waiting"] == 2)
+            blocker.close()  # the two waiting requests start as one batch
+            r = short.result(timeout=120).json()
+            assert not long.done()  # its batch-mate decodes on
+            assert r["choices"][0]["text"] == full[: full.index(stop)] and r["choices"][0]["finish_reason"] == "stop"
+            assert r["layerleap"]["stats"]["batch"] == 2
+            assert long.result(timeout=300).status_code == 200
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt-lookup"])
+def test_usage_and_finish_reason_do_not_depend_on_the_method(tiny, method, monkeypatch):
+    """Tokens through the stop string (a drafting round may accept more past it), and "length" for an
+    answer that ignores the end-of-sequence token up to max_tokens."""
+    full = generate(tiny, "The sky is", "greedy", 24)
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    with ServerThread(create_app(tiny, ServerConfig("tiny", method=method, max_tokens=24))) as u:
+        r = post(u, {"prompt": "The sky is", "max_tokens": 24, "stop": stop}).json()
+        want = next(
+            n for n in range(1, 25) if stop in tiny.tokenizer.decode(full.token_ids[:n], skip_special_tokens=True)
+        )
+        assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == want
+        eos = tiny.config.eos_token_ids[0]
+        logits = type(tiny).logits
+
+        def only_eos(self, h):
+            out = logits(self, h).clone()
+            out[..., eos] += 1000.0
+            return out
+
+        monkeypatch.setattr(type(tiny), "logits", only_eos)
+        r = post(u, {"prompt": "The sky is", "max_tokens": 3, "ignore_eos": True}).json()
+        assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 3
+        r = post(u, {"prompt": "The sky is", "max_tokens": 3}).json()
+        assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 1
+
+
+def test_the_pool_counts_its_model_calls(tiny):
+    with ServerThread(create_app(tiny, ServerConfig("tiny", method="greedy", max_tokens=8))) as u:
+        for _ in range(2):
+            post(u, {"prompt": "The sky is", "max_tokens": 6, "ignore_eos": True})
+        m = metrics(u)
+    # each request: its prompt's pass and 5 decoding calls (two requests in turn, or some calls shared)
+    assert 7 <= total(m, "layerleap_verification_passes_total", method="greedy") <= 12

@@ -447,6 +447,25 @@ class Decoding:
         run, row = self._where[i]
         return run.out[row]
 
+    def finished(self, i: int) -> bool:
+        """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end or a
+        cancel) while the batch may still run."""
+        if i not in self._where:
+            return i in self._cancelled
+        run, row = self._where[i]
+        return run.finished[row]
+
+    def result_so_far(self, i: int) -> GenerationResult:
+        """Prompt ``i``'s result now (``results[i]`` once the iteration has ended): for a row that ended
+        before its batch, its tokens and the loop's counts so far, without the method's own statistics,
+        which a method records when the batch ends."""
+        if self.results[i] is not None:
+            return self.results[i]
+        run, row = self._where[i]
+        r = _result(self.model, run, row, time.perf_counter() - run.t0, self.method.name)
+        r.token_ids = list(r.token_ids)
+        return r
+
     def cancel(self, i: int) -> None:
         self._cancelled.add(i)
         if i in self._where:

@@ -86,14 +86,21 @@ class StopText:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.hit = False
+        self.seen = 0  # characters pushed so far
+        self.end: int | None = None  # once hit: where the stop string ends in all the text pushed
 
     def push(self, piece: str) -> str:
         if self.hit:
             return ""
         text = self.held + piece
-        at = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if at >= 0:
+        self.seen += len(piece)
+        # the match that ends first (the longer one where two end together), as text pushed character by
+        # character would find it: the cut does not depend on how the text came in pieces
+        found = [(i + len(s), i) for s in self.stops for i in (text.find(s),) if i >= 0]
+        if found:
+            end, at = min(found, key=lambda f: (f[0], f[1]))
             self.hit, self.held = True, ""
+            self.end = self.seen - len(text) + end
             return text[:at]
         keep = max((j for s in self.stops for j in range(1, len(s)) if text.endswith(s[:j])), default=0)
         self.held = text[len(text) - keep :] if keep else ""
@@ -156,22 +163,31 @@ class Job:
             self.text.append(piece)
             self.events.put_nowait(("text", piece))
 
-    def done(self, result: GenerationResult, eos_ids: tuple[int, ...]) -> None:
+    def done(self, result: GenerationResult, eos_ids: tuple[int, ...], tokenizer=None) -> None:
         if self.finished:
             return
         self.send_rest()
         toks = result.token_ids
-        reason = (
-            "stop"
-            if self.stop.hit
-            or self.cut is not None
-            or (toks and toks[-1] in eos_ids)
-            or len(toks) < self.settings.max_new_tokens
-            else "length"
-        )
+        eos = self.settings.gen.stop_at_eos and bool(toks) and toks[-1] in eos_ids
+        cut = self.stop.hit or self.cut is not None or eos or len(toks) < self.settings.max_new_tokens
+        reason = "stop" if cut else "length"
         self.finished, self.reason = True, reason
         n = len(toks) if self.cut is None else self.cut
+        if self.stop.hit and tokenizer is not None:
+            n = self._through_stop(toks[:n], tokenizer)
         self.events.put_nowait(("done", Finish(result, reason, "".join(self.text), n)))
+
+    def _through_stop(self, toks: list[int], tokenizer) -> int:
+        """The fewest of ``toks`` whose text holds the stop string that ended the answer: what decoding
+        token by token would have made (a drafting round may have accepted tokens past it)."""
+        lo, hi = 1, len(toks)
+        while lo < hi:  # the text only grows with the tokens: the first length that reaches the end
+            mid = (lo + hi) // 2
+            if len(tokenizer.decode(toks[:mid], skip_special_tokens=True)) >= self.stop.end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
 
     def send_rest(self) -> None:
         rest = self.stop.finish()
@@ -194,13 +210,14 @@ class Batch:
         self.pieces = [TextPieces(model.tokenizer) for _ in jobs]
         self.rounds = iter(self.decoding)
         self.over = False
+        self.early: set[int] = set()  # rows that ended before the batch: their text is all sent
         now = time.monotonic()
         for job in jobs:
             job.t_start = now
 
     def step(self) -> tuple[list[int] | None, dict[int, str]]:
         """One method round and its text (in the worker thread): (the rows that grew, or None when the
-        batch ended; each grown or ended row's new text)."""
+        batch ended; each grown or ended row's new text, the whole rest of it for a row that ended)."""
         d = self.decoding
         grew = next(self.rounds, None)
         texts = {}
@@ -211,16 +228,19 @@ class Batch:
             texts[i] = self.pieces[i].push(job.tokens(d.tokens(i)))
             if job.cut is not None:
                 d.cancel(i)  # a stop token: the row ends here
+            if d.finished(i):  # it answers now, not when its batch-mates end
+                texts[i] += self.pieces[i].finish(job.tokens(d.tokens(i)))
+                self.early.add(i)
         if grew is None:
             for i, job in enumerate(self.jobs):
-                if d.results[i] is not None and not job.finished:
+                if d.results[i] is not None and not job.finished and i not in self.early:
                     texts[i] = self.pieces[i].finish(job.tokens(d.results[i].token_ids))
         return grew, texts
 
     def dispatch(self, grew: list[int] | None, texts: dict[int, str]) -> None:
-        """Send the rows' new text; stop rows that hit a stop string; finish the jobs whose rows ended
-        (on the event loop)."""
-        d = self.decoding
+        """Send the rows' new text; stop rows that hit a stop string; finish the jobs whose rows ended,
+        each as soon as it ends (on the event loop)."""
+        d, eos, tok = self.decoding, self.decoding.gen.eos_ids, self.model.tokenizer
         for i, text in texts.items():
             job = self.jobs[i]
             if job.finished:
@@ -228,14 +248,15 @@ class Batch:
             job.send(text)
             if job.stop.hit:
                 d.cancel(i)
+            if (job.stop.hit or i in self.early) and not job.cancelled:
+                job.done(d.result_so_far(i), eos, tok)
         if grew is None:
             self.over = True
-            eos = d.gen.eos_ids
             for i, job in enumerate(self.jobs):
                 if d.results[i] is None:  # cancelled before it started
                     job.fail(LayerleapError("cancelled"))
                     continue
-                job.done(d.results[i], eos)
+                job.done(d.results[i], eos, tok)
 
     def cancel_gone(self) -> None:
         for i, job in enumerate(self.jobs):
@@ -327,6 +348,7 @@ class Pool:
         self.decoding: list[_Row] = []  # row i of the cache
         self.joining: list[_Row] = []  # prefilling, oldest first
         self.widest = 0  # most rows decoded in one call since the last report
+        self.passes: dict[str, int] = {}  # method -> model calls its rows took part in, since the last report
         eos = tuple(model.config.eos_token_ids)
         if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
             eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
@@ -382,20 +404,22 @@ class Pool:
         h = m.run_layers(m.embed(x), 0, m.config.n_layers, positions, r.cache)  # [1, S, D]
         r.done_ids += len(part)
         r.calls += 1
+        self._passed([r])
         if r.done_ids < len(ids):
             return
-        self.joining.remove(r)
         r.emit(r.choose(m.logits(h[:, -1:])[:, -1]))
         if r.finished:
+            self.joining.remove(r)
             return
         n = len(ids)
-        self._room(n + r.gen.max_new_tokens + 1)
+        self._room(n + r.gen.max_new_tokens + 1)  # the rows it holds stay as they are if this fails
         i = len(self.decoding)
         self.cache.k[:, i, :, :n] = r.cache.k[:, 0, :, :n]
         self.cache.v[:, i, :, :n] = r.cache.v[:, 0, :, :n]
         self.cache.lengths[:, i] = n
         self.cache.pad[i] = 0
         r.cache = None
+        self.joining.remove(r)  # last: until it is placed, a failure finds it among the joining rows
         self.decoding.append(r)
 
     def _decode(self) -> None:
@@ -406,9 +430,15 @@ class Pool:
         positions = (view.lengths[0] - view.pad).unsqueeze(1).to(m.device)  # [n, 1]
         logits = m.logits(m.run_layers(m.embed(x), 0, m.config.n_layers, positions, view))[:, -1]  # [n, V]
         self.widest = max(self.widest, n)
+        self._passed(self.decoding)
         for i, r in enumerate(self.decoding):
             r.calls += 1
             r.emit(r.choose(logits[i : i + 1]))
+
+    def _passed(self, rows: list[_Row]) -> None:
+        """One model call over ``rows``: counted once for each method among them."""
+        for method in {r.job.settings.method for r in rows}:
+            self.passes[method] = self.passes.get(method, 0) + 1
 
     def _leave(self, r: _Row) -> None:
         """``r``'s row is taken by the last decoding row."""
@@ -421,13 +451,15 @@ class Pool:
             self.decoding[i] = self.decoding[last]
         self.decoding.pop()
 
-    def step(self) -> tuple[dict[Job, str], list[tuple[Job, GenerationResult]]]:
-        """One round (in the worker thread): (each job's new text, the jobs that ended with their results)."""
+    def step(self) -> tuple[dict[Job, str], list[tuple[Job, GenerationResult]], list[tuple[Job, Exception]]]:
+        """One round (in the worker thread): (each job's new text, the jobs that ended with their results,
+        the jobs that failed with their errors)."""
         with torch.inference_mode():
             return self._step()
 
-    def _step(self) -> tuple[dict[Job, str], list[tuple[Job, GenerationResult]]]:
+    def _step(self) -> tuple[dict[Job, str], list[tuple[Job, GenerationResult]], list[tuple[Job, Exception]]]:
         ended: list[_Row] = []
+        failed: list[tuple[Job, Exception]] = []
         for r in [r for r in self.joining if r.job.cancelled]:
             self.joining.remove(r)
             ended.append(r)
@@ -436,9 +468,14 @@ class Pool:
             ended.append(r)
         if self.joining:
             r = self.joining[0]
-            self._prefill(r)
-            if r.finished:
-                ended.append(r)
+            try:
+                self._prefill(r)
+            except Exception as e:  # noqa: BLE001  this prompt's failure (e.g. no memory for it) is its own
+                self.joining.remove(r)
+                failed.append((r.job, e))
+            else:
+                if r.finished:
+                    ended.append(r)
         if self.decoding:
             self._decode()
         texts = {}
@@ -458,17 +495,21 @@ class Pool:
             if not r.job.finished and not r.job.cancelled:
                 texts[r.job] = texts.get(r.job, "") + r.pieces.finish(r.job.tokens(res.token_ids))
             done.append((r.job, res))
-        return texts, done
+        return texts, done, failed
 
-    def dispatch(self, texts: dict[Job, str], done: list[tuple[Job, GenerationResult]]) -> None:
-        """On the event loop: send the text, finish the jobs that ended."""
+    def dispatch(
+        self, texts: dict[Job, str], done: list[tuple[Job, GenerationResult]], failed: list[tuple[Job, Exception]]
+    ) -> None:
+        """On the event loop: send the text, finish the jobs that ended, fail those that failed."""
+        for job, error in failed:
+            job.fail(error)
         for job, text in texts.items():
             if not job.finished:
                 job.send(text)
         for job, res in done:
             if job.cancelled and not job.finished:
                 job.fail(LayerleapError("cancelled"))
-            job.done(res, self.eos_ids)
+            job.done(res, self.eos_ids, self.model.tokenizer)
 
 
 class QueueTimeout(LayerleapError):
@@ -478,7 +519,9 @@ class QueueTimeout(LayerleapError):
 class Scheduler:
     """Waiting jobs, running batches, and the task that serves them (``start()`` on the event loop).
     ``on_cancel(job, stage)`` hears of each client that went away ("waiting" or "running");
-    ``on_batch_done(batch)`` of each batch that ended, ``on_timeout()`` of each job that waited too long.
+    ``on_batch_done(batch)`` of each batch that ended, ``on_timeout()`` of each job that waited too long,
+    ``on_rows_done(rows, width)`` of the pool's requests that ended, ``on_passes(counts)`` of the pool's
+    model calls (method -> calls).
     ``idle()``, while ``has_idle_work()``, runs one short step of background work (in the worker thread)
     whenever no request waits or runs."""
 
@@ -495,6 +538,7 @@ class Scheduler:
         idle: Callable[[], None] | None = None,
         has_idle_work: Callable[[], bool] = lambda: False,
         on_rows_done: Callable[[list, int], None] | None = None,
+        on_passes: Callable[[dict[str, int]], None] | None = None,
         pool_rows: int = 0,
         prefill_chunk: int = 512,
     ):
@@ -502,6 +546,7 @@ class Scheduler:
         self.queue_timeout = queue_timeout
         self.on_batch_done = on_batch_done or (lambda batch: None)
         self.on_rows_done = on_rows_done or (lambda rows, width: None)
+        self.on_passes = on_passes or (lambda counts: None)
         self.pool = Pool(model, pool_rows, prefill_chunk) if pool_rows > 0 else None
         self.on_cancel = on_cancel or (lambda job, stage: None)
         self.on_timeout = on_timeout or (lambda: None)
@@ -581,7 +626,10 @@ class Scheduler:
         if self.pool is not None:
             for job in [j for j in self.waiting if Pool.takes(j)][: self.pool.free()]:
                 self.waiting.remove(job)
-                self.pool.add(job)
+                try:
+                    self.pool.add(job)
+                except Exception as e:  # noqa: BLE001  (its cache or grammar failed: this request fails, not the server)
+                    job.fail(e)
         while len(self.running) < self.max_running:
             rest = [j for j in self.waiting if not self._pooled(j)]
             if not rest:
@@ -590,7 +638,7 @@ class Scheduler:
             self.waiting = [j for j in self.waiting if j not in jobs]
             try:
                 self.running.append(Batch(self.model, jobs))
-            except LayerleapError as e:  # checked when the request came in; a late refusal still answers
+            except Exception as e:  # noqa: BLE001  checked when the requests came in; a late refusal still answers
                 for job in jobs:
                     job.fail(e)
 
@@ -612,15 +660,18 @@ class Scheduler:
             self._admit()
             if self.pool is not None and self.pool.jobs():
                 try:
-                    texts, done = await loop.run_in_executor(self.executor, self.pool.step)
-                    self.pool.dispatch(texts, done)
-                    if done:
-                        self.on_rows_done(done, max(1, self.pool.widest))
-                        self.pool.widest = 0
-                except Exception as e:  # noqa: BLE001
+                    texts, done, failed = await loop.run_in_executor(self.executor, self.pool.step)
+                    self.pool.dispatch(texts, done, failed)
+                except Exception as e:  # noqa: BLE001  a decoding call failed: every pooled request with it
                     for job in self.pool.jobs():
                         job.fail(e)
-                    self.pool.joining, self.pool.decoding = [], []
+                    self.pool.joining, self.pool.decoding, done = [], [], []
+                if done:
+                    self._report(self.on_rows_done, done, max(1, self.pool.widest))
+                    self.pool.widest = 0
+                if self.pool.passes:
+                    self._report(self.on_passes, self.pool.passes)
+                    self.pool.passes = {}
             for batch in list(self.running):
                 try:
                     grew, texts = await loop.run_in_executor(self.executor, batch.step)
@@ -629,4 +680,12 @@ class Scheduler:
                     batch.fail(e)
                 if batch.over:
                     self.running.remove(batch)
-                    self.on_batch_done(batch)
+                    self._report(self.on_batch_done, batch)
+
+    @staticmethod
+    def _report(callback: Callable, *args) -> None:
+        """A metrics callback: one that fails is logged; the requests it reports on have their answers."""
+        try:
+            callback(*args)
+        except Exception:  # noqa: BLE001
+            logging.getLogger("layerleap.server").exception("reporting a finished request failed")

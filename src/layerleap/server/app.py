@@ -252,8 +252,15 @@ def prompt_ids(body: _Request, model: Transformer) -> list[int]:
     if isinstance(body, ChatRequest):
         if tok is None or not getattr(tok, "chat_template", None):
             raise _bad("this model has no chat template: use /v1/completions", "messages")
-        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        return chat_token_ids(tok, plain, add_generation_prompt=True)
+        plain = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            | ({} if m.name is None else {"name": m.name})
+            for m in body.messages
+        ]
+        try:
+            return chat_token_ids(tok, plain, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001  a template's raise_exception ("roles must alternate", ...)
+            raise _bad(f"the model's chat template refused these messages: {e}", "messages") from None
     if isinstance(body.prompt, str):
         if tok is None:
             raise _bad("this model has no tokenizer: give the prompt as token ids", "prompt")
@@ -420,6 +427,10 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
     try:
         if body.model is not None and body.model != st.cfg.model_name:
             raise _not_found(body.model, st.cfg.model_name)
+        if body.stream_options is not None and not body.stream:
+            raise _bad(
+                "stream_options applies to streamed answers: give stream: true, or leave it out", "stream_options"
+            )
         ids = await run_in_threadpool(prompt_ids, body, st.model)
         settings = await load_options(st, request_settings(body, st, len(ids)))
         fields = body.grammar_fields()
@@ -665,6 +676,7 @@ def create_app(model: Transformer, cfg: ServerConfig, loader: Callable[[str], Tr
             idle=(lambda: shadow_step(st)) if cfg.shadow_share > 0 else None,
             has_idle_work=lambda: bool(st.shadows) or st.shadow_run is not None,
             on_rows_done=st.metrics.rows_done,
+            on_passes=st.metrics.pool_passes,
             pool_rows=cfg.max_batch if cfg.continuous else 0,
             prefill_chunk=cfg.prefill_chunk,
         )

@@ -126,6 +126,11 @@ class Metrics:
             self.passes.labels(rows[0][1].stats["method"]).inc(rows[0][1].stats["model_calls"])  # shared calls
             self.rows_done(rows, len(rows))
 
+    def pool_passes(self, counts: dict[str, int]) -> None:
+        """The continuous pool's model calls: method -> calls its rows took part in."""
+        for method, n in counts.items():
+            self.passes.labels(method).inc(n)
+
     def rows_done(self, rows: list, width: int) -> None:
         """Requests that ended: (job, GenerationResult) pairs of one method; ``width`` rows decoded together."""
         from ..eval.bench import draft_counts

@@ -174,6 +174,19 @@ class _Request(BaseModel):
     min_tokens: Any = None
     typical_p: Any = None
     mirostat: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    n_probs: Any = None
+    dynatemp_range: Any = None
+    dry_multiplier: Any = None
+    xtc_probability: Any = None
+    n_keep: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod

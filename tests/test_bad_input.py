@@ -606,13 +606,13 @@ CLI = [
     # sizes with bounds: chunks too short for the steps ahead, a data file that is not one
     (
         TM + ["--out", "{T}/m.safetensors", "--chunks", "{SHORT}", "--heads", "3"],
-        "chunks of 3 tokens leave no target 3",
+        "hold 3 tokens each, fewer than --seq-len 8",
     ),
     (TM + ["--out", "{T}/m.safetensors", "--seq-len", "4", "--heads", "5"], "seq_len 4 leaves no target 5 steps ahead"),
     (TE + ["--out", "{T}/e.safetensors", "--heads", "2"], "--heads is for `layerleap train medusa`; train eagle takes"),
     (TE + ["--out", "{T}/e.safetensors", "--unroll", "0"], "must be an integer in [1, 64]"),
     (TM + ["--out", "{T}/m.safetensors", "--unroll", "2"], "--unroll is for `layerleap train eagle`"),
-    (TT + ["--out", "{T}/t.safetensors", "--layers", "1,2,3", "--chunks", "{SHORT}"], "leave no target 3 steps ahead"),
+    (TT + ["--out", "{T}/t.safetensors", "--layers", "1,2,3", "--chunks", "{SHORT}"], "hold 3 tokens each"),
     (
         ["finetune", "variant", *M, "--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{GARBAGE}"],
         "is not a self-distilled record",
@@ -746,6 +746,14 @@ CLI = [
     (["heads", "upgrade", "{FILE}", "--out", "{T}/u.safetensors"], "cannot read weights"),
     (["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "speed=3"], "KEY one of data"),
     (["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "steps=3"], "--budget needs --source"),
+    (
+        ["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "tokens=50k", "--source", "a log"],
+        "tokens is a whole number, 0 or more",
+    ),
+    (
+        ["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "train_s=nan", "--source", "a log"],
+        "train_s is a number, 0 or more",
+    ),
     (["heads", "upgrade", "{CHUNKS}", "--out", "{T}/u.safetensors"], "is not a layerleap weights file"),
     (SV + ["--heads", "trained", "--vocab", "0", "--out", "{T}/s.safetensors"], "each item must be a positive integer"),
     (SV + ["--heads", "trained", "--vocab", "x", "--out", "{T}/s.safetensors"], "each item must be a positive integer"),

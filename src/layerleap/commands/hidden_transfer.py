@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..drafters import medusa_transfer as drafters
+from ..drafters import weights
 from ..train import medusa_transfer as train_drafters
 from ..train.distributed import init_from_env
 from ..train.data import DATA_CHOICES, answers_kind, load_self_distilled, self_distilled_chunks, stream_chunks
@@ -176,7 +177,13 @@ def run_train(args) -> int:
     eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
     data = None
     if args.chunks:
-        chunks = [c[: cfg.seq_len] for c in _read_chunks(args.chunks, model.config.vocab_size)]
+        saved = _read_chunks(args.chunks, model.config.vocab_size)
+        if len(saved[0]) < cfg.seq_len:
+            raise LayerleapError(
+                f"the chunks in {args.chunks} hold {len(saved[0])} tokens each, fewer than --seq-len {cfg.seq_len}: "
+                f"give --seq-len {len(saved[0])} or less, or save chunks with --save-chunks --seq-len {cfg.seq_len}"
+            )
+        chunks = [c[: cfg.seq_len] for c in saved]
         data = f"pre-tokenized chunks {Path(args.chunks).name}"
     elif args.data != "sharegpt":
         path, pairs = load_self_distilled(model, args.data)
@@ -185,6 +192,7 @@ def run_train(args) -> int:
         data = f"self-distilled: {len(pairs)} {kind} of {model.config.name} to ShareGPT prompts ({path.name})"
     else:
         chunks = stream_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
+        data = weights.SHAREGPT  # the budget adds "N chunks of L tokens"
     if args.save_chunks:
         save_safetensors(
             args.save_chunks, {"chunks": torch.tensor(chunks, dtype=torch.int32)}, {"kind": "token-chunks"}

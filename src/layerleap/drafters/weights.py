@@ -24,6 +24,7 @@ rewrites one in this format.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -104,13 +105,16 @@ class Budget:
 
 
 def machine(device: torch.device | str = "cpu") -> str:
-    """The machine a run trains on: the GPU's name, or the CPU's and the threads torch uses."""
+    """The machine a run trains on: the GPU's name, or the CPU's and the threads torch uses; under
+    ``torchrun`` (``WORLD_SIZE``), the number of processes too."""
     device = torch.device(device)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    each = "" if world <= 1 else f"{world} processes, each on "
     if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (cuda)"
+        return f"{each}{torch.cuda.get_device_name(device)} (cuda)"
     from ..core.kernels import cpu_signature
 
-    return f"{cpu_signature()}, {torch.get_num_threads()} threads"
+    return f"{each}{cpu_signature()}, {torch.get_num_threads()} threads"
 
 
 def command_line() -> str:

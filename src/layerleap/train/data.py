@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 from ..core.run import chat_token_ids
@@ -170,25 +171,44 @@ def sharegpt_questions(tokenizer, n: int, max_prompt: int, skip: int = 0) -> lis
     return out
 
 
-def self_distill_path(model, max_prompt: int = 96, gen_len: int = 64, temperature: float | None = None) -> Path:
+def self_distill_path(
+    model, max_prompt: int = 96, gen_len: int = 64, temperature: float | None = None, seed: int = 0
+) -> Path:
     """Where ``self_distilled`` data of ``model`` (by fingerprint) and these settings is cached; sampled
-    answers (``temperature``) in a file of their own (``-t0.7``)."""
+    answers (``temperature``) in a file of their own (``-t0.7``, and ``-s5`` for a seed other than 0)."""
     from ..files import cache_root
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", model.config.name or "model")
-    t = f"-t{temperature:g}" if temperature else ""
+    t = (f"-t{temperature:g}" + (f"-s{seed}" if seed else "")) if temperature else ""
     return cache_root() / "self-distill" / f"{name}-{model.fingerprint[:16]}-p{max_prompt}-g{gen_len}{t}.jsonl"
 
 
-def read_self_distilled(path, fingerprint: str | None = None) -> list[tuple[list[int], list[int]]]:
-    """The pairs (prompt ids, completion ids) of a self-distilled JSON-lines file; refuses one written
-    for another model (``fingerprint``: the reader's) or one that is not such a file."""
+def _ids(value, vocab: int | None) -> list[int]:
+    """A record's token ids: a list of integers in the vocabulary (``vocab``: its size, None: unchecked)."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise TypeError("not a list of integers")
+    if vocab is not None and any(not 0 <= t < vocab for t in value):
+        raise ValueError(f"a token id outside the vocabulary [0, {vocab})")
+    return value
+
+
+def read_self_distilled(
+    path, fingerprint: str | None = None, vocab: int | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """The pairs (prompt ids, completion ids) of a self-distilled JSON-lines file (``read_records``)."""
+    return [(r["prompt"], r["completion"]) for r in read_records(path, fingerprint, vocab)]
+
+
+def read_records(path, fingerprint: str | None = None, vocab: int | None = None, what: str = "--data") -> list[dict]:
+    """The records of a self-distilled JSON-lines file (``prompt`` and ``completion``: token ids in a
+    vocabulary of ``vocab`` tokens); refuses one written for another model (``fingerprint``: the reader's)
+    or one that is not such a file.  ``what``: the flag that named it, for the messages."""
     path = Path(path).expanduser()
     out = []
     from .. import validate as V
 
     try:
-        lines = V.read_bounded(path, f"--data {path}").decode("utf-8").splitlines()
+        lines = V.read_bounded(path, f"{what} {path}").decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise TrainDataError(f"cannot read self-distilled data {path}: {getattr(e, 'strerror', None) or e}") from None
     for i, line in enumerate(lines, 1):
@@ -196,10 +216,11 @@ def read_self_distilled(path, fingerprint: str | None = None) -> list[tuple[list
             continue
         try:
             r = json.loads(line)
-            pair = ([int(t) for t in r["prompt"]], [int(t) for t in r["completion"]])
-        except (ValueError, KeyError, TypeError):
+            r["prompt"], r["completion"] = _ids(r["prompt"], vocab), _ids(r["completion"], vocab)
+        except (ValueError, KeyError, TypeError) as e:
+            why = f" ({e})" if "vocabulary" in str(e) else ""
             raise TrainDataError(
-                f"{path} line {i} is not a self-distilled record ({{'prompt': [ids], 'completion': [ids]}}): "
+                f"{path} line {i} is not a self-distilled record ({{'prompt': [ids], 'completion': [ids]}}){why}: "
                 "write it with `layerleap train data --self-distill`"
             ) from None
         if fingerprint and r.get("model", fingerprint) != fingerprint:
@@ -207,8 +228,14 @@ def read_self_distilled(path, fingerprint: str | None = None) -> list[tuple[list
                 f"{path} holds answers of another model (fingerprint {r.get('model')}; this model "
                 f"{fingerprint}): write this model's with `layerleap train data --self-distill`"
             )
-        out.append(pair)
+        out.append(r)
     return out
+
+
+def _settings(r: dict) -> dict:
+    """What a record was decoded with: its temperature (None: greedy), and its ``gen_len`` and ``seed``
+    where it records them."""
+    return {"temperature": r.get("temperature")} | {k: r[k] for k in ("gen_len", "seed") if k in r}
 
 
 def self_distilled(
@@ -234,30 +261,53 @@ def self_distilled(
     from tqdm.auto import tqdm
 
     from ..decoding import generate
-    from ..files import write_text
 
     path = Path(path)
     fp = model.fingerprint
-    done = read_self_distilled(path, fp) if path.is_file() else []
+    done = read_records(path, fp, model.config.vocab_size, "--out") if path.is_file() else []
+    mine = {"temperature": temperature or None, "gen_len": gen_len} | ({"seed": seed} if temperature else {})
+    theirs = _settings(done[0]) if done else {}
+    if any(v != mine.get(k) for k, v in theirs.items()):
+        raise TrainDataError(
+            f"{path} holds answers decoded with {theirs}, not {mine}: give its settings to add to it, or another --out"
+        )
     if len(done) >= n:  # nothing to decode: ShareGPT is not read
-        return [(p, c) for p, c in done[:n] if c]
+        return [(r["prompt"], r["completion"]) for r in done[:n] if r["completion"]]
     prompts = sharegpt_questions(model.tokenizer, n, max_prompt) if prompts is None else prompts[:n]
     start = min(len(done), len(prompts))
     bar = tqdm(total=len(prompts), initial=start, desc="self-distilling", unit="ex", disable=not progress)
+    saver, extra = _Saver(path), {k: v for k, v in mine.items() if v is not None}
     while len(done) < len(prompts):
         chunk = prompts[len(done) : len(done) + batch]
         if temperature:
             res = generate(model, chunk, "sample", gen_len, temperature=temperature, seed=seed + len(done))
         else:
             res = generate(model, chunk, "greedy", gen_len)
-        done += [(p, [int(t) for t in r.token_ids]) for p, r in zip(chunk, res)]
-        extra = {"temperature": temperature} if temperature else {}
-        write_text(
-            path, "".join(json.dumps({"prompt": p, "completion": c, "model": fp, **extra}) + "\n" for p, c in done)
-        )
+        done += [
+            {"prompt": p, "completion": [int(t) for t in r.token_ids], "model": fp, **extra} for p, r in zip(chunk, res)
+        ]
+        saver.save(done, last=len(done) >= len(prompts))
         bar.update(len(chunk))
     bar.close()
-    return [(p, c) for p, c in done[:n] if c]
+    return [(r["prompt"], r["completion"]) for r in done[:n] if r["completion"]]
+
+
+class _Saver:
+    """Writes the records atomically (the whole file; old records as they were read), as often as keeps
+    the writing under a twentieth of the run: at most every 10 s, and at the end.  A long run's file is
+    not rewritten after every batch; an interrupted run loses at most the last interval's answers."""
+
+    def __init__(self, path: Path):
+        self.path, self.next = path, 0.0
+
+    def save(self, records: list[dict], last: bool) -> None:
+        from ..files import write_text
+
+        if not last and time.monotonic() < self.next:
+            return
+        t = time.monotonic()
+        write_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
+        self.next = time.monotonic() + max(10.0, 20 * (time.monotonic() - t))
 
 
 def answer_tokens(tokenizer, n_conversations: int) -> list[list[int]]:
@@ -288,7 +338,7 @@ def load_self_distilled(model, spec: str = "self-distill", max_prompt: int = 96,
             f"no self-distilled data for {model.config.name} yet: write it with "
             "`layerleap train data --self-distill 1000` (or give --data FILE.jsonl)"
         )
-    pairs = [(p, c) for p, c in read_self_distilled(path, model.fingerprint) if c]
+    pairs = [(p, c) for p, c in read_self_distilled(path, model.fingerprint, model.config.vocab_size) if c]
     if not pairs:
         raise TrainDataError(f"{path} holds no answers: write some with `layerleap train data --self-distill`")
     return path, pairs

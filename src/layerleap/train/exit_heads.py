@@ -41,7 +41,7 @@ from ..files import reading, save_safetensors
 from . import distributed
 from .data import conversation_seqs
 from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, items_seen, train
-from .state_cache import StateCache, backbone_states
+from .state_cache import StateCache, backbone_states, data_hash
 from ..drafters import weights
 from ..drafters.exit_heads import ExitHead, HeadError, LensHead, new_head, save_heads
 from .. import validate as V
@@ -71,7 +71,7 @@ class HeadTrainConfig:
     weight_decay: float = 0.0  # Appendix A
     warmup_ratio: float = 0.04  # Appendix A
     grad_clip: float = 1.0
-    seq_len: int = 512  # a conversation is cut after this many tokens
+    seq_len: int = 512  # a conversation is cut after this many tokens (and at the model's context: ``check``)
     init: str = "lstsq"
     ridge: float = 1e-2
     lstsq_tokens: int = 50_000  # positions the ridge regression fits
@@ -116,6 +116,7 @@ class HeadTrainConfig:
             V.number(self.grad_clip, "grad_clip", 0)
             V.number(self.ridge, "ridge", 0)
             V.seed(self.seed)
+        self.seq_len = min(self.seq_len, model.config.max_position)  # no sequence runs past the context
         return self
 
     @property
@@ -281,6 +282,12 @@ def _config_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
     )
 
 
+def _same_data(meta: dict, seqs) -> bool:
+    """Whether a cache or state made from the sequences ``meta`` records was made from ``seqs`` (None: the
+    caller gives none and takes what the work folder holds)."""
+    return seqs is None or meta.get("seqs") == data_hash(seqs)
+
+
 def _cache_key(cfg: HeadTrainConfig, fingerprint: str) -> str:
     keys = ("layers", "tokens", "seq_len", "skip_conversations", "candidates", "data")
     return json.dumps(
@@ -311,7 +318,7 @@ def load_or_build_cache(
 
         with reading(path, "hidden-state cache"), safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-            if meta.get("key") == key:
+            if meta.get("key") == key and _same_data(meta, seqs):  # a data file that changed builds a new one
                 timing["seconds"] = float(meta.get("seconds", 0.0))
                 return {(k if k == TOP_KEY else int(k.removeprefix("layer"))): f.get_tensor(k) for k in f.keys()}
     t0 = time.perf_counter()
@@ -323,7 +330,7 @@ def load_or_build_cache(
         save_safetensors(
             path,
             {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()},
-            {"key": key, "seconds": repr(timing["seconds"])},
+            {"key": key, "seconds": repr(timing["seconds"]), "seqs": "" if seqs is None else data_hash(seqs)},
         )
     return cache
 
@@ -391,20 +398,21 @@ def _objective(model: Transformer, cfg: HeadTrainConfig, cache: dict, heads: lis
     return loss
 
 
-def _checkpoint(work: Path | None, cfg: HeadTrainConfig, fingerprint: str) -> Checkpoint | None:
+def _checkpoint(work: Path | None, cfg: HeadTrainConfig, fingerprint: str, seqs=None) -> Checkpoint | None:
     if work is None:
         return None
     key = _config_key(cfg, fingerprint)
 
     def check(meta: dict) -> None:
-        if meta.get("key") != key:
+        if meta.get("key") != key or not _same_data(meta, seqs):
             raise TrainHeadsError(
-                f"{work} holds a run with other settings or another model: use another "
-                "work folder, or the same settings to resume"
+                f"{work} holds a run with other settings, data or another model: use another "
+                "work folder, or the same settings and data to resume"
             )
 
+    made = {"key": key, "seqs": "" if seqs is None else data_hash(seqs)}
     return Checkpoint(
-        work / STATE_FILE, {"key": key}, check, what="training state", fix="delete the work folder to start again"
+        work / STATE_FILE, made, check, what="training state", fix="delete the work folder to start again"
     )
 
 
@@ -463,7 +471,7 @@ def train_heads(
         params,
         _objective(model, cfg, cache, heads),
         loop,
-        _checkpoint(work, cfg, model.fingerprint),
+        _checkpoint(work, cfg, model.fingerprint, seqs),
         clip_groups=[list(h.parameters()) for h in heads],
     )
     for h in heads:

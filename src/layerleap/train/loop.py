@@ -110,6 +110,11 @@ def train(
     tensors = list(params.values())
     opt = torch.optim.AdamW(tensors, lr=cfg.schedule.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
     start, losses, prior = load_state(ckpt, params, opt) if ckpt and ckpt.path.is_file() else (0, [], 0.0)
+    if start > cfg.steps:
+        raise CheckpointError(
+            f"{ckpt.what} {ckpt.path} is at step {start}, past the {cfg.steps} steps asked for: give at least "
+            f"{start} steps to finish from it, or {ckpt.fix}"
+        )
     ranks = distributed.ranks()
     distributed.broadcast(tensors)  # every process starts from rank 0's tensors
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)

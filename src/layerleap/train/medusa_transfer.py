@@ -50,7 +50,7 @@ from ..files import check_replace
 from . import distributed
 from .data import stream_chunks
 from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
-from .state_cache import StateCache, backbone_states
+from .state_cache import StateCache, backbone_states, data_hash
 from .. import validate as V
 from ..core.model import Transformer
 
@@ -296,7 +296,9 @@ def _ckpt_path(out: Path) -> Path:
 RESUME_KEYS = ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size", "init", "attention")
 
 
-def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str) -> Checkpoint:
+def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str) -> Checkpoint:
+    """The run's checkpoint; a resumed run must share its model, ``RESUME_KEYS`` settings and data
+    (``data``: a hash of the token chunks, ``state_cache.data_hash``)."""
     path = _ckpt_path(out)
 
     def check(meta: dict) -> None:
@@ -309,8 +311,14 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str) -> Checkpoint:
                     f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {now.get(key)!r}: "
                     "use the same settings to resume, or delete it to start again"
                 )
+        if meta.get("data", data) != data:
+            raise TrainError(
+                f"checkpoint {path} was made on other training data (other token chunks): give the same data to "
+                "resume, or delete it to start again"
+            )
 
-    return Checkpoint(path, {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint}, check)
+    meta = {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint, "data": data}
+    return Checkpoint(path, meta, check)
 
 
 def train(
@@ -379,12 +387,13 @@ def train(
         desc=f"train {cfg.kind}",
         progress=progress,
     )
-    run = run_loop(params, loss, loop, _checkpoint(out, cfg, model.fingerprint))
+    run = run_loop(params, loss, loop, _checkpoint(out, cfg, model.fingerprint, data_hash(chunks)))
     if store is not None and progress:
         print(store.describe(), file=sys.stderr, flush=True)
-    tokens = run.step * cfg.batch_size * cfg.seq_len
+    n = len(chunks[0])  # the chunks' own length (a caller's chunks may be shorter than cfg.seq_len)
+    tokens = run.step * cfg.batch_size * n
     budget = weights.Budget(
-        f"{data or weights.SHAREGPT}: {len(chunks)} chunks of {cfg.seq_len} tokens",
+        f"{data or weights.SHAREGPT}: {len(chunks)} chunks of {n} tokens",
         tokens,
         run.step,
         run.seconds,

@@ -349,6 +349,7 @@ class Pool:
         self.joining: list[_Row] = []  # prefilling, oldest first
         self.widest = 0  # most rows decoded in one call since the last report
         self.passes: dict[str, int] = {}  # method -> model calls its rows took part in, since the last report
+        self.failed: list[tuple[Job, Exception]] = []  # the jobs of this step whose own work failed
         eos = tuple(model.config.eos_token_ids)
         if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
             eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
@@ -459,7 +460,7 @@ class Pool:
 
     def _step(self) -> tuple[dict[Job, str], list[tuple[Job, GenerationResult]], list[tuple[Job, Exception]]]:
         ended: list[_Row] = []
-        failed: list[tuple[Job, Exception]] = []
+        self.failed = failed = []  # kept until the step returns: a later failure of the step fails them too
         for r in [r for r in self.joining if r.job.cancelled]:
             self.joining.remove(r)
             ended.append(r)
@@ -503,6 +504,7 @@ class Pool:
         """On the event loop: send the text, finish the jobs that ended, fail those that failed."""
         for job, error in failed:
             job.fail(error)
+        self.failed = []
         for job, text in texts.items():
             if not job.finished:
                 job.send(text)
@@ -663,9 +665,9 @@ class Scheduler:
                     texts, done, failed = await loop.run_in_executor(self.executor, self.pool.step)
                     self.pool.dispatch(texts, done, failed)
                 except Exception as e:  # noqa: BLE001  a decoding call failed: every pooled request with it
-                    for job in self.pool.jobs():
+                    for job in self.pool.jobs() + [job for job, _ in self.pool.failed]:
                         job.fail(e)
-                    self.pool.joining, self.pool.decoding, done = [], [], []
+                    self.pool.joining, self.pool.decoding, self.pool.failed, done = [], [], [], []
                 if done:
                     self._report(self.on_rows_done, done, max(1, self.pool.widest))
                     self.pool.widest = 0

@@ -867,3 +867,34 @@ def test_the_pool_counts_its_model_calls(tiny):
         m = metrics(u)
     # each request: its prompt's pass and 5 decoding calls (two requests in turn, or some calls shared)
     assert 7 <= total(m, "layerleap_verification_passes_total", method="greedy") <= 12
+
+
+def test_requests_refused_together_decode_one_by_one(tiny, monkeypatch):
+    """A batch the memory check refuses as a whole (their KV cache together) runs as one-row batches."""
+    from layerleap import decoding
+
+    check = decoding._check_memory
+
+    def one_row_at_most(model, lengths, max_new_tokens):
+        if len(lengths) > 1:
+            raise layerleap.GenerationError("the KV cache of these prompts is too large together")
+        check(model, lengths, max_new_tokens)
+
+    monkeypatch.setattr(decoding, "_check_memory", one_row_at_most)
+    cfg = ServerConfig("tiny", method="prompt-lookup", max_tokens=8, max_running=1)
+    with ServerThread(create_app(tiny, cfg)) as u:
+        blocker = raw_request(u, {"prompt": "x", "max_tokens": 1800, "stream": True})
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        got = []
+        threads = [
+            threading.Thread(target=lambda p=p: got.append(post(u, {"prompt": p, "max_tokens": 6})))
+            for p in ("a b", "c d")
+        ]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: get(u + "/health").json()["waiting"] == 2)
+        blocker.close()
+        for t in threads:
+            t.join(120)
+    assert sorted(r.status_code for r in got) == [200, 200], [r.text for r in got]
+    assert all(r.json()["layerleap"]["stats"]["batch"] == 1 for r in got)

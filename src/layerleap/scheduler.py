@@ -641,6 +641,11 @@ class Scheduler:
             try:
                 self.running.append(Batch(self.model, jobs))
             except Exception as e:  # noqa: BLE001  checked when the requests came in; a late refusal still answers
+                if len(jobs) > 1 and isinstance(e, LayerleapError):  # refused together (their KV cache): one by one
+                    for job in jobs:
+                        job.key = ("alone", job.serial)
+                    self.waiting = jobs + self.waiting
+                    continue
                 for job in jobs:
                     job.fail(e)
 

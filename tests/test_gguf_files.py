@@ -63,10 +63,12 @@ def write_gguf(
     seed: int = 0,
     rope_theta: float = 10000.0,
     tensor_types: dict[str, str] | None = None,
+    edit=None,
 ) -> Path:
     """A tiny random model as a GGUF file: layer matrices in ``qtype`` (or ``tensor_types[name]``, e.g.
     ``{"blk.0.attn_v": "Q6_K"}``), the embedding in Q8_0 (tied) or ``head`` (an untied output matrix
-    in that type), norms in F32."""
+    in that type), norms in F32.  ``edit(writer)`` runs before the file is written: metadata and
+    tensors to add, replace or remove (``writer.kv_data[0]``, ``writer.tensors[0]``)."""
     rng = np.random.default_rng(seed)
     tokens, merges, types = _vocab()
     V, hd = len(tokens), D // HEADS
@@ -122,6 +124,8 @@ def write_gguf(
                 w.add_tensor(f"blk.{i}.{name}.bias", (0.1 * rng.standard_normal(n)).astype(np.float32))
         for name in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -377,3 +381,29 @@ def test_cli_takes_a_gguf_path(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "missing.gguf" in err and "Traceback" not in err
+
+
+def _drop(key: str):
+    return lambda w: w.kv_data[0].pop(key)
+
+
+def _set(key: str, value, kind: str = "UINT32"):
+    return lambda w: w.add_key_value(key, value, gguf.GGUFValueType[kind])
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        (_drop("tokenizer.ggml.tokens"), ModelFileError, r"has no token list \(tokenizer.ggml.tokens\)"),
+        (_set("tokenizer.ggml.model", "bert", "STRING"), ConfigError, r"GGUF tokenizer 'bert' .* is not supported"),
+        (_set("general.alignment", 0), ModelFileError, "general.alignment is 0, not a power of two"),
+        (_set("tokenizer.ggml.eos_token_id", 10**6), ModelFileError, r"metadata cannot be read \(IndexError: "),
+    ],
+    ids=["no token list", "bert tokenizer", "alignment 0", "end token past the list"],
+)
+def test_metadata_transformers_cannot_read_is_one_line(tmp_path, edit, error, match):
+    path = write_gguf(tmp_path / "bad.gguf", "Q4_0", edit=edit)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(error, match=match) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)

@@ -210,7 +210,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     from .weight_files import gguf_context, hf_to_ours
     from .model import fingerprint_of
 
-    ctx = gguf_context(gguf_path, out)
+    ctx = gguf_context(gguf_path)
     reader = GGUFReader(str(gguf_path))
     hf: dict[str, QuantizedRows | torch.Tensor] = {}
     requantized: dict[str, str] = {}

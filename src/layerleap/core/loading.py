@@ -35,8 +35,8 @@ from ..errors import LayerleapError
 from ..files import cache_root, write_json
 from .model import Transformer, fingerprint_of
 from .weight_files import (
-    GGUFContext,
     ModelFileError,
+    gguf_context,
     hf_to_ours,
     read_json,
     read_safetensors_file,  # noqa: F401
@@ -161,8 +161,8 @@ def _join_parts(parts: list[Path], out: Path, progress) -> Path:
 def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
     """Dequantize a GGUF file (given as ordered chunks) into ``out``, one tensor at a time.
 
-    ``GGUFContext`` supplies the config, the tokenizer, the name map and the tensor fix-ups; the
-    tensors are dequantized one by one and written in safetensors shards of ~``SHARD_BYTES`` with an
+    ``GGUFContext`` (``gguf_context``) supplies the config, the tokenizer, the name map and the tensor
+    fix-ups; the tensors are dequantized one by one and written in safetensors shards of ~``SHARD_BYTES`` with an
     index, so the peak memory is about one shard, not twice the fp32 model (which a 1.5B model,
     6 GB in fp32, could not afford)."""
     from gguf import GGUFReader, dequantize
@@ -171,7 +171,7 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
 
     path = _join_parts(parts, out, progress)
     progress(f"converting {path.name} to safetensors (once; later loads use the cache) …")
-    ctx = GGUFContext(path)
+    ctx = gguf_context(path)
     reader = GGUFReader(str(path))
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
@@ -660,14 +660,15 @@ def to_device(model: Transformer, device: str = "cpu") -> Transformer:
 
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"
+GGUF_TOKENIZERS = ("gpt2", "llama")  # byte-level BPE and SentencePiece; `transformers` builds both
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
     """Read a GGUF file's header (``weight_files.gguf_header``) and check it against the file before
-    any tensor is read: every tensor's data inside the file, a supported architecture and tensor
-    types.  -> (architecture, {tensor type: count}); a problem raises ``ModelFileError`` (a bad file)
-    or ``ConfigError`` (an architecture or type layerleap does not load), one line naming it."""
+    any tensor is read: every tensor's data inside the file, a supported architecture, tokenizer and
+    tensor types.  -> (architecture, {tensor type: count}); a problem raises ``ModelFileError`` (a bad
+    file) or ``ConfigError`` (what layerleap does not load), one line naming it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from .weight_files import ModelFileError, gguf_header
 
@@ -679,6 +680,7 @@ def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
             f"{path.name}: GGUF architecture {arch!r} is not supported (layerleap loads llama "
             "(Llama and Mistral files) and qwen2)"
         )
+    _check_gguf_meta(path, meta)
     types: dict[str, int] = {}
     for name, type_id, dims, offset in tensors:
         try:
@@ -699,6 +701,26 @@ def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
             )
         types[qtype] = types.get(qtype, 0) + 1
     return arch, types
+
+
+def _check_gguf_meta(path: Path, meta: dict) -> None:
+    """The metadata ``check_gguf`` needs before `transformers` reads the file: a tokenizer it builds
+    (``GGUF_TOKENIZERS``, with its token list) and a data alignment that is a power of two."""
+    model = meta.get("tokenizer.ggml.model")
+    if model not in GGUF_TOKENIZERS:
+        raise ConfigError(
+            f"{path.name}: GGUF tokenizer {model!r} (tokenizer.ggml.model) is not supported (layerleap reads "
+            f"{' and '.join(GGUF_TOKENIZERS)} tokenizers): choose a file with one of them"
+        )
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelFileError(
+            f"{path} has no token list (tokenizer.ggml.tokens): convert the model again with llama.cpp"
+        )
+    align = meta.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
+        raise ModelFileError(
+            f"{path}: general.alignment is {align!r}, not a power of two: the file is corrupt, download it again"
+        )
 
 
 def gguf_folder(path: Path, q4: bool, progress=None) -> Path:

@@ -84,8 +84,19 @@ class GGUFContext:
         self.tokenizer.save_pretrained(out)
 
 
-def gguf_context(path: Path, out: Path) -> GGUFContext:
-    return GGUFContext(path)
+def gguf_context(path: Path) -> GGUFContext:
+    """``GGUFContext(path)``; a file whose metadata `transformers` cannot read (its tokenizer, its config)
+    is a ``ModelFileError`` naming the file and the cause, not that library's own exception."""
+    try:
+        return GGUFContext(path)
+    except LayerleapError:
+        raise
+    except Exception as e:  # transformers, tokenizers and gguf raise many kinds for a bad file
+        why = " ".join(str(e).split())[:120]
+        raise ModelFileError(
+            f"{path}: its metadata cannot be read ({type(e).__name__}: {why}): "
+            "convert the model again with llama.cpp (or download the file again)"
+        ) from None
 
 
 def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_major: bool = False, fuse=None) -> dict:
@@ -348,7 +359,8 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]]
             name = string()
             dims = [take("<Q") for _ in range(take("<I"))]
             tensors.append((name, take("<I"), dims, take("<Q")))
-        align = int(meta.get("general.alignment") or 32)
+        align = meta.get("general.alignment")
+        align = align if isinstance(align, int) and align > 0 else 32  # else refused by ``loading.check_gguf``
         start = (pos + align - 1) // align * align
     except struct.error:
         raise ModelFileError(f"{path}: the GGUF header is cut short or corrupt: download or convert it again") from None

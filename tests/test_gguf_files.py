@@ -407,3 +407,26 @@ def test_metadata_transformers_cannot_read_is_one_line(tmp_path, edit, error, ma
         with pytest.raises(error, match=match) as e:
             layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
         assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "edit, what",
+    [
+        (_set("llama.rope.scaling.type", "linear", "STRING"), r"'linear' \(llama.rope.scaling.type\)"),
+        (_set("llama.rope.scaling.type", "yarn", "STRING"), r"'yarn' \(llama.rope.scaling.type\)"),
+        (_set("llama.rope.scaling.factor", 4.0, "FLOAT32"), r"'linear' \(llama.rope.scaling.factor 4.0\)"),
+        (
+            lambda w: w.add_tensor("rope_freqs.weight", np.ones(D // HEADS // 2, np.float32)),
+            r"'llama3' \(tensor rope_freqs.weight\)",
+        ),
+    ],
+    ids=["linear", "yarn", "factor alone", "rope_freqs"],
+)
+def test_rope_scaling_is_refused_not_ignored(tmp_path, edit, what):
+    """A folder's config.json with rope scaling is refused (``ModelConfig.from_hf``); a GGUF's is too."""
+    path = write_gguf(tmp_path / "scaled.gguf", "Q4_0", edit=edit)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ConfigError, match=f"scaled.gguf: unsupported rope scaling {what}: only the default"):
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+    plain = write_gguf(tmp_path / "plain.gguf", "Q4_0", edit=_set("llama.rope.scaling.type", "none", "STRING"))
+    check_gguf(plain)

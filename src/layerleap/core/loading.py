@@ -681,6 +681,7 @@ def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
             "(Llama and Mistral files) and qwen2)"
         )
     _check_gguf_meta(path, meta)
+    _check_gguf_rope(path, arch, meta, {t[0] for t in tensors})
     types: dict[str, int] = {}
     for name, type_id, dims, offset in tensors:
         try:
@@ -721,6 +722,23 @@ def _check_gguf_meta(path: Path, meta: dict) -> None:
         raise ModelFileError(
             f"{path}: general.alignment is {align!r}, not a power of two: the file is corrupt, download it again"
         )
+
+
+def _check_gguf_rope(path: Path, arch: str, meta: dict, names: set[str]) -> None:
+    """Refuse rotary-embedding scaling, as ``ModelConfig.from_hf`` does a folder's: a scaling type, a
+    factor without a type (llama.cpp then scales linearly) or per-frequency factors (Llama 3.1's
+    ``rope_freqs.weight``)."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
+    if "rope_freqs.weight" in names:
+        what = "'llama3' (tensor rope_freqs.weight)"
+    elif kind not in (None, "none"):
+        what = f"{kind!r} ({arch}.rope.scaling.type)"
+    elif kind is None and factor not in (None, 0, 1):
+        what = f"'linear' ({arch}.rope.scaling.factor {factor})"
+    else:
+        return
+    raise ConfigError(f"{path.name}: unsupported rope scaling {what}: only the default rotary embedding is implemented")
 
 
 def gguf_folder(path: Path, q4: bool, progress=None) -> Path:

@@ -430,3 +430,33 @@ def test_rope_scaling_is_refused_not_ignored(tmp_path, edit, what):
             layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
     plain = write_gguf(tmp_path / "plain.gguf", "Q4_0", edit=_set("llama.rope.scaling.type", "none", "STRING"))
     check_gguf(plain)
+
+
+def _tensor(name: str, shape: tuple[int, int], qtype: str):
+    """Replace tensor ``name`` by one of ``shape`` (rows, columns) in ``qtype``."""
+
+    def edit(w):
+        w.tensors[0].pop(name)
+        t = gguf.GGMLQuantizationType[qtype]
+        dense = np.random.default_rng(1).standard_normal(shape).astype(np.float32) / 16
+        w.add_tensor(name, gguf.quants.quantize(dense, t), raw_dtype=t)
+
+    return edit
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_tensor_of_another_shape_is_the_same_one_line_in_every_dtype(tmp_path, qtype):
+    """The 4-bit conversion compares a tensor's shape with the config's before reshaping its blocks
+    (Q4_0: kept as blocks; Q8_0: an 8-bit embedding, a re-quantized layer)."""
+    V = len(_vocab()[0])
+    wide = write_gguf(tmp_path / "wide.gguf", edit=_tensor("blk.0.ffn_down.weight", (D, FF + 256), qtype))
+    big = write_gguf(tmp_path / "big.gguf", edit=_tensor("token_embd.weight", (V + 5, D), qtype))
+    wide_error = (
+        rf"wide.gguf: GGUF tensor blk.0.ffn_down.weight -> .* has shape \({D}, {FF + 256}\), expected \({D}, {FF}\)"
+    )
+    big_error = rf"has shape \({V + 5}, {D}\), expected \({V}, {D}\) \(a row per token: the tokenizer has {V} tokens\)"
+    for dtype in ("q4", "float32"):
+        with pytest.raises(ConfigError, match=wide_error + ": the file's tensors and metadata disagree"):
+            layerleap.load(str(wide), dtype=dtype, progress=lambda s: None)
+        with pytest.raises(ConfigError, match=big_error):
+            layerleap.load(str(big), dtype=dtype, progress=lambda s: None)

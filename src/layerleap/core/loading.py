@@ -197,9 +197,7 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
             continue
         w = torch.from_numpy(np.array(r.weights, dtype=np.float32, order="C", copy=True))
         if tuple(w.shape) != ctx.expected[name]:
-            raise ConfigError(
-                f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected {ctx.expected[name]}"
-            )
+            raise ctx.shape_error(t.name, name, w.shape)
         shard[name] = w
         size += w.numel() * 4
         if size >= SHARD_BYTES:

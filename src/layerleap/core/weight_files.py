@@ -79,6 +79,15 @@ class GGUFContext:
         order = out[:, 0].astype(np.int64)
         return self.key_map.get(r.name), (None if np.array_equal(order, np.arange(n_rows)) else order)
 
+    def shape_error(self, gguf_name: str, name: str, shape) -> ConfigError:
+        """The error for tensor ``gguf_name`` (Hugging Face ``name``) of ``shape``, not the config's."""
+        rows = name in ("model.embed_tokens.weight", "lm_head.weight")
+        tokens = f" (a row per token: the tokenizer has {len(self.tokenizer)} tokens)" if rows else ""
+        return ConfigError(
+            f"{self.path.name}: GGUF tensor {gguf_name} -> {name} has shape {tuple(int(n) for n in shape)}, expected "
+            f"{self.expected[name]}{tokens}: the file's tensors and metadata disagree, convert it again"
+        )
+
     def save_config_and_tokenizer(self, out: Path) -> None:
         (out / "config.json").write_text(json.dumps(self._hf_dict(), indent=2))
         self.tokenizer.save_pretrained(out)

@@ -460,3 +460,17 @@ def test_a_tensor_of_another_shape_is_the_same_one_line_in_every_dtype(tmp_path,
             layerleap.load(str(wide), dtype=dtype, progress=lambda s: None)
         with pytest.raises(ConfigError, match=big_error):
             layerleap.load(str(big), dtype=dtype, progress=lambda s: None)
+
+
+def test_a_token_list_longer_than_the_embedding_is_refused(tmp_path):
+    V = len(_vocab()[0])
+
+    def edit(w):
+        w.add_vocab_size(V - 5)  # the config's vocab_size, which the embedding matches
+        w.add_eos_token_id(V - 10)
+        _tensor("token_embd.weight", (V - 5, D), "Q8_0")(w)
+
+    path = write_gguf(tmp_path / "short.gguf", edit=edit)
+    for dtype in ("q4", "float32"):
+        with pytest.raises(ConfigError, match=f"short.gguf: the tokenizer has {V} tokens, the embedding {V - 5} rows"):
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)

@@ -36,6 +36,7 @@ from ..files import cache_root, write_json
 from .model import Transformer, fingerprint_of
 from .weight_files import (
     ModelFileError,
+    check_vocab,
     gguf_context,
     hf_to_ours,
     read_json,
@@ -506,9 +507,11 @@ def load_folder(folder: str | Path, dtype="float32", name: str | None = None, pa
                 f"cannot load the tokenizer in {folder} ({type(e).__name__}: {why}): "
                 "repair or replace tokenizer.json / tokenizer_config.json"
             ) from None
+    check_vocab(config, tokenizer, str(folder), VOCAB_FIX)
     return build(config, sd, dt, tokenizer, source=str(folder), pack=pack)
 
 
+VOCAB_FIX = "give the folder the tokenizer its weights were trained with"
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # tokenizer.json alone defines them
 
 
@@ -782,6 +785,7 @@ def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
 
     config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=name or folder.name)
     tokenizer = load_tokenizer(folder)
+    check_vocab(config, tokenizer, str(folder), VOCAB_FIX)
     release_freed_memory()  # the parse of tokenizer.json (about 30 MB for SmolLM2's), before the weights come
     model = gguf_q4.load_packed(folder, config, tokenizer)
     if model is None:

@@ -22,6 +22,16 @@ class ModelFileError(ConfigError):
     """A model file that is corrupt, truncated or missing: the message names the file."""
 
 
+def check_vocab(config: ModelConfig, tokenizer, where: str, fix: str) -> None:
+    """Refuse a tokenizer with more tokens than the embedding has rows (``config.vocab_size``): the ids
+    past them would crash generation."""
+    if tokenizer is not None and len(tokenizer) > config.vocab_size:
+        raise ConfigError(
+            f"{where}: the tokenizer has {len(tokenizer)} tokens, the embedding {config.vocab_size} rows "
+            f"(vocab_size), so token ids from {config.vocab_size} on have no embedding: {fix}"
+        )
+
+
 class GGUFContext:
     """What converting a GGUF file needs from `transformers`: the config, the tokenizer, the GGUF ->
     Hugging Face name map and the per-architecture tensor fix-ups (its own functions, reused)."""
@@ -50,6 +60,7 @@ class GGUFContext:
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed.get("config", {}))
         self.key_map = get_gguf_hf_weights_map(self.hf, self.processor)
         self.config = ModelConfig.from_hf(self._hf_dict(), name=path.stem)
+        check_vocab(self.config, self.tokenizer, path.name, "the file is inconsistent, convert it again")
 
     def _hf_dict(self) -> dict:
         cfg = self.hf.config.to_dict()

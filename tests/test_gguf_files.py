@@ -6,6 +6,7 @@ architecture or tensor type gets one line naming it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -474,3 +475,28 @@ def test_a_token_list_longer_than_the_embedding_is_refused(tmp_path):
     for dtype in ("q4", "float32"):
         with pytest.raises(ConfigError, match=f"short.gguf: the tokenizer has {V} tokens, the embedding {V - 5} rows"):
             layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+
+
+@pytest.mark.parametrize("chunks", [False, True], ids=["one file", "chunks"])
+def test_a_damaged_packaged_model_is_checked_and_names_its_packages(tmp_path, monkeypatch, chunks):
+    from layerleap.core import loading
+
+    data = write_gguf(tmp_path / "tiny.gguf").read_bytes()[:-1000]  # a truncated download
+    site = tmp_path / "site"
+    mods = ("fake_chunks1", "fake_chunks2") if chunks else ("fake_model",)
+    for i, m in enumerate(mods):
+        (site / m / "data").mkdir(parents=True)
+        (site / m / "__init__.py").write_text("")
+        part = data[: len(data) // 2] if i == 0 else data[len(data) // 2 :]
+        (site / m / "data" / f"part{i + 1}.bin").write_bytes(part if chunks else data)
+    pm = loading.PackagedModel("fake", "Fake", mods, None if chunks else "data/part1.bin")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setitem(loading.PACKAGED, "fake", pm)
+    where = "fake's 2 chunks, joined," if chunks else str(site / "fake_model" / "data" / "part1.bin")
+    fix = "reinstall its 2 packages (fake-chunks1 … fake-chunks2)" if chunks else "reinstall its package: pip"
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ModelFileError) as e:
+            layerleap.load("fake", dtype=dtype, progress=lambda s: None)
+        assert re.fullmatch(
+            rf"{re.escape(where)} is truncated: tensor .*, the file has \d+: {re.escape(fix)}.*", str(e.value)
+        )

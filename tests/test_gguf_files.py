@@ -500,3 +500,26 @@ def test_a_damaged_packaged_model_is_checked_and_names_its_packages(tmp_path, mo
         assert re.fullmatch(
             rf"{re.escape(where)} is truncated: tensor .*, the file has \d+: {re.escape(fix)}.*", str(e.value)
         )
+
+
+def test_a_failed_weights_write_is_a_clear_error_and_the_packed_cache_is_best_effort(tmp_path, monkeypatch):
+    """A full disk makes safetensors raise its own ``SafetensorError``: converting a file then fails
+    with a one-line error, while the packed 4-bit cache is only skipped (the model still loads)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from layerleap.errors import LayerleapError
+
+    real = safetensors.torch.save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        if "packed-" in filename or "model-" in filename:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, filename, metadata=metadata)
+
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(LayerleapError, match=r"cannot write .*model-00001.safetensors: .*No space left on device"):
+        layerleap.load(str(path), dtype="float32", progress=lambda s: None)
+    q4 = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert q4.dtype_name == "q4" and not list((tmp_path / "cache").glob("gguf-tiny-*-q4/packed-*"))

@@ -32,7 +32,7 @@ from .. import validate as V
 from .config import ConfigError, ModelConfig
 from .cpu import release_freed_memory
 from ..errors import LayerleapError
-from ..files import cache_root, write_json
+from ..files import cache_root, save_safetensors, write_json
 from .model import Transformer, fingerprint_of
 from .weight_files import (
     ModelFileError,
@@ -173,7 +173,6 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
     index, so the peak memory is about one shard, not twice the fp32 model (which a 1.5B model,
     6 GB in fp32, could not afford)."""
     from gguf import GGUFReader, dequantize
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     path = _join_parts(parts, out, progress)
@@ -188,7 +187,7 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
         nonlocal shard, size
         if shard:
             name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
+            save_safetensors(out / name, shard, {"format": "pt"})
             weight_map.update({k: name for k in shard})
             shard, size = {}, 0
 
@@ -213,7 +212,7 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
     missing = sorted(set(ctx.expected) - set(weight_map))
     if missing:
         raise ConfigError(f"{path.name}: no GGUF tensor for {missing[:4]}{' …' if len(missing) > 4 else ''}")
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map}, indent=2)
     ctx.save_config_and_tokenizer(out)
     del reader
     if path.parent == out:

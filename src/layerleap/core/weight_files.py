@@ -100,7 +100,9 @@ class GGUFContext:
         )
 
     def save_config_and_tokenizer(self, out: Path) -> None:
-        (out / "config.json").write_text(json.dumps(self._hf_dict(), indent=2))
+        from ..files import write_json
+
+        write_json(out / "config.json", self._hf_dict(), indent=2)
         self.tokenizer.save_pretrained(out)
 
 

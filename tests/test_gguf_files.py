@@ -523,3 +523,16 @@ def test_a_failed_weights_write_is_a_clear_error_and_the_packed_cache_is_best_ef
         layerleap.load(str(path), dtype="float32", progress=lambda s: None)
     q4 = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
     assert q4.dtype_name == "q4" and not list((tmp_path / "cache").glob("gguf-tiny-*-q4/packed-*"))
+
+
+def test_a_cache_folder_that_cannot_be_used_is_one_line(tmp_path, monkeypatch):
+    from layerleap.errors import LayerleapError
+
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "a-file"))
+    for dtype in ("float32", "q4"):
+        with pytest.raises(LayerleapError) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        fix = "set LAYERLEAP_CACHE to a writable folder"
+        assert str(e.value) == f"cannot use the cache folder {tmp_path / 'a-file'}: Not a directory; {fix}"

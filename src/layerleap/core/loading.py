@@ -298,13 +298,14 @@ def _problem(folder: Path, check=None) -> str | None:
 @contextmanager
 def _cache_lock(folder: Path, progress, wait: bool = True):
     """Hold the cache entry's file lock (``cache/.locks/NAME.lock``); yields whether it is held (with
-    ``wait=False`` it is not when another process holds it)."""
+    ``wait=False`` it is not when another process holds it or the cache cannot be written; else a
+    cache that cannot be written is a ``LayerleapError`` naming it)."""
     from filelock import FileLock, Timeout
 
     locks = folder.parent / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(locks / f"{folder.name}.lock"))
     try:
+        locks.mkdir(parents=True, exist_ok=True)
         lock.acquire(timeout=0)
     except Timeout:
         if not wait:
@@ -312,6 +313,13 @@ def _cache_lock(folder: Path, progress, wait: bool = True):
             return
         progress(f"waiting for another process converting {folder.name} …")
         lock.acquire()
+    except OSError as e:  # a cache path that is a file, an unwritable folder
+        if not wait:  # only tidying up: a cache that cannot be written keeps its leftovers
+            yield False
+            return
+        raise LayerleapError(
+            f"cannot use the cache folder {folder.parent}: {e.strerror or e}; set LAYERLEAP_CACHE to a writable folder"
+        ) from None
     try:
         yield True
     finally:

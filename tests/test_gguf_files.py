@@ -536,3 +536,23 @@ def test_a_cache_folder_that_cannot_be_used_is_one_line(tmp_path, monkeypatch):
             layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
         fix = "set LAYERLEAP_CACHE to a writable folder"
         assert str(e.value) == f"cannot use the cache folder {tmp_path / 'a-file'}: Not a directory; {fix}"
+
+
+@pytest.mark.parametrize("damage", ["tokenizer.json {}", "no tokenizer.json", "no tokenizer files"])
+def test_a_cache_entry_whose_tokenizer_does_not_load_is_rebuilt(tmp_path, damage):
+    """A cache entry is derived data: one without a tokenizer that loads is converted again, in either dtype."""
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    for dtype, pattern in (("float32", "gguf-tiny-*[0-9a-f]"), ("q4", "gguf-tiny-*-q4")):
+        layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        (folder,) = (tmp_path / "cache").glob(pattern)
+        if damage == "tokenizer.json {}":
+            (folder / "tokenizer.json").write_text("{}")
+        else:
+            (folder / "tokenizer.json").unlink()
+        if damage == "no tokenizer files":
+            (folder / "tokenizer_config.json").unlink()
+        msgs = []
+        model = layerleap.load(str(path), dtype=dtype, progress=msgs.append)
+        assert f"the cached conversion {folder} has no tokenizer that loads: rebuilding it" in msgs
+        assert model.tokenizer.decode(model.tokenizer.encode("hello world")) == "hello world"
+        assert (folder / "tokenizer.json").is_file()

@@ -7,9 +7,10 @@ folder in the user cache (``$LAYERLEAP_CACHE``, default ``~/.cache/layerleap``),
 A folder is checked before its weights are read (``check_folder``): the JSON files parse, every
 shard the index names exists, each safetensors header is consistent and matches its file's size,
 and every weight has the shape the config implies; a problem is a ``ModelFileError`` naming the
-file.  A cache entry that fails the check is rebuilt (with a message saying so); conversions run
-under a file lock in the cache folder, so two processes converting at once do the work once, and
-the temporary folders of a conversion that was killed are removed by the next one.
+file.  A cache entry that fails the check, or whose tokenizer is missing or does not load, is
+rebuilt (with a message saying so); conversions run under a file lock in the cache folder, so two
+processes converting at once do the work once, and the temporary folders of a conversion that was
+killed are removed by the next one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -527,21 +529,33 @@ def load_folder(folder: str | Path, dtype="float32", name: str | None = None, pa
     sd = hf_to_ours(
         _read_safetensors(folder, dt, headers), config, consume=True, column_major=Transformer.column_major(dt, "cpu")
     )
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
-        try:
-            tokenizer = load_tokenizer(folder)
-        except Exception as e:  # transformers and tokenizers raise many kinds for a bad file
-            why = " ".join(str(e).split())[:120]
-            raise ModelFileError(
-                f"cannot load the tokenizer in {folder} ({type(e).__name__}: {why}): "
-                "repair or replace tokenizer.json / tokenizer_config.json"
-            ) from None
+    tokenizer = folder_tokenizer(folder)
     check_vocab(config, tokenizer, str(folder), VOCAB_FIX)
     return build(config, sd, dt, tokenizer, source=str(folder), pack=pack)
 
 
 VOCAB_FIX = "give the folder the tokenizer its weights were trained with"
+
+
+class TokenizerFileError(ModelFileError):
+    """A model folder's tokenizer files that do not load."""
+
+
+def folder_tokenizer(folder: Path, required: bool = False):
+    """``load_tokenizer(folder)``, or None for a folder without tokenizer files unless ``required``; a
+    failure is a ``TokenizerFileError`` naming the folder (transformers and tokenizers raise many kinds)."""
+    if not required and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        return load_tokenizer(folder)
+    except Exception as e:
+        why = " ".join(str(e).split())[:120]
+        raise TokenizerFileError(
+            f"cannot load the tokenizer in {folder} ({type(e).__name__}: {why}): "
+            "repair or replace tokenizer.json / tokenizer_config.json"
+        ) from None
+
+
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # tokenizer.json alone defines them
 
 
@@ -661,9 +675,8 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> T
 def _load(name_or_path: str, dtype, progress) -> Transformer:
     q4 = dtype in QUANTIZED
     if isinstance(name_or_path, str) and name_or_path in PACKAGED:
-        if q4:
-            return load_q4_folder(packaged_folder(name_or_path, progress, q4=True), name=name_or_path)
-        return load_folder(packaged_folder(name_or_path, progress), dtype, name=name_or_path)
+        entry = partial(packaged_folder, name_or_path, progress, q4=q4)
+        return _load_entry(entry, partial(_load_converted, dtype=dtype, name=name_or_path), progress)
     path = Path(name_or_path).expanduser()
     if path.suffix.lower() == ".gguf":
         return load_gguf(path, dtype, progress)
@@ -804,9 +817,32 @@ def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:
     and re-quantizes the other layer types (a message says which, once, at conversion); other dtypes
     dequantize every tensor."""
     _dtype(dtype)
+    entry = partial(gguf_folder, path, dtype in QUANTIZED, progress)
+    return _load_entry(entry, partial(_load_converted, dtype=dtype, name=path.stem), progress)
+
+
+def _load_converted(folder: Path, dtype, name: str) -> Transformer:
     if dtype in QUANTIZED:
-        return load_q4_folder(gguf_folder(path, True, progress), name=path.stem)
-    return load_folder(gguf_folder(path, False, progress), dtype, name=path.stem)
+        return load_q4_folder(folder, name=name)
+    return load_folder(folder, dtype, name=name)
+
+
+def _load_entry(entry, load, progress=None) -> Transformer:
+    """``load(entry())``, ``entry`` making or finding a cache entry (``packaged_folder``, ``gguf_folder``).
+    An entry whose tokenizer is missing or does not load is stale derived data: it is removed (with a
+    message saying so) and made again, once."""
+    progress = progress or _to_stderr
+    folder = entry()
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return load(folder)
+        except TokenizerFileError:
+            pass
+    with _cache_lock(folder, progress):
+        if folder.exists():
+            progress(f"the cached conversion {folder} has no tokenizer that loads: rebuilding it")
+            _remove_tree(folder)
+    return load(entry())
 
 
 def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
@@ -816,7 +852,7 @@ def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
     from . import gguf_q4
 
     config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=name or folder.name)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = folder_tokenizer(folder, required=True)
     check_vocab(config, tokenizer, str(folder), VOCAB_FIX)
     release_freed_memory()  # the parse of tokenizer.json (about 30 MB for SmolLM2's), before the weights come
     model = gguf_q4.load_packed(folder, config, tokenizer)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -556,3 +557,20 @@ def test_a_cache_entry_whose_tokenizer_does_not_load_is_rebuilt(tmp_path, damage
         assert f"the cached conversion {folder} has no tokenizer that loads: rebuilding it" in msgs
         assert model.tokenizer.decode(model.tokenizer.encode("hello world")) == "hello world"
         assert (folder / "tokenizer.json").is_file()
+
+
+def test_a_tensor_whose_rows_are_not_whole_blocks_is_named(tmp_path):
+    data = bytearray(write_gguf(tmp_path / "tiny.gguf", "Q4_0").read_bytes())
+    name = b"token_embd.weight"
+    at = data.find(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4  # the name, its number of dims
+    assert struct.unpack_from("<Q", data, at) == (D,)
+    struct.pack_into("<Q", data, at, D - 6)  # a corrupt header: rows of 250 values in blocks of 32
+    path = tmp_path / "rows.gguf"
+    path.write_bytes(data)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ModelFileError) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert str(e.value) == (
+            f"{path}: tensor token_embd.weight has rows of {D - 6} values, not a multiple of Q8_0's blocks of 32: "
+            "the file is corrupt, download it again"
+        )

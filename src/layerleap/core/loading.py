@@ -710,10 +710,10 @@ GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_
 
 def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]:
     """Read a GGUF file's header (``weight_files.gguf_header``) and check it against the file before
-    any tensor is read: every tensor's data inside the file, a supported architecture, tokenizer and
-    tensor types.  -> (architecture, {tensor type: count}); a problem raises ``ModelFileError`` (a bad
-    file; ``fix``, when given, says what to do about one) or ``ConfigError`` (what layerleap does not
-    load), one line naming it."""
+    any tensor is read: every tensor's data inside the file and its rows whole blocks, a supported
+    architecture, tokenizer and tensor types.  -> (architecture, {tensor type: count}); a problem
+    raises ``ModelFileError`` (a bad file; ``fix``, when given, says what to do about one) or
+    ``ConfigError`` (what layerleap does not load), one line naming it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from .weight_files import ModelFileError, gguf_header
 
@@ -739,6 +739,11 @@ def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]
                 f"read (it reads {', '.join(GGUF_TYPES)}): requantize the file with llama.cpp"
             )
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+        if not dims or dims[0] % block:  # GGUF lists [columns, rows]: each row is whole blocks
+            raise ModelFileError(
+                f"{path}: tensor {name} has rows of {dims[0] if dims else 0} values, not a multiple of {qtype}'s "
+                f"blocks of {block}: {fix or 'the file is corrupt, download it again'}"
+            )
         need = math.prod(dims) // block * nbytes
         if start + offset + need > size:
             raise ModelFileError(

@@ -574,3 +574,13 @@ def test_a_tensor_whose_rows_are_not_whole_blocks_is_named(tmp_path):
             f"{path}: tensor token_embd.weight has rows of {D - 6} values, not a multiple of Q8_0's blocks of 32: "
             "the file is corrupt, download it again"
         )
+
+
+def test_a_killed_conversions_leftovers_are_removed_whatever_the_file_is_called(tmp_path):
+    path = write_gguf(tmp_path / "m[1].gguf", "Q4_0")  # glob's brackets in the cache entry's name
+    layerleap.load(str(path), progress=lambda s: None)
+    (folder,) = (tmp_path / "cache").glob("gguf-*")
+    leftover = folder.parent / f".{folder.name}.killed"
+    leftover.mkdir()
+    layerleap.load(str(path), progress=lambda s: None)
+    assert not leftover.exists()

@@ -15,6 +15,7 @@ killed are removed by the next one.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import math
@@ -269,7 +270,7 @@ def _checked_file(pm: PackagedModel, parts: list[Path], out: Path, progress) -> 
 def _cache_entry(folder: Path, fill, progress, check) -> Path:
     """``folder``, made by ``fill(tmp)`` unless it exists and passes ``check``; see ``packaged_folder``."""
     if folder.is_dir() and _problem(folder, check) is None:
-        if any(folder.parent.glob(f".{folder.name}.*")):  # a killed conversion's leftovers
+        if any(folder.parent.glob(f".{glob.escape(folder.name)}.*")):  # a killed conversion's leftovers
             with _cache_lock(folder, progress, wait=False) as held:
                 if held:
                     _remove_leftovers(folder)
@@ -330,7 +331,7 @@ def _cache_lock(folder: Path, progress, wait: bool = True):
 
 def _remove_leftovers(folder: Path) -> None:
     """The temporary siblings (``.NAME.*``) of killed conversions and removals; call under the lock."""
-    for p in folder.parent.glob(f".{folder.name}.*"):
+    for p in folder.parent.glob(f".{glob.escape(folder.name)}.*"):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
 

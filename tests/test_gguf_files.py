@@ -584,3 +584,13 @@ def test_a_killed_conversions_leftovers_are_removed_whatever_the_file_is_called(
     leftover.mkdir()
     layerleap.load(str(path), progress=lambda s: None)
     assert not leftover.exists()
+
+
+def test_a_mixture_of_experts_file_is_refused_before_any_tensor_is_read(tmp_path):
+    path = write_gguf(tmp_path / "mixtral.gguf", "Q4_0", edit=lambda w: w.add_expert_count(8))
+    with pytest.raises(ConfigError) as e:
+        layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert str(e.value) == (
+        "mixtral.gguf: a mixture-of-experts model (llama.expert_count 8): layerleap runs dense decoders only"
+    )
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("gguf-*"))

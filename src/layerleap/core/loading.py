@@ -726,6 +726,11 @@ def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]
             f"{path.name}: GGUF architecture {arch!r} is not supported (layerleap loads llama "
             "(Llama and Mistral files) and qwen2)"
         )
+    if meta.get(f"{arch}.expert_count"):  # Mixtral: llama.cpp writes it as "llama" too
+        raise ConfigError(
+            f"{path.name}: a mixture-of-experts model ({arch}.expert_count {meta[f'{arch}.expert_count']}): "
+            "layerleap runs dense decoders only"
+        )
     _check_gguf_meta(path, meta, fix)
     _check_gguf_rope(path, arch, meta, {t[0] for t in tensors})
     types: dict[str, int] = {}

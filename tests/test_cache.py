@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from subprocs import Proc, last_line, layerleap_cmd, python
-from tiny_models import random_model, save_hf_folder
+from tiny_models import random_model, save_char_tokenizer, save_hf_folder
 
 import layerleap
 from layerleap.core import loading
@@ -27,6 +27,13 @@ NAME = "smollm2-135m"
 def entry_name() -> str:
     size = sum(p.stat().st_size for p in loading._gguf_parts(loading.PACKAGED[NAME]))
     return f"{NAME}-{size:x}"
+
+
+def converted(out: Path, seed: int = 0, shards: int = 1) -> None:
+    """What the stand-in converter writes: a tiny random model (vocabulary 128) and a tokenizer, as a
+    real conversion has (a cache entry without one is converted again)."""
+    save_hf_folder(random_model(dict(vocab_size=128), seed=seed), out, shards=shards)
+    save_char_tokenizer(out)
 
 
 def temp_siblings(root: Path) -> list[Path]:
@@ -41,7 +48,7 @@ def cache(monkeypatch, tmp_path):
 
     def fake(parts, out, progress=print):
         calls.append(out.name)
-        save_hf_folder(random_model(seed=len(calls)), out, shards=2)
+        converted(out, seed=len(calls), shards=2)
 
     monkeypatch.setattr(loading, "_convert_gguf", fake)
     return tmp_path, calls, messages
@@ -182,7 +189,8 @@ def test_real_conversion_stopped_half_way(monkeypatch, tmp_path, how):
         return
     assert rc == -signal.SIGKILL and len(temp_siblings(tmp_path)) == 1
     monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
-    monkeypatch.setattr(loading, "_convert_gguf", lambda parts, out, progress: save_hf_folder(random_model(), out))
+    monkeypatch.setattr(loading, "_convert_gguf", lambda parts, out, progress: converted(out))
     folder = loading.packaged_folder(NAME, progress=lambda m: None)
     assert temp_siblings(tmp_path) == [] and folder.name == entry_name()
-    assert torch.equal(layerleap.load(NAME).tok_embeddings.weight, random_model().tok_embeddings.weight)
+    want = random_model(dict(vocab_size=128)).tok_embeddings.weight
+    assert torch.equal(layerleap.load(NAME).tok_embeddings.weight, want)

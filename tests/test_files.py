@@ -86,3 +86,22 @@ def test_processes_checking_one_new_path_at_once_all_pass(tmp_path):
         with ctx.Pool(4) as pool:
             assert pool.map(_check_out, [path] * 8) == ["ok"] * 8
         assert not [f for f in (tmp_path / f"run{i}").rglob("*") if f.is_file()]
+
+
+def test_a_safetensors_write_that_fails_is_a_clear_error_and_keeps_the_old_file(tmp_path):
+    """A full disk or a file size limit makes safetensors raise its own ``SafetensorError``, not an OSError."""
+    import resource
+    import signal
+
+    path = save_safetensors(tmp_path / "w.safetensors", {"w": torch.zeros(4)}, {"kind": "medusa"})
+    before = path.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # writes past 4 kB fail (EFBIG)
+        with pytest.raises(LayerleapError, match=r"cannot write .*w.safetensors: .*File too large"):
+            save_safetensors(path, {"w": torch.zeros(10_000)}, {"kind": "medusa"})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]

@@ -6,6 +6,8 @@ architecture or tensor type gets one line naming it."""
 from __future__ import annotations
 
 import json
+import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -63,10 +65,12 @@ def write_gguf(
     seed: int = 0,
     rope_theta: float = 10000.0,
     tensor_types: dict[str, str] | None = None,
+    edit=None,
 ) -> Path:
     """A tiny random model as a GGUF file: layer matrices in ``qtype`` (or ``tensor_types[name]``, e.g.
     ``{"blk.0.attn_v": "Q6_K"}``), the embedding in Q8_0 (tied) or ``head`` (an untied output matrix
-    in that type), norms in F32."""
+    in that type), norms in F32.  ``edit(writer)`` runs before the file is written: metadata and
+    tensors to add, replace or remove (``writer.kv_data[0]``, ``writer.tensors[0]``)."""
     rng = np.random.default_rng(seed)
     tokens, merges, types = _vocab()
     V, hd = len(tokens), D // HEADS
@@ -122,6 +126,8 @@ def write_gguf(
                 w.add_tensor(f"blk.{i}.{name}.bias", (0.1 * rng.standard_normal(n)).astype(np.float32))
         for name in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -377,3 +383,214 @@ def test_cli_takes_a_gguf_path(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "missing.gguf" in err and "Traceback" not in err
+
+
+def _drop(key: str):
+    return lambda w: w.kv_data[0].pop(key)
+
+
+def _set(key: str, value, kind: str = "UINT32"):
+    return lambda w: w.add_key_value(key, value, gguf.GGUFValueType[kind])
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        (_drop("tokenizer.ggml.tokens"), ModelFileError, r"has no token list \(tokenizer.ggml.tokens\)"),
+        (_set("tokenizer.ggml.model", "bert", "STRING"), ConfigError, r"GGUF tokenizer 'bert' .* is not supported"),
+        (_set("general.alignment", 0), ModelFileError, "general.alignment is 0, not a power of two"),
+        (_set("tokenizer.ggml.eos_token_id", 10**6), ModelFileError, r"metadata cannot be read \(IndexError: "),
+    ],
+    ids=["no token list", "bert tokenizer", "alignment 0", "end token past the list"],
+)
+def test_metadata_transformers_cannot_read_is_one_line(tmp_path, edit, error, match):
+    path = write_gguf(tmp_path / "bad.gguf", "Q4_0", edit=edit)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(error, match=match) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "edit, what",
+    [
+        (_set("llama.rope.scaling.type", "linear", "STRING"), r"'linear' \(llama.rope.scaling.type\)"),
+        (_set("llama.rope.scaling.type", "yarn", "STRING"), r"'yarn' \(llama.rope.scaling.type\)"),
+        (_set("llama.rope.scaling.factor", 4.0, "FLOAT32"), r"'linear' \(llama.rope.scaling.factor 4.0\)"),
+        (
+            lambda w: w.add_tensor("rope_freqs.weight", np.ones(D // HEADS // 2, np.float32)),
+            r"'llama3' \(tensor rope_freqs.weight\)",
+        ),
+    ],
+    ids=["linear", "yarn", "factor alone", "rope_freqs"],
+)
+def test_rope_scaling_is_refused_not_ignored(tmp_path, edit, what):
+    """A folder's config.json with rope scaling is refused (``ModelConfig.from_hf``); a GGUF's is too."""
+    path = write_gguf(tmp_path / "scaled.gguf", "Q4_0", edit=edit)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ConfigError, match=f"scaled.gguf: unsupported rope scaling {what}: only the default"):
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+    plain = write_gguf(tmp_path / "plain.gguf", "Q4_0", edit=_set("llama.rope.scaling.type", "none", "STRING"))
+    check_gguf(plain)
+
+
+def _tensor(name: str, shape: tuple[int, int], qtype: str):
+    """Replace tensor ``name`` by one of ``shape`` (rows, columns) in ``qtype``."""
+
+    def edit(w):
+        w.tensors[0].pop(name)
+        t = gguf.GGMLQuantizationType[qtype]
+        dense = np.random.default_rng(1).standard_normal(shape).astype(np.float32) / 16
+        w.add_tensor(name, gguf.quants.quantize(dense, t), raw_dtype=t)
+
+    return edit
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_tensor_of_another_shape_is_the_same_one_line_in_every_dtype(tmp_path, qtype):
+    """The 4-bit conversion compares a tensor's shape with the config's before reshaping its blocks
+    (Q4_0: kept as blocks; Q8_0: an 8-bit embedding, a re-quantized layer)."""
+    V = len(_vocab()[0])
+    wide = write_gguf(tmp_path / "wide.gguf", edit=_tensor("blk.0.ffn_down.weight", (D, FF + 256), qtype))
+    big = write_gguf(tmp_path / "big.gguf", edit=_tensor("token_embd.weight", (V + 5, D), qtype))
+    wide_error = (
+        rf"wide.gguf: GGUF tensor blk.0.ffn_down.weight -> .* has shape \({D}, {FF + 256}\), expected \({D}, {FF}\)"
+    )
+    big_error = rf"has shape \({V + 5}, {D}\), expected \({V}, {D}\) \(a row per token: the tokenizer has {V} tokens\)"
+    for dtype in ("q4", "float32"):
+        with pytest.raises(ConfigError, match=wide_error + ": the file's tensors and metadata disagree"):
+            layerleap.load(str(wide), dtype=dtype, progress=lambda s: None)
+        with pytest.raises(ConfigError, match=big_error):
+            layerleap.load(str(big), dtype=dtype, progress=lambda s: None)
+
+
+def test_a_token_list_longer_than_the_embedding_is_refused(tmp_path):
+    V = len(_vocab()[0])
+
+    def edit(w):
+        w.add_vocab_size(V - 5)  # the config's vocab_size, which the embedding matches
+        w.add_eos_token_id(V - 10)
+        _tensor("token_embd.weight", (V - 5, D), "Q8_0")(w)
+
+    path = write_gguf(tmp_path / "short.gguf", edit=edit)
+    for dtype in ("q4", "float32"):
+        with pytest.raises(ConfigError, match=f"short.gguf: the tokenizer has {V} tokens, the embedding {V - 5} rows"):
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+
+
+@pytest.mark.parametrize("chunks", [False, True], ids=["one file", "chunks"])
+def test_a_damaged_packaged_model_is_checked_and_names_its_packages(tmp_path, monkeypatch, chunks):
+    from layerleap.core import loading
+
+    data = write_gguf(tmp_path / "tiny.gguf").read_bytes()[:-1000]  # a truncated download
+    site = tmp_path / "site"
+    mods = ("fake_chunks1", "fake_chunks2") if chunks else ("fake_model",)
+    for i, m in enumerate(mods):
+        (site / m / "data").mkdir(parents=True)
+        (site / m / "__init__.py").write_text("")
+        part = data[: len(data) // 2] if i == 0 else data[len(data) // 2 :]
+        (site / m / "data" / f"part{i + 1}.bin").write_bytes(part if chunks else data)
+    pm = loading.PackagedModel("fake", "Fake", mods, None if chunks else "data/part1.bin")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setitem(loading.PACKAGED, "fake", pm)
+    where = "fake's 2 chunks, joined," if chunks else str(site / "fake_model" / "data" / "part1.bin")
+    fix = "reinstall its 2 packages (fake-chunks1 … fake-chunks2)" if chunks else "reinstall its package: pip"
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ModelFileError) as e:
+            layerleap.load("fake", dtype=dtype, progress=lambda s: None)
+        assert re.fullmatch(
+            rf"{re.escape(where)} is truncated: tensor .*, the file has \d+: {re.escape(fix)}.*", str(e.value)
+        )
+
+
+def test_a_failed_weights_write_is_a_clear_error_and_the_packed_cache_is_best_effort(tmp_path, monkeypatch):
+    """A full disk makes safetensors raise its own ``SafetensorError``: converting a file then fails
+    with a one-line error, while the packed 4-bit cache is only skipped (the model still loads)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from layerleap.errors import LayerleapError
+
+    real = safetensors.torch.save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        if "packed-" in filename or "model-" in filename:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, filename, metadata=metadata)
+
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(LayerleapError, match=r"cannot write .*model-00001.safetensors: .*No space left on device"):
+        layerleap.load(str(path), dtype="float32", progress=lambda s: None)
+    q4 = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert q4.dtype_name == "q4" and not list((tmp_path / "cache").glob("gguf-tiny-*-q4/packed-*"))
+
+
+def test_a_cache_folder_that_cannot_be_used_is_one_line(tmp_path, monkeypatch):
+    from layerleap.errors import LayerleapError
+
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "a-file"))
+    for dtype in ("float32", "q4"):
+        with pytest.raises(LayerleapError) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        fix = "set LAYERLEAP_CACHE to a writable folder"
+        assert str(e.value) == f"cannot use the cache folder {tmp_path / 'a-file'}: Not a directory; {fix}"
+
+
+@pytest.mark.parametrize("damage", ["tokenizer.json {}", "no tokenizer.json", "no tokenizer files"])
+def test_a_cache_entry_whose_tokenizer_does_not_load_is_rebuilt(tmp_path, damage):
+    """A cache entry is derived data: one without a tokenizer that loads is converted again, in either dtype."""
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    for dtype, pattern in (("float32", "gguf-tiny-*[0-9a-f]"), ("q4", "gguf-tiny-*-q4")):
+        layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        (folder,) = (tmp_path / "cache").glob(pattern)
+        if damage == "tokenizer.json {}":
+            (folder / "tokenizer.json").write_text("{}")
+        else:
+            (folder / "tokenizer.json").unlink()
+        if damage == "no tokenizer files":
+            (folder / "tokenizer_config.json").unlink()
+        msgs = []
+        model = layerleap.load(str(path), dtype=dtype, progress=msgs.append)
+        assert f"the cached conversion {folder} has no tokenizer that loads: rebuilding it" in msgs
+        assert model.tokenizer.decode(model.tokenizer.encode("hello world")) == "hello world"
+        assert (folder / "tokenizer.json").is_file()
+
+
+def test_a_tensor_whose_rows_are_not_whole_blocks_is_named(tmp_path):
+    data = bytearray(write_gguf(tmp_path / "tiny.gguf", "Q4_0").read_bytes())
+    name = b"token_embd.weight"
+    at = data.find(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4  # the name, its number of dims
+    assert struct.unpack_from("<Q", data, at) == (D,)
+    struct.pack_into("<Q", data, at, D - 6)  # a corrupt header: rows of 250 values in blocks of 32
+    path = tmp_path / "rows.gguf"
+    path.write_bytes(data)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ModelFileError) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert str(e.value) == (
+            f"{path}: tensor token_embd.weight has rows of {D - 6} values, not a multiple of Q8_0's blocks of 32: "
+            "the file is corrupt, download it again"
+        )
+
+
+def test_a_killed_conversions_leftovers_are_removed_whatever_the_file_is_called(tmp_path):
+    path = write_gguf(tmp_path / "m[1].gguf", "Q4_0")  # glob's brackets in the cache entry's name
+    layerleap.load(str(path), progress=lambda s: None)
+    (folder,) = (tmp_path / "cache").glob("gguf-*")
+    leftover = folder.parent / f".{folder.name}.killed"
+    leftover.mkdir()
+    layerleap.load(str(path), progress=lambda s: None)
+    assert not leftover.exists()
+
+
+def test_a_mixture_of_experts_file_is_refused_before_any_tensor_is_read(tmp_path):
+    path = write_gguf(tmp_path / "mixtral.gguf", "Q4_0", edit=lambda w: w.add_expert_count(8))
+    with pytest.raises(ConfigError) as e:
+        layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert str(e.value) == (
+        "mixtral.gguf: a mixture-of-experts model (llama.expert_count 8): layerleap runs dense decoders only"
+    )
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("gguf-*"))

@@ -336,3 +336,17 @@ def test_freed_memory_goes_back_after_a_load_and_a_long_prompt_pass(char_model_d
     assert calls == []
     layerleap.generate(model, ["a" * (decoding.LONG_PROMPT_PASS // 2)] * 2, "greedy", 2)
     assert calls == ["prompt pass", "generate"]
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(tmp_path):
+    """Token ids past the embedding's rows would crash generation (an IndexError at the first one)."""
+    from tiny_models import random_model, save_char_tokenizer, save_hf_folder
+
+    from layerleap.core.config import ConfigError
+
+    folder = tmp_path / "small-vocab"
+    save_hf_folder(random_model(dict(vocab_size=64, max_position=2048, tie_embeddings=False)), folder)
+    save_char_tokenizer(folder)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ConfigError, match="small-vocab: the tokenizer has 99 tokens, the embedding 64 rows"):
+            layerleap.load(str(folder), dtype=dtype)

@@ -49,13 +49,22 @@ def save_safetensors(
 ) -> Path:
     """``tensors`` (made contiguous, on the CPU) to a safetensors file; metadata values as strings.
     An existing file is only replaced when it holds the same kind of thing (``holds``) or
-    ``may_replace(its metadata)`` says so: weights never replace training data, a model or other weights."""
+    ``may_replace(its metadata)`` says so: weights never replace training data, a model or other weights.
+    A failed write is a ``LayerleapError`` naming the file (``atomic_write``)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     check_replace(path, holds(meta), may_replace=may_replace)
     data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    return atomic_write(path, lambda p: save_file(data, str(p), metadata=meta))
+
+    def write(p: Path) -> None:
+        try:
+            save_file(data, str(p), metadata=meta)
+        except SafetensorError as e:  # safetensors' kind for a failed write (a full disk, a file size limit)
+            raise OSError(str(e)) from None
+
+    return atomic_write(path, write)
 
 
 # -- what an existing output holds: replaced only by the same kind of thing ---------------------------

@@ -210,7 +210,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     from .weight_files import gguf_context, hf_to_ours
     from .model import fingerprint_of
 
-    ctx = gguf_context(gguf_path, out)
+    ctx = gguf_context(gguf_path)
     reader = GGUFReader(str(gguf_path))
     hf: dict[str, QuantizedRows | torch.Tensor] = {}
     requantized: dict[str, str] = {}
@@ -231,6 +231,9 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
         if name is None or name not in ctx.expected:
             continue
         shape = ctx.expected[name]
+        got = tuple(int(n) for n in reversed(t.shape))  # GGUF lists [columns, rows]
+        if len(shape) == 2 and got != shape:  # before the blocks are reshaped to it
+            raise ctx.shape_error(t.name, name, got)
         if len(shape) == 2 and qtype in EXACT_TYPES and shape[1] % GROUP == 0:
             rows = blocks_to_rows(t.data, qtype, *shape)
             hf[name] = rows if order is None else rows.take_rows(torch.from_numpy(order))
@@ -252,7 +255,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
             dense = ctx.process(dense, t.name)
         w = torch.from_numpy(np.array(dense, dtype=np.float32, order="C", copy=True))
         if tuple(w.shape) != tuple(shape):
-            raise ConfigError(f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected {shape}")
+            raise ctx.shape_error(t.name, name, w.shape)
         if len(shape) == 2 and name not in OUTER:
             requantized[name] = qtype
             hf[name] = _Requantized(w)

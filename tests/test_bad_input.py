@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -316,11 +317,12 @@ CLI = [
         G + ["--method", "skipdecode", "--opt", "min_exit_layer=3", "--opt", "max_exit_layer=2"],
         "min_exit_layer=3 > max_exit_layer=2",
     ),
-    (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer in [1, vocab_size], got 0"),
-    (G + ["--method", "ppd", "--opt", "k=abc"], "k must be an integer in [1, vocab_size], got 'abc'"),
+    (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
+    (G + ["--method", "ppd", "--opt", "k=65"], "k must be an integer in [1, min(vocab_size, 64)], got 65"),
+    (G + ["--method", "ppd", "--opt", "k=abc"], "k must be an integer in [1, min(vocab_size, 64)], got 'abc'"),
     (
         G + ["--method", "ppd", "--opt", "k=100000"],
-        "k must be an integer in [1, 128] (vocab_size = 128 on this model), got 100000",
+        "k must be an integer in [1, min(vocab_size, 64)], got 100000",
     ),
     (
         G + ["--method", "ppd", "--opt", "exit_layer=1.5"],
@@ -341,7 +343,9 @@ CLI = [
         G + ["--method", "bild", "--opt", "alpha_rb=-1"],
         "alpha_rb must be a finite number >= 0; inf: never roll back, got -1",
     ),
-    (G + ["--method", "bild", "--opt", "max_small=0"], "max_small must be an integer >= 1"),
+    (G + ["--method", "bild", "--opt", "max_small=0"], "max_small must be an integer in [1, 256]"),
+    (G + ["--method", "bild", "--opt", "max_small=1000000000"], "max_small must be an integer in [1, 256]"),
+    (G + ["--method", "bild", "--opt", f"max_small={2**63 - 1}"], "max_small must be an integer in [1, 256]"),
     (G + ["--method", "bild", "--opt", "exit_layer=99"], "exit_layer must be an integer in [1, 3]"),
     (G + ["--method", "bild", "--opt", "small=no-such-model"], "--opt small: unknown model"),
     (G + ["--method", "calm", "--opt", "threshold=nan"], "threshold must be a finite number, got nan"),
@@ -448,8 +452,8 @@ CLI = [
         SB + ["--head", "/no/such/head.safetensors"],
         "head must be one of auto, shared, trained or an existing weights file",
     ),
-    (SB + ["--max-small", "x"], "max_small must be an integer >= 1 or none"),
-    (SB + ["--max-small", "-1"], "max_small must be an integer >= 1 or none"),
+    (SB + ["--max-small", "x"], "max_small must be an integer in [1, 256] or none"),
+    (SB + ["--max-small", "-1"], "max_small must be an integer in [1, 256] or none"),
     (SB + ["--json", "{FILE}"], "a JSON report must end in .json"),
     (SB + ["--json", "{NOTES_JSON}"], "exists and is not a layerleap report"),
     (SB + ["--plot", "{T}/x.xyz"], "a plot must end in one of .png"),
@@ -515,8 +519,9 @@ CLI = [
     (["eval", "skipdecode-speed", *M, "--repeats", "0"], "must be an integer in [1, 100]"),
     (["eval", "skipdecode-speed", *M, "--batch-sizes", "64", "--categories", "writing"], "the largest batch needs 64"),
     # eval ppd-parallel / self-spec / head-cost / drafters
-    (["eval", "ppd-parallel", *M, "--k", "100000"], "cores"),
-    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, vocab_size], got 0"),
+    (["eval", "ppd-parallel", *M, "--k", "64", "--threads", str(os.cpu_count() or 1)], "cores"),
+    (["eval", "ppd-parallel", *M, "--k", "100000"], "k must be an integer in [1, min(vocab_size, 64)], got 100000"),
+    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     (["eval", "ppd-parallel", *M, "--head", "nosuch"], "head must be one of auto, shared, trained or an existing"),
     (["eval", "ppd-parallel", *M, "--head-on", "both"], "invalid choice: 'both'"),
     (["eval", "ppd-parallel", *M, "--json", "{FILE}"], "must end in .json"),
@@ -542,7 +547,7 @@ CLI = [
     (EX + ["--near-tie", "-1"], "must be a finite number >= 0"),
     (EX + ["--json", "{FILE}"], "must end in .json"),
     (EX + ["--draft", "no-such-model"], "unknown model"),
-    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, vocab_size], got 0"),
+    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     # theory ppd
     (["theory", "ppd", "--simulate", "1000000000"], "must be an integer in [0, 50000000]"),
     (["theory", "ppd", "--simulate", "-5"], "must be an integer in [0, 50000000]"),
@@ -972,7 +977,10 @@ API = [
     (_gen("hi", method="calm", threshold=math.nan), "threshold must be a finite number, got nan"),
     (_gen("hi", method="self-spec", draft_len=10**6), "draft_len must be an integer in [1, 256]"),
     (_gen("hi", method="speculative", draft="tiny"), "draft= must be a layerleap model"),
-    (_gen("hi", method="ppd", k=True), "k must be an integer in [1, 128] (vocab_size = 128 on this model), got True"),
+    (
+        _gen("hi", method="ppd", k=True),
+        "k must be an integer in [1, 64] (min(vocab_size, 64) = 64 on this model), got True",
+    ),
     (_gen("hi", method="medusa", heads=5), "heads must be one of trained, a weights file or loaded weights, got 5"),
     (_gen("hi", method="eagle", eagle_head=5), "eagle_head must be one of trained, a weights file or loaded"),
     (_gen("hi", method="eagle"), "no shipped eagle weights fit"),
@@ -1169,10 +1177,10 @@ BEFORE_LOAD = [
     (["serve", *M, "--method", "self-spec", "--opt", "draft_len=0"], "draft_len must be an integer in [1, 256]"),
     (["serve", *M, "--method", "greedy", "--opt", "k=1"], "method 'greedy' has no option k"),
     (EX + ["--methods", "speculative"], "needs a second model: give --draft NAME"),
-    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, vocab_size], got 0"),
+    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     (TM + ["--out", "{T}/m.safetensors", "--layers", "10"], "--layers is for `layerleap train transfer`"),
     (["eval", "self-spec", *M, "--draft-lens", "0"], "each item draft_len must be an integer in [1, 256]"),
-    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, vocab_size], got 0"),
+    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     (SB + ["--alpha-fb", "nan"], "alpha_fb must be a finite number in [0, 1]"),
 ]
 

@@ -1242,6 +1242,7 @@ def victims(tmp_path, char_model_dir):
     )
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"), {"kind": "token-chunks"})
     save_file({"x": torch.zeros(2)}, str(root / "plain.safetensors"))
+    save_file({"x": torch.zeros(2)}, str(root / "h8.safetensors"), {"kind": "exit-heads"})
     save_file({"chunks": torch.arange(6).view(2, 3)}, str(root / "short.safetensors"), {"kind": "token-chunks"})
     os.link(root / "chunks.safetensors", root / "hardlink.safetensors")
     os.symlink(root / "chunks.safetensors", root / "symlink.safetensors")
@@ -1291,6 +1292,21 @@ OVERWRITE = [
     (["finetune", "skipdecode", "--model", "{M}", "--steps", "1", "--out", "{T}"], "--out {T} holds --model {M}"),
     (["finetune", "skipdecode", "--model", "{M}", "--steps", "1", "--out", "{M}"], "--out {M} is also --model"),
     (["theory", "ppd", "--measure", "--model", "{M}", "--out", "{M}"], "is also --model"),
+    (
+        [
+            "heads",
+            "sub-vocab",
+            "--model",
+            "{M}",
+            "--heads",
+            "{H8}",
+            "--vocab",
+            "8,16",
+            "--out",
+            "{T}/h{vocab}.safetensors",
+        ],
+        "--out {H8} is also --heads",
+    ),
     (["calibrate", "calm", "--model", "{M}", "--out", "{T}"], "holds --model"),
     (["bench", "--model", "{M}", "--data", "{REPORT}", "--json", "{REPORT}"], "--json {REPORT} is also --data"),
     (

@@ -422,6 +422,32 @@ def test_align_small_model_saves_a_loadable_folder(tmp_path):
     assert len(r.token_ids) == N
 
 
+def test_align_small_model_replaces_an_old_folder_only_once_the_new_one_is_written(tmp_path, monkeypatch):
+    """An interrupted run keeps the old folder; a finished one swaps the new one in and leaves nothing beside it."""
+    import safetensors.torch
+
+    from layerleap.train import align
+
+    large, small = tiny_pair(1)
+    recs = _records(large, CALIB)
+    out, cfg = tmp_path / "aligned", align.TrainConfig(epochs=1, lr=1e-2, batch_tokens=24)
+    align.align_small(small, recs, out, cfg, progress=False)
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            align.align_small(small, recs, out, align.TrainConfig(epochs=2, lr=1e-2, batch_tokens=24), progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aligned"]
+    align.align_small(small, recs, out, align.TrainConfig(epochs=2, lr=1e-2, batch_tokens=24), progress=False)
+    assert (out / "model.safetensors").read_bytes() != old["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aligned"]
+
+
 def test_calibration_is_resumable(tmp_path, monkeypatch):
     from layerleap.train import align
 

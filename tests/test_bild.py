@@ -434,15 +434,19 @@ def test_align_small_model_replaces_an_old_folder_only_once_the_new_one_is_writt
     align.align_small(small, recs, out, cfg, progress=False)
     old = {p.name: p.read_bytes() for p in out.iterdir()}
 
-    def interrupted(*a, **kw):
-        raise KeyboardInterrupt
+    save_file = safetensors.torch.save_file
+
+    def interrupted(tensors, path, *a, **kw):  # while the new folder is written, after training
+        if path.endswith("model.safetensors"):
+            raise KeyboardInterrupt
+        return save_file(tensors, path, *a, **kw)
 
     with monkeypatch.context() as m:
         m.setattr(safetensors.torch, "save_file", interrupted)
         with pytest.raises(KeyboardInterrupt):
             align.align_small(small, recs, out, align.TrainConfig(epochs=2, lr=1e-2, batch_tokens=24), progress=False)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == old
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["aligned"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aligned", "aligned.ckpt.safetensors"]  # no temporary
     align.align_small(small, recs, out, align.TrainConfig(epochs=2, lr=1e-2, batch_tokens=24), progress=False)
     assert (out / "model.safetensors").read_bytes() != old["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["aligned"]

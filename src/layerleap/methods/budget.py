@@ -205,8 +205,11 @@ def _show(options: dict) -> str:
 
 
 def _given(model, method: str, options: dict) -> list[str]:
-    """The options given that a calibration of ``method`` would set."""
+    """The options given that a calibration of ``method`` would set (or, SkipDecode's own ways to choose
+    them, replace)."""
     mine = knobs(method, model.config.n_layers)
+    if method == "skipdecode":
+        mine = mine | {"schedule", "target_speedup"}  # its own ways of choosing the budgets
     if method == "bild" and (
         options.get("small") is not None or "exit_layer" in options or options.get("eagle", "auto") != "auto"
     ):
@@ -216,9 +219,7 @@ def _given(model, method: str, options: dict) -> list[str]:
 
 def _runs_as_given(model, method: str, options: dict) -> bool:
     """True when ``options`` already choose the setting (a knob, or SkipDecode's own schedule)."""
-    return bool(_given(model, method, options)) or (
-        method == "skipdecode" and bool(options.keys() & {"schedule", "target_speedup"})
-    )
+    return bool(_given(model, method, options))
 
 
 def uncalibrated_note(model, method: str, options: dict, quality) -> str | None:

@@ -441,6 +441,11 @@ CLI = [
     (["calibrate", "nope"], "choose lossy methods from skipdecode"),
     (["calibrate", "skipdecode", *M, "--quality", "1.5"], "--quality: must be a finite number in (0, 1]"),
     (["calibrate", "skipdecode", *M, "--prompts", "0"], "--prompts: must be an integer in [1, 20]"),
+    (
+        ["calibrate", "calm", *M, "--check", "{T}/c.json", "--out", "{T}/nocal", "--quality", "0.9"],
+        "no calibration of calm for tiny (float32): run `layerleap calibrate calm --quality 0.9 --dtype float32 "
+        "--out {T}/nocal` first",
+    ),
     (["eval", "frontier", *M, "--grid", "base:nope", "--json", "{T}/f.json"], "--grid base:nope: choose a method"),
     (["eval", "frontier", *M, "--json", "{T}/f.json"], "the following arguments are required: --grid"),
     (
@@ -1158,6 +1163,23 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (["calibrate", "calm", *M, "--check", "{T}/c.json", "--extra", "1"], "--extra: not used with --check"),
+    (
+        [
+            "calibrate",
+            "calm",
+            *M,
+            "--check",
+            "{T}/c.json",
+            "--epsilon",
+            "0.2",
+            "--delta",
+            "0.2",
+            "--report",
+            "{T}/r.json",
+        ],
+        "--report, --epsilon, --delta: not used with --check (it reads the calibration's): drop them",
+    ),
     (G + ["--method", "medusa", "--opt", "tree=a;b"], "tree: cannot read the tree shape"),
     (G + ["--method", "medusa", "--opt", "tree=1000"], "more than 512 nodes"),
     (G + ["--method", "self-spec", "--opt", "draft_len=-1"], "draft_len must be an integer in [1, 256] or none"),

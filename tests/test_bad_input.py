@@ -1163,6 +1163,9 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (["train", "data", *M, "--self-distill", "2", "--out", "{T}/a.csv"], "a JSON lines file must end in .jsonl"),
+    (["train", "data", *M, "--self-distill", "2", "--out", "{T}"], "is a folder: give a file name"),
+    (["train", "data", *M, "--self-distill", "2", "--out", "/proc/x.jsonl"], "cannot be written"),
     (["calibrate", "calm", *M, "--check", "{T}/c.json", "--extra", "1"], "--extra: not used with --check"),
     (
         [
@@ -1425,6 +1428,7 @@ REQUIRED = {  # the least each command needs to parse (the flag under test comes
     "finetune variant": ["--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"],
     "heads sub-vocab": ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors"],
     "train corpus": ["--out", "{T}/corpus.safetensors"],
+    "train data": ["--self-distill", "2"],
     "train medusa": ["--out", "{T}/m.safetensors"],
     "train transfer": ["--out", "{T}/t.safetensors"],
     "train eagle": ["--out", "{T}/e.safetensors"],
@@ -1434,6 +1438,7 @@ REQUIRED = {  # the least each command needs to parse (the flag under test comes
 VICTIM = {  # a file each kind of output accepts as its own (so only the input rule can refuse it)
     "JSON report": "{REPORT}",
     "plot file": "{PLOT}",
+    "JSON lines file": "{DATA}",
     "table file": "{TABLE}",
     "HTML report": "{OURS}",
     "weights file": None,  # by kind: below

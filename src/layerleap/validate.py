@@ -517,6 +517,7 @@ html_arg = _file_arg(
     lambda v, n: output_file(v, n, HTML_SUFFIXES, "HTML report"), "HTML report", "out", text="HTML report"
 )
 weights_arg = _file_arg(weights_file, "weights file", "out")
+jsonl_arg = _file_arg(lambda v, n: output_file(v, n, (".jsonl",), "JSON lines file"), "JSON lines file", "out")
 out_dir_arg = _file_arg(output_dir, "folder", "out")
 in_file_arg = _file_arg(input_file, "file", "in")
 

@@ -157,6 +157,7 @@ def test_bench_loads_a_named_draft(capsys, tiny_hf_dir, tmp_path):
     "name,content",
     [
         ("p.jsonl", '"Hello there"\n{"prompt": "Second one"}\n\n{"turns": ["Third", "ignored"]}\n{"text": "Fourth"}\n'),
+        ("P.JSONL", '"Hello there"\n{"prompt": "Second one"}\n\n{"turns": ["Third", "ignored"]}\n{"text": "Fourth"}\n'),
         ("p.txt", "Hello there\nSecond one\n\nThird\nFourth\n"),
     ],
 )

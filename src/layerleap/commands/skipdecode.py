@@ -193,7 +193,7 @@ def run_variant(args) -> int:
     from ..train.data import prompt_completions, self_distilled
     from ..train.variant import VariantConfig, train_variant
 
-    if not str(args.out).endswith(".safetensors"):
+    if not str(args.out).lower().endswith(".safetensors"):
         raise LayerleapError(f"--out {args.out}: a variant is one .safetensors file; name it NAME.safetensors")
     threads = _threads(args.threads)
     cmd = _command_line(args)

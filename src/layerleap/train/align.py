@@ -342,9 +342,9 @@ def align_small(
             for f in src.iterdir():
                 if (
                     f.is_file()
-                    and f.suffix != ".safetensors"
+                    and f.suffix.lower() != ".safetensors"
                     and f.name not in ("config.json",)
-                    and not f.name.endswith(".gguf")
+                    and f.suffix.lower() != ".gguf"
                 ):
                     shutil.copy(f, tmp / f.name)
         elif small.tokenizer is not None:

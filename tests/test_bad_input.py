@@ -385,6 +385,11 @@ CLI = [
     (["info", *M, "--repeats", "5000"], "must be an integer in [1, 1000]"),
     # bench
     (["bench", *M, "--categories", "nope"], "unknown Spec-Bench categories ['nope']"),
+    (["bench", *M, "--categories", ""], "argument --categories: '' names none: give a comma-separated list"),
+    (["bench", *M, "--methods", ""], "argument --methods: '' names none"),
+    (["bench", *M, "--methods", " , "], "argument --methods: ' , ' names none"),
+    (EX + ["--methods", ""], "argument --methods: '' names none"),
+    (["eval", "skipdecode", *M, "--categories", ","], "argument --categories: ',' names none"),
     (["bench", *M, "--methods", "greedy,nope"], "unknown method 'nope'"),
     (["bench", *M, "--methods", "a=greedy,a=sample"], "used twice"),
     (["bench", *M, "--opt", "greedy.k"], "bad option"),
@@ -1163,6 +1168,10 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (EX + ["--methods", "prompt-lookup", "--draft", "{D}"], "--draft: not used: no method of this run takes a draft"),
+    (G + ["--json-schema", ""], "--json-schema is empty: give a JSON schema file or the schema itself"),
+    (G + ["--json-schema", " [1]"], "a JSON schema is a JSON object, got list"),
+    (G + ["--json-schema", "true"], "a JSON schema is a JSON object, got bool"),
     (["train", "data", *M, "--self-distill", "2", "--out", "{T}/a.csv"], "a JSON lines file must end in .jsonl"),
     (["train", "data", *M, "--self-distill", "2", "--out", "{T}"], "is a folder: give a file name"),
     (["train", "data", *M, "--self-distill", "2", "--out", "/proc/x.jsonl"], "cannot be written"),

@@ -538,5 +538,15 @@ def name_or_file_arg(names: tuple[str, ...], what: str) -> Callable[[str], str]:
     return tagged(_as_arg(check, label=what), "in")
 
 
+def _names(t: str) -> str:
+    text(t, "")
+    if not any(s.strip() for s in t.split(",")):
+        raise InputError(f"{show(t)} names none: give a comma-separated list (or drop the flag for its default)")
+    return t
+
+
+names_arg = _as_arg(_names, label="comma list")  # a comma list of names, kept as the text; empty is refused
+
+
 def text_arg(t: str) -> str:
     return _as_arg(lambda s: text(s, ""), label="text")(t)

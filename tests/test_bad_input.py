@@ -34,6 +34,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -164,7 +165,13 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     other.set_fingerprint(tiny.fingerprint)  # heads of another shape that claim to fit this model
     drafters.save_drafter(drafters.new_drafter(other, "medusa", steps=2), root / "medusa_shapes.safetensors")
     save_file({"chunks": torch.arange(6).view(2, 3)}, str(root / "short.safetensors"))
+    nochat = Path(shutil.copytree(char_model_dir, root / "nochat"))
+    (nochat / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((nochat / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (nochat / "tokenizer_config.json").write_text(json.dumps(cfg))
     out = {
+        "NOCHAT": str(nochat),
         "D": str(char_model_dir),
         "EMPTYJSONL": str(root / "empty.jsonl"),
         "NOTOK": str(notok),
@@ -317,6 +324,9 @@ CLI = [
         G + ["--method", "skipdecode", "--opt", "min_exit_layer=3", "--opt", "max_exit_layer=2"],
         "min_exit_layer=3 > max_exit_layer=2",
     ),
+    (["generate", "--model", "{NOCHAT}", "--prompt", "hi", "--chat"], "no chat template: decode the prompt as it is"),
+    (G + ["--method", "medusa", "--opt", "tree=false"], "a tree shape is top-k per depth"),
+    (G + ["--method", "medusa", "--opt", "tree=0.0"], "a tree shape is top-k per depth"),
     (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     (G + ["--method", "ppd", "--opt", "k=65"], "k must be an integer in [1, min(vocab_size, 64)], got 65"),
     (G + ["--method", "ppd", "--opt", "k=abc"], "k must be an integer in [1, min(vocab_size, 64)], got 'abc'"),
@@ -991,6 +1001,8 @@ API = [
         _gen("hi", method="ppd", k=True),
         "k must be an integer in [1, 64] (min(vocab_size, 64) = 64 on this model), got True",
     ),
+    (_gen("hi", method="medusa", tree=False), "a tree shape is top-k per depth ([2, 1, 1] or '2,1,1')"),
+    (_gen("hi", method="medusa", tree=0.0), "a tree shape is top-k per depth ([2, 1, 1] or '2,1,1')"),
     (_gen("hi", method="medusa", heads=5), "heads must be one of trained, a weights file or loaded weights, got 5"),
     (_gen("hi", method="eagle", eagle_head=5), "eagle_head must be one of trained, a weights file or loaded"),
     (_gen("hi", method="eagle"), "no shipped eagle weights fit"),

@@ -1180,6 +1180,12 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (G + ["--quality", "0.9"], "method 'greedy' has no quality budget: quality= (--quality) applies to the lossy"),
+    (G + ["--regex", "("], "cannot compile the regex grammar: at 1(8): invalid regex"),
+    (
+        ["calibrate", "calm", *M, "--prompts", "1"],
+        "3 prompts cannot certify any setting at epsilon=0.1, delta=0.1: give --prompts 8",
+    ),
     (EX + ["--methods", "prompt-lookup", "--draft", "{D}"], "--draft: not used: no method of this run takes a draft"),
     (G + ["--json-schema", ""], "--json-schema is empty: give a JSON schema file or the schema itself"),
     (G + ["--json-schema", " [1]"], "a JSON schema is a JSON object, got list"),

@@ -26,7 +26,7 @@ from .. import validate as V, workload
 from . import command
 from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
-from ..methods.budget import LOSSY
+from ..methods.budget import LOSSY, check_has_budget
 from ..errors import LayerleapError
 from ..core.grammar import Grammar
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
@@ -311,6 +311,11 @@ def _grammar_args(p) -> None:
 
 def _grammar(args):
     """The grammar the flags ask for, or None (read and checked before the model loads)."""
+    grammar = _grammar_asked(args)
+    return grammar.check() if grammar is not None else None
+
+
+def _grammar_asked(args):
     if args.json_object:
         return Grammar.json()
     if args.regex is not None:
@@ -385,6 +390,7 @@ def _method_options(method: str, items: list[str] | None, quality: float | None 
     loaded.  With ``--quality`` a missing option is left to the calibration (or generate names the fix)."""
     options = dict(bench.parse_assignments(items))
     get_method(method).check_options(options, partial=quality is not None)
+    check_has_budget(method, quality)
     _check_model_options(method, options)
     return options
 

@@ -109,6 +109,8 @@ def run(args) -> int:
     threads = _threads(args.threads)
     split = "holdout" if args.check else "calibration"
     prompts = C.split_prompts(split, args.prompts, data=args.data)
+    if not args.check:
+        C.check_enough_prompts(len(prompts), args.epsilon, args.delta, per=len(C.CATEGORIES))
     model = _load(args)
     base = _load(args, args.model) if args.variant else None  # a variant keeps a share of its base model's quality
     settings = 1 + sum(1 if args.check else min(len(budget.PATHS[m](model.config.n_layers)), 3) for m in args.method)

@@ -237,6 +237,15 @@ def uncalibrated_note(model, method: str, options: dict, quality) -> str | None:
     )
 
 
+def check_has_budget(method: str, quality) -> None:
+    """A ``quality`` given to a method without quality budgets is refused (checked without the model)."""
+    if quality is not None and method not in PATHS:
+        raise GenerationError(
+            f"method {method!r} has no quality budget: quality= (--quality) applies to the lossy methods "
+            f"({', '.join(LOSSY)}); the others are greedy-exact or sample"
+        )
+
+
 def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrated | None]:
     """The options ``method`` runs with, and the calibration they came from.  ``quality`` given: the
     calibrated setting for that budget (an error naming ``layerleap calibrate`` when there is none;
@@ -244,11 +253,7 @@ def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrate
     method's knobs given: the calibrated setting at ``DEFAULT_QUALITY`` when a file exists, else the
     method's own defaults."""
     if method not in PATHS:
-        if quality is not None:
-            raise GenerationError(
-                f"method {method!r} has no quality budget: quality= applies to the lossy methods "
-                f"({', '.join(LOSSY)}); the others are greedy-exact or sample"
-            )
+        check_has_budget(method, quality)
         return options, None
     given = _given(model, method, options)
     if quality is None:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -163,7 +165,13 @@ def places(tmp_path_factory, char_model_dir, busy_port):
     other.set_fingerprint(tiny.fingerprint)  # heads of another shape that claim to fit this model
     drafters.save_drafter(drafters.new_drafter(other, "medusa", steps=2), root / "medusa_shapes.safetensors")
     save_file({"chunks": torch.arange(6).view(2, 3)}, str(root / "short.safetensors"))
+    nochat = Path(shutil.copytree(char_model_dir, root / "nochat"))
+    (nochat / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((nochat / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (nochat / "tokenizer_config.json").write_text(json.dumps(cfg))
     out = {
+        "NOCHAT": str(nochat),
         "D": str(char_model_dir),
         "EMPTYJSONL": str(root / "empty.jsonl"),
         "NOTOK": str(notok),
@@ -316,11 +324,15 @@ CLI = [
         G + ["--method", "skipdecode", "--opt", "min_exit_layer=3", "--opt", "max_exit_layer=2"],
         "min_exit_layer=3 > max_exit_layer=2",
     ),
-    (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer in [1, vocab_size], got 0"),
-    (G + ["--method", "ppd", "--opt", "k=abc"], "k must be an integer in [1, vocab_size], got 'abc'"),
+    (["generate", "--model", "{NOCHAT}", "--prompt", "hi", "--chat"], "no chat template: decode the prompt as it is"),
+    (G + ["--method", "medusa", "--opt", "tree=false"], "a tree shape is top-k per depth"),
+    (G + ["--method", "medusa", "--opt", "tree=0.0"], "a tree shape is top-k per depth"),
+    (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
+    (G + ["--method", "ppd", "--opt", "k=65"], "k must be an integer in [1, min(vocab_size, 64)], got 65"),
+    (G + ["--method", "ppd", "--opt", "k=abc"], "k must be an integer in [1, min(vocab_size, 64)], got 'abc'"),
     (
         G + ["--method", "ppd", "--opt", "k=100000"],
-        "k must be an integer in [1, 128] (vocab_size = 128 on this model), got 100000",
+        "k must be an integer in [1, min(vocab_size, 64)], got 100000",
     ),
     (
         G + ["--method", "ppd", "--opt", "exit_layer=1.5"],
@@ -341,7 +353,9 @@ CLI = [
         G + ["--method", "bild", "--opt", "alpha_rb=-1"],
         "alpha_rb must be a finite number >= 0; inf: never roll back, got -1",
     ),
-    (G + ["--method", "bild", "--opt", "max_small=0"], "max_small must be an integer >= 1"),
+    (G + ["--method", "bild", "--opt", "max_small=0"], "max_small must be an integer in [1, 256]"),
+    (G + ["--method", "bild", "--opt", "max_small=1000000000"], "max_small must be an integer in [1, 256]"),
+    (G + ["--method", "bild", "--opt", f"max_small={2**63 - 1}"], "max_small must be an integer in [1, 256]"),
     (G + ["--method", "bild", "--opt", "exit_layer=99"], "exit_layer must be an integer in [1, 3]"),
     (G + ["--method", "bild", "--opt", "small=no-such-model"], "--opt small: unknown model"),
     (G + ["--method", "calm", "--opt", "threshold=nan"], "threshold must be a finite number, got nan"),
@@ -381,6 +395,11 @@ CLI = [
     (["info", *M, "--repeats", "5000"], "must be an integer in [1, 1000]"),
     # bench
     (["bench", *M, "--categories", "nope"], "unknown Spec-Bench categories ['nope']"),
+    (["bench", *M, "--categories", ""], "argument --categories: '' names none: give a comma-separated list"),
+    (["bench", *M, "--methods", ""], "argument --methods: '' names none"),
+    (["bench", *M, "--methods", " , "], "argument --methods: ' , ' names none"),
+    (EX + ["--methods", ""], "argument --methods: '' names none"),
+    (["eval", "skipdecode", *M, "--categories", ","], "argument --categories: ',' names none"),
     (["bench", *M, "--methods", "greedy,nope"], "unknown method 'nope'"),
     (["bench", *M, "--methods", "a=greedy,a=sample"], "used twice"),
     (["bench", *M, "--opt", "greedy.k"], "bad option"),
@@ -437,6 +456,11 @@ CLI = [
     (["calibrate", "nope"], "choose lossy methods from skipdecode"),
     (["calibrate", "skipdecode", *M, "--quality", "1.5"], "--quality: must be a finite number in (0, 1]"),
     (["calibrate", "skipdecode", *M, "--prompts", "0"], "--prompts: must be an integer in [1, 20]"),
+    (
+        ["calibrate", "calm", *M, "--check", "{T}/c.json", "--out", "{T}/nocal", "--quality", "0.9"],
+        "no calibration of calm for tiny (float32): run `layerleap calibrate calm --quality 0.9 --dtype float32 "
+        "--out {T}/nocal` first",
+    ),
     (["eval", "frontier", *M, "--grid", "base:nope", "--json", "{T}/f.json"], "--grid base:nope: choose a method"),
     (["eval", "frontier", *M, "--json", "{T}/f.json"], "the following arguments are required: --grid"),
     (
@@ -448,8 +472,8 @@ CLI = [
         SB + ["--head", "/no/such/head.safetensors"],
         "head must be one of auto, shared, trained or an existing weights file",
     ),
-    (SB + ["--max-small", "x"], "max_small must be an integer >= 1 or none"),
-    (SB + ["--max-small", "-1"], "max_small must be an integer >= 1 or none"),
+    (SB + ["--max-small", "x"], "max_small must be an integer in [1, 256] or none"),
+    (SB + ["--max-small", "-1"], "max_small must be an integer in [1, 256] or none"),
     (SB + ["--json", "{FILE}"], "a JSON report must end in .json"),
     (SB + ["--json", "{NOTES_JSON}"], "exists and is not a layerleap report"),
     (SB + ["--plot", "{T}/x.xyz"], "a plot must end in one of .png"),
@@ -515,8 +539,9 @@ CLI = [
     (["eval", "skipdecode-speed", *M, "--repeats", "0"], "must be an integer in [1, 100]"),
     (["eval", "skipdecode-speed", *M, "--batch-sizes", "64", "--categories", "writing"], "the largest batch needs 64"),
     # eval ppd-parallel / self-spec / head-cost / drafters
-    (["eval", "ppd-parallel", *M, "--k", "100000"], "cores"),
-    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, vocab_size], got 0"),
+    (["eval", "ppd-parallel", *M, "--k", "64", "--threads", str(os.cpu_count() or 1)], "cores"),
+    (["eval", "ppd-parallel", *M, "--k", "100000"], "k must be an integer in [1, min(vocab_size, 64)], got 100000"),
+    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     (["eval", "ppd-parallel", *M, "--head", "nosuch"], "head must be one of auto, shared, trained or an existing"),
     (["eval", "ppd-parallel", *M, "--head-on", "both"], "invalid choice: 'both'"),
     (["eval", "ppd-parallel", *M, "--json", "{FILE}"], "must end in .json"),
@@ -542,7 +567,7 @@ CLI = [
     (EX + ["--near-tie", "-1"], "must be a finite number >= 0"),
     (EX + ["--json", "{FILE}"], "must end in .json"),
     (EX + ["--draft", "no-such-model"], "unknown model"),
-    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, vocab_size], got 0"),
+    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     # theory ppd
     (["theory", "ppd", "--simulate", "1000000000"], "must be an integer in [0, 50000000]"),
     (["theory", "ppd", "--simulate", "-5"], "must be an integer in [0, 50000000]"),
@@ -980,7 +1005,12 @@ API = [
     (_gen("hi", method="calm", threshold=math.nan), "threshold must be a finite number, got nan"),
     (_gen("hi", method="self-spec", draft_len=10**6), "draft_len must be an integer in [1, 256]"),
     (_gen("hi", method="speculative", draft="tiny"), "draft= must be a layerleap model"),
-    (_gen("hi", method="ppd", k=True), "k must be an integer in [1, 128] (vocab_size = 128 on this model), got True"),
+    (
+        _gen("hi", method="ppd", k=True),
+        "k must be an integer in [1, 64] (min(vocab_size, 64) = 64 on this model), got True",
+    ),
+    (_gen("hi", method="medusa", tree=False), "a tree shape is top-k per depth ([2, 1, 1] or '2,1,1')"),
+    (_gen("hi", method="medusa", tree=0.0), "a tree shape is top-k per depth ([2, 1, 1] or '2,1,1')"),
     (_gen("hi", method="medusa", heads=5), "heads must be one of trained, a weights file or loaded weights, got 5"),
     (_gen("hi", method="eagle", eagle_head=5), "eagle_head must be one of trained, a weights file or loaded"),
     (_gen("hi", method="eagle"), "no shipped eagle weights fit"),
@@ -1158,6 +1188,36 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (G + ["--quality", "0.9"], "method 'greedy' has no quality budget: quality= (--quality) applies to the lossy"),
+    (G + ["--regex", "("], "cannot compile the regex grammar: at 1(8): invalid regex"),
+    (
+        ["calibrate", "calm", *M, "--prompts", "1"],
+        "3 prompts cannot certify any setting at epsilon=0.1, delta=0.1: give --prompts 8",
+    ),
+    (EX + ["--methods", "prompt-lookup", "--draft", "{D}"], "--draft: not used: no method of this run takes a draft"),
+    (G + ["--json-schema", ""], "--json-schema is empty: give a JSON schema file or the schema itself"),
+    (G + ["--json-schema", " [1]"], "a JSON schema is a JSON object, got list"),
+    (G + ["--json-schema", "true"], "a JSON schema is a JSON object, got bool"),
+    (["train", "data", *M, "--self-distill", "2", "--out", "{T}/a.csv"], "a JSON lines file must end in .jsonl"),
+    (["train", "data", *M, "--self-distill", "2", "--out", "{T}"], "is a folder: give a file name"),
+    (["train", "data", *M, "--self-distill", "2", "--out", "/proc/x.jsonl"], "cannot be written"),
+    (["calibrate", "calm", *M, "--check", "{T}/c.json", "--extra", "1"], "--extra: not used with --check"),
+    (
+        [
+            "calibrate",
+            "calm",
+            *M,
+            "--check",
+            "{T}/c.json",
+            "--epsilon",
+            "0.2",
+            "--delta",
+            "0.2",
+            "--report",
+            "{T}/r.json",
+        ],
+        "--report, --epsilon, --delta: not used with --check (it reads the calibration's): drop them",
+    ),
     (G + ["--method", "medusa", "--opt", "tree=a;b"], "tree: cannot read the tree shape"),
     (G + ["--method", "medusa", "--opt", "tree=1000"], "more than 512 nodes"),
     (G + ["--method", "self-spec", "--opt", "draft_len=-1"], "draft_len must be an integer in [1, 256] or none"),
@@ -1177,10 +1237,10 @@ BEFORE_LOAD = [
     (["serve", *M, "--method", "self-spec", "--opt", "draft_len=0"], "draft_len must be an integer in [1, 256]"),
     (["serve", *M, "--method", "greedy", "--opt", "k=1"], "method 'greedy' has no option k"),
     (EX + ["--methods", "speculative"], "needs a second model: give --draft NAME"),
-    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, vocab_size], got 0"),
+    (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     (TM + ["--out", "{T}/m.safetensors", "--layers", "10"], "--layers is for `layerleap train transfer`"),
     (["eval", "self-spec", *M, "--draft-lens", "0"], "each item draft_len must be an integer in [1, 256]"),
-    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, vocab_size], got 0"),
+    (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     (SB + ["--alpha-fb", "nan"], "alpha_fb must be a finite number in [0, 1]"),
 ]
 
@@ -1242,6 +1302,7 @@ def victims(tmp_path, char_model_dir):
     )
     save_file({"chunks": torch.arange(16).view(2, 8)}, str(root / "chunks.safetensors"), {"kind": "token-chunks"})
     save_file({"x": torch.zeros(2)}, str(root / "plain.safetensors"))
+    save_file({"x": torch.zeros(2)}, str(root / "h8.safetensors"), {"kind": "exit-heads"})
     save_file({"chunks": torch.arange(6).view(2, 3)}, str(root / "short.safetensors"), {"kind": "token-chunks"})
     os.link(root / "chunks.safetensors", root / "hardlink.safetensors")
     os.symlink(root / "chunks.safetensors", root / "symlink.safetensors")
@@ -1291,6 +1352,21 @@ OVERWRITE = [
     (["finetune", "skipdecode", "--model", "{M}", "--steps", "1", "--out", "{T}"], "--out {T} holds --model {M}"),
     (["finetune", "skipdecode", "--model", "{M}", "--steps", "1", "--out", "{M}"], "--out {M} is also --model"),
     (["theory", "ppd", "--measure", "--model", "{M}", "--out", "{M}"], "is also --model"),
+    (
+        [
+            "heads",
+            "sub-vocab",
+            "--model",
+            "{M}",
+            "--heads",
+            "{H8}",
+            "--vocab",
+            "8,16",
+            "--out",
+            "{T}/h{vocab}.safetensors",
+        ],
+        "--out {H8} is also --heads",
+    ),
     (["calibrate", "calm", "--model", "{M}", "--out", "{T}"], "holds --model"),
     (["bench", "--model", "{M}", "--data", "{REPORT}", "--json", "{REPORT}"], "--json {REPORT} is also --data"),
     (
@@ -1387,6 +1463,7 @@ REQUIRED = {  # the least each command needs to parse (the flag under test comes
     "finetune variant": ["--objective", "calm", "--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"],
     "heads sub-vocab": ["--heads", "trained", "--vocab", "8", "--out", "{T}/s.safetensors"],
     "train corpus": ["--out", "{T}/corpus.safetensors"],
+    "train data": ["--self-distill", "2"],
     "train medusa": ["--out", "{T}/m.safetensors"],
     "train transfer": ["--out", "{T}/t.safetensors"],
     "train eagle": ["--out", "{T}/e.safetensors"],
@@ -1396,6 +1473,7 @@ REQUIRED = {  # the least each command needs to parse (the flag under test comes
 VICTIM = {  # a file each kind of output accepts as its own (so only the input rule can refuse it)
     "JSON report": "{REPORT}",
     "plot file": "{PLOT}",
+    "JSON lines file": "{DATA}",
     "table file": "{TABLE}",
     "HTML report": "{OURS}",
     "weights file": None,  # by kind: below

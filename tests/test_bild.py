@@ -116,6 +116,16 @@ def test_no_fallback_hands_over_at_a_fixed_interval(form):
         assert k * s["forced"] <= s["small_steps"] <= k * s["large_calls"], (k, s)
 
 
+def test_a_run_limit_beyond_the_budget_sizes_chains_by_the_budget():
+    """A chain never holds more drafts than the output has tokens left: the caches are sized by it."""
+    assert ChainRule.fallback(256, 0.5).longest(4) == 4
+    assert ChainRule.fallback(3, 0.5).longest(4) == 3
+    assert ChainRule.fallback(None, 0.5).longest(4) == 4
+    large, small = tiny_pair(0)
+    r = run_bild(large, 3, small=small, alpha_fb=0.0, alpha_rb=math.inf, max_small=256)
+    assert r.token_ids == run_bild(large, 3, small=small, alpha_fb=0.0, alpha_rb=math.inf, max_small=None).token_ids
+
+
 def test_pending_tokens_are_checked_before_returning():
     """The last small tokens go through the rollback policy too: with a strict threshold and a large
     run limit the tail of the output is the large model's, not the small model's."""
@@ -287,8 +297,9 @@ def test_a_callable_head_is_used():
         ({"alpha_fb": True}, "alpha_fb must be"),
         ({"alpha_rb": -1.0}, "alpha_rb must be a finite number >= 0; inf: never roll back"),
         ({"alpha_rb": float("nan")}, "alpha_rb must be"),
-        ({"max_small": 0}, "max_small must be an integer >= 1"),
-        ({"max_small": 2.5}, "max_small must be an integer >= 1"),
+        ({"max_small": 0}, r"max_small must be an integer in \[1, 256\]"),
+        ({"max_small": 2.5}, r"max_small must be an integer in \[1, 256\]"),
+        ({"max_small": 10**9}, r"max_small must be an integer in \[1, 256\] or none \(no limit\)"),
         ({"exit_layer": 0}, r"exit_layer must be an integer in \[1, 3\]"),
         ({"exit_layer": 4}, r"exit_layer must be an integer in \[1, 3\]"),
         ({"exit_layer": "2"}, "exit_layer must be an integer"),
@@ -409,6 +420,36 @@ def test_align_small_model_saves_a_loadable_folder(tmp_path):
     assert any(not torch.equal(sd[k], before[k]) for k in before)  # trained weights were saved
     r = run_bild(large, small=loaded, alpha_fb=0.3, alpha_rb=2.0)
     assert len(r.token_ids) == N
+
+
+def test_align_small_model_replaces_an_old_folder_only_once_the_new_one_is_written(tmp_path, monkeypatch):
+    """An interrupted run keeps the old folder; a finished one swaps the new one in and leaves nothing beside it."""
+    import safetensors.torch
+
+    from layerleap.train import align
+
+    large, small = tiny_pair(1)
+    recs = _records(large, CALIB)
+    out, cfg = tmp_path / "aligned", align.TrainConfig(epochs=1, lr=1e-2, batch_tokens=24)
+    align.align_small(small, recs, out, cfg, progress=False)
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    save_file = safetensors.torch.save_file
+
+    def interrupted(tensors, path, *a, **kw):  # while the new folder is written, after training
+        if path.endswith("model.safetensors"):
+            raise KeyboardInterrupt
+        return save_file(tensors, path, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            align.align_small(small, recs, out, align.TrainConfig(epochs=2, lr=1e-2, batch_tokens=24), progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aligned", "aligned.ckpt.safetensors"]  # no temporary
+    align.align_small(small, recs, out, align.TrainConfig(epochs=2, lr=1e-2, batch_tokens=24), progress=False)
+    assert (out / "model.safetensors").read_bytes() != old["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aligned"]
 
 
 def test_calibration_is_resumable(tmp_path, monkeypatch):

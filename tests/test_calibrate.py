@@ -253,6 +253,15 @@ def test_bilds_calibration_holds_for_its_default_small_model_only(char_model, ca
         budget.resolve(char_model, "bild", {"eagle": "none"}, 0.95)
 
 
+def test_skipdecodes_own_schedule_runs_as_given_and_is_refused_with_a_quality(char_model, cache):
+    setting = {"min_exit_layer": 2, "max_exit_layer": 3, "warmup": 1}
+    _write(char_model, "skipdecode", setting, fast=True)
+    for own in ({"schedule": [3, 2]}, {"target_speedup": 2.0}):
+        assert budget.resolve(char_model, "skipdecode", dict(own), None) == (own, None)
+        with pytest.raises(GenerationError, match=f"drop {next(iter(own))} or drop quality"):
+            budget.resolve(char_model, "skipdecode", dict(own), 0.95)
+
+
 def test_no_faster_setting_says_so_once_and_knobs_win(char_model, cache):
     _write(char_model, "calm", {"threshold": 1.01, "min_exit_layer": 2}, fast=False)
     with pytest.warns(layerleap.decoding.BudgetWarning, match="no setting faster than greedy"):

@@ -157,6 +157,7 @@ def test_bench_loads_a_named_draft(capsys, tiny_hf_dir, tmp_path):
     "name,content",
     [
         ("p.jsonl", '"Hello there"\n{"prompt": "Second one"}\n\n{"turns": ["Third", "ignored"]}\n{"text": "Fourth"}\n'),
+        ("P.JSONL", '"Hello there"\n{"prompt": "Second one"}\n\n{"turns": ["Third", "ignored"]}\n{"text": "Fourth"}\n'),
         ("p.txt", "Hello there\nSecond one\n\nThird\nFourth\n"),
     ],
 )
@@ -265,3 +266,33 @@ def test_every_model_command_takes_model_dtype_device(command):
     assert {"--model", "--dtype", "--device"} <= flags
     dtype = next(a for a in p._actions if "--dtype" in a.option_strings)
     assert set(dtype.choices) == set(layerleap.core.loading.DTYPES)
+
+
+def test_serve_on_port_0_prints_the_port_it_listens_on(tiny_hf_dir):
+    """``serve --port 0`` binds a free port before the model loads and prints that port, where it answers."""
+    import re
+    import signal
+    import time
+    import urllib.request
+
+    from subprocs import Proc, layerleap_cmd
+
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    argv = [*layerleap_cmd(), "serve", "--model", str(tiny_hf_dir), "--host", "127.0.0.1", "--port", "0"]
+    p = Proc([*argv, "--no-access-log"])
+    try:
+        p.wait_for(r"on http://127\.0\.0\.1:\d+/v1")
+        port = int(re.search(r"on http://127\.0\.0\.1:(\d+)/v1", p.text_err()).group(1))
+        assert port != 0
+        end, status = time.monotonic() + 60, None
+        while status is None and time.monotonic() < end:
+            try:
+                status = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status
+            except OSError:
+                time.sleep(0.1)
+        assert status == 200, p.text_err()[-2000:]
+    finally:
+        p.send(signal.SIGINT)
+        rc, _, err = p.finish(60)
+    assert rc == 130 and "Traceback" not in err, err[-2000:]  # Ctrl-C's exit, as before

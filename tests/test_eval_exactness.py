@@ -194,7 +194,7 @@ def test_interrupted_run_resumes(capsys, tmp_path, char_model_dir, lossless):
         (["--near-tie", "-1"], "must be a finite number >= 0"),
         (["--json", "notes.txt"], "must end in .json"),
         (["--draft", "no-such-model"], "unknown model"),
-        (["--opt", "ppd.k=0", "--categories", "qa", "--prompts", "1"], "k must be an integer in [1, vocab_size]"),
+        (["--opt", "ppd.k=0", "--categories", "qa", "--prompts", "1"], "k must be an integer in [1, min(vocab_size"),
     ],
 )
 def test_bad_input(capsys, char_model_dir, argv, message):

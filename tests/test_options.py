@@ -123,8 +123,17 @@ def test_model_bounds_are_resolved_on_the_model(tiny):
         layerleap.generate(tiny, "hi", "self-spec", 2, exit_layer=n)
     with pytest.raises(GenerationError, match=rf"in \[{(n + 1) // 2}, {n - 1}\] \(ceil\(n_layers/2\) = "):
         layerleap.generate(tiny, "hi", "ppd", 2, exit_layer=1)
-    with pytest.raises(GenerationError, match=rf"k must be an integer in \[1, {tiny.config.vocab_size}\]"):
-        layerleap.generate(tiny, "hi", "ppd", 2, k=tiny.config.vocab_size + 1)
+    most = min(tiny.config.vocab_size, O.MAX_CANDIDATES)
+    with pytest.raises(GenerationError, match=rf"k must be an integer in \[1, {most}\] \(min\(vocab_size, 64\) = "):
+        layerleap.generate(tiny, "hi", "ppd", 2, k=most + 1)
+
+
+def test_a_model_bound_with_a_most_is_checked_before_the_model():
+    """PPD's k is at most 64 on any model (its masks grow with k²): refused without the model."""
+    assert O.K.check(64) == 64
+    with pytest.raises(O.OptionError, match=r"k must be an integer in \[1, min\(vocab_size, 64\)\], got 65"):
+        O.K.check(65)
+    assert O.EXIT_LAYER.check(10**6) == 10**6  # no most: left for the check with the model
 
 
 def test_any_integral_is_an_integer_and_bool_is_not(tiny):

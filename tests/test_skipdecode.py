@@ -204,11 +204,28 @@ def test_calm_runs_the_layers_before_its_first_check_in_one_call(model, monkeypa
         (dict(schedule=[7, 3]), r"schedule must be a list of integers in \[1, 6\]"),
         (dict(decay="cubic"), "decay"),
         (dict(max_len=3), "max_len"),
+        (dict(schedule=[5, 4], target_speedup=2.0), "so target_speedup would be ignored .* drop target_speedup"),
+        (dict(schedule=[5, 4], min_exit_layer=2, max_len=9), "so min_exit_layer, max_len would be ignored"),
+        (dict(schedule=[5, 4], decay="power", power=3.0), "so power, decay would be ignored"),
+        (dict(target_speedup=2.0, min_exit_layer=2, max_exit_layer=4), "drop target_speedup or one of them"),
+        (dict(power=3.0), "power is the exponent of decay='power', and decay is 'linear': add decay='power'"),
+        (dict(power=2.0, decay="linear"), "add decay='power'"),
     ],
 )
 def test_bad_budgets(model, opts, match):
     with pytest.raises(GenerationError, match=match):
         generate(model, PROMPTS, "skipdecode", 8, **opts)
+
+
+def test_the_decays_options_that_go_together(model):
+    kw = dict(stop_at_eos=False, min_exit_layer=2, max_exit_layer=5)
+    default = generate(model, PROMPTS[0], "skipdecode", 8, **kw, decay="power").stats["budgets"]
+    assert generate(model, PROMPTS[0], "skipdecode", 8, **kw, decay="power", power=2.0).stats["budgets"] == default
+    assert generate(model, PROMPTS[0], "skipdecode", 8, **kw, decay="power", power=0.5).stats["budgets"] != default
+    one = generate(model, PROMPTS[0], "skipdecode", 8, stop_at_eos=False, target_speedup=2.0, min_exit_layer=1)
+    hi = target_config(D, 2.0).max_exit_layer  # the one exit layer not given comes from target_speedup
+    both = generate(model, PROMPTS[0], "skipdecode", 8, stop_at_eos=False, min_exit_layer=1, max_exit_layer=hi)
+    assert one.stats["budgets"] == both.stats["budgets"] and hi > 2
 
 
 def test_explicit_schedule(model):

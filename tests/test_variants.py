@@ -125,6 +125,8 @@ def test_a_variant_refuses_another_model_and_unknown_names(tmp_path):
         variants.apply(other, out)
     with pytest.raises(variants.VariantError, match="no variant 'nope'"):
         variants.variant_file("smollm2-135m", "nope")
+    upper = out.rename(tmp_path / "V.SAFETENSORS")  # a suffix in any case
+    assert variants.variant_file("smollm2-135m", str(upper)) == upper
     with pytest.raises(VariantTrainError, match="objective"):
         train_variant(_model(), out, _cfg("medusa"), EXAMPLES, "toy")
 

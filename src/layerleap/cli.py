@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 
 from . import interrupts
 from .commands import _COMMANDS, GROUP_HELP
@@ -62,19 +63,33 @@ def _path_args(p: argparse.ArgumentParser) -> list[tuple[str, str, object]]:
     ]
 
 
-def check_paths(args) -> None:
-    """The one check of every path a command names, before it runs: an output is not an input (nor a
-    folder holding one, nor a hard link to one), two outputs are not one path, and an existing output
-    is only replaced by the same kind of file (weights of the same kind, a layerleap table or page)."""
-    from . import files
+def _named_paths(args) -> list[tuple[str, Path, object]]:
+    """``(flag, path, type)`` of every path argument the command was given."""
     from . import validate as V
 
-    named = [
+    return [
         (flag, V.path(str(type_.tags.get("path_of", str)(v)), flag), type_)
         for dest, flag, type_ in getattr(args, "_paths", [])
         for v in (lambda x: x if isinstance(x, list) else [x])(getattr(args, dest, None))
         if v is not None
     ]
+
+
+def check_outputs(args, outputs: list[tuple[str, Path]]) -> None:
+    """``outputs`` a command makes from its arguments (``heads sub-vocab``'s ``{vocab}`` names), held
+    to ``check_paths``' rule: none is an input, a folder holding one, or another of them."""
+    from . import files
+
+    files.check_distinct(outputs, [(f, p) for f, p, t in _named_paths(args) if t.role == "in"])
+
+
+def check_paths(args) -> None:
+    """The one check of every path a command names, before it runs: an output is not an input (nor a
+    folder holding one, nor a hard link to one), two outputs are not one path, and an existing output
+    is only replaced by the same kind of file (weights of the same kind, a layerleap table or page)."""
+    from . import files
+
+    named = _named_paths(args)
     outs = [(flag, p, t) for flag, p, t in named if t.role == "out"]
     beside = [  # the files an output brings beside it (a checkpoint, a work folder): never an input either
         (f"{flag}'s {what}", p.with_name(p.name + suffix))

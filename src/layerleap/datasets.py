@@ -144,7 +144,9 @@ def read_prompts_file(path: str | Path) -> list[str]:
         lines = [(n, line) for n, line in enumerate(text.decode("utf-8").splitlines(), 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise LayerleapError(f"cannot read prompts file {p} ({type(e).__name__}): give a UTF-8 text file") from None
-    prompts = [_json_prompt(p, n, line) for n, line in lines] if p.suffix == ".jsonl" else [ln for _, ln in lines]
+    prompts = (
+        [_json_prompt(p, n, line) for n, line in lines] if p.suffix.lower() == ".jsonl" else [ln for _, ln in lines]
+    )
     if not prompts:
         raise LayerleapError(f"prompts file {p} holds no prompts: write one prompt a line")
     return prompts

@@ -121,7 +121,9 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
             )
         if chat:
             if not getattr(tok, "chat_template", None):
-                raise GenerationError("this tokenizer has no chat template: call without chat=True")
+                raise GenerationError(
+                    "this tokenizer has no chat template: decode the prompt as it is, without chat=True (--chat)"
+                )
             ids = chat_token_ids(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
         else:
             ids = tok(prompt)["input_ids"]

@@ -36,6 +36,45 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def replace_dir(path: str | Path, fill: Callable[[Path], None]) -> Path:
+    """Call ``fill(tmp)`` on a temporary sibling folder of ``path``, then swap it in: an existing
+    ``path`` is renamed aside, the new folder renamed into place, and the old one deleted, so an
+    interrupted run leaves the old folder or the new one (the old one at worst beside it, as
+    ``.NAME.*.old``), never neither."""
+    import shutil
+    import tempfile
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent))
+        try:
+            fill(tmp)
+            _swap_in(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        raise LayerleapError(f"cannot write {path}: {e.strerror or e}") from None
+    return path
+
+
+def _swap_in(new: Path, path: Path) -> None:
+    """Rename ``new`` to ``path``, an existing ``path`` renamed aside first (and back if that fails),
+    then deleted."""
+    import shutil
+
+    old = new.with_suffix(".old")
+    if path.exists():
+        os.replace(path, old)
+    try:
+        os.replace(new, path)
+    except OSError:
+        if old.exists():
+            os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
 

@@ -517,6 +517,7 @@ html_arg = _file_arg(
     lambda v, n: output_file(v, n, HTML_SUFFIXES, "HTML report"), "HTML report", "out", text="HTML report"
 )
 weights_arg = _file_arg(weights_file, "weights file", "out")
+jsonl_arg = _file_arg(lambda v, n: output_file(v, n, (".jsonl",), "JSON lines file"), "JSON lines file", "out")
 out_dir_arg = _file_arg(output_dir, "folder", "out")
 in_file_arg = _file_arg(input_file, "file", "in")
 
@@ -535,6 +536,16 @@ def name_or_file_arg(names: tuple[str, ...], what: str) -> Callable[[str], str]:
         return input_file(t, "", what) and t
 
     return tagged(_as_arg(check, label=what), "in")
+
+
+def _names(t: str) -> str:
+    text(t, "")
+    if not any(s.strip() for s in t.split(",")):
+        raise InputError(f"{show(t)} names none: give a comma-separated list (or drop the flag for its default)")
+    return t
+
+
+names_arg = _as_arg(_names, label="comma list")  # a comma list of names, kept as the text; empty is refused
 
 
 def text_arg(t: str) -> str:

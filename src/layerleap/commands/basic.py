@@ -26,7 +26,7 @@ from .. import validate as V, workload
 from . import command
 from ..datasets import read_prompts_file, spec_bench
 from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
-from ..methods.budget import LOSSY
+from ..methods.budget import LOSSY, check_has_budget
 from ..errors import LayerleapError
 from ..core.grammar import Grammar
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
@@ -302,8 +302,7 @@ def _grammar_args(p) -> None:
     g.add_argument(
         "--json-schema",
         metavar="SCHEMA",
-        help="structured output: JSON that this JSON schema describes (a file, or the schema itself when it "
-        "starts with {)",
+        help="structured output: JSON that this JSON schema describes (a file, or the schema itself, {...})",
     )
     g.add_argument("--json-object", action="store_true", help="structured output: a JSON object")
     g.add_argument("--regex", metavar="PATTERN", help="structured output: text the regular expression matches")
@@ -312,20 +311,33 @@ def _grammar_args(p) -> None:
 
 def _grammar(args):
     """The grammar the flags ask for, or None (read and checked before the model loads)."""
+    grammar = _grammar_asked(args)
+    return grammar.check() if grammar is not None else None
+
+
+def _grammar_asked(args):
     if args.json_object:
         return Grammar.json()
     if args.regex is not None:
         return Grammar.regex(args.regex)
     if args.json_schema is not None:
-        text = args.json_schema
-        if not text.lstrip().startswith("{"):
-            with reading(text, "JSON schema file", "give a readable JSON file or the schema itself"):
-                text = Path(text).read_text()
-        return Grammar.json(text)
+        return Grammar.json(_json_schema(args.json_schema))
     if args.grammar is not None:
         with reading(args.grammar, "grammar file", "give a readable GBNF or Lark file"):
             return Grammar.gbnf(Path(args.grammar).read_text())
     return None
+
+
+def _json_schema(text: str) -> str:
+    """``--json-schema``'s schema: the value itself when it reads as JSON ({...}, and [...], true or false,
+    which ``Grammar.json`` refuses as no schema), else the text of the file it names."""
+    t = text.strip()
+    if not t:
+        raise LayerleapError("--json-schema is empty: give a JSON schema file or the schema itself ({...})")
+    if t[0] in "{[" or t in ("true", "false"):
+        return text
+    with reading(text, "JSON schema file", "give a readable JSON file or the schema itself"):
+        return Path(text).read_text()
 
 
 def _opt_arg(p, metavar: str, what: str) -> None:
@@ -378,6 +390,7 @@ def _method_options(method: str, items: list[str] | None, quality: float | None 
     loaded.  With ``--quality`` a missing option is left to the calibration (or generate names the fix)."""
     options = dict(bench.parse_assignments(items))
     get_method(method).check_options(options, partial=quality is not None)
+    check_has_budget(method, quality)
     _check_model_options(method, options)
     return options
 
@@ -659,11 +672,14 @@ def _setup_bench(p):
     _model_args(p)
     p.add_argument(
         "--methods",
+        type=V.names_arg,
         default=None,
         help="comma-separated METHOD or LABEL=METHOD (default: every "
         "method that needs no extra model); plain greedy is always run as the reference",
     )
-    p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
+    p.add_argument(
+        "--categories", type=V.names_arg, default=None, help="comma-separated Spec-Bench categories (default: all)"
+    )
     p.add_argument("--prompts", type=_positive_int, default=1, help="prompts per category (default 1)")
     p.add_argument(
         "--offset",
@@ -812,7 +828,9 @@ def _finish(result: bench.BenchResult, out: str | None, html: str | None = None)
 def _setup_demo(p):
     _model_args(p)
     p.add_argument("--prompt", type=V.text_arg, default=DEMO_PROMPT, help="the chat prompt every method answers")
-    p.add_argument("--categories", default=DEMO_CATEGORIES, help=f"bench categories (default {DEMO_CATEGORIES})")
+    p.add_argument(
+        "--categories", type=V.names_arg, default=DEMO_CATEGORIES, help=f"bench categories (default {DEMO_CATEGORIES})"
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=32)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the bench report here")
     p.add_argument(

@@ -144,7 +144,12 @@ def _setup_sweep(p):
         "yardsticks: greedy, and assisted generation (assistant_model=the small model; early-exit form: "
         "assistant_early_exit=E, its own LM head)",
     )
-    p.add_argument("--categories", default=SWEEP_CATEGORIES, help=f"Spec-Bench categories (default {SWEEP_CATEGORIES})")
+    p.add_argument(
+        "--categories",
+        type=V.names_arg,
+        default=SWEEP_CATEGORIES,
+        help=f"Spec-Bench categories (default {SWEEP_CATEGORIES})",
+    )
     p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument(
@@ -299,7 +304,10 @@ def _setup_align(p):
         help="the exit head file (.safetensors) or the small model's new folder",
     )
     p.add_argument(
-        "--categories", default=SWEEP_CATEGORIES, help=f"calibration categories (default {SWEEP_CATEGORIES})"
+        "--categories",
+        type=V.names_arg,
+        default=SWEEP_CATEGORIES,
+        help=f"calibration categories (default {SWEEP_CATEGORIES})",
     )
     p.add_argument("--prompts", type=_positive_int, default=16, help="calibration prompts per category (default 16)")
     p.add_argument(

@@ -14,7 +14,7 @@ from ..eval import calibrate as C
 from ..files import write_json
 from ..methods import budget
 from . import command
-from .basic import _command_line, _load, _model_args, _positive_int, _say, _threads
+from .basic import _command_line, _load, _model_args, _positive_int, _refuse_unused, _say, _threads
 
 
 @command(
@@ -102,20 +102,27 @@ def _methods(text: str) -> list[str]:
 
 @_setup
 def run(args) -> int:
+    if args.check:
+        _refuse_unused(
+            args, ("--report", "--extra", "--epsilon", "--delta"), "with --check (it reads the calibration's)"
+        )
     threads = _threads(args.threads)
     split = "holdout" if args.check else "calibration"
     prompts = C.split_prompts(split, args.prompts, data=args.data)
+    if not args.check:
+        C.check_enough_prompts(len(prompts), args.epsilon, args.delta, per=len(C.CATEGORIES))
     model = _load(args)
     base = _load(args, args.model) if args.variant else None  # a variant keeps a share of its base model's quality
     settings = 1 + sum(1 if args.check else min(len(budget.PATHS[m](model.config.n_layers)), 3) for m in args.method)
     workload.check(args, workload.decoding(model, settings * len(prompts), args.max_new_tokens))
     if args.check:
+        found = {m: _calibration(args, model, m) for m in args.method}  # each one there before any decoding
         greedy = C.greedy_outputs(base or model, prompts, args.max_new_tokens, _say)
         report = {
             "command": _command_line(args),
             "threads": threads,
             "split": split,
-            "methods": {m: _check(args, model, prompts, m, greedy, base) for m in args.method},
+            "methods": {m: _check(args, model, prompts, m, found[m], greedy, base) for m in args.method},
         }
         write_json(args.check, report)
         print(f"wrote {args.check}")
@@ -163,25 +170,33 @@ def _report(args, method: str) -> str | None:
     return str(p.with_name(f"{p.stem}.{method}{p.suffix}"))
 
 
-def _check(args, model, prompts, method: str, greedy, base=None) -> dict:
+def _calibrate_command(args, model, method: str) -> str:
+    """The ``calibrate`` command that writes the calibration ``--check`` looks for."""
+    out = f" --out {args.out}" if args.out else ""
+    return f"layerleap calibrate {method} --quality {args.quality} --dtype {model.dtype_name}{out}"
+
+
+def _calibration(args, model, method: str) -> tuple[Path, dict]:
+    """The calibration file ``--check`` measures and its entry for ``--quality``."""
     entries = [
         p for p in ([_out(args, model, method)] if args.out else budget.calibration_files(model, method)) if p.is_file()
     ]
     if not entries:
         raise LayerleapError(
             f"no calibration of {method} for {model.config.name} ({model.dtype_name}): run "
-            f"layerleap calibrate {args.method} first"
+            f"`{_calibrate_command(args, model, method)}` first"
         )
     data = budget.read_calibration(entries[0])
     key = budget.budget_key(args.quality)
     if key not in data["budgets"]:
-        raise LayerleapError(
-            f"{entries[0]} has no budget {key}: run layerleap calibrate {method} --quality {args.quality}"
-        )
-    res = C.holdout_check(
-        model, data["budgets"][key], method, prompts, args.max_new_tokens, greedy, progress=_say, base=base
-    )
-    res.update(method=method, quality=args.quality, calibration=str(entries[0]))
+        raise LayerleapError(f"{entries[0]} has no budget {key}: run `{_calibrate_command(args, model, method)}`")
+    return entries[0], data["budgets"][key]
+
+
+def _check(args, model, prompts, method: str, found: tuple[Path, dict], greedy, base=None) -> dict:
+    path, entry = found
+    res = C.holdout_check(model, entry, method, prompts, args.max_new_tokens, greedy, progress=_say, base=base)
+    res.update(method=method, quality=args.quality, calibration=str(path))
     print(
         json.dumps(
             {

@@ -44,9 +44,9 @@ def _setup_data(p):
     p.add_argument("--seed", type=V.seed_arg, default=0, help="sampling: prompt i samples with seed + i (default 0)")
     p.add_argument(
         "--out",
-        type=V.path_arg,
+        type=V.jsonl_arg,
         default=None,
-        help="the .jsonl to write (default: the cache, where --data self-distill finds it)",
+        help="the .jsonl to write, or to add answers to (default: the cache, where --data self-distill finds it)",
     )
 
 

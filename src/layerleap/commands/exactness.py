@@ -46,6 +46,7 @@ def _setup(p):
     _model_args(p)
     p.add_argument(
         "--methods",
+        type=V.names_arg,
         default="all",
         help="all: every method whose registry entry claims greedy-"
         "exactness; or a comma list of METHOD or LABEL=METHOD (default all)",
@@ -60,7 +61,9 @@ def _setup(p):
         "--methods is refused",
     )
     p.add_argument("--prompts", type=_prompts, default="all", help="all, or N prompts per category (default all)")
-    p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
+    p.add_argument(
+        "--categories", type=V.names_arg, default=None, help="comma-separated Spec-Bench categories (default: all)"
+    )
     p.add_argument(
         "--data",
         type=V.in_file_arg,
@@ -101,13 +104,14 @@ def _methods(args) -> tuple[dict, dict]:
     text = ",".join(lossless_methods()) if every else args.methods
     specs = bench.parse_methods(text, args.opt, check=False)
     check_methods(specs)
-    skipped = {}
+    skipped, drafted = {}, False
     for label, (name, options) in list(specs.items()):
         missing = bench.required_options(name, options)
         models = get_method(name).models
         for k in [k for k in missing if k in models and args.draft]:
             options[k] = args.draft
             missing.remove(k)
+            drafted = True
         if missing:
             need = (
                 "a second model: give --draft NAME"
@@ -118,6 +122,11 @@ def _methods(args) -> tuple[dict, dict]:
                 raise LayerleapError(f"method {label} needs {need}")
             skipped[label] = f"needs {need}"
             del specs[label]
+    if args.draft and not drafted:
+        raise LayerleapError(
+            f"--draft: not used: no method of this run takes a draft model ({', '.join(specs)}): drop it, or add "
+            "a method that does (speculative)"
+        )
     for label, (name, options) in specs.items():
         bench.check_spec(label, name, options)
     return specs, skipped

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from . import command
+from ..cli import check_outputs
 from ..errors import LayerleapError
 from .. import validate as V, workload
 from ..files import check_replace, holds, read_safetensors_meta, write_json
@@ -477,6 +478,7 @@ def run_sub(args) -> int:
     if len(sizes) > 1 and "{vocab}" not in args.out:
         raise LayerleapError(f"--out {args.out} must contain {{vocab}} to write {len(sizes)} sizes")
     outs = {s: args.out.replace("{vocab}", str(s)) for s in sizes}
+    check_outputs(args, [("--out", V.path(o, "--out")) for o in outs.values()])
     for o in outs.values():
         check_replace(V.weights_file(o, "--out"), "exit-heads", "--out")
     cmd, model, threads = _start(args)

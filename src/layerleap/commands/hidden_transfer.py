@@ -229,7 +229,7 @@ def _setup_eval(p):
     p.add_argument(
         "--medusa", type=DRAFTER_ARG, action="append", default=[], help="Medusa heads file(s) ('trained': shipped)"
     )
-    p.add_argument("--categories", default="summarization,math_reasoning")
+    p.add_argument("--categories", type=V.names_arg, default="summarization,math_reasoning")
     p.add_argument("--prompts", type=_positive_int, default=4, help="prompts per category")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", type=V.report_arg, default=None)

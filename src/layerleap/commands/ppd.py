@@ -65,7 +65,7 @@ def _setup_theory(p):
         "--simulate, --seed and --json are then refused)",
     )
     _model_args(m)
-    m.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
+    m.add_argument("--categories", type=V.names_arg, default="summarization,qa,translation,math_reasoning,writing")
     m.add_argument("--prompts", type=_positive_int, default=3, help="prompts per category (default 3)")
     m.add_argument("--max-new-tokens", type=_positive_int, default=64)
     m.add_argument(
@@ -221,7 +221,7 @@ def _setup_parallel(p):
         choices=["sub", "main"],
         help="which process runs the exit head (main: as the paper; sub: off the critical path)",
     )
-    p.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
+    p.add_argument("--categories", type=V.names_arg, default="summarization,qa,translation,math_reasoning,writing")
     p.add_argument("--prompts", type=_positive_int, default=2, help="prompts per category (default 2)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None, help="write the report here")
@@ -358,7 +358,7 @@ def _setup_selfspec(p):
         help="also run self-spec with this adaptive stop (0 = skip that variant)",
     )
     p.add_argument("--head", type=HEAD_ARG, default="auto", help="exit head: auto, shared, trained or a heads file")
-    p.add_argument("--categories", default="summarization,qa,translation,math_reasoning,writing")
+    p.add_argument("--categories", type=V.names_arg, default="summarization,qa,translation,math_reasoning,writing")
     p.add_argument("--prompts", type=_positive_int, default=1)
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--json", metavar="OUT.json", type=V.report_arg, default=None)

@@ -98,13 +98,23 @@ def _setup(p):
 @_setup
 def run_serve(args) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
-        from ..server import ServerConfig, create_app
+        from ..server import ServerConfig, create_app  # noqa: F401
     except ImportError as e:
         raise LayerleapError(f"layerleap serve needs {e.name}: pip install 'layerleap[serve]'") from None
     options = _method_options(args.method, args.opt)  # the method's declarations, before loading
-    _check_bind(args.host, args.port)
+    with _bind(args.host, args.port) as sock:
+        return _serve(args, options, sock)
+
+
+def _serve(args, options: dict, sock) -> int:
+    """Load the model, check the method and its options on it, and serve on ``sock`` (bound before the
+    model loads; with --port 0 the port it got is the one printed) until Ctrl-C or SIGTERM."""
+    import uvicorn
+
+    from ..server import ServerConfig, create_app
+
     threads = _threads(args.threads)
     model = _load(args)
     get_method(args.method).check_options(options, model.config)  # the bounds on the model, before a draft loads
@@ -131,16 +141,19 @@ def run_serve(args) -> int:
         _access_log()
     _say(
         f"serving {cfg.model_name} ({args.dtype}, {threads} threads) with {args.method} "
-        f"on http://{args.host}:{args.port}/v1 (Ctrl-C stops)"
+        f"on http://{_url_host(args.host)}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)"
     )
-    uvicorn.run(
-        create_app(model, cfg, loader),
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_graceful_shutdown=args.drain_seconds,
-    )
-    return 0
+    app = create_app(model, cfg, loader)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.drain_seconds))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    return 0 if server.started else 1
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _access_log() -> None:
@@ -155,17 +168,22 @@ def _access_log() -> None:
     log.propagate = False
 
 
-def _check_bind(host: str, port: int) -> None:
-    """Bind ``host:port`` once (then let it go) before loading the model: a bad address or a port in use
-    is one line, not a server that dies after start-up."""
+def _bind(host: str, port: int):
+    """The socket the server listens on, bound to ``host:port`` before loading the model (a bad address
+    or a port in use is one line, not a server that dies after start-up; ``--port 0``: a free port)."""
     import socket
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, addr = infos[0]
-        with socket.socket(family, kind, proto) as s:
+        s = socket.socket(family, kind, proto)
+        try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
+        except OSError:
+            s.close()
+            raise
+        return s
     except (OSError, UnicodeError) as e:
         raise LayerleapError(
             f"cannot serve on {host}:{port} ({getattr(e, 'strerror', None) or e}): choose another --host or --port"

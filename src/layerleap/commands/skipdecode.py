@@ -193,7 +193,7 @@ def run_variant(args) -> int:
     from ..train.data import prompt_completions, self_distilled
     from ..train.variant import VariantConfig, train_variant
 
-    if not str(args.out).endswith(".safetensors"):
+    if not str(args.out).lower().endswith(".safetensors"):
         raise LayerleapError(f"--out {args.out}: a variant is one .safetensors file; name it NAME.safetensors")
     threads = _threads(args.threads)
     cmd = _command_line(args)
@@ -269,7 +269,7 @@ def _setup_eval(p):
         default=[],
         help="a model fine-tuned for a target (repeatable)",
     )
-    p.add_argument("--categories", default="summarization,translation")
+    p.add_argument("--categories", type=V.names_arg, default="summarization,translation")
     p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
     p.add_argument("--offset", type=V.nonneg_int, default=0, help="skip this many prompts per category first")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
@@ -756,7 +756,7 @@ def _setup_frontier(p):
         help="points to run: MODEL (base or a variant's NAME) and METHOD (skipdecode, early-exit, calm, "
         "bild, bild-no-rollback, bild-no-fallback); repeatable",
     )
-    p.add_argument("--categories", default="summarization,translation,math_reasoning")
+    p.add_argument("--categories", type=V.names_arg, default="summarization,translation,math_reasoning")
     p.add_argument("--prompts", type=_positive_int, default=4, help="prompts per category (default 4)")
     p.add_argument("--offset", type=V.nonneg_int, default=0, help="skip this many prompts per category first")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)

@@ -131,6 +131,14 @@ class Grammar:
             raise GrammarError(f"cannot read the {self.kind} grammar: {_first_line(e)}") from None
         raise GrammarError(f"unknown grammar kind {self.kind!r}: choose one of {', '.join(KINDS)}")
 
+    def check(self) -> "Grammar":
+        """This grammar, or a GrammarError where llguidance cannot read it: checked without a model (a
+        regular expression's syntax, a GBNF rule), so a command refuses it before loading one."""
+        error = _llguidance().LLMatcher.validate_grammar(self.source(), None)
+        if error:
+            raise GrammarError(f"cannot compile the {self.kind} grammar: {_first_line(error)}")
+        return self
+
     def start(self, model, rows: int, eos_ids: tuple[int, ...]) -> list["Constraint"]:
         """One ``Constraint`` per row, at the grammar's start (GrammarError for a grammar that cannot be
         compiled, or a model without a fast tokenizer)."""

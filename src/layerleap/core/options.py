@@ -39,11 +39,12 @@ REQUIRED = inspect.Parameter.empty  # the default of an option that has none (as
 @dataclass(frozen=True)
 class ModelBound:
     """A bound that depends on the model: ``fn(config)``, written ``text`` in listings; ``least``: what
-    it is at least on any model (checked before the model loads)."""
+    it is at least on any model, ``most``: at most (checked before the model loads)."""
 
     fn: Callable[[ModelConfig], int | float]
     text: str
     least: int = 1
+    most: int | None = None
 
     def __str__(self) -> str:
         return self.text
@@ -52,8 +53,11 @@ class ModelBound:
 N_LAYERS = ModelBound(lambda c: c.n_layers, "n_layers")
 LAST_EXIT = ModelBound(lambda c: c.n_layers - 1, "n_layers-1")
 HALF_DEPTH = ModelBound(lambda c: (c.n_layers + 1) // 2, "ceil(n_layers/2)")
-VOCAB = ModelBound(lambda c: c.vocab_size, "vocab_size")
 CONTEXT = ModelBound(lambda c: c.max_position, "context")
+MAX_CANDIDATES = 64  # top-k candidates verified side by side; their attention masks grow with k²
+CANDIDATES = ModelBound(
+    lambda c: min(c.vocab_size, MAX_CANDIDATES), f"min(vocab_size, {MAX_CANDIDATES})", most=MAX_CANDIDATES
+)
 
 KINDS = ("int", "float", "bool", "text", "choice", "tree", "int_list", "model", "weights", "any")
 
@@ -94,7 +98,7 @@ class Option:
 
         def one(b, low: bool):
             if isinstance(b, ModelBound):
-                return b.fn(config) if config is not None else (b.least if low else None)
+                return b.fn(config) if config is not None else (b.least if low else b.most)
             return b
 
         return one(self.lo, True), one(self.hi, False)
@@ -356,7 +360,7 @@ MAX_NGRAM_OPT = Option("max_ngram", "int", "the longest n-gram looked up", defau
 MIN_NGRAM = Option(
     "min_ngram", "int", "the shortest n-gram looked up (<= max_ngram)", lo=1, hi=MAX_NGRAM, none="the dtype's tuned one"
 )
-K = Option("k", "int", "the sub-processes, one early candidate each", default=1, lo=1, hi=VOCAB)
+K = Option("k", "int", "the sub-processes, one early candidate each", default=1, lo=1, hi=CANDIDATES)
 THRESHOLD = Option("threshold", "float", "exit once cos(h_l, h_(l-1)) reaches it; above 1 never exits", default=0.95)
 DECAY = Option("decay", "choice", "how the layer budget falls along the sequence", default="linear", choices=DECAYS)
 DRAFT_MODEL = Option("draft", "model", "the draft model (same tokenizer)", default=REQUIRED)
@@ -400,7 +404,7 @@ WIDTH = Option(
     "int",
     "the first draft's top-k verified side by side in a tree (the chain goes on from the top one)",
     lo=1,
-    hi=64,
+    hi=MAX_CANDIDATES,
     none="the weight format's tuned width: fp32/bf16 3, q4 1",
 )
 EAGLE_HEAD = Option(

@@ -23,6 +23,7 @@ then rank).  ``TreeBuffers`` holds what one verification pass needs:
 from __future__ import annotations
 
 import heapq
+import numbers
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -102,7 +103,8 @@ def parse_tree(tree) -> list[tuple[int, ...]]:
     """A tree shape from: a top-k list ``[2, 1, 1]`` or text ``"2,1,1"``; explicit paths
     ``[(0,), (1,), (0, 0)]``; or text ``"0;1;0.0"`` (paths separated by ';', ranks by '.').
     ``[]``/``""``/``0`` is the empty tree (no drafts)."""
-    if tree is None or tree == "" or tree == 0 or (isinstance(tree, (list, tuple)) and len(tree) == 0):
+    empty_int = isinstance(tree, numbers.Integral) and not isinstance(tree, bool) and tree == 0  # not False, 0.0
+    if tree is None or tree == "" or empty_int or (isinstance(tree, (list, tuple)) and len(tree) == 0):
         return []
     if isinstance(tree, int) and not isinstance(tree, bool):
         return topk_paths([tree])

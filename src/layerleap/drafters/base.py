@@ -222,10 +222,11 @@ class ChainRule:
         return self.min_confidence > 1.0 and not self.keep_unsure
 
     def longest(self, max_new_tokens: int) -> int:
-        """The most drafts in one chain: γ, or the output's budget where γ is unset or may grow."""
+        """The most drafts in one chain: γ, or the output's budget where γ is unset or may grow (never more
+        than the budget)."""
         if self.length is None or self.length.schedule != "constant":
             return max_new_tokens
-        return self.length.gamma
+        return min(self.length.gamma, max_new_tokens)
 
     @classmethod
     def fallback(cls, max_small: int | None, alpha_fb: float) -> "ChainRule":

@@ -90,7 +90,7 @@ def variant_file(model_name: str, variant: str) -> Path:
     p = FOLDER / str(model_name) / f"{variant}.safetensors"
     if p.is_file():
         return p
-    if q.suffix == ".safetensors" and q.is_file():
+    if q.suffix.lower() == ".safetensors" and q.is_file():
         return q
     names = shipped_variants(str(model_name))
     raise VariantError(

@@ -87,6 +87,15 @@ def min_prompts(epsilon: float, delta: float) -> int:
     return math.ceil(math.log(delta) / math.log(1 - epsilon))
 
 
+def check_enough_prompts(n: int, epsilon: float, delta: float, per: int = 1) -> None:
+    """Refuse ``n`` prompts, too few to certify any setting at (epsilon, delta), before any decoding;
+    ``per``: prompts per ``--prompts`` (the split's categories), for the command line's fix."""
+    need = min_prompts(epsilon, delta)
+    if n < need:
+        fix = f"give at least {need}" if per == 1 else f"give --prompts {math.ceil(need / per)} or more"
+        raise CalibrationError(f"{n} prompts cannot certify any setting at epsilon={epsilon}, delta={delta}: {fix}")
+
+
 def binomial_p_value(losses: int, n: int, epsilon: float) -> float:
     """``P(Binomial(n, epsilon) <= losses)``: the p-value of "risk > epsilon" after ``losses`` of ``n``."""
     return float(sum(math.comb(n, i) * epsilon**i * (1 - epsilon) ** (n - i) for i in range(losses + 1)))
@@ -479,12 +488,7 @@ def calibrate(
     for name, v in (("epsilon", epsilon), ("delta", delta)):
         V.number(v, name, 0, 1, lo_open=True, hi_open=True)
     V.number(ppl_ratio, "ppl_ratio", 1)
-    need = min_prompts(epsilon, delta)
-    if len(prompts) < need:
-        raise CalibrationError(
-            f"{len(prompts)} prompts cannot certify any setting at epsilon={epsilon}, "
-            f"delta={delta}: give at least {need}"
-        )
+    check_enough_prompts(len(prompts), epsilon, delta)
     d = model.config.n_layers
     path = budget.PATHS[method](d)
     judge = _judge(model, base)

@@ -102,6 +102,7 @@ MAX_SMALL = O.Option(
     "the longest run of small-model tokens before the large model checks them",
     default=10,
     lo=1,
+    hi=O.MAX_DRAFT_LEN,
     none="no limit",
 )
 EAGLE = O.Option(

@@ -205,8 +205,11 @@ def _show(options: dict) -> str:
 
 
 def _given(model, method: str, options: dict) -> list[str]:
-    """The options given that a calibration of ``method`` would set."""
+    """The options given that a calibration of ``method`` would set (or, SkipDecode's own ways to choose
+    them, replace)."""
     mine = knobs(method, model.config.n_layers)
+    if method == "skipdecode":
+        mine = mine | {"schedule", "target_speedup"}  # its own ways of choosing the budgets
     if method == "bild" and (
         options.get("small") is not None or "exit_layer" in options or options.get("eagle", "auto") != "auto"
     ):
@@ -216,9 +219,7 @@ def _given(model, method: str, options: dict) -> list[str]:
 
 def _runs_as_given(model, method: str, options: dict) -> bool:
     """True when ``options`` already choose the setting (a knob, or SkipDecode's own schedule)."""
-    return bool(_given(model, method, options)) or (
-        method == "skipdecode" and bool(options.keys() & {"schedule", "target_speedup"})
-    )
+    return bool(_given(model, method, options))
 
 
 def uncalibrated_note(model, method: str, options: dict, quality) -> str | None:
@@ -236,6 +237,15 @@ def uncalibrated_note(model, method: str, options: dict, quality) -> str | None:
     )
 
 
+def check_has_budget(method: str, quality) -> None:
+    """A ``quality`` given to a method without quality budgets is refused (checked without the model)."""
+    if quality is not None and method not in PATHS:
+        raise GenerationError(
+            f"method {method!r} has no quality budget: quality= (--quality) applies to the lossy methods "
+            f"({', '.join(LOSSY)}); the others are greedy-exact or sample"
+        )
+
+
 def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrated | None]:
     """The options ``method`` runs with, and the calibration they came from.  ``quality`` given: the
     calibrated setting for that budget (an error naming ``layerleap calibrate`` when there is none;
@@ -243,11 +253,7 @@ def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrate
     method's knobs given: the calibrated setting at ``DEFAULT_QUALITY`` when a file exists, else the
     method's own defaults."""
     if method not in PATHS:
-        if quality is not None:
-            raise GenerationError(
-                f"method {method!r} has no quality budget: quality= applies to the lossy methods "
-                f"({', '.join(LOSSY)}); the others are greedy-exact or sample"
-            )
+        check_has_budget(method, quality)
         return options, None
     given = _given(model, method, options)
     if quality is None:

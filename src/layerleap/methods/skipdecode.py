@@ -52,7 +52,7 @@ MAX_LEN = O.Option(
     hi=O.CONTEXT,
     none="the longest prompt + max_new_tokens",
 )
-POWER = O.Option("power", "float", "the exponent of decay=power", default=2.0, lo=0.0, lo_open=True)
+POWER = O.Option("power", "float", "the exponent of decay=power", lo=0.0, lo_open=True, none="2 (with decay=power)")
 BUDGETS = O.Option(
     "schedule",
     "int_list",
@@ -176,6 +176,27 @@ def check_schedule(schedule, n_layers: int, warmup: int) -> list[int]:
     return sched
 
 
+def check_conflicts(min_exit_layer, max_exit_layer, max_len, decay, power, schedule, target_speedup) -> None:
+    """Refuse options the others make meaningless (each would be ignored): the decay's options with an
+    explicit ``schedule``, ``target_speedup`` with both exit layers, ``power`` without ``decay='power'``."""
+    if schedule is not None:
+        shaping = {"min_exit_layer": min_exit_layer, "max_exit_layer": max_exit_layer, "max_len": max_len}
+        shaping |= {"power": power, "target_speedup": target_speedup}
+        given = [k for k, v in shaping.items() if v is not None] + (["decay"] if decay != "linear" else [])
+        if given:
+            raise GenerationError(
+                f"schedule gives every budget itself, so {', '.join(given)} would be ignored (they shape the "
+                f"decaying budgets): drop {', '.join(given)} or drop schedule"
+            )
+    if target_speedup is not None and min_exit_layer is not None and max_exit_layer is not None:
+        raise GenerationError(
+            "target_speedup picks min_exit_layer and max_exit_layer, and both are given: drop target_speedup "
+            "or one of them"
+        )
+    if power is not None and decay != "power":
+        raise GenerationError(f"power is the exponent of decay='power', and decay is {decay!r}: add decay='power'")
+
+
 def _active_layer_stats(run: Run, **schedule) -> None:
     """Record, per row, the average active layers per generated token (the first token's pass, the
     prompt's last position, counts as generation with all the layers it ran), the speed-up it
@@ -209,12 +230,14 @@ def skipdecode(
     warmup: int = 1,
     max_len: int | None = None,
     decay: str = "linear",
-    power: float = 2.0,
+    power: float | None = None,
     schedule: list[int] | None = None,
     target_speedup: float | None = None,
 ):
     """SkipDecode: one decaying layer budget per position for the whole batch; skip the lower middle layers."""
     d = run.n_layers
+    check_conflicts(min_exit_layer, max_exit_layer, max_len, decay, power, schedule, target_speedup)
+    power = 2.0 if power is None else power
     if target_speedup is not None:
         cfg = target_config(d, target_speedup)
         min_exit_layer = cfg.min_exit_layer if min_exit_layer is None else min_exit_layer

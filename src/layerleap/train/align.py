@@ -42,7 +42,7 @@ from ..decoding import generate
 from ..drafters import weights
 from ..drafters.exit_heads import AdapterHead, save_heads
 from ..errors import LayerleapError
-from ..files import write_json
+from ..files import replace_dir, write_json
 from .loop import Checkpoint, LoopConfig, LoopResult, Schedule, epoch_batch, items_seen, train as run_loop
 
 
@@ -292,7 +292,7 @@ def align_small(
 ) -> dict:
     """Fine-tune every weight of ``small`` on the calibration outputs; save a Hugging Face folder at
     ``out``; -> a report.  ``cfg.batch_tokens`` counts output tokens per step (whole sequences)."""
-    from ..core.loading import _atomic_dir, ours_to_hf
+    from ..core.loading import ours_to_hf
 
     cfg = cfg or TrainConfig(lr=1e-5)
     cfg.check()
@@ -342,19 +342,17 @@ def align_small(
             for f in src.iterdir():
                 if (
                     f.is_file()
-                    and f.suffix != ".safetensors"
+                    and f.suffix.lower() != ".safetensors"
                     and f.name not in ("config.json",)
-                    and not f.name.endswith(".gguf")
+                    and f.suffix.lower() != ".gguf"
                 ):
                     shutil.copy(f, tmp / f.name)
         elif small.tokenizer is not None:
             small.tokenizer.save_pretrained(tmp)
 
-    if out.exists():
-        if not (out / "config.json").is_file():
-            raise AlignError(f"{out} exists and is not a model folder: choose another --out")
-        shutil.rmtree(out)
-    _atomic_dir(out, fill)
+    if out.exists() and not (out / "config.json").is_file():
+        raise AlignError(f"{out} exists and is not a model folder: choose another --out")
+    replace_dir(out, fill)
     _ckpt_path(out).unlink(missing_ok=True)
     return {
         "out": str(out),

@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from pathlib import Path
 
 from . import interrupts
-from .commands import _COMMANDS, GROUP_HELP
+from .commands import _COMMANDS, GROUP_HELP, named_paths as _named_paths
 from .errors import LayerleapError
 
 
@@ -61,26 +60,6 @@ def _path_args(p: argparse.ArgumentParser) -> list[tuple[str, str, object]]:
         for a in p._actions
         if getattr(a.type, "role", None) in ("in", "out")
     ]
-
-
-def _named_paths(args) -> list[tuple[str, Path, object]]:
-    """``(flag, path, type)`` of every path argument the command was given."""
-    from . import validate as V
-
-    return [
-        (flag, V.path(str(type_.tags.get("path_of", str)(v)), flag), type_)
-        for dest, flag, type_ in getattr(args, "_paths", [])
-        for v in (lambda x: x if isinstance(x, list) else [x])(getattr(args, dest, None))
-        if v is not None
-    ]
-
-
-def check_outputs(args, outputs: list[tuple[str, Path]]) -> None:
-    """``outputs`` a command makes from its arguments (``heads sub-vocab``'s ``{vocab}`` names), held
-    to ``check_paths``' rule: none is an input, a folder holding one, or another of them."""
-    from . import files
-
-    files.check_distinct(outputs, [(f, p) for f, p, t in _named_paths(args) if t.role == "in"])
 
 
 def check_paths(args) -> None:

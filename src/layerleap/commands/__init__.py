@@ -7,6 +7,7 @@ member's name reaches its ``run`` as ``args.what``.  Registering one name twice 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
@@ -36,3 +37,23 @@ def command(*names: str, help: str):
         return with_run
 
     return deco
+
+
+def named_paths(args) -> list[tuple[str, Path, object]]:
+    """``(flag, path, type)`` of every path argument the command was given."""
+    from .. import validate as V
+
+    return [
+        (flag, V.path(str(type_.tags.get("path_of", str)(v)), flag), type_)
+        for dest, flag, type_ in getattr(args, "_paths", [])
+        for v in (lambda x: x if isinstance(x, list) else [x])(getattr(args, dest, None))
+        if v is not None
+    ]
+
+
+def check_outputs(args, outputs: list[tuple[str, Path]]) -> None:
+    """``outputs`` a command makes from its arguments (``heads sub-vocab``'s ``{vocab}`` names), held
+    to ``cli.check_paths``' rule: none is an input, a folder holding one, or another of them."""
+    from .. import files
+
+    files.check_distinct(outputs, [(f, p) for f, p, t in named_paths(args) if t.role == "in"])

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from . import command
-from ..cli import check_outputs
+from . import check_outputs
 from ..errors import LayerleapError
 from .. import validate as V, workload
 from ..files import check_replace, holds, read_safetensors_meta, write_json

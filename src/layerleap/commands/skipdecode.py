@@ -206,7 +206,8 @@ def run_variant(args) -> int:
             workload.decoding(model, min(args.self_distill, args.examples), 64, "self-distilled examples"),
             workload.training(model, args.steps * args.batch_size * (96 + 64), model.n_params()),
         )
-    own = self_distilled(model, args.data, min(args.self_distill, args.examples)) if args.self_distill else []
+    n_own = min(args.self_distill, args.examples)
+    own = self_distilled(model, args.data, n_own, what="--data") if args.self_distill else []
     seen = {tuple(p) for p, _ in own}
     rest = (
         []

@@ -249,6 +249,7 @@ def self_distilled(
     temperature: float | None = None,
     seed: int = 0,
     prompts: list[list[int]] | None = None,
+    what: str = "--out",
 ) -> list[tuple[list[int], list[int]]]:
     """``n`` pairs (ShareGPT prompt ids, the model's own answer's ids, at most ``gen_len``):
     self-distilled data, decoded ``batch`` prompts at a time as one batch: greedy answers, or with
@@ -257,14 +258,15 @@ def self_distilled(
     "completion", "model"}`` and ``"temperature"`` when sampled, the file rewritten atomically after
     each batch); a call with the same ``path`` reuses what is there and decodes only the rest (a file
     of another model is refused).  ``prompts``: prompt ids to answer instead of ShareGPT's (the first
-    ``n``; a machine without the ShareGPT package, ``benchmarks/device_self_distill.py``)."""
+    ``n``; a machine without the ShareGPT package, ``benchmarks/device_self_distill.py``).  ``what``: the
+    flag that named ``path``, for the messages."""
     from tqdm.auto import tqdm
 
     from ..decoding import generate
 
     path = Path(path)
     fp = model.fingerprint
-    done = read_records(path, fp, model.config.vocab_size, "--out") if path.is_file() else []
+    done = read_records(path, fp, model.config.vocab_size, what) if path.is_file() else []
     mine = {"temperature": temperature or None, "gen_len": gen_len} | ({"seed": seed} if temperature else {})
     theirs = _settings(done[0]) if done else {}
     if any(v != mine.get(k) for k, v in theirs.items()):

@@ -220,6 +220,8 @@ def test_quality_errors_name_the_fix(char_model, cache):
         layerleap.generate(char_model, "hi", "greedy", 2, chat=True, quality=0.9)
     with pytest.raises(GenerationError, match=r"quality must be .* \(0, 1\]"):
         layerleap.generate(char_model, "hi", "skipdecode", 2, chat=True, quality=1.5)
+    with pytest.raises(GenerationError, match="give 0.95 or 0.96"):  # a 0.95 calibration would not certify it
+        layerleap.generate(char_model, "hi", "skipdecode", 2, chat=True, quality=0.954)
     with pytest.raises(C.CalibrationError, match="at least 22"):
         C.calibrate(char_model, "calm", prompts=PROMPTS, max_new_tokens=2)
 
@@ -546,3 +548,39 @@ def test_shipped_files_choose_the_fastest_valid_setting_by_their_measured_step_c
         chosen = C.choose(settings)
         assert entry["chosen"]["options"] == chosen.options
         assert entry["faster_than_greedy"] == C.faster_than_greedy(chosen)
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("The answer is 5. Wait, recheck. Final Answer: 7", "7"),  # the last marker, wherever it stands
+        ("The answer is unclear.\nSo 3 + 4 = 7, and 7 it is", "7"),  # a marker's line without a number
+        ("In 2013-2014 the price rose", "2014"),  # no minus inside a range
+        ("#### 1,234.50", "1234.5"),
+        ("so x = -5", "-5"),
+        ("no number", None),
+    ],
+)
+def test_final_answer(text, want):
+    from layerleap.eval import quality as Q
+
+    assert Q.final_answer(text) == want
+
+
+def test_agreement_of_any_script():
+    assert C.agreement("Привет мир", "Привет мир") == 1.0 and C.agreement("!!!", "!!!") == 1.0
+    assert C.agreement("Привет мир", "Привет друг") == pytest.approx(0.5)
+    assert C.agreement("日本 語", "日本") > 0
+    assert C.agreement("The cat sat.", "The cat sat on the mat.") == pytest.approx(2 / 3)  # ROUGE-L as before
+
+
+def test_transformers_baseline_counts_its_calls(char_model):
+    from layerleap.eval.bench import HFBaseline
+
+    hf = HFBaseline(char_model)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain = hf.generate(prompt, 8)
+    assert plain.stats["model_calls"] == 8 and plain.stats["tokens_per_call"] == 1.0
+    lookup = hf.generate(prompt, 8, prompt_lookup_num_tokens=4)
+    assert lookup.token_ids == plain.token_ids and 1 <= lookup.stats["model_calls"] <= 8
+    assert lookup.stats["tokens_per_call"] == pytest.approx(8 / lookup.stats["model_calls"])

@@ -324,3 +324,14 @@ def test_frontier_grids_hold_table2_points_and_bilds_ablations():
         g = _grids(d)
         assert all(1 <= o["exit_layer"] < d for _, o in g["early-exit"])
         assert all(1 <= o["warmup"] <= o["min_exit_layer"] <= o["max_exit_layer"] <= d for _, o in g["skipdecode"])
+
+
+def test_frontier_summary_gives_the_speed_up_per_generated_token():
+    from layerleap.eval import frontier
+
+    row = {"label": "p", "model": "m", "method": "calm", "options": {}, "score_share": 1.0, "ppl_ratio": 1.0}
+    row |= {"agreement": 100.0, "layers_per_token": 15.0, "n_layers": 30, "category": "qa", "score": 1.0}
+    row |= {"seconds": 1.0, "tokens": 4, "greedy_seconds": 2.0, "greedy_tokens": 10}
+    (s,) = frontier.summary([row])
+    assert s["speedup"] == 2.0  # summed times: the point stopped sooner
+    assert s["speedup_per_token"] == pytest.approx((2.0 / 10) / (1.0 / 4))  # slower per token

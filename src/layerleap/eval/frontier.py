@@ -15,7 +15,9 @@ category:
   (teacher-forced after the prompt; 1 = as fluent to the full model as greedy's own text);
 - ``layers_per_token`` (decoder layers run per generated token) and ``implied_speedup`` =
   n_layers / layers_per_token; ``speedup`` = greedy's wall time / the point's (generation, prompt
-  included, both decoded the same way).
+  included, both decoded the same way: each stops at its end-of-sequence token, so a point that ends
+  sooner gains by it) and ``speedup_per_token``, the same per generated token.  Every point decodes
+  once before the timed runs (its first call's one-time work is not timed).
 
 ``summary`` averages over categories: ``quality`` = the mean of ``score_share`` (the categories where
 greedy scores above 0), ``agreement`` and ``ppl_ratio`` likewise, and the speed-ups as ratios of
@@ -81,6 +83,8 @@ def perplexities(model, prompts: list[list[int]], outputs: list[list[int]]) -> l
 def _decode_interleaved(models: dict, points: list, prompts: list[list[int]], max_new: int, progress=None):
     """For each prompt every point in turn (batch 1): -> ``{label: (results, seconds)}``."""
     out = {pt.label: ([], 0.0) for pt in points}
+    for pt in points:  # warm-up, untimed
+        generate(models[pt.model], prompts[0], pt.method, min(4, max_new), **pt.options)
     for i, p in enumerate(prompts):
         for pt in points:
             t = time.perf_counter()
@@ -149,6 +153,7 @@ def run(
                     "greedy_seconds": g_s,
                     "speedup": g_s / secs,
                     "tokens": sum(r.stats["new_tokens"] for r in res),
+                    "greedy_tokens": sum(r.stats["new_tokens"] for r in greedy),
                     "n": len(prompts),
                     "texts": texts,
                 }
@@ -163,6 +168,15 @@ def run(
         if partial:
             partial({"rows": rows, "n_prompts": n, "max_new_tokens": max_new, "categories": categories})
     return {"rows": rows, "n_prompts": n, "max_new_tokens": max_new, "categories": categories}
+
+
+def _per_token(rs: list[dict]) -> float | None:
+    """Greedy's summed seconds per generated token over the point's (rows that record greedy's tokens)."""
+    rs = [r for r in rs if r.get("greedy_tokens")]
+    if not rs or not sum(r["tokens"] for r in rs):
+        return None
+    greedy = sum(r["greedy_seconds"] for r in rs) / sum(r["greedy_tokens"] for r in rs)
+    return greedy / (sum(r["seconds"] for r in rs) / sum(r["tokens"] for r in rs))
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -185,6 +199,7 @@ def summary(rows: list[dict]) -> list[dict]:
                 "agreement": sum(r["agreement"] for r in rs) / len(rs),
                 "ppl_ratio": math.exp(sum(map(math.log, ppl)) / len(ppl)) if ppl else None,
                 "speedup": sum(r["greedy_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
+                "speedup_per_token": _per_token(rs),
                 "layers_per_token": evals / tokens,
                 "implied_speedup": rs[0]["n_layers"] * tokens / evals,
                 "scores": {r["category"]: round(r["score"], 1) for r in rs},

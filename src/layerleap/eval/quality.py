@@ -37,6 +37,26 @@ def _library(module: str, package: str, metric: str):
         raise MetricError(f"{metric} needs the package {package}: pip install 'layerleap[eval]'") from None
 
 
+class _AnyScript:
+    """Words and punctuation marks of any script, lower-cased: a tokenizer for ``RougeScorer``."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return re.findall(r"\w+|[^\w\s]", text.lower())
+
+
+def latin_words(text: str) -> bool:
+    """Whether ROUGE's own tokenizer finds a word in ``text`` (it keeps a-z and 0-9 alone)."""
+    return bool(re.search(r"[a-z0-9]", text.lower()))
+
+
+def rouge_l_any(candidate: str, reference: str) -> float:
+    """ROUGE-L F1 (0-100) of one text against another, over words and punctuation of any script."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_AnyScript())
+    return 100.0 * scorer.score(reference, candidate)["rougeL"].fmeasure
+
+
 def rouge_l(candidates: list[str], references: list[str]) -> float:
     """Mean ROUGE-L F1 x 100 (rouge-score, with its Porter stemmer)."""
     _pairs(candidates, references)
@@ -56,18 +76,20 @@ def bleu(candidates: list[str], references: list[str]) -> float:
     return float(sacrebleu.corpus_bleu(list(candidates), [list(references)]).score)
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?")  # no minus inside a range ("2013-2014")
+_MARKERS = ("####", "answer is", "Answer:", "answer:")
 
 
 def final_answer(text: str) -> str | None:
-    """The answer of a math response: the number after the last '####' or 'answer is', else the last
-    number in the text; commas and trailing zeros after a decimal point removed."""
-    for marker in ("####", "answer is", "Answer:", "answer:"):
-        i = text.rfind(marker)
-        if i >= 0:
-            m = _NUMBER.search(text, i + len(marker))
-            if m:
-                return _normalise(m.group())
+    """The answer of a math response: the first number on the line after the last marker ('####',
+    'answer is', 'Answer:') that has one, else the last number in the text; commas and trailing zeros
+    after a decimal point removed."""
+    at = sorted(((text.rfind(m), m) for m in _MARKERS if m in text), reverse=True)
+    for i, marker in at:
+        end = text.find("\n", i)
+        m = _NUMBER.search(text, i + len(marker), len(text) if end < 0 else end)
+        if m:
+            return _normalise(m.group())
     found = _NUMBER.findall(text)
     return _normalise(found[-1]) if found else None
 

@@ -280,8 +280,8 @@ def frontier_chart(
 
 
 def _frontier(cfg: dict) -> str:
-    """Each lossy method's calibration: its settings' share of prompts that kept the budget against
-    the modelled speed-up, the chosen setting marked."""
+    """Each lossy method's calibration: its settings' mean share of greedy's reference score kept (else
+    their agreement with greedy) against the modelled speed-up, the chosen setting marked."""
     cals = cfg.get("calibration") or {}
     series = []
     for label, c in cals.items():
@@ -313,7 +313,7 @@ def _frontier(cfg: dict) -> str:
         frontier_chart(
             "quality against speed: each setting calibration measured",
             series,
-            "speed-up in layer passes (greedy's per token / the setting's)",
+            "modelled speed-up (layer passes, calls and checks priced as step_cost measured them)",
             "reference score kept (else agreement)",
             q,
             f"budget {q}",
@@ -376,7 +376,7 @@ def _summary_table(summary: dict) -> str:
         cells = [
             label,
             str(s["prompts"]),
-            _fmt(s.get("mean_tokens_per_s"), ".1f"),
+            _fmt(s.get("tokens_per_s"), ".1f"),
             _fmt(s.get("speedup_vs_greedy"), ".2f", "×"),
             _fmt(s.get("speedup_vs_hf"), ".2f", "×"),
             _fmt(s.get("layers_per_token"), ".1f"),
@@ -434,8 +434,8 @@ def html_report(report: dict, title: str | None = None) -> str:
     by_cat = report.get("summary_by_category", {})
     cats = [c for c in by_cat if c] or []
     title = title or f"layerleap bench: {cfg.get('model', '?')}"
-    series = [(c, [by_cat[c].get(lb, {}).get("mean_tokens_per_s") for lb in labels]) for c in cats]
-    series.append(("all prompts", [summary[lb].get("mean_tokens_per_s") for lb in labels]))
+    series = [(c, [by_cat[c].get(lb, {}).get("tokens_per_s") for lb in labels]) for c in cats]
+    series.append(("all prompts", [summary[lb].get("tokens_per_s") for lb in labels]))
     ours = [lb for lb in labels if lb != HF_LABEL]
     drafting = [lb for lb in ours if summary[lb].get("acceptance") is not None]
     depth = summary.get(REFERENCE, {}).get("layers_per_token")

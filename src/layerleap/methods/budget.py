@@ -102,10 +102,16 @@ def check_quality(quality) -> float:
         raise GenerationError(
             f"quality must be the share of greedy's quality to keep, in (0, 1] (e.g. 0.95), got {quality!r}"
         )
+    if abs(quality * 100 - round(quality * 100)) > 1e-9:
+        raise GenerationError(
+            f"quality is a share in hundredths (0.95, 0.9, …), got {quality!r}: calibrations are kept per hundredth, "
+            f"so give {math.floor(quality * 100) / 100:.2f} or {math.ceil(quality * 100) / 100:.2f}"
+        )
     return float(quality)
 
 
 def budget_key(quality: float) -> str:
+    """A budget's key in a calibration file: its hundredths (``check_quality`` refuses finer ones)."""
     return f"{quality:.2f}"
 
 

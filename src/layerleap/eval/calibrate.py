@@ -61,6 +61,7 @@ from ..methods import bild, budget
 from . import quality as Q
 from . import step_cost as SC
 from .step_cost import StepCost
+from ..core.kernels import cpu_signature
 
 # Spec-Bench categories with references; the tables use each category's first prompts, calibration
 # and the held-out check the ones from these offsets on (the splits never overlap).
@@ -504,6 +505,8 @@ def calibrate(
         "max_new_tokens": max_new_tokens,
         "prompt_ids": [p.id for p in prompts],
         "categories": sorted({p.category for p in prompts}),
+        "cpu": cpu_signature(),  # the step costs that priced the settings are this machine's
+        "torch": torch.__version__,
         **({} if judge is model else {"base_fingerprint": judge.fingerprint}),
         **(config or {}),
     }
@@ -516,6 +519,7 @@ def calibrate(
         and old.get("method") == method
         and old.get("quality") == quality
         and (old.get("epsilon"), old.get("delta")) == (epsilon, delta)
+        and old.get("ppl_ratio", ppl_ratio) == ppl_ratio
     ):
         cal = _from_dict(old)
         cal.config.update({k: v for k, v in cfg.items() if k not in key})

@@ -584,3 +584,12 @@ def test_transformers_baseline_counts_its_calls(char_model):
     lookup = hf.generate(prompt, 8, prompt_lookup_num_tokens=4)
     assert lookup.token_ids == plain.token_ids and 1 <= lookup.stats["model_calls"] <= 8
     assert lookup.stats["tokens_per_call"] == pytest.approx(8 / lookup.stats["model_calls"])
+
+
+@pytest.mark.parametrize(
+    "method, option",
+    [("skipdecode", {"decay": "power"}), ("skipdecode", {"max_len": 12}), ("bild", {"head": "shared"})],
+)
+def test_a_budget_refuses_options_that_change_what_was_calibrated(char_model, cache, method, option):
+    with pytest.raises(GenerationError, match="quality"):
+        layerleap.generate(char_model, "hi", method, 2, chat=True, quality=0.95, **option)

@@ -282,12 +282,13 @@ def test_a_second_model_with_a_shorter_context_is_refused_for_a_longer_prompt():
 
     large = random_model("llama-gqa-tied", seed=11, scale=2.0)
     small = random_model("llama-gqa-tied", seed=5, scale=2.0, max_position=64)
-    fits = list(range(1, 60))
+    fits = list(range(1, 53))  # 52 + 12 new tokens: the small model's 64 positions
     want = layerleap.generate(large, fits, "greedy", 12).token_ids
     assert layerleap.generate(large, fits, "speculative", 12, draft=small).token_ids == want
     for method, kw in (("speculative", {"draft": small}), ("bild", {"small": small})):
-        with pytest.raises(layerleap.GenerationError, match="more than the (draft|small) model's context"):
-            layerleap.generate(large, list(range(1, 66)), method, 8, **kw)
+        for prompt, n in ((list(range(1, 66)), 8), (fits, 13)):  # a prompt too long, or the answer
+            with pytest.raises(layerleap.GenerationError, match="exceeds the (draft|small) model's context"):
+                layerleap.generate(large, prompt, method, n, **kw)
 
 
 def test_a_tree_must_fit_the_context_for_the_longest_prompt_in_any_order():
@@ -309,3 +310,13 @@ def test_a_numpy_integer_seed_samples_as_the_same_int():
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)
     a = layerleap.generate(model, [5, 6, 7], "sample", 8, seed=np.int64(3)).token_ids
     assert a == layerleap.generate(model, [5, 6, 7], "sample", 8, seed=3).token_ids
+
+
+def test_options_that_would_change_nothing_are_refused():
+    from tiny_models import random_model
+
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    with pytest.raises(layerleap.GenerationError, match="tree= shapes Hidden Transfer's tree"):
+        layerleap.generate(model, [1, 2, 3], "auto", 4, tree="5,3,1", transfer=None)
+    with pytest.raises(layerleap.GenerationError, match="corpus_draft_len= limits"):
+        layerleap.generate(model, [1, 2, 3], "rest", 4, corpus="none", corpus_draft_len=2)

@@ -31,11 +31,12 @@ class Companion:
     def __init__(self, run: Run, model: Transformer, name: str, round_tokens: int = 0):
         self.run, self.model, self.name = run, model, name
         longest = max(len(p) for p in run.prompts)
-        ctx = model.config.max_position
-        if longest > ctx:
+        ctx, n = model.config.max_position, run.gen.max_new_tokens
+        if longest + n > ctx:  # past it, its positions would be wrong: drafts (BiLD: output) silently worse
             raise GenerationError(
-                f"a prompt has {longest} tokens, more than the {name} model's context ({ctx} positions): shorten "
-                f"the prompt or choose a {name} model with a longer context"
+                f"a prompt has {longest} tokens; with max_new_tokens={n} that exceeds the {name} model's context "
+                f"({ctx} positions): shorten the prompt, lower max_new_tokens or choose a {name} model with a "
+                "longer context"
             )
         self.cache: KVCache = model.new_cache(run.batch, longest + run.gen.max_new_tokens + round_tokens + 1)
         self.meters = CompanionStats(name)

@@ -30,7 +30,7 @@ Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``medu
 from __future__ import annotations
 
 from ..core import options as O
-from ..core.run import Run, register
+from ..core.run import GenerationError, Run, register
 from ..drafters import medusa_transfer as weights
 from ..drafters import lengths
 from ..drafters.auto import AutoDrafter
@@ -149,6 +149,12 @@ def auto(
     head = drafter_weights(run, "eagle", eagle)
     proj = None if head is not None and transfer == "auto" else drafter_weights(run, "transfer", transfer)
     heads = None if head is not None and medusa == "auto" else drafter_weights(run, "medusa", medusa)
+    if proj is None and tree is not None:
+        raise GenerationError(
+            "tree= shapes Hidden Transfer's tree, and no Hidden Transfer projections are in use here (transfer=none, "
+            "none ship for this model, this dtype leaves them out, or the EAGLE head stands in for them): drop tree=, or "
+            "give transfer="
+        )
     buf = medusa_buf = chains = None
     vocab = get_draft_vocab(run.model, draft_vocab) if any(d is not None for d in (proj, heads, head)) else None
     if proj is not None:

@@ -214,12 +214,15 @@ def _given(model, method: str, options: dict) -> list[str]:
     """The options given that a calibration of ``method`` would set (or, SkipDecode's own ways to choose
     them, replace)."""
     mine = knobs(method, model.config.n_layers)
-    if method == "skipdecode":
-        mine = mine | {"schedule", "target_speedup"}  # its own ways of choosing the budgets
+    if method == "skipdecode":  # its own ways of choosing the budgets, and the decay's shape the calibration ran
+        mine = mine | {"schedule", "target_speedup", "decay", "power", "max_len"}
     if method == "bild" and (
-        options.get("small") is not None or "exit_layer" in options or options.get("eagle", "auto") != "auto"
+        options.get("small") is not None
+        or "exit_layer" in options
+        or options.get("eagle", "auto") != "auto"
+        or options.get("head", "auto") != "auto"
     ):
-        mine = mine | {"small", "exit_layer", "eagle"}  # a calibration holds for its default small model only
+        mine = mine | {"small", "exit_layer", "eagle", "head"}  # a calibration holds for its default small model only
     return sorted(mine & set(options))
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import warnings
 
 from ..core import options as O
-from ..core.run import Run, register
+from ..core.run import GenerationError, Run, register
 from ..drafters.corpus import COMMAND, CorpusWarning, get_corpus
 from ..drafters.prompt_lookup import PromptLookup, lookup_stats
 from . import draft_verify
@@ -57,6 +57,8 @@ def rest(
     the dtype's tuned one, draft_len but in q4 1)."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
     store = get_corpus(run.model, corpus)
+    if store is None and corpus in (None, "none") and corpus_draft_len is not None:
+        raise GenerationError("corpus_draft_len= limits the drafts a corpus gives, and corpus=none: drop one of them")
     if store is None and corpus == "auto":
         warnings.warn(
             f"rest: no corpus ships for {run.model.config.name or 'this model'}, so it drafts as prompt lookup: "

@@ -151,9 +151,9 @@ def auto(
     heads = None if head is not None and medusa == "auto" else drafter_weights(run, "medusa", medusa)
     if proj is None and tree is not None:
         raise GenerationError(
-            "tree= shapes Hidden Transfer's tree, and no Hidden Transfer projections are in use here (transfer=none, "
-            "none ship for this model, this dtype leaves them out, or the EAGLE head stands in for them): drop tree=, or "
-            "give transfer="
+            "tree= shapes Hidden Transfer's tree, and no Hidden Transfer projections are in use here "
+            "(transfer=none, none ship for this model, this dtype leaves them out, or the EAGLE head stands in "
+            "for them): drop tree=, or give transfer="
         )
     buf = medusa_buf = chains = None
     vocab = get_draft_vocab(run.model, draft_vocab) if any(d is not None for d in (proj, heads, head)) else None

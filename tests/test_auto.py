@@ -195,9 +195,8 @@ def test_auto_with_medusa_equals_greedy_while_switching(switching, seed, plen, t
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)
     prompt = torch.randint(0, 8, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     proj = _transfer(model, layers=(1, 1)) if transfer else "none"
-    r = layerleap.generate(
-        model, prompt, "auto", 24, stop_at_eos=False, transfer=proj, medusa=_medusa(model), tree="2,1"
-    )
+    tree = {"tree": "2,1"} if transfer else {}  # the tree is Hidden Transfer's
+    r = layerleap.generate(model, prompt, "auto", 24, stop_at_eos=False, transfer=proj, medusa=_medusa(model), **tree)
     assert r.token_ids == naive_greedy(model, prompt, 24)
     # every mode is probed once at the start; which wins later depends on the rounds' wall times
     assert r.stats["medusa_rounds"] > 0 and r.stats["lookup_rounds"] > 0 and r.stats["mode_switches"] >= 2
@@ -277,7 +276,15 @@ def test_auto_with_eagle_equals_greedy_while_switching(switching, monkeypatch, s
     proj = _transfer(model, layers=(1, 1)) if "transfer" in others else "none"
     heads = _medusa(model) if "medusa" in others else "none"
     r = layerleap.generate(
-        model, prompt, "auto", 24, stop_at_eos=False, transfer=proj, medusa=heads, eagle=_eagle(model), tree="2,1"
+        model,
+        prompt,
+        "auto",
+        24,
+        stop_at_eos=False,
+        transfer=proj,
+        medusa=heads,
+        eagle=_eagle(model),
+        **({"tree": "2,1"} if "transfer" in others else {}),  # the tree is Hidden Transfer's
     )
     assert r.token_ids == naive_greedy(model, prompt, 24)
     assert r.stats["eagle_rounds"] > 0 and r.stats["lookup_rounds"] > 0 and r.stats["mode_switches"] >= 2

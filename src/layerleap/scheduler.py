@@ -228,7 +228,7 @@ class Batch:
             texts[i] = self.pieces[i].push(job.tokens(d.tokens(i)))
             if job.cut is not None:
                 d.cancel(i)  # a stop token: the row ends here
-            if d.finished(i):  # it answers now, not when its batch-mates end
+            if d.finished(i) and self._others_decode(i):  # it answers now, not when its batch-mates end
                 texts[i] += self.pieces[i].finish(job.tokens(d.tokens(i)))
                 self.early.add(i)
         if grew is None:
@@ -248,7 +248,7 @@ class Batch:
             job.send(text)
             if job.stop.hit:
                 d.cancel(i)
-            if (job.stop.hit or i in self.early) and not job.cancelled:
+            if (job.stop.hit or i in self.early) and not job.cancelled and self._others_decode(i):
                 job.done(d.result_so_far(i), eos, tok)
         if grew is None:
             self.over = True
@@ -257,6 +257,11 @@ class Batch:
                     job.fail(LayerleapError("cancelled"))
                     continue
                 job.done(d.results[i], eos, tok)
+
+    def _others_decode(self, i: int) -> bool:
+        """Whether a row besides ``i`` still decodes: then ``i``, ended, answers before the batch ends (a
+        batch that ends anyway answers its rows at its end, with the method's statistics and metrics)."""
+        return any(j != i and not self.decoding.finished(j) for j in range(len(self.jobs)))
 
     def cancel_gone(self) -> None:
         for i, job in enumerate(self.jobs):

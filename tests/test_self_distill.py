@@ -228,3 +228,27 @@ def test_a_data_parallel_run_records_its_processes(monkeypatch):
     assert weights.machine().startswith("2 processes, each on ")
     monkeypatch.delenv("WORLD_SIZE")
     assert "processes" not in weights.machine()
+
+
+def test_self_distill_prefers_greedy_answers_and_says_which_file(char_model, capsys):
+    """--data self-distill without a file of the settings asked for reads the newest greedy file of the
+    model, even where a sampled one is newer, and names the file it reads and why."""
+    import os
+
+    greedy = data.self_distill_path(char_model, gen_len=6)
+    sampled = data.self_distill_path(char_model, gen_len=8, temperature=1.5)
+    data.self_distilled(char_model, greedy, 2, gen_len=6, batch=2, progress=False)
+    data.self_distilled(char_model, sampled, 2, gen_len=8, batch=2, progress=False, temperature=1.5)
+    os.utime(greedy, (1_000_000, 1_000_000))  # the sampled file is the newer
+    capsys.readouterr()
+    path, pairs = data.load_self_distilled(char_model, "self-distill")
+    err = capsys.readouterr().err
+    assert path == greedy and len(pairs) == 2
+    assert str(greedy) in err and "greedy answers" in err and "1 sampled file passed over" in err
+    greedy.unlink()
+    path, _ = data.load_self_distilled(char_model, "self-distill")
+    err = capsys.readouterr().err
+    assert path == sampled and "sampled at temperature 1.5" in err and "no greedy answers cached" in err
+    exact = data.self_distill_path(char_model)  # the settings asked for: read without a word
+    data.self_distilled(char_model, exact, 1, batch=1, progress=False)
+    assert data.load_self_distilled(char_model, "self-distill")[0] == exact and not capsys.readouterr().err

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -329,12 +330,19 @@ DATA_CHOICES = ("sharegpt", "self-distill")  # a trainer's --data, besides a sel
 
 def load_self_distilled(model, spec: str = "self-distill", max_prompt: int = 96, gen_len: int = 64):
     """A trainer's self-distilled data: "self-distill" (the cached file ``layerleap train data
-    --self-distill`` writes: the one of these settings, else the newest of this model) or a .jsonl
-    file -> (its path, its pairs (prompt ids, answer ids))."""
+    --self-distill`` writes: the one of these settings, else ``cached_answers``' pick among this model's)
+    or a .jsonl file -> (its path, its pairs (prompt ids, answer ids))."""
     path = self_distill_path(model, max_prompt, gen_len) if spec == "self-distill" else Path(spec).expanduser()
     if spec == "self-distill" and not path.is_file():
-        others = sorted(path.parent.glob(path.name.rsplit("-p", 1)[0] + "-p*.jsonl"), key=lambda p: p.stat().st_mtime)
-        path = others[-1] if others else path
+        picked = cached_answers(path)
+        if picked is not None:
+            path, why = picked
+            print(
+                f"--data self-distill: no answers cached with --max-prompt {max_prompt} --gen-len {gen_len}; "
+                f"reading {path} ({why})",
+                file=sys.stderr,
+                flush=True,
+            )
     if spec == "self-distill" and not path.is_file():
         raise TrainDataError(
             f"no self-distilled data for {model.config.name} yet: write it with "
@@ -344,6 +352,25 @@ def load_self_distilled(model, spec: str = "self-distill", max_prompt: int = 96,
     if not pairs:
         raise TrainDataError(f"{path} holds no answers: write some with `layerleap train data --self-distill`")
     return path, pairs
+
+
+def cached_answers(path: Path) -> tuple[Path, str] | None:
+    """The cached self-distilled file to read where ``path`` (``self_distill_path``'s, for the settings
+    asked for) is missing: the newest greedy file of the same model (other settings), else the newest
+    sampled one (what the drafts must match is the model's greedy text, so greedy answers come first),
+    with why it was picked; None when the model has none."""
+    files = sorted(path.parent.glob(path.name.rsplit("-p", 1)[0] + "-p*.jsonl"), key=lambda p: p.stat().st_mtime)
+    greedy = [p for p in files if answers_kind(p) == "greedy answers"]
+    if greedy:
+        passed = len(files) - len(greedy)
+        over = f"; {passed} sampled file{'s' * (passed > 1)} passed over" if passed else ""
+        return greedy[-1], f"the newest of this model's greedy answers, of other settings{over}"
+    if files:
+        return files[-1], (
+            f"{answers_kind(files[-1])}: this model has no greedy answers cached; write them with "
+            "`layerleap train data --self-distill N`"
+        )
+    return None
 
 
 def answers_kind(path) -> str:

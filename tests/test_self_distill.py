@@ -5,6 +5,7 @@ reading it (a tiny character model, made-up ShareGPT prompts)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -252,3 +253,24 @@ def test_self_distill_prefers_greedy_answers_and_says_which_file(char_model, cap
     exact = data.self_distill_path(char_model)  # the settings asked for: read without a word
     data.self_distilled(char_model, exact, 1, batch=1, progress=False)
     assert data.load_self_distilled(char_model, "self-distill")[0] == exact and not capsys.readouterr().err
+
+
+def test_records_without_their_model_are_refused(tmp_path, char_model, capsys):
+    """A record that does not name its model could be another model's answers: refused, naming the file,
+    the line and the fix, by the trainers and by ``train data`` adding to the file."""
+    path = tmp_path / "sd.jsonl"
+    mine = {"prompt": [1], "completion": [2], "model": char_model.fingerprint}
+    path.write_text(json.dumps(mine) + "\n" + json.dumps({"prompt": [1], "completion": [2]}) + "\n")
+    with pytest.raises(LayerleapError, match=re.escape(f'{path} line 2 has no "model" field')) as e:
+        data.read_self_distilled(path, char_model.fingerprint)
+    assert f'add "model": "{char_model.fingerprint}" to every record' in str(e.value)
+    with pytest.raises(LayerleapError, match="line 2 has no"):
+        data.load_self_distilled(char_model, str(path))
+    with pytest.raises(LayerleapError, match="line 2 has no"):
+        data.self_distilled(char_model, path, 3, gen_len=4, progress=False)
+    D = char_model.source
+    argv = ["train", "medusa", "--model", D, "--threads", "1", "--steps", "1", "--seq-len", "8", "--heads", "1"]
+    assert main(argv + ["--data", str(path), "--out", str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and 'line 2 has no "model" field' in err
+    assert len(data.read_self_distilled(path)) == 2  # without a fingerprint to check against: read as it is

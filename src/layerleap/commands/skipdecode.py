@@ -153,9 +153,8 @@ def _setup_variant(p):
         "--data",
         type=V.in_path_arg,
         required=True,
-        help="self-distilled JSON lines {prompt, completion} (token "
-        "ids): the model's greedy answers to ShareGPT prompts, decoded first where the file has fewer than "
-        "--self-distill",
+        help="self-distilled JSON lines {prompt, completion, model} (token ids and the model's fingerprint): "
+        "the model's greedy answers to ShareGPT prompts, decoded first where the file has fewer than --self-distill",
     )
     p.add_argument(
         "--self-distill",

@@ -202,8 +202,9 @@ def read_self_distilled(
 
 def read_records(path, fingerprint: str | None = None, vocab: int | None = None, what: str = "--data") -> list[dict]:
     """The records of a self-distilled JSON-lines file (``prompt`` and ``completion``: token ids in a
-    vocabulary of ``vocab`` tokens); refuses one written for another model (``fingerprint``: the reader's)
-    or one that is not such a file.  ``what``: the flag that named it, for the messages."""
+    vocabulary of ``vocab`` tokens); refuses, where ``fingerprint`` (the reader's) is given, one written for
+    another model or a record that does not name its model (``model``), and one that is not such a file.
+    ``what``: the flag that named it, for the messages."""
     path = Path(path).expanduser()
     out = []
     from .. import validate as V
@@ -224,7 +225,13 @@ def read_records(path, fingerprint: str | None = None, vocab: int | None = None,
                 f"{path} line {i} is not a self-distilled record ({{'prompt': [ids], 'completion': [ids]}}){why}: "
                 "write it with `layerleap train data --self-distill`"
             ) from None
-        if fingerprint and r.get("model", fingerprint) != fingerprint:
+        if fingerprint and "model" not in r:
+            raise TrainDataError(
+                f'{path} line {i} has no "model" field (the fingerprint of the model whose answers these are), so '
+                "they could be another model's: write this model's with `layerleap train data --self-distill`, or, "
+                f'where they are this model\'s answers, add "model": "{fingerprint}" to every record'
+            )
+        if fingerprint and r["model"] != fingerprint:
             raise TrainDataError(
                 f"{path} holds answers of another model (fingerprint {r.get('model')}; this model "
                 f"{fingerprint}): write this model's with `layerleap train data --self-distill`"

@@ -298,3 +298,27 @@ def test_a_work_folder_resumes_only_on_its_sequences(tmp_path):
     with pytest.raises(th.TrainHeadsError, match="other settings, data"):
         th.train_heads(model, cfg, work=tmp_path / "w", seqs=other, progress=False)
     assert th.train_heads(model, cfg, work=tmp_path / "w", seqs=train, progress=False).resumed_from == 2
+
+
+def test_a_resume_without_sequences_keeps_the_data_hash(tmp_path):
+    """A run resumed with ``seqs=None`` (the work folder's cache) writes its state with the hash of the
+    sequences it trains on, so a later resume still tells its data from other data."""
+    from safetensors import safe_open
+
+    from layerleap.train.state_cache import data_hash
+
+    model = random_model()
+    train, other = (_seqs(8, 16, model.config.vocab_size, s) for s in (0, 1))
+    cfg, work = _cfg(init="lstsq", candidates=4, negatives=8), tmp_path / "w"
+    th.train_heads(model, cfg, work=work, seqs=train, progress=False, stop_after=2)
+    assert th.train_heads(model, cfg, work=work, seqs=None, progress=False, stop_after=2).resumed_from == 2
+    with safe_open(str(work / th.STATE_FILE), "pt") as f:
+        assert f.metadata()["seqs"] == data_hash(train)
+    with pytest.raises(th.TrainHeadsError, match="other settings, data"):
+        th.train_heads(model, cfg, work=work, seqs=other, progress=False)
+    assert th.train_heads(model, cfg, work=work, seqs=train, progress=False, stop_after=2).resumed_from == 4
+    # without sequences, a state made on other sequences than the cache's is refused
+    th.train_heads(model, cfg, work=tmp_path / "o", seqs=other, progress=False, stop_after=2)
+    (tmp_path / "o" / th.CACHE_FILE).replace(work / th.CACHE_FILE)
+    with pytest.raises(th.TrainHeadsError, match="other settings, data"):
+        th.train_heads(model, cfg, work=work, seqs=None, progress=False)

@@ -21,8 +21,10 @@ State (heads, optimiser, step, losses) is written atomically to ``work/state.saf
 (or, with ``state_cache``, to a ``train.state_cache`` folder that later runs on the same model and
 data read instead of running the backbone);
 running again with the same ``work`` folder and settings resumes and gives the same heads as an
-uninterrupted run (same thread count).  The data order is a function of (seed, epoch), so nothing
-random is carried in the state.
+uninterrupted run (same thread count).  Both files record the hash of the sequences trained on: a resume
+on other sequences is refused, and one that gives none (``seqs=None``) trains on the cache's and writes
+the state with their hash, so that the next resume is checked the same way.  The data order is a
+function of (seed, epoch), so nothing random is carried in the state.
 """
 
 from __future__ import annotations
@@ -306,8 +308,10 @@ def load_or_build_cache(
 ) -> dict[int, torch.Tensor]:
     """The hidden-state cache, from ``work`` if it holds one for these settings.  ``timing`` (a dict)
     gets ``"seconds"``: the time it took to build the cache (recorded in the file, so a resumed run
-    reports the original build time, not the time to read it back).  ``state_cache``: a folder
-    (``train.state_cache``) that keeps the states for later runs instead of ``work``."""
+    reports the original build time, not the time to read it back), and ``"seqs"``: the hash of the
+    sequences the cache holds (``data_hash``; "" for a cache read back that does not record it).
+    ``state_cache``: a folder (``train.state_cache``) that keeps the states for later runs instead of
+    ``work``."""
     key = _cache_key(cfg, model.fingerprint)
     path = work / CACHE_FILE if work is not None and state_cache is None else None
     timing = {} if timing is None else timing
@@ -320,9 +324,12 @@ def load_or_build_cache(
             meta = f.metadata() or {}
             if meta.get("key") == key and _same_data(meta, seqs):  # a data file that changed builds a new one
                 timing["seconds"] = float(meta.get("seconds", 0.0))
+                timing["seqs"] = meta.get("seqs", "")
                 return {(k if k == TOP_KEY else int(k.removeprefix("layer"))): f.get_tensor(k) for k in f.keys()}
     t0 = time.perf_counter()
-    cache = cache_hidden(model, _sequences(model, cfg, seqs), cfg.layers, progress)
+    seqs = _sequences(model, cfg, seqs)
+    timing["seqs"] = data_hash(seqs)
+    cache = cache_hidden(model, seqs, cfg.layers, progress)
     if cfg.candidates:
         cache[TOP_KEY] = final_top_ids(model, cache[model.config.n_layers], cfg.candidates)
     timing["seconds"] = time.perf_counter() - t0
@@ -330,7 +337,7 @@ def load_or_build_cache(
         save_safetensors(
             path,
             {(k if k == TOP_KEY else f"layer{k}"): v for k, v in cache.items()},
-            {"key": key, "seconds": repr(timing["seconds"]), "seqs": "" if seqs is None else data_hash(seqs)},
+            {"key": key, "seconds": repr(timing["seconds"]), "seqs": timing["seqs"]},
         )
     return cache
 
@@ -347,7 +354,9 @@ def _from_state_cache(model: Transformer, cfg: HeadTrainConfig, seqs, root, prog
     """``load_or_build_cache`` from a ``StateCache`` under ``root``: the backbone runs only for the
     sequences not stored there yet, and the final layer's top ids are stored beside them."""
     t0 = time.perf_counter()
-    store = StateCache(root, model, [*cfg.layers, model.config.n_layers], _sequences(model, cfg, seqs))
+    seqs = _sequences(model, cfg, seqs)
+    timing["seqs"] = data_hash(seqs)
+    store = StateCache(root, model, [*cfg.layers, model.config.n_layers], seqs)
     if progress:
         print(store.describe(), file=sys.stderr, flush=True)
     cache: dict = store.fill(progress)
@@ -398,19 +407,29 @@ def _objective(model: Transformer, cfg: HeadTrainConfig, cache: dict, heads: lis
     return loss
 
 
-def _checkpoint(work: Path | None, cfg: HeadTrainConfig, fingerprint: str, seqs=None) -> Checkpoint | None:
+def _checkpoint(
+    work: Path | None, cfg: HeadTrainConfig, fingerprint: str, data: str = "", given: bool = False
+) -> Checkpoint | None:
+    """The training state in ``work`` of a run on the sequences whose hash is ``data`` (``data_hash``; ""
+    where unknown: a cache given, or read back without its hash).  ``given``: the caller gave the
+    sequences, and the state must have been made on them; without them a state whose data is known
+    must have been made on the sequences trained on.  The state written records ``data``, else the
+    resumed state's, so that a resume without sequences keeps the hash for the next resume."""
     if work is None:
         return None
     key = _config_key(cfg, fingerprint)
+    made = {"key": key, "seqs": data}
 
     def check(meta: dict) -> None:
-        if meta.get("key") != key or not _same_data(meta, seqs):
+        saved = meta.get("seqs", "")
+        same = saved == data if given else not saved or not data or saved == data
+        if meta.get("key") != key or not same:
             raise TrainHeadsError(
                 f"{work} holds a run with other settings, data or another model: use another "
                 "work folder, or the same settings and data to resume"
             )
+        made["seqs"] = data or saved
 
-    made = {"key": key, "seqs": "" if seqs is None else data_hash(seqs)}
     return Checkpoint(
         work / STATE_FILE, made, check, what="training state", fix="delete the work folder to start again"
     )
@@ -427,7 +446,8 @@ def train_heads(
     state_cache=None,
 ) -> HeadTrainResult:
     """Train one head per layer in ``cfg.layers`` on ``model`` (frozen).  ``seqs``: token id lists
-    to train on (default: ShareGPT in the chat template).  ``work``: the folder for the cache and
+    to train on (default: those of the work folder's cache for these settings, else ShareGPT in the
+    chat template).  ``work``: the folder for the cache and
     the resumable state (None: in memory only).  ``stop_after``: stop after this many steps of this
     call (to test resumption).  ``cache``: a hidden-state cache to train on instead (``cache_hidden``
     with ``TOP_KEY`` when ``cfg.candidates``, e.g. from ``ahead_cache``).  ``state_cache``: a folder
@@ -440,7 +460,7 @@ def train_heads(
         if work.exists() and not work.is_dir():
             raise TrainHeadsError(f"work folder {work} is a file: give a folder")
         work.mkdir(parents=True, exist_ok=True)
-    timing: dict = {"seconds": 0.0}
+    timing: dict = {"seconds": 0.0, "seqs": data_hash(seqs) if seqs is not None else ""}
     if cache is None:
         cache = load_or_build_cache(model, cfg, work, seqs, progress, timing, state_cache)
     final = cache[model.config.n_layers]
@@ -471,7 +491,7 @@ def train_heads(
         params,
         _objective(model, cfg, cache, heads),
         loop,
-        _checkpoint(work, cfg, model.fingerprint, seqs),
+        _checkpoint(work, cfg, model.fingerprint, timing["seqs"], given=seqs is not None),
         clip_groups=[list(h.parameters()) for h in heads],
     )
     for h in heads:

@@ -227,6 +227,18 @@ def test_refusals_name_the_fix(tiny):
         generate(random_model(), [1, 2], "greedy", 4, grammar=GRAMMARS["regex"])
 
 
+@pytest.mark.parametrize(
+    "grammar",
+    [Grammar.json({"$ref": "#"}), Grammar.regex(r"[^\s\S]"), Grammar.gbnf('root ::= root "a"')],
+    ids=["self-ref schema", "empty regex", "left-recursive gbnf"],
+)
+def test_a_grammar_that_matches_nothing_is_refused_before_decoding(tiny, grammar):
+    """Such grammars compile, but no token can start them: refused up front, not a RuntimeError mid-decoding."""
+    for method in ("greedy", "prompt-lookup"):
+        with pytest.raises(GrammarError, match="matches no text"):
+            layerleap.Decoding(tiny, "a", method, 4, grammar=grammar)
+
+
 def test_generate_command_takes_a_grammar(capsys, tiny_hf_dir, tiny, tmp_path):
     from layerleap.cli import main
 

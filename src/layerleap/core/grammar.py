@@ -194,6 +194,14 @@ def _matcher(model, grammar: Grammar, eos_ids: tuple[int, ...]):
         raise GrammarError(f"cannot compile the {grammar.kind} grammar: {_first_line(e)}") from None
     if m.is_error():
         raise GrammarError(f"cannot compile the {grammar.kind} grammar: {_first_line(m.get_error())}")
+    probe = Constraint(m.deep_copy(), model.config.vocab_size)
+    try:  # the first mask: a grammar that no text matches fails here, not while decoding
+        probe.allowed()
+    except RuntimeError:
+        raise GrammarError(
+            f"the {grammar.kind} grammar matches no text: no token can start it (a rule that only refers to "
+            "itself, a pattern that matches nothing, a schema that refers only to itself)"
+        ) from None
     with _LOCK:
         _COMPILED[key] = (tok, m)
         while len(_COMPILED) > MAX_COMPILED:

@@ -179,11 +179,13 @@ class Job:
 
     def _through_stop(self, toks: list[int], tokenizer) -> int:
         """The fewest of ``toks`` whose text holds the stop string that ended the answer: what decoding
-        token by token would have made (a drafting round may have accepted tokens past it)."""
+        token by token would have made (a drafting round may have accepted tokens past it).  A stop string
+        that ends in a character of several tokens is held through the token that completes it."""
+        through = tokenizer.decode(toks, skip_special_tokens=True)[: self.stop.end]  # the text through the stop
         lo, hi = 1, len(toks)
-        while lo < hi:  # the text only grows with the tokens: the first length that reaches the end
+        while lo < hi:  # the text only grows with the tokens: the first length whose text holds it all
             mid = (lo + hi) // 2
-            if len(tokenizer.decode(toks[:mid], skip_special_tokens=True)) >= self.stop.end:
+            if tokenizer.decode(toks[:mid], skip_special_tokens=True).startswith(through):
                 hi = mid
             else:
                 lo = mid + 1

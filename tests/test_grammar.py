@@ -223,6 +223,9 @@ def test_refusals_name_the_fix(tiny):
         generate(tiny, "a", "greedy", 4, grammar=Grammar.gbnf("root ::= missing"))
     with pytest.raises(GrammarError, match="not valid JSON"):
         Grammar.json("{")
+    for schema in ({"enum": {1, 2}}, {"type": "number", "maximum": float("nan")}, {"type": b"string"}):
+        with pytest.raises(GrammarError, match="not JSON"):
+            Grammar.json(schema)
     with pytest.raises(GrammarError, match="no tokenizer"):
         generate(random_model(), [1, 2], "greedy", 4, grammar=GRAMMARS["regex"])
 

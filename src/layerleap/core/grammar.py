@@ -74,7 +74,13 @@ class Grammar:
                 raise GrammarError(f"the JSON schema is not valid JSON ({e}): give a JSON object") from None
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
-        return cls("json", json.dumps(schema))  # key order kept: properties are written in the order given
+        try:  # key order kept: properties are written in the order given
+            return cls("json", json.dumps(schema, allow_nan=False))
+        except (TypeError, ValueError) as e:  # a set, bytes, NaN: not JSON
+            raise GrammarError(
+                f"the JSON schema holds a value that is not JSON ({e}): use dicts, lists, "
+                "strings, finite numbers, booleans and None"
+            ) from None
 
     @classmethod
     def regex(cls, pattern: str) -> "Grammar":

@@ -223,8 +223,23 @@ def test_refusals_name_the_fix(tiny):
         generate(tiny, "a", "greedy", 4, grammar=Grammar.gbnf("root ::= missing"))
     with pytest.raises(GrammarError, match="not valid JSON"):
         Grammar.json("{")
+    for schema in ({"enum": {1, 2}}, {"type": "number", "maximum": float("nan")}, {"type": b"string"}):
+        with pytest.raises(GrammarError, match="not JSON"):
+            Grammar.json(schema)
     with pytest.raises(GrammarError, match="no tokenizer"):
         generate(random_model(), [1, 2], "greedy", 4, grammar=GRAMMARS["regex"])
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [Grammar.json({"$ref": "#"}), Grammar.regex(r"[^\s\S]"), Grammar.gbnf('root ::= root "a"')],
+    ids=["self-ref schema", "empty regex", "left-recursive gbnf"],
+)
+def test_a_grammar_that_matches_nothing_is_refused_before_decoding(tiny, grammar):
+    """Such grammars compile, but no token can start them: refused up front, not a RuntimeError mid-decoding."""
+    for method in ("greedy", "prompt-lookup"):
+        with pytest.raises(GrammarError, match="matches no text"):
+            layerleap.Decoding(tiny, "a", method, 4, grammar=grammar)
 
 
 def test_generate_command_takes_a_grammar(capsys, tiny_hf_dir, tiny, tmp_path):

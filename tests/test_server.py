@@ -171,6 +171,24 @@ def test_stop_text(pieces, stops, want):
     assert "".join(st.push(p) for p in pieces) + st.finish() == want
 
 
+@pytest.mark.parametrize("text,stop", [("ab😀cd", "😀"), ("ab中文cd", "中"), ("x 😀😀 y", "😀 y"), ("abc😀", "c")])
+def test_tokens_through_a_stop_string_that_ends_in_a_split_character(tiny, text, stop):
+    """The usage counts the tokens through the stop string: where it ends in a character split over
+    several tokens (an emoji is several byte tokens), through the token that completes that character."""
+    from layerleap.core.run import GenerationResult
+    from layerleap.scheduler import Job, Settings
+
+    tok = tiny.tokenizer
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    job = Job([1], Settings("greedy"), [stop])
+    job.send(text)
+    job.done(GenerationResult(text, ids, {}, [1]), (), tok)
+    events = [job.events.get_nowait() for _ in range(job.events.qsize())]
+    finish = events[-1][1]
+    want = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n], skip_special_tokens=True))
+    assert finish.text == text[: text.index(stop)] and finish.completion_tokens == want
+
+
 BAD = [
     ("{not json", 400, None),
     ('["a list"]', 400, None),

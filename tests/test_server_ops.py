@@ -546,6 +546,24 @@ def test_structured_output_fields_equal_generate_with_their_grammar(url, tiny):
         assert post(url, body).json()["choices"][0]["text"] == want in ("no", "yes")
 
 
+def test_an_answer_the_grammar_ends_at_max_tokens_stops(url, tiny):
+    """An answer whose grammar ends on its last allowed token is complete: "stop", as with room to spare
+    (in the pool and in a batch)."""
+    pytest.importorskip("llguidance")
+    from layerleap import Grammar
+
+    choices = ["yes", "no", "maybe"]
+    n = len(generate(tiny, "Answer:", "greedy", 8, grammar=Grammar.choice(choices)).token_ids)
+    for method in ("greedy", "prompt-lookup"):
+        for max_tokens in (n, n + 1):
+            body = {"prompt": "Answer:", "max_tokens": max_tokens, "guided_choice": choices}
+            r = post(url, body | {"layerleap": {"method": method}}).json()
+            assert r["choices"][0]["text"] in choices and r["choices"][0]["finish_reason"] == "stop", (method, r)
+            assert r["usage"]["completion_tokens"] == n
+    r = post(url, {"prompt": "Answer:", "max_tokens": 1, "guided_regex": "[0-9]{2}-[a-c]+"}).json()
+    assert r["choices"][0]["finish_reason"] == "length"  # cut before the grammar ends
+
+
 def test_concurrent_requests_with_different_grammars_decode_as_alone(url, tiny):
     """Rows of one pool (greedy) each follow their own grammar; prompt lookup's requests, whose batch key
     holds the grammar, decode in batches of their own, at the same time."""

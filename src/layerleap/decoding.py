@@ -457,6 +457,14 @@ class Decoding:
         run, row = self._where[i]
         return run.finished[row]
 
+    def grammar_done(self, i: int) -> bool:
+        """Whether prompt ``i``'s grammar is complete: nothing but the end of the output may follow (False
+        without a grammar)."""
+        if i not in self._where:
+            return False
+        run, row = self._where[i]
+        return run.constraints is not None and run.constraints[row].stopped
+
     def result_so_far(self, i: int) -> GenerationResult:
         """Prompt ``i``'s result now (``results[i]`` once the iteration has ended): for a row that ended
         before its batch, its tokens and the loop's counts so far, without the method's own statistics,

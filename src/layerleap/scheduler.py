@@ -145,6 +145,7 @@ class Job:
         self.cancelled = False
         self.finished = False
         self.reason: str | None = None  # OpenAI's finish reason, once done
+        self.grammar_done = False  # its grammar ended the answer (set before ``done``)
         self.t_submit = time.monotonic()
         self.t_start: float | None = None  # when its batch took it
         self.t_first: float | None = None  # when its first text went out
@@ -169,7 +170,13 @@ class Job:
         self.send_rest()
         toks = result.token_ids
         eos = self.settings.gen.stop_at_eos and bool(toks) and toks[-1] in eos_ids
-        cut = self.stop.hit or self.cut is not None or eos or len(toks) < self.settings.max_new_tokens
+        cut = (
+            self.stop.hit
+            or self.cut is not None
+            or eos
+            or self.grammar_done
+            or len(toks) < self.settings.max_new_tokens
+        )
         reason = "stop" if cut else "length"
         self.finished, self.reason = True, reason
         n = len(toks) if self.cut is None else self.cut
@@ -179,11 +186,13 @@ class Job:
 
     def _through_stop(self, toks: list[int], tokenizer) -> int:
         """The fewest of ``toks`` whose text holds the stop string that ended the answer: what decoding
-        token by token would have made (a drafting round may have accepted tokens past it)."""
+        token by token would have made (a drafting round may have accepted tokens past it).  A stop string
+        that ends in a character of several tokens is held through the token that completes it."""
+        through = tokenizer.decode(toks, skip_special_tokens=True)[: self.stop.end]  # the text through the stop
         lo, hi = 1, len(toks)
-        while lo < hi:  # the text only grows with the tokens: the first length that reaches the end
+        while lo < hi:  # the text only grows with the tokens: the first length whose text holds it all
             mid = (lo + hi) // 2
-            if len(tokenizer.decode(toks[:mid], skip_special_tokens=True)) >= self.stop.end:
+            if tokenizer.decode(toks[:mid], skip_special_tokens=True).startswith(through):
                 hi = mid
             else:
                 lo = mid + 1
@@ -249,6 +258,7 @@ class Batch:
             if job.stop.hit:
                 d.cancel(i)
             if (job.stop.hit or i in self.early) and not job.cancelled and self._others_decode(i):
+                job.grammar_done = d.grammar_done(i)
                 job.done(d.result_so_far(i), eos, tok)
         if grew is None:
             self.over = True
@@ -256,6 +266,7 @@ class Batch:
                 if d.results[i] is None:  # cancelled before it started
                     job.fail(LayerleapError("cancelled"))
                     continue
+                job.grammar_done = d.grammar_done(i)
                 job.done(d.results[i], eos, tok)
 
     def _others_decode(self, i: int) -> bool:
@@ -498,6 +509,7 @@ class Pool:
         done = []
         for r in ended:
             res = r.result(self.model, max(1, self.widest))
+            r.job.grammar_done = r.constraint is not None and r.constraint.stopped
             if not r.job.finished and not r.job.cancelled:
                 texts[r.job] = texts.get(r.job, "") + r.pieces.finish(r.job.tokens(res.token_ids))
             done.append((r.job, res))

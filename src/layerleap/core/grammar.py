@@ -74,7 +74,13 @@ class Grammar:
                 raise GrammarError(f"the JSON schema is not valid JSON ({e}): give a JSON object") from None
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
-        return cls("json", json.dumps(schema))  # key order kept: properties are written in the order given
+        try:  # key order kept: properties are written in the order given
+            return cls("json", json.dumps(schema, allow_nan=False))
+        except (TypeError, ValueError) as e:  # a set, bytes, NaN: not JSON
+            raise GrammarError(
+                f"the JSON schema holds a value that is not JSON ({e}): use dicts, lists, "
+                "strings, finite numbers, booleans and None"
+            ) from None
 
     @classmethod
     def regex(cls, pattern: str) -> "Grammar":
@@ -194,6 +200,14 @@ def _matcher(model, grammar: Grammar, eos_ids: tuple[int, ...]):
         raise GrammarError(f"cannot compile the {grammar.kind} grammar: {_first_line(e)}") from None
     if m.is_error():
         raise GrammarError(f"cannot compile the {grammar.kind} grammar: {_first_line(m.get_error())}")
+    probe = Constraint(m.deep_copy(), model.config.vocab_size)
+    try:  # the first mask: a grammar that no text matches fails here, not while decoding
+        probe.allowed()
+    except RuntimeError:
+        raise GrammarError(
+            f"the {grammar.kind} grammar matches no text: no token can start it (a rule that only refers to "
+            "itself, a pattern that matches nothing, a schema that refers only to itself)"
+        ) from None
     with _LOCK:
         _COMPILED[key] = (tok, m)
         while len(_COMPILED) > MAX_COMPILED:

@@ -442,6 +442,13 @@ class Decoding:
             if grew:
                 yield grew
 
+    @property
+    def started(self) -> bool:
+        """Whether the decoding has begun: its run has made a model call.  A method's set-up comes before
+        that (the checks of its options, the weights they name), so an error raised while this is False
+        refuses the arguments, and one raised later is a failure of the decoding itself."""
+        return any(run.model_calls > 0 for run, _ in self._where.values())
+
     def tokens(self, i: int) -> list[int]:
         """The new tokens of prompt ``i`` so far."""
         if i not in self._where:

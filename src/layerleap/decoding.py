@@ -356,7 +356,8 @@ def _check_grammar(m: Method, grammar) -> None:
 
 
 class BudgetWarning(UserWarning):
-    """A lossy method's calibration found no setting faster than greedy within the quality budget."""
+    """About a lossy method's quality budget: its calibration found no setting faster than greedy within
+    it, there is no calibration for the model, or the calibration was priced on another machine."""
 
 
 class Decoding:
@@ -405,6 +406,10 @@ class Decoding:
             options,
             grammar,
         )
+        if self.budget is not None:
+            note = budget.machine_note(self.budget, model)  # priced on another machine: once per file
+            if note:
+                warnings.warn(note, BudgetWarning, stacklevel=3)
         if self.budget is not None and not self.budget.faster_than_greedy:
             warnings.warn(self.budget.note, BudgetWarning, stacklevel=3)
         elif self.budget is None and isinstance(model, Transformer):

@@ -13,7 +13,9 @@ and method::
 ``calibrated(model, method, quality)`` reads the setting chosen for a budget (the user's file first,
 then the shipped one); ``generate(..., quality=0.95)`` runs it, and a lossy method called with none
 of its knobs runs its calibrated setting at ``DEFAULT_QUALITY`` when a file exists for the model,
-else its own defaults with a warning (``uncalibrated_note``).
+else its own defaults with a warning (``uncalibrated_note``).  A file used on another CPU model or
+thread count than the one that priced its settings still runs, with a warning once per file in a
+process (``machine_note``).
 """
 
 from __future__ import annotations

@@ -268,6 +268,21 @@ def test_a_calibration_priced_on_another_machine_says_so_once_per_file(char_mode
         layerleap.generate(char_model, "hi", "bild", 2, chat=True)
 
 
+def test_a_shipped_calibration_runs_without_the_machine_warning(char_model, cache, tmp_path, monkeypatch):
+    """The package's own calibration files name their machine in the docs: used anywhere, they run silently
+    (the same file as the user's would warn, above)."""
+    n, threads = char_model.config.n_layers, torch.get_num_threads()
+    monkeypatch.setattr(budget, "SHIPPED", tmp_path / "shipped")
+    path = budget.calibration_path(char_model.fingerprint, char_model.dtype_name, "calm", tmp_path / "shipped")
+    path.parent.mkdir(parents=True)
+    entry = {"chosen": {"options": budget.PATHS["calm"](n)[0], "modelled_speedup": 1.0}, "faster_than_greedy": True}
+    path.write_text(json.dumps({"budgets": {"0.95": {**entry, "config": {"cpu": "Other", "threads": threads + 1}}}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = layerleap.generate(char_model, "hi", "calm", 3, chat=True, quality=0.95)
+    assert r.stats["quality_budget"]["calibration"] == str(path)
+
+
 def test_bilds_calibration_holds_for_its_default_small_model_only(char_model, cache):
     """A BiLD calibration was made with the default small model: another one (``small``, ``exit_layer``,
     or an ``eagle`` other than "auto") runs as given, not with the calibrated thresholds."""

@@ -13,8 +13,8 @@ and method::
 ``calibrated(model, method, quality)`` reads the setting chosen for a budget (the user's file first,
 then the shipped one); ``generate(..., quality=0.95)`` runs it, and a lossy method called with none
 of its knobs runs its calibrated setting at ``DEFAULT_QUALITY`` when a file exists for the model,
-else its own defaults with a warning (``uncalibrated_note``).  A file used on another CPU model or
-thread count than the one that priced its settings still runs, with a warning once per file in a
+else its own defaults with a warning (``uncalibrated_note``).  A user's file used on another CPU model
+or thread count than the one that priced its settings still runs, with a warning once per file in a
 process (``machine_note``).
 """
 
@@ -217,7 +217,9 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
             continue
         b = data["budgets"][key]
         config = b.get("config") if isinstance(b.get("config"), dict) else {}
-        priced_on = {k: config[k] for k in ("cpu", "threads") if k in config}
+        # the shipped files' machine is written in docs/QUALITY.md; a user's own file is compared with this one
+        shipped = SHIPPED in path.parents
+        priced_on = {} if shipped else {k: config[k] for k in ("cpu", "threads") if k in config}
         chosen = b.get("chosen")
         settings = b.get("settings")
         if chosen is None and isinstance(settings, list) and settings and isinstance(settings[0], dict):

@@ -317,6 +317,49 @@ def test_auto_eagle_rounds_draft_with_the_head(monkeypatch):
     assert set(made) == {(1, 2)}
 
 
+@pytest.mark.parametrize("kind", ["lookup", "transfer", "medusa", "eagle", "all"])
+def test_auto_tree_nodes_are_the_nodes_its_calls_verified(switching, monkeypatch, kind):
+    """``tree_nodes``: the mean nodes a call verified (root included, rounded), whatever kind of call each
+    round made, not the Hidden Transfer tree's size in Medusa and EAGLE rounds."""
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    if kind != "all":  # one kind of call after the prompt (a probe that never ends)
+        monkeypatch.setattr(auto_drafter, "PROBE", 10_000)
+    order = [m for m in auto_drafter.MODES if kind in (m, "all")]
+    monkeypatch.setattr(auto_drafter, "Chooser", lambda modes: Chooser(tuple(m for m in modes if m in order)))
+    kw = {
+        "transfer": _transfer(model) if kind in ("transfer", "all") else "none",
+        "medusa": _medusa(model) if kind in ("medusa", "all") else "none",
+        "eagle": _eagle(model) if kind in ("eagle", "all") else "none",
+    }
+    verified = []
+    real = auto_drafter.AutoDrafter.score
+
+    def spy(self, cands):
+        if cands[0].root is not None:  # a call after the prompt
+            verified.append(1 + cands[0].k)
+        return real(self, cands)
+
+    monkeypatch.setattr(auto_drafter.AutoDrafter, "score", spy)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    r = layerleap.generate(
+        model,
+        prompt,
+        "auto",
+        24,
+        stop_at_eos=False,
+        min_ngram=1,
+        **kw,
+        **({"tree": "2,1"} if kw["transfer"] != "none" else {}),
+    )
+    assert r.token_ids == naive_greedy(model, prompt, 24)
+    s = r.stats
+    assert len(verified) == s["rounds"] and s["tree_nodes"] == round(sum(verified) / len(verified)), (verified, s)
+    if kind != "all":
+        assert s[f"{kind}_rounds"] == s["rounds"]
+    if kind in ("medusa", "eagle"):
+        assert s["tree_nodes"] > 1
+
+
 def test_auto_with_eagle_batch_equals_rows_alone(switching):
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)
     head, proj = _eagle(model), _transfer(model)

@@ -62,7 +62,8 @@ def test_always_falling_back_gives_the_large_models_greedy_output():
                 r = run_bild(large, alpha_fb=1.0, alpha_rb=alpha_rb, **form)
                 assert r.token_ids == ref, (seed, name, alpha_rb)
                 assert r.stats["small_tokens"] == 0 and r.stats["large_tokens"] == N
-                assert r.stats["fallbacks"] == N and r.stats["fallback_rate"] == 1.0
+                # the first token is the prompt pass's: N - 1 large passes after it, each a fallback
+                assert r.stats["fallbacks"] == r.stats["large_calls"] == N - 1 and r.stats["fallback_rate"] == 1.0
 
 
 @pytest.mark.parametrize("alpha_rb", [0.69, math.log(2), 0.0])
@@ -93,6 +94,29 @@ def test_never_falling_back_nor_rolling_back_gives_the_small_models_greedy_outpu
             assert r.stats["large_calls"] == 0  # alpha_rb = inf: the final check could change nothing
             r = run_bild(large, alpha_fb=0.0, alpha_rb=1e9, max_small=None, **form)
             assert r.token_ids == want and r.stats["large_calls"] == r.stats["final_checks"] == 1
+
+
+def test_large_calls_count_the_large_passes_after_the_prompt():
+    """A first token the small model is unsure of comes from the prompt pass: no large pass, so no fallback,
+    and ``large_calls`` stays the large model's calls after the prompt; ``fallback_rate`` still counts that
+    step (a small model unsure of every token has rate 1).  Each row of a batch counts as alone."""
+    unsure_first = 0
+    prompts = [PROMPT, [3, 4], [9, 2, 8, 6]]
+    for seed in SEEDS:
+        large, small = tiny_pair(seed)
+        for alpha_fb in (0.3, 0.6, 0.99):
+            rs = layerleap.generate(large, prompts, "bild", 8, stop_at_eos=False, small=small, alpha_fb=alpha_fb)
+            for p, r in zip(prompts, rs):
+                s = layerleap.generate(large, p, "bild", 8, stop_at_eos=False, small=small, alpha_fb=alpha_fb).stats
+                assert s["large_calls"] == s["model_calls"] - 1, (seed, alpha_fb, s)
+                assert s["large_calls"] == s["fallbacks"] + s["forced"] + s["final_checks"]
+                assert s["rollback_rate"] == (s["rollbacks"] / s["large_calls"] if s["large_calls"] else 0.0)
+                for key in ("large_calls", "fallbacks", "fallback_rate", "rollback_rate"):
+                    assert r.stats[key] == s[key], (seed, alpha_fb, key)
+                unsure_first += s["fallback_rate"] * s["small_steps"] > s["fallbacks"]
+                if alpha_fb == 0.99:  # unsure of every token: the first is the prompt pass's, the rest fall back
+                    assert s["fallback_rate"] == 1.0 and s["fallbacks"] == s["small_steps"] - 1 == 7, s
+    assert unsure_first > 0  # the case the count is about did happen
 
 
 def test_run_limit_hands_over_every_max_small_tokens():
@@ -201,7 +225,8 @@ def test_early_exit_computes_no_layer_twice():
     assert r["prompt_layer_evals"] == g["prompt_layer_evals"]
     # a certain fallback runs no small step (its exit head would be thrown away): one call a token, as greedy
     assert r["model_calls"] == g["model_calls"] and r["small_steps"] == 0
-    assert r["fallbacks"] == r["large_calls"] == N and r["fallback_rate"] == 1.0  # every step the large model's
+    assert r["fallbacks"] == r["large_calls"] == N - 1 == g["model_calls"] - 1  # after the prompt pass
+    assert r["fallback_rate"] == 1.0  # every step the large model's
     # kept small tokens: N - 1 small steps (layers 0-1; the first token came from the prompt pass),
     # then the final check: layers 0-1 for the last token alone, layers 2-3 for all N
     r = run_bild(large, exit_layer=2, head="shared", alpha_fb=0.0, alpha_rb=1e9, max_small=None).stats

@@ -190,6 +190,7 @@ def test_calibrate_end_to_end_writes_a_file_generate_reads(char_model, cache, tm
     entry = data["budgets"]["0.95"]
     assert entry["chosen"]["options"] == chosen.options and "probability" in entry["guarantee"]
     assert SC.StepCost.from_dict(entry["config"]["step_cost"]).n_layers == d  # the prices it was modelled with
+    assert entry["config"]["threads"] == torch.get_num_threads() and entry["config"]["cpu"]  # and what priced them
     assert entry["faster_than_greedy"] == (round(entry["chosen"]["modelled_speedup"], 3) > 1)
     # generate(quality=...) runs the chosen setting and says which
     r = layerleap.generate(char_model, "hi", "early-exit", 4, chat=True, quality=0.95)
@@ -226,18 +227,60 @@ def test_quality_errors_name_the_fix(char_model, cache):
         C.calibrate(char_model, "calm", prompts=PROMPTS, max_new_tokens=2)
 
 
-def _write(model, method, options, fast, quality="0.95"):
+def _write(model, method, options, fast, quality="0.95", config=None):
     path = budget.calibration_path(model.fingerprint, model.dtype_name, method)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {
-                "budgets": {
-                    quality: {"chosen": {"options": options, "modelled_speedup": 1.0}, "faster_than_greedy": fast}
-                }
-            }
-        )
-    )
+    entry = {"chosen": {"options": options, "modelled_speedup": 1.0}, "faster_than_greedy": fast}
+    path.write_text(json.dumps({"budgets": {quality: {**entry, **({"config": config} if config else {})}}}))
+    return path
+
+
+def test_a_calibration_priced_on_another_machine_says_so_once_per_file(char_model, cache):
+    """A calibration whose settings were priced on another CPU model or thread count is still used, with
+    one warning per file in the process naming what differs and the command that calibrates here."""
+    from layerleap.core.cpu import cpu_signature
+
+    n, here, threads = char_model.config.n_layers, cpu_signature(), torch.get_num_threads()
+    other = {"cpu": "Some Other CPU, family 1 model 2 (AVX2)", "threads": threads + 1}
+    path = _write(char_model, "calm", budget.PATHS["calm"](n)[0], fast=True, config=other)
+    greedy = layerleap.generate(char_model, "hi", "greedy", 3, chat=True)
+    for quality in (0.95, None):  # asked for, or the default's calibration: the same file
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            r = layerleap.generate(char_model, "hi", "calm", 3, chat=True, quality=quality)
+        assert r.token_ids == greedy.token_ids and r.stats["quality_budget"]["calibration"] == str(path)
+        told = [str(w.message) for w in said if issubclass(w.category, layerleap.decoding.BudgetWarning)]
+        if quality is not None:  # the first use of the file in this process
+            assert len(told) == 1, told
+            assert str(path) in told[0] and here in told[0] and other["cpu"] in told[0], told
+            assert f"torch runs {threads} threads, not {threads + 1}" in told[0], told
+            assert f"`layerleap calibrate calm --quality 0.95 --dtype float32 --threads {threads}`" in told[0]
+        else:
+            assert told == [], told
+    # the thread count alone differs: it alone is named; the same machine: nothing said
+    _write(char_model, "skipdecode", budget.PATHS["skipdecode"](n)[0], fast=True, config={"threads": threads + 2})
+    with pytest.warns(layerleap.decoding.BudgetWarning, match=f"runs {threads} threads, not {threads + 2}") as said:
+        layerleap.generate(char_model, "hi", "skipdecode", 2, chat=True)
+    assert not any("the CPU is" in str(w.message) for w in said)
+    _write(char_model, "bild", budget.PATHS["bild"](n)[0], fast=True, config={"cpu": here, "threads": threads})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layerleap.generate(char_model, "hi", "bild", 2, chat=True)
+
+
+def test_a_shipped_calibration_runs_without_the_machine_warning(char_model, cache, tmp_path, monkeypatch):
+    """The package's own calibration files name their machine in the docs: used anywhere, they run silently
+    (the same file as the user's would warn, above)."""
+    n, threads = char_model.config.n_layers, torch.get_num_threads()
+    monkeypatch.setattr(budget, "SHIPPED", tmp_path / "shipped")
+    path = budget.calibration_path(char_model.fingerprint, char_model.dtype_name, "calm", tmp_path / "shipped")
+    path.parent.mkdir(parents=True)
+    entry = {"chosen": {"options": budget.PATHS["calm"](n)[0], "modelled_speedup": 1.0}, "faster_than_greedy": True}
+    path.write_text(json.dumps({"budgets": {"0.95": {**entry, "config": {"cpu": "Other", "threads": threads + 1}}}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = layerleap.generate(char_model, "hi", "calm", 3, chat=True, quality=0.95)
+    assert r.stats["quality_budget"]["calibration"] == str(path)
 
 
 def test_bilds_calibration_holds_for_its_default_small_model_only(char_model, cache):

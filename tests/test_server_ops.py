@@ -809,6 +809,94 @@ def test_a_request_whose_admission_fails_fails_alone(tiny, monkeypatch):
             assert ok.json()["choices"][0]["text"] == generate(tiny, "The sky is", "greedy", 5).text
 
 
+def _register_failing(monkeypatch, name: str, after_calls: int) -> None:
+    """A batching method that decodes greedily and raises a ``LayerleapError`` once its run has made
+    ``after_calls`` model calls (0: in its set-up, before the prompt pass, as an option it refuses)."""
+    from layerleap.core.run import register
+    from layerleap.errors import LayerleapError
+    from layerleap.methods.baseline import autoregressive_rounds
+
+    monkeypatch.setitem(layerleap.METHODS, name, None)  # removed again after the test
+
+    @register(name, batched=True)
+    def failing(run):
+        """Fails on purpose."""
+        if after_calls == 0:
+            raise LayerleapError(f"{name} failed on purpose")
+        for _ in autoregressive_rounds(run):
+            if run.model_calls >= after_calls:
+                raise LayerleapError(f"{name} failed on purpose")
+            yield
+
+
+def _sse_events(url: str, body: dict) -> tuple[int, list]:
+    """A streamed request's status and its events (``data:`` lines as JSON, ``[DONE]`` as is)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            lines = r.read().decode().splitlines()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, [json.loads(e.read().decode())]
+    data = [x.removeprefix("data: ") for x in lines if x.startswith("data: ")]
+    return status, [x if x == "[DONE]" else json.loads(x) for x in data]
+
+
+def test_a_failure_while_decoding_is_a_server_error_and_a_refusal_a_bad_request(tiny, monkeypatch):
+    """A ``LayerleapError`` raised inside a method after the request was admitted and its decoding began is
+    the server's failure (500, with its message; streamed: an error event of type server_error), in the
+    batched path and in the pool; one raised by the method's set-up, before any model call, refuses the
+    request (400), as the checks before queueing do."""
+    from layerleap import scheduler
+    from layerleap.errors import LayerleapError
+
+    _register_failing(monkeypatch, "fails-decoding", 3)
+    _register_failing(monkeypatch, "fails-at-start", 0)
+    with ServerThread(create_app(tiny, ServerConfig("tiny", method="greedy", max_tokens=8))) as u:
+        body = {"prompt": "The sky is", "max_tokens": 8, "layerleap": {"method": "fails-decoding"}}
+        r = post(u, body)
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["type"] == "server_error", r.text
+        assert "fails-decoding failed on purpose" in err["message"], r.text
+        status, events = _sse_events(u, body)  # text first, then the error as an event
+        assert status == 200 and events[-1] == "[DONE]", events
+        assert any("choices" in e for e in events[:-2]), events
+        err = events[-2]["error"]
+        assert err["type"] == "server_error" and "fails-decoding failed on purpose" in err["message"], events
+        for stream in (False, True):  # refused before its first model call: the client's request
+            start = {
+                "prompt": "The sky is",
+                "max_tokens": 8,
+                "stream": stream,
+                "layerleap": {"method": "fails-at-start"},
+            }
+            r = post(u, start)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+            assert "fails-at-start failed on purpose" in err["message"], r.text
+        decode = scheduler.Pool._decode
+
+        def failing_decode(self):
+            if any(len(row.out) >= 3 for row in self.decoding):
+                raise LayerleapError("the pool failed on purpose")
+            decode(self)
+
+        monkeypatch.setattr(scheduler.Pool, "_decode", failing_decode)
+        r = post(u, {"prompt": "The sky is", "max_tokens": 8})  # greedy: the pool
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["type"] == "server_error" and "the pool failed on purpose" in err["message"]
+        status, events = _sse_events(u, {"prompt": "The sky is", "max_tokens": 8})
+        assert status == 200 and events[-2]["error"]["type"] == "server_error", events
+        monkeypatch.setattr(scheduler.Pool, "_decode", decode)
+        ok = post(u, {"prompt": "The sky is", "max_tokens": 5}).json()  # the server goes on
+        assert ok["choices"][0]["text"] == generate(tiny, "The sky is", "greedy", 5).text
+
+
 def test_a_chat_template_that_refuses_the_messages_is_a_bad_request(url, monkeypatch):
     import jinja2
 

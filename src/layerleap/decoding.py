@@ -356,7 +356,8 @@ def _check_grammar(m: Method, grammar) -> None:
 
 
 class BudgetWarning(UserWarning):
-    """A lossy method's calibration found no setting faster than greedy within the quality budget."""
+    """About a lossy method's quality budget: its calibration found no setting faster than greedy within
+    it, there is no calibration for the model, or the calibration was priced on another machine."""
 
 
 class Decoding:
@@ -405,6 +406,10 @@ class Decoding:
             options,
             grammar,
         )
+        if self.budget is not None:
+            note = budget.machine_note(self.budget, model)  # priced on another machine: once per file
+            if note:
+                warnings.warn(note, BudgetWarning, stacklevel=3)
         if self.budget is not None and not self.budget.faster_than_greedy:
             warnings.warn(self.budget.note, BudgetWarning, stacklevel=3)
         elif self.budget is None and isinstance(model, Transformer):
@@ -441,6 +446,13 @@ class Decoding:
                     self.results[i].stats.cancelled = True
             if grew:
                 yield grew
+
+    @property
+    def started(self) -> bool:
+        """Whether the decoding has begun: its run has made a model call.  A method's set-up comes before
+        that (the checks of its options, the weights they name), so an error raised while this is False
+        refuses the arguments, and one raised later is a failure of the decoding itself."""
+        return any(run.model_calls > 0 for run, _ in self._where.values())
 
     def tokens(self, i: int) -> list[int]:
         """The new tokens of prompt ``i`` so far."""

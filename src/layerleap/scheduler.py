@@ -1,12 +1,13 @@
 """The server's queue: requests wait, decode one model call at a time, and batch where the method does.
 
 A ``Job`` is one request: its prompt ids, its ``Settings`` and an asyncio queue of events for the
-request handler (``("text", piece)`` as tokens are accepted, then ``("done", Finish)`` or
-``("error", exception)``).  The ``Scheduler`` task admits waiting jobs into ``Batch``es (jobs with one
-batch key, i.e. the same batching method, options and settings, decode as one ``Decoding``, up to
-``max_batch`` rows; up to ``max_running`` batches at once) and advances the running batches one
-method round each in turn.  The rounds run
-in one worker thread, so model calls never overlap and the event loop stays free to take requests.
+request handler (``("text", piece)`` as tokens are accepted, then ``("done", Finish)``, or
+``("refused", exception)`` for a request refused as it joins or by its method's set-up, before any
+model call, or ``("error", exception)`` for one that failed after that, while decoding).  The
+``Scheduler`` task admits waiting jobs into ``Batch``es (jobs with one batch key, i.e. the same
+batching method, options and settings, decode as one ``Decoding``, up to ``max_batch`` rows; up to
+``max_running`` batches at once) and advances the running batches one method round each in turn.  The
+rounds run in one worker thread, so model calls never overlap and the event loop stays free to take requests.
 A job whose client went away is cancelled: dropped while it waits, its row stopped while it runs
 (a batch ends when all its rows have); a job that waits longer than ``queue_timeout`` seconds fails.
 
@@ -204,10 +205,12 @@ class Job:
             self.text.append(rest)
             self.events.put_nowait(("text", rest))
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, refused: bool = False) -> None:
+        """End the job with ``error``: ``refused``, the request's own (it never began decoding), else a
+        failure while decoding."""
         if not self.finished:
             self.finished = True
-            self.events.put_nowait(("error", error))
+            self.events.put_nowait(("refused" if refused else "error", error))
 
 
 class Batch:
@@ -280,9 +283,11 @@ class Batch:
                 self.decoding.cancel(i)
 
     def fail(self, error: BaseException) -> None:
+        """Fail every job of the batch: refused while the method's set-up had made no model call yet."""
         self.over = True
+        refused = not self.decoding.started
         for job in self.jobs:
-            job.fail(error)
+            job.fail(error, refused)
 
 
 PLAIN = ("greedy", "sample")  # the methods the pool decodes (one model call per token, any sampling settings)
@@ -648,7 +653,7 @@ class Scheduler:
                 try:
                     self.pool.add(job)
                 except Exception as e:  # noqa: BLE001  (its cache or grammar failed: this request fails, not the server)
-                    job.fail(e)
+                    job.fail(e, refused=True)
         while len(self.running) < self.max_running:
             rest = [j for j in self.waiting if not self._pooled(j)]
             if not rest:
@@ -664,7 +669,7 @@ class Scheduler:
                     self.waiting = jobs + self.waiting
                     continue
                 for job in jobs:
-                    job.fail(e)
+                    job.fail(e, refused=True)
 
     def _pooled(self, job: Job) -> bool:
         return self.pool is not None and Pool.takes(job)

@@ -89,8 +89,9 @@ class LookupStats(Record):
 
 @dataclass
 class TreeStats(Record):
-    """The tree methods: nodes per tree, accepted drafts per round, and Hidden Transfer's pseudo
-    positions evaluated (the whole batch's)."""
+    """The tree methods: nodes per tree, the root included (a dynamic tree: the mean a round; ``auto``: the mean
+    a call verified, whatever its kind), accepted drafts per round, and Hidden Transfer's pseudo positions
+    evaluated (the whole batch's)."""
 
     tree_nodes: int
     accepted_per_round: float | None

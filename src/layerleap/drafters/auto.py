@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ..core import tree as tree_mod
 from ..core.run import Run
-from ..core.stats import AutoStats
+from ..core.stats import AutoStats, TreeStats
 from ..core.tree import Candidates
 from .corpus import Corpus
 from .prompt_lookup import lookup_index
@@ -332,6 +332,18 @@ class AutoDrafter(TreeDrafter):
             return (time.perf_counter() - self.t_round) * 1e3
         rows = max(c.k + 1 for c in cands if c is not None)
         return self.curve(rows * (self.steps + 1) if self.round_mode == "transfer" else rows)
+
+    def tree_stats(self, counts) -> list[TreeStats]:
+        """One row's ``TreeStats`` per ``draft_verify.RoundCounts``: ``tree_nodes`` is the mean nodes a call
+        verified, the root included, whatever its kind (a plain call's chain, a tree with the chain merged in,
+        the EAGLE head's drafts), rounded; 1 without a call after the prompt."""
+        return [
+            TreeStats(
+                tree_nodes=round(1 + c.scored / c.rounds) if c.rounds else 1,
+                accepted_per_round=c.accepted / c.rounds if c.rounds else None,
+            )
+            for c in counts
+        ]
 
     def auto_stats(self) -> list[AutoStats]:
         """One ``AutoStats`` per row (the batch shares its rounds' modes)."""

@@ -505,7 +505,8 @@ def calibrate(
         "max_new_tokens": max_new_tokens,
         "prompt_ids": [p.id for p in prompts],
         "categories": sorted({p.category for p in prompts}),
-        "cpu": cpu_signature(),  # the step costs that priced the settings are this machine's
+        "cpu": cpu_signature(),  # the step costs that priced the settings are this machine's, at this thread count
+        "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         **({} if judge is model else {"base_fingerprint": judge.fingerprint}),
         **(config or {}),

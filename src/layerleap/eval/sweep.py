@@ -14,7 +14,7 @@ Per point:
 - ``quality`` per category against the large model's own greedy output on the same prompt:
   ROUGE-L for summarization, BLEU for translation, exact match of the final number for math
   (``evaluation.metric_for``); greedy scores 100 against itself, so ``100 - quality`` is the loss;
-- ``fallback_rate`` (low-confidence handovers per small-model step) and ``rollback_rate``
+- ``fallback_rate`` (small-model steps at or below ``alpha_fb`` per small-model step) and ``rollback_rate``
   (rollbacks per large-model pass), from the summed counters.
 
 ``table`` gives the paper's Table 1 form per category: the best speed-up with no quality loss
@@ -397,6 +397,12 @@ def summarize(report: dict) -> dict:
     return out
 
 
+def _unsure_steps(rs: list[dict]) -> int:
+    """The small steps at or below ``alpha_fb`` over the rows: each row's ``fallback_rate`` over its small
+    steps (a first token the small model was unsure of is one, though no fallback: the prompt pass gave it)."""
+    return sum(round((r["stats"].get("fallback_rate") or 0) * (r["stats"].get("small_steps") or 0)) for r in rs)
+
+
 def _measure(rs: list[dict], greedy: dict) -> dict:
     wall = sum(r["wall_s"] for r in rs)
     ref = sum(greedy[r["prompt_index"]]["wall_s"] for r in rs)
@@ -404,7 +410,6 @@ def _measure(rs: list[dict], greedy: dict) -> dict:
     sums = {
         k: sum(r["stats"].get(k) or 0 for r in rs)
         for k in (
-            "fallbacks",
             "small_steps",
             "rollbacks",
             "large_calls",
@@ -427,7 +432,7 @@ def _measure(rs: list[dict], greedy: dict) -> dict:
         "greedy_wall_s": ref,
         "latency": wall / ref if ref > 0 else None,
         "speedup": ref / wall if wall > 0 else None,
-        "fallback_rate": sums["fallbacks"] / sums["small_steps"] if sums["small_steps"] else None,
+        "fallback_rate": _unsure_steps(rs) / sums["small_steps"] if sums["small_steps"] else None,
         "rollback_rate": sums["rollbacks"] / sums["large_calls"] if sums["large_calls"] else None,
         "large_calls_per_token": sums["large_calls"] / tokens if tokens and sums["large_calls"] else None,
         "small_share": (

@@ -24,7 +24,9 @@ that every call is an EAGLE call (``NO_EAGLE_DTYPES``, ``left_out``).  Where the
 measured, and each kind of call more is probed at its cost (a weights file still adds them).
 
 Stats: as ``prompt-lookup``, plus ``lookup_rounds``, ``transfer_rounds``, ``medusa_rounds``,
-``eagle_rounds``, ``mode_switches``, ``tree_nodes``.
+``eagle_rounds``, ``mode_switches``, ``tree_nodes`` (the mean nodes a call verified, the root included,
+whatever the kind of call: a plain call's chain, a tree with the chain merged in, the EAGLE head's drafts;
+rounded) and ``accepted_per_round``.
 """
 
 from __future__ import annotations

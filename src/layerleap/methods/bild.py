@@ -49,8 +49,10 @@ output.
 Stats: ``small_steps`` (small-model forward steps), ``small_tokens`` (tokens it proposed),
 ``large_calls`` (large passes after the prompt) = ``fallbacks`` (low confidence) + ``forced``
 (run limit) + ``final_checks`` (pending tokens at the end), ``rollbacks``, ``rolled_back`` (small
-tokens discarded), ``large_tokens`` (tokens the large model chose), ``fallback_rate`` =
-fallbacks / small_steps, ``rollback_rate`` = rollbacks / large_calls, ``exit_layer``, ``head``.
+tokens discarded), ``large_tokens`` (tokens the large model chose), ``fallback_rate`` (the share of
+small steps at or below ``alpha_fb``: fallbacks / small_steps, counting too a first token the small
+model was unsure of, which the prompt pass gives with no large pass and so no fallback),
+``rollback_rate`` = rollbacks / large_calls, ``exit_layer``, ``head``.
 """
 
 from __future__ import annotations
@@ -219,7 +221,8 @@ def decode(run: Run, drafter, alpha_rb: float):
 def bild_stats(small_steps: int, c: draft_verify.RoundCounts) -> BildStats:
     """One row's BiLD statistics from its small-model steps and the loop's counts."""
     fallbacks, forced, final_checks = c.stops["unsure"], c.stops["length"], c.stops["budget"] + c.stops["eos"]
-    large_calls = fallbacks + forced + final_checks
+    large_calls = fallbacks + forced + final_checks  # passes after the prompt: a round that fed the large model
+    unsure = fallbacks + int(c.prompt_stop == "unsure")  # with the first token's, which the prompt pass gave
     return BildStats(
         small_steps=small_steps,
         small_tokens=c.drafted,
@@ -230,7 +233,7 @@ def bild_stats(small_steps: int, c: draft_verify.RoundCounts) -> BildStats:
         rolled_back=c.rolled_back,
         large_tokens=c.target_tokens,
         large_calls=large_calls,
-        fallback_rate=fallbacks / small_steps if small_steps else 0.0,
+        fallback_rate=unsure / small_steps if small_steps else 0.0,
         rollback_rate=c.rollbacks / large_calls if large_calls else 0.0,
         scored_drafts=c.scored,
     )
@@ -267,16 +270,17 @@ def large_only(run: Run, small, exit_layer, head, eagle="none"):
 
 
 def _large_only_stats(n: int) -> BildStats:
+    calls = max(0, n - 1)  # the first token is the prompt pass's
     return BildStats(
         small_steps=0,
         small_tokens=0,
-        fallbacks=n,
+        fallbacks=calls,
         forced=0,
         final_checks=0,
         rollbacks=0,
         rolled_back=0,
         large_tokens=n,
-        large_calls=n,
+        large_calls=calls,
         fallback_rate=float(n > 0),  # every step the large model's
         rollback_rate=0.0,
     )

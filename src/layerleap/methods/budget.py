@@ -13,16 +13,21 @@ and method::
 ``calibrated(model, method, quality)`` reads the setting chosen for a budget (the user's file first,
 then the shipped one); ``generate(..., quality=0.95)`` runs it, and a lossy method called with none
 of its knobs runs its calibrated setting at ``DEFAULT_QUALITY`` when a file exists for the model,
-else its own defaults with a warning (``uncalibrated_note``).
+else its own defaults with a warning (``uncalibrated_note``).  A user's file used on another CPU model
+or thread count than the one that priced its settings still runs, with a warning once per file in a
+process (``machine_note``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from ..core.cpu import cpu_signature
 from ..core.run import GenerationError
 from ..errors import LayerleapError
 from ..files import cache_root
@@ -132,6 +137,8 @@ class Calibrated:
     # as measured on the calibrating machine (``eval.step_cost``)
     path: str
     note: str  # one line for the user
+    # what priced it, as the budget's run recorded it: "cpu" (``cpu_signature``) and "threads" where it did
+    priced_on: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -141,6 +148,41 @@ class Calibrated:
             "modelled_speedup": self.speedup,
             "calibration": self.path,
         }
+
+
+_TOLD: set[str] = set()  # the calibration files whose machine has been compared in this process
+
+
+def machine_differences(priced_on: dict) -> list[str]:
+    """How this machine differs from the one that priced a calibration's settings (``Calibrated.priced_on``):
+    its CPU model and its torch thread count, each where the calibration recorded it."""
+    out = []
+    cpu, threads = priced_on.get("cpu"), priced_on.get("threads")
+    if isinstance(cpu, str) and cpu != cpu_signature():
+        out.append(f"the CPU is {cpu_signature()}, not {cpu}")
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads != torch.get_num_threads():
+        out.append(f"torch runs {torch.get_num_threads()} threads, not {threads}")
+    return out
+
+
+def machine_note(cal: Calibrated, model) -> str | None:
+    """One line, the first time in this process that ``cal``'s file is used on a machine other than the one
+    that priced it (another CPU model or thread count): what differs, and the command that calibrates here.
+    None otherwise, and for the file's later uses.  The step costs that chose the fastest setting keeping
+    the budget are that machine's, so here another setting may be faster."""
+    if cal.path in _TOLD:
+        return None
+    _TOLD.add(cal.path)
+    differs = machine_differences(cal.priced_on)
+    if not differs:
+        return None
+    key = budget_key(cal.quality)
+    return (
+        f"{cal.method}: the calibration {cal.path} was priced on another machine ({'; '.join(differs)}), so the "
+        f"setting it chose may not be the fastest here that keeps quality {key}; run `layerleap calibrate "
+        f"{cal.method} --quality {key} --dtype {model.dtype_name} --threads {torch.get_num_threads()}` to price "
+        "it on this one"
+    )
 
 
 def read_calibration(path: Path) -> dict | None:
@@ -174,6 +216,10 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
         if data is None or key not in data["budgets"]:
             continue
         b = data["budgets"][key]
+        config = b.get("config") if isinstance(b.get("config"), dict) else {}
+        # the shipped files' machine is written in docs/QUALITY.md; a user's own file is compared with this one
+        shipped = SHIPPED in path.parents
+        priced_on = {} if shipped else {k: config[k] for k in ("cpu", "threads") if k in config}
         chosen = b.get("chosen")
         settings = b.get("settings")
         if chosen is None and isinstance(settings, list) and settings and isinstance(settings[0], dict):
@@ -188,7 +234,7 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
                     else ""
                 )
             )
-            return Calibrated(method, quality, dict(first.get("options", {})), False, 1.0, str(path), note)
+            return Calibrated(method, quality, dict(first.get("options", {})), False, 1.0, str(path), note, priced_on)
         if not isinstance(chosen, dict) or not isinstance(chosen.get("options"), dict):
             raise LayerleapError(
                 f"calibration file {path}: budget {key} has no chosen setting: delete it and run "
@@ -202,7 +248,7 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
             else f"{method}: no setting faster than greedy meets quality {key} on {model.config.name} "
             f"({model.dtype_name}); running the fastest one that does, {_show(chosen['options'])}"
         )
-        return Calibrated(method, quality, dict(chosen["options"]), fast, speed, str(path), note)
+        return Calibrated(method, quality, dict(chosen["options"]), fast, speed, str(path), note, priced_on)
     return None
 
 

@@ -54,7 +54,8 @@ class RoundCounts:
     proposed: int = 0  # rounds with at least one draft
     draft_max: int = 0
     target_tokens: int = 0  # emitted tokens the target chose (not drafts)
-    stops: Counter = field(default_factory=Counter)  # chain stop reasons of scored rounds
+    stops: Counter = field(default_factory=Counter)  # chain stop reasons of scored rounds that called the target
+    prompt_stop: str | None = None  # the stop reason of a chain the prompt pass alone scored (nothing fed)
     rolled_back: int = 0  # drafts the target rejected (of a tree: of its longest path)
     rollbacks: int = 0  # rounds with a rejected draft
     scored: int = 0  # draft tokens the target's calls scored (a tree's every node)
@@ -178,7 +179,10 @@ def _count(c: RoundCounts, cand: Candidates, acc: int, target_token: int, scored
     c.rollbacks += int(scored and acc < cand.depth)
     c.scored += cand.k if called else 0
     if scored and cand.stop is not None:
-        c.stops[cand.stop] += 1
+        if cand.fed():
+            c.stops[cand.stop] += 1
+        else:  # the first token, left to the target: the prompt pass scored it, no call for this row
+            c.prompt_stop = cand.stop
 
 
 def draft_stats(out: list[int], c: RoundCounts) -> DraftStats:

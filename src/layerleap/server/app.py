@@ -486,14 +486,19 @@ async def _watch(request: Request, st: AppState, job: Job) -> None:
 
 
 async def _next_event(st: AppState, job: Job):
+    """The job's next event; its end by an error as an ``APIError``: a ``LayerleapError`` that refused the
+    request (as it joined, or in its method's set-up) is a 400, one raised while decoding a 500 with its
+    message."""
     kind, value = await job.events.get()
-    if kind == "error":
+    if kind in ("error", "refused"):
         if isinstance(value, QueueTimeout):
             raise APIError(503, str(value), code="queue_timeout", type="server_error", retry_after=st.retry_after())
         if isinstance(value, APIError):
             raise value
         if isinstance(value, LayerleapError):
-            raise _bad(str(value))
+            if kind == "refused":
+                raise _bad(str(value))
+            raise APIError(500, f"the request failed while decoding: {value}", type="server_error")
         raise APIError(500, f"internal error ({type(value).__name__}) while decoding", type="server_error")
     return kind, value
 

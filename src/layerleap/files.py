@@ -36,11 +36,17 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
-def replace_dir(path: str | Path, fill: Callable[[Path], None]) -> Path:
-    """Call ``fill(tmp)`` on a temporary sibling folder of ``path``, then swap it in: an existing
-    ``path`` is renamed aside, the new folder renamed into place, and the old one deleted, so an
-    interrupted run leaves the old folder or the new one (the old one at worst beside it, as
-    ``.NAME.*.old``), never neither."""
+def replace_dir(
+    path: str | Path, fill: Callable[[Path], None], keep: Callable[[Path], bool] | None = None, fix: str = ""
+) -> Path:
+    """Call ``fill(tmp)`` on a temporary sibling folder of ``path`` (``.NAME.*.new``), then swap it in:
+    an existing ``path`` is renamed aside, the new folder renamed into place, and the old one deleted,
+    so an interrupted run leaves the old folder or the new one (the old one at worst beside it, as
+    ``.NAME.*.old``), never neither; a failed ``fill`` removes the temporary folder.
+
+    ``keep`` is for a folder another process may finish first (a cache entry): an existing ``path``
+    that ``keep(path)`` accepts stays, and the new copy is dropped.  An OS error becomes a
+    ``LayerleapError`` naming ``path`` (and ``fix``, what to do about it, when given)."""
     import shutil
     import tempfile
 
@@ -50,12 +56,26 @@ def replace_dir(path: str | Path, fill: Callable[[Path], None]) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent))
         try:
             fill(tmp)
-            _swap_in(tmp, path)
+            if keep is None or not _move_in_unless_kept(tmp, path, keep):
+                _swap_in(tmp, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
-        raise LayerleapError(f"cannot write {path}: {e.strerror or e}") from None
+        raise LayerleapError(f"cannot write {path}: {e.strerror or e}" + (f"; {fix}" if fix else "")) from None
     return path
+
+
+def _move_in_unless_kept(new: Path, path: Path, keep: Callable[[Path], bool]) -> bool:
+    """Rename ``new`` to ``path`` when nothing is there (one atomic step, so a folder another process
+    renamed in first is never moved aside), or leave an existing ``path`` that ``keep`` accepts; False
+    when neither happened (``path`` exists and is not kept: it is to be swapped out)."""
+    try:
+        os.replace(new, path)
+        return True
+    except OSError:
+        if not path.exists():
+            raise
+        return keep(path)
 
 
 def _swap_in(new: Path, path: Path) -> None:

@@ -250,6 +250,9 @@ def _checked_file(pm: PackagedModel, parts: list[Path], out: Path, progress) -> 
     return path
 
 
+CACHE_WRITE_FIX = "free space on its disk, or set LAYERLEAP_CACHE to a writable folder with room"
+
+
 def _cache_entry(folder: Path, fill, progress, check) -> Path:
     """``folder``, made by ``fill(tmp)`` unless it exists and passes ``check``; see ``packaged_folder``."""
     if folder.is_dir() and _problem(folder, check) is None:
@@ -266,7 +269,7 @@ def _cache_entry(folder: Path, fill, progress, check) -> Path:
         if folder.exists():
             progress(f"the cached conversion {folder} is broken ({problem}): rebuilding it")
             _remove_tree(folder)
-        replace_dir(folder, fill, keep=_finished)
+        replace_dir(folder, fill, keep=_finished, fix=CACHE_WRITE_FIX)
     return folder
 
 

@@ -157,3 +157,27 @@ def test_a_folder_that_cannot_be_written_is_a_clear_error_with_the_fix(tmp_path)
     with pytest.raises(LayerleapError) as e:
         replace_dir(blocker / "out", lambda t: None, fix="choose another folder")
     assert str(e.value) == f"cannot write {blocker / 'out'}: File exists; choose another folder"
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_a_killed_writers_temporary_is_removed_and_a_running_ones_kept(tmp_path):
+    import os
+
+    from layerleap.files import remove_stale_temporaries
+
+    path = tmp_path / "packed-x.safetensors"
+    dead, alive = _dead_pid(), os.getppid()
+    names = [f".packed-x.{pid}.tmp.safetensors" for pid in (dead, alive, os.getpid())]
+    others = [".packed-x.abc.tmp.safetensors", ".other.123.tmp.safetensors", "packed-x.safetensors"]
+    for name in names + others:
+        (tmp_path / name).write_bytes(b"half")
+    remove_stale_temporaries(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:] + others)
+    remove_stale_temporaries(tmp_path / "missing" / "packed-x.safetensors")  # a missing folder: nothing to do

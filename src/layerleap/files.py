@@ -8,6 +8,7 @@ Weights are safetensors only (``save_safetensors``), never pickles.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     The temporary name keeps the target's suffix (matplotlib and safetensors go by it).  A failed
     write removes the temporary; an OS error becomes a ``LayerleapError`` naming the file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    tmp = _temporary(path, os.getpid())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
@@ -34,6 +35,43 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _temporary(path: Path, pid: int) -> Path:
+    """``atomic_write``'s temporary for ``path`` in process ``pid``."""
+    return path.with_name(f".{path.stem}.{pid}.tmp{path.suffix}")
+
+
+def remove_stale_temporaries(path: str | Path) -> None:
+    """Delete the temporaries of ``path`` that ``atomic_write`` left in processes that were killed (no
+    longer running): a write that fails or is interrupted removes its own, a killed one cannot.  For
+    large files rewritten in place (the packed 4-bit cache); best effort."""
+    path = Path(path)
+    head, tail = f".{path.stem}.", f".tmp{path.suffix}"
+    try:
+        found = list(path.parent.glob(glob.escape(head) + "*" + glob.escape(tail)))
+    except OSError:
+        return
+    for p in found:
+        pid = p.name[len(head) : -len(tail)]
+        if pid.isdigit() and p == _temporary(path, int(pid)) and not _running(int(pid)):
+            try:
+                p.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (this one, and another user's, count as running)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # not ours to signal, or no way to tell: assume it runs
+        return True
+    return True
 
 
 def replace_dir(

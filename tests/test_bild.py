@@ -8,6 +8,7 @@ always (fallbacks and rollbacks both happen)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -462,7 +463,7 @@ def test_align_small_model_replaces_an_old_folder_only_once_the_new_one_is_writt
     save_file = safetensors.torch.save_file
 
     def interrupted(tensors, path, *a, **kw):  # while the new folder is written, after training
-        if path.endswith("model.safetensors"):
+        if "model" in Path(path).name:
             raise KeyboardInterrupt
         return save_file(tensors, path, *a, **kw)
 
@@ -475,6 +476,35 @@ def test_align_small_model_replaces_an_old_folder_only_once_the_new_one_is_writt
     align.align_small(small, recs, out, align.TrainConfig(epochs=2, lr=1e-2, batch_tokens=24), progress=False)
     assert (out / "model.safetensors").read_bytes() != old["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["aligned"]
+
+
+def test_align_small_model_on_a_full_disk_is_one_line_and_keeps_the_old_folder(tmp_path, monkeypatch):
+    """The weights go through ``files.save_safetensors``: safetensors' own error for a full disk is a
+    ``LayerleapError`` naming the file, and the old folder stays as it was, with nothing beside it."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from layerleap.errors import LayerleapError
+    from layerleap.train import align
+
+    large, small = tiny_pair(1)
+    recs = _records(large, CALIB)
+    out, cfg = tmp_path / "aligned", align.TrainConfig(epochs=1, lr=1e-2, batch_tokens=24)
+    align.align_small(small, recs, out, cfg, progress=False)
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    save_file = safetensors.torch.save_file
+
+    def full_disk(tensors, path, *a, **kw):  # the checkpoint fits, the folder's weights do not
+        if "model" in Path(path).name:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return save_file(tensors, path, *a, **kw)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(LayerleapError, match=r"^cannot write \S+/model\.safetensors: .*No space left on device"):
+        align.align_small(small, recs, out, align.TrainConfig(epochs=2, lr=1e-2, batch_tokens=24), progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aligned", "aligned.ckpt.safetensors"]
 
 
 def test_calibration_is_resumable(tmp_path, monkeypatch):

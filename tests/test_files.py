@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from layerleap.errors import LayerleapError
-from layerleap.files import atomic_write, read_safetensors_meta, save_figure, save_safetensors, write_json
+from layerleap.files import (
+    atomic_write,
+    read_safetensors_meta,
+    replace_dir,
+    save_figure,
+    save_safetensors,
+    write_json,
+)
 
 
 def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
@@ -105,3 +112,72 @@ def test_a_safetensors_write_that_fails_is_a_clear_error_and_keeps_the_old_file(
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old_handler)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+
+
+# -- folders: replace_dir ----------------------------------------------------------------------------
+def _folder(path):
+    return {p.name: p.read_text() for p in path.iterdir()}
+
+
+@pytest.mark.parametrize("keep", [None, lambda p: False], ids=["replace", "keep-nothing"])
+def test_a_folder_is_replaced_whole_and_nothing_is_left_beside_it(tmp_path, keep):
+    out = tmp_path / "out"
+    replace_dir(out, lambda t: (t / "config.json").write_text("old"))
+    replace_dir(out, lambda t: (t / "new.txt").write_text("new"), keep=keep)
+    assert _folder(out) == {"new.txt": "new"}
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_folder_that_keep_accepts_stays_and_the_new_copy_is_dropped(tmp_path):
+    out = tmp_path / "out"
+    replace_dir(out, lambda t: (t / "config.json").write_text("first"))
+    replace_dir(out, lambda t: (t / "config.json").write_text("second"), keep=lambda p: (p / "config.json").is_file())
+    assert _folder(out) == {"config.json": "first"}
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_an_interrupted_folder_write_keeps_the_old_folder(tmp_path):
+    out = tmp_path / "out"
+    replace_dir(out, lambda t: (t / "a").write_text("old"))
+
+    def half_then_stop(t):
+        (t / "a").write_text("half")
+        raise KeyboardInterrupt
+
+    for keep in (None, lambda p: True):
+        with pytest.raises(KeyboardInterrupt):
+            replace_dir(out, half_then_stop, keep=keep)
+        assert _folder(out) == {"a": "old"}
+        assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_folder_that_cannot_be_written_is_a_clear_error_with_the_fix(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(LayerleapError) as e:
+        replace_dir(blocker / "out", lambda t: None, fix="choose another folder")
+    assert str(e.value) == f"cannot write {blocker / 'out'}: File exists; choose another folder"
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_a_killed_writers_temporary_is_removed_and_a_running_ones_kept(tmp_path):
+    import os
+
+    from layerleap.files import remove_stale_temporaries
+
+    path = tmp_path / "packed-x.safetensors"
+    dead, alive = _dead_pid(), os.getppid()
+    names = [f".packed-x.{pid}.tmp.safetensors" for pid in (dead, alive, os.getpid())]
+    others = [".packed-x.abc.tmp.safetensors", ".other.123.tmp.safetensors", "packed-x.safetensors"]
+    for name in names + others:
+        (tmp_path / name).write_bytes(b"half")
+    remove_stale_temporaries(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:] + others)
+    remove_stale_temporaries(tmp_path / "missing" / "packed-x.safetensors")  # a missing folder: nothing to do

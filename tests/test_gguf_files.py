@@ -526,6 +526,70 @@ def test_a_failed_weights_write_is_a_clear_error_and_the_packed_cache_is_best_ef
     assert q4.dtype_name == "q4" and not list((tmp_path / "cache").glob("gguf-tiny-*-q4/packed-*"))
 
 
+@pytest.mark.parametrize("raised", ["OSError", "tokenizers' Exception"])
+def test_a_tokenizer_that_cannot_be_saved_into_the_cache_is_one_line_with_the_fix(tmp_path, monkeypatch, raised):
+    """A full disk while the tokenizer files are written: Python's writes raise ``OSError``, the `tokenizers`
+    library's (tokenizer.json) a plain ``Exception``; either is the cache entry named with the fix, and
+    the conversion leaves nothing behind."""
+    import errno
+
+    import transformers
+
+    from layerleap.errors import LayerleapError
+
+    def full_disk(self, *args, **kwargs):
+        if raised == "OSError":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise Exception("No space left on device (os error 28)")
+
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "save_pretrained", full_disk)
+    cache = tmp_path / "cache"
+    for dtype, suffix in (("float32", ""), ("q4", "-q4")):
+        with pytest.raises(LayerleapError) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        (entry,) = {m[1] for m in re.finditer(r"cannot write (\S+):", str(e.value))}
+        assert Path(entry).parent == cache and entry.endswith(suffix) and not Path(entry).exists()
+        assert str(e.value) == (
+            f"cannot write {entry}: No space left on device; "
+            "free space on its disk, or set LAYERLEAP_CACHE to a writable folder with room"
+        )
+        assert sorted(p.name for p in cache.iterdir()) == [".locks"]
+
+
+def test_the_packed_cache_leaves_no_temporary_when_interrupted_or_killed(tmp_path, monkeypatch):
+    """Ctrl-C while the packed 4-bit cache is written removes its temporary file; the one a killed
+    process left (its process gone) is removed by the next load that writes the packed cache."""
+    import subprocess
+    import sys
+
+    import safetensors.torch
+
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    (folder,) = (tmp_path / "cache").glob("gguf-tiny-*-q4")
+    (packed,) = folder.glob("packed-*")
+    files = sorted(p.name for p in folder.iterdir())
+    real = safetensors.torch.save_file
+
+    def interrupted(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        raise KeyboardInterrupt
+
+    packed.unlink()
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(set(files) - {packed.name})
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    killed = folder / f".{packed.stem}.{dead}.tmp{packed.suffix}"
+    killed.write_bytes(b"half a file")
+    layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert sorted(p.name for p in folder.iterdir()) == files
+
+
 def test_a_cache_folder_that_cannot_be_used_is_one_line(tmp_path, monkeypatch):
     from layerleap.errors import LayerleapError
 

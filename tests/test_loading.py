@@ -19,8 +19,13 @@ def leftovers(root: Path, name: str) -> list[Path]:
     return sorted(p for p in root.iterdir() if name in p.name) if root.exists() else []
 
 
-# -- _atomic_dir -----------------------------------------------------------------------------
-def test_atomic_dir_success(tmp_path):
+# -- a cache entry's folder: files.replace_dir, keeping another process's finished entry -----------
+def make_entry(final: Path, fill) -> Path:
+    """A cache entry written as ``_cache_entry`` writes one."""
+    return loading.replace_dir(final, fill, keep=loading._finished)
+
+
+def test_cache_entry_folder_success(tmp_path):
     final = tmp_path / "cache" / "model-1"
 
     def fill(tmp):
@@ -28,13 +33,13 @@ def test_atomic_dir_success(tmp_path):
         (tmp / "config.json").write_text("{}")
         (tmp / "model.safetensors").write_bytes(b"w")
 
-    assert loading._atomic_dir(final, fill) == final
+    assert make_entry(final, fill) == final
     assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]
     assert leftovers(final.parent, "model-1") == [final]
 
 
 @pytest.mark.parametrize("stage", ["before-writing", "after-config"])
-def test_atomic_dir_failing_fill_leaves_nothing(tmp_path, stage):
+def test_cache_entry_folder_failing_fill_leaves_nothing(tmp_path, stage):
     final = tmp_path / "model-2"
 
     def fill(tmp):
@@ -44,12 +49,12 @@ def test_atomic_dir_failing_fill_leaves_nothing(tmp_path, stage):
         raise RuntimeError("conversion failed")
 
     with pytest.raises(RuntimeError, match="conversion failed"):
-        loading._atomic_dir(final, fill)
+        make_entry(final, fill)
     assert not final.exists()
     assert leftovers(tmp_path, "model-2") == []
 
 
-def test_atomic_dir_another_process_finished_first(tmp_path):
+def test_cache_entry_folder_another_process_finished_first(tmp_path):
     final = tmp_path / "model-3"
     final.mkdir()
     (final / "config.json").write_text('{"winner": true}')
@@ -58,9 +63,23 @@ def test_atomic_dir_another_process_finished_first(tmp_path):
         (tmp / "config.json").write_text('{"winner": false}')
         (tmp / "extra").write_text("x")
 
-    assert loading._atomic_dir(final, fill) == final
+    assert make_entry(final, fill) == final
     assert json.loads((final / "config.json").read_text()) == {"winner": True}
     assert leftovers(tmp_path, "model-3") == [final]  # our temporary copy is gone
+
+
+def test_cache_entry_folder_replaces_an_unfinished_one_in_its_way(tmp_path):
+    """A folder under the entry's name that is not a finished entry (no config.json) is swapped out, not an error."""
+    final = tmp_path / "model-4"
+    final.mkdir()
+    (final / "half-written").write_text("x")
+
+    def fill(tmp):
+        (tmp / "config.json").write_text('{"ours": true}')
+
+    assert make_entry(final, fill) == final
+    assert sorted(p.name for p in final.iterdir()) == ["config.json"]
+    assert leftovers(tmp_path, "model-4") == [final]
 
 
 def test_cache_root(monkeypatch, tmp_path):

@@ -330,3 +330,28 @@ def test_the_old_files_in_docs_load_on_the_real_model():
     assert heads.get_head(model, 8, "trained").kind == "lens"
     assert drafters.get_drafter(model, "medusa").steps == 3
     assert drafters.get_drafter(model, "transfer").layers == [15, 20, 25]
+
+
+@pytest.mark.parametrize(
+    "raised, expected",
+    [
+        (Exception("No space left on device (os error 28)"), OSError),  # tokenizers' Rust side
+        (OSError(28, "No space left on device"), OSError),
+        (Exception("some other failure"), Exception),
+        (KeyboardInterrupt(), KeyboardInterrupt),
+    ],
+)
+def test_a_failed_tokenizer_save_is_an_os_error_only_when_it_is_one(tmp_path, raised, expected):
+    from layerleap.core.weight_files import save_tokenizer
+
+    class Failing:
+        def save_pretrained(self, folder):
+            raise raised
+
+    with pytest.raises(BaseException) as e:
+        save_tokenizer(Failing(), tmp_path)
+    assert type(e.value) is expected
+    if expected is OSError:
+        assert (e.value.errno, e.value.strerror) == (28, "No space left on device")
+    else:
+        assert e.value is raised

@@ -8,6 +8,7 @@ Weights are safetensors only (``save_safetensors``), never pickles.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     The temporary name keeps the target's suffix (matplotlib and safetensors go by it).  A failed
     write removes the temporary; an OS error becomes a ``LayerleapError`` naming the file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    tmp = _temporary(path, os.getpid())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
@@ -36,11 +37,54 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
-def replace_dir(path: str | Path, fill: Callable[[Path], None]) -> Path:
-    """Call ``fill(tmp)`` on a temporary sibling folder of ``path``, then swap it in: an existing
-    ``path`` is renamed aside, the new folder renamed into place, and the old one deleted, so an
-    interrupted run leaves the old folder or the new one (the old one at worst beside it, as
-    ``.NAME.*.old``), never neither."""
+def _temporary(path: Path, pid: int) -> Path:
+    """``atomic_write``'s temporary for ``path`` in process ``pid``."""
+    return path.with_name(f".{path.stem}.{pid}.tmp{path.suffix}")
+
+
+def remove_stale_temporaries(path: str | Path) -> None:
+    """Delete the temporaries of ``path`` that ``atomic_write`` left in processes that were killed (no
+    longer running): a write that fails or is interrupted removes its own, a killed one cannot.  For
+    large files rewritten in place (the packed 4-bit cache); best effort."""
+    path = Path(path)
+    head, tail = f".{path.stem}.", f".tmp{path.suffix}"
+    try:
+        found = list(path.parent.glob(glob.escape(head) + "*" + glob.escape(tail)))
+    except OSError:
+        return
+    for p in found:
+        pid = p.name[len(head) : -len(tail)]
+        if pid.isdigit() and p == _temporary(path, int(pid)) and not _running(int(pid)):
+            try:
+                p.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (this one, and another user's, count as running)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # not ours to signal, or no way to tell: assume it runs
+        return True
+    return True
+
+
+def replace_dir(
+    path: str | Path, fill: Callable[[Path], None], keep: Callable[[Path], bool] | None = None, fix: str = ""
+) -> Path:
+    """Call ``fill(tmp)`` on a temporary sibling folder of ``path`` (``.NAME.*.new``), then swap it in:
+    an existing ``path`` is renamed aside, the new folder renamed into place, and the old one deleted,
+    so an interrupted run leaves the old folder or the new one (the old one at worst beside it, as
+    ``.NAME.*.old``), never neither; a failed ``fill`` removes the temporary folder.
+
+    ``keep`` is for a folder another process may finish first (a cache entry): an existing ``path``
+    that ``keep(path)`` accepts stays, and the new copy is dropped.  An OS error becomes a
+    ``LayerleapError`` naming ``path`` (and ``fix``, what to do about it, when given)."""
     import shutil
     import tempfile
 
@@ -50,12 +94,26 @@ def replace_dir(path: str | Path, fill: Callable[[Path], None]) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent))
         try:
             fill(tmp)
-            _swap_in(tmp, path)
+            if keep is None or not _move_in_unless_kept(tmp, path, keep):
+                _swap_in(tmp, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
-        raise LayerleapError(f"cannot write {path}: {e.strerror or e}") from None
+        raise LayerleapError(f"cannot write {path}: {e.strerror or e}" + (f"; {fix}" if fix else "")) from None
     return path
+
+
+def _move_in_unless_kept(new: Path, path: Path, keep: Callable[[Path], bool]) -> bool:
+    """Rename ``new`` to ``path`` when nothing is there (one atomic step, so a folder another process
+    renamed in first is never moved aside), or leave an existing ``path`` that ``keep`` accepts; False
+    when neither happened (``path`` exists and is not kept: it is to be swapped out)."""
+    try:
+        os.replace(new, path)
+        return True
+    except OSError:
+        if not path.exists():
+            raise
+        return keep(path)
 
 
 def _swap_in(new: Path, path: Path) -> None:

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, ModelConfig
-from ..files import save_safetensors
+from ..files import remove_stale_temporaries, save_safetensors
 from .kernels import GROUP, Q6_BLOCK, Int8Rows, MixedRows, Q6Rows, QuantizedRows, quantize, quantize_q8
 from .model import Transformer
 
@@ -421,6 +421,7 @@ def save_packed(folder: Path, model) -> None:
     path = packed_file(folder)
     try:
         path.unlink(missing_ok=True)  # the cache's own file, unreadable or stale (else it was loaded): rebuilt
+        remove_stale_temporaries(path)  # a killed process's half-written copy, as large as the file
         save_safetensors(path, tensors, meta)
     except (LayerleapError, OSError):
         pass

@@ -35,7 +35,7 @@ from .. import validate as V
 from .config import ConfigError, ModelConfig
 from .cpu import release_freed_memory
 from ..errors import LayerleapError
-from ..files import cache_root, save_safetensors, write_json
+from ..files import cache_root, replace_dir, save_safetensors, write_json
 from .model import Transformer, fingerprint_of
 from .weight_files import (
     ModelFileError,
@@ -133,23 +133,6 @@ def _gguf_parts(pm: PackagedModel) -> list[Path]:
     if len(parts) != len(pm.modules) or [int(p.stem[4:]) for p in parts] != list(range(1, len(parts) + 1)):
         raise MissingPackage(f"{pm.install_hint()} (found chunks {[p.name for p in parts]})")
     return parts
-
-
-def _atomic_dir(final: Path, fill) -> Path:
-    """Create ``final`` by filling a temporary sibling folder and renaming it into place."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        fill(tmp)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished first
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 SHARD_BYTES = 1 << 30  # converted weights are written in shards of about this size
@@ -267,6 +250,9 @@ def _checked_file(pm: PackagedModel, parts: list[Path], out: Path, progress) -> 
     return path
 
 
+CACHE_WRITE_FIX = "free space on its disk, or set LAYERLEAP_CACHE to a writable folder with room"
+
+
 def _cache_entry(folder: Path, fill, progress, check) -> Path:
     """``folder``, made by ``fill(tmp)`` unless it exists and passes ``check``; see ``packaged_folder``."""
     if folder.is_dir() and _problem(folder, check) is None:
@@ -283,8 +269,14 @@ def _cache_entry(folder: Path, fill, progress, check) -> Path:
         if folder.exists():
             progress(f"the cached conversion {folder} is broken ({problem}): rebuilding it")
             _remove_tree(folder)
-        _atomic_dir(folder, fill)
+        replace_dir(folder, fill, keep=_finished, fix=CACHE_WRITE_FIX)
     return folder
+
+
+def _finished(folder: Path) -> bool:
+    """Whether a cache entry that appeared while ours was written is another process's finished one
+    (kept, ours dropped); else ``replace_dir`` swaps ours in."""
+    return (folder / "config.json").is_file()
 
 
 def _problem(folder: Path, check=None) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,22 @@ class GGUFContext:
         from ..files import write_json
 
         write_json(out / "config.json", self._hf_dict(), indent=2)
-        self.tokenizer.save_pretrained(out)
+        save_tokenizer(self.tokenizer, out)
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)``, where a failed write (a full disk, a folder that cannot be
+    written) is always an ``OSError``: `tokenizers` writes tokenizer.json in Rust and reports an I/O
+    error as a plain ``Exception`` ("... (os error 28)")."""
+    try:
+        tokenizer.save_pretrained(folder)
+    except OSError:
+        raise
+    except Exception as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1]))) from None
 
 
 def gguf_context(path: Path) -> GGUFContext:

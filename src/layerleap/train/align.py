@@ -38,11 +38,12 @@ import torch.nn.functional as F
 
 from .. import validate as V
 from ..core.model import Transformer
+from ..core.weight_files import save_tokenizer
 from ..decoding import generate
 from ..drafters import weights
 from ..drafters.exit_heads import AdapterHead, save_heads
 from ..errors import LayerleapError
-from ..files import replace_dir, write_json
+from ..files import replace_dir, save_safetensors, write_json
 from .loop import Checkpoint, LoopConfig, LoopResult, Schedule, epoch_batch, items_seen, train as run_loop
 
 
@@ -332,11 +333,8 @@ def align_small(
     sd = {k: v.detach().clone() for k, v in ours_to_hf(trained).items()}
 
     def fill(tmp: Path):
-        from safetensors.torch import save_file
-
-        cfg_hf = small.config.to_hf()
-        (tmp / "config.json").write_text(json.dumps(cfg_hf, indent=2))
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", small.config.to_hf(), indent=2)
+        save_safetensors(tmp / "model.safetensors", sd, {"format": "pt"})
         src = Path(small.source) if small.source else None
         if src is not None and src.is_dir():
             for f in src.iterdir():
@@ -348,7 +346,7 @@ def align_small(
                 ):
                     shutil.copy(f, tmp / f.name)
         elif small.tokenizer is not None:
-            small.tokenizer.save_pretrained(tmp)
+            save_tokenizer(small.tokenizer, tmp)
 
     if out.exists() and not (out / "config.json").is_file():
         raise AlignError(f"{out} exists and is not a model folder: choose another --out")

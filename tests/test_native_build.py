@@ -173,3 +173,32 @@ def test_a_failed_build_is_one_line_saying_why(monkeypatch, capsys, error, said)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and said in err and "layerleap keeps running its Python path" in err
     assert err.startswith("layerleap native: error: the native layers could not be built (")
+
+
+def test_a_build_for_this_cpu_is_keyed_by_its_instructions(cache, monkeypatch):
+    """One CPU model can come with instructions hidden (a virtual machine's): a build for this CPU's
+    instructions (``-march=native``) made where AVX-512 VNNI was on is not loaded where it is off.  A
+    build for a named target runs on any CPU that has the target's instructions."""
+    from layerleap.core import cpu
+
+    monkeypatch.setattr(cpu, "cpu_features", lambda: "avx avx2 avx512_vnni avx512f fma")
+    with_vnni = native.build_dir()
+    monkeypatch.setattr(cpu, "cpu_features", lambda: "avx avx2 avx512f fma")
+    assert native.build_dir() != with_vnni
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    v3 = native.build_dir()
+    monkeypatch.setattr(cpu, "cpu_features", lambda: "avx avx2 avx512_vnni avx512f fma")
+    assert native.build_dir() == v3
+
+
+def test_cpu_features_are_the_instruction_set_flags(monkeypatch):
+    import io
+
+    from layerleap.core import cpu
+
+    text = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu vme avx2 sse4_2 fma hypervisor avx512_vnni pti\n"
+    monkeypatch.setattr(cpu, "open", lambda path: io.StringIO(text), raising=False)
+    assert cpu.cpu_features.__wrapped__() == "avx2 avx512_vnni fma sse4_2"
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve2 i8mm\n"
+    monkeypatch.setattr(cpu, "open", lambda path: io.StringIO(arm), raising=False)
+    assert cpu.cpu_features.__wrapped__() == "asimd fp i8mm sve2"

@@ -51,11 +51,13 @@ def march() -> str:
 
 def build_dir() -> Path:
     """Where this source, torch version, CPU and -march target's build lives (by default compiled for this
-    CPU's instructions; another target in a folder of its own, with a tag of its own)."""
-    from ..cpu import cpu_signature
+    CPU's instructions, keyed by them too; another target in a folder of its own, with a tag of its own)."""
+    from ..cpu import cpu_features, cpu_signature
 
     target = march()
-    key = SOURCE.read_bytes() + cpu_signature().encode() + (b"" if target == "native" else f"|{target}".encode())
+    # this CPU's instructions for a build for them; another target's build runs on any CPU that has its own
+    mark = f"|{cpu_features()}" if target == "native" else f"|{target}"
+    key = SOURCE.read_bytes() + cpu_signature().encode() + mark.encode()
     tag = hashlib.sha256(key).hexdigest()[:12]
     cap = torch.backends.cpu.get_cpu_capability().lower()
     py = f"py{sys.version_info.major}{sys.version_info.minor}"

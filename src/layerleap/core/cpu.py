@@ -39,24 +39,8 @@ def cpu_signature() -> str:
 
 # the x86 flags of instructions a compiler may use (others, such as a kernel's view of the CPU, may
 # change with the kernel's version)
-_X86_ISA = (
-    "avx",
-    "amx",
-    "sse",
-    "ssse3",
-    "fma",
-    "f16c",
-    "bmi",
-    "gfni",
-    "vaes",
-    "vpclmulqdq",
-    "sha_ni",
-    "aes",
-    "pclmulqdq",
-    "popcnt",
-    "abm",
-    "movbe",
-    "adx",
+_X86_ISA = tuple(
+    "avx amx sse ssse3 fma f16c bmi gfni vaes vpclmulqdq sha_ni aes pclmulqdq popcnt abm movbe adx".split()
 )
 
 

@@ -202,3 +202,35 @@ def test_cpu_features_are_the_instruction_set_flags(monkeypatch):
     arm = "processor\t: 0\nFeatures\t: fp asimd sve2 i8mm\n"
     monkeypatch.setattr(cpu, "open", lambda path: io.StringIO(arm), raising=False)
     assert cpu.cpu_features.__wrapped__() == "asimd fp i8mm sve2"
+
+
+def test_a_build_for_instructions_this_cpu_lacks_is_not_used(cache, monkeypatch):
+    """A target for another CPU (``LAYERLEAP_NATIVE_MARCH=alderlake`` on a CPU without AVX-VNNI) builds,
+    but its block kernel would die on its first VNNI instruction (SIGILL): the Python path runs, with a
+    warning that says why."""
+    from layerleap.core import cpu
+
+    class Loader(importlib.abc.Loader):
+        def create_module(self, spec):
+            mod = types.ModuleType(spec.name)
+            mod.build_features = lambda: ["avx2", "avxvnni", "fma", "f16c"]
+            return mod
+
+        def exec_module(self, module):
+            pass
+
+    monkeypatch.setattr(
+        importlib.util, "spec_from_file_location", lambda n, p: importlib.util.spec_from_loader(n, Loader())
+    )
+    monkeypatch.setenv(native.MARCH_ENV, "alderlake")
+    _write(native.build_dir() / "layerleap_decoder.so", _elf(120))
+    monkeypatch.setattr(cpu, "cpu_features", lambda: "avx avx2 avx512_vnni avx512f f16c fma sse sse2")
+    native.module.cache_clear()
+    with pytest.warns(UserWarning, match=r"use instructions this CPU lacks \(avxvnni\); the Python path runs"):
+        assert native.module() is None
+    monkeypatch.setattr(cpu, "cpu_features", lambda: "avx avx2 avx_vnni f16c fma sse sse2")
+    native.module.cache_clear()
+    assert native.module() is not None
+    monkeypatch.setattr(cpu, "cpu_features", lambda: "")  # not x86, or no /proc/cpuinfo: nothing to compare
+    native.module.cache_clear()
+    assert native.module() is not None

@@ -14,7 +14,9 @@ It is compiled for this CPU's instructions (``-march=native``: on a CPU with AVX
 paths, on one with AVX2 and FMA its AVX2 paths, else the portable C++).  ``LAYERLEAP_NATIVE_MARCH``
 names another target for GCC's ``-march`` (``x86-64-v3``: the AVX2 paths, ``x86-64``: the portable
 ones), kept in a folder of its own, built and used while the variable is set: so the paths of other
-CPUs are built and tested on this one (``tests/test_native_march.py``).
+CPUs are built and tested on this one (``tests/test_native_march.py``).  A build for instructions this
+CPU lacks (``alderlake``'s AVX-VNNI on a CPU without it) is not used: a warning names them, and the
+Python path runs.
 """
 
 from __future__ import annotations
@@ -154,7 +156,31 @@ def module():
         spec.loader.exec_module(mod)
     except (ImportError, OSError):
         return None
+    lacking = _lacking(mod)
+    if lacking:  # a target for another CPU (LAYERLEAP_NATIVE_MARCH): its first such instruction would kill the process
+        import warnings
+
+        warnings.warn(
+            f"the native layers in {lib.parent.name} use instructions this CPU lacks ({', '.join(lacking)}); "
+            "the Python path runs",
+            stacklevel=2,
+        )
+        return None
     return mod
+
+
+_CPUINFO_NAMES = {"avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni"}  # build_features' names as /proc/cpuinfo's
+
+
+def _lacking(mod) -> list[str]:
+    """The instruction sets ``mod`` was compiled for (``build_features``) that this CPU lacks; none where
+    the system does not name them (x86's /proc/cpuinfo does)."""
+    from ..cpu import cpu_features
+
+    have = set(cpu_features().split())
+    if "sse2" not in have:  # not x86, or no /proc/cpuinfo
+        return []
+    return [f for f in getattr(mod, "build_features", list)() if _CPUINFO_NAMES.get(f, f) not in have]
 
 
 def status() -> dict:

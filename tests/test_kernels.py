@@ -137,6 +137,53 @@ def test_a_single_onednn_row_never_runs_alone(monkeypatch, tmp_path):
     assert kernels.onednn_rows(torch.float32) == (0, 2, 2, 3, 4, 5, 6, 7, 8)
 
 
+@pytest.mark.parametrize(
+    "damaged",
+    ["blocks", ["blocks"], {"choice": "nope", "timing": kernels.TIMING}, {"choice": "blocks"}],
+)
+def test_a_damaged_q4_choice_is_measured_again(monkeypatch, tmp_path, damaged):
+    """An entry of kernels.json for the q4 kernel that is no choice (another shape, another value, timed
+    the old way) is measured again, not used and not a crash."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.Q4_ENV, raising=False)
+    monkeypatch.setattr(kernels, "blocks_available", lambda: True)
+    monkeypatch.setattr(kernels, "int4_supported", lambda: True)
+    (tmp_path / "kernels.json").write_text(json.dumps({kernels._q4_key(): damaged}))
+    calls = []
+    monkeypatch.setattr(
+        kernels, "_measure_q4_format", lambda: calls.append(1) or {"choice": "torch", "timing": kernels.TIMING}
+    )
+    assert kernels.q4_format() == "torch" and kernels.q4_format() == "torch"
+    assert calls == [1]
+
+
+@needs_onednn
+@pytest.mark.parametrize("row_s", ["0.0", "-1.0", "NaN", "Infinity"])
+def test_a_draft_head_time_that_is_no_time_is_measured_again(monkeypatch, tmp_path, row_s):
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(kernels, "blocks_available", lambda: False)
+    w = torch.zeros(2048, 576)
+    key = f"{kernels._onednn_key(w.dtype)} | draft head 2048x576"
+    entry = f'{{"row_s": {row_s}, "onednn_s": 0.003, "timing": "{kernels.TIMING}"}}'
+    (tmp_path / "kernels.json").write_text(f"{{{json.dumps(key)}: {entry}}}")
+    calls = []
+    measured = {"row_s": 0.001, "onednn_s": 0.003, "timing": kernels.TIMING}
+    monkeypatch.setattr(kernels, "_measure_draft_head", lambda weight, q8: calls.append(1) or measured)
+    assert kernels.draft_head_rows(w) == 3 and calls == [1]
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [[0, 10**9, 10**9, 3, 4, 5, 6, 7, 8], [0, True, 2, 3, 4, 5, 6, 7, 8]])
+def test_padded_row_counts_beyond_the_measured_ones_are_measured_again(monkeypatch, tmp_path, rows):
+    """A row count in kernels.json that no measurement gives (past ``ONEDNN_PAD_MAX``: a product padded
+    to a billion rows) is measured again."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    (tmp_path / "kernels.json").write_text(json.dumps({kernels._onednn_key(torch.float32): {"rows": rows}}))
+    monkeypatch.setattr(kernels, "measure_onednn_rows", lambda dtype: {m: 1.0 + m for m in range(1, 9)})
+    assert kernels.onednn_rows(torch.float32) == (0, 2, 2, 3, 4, 5, 6, 7, 8)
+
+
 # -- 4-bit groups -----------------------------------------------------------------------------------
 def test_quantize_is_min_max_per_group():
     w = _w(8, 64, 6)

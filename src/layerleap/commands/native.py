@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from . import command
 from ..errors import LayerleapError
+
+
+def _reason(e: Exception) -> str:
+    """Why a build failed, in one line: the first error line of the compiler's output where the message
+    holds it (the command lines before it run to hundreds of characters), else the message's first line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    errors = [
+        line
+        for line in lines
+        if re.search(r"\berror\b|not found|no such file|cannot find", line, re.IGNORECASE)
+        and not line.startswith("Error building extension")
+    ]
+    text = (errors[0] if errors else lines[0] if lines else "")[:300]
+    return text if isinstance(e, LayerleapError) else f"{type(e).__name__}: {text}"
 
 
 @command("native", help="the C++ decoder layers: show whether they are built, or build them (--build)")
@@ -30,8 +45,7 @@ def run(args) -> int:
             native.build()
         except Exception as e:  # a compiler or ninja missing, or a failed build: the Python path stays
             raise LayerleapError(
-                f"the native layers could not be built ({type(e).__name__}: {str(e)[:300]}); "
-                "layerleap keeps running its Python path"
+                f"the native layers could not be built ({_reason(e)}); layerleap keeps running its Python path"
             ) from None
         if not args.json:
             print(f"built in {time.perf_counter() - t:.1f} s")

@@ -37,6 +37,33 @@ def cpu_signature() -> str:
     return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 
+# the x86 flags of instructions a compiler may use (others, such as a kernel's view of the CPU, may
+# change with the kernel's version)
+_X86_ISA = tuple(
+    "avx amx sse ssse3 fma f16c bmi gfni vaes vpclmulqdq sha_ni aes pclmulqdq popcnt abm movbe adx".split()
+)
+
+
+@functools.cache
+def cpu_features() -> str:
+    """The first processor's instruction-set extensions (``/proc/cpuinfo``'s x86 ``flags`` of vector and
+    bit instructions, ``Features`` on Arm), sorted; "" where the system does not say.  A build for this
+    CPU's instructions (``-march=native``) is keyed by them beside ``cpu_signature``: one CPU model can
+    come with some of its instructions hidden (a virtual machine's), and a build that uses one the CPU
+    lacks dies on it (SIGILL)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return " ".join(sorted(v for v in value.split() if v.startswith(_X86_ISA)))
+                if key.strip() == "Features":
+                    return " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return ""
+
+
 def release_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc's ``malloc_trim``; elsewhere nothing): glibc keeps
     the freed temporaries of a load or of a long prompt pass resident otherwise.  About a millisecond."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -1059,7 +1060,7 @@ def _draft_head_entry(weight: torch.Tensor) -> dict:
 
     def ok(e: dict) -> bool:
         keys = ("row_s", "onednn_s", "q8_s") if q8 else ("row_s", "onednn_s")
-        return all(isinstance(e.get(k), float) for k in keys) and e.get("timing") == TIMING
+        return all(_seconds(e.get(k)) for k in keys) and e.get("timing") == TIMING
 
     return _remembered(f"{_onednn_key(weight.dtype)} | draft head {K}x{D}", ok, lambda: _measure_draft_head(weight, q8))
 
@@ -1078,11 +1079,16 @@ def _measure_draft_head(weight: torch.Tensor, q8: bool) -> dict:
         return {**{key: seconds / 4 for key, seconds in _best_of_rounds(configs).items()}, "timing": TIMING}
 
 
+def _seconds(t) -> bool:
+    """Whether ``t`` (read from kernels.json) is a time: a finite positive float."""
+    return isinstance(t, float) and math.isfinite(t) and t > 0
+
+
 def _valid_rows(rows) -> bool:
     return (
         isinstance(rows, list)
         and len(rows) == ONEDNN_PAD_MAX + 1
-        and all(isinstance(n, int) and n >= m for m, n in enumerate(rows))
+        and all(type(n) is int and m <= n <= ONEDNN_PAD_MAX for m, n in enumerate(rows))
     )
 
 
@@ -1177,17 +1183,22 @@ def q4_format() -> str:
     torch's code that a load with the block kernel never runs)."""
     forced = os.environ.get(Q4_ENV, "").strip().lower()
     have_blocks = blocks_available()
-    if have_blocks and (forced == "blocks" or not forced and _known().get(_q4_key(), {}).get("choice") == "blocks"):
+    if have_blocks and (forced == "blocks" or not forced and _q4_ok(_known().get(_q4_key())) == "blocks"):
         return "blocks"
     have_torch = int4_supported()
     if not (have_blocks and have_torch):
         return "blocks" if have_blocks else "torch"
     if forced in ("blocks", "torch"):
         return forced
-    entry = _remembered(
-        _q4_key(), lambda e: e.get("choice") in ("blocks", "torch") and e.get("timing") == TIMING, _measure_q4_format
-    )
+    entry = _remembered(_q4_key(), _q4_ok, _measure_q4_format)
     return entry["choice"]
+
+
+def _q4_ok(entry) -> str | None:
+    """A remembered ``q4_format`` entry's choice where it is one, timed as ``TIMING`` says, else None."""
+    if isinstance(entry, dict) and entry.get("choice") in ("blocks", "torch") and entry.get("timing") == TIMING:
+        return entry["choice"]
+    return None
 
 
 def _q4_key() -> str:

@@ -6,13 +6,17 @@ equal bit for bit; a decoding step spends less time in the Python interpreter (a
 It is compiled once per torch version, CPU and source (``torch.utils.cpp_extension``: a C++
 compiler, ninja and torch's headers; about 30 s) by ``layerleap native --build`` (``make install``
 runs it), and kept in ``<cache>/native``.  Until it is built, or where it cannot be, the model runs
-its Python path; ``LAYERLEAP_NATIVE=0`` turns it off.  Nothing is compiled unasked.
+its Python path; ``LAYERLEAP_NATIVE=0`` turns it off.  Nothing is compiled unasked.  A library cut
+short (a build killed while linking, a full disk) counts as not built, and the next build makes it
+again; two builds of one folder take turns, and a killed one leaves nothing that stalls the next.
 
 It is compiled for this CPU's instructions (``-march=native``: on a CPU with AVX-512 VNNI its AVX-512
 paths, on one with AVX2 and FMA its AVX2 paths, else the portable C++).  ``LAYERLEAP_NATIVE_MARCH``
 names another target for GCC's ``-march`` (``x86-64-v3``: the AVX2 paths, ``x86-64``: the portable
 ones), kept in a folder of its own, built and used while the variable is set: so the paths of other
-CPUs are built and tested on this one (``tests/test_native_march.py``).
+CPUs are built and tested on this one (``tests/test_native_march.py``).  A build for instructions this
+CPU lacks (``alderlake``'s AVX-VNNI on a CPU without it) is not used: a warning names them, and the
+Python path runs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import importlib.util
 import operator
 import os
 import re
+import shutil
 import sys
 import weakref
 from pathlib import Path
@@ -48,11 +53,13 @@ def march() -> str:
 
 def build_dir() -> Path:
     """Where this source, torch version, CPU and -march target's build lives (by default compiled for this
-    CPU's instructions; another target in a folder of its own, with a tag of its own)."""
-    from ..cpu import cpu_signature
+    CPU's instructions, keyed by them too; another target in a folder of its own, with a tag of its own)."""
+    from ..cpu import cpu_features, cpu_signature
 
     target = march()
-    key = SOURCE.read_bytes() + cpu_signature().encode() + (b"" if target == "native" else f"|{target}".encode())
+    # this CPU's instructions for a build for them; another target's build runs on any CPU that has its own
+    mark = f"|{cpu_features()}" if target == "native" else f"|{target}"
+    key = SOURCE.read_bytes() + cpu_signature().encode() + mark.encode()
     tag = hashlib.sha256(key).hexdigest()[:12]
     cap = torch.backends.cpu.get_cpu_capability().lower()
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
@@ -65,20 +72,71 @@ def _library(folder: Path) -> Path | None:
     return hits[0] if hits else None
 
 
+# per ELF class (1: 32-bit, 2: 64-bit): the header's fields after e_version, a program header's fields, and
+# where p_offset and p_filesz are among them
+_ELF = {1: ("IIIIHHHHHH", "IIIIIIII", (1, 4)), 2: ("QQQIHHHHHH", "IIQQQQQQ", (2, 5))}
+
+
+def _complete(lib: Path) -> bool:
+    """Whether ``lib`` holds every byte its ELF headers name: a link killed half way or a full disk
+    leaves a shorter file, and loading one kills the process (SIGBUS) instead of raising.  A file
+    that is not ELF where builds are (Linux) counts as broken too; elsewhere only ELF files are checked."""
+    import struct
+
+    try:
+        with open(lib, "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    if data[:4] != b"\x7fELF":
+        return bool(data) and not sys.platform.startswith("linux")
+    if len(data) < 16 or data[4] not in _ELF or data[5] not in (1, 2):
+        return False
+    head, prog, (at_offset, at_size) = _ELF[data[4]]
+    order = "<" if data[5] == 1 else ">"
+    try:
+        fields = struct.unpack_from(order + "HHI" + head, data, 16)
+        _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _ = fields[3:]
+        if phoff + phnum * phentsize > len(data) or shoff + shnum * shentsize > len(data):
+            return False
+        for i in range(phnum):
+            ph = struct.unpack_from(order + prog, data, phoff + i * phentsize)
+            if ph[at_offset] + ph[at_size] > len(data):
+                return False
+    except struct.error:
+        return False
+    return True
+
+
 def build(verbose: bool = False):
     """Compile ``decoder.cpp`` (or find it compiled) and load it; raises on a failed build."""
+    from filelock import FileLock
     from torch.utils.cpp_extension import load
 
+    cxx = os.environ.get("CXX", "").strip() or "c++"  # the compiler torch runs
+    if sys.platform != "win32" and shutil.which(cxx.split()[0]) is None:
+        from ...errors import LayerleapError
+
+        raise LayerleapError(f"no C++ compiler: {cxx.split()[0]!r} is not on PATH (install g++, or set CXX)")
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    mod = load(
-        "layerleap_decoder",
-        [str(SOURCE)],
-        extra_cflags=["-O3", f"-march={march()}", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        verbose=verbose,
-    )
+    # one build of a folder at a time, under a lock the system frees when its holder dies: torch's own
+    # lock file ("lock", made with O_EXCL) is then only a killed build's leftover, which would make
+    # every later build wait for it forever
+    with FileLock(str(folder / "layerleap.lock")):
+        (folder / "lock").unlink(missing_ok=True)
+        lib = _library(folder)
+        if lib is not None and not _complete(lib):  # ninja would take it (and its object file) as built
+            for p in [lib, *folder.glob("*.o")]:
+                p.unlink(missing_ok=True)
+        mod = load(
+            "layerleap_decoder",
+            [str(SOURCE)],
+            extra_cflags=["-O3", f"-march={march()}", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=verbose,
+        )
     module.cache_clear()
     return mod
 
@@ -89,19 +147,45 @@ def module():
     if os.environ.get(ENV, "").strip() == "0":
         return None
     lib = _library(build_dir()) if SOURCE.is_file() else None
-    if lib is None:
+    if lib is None or not _complete(lib):
         return None
-    spec = importlib.util.spec_from_file_location("layerleap_decoder", lib)
+    # the module's name is the file's: torch names a second build of one process "layerleap_decoder_v1"
+    spec = importlib.util.spec_from_file_location(lib.name.split(".")[0], lib)
     try:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     except (ImportError, OSError):
         return None
+    lacking = _lacking(mod)
+    if lacking:  # a target for another CPU (LAYERLEAP_NATIVE_MARCH): its first such instruction would kill the process
+        import warnings
+
+        warnings.warn(
+            f"the native layers in {lib.parent.name} use instructions this CPU lacks ({', '.join(lacking)}); "
+            "the Python path runs",
+            stacklevel=2,
+        )
+        return None
     return mod
+
+
+_CPUINFO_NAMES = {"avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni"}  # build_features' names as /proc/cpuinfo's
+
+
+def _lacking(mod) -> list[str]:
+    """The instruction sets ``mod`` was compiled for (``build_features``) that this CPU lacks; none where
+    the system does not name them (x86's /proc/cpuinfo does)."""
+    from ..cpu import cpu_features
+
+    have = set(cpu_features().split())
+    if "sse2" not in have:  # not x86, or no /proc/cpuinfo
+        return []
+    return [f for f in getattr(mod, "build_features", list)() if _CPUINFO_NAMES.get(f, f) not in have]
 
 
 def status() -> dict:
     lib = _library(build_dir())
+    lib = lib if lib is not None and _complete(lib) else None
     return {
         "built": lib is not None,
         "library": str(lib) if lib else None,

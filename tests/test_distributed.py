@@ -44,3 +44,20 @@ def test_two_processes_equal_one(tmp_path, char_model_dir):
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
     assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in a.items() if k.startswith("param."))
     assert sorted(p.name for p in two.parent.iterdir()) == ["m.safetensors", "m.safetensors.ckpt.safetensors"]
+
+
+def test_only_rank_0_writes_the_chunks(tmp_path, char_model_dir, monkeypatch, capsys):
+    from safetensors.torch import save_file
+
+    import layerleap.commands.hidden_transfer as ht
+
+    chunks = tmp_path / "chunks.safetensors"
+    save_file({"chunks": torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(0))}, str(chunks))
+    args = ["train", "medusa", "--model", str(char_model_dir), "--chunks", str(chunks), "--seq-len", "8"]
+    args += ["--threads", "1", "--out", str(tmp_path / "m.safetensors")]
+    monkeypatch.setattr(ht, "init_from_env", lambda device: Ranks(1, 2))
+    assert main(args + ["--save-chunks", str(tmp_path / "again.safetensors")]) == 0
+    assert not (tmp_path / "again.safetensors").exists() and "wrote" not in capsys.readouterr().out
+    monkeypatch.setattr(ht, "init_from_env", lambda device: Ranks(0, 2))
+    assert main(args + ["--save-chunks", str(tmp_path / "again.safetensors")]) == 0
+    assert (tmp_path / "again.safetensors").is_file()

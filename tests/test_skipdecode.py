@@ -291,6 +291,26 @@ def test_finetune_saves_resumes_reloads(tiny_hf_dir, tmp_path):
     assert out.stats["new_tokens"] >= 1
 
 
+def test_finetune_resume_refuses_another_base_model_or_other_examples(tmp_path):
+    from tiny_models import random_model
+
+    from layerleap.train.skipdecode import TrainConfig, finetune
+
+    examples = [([3, 4, 5, 6], [7, 8, 9, 10, 11, 12]), ([5, 6], [7, 8, 9, 10, 11, 12]), ([9, 3, 4], [5, 6, 7, 8, 9, 3])]
+    cfg = dict(min_exit_layer=2, max_exit_layer=3, warmup=1, batch_size=2, lr=1e-2, gen_len=6, save_every=1)
+
+    def run(steps, seed=0, ex=examples):
+        model, teacher = random_model("llama-gqa-tied", seed=seed), random_model("llama-gqa-tied", seed=seed)
+        return finetune(model, tmp_path / "a", TrainConfig(steps=steps, **cfg), ex, teacher, progress=False)
+
+    run(1)
+    with pytest.raises(LayerleapError, match="another base model"):
+        run(2, seed=1)
+    with pytest.raises(LayerleapError, match="other training examples"):
+        run(2, ex=examples[:2] + [([3, 3], [4, 4, 4, 4, 4, 4])])
+    assert run(2).resumed_from == 1
+
+
 def test_cli_rejects_bad_targets(capsys):
     from layerleap.cli import main
 

@@ -89,6 +89,19 @@ def test_resume_gives_the_same_weights(tmp_path):
         )
 
 
+def test_a_run_resumed_on_another_machine_records_both(tmp_path, monkeypatch):
+    from layerleap.drafters import weights
+
+    model = random_model("llama-gqa-tied", seed=4)
+    chunks, out = _chunks(model.config.vocab_size, seed=1), tmp_path / "m.safetensors"
+    for steps, machine in ((2, "cpu A"), (4, "cpu B"), (6, "cpu B")):
+        monkeypatch.setattr(weights, "machine", lambda device, m=machine: m)
+        cfg = _small("medusa", train_steps=steps)
+        train_drafters.train(model, out, cfg, chunks=chunks, progress=False)
+        want = "cpu A" if steps == 2 else "cpu A; then cpu B"
+        assert drafters.read_meta(out)["machine"] == want
+
+
 def test_draft_accuracy_counts_the_greedy_tokens():
     """Medusa heads at zero predict the next token again: their step-1 top-1 is right exactly where
     the greedy text repeats a token (X_{j+2} == argmax at j == X_{j+1})."""

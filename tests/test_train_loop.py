@@ -4,6 +4,8 @@ time and loss records add up over calls."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -111,3 +113,26 @@ def test_a_state_past_the_steps_asked_for_is_refused(tmp_path):
     with pytest.raises(LayerleapError, match=r"is at step \d+, past the 3 steps asked for"):
         _run(path, steps=3)
     _run(path)  # the steps it was made with finish it
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_loss_that_is_not_finite_stops_the_run_before_the_update(tmp_path, bad):
+    from layerleap.train.loop import DivergedError
+
+    path = tmp_path / "state.safetensors"
+    w = torch.zeros(4, requires_grad=True)
+
+    def loss(step):
+        return ((w - 1) ** 2).sum() * (bad if step == 3 else 1.0)
+
+    cfg = LoopConfig(6, Schedule(0.1), grad_clip=1.0, save_every=2, progress=False)
+    with pytest.raises(DivergedError, match=r"loss of step 4 is (nan|inf).*weights of step 3 are kept"):
+        train({"w": w}, loss, cfg, Checkpoint(path))
+    assert torch.isfinite(w).all()  # the weights of step 3, not made from the bad loss
+    kept = w.detach().clone()
+    w2 = torch.zeros(4, requires_grad=True)
+    run = train(
+        {"w": w2}, lambda s: ((w2 - 1) ** 2).sum(), LoopConfig(3, Schedule(0.1), progress=False), Checkpoint(path)
+    )
+    assert run.start == 3 and len(run.losses) == 3 and all(map(math.isfinite, run.losses))
+    torch.testing.assert_close(w2.detach(), kept, rtol=0, atol=0)  # the saved state is the last good step's

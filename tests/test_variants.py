@@ -117,6 +117,17 @@ def test_resume_gives_the_uninterrupted_run(tmp_path):
         train_variant(_model(), b, _cfg("calm", steps=6, layers_per_step=3), EXAMPLES, "toy")
 
 
+def test_resume_refuses_another_model_or_other_examples(tmp_path):
+    out = tmp_path / "v.safetensors"
+    train_variant(_model(), out, _cfg("calm", steps=2), EXAMPLES, "toy")
+    with pytest.raises(VariantTrainError, match="other training examples"):
+        train_variant(_model(), out, _cfg("calm", steps=4), EXAMPLES[:3] + [([9, 9], [8, 8, 8])], "toy")
+    other = random_model("llama-gqa-tied", n_layers=4, seed=1)
+    with pytest.raises(VariantTrainError, match="another model"):
+        train_variant(other, out, _cfg("calm", steps=4), EXAMPLES, "toy")
+    assert train_variant(_model(), out, _cfg("calm", steps=4), EXAMPLES, "toy").resumed_from == 2
+
+
 def test_a_variant_refuses_another_model_and_unknown_names(tmp_path):
     out = tmp_path / "v.safetensors"
     train_variant(_model(), out, _cfg("calm", steps=2), EXAMPLES, "toy")

@@ -194,6 +194,8 @@ def run_train(args) -> int:
         chunks = stream_chunks(model.tokenizer, cfg.n_conversations, cfg.seq_len, cfg.seed, eos)
         data = weights.SHAREGPT  # the budget adds "N chunks of L tokens"
     if args.save_chunks:
+        if not ranks.main:  # under torchrun: rank 0 writes the chunks
+            return 0
         save_safetensors(
             args.save_chunks, {"chunks": torch.tensor(chunks, dtype=torch.int32)}, {"kind": "token-chunks"}
         )

@@ -117,6 +117,14 @@ def machine(device: torch.device | str = "cpu") -> str:
     return f"{each}{cpu_signature()}, {torch.get_num_threads()} threads"
 
 
+def machines(before: str | None, now: str) -> str:
+    """The machines of a run resumed on ``now`` from a state made on ``before`` (one or several joined
+    with "; then "): ``now`` alone when it is the last of them or there was none."""
+    if not before or before.split("; then ")[-1] == now:
+        return before or now
+    return f"{before}; then {now}"
+
+
 def command_line() -> str:
     """This process's command line: what a weights file written outside the CLI records."""
     return shlex.join([Path(sys.argv[0]).name or "python", *sys.argv[1:]])

@@ -10,7 +10,9 @@ The state (the trainable tensors, unless the trainer keeps them itself; AdamW's 
 every step's loss; the training time) is written atomically to ``Checkpoint.path`` every
 ``save_every`` steps, when the call ends, and on Ctrl-C -- unless the Ctrl-C came during the
 optimiser's update, which leaves half-updated weights; the last saved state stays then.  Calling
-again with the same checkpoint resumes from it and gives the weights of an uninterrupted run.
+again with the same checkpoint resumes from it and gives the weights of an uninterrupted run.  A
+step whose loss is not finite (NaN, inf) raises ``DivergedError`` before the update: the state of
+the steps before it is saved, never weights made from that loss.
 
 Data-parallel (``train.distributed``, under torchrun): the tensors start as rank 0's, each process's
 objective returns its share's part of the batch loss, the gradients are summed over the processes
@@ -20,6 +22,7 @@ before every update, and only rank 0 writes the state.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +40,10 @@ FORMAT = "layerleap-train-state-1"
 
 class CheckpointError(LayerleapError, ValueError):
     pass
+
+
+class DivergedError(LayerleapError, ArithmeticError):
+    """A step's loss was not finite: the weights of the step before are kept (and saved)."""
 
 
 @dataclass
@@ -148,6 +155,11 @@ def train(
             opt.zero_grad(set_to_none=True)
             with torch.enable_grad():
                 value = distributed.sum_value(backward(loss(step)))
+            if not math.isfinite(value):  # every process sees the summed value, so all stop here
+                raise DivergedError(
+                    f"the loss of step {step + 1} is {value}: training diverged; the weights of step {step} are "
+                    f"kept{f' in {ckpt.path}' if ckpt is not None else ''}: train again with a lower learning rate"
+                )
             distributed.sum_gradients(tensors)
             if cfg.grad_clip:
                 for group in groups:
@@ -162,7 +174,7 @@ def train(
             bar.set_postfix(loss=f"{value:.4f}")
             if step % cfg.save_every == 0:
                 save()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, DivergedError):
         if not updating and step > saved:
             save()
         raise

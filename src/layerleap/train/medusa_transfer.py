@@ -296,9 +296,10 @@ def _ckpt_path(out: Path) -> Path:
 RESUME_KEYS = ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size", "init", "attention")
 
 
-def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str) -> Checkpoint:
+def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machine: str) -> Checkpoint:
     """The run's checkpoint; a resumed run must share its model, ``RESUME_KEYS`` settings and data
-    (``data``: a hash of the token chunks, ``state_cache.data_hash``)."""
+    (``data``: a hash of the token chunks, ``state_cache.data_hash``).  Its ``meta["machine"]``: the
+    machines of every call (``weights.machines``), a resumed state's first."""
     path = _ckpt_path(out)
 
     def check(meta: dict) -> None:
@@ -316,9 +317,10 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str) -> Che
                 f"checkpoint {path} was made on other training data (other token chunks): give the same data to "
                 "resume, or delete it to start again"
             )
+        meta_out["machine"] = weights.machines(meta.get("machine"), machine)
 
-    meta = {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint, "data": data}
-    return Checkpoint(path, meta, check)
+    meta_out = {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint, "data": data, "machine": machine}
+    return Checkpoint(path, meta_out, check)
 
 
 def train(
@@ -387,7 +389,8 @@ def train(
         desc=f"train {cfg.kind}",
         progress=progress,
     )
-    run = run_loop(params, loss, loop, _checkpoint(out, cfg, model.fingerprint, data_hash(chunks)))
+    ckpt = _checkpoint(out, cfg, model.fingerprint, data_hash(chunks), weights.machine(model.device))
+    run = run_loop(params, loss, loop, ckpt)
     if store is not None and progress:
         print(store.describe(), file=sys.stderr, flush=True)
     n = len(chunks[0])  # the chunks' own length (a caller's chunks may be shorter than cfg.seq_len)
@@ -397,7 +400,7 @@ def train(
         tokens,
         run.step,
         run.seconds,
-        weights.machine(model.device),
+        ckpt.meta["machine"],  # a resumed run's: every call's machine
         command or weights.command_line(),
         init,
     )

@@ -17,7 +17,8 @@ stay frozen; the decoder blocks train.
 does); ``"median"`` uses the median prompt length for every example (the paper's choice).
 
 State (model folder plus optimiser and position) is written atomically every ``save_every`` steps and
-on Ctrl-C (``train.loop``); running again with the same ``out`` resumes from it.  Deterministic for
+on Ctrl-C (``train.loop``); running again with the same ``out`` resumes from it (the same base model,
+settings and examples: another is refused).  Deterministic for
 a seed (data order, initial state), up to float reduction order across thread counts.
 """
 
@@ -38,6 +39,7 @@ from ..errors import LayerleapError
 from ..files import reading, save_safetensors, write_json
 from .data import prompt_completions
 from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
+from .state_cache import data_hash
 from ..methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
 from ..core.model import Transformer
 
@@ -226,7 +228,8 @@ def finetune(
             f"max_prompt {cfg.max_prompt} + gen_len {cfg.gen_len} tokens exceed the model's context of "
             f"{ctx}: lower --max-prompt or --gen-len"
         )
-    start_step = _restore(model, out, cfg) if state_file.is_file() else 0
+    base_fp = model.fingerprint  # of the base weights, before a resumed run's are loaded
+    start_step = _restore(model, out, cfg, base_fp) if state_file.is_file() else 0
     if cfg.loss == "kd" and teacher is None:
         raise FinetuneError("loss kd needs the base model as teacher")
     tok = model.tokenizer
@@ -235,6 +238,11 @@ def finetune(
             raise FinetuneError("the model has no tokenizer: pass examples (prompt ids, completion ids)")
         examples = prompt_completions(tok, cfg.n_examples, cfg.max_prompt, cfg.gen_len)
     examples = [(list(p), list(c)[: cfg.gen_len]) for p, c in examples]
+    data = data_hash([part for p, c in examples for part in (p, c)])
+    if start_step and json.loads(state_file.read_text()).get("data", data) != data:
+        raise FinetuneError(
+            f"{out} holds a run on other training examples: use another --out, or the same data to resume"
+        )
     median = int(statistics.median(len(p) for p, _ in examples))
     pad_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
 
@@ -270,6 +278,8 @@ def finetune(
                 "step": step,
                 "losses": losses,
                 "base": base_name,
+                "base_fingerprint": base_fp,
+                "data": data,
                 "median_prompt": median,
                 "n_examples": len(examples),
             },
@@ -311,8 +321,9 @@ def finetune(
     return TrainResult(str(out), run.step, run.start, run.losses, run.seconds_this_run, asdict(cfg))
 
 
-def _restore(model: Transformer, out: Path, cfg: TrainConfig) -> int:
-    """Load the fine-tuned weights of an earlier call from ``out``; -> the step it reached."""
+def _restore(model: Transformer, out: Path, cfg: TrainConfig, base_fp: str) -> int:
+    """Load the fine-tuned weights of an earlier call from ``out`` (made from the base model of
+    fingerprint ``base_fp``); -> the step it reached."""
     state_file = out / STATE_JSON
     with reading(state_file, "fine-tuning state", "delete the folder (or choose another --out) to start again"):
         st = json.loads(state_file.read_text())
@@ -325,6 +336,11 @@ def _restore(model: Transformer, out: Path, cfg: TrainConfig) -> int:
         raise FinetuneError(
             f"{out} holds a run with other settings ({', '.join(diff)}): use another --out "
             "or the same settings to resume"
+        )
+    if st.get("base_fingerprint", base_fp) != base_fp:
+        raise FinetuneError(
+            f"{out} holds a fine-tune of another base model ({st.get('base')}): use another --out, or that model "
+            "to resume"
         )
     if st["step"] >= cfg.steps:
         raise FinetuneError(

@@ -23,7 +23,8 @@ a quality budget measured against the base model's greedy text then loses (``doc
 
 The loop (``train.loop``) saves the deltas and AdamW's state every ``save_every`` steps and on
 Ctrl-C, and rewrites the variant file each time, so the file is always loadable and its budget
-(steps, tokens, seconds) says what it has had; running again resumes, a larger ``steps`` extends.
+(steps, tokens, seconds) says what it has had; running again resumes, a larger ``steps`` extends (the
+same model, settings and examples: another is refused).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch
 from .loop import train as run_loop
 from .skipdecode import TrainConfig as SkipConfig
 from .skipdecode import active_mask, make_batch, skip_hidden
+from .state_cache import data_hash
 
 OBJECTIVES = ("skipdecode", "calm")
 
@@ -262,11 +264,19 @@ def train_variant(
     settings = json.dumps(asdict(cfg), sort_keys=True)
     free = {"steps", "save_every"}
 
+    data_key = data_hash([part for p, c in examples for part in (p, c)])
+
     def check(meta: dict) -> None:
         old = {k: v for k, v in json.loads(meta.get("settings", "{}")).items() if k not in free}
         new = {k: v for k, v in asdict(cfg).items() if k not in free}
         if old != new:
             raise VariantTrainError(f"{state} holds a run with other settings: use another --out or the same settings")
+        if meta.get("fingerprint", fingerprint) != fingerprint:
+            raise VariantTrainError(f"{state} holds a run of another model: use another --out or the same model")
+        if meta.get("data", data_key) != data_key:
+            raise VariantTrainError(
+                f"{state} holds a run on other training examples: use another --out or the same data to resume"
+            )
 
     n_tokens = sum(len(p) + len(c) for p, c in examples) / len(examples)
     positions = sum(len(c) for _, c in examples) / len(examples)
@@ -296,7 +306,7 @@ def train_variant(
 
     ckpt = Checkpoint(
         state,
-        {"settings": settings},
+        {"settings": settings, "fingerprint": fingerprint, "data": data_key},
         check,
         weights=True,
         on_save=save,

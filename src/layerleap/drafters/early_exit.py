@@ -70,7 +70,12 @@ class EarlyExit:
             h[row, : x.shape[0]] = x
         layers = range(start, end)
         keep = self.cache.lengths[start].clone()
-        h = self.run.forward(self.cache, h=h, start=start, end=end, count_call=count_call, rows=list(states))
+        # a padded slot may sit past the context's last position (a row near its end beside a longer
+        # one): it is rolled back below, so any position in range serves it
+        pos = self.run.positions(self.cache, S, start).clamp(max=self.run.model.config.max_position - 1)
+        h = self.run.forward(
+            self.cache, h=h, start=start, end=end, positions=pos, count_call=count_call, rows=list(states)
+        )
         for row, x in states.items():
             keep[row] += x.shape[0]
         self.cache.truncate(keep, layers=layers)

@@ -100,6 +100,22 @@ def test_ppd_computes_each_kept_layer_once(models):
     assert s["layer_evals"] == main + k * (d - dbar) * n == s["compute_units"]
 
 
+@pytest.mark.parametrize("dbar", [2, 3])
+def test_ppd_counts_only_the_model_calls_it_makes(models, dbar):
+    """The prompt pass, the main process's upper layers of every fed token, and its lower layers of a
+    token whose candidate missed or (d̄ > d/2) matched: at d̄ = d/2 a matched candidate has run every
+    layer below d̄ and leaves no call."""
+    model = models["llama-gqa-tied"]
+    d = model.config.n_layers
+    r = generate(
+        model, _prompt(model.config.vocab_size, 5, 2), "ppd", 16, stop_at_eos=False, exit_layer=dbar, k=3, head="shared"
+    )
+    s, n = r.stats, len(r.token_ids)
+    assert s["matches"] > 0
+    lower = (s["trials"] - s["matches"]) + (s["matches"] if dbar > d - dbar else 0)
+    assert s["model_calls"] == 1 + (n - 1) + lower
+
+
 def test_ppd_cache_after_decoding_equals_a_plain_prefill(models):
     """The KV entries PPD leaves (taken-over candidates included) are the ones a plain forward makes."""
     from layerleap.decoding import GenerationConfig, Run

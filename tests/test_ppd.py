@@ -235,6 +235,14 @@ def smollm():
     return layerleap.load("smollm2-135m", progress=lambda msg: None)
 
 
+@pytest.mark.parametrize("method", ["ppd", "self-spec", "bild"])
+def test_early_exit_methods_refuse_a_one_layer_model(method):
+    """With its exit layer left to the default: a one-layer model has no layer to exit early from."""
+    model = random_model("llama-gqa-tied", n_layers=1)
+    with pytest.raises(GenerationError, match="one layer.*use greedy"):
+        generate(model, [1, 2, 3], method, 4, head="shared")
+
+
 @pytest.mark.real
 def test_ppd_and_self_spec_equal_greedy_on_smollm2_spec_bench(smollm):
     from layerleap.datasets import spec_bench

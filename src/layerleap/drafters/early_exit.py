@@ -17,7 +17,7 @@ import torch
 
 from ..core.kv_cache import KVCache
 from ..core.options import HEADS  # noqa: F401  (the exit heads a method may name)
-from ..core.run import Run
+from ..core.run import GenerationError, Run
 from ..errors import LayerleapError
 from . import exit_heads
 from .base import ChainRule, StepDrafter
@@ -34,6 +34,12 @@ class EarlyExit:
     def __init__(self, run: Run, exit_layer: int, head, cache: KVCache | None = None, round_tokens: int = 1):
         self.run, self.E, self.head = run, exit_layer, head
         self.L = run.n_layers
+        if self.L < 2:
+            raise GenerationError(
+                "this model has one layer, and an early exit needs layers above it to verify: use greedy"
+            )
+        if not 1 <= exit_layer < self.L:
+            raise GenerationError(f"exit_layer={exit_layer} must be in [1, {self.L - 1}] (n_layers-1) on this model")
         self.cache = run.new_cache(extra=round_tokens) if cache is None else cache
         self.h_pending: list[torch.Tensor | None] = [None] * run.batch  # per row [lower - upper, D]
 

@@ -228,6 +228,24 @@ def test_the_decays_options_that_go_together(model):
     assert one.stats["budgets"] == both.stats["budgets"] and hi > 2
 
 
+@pytest.mark.parametrize("given,lo,hi", [(dict(max_exit_layer=1), 1, 1), (dict(min_exit_layer=5), 5, 5)])
+def test_one_exit_layer_given_bounds_the_other(model, given, lo, hi):
+    """The exit layer not given comes from the default target, kept within the one given: one beyond
+    the target's range is not refused as if the budgets rose."""
+    assert target_config(D, 2).min_exit_layer > 1 and target_config(D, 2).max_exit_layer < 5
+    r = generate(model, PROMPTS[0], "skipdecode", 6, stop_at_eos=False, **given)
+    assert max(r.stats["budgets"]) == hi and min(r.stats["budgets"]) == lo
+
+
+@pytest.mark.filterwarnings("ignore:skipdecode. no calibration")
+def test_default_budgets_on_a_one_layer_model():
+    torch.manual_seed(0)
+    one = randomize_(Transformer(tiny_config(n_layers=1, tie_embeddings=False)).eval(), seed=3)
+    r = generate(one, PROMPTS[0], "skipdecode", 4, stop_at_eos=False)
+    assert r.token_ids == generate(one, PROMPTS[0], "greedy", 4, stop_at_eos=False).token_ids
+    assert set(r.stats["budgets"]) == {1}
+
+
 def test_explicit_schedule(model):
     r = generate(model, PROMPTS[0], "skipdecode", 6, stop_at_eos=False, schedule=[6, 5, 3])
     assert list(r.stats["budgets"]) == [6, 5, 3, 3, 3]  # the last budget holds

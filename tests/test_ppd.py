@@ -236,6 +236,17 @@ def smollm():
 
 
 @pytest.mark.parametrize("method", ["ppd", "self-spec", "bild"])
+def test_early_exit_methods_refuse_a_head_of_another_layer_or_model(models, method):
+    from layerleap.drafters.exit_heads import HeadError, new_head
+
+    model, other = models["llama-gqa-tied"], models["llama-mha-untied"]
+    for head, exit_layer in ((new_head(model, 3, "lens"), 2), (new_head(other, 3, "lens"), 3)):
+        with pytest.raises(HeadError, match="the given head is for layer 3 of another model or layer"):
+            generate(model, [1, 2, 3], method, 4, exit_layer=exit_layer, head=head)
+    assert generate(model, [1, 2, 3], method, 4, exit_layer=3, head=new_head(model, 3, "lens")).token_ids
+
+
+@pytest.mark.parametrize("method", ["ppd", "self-spec", "bild"])
 def test_early_exit_methods_refuse_a_one_layer_model(method):
     """With its exit layer left to the default: a one-layer model has no layer to exit early from."""
     model = random_model("llama-gqa-tied", n_layers=1)

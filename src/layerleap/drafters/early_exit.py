@@ -192,6 +192,8 @@ def exit_head(model, exit_layer: int, head="auto"):
     head for the layer if there is one, else the shared head), "shared" (the model's final norm and
     unembedding), "trained" (a shipped head, ``layerleap.drafters.exit_heads``), a path to a head file
     (``layerleap align`` writes one), or a callable."""
+    if isinstance(head, exit_heads.ExitHead):  # checked as the other early-exit methods check it: its layer and model
+        return exit_heads.get_head(model, exit_layer, head), "custom"
     if callable(head) and not isinstance(head, (str, Path)):
         return head, "custom"
     if isinstance(head, Path) or (isinstance(head, str) and head not in HEADS):

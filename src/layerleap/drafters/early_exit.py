@@ -17,7 +17,7 @@ import torch
 
 from ..core.kv_cache import KVCache
 from ..core.options import HEADS  # noqa: F401  (the exit heads a method may name)
-from ..core.run import Run
+from ..core.run import GenerationError, Run
 from ..errors import LayerleapError
 from . import exit_heads
 from .base import ChainRule, StepDrafter
@@ -34,6 +34,12 @@ class EarlyExit:
     def __init__(self, run: Run, exit_layer: int, head, cache: KVCache | None = None, round_tokens: int = 1):
         self.run, self.E, self.head = run, exit_layer, head
         self.L = run.n_layers
+        if self.L < 2:
+            raise GenerationError(
+                "this model has one layer, and an early exit needs layers above it to verify: use greedy"
+            )
+        if not 1 <= exit_layer < self.L:
+            raise GenerationError(f"exit_layer={exit_layer} must be in [1, {self.L - 1}] (n_layers-1) on this model")
         self.cache = run.new_cache(extra=round_tokens) if cache is None else cache
         self.h_pending: list[torch.Tensor | None] = [None] * run.batch  # per row [lower - upper, D]
 
@@ -70,7 +76,12 @@ class EarlyExit:
             h[row, : x.shape[0]] = x
         layers = range(start, end)
         keep = self.cache.lengths[start].clone()
-        h = self.run.forward(self.cache, h=h, start=start, end=end, count_call=count_call, rows=list(states))
+        # a padded slot may sit past the context's last position (a row near its end beside a longer
+        # one): it is rolled back below, so any position in range serves it
+        pos = self.run.positions(self.cache, S, start).clamp(max=self.run.model.config.max_position - 1)
+        h = self.run.forward(
+            self.cache, h=h, start=start, end=end, positions=pos, count_call=count_call, rows=list(states)
+        )
         for row, x in states.items():
             keep[row] += x.shape[0]
         self.cache.truncate(keep, layers=layers)
@@ -181,6 +192,8 @@ def exit_head(model, exit_layer: int, head="auto"):
     head for the layer if there is one, else the shared head), "shared" (the model's final norm and
     unembedding), "trained" (a shipped head, ``layerleap.drafters.exit_heads``), a path to a head file
     (``layerleap align`` writes one), or a callable."""
+    if isinstance(head, exit_heads.ExitHead):  # checked as the other early-exit methods check it: its layer and model
+        return exit_heads.get_head(model, exit_layer, head), "custom"
     if callable(head) and not isinstance(head, (str, Path)):
         return head, "custom"
     if isinstance(head, Path) or (isinstance(head, str) and head not in HEADS):

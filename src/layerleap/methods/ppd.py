@@ -189,7 +189,9 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto", dra
         at = torch.tensor([[pos]], dtype=torch.long, device=dev)
         if j is not None:  # take over the sub-process's state and KV entries: continue at layer d - d̄
             cache.compact(pos, torch.tensor([j]), layers=range(0, lo))
-            h_mid = run.forward(cache, h=h_cand[:, j : j + 1], start=lo, end=dbar, positions=at)
+            h_mid = h_cand[:, j : j + 1]
+            if lo < dbar:  # (d̄ = d/2: the sub-process has run every layer below d̄, and no call is left)
+                h_mid = run.forward(cache, h=h_mid, start=lo, end=dbar, positions=at)
             clock.run_main(dbar - lo, after=clock.sub_done)
         else:  # drop the candidates: x_{t+1} from layer 0
             cache.truncate(pos, layers=range(0, lo))

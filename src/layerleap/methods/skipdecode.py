@@ -238,15 +238,16 @@ def skipdecode(
     d = run.n_layers
     check_conflicts(min_exit_layer, max_exit_layer, max_len, decay, power, schedule, target_speedup)
     power = 2.0 if power is None else power
-    if target_speedup is not None:
-        cfg = target_config(d, target_speedup)
-        min_exit_layer = cfg.min_exit_layer if min_exit_layer is None else min_exit_layer
-        max_exit_layer = cfg.max_exit_layer if max_exit_layer is None else max_exit_layer
     if schedule is None:
         if min_exit_layer is None or max_exit_layer is None:
-            cfg = target_config(d, 2)
-            min_exit_layer = cfg.min_exit_layer if min_exit_layer is None else min_exit_layer
-            max_exit_layer = cfg.max_exit_layer if max_exit_layer is None else max_exit_layer
+            cfg = target_config(d, min(2, d) if target_speedup is None else target_speedup)
+            # the exit layer not given comes from the target, within the one given (budgets never rise)
+            if min_exit_layer is None:
+                min_exit_layer = (
+                    cfg.min_exit_layer if max_exit_layer is None else min(cfg.min_exit_layer, max_exit_layer)
+                )
+            if max_exit_layer is None:
+                max_exit_layer = max(cfg.max_exit_layer, min_exit_layer)
         check_budget_range(d, min_exit_layer, max_exit_layer, warmup)
     else:
         schedule = check_schedule(schedule, d, warmup)
@@ -344,7 +345,8 @@ def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
             if layer + 1 == d:
                 break
             checks += 1
-            if float(F.cosine_similarity(h[0, -1], prev[0, -1], dim=0)) >= threshold:
+            # in fp32: a bf16 cosine (q4's activations) rounds everything above ~0.998 to 1.0 or 0.996
+            if float(F.cosine_similarity(h[0, -1].float(), prev[0, -1].float(), dim=0)) >= threshold:
                 exit_at = layer + 1
                 break
         if exit_at < d:

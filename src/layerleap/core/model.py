@@ -310,7 +310,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
     attention call: on CPU that is up to 5x faster than ``enable_gqa`` for a few new tokens.  A
     first chunk without a mask (plain causal) keeps ``is_causal``, which folding would break.
 
-    With the ``native`` layers built, calls over up to ``ROW_BY_ROW_MAX`` new tokens use its
+    With the ``native`` layers built, calls on a CPU over up to ``ROW_BY_ROW_MAX`` new tokens use its
     ``attend_rows``: each query row visits, in order, exactly the keys its mask allows (in fp32), so a
     row's result depends only on its query and the keys it sees, in every dtype and for chains and
     trees alike (on this CPU it is also 2-4x faster than ``F.scaled_dot_product_attention`` for a
@@ -333,7 +333,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
         return F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=g > 1)
     if keys.mask is None and S > 1:  # causal over exactly these S keys (no cache, or an empty one)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
-    if (S <= ROW_BY_ROW_MAX or _appended(keys.starts)) and native.module() is not None:
+    if (S <= ROW_BY_ROW_MAX or _appended(keys.starts)) and q.device.type == "cpu" and native.module() is not None:
         return native.module().attend_rows(
             q, k if k.dtype == q.dtype else k.to(q.dtype), v if v.dtype == q.dtype else v.to(q.dtype), keys.mask
         )

@@ -302,6 +302,22 @@ def test_a_tree_must_fit_the_context_for_the_longest_prompt_in_any_order():
             layerleap.generate(model, batch, "medusa", 6, heads=heads, tree="1,1,1")
 
 
+def test_a_transfer_tree_that_just_fits_the_context_decodes_greedy():
+    """Hidden Transfer's pseudo states of a deep node stand for tokens up to twice the tree's depth ahead:
+    with the prompt and the output filling the context to the tree's limit, they lie past its end, and
+    the call still decodes (its drafts there are past the output), equal to greedy decoding."""
+    from tiny_models import random_model
+
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    proj = _perturbed(model, "transfer", layers=[1, 2, 3])
+    n = 5
+    prompt = [i % 90 + 3 for i in range(model.config.max_position - n - 3 - 1)]  # + n + depth 3 + 1: the limit
+    want = layerleap.generate(model, prompt, "greedy", n, stop_at_eos=False).token_ids
+    for tree in ("1,1,1", "3,2,2"):
+        got = layerleap.generate(model, prompt, "hidden-transfer", n, stop_at_eos=False, tree=tree, transfer=proj)
+        assert got.token_ids == want
+
+
 def test_a_numpy_integer_seed_samples_as_the_same_int():
     import numpy as np
 

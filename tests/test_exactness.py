@@ -274,3 +274,27 @@ def test_device_logits_match_cpu(models, name):
     prompt = _prompt(model.config.vocab_size, 9, 3)
     cpu = random_model(name, seed=11, scale=2.0)
     torch.testing.assert_close(full_logits(model, prompt).cpu(), full_logits(cpu, prompt), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS + (["bf16"] if DEVICE == "cpu" else []))
+def test_trees_wider_than_a_row_by_row_call_equal_greedy(fmt):
+    """Verification calls over more new tokens than ``ROW_BY_ROW_MAX`` (a 41-node tree, an EAGLE fan of
+    20, Hidden Transfer's 10 nodes with their pseudo states) still give each verified token the logits of a
+    one-token call: in q4 and bf16, where logits often tie, the output is greedy decoding's in the same
+    format, token for token."""
+    from layerleap.core.model import ROW_BY_ROW_MAX
+
+    base = random_model("llama-mha-untied", seed=11, scale=2.0)
+    model = (base.to(torch.bfloat16) if fmt == "bf16" else _in_format(base, fmt)).to(DEVICE)
+    cases = [
+        ("medusa", {"tree": "40", "heads": _random_drafter(model, "medusa", scale=0.05, steps=3)}),
+        ("eagle", {"eagle_head": _random_drafter(model, "eagle", scale=0.05), "draft_len": 3, "width": 20}),
+        ("hidden-transfer", {"tree": "3,2", "transfer": _random_drafter(model, "transfer", scale=0.05, layers=[1, 2])}),
+    ]
+    assert 40 > 20 > ROW_BY_ROW_MAX  # the cases' calls are wider than a row-by-row call
+    for seed, plen in ((1, 7), (2, 19), (3, 3)):
+        prompt = _prompt(model.config.vocab_size, plen, seed)
+        want = generate(model, prompt, "greedy", 16, stop_at_eos=False).token_ids
+        for method, options in cases:
+            got = generate(model, prompt, method, 16, stop_at_eos=False, **options).token_ids
+            assert got == want, f"{method} differs from greedy in {fmt} on prompt {seed}"

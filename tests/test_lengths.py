@@ -36,6 +36,21 @@ def test_best_length(rates, costs, most, want):
     assert L.best_length(rates, costs, most) == want
 
 
+def test_chains_past_the_measured_sizes_are_priced_by_the_curve():
+    """Past its 8 measured sizes the call-cost curve goes on to its 16-token cost: fp32's shipped curve is
+    flat from 7 to 8 tokens, but a 16-token call costs 1.59 one-token calls, not 1.26.  A row whose drafts
+    are always kept, offered 64-draft chains, keeps them short: a 65-token call costs far more than the
+    few tokens its last drafts add."""
+    curve = L.shipped_curve("float32")
+    assert curve.costs[-1] == curve.costs[-2] < curve(16)
+    assert L.best_length([0.8] * 64, curve, 64) == 8  # where the 8 measured sizes end
+    chooser = L.LengthChooser(1, curve, 64)
+    for _ in range(40):
+        chain = chooser.cut(0, list(range(64)))
+        chooser.observe(0, len(chain), len(chain), next_token=None)
+    assert 1 <= len(chooser.cut(0, list(range(64)))) <= 16
+
+
 def test_running_acceptance_counts_tried_positions_only():
     r = L.RunningAcceptance(3)
     r.observe(drafted=3, accepted=1)  # 1st kept, 2nd tried and missed, 3rd never tried

@@ -40,6 +40,19 @@ def test_bad_shapes_are_clear_errors(bad):
         tree.build(bad)
 
 
+def test_numpy_integers_shape_trees_as_ints():
+    """A tree shape takes integers of any integral type (numpy's too), as every integer option does; a bool
+    is no integer."""
+    np = pytest.importorskip("numpy")
+    assert tree.parse_tree(np.int64(3)) == tree.parse_tree(3) == [(0,), (1,), (2,)]
+    assert tree.parse_tree([np.int64(2), np.int32(1)]) == tree.parse_tree([2, 1])
+    assert tree.parse_tree([[np.int64(0)], (np.int64(0), np.int8(0))]) == [(0,), (0, 0)]
+    assert all(type(r) is int for p in tree.parse_tree([np.int64(2), np.int64(2)]) for r in p)
+    for bad in (True, [True, 1], [(0,), (False,)]):
+        with pytest.raises(tree.TreeError):
+            tree.parse_tree(bad)
+
+
 def test_draft_tokens_take_rank_per_step():
     b = tree.build([2, 1])
     topk = torch.tensor([[10, 11], [20, 21]])  # [step, rank]

@@ -80,8 +80,9 @@ class TreeBuffers:
 def topk_paths(shape) -> list[tuple[int, ...]]:
     """The full tree of the top-``shape[d]`` tokens at each depth ``d`` (a chain when all are 1)."""
     shape = tuple(shape)
-    if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in shape):
+    if any(not _integer(k) or k < 1 for k in shape):
         raise TreeError(f"a top-k tree shape is a list of integers >= 1 (top-k per depth), got {list(shape)!r}")
+    shape = tuple(int(k) for k in shape)
     nodes, width = 0, 1
     for k in shape:
         width *= k
@@ -103,10 +104,10 @@ def parse_tree(tree) -> list[tuple[int, ...]]:
     """A tree shape from: a top-k list ``[2, 1, 1]`` or text ``"2,1,1"``; explicit paths
     ``[(0,), (1,), (0, 0)]``; or text ``"0;1;0.0"`` (paths separated by ';', ranks by '.').
     ``[]``/``""``/``0`` is the empty tree (no drafts)."""
-    empty_int = isinstance(tree, numbers.Integral) and not isinstance(tree, bool) and tree == 0  # not False, 0.0
+    empty_int = _integer(tree) and tree == 0  # not False, 0.0
     if tree is None or tree == "" or empty_int or (isinstance(tree, (list, tuple)) and len(tree) == 0):
         return []
-    if isinstance(tree, int) and not isinstance(tree, bool):
+    if _integer(tree):
         return topk_paths([tree])
     if isinstance(tree, str):
         text = tree.strip().replace(" ", "")
@@ -124,7 +125,7 @@ def parse_tree(tree) -> list[tuple[int, ...]]:
             ) from None
         return _check_paths(paths) if paths is not None else topk_paths(shape)
     if isinstance(tree, (list, tuple)):
-        if all(isinstance(k, int) and not isinstance(k, bool) for k in tree):
+        if all(_integer(k) for k in tree):
             return topk_paths(tree)
         if all(isinstance(p, (list, tuple)) for p in tree):
             return _check_paths([tuple(p) for p in tree])
@@ -133,12 +134,18 @@ def parse_tree(tree) -> list[tuple[int, ...]]:
     )
 
 
+def _integer(k) -> bool:
+    """An integer of any integral type (``numpy.int64`` too), never a bool."""
+    return isinstance(k, numbers.Integral) and not isinstance(k, bool)
+
+
 def _check_paths(paths: list[tuple]) -> list[tuple[int, ...]]:
     if len(paths) > MAX_NODES:
         raise TreeError(f"the tree has {len(paths)} paths, beyond the limit of {MAX_NODES} nodes: give fewer")
     for p in paths:
-        if not p or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in p):
+        if not p or any(not _integer(r) or r < 0 for r in p):
             raise TreeError(f"a tree path is a non-empty tuple of ranks >= 0, got {p!r}")
+    paths = [tuple(int(r) for r in p) for p in paths]
     if len(set(paths)) != len(paths):
         raise TreeError("the tree lists a path twice: give each path once")
     have = set(paths)

@@ -93,9 +93,11 @@ def expected_tokens(rates: list[float], length: int) -> float:
     return total
 
 
-def best_length(rates: list[float], costs: tuple[float, ...], most: int) -> int:
-    """The ``L`` in ``0..most`` with the most expected tokens per unit of call cost (the shorter on a tie)."""
-    return max(range(most + 1), key=lambda n: (expected_tokens(rates, n) / call_cost(costs, n + 1), -n))
+def best_length(rates: list[float], costs, most: int) -> int:
+    """The ``L`` in ``0..most`` with the most expected tokens per unit of call cost (the shorter on a tie);
+    ``costs``: the curve ``c(S)`` (a ``CostCurve``), or its values for S = 1, 2, .. (``call_cost``)."""
+    cost = costs if callable(costs) else lambda s: call_cost(costs, s)
+    return max(range(most + 1), key=lambda n: (expected_tokens(rates, n) / cost(n + 1), -n))
 
 
 @dataclass
@@ -134,12 +136,12 @@ class LengthChooser:
     the target kept (``observe``)."""
 
     def __init__(self, batch: int, curve: CostCurve, most: int):
-        self.costs = curve.costs
+        self.curve = curve  # past its 8 measured sizes, on to ``c16`` and at that slope
         self.rows = [RunningAcceptance(most) for _ in range(batch)]
         self.first: list[int | None] = [None] * batch  # a cut chain's first draft (None: none cut away)
 
     def cut(self, row: int, chain: list[int]) -> list[int]:
-        n = best_length(self.rows[row].rates(), self.costs, len(chain)) if chain else 0
+        n = best_length(self.rows[row].rates(), self.curve, len(chain)) if chain else 0
         self.first[row] = chain[0] if chain and n == 0 else None
         return chain[:n]
 

@@ -309,7 +309,9 @@ def transfer_pass(
     full, offsets = layout
     full = full.to(model.device)
     base = (cache.lengths[0] - cache.pad).unsqueeze(1)  # [B, 1]
-    pos = (base + offsets).to(model.device)  # [B, S]
+    # a pseudo state of a deep node stands for a token up to 2 x depth ahead, past the context near its end:
+    # such a token is past the output too (its drafts are never kept), so its position is held at the last one
+    pos = (base + offsets).clamp(max=model.config.max_position - 1).to(model.device)  # [B, S]
     h = model.embed(tokens.to(model.device))  # [B, n, D]
     bounds = proj.layers[:steps] + [model.config.n_layers]
     layer = 0

@@ -97,8 +97,8 @@ def sampling_choice(m: Method, do_sample: bool | None, given: dict) -> bool:
 
 # -- the public entry point --------------------------------------------------------------------
 PROMPT_FORMS = (
-    "a prompt is text (str), a list of token ids, or a 1-D integer tensor; a batch is a list of "
-    "those or a 2-D integer tensor"
+    "a prompt is text (str), a list of token ids, or a 1-D integer tensor or array; a batch is a list of "
+    "those or a 2-D integer tensor or array"
 )
 
 
@@ -106,7 +106,19 @@ def _is_id(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _from_array(prompt):
+    """A numpy array of token ids as a tensor (other values as they are)."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.dtype.kind not in "iub":
+            raise GenerationError(
+                f"an array prompt must hold integer token ids, got dtype {prompt.dtype}: {PROMPT_FORMS}"
+            )
+        return torch.as_tensor(prompt)
+    return prompt
+
+
 def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
+    prompt = _from_array(prompt)  # a row of a list of arrays
     if isinstance(prompt, (bytes, bytearray)):
         raise GenerationError("the prompt is bytes: decode it to text first (prompt.decode('utf-8'))")
     if isinstance(prompt, str):
@@ -155,12 +167,7 @@ MAX_BATCH = 4096  # prompts in one call
 
 def _split_prompts(prompt) -> tuple[list, bool]:
     """-> (list of single prompts, whether a list was given)."""
-    if isinstance(prompt, np.ndarray):  # token ids
-        if prompt.dtype.kind not in "iub":
-            raise GenerationError(
-                f"an array prompt must hold integer token ids, got dtype {prompt.dtype}: {PROMPT_FORMS}"
-            )
-        prompt = torch.as_tensor(prompt)
+    prompt = _from_array(prompt)  # token ids
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2:
             if not prompt.shape[0]:
@@ -218,7 +225,8 @@ def generate(
 ):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
 
-    ``prompt`` is text, a list of token ids, or a list of either.  A list decodes as one batch; a
+    ``prompt`` is text, token ids (a list, a 1-D integer tensor or numpy array), or a list of those
+    (or a 2-D integer tensor or array: one prompt a row).  A list decodes as one batch; a
     method that does not batch (``METHODS[name].batched`` is False) takes a list of one prompt only
     and refuses more with a ``GenerationError``.  Method options are keyword arguments (see
     ``layerleap.METHODS[name].options()``), checked by their declarations (``core.options``).

@@ -428,8 +428,36 @@ class Decoding:
         self.results: list[GenerationResult | None] = [None] * len(ids)
         self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row
         self._cancelled: set[int] = set()
+        self._rounds = None  # the one iteration (a generator): iterating again resumes it
+        self._broken = False  # it ended by an exception or was closed before the end
 
     def __iter__(self):
+        """The rounds, as one iterator however often this is called: a loop left with ``break``
+        resumes where it stopped, and one after the end yields nothing (``results`` stay)."""
+        if self._broken:
+            raise GenerationError(
+                "this decoding stopped before its end (an error, an interrupt or a closed iterator): "
+                "start a new one (generate, stream or Decoding again)"
+            )
+        if self._rounds is None:
+            self._rounds = self._iterate()
+        return self._rounds
+
+    def _iterate(self):
+        try:
+            yield from self._decode()
+        except BaseException:
+            self._broken = True
+            raise
+
+    def close(self) -> None:
+        """Stop the decoding where it is and free its run (iterating it again is refused)."""
+        if self._rounds is not None:
+            self._rounds.close()
+        if any(r is None for r in self.results):
+            self._broken = True
+
+    def _decode(self):
         group = [i for i in range(len(self.prompt_ids)) if i not in self._cancelled]  # cancelled before it started
         if group:
             run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, indices=group)
@@ -497,6 +525,10 @@ class Decoding:
         return r
 
     def cancel(self, i: int) -> None:
+        n = len(self.prompt_ids)
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < n:
+            raise GenerationError(f"cancel takes a prompt's index, an integer in [0, {n - 1}], got {V.show(i)}")
+        i = int(i)
         self._cancelled.add(i)
         if i in self._where:
             run, row = self._where[i]

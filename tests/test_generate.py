@@ -112,6 +112,25 @@ def test_arrays_of_ids_are_prompts_alone_and_in_a_list(tiny):
         generate(tiny, [np.array(a), np.array([0.5, 1.0])], max_new_tokens=4)
 
 
+@pytest.mark.parametrize(
+    "method, kwargs, message",
+    [
+        ("greedy", dict(max_length=8), r"no argument max_length \(a transformers argument\): use max_new_tokens="),
+        ("calm", dict(max_length=8), "use max_new_tokens="),
+        ("greedy", dict(input_ids=[1, 2]), r"the token ids as the prompt"),
+        ("greedy", dict(streamer=None), r"layerleap\.stream"),
+        ("greedy", dict(max_new_token=4), "did you mean max_new_tokens"),
+        ("sample", dict(temprature=0.5), "did you mean temperature"),
+        ("self-spec", dict(draft_lne=2), "did you mean draft_len"),
+        ("greedy", dict(nosuch=1), "method 'greedy' has no option nosuch"),
+    ],
+)
+def test_an_unknown_argument_names_what_to_write(tiny, method, kwargs, message):
+    """`transformers`' names for generate's arguments, and typos, are refused with the name to use."""
+    with pytest.raises(GenerationError, match=message):
+        generate(tiny, [1, 2, 3], method, 4, **kwargs)
+
+
 # -- EOS and the token budget ----------------------------------------------------------------
 def _eos_case(model, prompt, n=20):
     """(all tokens without stopping, an EOS id whose first occurrence is at index k >= 2, k)."""

@@ -67,6 +67,38 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
+GENERATE_ARGS = (
+    "max_new_tokens", "temperature", "top_k", "top_p", "seed", "do_sample", "stop_at_eos", "chat", "quality", "grammar"
+)  # fmt: skip
+HF_ARGS = {  # `transformers` generate arguments and what says the same here
+    "max_length": "max_new_tokens= (the new tokens, the prompt not counted)",
+    "input_ids": "the token ids as the prompt: generate(model, ids, ...)",
+    "attention_mask": "a list of prompts (each row is padded and masked for you)",
+    "streamer": "layerleap.stream(model, prompt, ...) for the text as it comes",
+    "num_return_sequences": "a list that repeats the prompt, with do_sample=True and a seed (row i samples seed + i)",
+    "generation_config": "its fields as keyword arguments (max_new_tokens=..., temperature=...)",
+    "eos_token_id": "stop_at_eos=False to go past the model's end-of-sequence tokens",
+}
+
+
+def _unknown_names(m: Method, options: dict) -> None:
+    """Refuse an argument that is neither ``generate``'s nor the method's with what to write instead:
+    ``transformers``' name for it, or the nearest name (a typo)."""
+    import difflib
+
+    known = [o.name for o in m.declared]
+    for name in options:
+        if name in known:
+            continue
+        if name in HF_ARGS:
+            raise GenerationError(f"generate has no argument {name} (a transformers argument): use {HF_ARGS[name]}")
+        near = difflib.get_close_matches(str(name), [*GENERATE_ARGS, *known], n=1, cutoff=0.75)
+        if near:
+            raise GenerationError(
+                f"generate has no argument {name}, nor has method {m.name!r} that option: did you mean {near[0]}?"
+            )
+
+
 SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
 NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # values that change no distribution: they ask for nothing
 
@@ -394,6 +426,7 @@ class Decoding:
         grammar: Grammar | None = None,
         **options,
     ):
+        _unknown_names(get_method(method), options)
         options, self.budget = (
             budget.resolve(model, get_method(method).name, options, quality)
             if isinstance(model, Transformer)

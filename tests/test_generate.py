@@ -98,6 +98,39 @@ def test_batch_equals_one_by_one(models, name, lengths):
     ]
 
 
+def test_arrays_of_ids_are_prompts_alone_and_in_a_list(tiny):
+    """A numpy array of ids is a prompt at the top level and as an item of a list (ragged rows),
+    as a tensor is."""
+    import numpy as np
+
+    a, b = rand_ids(tiny.config.vocab_size, 5, 50), rand_ids(tiny.config.vocab_size, 3, 51)
+    want = [r.token_ids for r in generate(tiny, [a, b], max_new_tokens=4, stop_at_eos=False)]
+    rows = generate(tiny, [np.array(a), np.array(b, dtype=np.int32)], max_new_tokens=4, stop_at_eos=False)
+    assert [r.token_ids for r in rows] == want
+    assert generate(tiny, np.array(a), max_new_tokens=4, stop_at_eos=False).token_ids == want[0]
+    with pytest.raises(GenerationError, match="an array prompt must hold integer token ids"):
+        generate(tiny, [np.array(a), np.array([0.5, 1.0])], max_new_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "method, kwargs, message",
+    [
+        ("greedy", dict(max_length=8), r"no argument max_length \(a transformers argument\): use max_new_tokens="),
+        ("calm", dict(max_length=8), "use max_new_tokens="),
+        ("greedy", dict(input_ids=[1, 2]), r"the token ids as the prompt"),
+        ("greedy", dict(streamer=None), r"layerleap\.stream"),
+        ("greedy", dict(max_new_token=4), "did you mean max_new_tokens"),
+        ("sample", dict(temprature=0.5), "did you mean temperature"),
+        ("self-spec", dict(draft_lne=2), "did you mean draft_len"),
+        ("greedy", dict(nosuch=1), "method 'greedy' has no option nosuch"),
+    ],
+)
+def test_an_unknown_argument_names_what_to_write(tiny, method, kwargs, message):
+    """`transformers`' names for generate's arguments, and typos, are refused with the name to use."""
+    with pytest.raises(GenerationError, match=message):
+        generate(tiny, [1, 2, 3], method, 4, **kwargs)
+
+
 # -- EOS and the token budget ----------------------------------------------------------------
 def _eos_case(model, prompt, n=20):
     """(all tokens without stopping, an EOS id whose first occurrence is at index k >= 2, k)."""

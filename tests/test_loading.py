@@ -244,6 +244,24 @@ def test_generic_tokenizer_hands_other_calls_to_transformers(tiny_hf_dir):
     assert ours.padding_side == ours.hf.padding_side and ours.hf is ours.hf
 
 
+def test_generic_tokenizer_takes_transformers_arguments(tiny_hf_dir):
+    """A text pair (positional, as `transformers` takes it), ``encode``'s truncation and tensors, and
+    ``convert_ids_to_tokens(skip_special_tokens=True)`` give what `transformers` gives, not a TypeError
+    or a pair read as ``add_special_tokens``."""
+    ours = loading.load_tokenizer(Path(tiny_hf_dir))
+    hf = ours.hf
+    assert dict(ours("Hello", "world")) == dict(hf("Hello", "world"))
+    assert ours.encode("Hello", "world") == hf.encode("Hello", "world")
+    kw = dict(truncation=True, max_length=2)
+    assert ours.encode("Hello world and more", **kw) == hf.encode("Hello world and more", **kw)
+    assert ours.encode("Hello", return_tensors="pt").tolist() == hf.encode("Hello", return_tensors="pt").tolist()
+    ids = [*ours.all_special_ids, *ours.encode("Hello")]
+    assert ours.convert_ids_to_tokens(ids, skip_special_tokens=True) == hf.convert_ids_to_tokens(
+        ids, skip_special_tokens=True
+    )
+    assert ours.encode("Hello", add_special_tokens=False) == hf.encode("Hello", add_special_tokens=False)
+
+
 def test_tokenizer_settings_it_does_not_reproduce_stay_on_transformers(tiny_hf_dir, tmp_path):
     """Clean-up of spaces, a truncation rule or a named special token missing from the vocabulary
     keep a generic tokenizer on `transformers`."""

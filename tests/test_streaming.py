@@ -156,6 +156,55 @@ def test_closing_a_stream_early_stops_decoding(tiny):
     assert len(generate(tiny, "hello there", "greedy", 5, stop_at_eos=False).token_ids) == 5
 
 
+def test_a_stream_and_a_decoding_iterate_once(tiny):
+    """A loop left with ``break`` resumes where it stopped; iterating after the end yields nothing and
+    keeps the result (no second decoding, which with sampling drew other text and failed)."""
+    s = stream(tiny, "hello there", "sample", 12, stop_at_eos=False)
+    got = []
+    for piece in s:
+        got.append(piece)
+        break
+    got += list(s)
+    first = s.result
+    assert "".join(got) == first.text and len(first.token_ids) == 12
+    assert list(s) == [] and s.result is first
+    d = Decoding(tiny, ["one two", "three"], "sample", 6, stop_at_eos=False)
+    for _ in d:
+        pass
+    results = list(d.results)
+    assert list(d) == [] and d.results == results
+
+
+def test_an_interrupted_stream_is_refused_and_the_model_goes_on(tiny, monkeypatch):
+    """A Ctrl-C inside a round ends the stream: iterating it again says to start a new one (not an
+    AttributeError), and the next call decodes as if nothing happened."""
+    want = generate(tiny, "hello there", "greedy", 8, stop_at_eos=False)
+    s = stream(tiny, "hello there", "greedy", 8, stop_at_eos=False)
+    it = iter(s)
+    next(it)
+    from layerleap.core.run import Run
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Run, "forward", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            list(it)
+    with pytest.raises(GenerationError, match="stopped before its end"):
+        list(s)
+    with pytest.raises(GenerationError, match="stopped before its end"):
+        list(s.decoding)
+    assert generate(tiny, "hello there", "greedy", 8, stop_at_eos=False).token_ids == want.token_ids
+
+
+def test_cancel_refuses_an_index_that_is_no_prompt(tiny):
+    d = Decoding(tiny, ["one", "two"], "greedy", 4)
+    for bad in (2, -1, "0", True, 0.0):
+        with pytest.raises(GenerationError, match=r"cancel takes a prompt's index, an integer in \[0, 1\]"):
+            d.cancel(bad)
+
+
 def test_stream_refuses_a_list_and_a_model_without_tokenizer(tiny):
     with pytest.raises(GenerationError, match="one prompt"):
         stream(tiny, ["a", "b"], "greedy", 4)

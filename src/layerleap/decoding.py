@@ -67,6 +67,38 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
+GENERATE_ARGS = (
+    "max_new_tokens", "temperature", "top_k", "top_p", "seed", "do_sample", "stop_at_eos", "chat", "quality", "grammar"
+)  # fmt: skip
+HF_ARGS = {  # `transformers` generate arguments and what says the same here
+    "max_length": "max_new_tokens= (the new tokens, the prompt not counted)",
+    "input_ids": "the token ids as the prompt: generate(model, ids, ...)",
+    "attention_mask": "a list of prompts (each row is padded and masked for you)",
+    "streamer": "layerleap.stream(model, prompt, ...) for the text as it comes",
+    "num_return_sequences": "a list that repeats the prompt, with do_sample=True and a seed (row i samples seed + i)",
+    "generation_config": "its fields as keyword arguments (max_new_tokens=..., temperature=...)",
+    "eos_token_id": "stop_at_eos=False to go past the model's end-of-sequence tokens",
+}
+
+
+def _unknown_names(m: Method, options: dict) -> None:
+    """Refuse an argument that is neither ``generate``'s nor the method's with what to write instead:
+    ``transformers``' name for it, or the nearest name (a typo)."""
+    import difflib
+
+    known = [o.name for o in m.declared]
+    for name in options:
+        if name in known:
+            continue
+        if name in HF_ARGS:
+            raise GenerationError(f"generate has no argument {name} (a transformers argument): use {HF_ARGS[name]}")
+        near = difflib.get_close_matches(str(name), [*GENERATE_ARGS, *known], n=1, cutoff=0.75)
+        if near:
+            raise GenerationError(
+                f"generate has no argument {name}, nor has method {m.name!r} that option: did you mean {near[0]}?"
+            )
+
+
 SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
 NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # values that change no distribution: they ask for nothing
 
@@ -97,8 +129,8 @@ def sampling_choice(m: Method, do_sample: bool | None, given: dict) -> bool:
 
 # -- the public entry point --------------------------------------------------------------------
 PROMPT_FORMS = (
-    "a prompt is text (str), a list of token ids, or a 1-D integer tensor; a batch is a list of "
-    "those or a 2-D integer tensor"
+    "a prompt is text (str), a list of token ids, or a 1-D integer tensor or array; a batch is a list of "
+    "those or a 2-D integer tensor or array"
 )
 
 
@@ -106,7 +138,19 @@ def _is_id(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _from_array(prompt):
+    """A numpy array of token ids as a tensor (other values as they are)."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.dtype.kind not in "iub":
+            raise GenerationError(
+                f"an array prompt must hold integer token ids, got dtype {prompt.dtype}: {PROMPT_FORMS}"
+            )
+        return torch.as_tensor(prompt)
+    return prompt
+
+
 def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
+    prompt = _from_array(prompt)  # a row of a list of arrays
     if isinstance(prompt, (bytes, bytearray)):
         raise GenerationError("the prompt is bytes: decode it to text first (prompt.decode('utf-8'))")
     if isinstance(prompt, str):
@@ -155,12 +199,7 @@ MAX_BATCH = 4096  # prompts in one call
 
 def _split_prompts(prompt) -> tuple[list, bool]:
     """-> (list of single prompts, whether a list was given)."""
-    if isinstance(prompt, np.ndarray):  # token ids
-        if prompt.dtype.kind not in "iub":
-            raise GenerationError(
-                f"an array prompt must hold integer token ids, got dtype {prompt.dtype}: {PROMPT_FORMS}"
-            )
-        prompt = torch.as_tensor(prompt)
+    prompt = _from_array(prompt)  # token ids
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2:
             if not prompt.shape[0]:
@@ -218,7 +257,8 @@ def generate(
 ):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
 
-    ``prompt`` is text, a list of token ids, or a list of either.  A list decodes as one batch; a
+    ``prompt`` is text, token ids (a list, a 1-D integer tensor or numpy array), or a list of those
+    (or a 2-D integer tensor or array: one prompt a row).  A list decodes as one batch; a
     method that does not batch (``METHODS[name].batched`` is False) takes a list of one prompt only
     and refuses more with a ``GenerationError``.  Method options are keyword arguments (see
     ``layerleap.METHODS[name].options()``), checked by their declarations (``core.options``).
@@ -386,6 +426,7 @@ class Decoding:
         grammar: Grammar | None = None,
         **options,
     ):
+        _unknown_names(get_method(method), options)
         options, self.budget = (
             budget.resolve(model, get_method(method).name, options, quality)
             if isinstance(model, Transformer)
@@ -420,8 +461,36 @@ class Decoding:
         self.results: list[GenerationResult | None] = [None] * len(ids)
         self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row
         self._cancelled: set[int] = set()
+        self._rounds = None  # the one iteration (a generator): iterating again resumes it
+        self._broken = False  # it ended by an exception or was closed before the end
 
     def __iter__(self):
+        """The rounds, as one iterator however often this is called: a loop left with ``break``
+        resumes where it stopped, and one after the end yields nothing (``results`` stay)."""
+        if self._broken:
+            raise GenerationError(
+                "this decoding stopped before its end (an error, an interrupt or a closed iterator): "
+                "start a new one (generate, stream or Decoding again)"
+            )
+        if self._rounds is None:
+            self._rounds = self._iterate()
+        return self._rounds
+
+    def _iterate(self):
+        try:
+            yield from self._decode()
+        except BaseException:
+            self._broken = True
+            raise
+
+    def close(self) -> None:
+        """Stop the decoding where it is and free its run (iterating it again is refused)."""
+        if self._rounds is not None:
+            self._rounds.close()
+        if any(r is None for r in self.results):
+            self._broken = True
+
+    def _decode(self):
         group = [i for i in range(len(self.prompt_ids)) if i not in self._cancelled]  # cancelled before it started
         if group:
             run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, indices=group)
@@ -489,6 +558,10 @@ class Decoding:
         return r
 
     def cancel(self, i: int) -> None:
+        n = len(self.prompt_ids)
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < n:
+            raise GenerationError(f"cancel takes a prompt's index, an integer in [0, {n - 1}], got {V.show(i)}")
+        i = int(i)
         self._cancelled.add(i)
         if i in self._where:
             run, row = self._where[i]

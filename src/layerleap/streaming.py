@@ -60,13 +60,30 @@ class TextStream:
         self.decoding = decoding
         self.pieces = TextPieces(decoding.model.tokenizer)
         self.result: GenerationResult | None = None
+        self._pieces = None  # the one iteration: iterating again resumes it
 
     def __iter__(self):
+        """The pieces, as one iterator however often this is called: a loop left with ``break``
+        resumes where it stopped, one after the end yields nothing; closing it stops the decoding."""
+        if self._pieces is None:
+            self._pieces = self._iterate()
+        elif self.result is None and self._pieces.gi_frame is None:
+            raise GenerationError(
+                "this stream stopped before its end (an error, an interrupt or a closed iterator): "
+                "start a new one (layerleap.stream again)"
+            )
+        return self._pieces
+
+    def _iterate(self):
         d = self.decoding
-        for _ in d:
-            piece = self.pieces.push(d.tokens(0))
-            if piece:
-                yield piece
+        try:
+            for _ in d:
+                piece = self.pieces.push(d.tokens(0))
+                if piece:
+                    yield piece
+        except GeneratorExit:
+            d.close()
+            raise
         self.result = d.results[0]
         rest = self.pieces.finish(self.result.token_ids)
         if rest:

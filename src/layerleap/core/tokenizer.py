@@ -131,7 +131,8 @@ def reproduces(ours: Tokenizer, theirs, texts: list[str], seed: int = 0) -> bool
         return False
     for text in texts:
         for special in (True, False):
-            if ours.encode(text, special) != list(theirs(text, add_special_tokens=special)["input_ids"]):
+            want = list(theirs(text, add_special_tokens=special)["input_ids"])
+            if ours.encode(text, add_special_tokens=special) != want:
                 return False
         if theirs.chat_template is None:
             continue
@@ -184,14 +185,16 @@ class Tokenizer:
             setattr(self, name + "_id", None if text is None else self.backend_tokenizer.token_to_id(text))
 
     # --- what the library calls ---------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, text_pair=None, add_special_tokens: bool = True, **kwargs) -> list[int]:
+        if text_pair is not None or kwargs:  # pairs, truncation, return_tensors ...: `transformers`
+            return self.hf.encode(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def __call__(self, text, add_special_tokens: bool = True, **kwargs):
-        if kwargs:
-            return self.hf(text, add_special_tokens=add_special_tokens, **kwargs)
+    def __call__(self, text=None, text_pair=None, *args, add_special_tokens: bool = True, **kwargs):
+        if text_pair is not None or args or kwargs or text is None:
+            return self.hf(text, text_pair, *args, add_special_tokens=add_special_tokens, **kwargs)
         if isinstance(text, str):
-            ids = self.encode(text, add_special_tokens)
+            ids = self.encode(text, add_special_tokens=add_special_tokens)
             return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
         encs = self.backend_tokenizer.encode_batch(list(text), add_special_tokens=add_special_tokens)
         return Encoding(input_ids=[e.ids for e in encs], attention_mask=[[1] * len(e.ids) for e in encs])
@@ -261,7 +264,9 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 
-    def convert_ids_to_tokens(self, ids):
+    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
+        if skip_special_tokens:
+            return self.hf.convert_ids_to_tokens(ids, skip_special_tokens=True)
         if isinstance(ids, int):
             return self.backend_tokenizer.id_to_token(ids)
         return [self.backend_tokenizer.id_to_token(int(i)) for i in ids]

@@ -419,7 +419,7 @@ def test_align_training_resumes_where_it_stopped(tmp_path):
             return ((target[idx] @ w - target[idx]) ** 2).mean()
 
         cfg = align.TrainConfig(epochs=3, lr=0.05, batch_tokens=16, save_every=100)
-        align._train({"w": w}, loss_fn, 64, cfg, out, "tag", "t", progress=False)
+        align._train({"w": w}, loss_fn, 64, cfg, out, "tag", "t", progress=False, machine="cpu")
         return w.detach(), calls[0]
 
     full, n_full = train(tmp_path / "a.safetensors")
@@ -429,6 +429,34 @@ def test_align_training_resumes_where_it_stopped(tmp_path):
     resumed, n_rest = train(tmp_path / "b.safetensors")
     assert n_full == 12 and n_rest == 12 - 5
     torch.testing.assert_close(resumed, full)
+
+
+def test_align_exit_head_resumed_on_another_machine_records_both(tmp_path, monkeypatch):
+    from layerleap.drafters import weights
+    from layerleap.drafters.exit_heads import read_meta
+    from layerleap.train import align
+
+    large, _ = tiny_pair(0)
+    recs, out = _records(large, CALIB), tmp_path / "head.safetensors"
+    cfg = align.TrainConfig(epochs=2, lr=3e-2, batch_tokens=16, save_every=1)
+    loop = align.run_loop
+
+    def interrupted(params, loss, cfg, ckpt):  # Ctrl-C at the third step: the state of two saved
+        def stopping(step):
+            if step == 2:
+                raise KeyboardInterrupt
+            return loss(step)
+
+        return loop(params, stopping, cfg, ckpt)
+
+    monkeypatch.setattr(weights, "machine", lambda device: "cpu A")
+    monkeypatch.setattr(align, "run_loop", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        align.align_exit_head(large, 2, recs, out, cfg, progress=False)
+    monkeypatch.setattr(weights, "machine", lambda device: "cpu B")
+    monkeypatch.setattr(align, "run_loop", loop)
+    align.align_exit_head(large, 2, recs, out, cfg, progress=False)
+    assert read_meta(out)["machine"] == "cpu A; then cpu B"
 
 
 def test_align_small_model_saves_a_loadable_folder(tmp_path):

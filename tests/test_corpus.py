@@ -15,7 +15,9 @@ import pytest
 import torch
 from tiny_models import naive_greedy, random_model
 
+import layerleap
 from layerleap import generate
+from layerleap.core.run import METHODS
 from layerleap.drafters import corpus as cp
 from layerleap.drafters.prompt_lookup import CorpusIndex, NgramIndex, lookup_index
 from layerleap.eval.corpus import replay
@@ -145,6 +147,22 @@ def test_without_a_corpus_rest_is_prompt_lookup(models):
     for got in (auto, none):
         assert got.token_ids == want.token_ids and got.stats.model_calls == want.stats.model_calls
         assert got.stats.lookup.corpus_drafts is None  # no corpus: nothing drafted from one
+
+
+def test_rest_refuses_a_min_ngram_no_corpus_lookup_reaches_and_names_a_corpus_draft_len_without_effect(models):
+    model = models["llama-gqa-tied"]
+    prompt = _prompt(model.config.vocab_size, 12, 1)
+    corpus = greedy_corpus(model, [prompt])
+    got = generate(model, prompt, "rest", 8, stop_at_eos=False, corpus=corpus, min_ngram=cp.MAX_N, max_ngram=12)
+    assert got.stats.lookup.corpus_drafts >= 1  # the longest n-gram a corpus looks up still drafts
+    with pytest.raises(layerleap.GenerationError, match="min_ngram \\(9\\) is above 8, the longest n-gram a corpus"):
+        generate(model, prompt, "rest", 8, corpus=corpus, min_ngram=cp.MAX_N + 1, max_ngram=12)
+    got = generate(model, prompt, "rest", 8, corpus="none", min_ngram=cp.MAX_N + 1, max_ngram=12)  # no corpus: fine
+    assert len(got.token_ids) == 8
+    declared = {o.name: o for o in METHODS["rest"].declared}
+    assert "<= 8 with a corpus" in declared["min_ngram"].describe()["meaning"]  # what `layerleap methods` prints
+    with pytest.warns(cp.CorpusWarning, match="drafts as prompt lookup, and corpus_draft_len= has no effect"):
+        generate(model, prompt, "rest", 4, corpus_draft_len=2)  # nothing ships for a random model
 
 
 def test_files_round_trip_and_refuse(tmp_path, models):

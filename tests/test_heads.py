@@ -300,6 +300,19 @@ def test_a_work_folder_resumes_only_on_its_sequences(tmp_path):
     assert th.train_heads(model, cfg, work=tmp_path / "w", seqs=train, progress=False).resumed_from == 2
 
 
+def test_a_run_resumed_on_another_machine_records_both(tmp_path, monkeypatch):
+    from layerleap.drafters import weights
+
+    model = random_model()
+    train = _seqs(8, 16, model.config.vocab_size, 0)
+    for stop, machine in ((2, "cpu A"), (2, "cpu B"), (None, "cpu B")):
+        monkeypatch.setattr(weights, "machine", lambda device, m=machine: m)
+        res = th.train_heads(model, _cfg(), work=tmp_path / "w", seqs=train, progress=False, stop_after=stop)
+        path = th.save_trained(res, tmp_path / "h.safetensors")
+        assert heads.read_meta(path)["machine"] == ("cpu A" if res.resumed_from == 0 else "cpu A; then cpu B")
+    assert th.train_heads(model, _cfg(), seqs=train, progress=False).machine == "cpu B"  # no work folder: this one
+
+
 def test_a_resume_without_sequences_keeps_the_data_hash(tmp_path):
     """A run resumed with ``seqs=None`` (the work folder's cache) writes its state with the hash of the
     sequences it trains on, so a later resume still tells its data from other data."""

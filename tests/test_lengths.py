@@ -3,6 +3,8 @@ prompt lookup with it (the exactness of ``adaptive=True`` is in test_exactness.p
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import torch
@@ -151,6 +153,19 @@ def test_a_partial_or_broken_saved_curve_is_ignored(saved_curves):
         cost_curve.save(model, {1: 1.0, 2: 1.1}, ms_one=3.0)
     (saved_curves / cost_curve.FILE).write_text("{not json")
     assert L.curve_for(model).source == "shipped"
+    assert cost_curve.save(model, steep(0.1), ms_one=3.0)  # and a save replaces it
+    assert L.curve_for(model).source == "measured"
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 0.0, -1.0])
+@pytest.mark.parametrize("where", ["ratio", "ms_one"])
+def test_a_saved_curve_with_a_time_or_ratio_that_is_not_finite_and_positive_is_ignored(saved_curves, where, bad):
+    model = random_model("llama-gqa-tied", seed=3)
+    ratios = steep(0.1)
+    if where == "ratio":
+        ratios[4] = bad
+    assert cost_curve.save(model, ratios, ms_one=bad if where == "ms_one" else 3.0)
+    assert cost_curve.saved(model) is None and L.curve_for(model).source == "shipped"  # as if none were saved
     assert cost_curve.save(model, steep(0.1), ms_one=3.0)  # and a save replaces it
     assert L.curve_for(model).source == "measured"
 

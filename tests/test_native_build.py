@@ -87,6 +87,22 @@ def test_a_truncated_library_is_neither_loaded_nor_called_built(cache, monkeypat
     assert not st["built"] and st["library"] is None and not st["in_use"]
 
 
+def test_a_whole_library_that_fails_to_load_says_why(cache, monkeypatch, capsys):
+    """A complete library that the loader refuses (another system's, say) leaves the Python path, and
+    ``layerleap native`` says why in one line."""
+    lib = _write(cache / "layerleap_decoder.so", _elf(120))  # whole, but no shared object to load
+    assert native.module() is None
+    st = native.status()
+    assert st["built"] and not st["in_use"] and st["error"].startswith(("ImportError: ", "OSError: "))
+    assert str(lib) not in st["error"]  # the path is printed once, beside the state
+    assert main(["native"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(f"native decoder layers: built, not loaded: {st['error']} (")
+    native.module.cache_clear()
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.status()["error"] is None  # turned off: nothing failed
+
+
 def test_a_library_of_a_second_build_in_one_process_loads_under_its_own_name(cache, monkeypatch):
     """torch names the library of a second build in one process (another target, another source)
     ``layerleap_decoder_v1``, and its init function after that name."""

@@ -102,6 +102,33 @@ def test_a_run_resumed_on_another_machine_records_both(tmp_path, monkeypatch):
         assert drafters.read_meta(out)["machine"] == want
 
 
+def test_a_resume_with_another_warmup_grad_clip_or_state_dtype_is_refused_and_an_older_state_resumes(tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = random_model("llama-gqa-tied", seed=4)
+    chunks, out = _chunks(model.config.vocab_size, seed=1), tmp_path / "m.safetensors"
+    cache = {"state_cache": str(tmp_path / "states")}
+    train_drafters.train(model, out, _small("medusa", train_steps=2, **cache), chunks=chunks, progress=False)
+    for key, value in (("warmup", 5), ("grad_clip", 0.5), ("state_dtype", "float32")):
+        with pytest.raises(TrainError, match=f"made with {key}="):
+            cfg = _small("medusa", train_steps=4, **cache, **{key: value})
+            train_drafters.train(model, out, cfg, chunks=chunks, progress=False)
+    ckpt = tmp_path / "m.safetensors.ckpt.safetensors"  # a state whose settings lack the three: it resumes
+    with safe_open(ckpt, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    config = {k: v for k, v in json.loads(meta["config"]).items() if k not in ("warmup", "grad_clip", "state_dtype")}
+    save_file(tensors, ckpt, {**meta, "config": json.dumps(config)})
+    res = train_drafters.train(model, out, _small("medusa", train_steps=4, **cache), chunks=chunks, progress=False)
+    assert res["resumed_from"] == 2
+    plain = tmp_path / "plain.safetensors"  # no state cache: state_dtype shapes nothing, so it may differ
+    train_drafters.train(model, plain, _small("medusa", train_steps=2), chunks=chunks, progress=False)
+    cfg = _small("medusa", train_steps=4, state_dtype="float32")
+    assert train_drafters.train(model, plain, cfg, chunks=chunks, progress=False)["resumed_from"] == 2
+
+
 def test_draft_accuracy_counts_the_greedy_tokens():
     """Medusa heads at zero predict the next token again: their step-1 top-1 is right exactly where
     the greedy text repeats a token (X_{j+2} == argmax at j == X_{j+1})."""

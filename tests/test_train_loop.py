@@ -136,3 +136,26 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_the_update(tmp_path, bad
     )
     assert run.start == 3 and len(run.losses) == 3 and all(map(math.isfinite, run.losses))
     torch.testing.assert_close(w2.detach(), kept, rtol=0, atol=0)  # the saved state is the last good step's
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_finite_loss_with_gradients_that_are_not_stops_the_run_before_the_update(tmp_path, clip):
+    from layerleap.train.loop import DivergedError
+
+    path = tmp_path / "state.safetensors"
+    w = torch.ones(3, requires_grad=True)
+
+    def loss(step):  # step 3: the loss is 0, its gradient 0.5 / sqrt(0) = inf
+        return torch.sqrt(w[0] - w[0].detach()) if step == 2 else ((w - 2) ** 2).sum()
+
+    cfg = LoopConfig(5, Schedule(0.1), grad_clip=clip, save_every=1, progress=False)
+    with pytest.raises(DivergedError, match=r"gradients of step 3 are not finite \(norm inf; its loss is 0.0\)"):
+        train({"w": w}, loss, cfg, Checkpoint(path))
+    assert torch.isfinite(w).all()  # the weights of step 2, not made from the bad gradients
+    kept = w.detach().clone()
+    w2 = torch.ones(3, requires_grad=True)
+    run = train(
+        {"w": w2}, lambda s: ((w2 - 2) ** 2).sum(), LoopConfig(2, Schedule(0.1), progress=False), Checkpoint(path)
+    )
+    assert run.start == 2
+    torch.testing.assert_close(w2.detach(), kept, rtol=0, atol=0)  # the saved state is the last good step's

@@ -65,6 +65,14 @@ def test_the_budget_names_the_device_it_trained_on(tmp_path, monkeypatch):
     assert weights.read_meta(out)["machine"] == "the device"
 
 
+def test_a_run_resumed_on_another_machine_records_both(tmp_path, monkeypatch):
+    out = tmp_path / "v.safetensors"
+    for steps, machine in ((2, "cpu A"), (4, "cpu B"), (6, "cpu B")):
+        monkeypatch.setattr(weights, "machine", lambda device, m=machine: m)
+        train_variant(_model(), out, _cfg("calm", steps=steps), EXAMPLES, "toy")
+        assert weights.read_meta(out)["machine"] == ("cpu A" if steps == 2 else "cpu A; then cpu B")
+
+
 def test_the_merged_model_computes_what_the_trained_deltas_do(tmp_path):
     out = tmp_path / "v.safetensors"
     train_variant(_model(), out, _cfg("skipdecode"), EXAMPLES, "toy")

@@ -58,7 +58,7 @@ def run(args) -> int:
             if st["in_use"]
             else "disabled (LAYERLEAP_NATIVE=0)"
             if st["disabled"]
-            else "built, not loaded"
+            else "built, not loaded" + (f": {st['error']}" if st["error"] else "")
             if st["built"]
             else "not built: run `layerleap native --build`"
         )

@@ -6,11 +6,13 @@ that choose draft lengths and tree sizes by the expected tokens per unit of call
 format, thread count and device if one was saved, else the weight format's shipped curve (measured
 on CPUs).  On a GPU, where no shipped curve applies, the first method that needs the curve measures
 it (``measure``, under a second for a small model) and saves it.  Curves are saved in
-``<cache>/call_cost.json``; ``$LAYERLEAP_CALL_COST=shipped`` ignores them and measures nothing."""
+``<cache>/call_cost.json`` (an entry with a size missing or a time or ratio that is not a finite positive
+number counts as absent); ``$LAYERLEAP_CALL_COST=shipped`` ignores them and measures nothing."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -55,7 +57,9 @@ def _known() -> dict:
 
 
 def saved(model) -> dict[int, float] | None:
-    """The saved ``{S: c(S)}`` for ``model`` on this machine (every size in ``SIZES``), or None."""
+    """The saved ``{S: c(S)}`` for ``model`` on this machine (every size in ``SIZES``), or None: also
+    where the entry is damaged (a size missing, a ratio or the one-token time not a finite positive
+    number), so that the curve is measured again or the shipped one used."""
     if os.environ.get(ENV, "").strip().lower() == "shipped":
         return None
     entry = _known().get(key(model))
@@ -63,9 +67,11 @@ def saved(model) -> dict[int, float] | None:
         return None
     try:
         ratios = {int(s): float(r) for s, r in entry["ratios"].items()}
-    except (TypeError, ValueError):
+        ms_one = float(entry["ms_one_token"])
+    except (KeyError, TypeError, ValueError):
         return None
-    return ratios if all(s in ratios and ratios[s] > 0 for s in SIZES) else None
+    whole = all(s in ratios and 0 < ratios[s] < math.inf for s in SIZES) and 0 < ms_one < math.inf  # NaN: False
+    return ratios if whole else None
 
 
 def save(model, ratios: dict[int, float], ms_one: float) -> bool:

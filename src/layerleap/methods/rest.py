@@ -6,16 +6,19 @@ Each round drafts as prompt lookup does (``methods.prompt_lookup``: the tokens t
 latest earlier occurrence of the longest matching suffix, ``max_ngram`` down to ``min_ngram``
 tokens).  Where the prompt and output hold no such occurrence, the draft comes from the corpus
 (``drafters.corpus``): the continuation most occurrences of the longest matching suffix share there,
-token by token.  The shipped corpus of SmolLM2-135M-Instruct holds its greedy answers to 8,147
-ShareGPT prompts (1.29 M tokens); ``layerleap train corpus`` writes one for any model from its
-``layerleap train data --self-distill`` answers.  REST proper drafts from a datastore of other text
+token by token.  A corpus looks up n-grams of at most 8 tokens (``drafters.corpus.MAX_N``), so with
+one a ``min_ngram`` above 8 is refused.  The shipped corpus of SmolLM2-135M-Instruct holds its greedy
+answers to 8,147 ShareGPT prompts (1.29 M tokens); ``layerleap train corpus`` writes one for any
+model from its ``layerleap train data --self-distill`` answers.  REST proper drafts from a datastore of other text
 (UltraChat, The Stack) as a tree of frequent continuations; here the datastore is the model's own
 text and the draft one chain.
 
 One call verifies the last token and the draft, as prompt lookup's: greedy output is greedy decoding
 token for token, sampling is lossless (every draft is a one-hot proposal).  Batches, grammars and
 the adaptive draft length work as in prompt lookup.  Without a corpus (``corpus="none"``, or a model
-none ships for under ``"auto"``, which says so with a ``CorpusWarning``) it is prompt lookup.
+none ships for under ``"auto"``, which says so with a ``CorpusWarning``, naming a given
+``corpus_draft_len`` as without effect) it is prompt lookup; ``corpus_draft_len`` with
+``corpus="none"`` is refused.
 
 Stats, per row: prompt lookup's, and ``corpus_drafts`` (rounds drafted from the corpus; left out
 without a corpus).
@@ -27,13 +30,14 @@ import warnings
 
 from ..core import options as O
 from ..core.run import GenerationError, Run, register
-from ..drafters.corpus import COMMAND, CorpusWarning, get_corpus
+from ..drafters.corpus import COMMAND, MAX_N, CorpusWarning, get_corpus
 from ..drafters.prompt_lookup import PromptLookup, lookup_stats
 from . import draft_verify
 from .prompt_lookup import DEFAULT_MAX_NGRAM, adaptive_default, tuned
 from .prompt_lookup import OPTIONS as LOOKUP_OPTIONS
 
-OPTIONS = (*LOOKUP_OPTIONS, O.CORPUS, O.CORPUS_DRAFT_LEN)
+MIN_NGRAM = O.MIN_NGRAM.but(help=f"the shortest n-gram looked up (<= max_ngram; <= {MAX_N} with a corpus, its longest)")
+OPTIONS = (*(MIN_NGRAM if o.name == "min_ngram" else o for o in LOOKUP_OPTIONS), O.CORPUS, O.CORPUS_DRAFT_LEN)
 # The most tokens a round drafts from the corpus, per weight format.  Its drafts are kept less often
 # than a copy from the prompt (in q4 30% of them against 41%), so where a call's extra rows cost
 # (q4: x1.23 at 4 tokens) it drafts one; see docs/BENCHMARKS.md ("REST").
@@ -59,10 +63,17 @@ def rest(
     store = get_corpus(run.model, corpus)
     if store is None and corpus in (None, "none") and corpus_draft_len is not None:
         raise GenerationError("corpus_draft_len= limits the drafts a corpus gives, and corpus=none: drop one of them")
+    if store is not None and min_ngram > MAX_N:
+        raise GenerationError(
+            f"min_ngram ({min_ngram}) is above {MAX_N}, the longest n-gram a corpus looks up, so the corpus would "
+            f"never draft: lower min_ngram to {MAX_N} or less, or pass corpus=none"
+        )
     if store is None and corpus == "auto":
+        unused = ", and corpus_draft_len= has no effect" if corpus_draft_len is not None else ""
         warnings.warn(
-            f"rest: no corpus ships for {run.model.config.name or 'this model'}, so it drafts as prompt lookup: "
-            f"write one with `{COMMAND}` (from `layerleap train data --self-distill` answers) and pass corpus=FILE",
+            f"rest: no corpus ships for {run.model.config.name or 'this model'}, so it drafts as prompt lookup"
+            f"{unused}: write one with `{COMMAND}` (from `layerleap train data --self-distill` answers) and pass "
+            "corpus=FILE",
             CorpusWarning,
             stacklevel=2,
         )

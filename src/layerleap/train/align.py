@@ -135,27 +135,32 @@ def _train(
     tag: str,
     desc: str,
     progress: bool,
-) -> LoopResult:
+    machine: str,
+) -> tuple[LoopResult, str]:
     """AdamW over ``params`` at a constant rate; ``loss_fn(batch_indices) -> loss``; ``n_items``
-    examples, shuffled per epoch with a seeded generator (so a resumed run sees the same order)."""
+    examples, shuffled per epoch with a seeded generator (so a resumed run sees the same order).
+    -> the run and its machines: ``machine``, after a resumed state's (``weights.machines``)."""
+    meta = {"tag": tag, "machine": machine}
 
-    def check(meta: dict) -> None:
-        if meta.get("tag") != tag:
+    def check(saved: dict) -> None:
+        if saved.get("tag") != tag:
             raise AlignError(
                 f"checkpoint {_ckpt_path(out)} belongs to another alignment run (other model, data or "
                 "settings): delete it to start again"
             )
+        meta["machine"] = weights.machines(saved.get("machine"), machine)
 
     total = -(-n_items // cfg.batch_tokens) * cfg.epochs
     loop = LoopConfig(
         total, Schedule(cfg.lr), cfg.weight_decay, save_every=cfg.save_every, desc=desc, progress=progress
     )
-    return run_loop(
+    run = run_loop(
         params,
         lambda step: loss_fn(epoch_batch(step, n_items, cfg.batch_tokens, cfg.seed)),
         loop,
-        Checkpoint(_ckpt_path(out), {"tag": tag}, check),
+        Checkpoint(_ckpt_path(out), meta, check),
     )
+    return run, meta["machine"]
 
 
 def _tag(*parts) -> str:
@@ -246,7 +251,8 @@ def align_exit_head(
             logits = head(h[idx].unsqueeze(0).to(dev))[0]
             return F.cross_entropy(logits.float(), y[idx].to(dev))
 
-    run = _train(params, loss_fn, len(y), cfg, out, tag, f"align exit head @ layer {exit_layer}", progress)
+    desc = f"align exit head @ layer {exit_layer}"
+    run, machines = _train(params, loss_fn, len(y), cfg, out, tag, desc, progress, weights.machine(dev))
     losses = run.losses[run.start :]
     head.eval()
     after = agreement(head, h.to(dev), y)
@@ -256,7 +262,7 @@ def align_exit_head(
         items_seen(run.step, len(y), cfg.batch_tokens),
         run.step,
         run.seconds,
-        weights.machine(dev),
+        machines,  # a resumed run's: every call's machine
         command or weights.command_line(),
     )
     save_heads(
@@ -325,7 +331,9 @@ def align_small(
     tag = _tag("small", small.fingerprint, cfg.epochs, cfg.lr, per_step, cfg.seed, [r.get("key") for r in seqs])
     with torch.inference_mode():
         before = _token_agreement(small, seqs)
-    run = _train(params, loss_fn, len(seqs), step_cfg, out, tag, "align small model", progress)
+    run, _ = _train(
+        params, loss_fn, len(seqs), step_cfg, out, tag, "align small model", progress, weights.machine(small.device)
+    )
     losses = run.losses[run.start :]
     trained.eval().requires_grad_(False)
     with torch.inference_mode():

@@ -381,6 +381,7 @@ class HeadTrainResult:
     seconds: float = 0.0  # training time over all calls (a resumed run adds the earlier calls' time)
     cache_seconds: float = 0.0  # time to build the hidden-state cache (when read back from work: the original build)
     config: dict = field(default_factory=dict)
+    machine: str = ""  # the machines of every call, a resumed state's first (""; this one's)
 
 
 def _objective(model: Transformer, cfg: HeadTrainConfig, cache: dict, heads: list[ExitHead]):
@@ -408,17 +409,18 @@ def _objective(model: Transformer, cfg: HeadTrainConfig, cache: dict, heads: lis
 
 
 def _checkpoint(
-    work: Path | None, cfg: HeadTrainConfig, fingerprint: str, data: str = "", given: bool = False
+    work: Path | None, cfg: HeadTrainConfig, fingerprint: str, data: str = "", given: bool = False, machine: str = ""
 ) -> Checkpoint | None:
     """The training state in ``work`` of a run on the sequences whose hash is ``data`` (``data_hash``; ""
     where unknown: a cache given, or read back without its hash).  ``given``: the caller gave the
     sequences, and the state must have been made on them; without them a state whose data is known
     must have been made on the sequences trained on.  The state written records ``data``, else the
-    resumed state's, so that a resume without sequences keeps the hash for the next resume."""
+    resumed state's, so that a resume without sequences keeps the hash for the next resume.  Its
+    ``meta["machine"]``: ``machine``, after a resumed state's machines (``weights.machines``)."""
     if work is None:
         return None
     key = _config_key(cfg, fingerprint)
-    made = {"key": key, "seqs": data}
+    made = {"key": key, "seqs": data, "machine": machine}
 
     def check(meta: dict) -> None:
         saved = meta.get("seqs", "")
@@ -429,6 +431,7 @@ def _checkpoint(
                 "work folder, or the same settings and data to resume"
             )
         made["seqs"] = data or saved
+        made["machine"] = weights.machines(meta.get("machine"), machine)
 
     return Checkpoint(
         work / STATE_FILE, made, check, what="training state", fix="delete the work folder to start again"
@@ -487,17 +490,23 @@ def train_heads(
         desc=f"train {cfg.kind} heads {','.join(map(str, cfg.layers))}",
     )
     params = {f"{h.layer}.{k}": p for h in heads for k, p in h.named_parameters()}
+    machine = weights.machine(model.device)
+    ckpt = _checkpoint(work, cfg, model.fingerprint, timing["seqs"], given=seqs is not None, machine=machine)
     run = train(
-        params,
-        _objective(model, cfg, cache, heads),
-        loop,
-        _checkpoint(work, cfg, model.fingerprint, timing["seqs"], given=seqs is not None),
-        clip_groups=[list(h.parameters()) for h in heads],
+        params, _objective(model, cfg, cache, heads), loop, ckpt, clip_groups=[list(h.parameters()) for h in heads]
     )
     for h in heads:
         h.eval().requires_grad_(False)
     return HeadTrainResult(
-        {h.layer: h for h in heads}, run.step, run.start, N, run.losses, run.seconds, timing["seconds"], asdict(cfg)
+        {h.layer: h for h in heads},
+        run.step,
+        run.start,
+        N,
+        run.losses,
+        run.seconds,
+        timing["seconds"],
+        asdict(cfg),
+        ckpt.meta["machine"] if ckpt is not None else machine,
     )
 
 
@@ -521,7 +530,7 @@ def save_trained(
         items_seen(result.steps, result.tokens, cfg["batch_tokens"]),
         result.steps,
         result.seconds,
-        weights.machine(model.device),
+        result.machine or weights.machine(model.device),  # a resumed run's: every call's machine
         command or weights.command_line(),
     )
     info = {

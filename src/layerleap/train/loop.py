@@ -11,8 +11,8 @@ every step's loss; the training time) is written atomically to ``Checkpoint.path
 ``save_every`` steps, when the call ends, and on Ctrl-C -- unless the Ctrl-C came during the
 optimiser's update, which leaves half-updated weights; the last saved state stays then.  Calling
 again with the same checkpoint resumes from it and gives the weights of an uninterrupted run.  A
-step whose loss is not finite (NaN, inf) raises ``DivergedError`` before the update: the state of
-the steps before it is saved, never weights made from that loss.
+step whose loss or gradient norm is not finite (NaN, inf) raises ``DivergedError`` before the
+update: the state of the steps before it is saved, never weights made from that step.
 
 Data-parallel (``train.distributed``, under torchrun): the tensors start as rank 0's, each process's
 objective returns its share's part of the batch loss, the gradients are summed over the processes
@@ -43,7 +43,7 @@ class CheckpointError(LayerleapError, ValueError):
 
 
 class DivergedError(LayerleapError, ArithmeticError):
-    """A step's loss was not finite: the weights of the step before are kept (and saved)."""
+    """A step's loss or gradient norm was not finite: the weights of the step before are kept (and saved)."""
 
 
 @dataclass
@@ -161,9 +161,13 @@ def train(
                     f"kept{f' in {ckpt.path}' if ckpt is not None else ''}: train again with a lower learning rate"
                 )
             distributed.sum_gradients(tensors)
-            if cfg.grad_clip:
-                for group in groups:
-                    torch.nn.utils.clip_grad_norm_(group, cfg.grad_clip)
+            norm = grad_norm(groups, cfg.grad_clip)  # every process holds the summed gradients: all stop here
+            if not math.isfinite(norm):
+                raise DivergedError(
+                    f"the gradients of step {step + 1} are not finite (norm {norm}; its loss is {value}): training "
+                    f"diverged; the weights of step {step} are kept{f' in {ckpt.path}' if ckpt is not None else ''}: "
+                    "train again with a lower learning rate"
+                )
             updating = True  # an interrupt from here to the bookkeeping's end leaves nothing to save
             opt.step()
             step += 1
@@ -183,6 +187,21 @@ def train(
     if step > saved:
         save()
     return LoopResult(step, start, losses, seconds, time.perf_counter() - t0)
+
+
+def grad_norm(groups: list[list[torch.Tensor]], clip: float) -> float:
+    """The largest gradient norm of the groups, each group clipped to ``clip`` first (0: none).  A
+    non-finite norm leaves the gradients unusable, never the weights: no update has been made yet."""
+    norms = []
+    for group in groups:
+        grads = [t.grad for t in group if t.grad is not None]
+        if not grads:
+            continue
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(group, clip))
+        else:
+            norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    return float(torch.stack(norms).max()) if norms else 0.0
 
 
 def backward(out: torch.Tensor | Iterable[torch.Tensor]) -> float:

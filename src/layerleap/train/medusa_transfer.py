@@ -293,7 +293,21 @@ def _ckpt_path(out: Path) -> Path:
 
 
 # the settings a resumed run must share with its checkpoint (a rerun may change the others)
-RESUME_KEYS = ("kind", "layers", "steps_ahead", "seq_len", "seed", "lr", "batch_size", "init", "attention")
+RESUME_KEYS = (
+    "kind",
+    "layers",
+    "steps_ahead",
+    "seq_len",
+    "seed",
+    "lr",
+    "batch_size",
+    "init",
+    "attention",
+    "warmup",
+    "grad_clip",
+    "state_dtype",
+)
+LATER_KEYS = ("warmup", "grad_clip", "state_dtype")  # a state whose settings lack one resumes (nothing to compare)
 
 
 def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machine: str) -> Checkpoint:
@@ -307,6 +321,10 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machin
             raise TrainError(f"checkpoint {path} belongs to another model: delete it or choose another --out")
         saved, now = json.loads(meta["config"]), asdict(cfg)
         for key in RESUME_KEYS:
+            if key not in saved and key in LATER_KEYS:
+                continue
+            if key == "state_dtype" and not (saved.get("state_cache") or now.get("state_cache")):
+                continue  # without a state cache the states are not stored, so their dtype shapes nothing
             if saved.get(key) != now.get(key):
                 raise TrainError(
                     f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {now.get(key)!r}: "

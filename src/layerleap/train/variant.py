@@ -277,6 +277,7 @@ def train_variant(
             raise VariantTrainError(
                 f"{state} holds a run on other training examples: use another --out or the same data to resume"
             )
+        ckpt.meta["machine"] = weights.machines(meta.get("machine"), machine)
 
     n_tokens = sum(len(p) + len(c) for p, c in examples) / len(examples)
     positions = sum(len(c) for _, c in examples) / len(examples)
@@ -289,7 +290,7 @@ def train_variant(
             int(positions * cfg.batch_size * step),
             step,
             prior + time.perf_counter() - t0,
-            weights.machine(model.device),
+            ckpt.meta["machine"],  # a resumed run's: every call's machine
             command or weights.command_line(),
         )
         extra = {
@@ -304,9 +305,10 @@ def train_variant(
             out, _Fp(model, fingerprint), variants.KIND, deltas.build(), tensors, budget, extra, dtype=torch.bfloat16
         )
 
+    machine = weights.machine(model.device)
     ckpt = Checkpoint(
         state,
-        {"settings": settings, "fingerprint": fingerprint, "data": data_key},
+        {"settings": settings, "fingerprint": fingerprint, "data": data_key, "machine": machine},
         check,
         weights=True,
         on_save=save,

@@ -9,6 +9,8 @@ runs it), and kept in ``<cache>/native``.  Until it is built, or where it cannot
 its Python path; ``LAYERLEAP_NATIVE=0`` turns it off.  Nothing is compiled unasked.  A library cut
 short (a build killed while linking, a full disk) counts as not built, and the next build makes it
 again; two builds of one folder take turns, and a killed one leaves nothing that stalls the next.
+A whole library that does not load (built for another torch or system, say) leaves the Python path
+running too; ``status()["error"]`` and ``layerleap native`` say why in one line.
 
 It is compiled for this CPU's instructions (``-march=native``: on a CPU with AVX-512 VNNI its AVX-512
 paths, on one with AVX2 and FMA its AVX2 paths, else the portable C++).  ``LAYERLEAP_NATIVE_MARCH``
@@ -39,6 +41,7 @@ from ...files import cache_root
 SOURCE = Path(__file__).with_name("decoder.cpp")
 ENV = "LAYERLEAP_NATIVE"  # "0": never use the native layers
 MARCH_ENV = "LAYERLEAP_NATIVE_MARCH"  # the compiler's -march target; unset: "native" (this CPU's)
+_not_loaded: str | None = None  # why ``module()`` found a whole library it did not load (one line)
 
 
 def march() -> str:
@@ -143,7 +146,10 @@ def build(verbose: bool = False):
 
 @functools.cache
 def module():
-    """The compiled module if it was built for this source, torch and CPU, else None (never builds)."""
+    """The compiled module if it was built for this source, torch and CPU, else None (never builds).
+    Why a whole library was not loaded: ``status()["error"]``."""
+    global _not_loaded
+    _not_loaded = None
     if os.environ.get(ENV, "").strip() == "0":
         return None
     lib = _library(build_dir()) if SOURCE.is_file() else None
@@ -154,12 +160,14 @@ def module():
     try:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-    except (ImportError, OSError):
+    except (ImportError, OSError) as e:  # a library for another torch or system, unreadable, ...
+        _not_loaded = f"{type(e).__name__}: {_first_line(e).replace(f'{lib}: ', '')}"
         return None
     lacking = _lacking(mod)
     if lacking:  # a target for another CPU (LAYERLEAP_NATIVE_MARCH): its first such instruction would kill the process
         import warnings
 
+        _not_loaded = f"it uses instructions this CPU lacks ({', '.join(lacking)})"
         warnings.warn(
             f"the native layers in {lib.parent.name} use instructions this CPU lacks ({', '.join(lacking)}); "
             "the Python path runs",
@@ -167,6 +175,11 @@ def module():
         )
         return None
     return mod
+
+
+def _first_line(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0][:300] if lines else "no message"
 
 
 _CPUINFO_NAMES = {"avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni"}  # build_features' names as /proc/cpuinfo's
@@ -186,10 +199,12 @@ def _lacking(mod) -> list[str]:
 def status() -> dict:
     lib = _library(build_dir())
     lib = lib if lib is not None and _complete(lib) else None
+    in_use = module() is not None
     return {
         "built": lib is not None,
         "library": str(lib) if lib else None,
-        "in_use": module() is not None,
+        "in_use": in_use,
+        "error": _not_loaded if lib is not None and not in_use else None,  # why a built library is not loaded
         "disabled": os.environ.get(ENV, "").strip() == "0",
         "march": march(),
     }

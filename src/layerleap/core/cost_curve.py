@@ -11,6 +11,7 @@ it (``measure``, under a second for a small model) and saves it.  Curves are sav
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -65,7 +66,9 @@ def saved(model) -> dict[int, float] | None:
         ratios = {int(s): float(r) for s, r in entry["ratios"].items()}
     except (TypeError, ValueError):
         return None
-    return ratios if all(s in ratios and ratios[s] > 0 for s in SIZES) else None
+    # a hand-edited or corrupt entry (json reads Infinity and NaN) is no curve: a zero or infinite c(1) would
+    # price every call at nothing or at infinity
+    return ratios if all(s in ratios and math.isfinite(ratios[s]) and ratios[s] > 0 for s in SIZES) else None
 
 
 def save(model, ratios: dict[int, float], ms_one: float) -> bool:

@@ -244,8 +244,10 @@ def read(model, path, kind: Kind):
     try:
         return kind.build(model, json.loads(meta["build"]), tensors)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
-        if isinstance(e, LayerleapError):
-            raise
+        if isinstance(e, LayerleapError):  # the module's own refusal of its build: named with the file
+            raise kind.error(
+                f"{kind.what} {p} do not fit this model: {e}: train them again with `{kind.command}`"
+            ) from None
         raise kind.error(f"{kind.what} {p} do not fit this model: {_one_line(e)}") from None
 
 

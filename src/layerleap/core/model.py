@@ -297,6 +297,13 @@ def _native_ok(h: torch.Tensor, lengths: list[list[int]]) -> bool:
 ROW_BY_ROW_MAX = 16  # multi-token calls up to this size attend one new token at a time (see ``attend``)
 
 
+def rows_attend_max(dtype: torch.dtype) -> int:
+    """The most new tokens a call attends row by row with the native ``attend_rows`` (``attend``): any number
+    in bf16/fp16 (q4 included), where a tree past 16 nodes (or Hidden Transfer's pass over a tree's pseudo
+    states) otherwise rounded apart from greedy decoding at a near-tie; ``ROW_BY_ROW_MAX`` in fp32."""
+    return ROW_BY_ROW_MAX if dtype == torch.float32 else 1 << 30
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None) -> torch.Tensor:
     """Scaled dot-product attention of ``q`` ``[B, H, S, hd]`` over ``k``/``v`` ``[B, Hkv, T, hd]``.
 
@@ -305,8 +312,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
     attention call: on CPU that is up to 5x faster than ``enable_gqa`` for a few new tokens.  A
     first chunk without a mask (plain causal) keeps ``is_causal``, which folding would break.
 
-    With the ``native`` layers built, calls over up to ``ROW_BY_ROW_MAX`` new tokens use its
-    ``attend_rows``: each query row visits, in order, exactly the keys its mask allows (in fp32), so a
+    With the ``native`` layers built, calls over up to ``rows_attend_max`` new tokens (``ROW_BY_ROW_MAX`` in
+    fp32, any number in bf16/fp16) use its ``attend_rows``: each query row visits, in order, exactly the keys its mask allows (in fp32), so a
     row's result depends only on its query and the keys it sees, in every dtype and for chains and
     trees alike (on this CPU it is also 2-4x faster than ``F.scaled_dot_product_attention`` for a
     few tokens).  Without it, in bf16/fp16 a call over ``1 < S <= ROW_BY_ROW_MAX`` new tokens appended
@@ -324,7 +331,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
         return F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=g > 1)
     if keys.mask is None and S > 1:  # causal over exactly these S keys (no cache, or an empty one)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
-    if S <= ROW_BY_ROW_MAX and native.module() is not None:
+    if S <= rows_attend_max(q.dtype) and native.module() is not None:
         return native.module().attend_rows(
             q, k if k.dtype == q.dtype else k.to(q.dtype), v if v.dtype == q.dtype else v.to(q.dtype), keys.mask
         )
@@ -453,7 +460,7 @@ class Transformer(nn.Module):
         m, total = cache.attention_mask(start, h.shape[1], mask)
         g = c.n_heads // c.n_kv_heads
         # the folded mask serves only calls over more new tokens than attend row by row
-        folded = m.repeat(1, 1, g, 1) if m is not None and g > 1 and h.shape[1] > ROW_BY_ROW_MAX else None
+        folded = m.repeat(1, 1, g, 1) if m is not None and g > 1 and h.shape[1] > rows_attend_max(h.dtype) else None
         k, v = cache.k[start:end, :, :, :total], cache.v[start:end, :, :, :total]
         return native.module().run_layers(
             h,
@@ -470,7 +477,7 @@ class Transformer(nn.Module):
             c.intermediate_size,
             c.rms_norm_eps,
             fp32_detour(h.dtype, h.device),
-            ROW_BY_ROW_MAX,
+            rows_attend_max(h.dtype),
             *args,
             native.after_layers(self, end),
         )

@@ -312,11 +312,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
     attention call: on CPU that is up to 5x faster than ``enable_gqa`` for a few new tokens.  A
     first chunk without a mask (plain causal) keeps ``is_causal``, which folding would break.
 
-    With the ``native`` layers built, calls over up to ``rows_attend_max`` new tokens (``ROW_BY_ROW_MAX`` in
-    fp32, any number in bf16/fp16) use its ``attend_rows``: each query row visits, in order, exactly the keys its mask allows (in fp32), so a
-    row's result depends only on its query and the keys it sees, in every dtype and for chains and
-    trees alike (on this CPU it is also 2-4x faster than ``F.scaled_dot_product_attention`` for a
-    few tokens).  Without it, in bf16/fp16 a call over ``1 < S <= ROW_BY_ROW_MAX`` new tokens appended
+    With the ``native`` layers built, calls over up to ``rows_attend_max`` new tokens (``ROW_BY_ROW_MAX``
+    in fp32, any number in bf16/fp16) use its ``attend_rows``: each query row visits, in order, exactly
+    the keys its mask allows (in fp32), so a row's result depends only on its query and the keys it sees,
+    in every dtype and for chains and trees alike (on this CPU it is also 2-4x faster than
+    ``F.scaled_dot_product_attention`` for a few tokens).  Without it, in bf16/fp16 a call over
+    ``1 < S <= ROW_BY_ROW_MAX`` new tokens appended
     to a cache attends one new token at a time, each to exactly the keys it sees (``[0, start + i]``): the same
     attention call, on the same inputs, that decoding that token alone makes.  The kernel's results for a row
     depend on how many rows and keys a call has, and with bf16 logits (ties within one rounding step

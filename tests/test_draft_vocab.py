@@ -106,6 +106,30 @@ def test_files_round_trip_and_refuse(tmp_path, models):
         dv.get_draft_vocab(model, 3)
 
 
+def test_a_draft_vocab_file_with_bad_ids_or_metadata_is_refused_by_name(tmp_path, models):
+    """Ids that are not integers (truncated to other ids), not one list, out of range or repeated, a file
+    without a fingerprint and one of a newer format: each a line naming the file and the fix."""
+    from safetensors.torch import save_file
+
+    model = models["llama-gqa-tied"]
+    meta = {"format": dv.FORMAT, "kind": "draft-vocab", "fingerprint": model.fingerprint, "model": "tiny"}
+    ids = torch.arange(8)
+    cases = {
+        "float": ({"ids": ids.float() + 0.5}, meta, "dtype float32 .* not a list of integer token ids"),
+        "square": ({"ids": ids.reshape(2, 4)}, meta, r"shape \[2, 4\], not a list"),
+        "range": ({"ids": ids + 1000}, meta, "distinct token ids"),
+        "bare": ({"ids": ids}, {k: v for k, v in meta.items() if k != "fingerprint"}, "has no model fingerprint"),
+        "newer": ({"ids": ids}, {**meta, "format": "layerleap-draft-vocab-2"}, "written by a newer layerleap"),
+    }
+    for name, (tensors, m, why) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(path), metadata=m)
+        with pytest.raises(dv.DraftVocabError, match=f"{name}.safetensors.*{why}"):
+            dv.get_draft_vocab(model, str(path))
+    save_file({"ids": ids.int()}, str(tmp_path / "int32.safetensors"), metadata=meta)
+    assert dv.get_draft_vocab(model, str(tmp_path / "int32.safetensors")).ids.tolist() == ids.tolist()
+
+
 def test_a_tree_wider_than_the_draft_vocab_is_refused(models):
     from layerleap.decoding import GenerationError
 

@@ -3,6 +3,7 @@ prompt lookup with it (the exactness of ``adaptive=True`` is in test_exactness.p
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import layerleap
 from layerleap.core import cost_curve
 from layerleap.drafters import lengths as L
-from tiny_models import COSTLY_ROWS, COSTLY_ROWS_16, random_model
+from tiny_models import COSTLY_ROWS, COSTLY_ROWS_16, naive_greedy, random_model
 
 FLAT = (1.0,) * 8
 STEEP = (1.0, 2.0, 3.0, 4.0)
@@ -168,6 +169,20 @@ def test_a_saved_curve_with_a_time_or_ratio_that_is_not_finite_and_positive_is_i
     assert cost_curve.saved(model) is None and L.curve_for(model).source == "shipped"  # as if none were saved
     assert cost_curve.save(model, steep(0.1), ms_one=3.0)  # and a save replaces it
     assert L.curve_for(model).source == "measured"
+
+
+def test_a_saved_curve_with_infinite_or_nan_costs_is_ignored(saved_curves):
+    """An entry json reads as Infinity or NaN is no curve: an infinite c(1) priced every call at zero and
+    cut chains by dividing by it."""
+    model = random_model("llama-gqa-tied", seed=3, scale=2.0)
+    for bad in ("Infinity", "NaN"):
+        ratios = {str(s): r for s, r in steep(0.1).items()}
+        text = json.dumps({cost_curve.key(model): {"ratios": {**ratios, "1": "BAD"}, "ms_one_token": 3.0}})
+        (saved_curves / cost_curve.FILE).write_text(text.replace('"BAD"', bad))
+        assert L.curve_for(model).source == "shipped"
+        prompt = list(range(1, 20)) * 2
+        got = layerleap.generate(model, prompt, "prompt-lookup", 8, stop_at_eos=False, adaptive=True).token_ids
+        assert got == naive_greedy(model, prompt, 8)
 
 
 def test_adaptive_refuses_a_non_bool():

@@ -173,3 +173,30 @@ def test_calm_layers_are_drawn_by_weight():
     share30 = draws.count(30) / len(draws)
     assert abs(share30 - 30 / sum(range(4, 31))) < 0.01
     assert draws.count(30) > 5 * draws.count(5)
+
+
+def test_a_variant_file_whose_deltas_do_not_fit_is_refused_by_name(tmp_path):
+    """Deltas that hold NaN (which would make every logit NaN) or integers, a build naming a layer or
+    projection the model lacks, and deltas of another shape: each a ``VariantError`` naming the file,
+    raised before the model's weights change."""
+
+    model = _model()
+    build = {"rank": 2, "alpha": 4.0, "layers": [0], "projections": ["attn.o"]}
+    a, b = variants.delta_names(0, "attn.o")
+    D = model.config.hidden_size
+    good = {a: torch.randn(2, D) * 0.01, b: torch.randn(D, 2) * 0.01}
+    cases = {
+        "nan": (build, {a: good[a] * torch.nan, b: good[b]}, "not finite"),
+        "ints": (build, {a: good[a].to(torch.int32), b: good[b]}, "int32"),
+        "layer": ({**build, "layers": [99]}, good, "no layer or projection 99"),
+        "projection": ({**build, "projections": ["attn.z"]}, good, "no layer or projection 'attn.z'"),
+        "shape": (build, {a: good[a][:, :-1].contiguous(), b: good[b]}, "not \\[2, "),
+    }
+    want = model(torch.tensor([[1, 2, 3]]))
+    for name, (bld, tensors, why) in cases.items():
+        path = weights.write(tmp_path / f"{name}.safetensors", model, variants.KIND, bld, tensors)
+        with pytest.raises(variants.VariantError, match=f"{name}.safetensors do not fit this model: .*{why}"):
+            variants.apply(model, path)
+        assert torch.equal(model(torch.tensor([[1, 2, 3]])), want)  # untouched
+    variants.apply(model, weights.write(tmp_path / "good.safetensors", model, variants.KIND, build, good))
+    assert bool(torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all())

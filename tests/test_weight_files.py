@@ -355,3 +355,44 @@ def test_a_failed_tokenizer_save_is_an_os_error_only_when_it_is_one(tmp_path, ra
         assert (e.value.errno, e.value.strerror) == (28, "No space left on device")
     else:
         assert e.value is raised
+
+
+def _rewritten(src: Path, dst: Path, tensors=None, meta=None) -> str:
+    """``src``'s tensors and metadata, each changed by a function when given, as ``dst``."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(src), "pt") as f:
+        old = dict(f.metadata())
+    t = load_file(str(src))
+    save_file(tensors(t) if tensors else t, str(dst), metadata=meta(old) if meta else old)
+    return str(dst)
+
+
+@pytest.mark.parametrize("kind,config", [("medusa", {"steps": 2}), ("transfer", {"layers": [1, 2]}), ("eagle", {})])
+def test_a_drafter_file_of_a_newer_format_or_bad_tensors_is_refused_by_name(tmp_path, kind, config):
+    """A file a newer layerleap wrote, one without a fingerprint, and one whose tensors are integers or
+    NaN are each refused with a line naming the file and the fix, never loaded as weights."""
+    model = random_model("llama-gqa-tied", seed=3)
+    good = drafters.save_drafter(drafters.new_drafter(model, kind, **config), tmp_path / "good.safetensors")
+    newer = _rewritten(good, tmp_path / "newer.safetensors", meta=lambda m: {**m, "format": "layerleap-weights-3"})
+    with pytest.raises(drafters.DrafterError, match=r"newer.safetensors was written by a newer layerleap.*upgrade"):
+        drafters.load_drafter(model, newer, kind)
+    with pytest.raises(weights.WeightsError, match="newer layerleap"):
+        weights.upgrade(newer, tmp_path / "up.safetensors")
+    bare = _rewritten(
+        good, tmp_path / "bare.safetensors", meta=lambda m: {k: v for k, v in m.items() if k != "fingerprint"}
+    )
+    with pytest.raises(drafters.DrafterError, match="bare.safetensors .* has no model fingerprint"):
+        drafters.load_drafter(model, bare, kind)
+    ints = _rewritten(
+        good, tmp_path / "ints.safetensors", tensors=lambda t: {k: v.to(torch.int32) for k, v in t.items()}
+    )
+    with pytest.raises(drafters.DrafterError, match="ints.safetensors do not fit this model: tensor .* is int32"):
+        drafters.load_drafter(model, ints, kind)
+    nan = _rewritten(
+        good, tmp_path / "nan.safetensors", tensors=lambda t: {k: v.float() * torch.nan for k, v in t.items()}
+    )
+    with pytest.raises(drafters.DrafterError, match="nan.safetensors do not fit this model: tensor .* NaN"):
+        drafters.load_drafter(model, nan, kind)
+    assert drafters.load_drafter(model, good, kind).kind == kind

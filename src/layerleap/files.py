@@ -322,6 +322,29 @@ def read_safetensors_meta(path: str | Path) -> dict:
         raise ValueError(str(e)) from None
 
 
+def newer_format(found, ours: str) -> bool:
+    """Whether the format ``found`` is a later version of ``ours`` (``layerleap-weights-3`` of
+    ``layerleap-weights-2``): a file a newer layerleap wrote."""
+    if not isinstance(found, str):
+        return False
+    name, _, version = ours.rpartition("-")
+    head, _, theirs = found.rpartition("-")
+    return head == name and theirs.isdigit() and version.isdigit() and int(theirs) > int(version)
+
+
+def newer_file(path, found: str, ours: str, command: str) -> str:
+    """The message for a file of a later format than ``ours`` (``newer_format``)."""
+    return (
+        f"{path} was written by a newer layerleap (format {found!r}; this version reads {ours!r}): "
+        f"upgrade layerleap (pip install -U layerleap), or write it again with `{command}`"
+    )
+
+
+def no_fingerprint(path, what: str, command: str) -> str:
+    """The message for a layerleap file whose metadata names no model (``fingerprint``)."""
+    return f"{path} ({what}) has no model fingerprint in its metadata: write it again with `{command}`"
+
+
 def read_made_for(path, fmt: str, name: str, fingerprint: str, what: str, command: str, error: type, framework="pt"):
     """``(tensor, metadata)``: the tensor ``name`` of a layerleap file of format ``fmt`` made for the model
     with ``fingerprint``.  A missing, truncated or foreign file, or another model's, raises ``error``
@@ -338,7 +361,11 @@ def read_made_for(path, fmt: str, name: str, fingerprint: str, what: str, comman
     except Exception as e:  # truncated or foreign: safetensors' own error kinds
         raise error(f"cannot read {what} {p}: {str(e)[:100]}; write it again with `{command}`") from None
     if tensor is None:
+        if newer_format(meta.get("format"), fmt):
+            raise error(newer_file(p, meta["format"], fmt, command))
         raise error(f"{p} is not a {what} file (format {meta.get('format')!r}): use `{command}`")
+    if not meta.get("fingerprint"):
+        raise error(no_fingerprint(p, what, command))
     if meta.get("fingerprint") != fingerprint:
         raise error(
             f"{p} was made for another model (fingerprint {meta.get('fingerprint')}, "

@@ -297,6 +297,14 @@ def _native_ok(h: torch.Tensor, lengths: list[list[int]]) -> bool:
 ROW_BY_ROW_MAX = 16  # multi-token calls up to this size attend one new token at a time (see ``attend``)
 
 
+def rows_attend_max(dtype: torch.dtype, appended: bool) -> int:
+    """The most new tokens a call attends row by row with the native ``attend_rows`` (``attend``): any number
+    in bf16/fp16 (q4 included) for a call appended to a cache that holds tokens (a verification call: a tree
+    past 16 nodes, or Hidden Transfer's pass over a tree's pseudo states, otherwise rounds apart from greedy
+    decoding at a near-tie); ``ROW_BY_ROW_MAX`` in fp32 and for a prompt pass."""
+    return 1 << 30 if appended and dtype != torch.float32 else ROW_BY_ROW_MAX
+
+
 def _appended(starts) -> bool:
     """Whether a call's new tokens follow tokens already in the cache (a verification call, not a prompt pass)."""
     return starts is not None and max(starts) > 0
@@ -310,14 +318,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
     attention call: on CPU that is up to 5x faster than ``enable_gqa`` for a few new tokens.  A
     first chunk without a mask (plain causal) keeps ``is_causal``, which folding would break.
 
-    With the ``native`` layers built, calls on a CPU over up to ``ROW_BY_ROW_MAX`` new tokens use its
+    With the ``native`` layers built, calls on a CPU over up to ``rows_attend_max`` new tokens use its
     ``attend_rows``: each query row visits, in order, exactly the keys its mask allows (in fp32), so a
     row's result depends only on its query and the keys it sees, in every dtype and for chains and
     trees alike (on this CPU it is also 2-4x faster than ``F.scaled_dot_product_attention`` for a
-    few tokens).  A call appended to a cache that already holds tokens (a verification call: a chain or
-    a tree of drafts, Hidden Transfer's pseudo states) takes it at any size, so a tree wider than
-    ``ROW_BY_ROW_MAX`` still verifies each token with the logits a one-token call gives it (at 128 new
-    tokens it costs about what ``F.scaled_dot_product_attention`` does; a prompt pass keeps the latter).
+    few tokens).  That is ``ROW_BY_ROW_MAX`` new tokens, and any number in bf16/fp16 (q4 included) for
+    a call appended to a cache that already holds tokens (a verification call: a chain or a tree of
+    drafts, Hidden Transfer's pseudo states), so a tree wider than ``ROW_BY_ROW_MAX`` still verifies
+    each token with the logits a one-token call gives it (at 128 new tokens it costs about what
+    ``F.scaled_dot_product_attention`` does; a prompt pass keeps the latter).
     Without it, in bf16/fp16 a call over ``1 < S <= ROW_BY_ROW_MAX`` new tokens appended
     to a cache attends one new token at a time, each to exactly the keys it sees (``[0, start + i]``): the same
     attention call, on the same inputs, that decoding that token alone makes.  The kernel's results for a row
@@ -333,7 +342,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
         return F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=g > 1)
     if keys.mask is None and S > 1:  # causal over exactly these S keys (no cache, or an empty one)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
-    if (S <= ROW_BY_ROW_MAX or _appended(keys.starts)) and q.device.type == "cpu" and native.module() is not None:
+    rows_max = rows_attend_max(q.dtype, _appended(keys.starts))
+    if S <= rows_max and q.device.type == "cpu" and native.module() is not None:
         return native.module().attend_rows(
             q, k if k.dtype == q.dtype else k.to(q.dtype), v if v.dtype == q.dtype else v.to(q.dtype), keys.mask
         )
@@ -461,7 +471,7 @@ class Transformer(nn.Module):
         c = self.config
         m, total = cache.attention_mask(start, h.shape[1], mask)
         g = c.n_heads // c.n_kv_heads
-        rows_max = max(ROW_BY_ROW_MAX, h.shape[1]) if s0 > 0 else ROW_BY_ROW_MAX  # see ``attend``
+        rows_max = rows_attend_max(h.dtype, s0 > 0)  # see ``attend``
         # the folded mask serves only calls over more new tokens than attend row by row
         folded = m.repeat(1, 1, g, 1) if m is not None and g > 1 and h.shape[1] > rows_max else None
         k, v = cache.k[start:end, :, :, :total], cache.v[start:end, :, :, :total]

@@ -224,7 +224,15 @@ def read(model: Transformer, path) -> DraftVocab:
     """A draft vocabulary from a file written by ``save``; refuses a foreign file or another model."""
     what = "draft-vocabulary"
     ids, meta = read_made_for(path, FORMAT, "ids", model.fingerprint, what, COMMAND, DraftVocabError)
-    return DraftVocab(model, ids, meta)
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex() or ids.dim() != 1:
+        raise DraftVocabError(
+            f"{path} holds ids of dtype {str(ids.dtype).removeprefix('torch.')} and shape {list(ids.shape)}, "
+            f"not a list of integer token ids: write it again with `{COMMAND}`"
+        )
+    try:
+        return DraftVocab(model, ids, meta)
+    except DraftVocabError as e:
+        raise DraftVocabError(f"{path}: {e}: write it again with `{COMMAND}`") from None
 
 
 def load(model: Transformer, path) -> DraftVocab:

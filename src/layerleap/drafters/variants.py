@@ -69,7 +69,31 @@ def merge(model: Transformer, build: dict, tensors: dict[str, torch.Tensor]) -> 
 
 
 def _build(model: Transformer, build: dict, tensors: dict) -> dict:
-    return {"build": build, "tensors": tensors}
+    """The build and the deltas, checked before any weight changes (``weights.read`` turns a ``KeyError``,
+    ``TypeError``, ``ValueError`` or ``RuntimeError`` into a ``VariantError`` naming the file)."""
+    rank, alpha = int(build["rank"]), float(build["alpha"])
+    layers, names = [int(x) for x in build["layers"]], [str(x) for x in build["projections"]]
+    if rank < 1:
+        raise ValueError(f"rank {rank} is not positive")
+    bad = [x for x in layers if not 0 <= x < model.config.n_layers] + [x for x in names if x not in PROJECTIONS]
+    if bad:
+        raise ValueError(f"no layer or projection {bad[0]!r} in this model (projections: {', '.join(PROJECTIONS)})")
+    for layer in layers:
+        for name in names:
+            lin = projection(model, layer, name)
+            shapes = ((rank, lin.in_features), (lin.out_features, rank))
+            for key, shape in zip(delta_names(layer, name), shapes):
+                t = tensors[key]
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"tensor {key} is {list(t.shape)}, not {list(shape)}")
+                if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                    raise ValueError(
+                        f"tensor {key} is not finite floating point ({str(t.dtype).removeprefix('torch.')})"
+                    )
+    return {
+        "build": {**build, "rank": rank, "alpha": alpha, "layers": layers, "projections": names},
+        "tensors": tensors,
+    }
 
 
 VARIANT = weights.Kind(KIND, "model variant deltas", "layerleap finetune variant", VariantError, _build)

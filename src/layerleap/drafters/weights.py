@@ -35,7 +35,7 @@ import torch
 
 from ..core.cpu import released
 from ..errors import LayerleapError
-from ..files import read_safetensors_meta, reading, save_safetensors
+from ..files import newer_file, newer_format, no_fingerprint, read_safetensors_meta, reading, save_safetensors
 from ..loaded import per_model, shipped_files
 
 FORMAT = "layerleap-weights-2"
@@ -226,12 +226,16 @@ def read(model, path, kind: Kind):
     if not p.is_file():
         raise kind.error(f"no such file {str(path)!r} ({kind.what}): give a file written by `{kind.command}`")
     meta = read_meta(p, kind.error, f"train them again with `{kind.command}`", kind.what)
+    if newer_format(meta.get("format"), FORMAT):
+        raise kind.error(newer_file(p, meta["format"], FORMAT, kind.command))
     if meta.get("format") != FORMAT or meta.get("kind") != kind.name:
         raise kind.error(
             f"{p} is not a file of {kind.what} (format {meta.get('format')!r}, kind "
             f"{meta.get('kind')!r}): "
             f"write one with `{kind.command}`"
         )
+    if not meta.get("fingerprint"):
+        raise kind.error(no_fingerprint(p, kind.what, kind.command))
     if meta.get("fingerprint") != model.fingerprint:
         raise kind.error(
             f"{p} holds {kind.what} trained for another model (fingerprint {meta.get('fingerprint')}, "
@@ -248,8 +252,10 @@ def read(model, path, kind: Kind):
     try:
         return kind.build(model, json.loads(meta["build"]), tensors)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
-        if isinstance(e, LayerleapError):
-            raise
+        if isinstance(e, LayerleapError):  # the module's own refusal of its build: named with the file
+            raise kind.error(
+                f"{kind.what} {p} do not fit this model: {e}: train them again with `{kind.command}`"
+            ) from None
         raise kind.error(f"{kind.what} {p} do not fit this model: {_one_line(e)}") from None
 
 
@@ -279,6 +285,8 @@ def upgrade(path, out, budget: dict | None = None, source: str | None = None) ->
     from safetensors.torch import load_file
 
     meta = read_meta(path)
+    if newer_format(meta.get("format"), FORMAT):
+        raise WeightsError(newer_file(path, meta["format"], FORMAT, "layerleap heads upgrade"))
     if meta.get("format") != FORMAT:
         raise WeightsError(f"{path} is not a layerleap weights file (format {meta.get('format')!r})")
     bad = sorted(set(budget or {}) - set(BUDGET))

@@ -297,12 +297,19 @@ def _native_ok(h: torch.Tensor, lengths: list[list[int]]) -> bool:
 ROW_BY_ROW_MAX = 16  # multi-token calls up to this size attend one new token at a time (see ``attend``)
 
 
+# the most new tokens of a bf16/fp16 call appended to the cache that attend row by row: every chain the
+# options allow (draft_len <= 256, plus the last kept token) and trees of as many nodes.  Past 128 rows
+# ``attend_rows`` costs more than ``F.scaled_dot_product_attention`` (x1.4 at 256, x1.9 at 512 new tokens
+# over 1024 keys on a Zen 4 core), so a server's 512-token prefill chunks keep the latter
+APPENDED_ROWS_MAX = 257
+
+
 def rows_attend_max(dtype: torch.dtype, appended: bool) -> int:
-    """The most new tokens a call attends row by row with the native ``attend_rows`` (``attend``): any number
-    in bf16/fp16 (q4 included) for a call appended to a cache that holds tokens (a verification call: a tree
-    past 16 nodes, or Hidden Transfer's pass over a tree's pseudo states, otherwise rounds apart from greedy
-    decoding at a near-tie); ``ROW_BY_ROW_MAX`` in fp32 and for a prompt pass."""
-    return 1 << 30 if appended and dtype != torch.float32 else ROW_BY_ROW_MAX
+    """The most new tokens a call attends row by row with the native ``attend_rows`` (``attend``):
+    ``APPENDED_ROWS_MAX`` in bf16/fp16 (q4 included) for a call appended to a cache that holds tokens (a
+    verification call: a tree past 16 nodes, or Hidden Transfer's pass over a tree's pseudo states, otherwise
+    rounds apart from greedy decoding at a near-tie); ``ROW_BY_ROW_MAX`` in fp32 and for a prompt pass."""
+    return APPENDED_ROWS_MAX if appended and dtype != torch.float32 else ROW_BY_ROW_MAX
 
 
 def _appended(starts) -> bool:
@@ -322,11 +329,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
     ``attend_rows``: each query row visits, in order, exactly the keys its mask allows (in fp32), so a
     row's result depends only on its query and the keys it sees, in every dtype and for chains and
     trees alike (on this CPU it is also 2-4x faster than ``F.scaled_dot_product_attention`` for a
-    few tokens).  That is ``ROW_BY_ROW_MAX`` new tokens, and any number in bf16/fp16 (q4 included) for
-    a call appended to a cache that already holds tokens (a verification call: a chain or a tree of
-    drafts, Hidden Transfer's pseudo states), so a tree wider than ``ROW_BY_ROW_MAX`` still verifies
-    each token with the logits a one-token call gives it (at 128 new tokens it costs about what
-    ``F.scaled_dot_product_attention`` does; a prompt pass keeps the latter).
+    few tokens).  That is ``ROW_BY_ROW_MAX`` new tokens, and up to ``APPENDED_ROWS_MAX`` (257) in bf16/fp16
+    (q4 included) for a call appended to a cache that already holds tokens (a verification call: a chain
+    or a tree of drafts, Hidden Transfer's pseudo states), so a tree wider than ``ROW_BY_ROW_MAX`` still
+    verifies each token with the logits a one-token call gives it (up to 128 new tokens it costs no more
+    than ``F.scaled_dot_product_attention``; a prompt pass keeps the latter).
     Without it, in bf16/fp16 a call over ``1 < S <= ROW_BY_ROW_MAX`` new tokens appended
     to a cache attends one new token at a time, each to exactly the keys it sees (``[0, start + i]``): the same
     attention call, on the same inputs, that decoding that token alone makes.  The kernel's results for a row

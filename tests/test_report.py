@@ -214,3 +214,14 @@ def test_a_method_failing_on_one_prompt_is_reported_and_the_bench_goes_on(capsys
     assert s["greedy"]["prompts"] == 3 and s["transformers"]["prompts"] == 3 and s["flaky"]["prompts"] == 2
     assert s["flaky"]["matches_greedy"] == "2/2"
     assert "flaky failed on 1 prompt" in html.read_text()
+
+
+def test_a_report_written_through_the_api_can_be_rewritten(tiny_hf_dir, tmp_path):
+    model = layerleap.load_folder(tiny_hf_dir)
+    out = tmp_path / "b.json"
+    for _ in range(2):  # the second run refused the first's file: "not a layerleap report"
+        res = bench.run_bench(
+            model, {"greedy": ("greedy", {})}, ["Hi"], 2, progress=False, call_cost=False, hf_baseline=False, out=out
+        )
+    assert json.loads(out.read_text())["records"][0]["new_tokens"] == 2 and res.prompts_done == 1
+    assert "(command not recorded)" in html_report(res.to_dict())

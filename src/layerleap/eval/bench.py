@@ -643,6 +643,7 @@ def run_bench(
         check_spec(label, name, options, model.config)
     sampling = dict(sampling or {})
     cfg = {
+        "command": None,  # the command line that ran it (``config``); the key marks the file as a report
         **machine_config(model),
         **(config or {}),
         "max_new_tokens": max_new_tokens,

@@ -452,7 +452,7 @@ def html_report(report: dict, title: str | None = None) -> str:
     depth = summary.get(REFERENCE, {}).get("layers_per_token")
     parts = [
         f"<h1>{escape(title)}</h1>",
-        f"<pre>$ {escape(str(cfg.get('command', '(command not recorded)')))}</pre>",
+        f"<pre>$ {escape(str(cfg.get('command') or '(command not recorded)'))}</pre>",
         _facts(cfg),
         ""
         if report.get("complete", True)

@@ -225,3 +225,22 @@ def test_a_report_written_through_the_api_can_be_rewritten(tiny_hf_dir, tmp_path
         )
     assert json.loads(out.read_text())["records"][0]["new_tokens"] == 2 and res.prompts_done == 1
     assert "(command not recorded)" in html_report(res.to_dict())
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_the_json_report_is_strict_json_with_an_option_of_inf(tiny_hf_dir, tmp_path):
+    model = layerleap.load_folder(tiny_hf_dir)
+    out = tmp_path / "b.json"
+    methods = {"bild": ("bild", {"alpha_rb": float("inf"), "head": "shared"})}  # inf: never roll back
+    res = bench.run_bench(model, methods, ["Hi"], 2, progress=False, call_cost=False, hf_baseline=False, out=out)
+    report = _strict_json(out.read_text())  # was "alpha_rb": Infinity
+    assert report["config"]["methods"]["bild"]["options"]["alpha_rb"] == "inf"
+    assert bench.parse_value(report["records"][-1]["options"]["alpha_rb"]) == float("inf")  # --opt reads it back
+    res.records[0].ppl = float("inf")  # a perplexity that overflowed
+    assert _strict_json(json.dumps(res.to_dict()))["records"][0]["ppl"] is None

@@ -14,6 +14,7 @@ the length), which makes times comparable and greedy tokens comparable one for o
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -265,8 +266,32 @@ def acceptance(stats: dict) -> float | None:
 
 
 def plain_options(options: dict) -> dict:
-    """Options as a report shows them: a model given as an option (a draft) by its name."""
-    return {k: (v.source or v.config.name) if isinstance(v, Transformer) else v for k, v in options.items()}
+    """Options as a report shows them: a model given as an option (a draft) by its name, a number that
+    is not finite as its text (``alpha_rb=inf`` as "inf", which ``--opt`` reads back; JSON has no inf)."""
+
+    def plain(v):
+        if isinstance(v, Transformer):
+            return v.source or v.config.name
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return {k: plain(v) for k, v in options.items()}
+
+
+def finite(obj):
+    """``obj`` with every float that is not finite (a perplexity that overflowed) as None: valid JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
 
 
 def calibrations(model: Transformer, methods: MethodSpecs) -> dict:
@@ -553,17 +578,20 @@ class BenchResult:
         return {c: summarize([r for r in self.records if r.category == c], self.labels, self.reference) for c in cats}
 
     def to_dict(self) -> dict:
-        return {
-            "config": self.config,
-            "call_cost": self.call_cost,
-            "prompts_done": self.prompts_done,
-            "interrupted": self.interrupted,
-            "complete": self.prompts_done == self.config.get("n_prompts"),
-            "failures": self.failures,
-            "summary": self.summary,
-            "summary_by_category": self.summary_by_category(),
-            "records": [asdict(r) for r in self.records],
-        }
+        """The JSON report: strict JSON (options that are not finite as text, other such numbers null)."""
+        return finite(
+            {
+                "config": self.config,
+                "call_cost": self.call_cost,
+                "prompts_done": self.prompts_done,
+                "interrupted": self.interrupted,
+                "complete": self.prompts_done == self.config.get("n_prompts"),
+                "failures": self.failures,
+                "summary": self.summary,
+                "summary_by_category": self.summary_by_category(),
+                "records": [asdict(r) for r in self.records],
+            }
+        )
 
 
 # -- the harness -----------------------------------------------------------------------------------

@@ -617,6 +617,20 @@ def test_agreement_of_any_script():
     assert C.agreement("The cat sat.", "The cat sat on the mat.") == pytest.approx(2 / 3)  # ROUGE-L as before
 
 
+def test_rouge_scores_of_any_script_and_of_empty_texts():
+    from layerleap.eval import quality as Q
+
+    for metric in (Q.rouge_l, Q.rouge_lsum):  # ROUGE's own tokenizer finds no word in these: they scored 0
+        assert metric(["Привет мир"], ["Привет мир"]) == pytest.approx(100.0)
+        assert metric(["日本。語"], ["日本。語"]) == pytest.approx(100.0)
+        assert metric(["Привет мир"], ["Привет друг"]) == pytest.approx(50.0)
+        assert metric([""], [""]) == pytest.approx(100.0) and metric([""], ["ref"]) == 0.0
+        assert metric(["The cat sat."], ["The cat sat on the mat."]) == pytest.approx(100 * 2 / 3)  # as before
+    assert Q.split_sentences("我很好。你呢？好！ End. Next") == ["我很好。", "你呢？", "好！", "End.", "Next"]
+    assert C.reference_score("summarization", "Привет мир", "Привет мир") == pytest.approx(1.0)
+    assert C.reference_score("translation", "Hello there.", "Hello there.") <= 1.0  # sentence BLEU: 100.0000004
+
+
 def test_transformers_baseline_counts_its_calls(char_model):
     from layerleap.eval.bench import HFBaseline
 

@@ -174,3 +174,73 @@ def test_the_bar_shows_a_prompts_last_run_only_once_it_is_saved():
     assert bar.n == 3
     held.update()
     assert bar.n == 4 and held.runs == 1
+
+
+def _register_flaky(monkeypatch, name: str, longer_than: int) -> None:
+    """A method that decodes greedily but raises a RuntimeError on a prompt of more than ``longer_than`` tokens."""
+    from layerleap.core.run import register
+    from layerleap.methods.baseline import autoregressive_rounds
+
+    monkeypatch.setitem(layerleap.METHODS, name, None)  # removed again after the test
+
+    @register(name, batched=True)
+    def flaky(run):
+        """Fails on long prompts."""
+        if len(run.prompts[0]) > longer_than:
+            raise RuntimeError(f"{name} failed on a long prompt")
+        yield from autoregressive_rounds(run)
+
+
+def test_a_method_failing_on_one_prompt_is_reported_and_the_bench_goes_on(capsys, tiny_hf_dir, tmp_path, monkeypatch):
+    _register_flaky(monkeypatch, "flaky", 12)
+    data = tmp_path / "question.jsonl"
+    texts = ["Hi there", "A much longer prompt, with a good many more words in it than the others <b>", "Bye"]
+    data.write_text(
+        "".join(json.dumps({"question_id": i, "category": "qa", "turns": [t]}) + "\n" for i, t in enumerate(texts))
+    )
+    out, html = tmp_path / "b.json", tmp_path / "b.html"
+    args = ["bench", "--model", str(tiny_hf_dir), "--methods", "greedy,flaky", "--data", str(data), "--prompts", "3"]
+    args += ["--max-new-tokens", "3", "--json", str(out), "--html", str(html), "--no-call-cost", "--threads", "1"]
+    assert main(args) == 1  # the table and report of every prompt, then a failure's exit code
+    captured = capsys.readouterr()
+    assert (
+        "flaky failed on 1 prompt, first on prompt 1 (qa): RuntimeError: flaky failed on a long prompt" in captured.err
+    )
+    assert "Traceback" not in captured.err and "flaky" in captured.out
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["prompts_done"] == 3
+    assert [(f["label"], f["prompt_id"]) for f in report["failures"]] == [("flaky", 1)]
+    s = report["summary"]
+    assert s["greedy"]["prompts"] == 3 and s["transformers"]["prompts"] == 3 and s["flaky"]["prompts"] == 2
+    assert s["flaky"]["matches_greedy"] == "2/2"
+    assert "flaky failed on 1 prompt" in html.read_text()
+
+
+def test_a_report_written_through_the_api_can_be_rewritten(tiny_hf_dir, tmp_path):
+    model = layerleap.load_folder(tiny_hf_dir)
+    out = tmp_path / "b.json"
+    for _ in range(2):  # the second run refused the first's file: "not a layerleap report"
+        res = bench.run_bench(
+            model, {"greedy": ("greedy", {})}, ["Hi"], 2, progress=False, call_cost=False, hf_baseline=False, out=out
+        )
+    assert json.loads(out.read_text())["records"][0]["new_tokens"] == 2 and res.prompts_done == 1
+    assert "(command not recorded)" in html_report(res.to_dict())
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_the_json_report_is_strict_json_with_an_option_of_inf(tiny_hf_dir, tmp_path):
+    model = layerleap.load_folder(tiny_hf_dir)
+    out = tmp_path / "b.json"
+    methods = {"bild": ("bild", {"alpha_rb": float("inf"), "head": "shared"})}  # inf: never roll back
+    res = bench.run_bench(model, methods, ["Hi"], 2, progress=False, call_cost=False, hf_baseline=False, out=out)
+    report = _strict_json(out.read_text())  # was "alpha_rb": Infinity
+    assert report["config"]["methods"]["bild"]["options"]["alpha_rb"] == "inf"
+    assert bench.parse_value(report["records"][-1]["options"]["alpha_rb"]) == float("inf")  # --opt reads it back
+    res.records[0].ppl = float("inf")  # a perplexity that overflowed
+    assert _strict_json(json.dumps(res.to_dict()))["records"][0]["ppl"] is None

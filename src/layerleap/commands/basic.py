@@ -804,7 +804,11 @@ def _check_bench_sampling(methods: bench.MethodSpecs, sampling: dict) -> None:
 
 
 def _finish(result: bench.BenchResult, out: str | None, html: str | None = None) -> int:
+    """Print the table (and any failed runs), write the HTML page; the exit code: 130 interrupted, 1
+    when a run failed, else 0."""
     print(result.table())
+    for line in bench.failure_lines(result.failures):
+        _say(line)
     share = result.config.get("other_cpu_share")
     if share is not None and share > roofline.BUSY_SHARE:
         print(f"other processes used {share:.0%} of the CPUs during the run: its times include their work")
@@ -816,7 +820,7 @@ def _finish(result: bench.BenchResult, out: str | None, html: str | None = None)
     if result.interrupted:
         _say(f"interrupted: {result.prompts_done} of {result.config['n_prompts']} prompts finished")
         return 130
-    return 0
+    return 1 if result.failures else 0
 
 
 # -- demo -------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ the length), which makes times comparable and greedy tokens comparable one for o
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -265,8 +266,32 @@ def acceptance(stats: dict) -> float | None:
 
 
 def plain_options(options: dict) -> dict:
-    """Options as a report shows them: a model given as an option (a draft) by its name."""
-    return {k: (v.source or v.config.name) if isinstance(v, Transformer) else v for k, v in options.items()}
+    """Options as a report shows them: a model given as an option (a draft) by its name, a number that
+    is not finite as its text (``alpha_rb=inf`` as "inf", which ``--opt`` reads back; JSON has no inf)."""
+
+    def plain(v):
+        if isinstance(v, Transformer):
+            return v.source or v.config.name
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return {k: plain(v) for k, v in options.items()}
+
+
+def finite(obj):
+    """``obj`` with every float that is not finite (a perplexity that overflowed) as None: valid JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
 
 
 def calibrations(model: Transformer, methods: MethodSpecs) -> dict:
@@ -309,10 +334,12 @@ def _quality(records: list[Record], ref: Record, prompt: Prompt, model: Transfor
         r.ppl = C.perplexity(model, prompt_ids, r.token_ids)
 
 
-def _compare(records: list[Record], ref: Record, hf: Record | None) -> None:
+def _compare(records: list[Record], ref: Record | None, hf: Record | None) -> None:
+    """Each record against greedy's (``ref``) and `transformers`' runs on its prompt (None: that run failed)."""
     for r in records:
-        r.speedup_vs_greedy = ref.wall_s / r.wall_s if r.wall_s > 0 else None
-        r.matches_greedy = r.token_ids == ref.token_ids if r.greedy_type else None
+        if ref is not None:
+            r.speedup_vs_greedy = ref.wall_s / r.wall_s if r.wall_s > 0 else None
+            r.matches_greedy = r.token_ids == ref.token_ids if r.greedy_type else None
         if hf is not None:
             r.speedup_vs_hf = hf.wall_s / r.wall_s if r.wall_s > 0 else None
             r.matches_hf = r.token_ids == hf.token_ids if r.greedy_type and r is not hf else None
@@ -456,6 +483,21 @@ def _quality_summary(rs: list[Record], by: dict, reference: str) -> dict:
     }
 
 
+def failure_lines(failures: list[dict]) -> list[str]:
+    """One line per label whose runs raised: on how many prompts, and the first error."""
+    by: dict[str, list[dict]] = {}
+    for f in failures:
+        by.setdefault(f["label"], []).append(f)
+    lines = []
+    for label, fs in by.items():
+        first = fs[0]
+        error = (str(first["error"]).strip().splitlines() or [""])[0][:300]
+        prompts = len({f["prompt_index"] for f in fs})
+        where = f"prompt {first['prompt_id']}" + (f" ({first['category']})" if first.get("category") else "")
+        lines.append(f"{label} failed on {prompts} prompt{'' if prompts == 1 else 's'}, first on {where}: {error}")
+    return lines
+
+
 def format_table(summary: dict) -> str:
     """The summary as a fixed-width text table, one row per method."""
 
@@ -521,6 +563,8 @@ class BenchResult:
     prompts_done: int = 0
     interrupted: bool = False
     call_cost: dict | None = None  # roofline.CallCost.to_dict(), when measured
+    # runs that raised: {"prompt_index", "prompt_id", "category", "label", "round", "error"}, one a run
+    failures: list[dict] = field(default_factory=list)
 
     @property
     def summary(self) -> dict:
@@ -534,16 +578,20 @@ class BenchResult:
         return {c: summarize([r for r in self.records if r.category == c], self.labels, self.reference) for c in cats}
 
     def to_dict(self) -> dict:
-        return {
-            "config": self.config,
-            "call_cost": self.call_cost,
-            "prompts_done": self.prompts_done,
-            "interrupted": self.interrupted,
-            "complete": self.prompts_done == self.config.get("n_prompts"),
-            "summary": self.summary,
-            "summary_by_category": self.summary_by_category(),
-            "records": [asdict(r) for r in self.records],
-        }
+        """The JSON report: strict JSON (options that are not finite as text, other such numbers null)."""
+        return finite(
+            {
+                "config": self.config,
+                "call_cost": self.call_cost,
+                "prompts_done": self.prompts_done,
+                "interrupted": self.interrupted,
+                "complete": self.prompts_done == self.config.get("n_prompts"),
+                "failures": self.failures,
+                "summary": self.summary,
+                "summary_by_category": self.summary_by_category(),
+                "records": [asdict(r) for r in self.records],
+            }
+        )
 
 
 # -- the harness -----------------------------------------------------------------------------------
@@ -603,9 +651,11 @@ def run_bench(
     (label -> `generate` options, see ``parse_hf_extra``) times `transformers`' own faster decoding
     too, after its greedy.  ``repeat`` runs every prompt's methods that many rounds (round-robin) and
     keeps each method's fastest run: on a shared machine a burst of other work then spoils one run,
-    not the comparison.  ``quality`` measures each lossy method's output beside its speed (agreement
-    with greedy's text, the reference score where the data has one, perplexity; ``_quality``) and
-    records each one's calibration (``calibration`` in the report: the quality-speed frontier)."""
+    not the comparison.  A run that raises (a method failing on one prompt) is recorded in
+    ``failures`` and the bench goes on; the summary compares each method on the prompts it finished.
+    ``quality`` measures each lossy method's output beside its speed (agreement with greedy's text,
+    the reference score where the data has one, perplexity; ``_quality``) and records each one's
+    calibration (``calibration`` in the report: the quality-speed frontier)."""
     from tqdm.auto import tqdm
 
     prompts = _as_prompts(prompts)
@@ -621,6 +671,7 @@ def run_bench(
         check_spec(label, name, options, model.config)
     sampling = dict(sampling or {})
     cfg = {
+        "command": None,  # the command line that ran it (``config``); the key marks the file as a report
         **machine_config(model),
         **(config or {}),
         "max_new_tokens": max_new_tokens,
@@ -640,7 +691,7 @@ def run_bench(
     result = BenchResult(cfg, labels=list(methods) + ([HF_LABEL] if hf_baseline else []) + list(extras), reference=ref)
     save = (lambda: write_json(out, result.to_dict())) if out else (lambda: None)
     save()
-    runner = _Runner(model, methods, ref, chat, sampling, extras, repeat, quality)
+    runner = _Runner(model, methods, ref, chat, sampling, extras, repeat, quality, result.failures)
     bar = tqdm(
         total=len(prompts) * len(result.labels) * repeat, desc="bench", unit="run", disable=not progress, leave=False
     )
@@ -710,8 +761,10 @@ class _Runner:
         hf_extra: dict[str, dict] | None = None,
         repeat: int = 1,
         quality: bool = True,
+        failures: list[dict] | None = None,
     ):
         self.model, self.methods, self.ref, self.chat, self.sampling = model, methods, ref, chat, sampling
+        self.failures = [] if failures is None else failures
         self.quality, self.prompt_ids = quality, []
         self.repeat = repeat
         self.hf_extra = hf_extra or {}
@@ -724,11 +777,37 @@ class _Runner:
         return generate(self.model, prompt.text, name, n, stop_at_eos=False, chat=self.chat, **sampling, **options)
 
     def warmup(self, prompt: Prompt, n: int) -> None:
-        results = [self.ours(label, prompt, n) for label in self.methods]
-        if self.hf is not None:
-            self.hf.generate(results[0].prompt_ids, n)
+        """Every run once, untimed; one that raises here is left to the timed runs to report."""
+        prompt_ids = None
+        for label in self.methods:
+            res = _attempt(self.ours, label, prompt, n)
+            prompt_ids = res.prompt_ids if res is not None else prompt_ids
+        if self.hf is not None and prompt_ids is not None:
+            _attempt(self.hf.generate, prompt_ids, n)
             for options in self.hf_extra.values():
-                self.hf.generate(results[0].prompt_ids, n, **options)
+                _attempt(self.hf.generate, prompt_ids, n, **options)
+
+    def run(self, i: int, prompt: Prompt, label: str, round_: int, fn: Callable[..., GenerationResult], *args, **kw):
+        """``fn(*args, **kw)``, or None after recording its failure (``BenchResult.failures``): one method failing
+        on one prompt leaves the others' runs and the rest of the bench to finish."""
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # noqa: BLE001 - any failure of the run is reported, not raised
+            from .. import interrupts
+
+            if interrupts.interrupted():  # a library turned the Ctrl-C into another error
+                raise KeyboardInterrupt from e
+            self.failures.append(
+                {
+                    "prompt_index": i,
+                    "prompt_id": prompt.id,
+                    "category": prompt.category,
+                    "label": label,
+                    "round": round_,
+                    "error": f"{type(e).__name__}: {e}",
+                }
+            )
+            return None
 
     def prompt(self, i: int, prompt: Prompt, n: int, bar) -> list[Record]:
         runs: dict[str, Record] = {}
@@ -739,42 +818,52 @@ class _Runner:
                 n,
                 bar,
                 f"{prompt.category or 'prompt'} {prompt.id}" + (f" #{r + 1}" if self.repeat > 1 else ""),
+                r,
             ):
                 if label not in runs or rec.wall_s < runs[label].wall_s:  # the fastest of the rounds
                     runs[label] = rec
-        _compare(list(runs.values()), runs[self.ref], runs.get(HF_LABEL))
-        if self.quality and any(name in LOSSY for name, _ in self.methods.values()):
-            _quality(list(runs.values()), runs[self.ref], prompt, self.model, self.prompt_ids)
+        ref = runs.get(self.ref)
+        _compare(list(runs.values()), ref, runs.get(HF_LABEL))
+        if self.quality and ref is not None and any(name in LOSSY for name, _ in self.methods.values()):
+            _quality(list(runs.values()), ref, prompt, self.model, self.prompt_ids)
         return list(runs.values())
 
-    def round(self, i: int, prompt: Prompt, n: int, bar, where: str):
-        """Every method once on ``prompt``, then the baseline: (label, Record) pairs."""
+    def round(self, i: int, prompt: Prompt, n: int, bar, where: str, round_: int = 0):
+        """Every method once on ``prompt``, then the baseline: (label, Record) pairs of the runs that
+        finished (a failed run is recorded in ``failures``)."""
         prompt_ids = None
         for label, (name, options) in self.methods.items():
             bar.set_postfix_str(f"{where} {label}")
-            res = self.ours(label, prompt, n)
-            prompt_ids = self.prompt_ids = res.prompt_ids  # the same for every method: generate's own encoding
-            yield label, _record(i, prompt, label, name, options, res, self.greedy_type[label])
+            res = self.run(i, prompt, label, round_, self.ours, label, prompt, n)
+            if res is not None:
+                prompt_ids = self.prompt_ids = res.prompt_ids  # the same for every method: generate's own encoding
+                yield label, _record(i, prompt, label, name, options, res, self.greedy_type[label])
             bar.update()
         if self.hf is not None:
-            bar.set_postfix_str(f"{where} {HF_LABEL}")
-            yield (
-                HF_LABEL,
-                _record(i, prompt, HF_LABEL, "transformers.generate", {}, self.hf.generate(prompt_ids, n), True),
-            )
-            bar.update()
-            for label, options in self.hf_extra.items():
+            hf_runs = {HF_LABEL: {}, **self.hf_extra}
+            for label, options in hf_runs.items():
                 bar.set_postfix_str(f"{where} {label}")
-                yield (
-                    label,
-                    _record(
-                        i,
-                        prompt,
-                        label,
-                        "transformers.generate",
-                        options,
-                        self.hf.generate(prompt_ids, n, **options),
-                        True,
-                    ),
-                )
+                if prompt_ids is None:  # every method of ours failed on the prompt: no encoding to give
+                    res = None
+                    self.run(i, prompt, label, round_, _no_prompt_ids)
+                else:
+                    res = self.run(i, prompt, label, round_, self.hf.generate, prompt_ids, n, **options)
+                if res is not None:
+                    yield label, _record(i, prompt, label, "transformers.generate", options, res, True)
                 bar.update()
+
+
+def _attempt(fn, *args, **kw):
+    """``fn(*args, **kw)``, or None where it raises (a warm-up run: the timed runs report the failure)."""
+    try:
+        return fn(*args, **kw)
+    except Exception:  # noqa: BLE001
+        from .. import interrupts
+
+        if interrupts.interrupted():
+            raise KeyboardInterrupt from None
+        return None
+
+
+def _no_prompt_ids():
+    raise LayerleapError("no method of ours encoded the prompt (every one failed), so transformers had no input")

@@ -109,7 +109,7 @@ def reference_score(category: str, text: str, reference: str) -> float:
     metric = Q.metric_for(category)
     if metric == "bleu":
         sacrebleu = Q._library("sacrebleu", "sacrebleu", "BLEU")
-        return float(sacrebleu.sentence_bleu(text, [reference]).score) / 100.0
+        return min(1.0, float(sacrebleu.sentence_bleu(text, [reference]).score) / 100.0)  # rounds past 100
     return Q.score(metric, [text], [reference]) / 100.0
 
 

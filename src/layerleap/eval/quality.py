@@ -57,14 +57,32 @@ def rouge_l_any(candidate: str, reference: str) -> float:
     return 100.0 * scorer.score(reference, candidate)["rougeL"].fmeasure
 
 
-def rouge_l(candidates: list[str], references: list[str]) -> float:
-    """Mean ROUGE-L F1 x 100 (rouge-score, with its Porter stemmer)."""
+def _rouge(kind: str, candidates: list[str], references: list[str], what: str, split=None) -> float:
+    """Mean ROUGE F1 x 100 of kind ``kind`` (rouge-score, Porter stemmer) over the pairs.  Where ROUGE's
+    own tokenizer finds no word in a text of the pair (Chinese, Cyrillic, only punctuation:
+    ``latin_words``), the pair is compared by words and punctuation of any script instead; two empty
+    texts score 100.  ``split`` turns a text into the form the scorer reads (ROUGE-Lsum's sentences)."""
     _pairs(candidates, references)
-    rouge_scorer = _library("rouge_score.rouge_scorer", "rouge-score", "ROUGE-L")
+    rouge_scorer = _library("rouge_score.rouge_scorer", "rouge-score", what)
     if not candidates:
         return 0.0
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    return 100.0 * sum(scorer.score(r, c)["rougeL"].fmeasure for c, r in zip(candidates, references)) / len(candidates)
+    latin = rouge_scorer.RougeScorer([kind], use_stemmer=True)
+    any_script = rouge_scorer.RougeScorer([kind], tokenizer=_AnyScript())
+    total = 0.0
+    for c, r in zip(candidates, references):
+        if split is not None:
+            c, r = split(c), split(r)
+        if not c.strip() and not r.strip():
+            total += 100.0
+            continue
+        scorer = latin if latin_words(c) and latin_words(r) else any_script
+        total += 100.0 * scorer.score(r, c)[kind].fmeasure
+    return total / len(candidates)
+
+
+def rouge_l(candidates: list[str], references: list[str]) -> float:
+    """Mean ROUGE-L F1 x 100 (rouge-score, with its Porter stemmer; texts of other scripts: ``_rouge``)."""
+    return _rouge("rougeL", candidates, references, "ROUGE-L")
 
 
 def bleu(candidates: list[str], references: list[str]) -> float:
@@ -126,26 +144,18 @@ def metric_for(category: str) -> str:
 
 
 # -- SkipDecode's quality tables ------------------------------------------------------------------------
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？])\s*|\n+")
 
 
 def split_sentences(text: str) -> list[str]:
-    """Sentences (split after . ! ? and at newlines): ROUGE-Lsum scores newline-separated sentences."""
+    """Sentences (split after . ! ? followed by a space, after the full-width 。！？ and at newlines):
+    ROUGE-Lsum scores newline-separated sentences."""
     return [s.strip() for s in _SENTENCE_END.split(text.strip()) if s.strip()]
 
 
 def rouge_lsum(candidates: list[str], references: list[str]) -> float:
     """Mean summary-level ROUGE-Lsum F1 x 100, sentences split by ``split_sentences``."""
-    _pairs(candidates, references)
-    rouge_scorer = _library("rouge_score.rouge_scorer", "rouge-score", "ROUGE-Lsum")
-    if not candidates:
-        return 0.0
-    scorer = rouge_scorer.RougeScorer(["rougeLsum"], use_stemmer=True)
-    total = 0.0
-    for c, r in zip(candidates, references):
-        c, r = "\n".join(split_sentences(c)), "\n".join(split_sentences(r))
-        total += 100.0 if not c and not r else 100.0 * scorer.score(r, c)["rougeLsum"].fmeasure
-    return total / len(candidates)
+    return _rouge("rougeLsum", candidates, references, "ROUGE-Lsum", lambda t: "\n".join(split_sentences(t)))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

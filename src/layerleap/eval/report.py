@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from html import escape
 
-from .bench import HF_LABEL, REFERENCE
+from .bench import HF_LABEL, REFERENCE, failure_lines
 
 PALETTE = [
     "#4e79a7",
@@ -425,6 +425,17 @@ def _call_cost(cc: dict | None) -> str:
     )
 
 
+def _failures(failures: list[dict]) -> str:
+    """The runs that raised (a method failing on a prompt), one line per method; '' when none did."""
+    if not failures:
+        return ""
+    items = "".join(f"<li>{escape(line)}</li>" for line in failure_lines(failures))
+    return (
+        f'<p class="note">{len(failures)} run{"" if len(failures) == 1 else "s"} failed; the summary compares '
+        f"each method on the prompts it finished:</p><ul>{items}</ul>"
+    )
+
+
 def html_report(report: dict, title: str | None = None) -> str:
     """The HTML page of a bench report dict (see the module docstring)."""
     from .. import __version__
@@ -441,12 +452,13 @@ def html_report(report: dict, title: str | None = None) -> str:
     depth = summary.get(REFERENCE, {}).get("layers_per_token")
     parts = [
         f"<h1>{escape(title)}</h1>",
-        f"<pre>$ {escape(str(cfg.get('command', '(command not recorded)')))}</pre>",
+        f"<pre>$ {escape(str(cfg.get('command') or '(command not recorded)'))}</pre>",
         _facts(cfg),
         ""
         if report.get("complete", True)
         else f'<p class="note">Interrupted: {report.get("prompts_done")} of '
         f"{cfg.get('n_prompts')} prompts finished.</p>",
+        _failures(report.get("failures") or []),
         "<h2>Summary</h2>",
         _summary_table(summary),
         '<p class="note">Speed-ups are ratios of summed wall time over the same prompts; "= greedy" counts the '

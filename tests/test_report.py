@@ -244,3 +244,18 @@ def test_the_json_report_is_strict_json_with_an_option_of_inf(tiny_hf_dir, tmp_p
     assert bench.parse_value(report["records"][-1]["options"]["alpha_rb"]) == float("inf")  # --opt reads it back
     res.records[0].ppl = float("inf")  # a perplexity that overflowed
     assert _strict_json(json.dumps(res.to_dict()))["records"][0]["ppl"] is None
+
+
+def test_a_bench_that_reaches_the_calibration_split_with_a_lossy_method_says_so():
+    """Prompts 41+ of summarization, translation and math_reasoning chose the lossy methods' calibrated
+    settings: a bench that measures a lossy method there is told, naming the prompts and the fix."""
+    from layerleap.eval.bench import calibration_overlap
+
+    lossy = {"calm": ("calm", {}), "greedy": ("greedy", {})}
+    lossless = {"medusa": ("medusa", {})}
+    assert calibration_overlap(lossy, None, 40) is None  # the table prompts
+    assert calibration_overlap(lossy, ["qa", "writing"], 80) is None  # no calibrated category
+    assert calibration_overlap(lossless, None, 80) is None  # no lossy method
+    said = calibration_overlap(lossy, ["summarization", "qa"], 5, offset=38)
+    assert said is not None and "prompts 41-43 of summarization" in said and "(calm)" in said
+    assert "--offset + --prompts <= 40" in said

@@ -767,6 +767,10 @@ def run_bench(args) -> int:
     if not args.baseline_hf:
         _refuse_unused(args, ("--hf-extra",), "with --no-baseline-hf (it times transformers beside its greedy)")
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts, args.offset)
+    cats = _csv(args.categories)
+    overlap = None if args.data else bench.calibration_overlap(methods, cats, args.prompts, args.offset)
+    if overlap:
+        _say(f"note: {overlap}")
     threads, model, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)

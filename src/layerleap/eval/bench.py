@@ -113,6 +113,24 @@ def required_options(method: str, options: dict) -> list[str]:
     return [o.name for o in get_method(method).declared if o.required and o.name not in options]
 
 
+def calibration_overlap(methods: dict, categories: list[str] | None, n: int, offset: int = 0) -> str | None:
+    """A warning where a bench of the shipped Spec-Bench reaches the prompts the lossy methods' budgets were
+    calibrated on (``calibrate.SPLITS``, from prompt 40 of a calibrated category) while a lossy method runs:
+    its quality there is measured on the prompts that chose its setting; None otherwise.  ``methods``:
+    label -> (method, options)."""
+    from .calibrate import CATEGORIES, TABLE_PROMPTS
+
+    lossy = [label for label, (name, _) in methods.items() if name in LOSSY]
+    hit = [c for c in (categories or CATEGORIES) if c in CATEGORIES]
+    if not lossy or not hit or offset + n <= TABLE_PROMPTS:
+        return None
+    return (
+        f"prompts {max(offset, TABLE_PROMPTS) + 1}-{offset + n} of {', '.join(hit)} are the calibration and "
+        f"held-out splits of the lossy methods' quality budgets ({', '.join(lossy)}): their quality there is "
+        f"partly measured on the prompts that chose their settings; keep --offset + --prompts <= {TABLE_PROMPTS}"
+    )
+
+
 def check_spec(label: str, method: str, options: dict, config=None) -> dict:
     """The options of the run's ``label`` checked by ``method``'s declarations (``core.options.check``;
     the model-dependent bounds with the model's ``config``)."""

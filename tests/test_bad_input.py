@@ -1544,6 +1544,8 @@ SIZES = [
     ),
     ({"LAYERLEAP_MAX_INPUT_MB": "0.000001"}, ["bench", *M, "--data", "{WEIRD}"], "set LAYERLEAP_MAX_INPUT_MB=MB"),
     ({"LAYERLEAP_MAX_INPUT_MB": "0.000001"}, SB + ["--data", "{WEIRD}"], "Spec-Bench file"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "0.000001"}, G + ["--grammar", "{FILE}"], "grammar file {FILE} is larger than"),
+    ({"LAYERLEAP_MAX_INPUT_MB": "0.000001"}, G + ["--json-schema", "{FILE}"], "JSON schema file {FILE} is larger"),
     ({"LAYERLEAP_MAX_INPUT_MB": "lots"}, G[:3] + ["--prompts-file", "{FILE}"], "must be a number of megabytes"),
     ({"LAYERLEAP_MAX_INPUT_MB": "-1"}, G[:3] + ["--prompts-file", "{FILE}"], "must be a positive number of megabytes"),
     ({"LAYERLEAP_MAX_INPUT_MB": "nan"}, G[:3] + ["--prompts-file", "{FILE}"], "must be a positive number"),

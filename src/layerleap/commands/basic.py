@@ -323,9 +323,18 @@ def _grammar_asked(args):
     if args.json_schema is not None:
         return Grammar.json(_json_schema(args.json_schema))
     if args.grammar is not None:
-        with reading(args.grammar, "grammar file", "give a readable GBNF or Lark file"):
-            return Grammar.gbnf(Path(args.grammar).read_text())
+        return Grammar.gbnf(_text_file(args.grammar, "grammar file", "give a readable GBNF or Lark file"))
     return None
+
+
+def _text_file(path: str, what: str, fix: str) -> str:
+    """The UTF-8 text of a file a flag names, read within the input size limit (``/dev/zero`` must not grow
+    the process)."""
+    p = Path(path)
+    if not p.exists() or p.is_dir():
+        raise LayerleapError(f"{what} {path} {'is a folder' if p.is_dir() else 'not found'}: {fix}")
+    with reading(path, what, fix):
+        return V.utf8(V.read_bounded(p, f"{what} {path}"), f"{what} {path}")
 
 
 def _json_schema(text: str) -> str:
@@ -336,8 +345,7 @@ def _json_schema(text: str) -> str:
         raise LayerleapError("--json-schema is empty: give a JSON schema file or the schema itself ({...})")
     if t[0] in "{[" or t in ("true", "false"):
         return text
-    with reading(text, "JSON schema file", "give a readable JSON file or the schema itself"):
-        return Path(text).read_text()
+    return _text_file(text, "JSON schema file", "give a readable JSON file or the schema itself")
 
 
 def _opt_arg(p, metavar: str, what: str) -> None:

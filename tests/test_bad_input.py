@@ -1198,6 +1198,13 @@ BEFORE_LOAD = [
     (G + ["--json-schema", ""], "--json-schema is empty: give a JSON schema file or the schema itself"),
     (G + ["--json-schema", " [1]"], "a JSON schema is a JSON object, got list"),
     (G + ["--json-schema", "true"], "a JSON schema is a JSON object, got bool"),
+    (G + ["--json-schema", "{T}"], "JSON schema file {T} is a folder: give a readable JSON file or the schema itself"),
+    (G + ["--grammar", "{T}/nosuch.gbnf"], "grammar file {T}/nosuch.gbnf not found: give a readable GBNF or Lark"),
+    (
+        G + ["--method", "self-spec", "--opt", "draft_len=3", "--opt", "draft_len=4"],
+        "--opt draft_len is given 2 times: give each option once",
+    ),
+    (["generate", *M, "--prompt", "-1e3"], "expected one argument: give it a value (one that starts with '-' is "),
     (["train", "data", *M, "--self-distill", "2", "--out", "{T}/a.csv"], "a JSON lines file must end in .jsonl"),
     (["train", "data", *M, "--self-distill", "2", "--out", "{T}"], "is a folder: give a file name"),
     (["train", "data", *M, "--self-distill", "2", "--out", "/proc/x.jsonl"], "cannot be written"),

@@ -6,6 +6,7 @@ exit code 130 (``layerleap.__main__.run``, the console script, covers start-up t
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import warnings
 
@@ -20,6 +21,9 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):  # argparse's own errors: one line, exit 2
+        flag = re.fullmatch(r"argument (-[^\s/:]+)(?:/\S+)?: expected one argument", message)
+        if flag:  # argparse takes a value that starts with '-' (a prompt "-x y", "-1e3") for a flag
+            message += f": give it a value (one that starts with '-' is written {flag[1]}=VALUE)"
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 

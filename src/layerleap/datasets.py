@@ -141,7 +141,7 @@ def read_prompts_file(path: str | Path) -> list[str]:
         raise LayerleapError(f"prompts file {p} not found (or not a file): give a .jsonl or text file")
     text = V.read_bounded(p, f"prompts file {p}")
     try:
-        lines = [(n, line) for n, line in enumerate(text.decode("utf-8").splitlines(), 1) if line.strip()]
+        lines = [(n, line) for n, line in enumerate(text.decode("utf-8-sig").splitlines(), 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise LayerleapError(f"cannot read prompts file {p} ({type(e).__name__}): give a UTF-8 text file") from None
     prompts = (

@@ -323,9 +323,18 @@ def _grammar_asked(args):
     if args.json_schema is not None:
         return Grammar.json(_json_schema(args.json_schema))
     if args.grammar is not None:
-        with reading(args.grammar, "grammar file", "give a readable GBNF or Lark file"):
-            return Grammar.gbnf(Path(args.grammar).read_text())
+        return Grammar.gbnf(_text_file(args.grammar, "grammar file", "give a readable GBNF or Lark file"))
     return None
+
+
+def _text_file(path: str, what: str, fix: str) -> str:
+    """The UTF-8 text of a file a flag names, read within the input size limit (``/dev/zero`` must not grow
+    the process)."""
+    p = Path(path)
+    if not p.exists() or p.is_dir():
+        raise LayerleapError(f"{what} {path} {'is a folder' if p.is_dir() else 'not found'}: {fix}")
+    with reading(path, what, fix):
+        return V.utf8(V.read_bounded(p, f"{what} {path}"), f"{what} {path}")
 
 
 def _json_schema(text: str) -> str:
@@ -336,8 +345,7 @@ def _json_schema(text: str) -> str:
         raise LayerleapError("--json-schema is empty: give a JSON schema file or the schema itself ({...})")
     if t[0] in "{[" or t in ("true", "false"):
         return text
-    with reading(text, "JSON schema file", "give a readable JSON file or the schema itself"):
-        return Path(text).read_text()
+    return _text_file(text, "JSON schema file", "give a readable JSON file or the schema itself")
 
 
 def _opt_arg(p, metavar: str, what: str) -> None:
@@ -381,14 +389,19 @@ def _read_stdin() -> str:
     if sys.stdin is None:
         raise LayerleapError("--prompt - reads stdin, but stdin is closed: pipe the prompt in or give it as text")
     data = V.read_bounded(sys.stdin.buffer, "the prompt on stdin (--prompt -)", "LAYERLEAP_MAX_PROMPT_MB")
-    return V.utf8(data, "the prompt on stdin")
+    return V.utf8(data, "the prompt on stdin").removeprefix("\ufeff")  # a byte-order mark is no text
 
 
 def _method_options(method: str, items: list[str] | None, quality: float | None = None) -> dict:
     """``--opt NAME=VALUE`` items of ``generate``, checked by the method's declarations (names, types, the
     bounds that do not depend on the model; a model-valued one must name a model) before any model is
     loaded.  With ``--quality`` a missing option is left to the calibration (or generate names the fix)."""
-    options = dict(bench.parse_assignments(items))
+    pairs = bench.parse_assignments(items)
+    names = [k for k, _ in pairs]
+    twice = next((k for k in names if names.count(k) > 1), None)
+    if twice is not None:  # the last one would win silently
+        raise LayerleapError(f"--opt {twice} is given {names.count(twice)} times: give each option once")
+    options = dict(pairs)
     get_method(method).check_options(options, partial=quality is not None)
     check_has_budget(method, quality)
     _check_model_options(method, options)
@@ -437,8 +450,15 @@ def _generate(args, model, prompts, kwargs: dict, threads: int) -> int:
             chat=args.chat,
             **kwargs,
         )
-        for piece in s:
-            print(piece, end="", flush=True)
+        shown = False
+        try:
+            for piece in s:
+                print(piece, end="", flush=True)
+                shown = shown or bool(piece)
+        except (KeyboardInterrupt, LayerleapError):  # the text so far ends its line before the error's
+            if shown:
+                print(flush=True)
+            raise
         print()
         print(_stats_line(s.result.stats, threads))
         return 0

@@ -1,0 +1,61 @@
+"""``generate``'s prompt sources and its streamed output: a byte-order mark is no part of a prompt,
+and the streamed text ends its line when a Ctrl-C or an error cuts it."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import types
+
+import pytest
+
+import layerleap
+from layerleap.cli import main
+from layerleap.commands import basic
+
+BOM = b"\xef\xbb\xbf"
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return layerleap.load_folder(tiny_hf_dir)
+
+
+def _prompt_ids(out: str) -> list[int]:
+    return [json.loads(line)["stats"]["prompt_tokens"] for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("name", ["prompts.jsonl", "prompts.txt"])
+def test_a_prompts_file_with_a_byte_order_mark(capsys, tmp_path, tiny_hf_dir, tiny, name):
+    f = tmp_path / name
+    f.write_bytes(BOM + (b'"Hello"\n' if name.endswith(".jsonl") else b"Hello\n"))
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 2, "--json")
+    assert rc == 0, err
+    assert _prompt_ids(out) == [len(tiny.tokenizer.encode("Hello"))]
+
+
+def test_a_prompt_on_stdin_with_a_byte_order_mark(capsys, monkeypatch, tiny_hf_dir, tiny):
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(BOM + b"Hello")))
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "-", "--max-new-tokens", 2, "--json")
+    assert rc == 0, err
+    assert _prompt_ids(out) == [len(tiny.tokenizer.encode("Hello"))]
+
+
+@pytest.mark.parametrize("cut", [KeyboardInterrupt, layerleap.LayerleapError])
+def test_a_cut_stream_ends_its_line(capsys, monkeypatch, tiny_hf_dir, cut):
+    def stream(*args, **kwargs):
+        yield "some text"
+        raise cut("cut")
+
+    monkeypatch.setattr(basic, "stream", stream)
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "Hi", "--max-new-tokens", 4, "--stream")
+    assert rc == (130 if cut is KeyboardInterrupt else 2)
+    assert out == "some text\n"
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("layerleap generate: ")

@@ -137,6 +137,8 @@ def test_parse_value_and_methods(monkeypatch):
     add_method(monkeypatch, "opty", lambda run, k=2, name="x": autoregressive(run))
     specs = bench.parse_methods("greedy, a=opty,b=opty", ["a.k=3", "opty.name=z"])
     assert specs == {"greedy": ("greedy", {}), "a": ("opty", {"k": 3, "name": "z"}), "b": ("opty", {"name": "z"})}
+    with pytest.raises(layerleap.LayerleapError, match="--opt a.k is given 2 times: give each option once"):
+        bench.parse_methods("greedy, a=opty,b=opty", ["a.k=3", "a.k=4"])  # the last one would win silently
 
 
 def test_methods_with_required_options_are_skipped(monkeypatch):

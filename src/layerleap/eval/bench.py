@@ -159,7 +159,12 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
         specs[label] = (name, {})
     if not specs:
         raise LayerleapError("no methods given: e.g. --methods greedy,sample")
-    for key, value in parse_assignments(opts, "METHOD.NAME=VALUE"):
+    pairs = parse_assignments(opts, "METHOD.NAME=VALUE")
+    keys = [k for k, _ in pairs]
+    twice = next((k for k in keys if keys.count(k) > 1), None)
+    if twice is not None:  # the last one would win silently
+        raise LayerleapError(f"--opt {twice} is given {keys.count(twice)} times: give each option once")
+    for key, value in pairs:
         target, dot, opt = key.partition(".")
         if not dot or not opt:
             raise LayerleapError(f"bad option {key!r}: write METHOD.NAME=VALUE (METHOD: a label or method name)")

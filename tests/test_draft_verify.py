@@ -291,21 +291,26 @@ def test_a_second_model_with_a_shorter_context_is_refused_for_a_longer_prompt():
                 layerleap.generate(large, prompt, method, n, **kw)
 
 
-def test_a_tree_must_fit_the_context_for_the_longest_prompt_in_any_order():
+def test_a_tree_decodes_a_batch_that_fills_the_context_in_any_order():
+    """The longest prompt + max_new_tokens filling the context, as greedy decoding serves it: a tree's
+    nodes past its end stand for tokens past the output; one row more is refused as greedy refuses it."""
     from tiny_models import random_model
 
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)
-    heads = medusa_transfer.new_drafter(model, "medusa", steps=3)
+    heads = _perturbed(model, "medusa", steps=3)
     long, short = [i % 90 + 1 for i in range(model.config.max_position - 6)], [1, 2, 3]
     for batch in ([long, short], [short, long]):
-        with pytest.raises(layerleap.GenerationError, match="the longest prompt"):
-            layerleap.generate(model, batch, "medusa", 6, heads=heads, tree="1,1,1")
+        want = [r.token_ids for r in layerleap.generate(model, batch, "greedy", 6, stop_at_eos=False)]
+        got = layerleap.generate(model, batch, "medusa", 6, heads=heads, tree="1,1,1", stop_at_eos=False)
+        assert [r.token_ids for r in got] == want
+        with pytest.raises(layerleap.GenerationError, match="that exceeds the context length"):
+            layerleap.generate(model, batch, "medusa", 7, heads=heads, tree="1,1,1")
 
 
-def test_a_transfer_tree_that_just_fits_the_context_decodes_greedy():
+def test_a_transfer_tree_near_the_context_end_decodes_greedy():
     """Hidden Transfer's pseudo states of a deep node stand for tokens up to twice the tree's depth ahead:
-    with the prompt and the output filling the context to the tree's limit, they lie past its end, and
-    the call still decodes (its drafts there are past the output), equal to greedy decoding."""
+    with the prompt and the output near the context's end, they lie past it, and the call still decodes
+    (its drafts there are past the output), equal to greedy decoding."""
     from tiny_models import random_model
 
     model = random_model("llama-gqa-tied", seed=11, scale=2.0)

@@ -190,6 +190,80 @@ def test_pseudo_states_match_a_causal_reference():
         torch.testing.assert_close(pseudo[1, last], both[0, 1], rtol=1e-5, atol=1e-5)
 
 
+END_CASES = [
+    ("medusa", {"tree": "1,1,1"}),
+    ("medusa", {"tree": "3,2,2"}),
+    ("medusa", {"tree": "dynamic"}),
+    ("hidden-transfer", {"tree": "1,1,1"}),
+    ("hidden-transfer", {"tree": "3,2,2"}),
+    ("hidden-transfer", {"tree": "dynamic", "tree_nodes": 5, "tree_depth": 3}),
+    ("auto", {"tree": "2,2"}),
+]
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["drafts", "oracle"])
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+@pytest.mark.parametrize("method,kw", END_CASES, ids=[f"{m}-{kw['tree']}" for m, kw in END_CASES])
+def test_trees_decode_to_the_end_of_the_context(monkeypatch, fmt, method, kw, oracle):
+    """A prompt and max_new_tokens that fill the context, which greedy decoding serves: a tree's nodes (and
+    pseudo states) past the context's end stand for tokens past the output, so every row's output is
+    greedy decoding's to the context's last position, alone and in a ragged batch (fp32: the naive
+    no-cache loop's; q4: q4 greedy decoding's).  ``oracle``: each tree's top-ranked path is greedy's own
+    continuation, so whole paths are accepted up to the output's end and past it."""
+    from layerleap.core import native
+    from layerleap.core.loading import quantize_model
+    from layerleap.drafters.trees import TreeDrafter
+
+    model = random_model("qwen2-gqa-untied", seed=11, scale=2.0, max_position=24)
+    if fmt == "q4":
+        if native.module() is None:
+            pytest.skip("without the native layers a call over many new tokens may round apart at a near-tie")
+        model = quantize_model(model)
+    heads, proj = medusa_for(model, 2), transfer_for(model, 1, layers=[1, 2, 3])
+    opt = {"medusa": {"heads": heads}, "hidden-transfer": {"transfer": proj}}.get(
+        method, {"transfer": proj, "medusa": heads}
+    )
+    kw = dict(kw, stop_at_eos=False, draft_vocab="full", **opt)
+    ctx, V = model.config.max_position, model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    wants: dict[tuple, list[int]] = {}  # prompt -> greedy's output
+
+    def greedy(prompts, n):
+        if fmt == "fp32":
+            out = [naive_greedy(model, p, n) for p in prompts]
+        else:
+            out = [r.token_ids for r in generate(model, prompts, "greedy", n, stop_at_eos=False)]
+        wants.update({tuple(p): o for p, o in zip(prompts, out)})
+        return out
+
+    if oracle:
+        propose_row = TreeDrafter.propose_row
+
+        def oracle_row(self, row, root, budget):
+            top = self.topk[row]
+            if top is not None:  # rank 0 at each step: greedy's next tokens (past the output: any token)
+                ahead = wants[tuple(self.run.prompts[row])][len(self.run.out[row]) :]
+                top[:, 0] = torch.tensor((ahead + [1] * len(top))[: len(top)])
+            return propose_row(self, row, root, budget)
+
+        monkeypatch.setattr(TreeDrafter, "propose_row", oracle_row)
+
+    accepted = 0
+    for n in (1, 2, 3, 6):
+        prompt = torch.randint(0, V, (ctx - n,), generator=g).tolist()
+        want = greedy([prompt], n)[0]
+        got = generate(model, prompt, method, n, **kw)
+        assert got.token_ids == want, n
+        accepted += got.stats["accepted"]
+    batch = [torch.randint(0, V, (length,), generator=g).tolist() for length in (ctx - 7, 3, ctx - 10)]
+    want = greedy(batch, 7)
+    got = generate(model, batch, method, 7, **kw)
+    assert [r.token_ids for r in got] == want
+    assert all(len(r.token_ids) == 7 for r in got)
+    if oracle and method != "auto":  # (auto may choose other drafts than the tree's)
+        assert accepted + sum(r.stats["accepted"] for r in got) >= 10
+
+
 def test_files_round_trip_and_refuse_another_model(tmp_path, models):
     model, other = models["llama-gqa-tied"], models["qwen2-gqa-untied"]
     for kind, d in [("transfer", transfer_for(model)), ("medusa", medusa_for(model))]:
@@ -214,8 +288,12 @@ def test_errors(models):
         generate(model, [1, 2], "hidden-transfer", 4, tree="1,1,1", transfer=transfer_for(model, layers=[1, 2]))
     with pytest.raises(GenerationError, match="3 deep"):
         generate(model, [1, 2], "medusa", 4, tree="1,1,1", heads=medusa_for(model, steps=2))
-    with pytest.raises(GenerationError, match="does not fit the context"):
-        generate(model, [1] * 200, "medusa", 54, tree="1,1,1", heads=medusa_for(model))
+    for method, opt in (
+        ("medusa", {"heads": medusa_for(model)}),
+        ("hidden-transfer", {"transfer": transfer_for(model)}),
+    ):
+        with pytest.raises(GenerationError, match="prompt 0 has 200 tokens; with max_new_tokens=57 that exceeds the"):
+            generate(model, [1] * 200, method, 57, tree="1,1,1", **opt)  # as greedy refuses it
     with pytest.raises(GenerationError, match="tree: cannot read the tree shape '1,x'"):
         generate(model, [1, 2], "medusa", 4, tree="1,x", heads=medusa_for(model))
     with pytest.raises(drafters.DrafterError, match="layers"):

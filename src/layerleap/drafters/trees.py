@@ -12,7 +12,8 @@ with tree attention in one call (``tree.build`` shapes, ``verify.accept_greedy``
 
 Drafts are the heads' top-k, chosen deterministically, so sampling verifies them as one-hot
 proposals (lossless).  A batch verifies one tree shape per call, each row filled with its own
-drafts at its own position, and keeps each row's accepted path.
+drafts at its own position, and keeps each row's accepted path.  A request that fills the context
+decodes as greedy decoding does: nodes past the context's end stand for tokens past the output.
 
 ``tree="dynamic"`` (``DynamicTree``) instead builds each row's tree every round from its drafts'
 own confidence, as EAGLE-2 (Li et al. 2024, §4) does: the paths with the highest product of draft
@@ -39,8 +40,11 @@ from .medusa_transfer import MedusaHeads, TransferProjections
 
 
 def tree_buffers(run: Run, name: str, tree, steps: int, vocab: DraftVocab | None = None) -> tree_mod.TreeBuffers:
-    """The tree's buffers, after checking the tree against the trained steps, the (draft) vocabulary
-    and the context."""
+    """The tree's buffers, after checking the tree against the trained steps and the (draft) vocabulary.
+    The context bounds only the prompt and the output, as greedy decoding's: near its end a tree's deeper
+    nodes (and Hidden Transfer's pseudo states) stand for tokens past the output, which are never kept;
+    the cache holds them (``round_tokens``) and their positions are held at the last one (``Drafter.score``,
+    ``transfer_pass``)."""
     buf = tree_mod.build(tree)
     V = run.model.config.vocab_size if vocab is None else vocab.size
     if buf.widest > V:
@@ -50,14 +54,6 @@ def tree_buffers(run: Run, name: str, tree, steps: int, vocab: DraftVocab | None
         raise GenerationError(
             f"the tree is {buf.depth} deep but the {name} weights have {steps} step(s): give a "
             f"tree at most {steps} deep, or train more steps"
-        )
-    ctx = run.model.config.max_position
-    need = max(map(len, run.prompts)) + run.gen.max_new_tokens + max(buf.depth, steps) + 1  # the longest row
-    if need > ctx:
-        raise GenerationError(
-            f"the tree does not fit the context: the longest prompt + max_new_tokens + tree depth "
-            f"{max(buf.depth, steps)} + 1 = {need} positions > {ctx}: shorten the prompt, lower "
-            "max_new_tokens or use a shallower tree"
         )
     return buf
 

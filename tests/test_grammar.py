@@ -257,8 +257,8 @@ def test_generate_command_takes_a_grammar(capsys, tiny_hf_dir, tiny, tmp_path):
         assert got["token_ids"] == generate(tiny, PROMPTS[1], "greedy", 64, grammar=grammar).token_ids, flags
     bad = [
         (["--regex", "(("], "regex"),
-        (["--json-schema", tmp_path / "none.json"], "cannot be read"),  # these three before the model loads
-        (["--grammar", tmp_path / "none.gbnf"], "cannot be read"),
+        (["--json-schema", tmp_path / "none.json"], "none.json not found"),  # these three before the model loads
+        (["--grammar", tmp_path / "none.gbnf"], "none.gbnf not found"),
         (["--json-object", "--method", "ppd"], "cannot follow a grammar"),
     ]
     for flags, words in bad:

@@ -59,3 +59,15 @@ def test_a_cut_stream_ends_its_line(capsys, monkeypatch, tiny_hf_dir, cut):
     assert rc == (130 if cut is KeyboardInterrupt else 2)
     assert out == "some text\n"
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("layerleap generate: ")
+
+
+def test_a_spec_bench_file_with_a_byte_order_mark(tmp_path):
+    """A question.jsonl saved with a byte-order mark (as some editors do) reads as the same prompts."""
+    from layerleap.datasets import SHIPPED_SPEC_BENCH, spec_bench
+
+    lines = SHIPPED_SPEC_BENCH.read_bytes().splitlines(keepends=True)[:3]
+    f = tmp_path / "question.jsonl"
+    f.write_bytes(BOM + b"".join(lines))
+    plain = tmp_path / "plain.jsonl"
+    plain.write_bytes(b"".join(lines))
+    assert spec_bench(f) == spec_bench(plain) and len(spec_bench(f)) == 3

@@ -72,7 +72,7 @@ def _read_spec_bench(path) -> list[dict]:
     if not p.is_file():
         raise LayerleapError(f"Spec-Bench file {p} not found (or not a file): give the path of question.jsonl")
     try:
-        text = V.read_bounded(p, f"Spec-Bench file {p}").decode("utf-8")
+        text = V.read_bounded(p, f"Spec-Bench file {p}").decode("utf-8-sig")  # a byte-order mark: no part of line 1
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         for r in rows:  # the fields we use, with their types
             if not (

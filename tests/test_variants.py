@@ -142,7 +142,10 @@ def test_a_variant_refuses_another_model_and_unknown_names(tmp_path):
     other = random_model("llama-gqa-tied", n_layers=4, seed=1)
     with pytest.raises(variants.VariantError, match="another model"):
         variants.apply(other, out)
-    with pytest.raises(variants.VariantError, match="no variant 'nope'"):
+    with pytest.raises(
+        variants.VariantError,
+        match="no variant 'nope' for smollm2-135m: none ships with the package: give a .safetensors file",
+    ):
         variants.variant_file("smollm2-135m", "nope")
     upper = out.rename(tmp_path / "V.SAFETENSORS")  # a suffix in any case
     assert variants.variant_file("smollm2-135m", str(upper)) == upper

@@ -117,9 +117,9 @@ def variant_file(model_name: str, variant: str) -> Path:
     if q.suffix.lower() == ".safetensors" and q.is_file():
         return q
     names = shipped_variants(str(model_name))
+    choose = f"choose one of {', '.join(names)} or give" if names else "none ships with the package: give"
     raise VariantError(
-        f"no variant {str(variant)!r} for {model_name}: choose one of "
-        f"{', '.join(names) or '(none shipped)'} or give a .safetensors file written by "
+        f"no variant {str(variant)!r} for {model_name}: {choose} a .safetensors file written by "
         "`layerleap finetune variant`"
     )
 

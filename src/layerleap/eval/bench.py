@@ -803,34 +803,31 @@ class _Runner:
         """Every run once, untimed; one that raises here is left to the timed runs to report."""
         prompt_ids = None
         for label in self.methods:
-            res = _attempt(self.ours, label, prompt, n)
+            res, _ = _attempt(self.ours, label, prompt, n)
             prompt_ids = res.prompt_ids if res is not None else prompt_ids
         if self.hf is not None and prompt_ids is not None:
-            _attempt(self.hf.generate, prompt_ids, n)
-            for options in self.hf_extra.values():
+            for options in ({}, *self.hf_extra.values()):
                 _attempt(self.hf.generate, prompt_ids, n, **options)
 
     def run(self, i: int, prompt: Prompt, label: str, round_: int, fn: Callable[..., GenerationResult], *args, **kw):
         """``fn(*args, **kw)``, or None after recording its failure (``BenchResult.failures``): one method failing
         on one prompt leaves the others' runs and the rest of the bench to finish."""
-        try:
-            return fn(*args, **kw)
-        except Exception as e:  # noqa: BLE001 - any failure of the run is reported, not raised
-            from .. import interrupts
+        res, error = _attempt(fn, *args, **kw)
+        if error is not None:
+            self.fail(i, prompt, label, round_, error)
+        return res
 
-            if interrupts.interrupted():  # a library turned the Ctrl-C into another error
-                raise KeyboardInterrupt from e
-            self.failures.append(
-                {
-                    "prompt_index": i,
-                    "prompt_id": prompt.id,
-                    "category": prompt.category,
-                    "label": label,
-                    "round": round_,
-                    "error": f"{type(e).__name__}: {e}",
-                }
-            )
-            return None
+    def fail(self, i: int, prompt: Prompt, label: str, round_: int, error: str) -> None:
+        self.failures.append(
+            {
+                "prompt_index": i,
+                "prompt_id": prompt.id,
+                "category": prompt.category,
+                "label": label,
+                "round": round_,
+                "error": error,
+            }
+        )
 
     def prompt(self, i: int, prompt: Prompt, n: int, bar) -> list[Record]:
         runs: dict[str, Record] = {}
@@ -868,7 +865,7 @@ class _Runner:
                 bar.set_postfix_str(f"{where} {label}")
                 if prompt_ids is None:  # every method of ours failed on the prompt: no encoding to give
                     res = None
-                    self.run(i, prompt, label, round_, _no_prompt_ids)
+                    self.fail(i, prompt, label, round_, "every method of ours failed, so no encoded prompt to give")
                 else:
                     res = self.run(i, prompt, label, round_, self.hf.generate, prompt_ids, n, **options)
                 if res is not None:
@@ -876,17 +873,14 @@ class _Runner:
                 bar.update()
 
 
-def _attempt(fn, *args, **kw):
-    """``fn(*args, **kw)``, or None where it raises (a warm-up run: the timed runs report the failure)."""
+def _attempt(fn, *args, **kw) -> tuple[object, str | None]:
+    """``(fn(*args, **kw), None)``, or ``(None, "Type: message")`` where it raises; a Ctrl-C that a library
+    turned into another error stays an interrupt."""
     try:
-        return fn(*args, **kw)
-    except Exception:  # noqa: BLE001
+        return fn(*args, **kw), None
+    except Exception as e:  # noqa: BLE001 - any failure of the run is reported, not raised
         from .. import interrupts
 
         if interrupts.interrupted():
-            raise KeyboardInterrupt from None
-        return None
-
-
-def _no_prompt_ids():
-    raise LayerleapError("no method of ours encoded the prompt (every one failed), so transformers had no input")
+            raise KeyboardInterrupt from e
+        return None, f"{type(e).__name__}: {e}"

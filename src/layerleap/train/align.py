@@ -139,7 +139,7 @@ def _train(
 ) -> tuple[LoopResult, str]:
     """AdamW over ``params`` at a constant rate; ``loss_fn(batch_indices) -> loss``; ``n_items``
     examples, shuffled per epoch with a seeded generator (so a resumed run sees the same order).
-    -> the run and its machines: ``machine``, after a resumed state's (``weights.machines``)."""
+    -> the run and its machines: ``machine``, after a resumed state's (``Checkpoint``)."""
     meta = {"tag": tag, "machine": machine}
 
     def check(saved: dict) -> None:
@@ -148,7 +148,6 @@ def _train(
                 f"checkpoint {_ckpt_path(out)} belongs to another alignment run (other model, data or "
                 "settings): delete it to start again"
             )
-        meta["machine"] = weights.machines(saved.get("machine"), machine)
 
     total = -(-n_items // cfg.batch_tokens) * cfg.epochs
     loop = LoopConfig(

@@ -416,7 +416,7 @@ def _checkpoint(
     sequences, and the state must have been made on them; without them a state whose data is known
     must have been made on the sequences trained on.  The state written records ``data``, else the
     resumed state's, so that a resume without sequences keeps the hash for the next resume.  Its
-    ``meta["machine"]``: ``machine``, after a resumed state's machines (``weights.machines``)."""
+    ``meta["machine"]``: ``machine``, after a resumed state's machines (``Checkpoint``)."""
     if work is None:
         return None
     key = _config_key(cfg, fingerprint)
@@ -431,7 +431,6 @@ def _checkpoint(
                 "work folder, or the same settings and data to resume"
             )
         made["seqs"] = data or saved
-        made["machine"] = weights.machines(meta.get("machine"), machine)
 
     return Checkpoint(
         work / STATE_FILE, made, check, what="training state", fix="delete the work folder to start again"

@@ -81,7 +81,9 @@ class LoopConfig:
 @dataclass
 class Checkpoint:
     """Where the state lives and what run it belongs to.  ``meta`` (strings) is written with the
-    state; ``check(saved_meta)`` raises when a saved state is another run's.  ``weights=False``: the
+    state; ``check(saved_meta)`` raises when a saved state is another run's.  A ``meta["machine"]`` (the
+    machine this call trains on) becomes, on a resume, the machines of every call, the saved state's
+    first (``weights.machines``): what the weights file's budget records.  ``weights=False``: the
     trainer saves its weights itself in ``on_save(step, losses)`` (called before the state is
     written) and restores them before the loop starts."""
 
@@ -269,6 +271,10 @@ def load_state(
             raise CheckpointError(f"{ckpt.what} {ckpt.path} was written by another version of layerleap: {ckpt.fix}")
         if ckpt.check is not None:
             ckpt.check(meta)
+        if "machine" in ckpt.meta:
+            from ..drafters.weights import machines
+
+            ckpt.meta["machine"] = machines(meta.get("machine"), ckpt.meta["machine"])
         if ckpt.weights:
             with torch.no_grad():
                 for k, p in params.items():

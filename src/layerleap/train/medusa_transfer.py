@@ -313,7 +313,7 @@ LATER_KEYS = ("warmup", "grad_clip", "state_dtype")  # a state whose settings la
 def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machine: str) -> Checkpoint:
     """The run's checkpoint; a resumed run must share its model, ``RESUME_KEYS`` settings and data
     (``data``: a hash of the token chunks, ``state_cache.data_hash``).  Its ``meta["machine"]``: the
-    machines of every call (``weights.machines``), a resumed state's first."""
+    machines of every call, a resumed state's first (``Checkpoint``)."""
     path = _ckpt_path(out)
 
     def check(meta: dict) -> None:
@@ -335,7 +335,6 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machin
                 f"checkpoint {path} was made on other training data (other token chunks): give the same data to "
                 "resume, or delete it to start again"
             )
-        meta_out["machine"] = weights.machines(meta.get("machine"), machine)
 
     meta_out = {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint, "data": data, "machine": machine}
     return Checkpoint(path, meta_out, check)

@@ -277,7 +277,6 @@ def train_variant(
             raise VariantTrainError(
                 f"{state} holds a run on other training examples: use another --out or the same data to resume"
             )
-        ckpt.meta["machine"] = weights.machines(meta.get("machine"), machine)
 
     n_tokens = sum(len(p) + len(c) for p, c in examples) / len(examples)
     positions = sum(len(c) for _, c in examples) / len(examples)

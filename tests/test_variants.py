@@ -189,7 +189,7 @@ def test_a_variant_file_whose_deltas_do_not_fit_is_refused_by_name(tmp_path):
     D = model.config.hidden_size
     good = {a: torch.randn(2, D) * 0.01, b: torch.randn(D, 2) * 0.01}
     cases = {
-        "nan": (build, {a: good[a] * torch.nan, b: good[b]}, "not finite"),
+        "nan": (build, {a: good[a] * torch.nan, b: good[b]}, "holds NaN or infinite values"),
         "ints": (build, {a: good[a].to(torch.int32), b: good[b]}, "int32"),
         "layer": ({**build, "layers": [99]}, good, "no layer or projection 99"),
         "projection": ({**build, "projections": ["attn.z"]}, good, "no layer or projection 'attn.z'"),

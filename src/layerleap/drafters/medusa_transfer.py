@@ -349,11 +349,8 @@ def new_drafter(model: Transformer, kind: str, **config) -> _Drafter:
 def _builder(kind: str):
     def build(model: Transformer, config: dict, tensors: dict) -> _Drafter:
         drafter = new_drafter(model, kind, **config)
-        for name, t in tensors.items():  # integers would load as floats, NaNs would draft nothing: refused
-            if not t.is_floating_point():
-                raise ValueError(f"tensor {name} is {str(t.dtype).removeprefix('torch.')}, not floating point")
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"tensor {name} holds NaN or infinite values")
+        for name, t in tensors.items():
+            weights.finite_float(name, t)
         drafter.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
         return drafter.to(model.device).eval().requires_grad_(False)
 

@@ -86,10 +86,7 @@ def _build(model: Transformer, build: dict, tensors: dict) -> dict:
                 t = tensors[key]
                 if tuple(t.shape) != shape:
                     raise ValueError(f"tensor {key} is {list(t.shape)}, not {list(shape)}")
-                if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
-                    raise ValueError(
-                        f"tensor {key} is not finite floating point ({str(t.dtype).removeprefix('torch.')})"
-                    )
+                weights.finite_float(key, t)
     return {
         "build": {**build, "rank": rank, "alpha": alpha, "layers": layers, "projections": names},
         "tensors": tensors,

@@ -125,6 +125,15 @@ def machines(before: str | None, now: str) -> str:
     return f"{before}; then {now}"
 
 
+def finite_float(name: str, t: torch.Tensor) -> None:
+    """Refuse (``ValueError``, which ``read`` names with the file) a weights tensor that is not floating
+    point (integers would load as floats) or holds NaN or infinite values (they would draft nothing)."""
+    if not t.is_floating_point():
+        raise ValueError(f"tensor {name} is {str(t.dtype).removeprefix('torch.')}, not floating point")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"tensor {name} holds NaN or infinite values")
+
+
 def command_line() -> str:
     """This process's command line: what a weights file written outside the CLI records."""
     return shlex.join([Path(sys.argv[0]).name or "python", *sys.argv[1:]])

@@ -396,12 +396,7 @@ def _method_options(method: str, items: list[str] | None, quality: float | None 
     """``--opt NAME=VALUE`` items of ``generate``, checked by the method's declarations (names, types, the
     bounds that do not depend on the model; a model-valued one must name a model) before any model is
     loaded.  With ``--quality`` a missing option is left to the calibration (or generate names the fix)."""
-    pairs = bench.parse_assignments(items)
-    names = [k for k, _ in pairs]
-    twice = next((k for k in names if names.count(k) > 1), None)
-    if twice is not None:  # the last one would win silently
-        raise LayerleapError(f"--opt {twice} is given {names.count(twice)} times: give each option once")
-    options = dict(pairs)
+    options = bench.parse_assignments(items)
     get_method(method).check_options(options, partial=quality is not None)
     check_has_budget(method, quality)
     _check_model_options(method, options)

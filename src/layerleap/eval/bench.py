@@ -98,13 +98,19 @@ def parse_value(text: str):
     return text
 
 
-def parse_assignments(items: list[str] | None, form: str = "NAME=VALUE") -> list[tuple[str, object]]:
-    out = []
+def parse_assignments(items: list[str] | None, form: str = "NAME=VALUE") -> dict[str, object]:
+    """``--opt NAME=VALUE`` items -> ``{NAME: value}``; a name given twice is refused (the last would win
+    silently)."""
+    out: dict[str, object] = {}
     for item in items or []:
         key, eq, value = item.partition("=")
-        if not eq or not key.strip():
+        key = key.strip()
+        if not eq or not key:
             raise LayerleapError(f"bad option {item!r}: write {form}")
-        out.append((key.strip(), parse_value(value)))
+        if key in out:
+            times = sum(i.partition("=")[0].strip() == key for i in items)
+            raise LayerleapError(f"--opt {key} is given {times} times: give each option once")
+        out[key] = parse_value(value)
     return out
 
 
@@ -159,12 +165,7 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
         specs[label] = (name, {})
     if not specs:
         raise LayerleapError("no methods given: e.g. --methods greedy,sample")
-    pairs = parse_assignments(opts, "METHOD.NAME=VALUE")
-    keys = [k for k, _ in pairs]
-    twice = next((k for k in keys if keys.count(k) > 1), None)
-    if twice is not None:  # the last one would win silently
-        raise LayerleapError(f"--opt {twice} is given {keys.count(twice)} times: give each option once")
-    for key, value in pairs:
+    for key, value in parse_assignments(opts, "METHOD.NAME=VALUE").items():
         target, dot, opt = key.partition(".")
         if not dot or not opt:
             raise LayerleapError(f"bad option {key!r}: write METHOD.NAME=VALUE (METHOD: a label or method name)")

@@ -114,14 +114,9 @@ def reference_score(category: str, text: str, reference: str) -> float:
 
 
 def agreement(text: str, greedy_text: str) -> float:
-    """ROUGE-L F1 of ``text`` against greedy's own text, 0..1 (1 for equal texts).  ROUGE's own
-    tokenizer keeps only a-z and 0-9: where it leaves either text without a word (Chinese, Cyrillic,
-    only punctuation), words and punctuation of any script are compared instead (``quality.rouge_l_any``)."""
-    if text == greedy_text or (not text.strip() and not greedy_text.strip()):
-        return 1.0
-    if not Q.latin_words(text) or not Q.latin_words(greedy_text):
-        return Q.rouge_l_any(text, greedy_text) / 100.0
-    return Q.rouge_l([text], [greedy_text]) / 100.0
+    """ROUGE-L F1 of ``text`` against greedy's own text, 0..1 (1 for equal texts; texts of any script:
+    ``quality.rouge_l``)."""
+    return 1.0 if text == greedy_text else Q.rouge_l([text], [greedy_text]) / 100.0
 
 
 def perplexity(model, prompt_ids: list[int], ids: list[int]) -> float:

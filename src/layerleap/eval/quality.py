@@ -49,14 +49,6 @@ def latin_words(text: str) -> bool:
     return bool(re.search(r"[a-z0-9]", text.lower()))
 
 
-def rouge_l_any(candidate: str, reference: str) -> float:
-    """ROUGE-L F1 (0-100) of one text against another, over words and punctuation of any script."""
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_AnyScript())
-    return 100.0 * scorer.score(reference, candidate)["rougeL"].fmeasure
-
-
 def _rouge(kind: str, candidates: list[str], references: list[str], what: str, split=None) -> float:
     """Mean ROUGE F1 x 100 of kind ``kind`` (rouge-score, Porter stemmer) over the pairs.  Where ROUGE's
     own tokenizer finds no word in a text of the pair (Chinese, Cyrillic, only punctuation:

@@ -1246,6 +1246,8 @@ BEFORE_LOAD = [
     (EX + ["--methods", "speculative"], "needs a second model: give --draft NAME"),
     (EX + ["--methods", "ppd", "--opt", "ppd.k=0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     (TM + ["--out", "{T}/m.safetensors", "--layers", "10"], "--layers is for `layerleap train transfer`"),
+    (TM + ["--out", "{T}/m.safetensors", "--attention"], "--attention is for `layerleap train eagle`"),
+    (TT + ["--out", "{T}/t.safetensors", "--attention"], "--attention is for `layerleap train eagle`"),
     (["eval", "self-spec", *M, "--draft-lens", "0"], "each item draft_len must be an integer in [1, 256]"),
     (["eval", "ppd-parallel", *M, "--k", "0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
     (SB + ["--alpha-fb", "nan"], "alpha_fb must be a finite number in [0, 1]"),

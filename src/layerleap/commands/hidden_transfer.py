@@ -146,6 +146,8 @@ def _kind_flags(args) -> str:
             raise LayerleapError(
                 f"{flag} is for `layerleap train {other}`; train {kind} takes {KIND_FLAGS[kind]}: drop {flag}"
             )
+    if args.attention and kind != "eagle":
+        raise LayerleapError(f"--attention is for `layerleap train eagle`, not train {kind}: drop --attention")
     return kind
 
 

@@ -71,3 +71,49 @@ def test_a_spec_bench_file_with_a_byte_order_mark(tmp_path):
     plain = tmp_path / "plain.jsonl"
     plain.write_bytes(b"".join(lines))
     assert spec_bench(f) == spec_bench(plain) and len(spec_bench(f)) == 3
+
+
+@pytest.mark.parametrize("given,prompt", [(b"Hello\n", "Hello"), (b"Hello\r\n", "Hello"), (b"Hello\n\n", "Hello\n")])
+def test_a_prompt_on_stdin_ends_before_its_final_newline(capsys, monkeypatch, tiny_hf_dir, tiny, given, prompt):
+    """``echo Hello | layerleap generate --prompt -`` decodes "Hello": the newline that ends the input's last
+    line is no part of the prompt (one more is)."""
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(given)))
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompt", "-", "--max-new-tokens", 2, "--json")
+    assert rc == 0, err
+    assert _prompt_ids(out) == [len(tiny.tokenizer.encode(prompt))]
+
+
+def test_a_prompts_file_that_is_a_pipe(capsys, tmp_path, tiny_hf_dir, tiny):
+    """A FIFO (the shell's ``<(...)``) is read as a file is, once."""
+    import os
+    import threading
+
+    fifo = tmp_path / "prompts"
+    os.mkfifo(fifo)
+
+    def write():
+        with open(fifo, "wb") as f:
+            f.write(b"Hello\nSecond prompt\n")
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    rc, out, err = cli(
+        capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", fifo, "--max-new-tokens", 2, "--json"
+    )
+    writer.join(5)
+    assert rc == 0, err
+    assert _prompt_ids(out) == [len(tiny.tokenizer.encode(p)) for p in ("Hello", "Second prompt")]
+
+
+def test_a_batch_past_the_limit_is_refused_before_loading(capsys, monkeypatch, tmp_path, tiny_hf_dir):
+    from layerleap.decoding import MAX_BATCH
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(basic, "_load", load)
+    f = tmp_path / "many.txt"
+    f.write_text("".join(f"prompt {i}\n" for i in range(MAX_BATCH + 1)))
+    rc, _, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 2)
+    assert rc == 2 and "Traceback" not in err
+    assert f"holds {MAX_BATCH + 1:,} prompts, beyond the {MAX_BATCH:,}" in err and "split the file" in err

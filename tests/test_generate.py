@@ -330,7 +330,7 @@ def test_stats_greedy_batch_1(tiny, plen, n):
     assert s["wall_s"] > 0 and s["tokens_per_s"] > 0 and 0 <= s["ttft_s"] <= s["wall_s"]
     assert res.text == ""  # no tokenizer
     d = res.to_dict()
-    assert set(d) == {"text", "token_ids", "stats"} and json.loads(json.dumps(d)) == d
+    assert set(d) == {"text", "token_ids", "finish_reason", "stats"} and json.loads(json.dumps(d)) == d
 
 
 def test_stats_batch(tiny):

@@ -242,6 +242,27 @@ def test_a_grammar_that_matches_nothing_is_refused_before_decoding(tiny, grammar
             layerleap.Decoding(tiny, "a", method, 4, grammar=grammar)
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+        {
+            "type": "object",
+            "properties": {"a": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
+            "required": ["a"],
+        },
+    ],
+    ids=["required self-ref", "required array of self"],
+)
+def test_a_schema_that_nests_without_end_fails_with_what_to_change(tiny, schema):
+    """Such a schema starts (its first token is allowed) but no finite text matches it: the decoding fails
+    when llguidance's parser outgrows its limit, with a GrammarError that names the schema's cycle (not a
+    RuntimeError quoting the parser's state)."""
+    for method in ("greedy", "prompt-lookup"):
+        with pytest.raises(GrammarError, match="nests without end.*make a property on that cycle optional"):
+            generate(tiny, "a", method, 8, grammar=Grammar.json(schema))
+
+
 def test_generate_command_takes_a_grammar(capsys, tiny_hf_dir, tiny, tmp_path):
     from layerleap.cli import main
 

@@ -182,7 +182,7 @@ def test_tokens_through_a_stop_string_that_ends_in_a_split_character(tiny, text,
     ids = tok(text, add_special_tokens=False)["input_ids"]
     job = Job([1], Settings("greedy"), [stop])
     job.send(text)
-    job.done(GenerationResult(text, ids, {}, [1]), (), tok)
+    job.done(GenerationResult(text, ids, {}, [1]), tok)
     events = [job.events.get_nowait() for _ in range(job.events.qsize())]
     finish = events[-1][1]
     want = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n], skip_special_tokens=True))

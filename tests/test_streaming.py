@@ -3,6 +3,8 @@ detokenization across multi-byte characters, cancelling, and ``generate --stream
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -81,6 +83,22 @@ def test_stream_joins_to_generate(tiny, method):
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)
+def test_finish_reason_of_every_method(tiny, method):
+    """A row that reaches max_new_tokens ends for "length", one that emits an end-of-sequence token for
+    "stop" (here a token the method emits midway, made the EOS of the decoding)."""
+    prompt = "Tell me a story about a cat."
+    full = generate(tiny, prompt, method, 12, stop_at_eos=False, **method_options(tiny)[method])
+    assert full.finish_reason == "length" and full.to_dict()["finish_reason"] == "length"
+    eos = full.token_ids[5]
+    d = Decoding(tiny, prompt, method, 12, **method_options(tiny)[method])
+    d.gen = dataclasses.replace(d.gen, eos_ids=(eos,))  # before the first round makes the run
+    for _ in d:
+        pass
+    assert d.results[0].token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
+    assert d.results[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
 def test_decoding_rounds_add_what_the_method_accepted(tiny, method):
     """Each iteration reports the prompt whose output grew; the rounds add up to the result."""
     opts = method_options(tiny)[method]
@@ -141,8 +159,10 @@ def test_cancel_stops_a_row_and_the_rest_go_on(tiny):
         if len(d.tokens(1)) == 3:
             d.cancel(1)
     assert d.results[1].stats["cancelled"] and d.results[1].token_ids == want[1].token_ids[:3]
+    assert d.results[1].finish_reason == "cancelled"
     for i in (0, 2):
         assert d.results[i].token_ids == want[i].token_ids and "cancelled" not in d.results[i].stats
+        assert d.results[i].finish_reason == "length"
 
 
 def test_closing_a_stream_early_stops_decoding(tiny):

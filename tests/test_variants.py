@@ -153,6 +153,17 @@ def test_a_variant_refuses_another_model_and_unknown_names(tmp_path):
         train_variant(_model(), out, _cfg("medusa"), EXAMPLES, "toy")
 
 
+def test_a_model_folder_ships_no_variants(tmp_path):
+    """A model given by its folder's path has no shipped variants: the folder's own weights file is not
+    offered (nor taken) as one."""
+    folder = tmp_path / "mymodel"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    assert variants.shipped_variants(str(folder)) == []
+    with pytest.raises(variants.VariantError, match="none ships with the package: give a .safetensors file"):
+        variants.variant_file(str(folder), "model")
+
+
 @pytest.mark.parametrize("kernel", ["blocks", "torch"])
 def test_a_variant_refuses_a_q4_model_on_either_kernel(tmp_path, monkeypatch, kernel):
     from layerleap.core import kernels

@@ -131,13 +131,13 @@ PROMPT_KEYS = ("prompt", "text", "content")  # a JSON-lines prompt object's text
 
 
 def read_prompts_file(path: str | Path) -> list[str]:
-    """Prompts from a file: ``.jsonl`` holds one JSON value a line (a string, or an object with
-    "prompt", "text", "content" or Spec-Bench's "turns"), any other file one prompt a line.  Blank
-    lines are skipped."""
+    """Prompts from a file (or a stream named by a path, read once: a FIFO, ``/dev/stdin``): ``.jsonl``
+    holds one JSON value a line (a string, or an object with "prompt", "text", "content" or Spec-Bench's
+    "turns"), any other file one prompt a line.  Blank lines are skipped."""
     from . import validate as V
 
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir() or not p.exists():  # a stream (a FIFO, /dev/stdin) is read as a file is
         raise LayerleapError(f"prompts file {p} not found (or not a file): give a .jsonl or text file")
     text = V.read_bounded(p, f"prompts file {p}")
     try:

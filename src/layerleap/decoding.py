@@ -553,7 +553,7 @@ class Decoding:
         if self.results[i] is not None:
             return self.results[i]
         run, row = self._where[i]
-        r = _result(self.model, run, row, time.perf_counter() - run.t0, self.method.name)
+        r = _result(self.model, run, row, time.perf_counter() - run.t0, self.method.name, ended=False)
         r.token_ids = list(r.token_ids)
         return r
 
@@ -586,7 +586,7 @@ def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int) -
     )
 
 
-def _result(model: Transformer, run: Run, row: int, wall: float, method: str) -> GenerationResult:
+def _result(model: Transformer, run: Run, row: int, wall: float, method: str, ended: bool = True) -> GenerationResult:
     toks = run.out[row]
     n = len(toks)
     stats = Stats(
@@ -606,4 +606,12 @@ def _result(model: Transformer, run: Run, row: int, wall: float, method: str) ->
         **{RECORD_FIELDS[kind]: records[row] for kind, records in run.records.items()},
     )
     text = model.tokenizer.decode(toks, skip_special_tokens=True) if model.tokenizer is not None else ""
-    return GenerationResult(text, toks, stats, list(run.prompts[row]))
+    return GenerationResult(text, toks, stats, list(run.prompts[row]), finish_reason(run, row, ended))
+
+
+def finish_reason(run: Run, row: int, ended: bool) -> str | None:
+    """Why ``row`` ended (``GenerationResult.finish_reason``): None while it decodes; a row its method left
+    unfinished when the decoding ``ended`` stopped short of its budget ("stop") or at it ("length")."""
+    if run.reasons[row] is not None or not ended:
+        return run.reasons[row]
+    return "length" if len(run.out[row]) >= run.gen.max_new_tokens else "stop"

@@ -146,7 +146,6 @@ class Job:
         self.cancelled = False
         self.finished = False
         self.reason: str | None = None  # OpenAI's finish reason, once done
-        self.grammar_done = False  # its grammar ended the answer (set before ``done``)
         self.t_submit = time.monotonic()
         self.t_start: float | None = None  # when its batch took it
         self.t_first: float | None = None  # when its first text went out
@@ -165,20 +164,16 @@ class Job:
             self.text.append(piece)
             self.events.put_nowait(("text", piece))
 
-    def done(self, result: GenerationResult, eos_ids: tuple[int, ...], tokenizer=None) -> None:
+    def done(self, result: GenerationResult, tokenizer=None) -> None:
         if self.finished:
             return
         self.send_rest()
         toks = result.token_ids
-        eos = self.settings.gen.stop_at_eos and bool(toks) and toks[-1] in eos_ids
-        cut = (
-            self.stop.hit
-            or self.cut is not None
-            or eos
-            or self.grammar_done
-            or len(toks) < self.settings.max_new_tokens
-        )
-        reason = "stop" if cut else "length"
+        # a stop string or stop token ends the answer; else the decoding's own reason (EOS or the grammar's end:
+        # "stop"; max_new_tokens: "length"), and a row cut short otherwise (a client gone) stopped
+        reason = "stop" if self.stop.hit or self.cut is not None else result.finish_reason
+        if reason not in ("stop", "length"):
+            reason = "stop" if len(toks) < self.settings.max_new_tokens else "length"
         self.finished, self.reason = True, reason
         n = len(toks) if self.cut is None else self.cut
         if self.stop.hit and tokenizer is not None:
@@ -252,7 +247,7 @@ class Batch:
     def dispatch(self, grew: list[int] | None, texts: dict[int, str]) -> None:
         """Send the rows' new text; stop rows that hit a stop string; finish the jobs whose rows ended,
         each as soon as it ends (on the event loop)."""
-        d, eos, tok = self.decoding, self.decoding.gen.eos_ids, self.model.tokenizer
+        d, tok = self.decoding, self.model.tokenizer
         for i, text in texts.items():
             job = self.jobs[i]
             if job.finished:
@@ -261,16 +256,14 @@ class Batch:
             if job.stop.hit:
                 d.cancel(i)
             if (job.stop.hit or i in self.early) and not job.cancelled and self._others_decode(i):
-                job.grammar_done = d.grammar_done(i)
-                job.done(d.result_so_far(i), eos, tok)
+                job.done(d.result_so_far(i), tok)
         if grew is None:
             self.over = True
             for i, job in enumerate(self.jobs):
                 if d.results[i] is None:  # cancelled before it started
                     job.fail(LayerleapError("cancelled"))
                     continue
-                job.grammar_done = d.grammar_done(i)
-                job.done(d.results[i], eos, tok)
+                job.done(d.results[i], tok)
 
     def _others_decode(self, i: int) -> bool:
         """Whether a row besides ``i`` still decodes: then ``i``, ended, answers before the batch ends (a
@@ -308,6 +301,7 @@ class _Row:
         self.pieces = TextPieces(model.tokenizer)
         self.calls = 0
         self.finished = False
+        self.reason: str | None = None  # GenerationResult.finish_reason, once it ends by itself
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
 
@@ -327,12 +321,10 @@ class _Row:
         g = self.gen
         if self.constraint is not None:
             self.constraint.advance(token)
-        if (
-            (g.stop_at_eos and token in self.eos_ids)
-            or len(self.out) >= g.max_new_tokens
-            or (self.constraint is not None and self.constraint.stopped)
-        ):
-            self.finished = True
+        if (g.stop_at_eos and token in self.eos_ids) or (self.constraint is not None and self.constraint.stopped):
+            self.finished, self.reason = True, "stop"
+        elif len(self.out) >= g.max_new_tokens:
+            self.finished, self.reason = True, "length"
 
     def result(self, model: Transformer, batch: int) -> GenerationResult:
         wall = time.perf_counter() - self.t0
@@ -351,7 +343,8 @@ class _Row:
         if self.job.cancelled:
             stats["cancelled"] = True
         text = model.tokenizer.decode(self.out, skip_special_tokens=True) if model.tokenizer is not None else ""
-        return GenerationResult(text, list(self.out), stats, list(self.job.prompt_ids))
+        reason = self.reason or ("cancelled" if self.job.cancelled or self.job.cut is not None else None)
+        return GenerationResult(text, list(self.out), stats, list(self.job.prompt_ids), reason)
 
 
 class Pool:
@@ -514,7 +507,6 @@ class Pool:
         done = []
         for r in ended:
             res = r.result(self.model, max(1, self.widest))
-            r.job.grammar_done = r.constraint is not None and r.constraint.stopped
             if not r.job.finished and not r.job.cancelled:
                 texts[r.job] = texts.get(r.job, "") + r.pieces.finish(r.job.tokens(res.token_ids))
             done.append((r.job, res))
@@ -533,7 +525,7 @@ class Pool:
         for job, res in done:
             if job.cancelled and not job.finished:
                 job.fail(LayerleapError("cancelled"))
-            job.done(res, self.eos_ids, self.model.tokenizer)
+            job.done(res, self.model.tokenizer)
 
 
 class QueueTimeout(LayerleapError):

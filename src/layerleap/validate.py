@@ -387,6 +387,17 @@ def input_file(value, name: str, what: str = "file") -> Path:
     return p
 
 
+def readable_input(value, name: str, what: str = "file") -> Path:
+    """An existing, readable file (``input_file``), or a readable stream named by a path: a FIFO such as the
+    shell's ``<(...)``, or ``/dev/stdin``.  A stream reads once, so it is checked without reading it."""
+    p = path(value, name)
+    if p.is_file() or p.is_dir() or not p.exists():
+        return input_file(value, name, what)
+    if not os.access(p, os.R_OK):
+        raise InputError(_say(name, f"{p} cannot be read: check its permissions"))
+    return p
+
+
 # -- argparse types -------------------------------------------------------------------------------
 def _as_arg(check: Callable, convert: Callable | None = None, label: str = "value") -> Callable[[str], object]:
     """``check(value, "")`` as an argparse type over the text (parsed by ``convert`` first)."""
@@ -520,6 +531,7 @@ weights_arg = _file_arg(weights_file, "weights file", "out")
 jsonl_arg = _file_arg(lambda v, n: output_file(v, n, (".jsonl",), "JSON lines file"), "JSON lines file", "out")
 out_dir_arg = _file_arg(output_dir, "folder", "out")
 in_file_arg = _file_arg(input_file, "file", "in")
+in_stream_arg = _file_arg(readable_input, "file", "in")  # a file, or a stream read once (a FIFO, /dev/stdin)
 
 
 def name_or_file_arg(names: tuple[str, ...], what: str) -> Callable[[str], str]:

@@ -25,7 +25,7 @@ from ..core import cost_curve, kernels
 from .. import validate as V, workload
 from . import command
 from ..datasets import read_prompts_file, spec_bench
-from ..decoding import METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
+from ..decoding import MAX_BATCH, METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
 from ..methods.budget import LOSSY, check_has_budget
 from ..errors import LayerleapError
 from ..core.grammar import Grammar
@@ -267,14 +267,16 @@ def _setup_generate(p):
         "`layerleap methods` lists them with their options)",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", type=V.text_arg, help="the prompt text ('-' reads stdin, UTF-8)")
+    src.add_argument(
+        "--prompt", type=V.text_arg, help="the prompt text ('-' reads stdin, UTF-8, less its final newline)"
+    )
     src.add_argument(
         "--prompts-file",
-        type=V.in_file_arg,
+        type=V.in_stream_arg,
         metavar="FILE",
         help="prompts decoded as one batch (one after another, said on stderr, for a method that does "
         "not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text' or "
-        "Spec-Bench 'turns' a line; any other file one prompt a line",
+        "Spec-Bench 'turns' a line; any other file (a pipe too: <(...), /dev/stdin) one prompt a line",
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -292,7 +294,9 @@ def _setup_generate(p):
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print the text as tokens are accepted")
     out.add_argument(
-        "--json", action="store_true", help="print one JSON object (text, token_ids, stats) per prompt, one a line"
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, token_ids, finish_reason, stats) per prompt, one a line",
     )
 
 
@@ -389,7 +393,9 @@ def _read_stdin() -> str:
     if sys.stdin is None:
         raise LayerleapError("--prompt - reads stdin, but stdin is closed: pipe the prompt in or give it as text")
     data = V.read_bounded(sys.stdin.buffer, "the prompt on stdin (--prompt -)", "LAYERLEAP_MAX_PROMPT_MB")
-    return V.utf8(data, "the prompt on stdin").removeprefix("\ufeff")  # a byte-order mark is no text
+    text = V.utf8(data, "the prompt on stdin").removeprefix("\ufeff")  # a byte-order mark is no text
+    # the final newline ends the text's last line (echo, a file): it is no part of the prompt
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
 
 
 def _method_options(method: str, items: list[str] | None, quality: float | None = None) -> dict:
@@ -414,6 +420,11 @@ def run_generate(args) -> int:
     options = _method_options(args.method, args.opt, args.quality)  # fail before loading the model
     sampling = _check_sampling(args.method, args)
     prompts = _generate_prompts(args)
+    if isinstance(prompts, list) and get_method(args.method).batched and len(prompts) > MAX_BATCH:
+        raise LayerleapError(
+            f"--prompts-file {args.prompts_file} holds {len(prompts):,} prompts, beyond the {MAX_BATCH:,} that "
+            f"method {args.method!r} decodes as one batch: split the file into several"
+        )
     grammar = _grammar(args)
     if grammar is not None and not get_method(args.method).grammar:
         follow = ", ".join(n for n, m in METHODS.items() if m.grammar)

@@ -229,9 +229,22 @@ class Constraint:
         """``[V]`` bool: the tokens the grammar allows next."""
         self.matcher.unsafe_compute_mask_ptr(self.bits.data_ptr(), self.bits.numel() * 4)
         if self.matcher.is_error():
-            raise RuntimeError(f"the grammar matcher failed: {self.matcher.get_error()}")
+            raise self._failure("the grammar matcher failed")
         bits = np.unpackbits(self.bits.numpy().view(np.uint8), bitorder="little")[: self.vocab]  # [V] 0/1
         return torch.from_numpy(bits.view(np.bool_))
+
+    def _failure(self, what: str) -> Exception:
+        """The matcher's error: a GrammarError naming the grammar's problem where its parser outgrew
+        llguidance's limit (a grammar that nests without end), else a RuntimeError (a fault here)."""
+        error = self.matcher.get_error() or ""
+        if "Too many items" in error or str(self.matcher.stop_reason()) == "ParserTooComplex":
+            return GrammarError(
+                "the grammar grew past llguidance's parser limit while decoding: it nests without end, as a JSON "
+                'schema does whose required properties lead back to the object itself (a "$ref" cycle through '
+                '"required", or through an array with "minItems"), which no finite text matches: make a property '
+                "on that cycle optional"
+            )
+        return RuntimeError(f"{what}: {error}")
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``[V]`` logits with the tokens the grammar forbids at -inf (a new tensor)."""
@@ -239,7 +252,7 @@ class Constraint:
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
-            raise RuntimeError(f"token {int(token)} breaks the grammar: {self.matcher.get_error()}")
+            raise self._failure(f"token {int(token)} breaks the grammar")
 
     def rollback(self, n: int) -> None:
         """Take back the last ``n`` tokens ``advance`` took."""
@@ -257,7 +270,7 @@ class Constraint:
     def forced_after(self, tokens: list[int]) -> list[int]:
         """The tokens the grammar forces after ``tokens`` (which it must allow)."""
         if tokens and not self.matcher.consume_tokens(list(tokens)):
-            raise RuntimeError(f"draft tokens break the grammar: {self.matcher.get_error()}")
+            raise self._failure("draft tokens break the grammar")
         try:
             return list(self.matcher.compute_ff_tokens())
         finally:

@@ -55,9 +55,17 @@ class GenerationResult:
     token_ids: list[int]
     stats: Stats
     prompt_ids: list[int] = field(default_factory=list)
+    # why the row ended: "stop" (an end-of-sequence token or the end of its grammar), "length" (max_new_tokens),
+    # "cancelled" (``Decoding.cancel``); None while it decodes
+    finish_reason: str | None = None
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,7 @@ class Run:
         self.constraints = gen.grammar.start(model, self.batch, gen.eos_ids) if gen.grammar is not None else None
         self.out: list[list[int]] = [[] for _ in prompts]
         self.finished = [False] * self.batch
+        self.reasons: list[str | None] = [None] * self.batch  # why each row ended (GenerationResult.finish_reason)
         self.model_calls = 0
         self.layer_evals = [0] * self.batch
         self.layer_calls = [0] * self.batch  # model calls over a layer range each row took part in
@@ -311,12 +320,11 @@ class Run:
             if grammar is not None:
                 grammar.advance(t)
             out.append(int(t))
-            if (
-                (self.gen.stop_at_eos and int(t) in self.gen.eos_ids)
-                or len(out) >= self.gen.max_new_tokens
-                or (grammar is not None and grammar.stopped)
-            ):
-                self.finished[row] = True
+            if (self.gen.stop_at_eos and int(t) in self.gen.eos_ids) or (grammar is not None and grammar.stopped):
+                self.finished[row], self.reasons[row] = True, "stop"
+                break
+            if len(out) >= self.gen.max_new_tokens:
+                self.finished[row], self.reasons[row] = True, "length"
                 break
         return self.finished[row]
 
@@ -328,7 +336,8 @@ class Run:
 
     def cancel(self, row: int) -> None:
         """Stop ``row``: it keeps the tokens it has, and the method stops once every row is done."""
-        self.finished[row] = True
+        if not self.finished[row]:
+            self.finished[row], self.reasons[row] = True, "cancelled"
 
     def remaining(self, row: int = 0) -> int:
         return self.gen.max_new_tokens - len(self.out[row])

@@ -96,9 +96,18 @@ def _build(model: Transformer, build: dict, tensors: dict) -> dict:
 VARIANT = weights.Kind(KIND, "model variant deltas", "layerleap finetune variant", VariantError, _build)
 
 
+def _plain(name) -> bool:
+    """Whether ``name`` is one name, not a path (a model folder's path or a variant file's joins no folder
+    of the shipped variants)."""
+    name = str(name)
+    return bool(name) and name not in (".", "..") and Path(name).name == name
+
+
 def shipped_variants(model_name: str) -> list[str]:
-    """Names of the variants shipped for a packaged model."""
-    folder = FOLDER / model_name
+    """Names of the variants shipped for a packaged model (none for a model folder's path)."""
+    if not _plain(model_name):
+        return []
+    folder = FOLDER / str(model_name)
     return sorted(p.stem for p in folder.glob("*.safetensors")) if folder.is_dir() else []
 
 
@@ -108,9 +117,10 @@ def variant_file(model_name: str, variant: str) -> Path:
         raise VariantError(f"variant must be a shipped variant name or a .safetensors file, got {variant!r}")
     with V.raising(VariantError):
         q = V.path(variant, "variant")
-    p = FOLDER / str(model_name) / f"{variant}.safetensors"
-    if p.is_file():
-        return p
+    if _plain(model_name) and _plain(variant):
+        p = FOLDER / str(model_name) / f"{variant}.safetensors"
+        if p.is_file():
+            return p
     if q.suffix.lower() == ".safetensors" and q.is_file():
         return q
     names = shipped_variants(str(model_name))

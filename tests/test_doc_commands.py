@@ -37,6 +37,7 @@ def commands(text: str) -> list[tuple[int, list[str]]]:
             continue
         while line.rstrip().endswith("\\") and i < len(lines):
             line, i = line.rstrip()[:-1] + " " + lines[i], i + 1
+        line = re.sub(r"<\([^)]*\)", "FILE", line)  # a process substitution is a file name
         try:
             tokens = shlex.split(line, comments=True)
         except ValueError:

@@ -177,6 +177,27 @@ def test_queued_request_whose_client_leaves_is_dropped(tiny):
         assert total(m, "layerleap_queue_wait_seconds_count") == 1  # the dropped one never started
 
 
+@pytest.mark.parametrize("continuous", [True, False])
+def test_clients_that_leave_are_counted_as_499_not_server_errors(tiny, continuous):
+    """A non-streamed request whose client goes away (running or waiting) is not a 500 in the request
+    counts: nginx's 499, the client closed the request."""
+    cfg = ServerConfig("tiny", max_batch=1, max_running=1, continuous=continuous)
+    with ServerThread(create_app(tiny, cfg)) as u:
+        first = raw_request(u, {"prompt": "Go on and on", "max_tokens": 1900, "layerleap": {"method": "greedy"}})
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        second = raw_request(u, {"prompt": "Me too", "max_tokens": 1900, "layerleap": {"method": "greedy"}})
+        assert wait_for(lambda: get(u + "/health").json()["waiting"] == 1)
+        second.close()
+        assert wait_for(lambda: get(u + "/health").json()["waiting"] == 0, 5)
+        first.close()
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 0, 20)
+        assert wait_for(lambda: total(metrics(u), "layerleap_requests_total", endpoint="/v1/completions") == 2, 5)
+        m = metrics(u)
+        assert total(m, "layerleap_cancelled_total") == 2
+        assert total(m, "layerleap_requests_total", endpoint="/v1/completions", status="499") == 2
+        assert total(m, "layerleap_requests_total", status="500") == 0
+
+
 def test_stop_string_end_is_not_a_cancellation(url, tiny):
     full = generate(tiny, "The sky is", "greedy", 16).text
     r = post(url, {"prompt": "The sky is", "max_tokens": 16, "stop": full[4:7]})

@@ -490,6 +490,8 @@ async def _next_event(st: AppState, job: Job):
     request (as it joined, or in its method's set-up) is a 400, one raised while decoding a 500 with its
     message."""
     kind, value = await job.events.get()
+    if job.cancelled:  # its client went away: no one reads this answer (499 in the request counts and the log)
+        raise APIError(499, "the client closed the request before its answer", code="client_closed_request")
     if kind in ("error", "refused"):
         if isinstance(value, QueueTimeout):
             raise APIError(503, str(value), code="queue_timeout", type="server_error", retry_after=st.retry_after())

@@ -16,7 +16,7 @@ for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
 
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import get, post
+from test_server import CHAT, get, post
 
 import layerleap
 from layerleap import generate
@@ -500,6 +500,17 @@ def test_fields_that_ask_for_nothing_are_taken(url):
             assert r.status_code == 200, (field, value, r.text)
     r = post(url, {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
+def test_fields_openai_declares_nullable_take_null(url):
+    """OpenAI's n and stream are "integer or null" and "boolean or null": null is their default (clients that
+    write every field, the openai client given n=None, send it)."""
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        r = post(url, body | {"max_tokens": 2, "n": None, "stream": None}, path)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = post(url, {"prompt": "hi", "max_tokens": 2, "stream": None, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "n": 2}).status_code == 400
 
 
 def test_honoured_fields_change_the_answer_as_they_say(url, tiny):

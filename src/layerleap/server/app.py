@@ -139,7 +139,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     refused = body.refused()
     if refused:
         raise _bad(f"{refused} is not supported by this server: leave it out", refused)
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise _bad(f"n={body.n}: this server returns one choice per request: leave n out or set n=1", "n")
     limit = cfg.max_prompt_tokens or context - 1
     if prompt_len > limit:

@@ -136,8 +136,8 @@ class _Request(BaseModel):
     )
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (not returned)")
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_tokens")
-    n: int = Field(1, description="choices per request: 1")
-    stream: bool = False
+    n: int | None = Field(1, description="choices per request: 1 (null: 1)")
+    stream: bool | None = Field(False, description="server-sent events (null: false)")
     stream_options: StreamOptions | None = None
     layerleap: LayerleapOptions = Field(default_factory=LayerleapOptions)
     # taken and unused: they do not change the answer

@@ -289,6 +289,18 @@ def test_junk_option_values_never_give_a_server_error(tiny_server):
                 assert r.status_code in (200, 400), (name, option, value, r.text)
 
 
+def test_a_json_body_without_the_json_content_type_is_told_so(tiny_server):
+    """curl -d sends form data, a bare body no type: the 400 names the header, not a body that is no object."""
+    for headers in ({"Content-Type": "application/x-www-form-urlencoded"}, {}):
+        req = urllib.request.Request(tiny_server + "/v1/completions", b'{"prompt": "hi"}', headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400 and "Content-Type: application/json" in err["message"], err
+    r = post(tiny_server, "[1]")  # a JSON body that is not an object
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
+
+
 def test_bad_chat_requests_and_routes(tiny_server, client):
     assert post(tiny_server, {"messages": []}, "/v1/chat/completions").status_code == 400
     bad_role = {"messages": [{"role": "robot", "content": "x"}]}

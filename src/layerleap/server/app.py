@@ -546,13 +546,22 @@ def _param(loc) -> str:
     return out
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def _json_type(content_type: str | None) -> bool:
+    """Whether a Content-Type is one whose body FastAPI reads as JSON (``application/json``, ``…+json``)."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def validation_error(exc: RequestValidationError, content_type: str | None = "application/json") -> APIError:
     e = exc.errors()[0]
     param = _param(e.get("loc", ()))
     if e["type"] == "json_invalid":
         return _bad(
             f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}): send a JSON object"
         )
+    if not param and not _json_type(content_type):  # curl -d sends form data; a bare body has no type
+        sent = f"Content-Type {content_type}" if content_type else "no Content-Type"
+        return _bad(f"the request body was sent with {sent}: send it as JSON, with Content-Type: application/json")
     if not param:
         return _bad("the request body must be a JSON object with OpenAI's fields (see /docs)")
     if e["type"] == "extra_forbidden":
@@ -569,7 +578,7 @@ def _handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc):
-        return validation_error(exc).response()
+        return validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc):

@@ -861,13 +861,13 @@ def _register_failing(monkeypatch, name: str, after_calls: int) -> None:
             yield
 
 
-def _sse_events(url: str, body: dict) -> tuple[int, list]:
+def _sse_events(url: str, body: dict, path: str = "/v1/completions") -> tuple[int, list]:
     """A streamed request's status and its events (``data:`` lines as JSON, ``[DONE]`` as is)."""
     import urllib.error
     import urllib.request
 
     req = urllib.request.Request(
-        url + "/v1/completions", json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+        url + path, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
@@ -1036,3 +1036,16 @@ def test_requests_refused_together_decode_one_by_one(tiny, monkeypatch):
             t.join(120)
     assert sorted(r.status_code for r in got) == [200, 200], [r.text for r in got]
     assert all(r.json()["layerleap"]["stats"]["batch"] == 1 for r in got)
+
+
+def test_with_include_usage_every_chunk_has_usage_null_but_the_last(url):
+    """OpenAI's stream_options.include_usage: "All other chunks will also include a usage field, but with a null
+    value"; without it no chunk has the field."""
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        status, events = _sse_events(url, body | {"max_tokens": 4, "stream_options": {"include_usage": True}}, path)
+        assert status == 200 and events[-1] == "[DONE]", events
+        chunks = events[:-1]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+        assert len(chunks) > 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+        status, events = _sse_events(url, body | {"max_tokens": 4}, path)
+        assert status == 200 and not any("usage" in c for c in events[:-1]), events

@@ -325,6 +325,7 @@ class Reply:
     chat: bool
     model: str
     prompt_len: int
+    usage: bool = False  # a streamed answer with include_usage: every chunk has "usage" (null but the last)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -358,7 +359,7 @@ class Reply:
         else:
             choice = {"index": 0, "text": text or ""}
         choice.update(finish_reason=reason, logprobs=None)
-        return {**self._head(True), "choices": [choice]}
+        return {**self._head(True), "choices": [choice]} | ({"usage": None} if self.usage else {})
 
     def usage_chunk(self, fin: Finish) -> dict:
         return {**self._head(True), "choices": [], "usage": _usage(self.prompt_len, fin.completion_tokens)}
@@ -464,7 +465,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             watcher.cancel()
         _done(st, request, t0)
         return JSONResponse(reply.full(event[1]))
-    usage = bool(body.stream_options and body.stream_options.include_usage)
+    usage = reply.usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(
         _events(request, st, job, reply, first, usage, watcher, t0), media_type="text/event-stream"
     )

@@ -492,6 +492,7 @@ def test_fields_that_ask_for_nothing_are_taken(url):
 
     chat_only = {"tools", "functions", "tool_choice", "function_call", "audio", "modalities"}
     chat_only |= {"reasoning_effort", "verbosity", "web_search_options"}
+    chat_only |= {"logprobs"}  # chat's is a boolean; text completions' a count, where 0 asks for something
     for field, nothing in REFUSED.items():
         chat = field in chat_only
         body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
@@ -500,6 +501,17 @@ def test_fields_that_ask_for_nothing_are_taken(url):
             assert r.status_code == 200, (field, value, r.text)
     r = post(url, {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
+def test_text_completions_logprobs_0_is_refused(url):
+    """Legacy completions' logprobs counts alternatives: 0 still asks for the chosen tokens' log probabilities,
+    which this server cannot give; chat's logprobs is a boolean, where false asks for nothing."""
+    for value in (0, False):
+        r = post(url, {"prompt": "hi", "max_tokens": 2, "logprobs": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", (value, r.text)
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "logprobs": None}).status_code == 200
+    r = post(url, {"messages": CHAT, "max_tokens": 2, "logprobs": False}, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
 
 
 def test_fields_openai_declares_nullable_take_null(url):

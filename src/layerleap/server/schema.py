@@ -12,7 +12,7 @@ taken and left unused.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -205,10 +205,13 @@ class _Request(BaseModel):
         nothing = (None, "", {"type": "text"})
         return [k for k in GRAMMAR_FIELDS if getattr(self, k) not in nothing]
 
+    _asks_nothing: ClassVar[dict[str, tuple]] = {}  # this endpoint's own values that ask for nothing (over REFUSED's)
+
     def refused(self) -> str | None:
         """The first field given that asks for what the server cannot do."""
         given = self.model_dump(exclude_unset=True)
-        return next((k for k, nothing in REFUSED.items() if k in given and given[k] not in nothing), None)
+        refused = REFUSED | self._asks_nothing
+        return next((k for k, nothing in refused.items() if k in given and given[k] not in nothing), None)
 
 
 class ChatRequest(_Request):
@@ -230,6 +233,8 @@ class ChatRequest(_Request):
 class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
+    # legacy completions' logprobs is a count: 0 asks for the chosen tokens' log probabilities
+    _asks_nothing: ClassVar[dict[str, tuple]] = {"logprobs": (None,)}
     prompt: str | list[int] = Field(description="one string or one list of token ids")
     best_of: Any = None
     echo: Any = None

@@ -255,6 +255,7 @@ def test_bad_requests_get_openai_errors(tiny_server, body, status, code):
             "draft_len must be an integer in [1, 256]",
         ),
         ({"layerleap": {"method": "greedy", "options": {"nosuch": 1}}}, "method 'greedy' has no option nosuch"),
+        ({"layerleap": {"method": "early-exit"}}, "needs the option exit_layer: give it in layerleap.options"),
         (  # checked before the model it names is loaded (smollm2-135m would take seconds)
             {"layerleap": {"method": "speculative", "options": {"draft": "smollm2-135m", "draft_len": 0}}},
             "draft_len must be an integer in [1, 256], got 0",

@@ -157,9 +157,16 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     field, grammar = request_grammar(body)
     options = {**cfg.options, **ext.options} if method == cfg.method else dict(ext.options)
     try:  # the method's declarations, before any model an option names is loaded
-        get_method(method).check_options(options, st.model.config)
+        get_method(method).check_options(options, st.model.config, partial=True)
     except LayerleapError as e:
         raise _bad(str(e), "layerleap.options") from None
+    missing = [o.name for o in get_method(method).declared if o.required and o.name not in options]
+    if missing:  # named as a request gives it (the declarations' own message names the command line's --opt)
+        raise _bad(
+            f"method {method!r} needs the option {missing[0]}: give it in layerleap.options "
+            f'({{"layerleap": {{"method": "{method}", "options": {{"{missing[0]}": ...}}}}}})',
+            "layerleap.options",
+        )
     max_key, max_tokens = _max_tokens(body)
     if max_tokens is None:
         max_tokens = max(1, min(cfg.max_tokens, context - prompt_len))

@@ -1061,3 +1061,12 @@ def test_with_include_usage_every_chunk_has_usage_null_but_the_last(url):
         assert len(chunks) > 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
         status, events = _sse_events(url, body | {"max_tokens": 4}, path)
         assert status == 200 and not any("usage" in c for c in events[:-1]), events
+
+
+def test_stream_options_include_obfuscation_is_taken(url):
+    """OpenAI's own advice is include_obfuscation: false on trusted links; the field does not change the answer."""
+    for value in (False, True):
+        status, events = _sse_events(
+            url, {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_obfuscation": value}}
+        )
+        assert status == 200 and events[-1] == "[DONE]", events

@@ -95,6 +95,7 @@ class LayerleapOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = Field(False, description="a last chunk with the usage")
+    include_obfuscation: bool | None = Field(None, description="taken and unused: no chunk is padded")
 
 
 class TextPart(BaseModel):

@@ -302,6 +302,19 @@ def test_a_json_body_without_the_json_content_type_is_told_so(tiny_server):
     assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
 
 
+def test_an_answer_replayed_as_it_came_continues_the_chat(client, tiny_server):
+    """``message.model_dump()`` of an answer has every field of OpenAI's message, most of them null: taken;
+    one that asks for something (tool calls) is refused by name."""
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
+    replayed = r.choices[0].message.model_dump()
+    assert {"refusal", "tool_calls"} <= set(replayed)
+    messages = [*CHAT, replayed, {"role": "user", "content": "And three more."}]
+    assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=3).choices[0].message.content
+    replayed["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    r = post(tiny_server, {"messages": messages, "max_tokens": 3}, "/v1/chat/completions")
+    assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text
+
+
 def test_bad_chat_requests_and_routes(tiny_server, client):
     assert post(tiny_server, {"messages": []}, "/v1/chat/completions").status_code == 400
     bad_role = {"messages": [{"role": "robot", "content": "x"}]}

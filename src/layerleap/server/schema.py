@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..core.grammar import Grammar
 from ..validate import SEED_MAX
@@ -109,6 +109,20 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    # the fields of an answer's message besides role and content (an answer replayed as it came, with
+    # ``message.model_dump()``): taken when they hold nothing, refused otherwise
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @model_validator(mode="after")
+    def _nothing_else(self):
+        for k in ("tool_calls", "function_call", "refusal", "audio", "annotations"):
+            if getattr(self, k) not in (None, []):
+                raise ValueError(f"{k} is not supported by this server: leave it out (or null)")
+        return self
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

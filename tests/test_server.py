@@ -255,6 +255,7 @@ def test_bad_requests_get_openai_errors(tiny_server, body, status, code):
             "draft_len must be an integer in [1, 256]",
         ),
         ({"layerleap": {"method": "greedy", "options": {"nosuch": 1}}}, "method 'greedy' has no option nosuch"),
+        ({"layerleap": {"method": "early-exit"}}, "needs the option exit_layer: give it in layerleap.options"),
         (  # checked before the model it names is loaded (smollm2-135m would take seconds)
             {"layerleap": {"method": "speculative", "options": {"draft": "smollm2-135m", "draft_len": 0}}},
             "draft_len must be an integer in [1, 256], got 0",
@@ -287,6 +288,31 @@ def test_junk_option_values_never_give_a_server_error(tiny_server):
                     {"prompt": "hi", "max_tokens": 2, "layerleap": {"method": name, "options": {option: value}}},
                 )
                 assert r.status_code in (200, 400), (name, option, value, r.text)
+
+
+def test_a_json_body_without_the_json_content_type_is_told_so(tiny_server):
+    """curl -d sends form data, a bare body no type: the 400 names the header, not a body that is no object."""
+    for headers in ({"Content-Type": "application/x-www-form-urlencoded"}, {}):
+        req = urllib.request.Request(tiny_server + "/v1/completions", b'{"prompt": "hi"}', headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400 and "Content-Type: application/json" in err["message"], err
+    r = post(tiny_server, "[1]")  # a JSON body that is not an object
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
+
+
+def test_an_answer_replayed_as_it_came_continues_the_chat(client, tiny_server):
+    """``message.model_dump()`` of an answer has every field of OpenAI's message, most of them null: taken;
+    one that asks for something (tool calls) is refused by name."""
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
+    replayed = r.choices[0].message.model_dump()
+    assert {"refusal", "tool_calls"} <= set(replayed)
+    messages = [*CHAT, replayed, {"role": "user", "content": "And three more."}]
+    assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=3).choices[0].message.content
+    replayed["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    r = post(tiny_server, {"messages": messages, "max_tokens": 3}, "/v1/chat/completions")
+    assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text
 
 
 def test_bad_chat_requests_and_routes(tiny_server, client):

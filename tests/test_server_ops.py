@@ -16,7 +16,7 @@ for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
 
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import get, post
+from test_server import CHAT, get, post
 
 import layerleap
 from layerleap import generate
@@ -175,6 +175,27 @@ def test_queued_request_whose_client_leaves_is_dropped(tiny):
         assert total(m, "layerleap_cancelled_total", stage="waiting") == 1
         assert total(m, "layerleap_cancelled_total", stage="running") == 1
         assert total(m, "layerleap_queue_wait_seconds_count") == 1  # the dropped one never started
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_clients_that_leave_are_counted_as_499_not_server_errors(tiny, continuous):
+    """A non-streamed request whose client goes away (running or waiting) is not a 500 in the request
+    counts: nginx's 499, the client closed the request."""
+    cfg = ServerConfig("tiny", max_batch=1, max_running=1, continuous=continuous)
+    with ServerThread(create_app(tiny, cfg)) as u:
+        first = raw_request(u, {"prompt": "Go on and on", "max_tokens": 1900, "layerleap": {"method": "greedy"}})
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        second = raw_request(u, {"prompt": "Me too", "max_tokens": 1900, "layerleap": {"method": "greedy"}})
+        assert wait_for(lambda: get(u + "/health").json()["waiting"] == 1)
+        second.close()
+        assert wait_for(lambda: get(u + "/health").json()["waiting"] == 0, 5)
+        first.close()
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 0, 20)
+        assert wait_for(lambda: total(metrics(u), "layerleap_requests_total", endpoint="/v1/completions") == 2, 5)
+        m = metrics(u)
+        assert total(m, "layerleap_cancelled_total") == 2
+        assert total(m, "layerleap_requests_total", endpoint="/v1/completions", status="499") == 2
+        assert total(m, "layerleap_requests_total", status="500") == 0
 
 
 def test_stop_string_end_is_not_a_cancellation(url, tiny):
@@ -471,6 +492,7 @@ def test_fields_that_ask_for_nothing_are_taken(url):
 
     chat_only = {"tools", "functions", "tool_choice", "function_call", "audio", "modalities"}
     chat_only |= {"reasoning_effort", "verbosity", "web_search_options"}
+    chat_only |= {"logprobs"}  # chat's is a boolean; text completions' a count, where 0 asks for something
     for field, nothing in REFUSED.items():
         chat = field in chat_only
         body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
@@ -479,6 +501,28 @@ def test_fields_that_ask_for_nothing_are_taken(url):
             assert r.status_code == 200, (field, value, r.text)
     r = post(url, {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
+def test_text_completions_logprobs_0_is_refused(url):
+    """Legacy completions' logprobs counts alternatives: 0 still asks for the chosen tokens' log probabilities,
+    which this server cannot give; chat's logprobs is a boolean, where false asks for nothing."""
+    for value in (0, False):
+        r = post(url, {"prompt": "hi", "max_tokens": 2, "logprobs": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", (value, r.text)
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "logprobs": None}).status_code == 200
+    r = post(url, {"messages": CHAT, "max_tokens": 2, "logprobs": False}, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+
+
+def test_fields_openai_declares_nullable_take_null(url):
+    """OpenAI's n and stream are "integer or null" and "boolean or null": null is their default (clients that
+    write every field, the openai client given n=None, send it)."""
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        r = post(url, body | {"max_tokens": 2, "n": None, "stream": None}, path)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = post(url, {"prompt": "hi", "max_tokens": 2, "stream": None, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "n": 2}).status_code == 400
 
 
 def test_honoured_fields_change_the_answer_as_they_say(url, tiny):
@@ -829,13 +873,13 @@ def _register_failing(monkeypatch, name: str, after_calls: int) -> None:
             yield
 
 
-def _sse_events(url: str, body: dict) -> tuple[int, list]:
+def _sse_events(url: str, body: dict, path: str = "/v1/completions") -> tuple[int, list]:
     """A streamed request's status and its events (``data:`` lines as JSON, ``[DONE]`` as is)."""
     import urllib.error
     import urllib.request
 
     req = urllib.request.Request(
-        url + "/v1/completions", json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+        url + path, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
@@ -1004,3 +1048,25 @@ def test_requests_refused_together_decode_one_by_one(tiny, monkeypatch):
             t.join(120)
     assert sorted(r.status_code for r in got) == [200, 200], [r.text for r in got]
     assert all(r.json()["layerleap"]["stats"]["batch"] == 1 for r in got)
+
+
+def test_with_include_usage_every_chunk_has_usage_null_but_the_last(url):
+    """OpenAI's stream_options.include_usage: "All other chunks will also include a usage field, but with a null
+    value"; without it no chunk has the field."""
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        status, events = _sse_events(url, body | {"max_tokens": 4, "stream_options": {"include_usage": True}}, path)
+        assert status == 200 and events[-1] == "[DONE]", events
+        chunks = events[:-1]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+        assert len(chunks) > 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+        status, events = _sse_events(url, body | {"max_tokens": 4}, path)
+        assert status == 200 and not any("usage" in c for c in events[:-1]), events
+
+
+def test_stream_options_include_obfuscation_is_taken(url):
+    """OpenAI's own advice is include_obfuscation: false on trusted links; the field does not change the answer."""
+    for value in (False, True):
+        status, events = _sse_events(
+            url, {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_obfuscation": value}}
+        )
+        assert status == 200 and events[-1] == "[DONE]", events

@@ -139,7 +139,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     refused = body.refused()
     if refused:
         raise _bad(f"{refused} is not supported by this server: leave it out", refused)
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise _bad(f"n={body.n}: this server returns one choice per request: leave n out or set n=1", "n")
     limit = cfg.max_prompt_tokens or context - 1
     if prompt_len > limit:
@@ -157,9 +157,16 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     field, grammar = request_grammar(body)
     options = {**cfg.options, **ext.options} if method == cfg.method else dict(ext.options)
     try:  # the method's declarations, before any model an option names is loaded
-        get_method(method).check_options(options, st.model.config)
+        get_method(method).check_options(options, st.model.config, partial=True)
     except LayerleapError as e:
         raise _bad(str(e), "layerleap.options") from None
+    missing = [o.name for o in get_method(method).declared if o.required and o.name not in options]
+    if missing:  # named as a request gives it (the declarations' own message names the command line's --opt)
+        raise _bad(
+            f"method {method!r} needs the option {missing[0]}: give it in layerleap.options "
+            f'({{"layerleap": {{"method": "{method}", "options": {{"{missing[0]}": ...}}}}}})',
+            "layerleap.options",
+        )
     max_key, max_tokens = _max_tokens(body)
     if max_tokens is None:
         max_tokens = max(1, min(cfg.max_tokens, context - prompt_len))
@@ -325,6 +332,7 @@ class Reply:
     chat: bool
     model: str
     prompt_len: int
+    usage: bool = False  # a streamed answer with include_usage: every chunk has "usage" (null but the last)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -358,7 +366,7 @@ class Reply:
         else:
             choice = {"index": 0, "text": text or ""}
         choice.update(finish_reason=reason, logprobs=None)
-        return {**self._head(True), "choices": [choice]}
+        return {**self._head(True), "choices": [choice]} | ({"usage": None} if self.usage else {})
 
     def usage_chunk(self, fin: Finish) -> dict:
         return {**self._head(True), "choices": [], "usage": _usage(self.prompt_len, fin.completion_tokens)}
@@ -464,7 +472,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             watcher.cancel()
         _done(st, request, t0)
         return JSONResponse(reply.full(event[1]))
-    usage = bool(body.stream_options and body.stream_options.include_usage)
+    usage = reply.usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(
         _events(request, st, job, reply, first, usage, watcher, t0), media_type="text/event-stream"
     )
@@ -490,6 +498,8 @@ async def _next_event(st: AppState, job: Job):
     request (as it joined, or in its method's set-up) is a 400, one raised while decoding a 500 with its
     message."""
     kind, value = await job.events.get()
+    if job.cancelled:  # its client went away: no one reads this answer (499 in the request counts and the log)
+        raise APIError(499, "the client closed the request before its answer", code="client_closed_request")
     if kind in ("error", "refused"):
         if isinstance(value, QueueTimeout):
             raise APIError(503, str(value), code="queue_timeout", type="server_error", retry_after=st.retry_after())
@@ -544,13 +554,22 @@ def _param(loc) -> str:
     return out
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def _json_type(content_type: str | None) -> bool:
+    """Whether a Content-Type is one whose body FastAPI reads as JSON (``application/json``, ``…+json``)."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def validation_error(exc: RequestValidationError, content_type: str | None = "application/json") -> APIError:
     e = exc.errors()[0]
     param = _param(e.get("loc", ()))
     if e["type"] == "json_invalid":
         return _bad(
             f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}): send a JSON object"
         )
+    if not param and not _json_type(content_type):  # curl -d sends form data; a bare body has no type
+        sent = f"Content-Type {content_type}" if content_type else "no Content-Type"
+        return _bad(f"the request body was sent with {sent}: send it as JSON, with Content-Type: application/json")
     if not param:
         return _bad("the request body must be a JSON object with OpenAI's fields (see /docs)")
     if e["type"] == "extra_forbidden":
@@ -567,7 +586,7 @@ def _handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc):
-        return validation_error(exc).response()
+        return validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc):

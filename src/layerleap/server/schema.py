@@ -12,9 +12,9 @@ taken and left unused.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..core.grammar import Grammar
 from ..validate import SEED_MAX
@@ -95,6 +95,7 @@ class LayerleapOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = Field(False, description="a last chunk with the usage")
+    include_obfuscation: bool | None = Field(None, description="taken and unused: no chunk is padded")
 
 
 class TextPart(BaseModel):
@@ -108,6 +109,20 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    # the fields of an answer's message besides role and content (an answer replayed as it came, with
+    # ``message.model_dump()``): taken when they hold nothing, refused otherwise
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @model_validator(mode="after")
+    def _nothing_else(self):
+        for k in ("tool_calls", "function_call", "refusal", "audio", "annotations"):
+            if getattr(self, k) not in (None, []):
+                raise ValueError(f"{k} is not supported by this server: leave it out (or null)")
+        return self
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -136,8 +151,8 @@ class _Request(BaseModel):
     )
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (not returned)")
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_tokens")
-    n: int = Field(1, description="choices per request: 1")
-    stream: bool = False
+    n: int | None = Field(1, description="choices per request: 1 (null: 1)")
+    stream: bool | None = Field(False, description="server-sent events (null: false)")
     stream_options: StreamOptions | None = None
     layerleap: LayerleapOptions = Field(default_factory=LayerleapOptions)
     # taken and unused: they do not change the answer
@@ -205,10 +220,13 @@ class _Request(BaseModel):
         nothing = (None, "", {"type": "text"})
         return [k for k in GRAMMAR_FIELDS if getattr(self, k) not in nothing]
 
+    _asks_nothing: ClassVar[dict[str, tuple]] = {}  # this endpoint's own values that ask for nothing (over REFUSED's)
+
     def refused(self) -> str | None:
         """The first field given that asks for what the server cannot do."""
         given = self.model_dump(exclude_unset=True)
-        return next((k for k, nothing in REFUSED.items() if k in given and given[k] not in nothing), None)
+        refused = REFUSED | self._asks_nothing
+        return next((k for k, nothing in refused.items() if k in given and given[k] not in nothing), None)
 
 
 class ChatRequest(_Request):
@@ -230,6 +248,8 @@ class ChatRequest(_Request):
 class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
+    # legacy completions' logprobs is a count: 0 asks for the chosen tokens' log probabilities
+    _asks_nothing: ClassVar[dict[str, tuple]] = {"logprobs": (None,)}
     prompt: str | list[int] = Field(description="one string or one list of token ids")
     best_of: Any = None
     echo: Any = None

@@ -63,6 +63,7 @@ def parse_hf_extra(text: str, n_layers: int) -> tuple[str, dict]:
     return label, {key: n}
 
 
+HF_LABELS = {HF_LABEL, *(label for label, _, _ in HF_EXTRAS.values())}  # the rows of `transformers`' runs
 REFERENCE = "greedy"
 WARMUP_TOKENS = 8
 
@@ -150,7 +151,9 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
     """``"greedy,s=sample"`` and ``["s.top_k=5"]`` -> ``{"greedy": ("greedy", {}), "s": ("sample", {"top_k": 5})}``.
 
     An item is ``METHOD`` or ``LABEL=METHOD`` (to run one method with several option sets); an
-    option ``TARGET.NAME=VALUE`` applies to the label TARGET, or else to every label of method TARGET."""
+    option ``TARGET.NAME=VALUE`` applies to the label TARGET, or else to every label of method TARGET (a
+    label's own option overrides its method's, whatever their order).  The rows of `transformers`' runs
+    (``HF_LABELS``) are no labels of ours."""
     specs: MethodSpecs = {}
     for item in (s.strip() for s in text.split(",")):
         if not item:
@@ -160,20 +163,31 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
         if not label:
             raise LayerleapError(f"method {item!r} has an empty label: write METHOD or LABEL=METHOD")
         get_method(name)
-        if label in specs or label == HF_LABEL:
+        if label in HF_LABELS:
+            raise LayerleapError(
+                f"method label {label!r} names a transformers baseline's row: give the method another label "
+                f"(LABEL={name})"
+            )
+        if label in specs:
             raise LayerleapError(f"method label {label!r} is used twice: name them LABEL=METHOD")
         specs[label] = (name, {})
     if not specs:
         raise LayerleapError("no methods given: e.g. --methods greedy,sample")
+    by_label = []  # a label's own option is set after its method's, which it overrides in any order
     for key, value in parse_assignments(opts, "METHOD.NAME=VALUE").items():
         target, dot, opt = key.partition(".")
         if not dot or not opt:
             raise LayerleapError(f"bad option {key!r}: write METHOD.NAME=VALUE (METHOD: a label or method name)")
-        hits = [lb for lb in specs if lb == target] or [lb for lb, (n, _) in specs.items() if n == target]
+        if target in specs:
+            by_label.append((target, opt, value))
+            continue
+        hits = [lb for lb, (n, _) in specs.items() if n == target]
         if not hits:
             raise LayerleapError(f"option {key!r} names no method in the run: choose from {', '.join(specs)}")
         for lb in hits:
             specs[lb][1][opt] = value
+    for lb, opt, value in by_label:
+        specs[lb][1][opt] = value
     for lb, (name, options) in specs.items():
         if check:
             check_spec(lb, name, options)
@@ -712,6 +726,11 @@ def run_bench(
     if out is not None:
         V.report_file(out, "out")
     methods, ref = with_reference(methods)
+    taken = [label for label in methods if label == HF_LABEL or label in (hf_extra or {})]
+    if hf_baseline and taken:
+        raise LayerleapError(
+            f"method label {taken[0]!r} names a transformers baseline's row: give the method another label"
+        )
     for label, (name, options) in methods.items():
         check_spec(label, name, options, model.config)
     sampling = dict(sampling or {})

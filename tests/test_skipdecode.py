@@ -404,3 +404,18 @@ def test_the_frontier_drops_a_point_as_fast_but_worse_or_as_good_but_slower():
     assert frontier.frontier(same) == ["y", "z"]
     assert frontier.frontier([line("only", 1.3, 80)]) == ["only"]
     assert frontier.best_at(same, 0.95)["label"] == "y"
+
+
+def test_eval_skipdecode_speed_runs_and_writes_its_table(char_model_dir, tmp_path, capsys):
+    from layerleap.cli import main
+
+    out = tmp_path / "speed.json"
+    argv = ["eval", "skipdecode-speed", "--model", str(char_model_dir), "--targets", "2", "--categories", "qa"]
+    argv += ["--batch-sizes", "1,2", "--repeats", "1", "--max-new-tokens", "4", "--json", str(out)]
+    assert main(argv) == 0  # was AttributeError: the run count had taken the runs list's name
+    report = json.loads(out.read_text())
+    assert {r["batch"] for r in report["runs"]} == {1, 2} and {r["label"] for r in report["runs"]} == {
+        "greedy",
+        "skipdecode 2x",
+    }
+    assert "| 2 | skipdecode 2x |" in capsys.readouterr().out

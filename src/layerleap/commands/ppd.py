@@ -312,7 +312,7 @@ def run_parallel(args) -> int:
     print("round trip without computation: " + ", ".join(f"{k} {1e6 * v:.0f} µs" for k, v in ping.items()))
     for cat, s in summary.items():
         print(
-            f"{cat:16} {s['p_correct']:6.3f} {s['greedy_ms_per_token']:11.1f} {s['ppd_ms_per_token']:9.1f} "
+            f"{cat:16} {_num(s['p_correct'], '6.3f'):>6} {s['greedy_ms_per_token']:11.1f} {s['ppd_ms_per_token']:9.1f} "
             f"{s['speedup_vs_greedy_1unit']:8.2f}x {s['speedup_vs_greedy_all_cores']:11.2f}x "
             f"{s['predicted_speedup_units']:9.2f}x {s['comm_ms_per_token']:9.2f} {s['equal']:>7}"
         )
@@ -335,6 +335,11 @@ def run_parallel(args) -> int:
         )
         print(f"wrote {args.json}")
     return 0
+
+
+def _num(x, spec: str) -> str:
+    """``x`` formatted, or "-" for a figure with nothing to measure (no early prediction to check)."""
+    return "-" if x is None else format(x, spec)
 
 
 def selfspec_summary(records: list[dict], labels: list[str]) -> dict:

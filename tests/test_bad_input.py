@@ -538,6 +538,7 @@ CLI = [
     (["eval", "skipdecode-speed", *M, "--batch-sizes", "1000"], "each item must be an integer in [1, 256]"),
     (["eval", "skipdecode-speed", *M, "--repeats", "0"], "must be an integer in [1, 100]"),
     (["eval", "skipdecode-speed", *M, "--batch-sizes", "64", "--categories", "writing"], "the largest batch needs 64"),
+    (["eval", "skipdecode-speed", *M, "--max-new-tokens", "1"], "times decoding after the first token, so give at"),
     # eval ppd-parallel / self-spec / head-cost / drafters
     (["eval", "ppd-parallel", *M, "--k", "64", "--threads", str(os.cpu_count() or 1)], "cores"),
     (["eval", "ppd-parallel", *M, "--k", "100000"], "k must be an integer in [1, min(vocab_size, 64)], got 100000"),

@@ -141,6 +141,21 @@ def test_parse_value_and_methods(monkeypatch):
         bench.parse_methods("greedy, a=opty,b=opty", ["a.k=3", "a.k=4"])  # the last one would win silently
 
 
+def test_a_labels_own_option_overrides_its_methods_in_either_order(monkeypatch):
+    add_method(monkeypatch, "opty", lambda run, k=2: autoregressive(run))
+    for opts in (["a.k=3", "opty.k=5"], ["opty.k=5", "a.k=3"]):  # a.k was 5 when opty.k came last
+        assert bench.parse_methods("a=opty,b=opty", opts) == {"a": ("opty", {"k": 3}), "b": ("opty", {"k": 5})}
+
+
+def test_a_method_label_may_not_name_a_transformers_row(tiny):
+    for label in ("transformers", "transformers-lookup", "transformers-early-exit"):
+        with pytest.raises(layerleap.LayerleapError, match=f"method label '{label}' names a transformers baseline"):
+            bench.parse_methods(f"{label}=sample")
+    # through the API: the method's runs were silently replaced by the baseline's of the same label
+    with pytest.raises(layerleap.LayerleapError, match="'tl' names a transformers baseline's row"):
+        bench.run_bench(tiny, {"tl": ("sample", {})}, ["Hi"], 2, progress=False, call_cost=False, hf_extra={"tl": {}})
+
+
 def test_methods_with_required_options_are_skipped(monkeypatch):
     add_method(monkeypatch, "needs_draft", lambda run, draft: autoregressive(run))
     runnable = bench.runnable_methods()
@@ -403,6 +418,11 @@ def test_bench_call_cost_and_transformers_extras(capsys, tmp_path, tiny_hf_dir, 
     assert all(p["ms"] > 0 for p in cc["points"]) and d["config"]["cpu"] and len(d["config"]["load_average"]) == 3
     rc, _, err = cli(capsys, "bench", "--model", tiny_hf_dir, "--hf-extra", "early-exit:99", "--no-call-cost")
     assert rc == 2 and "assistant_early_exit" in err
+    short = ("--methods", "greedy", "--categories", "qa", "--max-new-tokens", 2, "--no-call-cost")
+    rc, _, err = cli(
+        capsys, "bench", "--model", tiny_hf_dir, *short, "--hf-extra", "lookup:3", "--hf-extra", "lookup:5"
+    )
+    assert rc == 2 and "transformers-lookup is given twice" in err  # lookup:3 was dropped silently
 
 
 def test_bench_interrupted_keeps_finished_prompts(capsys, monkeypatch, tmp_path, tiny_hf_dir):

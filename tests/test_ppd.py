@@ -267,3 +267,33 @@ def test_ppd_and_self_spec_equal_greedy_on_smollm2_spec_bench(smollm):
             assert r.stats["latency_units"] == pytest.approx(r.stats["theorem_latency_units"])
         s = generate(smollm, text, "self-spec", 32, stop_at_eos=False, chat=True, exit_layer=20, draft_len=3)
         assert s.token_ids == g.token_ids
+
+
+def test_eval_self_spec_sums_counts_over_prompts_rather_than_averaging_ratios():
+    """Two prompts: 1 of 10 drafts kept in 5 rounds, then 4 of 4 in 1 round; 2 of 8 early predictions
+    matched, then 6 of 6: acceptance 5/14, tokens per round (8 + 8)/6, p_correct 8/14 (the means of the
+    prompts' ratios were 0.55, 4.8 and 0.625)."""
+    from layerleap.commands.ppd import selfspec_summary
+
+    def rec(i, label, wall, **counts):
+        return {"category": "qa", "id": i, "label": label, "wall_s": wall, "tokens": 8, "equal": True, **counts}
+
+    records = [
+        rec(0, "greedy", 1.0),
+        rec(0, "ss", 0.5, drafted=10, accepted=1, rounds=5, acceptance=0.1, tokens_per_round=1.6),
+        rec(0, "ppd", 2.0, trials=8, matches=2, p_correct=0.25),
+        rec(0, "hf", 1.5),
+        rec(1, "greedy", 1.0),
+        rec(1, "ss", 0.5, drafted=4, accepted=4, rounds=1, acceptance=1.0, tokens_per_round=8.0),
+        rec(1, "ppd", 2.0, trials=6, matches=6, p_correct=1.0),
+        rec(1, "hf", 1.5),
+    ]
+    s = selfspec_summary(records, ["greedy", "ss", "ppd", "hf"])
+    assert set(s) == {"qa", "all"}
+    row = s["all"]
+    assert row["ss"]["acceptance"] == pytest.approx(5 / 14)
+    assert row["ss"]["tokens_per_round"] == pytest.approx(16 / 6)
+    assert row["ppd"]["p_correct"] == pytest.approx(8 / 14)
+    assert row["ss"]["vs_greedy"] == pytest.approx(2.0) and row["ss"]["equal"] == "2/2"
+    assert row["hf"]["acceptance"] is None and row["hf"]["p_correct"] is None
+    assert row["greedy"]["tokens_per_round"] is None

@@ -121,3 +121,18 @@ def test_ping_pong_measures_a_round_trip():
         assert 0 < t < 1.0
         prompt = [3, 4, 5]  # the executor still generates after a ping-pong
         assert ex.generate(prompt, 6, stop_at_eos=False).token_ids == naive_greedy(model, prompt, 6)
+
+
+def test_eval_ppd_parallel_with_one_new_token_prints_its_table(char_model_dir, tmp_path, capsys):
+    """One new token: no early prediction to check (p̂ has no trials), shown as "-"; it was a TypeError."""
+    import json
+
+    from layerleap.cli import main
+
+    out = tmp_path / "pp.json"
+    argv = ["eval", "ppd-parallel", "--model", str(char_model_dir), "--k", "1", "--threads", "1", "--exit-layer", "2"]
+    argv += ["--categories", "qa", "--prompts", "1", "--max-new-tokens", "1", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["summary"]["all"]["p_correct"] is None
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("all "))
+    assert line.split()[1] == "-"

@@ -259,3 +259,43 @@ def test_a_bench_that_reaches_the_calibration_split_with_a_lossy_method_says_so(
     said = calibration_overlap(lossy, ["summarization", "qa"], 5, offset=38)
     assert said is not None and "prompts 41-43 of summarization" in said and "(calm)" in said
     assert "--offset + --prompts <= 40" in said
+
+
+def _rec(i: int, label: str, method: str, calls: int, drafted: int | None, accepted: int | None, wall: float = 1.0):
+    acc = accepted / drafted if drafted else None
+    return bench.Record(
+        i, i, "qa", label, method, {}, 8, 5, wall, 8 / wall, 0.1, calls, 4.0 * calls / 8, 8 / calls, True,
+        acceptance=acc, drafted=drafted, accepted=accepted,
+    )  # fmt: skip
+
+
+def test_acceptance_and_tokens_per_call_are_ratios_of_sums_in_table_json_and_html():
+    """A drafter that keeps 1 of 10 drafts on one prompt and 2 of 2 on another kept 3 of 12 (25%), not the
+    mean of 10% and 100%; 16 tokens in 8 + 2 calls are 1.6 tokens per call, not the mean of 1.0 and 4.0."""
+    records = [
+        _rec(0, "greedy", "greedy", 8, None, None),
+        _rec(0, "pl", "prompt-lookup", 8, 10, 1),
+        _rec(1, "greedy", "greedy", 8, None, None),
+        _rec(1, "pl", "prompt-lookup", 2, 2, 2),
+    ]
+    res = bench.BenchResult({"n_prompts": 2}, records, ["greedy", "pl"])
+    s = res.summary["pl"]
+    assert s["acceptance"] == pytest.approx(3 / 12)
+    assert s["tokens_per_call"] == pytest.approx(16 / 10)
+    assert s["layers_per_token"] == pytest.approx(4.0 * 10 / 16)  # layer evaluations over tokens
+    assert res.to_dict()["summary"]["pl"]["acceptance"] == pytest.approx(0.25)
+    row = res.table().splitlines()[-1].split()
+    assert "1.60" in row and "25%" in row
+    page = html_report(res.to_dict())
+    assert "<td>25%</td>" in page and "<td>1.60</td>" in page
+
+
+def test_bench_records_keep_the_draft_counts_of_their_runs(tiny_hf_dir):
+    model = layerleap.load_folder(tiny_hf_dir)
+    methods = {"ss": ("self-spec", {"exit_layer": 2, "head": "shared"})}
+    res = bench.run_bench(
+        model, methods, ["Hi", "Tell me a story"], 6, progress=False, call_cost=False, hf_baseline=False
+    )
+    rs = [r for r in res.records if r.label == "ss"]
+    assert all(r.drafted and r.accepted is not None and r.acceptance == r.accepted / r.drafted for r in rs)
+    assert res.summary["ss"]["acceptance"] == pytest.approx(sum(r.accepted for r in rs) / sum(r.drafted for r in rs))

@@ -390,3 +390,32 @@ def test_frontier_summary_gives_the_speed_up_per_generated_token():
     (s,) = frontier.summary([row])
     assert s["speedup"] == 2.0  # summed times: the point stopped sooner
     assert s["speedup_per_token"] == pytest.approx((2.0 / 10) / (1.0 / 4))  # slower per token
+
+
+def test_the_frontier_drops_a_point_as_fast_but_worse_or_as_good_but_slower():
+    from layerleap.eval import frontier
+
+    def line(label, speed, quality):
+        return {"label": label, "speedup": speed, "quality": quality}
+
+    lines = [line("a", 1.5, 90), line("b", 1.5, 80), line("c", 1.0, 95), line("d", 2.0, 50), line("e", 1.2, 90)]
+    assert frontier.frontier(lines) == ["a", "c", "d"]  # b: as fast as a, worse; e: as good as a, slower
+    same = [line("x", 1.0, 70), line("y", 1.0, 99), line("z", 1.0, 99)]  # all equal speeds: the best, ties kept
+    assert frontier.frontier(same) == ["y", "z"]
+    assert frontier.frontier([line("only", 1.3, 80)]) == ["only"]
+    assert frontier.best_at(same, 0.95)["label"] == "y"
+
+
+def test_eval_skipdecode_speed_runs_and_writes_its_table(char_model_dir, tmp_path, capsys):
+    from layerleap.cli import main
+
+    out = tmp_path / "speed.json"
+    argv = ["eval", "skipdecode-speed", "--model", str(char_model_dir), "--targets", "2", "--categories", "qa"]
+    argv += ["--batch-sizes", "1,2", "--repeats", "1", "--max-new-tokens", "4", "--json", str(out)]
+    assert main(argv) == 0  # was AttributeError: the run count had taken the runs list's name
+    report = json.loads(out.read_text())
+    assert {r["batch"] for r in report["runs"]} == {1, 2} and {r["label"] for r in report["runs"]} == {
+        "greedy",
+        "skipdecode 2x",
+    }
+    assert "| 2 | skipdecode 2x |" in capsys.readouterr().out

@@ -28,6 +28,28 @@ def test_equations_3_and_5_give_the_papers_figures():
     )
 
 
+def test_theorem_4_1_against_a_hand_computation():
+    # d = 30, d̄ = 20, k = 3, ℓ = 5, p = 0.6: latency dℓ − (d − d̄)(ℓ − 1)p = 150 − 10·4·0.6 = 126;
+    # compute = 126 + k(d − d̄)ℓ = 126 + 3·10·5 = 276.  E[N] = 1 + (ℓ − 1)(1 − p) = 2.6 runs of
+    # T_X = d + (X − 1)d̄: d̄ℓ + (d − d̄)E[N] = 100 + 26 = 126, the proof's own sum.
+    f = theory.figures(30, 20, 3, 0.6, 5)["theorem"]
+    assert f["latency_units"] == pytest.approx(126.0) == 20 * 5 + 10 * 2.6
+    assert f["compute_units"] == pytest.approx(276.0)
+    assert f["greedy_units"] == 150
+    assert f["normalised_latency_per_token"] == pytest.approx(126 / 150)
+    assert f["compute_per_time_unit"] == pytest.approx(276 / 126)
+    # ℓ ≫ 1: latency/token 1 − (10/30)·0.6 = 0.8, compute/token 0.8 + 3·10/30 = 1.8, per time unit 1.8 / 0.8
+    a = theory.figures(30, 20, 3, 0.6, 5)["approximation"]
+    assert a["normalised_latency_per_token"] == pytest.approx(0.8)
+    assert a["normalised_compute_per_token"] == pytest.approx(1.8)
+    assert a["compute_per_time_unit"] == pytest.approx(2.25)
+    # eqs. 3, 5, 6 at d̄ = d/2, k = 2, p = 0.5: 1 − 0.25 = 0.75; (2 + 2 − 0.5)/(2 − 0.5) = 7/3; (2 + 2 − 0.5)/2 = 1.75
+    g = theory.figures(40, 20, 2, 0.5, 100)
+    assert g["eq3_normalised_latency_per_token"] == pytest.approx(0.75)
+    assert g["eq5_compute_per_time_unit"] == pytest.approx(7 / 3)
+    assert g["eq6_normalised_compute_per_token"] == pytest.approx(1.75)
+
+
 def test_general_forms_reduce_to_equations_3_5_6_at_half_depth():
     for k in (1, 3, 5):
         for p in (0.0, 0.3, 0.9):

@@ -726,7 +726,11 @@ def _setup_bench(p):
     )
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _sampling_args(p, BENCH_DO_SAMPLE_HELP)
-    _opt_arg(p, "METHOD.NAME=VALUE", "a method option; METHOD is a label or a method name (repeatable)")
+    _opt_arg(
+        p,
+        "METHOD.NAME=VALUE",
+        "a method option; METHOD is a label or a method name (repeatable; a label's own option overrides its method's)",
+    )
     p.add_argument(
         "--hf-extra",
         action="append",
@@ -800,7 +804,12 @@ def run_bench(args) -> int:
     threads, model, methods = _start_with_methods(args, methods)
     if not args.methods:  # the default set: leave out methods that cannot run on their defaults
         methods = _usable(model, methods)
-    hf_extra = dict(bench.parse_hf_extra(x, model.config.n_layers) for x in args.hf_extra or [])
+    hf_extra = {}
+    for text in args.hf_extra or []:
+        label, options = bench.parse_hf_extra(text, model.config.n_layers)
+        if label in hf_extra:
+            raise LayerleapError(f"--hf-extra {text}: {label} is given twice: give each transformers baseline once")
+        hf_extra[label] = options
     runs = (len(methods) + 1 + bool(args.baseline_hf) + len(hf_extra)) * len(prompts) * args.repeat
     workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
     print(_bench_header(args, model, threads, len(prompts), methods), flush=True)

@@ -312,7 +312,7 @@ def run_parallel(args) -> int:
     print("round trip without computation: " + ", ".join(f"{k} {1e6 * v:.0f} µs" for k, v in ping.items()))
     for cat, s in summary.items():
         print(
-            f"{cat:16} {s['p_correct']:6.3f} {s['greedy_ms_per_token']:11.1f} {s['ppd_ms_per_token']:9.1f} "
+            f"{cat:16} {_num(s['p_correct'], '6.3f'):>6} {s['greedy_ms_per_token']:11.1f} {s['ppd_ms_per_token']:9.1f} "
             f"{s['speedup_vs_greedy_1unit']:8.2f}x {s['speedup_vs_greedy_all_cores']:11.2f}x "
             f"{s['predicted_speedup_units']:9.2f}x {s['comm_ms_per_token']:9.2f} {s['equal']:>7}"
         )
@@ -335,6 +335,41 @@ def run_parallel(args) -> int:
         )
         print(f"wrote {args.json}")
     return 0
+
+
+def _num(x, spec: str) -> str:
+    """``x`` formatted, or "-" for a figure with nothing to measure (no early prediction to check)."""
+    return "-" if x is None else format(x, spec)
+
+
+def selfspec_summary(records: list[dict], labels: list[str]) -> dict:
+    """``eval self-spec``'s table, per category and "all": tokens/s and speed against greedy as ratios of
+    summed time, acceptance (kept over proposed drafts), tokens per round and p_correct (matches over
+    trials) as ratios of the prompts' summed counts, and how many outputs equal greedy's."""
+
+    def ratio(xs, num, den):
+        xs = [r for r in xs if r.get(den) is not None]
+        total = sum(r[den] for r in xs)
+        return sum(r[num] for r in xs) / total if total else None
+
+    summary = {}
+    for cat in list(dict.fromkeys(r["category"] for r in records)) + ["all"]:
+        rs = [r for r in records if cat in ("all", r["category"])]
+        g_wall = sum(r["wall_s"] for r in rs if r["label"] == "greedy")
+        row = {}
+        for lb in labels:
+            xs = [r for r in rs if r["label"] == lb]
+            wall, toks = sum(r["wall_s"] for r in xs), sum(r["tokens"] for r in xs)
+            row[lb] = {
+                "tokens_per_s": toks / wall,
+                "vs_greedy": g_wall / wall,
+                "acceptance": ratio(xs, "accepted", "drafted"),
+                "tokens_per_round": ratio(xs, "tokens", "rounds"),
+                "p_correct": ratio(xs, "matches", "trials"),
+                "equal": f"{sum(r['equal'] for r in xs)}/{len(xs)}",
+            }
+        summary[cat] = row
+    return summary
 
 
 @command(
@@ -432,6 +467,11 @@ def run_selfspec(args) -> int:
                     "latency_units",
                     "greedy_units",
                     "ttft_s",
+                    "drafted",
+                    "accepted",
+                    "rounds",
+                    "trials",
+                    "matches",
                 )
             }
             records.append(
@@ -457,27 +497,7 @@ def run_selfspec(args) -> int:
                     "equal": toks == ref.token_ids,
                 }
             )
-    labels = list(ours) + list(hf_variants)
-    summary = {}
-    for cat in list(dict.fromkeys(r["category"] for r in records)) + ["all"]:
-        rs = [r for r in records if cat in ("all", r["category"])]
-        g_wall = sum(r["wall_s"] for r in rs if r["label"] == "greedy")
-        row = {}
-        for lb in labels:
-            xs = [r for r in rs if r["label"] == lb]
-            wall, toks = sum(r["wall_s"] for r in xs), sum(r["tokens"] for r in xs)
-            acc = [r["acceptance"] for r in xs if r.get("acceptance") is not None]
-            tpr = [r["tokens_per_round"] for r in xs if r.get("tokens_per_round") is not None]
-            pc = [r["p_correct"] for r in xs if r.get("p_correct") is not None]
-            row[lb] = {
-                "tokens_per_s": toks / wall,
-                "vs_greedy": g_wall / wall,
-                "acceptance": sum(acc) / len(acc) if acc else None,
-                "tokens_per_round": sum(tpr) / len(tpr) if tpr else None,
-                "p_correct": sum(pc) / len(pc) if pc else None,
-                "equal": f"{sum(r['equal'] for r in xs)}/{len(xs)}",
-            }
-        summary[cat] = row
+    summary = selfspec_summary(records, list(ours) + list(hf_variants))
     for cat, row in summary.items():
         print(f"== {cat}")
         for lb, s in row.items():

@@ -537,6 +537,11 @@ def _eval_speed(args, model, threads) -> dict:
     sizes = args.batch_sizes
     cats = _csv(args.categories) or None
     pool = spec_bench(None, cats, None, args.offset)
+    if args.max_new_tokens < 2:
+        raise LayerleapError(
+            f"--max-new-tokens {args.max_new_tokens}: skipdecode-speed times decoding after the first token, so "
+            "give at least 2"
+        )
     need = max(sizes)
     if len(pool) < need:
         raise LayerleapError(f"only {len(pool)} prompts in {cats}: the largest batch needs {need}")
@@ -560,8 +565,8 @@ def _eval_speed(args, model, threads) -> dict:
             return [[p] for p in pool[:4]]
         return [pool[i : i + B] for i in range(0, need, B)][: max(1, 4 // B) if B < 4 else 1]
 
-    runs = sum(len(batches(B)) for B in sizes) * args.repeats * len(labels)  # a batch decodes its prompts together
-    workload.check(args, workload.decoding(model, runs, args.max_new_tokens, "batched runs"))
+    n_runs = sum(len(batches(B)) for B in sizes) * args.repeats * len(labels)  # a batch decodes its prompts together
+    workload.check(args, workload.decoding(model, n_runs, args.max_new_tokens, "batched runs"))
     generate(model, pool[0].text, "greedy", 8, chat=True)  # warm-up
     from tqdm.auto import tqdm
 

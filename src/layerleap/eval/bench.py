@@ -63,6 +63,7 @@ def parse_hf_extra(text: str, n_layers: int) -> tuple[str, dict]:
     return label, {key: n}
 
 
+HF_LABELS = {HF_LABEL, *(label for label, _, _ in HF_EXTRAS.values())}  # the rows of `transformers`' runs
 REFERENCE = "greedy"
 WARMUP_TOKENS = 8
 
@@ -150,7 +151,9 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
     """``"greedy,s=sample"`` and ``["s.top_k=5"]`` -> ``{"greedy": ("greedy", {}), "s": ("sample", {"top_k": 5})}``.
 
     An item is ``METHOD`` or ``LABEL=METHOD`` (to run one method with several option sets); an
-    option ``TARGET.NAME=VALUE`` applies to the label TARGET, or else to every label of method TARGET."""
+    option ``TARGET.NAME=VALUE`` applies to the label TARGET, or else to every label of method TARGET (a
+    label's own option overrides its method's, whatever their order).  The rows of `transformers`' runs
+    (``HF_LABELS``) are no labels of ours."""
     specs: MethodSpecs = {}
     for item in (s.strip() for s in text.split(",")):
         if not item:
@@ -160,20 +163,31 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
         if not label:
             raise LayerleapError(f"method {item!r} has an empty label: write METHOD or LABEL=METHOD")
         get_method(name)
-        if label in specs or label == HF_LABEL:
+        if label in HF_LABELS:
+            raise LayerleapError(
+                f"method label {label!r} names a transformers baseline's row: give the method another label "
+                f"(LABEL={name})"
+            )
+        if label in specs:
             raise LayerleapError(f"method label {label!r} is used twice: name them LABEL=METHOD")
         specs[label] = (name, {})
     if not specs:
         raise LayerleapError("no methods given: e.g. --methods greedy,sample")
+    by_label = []  # a label's own option is set after its method's, which it overrides in any order
     for key, value in parse_assignments(opts, "METHOD.NAME=VALUE").items():
         target, dot, opt = key.partition(".")
         if not dot or not opt:
             raise LayerleapError(f"bad option {key!r}: write METHOD.NAME=VALUE (METHOD: a label or method name)")
-        hits = [lb for lb in specs if lb == target] or [lb for lb, (n, _) in specs.items() if n == target]
+        if target in specs:
+            by_label.append((target, opt, value))
+            continue
+        hits = [lb for lb, (n, _) in specs.items() if n == target]
         if not hits:
             raise LayerleapError(f"option {key!r} names no method in the run: choose from {', '.join(specs)}")
         for lb in hits:
             specs[lb][1][opt] = value
+    for lb, opt, value in by_label:
+        specs[lb][1][opt] = value
     for lb, (name, options) in specs.items():
         if check:
             check_spec(lb, name, options)
@@ -238,6 +252,8 @@ class Record:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     acceptance: float | None = None  # kept / proposed draft tokens (drafting methods)
+    drafted: int | None = None  # proposed draft tokens (``draft_counts``), None for a method that does not draft
+    accepted: int | None = None  # the kept ones among them
     # quality of a lossy method's output (and greedy's, the reference): see ``_quality``
     agreement: float | None = None  # ROUGE-L F1 against greedy's text, 0..1
     reference_score: float | None = None  # against the data's reference (ROUGE-L, sentence BLEU, exact match), 0..1
@@ -248,6 +264,7 @@ def _record(
     i: int, prompt: Prompt, label: str, method: str, options: dict, res: GenerationResult, greedy_type: bool
 ) -> Record:
     s = res.stats
+    counts = draft_counts(s)
     return Record(
         i,
         prompt.id,
@@ -267,6 +284,8 @@ def _record(
         text=res.text,
         token_ids=list(res.token_ids),
         acceptance=acceptance(s),
+        drafted=counts[0] if counts else None,
+        accepted=counts[1] if counts else None,
     )
 
 
@@ -453,9 +472,19 @@ def _count(flags: list[bool | None]) -> str | None:
     return f"{sum(flags)}/{len(flags)}" if flags else None
 
 
+def _ratio(pairs) -> float | None:
+    """Summed numerators over summed denominators of ``(numerator, denominator)`` pairs; None without any
+    or where the denominators sum to 0."""
+    pairs = list(pairs)
+    den = sum(b for _, b in pairs)
+    return sum(a for a, _ in pairs) / den if pairs and den > 0 else None
+
+
 def summarize(records: list[Record], labels: list[str] | None = None, reference: str = REFERENCE) -> dict:
-    """Per label: mean tokens/s, speed-ups as ratios of summed time over the same prompts, layers
-    per token, tokens per call, and how many greedy-type runs matched the baseline tokens."""
+    """Per label: tokens/s (summed tokens over summed time; ``mean_tokens_per_s`` the mean over prompts),
+    speed-ups as ratios of summed time over the same prompts, layers per token (summed over summed
+    tokens), tokens per call (summed tokens over summed model calls), acceptance (summed kept draft
+    tokens over summed proposed ones), and how many greedy-type runs matched the baseline tokens."""
     labels = labels or list(dict.fromkeys(r.label for r in records))
     by = {(r.label, r.prompt_index): r for r in records}
     out = {}
@@ -474,9 +503,15 @@ def summarize(records: list[Record], labels: list[str] | None = None, reference:
             "tokens_per_s": tokens / wall if wall > 0 else None,
             "speedup_vs_greedy": _speedup(rs, by, reference),
             "speedup_vs_hf": _speedup(rs, by, HF_LABEL),
-            "layers_per_token": _mean([r.layers_per_token for r in rs]),
-            "tokens_per_call": _mean([r.tokens_per_call for r in rs]),
-            "acceptance": _mean([r.acceptance for r in rs]),
+            "layers_per_token": _ratio(
+                (r.layers_per_token * r.new_tokens, r.new_tokens) for r in rs if r.layers_per_token is not None
+            ),
+            "tokens_per_call": _ratio(
+                (r.new_tokens, max(1, r.model_calls))
+                for r in rs
+                if r.tokens_per_call is not None and r.model_calls is not None
+            ),
+            "acceptance": _ratio((r.accepted, r.drafted) for r in rs if r.drafted is not None),
             "mean_ttft_s": _mean([r.ttft_s for r in rs]),
             "matches_hf": _count([r.matches_hf for r in rs]),
             "matches_greedy": _count([r.matches_greedy for r in rs]),
@@ -691,6 +726,11 @@ def run_bench(
     if out is not None:
         V.report_file(out, "out")
     methods, ref = with_reference(methods)
+    taken = [label for label in methods if label == HF_LABEL or label in (hf_extra or {})]
+    if hf_baseline and taken:
+        raise LayerleapError(
+            f"method label {taken[0]!r} names a transformers baseline's row: give the method another label"
+        )
     for label, (name, options) in methods.items():
         check_spec(label, name, options, model.config)
     sampling = dict(sampling or {})

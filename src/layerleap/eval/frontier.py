@@ -209,14 +209,19 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def frontier(lines: list[dict], key: str = "quality", speed: str = "speedup") -> list[str]:
-    """Labels of the points that no other point beats on both ``speed`` and ``key`` (ties kept)."""
-    ok = [s for s in lines if s[key] is not None]
-    return [s["label"] for s in ok if not any(o[speed] > s[speed] and o[key] > s[key] for o in ok)]
+    """Labels of the points no other point dominates: none is at least as fast and as good and better in
+    one of ``speed`` and ``key`` (points equal in both are all kept)."""
+    ok = [s for s in lines if s[key] is not None and s[speed] is not None]
+
+    def beats(o, s):
+        return o[speed] >= s[speed] and o[key] >= s[key] and (o[speed] > s[speed] or o[key] > s[key])
+
+    return [s["label"] for s in ok if not any(beats(o, s) for o in ok)]
 
 
 def best_at(lines: list[dict], budget: float, key: str = "quality", speed: str = "speedup") -> dict | None:
     """The fastest point whose ``key`` keeps ``budget`` (a share, 0.95) of greedy's (100)."""
-    ok = [s for s in lines if s[key] is not None and s[key] >= 100 * budget]
+    ok = [s for s in lines if s[key] is not None and s[speed] is not None and s[key] >= 100 * budget]
     return max(ok, key=lambda s: s[speed]) if ok else None
 
 

@@ -461,15 +461,17 @@ def html_report(report: dict, title: str | None = None) -> str:
         _failures(report.get("failures") or []),
         "<h2>Summary</h2>",
         _summary_table(summary),
-        '<p class="note">Speed-ups are ratios of summed wall time over the same prompts; "= greedy" counts the '
-        "greedy-decoding runs whose tokens equal plain greedy decoding's.  Lossy methods' quality: agreement is "
-        "ROUGE-L F1 against greedy's own text; reference kept is the method's summed reference score (ROUGE-L, "
-        "sentence BLEU, exact match of the final answer) over greedy's on the prompts with references; "
-        "perplexity × is the full model's mean perplexity of the method's outputs over that of greedy's.</p>",
+        '<p class="note">Speed-ups are ratios of summed wall time over the same prompts; tokens/s, tokens/call, '
+        "layers/token and acceptance are ratios of sums over the prompts too (kept draft tokens over proposed "
+        'ones); "= greedy" counts the greedy-decoding runs whose tokens equal plain greedy decoding\'s.  Lossy '
+        "methods' quality: agreement is ROUGE-L F1 against greedy's own text; reference kept is the method's "
+        "summed reference score (ROUGE-L, sentence BLEU, exact match of the final answer) over greedy's on the "
+        "prompts with references; perplexity × is the full model's mean perplexity of the method's outputs over "
+        "that of greedy's.</p>",
         "<h2>Lossy methods: quality against speed</h2>",
         _frontier(cfg),
         "<h2>Tokens per second by method and category</h2>",
-        hbar_chart("tokens/s (mean over prompts)", labels, series, ".1f"),
+        hbar_chart("tokens/s (summed tokens over summed time)", labels, series, ".1f"),
         "<h2>Speed against greedy and transformers</h2>",
         hbar_chart(
             "speed-up (summed time of the baseline / summed time of the method)",

@@ -274,3 +274,30 @@ def test_records_without_their_model_are_refused(tmp_path, char_model, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and 'line 2 has no "model" field' in err
     assert len(data.read_self_distilled(path)) == 2  # without a fingerprint to check against: read as it is
+
+
+def test_eval_draft_vocab_times_sizes_below_three_and_records_sampled_answers(tmp_path, char_model, capsys):
+    """Sizes 1 and 2 are timed on their top ids (no top-3 of fewer ids); a set counted on sampled answers
+    says so in its file."""
+    from layerleap.drafters import draft_vocab as dv
+
+    path = tmp_path / "s.jsonl"
+    data.self_distilled(char_model, path, 4, gen_len=6, batch=2, progress=False, temperature=1.5, seed=5)
+    vocab = tmp_path / "v.safetensors"
+    argv = ["eval", "draft-vocab", "--model", char_model.source, "--threads", "1", "--calibration-prompts", "0"]
+    argv += ["--reps", "1", "--rows", "1", "--text-conversations", "0", "--data", str(path)]
+    assert main(argv + ["--sizes", "1,2,16", "--size", "16", "--out", str(vocab)]) == 0
+    assert "| 2 |" in capsys.readouterr().out
+    assert "answers sampled at temperature 1.5" in dv.get_draft_vocab(char_model, str(vocab)).meta["data"]
+
+
+def test_eval_draft_vocab_refuses_to_measure_coverage_on_nothing(tmp_path, char_model, capsys):
+    """No held-out answer and no calibration prompt: refused by name, not a coverage table of no column."""
+    path = tmp_path / "g.jsonl"
+    data.self_distilled(char_model, path, 3, gen_len=6, batch=3, progress=False)
+    argv = ["eval", "draft-vocab", "--model", char_model.source, "--threads", "1", "--calibration-prompts", "0"]
+    argv += ["--reps", "1", "--rows", "1", "--text-conversations", "0", "--data", str(path), "--sizes", "16"]
+    assert main(argv + ["--held-out", "0"]) == 2
+    assert "no held-out tokens to measure coverage on: --held-out 0 keeps none" in capsys.readouterr().err
+    assert main(argv + ["--held-out", "0.5"]) == 0
+    capsys.readouterr()

@@ -202,7 +202,7 @@ def _setup_vocab(p):
 def run_vocab(args) -> int:
     from ..drafters import draft_vocab as dv
     from ..eval.draft_vocab import choose_size, coverage_by_size, draft_cost
-    from ..train.data import answer_tokens, load_self_distilled
+    from ..train.data import answer_tokens, answers_kind, load_self_distilled
 
     cmd, model, threads = _start(args)
     V_ = model.config.vocab_size
@@ -215,6 +215,12 @@ def run_vocab(args) -> int:
     order, counts = dv.rank_tokens([c for _, c in pairs[:cut]], V_, text)
     n_counted, seen = int(counts.sum()), int((counts > 0).sum())
     held = _held_out(model, pairs[cut:], args)
+    if not held:
+        raise LayerleapError(
+            f"no held-out tokens to measure coverage on: --held-out {args.held_out:g} keeps none of the "
+            f"{len(pairs)} answers back and --calibration-prompts gives none; raise --held-out or give "
+            "--calibration-prompts"
+        )
     cover = {name: coverage_by_size(order, sizes, toks) for name, toks in held.items()}
     costs = [draft_cost(model, sizes, rows, reps=args.reps) for rows in args.rows]
     print(
@@ -245,7 +251,7 @@ def run_vocab(args) -> int:
                 f"no size below the vocabulary reaches --min-coverage {args.min_coverage}: lower it or give --size"
             )
         meta = {
-            "data": f"self-distilled: {model.config.name}'s greedy answers to the first {cut} usable ShareGPT "
+            "data": f"self-distilled: {model.config.name}'s {answers_kind(path)} to the first {cut} usable ShareGPT "
             f"prompts ({path.name}); ids they never used ranked by their count in the answers of the first "
             f"{args.text_conversations} ShareGPT conversations, then by id",
             "tokens": str(n_counted),

@@ -167,6 +167,9 @@ def test_cli_init_trains_on_from_a_file_and_heads_info_shows_both(tmp_path, char
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and "error: --init: " in err.splitlines()[-1]
     assert "not a file of Hidden Transfer projections" in err.splitlines()[-1]
+    other = ["train", "medusa", "--heads", "2", *argv, "--init", str(old), "--out", str(tmp_path / "m2.safetensors")]
+    assert main(other) == 2
+    assert "holds medusa weights for --heads 1, not --heads 2: give --heads 1" in capsys.readouterr().err
 
 
 def test_records_hold_token_ids_of_the_model(tmp_path, char_model):

@@ -292,6 +292,26 @@ def _refuse_unused_sampling(args, modes: list[str]) -> None:
     _refuse_unused(args, tuple(unused), f"with --mode {','.join(modes)}")
 
 
+def _check_head_layers(model, names: list[str], layers: list[int]) -> None:
+    """Each of ``--heads`` (trained, or a heads file) has a head at every one of ``--layers``: refused
+    in the command's own flags where one does not."""
+    from ..drafters.exit_heads import load_heads, trained_layers
+
+    for name in names:
+        if name in ("shared", "auto"):
+            continue
+        have = trained_layers(model) if name == "trained" else sorted(load_heads(model, name))
+        missing = [x for x in layers if x not in have]
+        if missing:
+            what = f"no shipped trained heads for {model.config.name}" if name == "trained" else "no heads"
+            listed = ", ".join(map(str, have))
+            among = f"(it has {listed}): give --layers among them, " if have else "(none ship): give "
+            raise LayerleapError(
+                f"--heads {name}: {what} at layers {', '.join(map(str, missing))} {among}--heads shared, or a "
+                "heads file trained there (`layerleap train heads`)"
+            )
+
+
 @_setup_match
 def run_match(args) -> int:
     from ..eval.match_rate import MODES, MatchRateConfig, match_rate, plot, position_table, resolve_heads, table
@@ -326,6 +346,7 @@ def run_match(args) -> int:
     base.check(model)
     runs = len(_csv(args.mode) or ["greedy"]) * sum(len(ps) for ps in prompts.values())
     workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
+    _check_head_layers(model, head_names, layers)
     heads = resolve_heads(model, head_names, layers)
     pos_layer = args.position_layer or layers[len(layers) // 2]
     results, report = {}, {"command": cmd, "model": model.config.name, "threads": threads, "results": {}}

@@ -304,3 +304,21 @@ def test_eval_draft_vocab_refuses_to_measure_coverage_on_nothing(tmp_path, char_
     assert "no held-out tokens to measure coverage on: --held-out 0 keeps none" in capsys.readouterr().err
     assert main(argv + ["--held-out", "0.5"]) == 0
     capsys.readouterr()
+
+
+def test_a_file_of_other_prompts_is_not_added_to(tmp_path, char_model, monkeypatch):
+    """Answers to the prompts of another --max-prompt (or other given prompts) are not added to: the
+    new answers would repeat some prompts and skip others."""
+    convs = [[{"from": "human", "value": v}, {"from": "gpt", "value": "a"}] for v in ("hi", "x" * 40, "yo", "ok")]
+    monkeypatch.setattr(layerleap.datasets, "sharegpt_conversations", lambda limit=None: iter(convs))
+    short = len(data.sharegpt_questions(char_model.tokenizer, 1, 10_000)[0])
+    path = tmp_path / "s.jsonl"
+    data.self_distilled(char_model, path, 2, max_prompt=short, gen_len=4, batch=2, progress=False)
+    with pytest.raises(LayerleapError, match="holds answers to other prompts than those --max-prompt 200 picks"):
+        data.self_distilled(char_model, path, 3, max_prompt=200, gen_len=4, batch=2, progress=False)
+    got = data.self_distilled(char_model, path, 3, max_prompt=short, gen_len=4, batch=2, progress=False)
+    assert len({tuple(p) for p, _ in got}) == 3
+    given = tmp_path / "g.jsonl"
+    data.self_distilled(char_model, given, 2, gen_len=4, progress=False, prompts=[[1, 2], [3]])
+    with pytest.raises(LayerleapError, match="other prompts than those given"):
+        data.self_distilled(char_model, given, 3, gen_len=4, progress=False, prompts=[[1, 2], [4], [5]])

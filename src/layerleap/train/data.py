@@ -265,9 +265,9 @@ def self_distilled(
     rebatched run samples the same answers).  Written to ``path`` (JSON lines ``{"prompt",
     "completion", "model"}`` and ``"temperature"`` when sampled, the file rewritten atomically after
     each batch); a call with the same ``path`` reuses what is there and decodes only the rest (a file
-    of another model is refused).  ``prompts``: prompt ids to answer instead of ShareGPT's (the first
-    ``n``; a machine without the ShareGPT package, ``benchmarks/device_self_distill.py``).  ``what``: the
-    flag that named ``path``, for the messages."""
+    of another model, decoding settings or prompts is refused).  ``prompts``: prompt ids to answer
+    instead of ShareGPT's (the first ``n``; a machine without the ShareGPT package,
+    ``benchmarks/device_self_distill.py``).  ``what``: the flag that named ``path``, for the messages."""
     from tqdm.auto import tqdm
 
     from ..decoding import generate
@@ -283,8 +283,15 @@ def self_distilled(
         )
     if len(done) >= n:  # nothing to decode: ShareGPT is not read
         return [(r["prompt"], r["completion"]) for r in done[:n] if r["completion"]]
+    given = prompts is not None
     prompts = sharegpt_questions(model.tokenizer, n, max_prompt) if prompts is None else prompts[:n]
     start = min(len(done), len(prompts))
+    if any(r["prompt"] != p for r, p in zip(done, prompts)):
+        theirs = "those given" if given else f"those --max-prompt {max_prompt} picks"
+        raise TrainDataError(
+            f"{path} holds answers to other prompts than {theirs}, so adding to it would repeat and skip "
+            "prompts: give the settings it was written with to add to it, or another --out"
+        )
     bar = tqdm(total=len(prompts), initial=start, desc="self-distilling", unit="ex", disable=not progress)
     saver, extra = _Saver(path), {k: v for k, v in mine.items() if v is not None}
     while len(done) < len(prompts):

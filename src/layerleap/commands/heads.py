@@ -14,7 +14,7 @@ from . import command
 from . import check_outputs
 from ..errors import LayerleapError
 from .. import validate as V, workload
-from ..files import check_replace, holds, read_safetensors_meta, write_json
+from ..files import check_replace, holds, newer_file, newer_format, read_safetensors_meta, write_json
 from ..drafters.exit_heads import check_layer
 from ..train.data import DATA_CHOICES
 from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _state_cache_arg, _threads
@@ -594,6 +594,8 @@ def run_info(args) -> int:
 
     metas = {f: weights.read_meta(f, fix="it is not a layerleap weights file") for f in args.files}
     for f, m in metas.items():
+        if newer_format(m.get("format"), weights.FORMAT):
+            raise LayerleapError(newer_file(f, m["format"], weights.FORMAT, "layerleap train"))
         if m.get("format") != weights.FORMAT:
             raise LayerleapError(
                 f"{f} is not a layerleap weights file (format {m.get('format')!r}): give exit heads, "

@@ -53,7 +53,10 @@ def _setup_data(p):
 @_setup_data
 def run_data(args) -> int:
     from ..train.data import answers_kind, self_distill_path, self_distilled
+    from .basic import _refuse_unused
 
+    if args.temperature is None:
+        _refuse_unused(args, ("--seed",), "without --temperature (greedy answers draw nothing)")
     _, model, _ = _start(args)
     path = args.out or self_distill_path(model, args.max_prompt, args.gen_len, args.temperature, args.seed)
     t = time.perf_counter()

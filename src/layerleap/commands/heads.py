@@ -524,9 +524,11 @@ def run_sub(args) -> int:
             f"--heads {args.heads} has no heads at layers {', '.join(map(str, missing))} "
             f"(it has {', '.join(map(str, sorted(src)))})"
         )
-    if any(src[x].kind == "full" for x in layers):
+    other = {src[x].kind for x in layers} - {"shared", "lens"}
+    if other:
         raise LayerleapError(
-            "full heads have their own V x D unembedding: sub-vocabularies are for shared and lens heads"
+            f"--heads {args.heads} holds {' and '.join(sorted(other))} heads, which have their own norm or "
+            "unembedding: sub-vocabularies are for shared and lens heads"
         )
     t0 = time.perf_counter()
     order, counts = frequent_vocab(model, args.freq_tokens)

@@ -322,3 +322,14 @@ def test_a_file_of_other_prompts_is_not_added_to(tmp_path, char_model, monkeypat
     data.self_distilled(char_model, given, 2, gen_len=4, progress=False, prompts=[[1, 2], [3]])
     with pytest.raises(LayerleapError, match="other prompts than those given"):
         data.self_distilled(char_model, given, 3, gen_len=4, progress=False, prompts=[[1, 2], [4], [5]])
+
+
+def test_eval_draft_vocab_refuses_to_write_when_no_size_is_below_the_vocabulary(tmp_path, char_model, capsys):
+    """--out with --sizes all at or above the vocabulary (the defaults, on a 128-token model): refused
+    before any work, naming --sizes, not after the table as a coverage too low."""
+    path = tmp_path / "g.jsonl"
+    data.self_distilled(char_model, path, 3, gen_len=6, batch=3, progress=False)
+    argv = ["eval", "draft-vocab", "--model", char_model.source, "--threads", "1", "--calibration-prompts", "0"]
+    argv += ["--reps", "1", "--rows", "1", "--text-conversations", "0", "--data", str(path)]
+    assert main(argv + ["--out", str(tmp_path / "v.safetensors")]) == 2
+    assert "--sizes 1024,2048,4096,8192,16384,32768: none is below the vocabulary (128)" in capsys.readouterr().err

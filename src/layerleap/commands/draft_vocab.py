@@ -211,6 +211,11 @@ def run_vocab(args) -> int:
     V_ = model.config.vocab_size
     if args.size is not None and args.size >= V_:
         raise LayerleapError(f"--size {args.size}: a draft vocabulary is smaller than the vocabulary ({V_})")
+    if args.out and args.size is None and all(s >= V_ for s in args.sizes):
+        raise LayerleapError(
+            f"--sizes {','.join(map(str, args.sizes))}: none is below the vocabulary ({V_}), so none could be "
+            "written to --out: give smaller --sizes, or --size"
+        )
     sizes = sorted({min(s, V_) for s in args.sizes} | {V_})
     path, pairs = load_self_distilled(model, args.data)
     cut = len(pairs) - int(round(args.held_out * len(pairs)))

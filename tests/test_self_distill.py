@@ -333,3 +333,24 @@ def test_eval_draft_vocab_refuses_to_write_when_no_size_is_below_the_vocabulary(
     argv += ["--reps", "1", "--rows", "1", "--text-conversations", "0", "--data", str(path)]
     assert main(argv + ["--out", str(tmp_path / "v.safetensors")]) == 2
     assert "--sizes 1024,2048,4096,8192,16384,32768: none is below the vocabulary (128)" in capsys.readouterr().err
+
+
+def test_train_heads_holds_out_the_conversations_its_self_distilled_data_answers(tmp_path, char_model, monkeypatch):
+    """With self-distilled --data the agreement check runs on conversations whose questions the data
+    does not answer (not on those after the first --tokens ShareGPT positions, which it trained on)."""
+    from layerleap.core.run import chat_token_ids
+
+    path = tmp_path / "s.jsonl"
+    data.self_distilled(char_model, path, 3, gen_len=4, batch=3, progress=False)
+    real, held = data.conversation_seqs, []
+
+    def recording(*a, **k):
+        got = real(*a, **k)
+        held.append(got[0] if isinstance(got, tuple) else got)
+        return got
+
+    monkeypatch.setattr(data, "conversation_seqs", recording)
+    argv = ["train", "heads", "--model", char_model.source, "--threads", "1", "--layers", "1", "--tokens", "20"]
+    assert main(argv + ["--data", str(path), "--eval-tokens", "1000", "--out", str(tmp_path / "h.safetensors")]) == 0
+    want = [chat_token_ids(char_model.tokenizer, data.messages(c))[:512] for c in CONVS[3:]]
+    assert held[-1] == want

@@ -115,7 +115,8 @@ def _setup_train(p):
         "--eval-tokens",
         type=V.int_arg(0, 10_000_000),
         default=4000,
-        help="held-out ShareGPT positions (after the training ones) for the agreement check (0: none)",
+        help="held-out ShareGPT positions (after the training ones; with self-distilled --data, of conversations "
+        "whose questions it does not answer) for the agreement check (0: none)",
     )
     p.add_argument(
         "--out",
@@ -205,9 +206,15 @@ def run_train(args) -> int:
     }
     if not ranks.main:
         return 0
-    if args.eval_tokens > 0:  # held out: the conversations after those trained on
-        _, seen = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations, return_seen=True)
-        val = conversation_seqs(model.tokenizer, args.eval_tokens, cfg.seq_len, seen)
+    if args.eval_tokens > 0:  # held out: the conversations after those trained on, or whose questions were not
+        if seqs is None:
+            _, seen = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations, True)
+            val = conversation_seqs(model.tokenizer, args.eval_tokens, cfg.seq_len, seen)
+        else:  # self-distilled: answers to the first ShareGPT questions, whose conversations are passed over
+            asked = {tuple(p) for p, _ in pairs}
+            val = conversation_seqs(
+                model.tokenizer, args.eval_tokens, cfg.seq_len, cfg.skip_conversations, exclude=asked
+            )
         cv = cache_hidden(model, val, cfg.layers)
         final = cv[model.config.n_layers]
         rows = {}

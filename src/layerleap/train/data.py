@@ -54,11 +54,18 @@ def messages(conv: list[dict], roles=tuple(ROLES), strip: bool = True) -> list[d
 
 
 def conversation_seqs(
-    tokenizer, tokens: int, seq_len: int, skip: int = 0, return_seen: bool = False, roles=("human", "gpt", "system")
+    tokenizer,
+    tokens: int,
+    seq_len: int,
+    skip: int = 0,
+    return_seen: bool = False,
+    roles=("human", "gpt", "system"),
+    exclude=None,
 ):
     """Whole conversations in the chat template, cut at ``seq_len`` tokens, until ``tokens`` positions
-    are collected (the first ``skip`` conversations are passed over).  With ``return_seen``:
-    ``(seqs, conversations read including the skipped)``."""
+    are collected (the first ``skip`` conversations are passed over, and those whose first question's
+    prompt ids, as ``sharegpt_questions`` makes them, are in ``exclude``: a set of id tuples).  With
+    ``return_seen``: ``(seqs, conversations read including the skipped)``."""
     from ..datasets import sharegpt_conversations
 
     out, total, seen = [], 0, 0
@@ -66,6 +73,10 @@ def conversation_seqs(
         seen += 1
         if seen <= skip:
             continue
+        if exclude and conv and conv[0].get("from") == "human" and (conv[0].get("value") or "").strip():
+            q = [{"role": "user", "content": conv[0]["value"].strip()}]
+            if tuple(chat_token_ids(tokenizer, q, add_generation_prompt=True)) in exclude:
+                continue
         msgs = messages(conv, roles)
         if not msgs:
             continue

@@ -620,6 +620,14 @@ CLI = [
     (TM + ["--out", "{T}/m.safetensors", "--chunks", "/no/such.safetensors"], "not found"),
     (TM + ["--out", "{T}/m.safetensors", "--chunks", "{GARBAGE}"], "cannot read chunks"),
     (TM + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS1D}"], "does not hold token chunks"),
+    (
+        TM + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKS}", "--data", "self-distill"],
+        "--data: not used with --chunks",
+    ),
+    (
+        TM + ["--out", "{T}/m.safetensors", "--data", "self-distill", "--conversations", "5"],
+        "--conversations: not used with --data self-distill",
+    ),
     (TM + ["--out", "{T}/m.safetensors", "--chunks", "{CHUNKSVOCAB}"], "does not hold token chunks"),
     (TM + ["--out", "{T}/m.safetensors", "--save-chunks", "{T}/c.npy"], "must end in .safetensors"),
     (TM + ["--out", "{T}/m.safetensors", "--max-seconds", "0"], "must be a finite number > 0"),
@@ -742,6 +750,10 @@ CLI = [
     (
         ["train", "data", "--model", "{D}", "--self-distill", "2", "--seed", "-1"],
         "must be an integer in [0, 4294967295]",
+    ),
+    (
+        ["train", "data", "--model", "{D}", "--self-distill", "2", "--seed", "3"],
+        "--seed: not used without --temperature",
     ),
     (["train", "corpus", "--model", "{D}"], "the following arguments are required: --out"),
     (["train", "corpus", "--model", "{D}", "--out", "{T}/c.bin"], "must end in .safetensors"),

@@ -335,3 +335,42 @@ def test_a_resume_without_sequences_keeps_the_data_hash(tmp_path):
     (tmp_path / "o" / th.CACHE_FILE).replace(work / th.CACHE_FILE)
     with pytest.raises(th.TrainHeadsError, match="other settings, data"):
         th.train_heads(model, cfg, work=work, seqs=None, progress=False)
+
+
+def test_cli_match_rate_names_the_heads_missing_at_its_layers(tmp_path, capsys, char_model_dir):
+    """A heads file or the shipped heads without a head at one of --layers: refused in the command's own
+    flags (--layers, --heads), before any prompt runs."""
+    import layerleap
+    from layerleap.cli import main
+
+    model = layerleap.load_folder(char_model_dir)
+    path = heads.save_heads([heads.new_head(model, 1, "lens")], tmp_path / "h.safetensors")
+    argv = ["match-rate", "--model", str(char_model_dir), "--threads", "1", "--category", "qa", "--prompts", "1"]
+    assert main(argv + ["--layers", "1,2", "--heads", f"shared,{path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"--heads {path}: no heads at layers 2 (it has 1): give --layers among them, --heads shared" in err
+    assert main(argv + ["--layers", "1", "--heads", "trained"]) == 2
+    assert "--heads trained: no shipped trained heads for tiny at layers 1 (none ship): give --heads shared" in (
+        capsys.readouterr().err
+    )
+
+
+def test_cli_heads_sub_vocab_refuses_adapter_and_full_heads_before_ranking(
+    tmp_path, capsys, char_model_dir, monkeypatch
+):
+    """Adapter and full heads have their own norm or unembedding: refused by name before the ids are ranked."""
+    import layerleap
+    from layerleap.cli import main
+    from layerleap.commands import heads as cmd
+
+    monkeypatch.setattr(cmd, "frequent_vocab", lambda *a, **k: pytest.fail("ranked the ids of a refused file"))
+    model = layerleap.load_folder(char_model_dir)
+    path = heads.save_heads(
+        [heads.AdapterHead(model, 1, rank=4), heads.new_head(model, 2, "full")], tmp_path / "a.safetensors"
+    )
+    argv = ["heads", "sub-vocab", "--model", str(char_model_dir), "--threads", "1", "--vocab", "16"]
+    argv += ["--heads", str(path), "--out", str(tmp_path / "v.safetensors")]
+    assert main(argv) == 2
+    assert "holds adapter and full heads, which have their own norm or unembedding" in capsys.readouterr().err
+    assert main(argv + ["--layers", "1"]) == 2
+    assert "holds adapter heads" in capsys.readouterr().err

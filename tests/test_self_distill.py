@@ -167,6 +167,9 @@ def test_cli_init_trains_on_from_a_file_and_heads_info_shows_both(tmp_path, char
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and "error: --init: " in err.splitlines()[-1]
     assert "not a file of Hidden Transfer projections" in err.splitlines()[-1]
+    other = ["train", "medusa", "--heads", "2", *argv, "--init", str(old), "--out", str(tmp_path / "m2.safetensors")]
+    assert main(other) == 2
+    assert "holds medusa weights for --heads 1, not --heads 2: give --heads 1" in capsys.readouterr().err
 
 
 def test_records_hold_token_ids_of_the_model(tmp_path, char_model):
@@ -274,3 +277,80 @@ def test_records_without_their_model_are_refused(tmp_path, char_model, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and 'line 2 has no "model" field' in err
     assert len(data.read_self_distilled(path)) == 2  # without a fingerprint to check against: read as it is
+
+
+def test_eval_draft_vocab_times_sizes_below_three_and_records_sampled_answers(tmp_path, char_model, capsys):
+    """Sizes 1 and 2 are timed on their top ids (no top-3 of fewer ids); a set counted on sampled answers
+    says so in its file."""
+    from layerleap.drafters import draft_vocab as dv
+
+    path = tmp_path / "s.jsonl"
+    data.self_distilled(char_model, path, 4, gen_len=6, batch=2, progress=False, temperature=1.5, seed=5)
+    vocab = tmp_path / "v.safetensors"
+    argv = ["eval", "draft-vocab", "--model", char_model.source, "--threads", "1", "--calibration-prompts", "0"]
+    argv += ["--reps", "1", "--rows", "1", "--text-conversations", "0", "--data", str(path)]
+    assert main(argv + ["--sizes", "1,2,16", "--size", "16", "--out", str(vocab)]) == 0
+    assert "| 2 |" in capsys.readouterr().out
+    assert "answers sampled at temperature 1.5" in dv.get_draft_vocab(char_model, str(vocab)).meta["data"]
+
+
+def test_eval_draft_vocab_refuses_to_measure_coverage_on_nothing(tmp_path, char_model, capsys):
+    """No held-out answer and no calibration prompt: refused by name, not a coverage table of no column."""
+    path = tmp_path / "g.jsonl"
+    data.self_distilled(char_model, path, 3, gen_len=6, batch=3, progress=False)
+    argv = ["eval", "draft-vocab", "--model", char_model.source, "--threads", "1", "--calibration-prompts", "0"]
+    argv += ["--reps", "1", "--rows", "1", "--text-conversations", "0", "--data", str(path), "--sizes", "16"]
+    assert main(argv + ["--held-out", "0"]) == 2
+    assert "no held-out tokens to measure coverage on: --held-out 0 keeps none" in capsys.readouterr().err
+    assert main(argv + ["--held-out", "0.5"]) == 0
+    capsys.readouterr()
+
+
+def test_a_file_of_other_prompts_is_not_added_to(tmp_path, char_model, monkeypatch):
+    """Answers to the prompts of another --max-prompt (or other given prompts) are not added to: the
+    new answers would repeat some prompts and skip others."""
+    convs = [[{"from": "human", "value": v}, {"from": "gpt", "value": "a"}] for v in ("hi", "x" * 40, "yo", "ok")]
+    monkeypatch.setattr(layerleap.datasets, "sharegpt_conversations", lambda limit=None: iter(convs))
+    short = len(data.sharegpt_questions(char_model.tokenizer, 1, 10_000)[0])
+    path = tmp_path / "s.jsonl"
+    data.self_distilled(char_model, path, 2, max_prompt=short, gen_len=4, batch=2, progress=False)
+    with pytest.raises(LayerleapError, match="holds answers to other prompts than those --max-prompt 200 picks"):
+        data.self_distilled(char_model, path, 3, max_prompt=200, gen_len=4, batch=2, progress=False)
+    got = data.self_distilled(char_model, path, 3, max_prompt=short, gen_len=4, batch=2, progress=False)
+    assert len({tuple(p) for p, _ in got}) == 3
+    given = tmp_path / "g.jsonl"
+    data.self_distilled(char_model, given, 2, gen_len=4, progress=False, prompts=[[1, 2], [3]])
+    with pytest.raises(LayerleapError, match="other prompts than those given"):
+        data.self_distilled(char_model, given, 3, gen_len=4, progress=False, prompts=[[1, 2], [4], [5]])
+
+
+def test_eval_draft_vocab_refuses_to_write_when_no_size_is_below_the_vocabulary(tmp_path, char_model, capsys):
+    """--out with --sizes all at or above the vocabulary (the defaults, on a 128-token model): refused
+    before any work, naming --sizes, not after the table as a coverage too low."""
+    path = tmp_path / "g.jsonl"
+    data.self_distilled(char_model, path, 3, gen_len=6, batch=3, progress=False)
+    argv = ["eval", "draft-vocab", "--model", char_model.source, "--threads", "1", "--calibration-prompts", "0"]
+    argv += ["--reps", "1", "--rows", "1", "--text-conversations", "0", "--data", str(path)]
+    assert main(argv + ["--out", str(tmp_path / "v.safetensors")]) == 2
+    assert "--sizes 1024,2048,4096,8192,16384,32768: none is below the vocabulary (128)" in capsys.readouterr().err
+
+
+def test_train_heads_holds_out_the_conversations_its_self_distilled_data_answers(tmp_path, char_model, monkeypatch):
+    """With self-distilled --data the agreement check runs on conversations whose questions the data
+    does not answer (not on those after the first --tokens ShareGPT positions, which it trained on)."""
+    from layerleap.core.run import chat_token_ids
+
+    path = tmp_path / "s.jsonl"
+    data.self_distilled(char_model, path, 3, gen_len=4, batch=3, progress=False)
+    real, held = data.conversation_seqs, []
+
+    def recording(*a, **k):
+        got = real(*a, **k)
+        held.append(got[0] if isinstance(got, tuple) else got)
+        return got
+
+    monkeypatch.setattr(data, "conversation_seqs", recording)
+    argv = ["train", "heads", "--model", char_model.source, "--threads", "1", "--layers", "1", "--tokens", "20"]
+    assert main(argv + ["--data", str(path), "--eval-tokens", "1000", "--out", str(tmp_path / "h.safetensors")]) == 0
+    want = [chat_token_ids(char_model.tokenizer, data.messages(c))[:512] for c in CONVS[3:]]
+    assert held[-1] == want

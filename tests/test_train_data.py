@@ -67,8 +67,10 @@ def test_conversation_seqs():
     assert [text(s) for s in seqs] == ["u:hi there|a", "s:be brief|u", "u:more|a:yes"]
     assert seen == 4
     assert [text(s) for s in data.conversation_seqs(CharTokenizer(), 15, 12, skip=1)] == ["s:be brief|u", "u:m"]
-    with pytest.raises(LayerleapError, match="no usable ShareGPT"):
+    with pytest.raises(LayerleapError, match=r"skipping 4 ShareGPT conversations leaves none \(it holds 4\)"):
         data.conversation_seqs(CharTokenizer(), 100, 12, skip=4)
+    # a cut below the 8 tokens that make a conversation long enough still reads the conversations
+    assert [text(s) for s in data.conversation_seqs(CharTokenizer(), 1000, 4)] == ["u:hi", "s:be", "u:mo"]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

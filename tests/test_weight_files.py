@@ -278,6 +278,23 @@ def test_heads_info_prints_the_budgets_side_by_side(tmp_path, capsys):
     assert weights.read_meta(tmp_path / "c.safetensors")["steps"] == "9"
 
 
+def test_heads_info_shows_a_malformed_budget_as_recorded_and_names_a_newer_format(tmp_path, capsys):
+    """Budget values this version cannot parse (a stage that is not JSON, train_s that is no number) are
+    printed as they are, not a traceback; a file of a later format is named as one."""
+    meta = {"format": weights.FORMAT, "init_from": "garbage", "this_run": '{"tokens": "x"}', "train_s": "abc"}
+    bad = save_safetensors(tmp_path / "bad.safetensors", {"x": torch.zeros(1)}, meta)
+    ok = heads.save_heads([heads.new_head(random_model(), 1, "lens")], tmp_path / "ok.safetensors")
+    assert main(["heads", "info", str(bad)]) == 0
+    out = capsys.readouterr().out
+    assert "init_from      garbage" in out and 'this_run       {"tokens": "x"}' in out and "train_s        abc" in out
+    assert main(["heads", "info", str(bad), str(ok)]) == 0
+    out = capsys.readouterr().out
+    assert "| train_s | abc | not recorded |" in out and "| init_from | garbage | not recorded |" in out
+    newer = save_safetensors(tmp_path / "new.safetensors", {"x": torch.zeros(1)}, {"format": "layerleap-weights-9"})
+    assert main(["heads", "info", str(newer)]) == 2
+    assert "was written by a newer layerleap (format 'layerleap-weights-9'" in capsys.readouterr().err
+
+
 # -- the files in the repository ------------------------------------------------------------------------
 SHIPPED = sorted(  # the drafter weights (draft vocabularies and corpora are id lists with formats of their own:
     # test_draft_vocab, test_corpus)

@@ -53,7 +53,10 @@ def _setup_data(p):
 @_setup_data
 def run_data(args) -> int:
     from ..train.data import answers_kind, self_distill_path, self_distilled
+    from .basic import _refuse_unused
 
+    if args.temperature is None:
+        _refuse_unused(args, ("--seed",), "without --temperature (greedy answers draw nothing)")
     _, model, _ = _start(args)
     path = args.out or self_distill_path(model, args.max_prompt, args.gen_len, args.temperature, args.seed)
     t = time.perf_counter()
@@ -202,12 +205,17 @@ def _setup_vocab(p):
 def run_vocab(args) -> int:
     from ..drafters import draft_vocab as dv
     from ..eval.draft_vocab import choose_size, coverage_by_size, draft_cost
-    from ..train.data import answer_tokens, load_self_distilled
+    from ..train.data import answer_tokens, answers_kind, load_self_distilled
 
     cmd, model, threads = _start(args)
     V_ = model.config.vocab_size
     if args.size is not None and args.size >= V_:
         raise LayerleapError(f"--size {args.size}: a draft vocabulary is smaller than the vocabulary ({V_})")
+    if args.out and args.size is None and all(s >= V_ for s in args.sizes):
+        raise LayerleapError(
+            f"--sizes {','.join(map(str, args.sizes))}: none is below the vocabulary ({V_}), so none could be "
+            "written to --out: give smaller --sizes, or --size"
+        )
     sizes = sorted({min(s, V_) for s in args.sizes} | {V_})
     path, pairs = load_self_distilled(model, args.data)
     cut = len(pairs) - int(round(args.held_out * len(pairs)))
@@ -215,6 +223,12 @@ def run_vocab(args) -> int:
     order, counts = dv.rank_tokens([c for _, c in pairs[:cut]], V_, text)
     n_counted, seen = int(counts.sum()), int((counts > 0).sum())
     held = _held_out(model, pairs[cut:], args)
+    if not held:
+        raise LayerleapError(
+            f"no held-out tokens to measure coverage on: --held-out {args.held_out:g} keeps none of the "
+            f"{len(pairs)} answers back and --calibration-prompts gives none; raise --held-out or give "
+            "--calibration-prompts"
+        )
     cover = {name: coverage_by_size(order, sizes, toks) for name, toks in held.items()}
     costs = [draft_cost(model, sizes, rows, reps=args.reps) for rows in args.rows]
     print(
@@ -245,7 +259,7 @@ def run_vocab(args) -> int:
                 f"no size below the vocabulary reaches --min-coverage {args.min_coverage}: lower it or give --size"
             )
         meta = {
-            "data": f"self-distilled: {model.config.name}'s greedy answers to the first {cut} usable ShareGPT "
+            "data": f"self-distilled: {model.config.name}'s {answers_kind(path)} to the first {cut} usable ShareGPT "
             f"prompts ({path.name}); ids they never used ranked by their count in the answers of the first "
             f"{args.text_conversations} ShareGPT conversations, then by id",
             "tokens": str(n_counted),

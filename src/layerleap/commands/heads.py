@@ -14,7 +14,7 @@ from . import command
 from . import check_outputs
 from ..errors import LayerleapError
 from .. import validate as V, workload
-from ..files import check_replace, holds, read_safetensors_meta, write_json
+from ..files import check_replace, holds, newer_file, newer_format, read_safetensors_meta, write_json
 from ..drafters.exit_heads import check_layer
 from ..train.data import DATA_CHOICES
 from .basic import _command_line, _load, _model_args, _model_line, _positive_int, _state_cache_arg, _threads
@@ -115,7 +115,8 @@ def _setup_train(p):
         "--eval-tokens",
         type=V.int_arg(0, 10_000_000),
         default=4000,
-        help="held-out ShareGPT positions (after the training ones) for the agreement check (0: none)",
+        help="held-out ShareGPT positions (after the training ones; with self-distilled --data, of conversations "
+        "whose questions it does not answer) for the agreement check (0: none)",
     )
     p.add_argument(
         "--out",
@@ -205,9 +206,15 @@ def run_train(args) -> int:
     }
     if not ranks.main:
         return 0
-    if args.eval_tokens > 0:  # held out: the conversations after those trained on
-        _, seen = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations, return_seen=True)
-        val = conversation_seqs(model.tokenizer, args.eval_tokens, cfg.seq_len, seen)
+    if args.eval_tokens > 0:  # held out: the conversations after those trained on, or whose questions were not
+        if seqs is None:
+            _, seen = conversation_seqs(model.tokenizer, cfg.tokens, cfg.seq_len, cfg.skip_conversations, True)
+            val = conversation_seqs(model.tokenizer, args.eval_tokens, cfg.seq_len, seen)
+        else:  # self-distilled: answers to the first ShareGPT questions, whose conversations are passed over
+            asked = {tuple(p) for p, _ in pairs}
+            val = conversation_seqs(
+                model.tokenizer, args.eval_tokens, cfg.seq_len, cfg.skip_conversations, exclude=asked
+            )
         cv = cache_hidden(model, val, cfg.layers)
         final = cv[model.config.n_layers]
         rows = {}
@@ -292,6 +299,26 @@ def _refuse_unused_sampling(args, modes: list[str]) -> None:
     _refuse_unused(args, tuple(unused), f"with --mode {','.join(modes)}")
 
 
+def _check_head_layers(model, names: list[str], layers: list[int]) -> None:
+    """Each of ``--heads`` (trained, or a heads file) has a head at every one of ``--layers``: refused
+    in the command's own flags where one does not."""
+    from ..drafters.exit_heads import load_heads, trained_layers
+
+    for name in names:
+        if name in ("shared", "auto"):
+            continue
+        have = trained_layers(model) if name == "trained" else sorted(load_heads(model, name))
+        missing = [x for x in layers if x not in have]
+        if missing:
+            what = f"no shipped trained heads for {model.config.name}" if name == "trained" else "no heads"
+            listed = ", ".join(map(str, have))
+            among = f"(it has {listed}): give --layers among them, " if have else "(none ship): give "
+            raise LayerleapError(
+                f"--heads {name}: {what} at layers {', '.join(map(str, missing))} {among}--heads shared, or a "
+                "heads file trained there (`layerleap train heads`)"
+            )
+
+
 @_setup_match
 def run_match(args) -> int:
     from ..eval.match_rate import MODES, MatchRateConfig, match_rate, plot, position_table, resolve_heads, table
@@ -326,6 +353,7 @@ def run_match(args) -> int:
     base.check(model)
     runs = len(_csv(args.mode) or ["greedy"]) * sum(len(ps) for ps in prompts.values())
     workload.check(args, workload.decoding(model, runs, args.max_new_tokens))
+    _check_head_layers(model, head_names, layers)
     heads = resolve_heads(model, head_names, layers)
     pos_layer = args.position_layer or layers[len(layers) // 2]
     results, report = {}, {"command": cmd, "model": model.config.name, "threads": threads, "results": {}}
@@ -503,9 +531,11 @@ def run_sub(args) -> int:
             f"--heads {args.heads} has no heads at layers {', '.join(map(str, missing))} "
             f"(it has {', '.join(map(str, sorted(src)))})"
         )
-    if any(src[x].kind == "full" for x in layers):
+    other = {src[x].kind for x in layers} - {"shared", "lens"}
+    if other:
         raise LayerleapError(
-            "full heads have their own V x D unembedding: sub-vocabularies are for shared and lens heads"
+            f"--heads {args.heads} holds {' and '.join(sorted(other))} heads, which have their own norm or "
+            "unembedding: sub-vocabularies are for shared and lens heads"
         )
     t0 = time.perf_counter()
     order, counts = frequent_vocab(model, args.freq_tokens)
@@ -573,6 +603,8 @@ def run_info(args) -> int:
 
     metas = {f: weights.read_meta(f, fix="it is not a layerleap weights file") for f in args.files}
     for f, m in metas.items():
+        if newer_format(m.get("format"), weights.FORMAT):
+            raise LayerleapError(newer_file(f, m["format"], weights.FORMAT, "layerleap train"))
         if m.get("format") != weights.FORMAT:
             raise LayerleapError(
                 f"{f} is not a layerleap weights file (format {m.get('format')!r}): give exit heads, "

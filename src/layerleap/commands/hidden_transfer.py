@@ -153,7 +153,13 @@ def _kind_flags(args) -> str:
 
 @_setup_train
 def run_train(args) -> int:
+    from .basic import _refuse_unused
+
     kind = _kind_flags(args)
+    if args.chunks:
+        _refuse_unused(args, ("--data", "--conversations"), "with --chunks (the chunks are the data)")
+    elif args.data != "sharegpt":
+        _refuse_unused(args, ("--conversations",), f"with --data {args.data} (it counts ShareGPT conversations)")
     ranks = init_from_env(args.device)  # under torchrun: data-parallel, rank 0 writes
     threads = _threads(args.threads or ranks.threads())
     model = _load(args)

@@ -331,13 +331,17 @@ def table(files: dict[str, dict]) -> str:
 
 
 def stage(text: str | None) -> str | None:
-    """One run's budget (``init_from`` / ``this_run`` metadata) on one line."""
+    """One run's budget (``init_from`` / ``this_run`` metadata) on one line (the text as it is where it
+    is not such a budget)."""
     if not text:
         return None
-    b = json.loads(text)
-    where = f"{b['file']}: " if b.get("file") else ""
-    tokens = f"{int(b['tokens']):,}" if b.get("tokens") is not None else "?"
-    seconds = f"{float(b['train_s']):.0f}" if b.get("train_s") is not None else "?"
+    try:
+        b = json.loads(text)
+        where = f"{b['file']}: " if b.get("file") else ""
+        tokens = f"{int(b['tokens']):,}" if b.get("tokens") is not None else "?"
+        seconds = f"{float(b['train_s']):.0f}" if b.get("train_s") is not None else "?"
+    except (ValueError, TypeError, AttributeError):
+        return str(text)
     return (
         f"{where}{tokens} tokens, {b.get('steps', '?')} steps, {seconds} s on {b.get('machine', '?')}; "
         f"data {b.get('data', 'not recorded')}"
@@ -347,9 +351,12 @@ def stage(text: str | None) -> str | None:
 def _cell(name: str, value) -> str:
     if value in (None, ""):
         return "not recorded"
-    if name == "tokens":
-        return f"{int(value):,}"
-    if name == "train_s":
-        return f"{float(value):.0f} s"
+    try:
+        if name == "tokens":
+            return f"{int(value):,}"
+        if name == "train_s":
+            return f"{float(value):.0f} s"
+    except (ValueError, TypeError):
+        pass  # not a number: shown as recorded
     text = str(value).replace("|", "\\|")
     return f"`{text}`" if name in ("command", "what") else text

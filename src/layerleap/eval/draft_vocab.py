@@ -23,8 +23,9 @@ def coverage_by_size(order: torch.Tensor, sizes, token_lists) -> dict[int, float
 
 def draft_cost(model: Transformer, sizes, rows: int = 1, context: int = 128, reps: int = 30, seed: int = 0) -> dict:
     """Median milliseconds of a drafter's last stage on ``rows`` normalised states: ``[rows, D] @
-    W[ids].T`` and the top-3, for each size (the model's full ``unembed`` at the vocabulary's size),
-    and of one decode step of the model (one token, KV cache at ``context``); interleaved rep by rep."""
+    W[ids].T`` and the top-3 (all of a size below 3), for each size (the model's full ``unembed`` at the
+    vocabulary's size), and of one decode step of the model (one token, KV cache at ``context``);
+    interleaved rep by rep."""
     V, D = model.config.vocab_size, model.config.hidden_size
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(rows, D, generator=g).to(model.device, model.dtype)
@@ -42,7 +43,7 @@ def draft_cost(model: Transformer, sizes, rows: int = 1, context: int = 128, rep
             cache.truncate(context)
             for k, vocab in vocabs.items():
                 t = time.perf_counter()
-                (model.unembed(z) if vocab is None else vocab.logits(z)).topk(3, dim=-1)
+                (model.unembed(z) if vocab is None else vocab.logits(z)).topk(min(3, k), dim=-1)
                 times[k].append(time.perf_counter() - t)
     med = {k: 1e3 * sorted(v[2:])[len(v[2:]) // 2] for k, v in times.items()}  # after 2 warm-up reps
     return {"rows": rows, "context": context, "reps": reps, "step_ms": med.pop("step"), "draft_ms": med}

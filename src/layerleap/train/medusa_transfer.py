@@ -278,9 +278,9 @@ def start_from(drafter: drafters._Drafter, path) -> dict:
                 "(a head without attention may start one with), or train from scratch without --init"
             )
         flag = "--layers" if drafter.kind == "transfer" else "--heads"
-        have = ",".join(map(str, loaded.layers)) if drafter.kind == "transfer" else str(loaded.steps)
+        have, want = (",".join(map(str, d.layers)) if d.kind == "transfer" else str(d.steps) for d in (loaded, drafter))
         raise TrainError(
-            f"--init {path} holds {drafter.kind} weights for {flag} {have}, not {drafter.config()}: "
+            f"--init {path} holds {drafter.kind} weights for {flag} {have}, not {flag} {want}: "
             f"give {flag} {have}, or train from scratch without --init"
         )
     with torch.no_grad():  # an EAGLE head without attention into one with: the attention starts at zero output

@@ -658,3 +658,26 @@ def test_a_mixture_of_experts_file_is_refused_before_any_tensor_is_read(tmp_path
         "mixtral.gguf: a mixture-of-experts model (llama.expert_count 8): layerleap runs dense decoders only"
     )
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("gguf-*"))
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_one_part_of_a_split_file_is_named_before_any_tensor_is_read(tmp_path, part):
+    """llama.cpp's gguf-split writes a model as several files: one of them is refused with the fix, not
+    converted to the end and then found to lack the other parts' tensors (or, past the first part, the
+    metadata)."""
+
+    def split(w):
+        w.add_uint16("split.no", part)
+        w.add_uint16("split.count", 2)
+        for name in [n for n in w.tensors[0] if n.startswith("blk.1.")]:
+            w.tensors[0].pop(name)
+
+    path = write_gguf(tmp_path / f"tiny-0000{part + 1}-of-00002.gguf", edit=split)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ConfigError) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert str(e.value) == (
+            f"{path.name} is part {part + 1} of a GGUF model split into 2 files: merge them into one with "
+            "llama.cpp (llama-gguf-split --merge FIRST-PART merged.gguf) and load the merged file"
+        )
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("gguf-*"))

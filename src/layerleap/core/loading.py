@@ -703,15 +703,17 @@ GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_
 
 def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]:
     """Read a GGUF file's header (``weight_files.gguf_header``) and check it against the file before
-    any tensor is read: every tensor's data inside the file and its rows whole blocks, a supported
-    architecture, tokenizer and tensor types.  -> (architecture, {tensor type: count}); a problem
-    raises ``ModelFileError`` (a bad file; ``fix``, when given, says what to do about one) or
-    ``ConfigError`` (what layerleap does not load), one line naming it."""
+    any tensor is read: a whole model (not one part of a split file), every tensor's data inside the
+    file and its rows whole blocks, a supported architecture, tokenizer and tensor types.
+    -> (architecture, {tensor type: count}); a problem raises ``ModelFileError`` (a bad file; ``fix``,
+    when given, says what to do about one) or ``ConfigError`` (what layerleap does not load), one line
+    naming it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from .weight_files import ModelFileError, gguf_header
 
     size = path.stat().st_size
     meta, tensors, start = gguf_header(path, fix)
+    _check_gguf_split(path, meta)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ConfigError(
@@ -750,6 +752,20 @@ def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]
             )
         types[qtype] = types.get(qtype, 0) + 1
     return arch, types
+
+
+def _check_gguf_split(path: Path, meta: dict) -> None:
+    """Refuse one part of a model split into several files (llama.cpp's ``gguf-split``): the other
+    parts hold the rest of the tensors (and only the first the metadata)."""
+    count = meta.get("split.count")
+    if isinstance(count, int) and not isinstance(count, bool) and count > 1:
+        part = meta.get("split.no")
+        known = isinstance(part, int) and not isinstance(part, bool) and 0 <= part < count
+        which = f"part {part + 1}" if known else "one part"
+        raise ConfigError(
+            f"{path.name} is {which} of a GGUF model split into {count} files: merge them into one with "
+            f"llama.cpp (llama-gguf-split --merge FIRST-PART merged.gguf) and load the merged file"
+        )
 
 
 def _check_gguf_meta(path: Path, meta: dict, fix: str | None) -> None:

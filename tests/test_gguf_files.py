@@ -681,3 +681,15 @@ def test_one_part_of_a_split_file_is_named_before_any_tensor_is_read(tmp_path, p
             "llama.cpp (llama-gguf-split --merge FIRST-PART merged.gguf) and load the merged file"
         )
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("gguf-*"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_file_without_head_count_kv_has_as_many_kv_heads_as_heads(tmp_path, monkeypatch, arch):
+    """llama.cpp reads a missing ``{arch}.attention.head_count_kv`` as ``head_count`` (no grouped-query
+    attention); `transformers`' Qwen2 default of 32 key/value heads is not the file's."""
+    monkeypatch.setitem(globals(), "KV", HEADS)
+    path = write_gguf(tmp_path / f"mha-{arch}.gguf", "Q4_0", arch=arch, edit=_drop(f"{arch}.attention.head_count_kv"))
+    for dtype in ("float32", "q4"):
+        model = layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert model.config.n_kv_heads == model.config.n_heads == HEADS
+        assert len(layerleap.generate(model, "hello", max_new_tokens=3, stop_at_eos=False).token_ids) == 3

@@ -51,12 +51,14 @@ class GGUFContext:
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        self.parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+        if "num_key_value_heads" not in self.parsed.get("config", {}):  # as llama.cpp: no GQA without head_count_kv
+            hf_config.num_key_value_heads = hf_config.num_attention_heads  # (Qwen2Config's default is 32)
         with torch.device("meta"):  # names and shapes only
             self.hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         self.expected = {k: tuple(v.shape) for k, v in self.hf.state_dict().items()}
         if self.hf.config.tie_word_embeddings:
             self.expected.pop("lm_head.weight", None)
-        self.parsed = load_gguf_checkpoint(str(path), return_tensors=False)
         arch = bytes(GGUFReader(str(path)).fields["general.architecture"].parts[-1]).decode()
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed.get("config", {}))
         self.key_map = get_gguf_hf_weights_map(self.hf, self.processor)

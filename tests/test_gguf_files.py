@@ -693,3 +693,20 @@ def test_a_file_without_head_count_kv_has_as_many_kv_heads_as_heads(tmp_path, mo
         model = layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
         assert model.config.n_kv_heads == model.config.n_heads == HEADS
         assert len(layerleap.generate(model, "hello", max_new_tokens=3, stop_at_eos=False).token_ids) == 3
+
+
+def test_q4_of_a_model_whose_layer_sizes_are_not_whole_groups_is_one_line_with_the_fix(tmp_path, monkeypatch):
+    """Rows of 4-bit groups of 32: a GGUF file (or a folder) with an intermediate size of 80 loads in
+    float32, and dtype q4 names the file, the size and the dtypes that load it, before any tensor is read."""
+    monkeypatch.setitem(globals(), "FF", 80)
+    path = write_gguf(tmp_path / "odd.gguf", "F16")
+    layerleap.load(str(path), dtype="float32", progress=lambda s: None)
+    why = "dtype q4 multiplies 4-bit groups of 32 inputs, and its intermediate_size 80 is not a multiple of 32"
+    fix = f"{why}: load it with dtype float32 or bfloat16"
+    with pytest.raises(ConfigError) as e:
+        layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert str(e.value) == f"odd.gguf: {fix}"
+    (folder,) = (tmp_path / "cache").glob("gguf-odd-*")
+    with pytest.raises(ConfigError) as e:
+        layerleap.load(str(folder), dtype="q4", progress=lambda s: None)
+    assert str(e.value) == f"{folder}: {fix}"

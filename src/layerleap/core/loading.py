@@ -673,7 +673,13 @@ def _load(name_or_path: str, dtype, progress) -> Transformer:
     path = Path(name_or_path).expanduser()
     if path.suffix.lower() == ".gguf":
         return load_gguf(path, dtype, progress)
-    return quantize_model(load_folder(path, "float32", pack=False)) if q4 else load_folder(path, dtype)
+    if not q4:
+        return load_folder(path, dtype)
+    from .gguf_q4 import check_sizes
+
+    if path.is_dir():  # before the weights are read
+        check_sizes(check_folder(path)[0], str(path))
+    return quantize_model(load_folder(path, "float32", pack=False))
 
 
 def to_device(model: Transformer, device: str = "cpu") -> Transformer:

@@ -710,3 +710,36 @@ def test_q4_of_a_model_whose_layer_sizes_are_not_whole_groups_is_one_line_with_t
     with pytest.raises(ConfigError) as e:
         layerleap.load(str(folder), dtype="q4", progress=lambda s: None)
     assert str(e.value) == f"{folder}: {fix}"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {
+            f"blk.{i}.{n}.bias": KV * D // HEADS if n != "attn_q" else D
+            for i in range(LAYERS)
+            for n in ("attn_q", "attn_k")
+        },
+        {"blk.1.attn_output.bias": D},
+        {"blk.0.unknown.weight": 32},
+    ],
+    ids=["llama q/k biases", "an output bias", "an unknown tensor"],
+)
+def test_a_tensor_the_decoder_has_no_place_for_is_refused_not_ignored(tmp_path, extra):
+    """llama.cpp runs a llama file's attention biases (and refuses a tensor it does not use); dropping one
+    would load another model, so it is one line naming the tensor, before any tensor is read."""
+
+    def edit(w):
+        for name, n in extra.items():
+            w.add_tensor(name, np.full(n, 0.5, np.float32))
+
+    path = write_gguf(tmp_path / "extra.gguf", "Q4_0", edit=edit)
+    first, more = next(iter(extra)), len(extra) - 1
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ConfigError) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert str(e.value) == (
+            f"extra.gguf: GGUF tensor {first}{f' (and {more} more)' if more else ''} has no place in layerleap's "
+            "llama decoder, which would ignore it and so compute another model: choose a file without it"
+        )
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".locks"]

@@ -59,9 +59,18 @@ class GGUFContext:
         self.expected = {k: tuple(v.shape) for k, v in self.hf.state_dict().items()}
         if self.hf.config.tie_word_embeddings:
             self.expected.pop("lm_head.weight", None)
-        arch = bytes(GGUFReader(str(path)).fields["general.architecture"].parts[-1]).decode()
+        reader = GGUFReader(str(path))
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed.get("config", {}))
         self.key_map = get_gguf_hf_weights_map(self.hf, self.processor)
+        unused = [t.name for t in reader.tensors if self.key_map.get(t.name) not in self.expected]
+        if unused:  # e.g. a llama file's attention biases: ignored, they would leave another model
+            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+            raise ConfigError(
+                f"{path.name}: GGUF tensor {unused[0]}{more} has no place in layerleap's {arch} decoder, which "
+                "would ignore it and so compute another model: choose a file without it"
+            )
+        del reader
         self.config = ModelConfig.from_hf(self._hf_dict(), name=path.stem)
         check_vocab(self.config, self.tokenizer, path.name, "the file is inconsistent, convert it again")
 

@@ -6,6 +6,7 @@ architecture or tensor type gets one line naming it."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from pathlib import Path
@@ -743,3 +744,22 @@ def test_a_tensor_the_decoder_has_no_place_for_is_refused_not_ignored(tmp_path, 
             "llama decoder, which would ignore it and so compute another model: choose a file without it"
         )
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".locks"]
+
+
+def test_a_file_replaced_by_another_of_its_size_and_time_is_converted_again(tmp_path):
+    """Two files of the same name in two folders are two cache entries; a file overwritten by another of
+    the same size whose modification time is then copied back (``cp -p``, ``rsync -t``, ``touch -r``)
+    is converted again, not served from the old file's entry."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = write_gguf(tmp_path / "a" / "m.gguf", seed=1), write_gguf(tmp_path / "b" / "m.gguf", seed=2)
+    assert a.stat().st_size == b.stat().st_size
+    for dtype in ("float32", "q4"):
+        fa = layerleap.load(str(a), dtype=dtype, progress=lambda s: None).fingerprint
+        fb = layerleap.load(str(b), dtype=dtype, progress=lambda s: None).fingerprint
+        assert fa != fb
+    st = a.stat()
+    a.write_bytes(b.read_bytes())
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for dtype in ("float32", "q4"):
+        assert layerleap.load(str(a), dtype=dtype, progress=lambda s: None).fingerprint == fb

@@ -813,16 +813,17 @@ def _check_gguf_rope(path: Path, arch: str, meta: dict, names: set[str]) -> None
 
 
 def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
-    """The cache folder of a user's GGUF file (keyed by its path, size and modification time),
-    converted on first use as a packaged model's is (``packaged_folder``); the file is checked first
-    (``check_gguf``)."""
+    """The cache folder of a user's GGUF file (keyed by its path, size, modification time and status
+    change time: a file replaced by another of its size, its modification time copied or set back, is
+    another entry), converted on first use as a packaged model's is (``packaged_folder``); the file is
+    checked first (``check_gguf``)."""
     import hashlib
 
     progress = progress or _to_stderr
     path = path.resolve()
     check_gguf(path)
     st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}".encode()).hexdigest()[:10]
     folder = cache_root() / f"gguf-{path.stem[:40]}-{key}{'-q4' if q4 else ''}"
     if q4:
         from . import gguf_q4

@@ -763,3 +763,26 @@ def test_a_file_replaced_by_another_of_its_size_and_time_is_converted_again(tmp_
     os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
     for dtype in ("float32", "q4"):
         assert layerleap.load(str(a), dtype=dtype, progress=lambda s: None).fingerprint == fb
+
+
+def test_a_chat_template_that_does_not_parse_is_one_line_not_a_traceback(tmp_path, capsys):
+    from layerleap.cli import main
+    from layerleap.core.run import GenerationError
+
+    def edit(w):
+        w.kv_data[0].pop("tokenizer.chat_template")
+        w.add_chat_template("{% for m in messages %}{{ m['content'] }")
+
+    path = write_gguf(tmp_path / "badchat.gguf", "Q4_0", edit=edit)
+    model = layerleap.load(str(path), progress=lambda s: None)  # the template is only needed for chat
+    assert len(layerleap.generate(model, "hello", max_new_tokens=2, stop_at_eos=False).token_ids) == 2
+    want = (
+        "the model's chat template does not parse (line 1: unexpected '}'): repair its chat template "
+        "(tokenizer.chat_template), or give the prompt as it is, without chat=True (--chat)"
+    )
+    with pytest.raises(GenerationError) as e:
+        layerleap.generate(model, "hello", max_new_tokens=2, chat=True)
+    assert str(e.value) == want
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--chat", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert want in err and "Traceback" not in err

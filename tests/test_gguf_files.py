@@ -786,3 +786,22 @@ def test_a_chat_template_that_does_not_parse_is_one_line_not_a_traceback(tmp_pat
     assert main(["generate", "--model", str(path), "--prompt", "hi", "--chat", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert want in err and "Traceback" not in err
+
+
+def test_a_big_endian_file_is_named_as_such(tmp_path):
+    """llama.cpp's converter writes big-endian files on request (``--bigendian``): its version then reads
+    as 50331648 in little-endian order, which is not the problem to name."""
+    path = tmp_path / "be.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(1)
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError) as e:
+        layerleap.load(str(path), progress=lambda s: None)
+    assert str(e.value) == (
+        f"{path} is a big-endian GGUF file: layerleap reads little-endian ones, convert the model again "
+        "without --bigendian"
+    )

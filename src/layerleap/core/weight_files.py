@@ -397,6 +397,11 @@ def gguf_header(path: Path, fix: str | None = None) -> tuple[dict, list[tuple[st
             raise ModelFileError(f"{path} does not start with GGUF's magic bytes: {fix or 'it is not a GGUF file'}")
         pos = 4
         version, n_tensors, n_kv = take("<I"), take("<Q"), take("<Q")
+        if version not in (2, 3) and int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+            raise ModelFileError(
+                f"{path} is a big-endian GGUF file: layerleap reads little-endian ones, convert the model again "
+                "without --bigendian"
+            )
         if version not in (2, 3):
             raise ModelFileError(f"{path}: GGUF version {version} is not supported (2 or 3)")
         meta = {}

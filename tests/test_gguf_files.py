@@ -805,3 +805,32 @@ def test_a_big_endian_file_is_named_as_such(tmp_path):
         f"{path} is a big-endian GGUF file: layerleap reads little-endian ones, convert the model again "
         "without --bigendian"
     )
+
+
+def test_a_head_size_other_than_hidden_over_heads_comes_from_key_length(tmp_path):
+    """Mistral Nemo's llama file has heads of 128 beside a hidden size of 5120 and 32 heads: llama.cpp
+    reads the head size from ``llama.attention.key_length``, which `transformers` ignores."""
+    from layerleap.core.loading import to_hf
+
+    hd = 32  # D // HEADS is 64
+
+    def edit(w):
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        for i in range(LAYERS):
+            for name, shape in (("attn_q", (HEADS * hd, D)), ("attn_k", (KV * hd, D)), ("attn_v", (KV * hd, D))):
+                _tensor(f"blk.{i}.{name}.weight", shape, "Q4_0")(w)
+            _tensor(f"blk.{i}.attn_output.weight", (D, HEADS * hd), "Q4_0")(w)
+
+    path = write_gguf(tmp_path / "heads.gguf", "Q4_0", edit=edit)
+    dense = layerleap.load(str(path), progress=lambda s: None)
+    q4 = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert dense.config.head_dim == q4.config.head_dim == hd
+    ids = dense.tokenizer.encode("hello hello")
+    with torch.inference_mode():
+        want = to_hf(dense)(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(_logits(dense, ids), want, atol=1e-4, rtol=1e-4)
+    assert (_logits(q4, ids) - want).abs().max() < 0.1 * want.abs().max()
+    odd = write_gguf(tmp_path / "odd.gguf", "Q4_0", edit=lambda w: (edit(w), w.add_value_length(16)))
+    with pytest.raises(ConfigError, match="odd.gguf: heads with keys of 32 values and values of 16"):
+        layerleap.load(str(odd), progress=lambda s: None)

@@ -54,13 +54,14 @@ class GGUFContext:
         self.parsed = load_gguf_checkpoint(str(path), return_tensors=False)
         if "num_key_value_heads" not in self.parsed.get("config", {}):  # as llama.cpp: no GQA without head_count_kv
             hf_config.num_key_value_heads = hf_config.num_attention_heads  # (Qwen2Config's default is 32)
+        reader = GGUFReader(str(path))
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        self._set_head_dim(hf_config, reader, arch)
         with torch.device("meta"):  # names and shapes only
             self.hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         self.expected = {k: tuple(v.shape) for k, v in self.hf.state_dict().items()}
         if self.hf.config.tie_word_embeddings:
             self.expected.pop("lm_head.weight", None)
-        reader = GGUFReader(str(path))
-        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed.get("config", {}))
         self.key_map = get_gguf_hf_weights_map(self.hf, self.processor)
         unused = [t.name for t in reader.tensors if self.key_map.get(t.name) not in self.expected]
@@ -73,6 +74,24 @@ class GGUFContext:
         del reader
         self.config = ModelConfig.from_hf(self._hf_dict(), name=path.stem)
         check_vocab(self.config, self.tokenizer, path.name, "the file is inconsistent, convert it again")
+
+    def _set_head_dim(self, hf_config, reader, arch: str) -> None:
+        """The file's head size (``{arch}.attention.key_length``, as llama.cpp reads it) where it is not
+        ``hidden_size / head_count`` (Mistral Nemo's 128 beside 5120 / 32), which `transformers` assumes."""
+        sizes = {}
+        for kind in ("key", "value"):
+            field = reader.fields.get(f"{arch}.attention.{kind}_length")
+            sizes[kind] = field.contents() if field is not None else None
+        key, value = sizes["key"], sizes["value"] if sizes["value"] is not None else sizes["key"]
+        if key is None:
+            return
+        if value != key:
+            raise ConfigError(
+                f"{self.path.name}: heads with keys of {key} values and values of {value} "
+                f"({arch}.attention.key_length, value_length): layerleap runs heads of one size"
+            )
+        if key != hf_config.hidden_size // hf_config.num_attention_heads:
+            hf_config.head_dim = key
 
     def _hf_dict(self) -> dict:
         cfg = self.hf.config.to_dict()

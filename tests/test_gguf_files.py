@@ -149,8 +149,10 @@ def _logits(model, ids) -> torch.Tensor:
         return model(torch.tensor([ids]))[0].float()
 
 
-@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_every_common_type_loads_dense_and_q4(tmp_path, qtype):
+    """Q5_0 and Q5_1 are in every Q4_K_M and Q5_K_M file of a model whose rows are not whole super-blocks
+    of 256 (llama.cpp's fallback: the packaged Qwen2.5-Coder-0.5B's 896-wide layers and embedding)."""
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
     msgs = []
     dense = layerleap.load(str(path), dtype="float32", progress=msgs.append)
@@ -366,8 +368,17 @@ def test_unsupported_architecture_or_type_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="architecture 'falcon' is not supported") as e:
         check_gguf(path)
     assert "\n" not in str(e.value)
-    path = write_gguf(tmp_path / "q5_0.gguf", "Q5_0")
-    with pytest.raises(ConfigError, match="of GGUF type Q5_0, which layerleap does not read") as e:
+    Q2_K = gguf.GGMLQuantizationType.Q2_K
+
+    def q2_k(w):
+        w.tensors[0].pop("blk.0.ffn_up.weight")
+        block, nbytes = gguf.GGML_QUANT_SIZES[Q2_K]
+        w.add_tensor("blk.0.ffn_up.weight", np.zeros((FF, D // block * nbytes), np.uint8), raw_dtype=Q2_K)
+
+    path = write_gguf(tmp_path / "q2_k.gguf", "Q4_0", edit=q2_k)
+    with pytest.raises(
+        ConfigError, match="tensor blk.0.ffn_up.weight is of GGUF type Q2_K, which layerleap does not read"
+    ) as e:
         layerleap.load(str(path), dtype="q4")
     assert "\n" not in str(e.value)
 

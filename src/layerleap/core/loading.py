@@ -704,7 +704,8 @@ def to_device(model: Transformer, device: str = "cpu") -> Transformer:
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"
 GGUF_TOKENIZERS = ("gpt2", "llama")  # byte-level BPE and SentencePiece; `transformers` builds both
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# (Q5_0 and Q5_1: what llama.cpp writes in Q4_K_M / Q5_K_M files for rows that are not whole super-blocks of 256)
 
 
 def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]:
@@ -838,7 +839,7 @@ def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
 
 
 def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:
-    """A Llama, Qwen2 or Mistral GGUF file (F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K tensors)
+    """A Llama, Qwen2 or Mistral GGUF file (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K tensors)
     with its own tokenizer and chat template.  ``dtype="q4"`` keeps 4-bit and Q6_K blocks as they are
     and re-quantizes the other layer types (a message says which, once, at conversion); other dtypes
     dequantize every tensor."""

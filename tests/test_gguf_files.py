@@ -6,6 +6,7 @@ architecture or tensor type gets one line naming it."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from pathlib import Path
@@ -148,8 +149,10 @@ def _logits(model, ids) -> torch.Tensor:
         return model(torch.tensor([ids]))[0].float()
 
 
-@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_every_common_type_loads_dense_and_q4(tmp_path, qtype):
+    """Q5_0 and Q5_1 are in every Q4_K_M and Q5_K_M file of a model whose rows are not whole super-blocks
+    of 256 (llama.cpp's fallback: the packaged Qwen2.5-Coder-0.5B's 896-wide layers and embedding)."""
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
     msgs = []
     dense = layerleap.load(str(path), dtype="float32", progress=msgs.append)
@@ -365,8 +368,17 @@ def test_unsupported_architecture_or_type_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="architecture 'falcon' is not supported") as e:
         check_gguf(path)
     assert "\n" not in str(e.value)
-    path = write_gguf(tmp_path / "q5_0.gguf", "Q5_0")
-    with pytest.raises(ConfigError, match="of GGUF type Q5_0, which layerleap does not read") as e:
+    Q2_K = gguf.GGMLQuantizationType.Q2_K
+
+    def q2_k(w):
+        w.tensors[0].pop("blk.0.ffn_up.weight")
+        block, nbytes = gguf.GGML_QUANT_SIZES[Q2_K]
+        w.add_tensor("blk.0.ffn_up.weight", np.zeros((FF, D // block * nbytes), np.uint8), raw_dtype=Q2_K)
+
+    path = write_gguf(tmp_path / "q2_k.gguf", "Q4_0", edit=q2_k)
+    with pytest.raises(
+        ConfigError, match="tensor blk.0.ffn_up.weight is of GGUF type Q2_K, which layerleap does not read"
+    ) as e:
         layerleap.load(str(path), dtype="q4")
     assert "\n" not in str(e.value)
 
@@ -658,3 +670,178 @@ def test_a_mixture_of_experts_file_is_refused_before_any_tensor_is_read(tmp_path
         "mixtral.gguf: a mixture-of-experts model (llama.expert_count 8): layerleap runs dense decoders only"
     )
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("gguf-*"))
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_one_part_of_a_split_file_is_named_before_any_tensor_is_read(tmp_path, part):
+    """llama.cpp's gguf-split writes a model as several files: one of them is refused with the fix, not
+    converted to the end and then found to lack the other parts' tensors (or, past the first part, the
+    metadata)."""
+
+    def split(w):
+        w.add_uint16("split.no", part)
+        w.add_uint16("split.count", 2)
+        for name in [n for n in w.tensors[0] if n.startswith("blk.1.")]:
+            w.tensors[0].pop(name)
+
+    path = write_gguf(tmp_path / f"tiny-0000{part + 1}-of-00002.gguf", edit=split)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ConfigError) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert str(e.value) == (
+            f"{path.name} is part {part + 1} of a GGUF model split into 2 files: merge them into one with "
+            "llama.cpp (llama-gguf-split --merge FIRST-PART merged.gguf) and load the merged file"
+        )
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("gguf-*"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_file_without_head_count_kv_has_as_many_kv_heads_as_heads(tmp_path, monkeypatch, arch):
+    """llama.cpp reads a missing ``{arch}.attention.head_count_kv`` as ``head_count`` (no grouped-query
+    attention); `transformers`' Qwen2 default of 32 key/value heads is not the file's."""
+    monkeypatch.setitem(globals(), "KV", HEADS)
+    path = write_gguf(tmp_path / f"mha-{arch}.gguf", "Q4_0", arch=arch, edit=_drop(f"{arch}.attention.head_count_kv"))
+    for dtype in ("float32", "q4"):
+        model = layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert model.config.n_kv_heads == model.config.n_heads == HEADS
+        assert len(layerleap.generate(model, "hello", max_new_tokens=3, stop_at_eos=False).token_ids) == 3
+
+
+def test_q4_of_a_model_whose_layer_sizes_are_not_whole_groups_is_one_line_with_the_fix(tmp_path, monkeypatch):
+    """Rows of 4-bit groups of 32: a GGUF file (or a folder) with an intermediate size of 80 loads in
+    float32, and dtype q4 names the file, the size and the dtypes that load it, before any tensor is read."""
+    monkeypatch.setitem(globals(), "FF", 80)
+    path = write_gguf(tmp_path / "odd.gguf", "F16")
+    layerleap.load(str(path), dtype="float32", progress=lambda s: None)
+    why = "dtype q4 multiplies 4-bit groups of 32 inputs, and its intermediate_size 80 is not a multiple of 32"
+    fix = f"{why}: load it with dtype float32 or bfloat16"
+    with pytest.raises(ConfigError) as e:
+        layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert str(e.value) == f"odd.gguf: {fix}"
+    (folder,) = (tmp_path / "cache").glob("gguf-odd-*")
+    with pytest.raises(ConfigError) as e:
+        layerleap.load(str(folder), dtype="q4", progress=lambda s: None)
+    assert str(e.value) == f"{folder}: {fix}"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {
+            f"blk.{i}.{n}.bias": KV * D // HEADS if n != "attn_q" else D
+            for i in range(LAYERS)
+            for n in ("attn_q", "attn_k")
+        },
+        {"blk.1.attn_output.bias": D},
+        {"blk.0.unknown.weight": 32},
+    ],
+    ids=["llama q/k biases", "an output bias", "an unknown tensor"],
+)
+def test_a_tensor_the_decoder_has_no_place_for_is_refused_not_ignored(tmp_path, extra):
+    """llama.cpp runs a llama file's attention biases (and refuses a tensor it does not use); dropping one
+    would load another model, so it is one line naming the tensor, before any tensor is read."""
+
+    def edit(w):
+        for name, n in extra.items():
+            w.add_tensor(name, np.full(n, 0.5, np.float32))
+
+    path = write_gguf(tmp_path / "extra.gguf", "Q4_0", edit=edit)
+    first, more = next(iter(extra)), len(extra) - 1
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ConfigError) as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert str(e.value) == (
+            f"extra.gguf: GGUF tensor {first}{f' (and {more} more)' if more else ''} has no place in layerleap's "
+            "llama decoder, which would ignore it and so compute another model: choose a file without it"
+        )
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".locks"]
+
+
+def test_a_file_replaced_by_another_of_its_size_and_time_is_converted_again(tmp_path):
+    """Two files of the same name in two folders are two cache entries; a file overwritten by another of
+    the same size whose modification time is then copied back (``cp -p``, ``rsync -t``, ``touch -r``)
+    is converted again, not served from the old file's entry."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = write_gguf(tmp_path / "a" / "m.gguf", seed=1), write_gguf(tmp_path / "b" / "m.gguf", seed=2)
+    assert a.stat().st_size == b.stat().st_size
+    for dtype in ("float32", "q4"):
+        fa = layerleap.load(str(a), dtype=dtype, progress=lambda s: None).fingerprint
+        fb = layerleap.load(str(b), dtype=dtype, progress=lambda s: None).fingerprint
+        assert fa != fb
+    st = a.stat()
+    a.write_bytes(b.read_bytes())
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for dtype in ("float32", "q4"):
+        assert layerleap.load(str(a), dtype=dtype, progress=lambda s: None).fingerprint == fb
+
+
+def test_a_chat_template_that_does_not_parse_is_one_line_not_a_traceback(tmp_path, capsys):
+    from layerleap.cli import main
+    from layerleap.core.run import GenerationError
+
+    def edit(w):
+        w.kv_data[0].pop("tokenizer.chat_template")
+        w.add_chat_template("{% for m in messages %}{{ m['content'] }")
+
+    path = write_gguf(tmp_path / "badchat.gguf", "Q4_0", edit=edit)
+    model = layerleap.load(str(path), progress=lambda s: None)  # the template is only needed for chat
+    assert len(layerleap.generate(model, "hello", max_new_tokens=2, stop_at_eos=False).token_ids) == 2
+    want = (
+        "the model's chat template does not parse (line 1: unexpected '}'): repair its chat template "
+        "(tokenizer.chat_template), or give the prompt as it is, without chat=True (--chat)"
+    )
+    with pytest.raises(GenerationError) as e:
+        layerleap.generate(model, "hello", max_new_tokens=2, chat=True)
+    assert str(e.value) == want
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--chat", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert want in err and "Traceback" not in err
+
+
+def test_a_big_endian_file_is_named_as_such(tmp_path):
+    """llama.cpp's converter writes big-endian files on request (``--bigendian``): its version then reads
+    as 50331648 in little-endian order, which is not the problem to name."""
+    path = tmp_path / "be.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(1)
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError) as e:
+        layerleap.load(str(path), progress=lambda s: None)
+    assert str(e.value) == (
+        f"{path} is a big-endian GGUF file: layerleap reads little-endian ones, convert the model again "
+        "without --bigendian"
+    )
+
+
+def test_a_head_size_other_than_hidden_over_heads_comes_from_key_length(tmp_path):
+    """Mistral Nemo's llama file has heads of 128 beside a hidden size of 5120 and 32 heads: llama.cpp
+    reads the head size from ``llama.attention.key_length``, which `transformers` ignores."""
+    from layerleap.core.loading import to_hf
+
+    hd = 32  # D // HEADS is 64
+
+    def edit(w):
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        for i in range(LAYERS):
+            for name, shape in (("attn_q", (HEADS * hd, D)), ("attn_k", (KV * hd, D)), ("attn_v", (KV * hd, D))):
+                _tensor(f"blk.{i}.{name}.weight", shape, "Q4_0")(w)
+            _tensor(f"blk.{i}.attn_output.weight", (D, HEADS * hd), "Q4_0")(w)
+
+    path = write_gguf(tmp_path / "heads.gguf", "Q4_0", edit=edit)
+    dense = layerleap.load(str(path), progress=lambda s: None)
+    q4 = layerleap.load(str(path), dtype="q4", progress=lambda s: None)
+    assert dense.config.head_dim == q4.config.head_dim == hd
+    ids = dense.tokenizer.encode("hello hello")
+    with torch.inference_mode():
+        want = to_hf(dense)(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(_logits(dense, ids), want, atol=1e-4, rtol=1e-4)
+    assert (_logits(q4, ids) - want).abs().max() < 0.1 * want.abs().max()
+    odd = write_gguf(tmp_path / "odd.gguf", "Q4_0", edit=lambda w: (edit(w), w.add_value_length(16)))
+    with pytest.raises(ConfigError, match="odd.gguf: heads with keys of 32 values and values of 16"):
+        layerleap.load(str(odd), progress=lambda s: None)

@@ -200,6 +200,22 @@ def q8_0_rows(data: np.ndarray, n_rows: int, n_cols: int) -> Int8Rows:
 
 
 # -- the conversion ---------------------------------------------------------------------------------
+def check_sizes(config: ModelConfig, where: str) -> None:
+    """Refuse a model whose layers' input sizes are not whole groups of ``GROUP`` (every projection's
+    4-bit rows need them), naming ``where`` and the dtypes that load it."""
+    sizes = {
+        "hidden_size": config.hidden_size,
+        "num_attention_heads x head_dim": config.n_heads * config.head_dim,
+        "intermediate_size": config.intermediate_size,
+    }
+    off = [f"{k} {v}" for k, v in sizes.items() if v % GROUP]
+    if off:
+        raise ConfigError(
+            f"{where}: dtype q4 multiplies 4-bit groups of {GROUP} inputs, and its {' and '.join(off)} "
+            f"{'is' if len(off) == 1 else 'are'} not a multiple of {GROUP}: load it with dtype float32 or bfloat16"
+        )
+
+
 def convert(gguf_path: Path, out: Path, progress) -> None:
     """Read ``gguf_path`` into a q4 cache folder ``out`` (see the module's doc): every 2-D weight as its
     blocks (``QuantizedRows``, ``Q6Rows``, ``Int8Rows`` or ``MixedRows``: exact) or re-quantized, the
@@ -211,6 +227,7 @@ def convert(gguf_path: Path, out: Path, progress) -> None:
     from .model import fingerprint_of
 
     ctx = gguf_context(gguf_path)
+    check_sizes(ctx.config, gguf_path.name)
     reader = GGUFReader(str(gguf_path))
     hf: dict[str, QuantizedRows | torch.Tensor] = {}
     requantized: dict[str, str] = {}

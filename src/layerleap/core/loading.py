@@ -673,7 +673,13 @@ def _load(name_or_path: str, dtype, progress) -> Transformer:
     path = Path(name_or_path).expanduser()
     if path.suffix.lower() == ".gguf":
         return load_gguf(path, dtype, progress)
-    return quantize_model(load_folder(path, "float32", pack=False)) if q4 else load_folder(path, dtype)
+    if not q4:
+        return load_folder(path, dtype)
+    from .gguf_q4 import check_sizes
+
+    if path.is_dir():  # before the weights are read
+        check_sizes(check_folder(path)[0], str(path))
+    return quantize_model(load_folder(path, "float32", pack=False))
 
 
 def to_device(model: Transformer, device: str = "cpu") -> Transformer:
@@ -698,20 +704,23 @@ def to_device(model: Transformer, device: str = "cpu") -> Transformer:
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"
 GGUF_TOKENIZERS = ("gpt2", "llama")  # byte-level BPE and SentencePiece; `transformers` builds both
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# (Q5_0 and Q5_1: what llama.cpp writes in Q4_K_M / Q5_K_M files for rows that are not whole super-blocks of 256)
 
 
 def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]:
     """Read a GGUF file's header (``weight_files.gguf_header``) and check it against the file before
-    any tensor is read: every tensor's data inside the file and its rows whole blocks, a supported
-    architecture, tokenizer and tensor types.  -> (architecture, {tensor type: count}); a problem
-    raises ``ModelFileError`` (a bad file; ``fix``, when given, says what to do about one) or
-    ``ConfigError`` (what layerleap does not load), one line naming it."""
+    any tensor is read: a whole model (not one part of a split file), every tensor's data inside the
+    file and its rows whole blocks, a supported architecture, tokenizer and tensor types.
+    -> (architecture, {tensor type: count}); a problem raises ``ModelFileError`` (a bad file; ``fix``,
+    when given, says what to do about one) or ``ConfigError`` (what layerleap does not load), one line
+    naming it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from .weight_files import ModelFileError, gguf_header
 
     size = path.stat().st_size
     meta, tensors, start = gguf_header(path, fix)
+    _check_gguf_split(path, meta)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ConfigError(
@@ -750,6 +759,20 @@ def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]
             )
         types[qtype] = types.get(qtype, 0) + 1
     return arch, types
+
+
+def _check_gguf_split(path: Path, meta: dict) -> None:
+    """Refuse one part of a model split into several files (llama.cpp's ``gguf-split``): the other
+    parts hold the rest of the tensors (and only the first the metadata)."""
+    count = meta.get("split.count")
+    if isinstance(count, int) and not isinstance(count, bool) and count > 1:
+        part = meta.get("split.no")
+        known = isinstance(part, int) and not isinstance(part, bool) and 0 <= part < count
+        which = f"part {part + 1}" if known else "one part"
+        raise ConfigError(
+            f"{path.name} is {which} of a GGUF model split into {count} files: merge them into one with "
+            f"llama.cpp (llama-gguf-split --merge FIRST-PART merged.gguf) and load the merged file"
+        )
 
 
 def _check_gguf_meta(path: Path, meta: dict, fix: str | None) -> None:
@@ -791,16 +814,17 @@ def _check_gguf_rope(path: Path, arch: str, meta: dict, names: set[str]) -> None
 
 
 def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
-    """The cache folder of a user's GGUF file (keyed by its path, size and modification time),
-    converted on first use as a packaged model's is (``packaged_folder``); the file is checked first
-    (``check_gguf``)."""
+    """The cache folder of a user's GGUF file (keyed by its path, size, modification time and status
+    change time: a file replaced by another of its size, its modification time copied or set back, is
+    another entry), converted on first use as a packaged model's is (``packaged_folder``); the file is
+    checked first (``check_gguf``)."""
     import hashlib
 
     progress = progress or _to_stderr
     path = path.resolve()
     check_gguf(path)
     st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}".encode()).hexdigest()[:10]
     folder = cache_root() / f"gguf-{path.stem[:40]}-{key}{'-q4' if q4 else ''}"
     if q4:
         from . import gguf_q4
@@ -815,7 +839,7 @@ def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
 
 
 def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:
-    """A Llama, Qwen2 or Mistral GGUF file (F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K tensors)
+    """A Llama, Qwen2 or Mistral GGUF file (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K tensors)
     with its own tokenizer and chat template.  ``dtype="q4"`` keeps 4-bit and Q6_K blocks as they are
     and re-quantizes the other layer types (a message says which, once, at conversion); other dtypes
     dequantize every tensor."""

@@ -349,10 +349,21 @@ class Run:
 
 def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
     """Token ids of ``messages`` (``[{"role", "content"}, ...]``) under the tokenizer's chat template
-    (newer `transformers` return a mapping with ``input_ids``, older ones a list)."""
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-    )
+    (newer `transformers` return a mapping with ``input_ids``, older ones a list).  A template that does
+    not parse, or refuses the messages (its ``raise_exception``), is a ``GenerationError`` saying so."""
+    import jinja2
+
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+    except jinja2.TemplateSyntaxError as e:
+        raise GenerationError(
+            f"the model's chat template does not parse (line {e.lineno}: {e.message}): repair its chat template "
+            "(tokenizer.chat_template), or give the prompt as it is, without chat=True (--chat)"
+        ) from None
+    except jinja2.TemplateError as e:
+        raise GenerationError(f"the model's chat template refused the messages: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]

@@ -51,17 +51,47 @@ class GGUFContext:
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        self.parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+        if "num_key_value_heads" not in self.parsed.get("config", {}):  # as llama.cpp: no GQA without head_count_kv
+            hf_config.num_key_value_heads = hf_config.num_attention_heads  # (Qwen2Config's default is 32)
+        reader = GGUFReader(str(path))
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        self._set_head_dim(hf_config, reader, arch)
         with torch.device("meta"):  # names and shapes only
             self.hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         self.expected = {k: tuple(v.shape) for k, v in self.hf.state_dict().items()}
         if self.hf.config.tie_word_embeddings:
             self.expected.pop("lm_head.weight", None)
-        self.parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-        arch = bytes(GGUFReader(str(path)).fields["general.architecture"].parts[-1]).decode()
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed.get("config", {}))
         self.key_map = get_gguf_hf_weights_map(self.hf, self.processor)
+        unused = [t.name for t in reader.tensors if self.key_map.get(t.name) not in self.expected]
+        if unused:  # e.g. a llama file's attention biases: ignored, they would leave another model
+            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+            raise ConfigError(
+                f"{path.name}: GGUF tensor {unused[0]}{more} has no place in layerleap's {arch} decoder, which "
+                "would ignore it and so compute another model: choose a file without it"
+            )
+        del reader
         self.config = ModelConfig.from_hf(self._hf_dict(), name=path.stem)
         check_vocab(self.config, self.tokenizer, path.name, "the file is inconsistent, convert it again")
+
+    def _set_head_dim(self, hf_config, reader, arch: str) -> None:
+        """The file's head size (``{arch}.attention.key_length``, as llama.cpp reads it) where it is not
+        ``hidden_size / head_count`` (Mistral Nemo's 128 beside 5120 / 32), which `transformers` assumes."""
+        sizes = {}
+        for kind in ("key", "value"):
+            field = reader.fields.get(f"{arch}.attention.{kind}_length")
+            sizes[kind] = field.contents() if field is not None else None
+        key, value = sizes["key"], sizes["value"] if sizes["value"] is not None else sizes["key"]
+        if key is None:
+            return
+        if value != key:
+            raise ConfigError(
+                f"{self.path.name}: heads with keys of {key} values and values of {value} "
+                f"({arch}.attention.key_length, value_length): layerleap runs heads of one size"
+            )
+        if key != hf_config.hidden_size // hf_config.num_attention_heads:
+            hf_config.head_dim = key
 
     def _hf_dict(self) -> dict:
         cfg = self.hf.config.to_dict()
@@ -386,6 +416,11 @@ def gguf_header(path: Path, fix: str | None = None) -> tuple[dict, list[tuple[st
             raise ModelFileError(f"{path} does not start with GGUF's magic bytes: {fix or 'it is not a GGUF file'}")
         pos = 4
         version, n_tensors, n_kv = take("<I"), take("<Q"), take("<Q")
+        if version not in (2, 3) and int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+            raise ModelFileError(
+                f"{path} is a big-endian GGUF file: layerleap reads little-endian ones, convert the model again "
+                "without --bigendian"
+            )
         if version not in (2, 3):
             raise ModelFileError(f"{path}: GGUF version {version} is not supported (2 or 3)")
         meta = {}

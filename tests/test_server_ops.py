@@ -959,6 +959,23 @@ def test_a_chat_template_that_refuses_the_messages_is_a_bad_request(url, monkeyp
     assert "roles must alternate" in r.json()["error"]["message"]
 
 
+def test_a_chat_template_that_does_not_parse_is_named_once(url, monkeypatch):
+    import jinja2
+
+    from layerleap.core.run import chat_token_ids
+    from layerleap.server import app
+
+    class Broken:
+        def apply_chat_template(self, *args, **kwargs):
+            raise jinja2.TemplateSyntaxError("unexpected '}'", lineno=3)
+
+    monkeypatch.setattr(app, "chat_token_ids", lambda tok, messages, **kw: chat_token_ids(Broken(), messages, **kw))
+    r = post(url, {"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert message.startswith("the model's chat template does not parse (line 3") and "refused" not in message
+
+
 def test_a_row_that_ends_early_answers_before_its_batch_mates(tiny):
     """Batched with a long request, a request cut by its stop string answers as soon as it ends: the long
     one is still decoding then."""

@@ -266,7 +266,9 @@ def prompt_ids(body: _Request, model: Transformer) -> list[int]:
         ]
         try:
             return chat_token_ids(tok, plain, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001  a template's raise_exception ("roles must alternate", ...)
+        except LayerleapError as e:  # the template does not parse, or its raise_exception ("roles must alternate")
+            raise _bad(str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001  anything else the template raises on these messages
             raise _bad(f"the model's chat template refused these messages: {e}", "messages") from None
     if isinstance(body.prompt, str):
         if tok is None:

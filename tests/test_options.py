@@ -149,6 +149,24 @@ def test_any_integral_is_an_integer_and_bool_is_not(tiny):
         layerleap.generate(tiny, "hi", "prompt-lookup", 2, max_ngram=2.0)
 
 
+def test_an_integer_beyond_floats_range_is_refused_by_a_float_option(capsys, char_model_dir, tiny):
+    """``float(10**400)`` raises OverflowError: a float option (and ``temperature``) given such an integer
+    refuses it with its one message, in Python and on the command line (``--opt`` reads it as an int)."""
+    huge = 10**400
+    with pytest.raises(GenerationError) as e:
+        layerleap.generate(tiny, "hi", "calm", 2, threshold=huge)
+    assert str(e.value).startswith("threshold must be a finite number, got 1000")
+    with pytest.raises(GenerationError, match="min_confidence must be a finite number in .0, 1., got -1000"):
+        layerleap.generate(tiny, "hi", "self-spec", 2, min_confidence=-huge)
+    with pytest.raises(GenerationError, match="temperature must be a finite number >= 1e-06, got 1000"):
+        layerleap.generate(tiny, "hi", "sample", 2, temperature=huge)
+    rc, _, err = cli(
+        capsys, "generate", "--model", char_model_dir, "--prompt", "hi", "--method", "calm", "--opt",
+        f"threshold={huge}",
+    )  # fmt: skip
+    assert rc == 2 and "Traceback" not in err and "threshold must be a finite number, got 1000" in err
+
+
 def test_no_method_checks_its_options_by_hand():
     """The per-method ``check_options`` copies are gone: the declarations are the one checker."""
     for path in (SRC / "methods").glob("*.py"):

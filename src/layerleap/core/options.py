@@ -178,7 +178,7 @@ def _int(o: Option, value, config):
 
 def _float(o: Option, value, config):
     ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
-    v = float(value) if ok else None
+    v = V.as_float(value) if ok else None
     ok = ok and v == v and (abs(v) != float("inf") or (bool(o.inf) and v > 0)) and o._in_bounds(v, config)
     if not ok:
         extra = f"; inf: {o.inf}" if o.inf else ""

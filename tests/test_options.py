@@ -167,6 +167,12 @@ def test_an_integer_beyond_floats_range_is_refused_by_a_float_option(capsys, cha
     assert rc == 2 and "Traceback" not in err and "threshold must be a finite number, got 1000" in err
 
 
+def test_an_integer_past_pythons_digit_limit_is_refused_with_the_message():
+    """``repr`` of an int of more than 4,300 digits raises ValueError: the message names its size instead."""
+    with pytest.raises(O.OptionError, match="draft_len must be an integer in .1, 256. .*got an integer of 16610 bits"):
+        METHODS["self-spec"].check_options({"draft_len": 10**5000})
+
+
 def test_no_method_checks_its_options_by_hand():
     """The per-method ``check_options`` copies are gone: the declarations are the one checker."""
     for path in (SRC / "methods").glob("*.py"):

@@ -173,6 +173,27 @@ def test_an_integer_past_pythons_digit_limit_is_refused_with_the_message():
         METHODS["self-spec"].check_options({"draft_len": 10**5000})
 
 
+@pytest.mark.parametrize("value", ["", "  ", "a\0b"])
+def test_a_file_option_given_no_usable_path_is_an_option_error_naming_its_choices(capsys, char_model_dir, value):
+    """A weights or model option given an empty text (or a path no file can have) raises ``OptionError``
+    like any bad option value; an empty one names the option's choices, not only "give a path"."""
+    for method, option, choices in (
+        ("self-spec", "head", "head must be one of auto, shared, trained or an existing weights file, got "),
+        ("rest", "corpus", "corpus must be one of auto, an existing weights file or none (no corpus), got "),
+        ("speculative", "draft", "draft must be a model (layerleap.load(...); on the command line a model name "),
+    ):
+        with pytest.raises(O.OptionError) as e:
+            METHODS[method].check_options({option: value})
+        want = choices if not value.strip() else f"{option} contains a NUL character: give a plain path"
+        assert str(e.value).startswith(want)
+    if not value.strip():
+        rc, _, err = cli(
+            capsys, "generate", "--model", char_model_dir, "--prompt", "hi", "--method", "self-spec", "--opt",
+            f"head={value}",
+        )  # fmt: skip
+        assert rc == 2 and "head must be one of auto, shared, trained or an existing weights file, got " in err
+
+
 def test_no_method_checks_its_options_by_hand():
     """The per-method ``check_options`` copies are gone: the declarations are the one checker."""
     for path in (SRC / "methods").glob("*.py"):

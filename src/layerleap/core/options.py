@@ -195,7 +195,8 @@ def _bool(o: Option, value, config):
 def _text(o: Option, value, config):
     if not isinstance(value, str):
         raise o.fail("text", value)
-    return V.text(value, o.name)
+    with V.raising(OptionError):
+        return V.text(value, o.name)
 
 
 def _choice(o: Option, value, config):
@@ -223,19 +224,28 @@ def _int_list(o: Option, value, config):
     return [int(v) for v in value]
 
 
+MODEL_WANT = "a model (layerleap.load(...); on the command line a model name or folder)"
+
+
 def _model(o: Option, value, config):
+    if isinstance(value, str) and not value.strip():
+        raise o.fail(MODEL_WANT, value)
     if isinstance(value, (str, os.PathLike)):
-        V.path(value, o.name)
+        with V.raising(OptionError):
+            V.path(value, o.name)
     elif value is None or isinstance(value, (bytes, bool, numbers.Number, list, tuple, dict)):
-        raise o.fail("a model (layerleap.load(...); on the command line a model name or folder)", value)
+        raise o.fail(MODEL_WANT, value)
     return value  # a loaded model is checked against the main one by the method (companion.check_pair)
 
 
 def _weights(o: Option, value, config):
     if isinstance(value, str) and value in o.choices:
         return value
+    if isinstance(value, str) and not value.strip():  # no file named: the choices are the fix, not "a path"
+        raise o.fail(_one_of(o, "an existing weights file"), value)
     if isinstance(value, (str, os.PathLike)):
-        p = V.path(value, o.name)
+        with V.raising(OptionError):
+            p = V.path(value, o.name)
         if not p.is_file():
             raise o.fail(_one_of(o, "an existing weights file"), value)
         return value

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,20 @@ def test_every_method_declares_its_signature():
         params = list(inspect.signature(m.fn).parameters.values())[1:]
         assert {p.name: p.default for p in params} == m.options(), name
         assert all(o.kind != "any" for o in m.declared), f"{name}: every built-in option has a type"
+
+
+@pytest.mark.parametrize("star", ["**options", "*args"])
+def test_register_refuses_a_method_taking_options_no_declaration_names(star):
+    """``fn(run, **options)`` read as one required option named ``options``: the method would need an
+    option no caller can mean; registering it is refused with the fix instead."""
+    from layerleap.core.run import register
+
+    ns: dict = {}
+    exec(f"def mine(run, {star}):\n    yield", ns)
+    said = f"method 'starred': options are named keyword parameters, and {star} names none"
+    with pytest.raises(TypeError, match=re.escape(said)):
+        register("starred")(ns["mine"])
+    assert "starred" not in METHODS
 
 
 def test_methods_json_lists_the_declarations(capsys):

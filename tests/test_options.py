@@ -79,6 +79,17 @@ def test_register_refuses_a_method_taking_options_no_declaration_names(star):
     assert "starred" not in METHODS
 
 
+def test_every_default_is_a_value_its_option_accepts():
+    """Passing an option's own default (``draft_len=None``, ``--opt draft_len=none``) is never refused: a
+    None default says what None means."""
+    for name, m in METHODS.items():
+        for o in m.declared:
+            if not o.required:
+                given = {o.name: o.default}
+                assert O.check(name, m.declared, given, partial=True) == given, (name, o.name)
+                assert o.default is not None or o.none, f"{name}.{o.name}: a None default says what None means"
+
+
 def test_methods_json_lists_the_declarations(capsys):
     rc, out, _ = cli(capsys, "methods", "--json")
     assert rc == 0

@@ -220,6 +220,17 @@ def test_a_file_option_given_no_usable_path_is_an_option_error_naming_its_choice
         assert rc == 2 and "head must be one of auto, shared, trained or an existing weights file, got " in err
 
 
+def test_a_tree_option_refusing_a_shape_names_its_named_trees_too():
+    """A misspelt 'dynamic' is no tree shape: the message names 'dynamic' beside the shapes (medusa,
+    hidden-transfer), and only the shapes where the option has no named tree (auto)."""
+    for method in ("medusa", "hidden-transfer"):
+        with pytest.raises(O.OptionError, match=r"cannot read the tree shape 'dynamc': .* \(or 'dynamic'\)$"):
+            METHODS[method].check_options({"tree": "dynamc"})
+    with pytest.raises(O.OptionError) as e:
+        METHODS["auto"].check_options({"tree": "dynamic"})
+    assert "cannot read the tree shape 'dynamic'" in str(e.value) and "(or " not in str(e.value)
+
+
 def test_no_method_checks_its_options_by_hand():
     """The per-method ``check_options`` copies are gone: the declarations are the one checker."""
     for path in (SRC / "methods").glob("*.py"):

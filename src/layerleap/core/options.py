@@ -211,7 +211,8 @@ def _tree(o: Option, value, config):
     try:
         parse_tree(value)
     except TreeError as e:
-        raise OptionError(f"{o.name}: {e}") from None
+        named = f" (or {' or '.join(map(repr, o.choices))})" if o.choices else ""  # the named trees are a fix too
+        raise OptionError(f"{o.name}: {e}{named}") from None
     return value
 
 

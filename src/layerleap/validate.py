@@ -130,8 +130,9 @@ def number(
     bad = not math.isfinite(v)
     bad |= lo is not None and (v <= lo if lo_open else v < lo)
     bad |= hi is not None and (v >= hi if hi_open else v > hi)
-    if bad:  # an integer as given (10**400 is no inf), another number as a float (not np.float64(...))
-        raise InputError(_say(name, f"{want}, got {show(value if isinstance(value, numbers.Integral) else v)}{hint}"))
+    if bad:  # an integer as an int (10**400 is no inf), another number as a float (not np.float64(...))
+        got = int(value) if isinstance(value, numbers.Integral) else v
+        raise InputError(_say(name, f"{want}, got {show(got)}{hint}"))
     return v
 
 

@@ -163,9 +163,9 @@ def auto(
     buf = medusa_buf = chains = None
     vocab = get_draft_vocab(run.model, draft_vocab) if any(d is not None for d in (proj, heads, head)) else None
     if proj is not None:
-        buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
+        buf = tree_buffers(run, "transfer", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
     if heads is not None:
-        medusa_buf = tree_buffers(run, "auto", O.per_dtype(run.model, MEDUSA_TREES), heads.steps, vocab)
+        medusa_buf = tree_buffers(run, "medusa", O.per_dtype(run.model, MEDUSA_TREES), heads.steps, vocab)
     if head is not None:
         eagle_len = O.per_dtype(run.model, eagle_method.DEFAULT_DRAFT_LEN)
         width = O.per_dtype(run.model, eagle_method.DEFAULT_WIDTH)

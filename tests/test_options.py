@@ -231,6 +231,22 @@ def test_a_tree_option_refusing_a_shape_names_its_named_trees_too():
     assert "cannot read the tree shape 'dynamic'" in str(e.value) and "(or " not in str(e.value)
 
 
+def test_the_heuristic_schedule_is_listed_as_growing_past_draft_len():
+    """With schedule='heuristic' draft_len is the first round's γ, which grows past it: `layerleap methods`
+    says so (it read as if draft_len stayed the most)."""
+    from tiny_models import random_model
+
+    model = random_model(vocab_size=16)
+    r = layerleap.generate(
+        model, [1, 2, 3], "speculative", 40, stop_at_eos=False, draft=model, draft_len=2, schedule="heuristic",
+        min_confidence=0.0,
+    )  # fmt: skip
+    assert r.stats.draft.drafted > 2 * r.stats.draft.rounds  # a self-draft is always accepted: γ grows
+    for method in ("speculative", "self-spec"):
+        schedule = next(o for o in METHODS[method].declared if o.name == "schedule")
+        assert "γ starts at draft_len" in schedule.help and "no upper limit" in schedule.help
+
+
 def test_no_method_checks_its_options_by_hand():
     """The per-method ``check_options`` copies are gone: the declarations are the one checker."""
     for path in (SRC / "methods").glob("*.py"):

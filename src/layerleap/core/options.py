@@ -328,7 +328,8 @@ MIN_CONFIDENCE = Option(
 SCHEDULE = Option(
     "schedule",
     "choice",
-    "constant: γ = draft_len; heuristic: +2 after a fully accepted round, -1 otherwise",
+    "constant: γ = draft_len; heuristic: γ starts at draft_len, +2 after a fully accepted round, -1 otherwise "
+    "(at least 1; no upper limit but the tokens left)",
     default="constant",
     choices=SCHEDULES,
 )

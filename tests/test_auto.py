@@ -129,6 +129,14 @@ def test_auto_refuses_bad_transfer():
         layerleap.generate(model, [1, 2], "auto", 4, transfer=3)
 
 
+def test_auto_names_the_transfer_weights_a_tree_is_too_deep_for():
+    """auto's tree= is Hidden Transfer's: too deep a tree names the transfer weights (and the option to change)."""
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    proj = _transfer(model, layers=(1, 2))
+    with pytest.raises(layerleap.GenerationError, match=r"the tree is 3 deep but the transfer weights have 2 step"):
+        layerleap.generate(model, [1, 2], "auto", 4, tree="1,1,1", transfer=proj, medusa="none", eagle="none")
+
+
 def test_auto_samples_the_models_distribution(switching):
     """The first three sampled tokens over many seeds against the model's exact joint; the third
     passes through a transfer round's tree."""

@@ -550,6 +550,7 @@ CLI = [
     (["eval", "self-spec", *M, "--draft-lens", "0"], "each item draft_len must be an integer in [1, 256]"),
     (["eval", "self-spec", *M, "--min-confidence", "2"], "must be a finite number in [0, 1]"),
     (["eval", "self-spec", *M, "--head", "nosuch"], "head must be one of auto, shared, trained"),
+    (["eval", "self-spec", *M, "--exit-layer", "none"], "exit_layer must be an integer in [1, n_layers-1], got 'none'"),
     (["eval", "head-cost", *M, "--context", "100000000"], "beyond tiny's context"),
     (["eval", "head-cost", *M, "--vocab", "0"], "each item must be a positive integer"),
     (["eval", "head-cost", *M, "--vocab", "1000000"], "--vocab sizes must be in [1, 128]"),

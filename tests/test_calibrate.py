@@ -221,6 +221,9 @@ def test_quality_errors_name_the_fix(char_model, cache):
         layerleap.generate(char_model, "hi", "greedy", 2, chat=True, quality=0.9)
     with pytest.raises(GenerationError, match=r"quality must be .* \(0, 1\]"):
         layerleap.generate(char_model, "hi", "skipdecode", 2, chat=True, quality=1.5)
+    for bad in (math.nan, 10**400, -(10**400)):  # an int past float's range too (math.isnan(10**400) overflows)
+        with pytest.raises(GenerationError, match=r"quality must be .* \(0, 1\]"):
+            layerleap.generate(char_model, "hi", "skipdecode", 2, chat=True, quality=bad)
     with pytest.raises(GenerationError, match="give 0.95 or 0.96"):  # a 0.95 calibration would not certify it
         layerleap.generate(char_model, "hi", "skipdecode", 2, chat=True, quality=0.954)
     with pytest.raises(C.CalibrationError, match="at least 22"):

@@ -165,6 +165,22 @@ def test_rest_refuses_a_min_ngram_no_corpus_lookup_reaches_and_names_a_corpus_dr
         generate(model, prompt, "rest", 4, corpus_draft_len=2)  # nothing ships for a random model
 
 
+def test_auto_refuses_a_min_ngram_no_corpus_lookup_reaches_as_rest_does(models):
+    """auto's corpus is rest's: a min_ngram above its longest n-gram would leave it silently unused."""
+    model = models["llama-gqa-tied"]
+    prompt = _prompt(model.config.vocab_size, 12, 1)
+    corpus = greedy_corpus(model, [prompt])
+    alone = dict(transfer="none", medusa="none", eagle="none", max_ngram=12)
+    got = generate(model, prompt, "auto", 8, stop_at_eos=False, corpus=corpus, min_ngram=cp.MAX_N, **alone)
+    assert got.stats.lookup.corpus_drafts >= 1
+    with pytest.raises(layerleap.GenerationError, match="min_ngram \\(9\\) is above 8, the longest n-gram a corpus"):
+        generate(model, prompt, "auto", 8, corpus=corpus, min_ngram=cp.MAX_N + 1, **alone)
+    got = generate(model, prompt, "auto", 8, min_ngram=cp.MAX_N + 1, **alone)  # no corpus: fine
+    assert len(got.token_ids) == 8
+    declared = {o.name: o for o in METHODS["auto"].declared}
+    assert "<= 8 with a corpus" in declared["min_ngram"].describe()["meaning"]
+
+
 def test_files_round_trip_and_refuse(tmp_path, models):
     model, other = models["llama-gqa-tied"], models["qwen2-gqa-untied"]
     path = cp.save(tmp_path / "c.safetensors", model, [[1, 2, 3], [], [4, 5]], {"data": "test", "command": "x"})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,31 @@ def test_every_method_declares_its_signature():
         params = list(inspect.signature(m.fn).parameters.values())[1:]
         assert {p.name: p.default for p in params} == m.options(), name
         assert all(o.kind != "any" for o in m.declared), f"{name}: every built-in option has a type"
+
+
+@pytest.mark.parametrize("star", ["**options", "*args"])
+def test_register_refuses_a_method_taking_options_no_declaration_names(star):
+    """``fn(run, **options)`` read as one required option named ``options``: the method would need an
+    option no caller can mean; registering it is refused with the fix instead."""
+    from layerleap.core.run import register
+
+    ns: dict = {}
+    exec(f"def mine(run, {star}):\n    yield", ns)
+    said = f"method 'starred': options are named keyword parameters, and {star} names none"
+    with pytest.raises(TypeError, match=re.escape(said)):
+        register("starred")(ns["mine"])
+    assert "starred" not in METHODS
+
+
+def test_every_default_is_a_value_its_option_accepts():
+    """Passing an option's own default (``draft_len=None``, ``--opt draft_len=none``) is never refused: a
+    None default says what None means."""
+    for name, m in METHODS.items():
+        for o in m.declared:
+            if not o.required:
+                given = {o.name: o.default}
+                assert O.check(name, m.declared, given, partial=True) == given, (name, o.name)
+                assert o.default is not None or o.none, f"{name}.{o.name}: a None default says what None means"
 
 
 def test_methods_json_lists_the_declarations(capsys):
@@ -147,6 +173,78 @@ def test_any_integral_is_an_integer_and_bool_is_not(tiny):
         layerleap.generate(tiny, "hi", "self-spec", 2, draft_len=True)
     with pytest.raises(GenerationError, match="max_ngram must be an integer .* got 2.0"):
         layerleap.generate(tiny, "hi", "prompt-lookup", 2, max_ngram=2.0)
+
+
+def test_an_integer_beyond_floats_range_is_refused_by_a_float_option(capsys, char_model_dir, tiny):
+    """``float(10**400)`` raises OverflowError: a float option (and ``temperature``) given such an integer
+    refuses it with its one message, in Python and on the command line (``--opt`` reads it as an int)."""
+    huge = 10**400
+    with pytest.raises(GenerationError) as e:
+        layerleap.generate(tiny, "hi", "calm", 2, threshold=huge)
+    assert str(e.value).startswith("threshold must be a finite number, got 1000")
+    with pytest.raises(GenerationError, match="min_confidence must be a finite number in .0, 1., got -1000"):
+        layerleap.generate(tiny, "hi", "self-spec", 2, min_confidence=-huge)
+    with pytest.raises(GenerationError, match="temperature must be a finite number >= 1e-06, got 1000"):
+        layerleap.generate(tiny, "hi", "sample", 2, temperature=huge)
+    rc, _, err = cli(
+        capsys, "generate", "--model", char_model_dir, "--prompt", "hi", "--method", "calm", "--opt",
+        f"threshold={huge}",
+    )  # fmt: skip
+    assert rc == 2 and "Traceback" not in err and "threshold must be a finite number, got 1000" in err
+
+
+def test_an_integer_past_pythons_digit_limit_is_refused_with_the_message():
+    """``repr`` of an int of more than 4,300 digits raises ValueError: the message names its size instead."""
+    with pytest.raises(O.OptionError, match="draft_len must be an integer in .1, 256. .*got an integer of 16610 bits"):
+        METHODS["self-spec"].check_options({"draft_len": 10**5000})
+
+
+@pytest.mark.parametrize("value", ["", "  ", "a\0b"])
+def test_a_file_option_given_no_usable_path_is_an_option_error_naming_its_choices(capsys, char_model_dir, value):
+    """A weights or model option given an empty text (or a path no file can have) raises ``OptionError``
+    like any bad option value; an empty one names the option's choices, not only "give a path"."""
+    for method, option, choices in (
+        ("self-spec", "head", "head must be one of auto, shared, trained or an existing weights file, got "),
+        ("rest", "corpus", "corpus must be one of auto, an existing weights file or none (no corpus), got "),
+        ("speculative", "draft", "draft must be a model (layerleap.load(...); on the command line a model name "),
+    ):
+        with pytest.raises(O.OptionError) as e:
+            METHODS[method].check_options({option: value})
+        want = choices if not value.strip() else f"{option} contains a NUL character: give a plain path"
+        assert str(e.value).startswith(want)
+    if not value.strip():
+        rc, _, err = cli(
+            capsys, "generate", "--model", char_model_dir, "--prompt", "hi", "--method", "self-spec", "--opt",
+            f"head={value}",
+        )  # fmt: skip
+        assert rc == 2 and "head must be one of auto, shared, trained or an existing weights file, got " in err
+
+
+def test_a_tree_option_refusing_a_shape_names_its_named_trees_too():
+    """A misspelt 'dynamic' is no tree shape: the message names 'dynamic' beside the shapes (medusa,
+    hidden-transfer), and only the shapes where the option has no named tree (auto)."""
+    for method in ("medusa", "hidden-transfer"):
+        with pytest.raises(O.OptionError, match=r"cannot read the tree shape 'dynamc': .* \(or 'dynamic'\)$"):
+            METHODS[method].check_options({"tree": "dynamc"})
+    with pytest.raises(O.OptionError) as e:
+        METHODS["auto"].check_options({"tree": "dynamic"})
+    assert "cannot read the tree shape 'dynamic'" in str(e.value) and "(or " not in str(e.value)
+
+
+def test_the_heuristic_schedule_is_listed_as_growing_past_draft_len():
+    """With schedule='heuristic' draft_len is the first round's γ, which grows past it: `layerleap methods`
+    says so (it read as if draft_len stayed the most)."""
+    from tiny_models import random_model
+
+    model = random_model(vocab_size=16)
+    r = layerleap.generate(
+        model, [1, 2, 3], "speculative", 40, stop_at_eos=False, draft=model, draft_len=2, schedule="heuristic",
+        min_confidence=0.0,
+    )  # fmt: skip
+    assert r.stats.draft.drafted > 2 * r.stats.draft.rounds  # a self-draft is always accepted: γ grows
+    for method in ("speculative", "self-spec"):
+        schedule = next(o for o in METHODS[method].declared if o.name == "schedule")
+        assert "γ starts at draft_len" in schedule.help and "no upper limit" in schedule.help
 
 
 def test_no_method_checks_its_options_by_hand():

@@ -78,7 +78,10 @@ def raising(cls: type[LayerleapError]):
 # -- messages -------------------------------------------------------------------------------------
 def show(value, width: int = 48) -> str:
     """``repr(value)``, cut to ``width`` characters (a hostile value may be megabytes long)."""
-    r = repr(value)
+    try:
+        r = repr(value)
+    except ValueError:  # an int past Python's digit limit for str (sys.set_int_max_str_digits)
+        r = f"an integer of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
     return r if len(r) <= width else r[: width - 1] + "…"
 
 
@@ -123,13 +126,23 @@ def number(
     want = f"must be a finite number{_bounds(lo, hi, lo_open, hi_open)}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InputError(_say(name, f"{want}, got {show(value)}{hint}"))
-    v = float(value)
+    v = as_float(value)
     bad = not math.isfinite(v)
     bad |= lo is not None and (v <= lo if lo_open else v < lo)
     bad |= hi is not None and (v >= hi if hi_open else v > hi)
-    if bad:
-        raise InputError(_say(name, f"{want}, got {show(v)}{hint}"))
+    if bad:  # an integer as an int (10**400 is no inf), another number as a float (not np.float64(...))
+        got = int(value) if isinstance(value, numbers.Integral) else v
+        raise InputError(_say(name, f"{want}, got {show(got)}{hint}"))
     return v
+
+
+def as_float(value: numbers.Real) -> float:
+    """``float(value)``, with an integer beyond float's range (``10**400``: ``float`` raises
+    ``OverflowError``) as the infinity of its sign, which the bounds then refuse like any infinity."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def learning_rate(value, name: str = "lr") -> float:

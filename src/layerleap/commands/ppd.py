@@ -379,7 +379,9 @@ def selfspec_summary(records: list[dict], labels: list[str]) -> dict:
 )
 def _setup_selfspec(p):
     _model_args(p)
-    p.add_argument("--exit-layer", type=O.EXIT_LAYER.arg(), default=15, help="the drafting / early-prediction layer")
+    p.add_argument(  # one layer for self-spec, PPD and transformers alike: no "none"
+        "--exit-layer", type=O.EXIT_LAYER.but(none="").arg(), default=15, help="the drafting / early-prediction layer"
+    )
     p.add_argument(
         "--draft-lens",
         type=O.DRAFT_LEN.list_arg(),

@@ -178,7 +178,7 @@ def _int(o: Option, value, config):
 
 def _float(o: Option, value, config):
     ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
-    v = float(value) if ok else None
+    v = V.as_float(value) if ok else None
     ok = ok and v == v and (abs(v) != float("inf") or (bool(o.inf) and v > 0)) and o._in_bounds(v, config)
     if not ok:
         extra = f"; inf: {o.inf}" if o.inf else ""
@@ -195,7 +195,8 @@ def _bool(o: Option, value, config):
 def _text(o: Option, value, config):
     if not isinstance(value, str):
         raise o.fail("text", value)
-    return V.text(value, o.name)
+    with V.raising(OptionError):
+        return V.text(value, o.name)
 
 
 def _choice(o: Option, value, config):
@@ -210,7 +211,8 @@ def _tree(o: Option, value, config):
     try:
         parse_tree(value)
     except TreeError as e:
-        raise OptionError(f"{o.name}: {e}") from None
+        named = f" (or {' or '.join(map(repr, o.choices))})" if o.choices else ""  # the named trees are a fix too
+        raise OptionError(f"{o.name}: {e}{named}") from None
     return value
 
 
@@ -223,19 +225,28 @@ def _int_list(o: Option, value, config):
     return [int(v) for v in value]
 
 
+MODEL_WANT = "a model (layerleap.load(...); on the command line a model name or folder)"
+
+
 def _model(o: Option, value, config):
+    if isinstance(value, str) and not value.strip():
+        raise o.fail(MODEL_WANT, value)
     if isinstance(value, (str, os.PathLike)):
-        V.path(value, o.name)
+        with V.raising(OptionError):
+            V.path(value, o.name)
     elif value is None or isinstance(value, (bytes, bool, numbers.Number, list, tuple, dict)):
-        raise o.fail("a model (layerleap.load(...); on the command line a model name or folder)", value)
+        raise o.fail(MODEL_WANT, value)
     return value  # a loaded model is checked against the main one by the method (companion.check_pair)
 
 
 def _weights(o: Option, value, config):
     if isinstance(value, str) and value in o.choices:
         return value
+    if isinstance(value, str) and not value.strip():  # no file named: the choices are the fix, not "a path"
+        raise o.fail(_one_of(o, "an existing weights file"), value)
     if isinstance(value, (str, os.PathLike)):
-        p = V.path(value, o.name)
+        with V.raising(OptionError):
+            p = V.path(value, o.name)
         if not p.is_file():
             raise o.fail(_one_of(o, "an existing weights file"), value)
         return value
@@ -317,7 +328,8 @@ MIN_CONFIDENCE = Option(
 SCHEDULE = Option(
     "schedule",
     "choice",
-    "constant: γ = draft_len; heuristic: +2 after a fully accepted round, -1 otherwise",
+    "constant: γ = draft_len; heuristic: γ starts at draft_len, +2 after a fully accepted round, -1 otherwise "
+    "(at least 1; no upper limit but the tokens left)",
     default="constant",
     choices=SCHEDULES,
 )

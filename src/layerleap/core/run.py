@@ -142,6 +142,14 @@ def register(
 
 def _match_signature(name: str, fn: Callable, options: tuple[O.Option, ...]) -> None:
     params = list(inspect.signature(fn).parameters.values())[1:]
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):  # no declaration can name what they take
+            star = "*" if p.kind == p.VAR_POSITIONAL else "**"
+            raise TypeError(
+                f"method {name!r}: options are named keyword parameters, and {star}{p.name} names none: write each "
+                f"option as a keyword parameter with its default (def {fn.__name__}(run, *, n=2)), declared with "
+                "options=(...) or read from the signature"
+            )
     have = {p.name: p.default for p in params}
     want = {o.name: o.default for o in options}
     if have != want:

@@ -46,6 +46,7 @@ from . import eagle as eagle_method
 from .hidden_transfer import default_tree
 from .medusa import DEFAULT_TREES as MEDUSA_TREES
 from .prompt_lookup import DEFAULT_MAX_NGRAM, OPTIONS, adaptive_default, tuned
+from .rest import MIN_NGRAM, check_corpus_ngram
 
 
 # Weight formats where "auto" leaves Hidden Transfer out: in q4 a call over a tree's rows costs far more
@@ -112,7 +113,7 @@ ADAPTIVE = O.ADAPTIVE.but(
     none="a chain merged into a tree: always (its rows are priced beside the tree's, lengths.MergedChainCut); "
     "a plain call's: where a 2-token call costs x1.10 or more of a 1-token one (q4 with torch's int4 kernel; fp32 not)"
 )
-AUTO_OPTIONS = tuple(ADAPTIVE if o.name == "adaptive" else o for o in OPTIONS)
+AUTO_OPTIONS = tuple({"adaptive": ADAPTIVE, "min_ngram": MIN_NGRAM}.get(o.name, o) for o in OPTIONS)
 MEDUSA = O.AUTO_MEDUSA
 EAGLE = O.AUTO_EAGLE
 CORPUS = O.CORPUS.but(default="none")
@@ -148,6 +149,8 @@ def auto(
     into a tree always, a plain call's where the curve makes a second token cost, as in q4;
     corpus: where the prompt and output hold no match, the chain from this datastore (rest's))."""
     draft_len, min_ngram = tuned(run, draft_len, max_ngram, min_ngram)
+    store = get_corpus(run.model, corpus)
+    check_corpus_ngram(store, min_ngram)
     head = drafter_weights(run, "eagle", eagle)
     proj = None if head is not None and transfer == "auto" else drafter_weights(run, "transfer", transfer)
     heads = None if head is not None and medusa == "auto" else drafter_weights(run, "medusa", medusa)
@@ -160,9 +163,9 @@ def auto(
     buf = medusa_buf = chains = None
     vocab = get_draft_vocab(run.model, draft_vocab) if any(d is not None for d in (proj, heads, head)) else None
     if proj is not None:
-        buf = tree_buffers(run, "auto", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
+        buf = tree_buffers(run, "transfer", default_tree(run.model) if tree is None else tree, proj.steps, vocab)
     if heads is not None:
-        medusa_buf = tree_buffers(run, "auto", O.per_dtype(run.model, MEDUSA_TREES), heads.steps, vocab)
+        medusa_buf = tree_buffers(run, "medusa", O.per_dtype(run.model, MEDUSA_TREES), heads.steps, vocab)
     if head is not None:
         eagle_len = O.per_dtype(run.model, eagle_method.DEFAULT_DRAFT_LEN)
         width = O.per_dtype(run.model, eagle_method.DEFAULT_WIDTH)
@@ -185,7 +188,7 @@ def auto(
         chains,
         plain,
         cut_merged,
-        corpus=get_corpus(run.model, corpus),
+        corpus=store,
     )
     counts = yield from draft_verify.decode(run, drafter)
     run.record(lookup_stats(counts, drafter.index))

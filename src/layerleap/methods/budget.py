@@ -101,8 +101,7 @@ def check_quality(quality) -> float:
     if (
         isinstance(quality, bool)
         or not isinstance(quality, (int, float))
-        or math.isnan(quality)
-        or not 0 < quality <= 1
+        or not 0 < quality <= 1  # nan compares false (math.isnan of an int past float's range overflows)
     ):
         raise GenerationError(
             f"quality must be the share of greedy's quality to keep, in (0, 1] (e.g. 0.95), got {quality!r}"

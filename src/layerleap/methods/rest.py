@@ -44,6 +44,15 @@ OPTIONS = (*(MIN_NGRAM if o.name == "min_ngram" else o for o in LOOKUP_OPTIONS),
 CORPUS_DRAFT_LEN = {"float32": None, "bfloat16": None, "float16": None, "q4": 1}
 
 
+def check_corpus_ngram(store, min_ngram: int) -> None:
+    """Refuse a ``min_ngram`` above the longest n-gram a corpus looks up: the corpus would never draft."""
+    if store is not None and min_ngram > MAX_N:
+        raise GenerationError(
+            f"min_ngram ({min_ngram}) is above {MAX_N}, the longest n-gram a corpus looks up, so the corpus would "
+            f"never draft: lower min_ngram to {MAX_N} or less, or pass corpus=none"
+        )
+
+
 @register("rest", batched=True, sampling=True, exact=True, grammar=True, options=OPTIONS)
 def rest(
     run: Run,
@@ -63,11 +72,7 @@ def rest(
     store = get_corpus(run.model, corpus)
     if store is None and corpus in (None, "none") and corpus_draft_len is not None:
         raise GenerationError("corpus_draft_len= limits the drafts a corpus gives, and corpus=none: drop one of them")
-    if store is not None and min_ngram > MAX_N:
-        raise GenerationError(
-            f"min_ngram ({min_ngram}) is above {MAX_N}, the longest n-gram a corpus looks up, so the corpus would "
-            f"never draft: lower min_ngram to {MAX_N} or less, or pass corpus=none"
-        )
+    check_corpus_ngram(store, min_ngram)
     if store is None and corpus == "auto":
         unused = ", and corpus_draft_len= has no effect" if corpus_draft_len is not None else ""
         warnings.warn(

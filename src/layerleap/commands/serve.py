@@ -120,7 +120,8 @@ def _serve(args, options: dict, sock) -> int:
     get_method(args.method).check_options(options, model.config)  # the bounds on the model, before a draft loads
     loader = _loader(args)
     options = resolve_models(args.method, options, loader)
-    Decoding(model, [0], args.method, 1, **options)  # the default method and options are valid
+    for _ in Decoding(model, [0], args.method, 1, **options):  # the default method and options run: one token
+        pass
     cfg = ServerConfig(
         args.name or args.model,
         args.method,

@@ -199,6 +199,22 @@ def test_prompts_file_with_a_method_that_does_not_batch(capsys, tiny_hf_dir, tin
     assert {g["stats"]["batch"] for g in got} == {1}
 
 
+def test_prompts_file_one_at_a_time_seeds_prompt_i_as_its_row_of_a_batch(capsys, tiny_hf_dir, tiny, tmp_path):
+    """A sampled method that does not batch decodes prompt i with seed + i, as a batch's row i samples: the
+    same prompt twice gives two samples, not one sample twice."""
+    f = tmp_path / "p.txt"
+    f.write_text("Hello there\nHello there\nThird\n")
+    args = ["--prompts-file", f, "--max-new-tokens", 6, "--method", "calm", "--temperature", 1.5, "--seed", 7]
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, *args, "--json")
+    assert rc == 0, err
+    got = [json.loads(line)["token_ids"] for line in out.splitlines()]
+    want = [
+        generate(tiny, t, "calm", 6, temperature=1.5, seed=7 + i).token_ids
+        for i, t in enumerate(["Hello there", "Hello there", "Third"])
+    ]
+    assert got == want and got[0] != got[1]
+
+
 BAD = [
     (["--prompts-file", "{DIR}/none.jsonl"], "not found"),
     (["--prompts-file", "{DIR}/bad.jsonl"], "bad.jsonl:2 is not JSON"),

@@ -66,6 +66,19 @@ def test_resumes_and_writes_atomically(tmp_path, char_model, monkeypatch):
     assert calls == [1, 1]
 
 
+def test_sampled_answers_past_the_largest_seed_wrap_as_a_batch_row(tmp_path, char_model):
+    """The largest seed: prompt i samples with (seed + i) mod 2**32 (``row_seed``), in any batch size, where
+    a batch after the first was refused for a seed past 2**32 - 1."""
+    from layerleap.core.run import row_seed
+
+    seed, kw = 2**32 - 1, dict(gen_len=6, progress=False, temperature=1.5)
+    got = data.self_distilled(char_model, tmp_path / "a.jsonl", 3, batch=1, seed=seed, **kw)
+    assert len(got) == 3
+    for i, (p, c) in enumerate(got):
+        assert c == generate(char_model, p, "sample", 6, temperature=1.5, seed=row_seed(seed, i)).token_ids
+    assert data.self_distilled(char_model, tmp_path / "b.jsonl", 3, batch=3, seed=seed, **kw) == got
+
+
 def test_sampled_answers(tmp_path, char_model, capsys):
     """--temperature samples the answers (prompt i with seed + i: a resumed or rebatched run samples the
     same ones) into a cache file of their own, which the trainers describe as sampled."""

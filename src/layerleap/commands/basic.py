@@ -30,6 +30,7 @@ from ..methods.budget import LOSSY, check_has_budget
 from ..errors import LayerleapError
 from ..core.grammar import Grammar
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
+from ..core.run import row_seed
 from ..files import reading
 from ..options import ModelLoader, resolve_models, to_device
 from ..eval.report import write_html_report
@@ -481,17 +482,20 @@ def _generate(args, model, prompts, kwargs: dict, threads: int) -> int:
 def _generate_with_progress(model, prompts, args, kwargs):
     """``generate``, with a tqdm bar of the new tokens on stderr (a long generation shows it is alive).
     A list of prompts decodes as one batch, or, for a method that does not batch, one prompt after
-    another (said on stderr)."""
+    another (said on stderr), prompt ``i`` seeded as its row of a batch would be (``seed + i``)."""
     from tqdm.auto import tqdm
 
     many = isinstance(prompts, list)
-    calls = [prompts]
+    calls = [(prompts, kwargs)]
     if many and not get_method(args.method).batched:
         _say(
             f"method {args.method!r} decodes one prompt at a time: decoding the {len(prompts)} prompts one after "
             "another"
         )
-        calls = [[p] for p in prompts]
+        seed = kwargs.get("seed")
+        calls = [
+            ([p], kwargs if seed is None else {**kwargs, "seed": row_seed(seed, i)}) for i, p in enumerate(prompts)
+        ]
     bar = tqdm(
         total=(len(prompts) if many else 1) * args.max_new_tokens,
         desc=f"generate ({args.method})",
@@ -500,8 +504,8 @@ def _generate_with_progress(model, prompts, args, kwargs):
     )
     results, done = [], 0
     try:
-        for call in calls:
-            d = Decoding(model, call, args.method, args.max_new_tokens, chat=args.chat, **kwargs)
+        for call, call_kwargs in calls:
+            d = Decoding(model, call, args.method, args.max_new_tokens, chat=args.chat, **call_kwargs)
             for _ in d:
                 bar.update(done + sum(len(d.tokens(i)) for i in range(len(d.prompt_ids))) - bar.n)
             results += d.results

@@ -15,7 +15,9 @@ early-exit drafts cost more than they save on the models and machines measured
 The greedy output is greedy decoding, token for token, whatever was chosen; sampling is lossless
 (SpecInfer's rule: the EAGLE head's chain drafts drawn from its distribution, every other draft
 one-hot).  A list of prompts decodes as one batch (one mode for the batch; a transfer or Medusa call
-verifies each row's tree alone, without its lookup chain).  Without
+verifies each row's tree alone, without its lookup chain): greedy rows are the rows alone, and so are
+sampled ones where every call is of one kind (EAGLE calls only, or lookup only); otherwise a sampled row
+draws other drafts than its prompt alone seeded ``seed + i``, so other tokens, from the same distribution.  Without
 drafter weights for the model (``transfer``, ``medusa`` and ``eagle`` "auto" find none, or none are
 given), it is prompt lookup.  In q4 the trees cost more than they gain and are left out by default
 (``NO_TRANSFER_DTYPES``); so is the EAGLE head, unless this machine's call-cost curve is flat enough

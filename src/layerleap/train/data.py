@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..core.run import chat_token_ids
+from ..core.run import chat_token_ids, row_seed
 from ..errors import LayerleapError
 
 ROLES = {
@@ -276,7 +276,7 @@ def self_distilled(
 ) -> list[tuple[list[int], list[int]]]:
     """``n`` pairs (ShareGPT prompt ids, the model's own answer's ids, at most ``gen_len``):
     self-distilled data, decoded ``batch`` prompts at a time as one batch: greedy answers, or with
-    ``temperature`` answers sampled at it (prompt ``i`` with the seed ``seed + i``, so a resumed or
+    ``temperature`` answers sampled at it (prompt ``i`` with the seed ``seed + i`` modulo 2**32, so a resumed or
     rebatched run samples the same answers).  Written to ``path`` (JSON lines ``{"prompt",
     "completion", "model"}`` and ``"temperature"`` when sampled, the file rewritten atomically after
     each batch); a call with the same ``path`` reuses what is there and decodes only the rest (a file
@@ -312,7 +312,7 @@ def self_distilled(
     while len(done) < len(prompts):
         chunk = prompts[len(done) : len(done) + batch]
         if temperature:
-            res = generate(model, chunk, "sample", gen_len, temperature=temperature, seed=seed + len(done))
+            res = generate(model, chunk, "sample", gen_len, temperature=temperature, seed=row_seed(seed, len(done)))
         else:
             res = generate(model, chunk, "greedy", gen_len)
         done += [

@@ -64,3 +64,61 @@ def test_line_endings_of_every_kind_end_a_prompt(tmp_path, eol):
     rows = [json.dumps({**ROW, "question_id": i}).encode() for i in (1, 2)]
     (tmp_path / "q.jsonl").write_bytes(eol.join(rows) + eol)
     assert [p.id for p in spec_bench(tmp_path / "q.jsonl")] == [1, 2]
+
+
+# -- the splits of the shipped Spec-Bench that must never share a prompt -----------------------------------------
+def _ids(prompts) -> set[int]:
+    return {p.id for p in prompts}
+
+
+@pytest.fixture
+def fast_spec_bench(monkeypatch):
+    """The shipped file read once for the many selections below."""
+    import functools
+
+    from layerleap import datasets
+
+    monkeypatch.setattr(datasets, "_read_spec_bench", functools.lru_cache(datasets._read_spec_bench))
+
+
+def test_calibration_holdout_and_table_prompts_never_overlap(fast_spec_bench):
+    """`calibrate` (its largest --prompts), `calibrate --check` and a `bench` within the table prompts use
+    disjoint prompts; `bench` says so exactly when its selection reaches the calibration or held-out split
+    (lossy methods are what these splits calibrate)."""
+    from layerleap.cli import build_parser
+    from layerleap.eval import bench
+    from layerleap.eval import calibrate as C
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["calibrate", "skipdecode", "--prompts", "21"])  # a split holds 20 per category
+    with pytest.raises(LayerleapError):
+        C.split_prompts("calibration", 21)
+    most = parser.parse_args(["calibrate", "skipdecode", "--prompts", "20"]).prompts
+    calibration = _ids(C.split_prompts("calibration", most))
+    holdout = _ids(C.split_prompts("holdout", most))
+    assert len(calibration) == len(holdout) == most * len(C.CATEGORIES) and not calibration & holdout
+    lossy = {"skipdecode": ("skipdecode", {})}
+    for cats in (None, ["summarization"], ["qa", "translation"], ["qa"]):
+        for offset in (0, 1, 19, 20, 39, 40, 41, 59, 60, 79, 80):
+            for n in (1, 2, 20, 39, 40, 41, 80):
+                table = _ids(spec_bench(None, cats, n, offset))
+                if not table:  # `bench` refuses an empty selection before it says anything else
+                    continue
+                hit = bool(table & (calibration | holdout))
+                warned = bench.calibration_overlap(lossy, cats, n, offset) is not None
+                assert hit == warned, (cats, offset, n)
+                if offset + n <= C.TABLE_PROMPTS:
+                    assert not hit
+
+
+def test_bild_align_calibrates_on_prompts_sweep_does_not_measure(fast_spec_bench):
+    """`align`'s calibration prompts and `sweep bild`'s evaluation prompts, at their defaults."""
+    from layerleap.cli import build_parser
+
+    parser = build_parser()
+    align = parser.parse_args(["align", "--out", "head.safetensors", "--exit-layer", "2"])
+    sweep = parser.parse_args(["sweep", "bild", "--exit-layer", "2"])
+    calibrated = _ids(spec_bench(None, align.categories, align.prompts, align.offset))
+    measured = _ids(spec_bench(None, sweep.categories, sweep.prompts))
+    assert calibrated and measured and not calibrated & measured

@@ -122,3 +122,37 @@ def test_bild_align_calibrates_on_prompts_sweep_does_not_measure(fast_spec_bench
     calibrated = _ids(spec_bench(None, align.categories, align.prompts, align.offset))
     measured = _ids(spec_bench(None, sweep.categories, sweep.prompts))
     assert calibrated and measured and not calibrated & measured
+
+
+def _calibration_data(tmp_path, per_category: dict) -> str:
+    rows = [
+        {"question_id": 1000 * k + i, "category": c, "turns": [f"question {i}"], "reference": ["an answer"]}
+        for k, (c, n) in enumerate(per_category.items())
+        for i in range(n)
+    ]
+    return _write(tmp_path / "question.jsonl", rows)
+
+
+def test_a_split_that_holds_fewer_prompts_than_asked_is_refused(tmp_path):
+    """A smaller --data file: the split (from index 40 or 60 of each category) holds fewer prompts than asked,
+    or none (the held-out check then divided by zero after decoding greedy's outputs)."""
+    from layerleap.eval import calibrate as C
+
+    data = _calibration_data(tmp_path, {"summarization": 50, "translation": 65, "math_reasoning": 70})
+    with pytest.raises(C.CalibrationError, match="holdout split .* holds 0 summarization, 5 translation prompts"):
+        C.split_prompts("holdout", 8, data=data)
+    with pytest.raises(C.CalibrationError, match="give 10 prompts per category or fewer, or give a file with at le"):
+        C.split_prompts("calibration", 20, data=data)
+    assert len(C.split_prompts("calibration", 10, data=data)) == 30
+
+
+def test_calibrate_check_on_a_file_without_a_holdout_split_exits_2(tmp_path, capsys, char_model_dir, monkeypatch):
+    from layerleap.cli import main
+
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "cache"))
+    data = _calibration_data(tmp_path, {"summarization": 60, "translation": 60, "math_reasoning": 60})
+    argv = ["calibrate", "early-exit", "--model", str(char_model_dir), "--data", data, "--prompts", "2"]
+    rc = main([*argv, "--check", str(tmp_path / "check.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and "the holdout split of" in err
+    assert not (tmp_path / "check.json").exists()

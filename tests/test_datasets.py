@@ -156,3 +156,30 @@ def test_calibrate_check_on_a_file_without_a_holdout_split_exits_2(tmp_path, cap
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and "the holdout split of" in err
     assert not (tmp_path / "check.json").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--offset", "75", "--prompts", "10", "--categories", "writing,qa"], "no prompts of writing left in the "),
+        (["--offset", "100"], "no prompts left in the shipped Spec-Bench after --offset 100 (its categories hold at"),
+    ],
+)
+def test_bench_refuses_a_named_category_with_no_prompts_left(capsys, char_model_dir, flags, message):
+    """`bench --categories writing,qa --offset 75` measured qa alone: writing (10 questions) gave none, unsaid."""
+    from layerleap.cli import main
+
+    argv = ["bench", "--model", str(char_model_dir), "--methods", "greedy", "--no-baseline-hf", "--no-call-cost"]
+    assert main([*argv, *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "lower --offset" in err and "Traceback" not in err
+
+
+def test_bench_says_when_a_category_gives_fewer_prompts_than_asked(capsys, char_model_dir):
+    from layerleap.cli import main
+
+    argv = ["bench", "--model", str(char_model_dir), "--methods", "greedy", "--no-baseline-hf", "--no-call-cost"]
+    argv += ["--categories", "writing,qa", "--offset", "5", "--prompts", "10", "--max-hours", "1e-9"]
+    assert main(argv) == 2  # refused by the time estimate, after the selection
+    err = capsys.readouterr().err
+    assert "note: writing gives 5 of the 10 prompts per category asked" in err

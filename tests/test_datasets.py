@@ -183,3 +183,21 @@ def test_bench_says_when_a_category_gives_fewer_prompts_than_asked(capsys, char_
     assert main(argv) == 2  # refused by the time estimate, after the selection
     err = capsys.readouterr().err
     assert "note: writing gives 5 of the 10 prompts per category asked" in err
+
+
+def test_bench_on_a_copy_of_the_shipped_file_says_it_reaches_the_calibration_split(capsys, tmp_path, char_model_dir):
+    """`--data` naming a copy of the shipped questions (the shared one, or one saved with CRLF) has the same
+    splits: reaching past the table prompts is said as it is without `--data`; another file's is not."""
+    from layerleap.cli import main
+    from layerleap.datasets import SHIPPED_SPEC_BENCH
+
+    copy = tmp_path / "question.jsonl"
+    copy.write_bytes(SHIPPED_SPEC_BENCH.read_bytes().replace(b"\n", b"\r\n"))
+    other = tmp_path / "other.jsonl"
+    other.write_text(SHIPPED_SPEC_BENCH.read_text().replace("Summarize", "Sum up"))
+    argv = ["bench", "--model", str(char_model_dir), "--methods", "skipdecode", "--no-baseline-hf", "--no-call-cost"]
+    argv += ["--categories", "summarization", "--offset", "39", "--prompts", "2", "--max-hours", "1e-9"]
+    for data, said in ((None, True), (copy, True), (other, False)):
+        assert main(argv + (["--data", str(data)] if data else [])) == 2  # the time estimate stops it
+        err = capsys.readouterr().err
+        assert ("prompts 41-41 of summarization are the calibration" in err) is said, data

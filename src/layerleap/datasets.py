@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,28 +72,56 @@ def _read_spec_bench(path) -> list[dict]:
     p = V.path(path, "path") if path else SHIPPED_SPEC_BENCH
     if not p.is_file():
         raise LayerleapError(f"Spec-Bench file {p} not found (or not a file): give the path of question.jsonl")
+    data = V.read_bounded(p, f"Spec-Bench file {p}")
     try:
-        text = V.read_bounded(p, f"Spec-Bench file {p}").decode("utf-8-sig")  # a byte-order mark: no part of line 1
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        for r in rows:  # the fields we use, with their types
-            if not (
-                isinstance(r["category"], str)
-                and isinstance(r["turns"][0], str)
-                and isinstance(r["question_id"], int)
-                and not isinstance(r["question_id"], bool)
-            ):
-                raise TypeError(
-                    f"line with question_id {str(r['question_id'])[:20]!r}: question_id must be an "
-                    "integer, category and turns[0] text"
-                )
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+        text = data.decode("utf-8-sig")  # a byte-order mark: no part of line 1
+    except UnicodeDecodeError as e:
         raise LayerleapError(
-            f"{p} is not a Spec-Bench question.jsonl ({type(e).__name__}: {e}): "
-            "each line must be JSON with question_id, category and turns"
+            f"{p} is not a Spec-Bench question.jsonl (not UTF-8 text: {e.reason} at byte {e.start}): "
+            "save it as UTF-8, one JSON question a line"
         ) from None
+    rows = [_spec_bench_row(p, n, line) for n, line in lines(text) if line.strip()]
     if not rows:
         raise LayerleapError(f"{p} holds no questions: give a Spec-Bench question.jsonl (one JSON question a line)")
     return rows
+
+
+def _spec_bench_row(path: Path, n: int, line: str) -> dict:
+    """Line ``n`` of a Spec-Bench file: a JSON object with an integer question_id, a category and a list of
+    turns whose first is text (the fields used)."""
+    fix = "each line must be JSON with question_id, category and turns"
+    try:
+        r = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise LayerleapError(
+            f"{path}:{n} is not a Spec-Bench question.jsonl line (JSONDecodeError: {e.msg} at column {e.colno}): {fix}"
+        ) from None
+    missing = [k for k in ("question_id", "category", "turns") if k not in r] if isinstance(r, dict) else None
+    if missing is None or missing:
+        what = f"no {', '.join(missing)}" if missing else f"a JSON {type(r).__name__}, not an object"
+        raise LayerleapError(f"{path}:{n} is not a Spec-Bench question.jsonl line ({what}): {fix}")
+    qid, cat, turns = r["question_id"], r["category"], r["turns"]
+    if not (
+        isinstance(qid, int)
+        and not isinstance(qid, bool)
+        and isinstance(cat, str)
+        and cat.strip()
+        and isinstance(turns, list)
+        and turns
+        and all(isinstance(t, str) for t in turns)
+        and turns[0].strip()
+    ):
+        raise LayerleapError(
+            f"{path}:{n} is not a Spec-Bench question.jsonl line (question_id {str(qid)[:20]!r}): question_id must be "
+            "an integer, category non-empty text and turns a list of texts, the first non-empty"
+        )
+    return r
+
+
+def lines(text: str) -> list[tuple[int, str]]:
+    """``text``'s lines with their numbers from 1, split at ``\\n``, ``\\r\\n`` or ``\\r`` only (as ``open``
+    reads text): a form feed, U+2028 or U+0085 inside a prompt or a JSON string stays part of its line."""
+    return list(enumerate(re.split(r"\r\n|\r|\n", text), 1))
 
 
 def sharegpt_conversations(limit: int | None = None):
@@ -141,11 +170,13 @@ def read_prompts_file(path: str | Path) -> list[str]:
         raise LayerleapError(f"prompts file {p} not found (or not a file): give a .jsonl or text file")
     text = V.read_bounded(p, f"prompts file {p}")
     try:
-        lines = [(n, line) for n, line in enumerate(text.decode("utf-8-sig").splitlines(), 1) if line.strip()]
+        numbered = [(n, line) for n, line in lines(text.decode("utf-8-sig")) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise LayerleapError(f"cannot read prompts file {p} ({type(e).__name__}): give a UTF-8 text file") from None
     prompts = (
-        [_json_prompt(p, n, line) for n, line in lines] if p.suffix.lower() == ".jsonl" else [ln for _, ln in lines]
+        [_json_prompt(p, n, line) for n, line in numbered]
+        if p.suffix.lower() == ".jsonl"
+        else [ln for _, ln in numbered]
     )
     if not prompts:
         raise LayerleapError(f"prompts file {p} holds no prompts: write one prompt a line")

@@ -24,7 +24,7 @@ from ..eval import bench, roofline
 from ..core import cost_curve, kernels
 from .. import validate as V, workload
 from . import command
-from ..datasets import read_prompts_file, spec_bench
+from ..datasets import read_prompts_file, spec_bench, spec_bench_categories
 from ..decoding import MAX_BATCH, METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
 from ..methods.budget import LOSSY, check_has_budget
 from ..errors import LayerleapError
@@ -235,10 +235,35 @@ def _csv(text: str | None) -> list[str] | None:
     return items or None
 
 
-def _read_prompts(path: str | None, categories: list[str] | None, n: int, offset: int = 0) -> list:
+def _read_prompts(
+    path: str | None, categories: list[str] | None, n: int | None, offset: int = 0, note: bool = False
+) -> list:
+    """Spec-Bench prompts: ``n`` per category after ``offset``.  A category named in ``categories`` that
+    has none left is refused (a table without it would not say so); with ``note``, a category that gives
+    fewer than ``n`` is said on stderr."""
     prompts = spec_bench(path, categories, n, offset)  # raises LayerleapError for an unreadable file
-    if not prompts:
-        raise LayerleapError(f"no prompts selected from {path or 'the shipped Spec-Bench'}")
+    where = path or "the shipped Spec-Bench"
+    after = f" after --offset {offset}" if offset else ""
+    got = {c: sum(p.category == c for p in prompts) for c in categories or spec_bench_categories(path)}
+    empty = [c for c, k in got.items() if not k]
+    if not prompts or (categories and empty):
+        held = {c: sum(p.category == c for p in spec_bench(path, [c])) for c in empty}
+        what = (
+            f"no prompts of {', '.join(empty)} left in {where}{after} (it holds "
+            f"{', '.join(f'{k} of {c}' for c, k in held.items())})"
+            if categories
+            else f"no prompts left in {where}{after} (its categories hold at most {max(held.values())})"
+        )
+        raise LayerleapError(
+            f"{what}: lower --offset"
+            + (" or leave them out of --categories" if categories and len(empty) < len(got) else "")
+        )
+    short = {c: k for c, k in got.items() if n is not None and k < n}
+    if note and short:
+        _say(
+            f"note: {', '.join(f'{c} gives {k}' for c, k in short.items())} of the {n} prompts per category "
+            f"asked ({where} holds no more{after})"
+        )
     return prompts
 
 
@@ -800,9 +825,10 @@ def run_bench(args) -> int:
     _check_bench_sampling(methods, _sampling(args))
     if not args.baseline_hf:
         _refuse_unused(args, ("--hf-extra",), "with --no-baseline-hf (it times transformers beside its greedy)")
-    prompts = _read_prompts(args.data, _csv(args.categories), args.prompts, args.offset)
+    prompts = _read_prompts(args.data, _csv(args.categories), args.prompts, args.offset, note=True)
     cats = _csv(args.categories)
-    overlap = None if args.data else bench.calibration_overlap(methods, cats, args.prompts, args.offset)
+    shipped = not args.data or spec_bench(args.data) == spec_bench(None)  # a copy of it: the same splits
+    overlap = bench.calibration_overlap(methods, cats, args.prompts, args.offset) if shipped else None
     if overlap:
         _say(f"note: {overlap}")
     threads, model, methods = _start_with_methods(args, methods)

@@ -80,7 +80,19 @@ def split_prompts(split: str, per_category: int, categories=CATEGORIES, data=Non
     if split not in SPLITS:
         raise CalibrationError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
     V.integer(per_category, "prompts per category", 1, 20, hint=" (a split holds 20 per category)")
-    return spec_bench(data, list(categories), per_category, offset=SPLITS[split])
+    prompts = spec_bench(data, list(categories), per_category, offset=SPLITS[split])
+    held = {c: sum(p.category == c for p in prompts) for c in categories}
+    short = {c: n for c, n in held.items() if n < per_category}
+    if short:  # a smaller file: its split holds fewer (none at all when a category ends before the split)
+        fewest = min(held.values())
+        fix = f"give {fewest} prompts per category or fewer" if fewest else ""
+        raise CalibrationError(
+            f"the {split} split of {data or 'the shipped Spec-Bench'} (from index {SPLITS[split]} of each category) "
+            f"holds {', '.join(f'{n} {c}' for c, n in short.items())} prompts, fewer than the {per_category} per "
+            f"category asked: {fix + ', or ' if fix else ''}give a file with at least {SPLITS[split] + per_category} "
+            f"questions in each of {', '.join(categories)}"
+        )
+    return prompts
 
 
 def min_prompts(epsilon: float, delta: float) -> int:

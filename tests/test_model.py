@@ -301,6 +301,25 @@ def test_rope_tables_grow_with_the_positions_and_give_the_full_tables_values():
     assert torch.equal(got, want) and odd.rope_cos.shape[0] == 4096
 
 
+@pytest.mark.parametrize("rows", [16, 8], ids=["full-tables", "grown-tables"])
+def test_a_position_past_the_context_names_the_context_length(rows):
+    """A call past ``max_position`` (a full cache of ``max_position`` slots given one more token, or a
+    prompt longer than the context) is refused with the context length, not a bare index error."""
+    from layerleap.core.model import PositionError, rope_tables
+
+    model = random_model(dict(max_position=16), seed=2)
+    model.rope_cos, model.rope_sin = rope_tables(model.config, rows)
+    ids = rand_ids(model.config.vocab_size, 1, 17, seed=3)
+    with torch.inference_mode():
+        with pytest.raises(PositionError, match="context length 16") as e:
+            model(ids)
+        assert isinstance(e.value, layerleap.LayerleapError) and isinstance(e.value, IndexError)
+        cache = model.new_cache(1, 16)
+        model(ids[:, :16], cache=cache)  # exactly the context: fine
+        with pytest.raises(PositionError, match="context length 16"):
+            model(ids[:, 16:], cache=cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rows_of_one_position_equal_the_gathered_rows(dtype):
     """A decoding step's one position reads a row of the tables kept in the activations' dtype; it equals

@@ -400,6 +400,26 @@ def test_tree_mask_per_row(model):
             assert_close(got[b, i], full_logits(model, ctx[b].tolist() + path)[-1])
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_tree_mask_of_ones_and_zeros_means_the_same_with_and_without_a_cache(model, native, monkeypatch):
+    """A 0/1 mask of another dtype is read as the bool mask it stands for, with a cache and without
+    (``F.scaled_dot_product_attention`` would add a float mask to the scores)."""
+    from layerleap.core import native as native_mod
+
+    if not native:
+        monkeypatch.setattr(native_mod, "module", lambda: None)
+    parents = TREES["wide"]
+    n = len(parents)
+    nodes = rand_ids(model.config.vocab_size, 1, n, seed=21)
+    mask = tree_mask(parents)
+    pos = torch.tensor([tree_depths(parents)])
+    with torch.inference_mode():
+        want = model(nodes, positions=pos, mask=mask)
+        for other in (mask.float(), mask.int()):
+            assert_close(model(nodes, positions=pos, mask=other), want)
+            assert_close(model(nodes, positions=pos, cache=model.new_cache(1, n), mask=other), want)
+
+
 # -- batches with left padding ---------------------------------------------------------------
 def _padded_prefill(model, prompts, max_len):
     longest = max(map(len, prompts))

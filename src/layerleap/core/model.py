@@ -453,6 +453,8 @@ class Transformer(nn.Module):
         S = h.shape[1]
         groups = self.config.n_heads // self.config.n_kv_heads
         if cache is None:
+            if mask is not None:  # a bool mask on h's device, as the cache's masks are (a float one would add)
+                mask = mask.to(h.device, torch.bool)
             m = None if mask is None else (mask if mask.dim() == 3 else mask.unsqueeze(0)).unsqueeze(1)
             keys = Keys(None, S, m, groups)  # [B|1, 1, S, S]
             for layer in range(start, end):

@@ -977,3 +977,24 @@ def test_eagle_form_is_the_default_only_where_a_head_ships(monkeypatch):
     assert run_bild(large, n=8, eagle="none", alpha_fb=0.0).stats["head"] != "eagle"
     with pytest.raises(GenerationError, match="give one small model"):
         run_bild(large, n=8, eagle=head, exit_layer=2)
+
+
+def test_a_row_that_feeds_nothing_to_a_batch_call_is_not_counted_in_it():
+    """A row whose small model is unsure at its first step takes the prompt pass's token (here its end)
+    and feeds nothing to the batch's first large call, which its batch-mates' drafts make: it counts
+    the one call it took part in, as alone."""
+    from tiny_models import random_model
+
+    eos = 19  # this row's first greedy token
+    large = random_model("llama-gqa-tied", seed=1, eos_token_ids=(eos,))
+    small = random_model("llama-gqa-tied", seed=5, eos_token_ids=(eos,))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (12, 7, 10)]
+    kw = dict(small=small, alpha_fb=0.6, alpha_rb=0.5, max_small=5)
+    batch = layerleap.generate(large, prompts, "bild", 12, **kw)
+    alone = [layerleap.generate(large, p, "bild", 12, **kw) for p in prompts]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    assert batch[1].token_ids == [eos] and batch[1].stats["fallback_rate"] == 1.0  # the case in point
+    assert batch[1].stats["model_calls"] > 1  # the batch made large calls after the prompt pass
+    assert [r.stats["layer_calls"] for r in batch] == [r.stats["layer_calls"] for r in alone]
+    assert batch[1].stats["layer_calls"] == 1

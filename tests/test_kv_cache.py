@@ -189,6 +189,60 @@ def test_compact_refuses_offsets_that_do_not_increase(model):
     assert torch.equal(cache.k, k0) and cache.length() == 9
 
 
+@pytest.mark.parametrize(
+    "start,keep,what",
+    [
+        (4, torch.tensor([0, 5]), "are filled"),  # slot 9: never written
+        (4, torch.tensor([0, 9]), "are filled"),  # slot 13: past the allocation
+        (4, torch.tensor([-2, 1]), "are filled"),  # slot 2: before the start
+        (4, [torch.tensor([0, 1]), torch.tensor([0, 5])], "are filled"),  # row 0 fine, row 1 not
+        (10, torch.tensor([0]), "outside"),  # a start past the filled length
+        (1, torch.tensor([0]), "outside"),  # a start inside row 0's left padding
+        (4, [torch.tensor([0])], "each of the 2 rows"),
+    ],
+    ids=["past-filled", "past-allocated", "negative", "second-row", "start-past", "start-in-padding", "rows"],
+)
+def test_compact_refuses_slots_outside_the_filled_ones(model, start, keep, what):
+    """Every kept slot must hold an entry and the start must lie in [left padding, filled length]: a kept
+    slot past them would be read as a token's keys, and a refused call moves nothing."""
+    cache = model.new_cache(2, 12)
+    step(model, cache, rand_ids(model.config.vocab_size, 2, 9, seed=16))
+    cache.pad[0] = 2
+    k0, lengths = cache.k.clone(), cache.lengths.clone()
+    with pytest.raises(CacheError, match=what):
+        cache.compact(start, keep)
+    assert torch.equal(cache.k, k0) and torch.equal(cache.lengths, lengths)
+    L = model.config.n_layers
+    cache.truncate(6, layers=range(1, L))  # layers [1, L) hold 6 slots: a kept slot must be filled in each
+    with pytest.raises(CacheError, match="are filled"):
+        cache.compact(4, torch.tensor([0, 2]))
+    cache.compact(4, torch.tensor([1]), layers=range(1, L))
+    assert cache.lengths[1:].tolist() == [[5, 5]] * (L - 1)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: c.truncate(4, layers=range(0, 99)),
+        lambda c: c.truncate(4, layers=range(2, 0, -1)),
+        lambda c: c.truncate(torch.tensor([3, 4, 5])),
+        lambda c: c.truncate(3.5),
+        lambda c: c.compact(4, torch.tensor([0]), layers=range(0, 99)),
+    ],
+    ids=["layers-past", "layers-reversed", "rows", "float", "compact-layers-past"],
+)
+def test_truncate_and_compact_refuse_bad_layers_and_lengths(model, call):
+    cache = model.new_cache(2, 12)
+    step(model, cache, rand_ids(model.config.vocab_size, 2, 8, seed=6))
+    before = cache.lengths.clone()
+    with pytest.raises(CacheError, match="layers must be a range|give an integer length"):
+        call(cache)
+    assert torch.equal(cache.lengths, before)
+    cache.truncate(4, layers=range(1, 1))  # an empty range: nothing to do
+    cache.compact(4, torch.tensor([0]), layers=range(2, 2))
+    assert torch.equal(cache.lengths, before)
+
+
 # -- per-layer lengths -----------------------------------------------------------------------
 @pytest.mark.parametrize("a", [1, 2, 3])
 def test_per_layer_lengths_then_catch_up(model, a):

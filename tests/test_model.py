@@ -301,6 +301,25 @@ def test_rope_tables_grow_with_the_positions_and_give_the_full_tables_values():
     assert torch.equal(got, want) and odd.rope_cos.shape[0] == 4096
 
 
+@pytest.mark.parametrize("rows", [16, 8], ids=["full-tables", "grown-tables"])
+def test_a_position_past_the_context_names_the_context_length(rows):
+    """A call past ``max_position`` (a full cache of ``max_position`` slots given one more token, or a
+    prompt longer than the context) is refused with the context length, not a bare index error."""
+    from layerleap.core.model import PositionError, rope_tables
+
+    model = random_model(dict(max_position=16), seed=2)
+    model.rope_cos, model.rope_sin = rope_tables(model.config, rows)
+    ids = rand_ids(model.config.vocab_size, 1, 17, seed=3)
+    with torch.inference_mode():
+        with pytest.raises(PositionError, match="context length 16") as e:
+            model(ids)
+        assert isinstance(e.value, layerleap.LayerleapError) and isinstance(e.value, IndexError)
+        cache = model.new_cache(1, 16)
+        model(ids[:, :16], cache=cache)  # exactly the context: fine
+        with pytest.raises(PositionError, match="context length 16"):
+            model(ids[:, 16:], cache=cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rows_of_one_position_equal_the_gathered_rows(dtype):
     """A decoding step's one position reads a row of the tables kept in the activations' dtype; it equals
@@ -379,6 +398,26 @@ def test_tree_mask_per_row(model):
         for i in range(4):
             path = nodes[b, tree_path(parents, i)].tolist()
             assert_close(got[b, i], full_logits(model, ctx[b].tolist() + path)[-1])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_tree_mask_of_ones_and_zeros_means_the_same_with_and_without_a_cache(model, native, monkeypatch):
+    """A 0/1 mask of another dtype is read as the bool mask it stands for, with a cache and without
+    (``F.scaled_dot_product_attention`` would add a float mask to the scores)."""
+    from layerleap.core import native as native_mod
+
+    if not native:
+        monkeypatch.setattr(native_mod, "module", lambda: None)
+    parents = TREES["wide"]
+    n = len(parents)
+    nodes = rand_ids(model.config.vocab_size, 1, n, seed=21)
+    mask = tree_mask(parents)
+    pos = torch.tensor([tree_depths(parents)])
+    with torch.inference_mode():
+        want = model(nodes, positions=pos, mask=mask)
+        for other in (mask.float(), mask.int()):
+            assert_close(model(nodes, positions=pos, mask=other), want)
+            assert_close(model(nodes, positions=pos, cache=model.new_cache(1, n), mask=other), want)
 
 
 # -- batches with left padding ---------------------------------------------------------------

@@ -120,14 +120,20 @@ class KVCache:
     # -- rollback and compaction --------------------------------------------------------
     def truncate(self, length, layers: range | None = None) -> None:
         """Roll back to ``length`` slots (an int or a per-row ``[B]`` tensor) in ``layers``."""
-        layers = range(self.n_layers) if layers is None else layers
-        sl = slice(layers.start, layers.stop)
+        sl = self._layers(layers)
+        if sl.start == sl.stop:
+            return
         if isinstance(length, int):  # one length for every row: checked against the extremes
             if length < int(self.pad.max()) or length > int(self.lengths[sl].min()):
                 raise CacheError(f"cannot truncate to {length}: outside [left padding, filled length]")
             self.lengths[sl] = length
             return
-        new = torch.as_tensor(length, dtype=torch.long).expand(self.batch)
+        new = torch.as_tensor(length)
+        if new.is_floating_point() or new.is_complex() or new.dim() > 1 or new.numel() not in (1, self.batch):
+            raise CacheError(
+                f"cannot truncate to {length!r}: give an integer length or one per row ({self.batch} integers)"
+            )
+        new = new.to(torch.long).expand(self.batch)
         if bool((new < self.pad).any()) or bool((new > self.lengths[sl]).any()):
             raise CacheError(f"cannot truncate to {new.tolist()}: outside [left padding, filled length]")
         self.lengths[sl] = new
@@ -136,19 +142,35 @@ class KVCache:
         """Keep only the new slots ``start + keep`` and move them to ``start .. start+K``; lengths
         become ``start + K``.  ``keep``: ``[K]`` (every row) or ``[B, K]`` offsets, increasing (a row of
         ``[B, K]`` may repeat its last offset as padding), or a list of ``B`` such ``[K_b]`` tensors (rows
-        keeping different numbers of slots)."""
-        layers = range(self.n_layers) if layers is None else layers
+        keeping different numbers of slots).  A kept slot must be filled in every layer of ``layers``,
+        and ``start`` lie between the row's left padding and its filled length."""
+        sl = self._layers(layers)
+        if sl.start == sl.stop:
+            return
         if isinstance(keep, torch.Tensor):
             keep = keep.to(torch.long)
             keep = list(keep.unsqueeze(0).expand(self.batch, -1) if keep.dim() == 1 else keep)
+        if len(keep) != self.batch:
+            raise CacheError(f"compact: give kept offsets for each of the {self.batch} rows, got {len(keep)}")
         starts = torch.as_tensor(start, dtype=torch.long).expand(self.batch).tolist()
-        sl = slice(layers.start, layers.stop)
-        rows = [keep[b].tolist() for b in range(self.batch)]
-        for b, offsets in enumerate(rows):  # checked before any slot moves: a refused call changes nothing
+        rows = [torch.as_tensor(keep[b]).reshape(-1).tolist() for b in range(self.batch)]
+        filled = self.lengths[sl].min(dim=0).values.tolist()  # [B]: slots filled in every layer of the range
+        # checked before any slot moves: a refused call changes nothing
+        for b, (s, offsets) in enumerate(zip(starts, rows)):
+            if not int(self.pad[b]) <= s <= filled[b]:
+                raise CacheError(
+                    f"compact: start {s} of row {b} is outside [left padding {int(self.pad[b])}, "
+                    f"filled length {filled[b]}]"
+                )
             if any(nxt < off or (nxt == off != offsets[-1]) for off, nxt in zip(offsets, offsets[1:])):
                 raise CacheError(
                     f"compact: the kept offsets must increase (a row may repeat its last one as padding), "
                     f"got {offsets} for row {b}"
+                )
+            if offsets and (offsets[0] < 0 or s + offsets[-1] >= filled[b]):
+                raise CacheError(
+                    f"compact: row {b} keeps offsets {offsets} from slot {s}, but only its slots [{s}, {filled[b]}) "
+                    "are filled: keep offsets in [0, filled length - start)"
                 )
         for b, (s, offsets) in enumerate(zip(starts, rows)):
             for i, off in enumerate(offsets):  # increasing: slot s + off moves down to s + i, never one still unread
@@ -156,3 +178,11 @@ class KVCache:
                     for store in (self.k, self.v):
                         store[sl, b, :, s + i].copy_(store[sl, b, :, s + off])  # [L', Hkv, hd]
             self.lengths[sl, b] = s + len(offsets)
+
+    def _layers(self, layers: range | None) -> slice:
+        """``layers`` (all when None) as a slice of whole layers, refused when it is not a range within the cache."""
+        if layers is None:
+            return slice(0, self.n_layers)
+        if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start <= layers.stop <= self.n_layers:
+            raise CacheError(f"layers must be a range within [0, {self.n_layers}] with step 1, got {layers!r}")
+        return slice(layers.start, layers.stop)

@@ -22,8 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels, native
+from ..errors import LayerleapError
 from .config import ModelConfig
 from .kv_cache import CacheError, KVCache
+
+
+class PositionError(LayerleapError, IndexError):
+    """A rotary position past the model's context length."""
 
 
 class RMSNorm(nn.Module):
@@ -448,6 +453,8 @@ class Transformer(nn.Module):
         S = h.shape[1]
         groups = self.config.n_heads // self.config.n_kv_heads
         if cache is None:
+            if mask is not None:  # a bool mask on h's device, as the cache's masks are (a float one would add)
+                mask = mask.to(h.device, torch.bool)
             m = None if mask is None else (mask if mask.dim() == 3 else mask.unsqueeze(0)).unsqueeze(1)
             keys = Keys(None, S, m, groups)  # [B|1, 1, S, S]
             for layer in range(start, end):
@@ -521,12 +528,17 @@ class Transformer(nn.Module):
                 return cos_t[i : i + 1].view(shape), sin_t[i : i + 1].view(shape)
         try:
             cos, sin = cos_t[positions], sin_t[positions]
-        except IndexError:  # a position at or past ``bound``: the whole table (past it, the error stands)
-            if self.rope_cos.shape[0] >= full:
-                raise
-            self._grow_rope(full)
-            cos_t, sin_t = self._rope_in(dtype)
-            cos, sin = cos_t[positions], sin_t[positions]
+        except IndexError:  # a position at or past ``bound``: the whole table (past it, the context)
+            if self.rope_cos.shape[0] < full:
+                self._grow_rope(full)
+                cos_t, sin_t = self._rope_in(dtype)
+            try:
+                cos, sin = cos_t[positions], sin_t[positions]
+            except IndexError:
+                raise PositionError(
+                    f"positions {int(positions.min())}..{int(positions.max())} reach past the model's context "
+                    f"length {full} (positions 0..{full - 1}): shorten the input"
+                ) from None
         return cos.unsqueeze(2), sin.unsqueeze(2)
 
     def _rope_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,14 +123,15 @@ class Drafter:
         ids, tree = self.batch_tokens(cands)
         if ids is None:  # nothing to feed: the prompt pass already scored the only position
             return [None if c is None else self.first_logits[row : row + 1] for row, c in enumerate(cands)]
+        rows = [row for row, c in enumerate(cands) if c is not None and c.fed()]  # the others ride along padded
         if tree is not None:  # every row the same tree (or its own: a BatchTree), at its own position
             depths = tree.depths if tree.depths.dim() == 2 else tree.depths.unsqueeze(0)
             pos = (self.start - self.cache.pad).unsqueeze(1) + depths  # [B, 1 + k]
             pos = pos.clamp(max=self.run.model.config.max_position - 1).to(self.run.model.device)
-            h = self.run.forward(self.cache, ids, positions=pos, mask=tree.mask.to(self.run.model.device))
+            h = self.run.forward(self.cache, ids, positions=pos, mask=tree.mask.to(self.run.model.device), rows=rows)
         else:
             pos = self.run.positions(self.cache, ids.shape[1]).clamp(max=self.run.model.config.max_position - 1)
-            h = self.run.forward(self.cache, ids, positions=pos)
+            h = self.run.forward(self.cache, ids, positions=pos, rows=rows)
         self.hidden = h
         logits = self.run.logits(h)  # [B, S, V]
         return [

@@ -254,6 +254,16 @@ def test_one_exit_layer_given_bounds_the_other(model, given, lo, hi):
     assert max(r.stats["budgets"]) == hi and min(r.stats["budgets"]) == lo
 
 
+@pytest.mark.parametrize("given,lo,hi", [(dict(max_exit_layer=1), 1, 1), (dict(min_exit_layer=5), 5, 5)])
+def test_finetune_completes_one_exit_layer_as_decoding_does(given, lo, hi):
+    """Fine-tuning trains the policy decoding runs: an exit layer given alone takes the other from the
+    target within it, instead of being refused with "min_exit_layer > max_exit_layer: swap them"."""
+    from layerleap.train.skipdecode import TrainConfig
+
+    cfg = TrainConfig(**given).resolve(D)
+    assert (cfg.min_exit_layer, cfg.max_exit_layer) == (lo, hi)
+
+
 @pytest.mark.filterwarnings("ignore:skipdecode. no calibration")
 def test_default_budgets_on_a_one_layer_model():
     torch.manual_seed(0)

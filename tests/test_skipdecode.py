@@ -37,6 +37,14 @@ def test_linear_schedule_values():
     assert s == [12 - n for n in range(10)] + [2] * 4
 
 
+def test_default_horizon_ends_one_past_the_last_token():
+    """The paper's t = (i - P) / (max_len - P) with max_len = P + max_new_tokens: the minimum falls at
+    position max_len, one past the last token, so the last token fed back runs above it (docs/SKIPDECODE.md)."""
+    D8 = Transformer(tiny_config(n_layers=8)).eval()
+    r = generate(D8, PROMPTS[1], "skipdecode", 8, stop_at_eos=False, min_exit_layer=2, max_exit_layer=8, warmup=1)
+    assert r.stats["budgets"] == (8, 7, 7, 6, 5, 4, 4)
+
+
 def test_schedules_monotone_and_bounded():
     for decay in ("linear", "power"):
         for lo, hi, H in [(1, 6, 7), (10, 20, 64), (5, 7, 96), (3, 3, 5)]:

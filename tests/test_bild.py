@@ -691,6 +691,7 @@ def test_sweep_bild_eagle_form(capsys, tmp_path, tiny_hf_dir):
         (["--speculative", "heuristic:x"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
         (["--speculative", "constant:4:2"], r"min_confidence must be a finite number in \[0, 1\]"),
         (["--exit-layer", 9], r"--exit-layer: exit_layer must be an integer in \[1, 3\]"),
+        (["--exit-layer", 0], r"or none \(three quarters of the depth"),  # BiLD's default layer, not half the depth
         (["--small", "{D}", "--head", "shared"], "--head chooses the exit head"),
         (["--small", "x"], "unknown model 'x'"),
         (["--eagle", "trained"], "--eagle: no shipped eagle weights fit"),
@@ -735,6 +736,8 @@ def test_align_command_writes_a_head(capsys, tmp_path, tiny_hf_dir):
     assert rc == 2 and "--exit-layer E" in err
     rc, _, err = cli(capsys, "align", "--model", tiny_hf_dir, "--exit-layer", 2, "--out", tmp_path / "h.bin")
     assert rc == 2 and ".safetensors" in err
+    rc, _, err = cli(capsys, "align", "--model", tiny_hf_dir, "--exit-layer", 0, "--out", out)
+    assert rc == 2 and "Traceback" not in err and "none" not in err.strip().splitlines()[-1]  # align needs a layer
 
 
 # -- transformers yardsticks: greedy and assisted generation on the same (shared) weights -------------

@@ -476,6 +476,27 @@ def test_align_small_model_saves_a_loadable_folder(tmp_path):
     assert len(r.token_ids) == N
 
 
+def test_align_small_model_checks_its_folder_before_training(tmp_path, monkeypatch):
+    """An empty folder (the command accepts one) is filled; a folder of other files, or a file, is refused
+    before any training step, not after the whole run."""
+    from layerleap.train import align
+
+    large, small = tiny_pair(1)
+    recs = _records(large, CALIB)
+    cfg = align.TrainConfig(epochs=1, lr=1e-2, batch_tokens=24)
+    (tmp_path / "empty").mkdir()
+    align.align_small(small, recs, tmp_path / "empty", cfg, progress=False)
+    assert (tmp_path / "empty" / "config.json").is_file()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    monkeypatch.setattr(align, "run_loop", lambda *a, **k: pytest.fail("trained before refusing the folder"))
+    for out in (tmp_path / "other", tmp_path / "file"):
+        with pytest.raises(align.AlignError, match="is not a model folder"):
+            align.align_small(small, recs, out, cfg, progress=False)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
+
+
 def test_align_small_model_replaces_an_old_folder_only_once_the_new_one_is_written(tmp_path, monkeypatch):
     """An interrupted run keeps the old folder; a finished one swaps the new one in and leaves nothing beside it."""
     import safetensors.torch
@@ -691,6 +712,7 @@ def test_sweep_bild_eagle_form(capsys, tmp_path, tiny_hf_dir):
         (["--speculative", "heuristic:x"], r"not SCHEDULE:γ\[:MIN_CONFIDENCE\]"),
         (["--speculative", "constant:4:2"], r"min_confidence must be a finite number in \[0, 1\]"),
         (["--exit-layer", 9], r"--exit-layer: exit_layer must be an integer in \[1, 3\]"),
+        (["--exit-layer", 0], r"or none \(three quarters of the depth"),  # BiLD's default layer, not half the depth
         (["--small", "{D}", "--head", "shared"], "--head chooses the exit head"),
         (["--small", "x"], "unknown model 'x'"),
         (["--eagle", "trained"], "--eagle: no shipped eagle weights fit"),
@@ -735,6 +757,8 @@ def test_align_command_writes_a_head(capsys, tmp_path, tiny_hf_dir):
     assert rc == 2 and "--exit-layer E" in err
     rc, _, err = cli(capsys, "align", "--model", tiny_hf_dir, "--exit-layer", 2, "--out", tmp_path / "h.bin")
     assert rc == 2 and ".safetensors" in err
+    rc, _, err = cli(capsys, "align", "--model", tiny_hf_dir, "--exit-layer", 0, "--out", out)
+    assert rc == 2 and "Traceback" not in err and "none" not in err.strip().splitlines()[-1]  # align needs a layer
 
 
 # -- transformers yardsticks: greedy and assisted generation on the same (shared) weights -------------

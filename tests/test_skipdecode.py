@@ -37,6 +37,14 @@ def test_linear_schedule_values():
     assert s == [12 - n for n in range(10)] + [2] * 4
 
 
+def test_default_horizon_ends_one_past_the_last_token():
+    """The paper's t = (i - P) / (max_len - P) with max_len = P + max_new_tokens: the minimum falls at
+    position max_len, one past the last token, so the last token fed back runs above it (docs/SKIPDECODE.md)."""
+    D8 = Transformer(tiny_config(n_layers=8)).eval()
+    r = generate(D8, PROMPTS[1], "skipdecode", 8, stop_at_eos=False, min_exit_layer=2, max_exit_layer=8, warmup=1)
+    assert r.stats["budgets"] == (8, 7, 7, 6, 5, 4, 4)
+
+
 def test_schedules_monotone_and_bounded():
     for decay in ("linear", "power"):
         for lo, hi, H in [(1, 6, 7), (10, 20, 64), (5, 7, 96), (3, 3, 5)]:
@@ -252,6 +260,16 @@ def test_one_exit_layer_given_bounds_the_other(model, given, lo, hi):
     assert target_config(D, 2).min_exit_layer > 1 and target_config(D, 2).max_exit_layer < 5
     r = generate(model, PROMPTS[0], "skipdecode", 6, stop_at_eos=False, **given)
     assert max(r.stats["budgets"]) == hi and min(r.stats["budgets"]) == lo
+
+
+@pytest.mark.parametrize("given,lo,hi", [(dict(max_exit_layer=1), 1, 1), (dict(min_exit_layer=5), 5, 5)])
+def test_finetune_completes_one_exit_layer_as_decoding_does(given, lo, hi):
+    """Fine-tuning trains the policy decoding runs: an exit layer given alone takes the other from the
+    target within it, instead of being refused with "min_exit_layer > max_exit_layer: swap them"."""
+    from layerleap.train.skipdecode import TrainConfig
+
+    cfg = TrainConfig(**given).resolve(D)
+    assert (cfg.min_exit_layer, cfg.max_exit_layer) == (lo, hi)
 
 
 @pytest.mark.filterwarnings("ignore:skipdecode. no calibration")

@@ -17,7 +17,7 @@ from ..files import check_replace, write_text
 from .. import validate as V, workload
 from ..drafters.early_exit import HEADS, exit_head
 from ..core import options as O
-from ..methods.bild import ALPHA_FB, ALPHA_RB, MAX_SMALL
+from ..methods.bild import ALPHA_FB, ALPHA_RB, MAX_SMALL, OPTIONS as BILD_OPTIONS
 from .basic import (
     _command_line,
     _model_arg,
@@ -38,6 +38,7 @@ DEFAULT_FB = "0.2,0.4,0.6,0.8"
 DEFAULT_RB = "0.5,1,2,4"
 
 
+BILD_EXIT = next(o for o in BILD_OPTIONS if o.name == "exit_layer")
 MAX_POINTS = 200  # BiLD grid points (fallback x rollback thresholds) in one sweep
 
 
@@ -53,7 +54,8 @@ def _form_args(p, eagle: bool = False) -> None:
         )
     form.add_argument(
         "--exit-layer",
-        type=O.EXIT_LAYER.arg(),
+        # sweep: none is BiLD's default exit layer (three quarters of the depth); align trains a head for a layer
+        type=(BILD_EXIT if eagle else O.EXIT_LAYER.but(none="")).arg(),
         default=None,
         help="early-exit form: layers [0, E) and an exit head are the small model",
     )

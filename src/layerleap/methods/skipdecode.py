@@ -101,6 +101,21 @@ def target_config(n_layers: int, target_speedup: float) -> SkipConfig:
     return SkipConfig(s, 1, lo, hi)
 
 
+def exit_layers(
+    n_layers: int, min_exit_layer: int | None, max_exit_layer: int | None, target_speedup: float | None = None
+) -> tuple[int | None, int | None]:
+    """``(min_exit_layer, max_exit_layer)``: the ones given; one not given comes from ``target_speedup``'s
+    configuration (``target_config``; 2x when None), kept within the one given (budgets never rise)."""
+    if min_exit_layer is not None and max_exit_layer is not None:
+        return min_exit_layer, max_exit_layer
+    cfg = target_config(n_layers, min(2, n_layers) if target_speedup is None else target_speedup)
+    if min_exit_layer is None:
+        min_exit_layer = cfg.min_exit_layer if max_exit_layer is None else min(cfg.min_exit_layer, max_exit_layer)
+    if max_exit_layer is None:
+        max_exit_layer = max(cfg.max_exit_layer, min_exit_layer)
+    return min_exit_layer, max_exit_layer
+
+
 def depth(n_layers: int) -> SimpleNamespace:
     """What the options' model-dependent bounds read, for code that knows only the depth."""
     return SimpleNamespace(n_layers=n_layers)
@@ -239,15 +254,7 @@ def skipdecode(
     check_conflicts(min_exit_layer, max_exit_layer, max_len, decay, power, schedule, target_speedup)
     power = 2.0 if power is None else power
     if schedule is None:
-        if min_exit_layer is None or max_exit_layer is None:
-            cfg = target_config(d, min(2, d) if target_speedup is None else target_speedup)
-            # the exit layer not given comes from the target, within the one given (budgets never rise)
-            if min_exit_layer is None:
-                min_exit_layer = (
-                    cfg.min_exit_layer if max_exit_layer is None else min(cfg.min_exit_layer, max_exit_layer)
-                )
-            if max_exit_layer is None:
-                max_exit_layer = max(cfg.max_exit_layer, min_exit_layer)
+        min_exit_layer, max_exit_layer = exit_layers(d, min_exit_layer, max_exit_layer, target_speedup)
         check_budget_range(d, min_exit_layer, max_exit_layer, warmup)
     else:
         schedule = check_schedule(schedule, d, warmup)
@@ -361,6 +368,7 @@ __all__ = [
     "early_exit",
     "calm",
     "target_config",
+    "exit_layers",
     "SkipConfig",
     "budget_at",
     "exit_schedule",

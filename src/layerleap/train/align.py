@@ -303,6 +303,9 @@ def align_small(
     cfg = cfg or TrainConfig(lr=1e-5)
     cfg.check()
     out = Path(out)
+    # before training, not after it: an empty folder is filled, a model folder replaced, anything else kept
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
+        raise AlignError(f"{out} exists and is not a model folder: choose another --out")
     seqs = [r for r in records if r["output_ids"]]
     if not seqs:
         raise AlignError("the calibration outputs are empty: use more prompts or a larger --max-new-tokens")
@@ -355,8 +358,6 @@ def align_small(
         elif small.tokenizer is not None:
             save_tokenizer(small.tokenizer, tmp)
 
-    if out.exists() and not (out / "config.json").is_file():
-        raise AlignError(f"{out} exists and is not a model folder: choose another --out")
     replace_dir(out, fill)
     _ckpt_path(out).unlink(missing_ok=True)
     return {

@@ -40,7 +40,7 @@ from ..files import reading, save_safetensors, write_json
 from .data import prompt_completions
 from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
 from .state_cache import data_hash
-from ..methods.skipdecode import budget_at, check_budget_range, layer_ranges, target_config
+from ..methods.skipdecode import budget_at, check_budget_range, exit_layers, layer_ranges, target_config
 from ..core.model import Transformer
 
 STATE_JSON = "skipdecode_train.json"
@@ -76,8 +76,10 @@ class TrainConfig:
     def resolve(self, n_layers: int) -> "TrainConfig":
         cfg = target_config(n_layers, self.target_speedup)
         out = TrainConfig(**asdict(self))
-        out.min_exit_layer = cfg.min_exit_layer if self.min_exit_layer is None else self.min_exit_layer
-        out.max_exit_layer = cfg.max_exit_layer if self.max_exit_layer is None else self.max_exit_layer
+        # as decoding does: an exit layer given alone takes the other from the target, within the one given
+        out.min_exit_layer, out.max_exit_layer = exit_layers(
+            n_layers, self.min_exit_layer, self.max_exit_layer, self.target_speedup
+        )
         out.warmup = cfg.warmup if self.warmup is None else self.warmup
         try:
             check_budget_range(n_layers, out.min_exit_layer, out.max_exit_layer, out.warmup)

@@ -513,7 +513,7 @@ def draft_accuracy(
         lg = step_logits(model, drafter, ids, see_earlier)  # [steps, N, V]
         top = lg.topk(max(topk), dim=-1).indices.cpu()  # [steps, N, Kmax]
         for i in hits:
-            js = torch.arange(plen - 1, len(seq) - i - 1)
+            js = torch.arange(plen - 1, max(plen - 1, len(seq) - i - 1))  # none where the text ends too soon
             if js.numel() == 0:
                 continue
             want = ids[js + i + 1].unsqueeze(1)

@@ -583,7 +583,8 @@ CLI = [
     (["theory", "ppd", "--tokens", "100000000"], "must be an integer in [1, 1000000]"),
     (["theory", "ppd", "--seed", "-1"], "must be an integer in [0, "),
     (["theory", "ppd", "--measure", *M, "--out", "{FILE}"], "is a file: give a folder"),
-    (["theory", "ppd", "--measure", *M, "--exit-layers", "99", "--prompts", "1"], "--exit-layer must be in [2, 3]"),
+    (["theory", "ppd", "--measure", *M, "--exit-layers", "99", "--prompts", "1"], "--exit-layers must be in [2, 3]"),
+    (["theory", "ppd", "--measure", *M, "--max-new-tokens", "1"], "--max-new-tokens 1 leaves no early prediction"),
     (
         ["theory", "ppd", "--measure", *M, "--exit-layers", "2", "--ks", "100000", "--prompts", "1"],
         "--ks must be an integer in [1, 128]",

@@ -638,6 +638,10 @@ CLI = [
     (TM + ["--out", "{T}/m.safetensors", "--device", "tpu"], "is not a torch device"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "x"], "each item must be a positive integer"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "2,99", "--chunks", "{CHUNKS}"], "transfer layers must be"),
+    (
+        TT + ["--out", "{T}/t.safetensors", "--chunks", "{CHUNKS}"],
+        "got [15, 20, 25]: give --layers in that range, e.g.",
+    ),
     # sizes with bounds: chunks too short for the steps ahead, a data file that is not one
     (
         TM + ["--out", "{T}/m.safetensors", "--chunks", "{SHORT}", "--heads", "3"],

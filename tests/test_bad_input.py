@@ -585,7 +585,8 @@ CLI = [
     (["theory", "ppd", "--tokens", "100000000"], "must be an integer in [1, 1000000]"),
     (["theory", "ppd", "--seed", "-1"], "must be an integer in [0, "),
     (["theory", "ppd", "--measure", *M, "--out", "{FILE}"], "is a file: give a folder"),
-    (["theory", "ppd", "--measure", *M, "--exit-layers", "99", "--prompts", "1"], "--exit-layer must be in [2, 3]"),
+    (["theory", "ppd", "--measure", *M, "--exit-layers", "99", "--prompts", "1"], "--exit-layers must be in [2, 3]"),
+    (["theory", "ppd", "--measure", *M, "--max-new-tokens", "1"], "--max-new-tokens 1 leaves no early prediction"),
     (
         ["theory", "ppd", "--measure", *M, "--exit-layers", "2", "--ks", "100000", "--prompts", "1"],
         "--ks must be an integer in [1, 128]",
@@ -639,6 +640,10 @@ CLI = [
     (TM + ["--out", "{T}/m.safetensors", "--device", "tpu"], "is not a torch device"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "x"], "each item must be a positive integer"),
     (TT + ["--out", "{T}/t.safetensors", "--layers", "2,99", "--chunks", "{CHUNKS}"], "transfer layers must be"),
+    (
+        TT + ["--out", "{T}/t.safetensors", "--chunks", "{CHUNKS}"],
+        "got [15, 20, 25]: give --layers in that range, e.g.",
+    ),
     # sizes with bounds: chunks too short for the steps ahead, a data file that is not one
     (
         TM + ["--out", "{T}/m.safetensors", "--chunks", "{SHORT}", "--heads", "3"],

@@ -144,6 +144,25 @@ def test_draft_accuracy_counts_the_greedy_tokens():
     assert acc[1]["n"] == len(js) and acc[1][1] == pytest.approx(want)
 
 
+def test_draft_accuracy_of_steps_past_a_short_text_is_none_and_prints():
+    """A greedy text of 2 new tokens leaves step 3 (the token 4 ahead) no position and step 2 none
+    after the last prompt position's: those steps report n = 0 and no accuracy (not a crash), and the
+    table of ``eval drafters`` prints them."""
+    from layerleap.commands.hidden_transfer import accuracy_table
+
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    prompt = [5, 6, 7]
+    heads = drafters.new_drafter(model, "medusa", steps=3)
+    for new in (1, 2, 3):
+        seq = prompt + [1] * new
+        acc = train_drafters.draft_accuracy(model, heads, [(len(prompt), seq)])
+        for i in (1, 2, 3):
+            assert acc[i]["n"] == max(0, new - i)
+            assert (acc[i][1] is None) == (new <= i)
+        table = accuracy_table({"medusa": acc})
+        assert len(table.splitlines()) == 4
+
+
 def _small(kind, **kw) -> TrainConfig:
     return TrainConfig(
         **{

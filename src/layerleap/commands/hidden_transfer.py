@@ -304,7 +304,8 @@ def accuracy_table(rows: dict) -> str:
     lines = [f"{'drafter':40} step  top1   top3   top5   n"]
     for label, acc in rows.items():
         for i, a in acc.items():
-            lines.append(f"{label:40} {i:>4} {a[1]:.3f}  {a[3]:.3f}  {a[5]:.3f}  {a['n']}")
+            top = "  ".join("  -  " if a[k] is None else f"{a[k]:.3f}" for k in (1, 3, 5))  # None: no position
+            lines.append(f"{label:40} {i:>4} {top}  {a['n']}")
     return "\n".join(lines)
 
 

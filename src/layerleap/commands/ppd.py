@@ -145,12 +145,21 @@ def _measure(args) -> int:
     from ..decoding import generate
 
     layers, ks = args.exit_layers, args.ks
+    if args.max_new_tokens < 2:  # p̂ checks the candidates for x_1 .. x_{ℓ-1} (x_ℓ's save nothing): none for ℓ = 1
+        raise LayerleapError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no early prediction to check (a match for the last "
+            "token saves nothing, so it is not counted): give --max-new-tokens 2 or more"
+        )
     prompts = _read_prompts(None, _csv(args.categories), args.prompts)
     threads = _threads(args.threads)
     model = _load(args)
     d = model.config.n_layers
     for L in layers:
-        theory.check_inputs(d, L, 1, 0.5, 1)
+        if not (d + 1) // 2 <= L < d:
+            raise LayerleapError(
+                f"--exit-layers must be in [{(d + 1) // 2}, {d - 1}] on {model.config.name} (d/2 <= d̄ < d, as "
+                f"Theorem 4.1 assumes), got {L}"
+            )
     for k in ks:
         V.integer(k, "--ks", 1, model.config.vocab_size, f" (the vocabulary of {model.config.name})")
     workload.check(args, workload.decoding(model, len(prompts), args.max_new_tokens, "greedy references"))

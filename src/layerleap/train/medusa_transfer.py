@@ -109,6 +109,19 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
             raise TrainError("--state-cache trains in one process: run it without torchrun, or drop --state-cache")
     if cfg.attention and cfg.kind != "eagle":
         raise TrainError(f"--attention is for train eagle, not train {cfg.kind}: drop --attention")
+    L = model.config.n_layers
+    layers = cfg.layers
+    if cfg.kind == "transfer" and (  # before any data is read (the default 15,20,25 fits a 30-layer model)
+        not isinstance(layers, (list, tuple))
+        or not layers
+        or any(isinstance(t, bool) or not isinstance(t, int) or not 1 <= t < L for t in layers)
+        or list(layers) != sorted(layers)
+    ):
+        example = ",".join(str(max(1, min(L - 1, t * L // 30))) for t in (15, 20, 25))
+        raise TrainError(
+            f"transfer layers must be a non-decreasing list in [1, {L - 1}] on {model.config.name} ({L} layers), one "
+            f"per step, got {cfg.layers}: give --layers in that range, e.g. {example}"
+        )
     if cfg.seq_len <= _steps(cfg):
         raise TrainError(
             f"seq_len {cfg.seq_len} leaves no target {_steps(cfg)} steps ahead: give --seq-len above {_steps(cfg)}"
@@ -513,7 +526,7 @@ def draft_accuracy(
         lg = step_logits(model, drafter, ids, see_earlier)  # [steps, N, V]
         top = lg.topk(max(topk), dim=-1).indices.cpu()  # [steps, N, Kmax]
         for i in hits:
-            js = torch.arange(plen - 1, len(seq) - i - 1)
+            js = torch.arange(plen - 1, max(plen - 1, len(seq) - i - 1))  # none where the text ends too soon
             if js.numel() == 0:
                 continue
             want = ids[js + i + 1].unsqueeze(1)

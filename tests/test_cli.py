@@ -47,9 +47,10 @@ def test_generate_json_matches_api(capsys, tiny_hf_dir, tiny):
     assert rc == 0
     assert out.count("\n") == 1  # exactly one JSON object on stdout
     got = json.loads(out)
-    assert set(got) == {"text", "token_ids", "stats"}
+    assert set(got) == {"text", "token_ids", "stats", "finish_reason"}
     ref = layerleap.generate(tiny, "The sky is", max_new_tokens=6)
     assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
+    assert got["finish_reason"] == ref.finish_reason and ref.finish_reason in ("stop", "length")
     assert got["stats"]["new_tokens"] == len(ref.token_ids) and got["stats"]["method"] == "greedy"
 
 

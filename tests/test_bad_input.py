@@ -384,7 +384,7 @@ CLI = [
     (["serve", *M, "--max-batch", "0"], "must be an integer in [1, 4096]"),
     (["serve", *M, "--max-running", "99999"], "must be an integer in [1, 1024]"),
     (["serve", *M, "--method", "nope"], "unknown method 'nope'"),
-    (["serve", *M, "--method", "auto", "--opt", "tree=1,1,1"], "tree= shapes Hidden Transfer's tree"),
+    (["serve", *M, "--port", "0", "--method", "auto", "--opt", "tree=1,1,1"], "tree= shapes Hidden Transfer's tree"),
     (["serve", *M, "--name", "bad \udcff"], "is not valid UTF-8"),
     # info
     (["info", "--model", "no-such-model"], "unknown model"),

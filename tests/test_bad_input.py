@@ -1169,6 +1169,11 @@ API = [
     (_load("{D}", device="gpu"), "device 'gpu'"),
     (_load("{D}", device=5.5), "device must be text such as 'cpu' or 'cuda', got 5.5"),
     (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(p["EMPTYJSONL"]), "holds no questions"),
+    # a wrong object is named by a short one-line repr, not a model's many lines
+    (lambda m, p: layerleap.generate(m, [1, 2], "self-spec", 2, head=m), "an ExitHead, got Transformer( (tok_emb"),
+    (lambda m, p: layerleap.generate(m, [1, 2], "rest", 2, corpus=m), "a Corpus, got Transformer( (tok_emb"),
+    (lambda m, p: layerleap.generate(m, [1, 2], "self-spec", 2, draft_vocab=m), "a DraftVocab, got Transformer( (tok"),
+    (lambda m, p: layerleap.generate(m, [1, 2], "medusa", 2, heads=m), "a drafter object, got Transformer( (tok"),
 ]
 
 

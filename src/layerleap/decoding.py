@@ -356,7 +356,7 @@ def _prepare(
     for i, p in enumerate(ids):
         _check(
             len(p) + max_new_tokens <= ctx,
-            f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
+            f"prompt {i} has {len(p)} tokens; with max_new_tokens={V.show(max_new_tokens)} that exceeds the context "
             f"length {ctx}: shorten the prompt or lower max_new_tokens",
         )
     _check_memory(model, [len(p) for p in ids], max_new_tokens)

@@ -282,8 +282,11 @@ def generate(
 
     Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
     (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
-    whatever its batch-mates.  Without a seed, one base seed is drawn from torch's global generator (so
-    ``torch.manual_seed`` makes the call reproducible) and the same rule applies.
+    whatever its batch-mates -- except ``auto`` with more than one kind of call (its batch shares each
+    round's kind, and a tree verifies without the lookup chain), where a row can draw other drafts than
+    its prompt alone and so sample other tokens, from the same distribution.  Without a seed, one base
+    seed is drawn from torch's global generator (so ``torch.manual_seed`` makes the call reproducible)
+    and the same rule applies.
     """
     d = Decoding(
         model,

@@ -1169,6 +1169,8 @@ API = [
     (_load("{D}", device="gpu"), "device 'gpu'"),
     (_load("{D}", device=5.5), "device must be text such as 'cpu' or 'cuda', got 5.5"),
     (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(p["EMPTYJSONL"]), "holds no questions"),
+    (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(categories=""), "categories '' names none"),
+    (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(categories=[]), "categories [] names none"),
     (_gen([1, 2], max_new_tokens=10**5000), "with max_new_tokens=an integer of 16610 bits that exceeds the context"),
     # a wrong object is named by a short one-line repr, not a model's many lines
     (lambda m, p: layerleap.generate(m, [1, 2], "self-spec", 2, head=m), "an ExitHead, got Transformer( (tok_emb"),

@@ -416,6 +416,7 @@ CLI = [
     (["bench", *M, "--data", "{GARBAGE}"], "is not a Spec-Bench question.jsonl"),
     (["bench", *M, "--data", "{WEIRD}"], "question_id must be an integer"),
     (["bench", *M, "--methods", "=greedy"], "has an empty label"),
+    (["bench", *M, "--methods", "greedy,g="], "method 'g=' names no method after '='"),
     (["bench", *M, "--html", "{T}/r.pdf"], "an HTML report must end in .html or .htm"),
     (["bench", *M, "--data", "{EMPTY}"], "is a folder"),
     (["bench", *M, "--json", "{EMPTY}"], "is a folder: give a file name"),

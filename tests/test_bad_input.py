@@ -416,6 +416,7 @@ CLI = [
     (["bench", *M, "--data", "{GARBAGE}"], "is not a Spec-Bench question.jsonl"),
     (["bench", *M, "--data", "{WEIRD}"], "question_id must be an integer"),
     (["bench", *M, "--methods", "=greedy"], "has an empty label"),
+    (["bench", *M, "--methods", "greedy,g="], "method 'g=' names no method after '='"),
     (["bench", *M, "--html", "{T}/r.pdf"], "an HTML report must end in .html or .htm"),
     (["bench", *M, "--data", "{EMPTY}"], "is a folder"),
     (["bench", *M, "--json", "{EMPTY}"], "is a folder: give a file name"),
@@ -1169,6 +1170,14 @@ API = [
     (_load("{D}", device="gpu"), "device 'gpu'"),
     (_load("{D}", device=5.5), "device must be text such as 'cpu' or 'cuda', got 5.5"),
     (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(p["EMPTYJSONL"]), "holds no questions"),
+    (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(categories=""), "categories '' names none"),
+    (lambda m, p: importlib.import_module("layerleap.datasets").spec_bench(categories=[]), "categories [] names none"),
+    (_gen([1, 2], max_new_tokens=10**5000), "with max_new_tokens=an integer of 16610 bits that exceeds the context"),
+    # a wrong object is named by a short one-line repr, not a model's many lines
+    (lambda m, p: layerleap.generate(m, [1, 2], "self-spec", 2, head=m), "an ExitHead, got Transformer( (tok_emb"),
+    (lambda m, p: layerleap.generate(m, [1, 2], "rest", 2, corpus=m), "a Corpus, got Transformer( (tok_emb"),
+    (lambda m, p: layerleap.generate(m, [1, 2], "self-spec", 2, draft_vocab=m), "a DraftVocab, got Transformer( (tok"),
+    (lambda m, p: layerleap.generate(m, [1, 2], "medusa", 2, heads=m), "a drafter object, got Transformer( (tok"),
 ]
 
 

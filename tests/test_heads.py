@@ -374,3 +374,20 @@ def test_cli_heads_sub_vocab_refuses_adapter_and_full_heads_before_ranking(
     assert "holds adapter and full heads, which have their own norm or unembedding" in capsys.readouterr().err
     assert main(argv + ["--layers", "1"]) == 2
     assert "holds adapter heads" in capsys.readouterr().err
+
+
+def test_match_rate_wraps_each_prompts_seed_like_a_batched_call():
+    """Prompt i is sampled with ``row_seed(seed, i)``: the largest valid seed serves every prompt, and prompt 1
+    samples what ``generate`` samples for it with the wrapped seed 0."""
+    import layerleap
+    from layerleap.eval.match_rate import MatchRateConfig, match_rate
+
+    model = random_model()
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    cfg = MatchRateConfig(layers=(1,), ks=(1,), heads=("shared",), mode="top-k", max_new_tokens=4, seed=2**32 - 1)
+    res = match_rate(model, prompts, cfg, progress=False)
+    alone = [
+        layerleap.generate(model, p, "sample", 4, do_sample=True, top_k=50, temperature=cfg.temperature, seed=s)
+        for p, s in zip(prompts, (2**32 - 1, 0))
+    ]
+    assert res.tokens == sum(len(g.token_ids) for g in alone)

@@ -413,3 +413,26 @@ def test_a_drafter_file_of_a_newer_format_or_bad_tensors_is_refused_by_name(tmp_
     with pytest.raises(drafters.DrafterError, match="nan.safetensors do not fit this model: tensor .* NaN"):
         drafters.load_drafter(model, nan, kind)
     assert drafters.load_drafter(model, good, kind).kind == kind
+
+
+def test_a_file_replaced_by_one_of_its_size_and_mtime_is_read_again(tmp_path):
+    """``cp -p`` (or a restore that copies the modification time back) can swap in another file of the same
+    size and mtime: its change time differs, and the heads are read again, not served from the cache."""
+    import os
+    import shutil
+    import time
+
+    model = random_model()
+    a, b = heads.new_head(model, 1, "lens"), heads.new_head(model, 1, "lens")
+    with torch.no_grad():
+        b.proj.weight.add_(0.5)
+    path = heads.save_heads([a], tmp_path / "h.safetensors")
+    other = heads.save_heads([b], tmp_path / "other.safetensors")
+    assert os.path.getsize(path) == os.path.getsize(other)
+    first = heads.get_head(model, 1, path)
+    st = os.stat(path)
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    shutil.copyfile(other, path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = heads.get_head(model, 1, path)
+    assert again is not first and torch.equal(again.proj.weight, b.proj.weight)

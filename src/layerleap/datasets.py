@@ -24,14 +24,21 @@ class Prompt:
 def spec_bench(
     path: str | Path | None = None, categories: list[str] | None = None, n: int | None = None, offset: int = 0
 ) -> list[Prompt]:
-    """The first turn of each Spec-Bench question, optionally filtered by category; ``n`` per category
-    (after skipping ``offset`` per category, to keep training and evaluation prompts apart)."""
+    """The first turn of each Spec-Bench question, optionally filtered by category (``categories``: a list of
+    names or a comma-separated text; None, the default, for every category); ``n`` per category (after
+    skipping ``offset`` per category, to keep training and evaluation prompts apart)."""
     from . import validate as V
 
+    given = categories
     if isinstance(categories, str):  # "qa,writing" or "qa"
         categories = [c.strip() for c in categories.split(",") if c.strip()]
     if categories is not None:
         categories = V.items(categories, "categories", "category names")
+        if not categories:
+            raise V.InputError(
+                f"categories {V.show(given)} names none: give a comma-separated list or a list of names "
+                "(or categories=None for every category)"
+            )
     if n is not None:
         V.integer(n, "n", 1, hint=" (prompts per category)")
     V.integer(offset, "offset", 0)

@@ -282,8 +282,11 @@ def generate(
 
     Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
     (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
-    whatever its batch-mates.  Without a seed, one base seed is drawn from torch's global generator (so
-    ``torch.manual_seed`` makes the call reproducible) and the same rule applies.
+    whatever its batch-mates -- except ``auto`` with more than one kind of call (its batch shares each
+    round's kind, and a tree verifies without the lookup chain), where a row can draw other drafts than
+    its prompt alone and so sample other tokens, from the same distribution.  Without a seed, one base
+    seed is drawn from torch's global generator (so ``torch.manual_seed`` makes the call reproducible)
+    and the same rule applies.
     """
     d = Decoding(
         model,
@@ -356,7 +359,7 @@ def _prepare(
     for i, p in enumerate(ids):
         _check(
             len(p) + max_new_tokens <= ctx,
-            f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the context "
+            f"prompt {i} has {len(p)} tokens; with max_new_tokens={V.show(max_new_tokens)} that exceeds the context "
             f"length {ctx}: shorten the prompt or lower max_new_tokens",
         )
     _check_memory(model, [len(p) for p in ids], max_new_tokens)

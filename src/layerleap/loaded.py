@@ -2,7 +2,7 @@
 
 A method asks for its heads on every ``generate`` call; reading and checking the file each time
 cost about 30 ms per call, inside the timed path.  ``per_model`` keeps what a loader returned for a
-model and file (by path, size and modification time), so a file is read once per model; the
+model and file (by path, size, modification time and change time), so a file is read once per model; the
 entries go with the model (a weak reference)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _key(kind: str, path) -> tuple | None:
         st = p.stat()
     except OSError:
         return None
-    return kind, str(p.resolve()), st.st_mtime_ns, st.st_size
+    return kind, str(p.resolve()), st.st_mtime_ns, st.st_ctime_ns, st.st_size  # ctime: a cp -p copies mtime back
 
 
 def per_model(model, kind: str, path, load: Callable[[], T]) -> T:

@@ -77,11 +77,13 @@ def raising(cls: type[LayerleapError]):
 
 # -- messages -------------------------------------------------------------------------------------
 def show(value, width: int = 48) -> str:
-    """``repr(value)``, cut to ``width`` characters (a hostile value may be megabytes long)."""
+    """``repr(value)`` on one line (a model's or a tensor's repr spans many), cut to ``width`` characters (a
+    hostile value may be megabytes long)."""
     try:
         r = repr(value)
     except ValueError:  # an int past Python's digit limit for str (sys.set_int_max_str_digits)
         r = f"an integer of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
+    r = " ".join(line.strip() for line in r[: width * 4].splitlines())
     return r if len(r) <= width else r[: width - 1] + "…"
 
 

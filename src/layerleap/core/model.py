@@ -336,16 +336,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Keys | None)
     trees alike (on this CPU it is also 2-4x faster than ``F.scaled_dot_product_attention`` for a
     few tokens).  That is ``ROW_BY_ROW_MAX`` new tokens, and up to ``APPENDED_ROWS_MAX`` (257) in bf16/fp16
     (q4 included) for a call appended to a cache that already holds tokens (a verification call: a chain
-    or a tree of drafts, Hidden Transfer's pseudo states), so a tree wider than ``ROW_BY_ROW_MAX`` still
-    verifies each token with the logits a one-token call gives it (up to 128 new tokens it costs no more
-    than ``F.scaled_dot_product_attention``; a prompt pass keeps the latter).
+    or a tree of drafts, Hidden Transfer's pseudo states), so in bf16 and q4, whose packed projections give
+    a row the same result whatever the row count, a tree wider than ``ROW_BY_ROW_MAX`` still verifies each
+    token with the logits a one-token call gives it (up to 128 new tokens it costs no more than
+    ``F.scaled_dot_product_attention``; a prompt pass keeps the latter).  fp16 weights are not packed: its
+    matrix products round a row differently at another row count, so there a verification call can part
+    from greedy decoding at a near-tie.
     Without it, in bf16/fp16 a call over ``1 < S <= ROW_BY_ROW_MAX`` new tokens appended
     to a cache attends one new token at a time, each to exactly the keys it sees (``[0, start + i]``): the same
     attention call, on the same inputs, that decoding that token alone makes.  The kernel's results for a row
     depend on how many rows and keys a call has, and with bf16 logits (ties within one rounding step
     are common) that alone made a verified token differ from greedy decoding's; this way the rows of
     a verification call equal greedy decoding's bit for bit wherever the new tokens form a chain
-    (the packed projections already give a row the same result whatever the row count).  In fp32,
+    (the packed projections of fp32, bf16 and q4 already give a row the same result whatever the row count).  In fp32,
     where a tie within rounding is rare, one call serves all rows (row by row cost 8-15% more at
     4-8 new tokens)."""
     B, H, S, hd = q.shape

@@ -165,7 +165,9 @@ def row_seed(seed: int, i: int) -> int:
 def row_generators(gen: GenerationConfig, indices, device) -> list[torch.Generator | None]:
     """One generator per row when sampling: the row of prompt index ``i`` (``indices[row]``) is seeded with
     ``row_seed(seed, i)``, so a row samples what its prompt decoded alone with that seed samples,
-    whatever its batch-mates.  Without a seed, the base seed is drawn from torch's global generator
+    whatever its batch-mates (``auto`` with more than one kind of call excepted: its rows share each
+    round's kind, so a row can draw other drafts than its prompt alone, and sample other tokens from the
+    same distribution).  Without a seed, the base seed is drawn from torch's global generator
     (``torch.manual_seed`` still makes a call reproducible).  Greedy decoding draws nothing."""
     if not gen.do_sample:
         return [None for _ in indices]

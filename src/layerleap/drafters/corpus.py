@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import validate as V
 from ..core.cpu import released
 from ..errors import LayerleapError
 from ..files import read_made_for, save_safetensors
@@ -195,5 +196,5 @@ def get_corpus(model, spec="auto") -> Corpus | None:
         "none",
         SHIPPED_DIR,
         load,
-        lambda: CorpusError(f"corpus must be 'auto', 'none', a corpus file or a Corpus, got {spec!r}"),
+        lambda: CorpusError(f"corpus must be 'auto', 'none', a corpus file or a Corpus, got {V.show(spec)}"),
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import validate as V
 from ..core import kernels
 from ..core.cpu import released
 from ..core.model import Transformer
@@ -254,6 +255,6 @@ def get_draft_vocab(model: Transformer, spec="auto") -> DraftVocab | None:
         SHIPPED_DIR,
         load,
         lambda: DraftVocabError(
-            f"draft_vocab must be 'auto', 'full', a draft-vocabulary file or a DraftVocab, got {spec!r}"
+            f"draft_vocab must be 'auto', 'full', a draft-vocabulary file or a DraftVocab, got {V.show(spec)}"
         ),
     )

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import validate as V
 from ..core.model import RMSNorm, Transformer
 from ..core.run import GenerationError
 from . import weights
@@ -305,7 +306,7 @@ def get_head(model: Transformer, layer: int, head="auto") -> ExitHead:
                 )
             raise HeadError(f"{head} has heads for layers {', '.join(map(str, sorted(heads)))}, not {layer}")
         return heads[layer]
-    raise HeadError(f"head must be 'shared', 'trained', 'auto', a heads file or an ExitHead, got {head!r}")
+    raise HeadError(f"head must be 'shared', 'trained', 'auto', a heads file or an ExitHead, got {V.show(head)}")
 
 
 def load_exit_head(model: Transformer, layer: int, path) -> ExitHead:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import validate as V
 from ..errors import LayerleapError
 from ..core import kernels
 from ..core.cpu import release_freed_memory
@@ -416,4 +417,4 @@ def get_drafter(model: Transformer, kind: str, spec="trained") -> _Drafter:
         return load_drafter(model, files[-1], kind)
     if isinstance(spec, (str, Path)):
         return load_drafter(model, spec, kind)
-    raise DrafterError(f"{kind} weights must be 'trained', a weights file or a drafter object, got {spec!r}")
+    raise DrafterError(f"{kind} weights must be 'trained', a weights file or a drafter object, got {V.show(spec)}")

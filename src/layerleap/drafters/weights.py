@@ -278,7 +278,7 @@ def _one_line(e: Exception) -> str:
 
 
 def load(model, path, kind: Kind):
-    """``read`` once per model and file (by path, size and modification time)."""
+    """``read`` once per model and file (by path, size, modification time and change time)."""
     return per_model(model, kind.name, path, lambda: released(read(model, path, kind)))
 
 

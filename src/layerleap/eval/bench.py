@@ -148,7 +148,8 @@ def check_spec(label: str, method: str, options: dict, config=None) -> dict:
 
 
 def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) -> MethodSpecs:
-    """``"greedy,s=sample"`` and ``["s.top_k=5"]`` -> ``{"greedy": ("greedy", {}), "s": ("sample", {"top_k": 5})}``.
+    """``"greedy,p=prompt-lookup"`` and ``["p.draft_len=5"]`` ->
+    ``{"greedy": ("greedy", {}), "p": ("prompt-lookup", {"draft_len": 5})}``.
 
     An item is ``METHOD`` or ``LABEL=METHOD`` (to run one method with several option sets); an
     option ``TARGET.NAME=VALUE`` applies to the label TARGET, or else to every label of method TARGET (a
@@ -158,10 +159,12 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
     for item in (s.strip() for s in text.split(",")):
         if not item:
             continue
-        label, _, name = item.partition("=")
-        label, name = label.strip(), (name or label).strip()
+        label, eq, name = item.partition("=")
+        label, name = label.strip(), (name if eq else label).strip()
         if not label:
             raise LayerleapError(f"method {item!r} has an empty label: write METHOD or LABEL=METHOD")
+        if not name:
+            raise LayerleapError(f"method {item!r} names no method after '=': write METHOD or LABEL=METHOD")
         get_method(name)
         if label in HF_LABELS:
             raise LayerleapError(

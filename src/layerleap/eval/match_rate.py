@@ -22,6 +22,7 @@ from ..errors import LayerleapError
 from ..files import save_figure
 from ..drafters.exit_heads import ExitHead, get_head
 from ..core.model import Transformer
+from ..core.run import row_seed
 
 MODES = ("greedy", "top-k", "top-p")
 
@@ -143,7 +144,7 @@ def match_rate(
         tqdm(list(prompts), desc=f"match rate ({cfg.mode})", disable=not progress, file=sys.stderr, dynamic_ncols=True)
     ):
         if sampling:
-            sampling["seed"] = cfg.seed + i
+            sampling["seed"] = row_seed(cfg.seed, i)
         res = generate(model, p, method, cfg.max_new_tokens, chat=cfg.chat and isinstance(p, str), **sampling)
         out = list(res.token_ids)
         if not out:

@@ -367,3 +367,20 @@ def test_train_heads_holds_out_the_conversations_its_self_distilled_data_answers
     assert main(argv + ["--data", str(path), "--eval-tokens", "1000", "--out", str(tmp_path / "h.safetensors")]) == 0
     want = [chat_token_ids(char_model.tokenizer, data.messages(c))[:512] for c in CONVS[3:]]
     assert held[-1] == want
+
+
+def test_cli_says_when_the_file_already_holds_the_answers(tmp_path, char_model_dir, capsys):
+    """A rerun asking for no more answers than the file holds decodes and writes nothing, and says so
+    (not "wrote")."""
+    out = tmp_path / "a.jsonl"
+    argv = ["train", "data", "--model", str(char_model_dir), "--threads", "1", "--gen-len", "8", "--out", str(out)]
+    assert main(argv + ["--self-distill", "3"]) == 0
+    assert f"wrote {out}: 3 greedy answers" in capsys.readouterr().out
+    stamp = out.stat().st_mtime_ns
+    for n in ("3", "2"):
+        assert main(argv + ["--self-distill", n]) == 0
+        said = capsys.readouterr().out
+        assert "wrote" not in said and f"{out} already holds 3 greedy answers: nothing to add" in said
+    assert out.stat().st_mtime_ns == stamp
+    assert main(argv + ["--self-distill", "4"]) == 0
+    assert f"wrote {out}: 4 greedy answers" in capsys.readouterr().out

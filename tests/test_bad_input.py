@@ -799,6 +799,14 @@ CLI = [
         ["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "train_s=nan", "--source", "a log"],
         "train_s is a number, 0 or more",
     ),
+    (
+        ["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "machine=", "--source", "a log"],
+        "give machine a value (machine=VALUE), or leave --budget machine out",
+    ),
+    (
+        ["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "data= ", "--source", "a log"],
+        "give data a value",
+    ),
     (["heads", "upgrade", "{CHUNKS}", "--out", "{T}/u.safetensors"], "is not a layerleap weights file"),
     (SV + ["--heads", "trained", "--vocab", "0", "--out", "{T}/s.safetensors"], "each item must be a positive integer"),
     (SV + ["--heads", "trained", "--vocab", "x", "--out", "{T}/s.safetensors"], "each item must be a positive integer"),

@@ -95,6 +95,10 @@ def test_sampled_answers(tmp_path, char_model, capsys):
     assert data.self_distilled(char_model, again, 4, gen_len=8, batch=2, progress=False, temperature=1.5, seed=7) == got
     assert data.answers_kind(path) == "answers sampled at temperature 1.5"
     assert data.answers_kind(tmp_path / "none.jsonl") == "greedy answers"
+    blank = tmp_path / "blank.jsonl"  # blank lines hold no record: the first record says how it was decoded
+    blank.write_text("\n  \n" + path.read_text())
+    assert data.answers_kind(blank) == "answers sampled at temperature 1.5"
+    assert data.read_records(blank) == data.read_records(path)
     cached = data.self_distill_path(char_model, gen_len=8, temperature=1.5)
     assert cached.name.endswith("-g8-t1.5.jsonl") and cached != data.self_distill_path(char_model, gen_len=8)
     D = char_model.source

@@ -681,7 +681,12 @@ def shadow_step(st: AppState) -> None:
 # -- the app -----------------------------------------------------------------------------------------
 def create_app(model: Transformer, cfg: ServerConfig, loader: Callable[[str], Transformer] | None = None) -> FastAPI:
     """The FastAPI app serving ``model``; ``loader(name)`` loads a model a request's option names (only
-    names in ``cfg.loadable``)."""
+    names in ``cfg.loadable``).  The model needs its tokenizer: every answer is text."""
+    if model.tokenizer is None:
+        raise LayerleapError(
+            "this model has no tokenizer: the server answers in text, token-id prompts too; load a model with its "
+            "tokenizer files"
+        )
     st = AppState(model, cfg, loader)
 
     def batch_done(batch) -> None:

@@ -387,6 +387,7 @@ CLI = [
     (["serve", *M, "--method", "auto", "--opt", "tree=1,1,1"], "tree= shapes Hidden Transfer's tree"),
     (["serve", *M, "--name", "bad \udcff"], "is not valid UTF-8"),
     (["serve", "--model", "{NOTOK}", "--port", "0"], "has no tokenizer (no tokenizer.json"),
+    (["serve", *M, "--max-prompt-tokens", "2048"], "--max-prompt-tokens 2048 is beyond tiny's context of 2048"),
     # info
     (["info", "--model", "no-such-model"], "unknown model"),
     (["info", *M, "--context", "0"], "must be a positive integer"),

@@ -386,6 +386,8 @@ CLI = [
     (["serve", *M, "--method", "nope"], "unknown method 'nope'"),
     (["serve", *M, "--port", "0", "--method", "auto", "--opt", "tree=1,1,1"], "tree= shapes Hidden Transfer's tree"),
     (["serve", *M, "--name", "bad \udcff"], "is not valid UTF-8"),
+    (["serve", "--model", "{NOTOK}", "--port", "0"], "has no tokenizer (no tokenizer.json"),
+    (["serve", *M, "--max-prompt-tokens", "2048"], "--max-prompt-tokens 2048 is beyond tiny's context of 2048"),
     # info
     (["info", "--model", "no-such-model"], "unknown model"),
     (["info", *M, "--context", "0"], "must be a positive integer"),
@@ -799,6 +801,14 @@ CLI = [
     (
         ["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "train_s=nan", "--source", "a log"],
         "train_s is a number, 0 or more",
+    ),
+    (
+        ["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "machine=", "--source", "a log"],
+        "give machine a value (machine=VALUE), or leave --budget machine out",
+    ),
+    (
+        ["heads", "upgrade", "{MEDUSA}", "--out", "{T}/u.safetensors", "--budget", "data= ", "--source", "a log"],
+        "give data a value",
     ),
     (["heads", "upgrade", "{CHUNKS}", "--out", "{T}/u.safetensors"], "is not a layerleap weights file"),
     (SV + ["--heads", "trained", "--vocab", "0", "--out", "{T}/s.safetensors"], "each item must be a positive integer"),

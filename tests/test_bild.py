@@ -1001,6 +1001,11 @@ def test_eagle_form_is_the_default_only_where_a_head_ships(monkeypatch):
     assert run_bild(large, n=8, eagle="none", alpha_fb=0.0).stats["head"] != "eagle"
     with pytest.raises(GenerationError, match="give one small model"):
         run_bild(large, n=8, eagle=head, exit_layer=2)
+    with pytest.raises(GenerationError, match='ships an EAGLE head, .*: give eagle="none" for the early-exit form'):
+        run_bild(large, n=8, head="trained", alpha_fb=0.0)
+    assert run_bild(large, n=8, head="shared", eagle="none", alpha_fb=0.0).stats["head"] == "shared"  # as it says
+    with pytest.raises(GenerationError, match="early-exit form: drop it with eagle="):
+        run_bild(large, n=8, head="shared", eagle=head, alpha_fb=0.0)
 
 
 def test_a_row_that_feeds_nothing_to_a_batch_call_is_not_counted_in_it():

@@ -124,6 +124,33 @@ def test_bild_align_calibrates_on_prompts_sweep_does_not_measure(fast_spec_bench
     assert calibrated and measured and not calibrated & measured
 
 
+def test_bild_sweep_and_align_say_when_their_prompts_overlap(fast_spec_bench, tmp_path):
+    """Off their defaults, `sweep bild` (of an aligned form: an exit head file or a small model) and `align`
+    note exactly when the sweep's evaluation prompts reach the other's default selection."""
+    from layerleap.cli import build_parser
+    from layerleap.commands.bild import _align_overlap, _sweep_overlap
+
+    parser = build_parser()
+    align = parser.parse_args(["align", "--out", "head.safetensors", "--exit-layer", "2"])
+    calibrated = _ids(spec_bench(None, align.categories, align.prompts, align.offset))
+    (tmp_path / "aligned.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text("{}")  # parsing looks no further
+    for form in (["--head", str(tmp_path / "aligned.safetensors")], ["--small", str(tmp_path)]):
+        for n in (1, 7, 8, 9, 10, 24, 30):
+            sweep = parser.parse_args(["sweep", "bild", *form, "--prompts", str(n)])
+            hit = bool(calibrated & _ids(spec_bench(None, sweep.categories, sweep.prompts)))
+            note = _sweep_overlap(sweep)
+            assert hit == (note is not None), (form, n)
+            assert not note or f"prompts 9-{n} of each category" in note
+    sweep = parser.parse_args(["sweep", "bild", "--prompts", "10"])  # the shipped trained head: not align's
+    assert _sweep_overlap(sweep) is None
+    measured = _ids(spec_bench(None, sweep.categories, 8))
+    for offset in (0, 3, 7, 8, 9, 20):
+        align = parser.parse_args(["align", "--out", "h.safetensors", "--exit-layer", "2", "--offset", str(offset)])
+        hit = bool(measured & _ids(spec_bench(None, align.categories, align.prompts, align.offset)))
+        assert hit == (_align_overlap(align) is not None), offset
+
+
 def _calibration_data(tmp_path, per_category: dict) -> str:
     rows = [
         {"question_id": 1000 * k + i, "category": c, "turns": [f"question {i}"], "reference": ["an answer"]}

@@ -299,3 +299,16 @@ def test_bench_records_keep_the_draft_counts_of_their_runs(tiny_hf_dir):
     rs = [r for r in res.records if r.label == "ss"]
     assert all(r.drafted and r.accepted is not None and r.acceptance == r.accepted / r.drafted for r in rs)
     assert res.summary["ss"]["acceptance"] == pytest.approx(sum(r.accepted for r in rs) / sum(r.drafted for r in rs))
+
+
+def test_the_full_depth_line_follows_the_greedy_reference_under_any_label():
+    """The layers-per-token chart's full-depth line is the greedy reference's, whatever bench labelled it
+    (``--methods g=greedy``: ``g``)."""
+    records = [
+        _rec(i, lb, m, 8 if m == "greedy" else 2, None, None)
+        for i in (0, 1)
+        for lb, m in (("g", "greedy"), ("pl", "prompt-lookup"))
+    ]
+    res = bench.BenchResult({"n_prompts": 2}, records, ["g", "pl"], reference="g")
+    assert res.summary["g"]["layers_per_token"] == pytest.approx(4.0)
+    assert "4 layers (full depth)" in html_report(res.to_dict())

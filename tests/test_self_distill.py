@@ -95,6 +95,10 @@ def test_sampled_answers(tmp_path, char_model, capsys):
     assert data.self_distilled(char_model, again, 4, gen_len=8, batch=2, progress=False, temperature=1.5, seed=7) == got
     assert data.answers_kind(path) == "answers sampled at temperature 1.5"
     assert data.answers_kind(tmp_path / "none.jsonl") == "greedy answers"
+    blank = tmp_path / "blank.jsonl"  # blank lines hold no record: the first record says how it was decoded
+    blank.write_text("\n  \n" + path.read_text())
+    assert data.answers_kind(blank) == "answers sampled at temperature 1.5"
+    assert data.read_records(blank) == data.read_records(path)
     cached = data.self_distill_path(char_model, gen_len=8, temperature=1.5)
     assert cached.name.endswith("-g8-t1.5.jsonl") and cached != data.self_distill_path(char_model, gen_len=8)
     D = char_model.source
@@ -367,3 +371,20 @@ def test_train_heads_holds_out_the_conversations_its_self_distilled_data_answers
     assert main(argv + ["--data", str(path), "--eval-tokens", "1000", "--out", str(tmp_path / "h.safetensors")]) == 0
     want = [chat_token_ids(char_model.tokenizer, data.messages(c))[:512] for c in CONVS[3:]]
     assert held[-1] == want
+
+
+def test_cli_says_when_the_file_already_holds_the_answers(tmp_path, char_model_dir, capsys):
+    """A rerun asking for no more answers than the file holds decodes and writes nothing, and says so
+    (not "wrote")."""
+    out = tmp_path / "a.jsonl"
+    argv = ["train", "data", "--model", str(char_model_dir), "--threads", "1", "--gen-len", "8", "--out", str(out)]
+    assert main(argv + ["--self-distill", "3"]) == 0
+    assert f"wrote {out}: 3 greedy answers" in capsys.readouterr().out
+    stamp = out.stat().st_mtime_ns
+    for n in ("3", "2"):
+        assert main(argv + ["--self-distill", n]) == 0
+        said = capsys.readouterr().out
+        assert "wrote" not in said and f"{out} already holds 3 greedy answers: nothing to add" in said
+    assert out.stat().st_mtime_ns == stamp
+    assert main(argv + ["--self-distill", "4"]) == 0
+    assert f"wrote {out}: 4 greedy answers" in capsys.readouterr().out

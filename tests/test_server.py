@@ -429,3 +429,16 @@ def test_real_eight_concurrent_clients(smollm_server):
     m = get(url + "/metrics").text
     assert _metric(m, 'layerleap_completions_total{method="greedy",') >= 6  # by method and finish reason
     assert 0 < _metric(m, 'layerleap_acceptance{method="self-spec"}') <= 1
+
+
+def test_a_model_without_a_tokenizer_is_refused_at_start():
+    """Every answer is text (a token-id prompt's too): a model without a tokenizer is refused when the app is
+    made, not with a 400 on every completion."""
+    from tiny_models import random_model
+
+    from layerleap.errors import LayerleapError
+
+    model = random_model(dict(vocab_size=128, max_position=256))
+    assert model.tokenizer is None
+    with pytest.raises(LayerleapError, match="this model has no tokenizer: the server answers in text"):
+        create_app(model, ServerConfig("t", method="greedy"))

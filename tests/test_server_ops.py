@@ -1087,3 +1087,41 @@ def test_stream_options_include_obfuscation_is_taken(url):
             url, {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_obfuscation": value}}
         )
         assert status == 200 and events[-1] == "[DONE]", events
+
+
+def test_stop_fails_every_job_it_holds_pooled_ones_too(char_model_dir):
+    """``Scheduler.stop`` ends every job it holds with an error (its client is answered, not left waiting):
+    the waiting ones, the batched ones and the continuous pool's."""
+    import asyncio
+
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Batch, Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+
+    async def run():
+        s = Scheduler(model, pool_rows=2)
+        waiting, batched, pooled = (Job([1, 2, 3], Settings("greedy", {}, GenerationConfig(4, False))) for _ in "abc")
+        s.waiting.append(waiting)
+        s.running.append(Batch(model, [batched]))
+        s.pool.add(pooled)
+        await s.stop()
+        return [j.events.get_nowait() for j in (waiting, batched, pooled)]
+
+    for kind, error in asyncio.run(run()):
+        assert kind == "error" and "shutting down" in str(error)
+
+
+def test_a_prompt_limit_past_the_context_is_the_context_less_one(char_model_dir):
+    """``max_prompt_tokens`` lowers the prompt limit only: set past the context, a prompt of the whole context is
+    refused as the prompt (not as max_tokens, which it leaves no room for)."""
+    from layerleap.server import APIError, AppState, request_settings
+    from layerleap.server.schema import CompletionRequest
+
+    model = layerleap.load_folder(char_model_dir)
+    ctx = model.config.max_position
+    st = AppState(model, ServerConfig("tiny", method="greedy", max_prompt_tokens=10 * ctx))
+    with pytest.raises(APIError) as e:
+        request_settings(CompletionRequest(prompt=[1] * ctx), st, ctx)
+    assert f"over this server's limit of {ctx - 1}" in e.value.message and e.value.param == "prompt"
+    assert request_settings(CompletionRequest(prompt=[1] * (ctx - 1)), st, ctx - 1).gen.max_new_tokens == 1

@@ -583,7 +583,8 @@ class Scheduler:
                 await self.task
             except asyncio.CancelledError:
                 pass
-        for job in self.waiting + [j for b in self.running for j in b.jobs]:
+        pooled = self.pool.jobs() if self.pool is not None else []
+        for job in self.waiting + [j for b in self.running for j in b.jobs] + pooled:
             job.fail(LayerleapError("the server is shutting down"))
         self.executor.shutdown(wait=True, cancel_futures=True)
 

@@ -189,10 +189,10 @@ def _need_tokenizer(model, args) -> None:
 
 
 def _check_sizes(model, args) -> None:
-    """The arguments whose limits depend on the model (``--max-new-tokens``, ``--context``), checked
-    before any heavy work."""
+    """The arguments whose limits depend on the model (``--max-new-tokens``, ``--context``, ``--max-prompt-tokens``),
+    checked before any heavy work."""
     ctx = model.config.max_position
-    for opt in ("max_new_tokens", "context"):
+    for opt in ("max_new_tokens", "context", "max_prompt_tokens"):
         n = getattr(args, opt, None)
         if isinstance(n, int) and n >= ctx:
             raise LayerleapError(

@@ -39,6 +39,36 @@ DEFAULT_RB = "0.5,1,2,4"
 
 
 BILD_EXIT = next(o for o in BILD_OPTIONS if o.name == "exit_layer")
+SWEEP_PROMPTS = 8  # sweep's default --prompts: its evaluation prompts are the first N of each category
+ALIGN_OFFSET = SWEEP_PROMPTS  # align's default --offset: its calibration prompts start after sweep's
+
+
+def _sweep_overlap(args) -> str | None:
+    """A note where a sweep of an aligned form (``--small``, or an exit head file) evaluates prompts that
+    ``align`` calibrates on at its default ``--offset``; None otherwise."""
+    aligned = args.small or (not getattr(args, "eagle", None) and args.head not in HEADS)
+    if not aligned or args.prompts <= ALIGN_OFFSET:
+        return None
+    return (
+        f"prompts {ALIGN_OFFSET + 1}-{args.prompts} of each category are `layerleap align`'s calibration prompts at "
+        f"its default --offset {ALIGN_OFFSET}: a head or small model aligned on them is partly evaluated on its "
+        f"training prompts; align with --offset {args.prompts} or more, or keep --prompts <= {ALIGN_OFFSET}"
+    )
+
+
+def _align_overlap(args) -> str | None:
+    """A note where ``align`` calibrates on prompts that ``sweep bild`` evaluates at its default
+    ``--prompts``; None otherwise."""
+    if args.offset >= SWEEP_PROMPTS:
+        return None
+    return (
+        f"calibration prompts {args.offset + 1}-{min(SWEEP_PROMPTS, args.offset + args.prompts)} of each category "
+        f"are `layerleap sweep bild`'s evaluation prompts at its default --prompts {SWEEP_PROMPTS}: a sweep of "
+        f"what this writes is partly evaluated on its training prompts; keep --offset >= the sweep's --prompts "
+        f"(default {SWEEP_PROMPTS})"
+    )
+
+
 MAX_POINTS = 200  # BiLD grid points (fallback x rollback thresholds) in one sweep
 
 
@@ -152,7 +182,13 @@ def _setup_sweep(p):
         default=SWEEP_CATEGORIES,
         help=f"Spec-Bench categories (default {SWEEP_CATEGORIES})",
     )
-    p.add_argument("--prompts", type=_positive_int, default=8, help="prompts per category (default 8)")
+    p.add_argument(
+        "--prompts",
+        type=_positive_int,
+        default=SWEEP_PROMPTS,
+        help=f"prompts per category (default {SWEEP_PROMPTS}; more reach `align`'s calibration prompts at its "
+        f"default --offset {ALIGN_OFFSET})",
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument(
         "--data", type=V.in_file_arg, default=None, help="a Spec-Bench question.jsonl (default: the shipped copy)"
@@ -199,6 +235,9 @@ def run_sweep(args) -> int:
             "drop --transformers and --speculative (the eagle method is its lossless yardstick)"
         )
     prompts = _read_prompts(args.data, _csv(args.categories), args.prompts)
+    overlap = _sweep_overlap(args)
+    if overlap:
+        _say(f"note: {overlap}")
     print(f"$ {_command_line(args)}", flush=True)
     threads = _threads(args.threads)
     large = _load(args)
@@ -315,9 +354,9 @@ def _setup_align(p):
     p.add_argument(
         "--offset",
         type=V.nonneg_int,
-        default=8,
+        default=ALIGN_OFFSET,
         help="skip this many prompts per category first, to keep "
-        "calibration apart from `sweep`'s evaluation prompts (default 8 = sweep's default --prompts)",
+        f"calibration apart from `sweep`'s evaluation prompts (default {ALIGN_OFFSET} = sweep's default --prompts)",
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument(
@@ -357,6 +396,9 @@ def run_align(args) -> int:
     prompts = spec_bench(args.data, _csv(args.categories), args.prompts, offset=args.offset)
     if not prompts:
         raise LayerleapError("no calibration prompts selected: lower --offset or add --categories")
+    overlap = _align_overlap(args)
+    if overlap:
+        _say(f"note: {overlap}")
     out = V.weights_file(args.out, "--out") if args.exit_layer is not None else V.output_dir(args.out, "--out")
     if args.exit_layer is not None:
         check_replace(out, "exit-heads", "--out")

@@ -6,6 +6,7 @@ vocabulary: coverage and cost per size, and the chosen set written as a draft-vo
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from . import command
 from .. import validate as V
@@ -60,6 +61,8 @@ def run_data(args) -> int:
     _, model, _ = _start(args)
     path = args.out or self_distill_path(model, args.max_prompt, args.gen_len, args.temperature, args.seed)
     t = time.perf_counter()
+    path = Path(path)
+    before = _stamp(path)
     pairs = self_distilled(
         model,
         path,
@@ -71,8 +74,21 @@ def run_data(args) -> int:
         seed=args.seed,
     )
     tokens = sum(len(c) for _, c in pairs)
+    if before is not None and _stamp(path) == before:  # it held enough answers: nothing decoded, nothing written
+        held = sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+        print(f"{path} already holds {held} {answers_kind(path)}: nothing to add (--self-distill {args.self_distill})")
+        return 0
     print(f"wrote {path}: {len(pairs)} {answers_kind(path)}, {tokens} tokens ({time.perf_counter() - t:.0f} s)")
     return 0
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """What tells a rewritten file from the one that was there (None: no file)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 # -- train corpus --------------------------------------------------------------------------------

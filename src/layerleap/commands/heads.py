@@ -675,6 +675,8 @@ def run_upgrade(args) -> int:
         if not eq or key not in weights.BUDGET:
             raise LayerleapError(f"--budget {item!r}: give KEY=VALUE with KEY one of {', '.join(weights.BUDGET)}")
         kind = {"tokens": int, "steps": int, "train_s": float}.get(key)
+        if not value.strip():
+            raise LayerleapError(f"--budget {item!r}: give {key} a value ({key}=VALUE), or leave --budget {key} out")
         try:
             ok = kind is None or (kind(value) >= 0 and kind(value) < float("inf"))
         except ValueError:

@@ -8,7 +8,7 @@ from ..decoding import METHODS, Decoding, get_method
 from ..errors import LayerleapError
 from ..core.loading import PACKAGED
 from ..options import resolve_models
-from .basic import _load, _loader, _method_options, _model_args, _opt_arg, _say, _threads
+from .basic import _load, _loader, _method_options, _model_args, _need_tokenizer, _opt_arg, _say, _threads
 
 
 @command("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming, /metrics)")
@@ -117,6 +117,7 @@ def _serve(args, options: dict, sock) -> int:
 
     threads = _threads(args.threads)
     model = _load(args)
+    _need_tokenizer(model, args)  # every answer is text (token-id prompts too)
     get_method(args.method).check_options(options, model.config)  # the bounds on the model, before a draft loads
     loader = _loader(args)
     options = resolve_models(args.method, options, loader)

@@ -436,6 +436,15 @@ def _failures(failures: list[dict]) -> str:
     )
 
 
+def _reference(summary: dict) -> str:
+    """The label of the greedy reference in a bench summary: as ``bench.with_reference`` picks it, the first
+    plain greedy run (no options; ``--methods g=greedy`` labels it ``g``), else ``greedy``."""
+    return next(
+        (lb for lb, s in summary.items() if s.get("method") == REFERENCE and not s.get("options")),
+        REFERENCE,
+    )
+
+
 def html_report(report: dict, title: str | None = None) -> str:
     """The HTML page of a bench report dict (see the module docstring)."""
     from .. import __version__
@@ -449,7 +458,7 @@ def html_report(report: dict, title: str | None = None) -> str:
     series.append(("all prompts", [summary[lb].get("tokens_per_s") for lb in labels]))
     ours = [lb for lb in labels if lb != HF_LABEL]
     drafting = [lb for lb in ours if summary[lb].get("acceptance") is not None]
-    depth = summary.get(REFERENCE, {}).get("layers_per_token")
+    depth = summary.get(_reference(summary), {}).get("layers_per_token")
     parts = [
         f"<h1>{escape(title)}</h1>",
         f"<pre>$ {escape(str(cfg.get('command') or '(command not recorded)'))}</pre>",

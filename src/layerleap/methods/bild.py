@@ -195,7 +195,13 @@ def check_form(run: Run, small, exit_layer, head, eagle="none"):
     found = eagle_head(model, eagle, small is not None or exit_layer is not None)
     if found is not None:
         if head != "auto":
-            raise GenerationError("head= chooses the exit head of the early-exit form: drop it with the EAGLE head")
+            why = (
+                f'this model ships an EAGLE head, BiLD\'s small model by default: give eagle="none" for the '
+                f"early-exit form with head={head!r}, or drop head="
+                if eagle == "auto"
+                else "drop it with eagle= (the EAGLE form has no exit head)"
+            )
+            raise GenerationError(f"head= chooses the exit head of the early-exit form: {why}")
         run.record_all(ExitStats(exit_layer=None, head="eagle"))
         return found, "eagle"
     if small is not None:

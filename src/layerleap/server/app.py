@@ -51,7 +51,7 @@ class ServerConfig:
     max_waiting: int = 256
     loadable: tuple[str, ...] = ()  # model names a request's options may name (loaded on first use)
     max_body_bytes: int = 2 << 20  # a larger request body is refused (413)
-    max_prompt_tokens: int | None = None  # a longer prompt is refused (None: the context less one)
+    max_prompt_tokens: int | None = None  # a longer prompt is refused (None, or more: the context less one)
     queue_timeout: float = 600.0  # seconds a request may wait for its turn (then 503)
     shadow_share: float = 0.0  # share of lossy-method requests re-decoded greedily when idle (agreement metric)
     continuous: bool = True  # greedy and sample requests join and leave one pool round by round
@@ -141,7 +141,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         raise _bad(f"{refused} is not supported by this server: leave it out", refused)
     if body.n not in (None, 1):
         raise _bad(f"n={body.n}: this server returns one choice per request: leave n out or set n=1", "n")
-    limit = cfg.max_prompt_tokens or context - 1
+    limit = min(cfg.max_prompt_tokens or context, context - 1)  # a prompt of the whole context leaves no room
     if prompt_len > limit:
         raise _bad(
             f"the prompt has {prompt_len} tokens, over this server's limit of {limit}: shorten it",
@@ -681,7 +681,12 @@ def shadow_step(st: AppState) -> None:
 # -- the app -----------------------------------------------------------------------------------------
 def create_app(model: Transformer, cfg: ServerConfig, loader: Callable[[str], Transformer] | None = None) -> FastAPI:
     """The FastAPI app serving ``model``; ``loader(name)`` loads a model a request's option names (only
-    names in ``cfg.loadable``)."""
+    names in ``cfg.loadable``).  The model needs its tokenizer: every answer is text."""
+    if model.tokenizer is None:
+        raise LayerleapError(
+            "this model has no tokenizer: the server answers in text, token-id prompts too; load a model with its "
+            "tokenizer files"
+        )
     st = AppState(model, cfg, loader)
 
     def batch_done(batch) -> None:

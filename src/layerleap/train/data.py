@@ -407,7 +407,8 @@ def answers_kind(path) -> str:
     (its records carry the temperature): how the weights trained on it describe their data."""
     try:
         with open(path, encoding="utf-8") as f:
-            t = json.loads(f.readline() or "{}").get("temperature")
+            first = next((line for line in f if line.strip()), "{}")  # blank lines hold no record (read_records)
+        t = json.loads(first).get("temperature")
     except (OSError, ValueError, AttributeError):
         t = None
     return f"answers sampled at temperature {t:g}" if isinstance(t, (int, float)) and t else "greedy answers"

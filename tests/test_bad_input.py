@@ -387,7 +387,10 @@ CLI = [
     (["serve", *M, "--port", "0", "--method", "auto", "--opt", "tree=1,1,1"], "tree= shapes Hidden Transfer's tree"),
     (["serve", *M, "--name", "bad \udcff"], "is not valid UTF-8"),
     (["serve", "--model", "{NOTOK}", "--port", "0"], "has no tokenizer (no tokenizer.json"),
-    (["serve", *M, "--max-prompt-tokens", "2048"], "--max-prompt-tokens 2048 is beyond tiny's context of 2048"),
+    (
+        ["serve", *M, "--port", "0", "--max-prompt-tokens", "2048"],
+        "--max-prompt-tokens 2048 is beyond tiny's context of 2048",
+    ),
     # info
     (["info", "--model", "no-such-model"], "unknown model"),
     (["info", *M, "--context", "0"], "must be a positive integer"),

@@ -74,6 +74,24 @@ def test_chooser_stops_drafting_and_learns_back_from_the_next_token():
     assert len(c.cut(0, [7, 8, 9])) >= 1
 
 
+def test_a_chain_cut_short_grows_back_when_its_drafts_are_kept():
+    """Where a cut chain's drafts are all kept, the next token shows whether the first draft cut away was
+    right too: after a run of misses (cut to nothing) and then a run of right copies, the chain grows back
+    to its whole length on a curve where a 4-token call costs two one-token calls."""
+    steep = L.CostCurve(tuple(1 + (s - 1) / 3 for s in range(1, 9)), 6.0)
+    c = L.LengthChooser(1, steep, 4)
+    chain = [7, 8, 9, 10]
+    for _ in range(30):  # the copy is wrong: no drafts
+        c.observe(0, len(c.cut(0, chain)), 0, next_token=1)
+    assert c.cut(0, chain) == []
+    lengths = []
+    for _ in range(30):  # the copy is right: the target continues it, past whatever was cut away
+        n = len(c.cut(0, chain))
+        lengths.append(n)
+        c.observe(0, n, n, next_token=(chain + [11])[n])
+    assert lengths[-1] == 4 and lengths == sorted(lengths)
+
+
 def test_adaptive_lookup_drafts_less_where_copies_fail(monkeypatch):
     monkeypatch.setitem(L.CALL_COST, "float32", COSTLY_ROWS)  # rows that cost
     model = random_model("llama-gqa-tied", seed=3, scale=2.0)

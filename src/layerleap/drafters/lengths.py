@@ -6,9 +6,9 @@ A chain of ``L`` drafts whose i-th draft is kept, given the ones before it were,
 ``a_i`` emits ``E(L) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_L`` tokens.  Each round keeps the ``L``
 (0 included: a greedy step) that maximises ``E(L) / c(L + 1)``, the tokens per unit of call cost,
 with ``a_i`` estimated per row from the rounds so far (decaying counts under a uniform prior).  A
-round that drafts nothing still learns ``a_1``: the target's next token shows whether the first
-draft would have been kept.  The choice cuts what is verified, never what is accepted, so a
-lossless method stays lossless."""
+round whose drafts are all kept still learns the next position's rate: the target's next token shows
+whether the first draft cut away would have been kept (a round that drafts nothing learns ``a_1``).
+The choice cuts what is verified, never what is accepted, so a lossless method stays lossless."""
 
 from __future__ import annotations
 
@@ -138,17 +138,19 @@ class LengthChooser:
     def __init__(self, batch: int, curve: CostCurve, most: int):
         self.curve = curve  # past its 8 measured sizes, on to ``c16`` and at that slope
         self.rows = [RunningAcceptance(most) for _ in range(batch)]
-        self.first: list[int | None] = [None] * batch  # a cut chain's first draft (None: none cut away)
+        self.first: list[int | None] = [None] * batch  # the first draft cut away (None: none cut away)
 
     def cut(self, row: int, chain: list[int]) -> list[int]:
         n = best_length(self.rows[row].rates(), self.curve, len(chain)) if chain else 0
-        self.first[row] = chain[0] if chain and n == 0 else None
+        self.first[row] = chain[n] if n < len(chain) else None
         return chain[:n]
 
     def observe(self, row: int, drafted: int, accepted: int, next_token: int | None) -> None:
-        if drafted == 0 and self.first[row] is not None:  # nothing verified: was the first draft right?
-            hit = int(next_token == self.first[row])
-            self.rows[row].observe(1, hit)
+        """A round that verified ``drafted`` drafts, kept the first ``accepted`` and gave ``next_token``:
+        where every verified draft was kept, the next token shows whether the first draft cut away
+        would have been kept too (so a chain cut short still learns whether to grow)."""
+        if accepted == drafted and self.first[row] is not None and next_token is not None:
+            self.rows[row].observe(drafted + 1, drafted + int(next_token == self.first[row]))
         elif drafted:
             self.rows[row].observe(drafted, accepted)
         self.first[row] = None

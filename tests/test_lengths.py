@@ -284,3 +284,16 @@ def test_merged_cut_learns_from_the_whole_chain_when_it_was_cut():
     assert cut.tree_tokens[0] == pytest.approx(L.DECAY * L.TREE_PRIOR + (1 - L.DECAY) * 1)
     cut.observe(0, kept=[5], kept_at=[0], next_token=6)  # nothing pending: nothing learned
     assert cut.rows[0].tried == [1.0, 1.0, 1.0]
+
+
+def test_merged_cut_beside_no_tree_prices_the_chain_as_a_plain_call():
+    """A round with no tree yet (the first transfer or Medusa round after another kind) gives the root's
+    token alone, whatever the tree gave before: the chain beside it is cut as a plain call's would be."""
+    steep = L.CostCurve(tuple(1 + (s - 1) / 3 for s in range(1, 9)), 6.0)
+    cut = L.MergedChainCut(1, steep, 4)
+    for _ in range(30):  # the copies are right
+        cut.rows[0].observe(4, 4)
+    cut.tree_tokens[0] = 4.0  # and a tree gave 4 tokens a round
+    rates = cut.rows[0].rates()
+    assert L.best_length(rates, steep, 4) == 4
+    assert cut.cut(0, [7, 8, 9, 10], shared=0, nodes=0) == [7, 8, 9, 10]

@@ -167,7 +167,8 @@ class MergedChainCut:
     Where the chain is kept past ``s``, the tree is kept to exactly ``s`` (its own node at ``s + 1``
     differs from the chain's), so the chain's first ``n`` drafts add ``P_(s+1) + ... + P_n`` expected
     tokens (``P_i``: the chain kept to ``i``, from the row's running acceptance) to the tree's own
-    ``T`` (a decaying mean of the tokens the tree alone gave), for ``n - s`` rows more.  Each round
+    ``T`` (a decaying mean of the tokens the tree alone gave; 1 where the round has no tree), for ``n - s``
+    rows more.  Each round
     keeps the ``n`` with the most ``(T + gain(n)) / c(nodes + 1 + n - s)``.  The chain's acceptance is
     learned from the whole chain against what the call showed of the target's continuation (its kept
     tokens and the next one), so a cut chain still learns."""
@@ -181,7 +182,7 @@ class MergedChainCut:
     def cut(self, row: int, chain: list[int], shared: int, nodes: int) -> list[int]:
         """``chain``'s best prefix beside a tree of ``nodes`` drafts whose first ``shared`` it follows."""
         self.pending[row] = (chain, nodes)
-        base, gain, p = self.tree_tokens[row], 0.0, 1.0
+        base, gain, p = self.tree_tokens[row] if nodes else 1.0, 0.0, 1.0  # no tree (yet): the root's token alone
         best, best_n = base / self.curve(nodes + 1), 0
         for n, a in enumerate(self.rows[row].rates()[: len(chain)], start=1):
             p *= a

@@ -496,3 +496,27 @@ def test_auto_cuts_a_merged_chain_the_target_does_not_follow(monkeypatch):
     cut = layerleap.generate(model, prompt, "auto", 24, **kw)
     assert cut.token_ids == whole.token_ids == naive_greedy(model, prompt, 24)
     assert cut.stats["eagle_rounds"] > 0 and cut.stats["drafted"] < whole.stats["drafted"]
+
+
+def test_auto_prices_a_chain_merged_into_a_transfer_call_with_its_pseudo_states(switching, monkeypatch):
+    """In a transfer call every row, a merged chain's included, runs with its pseudo states past each transfer
+    layer: the merged cut and a sampled round's cost price a call over ``S`` rows as each segment of layers at
+    its width (``TransferDrafter.round_cost``), not as ``S`` rows (too cheap) nor ``S x (steps + 1)`` rows
+    through every layer (too dear)."""
+    monkeypatch.setitem(lengths.CALL_COST, "float32", COSTLY_ROWS)
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    n = model.config.n_layers
+    curve = lengths.shipped_curve("float32")
+    priced = []
+    cut = lengths.MergedChainCut.cut
+
+    def spy(self, row, chain, shared, nodes, price=None):
+        priced.append((nodes, None if price is None else price(nodes + 2)))
+        return cut(self, row, chain, shared, nodes, price)
+
+    monkeypatch.setattr(lengths.MergedChainCut, "cut", spy)
+    prompt = list(range(1, 9)) * 3
+    r = layerleap.generate(model, prompt, "auto", 16, stop_at_eos=False, transfer=_transfer(model), tree="2,1")
+    assert r.token_ids == naive_greedy(model, prompt, 16) and r.stats["transfer_rounds"] > 2
+    want = {k: 1 / n * curve(k + 2) + (n - 1) / n * curve(3 * (k + 2)) for k, _ in priced}  # layers (1, 1)
+    assert priced and all(p == pytest.approx(want[k]) for k, p in priced)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -276,7 +277,8 @@ class AutoDrafter(TreeDrafter):
         if self.run.batch > 1 and self.round_mode != "eagle":  # one tree shape for every row: no chains beside it
             return tree
         if self.cuts is not None:
-            chain = self.cuts.cut(row, chain, shared_prefix(tree, chain), tree.k)
+            price = partial(self.call_price, mode=self.round_mode)
+            chain = self.cuts.cut(row, chain, shared_prefix(tree, chain), tree.k, price)
         return merge_chain(tree, chain) if chain else tree
 
     def score(self, cands):
@@ -324,6 +326,16 @@ class AutoDrafter(TreeDrafter):
             for row, h in self.kept_states(cands, results, self.hidden).items():
                 self._medusa_from(row, h)
 
+    def call_price(self, rows: int, mode: str) -> float:
+        """A ``mode`` call over ``rows`` rows (the root included) in one-token calls (``self.curve``): a
+        transfer call's layers from each transfer layer on run over the rows' pseudo states too, each segment
+        its share of the layers at its width (``TransferDrafter.round_cost``)."""
+        if mode != "transfer" or not self.steps:
+            return self.curve(rows)
+        L = self.run.model.config.n_layers
+        bounds = [0] + list(self.proj.layers[: self.steps]) + [L]
+        return sum((bounds[i + 1] - bounds[i]) / L * self.curve((i + 1) * rows) for i in range(self.steps + 1))
+
     def _round_cost(self, cands) -> float:
         """What this round cost: wall milliseconds (greedy: the output is the same whatever is chosen); when
         sampling, the call-cost curve's price of its rows in one-token calls, so that the choice, and with
@@ -331,7 +343,7 @@ class AutoDrafter(TreeDrafter):
         if not self.run.gen.do_sample:
             return (time.perf_counter() - self.t_round) * 1e3
         rows = max(c.k + 1 for c in cands if c is not None)
-        return self.curve(rows * (self.steps + 1) if self.round_mode == "transfer" else rows)
+        return self.call_price(rows, self.round_mode)
 
     def tree_stats(self, counts) -> list[TreeStats]:
         """One row's ``TreeStats`` per ``draft_verify.RoundCounts``: ``tree_nodes`` is the mean nodes a call

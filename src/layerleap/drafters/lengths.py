@@ -179,15 +179,18 @@ class MergedChainCut:
         self.tree_tokens = [TREE_PRIOR] * batch
         self.pending: dict[int, tuple[list[int], int]] = {}  # row -> (its whole chain, the tree's nodes)
 
-    def cut(self, row: int, chain: list[int], shared: int, nodes: int) -> list[int]:
-        """``chain``'s best prefix beside a tree of ``nodes`` drafts whose first ``shared`` it follows."""
+    def cut(self, row: int, chain: list[int], shared: int, nodes: int, price=None) -> list[int]:
+        """``chain``'s best prefix beside a tree of ``nodes`` drafts whose first ``shared`` it follows;
+        ``price``: a call over ``S`` rows, the root included, in one-token calls (None: ``curve``; a
+        transfer call's is more, its rows' pseudo states run too)."""
+        price = self.curve if price is None else price
         self.pending[row] = (chain, nodes)
         base, gain, p = self.tree_tokens[row] if nodes else 1.0, 0.0, 1.0  # no tree (yet): the root's token alone
-        best, best_n = base / self.curve(nodes + 1), 0
+        best, best_n = base / price(nodes + 1), 0
         for n, a in enumerate(self.rows[row].rates()[: len(chain)], start=1):
             p *= a
             gain += p if n > shared else 0.0
-            score = (base + gain) / self.curve(nodes + 1 + max(0, n - shared))
+            score = (base + gain) / price(nodes + 1 + max(0, n - shared))
             if score > best:
                 best, best_n = score, n
         return chain[:best_n]

@@ -90,6 +90,25 @@ def test_chooser_keeps_the_faster_mode_and_backs_off(monkeypatch):
     assert modes.count("transfer") <= 2 * 4 and c.gap > 4  # probes grew apart
 
 
+def test_chooser_never_switches_to_a_mode_on_an_old_rate():
+    """A probe ends on the faster of the probed mode and the best: a third mode's rate, as old as its last
+    rounds, is no measure of it now.  Medusa was nearly as fast as plain calls early on and then turns
+    slowest; the transfer probe that then beats plain calls switches to transfer calls, never to Medusa's
+    on its early rate."""
+    c = Chooser(("lookup", "transfer", "medusa"))
+    modes = []
+    for r in range(300):
+        modes.append(c.mode)
+        speed = (
+            {"lookup": 1.0, "transfer": 0.5, "medusa": 0.9}
+            if r < 100
+            else {"lookup": 0.5, "transfer": 0.6, "medusa": 0.2}
+        )
+        c.record(c.mode, 1, 1 / speed[c.mode], counted=True)
+    assert modes[:100].count("medusa") == 2 * 4  # probed twice while it was nearly as fast
+    assert modes[100:].count("medusa") <= 4 and modes[-1] == "transfer"
+
+
 @pytest.mark.parametrize("seed,plen", [(0, 3), (1, 9), (2, 17)])
 @pytest.mark.parametrize(
     "options", [{"tree": "2,1"}, {"tree": "1,1", "draft_len": 2, "max_ngram": 2}, {"tree": "2,2,1", "min_ngram": 2}]

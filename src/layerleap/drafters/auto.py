@@ -26,7 +26,8 @@ call-cost curve's price of each round's rows instead, so that the choices, and w
 draws, do not depend on the clock: a seeded sample reproduces (a batch's rows share the choices, so
 a row may still draw otherwise than its prompt alone).  The drafter starts with
 plain calls, probes transfer calls for ``PROBE`` rounds after ``FIRST_PROBE`` rounds (the first
-transfer round after a plain one has no tree yet and is not counted), keeps the faster mode, and
+transfer round after a plain one has no tree yet and is not counted), keeps the faster of the probed
+mode and the one it was probed against (another mode's rate is as old as its last rounds), and
 probes the others again, in turn, after a gap that doubles each time a probe loses (the modes are
 probed one after another the first time).  The choice changes only
 which drafts are verified, never what is accepted: greedy output is greedy decoding, and sampled
@@ -109,8 +110,9 @@ class Chooser:
             return
         if self.probe_left > 0:
             self.probe_left -= int(counted)
-            if self.probe_left == 0:  # the probe ends: keep the fastest, or probe a mode never probed
-                winner = max(self.modes, key=lambda m: self.rates[m].value)
+            if self.probe_left == 0:  # the probe ends: keep the faster of it and the best, or probe a mode never probed
+                # (only these two rates are this request's now: another mode's is as old as its last rounds)
+                winner = max((self.best, self.mode), key=lambda m: self.rates[m].value)
                 if any(self.rates[m].rounds == 0 for m in self.modes if m != winner):
                     self.best, self.probe_left = winner, PROBE
                     self._set(self._next_probe())

@@ -167,9 +167,9 @@ class MergedChainCut:
     Where the chain is kept past ``s``, the tree is kept to exactly ``s`` (its own node at ``s + 1``
     differs from the chain's), so the chain's first ``n`` drafts add ``P_(s+1) + ... + P_n`` expected
     tokens (``P_i``: the chain kept to ``i``, from the row's running acceptance) to the tree's own
-    ``T`` (a decaying mean of the tokens the tree alone gave; 1 where the round has no tree), for ``n - s``
-    rows more.  Each round
-    keeps the ``n`` with the most ``(T + gain(n)) / c(nodes + 1 + n - s)``.  The chain's acceptance is
+    ``T`` (a decaying mean of the tokens the tree alone gave; 1 where the round has no tree), for
+    ``n - s`` rows more.  Each round keeps the ``n`` with the most ``(T + gain(n)) / c(nodes + 1 + n - s)``
+    (``c``: the call's price, ``cut``'s ``price``).  The chain's acceptance is
     learned from the whole chain against what the call showed of the target's continuation (its kept
     tokens and the next one), so a cut chain still learns."""
 

@@ -653,3 +653,35 @@ def test_transformers_baseline_counts_its_calls(char_model):
 def test_a_budget_refuses_options_that_change_what_was_calibrated(char_model, cache, method, option):
     with pytest.raises(GenerationError, match="quality"):
         layerleap.generate(char_model, "hi", method, 2, chat=True, quality=0.95, **option)
+
+
+def test_a_resumed_run_is_priced_again_on_another_thread_count(char_model, tmp_path, monkeypatch):
+    """The report's step costs are reused only where they were measured on this CPU at this thread count: the
+    file records the machine that priced its settings."""
+    priced = []
+
+    def fake_measure(model, **kw):
+        priced.append(torch.get_num_threads())
+        return SC.StepCost(
+            n_layers=model.config.n_layers,
+            step=float(torch.get_num_threads()),
+            layer=0.1,
+            call=0.0,
+            check=0.0,
+            head=0.0,
+            fill=0.0,
+        )
+
+    monkeypatch.setattr(SC, "measure", fake_measure)
+    report, threads = tmp_path / "run.json", torch.get_num_threads()
+    run = dict(prompts=PROMPTS, max_new_tokens=4, epsilon=0.5, delta=0.5, report=report, extra=0)
+    try:
+        torch.set_num_threads(1)
+        C.calibrate(char_model, "early-exit", 0.95, **run)
+        assert C.calibrate(char_model, "early-exit", 0.95, **run).config["step_cost"]["step"] == 1.0
+        assert priced == [1]  # same machine and threads: the report's prices
+        torch.set_num_threads(2)
+        again = C.calibrate(char_model, "early-exit", 0.95, **run)
+    finally:
+        torch.set_num_threads(threads)
+    assert priced == [1, 2] and again.config["threads"] == 2 and again.config["step_cost"]["step"] == 2.0

@@ -491,7 +491,8 @@ def calibrate(
     ``greedy``: greedy's outputs on these prompts, when already measured (another method's run).
     ``base``: the model whose greedy output and perplexity the budget keeps a share of, when
     ``model`` is a fine-tuned variant of it (default: ``model`` itself).  ``step_cost``: the prices of
-    a token's parts (default: the resumed report's, else measured here now, ``step_cost.measure``)."""
+    a token's parts (default: the resumed report's where it was priced on this CPU at this thread count, else
+    measured here now, ``step_cost.measure``)."""
     if method not in budget.PATHS:
         raise CalibrationError(
             f"method {method!r} is not a lossy method with a quality budget: choose one of {', '.join(budget.LOSSY)}"
@@ -530,6 +531,8 @@ def calibrate(
         and old.get("ppl_ratio", ppl_ratio) == ppl_ratio
     ):
         cal = _from_dict(old)
+        if any(cal.config.get(k) != cfg.get(k) for k in ("cpu", "threads")):
+            cal.config.pop("step_cost", None)  # priced on another CPU or thread count: priced again here
         cal.config.update({k: v for k, v in cfg.items() if k not in key})
     if cal is None:
         cal = Calibration(method, quality, epsilon, delta, ppl_ratio, split, cfg)

@@ -685,3 +685,14 @@ def test_a_resumed_run_is_priced_again_on_another_thread_count(char_model, tmp_p
     finally:
         torch.set_num_threads(threads)
     assert priced == [1, 2] and again.config["threads"] == 2 and again.config["step_cost"]["step"] == 2.0
+
+
+def test_a_report_of_other_prompts_with_the_same_ids_is_not_resumed(char_model, tmp_path):
+    """Another data file whose question ids match: greedy's outputs and the settings are measured again."""
+    run = dict(max_new_tokens=4, epsilon=0.5, delta=0.5, report=tmp_path / "run.json", extra=0, step_cost=PRICES)
+    C.calibrate(char_model, "early-exit", 0.95, prompts=PROMPTS, **run)
+    other = [Prompt(p.id, p.category, "other " + p.text, p.reference and "xyz") for p in PROMPTS]
+    again = C.calibrate(char_model, "early-exit", 0.95, prompts=other, **run)
+    fresh = C.greedy_outputs(char_model, other, 4)
+    assert [o.text for o in again.greedy] == [o.text for o in fresh]
+    assert [o.reference_score for o in again.greedy] == [o.reference_score for o in fresh]

@@ -43,6 +43,8 @@ rewritten atomically after each setting; a rerun with the same arguments continu
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -512,6 +514,7 @@ def calibrate(
         "n_layers": d,
         "max_new_tokens": max_new_tokens,
         "prompt_ids": [p.id for p in prompts],
+        "prompts_sha256": _prompts_digest(prompts),  # the prompts' texts and references, not only their ids
         "categories": sorted({p.category for p in prompts}),
         "cpu": cpu_signature(),  # the step costs that priced the settings are this machine's, at this thread count
         "threads": torch.get_num_threads(),
@@ -519,7 +522,17 @@ def calibrate(
         **({} if judge is model else {"base_fingerprint": judge.fingerprint}),
         **(config or {}),
     }
-    key = {k: cfg.get(k) for k in ("fingerprint", "dtype", "max_new_tokens", "prompt_ids", "base_fingerprint")}
+    key = {
+        k: cfg.get(k)
+        for k in (
+            "fingerprint",
+            "dtype",
+            "max_new_tokens",
+            "prompt_ids",
+            "prompts_sha256",
+            "base_fingerprint",
+        )
+    }
     cal = None
     old = read_report(report, "calibration report", ("config", "settings")) if report else None
     if (
@@ -572,6 +585,13 @@ def calibrate(
     cal.config["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     save()
     return cal
+
+
+def _prompts_digest(prompts: list[Prompt]) -> str:
+    """A short hash of the prompts' ids, categories, texts and references: a report measured on another data
+    file whose question ids match is not resumed."""
+    rows = [[p.id, p.category, p.text, p.reference] for p in prompts]
+    return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def _step_cost(cal: Calibration, model, given: StepCost | None) -> StepCost:

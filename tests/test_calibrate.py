@@ -696,3 +696,17 @@ def test_a_report_of_other_prompts_with_the_same_ids_is_not_resumed(char_model, 
     fresh = C.greedy_outputs(char_model, other, 4)
     assert [o.text for o in again.greedy] == [o.text for o in fresh]
     assert [o.reference_score for o in again.greedy] == [o.reference_score for o in fresh]
+
+
+@pytest.mark.parametrize(
+    "epsilon, delta, confidence, share",
+    [
+        (0.1, 0.1, ">= 0.90 ", "at most 10% "),
+        (0.125, 0.001, ">= 0.999 ", "at most 12.5% "),
+        (0.005, 0.05, ">= 0.95 ", "at most 0.5% "),
+    ],
+)
+def test_the_guarantee_states_the_confidence_and_share_unrounded(epsilon, delta, confidence, share):
+    """A confidence of 0.999 is not written "1.00", nor a share of 12.5% "12%" (a promise stronger than the test's)."""
+    text = C.guarantee(C.Calibration("calm", 0.95, epsilon, delta, 1.5, "calibration", {}))
+    assert confidence in text and share in text

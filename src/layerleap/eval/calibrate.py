@@ -442,11 +442,18 @@ def _setting_summary(s: Setting) -> dict:
 
 def guarantee(cal: Calibration) -> str:
     return (
-        f"with probability >= {1 - cal.delta:.2f} over the {len(cal.greedy)} calibration prompts, the chosen "
+        f"with probability >= {_exact(1 - cal.delta, 2)} over the {len(cal.greedy)} calibration prompts, the chosen "
         f"setting keeps {cal.quality:.2f} of greedy's quality (reference score, else agreement with greedy's "
-        f"text; perplexity within {cal.ppl_ratio}x greedy's) on all but at most {cal.epsilon:.0%} of prompts in "
-        "expectation (Learn-then-Test, fixed-sequence, binomial p-values)"
+        f"text; perplexity within {cal.ppl_ratio}x greedy's) on all but at most {_exact(cal.epsilon * 100, 0)}% of "
+        "prompts in expectation (Learn-then-Test, fixed-sequence, binomial p-values)"
     )
+
+
+def _exact(x: float, places: int) -> str:
+    """``x`` with at least ``places`` decimals and as many more as it needs (0.999 is not "1.00", 12.5 not "12")."""
+    while places < 10 and round(x, places) != round(x, 10):
+        places += 1
+    return f"{x:.{places}f}"
 
 
 def _from_dict(d: dict) -> Calibration:

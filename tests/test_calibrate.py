@@ -710,3 +710,10 @@ def test_the_guarantee_states_the_confidence_and_share_unrounded(epsilon, delta,
     """A confidence of 0.999 is not written "1.00", nor a share of 12.5% "12%" (a promise stronger than the test's)."""
     text = C.guarantee(C.Calibration("calm", 0.95, epsilon, delta, 1.5, "calibration", {}))
     assert confidence in text and share in text
+
+
+def test_min_prompts_certifies_a_perfect_setting_by_the_tests_own_p_value():
+    for epsilon, delta in ((0.99, 0.01), (0.1, 0.1), (0.05, 0.2), (0.5, 0.25)):
+        n = C.min_prompts(epsilon, delta)
+        assert C.binomial_p_value(0, n, epsilon) <= delta and (n == 1 or C.binomial_p_value(0, n - 1, epsilon) > delta)
+    assert C.min_prompts(0.99, 0.01) == 2  # (1 - 0.99) ** 1 is 0.010000000000000009, above delta

@@ -98,8 +98,12 @@ def split_prompts(split: str, per_category: int, categories=CATEGORIES, data=Non
 
 
 def min_prompts(epsilon: float, delta: float) -> int:
-    """The fewest prompts with which a setting that loses none is certified at (epsilon, delta)."""
-    return math.ceil(math.log(delta) / math.log(1 - epsilon))
+    """The fewest prompts with which a setting that loses none is certified at (epsilon, delta), by the
+    p-value the test computes (``1 - epsilon`` rounds: 1 - 0.99 is a little over 0.01)."""
+    n = max(1, math.ceil(math.log(delta) / math.log(1 - epsilon)))
+    while binomial_p_value(0, n, epsilon) > delta:
+        n += 1
+    return n
 
 
 def check_enough_prompts(n: int, epsilon: float, delta: float, per: int = 1) -> None:

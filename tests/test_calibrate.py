@@ -717,3 +717,15 @@ def test_min_prompts_certifies_a_perfect_setting_by_the_tests_own_p_value():
         n = C.min_prompts(epsilon, delta)
         assert C.binomial_p_value(0, n, epsilon) <= delta and (n == 1 or C.binomial_p_value(0, n - 1, epsilon) > delta)
     assert C.min_prompts(0.99, 0.01) == 2  # (1 - 0.99) ** 1 is 0.010000000000000009, above delta
+
+
+def test_calibrate_refuses_a_quality_finer_than_hundredths_before_loading(char_model_dir, tmp_path, capsys):
+    """``--check --quality 0.954`` would measure the 0.95 budget's setting and report it as 0.954."""
+    from layerleap.cli import main
+
+    for extra in ([], ["--check", str(tmp_path / "check.json")]):  # refused while parsing: nothing is loaded
+        argv = ["calibrate", "early-exit", "--model", str(char_model_dir), "--quality", "0.954", "--yes", *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "give 0.95 or 0.96" in err and "Traceback" not in err
+    assert not (tmp_path / "check.json").exists()

@@ -38,7 +38,9 @@ At least ``ln(delta) / ln(1 - epsilon)`` prompts are needed for even a perfect s
 certified (22 at epsilon = delta = 0.1).
 
 The run is resumable: the report (greedy's outputs, every setting's per-prompt measures) is
-rewritten atomically after each setting; a rerun with the same arguments continues it.
+rewritten atomically after each setting; a rerun with the same arguments on the same prompts (their
+texts and references, not only their ids) continues it, pricing the settings again where it runs on
+another CPU or thread count.
 """
 
 from __future__ import annotations

@@ -653,3 +653,79 @@ def test_transformers_baseline_counts_its_calls(char_model):
 def test_a_budget_refuses_options_that_change_what_was_calibrated(char_model, cache, method, option):
     with pytest.raises(GenerationError, match="quality"):
         layerleap.generate(char_model, "hi", method, 2, chat=True, quality=0.95, **option)
+
+
+def test_a_resumed_run_is_priced_again_on_another_thread_count(char_model, tmp_path, monkeypatch):
+    """The report's step costs are reused only where they were measured on this CPU at this thread count: the
+    file records the machine that priced its settings."""
+    priced = []
+
+    def fake_measure(model, **kw):
+        priced.append(torch.get_num_threads())
+        return SC.StepCost(
+            n_layers=model.config.n_layers,
+            step=float(torch.get_num_threads()),
+            layer=0.1,
+            call=0.0,
+            check=0.0,
+            head=0.0,
+            fill=0.0,
+        )
+
+    monkeypatch.setattr(SC, "measure", fake_measure)
+    report, threads = tmp_path / "run.json", torch.get_num_threads()
+    run = dict(prompts=PROMPTS, max_new_tokens=4, epsilon=0.5, delta=0.5, report=report, extra=0)
+    try:
+        torch.set_num_threads(1)
+        C.calibrate(char_model, "early-exit", 0.95, **run)
+        assert C.calibrate(char_model, "early-exit", 0.95, **run).config["step_cost"]["step"] == 1.0
+        assert priced == [1]  # same machine and threads: the report's prices
+        torch.set_num_threads(2)
+        again = C.calibrate(char_model, "early-exit", 0.95, **run)
+    finally:
+        torch.set_num_threads(threads)
+    assert priced == [1, 2] and again.config["threads"] == 2 and again.config["step_cost"]["step"] == 2.0
+
+
+def test_a_report_of_other_prompts_with_the_same_ids_is_not_resumed(char_model, tmp_path):
+    """Another data file whose question ids match: greedy's outputs and the settings are measured again."""
+    run = dict(max_new_tokens=4, epsilon=0.5, delta=0.5, report=tmp_path / "run.json", extra=0, step_cost=PRICES)
+    C.calibrate(char_model, "early-exit", 0.95, prompts=PROMPTS, **run)
+    other = [Prompt(p.id, p.category, "other " + p.text, p.reference and "xyz") for p in PROMPTS]
+    again = C.calibrate(char_model, "early-exit", 0.95, prompts=other, **run)
+    fresh = C.greedy_outputs(char_model, other, 4)
+    assert [o.text for o in again.greedy] == [o.text for o in fresh]
+    assert [o.reference_score for o in again.greedy] == [o.reference_score for o in fresh]
+
+
+@pytest.mark.parametrize(
+    "epsilon, delta, confidence, share",
+    [
+        (0.1, 0.1, ">= 0.90 ", "at most 10% "),
+        (0.125, 0.001, ">= 0.999 ", "at most 12.5% "),
+        (0.005, 0.05, ">= 0.95 ", "at most 0.5% "),
+    ],
+)
+def test_the_guarantee_states_the_confidence_and_share_unrounded(epsilon, delta, confidence, share):
+    """A confidence of 0.999 is not written "1.00", nor a share of 12.5% "12%" (a promise stronger than the test's)."""
+    text = C.guarantee(C.Calibration("calm", 0.95, epsilon, delta, 1.5, "calibration", {}))
+    assert confidence in text and share in text
+
+
+def test_min_prompts_certifies_a_perfect_setting_by_the_tests_own_p_value():
+    for epsilon, delta in ((0.99, 0.01), (0.1, 0.1), (0.05, 0.2), (0.5, 0.25)):
+        n = C.min_prompts(epsilon, delta)
+        assert C.binomial_p_value(0, n, epsilon) <= delta and (n == 1 or C.binomial_p_value(0, n - 1, epsilon) > delta)
+    assert C.min_prompts(0.99, 0.01) == 2  # (1 - 0.99) ** 1 is 0.010000000000000009, above delta
+
+
+def test_calibrate_refuses_a_quality_finer_than_hundredths_before_loading(char_model_dir, tmp_path, capsys):
+    """``--check --quality 0.954`` would measure the 0.95 budget's setting and report it as 0.954."""
+    from layerleap.cli import main
+
+    for extra in ([], ["--check", str(tmp_path / "check.json")]):  # refused while parsing: nothing is loaded
+        argv = ["calibrate", "early-exit", "--model", str(char_model_dir), "--quality", "0.954", "--yes", *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "give 0.95 or 0.96" in err and "Traceback" not in err
+    assert not (tmp_path / "check.json").exists()

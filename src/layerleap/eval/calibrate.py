@@ -38,11 +38,15 @@ At least ``ln(delta) / ln(1 - epsilon)`` prompts are needed for even a perfect s
 certified (22 at epsilon = delta = 0.1).
 
 The run is resumable: the report (greedy's outputs, every setting's per-prompt measures) is
-rewritten atomically after each setting; a rerun with the same arguments continues it.
+rewritten atomically after each setting; a rerun with the same arguments on the same prompts (their
+texts and references, not only their ids) continues it, pricing the settings again where it runs on
+another CPU or thread count.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -96,8 +100,12 @@ def split_prompts(split: str, per_category: int, categories=CATEGORIES, data=Non
 
 
 def min_prompts(epsilon: float, delta: float) -> int:
-    """The fewest prompts with which a setting that loses none is certified at (epsilon, delta)."""
-    return math.ceil(math.log(delta) / math.log(1 - epsilon))
+    """The fewest prompts with which a setting that loses none is certified at (epsilon, delta), by the
+    p-value the test computes (``1 - epsilon`` rounds: 1 - 0.99 is a little over 0.01)."""
+    n = max(1, math.ceil(math.log(delta) / math.log(1 - epsilon)))
+    while binomial_p_value(0, n, epsilon) > delta:
+        n += 1
+    return n
 
 
 def check_enough_prompts(n: int, epsilon: float, delta: float, per: int = 1) -> None:
@@ -440,11 +448,18 @@ def _setting_summary(s: Setting) -> dict:
 
 def guarantee(cal: Calibration) -> str:
     return (
-        f"with probability >= {1 - cal.delta:.2f} over the {len(cal.greedy)} calibration prompts, the chosen "
+        f"with probability >= {_exact(1 - cal.delta, 2)} over the {len(cal.greedy)} calibration prompts, the chosen "
         f"setting keeps {cal.quality:.2f} of greedy's quality (reference score, else agreement with greedy's "
-        f"text; perplexity within {cal.ppl_ratio}x greedy's) on all but at most {cal.epsilon:.0%} of prompts in "
-        "expectation (Learn-then-Test, fixed-sequence, binomial p-values)"
+        f"text; perplexity within {cal.ppl_ratio}x greedy's) on all but at most {_exact(cal.epsilon * 100, 0)}% of "
+        "prompts in expectation (Learn-then-Test, fixed-sequence, binomial p-values)"
     )
+
+
+def _exact(x: float, places: int) -> str:
+    """``x`` with at least ``places`` decimals and as many more as it needs (0.999 is not "1.00", 12.5 not "12")."""
+    while places < 10 and round(x, places) != round(x, 10):
+        places += 1
+    return f"{x:.{places}f}"
 
 
 def _from_dict(d: dict) -> Calibration:
@@ -491,7 +506,8 @@ def calibrate(
     ``greedy``: greedy's outputs on these prompts, when already measured (another method's run).
     ``base``: the model whose greedy output and perplexity the budget keeps a share of, when
     ``model`` is a fine-tuned variant of it (default: ``model`` itself).  ``step_cost``: the prices of
-    a token's parts (default: the resumed report's, else measured here now, ``step_cost.measure``)."""
+    a token's parts (default: the resumed report's where it was priced on this CPU at this thread count, else
+    measured here now, ``step_cost.measure``)."""
     if method not in budget.PATHS:
         raise CalibrationError(
             f"method {method!r} is not a lossy method with a quality budget: choose one of {', '.join(budget.LOSSY)}"
@@ -511,6 +527,7 @@ def calibrate(
         "n_layers": d,
         "max_new_tokens": max_new_tokens,
         "prompt_ids": [p.id for p in prompts],
+        "prompts_sha256": _prompts_digest(prompts),  # the prompts' texts and references, not only their ids
         "categories": sorted({p.category for p in prompts}),
         "cpu": cpu_signature(),  # the step costs that priced the settings are this machine's, at this thread count
         "threads": torch.get_num_threads(),
@@ -518,7 +535,17 @@ def calibrate(
         **({} if judge is model else {"base_fingerprint": judge.fingerprint}),
         **(config or {}),
     }
-    key = {k: cfg.get(k) for k in ("fingerprint", "dtype", "max_new_tokens", "prompt_ids", "base_fingerprint")}
+    key = {
+        k: cfg.get(k)
+        for k in (
+            "fingerprint",
+            "dtype",
+            "max_new_tokens",
+            "prompt_ids",
+            "prompts_sha256",
+            "base_fingerprint",
+        )
+    }
     cal = None
     old = read_report(report, "calibration report", ("config", "settings")) if report else None
     if (
@@ -530,6 +557,8 @@ def calibrate(
         and old.get("ppl_ratio", ppl_ratio) == ppl_ratio
     ):
         cal = _from_dict(old)
+        if any(cal.config.get(k) != cfg.get(k) for k in ("cpu", "threads")):
+            cal.config.pop("step_cost", None)  # priced on another CPU or thread count: priced again here
         cal.config.update({k: v for k, v in cfg.items() if k not in key})
     if cal is None:
         cal = Calibration(method, quality, epsilon, delta, ppl_ratio, split, cfg)
@@ -569,6 +598,13 @@ def calibrate(
     cal.config["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     save()
     return cal
+
+
+def _prompts_digest(prompts: list[Prompt]) -> str:
+    """A short hash of the prompts' ids, categories, texts and references: a report measured on another data
+    file whose question ids match is not resumed."""
+    rows = [[p.id, p.category, p.text, p.reference] for p in prompts]
+    return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def _step_cost(cal: Calibration, model, given: StepCost | None) -> StepCost:

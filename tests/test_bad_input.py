@@ -991,6 +991,7 @@ API = [
     (_gen(b"Hello"), "the prompt is bytes: decode it"),
     (_gen(bytearray(b"Hello")), "the prompt is bytes"),
     (_gen(["hi", b"x"]), "the prompt is bytes"),
+    (_gen(["hi", " "]), "prompt 1 of the batch: the prompt is empty"),
     (_gen("bad \udcff"), "is not valid UTF-8"),
     (_gen(torch.zeros(2, 2, 3, dtype=torch.long)), "1-D (one prompt) or 2-D (a batch), got 3-D"),
     (_gen(torch.tensor([1.0, 2.0])), "1-D integer token ids, got a 1-D float32 tensor"),
@@ -1231,6 +1232,7 @@ def test_subprocess(places, argv, stdin, message):
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
     (G + ["--quality", "0.9"], "method 'greedy' has no quality budget: quality= (--quality) applies to the lossy"),
+    (G + ["--method", "calm", "--quality", "0.954"], "quality is a share in hundredths (0.95, 0.9, …), got 0.954"),
     (G + ["--regex", "("], "cannot compile the regex grammar: at 1(8): invalid regex"),
     (
         ["calibrate", "calm", *M, "--prompts", "1"],

@@ -149,6 +149,16 @@ def _from_array(prompt):
     return prompt
 
 
+def _encode_row(model: Transformer, prompts: list, i: int, chat: bool) -> list[int]:
+    """Prompt ``i``'s token ids; in a batch, a refusal names which prompt it is."""
+    try:
+        return _encode(model, prompts[i], chat)
+    except GenerationError as e:
+        if len(prompts) == 1:
+            raise
+        raise GenerationError(f"prompt {i} of the batch: {e}") from None
+
+
 def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
     prompt = _from_array(prompt)  # a row of a list of arrays
     if isinstance(prompt, (bytes, bytearray)):
@@ -354,7 +364,7 @@ def _prepare(
     do_sample = sampling_choice(m, do_sample, given)
     _check_grammar(m, grammar)
 
-    ids = [_encode(model, p, chat) for p in prompts]
+    ids = [_encode_row(model, prompts, i, chat) for i in range(len(prompts))]
     ctx = model.config.max_position
     for i, p in enumerate(ids):
         _check(

@@ -26,7 +26,7 @@ from .. import validate as V, workload
 from . import command
 from ..datasets import read_prompts_file, spec_bench, spec_bench_categories
 from ..decoding import MAX_BATCH, METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
-from ..methods.budget import LOSSY, check_has_budget
+from ..methods.budget import LOSSY, check_has_budget, check_quality
 from ..errors import LayerleapError
 from ..core.grammar import Grammar
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
@@ -431,6 +431,8 @@ def _method_options(method: str, items: list[str] | None, quality: float | None 
     options = bench.parse_assignments(items)
     get_method(method).check_options(options, partial=quality is not None)
     check_has_budget(method, quality)
+    if quality is not None:
+        check_quality(quality)  # whole hundredths, before the model loads
     _check_model_options(method, options)
     return options
 

@@ -130,6 +130,7 @@ def test_kept_checks_reference_agreement_and_perplexity():
     assert C.kept(_out("m", ppl=2.9, ref=0.39), g, 0.95, 1.5)
     assert not C.kept(_out("m", ppl=2.9, ref=0.37), g, 0.95, 1.5)  # below 95% of greedy's score
     assert not C.kept(_out("m", ppl=3.1, ref=0.5), g, 0.95, 1.5)  # unreadable: perplexity 1.55x greedy's
+    assert not C.kept(_out("m", ppl=float("nan"), ref=0.5), g, 0.95, 1.5)  # a perplexity no one can read
     g0 = _out("g", ref=0.0)  # greedy scores nothing on the reference: agreement decides
     assert C.kept(_out("m", ref=0.0, agree=0.96), g0, 0.95, 1.5)
     assert not C.kept(_out("m", ref=0.0, agree=0.9), g0, 0.95, 1.5)

@@ -210,7 +210,7 @@ def step_counts(stats: dict) -> dict:
 
 def kept(out: Output, greedy: Output, quality: float, ppl_ratio: float) -> bool:
     """Whether ``out`` keeps ``quality`` of greedy's quality on its prompt (see the module doc)."""
-    if out.ppl > ppl_ratio * greedy.ppl:
+    if not out.ppl <= ppl_ratio * greedy.ppl:  # a NaN perplexity is not readable text
         return False
     if out.reference_score is not None and greedy.reference_score:
         return out.reference_score >= quality * greedy.reference_score - 1e-9

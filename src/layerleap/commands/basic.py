@@ -827,8 +827,8 @@ def run_bench(args) -> int:
     _check_bench_sampling(methods, _sampling(args))
     if not args.baseline_hf:
         _refuse_unused(args, ("--hf-extra",), "with --no-baseline-hf (it times transformers beside its greedy)")
-    prompts = _read_prompts(args.data, _csv(args.categories), args.prompts, args.offset, note=True)
     cats = _csv(args.categories)
+    prompts = _read_prompts(args.data, cats, args.prompts, args.offset, note=True)
     shipped = not args.data or spec_bench(args.data) == spec_bench(None)  # a copy of it: the same splits
     overlap = bench.calibration_overlap(methods, cats, args.prompts, args.offset) if shipped else None
     if overlap:

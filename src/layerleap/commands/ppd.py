@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from ..eval import theory
+from ..eval import bench, theory
 from .. import validate as V, workload
 from ..core import options as O
 from ..decoding import get_method
@@ -357,9 +357,7 @@ def selfspec_summary(records: list[dict], labels: list[str]) -> dict:
     trials) as ratios of the prompts' summed counts, and how many outputs equal greedy's."""
 
     def ratio(xs, num, den):
-        xs = [r for r in xs if r.get(den) is not None]
-        total = sum(r[den] for r in xs)
-        return sum(r[num] for r in xs) / total if total else None
+        return bench.ratio_of_sums((r[num], r[den]) for r in xs if r.get(den) is not None)
 
     summary = {}
     for cat in list(dict.fromkeys(r["category"] for r in records)) + ["all"]:

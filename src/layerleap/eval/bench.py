@@ -475,7 +475,7 @@ def _count(flags: list[bool | None]) -> str | None:
     return f"{sum(flags)}/{len(flags)}" if flags else None
 
 
-def _ratio(pairs) -> float | None:
+def ratio_of_sums(pairs) -> float | None:
     """Summed numerators over summed denominators of ``(numerator, denominator)`` pairs; None without any
     or where the denominators sum to 0."""
     pairs = list(pairs)
@@ -506,15 +506,15 @@ def summarize(records: list[Record], labels: list[str] | None = None, reference:
             "tokens_per_s": tokens / wall if wall > 0 else None,
             "speedup_vs_greedy": _speedup(rs, by, reference),
             "speedup_vs_hf": _speedup(rs, by, HF_LABEL),
-            "layers_per_token": _ratio(
+            "layers_per_token": ratio_of_sums(
                 (r.layers_per_token * r.new_tokens, r.new_tokens) for r in rs if r.layers_per_token is not None
             ),
-            "tokens_per_call": _ratio(
+            "tokens_per_call": ratio_of_sums(
                 (r.new_tokens, max(1, r.model_calls))
                 for r in rs
                 if r.tokens_per_call is not None and r.model_calls is not None
             ),
-            "acceptance": _ratio((r.accepted, r.drafted) for r in rs if r.drafted is not None),
+            "acceptance": ratio_of_sums((r.accepted, r.drafted) for r in rs if r.drafted is not None),
             "mean_ttft_s": _mean([r.ttft_s for r in rs]),
             "matches_hf": _count([r.matches_hf for r in rs]),
             "matches_greedy": _count([r.matches_greedy for r in rs]),

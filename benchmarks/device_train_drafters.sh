@@ -11,7 +11,9 @@
 # for the drafters to learn from.  EAGLE_ATTENTION=1 trains the EAGLE head with EAGLE's attention layer
 # (`--attention`, its block from the shipped head).
 # SD_PAR decodes in that many processes at once (a small model leaves the GPU idle between steps).
-# SD_BASE names a .jsonl.gz of answers decoded before, added to the training data.  Writes to $OUT.
+# SD_BASE names a .jsonl.gz of answers decoded before, added to the training data.  TRAIN_PAR=1 trains
+# the drafters at the same time, one process each (one small model's training leaves most of the GPU
+# idle), each stage's log in $OUT/<stage>.log.  Writes to $OUT.
 set -u
 HT=${HT:-/root/ht}
 DEV=${DEV:-cuda}
@@ -52,20 +54,30 @@ if [ "${SD_S:-100}" != 0 ] || [ "${SD_TEMP:-0}" != 0 ]; then
 fi
 wc -l $D
 A="--device $DEV --data $D --seq-len 256 --save-every 100 --steps 1000000 --yes"
+train() {  # train STAGE ARGS...: one drafter, in the background under TRAIN_PAR=1
+  local name=$1; shift
+  stage "$name"
+  if [ "${TRAIN_PAR:-0}" = 1 ]; then
+    $L "$@" >$OUT/$name.log 2>&1 &
+  else
+    $L "$@" 2>&1 | grep -v "it/s\]" | tail -6
+  fi
+}
 if [ "${HT_S:-230}" != 0 ]; then
-  stage transfer
-  $L transfer --layers 15,20,25 --init src/layerleap/data/transfer/smollm2-135m.safetensors $A --batch-size ${HT_BS:-32} \
-    --lr ${HT_LR:-5e-4} --max-seconds ${HT_S:-230} --out $OUT/transfer.safetensors 2>&1 | grep -v "it/s\]" | tail -6
+  train transfer transfer --layers 15,20,25 --init src/layerleap/data/transfer/smollm2-135m.safetensors $A \
+    --batch-size ${HT_BS:-32} --lr ${HT_LR:-5e-4} --max-seconds ${HT_S:-230} --out $OUT/transfer.safetensors
 fi
 if [ "${MEDUSA_S:-45}" != 0 ]; then
-  stage medusa
-  $L medusa --heads 3 --init src/layerleap/data/medusa/smollm2-135m.safetensors $A --batch-size ${MEDUSA_BS:-32} \
-    --lr ${MEDUSA_LR:-5e-4} --max-seconds ${MEDUSA_S:-45} --out $OUT/medusa.safetensors 2>&1 | grep -v "it/s\]" | tail -6
+  train medusa medusa --heads 3 --init src/layerleap/data/medusa/smollm2-135m.safetensors $A \
+    --batch-size ${MEDUSA_BS:-32} --lr ${MEDUSA_LR:-5e-4} --max-seconds ${MEDUSA_S:-45} --out $OUT/medusa.safetensors
 fi
 if [ "${EAGLE_S:-60}" != 0 ]; then
-  stage eagle
-  $L eagle --unroll 4 ${EAGLE_ATTENTION:+--attention} --init src/layerleap/data/eagle/smollm2-135m.safetensors $A --batch-size ${EAGLE_BS:-32} \
-    --lr ${EAGLE_LR:-2e-4} --max-seconds ${EAGLE_S:-60} --out $OUT/eagle.safetensors 2>&1 | grep -v "it/s\]" | tail -6
+  train eagle eagle --unroll 4 ${EAGLE_ATTENTION:+--attention} --init src/layerleap/data/eagle/smollm2-135m.safetensors $A \
+    --batch-size ${EAGLE_BS:-32} --lr ${EAGLE_LR:-2e-4} --max-seconds ${EAGLE_S:-60} --out $OUT/eagle.safetensors
+fi
+if [ "${TRAIN_PAR:-0}" = 1 ]; then
+  wait
+  for f in $OUT/*.log; do echo "-- $f"; grep -v "it/s\]" "$f" | tail -6; done
 fi
 rm -f $OUT/*.ckpt.safetensors
 stage done; ls -la $OUT

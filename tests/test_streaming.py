@@ -259,3 +259,57 @@ def test_cli_generate_stream_prints_the_text(tiny_hf_dir, tiny, capsys):
     out = capsys.readouterr().out
     want = generate(tiny, "Hello there", "self-spec", 12, exit_layer=2, head="shared")
     assert rc == 0 and out.startswith(want.text + "\n") and "[self-spec] " in out
+
+
+def spm_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's decoder: "▁" for spaces, byte-fallback tokens
+    ``<0xNN>`` for what the vocabulary lacks, the leading space stripped) over a handful of pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "a", "b", "▁a", "▁Hello", "▁world", "."):
+        vocab[piece] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    core.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["▁Hello", "<0x0A>", "<0xF0>"],  # a newline, then an emoji cut by the end: both bytes decode to U+FFFD
+        ["▁Hello", "<0x0A>", "<0xF0>", "▁world"],  # ... cut by an ordinary token
+        ["▁Hello", "<0x0A>", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "▁a"],  # completed: the newline stays
+        ["▁Hello", "<0x0A>", "</s>", "<0xE4>", "<0xB8>"],  # a special token inside the run
+        ["<0x0A>", "<0x0A>", "▁a", "<0xC3>", "<0xA9>"],
+    ],
+)
+def test_text_pieces_of_byte_fallback_tokens(pieces):
+    """A byte-fallback decoder turns every byte of a broken run into U+FFFD, a newline decoded before
+    too: the run's text waits for its end, so no piece is taken back and the pieces join to the text."""
+    tok = spm_tokenizer()
+    ids = tok.convert_tokens_to_ids(pieces)
+    tp = TextPieces(tok)
+    got = [tp.push(ids[:n]) for n in range(1, len(ids) + 1)] + [tp.finish(ids)]
+    assert "".join(got) == tok.decode(ids, skip_special_tokens=True)
+    assert not any(p.endswith(REPLACEMENT) for p in got[:-1])
+
+
+def test_stream_of_a_byte_fallback_tokenizer(monkeypatch):
+    """``stream`` ending on a broken byte run (max_new_tokens cut an emoji after a newline) gives the
+    text ``generate`` gives, not an error."""
+    from tiny_models import random_model
+
+    tok = spm_tokenizer()
+    model = random_model(dict(vocab_size=len(tok), max_position=64))
+    model.tokenizer = tok
+    ids = tok.convert_tokens_to_ids(["▁Hello", "<0x0A>", "<0xF0>"])
+    layerleap.get_method("greedy")
+    monkeypatch.setitem(METHODS, "scripted", Method("scripted", _scripted(ids, 1), False, False, False, "x"))
+    want = generate(model, [1, 2], "scripted", len(ids), stop_at_eos=False)
+    s = stream(model, [1, 2], "scripted", len(ids), stop_at_eos=False)
+    assert "".join(s) == s.result.text == want.text == "Hello" + REPLACEMENT * 2

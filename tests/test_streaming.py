@@ -14,6 +14,7 @@ from layerleap.drafters import medusa_transfer as drafters
 from layerleap.drafters.companion import truncated
 from layerleap.decoding import METHODS, GenerationError, Method
 from layerleap.streaming import REPLACEMENT, TextPieces
+from tiny_models import spm_tokenizer
 
 MULTIBYTE = "Café 中文 😀 naïve — ok"
 
@@ -259,23 +260,6 @@ def test_cli_generate_stream_prints_the_text(tiny_hf_dir, tiny, capsys):
     out = capsys.readouterr().out
     want = generate(tiny, "Hello there", "self-spec", 12, exit_layer=2, head="shared")
     assert rc == 0 and out.startswith(want.text + "\n") and "[self-spec] " in out
-
-
-def spm_tokenizer():
-    """A SentencePiece-style tokenizer (Llama 2's decoder: "▁" for spaces, byte-fallback tokens
-    ``<0xNN>`` for what the vocabulary lacks, the leading space stripped) over a handful of pieces."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    for piece in ("▁", "a", "b", "▁a", "▁Hello", "▁world", "."):
-        vocab[piece] = len(vocab)
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    core.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 @pytest.mark.parametrize(

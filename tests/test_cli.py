@@ -516,6 +516,25 @@ def test_demo_on_tiny_model(capsys, tiny_hf_dir, tmp_path):
     assert "<svg" in html.read_text()
 
 
+def test_demo_interrupted_in_its_bench(capsys, tiny_hf_dir, tmp_path, monkeypatch):
+    """Ctrl-C during the demo's bench: exit 130 with bench's line on the prompts it finished (its page
+    written), and no "demo finished" after it."""
+    real = bench.run_bench
+
+    def interrupted(*a, **kw):
+        result = real(*a, **kw)
+        result.interrupted = True  # as a KeyboardInterrupt inside run_bench leaves it
+        return result
+
+    monkeypatch.setattr(bench, "run_bench", interrupted)
+    html = tmp_path / "demo.html"
+    rc, out, err = cli(
+        capsys, "demo", "--model", tiny_hf_dir, "--max-new-tokens", 2, "--categories", "qa", "--html", html
+    )
+    assert rc == 130 and "demo finished" not in out and html.exists()
+    assert err.strip().splitlines()[-1].startswith("interrupted: ")
+
+
 def test_command_groups_and_duplicate_names(capsys):
     from layerleap import cli, commands
 

@@ -442,3 +442,28 @@ def test_a_model_without_a_tokenizer_is_refused_at_start():
     assert model.tokenizer is None
     with pytest.raises(LayerleapError, match="this model has no tokenizer: the server answers in text"):
         create_app(model, ServerConfig("t", method="greedy"))
+
+
+@pytest.mark.parametrize(
+    "pieces,stop,want",
+    [
+        (["▁Hello", "<0x0A>", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "▁a"], "\n", 2),
+        (["▁a", "<0x0A>", "<0xC3>", "<0xA9>", "<0x0A>", "b"], "é", 4),
+        (["▁a", "<0x0A>", "<0xC3>", "<0xA9>", "<0x0A>", "b"], "é\n", 5),
+    ],
+)
+def test_tokens_through_a_stop_string_in_a_byte_fallback_run(pieces, stop, want):
+    """A run of byte-fallback tokens decodes to U+FFFD while a character in it is incomplete, so the text
+    does not only grow with the tokens: the usage still counts the fewest tokens that hold the stop."""
+    from layerleap.core.run import GenerationResult
+    from layerleap.scheduler import Job, Settings
+    from tiny_models import spm_tokenizer
+
+    tok = spm_tokenizer()
+    ids = tok.convert_tokens_to_ids(pieces)
+    text = tok.decode(ids, skip_special_tokens=True)
+    job = Job([1], Settings("greedy"), [stop])
+    job.send(text)
+    job.done(GenerationResult(text, ids, {}, [1]), tok)
+    finish = [job.events.get_nowait() for _ in range(job.events.qsize())][-1][1]
+    assert finish.text == text[: text.index(stop)] and finish.completion_tokens == want

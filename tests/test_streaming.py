@@ -14,6 +14,7 @@ from layerleap.drafters import medusa_transfer as drafters
 from layerleap.drafters.companion import truncated
 from layerleap.decoding import METHODS, GenerationError, Method
 from layerleap.streaming import REPLACEMENT, TextPieces
+from tiny_models import spm_tokenizer
 
 MULTIBYTE = "Café 中文 😀 naïve — ok"
 
@@ -259,3 +260,40 @@ def test_cli_generate_stream_prints_the_text(tiny_hf_dir, tiny, capsys):
     out = capsys.readouterr().out
     want = generate(tiny, "Hello there", "self-spec", 12, exit_layer=2, head="shared")
     assert rc == 0 and out.startswith(want.text + "\n") and "[self-spec] " in out
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["▁Hello", "<0x0A>", "<0xF0>"],  # a newline, then an emoji cut by the end: both bytes decode to U+FFFD
+        ["▁Hello", "<0x0A>", "<0xF0>", "▁world"],  # ... cut by an ordinary token
+        ["▁Hello", "<0x0A>", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "▁a"],  # completed: the newline stays
+        ["▁Hello", "<0x0A>", "</s>", "<0xE4>", "<0xB8>"],  # a special token inside the run
+        ["<0x0A>", "<0x0A>", "▁a", "<0xC3>", "<0xA9>"],
+    ],
+)
+def test_text_pieces_of_byte_fallback_tokens(pieces):
+    """A byte-fallback decoder turns every byte of a broken run into U+FFFD, a newline decoded before
+    too: the run's text waits for its end, so no piece is taken back and the pieces join to the text."""
+    tok = spm_tokenizer()
+    ids = tok.convert_tokens_to_ids(pieces)
+    tp = TextPieces(tok)
+    got = [tp.push(ids[:n]) for n in range(1, len(ids) + 1)] + [tp.finish(ids)]
+    assert "".join(got) == tok.decode(ids, skip_special_tokens=True)
+    assert not any(p.endswith(REPLACEMENT) for p in got[:-1])
+
+
+def test_stream_of_a_byte_fallback_tokenizer(monkeypatch):
+    """``stream`` ending on a broken byte run (max_new_tokens cut an emoji after a newline) gives the
+    text ``generate`` gives, not an error."""
+    from tiny_models import random_model
+
+    tok = spm_tokenizer()
+    model = random_model(dict(vocab_size=len(tok), max_position=64))
+    model.tokenizer = tok
+    ids = tok.convert_tokens_to_ids(["▁Hello", "<0x0A>", "<0xF0>"])
+    layerleap.get_method("greedy")
+    monkeypatch.setitem(METHODS, "scripted", Method("scripted", _scripted(ids, 1), False, False, False, "x"))
+    want = generate(model, [1, 2], "scripted", len(ids), stop_at_eos=False)
+    s = stream(model, [1, 2], "scripted", len(ids), stop_at_eos=False)
+    assert "".join(s) == s.result.text == want.text == "Hello" + REPLACEMENT * 2

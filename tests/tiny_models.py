@@ -146,6 +146,23 @@ def save_char_tokenizer(folder) -> None:
     tok.save_pretrained(str(folder))
 
 
+def spm_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's decoder: "▁" for spaces, byte-fallback tokens
+    ``<0xNN>`` for what the vocabulary lacks, the leading space stripped) over a handful of pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "a", "b", "▁a", "▁Hello", "▁world", "."):
+        vocab[piece] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    core.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 def save_char_model(folder, seed: int = 0, **overrides):
     """A tiny random model (vocabulary 128) with the character tokenizer: a complete text model that
     loads in a fraction of a second."""

@@ -36,7 +36,7 @@ from .core.model import Transformer
 from .core.run import GenerationConfig, GenerationResult, row_generators
 from .decoding import Decoding, get_method
 from .errors import LayerleapError
-from .streaming import TextPieces
+from .streaming import BYTE_TOKEN, TextPieces
 
 
 @dataclass(frozen=True)
@@ -185,14 +185,23 @@ class Job:
         token by token would have made (a drafting round may have accepted tokens past it).  A stop string
         that ends in a character of several tokens is held through the token that completes it."""
         through = tokenizer.decode(toks, skip_special_tokens=True)[: self.stop.end]  # the text through the stop
+
+        def holds(n: int) -> bool:
+            return tokenizer.decode(toks[:n], skip_special_tokens=True).startswith(through)
+
         lo, hi = 1, len(toks)
         while lo < hi:  # the text only grows with the tokens: the first length whose text holds it all
             mid = (lo + hi) // 2
-            if tokenizer.decode(toks[:mid], skip_special_tokens=True).startswith(through):
+            if holds(mid):
                 hi = mid
             else:
                 lo = mid + 1
-        return hi
+        # but not inside a run of byte-fallback tokens, which decodes to U+FFFD while it is broken (a newline
+        # <0x0A> followed by an emoji's first byte): the fewest may be earlier in the run that ends at hi
+        start = hi - 1
+        while start > 0 and BYTE_TOKEN.fullmatch(str(tokenizer.convert_ids_to_tokens(int(toks[start - 1])))):
+            start -= 1
+        return next((n for n in range(start + 1, hi) if holds(n)), hi)
 
     def send_rest(self) -> None:
         rest = self.stop.finish()

@@ -4,16 +4,20 @@
 the text each round added; a drafting method that accepts several tokens in one round yields them
 as one piece.  The pieces join to exactly ``result.text``: a piece is cut from the decoding of all
 tokens so far, and a trailing incomplete UTF-8 character (which the tokenizer decodes as U+FFFD)
-is held back until the tokens that complete it arrive.
+is held back until the tokens that complete it arrive, and so is the text of a trailing run of
+byte-fallback tokens (``<0x0A>``), which a later byte can still turn into U+FFFD.
 """
 
 from __future__ import annotations
+
+import re
 
 from .decoding import Decoding
 from .core.run import GenerationError, GenerationResult
 from .core.model import Transformer
 
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token (SentencePiece-style vocabularies)
 
 
 class TextPieces:
@@ -31,10 +35,24 @@ class TextPieces:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def push(self, tokens: list[int]) -> str:
-        text = self._decode(tokens)
+        text = self._decode(tokens[: len(tokens) - self._unsettled(tokens)])
         if text.endswith(REPLACEMENT) or not text.startswith(self.sent):
             return ""  # an incomplete character (or a tokenizer that rewrote the tail): wait for more
         return self._take(text)
+
+    def _unsettled(self, tokens: list[int]) -> int:
+        """How many of the last ``tokens`` may still decode otherwise: a run of byte-fallback tokens (and
+        the tokens without text among them, special ones).  A byte-fallback decoder joins such a run
+        into one UTF-8 sequence and, when it is broken (a character cut by the end, or by the next
+        ordinary token), turns every byte of it into U+FFFD: a newline ``<0x0A>`` followed by the
+        first byte of an emoji decodes to two U+FFFD, not to the newline already decoded."""
+        n = len(tokens)
+        while n:
+            piece = self.tokenizer.convert_ids_to_tokens(int(tokens[n - 1]))
+            if not (isinstance(piece, str) and BYTE_TOKEN.fullmatch(piece)) and self._decode(tokens[n - 1 : n]):
+                break
+            n -= 1
+        return len(tokens) - n
 
     def finish(self, tokens: list[int]) -> str:
         text = self._decode(tokens)

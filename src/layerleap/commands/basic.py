@@ -994,5 +994,6 @@ def run_demo(args) -> int:
         config={"command": _command_line(args)},
     )
     rc = _finish(result, args.json, args.html)
-    print(f"demo finished in {time.perf_counter() - t0:.0f} s; the report: {Path(args.html).resolve()}")
+    if rc != 130:  # an interrupted bench said so, with the prompts it finished (its report holds those)
+        print(f"demo finished in {time.perf_counter() - t0:.0f} s; the report: {Path(args.html).resolve()}")
     return rc

@@ -602,7 +602,7 @@ class Transformer(nn.Module):
         if mod is None or not hasattr(mod, "final_logits") or self.norm.weight.dtype != torch.bfloat16:
             return None
         out = mod.final_logits(
-            h.reshape(rows, -1).contiguous(),
+            h.reshape(rows, h.shape[-1]).contiguous(),  # -1 cannot stand for D when there are no rows
             self.norm.weight,
             self.norm.eps,
             head.codes,

@@ -219,6 +219,18 @@ def test_int4_product_matches_its_dense_weight(rows):
 
 
 @needs_int4
+@needs_int4
+@pytest.mark.parametrize("bad", [-1, 97, 100, 127])  # past the table: in its padding rows, and past those
+def test_packed_rows_refuse_ids_outside_the_table(bad):
+    """A lookup of a row the table does not hold is refused, as ``nn.Embedding`` refuses it, not answered
+    with a padding row's zeros (or, for -1, the last row)."""
+    rows = quantize(_w(97, 64, 4))
+    for table in (Int4Weight(rows), kernels.quantize_q8(_w(97, 64, 4))):
+        assert torch.equal(table.rows(torch.tensor([0, 96])), table.rows(torch.tensor([[0], [96]])).view(2, 64))
+        with pytest.raises(IndexError, match=f"row ids \\[{bad}\\] are outside the table's 97 rows"):
+            table.rows(torch.tensor([[3, bad]]))
+
+
 def test_int4_refuses_an_input_size_off_the_group():
     with pytest.raises(kernels.KernelError, match="multiple of 32"):
         quantize(_w(8, 40, 0))

@@ -50,6 +50,22 @@ class KernelError(LayerleapError, ValueError):
     """A weight that a kernel cannot hold (wrong shape, device or dtype)."""
 
 
+class RowIndexError(KernelError, IndexError):
+    """Row ids outside a packed table (an embedding's token ids past its vocabulary), refused as
+    ``nn.Embedding`` refuses them: the padding rows past the table's end hold no row."""
+
+
+def _row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``ids`` (any shape) flat, as int64, each checked to be a row of a table of ``n`` rows."""
+    flat = ids.reshape(-1).long()
+    if flat.numel():
+        lo, hi = torch.aminmax(flat)
+        if int(lo) < 0 or int(hi) >= n:
+            bad = flat[(flat < 0) | (flat >= n)][:5].tolist()
+            raise RowIndexError(f"row ids {bad} are outside the table's {n} rows (ids 0..{n - 1})")
+    return flat
+
+
 class _DenseBackward(torch.autograd.Function):
     """``fmt(x)`` forward, ``grad @ fmt.dense()`` backward: the packed weight stays frozen."""
 
@@ -267,7 +283,7 @@ class Int8Rows:
         return self._values(self.codes, self.scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
+        flat = _row_ids(ids, self.out_features)
         return self._values(self.codes[flat], self.scale[flat]).to(torch.bfloat16).view(*ids.shape, self.in_features)
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -425,7 +441,7 @@ class Int4Weight(PackedWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized, ``[*ids.shape, K]`` bf16: an embedding lookup."""
-        flat = ids.reshape(-1)
+        flat = _row_ids(ids, self.out_features)
         codes = self._row_codes(flat)
         out = self._dequantize(codes, *self._scale_zero(flat)).to(torch.bfloat16)
         return out.view(*ids.shape, self.in_features)
@@ -706,7 +722,7 @@ class BlockWeight(PackedWeight):
 
     def dense_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``dense()[ids]`` for ids ``[n]`` (``[n, K]`` fp32, exact), unpacking only those rows."""
-        flat = ids.reshape(-1).long()
+        flat = _row_ids(ids, self.out_features)
         return self._dense_of(flat // BLOCK_ROWS, flat % BLOCK_ROWS)
 
     def take_rows(self, ids: torch.Tensor) -> "BlockWeight":
@@ -715,7 +731,7 @@ class BlockWeight(PackedWeight):
         dense copy."""
         if self.bits != 8:
             raise KernelError(f"take_rows takes 8-bit blocks, not {self.bits}-bit ones")
-        flat = ids.reshape(-1).long()
+        flat = _row_ids(ids, self.out_features)
         nb, lane = flat // BLOCK_ROWS, flat % BLOCK_ROWS
         scale, minimum = self._dm_of(nb, lane)  # [n, G] each, fp32, exact
         codes = self._blocked(self._codes_of(nb, lane), 8)
@@ -723,7 +739,7 @@ class BlockWeight(PackedWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized, ``[*ids.shape, K]`` bf16: an embedding lookup."""
-        flat = ids.reshape(-1)
+        flat = _row_ids(ids, self.out_features)
         nb, lane = flat // BLOCK_ROWS, flat % BLOCK_ROWS
         out = self._dense_of(nb, lane).to(torch.bfloat16)
         return out.view(*ids.shape, self.in_features)

@@ -185,6 +185,23 @@ def test_padded_row_counts_beyond_the_measured_ones_are_measured_again(monkeypat
 
 
 # -- 4-bit groups -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("env,value", [("LAYERLEAP_Q4_KERNEL", "block"), ("LAYERLEAP_KERNELS", "oneDNNs")])
+def test_a_misspelt_kernel_override_is_refused_not_measured(monkeypatch, tmp_path, env, value):
+    """A value of ``$LAYERLEAP_Q4_KERNEL`` or ``$LAYERLEAP_KERNELS`` that names no kernel is refused with
+    the names it takes, not left to the measurement to overrule unnoticed; the names themselves, in any
+    case, and an empty value (measured) are taken."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_measure_q4_format", lambda: pytest.fail("measured despite the override"))
+    monkeypatch.setattr(kernels, "_measure_format", lambda dtype: pytest.fail("measured despite the override"))
+    monkeypatch.setenv(env, value)
+    with pytest.raises(kernels.KernelError, match=f"{env} must be .* got '{value.lower()}'"):
+        kernels.q4_format() if env == kernels.Q4_ENV else kernels.dense_format(torch.float32, torch.device("cpu"))
+    monkeypatch.setenv(kernels.Q4_ENV, " Torch ")
+    monkeypatch.setenv(kernels.KERNEL_ENV, "DENSE")
+    assert kernels.dense_format(torch.float32, torch.device("cpu")) == "dense"
+    assert kernels.q4_format() in ("torch", "blocks")  # torch where its kernel runs here, else the only one
+
+
 def test_quantize_is_min_max_per_group():
     w = _w(8, 64, 6)
     r = quantize(w)

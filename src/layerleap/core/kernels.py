@@ -932,6 +932,15 @@ def padded_rows(seconds: dict[int, float], margin: float = 0.05) -> tuple[int, .
 KERNEL_ENV = "LAYERLEAP_KERNELS"  # "onednn" or "dense": skip the measurement
 
 
+def _forced(env: str, choices: tuple[str, ...]) -> str:
+    """``$env``'s kernel (one of ``choices``), or "" where it is unset or empty; any other value is
+    refused (a misspelt name would otherwise leave the measurement to choose, unnoticed)."""
+    value = os.environ.get(env, "").strip().lower()
+    if value and value not in choices:
+        raise KernelError(f"{env} must be {' or '.join(choices)} (or unset: measured), got {value!r}")
+    return value
+
+
 def _onednn_key(dtype: torch.dtype) -> str:
     return (
         f"{cpu_signature()} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | "
@@ -976,8 +985,8 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
     a second) and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_KERNELS`` overrides."""
     if device.type != "cpu" or dtype not in ONEDNN_DTYPES or not ONEDNN:
         return "dense"
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
-    if forced in ("onednn", "dense"):
+    forced = _forced(KERNEL_ENV, ("onednn", "dense"))
+    if forced:
         return forced
     entry = _remembered(
         _onednn_key(dtype),
@@ -1002,8 +1011,8 @@ def draft_head_rows(weight: torch.Tensor) -> int:
         return 0  # an accelerator: one product over every row
     if weight.dtype not in ONEDNN_DTYPES or not ONEDNN:
         return 1 << 30
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
-    if forced in ("onednn", "dense"):
+    forced = _forced(KERNEL_ENV, ("onednn", "dense"))
+    if forced:
         return 0 if forced == "onednn" else 1 << 30
     K, D = weight.shape
     if K * D < DRAFT_HEAD_MEASURED:
@@ -1066,7 +1075,7 @@ def _q8_measurable(weights: list[torch.Tensor]) -> bool:
         and all(w.device.type == "cpu" and w.dim() == 2 and w.shape[1] % GROUP == 0 for w in weights)
         and weights[0].dtype in ONEDNN_DTYPES
         and blocks_available()
-        and os.environ.get(KERNEL_ENV, "").strip().lower() not in ("onednn", "dense")
+        and not _forced(KERNEL_ENV, ("onednn", "dense"))
     )
 
 
@@ -1197,7 +1206,7 @@ def q4_format() -> str:
     and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_Q4_KERNEL`` overrides.  The block kernel
     forced or remembered needs no check of torch's kernel (its trial product maps about 7 MB of
     torch's code that a load with the block kernel never runs)."""
-    forced = os.environ.get(Q4_ENV, "").strip().lower()
+    forced = _forced(Q4_ENV, ("blocks", "torch"))
     have_blocks = blocks_available()
     if have_blocks and (forced == "blocks" or not forced and _q4_ok(_known().get(_q4_key())) == "blocks"):
         return "blocks"

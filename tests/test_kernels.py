@@ -202,6 +202,18 @@ def test_a_misspelt_kernel_override_is_refused_not_measured(monkeypatch, tmp_pat
     assert kernels.q4_format() in ("torch", "blocks")  # torch where its kernel runs here, else the only one
 
 
+@pytest.mark.parametrize("text", ["", "{", '{"a": 1', "[" * 100_000, "\udcff"])
+def test_a_damaged_choice_file_is_measured_again(monkeypatch, tmp_path, text):
+    """A kernels.json cut short, not JSON, not text, or nested past the parser's depth counts as no
+    choice: measured again and written whole."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    (tmp_path / "kernels.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    monkeypatch.setattr(kernels, "_measure_format", lambda dtype: {"choice": "dense", "timing": kernels.TIMING})
+    assert kernels.dense_format(torch.float32, torch.device("cpu")) == "dense"
+    assert json.loads((tmp_path / "kernels.json").read_text())[kernels._onednn_key(torch.float32)]["choice"] == "dense"
+
+
 def test_quantize_is_min_max_per_group():
     w = _w(8, 64, 6)
     r = quantize(w)

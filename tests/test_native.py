@@ -338,6 +338,24 @@ def test_layer_args_follow_a_change_of_format():
     assert all(w.dtype == torch.bfloat16 for w in moved[0])  # the norms too
 
 
+@pytest.mark.parametrize("fmt", ["dense", "q4"])
+def test_a_norm_weight_assigned_anew_reaches_the_native_layers(fmt, monkeypatch):
+    """A layer norm given a new weight (assigned, not copied into) after the native layers ran: their next
+    call reads the new weight, as the Python path does, not the one they were first given."""
+    m = _in_format(random_model("llama-gqa-tied", seed=2), fmt)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        m(ids, cache=m.new_cache(1, 8))  # the native layers' arguments are made and kept
+    for norm in (m.layers[0].attn_norm, m.layers[1].mlp_norm):
+        norm.weight = torch.nn.Parameter(norm.weight.detach() * 3, requires_grad=False)
+        with torch.inference_mode():
+            got = m(ids, cache=m.new_cache(1, 8))
+            monkeypatch.setattr(model_mod, "_native_ok", lambda h, lengths: False)
+            want = m(ids, cache=m.new_cache(1, 8))
+            monkeypatch.undo()
+        assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
 def test_rms_norm_of_a_few_bf16_rows_is_one_native_call_with_the_same_bits(monkeypatch):
     """``RMSNorm`` on up to ``NATIVE_NORM_ROWS`` bf16 rows on a CPU outside autograd is decoder.cpp's

@@ -37,6 +37,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":
+            native.formats_changed()  # the native layers' argument lists hold the weight (``native.layer_args``)
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        native.formats_changed()  # a moved or cast weight may be a new tensor
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # as Hugging Face's LlamaRMSNorm: normalise in fp32, cast back, then scale.  In fp32 the fused
         # F.rms_norm is bitwise equal to weight * (x * rsqrt(mean(x^2) + eps)) and one kernel.

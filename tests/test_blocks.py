@@ -171,6 +171,31 @@ def test_codes_scales_and_lookups_are_exact():
     assert torch.equal(b8.rows(torch.tensor([20, 3])), e.rows(torch.tensor([20, 3])))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_rows_refuse_ids_outside_the_table(bits):
+    """Ids past a block table's rows (in its last block's padding, or negative) are refused, not
+    looked up as a padding row's zeros."""
+    w = _weight(bits, 37, 64, 3)
+    for ids in ([0, 37], [40], [-1]):
+        for lookup in (w.rows, w.dense_rows):
+            with pytest.raises(IndexError, match="outside the table.s 37 rows"):
+                lookup(torch.tensor(ids))
+    assert torch.equal(w.dense_rows(torch.tensor([36, 0])), w.dense()[[36, 0]])
+
+
+def test_a_q4_model_refuses_token_ids_past_its_vocabulary_as_a_dense_one_does(monkeypatch):
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    base = random_model("llama-gqa-tied", seed=3)
+    q4 = quantize_model(base)
+    V = base.config.vocab_size
+    assert isinstance(q4.tok_embeddings.packed, BlockWeight) and V % 16
+    with torch.inference_mode():
+        for ids in ([[V]], [[1, V + 2]], [[-1]], [[5] * 8 + [V]]):  # a decoding step's lookup and a prompt's
+            for m in (base, q4):
+                with pytest.raises(IndexError):
+                    m(torch.tensor(ids))
+
+
 def test_rows_taken_from_8bit_blocks_are_those_rows_exactly(monkeypatch):
     """``take_rows`` keeps the rows' own codes and scales (any ids, repeated, across blocks, an odd
     count), so its product is the rows' product bit for bit; 4-bit blocks are refused.  A q4 model's

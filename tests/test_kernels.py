@@ -185,6 +185,35 @@ def test_padded_row_counts_beyond_the_measured_ones_are_measured_again(monkeypat
 
 
 # -- 4-bit groups -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("env,value", [("LAYERLEAP_Q4_KERNEL", "block"), ("LAYERLEAP_KERNELS", "oneDNNs")])
+def test_a_misspelt_kernel_override_is_refused_not_measured(monkeypatch, tmp_path, env, value):
+    """A value of ``$LAYERLEAP_Q4_KERNEL`` or ``$LAYERLEAP_KERNELS`` that names no kernel is refused with
+    the names it takes, not left to the measurement to overrule unnoticed; the names themselves, in any
+    case, and an empty value (measured) are taken."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_measure_q4_format", lambda: pytest.fail("measured despite the override"))
+    monkeypatch.setattr(kernels, "_measure_format", lambda dtype: pytest.fail("measured despite the override"))
+    monkeypatch.setenv(env, value)
+    with pytest.raises(kernels.KernelError, match=f"{env} must be .* got '{value.lower()}'"):
+        kernels.q4_format() if env == kernels.Q4_ENV else kernels.dense_format(torch.float32, torch.device("cpu"))
+    monkeypatch.setenv(kernels.Q4_ENV, " Torch ")
+    monkeypatch.setenv(kernels.KERNEL_ENV, "DENSE")
+    assert kernels.dense_format(torch.float32, torch.device("cpu")) == "dense"
+    assert kernels.q4_format() in ("torch", "blocks")  # torch where its kernel runs here, else the only one
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"a": 1', "[" * 100_000, "\udcff"])
+def test_a_damaged_choice_file_is_measured_again(monkeypatch, tmp_path, text):
+    """A kernels.json cut short, not JSON, not text, or nested past the parser's depth counts as no
+    choice: measured again and written whole."""
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    (tmp_path / "kernels.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    monkeypatch.setattr(kernels, "_measure_format", lambda dtype: {"choice": "dense", "timing": kernels.TIMING})
+    assert kernels.dense_format(torch.float32, torch.device("cpu")) == "dense"
+    assert json.loads((tmp_path / "kernels.json").read_text())[kernels._onednn_key(torch.float32)]["choice"] == "dense"
+
+
 def test_quantize_is_min_max_per_group():
     w = _w(8, 64, 6)
     r = quantize(w)
@@ -219,6 +248,18 @@ def test_int4_product_matches_its_dense_weight(rows):
 
 
 @needs_int4
+@needs_int4
+@pytest.mark.parametrize("bad", [-1, 97, 100, 127])  # past the table: in its padding rows, and past those
+def test_packed_rows_refuse_ids_outside_the_table(bad):
+    """A lookup of a row the table does not hold is refused, as ``nn.Embedding`` refuses it, not answered
+    with a padding row's zeros (or, for -1, the last row)."""
+    rows = quantize(_w(97, 64, 4))
+    for table in (Int4Weight(rows), kernels.quantize_q8(_w(97, 64, 4))):
+        assert torch.equal(table.rows(torch.tensor([0, 96])), table.rows(torch.tensor([[0], [96]])).view(2, 64))
+        with pytest.raises(IndexError, match=f"row ids \\[{bad}\\] are outside the table's 97 rows"):
+            table.rows(torch.tensor([[3, bad]]))
+
+
 def test_int4_refuses_an_input_size_off_the_group():
     with pytest.raises(kernels.KernelError, match="multiple of 32"):
         quantize(_w(8, 40, 0))

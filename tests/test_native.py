@@ -338,6 +338,24 @@ def test_layer_args_follow_a_change_of_format():
     assert all(w.dtype == torch.bfloat16 for w in moved[0])  # the norms too
 
 
+@pytest.mark.parametrize("fmt", ["dense", "q4"])
+def test_a_norm_weight_assigned_anew_reaches_the_native_layers(fmt, monkeypatch):
+    """A layer norm given a new weight (assigned, not copied into) after the native layers ran: their next
+    call reads the new weight, as the Python path does, not the one they were first given."""
+    m = _in_format(random_model("llama-gqa-tied", seed=2), fmt)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        m(ids, cache=m.new_cache(1, 8))  # the native layers' arguments are made and kept
+    for norm in (m.layers[0].attn_norm, m.layers[1].mlp_norm):
+        norm.weight = torch.nn.Parameter(norm.weight.detach() * 3, requires_grad=False)
+        with torch.inference_mode():
+            got = m(ids, cache=m.new_cache(1, 8))
+            monkeypatch.setattr(model_mod, "_native_ok", lambda h, lengths: False)
+            want = m(ids, cache=m.new_cache(1, 8))
+            monkeypatch.undo()
+        assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
 def test_rms_norm_of_a_few_bf16_rows_is_one_native_call_with_the_same_bits(monkeypatch):
     """``RMSNorm`` on up to ``NATIVE_NORM_ROWS`` bf16 rows on a CPU outside autograd is decoder.cpp's
@@ -464,3 +482,20 @@ def test_native_logits_equal_the_final_norm_and_the_head(monkeypatch):
         assert q4._native_logits(h) is None and torch.equal(q4.logits(h), q4.unembed(q4.final_norm(h)))
     with torch.enable_grad():
         assert q4._native_logits(torch.randn(1, 1, D).to(torch.bfloat16)) is None
+
+
+@pytest.mark.skipif(not kernels.blocks_available(), reason="no native block kernel")
+def test_logits_of_no_rows_are_empty_with_a_block_head(monkeypatch):
+    """A call over no new tokens (``logits_from`` past the last, an empty id row) gives empty logits with a
+    block LM head too, as every other head gives them."""
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    q4 = quantize_model(random_model("llama-gqa-tied", seed=5))
+    assert isinstance(q4.lm_head.packed, kernels.BlockWeight)
+    V, D = q4.config.vocab_size, q4.config.hidden_size
+    with torch.inference_mode():
+        for shape in ((1, 0, D), (2, 0, D), (0, D)):
+            h = torch.zeros(shape, dtype=torch.bfloat16)
+            assert q4.logits(h).shape == (*shape[:-1], V)
+        assert q4(torch.tensor([[1, 2, 3]]), logits_from=3).shape == (1, 0, V)
+        cache = q4.new_cache(1, 8)
+        assert q4(torch.zeros(1, 0, dtype=torch.long), cache=cache).shape == (1, 0, V)

@@ -50,6 +50,22 @@ class KernelError(LayerleapError, ValueError):
     """A weight that a kernel cannot hold (wrong shape, device or dtype)."""
 
 
+class RowIndexError(KernelError, IndexError):
+    """Row ids outside a packed table (an embedding's token ids past its vocabulary), refused as
+    ``nn.Embedding`` refuses them: the padding rows past the table's end hold no row."""
+
+
+def _row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``ids`` (any shape) flat, as int64, each checked to be a row of a table of ``n`` rows."""
+    flat = ids.reshape(-1).long()
+    if flat.numel():
+        lo, hi = torch.aminmax(flat)
+        if int(lo) < 0 or int(hi) >= n:
+            bad = flat[(flat < 0) | (flat >= n)][:5].tolist()
+            raise RowIndexError(f"row ids {bad} are outside the table's {n} rows (ids 0..{n - 1})")
+    return flat
+
+
 class _DenseBackward(torch.autograd.Function):
     """``fmt(x)`` forward, ``grad @ fmt.dense()`` backward: the packed weight stays frozen."""
 
@@ -267,7 +283,7 @@ class Int8Rows:
         return self._values(self.codes, self.scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
+        flat = _row_ids(ids, self.out_features)
         return self._values(self.codes[flat], self.scale[flat]).to(torch.bfloat16).view(*ids.shape, self.in_features)
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -425,7 +441,7 @@ class Int4Weight(PackedWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized, ``[*ids.shape, K]`` bf16: an embedding lookup."""
-        flat = ids.reshape(-1)
+        flat = _row_ids(ids, self.out_features)
         codes = self._row_codes(flat)
         out = self._dequantize(codes, *self._scale_zero(flat)).to(torch.bfloat16)
         return out.view(*ids.shape, self.in_features)
@@ -706,7 +722,7 @@ class BlockWeight(PackedWeight):
 
     def dense_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``dense()[ids]`` for ids ``[n]`` (``[n, K]`` fp32, exact), unpacking only those rows."""
-        flat = ids.reshape(-1).long()
+        flat = _row_ids(ids, self.out_features)
         return self._dense_of(flat // BLOCK_ROWS, flat % BLOCK_ROWS)
 
     def take_rows(self, ids: torch.Tensor) -> "BlockWeight":
@@ -715,7 +731,7 @@ class BlockWeight(PackedWeight):
         dense copy."""
         if self.bits != 8:
             raise KernelError(f"take_rows takes 8-bit blocks, not {self.bits}-bit ones")
-        flat = ids.reshape(-1).long()
+        flat = _row_ids(ids, self.out_features)
         nb, lane = flat // BLOCK_ROWS, flat % BLOCK_ROWS
         scale, minimum = self._dm_of(nb, lane)  # [n, G] each, fp32, exact
         codes = self._blocked(self._codes_of(nb, lane), 8)
@@ -723,7 +739,7 @@ class BlockWeight(PackedWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized, ``[*ids.shape, K]`` bf16: an embedding lookup."""
-        flat = ids.reshape(-1)
+        flat = _row_ids(ids, self.out_features)
         nb, lane = flat // BLOCK_ROWS, flat % BLOCK_ROWS
         out = self._dense_of(nb, lane).to(torch.bfloat16)
         return out.view(*ids.shape, self.in_features)
@@ -916,6 +932,15 @@ def padded_rows(seconds: dict[int, float], margin: float = 0.05) -> tuple[int, .
 KERNEL_ENV = "LAYERLEAP_KERNELS"  # "onednn" or "dense": skip the measurement
 
 
+def _forced(env: str, choices: tuple[str, ...]) -> str:
+    """``$env``'s kernel (one of ``choices``), or "" where it is unset or empty; any other value is
+    refused (a misspelt name would otherwise leave the measurement to choose, unnoticed)."""
+    value = os.environ.get(env, "").strip().lower()
+    if value and value not in choices:
+        raise KernelError(f"{env} must be {' or '.join(choices)} (or unset: measured), got {value!r}")
+    return value
+
+
 def _onednn_key(dtype: torch.dtype) -> str:
     return (
         f"{cpu_signature()} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | "
@@ -927,7 +952,7 @@ def _known() -> dict:
     """``<cache>/kernels.json``: the choices measured so far ({} when there is none or it is unreadable)."""
     try:
         known = json.loads((cache_root() / "kernels.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: brackets nested past the parser's depth
         known = {}
     return known if isinstance(known, dict) else {}
 
@@ -960,8 +985,8 @@ def dense_format(dtype: torch.dtype, device: torch.device) -> str:
     a second) and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_KERNELS`` overrides."""
     if device.type != "cpu" or dtype not in ONEDNN_DTYPES or not ONEDNN:
         return "dense"
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
-    if forced in ("onednn", "dense"):
+    forced = _forced(KERNEL_ENV, ("onednn", "dense"))
+    if forced:
         return forced
     entry = _remembered(
         _onednn_key(dtype),
@@ -986,8 +1011,8 @@ def draft_head_rows(weight: torch.Tensor) -> int:
         return 0  # an accelerator: one product over every row
     if weight.dtype not in ONEDNN_DTYPES or not ONEDNN:
         return 1 << 30
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
-    if forced in ("onednn", "dense"):
+    forced = _forced(KERNEL_ENV, ("onednn", "dense"))
+    if forced:
         return 0 if forced == "onednn" else 1 << 30
     K, D = weight.shape
     if K * D < DRAFT_HEAD_MEASURED:
@@ -1050,7 +1075,7 @@ def _q8_measurable(weights: list[torch.Tensor]) -> bool:
         and all(w.device.type == "cpu" and w.dim() == 2 and w.shape[1] % GROUP == 0 for w in weights)
         and weights[0].dtype in ONEDNN_DTYPES
         and blocks_available()
-        and os.environ.get(KERNEL_ENV, "").strip().lower() not in ("onednn", "dense")
+        and not _forced(KERNEL_ENV, ("onednn", "dense"))
     )
 
 
@@ -1181,7 +1206,7 @@ def q4_format() -> str:
     and remembered in ``<cache>/kernels.json``; ``$LAYERLEAP_Q4_KERNEL`` overrides.  The block kernel
     forced or remembered needs no check of torch's kernel (its trial product maps about 7 MB of
     torch's code that a load with the block kernel never runs)."""
-    forced = os.environ.get(Q4_ENV, "").strip().lower()
+    forced = _forced(Q4_ENV, ("blocks", "torch"))
     have_blocks = blocks_available()
     if have_blocks and (forced == "blocks" or not forced and _q4_ok(_known().get(_q4_key())) == "blocks"):
         return "blocks"

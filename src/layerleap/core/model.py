@@ -37,6 +37,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":
+            native.formats_changed()  # the native layers' argument lists hold the weight (``native.layer_args``)
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        native.formats_changed()  # a moved or cast weight may be a new tensor
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # as Hugging Face's LlamaRMSNorm: normalise in fp32, cast back, then scale.  In fp32 the fused
         # F.rms_norm is bitwise equal to weight * (x * rsqrt(mean(x^2) + eps)) and one kernel.
@@ -602,7 +611,7 @@ class Transformer(nn.Module):
         if mod is None or not hasattr(mod, "final_logits") or self.norm.weight.dtype != torch.bfloat16:
             return None
         out = mod.final_logits(
-            h.reshape(rows, -1).contiguous(),
+            h.reshape(rows, h.shape[-1]).contiguous(),  # -1 cannot stand for D when there are no rows
             self.norm.weight,
             self.norm.eps,
             head.codes,

@@ -216,8 +216,9 @@ _CHANGES = 0  # how many times a projection's weight or format may have changed 
 
 
 def formats_changed() -> None:
-    """Note that a projection's weight, bias or packed format may have changed (``model.Linear`` calls it
-    on every such assignment and move): ``layer_args`` then checks its lists again."""
+    """Note that a projection's weight, bias or packed format, or a norm's weight, may have changed
+    (``model.Linear`` and ``model.RMSNorm`` call it on every such assignment and move): ``layer_args``
+    then checks its lists again."""
     global _CHANGES
     _CHANGES += 1
 
@@ -260,12 +261,14 @@ def layer_args(model, start: int, end: int):
     formats = tuple(map(_PACKED, lins))
     if None in formats:
         formats = tuple(p if p is not None else lin._parameters["weight"] for p, lin in zip(formats, lins))
+    # and the norms' weights: one assigned anew (``model.RMSNorm`` notes it) is passed anew
+    norms = [w for blk in blocks for w in (blk.attn_norm.weight, blk.mlp_norm.weight)]
+    formats += tuple(norms)
     held = store.get((start, end))
     if held is None or len(held[0]) != len(formats) or not all(map(operator.is_, held[0], formats)):
         projs = [_projection(lin) for lin in lins]
         args = None
         if all(p is not None for p in projs):
-            norms = [w for blk in model.layers[start:end] for w in (blk.attn_norm.weight, blk.mlp_norm.weight)]
             args = (norms, *map(list, zip(*(entry for p in projs for entry in p))))
         store[(start, end)] = held = (formats, args)
     store[("quick", start, end)] = (changes, blocks, held[1])

@@ -116,6 +116,20 @@ def test_every_path_equals_portable_path_bit_for_bit(bits, half, fine):
 
 
 @pytest.mark.parametrize("fine", [True, False])
+def test_a_nan_activation_gives_a_nan_row_on_every_path(fine):
+    """A NaN in one input (an overflow inside a layer) makes that row NaN, as the dense product does: the
+    rounding's group maximum skips a NaN, so it must not be read as a finite value."""
+    mod = kernels._native_blocks()
+    w = _weight(4, 33, 96, 5)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(9))
+    x[1, 5] = float("nan")
+    for path in _paths():
+        got = mod.block_matmul(x, w.codes, w.dm, w.out_features, fine, path)
+        assert torch.isnan(got[1]).all(), path
+        assert torch.isfinite(got[0]).all() and torch.isfinite(got[2]).all(), path
+
+
+@pytest.mark.parametrize("fine", [True, False])
 def test_vector_rounding_of_activations_equals_the_portable_one(fine):
     """The vector paths round activations with their own instructions, the portable path with scalar
     code: equal bits for groups of zeros, ties at half a step, outliers, tiny and huge magnitudes."""

@@ -1347,7 +1347,9 @@ template <typename X>
 static inline void quantize_group512(const X* xr, int32_t qmax, bool fine, int8_t* q, QX& out, int64_t r) {
   const __m512 x0 = act16(xr), x1 = act16(xr + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-  const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
+  // a NaN input makes the group's scale NaN (the max above skips it): the products it enters are NaN
+  const bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
+  const float d = nan ? NAN : amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
   const __m512i hi = _mm512_set1_epi32(qmax), lo = _mm512_set1_epi32(-qmax);
   auto round = [&](__m512 v) {
     return _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvt_roundps_epi32(
@@ -1418,7 +1420,11 @@ __attribute__((noinline)) static void quantize_group256(const X* xr, int32_t qma
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const float amax = _mm_cvtss_f32(m4);
-  const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
+  // a NaN input makes the group's scale NaN (the max above skips it): the products it enters are NaN
+  const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q), _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q)),
+                                 _mm256_or_ps(_mm256_cmp_ps(x2, x2, _CMP_UNORD_Q), _mm256_cmp_ps(x3, x3, _CMP_UNORD_Q)));
+  const bool nan = _mm256_movemask_ps(un) != 0;
+  const float d = nan ? NAN : amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
   const __m256i hi = _mm256_set1_epi32(qmax), lo = _mm256_set1_epi32(-qmax);
   const __m256 vid = _mm256_set1_ps(id);
   auto round = [&](__m256 v) {
@@ -1482,8 +1488,13 @@ static void quantize_rows(const X* x, int64_t M, int64_t K, bool fine, QX& out, 
       }
 #endif
       float amax = 0.0f;
-      for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(act(xr, j)));
-      const float d = amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
+      bool nan = false;  // a NaN input makes the group's scale NaN (std::max skips it): its products are NaN
+      for (int j = 0; j < 32; j++) {
+        const float v = act(xr, j);
+        amax = std::max(amax, std::fabs(v));
+        nan |= std::isnan(v);
+      }
+      const float d = nan ? NAN : amax / static_cast<float>(qmax), id = amax > 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
       int8_t* q = &out.q[r * 64];
       int32_t sum = 0;
       for (int j = 0; j < 32; j++) {

@@ -1,4 +1,5 @@
-"""Packaging: every package the library imports is declared (a dependency or an extra)."""
+"""Packaging: every package the library imports is declared (a dependency or an extra), and a command
+whose extra is not installed says which one before it loads a model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import re
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+
+from layerleap.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "layerleap"
@@ -52,3 +57,13 @@ def test_every_imported_package_is_declared_in_pyproject():
         if not dists & declared:
             undeclared.append(f"{module} ({where}; distribution {', '.join(sorted(dists))})")
     assert not undeclared, "imported but not declared in pyproject.toml: " + "; ".join(undeclared)
+
+
+@pytest.mark.parametrize("module", ["prometheus_client", "uvicorn"])
+def test_serve_without_a_package_of_its_extra_names_the_extra(monkeypatch, capsys, char_model_dir, module):
+    """Checked before the model loads: not a traceback once it has."""
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ModuleNotFoundError
+    rc = main(["serve", "--model", str(char_model_dir), "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert f"layerleap serve needs {module}: pip install 'layerleap[serve]'" in err.strip().splitlines()[-1]

@@ -1,11 +1,15 @@
-"""Packaging: every package the library imports is declared (a dependency or an extra), and a command
-whose extra is not installed says which one before it loads a model."""
+"""Packaging and CI: every package the library imports is declared (a dependency or an extra), a command
+whose extra is not installed says which one before it loads a model, and ``.ci/run`` and the Makefile fail
+where a tool the tests need is missing instead of letting its tests skip."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import re
+import shutil
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -67,3 +71,59 @@ def test_serve_without_a_package_of_its_extra_names_the_extra(monkeypatch, capsy
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert f"layerleap serve needs {module}: pip install 'layerleap[serve]'" in err.strip().splitlines()[-1]
+
+
+def _fake_bin(folder: Path, **scripts: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, body in scripts.items():
+        f = folder / name.replace("_", "-")
+        f.write_text("#!/bin/sh\n" + body + "\n")
+        f.chmod(0o755)
+    return folder
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("required", ["", "1"])
+def test_make_native_fails_where_the_native_layers_are_required(tmp_path, required):
+    """Where the build fails (here: no compiler), `make native` goes on with the Python path, except
+    under LAYERLEAP_REQUIRE_NATIVE=1 (CI), where the native tests would otherwise all skip."""
+    venv = tmp_path / "venv"
+    _fake_bin(venv / "bin", layerleap="echo 'layerleap native: error: no C++ compiler' >&2; exit 2")
+    (venv / ".installed").touch()
+    r = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), f"VENV={venv}", "-o", str(venv / ".installed"), "native"],
+        env={**os.environ, "LAYERLEAP_REQUIRE_NATIVE": required},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (r.returncode != 0) == (required == "1"), r.stdout + r.stderr
+    assert ("runs its Python path" in r.stdout) == (required != "1")
+
+
+@pytest.mark.parametrize("apt_fails", [False, True])
+def test_ci_installs_what_it_needs_requires_it_and_runs_the_readme_test_command(tmp_path, apt_fails):
+    """.ci/run with neither Chromium nor a C++ compiler on PATH: it installs both, runs `make test` with both
+    required, and stops at the first failing step."""
+    log = tmp_path / "log"
+    fake = _fake_bin(
+        tmp_path / "bin",
+        apt_get=f'echo "apt-get $*" >> {log}' + ("; exit 100" if apt_fails else ""),
+        make=f'echo "make $* $LAYERLEAP_REQUIRE_CHROMIUM $LAYERLEAP_REQUIRE_NATIVE" >> {log}',
+    )
+    (fake / "dirname").symlink_to(shutil.which("dirname"))
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    r = subprocess.run(
+        [shutil.which("bash"), str(ROOT / ".ci" / "run")],
+        env={**env, "PATH": str(fake)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = log.read_text().splitlines()
+    install = "apt-get install -y -qq --no-install-recommends chromium g++"
+    if apt_fails:
+        assert r.returncode != 0 and lines == ["apt-get update -qq"], (lines, r.stderr)
+    else:
+        assert r.returncode == 0, r.stderr
+        assert lines == ["apt-get update -qq", install, "make test 1 1"]

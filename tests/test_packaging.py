@@ -63,6 +63,18 @@ def test_every_imported_package_is_declared_in_pyproject():
     assert not undeclared, "imported but not declared in pyproject.toml: " + "; ".join(undeclared)
 
 
+def test_every_data_file_in_the_package_is_package_data():
+    """The files the code reads beside its modules (shipped weights, Spec-Bench, calibration, the C++ source
+    the native layers build from) are in the wheel only where pyproject.toml's package-data names them."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["layerleap"]
+    shipped = {f for pattern in patterns for f in SRC.glob(pattern) if f.is_file()}
+    data = {
+        f for f in SRC.rglob("*") if f.is_file() and f.suffix not in (".py", ".pyc") and "__pycache__" not in f.parts
+    }
+    assert {f.relative_to(SRC) for f in data} - {f.relative_to(SRC) for f in shipped} == set()
+    assert any(f.name == "decoder.cpp" for f in shipped) and any(f.name == "question.jsonl" for f in shipped)
+
+
 @pytest.mark.parametrize("module", ["prometheus_client", "uvicorn"])
 def test_serve_without_a_package_of_its_extra_names_the_extra(monkeypatch, capsys, char_model_dir, module):
     """Checked before the model loads: not a traceback once it has."""

@@ -26,11 +26,15 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _name(requirement: str) -> str:
+    return _canonical(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement).group())
+
+
 def _declared() -> set[str]:
     """The distributions pyproject.toml names: its dependencies and every extra's."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
-    return {_canonical(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r).group()) for r in reqs}
+    return {_name(r) for r in reqs}
 
 
 def _imported() -> dict[str, str]:
@@ -61,6 +65,19 @@ def test_every_imported_package_is_declared_in_pyproject():
         if not dists & declared:
             undeclared.append(f"{module} ({where}; distribution {', '.join(sorted(dists))})")
     assert not undeclared, "imported but not declared in pyproject.toml: " + "; ".join(undeclared)
+
+
+# the oldest versions found to work with the newest of the others (numpy 2): a lower bound below one admits
+# an install that fails at run time
+OLDEST_WORKING = {"gguf": (0, 13)}  # gguf 0.10 and 0.11 read no GGUF file under numpy 2 (ndarray.newbyteorder)
+
+
+@pytest.mark.parametrize("name", sorted(OLDEST_WORKING))
+def test_a_dependency_s_lower_bound_is_a_version_that_works(name):
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    bounds = [re.search(r">=\s*([0-9.]+)", r) for r in project["dependencies"] if _name(r) == name]
+    assert len(bounds) == 1 and bounds[0], f"pyproject.toml declares no lower bound for {name}"
+    assert tuple(int(x) for x in bounds[0].group(1).split(".")) >= OLDEST_WORKING[name]
 
 
 def test_every_data_file_in_the_package_is_package_data():

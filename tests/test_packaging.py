@@ -125,7 +125,10 @@ def test_make_native_fails_where_the_native_layers_are_required(tmp_path, requir
     (venv / ".installed").touch()
     r = subprocess.run(
         ["make", "-s", "-C", str(ROOT), f"VENV={venv}", "-o", str(venv / ".installed"), "native"],
-        env={**os.environ, "LAYERLEAP_REQUIRE_NATIVE": required},
+        env={
+            **{k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")},  # not make test's
+            "LAYERLEAP_REQUIRE_NATIVE": required,
+        },
         capture_output=True,
         text=True,
         timeout=60,

@@ -98,6 +98,7 @@ def _setup(p):
 @_setup
 def run_serve(args) -> int:
     try:
+        import prometheus_client  # noqa: F401  (imported by the app's /metrics once the model has loaded)
         import uvicorn  # noqa: F401
 
         from ..server import ServerConfig, create_app  # noqa: F401

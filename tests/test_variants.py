@@ -73,6 +73,23 @@ def test_a_run_resumed_on_another_machine_records_both(tmp_path, monkeypatch):
         assert weights.read_meta(out)["machine"] == ("cpu A" if steps == 2 else "cpu A; then cpu B")
 
 
+def test_the_budgets_seconds_are_the_training_time_over_every_call(tmp_path, monkeypatch):
+    """The file's train_s is the loop's training time (the state's), over a resume too: not the set-up
+    before the loop (here a machine that takes a second to describe) nor a call's time counted twice."""
+    import time
+
+    from safetensors import safe_open
+
+    monkeypatch.setattr(weights, "machine", lambda device: time.sleep(1.0) or "slow to describe")
+    out = tmp_path / "v.safetensors"
+    for steps in (2, 4):
+        train_variant(_model(), out, _cfg("calm", steps=steps), EXAMPLES, "toy")
+        with safe_open(str(out) + ".state.safetensors", "pt") as f:
+            seconds = float(f.metadata()["seconds"])
+        assert seconds < 1.0
+        assert weights.read_meta(out)["train_s"] == f"{seconds:.1f}"
+
+
 def test_the_merged_model_computes_what_the_trained_deltas_do(tmp_path):
     out = tmp_path / "v.safetensors"
     train_variant(_model(), out, _cfg("skipdecode"), EXAMPLES, "toy")

@@ -90,6 +90,20 @@ def test_the_budgets_seconds_are_the_training_time_over_every_call(tmp_path, mon
         assert weights.read_meta(out)["train_s"] == f"{seconds:.1f}"
 
 
+def test_a_finished_run_writes_its_variant_file_again_when_it_is_missing(tmp_path):
+    """Rerunning a finished run whose variant file was removed trains no step, so no checkpoint writes
+    the file: the call writes it from the state (it said it wrote it)."""
+    out = tmp_path / "v.safetensors"
+    train_variant(_model(), out, _cfg("calm", steps=2), EXAMPLES, "toy")
+    before = load_file(str(out))
+    out.unlink()
+    res = train_variant(_model(), out, _cfg("calm", steps=2), EXAMPLES, "toy")
+    assert res.resumed_from == 2 and out.is_file()
+    assert weights.read_meta(out)["steps"] == "2"
+    after = load_file(str(out))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_the_merged_model_computes_what_the_trained_deltas_do(tmp_path):
     out = tmp_path / "v.safetensors"
     train_variant(_model(), out, _cfg("skipdecode"), EXAMPLES, "toy")

@@ -329,6 +329,8 @@ def train_variant(
     finally:
         model.eval()
         deltas.remove()
+    if not out.is_file():  # a finished state resumed after the variant file was removed: no step saved it
+        save(res.step, res.losses, res.seconds)
     return VariantResult(str(out), res.step, res.start, res.losses, res.seconds, asdict(cfg))
 
 

@@ -129,6 +129,40 @@ def test_a_resume_with_another_warmup_grad_clip_or_state_dtype_is_refused_and_an
     assert train_drafters.train(model, plain, cfg, chunks=chunks, progress=False)["resumed_from"] == 2
 
 
+def test_a_resume_with_other_settings_is_refused_in_the_flags_given(tmp_path, char_model_dir, capsys):
+    """A checkpoint of other settings names them as the command line gives them (--heads, --unroll,
+    --init, --attention), with the flag that resumes it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from layerleap.cli import main
+
+    chunks = tmp_path / "chunks.safetensors"
+    save_file({"chunks": torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(0))}, str(chunks))
+    base = ["--model", str(char_model_dir), "--threads", "1", "--chunks", str(chunks), "--seq-len", "8"]
+    m, e = str(tmp_path / "m.safetensors"), str(tmp_path / "e.safetensors")
+    init = str(tmp_path / "init.safetensors")
+    assert main(["train", "medusa", *base, "--heads", "2", "--steps", "1", "--out", init]) == 0
+    assert main(["train", "medusa", *base, "--heads", "2", "--steps", "1", "--init", init, "--out", m]) == 0
+    assert main(["train", "eagle", *base, "--unroll", "2", "--steps", "1", "--out", e]) == 0
+    capsys.readouterr()
+    for argv, want in (
+        (
+            ["medusa", "--heads", "3", "--out", m],
+            "made with --heads 2 (this run: --heads 3): give --heads 2",
+        ),
+        (["medusa", "--heads", "2", "--out", m], f"made with --init {init} (this run: no --init): give --init {init}"),
+        (["eagle", "--unroll", "3", "--out", e], "made with --unroll 2 (this run: --unroll 3): give --unroll 2"),
+        (
+            ["eagle", "--unroll", "2", "--attention", "--out", e],
+            "no --attention (this run: --attention): drop --attention",
+        ),
+    ):
+        assert main(["train", argv[0], *base, "--steps", "2", *argv[1:]]) == 2
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err, err
+
+
 def test_draft_accuracy_counts_the_greedy_tokens():
     """Medusa heads at zero predict the next token again: their step-1 top-1 is right exactly where
     the greedy text repeats a token (X_{j+2} == argmax at j == X_{j+1})."""

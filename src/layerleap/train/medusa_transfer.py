@@ -321,6 +321,18 @@ RESUME_KEYS = (
     "state_dtype",
 )
 LATER_KEYS = ("warmup", "grad_clip", "state_dtype")  # a state whose settings lack one resumes (nothing to compare)
+FLAGS = {"layers": "--layers", "seq_len": "--seq-len", "seed": "--seed", "lr": "--lr", "batch_size": "--batch-size"}
+
+
+def _setting(key: str, value, kind: str) -> str:
+    """A resumed setting as the command line gives it (``--heads 3``, no ``--init``), else ``key=value``."""
+    if key == "steps_ahead" and kind in ("medusa", "eagle"):
+        return f"{'--unroll' if kind == 'eagle' else '--heads'} {value}"
+    if key in ("init", "attention"):
+        return f"--{key}{f' {value}' if isinstance(value, str) else ''}" if value else f"no --{key}"
+    if key in FLAGS:
+        return f"{FLAGS[key]} {','.join(map(str, value)) if isinstance(value, list) else value}"
+    return f"{key}={value!r}"
 
 
 def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machine: str) -> Checkpoint:
@@ -339,9 +351,11 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machin
             if key == "state_dtype" and not (saved.get("state_cache") or now.get("state_cache")):
                 continue  # without a state cache the states are not stored, so their dtype shapes nothing
             if saved.get(key) != now.get(key):
+                was, asked = (_setting(key, v.get(key), v.get("kind")) for v in (saved, now))
+                fix = f"drop {asked}" if was.startswith("no ") else f"give {was}"
                 raise TrainError(
-                    f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {now.get(key)!r}: "
-                    "use the same settings to resume, or delete it to start again"
+                    f"checkpoint {path} was made with {was} (this run: {asked}): {fix} to resume, or delete it to "
+                    "start again"
                 )
         if meta.get("data", data) != data:
             raise TrainError(

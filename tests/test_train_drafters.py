@@ -163,6 +163,23 @@ def test_a_resume_with_other_settings_is_refused_in_the_flags_given(tmp_path, ch
         assert want in err and "Traceback" not in err, err
 
 
+def test_a_resume_from_an_init_file_that_changed_is_refused(tmp_path):
+    """A run resumes only from the --init file it started from: the weights came from its old content,
+    and the budget the written file adds to is the file's own (read again on the resume)."""
+    model = random_model("llama-gqa-tied", seed=4)
+    chunks = _chunks(model.config.vocab_size, seed=1)
+    a, c = tmp_path / "a.safetensors", tmp_path / "c.safetensors"
+    train_drafters.train(model, a, _small("medusa", train_steps=2), chunks=chunks, progress=False)
+    cfg = _small("medusa", train_steps=2, init=str(a))
+    train_drafters.train(model, c, cfg, chunks=chunks, progress=False)
+    cfg = _small("medusa", train_steps=4, init=str(a))
+    assert train_drafters.train(model, c, cfg, chunks=chunks, progress=False)["resumed_from"] == 2
+    assert drafters.read_meta(c)["steps"] == "6"  # a's 2 and c's 4
+    train_drafters.train(model, a, _small("medusa", train_steps=4), chunks=chunks, progress=False)  # a changes
+    with pytest.raises(TrainError, match="started from another --init .*a.safetensors .the file has changed"):
+        train_drafters.train(model, c, _small("medusa", train_steps=6, init=str(a)), chunks=chunks, progress=False)
+
+
 def test_draft_accuracy_counts_the_greedy_tokens():
     """Medusa heads at zero predict the next token again: their step-1 top-1 is right exactly where
     the greedy text repeats a token (X_{j+2} == argmax at j == X_{j+1})."""

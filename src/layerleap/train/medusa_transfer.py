@@ -335,10 +335,22 @@ def _setting(key: str, value, kind: str) -> str:
     return f"{key}={value!r}"
 
 
-def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machine: str) -> Checkpoint:
-    """The run's checkpoint; a resumed run must share its model, ``RESUME_KEYS`` settings and data
-    (``data``: a hash of the token chunks, ``state_cache.data_hash``).  Its ``meta["machine"]``: the
-    machines of every call, a resumed state's first (``Checkpoint``)."""
+def _file_hash(path) -> str:
+    """A hash of a file's bytes: the ``--init`` file a checkpoint started from."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machine: str, init: str = "") -> Checkpoint:
+    """The run's checkpoint; a resumed run must share its model, ``RESUME_KEYS`` settings, data
+    (``data``: a hash of the token chunks, ``state_cache.data_hash``) and ``--init`` file (``init``: a
+    hash of its bytes, ``_file_hash``; the budget the written file adds to is that file's).  Its
+    ``meta["machine"]``: the machines of every call, a resumed state's first (``Checkpoint``)."""
     path = _ckpt_path(out)
 
     def check(meta: dict) -> None:
@@ -362,8 +374,15 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machin
                 f"checkpoint {path} was made on other training data (other token chunks): give the same data to "
                 "resume, or delete it to start again"
             )
+        if meta.get("init_file", init) != init:
+            raise TrainError(
+                f"checkpoint {path} started from another --init {cfg.init} (the file has changed since): give the "
+                "file it started from to resume, or delete the checkpoint to start again"
+            )
 
     meta_out = {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint, "data": data, "machine": machine}
+    if init:
+        meta_out["init_file"] = init
     return Checkpoint(path, meta_out, check)
 
 
@@ -433,7 +452,8 @@ def train(
         desc=f"train {cfg.kind}",
         progress=progress,
     )
-    ckpt = _checkpoint(out, cfg, model.fingerprint, data_hash(chunks), weights.machine(model.device))
+    init_file = _file_hash(cfg.init) if cfg.init else ""
+    ckpt = _checkpoint(out, cfg, model.fingerprint, data_hash(chunks), weights.machine(model.device), init_file)
     run = run_loop(params, loss, loop, ckpt)
     if store is not None and progress:
         print(store.describe(), file=sys.stderr, flush=True)

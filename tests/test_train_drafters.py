@@ -180,6 +180,32 @@ def test_a_resume_from_an_init_file_that_changed_is_refused(tmp_path):
         train_drafters.train(model, c, _small("medusa", train_steps=6, init=str(a)), chunks=chunks, progress=False)
 
 
+def test_an_init_file_that_does_not_fit_is_refused_before_the_data_is_read(
+    tmp_path, char_model_dir, monkeypatch, capsys
+):
+    """--init of another kind or shape is refused before ShareGPT is read and tokenized (minutes on a
+    large --conversations), with the fix."""
+    import layerleap.commands.hidden_transfer as ht
+    from layerleap.cli import main
+
+    base = ["--model", str(char_model_dir), "--threads", "1", "--seq-len", "8", "--steps", "1"]
+    init = str(tmp_path / "init.safetensors")
+    assert main(["train", "medusa", *base, "--heads", "2", "--out", init]) == 0
+    capsys.readouterr()
+
+    def read(*a, **k):
+        raise AssertionError("ShareGPT read before --init was checked")
+
+    monkeypatch.setattr(ht, "stream_chunks", read)
+    for argv, want in (
+        (["medusa", "--heads", "3"], "holds medusa weights for --heads 2, not --heads 3: give --heads 2"),
+        (["eagle"], "is not a file of the EAGLE head"),
+    ):
+        assert main(["train", *argv, *base, "--init", init, "--out", str(tmp_path / "x.safetensors")]) == 2
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err, err
+
+
 def test_draft_accuracy_counts_the_greedy_tokens():
     """Medusa heads at zero predict the next token again: their step-1 top-1 is right exactly where
     the greedy text repeats a token (X_{j+2} == argmax at j == X_{j+1})."""

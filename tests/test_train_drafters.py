@@ -129,6 +129,83 @@ def test_a_resume_with_another_warmup_grad_clip_or_state_dtype_is_refused_and_an
     assert train_drafters.train(model, plain, cfg, chunks=chunks, progress=False)["resumed_from"] == 2
 
 
+def test_a_resume_with_other_settings_is_refused_in_the_flags_given(tmp_path, char_model_dir, capsys):
+    """A checkpoint of other settings names them as the command line gives them (--heads, --unroll,
+    --init, --attention), with the flag that resumes it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from layerleap.cli import main
+
+    chunks = tmp_path / "chunks.safetensors"
+    save_file({"chunks": torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(0))}, str(chunks))
+    base = ["--model", str(char_model_dir), "--threads", "1", "--chunks", str(chunks), "--seq-len", "8"]
+    m, e = str(tmp_path / "m.safetensors"), str(tmp_path / "e.safetensors")
+    init = str(tmp_path / "init.safetensors")
+    assert main(["train", "medusa", *base, "--heads", "2", "--steps", "1", "--out", init]) == 0
+    assert main(["train", "medusa", *base, "--heads", "2", "--steps", "1", "--init", init, "--out", m]) == 0
+    assert main(["train", "eagle", *base, "--unroll", "2", "--steps", "1", "--out", e]) == 0
+    capsys.readouterr()
+    for argv, want in (
+        (
+            ["medusa", "--heads", "3", "--out", m],
+            "made with --heads 2 (this run: --heads 3): give --heads 2",
+        ),
+        (["medusa", "--heads", "2", "--out", m], f"made with --init {init} (this run: no --init): give --init {init}"),
+        (["eagle", "--unroll", "3", "--out", e], "made with --unroll 2 (this run: --unroll 3): give --unroll 2"),
+        (
+            ["eagle", "--unroll", "2", "--attention", "--out", e],
+            "no --attention (this run: --attention): drop --attention",
+        ),
+    ):
+        assert main(["train", argv[0], *base, "--steps", "2", *argv[1:]]) == 2
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err, err
+
+
+def test_a_resume_from_an_init_file_that_changed_is_refused(tmp_path):
+    """A run resumes only from the --init file it started from: the weights came from its old content,
+    and the budget the written file adds to is the file's own (read again on the resume)."""
+    model = random_model("llama-gqa-tied", seed=4)
+    chunks = _chunks(model.config.vocab_size, seed=1)
+    a, c = tmp_path / "a.safetensors", tmp_path / "c.safetensors"
+    train_drafters.train(model, a, _small("medusa", train_steps=2), chunks=chunks, progress=False)
+    cfg = _small("medusa", train_steps=2, init=str(a))
+    train_drafters.train(model, c, cfg, chunks=chunks, progress=False)
+    cfg = _small("medusa", train_steps=4, init=str(a))
+    assert train_drafters.train(model, c, cfg, chunks=chunks, progress=False)["resumed_from"] == 2
+    assert drafters.read_meta(c)["steps"] == "6"  # a's 2 and c's 4
+    train_drafters.train(model, a, _small("medusa", train_steps=4), chunks=chunks, progress=False)  # a changes
+    with pytest.raises(TrainError, match="started from another --init .*a.safetensors .the file has changed"):
+        train_drafters.train(model, c, _small("medusa", train_steps=6, init=str(a)), chunks=chunks, progress=False)
+
+
+def test_an_init_file_that_does_not_fit_is_refused_before_the_data_is_read(
+    tmp_path, char_model_dir, monkeypatch, capsys
+):
+    """--init of another kind or shape is refused before ShareGPT is read and tokenized (minutes on a
+    large --conversations), with the fix."""
+    import layerleap.commands.hidden_transfer as ht
+    from layerleap.cli import main
+
+    base = ["--model", str(char_model_dir), "--threads", "1", "--seq-len", "8", "--steps", "1"]
+    init = str(tmp_path / "init.safetensors")
+    assert main(["train", "medusa", *base, "--heads", "2", "--out", init]) == 0
+    capsys.readouterr()
+
+    def read(*a, **k):
+        raise AssertionError("ShareGPT read before --init was checked")
+
+    monkeypatch.setattr(ht, "stream_chunks", read)
+    for argv, want in (
+        (["medusa", "--heads", "3"], "holds medusa weights for --heads 2, not --heads 3: give --heads 2"),
+        (["eagle"], "is not a file of the EAGLE head"),
+    ):
+        assert main(["train", *argv, *base, "--init", init, "--out", str(tmp_path / "x.safetensors")]) == 2
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err, err
+
+
 def test_draft_accuracy_counts_the_greedy_tokens():
     """Medusa heads at zero predict the next token again: their step-1 top-1 is right exactly where
     the greedy text repeats a token (X_{j+2} == argmax at j == X_{j+1})."""

@@ -73,6 +73,37 @@ def test_a_run_resumed_on_another_machine_records_both(tmp_path, monkeypatch):
         assert weights.read_meta(out)["machine"] == ("cpu A" if steps == 2 else "cpu A; then cpu B")
 
 
+def test_the_budgets_seconds_are_the_training_time_over_every_call(tmp_path, monkeypatch):
+    """The file's train_s is the loop's training time (the state's), over a resume too: not the set-up
+    before the loop (here a machine that takes a second to describe) nor a call's time counted twice."""
+    import time
+
+    from safetensors import safe_open
+
+    monkeypatch.setattr(weights, "machine", lambda device: time.sleep(1.0) or "slow to describe")
+    out = tmp_path / "v.safetensors"
+    for steps in (2, 4):
+        train_variant(_model(), out, _cfg("calm", steps=steps), EXAMPLES, "toy")
+        with safe_open(str(out) + ".state.safetensors", "pt") as f:
+            seconds = float(f.metadata()["seconds"])
+        assert seconds < 1.0
+        assert weights.read_meta(out)["train_s"] == f"{seconds:.1f}"
+
+
+def test_a_finished_run_writes_its_variant_file_again_when_it_is_missing(tmp_path):
+    """Rerunning a finished run whose variant file was removed trains no step, so no checkpoint writes
+    the file: the call writes it from the state (it said it wrote it)."""
+    out = tmp_path / "v.safetensors"
+    train_variant(_model(), out, _cfg("calm", steps=2), EXAMPLES, "toy")
+    before = load_file(str(out))
+    out.unlink()
+    res = train_variant(_model(), out, _cfg("calm", steps=2), EXAMPLES, "toy")
+    assert res.resumed_from == 2 and out.is_file()
+    assert weights.read_meta(out)["steps"] == "2"
+    after = load_file(str(out))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_the_merged_model_computes_what_the_trained_deltas_do(tmp_path):
     out = tmp_path / "v.safetensors"
     train_variant(_model(), out, _cfg("skipdecode"), EXAMPLES, "toy")
@@ -214,3 +245,24 @@ def test_a_variant_file_whose_deltas_do_not_fit_is_refused_by_name(tmp_path):
         assert torch.equal(model(torch.tensor([[1, 2, 3]])), want)  # untouched
     variants.apply(model, weights.write(tmp_path / "good.safetensors", model, variants.KIND, build, good))
     assert bool(torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all())
+
+
+def test_finetune_variant_refuses_a_variant_to_train_on(tmp_path, char_model_dir, capsys):
+    """Deltas trained on a variant fit that merged model alone, which load(MODEL, variant=FILE) (one
+    variant) never gives: `finetune variant --variant` is refused before the model loads."""
+    from layerleap.cli import main
+
+    vbase = tmp_path / "base.safetensors"
+    train_variant(
+        random_model(dict(vocab_size=128, max_position=2048, tie_embeddings=False)),
+        vbase,
+        _cfg("calm", steps=1),
+        EXAMPLES,
+        "toy",
+    )
+    argv = ["finetune", "variant", "--model", str(char_model_dir), "--threads", "1", "--objective", "calm"]
+    argv += ["--variant", str(vbase), "--out", str(tmp_path / "v.safetensors"), "--data", str(tmp_path / "d.jsonl")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "drop --variant" in err and "Traceback" not in err and "loaded" not in err
+    assert not (tmp_path / "v.safetensors").exists()

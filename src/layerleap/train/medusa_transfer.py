@@ -126,6 +126,16 @@ def check_config(cfg: TrainConfig, model: Transformer) -> None:
         raise TrainError(
             f"seq_len {cfg.seq_len} leaves no target {_steps(cfg)} steps ahead: give --seq-len above {_steps(cfg)}"
         )
+    if cfg.init:  # a file of another kind, model or shape is refused before the data is read too
+        start_from(_new_drafter(model, cfg), cfg.init)
+
+
+def _new_drafter(model: Transformer, cfg: TrainConfig) -> drafters._Drafter:
+    """A fresh drafter of ``cfg``'s kind and shape."""
+    try:
+        return drafters.new_drafter(model, cfg.kind, layers=cfg.layers, steps=cfg.steps_ahead, attention=cfg.attention)
+    except drafters.DrafterError as e:
+        raise TrainError(str(e)) from None
 
 
 def _steps(cfg: TrainConfig) -> int:
@@ -321,12 +331,36 @@ RESUME_KEYS = (
     "state_dtype",
 )
 LATER_KEYS = ("warmup", "grad_clip", "state_dtype")  # a state whose settings lack one resumes (nothing to compare)
+FLAGS = {"layers": "--layers", "seq_len": "--seq-len", "seed": "--seed", "lr": "--lr", "batch_size": "--batch-size"}
 
 
-def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machine: str) -> Checkpoint:
-    """The run's checkpoint; a resumed run must share its model, ``RESUME_KEYS`` settings and data
-    (``data``: a hash of the token chunks, ``state_cache.data_hash``).  Its ``meta["machine"]``: the
-    machines of every call, a resumed state's first (``Checkpoint``)."""
+def _setting(key: str, value, kind: str) -> str:
+    """A resumed setting as the command line gives it (``--heads 3``, no ``--init``), else ``key=value``."""
+    if key == "steps_ahead" and kind in ("medusa", "eagle"):
+        return f"{'--unroll' if kind == 'eagle' else '--heads'} {value}"
+    if key in ("init", "attention"):
+        return f"--{key}{f' {value}' if isinstance(value, str) else ''}" if value else f"no --{key}"
+    if key in FLAGS:
+        return f"{FLAGS[key]} {','.join(map(str, value)) if isinstance(value, list) else value}"
+    return f"{key}={value!r}"
+
+
+def _file_hash(path) -> str:
+    """A hash of a file's bytes: the ``--init`` file a checkpoint started from."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machine: str, init: str = "") -> Checkpoint:
+    """The run's checkpoint; a resumed run must share its model, ``RESUME_KEYS`` settings, data
+    (``data``: a hash of the token chunks, ``state_cache.data_hash``) and ``--init`` file (``init``: a
+    hash of its bytes, ``_file_hash``; the budget the written file adds to is that file's).  Its
+    ``meta["machine"]``: the machines of every call, a resumed state's first (``Checkpoint``)."""
     path = _ckpt_path(out)
 
     def check(meta: dict) -> None:
@@ -339,17 +373,26 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machin
             if key == "state_dtype" and not (saved.get("state_cache") or now.get("state_cache")):
                 continue  # without a state cache the states are not stored, so their dtype shapes nothing
             if saved.get(key) != now.get(key):
+                was, asked = (_setting(key, v.get(key), v.get("kind")) for v in (saved, now))
+                fix = f"drop {asked}" if was.startswith("no ") else f"give {was}"
                 raise TrainError(
-                    f"checkpoint {path} was made with {key}={saved.get(key)!r}, not {now.get(key)!r}: "
-                    "use the same settings to resume, or delete it to start again"
+                    f"checkpoint {path} was made with {was} (this run: {asked}): {fix} to resume, or delete it to "
+                    "start again"
                 )
         if meta.get("data", data) != data:
             raise TrainError(
                 f"checkpoint {path} was made on other training data (other token chunks): give the same data to "
                 "resume, or delete it to start again"
             )
+        if meta.get("init_file", init) != init:
+            raise TrainError(
+                f"checkpoint {path} started from another --init {cfg.init} (the file has changed since): give the "
+                "file it started from to resume, or delete the checkpoint to start again"
+            )
 
     meta_out = {"config": json.dumps(asdict(cfg)), "fingerprint": fingerprint, "data": data, "machine": machine}
+    if init:
+        meta_out["init_file"] = init
     return Checkpoint(path, meta_out, check)
 
 
@@ -372,12 +415,7 @@ def train(
     check_replace(out, cfg.kind, "out")  # before any work, not when the weights are written
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
-    try:
-        drafter = drafters.new_drafter(
-            model, cfg.kind, layers=cfg.layers, steps=cfg.steps_ahead, attention=cfg.attention
-        )
-    except drafters.DrafterError as e:
-        raise TrainError(str(e)) from None
+    drafter = _new_drafter(model, cfg)
     init = start_from(drafter, cfg.init) if cfg.init else None
     drafter.train()
     if chunks is not None and data is None:
@@ -419,7 +457,8 @@ def train(
         desc=f"train {cfg.kind}",
         progress=progress,
     )
-    ckpt = _checkpoint(out, cfg, model.fingerprint, data_hash(chunks), weights.machine(model.device))
+    init_file = _file_hash(cfg.init) if cfg.init else ""
+    ckpt = _checkpoint(out, cfg, model.fingerprint, data_hash(chunks), weights.machine(model.device), init_file)
     run = run_loop(params, loss, loop, ckpt)
     if store is not None and progress:
         print(store.describe(), file=sys.stderr, flush=True)

@@ -271,7 +271,7 @@ def finetune(
             tlogp = F.log_softmax(teacher.logits(th.unsqueeze(0))[0], -1)
         return F.kl_div(F.log_softmax(logits, -1), tlogp, log_target=True, reduction="batchmean")
 
-    def save(step: int, losses: list) -> None:  # the model folder, loadable at every checkpoint
+    def save(step: int, losses: list, seconds: float) -> None:  # the model folder, loadable at every checkpoint
         save_model(model, out, {"skipdecode": json.dumps({**asdict(cfg), "step": step})})
         write_json(
             state_file,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -281,14 +280,12 @@ def train_variant(
     n_tokens = sum(len(p) + len(c) for p, c in examples) / len(examples)
     positions = sum(len(c) for _, c in examples) / len(examples)
 
-    t0, prior = time.perf_counter(), _prior_seconds(state)
-
-    def save(step: int, losses: list) -> None:
+    def save(step: int, losses: list, seconds: float) -> None:
         budget = weights.Budget(
             data,
             int(positions * cfg.batch_size * step),
             step,
-            prior + time.perf_counter() - t0,
+            seconds,  # the loop's training time over all calls, as the state records it
             ckpt.meta["machine"],  # a resumed run's: every call's machine
             command or weights.command_line(),
         )
@@ -332,18 +329,9 @@ def train_variant(
     finally:
         model.eval()
         deltas.remove()
+    if not out.is_file():  # a finished state resumed after the variant file was removed: no step saved it
+        save(res.step, res.losses, res.seconds)
     return VariantResult(str(out), res.step, res.start, res.losses, res.seconds, asdict(cfg))
-
-
-def _prior_seconds(state: Path) -> float:
-    if not state.is_file():
-        return 0.0
-    from ..files import read_safetensors_meta
-
-    try:
-        return float(read_safetensors_meta(state).get("seconds", 0.0))
-    except ValueError:
-        return 0.0
 
 
 class _Fp:

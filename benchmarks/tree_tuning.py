@@ -85,7 +85,7 @@ def record_one(model, prompt: list[int], out: list[int], transfer="trained", med
     from layerleap.core.run import GenerationConfig, Run
     from layerleap.drafters import medusa_transfer as W
     from layerleap.drafters.exit_heads import get_head
-    from layerleap.drafters.trees import transfer_pass
+    from layerleap.drafters.trees import pseudo_layout, transfer_pass
     from layerleap.methods.self_spec import default_exit_layer
 
     rec = {}
@@ -98,7 +98,8 @@ def record_one(model, prompt: list[int], out: list[int], transfer="trained", med
         cache = run.new_cache(extra=n * (proj.steps + 1))
         run.prefill(cache)
         mask = torch.ones(n, n, dtype=torch.bool).tril()
-        _, pseudo = transfer_pass(run, cache, ids, mask, torch.arange(n), proj, proj.steps)  # [1, steps, n, D]
+        layout = pseudo_layout(mask, torch.arange(n), proj.steps)
+        _, pseudo = transfer_pass(run, cache, ids, layout, proj, proj.steps)  # [1, steps, n, D]
         rec["transfer"] = _ranks(model.logits(pseudo[0].transpose(0, 1)), out, proj.steps)
         # Medusa and the early exit: last-layer and layer-E states of the greedy text
         heads = W.get_drafter(model, "medusa", medusa)

@@ -250,3 +250,85 @@ def test_a_heavy_import_is_never_cut(tmp_path):
     )
     assert p.stdout.strip() == "interrupted True", p.stdout + p.stderr
     assert "Traceback" not in p.stderr
+
+
+_SLOW_FIFTH_STEP = """
+import sys, time
+import layerleap.train.loop as loop
+from layerleap.__main__ import run
+
+calls, backward = [], loop.backward
+
+
+def slow(out):  # the 5th step's backward pass waits for the signal, so steps 1-4 are done
+    value = backward(out)
+    calls.append(value)
+    if len(calls) == 5:
+        print("fifth step", file=sys.stderr, flush=True)
+        time.sleep(60)
+    return value
+
+
+loop.backward = slow
+sys.argv = ["layerleap", *sys.argv[1:]]
+run()
+"""
+
+
+def test_sigterm_during_training_saves_the_last_step_as_ctrl_c_does(tmp_path, char_model_dir):
+    """torchrun, job schedulers and ``timeout`` stop a run with SIGTERM: it ends as a Ctrl-C does, the
+    checkpoint holding the last finished step (not only the one of the last --save-every), exit code
+    130, one line, and no temporary file left."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    chunks = tmp_path / "chunks.safetensors"
+    save_file({"chunks": torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))}, str(chunks))
+    out = tmp_path / "medusa.safetensors"
+    args = ["train", "medusa", "--model", str(char_model_dir), "--chunks", str(chunks), "--seq-len", "16"]
+    args += ["--heads", "2", "--steps", "60", "--save-every", "50", "--threads", "1", "--out", str(out)]
+    proc = Proc([sys.executable, "-c", _SLOW_FIFTH_STEP, *args])
+    proc.wait_for("fifth step")
+    proc.send(signal.SIGTERM)
+    interrupted(proc, "layerleap train medusa: interrupted")
+    with safe_open(str(out.with_name(out.name + ".ckpt.safetensors")), "pt") as f:
+        assert int(f.metadata()["step"]) == 4
+    assert not out.exists() and not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+def test_sigterm_raises_keyboard_interrupt_only_inside_the_block_and_only_in_place_of_its_default():
+    from layerleap.interrupts import terminate_as_interrupt
+
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    with pytest.raises(KeyboardInterrupt), terminate_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs before this ends
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
+
+    came = []
+
+    def own(signum, frame):
+        came.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, own)
+    try:
+        with terminate_as_interrupt():  # a handler of the caller's own is left as it is
+            assert signal.getsignal(signal.SIGTERM) is own
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        assert came == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+    import threading
+
+    seen = []
+
+    def in_a_thread():  # signal.signal cannot be called there: nothing is changed
+        with terminate_as_interrupt():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    t = threading.Thread(target=in_a_thread)
+    t.start()
+    t.join()
+    assert seen == [signal.SIG_DFL]

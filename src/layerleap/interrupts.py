@@ -12,7 +12,9 @@ or ends in the library's own traceback).  A library that swallows the ``Keyboard
 into another error cannot hide it: ``cli.main`` asks ``interrupted()`` before reporting, and a
 process still running ``GRACE_S`` seconds after the Ctrl-C exits with code 130 anyway.
 
-Nothing here acts unless ``install`` ran: the Python API keeps Python's own Ctrl-C behaviour."""
+Nothing here acts unless ``install`` ran: the Python API keeps Python's own Ctrl-C behaviour.  The
+one exception is ``terminate_as_interrupt``, which the training loop runs in: SIGTERM (from torchrun,
+a job scheduler, ``timeout``) stops training as a Ctrl-C does, so the last step is saved."""
 
 from __future__ import annotations
 
@@ -100,6 +102,30 @@ def deferred():
         _state["deferring"] = before
     if not before and not came_before and interrupted():  # held here: raise it now (once)
         raise KeyboardInterrupt
+
+
+@contextmanager
+def terminate_as_interrupt():
+    """Inside the block, SIGTERM raises ``KeyboardInterrupt`` as a Ctrl-C does (later ones are ignored
+    while it unwinds); the previous handler is back afterwards.  Only in the main thread (signals reach
+    no other) and only where SIGTERM has its default action (it would kill the process unwound): a
+    handler of the caller's own, or SIGTERM ignored, is left as it is."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    came = []
+
+    def on_term(signum, frame):
+        if came:
+            return  # a second SIGTERM: the first one is being handled
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _on_sigint(signum, frame):

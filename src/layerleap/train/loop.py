@@ -8,8 +8,10 @@ they are back-propagated one at a time, so one graph is alive at once, and recor
 
 The state (the trainable tensors, unless the trainer keeps them itself; AdamW's moments; the step;
 every step's loss; the training time) is written atomically to ``Checkpoint.path`` every
-``save_every`` steps, when the call ends, and on Ctrl-C -- unless the Ctrl-C came during the
-optimiser's update, which leaves half-updated weights; the last saved state stays then.  Calling
+``save_every`` steps, when the call ends, and on Ctrl-C or SIGTERM (torchrun, job schedulers and
+``timeout`` stop a run with it: in the main thread, where SIGTERM has its default action, it raises
+``KeyboardInterrupt`` as Ctrl-C does) -- unless the interrupt came during the optimiser's update,
+which leaves half-updated weights; the last saved state stays then.  Calling
 again with the same checkpoint resumes from it and gives the weights of an uninterrupted run.  A
 step whose loss or gradient norm is not finite (NaN, inf) raises ``DivergedError`` before the
 update: the state of the steps before it is saved, never weights made from that step.
@@ -33,6 +35,7 @@ import torch
 
 from ..errors import LayerleapError
 from ..files import reading, save_safetensors
+from ..interrupts import terminate_as_interrupt
 from . import distributed
 
 FORMAT = "layerleap-train-state-1"
@@ -115,6 +118,11 @@ def train(
 ) -> LoopResult:
     """Train ``params`` (each ``requires_grad``) to lower ``loss``; resume from ``ckpt`` when it holds
     a state.  ``clip_groups``: the tensors whose gradient norm is clipped together (default: all)."""
+    with terminate_as_interrupt():  # SIGTERM stops training as Ctrl-C does: the last finished step is saved
+        return _train(params, loss, cfg, ckpt, clip_groups)
+
+
+def _train(params, loss, cfg: LoopConfig, ckpt: Checkpoint | None, clip_groups) -> LoopResult:
     from tqdm import tqdm
 
     tensors = list(params.values())
@@ -151,7 +159,7 @@ def train(
         over = bool(cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds)
         return distributed.sum_value(float(over)) > 0 if ranks.world > 1 else over
 
-    try:  # Ctrl-C: a rerun resumes from the last finished step
+    try:  # Ctrl-C or SIGTERM: a rerun resumes from the last finished step
         while step < end and not out_of_time():
             for g in opt.param_groups:
                 g["lr"] = cfg.schedule.at(step, cfg.steps)

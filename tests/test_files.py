@@ -174,10 +174,46 @@ def test_a_killed_writers_temporary_is_removed_and_a_running_ones_kept(tmp_path)
 
     path = tmp_path / "packed-x.safetensors"
     dead, alive = _dead_pid(), os.getppid()
-    names = [f".packed-x.{pid}.tmp.safetensors" for pid in (dead, alive, os.getpid())]
+    names = [f".packed-x.{pid}-{u}.tmp.safetensors" for pid in (dead, alive, os.getpid()) for u in ("1f2e", "9a")]
+    older = [f".packed-x.{pid}.tmp.safetensors" for pid in (dead, alive)]  # an older layerleap's names
     others = [".packed-x.abc.tmp.safetensors", ".other.123.tmp.safetensors", "packed-x.safetensors"]
-    for name in names + others:
+    others += [f".packed-x.{dead}-.tmp.safetensors", f".packed-x.{dead}-a.b.tmp.safetensors"]
+    for name in names + older + others:
         (tmp_path / name).write_bytes(b"half")
     remove_stale_temporaries(path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:] + others)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:] + older[1:] + others)
     remove_stale_temporaries(tmp_path / "missing" / "packed-x.safetensors")  # a missing folder: nothing to do
+
+
+def test_threads_writing_one_path_at_once_each_leave_a_complete_file(tmp_path):
+    """Each write has a temporary of its own: one thread's rename never publishes another's half-written
+    file or takes it away from under it."""
+    import threading
+
+    from layerleap.files import atomic_write
+
+    path, failures, torn = tmp_path / "out.txt", [], []
+
+    def writer(i: int) -> None:
+        def write(p):
+            with open(p, "w") as f:
+                for _ in range(100):
+                    f.write(f"{i}\n")
+                    f.flush()
+
+        try:
+            for _ in range(15):
+                atomic_write(path, write)
+                lines = path.read_text().splitlines()
+                if len(lines) != 100 or len(set(lines)) != 1:
+                    torn.append(len(lines))
+        except Exception as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == [] and torn == []
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import secrets
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -21,10 +22,12 @@ from .errors import LayerleapError
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary sibling of ``path``, then move it over ``path``.
 
-    The temporary name keeps the target's suffix (matplotlib and safetensors go by it).  A failed
-    write removes the temporary; an OS error becomes a ``LayerleapError`` naming the file."""
+    The temporary name keeps the target's suffix (matplotlib and safetensors go by it) and is one of
+    its own (the process id and a random part), so threads or processes writing one path at once
+    never share one.  A failed write removes the temporary; an OS error becomes a ``LayerleapError``
+    naming the file."""
     path = Path(path)
-    tmp = _temporary(path, os.getpid())
+    tmp = _temporary(path, os.getpid(), secrets.token_hex(6))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
@@ -37,9 +40,20 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
-def _temporary(path: Path, pid: int) -> Path:
-    """``atomic_write``'s temporary for ``path`` in process ``pid``."""
-    return path.with_name(f".{path.stem}.{pid}.tmp{path.suffix}")
+def _temporary(path: Path, pid: int, unique: str) -> Path:
+    """``atomic_write``'s temporary for ``path`` in process ``pid``: ``.STEM.PID-UNIQUE.tmpSUFFIX``."""
+    return path.with_name(f".{path.stem}.{pid}-{unique}.tmp{path.suffix}")
+
+
+def _writer(name: str, head: str, tail: str) -> int | None:
+    """The process id in a temporary's file name (``_temporary``; an older layerleap's had no
+    ``-UNIQUE``), or None for a name of another form."""
+    if not (name.startswith(head) and name.endswith(tail)) or len(name) <= len(head) + len(tail):
+        return None
+    pid, dash, unique = name[len(head) : -len(tail)].partition("-")
+    if not pid.isdigit() or (dash and not (unique.isalnum() and unique.isascii())):
+        return None
+    return int(pid)
 
 
 def remove_stale_temporaries(path: str | Path) -> None:
@@ -53,8 +67,8 @@ def remove_stale_temporaries(path: str | Path) -> None:
     except OSError:
         return
     for p in found:
-        pid = p.name[len(head) : -len(tail)]
-        if pid.isdigit() and p == _temporary(path, int(pid)) and not _running(int(pid)):
+        pid = _writer(p.name, head, tail)
+        if pid is not None and not _running(pid):
             try:
                 p.unlink(missing_ok=True)
             except OSError:

@@ -184,3 +184,27 @@ def test_native_build_finds_the_ninja_pip_put_beside_this_python(monkeypatch, tm
     assert main(["native", "--build"]) == 0, capsys.readouterr().err
     assert found == [str(scripts / "ninja")]
     assert os.environ["PATH"] == str(tmp_path / "system-bin")  # as it was, after the build
+
+
+def test_native_build_from_python_finds_the_ninja_pip_put_beside_this_python(monkeypatch, tmp_path):
+    """``layerleap.core.native.build()`` called from Python, in a virtual environment not activated, finds
+    the ninja pip put beside this Python as the command does (the compile step is replaced here)."""
+    import torch.utils.cpp_extension
+
+    from layerleap.core import native
+
+    scripts = _fake_bin(tmp_path / "venv" / "bin", ninja="exit 0")
+    real_get_path = sysconfig.get_path
+    monkeypatch.setattr(
+        sysconfig, "get_path", lambda name, *a, **k: str(scripts) if name == "scripts" else real_get_path(name, *a, **k)
+    )
+    monkeypatch.setattr(sys, "executable", str(scripts / "python"))
+    system = str(_fake_bin(tmp_path / "system-bin", **{"c++": "exit 0"}))
+    monkeypatch.setenv("PATH", system)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "cache"))
+    found = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda *a, **k: found.append(shutil.which("ninja")))
+    native.build()
+    assert found == [str(scripts / "ninja")]
+    assert os.environ["PATH"] == system  # as it was, after the build

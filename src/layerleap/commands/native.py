@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import shutil
-import sys
-import sysconfig
 import time
-from pathlib import Path
 
 from . import command
 from ..errors import LayerleapError
@@ -28,26 +22,6 @@ def _reason(e: Exception) -> str:
     ]
     text = (errors[0] if errors else lines[0] if lines else "")[:300]
     return text if isinstance(e, LayerleapError) else f"{type(e).__name__}: {text}"
-
-
-@contextlib.contextmanager
-def _ninja_on_path():
-    """torch runs ``ninja`` from PATH: where none is there, the one ``pip install ninja`` (the ``native`` extra)
-    put beside this Python, in a virtual environment run without activating it (as the Makefile runs it),
-    is put on PATH while the block runs."""
-    before = os.environ.get("PATH")
-    if not shutil.which("ninja"):
-        for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
-            if folder and shutil.which("ninja", path=folder):
-                os.environ["PATH"] = os.pathsep.join(p for p in (folder, before) if p)
-                break
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = before
 
 
 @command("native", help="the C++ decoder layers: show whether they are built, or build them (--build)")
@@ -68,7 +42,7 @@ def run(args) -> int:
     if args.build:
         t = time.perf_counter()
         try:
-            with _ninja_on_path():
+            with native.ninja_on_path():  # native.build does too: here for a build replaced in tests
                 native.build()
         except Exception as e:  # a compiler or ninja missing, or a failed build: the Python path stays
             raise LayerleapError(

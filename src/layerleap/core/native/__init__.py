@@ -23,6 +23,7 @@ Python path runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -31,6 +32,7 @@ import os
 import re
 import shutil
 import sys
+import sysconfig
 import weakref
 from pathlib import Path
 
@@ -111,8 +113,29 @@ def _complete(lib: Path) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def ninja_on_path():
+    """torch runs ``ninja`` from PATH: where none is there, the one ``pip install ninja`` (the ``native`` extra)
+    put beside this Python, in a virtual environment run without activating it (as the Makefile runs it),
+    is put on PATH while the block runs."""
+    before = os.environ.get("PATH")
+    if not shutil.which("ninja"):
+        for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+            if folder and shutil.which("ninja", path=folder):
+                os.environ["PATH"] = os.pathsep.join(p for p in (folder, before) if p)
+                break
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def build(verbose: bool = False):
-    """Compile ``decoder.cpp`` (or find it compiled) and load it; raises on a failed build."""
+    """Compile ``decoder.cpp`` (or find it compiled) and load it; raises on a failed build.  The ``ninja``
+    installed beside this Python is found without the environment activated (``ninja_on_path``)."""
     from filelock import FileLock
     from torch.utils.cpp_extension import load
 
@@ -132,14 +155,15 @@ def build(verbose: bool = False):
         if lib is not None and not _complete(lib):  # ninja would take it (and its object file) as built
             for p in [lib, *folder.glob("*.o")]:
                 p.unlink(missing_ok=True)
-        mod = load(
-            "layerleap_decoder",
-            [str(SOURCE)],
-            extra_cflags=["-O3", f"-march={march()}", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=verbose,
-        )
+        with ninja_on_path():
+            mod = load(
+                "layerleap_decoder",
+                [str(SOURCE)],
+                extra_cflags=["-O3", f"-march={march()}", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=verbose,
+            )
     module.cache_clear()
     return mod
 

@@ -117,3 +117,22 @@ def test_a_batch_past_the_limit_is_refused_before_loading(capsys, monkeypatch, t
     rc, _, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 2)
     assert rc == 2 and "Traceback" not in err
     assert f"holds {MAX_BATCH + 1:,} prompts, beyond the {MAX_BATCH:,}" in err and "split the file" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["match-rate", "--layers", "1", "--k", "1", "--heads", "shared", "--category", "qa", "--plot", "{tmp}/m.png"],
+        ["theory", "ppd", "--measure", "--exit-layers", "1", "--ks", "1", "--categories", "qa", "--out", "{tmp}/d"],
+    ],
+    ids=["--plot", "theory --out"],
+)
+def test_a_plot_without_matplotlib_is_refused_before_the_run(capsys, monkeypatch, tmp_path, char_model_dir, argv):
+    """matplotlib is an extra: a command asked for a plot says so before measuring anything, not after."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    args = [*argv, "--model", str(char_model_dir), "--prompts", "1", "--max-new-tokens", "4", "--threads", "1"]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "needs matplotlib to draw plots (not installed): pip install 'layerleap[plot]'" in err
+    assert "Traceback" not in err and not (tmp_path / "d" / "match_rates.json").exists()

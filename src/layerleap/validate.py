@@ -367,7 +367,23 @@ def report_file(value, name: str) -> Path:
 
 
 def plot_file(value, name: str) -> Path:
-    return output_file(value, name, PLOT_SUFFIXES, "plot")
+    """A plot to draw: an image file name, and matplotlib installed (checked before a run, not after it)."""
+    p = output_file(value, name, PLOT_SUFFIXES, "plot")
+    plotting(name)
+    return p
+
+
+def plotting(name: str = "") -> None:
+    """Refuse (``InputError``) to promise a plot where matplotlib is not installed (an extra), without
+    importing it."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a module set to None (blocked) or one without a spec
+        found = False
+    if not found:
+        raise InputError(_say(name, "needs matplotlib to draw plots (not installed): pip install 'layerleap[plot]'"))
 
 
 def table_file(value, name: str) -> Path:

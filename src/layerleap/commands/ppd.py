@@ -145,6 +145,8 @@ def _measure(args) -> int:
     from ..decoding import generate
 
     layers, ks = args.exit_layers, args.ks
+    if args.out:  # it draws the trade-off plots there after the run
+        V.plotting("--out")
     if args.max_new_tokens < 2:  # p̂ checks the candidates for x_1 .. x_{ℓ-1} (x_ℓ's save nothing): none for ℓ = 1
         raise LayerleapError(
             f"--max-new-tokens {args.max_new_tokens} leaves no early prediction to check (a match for the last "

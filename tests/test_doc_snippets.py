@@ -221,3 +221,21 @@ def test_the_readme_python_example_runs(char_model_dir, capsys):
     assert isinstance(ns["out"], GenerationResult) and ns["out"].finish_reason in ("stop", "length")
     assert len(ns["outs"]) == 2 and all(isinstance(o, GenerationResult) for o in ns["outs"])
     assert capsys.readouterr().out == ns["s"].result.text  # the streamed pieces join to the result
+
+
+def test_from_hf_takes_the_tokenizer_the_readme_gives_it(char_model_dir):
+    """``layerleap.from_hf(model, tokenizer)`` decodes text; without a tokenizer a text prompt is refused
+    with a message that names from_hf's tokenizer (the model has no folder to add files to)."""
+    from transformers import AutoTokenizer
+
+    assert "layerleap.from_hf(model, tokenizer)" in (ROOT / "README.md").read_text()
+    ours = layerleap.load(str(char_model_dir))
+    hf = layerleap.to_hf(ours)
+    want = layerleap.generate(ours, "hello", max_new_tokens=4)
+    back = layerleap.from_hf(hf, AutoTokenizer.from_pretrained(str(char_model_dir)))
+    assert layerleap.generate(back, "hello", max_new_tokens=4).token_ids == want.token_ids
+    with pytest.raises(
+        layerleap.GenerationError, match=r"from_hf the tokenizer \(layerleap.from_hf\(hf_model, tokenizer\)\)"
+    ):
+        layerleap.generate(layerleap.from_hf(hf), "hello", max_new_tokens=4)
+    assert layerleap.generate(layerleap.from_hf(hf), want.prompt_ids, max_new_tokens=4).token_ids == want.token_ids

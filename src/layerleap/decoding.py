@@ -170,8 +170,9 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
         tok = model.tokenizer
         if tok is None:
             raise GenerationError(
-                "this model has no tokenizer (its folder has no tokenizer files): pass token ids instead of text, "
-                "or add the tokenizer files"
+                "this model has no tokenizer (its folder has no tokenizer files, or from_hf was given none): pass "
+                "token ids instead of text, add the tokenizer files, or give from_hf the tokenizer "
+                "(layerleap.from_hf(hf_model, tokenizer))"
             )
         if chat:
             if not getattr(tok, "chat_template", None):

@@ -525,7 +525,7 @@ class Decoding:
                 self.results[i] = _result(self.model, run, j, wall, self.method.name)
                 if self.budget is not None:
                     self.results[i].stats.budget = BudgetStats(**self.budget.to_dict())
-                if i in self._cancelled:
+                if i in self._cancelled and run.reasons[j] == "cancelled":  # not a row that had ended before
                     self.results[i].stats.cancelled = True
             if grew:
                 yield grew

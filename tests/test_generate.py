@@ -401,7 +401,7 @@ BAD = [
     (dict(method="sample", tree_width=3), "method 'sample' has no option tree_width"),
     (dict(prompt=[5, 97]), r"token ids \[97\] are outside the vocabulary \[0, 97\)"),
     (dict(prompt=[-1, 3]), r"token ids \[-1\] are outside the vocabulary"),
-    (dict(prompt="hello"), r"has no tokenizer \(its folder has no tokenizer files\): pass token ids"),
+    (dict(prompt="hello"), r"has no tokenizer \(its folder has no tokenizer files, or from_hf was given none\): pass"),
     (dict(do_sample=True), "method 'greedy' decodes greedily only"),
 ]
 

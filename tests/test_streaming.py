@@ -297,3 +297,28 @@ def test_stream_of_a_byte_fallback_tokenizer(monkeypatch):
     want = generate(model, [1, 2], "scripted", len(ids), stop_at_eos=False)
     s = stream(model, [1, 2], "scripted", len(ids), stop_at_eos=False)
     assert "".join(s) == s.result.text == want.text == "Hello" + REPLACEMENT * 2
+
+
+def test_cancelling_a_prompt_that_has_ended_leaves_its_result_as_it_ended(tiny, monkeypatch):
+    """``cancel(i)`` after prompt i's end-of-sequence token: its result keeps finish_reason "stop" and its
+    stats do not say cancelled (they said cancelled beside "stop")."""
+    eos = tiny.config.eos_token_ids[0]
+
+    def two_rows(run):  # row 0 ends at once with its end-of-sequence token, row 1 runs 4 rounds
+        run.emit(0, [5, eos])
+        for t in (6, 7, 8, 9):
+            if run.emit(1, [t]):
+                return
+            yield
+
+    layerleap.get_method("greedy")
+    monkeypatch.setitem(METHODS, "two-rows", Method("two-rows", two_rows, True, False, False, "x"))
+    d = Decoding(tiny, [[1, 2], [3, 4]], "two-rows", 4)
+    for n, _grew in enumerate(d):
+        if n == 1:
+            assert d.finished(0)
+            d.cancel(0)
+            d.cancel(1)
+    assert d.results[0].token_ids == [5, eos] and d.results[0].finish_reason == "stop"
+    assert "cancelled" not in d.results[0].stats and not d.results[0].stats.cancelled
+    assert d.results[1].finish_reason == "cancelled" and d.results[1].stats["cancelled"]

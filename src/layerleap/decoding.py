@@ -170,8 +170,9 @@ def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
         tok = model.tokenizer
         if tok is None:
             raise GenerationError(
-                "this model has no tokenizer (its folder has no tokenizer files): pass token ids instead of text, "
-                "or add the tokenizer files"
+                "this model has no tokenizer (its folder has no tokenizer files, or from_hf was given none): pass "
+                "token ids instead of text, add the tokenizer files, or give from_hf the tokenizer "
+                "(layerleap.from_hf(hf_model, tokenizer))"
             )
         if chat:
             if not getattr(tok, "chat_template", None):
@@ -524,7 +525,7 @@ class Decoding:
                 self.results[i] = _result(self.model, run, j, wall, self.method.name)
                 if self.budget is not None:
                     self.results[i].stats.budget = BudgetStats(**self.budget.to_dict())
-                if i in self._cancelled:
+                if i in self._cancelled and run.reasons[j] == "cancelled":  # not a row that had ended before
                     self.results[i].stats.cancelled = True
             if grew:
                 yield grew

@@ -967,7 +967,8 @@ def quantize_model(model: Transformer) -> Transformer:
 
 
 def from_hf(hf_model, tokenizer=None, dtype=None) -> Transformer:
-    """Wrap a loaded `transformers` causal LM (its weights are copied into our layout)."""
+    """Wrap a loaded `transformers` causal LM (its weights are copied into our layout); ``tokenizer``
+    (its `transformers` tokenizer) lets text prompts in, without it a prompt is token ids."""
     from transformers import PreTrainedModel
 
     if not isinstance(hf_model, PreTrainedModel):

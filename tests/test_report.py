@@ -10,6 +10,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 import zlib
 
 import pytest
@@ -312,3 +313,25 @@ def test_the_full_depth_line_follows_the_greedy_reference_under_any_label():
     res = bench.BenchResult({"n_prompts": 2}, records, ["g", "pl"], reference="g")
     assert res.summary["g"]["layers_per_token"] == pytest.approx(4.0)
     assert "4 layers (full depth)" in html_report(res.to_dict())
+
+
+def test_the_html_report_is_utf8_under_a_non_utf8_locale(tmp_path):
+    """The page declares charset=utf-8 and holds "×" and the user's text (a non-ASCII label): it is
+    written as UTF-8 where the locale's encoding is ASCII, not refused with a UnicodeEncodeError after
+    the whole bench ran."""
+    path = tmp_path / "r.html"
+    script = (
+        "import sys; from layerleap.eval import bench; from layerleap.eval.report import write_html_report\n"
+        "label = 'caf\\u00e9 \\u65e5\\u672c'\n"  # the script's own text stays ASCII (the command line is)
+        "r = bench.Record(0, 0, 'qa', label, 'greedy', {}, 8, 5, 1.0, 8.0, 0.1, 8, 4.0, 1.0, True)\n"
+        "res = bench.BenchResult({'n_prompts': 1, 'command': 'x'}, [r], [label])\n"
+        "write_html_report(res.to_dict(), sys.argv[1])\n"
+    )
+    env = {**os.environ, "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "LC_ALL": "C", "LANG": "C"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(layerleap.__file__)), env.get("PYTHONPATH", "")]
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    page = path.read_bytes().decode("utf-8")
+    assert "café 日本" in page and 'charset="utf-8"' in page

@@ -148,7 +148,8 @@ def _swap_in(new: Path, path: Path) -> None:
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    return atomic_write(path, lambda p: p.write_text(text))
+    """``text`` as UTF-8 whatever the locale (an HTML report says ``charset=utf-8``; tables hold ``×``)."""
+    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
 def write_json(path: str | Path, obj, indent: int = 1) -> Path:

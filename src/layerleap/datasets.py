@@ -144,7 +144,7 @@ def sharegpt_conversations(limit: int | None = None):
     dec = json.JSONDecoder()
     count = 0
     for f in files:
-        text = f.read_text(errors="replace")
+        text = f.read_text(encoding="utf-8", errors="replace")
         i = text.index("[") + 1
         while True:
             while i < len(text) and text[i] in " \n\r\t,":

@@ -49,7 +49,7 @@ def _known() -> dict:
     try:
         stamp = path.stat().st_mtime_ns
         if _READ.get(path, (None,))[0] != stamp:
-            known = json.loads(path.read_text())
+            known = json.loads(path.read_text(encoding="utf-8"))
             _READ[path] = (stamp, known if isinstance(known, dict) else {})
     except (OSError, ValueError):
         return {}

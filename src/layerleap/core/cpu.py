@@ -21,7 +21,7 @@ def cpu_signature() -> str:
     builds cached, per signature."""
     fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
@@ -52,7 +52,7 @@ def cpu_features() -> str:
     come with some of its instructions hidden (a virtual machine's), and a build that uses one the CPU
     lacks dies on it (SIGILL)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() == "flags":
@@ -84,7 +84,7 @@ def _busy_cpu_seconds() -> float | None:
     """CPU seconds every process on this machine has spent since boot (``/proc/stat``'s first line:
     user, nice, system, irq, softirq and steal time), or None where the system does not say."""
     try:
-        with open("/proc/stat") as f:
+        with open("/proc/stat", encoding="utf-8") as f:
             fields = f.readline().split()
     except OSError:
         return None

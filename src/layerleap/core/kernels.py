@@ -951,7 +951,7 @@ def _onednn_key(dtype: torch.dtype) -> str:
 def _known() -> dict:
     """``<cache>/kernels.json``: the choices measured so far ({} when there is none or it is unreadable)."""
     try:
-        known = json.loads((cache_root() / "kernels.json").read_text())
+        known = json.loads((cache_root() / "kernels.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):  # RecursionError: brackets nested past the parser's depth
         known = {}
     return known if isinstance(known, dict) else {}

@@ -565,7 +565,7 @@ def load_tokenizer(folder: Path):
 
     cfg = folder / "tokenizer_config.json"
     try:
-        cls = json.loads(cfg.read_text()).get("tokenizer_class") if cfg.is_file() else None
+        cls = json.loads(cfg.read_text(encoding="utf-8")).get("tokenizer_class") if cfg.is_file() else None
     except (OSError, ValueError, AttributeError):
         cls = None
     has_json = (folder / "tokenizer.json").is_file()
@@ -595,13 +595,13 @@ def check_light_tokenizer(folder: Path, tokenizer) -> bool:
     from .tokenizer import VERIFIED, Tokenizer, files_digest, probe_texts, reproduces
 
     try:
-        note = json.loads((folder / VERIFIED).read_text())
+        note = json.loads((folder / VERIFIED).read_text(encoding="utf-8"))
         if note.get("digest") == files_digest(folder):
             return bool(note.get("reproduces"))
     except (OSError, ValueError, AttributeError):
         pass
     try:
-        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         ok = reproduces(Tokenizer(folder, cfg if isinstance(cfg, dict) else {}), tokenizer, probe_texts())
     except Exception:  # a tokenizer the light class cannot build or run stays on `transformers`
         ok = False

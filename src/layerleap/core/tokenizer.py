@@ -70,7 +70,7 @@ def plain_tokenizer_config(folder: Path, rust) -> dict | None:
     """``tokenizer_config.json`` of ``folder`` when ``Tokenizer`` reproduces `transformers` on it and
     on ``rust`` (its ``backend``), else None."""
     try:
-        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(cfg, dict):
@@ -105,10 +105,10 @@ def verified_config(folder: Path) -> dict | None:
     """``tokenizer_config.json`` of a folder whose ``VERIFIED`` note says the probe passed for the
     files as they are now, else None."""
     try:
-        note = json.loads((folder / VERIFIED).read_text())
+        note = json.loads((folder / VERIFIED).read_text(encoding="utf-8"))
         if note.get("reproduces") is not True or note.get("digest") != files_digest(folder):
             return None
-        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, AttributeError):
         return None
     return cfg if isinstance(cfg, dict) and isinstance(_chat_template(folder, cfg), (str, type(None))) else None
@@ -116,7 +116,7 @@ def verified_config(folder: Path) -> dict | None:
 
 def probe_texts() -> list[str]:
     """Every fourth Spec-Bench question shipped with the package, and special and odd strings."""
-    rows = [json.loads(line) for line in PROBE_QUESTIONS.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in PROBE_QUESTIONS.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [r["turns"][0] for r in rows[::4]] + list(PROBE_EXTRA)
 
 
@@ -156,7 +156,7 @@ def reproduces(ours: Tokenizer, theirs, texts: list[str], seed: int = 0) -> bool
 
 def _chat_template(folder: Path, cfg: dict):
     path = folder / "chat_template.jinja"
-    return path.read_text() if path.is_file() else cfg.get("chat_template")
+    return path.read_text(encoding="utf-8") if path.is_file() else cfg.get("chat_template")
 
 
 class Encoding(dict):

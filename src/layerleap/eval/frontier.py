@@ -55,7 +55,7 @@ def references(categories: list[str], n: int, offset: int = 0) -> dict[str, list
     from ..datasets import SHIPPED_SPEC_BENCH
 
     refs = {}
-    for r in map(json.loads, SHIPPED_SPEC_BENCH.read_text().splitlines()):
+    for r in map(json.loads, SHIPPED_SPEC_BENCH.read_text(encoding="utf-8").splitlines()):
         ref = r.get("reference")
         if ref:
             refs[int(r["question_id"])] = ref[0] if isinstance(ref[0], str) else str(ref[0])

@@ -241,7 +241,7 @@ def finetune(
         examples = prompt_completions(tok, cfg.n_examples, cfg.max_prompt, cfg.gen_len)
     examples = [(list(p), list(c)[: cfg.gen_len]) for p, c in examples]
     data = data_hash([part for p, c in examples for part in (p, c)])
-    if start_step and json.loads(state_file.read_text()).get("data", data) != data:
+    if start_step and json.loads(state_file.read_text(encoding="utf-8")).get("data", data) != data:
         raise FinetuneError(
             f"{out} holds a run on other training examples: use another --out, or the same data to resume"
         )
@@ -328,7 +328,7 @@ def _restore(model: Transformer, out: Path, cfg: TrainConfig, base_fp: str) -> i
     fingerprint ``base_fp``); -> the step it reached."""
     state_file = out / STATE_JSON
     with reading(state_file, "fine-tuning state", "delete the folder (or choose another --out) to start again"):
-        st = json.loads(state_file.read_text())
+        st = json.loads(state_file.read_text(encoding="utf-8"))
         st["config"], st["step"], st["losses"]  # noqa: B018  (the fields a resume reads)
     free = ("steps", "save_every")  # a run may be extended or saved more often
     diff = sorted(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -137,3 +138,45 @@ def test_check_script_finds_drift():
         "th.HeadTrainResult.heads\n"
     )
     assert check_script(good) == []
+
+
+def _script(name: str):
+    """``benchmarks/<name>.py`` as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("kernel", ["blocks", "torch"])
+def test_q4_quality_mapping_measures_the_loaded_kernel(kernel, monkeypatch, tmp_path):
+    """``q4_quality.py``'s weight-mapping check on a tiny q4 model, whichever 4-bit kernel holds its
+    weights: the block kernel keeps the file's values (|Δw| 0), torch's int4 kernel rounds its scales
+    to bf16 (a small |Δw|)."""
+    from layerleap.core import kernels
+    from layerleap.core.loading import quantize_model
+    from tiny_models import random_model
+
+    if kernel == "blocks" and not kernels.blocks_available():
+        pytest.skip("no native block kernel here")
+    if kernel == "torch" and not kernels.int4_supported():
+        pytest.skip("no torch int4 kernel here")
+    monkeypatch.setenv(kernels.Q4_ENV, kernel)
+    q4 = quantize_model(random_model("llama-gqa-tied", seed=3))
+    file = {
+        k: kernels.quantize(v)  # the 4-bit projections (the file's embedding is 8-bit)
+        for k, v in random_model("llama-gqa-tied", seed=3).dense_state().items()
+        if v.dim() == 2 and k not in ("tok_embeddings.weight", "lm_head.weight")
+    }
+    script = _script("q4_quality")
+    (tmp_path / "smollm2-135m-0-q4").mkdir()
+    monkeypatch.setattr(script, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(script.gguf_q4, "read", lambda folder: (file, {}))
+    got = script.mapping_error(q4)
+    n_layers = q4.config.n_layers
+    assert got["tensors"] == 4 * n_layers  # qkv, o, gate_up, down
+    assert got["kernel"] == ("BlockWeight" if kernel == "blocks" else "Int4Weight")
+    if kernel == "blocks":
+        assert got["max_abs_dw"] == 0.0
+    else:
+        assert 0.0 < got["relative_mean_dw"] < 0.05

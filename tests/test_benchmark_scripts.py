@@ -26,11 +26,31 @@ def _resolve(module: str, name: str):
     return importlib.import_module(f"{module}.{name}")  # a submodule not imported by its package
 
 
+def _top_level(tree: ast.Module) -> set[str]:
+    """The names a script binds at its top level: functions, classes, assignments and imports."""
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                out |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return out
+
+
 def _names(tree: ast.Module, problems: list[str]) -> dict:
     """Local name -> the ``layerleap`` object it is bound to by an import anywhere in the script."""
     names: dict = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "layerleap":
+        sibling = BENCH / f"{node.module}.py" if isinstance(node, ast.ImportFrom) and node.module else None
+        if sibling is not None and sibling.is_file():  # another script's names (benchmarks/ on the path)
+            defined = _top_level(ast.parse(sibling.read_text()))
+            problems += [
+                f"line {node.lineno}: {sibling.name} defines no {a.name}" for a in node.names if a.name not in defined
+            ]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "layerleap":
             for a in node.names:
                 try:
                     names[a.asname or a.name] = _resolve(node.module, a.name)
@@ -122,9 +142,11 @@ def test_check_script_finds_drift():
         "th.sharegpt_token_seqs(None, 1, 2)\n"
         "transfer_pass(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)\n"
         "th.HeadTrainConfig(layers=(1,), no_such_keyword=1)\n"
+        "from call_cost_any import primed_calls, no_such_function\n"
     )
     problems = check_script(bad)
-    assert len(problems) == 4, problems
+    assert len(problems) == 5, problems
+    assert any("call_cost_any.py defines no no_such_function" in p for p in problems)
     assert any("no_such_name" in p for p in problems)
     assert any("sharegpt_token_seqs" in p for p in problems)
     assert any("transfer_pass" in p for p in problems)

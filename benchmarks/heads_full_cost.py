@@ -18,6 +18,7 @@ import torch
 
 import layerleap
 from layerleap.train import exit_heads as th
+from layerleap.train.data import conversation_seqs
 from layerleap.drafters.exit_heads import get_head, new_head
 from layerleap.eval.match_rate import head_cost
 
@@ -45,7 +46,7 @@ for name in heads:
     )
 
 # 2. training seconds per step, same cache for both kinds
-seqs = th.sharegpt_token_seqs(model.tokenizer, 4096, 512)
+seqs = conversation_seqs(model.tokenizer, 4096, 512)
 train = {}
 for kind in ("lens", "full"):
     cfg = th.HeadTrainConfig(layers=LAYERS, kind=kind, tokens=4096, epochs=1, batch_tokens=256)

@@ -3,8 +3,10 @@
     python benchmarks/q4_quality.py --prompts 40 --max-new-tokens 64 --json docs/results/q4_quality.json
 
 1. The mapping: every 4-bit weight of the GGUF (Q4_1 blocks: ``w = d*q + m`` with fp16 ``d``, ``m``)
-   against what torch's int4 kernel multiplies by (``(q - 8) * scale + zero`` with ``scale`` and
-   ``zero = m + 8d`` rounded to bf16): max and mean |Δw|, and relative to mean |w|.
+   against what the loaded kernel multiplies by: torch's int4 kernel's ``(q - 8) * scale + zero`` with
+   ``scale`` and ``zero = m + 8d`` rounded to bf16, or the native block kernel's own blocks (the file's
+   values, so |Δw| is 0); max and mean |Δw|, and relative to mean |w|.  ``LAYERLEAP_Q4_KERNEL=torch``
+   measures torch's int4 kernel on a CPU whose q4 uses the block kernel.
 2. Quality on Spec-Bench prompts (chat template; the first prompts of every category in turn):
    - free-running greedy: q4's tokens against fp32's (identical prompts, first difference);
    - teacher-forced on fp32's greedy tokens: top-1 agreement and the logits' |Δ| (mean, max).
@@ -24,7 +26,7 @@ import layerleap
 from layerleap.core import gguf_q4
 from layerleap.datasets import spec_bench
 from layerleap.files import write_json
-from layerleap.core.kernels import Int4Weight, QuantizedRows
+from layerleap.core.kernels import BlockWeight, Int4Weight, QuantizedRows
 from layerleap.core.loading import cache_root
 
 
@@ -32,24 +34,31 @@ def mapping_error(model) -> dict:
     folder = next(p for p in cache_root().iterdir() if p.name.endswith("-q4") and p.name.startswith("smollm2"))
     weights, _ = gguf_q4.read(folder)
     mods = dict(model.named_modules())
-    worst, tot_abs, tot_w, n, tensors = 0.0, 0.0, 0.0, 0, 0
+    worst, tot_abs, tot_w, n, tensors, kinds = 0.0, 0.0, 0.0, 0, 0, set()
     for name, rows in weights.items():
         if not isinstance(rows, QuantizedRows):
             continue
         mod = mods.get(name.rsplit(".", 1)[0])
         packed = getattr(mod, "packed", None)
-        if not isinstance(packed, Int4Weight):
+        if isinstance(packed, Int4Weight):
+            kernel = Int4Weight._dequantize(packed.codes(), *packed._scale_zero())
+            assert torch.equal(packed.codes(), rows.q), name  # the codes are the GGUF's, bit for bit
+        elif isinstance(packed, BlockWeight):
+            kernel = packed.dense()  # the file's codes, scales and minimums as they are
+        else:
             continue
+        kinds.add(type(packed).__name__)
         exact = rows.dense()
-        kernel = Int4Weight._dequantize(packed.codes(), *packed._scale_zero())
-        assert torch.equal(packed.codes(), rows.q), name  # the codes are the GGUF's, bit for bit
         d = (kernel - exact).abs()
         worst = max(worst, float(d.max()))
         tot_abs += float(d.double().sum())
         tot_w += float(exact.abs().double().sum())
         n += d.numel()
         tensors += 1
+    if not tensors:
+        raise SystemExit(f"{folder}: no 4-bit tensor of the q4 model is held by a 4-bit kernel")
     return {
+        "kernel": ", ".join(sorted(kinds)),
         "tensors": tensors,
         "weights": n,
         "max_abs_dw": worst,

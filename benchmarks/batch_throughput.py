@@ -220,7 +220,7 @@ def main() -> None:
     }
     report = {"config": config, "methods": {}}
     if out.is_file():
-        old = json.loads(out.read_text())
+        old = json.loads(out.read_text(encoding="utf-8"))
         if old.get("config") == config:
             report = old
         else:

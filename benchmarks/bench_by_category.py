@@ -36,7 +36,7 @@ def main() -> None:
     print("| dtype | category (prompts) | ours tok/s | transformers tok/s | end to end | decoding | TTFT s |")
     print("|---|---|---|---|---|---|---|")
     for path in sys.argv[1:]:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             print("\n".join(rows(json.load(f))))
 
 

@@ -50,7 +50,7 @@ def acc(seqs):
 
 train = []
 path = sys.argv[1]
-with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+with gzip.open(path, "rt") if path.endswith(".gz") else open(path, encoding="utf-8") as f:
     for k, line in enumerate(f):
         if k % 200 != 0:
             continue

@@ -51,7 +51,7 @@ def table(report: dict, only: list[str]) -> str:
 
 
 def main(report: str, out: str, groups: str) -> None:
-    with open(report) as f:
+    with open(report, encoding="utf-8") as f:
         data = json.load(f)
     data.setdefault("summary", summary(data["rows"]))  # a report still being written
     only = groups.split(",")

@@ -101,10 +101,10 @@ if __name__ == "__main__":
     ap.add_argument("--sampling", default=None, help="the greedy JSON to put beside a sampling JSON")
     ap.add_argument("--k", type=int, default=3)
     a = ap.parse_args()
-    rep = json.load(open(a.json))
+    rep = json.load(open(a.json, encoding="utf-8"))
     print(f"<!-- {a.json}: {rep['command']} -->\n")
     if a.sampling:
-        print(sampling(rep, json.load(open(a.sampling)), a.k))
+        print(sampling(rep, json.load(open(a.sampling, encoding="utf-8")), a.k))
     else:
         print(table2(rep))
         for x in a.position_layers.split(","):

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         path = args.out / "ht_figures.json"
         if not path.is_file():
             raise LayerleapError(f"no {path} to redraw: run without --replot first, or give its folder as --out")
-        report = _int_keys(json.loads(path.read_text()))
+        report = _int_keys(json.loads(path.read_text(encoding="utf-8")))
         plots(report, args.out)
         return 0
     torch.set_num_threads(args.threads)

@@ -39,7 +39,7 @@ def top2(x: np.ndarray) -> str:
 def main() -> None:
     from llama_cpp import Llama
 
-    report = json.loads(Path(sys.argv[1]).read_text())
+    report = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
     cfg = report["config"]
     torch.set_num_threads(1)
     llm = Llama(str(gguf_file(cfg["model"])), n_ctx=4096, n_batch=4096, n_threads=1, verbose=False)

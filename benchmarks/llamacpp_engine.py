@@ -38,7 +38,7 @@ def resident() -> dict:
     """This process's resident memory now, its anonymous and file-backed parts, and its peak, bytes
     (Linux ``/proc/self/status``)."""
     out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in Path("/proc/self/status").read_text(encoding="utf-8").splitlines():
         key, _, value = line.partition(":")
         if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
             out[key] = int(value.split()[0]) * 1024

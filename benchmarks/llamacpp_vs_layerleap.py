@@ -95,7 +95,7 @@ def cpu_info() -> dict:
     """CPU model, family/model numbers and the vector-extension flags that matter here."""
     fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             key, sep, value = line.partition(":")
             if sep and key.strip() not in fields:
                 fields[key.strip()] = value.strip()
@@ -122,7 +122,7 @@ def thread_nice() -> list[int]:
     out = []
     for stat in Path("/proc/self/task").glob("*/stat"):
         try:
-            out.append(int(stat.read_text().rsplit(")", 1)[1].split()[16]))
+            out.append(int(stat.read_text(encoding="utf-8").rsplit(")", 1)[1].split()[16]))
         except (OSError, IndexError, ValueError):
             pass
     return sorted(out)

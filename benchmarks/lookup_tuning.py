@@ -62,13 +62,13 @@ def cmd_record(args) -> None:
         r = layerleap.generate(model, p.text, "greedy", args.max_new_tokens, stop_at_eos=False, chat=True)
         rows.append({"id": p.id, "category": p.category, "prompt": r.prompt_ids, "out": r.token_ids})
         print(f"{len(rows)} {p.category} {p.id}", flush=True)
-    with open(args.json, "w") as f:
+    with open(args.json, "w", encoding="utf-8") as f:
         json.dump(rows, f)
 
 
 def cmd_replay(args) -> None:
-    rows = json.load(open(args.outputs))
-    cc = json.load(open(args.call_cost))
+    rows = json.load(open(args.outputs, encoding="utf-8"))
+    cc = json.load(open(args.call_cost, encoding="utf-8"))
     points = cc["points"] if "points" in cc else None
     cost = {int(p["new_tokens"]): p["ms"] for p in points} if points else {int(s): v for s, v in cc.items()}
     top = max(cost)

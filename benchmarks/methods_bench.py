@@ -26,7 +26,7 @@ METHODS = "sample,skipdecode,calm,bild,medusa,hidden-transfer,ppd,self-spec,prom
 
 def complete(path: Path) -> bool:
     try:
-        rep = json.loads(path.read_text())
+        rep = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return not rep.get("interrupted") and rep.get("prompts_done") == rep["config"].get("n_prompts")
@@ -71,7 +71,7 @@ def cmd_run(args) -> None:
 
 
 def _load(folder: Path) -> list[dict]:
-    return [json.loads((folder / f"{c}.json").read_text()) for c in CATEGORIES if (folder / f"{c}.json").exists()]
+    return [json.loads((folder / f"{c}.json").read_text(encoding="utf-8")) for c in CATEGORIES if (folder / f"{c}.json").exists()]
 
 
 def cmd_table(args) -> None:

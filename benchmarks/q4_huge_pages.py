@@ -43,7 +43,7 @@ def main() -> None:
     print(f"load: {time.perf_counter() - t0:.1f} s")
     models["4 KB pages"] = layerleap.load(a.model, dtype="q4")
     on_small_pages(models["4 KB pages"])
-    print(re.search(r"AnonHugePages:\s+\d+ kB", open("/proc/self/smaps_rollup").read()).group())
+    print(re.search(r"AnonHugePages:\s+\d+ kB", open("/proc/self/smaps_rollup", encoding="utf-8").read()).group())
     ms: dict[str, list[float]] = {k: [] for k in models}
     tok = torch.tensor([[42]])
     with torch.inference_mode():

@@ -15,7 +15,7 @@ import layerleap
 
 def main() -> None:
     fp32 = layerleap.load("smollm2-135m", progress=lambda s: None)
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()[:3000]
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")[:3000]
     ids = torch.tensor([fp32.tokenizer(text)["input_ids"][:300]])
     with torch.inference_mode():
         ref = fp32(ids)[0].float().log_softmax(-1)  # [T, V]

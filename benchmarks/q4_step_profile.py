@@ -248,7 +248,7 @@ def main() -> None:
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             f.write(text + "\n")
 
 

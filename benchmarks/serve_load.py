@@ -118,7 +118,7 @@ def rss_mib(pid: int) -> dict:
     """The server's resident memory now and at its peak (MiB), from /proc."""
     out = {}
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text(encoding="utf-8").splitlines():
             if line.startswith(("VmRSS:", "VmHWM:")):
                 out["rss_mib" if line.startswith("VmRSS") else "peak_rss_mib"] = int(line.split()[1]) / 1024
     except OSError:

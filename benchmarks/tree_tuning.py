@@ -146,7 +146,7 @@ def cmd_record(args) -> None:
 
     lm = model.lm_head
     head_bytes = lm.packed.nbytes if lm.packed is not None else lm.weight.numel() * lm.weight.element_size()
-    with open(args.json, "w") as f:
+    with open(args.json, "w", encoding="utf-8") as f:
         json.dump(
             {
                 "dtype": args.dtype,
@@ -184,7 +184,7 @@ def tree_walk(n: int, ranks: list[list[int]], paths: set) -> int:
 
 
 def _json(path: str):
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 

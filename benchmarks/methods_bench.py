@@ -71,7 +71,11 @@ def cmd_run(args) -> None:
 
 
 def _load(folder: Path) -> list[dict]:
-    return [json.loads((folder / f"{c}.json").read_text(encoding="utf-8")) for c in CATEGORIES if (folder / f"{c}.json").exists()]
+    return [
+        json.loads((folder / f"{c}.json").read_text(encoding="utf-8"))
+        for c in CATEGORIES
+        if (folder / f"{c}.json").exists()
+    ]
 
 
 def cmd_table(args) -> None:

@@ -361,3 +361,41 @@ def test_reading_a_prompt_that_does_not_exist_is_refused(tiny):
         for bad in (2, -1, "0", True):
             with pytest.raises(GenerationError, match=r"takes a prompt's index, an integer in \[0, 1\]"):
                 read(bad)
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_cancelling_every_prompt_keeps_the_methods_statistics(tiny, method):
+    """Cancelling the one prompt between two rounds (a stop string on a one-row batch): the method ends at
+    its next step with no further model call, and the result keeps the method's own statistics (the
+    acceptance of a drafting method, the budgets of an early-exit one), which it dropped before."""
+    opts = method_options(tiny)[method]
+    full = generate(tiny, "Once upon a time there was", method, 12, stop_at_eos=False, **opts)
+    d = Decoding(tiny, "Once upon a time there was", method, 12, stop_at_eos=False, **opts)
+    for n, _grew in enumerate(d):
+        if n == 1:
+            calls = d.result_so_far(0).stats.model_calls
+            d.cancel(0)
+    r = d.results[0]
+    assert r.finish_reason == "cancelled" and r.stats.cancelled and r.stats.model_calls == calls
+    assert set(r.stats.to_dict()) == set(full.stats.to_dict()) | {"cancelled"}
+    if r.stats.draft is not None:
+        assert r.stats.draft.rounds <= r.stats.model_calls and r.stats.draft.accepted <= r.stats.draft.drafted
+
+
+def test_a_method_that_goes_on_past_every_rows_end_is_stopped(tiny, monkeypatch):
+    """A registered method that does not look at ``run.done`` after a ``yield`` runs one more round at
+    most once every prompt is cancelled."""
+    steps = []
+
+    def endless(run):
+        while True:
+            steps.append(len(steps))
+            run.emit(0, [5])
+            yield
+
+    layerleap.get_method("greedy")
+    monkeypatch.setitem(METHODS, "endless", Method("endless", endless, False, False, False, "x"))
+    d = Decoding(tiny, [1, 2], "endless", 50, stop_at_eos=False)
+    for _grew in d:
+        d.cancel(0)
+    assert d.results[0].token_ids == [5] and d.results[0].finish_reason == "cancelled" and len(steps) == 2

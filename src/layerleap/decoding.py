@@ -511,13 +511,15 @@ class Decoding:
             run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, indices=group)
             self._where.update({i: (run, j) for j, i in enumerate(group)})
             seen = [0] * len(group)
+            ended = False  # every row ended between two rounds (cancelled): the method ends at its next step
             for _ in rounds(self.method.fn, run, self.options):
                 grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
                 seen = [len(o) for o in run.out]
                 if grew:
                     yield grew
-                if all(i in self._cancelled for i in group):
+                if ended:  # a method that went on past run.done: stop it (without its own statistics)
                     break
+                ended = run.done
             wall = time.perf_counter() - run.t0
             if sum(map(len, run.prompts)) >= LONG_PROMPT_PASS:  # its buffers back to the OS (~1 ms)
                 release_freed_memory()

@@ -399,3 +399,19 @@ def test_a_method_that_goes_on_past_every_rows_end_is_stopped(tiny, monkeypatch)
     for _grew in d:
         d.cancel(0)
     assert d.results[0].token_ids == [5] and d.results[0].finish_reason == "cancelled" and len(steps) == 2
+
+
+def test_tokens_is_a_copy_of_the_output_so_far(tiny):
+    """``tokens(i)`` read before a round keeps what it held (it was the decoding's own list: it grew with the
+    rounds, so ``tokens(i)[len(before):]`` was always empty), and changing it leaves the output alone."""
+    want = generate(tiny, ["one two", "three"], "greedy", 6, stop_at_eos=False)
+    d = Decoding(tiny, ["one two", "three"], "greedy", 6, stop_at_eos=False)
+    before, new = [], []
+    for _grew in d:
+        now = d.tokens(0)
+        new.append(now[len(before) :])
+        before = now
+        d.tokens(0).append(-1)
+        d.tokens(1).clear()
+    assert [len(n) for n in new] == [1] * 6 and sum(new, []) == want[0].token_ids
+    assert [r.token_ids for r in d.results] == [r.token_ids for r in want]

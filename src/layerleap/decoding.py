@@ -569,12 +569,13 @@ class Decoding:
         return any(run.model_calls > 0 for run, _ in self._where.values())
 
     def tokens(self, i: int) -> list[int]:
-        """The new tokens of prompt ``i`` so far."""
+        """The new tokens of prompt ``i`` so far (a copy: it does not grow with the decoding, and changing it
+        changes nothing)."""
         i = self._index(i, "tokens")
         if i not in self._where:
             return []
         run, row = self._where[i]
-        return run.out[row]
+        return list(run.out[row])
 
     def finished(self, i: int) -> bool:
         """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end or a

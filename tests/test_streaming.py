@@ -4,6 +4,7 @@ detokenization across multi-byte characters, cancelling, and ``generate --stream
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -322,3 +323,95 @@ def test_cancelling_a_prompt_that_has_ended_leaves_its_result_as_it_ended(tiny, 
     assert d.results[0].token_ids == [5, eos] and d.results[0].finish_reason == "stop"
     assert "cancelled" not in d.results[0].stats and not d.results[0].stats.cancelled
     assert d.results[1].finish_reason == "cancelled" and d.results[1].stats["cancelled"]
+
+
+def test_prompts_cancelled_before_the_decoding_began_have_a_result(tiny):
+    """``cancel(i)`` before the first round: once the iteration ends, ``results[i]`` is a result with no
+    tokens and finish_reason "cancelled" (it was None, so ``results[i].text`` raised), the others decode
+    as they do alone; every prompt cancelled leaves a result each; ``result_so_far`` before the first round
+    reads an empty result (it raised KeyError)."""
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    want = generate(tiny, prompts, "greedy", 5, stop_at_eos=False)
+    d = Decoding(tiny, prompts, "greedy", 5, stop_at_eos=False)
+    first = d.result_so_far(0)
+    assert first.token_ids == [] and first.finish_reason is None and first.prompt_ids == [1, 2, 3]
+    d.cancel(1)
+    assert d.result_so_far(1).finish_reason == "cancelled"
+    for _ in d:
+        pass
+    r = d.results[1]
+    assert r.token_ids == [] and r.text == "" and r.finish_reason == "cancelled" and r.prompt_ids == [4, 5]
+    assert r.stats.cancelled and r.stats["new_tokens"] == 0 and r.stats["model_calls"] == 0 and r.stats.batch == 0
+    for i in (0, 2):
+        assert d.results[i].token_ids == want[i].token_ids and d.results[i].finish_reason == "length"
+    d = Decoding(tiny, "hello", "greedy", 5)
+    d.cancel(0)
+    assert list(d) == [] and d.results[0].finish_reason == "cancelled" and d.results[0].text == ""
+    assert json.loads(json.dumps(d.results[0].to_dict()))["stats"]["cancelled"] is True
+    s = stream(tiny, "hello", "greedy", 5)
+    s.decoding.cancel(0)
+    assert list(s) == [] and s.result.finish_reason == "cancelled"
+
+
+def test_reading_a_prompt_that_does_not_exist_is_refused(tiny):
+    """``tokens``, ``finished``, ``grammar_done`` and ``result_so_far`` check the index as ``cancel`` does (an
+    index past the batch read as an empty prompt that had not finished, a negative one as the last)."""
+    d = Decoding(tiny, ["one", "two"], "greedy", 4)
+    for read in (d.tokens, d.finished, d.grammar_done, d.result_so_far):
+        for bad in (2, -1, "0", True):
+            with pytest.raises(GenerationError, match=r"takes a prompt's index, an integer in \[0, 1\]"):
+                read(bad)
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_cancelling_every_prompt_keeps_the_methods_statistics(tiny, method):
+    """Cancelling the one prompt between two rounds (a stop string on a one-row batch): the method ends at
+    its next step with no further model call, and the result keeps the method's own statistics (the
+    acceptance of a drafting method, the budgets of an early-exit one), which it dropped before."""
+    opts = method_options(tiny)[method]
+    full = generate(tiny, "Once upon a time there was", method, 12, stop_at_eos=False, **opts)
+    d = Decoding(tiny, "Once upon a time there was", method, 12, stop_at_eos=False, **opts)
+    for n, _grew in enumerate(d):
+        if n == 1:
+            calls = d.result_so_far(0).stats.model_calls
+            d.cancel(0)
+    r = d.results[0]
+    assert r.finish_reason == "cancelled" and r.stats.cancelled and r.stats.model_calls == calls
+    assert set(r.stats.to_dict()) == set(full.stats.to_dict()) | {"cancelled"}
+    if r.stats.draft is not None:
+        assert r.stats.draft.rounds <= r.stats.model_calls and r.stats.draft.accepted <= r.stats.draft.drafted
+
+
+def test_a_method_that_goes_on_past_every_rows_end_is_stopped(tiny, monkeypatch):
+    """A registered method that does not look at ``run.done`` after a ``yield`` runs one more round at
+    most once every prompt is cancelled."""
+    steps = []
+
+    def endless(run):
+        while True:
+            steps.append(len(steps))
+            run.emit(0, [5])
+            yield
+
+    layerleap.get_method("greedy")
+    monkeypatch.setitem(METHODS, "endless", Method("endless", endless, False, False, False, "x"))
+    d = Decoding(tiny, [1, 2], "endless", 50, stop_at_eos=False)
+    for _grew in d:
+        d.cancel(0)
+    assert d.results[0].token_ids == [5] and d.results[0].finish_reason == "cancelled" and len(steps) == 2
+
+
+def test_tokens_is_a_copy_of_the_output_so_far(tiny):
+    """``tokens(i)`` read before a round keeps what it held (it was the decoding's own list: it grew with the
+    rounds, so ``tokens(i)[len(before):]`` was always empty), and changing it leaves the output alone."""
+    want = generate(tiny, ["one two", "three"], "greedy", 6, stop_at_eos=False)
+    d = Decoding(tiny, ["one two", "three"], "greedy", 6, stop_at_eos=False)
+    before, new = [], []
+    for _grew in d:
+        now = d.tokens(0)
+        new.append(now[len(before) :])
+        before = now
+        d.tokens(0).append(-1)
+        d.tokens(1).clear()
+    assert [len(n) for n in new] == [1] * 6 and sum(new, []) == want[0].token_ids
+    assert [r.token_ids for r in d.results] == [r.token_ids for r in want]

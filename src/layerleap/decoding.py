@@ -417,8 +417,9 @@ class BudgetWarning(UserWarning):
 class Decoding:
     """One ``generate`` call, driven round by round: iterating yields, after each method round that
     added tokens, the indices of the prompts whose output grew (``tokens(i)`` reads it); once the
-    iteration ends, ``results`` holds one ``GenerationResult`` per prompt.  ``cancel(i)`` stops
-    prompt ``i`` (it keeps what it has).  The prompts decode as one batch (one ``Run``); a method that
+    iteration ends, ``results`` holds one ``GenerationResult`` per prompt (None before).  ``cancel(i)`` stops
+    prompt ``i`` (it keeps what it has: a prompt cancelled before the decoding began has no tokens, no model
+    calls and ``stats.batch`` 0).  The prompts decode as one batch (one ``Run``); a method that
     does not batch refuses more than one.  Arguments as ``generate``'s; bad ones raise
     ``GenerationError`` here."""
 
@@ -510,13 +511,15 @@ class Decoding:
             run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, indices=group)
             self._where.update({i: (run, j) for j, i in enumerate(group)})
             seen = [0] * len(group)
+            ended = False  # every row ended between two rounds (cancelled): the method ends at its next step
             for _ in rounds(self.method.fn, run, self.options):
                 grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
                 seen = [len(o) for o in run.out]
                 if grew:
                     yield grew
-                if all(i in self._cancelled for i in group):
+                if ended:  # a method that went on past run.done: stop it (without its own statistics)
                     break
+                ended = run.done
             wall = time.perf_counter() - run.t0
             if sum(map(len, run.prompts)) >= LONG_PROMPT_PASS:  # its buffers back to the OS (~1 ms)
                 release_freed_memory()
@@ -529,6 +532,34 @@ class Decoding:
                     self.results[i].stats.cancelled = True
             if grew:
                 yield grew
+        for i in range(len(self.prompt_ids)):
+            if self.results[i] is None:  # cancelled before the decoding began: no tokens, no calls
+                self.results[i] = self._unstarted(i)
+
+    def _unstarted(self, i: int) -> GenerationResult:
+        """Prompt ``i``'s result while it has not run: before the decoding began, or cancelled before it
+        did (then finish_reason "cancelled" and ``stats.cancelled``); ``stats.batch`` is 0 (it ran in no
+        batch)."""
+        cancelled = i in self._cancelled
+        stats = Stats(
+            method=self.method.name,
+            new_tokens=0,
+            prompt_tokens=len(self.prompt_ids[i]),
+            model_calls=0,
+            layer_evals=0,
+            prompt_layer_evals=0,
+            layers_per_token=0.0,
+            layer_calls=0,
+            tokens_per_call=0.0,
+            wall_s=0.0,
+            tokens_per_s=0.0,
+            ttft_s=None,
+            batch=0,
+            cancelled=cancelled,
+        )
+        if self.budget is not None:
+            stats.budget = BudgetStats(**self.budget.to_dict())
+        return GenerationResult("", [], stats, list(self.prompt_ids[i]), "cancelled" if cancelled else None)
 
     @property
     def started(self) -> bool:
@@ -538,15 +569,18 @@ class Decoding:
         return any(run.model_calls > 0 for run, _ in self._where.values())
 
     def tokens(self, i: int) -> list[int]:
-        """The new tokens of prompt ``i`` so far."""
+        """The new tokens of prompt ``i`` so far (a copy: it does not grow with the decoding, and changing it
+        changes nothing)."""
+        i = self._index(i, "tokens")
         if i not in self._where:
             return []
         run, row = self._where[i]
-        return run.out[row]
+        return list(run.out[row])
 
     def finished(self, i: int) -> bool:
         """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end or a
         cancel) while the batch may still run."""
+        i = self._index(i, "finished")
         if i not in self._where:
             return i in self._cancelled
         run, row = self._where[i]
@@ -555,6 +589,7 @@ class Decoding:
     def grammar_done(self, i: int) -> bool:
         """Whether prompt ``i``'s grammar is complete: nothing but the end of the output may follow (False
         without a grammar)."""
+        i = self._index(i, "grammar_done")
         if i not in self._where:
             return False
         run, row = self._where[i]
@@ -564,18 +599,26 @@ class Decoding:
         """Prompt ``i``'s result now (``results[i]`` once the iteration has ended): for a row that ended
         before its batch, its tokens and the loop's counts so far, without the method's own statistics,
         which a method records when the batch ends."""
+        i = self._index(i, "result_so_far")
         if self.results[i] is not None:
             return self.results[i]
+        if i not in self._where:
+            return self._unstarted(i)
         run, row = self._where[i]
         r = _result(self.model, run, row, time.perf_counter() - run.t0, self.method.name, ended=False)
         r.token_ids = list(r.token_ids)
         return r
 
-    def cancel(self, i: int) -> None:
+    def _index(self, i, what: str) -> int:
         n = len(self.prompt_ids)
         if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < n:
-            raise GenerationError(f"cancel takes a prompt's index, an integer in [0, {n - 1}], got {V.show(i)}")
-        i = int(i)
+            raise GenerationError(f"{what} takes a prompt's index, an integer in [0, {n - 1}], got {V.show(i)}")
+        return int(i)
+
+    def cancel(self, i: int) -> None:
+        """Stop prompt ``i`` between two rounds: it keeps the tokens it has (none when cancelled before the
+        decoding began), with finish_reason "cancelled"; a prompt that has already ended keeps its result."""
+        i = self._index(i, "cancel")
         self._cancelled.add(i)
         if i in self._where:
             run, row = self._where[i]

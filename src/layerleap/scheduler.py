@@ -249,7 +249,7 @@ class Batch:
                 self.early.add(i)
         if grew is None:
             for i, job in enumerate(self.jobs):
-                if d.results[i] is not None and not job.finished and i not in self.early:
+                if d.results[i].stats.batch and not job.finished and i not in self.early:  # batch 0: never ran
                     texts[i] = self.pieces[i].finish(job.tokens(d.results[i].token_ids))
         return grew, texts
 
@@ -269,7 +269,7 @@ class Batch:
         if grew is None:
             self.over = True
             for i, job in enumerate(self.jobs):
-                if d.results[i] is None:  # cancelled before it started
+                if not d.results[i].stats.batch:  # cancelled before it started (it ran in no batch)
                     job.fail(LayerleapError("cancelled"))
                     continue
                 job.done(d.results[i], tok)

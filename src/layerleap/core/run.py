@@ -5,7 +5,8 @@ prompts, configuration and model from ``run``, makes model calls through ``run.f
 counts model calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands them
 over with ``run.emit``.  A method written as a generator ``yield``s after each round that emitted
 tokens: ``rounds`` drives it round by round, so accepted tokens can be streamed and a request can be
-dropped between rounds, with no threads.
+dropped between rounds, with no threads.  After a ``yield`` it ends once ``run.done`` (a cancel between
+rounds can end every row), recording its statistics as at any end.
 
 This module knows no method: the built-in ones register themselves when ``layerleap.methods`` is
 imported, and ``layerleap.decoding`` (``generate``, ``Decoding``) imports them.

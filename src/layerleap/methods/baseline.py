@@ -14,6 +14,8 @@ def autoregressive_rounds(run: Run):
         if run.emit_all(tok):
             return
         yield
+        if run.done:  # every row cancelled between two rounds (Decoding.cancel)
+            return
         h = run.forward(cache, tok.unsqueeze(1))
 
 

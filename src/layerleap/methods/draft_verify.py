@@ -142,6 +142,8 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
         if run.done:
             break
         yield
+        if run.done:  # every row cancelled between two rounds (Decoding.cancel)
+            break
     if loop_stats:
         run.record([draft_stats(out, c) for out, c in zip(run.out, counts)])
     return counts

@@ -184,6 +184,8 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto", dra
             cache.truncate(pos, layers=range(0, lo))  # the last candidates are not needed
             break
         yield
+        if run.done:  # every row cancelled between two rounds (Decoding.cancel)
+            break
         j = verify.match_candidate(cand, x)
         runs.add(j is not None)
         at = torch.tensor([[pos]], dtype=torch.long, device=dev)

@@ -283,6 +283,8 @@ def skipdecode(
         if run.emit_all(tok):
             break
         yield
+        if run.done:  # every row cancelled between two rounds (Decoding.cancel)
+            break
         if schedule is not None:
             b = schedule[min(n, len(schedule) - 1)]
         else:
@@ -311,6 +313,8 @@ def early_exit(run: Run, *, exit_layer: int):
         if run.emit_all(tok):
             break
         yield
+        if run.done:  # every row cancelled between two rounds (Decoding.cancel)
+            break
         h = run.forward(cache, tok.unsqueeze(1), end=exit_layer)
     _active_layer_stats(run)
 
@@ -341,6 +345,8 @@ def calm(run: Run, *, threshold: float = 0.95, min_exit_layer: int = 1):
         if run.emit_all(tok):
             break
         yield
+        if run.done:  # every row cancelled between two rounds (Decoding.cancel)
+            break
         h = run.model.embed(tok.unsqueeze(1))
         pos = run.positions(cache, 1, 0)
         exit_at = d

@@ -121,7 +121,7 @@ class Metrics:
 
     def batch_done(self, batch) -> None:
         """A batch ended: its rows' tokens, passes, acceptance, first-token times and queue waits."""
-        rows = [(job, r) for job, r in zip(batch.jobs, batch.decoding.results) if r is not None]
+        rows = [(job, r) for job, r in zip(batch.jobs, batch.decoding.results) if r is not None and r.stats.batch]
         if rows:
             self.passes.labels(rows[0][1].stats["method"]).inc(rows[0][1].stats["model_calls"])  # shared calls
             self.rows_done(rows, len(rows))

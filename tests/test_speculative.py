@@ -378,3 +378,33 @@ def test_defaults_are_transformers_assisted_generation_defaults():
 
     opts = get_method("speculative").options()
     assert (opts["draft_len"], opts["schedule"], opts["min_confidence"]) == (20, "constant", 0.4)
+
+
+def test_the_tokenizer_check_keeps_nothing_of_freed_tokenizers():
+    """A long-lived process that loads and frees draft models keeps no answer per freed tokenizer pair
+    (kept by id, a freed pair's answer could also be handed to a new pair at the same addresses)."""
+    import gc
+
+    from layerleap.drafters import companion
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def __len__(self):
+            return len(self.vocab)
+
+        def get_vocab(self):
+            return dict(self.vocab)
+
+    def kept() -> int:  # the answers kept
+        return sum(len(v) if hasattr(v, "__len__") else 1 for v in list(companion._SAME_TOKENIZER.values()))
+
+    before = kept()
+    for i in range(50):
+        a, b = Tok({"x": 0, "y": 1}), Tok({"x": 0, "y": 1} if i % 2 else {"x": 1, "y": 0})
+        assert companion._same_tokenizer(a, b) is bool(i % 2)
+        assert companion._same_tokenizer(a, b) is bool(i % 2) and companion._same_tokenizer(a, a)
+        del a, b
+    gc.collect()
+    assert kept() == before

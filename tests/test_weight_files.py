@@ -226,6 +226,24 @@ def test_a_file_is_read_once_per_model_by_the_one_loader(tmp_path, monkeypatch):
     assert heads.load_heads(random_model(), path) is not None and len(reads) == 2  # another model reads its own
 
 
+def test_a_rewritten_file_replaces_what_was_kept_for_it(tmp_path):
+    """A long-lived process whose heads file is rewritten (retrained, copied over) keeps one entry per
+    file, not one per version: the old contents are let go."""
+    import os
+
+    from layerleap import loaded
+
+    model = random_model()
+    path = heads.save_heads([heads.new_head(model, 1, "lens")], tmp_path / "h.safetensors")
+    seen = []
+    for i in range(5):
+        os.utime(path, ns=(10**18 + i, 10**18 + i))  # a new version of the file
+        seen.append(loaded.per_model(model, "test", path, lambda: object()))
+        assert loaded.per_model(model, "test", path, lambda: object()) is seen[-1]  # read once per version
+    assert len({id(v) for v in seen}) == 5
+    assert len(loaded._CACHE[model]) == 1
+
+
 def test_the_trainers_record_their_budget(tmp_path):
     from layerleap.train import medusa_transfer as train_drafters
 

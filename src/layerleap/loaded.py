@@ -2,8 +2,9 @@
 
 A method asks for its heads on every ``generate`` call; reading and checking the file each time
 cost about 30 ms per call, inside the timed path.  ``per_model`` keeps what a loader returned for a
-model and file (by path, size, modification time and change time), so a file is read once per model; the
-entries go with the model (a weak reference)."""
+model and file (by path, size, modification time and change time), so a file is read once per model; a
+file that changes is read again and replaces what was kept for it; the entries go with the model (a weak
+reference)."""
 
 from __future__ import annotations
 
@@ -15,25 +16,28 @@ T = TypeVar("T")
 _CACHE: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
-def _key(kind: str, path) -> tuple | None:
+def _key(kind: str, path) -> tuple[tuple, tuple] | None:
+    """(which file: kind and path, its version: modification and change times, size), or None."""
     p = Path(path).expanduser()
     try:
         st = p.stat()
     except OSError:
         return None
-    return kind, str(p.resolve()), st.st_mtime_ns, st.st_ctime_ns, st.st_size  # ctime: a cp -p copies mtime back
+    return (kind, str(p.resolve())), (st.st_mtime_ns, st.st_ctime_ns, st.st_size)  # ctime: a cp -p copies mtime back
 
 
 def per_model(model, kind: str, path, load: Callable[[], T]) -> T:
     """``load()`` once per ``model`` and file ``path`` (a path that cannot be read is not kept: the
     loader's own error names it)."""
-    key = _key(kind, path)
-    if key is None:
+    found = _key(kind, path)
+    if found is None:
         return load()
+    key, version = found
     store = _CACHE.setdefault(model, {})
-    if key not in store:
-        store[key] = load()
-    return store[key]
+    kept = store.get(key)
+    if kept is None or kept[0] != version:  # one entry per file: a rewritten file's old contents are let go
+        store[key] = kept = (version, load())
+    return kept[1]
 
 
 def shipped_files(model, folder: Path, read_meta: Callable[[Path], dict] | None = None) -> list[Path]:

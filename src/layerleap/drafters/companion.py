@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from torch import nn
@@ -95,14 +96,29 @@ class Companion:
             self.cache.truncate(new)
 
 
-_SAME_TOKENIZER: dict[tuple[int, int], bool] = {}
+# tokenizer -> other tokenizer -> same vocabulary: held weakly, so that the answers go with the tokenizers
+# (a model loaded and freed in a long-lived process leaves nothing behind, and no freed one's id is reused)
+_SAME_TOKENIZER: "weakref.WeakKeyDictionary[object, weakref.WeakKeyDictionary[object, bool]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _same_tokenizer(a, b) -> bool:
-    key = (id(a), id(b))
-    if key not in _SAME_TOKENIZER:
-        _SAME_TOKENIZER[key] = a is b or (len(a) == len(b) and a.get_vocab() == b.get_vocab())
-    return _SAME_TOKENIZER[key]
+    if a is b:
+        return True
+    try:
+        per = _SAME_TOKENIZER.setdefault(a, weakref.WeakKeyDictionary())
+        if b in per:
+            return per[b]
+    except TypeError:  # a tokenizer that takes no weak reference (or no hash): compared each time
+        per = None
+    same = len(a) == len(b) and a.get_vocab() == b.get_vocab()
+    if per is not None:
+        try:
+            per[b] = same
+        except TypeError:
+            pass
+    return same
 
 
 def check_pair(large: Transformer, other: Transformer, role: str, option: str) -> None:

@@ -239,6 +239,39 @@ def _write(model, method, options, fast, quality="0.95", config=None):
     return path
 
 
+DAMAGED_BUDGETS = {
+    "budget not an object": ([], "holds JSON list, not an object"),
+    "speedup not a number": (
+        {"chosen": {"options": {"threshold": 1.01, "min_exit_layer": 1}, "modelled_speedup": "fast"}},
+        "has the modelled speedup 'fast', not a positive number",
+    ),
+    "speedup null": (
+        {"chosen": {"options": {"threshold": 1.01, "min_exit_layer": 1}, "modelled_speedup": None}},
+        "has the modelled speedup None, not a positive number",
+    ),
+    "fallback options not an object": ({"chosen": None, "settings": [{"options": [1, 2]}]}, "has options list"),
+    "an option calibration never sets": ({"chosen": {"options": {"bogus": 1}}}, "sets bogus, which calm's"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_BUDGETS)
+def test_a_damaged_calibration_file_is_one_line_naming_it(char_model, cache, damage):
+    """A calibration file in the cache whose budget is damaged (hand-edited, another tool's) is refused in
+    one line naming the file and the fix, whether the budget is asked for or is the default's."""
+    entry, what = DAMAGED_BUDGETS[damage]
+    path = budget.calibration_path(char_model.fingerprint, char_model.dtype_name, "calm")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"budgets": {"0.95": entry}}))
+    for quality in (0.95, None):
+        with pytest.raises(layerleap.LayerleapError) as e:
+            layerleap.generate(char_model, "hi", "calm", 2, quality=quality)
+        assert str(e.value).startswith(f"calibration file {path}: budget 0.95 ") and what in str(e.value)
+        assert str(e.value).endswith("delete it and run layerleap calibrate again")
+    path.write_text("[" * 100_000)  # nested past the JSON parser's depth
+    with pytest.raises(layerleap.LayerleapError, match="is unreadable .RecursionError.: delete it"):
+        layerleap.generate(char_model, "hi", "calm", 2, quality=0.95)
+
+
 def test_a_calibration_priced_on_another_machine_says_so_once_per_file(char_model, cache):
     """A calibration whose settings were priced on another CPU model or thread count is still used, with
     one warning per file in the process naming what differs and the command that calibrates here."""

@@ -189,7 +189,7 @@ def read_calibration(path: Path) -> dict | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # brackets nested too deep
         raise LayerleapError(
             f"calibration file {path} is unreadable ({type(e).__name__}): delete it and run layerleap calibrate again"
         ) from None
@@ -215,6 +215,8 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
         if data is None or key not in data["budgets"]:
             continue
         b = data["budgets"][key]
+        if not isinstance(b, dict):
+            raise _damaged(path, key, f"holds JSON {type(b).__name__}, not an object")
         config = b.get("config") if isinstance(b.get("config"), dict) else {}
         # the shipped files' machine is written in docs/QUALITY.md; a user's own file is compared with this one
         shipped = SHIPPED in path.parents
@@ -223,6 +225,7 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
         settings = b.get("settings")
         if chosen is None and isinstance(settings, list) and settings and isinstance(settings[0], dict):
             first = settings[0]  # no setting met the budget: the most conservative one, said as such
+            _check_options(path, key, method, first.get("options", {}))
             note = (
                 f"{method}: no setting meets quality {key} on {model.config.name} ({model.dtype_name}), not even "
                 f"its most conservative, {_show(first.get('options', {}))} (it lost {first.get('losses')} of "
@@ -239,8 +242,12 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
                 f"calibration file {path}: budget {key} has no chosen setting: delete it and run "
                 "layerleap calibrate again"
             )
+        _check_options(path, key, method, chosen["options"])
         fast = bool(b.get("faster_than_greedy"))
-        speed = float(chosen.get("modelled_speedup", 1.0))
+        speed = chosen.get("modelled_speedup", 1.0)
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < math.inf:
+            raise _damaged(path, key, f"has the modelled speedup {speed!r}, not a positive number")
+        speed = float(speed)
         note = (
             f"{method} at quality {key}: {_show(chosen['options'])} (modelled {speed:.2f}x greedy's step)"
             if fast
@@ -249,6 +256,19 @@ def calibrated(model, method: str, quality: float) -> Calibrated | None:
         )
         return Calibrated(method, quality, dict(chosen["options"]), fast, speed, str(path), note, priced_on)
     return None
+
+
+def _damaged(path: Path, key: str, what: str) -> LayerleapError:
+    return LayerleapError(f"calibration file {path}: budget {key} {what}: delete it and run layerleap calibrate again")
+
+
+def _check_options(path: Path, key: str, method: str, options) -> None:
+    """A calibration file's setting names only ``method``'s knobs (the options calibration sets)."""
+    if not isinstance(options, dict):
+        raise _damaged(path, key, f"has options {type(options).__name__}, not an object")
+    unknown = sorted(set(options) - knobs(method, 1))
+    if unknown:
+        raise _damaged(path, key, f"sets {', '.join(map(str, unknown))}, which {method}'s calibration never sets")
 
 
 def _show(options: dict) -> str:

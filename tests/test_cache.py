@@ -81,6 +81,10 @@ DAMAGE = {
         lambda f: (f / "config.json").write_text('{"model_type": "llama", '),
         "config.json is not valid JSON",
     ),
+    "config.json nested past the parser's depth": (
+        lambda f: (f / "config.json").write_text("[" * 100_000),
+        "config.json is not valid JSON",
+    ),
     "bad index": (
         lambda f: (f / "model.safetensors.index.json").write_text("[]"),
         "model.safetensors.index.json holds JSON list",

@@ -166,11 +166,12 @@ def test_a_saved_curve_decides_whether_chains_are_cut(saved_curves):
     assert cut.token_ids == plain.token_ids and cut.stats["drafted"] < plain.stats["drafted"]
 
 
-def test_a_partial_or_broken_saved_curve_is_ignored(saved_curves):
+@pytest.mark.parametrize("broken", ["{not json", "[" * 100_000])  # the second nested past the parser's depth
+def test_a_partial_or_broken_saved_curve_is_ignored(saved_curves, broken):
     model = random_model("llama-gqa-tied", seed=3)
     with pytest.raises(ValueError, match="missing"):
         cost_curve.save(model, {1: 1.0, 2: 1.1}, ms_one=3.0)
-    (saved_curves / cost_curve.FILE).write_text("{not json")
+    (saved_curves / cost_curve.FILE).write_text(broken)
     assert L.curve_for(model).source == "shipped"
     assert cost_curve.save(model, steep(0.1), ms_one=3.0)  # and a save replaces it
     assert L.curve_for(model).source == "measured"

@@ -312,17 +312,20 @@ def test_cache_folder_of_another_class_goes_light_once_a_probe_matches(tiny_hf_d
     monkeypatch.setattr(light, "reproduces", lambda *a, **k: probes.append(1) or False)
     assert type(loading.load_tokenizer(folder)).__name__ == "GPT2Tokenizer" and len(probes) == 2
     assert type(loading.load_tokenizer(folder)).__name__ == "GPT2Tokenizer" and len(probes) == 2
+    (folder / light.VERIFIED).write_text("[" * 100_000)  # a damaged note (nested past the parser's depth): probed again
+    assert type(loading.load_tokenizer(folder)).__name__ == "GPT2Tokenizer" and len(probes) == 3
+    assert json.loads((folder / light.VERIFIED).read_text())["reproduces"] is False
     (folder / light.VERIFIED).unlink()
     outside = tmp_path.parent / f"{tmp_path.name}-user"  # a user's folder is never written to
     shutil.copytree(folder, outside)
     loading.load_tokenizer(outside)
-    assert not (outside / light.VERIFIED).exists() and len(probes) == 2
+    assert not (outside / light.VERIFIED).exists() and len(probes) == 3
 
     def unwritable(path, obj):
         raise layerleap.LayerleapError(f"cannot write {path}: read-only file system")
 
     monkeypatch.setattr(loading, "write_json", unwritable)  # a read-only cache: the load still works
-    assert type(loading.load_tokenizer(folder)).__name__ == "GPT2Tokenizer" and len(probes) == 3
+    assert type(loading.load_tokenizer(folder)).__name__ == "GPT2Tokenizer" and len(probes) == 4
 
 
 def test_loading_and_generating_text_never_imports_transformers(char_model_dir):

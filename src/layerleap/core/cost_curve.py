@@ -51,7 +51,7 @@ def _known() -> dict:
         if _READ.get(path, (None,))[0] != stamp:
             known = json.loads(path.read_text(encoding="utf-8"))
             _READ[path] = (stamp, known if isinstance(known, dict) else {})
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: brackets nested past the parser's depth
         return {}
     return dict(_READ[path][1])
 

@@ -566,7 +566,7 @@ def load_tokenizer(folder: Path):
     cfg = folder / "tokenizer_config.json"
     try:
         cls = json.loads(cfg.read_text(encoding="utf-8")).get("tokenizer_class") if cfg.is_file() else None
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         cls = None
     has_json = (folder / "tokenizer.json").is_file()
     if cls in GENERIC_TOKENIZERS and has_json:
@@ -598,7 +598,7 @@ def check_light_tokenizer(folder: Path, tokenizer) -> bool:
         note = json.loads((folder / VERIFIED).read_text(encoding="utf-8"))
         if note.get("digest") == files_digest(folder):
             return bool(note.get("reproduces"))
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: brackets nested too deep
         pass
     try:
         cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))

@@ -71,7 +71,7 @@ def plain_tokenizer_config(folder: Path, rust) -> dict | None:
     on ``rust`` (its ``backend``), else None."""
     try:
         cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(cfg, dict):
         return None
@@ -109,7 +109,7 @@ def verified_config(folder: Path) -> dict | None:
         if note.get("reproduces") is not True or note.get("digest") != files_digest(folder):
             return None
         cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: brackets nested too deep
         return None
     return cfg if isinstance(cfg, dict) and isinstance(_chat_template(folder, cfg), (str, type(None))) else None
 

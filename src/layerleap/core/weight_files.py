@@ -264,7 +264,7 @@ def _header_json(path: Path) -> tuple[dict, int, int]:
         )
     try:
         header = json.loads(text)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise ModelFileError(
             f"{path} has a corrupt safetensors header: replace it (re-download or re-convert the model)"
         ) from None
@@ -354,7 +354,7 @@ def read_json(path: Path, what: str = "file") -> dict:
         obj = json.loads(path.read_bytes())
     except OSError as e:
         raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: brackets nested too deep
         raise ModelFileError(f"{path} is not valid JSON ({str(e)[:80]}): repair or replace the {what}") from None
     if not isinstance(obj, dict):
         raise ModelFileError(f"{path} holds JSON {type(obj).__name__}, not an object: repair or replace the {what}")

@@ -85,6 +85,9 @@ def test_cache_entry_folder_replaces_an_unfinished_one_in_its_way(tmp_path):
 def test_cache_root(monkeypatch, tmp_path):
     monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "c"))
     assert loading.cache_root() == tmp_path / "c"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LAYERLEAP_CACHE", "~/c")  # unexpanded (an env file, a quoted value): never a folder named ~
+    assert loading.cache_root() == tmp_path / "c"
     monkeypatch.delenv("LAYERLEAP_CACHE")
     assert loading.cache_root() == Path.home() / ".cache" / "layerleap"
 

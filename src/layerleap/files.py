@@ -390,5 +390,6 @@ def read_made_for(path, fmt: str, name: str, fingerprint: str, what: str, comman
 
 
 def cache_root() -> Path:
-    """The user cache (converted models, kernel choices): ``$LAYERLEAP_CACHE`` or ``~/.cache/layerleap``."""
-    return Path(os.environ.get("LAYERLEAP_CACHE") or Path.home() / ".cache" / "layerleap")
+    """The user cache (converted models, kernel choices): ``$LAYERLEAP_CACHE`` (a leading ``~`` is the home
+    folder, as a shell would expand it) or ``~/.cache/layerleap``."""
+    return Path(os.environ.get("LAYERLEAP_CACHE") or Path.home() / ".cache" / "layerleap").expanduser()

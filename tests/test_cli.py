@@ -276,6 +276,11 @@ def test_info_call_cost_saves_the_curve_that_draft_lengths_use(capsys, tmp_path,
     curve = curve_for(tiny)
     assert curve.source == "measured" and curve(1) == 1.0
     assert all(a <= b for a, b in zip(curve.costs, curve.costs[1:]))  # held at its running maximum
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "a-file"))  # a cache that cannot be written: said so
+    rc, out, _ = cli(capsys, "info", "--model", tiny_hf_dir, "--buffer-mb", 8, "--repeats", 1, "--call-cost")
+    where = tmp_path / "a-file" / "call_cost.json"
+    assert rc == 0 and f"not saved: {where} cannot be written; set LAYERLEAP_CACHE to a writable folder" in out
 
 
 def test_info_call_cost_measured_while_others_run_keeps_the_saved_curve(capsys, tmp_path, monkeypatch, tiny_hf_dir):

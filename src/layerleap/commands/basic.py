@@ -720,6 +720,8 @@ def run_info(args) -> int:
             elif d["call_cost"]["kept_saved"]:
                 print(f"not saved: other processes were running; the curve saved in {where} stays")
                 print("(measure again when the machine is idle)")
+            else:
+                print(f"not saved: {where} cannot be written; set LAYERLEAP_CACHE to a writable folder")
     return 0
 
 

@@ -1,0 +1,43 @@
+"""The Python API leaves its caller's process as it found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layerleap
+from layerleap.drafters import exit_heads, medusa_transfer
+
+
+@pytest.fixture(scope="module")
+def char_model(char_model_dir):
+    return layerleap.load(str(char_model_dir))
+
+
+def _drafter_file(model, kind, folder):
+    if kind == "heads":
+        return exit_heads.save_heads([exit_heads.new_head(model, 2, "lens")], folder / "h.safetensors")
+    config = {"medusa": dict(steps=2), "transfer": dict(layers=[1]), "eagle": {}}[kind]
+    drafter = medusa_transfer.new_drafter(model, kind, **config)
+    return medusa_transfer.save_drafter(drafter, folder / f"{kind}.safetensors")
+
+
+@pytest.mark.parametrize(
+    "method, kind, option, more",
+    [
+        ("medusa", "medusa", "heads", {}),
+        ("eagle", "eagle", "eagle_head", {}),
+        ("hidden-transfer", "transfer", "transfer", {}),
+        ("ppd", "heads", "head", {"exit_layer": 2}),
+    ],
+)
+def test_a_greedy_call_that_reads_a_drafter_file_draws_nothing_from_the_global_generator(
+    char_model, tmp_path, method, kind, option, more
+):
+    """Building a drafter's modules before its weights are copied in initialises them at random: that
+    must not advance the caller's generator (greedy decoding draws nothing)."""
+    path = _drafter_file(char_model, kind, tmp_path)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    layerleap.generate(char_model, "hello", method, max_new_tokens=4, **{option: str(path)}, **more)
+    assert torch.equal(torch.get_rng_state(), before)

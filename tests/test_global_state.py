@@ -41,3 +41,23 @@ def test_a_greedy_call_that_reads_a_drafter_file_draws_nothing_from_the_global_g
     before = torch.get_rng_state()
     layerleap.generate(char_model, "hello", method, max_new_tokens=4, **{option: str(path)}, **more)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_timing_the_kernels_draws_nothing_from_the_global_generator(monkeypatch, tmp_path):
+    """The first call on a machine times the draft heads' and drafters' kernels (then remembered): its
+    random inputs come from a generator of its own, so that call advances the caller's no more than later
+    ones."""
+    from layerleap.core import kernels
+
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_best_of_rounds", lambda configs, rounds=7: {k: 1.0 for k in configs})
+    weight = torch.randn(64, 64)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    kernels._measure_draft_head(weight, q8=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    if kernels.blocks_available():  # 8-bit products are timed only with the native kernel
+        kernels.q8_products_faster([torch.zeros(1024, 1024)])
+        assert "q8 products 1024x1024" in (tmp_path / "kernels.json").read_text()
+        assert torch.equal(torch.get_rng_state(), before)

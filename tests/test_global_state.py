@@ -61,3 +61,23 @@ def test_timing_the_kernels_draws_nothing_from_the_global_generator(monkeypatch,
         kernels.q8_products_faster([torch.zeros(1024, 1024)])
         assert "q8 products 1024x1024" in (tmp_path / "kernels.json").read_text()
         assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_loading_a_gguf_file_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+    """The caller's environment (which its later child processes inherit) is not changed: loading a
+    GGUF file reads its local folder only, without putting the process offline."""
+    import os
+
+    from layerleap.core import kernels
+    from test_gguf_files import write_gguf
+
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(kernels.KERNEL_ENV, "dense")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    before = dict(os.environ)
+    model = layerleap.load(str(write_gguf(tmp_path / "tiny.gguf", "Q8_0")), progress=lambda s: None)
+    after = dict(os.environ)
+    after.pop("TORCHINDUCTOR_CACHE_DIR", None)  # torch's own, set on the first import of its compiler
+    before.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    assert after == before
+    assert model.tokenizer.decode(model.tokenizer.encode("hello world")) == "hello world"

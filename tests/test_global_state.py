@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -81,3 +83,18 @@ def test_loading_a_gguf_file_leaves_the_environment_as_it_was(tmp_path, monkeypa
     before.pop("TORCHINDUCTOR_CACHE_DIR", None)
     assert after == before
     assert model.tokenizer.decode(model.tokenizer.encode("hello world")) == "hello world"
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_parallel_ppd_gives_the_caller_its_thread_count_back_on_close():
+    """``ParallelPPD`` runs the caller's process at ``threads`` threads from start-up to ``close()``."""
+    from tiny_models import random_model
+
+    from layerleap.eval.ppd_parallel import ParallelPPD
+
+    model = random_model("llama-gqa-tied", seed=1)
+    torch.set_num_threads(2)
+    with ParallelPPD(model, exit_layer=2, k=1, head="shared", threads=1) as ex:
+        assert torch.get_num_threads() == 1
+        assert ex.generate([1, 2, 3], 2, stop_at_eos=False).token_ids
+    assert torch.get_num_threads() == 2

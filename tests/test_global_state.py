@@ -98,3 +98,13 @@ def test_parallel_ppd_gives_the_caller_its_thread_count_back_on_close():
         assert torch.get_num_threads() == 1
         assert ex.generate([1, 2, 3], 2, stop_at_eos=False).token_ids
     assert torch.get_num_threads() == 2
+
+
+def test_to_hf_draws_nothing_from_the_global_generator(char_model):
+    """The `transformers` model starts from random weights that ``to_hf`` replaces: drawn apart from the
+    caller's generator, so seeding before a comparison still seeds what the caller samples next."""
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    hf = layerleap.to_hf(char_model)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(hf.model.embed_tokens.weight, char_model.tok_embeddings.weight)

@@ -1048,7 +1048,8 @@ def q8_products_faster(weights: list[torch.Tensor]) -> bool:
     shapes = ", ".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights)
 
     def measure() -> dict:
-        xs = [torch.randn(1, w.shape[1]).to(w.dtype) for w in weights]
+        g = torch.Generator().manual_seed(0)  # not the caller's global generator
+        xs = [torch.randn(1, w.shape[1], generator=g).to(w.dtype) for w in weights]
         blocks = [BlockWeight.from_int8(quantize_q8(w.detach())) for w in weights]
         configs = {
             "dense_s": [lambda w=w, x=x: F.linear(x, w) for w, x in zip(weights, xs)],
@@ -1095,7 +1096,7 @@ def _measure_draft_head(weight: torch.Tensor, q8: bool) -> dict:
     (``q8``) as 8-bit blocks."""
     packed = OneDNNWeight(weight, pad_to=())
     cm = weight.t().contiguous().t()
-    x = torch.randn(1, weight.shape[1]).to(weight.dtype)
+    x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     configs = {"row_s": [lambda: F.linear(x, cm)] * 4, "onednn_s": [lambda: packed(x)] * 4}
     if q8:
         blocks = BlockWeight.from_int8(quantize_q8(weight))

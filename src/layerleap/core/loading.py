@@ -991,7 +991,9 @@ def to_hf(model: Transformer):
 
     d = model.config.to_hf()
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=model.dtype)
+    # its random initial weights (all replaced below) from a generator of their own, not the caller's
+    with torch.random.fork_rng(devices=[]):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=model.dtype)
     sd = {k: v.contiguous() for k, v in ours_to_hf(model).items()}
     sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
     hf.load_state_dict(sd, strict=True)  # copies into the CPU parameters from_config made

@@ -47,10 +47,10 @@ class GGUFContext:
             load_gguf_checkpoint,
         )
 
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.path = path
-        self.tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        local = dict(gguf_file=path.name, local_files_only=True)  # the file's own folder, never the Hub
+        self.tokenizer = AutoTokenizer.from_pretrained(path.parent, **local)
+        hf_config = AutoConfig.from_pretrained(path.parent, **local)
         self.parsed = load_gguf_checkpoint(str(path), return_tensors=False)
         if "num_key_value_heads" not in self.parsed.get("config", {}):  # as llama.cpp: no GQA without head_count_kv
             hf_config.num_key_value_heads = hf_config.num_attention_heads  # (Qwen2Config's default is 32)

@@ -259,7 +259,10 @@ def read(model, path, kind: Kind):
             f"cannot read {kind.what} {p}: {str(e)[:100]}; train them again with `{kind.command}`"
         ) from None
     try:
-        return kind.build(model, json.loads(meta["build"]), tensors)
+        # the modules are built (initialised at random) before the file's tensors replace their weights:
+        # on a generator of their own, so reading a file leaves the caller's global generator as it was
+        with torch.random.fork_rng(devices=[]):
+            return kind.build(model, json.loads(meta["build"]), tensors)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
         if isinstance(e, LayerleapError):  # the module's own refusal of its build: named with the file
             raise kind.error(

@@ -216,7 +216,9 @@ def _sub_main(
 class ParallelPPD:
     """``k + 1`` processes running PPD.  ``model``: a packaged name (each process loads its own copy) or
     a ``Transformer`` (sent to the sub-processes, which then hold their own copy).  ``check(model)``, if
-    given, runs on the main process's model before any sub-process starts (a raise starts none)."""
+    given, runs on the main process's model before any sub-process starts (a raise starts none).  The
+    caller's process runs ``threads`` torch threads from start-up until ``close()``, which gives its own
+    count back."""
 
     def __init__(
         self,
@@ -254,6 +256,7 @@ class ParallelPPD:
             check(self.model)
         self.procs: list = []
         self._busy = False
+        self._caller_threads = torch.get_num_threads()  # given back by close()
         torch.set_num_threads(threads)
         import torch.multiprocessing as mp
 
@@ -284,7 +287,8 @@ class ParallelPPD:
 
     def close(self) -> None:
         """Stop the sub-processes: between generations a stop message, then join (terminating any that
-        hang); during start-up or a generation cut short (Ctrl-C, an error) terminate them at once."""
+        hang); during start-up or a generation cut short (Ctrl-C, an error) terminate them at once.  The
+        caller's torch thread count is back as it was before start-up."""
         pg = getattr(self, "pg", None)
         clean = pg is not None and not self._busy
         if clean:
@@ -301,6 +305,9 @@ class ParallelPPD:
                 p.join(timeout=5)
         self.procs = []
         self.pg = None
+        if getattr(self, "_caller_threads", None) is not None:
+            torch.set_num_threads(self._caller_threads)
+            self._caller_threads = None
 
     def _check_alive(self) -> None:
         dead = [p for p in self.procs if not p.is_alive()]

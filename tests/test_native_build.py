@@ -213,10 +213,10 @@ def test_cpu_features_are_the_instruction_set_flags(monkeypatch):
     from layerleap.core import cpu
 
     text = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu vme avx2 sse4_2 fma hypervisor avx512_vnni pti\n"
-    monkeypatch.setattr(cpu, "open", lambda path: io.StringIO(text), raising=False)
+    monkeypatch.setattr(cpu, "open", lambda path, **kw: io.StringIO(text), raising=False)
     assert cpu.cpu_features.__wrapped__() == "avx2 avx512_vnni fma sse4_2"
     arm = "processor\t: 0\nFeatures\t: fp asimd sve2 i8mm\n"
-    monkeypatch.setattr(cpu, "open", lambda path: io.StringIO(arm), raising=False)
+    monkeypatch.setattr(cpu, "open", lambda path, **kw: io.StringIO(arm), raising=False)
     assert cpu.cpu_features.__wrapped__() == "asimd fp i8mm sve2"
 
 

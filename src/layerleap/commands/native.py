@@ -42,8 +42,7 @@ def run(args) -> int:
     if args.build:
         t = time.perf_counter()
         try:
-            with native.ninja_on_path():  # native.build does too: here for a build replaced in tests
-                native.build()
+            native.build()  # with the ninja beside this Python on PATH (native.ninja_on_path)
         except Exception as e:  # a compiler or ninja missing, or a failed build: the Python path stays
             raise LayerleapError(
                 f"the native layers could not be built ({_reason(e)}); layerleap keeps running its Python path"

@@ -35,6 +35,7 @@ bf16, a weights file with the model's fingerprint and the training budget (``dra
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -346,14 +347,8 @@ def _setting(key: str, value, kind: str) -> str:
 
 
 def _file_hash(path) -> str:
-    """A hash of a file's bytes: the ``--init`` file a checkpoint started from."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """A hash of a file's bytes: the ``--init`` file a checkpoint started from (a few MB)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machine: str, init: str = "") -> Checkpoint:

@@ -23,6 +23,7 @@ from .core.model import Transformer
 from .methods import budget
 from .core.grammar import Grammar
 from .core.stats import RECORD_FIELDS, BudgetStats, Stats
+from .core.text import StopText, TextPieces, check_stops, tokens_through
 from .core.run import (
     METHODS,
     GenerationConfig,
@@ -68,7 +69,8 @@ def get_method(name: str) -> Method:
 
 
 GENERATE_ARGS = (
-    "max_new_tokens", "temperature", "top_k", "top_p", "seed", "do_sample", "stop_at_eos", "chat", "quality", "grammar"
+    "max_new_tokens", "temperature", "top_k", "top_p", "seed", "do_sample", "stop_at_eos", "stop", "chat", "quality",
+    "grammar",
 )  # fmt: skip
 HF_ARGS = {  # `transformers` generate arguments and what says the same here
     "max_length": "max_new_tokens= (the new tokens, the prompt not counted)",
@@ -78,6 +80,7 @@ HF_ARGS = {  # `transformers` generate arguments and what says the same here
     "num_return_sequences": "a list that repeats the prompt, with do_sample=True and a seed (row i samples seed + i)",
     "generation_config": "its fields as keyword arguments (max_new_tokens=..., temperature=...)",
     "eos_token_id": "stop_at_eos=False to go past the model's end-of-sequence tokens",
+    "stop_strings": "stop= (a string or a list of strings; the text ends before the first one found)",
 }
 
 
@@ -129,8 +132,8 @@ def sampling_choice(m: Method, do_sample: bool | None, given: dict) -> bool:
 
 # -- the public entry point --------------------------------------------------------------------
 PROMPT_FORMS = (
-    "a prompt is text (str), a list of token ids, or a 1-D integer tensor or array; a batch is a list of "
-    "those or a 2-D integer tensor or array"
+    "a prompt is text (str), a list of token ids, a 1-D integer tensor or array, or a conversation (a list of "
+    "messages, {'role': ..., 'content': ...}); a batch is a list of those or a 2-D integer tensor or array"
 )
 
 
@@ -159,8 +162,53 @@ def _encode_row(model: Transformer, prompts: list, i: int, chat: bool) -> list[i
         raise GenerationError(f"prompt {i} of the batch: {e}") from None
 
 
+def _is_conversation(prompt) -> bool:
+    """Whether ``prompt`` is a list of messages (dicts), one conversation."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and any(isinstance(m, dict) for m in prompt)
+
+
+def _no_template(tok, what: str) -> GenerationError | None:
+    if tok is None:
+        return GenerationError(
+            f"this model has no tokenizer (its folder has no tokenizer files, or from_hf was given none): {what} "
+            "needs one and its chat template; pass token ids, or add the tokenizer files"
+        )
+    if not getattr(tok, "chat_template", None):
+        return GenerationError(f"this tokenizer has no chat template: {what} needs one")
+    return None
+
+
+def _encode_conversation(model: Transformer, messages) -> list[int]:
+    """A list of messages (``[{"role": "user", "content": "hi"}, ...]``) as token ids under the chat template,
+    with the assistant's turn opened after them."""
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise GenerationError(
+                f"a conversation is a list of messages (dicts with 'role' and 'content'); item {k} is "
+                f"{V.show(m)}: make every item a message, or give a list of conversations for a batch"
+            )
+        for key in ("role", "content"):
+            if key not in m:
+                raise GenerationError(
+                    f"message {k} has no {key!r}: a message is {{'role': 'user', 'content': 'text'}} "
+                    f"(it has {', '.join(map(repr, m)) or 'no keys'})"
+                )
+            if not isinstance(m[key], str):
+                raise GenerationError(f"message {k}'s {key} must be text (str), got {V.show(m[key])}")
+            with V.raising(GenerationError):
+                V.text(m[key], f"message {k}'s {key}")
+        if not m["role"].strip():
+            raise GenerationError(f"message {k}'s role is empty: name it ('system', 'user', 'assistant')")
+    error = _no_template(model.tokenizer, "a conversation (a list of messages)")
+    if error is not None:
+        raise GenerationError(f"{error}: give the text as a prompt instead")
+    return chat_token_ids(model.tokenizer, [dict(m) for m in messages], add_generation_prompt=True)
+
+
 def _encode(model: Transformer, prompt, chat: bool) -> list[int]:
     prompt = _from_array(prompt)  # a row of a list of arrays
+    if _is_conversation(prompt):
+        return _encode_conversation(model, prompt)
     if isinstance(prompt, (bytes, bytearray)):
         raise GenerationError("the prompt is bytes: decode it to text first (prompt.decode('utf-8'))")
     if isinstance(prompt, str):
@@ -227,6 +275,8 @@ def _split_prompts(prompt) -> tuple[list, bool]:
             raise GenerationError("the prompt list is empty: give at least one prompt or token")
         if all(_is_id(p) for p in prompt):
             return [list(prompt)], False
+        if _is_conversation(prompt):  # one conversation (a list of conversations is a batch)
+            return [list(prompt)], False
         V.at_most(len(prompt), MAX_BATCH, "the batch", "split the prompts into several calls")
         return list(prompt), True
     return [prompt], False
@@ -261,6 +311,7 @@ def generate(
     seed: int | None = None,
     do_sample: bool | None = None,
     stop_at_eos: bool = True,
+    stop: str | list[str] | None = None,
     chat: bool = False,
     quality: float | None = None,
     grammar: Grammar | None = None,
@@ -268,8 +319,10 @@ def generate(
 ):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
 
-    ``prompt`` is text, token ids (a list, a 1-D integer tensor or numpy array), or a list of those
-    (or a 2-D integer tensor or array: one prompt a row).  A list decodes as one batch; a
+    ``prompt`` is text, token ids (a list, a 1-D integer tensor or numpy array), a conversation (a list
+    of messages, ``{"role": "user", "content": "hi"}``, always rendered with the chat template: ``chat``
+    applies to text), or a list of those (or a 2-D integer tensor or array: one prompt a row).  A list
+    decodes as one batch; a
     method that does not batch (``METHODS[name].batched`` is False) takes a list of one prompt only
     and refuses more with a ``GenerationError``.  Method options are keyword arguments (see
     ``layerleap.METHODS[name].options()``), checked by their declarations (``core.options``).
@@ -279,6 +332,11 @@ def generate(
     that decodes greedily only (``sampling_choice``); nothing given is ignored, except a seed with
     ``do_sample=False`` (greedy decoding draws nothing).  A value that
     changes no distribution (temperature 1.0, top_k 0, top_p 1.0: the defaults) asks for nothing.
+
+    ``stop``: a string or a list of at most ``core.text.MAX_STOPS`` (OpenAI's ``stop``, `transformers`'
+    ``stop_strings``): a row ends as soon as its text holds one, its text before it (the stop string is
+    not returned), its tokens through the one that completes it (``core.text``), finish_reason "stop"
+    and ``stats.stop_string`` the string found.
 
     ``quality`` (lossy methods: ``skipdecode``, ``calm``, ``early-exit``, ``bild``): the share of
     greedy's quality to keep, e.g. 0.95; the method runs the setting ``layerleap calibrate`` chose for
@@ -310,6 +368,7 @@ def generate(
         seed=seed,
         do_sample=do_sample,
         stop_at_eos=stop_at_eos,
+        stop=stop,
         chat=chat,
         quality=quality,
         grammar=grammar,
@@ -436,6 +495,7 @@ class Decoding:
         seed: int | None = None,
         do_sample: bool | None = None,
         stop_at_eos: bool = True,
+        stop: str | list[str] | None = None,
         chat: bool = False,
         quality: float | None = None,
         grammar: Grammar | None = None,
@@ -462,6 +522,12 @@ class Decoding:
             options,
             grammar,
         )
+        self.stops = check_stops(stop)
+        _check(
+            not self.stops or model.tokenizer is not None,
+            "stop strings are found in the text, and this model has no tokenizer: add its tokenizer files, or "
+            "leave stop out",
+        )
         if self.budget is not None:
             note = budget.machine_note(self.budget, model)  # priced on another machine: once per file
             if note:
@@ -476,6 +542,7 @@ class Decoding:
         self.results: list[GenerationResult | None] = [None] * len(ids)
         self._where: dict[int, tuple[Run, int]] = {}  # prompt index -> its run and row
         self._cancelled: set[int] = set()
+        self._stopped: dict[int, tuple[int, str, str]] = {}  # prompt index -> (tokens kept, text, stop string)
         self._rounds = None  # the one iteration (a generator): iterating again resumes it
         self._broken = False  # it ended by an exception or was closed before the end
 
@@ -511,9 +578,12 @@ class Decoding:
             run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, indices=group)
             self._where.update({i: (run, j) for j, i in enumerate(group)})
             seen = [0] * len(group)
+            texts = [(TextPieces(self.model.tokenizer), StopText(self.stops)) for _ in group] if self.stops else None
             ended = False  # every row ended between two rounds (cancelled): the method ends at its next step
             for _ in rounds(self.method.fn, run, self.options):
                 grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
+                if texts is not None:
+                    self._find_stops(run, group, texts, [j for j in range(len(group)) if len(run.out[j]) > seen[j]])
                 seen = [len(o) for o in run.out]
                 if grew:
                     yield grew
@@ -524,8 +594,10 @@ class Decoding:
             if sum(map(len, run.prompts)) >= LONG_PROMPT_PASS:  # its buffers back to the OS (~1 ms)
                 release_freed_memory()
             grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
+            if texts is not None:
+                self._find_stops(run, group, texts, [j for j in range(len(group)) if len(run.out[j]) > seen[j]])
             for j, i in enumerate(group):
-                self.results[i] = _result(self.model, run, j, wall, self.method.name)
+                self.results[i] = _result(self.model, run, j, wall, self.method.name, stop=self._stopped.get(i))
                 if self.budget is not None:
                     self.results[i].stats.budget = BudgetStats(**self.budget.to_dict())
                 if i in self._cancelled and run.reasons[j] == "cancelled":  # not a row that had ended before
@@ -535,6 +607,26 @@ class Decoding:
         for i in range(len(self.prompt_ids)):
             if self.results[i] is None:  # cancelled before the decoding began: no tokens, no calls
                 self.results[i] = self._unstarted(i)
+
+    def _find_stops(self, run: Run, group: list[int], texts: list, rows: list[int]) -> None:
+        """Read the new text of ``rows`` for the stop strings (``core.text.StopText``, the server's rule); a row
+        whose text holds one ends now, its tokens cut to the fewest that hold it (``tokens_through``) and
+        its text to what comes before it.  The text of a row that has ended is read to its last character."""
+        tok = self.model.tokenizer
+        for j in rows:
+            pieces, stop = texts[j]
+            if stop.hit:
+                continue
+            stop.push(pieces.push(run.out[j]))
+            if not stop.hit and run.finished[j]:
+                text = tok.decode(run.out[j], skip_special_tokens=True)
+                if text.startswith(pieces.sent):  # (else a tokenizer rewrote the text read: nothing more to read)
+                    stop.push(pieces.finish(run.out[j]))
+            if stop.hit:
+                n = tokens_through(run.out[j], tok, stop.end)
+                self._stopped[group[j]] = (n, pieces.sent[: stop.end - len(stop.string)], stop.string)
+                run.cancel(j)
+                run.reasons[j] = "stop"  # and a row that ended in the same round (its budget, EOS) ended at the stop
 
     def _unstarted(self, i: int) -> GenerationResult:
         """Prompt ``i``'s result while it has not run: before the decoding began, or cancelled before it
@@ -575,7 +667,7 @@ class Decoding:
         if i not in self._where:
             return []
         run, row = self._where[i]
-        return list(run.out[row])
+        return list(run.out[row][: self._stopped[i][0]] if i in self._stopped else run.out[row])
 
     def finished(self, i: int) -> bool:
         """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end or a
@@ -605,7 +697,9 @@ class Decoding:
         if i not in self._where:
             return self._unstarted(i)
         run, row = self._where[i]
-        r = _result(self.model, run, row, time.perf_counter() - run.t0, self.method.name, ended=False)
+        r = _result(
+            self.model, run, row, time.perf_counter() - run.t0, self.method.name, ended=False, stop=self._stopped.get(i)
+        )
         r.token_ids = list(r.token_ids)
         return r
 
@@ -643,8 +737,17 @@ def _check_memory(model: Transformer, lengths: list[int], max_new_tokens: int) -
     )
 
 
-def _result(model: Transformer, run: Run, row: int, wall: float, method: str, ended: bool = True) -> GenerationResult:
-    toks = run.out[row]
+def _result(
+    model: Transformer,
+    run: Run,
+    row: int,
+    wall: float,
+    method: str,
+    ended: bool = True,
+    stop: tuple[int, str, str] | None = None,
+) -> GenerationResult:
+    """``row``'s result; ``stop``: (tokens kept, text, stop string) of a row a stop string ended."""
+    toks = run.out[row] if stop is None else run.out[row][: stop[0]]
     n = len(toks)
     stats = Stats(
         method=method,
@@ -660,9 +763,13 @@ def _result(model: Transformer, run: Run, row: int, wall: float, method: str, en
         tokens_per_s=n / wall if wall > 0 else 0.0,
         ttft_s=(run.t_first - run.t0) if run.t_first is not None else None,
         batch=run.batch,
+        stop_string=None if stop is None else stop[2],
         **{RECORD_FIELDS[kind]: records[row] for kind, records in run.records.items()},
     )
-    text = model.tokenizer.decode(toks, skip_special_tokens=True) if model.tokenizer is not None else ""
+    if stop is not None:
+        text = stop[1]
+    else:
+        text = model.tokenizer.decode(toks, skip_special_tokens=True) if model.tokenizer is not None else ""
     return GenerationResult(text, toks, stats, list(run.prompts[row]), finish_reason(run, row, ended))
 
 

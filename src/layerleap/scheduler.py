@@ -11,7 +11,7 @@ rounds run in one worker thread, so model calls never overlap and the event loop
 A job whose client went away is cancelled: dropped while it waits, its row stopped while it runs
 (a batch ends when all its rows have); a job that waits longer than ``queue_timeout`` seconds fails.
 
-Text goes out as ``layerleap.streaming.TextPieces`` cuts it (whole characters, joining to the
+Text goes out as ``layerleap.core.text.TextPieces`` cuts it (whole characters, joining to the
 final text) through a ``StopText`` filter for OpenAI's ``stop`` strings; a row that emits one of its
 ``stop_token_ids`` ends before that token.  Detokenizing runs in the worker thread, beside the model
 calls, so the event loop only moves finished pieces.
@@ -36,7 +36,7 @@ from .core.model import Transformer
 from .core.run import GenerationConfig, GenerationResult, row_generators
 from .decoding import Decoding, get_method
 from .errors import LayerleapError
-from .streaming import BYTE_TOKEN, TextPieces
+from .core.text import StopText, TextPieces, tokens_through
 
 
 @dataclass(frozen=True)
@@ -76,40 +76,6 @@ class Settings:
         sampling = (g.temperature, g.top_k, g.top_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
         return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar)
-
-
-class StopText:
-    """OpenAI's ``stop``: text passes through until one of ``stops`` appears, which ends the text
-    (the stop string itself is not returned).  A tail that could start a stop string is held back
-    until the next piece tells."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.held = ""
-        self.hit = False
-        self.seen = 0  # characters pushed so far
-        self.end: int | None = None  # once hit: where the stop string ends in all the text pushed
-
-    def push(self, piece: str) -> str:
-        if self.hit:
-            return ""
-        text = self.held + piece
-        self.seen += len(piece)
-        # the match that ends first (the longer one where two end together), as text pushed character by
-        # character would find it: the cut does not depend on how the text came in pieces
-        found = [(i + len(s), i) for s in self.stops for i in (text.find(s),) if i >= 0]
-        if found:
-            end, at = min(found, key=lambda f: (f[0], f[1]))
-            self.hit, self.held = True, ""
-            self.end = self.seen - len(text) + end
-            return text[:at]
-        keep = max((j for s in self.stops for j in range(1, len(s)) if text.endswith(s[:j])), default=0)
-        self.held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep]
-
-    def finish(self) -> str:
-        out, self.held = self.held, ""
-        return "" if self.hit else out
 
 
 @dataclass
@@ -177,31 +143,8 @@ class Job:
         self.finished, self.reason = True, reason
         n = len(toks) if self.cut is None else self.cut
         if self.stop.hit and tokenizer is not None:
-            n = self._through_stop(toks[:n], tokenizer)
+            n = tokens_through(toks[:n], tokenizer, self.stop.end)
         self.events.put_nowait(("done", Finish(result, reason, "".join(self.text), n)))
-
-    def _through_stop(self, toks: list[int], tokenizer) -> int:
-        """The fewest of ``toks`` whose text holds the stop string that ended the answer: what decoding
-        token by token would have made (a drafting round may have accepted tokens past it).  A stop string
-        that ends in a character of several tokens is held through the token that completes it."""
-        through = tokenizer.decode(toks, skip_special_tokens=True)[: self.stop.end]  # the text through the stop
-
-        def holds(n: int) -> bool:
-            return tokenizer.decode(toks[:n], skip_special_tokens=True).startswith(through)
-
-        lo, hi = 1, len(toks)
-        while lo < hi:  # the text only grows with the tokens: the first length whose text holds it all
-            mid = (lo + hi) // 2
-            if holds(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        # but not inside a run of byte-fallback tokens, which decodes to U+FFFD while it is broken (a newline
-        # <0x0A> followed by an emoji's first byte): the fewest may be earlier in the run that ends at hi
-        start = hi - 1
-        while start > 0 and BYTE_TOKEN.fullmatch(str(tokenizer.convert_ids_to_tokens(int(toks[start - 1])))):
-            start -= 1
-        return next((n for n in range(start + 1, hi) if holds(n)), hi)
 
     def send_rest(self) -> None:
         rest = self.stop.finish()

@@ -10,62 +10,10 @@ byte-fallback tokens (``<0x0A>``), which a later byte can still turn into U+FFFD
 
 from __future__ import annotations
 
-import re
-
 from .decoding import Decoding
 from .core.run import GenerationError, GenerationResult
 from .core.model import Transformer
-
-REPLACEMENT = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
-BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token (SentencePiece-style vocabularies)
-
-
-class TextPieces:
-    """Incremental detokenization of one growing token list: ``push(tokens)`` returns the text the
-    new tokens completed ("" while a character is incomplete), ``finish(tokens)`` the rest; the
-    pieces join to ``tokenizer.decode(tokens, skip_special_tokens=True)``."""
-
-    def __init__(self, tokenizer):
-        if tokenizer is None:
-            raise GenerationError("this model has no tokenizer: streaming needs one to decode text")
-        self.tokenizer = tokenizer
-        self.sent = ""
-
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def push(self, tokens: list[int]) -> str:
-        text = self._decode(tokens[: len(tokens) - self._unsettled(tokens)])
-        if text.endswith(REPLACEMENT) or not text.startswith(self.sent):
-            return ""  # an incomplete character (or a tokenizer that rewrote the tail): wait for more
-        return self._take(text)
-
-    def _unsettled(self, tokens: list[int]) -> int:
-        """How many of the last ``tokens`` may still decode otherwise: a run of byte-fallback tokens (and
-        the tokens without text among them, special ones).  A byte-fallback decoder joins such a run
-        into one UTF-8 sequence and, when it is broken (a character cut by the end, or by the next
-        ordinary token), turns every byte of it into U+FFFD: a newline ``<0x0A>`` followed by the
-        first byte of an emoji decodes to two U+FFFD, not to the newline already decoded."""
-        n = len(tokens)
-        while n:
-            piece = self.tokenizer.convert_ids_to_tokens(int(tokens[n - 1]))
-            if not (isinstance(piece, str) and BYTE_TOKEN.fullmatch(piece)) and self._decode(tokens[n - 1 : n]):
-                break
-            n -= 1
-        return len(tokens) - n
-
-    def finish(self, tokens: list[int]) -> str:
-        text = self._decode(tokens)
-        if not text.startswith(self.sent):
-            raise GenerationError(
-                "the tokenizer decoded a token sequence to text that does not extend the "
-                "text already streamed: this tokenizer cannot be streamed"
-            )
-        return self._take(text)
-
-    def _take(self, text: str) -> str:
-        piece, self.sent = text[len(self.sent) :], text
-        return piece
+from .core.text import BYTE_TOKEN, REPLACEMENT, StopText, TextPieces  # noqa: F401  (re-exported)
 
 
 class TextStream:
@@ -94,16 +42,17 @@ class TextStream:
 
     def _iterate(self):
         d = self.decoding
+        stop = StopText(d.stops)  # the text before a stop string (a tail that may start one waits)
         try:
             for _ in d:
-                piece = self.pieces.push(d.tokens(0))
+                piece = stop.push(self.pieces.push(d.tokens(0)))
                 if piece:
                     yield piece
         except GeneratorExit:
             d.close()
             raise
         self.result = d.results[0]
-        rest = self.pieces.finish(self.result.token_ids)
+        rest = stop.push(self.pieces.finish(self.result.token_ids)) + stop.finish()
         if rest:
             yield rest
 

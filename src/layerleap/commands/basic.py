@@ -31,6 +31,7 @@ from ..errors import LayerleapError
 from ..core.grammar import Grammar
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
 from ..core.run import row_seed
+from ..core.text import MAX_STOPS
 from ..files import reading
 from ..options import ModelLoader, resolve_models, to_device
 from ..eval.report import write_html_report
@@ -306,6 +307,14 @@ def _setup_generate(p):
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument(
+        "--stop",
+        action="append",
+        type=_stop_arg,
+        metavar="TEXT",
+        help=f"end the text before TEXT, which is not printed (repeatable, at most {MAX_STOPS}; "
+        "the text as written: in bash, $'\\n\\n' is two newlines)",
+    )
     _sampling_args(p)
     _opt_arg(p, "NAME=VALUE", "a method option (repeatable)")
     p.add_argument(
@@ -324,6 +333,16 @@ def _setup_generate(p):
         action="store_true",
         help="print one JSON object (text, token_ids, finish_reason, stats) per prompt, one a line",
     )
+
+
+def _stop_text(text: str) -> str:
+    V.text(text, "")
+    if not text:
+        raise V.InputError("is empty: give the text to stop at (in bash, $'\\n\\n' for two newlines)")
+    return text
+
+
+_stop_arg = V._as_arg(_stop_text, label="stop text")
 
 
 def _grammar_args(p) -> None:
@@ -447,6 +466,8 @@ def _check_model_options(method: str, options: dict, label: str = "") -> None:
 def run_generate(args) -> int:
     options = _method_options(args.method, args.opt, args.quality)  # fail before loading the model
     sampling = _check_sampling(args.method, args)
+    if args.stop and len(args.stop) > MAX_STOPS:
+        raise LayerleapError(f"--stop is given {len(args.stop)} times, more than {MAX_STOPS}: keep at most {MAX_STOPS}")
     prompts = _generate_prompts(args)
     if isinstance(prompts, list) and get_method(args.method).batched and len(prompts) > MAX_BATCH:
         raise LayerleapError(
@@ -462,6 +483,8 @@ def run_generate(args) -> int:
     _need_tokenizer(model, args)
     get_method(args.method).check_options(options, model.config, partial=args.quality is not None)
     kwargs = {**sampling, **resolve_models(args.method, options, _loader(args))}
+    if args.stop:
+        kwargs["stop"] = args.stop
     if grammar is not None:
         kwargs["grammar"] = grammar
     if args.quality is not None:

@@ -56,7 +56,8 @@ class GenerationResult:
     token_ids: list[int]
     stats: Stats
     prompt_ids: list[int] = field(default_factory=list)
-    # why the row ended: "stop" (an end-of-sequence token or the end of its grammar), "length" (max_new_tokens),
+    # why the row ended: "stop" (an end-of-sequence token, the end of its grammar or a stop string: then
+    # ``stats.stop_string`` names it), "length" (max_new_tokens),
     # "cancelled" (``Decoding.cancel``); None while it decodes
     finish_reason: str | None = None
 

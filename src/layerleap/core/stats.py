@@ -223,6 +223,7 @@ class Stats(Mapping):
     ttft_s: float | None
     batch: int
     cancelled: bool = False
+    stop_string: str | None = None  # the stop string that ended the text (``generate``'s ``stop``)
     exit: ExitStats | None = None
     draft: DraftStats | None = None
     companion: CompanionStats | None = None
@@ -238,14 +239,15 @@ class Stats(Mapping):
     budget: BudgetStats | None = None
 
     def to_dict(self) -> dict:
-        """The flat form: the common figures and every record's fields (``cancelled`` only when set)."""
+        """The flat form: the common figures and every record's fields (``cancelled`` and ``stop_string``
+        only when set)."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in RECORD_FIELDS.values():
                 if v is not None:
                     out.update(v.flat())
-            elif f.name != "cancelled" or v:
+            elif f.name not in ("cancelled", "stop_string") or v:
                 out[f.name] = v
         return out
 

@@ -17,9 +17,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..core.grammar import Grammar
+from ..core.text import MAX_STOPS
 from ..validate import SEED_MAX
-
-MAX_STOPS = 4  # OpenAI's limit on stop strings
 
 # answer-changing fields the server cannot honour -> the values that ask for nothing (accepted)
 REFUSED: dict[str, tuple] = {

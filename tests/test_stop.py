@@ -216,6 +216,8 @@ def test_a_conversation_needs_a_chat_template(char_model_dir, tmp_path):
     assert not getattr(model.tokenizer, "chat_template", None)
     with pytest.raises(GenerationError, match="no chat template: a conversation"):
         generate(model, CHAT, max_new_tokens=4)
+    with pytest.raises(GenerationError, match="no tokenizer .*: a conversation"):
+        generate(random_model(), CHAT, max_new_tokens=4)
 
 
 # -- the command line ---------------------------------------------------------------------------------------

@@ -171,10 +171,10 @@ def _no_template(tok, what: str) -> GenerationError | None:
     if tok is None:
         return GenerationError(
             f"this model has no tokenizer (its folder has no tokenizer files, or from_hf was given none): {what} "
-            "needs one and its chat template; pass token ids, or add the tokenizer files"
+            "needs one with a chat template: add the tokenizer files, or pass token ids"
         )
     if not getattr(tok, "chat_template", None):
-        return GenerationError(f"this tokenizer has no chat template: {what} needs one")
+        return GenerationError(f"this tokenizer has no chat template: {what} needs one; give the text as a prompt")
     return None
 
 
@@ -201,7 +201,7 @@ def _encode_conversation(model: Transformer, messages) -> list[int]:
             raise GenerationError(f"message {k}'s role is empty: name it ('system', 'user', 'assistant')")
     error = _no_template(model.tokenizer, "a conversation (a list of messages)")
     if error is not None:
-        raise GenerationError(f"{error}: give the text as a prompt instead")
+        raise error
     return chat_token_ids(model.tokenizer, [dict(m) for m in messages], add_generation_prompt=True)
 
 

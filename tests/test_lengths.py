@@ -298,3 +298,30 @@ def test_merged_cut_beside_no_tree_prices_the_chain_as_a_plain_call():
     rates = cut.rows[0].rates()
     assert L.best_length(rates, steep, 4) == 4
     assert cut.cut(0, [7, 8, 9, 10], shared=0, nodes=0) == [7, 8, 9, 10]
+
+
+def _save_curve(args):
+    """One process saving its curve (``cost_curve.key`` stands in: the argument is the key)."""
+    name, barrier = args
+    barrier.wait(5)
+    return cost_curve.save(name, steep(0.1), ms_one=3.0)
+
+
+def test_processes_saving_curves_at_once_keep_every_curve(saved_curves, monkeypatch):
+    """`layerleap info --call-cost` run for several models at once (or a GPU measuring its curve in two
+    servers): every curve is saved, none lost to another process's write of the file (a slow disk)."""
+    import multiprocessing as mp
+    import time
+
+    from layerleap import files
+
+    slow_write = files.write_json
+    monkeypatch.setattr(cost_curve, "key", lambda model: model)
+    monkeypatch.setattr(cost_curve, "write_json", lambda *a, **k: time.sleep(0.2) or slow_write(*a, **k))
+    ctx = mp.get_context("fork")
+    names = [f"model {i}" for i in range(4)]
+    barrier = ctx.Manager().Barrier(len(names))
+    with ctx.Pool(len(names)) as pool:
+        assert pool.map(_save_curve, [(n, barrier) for n in names]) == [True] * len(names)
+    assert sorted(json.loads((saved_curves / cost_curve.FILE).read_text())) == names
+    assert all(cost_curve.saved(n) == pytest.approx(steep(0.1)) for n in names)  # and this process reads them

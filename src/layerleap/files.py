@@ -100,12 +100,14 @@ def replace_dir(
     that ``keep(path)`` accepts stays, and the new copy is dropped.  An OS error becomes a
     ``LayerleapError`` naming ``path`` (and ``fix``, what to do about it, when given)."""
     import shutil
-    import tempfile
 
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent))
+        # made as ``mkdir`` makes a folder, with the umask's permissions (``mkdtemp``'s are the owner's only:
+        # a shared cache's entries would be unreadable to the others)
+        tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.new"
+        tmp.mkdir()
         try:
             fill(tmp)
             if keep is None or not _move_in_unless_kept(tmp, path, keep):

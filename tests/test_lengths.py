@@ -325,3 +325,21 @@ def test_processes_saving_curves_at_once_keep_every_curve(saved_curves, monkeypa
         assert pool.map(_save_curve, [(n, barrier) for n in names]) == [True] * len(names)
     assert sorted(json.loads((saved_curves / cost_curve.FILE).read_text())) == names
     assert all(cost_curve.saved(n) == pytest.approx(steep(0.1)) for n in names)  # and this process reads them
+
+
+def test_a_curve_another_process_saves_within_one_clock_tick_is_read(saved_curves):
+    """The saved curves are read again when the file changes: also when another process's write keeps the
+    modification time of the file read before (a coarse file-system clock ticks every few milliseconds)."""
+    import os
+
+    from layerleap.files import write_json
+
+    model = random_model("llama-gqa-tied", seed=3)
+    assert cost_curve.save(model, steep(0.1), ms_one=3.0)
+    assert cost_curve.saved(model) == pytest.approx(steep(0.1))
+    path = saved_curves / cost_curve.FILE
+    st = path.stat()
+    entry = {"ratios": {str(s): r for s, r in steep(0.2).items()}, "ms_one_token": 3.0}
+    write_json(path, {cost_curve.key(model): entry})  # another process's write, in the same tick
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cost_curve.saved(model) == pytest.approx(steep(0.2))

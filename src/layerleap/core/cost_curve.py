@@ -41,15 +41,21 @@ def key(model) -> str:
     return f"{where} | {device.type} | {shape} | {model.dtype_name}"
 
 
-_READ: dict = {}  # path -> (mtime_ns, contents): the file is read again only when it changes
+_READ: dict = {}  # path -> (stamp, contents): the file is read again only when it changes (``_stamp``)
+
+
+def _stamp(path) -> tuple[int, int, int]:
+    """What tells a new ``path`` from the one read: every write replaces the file (a new inode), and a
+    write within one clock tick of the last keeps its modification time."""
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _known(fresh: bool = False) -> dict:
-    """The saved curves; ``fresh``: read the file even where its modification time is the one last read
-    (another process's write within one clock tick keeps it)."""
+    """The saved curves; ``fresh``: read the file even where it seems the one last read (``_stamp``)."""
     path = cache_root() / FILE
     try:
-        stamp = path.stat().st_mtime_ns
+        stamp = _stamp(path)
         if fresh or _READ.get(path, (None,))[0] != stamp:
             known = json.loads(path.read_text(encoding="utf-8"))
             _READ[path] = (stamp, known if isinstance(known, dict) else {})
@@ -89,7 +95,7 @@ def save(model, ratios: dict[int, float], ms_one: float) -> bool:
             known = _known(fresh=True)
             known[key(model)] = entry
             write_json(path, known)
-            _READ[path] = (path.stat().st_mtime_ns, known)  # (a second write within one clock tick keeps its stamp)
+            _READ[path] = (_stamp(path), known)
     except (LayerleapError, OSError):
         return False
     return True

@@ -785,7 +785,7 @@ def test_calibrations_of_other_budgets_finishing_at_once_keep_every_budget(cache
     monkeypatch.setattr(C, "write_json", lambda *a, **k: time.sleep(0.2) or files.write_json(*a, **k))
     ctx = mp.get_context("fork")
     qualities = [0.8, 0.85, 0.9, 0.95]
-    barrier = ctx.Manager().Barrier(len(qualities))
-    with ctx.Pool(len(qualities)) as pool:
+    with ctx.Manager() as manager, ctx.Pool(len(qualities)) as pool:
+        barrier = manager.Barrier(len(qualities))
         (path,) = set(pool.map(_write_budget, [(q, barrier) for q in qualities]))
     assert sorted(json.loads(Path(path).read_text())["budgets"]) == ["0.80", "0.85", "0.90", "0.95"]

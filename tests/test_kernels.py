@@ -471,7 +471,7 @@ def test_processes_measuring_at_once_keep_every_entry(monkeypatch, tmp_path):
     (tmp_path / "kernels.json").write_text(json.dumps({"old": {"v": "old"}}))
     ctx = mp.get_context("fork")
     keys = [f"k{i}" for i in range(4)]
-    barrier = ctx.Manager().Barrier(len(keys))
-    with ctx.Pool(len(keys)) as pool:
+    with ctx.Manager() as manager, ctx.Pool(len(keys)) as pool:
+        barrier = manager.Barrier(len(keys))
         assert pool.map(_measure_key, [(k, barrier) for k in keys]) == [{"v": k} for k in keys]
     assert json.loads((tmp_path / "kernels.json").read_text()) == {k: {"v": k} for k in ["old", *keys]}

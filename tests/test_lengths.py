@@ -320,8 +320,8 @@ def test_processes_saving_curves_at_once_keep_every_curve(saved_curves, monkeypa
     monkeypatch.setattr(cost_curve, "write_json", lambda *a, **k: time.sleep(0.2) or slow_write(*a, **k))
     ctx = mp.get_context("fork")
     names = [f"model {i}" for i in range(4)]
-    barrier = ctx.Manager().Barrier(len(names))
-    with ctx.Pool(len(names)) as pool:
+    with ctx.Manager() as manager, ctx.Pool(len(names)) as pool:
+        barrier = manager.Barrier(len(names))
         assert pool.map(_save_curve, [(n, barrier) for n in names]) == [True] * len(names)
     assert sorted(json.loads((saved_curves / cost_curve.FILE).read_text())) == names
     assert all(cost_curve.saved(n) == pytest.approx(steep(0.1)) for n in names)  # and this process reads them

@@ -763,3 +763,29 @@ def test_calibrate_refuses_a_quality_finer_than_hundredths_before_loading(char_m
         err = capsys.readouterr().err
         assert "give 0.95 or 0.96" in err and "Traceback" not in err
     assert not (tmp_path / "check.json").exists()
+
+
+def _write_budget(args):
+    """One `layerleap calibrate` process writing its budget to the method's calibration file."""
+    quality, barrier = args
+    cfg = {"fingerprint": "f" * 16, "dtype": "float32", "model": "tiny"}
+    barrier.wait(5)
+    return str(C.write_calibration(C.Calibration("early-exit", quality, 0.5, 0.5, 2.0, "calibration", cfg)))
+
+
+def test_calibrations_of_other_budgets_finishing_at_once_keep_every_budget(cache, monkeypatch):
+    """`layerleap calibrate` run for several --quality at once (one process each): the method's file ends
+    up with every budget, none lost to another process's write of it (a slow disk)."""
+    import multiprocessing as mp
+    import time
+    from pathlib import Path
+
+    from layerleap import files
+
+    monkeypatch.setattr(C, "write_json", lambda *a, **k: time.sleep(0.2) or files.write_json(*a, **k))
+    ctx = mp.get_context("fork")
+    qualities = [0.8, 0.85, 0.9, 0.95]
+    with ctx.Manager() as manager, ctx.Pool(len(qualities)) as pool:
+        barrier = manager.Barrier(len(qualities))
+        (path,) = set(pool.map(_write_budget, [(q, barrier) for q in qualities]))
+    assert sorted(json.loads(Path(path).read_text())["budgets"]) == ["0.80", "0.85", "0.90", "0.95"]

@@ -217,3 +217,38 @@ def test_threads_writing_one_path_at_once_each_leave_a_complete_file(tmp_path):
         t.join()
     assert failures == [] and torn == []
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+# -- locked: read-modify-write of a file several processes update --------------------------------------
+def test_a_lock_held_too_long_or_a_folder_not_writable_is_a_clear_error(tmp_path):
+    from filelock import FileLock
+
+    from layerleap.files import locked
+
+    path = tmp_path / "known.json"
+    with FileLock(str(tmp_path / ".known.json.lock")):  # another holder (a process, as far as filelock goes)
+        with pytest.raises(LayerleapError, match=r"cannot write .*known.json: another process held its lock"):
+            with locked(path, wait=0.1):
+                pass
+    with locked(path):  # released: had at once
+        pass
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(LayerleapError, match=r"cannot write .*a-file/known.json: "):
+        with locked(tmp_path / "a-file" / "known.json"):
+            pass
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_a_folder_gets_the_umasks_permissions_as_mkdir_gives(tmp_path, umask):
+    """A cache entry (a converted model) or a written model folder is readable by whom the umask lets read
+    it, as a folder ``mkdir`` makes: not the owner's alone (a team's shared ``$LAYERLEAP_CACHE``)."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        out = replace_dir(tmp_path / "out", lambda t: (t / "config.json").write_text("x"))
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o777 & ~umask

@@ -845,3 +845,24 @@ def test_a_head_size_other_than_hidden_over_heads_comes_from_key_length(tmp_path
     odd = write_gguf(tmp_path / "odd.gguf", "Q4_0", edit=lambda w: (edit(w), w.add_value_length(16)))
     with pytest.raises(ConfigError, match="odd.gguf: heads with keys of 32 values and values of 16"):
         layerleap.load(str(odd), progress=lambda s: None)
+
+
+def test_a_packed_file_another_process_removes_while_it_is_read_is_rebuilt(tmp_path, monkeypatch):
+    """A process loading a q4 model reads the packed cache while another one, loading the same model,
+    removes it to write its own (``save_packed``): the first packs the weights again, no crash."""
+    from layerleap.core import weight_files
+    from layerleap.files import save_safetensors
+
+    monkeypatch.setenv(kernels.Q4_ENV, "blocks")
+    path = gguf_q4.packed_file(tmp_path)
+    meta = {"format": gguf_q4.FORMAT + "-packed", "fingerprint": "f" * 16, "modules": "{}"}
+    save_safetensors(path, {"norm.weight": torch.ones(4)}, meta)
+    header = weight_files.safetensors_header
+
+    def removed_after_the_header(p, *a, **k):
+        out = header(p, *a, **k)
+        Path(p).unlink()
+        return out
+
+    monkeypatch.setattr(weight_files, "safetensors_header", removed_after_the_header)
+    assert gguf_q4.load_packed(tmp_path, None, None) is None

@@ -450,3 +450,28 @@ def test_q8_products_are_measured_for_frozen_drafter_layers_only(monkeypatch, tm
         assert fast[0] is not head.fc
         got = head.step(z, x)
     assert (got - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+def _measure_key(args):
+    """One process measuring kernels.json's entry ``key`` (a slow fake measurement) while others measure theirs."""
+    import time
+
+    key, barrier = args
+    barrier.wait(5)
+    return kernels._remembered(key, lambda e: "v" in e, lambda: time.sleep(0.3) or {"v": key})
+
+
+def test_processes_measuring_at_once_keep_every_entry(monkeypatch, tmp_path):
+    """Processes starting at once each measure their own kernel choice: kernels.json ends up with all of
+    them (each update reads the file again under its lock), none lost to a later process's write."""
+    import json
+    import multiprocessing as mp
+
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path))
+    (tmp_path / "kernels.json").write_text(json.dumps({"old": {"v": "old"}}))
+    ctx = mp.get_context("fork")
+    keys = [f"k{i}" for i in range(4)]
+    with ctx.Manager() as manager, ctx.Pool(len(keys)) as pool:
+        barrier = manager.Barrier(len(keys))
+        assert pool.map(_measure_key, [(k, barrier) for k in keys]) == [{"v": k} for k in keys]
+    assert json.loads((tmp_path / "kernels.json").read_text()) == {k: {"v": k} for k in ["old", *keys]}

@@ -298,3 +298,48 @@ def test_merged_cut_beside_no_tree_prices_the_chain_as_a_plain_call():
     rates = cut.rows[0].rates()
     assert L.best_length(rates, steep, 4) == 4
     assert cut.cut(0, [7, 8, 9, 10], shared=0, nodes=0) == [7, 8, 9, 10]
+
+
+def _save_curve(args):
+    """One process saving its curve (``cost_curve.key`` stands in: the argument is the key)."""
+    name, barrier = args
+    barrier.wait(5)
+    return cost_curve.save(name, steep(0.1), ms_one=3.0)
+
+
+def test_processes_saving_curves_at_once_keep_every_curve(saved_curves, monkeypatch):
+    """`layerleap info --call-cost` run for several models at once (or a GPU measuring its curve in two
+    servers): every curve is saved, none lost to another process's write of the file (a slow disk)."""
+    import multiprocessing as mp
+    import time
+
+    from layerleap import files
+
+    slow_write = files.write_json
+    monkeypatch.setattr(cost_curve, "key", lambda model: model)
+    monkeypatch.setattr(cost_curve, "write_json", lambda *a, **k: time.sleep(0.2) or slow_write(*a, **k))
+    ctx = mp.get_context("fork")
+    names = [f"model {i}" for i in range(4)]
+    with ctx.Manager() as manager, ctx.Pool(len(names)) as pool:
+        barrier = manager.Barrier(len(names))
+        assert pool.map(_save_curve, [(n, barrier) for n in names]) == [True] * len(names)
+    assert sorted(json.loads((saved_curves / cost_curve.FILE).read_text())) == names
+    assert all(cost_curve.saved(n) == pytest.approx(steep(0.1)) for n in names)  # and this process reads them
+
+
+def test_a_curve_another_process_saves_within_one_clock_tick_is_read(saved_curves):
+    """The saved curves are read again when the file changes: also when another process's write keeps the
+    modification time of the file read before (a coarse file-system clock ticks every few milliseconds)."""
+    import os
+
+    from layerleap.files import write_json
+
+    model = random_model("llama-gqa-tied", seed=3)
+    assert cost_curve.save(model, steep(0.1), ms_one=3.0)
+    assert cost_curve.saved(model) == pytest.approx(steep(0.1))
+    path = saved_curves / cost_curve.FILE
+    st = path.stat()
+    entry = {"ratios": {str(s): r for s, r in steep(0.2).items()}, "ms_one_token": 3.0}
+    write_json(path, {cost_curve.key(model): entry})  # another process's write, in the same tick
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cost_curve.saved(model) == pytest.approx(steep(0.2))

@@ -100,12 +100,14 @@ def replace_dir(
     that ``keep(path)`` accepts stays, and the new copy is dropped.  An OS error becomes a
     ``LayerleapError`` naming ``path`` (and ``fix``, what to do about it, when given)."""
     import shutil
-    import tempfile
 
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent))
+        # made as ``mkdir`` makes a folder, with the umask's permissions (``mkdtemp``'s are the owner's only:
+        # a shared cache's entries would be unreadable to the others)
+        tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.new"
+        tmp.mkdir()
         try:
             fill(tmp)
             if keep is None or not _move_in_unless_kept(tmp, path, keep):
@@ -154,6 +156,36 @@ def write_text(path: str | Path, text: str) -> Path:
 
 def write_json(path: str | Path, obj, indent: int = 1) -> Path:
     return write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+LOCK_WAIT_S = 30.0  # the longest ``locked`` waits for another process's update of one file
+
+
+@contextmanager
+def locked(path: str | Path, wait: float | None = None):
+    """Hold ``path``'s file lock (a hidden sibling, ``.NAME.lock``) for a read-modify-write of a file that
+    several processes update (a cache of measurements): read it again inside, change it, write it
+    (``atomic_write``), so no process's entry is lost to another's write.  Readers need no lock (the
+    writes are atomic).  A lock not had within ``wait`` seconds (``LOCK_WAIT_S``), or a folder that
+    cannot be written, is a ``LayerleapError`` naming ``path``."""
+    from filelock import FileLock, Timeout
+
+    path = Path(path)
+    lock = FileLock(str(path.with_name(f".{path.name}.lock")))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire(timeout=LOCK_WAIT_S if wait is None else wait)
+    except Timeout:
+        raise LayerleapError(
+            f"cannot write {path}: another process held its lock {lock.lock_file} for too long; "
+            "try again, or delete the lock file if no other layerleap runs"
+        ) from None
+    except OSError as e:
+        raise LayerleapError(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def save_safetensors(

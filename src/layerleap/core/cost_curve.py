@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..errors import LayerleapError
-from ..files import cache_root, write_json
+from ..files import cache_root, locked, write_json
 from .cpu import cpu_signature
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)  # the sizes a saved curve holds
@@ -41,14 +41,22 @@ def key(model) -> str:
     return f"{where} | {device.type} | {shape} | {model.dtype_name}"
 
 
-_READ: dict = {}  # path -> (mtime_ns, contents): the file is read again only when it changes
+_READ: dict = {}  # path -> (stamp, contents): the file is read again only when it changes (``_stamp``)
 
 
-def _known() -> dict:
+def _stamp(path) -> tuple[int, int, int]:
+    """What tells a new ``path`` from the one read: every write replaces the file (a new inode), and a
+    write within one clock tick of the last keeps its modification time."""
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _known(fresh: bool = False) -> dict:
+    """The saved curves; ``fresh``: read the file even where it seems the one last read (``_stamp``)."""
     path = cache_root() / FILE
     try:
-        stamp = path.stat().st_mtime_ns
-        if _READ.get(path, (None,))[0] != stamp:
+        stamp = _stamp(path)
+        if fresh or _READ.get(path, (None,))[0] != stamp:
             known = json.loads(path.read_text(encoding="utf-8"))
             _READ[path] = (stamp, known if isinstance(known, dict) else {})
     except (OSError, ValueError, RecursionError):  # RecursionError: brackets nested past the parser's depth
@@ -80,12 +88,14 @@ def save(model, ratios: dict[int, float], ms_one: float) -> bool:
     missing = [s for s in SIZES if s not in ratios]
     if missing:
         raise ValueError(f"a saved call-cost curve needs the sizes {SIZES}; missing {missing}")
-    known = _known()
-    known[key(model)] = {"ratios": {str(s): round(float(ratios[s]), 4) for s in SIZES}, "ms_one_token": ms_one}
+    entry = {"ratios": {str(s): round(float(ratios[s]), 4) for s in SIZES}, "ms_one_token": ms_one}
     path = cache_root() / FILE
     try:
-        write_json(path, known)
-        _READ[path] = (path.stat().st_mtime_ns, known)  # (a second write within one clock tick keeps its stamp)
+        with locked(path):  # read again under the lock: curves other processes saved meanwhile are kept
+            known = _known(fresh=True)
+            known[key(model)] = entry
+            write_json(path, known)
+            _READ[path] = (_stamp(path), known)
     except (LayerleapError, OSError):
         return False
     return True

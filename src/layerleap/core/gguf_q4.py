@@ -470,6 +470,8 @@ def load_packed(folder: Path, config, tokenizer):
         )
     except (LayerleapError, KernelError, KeyError, ValueError, RuntimeError, TypeError):
         return None
+    except OSError:  # another process loading the model removed the file meanwhile (``save_packed``): rebuilt
+        return None
     model.set_fingerprint(meta["fingerprint"])
     return model
 

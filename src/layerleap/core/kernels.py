@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LayerleapError
-from ..files import cache_root, write_json
+from ..files import cache_root, locked, write_json
 from .cpu import cpu_signature
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -964,9 +964,13 @@ def _remembered(key: str, ok, measure) -> dict:
     known = _known()
     entry = known.get(key) if isinstance(known.get(key), dict) else {}
     if not ok(entry):
-        known[key] = entry = {**entry, **measure()}
+        entry = {**entry, **measure()}
         try:
-            write_json(path, known)
+            with locked(path):  # read again: entries other processes saved while this one measured are kept
+                known = _known()
+                old = known.get(key) if isinstance(known.get(key), dict) else {}
+                known[key] = {**old, **entry}
+                write_json(path, known)
         except LayerleapError:
             pass
     return entry

@@ -60,7 +60,7 @@ from .. import validate as V
 from ..datasets import Prompt, spec_bench
 from ..decoding import generate, get_method
 from ..errors import LayerleapError
-from ..files import read_report, write_json
+from ..files import locked, read_report, write_json
 from ..methods import bild, budget
 from . import quality as Q
 from . import step_cost as SC
@@ -632,19 +632,21 @@ def _judge(model, base):
 
 
 def write_calibration(cal: Calibration, path: Path | None = None) -> Path:
-    """Add ``cal``'s budget to the method's calibration file (atomic; other budgets kept)."""
+    """Add ``cal``'s budget to the method's calibration file (atomic; other budgets kept, also those that
+    calibrations of other budgets running at once add)."""
     cfg = cal.config
     path = path or budget.calibration_path(cfg["fingerprint"], cfg["dtype"], cal.method)
-    data = budget.read_calibration(path) or {
-        "format": budget.FORMAT,
-        "method": cal.method,
-        "model": cfg["model"],
-        "fingerprint": cfg["fingerprint"],
-        "dtype": cfg["dtype"],
-        "budgets": {},
-    }
-    data["budgets"][budget.budget_key(cal.quality)] = cal.budget_entry()
-    write_json(path, data)
+    with locked(path):  # read under the lock: budgets that calibrations running at once wrote are kept
+        data = budget.read_calibration(path) or {
+            "format": budget.FORMAT,
+            "method": cal.method,
+            "model": cfg["model"],
+            "fingerprint": cfg["fingerprint"],
+            "dtype": cfg["dtype"],
+            "budgets": {},
+        }
+        data["budgets"][budget.budget_key(cal.quality)] = cal.budget_entry()
+        write_json(path, data)
     return path
 
 

@@ -18,6 +18,13 @@ torch.set_num_threads(TEST_THREADS)
 # --call-cost` saved on this machine (tests of the saved curves set their own cache).
 os.environ["LAYERLEAP_CALL_COST"] = "shipped"
 
+# The native layers are looked up once a process (``native.module`` is cached): look them up now, in the
+# real cache, so that a test that points LAYERLEAP_CACHE at an empty folder and is the first to ask does
+# not turn them off for every test after it (tests of the lookup itself clear the cache around them).
+from layerleap.core import native  # noqa: E402
+
+native.module()
+
 
 @pytest.fixture(autouse=True)
 def _restore_threads():

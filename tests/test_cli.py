@@ -565,3 +565,17 @@ def test_other_load_counts_another_process_cpu_time():
     if other.share is None:
         pytest.skip("this system does not report its CPUs' busy time (/proc/stat)")
     assert other.seconds >= 0.55 and 0 < other.share <= 1.0
+
+
+def test_a_label_with_dots_takes_its_options_after_the_last_dot(monkeypatch):
+    """An option's name has no dot, so ``LABEL.NAME`` splits at the last one: a label may hold dots."""
+    add_method(monkeypatch, "opty", lambda run, k=2, name="x": autoregressive(run))
+    specs = bench.parse_methods("a=opty,a.b=opty,v1.5=opty", ["a.b.k=3", "a.k=4", "v1.5.name=5", "opty.k=7"])
+    assert specs == {
+        "a": ("opty", {"k": 4}),
+        "a.b": ("opty", {"k": 3}),
+        "v1.5": ("opty", {"k": 7, "name": "5"}),  # an undeclared text option keeps a numeric-looking text
+    }
+    for bad in ("a.b.=3", ".k=3", "k=3"):
+        with pytest.raises(layerleap.LayerleapError, match="write METHOD.NAME=VALUE"):
+            bench.parse_methods("a.b=opty", [bad])

@@ -302,3 +302,31 @@ def test_training_chains_are_not_draft_trees():
     assert c.n == 601 and c.depth == 600 and bool((c.mask == c.mask.new_ones(601, 601).tril()).all())
     small = tree.chain(3)
     assert small.paths == tree.build([1, 1, 1]).paths and bool((small.mask == tree.build([1, 1, 1]).mask).all())
+
+
+def test_a_command_line_value_is_read_by_its_options_declaration(capsys, tmp_path, monkeypatch):
+    """``--opt`` reads a value as its option is declared: a weights, model, choice or text option keeps
+    its text (a heads file named ``1`` is a file, not the integer 1), one number is a list of one for a
+    list option, and numeric, bool and none values still read as before."""
+    from layerleap.commands.basic import _method_options
+    from layerleap.eval import bench
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "1").write_bytes(b"weights")
+    assert _method_options("self-spec", ["head=1", "draft_len=3", "min_confidence=0.5"]) == {
+        "head": "1",
+        "draft_len": 3,
+        "min_confidence": 0.5,
+    }
+    assert O.HEAD.arg()("1") == "1"  # a command's --head flag reads it the same way
+    assert bench.parse_assignments(["schedule=30", "power=2"], method="skipdecode") == {"schedule": [30], "power": 2}
+    rest = bench.parse_assignments(["adaptive=false", "corpus=none", "min_ngram=none"], method="rest")
+    assert rest == {"adaptive": False, "corpus": None, "min_ngram": None}
+    assert bench.parse_assignments(["alpha_rb=inf"], method="bild") == {"alpha_rb": math.inf}
+    assert bench.parse_methods("p=self-spec", ["p.head=1", "self-spec.draft_len=2"]) == {
+        "p": ("self-spec", {"head": "1", "draft_len": 2})
+    }
+    with pytest.raises(O.OptionError, match="draft_len must be an integer in .1, 256. .*got 'x'"):
+        _method_options("self-spec", ["draft_len=x"])
+    rc, _, err = cli(capsys, "generate", "--method", "skipdecode", "--prompt", "hi", "--opt", "schedule=0")
+    assert rc == 2 and "schedule must be a list of integers in [1, n_layers]" in err and "got [0]" in err

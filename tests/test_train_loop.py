@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from layerleap.errors import LayerleapError
 from layerleap.train.loop import Checkpoint, LoopConfig, Schedule, epoch_batch, train
 
@@ -159,3 +161,52 @@ def test_finite_loss_with_gradients_that_are_not_stops_the_run_before_the_update
     )
     assert run.start == 2
     torch.testing.assert_close(w2.detach(), kept, rtol=0, atol=0)  # the saved state is the last good step's
+
+
+def _global_rng() -> tuple:
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tobytes()
+
+
+def test_training_leaves_the_callers_global_rng_as_it_was(tmp_path):
+    """A training function seeds its own run (the same weights for a seed, whatever came before), and the
+    caller's global RNG (torch's, Python's, numpy's) is as it was when the function returns."""
+    from tiny_models import random_model
+
+    from layerleap.train import exit_heads, medusa_transfer, skipdecode
+
+    model = random_model("llama-gqa-tied", seed=0)
+    vocab = model.config.vocab_size
+    seqs = torch.randint(3, vocab, (4, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    examples = [(s[:4], s[4:10]) for s in seqs]
+
+    def heads(i: int):
+        cfg = exit_heads.HeadTrainConfig(layers=(1,), tokens=1000, epochs=1, batch_tokens=16, init="identity")
+        return lambda: exit_heads.train_heads(model, cfg, seqs=seqs, progress=False).heads[1].state_dict()
+
+    def drafter(i: int):
+        cfg = medusa_transfer.TrainConfig(kind="medusa", layers=[1], steps_ahead=2, train_steps=2, seq_len=12)
+        out = tmp_path / f"m{i}.safetensors"
+        return lambda: load_file(medusa_transfer.train(model, out, cfg, chunks=seqs, progress=False)["out"])
+
+    def finetune(i: int):
+        student, teacher = random_model("llama-gqa-tied", seed=0), random_model("llama-gqa-tied", seed=0)
+        cfg = skipdecode.TrainConfig(min_exit_layer=1, max_exit_layer=2, warmup=1, batch_size=2, steps=1, gen_len=6)
+
+        def run():
+            skipdecode.finetune(student, tmp_path / f"s{i}", cfg, examples, teacher, progress=False)
+            return student.state_dict()
+
+        return run
+
+    for fn in (heads, drafter, finetune):
+        first, run = fn(0)(), fn(1)  # the models are made (and seeded) first
+        torch.manual_seed(123)
+        before = _global_rng()
+        second = run()  # another global state before it: the same run
+        after = _global_rng()
+        assert torch.equal(before[0], after[0]) and before[1:] == after[1:], fn.__name__
+        assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), fn.__name__

@@ -108,3 +108,13 @@ def test_tree_accept_on_a_chain_is_greedy_accept():
         b = tree.build([1] * k)
         path, nxt = verify.tree_accept(torch.cat([torch.tensor([0]), draft]), b.parents, logits)
         assert (len(path) - 1, nxt) == verify.greedy_accept(draft, logits)
+
+
+def test_zero_is_the_empty_tree_as_text_and_as_an_integer():
+    """A top-k of 0 drafts nothing whether it is given as ``0`` or ``"0"`` (``tree="0"`` in Python, or
+    a tree read from text): both forms of one shape agree."""
+    assert tree.parse_tree("0") == tree.parse_tree(" 0 ") == tree.parse_tree(0) == tree.parse_tree("") == []
+    assert tree.build("0").n == tree.build(0).n == 1  # the root alone
+    for bad in ("0,1", "00x", [0]):
+        with pytest.raises(tree.TreeError):
+            tree.parse_tree(bad)

@@ -402,10 +402,10 @@ def _opt_arg(p, metavar: str, what: str) -> None:
         "--opt",
         action="append",
         metavar=metavar,
-        help=f"{what}; a value is read as an int, float, "
-        "true/false, none, a list when it has commas (schedule=30,28,26, tree=2,1,1), JSON when it starts "
-        "with [ or {, else text; draft= and small= name a model (a packaged name or a folder), loaded "
-        "with --dtype and --device",
+        help=f"{what}; a value is read as its option is declared: text for a file, model or choice "
+        "option (head=1 names a file 1), else an int, float, true/false, none, a list when it has commas "
+        "(schedule=30,28,26, tree=2,1,1), JSON when it starts with [ or {; draft= and small= name a model "
+        "(a packaged name or a folder), loaded with --dtype and --device",
     )
 
 
@@ -447,7 +447,7 @@ def _method_options(method: str, items: list[str] | None, quality: float | None 
     """``--opt NAME=VALUE`` items of ``generate``, checked by the method's declarations (names, types, the
     bounds that do not depend on the model; a model-valued one must name a model) before any model is
     loaded.  With ``--quality`` a missing option is left to the calibration (or generate names the fix)."""
-    options = bench.parse_assignments(items)
+    options = bench.parse_assignments(items, method=method)
     get_method(method).check_options(options, partial=quality is not None)
     check_has_budget(method, quality)
     if quality is not None:
@@ -785,7 +785,8 @@ def _setup_bench(p):
     _opt_arg(
         p,
         "METHOD.NAME=VALUE",
-        "a method option; METHOD is a label or a method name (repeatable; a label's own option overrides its method's)",
+        "a method option; METHOD is a label or a method name, NAME what follows the last dot (repeatable; a "
+        "label's own option overrides its method's)",
     )
     p.add_argument(
         "--hf-extra",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import numbers
 import os
 from dataclasses import dataclass
@@ -157,17 +158,46 @@ class Option:
         return V._as_arg(lambda t: V._items(t, none, lambda x: self.check(self.parse(x))), label=f"{self.name} list")
 
     def parse(self, text: str):
-        """A command-line value as the API would pass it: None (for 'none' where the option allows it),
-        an int, a float, or the text."""
-        t = text.strip()
-        if self.none and t.lower() in ("none", "null"):
+        """A command-line value as the API would pass it, read by this option's kind: None for 'none' or
+        'null' where the option allows it; the text itself for a text, choice, model or weights option (a
+        file named ``1`` stays a name); else as ``parse_text`` reads it (a number, true/false, a list or
+        JSON), one integer of an int_list option as a list of one."""
+        if self.none and text.strip().lower() in ("none", "null"):
             return None
-        for cast in (int, float):
-            try:
-                return cast(t)
-            except ValueError:
-                pass
-        return text
+        if self.kind in ("text", "choice", "model", "weights"):
+            return text
+        value = parse_text(text)
+        if self.kind == "int_list" and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return [value]
+        return value
+
+
+def parse_text(text: str):
+    """A command-line value read without a declaration: bool (true/false), none, int, float; JSON when it
+    starts with ``[`` or ``{``; a list of numbers when it has commas (``30,28,26``); else the text itself."""
+    stripped = text.strip()
+    if stripped[:1] in ("[", "{"):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError as e:
+            raise OptionError(
+                f"option value {text!r} starts like JSON but is not ({e.msg}): fix it, e.g. [[0], [1], [0, 0]]"
+            ) from None
+    if "," in stripped:
+        items = [parse_text(t) for t in stripped.split(",")]
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+            return items
+    low = stripped.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _int(o: Option, value, config):

@@ -103,9 +103,10 @@ def topk_paths(shape) -> list[tuple[int, ...]]:
 def parse_tree(tree) -> list[tuple[int, ...]]:
     """A tree shape from: a top-k list ``[2, 1, 1]`` or text ``"2,1,1"``; explicit paths
     ``[(0,), (1,), (0, 0)]``; or text ``"0;1;0.0"`` (paths separated by ';', ranks by '.').
-    ``[]``/``""``/``0`` is the empty tree (no drafts)."""
+    ``[]``/``""``/``0``/``"0"`` is the empty tree (no drafts): a top-k of 0, as text or as an integer."""
     empty_int = _integer(tree) and tree == 0  # not False, 0.0
-    if tree is None or tree == "" or empty_int or (isinstance(tree, (list, tuple)) and len(tree) == 0):
+    empty_text = isinstance(tree, str) and tree.strip() in ("", "0")
+    if tree is None or empty_text or empty_int or (isinstance(tree, (list, tuple)) and len(tree) == 0):
         return []
     if _integer(tree):
         return topk_paths([tree])

@@ -13,7 +13,6 @@ the length), which makes times comparable and greedy tokens comparable one for o
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -32,6 +31,7 @@ from ..decoding import generate, get_method
 from ..errors import LayerleapError
 from ..files import write_json
 from ..methods.budget import LOSSY
+from ..core import options as O
 from ..core.cpu import OtherLoad
 from ..core.kernels import cpu_signature
 from ..core.model import Transformer
@@ -72,36 +72,29 @@ MethodSpecs = dict[str, tuple[str, dict]]  # label -> (method name, options)
 
 # -- parsing method specs and option values --------------------------------------------------------
 def parse_value(text: str):
-    """``--opt`` value: bool (true/false), none, int, float; JSON when it starts with ``[`` or ``{``;
-    a list of numbers when it has commas (``30,28,26``); else the string itself."""
-    stripped = text.strip()
-    if stripped[:1] in ("[", "{"):
-        try:
-            return json.loads(stripped)
-        except json.JSONDecodeError as e:
-            raise LayerleapError(
-                f"option value {text!r} starts like JSON but is not ({e.msg}): fix it, e.g. [[0], [1], [0, 0]]"
-            ) from None
-    if "," in stripped:
-        items = [parse_value(t) for t in stripped.split(",")]
-        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
-            return items
-    low = stripped.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+    """``--opt`` value read without a declaration (``core.options.parse_text``): bool (true/false), none,
+    int, float; JSON when it starts with ``[`` or ``{``; a list of numbers when it has commas
+    (``30,28,26``); else the string itself.  A method's own option is read by its declaration instead
+    (``parse_option``)."""
+    return O.parse_text(text)
 
 
-def parse_assignments(items: list[str] | None, form: str = "NAME=VALUE") -> dict[str, object]:
+def parse_option(method: str, name: str, text: str):
+    """``--opt NAME=TEXT`` of ``method`` read by the option's declaration (``Option.parse``: a text, choice,
+    model or weights option keeps its text, so a file named ``1`` stays a name); a name the method does not
+    declare is read by ``parse_value`` (the check then names the method's options)."""
+    for o in get_method(method).declared:
+        if o.name == name:
+            return o.parse(text)
+    return parse_value(text)
+
+
+def parse_assignments(
+    items: list[str] | None, form: str = "NAME=VALUE", method: str | None = None, raw: bool = False
+) -> dict[str, object]:
     """``--opt NAME=VALUE`` items -> ``{NAME: value}``; a name given twice is refused (the last would win
-    silently)."""
+    silently).  A value is read by ``method``'s declaration of the option (``parse_option``), by
+    ``parse_value`` without a method, or kept as text with ``raw``."""
     out: dict[str, object] = {}
     for item in items or []:
         key, eq, value = item.partition("=")
@@ -111,7 +104,7 @@ def parse_assignments(items: list[str] | None, form: str = "NAME=VALUE") -> dict
         if key in out:
             times = sum(i.partition("=")[0].strip() == key for i in items)
             raise LayerleapError(f"--opt {key} is given {times} times: give each option once")
-        out[key] = parse_value(value)
+        out[key] = value if raw else parse_option(method, key, value) if method else parse_value(value)
     return out
 
 
@@ -153,7 +146,9 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
 
     An item is ``METHOD`` or ``LABEL=METHOD`` (to run one method with several option sets); an
     option ``TARGET.NAME=VALUE`` applies to the label TARGET, or else to every label of method TARGET (a
-    label's own option overrides its method's, whatever their order).  The rows of `transformers`' runs
+    label's own option overrides its method's, whatever their order); NAME follows the last dot, so a label
+    may hold dots (``a.b=medusa`` takes ``a.b.width=2``).  A value is read by the method's declaration of
+    the option (``parse_option``).  The rows of `transformers`' runs
     (``HF_LABELS``) are no labels of ours."""
     specs: MethodSpecs = {}
     for item in (s.strip() for s in text.split(",")):
@@ -177,16 +172,17 @@ def parse_methods(text: str, opts: list[str] | None = None, check: bool = True) 
     if not specs:
         raise LayerleapError("no methods given: e.g. --methods greedy,sample")
     by_label = []  # a label's own option is set after its method's, which it overrides in any order
-    for key, value in parse_assignments(opts, "METHOD.NAME=VALUE").items():
-        target, dot, opt = key.partition(".")
-        if not dot or not opt:
+    for key, text in parse_assignments(opts, "METHOD.NAME=VALUE", raw=True).items():
+        target, dot, opt = key.rpartition(".")  # an option's name has no dot; a label may
+        if not dot or not target or not opt:
             raise LayerleapError(f"bad option {key!r}: write METHOD.NAME=VALUE (METHOD: a label or method name)")
         if target in specs:
-            by_label.append((target, opt, value))
+            by_label.append((target, opt, parse_option(specs[target][0], opt, text)))
             continue
         hits = [lb for lb, (n, _) in specs.items() if n == target]
         if not hits:
             raise LayerleapError(f"option {key!r} names no method in the run: choose from {', '.join(specs)}")
+        value = parse_option(target, opt, text)
         for lb in hits:
             specs[lb][1][opt] = value
     for lb, opt, value in by_label:

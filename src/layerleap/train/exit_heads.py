@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ..files import reading, save_safetensors
 from . import distributed
 from .data import conversation_seqs
-from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, items_seen, train
+from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, items_seen, keeps_callers_rng, train
 from .state_cache import StateCache, backbone_states, data_hash
 from ..drafters import weights
 from ..drafters.exit_heads import ExitHead, HeadError, LensHead, new_head, save_heads
@@ -437,6 +437,7 @@ def _checkpoint(
     )
 
 
+@keeps_callers_rng
 def train_heads(
     model: Transformer,
     cfg: HeadTrainConfig,

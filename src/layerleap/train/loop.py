@@ -23,6 +23,7 @@ before every update, and only rank 0 writes the state.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -39,6 +40,20 @@ from ..interrupts import terminate_as_interrupt
 from . import distributed
 
 FORMAT = "layerleap-train-state-1"
+
+
+def keeps_callers_rng(fn: Callable) -> Callable:
+    """``fn``, a training function that seeds torch's global RNG for its run (``torch.manual_seed(cfg.seed)``:
+    the same weights for a seed, on every rank), with the caller's RNG state (the CPU's and every CUDA
+    device's in use) put back when it returns or raises."""
+
+    @functools.wraps(fn)
+    def keeping(*args, **kwargs):
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            return fn(*args, **kwargs)
+
+    return keeping
 
 
 class CheckpointError(LayerleapError, ValueError):

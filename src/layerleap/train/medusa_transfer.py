@@ -50,7 +50,7 @@ from ..errors import LayerleapError
 from ..files import check_replace
 from . import distributed
 from .data import stream_chunks
-from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
+from .loop import Checkpoint, LoopConfig, Schedule, keeps_callers_rng, train as run_loop
 from .state_cache import StateCache, backbone_states, data_hash
 from .. import validate as V
 from ..core.model import Transformer
@@ -391,6 +391,7 @@ def _checkpoint(out: Path, cfg: TrainConfig, fingerprint: str, data: str, machin
     return Checkpoint(path, meta_out, check)
 
 
+@keeps_callers_rng
 def train(
     model: Transformer,
     out,

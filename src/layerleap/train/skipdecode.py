@@ -38,7 +38,7 @@ from .. import validate as V
 from ..errors import LayerleapError
 from ..files import reading, save_safetensors, write_json
 from .data import prompt_completions
-from .loop import Checkpoint, LoopConfig, Schedule, train as run_loop
+from .loop import Checkpoint, LoopConfig, Schedule, keeps_callers_rng, train as run_loop
 from .state_cache import data_hash
 from ..methods.skipdecode import budget_at, check_budget_range, exit_layers, layer_ranges, target_config
 from ..core.model import Transformer
@@ -199,6 +199,7 @@ def _trainable(model: Transformer) -> list[torch.nn.Parameter]:
     return params
 
 
+@keeps_callers_rng
 def finetune(
     model: Transformer,
     out: str | Path,

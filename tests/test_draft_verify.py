@@ -6,7 +6,7 @@ Sampling is checked against the model's own distribution, computed exactly on a 
 the joint of the first three sampled tokens over many seeds, through pairs (x1, x2) and (x2, x3), so
 that the first drafted tokens of every drafter pass through the acceptance rule (a draft model
 drafts the first token; prompt lookup, self-spec and medusa the second; hidden-transfer the
-third)."""
+third, drafted only where a fourth follows: a round keeps no draft for the output's last token)."""
 
 from __future__ import annotations
 
@@ -140,9 +140,9 @@ def test_sampled_tokens_follow_the_models_distribution(method):
     drafted = accepted = 0
     for seed in range(800):
         r = layerleap.generate(
-            target, prompt, method.split()[0], 3, do_sample=True, seed=seed, stop_at_eos=False, **warp, **options
+            target, prompt, method.split()[0], 4, do_sample=True, seed=seed, stop_at_eos=False, **warp, **options
         )
-        counts[tuple(r.token_ids)] += 1
+        counts[tuple(r.token_ids[:3])] += 1
         drafted += r.stats["drafted"]
         accepted += r.stats["accepted"]
     assert 0 < accepted < drafted  # drafts were both accepted and rejected
@@ -341,3 +341,108 @@ def test_options_that_would_change_nothing_are_refused():
         layerleap.generate(model, [1, 2, 3], "auto", 4, tree="5,3,1", transfer=None)
     with pytest.raises(layerleap.GenerationError, match="corpus_draft_len= limits"):
         layerleap.generate(model, [1, 2, 3], "rest", 4, corpus="none", corpus_draft_len=2)
+
+
+# -- drafts past the output's end ------------------------------------------------------------------
+def test_candidates_within_a_depth_keep_what_a_round_can_keep():
+    """``Candidates.within(d)``: a tree loses its nodes deeper than ``d`` (parents renumbered, mask and depths
+    cut with them, ``q`` rows too), a chain its drafts past ``d`` (its stop then "budget"); nothing left is a
+    plain step; nothing deeper is the candidates themselves."""
+    buf = build([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+    tree = Candidates.from_tree(buf, 4, torch.tensor([[7, 8], [9, 5], [6, 6]]))
+    assert tree.within(3) is tree and tree.within(7) is tree
+    two = tree.within(2)
+    assert two.fed() == [4, 7, 8, 9, 9] and two.parents.tolist() == [-1, -1, 0, 1] and two.depth == 2
+    assert torch.equal(two.mask, buf.mask[:5, :5]) and two.depths.tolist() == [0, 1, 1, 2, 2]
+    one = tree.within(1)
+    assert one.fed() == [4, 7, 8] and one.parents.tolist() == [-1, -1] and not one.is_chain
+    assert tree.within(0).fed() == [4] and tree.within(-1).k == 0
+    fan = Candidates.from_parents(3, [1, 2, 5, 6], [-1, -1, 0, 2])  # a fan beside a chain, nodes not by depth
+    fan.q = torch.eye(8)[[1, 2, 5, 6]]
+    cut = fan.within(2)
+    assert cut.fed() == [3, 1, 2, 5] and cut.parents.tolist() == [-1, -1, 0] and cut.q.argmax(-1).tolist() == [1, 2, 5]
+    assert cut.mask.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    chain = Candidates.chain(9, [1, 2, 3], [torch.eye(4)[i] for i in (1, 2, 3)])
+    short = chain.within(2)
+    assert short.fed() == [9, 1, 2] and short.stop == "budget" and short.q.shape == (2, 4) and short.is_chain
+    assert chain.within(0).fed() == [9] and chain.within(0).stop == "budget"
+
+
+def _end_methods(target, draft):
+    """Every drafting method on the loop, with trees and chains deeper than the last rounds' budgets."""
+    medusa = _perturbed(target, "medusa", steps=4)
+    transfer = _perturbed(target, "transfer", layers=[1, 2, 3])
+    eagle = _perturbed(target, "eagle")
+    corpus = Corpus([[1, 3, 4, 1, 3, 4, 1, 3, 4, 2, 5, 6]], 97)
+    return {
+        "speculative": {"draft": draft, "draft_len": 4, "min_confidence": 0.0},
+        "prompt-lookup": {"draft_len": 4},
+        "rest": {"draft_len": 4, "corpus": corpus},
+        "self-spec": {"exit_layer": 1, "draft_len": 4, "head": "shared"},
+        "medusa": {"tree": "2,2,1,1", "heads": medusa},
+        "medusa dynamic": {"tree": "dynamic", "tree_nodes": 6, "heads": medusa},
+        "hidden-transfer": {"tree": "2,1,1", "transfer": transfer},
+        "eagle": {"draft_len": 4, "width": 2, "eagle_head": eagle},
+        "auto": {"tree": "2,1,1", "draft_len": 4, "transfer": transfer},
+        "auto medusa": {"draft_len": 4, "medusa": medusa},
+        "auto eagle": {"draft_len": 4, "eagle": eagle, "transfer": transfer, "tree": "2,1,1"},
+        "bild": {"small": draft, "alpha_fb": 0.0, "alpha_rb": 0.0, "max_small": 4},
+        "bild eagle": {"eagle": eagle, "alpha_fb": 0.0, "alpha_rb": 0.0, "max_small": 4},
+    }
+
+
+END_METHODS = list(_end_methods(*tiny_pair(3, scale=2.0, n_draft=1)))
+
+
+@pytest.mark.parametrize("method", END_METHODS)
+def test_no_round_verifies_drafts_past_the_output(monkeypatch, method):
+    """With ``r`` tokens left a round keeps at most ``r - 1`` drafts and the target's token (BiLD's rollback:
+    ``r`` drafts), so no call verifies a node deeper (a tree's, a chain's), and with one token left a round is a
+    plain step; the output is greedy decoding's, alone and in a batch whose rows end at different rounds, and
+    ``drafted`` counts the verified paths only."""
+    from layerleap.methods import draft_verify
+
+    target, draft = tiny_pair(3, scale=2.0, n_draft=1)
+    options = _end_methods(target, draft)[method]
+    past, depths = [], []
+    for rule in (draft_verify.Exact, draft_verify.Rollback):  # every verified row's candidates pass its rule
+
+        def accept(self, run, row, cand, logits, real=rule.accept):
+            depths.append(cand.depth)
+            if cand.depth > self.budget(run, row):
+                past.append((run.remaining(row), cand.depth))
+            return real(self, run, row, cand, logits)
+
+        monkeypatch.setattr(rule, "accept", accept)
+    prompts = [[1, 3, 4, 1, 3, 4, 1, 3], [5, 6, 7, 8], [40, 41, 40, 41, 40]]
+    for n in (1, 2, 3, 5, 17):
+        want = [layerleap.generate(target, p, "greedy", n, stop_at_eos=False).token_ids for p in prompts]
+        depths.clear()
+        one = layerleap.generate(target, prompts[0], method.split()[0], n, stop_at_eos=False, **options)
+        assert one.token_ids == want[0], n
+        if not method.startswith("bild"):
+            assert one.stats["drafted"] == sum(depths), n
+        many = layerleap.generate(target, prompts, method.split()[0], n, stop_at_eos=False, **options)
+        assert [r.token_ids for r in many] == want, n
+    assert not past, past
+
+
+@pytest.mark.parametrize("tree", ["2,2,1,1", "dynamic"])
+def test_medusa_heads_draft_only_what_the_next_round_can_keep(monkeypatch, tree):
+    """After each call the heads draft the next tree: only as many steps as that round can keep (the tokens
+    the output will have left, less the target's own), none before a plain step; the output stays greedy's."""
+    from layerleap.drafters import trees
+
+    target, _ = tiny_pair(3, scale=2.0, n_draft=1)
+    heads = _perturbed(target, "medusa", steps=4)
+    steps = []
+    real = trees.medusa_logits
+    monkeypatch.setattr(trees, "medusa_logits", lambda *a: (steps.append(a[3]), real(*a))[1])
+    prompts = [[1, 3, 4, 1, 3, 4, 1, 3], [5, 6, 7, 8]]
+    for n, most in ((1, 0), (2, 0), (3, 1), (5, 3), (17, 4)):
+        want = [layerleap.generate(target, p, "greedy", n, stop_at_eos=False).token_ids for p in prompts]
+        steps.clear()
+        got = layerleap.generate(target, prompts, "medusa", n, stop_at_eos=False, tree=tree, heads=heads)
+        assert [r.token_ids for r in got] == want, n
+        assert max(steps, default=0) == most and 0 not in steps, (n, steps)
+        assert not steps or steps[-1] == 1, (n, steps)  # the last tree is one deep (then a plain step)

@@ -292,9 +292,13 @@ class Candidates:
 
     @classmethod
     def from_tree(cls, buffers: TreeBuffers, root: int, topk: torch.Tensor | None) -> "Candidates":
-        """The tree ``buffers`` filled with ``topk`` ``[depth, K]`` draft ids by step (``draft_tokens``)."""
-        if buffers.n == 1 or topk is None:
+        """The tree ``buffers`` filled with ``topk`` ``[depth, K]`` draft ids by step (``draft_tokens``); with
+        fewer steps drafted (the output ends first), the tree without its deeper levels."""
+        if buffers.n == 1 or topk is None or topk.shape[0] == 0:
             return cls.chain(root, [])
+        if topk.shape[0] < buffers.depth:
+            filled = torch.cat([topk, topk.new_zeros(buffers.depth - topk.shape[0], topk.shape[1])])
+            return cls.from_tree(buffers, root, filled).within(topk.shape[0])
         tokens = draft_tokens(buffers, root, topk)
         return cls(root, tokens[1:], buffers.draft_parents, None, buffers.mask, buffers.depths)
 
@@ -330,6 +334,35 @@ class Candidates:
     @property
     def is_chain(self) -> bool:
         return self.mask is None
+
+    def within(self, depth: int) -> "Candidates":
+        """These candidates without the drafts deeper than ``depth`` (no round can keep them: the output
+        ends first): a chain cut to ``depth`` drafts (its stop then "budget"), a tree without its deeper
+        nodes; no draft left is a plain step (an empty chain).  Itself when nothing is deeper."""
+        depth = max(0, depth)
+        if self.depth <= depth:
+            return self
+        if depth == 0:
+            cut = Candidates.chain(self.root, [])
+        elif self.is_chain:
+            cut = Candidates.chain(self.root, self.tokens[:depth].tolist())
+            cut.q = None if self.q is None else self.q[:depth]
+        else:
+            keep = (self.depths[1:] <= depth).nonzero().flatten()  # every kept node's ancestors are shallower
+            new = torch.full((self.k,), -1, dtype=torch.long)
+            new[keep] = torch.arange(len(keep))
+            parents = self.parents[keep]
+            rows = torch.cat([torch.zeros(1, dtype=torch.long), keep + 1])  # the root's row and the kept nodes'
+            cut = Candidates(
+                self.root,
+                self.tokens[keep],
+                torch.where(parents < 0, parents, new[parents.clamp(min=0)]),
+                None if self.q is None else self.q[keep],
+                self.mask[rows][:, rows],
+                self.depths[rows],
+            )
+        cut.stop = "budget" if self.is_chain else self.stop
+        return cut
 
     def fed(self) -> list[int]:
         """The tokens one verification call feeds: the root (when the cache lacks it), then the drafts."""

@@ -12,8 +12,9 @@ with tree attention in one call (``tree.build`` shapes, ``verify.accept_greedy``
 
 Drafts are the heads' top-k, chosen deterministically, so sampling verifies them as one-hot
 proposals (lossless).  A batch verifies one tree shape per call, each row filled with its own
-drafts at its own position, and keeps each row's accepted path.  A request that fills the context
-decodes as greedy decoding does: nodes past the context's end stand for tokens past the output.
+drafts at its own position, and keeps each row's accepted path.  Near the output's end a round verifies
+only the nodes it could keep (``draft_verify``: a row's tree loses its deeper levels, the rows then each
+their own shape), so a request that fills the context decodes as greedy decoding does.
 
 ``tree="dynamic"`` (``DynamicTree``) instead builds each row's tree every round from its drafts'
 own confidence, as EAGLE-2 (Li et al. 2024, §4) does: the paths with the highest product of draft
@@ -41,10 +42,9 @@ from .medusa_transfer import MedusaHeads, TransferProjections
 
 def tree_buffers(run: Run, name: str, tree, steps: int, vocab: DraftVocab | None = None) -> tree_mod.TreeBuffers:
     """The tree's buffers, after checking the tree against the trained steps and the (draft) vocabulary.
-    The context bounds only the prompt and the output, as greedy decoding's: near its end a tree's deeper
-    nodes (and Hidden Transfer's pseudo states) stand for tokens past the output, which are never kept;
-    the cache holds them (``round_tokens``) and their positions are held at the last one (``Drafter.score``,
-    ``transfer_pass``)."""
+    The context bounds only the prompt and the output, as greedy decoding's: near its end no round verifies
+    a node past the output (``draft_verify`` cuts the tree), and Hidden Transfer's pseudo states that stand
+    for tokens past it are never kept; their positions are held at the last one (``transfer_pass``)."""
     buf = tree_mod.build(tree)
     V = run.model.config.vocab_size if vocab is None else vocab.size
     if buf.widest > V:
@@ -169,6 +169,12 @@ class TreeDrafter(Drafter):
         """The most nodes of a round's tree, the root included."""
         return self.dynamic.most + 1 if self.dynamic is not None else self.buf.n
 
+    def next_steps(self, row: int, emitted: int) -> int:
+        """The draft steps the row's next round can keep once this round has ``emitted`` tokens (its result
+        reaches the drafter before the output, ``draft_verify``): the tree's depth, at most what the output
+        will have left less the target's own token."""
+        return max(0, min(self.draft_steps, self.run.remaining(row) - emitted - 1))
+
     def round_cost(self, n: int) -> float:
         """A round's call with ``n`` draft nodes, in one-token calls (``self.curve``)."""
         return self.curve(n + 1)
@@ -181,7 +187,7 @@ class TreeDrafter(Drafter):
             self.topk[row], self.conf[row] = self.dynamic.top(step_logits, self.vocab)
 
     def propose_row(self, row: int, root: int | None, budget: int) -> Candidates:
-        if root is None or self.topk[row] is None:  # nothing drafts the first position after the prompt
+        if root is None or self.topk[row] is None:  # nothing drafts after the prompt, or the output ends first
             return Candidates.chain(root, [])
         if self.dynamic is None:
             return Candidates.from_tree(self.buf, root, self.topk[row])
@@ -259,15 +265,19 @@ class MedusaDrafter(TreeDrafter):
     def round_tokens(self) -> int:
         return self.most_nodes + 1  # the root and the tree
 
-    def _draft_from(self, row: int, h: torch.Tensor) -> None:
-        """Drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
-        if self.draft_steps:
-            self.set_drafts(row, medusa_logits(self.run, self.heads, h, self.draft_steps, self.vocab))
+    def _draft_from(self, row: int, h: torch.Tensor, emitted: int) -> None:
+        """Drafts for the row's next tree from one last-layer state ``h`` ``[D]``, from the heads its next
+        round can keep (``next_steps``; none: that round is a plain step)."""
+        steps = self.next_steps(row, emitted)
+        if steps:
+            self.set_drafts(row, medusa_logits(self.run, self.heads, h, steps, self.vocab))
+        else:
+            self.topk[row] = None
 
     def prefill(self) -> torch.Tensor:
         logits = super().prefill()
         for row in range(self.run.batch):
-            self._draft_from(row, self.hidden[row, -1])
+            self._draft_from(row, self.hidden[row, -1], 1)  # the tree follows the prompt pass's token
         return logits
 
     def update(self, cands, results) -> None:
@@ -275,7 +285,7 @@ class MedusaDrafter(TreeDrafter):
         super().update(cands, results)
         if called:
             for row, h in self.kept_states(cands, results, self.hidden).items():
-                self._draft_from(row, h)
+                self._draft_from(row, h, len(results[row][0]) + 1)
 
 
 def pseudo_layout(mask: torch.Tensor, depths: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:

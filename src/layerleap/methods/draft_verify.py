@@ -8,6 +8,9 @@ after the prompt pass has no root: the prompt pass already scored the first posi
 with ``draft_first`` (a draft model; BiLD's small model in either form) drafts there, and the others
 propose nothing: the first token then comes from the prompt pass alone, at no call (the tree heads
 need a verified state; for prompt lookup and self-spec it keeps the first token as quick as greedy's).
+Each row's candidates are cut to what its round can keep (``Candidates.within`` the rule's budget: the
+tokens the output has left less the target's own; BiLD's rollback: all of them): near the output's end no
+call verifies a tree's deeper nodes or a chain's later drafts, and with one token left a round is a plain step.
 
 Rules:
 
@@ -120,6 +123,7 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
         cands = drafter.propose(roots, budgets)
         if run.constraints is not None and drafter.grammar_drafts:
             cands = grammar_drafts(run, drafter, cands, budgets)
+        cands = [None if c is None else c.within(budgets[row]) for row, c in enumerate(cands)]  # what can be kept
         if not rule.can_reject and B == 1 and _ends_output(run, cands[0]):
             run.emit(0, cands[0].tokens.tolist())  # nothing could change these drafts
             _count(counts[0], cands[0], cands[0].k, 0, scored=False, called=False)

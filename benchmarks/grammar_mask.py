@@ -103,7 +103,7 @@ def main() -> None:
         lookup = generate(model, prompt, "prompt-lookup", args.max_tokens, chat=True, grammar=grammar)
         again = generate(model, prompt, "greedy", args.max_tokens, chat=True, grammar=grammar)
         assert lookup.token_ids == out.token_ids == again.token_ids, "prompt lookup under a grammar is lossless"
-        grammar_cache._COMPILED.clear()  # compile anew: the first use of the grammar, timed
+        grammar_cache._MODELS[model].matchers.clear()  # compile anew: the first use of the grammar, timed
         t0 = time.perf_counter()
         grammar.start(model, 1, eos)
         compile_s = time.perf_counter() - t0

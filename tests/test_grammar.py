@@ -263,6 +263,44 @@ def test_a_schema_that_nests_without_end_fails_with_what_to_change(tiny, schema)
             generate(tiny, "a", method, 8, grammar=Grammar.json(schema))
 
 
+def test_compiled_grammars_go_with_their_model(tiny_hf_dir, monkeypatch):
+    """llguidance's view of a tokenizer (tens of MB for a real vocabulary) and the grammars compiled for it
+    are kept beside the model: a model that is let go takes them along, however many models came before."""
+    import gc
+    import sys
+
+    import llguidance.hf
+
+    built = []
+    build = llguidance.hf.from_tokenizer
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    model = layerleap.load_folder(tiny_hf_dir)
+    generate(model, "a", "greedy", 2, grammar=GRAMMARS["regex"])
+    assert len(built) == 1
+    del model
+    gc.collect()
+    holders = sys.getrefcount(built[0])
+    assert holders == 2  # the list's and the argument's: nothing else holds it
+
+
+def test_a_tokenizer_given_to_the_model_later_is_the_one_followed(tiny_hf_dir):
+    """The grammar follows the tokenizer the model has now; one with added tokens past the model's
+    vocabulary (which llguidance cannot map) is refused with what to change."""
+    from transformers import AutoTokenizer
+
+    model = layerleap.load_folder(tiny_hf_dir)
+    generate(model, "a", "greedy", 2, grammar=GRAMMARS["regex"])
+    wide = AutoTokenizer.from_pretrained(tiny_hf_dir)
+    wide.add_tokens(["<added-1>", "<added-2>"])
+    model.tokenizer = wide
+    with pytest.raises(GrammarError, match="49154 tokens but the model's vocabulary only 49152"):
+        generate(model, "a", "greedy", 2, grammar=GRAMMARS["regex"])
+    fresh = layerleap.load_folder(tiny_hf_dir)
+    fresh.tokenizer = wide
+    with pytest.raises(GrammarError, match="49154 tokens but the model's vocabulary only 49152"):
+        generate(fresh, "a", "greedy", 2, grammar=GRAMMARS["regex"])
+
+
 def test_generate_command_takes_a_grammar(capsys, tiny_hf_dir, tiny, tmp_path):
     from layerleap.cli import main
 

@@ -656,6 +656,22 @@ def test_structured_output_refusals_name_the_field(url):
         assert words in r.json()["error"]["message"], r.text
 
 
+def test_a_schema_that_nests_without_end_is_a_400_naming_its_field(url):
+    """Such a schema compiles and starts; it fails once llguidance's parser outgrows its limit, while
+    decoding: the client's schema, so a 400 naming the field and what to change (a 500 would be retried by
+    clients), in the pool and in a batch, streamed or not."""
+    pytest.importorskip("llguidance")
+    nests = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    for method in ("greedy", "prompt-lookup"):
+        for stream in (False, True):
+            body = {"prompt": "a", "max_tokens": 40, "guided_json": nests, "stream": stream}
+            r = post(url, body | {"layerleap": {"method": method}})
+            assert r.status_code == 400, (method, stream, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "guided_json" and error["type"] == "invalid_request_error", error
+            assert "nests without end" in error["message"] and "optional" in error["message"]
+
+
 # -- metrics -----------------------------------------------------------------------------------------------
 def test_metrics_parse_with_bounded_labels_and_long_buckets(url):
     for i in range(5):

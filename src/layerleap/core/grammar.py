@@ -159,40 +159,67 @@ def _first_line(e: BaseException | str) -> str:
 
 
 # -- llguidance's tokenizer and compiled grammars, kept per model ------------------------------------
+class _Compiled:
+    """One model's llguidance objects: its tokenizer's view per set of end-of-sequence ids, and its
+    compiled grammars (the last ``MAX_COMPILED`` used).  Kept beside the model, so they go with it;
+    ``source`` is the tokenizer object they were built from (another one assigned to the model
+    starts anew)."""
+
+    def __init__(self, source):
+        self.source = source
+        self.tokenizers: dict[tuple[int, ...], object] = {}
+        self.matchers: "OrderedDict[tuple, object]" = OrderedDict()  # (eos ids, grammar) -> start matcher
+
+
 _LOCK = threading.Lock()
-_TOKENIZERS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
-_COMPILED: "OrderedDict[tuple, tuple]" = OrderedDict()  # (tokenizer id, grammar) -> (tokenizer, start matcher)
-MAX_COMPILED = 64
+_MODELS: "weakref.WeakKeyDictionary[object, _Compiled]" = weakref.WeakKeyDictionary()
+MAX_COMPILED = 64  # compiled grammars kept per model
+
+
+def _cache(model) -> _Compiled:
+    """The model's llguidance objects (call under ``_LOCK``), for the tokenizer it has now."""
+    kept = _MODELS.get(model)
+    if kept is None or kept.source is not model.tokenizer:
+        kept = _MODELS[model] = _Compiled(model.tokenizer)
+    return kept
 
 
 def _tokenizer(model, eos_ids: tuple[int, ...]):
     """llguidance's view of the model's tokenizer (about a second to build; kept per model)."""
     ll = _llguidance()
     with _LOCK:
-        per = _TOKENIZERS.setdefault(model, {})
-        if eos_ids not in per:
+        kept = _cache(model)
+        if eos_ids not in kept.tokenizers:
             tok = model.tokenizer
             if tok is None:
                 raise GrammarError("this model has no tokenizer: structured output needs one")
+            tok = tok.hf if isinstance(tok, Tokenizer) else tok  # llguidance reads `transformers`' object
+            vocab = model.config.vocab_size
+            size = len(tok) if hasattr(tok, "__len__") else 0  # with its added tokens
+            if size > vocab:
+                raise GrammarError(
+                    f"the tokenizer holds {size} tokens but the model's vocabulary only {vocab}: structured "
+                    "output needs a tokenizer whose tokens the model can all produce (one without the added "
+                    "tokens past the model's vocabulary)"
+                )
             try:
                 eos = list(eos_ids) or None
-                tok = tok.hf if isinstance(tok, Tokenizer) else tok  # llguidance reads `transformers`' object
-                per[eos_ids] = ll.hf.from_tokenizer(tok, n_vocab=model.config.vocab_size, eos_token=eos)
+                kept.tokenizers[eos_ids] = ll.hf.from_tokenizer(tok, n_vocab=vocab, eos_token=eos)
             except (ValueError, RuntimeError, TypeError) as e:
                 raise GrammarError(
                     f"structured output needs a fast (Rust) Hugging Face tokenizer: {_first_line(e)}"
                 ) from None
-        return per[eos_ids]
+        return kept, kept.tokenizers[eos_ids]
 
 
 def _matcher(model, grammar: Grammar, eos_ids: tuple[int, ...]):
     ll = _llguidance()
-    tok = _tokenizer(model, eos_ids)
-    key = (id(tok), grammar)
+    kept, tok = _tokenizer(model, eos_ids)
+    key = (eos_ids, grammar)
     with _LOCK:
-        if key in _COMPILED and _COMPILED[key][0] is tok:
-            _COMPILED.move_to_end(key)
-            return _COMPILED[key][1]
+        if key in kept.matchers:
+            kept.matchers.move_to_end(key)
+            return kept.matchers[key]
     source = grammar.source()
     try:
         m = ll.LLMatcher(tok, source, log_level=0)
@@ -209,9 +236,9 @@ def _matcher(model, grammar: Grammar, eos_ids: tuple[int, ...]):
             "itself, a pattern that matches nothing, a schema that refers only to itself)"
         ) from None
     with _LOCK:
-        _COMPILED[key] = (tok, m)
-        while len(_COMPILED) > MAX_COMPILED:
-            _COMPILED.popitem(last=False)
+        kept.matchers[key] = m
+        while len(kept.matchers) > MAX_COMPILED:
+            kept.matchers.popitem(last=False)
     return m
 
 

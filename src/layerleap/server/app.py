@@ -444,7 +444,8 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         ids = await run_in_threadpool(prompt_ids, body, st.model)
         settings = await load_options(st, request_settings(body, st, len(ids)))
         fields = body.grammar_fields()
-        await run_in_threadpool(check_decoding, st.model, ids, settings, fields[0] if fields else None)
+        field = fields[0] if fields else None
+        await run_in_threadpool(check_decoding, st.model, ids, settings, field)
         job = Job(ids, settings, body.stops(), tuple(body.stop_token_ids or ()))
         if not st.scheduler.submit(job):
             raise APIError(
@@ -459,7 +460,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
     reply = Reply(chat, st.cfg.model_name, len(ids))
     watcher = asyncio.create_task(_watch(request, st, job))
     try:
-        first = await _next_event(st, job)
+        first = await _next_event(st, job, field)
     except APIError as e:
         watcher.cancel()
         return e.response()
@@ -467,7 +468,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         try:
             event = first
             while event[0] != "done":
-                event = await _next_event(st, job)
+                event = await _next_event(st, job, field)
         except APIError as e:
             return e.response()
         finally:
@@ -476,7 +477,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         return JSONResponse(reply.full(event[1]))
     usage = reply.usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(
-        _events(request, st, job, reply, first, usage, watcher, t0), media_type="text/event-stream"
+        _events(request, st, job, reply, first, usage, watcher, t0, field), media_type="text/event-stream"
     )
 
 
@@ -495,10 +496,11 @@ async def _watch(request: Request, st: AppState, job: Job) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _next_event(st: AppState, job: Job):
+async def _next_event(st: AppState, job: Job, grammar_field: str | None = None):
     """The job's next event; its end by an error as an ``APIError``: a ``LayerleapError`` that refused the
-    request (as it joined, or in its method's set-up) is a 400, one raised while decoding a 500 with its
-    message."""
+    request (as it joined, or in its method's set-up) is a 400, as is the request's grammar failing while
+    decoding (``grammar_field``, the field that gave it: a schema that nests without end); another one
+    raised while decoding a 500 with its message."""
     kind, value = await job.events.get()
     if job.cancelled:  # its client went away: no one reads this answer (499 in the request counts and the log)
         raise APIError(499, "the client closed the request before its answer", code="client_closed_request")
@@ -507,6 +509,8 @@ async def _next_event(st: AppState, job: Job):
             raise APIError(503, str(value), code="queue_timeout", type="server_error", retry_after=st.retry_after())
         if isinstance(value, APIError):
             raise value
+        if isinstance(value, GrammarError):
+            raise _bad(f"{grammar_field}: {value}" if grammar_field else str(value), grammar_field)
         if isinstance(value, LayerleapError):
             if kind == "refused":
                 raise _bad(str(value))
@@ -515,7 +519,9 @@ async def _next_event(st: AppState, job: Job):
     return kind, value
 
 
-async def _events(request: Request, st: AppState, job: Job, reply: Reply, event, usage: bool, watcher, t0: float):
+async def _events(
+    request: Request, st: AppState, job: Job, reply: Reply, event, usage: bool, watcher, t0: float, field=None
+):
     """The server-sent events of a streamed answer."""
     try:
         if reply.chat:
@@ -530,7 +536,7 @@ async def _events(request: Request, st: AppState, job: Job, reply: Reply, event,
                     yield _sse(reply.usage_chunk(value))
                 break
             try:
-                event = await _next_event(st, job)
+                event = await _next_event(st, job, field)
             except APIError as e:
                 yield _sse(e.body())
                 break

@@ -627,8 +627,9 @@ def test_sweep_bild_command(capsys, tmp_path, tiny_hf_dir):
         tmp_path / "s.md",
     )
     assert rc == 0, err
-    rep = json.loads(out.read_text())
+    rep = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))  # strict JSON
     assert rep["complete"] and rep["prompts_done"] == 2
+    assert {p["alpha_rb"] for p in rep["config"]["points"]} == {None, 0.69, "inf"}
     s = rep["summary"]
     assert set(s) == {
         "greedy",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import secrets
 from contextlib import contextmanager
@@ -152,8 +153,75 @@ def write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
+# -- JSON: strict on the way out, one reader on the way in ---------------------------------------------
+NOT_FINITE = ("inf", "-inf", "nan")  # how a JSON file of layerleap's holds a float that is not finite
+
+
+def strict(obj):
+    """``obj`` as strict JSON can hold it: a float that is not finite (``alpha_rb=inf``, a speed-up over
+    no time, a perplexity that overflowed) as its text, ``"inf"``, ``"-inf"`` or ``"nan"`` (JSON has no
+    Infinity or NaN: browsers' ``JSON.parse`` and ``jq`` refuse them), which ``number`` and ``float()`` read
+    back; tuples as lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(float(obj))
+    if isinstance(obj, dict):
+        return {
+            (str(float(k)) if isinstance(k, float) and not math.isfinite(k) else k): strict(v) for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
+def number(value):
+    """A float that ``strict`` wrote as its text read back (``"inf"`` as ``inf``); any other value as it is."""
+    return float(value) if isinstance(value, str) and value in NOT_FINITE else value
+
+
+def json_text(obj, indent: int | None = None, **kw) -> str:
+    """``obj`` as strict JSON text (``strict``): what every JSON file and ``--json`` print of layerleap's holds."""
+    return json.dumps(strict(obj), allow_nan=False, indent=indent, **kw)
+
+
 def write_json(path: str | Path, obj, indent: int = 1) -> Path:
-    return write_text(path, json.dumps(obj, indent=indent) + "\n")
+    """``obj`` as strict JSON (``json_text``), atomically."""
+    return write_text(path, json_text(obj, indent) + "\n")
+
+
+def read_json(path: str | Path, what: str = "JSON file", fix: str = "delete it", kind: type | None = dict, cache=False):
+    """The JSON value in ``path`` (of type ``kind`` unless None).  A file that cannot be read, is not
+    UTF-8, is not JSON (truncated, or nested past the parser's depth) or holds another type of value is a
+    ``LayerleapError`` naming it and ``fix``, as is one past the input limit (``LAYERLEAP_MAX_INPUT_MB``);
+    with ``cache`` each is None instead (a cache miss).  ``number`` reads back what ``strict`` wrote."""
+    from .validate import limit_bytes
+
+    path = Path(path)
+    try:
+        if path.stat().st_size > limit_bytes("LAYERLEAP_MAX_INPUT_MB"):
+            if cache:
+                return None
+            raise LayerleapError(
+                f"{what} {path} is larger than the limit of {limit_bytes('LAYERLEAP_MAX_INPUT_MB') / 1e6:g} MB: "
+                f"{fix} (or set LAYERLEAP_MAX_INPUT_MB=MB to lift it)"
+            )
+        value = json.loads(path.read_bytes())  # bytes: json reads UTF-8 (or 16, 32) by the first bytes
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        if cache:
+            return None
+        why = (
+            "no such file"
+            if isinstance(e, FileNotFoundError)
+            else f"{type(e).__name__}: " + " ".join(str(e).split())[:100]
+        )
+        raise LayerleapError(f"{what} {path} cannot be read ({why}): {fix}") from None
+    if kind is not None and not isinstance(value, kind):
+        if cache:
+            return None
+        raise LayerleapError(
+            f"{what} {path} holds JSON {type(value).__name__}, not {'an object' if kind is dict else kind.__name__}: "
+            f"{fix}"
+        )
+    return value
 
 
 def save_safetensors(
@@ -315,13 +383,8 @@ def read_report(path: str | Path, what: str, fields: tuple[str, ...] = ("config"
     path = Path(path)
     if not path.is_file() or not path.stat().st_size:
         return None
-    from .validate import read_bounded
-
-    try:
-        old = json.loads(read_bounded(path, f"{what} {path}"))
-    except (OSError, ValueError):  # a file past the size limit is not a report of ours either
-        old = None
-    if not isinstance(old, dict) or not isinstance(old.get("config"), dict) or any(f not in old for f in fields):
+    old = read_json(path, what, cache=True)  # a file past the size limit is not a report of ours either
+    if old is None or not isinstance(old.get("config"), dict) or any(f not in old for f in fields):
         raise LayerleapError(f"{path} exists and is not {what}: choose another --json (or delete it)")
     return old
 

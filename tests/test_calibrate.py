@@ -763,3 +763,18 @@ def test_calibrate_refuses_a_quality_finer_than_hundredths_before_loading(char_m
         err = capsys.readouterr().err
         assert "give 0.95 or 0.96" in err and "Traceback" not in err
     assert not (tmp_path / "check.json").exists()
+
+
+def test_a_report_with_an_overflowed_perplexity_is_strict_json_and_resumes(char_model, tmp_path, monkeypatch):
+    """A perplexity past float range is written "inf" (JSON has no Infinity) and read back as inf on resume:
+    the output it belongs to is lost, as in the run that measured it."""
+    real = C.perplexity
+    monkeypatch.setattr(C, "perplexity", lambda m, p, ids: math.inf if len(ids) % 2 else real(m, p, ids))
+    report = tmp_path / "run.json"
+    run = dict(prompts=PROMPTS, max_new_tokens=3, epsilon=0.5, delta=0.5, report=report, extra=0, step_cost=PRICES)
+    first = C.calibrate(char_model, "early-exit", 0.95, **run)
+    data = json.loads(report.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert data["greedy"][0]["ppl"] == "inf"
+    again = C.calibrate(char_model, "early-exit", 0.95, **run)
+    assert again.greedy[0].ppl == math.inf
+    assert [s.losses for s in again.settings] == [s.losses for s in first.settings]

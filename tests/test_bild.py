@@ -1028,3 +1028,23 @@ def test_a_row_that_feeds_nothing_to_a_batch_call_is_not_counted_in_it():
     assert batch[1].stats["model_calls"] > 1  # the batch made large calls after the prompt pass
     assert [r.stats["layer_calls"] for r in batch] == [r.stats["layer_calls"] for r in alone]
     assert batch[1].stats["layer_calls"] == 1
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[" * 100_000, "RecursionError"),  # nested past the parser's depth
+        ('{"records": [1, 2]}', "is not a calibration file"),
+        ('{"model": "x", "max_new_tokens": 2, "chat": true, "records": [{"output_ids": []}]}', "not a calibration"),
+    ],
+)
+def test_a_damaged_align_calibration_file_is_a_clear_error(tmp_path, content, message):
+    from tiny_models import random_model
+
+    from layerleap.errors import LayerleapError
+    from layerleap.train import align
+
+    path = tmp_path / "calib.json"
+    path.write_text(content)
+    with pytest.raises(LayerleapError, match=f"{message}.*delete it"):
+        align.calibrate(random_model(), ["hi"], path, max_new_tokens=2, progress=False)

@@ -911,7 +911,7 @@ def test_eval_frontier_runs_bilds_ablations_and_calm(capsys, tmp_path, tiny_hf_d
         *("--categories", "translation", "--prompts", 2, "--max-new-tokens", 6, "--json", out, "--yes"),
     )
     assert rc == 0, err
-    report = json.loads(out.read_text())
+    report = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     assert "partial" not in report
     groups = [s["group"] for s in report["summary"]]
     assert groups == ["greedy"] + ["bild"] * 3 + ["bild-no-rollback"] * 3 + ["bild-no-fallback"] * 3 + ["calm"] * 3
@@ -924,7 +924,7 @@ def test_eval_frontier_runs_bilds_ablations_and_calm(capsys, tmp_path, tiny_hf_d
         "alpha_rb": 1.5,
         "max_small": 3,
     }
-    assert rows["bild-no-rollback fb0.5 rb inf"]["options"]["alpha_rb"] == math.inf
+    assert rows["bild-no-rollback fb0.5 rb inf"]["options"]["alpha_rb"] == "inf"  # strict JSON: no Infinity
 
 
 # -- the EAGLE form ----------------------------------------------------------------------------------

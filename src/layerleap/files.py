@@ -188,39 +188,48 @@ def write_json(path: str | Path, obj, indent: int = 1) -> Path:
     return write_text(path, json_text(obj, indent) + "\n")
 
 
-def read_json(path: str | Path, what: str = "JSON file", fix: str = "delete it", kind: type | None = dict, cache=False):
-    """The JSON value in ``path`` (of type ``kind`` unless None).  A file that cannot be read, is not
-    UTF-8, is not JSON (truncated, or nested past the parser's depth) or holds another type of value is a
-    ``LayerleapError`` naming it and ``fix``, as is one past the input limit (``LAYERLEAP_MAX_INPUT_MB``);
-    with ``cache`` each is None instead (a cache miss).  ``number`` reads back what ``strict`` wrote."""
+def read_json(
+    path: str | Path,
+    what: str = "JSON file",
+    fix: str = "delete it",
+    *,
+    kind: type | None = dict,
+    cache: bool = False,
+    error: type = LayerleapError,
+    limit: str | None = "LAYERLEAP_MAX_INPUT_MB",
+):
+    """The JSON value in ``path`` (of type ``kind`` unless None): every JSON file layerleap reads goes
+    through here.  A file that cannot be read, is not UTF-8, is not JSON (truncated, or nested past the
+    parser's depth), holds another type of value or is larger than ``limit``'s size limit (an environment
+    variable of ``validate.LIMITS``; None: none) is an ``error`` naming it and ``fix``; with ``cache`` each
+    is None instead (a cache miss).  ``number`` reads back the non-finite floats ``strict`` wrote."""
     from .validate import limit_bytes
 
     path = Path(path)
+    most = limit_bytes(limit) if limit else None
     try:
-        if path.stat().st_size > limit_bytes("LAYERLEAP_MAX_INPUT_MB"):
-            if cache:
-                return None
-            raise LayerleapError(
-                f"{what} {path} is larger than the limit of {limit_bytes('LAYERLEAP_MAX_INPUT_MB') / 1e6:g} MB: "
-                f"{fix} (or set LAYERLEAP_MAX_INPUT_MB=MB to lift it)"
-            )
-        value = json.loads(path.read_bytes())  # bytes: json reads UTF-8 (or 16, 32) by the first bytes
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        large = most is not None and path.stat().st_size > most
+        value = None if large else json.loads(path.read_bytes())  # bytes: UTF-8 (or 16, 32) by the first bytes
+    except OSError as e:
         if cache:
             return None
-        why = (
-            "no such file"
-            if isinstance(e, FileNotFoundError)
-            else f"{type(e).__name__}: " + " ".join(str(e).split())[:100]
+        raise error(f"cannot read {what} {path} ({e.strerror or e}): {fix}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; brackets nested too deep
+        if cache:
+            return None
+        why = f"{type(e).__name__}: " + " ".join(str(e).split())[:100]
+        raise error(f"{what} {path} is not valid JSON ({why}): {fix}") from None
+    if large:
+        if cache:
+            return None
+        raise error(
+            f"{what} {path} is larger than the limit of {most / 1e6:g} MB: {fix} (or set {limit}=MB to lift it)"
         )
-        raise LayerleapError(f"{what} {path} cannot be read ({why}): {fix}") from None
     if kind is not None and not isinstance(value, kind):
         if cache:
             return None
-        raise LayerleapError(
-            f"{what} {path} holds JSON {type(value).__name__}, not {'an object' if kind is dict else kind.__name__}: "
-            f"{fix}"
-        )
+        need = "an object" if kind is dict else "a list" if kind is list else kind.__name__
+        raise error(f"{what} {path} holds JSON {type(value).__name__}, not {need}: {fix}")
     return value
 
 

@@ -778,3 +778,18 @@ def test_a_report_with_an_overflowed_perplexity_is_strict_json_and_resumes(char_
     again = C.calibrate(char_model, "early-exit", 0.95, **run)
     assert again.greedy[0].ppl == math.inf
     assert [s.losses for s in again.settings] == [s.losses for s in first.settings]
+
+
+def test_the_check_prints_strict_json_when_a_perplexity_overflowed(monkeypatch, capsys, tmp_path):
+    """``calibrate --check``'s line is JSON a browser or jq reads: a perplexity ratio past float range is "inf"."""
+    from types import SimpleNamespace
+
+    from layerleap.commands import calibrate as cmd
+
+    res = {"options": {"alpha_rb": math.inf}, "prompts": 3, "losses": 3, "loss_rate": 1.0, "epsilon": 0.1}
+    res.update(within_epsilon=False, agreement=0.5, reference_kept=None, ppl_ratio=math.inf)
+    monkeypatch.setattr(C, "holdout_check", lambda *a, **k: dict(res))
+    args = SimpleNamespace(max_new_tokens=4, quality=0.95)
+    cmd._check(args, None, [], "bild", (tmp_path / "x.json", {}), None)
+    line = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert line["ppl_ratio"] == "inf" and line["options"] == {"alpha_rb": "inf"}

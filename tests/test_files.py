@@ -261,3 +261,12 @@ def test_a_report_nested_past_the_parsers_depth_is_not_a_report_of_ours(tmp_path
     path.write_text("[" * 100_000)
     with pytest.raises(LayerleapError, match="exists and is not a sweep report: choose another --json"):
         read_report(path, "a sweep report")
+
+
+def test_a_json_output_nested_past_the_parsers_depth_is_refused_as_no_report_of_ours(tmp_path):
+    from layerleap import validate as V
+
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000)
+    with pytest.raises(LayerleapError, match="--json .*deep.json exists and is not a layerleap report"):
+        V.report_file(str(path), "--json")

@@ -20,6 +20,7 @@ formats), markdown tables and safetensors weights.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import numbers
 import os
@@ -354,9 +355,11 @@ def report_file(value, name: str) -> Path:
     """A JSON report path; an existing file is only replaced when it is a layerleap report."""
     p = output_file(value, name, (".json",), "JSON report")
     if p.is_file() and p.stat().st_size:
-        from .files import read_json
-
-        if not is_report(read_json(p, cache=True)):  # None: unreadable, or past the input limit: not ours
+        try:
+            ok = is_report(json.loads(read_bounded(p, f"{name} {p}".strip())))
+        except (OSError, ValueError, RecursionError):  # a file past the limit, or nested too deep: not ours
+            ok = False
+        if not ok:
             raise InputError(
                 _say(name, f"{p} exists and is not a layerleap report: choose another file name (or delete it)")
             )

@@ -13,7 +13,6 @@ that other processes on a shared machine do not count.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -90,8 +89,9 @@ def main() -> None:
     for p in out["points"]:
         print(f"  S={p['new_tokens']:<3} {p['ms']:8.2f} ms  x{p['ratio']:.2f}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        from layerleap.files import write_json
+
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def cmd_record(args) -> None:
         r = layerleap.generate(model, p.text, "greedy", args.max_new_tokens, stop_at_eos=False, chat=True)
         rows.append({"id": p.id, "category": p.category, "prompt": r.prompt_ids, "out": r.token_ids})
         print(f"{len(rows)} {p.category} {p.id}", flush=True)
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(rows, f)
+    from layerleap.files import json_text, write_text
+
+    write_text(args.json, json_text(rows))  # atomic: a run stopped while writing keeps the old file
 
 
 def cmd_replay(args) -> None:

@@ -117,8 +117,9 @@ def main() -> None:
     for k in base:
         print(f"{k:<36}" + "".join(f"{out[s][k]:>8.2f} x{out[s][k] / max(base[k], 1e-9):<6.2f}" for s in sizes))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        from layerleap.files import write_json
+
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

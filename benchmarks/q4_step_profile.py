@@ -21,7 +21,6 @@ a few prompts, the variants interleaved per prompt; ``--step-rounds`` times one-
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -245,11 +244,12 @@ def main() -> None:
         for v, variant in models.items():
             if not args.no_profile:
                 out["variants"].setdefault(v, []).append(profile_threads(variant.use(), t, args.context, args.repeats))
-    text = json.dumps(out, indent=1)
+    from layerleap.files import json_text, write_text
+
+    text = json_text(out, indent=1)
     print(text)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        write_text(args.json, text + "\n")
 
 
 if __name__ == "__main__":

@@ -146,17 +146,16 @@ def cmd_record(args) -> None:
 
     lm = model.lm_head
     head_bytes = lm.packed.nbytes if lm.packed is not None else lm.weight.numel() * lm.weight.element_size()
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(
-            {
-                "dtype": args.dtype,
-                "n_layers": model.config.n_layers,
-                "unembed_share": head_bytes / weight_bytes_per_token(model),
-                "weights": {"transfer": args.transfer, "medusa": args.medusa},
-                "rows": rows,
-            },
-            f,
-        )
+    from layerleap.files import json_text, write_text
+
+    report = {
+        "dtype": args.dtype,
+        "n_layers": model.config.n_layers,
+        "unembed_share": head_bytes / weight_bytes_per_token(model),
+        "weights": {"transfer": args.transfer, "medusa": args.medusa},
+        "rows": rows,
+    }
+    write_text(args.json, json_text(report))  # atomic: a run stopped while writing keeps the old file
 
 
 # -- replay ---------------------------------------------------------------------------------------

@@ -627,8 +627,9 @@ def test_sweep_bild_command(capsys, tmp_path, tiny_hf_dir):
         tmp_path / "s.md",
     )
     assert rc == 0, err
-    rep = json.loads(out.read_text())
+    rep = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))  # strict JSON
     assert rep["complete"] and rep["prompts_done"] == 2
+    assert {p["alpha_rb"] for p in rep["config"]["points"]} == {None, 0.69, "inf"}
     s = rep["summary"]
     assert set(s) == {
         "greedy",
@@ -910,7 +911,7 @@ def test_eval_frontier_runs_bilds_ablations_and_calm(capsys, tmp_path, tiny_hf_d
         *("--categories", "translation", "--prompts", 2, "--max-new-tokens", 6, "--json", out, "--yes"),
     )
     assert rc == 0, err
-    report = json.loads(out.read_text())
+    report = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     assert "partial" not in report
     groups = [s["group"] for s in report["summary"]]
     assert groups == ["greedy"] + ["bild"] * 3 + ["bild-no-rollback"] * 3 + ["bild-no-fallback"] * 3 + ["calm"] * 3
@@ -923,7 +924,7 @@ def test_eval_frontier_runs_bilds_ablations_and_calm(capsys, tmp_path, tiny_hf_d
         "alpha_rb": 1.5,
         "max_small": 3,
     }
-    assert rows["bild-no-rollback fb0.5 rb inf"]["options"]["alpha_rb"] == math.inf
+    assert rows["bild-no-rollback fb0.5 rb inf"]["options"]["alpha_rb"] == "inf"  # strict JSON: no Infinity
 
 
 # -- the EAGLE form ----------------------------------------------------------------------------------
@@ -1027,3 +1028,23 @@ def test_a_row_that_feeds_nothing_to_a_batch_call_is_not_counted_in_it():
     assert batch[1].stats["model_calls"] > 1  # the batch made large calls after the prompt pass
     assert [r.stats["layer_calls"] for r in batch] == [r.stats["layer_calls"] for r in alone]
     assert batch[1].stats["layer_calls"] == 1
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[" * 100_000, "RecursionError"),  # nested past the parser's depth
+        ('{"records": [1, 2]}', "is not a calibration file"),
+        ('{"model": "x", "max_new_tokens": 2, "chat": true, "records": [{"output_ids": []}]}', "not a calibration"),
+    ],
+)
+def test_a_damaged_align_calibration_file_is_a_clear_error(tmp_path, content, message):
+    from tiny_models import random_model
+
+    from layerleap.errors import LayerleapError
+    from layerleap.train import align
+
+    path = tmp_path / "calib.json"
+    path.write_text(content)
+    with pytest.raises(LayerleapError, match=f"{message}.*delete it"):
+        align.calibrate(random_model(), ["hi"], path, max_new_tokens=2, progress=False)

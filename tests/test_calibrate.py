@@ -268,7 +268,10 @@ def test_a_damaged_calibration_file_is_one_line_naming_it(char_model, cache, dam
         assert str(e.value).startswith(f"calibration file {path}: budget 0.95 ") and what in str(e.value)
         assert str(e.value).endswith("delete it and run layerleap calibrate again")
     path.write_text("[" * 100_000)  # nested past the JSON parser's depth
-    with pytest.raises(layerleap.LayerleapError, match="is unreadable .RecursionError.: delete it"):
+    with pytest.raises(
+        layerleap.LayerleapError,
+        match="is not valid JSON .RecursionError: .*: delete it and run layerleap calibrate again",
+    ):
         layerleap.generate(char_model, "hi", "calm", 2, quality=0.95)
 
 
@@ -789,3 +792,33 @@ def test_calibrations_of_other_budgets_finishing_at_once_keep_every_budget(cache
         barrier = manager.Barrier(len(qualities))
         (path,) = set(pool.map(_write_budget, [(q, barrier) for q in qualities]))
     assert sorted(json.loads(Path(path).read_text())["budgets"]) == ["0.80", "0.85", "0.90", "0.95"]
+
+
+def test_a_report_with_an_overflowed_perplexity_is_strict_json_and_resumes(char_model, tmp_path, monkeypatch):
+    """A perplexity past float range is written "inf" (JSON has no Infinity) and read back as inf on resume:
+    the output it belongs to is lost, as in the run that measured it."""
+    real = C.perplexity
+    monkeypatch.setattr(C, "perplexity", lambda m, p, ids: math.inf if len(ids) % 2 else real(m, p, ids))
+    report = tmp_path / "run.json"
+    run = dict(prompts=PROMPTS, max_new_tokens=3, epsilon=0.5, delta=0.5, report=report, extra=0, step_cost=PRICES)
+    first = C.calibrate(char_model, "early-exit", 0.95, **run)
+    data = json.loads(report.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert data["greedy"][0]["ppl"] == "inf"
+    again = C.calibrate(char_model, "early-exit", 0.95, **run)
+    assert again.greedy[0].ppl == math.inf
+    assert [s.losses for s in again.settings] == [s.losses for s in first.settings]
+
+
+def test_the_check_prints_strict_json_when_a_perplexity_overflowed(monkeypatch, capsys, tmp_path):
+    """``calibrate --check``'s line is JSON a browser or jq reads: a perplexity ratio past float range is "inf"."""
+    from types import SimpleNamespace
+
+    from layerleap.commands import calibrate as cmd
+
+    res = {"options": {"alpha_rb": math.inf}, "prompts": 3, "losses": 3, "loss_rate": 1.0, "epsilon": 0.1}
+    res.update(within_epsilon=False, agreement=0.5, reference_kept=None, ppl_ratio=math.inf)
+    monkeypatch.setattr(C, "holdout_check", lambda *a, **k: dict(res))
+    args = SimpleNamespace(max_new_tokens=4, quality=0.95)
+    cmd._check(args, None, [], "bild", (tmp_path / "x.json", {}), None)
+    line = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert line["ppl_ratio"] == "inf" and line["options"] == {"alpha_rb": "inf"}

@@ -142,6 +142,11 @@ def test_parse_value_and_methods(monkeypatch):
         bench.parse_methods("greedy, a=opty,b=opty", ["a.k=3", "a.k=4"])  # the last one would win silently
 
 
+def test_an_option_value_nested_past_the_json_parsers_depth_is_a_clear_error():
+    with pytest.raises(layerleap.LayerleapError, match=r"starts like JSON but is not \(brackets nested too deep\)"):
+        bench.parse_value("[" * 5000)
+
+
 def test_a_labels_own_option_overrides_its_methods_in_either_order(monkeypatch):
     add_method(monkeypatch, "opty", lambda run, k=2: autoregressive(run))
     for opts in (["a.k=3", "opty.k=5"], ["opty.k=5", "a.k=3"]):  # a.k was 5 when opty.k came last

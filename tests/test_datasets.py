@@ -228,3 +228,17 @@ def test_bench_on_a_copy_of_the_shipped_file_says_it_reaches_the_calibration_spl
         assert main(argv + (["--data", str(data)] if data else [])) == 2  # the time estimate stops it
         err = capsys.readouterr().err
         assert ("prompts 41-41 of summarization are the calibration" in err) is said, data
+
+
+def test_a_json_line_nested_past_the_parsers_depth_is_named_not_a_traceback(tmp_path):
+    """A line of brackets nested deeper than json can parse (RecursionError) is refused as any line that is
+    not JSON: the file, the line and the fix."""
+    from layerleap.train.data import TrainDataError, read_records
+
+    deep = "[" * 100_000
+    with pytest.raises(LayerleapError, match=r"p\.jsonl:2 is not JSON \(RecursionError: .*\): write one JSON value"):
+        read_prompts_file(_write(tmp_path / "p.jsonl", ['"one"', deep]))
+    with pytest.raises(LayerleapError, match=r"question\.jsonl:2 is not a Spec-Bench question\.jsonl line \(Recur"):
+        spec_bench(_write(tmp_path / "question.jsonl", [ROW, deep]))
+    with pytest.raises(TrainDataError, match=r"line 1 is not a self-distilled record"):
+        read_records(_write(tmp_path / "data.jsonl", [deep]))

@@ -228,3 +228,20 @@ def test_real_model_sample():
     assert len(prompts) == 20 and rep["complete"]
     assert rep["divergences"] == [] and all(s["equal"] == 20 for s in rep["summary"].values()), rep["divergences"]
     assert torch.get_num_threads() >= 1
+
+
+def test_a_nan_logit_gap_is_strict_json_and_a_resumed_report_prints_it(
+    capsys, tmp_path, char_model_dir, lossless, monkeypatch
+):
+    """A logit gap that is NaN (logits that overflowed) is written "nan" (JSON has no NaN) and read back as NaN
+    by a rerun that resumes the report."""
+    lossless("flip", flipper)
+    monkeypatch.setattr(exactness, "logit_gap", lambda *a: float("nan"))
+    out = tmp_path / "r.json"
+    argv = ["eval", "exactness", "--model", char_model_dir, "--methods", "flip", "--categories", "qa"]
+    argv += ["--prompts", 1, "--max-new-tokens", 4, "--json", out]
+    for run in range(2):  # the second resumes the finished report
+        rc, stdout, err = cli(capsys, *argv)
+        assert rc == 1 and "logit gap nan" in stdout, err
+        rep = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+        assert rep["divergences"][0]["logit_gap"] == "nan" and rep.get("resumed_from", 0) == run

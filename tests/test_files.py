@@ -1,6 +1,7 @@
 """Atomic writes: an interrupted or failed write leaves the old file (or none) and no temporary."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -8,6 +9,9 @@ import torch
 from layerleap.errors import LayerleapError
 from layerleap.files import (
     atomic_write,
+    number,
+    read_json,
+    read_report,
     read_safetensors_meta,
     replace_dir,
     save_figure,
@@ -252,3 +256,52 @@ def test_a_folder_gets_the_umasks_permissions_as_mkdir_gives(tmp_path, umask):
     finally:
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o777 & ~umask
+
+
+def test_json_files_are_strict_json_and_read_back_what_was_written(tmp_path):
+    """JSON has no Infinity or NaN (browsers' JSON.parse and jq refuse them): a float that is not finite
+    is written as its text, which ``number`` reads back."""
+    path = tmp_path / "report.json"
+    obj = {"alpha_rb": float("inf"), "low": -float("inf"), "ppl": float("nan"), "rows": [(1.5, float("inf"))]}
+    write_json(path, obj)
+    text = path.read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    back = read_json(path)
+    assert back == {"alpha_rb": "inf", "low": "-inf", "ppl": "nan", "rows": [[1.5, "inf"]]}
+    assert number(back["alpha_rb"]) == float("inf") and number(back["low"]) == -float("inf")
+    assert number(back["ppl"]) != number(back["ppl"]) and number("text") == "text" and number(2.0) == 2.0
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b'{"config": ', "JSONDecodeError"),
+        (b"[" * 100_000, "RecursionError"),
+        (b'{"a": "\xff\xfe\xff"}', "UnicodeDecodeError"),
+        (b"[1, 2]", "holds JSON list, not an object"),
+    ],
+)
+def test_a_bad_json_file_is_a_clear_error_naming_it_or_a_cache_miss(tmp_path, content, why):
+    path = tmp_path / "x.json"
+    path.write_bytes(content)
+    with pytest.raises(LayerleapError, match=f"calibration file {re.escape(str(path))}.*{why}.*: run it again") as e:
+        read_json(path, "calibration file", "run it again")
+    assert "Traceback" not in str(e.value)
+    assert read_json(path, cache=True) is None
+    assert read_json(tmp_path / "missing.json", cache=True) is None
+
+
+def test_a_report_nested_past_the_parsers_depth_is_not_a_report_of_ours(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000)
+    with pytest.raises(LayerleapError, match="exists and is not a sweep report: choose another --json"):
+        read_report(path, "a sweep report")
+
+
+def test_a_json_output_nested_past_the_parsers_depth_is_refused_as_no_report_of_ours(tmp_path):
+    from layerleap import validate as V
+
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000)
+    with pytest.raises(LayerleapError, match="--json .*deep.json exists and is not a layerleap report"):
+        V.report_file(str(path), "--json")

@@ -349,3 +349,15 @@ def test_real_json_output_is_lossless_under_drafting():
     for method in ("prompt-lookup", "auto", "self-spec"):
         got = generate(model, prompt, method, 40, chat=True, grammar=grammar)
         assert got.token_ids == want.token_ids, method
+
+
+def test_a_schema_nested_past_the_json_parsers_depth_is_a_grammar_error():
+    """Text nested deeper than json parses, or a dict deeper than it writes (a request's response_format), is
+    a GrammarError saying so, not a RecursionError."""
+    with pytest.raises(GrammarError, match="not valid JSON .brackets nested too deep"):
+        Grammar.json('{"a":' * 5000)
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"properties": {"a": deep}}
+    with pytest.raises(GrammarError, match="nested too deep"):
+        Grammar.json(deep)

@@ -93,16 +93,21 @@ def _read_spec_bench(path) -> list[dict]:
     return rows
 
 
+def _json_error(e: Exception) -> str:
+    """Why a line is not JSON: the parser's message and column, or brackets nested past its depth."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"JSONDecodeError: {e.msg} at column {e.colno}"
+    return "RecursionError: brackets nested too deep"
+
+
 def _spec_bench_row(path: Path, n: int, line: str) -> dict:
     """Line ``n`` of a Spec-Bench file: a JSON object with an integer question_id, a category and a list of
     turns whose first is text (the fields used)."""
     fix = "each line must be JSON with question_id, category and turns"
     try:
         r = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise LayerleapError(
-            f"{path}:{n} is not a Spec-Bench question.jsonl line (JSONDecodeError: {e.msg} at column {e.colno}): {fix}"
-        ) from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise LayerleapError(f"{path}:{n} is not a Spec-Bench question.jsonl line ({_json_error(e)}): {fix}") from None
     missing = [k for k in ("question_id", "category", "turns") if k not in r] if isinstance(r, dict) else None
     if missing is None or missing:
         what = f"no {', '.join(missing)}" if missing else f"a JSON {type(r).__name__}, not an object"
@@ -193,9 +198,10 @@ def read_prompts_file(path: str | Path) -> list[str]:
 def _json_prompt(path: Path, n: int, line: str) -> str:
     try:
         value = json.loads(line)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise LayerleapError(
-            f"{path}:{n} is not JSON ({e.msg}): write one JSON value a line, or use a .txt file for plain prompts"
+            f"{path}:{n} is not JSON ({_json_error(e)}): write one JSON value a line, or use a .txt file for plain "
+            "prompts"
         ) from None
     if isinstance(value, dict):
         turns = value.get("turns")

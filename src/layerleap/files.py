@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import secrets
 from contextlib import contextmanager
@@ -154,8 +155,84 @@ def write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
+# -- JSON: strict on the way out, one reader on the way in ---------------------------------------------
+NOT_FINITE = ("inf", "-inf", "nan")  # how a JSON file of layerleap's holds a float that is not finite
+
+
+def strict(obj):
+    """``obj`` as strict JSON can hold it: a float that is not finite (``alpha_rb=inf``, a speed-up over
+    no time, a perplexity that overflowed) as its text, ``"inf"``, ``"-inf"`` or ``"nan"`` (JSON has no
+    Infinity or NaN: browsers' ``JSON.parse`` and ``jq`` refuse them), which ``number`` and ``float()`` read
+    back; tuples as lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(float(obj))
+    if isinstance(obj, dict):
+        return {
+            (str(float(k)) if isinstance(k, float) and not math.isfinite(k) else k): strict(v) for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
+def number(value):
+    """A float that ``strict`` wrote as its text read back (``"inf"`` as ``inf``); any other value as it is."""
+    return float(value) if isinstance(value, str) and value in NOT_FINITE else value
+
+
+def json_text(obj, indent: int | None = None, **kw) -> str:
+    """``obj`` as strict JSON text (``strict``): what every JSON file and ``--json`` print of layerleap's holds."""
+    return json.dumps(strict(obj), allow_nan=False, indent=indent, **kw)
+
+
 def write_json(path: str | Path, obj, indent: int = 1) -> Path:
-    return write_text(path, json.dumps(obj, indent=indent) + "\n")
+    """``obj`` as strict JSON (``json_text``), atomically."""
+    return write_text(path, json_text(obj, indent) + "\n")
+
+
+def read_json(
+    path: str | Path,
+    what: str = "JSON file",
+    fix: str = "delete it",
+    *,
+    kind: type | None = dict,
+    cache: bool = False,
+    error: type = LayerleapError,
+    limit: str | None = "LAYERLEAP_MAX_INPUT_MB",
+):
+    """The JSON value in ``path`` (of type ``kind`` unless None): every JSON file layerleap reads goes
+    through here.  A file that cannot be read, is not UTF-8, is not JSON (truncated, or nested past the
+    parser's depth), holds another type of value or is larger than ``limit``'s size limit (an environment
+    variable of ``validate.LIMITS``; None: none) is an ``error`` naming it and ``fix``; with ``cache`` each
+    is None instead (a cache miss).  ``number`` reads back the non-finite floats ``strict`` wrote."""
+    from .validate import limit_bytes
+
+    path = Path(path)
+    most = limit_bytes(limit) if limit else None
+    try:
+        large = most is not None and path.stat().st_size > most
+        value = None if large else json.loads(path.read_bytes())  # bytes: UTF-8 (or 16, 32) by the first bytes
+    except OSError as e:
+        if cache:
+            return None
+        raise error(f"cannot read {what} {path} ({e.strerror or e}): {fix}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; brackets nested too deep
+        if cache:
+            return None
+        why = f"{type(e).__name__}: " + " ".join(str(e).split())[:100]
+        raise error(f"{what} {path} is not valid JSON ({why}): {fix}") from None
+    if large:
+        if cache:
+            return None
+        raise error(
+            f"{what} {path} is larger than the limit of {most / 1e6:g} MB: {fix} (or set {limit}=MB to lift it)"
+        )
+    if kind is not None and not isinstance(value, kind):
+        if cache:
+            return None
+        need = "an object" if kind is dict else "a list" if kind is list else kind.__name__
+        raise error(f"{what} {path} holds JSON {type(value).__name__}, not {need}: {fix}")
+    return value
 
 
 LOCK_WAIT_S = 30.0  # the longest ``locked`` waits for another process's update of one file
@@ -347,13 +424,8 @@ def read_report(path: str | Path, what: str, fields: tuple[str, ...] = ("config"
     path = Path(path)
     if not path.is_file() or not path.stat().st_size:
         return None
-    from .validate import read_bounded
-
-    try:
-        old = json.loads(read_bounded(path, f"{what} {path}"))
-    except (OSError, ValueError):  # a file past the size limit is not a report of ours either
-        old = None
-    if not isinstance(old, dict) or not isinstance(old.get("config"), dict) or any(f not in old for f in fields):
+    old = read_json(path, what, cache=True)  # a file past the size limit is not a report of ours either
+    if old is None or not isinstance(old.get("config"), dict) or any(f not in old for f in fields):
         raise LayerleapError(f"{path} exists and is not {what}: choose another --json (or delete it)")
     return old
 

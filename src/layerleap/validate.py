@@ -357,7 +357,7 @@ def report_file(value, name: str) -> Path:
     if p.is_file() and p.stat().st_size:
         try:
             ok = is_report(json.loads(read_bounded(p, f"{name} {p}".strip())))
-        except (OSError, ValueError):  # InputError is a ValueError: a file past the limit is no report of ours
+        except (OSError, ValueError, RecursionError):  # a file past the limit, or nested too deep: not ours
             ok = False
         if not ok:
             raise InputError(

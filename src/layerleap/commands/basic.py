@@ -8,7 +8,6 @@ argparse rejects malformed numbers the same way.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -32,7 +31,7 @@ from ..core.grammar import Grammar
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
 from ..core.run import row_seed
 from ..core.text import MAX_STOPS
-from ..files import reading
+from ..files import json_text, reading
 from ..options import ModelLoader, resolve_models, to_device
 from ..eval.report import write_html_report
 from ..streaming import stream
@@ -522,7 +521,7 @@ def _generate(args, model, prompts, kwargs: dict, threads: int) -> int:
     res = _generate_with_progress(model, prompts, args, kwargs)
     for r in res if isinstance(res, list) else [res]:
         if args.json:
-            print(json.dumps(r.to_dict()))
+            print(json_text(r.to_dict()))
         else:
             print(r.text)
             print(_stats_line(r.stats, threads))
@@ -606,7 +605,7 @@ def run_methods(args) -> int:
     from ..decoding import METHODS as registry
 
     if args.json:
-        print(json.dumps(methods_table(), default=str))
+        print(json_text(methods_table(), default=str))
         return 0
     yes = {True: "yes", False: "-"}
     print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7} {'grammar':7}  description")
@@ -732,7 +731,7 @@ def run_info(args) -> int:
         )
         d["call_cost"]["kept_saved"] = kept
     if args.json:
-        print(json.dumps(d))
+        print(json_text(d))
     else:
         print(format_info(d))
         if cc is not None:

@@ -5,7 +5,6 @@ alignment).  Results go to stdout, loading messages and progress to stderr; bad 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from ..train import align as align_mod
@@ -13,7 +12,7 @@ from ..eval import sweep as sweep_mod
 from . import command
 from ..drafters.companion import truncated
 from ..errors import LayerleapError
-from ..files import check_replace, write_text
+from ..files import check_replace, json_text, write_text
 from .. import validate as V, workload
 from ..drafters.early_exit import HEADS, exit_head
 from ..core import options as O
@@ -434,7 +433,7 @@ def run_align(args) -> int:
         rep = align_mod.align_exit_head(large, E, records, out, cfg, command=_command_line(args))
     rep["command"] = _command_line(args)
     if args.json:
-        print(json.dumps(rep))
+        print(json_text(rep))
     else:
         held = (
             f"; held-out {rep['heldout_before']:.3f} before, {rep['heldout_after']:.3f} after"

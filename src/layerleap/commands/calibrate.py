@@ -5,13 +5,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from .. import validate as V, workload
 from ..errors import LayerleapError
 from ..eval import calibrate as C
-from ..files import write_json
+from ..files import json_text, write_json
 from ..methods import budget
 from . import command
 from .basic import _command_line, _load, _model_args, _positive_int, _refuse_unused, _say, _threads
@@ -208,7 +207,7 @@ def _check(args, model, prompts, method: str, found: tuple[Path, dict], greedy, 
     res = C.holdout_check(model, entry, method, prompts, args.max_new_tokens, greedy, progress=_say, base=base)
     res.update(method=method, quality=args.quality, calibration=str(path))
     print(
-        json.dumps(
+        json_text(
             {
                 k: res[k]
                 for k in (

@@ -4,7 +4,6 @@ Figures 5-6).  See train/medusa_transfer.py for the method."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from ..datasets import spec_bench
 from ..decoding import generate
 from ..errors import LayerleapError
 from .. import validate as V, workload
-from ..files import save_figure, save_safetensors, write_json
+from ..files import json_text, save_figure, save_safetensors, write_json
 from .basic import _command_line, _load, _model_args, _positive_int, _state_cache_arg, _threads
 
 
@@ -218,7 +217,7 @@ def run_train(args) -> int:
     losses = report.pop("losses")
     first = sum(losses[:5]) / max(1, len(losses[:5]))
     last = sum(losses[-5:]) / max(1, len(losses[-5:]))
-    print(json.dumps({**report, "loss_first5": first, "loss_last5": last}, indent=1))
+    print(json_text({**report, "loss_first5": first, "loss_last5": last}, indent=1))
     return 0
 
 

@@ -4,7 +4,6 @@ real processes against greedy, wall clock)."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from .. import validate as V, workload
 from ..core import options as O
 from ..decoding import get_method
 from ..methods.ppd import EXIT_LAYER as PPD_EXIT_LAYER
-from ..files import write_json
+from ..files import json_text, write_json
 from . import command
 from ..errors import LayerleapError
 from .basic import (
@@ -115,7 +114,7 @@ def run_theory(args) -> int:
             "latency_standard_errors": (sim.mean_latency - out["theorem"]["latency_units"]) / se if se > 0 else 0.0,
         }
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json_text(out, indent=1))
         return 0
     th, ap = out["theorem"], out["approximation"]
     print(f"d={d} d̄={dbar} k={args.k} p_correct={args.p_correct} ℓ={args.tokens}")

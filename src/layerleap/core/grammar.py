@@ -70,13 +70,16 @@ class Grammar:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except ValueError as e:
-                raise GrammarError(f"the JSON schema is not valid JSON ({e}): give a JSON object") from None
+            except (ValueError, RecursionError) as e:  # RecursionError: brackets nested past the parser's depth
+                why = e if isinstance(e, ValueError) else "brackets nested too deep"
+                raise GrammarError(f"the JSON schema is not valid JSON ({why}): give a JSON object") from None
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
         try:  # key order kept: properties are written in the order given
             return cls("json", json.dumps(schema, allow_nan=False))
-        except (TypeError, ValueError) as e:  # a set, bytes, NaN: not JSON
+        except (TypeError, ValueError, RecursionError) as e:  # a set, bytes, NaN: not JSON; nested too deep
+            if isinstance(e, RecursionError):
+                raise GrammarError("the JSON schema is nested too deep: give a flatter schema") from None
             raise GrammarError(
                 f"the JSON schema holds a value that is not JSON ({e}): use dicts, lists, "
                 "strings, finite numbers, booleans and None"

@@ -179,9 +179,11 @@ def parse_text(text: str):
     if stripped[:1] in ("[", "{"):
         try:
             return json.loads(stripped)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: brackets nested too deep
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "brackets nested too deep"
             raise OptionError(
-                f"option value {text!r} starts like JSON but is not ({e.msg}): fix it, e.g. [[0], [1], [0, 0]]"
+                f"option value {text[:40]!r}{'...' if len(text) > 40 else ''} starts like JSON but is not ({why}): "
+                "fix it, e.g. [[0], [1], [0, 0]]"
             ) from None
     if "," in stripped:
         items = [parse_text(t) for t in stripped.split(",")]

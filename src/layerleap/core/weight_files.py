@@ -349,16 +349,10 @@ def read_safetensors_file(
 
 
 def read_json(path: Path, what: str = "file") -> dict:
-    """A JSON object from ``path``; a ``ModelFileError`` naming the file when it is not one."""
-    try:
-        obj = json.loads(path.read_bytes())
-    except OSError as e:
-        raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: brackets nested too deep
-        raise ModelFileError(f"{path} is not valid JSON ({str(e)[:80]}): repair or replace the {what}") from None
-    if not isinstance(obj, dict):
-        raise ModelFileError(f"{path} holds JSON {type(obj).__name__}, not an object: repair or replace the {what}")
-    return obj
+    """A JSON object from ``path`` (``files.read_json``); a ``ModelFileError`` naming the file when it is not one."""
+    from ..files import read_json as read
+
+    return read(path, what, f"repair or replace the {what}", error=ModelFileError, limit=None)
 
 
 # -- a GGUF file's header, read without the tensors -------------------------------------------------

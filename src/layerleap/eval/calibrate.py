@@ -60,7 +60,7 @@ from .. import validate as V
 from ..datasets import Prompt, spec_bench
 from ..decoding import generate, get_method
 from ..errors import LayerleapError
-from ..files import locked, read_report, write_json
+from ..files import locked, number, read_report, write_json
 from ..methods import bild, budget
 from . import quality as Q
 from . import step_cost as SC
@@ -462,6 +462,11 @@ def _exact(x: float, places: int) -> str:
     return f"{x:.{places}f}"
 
 
+def _output(o: dict) -> Output:
+    """An output of a report (a perplexity past float range is "inf" there: ``files.strict``)."""
+    return Output(**{k: number(v) for k, v in o.items()})
+
+
 def _from_dict(d: dict) -> Calibration:
     cal = Calibration(
         d["method"],
@@ -471,13 +476,13 @@ def _from_dict(d: dict) -> Calibration:
         d["ppl_ratio"],
         d["split"],
         d["config"],
-        [Output(**o) for o in d["greedy"]],
+        [_output(o) for o in d["greedy"]],
         done=d.get("done", False),
     )
     known = Setting.__dataclass_fields__
     for s in d["settings"]:
-        outs = [Output(**o) for o in s.pop("outputs")]
-        cal.settings.append(Setting(outputs=outs, **{k: v for k, v in s.items() if k in known}))
+        outs = [_output(o) for o in s.pop("outputs")]
+        cal.settings.append(Setting(outputs=outs, **{k: number(v) for k, v in s.items() if k in known}))
     return cal
 
 

@@ -27,7 +27,7 @@ from .bench import HF_LABEL, HFBaseline, check_specs, machine_config, plain_opti
 from ..datasets import Prompt
 from ..decoding import METHODS, generate, get_method
 from ..errors import LayerleapError
-from ..files import read_report, write_json
+from ..files import number, read_report, write_json
 from ..core.model import Transformer
 
 NEAR_TIE = 1e-4
@@ -130,6 +130,9 @@ def _resume(path: Path, cfg: dict) -> dict | None:
             f"{path} holds an exactness run with other settings: choose another --json (or delete "
             "it), or rerun with its settings to resume"
         )
+    for d in old["divergences"]:  # a NaN logit gap is "nan" there (``files.strict``)
+        if isinstance(d, dict):
+            d["logit_gap"] = number(d.get("logit_gap"))
     return old
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from . import quality as evaluation
 from .. import validate as V
 from .bench import machine_config
-from ..files import read_report, save_figure, write_json
+from ..files import read_report, save_figure, strict, write_json
 from ..datasets import Prompt
 from ..decoding import generate
 from ..errors import LayerleapError
@@ -351,8 +351,8 @@ def _resume(path: Path, cfg: dict, fresh: dict) -> dict:
     old = read_report(path, "a sweep report")
     if old is None:
         return fresh
-    same = all(
-        old["config"].get(k) == cfg[k]
+    same = all(  # as JSON holds them: alpha_rb=inf is "inf" there (``files.strict``)
+        strict(old["config"].get(k)) == strict(cfg[k])
         for k in ("model", "fingerprint", "max_new_tokens", "chat", "fixed", "points", "prompt_ids")
     )
     if not same:

@@ -20,7 +20,6 @@ process (``machine_note``).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from ..core.cpu import cpu_signature
 from ..core.run import GenerationError
 from ..errors import LayerleapError
-from ..files import cache_root
+from ..files import cache_root, read_json
 
 DEFAULT_QUALITY = 0.95  # the budget a lossy method's defaults keep (when a calibration file exists)
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "calibration"
@@ -187,12 +186,7 @@ def machine_note(cal: Calibrated, model) -> str | None:
 def read_calibration(path: Path) -> dict | None:
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # brackets nested too deep
-        raise LayerleapError(
-            f"calibration file {path} is unreadable ({type(e).__name__}): delete it and run layerleap calibrate again"
-        ) from None
+    data = read_json(path, "calibration file", "delete it and run layerleap calibrate again", kind=None)
     if not isinstance(data, dict) or not isinstance(data.get("budgets"), dict):
         raise LayerleapError(f"calibration file {path} has no 'budgets': delete it and run layerleap calibrate again")
     return data

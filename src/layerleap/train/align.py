@@ -43,7 +43,7 @@ from ..decoding import generate
 from ..drafters import weights
 from ..drafters.exit_heads import AdapterHead, save_heads
 from ..errors import LayerleapError
-from ..files import replace_dir, save_safetensors, write_json
+from ..files import read_json, replace_dir, save_safetensors, write_json
 from .loop import Checkpoint, LoopConfig, LoopResult, Schedule, epoch_batch, items_seen, train as run_loop
 
 
@@ -65,11 +65,9 @@ def calibrate(
     path = Path(path)
     done: dict = {}
     if path.is_file():
-        try:
-            data = json.loads(V.read_bounded(path, f"calibration file {path}"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise AlignError(f"{path} is not valid JSON: delete it to start the calibration again") from None
-        if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        data = read_json(path, "calibration file", "delete it to start the calibration again", kind=None)
+        records = data.get("records") if isinstance(data, dict) else None
+        if not isinstance(records, list) or not all(isinstance(r, dict) and "key" in r for r in records):
             raise AlignError(f"{path} is not a calibration file: delete it or choose another --work")
         if (
             data.get("model") != large.fingerprint

@@ -239,7 +239,7 @@ def read_records(path, fingerprint: str | None = None, vocab: int | None = None,
         try:
             r = json.loads(line)
             r["prompt"], r["completion"] = _ids(r["prompt"], vocab), _ids(r["completion"], vocab)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: brackets nested too deep
             why = f" ({e})" if "vocabulary" in str(e) else ""
             raise TrainDataError(
                 f"{path} line {i} is not a self-distilled record ({{'prompt': [ids], 'completion': [ids]}}){why}: "

@@ -1125,3 +1125,42 @@ def test_a_prompt_limit_past_the_context_is_the_context_less_one(char_model_dir)
         request_settings(CompletionRequest(prompt=[1] * ctx), st, ctx)
     assert f"over this server's limit of {ctx - 1}" in e.value.message and e.value.param == "prompt"
     assert request_settings(CompletionRequest(prompt=[1] * (ctx - 1)), st, ctx - 1).gen.max_new_tokens == 1
+
+
+def test_a_cancel_while_the_batch_sets_up_its_run_still_stops_the_row(char_model_dir, monkeypatch):
+    """A client that goes away while its batch's first round is under way (the worker thread building the run)
+    is stopped at the next round, not decoded to max_tokens."""
+    import asyncio
+
+    import layerleap.decoding as decoding
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    building, go = threading.Event(), threading.Event()
+
+    class SlowRun(decoding.Run):  # a run whose set-up takes a while (a long prompt's cache)
+        def __init__(self, *args, **kwargs):
+            building.set()
+            go.wait(10)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "Run", SlowRun)
+
+    async def run():
+        ended = []
+        s = Scheduler(model, pool_rows=0, on_batch_done=ended.append)
+        s.start()
+        job = Job([1, 2, 3], Settings("prompt-lookup", {}, GenerationConfig(2000, False, stop_at_eos=False)))
+        s.submit(job)
+        await asyncio.get_running_loop().run_in_executor(None, building.wait, 10)
+        s.cancel(job)  # the client went away: between the run's prompts being chosen and its rows being known
+        go.set()
+        kind, _ = await job.events.get()
+        while not ended:
+            await asyncio.sleep(0.01)
+        n = len(ended[0].decoding.results[0].token_ids)
+        await s.stop()
+        return n
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) < 100

@@ -235,6 +235,7 @@ class Batch:
         """One method round and its text (in the worker thread): (the rows that grew, or None when the
         batch ended; each grown or ended row's new text, the whole rest of it for a row that ended)."""
         d = self.decoding
+        self.cancel_gone()  # here, between two rounds: a cancel during the last one (even its set-up) stops the row
         grew = next(self.rounds, None)
         texts = {}
         for i in grew or []:
@@ -280,6 +281,7 @@ class Batch:
         return any(j != i and not self.decoding.finished(j) for j in range(len(self.jobs)))
 
     def cancel_gone(self) -> None:
+        """Stop the rows whose clients went away (in the worker thread, between two rounds)."""
         for i, job in enumerate(self.jobs):
             if job.cancelled:
                 self.decoding.cancel(i)
@@ -627,9 +629,8 @@ class Scheduler:
             job.fail(LayerleapError("cancelled"))
             return
         for batch in self.running:
-            if job in batch.jobs:
+            if job in batch.jobs:  # its row stops at the batch's next round (in the worker thread)
                 self.on_cancel(job, "running")
-                batch.cancel_gone()
 
     def _expire(self) -> None:
         """Fail the jobs that waited longer than ``queue_timeout``."""

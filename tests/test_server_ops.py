@@ -1164,3 +1164,34 @@ def test_a_cancel_while_the_batch_sets_up_its_run_still_stops_the_row(char_model
         return n
 
     assert asyncio.run(asyncio.wait_for(run(), 60)) < 100
+
+
+def test_the_pool_allocates_a_prompts_cache_off_the_event_loop(char_model_dir, monkeypatch):
+    """A joining prompt's cache (hundreds of MiB for a long prompt on a real model) is allocated in the worker
+    thread, beside the model calls: the event loop keeps answering /health and the streams meanwhile."""
+    import asyncio
+
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    allocated_on = []
+    new_cache = model.new_cache
+
+    def recorded(*args, **kwargs):
+        allocated_on.append(threading.get_ident())
+        return new_cache(*args, **kwargs)
+
+    monkeypatch.setattr(model, "new_cache", recorded)
+
+    async def run():
+        s = Scheduler(model, pool_rows=4)
+        s.start()
+        job = Job(list(range(1, 60)), Settings("greedy", {}, GenerationConfig(4, False)))
+        s.submit(job)
+        while (await job.events.get())[0] != "done":
+            pass
+        await s.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+    assert allocated_on and threading.get_ident() not in allocated_on  # asyncio.run's loop runs in this thread

@@ -306,7 +306,7 @@ class _Row:
         self.generator = row_generators(self.gen, [0], model.device)[0]  # what the job alone would draw
         grammar = self.gen.grammar
         self.constraint = None if grammar is None else grammar.start(model, 1, eos_ids)[0]  # structured output
-        self.cache = model.new_cache(1, len(job.prompt_ids) + 1)  # the prefill's
+        self.cache: KVCache | None = None  # the prefill's, made at its first chunk (in the worker thread)
         self.done_ids = 0  # prompt tokens prefilled
         self.out: list[int] = []
         self.pieces = TextPieces(model.tokenizer)
@@ -425,6 +425,8 @@ class Pool:
         ids = r.job.prompt_ids
         part = ids[r.done_ids : r.done_ids + self.chunk]
         m = self.model
+        if r.cache is None:  # here, not as the row joins on the event loop: a long prompt's cache takes a while
+            r.cache = m.new_cache(1, len(ids) + 1)
         x = torch.tensor([part], dtype=torch.long, device=m.device)
         positions = torch.arange(r.done_ids, r.done_ids + len(part), device=m.device).unsqueeze(0)  # [1, S]
         h = m.run_layers(m.embed(x), 0, m.config.n_layers, positions, r.cache)  # [1, S, D]

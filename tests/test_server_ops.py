@@ -1195,3 +1195,32 @@ def test_the_pool_allocates_a_prompts_cache_off_the_event_loop(char_model_dir, m
 
     asyncio.run(asyncio.wait_for(run(), 60))
     assert allocated_on and threading.get_ident() not in allocated_on  # asyncio.run's loop runs in this thread
+
+
+def test_a_request_cut_by_the_end_of_the_drain_gets_a_json_error(tiny, monkeypatch):
+    """On shutdown the requests under way get the drain time; one still unanswered after it is answered with
+    OpenAI's error shape (503, retry), not the ASGI server's plain-text 500."""
+    from layerleap import scheduler
+
+    decode = scheduler.Pool._decode
+
+    def slow(self):  # a long answer: still decoding when the drain ends
+        time.sleep(0.01)
+        decode(self)
+
+    monkeypatch.setattr(scheduler.Pool, "_decode", slow)
+    server = ServerThread(create_app(tiny, ServerConfig("tiny", method="greedy")), drain_seconds=0.2)
+    u = server.__enter__()
+    sock = raw_request(u, {"prompt": "Go on and on", "max_tokens": 1900, "ignore_eos": True})
+    try:
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        server.__exit__(None, None, None)
+        sock.settimeout(30)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    finally:
+        sock.close()
+    head, _, body = got.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 503"), got
+    assert json.loads(body)["error"]["code"] == "server_shutting_down"

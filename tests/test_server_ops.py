@@ -1224,3 +1224,34 @@ def test_a_request_cut_by_the_end_of_the_drain_gets_a_json_error(tiny, monkeypat
     head, _, body = got.decode().partition("\r\n\r\n")
     assert head.startswith("HTTP/1.1 503"), got
     assert json.loads(body)["error"]["code"] == "server_shutting_down"
+
+
+def test_a_pooled_request_cancelled_before_its_prefill_counts_no_prompt_tokens(char_model_dir):
+    """A client that goes away while its prompt waits behind another's prefill never reached the model: the
+    metrics count no prompt tokens (nor a finished row) for it, as for a request dropped from the queue."""
+    import asyncio
+
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    reported = []
+
+    async def run():
+        s = Scheduler(model, pool_rows=4, prefill_chunk=8, on_rows_done=lambda rows, width: reported.extend(rows))
+        s.start()
+        long, short = (Job(ids, Settings("greedy", {}, GenerationConfig(4, False))) for ids in ([5] * 1500, [6] * 3))
+        s.submit(long)
+        s.submit(short)
+        while short not in s.pool.jobs():
+            await asyncio.sleep(0.001)
+        s.cancel(short)  # it waits behind the long prompt's chunks
+        while (await long.events.get())[0] != "done":
+            pass
+        while not short.finished:
+            await asyncio.sleep(0.01)
+        await s.stop()
+        return long, short
+
+    long, short = asyncio.run(asyncio.wait_for(run(), 60))
+    assert [job for job, _ in reported] == [long]

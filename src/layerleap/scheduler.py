@@ -700,8 +700,9 @@ class Scheduler:
                     for job in self.pool.jobs() + [job for job, _ in self.pool.failed]:
                         job.fail(e)
                     self.pool.joining, self.pool.decoding, self.pool.failed, done = [], [], [], []
-                if done:
-                    self._report(self.on_rows_done, done, max(1, self.pool.widest))
+                ran = [(job, r) for job, r in done if r.stats["model_calls"]]  # not one cancelled before its prefill
+                if ran:
+                    self._report(self.on_rows_done, ran, max(1, self.pool.widest))
                     self.pool.widest = 0
                 if self.pool.passes:
                     self._report(self.on_passes, self.pool.passes)

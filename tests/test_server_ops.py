@@ -1141,3 +1141,133 @@ def test_a_prompt_limit_past_the_context_is_the_context_less_one(char_model_dir)
         request_settings(CompletionRequest(prompt=[1] * ctx), st, ctx)
     assert f"over this server's limit of {ctx - 1}" in e.value.message and e.value.param == "prompt"
     assert request_settings(CompletionRequest(prompt=[1] * (ctx - 1)), st, ctx - 1).gen.max_new_tokens == 1
+
+
+def test_a_cancel_while_the_batch_sets_up_its_run_still_stops_the_row(char_model_dir, monkeypatch):
+    """A client that goes away while its batch's first round is under way (the worker thread building the run)
+    is stopped at the next round, not decoded to max_tokens."""
+    import asyncio
+
+    import layerleap.decoding as decoding
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    building, go = threading.Event(), threading.Event()
+
+    class SlowRun(decoding.Run):  # a run whose set-up takes a while (a long prompt's cache)
+        def __init__(self, *args, **kwargs):
+            building.set()
+            go.wait(10)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "Run", SlowRun)
+
+    async def run():
+        ended = []
+        s = Scheduler(model, pool_rows=0, on_batch_done=ended.append)
+        s.start()
+        job = Job([1, 2, 3], Settings("prompt-lookup", {}, GenerationConfig(2000, False, stop_at_eos=False)))
+        s.submit(job)
+        await asyncio.get_running_loop().run_in_executor(None, building.wait, 10)
+        s.cancel(job)  # the client went away: between the run's prompts being chosen and its rows being known
+        go.set()
+        kind, _ = await job.events.get()
+        while not ended:
+            await asyncio.sleep(0.01)
+        n = len(ended[0].decoding.results[0].token_ids)
+        await s.stop()
+        return n
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) < 100
+
+
+def test_the_pool_allocates_a_prompts_cache_off_the_event_loop(char_model_dir, monkeypatch):
+    """A joining prompt's cache (hundreds of MiB for a long prompt on a real model) is allocated in the worker
+    thread, beside the model calls: the event loop keeps answering /health and the streams meanwhile."""
+    import asyncio
+
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    allocated_on = []
+    new_cache = model.new_cache
+
+    def recorded(*args, **kwargs):
+        allocated_on.append(threading.get_ident())
+        return new_cache(*args, **kwargs)
+
+    monkeypatch.setattr(model, "new_cache", recorded)
+
+    async def run():
+        s = Scheduler(model, pool_rows=4)
+        s.start()
+        job = Job(list(range(1, 60)), Settings("greedy", {}, GenerationConfig(4, False)))
+        s.submit(job)
+        while (await job.events.get())[0] != "done":
+            pass
+        await s.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+    assert allocated_on and threading.get_ident() not in allocated_on  # asyncio.run's loop runs in this thread
+
+
+def test_a_request_cut_by_the_end_of_the_drain_gets_a_json_error(tiny, monkeypatch):
+    """On shutdown the requests under way get the drain time; one still unanswered after it is answered with
+    OpenAI's error shape (503, retry), not the ASGI server's plain-text 500."""
+    from layerleap import scheduler
+
+    decode = scheduler.Pool._decode
+
+    def slow(self):  # a long answer: still decoding when the drain ends
+        time.sleep(0.01)
+        decode(self)
+
+    monkeypatch.setattr(scheduler.Pool, "_decode", slow)
+    server = ServerThread(create_app(tiny, ServerConfig("tiny", method="greedy")), drain_seconds=0.2)
+    u = server.__enter__()
+    sock = raw_request(u, {"prompt": "Go on and on", "max_tokens": 1900, "ignore_eos": True})
+    try:
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        server.__exit__(None, None, None)
+        sock.settimeout(30)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    finally:
+        sock.close()
+    head, _, body = got.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 503"), got
+    assert json.loads(body)["error"]["code"] == "server_shutting_down"
+
+
+def test_a_pooled_request_cancelled_before_its_prefill_counts_no_prompt_tokens(char_model_dir):
+    """A client that goes away while its prompt waits behind another's prefill never reached the model: the
+    metrics count no prompt tokens (nor a finished row) for it, as for a request dropped from the queue."""
+    import asyncio
+
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    reported = []
+
+    async def run():
+        s = Scheduler(model, pool_rows=4, prefill_chunk=8, on_rows_done=lambda rows, width: reported.extend(rows))
+        s.start()
+        long, short = (Job(ids, Settings("greedy", {}, GenerationConfig(4, False))) for ids in ([5] * 1500, [6] * 3))
+        s.submit(long)
+        s.submit(short)
+        while short not in s.pool.jobs():
+            await asyncio.sleep(0.001)
+        s.cancel(short)  # it waits behind the long prompt's chunks
+        while (await long.events.get())[0] != "done":
+            pass
+        while not short.finished:
+            await asyncio.sleep(0.01)
+        await s.stop()
+        return long, short
+
+    long, short = asyncio.run(asyncio.wait_for(run(), 60))
+    assert [job for job, _ in reported] == [long]

@@ -178,6 +178,7 @@ class Batch:
         """One method round and its text (in the worker thread): (the rows that grew, or None when the
         batch ended; each grown or ended row's new text, the whole rest of it for a row that ended)."""
         d = self.decoding
+        self.cancel_gone()  # here, between two rounds: a cancel during the last one (even its set-up) stops the row
         grew = next(self.rounds, None)
         texts = {}
         for i in grew or []:
@@ -223,6 +224,7 @@ class Batch:
         return any(j != i and not self.decoding.finished(j) for j in range(len(self.jobs)))
 
     def cancel_gone(self) -> None:
+        """Stop the rows whose clients went away (in the worker thread, between two rounds)."""
         for i, job in enumerate(self.jobs):
             if job.cancelled:
                 self.decoding.cancel(i)
@@ -247,7 +249,7 @@ class _Row:
         self.generator = row_generators(self.gen, [0], model.device)[0]  # what the job alone would draw
         grammar = self.gen.grammar
         self.constraint = None if grammar is None else grammar.start(model, 1, eos_ids)[0]  # structured output
-        self.cache = model.new_cache(1, len(job.prompt_ids) + 1)  # the prefill's
+        self.cache: KVCache | None = None  # the prefill's, made at its first chunk (in the worker thread)
         self.done_ids = 0  # prompt tokens prefilled
         self.out: list[int] = []
         self.pieces = TextPieces(model.tokenizer)
@@ -366,6 +368,8 @@ class Pool:
         ids = r.job.prompt_ids
         part = ids[r.done_ids : r.done_ids + self.chunk]
         m = self.model
+        if r.cache is None:  # here, not as the row joins on the event loop: a long prompt's cache takes a while
+            r.cache = m.new_cache(1, len(ids) + 1)
         x = torch.tensor([part], dtype=torch.long, device=m.device)
         positions = torch.arange(r.done_ids, r.done_ids + len(part), device=m.device).unsqueeze(0)  # [1, S]
         h = m.run_layers(m.embed(x), 0, m.config.n_layers, positions, r.cache)  # [1, S, D]
@@ -570,9 +574,8 @@ class Scheduler:
             job.fail(LayerleapError("cancelled"))
             return
         for batch in self.running:
-            if job in batch.jobs:
+            if job in batch.jobs:  # its row stops at the batch's next round (in the worker thread)
                 self.on_cancel(job, "running")
-                batch.cancel_gone()
 
     def _expire(self) -> None:
         """Fail the jobs that waited longer than ``queue_timeout``."""
@@ -640,8 +643,9 @@ class Scheduler:
                     for job in self.pool.jobs() + [job for job, _ in self.pool.failed]:
                         job.fail(e)
                     self.pool.joining, self.pool.decoding, self.pool.failed, done = [], [], [], []
-                if done:
-                    self._report(self.on_rows_done, done, max(1, self.pool.widest))
+                ran = [(job, r) for job, r in done if r.stats["model_calls"]]  # not one cancelled before its prefill
+                if ran:
+                    self._report(self.on_rows_done, ran, max(1, self.pool.widest))
                     self.pool.widest = 0
                 if self.pool.passes:
                     self._report(self.on_passes, self.pool.passes)

@@ -460,19 +460,19 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
     reply = Reply(chat, st.cfg.model_name, len(ids))
     watcher = asyncio.create_task(_watch(request, st, job))
     try:
-        first = await _next_event(st, job, field)
+        event = first = await _next_event(st, job, field)
+        while not body.stream and event[0] != "done":
+            event = await _next_event(st, job, field)
     except APIError as e:
         watcher.cancel()
         return e.response()
+    except asyncio.CancelledError:  # the server stops (its drain time is over) before this answer began
+        watcher.cancel()
+        return APIError(
+            503, "the server is shutting down: retry later", code="server_shutting_down", type="server_error"
+        ).response()
     if not body.stream:
-        try:
-            event = first
-            while event[0] != "done":
-                event = await _next_event(st, job, field)
-        except APIError as e:
-            return e.response()
-        finally:
-            watcher.cancel()
+        watcher.cancel()
         _done(st, request, t0)
         return JSONResponse(reply.full(event[1]))
     usage = reply.usage = bool(body.stream_options and body.stream_options.include_usage)

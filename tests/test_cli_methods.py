@@ -312,3 +312,43 @@ def test_serve_on_port_0_prints_the_port_it_listens_on(tiny_hf_dir):
         p.send(signal.SIGINT)
         rc, _, err = p.finish(60)
     assert rc == 130 and "Traceback" not in err, err[-2000:]  # Ctrl-C's exit, as before
+
+
+def test_prompts_file_reads_a_messages_line_as_one_conversation(capsys, tiny_hf_dir, tiny, tmp_path):
+    """A .jsonl line with OpenAI's chat "messages" is one conversation, decoded in the chat template as
+    ``generate`` decodes a list of messages; text lines beside it stay text; a method that does not batch
+    and --stream take it too."""
+    chat = [{"role": "system", "content": "Be short."}, {"role": "user", "content": "Name a colour"}]
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"messages": chat}) + '\n"Hello there"\n' + json.dumps({"messages": chat[1:]}) + "\n")
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 5, "--json")
+    assert rc == 0, err
+    want = generate(tiny, [chat, "Hello there", chat[1:]], "greedy", 5)
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == [w.token_ids for w in want]
+    rc, out, err = cli(
+        capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 5, "--method", "calm"
+    )
+    assert rc == 0, err
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"messages": chat}) + "\n")
+    args = ["--prompts-file", one, "--max-new-tokens", 5, "--stream"]
+    rc, out, err = cli(capsys, "generate", "--model", tiny_hf_dir, *args)
+    assert rc == 0, err
+    assert out.startswith(want[0].text + "\n")
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"messages": []}', "p.jsonl:2: 'messages' is empty"),
+        ('{"messages": "hi"}', "p.jsonl:2: 'messages' is not a list"),
+        ('{"messages": [{"role": "user"}]}', "p.jsonl:2: message 0 is not an object with text 'role' and 'content'"),
+        ('{"messages": [{"role": " ", "content": "x"}]}', "p.jsonl:2: message 0's role is empty"),
+        ('{"messages": [{"role": "user", "content": "x"}], "prompt": "y"}', "p.jsonl:2 has both 'messages' and"),
+    ],
+)
+def test_prompts_file_refuses_a_bad_messages_line_by_its_number(capsys, tiny_hf_dir, tmp_path, line, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text('"fine"\n' + line + "\n")
+    rc, _, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 2)
+    assert rc == 2 and message in err and "Traceback" not in err, err

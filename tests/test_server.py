@@ -154,6 +154,14 @@ def test_stop_string_cuts_the_text(client, tiny):
     assert "".join(c.choices[0].text for c in s if c.choices) == full[: full.index(stop)]
 
 
+def test_an_empty_stop_string_asks_for_no_stop(client, tiny):
+    """A client that sends "" for no stop string gets the whole text (``generate`` itself refuses stop="")."""
+    full = generate(tiny, "The sky is", "greedy", 12, stop_at_eos=True)
+    for stop in ("", ["", "@@@"]):
+        r = client.completions.create(model="tiny", prompt="The sky is", max_tokens=12, stop=stop)
+        assert r.choices[0].text == full.text and r.choices[0].finish_reason == full.finish_reason
+
+
 @pytest.mark.parametrize(
     "pieces,stops,want",
     [

@@ -210,3 +210,70 @@ def test_training_leaves_the_callers_global_rng_as_it_was(tmp_path):
         after = _global_rng()
         assert torch.equal(before[0], after[0]) and before[1:] == after[1:], fn.__name__
         assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), fn.__name__
+
+
+def test_tf32_products_are_on_for_a_cuda_device_inside_the_block_only():
+    """A trainer turns TF32 products on for its CUDA run and gives the caller its setting back (also when
+    the run raises); on another device nothing changes.  torch's flag reads and sets without a GPU."""
+    from layerleap.train.loop import tf32_products
+
+    matmul = torch.backends.cuda.matmul
+    for callers in (False, True):
+        matmul.allow_tf32 = callers
+        try:
+            with tf32_products(torch.device("cpu")):
+                assert matmul.allow_tf32 is callers
+            with pytest.raises(KeyError), tf32_products(torch.device("cuda")):
+                assert matmul.allow_tf32 is True
+                raise KeyError("the run fails")
+            assert matmul.allow_tf32 is callers
+        finally:
+            matmul.allow_tf32 = False
+
+
+def test_tf32_products_keep_a_setting_made_through_torchs_newer_api():
+    """A caller who set ``fp32_precision`` (torch then refuses to read ``allow_tf32``) gets it back as set."""
+    import subprocess
+    import sys
+
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision")
+    code = (
+        "import torch\n"
+        "from layerleap.train.loop import tf32_products\n"
+        "m = torch.backends.cuda.matmul\n"
+        "m.fp32_precision = 'ieee'\n"
+        "with tf32_products(torch.device('cuda')):\n"
+        "    assert m.fp32_precision == 'tf32', m.fp32_precision\n"
+        "assert m.fp32_precision == 'ieee', m.fp32_precision\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("trainer", ["drafter", "variant"])
+def test_a_cuda_training_run_leaves_the_callers_tf32_setting_as_it_was(tmp_path, monkeypatch, trainer):
+    """The trainers use TF32 products on CUDA (here: the device check made to say CUDA, on the CPU); when
+    they return, the caller's setting is as it was."""
+    from tiny_models import random_model
+
+    from layerleap.train import loop, medusa_transfer, variant
+
+    seen = []
+
+    def as_on_cuda(device):
+        seen.append(device)
+        return loop.tf32_products(torch.device("cuda"))
+
+    model = random_model("llama-gqa-tied", seed=0)
+    if trainer == "drafter":
+        monkeypatch.setattr(medusa_transfer, "tf32_products", as_on_cuda)
+        seqs = torch.randint(3, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+        cfg = medusa_transfer.TrainConfig(kind="medusa", layers=[1], steps_ahead=2, train_steps=2, seq_len=12)
+        medusa_transfer.train(model, tmp_path / "m.safetensors", cfg, chunks=seqs.tolist(), progress=False)
+    else:
+        monkeypatch.setattr(variant, "tf32_products", as_on_cuda)
+        cfg = variant.VariantConfig(objective="calm", rank=2, steps=2, batch_size=2, gen_len=4, min_layer=1)
+        variant.train_variant(model, tmp_path / "v.safetensors", cfg, [([1, 2, 3], [4, 5, 6])] * 2, "toy")
+    assert seen
+    assert torch.backends.cuda.matmul.allow_tf32 is False

@@ -454,3 +454,34 @@ def test_a_file_replaced_by_one_of_its_size_and_mtime_is_read_again(tmp_path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     again = heads.get_head(model, 1, path)
     assert again is not first and torch.equal(again.proj.weight, b.proj.weight)
+
+
+def test_a_file_replaced_within_one_tick_of_the_clock_is_read_again(tmp_path, monkeypatch):
+    """A heads file replaced (written aside, renamed over it, as ``atomic_write`` does) by one of the same size
+    within one tick of a coarse file system clock keeps its modification and change times: the new inode
+    tells it apart, and the new heads are used, not the ones kept for the old file."""
+    import os
+
+    model = random_model()
+    a, b = heads.new_head(model, 1, "lens"), heads.new_head(model, 1, "lens")
+    with torch.no_grad():
+        b.proj.weight.add_(0.5)
+    path = heads.save_heads([a], tmp_path / "h.safetensors")
+    other = heads.save_heads([b], tmp_path / "other.safetensors")
+    assert os.path.getsize(path) == os.path.getsize(other)
+    real = os.stat
+
+    class OneTick:  # the stat of a file system whose clock did not tick between the two writes
+        def __init__(self, st):
+            self._st = st
+
+        def __getattr__(self, name):
+            ticks = {"st_mtime_ns": 10**18, "st_ctime_ns": 10**18, "st_mtime": 1e9, "st_ctime": 1e9}
+            return ticks[name] if name in ticks else getattr(self._st, name)
+
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: OneTick(real(p, *a, **k)))
+    first = heads.get_head(model, 1, path)
+    assert heads.get_head(model, 1, path) is first
+    os.replace(other, path)
+    again = heads.get_head(model, 1, path)
+    assert again is not first and torch.equal(again.proj.weight, b.proj.weight)

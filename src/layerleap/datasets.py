@@ -171,10 +171,11 @@ def sharegpt_conversations(limit: int | None = None):
 PROMPT_KEYS = ("prompt", "text", "content")  # a JSON-lines prompt object's text field (or Spec-Bench "turns")
 
 
-def read_prompts_file(path: str | Path) -> list[str]:
+def read_prompts_file(path: str | Path) -> list[str | list[dict]]:
     """Prompts from a file (or a stream named by a path, read once: a FIFO, ``/dev/stdin``): ``.jsonl``
-    holds one JSON value a line (a string, or an object with "prompt", "text", "content" or Spec-Bench's
-    "turns"), any other file one prompt a line.  Blank lines are skipped."""
+    holds one JSON value a line (a string, an object with "prompt", "text", "content" or Spec-Bench's
+    "turns", or an object with OpenAI's chat "messages": one conversation, a list of {"role", "content"}
+    messages), any other file one prompt a line.  Blank lines are skipped."""
     from . import validate as V
 
     p = Path(path)
@@ -195,7 +196,7 @@ def read_prompts_file(path: str | Path) -> list[str]:
     return prompts
 
 
-def _json_prompt(path: Path, n: int, line: str) -> str:
+def _json_prompt(path: Path, n: int, line: str) -> str | list[dict]:
     try:
         value = json.loads(line)
     except (json.JSONDecodeError, RecursionError) as e:
@@ -203,6 +204,8 @@ def _json_prompt(path: Path, n: int, line: str) -> str:
             f"{path}:{n} is not JSON ({_json_error(e)}): write one JSON value a line, or use a .txt file for plain "
             "prompts"
         ) from None
+    if isinstance(value, dict) and "messages" in value:
+        return _json_messages(path, n, value)
     if isinstance(value, dict):
         turns = value.get("turns")
         value = next(
@@ -211,6 +214,26 @@ def _json_prompt(path: Path, n: int, line: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise LayerleapError(
             f"{path}:{n}: a prompt line is a JSON string or an object with a non-empty "
-            f"{', '.join(repr(k) for k in PROMPT_KEYS)} or 'turns' field"
+            f"{', '.join(repr(k) for k in PROMPT_KEYS)} or 'turns' field, or a 'messages' list (a conversation)"
         )
     return value
+
+
+def _json_messages(path: Path, n: int, value: dict) -> list[dict]:
+    """A JSON-lines object's "messages" (OpenAI's chat form): one conversation, decoded in the chat template."""
+    also = [k for k in (*PROMPT_KEYS, "turns") if k in value]
+    if also:
+        raise LayerleapError(
+            f"{path}:{n} has both 'messages' and {also[0]!r}: give a line one prompt, either a conversation "
+            "('messages') or text"
+        )
+    messages = value["messages"]
+    form = 'a conversation is a \'messages\' list of objects {"role": "user", "content": "text"}'
+    if not isinstance(messages, list) or not messages:
+        raise LayerleapError(f"{path}:{n}: 'messages' is {'empty' if messages == [] else 'not a list'}: {form}")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not all(isinstance(m.get(key), str) for key in ("role", "content")):
+            raise LayerleapError(f"{path}:{n}: message {k} is not an object with text 'role' and 'content': {form}")
+        if not m["role"].strip():
+            raise LayerleapError(f"{path}:{n}: message {k}'s role is empty: name it ('system', 'user', 'assistant')")
+    return messages

@@ -41,6 +41,15 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def stamp(path: str | Path) -> tuple[int, int, int, int, int]:
+    """What tells a new version of the file at ``path`` from the one read (``OSError`` where it cannot be
+    read): ``atomic_write`` replaces the file (a new inode), and a replacement within one tick of the file
+    system's clock keeps the modification and change times; a file rewritten in place whose modification
+    time is copied back (``cp -p``) keeps its inode and size, but not its change time."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def _temporary(path: Path, pid: int, unique: str) -> Path:
     """``atomic_write``'s temporary for ``path`` in process ``pid``: ``.STEM.PID-UNIQUE.tmpSUFFIX``."""
     return path.with_name(f".{path.stem}.{pid}-{unique}.tmp{path.suffix}")

@@ -2,9 +2,9 @@
 
 A method asks for its heads on every ``generate`` call; reading and checking the file each time
 cost about 30 ms per call, inside the timed path.  ``per_model`` keeps what a loader returned for a
-model and file (by path, size, modification time and change time), so a file is read once per model; a
-file that changes is read again and replaces what was kept for it; the entries go with the model (a weak
-reference)."""
+model and file (by path, and its version: ``files.stamp``, the inode, size, modification and change times),
+so a file is read once per model; a file that changes is read again and replaces what was kept for it; the
+entries go with the model (a weak reference)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ _CACHE: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
 def _key(kind: str, path) -> tuple[tuple, tuple] | None:
-    """(which file: kind and path, its version: modification and change times, size), or None."""
+    """(which file: kind and path, its version: ``files.stamp``), or None."""
+    from .files import stamp
+
     p = Path(path).expanduser()
     try:
-        st = p.stat()
+        return (kind, str(p.resolve())), stamp(p)
     except OSError:
         return None
-    return (kind, str(p.resolve())), (st.st_mtime_ns, st.st_ctime_ns, st.st_size)  # ctime: a cp -p copies mtime back
 
 
 def per_model(model, kind: str, path, load: Callable[[], T]) -> T:

@@ -301,8 +301,9 @@ def _setup_generate(p):
         type=V.in_stream_arg,
         metavar="FILE",
         help="prompts decoded as one batch (one after another, said on stderr, for a method that does "
-        "not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text' or "
-        "Spec-Bench 'turns' a line; any other file (a pipe too: <(...), /dev/stdin) one prompt a line",
+        "not batch): FILE.jsonl holds a JSON string or an object with 'prompt', 'text', 'content' or "
+        "Spec-Bench 'turns' a line, or with OpenAI's chat 'messages' (one conversation, in the chat template); "
+        "any other file (a pipe too: <(...), /dev/stdin) one prompt a line",
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..errors import LayerleapError
-from ..files import cache_root, locked, write_json
+from ..files import cache_root, locked, stamp, write_json
 from .cpu import cpu_signature
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)  # the sizes a saved curve holds
@@ -41,24 +41,17 @@ def key(model) -> str:
     return f"{where} | {device.type} | {shape} | {model.dtype_name}"
 
 
-_READ: dict = {}  # path -> (stamp, contents): the file is read again only when it changes (``_stamp``)
-
-
-def _stamp(path) -> tuple[int, int, int]:
-    """What tells a new ``path`` from the one read: every write replaces the file (a new inode), and a
-    write within one clock tick of the last keeps its modification time."""
-    st = path.stat()
-    return st.st_ino, st.st_size, st.st_mtime_ns
+_READ: dict = {}  # path -> (stamp, contents): the file is read again only when it changes (``files.stamp``)
 
 
 def _known(fresh: bool = False) -> dict:
-    """The saved curves; ``fresh``: read the file even where it seems the one last read (``_stamp``)."""
+    """The saved curves; ``fresh``: read the file even where it seems the one last read (``files.stamp``)."""
     path = cache_root() / FILE
     try:
-        stamp = _stamp(path)
-        if fresh or _READ.get(path, (None,))[0] != stamp:
+        now = stamp(path)
+        if fresh or _READ.get(path, (None,))[0] != now:
             known = json.loads(path.read_text(encoding="utf-8"))
-            _READ[path] = (stamp, known if isinstance(known, dict) else {})
+            _READ[path] = (now, known if isinstance(known, dict) else {})
     except (OSError, ValueError, RecursionError):  # RecursionError: brackets nested past the parser's depth
         return {}
     return dict(_READ[path][1])
@@ -95,7 +88,7 @@ def save(model, ratios: dict[int, float], ms_one: float) -> bool:
             known = _known(fresh=True)
             known[key(model)] = entry
             write_json(path, known)
-            _READ[path] = (_stamp(path), known)
+            _READ[path] = (stamp(path), known)
     except (LayerleapError, OSError):
         return False
     return True

@@ -23,6 +23,7 @@ before every update, and only rank 0 writes the state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -30,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -54,6 +55,27 @@ def keeps_callers_rng(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return keeping
+
+
+@contextlib.contextmanager
+def tf32_products(device) -> Iterator[None]:
+    """TF32 matrix products on a CUDA ``device`` inside the block (what the trainers use: fp32 weights, TF32
+    products), the caller's setting put back after it; nothing changes on another device.  The setting is
+    kept through the API the caller set it with: torch's ``allow_tf32``, or its newer ``fp32_precision``
+    (after which torch refuses to read ``allow_tf32``)."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    try:
+        name, before, on = "allow_tf32", matmul.allow_tf32, True
+    except RuntimeError:  # the caller set fp32_precision: torch refuses to mix the two
+        name, before, on = "fp32_precision", matmul.fp32_precision, "tf32"
+    setattr(matmul, name, on)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, before)
 
 
 class CheckpointError(LayerleapError, ValueError):

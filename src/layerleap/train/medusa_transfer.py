@@ -50,7 +50,7 @@ from ..errors import LayerleapError
 from ..files import check_replace
 from . import distributed
 from .data import stream_chunks
-from .loop import Checkpoint, LoopConfig, Schedule, keeps_callers_rng, train as run_loop
+from .loop import Checkpoint, LoopConfig, Schedule, keeps_callers_rng, tf32_products, train as run_loop
 from .state_cache import StateCache, backbone_states, data_hash
 from .. import validate as V
 from ..core.model import Transformer
@@ -427,11 +427,9 @@ def train(
     for p in params.values():
         p.requires_grad_(True)
     lf = loss_fn(cfg.kind, cfg.steps_ahead)
-    if model.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-
     ranks = distributed.ranks()
-    store = _state_cache(model, cfg, chunks, progress)
+    with tf32_products(model.device):
+        store = _state_cache(model, cfg, chunks, progress)
 
     def loss(step: int) -> torch.Tensor:
         idx = [(step * cfg.batch_size + b) % len(chunks) for b in range(cfg.batch_size)]
@@ -455,7 +453,8 @@ def train(
     )
     init_file = _file_hash(cfg.init) if cfg.init else ""
     ckpt = _checkpoint(out, cfg, model.fingerprint, data_hash(chunks), weights.machine(model.device), init_file)
-    run = run_loop(params, loss, loop, ckpt)
+    with tf32_products(model.device):
+        run = run_loop(params, loss, loop, ckpt)
     if store is not None and progress:
         print(store.describe(), file=sys.stderr, flush=True)
     n = len(chunks[0])  # the chunks' own length (a caller's chunks may be shorter than cfg.seq_len)

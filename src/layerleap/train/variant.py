@@ -43,7 +43,7 @@ from ..drafters import variants, weights
 from ..errors import LayerleapError
 from ..files import check_replace
 from ..methods.skipdecode import check_budget_range, target_config
-from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch
+from .loop import Checkpoint, LoopConfig, Schedule, epoch_batch, tf32_products
 from .loop import train as run_loop
 from .skipdecode import TrainConfig as SkipConfig
 from .skipdecode import active_mask, make_batch, skip_hidden
@@ -256,8 +256,6 @@ def train_variant(
     fingerprint = model.fingerprint  # of the base weights, before anything changes
     model.unpack()
     model.requires_grad_(False)
-    if model.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # as the drafter trainers do: fp32 weights, TF32 products
     deltas = Deltas(model, cfg.rank, cfg.alpha, cfg.seed)
     state = out.with_name(out.name + ".state.safetensors")
     settings = json.dumps(asdict(cfg), sort_keys=True)
@@ -325,7 +323,8 @@ def train_variant(
     )
     model.train()
     try:
-        res = run_loop(dict(deltas.tensors), objective(model, deltas, examples, cfg), loop, ckpt)
+        with tf32_products(model.device):  # as the drafter trainers do: fp32 weights, TF32 products
+            res = run_loop(dict(deltas.tensors), objective(model, deltas, examples, cfg), loop, ckpt)
     finally:
         model.eval()
         deltas.remove()

@@ -317,8 +317,8 @@ CLI = [
     (G + ["--method", "skipdecode", "--opt", "max_len=true"], "max_len must be an integer in [2, context]"),
     (G + ["--method", "skipdecode", "--opt", "decay=cubic"], "decay must be one of linear, power, got 'cubic'"),
     (
-        G + ["--method", "skipdecode", "--opt", "schedule=1234"],
-        "schedule must be a non-empty list of integers in [1, n_layers]",
+        G + ["--method", "skipdecode", "--opt", "schedule=1234"],  # one number: a list of one
+        "schedule must be a list of integers in [1, 4] (n_layers = 4 on this model) or none",
     ),
     (
         G + ["--method", "skipdecode", "--opt", "min_exit_layer=3", "--opt", "max_exit_layer=2"],

@@ -162,8 +162,8 @@ class Option:
         'null' where the option allows it; the text itself for a text, choice, model or weights option (a
         file named ``1`` stays a name); else as ``parse_text`` reads it (a number, true/false, a list or
         JSON), one integer of an int_list option as a list of one."""
-        if self.none and text.strip().lower() in ("none", "null"):
-            return None
+        if text.strip().lower() in ("none", "null"):
+            return None if self.none else text  # (refused by the check, as the word given)
         if self.kind in ("text", "choice", "model", "weights"):
             return text
         value = parse_text(text)

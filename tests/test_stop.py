@@ -12,10 +12,10 @@ import layerleap
 from layerleap import generate, stream
 from layerleap.cli import main
 from layerleap.core.run import chat_token_ids
-from layerleap.decoding import METHODS, GenerationError
+from layerleap.decoding import METHODS, Decoding, GenerationError, Method
 from layerleap.drafters import medusa_transfer as drafters
 from layerleap.drafters.companion import truncated
-from tiny_models import random_model
+from tiny_models import random_model, spm_tokenizer
 
 PROMPT = "The sky is"
 
@@ -131,6 +131,51 @@ def test_a_stop_string_inside_a_token_keeps_that_token(tiny_hf_dir):
     r = generate(model, PROMPT, max_new_tokens=24, stop_at_eos=False, stop=stop)
     assert r.text == out.text[: out.text.index(stop)] and out.text.index(stop) <= start + 1
     assert r.token_ids == out.token_ids[: _fewest(tok, out.token_ids, stop)]
+
+
+def _spm_model(monkeypatch, tokens: list[str], per_round: int = 1):
+    """A tiny model with the byte-fallback tokenizer and a method "scripted" that emits ``tokens``
+    ``per_round`` at a time, then returns (the model is not called)."""
+    tok = spm_tokenizer()
+    model = random_model(dict(vocab_size=len(tok), max_position=64))
+    model.tokenizer = tok
+    ids = tok.convert_tokens_to_ids(tokens)
+
+    def scripted(run):
+        for k in range(0, len(ids), per_round):
+            if run.emit(0, ids[k : k + per_round]):
+                return
+            yield
+
+    layerleap.get_method("greedy")
+    monkeypatch.setitem(METHODS, "scripted", Method("scripted", scripted, False, False, False, "x"))
+    return model, ids
+
+
+@pytest.mark.parametrize("per_round", [1, 2])
+def test_a_stop_string_in_the_held_tail_of_a_row_its_method_left_unfinished(monkeypatch, per_round):
+    """A row whose text ends in a byte-fallback run (``<0x0A>``, held back while a later byte could still
+    turn it into U+FFFD) and that its method leaves short of its budget: the stop string in that tail ends
+    the text (it was returned, with no stop_string, while ``stream`` cut it)."""
+    model, ids = _spm_model(monkeypatch, ["▁Hello", "<0x0A>"], per_round)
+    r = generate(model, [1, 2], "scripted", 8, stop_at_eos=False, stop="\n")
+    assert (r.text, r.token_ids, r.finish_reason, r.stats.stop_string) == ("Hello", ids, "stop", "\n")
+    s = stream(model, [1, 2], "scripted", 8, stop_at_eos=False, stop="\n")
+    assert "".join(s) == s.result.text == "Hello"
+
+
+def test_a_row_cancelled_after_its_stop_string_ends_at_it(monkeypatch):
+    """``cancel`` after a round whose text holds the stop string in its held tail (a byte-fallback newline):
+    the result ends at the stop string, as the text held it before the cancel."""
+    model, ids = _spm_model(monkeypatch, ["▁Hello", "<0x0A>", "▁world", "▁a"])
+    d = Decoding(model, [1, 2], "scripted", 4, stop_at_eos=False, stop="\n")
+    for n, _ in enumerate(d):
+        if n == 1:  # "Hello" and the newline
+            assert d.tokens(0) == ids[:2]
+            d.cancel(0)
+    r = d.results[0]
+    assert (r.text, r.token_ids, r.finish_reason, r.stats.stop_string) == ("Hello", ids[:2], "stop", "\n")
+    assert not r.stats.cancelled
 
 
 @pytest.mark.parametrize(

@@ -594,8 +594,8 @@ class Decoding:
             if sum(map(len, run.prompts)) >= LONG_PROMPT_PASS:  # its buffers back to the OS (~1 ms)
                 release_freed_memory()
             grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
-            if texts is not None:
-                self._find_stops(run, group, texts, [j for j in range(len(group)) if len(run.out[j]) > seen[j]])
+            if texts is not None:  # every row has ended: its text is read to its last character
+                self._find_stops(run, group, texts, list(range(len(group))), ended=True)
             for j, i in enumerate(group):
                 self.results[i] = _result(self.model, run, j, wall, self.method.name, stop=self._stopped.get(i))
                 if self.budget is not None:
@@ -608,17 +608,19 @@ class Decoding:
             if self.results[i] is None:  # cancelled before the decoding began: no tokens, no calls
                 self.results[i] = self._unstarted(i)
 
-    def _find_stops(self, run: Run, group: list[int], texts: list, rows: list[int]) -> None:
+    def _find_stops(self, run: Run, group: list[int], texts: list, rows: list[int], ended: bool = False) -> None:
         """Read the new text of ``rows`` for the stop strings (``core.text.StopText``, the server's rule); a row
         whose text holds one ends now, its tokens cut to the fewest that hold it (``tokens_through``) and
-        its text to what comes before it.  The text of a row that has ended is read to its last character."""
+        its text to what comes before it.  The text of a row that has ended (of every row once the decoding
+        has ``ended``: a row cancelled, or left short by its method, keeps no tail unread) is read to its last
+        character."""
         tok = self.model.tokenizer
         for j in rows:
             pieces, stop = texts[j]
             if stop.hit:
                 continue
             stop.push(pieces.push(run.out[j]))
-            if not stop.hit and run.finished[j]:
+            if not stop.hit and (ended or run.finished[j]):
                 text = tok.decode(run.out[j], skip_special_tokens=True)
                 if text.startswith(pieces.sent):  # (else a tokenizer rewrote the text read: nothing more to read)
                     stop.push(pieces.finish(run.out[j]))

@@ -108,6 +108,23 @@ def test_lossless_methods_stop_where_greedy_does(char, full, method):
         ), f"{method} with stop {stop!r}"
 
 
+def test_a_drafting_methods_figures_count_the_tokens_kept(char):
+    """A drafting round that accepts tokens past the stop string: the method's own figures per token
+    (``tokens_per_round``) count the tokens kept, as ``new_tokens`` does (they counted the tokens accepted
+    past it, which are not output)."""
+    prompt = "hello hello hello"  # prompt lookup accepts several tokens a round here
+    out = generate(char, prompt, "prompt-lookup", max_new_tokens=40, stop_at_eos=False, draft_len=4)
+    cut = 0
+    for stop in dict.fromkeys(out.text[k : k + 2] for k in range(2, len(out.text) - 1)):
+        r = generate(char, prompt, "prompt-lookup", max_new_tokens=40, stop_at_eos=False, draft_len=4, stop=stop)
+        d = r.stats.draft
+        assert r.finish_reason == "stop" and r.stats.new_tokens == len(r.token_ids), stop
+        assert d.tokens_per_round == pytest.approx(r.stats.new_tokens / d.rounds), stop
+        assert r.stats.tokens_per_call == pytest.approx(r.stats.new_tokens / r.stats.model_calls), stop
+        cut += d.accepted + d.rounds > r.stats.new_tokens  # a round accepted past the stop string
+    assert cut  # the case this holds
+
+
 def test_stream_with_stop_joins_to_the_result(char, full):
     out, stop = full
     s = stream(char, PROMPT, "prompt-lookup", max_new_tokens=40, stop_at_eos=False, stop=stop)

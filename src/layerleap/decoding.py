@@ -610,10 +610,10 @@ class Decoding:
 
     def _find_stops(self, run: Run, group: list[int], texts: list, rows: list[int], ended: bool = False) -> None:
         """Read the new text of ``rows`` for the stop strings (``core.text.StopText``, the server's rule); a row
-        whose text holds one ends now, its tokens cut to the fewest that hold it (``tokens_through``) and
-        its text to what comes before it.  The text of a row that has ended (of every row once the decoding
-        has ``ended``: a row cancelled, or left short by its method, keeps no tail unread) is read to its last
-        character."""
+        whose text holds one ends now, its tokens cut to the fewest that hold it (``tokens_through``: the
+        run's output too, so the method's own figures count the tokens kept) and its text to what comes before
+        it.  The text of a row that has ended (of every row once the decoding has ``ended``: a row cancelled,
+        or left short by its method, keeps no tail unread) is read to its last character."""
         tok = self.model.tokenizer
         for j in rows:
             pieces, stop = texts[j]
@@ -628,6 +628,7 @@ class Decoding:
                 n = tokens_through(run.out[j], tok, stop.end)
                 self._stopped[group[j]] = (n, pieces.sent[: stop.end - len(stop.string)], stop.string)
                 run.cancel(j)
+                del run.out[j][n:]  # what a round accepted past the stop string: not output, nor counted as such
                 run.reasons[j] = "stop"  # and a row that ended in the same round (its budget, EOS) ended at the stop
 
     def _unstarted(self, i: int) -> GenerationResult:
@@ -672,8 +673,8 @@ class Decoding:
         return list(run.out[row][: self._stopped[i][0]] if i in self._stopped else run.out[row])
 
     def finished(self, i: int) -> bool:
-        """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end or a
-        cancel) while the batch may still run."""
+        """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end, a stop
+        string or a cancel) while the batch may still run."""
         i = self._index(i, "finished")
         if i not in self._where:
             return i in self._cancelled

@@ -199,6 +199,15 @@ def test_from_hf_no_sliding_window_keeps_context():
     assert q.config.max_position == m.config.max_position == 128
 
 
+def test_from_hf_swish_is_silu():
+    """transformers' hidden_act "swish" is the SiLU of "silu": the same model, not an unsupported one."""
+    hf = _random_hf("llama", tied=False, gqa=True, seed=19, hidden_act="swish")
+    ours = from_hf(hf)
+    ids = rand_ids(61, 1, 9, seed=20)
+    with torch.inference_mode():
+        assert_close(ours(ids), hf(ids).logits)
+
+
 @pytest.mark.parametrize(
     "extra",
     [dict(max_window_layers=3), dict(layer_types=["full_attention"] * 3)],

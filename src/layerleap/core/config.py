@@ -87,7 +87,7 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported rope scaling {rope_type!r}: only the default rotary embedding is implemented"
             )
-        if hf.get("hidden_act", "silu") != "silu":
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' swish is SiLU too
             raise ConfigError(f"unsupported activation {hf.get('hidden_act')!r}: only SwiGLU (silu) is implemented")
         if hf.get("mlp_bias"):
             raise ConfigError("unsupported MLP bias (mlp_bias=true)")

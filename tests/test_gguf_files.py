@@ -446,6 +446,27 @@ def test_rope_scaling_is_refused_not_ignored(tmp_path, edit, what):
     check_gguf(plain)
 
 
+@pytest.mark.parametrize("key_length", [False, True], ids=["head from tensors", "key_length"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_rotary_embedding_of_part_of_each_head_is_refused_not_ignored(tmp_path, arch, key_length):
+    """llama.cpp rotates the first rope.dimension_count values of each head; `transformers` ignores the
+    key for qwen2 (rotating the whole head: other logits) and takes it for the head size for llama
+    (a shape error that blames the file)."""
+    hd = D // HEADS
+
+    def edit(w):
+        w.add_rope_dimension_count(hd // 2)
+        if key_length:
+            w.add_key_length(hd)
+
+    path = write_gguf(tmp_path / "partial.gguf", "Q4_0", arch=arch, edit=edit)
+    for dtype in ("float32", "q4"):
+        with pytest.raises(ConfigError, match=rf"partial.gguf: rotary embedding of {hd // 2} of each head.s {hd}") as e:
+            layerleap.load(str(path), dtype=dtype, progress=lambda s: None)
+        assert f"{arch}.rope.dimension_count" in str(e.value) and "\n" not in str(e.value)
+    check_gguf(write_gguf(tmp_path / "whole.gguf", "Q4_0", arch=arch, edit=lambda w: w.add_rope_dimension_count(hd)))
+
+
 def _tensor(name: str, shape: tuple[int, int], qtype: str):
     """Replace tensor ``name`` by one of ``shape`` (rows, columns) in ``qtype``."""
 
@@ -842,6 +863,8 @@ def test_a_head_size_other_than_hidden_over_heads_comes_from_key_length(tmp_path
         want = to_hf(dense)(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(_logits(dense, ids), want, atol=1e-4, rtol=1e-4)
     assert (_logits(q4, ids) - want).abs().max() < 0.1 * want.abs().max()
+    rotated = write_gguf(tmp_path / "rotated.gguf", "Q4_0", edit=lambda w: (edit(w), w.add_rope_dimension_count(hd)))
+    check_gguf(rotated)  # the whole head of the file's own size is rotated
     odd = write_gguf(tmp_path / "odd.gguf", "Q4_0", edit=lambda w: (edit(w), w.add_value_length(16)))
     with pytest.raises(ConfigError, match="odd.gguf: heads with keys of 32 values and values of 16"):
         layerleap.load(str(odd), progress=lambda s: None)

@@ -168,7 +168,9 @@ def test_config_roundtrip_through_transformers(name):
     "kind,extra",
     [
         ("mistral", dict(sliding_window=4)),
+        ("mistral", dict(sliding_window=4, use_sliding_window=False)),  # Mistral has no such switch
         ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)),  # the last layer slides
     ],
 )
 def test_from_hf_sliding_window(kind, extra):
@@ -195,6 +197,43 @@ def test_from_hf_no_sliding_window_keeps_context():
     q = from_hf(_random_hf("qwen2", tied=False, gqa=True, seed=15, sliding_window=4, use_sliding_window=False))
     m = from_hf(_random_hf("mistral", tied=False, gqa=True, seed=16, sliding_window=None))
     assert q.config.max_position == m.config.max_position == 128
+
+
+def test_from_hf_swish_is_silu():
+    """transformers' hidden_act "swish" is the SiLU of "silu": the same model, not an unsupported one."""
+    hf = _random_hf("llama", tied=False, gqa=True, seed=19, hidden_act="swish")
+    ours = from_hf(hf)
+    ids = rand_ids(61, 1, 9, seed=20)
+    with torch.inference_mode():
+        assert_close(ours(ids), hf(ids).logits)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [dict(max_window_layers=3), dict(layer_types=["full_attention"] * 3)],
+    ids=["max_window_layers", "layer_types"],
+)
+def test_from_hf_qwen2_window_on_no_layer_keeps_context(extra):
+    """Qwen2 slides the window from layer max_window_layers on (or where layer_types says): a window
+    that no layer uses leaves the whole context, with transformers' logits past the window."""
+    hf = _random_hf("qwen2", tied=False, gqa=True, seed=17, use_sliding_window=True, sliding_window=4, **extra)
+    ours = from_hf(hf)
+    assert ours.config.max_position == 128
+    ids = rand_ids(61, 1, 12, seed=18)
+    with torch.inference_mode():
+        assert_close(ours(ids), hf(ids).logits)
+
+
+@pytest.mark.parametrize("kind,extra", [("mistral", {}), ("qwen2", dict(use_sliding_window=True, max_window_layers=1))])
+def test_an_absent_sliding_window_is_transformers_default(kind, extra):
+    """A hand-written config.json without sliding_window gets transformers' default window (4096)."""
+    from transformers import AutoConfig
+
+    d = dict(_hf_cfg(model_type=kind, max_position_embeddings=8192, **extra))
+    d.pop("sliding_window", None)
+    window = AutoConfig.for_model(**d).sliding_window
+    assert window == 4096
+    assert ModelConfig.from_hf(d).max_position == window
 
 
 # -- layer ranges -----------------------------------------------------------------------------

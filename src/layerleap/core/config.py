@@ -87,7 +87,7 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported rope scaling {rope_type!r}: only the default rotary embedding is implemented"
             )
-        if hf.get("hidden_act", "silu") != "silu":
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' swish is SiLU too
             raise ConfigError(f"unsupported activation {hf.get('hidden_act')!r}: only SwiGLU (silu) is implemented")
         if hf.get("mlp_bias"):
             raise ConfigError("unsupported MLP bias (mlp_bias=true)")
@@ -111,9 +111,8 @@ class ModelConfig:
         bos = hf.get("bos_token_id")
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         max_position = _field(hf, "max_position_embeddings", 2048)
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", model_type == "mistral") else None
-        if window:  # within the window, sliding-window attention is full attention
-            max_position = min(max_position, _field(hf, "sliding_window"))
+        if _sliding_window(hf, model_type):  # within the window, sliding-window attention is full attention
+            max_position = min(max_position, _field(hf, "sliding_window", _HF_SLIDING_WINDOW))
         return cls(
             vocab_size=vocab,
             hidden_size=hidden,
@@ -159,6 +158,25 @@ class ModelConfig:
         if self.model_type == "mistral":
             d["sliding_window"] = None  # full attention (transformers' MistralConfig defaults to a 4096 window)
         return d
+
+
+_HF_SLIDING_WINDOW = 4096  # transformers' MistralConfig and Qwen2Config default for an absent sliding_window
+
+
+def _sliding_window(hf: dict, model_type: str) -> bool:
+    """Whether `transformers` runs some layer of this config with sliding-window attention: every Mistral
+    layer unless ``sliding_window`` is null (Mistral has no ``use_sliding_window``; a config that sets it
+    does not turn the window off), Qwen2's layers its ``layer_types`` mark ``sliding_attention`` (or
+    those from ``max_window_layers`` on) when ``use_sliding_window`` is set, no Llama layer."""
+    if model_type == "mistral":
+        return hf.get("sliding_window", _HF_SLIDING_WINDOW) is not None
+    if model_type != "qwen2" or not hf.get("use_sliding_window") or hf.get("sliding_window", 0) is None:
+        return False
+    kinds = hf.get("layer_types")
+    if isinstance(kinds, list):
+        return "sliding_attention" in kinds
+    n_layers, first = hf.get("num_hidden_layers"), hf.get("max_window_layers", 28)
+    return not (isinstance(n_layers, int) and isinstance(first, int) and first >= n_layers)
 
 
 def _field(hf: dict, key: str, default: int | None = None, most: int = 1 << 24) -> int:

@@ -733,7 +733,7 @@ def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]
             "layerleap runs dense decoders only"
         )
     _check_gguf_meta(path, meta, fix)
-    _check_gguf_rope(path, arch, meta, {t[0] for t in tensors})
+    _check_gguf_rope(path, arch, meta, {t[0]: t[2] for t in tensors})
     types: dict[str, int] = {}
     for name, type_id, dims, offset in tensors:
         try:
@@ -796,13 +796,23 @@ def _check_gguf_meta(path: Path, meta: dict, fix: str | None) -> None:
         )
 
 
-def _check_gguf_rope(path: Path, arch: str, meta: dict, names: set[str]) -> None:
+def _check_gguf_rope(path: Path, arch: str, meta: dict, dims: dict[str, list[int]]) -> None:
     """Refuse rotary-embedding scaling, as ``ModelConfig.from_hf`` does a folder's: a scaling type, a
     factor without a type (llama.cpp then scales linearly) or per-frequency factors (Llama 3.1's
-    ``rope_freqs.weight``)."""
+    ``rope_freqs.weight``); and a rotation of part of each head (``rope.dimension_count`` below the
+    head size, which `transformers` ignores for qwen2 and takes for the head size for llama)."""
     kind = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
-    if "rope_freqs.weight" in names:
+    rotated, head = meta.get(f"{arch}.rope.dimension_count"), meta.get(f"{arch}.attention.key_length")
+    heads, q = meta.get(f"{arch}.attention.head_count"), dims.get("blk.0.attn_q.weight")
+    if head is None and isinstance(heads, int) and heads > 0 and q and len(q) == 2:  # [columns, rows]
+        head = q[1] // heads
+    if isinstance(rotated, int) and isinstance(head, int) and rotated != head:
+        raise ConfigError(
+            f"{path.name}: rotary embedding of {rotated} of each head's {head} values ({arch}.rope.dimension_count): "
+            "only rotating the whole head is implemented"
+        )
+    if "rope_freqs.weight" in dims:
         what = "'llama3' (tensor rope_freqs.weight)"
     elif kind not in (None, "none"):
         what = f"{kind!r} ({arch}.rope.scaling.type)"

@@ -433,9 +433,7 @@ def _prepare(
             f"length {ctx}: shorten the prompt or lower max_new_tokens",
         )
     _check_memory(model, [len(p) for p in ids], max_new_tokens)
-    eos = tuple(model.config.eos_token_ids)
-    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-        eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
+    eos = model.eos_ids()
     d = GenerationConfig()
     gen = GenerationConfig(
         max_new_tokens,

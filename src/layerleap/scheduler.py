@@ -318,10 +318,7 @@ class Pool:
         self.widest = 0  # most rows decoded in one call since the last report
         self.passes: dict[str, int] = {}  # method -> model calls its rows took part in, since the last report
         self.failed: list[tuple[Job, Exception]] = []  # the jobs of this step whose own work failed
-        eos = tuple(model.config.eos_token_ids)
-        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-            eos = tuple(dict.fromkeys(eos + (int(model.tokenizer.eos_token_id),)))
-        self.eos_ids = eos  # as generate's
+        self.eos_ids = model.eos_ids()  # as generate's
 
     @staticmethod
     def takes(job: Job) -> bool:

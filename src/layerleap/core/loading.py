@@ -403,6 +403,7 @@ def dense_copy(model: Transformer, dtype=torch.float32) -> Transformer:
         del sd["lm_head.weight"]
     out = build(model.config, sd, dtype, model.tokenizer, model.source, pack=False)
     out.set_fingerprint(model.fingerprint)
+    out.extra_eos_ids = model.extra_eos_ids
     return out
 
 
@@ -524,7 +525,28 @@ def load_folder(folder: str | Path, dtype="float32", name: str | None = None, pa
     )
     tokenizer = folder_tokenizer(folder)
     check_vocab(config, tokenizer, str(folder), VOCAB_FIX)
-    return build(config, sd, dt, tokenizer, source=str(folder), pack=pack)
+    extra = generation_eos(folder, config)
+    model = build(config, sd, dt, tokenizer, source=str(folder), pack=pack)
+    model.extra_eos_ids = extra
+    return model
+
+
+def generation_eos(folder: Path, config: ModelConfig) -> tuple[int, ...]:
+    """The end tokens a folder's ``generation_config.json`` names (its ``eos_token_id``, an id or a list)
+    beside config.json's: `transformers`' ``generate`` ends on them too (an instruct model's end of turn
+    beside its end of text)."""
+    f = folder / "generation_config.json"
+    if not f.is_file():
+        return ()
+    return _eos_list(read_json(f, "generation config").get("eos_token_id"), config, f"{f}: eos_token_id")
+
+
+def _eos_list(eos, config: ModelConfig, where: str) -> tuple[int, ...]:
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    vocab = config.vocab_size
+    if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab for e in ids):
+        raise ConfigError(f"{where} {str(eos)[:60]} is not a token id in [0, {vocab}): correct it or remove it")
+    return tuple(e for e in dict.fromkeys(ids) if e not in config.eos_token_ids)
 
 
 VOCAB_FIX = "give the folder the tokenizer its weights were trained with"
@@ -973,6 +995,7 @@ def quantize_model(model: Transformer) -> Transformer:
             weights[k] = v.detach()
     out = build_q4(model.config, weights, model.tokenizer, model.source)
     out.set_fingerprint(fingerprint)
+    out.extra_eos_ids = model.extra_eos_ids
     return out
 
 
@@ -987,10 +1010,16 @@ def from_hf(hf_model, tokenizer=None, dtype=None) -> Transformer:
         )
     config = ModelConfig.from_hf(hf_model.config.to_dict(), name=getattr(hf_model.config, "name_or_path", "") or "hf")
     sd = hf_to_ours(dict(hf_model.state_dict()), config)
+    gc = getattr(hf_model, "generation_config", None)  # its end tokens end `generate` too
+    extra = _eos_list(getattr(gc, "eos_token_id", None), config, "generation_config.eos_token_id")
     if dtype in QUANTIZED:
-        return quantize_model(build(config, sd, torch.float32, tokenizer, pack=False))
+        model = build(config, sd, torch.float32, tokenizer, pack=False)
+        model.extra_eos_ids = extra
+        return quantize_model(model)
     dt = _dtype(dtype) if dtype is not None else next(hf_model.parameters()).dtype
-    return build(config, sd, dt, tokenizer)
+    model = build(config, sd, dt, tokenizer)
+    model.extra_eos_ids = extra
+    return model
 
 
 def to_hf(model: Transformer):

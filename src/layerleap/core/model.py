@@ -435,6 +435,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._fingerprint: str | None = None
+        # end tokens beside config.eos_token_ids that the loader found (a folder's generation_config.json,
+        # a GGUF file's end-of-turn tokens): where generation ends, not part of the fingerprint
+        self.extra_eos_ids: tuple[int, ...] = ()
+
+    def eos_ids(self) -> tuple[int, ...]:
+        """The token ids generation ends on, as `transformers`' ``generate`` and llama.cpp end: the config's
+        ``eos_token_ids``, the tokenizer's end token and ``extra_eos_ids``, each once."""
+        eos = tuple(self.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos += (int(self.tokenizer.eos_token_id),)
+        return tuple(dict.fromkeys(eos + tuple(self.extra_eos_ids)))
 
     # -- the separately callable stages ----------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

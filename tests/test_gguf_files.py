@@ -889,3 +889,20 @@ def test_a_packed_file_another_process_removes_while_it_is_read_is_rebuilt(tmp_p
 
     monkeypatch.setattr(weight_files, "safetensors_header", removed_after_the_header)
     assert gguf_q4.load_packed(tmp_path, None, None) is None
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"])
+def test_end_of_turn_and_message_tokens_end_generation_as_in_llama_cpp(tmp_path, key):
+    ids = [60, 70, 80]
+    plain = layerleap.load(str(write_gguf(tmp_path / "plain.gguf", "Q8_0")))
+    free = layerleap.generate(plain, ids, "greedy", 6).token_ids
+    assert free[:2] == [151, 141] and len(free) == 6  # the file's end token (262) does not come
+    path = write_gguf(tmp_path / "eot.gguf", "Q8_0", edit=_set(key, 141))
+    r = layerleap.generate(layerleap.load(str(path)), ids, "greedy", 6)
+    assert r.token_ids == [151, 141] and r.finish_reason == "stop"
+    for dtype in ("float32", "q4"):  # (q4 re-quantizes Q8_0 layers, so its tokens differ)
+        model = layerleap.load(str(path), dtype=dtype)
+        assert 141 in model.eos_ids()
+        assert model.fingerprint == layerleap.load(str(tmp_path / "plain.gguf"), dtype=dtype).fingerprint
+    past = write_gguf(tmp_path / "past.gguf", "Q8_0", edit=_set(key, 10**6))  # llama.cpp ignores it too
+    assert len(layerleap.generate(layerleap.load(str(past)), ids, "greedy", 6).token_ids) == 6

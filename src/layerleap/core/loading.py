@@ -877,7 +877,24 @@ def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:
     dequantize every tensor."""
     _dtype(dtype)
     entry = partial(gguf_folder, path, dtype in QUANTIZED, progress)
-    return _load_entry(entry, partial(_load_converted, dtype=dtype, name=path.stem), progress)
+    model = _load_entry(entry, partial(_load_converted, dtype=dtype, name=path.stem), progress)
+    model.extra_eos_ids = tuple(dict.fromkeys(model.extra_eos_ids + gguf_eos(path, model.config)))
+    return model
+
+
+GGUF_END_TOKENS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def gguf_eos(path: Path, config: ModelConfig) -> tuple[int, ...]:
+    """A GGUF file's end-of-turn and end-of-message tokens (``GGUF_END_TOKENS``), which llama.cpp ends
+    generation on beside ``tokenizer.ggml.eos_token_id`` (the config's); as llama.cpp, an id past the
+    vocabulary is ignored."""
+    from .weight_files import gguf_header
+
+    meta = gguf_header(path.resolve())[0]
+    ids = [meta.get(k) for k in GGUF_END_TOKENS]
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size]
+    return tuple(i for i in ids if i not in config.eos_token_ids)
 
 
 def _load_converted(folder: Path, dtype, name: str) -> Transformer:

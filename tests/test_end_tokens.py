@@ -65,3 +65,22 @@ def test_a_generation_config_end_token_outside_the_vocabulary_is_refused(folder,
     f = with_generation_config(folder, tmp_path, eos)
     with pytest.raises(ConfigError, match=r"generation_config.json: eos_token_id .* not a token id in \[0, 97\)"):
         load_folder(f)
+
+
+@pytest.mark.parametrize("model_type, extra", [("mistral", {"sliding_window": 16}), ("qwen2", {})])
+def test_a_context_bounded_by_a_sliding_window_says_so(tmp_path, model_type, extra):
+    from layerleap.errors import LayerleapError
+
+    f = tmp_path / "tiny"
+    save_hf_folder(random_model(model_type=model_type, qkv_bias=model_type == "qwen2"), f)
+    cfg = json.loads((f / "config.json").read_text())
+    if model_type == "qwen2":
+        extra = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}
+    (f / "config.json").write_text(json.dumps({**cfg, **extra}))
+    model = load_folder(f)
+    assert model.config.max_position == 16 and model.sliding_window == 16
+    with pytest.raises(LayerleapError, match=r"context length 16 \(the model's sliding window"):
+        generate(model, list(range(10, 20)), "greedy", 8)
+    save_hf_folder(random_model(model_type=model_type, qkv_bias=model_type == "qwen2"), tmp_path / "full")
+    with pytest.raises(LayerleapError, match=r"context length 256: shorten"):  # no window: no reason given
+        generate(load_folder(tmp_path / "full"), list(range(10, 20)), "greedy", 250)

@@ -426,11 +426,17 @@ def _prepare(
 
     ids = [_encode_row(model, prompts, i, chat) for i in range(len(prompts))]
     ctx = model.config.max_position
+    window = getattr(model, "sliding_window", None)
+    why = (
+        " (the model's sliding window: layerleap runs full attention, the same only within the window)"
+        if window
+        else ""
+    )
     for i, p in enumerate(ids):
         _check(
             len(p) + max_new_tokens <= ctx,
             f"prompt {i} has {len(p)} tokens; with max_new_tokens={V.show(max_new_tokens)} that exceeds the context "
-            f"length {ctx}: shorten the prompt or lower max_new_tokens",
+            f"length {ctx}{why}: shorten the prompt or lower max_new_tokens",
         )
     _check_memory(model, [len(p) for p in ids], max_new_tokens)
     eos = model.eos_ids()

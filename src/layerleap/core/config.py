@@ -111,8 +111,7 @@ class ModelConfig:
         bos = hf.get("bos_token_id")
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         max_position = _field(hf, "max_position_embeddings", 2048)
-        if _sliding_window(hf, model_type):  # within the window, sliding-window attention is full attention
-            max_position = min(max_position, _field(hf, "sliding_window", _HF_SLIDING_WINDOW))
+        max_position = min(max_position, sliding_window_bound(hf) or max_position)
         return cls(
             vocab_size=vocab,
             hidden_size=hidden,
@@ -161,6 +160,16 @@ class ModelConfig:
 
 
 _HF_SLIDING_WINDOW = 4096  # transformers' MistralConfig and Qwen2Config default for an absent sliding_window
+
+
+def sliding_window_bound(hf: dict) -> int | None:
+    """The sliding window that bounds the context of a Hugging Face config (``from_hf``'s
+    ``max_position``): within the window, sliding-window attention is full attention.  None when no
+    window applies or it is no shorter than ``max_position_embeddings``."""
+    if not _sliding_window(hf, hf.get("model_type")):
+        return None
+    window = _field(hf, "sliding_window", _HF_SLIDING_WINDOW)
+    return window if window < _field(hf, "max_position_embeddings", 2048) else None
 
 
 def _sliding_window(hf: dict, model_type: str) -> bool:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .. import validate as V
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, sliding_window_bound
 from .cpu import release_freed_memory
 from ..errors import LayerleapError
 from ..files import cache_root, replace_dir, save_safetensors, write_json
@@ -403,7 +403,7 @@ def dense_copy(model: Transformer, dtype=torch.float32) -> Transformer:
         del sd["lm_head.weight"]
     out = build(model.config, sd, dtype, model.tokenizer, model.source, pack=False)
     out.set_fingerprint(model.fingerprint)
-    out.extra_eos_ids = model.extra_eos_ids
+    out.extra_eos_ids, out.sliding_window = model.extra_eos_ids, model.sliding_window
     return out
 
 
@@ -528,6 +528,7 @@ def load_folder(folder: str | Path, dtype="float32", name: str | None = None, pa
     extra = generation_eos(folder, config)
     model = build(config, sd, dt, tokenizer, source=str(folder), pack=pack)
     model.extra_eos_ids = extra
+    model.sliding_window = sliding_window_bound(read_json(folder / "config.json", "model config"))
     return model
 
 
@@ -1012,7 +1013,7 @@ def quantize_model(model: Transformer) -> Transformer:
             weights[k] = v.detach()
     out = build_q4(model.config, weights, model.tokenizer, model.source)
     out.set_fingerprint(fingerprint)
-    out.extra_eos_ids = model.extra_eos_ids
+    out.extra_eos_ids, out.sliding_window = model.extra_eos_ids, model.sliding_window
     return out
 
 
@@ -1025,17 +1026,18 @@ def from_hf(hf_model, tokenizer=None, dtype=None) -> Transformer:
         raise ConfigError(
             f"from_hf takes a loaded transformers model (AutoModelForCausalLM...), got {type(hf_model).__name__}"
         )
-    config = ModelConfig.from_hf(hf_model.config.to_dict(), name=getattr(hf_model.config, "name_or_path", "") or "hf")
+    hf = hf_model.config.to_dict()
+    config = ModelConfig.from_hf(hf, name=getattr(hf_model.config, "name_or_path", "") or "hf")
     sd = hf_to_ours(dict(hf_model.state_dict()), config)
     gc = getattr(hf_model, "generation_config", None)  # its end tokens end `generate` too
     extra = _eos_list(getattr(gc, "eos_token_id", None), config, "generation_config.eos_token_id")
     if dtype in QUANTIZED:
         model = build(config, sd, torch.float32, tokenizer, pack=False)
-        model.extra_eos_ids = extra
+        model.extra_eos_ids, model.sliding_window = extra, sliding_window_bound(hf)
         return quantize_model(model)
     dt = _dtype(dtype) if dtype is not None else next(hf_model.parameters()).dtype
     model = build(config, sd, dt, tokenizer)
-    model.extra_eos_ids = extra
+    model.extra_eos_ids, model.sliding_window = extra, sliding_window_bound(hf)
     return model
 
 

@@ -438,6 +438,9 @@ class Transformer(nn.Module):
         # end tokens beside config.eos_token_ids that the loader found (a folder's generation_config.json,
         # a GGUF file's end-of-turn tokens): where generation ends, not part of the fingerprint
         self.extra_eos_ids: tuple[int, ...] = ()
+        # the sliding-window span that bounds config.max_position below the checkpoint's own context
+        # (``config.sliding_window_bound``), for the error that names it
+        self.sliding_window: int | None = None
 
     def eos_ids(self) -> tuple[int, ...]:
         """The token ids generation ends on, as `transformers`' ``generate`` and llama.cpp end: the config's

@@ -11,7 +11,7 @@ from tiny_models import random_model, save_hf_folder
 
 from layerleap import generate
 from layerleap.core.config import ConfigError
-from layerleap.core.loading import from_hf, load, load_folder
+from layerleap.core.loading import from_hf, load, load_folder, to_hf
 
 PROMPT = [5, 9, 14, 3]
 
@@ -50,6 +50,8 @@ def test_generation_config_end_tokens_end_generation_as_transformers_does(folder
     # a copy for 4 bits, a dense copy and a model wrapped from transformers end there too
     assert generate(load(str(f), dtype="q4"), PROMPT, "greedy", 8).finish_reason == "stop"
     assert 30 in from_hf(hf).eos_ids()
+    back = to_hf(model).generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)
+    assert back[0, 4:].tolist() == r.token_ids
     assert generate(model, PROMPT, "greedy", 8, stop_at_eos=False).token_ids[:4] == [37, 75, 30, 89]
 
 

@@ -1055,6 +1055,8 @@ def to_hf(model: Transformer):
     sd = {k: v.contiguous() for k, v in ours_to_hf(model).items()}
     sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
     hf.load_state_dict(sd, strict=True)  # copies into the CPU parameters from_config made
+    if model.extra_eos_ids:  # generation_config.json's or a GGUF file's end tokens end its `generate` too
+        hf.generation_config.eos_token_id = list(dict.fromkeys(model.config.eos_token_ids + model.extra_eos_ids))
     return hf.to(model.device).eval()
 
 

@@ -342,7 +342,7 @@ class ParallelPPD:
         d = model.config.n_layers
         lo = d - dbar
         c = model.config
-        eos = set(c.eos_token_ids) if stop_at_eos else set()
+        eos = set(model.eos_ids()) if stop_at_eos else set()  # where generate ends (model.eos_ids)
         P = len(prompt_ids)
         max_len = P + max_new_tokens + 2
         cache = model.new_cache(1, max_len)

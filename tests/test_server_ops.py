@@ -1327,3 +1327,39 @@ def test_an_answer_a_stop_string_ends_is_counted_off_the_event_loop(char_model_d
     assert fin.reason == "stop" and fin.text == full.text[:at] and fin.completion_tokens == want
     assert other_fin.completion_tokens == 60 and other_fin.text == full.text
     assert decoded_on and threading.get_ident() not in decoded_on  # asyncio.run's loop runs in this thread
+
+
+@pytest.mark.parametrize("pool_rows", [4, 0])
+def test_a_requests_grammar_starts_off_the_event_loop(tiny, monkeypatch, pool_rows):
+    """A request's grammar is started (compiled, and llguidance's view of the tokenizer built: a second on a
+    real vocabulary, when the compiled grammar was not kept) in the worker thread as the request joins, in
+    the pool or in a batch: not on the event loop."""
+    import asyncio
+
+    from layerleap.core.grammar import Grammar
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    pytest.importorskip("llguidance")
+    started_on = []
+    start = Grammar.start
+
+    def recorded(self, *args, **kwargs):
+        started_on.append(threading.get_ident())
+        return start(self, *args, **kwargs)
+
+    monkeypatch.setattr(Grammar, "start", recorded)
+
+    async def run():
+        s = Scheduler(tiny, pool_rows=pool_rows)
+        s.start()
+        job = Job([5, 6, 7], Settings("greedy", {}, GenerationConfig(20, False, grammar=Grammar.regex("[a-z]{5}"))))
+        s.submit(job)
+        while (event := await job.events.get())[0] == "text":
+            pass
+        await s.stop()
+        return event
+
+    kind, fin = asyncio.run(asyncio.wait_for(run(), 60))
+    assert kind == "done" and len(fin.text) == 5 and fin.text.isalpha()
+    assert started_on and threading.get_ident() not in started_on

@@ -273,8 +273,7 @@ class _Row:
     def __init__(self, model: Transformer, job: Job, eos_ids: tuple[int, ...]):
         self.job, self.gen, self.eos_ids = job, job.settings.gen, eos_ids
         self.generator = row_generators(self.gen, [0], model.device)[0]  # what the job alone would draw
-        grammar = self.gen.grammar
-        self.constraint = None if grammar is None else grammar.start(model, 1, eos_ids)[0]  # structured output
+        self.constraint = None  # structured output: its grammar started at the first chunk (in the worker thread)
         self.cache: KVCache | None = None  # the prefill's, made at its first chunk (in the worker thread)
         self.done_ids = 0  # prompt tokens prefilled
         self.out: list[int] = []
@@ -394,7 +393,9 @@ class Pool:
         ids = r.job.prompt_ids
         part = ids[r.done_ids : r.done_ids + self.chunk]
         m = self.model
-        if r.cache is None:  # here, not as the row joins on the event loop: a long prompt's cache takes a while
+        if r.cache is None:  # here, not as the row joins on the event loop: a long prompt's cache takes a while,
+            if r.gen.grammar is not None:  # and a grammar compiled anew (the tokenizer's view, a second to build)
+                r.constraint = r.gen.grammar.start(m, 1, r.eos_ids)[0]
             r.cache = m.new_cache(1, len(ids) + 1)
         x = torch.tensor([part], dtype=torch.long, device=m.device)
         positions = torch.arange(r.done_ids, r.done_ids + len(part), device=m.device).unsqueeze(0)  # [1, S]
@@ -552,6 +553,7 @@ class Scheduler:
         self.idle, self.has_idle_work = idle, has_idle_work
         self.waiting: list[Job] = []
         self.running: list[Batch] = []
+        self.admitting: list[Job] = []  # the jobs of the batch being made (in the worker thread)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="layerleap-model")
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -567,7 +569,7 @@ class Scheduler:
             except asyncio.CancelledError:
                 pass
         pooled = self.pool.jobs() if self.pool is not None else []
-        for job in self.waiting + [j for b in self.running for j in b.jobs] + pooled:
+        for job in self.waiting + self.admitting + [j for b in self.running for j in b.jobs] + pooled:
             job.fail(LayerleapError("the server is shutting down"))
         self.executor.shutdown(wait=True, cancel_futures=True)
 
@@ -584,7 +586,8 @@ class Scheduler:
         return True
 
     def running_jobs(self) -> int:
-        return sum(len(b.jobs) for b in self.running) + (len(self.pool.jobs()) if self.pool else 0)
+        pooled = len(self.pool.jobs()) if self.pool else 0
+        return len(self.admitting) + sum(len(b.jobs) for b in self.running) + pooled
 
     def cancel(self, job: Job) -> None:
         """The client of ``job`` went away: drop it if it waits, stop its row if it runs (the pool drops it
@@ -593,6 +596,9 @@ class Scheduler:
             return
         job.cancelled = True
         if self.pool is not None and job in self.pool.jobs():
+            self.on_cancel(job, "running")
+            return
+        if job in self.admitting:  # its batch is being made: its row stops at the batch's first round
             self.on_cancel(job, "running")
             return
         if job in self.waiting:
@@ -617,17 +623,17 @@ class Scheduler:
                 )
             )
 
-    def _admit(self) -> None:
+    async def _admit(self) -> None:
         """Plain-decoding jobs join the pool while it has free rows; of the others, while fewer than
         ``max_running`` batches run, the oldest waiting job and the waiting jobs with its batch key (up to
-        ``max_batch``) become a new batch."""
+        ``max_batch``) become a new batch (made in the worker thread: ``admitting`` meanwhile)."""
         self._expire()
         if self.pool is not None:
             for job in [j for j in self.waiting if Pool.takes(j)][: self.pool.free()]:
                 self.waiting.remove(job)
                 try:
                     self.pool.add(job)
-                except Exception as e:  # noqa: BLE001  (its cache or grammar failed: this request fails, not the server)
+                except Exception as e:  # noqa: BLE001  (its row failed to set up: this request fails, not the server)
                     job.fail(e, refused=True)
         while len(self.running) < self.max_running:
             rest = [j for j in self.waiting if not self._pooled(j)]
@@ -635,16 +641,25 @@ class Scheduler:
                 break
             jobs = [j for j in rest if j.key == rest[0].key][: self.max_batch]
             self.waiting = [j for j in self.waiting if j not in jobs]
-            try:
-                self.running.append(Batch(self.model, jobs))
+            self.admitting = jobs
+            try:  # in the worker thread: a decoding's set-up (a grammar compiled, its options checked) takes a while
+                batch = await asyncio.get_running_loop().run_in_executor(self.executor, Batch, self.model, jobs)
             except Exception as e:  # noqa: BLE001  checked when the requests came in; a late refusal still answers
-                if len(jobs) > 1 and isinstance(e, LayerleapError):  # refused together (their KV cache): one by one
+                self.admitting = []
+                together = len(jobs) > 1 and isinstance(e, LayerleapError)  # refused together (their KV cache)
+                for job in [j for j in jobs if j.cancelled]:  # its client went away meanwhile
+                    job.fail(LayerleapError("cancelled"))
+                jobs = [j for j in jobs if not j.cancelled]
+                if together:  # one by one
                     for job in jobs:
                         job.key = ("alone", job.serial)
                     self.waiting = jobs + self.waiting
                     continue
                 for job in jobs:
                     job.fail(e, refused=True)
+            else:
+                self.admitting = []
+                self.running.append(batch)
 
     def _pooled(self, job: Job) -> bool:
         return self.pool is not None and Pool.takes(job)
@@ -661,7 +676,7 @@ class Scheduler:
                     continue
                 self.wake.clear()
                 await self.wake.wait()
-            self._admit()
+            await self._admit()
             if self.pool is not None and self.pool.jobs():
                 try:
                     texts, done, failed = await loop.run_in_executor(self.executor, self.pool.step)

@@ -1363,3 +1363,41 @@ def test_a_requests_grammar_starts_off_the_event_loop(tiny, monkeypatch, pool_ro
     kind, fin = asyncio.run(asyncio.wait_for(run(), 60))
     assert kind == "done" and len(fin.text) == 5 and fin.text.isalpha()
     assert started_on and threading.get_ident() not in started_on
+
+
+def test_a_request_whose_batch_is_being_made_counts_as_running_and_can_leave(char_model_dir, monkeypatch):
+    """While its batch is made (in the worker thread) a request counts as running, and a client that goes away
+    meanwhile is counted as leaving a running request, its row stopped before it decodes."""
+    import asyncio
+
+    from layerleap import scheduler
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    building, go = threading.Event(), threading.Event()
+
+    class SlowBatch(scheduler.Batch):
+        def __init__(self, *args):
+            building.set()
+            go.wait(10)
+            super().__init__(*args)
+
+    monkeypatch.setattr(scheduler, "Batch", SlowBatch)
+    cancels = []
+
+    async def run():
+        s = Scheduler(model, pool_rows=0, on_cancel=lambda job, stage: cancels.append(stage))
+        s.start()
+        job = Job([5, 6, 7], Settings("greedy", {}, GenerationConfig(50, False, stop_at_eos=False)))
+        s.submit(job)
+        await asyncio.get_running_loop().run_in_executor(None, building.wait, 10)
+        load = (len(s.waiting), s.running_jobs())
+        s.cancel(job)
+        go.set()
+        kind, _ = await job.events.get()
+        await s.stop()
+        return load, kind
+
+    load, kind = asyncio.run(asyncio.wait_for(run(), 60))
+    assert load == (0, 1) and cancels == ["running"] and kind == "error"

@@ -1271,3 +1271,133 @@ def test_a_pooled_request_cancelled_before_its_prefill_counts_no_prompt_tokens(c
 
     long, short = asyncio.run(asyncio.wait_for(run(), 60))
     assert [job for job, _ in reported] == [long]
+
+
+def _decode_recorded(model, monkeypatch) -> list[int]:
+    """The threads that call the model's tokenizer's ``decode`` from now on."""
+    decoded_on = []
+    decode = model.tokenizer.decode
+
+    def recorded(*args, **kwargs):
+        decoded_on.append(threading.get_ident())
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(model.tokenizer, "decode", recorded)
+    return decoded_on
+
+
+@pytest.mark.parametrize("pool_rows", [4, 0])
+def test_an_answer_a_stop_string_ends_is_counted_off_the_event_loop(char_model_dir, monkeypatch, pool_rows):
+    """The tokens of an answer a stop string ends (its usage) are counted where its text is made, in the
+    worker thread: counting decodes the answer's text many times over (tens of ms for a long answer), which
+    on the event loop would hold up /health and every stream.  A row that ends before its batch-mates (a
+    batch of another method) is answered with its result made there too.  The count is the same."""
+    import asyncio
+
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    tok = model.tokenizer
+    prompt = tok("Once upon a time")["input_ids"]
+    full = generate(model, prompt, "greedy", 60, stop_at_eos=False)
+    at = next(p for p in range(20, 50) if full.text.find(full.text[p : p + 3]) == p)  # a stop found first there
+    stop = full.text[at : at + 3]
+    ids = full.token_ids
+    want = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n], skip_special_tokens=True))
+    decoded_on = _decode_recorded(model, monkeypatch)
+
+    async def run():
+        s = Scheduler(model, pool_rows=pool_rows)
+        s.start()
+        settings = Settings("greedy", {}, GenerationConfig(60, False, stop_at_eos=False))
+        stopped, other = Job(prompt, settings, [stop]), Job(prompt, settings)  # one batch without the pool
+        s.submit(stopped)
+        s.submit(other)
+        ends = []
+        for job in (stopped, other):
+            while (event := await job.events.get())[0] == "text":
+                pass
+            ends.append(event)
+        await s.stop()
+        return ends
+
+    (kind, fin), (other_kind, other_fin) = asyncio.run(asyncio.wait_for(run(), 60))
+    assert kind == other_kind == "done"
+    assert fin.reason == "stop" and fin.text == full.text[:at] and fin.completion_tokens == want
+    assert other_fin.completion_tokens == 60 and other_fin.text == full.text
+    assert decoded_on and threading.get_ident() not in decoded_on  # asyncio.run's loop runs in this thread
+
+
+@pytest.mark.parametrize("pool_rows", [4, 0])
+def test_a_requests_grammar_starts_off_the_event_loop(tiny, monkeypatch, pool_rows):
+    """A request's grammar is started (compiled, and llguidance's view of the tokenizer built: a second on a
+    real vocabulary, when the compiled grammar was not kept) in the worker thread as the request joins, in
+    the pool or in a batch: not on the event loop."""
+    import asyncio
+
+    from layerleap.core.grammar import Grammar
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    pytest.importorskip("llguidance")
+    started_on = []
+    start = Grammar.start
+
+    def recorded(self, *args, **kwargs):
+        started_on.append(threading.get_ident())
+        return start(self, *args, **kwargs)
+
+    monkeypatch.setattr(Grammar, "start", recorded)
+
+    async def run():
+        s = Scheduler(tiny, pool_rows=pool_rows)
+        s.start()
+        job = Job([5, 6, 7], Settings("greedy", {}, GenerationConfig(20, False, grammar=Grammar.regex("[a-z]{5}"))))
+        s.submit(job)
+        while (event := await job.events.get())[0] == "text":
+            pass
+        await s.stop()
+        return event
+
+    kind, fin = asyncio.run(asyncio.wait_for(run(), 60))
+    assert kind == "done" and len(fin.text) == 5 and fin.text.isalpha()
+    assert started_on and threading.get_ident() not in started_on
+
+
+def test_a_request_whose_batch_is_being_made_counts_as_running_and_can_leave(char_model_dir, monkeypatch):
+    """While its batch is made (in the worker thread) a request counts as running, and a client that goes away
+    meanwhile is counted as leaving a running request, its row stopped before it decodes."""
+    import asyncio
+
+    from layerleap import scheduler
+    from layerleap.core.run import GenerationConfig
+    from layerleap.scheduler import Job, Scheduler, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    building, go = threading.Event(), threading.Event()
+
+    class SlowBatch(scheduler.Batch):
+        def __init__(self, *args):
+            building.set()
+            go.wait(10)
+            super().__init__(*args)
+
+    monkeypatch.setattr(scheduler, "Batch", SlowBatch)
+    cancels = []
+
+    async def run():
+        s = Scheduler(model, pool_rows=0, on_cancel=lambda job, stage: cancels.append(stage))
+        s.start()
+        job = Job([5, 6, 7], Settings("greedy", {}, GenerationConfig(50, False, stop_at_eos=False)))
+        s.submit(job)
+        await asyncio.get_running_loop().run_in_executor(None, building.wait, 10)
+        load = (len(s.waiting), s.running_jobs())
+        s.cancel(job)
+        go.set()
+        kind, _ = await job.events.get()
+        await s.stop()
+        return load, kind
+
+    load, kind = asyncio.run(asyncio.wait_for(run(), 60))
+    assert load == (0, 1) and cancels == ["running"] and kind == "error"

@@ -108,6 +108,7 @@ class Job:
         self.stop = StopText(stops or [])
         self.stop_token_ids = frozenset(stop_token_ids)
         self.cut: int | None = None  # tokens kept when a stop token ended the row
+        self.through: int | None = None  # tokens kept when a stop string ended the row (``take``)
         self.text: list[str] = []
         self.cancelled = False
         self.finished = False
@@ -122,8 +123,19 @@ class Job:
             self.cut = next((n for n, t in enumerate(toks) if t in self.stop_token_ids), None)
         return toks if self.cut is None else toks[: self.cut]
 
-    def send(self, piece: str) -> None:
+    def take(self, piece: str, toks: list[int], tokenizer) -> str:
+        """``piece``, new text of the row whose tokens (up to its stop token) are ``toks``, through the stop
+        strings (in the worker thread, where the text is made): at a stop string, the answer's tokens are
+        counted here too, which decodes its text many times over (``tokens_through``)."""
         piece = self.stop.push(piece)
+        if self.stop.hit and self.through is None and tokenizer is not None:
+            self.through = tokens_through(toks, tokenizer, self.stop.end)
+        return piece
+
+    def send(self, piece: str, taken: bool = False) -> None:
+        """Send ``piece`` (on the event loop): text already through the stop strings when ``taken``."""
+        if not taken:
+            piece = self.stop.push(piece)
         if piece:
             if self.t_first is None:
                 self.t_first = time.monotonic()
@@ -142,7 +154,9 @@ class Job:
             reason = "stop" if len(toks) < self.settings.max_new_tokens else "length"
         self.finished, self.reason = True, reason
         n = len(toks) if self.cut is None else self.cut
-        if self.stop.hit and tokenizer is not None:
+        if self.stop.hit and self.through is not None:  # counted as the text was made
+            n = self.through
+        elif self.stop.hit and tokenizer is not None:
             n = tokens_through(toks[:n], tokenizer, self.stop.end)
         self.events.put_nowait(("done", Finish(result, reason, "".join(self.text), n)))
 
@@ -170,22 +184,27 @@ class Batch:
         self.rounds = iter(self.decoding)
         self.over = False
         self.early: set[int] = set()  # rows that ended before the batch: their text is all sent
+        self.answers: dict[int, GenerationResult] = {}  # rows that end now, before the batch: their results
         now = time.monotonic()
         for job in jobs:
             job.t_start = now
 
     def step(self) -> tuple[list[int] | None, dict[int, str]]:
         """One method round and its text (in the worker thread): (the rows that grew, or None when the
-        batch ended; each grown or ended row's new text, the whole rest of it for a row that ended)."""
-        d = self.decoding
+        batch ended; each grown or ended row's new text, the whole rest of it for a row that ended, through
+        its stop strings).  A row that a stop string ends stops here; the result of a row that ends before
+        its batch-mates is made here too (``answers``: its text is decoded), for ``dispatch`` to send."""
+        d, tok = self.decoding, self.model.tokenizer
         self.cancel_gone()  # here, between two rounds: a cancel during the last one (even its set-up) stops the row
         grew = next(self.rounds, None)
-        texts = {}
+        texts, toks = {}, {}
+        self.answers = {}
         for i in grew or []:
             job = self.jobs[i]
             if job.finished or job.cancelled:
                 continue
-            texts[i] = self.pieces[i].push(job.tokens(d.tokens(i)))
+            toks[i] = job.tokens(d.tokens(i))
+            texts[i] = self.pieces[i].push(toks[i])
             if job.cut is not None:
                 d.cancel(i)  # a stop token: the row ends here
             if d.finished(i) and self._others_decode(i):  # it answers now, not when its batch-mates end
@@ -194,22 +213,29 @@ class Batch:
         if grew is None:
             for i, job in enumerate(self.jobs):
                 if d.results[i].stats.batch and not job.finished and i not in self.early:  # batch 0: never ran
-                    texts[i] = self.pieces[i].finish(job.tokens(d.results[i].token_ids))
+                    toks[i] = job.tokens(d.results[i].token_ids)
+                    texts[i] = self.pieces[i].finish(toks[i])
+        for i, text in texts.items():
+            job = self.jobs[i]
+            texts[i] = job.take(text, toks[i], tok)
+            if job.stop.hit:
+                d.cancel(i)
+            if (job.stop.hit or i in self.early) and self._others_decode(i):
+                self.answers[i] = d.result_so_far(i)
         return grew, texts
 
     def dispatch(self, grew: list[int] | None, texts: dict[int, str]) -> None:
-        """Send the rows' new text; stop rows that hit a stop string; finish the jobs whose rows ended,
-        each as soon as it ends (on the event loop)."""
+        """Send the rows' new text; finish the jobs whose rows ended, each as soon as it ends (on the event
+        loop)."""
         d, tok = self.decoding, self.model.tokenizer
         for i, text in texts.items():
             job = self.jobs[i]
             if job.finished:
                 continue
-            job.send(text)
-            if job.stop.hit:
-                d.cancel(i)
-            if (job.stop.hit or i in self.early) and not job.cancelled and self._others_decode(i):
-                job.done(d.result_so_far(i), tok)
+            job.send(text, taken=True)
+            if i in self.answers and not job.cancelled:
+                job.done(self.answers[i], tok)
+        self.answers = {}
         if grew is None:
             self.over = True
             for i, job in enumerate(self.jobs):
@@ -247,8 +273,7 @@ class _Row:
     def __init__(self, model: Transformer, job: Job, eos_ids: tuple[int, ...]):
         self.job, self.gen, self.eos_ids = job, job.settings.gen, eos_ids
         self.generator = row_generators(self.gen, [0], model.device)[0]  # what the job alone would draw
-        grammar = self.gen.grammar
-        self.constraint = None if grammar is None else grammar.start(model, 1, eos_ids)[0]  # structured output
+        self.constraint = None  # structured output: its grammar started at the first chunk (in the worker thread)
         self.cache: KVCache | None = None  # the prefill's, made at its first chunk (in the worker thread)
         self.done_ids = 0  # prompt tokens prefilled
         self.out: list[int] = []
@@ -365,7 +390,9 @@ class Pool:
         ids = r.job.prompt_ids
         part = ids[r.done_ids : r.done_ids + self.chunk]
         m = self.model
-        if r.cache is None:  # here, not as the row joins on the event loop: a long prompt's cache takes a while
+        if r.cache is None:  # here, not as the row joins on the event loop: a long prompt's cache takes a while,
+            if r.gen.grammar is not None:  # and a grammar compiled anew (the tokenizer's view, a second to build)
+                r.constraint = r.gen.grammar.start(m, 1, r.eos_ids)[0]
             r.cache = m.new_cache(1, len(ids) + 1)
         x = torch.tensor([part], dtype=torch.long, device=m.device)
         positions = torch.arange(r.done_ids, r.done_ids + len(part), device=m.device).unsqueeze(0)  # [1, S]
@@ -446,14 +473,14 @@ class Pool:
                     ended.append(r)
         if self.decoding:
             self._decode()
-        texts = {}
+        texts, toks = {}, {}
         for r in self.decoding + ended:
             if r.job.finished or r.job.cancelled or not r.out:
                 continue
-            toks = r.job.tokens(r.out)
+            toks[r.job] = r.job.tokens(r.out)
             if r.job.cut is not None:
                 r.finished = True
-            texts[r.job] = r.pieces.push(toks)
+            texts[r.job] = r.pieces.push(toks[r.job])
         for r in [r for r in self.decoding if r.finished]:
             self._leave(r)
             ended.append(r)
@@ -461,9 +488,10 @@ class Pool:
         for r in ended:
             res = r.result(self.model, max(1, self.widest))
             if not r.job.finished and not r.job.cancelled:
-                texts[r.job] = texts.get(r.job, "") + r.pieces.finish(r.job.tokens(res.token_ids))
+                toks[r.job] = r.job.tokens(res.token_ids)
+                texts[r.job] = texts.get(r.job, "") + r.pieces.finish(toks[r.job])
             done.append((r.job, res))
-        return texts, done, failed
+        return {job: job.take(text, toks[job], self.model.tokenizer) for job, text in texts.items()}, done, failed
 
     def dispatch(
         self, texts: dict[Job, str], done: list[tuple[Job, GenerationResult]], failed: list[tuple[Job, Exception]]
@@ -474,7 +502,7 @@ class Pool:
         self.failed = []
         for job, text in texts.items():
             if not job.finished:
-                job.send(text)
+                job.send(text, taken=True)
         for job, res in done:
             if job.cancelled and not job.finished:
                 job.fail(LayerleapError("cancelled"))
@@ -522,6 +550,7 @@ class Scheduler:
         self.idle, self.has_idle_work = idle, has_idle_work
         self.waiting: list[Job] = []
         self.running: list[Batch] = []
+        self.admitting: list[Job] = []  # the jobs of the batch being made (in the worker thread)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="layerleap-model")
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -537,7 +566,7 @@ class Scheduler:
             except asyncio.CancelledError:
                 pass
         pooled = self.pool.jobs() if self.pool is not None else []
-        for job in self.waiting + [j for b in self.running for j in b.jobs] + pooled:
+        for job in self.waiting + self.admitting + [j for b in self.running for j in b.jobs] + pooled:
             job.fail(LayerleapError("the server is shutting down"))
         self.executor.shutdown(wait=True, cancel_futures=True)
 
@@ -554,7 +583,8 @@ class Scheduler:
         return True
 
     def running_jobs(self) -> int:
-        return sum(len(b.jobs) for b in self.running) + (len(self.pool.jobs()) if self.pool else 0)
+        pooled = len(self.pool.jobs()) if self.pool else 0
+        return len(self.admitting) + sum(len(b.jobs) for b in self.running) + pooled
 
     def cancel(self, job: Job) -> None:
         """The client of ``job`` went away: drop it if it waits, stop its row if it runs (the pool drops it
@@ -563,6 +593,9 @@ class Scheduler:
             return
         job.cancelled = True
         if self.pool is not None and job in self.pool.jobs():
+            self.on_cancel(job, "running")
+            return
+        if job in self.admitting:  # its batch is being made: its row stops at the batch's first round
             self.on_cancel(job, "running")
             return
         if job in self.waiting:
@@ -587,17 +620,17 @@ class Scheduler:
                 )
             )
 
-    def _admit(self) -> None:
+    async def _admit(self) -> None:
         """Plain-decoding jobs join the pool while it has free rows; of the others, while fewer than
         ``max_running`` batches run, the oldest waiting job and the waiting jobs with its batch key (up to
-        ``max_batch``) become a new batch."""
+        ``max_batch``) become a new batch (made in the worker thread: ``admitting`` meanwhile)."""
         self._expire()
         if self.pool is not None:
             for job in [j for j in self.waiting if Pool.takes(j)][: self.pool.free()]:
                 self.waiting.remove(job)
                 try:
                     self.pool.add(job)
-                except Exception as e:  # noqa: BLE001  (its cache or grammar failed: this request fails, not the server)
+                except Exception as e:  # noqa: BLE001  (its row failed to set up: this request fails, not the server)
                     job.fail(e, refused=True)
         while len(self.running) < self.max_running:
             rest = [j for j in self.waiting if not self._pooled(j)]
@@ -605,16 +638,25 @@ class Scheduler:
                 break
             jobs = [j for j in rest if j.key == rest[0].key][: self.max_batch]
             self.waiting = [j for j in self.waiting if j not in jobs]
-            try:
-                self.running.append(Batch(self.model, jobs))
+            self.admitting = jobs
+            try:  # in the worker thread: a decoding's set-up (a grammar compiled, its options checked) takes a while
+                batch = await asyncio.get_running_loop().run_in_executor(self.executor, Batch, self.model, jobs)
             except Exception as e:  # noqa: BLE001  checked when the requests came in; a late refusal still answers
-                if len(jobs) > 1 and isinstance(e, LayerleapError):  # refused together (their KV cache): one by one
+                self.admitting = []
+                together = len(jobs) > 1 and isinstance(e, LayerleapError)  # refused together (their KV cache)
+                for job in [j for j in jobs if j.cancelled]:  # its client went away meanwhile
+                    job.fail(LayerleapError("cancelled"))
+                jobs = [j for j in jobs if not j.cancelled]
+                if together:  # one by one
                     for job in jobs:
                         job.key = ("alone", job.serial)
                     self.waiting = jobs + self.waiting
                     continue
                 for job in jobs:
                     job.fail(e, refused=True)
+            else:
+                self.admitting = []
+                self.running.append(batch)
 
     def _pooled(self, job: Job) -> bool:
         return self.pool is not None and Pool.takes(job)
@@ -631,7 +673,7 @@ class Scheduler:
                     continue
                 self.wake.clear()
                 await self.wake.wait()
-            self._admit()
+            await self._admit()
             if self.pool is not None and self.pool.jobs():
                 try:
                     texts, done, failed = await loop.run_in_executor(self.executor, self.pool.step)

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import layerleap
 from layerleap import generate, stream
-from layerleap.cli import main
 from layerleap.core.run import chat_token_ids
 from layerleap.decoding import METHODS, Decoding, GenerationError, Method
-from layerleap.drafters import medusa_transfer as drafters
-from layerleap.drafters.companion import truncated
+from test_cli import cli
+from test_streaming import method_options
 from tiny_models import random_model, spm_tokenizer
 
 PROMPT = "The sky is"
@@ -67,19 +65,8 @@ def test_stop_in_a_batch_ends_its_row_only(char, full):
 
 
 def _lossless_options(model) -> dict[str, dict]:
-    torch.manual_seed(0)
-    return {
-        "greedy": {},
-        "speculative": {"draft": truncated(model, 2), "draft_len": 3, "min_confidence": 0.0},
-        "medusa": {"heads": drafters.new_drafter(model, "medusa", steps=2), "tree": "2,1"},
-        "hidden-transfer": {"transfer": drafters.new_drafter(model, "transfer", layers=[1, 2, 3]), "tree": "1,1"},
-        "eagle": {"eagle_head": drafters.new_drafter(model, "eagle"), "draft_len": 3, "width": 2},
-        "ppd": {"exit_layer": 2, "head": "shared"},
-        "self-spec": {"exit_layer": 2, "head": "shared", "draft_len": 3},
-        "prompt-lookup": {"draft_len": 4},
-        "rest": {"draft_len": 4},
-        "auto": {"transfer": drafters.new_drafter(model, "transfer", layers=[1, 2]), "tree": "2,1"},
-    }
+    """The lossless methods' options on the tiny model (``test_streaming``'s, one place for every method)."""
+    return {name: options for name, options in method_options(model).items() if METHODS[name].exact}
 
 
 LOSSLESS = [name for name, m in METHODS.items() if m.exact]
@@ -283,15 +270,6 @@ def test_a_conversation_needs_a_chat_template(char_model_dir, tmp_path):
 
 
 # -- the command line ---------------------------------------------------------------------------------------
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 def test_generate_stop_on_the_command_line(capsys, char_model_dir, char, full):
     out, stop = full
     base = ["generate", "--model", char_model_dir, "--prompt", PROMPT, "--max-new-tokens", 40]

@@ -433,12 +433,9 @@ def test_a_drafter_file_of_a_newer_format_or_bad_tensors_is_refused_by_name(tmp_
     assert drafters.load_drafter(model, good, kind).kind == kind
 
 
-def test_a_file_replaced_by_one_of_its_size_and_mtime_is_read_again(tmp_path):
-    """``cp -p`` (or a restore that copies the modification time back) can swap in another file of the same
-    size and mtime: its change time differs, and the heads are read again, not served from the cache."""
+def _two_heads_files(tmp_path):
+    """A model, a second head ``b`` and two heads files of one size: ``path`` (a first head) and ``other`` (``b``)."""
     import os
-    import shutil
-    import time
 
     model = random_model()
     a, b = heads.new_head(model, 1, "lens"), heads.new_head(model, 1, "lens")
@@ -447,6 +444,17 @@ def test_a_file_replaced_by_one_of_its_size_and_mtime_is_read_again(tmp_path):
     path = heads.save_heads([a], tmp_path / "h.safetensors")
     other = heads.save_heads([b], tmp_path / "other.safetensors")
     assert os.path.getsize(path) == os.path.getsize(other)
+    return model, b, path, other
+
+
+def test_a_file_replaced_by_one_of_its_size_and_mtime_is_read_again(tmp_path):
+    """``cp -p`` (or a restore that copies the modification time back) can swap in another file of the same
+    size and mtime: its change time differs, and the heads are read again, not served from the cache."""
+    import os
+    import shutil
+    import time
+
+    model, b, path, other = _two_heads_files(tmp_path)
     first = heads.get_head(model, 1, path)
     st = os.stat(path)
     time.sleep(0.05)  # past the file system's timestamp granularity
@@ -462,13 +470,7 @@ def test_a_file_replaced_within_one_tick_of_the_clock_is_read_again(tmp_path, mo
     tells it apart, and the new heads are used, not the ones kept for the old file."""
     import os
 
-    model = random_model()
-    a, b = heads.new_head(model, 1, "lens"), heads.new_head(model, 1, "lens")
-    with torch.no_grad():
-        b.proj.weight.add_(0.5)
-    path = heads.save_heads([a], tmp_path / "h.safetensors")
-    other = heads.save_heads([b], tmp_path / "other.safetensors")
-    assert os.path.getsize(path) == os.path.getsize(other)
+    model, b, path, other = _two_heads_files(tmp_path)
     real = os.stat
 
     class OneTick:  # the stat of a file system whose clock did not tick between the two writes

@@ -739,10 +739,10 @@ def check_gguf(path: Path, fix: str | None = None) -> tuple[str, dict[str, int]]
     when given, says what to do about one) or ``ConfigError`` (what layerleap does not load), one line
     naming it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from .weight_files import ModelFileError, gguf_header
+    from .weight_files import ModelFileError
 
     size = path.stat().st_size
-    meta, tensors, start = gguf_header(path, fix)
+    meta, tensors, start = _gguf_header(path, fix)
     _check_gguf_split(path, meta)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -884,15 +884,28 @@ def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:
 
 
 GGUF_END_TOKENS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_HEADER: dict = {}  # (the file, files.stamp) -> its gguf_header: parsed once a load (0.1 s for SmolLM2's)
+
+
+def _gguf_header(path: Path, fix: str | None = None):
+    """``weight_files.gguf_header`` of ``path``, the last file's kept: a load checks the header
+    (``check_gguf``) and reads its end tokens (``gguf_eos``) from one parse."""
+    from ..files import stamp
+    from .weight_files import gguf_header
+
+    key = (str(path.resolve()), stamp(path))
+    if key not in _HEADER:
+        header = gguf_header(path, fix)
+        _HEADER.clear()
+        _HEADER[key] = header
+    return _HEADER[key]
 
 
 def gguf_eos(path: Path, config: ModelConfig) -> tuple[int, ...]:
     """A GGUF file's end-of-turn and end-of-message tokens (``GGUF_END_TOKENS``), which llama.cpp ends
     generation on beside ``tokenizer.ggml.eos_token_id`` (the config's); as llama.cpp, an id past the
     vocabulary is ignored."""
-    from .weight_files import gguf_header
-
-    meta = gguf_header(path.resolve())[0]
+    meta = _gguf_header(path)[0]
     ids = [meta.get(k) for k in GGUF_END_TOKENS]
     ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size]
     return tuple(i for i in ids if i not in config.eos_token_ids)

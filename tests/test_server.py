@@ -189,8 +189,8 @@ def test_tokens_through_a_stop_string_that_ends_in_a_split_character(tiny, text,
     tok = tiny.tokenizer
     ids = tok(text, add_special_tokens=False)["input_ids"]
     job = Job([1], Settings("greedy"), [stop])
-    job.send(text)
-    job.done(GenerationResult(text, ids, {}, [1]), tok)
+    job.send(job.take(text, ids, tok))
+    job.done(GenerationResult(text, ids, {}, [1]))
     events = [job.events.get_nowait() for _ in range(job.events.qsize())]
     finish = events[-1][1]
     want = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n], skip_special_tokens=True))
@@ -471,7 +471,7 @@ def test_tokens_through_a_stop_string_in_a_byte_fallback_run(pieces, stop, want)
     ids = tok.convert_tokens_to_ids(pieces)
     text = tok.decode(ids, skip_special_tokens=True)
     job = Job([1], Settings("greedy"), [stop])
-    job.send(text)
-    job.done(GenerationResult(text, ids, {}, [1]), tok)
+    job.send(job.take(text, ids, tok))
+    job.done(GenerationResult(text, ids, {}, [1]))
     finish = [job.events.get_nowait() for _ in range(job.events.qsize())][-1][1]
     assert finish.text == text[: text.index(stop)] and finish.completion_tokens == want

@@ -132,17 +132,15 @@ class Job:
             self.through = tokens_through(toks, tokenizer, self.stop.end)
         return piece
 
-    def send(self, piece: str, taken: bool = False) -> None:
-        """Send ``piece`` (on the event loop): text already through the stop strings when ``taken``."""
-        if not taken:
-            piece = self.stop.push(piece)
+    def send(self, piece: str) -> None:
+        """Send ``piece`` (on the event loop): text already through the stop strings (``take``)."""
         if piece:
             if self.t_first is None:
                 self.t_first = time.monotonic()
             self.text.append(piece)
             self.events.put_nowait(("text", piece))
 
-    def done(self, result: GenerationResult, tokenizer=None) -> None:
+    def done(self, result: GenerationResult) -> None:
         if self.finished:
             return
         self.send_rest()
@@ -154,10 +152,8 @@ class Job:
             reason = "stop" if len(toks) < self.settings.max_new_tokens else "length"
         self.finished, self.reason = True, reason
         n = len(toks) if self.cut is None else self.cut
-        if self.stop.hit and self.through is not None:  # counted as the text was made
+        if self.stop.hit and self.through is not None:  # counted as the text was made (``take``)
             n = self.through
-        elif self.stop.hit and tokenizer is not None:
-            n = tokens_through(toks[:n], tokenizer, self.stop.end)
         self.events.put_nowait(("done", Finish(result, reason, "".join(self.text), n)))
 
     def send_rest(self) -> None:
@@ -227,14 +223,14 @@ class Batch:
     def dispatch(self, grew: list[int] | None, texts: dict[int, str]) -> None:
         """Send the rows' new text; finish the jobs whose rows ended, each as soon as it ends (on the event
         loop)."""
-        d, tok = self.decoding, self.model.tokenizer
+        d = self.decoding
         for i, text in texts.items():
             job = self.jobs[i]
             if job.finished:
                 continue
-            job.send(text, taken=True)
+            job.send(text)
             if i in self.answers and not job.cancelled:
-                job.done(self.answers[i], tok)
+                job.done(self.answers[i])
         self.answers = {}
         if grew is None:
             self.over = True
@@ -242,7 +238,7 @@ class Batch:
                 if not d.results[i].stats.batch:  # cancelled before it started (it ran in no batch)
                     job.fail(LayerleapError("cancelled"))
                     continue
-                job.done(d.results[i], tok)
+                job.done(d.results[i])
 
     def _others_decode(self, i: int) -> bool:
         """Whether a row besides ``i`` still decodes: then ``i``, ended, answers before the batch ends (a
@@ -502,11 +498,11 @@ class Pool:
         self.failed = []
         for job, text in texts.items():
             if not job.finished:
-                job.send(text, taken=True)
+                job.send(text)
         for job, res in done:
             if job.cancelled and not job.finished:
                 job.fail(LayerleapError("cancelled"))
-            job.done(res, self.model.tokenizer)
+            job.done(res)
 
 
 class QueueTimeout(LayerleapError):

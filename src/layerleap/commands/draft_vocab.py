@@ -82,13 +82,14 @@ def run_data(args) -> int:
     return 0
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    """What tells a rewritten file from the one that was there (None: no file)."""
+def _stamp(path: Path) -> tuple[int, ...] | None:
+    """What tells a rewritten file from the one that was there (``files.stamp``; None: no file)."""
+    from ..files import stamp
+
     try:
-        st = path.stat()
+        return stamp(path)
     except OSError:
         return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 # -- train corpus --------------------------------------------------------------------------------

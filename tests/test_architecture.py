@@ -18,7 +18,7 @@ The layers, bottom to top (a module may import its own layer and the ones below)
 - methods: the decoding algorithms, registered by name;
 - api: ``decoding`` (``generate``), ``streaming``, ``options``;
 - train and eval, side by side (neither imports the other);
-- app: the root package, ``__main__``, ``cli``, ``commands``, ``server``, ``scheduler``.
+- app: the root package, ``__main__``, ``cli``, ``commands``, ``server``, ``scheduler``, ``cache`` (the user cache).
 """
 
 from __future__ import annotations
@@ -55,7 +55,14 @@ LAYERS = [
     (
         "app",
         6,
-        ("layerleap.__main__", "layerleap.cli", "layerleap.commands", "layerleap.server", "layerleap.scheduler"),
+        (
+            "layerleap.__main__",
+            "layerleap.cli",
+            "layerleap.commands",
+            "layerleap.server",
+            "layerleap.scheduler",
+            "layerleap.cache",
+        ),
     ),
 ]
 

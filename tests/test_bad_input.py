@@ -374,6 +374,9 @@ CLI = [
     (["methods", "greedy"], "unrecognized arguments: greedy"),
     (["native", "--bogus"], "unrecognized arguments: --bogus"),
     (["native", "build"], "unrecognized arguments: build"),
+    (["cache", "clear"], "say what to delete: --stale"),
+    (["cache", "clear", "--all", "--kind", "native"], "--all deletes every entry"),
+    (["cache", "tidy"], "invalid choice: 'tidy'"),
     # serve (the address is tried before the model loads)
     (["serve", *M, "--port", "70000"], "must be an integer in [0, 65535]"),
     (["serve", *M, "--port", "-1"], "must be an integer in [0, 65535]"),

@@ -36,7 +36,7 @@ def _members(group: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     # the modules that define subcommands (add one here for a new one): importing one registers its commands
     from .commands import basic, bild, calibrate, exactness, heads, hidden_transfer  # noqa: F401
-    from .commands import draft_vocab, native, ppd, serve, skipdecode  # noqa: F401
+    from .commands import cache, draft_vocab, native, ppd, serve, skipdecode  # noqa: F401
 
     parser = _Parser(prog="layerleap", description="Faster decoding from intermediate layers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")

@@ -848,27 +848,42 @@ def _check_gguf_rope(path: Path, arch: str, meta: dict, dims: dict[str, list[int
 
 def gguf_folder(path: Path, q4: bool, progress=None) -> Path:
     """The cache folder of a user's GGUF file (keyed by its path, size, modification time and status
-    change time: a file replaced by another of its size, its modification time copied or set back, is
-    another entry), converted on first use as a packaged model's is (``packaged_folder``); the file is
-    checked first (``check_gguf``)."""
-    import hashlib
-
+    change time, ``gguf_key``: a file replaced by another of its size, its modification time copied or set
+    back, is another entry), converted on first use as a packaged model's is (``packaged_folder``), with
+    the file's path recorded in it (``GGUF_SOURCE``: ``layerleap cache`` tells a stale entry by it); the
+    file is checked first (``check_gguf``)."""
     progress = progress or _to_stderr
     path = path.resolve()
     check_gguf(path)
-    st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}".encode()).hexdigest()[:10]
-    folder = cache_root() / f"gguf-{path.stem[:40]}-{key}{'-q4' if q4 else ''}"
+    folder = cache_root() / f"gguf-{path.stem[:40]}-{gguf_key(path)}{'-q4' if q4 else ''}"
     if q4:
         from . import gguf_q4
 
         def fill(tmp: Path) -> None:
             progress(f"reading {path.name}'s blocks (once; later loads use the cache) …")
             gguf_q4.convert(path, tmp, progress)
+            write_json(tmp / GGUF_SOURCE, {"path": str(path)})
 
         return _cache_entry(folder, fill, progress, gguf_q4.check)
 
-    return _cache_entry(folder, lambda tmp: _convert_gguf([path], tmp, progress), progress, check_folder)
+    def fill_dense(tmp: Path) -> None:
+        _convert_gguf([path], tmp, progress)
+        write_json(tmp / GGUF_SOURCE, {"path": str(path)})
+
+    return _cache_entry(folder, fill_dense, progress, check_folder)
+
+
+GGUF_SOURCE = "layerleap-source.json"  # in a GGUF file's cache folder: {"path": the file converted}
+
+
+def gguf_key(path: Path) -> str:
+    """The key of a GGUF file's cache folder (``gguf_folder``): a hash of its resolved path, size,
+    modification time and status change time; ``OSError`` where the file cannot be read."""
+    import hashlib
+
+    path = path.resolve()
+    st = path.stat()
+    return hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}".encode()).hexdigest()[:10]
 
 
 def load_gguf(path: Path, dtype="float32", progress=None) -> Transformer:

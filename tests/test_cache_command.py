@@ -74,6 +74,12 @@ def _fill(root: Path, model_folder: Path, tmp_path: Path) -> dict[str, Path]:
     (root / ".locks" / f"smollm2-135m-{hx}.lock").touch()
     (root / ".locks" / "gone-entry.lock").touch()
     (root / "notes.txt").write_text("mine")
+    (root / ".mine.profile1").mkdir()  # hidden names of others' forms: not ours
+    (root / ".mine.lock").touch()
+    (root / f".smollm2-135m-1.{DEAD_PID}-ab12cd.new").mkdir()  # a killed conversion's folder
+    (root / ".native-aside").mkdir()
+    (root / ".locks" / "smollm2-135m-2.lock").touch()  # a first conversion, under way
+    (root / f".smollm2-135m-2.{os.getpid()}-ab12cd.new").mkdir()
     return {"current": root / f"smollm2-135m-{hx}", "gguf": gguf, "conv": conv, "old_build": old_build, "q4": q4}
 
 
@@ -108,7 +114,10 @@ def test_entries_name_every_kind_and_what_is_stale(root, model_folder, tmp_path)
     assert live.stale is None and "is writing" in live.busy
     assert found[".locks/gone-entry.lock"].kind == "lock" and found[".locks/gone-entry.lock"].stale
     assert f".locks/smollm2-135m-{hx}.lock" not in found  # goes with its entry
+    assert "is converting" in found[".locks/smollm2-135m-2.lock"].busy and not found[".locks/smollm2-135m-2.lock"].stale
     assert found["notes.txt"].kind == "other" and found["notes.txt"].stale is None
+    assert found[".mine.profile1"].kind == found[".mine.lock"].kind == "other"
+    assert "no longer runs" in found[f".smollm2-135m-1.{DEAD_PID}-ab12cd.new"].stale
     # the q4 folder's size leaves out its packs and temporaries (each byte counted once)
     q4 = found[f"smollm2-135m-{hx}-q4"]
     assert q4.size == sum(p.stat().st_size for p in paths["q4"].rglob("*") if p.is_file()) - 150
@@ -203,7 +212,17 @@ def test_clear_all_deletes_what_layerleap_wrote_only(root, model_folder, tmp_pat
     assert main(["cache", "clear", "--all", "--yes"]) == 1  # a running writer's temporary stays, and its file
     err = capsys.readouterr().err
     assert "not deleted: kernels.json: process" in err and "is writing" in err
-    assert _tree(root) == [f".kernels.{os.getpid()}-def456.tmp.json", "kernels.json", "notes.txt"]
+    assert _tree(root) == [
+        f".kernels.{os.getpid()}-def456.tmp.json",
+        ".locks",
+        ".locks/smollm2-135m-2.lock",
+        ".mine.lock",
+        ".mine.profile1",
+        ".native-aside",
+        f".smollm2-135m-2.{os.getpid()}-ab12cd.new",
+        "kernels.json",
+        "notes.txt",
+    ]
 
 
 def test_clear_refuses_without_yes_when_it_cannot_ask(root, model_folder, tmp_path, capsys, monkeypatch):

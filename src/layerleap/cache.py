@@ -103,7 +103,7 @@ def human(size: float) -> str:
 _ATOMIC = re.compile(r"\.(?P<stem>.+)\.(?P<pid>\d+)(?:-[A-Za-z0-9]+)?\.tmp(?P<suffix>(?:\.[^.]+)?)")
 _SWAP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]+\.(?:new|old)")
 _ASIDE = re.compile(r"\.(?P<name>.+)\.[A-Za-z0-9_]{8}")  # tempfile.mkdtemp(prefix=".NAME.")
-_LOCK = re.compile(r"\.(?P<name>.+)\.lock")  # files.locked's lock beside a file
+_LOCK = re.compile(r"\.(?P<name>.+)\.lock")  # files.locked's lock beside a file (a JSON file of measurements)
 
 
 def _temporary(name: str, is_dir: bool) -> tuple[str, int | None] | None:
@@ -115,9 +115,20 @@ def _temporary(name: str, is_dir: bool) -> tuple[str, int | None] | None:
     if m and is_dir:
         return m["name"], int(m["pid"])
     m = _ASIDE.fullmatch(name)
-    if m and is_dir:
+    if m and is_dir and _folder_name(m["name"]):
         return m["name"], None
     return None
+
+
+def _folder_name(name: str) -> bool:
+    """Whether ``name`` is one layerleap gives a cache folder it may rename aside to delete (a conversion,
+    a native build, a folder of training states): a hidden folder named after another is not ours."""
+    return bool(
+        _packaged(name)
+        or re.fullmatch(r"gguf-.*-[0-9a-f]{10}(?:-q4)?", name)
+        or re.fullmatch(r"[0-9a-f]{12}-torch.+", name)
+        or re.fullmatch(r".+-layers[0-9,]*-[0-9a-f]{16}", name)
+    )
 
 
 def _walk(path: Path) -> tuple[int, float]:
@@ -359,7 +370,7 @@ def _hidden(root: Path, path: Path, out: list[Entry], inside: str | None = None)
     """Add a temporary or an orphaned lock file at ``path`` (a hidden name) to ``out``; False for another name."""
     is_dir = path.is_dir() and not path.is_symlink()
     lock = _LOCK.fullmatch(path.name)
-    if lock and not is_dir:  # files.locked's: listed only once its file is gone
+    if lock and not is_dir and lock["name"].endswith(".json"):  # files.locked's: listed only once its file is gone
         if not os.path.lexists(path.with_name(lock["name"])):
             e = _entry(root, path, inside)
             e.kind, e.belongs_to, e.stale = "lock", lock["name"], f"{lock['name']} is gone"
@@ -425,7 +436,13 @@ def _locks(root: Path, folder: Path, out: list[Entry]) -> None:
             out.append(_entry(root, path))
         elif not os.path.lexists(target):
             e = _entry(root, path)
-            e.kind, e.belongs_to, e.stale, e.locks = "lock", target.name, f"{target.name} is gone", [path]
+            e.kind, e.belongs_to, e.locks = "lock", target.name, [path]
+            writers = [_temporary(p.name, True) for p in root.glob(f".{glob.escape(target.name)}.*.new")]
+            running = [t[1] for t in writers if t is not None and t[0] == target.name and _running(t[1])]
+            if running:  # a first conversion: its folder is not there yet
+                e.busy = f"process {running[0]} is converting {target.name}"
+            else:
+                e.stale = f"{target.name} is gone"
             out.append(e)
 
 

@@ -202,7 +202,9 @@ def test_clear_by_kind_and_by_name(root, model_folder, tmp_path, capsys):
     assert not (root / "native").exists()  # its folders, then the empty folder
     assert main(["cache", "clear", "--stale", "--kind", "call-cost", "--yes"]) == 0
     assert not (root / "call_cost.json").exists() and (root / "smollm2-135m-1").exists()
-    assert main(["cache", "clear", "smollm2-135m-1", str(paths["conv"]), "--yes"]) == 0
+    assert main(["cache", "clear", "--yes", "smollm2-135m-1", "--dry-run"]) == 2  # names between flags are read
+    assert "--dry-run deletes nothing" in capsys.readouterr().err
+    assert main(["cache", "clear", "--yes", "smollm2-135m-1", str(paths["conv"])]) == 0
     assert not (root / "smollm2-135m-1").exists() and not paths["conv"].exists() and paths["current"].exists()
     assert main(["cache", "clear", "notes.txt", "--yes"]) == 0 and not (root / "notes.txt").exists()
 

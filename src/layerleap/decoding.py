@@ -698,16 +698,16 @@ class Decoding:
         run, row = self._where[i]
         return list(run.out[row][: self._stopped[i][0]] if i in self._stopped else run.out[row])
 
-    def logprobs(self, i: int) -> list[TokenLogprob] | None:
-        """The log probabilities of prompt ``i``'s ``tokens(i)`` so far (one per token), or None without
-        ``logprobs``."""
+    def logprobs(self, i: int, start: int = 0) -> list[TokenLogprob] | None:
+        """The log probabilities of prompt ``i``'s ``tokens(i)`` so far (one per token; from token ``start``
+        on), or None without ``logprobs``."""
         i = self._index(i, "logprobs")
         if self.gen.logprobs is None:
             return None
         if i not in self._where:
             return []
         run, row = self._where[i]
-        return typed(run.logprobs[row][: len(self.tokens(i))], self.model.tokenizer)
+        return typed(run.logprobs[row][start : len(self.tokens(i))], self.model.tokenizer)
 
     def finished(self, i: int) -> bool:
         """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end, a stop

@@ -70,6 +70,7 @@ def test_greedy_matches_a_full_forward_pass(tiny, greedy):
 def test_off_by_default_and_zero_is_the_chosen_tokens_only(tiny, greedy):
     plain = generate(tiny, PROMPT, max_new_tokens=20, stop_at_eos=False)
     assert plain.logprobs is None and "logprobs" not in plain.to_dict()
+    assert layerleap.TokenLogprob is TokenLogprob and isinstance(greedy.logprobs[0].top[0], layerleap.TopLogprob)
     assert plain.token_ids == greedy.token_ids
     r = generate(tiny, PROMPT, max_new_tokens=20, stop_at_eos=False, logprobs=0)
     assert [e.top for e in r.logprobs] == [()] * 20

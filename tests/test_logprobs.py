@@ -333,3 +333,17 @@ def test_server_refusals_name_the_field(server):
         assert param in got["error"]["message"]
     status, got = post({"messages": CHAT, "max_tokens": 2, "logprobs": True}, chat)
     assert status == 200 and [c["top_logprobs"] for c in got["choices"][0]["logprobs"]["content"]] == [[], []]
+
+
+def test_a_method_that_chooses_its_own_tokens_is_refused_clearly(tiny, monkeypatch):
+    """A registered method that emits tokens it chose itself (not by ``Run.choose`` or ``Run.capture``) has
+    no log probabilities to give: asked for them, it fails naming the fix, not with wrong numbers."""
+    from test_cli import add_method
+
+    def mine(run):
+        run.emit(0, [5, 6])
+
+    add_method(monkeypatch, "mine", mine)
+    assert generate(tiny, PROMPT, "mine", max_new_tokens=4).token_ids == [5, 6]
+    with pytest.raises(GenerationError, match="Run.capture"):
+        generate(tiny, PROMPT, "mine", max_new_tokens=4, logprobs=1)

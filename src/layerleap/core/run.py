@@ -368,12 +368,12 @@ class Run:
 
     def _keep_logprobs(self, row: int, tokens: list[int]) -> None:
         """The captured log probabilities of the ``tokens`` just emitted (a method that emits tokens it did
-        not ``capture`` is a bug: it would report wrong numbers)."""
+        not ``capture``, a registered one that chooses them itself, is refused: it would report wrong numbers)."""
         got, self.captured[row] = self.captured[row], []
         if [t for t, _, _ in got[: len(tokens)]] != tokens:
-            raise RuntimeError(
-                f"row {row} emitted tokens {tokens} whose log probabilities were not captured "
-                f"(captured: {[t for t, _, _ in got]})"
+            raise GenerationError(
+                f"this method emitted tokens {tokens} without their log probabilities: a method reports them "
+                "where it chooses its tokens (Run.choose, or Run.capture before Run.emit); leave logprobs out"
             )
         self.logprobs[row].extend(got[: len(tokens)])
 

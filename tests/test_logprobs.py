@@ -104,6 +104,16 @@ def test_every_other_method_reports_one_per_token(tiny, options, method):
         assert [e.top[0].token for e in r.logprobs] == r.token_ids
 
 
+@pytest.mark.filterwarnings("ignore:rest. no corpus ships")
+@pytest.mark.parametrize("method", ["speculative", "prompt-lookup", "eagle", "medusa", "auto"])
+def test_sampled_lossless_methods_report_the_models_own(tiny, options, method):
+    """Sampling (temperature, top-k, top-p): each token's log probability is the model's own at its
+    position, before the warps (a full forward pass's), whichever draft or residual it came from."""
+    kw = dict(temperature=0.7, top_k=50, top_p=0.9, seed=2)
+    r = generate(tiny, PROMPT, method, max_new_tokens=20, stop_at_eos=False, logprobs=2, **kw, **options[method])
+    check_against(reference(tiny, r.prompt_ids, r.token_ids), r, 2)
+
+
 def test_bild_never_rolling_back_scores_its_last_chain(tiny, options):
     """alpha_rb = inf leaves a chain that fills the output unscored (it could change nothing); with
     logprobs it is scored, so every token has the large model's log probability."""

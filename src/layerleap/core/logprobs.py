@@ -93,10 +93,11 @@ def token_text(tokenizer, token: int) -> str:
     return "" if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
 
 
-def token_bytes(tokenizer, token: int) -> list[int]:
-    """The UTF-8 bytes of one token: its text's, or for a token that holds part of a character (its text a
-    replacement character) the bytes of its byte-level piece (``Ġ``-style or ``<0xNN>``)."""
-    text = token_text(tokenizer, token)
+def token_bytes(tokenizer, token: int, text: str | None = None) -> list[int]:
+    """The UTF-8 bytes of one token: its text's (``text``, when known), or for a token that holds part of a
+    character (its text a replacement character) the bytes of its byte-level piece (``Ġ``-style or
+    ``<0xNN>``)."""
+    text = token_text(tokenizer, token) if text is None else text
     if "\ufffd" not in text or tokenizer is None:
         return list(text.encode("utf-8"))
     piece = tokenizer.convert_ids_to_tokens(token)

@@ -366,9 +366,13 @@ class Reply:
                     {
                         "token": e.text,
                         "logprob": e.logprob,
-                        "bytes": token_bytes(self.tokenizer, e.token),
+                        "bytes": token_bytes(self.tokenizer, e.token, e.text),
                         "top_logprobs": [
-                            {"token": t.text, "logprob": t.logprob, "bytes": token_bytes(self.tokenizer, t.token)}
+                            {
+                                "token": t.text,
+                                "logprob": t.logprob,
+                                "bytes": token_bytes(self.tokenizer, t.token, t.text),
+                            }
                             for t in e.top
                         ],
                     }

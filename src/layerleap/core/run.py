@@ -3,7 +3,9 @@
 A method is one function ``fn(run, **options)`` registered under a name (``register``).  It reads the
 prompts, configuration and model from ``run``, makes model calls through ``run.forward`` (which
 counts model calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands them
-over with ``run.emit``.  A method written as a generator ``yield``s after each round that emitted
+over with ``run.emit``; with ``logprobs`` asked for, ``run.choose`` takes the chosen tokens' log
+probabilities too, and a method that chooses tokens another way gives them to ``run.capture`` before
+``run.emit`` (``core.logprobs``).  A method written as a generator ``yield``s after each round that emitted
 tokens: ``rounds`` drives it round by round, so accepted tokens can be streamed and a request can be
 dropped between rounds, with no threads.  After a ``yield`` it ends once ``run.done`` (a cancel between
 rounds can end every row), recording its statistics as at any end.

@@ -228,11 +228,6 @@ class _Request(BaseModel):
 class ChatRequest(_Request):
     """``POST /v1/chat/completions``."""
 
-    def logprob_count(self) -> int | None:
-        """The likeliest tokens each answer token reports with its log probability (None: no log
-        probabilities)."""
-        return (self.top_logprobs or 0) if self.logprobs else None
-
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     logprobs: bool | None = Field(
@@ -251,13 +246,14 @@ class ChatRequest(_Request):
     verbosity: Any = None
     web_search_options: Any = None
 
+    def logprob_count(self) -> int | None:
+        """The likeliest tokens each answer token reports with its log probability (None: no log
+        probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Request):
     """``POST /v1/completions``."""
-
-    def logprob_count(self) -> int | None:
-        """Legacy completions' ``logprobs`` is the count (0: the chosen tokens' log probabilities alone)."""
-        return self.logprobs
 
     _asks_nothing: ClassVar[dict[str, tuple]] = {"top_logprobs": (None, 0)}  # chat's: here logprobs is the count
     prompt: str | list[int] = Field(description="one string or one list of token ids")
@@ -282,3 +278,7 @@ class CompletionRequest(_Request):
         if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return v
         raise ValueError("must be one non-empty string (or one list of token ids): send one prompt per request")
+
+    def logprob_count(self) -> int | None:
+        """Legacy completions' ``logprobs`` is the count (0: the chosen tokens' log probabilities alone)."""
+        return self.logprobs

@@ -355,7 +355,8 @@ def generate(
     ``TokenLogprob`` per token of ``token_ids``: the token, its text, its log probability and the
     ``logprobs`` likeliest tokens at its position (``top``).  They are the model's own (the log-softmax of
     the logits the token was chosen from, before temperature, top-k, top-p and a grammar's mask), taken
-    where the token is chosen, at no extra model call: a lossless method's are greedy's (within float
+    where the token is chosen, at no extra model call (``bild`` with ``alpha_rb=inf`` excepted: the chain
+    it would leave unscored at the output's end is scored): a lossless method's are greedy's (within float
     rounding); a draft-and-verify method's are the verifying model's; an early-exit method's
     (``skipdecode``, ``early-exit``, ``calm``) those of the layer it exited at.
 

@@ -357,8 +357,8 @@ def generate(
     the logits the token was chosen from, before temperature, top-k, top-p and a grammar's mask), taken
     where the token is chosen, at no extra model call (``bild`` with ``alpha_rb=inf`` excepted: the chain
     it would leave unscored at the output's end is scored): a lossless method's are greedy's (within float
-    rounding); a draft-and-verify method's are the verifying model's; an early-exit method's
-    (``skipdecode``, ``early-exit``, ``calm``) those of the layer it exited at.
+    rounding); a draft-and-verify method's are the verifying model's; those of a method that skips layers
+    (``skipdecode``, ``early-exit``, ``calm``) are of the logits it chose from, its layers' own.
 
     Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
     (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,

@@ -2,8 +2,8 @@
 
 They are the model's own: ``log_softmax`` of the logits the token was chosen from, before temperature,
 top-k, top-p and a grammar's mask (vLLM's default, "raw" log probabilities), taken where the token is
-chosen, at no model call of their own: ``Run.choose`` for plain decoding (and for the early-exit methods,
-whose logits are their exit layer's), and the verifying call's row that predicted each kept token for
+chosen, at no model call of their own: ``Run.choose`` for plain decoding (and for the methods that skip
+layers, whose logits are those of the layers they ran), and the verifying call's row that predicted each kept token for
 the draft-and-verify methods (a draft is scored by the target's row at its parent).  So a lossless
 method's log probabilities are greedy's, within float rounding.
 

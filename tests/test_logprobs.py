@@ -178,7 +178,15 @@ def test_decoding_and_stream_report_them_as_they_come(tiny, options, greedy):
         seen = lps
     assert seen == d.results[0].logprobs
     s = stream(tiny, PROMPT, "speculative", 20, stop_at_eos=False, logprobs=5, **options["speculative"])
-    assert "".join(s) == greedy.text and [e.token for e in s.result.logprobs] == greedy.token_ids
+    assert s.logprobs == []
+    pieces, grown = [], []
+    for piece in s:
+        pieces.append(piece)
+        grown.append(list(s.logprobs))
+        assert [e.token for e in s.logprobs] == s.decoding.tokens(0)
+    assert "".join(pieces) == greedy.text and [e.token for e in s.result.logprobs] == greedy.token_ids
+    assert s.logprobs == s.result.logprobs and all(a == b[: len(a)] for a, b in zip(grown, grown[1:]))
+    assert stream(tiny, PROMPT, max_new_tokens=2).logprobs is None
     assert Decoding(tiny, PROMPT, max_new_tokens=4).logprobs(0) is None
 
 

@@ -384,6 +384,7 @@ HONOURED = {
     "n",
     "stream",
     "stream_options",
+    "logprobs",
     "messages",
     "prompt",
     "response_format",
@@ -503,15 +504,17 @@ def test_fields_that_ask_for_nothing_are_taken(url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
 
 
-def test_text_completions_logprobs_0_is_refused(url):
-    """Legacy completions' logprobs counts alternatives: 0 still asks for the chosen tokens' log probabilities,
-    which this server cannot give; chat's logprobs is a boolean, where false asks for nothing."""
-    for value in (0, False):
+def test_text_completions_logprobs_is_a_count(url):
+    """Legacy completions' logprobs counts alternatives (0: the chosen tokens' log probabilities alone): a
+    boolean is refused; chat's logprobs is a boolean, where false asks for nothing."""
+    for value in (False, True, -1, 21):
         r = post(url, {"prompt": "hi", "max_tokens": 2, "logprobs": value})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", (value, r.text)
-    assert post(url, {"prompt": "hi", "max_tokens": 2, "logprobs": None}).status_code == 200
+    r = post(url, {"prompt": "hi", "max_tokens": 2, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert len(r["token_logprobs"]) == 2 and r["top_logprobs"] is None
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "logprobs": None}).json()["choices"][0]["logprobs"] is None
     r = post(url, {"messages": CHAT, "max_tokens": 2, "logprobs": False}, "/v1/chat/completions")
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
 
 
 def test_fields_openai_declares_nullable_take_null(url):

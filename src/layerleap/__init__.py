@@ -29,6 +29,8 @@ _EXPORTS = {
     "Option": "core.options",
     "Decoding": "decoding",
     "Grammar": "core.grammar",
+    "TokenLogprob": "core.logprobs",
+    "TopLogprob": "core.logprobs",
     "stream": "streaming",
     "TextStream": "streaming",
 }

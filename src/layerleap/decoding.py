@@ -22,6 +22,7 @@ from .core.cpu import release_freed_memory
 from .core.model import Transformer
 from .methods import budget
 from .core.grammar import Grammar
+from .core.logprobs import MAX_TOP, TokenLogprob, typed
 from .core.stats import RECORD_FIELDS, BudgetStats, Stats
 from .core.text import StopText, TextPieces, check_stops, tokens_through
 from .core.run import (
@@ -315,6 +316,7 @@ def generate(
     chat: bool = False,
     quality: float | None = None,
     grammar: Grammar | None = None,
+    logprobs: int | None = None,
     **options,
 ):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
@@ -349,6 +351,15 @@ def generate(
     the grammar does.  Methods with ``METHODS[name].grammar`` follow one; the lossless ones stay
     lossless (greedy output equal to constrained greedy decoding).
 
+    ``logprobs`` (None: off; 0 to ``core.logprobs.MAX_TOP``): ``result.logprobs`` holds one
+    ``TokenLogprob`` per token of ``token_ids``: the token, its text, its log probability and the
+    ``logprobs`` likeliest tokens at its position (``top``).  They are the model's own (the log-softmax of
+    the logits the token was chosen from, before temperature, top-k, top-p and a grammar's mask), taken
+    where the token is chosen, at no extra model call (``bild`` with ``alpha_rb=inf`` excepted: the chain
+    it would leave unscored at the output's end is scored): a lossless method's are greedy's (within float
+    rounding); a draft-and-verify method's are the verifying model's; those of a method that skips layers
+    (``skipdecode``, ``early-exit``, ``calm``) are of the logits it chose from, its layers' own.
+
     Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
     (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
     whatever its batch-mates -- except ``auto`` with more than one kind of call (its batch shares each
@@ -372,6 +383,7 @@ def generate(
         chat=chat,
         quality=quality,
         grammar=grammar,
+        logprobs=logprobs,
         **options,
     )
     for _ in d:
@@ -393,6 +405,7 @@ def _prepare(
     chat: bool,
     options: dict,
     grammar: Grammar | None = None,
+    logprobs: int | None = None,
 ) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
     """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
     _check(
@@ -417,6 +430,8 @@ def _prepare(
             V.flag(do_sample, "do_sample")
         V.flag(stop_at_eos, "stop_at_eos")
         V.flag(chat, "chat")
+        if logprobs is not None:
+            V.integer(logprobs, "logprobs", 0, MAX_TOP, hint=" (None: off; 0: the chosen tokens' only)")
         options.update(m.check_options(options, model.config))
     given = {
         k: v for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, seed)) if v is not None and NEUTRAL.get(k) != v
@@ -451,6 +466,7 @@ def _prepare(
         stop_at_eos,
         eos,
         grammar,
+        None if logprobs is None else int(logprobs),
     )
     if grammar is not None:
         grammar.start(model, 1, eos)  # compiles it (kept): a bad grammar is refused here, before decoding
@@ -503,6 +519,7 @@ class Decoding:
         chat: bool = False,
         quality: float | None = None,
         grammar: Grammar | None = None,
+        logprobs: int | None = None,
         **options,
     ):
         _unknown_names(get_method(method), options)
@@ -525,6 +542,7 @@ class Decoding:
             chat,
             options,
             grammar,
+            logprobs,
         )
         self.stops = check_stops(stop)
         _check(
@@ -658,7 +676,12 @@ class Decoding:
         )
         if self.budget is not None:
             stats.budget = BudgetStats(**self.budget.to_dict())
-        return GenerationResult("", [], stats, list(self.prompt_ids[i]), "cancelled" if cancelled else None)
+        return GenerationResult(
+            "", [], stats, list(self.prompt_ids[i]), "cancelled" if cancelled else None, self._no_logprobs()
+        )
+
+    def _no_logprobs(self) -> list | None:
+        return None if self.gen.logprobs is None else []
 
     @property
     def started(self) -> bool:
@@ -675,6 +698,17 @@ class Decoding:
             return []
         run, row = self._where[i]
         return list(run.out[row][: self._stopped[i][0]] if i in self._stopped else run.out[row])
+
+    def logprobs(self, i: int, start: int = 0) -> list[TokenLogprob] | None:
+        """The log probabilities of prompt ``i``'s ``tokens(i)`` so far (one per token; from token ``start``
+        on), or None without ``logprobs``."""
+        i = self._index(i, "logprobs")
+        if self.gen.logprobs is None:
+            return None
+        if i not in self._where:
+            return []
+        run, row = self._where[i]
+        return typed(run.logprobs[row][start : len(self.tokens(i))], self.model.tokenizer)
 
     def finished(self, i: int) -> bool:
         """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end, a stop
@@ -777,7 +811,8 @@ def _result(
         text = stop[1]
     else:
         text = model.tokenizer.decode(toks, skip_special_tokens=True) if model.tokenizer is not None else ""
-    return GenerationResult(text, toks, stats, list(run.prompts[row]), finish_reason(run, row, ended))
+    logprobs = None if run.logprobs is None else typed(run.logprobs[row][:n], model.tokenizer)
+    return GenerationResult(text, toks, stats, list(run.prompts[row]), finish_reason(run, row, ended), logprobs)
 
 
 def finish_reason(run: Run, row: int, ended: bool) -> str | None:

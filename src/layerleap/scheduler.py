@@ -33,6 +33,7 @@ import torch
 from .core import sampling
 from .core.kv_cache import KVCache
 from .core.model import Transformer
+from .core.logprobs import Raw, TokenLogprob, capture, typed
 from .core.run import GenerationConfig, GenerationResult, row_generators
 from .decoding import Decoding, get_method
 from .errors import LayerleapError
@@ -63,6 +64,7 @@ class Settings:
             stop_at_eos=g.stop_at_eos,
             **sampling,
             grammar=g.grammar,
+            logprobs=g.logprobs,
             **self.options,
         )
 
@@ -75,7 +77,7 @@ class Settings:
             return ("alone", serial)
         sampling = (g.temperature, g.top_k, g.top_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
-        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar)
+        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar, g.logprobs)
 
 
 @dataclass
@@ -86,6 +88,26 @@ class Finish:
     reason: str  # "stop" (EOS, a stop string or a stop token) or "length"
     text: str  # all the text sent
     completion_tokens: int  # the tokens the answer holds (a stop token's round may have made more)
+    logprobs_sent: int = 0  # the tokens whose log probabilities went out with the text (``Piece``)
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """The answer's tokens' log probabilities (None: not asked for)."""
+        lps = self.result.logprobs
+        return None if lps is None else lps[: self.completion_tokens]
+
+
+class Piece(str):
+    """Text a job sends, with the log probabilities of the tokens that came with it (``logprobs``: None
+    when not asked for)."""
+
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, text: str, logprobs: list[TokenLogprob] | None) -> "Piece":
+        piece = cls(text)
+        piece.logprobs = logprobs
+        return piece
 
 
 _serial = itertools.count()
@@ -109,6 +131,7 @@ class Job:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.cut: int | None = None  # tokens kept when a stop token ended the row
         self.through: int | None = None  # tokens kept when a stop string ended the row (``take``)
+        self.logprobs_sent = 0  # the tokens whose log probabilities have gone out with text (``with_logprobs``)
         self.text: list[str] = []
         self.cancelled = False
         self.finished = False
@@ -132,6 +155,17 @@ class Job:
             self.through = tokens_through(toks, tokenizer, self.stop.end)
         return piece
 
+    def with_logprobs(self, piece: str, toks: list[int], logprobs) -> str:
+        """``piece`` (from ``take``) with the log probabilities of the answer's tokens that have not gone out
+        (``logprobs(start)`` gives them from token ``start`` on), when asked for and when there is text to
+        carry them: the tokens of ``toks`` up to a stop string's end (in the worker thread)."""
+        if self.settings.gen.logprobs is None or not piece:
+            return piece
+        n = len(toks) if self.through is None else min(self.through, len(toks))
+        lps = logprobs(self.logprobs_sent)[: max(0, n - self.logprobs_sent)]
+        self.logprobs_sent += len(lps)
+        return Piece.of(piece, lps)
+
     def send(self, piece: str) -> None:
         """Send ``piece`` (on the event loop): text already through the stop strings (``take``)."""
         if piece:
@@ -154,7 +188,7 @@ class Job:
         n = len(toks) if self.cut is None else self.cut
         if self.stop.hit and self.through is not None:  # counted as the text was made (``take``)
             n = self.through
-        self.events.put_nowait(("done", Finish(result, reason, "".join(self.text), n)))
+        self.events.put_nowait(("done", Finish(result, reason, "".join(self.text), n, self.logprobs_sent)))
 
     def send_rest(self) -> None:
         rest = self.stop.finish()
@@ -213,7 +247,7 @@ class Batch:
                     texts[i] = self.pieces[i].finish(toks[i])
         for i, text in texts.items():
             job = self.jobs[i]
-            texts[i] = job.take(text, toks[i], tok)
+            texts[i] = job.with_logprobs(job.take(text, toks[i], tok), toks[i], lambda start, i=i: d.logprobs(i, start))
             if job.stop.hit:
                 d.cancel(i)
             if (job.stop.hit or i in self.early) and self._others_decode(i):
@@ -273,6 +307,7 @@ class _Row:
         self.cache: KVCache | None = None  # the prefill's, made at its first chunk (in the worker thread)
         self.done_ids = 0  # prompt tokens prefilled
         self.out: list[int] = []
+        self.logprobs: list[Raw] = []  # with gen.logprobs: one per token of ``out``
         self.pieces = TextPieces(model.tokenizer)
         self.calls = 0
         self.finished = False
@@ -283,11 +318,16 @@ class _Row:
     def choose(self, logits: torch.Tensor) -> int:
         """``[1, V]`` -> the row's next token, as ``Run.choose`` picks it."""
         g = self.gen
+        raw = logits
         if self.constraint is not None:
             logits = self.constraint.mask(logits[0]).unsqueeze(0)
         if not g.do_sample:
-            return sampling.top_ids(logits[0])
-        return int(sampling.sample(sampling.probs(logits, g.temperature, g.top_k, g.top_p), self.generator)[0])
+            token = sampling.top_ids(logits[0])
+        else:
+            token = int(sampling.sample(sampling.probs(logits, g.temperature, g.top_k, g.top_p), self.generator)[0])
+        if g.logprobs is not None:
+            self.logprobs += capture(raw, [token], g.logprobs)
+        return token
 
     def emit(self, token: int) -> None:
         if self.t_first is None:
@@ -319,7 +359,8 @@ class _Row:
             stats["cancelled"] = True
         text = model.tokenizer.decode(self.out, skip_special_tokens=True) if model.tokenizer is not None else ""
         reason = self.reason or ("cancelled" if self.job.cancelled or self.job.cut is not None else None)
-        return GenerationResult(text, list(self.out), stats, list(self.job.prompt_ids), reason)
+        lps = None if self.gen.logprobs is None else typed(self.logprobs, model.tokenizer)
+        return GenerationResult(text, list(self.out), stats, list(self.job.prompt_ids), reason, lps)
 
 
 class Pool:
@@ -487,7 +528,15 @@ class Pool:
                 toks[r.job] = r.job.tokens(res.token_ids)
                 texts[r.job] = texts.get(r.job, "") + r.pieces.finish(toks[r.job])
             done.append((r.job, res))
-        return {job: job.take(text, toks[job], self.model.tokenizer) for job, text in texts.items()}, done, failed
+        rows = {r.job: r for r in self.decoding + ended}
+        tok = self.model.tokenizer
+        texts = {
+            job: job.with_logprobs(
+                job.take(text, toks[job], tok), toks[job], lambda start, r=rows[job]: typed(r.logprobs[start:], tok)
+            )
+            for job, text in texts.items()
+        }
+        return texts, done, failed
 
     def dispatch(
         self, texts: dict[Job, str], done: list[tuple[Job, GenerationResult]], failed: list[tuple[Job, Exception]]

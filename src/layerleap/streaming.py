@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .decoding import Decoding
 from .core.run import GenerationError, GenerationResult
+from .core.logprobs import TokenLogprob
 from .core.model import Transformer
 from .core.text import BYTE_TOKEN, REPLACEMENT, StopText, TextPieces  # noqa: F401  (re-exported)
 
@@ -27,6 +28,13 @@ class TextStream:
         self.pieces = TextPieces(decoding.model.tokenizer)
         self.result: GenerationResult | None = None
         self._pieces = None  # the one iteration: iterating again resumes it
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """With ``logprobs=N``: the log probabilities of the tokens decoded so far (``result.logprobs`` once
+        the iteration has ended; a piece's tokens are those added since the last piece, though a piece's text
+        can wait for a later token); None without."""
+        return self.result.logprobs if self.result is not None else self.decoding.logprobs(0)
 
     def __iter__(self):
         """The pieces, as one iterator however often this is called: a loop left with ``break``

@@ -28,6 +28,7 @@ from ..decoding import MAX_BATCH, METHODS, BudgetWarning, Decoding, generate, ge
 from ..methods.budget import LOSSY, check_has_budget, check_quality
 from ..errors import LayerleapError
 from ..core.grammar import Grammar
+from ..core.logprobs import MAX_TOP
 from ..core.loading import DEFAULT_MODEL, DTYPES, check_model
 from ..core.run import row_seed
 from ..core.text import MAX_STOPS
@@ -326,12 +327,22 @@ def _setup_generate(p):
         "where one exists, unless --opt sets the method's knobs)",
     )
     _grammar_args(p)
+    p.add_argument(
+        "--logprobs",
+        type=V.int_arg(0, MAX_TOP),
+        default=None,
+        metavar="N",
+        help=f"after the text, each token's log probability (the model's own, before sampling's warps and a "
+        f"grammar's mask) and the N likeliest tokens there (0 .. {MAX_TOP}; 0: the token's alone); in --json, "
+        "a 'logprobs' list",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print the text as tokens are accepted")
     out.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object (text, token_ids, finish_reason, stats) per prompt, one a line",
+        help="print one JSON object (text, token_ids, finish_reason, stats; logprobs with --logprobs) per prompt, "
+        "one a line",
     )
 
 
@@ -489,6 +500,8 @@ def run_generate(args) -> int:
         kwargs["grammar"] = grammar
     if args.quality is not None:
         kwargs["quality"] = args.quality
+    if args.logprobs is not None:
+        kwargs["logprobs"] = args.logprobs
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", BudgetWarning)
         code = _generate(args, model, prompts, kwargs, threads)
@@ -517,6 +530,7 @@ def _generate(args, model, prompts, kwargs: dict, threads: int) -> int:
                 print(flush=True)
             raise
         print()
+        _print_logprobs(s.result)
         print(_stats_line(s.result.stats, threads))
         return 0
     res = _generate_with_progress(model, prompts, args, kwargs)
@@ -525,8 +539,16 @@ def _generate(args, model, prompts, kwargs: dict, threads: int) -> int:
             print(json_text(r.to_dict()))
         else:
             print(r.text)
+            _print_logprobs(r)
             print(_stats_line(r.stats, threads))
     return 0
+
+
+def _print_logprobs(r) -> None:
+    """``--logprobs``: one line a token: its log probability, its text (quoted) and the likeliest tokens."""
+    for e in r.logprobs or ():
+        top = "  ".join(f"{t.text!r} {t.logprob:.4f}" for t in e.top)
+        print(f"{e.logprob:10.4f}  {e.text!r}" + (f"   top: {top}" if top else ""))
 
 
 def _generate_with_progress(model, prompts, args, kwargs):

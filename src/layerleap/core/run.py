@@ -3,7 +3,9 @@
 A method is one function ``fn(run, **options)`` registered under a name (``register``).  It reads the
 prompts, configuration and model from ``run``, makes model calls through ``run.forward`` (which
 counts model calls and token-layer evaluations), chooses tokens with ``run.choose`` and hands them
-over with ``run.emit``.  A method written as a generator ``yield``s after each round that emitted
+over with ``run.emit``; with ``logprobs`` asked for, ``run.choose`` takes the chosen tokens' log
+probabilities too, and a method that chooses tokens another way gives them to ``run.capture`` before
+``run.emit`` (``core.logprobs``).  A method written as a generator ``yield``s after each round that emitted
 tokens: ``rounds`` drives it round by round, so accepted tokens can be streamed and a request can be
 dropped between rounds, with no threads.  After a ``yield`` it ends once ``run.done`` (a cancel between
 rounds can end every row), recording its statistics as at any end.
@@ -27,6 +29,7 @@ from . import options as O
 from .cpu import release_freed_memory
 from .grammar import Grammar, mask_rows
 from .kv_cache import KVCache
+from .logprobs import Raw, TokenLogprob, capture
 from .model import Transformer
 from .stats import RECORD_FIELDS, Record, Stats
 
@@ -48,6 +51,7 @@ class GenerationConfig:
     stop_at_eos: bool = True
     eos_ids: tuple[int, ...] = ()
     grammar: Grammar | None = None  # structured output: every token follows it (``core.grammar``)
+    logprobs: int | None = None  # report each token's log probability and this many likeliest (None: off)
 
 
 @dataclass
@@ -60,14 +64,19 @@ class GenerationResult:
     # ``stats.stop_string`` names it), "length" (max_new_tokens),
     # "cancelled" (``Decoding.cancel``); None while it decodes
     finish_reason: str | None = None
+    # with ``logprobs=N``: one ``core.logprobs.TokenLogprob`` per token of ``token_ids``; None without
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [t.to_dict() for t in self.logprobs]
+        return out
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,10 @@ class Run:
         # structured output: each row's grammar state (None: unconstrained)
         self.constraints = gen.grammar.start(model, self.batch, gen.eos_ids) if gen.grammar is not None else None
         self.out: list[list[int]] = [[] for _ in prompts]
+        # with gen.logprobs: each row's tokens' log probabilities (one per token of ``out``), and those of
+        # the tokens chosen and not yet emitted (``capture``)
+        self.logprobs: list[list[Raw]] | None = None if gen.logprobs is None else [[] for _ in prompts]
+        self.captured: list[list[Raw]] = [[] for _ in prompts]
         self.finished = [False] * self.batch
         self.reasons: list[str | None] = [None] * self.batch  # why each row ended (GenerationResult.finish_reason)
         self.model_calls = 0
@@ -312,12 +325,24 @@ class Run:
         """``[B, V]`` logits -> ``[B]`` tokens, greedy or sampled as configured (from the tokens each row's
         grammar allows, under one)."""
         g = self.gen
+        raw = logits
         if self.constraints is not None:
             logits = mask_rows(self.constraints, logits)
         if not g.do_sample:
-            return torch.tensor(sampling.top_ids(logits), device=logits.device)  # argmax's ids, numpy's speed
-        p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [B, V]
-        return torch.cat([sampling.sample(p[row : row + 1], gen) for row, gen in enumerate(self.generators)])
+            tokens = torch.tensor(sampling.top_ids(logits), device=logits.device)  # argmax's ids, numpy's speed
+        else:
+            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [B, V]
+            tokens = torch.cat([sampling.sample(p[row : row + 1], gen) for row, gen in enumerate(self.generators)])
+        if self.logprobs is not None:
+            for row, t in enumerate(tokens.tolist()):
+                self.capture(row, raw[row : row + 1], [t])
+        return tokens
+
+    def capture(self, row: int, logits: torch.Tensor, tokens: list[int]) -> None:
+        """With ``gen.logprobs``: the log probabilities of ``tokens``, chosen for ``row`` from ``logits``
+        ``[n, V]`` (the model's own, before any warp or mask: ``core.logprobs``), for its next ``emit``."""
+        if self.logprobs is not None and not self.finished[row]:
+            self.captured[row] = capture(logits, tokens, self.gen.logprobs)
 
     def emit(self, row: int, tokens: list[int]) -> bool:
         """Append accepted tokens to ``row`` (stopping at EOS, the budget, or the end of the row's grammar);
@@ -327,6 +352,7 @@ class Run:
         if self.t_first is None and tokens:
             self.t_first = time.perf_counter()
         out = self.out[row]
+        before = len(out)
         grammar = None if self.constraints is None else self.constraints[row]
         for t in tokens:
             if grammar is not None:
@@ -338,7 +364,20 @@ class Run:
             if len(out) >= self.gen.max_new_tokens:
                 self.finished[row], self.reasons[row] = True, "length"
                 break
+        if self.logprobs is not None:
+            self._keep_logprobs(row, out[before:])
         return self.finished[row]
+
+    def _keep_logprobs(self, row: int, tokens: list[int]) -> None:
+        """The captured log probabilities of the ``tokens`` just emitted (a method that emits tokens it did
+        not ``capture``, a registered one that chooses them itself, is refused: it would report wrong numbers)."""
+        got, self.captured[row] = self.captured[row], []
+        if [t for t, _, _ in got[: len(tokens)]] != tokens:
+            raise GenerationError(
+                f"this method emitted tokens {tokens} without their log probabilities: a method reports them "
+                "where it chooses its tokens (Run.choose, or Run.capture before Run.emit); leave logprobs out"
+            )
+        self.logprobs[row].extend(got[: len(tokens)])
 
     def emit_all(self, tokens: torch.Tensor) -> bool:
         """Append one token per row ``[B]``; True when every row is done."""

@@ -27,6 +27,10 @@ Rules:
   cross-entropy under the target exceeds ``alpha_rb`` (greedy: and that is not the target's own
   choice); the target picks the token there.
 
+Log probabilities (``generate(..., logprobs=N)``) come from the round's target logits, at no call of their
+own: each kept draft's from its parent's row, the target's own token's from the row after the path
+(``path_rows``).  A ``Rollback`` round left unscored (``alpha_rb = inf``) is scored when they are asked for.
+
 Statistics, one ``core.stats.DraftStats`` per row: ``rounds`` (target calls after the prompt pass
 while the row ran), ``drafted`` (the longest path proposed, summed), ``accepted``, ``acceptance``,
 ``tokens_per_round``; ``RoundCounts`` keeps more for the methods' own records.
@@ -124,7 +128,7 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
         if run.constraints is not None and drafter.grammar_drafts:
             cands = grammar_drafts(run, drafter, cands, budgets)
         cands = [None if c is None else c.within(budgets[row]) for row, c in enumerate(cands)]  # what can be kept
-        if not rule.can_reject and B == 1 and _ends_output(run, cands[0]):
+        if not rule.can_reject and B == 1 and _ends_output(run, cands[0]) and run.logprobs is None:
             run.emit(0, cands[0].tokens.tolist())  # nothing could change these drafts
             _count(counts[0], cands[0], cands[0].k, 0, scored=False, called=False)
             break
@@ -139,6 +143,8 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
             before = len(run.out[row])
             drafts = c.tokens.tolist()
             new = [drafts[j] for j in r[0]] + [r[1]]
+            if run.logprobs is not None:
+                run.capture(row, logits[row][path_rows(c, r[0])], new)
             run.emit(row, new)
             emitted = len(run.out[row]) - before  # fewer than len(new) where an end-of-sequence token came first
             _count(counts[row], c, min(len(r[0]), emitted), int(emitted == len(new)), scored=True, called=called)
@@ -151,6 +157,13 @@ def decode(run: Run, drafter: Drafter, rule=EXACT, loop_stats: bool = True):
     if loop_stats:
         run.record([draft_stats(out, c) for out, c in zip(run.out, counts)])
     return counts
+
+
+def path_rows(cand: Candidates, path: list[int]) -> list[int]:
+    """The rows of a round's target logits ``[1 + k, V]`` that chose the emitted tokens: each kept draft's
+    parent's row (row 0 for the first level), then the row after the path's last draft."""
+    parents = cand.parents.tolist()
+    return [1 + parents[j] for j in path] + [1 + path[-1] if path else 0]
 
 
 def grammar_drafts(run: Run, drafter: Drafter, cands: list, budgets: list) -> list:

@@ -180,6 +180,7 @@ def ppd(run: Run, *, exit_layer: int | None = None, k: int = 1, head="auto", dra
             logits = run.logits(run.forward(cache, h=h_mid, start=dbar, end=d))[0, -1]
         clock.run_main(d - dbar)
         x = sampling.top_ids(logits)
+        run.capture(0, logits.unsqueeze(0), [x])
         if run.emit(0, [x]):
             cache.truncate(pos, layers=range(0, lo))  # the last candidates are not needed
             break

@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..core.grammar import Grammar, GrammarError
+from ..core.logprobs import TokenLogprob, token_bytes
 from ..core.model import Transformer
 from ..core.run import GenerationConfig, chat_token_ids
 from ..decoding import METHODS, get_method
@@ -139,6 +140,8 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     refused = body.refused()
     if refused:
         raise _bad(f"{refused} is not supported by this server: leave it out", refused)
+    if isinstance(body, ChatRequest) and body.top_logprobs and not body.logprobs:
+        raise _bad("top_logprobs needs logprobs: true: give both, or leave top_logprobs out", "top_logprobs")
     if body.n not in (None, 1):
         raise _bad(f"n={body.n}: this server returns one choice per request: leave n out or set n=1", "n")
     limit = min(cfg.max_prompt_tokens or context, context - 1)  # a prompt of the whole context leaves no room
@@ -217,6 +220,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         body.seed,
         not body.ignore_eos,
         grammar=grammar,
+        logprobs=body.logprob_count(),
     )
     return Settings(method, options, gen)
 
@@ -335,6 +339,9 @@ class Reply:
     model: str
     prompt_len: int
     usage: bool = False  # a streamed answer with include_usage: every chunk has "usage" (null but the last)
+    tokenizer: object = None  # for the tokens' bytes (chat's logprobs)
+    top: bool = False  # legacy completions' logprobs asked for the likeliest tokens (top_logprobs: their dicts)
+    offset: int = 0  # legacy completions' text_offset of the next token whose log probability goes out
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -347,13 +354,50 @@ class Reply:
             "model": self.model,
         }
 
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's ``logprobs`` of a choice for ``entries`` (None: not asked for): chat's ``content`` list;
+        legacy completions' ``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (each token's
+        place in the answer's text, counted on across a stream's chunks)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": e.text,
+                        "logprob": e.logprob,
+                        "bytes": token_bytes(self.tokenizer, e.token, e.text),
+                        "top_logprobs": [
+                            {
+                                "token": t.text,
+                                "logprob": t.logprob,
+                                "bytes": token_bytes(self.tokenizer, t.token, t.text),
+                            }
+                            for t in e.top
+                        ],
+                    }
+                    for e in entries
+                ],
+                "refusal": None,
+            }
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e.text)
+        return {
+            "tokens": [e.text for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries] if self.top else None,
+            "text_offset": offsets,
+        }
+
     def full(self, fin: Finish) -> dict:
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": fin.text}}
             if self.chat
             else {"index": 0, "text": fin.text}
         )
-        choice.update(finish_reason=fin.reason, logprobs=None)
+        choice.update(finish_reason=fin.reason, logprobs=self.logprobs(fin.logprobs))
         return {
             **self._head(False),
             "choices": [choice],
@@ -361,13 +405,19 @@ class Reply:
             "layerleap": {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)},
         }
 
-    def chunk(self, text: str | None = None, reason: str | None = None, role: bool = False) -> dict:
+    def chunk(
+        self, text: str | None = None, reason: str | None = None, role: bool = False, logprobs: list | None = None
+    ) -> dict:
+        """A streamed chunk: ``text`` and the log probabilities that came with it (a ``Piece``'s), or the last
+        one (``reason``) with those of the answer's tokens not sent yet."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
-        choice.update(finish_reason=reason, logprobs=None)
+        if logprobs is None:
+            logprobs = getattr(text, "logprobs", None)
+        choice.update(finish_reason=reason, logprobs=self.logprobs(logprobs))
         return {**self._head(True), "choices": [choice]} | ({"usage": None} if self.usage else {})
 
     def usage_chunk(self, fin: Finish) -> dict:
@@ -457,7 +507,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             )
     except APIError as e:
         return e.response()
-    reply = Reply(chat, st.cfg.model_name, len(ids))
+    reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
     watcher = asyncio.create_task(_watch(request, st, job))
     try:
         event = first = await _next_event(st, job, field)
@@ -531,7 +581,8 @@ async def _events(
             if kind == "text":
                 yield _sse(reply.chunk(value))
             else:
-                yield _sse(reply.chunk(None, value.reason))
+                rest = None if value.logprobs is None else value.logprobs[value.logprobs_sent :]
+                yield _sse(reply.chunk(None, value.reason, logprobs=rest))
                 if usage:
                     yield _sse(reply.usage_chunk(value))
                 break

@@ -17,14 +17,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..core.grammar import Grammar
+from ..core.logprobs import MAX_TOP
 from ..core.text import MAX_STOPS
 from ..validate import SEED_MAX
 
 # answer-changing fields the server cannot honour -> the values that ask for nothing (accepted)
 REFUSED: dict[str, tuple] = {
     # OpenAI
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -177,8 +176,6 @@ class _Request(BaseModel):
     grammar: str | None = Field(None, description="llama.cpp's: a GBNF grammar")
     json_schema: dict[str, Any] | None = Field(None, description="llama.cpp's: a JSON schema")
     # refused unless they ask for nothing (REFUSED)
-    logprobs: Any = None
-    top_logprobs: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -233,6 +230,12 @@ class ChatRequest(_Request):
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    logprobs: bool | None = Field(
+        None, description="each answer token's log probability (the model's own, before sampling's warps)"
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP, description="with logprobs: the likeliest tokens at each position, this many"
+    )
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -243,13 +246,24 @@ class ChatRequest(_Request):
     verbosity: Any = None
     web_search_options: Any = None
 
+    def logprob_count(self) -> int | None:
+        """The likeliest tokens each answer token reports with its log probability (None: no log
+        probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
-    # legacy completions' logprobs is a count: 0 asks for the chosen tokens' log probabilities
-    _asks_nothing: ClassVar[dict[str, tuple]] = {"logprobs": (None,)}
+    _asks_nothing: ClassVar[dict[str, tuple]] = {"top_logprobs": (None, 0)}  # chat's: here logprobs is the count
     prompt: str | list[int] = Field(description="one string or one list of token ids")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP,
+        description="each answer token's log probability and the likeliest tokens at its position, this many",
+    )
+    top_logprobs: Any = None
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
@@ -264,3 +278,7 @@ class CompletionRequest(_Request):
         if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return v
         raise ValueError("must be one non-empty string (or one list of token ids): send one prompt per request")
+
+    def logprob_count(self) -> int | None:
+        """Legacy completions' ``logprobs`` is the count (0: the chosen tokens' log probabilities alone)."""
+        return self.logprobs

@@ -1,0 +1,122 @@
+"""Log probabilities of the generated tokens (``generate(..., logprobs=N)``).
+
+They are the model's own: ``log_softmax`` of the logits the token was chosen from, before temperature,
+top-k, top-p and a grammar's mask (vLLM's default, "raw" log probabilities), taken where the token is
+chosen, at no model call of their own: ``Run.choose`` for plain decoding (and for the methods that skip
+layers, whose logits are those of the layers they ran), and the verifying call's row that predicted each kept token for
+the draft-and-verify methods (a draft is scored by the target's row at its parent).  So a lossless
+method's log probabilities are greedy's, within float rounding.
+
+Each token gets its own log probability and, with ``N`` > 0, the ``N`` likeliest tokens at its position
+(``MAX_TOP``: OpenAI's bound), likeliest first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+MAX_TOP = 20  # the most alternatives a token reports (OpenAI's top_logprobs bound)
+
+Raw = tuple[int, float, tuple[tuple[int, float], ...]]  # (token, its log probability, ((id, log probability), ...))
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of the likeliest tokens at a position."""
+
+    token: int
+    text: str
+    logprob: float
+
+    def to_dict(self) -> dict:
+        return {"token": self.token, "text": self.text, "logprob": self.logprob}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token, its text, its log probability and the likeliest tokens at its position."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "token": self.token,
+            "text": self.text,
+            "logprob": self.logprob,
+            "top": [t.to_dict() for t in self.top],
+        }
+
+
+def capture(logits: torch.Tensor, tokens: list[int], top: int) -> list[Raw]:
+    """``logits`` ``[n, V]`` (each row the one that chose the token of ``tokens`` at the same index) -> one
+    ``Raw`` per token: its log probability and the ``top`` likeliest (id, log probability)."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    ids = torch.tensor(tokens, dtype=torch.long, device=lp.device).view(-1, 1)
+    chosen = lp.gather(1, ids).squeeze(1).tolist()
+    if top > 0:
+        vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [(int(t), float(c), tp) for t, c, tp in zip(tokens, chosen, tops)]
+
+
+_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTES = _byte_decoder()
+
+
+def token_text(tokenizer, token: int) -> str:
+    """The text of one token ("" without a tokenizer)."""
+    return "" if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
+
+
+def token_bytes(tokenizer, token: int, text: str | None = None) -> list[int]:
+    """The UTF-8 bytes of one token: its text's (``text``, when known), or for a token that holds part of a
+    character (its text a replacement character) the bytes of its byte-level piece (``Ġ``-style or
+    ``<0xNN>``)."""
+    text = token_text(tokenizer, token) if text is None else text
+    if "\ufffd" not in text or tokenizer is None:
+        return list(text.encode("utf-8"))
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        m = _BYTE.fullmatch(piece)
+        if m:
+            return [int(m.group(1), 16)]
+        if piece and all(c in _BYTES for c in piece):
+            return [_BYTES[c] for c in piece]
+    return list(text.encode("utf-8"))
+
+
+def typed(raw: list[Raw], tokenizer) -> list[TokenLogprob]:
+    """``Raw`` entries with their tokens' text."""
+    texts: dict[int, str] = {}
+
+    def text(t: int) -> str:
+        if t not in texts:
+            texts[t] = token_text(tokenizer, t)
+        return texts[t]
+
+    return [TokenLogprob(t, text(t), lp, tuple(TopLogprob(i, text(i), v) for i, v in top)) for t, lp, top in raw]

@@ -1231,6 +1231,10 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (AL + ["--exit-layer", "2", "--head", "shared", "--out", "{T}/h.safetensors"], "--head is not used by align"),
+    (AL + ["--exit-layer", "2", "--head", "{MEDUSA}", "--out", "{T}/h2.safetensors"], "--head is not used"),
+    (AL + ["--small", "{D}", "--rank", "8", "--out", "{T}/s"], "--rank: not used with --small"),
+    (AL + ["--small", "{D}", "--val-every", "0", "--out", "{T}/s"], "--val-every: not used with --small"),
     (G + ["--quality", "0.9"], "method 'greedy' has no quality budget: quality= (--quality) applies to the lossy"),
     (G + ["--method", "calm", "--quality", "0.954"], "quality is a share in hundredths (0.95, 0.9, …), got 0.954"),
     (G + ["--regex", "("], "cannot compile the regex grammar: at 1(8): invalid regex"),

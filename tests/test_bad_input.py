@@ -1231,6 +1231,16 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (
+        ["finetune", "variant", *M, "--objective", "calm", "--target-speedup", "3", "--out", "{T}/v.safetensors"]
+        + ["--data", "{T}/d.jsonl"],
+        "--target-speedup: not used with --objective calm",
+    ),
+    (
+        ["finetune", "variant", *M, "--objective", "skipdecode", "--min-layer", "2", "--layers-per-step", "2"]
+        + ["--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"],
+        "--min-layer, --layers-per-step: not used with --objective skipdecode",
+    ),
     (AL + ["--exit-layer", "2", "--head", "shared", "--out", "{T}/h.safetensors"], "--head is not used by align"),
     (AL + ["--exit-layer", "2", "--head", "{MEDUSA}", "--out", "{T}/h2.safetensors"], "--head is not used"),
     (AL + ["--small", "{D}", "--rank", "8", "--out", "{T}/s"], "--rank: not used with --small"),

@@ -735,6 +735,7 @@ CLI = [
     (["eval", "frontier", *M, "--grid", "base", "--json", "{T}/f.json"], "write MODEL:METHOD"),
     # match-rate
     (MR + ["--layers", "0"], "each item must be a positive integer"),
+    (MR + ["--layers", "2", "--heads", "{EMPTY}", "--category", "qa"], "'{EMPTY}' is a folder (exit heads)"),
     (MR + ["--layers", "99", "--heads", "shared", "--category", "qa"], "layers must be integers in [1, 4]"),
     (MR + ["--layers", "2", "--k", "0"], "each item must be a positive integer"),
     (

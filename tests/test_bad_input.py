@@ -1233,6 +1233,14 @@ def test_subprocess(places, argv, stdin, message):
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
     (
+        ["train", "corpus", *M, "--out", "{T}/c.safetensors", "--calibration-prompts", "0", "--draft-len", "8"],
+        "--draft-len: not used with --calibration-prompts 0",
+    ),
+    (
+        ["train", "corpus", *M, "--out", "{T}/c.safetensors", "--calibration-prompts", "0", "--max-new-tokens", "8"],
+        "--max-new-tokens: not used with --calibration-prompts 0",
+    ),
+    (
         ["finetune", "variant", *M, "--objective", "calm", "--target-speedup", "3", "--out", "{T}/v.safetensors"]
         + ["--data", "{T}/d.jsonl"],
         "--target-speedup: not used with --objective calm",

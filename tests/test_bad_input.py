@@ -735,6 +735,10 @@ CLI = [
     (["eval", "frontier", *M, "--grid", "base", "--json", "{T}/f.json"], "write MODEL:METHOD"),
     # match-rate
     (MR + ["--layers", "0"], "each item must be a positive integer"),
+    (MR + ["--layers", "2,2", "--heads", "shared", "--category", "qa"], "layers 2 given twice: give each once"),
+    (MR + ["--layers", "2", "--k", "1,3,1", "--heads", "shared", "--category", "qa"], "k 1 given twice"),
+    (MR + ["--layers", "2", "--heads", "shared,shared", "--category", "qa"], "heads shared given twice"),
+    (MR + ["--layers", "2", "--mode", "greedy,greedy"], "--mode greedy,greedy names a mode twice"),
     (MR + ["--layers", "2", "--heads", "{EMPTY}", "--category", "qa"], "'{EMPTY}' is a folder (exit heads)"),
     (MR + ["--layers", "99", "--heads", "shared", "--category", "qa"], "layers must be integers in [1, 4]"),
     (MR + ["--layers", "2", "--k", "0"], "each item must be a positive integer"),

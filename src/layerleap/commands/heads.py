@@ -331,6 +331,8 @@ def run_match(args) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise LayerleapError(f"--mode {', '.join(bad)} unknown: choose from {', '.join(MODES)}")
+    if len(set(modes)) < len(modes):
+        raise LayerleapError(f"--mode {args.mode} names a mode twice: give each once")
     _refuse_unused_sampling(args, modes)
     if args.position_layer is not None and args.position_layer not in layers:
         raise LayerleapError(f"--position-layer {args.position_layer} is not among --layers {args.layers}")

@@ -465,8 +465,8 @@ CLI = [
     (["calibrate", "skipdecode", *M, "--prompts", "0"], "--prompts: must be an integer in [1, 20]"),
     (
         ["calibrate", "calm", *M, "--check", "{T}/c.json", "--out", "{T}/nocal", "--quality", "0.9"],
-        "no calibration of calm for tiny (float32): run `layerleap calibrate calm --quality 0.9 --dtype float32 "
-        "--out {T}/nocal` first",
+        "no calibration of calm for tiny (float32): run `layerleap calibrate calm --model {D} --quality 0.9 "
+        "--dtype float32 --out {T}/nocal` first",
     ),
     (["eval", "frontier", *M, "--grid", "base:nope", "--json", "{T}/f.json"], "--grid base:nope: choose a method"),
     (["eval", "frontier", *M, "--json", "{T}/f.json"], "the following arguments are required: --grid"),

@@ -1236,6 +1236,7 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (MR + ["--layers", "2", "--heads", "shared", "--category", ","], "--category ',' names no category"),
     (
         ["train", "corpus", *M, "--out", "{T}/c.safetensors", "--calibration-prompts", "0", "--draft-len", "8"],
         "--draft-len: not used with --calibration-prompts 0",

@@ -337,6 +337,8 @@ def run_match(args) -> int:
     if args.position_layer is not None and args.position_layer not in layers:
         raise LayerleapError(f"--position-layer {args.position_layer} is not among --layers {args.layers}")
     cats = _csv(args.category) or []
+    if not cats:  # else it measures nothing and writes an empty report
+        raise LayerleapError(f"--category {args.category!r} names no category: give Spec-Bench categories, e.g. qa")
     prompts = {c: _read_prompts(args.spec_bench, [c], args.prompts + args.offset)[args.offset :] for c in cats}
     for c, ps in prompts.items():
         if not ps:

@@ -468,8 +468,8 @@ CLI = [
     (["calibrate", "skipdecode", *M, "--prompts", "0"], "--prompts: must be an integer in [1, 20]"),
     (
         ["calibrate", "calm", *M, "--check", "{T}/c.json", "--out", "{T}/nocal", "--quality", "0.9"],
-        "no calibration of calm for tiny (float32): run `layerleap calibrate calm --quality 0.9 --dtype float32 "
-        "--out {T}/nocal` first",
+        "no calibration of calm for tiny (float32): run `layerleap calibrate calm --model {D} --quality 0.9 "
+        "--dtype float32 --out {T}/nocal` first",
     ),
     (["eval", "frontier", *M, "--grid", "base:nope", "--json", "{T}/f.json"], "--grid base:nope: choose a method"),
     (["eval", "frontier", *M, "--json", "{T}/f.json"], "the following arguments are required: --grid"),
@@ -738,6 +738,11 @@ CLI = [
     (["eval", "frontier", *M, "--grid", "base", "--json", "{T}/f.json"], "write MODEL:METHOD"),
     # match-rate
     (MR + ["--layers", "0"], "each item must be a positive integer"),
+    (MR + ["--layers", "2,2", "--heads", "shared", "--category", "qa"], "layers 2 given twice: give each once"),
+    (MR + ["--layers", "2", "--k", "1,3,1", "--heads", "shared", "--category", "qa"], "k 1 given twice"),
+    (MR + ["--layers", "2", "--heads", "shared,shared", "--category", "qa"], "heads shared given twice"),
+    (MR + ["--layers", "2", "--mode", "greedy,greedy"], "--mode greedy,greedy names a mode twice"),
+    (MR + ["--layers", "2", "--heads", "{EMPTY}", "--category", "qa"], "'{EMPTY}' is a folder (exit heads)"),
     (MR + ["--layers", "99", "--heads", "shared", "--category", "qa"], "layers must be integers in [1, 4]"),
     (MR + ["--layers", "2", "--k", "0"], "each item must be a positive integer"),
     (
@@ -1234,6 +1239,29 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (MR + ["--layers", "2", "--heads", "shared", "--category", ","], "--category ',' names no category"),
+    (
+        ["train", "corpus", *M, "--out", "{T}/c.safetensors", "--calibration-prompts", "0", "--draft-len", "8"],
+        "--draft-len: not used with --calibration-prompts 0",
+    ),
+    (
+        ["train", "corpus", *M, "--out", "{T}/c.safetensors", "--calibration-prompts", "0", "--max-new-tokens", "8"],
+        "--max-new-tokens: not used with --calibration-prompts 0",
+    ),
+    (
+        ["finetune", "variant", *M, "--objective", "calm", "--target-speedup", "3", "--out", "{T}/v.safetensors"]
+        + ["--data", "{T}/d.jsonl"],
+        "--target-speedup: not used with --objective calm",
+    ),
+    (
+        ["finetune", "variant", *M, "--objective", "skipdecode", "--min-layer", "2", "--layers-per-step", "2"]
+        + ["--out", "{T}/v.safetensors", "--data", "{T}/d.jsonl"],
+        "--min-layer, --layers-per-step: not used with --objective skipdecode",
+    ),
+    (AL + ["--exit-layer", "2", "--head", "shared", "--out", "{T}/h.safetensors"], "--head is not used by align"),
+    (AL + ["--exit-layer", "2", "--head", "{MEDUSA}", "--out", "{T}/h2.safetensors"], "--head is not used"),
+    (AL + ["--small", "{D}", "--rank", "8", "--out", "{T}/s"], "--rank: not used with --small"),
+    (AL + ["--small", "{D}", "--val-every", "0", "--out", "{T}/s"], "--val-every: not used with --small"),
     (G + ["--quality", "0.9"], "method 'greedy' has no quality budget: quality= (--quality) applies to the lossy"),
     (G + ["--method", "calm", "--quality", "0.954"], "quality is a share in hundredths (0.95, 0.9, …), got 0.954"),
     (G + ["--regex", "("], "cannot compile the regex grammar: at 1(8): invalid regex"),

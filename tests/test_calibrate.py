@@ -216,8 +216,10 @@ def test_calibrate_end_to_end_writes_a_file_generate_reads(char_model, cache, tm
 
 
 def test_quality_errors_name_the_fix(char_model, cache):
-    with pytest.raises(GenerationError, match="layerleap calibrate calm"):
+    with pytest.raises(GenerationError) as e:
         layerleap.generate(char_model, "hi", "calm", 2, chat=True, quality=0.9)
+    # the model's own folder: without --model the command calibrates the default model
+    assert f"run `layerleap calibrate calm --model {char_model.source} --quality 0.9 --dtype float32`" in str(e.value)
     with pytest.raises(GenerationError, match="no quality budget"):
         layerleap.generate(char_model, "hi", "greedy", 2, chat=True, quality=0.9)
     with pytest.raises(GenerationError, match=r"quality must be .* \(0, 1\]"):
@@ -294,7 +296,8 @@ def test_a_calibration_priced_on_another_machine_says_so_once_per_file(char_mode
             assert len(told) == 1, told
             assert str(path) in told[0] and here in told[0] and other["cpu"] in told[0], told
             assert f"torch runs {threads} threads, not {threads + 1}" in told[0], told
-            assert f"`layerleap calibrate calm --quality 0.95 --dtype float32 --threads {threads}`" in told[0]
+            command = f"layerleap calibrate calm --model {char_model.source} --quality 0.95 --dtype float32"
+            assert f"`{command} --threads {threads}`" in told[0]
         else:
             assert told == [], told
     # the thread count alone differs: it alone is named; the same machine: nothing said
@@ -368,7 +371,9 @@ def test_uncalibrated_defaults_say_so_and_a_calibration_or_knob_silences_it(char
         with pytest.raises(GenerationError, match="needs the option exit_layer"):
             layerleap.generate(char_model, "hi", method, 2, chat=True)
     else:
-        with pytest.warns(layerleap.decoding.BudgetWarning, match=f"calibrate {method} --dtype float32"):
+        with pytest.warns(
+            layerleap.decoding.BudgetWarning, match=f"calibrate {method} --model {char_model.source} --dtype float32"
+        ):
             layerleap.generate(char_model, "hi", method, 2, chat=True)
     knob = sorted(budget.knobs(method, char_model.config.n_layers))[0]
     value = budget.PATHS[method](char_model.config.n_layers)[0][knob]
@@ -822,3 +827,28 @@ def test_the_check_prints_strict_json_when_a_perplexity_overflowed(monkeypatch, 
     cmd._check(args, None, [], "bild", (tmp_path / "x.json", {}), None)
     line = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     assert line["ppl_ratio"] == "inf" and line["options"] == {"alpha_rb": "inf"}
+
+
+def test_the_calibrate_command_named_is_the_models_own(tmp_path):
+    """The command a message names calibrates the model at hand: the default model bare, a packaged one
+    by name, a folder by its path, and a variant with its file."""
+    from types import SimpleNamespace
+
+    from layerleap.core.loading import DEFAULT_MODEL
+
+    def model(name, source, **kw):
+        return SimpleNamespace(config=SimpleNamespace(name=name), source=source, dtype_name="float32", **kw)
+
+    assert budget.calibrate_command(model("tiny", "/m/tiny"), "calm") == (
+        "layerleap calibrate calm --model /m/tiny --dtype float32"
+    )
+    assert budget.calibrate_command(model(DEFAULT_MODEL, "/cache/x"), "calm", 0.9, 2) == (
+        "layerleap calibrate calm --quality 0.9 --dtype float32 --threads 2"
+    )
+    assert budget.calibrate_command(model("qwen2.5-coder-0.5b", "/cache/y"), "calm") == (
+        "layerleap calibrate calm --model qwen2.5-coder-0.5b --dtype float32"
+    )
+    variant = model(DEFAULT_MODEL, "/cache/x", variant_file=str(tmp_path / "my variant.safetensors"))
+    assert budget.calibrate_command(variant, "calm") == (
+        f"layerleap calibrate calm --variant '{tmp_path}/my variant.safetensors' --dtype float32"
+    )

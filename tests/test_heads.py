@@ -391,3 +391,21 @@ def test_match_rate_wraps_each_prompts_seed_like_a_batched_call():
         for p, s in zip(prompts, (2**32 - 1, 0))
     ]
     assert res.tokens == sum(len(g.token_ids) for g in alone)
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (dict(layers=(1, 1)), "layers 1 given twice"),
+        (dict(layers=(1, 2), ks=(3, 1, 3)), "k 3 given twice"),
+        (dict(layers=(1,), heads=("shared", "shared")), "heads shared given twice"),
+    ],
+)
+def test_match_rate_refuses_a_repeated_layer_k_or_head(given, message):
+    """A layer or k given twice was counted twice over (a rate of 2/3 where 1/3 matched, 200% by position)."""
+    from layerleap.eval.match_rate import MatchRateConfig, MatchRateError, match_rate
+
+    model = random_model()
+    cfg = MatchRateConfig(**{"ks": (1,), "heads": ("shared",), "max_new_tokens": 4, **given})
+    with pytest.raises(MatchRateError, match=message):
+        match_rate(model, [[1, 2, 3]], cfg, progress=False)

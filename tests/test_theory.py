@@ -140,3 +140,30 @@ def test_cli_rejects_bad_inputs(capsys):
     assert "exit-layer" in capsys.readouterr().err
     assert cli.main(["theory", "ppd", "--p-correct", "1.5"]) == 2
     assert "p-correct" in capsys.readouterr().err
+
+
+def test_measure_refuses_a_head_file_without_the_exit_layers_before_decoding(
+    capsys, monkeypatch, tmp_path, char_model_dir
+):
+    """``--measure --head FILE`` whose file has no head at one of ``--exit-layers``: refused in the
+    command's flags before the first greedy reference is decoded."""
+    import layerleap
+    from layerleap import decoding
+    from layerleap.drafters.exit_heads import new_head, save_heads
+
+    model = layerleap.load_folder(char_model_dir)
+    heads = tmp_path / "h2.safetensors"
+    save_heads([new_head(model, 2, "lens")], heads)
+
+    def no_decoding(*a, **kw):
+        raise AssertionError("decoded before the head was checked")
+
+    monkeypatch.setattr(decoding, "generate", no_decoding)
+    argv = ["theory", "ppd", "--measure", "--model", str(char_model_dir), "--categories", "qa", "--prompts", "1"]
+    rc = cli.main([*argv, "--max-new-tokens", "4", "--exit-layers", "2,3", "--ks", "1", "--head", str(heads)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.strip().splitlines()[-1] == (
+        f"layerleap theory ppd: error: --head {heads}: no heads at layers 3 (it has 2): give --exit-layers among "
+        "them, --head shared, or a heads file trained there (`layerleap train heads`)"
+    )

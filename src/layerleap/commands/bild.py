@@ -19,6 +19,8 @@ from ..core import options as O
 from ..methods.bild import ALPHA_FB, ALPHA_RB, MAX_SMALL, OPTIONS as BILD_OPTIONS
 from .basic import (
     _command_line,
+    _given,
+    _refuse_unused,
     _model_arg,
     _csv,
     _load,
@@ -94,7 +96,9 @@ def _form_args(p, eagle: bool = False) -> None:
         type=O.HEAD.arg(),
         default="auto",
         help=f"exit head: {', '.join(HEADS)} or a file from `layerleap align` "
-        "(default auto: a shipped trained head if there is one, else shared)",
+        "(default auto: a shipped trained head if there is one, else shared)"
+        if eagle
+        else argparse.SUPPRESS,  # align trains a new head: refused there with the reason
     )
 
 
@@ -388,8 +392,10 @@ def _setup_align(p):
 def run_align(args) -> int:
     if args.exit_layer is None and not args.small:
         raise LayerleapError("choose the form: --exit-layer E (train an exit head) or --small MODEL (fine-tune it)")
-    if args.small and args.head != "auto":
-        raise LayerleapError("--head is not used by align: it trains a new head")
+    if _given(args, "--head"):  # neither form reads an exit head: the early-exit form starts from the shared one
+        raise LayerleapError("--head is not used by align: it trains a new head (from the shared head): drop it")
+    if args.small:
+        _refuse_unused(args, ("--rank", "--val-every"), "with --small (exit-head settings, for --exit-layer)")
     from ..datasets import spec_bench
 
     prompts = spec_bench(args.data, _csv(args.categories), args.prompts, offset=args.offset)

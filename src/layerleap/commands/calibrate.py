@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from .. import validate as V, workload
 from ..errors import LayerleapError
 from ..eval import calibrate as C
 from ..files import json_text, write_json
+from ..core.loading import DEFAULT_MODEL
 from ..methods import budget
 from . import command
 from .basic import _command_line, _load, _model_args, _positive_int, _refuse_unused, _say, _threads
@@ -181,8 +183,9 @@ def _report(args, method: str) -> str | None:
 
 def _calibrate_command(args, model, method: str) -> str:
     """The ``calibrate`` command that writes the calibration ``--check`` looks for."""
-    out = f" --out {args.out}" if args.out else ""
-    return f"layerleap calibrate {method} --quality {args.quality} --dtype {model.dtype_name}{out}"
+    flags = [("--model", args.model if args.model != DEFAULT_MODEL else None), ("--variant", args.variant)]
+    flags += [("--quality", args.quality), ("--dtype", model.dtype_name), ("--out", args.out)]
+    return shlex.join(["layerleap", "calibrate", method, *(w for f, v in flags if v is not None for w in (f, str(v)))])
 
 
 def _calibration(args, model, method: str) -> tuple[Path, dict]:

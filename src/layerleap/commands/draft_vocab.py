@@ -125,7 +125,12 @@ def run_corpus(args) -> int:
     from ..eval.corpus import replay
     from ..methods.prompt_lookup import DEFAULT_MAX_NGRAM
     from ..train.data import answers_kind, load_self_distilled
+    from .basic import _refuse_unused
 
+    if not args.calibration_prompts:
+        _refuse_unused(
+            args, ("--max-new-tokens", "--draft-len"), "with --calibration-prompts 0 (they shape the replay)"
+        )
     cmd, model, threads = _start(args)
     path, pairs = load_self_distilled(model, args.data)
     meta = {

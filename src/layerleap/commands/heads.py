@@ -299,9 +299,11 @@ def _refuse_unused_sampling(args, modes: list[str]) -> None:
     _refuse_unused(args, tuple(unused), f"with --mode {','.join(modes)}")
 
 
-def _check_head_layers(model, names: list[str], layers: list[int]) -> None:
+def _check_head_layers(
+    model, names: list[str], layers: list[int], flag: str = "--heads", layers_flag: str = "--layers"
+) -> None:
     """Each of ``--heads`` (trained, or a heads file) has a head at every one of ``--layers``: refused
-    in the command's own flags where one does not."""
+    in the command's own flags (``flag``, ``layers_flag``) where one does not."""
     from ..drafters.exit_heads import load_heads, trained_layers
 
     for name in names:
@@ -312,9 +314,9 @@ def _check_head_layers(model, names: list[str], layers: list[int]) -> None:
         if missing:
             what = f"no shipped trained heads for {model.config.name}" if name == "trained" else "no heads"
             listed = ", ".join(map(str, have))
-            among = f"(it has {listed}): give --layers among them, " if have else "(none ship): give "
+            among = f"(it has {listed}): give {layers_flag} among them, " if have else "(none ship): give "
             raise LayerleapError(
-                f"--heads {name}: {what} at layers {', '.join(map(str, missing))} {among}--heads shared, or a "
+                f"{flag} {name}: {what} at layers {', '.join(map(str, missing))} {among}{flag} shared, or a "
                 "heads file trained there (`layerleap train heads`)"
             )
 
@@ -329,10 +331,14 @@ def run_match(args) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise LayerleapError(f"--mode {', '.join(bad)} unknown: choose from {', '.join(MODES)}")
+    if len(set(modes)) < len(modes):
+        raise LayerleapError(f"--mode {args.mode} names a mode twice: give each once")
     _refuse_unused_sampling(args, modes)
     if args.position_layer is not None and args.position_layer not in layers:
         raise LayerleapError(f"--position-layer {args.position_layer} is not among --layers {args.layers}")
     cats = _csv(args.category) or []
+    if not cats:  # else it measures nothing and writes an empty report
+        raise LayerleapError(f"--category {args.category!r} names no category: give Spec-Bench categories, e.g. qa")
     prompts = {c: _read_prompts(args.spec_bench, [c], args.prompts + args.offset)[args.offset :] for c in cats}
     for c, ps in prompts.items():
         if not ps:

@@ -14,6 +14,7 @@ from ..decoding import get_method
 from ..methods.ppd import EXIT_LAYER as PPD_EXIT_LAYER
 from ..files import json_text, write_json
 from . import command
+from .heads import _check_head_layers
 from ..errors import LayerleapError
 from .basic import (
     _check_sizes,
@@ -163,6 +164,7 @@ def _measure(args) -> int:
             )
     for k in ks:
         V.integer(k, "--ks", 1, model.config.vocab_size, f" (the vocabulary of {model.config.name})")
+    _check_head_layers(model, [args.head], layers, "--head", "--exit-layers")  # before any decoding
     workload.check(args, workload.decoding(model, len(prompts), args.max_new_tokens, "greedy references"))
     totals: dict = {}
     for pr in tqdm(prompts, desc="match rates", unit="prompt"):

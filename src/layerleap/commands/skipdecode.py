@@ -19,7 +19,18 @@ from ..errors import LayerleapError
 from ..core import options as O
 from ..methods.skipdecode import WARMUP, target_config
 from .. import validate as V, workload
-from .basic import _model_arg, _command_line, _csv, _load, _model_args, _model_line, _positive_int, _say, _threads
+from .basic import (
+    _model_arg,
+    _command_line,
+    _csv,
+    _load,
+    _model_args,
+    _model_line,
+    _positive_int,
+    _refuse_unused,
+    _say,
+    _threads,
+)
 
 TARGETS = (2, 3, 4, 5)
 
@@ -199,6 +210,8 @@ def run_variant(args) -> int:
             f"--variant {args.variant}: finetune variant trains deltas for --model itself, which load as "
             "load(MODEL, variant=FILE), one variant at a time: drop --variant"
         )
+    other = {"skipdecode": ("--min-layer", "--layers-per-step"), "calm": ("--target-speedup",)}[args.objective]
+    _refuse_unused(args, other, f"with --objective {args.objective} (the other objective's)")
     threads = _threads(args.threads)
     cmd = _command_line(args)
     print(f"$ {cmd}", flush=True)

@@ -141,6 +141,7 @@ def apply(model: Transformer, path: str | Path) -> Transformer:
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     model.set_fingerprint(hashlib.sha256(f"{base_fp}+{digest}".encode()).hexdigest()[: len(base_fp)])
     model.variant = Path(path).stem
+    model.variant_file = str(path)  # what `--variant` names to load it again
     return model
 
 

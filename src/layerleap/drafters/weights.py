@@ -233,7 +233,8 @@ def read(model, path, kind: Kind):
 
     p = Path(path).expanduser()
     if not p.is_file():
-        raise kind.error(f"no such file {str(path)!r} ({kind.what}): give a file written by `{kind.command}`")
+        what = f"{str(path)!r} is a folder" if p.is_dir() else f"no such file {str(path)!r}"
+        raise kind.error(f"{what} ({kind.what}): give a file written by `{kind.command}`")
     meta = read_meta(p, kind.error, f"train them again with `{kind.command}`", kind.what)
     if newer_format(meta.get("format"), FORMAT):
         raise kind.error(newer_file(p, meta["format"], FORMAT, kind.command))

@@ -56,6 +56,10 @@ class MatchRateConfig:
             raise MatchRateError(f"unknown mode {self.mode!r}: choose {', '.join(MODES)}")
         if not self.heads:
             raise MatchRateError("no heads: give e.g. shared,trained")
+        for name, items in (("layers", self.layers), ("k", self.ks), ("heads", self.heads)):
+            twice = sorted({x for x in items if list(items).count(x) > 1}, key=str)
+            if twice:  # a repeated layer or k would be counted twice over
+                raise MatchRateError(f"{name} {', '.join(map(str, twice))} given twice: give each once")
         with V.raising(MatchRateError):
             V.integer(self.max_new_tokens, "max_new_tokens", 1, model.config.max_position - 1)
             V.integer(self.buckets, "buckets", 1)

@@ -21,6 +21,7 @@ process (``machine_note``).
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,8 +178,8 @@ def machine_note(cal: Calibrated, model) -> str | None:
     key = budget_key(cal.quality)
     return (
         f"{cal.method}: the calibration {cal.path} was priced on another machine ({'; '.join(differs)}), so the "
-        f"setting it chose may not be the fastest here that keeps quality {key}; run `layerleap calibrate "
-        f"{cal.method} --quality {key} --dtype {model.dtype_name} --threads {torch.get_num_threads()}` to price "
+        f"setting it chose may not be the fastest here that keeps quality {key}; run "
+        f"`{calibrate_command(model, cal.method, key, torch.get_num_threads())}` to price "
         "it on this one"
     )
 
@@ -300,9 +301,20 @@ def uncalibrated_note(model, method: str, options: dict, quality) -> str | None:
         return None
     return (
         f"{method}: no calibration for {model.config.name} ({model.dtype_name}), so it runs its uncalibrated "
-        f"defaults, whose quality is unmeasured here; run `layerleap calibrate {method} --dtype "
-        f"{model.dtype_name}` to get a setting that keeps {DEFAULT_QUALITY:.0%} of greedy's quality"
+        f"defaults, whose quality is unmeasured here; run `{calibrate_command(model, method)}` to "
+        f"get a setting that keeps {DEFAULT_QUALITY:.0%} of greedy's quality"
     )
+
+
+def calibrate_command(model, method: str, quality=None, threads: int | None = None) -> str:
+    """The ``layerleap calibrate`` command line that calibrates ``method`` for ``model`` in its dtype: with
+    ``--model`` (and ``--variant``) where it is not the default model, which the command would calibrate."""
+    from ..core.loading import DEFAULT_MODEL, PACKAGED
+
+    name, variant = model.config.name, getattr(model, "variant_file", None)
+    flags = [("--model", None if name == DEFAULT_MODEL else name if name in PACKAGED else model.source or name)]
+    flags += [("--variant", variant), ("--quality", quality), ("--dtype", model.dtype_name), ("--threads", threads)]
+    return shlex.join(["layerleap", "calibrate", method, *(w for f, v in flags if v is not None for w in (f, str(v)))])
 
 
 def check_has_budget(method: str, quality) -> None:
@@ -339,7 +351,6 @@ def resolve(model, method: str, options: dict, quality) -> tuple[dict, Calibrate
     if cal is None:
         raise GenerationError(
             f"{method} has no calibration at quality {budget_key(quality)} for {model.config.name} "
-            f"({model.dtype_name}): run `layerleap calibrate {method} --quality {quality} --dtype "
-            f"{model.dtype_name}`"
+            f"({model.dtype_name}): run `{calibrate_command(model, method, quality)}`"
         )
     return {**options, **cal.options}, cal

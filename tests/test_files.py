@@ -258,6 +258,28 @@ def test_a_folder_gets_the_umasks_permissions_as_mkdir_gives(tmp_path, umask):
     assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o777 & ~umask
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_a_weights_file_gets_the_umasks_permissions_as_open_gives(tmp_path, umask):
+    """safetensors makes its files the owner's only (0600): a heads or weights file written in a shared cache
+    or a team's folder is readable by whom the umask lets read it, as a file ``open`` makes."""
+    import os
+    import stat
+
+    import torch
+
+    from layerleap.files import save_safetensors
+
+    old = os.umask(umask)
+    try:
+        save_safetensors(tmp_path / "w.safetensors", {"a": torch.zeros(2)})
+        (tmp_path / "plain").write_text("x")
+    finally:
+        os.umask(old)
+    want = stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    assert want == 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "w.safetensors").stat().st_mode) == want
+
+
 def test_json_files_are_strict_json_and_read_back_what_was_written(tmp_path):
     """JSON has no Infinity or NaN (browsers' JSON.parse and jq refuse them): a float that is not finite
     is written as its text, which ``number`` reads back."""

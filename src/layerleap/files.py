@@ -32,6 +32,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
+        _umask_mode(tmp)
         os.replace(tmp, path)
     except OSError as e:
         raise LayerleapError(f"cannot write {path}: {e.strerror or e}") from None
@@ -39,6 +40,30 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _umask_mode(path: Path) -> None:
+    """Give the file a plain ``open`` would make: read and write as the umask allows.  A writer that makes
+    its file the owner's only (safetensors makes 0600) would leave a shared cache's or a team folder's
+    weights unreadable to the others."""
+    mode = 0o666 & ~_umask()
+    st = os.stat(path)
+    if not st.st_mode & 0o111 and st.st_mode & 0o777 != mode:
+        os.chmod(path, mode)
+
+
+def _umask() -> int:
+    """The process's umask (Linux: read from /proc, as setting it to read it would race other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def stamp(path: str | Path) -> tuple[int, int, int, int, int]:

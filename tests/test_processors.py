@@ -238,3 +238,52 @@ def test_min_p_is_a_warp_every_sampling_method_takes(models):
     assert r.token_ids == generate(m, [1, 2, 3], "early-exit", 8, exit_layer=1, stop_at_eos=False).token_ids
     with pytest.raises(GenerationError, match="method 'ppd' decodes greedily and would ignore min_p"):
         generate(m, [1, 2, 3], "ppd", 8, exit_layer=2, k=1, head="shared", min_p=0.1)
+
+
+# -- the command line ---------------------------------------------------------------------------------
+def test_generate_command_takes_the_processors(capsys, char_model_dir):
+    import json
+
+    import layerleap
+    from layerleap.cli import main
+
+    model = layerleap.load_folder(char_model_dir)
+    args = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={70: 4.0, 71: -100})
+    flags = "--repetition-penalty 1.5 --presence-penalty 0.5 --frequency-penalty -0.25"
+    flags += " --logit-bias 70=4 --logit-bias 71=-100"
+    for method in ("greedy", "prompt-lookup"):
+        argv = ["generate", "--model", str(char_model_dir), "--prompt", "abcabc", "--max-new-tokens", "12", "--json"]
+        assert main(argv + ["--method", method, *flags.split()]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == generate(model, "abcabc", "greedy", 12, **args).token_ids
+        assert got["token_ids"] != generate(model, "abcabc", "greedy", 12).token_ids
+    argv = ["generate", "--model", str(char_model_dir), "--prompt", "ab", "--max-new-tokens", "12", "--json"]
+    assert main(argv + ["--method", "sample", "--min-p", "1", "--seed", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == generate(model, "ab", "greedy", 12).token_ids
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        ("--repetition-penalty 0", "--repetition-penalty: must be a finite number > 0"),
+        ("--presence-penalty 3", "--presence-penalty: must be a finite number in [-2, 2]"),
+        ("--frequency-penalty x", "--frequency-penalty: must be a finite number in [-2, 2]"),
+        ("--logit-bias 5", "--logit-bias: must be TOKEN_ID=BIAS"),
+        ("--logit-bias 5=200", "the bias must be a finite number in [-100, 100]"),
+        ("--logit-bias=-1=2", "the token id must be an integer >= 0"),
+        ("--logit-bias 500=2", "a token id of this model"),  # after the model loads
+        ("--min-tokens -2", "--min-tokens: must be an integer >= 0"),
+        ("--min-tokens 9 --max-new-tokens 8", "--min-tokens 9 exceeds --max-new-tokens 8"),
+        ("--min-p 2", "--min-p: must be a finite number in [0, 1]"),
+        ("--min-p 0.1 --method ppd", "method 'ppd' decodes greedily and would ignore min_p"),
+        ("--repetition-penalty 1.2 --method skipdecode", "method 'skipdecode' cannot apply --repetition-penalty"),
+        ("--min-tokens 2 --regex [a-c]+", "--min-tokens with a grammar"),
+    ],
+)
+def test_generate_command_refuses_bad_processor_flags(capsys, char_model_dir, flags, words):
+    from layerleap.cli import main
+
+    argv = ["generate", "--model", str(char_model_dir), "--prompt", "ab", *flags.split()]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err

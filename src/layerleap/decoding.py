@@ -508,7 +508,7 @@ def _check_grammar(m: Method, grammar) -> None:
 
 def check_processors(
     m: Method,
-    vocab: int,
+    vocab: int | None,
     max_new_tokens: int,
     grammar: Grammar | None = None,
     repetition_penalty=None,
@@ -518,7 +518,8 @@ def check_processors(
     min_tokens=None,
 ) -> dict:
     """The logits processors' arguments (None: not given) checked -> ``GenerationConfig``'s fields for those
-    that ask for something (``logit_bias`` as (token id, bias) pairs, ids ascending, zero biases dropped).
+    that ask for something (``logit_bias`` as (token id, bias) pairs, ids ascending, zero biases dropped;
+    its ids checked against the vocabulary ``vocab``, unless None: before a command loads the model).
     A method that cannot apply them at every token it keeps (``Method.grammar`` False) refuses them."""
     out = {}
     with V.raising(GenerationError):
@@ -558,7 +559,7 @@ def check_processors(
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias
 
 
-def _logit_bias(value, vocab: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
     """``{token id: bias}`` -> (id, bias) pairs, ids ascending, without the zero biases."""
     if not isinstance(value, dict):
         raise GenerationError(
@@ -566,7 +567,8 @@ def _logit_bias(value, vocab: int) -> tuple[tuple[int, float], ...]:
         )
     out = {}
     for t, b in value.items():
-        V.integer(t, f"logit_bias's token id {V.show(t)}", 0, vocab - 1, hint=" (a token id of this model)")
+        top = None if vocab is None else vocab - 1
+        V.integer(t, f"logit_bias's token id {V.show(t)}", 0, top, hint=" (a token id of this model)")
         out[int(t)] = V.number(b, f"logit_bias[{int(t)}]", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     return tuple(sorted((t, b) for t, b in out.items() if b != 0))
 

@@ -361,3 +361,16 @@ def test_a_schema_nested_past_the_json_parsers_depth_is_a_grammar_error():
         deep = {"properties": {"a": deep}}
     with pytest.raises(GrammarError, match="nested too deep"):
         Grammar.json(deep)
+
+
+@pytest.mark.parametrize("label", ["prompt-lookup", "speculative", "medusa", "auto"])
+def test_processors_under_a_grammar_stay_lossless(tiny, draft, label):
+    """Penalties and biases apply before the grammar's mask, at every node by its path: a drafting method
+    under both equals greedy under both, and the penalty changes the answer."""
+    grammar, loop = GRAMMARS["json_object"], {476: 5.0}  # a bias under which the answer repeats a token
+    procs = dict(repetition_penalty=1.8, frequency_penalty=0.5, logit_bias=loop)
+    want = generate(tiny, PROMPTS[0], "greedy", 40, grammar=grammar, **procs)
+    assert want.token_ids != generate(tiny, PROMPTS[0], "greedy", 40, grammar=grammar, logit_bias=loop).token_ids
+    assert follows("json_object", want.text), want.text
+    got = generate(tiny, PROMPTS[0], label, 40, grammar=grammar, **procs, **DRAFTING[label](tiny, draft))
+    assert got.token_ids == want.token_ids

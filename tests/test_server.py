@@ -144,6 +144,64 @@ def test_sampling_with_seed_is_reproducible(client, tiny):
     assert a == b == generate(tiny, "Hello", "sample", 10, temperature=0.8, top_p=0.9, seed=7).text
 
 
+LOOP = {"1004": 4.0, "39857": 4.0}  # biases that make the tiny model repeat one token
+PENALTIES = [
+    {"repetition_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": LOOP},
+    {"frequency_penalty": 1.2, "logit_bias": LOOP},
+    {"repeat_penalty": 1.3, "min_tokens": 20, "logit_bias": LOOP},
+]
+
+
+def _as_generate(fields: dict) -> dict:
+    """A request's penalty fields as ``generate``'s arguments."""
+    out = {("repetition_penalty" if k == "repeat_penalty" else k): v for k, v in fields.items()}
+    if "logit_bias" in out:
+        out["logit_bias"] = {int(t): b for t, b in out["logit_bias"].items()}
+    return out
+
+
+@pytest.mark.parametrize("method,options", [("greedy", {}), ("prompt-lookup", {}), ("sample", {})])
+def test_penalties_and_biases_are_honoured(tiny_server, tiny, method, options):
+    """The penalties decode what ``generate`` with them decodes: greedy through the pool, a drafting method
+    through its own batch, sampling with min_p 1 (the likeliest token alone) as greedy; requests with other
+    penalties in flight at once keep their own."""
+    extra = {"temperature": 0.7, "min_p": 1.0, "seed": 3} if method == "sample" else {}
+
+    def ask(_c, i):
+        body = {"prompt": "The sky is", "max_tokens": 24, "layerleap": {"method": method}, **PENALTIES[i % 3], **extra}
+        return post(tiny_server, body).json()
+
+    for i, r in enumerate(in_parallel(tiny_server, ask, 6)):
+        want = generate(tiny, "The sky is", "greedy", 24, **_as_generate(PENALTIES[i % 3]))
+        assert r["choices"][0]["text"] == want.text, (i, r)
+    loop = generate(tiny, "The sky is", "greedy", 24, logit_bias={int(t): b for t, b in LOOP.items()}).token_ids
+    assert len(set(loop)) == 1 and loop != generate(tiny, "The sky is", "greedy", 24).token_ids
+    assert all(generate(tiny, "The sky is", "greedy", 24, **_as_generate(p)).token_ids != loop for p in PENALTIES)
+
+
+@pytest.mark.parametrize(
+    "fields,param,words",
+    [
+        ({"repetition_penalty": 1.2, "layerleap": {"method": "ppd"}}, "repetition_penalty", "cannot apply"),
+        ({"repeat_penalty": 1.2, "layerleap": {"method": "ppd"}}, "repeat_penalty", "cannot apply repeat_penalty"),
+        ({"repetition_penalty": 1.2, "repeat_penalty": 1.1}, "repeat_penalty", "disagree"),
+        ({"repetition_penalty": 0}, "repetition_penalty", None),
+        ({"presence_penalty": 2.5}, "presence_penalty", None),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "token ids written as strings"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias", "a token id of this model"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ({"min_tokens": 5}, "min_tokens", "min_tokens=5 exceeds max_tokens=3"),
+        ({"min_tokens": 2, "guided_regex": "[a-c]+"}, "min_tokens", "with a grammar"),
+        ({"min_p": 1.5}, "min_p", None),
+        ({"min_p": 0.1, "layerleap": {"method": "ppd"}}, "min_p", "would ignore"),
+    ],
+)
+def test_bad_penalties_are_400s_naming_the_field(tiny_server, fields, param, words):
+    r = post(tiny_server, {"prompt": "a", "max_tokens": 3, **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert words is None or words in r.json()["error"]["message"], r.text
+
+
 def test_stop_string_cuts_the_text(client, tiny):
     full = generate(tiny, "The sky is", "greedy", 24).text
     stop = full[len(full) // 2 : len(full) // 2 + 3]
@@ -225,7 +283,7 @@ BAD = [
     ({"prompt": "a", "response_format": {"type": "json_object"}, "layerleap": {"method": "ppd"}}, 400, None),
     ({"prompt": "a", "response_format": {"type": "yaml"}}, 400, None),
     ({"prompt": "a", "response_format": "json"}, 400, None),
-    ({"prompt": "a", "min_p": 0.1}, 400, None),
+    ({"prompt": "a", "typical_p": 0.9}, 400, None),
 ]
 PARAMS = {
     "stream_options": "stream_options",
@@ -233,7 +291,7 @@ PARAMS = {
     "seed": "seed",
     "frobnicate": "frobnicate",
     "response_format": "response_format",
-    "min_p": "min_p",
+    "typical_p": "typical_p",
     "stream": "stream",
     "n": "n",
     "stop": "stop",

@@ -394,6 +394,13 @@ HONOURED = {
     "guided_grammar",
     "grammar",
     "json_schema",
+    "min_p",
+    "repetition_penalty",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
 }
 UNUSED = {
     "user",
@@ -439,6 +446,9 @@ VALUES = {
     "repetition_penalty": 1.2,
     "repeat_penalty": 1.2,
     "min_tokens": 2,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "logit_bias": {"5": -100},
     "grammar": 'root ::= "a"',
     "guided_json": {"type": "object"},
     "guided_regex": "[a-c]+",

@@ -23,6 +23,7 @@ from .core.model import Transformer
 from .methods import budget
 from .core.grammar import Grammar
 from .core.logprobs import MAX_TOP, TokenLogprob, typed
+from .core.processors import NEUTRAL as PROCESSORS_NEUTRAL
 from .core.stats import RECORD_FIELDS, BudgetStats, Stats
 from .core.text import StopText, TextPieces, check_stops, tokens_through
 from .core.run import (
@@ -70,8 +71,8 @@ def get_method(name: str) -> Method:
 
 
 GENERATE_ARGS = (
-    "max_new_tokens", "temperature", "top_k", "top_p", "seed", "do_sample", "stop_at_eos", "stop", "chat", "quality",
-    "grammar",
+    "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "do_sample", "stop_at_eos", "stop", "chat",
+    "quality", "grammar", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens",
 )  # fmt: skip
 HF_ARGS = {  # `transformers` generate arguments and what says the same here
     "max_length": "max_new_tokens= (the new tokens, the prompt not counted)",
@@ -103,8 +104,10 @@ def _unknown_names(m: Method, options: dict) -> None:
             )
 
 
-SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
-NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # values that change no distribution: they ask for nothing
+SAMPLING_ARGS = ("temperature", "top_k", "top_p", "min_p", "seed")
+# values that change no distribution: they ask for nothing
+NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+PROCESSOR_ARGS = tuple(PROCESSORS_NEUTRAL)  # the logits processors over each row's history (``core.processors``)
 
 
 def sampling_choice(m: Method, do_sample: bool | None, given: dict) -> bool:
@@ -113,7 +116,7 @@ def sampling_choice(m: Method, do_sample: bool | None, given: dict) -> bool:
     as ``temperature=0.7`` alone means sampling.  A sampling argument a call would ignore is refused:
     given to a method that decodes greedily only, or a warp (temperature, top_k, top_p) with
     ``do_sample=False``; a seed with ``do_sample=False`` is allowed (it changes nothing), so that one
-    set of arguments serves both choices."""
+    set of arguments serves both choices.  (``min_p`` is a warp.)"""
     if do_sample is None:
         if given and not m.sampling:
             names = ", ".join(given)
@@ -309,6 +312,7 @@ def generate(
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     seed: int | None = None,
     do_sample: bool | None = None,
     stop_at_eos: bool = True,
@@ -317,6 +321,11 @@ def generate(
     quality: float | None = None,
     grammar: Grammar | None = None,
     logprobs: int | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int | None = None,
     **options,
 ):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
@@ -354,11 +363,22 @@ def generate(
     ``logprobs`` (None: off; 0 to ``core.logprobs.MAX_TOP``): ``result.logprobs`` holds one
     ``TokenLogprob`` per token of ``token_ids``: the token, its text, its log probability and the
     ``logprobs`` likeliest tokens at its position (``top``).  They are the model's own (the log-softmax of
-    the logits the token was chosen from, before temperature, top-k, top-p and a grammar's mask), taken
+    the logits the token was chosen from, before the processors, temperature, top-k, top-p and a grammar's mask), taken
     where the token is chosen, at no extra model call (``bild`` with ``alpha_rb=inf`` excepted: the chain
     it would leave unscored at the output's end is scored): a lossless method's are greedy's (within float
     rounding); a draft-and-verify method's are the verifying model's; those of a method that skips layers
-    (``skipdecode``, ``early-exit``, ``calm``) are of the logits it chose from, its layers' own.
+    (``skipdecode``, ``early-exit``, ``calm``) are of the logits it chose from, its layers' own.  The
+    logits processors below do not change them.
+
+    Logits processors (``core.processors``), greedy or sampled, with the semantics of `transformers`, OpenAI
+    and vLLM: ``repetition_penalty`` (> 0; over the prompt's and the output's tokens: a positive logit is
+    divided by it, another multiplied), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]; over the
+    output's tokens: subtracted once if the token occurs, once per occurrence), ``logit_bias`` (``{token id:
+    bias}``, biases in [-100, 100], added to the logits) and ``min_tokens`` (the end-of-sequence tokens are
+    forbidden until the output holds that many).  ``min_p`` (in [0, 1]) is a sampling warp beside top-k and
+    top-p: the tokens less likely than ``min_p`` times the likeliest one are dropped.  Methods with
+    ``METHODS[name].grammar`` apply the processors, the lossless ones staying lossless (greedy output equal to
+    greedy decoding with the same processors); the others refuse them.  The defaults ask for nothing.
 
     Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
     (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
@@ -376,6 +396,7 @@ def generate(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
         seed=seed,
         do_sample=do_sample,
         stop_at_eos=stop_at_eos,
@@ -384,6 +405,11 @@ def generate(
         quality=quality,
         grammar=grammar,
         logprobs=logprobs,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=logit_bias,
+        min_tokens=min_tokens,
         **options,
     )
     for _ in d:
@@ -406,6 +432,8 @@ def _prepare(
     options: dict,
     grammar: Grammar | None = None,
     logprobs: int | None = None,
+    min_p: float | None = None,
+    processors: dict | None = None,
 ) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
     """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
     _check(
@@ -424,6 +452,8 @@ def _prepare(
             V.integer(top_k, "top_k", 0, hint=" (0 = off)")
         if top_p is not None:
             V.number(top_p, "top_p", 0, 1, lo_open=True)
+        if min_p is not None:
+            V.number(min_p, "min_p", 0, 1, hint=" (0 = off)")
         if seed is not None:
             V.seed(seed)
         if do_sample is not None:
@@ -434,10 +464,13 @@ def _prepare(
             V.integer(logprobs, "logprobs", 0, MAX_TOP, hint=" (None: off; 0: the chosen tokens' only)")
         options.update(m.check_options(options, model.config))
     given = {
-        k: v for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, seed)) if v is not None and NEUTRAL.get(k) != v
+        k: v
+        for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, min_p, seed))
+        if v is not None and NEUTRAL.get(k) != v
     }
     do_sample = sampling_choice(m, do_sample, given)
     _check_grammar(m, grammar)
+    procs = check_processors(m, model.config.vocab_size, max_new_tokens, grammar, **(processors or {}))
 
     ids = [_encode_row(model, prompts, i, chat) for i in range(len(prompts))]
     ctx = model.config.max_position
@@ -467,6 +500,8 @@ def _prepare(
         eos,
         grammar,
         None if logprobs is None else int(logprobs),
+        0.0 if min_p is None else float(min_p),
+        **procs,
     )
     if grammar is not None:
         grammar.start(model, 1, eos)  # compiles it (kept): a bad grammar is refused here, before decoding
@@ -486,6 +521,73 @@ def _check_grammar(m: Method, grammar) -> None:
         grammar is None or m.grammar,
         f"method {m.name!r} cannot follow a grammar: use one that can ({', '.join(grammar_methods())})",
     )
+
+
+def check_processors(
+    m: Method,
+    vocab: int | None,
+    max_new_tokens: int,
+    grammar: Grammar | None = None,
+    repetition_penalty=None,
+    presence_penalty=None,
+    frequency_penalty=None,
+    logit_bias=None,
+    min_tokens=None,
+) -> dict:
+    """The logits processors' arguments (None: not given) checked -> ``GenerationConfig``'s fields for those
+    that ask for something (``logit_bias`` as (token id, bias) pairs, ids ascending, zero biases dropped;
+    its ids checked against the vocabulary ``vocab``, unless None: before a command loads the model).
+    A method that cannot apply them at every token it keeps (``Method.grammar`` False) refuses them."""
+    out = {}
+    with V.raising(GenerationError):
+        if repetition_penalty is not None:
+            out["repetition_penalty"] = V.number(
+                repetition_penalty,
+                "repetition_penalty",
+                0,
+                lo_open=True,
+                hint=" (1.0 = off; above 1 discourages repeats)",
+            )
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if value is not None:
+                out[name] = V.number(value, name, -2, 2, hint=" (0 = off)")
+        if logit_bias is not None:
+            out["logit_bias"] = _logit_bias(logit_bias, vocab)
+        if min_tokens is not None:
+            out["min_tokens"] = V.integer(min_tokens, "min_tokens", 0, hint=" (0 = off)")
+            _check(
+                out["min_tokens"] <= max_new_tokens,
+                f"min_tokens={out['min_tokens']} exceeds max_new_tokens={max_new_tokens}: lower min_tokens or raise "
+                "max_new_tokens",
+            )
+    out = {k: v for k, v in out.items() if v != PROCESSORS_NEUTRAL[k]}
+    if out and not m.grammar:
+        raise GenerationError(
+            f"method {m.name!r} cannot apply {', '.join(out)} to every token it keeps: use one that can "
+            f"({', '.join(grammar_methods())})"
+        )
+    _check(
+        not out.get("min_tokens") or grammar is None,
+        "min_tokens with a grammar: the grammar decides where the output ends: leave min_tokens out",
+    )
+    return out
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias
+
+
+def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` -> (id, bias) pairs, ids ascending, without the zero biases."""
+    if not isinstance(value, dict):
+        raise GenerationError(
+            f"logit_bias must be a dict of token id -> bias in [-100, 100] ({{50256: -100}}), got {V.show(value)}"
+        )
+    out = {}
+    for t, b in value.items():
+        top = None if vocab is None else vocab - 1
+        V.integer(t, f"logit_bias's token id {V.show(t)}", 0, top, hint=" (a token id of this model)")
+        out[int(t)] = V.number(b, f"logit_bias[{int(t)}]", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return tuple(sorted((t, b) for t, b in out.items() if b != 0))
 
 
 class BudgetWarning(UserWarning):
@@ -512,6 +614,7 @@ class Decoding:
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
         seed: int | None = None,
         do_sample: bool | None = None,
         stop_at_eos: bool = True,
@@ -520,6 +623,11 @@ class Decoding:
         quality: float | None = None,
         grammar: Grammar | None = None,
         logprobs: int | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int | None = None,
         **options,
     ):
         _unknown_names(get_method(method), options)
@@ -543,6 +651,14 @@ class Decoding:
             options,
             grammar,
             logprobs,
+            min_p,
+            dict(
+                repetition_penalty=repetition_penalty,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                logit_bias=logit_bias,
+                min_tokens=min_tokens,
+            ),
         )
         self.stops = check_stops(stop)
         _check(

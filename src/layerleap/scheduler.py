@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .core import sampling
+from .core import processors, sampling
 from .core.kv_cache import KVCache
 from .core.model import Transformer
 from .core.logprobs import Raw, TokenLogprob, capture, typed
@@ -54,7 +54,14 @@ class Settings:
 
     def decoding(self, model: Transformer, prompts) -> Decoding:
         g = self.gen
-        sampling = dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=g.seed) if g.do_sample else {}
+        sampling = (
+            dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p, seed=g.seed)
+            if g.do_sample
+            else {}
+        )
+        procs = processors.asked(g)
+        if "logit_bias" in procs:
+            procs["logit_bias"] = dict(procs["logit_bias"])
         return Decoding(
             model,
             prompts,
@@ -65,6 +72,7 @@ class Settings:
             **sampling,
             grammar=g.grammar,
             logprobs=g.logprobs,
+            **procs,
             **self.options,
         )
 
@@ -75,9 +83,12 @@ class Settings:
         g = self.gen
         if not get_method(self.method).batched or (g.do_sample and g.seed is not None):
             return ("alone", serial)
-        sampling = (g.temperature, g.top_k, g.top_p) if g.do_sample else None
+        sampling = (g.temperature, g.top_k, g.top_p, g.min_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
-        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar, g.logprobs)
+        procs = tuple(processors.asked(g).items())
+        return (
+            self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar, g.logprobs, procs
+        )
 
 
 @dataclass
@@ -304,6 +315,7 @@ class _Row:
         self.job, self.gen, self.eos_ids = job, job.settings.gen, eos_ids
         self.generator = row_generators(self.gen, [0], model.device)[0]  # what the job alone would draw
         self.constraint = None  # structured output: its grammar started at the first chunk (in the worker thread)
+        self.history = (processors.histories(self.gen, [job.prompt_ids], eos_ids) or [None])[0]  # penalties, biases
         self.cache: KVCache | None = None  # the prefill's, made at its first chunk (in the worker thread)
         self.done_ids = 0  # prompt tokens prefilled
         self.out: list[int] = []
@@ -319,12 +331,15 @@ class _Row:
         """``[1, V]`` -> the row's next token, as ``Run.choose`` picks it."""
         g = self.gen
         raw = logits
+        if self.history is not None:
+            logits = self.history.apply(logits)
         if self.constraint is not None:
             logits = self.constraint.mask(logits[0]).unsqueeze(0)
         if not g.do_sample:
             token = sampling.top_ids(logits[0])
         else:
-            token = int(sampling.sample(sampling.probs(logits, g.temperature, g.top_k, g.top_p), self.generator)[0])
+            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)
+            token = int(sampling.sample(p, self.generator)[0])
         if g.logprobs is not None:
             self.logprobs += capture(raw, [token], g.logprobs)
         return token
@@ -336,6 +351,8 @@ class _Row:
         g = self.gen
         if self.constraint is not None:
             self.constraint.advance(token)
+        if self.history is not None:
+            self.history.push(token)
         if (g.stop_at_eos and token in self.eos_ids) or (self.constraint is not None and self.constraint.stopped):
             self.finished, self.reason = True, "stop"
         elif len(self.out) >= g.max_new_tokens:

@@ -24,7 +24,18 @@ from ..core import cost_curve, kernels
 from .. import validate as V, workload
 from . import command
 from ..datasets import read_prompts_file, spec_bench, spec_bench_categories
-from ..decoding import MAX_BATCH, METHODS, BudgetWarning, Decoding, generate, get_method, sampling_choice
+from ..decoding import (
+    MAX_BATCH,
+    MAX_LOGIT_BIAS,
+    METHODS,
+    BudgetWarning,
+    Decoding,
+    GenerationError,
+    check_processors,
+    generate,
+    get_method,
+    sampling_choice,
+)
 from ..methods.budget import LOSSY, check_has_budget, check_quality
 from ..errors import LayerleapError
 from ..core.grammar import Grammar
@@ -110,8 +121,83 @@ def _sampling_args(p, do_sample_help: str = DO_SAMPLE_HELP) -> None:
 
 
 def _sampling(args) -> dict:
-    keys = ("temperature", "top_k", "top_p", "seed", "do_sample")
-    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    keys = ("temperature", "top_k", "top_p", "min_p", "seed", "do_sample")  # (--min-p: generate's)
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def _logit_bias_text(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    if not sep:
+        raise V.InputError(f"must be TOKEN_ID=BIAS (e.g. 2=-100), got {V.show(text)}")
+    t = V.integer(V._int_text(token, 0), "the token id", 0)
+    b = V.number(V._float_text(bias, "number"), "the bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return t, b
+
+
+_logit_bias_arg = V._as_arg(_logit_bias_text, label="TOKEN_ID=BIAS")
+
+
+def _processor_args(p) -> None:
+    """The logits processors over each row's history, and the min-p warp (``generate``'s arguments)."""
+    p.add_argument(
+        "--min-p",
+        type=V.probability_arg,
+        default=None,
+        help="sampling: drop the tokens less likely than this share of the likeliest one (default 0: off)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=V.positive_float,
+        default=None,
+        help="divide a positive logit (multiply another) of every token of the prompt and the text so far by it "
+        "(default 1.0: off; 1.1-1.3 discourage repeats)",
+    )
+    for name, what in (("presence", "once if the token is in the text so far"), ("frequency", "once per time it is")):
+        p.add_argument(
+            f"--{name}-penalty",
+            type=V.float_arg(-2.0, 2.0),
+            default=None,
+            help=f"subtract this from a token's logit {what} (in [-2, 2]; default 0: off)",
+        )
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        type=_logit_bias_arg,
+        metavar="TOKEN_ID=BIAS",
+        help="add BIAS (in [-100, 100]) to the token's logit (repeatable; -100 bans the token)",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=V.nonneg_int,
+        default=None,
+        help="forbid the end-of-sequence tokens until the text holds this many tokens (default 0)",
+    )
+
+
+PROCESSOR_FLAGS = {
+    "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "logit_bias": "--logit-bias",
+    "min_tokens": "--min-tokens",
+}
+
+
+def _processors(args, grammar) -> dict:
+    """``generate``'s logits-processor arguments from the flags, checked against the method and
+    ``--max-new-tokens`` before the model loads (the token ids against its vocabulary after)."""
+    procs = {k: getattr(args, k) for k in PROCESSOR_FLAGS if getattr(args, k) is not None}
+    if "logit_bias" in procs:
+        procs["logit_bias"] = dict(procs["logit_bias"])  # a token given twice: the last bias
+    try:
+        check_processors(get_method(args.method), None, args.max_new_tokens, grammar, **procs)
+    except GenerationError as e:
+        msg = str(e).replace(f"max_new_tokens={args.max_new_tokens}", f"--max-new-tokens {args.max_new_tokens}")
+        msg = msg.replace("max_new_tokens", "--max-new-tokens")
+        for k, flag in PROCESSOR_FLAGS.items():
+            msg = msg.replace(f"{k}=", f"{flag} ").replace(k, flag)
+        raise LayerleapError(msg.replace("use one that can", "use --method with one that can")) from None
+    return procs
 
 
 def _check_sampling(method: str, args) -> dict:
@@ -317,6 +403,7 @@ def _setup_generate(p):
         "the text as written: in bash, $'\\n\\n' is two newlines)",
     )
     _sampling_args(p)
+    _processor_args(p)
     _opt_arg(p, "NAME=VALUE", "a method option (repeatable)")
     p.add_argument(
         "--quality",
@@ -489,11 +576,12 @@ def run_generate(args) -> int:
     if grammar is not None and not get_method(args.method).grammar:
         follow = ", ".join(n for n, m in METHODS.items() if m.grammar)
         raise LayerleapError(f"method {args.method!r} cannot follow a grammar: use --method with one of {follow}")
+    procs = _processors(args, grammar)
     threads = _threads(args.threads)
     model = _load(args)
     _need_tokenizer(model, args)
     get_method(args.method).check_options(options, model.config, partial=args.quality is not None)
-    kwargs = {**sampling, **resolve_models(args.method, options, _loader(args))}
+    kwargs = {**sampling, **procs, **resolve_models(args.method, options, _loader(args))}
     if args.stop:
         kwargs["stop"] = args.stop
     if grammar is not None:

@@ -28,6 +28,7 @@ from . import sampling
 from . import options as O
 from .cpu import release_freed_memory
 from .grammar import Grammar, mask_rows
+from .processors import apply_rows, histories
 from .kv_cache import KVCache
 from .logprobs import Raw, TokenLogprob, capture
 from .model import Transformer
@@ -52,6 +53,13 @@ class GenerationConfig:
     eos_ids: tuple[int, ...] = ()
     grammar: Grammar | None = None  # structured output: every token follows it (``core.grammar``)
     logprobs: int | None = None  # report each token's log probability and this many likeliest (None: off)
+    min_p: float = 0.0  # sampling: drop the tokens less likely than min_p times the likeliest
+    # logits processors over each row's history (``core.processors``; the defaults ask for nothing)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    min_tokens: int = 0
 
 
 @dataclass
@@ -202,6 +210,8 @@ class Run:
         self.generators = row_generators(gen, range(self.batch) if indices is None else indices, model.device)
         # structured output: each row's grammar state (None: unconstrained)
         self.constraints = gen.grammar.start(model, self.batch, gen.eos_ids) if gen.grammar is not None else None
+        # logits processors (penalties, biases): each row's history (None: none asked for)
+        self.histories = histories(gen, prompts, gen.eos_ids)
         self.out: list[list[int]] = [[] for _ in prompts]
         # with gen.logprobs: each row's tokens' log probabilities (one per token of ``out``), and those of
         # the tokens chosen and not yet emitted (``capture``)
@@ -322,16 +332,18 @@ class Run:
 
     # -- token choice and output ---------------------------------------------------------------
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[B, V]`` logits -> ``[B]`` tokens, greedy or sampled as configured (from the tokens each row's
-        grammar allows, under one)."""
+        """``[B, V]`` logits -> ``[B]`` tokens, greedy or sampled as configured (after the logits processors
+        over each row's history, ``core.processors``, and from the tokens each row's grammar allows, under one)."""
         g = self.gen
         raw = logits
+        if self.histories is not None:
+            logits = apply_rows(self.histories, logits)
         if self.constraints is not None:
             logits = mask_rows(self.constraints, logits)
         if not g.do_sample:
             tokens = torch.tensor(sampling.top_ids(logits), device=logits.device)  # argmax's ids, numpy's speed
         else:
-            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [B, V]
+            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)  # [B, V]
             tokens = torch.cat([sampling.sample(p[row : row + 1], gen) for row, gen in enumerate(self.generators)])
         if self.logprobs is not None:
             for row, t in enumerate(tokens.tolist()):
@@ -340,7 +352,8 @@ class Run:
 
     def capture(self, row: int, logits: torch.Tensor, tokens: list[int]) -> None:
         """With ``gen.logprobs``: the log probabilities of ``tokens``, chosen for ``row`` from ``logits``
-        ``[n, V]`` (the model's own, before any warp or mask: ``core.logprobs``), for its next ``emit``."""
+        ``[n, V]`` (the model's own, before any processor, warp or mask: ``core.logprobs``), for its next
+        ``emit``."""
         if self.logprobs is not None and not self.finished[row]:
             self.captured[row] = capture(logits, tokens, self.gen.logprobs)
 
@@ -354,9 +367,12 @@ class Run:
         out = self.out[row]
         before = len(out)
         grammar = None if self.constraints is None else self.constraints[row]
+        history = None if self.histories is None else self.histories[row]
         for t in tokens:
             if grammar is not None:
                 grammar.advance(t)
+            if history is not None:
+                history.push(t)
             out.append(int(t))
             if (self.gen.stop_at_eos and int(t) in self.gen.eos_ids) or (grammar is not None and grammar.stopped):
                 self.finished[row], self.reasons[row] = True, "stop"

@@ -1,12 +1,15 @@
-"""Token choice rules shared by every method: greedy, and temperature / top-k / top-p sampling."""
+"""Token choice rules shared by every method: greedy, and temperature / top-k / top-p / min-p sampling."""
 
 from __future__ import annotations
 
 import torch
 
 
-def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Warp ``[..., V]`` logits as `transformers` does (temperature, then top-k, then top-p)."""
+def process_logits(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Warp ``[..., V]`` logits as `transformers` does (temperature, then top-k, then top-p, then min-p: the
+    tokens less likely than ``min_p`` times the likeliest one are dropped)."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -19,11 +22,14 @@ def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 
         remove = cum <= (1 - top_p)
         remove[..., -1:] = False  # keep at least one token
         logits = logits.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
+    if min_p > 0.0:
+        p = logits.softmax(-1)
+        logits = logits.masked_fill(p < min_p * p.amax(-1, keepdim=True), float("-inf"))  # the likeliest stays
     return logits
 
 
-def probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
-    return process_logits(logits, temperature, top_k, top_p).softmax(-1)
+def probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    return process_logits(logits, temperature, top_k, top_p, min_p).softmax(-1)
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

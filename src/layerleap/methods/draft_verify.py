@@ -22,7 +22,8 @@ Rules:
   every node by the tokens the grammar allows after the node's path, so the output is constrained
   greedy decoding token for token (sampling: lossless for the masked distributions); a drafter
   whose chains are copies (``Drafter.grammar_drafts``) has them cut to what the grammar allows and
-  extended by the tokens it forces.
+  extended by the tokens it forces.  The logits processors (penalties, biases: ``core.processors``) are
+  applied the same way, at every node by the row's history followed by the node's path.
 - ``Rollback``: BiLD's rule (``verify.rollback_path``): drafts are kept up to the first whose
   cross-entropy under the target exceeds ``alpha_rb`` (greedy: and that is not the target's own
   choice); the target picks the token there.
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import sampling, verify
+from ..core.processors import tree_paths
 from ..core.run import Run
 from ..core.stats import DraftStats
 from ..core.tree import Candidates
@@ -78,12 +80,14 @@ class Exact:
 
     def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
+        if run.histories is not None:  # every node processed by the row's history and then its path
+            logits = run.histories[row].apply(logits, tree_paths(cand.tokens.tolist(), cand.parents.tolist()))
         if run.constraints is not None:  # every node scored by the tokens the grammar allows after its path
             allowed = run.constraints[row].tree_masks(cand.tokens.tolist(), cand.parents.tolist())  # [1 + k, V]
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         if not g.do_sample:
             return verify.accept_greedy(cand.tokens, cand.parents, logits)
-        p = sampling.probs(logits, g.temperature, g.top_k, g.top_p)  # [1 + k, V]
+        p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)  # [1 + k, V]
         return verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
 
 
@@ -103,7 +107,11 @@ class Rollback:
 
     def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
-        probs = sampling.probs(logits, g.temperature, g.top_k, g.top_p) if g.do_sample else logits.float().softmax(-1)
+        probs = (
+            sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)
+            if g.do_sample
+            else logits.float().softmax(-1)
+        )
         own = None if g.do_sample else sampling.top_ids(logits)  # [1 + k] greedy's own choices
         path = verify.rollback_path(cand.tokens, cand.parents, probs, self.alpha_rb, own)
         at = 1 + path[-1] if path else 0  # the row that predicts after the path

@@ -31,7 +31,7 @@ from ..core.grammar import Grammar, GrammarError
 from ..core.logprobs import TokenLogprob, token_bytes
 from ..core.model import Transformer
 from ..core.run import GenerationConfig, chat_token_ids
-from ..decoding import METHODS, get_method
+from ..decoding import METHODS, GenerationError, check_processors, get_method
 from ..errors import LayerleapError
 from ..options import model_options
 from ..scheduler import Finish, Job, QueueTimeout, Scheduler, Settings
@@ -84,10 +84,13 @@ class APIError(Exception):
 
 
 def _sampling_field(body) -> str:
-    """The request field that asked for sampling (the error's ``param``): temperature, else top_p, else top_k."""
+    """The request field that asked for sampling (the error's ``param``): temperature, else top_p, else min_p,
+    else top_k."""
     if body.temperature is not None:
         return "temperature"
-    return "top_p" if body.top_p is not None and body.top_p < 1 else "top_k"
+    if body.top_p is not None and body.top_p < 1:
+        return "top_p"
+    return "min_p" if body.min_p else "top_k"
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -185,8 +188,9 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     temperature = body.temperature
     top_k = max(0, body.top_k if body.top_k is not None else ext.top_k or 0)
     top_p = 1.0 if body.top_p is None else body.top_p
-    if temperature is None and (top_k or top_p < 1) and not m.default_sample:
-        temperature = 1.0  # top_k / top_p ask for sampling, as a temperature does (the CLI's rule)
+    min_p = body.min_p or 0.0
+    if temperature is None and (top_k or top_p < 1 or min_p) and not m.default_sample:
+        temperature = 1.0  # top_k / top_p / min_p ask for sampling, as a temperature does (the CLI's rule)
     if temperature is None:
         do_sample, temperature = m.default_sample, 1.0
     elif temperature == 0:
@@ -196,8 +200,8 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         if not m.sampling:
             if method != "greedy":
                 raise _bad(
-                    f"method {method!r} decodes greedily and would ignore temperature, top_p and top_k: leave them "
-                    f"out (or use temperature 0), or a sampling method "
+                    f"method {method!r} decodes greedily and would ignore temperature, top_p, min_p and top_k: leave "
+                    f"them out (or use temperature 0), or a sampling method "
                     f"({', '.join(n for n, x in METHODS.items() if x.sampling)})",
                     _sampling_field(body),
                 )
@@ -211,6 +215,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     vocab = st.model.config.vocab_size
     if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
         raise _bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+    procs = request_processors(body, METHODS[method], vocab, int(max_tokens), grammar)
     gen = GenerationConfig(
         int(max_tokens),
         do_sample,
@@ -221,8 +226,38 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         not body.ignore_eos,
         grammar=grammar,
         logprobs=body.logprob_count(),
+        min_p=float(min_p) if do_sample else 0.0,
+        **procs,
     )
     return Settings(method, options, gen)
+
+
+PROCESSOR_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
+
+
+def request_processors(body: _Request, m, vocab: int, max_tokens: int, grammar) -> dict:
+    """The request's penalties, biases and ``min_tokens`` as ``GenerationConfig``'s fields (``generate``'s
+    checks; a 400 naming the field): ``repeat_penalty`` is llama.cpp's ``repetition_penalty``, and
+    ``logit_bias``'s keys are token ids written as strings (OpenAI's JSON)."""
+    given = {k: getattr(body, k) for k in PROCESSOR_FIELDS}
+    field = {k: k for k in PROCESSOR_FIELDS}
+    if body.repeat_penalty is not None:
+        if given["repetition_penalty"] not in (None, body.repeat_penalty):
+            raise _bad("repetition_penalty and repeat_penalty disagree: give one of them", "repeat_penalty")
+        given["repetition_penalty"], field["repetition_penalty"] = body.repeat_penalty, "repeat_penalty"
+    if given["logit_bias"] is not None:
+        bias = {}
+        for key, value in given["logit_bias"].items():
+            if not key.strip().lstrip("-").isdigit():
+                raise _bad(f'logit_bias\'s keys are token ids written as strings ("50256"), got {key!r}', "logit_bias")
+            bias[int(key)] = value
+        given["logit_bias"] = bias
+    try:
+        return check_processors(m, vocab, max_tokens, grammar, **given)
+    except GenerationError as e:
+        message = str(e).replace("max_new_tokens", "max_tokens")
+        asked = next((k for k in PROCESSOR_FIELDS if k in message), "repetition_penalty")
+        raise _bad(message.replace(asked, field[asked]), field[asked]) from None
 
 
 def request_grammar(body: _Request) -> tuple[str | None, Grammar | None]:

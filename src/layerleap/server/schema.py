@@ -1,6 +1,6 @@
 """The request bodies as pydantic models: OpenAI's fields, the answer-changing fields of vLLM and
-llama.cpp that the server implements (sampling, stops, structured output: ``GRAMMAR_FIELDS``), and the
-``layerleap`` extension as a typed sub-model.
+llama.cpp that the server implements (sampling, penalties and biases, stops, structured output:
+``GRAMMAR_FIELDS``), and the ``layerleap`` extension as a typed sub-model.
 
 Types are strict (``"5"`` is not a number, ``"yes"`` is not a boolean) and unknown fields are refused,
 so a wrong type or a misspelt field is a 400 naming the field, and nothing a client sends is
@@ -28,9 +28,6 @@ REFUSED: dict[str, tuple] = {
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -40,9 +37,6 @@ REFUSED: dict[str, tuple] = {
     "verbosity": (None,),
     "web_search_options": (None,),
     # vLLM
-    "min_p": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "allowed_token_ids": (None,),
@@ -52,7 +46,6 @@ REFUSED: dict[str, tuple] = {
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     # llama.cpp
-    "repeat_penalty": (None, 1, 1.0),
     "typical_p": (None, 1, 1.0),
     "mirostat": (None, 0),
     "n_probs": (None, 0),
@@ -143,6 +136,26 @@ class _Request(BaseModel):
     )
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="sample from the k likeliest tokens (0 or -1: all)")
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="sample from the tokens at least min_p times as likely as the likeliest (0: all)"
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0,
+        description="vLLM's: a positive logit of every token of the prompt and the answer so far is divided by it, "
+        "another multiplied (1: off)",
+    )
+    repeat_penalty: float | None = Field(None, gt=0, description="llama.cpp's name for repetition_penalty")
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="subtracted from the logit of every token the answer holds so far"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="subtracted from a token's logit once per time the answer holds it so far"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description='token id (as a string) -> a bias in [-100, 100] added to its logit: {"50256": -100}'
+    )
+    min_tokens: int | None = Field(None, ge=0, description="vLLM's: no end-of-sequence token before this many tokens")
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="a seeded sample is reproducible")
     stop: str | list[str] | None = Field(
         None, description=f"up to {MAX_STOPS} strings; the text ends before the first one"
@@ -176,13 +189,6 @@ class _Request(BaseModel):
     grammar: str | None = Field(None, description="llama.cpp's: a GBNF grammar")
     json_schema: dict[str, Any] | None = Field(None, description="llama.cpp's: a JSON schema")
     # refused unless they ask for nothing (REFUSED)
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    min_p: Any = None
-    repetition_penalty: Any = None
-    repeat_penalty: Any = None
-    min_tokens: Any = None
     typical_p: Any = None
     mirostat: Any = None
     use_beam_search: Any = None

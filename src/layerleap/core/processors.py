@@ -1,0 +1,114 @@
+"""Logits processors: the penalties, biases and end-token floor that read a row's history.
+
+``repetition_penalty`` (`transformers`' and vLLM's rule: the logit of every token of the prompt or the
+output so far is divided by the penalty where it is positive, multiplied by it where it is not),
+``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtracted once per occurrence of the token in the
+output, and once if it occurs there at all), ``logit_bias`` (OpenAI's: added to the token's logit) and
+``min_tokens`` (vLLM's: the end-of-sequence tokens are forbidden until the output holds that many tokens).
+As vLLM, the bias and ``min_tokens`` come first, then the repetition, frequency and presence penalties, all
+on the raw logits, before a grammar's mask, a temperature and the top-k / top-p / min-p warps.
+
+Every token is chosen from the processed logits, greedy or sampled: ``Run.choose`` processes each row
+by its history, and draft-and-verify's ``Exact`` rule processes each node of a candidate tree by the
+row's history followed by the node's path (``History.apply`` with ``paths``), as it masks each node by
+the grammar, so a lossless method's greedy output equals greedy decoding's with the same settings, token
+for token (sampling: lossless for the processed distributions).  Settings that ask for nothing (penalty
+1.0, penalties 0.0, no bias, ``min_tokens`` 0) leave the logits untouched and cost nothing: ``Run`` then
+keeps no history at all.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+# the settings' fields of ``GenerationConfig`` and the values that ask for nothing
+NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": (),
+    "min_tokens": 0,
+}
+
+
+def asked(gen) -> dict:
+    """The processors ``gen`` (a ``GenerationConfig``) asks for: field -> value, those that change something."""
+    return {k: getattr(gen, k) for k, nothing in NEUTRAL.items() if getattr(gen, k) != nothing}
+
+
+def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """The draft paths of a candidate tree: ``[]`` for its root (row 0), then the tokens from the root to
+    each node ``j`` (``parents``: -1 for the first level, parents first)."""
+    paths: list[list[int]] = [[]]
+    for j, p in enumerate(parents):
+        paths.append(paths[p + 1] + [int(tokens[j])])
+    return paths
+
+
+class History:
+    """One row's tokens as the processors read them: the prompt's and the output's so far (``push`` each
+    emitted token), and ``apply`` to process logits after them."""
+
+    def __init__(self, gen, prompt: list[int], eos_ids: tuple[int, ...]):
+        self.rep = float(gen.repetition_penalty)
+        self.presence = float(gen.presence_penalty)
+        self.frequency = float(gen.frequency_penalty)
+        self.min_tokens = int(gen.min_tokens)
+        self.eos = sorted(set(int(t) for t in eos_ids))
+        self.bias_ids = torch.tensor([int(t) for t, _ in gen.logit_bias], dtype=torch.long)
+        self.bias = torch.tensor([float(b) for _, b in gen.logit_bias], dtype=torch.float32)
+        self.prompt = set(int(t) for t in prompt) if self.rep != 1.0 else set()
+        self.counts: Counter = Counter()  # the output's tokens
+        self.n_out = 0
+
+    def push(self, token: int) -> None:
+        self.counts[int(token)] += 1
+        self.n_out += 1
+
+    def apply(self, logits: torch.Tensor, paths: list[list[int]] | None = None) -> torch.Tensor:
+        """``[n, V]`` logits -> processed fp32 logits (a new tensor); row ``i`` follows the history and then
+        ``paths[i]`` (default: every row at the history itself)."""
+        n = logits.shape[0]
+        paths = paths if paths is not None else [[] for _ in range(n)]
+        out = logits.float().clone()
+        if self.bias_ids.numel():
+            out[:, self.bias_ids.to(out.device)] += self.bias.to(out.device)
+        if self.min_tokens and self.eos:
+            short = [i for i, path in enumerate(paths) if self.n_out + len(path) < self.min_tokens]
+            if short:
+                rows = torch.tensor(short, dtype=torch.long, device=out.device)
+                out[rows.unsqueeze(1), torch.tensor(self.eos, dtype=torch.long, device=out.device)] = float("-inf")
+        if self.rep != 1.0 or self.presence or self.frequency:
+            extra = {t for path in paths for t in path}
+            cols = sorted(self.prompt | self.counts.keys() | extra)
+            at = {t: i for i, t in enumerate(cols)}
+            count = torch.tensor([float(self.counts.get(t, 0)) for t in cols]).repeat(n, 1)  # [n, C] in the output
+            seen = torch.tensor([t in self.prompt for t in cols]).repeat(n, 1)  # [n, C] in the prompt
+            for i, path in enumerate(paths):
+                for t in path:
+                    count[i, at[t]] += 1
+            idx = torch.tensor(cols, dtype=torch.long, device=out.device)
+            x = out[:, idx]  # [n, C]
+            count, seen = count.to(out.device), seen.to(out.device)
+            if self.rep != 1.0:  # over the prompt and the output (with the row's path)
+                x = torch.where(seen | (count > 0), torch.where(x > 0, x / self.rep, x * self.rep), x)
+            if self.frequency:
+                x = torch.where(count > 0, x - self.frequency * count, x)
+            if self.presence:
+                x = torch.where(count > 0, x - self.presence, x)
+            out[:, idx] = x
+        return out
+
+
+def histories(gen, prompts: list[list[int]], eos_ids: tuple[int, ...]) -> list[History] | None:
+    """One ``History`` per row where ``gen`` asks for a processor, else None (nothing to keep)."""
+    if not asked(gen):
+        return None
+    return [History(gen, p, eos_ids) for p in prompts]
+
+
+def apply_rows(hist: list[History], logits: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` logits, each row processed by its history."""
+    return torch.cat([h.apply(logits[row : row + 1]) for row, h in enumerate(hist)])

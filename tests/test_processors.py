@@ -1,0 +1,289 @@
+"""Logits processors (``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
+``min_tokens``) and the ``min_p`` warp: greedy decoding against a reference loop (a full no-cache forward
+per token, the formulas applied to the whole vocabulary), every method that follows a grammar against
+greedy with the same processors token for token, batched rows as alone, seeded sampling as the
+reference's draws, the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_exactness import EXACT
+from tiny_models import full_logits, random_model
+
+from layerleap import GenerationError, generate
+from layerleap.core import sampling
+from layerleap.core.run import METHODS, GenerationConfig, Run, row_seed
+
+CONFIG = "llama-mha-untied"
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Untied heads and scale 2 give varied greedy tokens (and runs of one token: something to penalise)."""
+    return random_model(CONFIG, seed=11, scale=2.0), random_model(CONFIG, seed=5, scale=2.0)
+
+
+def _prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def processed(logits, prompt, out, rep=1.0, presence=0.0, frequency=0.0, bias=None, min_tokens=0, eos=()):
+    """Reference: the processors over the whole vocabulary ``[V]`` (fp32), in vLLM's order."""
+    x, V = logits.float().clone(), logits.shape[-1]
+    for t, b in (bias or {}).items():
+        x[t] += b
+    if len(out) < min_tokens and eos:
+        x[list(eos)] = float("-inf")
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[list(prompt) + list(out)] = True
+    counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V).float()
+    if rep != 1.0:
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    if frequency:
+        x = torch.where(counts > 0, x - frequency * counts, x)
+    if presence:
+        x = torch.where(counts > 0, x - presence, x)
+    return x
+
+
+def reference(model, prompt, n, eos=(), sample=None, **procs):
+    """Greedy (or, ``sample``: (seed, temperature, min_p), sampled as ``Run.choose`` draws) decoding
+    with the processors, one full no-cache forward per token."""
+    seq, out = list(prompt), []
+    gen = None if sample is None else torch.Generator().manual_seed(row_seed(sample[0], 0))
+    for _ in range(n):
+        x = processed(full_logits(model, seq)[-1], prompt, out, eos=eos, **procs)
+        if sample is None:
+            t = int(x.argmax())
+        else:
+            t = int(sampling.sample(sampling.probs(x.unsqueeze(0), sample[1], 0, 1.0, sample[2]), gen)[0])
+        out.append(t)
+        seq.append(t)
+        if t in eos:
+            break
+    return out
+
+
+# name -> (generate's arguments, the reference's)
+SETTINGS = {
+    "repetition": ({"repetition_penalty": 1.6}, {"rep": 1.6}),
+    "repetition below 1": ({"repetition_penalty": 0.7}, {"rep": 0.7}),
+    "frequency and presence": (
+        {"frequency_penalty": 0.8, "presence_penalty": -0.5},
+        {"frequency": 0.8, "presence": -0.5},
+    ),
+    "all with bias": (
+        {
+            "repetition_penalty": 1.3,
+            "frequency_penalty": 0.4,
+            "presence_penalty": 0.6,
+            "logit_bias": {7: 3.5, 90: -100},
+        },
+        {"rep": 1.3, "frequency": 0.4, "presence": 0.6, "bias": {7: 3.5, 90: -100}},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("seed,plen", [(1, 9), (2, 3)])
+def test_greedy_with_processors_equals_the_reference(models, name, seed, plen):
+    m = models[0]
+    p = _prompt(m.config.vocab_size, plen, seed)
+    args, ref = SETTINGS[name]
+    got = generate(m, p, "greedy", 24, stop_at_eos=False, **args)
+    assert got.token_ids == reference(m, p, 24, **ref)
+
+
+def test_min_tokens_holds_off_the_end_tokens(models):
+    """With the end-of-sequence token made likely (a bias), greedy ends at once; ``min_tokens`` forbids it until
+    that many tokens are out, then it ends there."""
+    m = models[0]
+    eos = m.eos_ids()
+    p = _prompt(m.config.vocab_size, 5, 1)
+    bias = {eos[0]: 30.0}
+    assert generate(m, p, "greedy", 20, logit_bias=bias).token_ids == [eos[0]]
+    got = generate(m, p, "greedy", 20, logit_bias=bias, min_tokens=6)
+    assert got.token_ids == reference(m, p, 20, eos=eos, bias=bias, min_tokens=6)
+    assert len(got.token_ids) == 7 and got.token_ids[-1] == eos[0] and got.finish_reason == "stop"
+
+
+def test_a_penalty_stops_a_repeating_model_repeating(models):
+    """On a prompt where the model falls into a loop (47, 10, 47, 10, ...), the penalty keeps it out."""
+    m = models[0]
+    p = _prompt(m.config.vocab_size, 3, 2)
+    plain = generate(m, p, "greedy", 30, stop_at_eos=False).token_ids
+    penalised = generate(m, p, "greedy", 30, stop_at_eos=False, repetition_penalty=1.8).token_ids
+    assert len(set(plain)) <= 16 and len(set(penalised)) >= 28
+
+
+GRAMMAR_CASES = [(method, label, fn) for method, rows in EXACT.items() if METHODS[method].grammar for label, fn in rows]
+
+
+@pytest.mark.parametrize("name", ["repetition", "all with bias"])
+@pytest.mark.parametrize(
+    "method,label,options", GRAMMAR_CASES, ids=[f"{m}-{lab}" if lab else m for m, lab, _ in GRAMMAR_CASES]
+)
+def test_every_grammar_method_equals_greedy_with_the_same_processors(models, name, method, label, options):
+    m, other = models
+    args = SETTINGS[name][0]
+    for seed, plen in [(1, 9), (2, 17)]:
+        p = _prompt(m.config.vocab_size, plen, seed)
+        want = generate(m, p, "greedy", 28, stop_at_eos=False, **args).token_ids
+        got = generate(m, p, method, 28, stop_at_eos=False, **args, **options(m, other)).token_ids
+        assert got == want, f"{method} {label} differs from greedy under {name}"
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt-lookup", "rest"])
+def test_batched_rows_decode_with_their_own_histories(models, method):
+    m = models[0]
+    prompts = [_prompt(m.config.vocab_size, n, s) for s, n in [(1, 9), (2, 3), (3, 12)]]
+    args = SETTINGS["all with bias"][0]
+    options = EXACT[method][0][1](m, None)
+    rows = generate(m, prompts, method, 20, stop_at_eos=False, **args, **options)
+    assert [r.token_ids for r in rows] == [
+        generate(m, p, "greedy", 20, stop_at_eos=False, **args).token_ids for p in prompts
+    ]
+
+
+def test_seeded_sampling_draws_from_the_processed_distribution(models):
+    m = models[0]
+    p = _prompt(m.config.vocab_size, 9, 1)
+    args, ref = SETTINGS["all with bias"]
+    got = generate(m, p, "sample", 20, stop_at_eos=False, seed=3, temperature=0.8, min_p=0.05, **args)
+    assert got.token_ids == reference(m, p, 20, sample=(3, 0.8, 0.05), **ref)
+
+
+@pytest.mark.parametrize(
+    "method,options",
+    [("sample", {}), ("prompt-lookup", {}), ("speculative", {"draft_len": 4}), ("self-spec", {"exit_layer": 1})],
+)
+def test_sampling_methods_sample_the_processed_distributions(models, method, options):
+    """``min_p=1`` keeps the likeliest token alone: sampling is greedy decoding (with the processors); a
+    bias of -100 on a token greedy picks keeps every lossless sampler off it."""
+    m, other = models
+    options = {"draft": other, **options} if method == "speculative" else options
+    p = _prompt(m.config.vocab_size, 9, 1)
+    args = {"repetition_penalty": 1.4, "frequency_penalty": 0.3}
+    want = generate(m, p, "greedy", 24, stop_at_eos=False, **args).token_ids
+    got = generate(m, p, method, 24, stop_at_eos=False, seed=1, min_p=1.0, **args, **options).token_ids
+    assert got == want
+    banned = {t: -100 for t in set(want[:8])}
+    for seed in range(3):
+        got = generate(m, p, method, 24, stop_at_eos=False, seed=seed, logit_bias=banned, **options).token_ids
+        assert not set(got) & set(banned), seed
+
+
+def test_min_p_drops_the_unlikely_tokens():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -3.0]])
+    p = logits.softmax(-1)
+    kept = sampling.process_logits(logits, min_p=0.3).isfinite()
+    assert kept.tolist() == (p >= 0.3 * p.max()).tolist() == [[True, True, False, False]]
+    assert sampling.process_logits(logits, min_p=1.0).isfinite().sum() == 1
+
+
+def test_settings_that_ask_for_nothing_keep_no_history(models):
+    m = models[0]
+    assert Run(m, [[1, 2]], GenerationConfig()).histories is None
+    neutral = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0, logit_bias={5: 0}, min_tokens=0)
+    p = _prompt(m.config.vocab_size, 9, 1)
+    assert (
+        generate(m, p, "ppd", 8, exit_layer=2, k=1, head="shared", **neutral).token_ids
+        == generate(m, p, "greedy", 8).token_ids
+    )
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite number > 0"),
+        ({"repetition_penalty": True}, "repetition_penalty must be a finite number > 0"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be a finite number in [-2, 2]"),
+        ({"frequency_penalty": "1"}, "frequency_penalty must be a finite number in [-2, 2]"),
+        ({"logit_bias": [1, 2]}, "logit_bias must be a dict of token id -> bias"),
+        ({"logit_bias": {"7": 1}}, "logit_bias's token id '7' must be an integer"),
+        ({"logit_bias": {10**6: 1}}, "a token id of this model"),
+        ({"logit_bias": {-1: 1}}, "a token id of this model"),
+        ({"logit_bias": {3: 101}}, "logit_bias[3] must be a finite number in [-100, 100]"),
+        ({"min_tokens": -1}, "min_tokens must be an integer >= 0"),
+        ({"min_tokens": 9}, "min_tokens=9 exceeds max_new_tokens=8"),
+        ({"min_p": 1.5}, "min_p must be a finite number in [0, 1]"),
+        ({"min_p": 0.1, "do_sample": False}, "do_sample=False decodes greedily and would ignore min_p"),
+    ],
+)
+def test_bad_values_are_refused_with_the_fix(models, args, words):
+    with pytest.raises(GenerationError) as e:
+        generate(models[0], [1, 2, 3], "sample" if "min_p" in args else "greedy", 8, **args)
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("ppd", {"exit_layer": 2, "k": 1, "head": "shared"}),
+        ("skipdecode", {}),
+        ("early-exit", {"exit_layer": 1}),
+        ("bild", {"exit_layer": 1, "head": "shared"}),
+    ],
+)
+def test_methods_that_cannot_apply_them_refuse_them(models, method, options):
+    with pytest.raises(GenerationError, match=f"method '{method}' cannot apply repetition_penalty, logit_bias"):
+        generate(models[0], [1, 2, 3], method, 8, repetition_penalty=1.2, logit_bias={4: 1.0}, **options)
+
+
+def test_min_p_is_a_warp_every_sampling_method_takes(models):
+    m = models[0]
+    r = generate(m, [1, 2, 3], "early-exit", 8, exit_layer=1, seed=0, min_p=1.0, stop_at_eos=False)
+    assert r.token_ids == generate(m, [1, 2, 3], "early-exit", 8, exit_layer=1, stop_at_eos=False).token_ids
+    with pytest.raises(GenerationError, match="method 'ppd' decodes greedily and would ignore min_p"):
+        generate(m, [1, 2, 3], "ppd", 8, exit_layer=2, k=1, head="shared", min_p=0.1)
+
+
+# -- the command line ---------------------------------------------------------------------------------
+def test_generate_command_takes_the_processors(capsys, char_model_dir):
+    import json
+
+    import layerleap
+    from layerleap.cli import main
+
+    model = layerleap.load_folder(char_model_dir)
+    args = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={70: 4.0, 71: -100})
+    flags = "--repetition-penalty 1.5 --presence-penalty 0.5 --frequency-penalty -0.25"
+    flags += " --logit-bias 70=4 --logit-bias 71=-100"
+    for method in ("greedy", "prompt-lookup"):
+        argv = ["generate", "--model", str(char_model_dir), "--prompt", "abcabc", "--max-new-tokens", "12", "--json"]
+        assert main(argv + ["--method", method, *flags.split()]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == generate(model, "abcabc", "greedy", 12, **args).token_ids
+        assert got["token_ids"] != generate(model, "abcabc", "greedy", 12).token_ids
+    argv = ["generate", "--model", str(char_model_dir), "--prompt", "ab", "--max-new-tokens", "12", "--json"]
+    assert main(argv + ["--method", "sample", "--min-p", "1", "--seed", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == generate(model, "ab", "greedy", 12).token_ids
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        ("--repetition-penalty 0", "--repetition-penalty: must be a finite number > 0"),
+        ("--presence-penalty 3", "--presence-penalty: must be a finite number in [-2, 2]"),
+        ("--frequency-penalty x", "--frequency-penalty: must be a finite number in [-2, 2]"),
+        ("--logit-bias 5", "--logit-bias: must be TOKEN_ID=BIAS"),
+        ("--logit-bias 5=200", "the bias must be a finite number in [-100, 100]"),
+        ("--logit-bias=-1=2", "the token id must be an integer >= 0"),
+        ("--logit-bias 500=2", "a token id of this model"),  # after the model loads
+        ("--min-tokens -2", "--min-tokens: must be an integer >= 0"),
+        ("--min-tokens 9 --max-new-tokens 8", "--min-tokens 9 exceeds --max-new-tokens 8"),
+        ("--min-p 2", "--min-p: must be a finite number in [0, 1]"),
+        ("--min-p 0.1 --method ppd", "method 'ppd' decodes greedily and would ignore min_p"),
+        ("--repetition-penalty 1.2 --method skipdecode", "method 'skipdecode' cannot apply --repetition-penalty"),
+        ("--min-tokens 2 --regex [a-c]+", "--min-tokens with a grammar"),
+    ],
+)
+def test_generate_command_refuses_bad_processor_flags(capsys, char_model_dir, flags, words):
+    from layerleap.cli import main
+
+    argv = ["generate", "--model", str(char_model_dir), "--prompt", "ab", *flags.split()]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err

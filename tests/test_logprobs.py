@@ -365,3 +365,17 @@ def test_a_method_that_chooses_its_own_tokens_is_refused_clearly(tiny, monkeypat
     assert generate(tiny, PROMPT, "mine", max_new_tokens=4).token_ids == [5, 6]
     with pytest.raises(GenerationError, match="Run.capture"):
         generate(tiny, PROMPT, "mine", max_new_tokens=4, logprobs=1)
+
+
+@pytest.mark.parametrize("name", ["prompt-lookup", "medusa", "auto"])
+def test_with_penalties_a_lossless_method_reports_greedys_raw_logprobs(tiny, options, name):
+    """Logits processors change the tokens chosen, not the log probabilities reported (the model's own, before
+    them): a lossless method with a penalty gives greedy's tokens and log probabilities under the same penalty,
+    and they match a full forward pass of its output."""
+    procs = dict(repetition_penalty=1.5, presence_penalty=0.5, logit_bias={5: 3.0})
+    want = generate(tiny, PROMPT, max_new_tokens=16, stop_at_eos=False, logprobs=2, **procs)
+    assert want.token_ids != generate(tiny, PROMPT, max_new_tokens=16, stop_at_eos=False).token_ids
+    got = generate(tiny, PROMPT, name, max_new_tokens=16, stop_at_eos=False, logprobs=2, **procs, **options[name])
+    assert got.token_ids == want.token_ids
+    assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    check_against(reference(tiny, want.prompt_ids, want.token_ids), got, 2)

@@ -381,6 +381,28 @@ def test_an_answer_replayed_as_it_came_continues_the_chat(client, tiny_server):
     assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text
 
 
+def test_an_assistant_turn_without_text_is_taken_and_tool_turns_are_refused_by_name(tiny_server):
+    """OpenAI's assistant turn may have ``content: null`` (or none): empty text.  A tool call and a tool's
+    result cannot be put in the prompt: a 400 that says so and names the turn."""
+    path = "/v1/chat/completions"
+    for turn in ({"role": "assistant", "content": None}, {"role": "assistant"}):
+        r = post(tiny_server, {"messages": [*CHAT, turn, {"role": "user", "content": "Go on."}], "max_tokens": 2}, path)
+        assert r.status_code == 200, (turn, r.text)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for turns, param, says in (
+        ([{"role": "assistant", "content": None, "tool_calls": [call]}], "messages[1]", "no tools"),
+        ([{"role": "assistant", "content": None, "function_call": call["function"]}], "messages[1]", "no tools"),
+        ([{"role": "tool", "tool_call_id": "c1", "content": "4"}], "messages[1].role", "no tools"),
+        ([{"role": "function", "name": "f", "content": "4"}], "messages[1].role", "no tools"),
+    ):
+        r = post(tiny_server, {"messages": [*CHAT, *turns], "max_tokens": 2}, path)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and says in err["message"], (turns, err)
+    r = post(tiny_server, {"messages": [{"role": "user", "content": None}]}, path)
+    err = r.json()["error"]
+    assert r.status_code == 400 and "needs its content" in err["message"], err
+
+
 def test_bad_chat_requests_and_routes(tiny_server, client):
     assert post(tiny_server, {"messages": []}, "/v1/chat/completions").status_code == 400
     bad_role = {"messages": [{"role": "robot", "content": "x"}]}

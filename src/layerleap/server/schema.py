@@ -98,7 +98,7 @@ class TextPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant's turn without text (OpenAI's shape)
     name: str | None = None
     # the fields of an answer's message besides role and content (an answer replayed as it came, with
     # ``message.model_dump()``): taken when they hold nothing, refused otherwise
@@ -108,14 +108,34 @@ class Message(BaseModel):
     audio: Any = None
     annotations: Any = None
 
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_turns(cls, role):
+        if role in ("tool", "function"):
+            raise ValueError(
+                f"{role!r} messages (a tool's result) are not supported: this server has no tools; "
+                "leave the tool turns out of the conversation"
+            )
+        return role
+
     @model_validator(mode="after")
     def _nothing_else(self):
-        for k in ("tool_calls", "function_call", "refusal", "audio", "annotations"):
+        for k in ("tool_calls", "function_call"):
+            if getattr(self, k) not in (None, []):  # the chat template is given each message's text only
+                raise ValueError(
+                    f"{k} is not supported: this server has no tools, and a tool call cannot be put in the "
+                    "prompt; leave the tool-calling turn (and its tool results) out of the conversation"
+                )
+        for k in ("refusal", "audio", "annotations"):
             if getattr(self, k) not in (None, []):
                 raise ValueError(f"{k} is not supported by this server: leave it out (or null)")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content: give its text")
         return self
 
     def text(self) -> str:
+        if self.content is None:  # an assistant's turn without text
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 

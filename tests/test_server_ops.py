@@ -718,6 +718,24 @@ def test_metrics_parse_with_bounded_labels_and_long_buckets(url):
     )  # plain decoding: one token per pass, at most
 
 
+def test_generated_tokens_count_the_answers_tokens_past_no_stop(url, tiny):
+    """A stop string ends the answer mid-round (the pool's row holds a token back for its text; a draft round
+    accepts tokens past it): the counter adds what usage.completion_tokens says, on either path."""
+    self_spec = {"method": "self-spec", "options": {"exit_layer": 1, "head": "shared"}}
+    for prompt in ("Hello", "The cat", "Once upon"):
+        text = generate(tiny, prompt, "greedy", 16).text
+        for cut in (10, 25, 40):
+            for layerleap_field in ({"method": "greedy"}, self_spec):
+                m = metrics(url)
+                tokens, done = total(m, "layerleap_generated_tokens_total"), total(m, "layerleap_completions_total")
+                body = {"prompt": prompt, "max_tokens": 16, "stop": [text[cut : cut + 2]], "layerleap": layerleap_field}
+                r = post(url, body)
+                assert r.status_code == 200, r.text
+                assert wait_for(lambda d=done: total(metrics(url), "layerleap_completions_total") == d + 1, 10)
+                added = total(metrics(url), "layerleap_generated_tokens_total") - tokens
+                assert added == r.json()["usage"]["completion_tokens"], (prompt, cut, layerleap_field)
+
+
 def test_shadow_checks_measure_a_lossy_method_against_greedy(tiny):
     cfg = ServerConfig("tiny", shadow_share=1.0)
     opts = {"min_exit_layer": 1, "max_exit_layer": 2}

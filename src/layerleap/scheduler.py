@@ -147,6 +147,7 @@ class Job:
         self.cancelled = False
         self.finished = False
         self.reason: str | None = None  # OpenAI's finish reason, once done
+        self.completion_tokens: int | None = None  # the tokens the answer holds (usage's), once done
         self.t_submit = time.monotonic()
         self.t_start: float | None = None  # when its batch took it
         self.t_first: float | None = None  # when its first text went out
@@ -199,6 +200,7 @@ class Job:
         n = len(toks) if self.cut is None else self.cut
         if self.stop.hit and self.through is not None:  # counted as the text was made (``take``)
             n = self.through
+        self.completion_tokens = n
         self.events.put_nowait(("done", Finish(result, reason, "".join(self.text), n, self.logprobs_sent)))
 
     def send_rest(self) -> None:

@@ -139,8 +139,9 @@ class Metrics:
         for job, r in rows:
             method = r.stats["method"]
             d = self._drafts.setdefault(method, [0, 0])
-            n = len(r.token_ids)
-            self.tokens.labels(method).inc(n)
+            n = len(r.token_ids)  # decoded, a stop's round's tokens past it too
+            # the answer's tokens (usage.completion_tokens); a request cancelled while running: those it decoded
+            self.tokens.labels(method).inc(n if job.completion_tokens is None else job.completion_tokens)
             self.prompt_tokens.labels(method).inc(len(r.prompt_ids))
             if job.t_start is not None:
                 self.queue_wait.observe(job.t_start - job.t_submit)

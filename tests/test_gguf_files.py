@@ -446,6 +446,21 @@ def test_rope_scaling_is_refused_not_ignored(tmp_path, edit, what):
     check_gguf(plain)
 
 
+def test_linear_rope_scaling_by_one_is_the_default_embedding(tmp_path):
+    """Linear scaling by a factor of 1 divides the positions by 1: taken, and the logits are the plain file's."""
+
+    def edit(w):
+        _set("llama.rope.scaling.type", "linear", "STRING")(w)
+        _set("llama.rope.scaling.factor", 1.0, "FLOAT32")(w)
+
+    plain, unscaled = write_gguf(tmp_path / "plain.gguf", "Q4_0"), write_gguf(tmp_path / "one.gguf", "Q4_0", edit=edit)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    for dtype in ("float32", "q4"):
+        a, b = (layerleap.load(str(p), dtype=dtype, progress=lambda s: None) for p in (plain, unscaled))
+        with torch.inference_mode():
+            torch.testing.assert_close(a(ids), b(ids), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("key_length", [False, True], ids=["head from tensors", "key_length"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_rotary_embedding_of_part_of_each_head_is_refused_not_ignored(tmp_path, arch, key_length):

@@ -526,7 +526,7 @@ def _hf_cfg(**kw):
     "hf_cfg,message",
     [
         (_hf_cfg(model_type="gpt2"), "model_type='gpt2'"),
-        (_hf_cfg(model_type=None), "model_type=None"),
+        (_hf_cfg(model_type=None), "config.json has no model_type: add the architecture of the weights, one of llama"),
         (_hf_cfg(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
         (_hf_cfg(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "llama3"),
         (_hf_cfg(rope_scaling={"type": "linear", "factor": 2.0}), "linear"),
@@ -571,6 +571,26 @@ def test_default_rope_config_accepted():
     for rope in ({"rope_type": "default", "rope_theta": 321.0}, {"type": "default"}, None):
         c = ModelConfig.from_hf(_hf_cfg(rope_parameters=rope))
         assert c.rope_theta == (321.0 if rope and "rope_theta" in rope else 10000.0)
+
+
+@pytest.mark.parametrize(
+    "kind, extra",
+    [
+        ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 1.0})),
+        ("qwen2", dict(mlp_bias=False)),
+        ("mistral", dict(attention_bias=False)),
+    ],
+    ids=["linear-by-one", "qwen2-no-mlp-bias", "mistral-no-attention-bias"],
+)
+def test_config_values_that_change_nothing_are_taken(kind, extra):
+    """Linear rope scaling by 1 (positions / 1), and biases set off: transformers' model runs as without them."""
+    assert ModelConfig.from_hf(_hf_cfg(model_type=kind, **extra)) == ModelConfig.from_hf(_hf_cfg(model_type=kind))
+    hf = _random_hf(kind, tied=False, gqa=True, seed=11, **extra)  # (transformers adds rope_theta to rope_scaling)
+    ids = rand_ids(61, 1, 40, seed=12)
+    with torch.inference_mode():
+        assert_close(from_hf(hf)(ids), hf(ids).logits)
+    with pytest.raises(ConfigError, match="linear"):  # a factor that scales is refused
+        ModelConfig.from_hf(_hf_cfg(rope_scaling={"type": "linear", "factor": True}))
 
 
 # -- state dict mapping -----------------------------------------------------------------------

@@ -74,6 +74,11 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ConfigError(f"a Hugging Face config is a dict (config.json's object), got {type(hf).__name__}")
         model_type = hf.get("model_type")
+        if model_type is None:
+            raise ConfigError(
+                "config.json has no model_type: add the architecture of the weights, "
+                f"one of {', '.join(SUPPORTED_MODEL_TYPES)} (layerleap runs Llama-family decoders)"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported architecture model_type={model_type!r}: layerleap runs Llama-family decoders "
@@ -83,6 +88,9 @@ class ModelConfig:
         if not isinstance(rope, dict):
             raise ConfigError(f"rope_scaling must be an object, got {str(rope)[:40]!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        factor = rope.get("factor")
+        if rope_type == "linear" and type(factor) in (int, float) and factor == 1:  # positions / 1: the default
+            rope_type = "default"
         if rope_type not in ("default", None):
             raise ConfigError(
                 f"unsupported rope scaling {rope_type!r}: only the default rotary embedding is implemented"

@@ -837,6 +837,8 @@ def _check_gguf_rope(path: Path, arch: str, meta: dict, dims: dict[str, list[int
         )
     if "rope_freqs.weight" in dims:
         what = "'llama3' (tensor rope_freqs.weight)"
+    elif kind == "linear" and factor == 1:  # positions / 1: the default embedding
+        return
     elif kind not in (None, "none"):
         what = f"{kind!r} ({arch}.rope.scaling.type)"
     elif kind is None and factor not in (None, 0, 1):

@@ -59,11 +59,25 @@ def test_resumes_and_writes_atomically(tmp_path, char_model, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         data.self_distilled(char_model, other, 3, gen_len=6, batch=1, progress=False)
     assert data.read_self_distilled(other) == first[:1]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+    # no temporary left behind (the files' locks stay, as files.locked's do)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.suffix != ".lock"]
     fail = False
     calls.clear()
     assert data.self_distilled(char_model, other, 3, gen_len=6, batch=1, progress=False) == more[:3]
     assert calls == [1, 1]
+
+
+def test_a_second_run_writing_the_same_file_is_refused(tmp_path, char_model):
+    """Two runs on one file would each write their own records over the other's: while one writes (holds the
+    file's lock), another is refused by name; once it ends, a run adds to its answers."""
+    from layerleap.files import locked
+
+    path = tmp_path / "sd.jsonl"
+    with locked(path):  # another run, writing it
+        with pytest.raises(LayerleapError, match=r"sd.jsonl is being written by another self-distilling run .*--out"):
+            data.self_distilled(char_model, path, 2, gen_len=6, batch=1, progress=False)
+    assert not path.exists()
+    assert len(data.self_distilled(char_model, path, 2, gen_len=6, batch=1, progress=False)) == 2
 
 
 def test_sampled_answers_past_the_largest_seed_wrap_as_a_batch_row(tmp_path, char_model):

@@ -273,12 +273,13 @@ LOCK_WAIT_S = 30.0  # the longest ``locked`` waits for another process's update 
 
 
 @contextmanager
-def locked(path: str | Path, wait: float | None = None):
+def locked(path: str | Path, wait: float | None = None, busy: str | None = None):
     """Hold ``path``'s file lock (a hidden sibling, ``.NAME.lock``) for a read-modify-write of a file that
     several processes update (a cache of measurements): read it again inside, change it, write it
     (``atomic_write``), so no process's entry is lost to another's write.  Readers need no lock (the
     writes are atomic).  A lock not had within ``wait`` seconds (``LOCK_WAIT_S``), or a folder that
-    cannot be written, is a ``LayerleapError`` naming ``path``."""
+    cannot be written, is a ``LayerleapError`` naming ``path``; ``busy``: its message for the lock not had
+    (a file one process writes at a time)."""
     from filelock import FileLock, Timeout
 
     path = Path(path)
@@ -288,7 +289,8 @@ def locked(path: str | Path, wait: float | None = None):
         lock.acquire(timeout=LOCK_WAIT_S if wait is None else wait)
     except Timeout:
         raise LayerleapError(
-            f"cannot write {path}: another process held its lock {lock.lock_file} for too long; "
+            busy
+            or f"cannot write {path}: another process held its lock {lock.lock_file} for too long; "
             "try again, or delete the lock file if no other layerleap runs"
         ) from None
     except OSError as e:

@@ -287,12 +287,24 @@ def self_distilled(
     each batch); a call with the same ``path`` reuses what is there and decodes only the rest (a file
     of another model, decoding settings or prompts is refused).  ``prompts``: prompt ids to answer
     instead of ShareGPT's (the first ``n``; a machine without the ShareGPT package,
-    ``benchmarks/device_self_distill.py``).  ``what``: the flag that named ``path``, for the messages."""
+    ``benchmarks/device_self_distill.py``).  ``what``: the flag that named ``path``, for the messages.  One
+    run writes ``path`` at a time (its lock): a second is refused, as it would write over the first's answers."""
+    from ..files import locked
+
+    path = Path(path)
+    busy = (
+        f"{path} is being written by another self-distilling run (its lock {path.parent / f'.{path.name}.lock'}): "
+        f"let it end, then run again to add to its answers, or give another {what}"
+    )
+    with locked(path, wait=0, busy=busy):
+        return _self_distilled(model, path, n, max_prompt, gen_len, batch, progress, temperature, seed, prompts, what)
+
+
+def _self_distilled(model, path, n, max_prompt, gen_len, batch, progress, temperature, seed, prompts, what):
     from tqdm.auto import tqdm
 
     from ..decoding import generate
 
-    path = Path(path)
     fp = model.fingerprint
     done = read_records(path, fp, model.config.vocab_size, what) if path.is_file() else []
     mine = {"temperature": temperature or None, "gen_len": gen_len} | ({"seed": seed} if temperature else {})

@@ -539,3 +539,29 @@ def test_auto_prices_a_chain_merged_into_a_transfer_call_with_its_pseudo_states(
     assert r.token_ids == naive_greedy(model, prompt, 16) and r.stats["transfer_rounds"] > 2
     want = {k: 1 / n * curve(k + 2) + (n - 1) / n * curve(3 * (k + 2)) for k, _ in priced}  # layers (1, 1)
     assert priced and all(p == pytest.approx(want[k]) for k, p in priced)
+
+
+def test_auto_prices_and_merges_a_chain_beside_the_tree_the_round_can_keep(switching, monkeypatch):
+    """Near the output's end a round keeps only the tree's nodes within its budget: the merged cut prices the
+    chain beside those (not the whole tree's nodes), and learns from what they kept."""
+    model = random_model("llama-gqa-tied", seed=11, scale=2.0)
+    seen, cut, propose_row = [], lengths.MergedChainCut.cut, auto_drafter.AutoDrafter.propose_row
+
+    def row(self, r, root, budget):
+        seen.append([budget])
+        return propose_row(self, r, root, budget)
+
+    def spy(self, r, chain, shared, nodes, price=None):
+        seen[-1].append(nodes)
+        return cut(self, r, chain, shared, nodes, price)
+
+    monkeypatch.setattr(auto_drafter.AutoDrafter, "propose_row", row)
+    monkeypatch.setattr(lengths.MergedChainCut, "cut", spy)
+    prompt = list(range(1, 9)) * 3
+    for n in (4, 5, 6, 16):
+        seen.clear()
+        proj = _transfer(model, layers=(1, 1, 1))
+        r = layerleap.generate(model, prompt, "auto", n, stop_at_eos=False, transfer=proj, tree="1,1,1")
+        assert r.token_ids == naive_greedy(model, prompt, n)
+        priced = [s for s in seen if len(s) == 2]
+        assert priced and all(nodes <= budget for budget, nodes in priced), (n, priced)

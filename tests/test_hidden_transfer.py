@@ -415,3 +415,41 @@ def test_q4_trees_past_16_rows_equal_q4_greedy(method, options):
             want = generate(model, prompt, "greedy", 24, stop_at_eos=False).token_ids
             got = generate(model, prompt, method, 24, stop_at_eos=False, draft_vocab="full", **opts).token_ids
             assert got == want, (name, n)
+
+
+@pytest.mark.parametrize(
+    "method, kw",
+    [
+        ("hidden-transfer", {"tree": "1,1,1"}),
+        ("hidden-transfer", {"tree": "dynamic", "tree_nodes": 4, "tree_depth": 3}),
+        ("medusa", {"tree": "1,1,1"}),
+        ("auto", {"tree": "1,1,1"}),
+    ],
+    ids=["transfer", "transfer-dynamic", "medusa", "auto"],
+)
+def test_no_draft_work_for_steps_past_the_output(monkeypatch, method, kw):
+    """Near the output's end a round keeps fewer draft steps than the tree's depth: no pseudo state, no
+    projection and no head is computed for a step no later round can keep (none at all with 2 tokens to
+    make: the prompt pass's, then a round with no room for a draft), and the output is greedy's."""
+    from layerleap.drafters import auto as auto_drafter
+
+    model = random_model("llama-mha-untied", seed=11, scale=2.0)
+    proj, heads = transfer_for(model, 1), medusa_for(model, 2)
+    opt = {"hidden-transfer": {"transfer": proj}, "medusa": {"heads": heads}}.get(
+        method, {"transfer": proj, "medusa": heads}
+    )
+    monkeypatch.setattr(auto_drafter, "FIRST_PROBE", 0)  # auto: a transfer round at once, then each kind in turn
+    monkeypatch.setattr(auto_drafter, "PROBE", 1)
+    monkeypatch.setattr(auto_drafter, "GAP", 1)
+    work = []
+    for cls, name in ((drafters.TransferProjections, "transfer"), (drafters.MedusaHeads, "state")):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, step, x, real=real: work.append(step) or real(self, step, x))
+    prompt = [5, 9, 2, 7, 7, 1, 3, 8, 30]
+    for n, some in ((2, False), (16, True)):
+        work.clear()
+        got = generate(model, prompt, method, n, stop_at_eos=False, draft_vocab="full", **kw, **opt)
+        assert got.token_ids == naive_greedy(model, prompt, n)
+        assert bool(work) == some, (n, work)
+        if method == "hidden-transfer":
+            assert (got.stats["pseudo_states"] > 0) == some

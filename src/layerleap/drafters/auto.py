@@ -56,7 +56,7 @@ from .prompt_lookup import lookup_index
 from .draft_vocab import DraftVocab
 from .eagle import EagleChains
 from .lengths import LengthChooser, MergedChainCut, curve_for
-from .trees import TreeDrafter, draft_logits, medusa_logits, top_drafts
+from .trees import TreeDrafter, medusa_logits, top_drafts, transfer_drafts
 
 MODES = ("lookup", "transfer", "medusa", "eagle")
 FIRST_PROBE = 3  # plain rounds before the first probe of transfer calls (0: start with the probe)
@@ -242,12 +242,17 @@ class AutoDrafter(TreeDrafter):
             self.kept_state = dict(enumerate(self.hidden[:, -1]))
         if self.chooser.mode == "medusa":
             for row in range(self.run.batch):
-                self._medusa_from(row, self.hidden[row, -1])
+                self._medusa_from(row, self.hidden[row, -1], 1)  # the tree follows the prompt pass's token
         return logits
 
-    def _medusa_from(self, row: int, h: torch.Tensor) -> None:
-        """Medusa's drafts for the row's next tree from one last-layer state ``h`` ``[D]``."""
-        logits = medusa_logits(self.run, self.heads, h, self.medusa_buf.depth, self.vocab)  # [depth, V | K]
+    def _medusa_from(self, row: int, h: torch.Tensor, emitted: int) -> None:
+        """Medusa's drafts for the row's next tree from one last-layer state ``h`` ``[D]``, from the heads its
+        next round can keep once this round has ``emitted`` tokens (none: no tree)."""
+        steps = max(0, min(self.medusa_buf.depth, self.run.remaining(row) - emitted - 1))
+        if not steps:
+            self.medusa_topk[row] = None
+            return
+        logits = medusa_logits(self.run, self.heads, h, steps, self.vocab)  # [steps, V | K]
         self.medusa_topk[row] = top_drafts(self.medusa_buf, logits, self.vocab)
 
     def propose(self, roots, budgets):
@@ -287,7 +292,7 @@ class AutoDrafter(TreeDrafter):
         live = [c for c in cands if c is not None]
         if self.round_mode != "transfer" or live[0].root is None:
             return super().score(cands)
-        h, self.pseudo = self.transfer_call(cands, self.proj)
+        h, self.pseudo = self.transfer_call(cands, self.proj, self.pseudo_steps(cands))
         self.hidden = h
         logits = self.run.model.logits(h)  # [B, n, V]
         return [None if c is None else logits[b] for b, c in enumerate(cands)]
@@ -311,10 +316,7 @@ class AutoDrafter(TreeDrafter):
             self.eagle.advance_rows(dict(self.kept_state), cands, results, self.hidden)
             self.kept_state.update(self.kept_states(cands, results, self.hidden))
         if self.round_mode == "transfer":
-            pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
-            for b, p in self.kept_states(cands, results, pseudo).items():  # p [steps, D]
-                z = self.run.model.final_norm(p)
-                self.set_drafts(b, draft_logits(self.run, z, self.vocab))
+            transfer_drafts(self, cands, results)
         else:
             self.topk = [None] * self.run.batch  # drafts from an older position: of no use
         self.mode_rounds[self.round_mode] += 1
@@ -322,11 +324,11 @@ class AutoDrafter(TreeDrafter):
         self.medusa_topk = [None] * self.run.batch
         if self.chooser.mode == "medusa":  # the heads' time is this round's: it ends when they have drafted
             for row, h in self.kept_states(cands, results, self.hidden).items():
-                self._medusa_from(row, h)
+                self._medusa_from(row, h, len(results[row][0]) + 1)
         self.chooser.record(self.round_mode, tokens, self._round_cost(cands), self.counted)
         if self.chooser.mode == "medusa" and all(t is None for t in self.medusa_topk):
             for row, h in self.kept_states(cands, results, self.hidden).items():
-                self._medusa_from(row, h)
+                self._medusa_from(row, h, len(results[row][0]) + 1)
 
     def call_price(self, rows: int, mode: str) -> float:
         """A ``mode`` call over ``rows`` rows (the root included) in one-token calls (``self.curve``): a

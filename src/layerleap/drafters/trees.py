@@ -14,7 +14,8 @@ Drafts are the heads' top-k, chosen deterministically, so sampling verifies them
 proposals (lossless).  A batch verifies one tree shape per call, each row filled with its own
 drafts at its own position, and keeps each row's accepted path.  Near the output's end a round verifies
 only the nodes it could keep (``draft_verify``: a row's tree loses its deeper levels, the rows then each
-their own shape), so a request that fills the context decodes as greedy decoding does.
+their own shape), so a request that fills the context decodes as greedy decoding does; the heads draft, and a
+transfer call makes pseudo states, only for the steps the next round can keep (``next_steps``, ``pseudo_steps``).
 
 ``tree="dynamic"`` (``DynamicTree``) instead builds each row's tree every round from its drafts'
 own confidence, as EAGLE-2 (Li et al. 2024, §4) does: the paths with the highest product of draft
@@ -179,6 +180,12 @@ class TreeDrafter(Drafter):
         """A round's call with ``n`` draft nodes, in one-token calls (``self.curve``)."""
         return self.curve(n + 1)
 
+    def pseudo_steps(self, cands) -> int:
+        """The transfer steps a transfer call of this round makes pseudo states for: the most that some live
+        row's next round can keep (``next_steps``, this round emitting one token at least); fewer than the
+        tree's depth near the output's end."""
+        return max((self.next_steps(row, 1) for row, c in enumerate(cands) if c is not None), default=0)
+
     def set_drafts(self, row: int, step_logits: torch.Tensor) -> None:
         """The row's drafts for its next tree from draft logits by step ``[steps, V]``."""
         if self.dynamic is None:
@@ -206,14 +213,17 @@ class TreeDrafter(Drafter):
                 self.scales[row].observe(expected, len(r[0]) if first is None else int(r[1] == first))
                 self.expected[row] = None
 
-    def transfer_call(self, cands, proj: TransferProjections) -> tuple[torch.Tensor, torch.Tensor]:
+    def transfer_call(
+        self, cands, proj: TransferProjections, steps: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden Transfer's pass (``transfer_pass``) over every live row's root and tree (one shape, or each
-        row's) with ``self.steps`` pseudo states per node -> (real nodes' last hidden states ``[B, n, D]``,
-        pseudo states ``[B, steps, n, D]``)."""
+        row's) with ``steps`` (at most ``self.steps``; None: all of them) pseudo states per node -> (real nodes'
+        last hidden states ``[B, n, D]``, pseudo states ``[B, steps, n, D]``)."""
         self.mark_start()
         ids, tree = self.batch_tokens(cands)
         shape = tree if tree is not None else next(c for c in cands if c is not None)
-        return transfer_pass(self.run, self.cache, ids, self.pseudo_layout(shape), proj, self.steps)
+        steps = self.steps if steps is None else steps
+        return transfer_pass(self.run, self.cache, ids, self.pseudo_layout(shape), proj, steps)
 
     def pseudo_layout(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
         """``pseudo_layout`` of the round's tree ``shape`` (a ``Candidates`` or ``BatchTree``; a chain is
@@ -368,8 +378,9 @@ class TransferDrafter(TreeDrafter):
         live = [c for c in cands if c is not None]
         if live[0].root is None:  # right after the prompt: the prompt pass scored the first position
             return super().score(cands)
-        h, self.pseudo = self.transfer_call(cands, self.proj)
-        self.pseudo_states += self.steps * h.shape[1] * len(live)
+        steps = self.pseudo_steps(cands)
+        h, self.pseudo = self.transfer_call(cands, self.proj, steps)
+        self.pseudo_states += steps * h.shape[1] * len(live)
         logits = self.run.model.logits(h)  # [B, n, V]
         return [None if c is None else logits[row, : len(c.fed())] for row, c in enumerate(cands)]
 
@@ -377,13 +388,24 @@ class TransferDrafter(TreeDrafter):
         called = next(c for c in cands if c is not None).root is not None
         super().update(cands, results)
         if called and self.steps:
-            pseudo = self.pseudo.transpose(1, 2)  # [B, n, steps, D]
-            for row, p in self.kept_states(cands, results, pseudo).items():  # p [steps, D]
-                z = self.run.model.final_norm(p)
-                self.set_drafts(row, draft_logits(self.run, z, self.vocab))
+            transfer_drafts(self, cands, results)
 
     def tree_stats(self, counts) -> list[TreeStats]:
         stats = super().tree_stats(counts)
         for r in stats:
             r.pseudo_states = self.pseudo_states  # the whole batch's
         return stats
+
+
+def transfer_drafts(drafter: TreeDrafter, cands, results) -> None:
+    """Each live row's drafts for its next tree from the pseudo states of its last kept node (``drafter.pseudo``
+    ``[B, steps, n, D]``, the round's transfer call's), of the steps that round can keep (``next_steps``;
+    none: it is a plain step)."""
+    pseudo = drafter.pseudo.transpose(1, 2)  # [B, n, steps, D]
+    for row, p in drafter.kept_states(cands, results, pseudo).items():  # p [steps, D]
+        steps = drafter.next_steps(row, len(results[row][0]) + 1)
+        if steps:
+            z = drafter.run.model.final_norm(p[:steps])
+            drafter.set_drafts(row, draft_logits(drafter.run, z, drafter.vocab))
+        else:
+            drafter.topk[row] = None

@@ -403,6 +403,25 @@ def test_an_assistant_turn_without_text_is_taken_and_tool_turns_are_refused_by_n
     assert r.status_code == 400 and "needs its content" in err["message"], err
 
 
+def test_content_that_is_not_text_is_named(tiny_server):
+    """An image or audio part, a part without text, content of another type: a 400 naming the part and that
+    the server takes text, not pydantic's "input should be a valid string" for a list."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for content, says in (
+        ([{"type": "text", "text": "What is this?"}, image], "part 1 is of type 'image_url': this server takes text"),
+        ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "'input_audio'"),
+        ([{"type": "text"}], 'part 0 is not a text part: give {"type": "text", "text": "..."}'),
+        ([{"type": "text", "text": "a", "cache_control": {}}], "part 0 is not a text part"),
+        (5, "got int: give text"),
+    ):
+        r = post(tiny_server, {"messages": [{"role": "user", "content": content}]}, "/v1/chat/completions")
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages[0].content" and says in err["message"], err
+    parts = [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colours."}]
+    r = post(tiny_server, {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+
+
 def test_bad_chat_requests_and_routes(tiny_server, client):
     assert post(tiny_server, {"messages": []}, "/v1/chat/completions").status_code == 400
     bad_role = {"messages": [{"role": "robot", "content": "x"}]}

@@ -108,6 +108,26 @@ class Message(BaseModel):
     audio: Any = None
     annotations: Any = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        """A part that is not text (an image, audio, a file) is named, not met by "input should be a valid string"."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"part {i} is of type {kind!r}: this server takes text only, "
+                        'as a string or parts {"type": "text", "text": ...}'
+                    )
+                if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise ValueError(f'part {i} is not a text part: give {{"type": "text", "text": "..."}} only')
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f'got {type(content).__name__}: give text, as a string or parts {{"type": "text", "text": ...}}'
+            )
+        return content
+
     @field_validator("role", mode="before")
     @classmethod
     def _no_tool_turns(cls, role):

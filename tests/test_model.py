@@ -593,6 +593,21 @@ def test_config_values_that_change_nothing_are_taken(kind, extra):
         ModelConfig.from_hf(_hf_cfg(rope_scaling={"type": "linear", "factor": True}))
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_an_absent_max_position_is_transformers_default(kind):
+    """A config without max_position_embeddings has the context transformers' config class gives it (Qwen2
+    32768, Mistral 131072 bounded by its 4096 window, Llama 2048), not 2048 for every architecture."""
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}
+    hf = _hf_cfg(model_type=kind)
+    del hf["max_position_embeddings"]
+    if kind == "mistral":
+        hf.pop("sliding_window", None)  # absent: transformers' 4096
+    want = min(cls[kind]().max_position_embeddings, 4096 if kind == "mistral" else 1 << 30)
+    assert ModelConfig.from_hf(hf).max_position == want
+
+
 # -- state dict mapping -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_sd():

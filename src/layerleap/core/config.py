@@ -118,7 +118,7 @@ class ModelConfig:
             raise ConfigError(f"eos_token_id {eos!r} is not a token id in [0, {vocab})")
         bos = hf.get("bos_token_id")
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        max_position = _field(hf, "max_position_embeddings", 2048)
+        max_position = _field(hf, "max_position_embeddings", max_position_default(model_type))
         max_position = min(max_position, sliding_window_bound(hf) or max_position)
         return cls(
             vocab_size=vocab,
@@ -167,6 +167,15 @@ class ModelConfig:
         return d
 
 
+# transformers' LlamaConfig, Qwen2Config and MistralConfig defaults for an absent max_position_embeddings
+_HF_MAX_POSITION = {"llama": 2048, "qwen2": 32768, "mistral": 131072}
+
+
+def max_position_default(model_type) -> int:
+    """The context `transformers` gives a config of ``model_type`` without ``max_position_embeddings``."""
+    return _HF_MAX_POSITION.get(model_type, 2048)
+
+
 _HF_SLIDING_WINDOW = 4096  # transformers' MistralConfig and Qwen2Config default for an absent sliding_window
 
 
@@ -177,7 +186,9 @@ def sliding_window_bound(hf: dict) -> int | None:
     if not _sliding_window(hf, hf.get("model_type")):
         return None
     window = _field(hf, "sliding_window", _HF_SLIDING_WINDOW)
-    return window if window < _field(hf, "max_position_embeddings", 2048) else None
+    return (
+        window if window < _field(hf, "max_position_embeddings", max_position_default(hf.get("model_type"))) else None
+    )
 
 
 def _sliding_window(hf: dict, model_type: str) -> bool:

@@ -188,6 +188,8 @@ def test_penalties_and_biases_are_honoured(tiny_server, tiny, method, options):
         ({"repetition_penalty": 0}, "repetition_penalty", None),
         ({"presence_penalty": 2.5}, "presence_penalty", None),
         ({"logit_bias": {"x": 1}}, "logit_bias", "token ids written as strings"),
+        ({"logit_bias": {"--5": 1}}, "logit_bias", "token ids written as strings"),
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "token ids written as strings"),
         ({"logit_bias": {"99999": 1}}, "logit_bias", "a token id of this model"),
         ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
         ({"min_tokens": 5}, "min_tokens", "min_tokens=5 exceeds max_tokens=3"),

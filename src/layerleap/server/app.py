@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import random
+import re
 import sys
 import threading
 import time
@@ -232,6 +233,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     return Settings(method, options, gen)
 
 
+_TOKEN_ID = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key: a token id as int() reads it
 PROCESSOR_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
 
 
@@ -248,7 +250,7 @@ def request_processors(body: _Request, m, vocab: int, max_tokens: int, grammar) 
     if given["logit_bias"] is not None:
         bias = {}
         for key, value in given["logit_bias"].items():
-            if not key.strip().lstrip("-").isdigit():
+            if not _TOKEN_ID.fullmatch(key):
                 raise _bad(f'logit_bias\'s keys are token ids written as strings ("50256"), got {key!r}', "logit_bias")
             bias[int(key)] = value
         given["logit_bias"] = bias

@@ -195,7 +195,11 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = Field(
         None, description='token id (as a string) -> a bias in [-100, 100] added to its logit: {"50256": -100}'
     )
-    min_tokens: int | None = Field(None, ge=0, description="vLLM's: no end-of-sequence token before this many tokens")
+    min_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="no end-of-sequence token before this many tokens (stop and stop_token_ids may end it sooner)",
+    )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="a seeded sample is reproducible")
     stop: str | list[str] | None = Field(
         None, description=f"up to {MAX_STOPS} strings; the text ends before the first one"

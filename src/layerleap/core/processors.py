@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 # the settings' fields of ``GenerationConfig`` and the values that ask for nothing
@@ -62,10 +63,38 @@ class History:
         self.prompt = set(int(t) for t in prompt) if self.rep != 1.0 else set()
         self.counts: Counter = Counter()  # the output's tokens
         self.n_out = 0
+        # the tokens the penalties read (the prompt's, with repetition_penalty, then the output's new ones), kept
+        # as tokens come (a long prompt's hundreds of tokens are not gone over again for every token and node):
+        # their columns (``at``: token -> column), and in arrays grown as needed, the columns' token ids, which
+        # are the prompt's, and how often the output holds each (``_base``: the first ``len(at)`` of them)
+        cols = sorted(self.prompt)
+        self.at: dict[int, int] = {t: i for i, t in enumerate(cols)}
+        size = len(cols) + 64
+        self._ids = np.zeros(size, dtype=np.int64)
+        self._ids[: len(cols)] = cols
+        self._in_prompt = np.zeros(size, dtype=np.bool_)
+        self._in_prompt[: len(cols)] = True
+        self._count = np.zeros(size, dtype=np.float32)
 
     def push(self, token: int) -> None:
-        self.counts[int(token)] += 1
+        t = int(token)
+        self.counts[t] += 1
         self.n_out += 1
+        col = self.at.get(t)
+        if col is None:
+            col = self.at[t] = len(self.at)
+            if col == len(self._ids):  # full: twice the room
+                self._ids, self._in_prompt, self._count = (
+                    np.concatenate([a, np.zeros_like(a)]) for a in (self._ids, self._in_prompt, self._count)
+                )
+            self._ids[col] = t
+        self._count[col] += 1
+
+    def _base(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[C]`` each column's token in the prompt, ``[C]`` how often the output holds it, ``[C]`` the columns'
+        token ids (views of the arrays ``push`` keeps: copy before changing them)."""
+        c = len(self.at)
+        return tuple(torch.from_numpy(a[:c]) for a in (self._in_prompt, self._count, self._ids))
 
     def apply(self, logits: torch.Tensor, paths: list[list[int]] | None = None) -> torch.Tensor:
         """``[n, V]`` logits -> processed fp32 logits (a new tensor); row ``i`` follows the history and then
@@ -81,15 +110,20 @@ class History:
                 rows = torch.tensor(short, dtype=torch.long, device=out.device)
                 out[rows.unsqueeze(1), torch.tensor(self.eos, dtype=torch.long, device=out.device)] = float("-inf")
         if self.rep != 1.0 or self.presence or self.frequency:
-            extra = {t for path in paths for t in path}
-            cols = sorted(self.prompt | self.counts.keys() | extra)
-            at = {t: i for i, t in enumerate(cols)}
-            count = torch.tensor([float(self.counts.get(t, 0)) for t in cols]).repeat(n, 1)  # [n, C] in the output
-            seen = torch.tensor([t in self.prompt for t in cols]).repeat(n, 1)  # [n, C] in the prompt
-            for i, path in enumerate(paths):
-                for t in path:
-                    count[i, at[t]] += 1
-            idx = torch.tensor(cols, dtype=torch.long, device=out.device)
+            at = self.at
+            seen, count, idx = self._base()
+            extra = sorted({t for path in paths for t in path} - at.keys())  # path tokens the history lacks
+            if extra:
+                at = {**at, **{t: len(at) + i for i, t in enumerate(extra)}}
+                idx = torch.cat([idx, torch.tensor(extra, dtype=torch.long)])
+                seen = torch.cat([seen, torch.zeros(len(extra), dtype=torch.bool)])
+                count = torch.cat([count, torch.zeros(len(extra))])
+            count, seen = count.repeat(n, 1), seen.repeat(n, 1)  # [n, C]: in the output, in the prompt
+            cells = [(i, at[t]) for i, path in enumerate(paths) for t in path]  # each path token once per row
+            if cells:
+                rows, at_cols = torch.tensor(cells, dtype=torch.long).T
+                count.index_put_((rows, at_cols), torch.ones(len(cells)), accumulate=True)
+            idx = idx.to(out.device)
             x = out[:, idx]  # [n, C]
             count, seen = count.to(out.device), seen.to(out.device)
             if self.rep != 1.0:  # over the prompt and the output (with the row's path)

@@ -728,7 +728,7 @@ def run_score(args) -> int:
             top = "  ".join(f"{t.text!r} {t.logprob:.4f}" for t in e.top)
             print(f"{e.logprob:10.4f}  {e.text!r}  rank {e.rank}" + (f"   top: {top}" if top else ""))
         print(
-            f"{len(entries)} tokens scored: log probability {total:.4f}"
+            f"{len(entries)} token{'' if len(entries) == 1 else 's'} scored: log probability {total:.4f}"
             + (f" ({total / len(entries):.4f} a token)" if entries else "")
         )
     return 0

@@ -258,6 +258,7 @@ def test_serve_refuses_bad_arguments_before_serving(capsys, tiny_hf_dir, args, m
     "command",
     [
         "generate",
+        "score",
         "info",
         "bench",
         "demo",

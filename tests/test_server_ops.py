@@ -385,6 +385,8 @@ HONOURED = {
     "stream",
     "stream_options",
     "logprobs",
+    "echo",
+    "prompt_logprobs",
     "messages",
     "prompt",
     "response_format",

@@ -19,6 +19,7 @@ _EXPORTS = {
     "to_hf": "core.loading",
     "available_models": "core.loading",
     "generate": "decoding",
+    "score": "decoding",
     "GenerationResult": "decoding",
     "GenerationConfig": "decoding",
     "GenerationError": "decoding",

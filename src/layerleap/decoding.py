@@ -22,7 +22,7 @@ from .core.cpu import release_freed_memory
 from .core.model import Transformer
 from .methods import budget
 from .core.grammar import Grammar
-from .core.logprobs import MAX_TOP, TokenLogprob, typed
+from .core.logprobs import MAX_TOP, TokenLogprob, scores, typed
 from .core.processors import NEUTRAL as PROCESSORS_NEUTRAL
 from .core.stats import RECORD_FIELDS, BudgetStats, Stats
 from .core.text import StopText, TextPieces, check_stops, tokens_through
@@ -43,6 +43,7 @@ from .core.run import (
 
 __all__ = [
     "generate",
+    "score",
     "Grammar",
     "Decoding",
     "get_method",
@@ -415,6 +416,50 @@ def generate(
     for _ in d:
         pass
     return d.results if d.many else d.results[0]
+
+
+def score(model: Transformer, prompt, top: int = 0, *, chat: bool = False):
+    """The log probability of each token of ``prompt`` under ``model`` given the tokens before it (from the
+    second token: the first has nothing before it): one ``TokenLogprob`` per token, with its rank there (1:
+    the likeliest) and the ``top`` likeliest tokens (0 to ``core.logprobs.MAX_TOP``), as ``generate``'s
+    ``logprobs`` reports generated tokens.  ``sum(t.logprob for t in score(model, text))`` is the text's
+    log-likelihood (less its first token's).
+
+    One prompt gives a list of ``TokenLogprob``, a list of prompts (scored as one left-padded batch) a list
+    of those.  Prompts are what ``generate`` takes: text (``chat`` wraps it in the chat template), token
+    ids, a conversation (rendered as ``generate`` renders it, the assistant's turn opened after it), or a
+    list of those.
+
+    A function of its own, not a ``generate`` argument: scoring generates nothing and every method's
+    prompt pass is the same model's, so there is no method, budget or sampling to choose (``generate``
+    would need ``max_new_tokens=0``, which no method decodes).  It is one prompt pass of the whole model,
+    its hidden states unembedded a block of positions at a time (``core.logprobs.scores``)."""
+    _check(
+        isinstance(model, Transformer),
+        f"model must be a layerleap model (layerleap.load(...)), got {type(model).__name__}",
+    )
+    prompts, many = _split_prompts(prompt)
+    with V.raising(GenerationError):
+        V.integer(top, "top", 0, MAX_TOP, hint=" (0: the prompt tokens' own log probabilities alone)")
+        V.flag(chat, "chat")
+    ids = [_encode_row(model, prompts, i, chat) for i in range(len(prompts))]
+    ctx = model.config.max_position
+    for i, p in enumerate(ids):
+        _check(
+            len(p) <= ctx,
+            f"prompt {i} has {len(p)} tokens, beyond the model's context length {ctx}: shorten it",
+        )
+    _check_memory(model, [len(p) for p in ids], 0)
+    run = Run(model, ids, GenerationConfig(max_new_tokens=0))
+    longest = max(len(p) for p in ids)
+    out = []
+    with torch.inference_mode():
+        h = run.prefill_at(model.new_cache(len(ids), longest), (run.n_layers,))[-1]  # [B, T, D]
+        for row, p in enumerate(ids):
+            out.append(scores(model.logits, h[row, longest - len(p) : longest - 1], p[1:], top, model.tokenizer))
+    if sum(map(len, ids)) >= LONG_PROMPT_PASS:
+        release_freed_memory()
+    return out if many else out[0]
 
 
 def _prepare(

@@ -1,4 +1,4 @@
-"""The basic subcommands: ``generate``, ``methods``, ``info``, ``bench`` and ``demo``.
+"""The basic subcommands: ``generate``, ``score``, ``methods``, ``info``, ``bench`` and ``demo``.
 
 stdout carries the results (one JSON object with ``--json``); loading messages and progress go to
 stderr.  Bad input raises ``LayerleapError`` (``cli.main`` turns it into one line and exit code 2);
@@ -35,6 +35,7 @@ from ..decoding import (
     generate,
     get_method,
     sampling_choice,
+    score,
 )
 from ..methods.budget import LOSSY, check_has_budget, check_quality
 from ..errors import LayerleapError
@@ -673,6 +674,64 @@ def _generate_with_progress(model, prompts, args, kwargs):
     finally:
         bar.close()
     return results if many else results[0]
+
+
+# -- score ------------------------------------------------------------------------------------------
+@command("score", help="the log probability of each token of a prompt under the model (its log-likelihood)")
+def _setup_score(p):
+    _model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--prompt", type=V.text_arg, help="the text to score ('-' reads stdin, UTF-8, less its final newline)"
+    )
+    src.add_argument(
+        "--prompts-file",
+        type=V.in_stream_arg,
+        metavar="FILE",
+        help="texts scored as one batch, read as generate --prompts-file reads them",
+    )
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument(
+        "--top",
+        type=V.int_arg(0, MAX_TOP),
+        default=0,
+        metavar="N",
+        help=f"the N likeliest tokens at each position too (0 .. {MAX_TOP}; default 0)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (logprobs: one per token from the second, with its rank; logprob: their sum) "
+        "per prompt, one a line",
+    )
+
+
+@_setup_score
+def run_score(args) -> int:
+    prompts = _generate_prompts(argparse.Namespace(prompts_file=args.prompts_file, prompt=args.prompt, stream=False))
+    if isinstance(prompts, list) and len(prompts) > MAX_BATCH:
+        raise LayerleapError(
+            f"--prompts-file {args.prompts_file} holds {len(prompts):,} prompts, beyond the {MAX_BATCH:,} scored as "
+            "one batch: split the file into several"
+        )
+    _threads(args.threads)
+    model = _load(args)
+    _need_tokenizer(model, args)
+    many = isinstance(prompts, list)
+    scored = score(model, prompts, args.top, chat=args.chat)
+    for entries in scored if many else [scored]:
+        total = sum(e.logprob for e in entries)
+        if args.json:
+            print(json_text({"logprob": total, "logprobs": [e.to_dict() for e in entries]}))
+            continue
+        for e in entries:
+            top = "  ".join(f"{t.text!r} {t.logprob:.4f}" for t in e.top)
+            print(f"{e.logprob:10.4f}  {e.text!r}  rank {e.rank}" + (f"   top: {top}" if top else ""))
+        print(
+            f"{len(entries)} token{'' if len(entries) == 1 else 's'} scored: log probability {total:.4f}"
+            + (f" ({total / len(entries):.4f} a token)" if entries else "")
+        )
+    return 0
 
 
 # -- methods ----------------------------------------------------------------------------------------

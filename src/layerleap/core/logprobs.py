@@ -9,6 +9,9 @@ method's log probabilities are greedy's, within float rounding.
 
 Each token gets its own log probability and, with ``N`` > 0, the ``N`` likeliest tokens at its position
 (``MAX_TOP``: OpenAI's bound), likeliest first.
+
+A prompt's own tokens are scored the same way from the hidden states of its prompt pass (``scores``:
+``layerleap.score``, the server's ``echo`` and ``prompt_logprobs``), each with its rank too.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_TOP = 20  # the most alternatives a token reports (OpenAI's top_logprobs bound)
+SCORE_ROWS = 256  # prompt positions unembedded at once when scoring (a [256, V] fp32 block, not [T, V])
 
 Raw = tuple[int, float, tuple[tuple[int, float], ...]]  # (token, its log probability, ((id, log probability), ...))
 
@@ -37,20 +41,23 @@ class TopLogprob:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token, its text, its log probability and the likeliest tokens at its position."""
+    """A token, its text, its log probability and the likeliest tokens at its position; a scored prompt's
+    token has its ``rank`` too (1: the likeliest there), a generated one None."""
 
     token: int
     text: str
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    rank: int | None = None
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "token": self.token,
             "text": self.text,
             "logprob": self.logprob,
             "top": [t.to_dict() for t in self.top],
         }
+        return out if self.rank is None else out | {"rank": self.rank}
 
 
 def capture(logits: torch.Tensor, tokens: list[int], top: int) -> list[Raw]:
@@ -120,3 +127,28 @@ def typed(raw: list[Raw], tokenizer) -> list[TokenLogprob]:
         return texts[t]
 
     return [TokenLogprob(t, text(t), lp, tuple(TopLogprob(i, text(i), v) for i, v in top)) for t, lp, top in raw]
+
+
+def scores(
+    logits, h: torch.Tensor, tokens: list[int], top: int, tokenizer, rows: int = SCORE_ROWS
+) -> list[TokenLogprob]:
+    """The log probability of each of ``tokens`` under the hidden states ``h`` ``[n, D]`` (row ``k`` the state
+    of the position before ``tokens[k]``), ``logits(h)`` unembedding a ``[1, m, D]`` block: each token's
+    ``TokenLogprob`` with its rank (1 + the tokens likelier there) and the ``top`` likeliest.  ``rows``
+    positions at a time, so a long prompt never holds its ``[n, V]`` logits at once."""
+    raw: list[tuple[int, float, int, tuple]] = []
+    for at in range(0, len(tokens), rows):
+        lp = torch.log_softmax(logits(h[at : at + rows].unsqueeze(0))[0].float(), dim=-1)  # [m, V]
+        part = tokens[at : at + rows]
+        chosen = lp.gather(1, torch.tensor(part, dtype=torch.long, device=lp.device).view(-1, 1))  # [m, 1]
+        ranks = (lp > chosen).sum(dim=-1).add(1).tolist()
+        if top > 0:
+            vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        else:
+            tops = [()] * len(part)
+        raw += [(int(t), float(c), int(r), tp) for t, c, r, tp in zip(part, chosen.squeeze(1).tolist(), ranks, tops)]
+    return [
+        TokenLogprob(e.token, e.text, e.logprob, e.top, rank)
+        for e, rank in zip(typed([(t, c, tp) for t, c, _, tp in raw], tokenizer), (r for _, _, r, _ in raw))
+    ]

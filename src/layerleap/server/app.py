@@ -9,6 +9,7 @@ while they compute), so ``/health`` and the streams keep moving while a long pro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -29,10 +30,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..core.grammar import Grammar, GrammarError
-from ..core.logprobs import TokenLogprob, token_bytes
+from ..core.logprobs import TokenLogprob, token_bytes, token_text
 from ..core.model import Transformer
 from ..core.run import GenerationConfig, chat_token_ids
-from ..decoding import METHODS, GenerationError, check_processors, get_method
+from ..decoding import METHODS, GenerationError, check_processors, get_method, score
 from ..errors import LayerleapError
 from ..options import model_options
 from ..scheduler import Finish, Job, QueueTimeout, Scheduler, Settings
@@ -146,6 +147,8 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         raise _bad(f"{refused} is not supported by this server: leave it out", refused)
     if isinstance(body, ChatRequest) and body.top_logprobs and not body.logprobs:
         raise _bad("top_logprobs needs logprobs: true: give both, or leave top_logprobs out", "top_logprobs")
+    if body.prompt_logprobs is not None and body.stream:
+        raise _bad("prompt_logprobs are not sent in a stream: leave out stream or prompt_logprobs", "prompt_logprobs")
     if body.n not in (None, 1):
         raise _bad(f"n={body.n}: this server returns one choice per request: leave n out or set n=1", "n")
     limit = min(cfg.max_prompt_tokens or context, context - 1)  # a prompt of the whole context leaves no room
@@ -289,8 +292,9 @@ def _max_tokens(body: _Request) -> tuple[str, int | None]:
     ]
     if len({v for _, v in given}) > 1:
         raise _bad(f"{' and '.join(k for k, _ in given)} disagree: give one of them", given[0][0])
-    if given and given[0][1] < 1:
-        raise _bad(f"{given[0][0]} must be at least 1", given[0][0])
+    if given and given[0][1] < (0 if getattr(body, "echo", None) else 1):
+        zero = " (0 with echo: the prompt scored, nothing generated)" if hasattr(body, "echo") else ""
+        raise _bad(f"{given[0][0]} must be at least 1{zero}", given[0][0])
     return given[0] if given else ("max_tokens", None)
 
 
@@ -379,6 +383,10 @@ class Reply:
     tokenizer: object = None  # for the tokens' bytes (chat's logprobs)
     top: bool = False  # legacy completions' logprobs asked for the likeliest tokens (top_logprobs: their dicts)
     offset: int = 0  # legacy completions' text_offset of the next token whose log probability goes out
+    echo: str | None = None  # legacy completions' echo: the prompt's text, before the answer's
+    echo_first: str = ""  # with echo and logprobs: the text of the prompt's first token (it has no log probability)
+    echo_logprobs: list[TokenLogprob] | None = None  # ... and the log probabilities of the prompt's other tokens
+    prompt_logprobs: list | None = None  # vLLM's prompt_logprobs as they are sent (``vllm_prompt_logprobs``)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -428,19 +436,55 @@ class Reply:
             "text_offset": offsets,
         }
 
-    def full(self, fin: Finish) -> dict:
+    def _echoed(self) -> dict | None:
+        """With echo and logprobs: the prompt's tokens in legacy completions' ``logprobs`` (its first token's
+        log probability and likeliest tokens null, as OpenAI sends them); the answer's offsets then count
+        from the end of the prompt's text."""
+        if self.echo_logprobs is None:
+            return None
+        first = {
+            "tokens": [self.echo_first],
+            "token_logprobs": [None],
+            "top_logprobs": [None] if self.top else None,
+            "text_offset": [0],
+        }
+        self.offset = len(self.echo_first)
+        rest = self.logprobs(self.echo_logprobs)
+        self.offset = len(self.echo or "")
+        return _joined(first, rest)
+
+    def _choice_logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """A choice's ``logprobs``: the prompt's first (echo), then those of ``entries``."""
+        echoed = self._echoed()
+        return self.logprobs(entries) if echoed is None else _joined(echoed, self.logprobs(entries or []))
+
+    def full(self, fin: Finish | None) -> dict:
+        """The whole answer; ``fin`` None: nothing generated (``max_tokens`` 0 with echo)."""
+        text = (self.echo or "") + ("" if fin is None else fin.text)
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": fin.text}}
-            if self.chat
-            else {"index": 0, "text": fin.text}
+            {"index": 0, "message": {"role": "assistant", "content": text}} if self.chat else {"index": 0, "text": text}
         )
-        choice.update(finish_reason=fin.reason, logprobs=self.logprobs(fin.logprobs))
-        return {
+        choice.update(
+            finish_reason="length" if fin is None else fin.reason,
+            logprobs=self._choice_logprobs(None if fin is None else fin.logprobs),
+        )
+        out = {
             **self._head(False),
             "choices": [choice],
-            "usage": _usage(self.prompt_len, fin.completion_tokens),
-            "layerleap": {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)},
+            "usage": _usage(self.prompt_len, 0 if fin is None else fin.completion_tokens),
         }
+        if fin is not None:
+            out["layerleap"] = {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)}
+        if self.prompt_logprobs is not None:  # vLLM's place: the choice's (text completions), the answer's (chat)
+            (out if self.chat else choice)["prompt_logprobs"] = self.prompt_logprobs
+        return out
+
+    def echo_chunk(self, reason: str | None = None) -> dict:
+        """A stream's first chunk with echo: the prompt's text (and its tokens' log probabilities); ``reason``:
+        it is the last one too (nothing generated)."""
+        choice = {"index": 0, "text": self.echo, "finish_reason": reason}
+        choice["logprobs"] = self._choice_logprobs(None if self.echo_logprobs is None else [])
+        return {**self._head(True), "choices": [choice]} | ({"usage": None} if self.usage else {})
 
     def chunk(
         self, text: str | None = None, reason: str | None = None, role: bool = False, logprobs: list | None = None
@@ -457,8 +501,52 @@ class Reply:
         choice.update(finish_reason=reason, logprobs=self.logprobs(logprobs))
         return {**self._head(True), "choices": [choice]} | ({"usage": None} if self.usage else {})
 
-    def usage_chunk(self, fin: Finish) -> dict:
-        return {**self._head(True), "choices": [], "usage": _usage(self.prompt_len, fin.completion_tokens)}
+    def usage_chunk(self, fin: Finish | None) -> dict:
+        return {
+            **self._head(True),
+            "choices": [],
+            "usage": _usage(self.prompt_len, 0 if fin is None else fin.completion_tokens),
+        }
+
+
+def _joined(a: dict, b: dict) -> dict:
+    """Two parts of legacy completions' ``logprobs``, one after the other."""
+    return {k: None if a[k] is None else a[k] + b[k] for k in a}
+
+
+def vllm_prompt_logprobs(scored: list[TokenLogprob], top: int) -> list:
+    """vLLM's ``prompt_logprobs``: a list over the prompt's tokens, the first null, then per token a dict of
+    token id (a string in JSON) -> ``{"logprob", "rank", "decoded_token"}``: the prompt token's own, then the
+    ``top`` likeliest tokens there."""
+    out: list = [None]
+    for e in scored:
+        entry = {str(e.token): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.text}}
+        for k, t in enumerate(e.top[:top]):
+            entry.setdefault(str(t.token), {"logprob": t.logprob, "rank": k + 1, "decoded_token": t.text})
+        out.append(entry)
+    return out
+
+
+async def score_prompt(st: AppState, body: _Request, ids: list[int], reply: Reply) -> None:
+    """Legacy completions' ``echo`` (the prompt's text, and with ``logprobs`` its tokens' log probabilities)
+    and vLLM's ``prompt_logprobs`` on ``reply``: the prompt scored by ``layerleap.score`` in the model's
+    worker thread (one more prompt pass), only when log probabilities are asked for."""
+    echo = bool(getattr(body, "echo", None))
+    tok = st.model.tokenizer
+    if echo:
+        reply.echo = body.prompt if isinstance(body.prompt, str) else tok.decode(ids, skip_special_tokens=False)
+    tops = [n for n in (body.logprobs if echo else None, body.prompt_logprobs) if n is not None]
+    if not tops:
+        return
+    try:
+        scored = await st.scheduler.run_in_worker(score, st.model, ids, max(tops))
+    except LayerleapError as e:
+        raise _bad(str(e), "prompt_logprobs" if body.prompt_logprobs is not None else "echo") from None
+    if echo and body.logprobs is not None:
+        reply.echo_first = token_text(tok, ids[0])
+        reply.echo_logprobs = [dataclasses.replace(e, top=e.top[: body.logprobs]) for e in scored]
+    if body.prompt_logprobs is not None:
+        reply.prompt_logprobs = vllm_prompt_logprobs(scored, body.prompt_logprobs)
 
 
 def _sse(obj) -> bytes:
@@ -529,10 +617,21 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
                 "stream_options applies to streamed answers: give stream: true, or leave it out", "stream_options"
             )
         ids = await run_in_threadpool(prompt_ids, body, st.model)
-        settings = await load_options(st, request_settings(body, st, len(ids)))
+        settings = request_settings(body, st, len(ids))
+        generates = settings.gen.max_new_tokens > 0  # (0: echo alone)
         fields = body.grammar_fields()
         field = fields[0] if fields else None
-        await run_in_threadpool(check_decoding, st.model, ids, settings, field)
+        if generates:
+            settings = await load_options(st, settings)
+            await run_in_threadpool(check_decoding, st.model, ids, settings, field)
+        reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
+        reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        await score_prompt(st, body, ids, reply)
+        if not generates:
+            _done(st, request, t0)
+            if body.stream:
+                return StreamingResponse(_echo_events(reply), media_type="text/event-stream")
+            return JSONResponse(reply.full(None))
         job = Job(ids, settings, body.stops(), tuple(body.stop_token_ids or ()))
         if not st.scheduler.submit(job):
             raise APIError(
@@ -544,7 +643,6 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             )
     except APIError as e:
         return e.response()
-    reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
     watcher = asyncio.create_task(_watch(request, st, job))
     try:
         event = first = await _next_event(st, job, field)
@@ -562,9 +660,8 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         watcher.cancel()
         _done(st, request, t0)
         return JSONResponse(reply.full(event[1]))
-    usage = reply.usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(
-        _events(request, st, job, reply, first, usage, watcher, t0, field), media_type="text/event-stream"
+        _events(request, st, job, reply, first, reply.usage, watcher, t0, field), media_type="text/event-stream"
     )
 
 
@@ -613,6 +710,8 @@ async def _events(
     try:
         if reply.chat:
             yield _sse(reply.chunk(role=True))
+        if reply.echo is not None:
+            yield _sse(reply.echo_chunk())
         while True:
             kind, value = event
             if kind == "text":
@@ -634,6 +733,14 @@ async def _events(
         watcher.cancel()
         if not job.finished:
             st.scheduler.cancel(job)
+
+
+async def _echo_events(reply: Reply):
+    """The server-sent events of an answer that is its echo alone (``max_tokens`` 0)."""
+    yield _sse(reply.echo_chunk("length"))
+    if reply.usage:
+        yield _sse(reply.usage_chunk(None))
+    yield b"data: [DONE]\n\n"
 
 
 # -- errors ------------------------------------------------------------------------------------------

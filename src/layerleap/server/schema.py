@@ -29,7 +29,6 @@ REFUSED: dict[str, tuple] = {
     "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -41,7 +40,6 @@ REFUSED: dict[str, tuple] = {
     "length_penalty": (None, 1, 1.0),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
@@ -167,8 +165,9 @@ class _Request(BaseModel):
     model: str | None = Field(None, description="the served model's id (GET /v1/models)")
     max_tokens: int | None = Field(
         None,
-        ge=1,
-        description="tokens to generate at most (default: the server's --max-tokens, bounded by the context)",
+        ge=0,
+        description="tokens to generate at most (default: the server's --max-tokens, bounded by the context; "
+        "0 with echo: the prompt scored, nothing generated)",
     )
     n_predict: int | None = Field(None, ge=-1, description="llama.cpp's name for max_tokens (-1: the default)")
     temperature: float | None = Field(
@@ -239,7 +238,13 @@ class _Request(BaseModel):
     length_penalty: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP,
+        description="vLLM's: each prompt token's log probability, rank and the likeliest tokens there, this many "
+        "(a list, the first token's null; not with stream)",
+    )
     truncate_prompt_tokens: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
@@ -315,7 +320,9 @@ class CompletionRequest(_Request):
     )
     top_logprobs: Any = None
     best_of: Any = None
-    echo: Any = None
+    echo: bool | None = Field(
+        None, description="the prompt before the answer's text (and with logprobs, its tokens' before the answer's)"
+    )
     suffix: Any = None
 
     @field_validator("prompt", mode="before")

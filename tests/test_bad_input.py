@@ -377,6 +377,8 @@ CLI = [
     (["cache", "clear"], "say what to delete: --stale"),
     (["cache", "clear", "--all", "--kind", "native"], "--all deletes every entry"),
     (["cache", "tidy"], "invalid choice: 'tidy'"),
+    (["score"], "one of the arguments --prompt --prompts-file is required"),
+    (["score", "--prompt", "hi", "--top", "99"], "must be an integer in [0, 20], got 99"),
     # serve (the address is tried before the model loads)
     (["serve", *M, "--port", "70000"], "must be an integer in [0, 65535]"),
     (["serve", *M, "--port", "-1"], "must be an integer in [0, 65535]"),

@@ -396,6 +396,8 @@ def test_bad_words_given_as_text_become_token_sequences():
     for bad, words in [([], "non-empty list"), ([3, 128], "a token id of this model"), (5, "non-empty list")]:
         with pytest.raises(GenerationError, match=words):
             check_processors(greedy, 128, 8, allowed_token_ids=bad)
+    with pytest.raises(GenerationError, match="allowed_token_ids and bad_words leave no token to choose"):
+        check_processors(greedy, 128, 8, allowed_token_ids=[3, 4], bad_words=[[4], [3], [5, 3]])
     with pytest.raises(GenerationError, match="method 'ppd' cannot apply allowed_token_ids"):
         check_processors(get_method("ppd"), 128, 8, allowed_token_ids=[3])
 

@@ -626,6 +626,11 @@ def check_processors(
         if bad_words is not None:
             out["bad_words"] = _bad_words(bad_words, vocab, tokenizer)
     out = {k: v for k, v in out.items() if v != PROCESSORS_NEUTRAL[k]}
+    banned = {w[0] for w in out.get("bad_words", ()) if len(w) == 1}  # forbidden everywhere
+    _check(
+        not out.get("allowed_token_ids") or not set(out["allowed_token_ids"]) <= banned,
+        "allowed_token_ids and bad_words leave no token to choose: allow a token that is not a bad word",
+    )
     if out and not m.grammar:
         raise GenerationError(
             f"method {m.name!r} cannot apply {', '.join(out)} to every token it keeps: use one that can "

@@ -215,7 +215,7 @@ def test_a_client_that_goes_away_cancels_every_choice(tiny, stream):
         host, port = url.removeprefix("http://").split(":")
         body = {"prompt": "Go on and on", "max_tokens": 1900, "n": 3, "temperature": 1.0, "stream": stream}
         body = json.dumps(body)
-        with socket.create_connection((host, int(port))) as sock:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
             sock.sendall(
                 f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
@@ -223,6 +223,7 @@ def test_a_client_that_goes_away_cancels_every_choice(tiny, stream):
             if stream:
                 got = b""
                 while b"data: " not in got:
+                    assert b" 200 OK" in got or not got, got
                     got += sock.recv(4096)
             else:
                 deadline = time.monotonic() + 30
@@ -237,3 +238,28 @@ def test_a_client_that_goes_away_cancels_every_choice(tiny, stream):
         assert 0 < _metric(m, "layerleap_generated_tokens_total") < 3 * 1900
         assert _metric(m, "layerleap_cancelled_total") == 1
         assert post(url, {"prompt": "hi", "max_tokens": 3, "n": 2}).status_code == 200
+
+
+def test_unseeded_sampled_choices_decode_as_one_batch(tiny_server):
+    """Sampled choices without a seed share their batch key: a batching method decodes them as rows of one
+    batch, each drawing from a generator of its own."""
+    body = {"prompt": P, "max_tokens": 10, "n": 3, "temperature": 1.0, "layerleap": {"method": "prompt-lookup"}}
+    r = post(tiny_server, body).json()
+    assert r["layerleap"]["stats"]["batch"] == 3 and len({c["text"] for c in r["choices"]}) == 3, r
+
+
+@pytest.mark.parametrize(
+    "pieces,floor,want",
+    [
+        (["abXYcdXYe"], 4, "abXYcd"),  # the first ends at the floor: passed over
+        (["abX", "YcdXYe"], 4, "abXYcd"),
+        (["abXYcdXYe"], 3, "ab"),  # ends past it
+        (["abXYcd"], 9, "abXYcd"),
+    ],
+)
+def test_stop_text_passes_over_the_stops_that_end_by_the_floor(pieces, floor, want):
+    from layerleap.core.text import StopText
+
+    st = StopText(["XY"])
+    st.floor = floor
+    assert "".join(st.push(p) for p in pieces) + st.finish() == want

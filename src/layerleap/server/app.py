@@ -150,7 +150,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     if body.prompt_logprobs is not None and body.stream:
         raise _bad("prompt_logprobs are not sent in a stream: leave out stream or prompt_logprobs", "prompt_logprobs")
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
-        raise _bad(f"n={body.n}: this server returns 1 to {MAX_CHOICES} choices per request", "n")
+        raise _bad(f"n={body.n}: this server returns 1 to {MAX_CHOICES} choices per request: give n in that range", "n")
     limit = min(cfg.max_prompt_tokens or context, context - 1)  # a prompt of the whole context leaves no room
     if prompt_len > limit:
         raise _bad(

@@ -205,7 +205,9 @@ class _Request(BaseModel):
     )
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (not returned)")
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_tokens")
-    n: int | None = Field(1, description="choices per request: 1 (null: 1)")
+    n: int | None = Field(
+        1, description="choices per request, 1 to 16 (null: 1): greedy ones are one answer, sampled ones differ"
+    )
     stream: bool | None = Field(False, description="server-sent events (null: false)")
     stream_options: StreamOptions | None = None
     layerleap: LayerleapOptions = Field(default_factory=LayerleapOptions)

@@ -263,3 +263,12 @@ def test_stop_text_passes_over_the_stops_that_end_by_the_floor(pieces, floor, wa
     st = StopText(["XY"])
     st.floor = floor
     assert "".join(st.push(p) for p in pieces) + st.finish() == want
+
+
+@pytest.mark.parametrize("max_tokens", [0, 6])
+def test_choices_each_echo_the_prompt(tiny_server, max_tokens):
+    body = {"prompt": P, "max_tokens": max_tokens, "n": 2, "echo": True, "temperature": 1.0, "seed": 1}
+    r = post(tiny_server, body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and all(c["text"].startswith(P) for c in r["choices"]), r
+    chunks = _stream(tiny_server, body)
+    assert _joined(chunks, 2)[0] == [c["text"] for c in r["choices"]]

@@ -462,6 +462,28 @@ class Reply:
             "text_offset": offsets,
         }
 
+    def _echoed(self) -> dict | None:
+        """With echo and logprobs: the prompt's tokens in legacy completions' ``logprobs`` (its first token's
+        log probability and likeliest tokens null, as OpenAI sends them); the answer's offsets then count
+        from the end of the prompt's text."""
+        if self.echo_logprobs is None:
+            return None
+        first = {
+            "tokens": [self.echo_first],
+            "token_logprobs": [None],
+            "top_logprobs": [None] if self.top else None,
+            "text_offset": [0],
+        }
+        self.offset = len(self.echo_first)
+        rest = self.logprobs(self.echo_logprobs)
+        self.offset = len(self.echo or "")
+        return _joined(first, rest)
+
+    def _choice_logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """A choice's ``logprobs``: the prompt's first (echo), then those of ``entries``."""
+        echoed = self._echoed()
+        return self.logprobs(entries) if echoed is None else _joined(echoed, self.logprobs(entries or []))
+
     def choice(self, fin: Finish | None) -> dict:
         """This reply's choice; ``fin`` None: nothing generated (``max_tokens`` 0 with echo)."""
         text = (self.echo or "") + ("" if fin is None else fin.text)

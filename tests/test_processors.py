@@ -262,6 +262,27 @@ def test_generate_command_takes_the_processors(capsys, char_model_dir):
     assert json.loads(capsys.readouterr().out)["token_ids"] == generate(model, "ab", "greedy", 12).token_ids
 
 
+def test_generate_command_takes_the_token_filters(capsys, char_model_dir):
+    import json
+
+    import layerleap
+    from layerleap.cli import main
+
+    model = layerleap.load_folder(char_model_dir)
+    plain = generate(model, "abcabc", "greedy", 12)
+    word = plain.text.strip()[:1]
+    args = dict(allowed_token_ids=sorted(set(plain.token_ids[2:]) | {70, 71}), bad_words=[word])
+    flags = ["--allowed-token-ids", *map(str, args["allowed_token_ids"]), "--bad-words", word]
+    argv = ["generate", "--model", str(char_model_dir), "--prompt", "abcabc", "--max-new-tokens", "12", "--json"]
+    for method in ("greedy", "prompt-lookup"):
+        assert main(argv + ["--method", method, *flags]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == generate(model, "abcabc", "greedy", 12, **args).token_ids != plain.token_ids
+    assert main(argv + ["--allowed-token-ids", "500"]) == 2
+    err = capsys.readouterr().err
+    assert "token id 500" in err and "a token id of this model" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     "flags,words",
     [
@@ -287,3 +308,115 @@ def test_generate_command_refuses_bad_processor_flags(capsys, char_model_dir, fl
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+# -- allowed_token_ids and bad_words ------------------------------------------------------------------
+def _filtered_reference(model, prompt, n, allowed=None, bad=()):
+    """Greedy with vLLM's token filters over the whole vocabulary: only ``allowed``; each sequence of ``bad``
+    never completed (its last token forbidden where the output, the prompt not read, ends with the tokens
+    before it)."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        x = full_logits(model, seq)[-1].float().clone()
+        if allowed is not None:
+            keep = torch.full_like(x, float("-inf"))
+            keep[list(allowed)] = x[list(allowed)]
+            x = keep
+        for w in bad:
+            before = list(w[:-1])
+            if len(out) >= len(before) and out[len(out) - len(before) :] == before:
+                x[w[-1]] = float("-inf")
+        t = int(x.argmax())
+        out.append(t)
+        seq.append(t)
+    return out
+
+
+def _filters(model, p, n):
+    """Filters that change greedy's output on ``p``: allowed ids (some of its tokens, and others); bad words
+    (a one-token one, and a two-token one that greedy completes, given as token ids)."""
+    plain = generate(model, p, "greedy", n, stop_at_eos=False).token_ids
+    allowed = sorted(set(plain[2:9]) | set(range(0, model.config.vocab_size, 7)))
+    return plain, [
+        {"allowed_token_ids": allowed},
+        {"bad_words": [[plain[4]], [plain[1], plain[2]], [p[-1], plain[0]]]},  # the last: the prompt not read
+    ]
+
+
+def _as_reference(args: dict) -> dict:
+    return {"allowed": args.get("allowed_token_ids"), "bad": args.get("bad_words", ())}
+
+
+def test_allowed_token_ids_and_bad_words_equal_the_reference(models):
+    m = models[0]
+    for seed, plen in [(1, 9), (2, 3)]:
+        p = _prompt(m.config.vocab_size, plen, seed)
+        plain, filters = _filters(m, p, 24)
+        for args in filters:
+            got = generate(m, p, "greedy", 24, stop_at_eos=False, **args).token_ids
+            assert got == _filtered_reference(m, p, 24, **_as_reference(args)) != plain, args
+        assert set(generate(m, p, "greedy", 24, stop_at_eos=False, **filters[0]).token_ids) <= set(
+            filters[0]["allowed_token_ids"]
+        )
+
+
+class _Letters:
+    """A tokenizer of letters: ``encode`` gives one id per character, a space as id 2."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [2 if c == " " else 10 + ord(c) % 100 for c in text]
+
+
+class _Words(_Letters):
+    """Words as one token each, a leading space making another one (as byte-level BPE does)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [(50 if text.startswith(" ") else 10) + len(text.strip())]
+
+
+def test_bad_words_given_as_text_become_token_sequences():
+    from layerleap.decoding import check_processors, get_method
+
+    greedy = get_method("greedy")
+    a, b, c = (10 + ord(x) % 100 for x in "abc")
+    got = check_processors(greedy, 128, 8, bad_words=["ab", " c"], tokenizer=_Letters())
+    assert got["bad_words"] == ((a, b), (c,))  # a space makes a longer sequence here: the word alone
+    got = check_processors(greedy, 128, 8, bad_words=["abc", [5, 6]], tokenizer=_Words())
+    assert got["bad_words"] == ((13,), (53,), (5, 6))  # with and without the space; token ids as they are
+    for bad, words in [
+        ("ab", "bad_words must be a list of words"),
+        ([""], "bad_words must be a list of words"),
+        ([[]], "bad_words must be a list of words"),
+        ([[500]], "a token id of this model"),
+    ]:
+        with pytest.raises(GenerationError, match=words):
+            check_processors(greedy, 128, 8, bad_words=bad, tokenizer=_Words())
+    with pytest.raises(GenerationError, match="this model has no tokenizer: add its tokenizer files, or give"):
+        check_processors(greedy, 128, 8, bad_words=["ab"])
+    for bad, words in [([], "non-empty list"), ([3, 128], "a token id of this model"), (5, "non-empty list")]:
+        with pytest.raises(GenerationError, match=words):
+            check_processors(greedy, 128, 8, allowed_token_ids=bad)
+    with pytest.raises(GenerationError, match="allowed_token_ids and bad_words leave no token to choose"):
+        check_processors(greedy, 128, 8, allowed_token_ids=[3, 4], bad_words=[[4], [3], [5, 3]])
+    with pytest.raises(GenerationError, match="method 'ppd' cannot apply allowed_token_ids"):
+        check_processors(get_method("ppd"), 128, 8, allowed_token_ids=[3])
+
+
+FILTER_METHODS = [
+    ("prompt-lookup", lambda m, o: {}),
+    ("medusa", EXACT["medusa"][0][1]),
+    ("auto", lambda m, o: {}),
+    ("speculative", lambda m, o: {"draft": o}),
+]
+
+
+@pytest.mark.parametrize("method,options", FILTER_METHODS, ids=[m for m, _ in FILTER_METHODS])
+def test_lossless_methods_equal_greedy_with_the_token_filters(models, method, options):
+    """Every node of a drafted tree is filtered by the row's output and then its path: the output is greedy's."""
+    m, other = models
+    for seed, plen in [(1, 9), (2, 17)]:
+        p = _prompt(m.config.vocab_size, plen, seed)
+        for args in _filters(m, p, 28)[1]:
+            want = generate(m, p, "greedy", 28, stop_at_eos=False, **args).token_ids
+            got = generate(m, p, method, 28, stop_at_eos=False, **args, **options(m, other)).token_ids
+            assert got == want, (method, seed, args)

@@ -272,7 +272,7 @@ BAD = [
     ({"prompt": "a", "max_tokens": 0}, 400, None),
     ({"prompt": "a", "temperature": -1}, 400, None),
     ({"prompt": "a", "temperature": 0.7, "layerleap": {"method": "ppd"}}, 400, None),
-    ({"prompt": "a", "n": 2}, 400, None),
+    ({"prompt": "a", "n": 17}, 400, None),
     ({"prompt": "a", "logprobs": 21}, 400, None),
     ({"prompt": "a", "stop": [1, 2]}, 400, None),
     ({"prompt": ["a", "b"]}, 400, None),

@@ -74,6 +74,7 @@ def get_method(name: str) -> Method:
 GENERATE_ARGS = (
     "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "do_sample", "stop_at_eos", "stop", "chat",
     "quality", "grammar", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens",
+    "allowed_token_ids", "bad_words",
 )  # fmt: skip
 HF_ARGS = {  # `transformers` generate arguments and what says the same here
     "max_length": "max_new_tokens= (the new tokens, the prompt not counted)",
@@ -327,6 +328,8 @@ def generate(
     frequency_penalty: float | None = None,
     logit_bias: dict[int, float] | None = None,
     min_tokens: int | None = None,
+    allowed_token_ids: list[int] | None = None,
+    bad_words: list[str | list[int]] | None = None,
     **options,
 ):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
@@ -375,11 +378,15 @@ def generate(
     and vLLM: ``repetition_penalty`` (> 0; over the prompt's and the output's tokens: a positive logit is
     divided by it, another multiplied), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]; over the
     output's tokens: subtracted once if the token occurs, once per occurrence), ``logit_bias`` (``{token id:
-    bias}``, biases in [-100, 100], added to the logits) and ``min_tokens`` (the end-of-sequence tokens are
-    forbidden until the output holds that many).  ``min_p`` (in [0, 1]) is a sampling warp beside top-k and
-    top-p: the tokens less likely than ``min_p`` times the likeliest one are dropped.  Methods with
-    ``METHODS[name].grammar`` apply the processors, the lossless ones staying lossless (greedy output equal to
-    greedy decoding with the same processors); the others refuse them.  The defaults ask for nothing.
+    bias}``, biases in [-100, 100], added to the logits), ``min_tokens`` (the end-of-sequence tokens are
+    forbidden until the output holds that many), ``allowed_token_ids`` (a list of token ids: no other token
+    is chosen) and ``bad_words`` (a list of words, each text or its token ids; vLLM's rule: a word's tokens,
+    as it is and with a leading space, are never completed in the output: the word's last token is forbidden
+    where the output ends with the tokens before it; the prompt is not read).  ``min_p`` (in [0, 1]) is a
+    sampling warp beside top-k and top-p: the tokens less likely than ``min_p`` times the likeliest one are
+    dropped.  Methods with ``METHODS[name].grammar`` apply the processors, the lossless ones staying lossless
+    (greedy output equal to greedy decoding with the same processors); the others refuse them.  The defaults
+    ask for nothing.
 
     Sampling: row ``i`` of a batch draws from its own ``torch.Generator`` seeded with ``seed + i``
     (modulo ``2**32``), so it samples exactly what that prompt decoded alone with that seed samples,
@@ -411,6 +418,8 @@ def generate(
         frequency_penalty=frequency_penalty,
         logit_bias=logit_bias,
         min_tokens=min_tokens,
+        allowed_token_ids=allowed_token_ids,
+        bad_words=bad_words,
         **options,
     )
     for _ in d:
@@ -515,7 +524,9 @@ def _prepare(
     }
     do_sample = sampling_choice(m, do_sample, given)
     _check_grammar(m, grammar)
-    procs = check_processors(m, model.config.vocab_size, max_new_tokens, grammar, **(processors or {}))
+    procs = check_processors(
+        m, model.config.vocab_size, max_new_tokens, grammar, tokenizer=model.tokenizer, **(processors or {})
+    )
 
     ids = [_encode_row(model, prompts, i, chat) for i in range(len(prompts))]
     ctx = model.config.max_position
@@ -578,10 +589,15 @@ def check_processors(
     frequency_penalty=None,
     logit_bias=None,
     min_tokens=None,
+    allowed_token_ids=None,
+    bad_words=None,
+    tokenizer=None,
 ) -> dict:
     """The logits processors' arguments (None: not given) checked -> ``GenerationConfig``'s fields for those
     that ask for something (``logit_bias`` as (token id, bias) pairs, ids ascending, zero biases dropped;
-    its ids checked against the vocabulary ``vocab``, unless None: before a command loads the model).
+    its ids, and ``allowed_token_ids``, checked against the vocabulary ``vocab``, unless None: before a
+    command loads the model; ``bad_words`` as the token sequences of each word, with and without a leading
+    space, by ``tokenizer``: before a command loads the model, the words are only checked).
     A method that cannot apply them at every token it keeps (``Method.grammar`` False) refuses them."""
     out = {}
     with V.raising(GenerationError):
@@ -605,7 +621,16 @@ def check_processors(
                 f"min_tokens={out['min_tokens']} exceeds max_new_tokens={max_new_tokens}: lower min_tokens or raise "
                 "max_new_tokens",
             )
+        if allowed_token_ids is not None:
+            out["allowed_token_ids"] = _allowed_token_ids(allowed_token_ids, vocab)
+        if bad_words is not None:
+            out["bad_words"] = _bad_words(bad_words, vocab, tokenizer)
     out = {k: v for k, v in out.items() if v != PROCESSORS_NEUTRAL[k]}
+    banned = {w[0] for w in out.get("bad_words", ()) if len(w) == 1}  # forbidden everywhere
+    _check(
+        not out.get("allowed_token_ids") or not set(out["allowed_token_ids"]) <= banned,
+        "allowed_token_ids and bad_words leave no token to choose: allow a token that is not a bad word",
+    )
     if out and not m.grammar:
         raise GenerationError(
             f"method {m.name!r} cannot apply {', '.join(out)} to every token it keeps: use one that can "
@@ -633,6 +658,50 @@ def _logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
         V.integer(t, f"logit_bias's token id {V.show(t)}", 0, top, hint=" (a token id of this model)")
         out[int(t)] = V.number(b, f"logit_bias[{int(t)}]", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     return tuple(sorted((t, b) for t, b in out.items() if b != 0))
+
+
+def _allowed_token_ids(value, vocab: int | None) -> tuple[int, ...]:
+    """A non-empty list of token ids -> the ids, ascending, once each."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise GenerationError(
+            f"allowed_token_ids must be a non-empty list of token ids ([11, 13, 198]), got {V.show(value)}"
+        )
+    top = None if vocab is None else vocab - 1
+    for t in value:
+        V.integer(t, f"allowed_token_ids's token id {V.show(t)}", 0, top, hint=" (a token id of this model)")
+    return tuple(sorted({int(t) for t in value}))
+
+
+def _bad_words(value, vocab: int | None, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """A list of words -> the token sequences never completed.  A word given as text: vLLM's rule, its tokens
+    as it is, and with a leading space where that makes a sequence of the same length that starts with
+    another token; a word given as token ids: those."""
+    words = 'a list of words, each a non-empty string or a non-empty list of token ids (["darn", [464, 318]])'
+    if not isinstance(value, (list, tuple)) or not all(
+        (isinstance(w, str) and w.strip()) or (isinstance(w, (list, tuple)) and w) for w in value
+    ):
+        raise GenerationError(f"bad_words must be {words}, got {V.show(value)}")
+    top = None if vocab is None else vocab - 1
+    out: list[tuple[int, ...]] = []
+    for word in value:
+        if not isinstance(word, str):
+            for t in word:
+                V.integer(t, f"bad_words's token id {V.show(t)}", 0, top, hint=" (a token id of this model)")
+            seqs: tuple = (tuple(int(t) for t in word),)
+        elif tokenizer is None:
+            _check(
+                vocab is None,
+                f"bad_words: the word {word!r} is found by its tokens, and this model has no tokenizer: add its "
+                "tokenizer files, or give the word as token ids",
+            )
+            continue  # before a command loads the model: the words are checked, the tokens come later
+        else:
+            plain = tuple(int(t) for t in tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(int(t) for t in tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            same = plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain)
+            seqs = (plain, spaced) if same else (plain,)
+        out += [q for q in seqs if q and q not in out]
+    return tuple(out)
 
 
 class BudgetWarning(UserWarning):
@@ -673,6 +742,8 @@ class Decoding:
         frequency_penalty: float | None = None,
         logit_bias: dict[int, float] | None = None,
         min_tokens: int | None = None,
+        allowed_token_ids: list[int] | None = None,
+        bad_words: list[str | list[int]] | None = None,
         **options,
     ):
         _unknown_names(get_method(method), options)
@@ -703,6 +774,8 @@ class Decoding:
                 frequency_penalty=frequency_penalty,
                 logit_bias=logit_bias,
                 min_tokens=min_tokens,
+                allowed_token_ids=allowed_token_ids,
+                bad_words=bad_words,
             ),
         )
         self.stops = check_stops(stop)

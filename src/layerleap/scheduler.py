@@ -20,9 +20,11 @@ calls, so the event loop only moves finished pieces.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -62,7 +64,9 @@ class Settings:
         procs = processors.asked(g)
         if "logit_bias" in procs:
             procs["logit_bias"] = dict(procs["logit_bias"])
-        return Decoding(
+        if "bad_words" in procs:
+            procs["bad_words"] = [list(w) for w in procs["bad_words"]]  # as their token ids
+        d = Decoding(
             model,
             prompts,
             self.method,
@@ -75,6 +79,9 @@ class Settings:
             **procs,
             **self.options,
         )
+        if g.min_tokens_ids:  # the server's stop_token_ids, held off by min_tokens as the EOS ones
+            d.gen = dataclasses.replace(d.gen, min_tokens_ids=g.min_tokens_ids)
+        return d
 
     def batch_key(self, serial: int) -> tuple:
         """Jobs with equal keys may decode as one batch: a batching method with the same options and
@@ -85,7 +92,7 @@ class Settings:
             return ("alone", serial)
         sampling = (g.temperature, g.top_k, g.top_p, g.min_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
-        procs = tuple(processors.asked(g).items())
+        procs = (*processors.asked(g).items(), g.min_tokens_ids)
         return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar, g.logprobs, procs)
 
 
@@ -149,6 +156,7 @@ class Job:
         self.t_submit = time.monotonic()
         self.t_start: float | None = None  # when its batch took it
         self.t_first: float | None = None  # when its first text went out
+        self.group: list[Job] = [self]  # the jobs of its request (``n``: one per sampled choice)
 
     def tokens(self, toks: list[int]) -> list[int]:
         """The row's tokens up to (not including) its first stop token."""
@@ -160,6 +168,12 @@ class Job:
         """``piece``, new text of the row whose tokens (up to its stop token) are ``toks``, through the stop
         strings (in the worker thread, where the text is made): at a stop string, the answer's tokens are
         counted here too, which decodes its text many times over (``tokens_through``)."""
+        least = self.settings.gen.min_tokens
+        if least > 1 and self.stop.stops and (self.stop.floor is None or self.stop.floor == float("inf")):
+            # vLLM's rule: no stop string before min_tokens tokens: one that ends in the text of the tokens
+            # before the min_tokens-th does not count (all the text so far, until there are that many)
+            enough = len(toks) >= least - 1 and tokenizer is not None
+            self.stop.floor = len(tokenizer.decode(toks[: least - 1], skip_special_tokens=True)) if enough else math.inf
         piece = self.stop.push(piece)
         if self.stop.hit and self.through is None and tokenizer is not None:
             self.through = tokens_through(toks, tokenizer, self.stop.end)
@@ -636,11 +650,12 @@ class Scheduler:
         """``fn(*args)`` in the model thread (between rounds): e.g. loading a model an option names."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def submit(self, job: Job) -> bool:
-        """Queue ``job``; False when the queue is full."""
-        if len(self.waiting) >= self.max_waiting:
+    def submit(self, *jobs: Job) -> bool:
+        """Queue ``jobs`` (a request's, several for several choices) all or none; False when the queue has no room
+        for them all."""
+        if len(self.waiting) + len(jobs) > self.max_waiting:
             return False
-        self.waiting.append(job)
+        self.waiting += jobs
         self.wake.set()
         return True
 

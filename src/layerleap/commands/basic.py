@@ -173,6 +173,21 @@ def _processor_args(p) -> None:
         default=None,
         help="forbid the end-of-sequence tokens until the text holds this many tokens (default 0)",
     )
+    p.add_argument(
+        "--allowed-token-ids",
+        action="extend",
+        nargs="+",
+        type=V.nonneg_int,
+        metavar="TOKEN_ID",
+        help="choose only among these token ids (default: all)",
+    )
+    p.add_argument(
+        "--bad-words",
+        action="extend",
+        nargs="+",
+        metavar="WORD",
+        help="words the text never completes: their tokens, as they are and after a space (vLLM's bad_words)",
+    )
 
 
 PROCESSOR_FLAGS = {
@@ -181,6 +196,8 @@ PROCESSOR_FLAGS = {
     "frequency_penalty": "--frequency-penalty",
     "logit_bias": "--logit-bias",
     "min_tokens": "--min-tokens",
+    "allowed_token_ids": "--allowed-token-ids",
+    "bad_words": "--bad-words",
 }
 
 

@@ -1,11 +1,14 @@
-"""Logits processors: the penalties, biases and end-token floor that read a row's history.
+"""Logits processors: the penalties, biases, token filters and end-token floor that read a row's history.
 
 ``repetition_penalty`` (`transformers`' and vLLM's rule: the logit of every token of the prompt or the
 output so far is divided by the penalty where it is positive, multiplied by it where it is not),
 ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtracted once per occurrence of the token in the
 output, and once if it occurs there at all), ``logit_bias`` (OpenAI's: added to the token's logit) and
-``min_tokens`` (vLLM's: the end-of-sequence tokens are forbidden until the output holds that many tokens).
-As vLLM, the bias and ``min_tokens`` come first, then the repetition, frequency and presence penalties, all
+``min_tokens`` (vLLM's: the end-of-sequence tokens, and the server's ``stop_token_ids``, are forbidden until
+the output holds that many tokens), ``allowed_token_ids`` (vLLM's: every other token is forbidden) and
+``bad_words`` (vLLM's: token sequences that are never completed: a sequence's last token is forbidden where
+the output so far ends with the tokens before it; the prompt is not read).
+As vLLM, the filters, the bias and ``min_tokens`` come first, then the repetition, frequency and presence penalties, all
 on the raw logits, before a grammar's mask, a temperature and the top-k / top-p / min-p warps.
 
 Every token is chosen from the processed logits, greedy or sampled: ``Run.choose`` processes each row
@@ -31,6 +34,8 @@ NEUTRAL = {
     "frequency_penalty": 0.0,
     "logit_bias": (),
     "min_tokens": 0,
+    "allowed_token_ids": (),
+    "bad_words": (),
 }
 
 
@@ -57,7 +62,9 @@ class History:
         self.presence = float(gen.presence_penalty)
         self.frequency = float(gen.frequency_penalty)
         self.min_tokens = int(gen.min_tokens)
-        self.eos = sorted(set(int(t) for t in eos_ids))
+        self.eos = sorted(set(int(t) for t in eos_ids) | set(int(t) for t in gen.min_tokens_ids))
+        self.allowed = torch.tensor(sorted(set(gen.allowed_token_ids)), dtype=torch.long)
+        self.bad_words = [(list(w[:-1]), int(w[-1])) for w in gen.bad_words]  # (the tokens before, the last)
         self.bias_ids = torch.tensor([int(t) for t, _ in gen.logit_bias], dtype=torch.long)
         self.bias = torch.tensor([float(b) for _, b in gen.logit_bias], dtype=torch.float32)
         self.prompt = set(int(t) for t in prompt) if self.rep != 1.0 else set()
@@ -75,11 +82,14 @@ class History:
         self._in_prompt = np.zeros(size, dtype=np.bool_)
         self._in_prompt[: len(cols)] = True
         self._count = np.zeros(size, dtype=np.float32)
+        self.out: list[int] = []  # the output's tokens in order (bad_words read its end)
 
     def push(self, token: int) -> None:
         t = int(token)
         self.counts[t] += 1
         self.n_out += 1
+        if self.bad_words:
+            self.out.append(t)
         col = self.at.get(t)
         if col is None:
             col = self.at[t] = len(self.at)
@@ -102,6 +112,16 @@ class History:
         n = logits.shape[0]
         paths = paths if paths is not None else [[] for _ in range(n)]
         out = logits.float().clone()
+        if self.allowed.numel():
+            keep = out[:, self.allowed.to(out.device)]
+            out.fill_(float("-inf"))
+            out[:, self.allowed.to(out.device)] = keep
+        if self.bad_words:
+            for i, path in enumerate(paths):
+                seq = self.out + list(path)
+                for before, last in self.bad_words:
+                    if not before or (len(before) <= len(seq) and seq[len(seq) - len(before) :] == before):
+                        out[i, last] = float("-inf")
         if self.bias_ids.numel():
             out[:, self.bias_ids.to(out.device)] += self.bias.to(out.device)
         if self.min_tokens and self.eos:

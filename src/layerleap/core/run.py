@@ -60,6 +60,9 @@ class GenerationConfig:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be chosen (ids ascending; empty: all)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
+    min_tokens_ids: tuple[int, ...] = ()  # tokens min_tokens holds off besides the EOS ones (the server's stops)
 
 
 @dataclass

@@ -81,6 +81,9 @@ class StopText:
         self.seen = 0  # characters pushed so far
         self.end: int | None = None  # once hit: where the stop string ends in all the text pushed
         self.string: str | None = None  # once hit: the stop string found
+        # a stop string that ends at or before this character of all the text pushed does not count (the
+        # server's min_tokens: the text of the tokens before the min_tokens-th; None: every one counts)
+        self.floor: float | None = None
 
     def push(self, piece: str) -> str:
         if self.hit:
@@ -89,15 +92,23 @@ class StopText:
         self.seen += len(piece)
         # the match that ends first (the longer one where two end together), as text pushed character by
         # character would find it: the cut does not depend on how the text came in pieces
-        found = [(i + len(s), i, s) for s in self.stops for i in (text.find(s),) if i >= 0]
+        base = self.seen - len(text)  # where ``text`` starts in all the text pushed
+        found = [(i + len(s), i, s) for s in self.stops for i in self._matches(text, s, base)]
         if found:
             end, at, self.string = min(found, key=lambda f: (f[0], f[1]))
             self.hit, self.held = True, ""
-            self.end = self.seen - len(text) + end
+            self.end = base + end
             return text[:at]
         keep = max((j for s in self.stops for j in range(1, len(s)) if text.endswith(s[:j])), default=0)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
+
+    def _matches(self, text: str, s: str, base: int):
+        """Where ``s`` first occurs in ``text`` ending past the floor (none, or one place)."""
+        i = text.find(s)
+        while i >= 0 and self.floor is not None and base + i + len(s) <= self.floor:
+            i = text.find(s, i + 1)
+        return (i,) if i >= 0 else ()
 
     def finish(self) -> str:
         out, self.held = self.held, ""

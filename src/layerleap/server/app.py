@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from ..core.grammar import Grammar, GrammarError
 from ..core.logprobs import TokenLogprob, token_bytes, token_text
 from ..core.model import Transformer
-from ..core.run import GenerationConfig, chat_token_ids
+from ..core.run import GenerationConfig, chat_token_ids, row_seed
 from ..decoding import METHODS, GenerationError, check_processors, get_method, score
 from ..errors import LayerleapError
 from ..options import model_options
@@ -149,8 +149,8 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         raise _bad("top_logprobs needs logprobs: true: give both, or leave top_logprobs out", "top_logprobs")
     if body.prompt_logprobs is not None and body.stream:
         raise _bad("prompt_logprobs are not sent in a stream: leave out stream or prompt_logprobs", "prompt_logprobs")
-    if body.n not in (None, 1):
-        raise _bad(f"n={body.n}: this server returns one choice per request: leave n out or set n=1", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise _bad(f"n={body.n}: this server returns 1 to {MAX_CHOICES} choices per request: give n in that range", "n")
     limit = min(cfg.max_prompt_tokens or context, context - 1)  # a prompt of the whole context leaves no room
     if prompt_len > limit:
         raise _bad(
@@ -219,7 +219,9 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     vocab = st.model.config.vocab_size
     if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
         raise _bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
-    procs = request_processors(body, METHODS[method], vocab, int(max_tokens), grammar)
+    procs = request_processors(body, METHODS[method], st.model, int(max_tokens), grammar)
+    if procs.get("min_tokens") and body.stop_token_ids:  # held off as the end-of-sequence tokens are
+        procs["min_tokens_ids"] = tuple(sorted(set(body.stop_token_ids)))
     gen = GenerationConfig(
         int(max_tokens),
         do_sample,
@@ -237,12 +239,35 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
 
 
 _TOKEN_ID = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key: a token id as int() reads it
-PROCESSOR_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
+MAX_CHOICES = 16  # ``n``: choices per request at most (each a row of its own; greedy ones decode once)
 
 
-def request_processors(body: _Request, m, vocab: int, max_tokens: int, grammar) -> dict:
-    """The request's penalties, biases and ``min_tokens`` as ``GenerationConfig``'s fields (``generate``'s
-    checks; a 400 naming the field): ``repeat_penalty`` is llama.cpp's ``repetition_penalty``, and
+def choice_jobs(ids: list[int], settings: Settings, body: _Request) -> tuple[list[Job], list[list[int]]]:
+    """The request's jobs and, for each, the choices it answers: greedy choices are all the same answer, decoded
+    once; sampled choice ``i`` is a job of its own, seeded with ``seed + i`` when a seed is given (what row ``i``
+    of ``generate`` with that seed samples)."""
+    n, gen = body.n or 1, settings.gen
+    stops, stop_ids = body.stops(), tuple(body.stop_token_ids or ())
+    if n == 1 or not gen.do_sample:
+        return [Job(ids, settings, stops, stop_ids)], [list(range(n))]
+    jobs = []
+    for i in range(n):
+        seeded = gen if gen.seed is None else dataclasses.replace(gen, seed=row_seed(gen.seed, i))
+        jobs.append(Job(ids, Settings(settings.method, settings.options, seeded), stops, stop_ids))
+    for job in jobs:
+        job.group = jobs
+    return jobs, [[i] for i in range(n)]
+
+
+PROCESSOR_FIELDS = (
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
+    "bad_words",
+)  # fmt: skip
+
+
+def request_processors(body: _Request, m, model: Transformer, max_tokens: int, grammar) -> dict:
+    """The request's penalties, biases, token filters and ``min_tokens`` as ``GenerationConfig``'s fields
+    (``generate``'s checks; a 400 naming the field): ``repeat_penalty`` is llama.cpp's ``repetition_penalty``, and
     ``logit_bias``'s keys are token ids written as strings (OpenAI's JSON)."""
     given = {k: getattr(body, k) for k in PROCESSOR_FIELDS}
     field = {k: k for k in PROCESSOR_FIELDS}
@@ -258,7 +283,7 @@ def request_processors(body: _Request, m, vocab: int, max_tokens: int, grammar) 
             bias[int(key)] = value
         given["logit_bias"] = bias
     try:
-        return check_processors(m, vocab, max_tokens, grammar, **given)
+        return check_processors(m, model.config.vocab_size, max_tokens, grammar, tokenizer=model.tokenizer, **given)
     except GenerationError as e:
         message = str(e).replace("max_new_tokens", "max_tokens")
         asked = next((k for k in PROCESSOR_FIELDS if k in message), "repetition_penalty")
@@ -387,6 +412,7 @@ class Reply:
     echo_first: str = ""  # with echo and logprobs: the text of the prompt's first token (it has no log probability)
     echo_logprobs: list[TokenLogprob] | None = None  # ... and the log probabilities of the prompt's other tokens
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs as they are sent (``vllm_prompt_logprobs``)
+    index: int = 0  # the choice this answers (``n``: one ``Reply`` per choice, with the same id)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -458,31 +484,42 @@ class Reply:
         echoed = self._echoed()
         return self.logprobs(entries) if echoed is None else _joined(echoed, self.logprobs(entries or []))
 
-    def full(self, fin: Finish | None) -> dict:
-        """The whole answer; ``fin`` None: nothing generated (``max_tokens`` 0 with echo)."""
+    def choice(self, fin: Finish | None) -> dict:
+        """This reply's choice; ``fin`` None: nothing generated (``max_tokens`` 0 with echo)."""
         text = (self.echo or "") + ("" if fin is None else fin.text)
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}} if self.chat else {"index": 0, "text": text}
+            {"index": self.index, "message": {"role": "assistant", "content": text}}
+            if self.chat
+            else {"index": self.index, "text": text}
         )
         choice.update(
             finish_reason="length" if fin is None else fin.reason,
             logprobs=self._choice_logprobs(None if fin is None else fin.logprobs),
         )
+        if self.prompt_logprobs is not None and not self.chat:  # vLLM's place: the choice's (text completions)
+            choice["prompt_logprobs"] = self.prompt_logprobs
+        return choice
+
+    def full(self, fin: Finish | None, others: list[tuple[Reply, Finish | None]] = ()) -> dict:
+        """The whole answer: this choice, then ``others`` (``n``: the other choices' replies and ends); ``fin``
+        None: nothing generated (``max_tokens`` 0 with echo).  The usage counts every choice's tokens, the
+        statistics are this choice's."""
+        used = sum(0 if f is None else f.completion_tokens for f in [fin] + [f for _, f in others])
         out = {
             **self._head(False),
-            "choices": [choice],
-            "usage": _usage(self.prompt_len, 0 if fin is None else fin.completion_tokens),
+            "choices": [self.choice(fin)] + [r.choice(f) for r, f in others],
+            "usage": _usage(self.prompt_len, used),
         }
         if fin is not None:
             out["layerleap"] = {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)}
-        if self.prompt_logprobs is not None:  # vLLM's place: the choice's (text completions), the answer's (chat)
-            (out if self.chat else choice)["prompt_logprobs"] = self.prompt_logprobs
+        if self.prompt_logprobs is not None and self.chat:  # vLLM's place: the answer's (chat)
+            out["prompt_logprobs"] = self.prompt_logprobs
         return out
 
     def echo_chunk(self, reason: str | None = None) -> dict:
         """A stream's first chunk with echo: the prompt's text (and its tokens' log probabilities); ``reason``:
         it is the last one too (nothing generated)."""
-        choice = {"index": 0, "text": self.echo, "finish_reason": reason}
+        choice = {"index": self.index, "text": self.echo, "finish_reason": reason}
         choice["logprobs"] = self._choice_logprobs(None if self.echo_logprobs is None else [])
         return {**self._head(True), "choices": [choice]} | ({"usage": None} if self.usage else {})
 
@@ -493,20 +530,16 @@ class Reply:
         one (``reason``) with those of the answer's tokens not sent yet."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": self.index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": self.index, "text": text or ""}
         if logprobs is None:
             logprobs = getattr(text, "logprobs", None)
         choice.update(finish_reason=reason, logprobs=self.logprobs(logprobs))
         return {**self._head(True), "choices": [choice]} | ({"usage": None} if self.usage else {})
 
-    def usage_chunk(self, fin: Finish | None) -> dict:
-        return {
-            **self._head(True),
-            "choices": [],
-            "usage": _usage(self.prompt_len, 0 if fin is None else fin.completion_tokens),
-        }
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return {**self._head(True), "choices": [], "usage": _usage(self.prompt_len, completion_tokens)}
 
 
 def _joined(a: dict, b: dict) -> dict:
@@ -627,13 +660,14 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
         reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
         await score_prompt(st, body, ids, reply)
+        replies = [dataclasses.replace(reply, index=i) for i in range(body.n or 1)]  # one id, a choice each
         if not generates:
             _done(st, request, t0)
             if body.stream:
-                return StreamingResponse(_echo_events(reply), media_type="text/event-stream")
-            return JSONResponse(reply.full(None))
-        job = Job(ids, settings, body.stops(), tuple(body.stop_token_ids or ()))
-        if not st.scheduler.submit(job):
+                return StreamingResponse(_echo_events(replies), media_type="text/event-stream")
+            return JSONResponse(reply.full(None, [(r, None) for r in replies[1:]]))
+        jobs, owners = choice_jobs(ids, settings, body)
+        if not st.scheduler.submit(*jobs):
             raise APIError(
                 429,
                 "the server's queue is full: retry later",
@@ -643,25 +677,32 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             )
     except APIError as e:
         return e.response()
-    watcher = asyncio.create_task(_watch(request, st, job))
+    watcher = asyncio.create_task(_watch(request, st, jobs))
+    events = Events(st, jobs, field)
     try:
-        event = first = await _next_event(st, job, field)
-        while not body.stream and event[0] != "done":
-            event = await _next_event(st, job, field)
+        event = first = await events.next()
+        ends: dict[int, Finish] = {}
+        while not body.stream:
+            if event[1][0] == "done":
+                ends[event[0]] = event[1][1]
+                if len(ends) == len(jobs):
+                    break
+            event = await events.next()
     except APIError as e:
-        watcher.cancel()
+        _stop(st, jobs, watcher, events)
         return e.response()
     except asyncio.CancelledError:  # the server stops (its drain time is over) before this answer began
-        watcher.cancel()
+        _stop(st, jobs, watcher, events)
         return APIError(
             503, "the server is shutting down: retry later", code="server_shutting_down", type="server_error"
         ).response()
     if not body.stream:
-        watcher.cancel()
+        _stop(st, jobs, watcher, events)
         _done(st, request, t0)
-        return JSONResponse(reply.full(event[1]))
+        answers = [(replies[i], ends[k]) for k, choices in enumerate(owners) for i in choices]
+        return JSONResponse(answers[0][0].full(answers[0][1], answers[1:]))
     return StreamingResponse(
-        _events(request, st, job, reply, first, reply.usage, watcher, t0, field), media_type="text/event-stream"
+        _events(request, st, jobs, owners, replies, events, first, watcher, t0), media_type="text/event-stream"
     )
 
 
@@ -671,11 +712,21 @@ def _done(st: AppState, request: Request, t0: float) -> None:
     st.latency_s += 0.1 * (dt - st.latency_s)
 
 
-async def _watch(request: Request, st: AppState, job: Job) -> None:
-    """Cancel ``job`` when its client goes away (waiting or running, streamed or not)."""
-    while not job.finished:
-        if await request.is_disconnected():
+def _stop(st: AppState, jobs: list[Job], watcher, events: Events) -> None:
+    """The request's answer is out or failed: stop watching it, and its choices still decoding."""
+    watcher.cancel()
+    events.close()
+    for job in jobs:
+        if not job.finished:
             st.scheduler.cancel(job)
+
+
+async def _watch(request: Request, st: AppState, jobs: list[Job]) -> None:
+    """Cancel ``jobs`` (a request's choices) when their client goes away (waiting or running, streamed or not)."""
+    while not all(job.finished for job in jobs):
+        if await request.is_disconnected():
+            for job in jobs:
+                st.scheduler.cancel(job)
             return
         await asyncio.sleep(0.1)
 
@@ -703,43 +754,88 @@ async def _next_event(st: AppState, job: Job, grammar_field: str | None = None):
     return kind, value
 
 
-async def _events(
-    request: Request, st: AppState, job: Job, reply: Reply, event, usage: bool, watcher, t0: float, field=None
-):
-    """The server-sent events of a streamed answer."""
-    try:
-        if reply.chat:
-            yield _sse(reply.chunk(role=True))
-        if reply.echo is not None:
-            yield _sse(reply.echo_chunk())
+class Events:
+    """The events of a request's jobs (``n``: several), merged in the order they come: ``next()`` gives
+    (the job's place, its event) and raises a job's error as ``_next_event`` does."""
+
+    def __init__(self, st: AppState, jobs: list[Job], grammar_field: str | None = None):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pumps = [asyncio.create_task(self._pump(st, k, job, grammar_field)) for k, job in enumerate(jobs)]
+
+    async def _pump(self, st: AppState, k: int, job: Job, grammar_field: str | None) -> None:
         while True:
-            kind, value = event
+            try:
+                event = await _next_event(st, job, grammar_field)
+            except APIError as e:
+                self.queue.put_nowait((k, e))
+                return
+            self.queue.put_nowait((k, event))
+            if event[0] == "done":
+                return
+
+    async def next(self) -> tuple[int, tuple]:
+        k, event = await self.queue.get()
+        if isinstance(event, APIError):
+            raise event
+        return k, event
+
+    def close(self) -> None:
+        for pump in self.pumps:
+            pump.cancel()
+
+
+async def _events(
+    request: Request,
+    st: AppState,
+    jobs: list[Job],
+    owners: list[list[int]],
+    replies: list[Reply],
+    events: Events,
+    event,
+    watcher,
+    t0: float,
+):
+    """The server-sent events of a streamed answer: each job's text as chunks of the choices it answers
+    (``owners``), each choice's last chunk as its job ends, then the usage of them all."""
+    try:
+        for reply in replies:
+            if reply.chat:
+                yield _sse(reply.chunk(role=True))
+            if reply.echo is not None:
+                yield _sse(reply.echo_chunk())
+        ends: dict[int, Finish] = {}
+        while True:
+            k, (kind, value) = event
             if kind == "text":
-                yield _sse(reply.chunk(value))
+                for i in owners[k]:
+                    yield _sse(replies[i].chunk(value))
             else:
                 rest = None if value.logprobs is None else value.logprobs[value.logprobs_sent :]
-                yield _sse(reply.chunk(None, value.reason, logprobs=rest))
-                if usage:
-                    yield _sse(reply.usage_chunk(value))
-                break
+                for i in owners[k]:
+                    yield _sse(replies[i].chunk(None, value.reason, logprobs=rest))
+                ends[k] = value
+                if len(ends) == len(jobs):
+                    if replies[0].usage:
+                        used = sum(f.completion_tokens * len(owners[j]) for j, f in ends.items())
+                        yield _sse(replies[0].usage_chunk(used))
+                    break
             try:
-                event = await _next_event(st, job, field)
+                event = await events.next()
             except APIError as e:
                 yield _sse(e.body())
                 break
         yield b"data: [DONE]\n\n"
         _done(st, request, t0)
     finally:
-        watcher.cancel()
-        if not job.finished:
-            st.scheduler.cancel(job)
+        _stop(st, jobs, watcher, events)
 
 
-async def _echo_events(reply: Reply):
-    """The server-sent events of an answer that is its echo alone (``max_tokens`` 0)."""
-    yield _sse(reply.echo_chunk("length"))
-    if reply.usage:
-        yield _sse(reply.usage_chunk(None))
+async def _echo_events(replies: list[Reply]):
+    """The server-sent events of an answer that is its echo alone (``max_tokens`` 0), each choice's."""
+    for reply in replies:
+        yield _sse(reply.echo_chunk("length"))
+    if replies[0].usage:
+        yield _sse(replies[0].usage_chunk(0))
     yield b"data: [DONE]\n\n"
 
 

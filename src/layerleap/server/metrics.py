@@ -117,7 +117,9 @@ class Metrics:
         self._drafts: dict[str, list[int]] = {}  # method -> [proposed, accepted]
 
     def cancel(self, job, stage: str) -> None:
-        self.cancelled.labels(job.settings.method, stage).inc()
+        """A request's client went away: counted once, at the first of its jobs (``n``: one per choice)."""
+        if not any(j.cancelled for j in job.group if j is not job):
+            self.cancelled.labels(job.settings.method, stage).inc()
 
     def batch_done(self, batch) -> None:
         """A batch ended: its rows' tokens, passes, acceptance, first-token times and queue waits."""

@@ -38,8 +38,6 @@ REFUSED: dict[str, tuple] = {
     # vLLM
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
@@ -195,9 +193,11 @@ class _Request(BaseModel):
         None, description='token id (as a string) -> a bias in [-100, 100] added to its logit: {"50256": -100}'
     )
     min_tokens: int | None = Field(
-        None,
-        ge=0,
-        description="no end-of-sequence token before this many tokens (stop and stop_token_ids may end it sooner)",
+        None, ge=0, description="vLLM's: no end-of-sequence token, stop token or stop string before this many tokens"
+    )
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM's: only these token ids may be chosen")
+    bad_words: list[str] | None = Field(
+        None, description="vLLM's: words the answer never completes (their tokens, with and without a leading space)"
     )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="a seeded sample is reproducible")
     stop: str | list[str] | None = Field(
@@ -205,7 +205,9 @@ class _Request(BaseModel):
     )
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (not returned)")
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_tokens")
-    n: int | None = Field(1, description="choices per request: 1 (null: 1)")
+    n: int | None = Field(
+        1, description="choices per request, 1 to 16 (null: 1): greedy ones are one answer, sampled ones differ"
+    )
     stream: bool | None = Field(False, description="server-sent events (null: false)")
     stream_options: StreamOptions | None = None
     layerleap: LayerleapOptions = Field(default_factory=LayerleapOptions)
@@ -236,8 +238,6 @@ class _Request(BaseModel):
     mirostat: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     prompt_logprobs: int | None = Field(
         None,
         ge=0,

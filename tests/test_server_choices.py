@@ -1,0 +1,274 @@
+"""The server's several choices per request (``n``), vLLM's token filters (``allowed_token_ids``,
+``bad_words``) and ``min_tokens`` over the request's own stops, against ``generate``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
+
+from test_server import post  # noqa: E402
+
+import layerleap  # noqa: E402
+from layerleap import generate  # noqa: E402
+from layerleap.server import ServerConfig, ServerThread, create_app  # noqa: E402
+
+P = "The sky is"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return layerleap.load_folder(tiny_hf_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny):
+    cfg = ServerConfig("tiny", method="greedy", max_tokens=32, max_batch=8, max_running=2)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        yield url
+
+
+def test_min_tokens_holds_off_the_stop_token_ids(tiny_server, tiny):
+    """A stop token the answer would end at first is forbidden until min_tokens tokens are out, as the
+    end-of-sequence tokens are; then it ends the answer as before."""
+    plain = generate(tiny, P, "greedy", 24, stop_at_eos=False).token_ids
+    stop = plain[1]
+    r = post(tiny_server, {"prompt": P, "max_tokens": 24, "stop_token_ids": [stop]}).json()
+    assert r["usage"]["completion_tokens"] == 1
+    r = post(tiny_server, {"prompt": P, "max_tokens": 24, "stop_token_ids": [stop], "min_tokens": 6}).json()
+    held = generate(tiny, P, "greedy", 5, stop_at_eos=False, logit_bias={stop: -100}).token_ids
+    ids = tiny.tokenizer(P)["input_ids"] + held
+    rest = generate(tiny, ids, "greedy", 19, stop_at_eos=False).token_ids
+    rest = rest[: rest.index(stop)] if stop in rest else rest
+    assert r["choices"][0]["text"] == tiny.tokenizer.decode(held + rest, skip_special_tokens=True)
+    assert r["usage"]["completion_tokens"] == len(held + rest) >= 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_off_the_stop_strings(tiny_server, tiny, stream):
+    """vLLM's rule: a stop string that ends in the text of the tokens before the min_tokens-th does not count;
+    a later one does."""
+    full = generate(tiny, P, "greedy", 24, stop_at_eos=False, min_tokens=6)
+    first = tiny.tokenizer.decode(full.token_ids[:1], skip_special_tokens=True)
+    stop = first.strip()[:2]
+    floor = len(tiny.tokenizer.decode(full.token_ids[:5], skip_special_tokens=True))
+    later = [i for i in range(len(full.text)) if full.text.startswith(stop, i) and i + len(stop) > floor]
+    want = full.text[: later[0]] if later else full.text
+    body = {"prompt": P, "max_tokens": 24, "stop": [stop], "min_tokens": 6, "ignore_eos": True, "stream": stream}
+    r = post(tiny_server, body)
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    else:
+        text = r.json()["choices"][0]["text"]
+    assert text == want and len(text) > len(first)
+    r = post(tiny_server, {**body, "min_tokens": 0, "stream": False}).json()
+    assert r["choices"][0]["text"] == full.text[: full.text.index(stop)]
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt-lookup"])
+def test_allowed_token_ids_and_bad_words_are_honoured(tiny_server, tiny, method):
+    plain = generate(tiny, P, "greedy", 16).token_ids
+    allowed = sorted(set(plain[3:10]) | {13, 30, 1000})
+    body = {"prompt": P, "max_tokens": 16, "layerleap": {"method": method}}
+    r = post(tiny_server, {**body, "allowed_token_ids": allowed})
+    want = generate(tiny, P, "greedy", 16, allowed_token_ids=allowed)
+    assert r.json()["choices"][0]["text"] == want.text and set(want.token_ids) <= set(allowed), r.text
+    tok = tiny.tokenizer  # a word the answer holds after a space, one token with the space and one without
+    word = next(
+        w.strip()
+        for w in map(lambda t: tok.decode([t]), plain)
+        if w.startswith(" ") and len(tok.encode(w, add_special_tokens=False)) == 1 == len(tok.encode(w.strip()))
+    )
+    r = post(tiny_server, {**body, "bad_words": [word]})
+    want = generate(tiny, P, "greedy", 16, bad_words=[word])
+    assert r.json()["choices"][0]["text"] == want.text != generate(tiny, P, "greedy", 16).text, r.text
+
+
+@pytest.mark.parametrize(
+    "fields,param,words",
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
+        ({"allowed_token_ids": [99999]}, "allowed_token_ids", "a token id of this model"),
+        ({"allowed_token_ids": [3], "layerleap": {"method": "ppd"}}, "allowed_token_ids", "cannot apply"),
+        ({"bad_words": [""]}, "bad_words", "bad_words must be a list of words"),
+        ({"bad_words": "x"}, "bad_words", None),
+    ],
+)
+def test_bad_filters_are_400s_naming_the_field(tiny_server, fields, param, words):
+    r = post(tiny_server, {"prompt": "a", "max_tokens": 3, **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert words is None or words in r.json()["error"]["message"], r.text
+
+
+# -- n: several choices per request -------------------------------------------------------------------
+def _stream(url: str, body: dict, path: str = "/v1/completions") -> list[dict]:
+    r = post(url, {**body, "stream": True}, path)
+    assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _joined(chunks: list[dict], n: int, chat: bool = False) -> tuple[list[str], list[str | None]]:
+    """Each choice's streamed text and finish reason."""
+    texts, reasons = [""] * n, [None] * n
+    for c in chunks:
+        for ch in c["choices"]:
+            texts[ch["index"]] += (ch["delta"].get("content") or "") if chat else ch["text"]
+            if ch["finish_reason"]:
+                assert reasons[ch["index"]] is None
+                reasons[ch["index"]] = ch["finish_reason"]
+    return texts, reasons
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt-lookup"])
+def test_greedy_choices_are_all_the_answer(tiny_server, tiny, method):
+    want = generate(tiny, P, "greedy", 12)
+    body = {"prompt": P, "max_tokens": 12, "n": 3, "layerleap": {"method": method}}
+    r = post(tiny_server, body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in r["choices"]] == [want.text] * 3
+    assert r["usage"]["completion_tokens"] == 3 * len(want.token_ids)
+    chunks = _stream(tiny_server, {**body, "stream_options": {"include_usage": True}})
+    assert _joined(chunks, 3) == ([want.text] * 3, [want.finish_reason] * 3)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3 * len(want.token_ids)
+
+
+@pytest.mark.parametrize("method", ["sample", "prompt-lookup"])
+def test_seeded_sampled_choices_are_the_rows_of_generate(tiny_server, tiny, method):
+    """Choice i samples what a request with seed + i samples, and what row i of ``generate`` with the seed
+    samples: reproducible, and different from one another."""
+    sampling = {"temperature": 1.0, "seed": 40}
+    body = {"prompt": P, "max_tokens": 10, "n": 4, "layerleap": {"method": method}, **sampling}
+    want = generate(tiny, [P] * 4, method, 10, **sampling)
+    r = post(tiny_server, body).json()
+    texts = [c["text"] for c in r["choices"]]
+    assert texts == [w.text for w in want] and len(set(texts)) == 4, texts
+    assert r["usage"]["completion_tokens"] == sum(len(w.token_ids) for w in want)
+    alone = [post(tiny_server, {**body, "n": 1, "seed": 40 + i}).json()["choices"][0]["text"] for i in range(4)]
+    assert alone == texts
+    chunks = _stream(tiny_server, body)
+    assert _joined(chunks, 4) == (texts, [w.finish_reason for w in want])
+
+
+def test_chat_choices_stream_with_their_index(tiny_server, tiny):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "n": 2, "temperature": 0.9}
+    r = post(tiny_server, body, "/v1/chat/completions").json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and all(c["message"]["content"] for c in r["choices"])
+    chunks = _stream(tiny_server, {**body, "seed": 3}, "/v1/chat/completions")
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert sorted(roles) == [0, 1]
+    texts, reasons = _joined(chunks, 2, chat=True)
+    full = post(tiny_server, {**body, "seed": 3}, "/v1/chat/completions").json()
+    assert texts == [c["message"]["content"] for c in full["choices"]] and None not in reasons
+
+
+def test_choices_with_logprobs_each_count_their_offsets(tiny_server):
+    body = {"prompt": P, "max_tokens": 6, "n": 2, "logprobs": 1, "temperature": 1.0, "seed": 5}
+    r = post(tiny_server, body).json()
+    for c in r["choices"]:
+        lp = c["logprobs"]
+        assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]) == c["text"]
+    chunks = _stream(tiny_server, body)
+    offsets = {0: [], 1: []}
+    for c in chunks:
+        for ch in c["choices"]:
+            if ch["logprobs"]:
+                offsets[ch["index"]] += ch["logprobs"]["text_offset"]
+    assert offsets == {c["index"]: c["logprobs"]["text_offset"] for c in r["choices"]}
+
+
+@pytest.mark.parametrize("n", [0, 17, -1])
+def test_n_out_of_bounds_is_a_400(tiny_server, n):
+    r = post(tiny_server, {"prompt": P, "max_tokens": 3, "n": n})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "1 to 16" in r.text, r.text
+
+
+def test_choices_of_one_request_fail_together_past_the_queue(tiny):
+    """The queue takes a request's choices all or none: a request with more choices than the queue has room
+    for is a 429, and queues nothing."""
+    cfg = ServerConfig("tiny", method="greedy", max_tokens=4, max_waiting=3)
+    app = create_app(tiny, cfg)
+    with ServerThread(app) as url:
+        r = post(url, {"prompt": P, "max_tokens": 4, "n": 4, "temperature": 1.0})
+        assert r.status_code == 429, r.text
+        assert app.state.layerleap.scheduler.waiting == []
+        r = post(url, {"prompt": P, "max_tokens": 4, "n": 3, "temperature": 1.0})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_cancels_every_choice(tiny, stream):
+    """Streamed or not, every choice of a request whose client went away stops, counted as one cancelled
+    request."""
+    import socket
+    import time
+
+    from test_server import _metric, get
+
+    cfg = ServerConfig("tiny", max_tokens=32, max_batch=8)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        body = {"prompt": "Go on and on", "max_tokens": 1900, "n": 3, "temperature": 1.0, "stream": stream}
+        body = json.dumps(body)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            if stream:
+                got = b""
+                while b"data: " not in got:
+                    assert b" 200 OK" in got or not got, got
+                    got += sock.recv(4096)
+            else:
+                deadline = time.monotonic() + 30
+                while get(url + "/health").json()["running"] < 3 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert get(url + "/health").json()["running"] == 3
+        deadline = time.monotonic() + 30
+        while get(url + "/health").json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert get(url + "/health").json()["running"] == 0
+        m = get(url + "/metrics").text
+        assert 0 < _metric(m, "layerleap_generated_tokens_total") < 3 * 1900
+        assert _metric(m, "layerleap_cancelled_total") == 1
+        assert post(url, {"prompt": "hi", "max_tokens": 3, "n": 2}).status_code == 200
+
+
+def test_unseeded_sampled_choices_decode_as_one_batch(tiny_server):
+    """Sampled choices without a seed share their batch key: a batching method decodes them as rows of one
+    batch, each drawing from a generator of its own."""
+    body = {"prompt": P, "max_tokens": 10, "n": 3, "temperature": 1.0, "layerleap": {"method": "prompt-lookup"}}
+    r = post(tiny_server, body).json()
+    assert r["layerleap"]["stats"]["batch"] == 3 and len({c["text"] for c in r["choices"]}) == 3, r
+
+
+@pytest.mark.parametrize(
+    "pieces,floor,want",
+    [
+        (["abXYcdXYe"], 4, "abXYcd"),  # the first ends at the floor: passed over
+        (["abX", "YcdXYe"], 4, "abXYcd"),
+        (["abXYcdXYe"], 3, "ab"),  # ends past it
+        (["abXYcd"], 9, "abXYcd"),
+    ],
+)
+def test_stop_text_passes_over_the_stops_that_end_by_the_floor(pieces, floor, want):
+    from layerleap.core.text import StopText
+
+    st = StopText(["XY"])
+    st.floor = floor
+    assert "".join(st.push(p) for p in pieces) + st.finish() == want
+
+
+@pytest.mark.parametrize("max_tokens", [0, 6])
+def test_choices_each_echo_the_prompt(tiny_server, max_tokens):
+    body = {"prompt": P, "max_tokens": max_tokens, "n": 2, "echo": True, "temperature": 1.0, "seed": 1}
+    r = post(tiny_server, body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and all(c["text"].startswith(P) for c in r["choices"]), r
+    chunks = _stream(tiny_server, body)
+    assert _joined(chunks, 2)[0] == [c["text"] for c in r["choices"]]

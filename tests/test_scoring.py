@@ -129,22 +129,9 @@ def test_cli_score(capsys, tiny_hf_dir, tiny, tmp_path):
 
 
 # -- the server ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tiny):
-    for module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
-        pytest.importorskip(module)
-    from layerleap.server import ServerConfig, ServerThread, create_app
+import test_logprobs  # noqa: E402
 
-    cfg = ServerConfig("tiny", method="greedy", max_tokens=16, max_batch=4)
-    with ServerThread(create_app(tiny, cfg)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+server, client = test_logprobs.server, test_logprobs.client  # a server of this module's model, its openai client
 
 
 def post(url: str, body: dict, path: str = "/v1/completions"):

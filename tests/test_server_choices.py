@@ -10,25 +10,15 @@ import pytest
 for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
 
+import test_server  # noqa: E402
 from test_server import post  # noqa: E402
 
-import layerleap  # noqa: E402
+tiny, tiny_server = test_server.tiny, test_server.tiny_server  # the fixtures of the server tests' model and server
+
 from layerleap import generate  # noqa: E402
 from layerleap.server import ServerConfig, ServerThread, create_app  # noqa: E402
 
 P = "The sky is"
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_hf_dir):
-    return layerleap.load_folder(tiny_hf_dir)
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tiny):
-    cfg = ServerConfig("tiny", method="greedy", max_tokens=32, max_batch=8, max_running=2)
-    with ServerThread(create_app(tiny, cfg)) as url:
-        yield url
 
 
 def test_min_tokens_holds_off_the_stop_token_ids(tiny_server, tiny):

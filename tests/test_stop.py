@@ -292,3 +292,27 @@ def test_generate_stop_on_the_command_line(capsys, char_model_dir, char, full):
 def test_generate_bad_stop_exits_2(capsys, char_model_dir, extra, message):
     rc, _, err = cli(capsys, "generate", "--model", char_model_dir, "--prompt", PROMPT, *extra)
     assert rc == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt-lookup"])
+def test_min_tokens_holds_off_a_stop_string_as_the_server_does(char, full, method):
+    """vLLM's rule, in generate as in the server: a stop string that ends in the text of the tokens before the
+    min_tokens-th does not count; the first one that ends later stops the text."""
+    out, _ = full
+    text = out.text
+    stop = next(c for i, c in enumerate(text[:4]) if c.strip() and c in text[i + 1 :] and text.index(c) == i)
+    assert generate(char, PROMPT, max_new_tokens=40, stop_at_eos=False, stop=stop).text == text[: text.index(stop)]
+    least = _fewest(char.tokenizer, out.token_ids, stop) + 1  # the first one ends in the tokens before the least-th
+    floor = len(char.tokenizer.decode(out.token_ids[: least - 1], skip_special_tokens=True))
+    later = next(i for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) > floor)
+    r = generate(
+        char,
+        PROMPT,
+        method,
+        max_new_tokens=40,
+        stop_at_eos=False,
+        stop=stop,
+        min_tokens=least,
+        **method_options(char)[method],
+    )
+    assert r.text == text[:later] and r.finish_reason == "stop" and r.stats.stop_string == stop

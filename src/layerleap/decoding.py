@@ -25,7 +25,7 @@ from .core.grammar import Grammar
 from .core.logprobs import MAX_TOP, TokenLogprob, scores, typed
 from .core.processors import NEUTRAL as PROCESSORS_NEUTRAL
 from .core.stats import RECORD_FIELDS, BudgetStats, Stats
-from .core.text import StopText, TextPieces, check_stops, tokens_through
+from .core.text import StopText, TextPieces, check_stops, hold_off, tokens_through
 from .core.run import (
     METHODS,
     GenerationConfig,
@@ -379,7 +379,8 @@ def generate(
     divided by it, another multiplied), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]; over the
     output's tokens: subtracted once if the token occurs, once per occurrence), ``logit_bias`` (``{token id:
     bias}``, biases in [-100, 100], added to the logits), ``min_tokens`` (the end-of-sequence tokens are
-    forbidden until the output holds that many), ``allowed_token_ids`` (a list of token ids: no other token
+    forbidden until the output holds that many, and a stop string that ends in the text of the tokens before
+    them does not count), ``allowed_token_ids`` (a list of token ids: no other token
     is chosen) and ``bad_words`` (a list of words, each text or its token ids; vLLM's rule: a word's tokens,
     as it is and with a leading space, are never completed in the output: the word's last token is forbidden
     where the output ends with the tokens before it; the prompt is not read).  ``min_p`` (in [0, 1]) is a
@@ -875,6 +876,7 @@ class Decoding:
             pieces, stop = texts[j]
             if stop.hit:
                 continue
+            hold_off(stop, self.gen.min_tokens, run.out[j], tok)  # no stop string before min_tokens, as the server
             stop.push(pieces.push(run.out[j]))
             if not stop.hit and (ended or run.finished[j]):
                 text = tok.decode(run.out[j], skip_special_tokens=True)

@@ -24,7 +24,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +38,7 @@ from .core.logprobs import Raw, TokenLogprob, capture, typed
 from .core.run import GenerationConfig, GenerationResult, row_generators
 from .decoding import Decoding, get_method
 from .errors import LayerleapError
-from .core.text import StopText, TextPieces, tokens_through
+from .core.text import StopText, TextPieces, hold_off, tokens_through
 
 
 @dataclass(frozen=True)
@@ -168,12 +167,7 @@ class Job:
         """``piece``, new text of the row whose tokens (up to its stop token) are ``toks``, through the stop
         strings (in the worker thread, where the text is made): at a stop string, the answer's tokens are
         counted here too, which decodes its text many times over (``tokens_through``)."""
-        least = self.settings.gen.min_tokens
-        if least > 1 and self.stop.stops and (self.stop.floor is None or self.stop.floor == float("inf")):
-            # vLLM's rule: no stop string before min_tokens tokens: one that ends in the text of the tokens
-            # before the min_tokens-th does not count (all the text so far, until there are that many)
-            enough = len(toks) >= least - 1 and tokenizer is not None
-            self.stop.floor = len(tokenizer.decode(toks[: least - 1], skip_special_tokens=True)) if enough else math.inf
+        hold_off(self.stop, self.settings.gen.min_tokens, toks, tokenizer)  # no stop string before min_tokens
         piece = self.stop.push(piece)
         if self.stop.hit and self.through is None and tokenizer is not None:
             self.through = tokens_through(toks, tokenizer, self.stop.end)

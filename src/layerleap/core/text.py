@@ -11,6 +11,8 @@ the tokens through the one that completes it.
 
 from __future__ import annotations
 
+import math
+
 import re
 
 from .. import validate as V
@@ -113,6 +115,15 @@ class StopText:
     def finish(self) -> str:
         out, self.held = self.held, ""
         return "" if self.hit else out
+
+
+def hold_off(stop: StopText, least: int, toks: list[int], tokenizer) -> None:
+    """vLLM's ``min_tokens`` rule for stop strings: none counts before ``least`` tokens, so one that ends in
+    the text of the tokens before the ``least``-th does not (all the text so far, until there are that
+    many): sets ``stop.floor`` once the row has those tokens."""
+    if least > 1 and stop.stops and (stop.floor is None or stop.floor == math.inf):
+        enough = len(toks) >= least - 1 and tokenizer is not None
+        stop.floor = len(tokenizer.decode(toks[: least - 1], skip_special_tokens=True)) if enough else math.inf
 
 
 def tokens_through(toks: list[int], tokenizer, end: int) -> int:

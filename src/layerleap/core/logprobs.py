@@ -66,17 +66,21 @@ def capture(logits: torch.Tensor, tokens: list[int], top: int) -> list[Raw]:
     if not tokens:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
-    ids = torch.tensor(tokens, dtype=torch.long, device=lp.device).view(-1, 1)
-    chosen = lp.gather(1, ids).squeeze(1).tolist()
-    if top > 0:
-        vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
-        tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-    else:
-        tops = [()] * len(tokens)
-    return [(int(t), float(c), tp) for t, c, tp in zip(tokens, chosen, tops)]
+    chosen, tops = _pick(lp, tokens, top)
+    return [(int(t), float(c), tp) for t, c, tp in zip(tokens, chosen.squeeze(1).tolist(), tops)]
 
 
-_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+def _pick(lp: torch.Tensor, tokens: list[int], top: int) -> tuple[torch.Tensor, list[tuple]]:
+    """Log probabilities ``lp`` ``[n, V]`` -> the tokens' own ``[n, 1]`` and each row's ``top`` likeliest
+    ((id, log probability), ...), likeliest first."""
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device).view(-1, 1))  # [n, 1]
+    if top <= 0:
+        return chosen, [()] * len(tokens)
+    vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
+    return chosen, [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+
+
+_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (core.text.BYTE_TOKEN; core.text imports core.run)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -140,13 +144,8 @@ def scores(
     for at in range(0, len(tokens), rows):
         lp = torch.log_softmax(logits(h[at : at + rows].unsqueeze(0))[0].float(), dim=-1)  # [m, V]
         part = tokens[at : at + rows]
-        chosen = lp.gather(1, torch.tensor(part, dtype=torch.long, device=lp.device).view(-1, 1))  # [m, 1]
+        chosen, tops = _pick(lp, part, top)  # [m, 1]
         ranks = (lp > chosen).sum(dim=-1).add(1).tolist()
-        if top > 0:
-            vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
-            tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-        else:
-            tops = [()] * len(part)
         raw += [(int(t), float(c), int(r), tp) for t, c, r, tp in zip(part, chosen.squeeze(1).tolist(), ranks, tops)]
     return [
         TokenLogprob(e.token, e.text, e.logprob, e.top, rank)

@@ -372,7 +372,8 @@ def test_a_json_body_without_the_json_content_type_is_told_so(tiny_server):
 
 def test_an_answer_replayed_as_it_came_continues_the_chat(client, tiny_server):
     """``message.model_dump()`` of an answer has every field of OpenAI's message, most of them null: taken;
-    one that asks for something (tool calls) is refused by name."""
+    its tool calls are replayed into the prompt, and one that asks for something else (a refusal) is refused
+    by name."""
     r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
     replayed = r.choices[0].message.model_dump()
     assert {"refusal", "tool_calls"} <= set(replayed)
@@ -380,26 +381,31 @@ def test_an_answer_replayed_as_it_came_continues_the_chat(client, tiny_server):
     assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=3).choices[0].message.content
     replayed["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     r = post(tiny_server, {"messages": messages, "max_tokens": 3}, "/v1/chat/completions")
-    assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text
+    assert r.status_code == 200, r.text
+    replayed["refusal"] = "no"
+    r = post(tiny_server, {"messages": messages, "max_tokens": 3}, "/v1/chat/completions")
+    assert r.status_code == 400 and "refusal" in r.json()["error"]["message"], r.text
 
 
-def test_an_assistant_turn_without_text_is_taken_and_tool_turns_are_refused_by_name(tiny_server):
-    """OpenAI's assistant turn may have ``content: null`` (or none): empty text.  A tool call and a tool's
-    result cannot be put in the prompt: a 400 that says so and names the turn."""
+def test_an_assistant_turn_without_text_is_taken_and_tool_turns_render(tiny_server):
+    """OpenAI's assistant turn may have ``content: null`` (or none): empty text.  A tool call and its result
+    are put in the prompt (tests/test_server_tools.py); a tool result that answers no call is named."""
     path = "/v1/chat/completions"
     for turn in ({"role": "assistant", "content": None}, {"role": "assistant"}):
         r = post(tiny_server, {"messages": [*CHAT, turn, {"role": "user", "content": "Go on."}], "max_tokens": 2}, path)
         assert r.status_code == 200, (turn, r.text)
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    for turns, param, says in (
-        ([{"role": "assistant", "content": None, "tool_calls": [call]}], "messages[1]", "no tools"),
-        ([{"role": "assistant", "content": None, "function_call": call["function"]}], "messages[1]", "no tools"),
-        ([{"role": "tool", "tool_call_id": "c1", "content": "4"}], "messages[1].role", "no tools"),
-        ([{"role": "function", "name": "f", "content": "4"}], "messages[1].role", "no tools"),
+    calls = {"role": "assistant", "content": None, "tool_calls": [call]}
+    legacy = {"role": "assistant", "content": None, "function_call": call["function"]}
+    for turns in (
+        [calls, {"role": "tool", "tool_call_id": "c1", "content": "4"}],
+        [legacy, {"role": "function", "name": "f", "content": "4"}],
     ):
         r = post(tiny_server, {"messages": [*CHAT, *turns], "max_tokens": 2}, path)
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == param and says in err["message"], (turns, err)
+        assert r.status_code == 200, (turns, r.text)
+    r = post(tiny_server, {"messages": [*CHAT, {"role": "tool", "tool_call_id": "c1", "content": "4"}]}, path)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages[1].tool_call_id", err
     r = post(tiny_server, {"messages": [{"role": "user", "content": None}]}, path)
     err = r.json()["error"]
     assert r.status_code == 400 and "needs its content" in err["message"], err

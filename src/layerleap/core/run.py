@@ -417,15 +417,19 @@ class Run:
         return all(self.finished)
 
 
-def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of ``messages`` (``[{"role", "content"}, ...]``) under the tokenizer's chat template
-    (newer `transformers` return a mapping with ``input_ids``, older ones a list).  A template that does
-    not parse, or refuses the messages (its ``raise_exception``), is a ``GenerationError`` saying so."""
+def chat_token_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of ``messages`` (``[{"role", "content"}, ...]``) under the tokenizer's chat template, with
+    ``tools`` (OpenAI's tool definitions) passed to it when given (newer `transformers` return a mapping with
+    ``input_ids``, older ones a list).  A template that does not parse, or refuses the messages (its
+    ``raise_exception``), is a ``GenerationError`` saying so."""
     import jinja2
 
+    kw = {} if tools is None else {"tools": tools}
     try:
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kw
         )
     except jinja2.TemplateSyntaxError as e:
         raise GenerationError(

@@ -39,6 +39,7 @@ from ..options import model_options
 from ..scheduler import Finish, Job, QueueTimeout, Scheduler, Settings
 from .metrics import Metrics, endpoint_label
 from .schema import GRAMMAR_FIELDS, ChatRequest, CompletionRequest, _Request
+from .tools import ToolError, ToolPlan, ToolStream, conversation, template_reads_tools, tool_calls, tool_plan
 
 access_log = logging.getLogger("layerleap.access")
 
@@ -290,13 +291,29 @@ def request_processors(body: _Request, m, model: Transformer, max_tokens: int, g
         raise _bad(message.replace(asked, field[asked]), field[asked]) from None
 
 
+def request_tools(body: _Request) -> ToolPlan | None:
+    """A chat request's ``ToolPlan`` (None: no tools; a 400 naming the field where they do not fit)."""
+    if not isinstance(body, ChatRequest):
+        return None
+    try:
+        return tool_plan(body)
+    except ToolError as e:
+        raise _bad(str(e), e.param) from None
+
+
 def request_grammar(body: _Request) -> tuple[str | None, Grammar | None]:
-    """The structured-output field given and its grammar, (None, None) without one (400s naming the field)."""
+    """The structured-output field given and its grammar, (None, None) without one (400s naming the field):
+    a forced tool call's (``tool_choice``) is one too."""
     fields = body.grammar_fields()
+    plan = request_tools(body)
+    if plan is not None and plan.forced:
+        fields = [plan.field, *fields]
     if len(fields) > 1:
         raise _bad(f"{' and '.join(fields)} each ask for structured output: give one of them", fields[0])
     if not fields:
         return None, None
+    if plan is not None and plan.forced:
+        return plan.field, plan.grammar()
     try:
         return fields[0], GRAMMAR_FIELDS[fields[0]](getattr(body, fields[0]))
     except GrammarError as e:
@@ -329,13 +346,14 @@ def prompt_ids(body: _Request, model: Transformer) -> list[int]:
     if isinstance(body, ChatRequest):
         if tok is None or not getattr(tok, "chat_template", None):
             raise _bad("this model has no chat template: use /v1/completions", "messages")
-        plain = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            | ({} if m.name is None else {"name": m.name})
-            for m in body.messages
-        ]
         try:
-            return chat_token_ids(tok, plain, add_generation_prompt=True)
+            messages, tools = conversation(body.messages, request_tools(body), template_reads_tools(tok))
+        except ToolError as e:
+            raise _bad(str(e), e.param) from None
+        try:
+            return chat_token_ids(
+                tok, messages, add_generation_prompt=True, **({} if tools is None else {"tools": tools})
+            )
         except LayerleapError as e:  # the template does not parse, or its raise_exception ("roles must alternate")
             raise _bad(str(e), "messages") from None
         except Exception as e:  # noqa: BLE001  anything else the template raises on these messages
@@ -413,6 +431,7 @@ class Reply:
     echo_logprobs: list[TokenLogprob] | None = None  # ... and the log probabilities of the prompt's other tokens
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs as they are sent (``vllm_prompt_logprobs``)
     index: int = 0  # the choice this answers (``n``: one ``Reply`` per choice, with the same id)
+    tools: ToolPlan | None = None  # chat with tools: the answer's calls are read from its text
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -487,13 +506,17 @@ class Reply:
     def choice(self, fin: Finish | None) -> dict:
         """This reply's choice; ``fin`` None: nothing generated (``max_tokens`` 0 with echo)."""
         text = (self.echo or "") + ("" if fin is None else fin.text)
-        choice = (
-            {"index": self.index, "message": {"role": "assistant", "content": text}}
-            if self.chat
-            else {"index": self.index, "text": text}
-        )
+        reason = "length" if fin is None else fin.reason
+        if not self.chat:
+            choice = {"index": self.index, "text": text}
+        else:
+            content, calls = (text, []) if self.tools is None or fin is None else self.tools.parse(text)
+            choice = {"index": self.index, "message": {"role": "assistant", "content": content}}
+            if calls:
+                choice["message"].update(self._calls(calls))
+                reason = "function_call" if self.tools.legacy else "tool_calls"
         choice.update(
-            finish_reason="length" if fin is None else fin.reason,
+            finish_reason=reason,
             logprobs=self._choice_logprobs(None if fin is None else fin.logprobs),
         )
         if self.prompt_logprobs is not None and not self.chat:  # vLLM's place: the choice's (text completions)
@@ -515,6 +538,20 @@ class Reply:
         if self.prompt_logprobs is not None and self.chat:  # vLLM's place: the answer's (chat)
             out["prompt_logprobs"] = self.prompt_logprobs
         return out
+
+    def _calls(self, calls: list[dict]) -> dict:
+        """The calls as a message's (or a delta's) fields: ``tool_calls``, or the legacy ``function_call``."""
+        if self.tools is not None and self.tools.legacy:
+            return {"function_call": dict(calls[0])}
+        return {"tool_calls": tool_calls(calls)}
+
+    def calls_chunk(self, calls: list[dict]) -> dict:
+        """A streamed chunk of the answer's calls (each whole: ``tool_calls`` with their ``index``)."""
+        delta = self._calls(calls)
+        for k, c in enumerate(delta.get("tool_calls", ())):
+            c["index"] = k
+        choice = {"index": self.index, "delta": delta, "finish_reason": None, "logprobs": None}
+        return {**self._head(True), "choices": [choice]} | ({"usage": None} if self.usage else {})
 
     def echo_chunk(self, reason: str | None = None) -> dict:
         """A stream's first chunk with echo: the prompt's text (and its tokens' log probabilities); ``reason``:
@@ -652,13 +689,14 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         ids = await run_in_threadpool(prompt_ids, body, st.model)
         settings = request_settings(body, st, len(ids))
         generates = settings.gen.max_new_tokens > 0  # (0: echo alone)
-        fields = body.grammar_fields()
-        field = fields[0] if fields else None
+        field, _ = request_grammar(body)
+        plan = request_tools(body)
         if generates:
             settings = await load_options(st, settings)
             await run_in_threadpool(check_decoding, st.model, ids, settings, field)
         reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
         reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        reply.tools = plan if plan is not None and plan.choice != "none" else None
         await score_prompt(st, body, ids, reply)
         replies = [dataclasses.replace(reply, index=i) for i in range(body.n or 1)]  # one id, a choice each
         if not generates:
@@ -804,15 +842,29 @@ async def _events(
             if reply.echo is not None:
                 yield _sse(reply.echo_chunk())
         ends: dict[int, Finish] = {}
+        held = [None if r.tools is None else ToolStream(r.tools) for r in replies]  # text read for tool calls
         while True:
             k, (kind, value) = event
             if kind == "text":
                 for i in owners[k]:
-                    yield _sse(replies[i].chunk(value))
+                    if held[i] is None:
+                        yield _sse(replies[i].chunk(value))
+                        continue
+                    text, lps = held[i].feed(value)
+                    if text:
+                        yield _sse(replies[i].chunk(text, logprobs=lps))
             else:
                 rest = None if value.logprobs is None else value.logprobs[value.logprobs_sent :]
                 for i in owners[k]:
-                    yield _sse(replies[i].chunk(None, value.reason, logprobs=rest))
+                    reason = value.reason
+                    if held[i] is not None:
+                        text, lps, calls = held[i].finish()
+                        if text or lps:
+                            yield _sse(replies[i].chunk(text, logprobs=lps or None))
+                        if calls:
+                            yield _sse(replies[i].calls_chunk(calls))
+                            reason = "function_call" if replies[i].tools.legacy else "tool_calls"
+                    yield _sse(replies[i].chunk(None, reason, logprobs=rest))
                 ends[k] = value
                 if len(ends) == len(jobs):
                     if replies[0].usage:

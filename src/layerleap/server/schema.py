@@ -24,10 +24,6 @@ from ..validate import SEED_MAX
 # answer-changing fields the server cannot honour -> the values that ask for nothing (accepted)
 REFUSED: dict[str, tuple] = {
     # OpenAI
-    "tools": (None, []),
-    "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "function_call": (None, "none", "auto"),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "audio": (None,),
@@ -91,15 +87,70 @@ class TextPart(BaseModel):
     text: str
 
 
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class FunctionDef(BaseModel):
+    """A function a tool calls: its name, what it does, and its arguments as a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=TOOL_NAME, description="letters, digits, _ and -, 64 at most")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (absent: none)")
+    strict: bool | None = Field(None, description="taken: a forced call follows the schema exactly anyway")
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedTool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    """A call an assistant turn made: the function's name and its arguments as JSON text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _unique_names(tools: list, name) -> None:
+    seen = set()
+    for i, t in enumerate(tools):
+        n = name(t)
+        if n in seen:
+            raise ValueError(f"two tools are named {n!r} (the second at [{i}]): give each tool its own name")
+        seen.add(n)
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None  # None: an assistant's turn without text (OpenAI's shape)
     name: str | None = None
-    # the fields of an answer's message besides role and content (an answer replayed as it came, with
-    # ``message.model_dump()``): taken when they hold nothing, refused otherwise
-    tool_calls: Any = None
-    function_call: Any = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (replayed)
+    function_call: FunctionCall | None = None  # the legacy form of one call
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    # the other fields of an answer's message (an answer replayed as it came, with ``message.model_dump()``):
+    # taken when they hold nothing, refused otherwise
     refusal: Any = None
     audio: Any = None
     annotations: Any = None
@@ -124,24 +175,21 @@ class Message(BaseModel):
             )
         return content
 
-    @field_validator("role", mode="before")
-    @classmethod
-    def _no_tool_turns(cls, role):
-        if role in ("tool", "function"):
-            raise ValueError(
-                f"{role!r} messages (a tool's result) are not supported: this server has no tools; "
-                "leave the tool turns out of the conversation"
-            )
-        return role
-
     @model_validator(mode="after")
     def _nothing_else(self):
         for k in ("tool_calls", "function_call"):
-            if getattr(self, k) not in (None, []):  # the chat template is given each message's text only
+            if getattr(self, k) not in (None, []) and self.role != "assistant":
                 raise ValueError(
-                    f"{k} is not supported: this server has no tools, and a tool call cannot be put in the "
-                    "prompt; leave the tool-calling turn (and its tool results) out of the conversation"
+                    f"{k} belongs to assistant turns (the calls they made): leave it out of a {self.role} message"
                 )
+        if self.tool_calls and self.function_call is not None:
+            raise ValueError("tool_calls and function_call both give calls: give tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id: the id of the call (in tool_calls) it answers")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError("tool_call_id belongs to tool messages: leave it out")
+        if self.role == "function" and self.name is None:
+            raise ValueError("a function message needs the function's name: give name")
         for k in ("refusal", "audio", "annotations"):
             if getattr(self, k) not in (None, []):
                 raise ValueError(f"{k} is not supported by this server: leave it out (or null)")
@@ -153,6 +201,12 @@ class Message(BaseModel):
         if self.content is None:  # an assistant's turn without text
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def calls(self) -> list[ToolCall]:
+        """The calls this (assistant) turn made: its tool_calls, or its legacy function_call."""
+        if self.function_call is not None:
+            return [ToolCall(id=f"call_{self.function_call.name}", function=self.function_call)]
+        return list(self.tool_calls or ())
 
 
 class _Request(BaseModel):
@@ -291,15 +345,33 @@ class ChatRequest(_Request):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP, description="with logprobs: the likeliest tokens at each position, this many"
     )
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
+    tools: list[ToolDef] | None = Field(None, description="functions the model may call (OpenAI's shape)")
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = Field(
+        None,
+        description='"none", "auto" (the default with tools: calls read from the text), "required" (one call), '
+        'or {"type": "function", "function": {"name": ...}} (a call of that function)',
+    )
+    functions: list[FunctionDef] | None = Field(None, description="the older form of tools")
+    function_call: Literal["none", "auto"] | FunctionName | None = Field(
+        None, description="the older form of tool_choice (with functions)"
+    )
     audio: Any = None
     modalities: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(cls, tools):
+        _unique_names(tools or [], lambda t: t.function.name)
+        return tools
+
+    @field_validator("functions")
+    @classmethod
+    def _function_names(cls, functions):
+        _unique_names(functions or [], lambda f: f.name)
+        return functions
 
     def logprob_count(self) -> int | None:
         """The likeliest tokens each answer token reports with its log probability (None: no log

@@ -25,7 +25,7 @@ def layerleap_cmd() -> list[str]:
 class Proc:
     """A subprocess whose stdout and stderr are collected by threads (so a full pipe never blocks it)."""
 
-    def __init__(self, argv: list[str], env: dict | None = None, cwd=None, group: bool = False):
+    def __init__(self, argv: list[str], env: dict | None = None, cwd=None, group: bool = False, stdin=None):
         full = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
@@ -36,6 +36,7 @@ class Proc:
         # Ctrl-C as a terminal gives it, even where the tests run as a background job (which ignores SIGINT)
         self.p = subprocess.Popen(
             argv,
+            stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=full,

@@ -325,6 +325,13 @@ CLI = [
         "min_exit_layer=3 > max_exit_layer=2",
     ),
     (["generate", "--model", "{NOCHAT}", "--prompt", "hi", "--chat"], "no chat template: decode the prompt as it is"),
+    # chat: the model and the start
+    (["chat", "--model", "{NOCHAT}"], "has no chat template (tokenizer.chat_template): chat needs one"),
+    (["chat", "--model", "{NOTOK}"], "has no tokenizer (no tokenizer.json"),
+    (["chat", *M, "--bogus"], "unrecognized arguments: --bogus"),
+    (["chat", *M, "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["chat", *M, "--max-new-tokens", "5000"], "--max-new-tokens 5000 is beyond tiny's context of 2048 tokens"),
+    (["chat", *M, "--system"], "expected one argument"),
     (G + ["--method", "medusa", "--opt", "tree=false"], "a tree shape is top-k per depth"),
     (G + ["--method", "medusa", "--opt", "tree=0.0"], "a tree shape is top-k per depth"),
     (G + ["--method", "ppd", "--opt", "k=0"], "k must be an integer in [1, min(vocab_size, 64)], got 0"),
@@ -1241,6 +1248,15 @@ def test_subprocess(places, argv, stdin, message):
 
 # -- model-independent checks come before the model loads ------------------------------------------
 BEFORE_LOAD = [
+    (["chat", *M, "--temperature", "0.5"], "method 'greedy' decodes greedily and would ignore temperature"),
+    (["chat", *M, "--method", "nope"], "unknown method 'nope'"),
+    (
+        ["chat", *M, "--method", "self-spec", "--opt", "draft_len=-1"],
+        "draft_len must be an integer in [1, 256] or none",
+    ),
+    (["chat", *M, "--load", "{T}/nosuch.json"], "cannot read conversation file"),
+    (["chat", *M, "--load", "{GARBAGE}"], "is not valid JSON"),
+    (["chat", *M, "--load", "{NOTES_JSON}"], "not a list of messages"),
     (MR + ["--layers", "2", "--heads", "shared", "--category", ","], "--category ',' names no category"),
     (
         ["train", "corpus", *M, "--out", "{T}/c.safetensors", "--calibration-prompts", "0", "--draft-len", "8"],

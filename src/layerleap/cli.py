@@ -49,7 +49,7 @@ def _members(group: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     # the modules that define subcommands (add one here for a new one): importing one registers its commands
-    from .commands import basic, bild, calibrate, exactness, heads, hidden_transfer  # noqa: F401
+    from .commands import basic, bild, calibrate, chat, exactness, heads, hidden_transfer  # noqa: F401
     from .commands import cache, draft_vocab, native, ppd, serve, skipdecode  # noqa: F401
 
     parser = _Parser(prog="layerleap", description="Faster decoding from intermediate layers.")

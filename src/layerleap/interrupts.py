@@ -91,6 +91,12 @@ def interrupted() -> bool:
     return _state["at"] is not None
 
 
+def handled() -> None:
+    """The Ctrl-C that came was handled where it came (``chat`` stops the answer it cut and goes on): the
+    process is not ended for it, and the next one counts as a first one again."""
+    _state["at"] = None
+
+
 @contextmanager
 def deferred():
     """Hold a Ctrl-C that comes inside the block until the block ends."""
@@ -131,13 +137,15 @@ def terminate_as_interrupt():
 def _on_sigint(signum, frame):
     if _state["at"] is not None:
         return  # a second Ctrl-C: the first one is being handled
-    _state["at"] = time.monotonic()
-    threading.Thread(target=_last_resort, daemon=True, name="layerleap-interrupt").start()
+    _state["at"] = at = time.monotonic()
+    threading.Thread(target=_last_resort, args=(at,), daemon=True, name="layerleap-interrupt").start()
     if not _state["deferring"]:
         raise KeyboardInterrupt
 
 
-def _last_resort() -> None:
+def _last_resort(at: float) -> None:
     time.sleep(GRACE_S)
+    if _state["at"] != at:  # that Ctrl-C was handled (``handled``)
+        return
     print("layerleap: interrupted", file=sys.stderr, flush=True)
     os._exit(130)

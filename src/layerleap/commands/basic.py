@@ -412,14 +412,7 @@ def _setup_generate(p):
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument(
-        "--stop",
-        action="append",
-        type=_stop_arg,
-        metavar="TEXT",
-        help=f"end the text before TEXT, which is not printed (repeatable, at most {MAX_STOPS}; "
-        "the text as written: in bash, $'\\n\\n' is two newlines)",
-    )
+    _stop_args(p)
     _sampling_args(p)
     _processor_args(p)
     _opt_arg(p, "NAME=VALUE", "a method option (repeatable)")
@@ -449,6 +442,22 @@ def _setup_generate(p):
         help="print one JSON object (text, token_ids, finish_reason, stats; logprobs with --logprobs) per prompt, "
         "one a line",
     )
+
+
+def _stop_args(p) -> None:
+    p.add_argument(
+        "--stop",
+        action="append",
+        type=_stop_arg,
+        metavar="TEXT",
+        help=f"end the text before TEXT, which is not printed (repeatable, at most {MAX_STOPS}; "
+        "the text as written: in bash, $'\\n\\n' is two newlines)",
+    )
+
+
+def _check_stops(args) -> None:
+    if args.stop and len(args.stop) > MAX_STOPS:
+        raise LayerleapError(f"--stop is given {len(args.stop)} times, more than {MAX_STOPS}: keep at most {MAX_STOPS}")
 
 
 def _stop_text(text: str) -> str:
@@ -582,8 +591,7 @@ def _check_model_options(method: str, options: dict, label: str = "") -> None:
 def run_generate(args) -> int:
     options = _method_options(args.method, args.opt, args.quality)  # fail before loading the model
     sampling = _check_sampling(args.method, args)
-    if args.stop and len(args.stop) > MAX_STOPS:
-        raise LayerleapError(f"--stop is given {len(args.stop)} times, more than {MAX_STOPS}: keep at most {MAX_STOPS}")
+    _check_stops(args)
     prompts = _generate_prompts(args)
     if isinstance(prompts, list) and get_method(args.method).batched and len(prompts) > MAX_BATCH:
         raise LayerleapError(

@@ -1,0 +1,372 @@
+"""``layerleap chat``: a conversation in the model's chat template, one turn a line.
+
+A turn's answer streams as it is decoded (``layerleap.stream``) and joins the history, which every
+later turn sends whole (the system message first).  On a terminal the prompt line has ``readline``'s
+editing and history; from a pipe each line is a turn and the answers are printed, one after another.
+Lines that start with ``/`` are commands (``CHAT_HELP``).  Messages about the chat (errors, dropped
+turns, a loaded file) go to stderr; answers and ``/stats`` to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import warnings
+from pathlib import Path
+
+from .. import interrupts, validate as V
+from ..core.run import chat_token_ids
+from ..decoding import METHODS, BudgetWarning, get_method
+from ..errors import LayerleapError
+from ..files import read_json, write_json
+from ..options import resolve_models
+from ..streaming import stream
+from . import command
+from .basic import (
+    _check_sampling,
+    _check_stops,
+    _load,
+    _loader,
+    _method_options,
+    _model_args,
+    _need_tokenizer,
+    _opt_arg,
+    _positive_int,
+    _processor_args,
+    _processors,
+    _sampling_args,
+    _say,
+    _stats_line,
+    _stop_args,
+    _threads,
+)
+
+ROLES = ("system", "user", "assistant")
+CHAT_HELP = """commands:
+  /help               this list
+  /reset              clear the conversation (the system message stays)
+  /system [TEXT]      set the system message (without TEXT: drop it)
+  /method NAME [k=v]  switch the decoding method, with its options (as --method and --opt)
+  /stats              the last answer: tokens, tokens/s, tokens per model call, acceptance
+  /save FILE.json     write the conversation as JSON messages
+  /load FILE.json     read a conversation written by /save (a JSON list of messages)
+  /quit               end the chat (so do Ctrl-D and Ctrl-C at the prompt)
+Ctrl-C while an answer streams stops it: the text printed so far stays in the conversation as the
+answer (nothing printed: the turn is dropped).  To send a message that starts with /, write // for
+its first / (//etc sends /etc)."""
+
+
+# -- the command line -------------------------------------------------------------------------------
+@command("chat", help="chat with a model in its chat template: type a turn, the answer streams (/help: commands)")
+def _setup_chat(p):
+    p.epilog = CHAT_HELP
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    _model_args(p)
+    p.add_argument(
+        "--method",
+        default="greedy",
+        help=f"decoding method: {', '.join(METHODS)} (default greedy; `layerleap methods` lists them with their "
+        "options; /method switches it)",
+    )
+    p.add_argument("--system", type=V.text_arg, default=None, metavar="TEXT", help="the system message")
+    p.add_argument(
+        "--max-new-tokens", type=_positive_int, default=256, help="the longest answer, in tokens (default 256)"
+    )
+    p.add_argument(
+        "--load",
+        type=V.tagged(V.path_arg, "in"),
+        default=None,
+        metavar="FILE",
+        help="start from a conversation that /save wrote (a JSON list of messages)",
+    )
+    _stop_args(p)
+    _sampling_args(p)
+    _processor_args(p)
+    _opt_arg(p, "NAME=VALUE", "a method option (repeatable)")
+
+
+@_setup_chat
+def run_chat(args) -> int:
+    options = _method_options(args.method, args.opt)  # everything that can fail before loading the model
+    sampling = _check_sampling(args.method, args)
+    _check_stops(args)
+    procs = _processors(args, None)
+    loaded = read_conversation(args.load, "--load") if args.load is not None else None
+    threads = _threads(args.threads)
+    model = _load(args)
+    _need_tokenizer(model, args)
+    if not getattr(model.tokenizer, "chat_template", None):
+        raise LayerleapError(
+            f"--model {args.model} has no chat template (tokenizer.chat_template): chat needs one; "
+            "continue text with `layerleap generate` instead"
+        )
+    get_method(args.method).check_options(options, model.config)
+    kwargs = {**sampling, **procs, **resolve_models(args.method, options, _loader(args))}
+    if args.stop:
+        kwargs["stop"] = args.stop
+    chat = Chat(model, args, threads, kwargs)
+    if args.system is not None:
+        chat.system = args.system
+    if loaded is not None:
+        chat.take(loaded, args.load)
+    return chat.run()
+
+
+# -- conversation files -----------------------------------------------------------------------------
+def read_conversation(path, name: str = "/load") -> list[dict]:
+    """The messages of a conversation file (what ``/save`` writes: a JSON list of ``{"role", "content"}``;
+    an object with ``"messages"`` too), checked: a ``LayerleapError`` names the problem and the fix."""
+    p = V.path(path, name)
+    fix = 'give a file that /save wrote: [{"role": "user", "content": "..."}, ...]'
+    if p.is_dir():
+        raise LayerleapError(f"{name} {p} is a folder: {fix}")
+    value = read_json(p, "conversation file", fix, kind=None)
+    if isinstance(value, dict) and "messages" in value:
+        value = value["messages"]
+    if not isinstance(value, list):
+        raise LayerleapError(f"conversation file {p} holds JSON {type(value).__name__}, not a list of messages: {fix}")
+    out = []
+    for k, m in enumerate(value):
+        where = f"conversation file {p}: message {k}"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise LayerleapError(f"{where} is not {{'role': text, 'content': text}} (got {V.show(m)}): {fix}")
+        if m["role"] not in ROLES:
+            raise LayerleapError(f"{where} has role {m['role']!r}: a role is one of {', '.join(ROLES)}")
+        if m["role"] == "system" and k:
+            raise LayerleapError(f"{where} is a system message: only the first message may be one")
+        V.text(m["content"], f"{where}'s content")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _is_conversation_file(p: Path) -> bool:
+    try:
+        read_conversation(p)
+    except LayerleapError:
+        return False
+    return True
+
+
+# -- the chat ---------------------------------------------------------------------------------------
+class Chat:
+    """The conversation and the decoding settings of one ``layerleap chat``."""
+
+    def __init__(self, model, args, threads: int, kwargs: dict):
+        self.model, self.args, self.threads = model, args, threads
+        self.method, self.kwargs = args.method, kwargs
+        self.system: str | None = None
+        self.history: list[dict] = []  # user and assistant messages, oldest first
+        self.last = None  # the last answer's Stats; "interrupted" when Ctrl-C cut it
+        self.dropped_said = False
+        self.tty = sys.stdin is not None and sys.stdin.isatty()
+
+    # -- the loop
+    def run(self) -> int:
+        if sys.stdin is None:
+            raise LayerleapError("chat reads the turns from stdin, but stdin is closed: run it in a terminal or pipe")
+        if self.tty:
+            try:
+                import readline  # noqa: F401  (input() edits the line and keeps a history)
+            except ImportError:
+                pass
+            _say(f"chat with {self.model.config.name} ({self.method}): /help lists the commands, Ctrl-D ends it")
+        while True:
+            try:
+                line = self._read()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat
+                interrupts.handled()
+                if self.tty:
+                    print(file=sys.stderr)
+                return 0
+            if line is None:
+                return 0
+            if not line.strip():
+                continue
+            if line.startswith("/") and not line.startswith("//"):
+                if self.command(line.strip()) == "quit":
+                    return 0
+                continue
+            self.turn(line.removeprefix("/"))
+
+    def _read(self) -> str | None:
+        """The next line (None at the end of the input), without its newline."""
+        if self.tty:
+            try:
+                return input(">>> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return None
+            except UnicodeDecodeError:
+                self.error("the line is not valid UTF-8: type it again")
+                return ""
+        data = sys.stdin.buffer.readline()
+        if not data:
+            return None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            self.error("a line on stdin is not valid UTF-8: give UTF-8 text (the line is skipped)")
+            return ""
+        return text.removesuffix("\n").removesuffix("\r")
+
+    def error(self, msg: str) -> None:
+        print(f"layerleap chat: error: {msg}", file=sys.stderr, flush=True)
+
+    # -- one turn
+    def messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return head + self.history
+
+    def fit(self) -> list[dict] | None:
+        """The conversation as sent: the oldest turns dropped (the system message kept) until it and the
+        answer fit the model's context; None when the last message alone does not."""
+        ctx, most = self.model.config.max_position, self.args.max_new_tokens
+        tok = self.model.tokenizer
+        while True:
+            messages = self.messages()
+            n = len(chat_token_ids(tok, messages, add_generation_prompt=True))
+            if n + most <= ctx:
+                return messages
+            if len(self.history) <= 1:
+                return None
+            cut = next((i for i in range(1, len(self.history)) if self.history[i]["role"] == "user"), None)
+            self.history = self.history[cut if cut is not None else len(self.history) - 1 :]
+            if not self.dropped_said:
+                self.dropped_said = True
+                _say(
+                    f"note: the conversation and an answer of --max-new-tokens {most} are beyond the model's context "
+                    f"of {ctx} tokens: the oldest turns are dropped (the system message stays)"
+                )
+
+    def turn(self, text: str) -> None:
+        self.history.append({"role": "user", "content": text})
+        shown = []
+        try:
+            messages = self.fit()
+            if messages is None:
+                n = len(chat_token_ids(self.model.tokenizer, self.messages(), add_generation_prompt=True))
+                self.history.pop()
+                self.error(
+                    f"this message is {n} tokens in the chat template (the system message included); with "
+                    f"--max-new-tokens {self.args.max_new_tokens} that exceeds the model's context of "
+                    f"{self.model.config.max_position}: shorten it (or the system message), or lower --max-new-tokens"
+                )
+                return
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always", BudgetWarning)
+                s = stream(self.model, messages, self.method, self.args.max_new_tokens, **self.kwargs)
+                for piece in s:
+                    print(piece, end="", flush=True)
+                    shown.append(piece)
+            for msg in dict.fromkeys(str(w.message) for w in said if issubclass(w.category, BudgetWarning)):
+                _say(msg)
+        except KeyboardInterrupt:
+            interrupts.handled()
+            if shown:
+                print(flush=True)
+            _say("[stopped]")
+            self.last = "interrupted"
+            self._answer("".join(shown))
+            return
+        except LayerleapError as e:
+            if shown:
+                print(flush=True)
+            if self.history and self.history[-1]["role"] == "user":
+                self.history.pop()
+            self.error(str(e))
+            return
+        print(flush=True)
+        self.last = s.result.stats
+        self._answer(s.result.text)
+
+    def _answer(self, text: str) -> None:
+        if text:
+            self.history.append({"role": "assistant", "content": text})
+        else:  # nothing to keep: the turn goes too, so that users and assistants alternate
+            self.history.pop()
+
+    # -- the commands
+    def command(self, line: str) -> str | None:
+        name, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if name in ("/quit", "/exit", "/bye"):
+            return "quit"
+        if name in ("/help", "/?"):
+            print(CHAT_HELP, flush=True)
+        elif name == "/reset":
+            self.history = []
+            self.last = None
+            self.dropped_said = False
+            _say("the conversation is cleared")
+        elif name == "/system":
+            self.system = rest or None
+            _say("the system message is set" if rest else "the system message is dropped")
+        elif name == "/method":
+            self.switch(rest)
+        elif name == "/stats":
+            self.stats()
+        elif name in ("/save", "/load"):
+            if not rest:
+                self.error(f"{name} needs a file: {name} FILE.json")
+                return None
+            try:
+                self.save(rest) if name == "/save" else self.take(read_conversation(rest), rest)
+            except LayerleapError as e:
+                self.error(str(e))
+        else:
+            self.error(f"unknown command {name}: /help lists the commands (start a message with // to send /)")
+        return None
+
+    def switch(self, rest: str) -> None:
+        try:
+            words = shlex.split(rest)
+        except ValueError as e:
+            self.error(f"/method {rest}: {e}: write /method NAME [option=value ...]")
+            return
+        if not words:
+            self.error(f"/method needs a method name: one of {', '.join(METHODS)}")
+            return
+        name, items = words[0], words[1:]
+        try:
+            options = _method_options(name, items or None)
+            sampling = _check_sampling(name, self.args)
+            procs = _processors(argparse.Namespace(**{**vars(self.args), "method": name}), None)
+            get_method(name).check_options(options, self.model.config)
+            models = resolve_models(name, options, _loader(self.args))
+        except LayerleapError as e:
+            self.error(str(e))
+            return
+        self.method = name
+        self.kwargs = {**sampling, **procs, **models, **({"stop": self.args.stop} if self.args.stop else {})}
+        _say(f"method {name}" + (f" ({' '.join(items)})" if items else ""))
+
+    def stats(self) -> None:
+        if self.last is None:
+            print("no answer yet", flush=True)
+            return
+        if self.last == "interrupted":
+            print("the last answer was stopped (Ctrl-C): it has no stats", flush=True)
+            return
+        st = self.last
+        line = _stats_line(st, self.threads)
+        if st.draft is not None and st.draft.acceptance is not None:
+            line += f", acceptance {st.draft.acceptance:.2f} ({st.draft.accepted}/{st.draft.drafted} drafts)"
+        print(line, flush=True)
+
+    def save(self, where: str) -> None:
+        p = V.output_file(where, "/save", (".json",), "conversation file")
+        if p.is_file() and p.stat().st_size and not _is_conversation_file(p):
+            raise LayerleapError(
+                f"/save {p} exists and is not a conversation file: choose another file name (or delete it)"
+            )
+        write_json(p, self.messages())
+        _say(f"saved {len(self.messages())} messages to {p}")
+
+    def take(self, messages: list[dict], where) -> None:
+        """Continue the conversation ``messages`` (a system message in it replaces the one set)."""
+        if messages and messages[0]["role"] == "system":
+            self.system, messages = messages[0]["content"], messages[1:]
+        self.history = list(messages)
+        self.last = None
+        _say(f"loaded {len(messages)} messages from {where}")

@@ -403,3 +403,23 @@ def test_a_bfloat16_models_greedy_token_leads_its_likeliest(tiny_hf_dir):
     model = layerleap.load_folder(tiny_hf_dir, dtype="bfloat16")
     rs = generate(model, [PROMPT, "Hello there", "1 2 3 4"], max_new_tokens=40, stop_at_eos=False, logprobs=3)
     assert [[e.top[0].token for e in r.logprobs] for r in rs] == [r.token_ids for r in rs]
+
+
+def test_decoding_logprobs_from_a_start_cover_the_tokens_a_stop_string_kept(tiny):
+    """``Decoding.logprobs(i, start)`` after a stop string cut a round's tokens: from ``start`` (from the end
+    when negative) to the last token kept, not into the round's tokens past it; a start that is no integer is
+    refused naming it."""
+    opts = dict(draft=tiny, draft_len=4, min_confidence=0.0)  # the model drafts for itself: whole rounds kept
+    full = generate(tiny, PROMPT, "speculative", max_new_tokens=16, stop_at_eos=False, **opts)
+    stop = tiny.tokenizer.decode(full.token_ids[6:7])  # the 7th token, in the second round of 5
+    d = Decoding(tiny, PROMPT, "speculative", 16, stop_at_eos=False, logprobs=1, stop=stop, **opts)
+    for _ in d:
+        pass
+    toks = d.results[0].token_ids
+    assert toks == full.token_ids[:7] and len(d._where[0][0].logprobs[0]) > 7
+    assert [e.token for e in d.logprobs(0, -1)] == toks[-1:] and [e.token for e in d.logprobs(0, -3)] == toks[-3:]
+    assert [e.token for e in d.logprobs(0, 5)] == toks[5:] and d.logprobs(0, -100) == d.logprobs(0)
+    assert d.logprobs(0, 7) == [] == d.logprobs(0, 50)
+    for bad in (1.5, "1", None, True):
+        with pytest.raises(GenerationError, match="start"):
+            d.logprobs(0, bad)

@@ -937,14 +937,17 @@ class Decoding:
 
     def logprobs(self, i: int, start: int = 0) -> list[TokenLogprob] | None:
         """The log probabilities of prompt ``i``'s ``tokens(i)`` so far (one per token; from token ``start``
-        on), or None without ``logprobs``."""
+        on, counted from the end when negative, as a slice counts), or None without ``logprobs``."""
         i = self._index(i, "logprobs")
+        with V.raising(GenerationError):
+            start = V.integer(start, "start", hint=" (the index of the first token to report)")
         if self.gen.logprobs is None:
             return None
         if i not in self._where:
             return []
         run, row = self._where[i]
-        return typed(run.logprobs[row][start : len(self.tokens(i))], self.model.tokenizer)
+        n = len(self.tokens(i))  # (a stop string's cut leaves entries past the tokens)
+        return typed(run.logprobs[row][max(0, n + start) if start < 0 else start : n], self.model.tokenizer)
 
     def finished(self, i: int) -> bool:
         """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end, a stop

@@ -423,3 +423,23 @@ def test_decoding_logprobs_from_a_start_cover_the_tokens_a_stop_string_kept(tiny
     for bad in (1.5, "1", None, True):
         with pytest.raises(GenerationError, match="start"):
             d.logprobs(0, bad)
+
+
+def test_reading_them_every_round_types_each_token_once(tiny, monkeypatch):
+    """``Decoding.logprobs(i)`` read after every round, as a streaming caller does: each token's text is looked
+    up once in all (not once a read: a long answer read token by token would cost its length squared)."""
+    import layerleap.core.logprobs as L
+
+    calls = []
+    monkeypatch.setattr(L, "token_text", lambda tok, t: calls.append(t) or tok.decode([t]))
+    d = Decoding(tiny, PROMPT, max_new_tokens=60, stop_at_eos=False, logprobs=0)
+    reads = []
+    for _ in d:
+        reads.append(d.logprobs(0))
+    assert [e.token for e in reads[-1]] == d.results[0].token_ids and len(reads) == 60
+    assert all(a == b[: len(a)] for a, b in zip(reads, reads[1:]))
+    assert len(calls) <= 60 + 60  # each token once in the reads, once more for the result
+    s = stream(tiny, PROMPT, max_new_tokens=60, stop_at_eos=False, logprobs=0)
+    calls.clear()
+    grown = [s.logprobs for _ in s]
+    assert len(calls) <= 60 + 60 and grown[-1] == s.logprobs == d.results[0].logprobs

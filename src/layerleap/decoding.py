@@ -802,6 +802,7 @@ class Decoding:
         self._stopped: dict[int, tuple[int, str, str]] = {}  # prompt index -> (tokens kept, text, stop string)
         self._rounds = None  # the one iteration (a generator): iterating again resumes it
         self._broken = False  # it ended by an exception or was closed before the end
+        self._typed: dict[int, list[TokenLogprob]] = {}  # prompt index -> its tokens' log probabilities read so far
 
     def __iter__(self):
         """The rounds, as one iterator however often this is called: a loop left with ``break``
@@ -947,7 +948,10 @@ class Decoding:
             return []
         run, row = self._where[i]
         n = len(self.tokens(i))  # (a stop string's cut leaves entries past the tokens)
-        return typed(run.logprobs[row][max(0, n + start) if start < 0 else start : n], self.model.tokenizer)
+        done = self._typed.setdefault(i, [])  # each entry typed once: reading them every round stays linear
+        del done[n:]
+        done += typed(run.logprobs[row][len(done) : n], self.model.tokenizer)
+        return done[max(0, n + start) if start < 0 else start :]
 
     def finished(self, i: int) -> bool:
         """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end, a stop

@@ -12,7 +12,7 @@ import torch
 
 import layerleap
 from layerleap import Decoding, generate, stream
-from layerleap.core.logprobs import MAX_TOP, TokenLogprob, token_bytes
+from layerleap.core.logprobs import MAX_TOP, TokenLogprob, capture, token_bytes
 from layerleap.decoding import METHODS, GenerationError
 from test_streaming import METHOD_NAMES, method_options
 from tiny_models import full_logits
@@ -379,3 +379,67 @@ def test_with_penalties_a_lossless_method_reports_greedys_raw_logprobs(tiny, opt
     assert got.token_ids == want.token_ids
     assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
     check_against(reference(tiny, want.prompt_ids, want.token_ids), got, 2)
+
+
+def test_equal_log_probabilities_are_listed_by_id_lowest_first():
+    """Tokens as likely as each other are listed by id, lowest first: greedy's pick among equals (the first
+    largest) leads its list, and the ones at the last place are the same whatever ``topk``'s kernel does."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 49152) - 5
+    for row, ids in enumerate(([100, 7, 40000], [40000, 100, 7], [5, 4, 3, 2, 1])):
+        logits[row, ids] = 9.0
+    logits[2, 30000] = 10.0
+    got = capture(logits, [7, 7, 30000], 4)
+    assert [[i for i, _ in tops][:3] for _, _, tops in got[:2]] == [[7, 100, 40000]] * 2
+    assert [i for i, _ in got[2][2]] == [30000, 1, 2, 3]  # the likeliest, then the lowest of its equals
+    for _, _, tops in got:
+        vals = [v for _, v in tops]
+        assert vals == sorted(vals, reverse=True) and len(tops) == 4
+    assert [i for i, _ in capture(logits[:1], [7], 2)[0][2]] == [7, 100]
+
+
+def test_a_bfloat16_models_greedy_token_leads_its_likeliest(tiny_hf_dir):
+    """bfloat16 logits often tie at the top: greedy's token (the first largest) is the first of its list."""
+    model = layerleap.load_folder(tiny_hf_dir, dtype="bfloat16")
+    rs = generate(model, [PROMPT, "Hello there", "1 2 3 4"], max_new_tokens=40, stop_at_eos=False, logprobs=3)
+    assert [[e.top[0].token for e in r.logprobs] for r in rs] == [r.token_ids for r in rs]
+
+
+def test_decoding_logprobs_from_a_start_cover_the_tokens_a_stop_string_kept(tiny):
+    """``Decoding.logprobs(i, start)`` after a stop string cut a round's tokens: from ``start`` (from the end
+    when negative) to the last token kept, not into the round's tokens past it; a start that is no integer is
+    refused naming it."""
+    opts = dict(draft=tiny, draft_len=4, min_confidence=0.0)  # the model drafts for itself: whole rounds kept
+    full = generate(tiny, PROMPT, "speculative", max_new_tokens=16, stop_at_eos=False, **opts)
+    stop = tiny.tokenizer.decode(full.token_ids[6:7])  # the 7th token, in the second round of 5
+    d = Decoding(tiny, PROMPT, "speculative", 16, stop_at_eos=False, logprobs=1, stop=stop, **opts)
+    for _ in d:
+        pass
+    toks = d.results[0].token_ids
+    assert toks == full.token_ids[:7] and len(d._where[0][0].logprobs[0]) > 7
+    assert [e.token for e in d.logprobs(0, -1)] == toks[-1:] and [e.token for e in d.logprobs(0, -3)] == toks[-3:]
+    assert [e.token for e in d.logprobs(0, 5)] == toks[5:] and d.logprobs(0, -100) == d.logprobs(0)
+    assert d.logprobs(0, 7) == [] == d.logprobs(0, 50)
+    for bad in (1.5, "1", None, True):
+        with pytest.raises(GenerationError, match="start"):
+            d.logprobs(0, bad)
+
+
+def test_reading_them_every_round_types_each_token_once(tiny, monkeypatch):
+    """``Decoding.logprobs(i)`` read after every round, as a streaming caller does: each token's text is looked
+    up once in all (not once a read: a long answer read token by token would cost its length squared)."""
+    import layerleap.core.logprobs as L
+
+    calls = []
+    monkeypatch.setattr(L, "token_text", lambda tok, t: calls.append(t) or tok.decode([t]))
+    d = Decoding(tiny, PROMPT, max_new_tokens=60, stop_at_eos=False, logprobs=0)
+    reads = []
+    for _ in d:
+        reads.append(d.logprobs(0))
+    assert [e.token for e in reads[-1]] == d.results[0].token_ids and len(reads) == 60
+    assert all(a == b[: len(a)] for a, b in zip(reads, reads[1:]))
+    assert len(calls) <= 60 + 60  # each token once in the reads, once more for the result
+    s = stream(tiny, PROMPT, max_new_tokens=60, stop_at_eos=False, logprobs=0)
+    calls.clear()
+    grown = [s.logprobs for _ in s]
+    assert len(calls) <= 60 + 60 and grown[-1] == s.logprobs == d.results[0].logprobs

@@ -802,6 +802,7 @@ class Decoding:
         self._stopped: dict[int, tuple[int, str, str]] = {}  # prompt index -> (tokens kept, text, stop string)
         self._rounds = None  # the one iteration (a generator): iterating again resumes it
         self._broken = False  # it ended by an exception or was closed before the end
+        self._typed: dict[int, list[TokenLogprob]] = {}  # prompt index -> its tokens' log probabilities read so far
 
     def __iter__(self):
         """The rounds, as one iterator however often this is called: a loop left with ``break``
@@ -937,14 +938,20 @@ class Decoding:
 
     def logprobs(self, i: int, start: int = 0) -> list[TokenLogprob] | None:
         """The log probabilities of prompt ``i``'s ``tokens(i)`` so far (one per token; from token ``start``
-        on), or None without ``logprobs``."""
+        on, counted from the end when negative, as a slice counts), or None without ``logprobs``."""
         i = self._index(i, "logprobs")
+        with V.raising(GenerationError):
+            start = V.integer(start, "start", hint=" (the index of the first token to report)")
         if self.gen.logprobs is None:
             return None
         if i not in self._where:
             return []
         run, row = self._where[i]
-        return typed(run.logprobs[row][start : len(self.tokens(i))], self.model.tokenizer)
+        n = len(self.tokens(i))  # (a stop string's cut leaves entries past the tokens)
+        done = self._typed.setdefault(i, [])  # each entry typed once: reading them every round stays linear
+        del done[n:]
+        done += typed(run.logprobs[row][len(done) : n], self.model.tokenizer)
+        return done[max(0, n + start) if start < 0 else start :]
 
     def finished(self, i: int) -> bool:
         """Whether prompt ``i`` has ended (its end-of-sequence token, its budget, a grammar's end, a stop

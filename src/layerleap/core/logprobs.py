@@ -8,7 +8,7 @@ the draft-and-verify methods (a draft is scored by the target's row at its paren
 method's log probabilities are greedy's, within float rounding.
 
 Each token gets its own log probability and, with ``N`` > 0, the ``N`` likeliest tokens at its position
-(``MAX_TOP``: OpenAI's bound), likeliest first.
+(``MAX_TOP``: OpenAI's bound), likeliest first (equal ones by id, lowest first: greedy's pick leads).
 
 A prompt's own tokens are scored the same way from the hidden states of its prompt pass (``scores``:
 ``layerleap.score``, the server's ``echo`` and ``prompt_logprobs``), each with its rank too.
@@ -76,8 +76,21 @@ def _pick(lp: torch.Tensor, tokens: list[int], top: int) -> tuple[torch.Tensor, 
     chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device).view(-1, 1))  # [n, 1]
     if top <= 0:
         return chosen, [()] * len(tokens)
-    vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
-    return chosen, [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    return chosen, _likeliest(lp, min(top, lp.shape[-1]))
+
+
+def _likeliest(lp: torch.Tensor, top: int) -> list[tuple]:
+    """Each row of ``lp`` ``[n, V]`` -> its ``top`` likeliest ((id, log probability), ...), likeliest first and
+    equal ones by id, lowest first: the token greedy decoding picks among equals (``sampling.top_ids``) leads,
+    and which of the equal ones at the last place are listed does not depend on ``topk``'s kernel."""
+    vals, idx = lp.topk(min(top + 1, lp.shape[-1]), dim=-1)  # one more: is the last place shared?
+    out = []
+    for row, (i, v) in enumerate(zip(idx.tolist(), vals.tolist())):
+        if len(v) > top and v[top] == v[top - 1]:  # all of the last one's equals, to list the lowest ids of
+            (i,) = (lp[row] >= v[top - 1]).nonzero(as_tuple=True)
+            i, v = i.tolist(), lp[row, i].tolist()
+        out.append(tuple(sorted(zip(i, v), key=lambda e: (-e[1], e[0]))[:top]))
+    return out
 
 
 _BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (core.text.BYTE_TOKEN; core.text imports core.run)

@@ -365,3 +365,25 @@ def test_an_entry_gone_since_the_listing_counts_as_deleted(root, model_folder):
     (root / "kernels.json").unlink()
     done = cache.clear(chosen=chosen)
     assert len(done.deleted) == 2 and not done.skipped and list(root.iterdir()) == []
+
+
+def test_self_distill_data_is_deleted_under_its_writers_lock(root):
+    """``train.data.self_distilled`` holds ``files.locked``'s lock beside its file for the whole run: the lock
+    file goes with its entry (not a foreign file), and the entry is not deleted while the lock is held."""
+    from filelock import FileLock
+
+    from layerleap.files import locked
+
+    data = root / "self-distill" / "tiny-0123456789abcdef-p96-g64.jsonl"
+    with locked(data, wait=0):
+        data.write_text('{"prompt": [1], "completion": [2]}\n')
+    lock = data.with_name(f".{data.name}.lock")
+    assert lock.exists() and [e.name for e in cache.entries()] == [data.relative_to(root).as_posix()]
+    with FileLock(str(lock)):
+        done = cache.clear(kind="self-distill")
+        assert not done.deleted and "its lock is held" in done.skipped[0][1] and data.exists()
+    assert len(cache.clear(kind="self-distill").deleted) == 1
+    assert list(root.iterdir()) == []  # the file, its lock and the emptied folder
+    lock.parent.mkdir()
+    lock.touch()  # a lock whose file is gone
+    assert [(e.kind, e.stale) for e in cache.entries()] == [("lock", f"{data.name} is gone")]

@@ -10,8 +10,8 @@ or environment sharing the cache may still use such an entry; it is made again w
 
 ``clear(...)`` deletes entries (``select`` picks them: stale ones, all, one kind or by name) under the
 lock their writers take where they take one (a conversion's ``.locks/NAME.lock``, a native build's
-``layerleap.lock``, a measurement file's ``files.locked`` lock): an entry another process is writing is
-skipped and said so, never deleted under it.  A folder is first renamed aside, then deleted, so an
+``layerleap.lock``, a measurement or self-distill file's ``files.locked`` lock): an entry another process
+is writing is skipped and said so, never deleted under it.  A folder is first renamed aside, then deleted, so an
 interrupted deletion never leaves half an entry under its name.  Only what the listing found is deleted,
 never through a symbolic link: a link is removed itself, never what it points at.  Files in the cache that
 layerleap did not write (kind ``other``) are listed and deleted only when named.
@@ -103,7 +103,8 @@ def human(size: float) -> str:
 _ATOMIC = re.compile(r"\.(?P<stem>.+)\.(?P<pid>\d+)(?:-[A-Za-z0-9]+)?\.tmp(?P<suffix>(?:\.[^.]+)?)")
 _SWAP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]+\.(?:new|old)")
 _ASIDE = re.compile(r"\.(?P<name>.+)\.[A-Za-z0-9_]{8}")  # tempfile.mkdtemp(prefix=".NAME.")
-_LOCK = re.compile(r"\.(?P<name>.+)\.lock")  # files.locked's lock beside a file (a JSON file of measurements)
+# files.locked's lock beside a file (JSON measurements and calibrations, self-distill data)
+_LOCK = re.compile(r"\.(?P<name>.+\.jsonl?)\.lock")
 
 
 def _temporary(name: str, is_dir: bool) -> tuple[str, int | None] | None:
@@ -374,7 +375,7 @@ def _hidden(root: Path, path: Path, out: list[Entry], inside: str | None = None)
     """Add a temporary or an orphaned lock file at ``path`` (a hidden name) to ``out``; False for another name."""
     is_dir = path.is_dir() and not path.is_symlink()
     lock = _LOCK.fullmatch(path.name)
-    if lock and not is_dir and lock["name"].endswith(".json"):  # files.locked's: listed only once its file is gone
+    if lock and not is_dir:  # files.locked's: listed only once its file is gone
         if not os.path.lexists(path.with_name(lock["name"])):
             e = _entry(root, path, inside)
             e.kind, e.belongs_to, e.stale = "lock", lock["name"], f"{lock['name']} is gone"
@@ -500,10 +501,11 @@ def _data(root: Path, folder: Path, kind: str, out: list[Entry]) -> None:
                     _self_distill(e)
                 elif kind == "calibration" and p.suffix == ".json" and p.is_file():
                     _calibration(e)
-                    lock = p.with_name(f".{p.name}.lock")
-                    e.locks = [lock] if lock.exists() else []
                 elif kind == "states" and p.is_dir():
                     _states(e)
+                if e.kind in ("self-distill", "calibration"):  # files.locked's lock beside it
+                    lock = p.with_name(f".{p.name}.lock")
+                    e.locks = [lock] if lock.exists() else []
             out.append(e)
 
     visit(folder, 1)
@@ -627,7 +629,7 @@ def _delete(root: Path, e: Entry) -> str | None:
         locks = [root / ".locks" / f"{e.belongs_to if e.kind == 'temporary' else path.name}.lock"]
     elif e.kind == "native" and _real_dir(path):
         locks = [path / "layerleap.lock"]
-    elif e.kind in ("kernels", "call-cost", "calibration"):
+    elif e.kind in ("kernels", "call-cost", "calibration", "self-distill"):
         locks = [path.with_name(f".{path.name}.lock")]
     held = []
     try:

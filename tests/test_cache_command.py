@@ -387,3 +387,33 @@ def test_self_distill_data_is_deleted_under_its_writers_lock(root):
     lock.parent.mkdir()
     lock.touch()  # a lock whose file is gone
     assert [(e.kind, e.stale) for e in cache.entries()] == [("lock", f"{data.name} is gone")]
+
+
+def test_a_folder_another_process_is_writing_in_is_busy_and_kept(root, model_folder):
+    """A live process's temporary inside a folder entry (a 4-bit pack being written into its conversion, a
+    state shard into its folder) makes the folder BUSY: listed so, and neither it nor the temporary deleted,
+    also where the writer started after the listing."""
+    hx = _size_hex()
+    q4 = root / f"smollm2-135m-{hx}-q4"
+    shutil.copytree(model_folder, q4)
+    live = q4 / f".packed-some-layout.{os.getpid()}-ab12.tmp.safetensors"
+    live.write_bytes(b"x" * 10)
+    states = root / "states" / "tiny-0123456789abcdef" / "float32-layers1-0123456789abcdef"
+    states.mkdir(parents=True)
+    shard = states / f".shard-00001.{os.getpid()}-cd34ef.tmp.safetensors"
+    shard.write_bytes(b"x")
+    found = _by_name(cache.entries())
+    assert "is writing" in found[q4.name].busy and "is writing" in found[states.relative_to(root).as_posix()].busy
+    done = cache.clear(all=True)
+    assert not done.deleted and len(done.skipped) == 3 and live.exists() and q4.is_dir() and shard.exists()
+    live.unlink()
+    shard.unlink()
+    chosen = cache.select(cache.entries(), all=True)  # listed with no writer; then one starts
+    live.write_bytes(b"x" * 10)
+    shard.write_bytes(b"x")
+    done = cache.clear(chosen=chosen)
+    assert not done.deleted and all("is writing" in why for _, why in done.skipped)
+    live.unlink()
+    shard.unlink()
+    done = cache.clear(chosen=chosen)
+    assert not done.skipped and not q4.exists() and not states.exists()

@@ -121,6 +121,15 @@ def _temporary(name: str, is_dir: bool) -> tuple[str, int | None] | None:
     return None
 
 
+def _writing_in(folder: Path) -> str | None:
+    """For a folder entry: a running process writing a file or folder in it (its temporary is there), else None."""
+    for p in _children(folder):
+        temp = _temporary(p.name, _real_dir(p)) if p.name.startswith(".") else None
+        if temp is not None and temp[1] is not None and _running(temp[1]):
+            return f"process {temp[1]} is writing {temp[0]} in it"
+    return None
+
+
 def _folder_name(name: str) -> bool:
     """Whether ``name`` is one layerleap gives a cache folder it may rename aside to delete (a conversion,
     a native build, a folder of training states): a hidden folder named after another is not ours."""
@@ -343,6 +352,7 @@ def _states(e: Entry) -> None:
     from .train.state_cache import FORMAT
 
     e.kind = "states"
+    e.busy = _writing_in(e.path)
     model = e.path.parent.name
     e.belongs_to = f"{model.rsplit('-', 1)[0]}, fingerprint {model.rsplit('-', 1)[-1]}" if "-" in model else model
     shards = sorted(e.path.glob("shard-*.safetensors"))
@@ -482,6 +492,7 @@ def _folder(root: Path, path: Path, here: _Here, out: list[Entry]) -> None:
                 elif p.name.startswith("."):
                     _hidden(root, p, out, inside=e.name)
             e.size -= sum(x.size for x in out[kept + 1 :])
+        e.busy = _writing_in(e.path)
 
 
 def _data(root: Path, folder: Path, kind: str, out: list[Entry]) -> None:
@@ -663,12 +674,15 @@ def _delete(root: Path, e: Entry) -> str | None:
 
 
 def _writer_running(e: Entry) -> str | None:
-    """For a file that is written without a lock (``atomic_write``): a running process writing it now."""
+    """For a file that is written without a lock (``atomic_write``), or a folder whose files are: a running
+    process writing it (or in it) now."""
     if e.kind == "temporary":
         temp = _temporary(e.path.name, _real_dir(e.path))
         if temp is not None and temp[1] is not None and _running(temp[1]):
             return f"process {temp[1]} is writing it"
         return None
+    if e.kind in ("model", "q4", "states") and _real_dir(e.path):
+        return _writing_in(e.path)
     if not e.path.is_file() or e.path.is_symlink():
         return None
     for p in e.path.parent.glob(f".{glob.escape(e.path.stem)}.*.tmp{glob.escape(e.path.suffix)}"):

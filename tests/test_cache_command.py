@@ -417,3 +417,16 @@ def test_a_folder_another_process_is_writing_in_is_busy_and_kept(root, model_fol
     shard.unlink()
     done = cache.clear(chosen=chosen)
     assert not done.skipped and not q4.exists() and not states.exists()
+
+
+def test_a_cache_path_that_is_no_folder_is_named(tmp_path, monkeypatch, capsys):
+    """LAYERLEAP_CACHE naming a file (or a dangling link) is a mistake to name, not an empty cache."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "none")
+    for path in ("file", "dangling"):
+        monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / path))
+        for argv in (["cache"], ["cache", "list", "--json"], ["cache", "clear", "--all", "--yes"]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert "is not a folder" in err and "LAYERLEAP_CACHE" in err and "Traceback" not in err
+    assert (tmp_path / "file").read_text() == "x"

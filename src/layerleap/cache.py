@@ -414,9 +414,15 @@ def _real_dir(path: Path) -> bool:
 
 def entries(root: str | Path | None = None) -> list[Entry]:
     """Everything in the cache folder ``root`` (``files.cache_root()`` by default), one ``Entry`` each (see the
-    module's text); [] where the folder does not exist.  Nothing is written, and no lock is taken."""
+    module's text); [] where the folder does not exist, a ``CacheError`` where something else is there.
+    Nothing is written, and no lock is taken."""
     root = Path(root).expanduser() if root is not None else cache_root()
     if not root.is_dir():
+        if os.path.lexists(root):
+            raise CacheError(
+                f"the cache path {root} is not a folder (a file, or a link to nothing): set LAYERLEAP_CACHE to a "
+                "folder, or move it away"
+            )
         return []
     here, out = _Here(), []
     for path in _children(root):

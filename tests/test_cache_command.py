@@ -430,3 +430,16 @@ def test_a_cache_path_that_is_no_folder_is_named(tmp_path, monkeypatch, capsys):
             err = capsys.readouterr().err
             assert "is not a folder" in err and "LAYERLEAP_CACHE" in err and "Traceback" not in err
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_lock_files_reached_through_a_link_are_not_deleted(root, model_folder, tmp_path):
+    """A ``.locks`` folder that is a link to another folder: its files are not the cache's, though a deletion
+    takes the lock there as the writers do."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "smollm2-135m-1.lock").write_text("keep")
+    (root / ".locks").symlink_to(outside, target_is_directory=True)
+    shutil.copytree(model_folder, root / "smollm2-135m-1")
+    done = cache.clear(names=["smollm2-135m-1"])
+    assert [e.name for e in done.deleted] == ["smollm2-135m-1"] and not (root / "smollm2-135m-1").exists()
+    assert (outside / "smollm2-135m-1.lock").read_text() == "keep"

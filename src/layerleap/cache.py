@@ -667,8 +667,10 @@ def _delete(root: Path, e: Entry) -> str | None:
         try:
             _remove(root, path)
             for lock_path in locks:
-                if e.kind != "native" and lock_path.name.endswith(".lock") and lock_path.exists():
-                    lock_path.unlink()  # while held: a process waiting on it finds the entry gone and makes it again
+                # while held: a process waiting on it finds the entry gone and makes it again; never one reached
+                # through a link (a linked .locks folder's files are not the cache's)
+                if e.kind != "native" and lock_path.exists() and _inside_root(root, lock_path):
+                    lock_path.unlink()
         except OSError as err:
             return f"cannot delete it: {err.strerror or err}"
     finally:

@@ -443,3 +443,15 @@ def test_lock_files_reached_through_a_link_are_not_deleted(root, model_folder, t
     done = cache.clear(names=["smollm2-135m-1"])
     assert [e.name for e in done.deleted] == ["smollm2-135m-1"] and not (root / "smollm2-135m-1").exists()
     assert (outside / "smollm2-135m-1.lock").read_text() == "keep"
+
+
+def test_dry_run_counts_what_a_deletion_would_delete(root, capsys):
+    """An entry another process is writing is kept by a deletion: --dry-run says so and leaves it out of its count."""
+    (root / "kernels.json").write_text("{}")
+    (root / f".kernels.{os.getpid()}-def456.tmp.json").write_text("{}")  # a running writer's
+    (root / "call_cost.json").write_text("{}")
+    assert main(["cache", "clear", "--all", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete 1 entry, 2 B" in out and out.count("would not delete: ") == 2
+    assert main(["cache", "clear", "--all", "--yes"]) == 1
+    assert "deleted 1 entry, 2 B freed" in capsys.readouterr().out

@@ -607,7 +607,7 @@ def clear(
         if e.inside is not None and e.inside in gone:  # deleted with its folder
             done.deleted.append(e)
             continue
-        why = e.busy if e.busy else None if dry_run else _delete(root, e)
+        why = e.busy or (_writer_running(e) if dry_run else _delete(root, e))
         if why is None:
             done.deleted.append(e)
             gone.add(e.name)

@@ -455,3 +455,16 @@ def test_dry_run_counts_what_a_deletion_would_delete(root, capsys):
     assert "would delete 1 entry, 2 B" in out and out.count("would not delete: ") == 2
     assert main(["cache", "clear", "--all", "--yes"]) == 1
     assert "deleted 1 entry, 2 B freed" in capsys.readouterr().out
+
+
+def test_a_temporary_named_with_a_number_past_any_process_id(root, capsys):
+    """A hidden name of a temporary's form whose process id is past what the system can hold: no such process."""
+    from layerleap.files import remove_stale_temporaries
+
+    name = ".kernels.99999999999999999999-ab12.tmp.json"
+    (root / name).write_text("{}")
+    assert "no longer runs" in _by_name(cache.entries())[name].stale
+    assert main(["cache", "clear", "--stale", "--yes"]) == 0 and not (root / name).exists()
+    (root / name).write_text("{}")
+    remove_stale_temporaries(root / "kernels.json")
+    assert not (root / name).exists()

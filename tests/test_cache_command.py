@@ -468,3 +468,38 @@ def test_a_temporary_named_with_a_number_past_any_process_id(root, capsys):
     (root / name).write_text("{}")
     remove_stale_temporaries(root / "kernels.json")
     assert not (root / name).exists()
+
+
+def test_folders_this_user_cannot_read_are_listed_not_judged(root, model_folder, monkeypatch, capsys):
+    """A shared cache's folders another user made unreadable (mode 700), or without search permission: the
+    listing goes on (no traceback), and a conversion it cannot look into is not called stale."""
+    hx = _size_hex()
+    closed = root / f"smollm2-135m-{hx}"  # no permission at all
+    shutil.copytree(model_folder, closed)
+    cal = root / "calibration" / "0123abcd"  # names readable, nothing under it reachable
+    (cal / "float32").mkdir(parents=True)
+    (cal / "float32" / "calm.json").write_text(json.dumps({"budgets": {}}))
+    (root / "kernels.json").write_text("{}")
+
+    def denied(path) -> bool:
+        p = os.path.abspath(os.fspath(path))
+        return p.startswith(str(closed) + os.sep) or p.startswith(str(cal) + os.sep)
+
+    def guard(real, listing=False):
+        def call(path=".", *a, **kw):
+            if denied(path) or (listing and os.path.abspath(os.fspath(path)) == str(closed)):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *a, **kw)
+
+        return call
+
+    monkeypatch.setattr(os, "stat", guard(os.stat))
+    monkeypatch.setattr(os, "lstat", guard(os.lstat))
+    monkeypatch.setattr(os, "listdir", guard(os.listdir, listing=True))
+    monkeypatch.setattr(os, "scandir", guard(os.scandir, listing=True))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: not (denied(p) or p in (closed, cal)) and real_access(p, mode))
+    found = _by_name(cache.entries())
+    assert found[closed.name].kind == "model" and found[closed.name].stale is None
+    assert found["calibration/0123abcd/float32"].kind == "other" and found["kernels.json"].kind == "kernels"
+    assert main(["cache"]) == 0 and "Traceback" not in capsys.readouterr().err

@@ -232,7 +232,9 @@ def _conversion_problem(folder: Path, q4: bool) -> str | None:
     from .core import gguf_q4
     from .core.loading import check_folder
 
-    if not (folder / "tokenizer.json").is_file():
+    if not os.access(folder, os.R_OK | os.X_OK):  # another user's (a shared cache), which this one cannot read
+        return None
+    if not os.path.isfile(folder / "tokenizer.json"):
         return "it has no tokenizer (a load converts it again)"
     try:
         (gguf_q4.check if q4 else check_folder)(folder)
@@ -383,7 +385,7 @@ def _entry(root: Path, path: Path, inside: str | None = None) -> Entry:
 
 def _hidden(root: Path, path: Path, out: list[Entry], inside: str | None = None) -> bool:
     """Add a temporary or an orphaned lock file at ``path`` (a hidden name) to ``out``; False for another name."""
-    is_dir = path.is_dir() and not path.is_symlink()
+    is_dir = _real_dir(path)
     lock = _LOCK.fullmatch(path.name)
     if lock and not is_dir:  # files.locked's: listed only once its file is gone
         if not os.path.lexists(path.with_name(lock["name"])):
@@ -409,7 +411,8 @@ def _children(folder: Path) -> list[Path]:
 
 
 def _real_dir(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink()
+    """A folder, not a link to one (False where it cannot be told: a folder without search permission)."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def entries(root: str | Path | None = None) -> list[Entry]:
@@ -417,7 +420,7 @@ def entries(root: str | Path | None = None) -> list[Entry]:
     module's text); [] where the folder does not exist, a ``CacheError`` where something else is there.
     Nothing is written, and no lock is taken."""
     root = Path(root).expanduser() if root is not None else cache_root()
-    if not root.is_dir():
+    if not os.path.isdir(root):
         if os.path.lexists(root):
             raise CacheError(
                 f"the cache path {root} is not a folder (a file, or a link to nothing): set LAYERLEAP_CACHE to a "
@@ -433,7 +436,7 @@ def entries(root: str | Path | None = None) -> list[Entry]:
             elif not _hidden(root, path, out):
                 out.append(_entry(root, path))
             continue
-        if path.is_symlink():
+        if os.path.islink(path):
             out.append(_entry(root, path))
         elif _real_dir(path):
             _folder(root, path, here, out)
@@ -453,7 +456,7 @@ def _locks(root: Path, folder: Path, out: list[Entry]) -> None:
     """The conversions' locks (``.locks/NAME.lock``): each goes with its entry; one whose entry is gone is listed."""
     for path in _children(folder):
         target = root / path.name.removesuffix(".lock")
-        if path.suffix != ".lock" or path.is_symlink() or path.is_dir():
+        if path.suffix != ".lock" or os.path.islink(path) or os.path.isdir(path):
             out.append(_entry(root, path))
         elif not os.path.lexists(target):
             e = _entry(root, path)
@@ -486,11 +489,11 @@ def _folder(root: Path, path: Path, here: _Here, out: list[Entry]) -> None:
     out.append(e)
     if _packaged(name) or re.fullmatch(r"gguf-.*-[0-9a-f]{10}(?:-q4)?", name):
         lock = root / ".locks" / f"{name}.lock"
-        e.locks = [lock] if lock.exists() else []
+        e.locks = [lock] if os.path.exists(lock) else []
         (_model_folder(e, here) if _packaged(name) else _gguf_folder(e))
         if e.kind == "q4":  # its packs and a killed packing's temporary: entries of their own
             for p in _children(path):
-                if p.name.startswith("packed-") and p.suffix == ".safetensors" and not p.is_symlink():
+                if p.name.startswith("packed-") and p.suffix == ".safetensors" and not os.path.islink(p):
                     pack = _entry(root, p, inside=e.name)
                     _pack(pack, here)
                     pack.belongs_to = e.belongs_to
@@ -513,16 +516,16 @@ def _data(root: Path, folder: Path, kind: str, out: list[Entry]) -> None:
                 visit(p, level + 1)
                 continue
             e = _entry(root, p)
-            if level == depth and not p.is_symlink():
-                if kind == "self-distill" and p.suffix == ".jsonl" and p.is_file():
+            if level == depth and not os.path.islink(p):
+                if kind == "self-distill" and p.suffix == ".jsonl" and os.path.isfile(p):
                     _self_distill(e)
-                elif kind == "calibration" and p.suffix == ".json" and p.is_file():
+                elif kind == "calibration" and p.suffix == ".json" and os.path.isfile(p):
                     _calibration(e)
-                elif kind == "states" and p.is_dir():
+                elif kind == "states" and os.path.isdir(p):
                     _states(e)
                 if e.kind in ("self-distill", "calibration"):  # files.locked's lock beside it
                     lock = p.with_name(f".{p.name}.lock")
-                    e.locks = [lock] if lock.exists() else []
+                    e.locks = [lock] if os.path.exists(lock) else []
             out.append(e)
 
     visit(folder, 1)
@@ -607,7 +610,10 @@ def clear(
         if e.inside is not None and e.inside in gone:  # deleted with its folder
             done.deleted.append(e)
             continue
-        why = e.busy or (_writer_running(e) if dry_run else _delete(root, e))
+        try:
+            why = e.busy or (_writer_running(e) if dry_run else _delete(root, e))
+        except OSError as err:  # a folder on the way this user may not search
+            why = f"cannot delete it: {err.strerror or err}"
         if why is None:
             done.deleted.append(e)
             gone.add(e.name)

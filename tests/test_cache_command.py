@@ -503,3 +503,16 @@ def test_folders_this_user_cannot_read_are_listed_not_judged(root, model_folder,
     assert found[closed.name].kind == "model" and found[closed.name].stale is None
     assert found["calibration/0123abcd/float32"].kind == "other" and found["kernels.json"].kind == "kernels"
     assert main(["cache"]) == 0 and "Traceback" not in capsys.readouterr().err
+
+
+def test_folders_not_named_as_layerleap_names_them_are_not_its(root, capsys):
+    """A folder in ``native`` or ``states/MODEL`` that is not named as a build or a state cache's folder is
+    not layerleap's: listed as such, and --stale or --all leave it."""
+    for folder in (root / "native" / "my-notes", root / "states" / "tiny-0123456789abcdef" / "backup"):
+        folder.mkdir(parents=True)
+        (folder / "keep.txt").write_text("mine")
+    found = _by_name(cache.entries())
+    assert found["native/my-notes"].kind == "other" and found["states/tiny-0123456789abcdef/backup"].kind == "other"
+    assert main(["cache", "clear", "--stale", "--yes"]) == 0 and main(["cache", "clear", "--all", "--yes"]) == 0
+    assert (root / "native" / "my-notes" / "keep.txt").exists()
+    assert (root / "states" / "tiny-0123456789abcdef" / "backup" / "keep.txt").exists()

@@ -130,14 +130,18 @@ def _writing_in(folder: Path) -> str | None:
     return None
 
 
+_NATIVE_NAME = re.compile(r"[0-9a-f]{12}-torch.+")  # core.native.build_dir's
+_STATES_NAME = re.compile(r".+-layers[0-9,]*-[0-9a-f]{16}")  # train.state_cache.StateCache's
+
+
 def _folder_name(name: str) -> bool:
     """Whether ``name`` is one layerleap gives a cache folder it may rename aside to delete (a conversion,
     a native build, a folder of training states): a hidden folder named after another is not ours."""
     return bool(
         _packaged(name)
         or re.fullmatch(r"gguf-.*-[0-9a-f]{10}(?:-q4)?", name)
-        or re.fullmatch(r"[0-9a-f]{12}-torch.+", name)
-        or re.fullmatch(r".+-layers[0-9,]*-[0-9a-f]{16}", name)
+        or _NATIVE_NAME.fullmatch(name)
+        or _STATES_NAME.fullmatch(name)
     )
 
 
@@ -477,7 +481,7 @@ def _folder(root: Path, path: Path, here: _Here, out: list[Entry]) -> None:
             if p.name.startswith(".") and _hidden(root, p, out):
                 continue
             e = _entry(root, p)
-            if _real_dir(p) and not p.name.startswith("."):
+            if _real_dir(p) and _NATIVE_NAME.fullmatch(p.name):  # a build's name; another folder is not ours
                 _native(e, here)
             out.append(e)
         return
@@ -521,7 +525,7 @@ def _data(root: Path, folder: Path, kind: str, out: list[Entry]) -> None:
                     _self_distill(e)
                 elif kind == "calibration" and p.suffix == ".json" and os.path.isfile(p):
                     _calibration(e)
-                elif kind == "states" and os.path.isdir(p):
+                elif kind == "states" and os.path.isdir(p) and _STATES_NAME.fullmatch(p.name):
                     _states(e)
                 if e.kind in ("self-distill", "calibration"):  # files.locked's lock beside it
                     lock = p.with_name(f".{p.name}.lock")

@@ -6,7 +6,8 @@ would never read it again: a conversion whose model package is no longer install
 file, a user's GGUF conversion whose file is gone or has changed since, a folder of an older conversion
 format, a native build or 4-bit pack for another source, CPU or torch version, a file that does not parse,
 the temporary of a write whose process no longer runs, a lock file whose entry is gone.  (Another machine
-or environment sharing the cache may still use such an entry; it is made again where it is needed.)
+or environment sharing the cache may still use such an entry; it is made again where it is needed, a native
+build only by ``layerleap native --build``: until then the Python path runs.)
 
 ``clear(...)`` deletes entries (``select`` picks them: stale ones, all, one kind or by name) under the
 lock their writers take where they take one (a conversion's ``.locks/NAME.lock``, a native build's

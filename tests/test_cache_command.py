@@ -516,3 +516,24 @@ def test_folders_not_named_as_layerleap_names_them_are_not_its(root, capsys):
     assert main(["cache", "clear", "--stale", "--yes"]) == 0 and main(["cache", "clear", "--all", "--yes"]) == 0
     assert (root / "native" / "my-notes" / "keep.txt").exists()
     assert (root / "states" / "tiny-0123456789abcdef" / "backup" / "keep.txt").exists()
+
+
+def test_a_build_for_another_march_target_is_not_stale(root, monkeypatch):
+    """A build for another -march target (``make test-march``'s) is loaded while LAYERLEAP_NATIVE_MARCH names
+    it, and the default build while it is unset: neither is stale, whichever the variable says when listing."""
+    from layerleap.core import native
+
+    monkeypatch.delenv(native.MARCH_ENV, raising=False)
+    default = native.build_dir().name
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    v3 = native.build_dir().name
+    for name in (default, v3, "0123456789ab-torch1.0.0-avx2-py39-x86-64-v3"):
+        (root / "native" / name).mkdir(parents=True)
+    for env in ("x86-64-v3", None, "not a target!"):
+        if env is None:
+            monkeypatch.delenv(native.MARCH_ENV)
+        else:
+            monkeypatch.setenv(native.MARCH_ENV, env)
+        found = _by_name(cache.entries())
+        assert found[f"native/{default}"].stale is None and found[f"native/{v3}"].stale is None
+        assert found["native/0123456789ab-torch1.0.0-avx2-py39-x86-64-v3"].stale

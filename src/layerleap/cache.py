@@ -183,7 +183,7 @@ class _Here:
 
     def __init__(self):
         self._sizes: dict[str, int | str] = {}
-        self._native: str | None | bool = False
+        self._native: dict[str, str | None] = {}
         self._packs: set[str] | None = None
 
     def package_size(self, model: str) -> int | str:
@@ -202,16 +202,17 @@ class _Here:
                 )
         return self._sizes[model]
 
-    def native(self) -> str | None:
-        """The name of this source, torch, CPU and target's native build folder (None: none can be)."""
-        if self._native is False:
+    def native(self, target: str) -> str | None:
+        """The name of this source, torch and CPU's native build folder for the -march ``target`` (a build
+        for another target than this CPU's is loaded while LAYERLEAP_NATIVE_MARCH names it); None: none can be."""
+        if target not in self._native:
             try:
                 from .core.native import build_dir
 
-                self._native = build_dir().name
-            except Exception:  # a bad LAYERLEAP_NATIVE_MARCH, no source: no build is this install's
-                self._native = None
-        return self._native
+                self._native[target] = build_dir(target).name
+            except Exception:  # no source: no build is this install's
+                self._native[target] = None
+        return self._native[target]
 
     def packs(self) -> set[str]:
         """The 4-bit pack files this layerleap reads on this CPU and torch version (either kernel's)."""
@@ -316,10 +317,8 @@ def _native(e: Entry, here: _Here) -> None:
     e.belongs_to = (
         f"torch {m['torch']}, {m['py']}, {m['cap']}" + (f", -march={m['march']}" if m["march"] else "") if m else ""
     )
-    if e.path.name != here.native():
-        e.stale = (
-            "not this layerleap's build for this CPU, torch and Python (another version's source, CPU or -march target)"
-        )
+    if e.path.name != here.native((m["march"] if m else None) or "native"):
+        e.stale = "not this layerleap's build for this CPU, torch and Python (another version's source or CPU)"
 
 
 def _measurements(e: Entry, kind: str) -> None:

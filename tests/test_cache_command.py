@@ -537,3 +537,20 @@ def test_a_build_for_another_march_target_is_not_stale(root, monkeypatch):
         found = _by_name(cache.entries())
         assert found[f"native/{default}"].stale is None and found[f"native/{v3}"].stale is None
         assert found["native/0123456789ab-torch1.0.0-avx2-py39-x86-64-v3"].stale
+
+
+def test_a_cache_folder_that_cannot_be_read_is_named(root, monkeypatch, capsys):
+    """A cache folder this user may not read is named so, not listed as an empty cache."""
+    (root / "kernels.json").write_text("{}")
+    real = os.listdir
+
+    def listdir(path="."):
+        if os.path.abspath(os.fspath(path)) == str(root):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    for argv in (["cache"], ["cache", "clear", "--all", "--yes"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"cannot read the cache folder {root}: Permission denied" in err and "Traceback" not in err

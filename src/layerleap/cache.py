@@ -421,7 +421,8 @@ def _real_dir(path: Path) -> bool:
 
 def entries(root: str | Path | None = None) -> list[Entry]:
     """Everything in the cache folder ``root`` (``files.cache_root()`` by default), one ``Entry`` each (see the
-    module's text); [] where the folder does not exist, a ``CacheError`` where something else is there.
+    module's text); [] where the folder does not exist, a ``CacheError`` where something else is there or it
+    cannot be read.
     Nothing is written, and no lock is taken."""
     root = Path(root).expanduser() if root is not None else cache_root()
     if not os.path.isdir(root):
@@ -431,6 +432,10 @@ def entries(root: str | Path | None = None) -> list[Entry]:
                 "folder, or move it away"
             )
         return []
+    try:
+        os.listdir(root)
+    except OSError as e:
+        raise CacheError(f"cannot read the cache folder {root}: {e.strerror or e}") from None
     here, out = _Here(), []
     for path in _children(root):
         name = path.name

@@ -554,3 +554,18 @@ def test_a_cache_folder_that_cannot_be_read_is_named(root, monkeypatch, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert f"cannot read the cache folder {root}: Permission denied" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the system does not list its file locks")
+def test_a_lock_held_for_a_first_write_is_busy_not_stale(root):
+    """A self-distilling run holds its data's lock before its first answers are written: the lock file, whose
+    data is not there yet, is BUSY while held, not stale."""
+    from layerleap.files import locked
+
+    data = root / "self-distill" / "tiny-0123456789abcdef-p96-g64.jsonl"
+    with locked(data, wait=0):
+        (lock,) = cache.entries()
+        assert lock.kind == "lock" and lock.stale is None and f"process {os.getpid()} holds it" in lock.busy
+        assert not cache.clear(stale=True).deleted and data.with_name(f".{data.name}.lock").exists()
+    (lock,) = cache.entries()
+    assert lock.busy is None and "is gone" in lock.stale

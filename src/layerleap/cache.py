@@ -387,6 +387,33 @@ def _entry(root: Path, path: Path, inside: str | None = None) -> Entry:
     return Entry(path.relative_to(root).as_posix(), "other", path, size=size, modified=modified, inside=inside)
 
 
+def _holder(path: Path) -> int | None:
+    """The process holding the file lock on ``path`` (Linux's ``/proc/locks``, read without taking the lock),
+    else None (also where the system does not say)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if where in fields[3:6]:
+            pid = fields[fields.index(where) - 1]
+            return int(pid) if pid.isdigit() else None
+    return None
+
+
+def _orphan_lock(e: Entry, target: str) -> None:
+    """A lock file whose entry ``target`` is gone: stale, unless a process holds it (a first write under way)."""
+    pid = _holder(e.path)
+    if pid is not None:
+        e.busy = f"process {pid} holds it (writing {target} for the first time)"
+    else:
+        e.stale = f"{target} is gone"
+
+
 def _hidden(root: Path, path: Path, out: list[Entry], inside: str | None = None) -> bool:
     """Add a temporary or an orphaned lock file at ``path`` (a hidden name) to ``out``; False for another name."""
     is_dir = _real_dir(path)
@@ -394,8 +421,8 @@ def _hidden(root: Path, path: Path, out: list[Entry], inside: str | None = None)
     if lock and not is_dir:  # files.locked's: listed only once its file is gone
         if not os.path.lexists(path.with_name(lock["name"])):
             e = _entry(root, path, inside)
-            e.kind, e.belongs_to, e.stale = "lock", lock["name"], f"{lock['name']} is gone"
-            e.locks = [path]
+            e.kind, e.belongs_to, e.locks = "lock", lock["name"], [path]
+            _orphan_lock(e, lock["name"])
             out.append(e)
         return True
     temp = _temporary(path.name, is_dir)
@@ -475,7 +502,7 @@ def _locks(root: Path, folder: Path, out: list[Entry]) -> None:
             if running:  # a first conversion: its folder is not there yet
                 e.busy = f"process {running[0]} is converting {target.name}"
             else:
-                e.stale = f"{target.name} is gone"
+                _orphan_lock(e, target.name)
             out.append(e)
 
 

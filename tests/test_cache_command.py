@@ -381,7 +381,7 @@ def test_self_distill_data_is_deleted_under_its_writers_lock(root):
     assert lock.exists() and [e.name for e in cache.entries()] == [data.relative_to(root).as_posix()]
     with FileLock(str(lock)):
         done = cache.clear(kind="self-distill")
-        assert not done.deleted and "its lock is held" in done.skipped[0][1] and data.exists()
+        assert not done.deleted and "holds its lock" in done.skipped[0][1] and data.exists()
     assert len(cache.clear(kind="self-distill").deleted) == 1
     assert list(root.iterdir()) == []  # the file, its lock and the emptied folder
     lock.parent.mkdir()
@@ -569,3 +569,33 @@ def test_a_lock_held_for_a_first_write_is_busy_not_stale(root):
         assert not cache.clear(stale=True).deleted and data.with_name(f".{data.name}.lock").exists()
     (lock,) = cache.entries()
     assert lock.busy is None and "is gone" in lock.stale
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the system does not list its file locks")
+def test_entries_whose_lock_a_process_holds_are_busy(root, model_folder, capsys):
+    """A conversion, a native build or a measurement file whose writers' lock is held is listed BUSY, and
+    --dry-run says it would be kept."""
+    from filelock import FileLock
+
+    shutil.copytree(model_folder, root / "smollm2-135m-1")
+    build = root / "native" / "0123456789ab-torch1.0.0-avx2-py39"
+    build.mkdir(parents=True)
+    (root / "kernels.json").write_text("{}")
+    (root / ".locks").mkdir()
+    locks = [root / ".locks" / "smollm2-135m-1.lock", build / "layerleap.lock", root / ".kernels.json.lock"]
+    held = [FileLock(str(p)) for p in locks]
+    for lock in held:
+        lock.acquire()
+    try:
+        found = cache.entries()
+        assert {e.name for e in found if e.busy and "holds its lock" in e.busy} == {
+            "smollm2-135m-1",
+            "native/0123456789ab-torch1.0.0-avx2-py39",
+            "kernels.json",
+        }
+        assert main(["cache", "clear", "--all", "--dry-run"]) == 0
+        assert "would delete 0 entries" in capsys.readouterr().out
+    finally:
+        for lock in held:
+            lock.release()
+    assert all(e.busy is None for e in cache.entries())

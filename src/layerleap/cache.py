@@ -485,6 +485,12 @@ def entries(root: str | Path | None = None) -> list[Entry]:
             elif name.endswith(".gguf") and _packaged(name.removesuffix(".gguf")):
                 _joined(e, here)
             out.append(e)
+    locked_kinds = ("model", "q4", "native", "kernels", "call-cost", "calibration", "self-distill")
+    for e in out:  # an entry whose lock a process holds is being written (or waited on): busy
+        if e.busy is None and e.kind in locked_kinds:
+            pid = next((p for p in map(_holder, _lock_paths(root, e)) if p is not None), None)
+            if pid is not None:
+                e.busy = f"process {pid} holds its lock (it is writing it)"
     return out
 
 
@@ -674,6 +680,18 @@ def _inside_root(root: Path, path: Path) -> bool:
     return True
 
 
+def _lock_paths(root: Path, e: Entry) -> list[Path]:
+    """The lock files ``e``'s writers take (``_delete`` takes them too)."""
+    path = e.path
+    if e.kind in ("model", "q4") or (e.kind == "temporary" and e.inside is None and _real_dir(path)):
+        return [root / ".locks" / f"{e.belongs_to if e.kind == 'temporary' else path.name}.lock"]
+    if e.kind == "native" and _real_dir(path):
+        return [path / "layerleap.lock"]
+    if e.kind in ("kernels", "call-cost", "calibration", "self-distill"):
+        return [path.with_name(f".{path.name}.lock")]
+    return list(e.locks)
+
+
 def _delete(root: Path, e: Entry) -> str | None:
     """Delete ``e`` under its lock; why not, or None once it is gone."""
     from filelock import FileLock, Timeout
@@ -683,13 +701,7 @@ def _delete(root: Path, e: Entry) -> str | None:
         return None
     if not _inside_root(root, path):
         return f"{path} is not inside the cache {root} (a symbolic link on the way): not deleted"
-    locks = list(e.locks)
-    if e.kind in ("model", "q4") or (e.kind == "temporary" and e.inside is None and path.is_dir()):
-        locks = [root / ".locks" / f"{e.belongs_to if e.kind == 'temporary' else path.name}.lock"]
-    elif e.kind == "native" and _real_dir(path):
-        locks = [path / "layerleap.lock"]
-    elif e.kind in ("kernels", "call-cost", "calibration", "self-distill"):
-        locks = [path.with_name(f".{path.name}.lock")]
+    locks = _lock_paths(root, e)
     held = []
     try:
         for lock_path in locks:

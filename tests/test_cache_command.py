@@ -365,3 +365,237 @@ def test_an_entry_gone_since_the_listing_counts_as_deleted(root, model_folder):
     (root / "kernels.json").unlink()
     done = cache.clear(chosen=chosen)
     assert len(done.deleted) == 2 and not done.skipped and list(root.iterdir()) == []
+
+
+def test_self_distill_data_is_deleted_under_its_writers_lock(root):
+    """``train.data.self_distilled`` holds ``files.locked``'s lock beside its file for the whole run: the lock
+    file goes with its entry (not a foreign file), and the entry is not deleted while the lock is held."""
+    from filelock import FileLock
+
+    from layerleap.files import locked
+
+    data = root / "self-distill" / "tiny-0123456789abcdef-p96-g64.jsonl"
+    with locked(data, wait=0):
+        data.write_text('{"prompt": [1], "completion": [2]}\n')
+    lock = data.with_name(f".{data.name}.lock")
+    assert lock.exists() and [e.name for e in cache.entries()] == [data.relative_to(root).as_posix()]
+    with FileLock(str(lock)):
+        done = cache.clear(kind="self-distill")
+        assert not done.deleted and "holds its lock" in done.skipped[0][1] and data.exists()
+    assert len(cache.clear(kind="self-distill").deleted) == 1
+    assert list(root.iterdir()) == []  # the file, its lock and the emptied folder
+    lock.parent.mkdir()
+    lock.touch()  # a lock whose file is gone
+    assert [(e.kind, e.stale) for e in cache.entries()] == [("lock", f"{data.name} is gone")]
+
+
+def test_a_folder_another_process_is_writing_in_is_busy_and_kept(root, model_folder):
+    """A live process's temporary inside a folder entry (a 4-bit pack being written into its conversion, a
+    state shard into its folder) makes the folder BUSY: listed so, and neither it nor the temporary deleted,
+    also where the writer started after the listing."""
+    hx = _size_hex()
+    q4 = root / f"smollm2-135m-{hx}-q4"
+    shutil.copytree(model_folder, q4)
+    live = q4 / f".packed-some-layout.{os.getpid()}-ab12.tmp.safetensors"
+    live.write_bytes(b"x" * 10)
+    states = root / "states" / "tiny-0123456789abcdef" / "float32-layers1-0123456789abcdef"
+    states.mkdir(parents=True)
+    shard = states / f".shard-00001.{os.getpid()}-cd34ef.tmp.safetensors"
+    shard.write_bytes(b"x")
+    found = _by_name(cache.entries())
+    assert "is writing" in found[q4.name].busy and "is writing" in found[states.relative_to(root).as_posix()].busy
+    done = cache.clear(all=True)
+    assert not done.deleted and len(done.skipped) == 3 and live.exists() and q4.is_dir() and shard.exists()
+    live.unlink()
+    shard.unlink()
+    chosen = cache.select(cache.entries(), all=True)  # listed with no writer; then one starts
+    live.write_bytes(b"x" * 10)
+    shard.write_bytes(b"x")
+    done = cache.clear(chosen=chosen)
+    assert not done.deleted and all("is writing" in why for _, why in done.skipped)
+    live.unlink()
+    shard.unlink()
+    done = cache.clear(chosen=chosen)
+    assert not done.skipped and not q4.exists() and not states.exists()
+
+
+def test_a_cache_path_that_is_no_folder_is_named(tmp_path, monkeypatch, capsys):
+    """LAYERLEAP_CACHE naming a file (or a dangling link) is a mistake to name, not an empty cache."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "none")
+    for path in ("file", "dangling"):
+        monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / path))
+        for argv in (["cache"], ["cache", "list", "--json"], ["cache", "clear", "--all", "--yes"]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert "is not a folder" in err and "LAYERLEAP_CACHE" in err and "Traceback" not in err
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_lock_files_reached_through_a_link_are_not_deleted(root, model_folder, tmp_path):
+    """A ``.locks`` folder that is a link to another folder: its files are not the cache's, though a deletion
+    takes the lock there as the writers do."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "smollm2-135m-1.lock").write_text("keep")
+    (root / ".locks").symlink_to(outside, target_is_directory=True)
+    shutil.copytree(model_folder, root / "smollm2-135m-1")
+    done = cache.clear(names=["smollm2-135m-1"])
+    assert [e.name for e in done.deleted] == ["smollm2-135m-1"] and not (root / "smollm2-135m-1").exists()
+    assert (outside / "smollm2-135m-1.lock").read_text() == "keep"
+
+
+def test_dry_run_counts_what_a_deletion_would_delete(root, capsys):
+    """An entry another process is writing is kept by a deletion: --dry-run says so and leaves it out of its count."""
+    (root / "kernels.json").write_text("{}")
+    (root / f".kernels.{os.getpid()}-def456.tmp.json").write_text("{}")  # a running writer's
+    (root / "call_cost.json").write_text("{}")
+    assert main(["cache", "clear", "--all", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete 1 entry, 2 B" in out and out.count("would not delete: ") == 2
+    assert main(["cache", "clear", "--all", "--yes"]) == 1
+    assert "deleted 1 entry, 2 B freed" in capsys.readouterr().out
+
+
+def test_a_temporary_named_with_a_number_past_any_process_id(root, capsys):
+    """A hidden name of a temporary's form whose process id is past what the system can hold: no such process."""
+    from layerleap.files import remove_stale_temporaries
+
+    name = ".kernels.99999999999999999999-ab12.tmp.json"
+    (root / name).write_text("{}")
+    assert "no longer runs" in _by_name(cache.entries())[name].stale
+    assert main(["cache", "clear", "--stale", "--yes"]) == 0 and not (root / name).exists()
+    (root / name).write_text("{}")
+    remove_stale_temporaries(root / "kernels.json")
+    assert not (root / name).exists()
+
+
+def test_folders_this_user_cannot_read_are_listed_not_judged(root, model_folder, monkeypatch, capsys):
+    """A shared cache's folders another user made unreadable (mode 700), or without search permission: the
+    listing goes on (no traceback), and a conversion it cannot look into is not called stale."""
+    hx = _size_hex()
+    closed = root / f"smollm2-135m-{hx}"  # no permission at all
+    shutil.copytree(model_folder, closed)
+    cal = root / "calibration" / "0123abcd"  # names readable, nothing under it reachable
+    (cal / "float32").mkdir(parents=True)
+    (cal / "float32" / "calm.json").write_text(json.dumps({"budgets": {}}))
+    (root / "kernels.json").write_text("{}")
+
+    def denied(path) -> bool:
+        p = os.path.abspath(os.fspath(path))
+        return p.startswith(str(closed) + os.sep) or p.startswith(str(cal) + os.sep)
+
+    def guard(real, listing=False):
+        def call(path=".", *a, **kw):
+            if denied(path) or (listing and os.path.abspath(os.fspath(path)) == str(closed)):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *a, **kw)
+
+        return call
+
+    monkeypatch.setattr(os, "stat", guard(os.stat))
+    monkeypatch.setattr(os, "lstat", guard(os.lstat))
+    monkeypatch.setattr(os, "listdir", guard(os.listdir, listing=True))
+    monkeypatch.setattr(os, "scandir", guard(os.scandir, listing=True))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: not (denied(p) or p in (closed, cal)) and real_access(p, mode))
+    found = _by_name(cache.entries())
+    assert found[closed.name].kind == "model" and found[closed.name].stale is None
+    assert found["calibration/0123abcd/float32"].kind == "other" and found["kernels.json"].kind == "kernels"
+    assert main(["cache"]) == 0 and "Traceback" not in capsys.readouterr().err
+
+
+def test_folders_not_named_as_layerleap_names_them_are_not_its(root, capsys):
+    """A folder in ``native`` or ``states/MODEL`` that is not named as a build or a state cache's folder is
+    not layerleap's: listed as such, and --stale or --all leave it."""
+    for folder in (root / "native" / "my-notes", root / "states" / "tiny-0123456789abcdef" / "backup"):
+        folder.mkdir(parents=True)
+        (folder / "keep.txt").write_text("mine")
+    found = _by_name(cache.entries())
+    assert found["native/my-notes"].kind == "other" and found["states/tiny-0123456789abcdef/backup"].kind == "other"
+    assert main(["cache", "clear", "--stale", "--yes"]) == 0 and main(["cache", "clear", "--all", "--yes"]) == 0
+    assert (root / "native" / "my-notes" / "keep.txt").exists()
+    assert (root / "states" / "tiny-0123456789abcdef" / "backup" / "keep.txt").exists()
+
+
+def test_a_build_for_another_march_target_is_not_stale(root, monkeypatch):
+    """A build for another -march target (``make test-march``'s) is loaded while LAYERLEAP_NATIVE_MARCH names
+    it, and the default build while it is unset: neither is stale, whichever the variable says when listing."""
+    from layerleap.core import native
+
+    monkeypatch.delenv(native.MARCH_ENV, raising=False)
+    default = native.build_dir().name
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    v3 = native.build_dir().name
+    for name in (default, v3, "0123456789ab-torch1.0.0-avx2-py39-x86-64-v3"):
+        (root / "native" / name).mkdir(parents=True)
+    for env in ("x86-64-v3", None, "not a target!"):
+        if env is None:
+            monkeypatch.delenv(native.MARCH_ENV)
+        else:
+            monkeypatch.setenv(native.MARCH_ENV, env)
+        found = _by_name(cache.entries())
+        assert found[f"native/{default}"].stale is None and found[f"native/{v3}"].stale is None
+        assert found["native/0123456789ab-torch1.0.0-avx2-py39-x86-64-v3"].stale
+
+
+def test_a_cache_folder_that_cannot_be_read_is_named(root, monkeypatch, capsys):
+    """A cache folder this user may not read is named so, not listed as an empty cache."""
+    (root / "kernels.json").write_text("{}")
+    real = os.listdir
+
+    def listdir(path="."):
+        if os.path.abspath(os.fspath(path)) == str(root):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    for argv in (["cache"], ["cache", "clear", "--all", "--yes"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"cannot read the cache folder {root}: Permission denied" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the system does not list its file locks")
+def test_a_lock_held_for_a_first_write_is_busy_not_stale(root):
+    """A self-distilling run holds its data's lock before its first answers are written: the lock file, whose
+    data is not there yet, is BUSY while held, not stale."""
+    from layerleap.files import locked
+
+    data = root / "self-distill" / "tiny-0123456789abcdef-p96-g64.jsonl"
+    with locked(data, wait=0):
+        (lock,) = cache.entries()
+        assert lock.kind == "lock" and lock.stale is None and f"process {os.getpid()} holds it" in lock.busy
+        assert not cache.clear(stale=True).deleted and data.with_name(f".{data.name}.lock").exists()
+    (lock,) = cache.entries()
+    assert lock.busy is None and "is gone" in lock.stale
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the system does not list its file locks")
+def test_entries_whose_lock_a_process_holds_are_busy(root, model_folder, capsys):
+    """A conversion, a native build or a measurement file whose writers' lock is held is listed BUSY, and
+    --dry-run says it would be kept."""
+    from filelock import FileLock
+
+    shutil.copytree(model_folder, root / "smollm2-135m-1")
+    build = root / "native" / "0123456789ab-torch1.0.0-avx2-py39"
+    build.mkdir(parents=True)
+    (root / "kernels.json").write_text("{}")
+    (root / ".locks").mkdir()
+    locks = [root / ".locks" / "smollm2-135m-1.lock", build / "layerleap.lock", root / ".kernels.json.lock"]
+    held = [FileLock(str(p)) for p in locks]
+    for lock in held:
+        lock.acquire()
+    try:
+        found = cache.entries()
+        assert {e.name for e in found if e.busy and "holds its lock" in e.busy} == {
+            "smollm2-135m-1",
+            "native/0123456789ab-torch1.0.0-avx2-py39",
+            "kernels.json",
+        }
+        assert main(["cache", "clear", "--all", "--dry-run"]) == 0
+        assert "would delete 0 entries" in capsys.readouterr().out
+    finally:
+        for lock in held:
+            lock.release()
+    assert all(e.busy is None for e in cache.entries())

@@ -6,12 +6,13 @@ would never read it again: a conversion whose model package is no longer install
 file, a user's GGUF conversion whose file is gone or has changed since, a folder of an older conversion
 format, a native build or 4-bit pack for another source, CPU or torch version, a file that does not parse,
 the temporary of a write whose process no longer runs, a lock file whose entry is gone.  (Another machine
-or environment sharing the cache may still use such an entry; it is made again where it is needed.)
+or environment sharing the cache may still use such an entry; it is made again where it is needed, a native
+build only by ``layerleap native --build``: until then the Python path runs.)
 
 ``clear(...)`` deletes entries (``select`` picks them: stale ones, all, one kind or by name) under the
 lock their writers take where they take one (a conversion's ``.locks/NAME.lock``, a native build's
-``layerleap.lock``, a measurement file's ``files.locked`` lock): an entry another process is writing is
-skipped and said so, never deleted under it.  A folder is first renamed aside, then deleted, so an
+``layerleap.lock``, a measurement or self-distill file's ``files.locked`` lock): an entry another process
+is writing is skipped and said so, never deleted under it.  A folder is first renamed aside, then deleted, so an
 interrupted deletion never leaves half an entry under its name.  Only what the listing found is deleted,
 never through a symbolic link: a link is removed itself, never what it points at.  Files in the cache that
 layerleap did not write (kind ``other``) are listed and deleted only when named.
@@ -103,7 +104,8 @@ def human(size: float) -> str:
 _ATOMIC = re.compile(r"\.(?P<stem>.+)\.(?P<pid>\d+)(?:-[A-Za-z0-9]+)?\.tmp(?P<suffix>(?:\.[^.]+)?)")
 _SWAP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]+\.(?:new|old)")
 _ASIDE = re.compile(r"\.(?P<name>.+)\.[A-Za-z0-9_]{8}")  # tempfile.mkdtemp(prefix=".NAME.")
-_LOCK = re.compile(r"\.(?P<name>.+)\.lock")  # files.locked's lock beside a file (a JSON file of measurements)
+# files.locked's lock beside a file (JSON measurements and calibrations, self-distill data)
+_LOCK = re.compile(r"\.(?P<name>.+\.jsonl?)\.lock")
 
 
 def _temporary(name: str, is_dir: bool) -> tuple[str, int | None] | None:
@@ -120,14 +122,27 @@ def _temporary(name: str, is_dir: bool) -> tuple[str, int | None] | None:
     return None
 
 
+def _writing_in(folder: Path) -> str | None:
+    """For a folder entry: a running process writing a file or folder in it (its temporary is there), else None."""
+    for p in _children(folder):
+        temp = _temporary(p.name, _real_dir(p)) if p.name.startswith(".") else None
+        if temp is not None and temp[1] is not None and _running(temp[1]):
+            return f"process {temp[1]} is writing {temp[0]} in it"
+    return None
+
+
+_NATIVE_NAME = re.compile(r"[0-9a-f]{12}-torch.+")  # core.native.build_dir's
+_STATES_NAME = re.compile(r".+-layers[0-9,]*-[0-9a-f]{16}")  # train.state_cache.StateCache's
+
+
 def _folder_name(name: str) -> bool:
     """Whether ``name`` is one layerleap gives a cache folder it may rename aside to delete (a conversion,
     a native build, a folder of training states): a hidden folder named after another is not ours."""
     return bool(
         _packaged(name)
         or re.fullmatch(r"gguf-.*-[0-9a-f]{10}(?:-q4)?", name)
-        or re.fullmatch(r"[0-9a-f]{12}-torch.+", name)
-        or re.fullmatch(r".+-layers[0-9,]*-[0-9a-f]{16}", name)
+        or _NATIVE_NAME.fullmatch(name)
+        or _STATES_NAME.fullmatch(name)
     )
 
 
@@ -168,7 +183,7 @@ class _Here:
 
     def __init__(self):
         self._sizes: dict[str, int | str] = {}
-        self._native: str | None | bool = False
+        self._native: dict[str, str | None] = {}
         self._packs: set[str] | None = None
 
     def package_size(self, model: str) -> int | str:
@@ -187,16 +202,17 @@ class _Here:
                 )
         return self._sizes[model]
 
-    def native(self) -> str | None:
-        """The name of this source, torch, CPU and target's native build folder (None: none can be)."""
-        if self._native is False:
+    def native(self, target: str) -> str | None:
+        """The name of this source, torch and CPU's native build folder for the -march ``target`` (a build
+        for another target than this CPU's is loaded while LAYERLEAP_NATIVE_MARCH names it); None: none can be."""
+        if target not in self._native:
             try:
                 from .core.native import build_dir
 
-                self._native = build_dir().name
-            except Exception:  # a bad LAYERLEAP_NATIVE_MARCH, no source: no build is this install's
-                self._native = None
-        return self._native
+                self._native[target] = build_dir(target).name
+            except Exception:  # no source: no build is this install's
+                self._native[target] = None
+        return self._native[target]
 
     def packs(self) -> set[str]:
         """The 4-bit pack files this layerleap reads on this CPU and torch version (either kernel's)."""
@@ -222,7 +238,9 @@ def _conversion_problem(folder: Path, q4: bool) -> str | None:
     from .core import gguf_q4
     from .core.loading import check_folder
 
-    if not (folder / "tokenizer.json").is_file():
+    if not os.access(folder, os.R_OK | os.X_OK):  # another user's (a shared cache), which this one cannot read
+        return None
+    if not os.path.isfile(folder / "tokenizer.json"):
         return "it has no tokenizer (a load converts it again)"
     try:
         (gguf_q4.check if q4 else check_folder)(folder)
@@ -299,10 +317,8 @@ def _native(e: Entry, here: _Here) -> None:
     e.belongs_to = (
         f"torch {m['torch']}, {m['py']}, {m['cap']}" + (f", -march={m['march']}" if m["march"] else "") if m else ""
     )
-    if e.path.name != here.native():
-        e.stale = (
-            "not this layerleap's build for this CPU, torch and Python (another version's source, CPU or -march target)"
-        )
+    if e.path.name != here.native((m["march"] if m else None) or "native"):
+        e.stale = "not this layerleap's build for this CPU, torch and Python (another version's source or CPU)"
 
 
 def _measurements(e: Entry, kind: str) -> None:
@@ -342,6 +358,7 @@ def _states(e: Entry) -> None:
     from .train.state_cache import FORMAT
 
     e.kind = "states"
+    e.busy = _writing_in(e.path)
     model = e.path.parent.name
     e.belongs_to = f"{model.rsplit('-', 1)[0]}, fingerprint {model.rsplit('-', 1)[-1]}" if "-" in model else model
     shards = sorted(e.path.glob("shard-*.safetensors"))
@@ -370,15 +387,42 @@ def _entry(root: Path, path: Path, inside: str | None = None) -> Entry:
     return Entry(path.relative_to(root).as_posix(), "other", path, size=size, modified=modified, inside=inside)
 
 
+def _holder(path: Path) -> int | None:
+    """The process holding the file lock on ``path`` (Linux's ``/proc/locks``, read without taking the lock),
+    else None (also where the system does not say)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if where in fields[3:6]:
+            pid = fields[fields.index(where) - 1]
+            return int(pid) if pid.isdigit() else None
+    return None
+
+
+def _orphan_lock(e: Entry, target: str) -> None:
+    """A lock file whose entry ``target`` is gone: stale, unless a process holds it (a first write under way)."""
+    pid = _holder(e.path)
+    if pid is not None:
+        e.busy = f"process {pid} holds it (writing {target} for the first time)"
+    else:
+        e.stale = f"{target} is gone"
+
+
 def _hidden(root: Path, path: Path, out: list[Entry], inside: str | None = None) -> bool:
     """Add a temporary or an orphaned lock file at ``path`` (a hidden name) to ``out``; False for another name."""
-    is_dir = path.is_dir() and not path.is_symlink()
+    is_dir = _real_dir(path)
     lock = _LOCK.fullmatch(path.name)
-    if lock and not is_dir and lock["name"].endswith(".json"):  # files.locked's: listed only once its file is gone
+    if lock and not is_dir:  # files.locked's: listed only once its file is gone
         if not os.path.lexists(path.with_name(lock["name"])):
             e = _entry(root, path, inside)
-            e.kind, e.belongs_to, e.stale = "lock", lock["name"], f"{lock['name']} is gone"
-            e.locks = [path]
+            e.kind, e.belongs_to, e.locks = "lock", lock["name"], [path]
+            _orphan_lock(e, lock["name"])
             out.append(e)
         return True
     temp = _temporary(path.name, is_dir)
@@ -398,15 +442,27 @@ def _children(folder: Path) -> list[Path]:
 
 
 def _real_dir(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink()
+    """A folder, not a link to one (False where it cannot be told: a folder without search permission)."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def entries(root: str | Path | None = None) -> list[Entry]:
     """Everything in the cache folder ``root`` (``files.cache_root()`` by default), one ``Entry`` each (see the
-    module's text); [] where the folder does not exist.  Nothing is written, and no lock is taken."""
+    module's text); [] where the folder does not exist, a ``CacheError`` where something else is there or it
+    cannot be read.
+    Nothing is written, and no lock is taken."""
     root = Path(root).expanduser() if root is not None else cache_root()
-    if not root.is_dir():
+    if not os.path.isdir(root):
+        if os.path.lexists(root):
+            raise CacheError(
+                f"the cache path {root} is not a folder (a file, or a link to nothing): set LAYERLEAP_CACHE to a "
+                "folder, or move it away"
+            )
         return []
+    try:
+        os.listdir(root)
+    except OSError as e:
+        raise CacheError(f"cannot read the cache folder {root}: {e.strerror or e}") from None
     here, out = _Here(), []
     for path in _children(root):
         name = path.name
@@ -416,7 +472,7 @@ def entries(root: str | Path | None = None) -> list[Entry]:
             elif not _hidden(root, path, out):
                 out.append(_entry(root, path))
             continue
-        if path.is_symlink():
+        if os.path.islink(path):
             out.append(_entry(root, path))
         elif _real_dir(path):
             _folder(root, path, here, out)
@@ -429,6 +485,12 @@ def entries(root: str | Path | None = None) -> list[Entry]:
             elif name.endswith(".gguf") and _packaged(name.removesuffix(".gguf")):
                 _joined(e, here)
             out.append(e)
+    locked_kinds = ("model", "q4", "native", "kernels", "call-cost", "calibration", "self-distill")
+    for e in out:  # an entry whose lock a process holds is being written (or waited on): busy
+        if e.busy is None and e.kind in locked_kinds:
+            pid = next((p for p in map(_holder, _lock_paths(root, e)) if p is not None), None)
+            if pid is not None:
+                e.busy = f"process {pid} holds its lock (it is writing it)"
     return out
 
 
@@ -436,7 +498,7 @@ def _locks(root: Path, folder: Path, out: list[Entry]) -> None:
     """The conversions' locks (``.locks/NAME.lock``): each goes with its entry; one whose entry is gone is listed."""
     for path in _children(folder):
         target = root / path.name.removesuffix(".lock")
-        if path.suffix != ".lock" or path.is_symlink() or path.is_dir():
+        if path.suffix != ".lock" or os.path.islink(path) or os.path.isdir(path):
             out.append(_entry(root, path))
         elif not os.path.lexists(target):
             e = _entry(root, path)
@@ -446,7 +508,7 @@ def _locks(root: Path, folder: Path, out: list[Entry]) -> None:
             if running:  # a first conversion: its folder is not there yet
                 e.busy = f"process {running[0]} is converting {target.name}"
             else:
-                e.stale = f"{target.name} is gone"
+                _orphan_lock(e, target.name)
             out.append(e)
 
 
@@ -457,7 +519,7 @@ def _folder(root: Path, path: Path, here: _Here, out: list[Entry]) -> None:
             if p.name.startswith(".") and _hidden(root, p, out):
                 continue
             e = _entry(root, p)
-            if _real_dir(p) and not p.name.startswith("."):
+            if _real_dir(p) and _NATIVE_NAME.fullmatch(p.name):  # a build's name; another folder is not ours
                 _native(e, here)
             out.append(e)
         return
@@ -469,11 +531,11 @@ def _folder(root: Path, path: Path, here: _Here, out: list[Entry]) -> None:
     out.append(e)
     if _packaged(name) or re.fullmatch(r"gguf-.*-[0-9a-f]{10}(?:-q4)?", name):
         lock = root / ".locks" / f"{name}.lock"
-        e.locks = [lock] if lock.exists() else []
+        e.locks = [lock] if os.path.exists(lock) else []
         (_model_folder(e, here) if _packaged(name) else _gguf_folder(e))
         if e.kind == "q4":  # its packs and a killed packing's temporary: entries of their own
             for p in _children(path):
-                if p.name.startswith("packed-") and p.suffix == ".safetensors" and not p.is_symlink():
+                if p.name.startswith("packed-") and p.suffix == ".safetensors" and not os.path.islink(p):
                     pack = _entry(root, p, inside=e.name)
                     _pack(pack, here)
                     pack.belongs_to = e.belongs_to
@@ -481,6 +543,7 @@ def _folder(root: Path, path: Path, here: _Here, out: list[Entry]) -> None:
                 elif p.name.startswith("."):
                     _hidden(root, p, out, inside=e.name)
             e.size -= sum(x.size for x in out[kept + 1 :])
+        e.busy = _writing_in(e.path)
 
 
 def _data(root: Path, folder: Path, kind: str, out: list[Entry]) -> None:
@@ -495,15 +558,16 @@ def _data(root: Path, folder: Path, kind: str, out: list[Entry]) -> None:
                 visit(p, level + 1)
                 continue
             e = _entry(root, p)
-            if level == depth and not p.is_symlink():
-                if kind == "self-distill" and p.suffix == ".jsonl" and p.is_file():
+            if level == depth and not os.path.islink(p):
+                if kind == "self-distill" and p.suffix == ".jsonl" and os.path.isfile(p):
                     _self_distill(e)
-                elif kind == "calibration" and p.suffix == ".json" and p.is_file():
+                elif kind == "calibration" and p.suffix == ".json" and os.path.isfile(p):
                     _calibration(e)
-                    lock = p.with_name(f".{p.name}.lock")
-                    e.locks = [lock] if lock.exists() else []
-                elif kind == "states" and p.is_dir():
+                elif kind == "states" and os.path.isdir(p) and _STATES_NAME.fullmatch(p.name):
                     _states(e)
+                if e.kind in ("self-distill", "calibration"):  # files.locked's lock beside it
+                    lock = p.with_name(f".{p.name}.lock")
+                    e.locks = [lock] if os.path.exists(lock) else []
             out.append(e)
 
     visit(folder, 1)
@@ -588,7 +652,10 @@ def clear(
         if e.inside is not None and e.inside in gone:  # deleted with its folder
             done.deleted.append(e)
             continue
-        why = e.busy if e.busy else None if dry_run else _delete(root, e)
+        try:
+            why = e.busy or (_writer_running(e) if dry_run else _delete(root, e))
+        except OSError as err:  # a folder on the way this user may not search
+            why = f"cannot delete it: {err.strerror or err}"
         if why is None:
             done.deleted.append(e)
             gone.add(e.name)
@@ -613,6 +680,18 @@ def _inside_root(root: Path, path: Path) -> bool:
     return True
 
 
+def _lock_paths(root: Path, e: Entry) -> list[Path]:
+    """The lock files ``e``'s writers take (``_delete`` takes them too)."""
+    path = e.path
+    if e.kind in ("model", "q4") or (e.kind == "temporary" and e.inside is None and _real_dir(path)):
+        return [root / ".locks" / f"{e.belongs_to if e.kind == 'temporary' else path.name}.lock"]
+    if e.kind == "native" and _real_dir(path):
+        return [path / "layerleap.lock"]
+    if e.kind in ("kernels", "call-cost", "calibration", "self-distill"):
+        return [path.with_name(f".{path.name}.lock")]
+    return list(e.locks)
+
+
 def _delete(root: Path, e: Entry) -> str | None:
     """Delete ``e`` under its lock; why not, or None once it is gone."""
     from filelock import FileLock, Timeout
@@ -622,13 +701,7 @@ def _delete(root: Path, e: Entry) -> str | None:
         return None
     if not _inside_root(root, path):
         return f"{path} is not inside the cache {root} (a symbolic link on the way): not deleted"
-    locks = list(e.locks)
-    if e.kind in ("model", "q4") or (e.kind == "temporary" and e.inside is None and path.is_dir()):
-        locks = [root / ".locks" / f"{e.belongs_to if e.kind == 'temporary' else path.name}.lock"]
-    elif e.kind == "native" and _real_dir(path):
-        locks = [path / "layerleap.lock"]
-    elif e.kind in ("kernels", "call-cost", "calibration"):
-        locks = [path.with_name(f".{path.name}.lock")]
+    locks = _lock_paths(root, e)
     held = []
     try:
         for lock_path in locks:
@@ -648,8 +721,10 @@ def _delete(root: Path, e: Entry) -> str | None:
         try:
             _remove(root, path)
             for lock_path in locks:
-                if e.kind != "native" and lock_path.name.endswith(".lock") and lock_path.exists():
-                    lock_path.unlink()  # while held: a process waiting on it finds the entry gone and makes it again
+                # while held: a process waiting on it finds the entry gone and makes it again; never one reached
+                # through a link (a linked .locks folder's files are not the cache's)
+                if e.kind != "native" and lock_path.exists() and _inside_root(root, lock_path):
+                    lock_path.unlink()
         except OSError as err:
             return f"cannot delete it: {err.strerror or err}"
     finally:
@@ -661,12 +736,15 @@ def _delete(root: Path, e: Entry) -> str | None:
 
 
 def _writer_running(e: Entry) -> str | None:
-    """For a file that is written without a lock (``atomic_write``): a running process writing it now."""
+    """For a file that is written without a lock (``atomic_write``), or a folder whose files are: a running
+    process writing it (or in it) now."""
     if e.kind == "temporary":
         temp = _temporary(e.path.name, _real_dir(e.path))
         if temp is not None and temp[1] is not None and _running(temp[1]):
             return f"process {temp[1]} is writing it"
         return None
+    if e.kind in ("model", "q4", "states") and _real_dir(e.path):
+        return _writing_in(e.path)
     if not e.path.is_file() or e.path.is_symlink():
         return None
     for p in e.path.parent.glob(f".{glob.escape(e.path.stem)}.*.tmp{glob.escape(e.path.suffix)}"):

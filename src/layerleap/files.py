@@ -116,7 +116,7 @@ def _running(pid: int) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number past any process id's range
         return False
     except OSError:  # not ours to signal, or no way to tell: assume it runs
         return True

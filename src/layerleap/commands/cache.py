@@ -93,12 +93,18 @@ def run(args) -> int:
         print(f"nothing to delete in the cache {root}")
         return 0
     size = cache.human(sum(e.size for e in chosen))
-    if args.dry_run or not args.yes:
+    if args.dry_run:  # what a deletion now would do: an entry another process is writing is kept
+        done = cache.clear(root=root, chosen=chosen, dry_run=True)
+        for e in done.deleted:
+            print(_line(e))
+        for e, why in done.skipped:
+            print(f"would not delete: {e.name}: {why}")
+        n = len(done.deleted)
+        print(f"would delete {n} entr{'ies' if n != 1 else 'y'}, {cache.human(done.freed)} (--dry-run: none deleted)")
+        return 0
+    if not args.yes:
         for e in chosen:
             print(_line(e))
-    if args.dry_run:
-        print(f"would delete {len(chosen)} entr{'ies' if len(chosen) != 1 else 'y'}, {size} (--dry-run: none deleted)")
-        return 0
     if not args.yes:
         if not sys.stdin.isatty():
             raise LayerleapError(

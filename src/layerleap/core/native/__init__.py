@@ -56,12 +56,13 @@ def march() -> str:
     return value
 
 
-def build_dir() -> Path:
+def build_dir(target: str | None = None) -> Path:
     """Where this source, torch version, CPU and -march target's build lives (by default compiled for this
-    CPU's instructions, keyed by them too; another target in a folder of its own, with a tag of its own)."""
+    CPU's instructions, keyed by them too; another target in a folder of its own, with a tag of its own).
+    ``target``: that target's (``march()``'s when None)."""
     from ..cpu import cpu_features, cpu_signature
 
-    target = march()
+    target = march() if target is None else target
     # this CPU's instructions for a build for them; another target's build runs on any CPU that has its own
     mark = f"|{cpu_features()}" if target == "native" else f"|{target}"
     key = SOURCE.read_bytes() + cpu_signature().encode() + mark.encode()

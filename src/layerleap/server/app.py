@@ -499,7 +499,7 @@ class Reply:
         return {
             "tokens": [e.text for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries] if self.top else None,
+            "top_logprobs": [_top_dict(e) for e in entries] if self.top else None,
             "text_offset": offsets,
         }
 
@@ -599,6 +599,14 @@ class Reply:
 
     def usage_chunk(self, completion_tokens: int) -> dict:
         return {**self._head(True), "choices": [], "usage": _usage(self.prompt_len, completion_tokens)}
+
+
+def _top_dict(e: TokenLogprob) -> dict:
+    """Legacy completions' ``top_logprobs`` at one position: the likeliest tokens' texts to their log
+    probabilities, and the chosen token's where it is not one of them (OpenAI's and vLLM's "up to logprobs + 1")."""
+    top = {t.text: t.logprob for t in e.top}
+    top.setdefault(e.text, e.logprob)
+    return top
 
 
 def _joined(a: dict, b: dict) -> dict:

@@ -88,3 +88,52 @@ def test_the_endpoints_are_counted_by_name(tiny_server):
     post(tiny_server, {"tokens": [1]}, "/detokenize")
     text = get(tiny_server + "/metrics").text
     assert 'endpoint="/tokenize"' in text and 'endpoint="/detokenize"' in text
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory):
+    """A character model whose tokenizer adds <s> (id 1) before a text."""
+    from tiny_models import save_char_model
+    from tokenizers import Tokenizer, processors
+
+    import layerleap
+    from layerleap.server import ServerConfig, ServerThread, create_app
+
+    folder = tmp_path_factory.mktemp("bos") / "tiny"
+    save_char_model(folder)
+    core = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    core.save(str(folder / "tokenizer.json"))
+    model = layerleap.load_folder(folder)
+    with ServerThread(create_app(model, ServerConfig("tiny", method="greedy", max_tokens=4))) as url:
+        yield url
+
+
+def test_special_tokens_as_each_server_adds_them(bos_server):
+    def tokens(body):
+        r = post(bos_server, body, "/tokenize")
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    plain = tokens({"content": "ab"})  # llama.cpp's add_special: false by default
+    assert tokens({"content": "ab", "add_special": True}) == [1] + plain
+    assert tokens({"prompt": "ab"}) == [1] + plain  # vLLM's add_special_tokens: true by default, as completions
+    assert tokens({"prompt": "ab", "add_special_tokens": False}) == plain
+    used = post(bos_server, {"prompt": "ab", "max_tokens": 1}).json()["usage"]
+    assert used["prompt_tokens"] == len(plain) + 1
+    chat = {"messages": [{"role": "user", "content": "ab"}]}
+    templated = tokens(chat)  # vLLM's add_special_tokens: false with messages (the template has its <s>)
+    assert templated == [1] + plain + [2, 1] and tokens({**chat, "add_special_tokens": True}) == [1] + templated
+
+
+def test_a_model_without_a_chat_template_tokenizes_prompts_only(char_model_dir):
+    import layerleap
+    from layerleap.server import ServerConfig, ServerThread, create_app
+
+    model = layerleap.load_folder(char_model_dir)
+    model.tokenizer.chat_template = None
+    with ServerThread(create_app(model, ServerConfig("tiny", method="greedy", max_tokens=4))) as url:
+        r = post(url, {"messages": [{"role": "user", "content": "ab"}]}, "/tokenize")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "no chat template: give the text as prompt" in r.json()["error"]["message"]
+        assert post(url, {"prompt": "ab"}, "/tokenize").json()["count"] == 2

@@ -3,6 +3,8 @@ tokens a completion's and a chat completion's prompt are, the pieces, and the er
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
@@ -137,3 +139,25 @@ def test_a_model_without_a_chat_template_tokenizes_prompts_only(char_model_dir):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert "no chat template: give the text as prompt" in r.json()["error"]["message"]
         assert post(url, {"prompt": "ab"}, "/tokenize").json()["count"] == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_offsets_index_the_text_past_a_bos_the_tokenizer_added(bos_server, stream):
+    """Legacy completions' echo with logprobs: text_offset indexes the echoed text, so <s>, which the tokenizer
+    added before a text prompt and which the text does not hold, takes no room, and the offsets never go back."""
+    body = {"prompt": "ab", "max_tokens": 3, "echo": True, "logprobs": 0, "ignore_eos": True, "stream": stream}
+    r = post(bos_server, body)
+    assert r.status_code == 200, r.text
+    if stream:
+        choices = [json.loads(e[6:])["choices"][0] for e in r.text.split("\n\n") if e.startswith("data: {")]
+    else:
+        choices = r.json()["choices"]
+    text = "".join(c["text"] for c in choices)
+    tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+    offsets = [o for c in choices for o in c["logprobs"]["text_offset"]]
+    assert tokens[:3] == ["<s>", "a", "b"] and offsets[:3] == [0, 0, 1] and text.startswith("ab")
+    assert offsets == sorted(offsets) and offsets[3] == 2
+    if not stream:  # a token-id prompt echoes <s>'s text: it takes its room
+        plain = post(bos_server, {"content": "ab"}, "/tokenize").json()["tokens"]
+        r = post(bos_server, {**body, "prompt": [1, *plain]}).json()["choices"][0]
+        assert r["text"].startswith("<s>ab") and r["logprobs"]["text_offset"][:4] == [0, 3, 4, 5]

@@ -506,7 +506,8 @@ class Reply:
     def _echoed(self) -> dict | None:
         """With echo and logprobs: the prompt's tokens in legacy completions' ``logprobs`` (its first token's
         log probability and likeliest tokens null, as OpenAI sends them); the answer's offsets then count
-        from the end of the prompt's text."""
+        from the end of the prompt's text.  A first token that the tokenizer added (a BOS: its text is not
+        where the prompt's text begins) takes no room in the text."""
         if self.echo_logprobs is None:
             return None
         first = {
@@ -515,7 +516,7 @@ class Reply:
             "top_logprobs": [None] if self.top else None,
             "text_offset": [0],
         }
-        self.offset = len(self.echo_first)
+        self.offset = len(self.echo_first) if (self.echo or "").startswith(self.echo_first) else 0
         rest = self.logprobs(self.echo_logprobs)
         self.offset = len(self.echo or "")
         return _joined(first, rest)

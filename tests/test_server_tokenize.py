@@ -35,6 +35,17 @@ def test_messages_count_is_the_chat_completions_prompt_tokens(tiny_server, clien
     assert bare["count"] < r["count"] and r["tokens"][: bare["count"]] == bare["tokens"]
 
 
+def test_messages_with_tools_count_as_the_chat_completion_with_them(tiny_server, client):
+    """Tools and tool turns are in a chat completion's prompt (its template's, or the Hermes form): /tokenize
+    takes vLLM's tools and counts them the same."""
+    from test_server_tools import ROUND_TRIP, TOOLS
+
+    r = post(tiny_server, {"messages": ROUND_TRIP, "tools": TOOLS}, "/tokenize").json()
+    used = client.chat.completions.create(model="tiny", messages=ROUND_TRIP, tools=TOOLS, max_tokens=1).usage
+    assert r["count"] == used.prompt_tokens
+    assert r["count"] > post(tiny_server, {"messages": ROUND_TRIP}, "/tokenize").json()["count"]
+
+
 def test_token_strs_and_pieces(tiny_server, tiny):
     text = "Hi 𝔘 é"
     r = post(tiny_server, {"prompt": text, "return_token_strs": True}, "/tokenize").json()
@@ -68,7 +79,9 @@ def test_detokenize_gives_the_text_under_both_keys(tiny_server, tiny):
         ("/tokenize", {"prompt": "a", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens", "not a field"),
         ("/tokenize", {"prompt": ["a"]}, "prompt", "string"),
         ("/tokenize", {"messages": []}, "messages", "at least 1"),
-        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "tool"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "input should be"),
+        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "tool_call_id"),
+        ("/tokenize", {"prompt": "a", "tools": []}, "tools", "does not go with prompt"),
     ],
 )
 def test_bad_bodies_are_400s_naming_the_field(tiny_server, path, body, param, words):

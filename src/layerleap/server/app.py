@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -735,9 +736,14 @@ def tokenize_answer(body: TokenizeRequest, st: AppState) -> dict:
             return {"tokens": ids}
         return {"tokens": [{"id": t, "piece": _piece(tok, t)} for t in ids]}
     if text == "messages":
+        try:  # the tools as a chat completion that declares them (tool_choice "auto") puts them in its prompt
+            plan = tool_plan(SimpleNamespace(tools=body.tools, functions=None, tool_choice=None, function_call=None))
+        except ToolError as e:
+            raise _bad(str(e), e.param) from None
         ids = chat_prompt_ids(
             body.messages,
             tok,
+            plan,
             add_generation_prompt=body.add_generation_prompt is not False,
             add_special_tokens=bool(body.add_special_tokens),
             instead="give the text as prompt",

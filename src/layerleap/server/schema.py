@@ -429,6 +429,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool | None = Field(
         None, description="vLLM's, with messages: the template's opening of the assistant's turn (default true)"
     )
+    tools: list[ToolDef] | None = Field(
+        None, description="vLLM's, with messages: the tools a chat completion would declare (they are in its prompt)"
+    )
     add_special_tokens: bool | None = Field(
         None,
         description="vLLM's: the tokenizer's special tokens (a BOS) added (default: true with prompt, as a "
@@ -444,6 +447,13 @@ class TokenizeRequest(BaseModel):
     )
 
     VLLM: ClassVar[tuple[str, ...]] = ("add_special_tokens", "return_token_strs")
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(cls, tools):
+        _unique_names(tools or [], lambda t: t.function.name)
+        return tools
+
     LLAMA: ClassVar[tuple[str, ...]] = ("add_special", "with_pieces", "parse_special")
 
     def texts(self) -> list[str]:
@@ -453,9 +463,10 @@ class TokenizeRequest(BaseModel):
     def misfit(self) -> str | None:
         """The first field given that does not go with the one field that gives the text."""
         text = self.texts()[0]
-        others = self.VLLM + ("add_generation_prompt",) if text == "content" else self.LLAMA
+        chat = ("add_generation_prompt", "tools")
+        others = self.VLLM + chat if text == "content" else self.LLAMA
         if text == "prompt":
-            others += ("add_generation_prompt",)
+            others += chat
         return next((k for k in others if getattr(self, k) is not None), None)
 
 

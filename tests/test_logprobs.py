@@ -303,6 +303,27 @@ def test_completions_logprobs_have_the_legacy_shape(tiny, client, server):
     assert "".join(c.text for ch in chunks for c in ch.choices) == want.text
 
 
+def test_completions_top_logprobs_hold_the_chosen_token(tiny, client):
+    """Legacy completions' ``top_logprobs`` hold the chosen token's log probability where it is not one of the
+    likeliest (a logit_bias forces it), as OpenAI and vLLM send it: up to logprobs + 1 entries, streamed, not,
+    and in the echoed prompt's."""
+    forced = tiny.tokenizer.encode(" cat", add_special_tokens=False)[0]
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=3, logprobs=1)
+    body = {"logit_bias": {str(forced): 100}, "ignore_eos": True}
+    for r in (
+        client.completions.create(**kw, extra_body=body),
+        client.completions.create(**kw, echo=True, extra_body=body),
+    ):
+        lp = r.choices[0].logprobs
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            if top is not None:  # (the echoed prompt's first token has none)
+                assert top[token] == logprob and len(top) <= 2 and max(top.values()) >= logprob
+        assert lp.tokens[-3:] == [" cat"] * 3 and len(lp.top_logprobs[-1]) == 2
+    chunks = list(client.completions.create(**kw, stream=True, extra_body=body))
+    tops = [t for ch in chunks for c in ch.choices if c.logprobs for t in c.logprobs.top_logprobs]
+    assert tops == client.completions.create(**kw, extra_body=body).choices[0].logprobs.top_logprobs
+
+
 def test_server_logprobs_cover_the_answer_to_a_stop(tiny, client):
     """A stop string or a stop token ends the answer: its log probabilities are those of the answer's
     tokens (``usage.completion_tokens``), none past them, streamed or not."""

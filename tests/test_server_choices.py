@@ -189,6 +189,8 @@ def test_choices_of_one_request_fail_together_past_the_queue(tiny):
         assert app.state.layerleap.scheduler.waiting == []
         r = post(url, {"prompt": P, "max_tokens": 4, "n": 3, "temperature": 1.0})
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        r = post(url, {"prompt": P, "max_tokens": 4, "n": 16})  # greedy choices: one answer, one place
+        assert r.status_code == 200 and len(r.json()["choices"]) == 16
 
 
 @pytest.mark.parametrize("stream", [True, False])

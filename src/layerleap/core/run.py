@@ -418,19 +418,30 @@ class Run:
 
 
 def chat_token_ids(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = False,
+    tools: list[dict] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of ``messages`` (``[{"role", "content"}, ...]``) under the tokenizer's chat template, with
     ``tools`` (OpenAI's tool definitions) passed to it when given (newer `transformers` return a mapping with
-    ``input_ids``, older ones a list).  A template that does not parse, or refuses the messages (its
-    ``raise_exception``), is a ``GenerationError`` saying so."""
+    ``input_ids``, older ones a list); ``add_special_tokens``: the template's text tokenized with the tokenizer's
+    special tokens (a BOS) on top of the template's own, as vLLM's field of that name.  A template that does not
+    parse, or refuses the messages (its ``raise_exception``), is a ``GenerationError`` saying so."""
     import jinja2
 
     kw = {} if tools is None else {"tools": tools}
     try:
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kw
-        )
+        if add_special_tokens:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
+            )
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kw
+            )
     except jinja2.TemplateSyntaxError as e:
         raise GenerationError(
             f"the model's chat template does not parse (line {e.lineno}: {e.message}): repair its chat template "

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,7 +39,15 @@ from ..errors import LayerleapError
 from ..options import model_options
 from ..scheduler import Finish, Job, QueueTimeout, Scheduler, Settings
 from .metrics import Metrics, endpoint_label
-from .schema import GRAMMAR_FIELDS, ChatRequest, CompletionRequest, _Request
+from .schema import (
+    GRAMMAR_FIELDS,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Message,
+    TokenizeRequest,
+    _Request,
+)
 from .tools import ToolError, ToolPlan, ToolStream, conversation, template_reads_tools, tool_calls, tool_plan
 
 access_log = logging.getLogger("layerleap.access")
@@ -340,24 +349,38 @@ def _max_tokens(body: _Request) -> tuple[str, int | None]:
     return given[0] if given else ("max_tokens", None)
 
 
+def chat_prompt_ids(
+    messages: list[Message],
+    tok,
+    plan: ToolPlan | None = None,
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+    instead: str = "use /v1/completions",
+) -> list[int]:
+    """A chat request's messages (and its tools, ``plan``) as the prompt's token ids, through the model's chat
+    template (``instead``: what to do for a model without one)."""
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise _bad(f"this model has no chat template: {instead}", "messages")
+    try:
+        plain, tools = conversation(messages, plan, template_reads_tools(tok))
+    except ToolError as e:
+        raise _bad(str(e), e.param) from None
+    kw = {} if tools is None else {"tools": tools}
+    if add_special_tokens:  # (a completion's call: without it)
+        kw["add_special_tokens"] = True
+    try:
+        return chat_token_ids(tok, plain, add_generation_prompt=add_generation_prompt, **kw)
+    except LayerleapError as e:  # the template does not parse, or its raise_exception ("roles must alternate")
+        raise _bad(str(e), "messages") from None
+    except Exception as e:  # noqa: BLE001  anything else the template raises on these messages
+        raise _bad(f"the model's chat template refused these messages: {e}", "messages") from None
+
+
 def prompt_ids(body: _Request, model: Transformer) -> list[int]:
     """The request's prompt as token ids (in a worker thread: tokenizing a long prompt takes a while)."""
     tok = model.tokenizer
     if isinstance(body, ChatRequest):
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise _bad("this model has no chat template: use /v1/completions", "messages")
-        try:
-            messages, tools = conversation(body.messages, request_tools(body), template_reads_tools(tok))
-        except ToolError as e:
-            raise _bad(str(e), e.param) from None
-        try:
-            return chat_token_ids(
-                tok, messages, add_generation_prompt=True, **({} if tools is None else {"tools": tools})
-            )
-        except LayerleapError as e:  # the template does not parse, or its raise_exception ("roles must alternate")
-            raise _bad(str(e), "messages") from None
-        except Exception as e:  # noqa: BLE001  anything else the template raises on these messages
-            raise _bad(f"the model's chat template refused these messages: {e}", "messages") from None
+        return chat_prompt_ids(body.messages, tok, request_tools(body))
     if isinstance(body.prompt, str):
         if tok is None:
             raise _bad("this model has no tokenizer: give the prompt as token ids", "prompt")
@@ -477,14 +500,15 @@ class Reply:
         return {
             "tokens": [e.text for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries] if self.top else None,
+            "top_logprobs": [_top_dict(e) for e in entries] if self.top else None,
             "text_offset": offsets,
         }
 
     def _echoed(self) -> dict | None:
         """With echo and logprobs: the prompt's tokens in legacy completions' ``logprobs`` (its first token's
         log probability and likeliest tokens null, as OpenAI sends them); the answer's offsets then count
-        from the end of the prompt's text."""
+        from the end of the prompt's text.  A first token that the tokenizer added (a BOS: its text is not
+        where the prompt's text begins) takes no room in the text."""
         if self.echo_logprobs is None:
             return None
         first = {
@@ -493,7 +517,7 @@ class Reply:
             "top_logprobs": [None] if self.top else None,
             "text_offset": [0],
         }
-        self.offset = len(self.echo_first)
+        self.offset = len(self.echo_first) if (self.echo or "").startswith(self.echo_first) else 0
         rest = self.logprobs(self.echo_logprobs)
         self.offset = len(self.echo or "")
         return _joined(first, rest)
@@ -577,6 +601,14 @@ class Reply:
 
     def usage_chunk(self, completion_tokens: int) -> dict:
         return {**self._head(True), "choices": [], "usage": _usage(self.prompt_len, completion_tokens)}
+
+
+def _top_dict(e: TokenLogprob) -> dict:
+    """Legacy completions' ``top_logprobs`` at one position: the likeliest tokens' texts to their log
+    probabilities, and the chosen token's where it is not one of them (OpenAI's and vLLM's "up to logprobs + 1")."""
+    top = {t.text: t.logprob for t in e.top}
+    top.setdefault(e.text, e.logprob)
+    return top
 
 
 def _joined(a: dict, b: dict) -> dict:
@@ -674,6 +706,100 @@ def _not_found(name: str, served: str) -> APIError:
     return APIError(
         404, f"the model {name!r} does not exist here: this server serves {served!r}", "model", "model_not_found"
     )
+
+
+# -- the tokenizer endpoints (vLLM's and llama.cpp's) -------------------------------------------------------
+def tokenize_answer(body: TokenizeRequest, st: AppState) -> dict:
+    """``/tokenize``'s answer (in a worker thread): vLLM's ``{"tokens", "count", "max_model_len"}`` for ``prompt``
+    and ``messages`` (tokenized as a completion's and a chat completion's prompts are, so ``count`` is their
+    ``usage.prompt_tokens``), llama.cpp's ``{"tokens"}`` for ``content``."""
+    texts = body.texts()
+    if not texts:
+        raise _bad(
+            "give the text to tokenize in one of prompt (text), messages (a conversation) or content (llama.cpp's)",
+            "prompt",
+        )
+    if len(texts) > 1:
+        raise _bad(f"{' and '.join(texts)} each give the text to tokenize: give one of them", texts[1])
+    text, wrong = texts[0], body.misfit()
+    if wrong is not None:
+        raise _bad(f"{wrong} does not go with {text}: leave it out", wrong)
+    tok = st.model.tokenizer
+    if text == "content":
+        if body.parse_special is False:
+            raise _bad(
+                "parse_special false is not supported: this server reads special tokens' text as those tokens",
+                "parse_special",
+            )
+        ids = [int(i) for i in tok(body.content, add_special_tokens=bool(body.add_special))["input_ids"]]
+        if not body.with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": t, "piece": _piece(tok, t)} for t in ids]}
+    if text == "messages":
+        try:  # the tools as a chat completion that declares them (tool_choice "auto") puts them in its prompt
+            plan = tool_plan(SimpleNamespace(tools=body.tools, functions=None, tool_choice=None, function_call=None))
+        except ToolError as e:
+            raise _bad(str(e), e.param) from None
+        ids = chat_prompt_ids(
+            body.messages,
+            tok,
+            plan,
+            add_generation_prompt=body.add_generation_prompt is not False,
+            add_special_tokens=bool(body.add_special_tokens),
+            instead="give the text as prompt",
+        )
+    else:
+        add = body.add_special_tokens is not False
+        ids = [int(i) for i in tok(body.prompt, add_special_tokens=add)["input_ids"]]
+    out = {"tokens": ids, "count": len(ids), "max_model_len": st.context()}
+    if body.return_token_strs:
+        out["token_strs"] = list(tok.convert_ids_to_tokens(ids))
+    return out
+
+
+def _piece(tok, token: int) -> str | list[int]:
+    """llama.cpp's ``piece`` of a token: its text, or its bytes where they are not whole UTF-8 characters."""
+    text = token_text(tok, token)
+    if "\ufffd" not in text:
+        return text
+    raw = token_bytes(tok, token, text)
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return raw
+
+
+def detokenize_answer(body: DetokenizeRequest, st: AppState) -> dict:
+    """``/detokenize``'s answer (in a worker thread): the text, under vLLM's key ``prompt`` and llama.cpp's
+    ``content``."""
+    vocab = st.model.config.vocab_size
+    bad = next(((i, t) for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise _bad(f"tokens[{bad[0]}] is {bad[1]}, not a token id of this model: give ids in [0, {vocab})", "tokens")
+    text = st.model.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return {"prompt": text, "content": text}
+
+
+@router.post("/tokenize", response_model=None)
+async def tokenize(body: TokenizeRequest, request: Request):
+    """Text or a conversation as token ids (vLLM's and llama.cpp's ``/tokenize``)."""
+    return await _tokenizer_call(request, body, tokenize_answer)
+
+
+@router.post("/detokenize", response_model=None)
+async def detokenize(body: DetokenizeRequest, request: Request):
+    """Token ids as text (vLLM's and llama.cpp's ``/detokenize``)."""
+    return await _tokenizer_call(request, body, detokenize_answer)
+
+
+async def _tokenizer_call(request: Request, body, answer: Callable) -> Response:
+    st = state_of(request)
+    try:
+        if body.model is not None and body.model != st.cfg.model_name:
+            raise _not_found(body.model, st.cfg.model_name)
+        return JSONResponse(await run_in_threadpool(answer, body, st))
+    except APIError as e:
+        return e.response()
 
 
 async def complete(request: Request, body: _Request, chat: bool) -> Response:

@@ -14,6 +14,8 @@ ROUTES = (
     "/v1/completions",
     "/v1/models",
     "/v1/models/{id}",
+    "/tokenize",
+    "/detokenize",
     "/health",
     "/metrics",
     "/docs",

@@ -411,3 +411,69 @@ class CompletionRequest(_Request):
     def logprob_count(self) -> int | None:
         """Legacy completions' ``logprobs`` is the count (0: the chosen tokens' log probabilities alone)."""
         return self.logprobs
+
+
+# -- the tokenizer endpoints -------------------------------------------------------------------------
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: vLLM's body (``prompt``, or ``messages`` through the chat template) or llama.cpp's
+    (``content``); which one is told by the field that gives the text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models)")
+    # vLLM's
+    prompt: str | None = Field(None, description="vLLM's: text, tokenized as a completion's prompt is")
+    messages: list[Message] | None = Field(
+        None, min_length=1, description="vLLM's: a conversation, tokenized as a chat completion's prompt is"
+    )
+    add_generation_prompt: bool | None = Field(
+        None, description="vLLM's, with messages: the template's opening of the assistant's turn (default true)"
+    )
+    tools: list[ToolDef] | None = Field(
+        None, description="vLLM's, with messages: the tools a chat completion would declare (they are in its prompt)"
+    )
+    add_special_tokens: bool | None = Field(
+        None,
+        description="vLLM's: the tokenizer's special tokens (a BOS) added (default: true with prompt, as a "
+        "completion's prompt is tokenized; false with messages, whose template adds its own)",
+    )
+    return_token_strs: bool | None = Field(None, description="vLLM's: token_strs, each token's piece")
+    # llama.cpp's
+    content: str | None = Field(None, description="llama.cpp's: text")
+    add_special: bool | None = Field(None, description="llama.cpp's: the tokenizer's special tokens added (false)")
+    with_pieces: bool | None = Field(None, description='llama.cpp\'s: tokens as {"id", "piece"}')
+    parse_special: bool | None = Field(
+        None, description="llama.cpp's: special tokens' text read as those tokens (true; false is not supported)"
+    )
+
+    VLLM: ClassVar[tuple[str, ...]] = ("add_special_tokens", "return_token_strs")
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(cls, tools):
+        _unique_names(tools or [], lambda t: t.function.name)
+        return tools
+
+    LLAMA: ClassVar[tuple[str, ...]] = ("add_special", "with_pieces", "parse_special")
+
+    def texts(self) -> list[str]:
+        """The fields given that give the text (one of them is right)."""
+        return [k for k in ("prompt", "messages", "content") if getattr(self, k) is not None]
+
+    def misfit(self) -> str | None:
+        """The first field given that does not go with the one field that gives the text."""
+        text = self.texts()[0]
+        chat = ("add_generation_prompt", "tools")
+        others = self.VLLM + chat if text == "content" else self.LLAMA
+        if text == "prompt":
+            others += chat
+        return next((k for k in others if getattr(self, k) is not None), None)
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: vLLM's and llama.cpp's body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models)")
+    tokens: list[int] = Field(description="token ids")

@@ -374,3 +374,15 @@ def test_processors_under_a_grammar_stay_lossless(tiny, draft, label):
     assert follows("json_object", want.text), want.text
     got = generate(tiny, PROMPTS[0], label, 40, grammar=grammar, **procs, **DRAFTING[label](tiny, draft))
     assert got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "prompt-lookup"])
+def test_token_filters_the_grammar_leaves_nothing_of_are_refused(tiny, method):
+    """``allowed_token_ids`` the grammar allows none of: a ``GenerationError`` naming both, not a token that
+    breaks the grammar (greedy's argmax of nothing) or a sampling crash."""
+    grammar, letters = GRAMMARS["regex"], tiny.tokenizer.encode("abc", add_special_tokens=False)
+    with pytest.raises(
+        GenerationError,
+        match="no token is left to choose after 0 output tokens: allowed_token_ids and the grammar forbid",
+    ):
+        generate(tiny, PROMPTS[1], method, 8, grammar=grammar, allowed_token_ids=letters)

@@ -420,3 +420,25 @@ def test_lossless_methods_equal_greedy_with_the_token_filters(models, method, op
             want = generate(m, p, "greedy", 28, stop_at_eos=False, **args).token_ids
             got = generate(m, p, method, 28, stop_at_eos=False, **args, **options(m, other)).token_ids
             assert got == want, (method, seed, args)
+
+
+@pytest.mark.parametrize(
+    "method,options",
+    [("greedy", {}), ("sample", {"seed": 1}), ("prompt-lookup", {}), ("medusa", None), ("speculative", {})],
+)
+def test_filters_that_leave_no_token_are_refused_by_name(models, method, options):
+    """``allowed_token_ids`` whose every token ``min_tokens`` or ``bad_words`` forbids (at once, or after the
+    output's first token) leaves nothing to choose: a ``GenerationError`` naming them, not a forbidden token
+    (greedy's argmax of nothing) or a sampling crash."""
+    m, other = models
+    options = EXACT["medusa"][0][1](m, other) if options is None else options
+    options = {"draft": other, **options} if method == "speculative" else options
+    p, eos = _prompt(m.config.vocab_size, 9, 1), m.eos_ids()[0]
+    for args, where in [
+        ({"allowed_token_ids": [eos], "min_tokens": 3}, "after 0 output tokens: allowed_token_ids and min_tokens"),
+        ({"allowed_token_ids": [5], "bad_words": [[5, 5]]}, "after 1 output tokens: allowed_token_ids and bad_words"),
+    ]:
+        with pytest.raises(GenerationError, match=f"no token is left to choose {where} forbid every token there"):
+            generate(m, p, method, 6, **args, **options)
+    args = {"allowed_token_ids": [5, 6], "bad_words": [[5, 5], [6, 6]]}  # always one of them left: no refusal
+    assert generate(m, p, method, 6, **args, **options).token_ids in ([5, 6, 5, 6, 5, 6], [6, 5, 6, 5, 6, 5])

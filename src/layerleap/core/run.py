@@ -28,7 +28,7 @@ from . import sampling
 from . import options as O
 from .cpu import release_freed_memory
 from .grammar import Grammar, mask_rows
-from .processors import apply_rows, histories
+from .processors import apply_rows, histories, none_left, none_left_message
 from .kv_cache import KVCache
 from .logprobs import Raw, TokenLogprob, capture
 from .model import Transformer
@@ -39,6 +39,11 @@ LONG_PROMPT_PASS = 256  # prompt tokens in a call after which its freed buffers 
 
 class GenerationError(V.InputError):
     """Bad input to ``generate``: the message names the problem and the fix."""
+
+
+class NoTokenLeft(GenerationError):
+    """While decoding: the token filters (``allowed_token_ids``, ``bad_words``, ``min_tokens``), with a grammar,
+    forbid every token where a row chooses its next one (``core.processors.none_left_message`` says which)."""
 
 
 @dataclass(frozen=True)
@@ -343,6 +348,8 @@ class Run:
             logits = apply_rows(self.histories, logits)
         if self.constraints is not None:
             logits = mask_rows(self.constraints, logits)
+        if self.histories is not None and self.histories[0].filters:
+            self.check_left(logits, range(self.batch))
         if not g.do_sample:
             tokens = torch.tensor(sampling.top_ids(logits), device=logits.device)  # argmax's ids, numpy's speed
         else:
@@ -352,6 +359,13 @@ class Run:
             for row, t in enumerate(tokens.tolist()):
                 self.capture(row, raw[row : row + 1], [t])
         return tokens
+
+    def check_left(self, logits: torch.Tensor, rows) -> None:
+        """Refuse to choose where the token filters (with the grammar) leave no token: ``logits`` ``[n, V]``
+        processed and masked, their rows ``rows``' (finished rows choose nothing)."""
+        for row, empty in zip(rows, none_left(logits).tolist()):
+            if empty and not self.finished[row]:
+                raise NoTokenLeft(none_left_message(self.histories[row], self.constraints is not None))
 
     def capture(self, row: int, logits: torch.Tensor, tokens: list[int]) -> None:
         """With ``gen.logprobs``: the log probabilities of ``tokens``, chosen for ``row`` from ``logits``

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import sampling, verify
-from ..core.processors import tree_paths
-from ..core.run import Run
+from ..core.processors import none_left, none_left_message, tree_paths
+from ..core.run import NoTokenLeft, Run
 from ..core.stats import DraftStats
 from ..core.tree import Candidates
 from ..drafters.base import Drafter
@@ -85,10 +85,19 @@ class Exact:
         if run.constraints is not None:  # every node scored by the tokens the grammar allows after its path
             allowed = run.constraints[row].tree_masks(cand.tokens.tolist(), cand.parents.tolist())  # [1 + k, V]
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        empty = None
+        if run.histories is not None and run.histories[row].filters:
+            # a node where the filters leave no token: refused if the walk chooses there, as greedy's step would be
+            empty = none_left(logits)  # [1 + k]
+            logits = logits.masked_fill(empty.unsqueeze(1), 0.0)  # finite meanwhile: a walk past it draws no NaN
         if not g.do_sample:
-            return verify.accept_greedy(cand.tokens, cand.parents, logits)
-        p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)  # [1 + k, V]
-        return verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
+            result = verify.accept_greedy(cand.tokens, cand.parents, logits)
+        else:
+            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)  # [1 + k, V]
+            result = verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
+        if empty is not None and bool(empty[path_rows(cand, result[0])].any()):
+            raise NoTokenLeft(none_left_message(run.histories[row], run.constraints is not None))
+        return result
 
 
 class Rollback:

@@ -442,3 +442,16 @@ def test_filters_that_leave_no_token_are_refused_by_name(models, method, options
             generate(m, p, method, 6, **args, **options)
     args = {"allowed_token_ids": [5, 6], "bad_words": [[5, 5], [6, 6]]}  # always one of them left: no refusal
     assert generate(m, p, method, 6, **args, **options).token_ids in ([5, 6, 5, 6, 5, 6], [6, 5, 6, 5, 6, 5])
+
+
+def test_a_finished_row_the_filters_leave_no_token_samples_on_beside_the_others(models):
+    """After its end-of-sequence token a row's filters forbid everything (every bad word starts with it): a
+    finished row chooses nothing, so its batch-mates sample on as they do alone."""
+    m = models[0]
+    eos = m.eos_ids()[0]
+    prompts = [_prompt(m.config.vocab_size, 9, s) for s in range(6)]
+    args = dict(allowed_token_ids=[5, 6, eos], bad_words=[[eos, 5], [eos, 6], [eos, eos]], logit_bias={eos: 2.0})
+    rows = generate(m, prompts, "sample", 12, seed=1, **args)
+    alone = [generate(m, p, "sample", 12, seed=row_seed(1, i), **args) for i, p in enumerate(prompts)]
+    assert [r.token_ids for r in rows] == [r.token_ids for r in alone]
+    assert len({len(r.token_ids) for r in rows}) > 1  # rows that end at different times

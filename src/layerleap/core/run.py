@@ -349,7 +349,7 @@ class Run:
         if self.constraints is not None:
             logits = mask_rows(self.constraints, logits)
         if self.histories is not None and self.histories[0].filters:
-            self.check_left(logits, range(self.batch))
+            logits = self.check_left(logits)
         if not g.do_sample:
             tokens = torch.tensor(sampling.top_ids(logits), device=logits.device)  # argmax's ids, numpy's speed
         else:
@@ -360,12 +360,16 @@ class Run:
                 self.capture(row, raw[row : row + 1], [t])
         return tokens
 
-    def check_left(self, logits: torch.Tensor, rows) -> None:
-        """Refuse to choose where the token filters (with the grammar) leave no token: ``logits`` ``[n, V]``
-        processed and masked, their rows ``rows``' (finished rows choose nothing)."""
-        for row, empty in zip(rows, none_left(logits).tolist()):
-            if empty and not self.finished[row]:
+    def check_left(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, V]`` processed (and masked) logits, refused where the token filters (with the grammar) leave an
+        unfinished row no token; a finished row's (its token is dropped) made finite, so that sampling draws no NaN."""
+        empty = none_left(logits)
+        if not bool(empty.any()):
+            return logits
+        for row in empty.nonzero().flatten().tolist():
+            if not self.finished[row]:
                 raise NoTokenLeft(none_left_message(self.histories[row], self.constraints is not None))
+        return logits.masked_fill(empty.unsqueeze(1), 0.0)
 
     def capture(self, row: int, logits: torch.Tensor, tokens: list[int]) -> None:
         """With ``gen.logprobs``: the log probabilities of ``tokens``, chosen for ``row`` from ``logits``

@@ -455,3 +455,27 @@ def test_a_finished_row_the_filters_leave_no_token_samples_on_beside_the_others(
     alone = [generate(m, p, "sample", 12, seed=row_seed(1, i), **args) for i, p in enumerate(prompts)]
     assert [r.token_ids for r in rows] == [r.token_ids for r in alone]
     assert len({len(r.token_ids) for r in rows}) > 1  # rows that end at different times
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_draft_that_ends_the_row_before_filters_leave_no_token_is_kept(models, do_sample):
+    """After the end-of-sequence token the filters forbid everything: a round whose path drafts it has no token
+    to choose after it, and keeps it, for the row ends there (greedy decoding never chooses after it)."""
+    from layerleap.core.processors import asked
+    from layerleap.core.tree import Candidates
+    from layerleap.decoding import check_processors, get_method
+    from layerleap.methods.draft_verify import EXACT as RULE
+
+    m = models[0]
+    eos = m.eos_ids()[0]
+    args = dict(allowed_token_ids=[5, 6, eos], bad_words=[[eos, 5], [eos, 6], [eos, eos]])
+    procs = check_processors(get_method("greedy"), m.config.vocab_size, 8, **args)
+    gen = GenerationConfig(8, do_sample, seed=1 if do_sample else None, eos_ids=(eos,), **procs)
+    assert asked(gen)
+    run = Run(m, [_prompt(m.config.vocab_size, 9, 1)], gen)
+    logits = torch.zeros(3, m.config.vocab_size)
+    logits[:, eos] = 50.0  # the target's token: the drafts, 6 then the end-of-sequence token
+    logits[0, 6] = 90.0
+    path, _ = RULE.accept(run, 0, Candidates.chain(5, [6, eos]), logits)
+    assert path == [0, 1]
+    assert not run.emit(0, [6]) and run.emit(0, [eos])  # the row ends at the drafted end-of-sequence token

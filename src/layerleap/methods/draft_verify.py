@@ -95,9 +95,35 @@ class Exact:
         else:
             p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)  # [1 + k, V]
             result = verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
-        if empty is not None and bool(empty[path_rows(cand, result[0])].any()):
-            raise NoTokenLeft(none_left_message(run.histories[row], run.constraints is not None))
+        if empty is not None:
+            _check_left(run, row, cand, result, empty)
         return result
+
+
+def _check_left(run: Run, row: int, cand: Candidates, result: tuple[list[int], int], empty: torch.Tensor) -> None:
+    """Refuse a round that chose a token where the filters left none (``empty``: ``[1 + k]`` the rows where
+    they did), unless the row ends before that token, as greedy decoding, which never chooses there."""
+    drafts = cand.tokens.tolist()
+    new = [drafts[j] for j in result[0]] + [result[1]]
+    dead = [i for i, r in enumerate(path_rows(cand, result[0])) if bool(empty[r])]
+    if dead and not _ends_within(run, row, new[: dead[0]]):
+        raise NoTokenLeft(none_left_message(run.histories[row], run.constraints is not None))
+
+
+def _ends_within(run: Run, row: int, tokens: list[int]) -> bool:
+    """Whether emitting ``tokens`` ends ``row`` (``Run.emit``: an end-of-sequence token, the end of its grammar,
+    its budget), so that nothing after them is chosen."""
+    g = run.gen
+    if (g.stop_at_eos and any(t in g.eos_ids for t in tokens)) or len(run.out[row]) + len(tokens) >= g.max_new_tokens:
+        return True
+    c = None if run.constraints is None else run.constraints[row]
+    if c is None:
+        return False
+    n = c.matcher.try_consume_tokens(tokens) if tokens else 0  # as far as it takes them: to its end at most
+    try:
+        return c.stopped
+    finally:
+        c.rollback(n)
 
 
 class Rollback:

@@ -374,3 +374,30 @@ def test_processors_under_a_grammar_stay_lossless(tiny, draft, label):
     assert follows("json_object", want.text), want.text
     got = generate(tiny, PROMPTS[0], label, 40, grammar=grammar, **procs, **DRAFTING[label](tiny, draft))
     assert got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "prompt-lookup"])
+def test_token_filters_the_grammar_leaves_nothing_of_are_refused(tiny, method):
+    """``allowed_token_ids`` the grammar allows none of: a ``GenerationError`` naming both, not a token that
+    breaks the grammar (greedy's argmax of nothing) or a sampling crash."""
+    grammar, letters = GRAMMARS["regex"], tiny.tokenizer.encode("abc", add_special_tokens=False)
+    with pytest.raises(
+        GenerationError,
+        match="no token is left to choose after 0 output tokens: allowed_token_ids and the grammar forbid",
+    ):
+        generate(tiny, PROMPTS[1], method, 8, grammar=grammar, allowed_token_ids=letters)
+
+
+@pytest.mark.parametrize("label", ["prompt-lookup", "speculative", "auto"])
+def test_a_draft_that_ends_the_grammar_is_kept_under_filters_without_the_end_token(tiny, draft, label):
+    """``allowed_token_ids`` without the end-of-sequence tokens: after a path that ends the grammar the filters
+    leave no token, and none is chosen there (the row ends), as greedy decoding ends: the same answer."""
+    grammar, eos = GRAMMARS["choice"], set(tiny.eos_ids())
+    for prompt in PROMPTS:
+        plain = generate(tiny, prompt, "greedy", 20, grammar=grammar).token_ids
+        allowed = sorted((set(plain) | set(range(1, tiny.config.vocab_size, 3))) - eos)
+        want = generate(tiny, prompt, "greedy", 20, grammar=grammar, allowed_token_ids=allowed)
+        got = generate(
+            tiny, prompt, label, 20, grammar=grammar, allowed_token_ids=allowed, **DRAFTING[label](tiny, draft)
+        )
+        assert got.token_ids == want.token_ids and follows("choice", got.text), (prompt, got.text)

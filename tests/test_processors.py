@@ -420,3 +420,62 @@ def test_lossless_methods_equal_greedy_with_the_token_filters(models, method, op
             want = generate(m, p, "greedy", 28, stop_at_eos=False, **args).token_ids
             got = generate(m, p, method, 28, stop_at_eos=False, **args, **options(m, other)).token_ids
             assert got == want, (method, seed, args)
+
+
+@pytest.mark.parametrize(
+    "method,options",
+    [("greedy", {}), ("sample", {"seed": 1}), ("prompt-lookup", {}), ("medusa", None), ("speculative", {})],
+)
+def test_filters_that_leave_no_token_are_refused_by_name(models, method, options):
+    """``allowed_token_ids`` whose every token ``min_tokens`` or ``bad_words`` forbids (at once, or after the
+    output's first token) leaves nothing to choose: a ``GenerationError`` naming them, not a forbidden token
+    (greedy's argmax of nothing) or a sampling crash."""
+    m, other = models
+    options = EXACT["medusa"][0][1](m, other) if options is None else options
+    options = {"draft": other, **options} if method == "speculative" else options
+    p, eos = _prompt(m.config.vocab_size, 9, 1), m.eos_ids()[0]
+    for args, where in [
+        ({"allowed_token_ids": [eos], "min_tokens": 3}, "after 0 output tokens: allowed_token_ids and min_tokens"),
+        ({"allowed_token_ids": [5], "bad_words": [[5, 5]]}, "after 1 output tokens: allowed_token_ids and bad_words"),
+    ]:
+        with pytest.raises(GenerationError, match=f"no token is left to choose {where} forbid every token there"):
+            generate(m, p, method, 6, **args, **options)
+    args = {"allowed_token_ids": [5, 6], "bad_words": [[5, 5], [6, 6]]}  # always one of them left: no refusal
+    assert generate(m, p, method, 6, **args, **options).token_ids in ([5, 6, 5, 6, 5, 6], [6, 5, 6, 5, 6, 5])
+
+
+def test_a_finished_row_the_filters_leave_no_token_samples_on_beside_the_others(models):
+    """After its end-of-sequence token a row's filters forbid everything (every bad word starts with it): a
+    finished row chooses nothing, so its batch-mates sample on as they do alone."""
+    m = models[0]
+    eos = m.eos_ids()[0]
+    prompts = [_prompt(m.config.vocab_size, 9, s) for s in range(6)]
+    args = dict(allowed_token_ids=[5, 6, eos], bad_words=[[eos, 5], [eos, 6], [eos, eos]], logit_bias={eos: 2.0})
+    rows = generate(m, prompts, "sample", 12, seed=1, **args)
+    alone = [generate(m, p, "sample", 12, seed=row_seed(1, i), **args) for i, p in enumerate(prompts)]
+    assert [r.token_ids for r in rows] == [r.token_ids for r in alone]
+    assert len({len(r.token_ids) for r in rows}) > 1  # rows that end at different times
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_draft_that_ends_the_row_before_filters_leave_no_token_is_kept(models, do_sample):
+    """After the end-of-sequence token the filters forbid everything: a round whose path drafts it has no token
+    to choose after it, and keeps it, for the row ends there (greedy decoding never chooses after it)."""
+    from layerleap.core.processors import asked
+    from layerleap.core.tree import Candidates
+    from layerleap.decoding import check_processors, get_method
+    from layerleap.methods.draft_verify import EXACT as RULE
+
+    m = models[0]
+    eos = m.eos_ids()[0]
+    args = dict(allowed_token_ids=[5, 6, eos], bad_words=[[eos, 5], [eos, 6], [eos, eos]])
+    procs = check_processors(get_method("greedy"), m.config.vocab_size, 8, **args)
+    gen = GenerationConfig(8, do_sample, seed=1 if do_sample else None, eos_ids=(eos,), **procs)
+    assert asked(gen)
+    run = Run(m, [_prompt(m.config.vocab_size, 9, 1)], gen)
+    logits = torch.zeros(3, m.config.vocab_size)
+    logits[:, eos] = 50.0  # the target's token: the drafts, 6 then the end-of-sequence token
+    logits[0, 6] = 90.0
+    path, _ = RULE.accept(run, 0, Candidates.chain(5, [6, eos]), logits)
+    assert path == [0, 1]
+    assert not run.emit(0, [6]) and run.emit(0, [eos])  # the row ends at the drafted end-of-sequence token

@@ -94,6 +94,18 @@ def test_bad_filters_are_400s_naming_the_field(tiny_server, fields, param, words
     assert words is None or words in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("fields", [{}, {"temperature": 1.0, "seed": 1}, {"layerleap": {"method": "prompt-lookup"}}])
+def test_filters_that_leave_no_token_are_400s_naming_them(tiny_server, tiny, fields):
+    """``allowed_token_ids`` that ``min_tokens`` forbids every one of (the end-of-sequence token) leaves the
+    answer nothing to choose: a 400 naming them, pooled or batched, greedy or sampled, not a token no one allowed
+    or a 500."""
+    body = {"prompt": P, "max_tokens": 6, "allowed_token_ids": list(tiny.eos_ids()), "min_tokens": 2, **fields}
+    r = post(tiny_server, body)
+    assert r.status_code == 400, r.text
+    assert "no token is left to choose after 0 output tokens: allowed_token_ids and min_tokens" in r.text
+    assert post(tiny_server, {"prompt": P, "max_tokens": 4}).status_code == 200  # the server goes on
+
+
 # -- n: several choices per request -------------------------------------------------------------------
 def _stream(url: str, body: dict, path: str = "/v1/completions") -> list[dict]:
     r = post(url, {**body, "stream": True}, path)

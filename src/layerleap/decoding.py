@@ -383,7 +383,8 @@ def generate(
     them does not count), ``allowed_token_ids`` (a list of token ids: no other token
     is chosen) and ``bad_words`` (a list of words, each text or its token ids; vLLM's rule: a word's tokens,
     as it is and with a leading space, are never completed in the output: the word's last token is forbidden
-    where the output ends with the tokens before it; the prompt is not read).  ``min_p`` (in [0, 1]) is a
+    where the output ends with the tokens before it; the prompt is not read); filters that leave a row no token to
+    choose (with a grammar's mask too) raise a ``GenerationError`` naming them.  ``min_p`` (in [0, 1]) is a
     sampling warp beside top-k and top-p: the tokens less likely than ``min_p`` times the likeliest one are
     dropped.  Methods with ``METHODS[name].grammar`` apply the processors, the lossless ones staying lossless
     (greedy output equal to greedy decoding with the same processors); the others refuse them.  The defaults

@@ -35,7 +35,7 @@ from .core import processors, sampling
 from .core.kv_cache import KVCache
 from .core.model import Transformer
 from .core.logprobs import Raw, TokenLogprob, capture, typed
-from .core.run import GenerationConfig, GenerationResult, row_generators
+from .core.run import GenerationConfig, GenerationResult, NoTokenLeft, row_generators
 from .decoding import Decoding, get_method
 from .errors import LayerleapError
 from .core.text import StopText, TextPieces, hold_off, tokens_through
@@ -343,6 +343,8 @@ class _Row:
             logits = self.history.apply(logits)
         if self.constraint is not None:
             logits = self.constraint.mask(logits[0]).unsqueeze(0)
+        if self.history is not None and self.history.filters and bool(processors.none_left(logits)[0]):
+            raise NoTokenLeft(processors.none_left_message(self.history, self.constraint is not None))
         if not g.do_sample:
             token = sampling.top_ids(logits[0])
         else:
@@ -488,9 +490,18 @@ class Pool:
         logits = m.logits(m.run_layers(m.embed(x), 0, m.config.n_layers, positions, view))[:, -1]  # [n, V]
         self.widest = max(self.widest, n)
         self._passed(self.decoding)
+        stuck = []
         for i, r in enumerate(self.decoding):
             r.calls += 1
-            r.emit(r.choose(logits[i : i + 1]))
+            try:
+                token = r.choose(logits[i : i + 1])
+            except NoTokenLeft as e:  # its settings leave no token: this request fails, not the others
+                self.failed.append((r.job, e))
+                stuck.append(r)
+                continue
+            r.emit(token)
+        for r in stuck:
+            self._leave(r)
 
     def _passed(self, rows: list[_Row]) -> None:
         """One model call over ``rows``: counted once for each method among them."""

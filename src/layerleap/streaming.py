@@ -14,7 +14,7 @@ from .decoding import Decoding
 from .core.run import GenerationError, GenerationResult
 from .core.logprobs import TokenLogprob
 from .core.model import Transformer
-from .core.text import BYTE_TOKEN, REPLACEMENT, StopText, TextPieces  # noqa: F401  (re-exported)
+from .core.text import BYTE_TOKEN, REPLACEMENT, StopText, TextPieces, hold_off  # noqa: F401  (re-exported)
 
 
 class TextStream:
@@ -51,15 +51,19 @@ class TextStream:
     def _iterate(self):
         d = self.decoding
         stop = StopText(d.stops)  # the text before a stop string (a tail that may start one waits)
+        tokenizer = d.model.tokenizer
         try:
             for _ in d:
-                piece = stop.push(self.pieces.push(d.tokens(0)))
+                toks = d.tokens(0)
+                hold_off(stop, d.gen.min_tokens, toks, tokenizer)  # no stop string before min_tokens, as generate's
+                piece = stop.push(self.pieces.push(toks))
                 if piece:
                     yield piece
         except GeneratorExit:
             d.close()
             raise
         self.result = d.results[0]
+        hold_off(stop, d.gen.min_tokens, self.result.token_ids, tokenizer)
         rest = stop.push(self.pieces.finish(self.result.token_ids)) + stop.finish()
         if rest:
             yield rest

@@ -8,6 +8,8 @@ output, and once if it occurs there at all), ``logit_bias`` (OpenAI's: added to 
 the output holds that many tokens), ``allowed_token_ids`` (vLLM's: every other token is forbidden) and
 ``bad_words`` (vLLM's: token sequences that are never completed: a sequence's last token is forbidden where
 the output so far ends with the tokens before it; the prompt is not read).
+Where the filters and ``min_tokens`` (with a grammar's mask) forbid every token a row would choose from,
+``none_left`` finds it and the choice is refused by name (``none_left_message``), not made among forbidden tokens.
 As vLLM, the filters, the bias and ``min_tokens`` come first, then the repetition, frequency and presence penalties, all
 on the raw logits, before a grammar's mask, a temperature and the top-k / top-p / min-p warps.
 
@@ -83,6 +85,16 @@ class History:
         self._in_prompt[: len(cols)] = True
         self._count = np.zeros(size, dtype=np.float32)
         self.out: list[int] = []  # the output's tokens in order (bad_words read its end)
+        # the filters that can forbid every token (with each other or a grammar): the choice is then checked
+        self.filters = [
+            name
+            for name, on in (
+                ("allowed_token_ids", self.allowed.numel()),
+                ("bad_words", self.bad_words),
+                ("min_tokens", self.min_tokens and self.eos),
+            )
+            if on
+        ]
 
     def push(self, token: int) -> None:
         t = int(token)
@@ -154,6 +166,21 @@ class History:
                 x = torch.where(count > 0, x - self.presence, x)
             out[:, idx] = x
         return out
+
+
+def none_left(logits: torch.Tensor) -> torch.Tensor:
+    """``[n, V]`` processed (and masked) logits -> ``[n]`` bool: the rows where every token is forbidden."""
+    return logits.amax(-1) == float("-inf")
+
+
+def none_left_message(h: History, grammar: bool = False) -> str:
+    """Why a row of ``h`` has no token to choose, and the fix (a ``GenerationError``'s message)."""
+    names = h.filters + (["the grammar"] if grammar else [])
+    what = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    return (
+        f"no token is left to choose after {h.n_out} output tokens: {what} forbid every token there: allow more "
+        "tokens or forbid fewer"
+    )
 
 
 def histories(gen, prompts: list[list[int]], eos_ids: tuple[int, ...]) -> list[History] | None:

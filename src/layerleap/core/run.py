@@ -28,7 +28,7 @@ from . import sampling
 from . import options as O
 from .cpu import release_freed_memory
 from .grammar import Grammar, mask_rows
-from .processors import apply_rows, histories
+from .processors import apply_rows, histories, none_left, none_left_message
 from .kv_cache import KVCache
 from .logprobs import Raw, TokenLogprob, capture
 from .model import Transformer
@@ -39,6 +39,11 @@ LONG_PROMPT_PASS = 256  # prompt tokens in a call after which its freed buffers 
 
 class GenerationError(V.InputError):
     """Bad input to ``generate``: the message names the problem and the fix."""
+
+
+class NoTokenLeft(GenerationError):
+    """While decoding: the token filters (``allowed_token_ids``, ``bad_words``, ``min_tokens``), with a grammar,
+    forbid every token where a row chooses its next one (``core.processors.none_left_message`` says which)."""
 
 
 @dataclass(frozen=True)
@@ -343,6 +348,8 @@ class Run:
             logits = apply_rows(self.histories, logits)
         if self.constraints is not None:
             logits = mask_rows(self.constraints, logits)
+        if self.histories is not None and self.histories[0].filters:
+            logits = self.check_left(logits)
         if not g.do_sample:
             tokens = torch.tensor(sampling.top_ids(logits), device=logits.device)  # argmax's ids, numpy's speed
         else:
@@ -352,6 +359,17 @@ class Run:
             for row, t in enumerate(tokens.tolist()):
                 self.capture(row, raw[row : row + 1], [t])
         return tokens
+
+    def check_left(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, V]`` processed (and masked) logits, refused where the token filters (with the grammar) leave an
+        unfinished row no token; a finished row's (its token is dropped) made finite, so that sampling draws no NaN."""
+        empty = none_left(logits)
+        if not bool(empty.any()):
+            return logits
+        for row in empty.nonzero().flatten().tolist():
+            if not self.finished[row]:
+                raise NoTokenLeft(none_left_message(self.histories[row], self.constraints is not None))
+        return logits.masked_fill(empty.unsqueeze(1), 0.0)
 
     def capture(self, row: int, logits: torch.Tensor, tokens: list[int]) -> None:
         """With ``gen.logprobs``: the log probabilities of ``tokens``, chosen for ``row`` from ``logits``

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import sampling, verify
-from ..core.processors import tree_paths
-from ..core.run import Run
+from ..core.processors import none_left, none_left_message, tree_paths
+from ..core.run import NoTokenLeft, Run
 from ..core.stats import DraftStats
 from ..core.tree import Candidates
 from ..drafters.base import Drafter
@@ -85,10 +85,45 @@ class Exact:
         if run.constraints is not None:  # every node scored by the tokens the grammar allows after its path
             allowed = run.constraints[row].tree_masks(cand.tokens.tolist(), cand.parents.tolist())  # [1 + k, V]
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        empty = None
+        if run.histories is not None and run.histories[row].filters:
+            # a node where the filters leave no token: refused if the walk chooses there, as greedy's step would be
+            empty = none_left(logits)  # [1 + k]
+            logits = logits.masked_fill(empty.unsqueeze(1), 0.0)  # finite meanwhile: a walk past it draws no NaN
         if not g.do_sample:
-            return verify.accept_greedy(cand.tokens, cand.parents, logits)
-        p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)  # [1 + k, V]
-        return verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
+            result = verify.accept_greedy(cand.tokens, cand.parents, logits)
+        else:
+            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)  # [1 + k, V]
+            result = verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
+        if empty is not None:
+            _check_left(run, row, cand, result, empty)
+        return result
+
+
+def _check_left(run: Run, row: int, cand: Candidates, result: tuple[list[int], int], empty: torch.Tensor) -> None:
+    """Refuse a round that chose a token where the filters left none (``empty``: ``[1 + k]`` the rows where
+    they did), unless the row ends before that token, as greedy decoding, which never chooses there."""
+    drafts = cand.tokens.tolist()
+    new = [drafts[j] for j in result[0]] + [result[1]]
+    dead = [i for i, r in enumerate(path_rows(cand, result[0])) if bool(empty[r])]
+    if dead and not _ends_within(run, row, new[: dead[0]]):
+        raise NoTokenLeft(none_left_message(run.histories[row], run.constraints is not None))
+
+
+def _ends_within(run: Run, row: int, tokens: list[int]) -> bool:
+    """Whether emitting ``tokens`` ends ``row`` (``Run.emit``: an end-of-sequence token, the end of its grammar,
+    its budget), so that nothing after them is chosen."""
+    g = run.gen
+    if (g.stop_at_eos and any(t in g.eos_ids for t in tokens)) or len(run.out[row]) + len(tokens) >= g.max_new_tokens:
+        return True
+    c = None if run.constraints is None else run.constraints[row]
+    if c is None:
+        return False
+    n = c.matcher.try_consume_tokens(tokens) if tokens else 0  # as far as it takes them: to its end at most
+    try:
+        return c.stopped
+    finally:
+        c.rollback(n)
 
 
 class Rollback:

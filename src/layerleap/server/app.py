@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 from ..core.grammar import Grammar, GrammarError
 from ..core.logprobs import TokenLogprob, token_bytes, token_text
 from ..core.model import Transformer
-from ..core.run import GenerationConfig, chat_token_ids, row_seed
+from ..core.run import GenerationConfig, NoTokenLeft, chat_token_ids, row_seed
 from ..decoding import METHODS, GenerationError, check_processors, get_method, score
 from ..errors import LayerleapError
 from ..options import model_options
@@ -898,8 +898,8 @@ async def _watch(request: Request, st: AppState, jobs: list[Job]) -> None:
 async def _next_event(st: AppState, job: Job, grammar_field: str | None = None):
     """The job's next event; its end by an error as an ``APIError``: a ``LayerleapError`` that refused the
     request (as it joined, or in its method's set-up) is a 400, as is the request's grammar failing while
-    decoding (``grammar_field``, the field that gave it: a schema that nests without end); another one
-    raised while decoding a 500 with its message."""
+    decoding (``grammar_field``, the field that gave it: a schema that nests without end) or its token filters
+    leaving no token to choose; another one raised while decoding a 500 with its message."""
     kind, value = await job.events.get()
     if job.cancelled:  # its client went away: no one reads this answer (499 in the request counts and the log)
         raise APIError(499, "the client closed the request before its answer", code="client_closed_request")
@@ -910,6 +910,8 @@ async def _next_event(st: AppState, job: Job, grammar_field: str | None = None):
             raise value
         if isinstance(value, GrammarError):
             raise _bad(f"{grammar_field}: {value}" if grammar_field else str(value), grammar_field)
+        if isinstance(value, NoTokenLeft):  # the request's token filters forbid every token where it chooses one
+            raise _bad(str(value))
         if isinstance(value, LayerleapError):
             if kind == "refused":
                 raise _bad(str(value))

@@ -403,6 +403,7 @@ HONOURED = {
     "frequency_penalty",
     "logit_bias",
     "min_tokens",
+    "include_stop_str_in_output",
 }
 UNUSED = {
     "user",

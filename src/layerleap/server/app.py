@@ -258,12 +258,13 @@ def choice_jobs(ids: list[int], settings: Settings, body: _Request) -> tuple[lis
     of ``generate`` with that seed samples)."""
     n, gen = body.n or 1, settings.gen
     stops, stop_ids = body.stops(), tuple(body.stop_token_ids or ())
+    keep = bool(body.include_stop_str_in_output)
     if n == 1 or not gen.do_sample:
-        return [Job(ids, settings, stops, stop_ids)], [list(range(n))]
+        return [Job(ids, settings, stops, stop_ids, keep)], [list(range(n))]
     jobs = []
     for i in range(n):
         seeded = gen if gen.seed is None else dataclasses.replace(gen, seed=row_seed(gen.seed, i))
-        jobs.append(Job(ids, Settings(settings.method, settings.options, seeded), stops, stop_ids))
+        jobs.append(Job(ids, Settings(settings.method, settings.options, seeded), stops, stop_ids, keep))
     for job in jobs:
         job.group = jobs
     return jobs, [[i] for i in range(n)]

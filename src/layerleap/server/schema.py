@@ -35,7 +35,6 @@ REFUSED: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "truncate_prompt_tokens": (None,),
-    "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     # llama.cpp
     "typical_p": (None, 1, 1.0),
@@ -258,6 +257,9 @@ class _Request(BaseModel):
         None, description=f"up to {MAX_STOPS} strings; the text ends before the first one"
     )
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (not returned)")
+    include_stop_str_in_output: bool | None = Field(
+        None, description="vLLM's: the stop string that ended the text is kept at its end (null: false)"
+    )
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_tokens")
     n: int | None = Field(
         1, description="choices per request, 1 to 16 (null: 1): greedy ones are one answer, sampled ones differ"
@@ -300,7 +302,6 @@ class _Request(BaseModel):
         "(a list, the first token's null; not with stream)",
     )
     truncate_prompt_tokens: Any = None
-    include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     n_probs: Any = None
     dynatemp_range: Any = None

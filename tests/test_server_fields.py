@@ -1,0 +1,67 @@
+"""Fields of vLLM's and OpenAI's legacy completions the server honours beyond the basics: several prompts in
+one request, ``best_of``, ``include_stop_str_in_output``, ``truncate_prompt_tokens`` and
+``skip_special_tokens``, against ``generate`` on the server tests' tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+for _module in ("openai", "fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_module, reason=f"{_module} is not installed: pip install 'layerleap[test]'")
+
+import test_server  # noqa: E402
+from test_server import post  # noqa: E402
+
+tiny, tiny_server, client = test_server.tiny, test_server.tiny_server, test_server.client  # the server tests' fixtures
+
+from layerleap import generate  # noqa: E402
+
+P = "The sky is"
+
+
+def _stream(url: str, body: dict, path: str = "/v1/completions") -> list[dict]:
+    r = post(url, {**body, "stream": True}, path)
+    assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _texts(chunks: list[dict], n: int) -> list[str]:
+    texts = [""] * n
+    for c in chunks:
+        for ch in c["choices"]:
+            texts[ch["index"]] += ch["text"]
+    return texts
+
+
+# -- include_stop_str_in_output ----------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_keeps_the_stop_string(tiny_server, tiny, stream):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that ended it; the tokens counted
+    are the same (through the stop string), and a chat answer keeps it too."""
+    full = generate(tiny, P, "greedy", 24, stop_at_eos=False)
+    stop = full.text[6:9]
+    assert stop and full.text.index(stop) == 6
+    body = {"prompt": P, "max_tokens": 24, "ignore_eos": True, "stop": [stop, "zzzz"], "logprobs": 0}
+    plain = post(tiny_server, body).json()
+    kept_body = {**body, "include_stop_str_in_output": True}
+    if stream:
+        chunks = _stream(tiny_server, kept_body)
+        text = _texts(chunks, 1)[0]
+        reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+        assert reasons == ["stop"]
+    else:
+        kept = post(tiny_server, kept_body).json()
+        text = kept["choices"][0]["text"]
+        assert kept["choices"][0]["finish_reason"] == "stop"
+        assert kept["usage"] == plain["usage"]
+        assert "".join(kept["choices"][0]["logprobs"]["tokens"]).startswith(text)
+    assert plain["choices"][0]["text"] == full.text[:6]
+    assert text == full.text[:9]
+    r = post(tiny_server, {**kept_body, "include_stop_str_in_output": False, "stream": False}).json()
+    assert r["choices"][0]["text"] == full.text[:6]
+    r = post(tiny_server, {**kept_body, "include_stop_str_in_output": "yes", "stream": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include_stop_str_in_output", r.text

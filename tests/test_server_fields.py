@@ -65,3 +65,31 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tiny_server, tiny, str
     assert r["choices"][0]["text"] == full.text[:6]
     r = post(tiny_server, {**kept_body, "include_stop_str_in_output": "yes", "stream": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "include_stop_str_in_output", r.text
+
+
+# -- truncate_prompt_tokens --------------------------------------------------------------------------
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_server, tiny):
+    """vLLM's truncate_prompt_tokens: the answer is the one to the prompt's last k tokens (usage counts them,
+    echo gives their text); k over the prompt's length keeps it all; -1 keeps as many as the server takes."""
+    ids = tiny.tokenizer("one two three four five six seven eight")["input_ids"]
+    want = generate(tiny, ids[-4:], "greedy", 8)
+    r = post(tiny_server, {"prompt": ids, "max_tokens": 8, "truncate_prompt_tokens": 4}).json()
+    assert r["choices"][0]["text"] == want.text and r["usage"]["prompt_tokens"] == 4, r
+    text = "one two three four five six seven eight"
+    r = post(tiny_server, {"prompt": text, "max_tokens": 8, "truncate_prompt_tokens": 4, "echo": True}).json()
+    assert r["choices"][0]["text"] == tiny.tokenizer.decode(ids[-4:]) + want.text, r
+    r = post(tiny_server, {"prompt": ids, "max_tokens": 8, "truncate_prompt_tokens": 400}).json()
+    assert r["choices"][0]["text"] == generate(tiny, ids, "greedy", 8).text and r["usage"]["prompt_tokens"] == len(ids)
+    context = tiny.config.max_position
+    long = (ids * context)[: context + 50]
+    r = post(tiny_server, {"prompt": long, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == context - 1, r.text
+    r = post(tiny_server, {"prompt": long})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
+@pytest.mark.parametrize("value", [0, -2, "3", 2.5])
+def test_bad_truncate_prompt_tokens_is_a_400(tiny_server, value):
+    r = post(tiny_server, {"prompt": "a", "max_tokens": 2, "truncate_prompt_tokens": value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    assert value != 0 or "at least 1" in r.json()["error"]["message"]

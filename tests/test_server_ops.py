@@ -404,6 +404,7 @@ HONOURED = {
     "logit_bias",
     "min_tokens",
     "include_stop_str_in_output",
+    "truncate_prompt_tokens",
 }
 UNUSED = {
     "user",

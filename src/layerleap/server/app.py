@@ -149,6 +149,21 @@ def state_of(request: Request) -> AppState:
 
 
 # -- requests ----------------------------------------------------------------------------------------
+def prompt_limit(st: AppState) -> int:
+    """The most tokens a prompt may hold: ``--max-prompt-tokens``, and less than the context (a prompt of the
+    whole context leaves no room)."""
+    context = st.context()
+    return min(st.cfg.max_prompt_tokens or context, context - 1)
+
+
+def truncated(body: _Request, st: AppState, ids: list[int]) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the server takes)."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return ids
+    return ids[-(prompt_limit(st) if k == -1 else k) :]
+
+
 def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     """The fields of a completion request as ``Settings`` (what ``generate`` gets)."""
     cfg, context = st.cfg, st.context()
@@ -161,7 +176,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         raise _bad("prompt_logprobs are not sent in a stream: leave out stream or prompt_logprobs", "prompt_logprobs")
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
         raise _bad(f"n={body.n}: this server returns 1 to {MAX_CHOICES} choices per request: give n in that range", "n")
-    limit = min(cfg.max_prompt_tokens or context, context - 1)  # a prompt of the whole context leaves no room
+    limit = prompt_limit(st)
     if prompt_len > limit:
         raise _bad(
             f"the prompt has {prompt_len} tokens, over this server's limit of {limit}: shorten it",
@@ -630,14 +645,16 @@ def vllm_prompt_logprobs(scored: list[TokenLogprob], top: int) -> list:
     return out
 
 
-async def score_prompt(st: AppState, body: _Request, ids: list[int], reply: Reply) -> None:
+async def score_prompt(st: AppState, body: _Request, ids: list[int], reply: Reply, cut: bool = False) -> None:
     """Legacy completions' ``echo`` (the prompt's text, and with ``logprobs`` its tokens' log probabilities)
     and vLLM's ``prompt_logprobs`` on ``reply``: the prompt scored by ``layerleap.score`` in the model's
-    worker thread (one more prompt pass), only when log probabilities are asked for."""
+    worker thread (one more prompt pass), only when log probabilities are asked for; ``cut``: ``ids`` are
+    the prompt's last tokens (``truncate_prompt_tokens``), whose text is echoed."""
     echo = bool(getattr(body, "echo", None))
     tok = st.model.tokenizer
     if echo:
-        reply.echo = body.prompt if isinstance(body.prompt, str) else tok.decode(ids, skip_special_tokens=False)
+        text = isinstance(body.prompt, str) and not cut
+        reply.echo = body.prompt if text else tok.decode(ids, skip_special_tokens=False)
     tops = [n for n in (body.logprobs if echo else None, body.prompt_logprobs) if n is not None]
     if not tops:
         return
@@ -813,7 +830,8 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             raise _bad(
                 "stream_options applies to streamed answers: give stream: true, or leave it out", "stream_options"
             )
-        ids = await run_in_threadpool(prompt_ids, body, st.model)
+        whole = await run_in_threadpool(prompt_ids, body, st.model)
+        ids = truncated(body, st, whole)
         settings = request_settings(body, st, len(ids))
         generates = settings.gen.max_new_tokens > 0  # (0: echo alone)
         field, _ = request_grammar(body)
@@ -824,7 +842,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
         reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
         reply.tools = plan if plan is not None and plan.choice != "none" else None
-        await score_prompt(st, body, ids, reply)
+        await score_prompt(st, body, ids, reply, cut=len(ids) < len(whole))
         replies = [dataclasses.replace(reply, index=i) for i in range(body.n or 1)]  # one id, a choice each
         if not generates:
             _done(st, request, t0)

@@ -34,7 +34,6 @@ REFUSED: dict[str, tuple] = {
     # vLLM
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "truncate_prompt_tokens": (None,),
     "skip_special_tokens": (None, True),
     # llama.cpp
     "typical_p": (None, 1, 1.0),
@@ -301,13 +300,25 @@ class _Request(BaseModel):
         description="vLLM's: each prompt token's log probability, rank and the likeliest tokens there, this many "
         "(a list, the first token's null; not with stream)",
     )
-    truncate_prompt_tokens: Any = None
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        description="vLLM's: the prompt's last this many tokens are kept (-1: as many as this server takes in a "
+        "prompt; null: all)",
+    )
     skip_special_tokens: Any = None
     n_probs: Any = None
     dynatemp_range: Any = None
     dry_multiplier: Any = None
     xtc_probability: Any = None
     n_keep: Any = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v == 0:
+            raise ValueError("0 would keep no prompt: give at least 1, or -1 for as many as this server takes")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod

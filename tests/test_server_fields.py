@@ -93,3 +93,100 @@ def test_bad_truncate_prompt_tokens_is_a_400(tiny_server, value):
     r = post(tiny_server, {"prompt": "a", "max_tokens": 2, "truncate_prompt_tokens": value})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
     assert value != 0 or "at least 1" in r.json()["error"]["message"]
+
+
+# -- several prompts (legacy completions) ------------------------------------------------------------
+PROMPTS = ["The sky is", "Once upon a time", "1, 2, 3,"]
+
+
+def _one(url: str, body: dict, prompt) -> dict:
+    return post(url, {**body, "prompt": prompt}).json()
+
+
+@pytest.mark.parametrize("ids", [False, True])
+def test_several_prompts_are_each_answered_prompt_major(tiny_server, tiny, ids):
+    """A list of prompts (strings, or lists of token ids): each prompt's n choices, index prompt * n + choice,
+    each what the prompt alone gets; the usage sums every prompt's and choice's tokens."""
+    prompts = [tiny.tokenizer(p)["input_ids"] for p in PROMPTS] if ids else PROMPTS
+    body = {"max_tokens": 8, "n": 2}
+    r = post(tiny_server, {**body, "prompt": prompts}).json()
+    assert [c["index"] for c in r["choices"]] == list(range(6)), r
+    alone = [_one(tiny_server, body, p) for p in prompts]
+    for p, a in enumerate(alone):
+        want = generate(tiny, prompts[p], "greedy", 8).text
+        for j in range(2):
+            assert r["choices"][2 * p + j]["text"] == a["choices"][j]["text"] == want
+    for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert r["usage"][k] == sum(a["usage"][k] for a in alone), k
+
+
+def test_several_prompts_sampled_are_what_each_prompt_samples(tiny_server):
+    body = {"max_tokens": 8, "n": 2, "temperature": 0.9, "seed": 7}
+    r = post(tiny_server, {**body, "prompt": PROMPTS}).json()
+    for p, prompt in enumerate(PROMPTS):
+        a = _one(tiny_server, body, prompt)
+        assert [c["text"] for c in r["choices"][2 * p : 2 * p + 2]] == [c["text"] for c in a["choices"]]
+
+
+def test_several_prompts_stream_with_their_indexes(tiny_server):
+    body = {"max_tokens": 8, "n": 2, "prompt": PROMPTS, "stream_options": {"include_usage": True}}
+    chunks = _stream(tiny_server, body)
+    whole = post(tiny_server, {**body, "stream_options": None}).json()
+    assert _texts(chunks, 6) == [c["text"] for c in whole["choices"]]
+    reasons = sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"])
+    assert reasons == list(range(6))
+    assert chunks[-1]["usage"] == whole["usage"]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_several_prompts_echo_and_score_each_prompt(tiny_server, tiny, max_tokens):
+    """lm-evaluation-harness's local-completions with batch_size > 1: echo and logprobs over token-id prompts,
+    each choice the prompt's own (echo, log probabilities, prompt_logprobs)."""
+    prompts = [tiny.tokenizer(p)["input_ids"] for p in PROMPTS]
+    body = {"max_tokens": max_tokens, "echo": True, "logprobs": 1, "prompt_logprobs": 1}
+    r = post(tiny_server, {**body, "prompt": prompts}).json()
+    for p, prompt in enumerate(prompts):
+        a = _one(tiny_server, body, prompt)["choices"][0]
+        assert {**r["choices"][p], "index": 0} == a
+    assert r["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    chunks = _stream(tiny_server, {**body, "prompt_logprobs": None, "prompt": prompts})
+    assert _texts(chunks, 3) == [c["text"] for c in r["choices"]]
+
+
+def test_several_prompts_through_the_openai_client(client, tiny):
+    got = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=6)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [
+        generate(tiny, p, "greedy", 6).text for p in PROMPTS
+    ]
+
+
+def test_bad_prompt_lists_are_400s_naming_the_prompt(tiny_server, tiny):
+    from layerleap.server.schema import MAX_PROMPTS
+
+    for prompt, words in [
+        (["a"] * (MAX_PROMPTS + 1), f"over this server's {MAX_PROMPTS} per request"),
+        (["a", ""], "prompt [1] is not"),
+        (["a", []], "prompt [1] is not"),
+        ([[1, 2], [3, "x"]], "prompt [1] is not"),
+        ([], "must be"),
+        (["a", ["b"]], "prompt [1] is not"),
+    ]:
+        r = post(tiny_server, {"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (prompt, r.text)
+        assert words in r.json()["error"]["message"], (prompt, r.text)
+    long = [5] * (tiny.config.max_position + 10)
+    r = post(tiny_server, {"prompt": [[5, 6], long], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["message"].startswith("prompt [1]: "), r.text
+    r = post(tiny_server, {"prompt": [[5, 6], [10**9]], "max_tokens": 2})
+    assert r.status_code == 400 and "prompt [1]: prompt token ids" in r.json()["error"]["message"], r.text
+
+
+def test_a_request_over_the_queue_is_a_400_not_a_429(tiny):
+    from layerleap.server import ServerConfig, ServerThread, create_app
+
+    with ServerThread(create_app(tiny, ServerConfig("tiny", method="greedy", max_waiting=4))) as url:
+        r = post(url, {"prompt": PROMPTS, "max_tokens": 2, "n": 2, "temperature": 1.0})
+        assert r.status_code == 400 and "--max-waiting" in r.json()["error"]["message"], r.text
+        r = post(url, {"prompt": PROMPTS, "max_tokens": 2, "n": 2})  # greedy: one answer per prompt
+        assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text

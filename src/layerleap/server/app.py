@@ -392,19 +392,20 @@ def chat_prompt_ids(
         raise _bad(f"the model's chat template refused these messages: {e}", "messages") from None
 
 
-def prompt_ids(body: _Request, model: Transformer) -> list[int]:
-    """The request's prompt as token ids (in a worker thread: tokenizing a long prompt takes a while)."""
+def prompt_ids(body: _Request, model: Transformer, prompt: str | list[int] | None = None) -> list[int]:
+    """The request's prompt as token ids (in a worker thread: tokenizing a long prompt takes a while): a chat
+    request's conversation, or a text completion's ``prompt`` (one of its ``prompts()``)."""
     tok = model.tokenizer
     if isinstance(body, ChatRequest):
         return chat_prompt_ids(body.messages, tok, request_tools(body))
-    if isinstance(body.prompt, str):
+    if isinstance(prompt, str):
         if tok is None:
             raise _bad("this model has no tokenizer: give the prompt as token ids", "prompt")
-        return [int(i) for i in tok(body.prompt)["input_ids"]]
+        return [int(i) for i in tok(prompt)["input_ids"]]
     vocab = model.config.vocab_size
-    if not all(0 <= t < vocab for t in body.prompt):
+    if not all(0 <= t < vocab for t in prompt):
         raise _bad(f"prompt token ids must be in [0, {vocab})", "prompt")
-    return list(body.prompt)
+    return list(prompt)
 
 
 async def load_options(st: AppState, settings: Settings) -> Settings:
@@ -645,16 +646,17 @@ def vllm_prompt_logprobs(scored: list[TokenLogprob], top: int) -> list:
     return out
 
 
-async def score_prompt(st: AppState, body: _Request, ids: list[int], reply: Reply, cut: bool = False) -> None:
+async def score_prompt(st: AppState, body: _Request, prompt, ids: list[int], reply: Reply, cut: bool = False) -> None:
     """Legacy completions' ``echo`` (the prompt's text, and with ``logprobs`` its tokens' log probabilities)
     and vLLM's ``prompt_logprobs`` on ``reply``: the prompt scored by ``layerleap.score`` in the model's
-    worker thread (one more prompt pass), only when log probabilities are asked for; ``cut``: ``ids`` are
-    the prompt's last tokens (``truncate_prompt_tokens``), whose text is echoed."""
+    worker thread (one more prompt pass), only when log probabilities are asked for; ``prompt``: the
+    prompt as the request gave it (its text is echoed), ``ids`` its tokens; ``cut``: ``ids`` are the
+    prompt's last tokens (``truncate_prompt_tokens``), whose text is echoed."""
     echo = bool(getattr(body, "echo", None))
     tok = st.model.tokenizer
     if echo:
-        text = isinstance(body.prompt, str) and not cut
-        reply.echo = body.prompt if text else tok.decode(ids, skip_special_tokens=False)
+        text = isinstance(prompt, str) and not cut
+        reply.echo = prompt if text else tok.decode(ids, skip_special_tokens=False)
     tops = [n for n in (body.logprobs if echo else None, body.prompt_logprobs) if n is not None]
     if not tops:
         return
@@ -830,26 +832,39 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             raise _bad(
                 "stream_options applies to streamed answers: give stream: true, or leave it out", "stream_options"
             )
-        whole = await run_in_threadpool(prompt_ids, body, st.model)
-        ids = truncated(body, st, whole)
-        settings = request_settings(body, st, len(ids))
-        generates = settings.gen.max_new_tokens > 0  # (0: echo alone)
-        field, _ = request_grammar(body)
-        plan = request_tools(body)
-        if generates:
-            settings = await load_options(st, settings)
-            await run_in_threadpool(check_decoding, st.model, ids, settings, field)
-        reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
-        reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        reply.tools = plan if plan is not None and plan.choice != "none" else None
-        await score_prompt(st, body, ids, reply, cut=len(ids) < len(whole))
-        replies = [dataclasses.replace(reply, index=i) for i in range(body.n or 1)]  # one id, a choice each
-        if not generates:
+        prompts = [None] if chat else body.prompts()
+        replies, jobs, owners, loaded, field = [], [], [], None, None
+        for p, prompt in enumerate(prompts):
+            try:
+                ids, settings, reply, field = await _prompt_part(st, body, chat, prompt, loaded)
+            except APIError as e:
+                if len(prompts) > 1 and e.param == "prompt":
+                    e.message = f"prompt [{p}]: {e.message}"
+                raise
+            loaded = settings.options
+            first = len(replies)  # prompt-major: prompt p's choice j is choice p * n + j
+            replies += [dataclasses.replace(reply, index=first + i) for i in range(body.n or 1)]
+            if settings.gen.max_new_tokens > 0:  # (0: echo alone)
+                part, answers = choice_jobs(ids, settings, body)
+                jobs += part
+                owners += [[first + i for i in choices] for choices in answers]
+        total = sum(r.prompt_len for r in replies[:: body.n or 1])
+        for reply in replies:  # the usage counts every prompt's tokens
+            reply.prompt_len = total
+        if not jobs:
             _done(st, request, t0)
             if body.stream:
                 return StreamingResponse(_echo_events(replies), media_type="text/event-stream")
-            return JSONResponse(reply.full(None, [(r, None) for r in replies[1:]]))
-        jobs, owners = choice_jobs(ids, settings, body)
+            return JSONResponse(replies[0].full(None, [(r, None) for r in replies[1:]]))
+        if len(prompts) > 1:
+            for job in jobs:
+                job.group = jobs
+        if len(jobs) > st.scheduler.max_waiting:
+            raise _bad(
+                f"this request decodes {len(jobs)} answers, over the {st.scheduler.max_waiting} this server's queue "
+                "holds (--max-waiting): send fewer prompts or choices per request",
+                "prompt" if len(prompts) > 1 else "n",
+            )
         if not st.scheduler.submit(*jobs):
             raise APIError(
                 429,
@@ -882,11 +897,39 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
     if not body.stream:
         _stop(st, jobs, watcher, events)
         _done(st, request, t0)
-        answers = [(replies[i], ends[k]) for k, choices in enumerate(owners) for i in choices]
+        answers = sorted(((replies[i], ends[k]) for k, choices in enumerate(owners) for i in choices), key=_index)
         return JSONResponse(answers[0][0].full(answers[0][1], answers[1:]))
     return StreamingResponse(
         _events(request, st, jobs, owners, replies, events, first, watcher, t0), media_type="text/event-stream"
     )
+
+
+async def _prompt_part(
+    st: AppState, body: _Request, chat: bool, prompt, loaded: dict | None
+) -> tuple[list[int], Settings, Reply, str | None]:
+    """One prompt of the request: its token ids, its ``Settings`` (``loaded``: the options as an earlier prompt
+    loaded them), its ``Reply`` (its echo and prompt log probabilities scored) and the request's
+    structured-output field."""
+    whole = await run_in_threadpool(prompt_ids, body, st.model, prompt)
+    ids = truncated(body, st, whole)
+    settings = request_settings(body, st, len(ids))
+    field, _ = request_grammar(body)
+    if settings.gen.max_new_tokens > 0:  # (0: echo alone)
+        if loaded is None:
+            settings = await load_options(st, settings)
+        else:
+            settings = Settings(settings.method, loaded, settings.gen)
+        await run_in_threadpool(check_decoding, st.model, ids, settings, field)
+    reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
+    reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    plan = request_tools(body)
+    reply.tools = plan if plan is not None and plan.choice != "none" else None
+    await score_prompt(st, body, prompt, ids, reply, cut=len(ids) < len(whole))
+    return ids, settings, reply, field
+
+
+def _index(answer: tuple[Reply, Finish]) -> int:
+    return answer[0].index
 
 
 def _done(st: AppState, request: Request, t0: float) -> None:

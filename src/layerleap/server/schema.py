@@ -391,11 +391,24 @@ class ChatRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+MAX_PROMPTS = 64  # legacy completions' prompts in one request at most
+
+
+def _one_prompt(p) -> bool:
+    """Whether ``p`` is one prompt: a non-empty string, or a non-empty list of token ids."""
+    if isinstance(p, str):
+        return bool(p.strip())
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
 class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
     _asks_nothing: ClassVar[dict[str, tuple]] = {"top_logprobs": (None, 0)}  # chat's: here logprobs is the count
-    prompt: str | list[int] = Field(description="one string or one list of token ids")
+    prompt: str | list[int] | list[str | list[int]] = Field(
+        description=f"a string or a list of token ids, or a list of up to {MAX_PROMPTS} of them (each answered: "
+        "choices prompt by prompt, index = prompt's place * n + choice)"
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -411,14 +424,25 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # one prompt in a list
-        if isinstance(v, str) and v.strip():
+    def _prompts(cls, v):
+        one = "a non-empty string or a non-empty list of token ids"
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):  # several prompts
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(
+                    f"holds {len(v)} prompts, over this server's {MAX_PROMPTS} per request: send them in several"
+                )
+            bad = next((i for i, p in enumerate(v) if not _one_prompt(p)), None)
+            if bad is not None:
+                raise ValueError(f"prompt [{bad}] is not {one}: give each prompt as one")
             return v
-        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        if _one_prompt(v):
             return v
-        raise ValueError("must be one non-empty string (or one list of token ids): send one prompt per request")
+        raise ValueError(f"must be {one}, or a list of up to {MAX_PROMPTS} of them")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one, or several in a list)."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
     def logprob_count(self) -> int | None:
         """Legacy completions' ``logprobs`` is the count (0: the chosen tokens' log probabilities alone)."""

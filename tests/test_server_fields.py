@@ -190,3 +190,51 @@ def test_a_request_over_the_queue_is_a_400_not_a_429(tiny):
         assert r.status_code == 400 and "--max-waiting" in r.json()["error"]["message"], r.text
         r = post(url, {"prompt": PROMPTS, "max_tokens": 2, "n": 2})  # greedy: one answer per prompt
         assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text
+
+
+# -- best_of -----------------------------------------------------------------------------------------
+def _mean(choice: dict) -> float:
+    lps = choice["logprobs"]["token_logprobs"]
+    return sum(lps) / len(lps)
+
+
+@pytest.mark.parametrize("prompts", [P, PROMPTS[:2]])
+def test_best_of_returns_the_n_likeliest_of_its_candidates(tiny_server, prompts):
+    """best_of sampled candidates (what n = best_of samples), the n with the highest mean log probability per
+    token returned, best first, per prompt; the usage counts every candidate's tokens; log probabilities
+    only where asked for."""
+    body = {"prompt": prompts, "max_tokens": 6, "temperature": 1.5, "seed": 3, "ignore_eos": True}
+    every = post(tiny_server, {**body, "n": 5, "logprobs": 0}).json()
+    r = post(tiny_server, {**body, "n": 2, "best_of": 5, "logprobs": 0}).json()
+    count = 1 if isinstance(prompts, str) else len(prompts)
+    assert [c["index"] for c in r["choices"]] == list(range(2 * count)), r
+    for p in range(count):
+        ranked = sorted(every["choices"][5 * p : 5 * p + 5], key=_mean, reverse=True)
+        assert len({c["text"] for c in ranked}) > 2  # the candidates differ
+        assert [c["text"] for c in r["choices"][2 * p : 2 * p + 2]] == [c["text"] for c in ranked[:2]]
+    assert r["usage"] == every["usage"]
+    quiet = post(tiny_server, {**body, "n": 2, "best_of": 5}).json()
+    assert [c["text"] for c in quiet["choices"]] == [c["text"] for c in r["choices"]]
+    assert all(c["logprobs"] is None for c in quiet["choices"])
+
+
+def test_best_of_greedy_is_the_one_answer(tiny_server, tiny):
+    r = post(tiny_server, {"prompt": P, "max_tokens": 6, "best_of": 4}).json()
+    assert [c["text"] for c in r["choices"]] == [generate(tiny, P, "greedy", 6).text]
+    assert r["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    "fields,words",
+    [
+        ({"best_of": 1, "n": 2}, "from n (2) to 16"),
+        ({"best_of": 17}, "from n (1) to 16"),
+        ({"best_of": 0}, "from n (1) to 16"),
+        ({"best_of": "2"}, None),
+        ({"best_of": 2, "stream": True, "temperature": 1.0}, "not streamed"),
+    ],
+)
+def test_bad_best_of_is_a_400(tiny_server, fields, words):
+    r = post(tiny_server, {"prompt": P, "max_tokens": 2, **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    assert words is None or words in r.json()["error"]["message"], r.text

@@ -405,6 +405,7 @@ HONOURED = {
     "min_tokens",
     "include_stop_str_in_output",
     "truncate_prompt_tokens",
+    "best_of",
 }
 UNUSED = {
     "user",

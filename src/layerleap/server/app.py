@@ -176,6 +176,11 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         raise _bad("prompt_logprobs are not sent in a stream: leave out stream or prompt_logprobs", "prompt_logprobs")
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
         raise _bad(f"n={body.n}: this server returns 1 to {MAX_CHOICES} choices per request: give n in that range", "n")
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and not (body.n or 1) <= best_of <= MAX_CHOICES:
+        raise _bad(f"best_of={best_of}: give best_of from n ({body.n or 1}) to {MAX_CHOICES}", "best_of")
+    if best_of is not None and best_of > (body.n or 1) and body.stream:
+        raise _bad("best_of picks among whole answers, which are not streamed: leave out stream, or best_of", "best_of")
     limit = prompt_limit(st)
     if prompt_len > limit:
         raise _bad(
@@ -267,11 +272,21 @@ _TOKEN_ID = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key: a token id as int
 MAX_CHOICES = 16  # ``n``: choices per request at most (each a row of its own; greedy ones decode once)
 
 
+def candidates(body: _Request, settings: Settings) -> int:
+    """The answers decoded per prompt: ``best_of`` sampled ones (``n`` of them picked), else ``n``."""
+    n = body.n or 1
+    sampled = settings.gen.do_sample and settings.gen.max_new_tokens > 0  # (0: echo alone, nothing to pick)
+    return max(n, getattr(body, "best_of", None) or n) if sampled else n
+
+
 def choice_jobs(ids: list[int], settings: Settings, body: _Request) -> tuple[list[Job], list[list[int]]]:
     """The request's jobs and, for each, the choices it answers: greedy choices are all the same answer, decoded
     once; sampled choice ``i`` is a job of its own, seeded with ``seed + i`` when a seed is given (what row ``i``
-    of ``generate`` with that seed samples)."""
-    n, gen = body.n or 1, settings.gen
+    of ``generate`` with that seed samples); ``best_of``: that many sampled candidates, with their log
+    probabilities (to pick the best by, ``pick_best``)."""
+    n, gen = candidates(body, settings), settings.gen
+    if n > (body.n or 1) and gen.logprobs is None:
+        gen = dataclasses.replace(gen, logprobs=0)
     stops, stop_ids = body.stops(), tuple(body.stop_token_ids or ())
     keep = bool(body.include_stop_str_in_output)
     if n == 1 or not gen.do_sample:
@@ -564,11 +579,12 @@ class Reply:
             choice["prompt_logprobs"] = self.prompt_logprobs
         return choice
 
-    def full(self, fin: Finish | None, others: list[tuple[Reply, Finish | None]] = ()) -> dict:
+    def full(self, fin: Finish | None, others: list[tuple[Reply, Finish | None]] = (), used: int | None = None) -> dict:
         """The whole answer: this choice, then ``others`` (``n``: the other choices' replies and ends); ``fin``
-        None: nothing generated (``max_tokens`` 0 with echo).  The usage counts every choice's tokens, the
-        statistics are this choice's."""
-        used = sum(0 if f is None else f.completion_tokens for f in [fin] + [f for _, f in others])
+        None: nothing generated (``max_tokens`` 0 with echo).  The usage counts every choice's tokens (``used``:
+        the tokens decoded, where more were than the choices hold), the statistics are this choice's."""
+        if used is None:
+            used = sum(0 if f is None else f.completion_tokens for f in [fin] + [f for _, f in others])
         out = {
             **self._head(False),
             "choices": [self.choice(fin)] + [r.choice(f) for r, f in others],
@@ -833,7 +849,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
                 "stream_options applies to streamed answers: give stream: true, or leave it out", "stream_options"
             )
         prompts = [None] if chat else body.prompts()
-        replies, jobs, owners, loaded, field = [], [], [], None, None
+        replies, jobs, owners, loaded, field, total, best = [], [], [], None, None, 0, body.n or 1
         for p, prompt in enumerate(prompts):
             try:
                 ids, settings, reply, field = await _prompt_part(st, body, chat, prompt, loaded)
@@ -841,14 +857,13 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
                 if len(prompts) > 1 and e.param == "prompt":
                     e.message = f"prompt [{p}]: {e.message}"
                 raise
-            loaded = settings.options
-            first = len(replies)  # prompt-major: prompt p's choice j is choice p * n + j
-            replies += [dataclasses.replace(reply, index=first + i) for i in range(body.n or 1)]
+            loaded, total, best = settings.options, total + len(ids), candidates(body, settings)
+            first = len(replies)  # prompt-major: prompt p's choice j is choice p * n + j (best_of: candidates)
+            replies += [dataclasses.replace(reply, index=first + i) for i in range(best)]
             if settings.gen.max_new_tokens > 0:  # (0: echo alone)
                 part, answers = choice_jobs(ids, settings, body)
                 jobs += part
                 owners += [[first + i for i in choices] for choices in answers]
-        total = sum(r.prompt_len for r in replies[:: body.n or 1])
         for reply in replies:  # the usage counts every prompt's tokens
             reply.prompt_len = total
         if not jobs:
@@ -898,7 +913,10 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         _stop(st, jobs, watcher, events)
         _done(st, request, t0)
         answers = sorted(((replies[i], ends[k]) for k, choices in enumerate(owners) for i in choices), key=_index)
-        return JSONResponse(answers[0][0].full(answers[0][1], answers[1:]))
+        used = sum(f.completion_tokens for _, f in answers)  # every answer decoded, best_of's candidates too
+        if best > (body.n or 1):
+            answers = pick_best(answers, best, body.n or 1, body.logprob_count() is not None)
+        return JSONResponse(answers[0][0].full(answers[0][1], answers[1:], used))
     return StreamingResponse(
         _events(request, st, jobs, owners, replies, events, first, watcher, t0), media_type="text/event-stream"
     )
@@ -930,6 +948,25 @@ async def _prompt_part(
 
 def _index(answer: tuple[Reply, Finish]) -> int:
     return answer[0].index
+
+
+def _mean_logprob(fin: Finish) -> float:
+    lps = fin.logprobs or []
+    return sum(e.logprob for e in lps) / len(lps) if lps else -math.inf
+
+
+def pick_best(answers: list[tuple[Reply, Finish]], best: int, n: int, logprobs: bool) -> list[tuple[Reply, Finish]]:
+    """``best_of``: each prompt's ``best`` candidates (in turn in ``answers``) -> its ``n`` with the highest mean
+    log probability per token, best first, indexed prompt by prompt (``logprobs``: the client asked for them;
+    else they are left out)."""
+    out = []
+    for p in range(0, len(answers), best):
+        ranked = sorted(answers[p : p + best], key=lambda a: _mean_logprob(a[1]), reverse=True)[:n]
+        for reply, fin in ranked:
+            if not logprobs:
+                fin = dataclasses.replace(fin, result=dataclasses.replace(fin.result, logprobs=None))
+            out.append((dataclasses.replace(reply, index=len(out)), fin))
+    return out
 
 
 def _done(st: AppState, request: Request, t0: float) -> None:

@@ -24,7 +24,6 @@ from ..validate import SEED_MAX
 # answer-changing fields the server cannot honour -> the values that ask for nothing (accepted)
 REFUSED: dict[str, tuple] = {
     # OpenAI
-    "best_of": (None, 1),
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -416,7 +415,11 @@ class CompletionRequest(_Request):
         description="each answer token's log probability and the likeliest tokens at its position, this many",
     )
     top_logprobs: Any = None
-    best_of: Any = None
+    best_of: int | None = Field(
+        None,
+        description="sampled answers to pick the n best of (the highest mean log probability per token), n to 16 "
+        "(default n; greedy ones are one answer; not with stream)",
+    )
     echo: bool | None = Field(
         None, description="the prompt before the answer's text (and with logprobs, its tokens' before the answer's)"
     )

@@ -275,7 +275,7 @@ BAD = [
     ({"prompt": "a", "n": 17}, 400, None),
     ({"prompt": "a", "logprobs": 21}, 400, None),
     ({"prompt": "a", "stop": [1, 2]}, 400, None),
-    ({"prompt": ["a", "b"]}, 400, None),
+    ({"prompt": ["a", ""]}, 400, None),
     ({"prompt": ""}, 400, None),
     ({"prompt": "a", "stream": "yes"}, 400, None),
     ({"prompt": "a", "stream": True, "stream_options": "x"}, 400, None),

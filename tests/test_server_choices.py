@@ -191,14 +191,14 @@ def test_n_out_of_bounds_is_a_400(tiny_server, n):
 
 
 def test_choices_of_one_request_fail_together_past_the_queue(tiny):
-    """The queue takes a request's choices all or none: a request with more choices than the queue has room
-    for is a 429, and queues nothing."""
+    """The queue takes a request's choices all or none: a request with more choices than the queue holds is a
+    400 (a retry would never fit; a full queue is a 429), and queues nothing."""
     cfg = ServerConfig("tiny", method="greedy", max_tokens=4, max_waiting=3)
     app = create_app(tiny, cfg)
     with ServerThread(app) as url:
         r = post(url, {"prompt": P, "max_tokens": 4, "n": 4, "temperature": 1.0})
-        assert r.status_code == 429, r.text
-        assert app.state.layerleap.scheduler.waiting == []
+        assert r.status_code == 400 and "--max-waiting" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "n" and app.state.layerleap.scheduler.waiting == []
         r = post(url, {"prompt": P, "max_tokens": 4, "n": 3, "temperature": 1.0})
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
         r = post(url, {"prompt": P, "max_tokens": 4, "n": 16})  # greedy choices: one answer, one place

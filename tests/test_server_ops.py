@@ -403,6 +403,9 @@ HONOURED = {
     "frequency_penalty",
     "logit_bias",
     "min_tokens",
+    "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+    "best_of",
 }
 UNUSED = {
     "user",

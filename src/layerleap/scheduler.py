@@ -137,12 +137,13 @@ class Job:
         settings: Settings,
         stops: list[str] | None = None,
         stop_token_ids: tuple[int, ...] = (),
+        keep_stop: bool = False,
     ):
         self.prompt_ids, self.settings = prompt_ids, settings
         self.serial = next(_serial)
         self.key = settings.batch_key(self.serial)
         self.events: asyncio.Queue = asyncio.Queue()
-        self.stop = StopText(stops or [])
+        self.stop = StopText(stops or [], keep_stop)  # keep_stop: the stop string ends the text, in it
         self.stop_token_ids = frozenset(stop_token_ids)
         self.cut: int | None = None  # tokens kept when a stop token ended the row
         self.through: int | None = None  # tokens kept when a stop string ended the row (``take``)

@@ -73,11 +73,12 @@ class TextPieces:
 
 class StopText:
     """Stop strings: text passes through until one of ``stops`` appears, which ends the text
-    (the stop string itself is not returned).  A tail that could start a stop string is held back
-    until the next piece tells."""
+    (the stop string itself is not returned, unless ``keep``: vLLM's ``include_stop_str_in_output``).
+    A tail that could start a stop string is held back until the next piece tells."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], keep: bool = False):
         self.stops = [s for s in stops if s]
+        self.keep = keep
         self.held = ""
         self.hit = False
         self.seen = 0  # characters pushed so far
@@ -100,7 +101,7 @@ class StopText:
             end, at, self.string = min(found, key=lambda f: (f[0], f[1]))
             self.hit, self.held = True, ""
             self.end = base + end
-            return text[:at]
+            return text[:end] if self.keep else text[:at]
         keep = max((j for s in self.stops for j in range(1, len(s)) if text.endswith(s[:j])), default=0)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]

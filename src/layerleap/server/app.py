@@ -149,6 +149,21 @@ def state_of(request: Request) -> AppState:
 
 
 # -- requests ----------------------------------------------------------------------------------------
+def prompt_limit(st: AppState) -> int:
+    """The most tokens a prompt may hold: ``--max-prompt-tokens``, and less than the context (a prompt of the
+    whole context leaves no room)."""
+    context = st.context()
+    return min(st.cfg.max_prompt_tokens or context, context - 1)
+
+
+def truncated(body: _Request, st: AppState, ids: list[int]) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the server takes)."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return ids
+    return ids[-(prompt_limit(st) if k == -1 else k) :]
+
+
 def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     """The fields of a completion request as ``Settings`` (what ``generate`` gets)."""
     cfg, context = st.cfg, st.context()
@@ -161,7 +176,12 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         raise _bad("prompt_logprobs are not sent in a stream: leave out stream or prompt_logprobs", "prompt_logprobs")
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
         raise _bad(f"n={body.n}: this server returns 1 to {MAX_CHOICES} choices per request: give n in that range", "n")
-    limit = min(cfg.max_prompt_tokens or context, context - 1)  # a prompt of the whole context leaves no room
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and not (body.n or 1) <= best_of <= MAX_CHOICES:
+        raise _bad(f"best_of={best_of}: give best_of from n ({body.n or 1}) to {MAX_CHOICES}", "best_of")
+    if best_of is not None and best_of > (body.n or 1) and body.stream:
+        raise _bad("best_of picks among whole answers, which are not streamed: leave out stream, or best_of", "best_of")
+    limit = prompt_limit(st)
     if prompt_len > limit:
         raise _bad(
             f"the prompt has {prompt_len} tokens, over this server's limit of {limit}: shorten it",
@@ -252,18 +272,29 @@ _TOKEN_ID = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key: a token id as int
 MAX_CHOICES = 16  # ``n``: choices per request at most (each a row of its own; greedy ones decode once)
 
 
+def candidates(body: _Request, settings: Settings) -> int:
+    """The answers decoded per prompt: ``best_of`` sampled ones (``n`` of them picked), else ``n``."""
+    n = body.n or 1
+    sampled = settings.gen.do_sample and settings.gen.max_new_tokens > 0  # (0: echo alone, nothing to pick)
+    return max(n, getattr(body, "best_of", None) or n) if sampled else n
+
+
 def choice_jobs(ids: list[int], settings: Settings, body: _Request) -> tuple[list[Job], list[list[int]]]:
     """The request's jobs and, for each, the choices it answers: greedy choices are all the same answer, decoded
     once; sampled choice ``i`` is a job of its own, seeded with ``seed + i`` when a seed is given (what row ``i``
-    of ``generate`` with that seed samples)."""
-    n, gen = body.n or 1, settings.gen
+    of ``generate`` with that seed samples); ``best_of``: that many sampled candidates, with their log
+    probabilities (to pick the best by, ``pick_best``)."""
+    n, gen = candidates(body, settings), settings.gen
+    if n > (body.n or 1) and gen.logprobs is None:
+        gen = dataclasses.replace(gen, logprobs=0)
     stops, stop_ids = body.stops(), tuple(body.stop_token_ids or ())
+    keep = bool(body.include_stop_str_in_output)
     if n == 1 or not gen.do_sample:
-        return [Job(ids, settings, stops, stop_ids)], [list(range(n))]
+        return [Job(ids, settings, stops, stop_ids, keep)], [list(range(n))]
     jobs = []
     for i in range(n):
         seeded = gen if gen.seed is None else dataclasses.replace(gen, seed=row_seed(gen.seed, i))
-        jobs.append(Job(ids, Settings(settings.method, settings.options, seeded), stops, stop_ids))
+        jobs.append(Job(ids, Settings(settings.method, settings.options, seeded), stops, stop_ids, keep))
     for job in jobs:
         job.group = jobs
     return jobs, [[i] for i in range(n)]
@@ -376,19 +407,20 @@ def chat_prompt_ids(
         raise _bad(f"the model's chat template refused these messages: {e}", "messages") from None
 
 
-def prompt_ids(body: _Request, model: Transformer) -> list[int]:
-    """The request's prompt as token ids (in a worker thread: tokenizing a long prompt takes a while)."""
+def prompt_ids(body: _Request, model: Transformer, prompt: str | list[int] | None = None) -> list[int]:
+    """The request's prompt as token ids (in a worker thread: tokenizing a long prompt takes a while): a chat
+    request's conversation, or a text completion's ``prompt`` (one of its ``prompts()``)."""
     tok = model.tokenizer
     if isinstance(body, ChatRequest):
         return chat_prompt_ids(body.messages, tok, request_tools(body))
-    if isinstance(body.prompt, str):
+    if isinstance(prompt, str):
         if tok is None:
             raise _bad("this model has no tokenizer: give the prompt as token ids", "prompt")
-        return [int(i) for i in tok(body.prompt)["input_ids"]]
+        return [int(i) for i in tok(prompt)["input_ids"]]
     vocab = model.config.vocab_size
-    if not all(0 <= t < vocab for t in body.prompt):
+    if not all(0 <= t < vocab for t in prompt):
         raise _bad(f"prompt token ids must be in [0, {vocab})", "prompt")
-    return list(body.prompt)
+    return list(prompt)
 
 
 async def load_options(st: AppState, settings: Settings) -> Settings:
@@ -547,11 +579,12 @@ class Reply:
             choice["prompt_logprobs"] = self.prompt_logprobs
         return choice
 
-    def full(self, fin: Finish | None, others: list[tuple[Reply, Finish | None]] = ()) -> dict:
+    def full(self, fin: Finish | None, others: list[tuple[Reply, Finish | None]] = (), used: int | None = None) -> dict:
         """The whole answer: this choice, then ``others`` (``n``: the other choices' replies and ends); ``fin``
-        None: nothing generated (``max_tokens`` 0 with echo).  The usage counts every choice's tokens, the
-        statistics are this choice's."""
-        used = sum(0 if f is None else f.completion_tokens for f in [fin] + [f for _, f in others])
+        None: nothing generated (``max_tokens`` 0 with echo).  The usage counts every choice's tokens (``used``:
+        the tokens decoded, where more were than the choices hold), the statistics are this choice's."""
+        if used is None:
+            used = sum(0 if f is None else f.completion_tokens for f in [fin] + [f for _, f in others])
         out = {
             **self._head(False),
             "choices": [self.choice(fin)] + [r.choice(f) for r, f in others],
@@ -629,14 +662,17 @@ def vllm_prompt_logprobs(scored: list[TokenLogprob], top: int) -> list:
     return out
 
 
-async def score_prompt(st: AppState, body: _Request, ids: list[int], reply: Reply) -> None:
+async def score_prompt(st: AppState, body: _Request, prompt, ids: list[int], reply: Reply, cut: bool = False) -> None:
     """Legacy completions' ``echo`` (the prompt's text, and with ``logprobs`` its tokens' log probabilities)
     and vLLM's ``prompt_logprobs`` on ``reply``: the prompt scored by ``layerleap.score`` in the model's
-    worker thread (one more prompt pass), only when log probabilities are asked for."""
+    worker thread (one more prompt pass), only when log probabilities are asked for; ``prompt``: the
+    prompt as the request gave it (its text is echoed), ``ids`` its tokens; ``cut``: ``ids`` are the
+    prompt's last tokens (``truncate_prompt_tokens``), whose text is echoed."""
     echo = bool(getattr(body, "echo", None))
     tok = st.model.tokenizer
     if echo:
-        reply.echo = body.prompt if isinstance(body.prompt, str) else tok.decode(ids, skip_special_tokens=False)
+        text = isinstance(prompt, str) and not cut
+        reply.echo = prompt if text else tok.decode(ids, skip_special_tokens=False)
     tops = [n for n in (body.logprobs if echo else None, body.prompt_logprobs) if n is not None]
     if not tops:
         return
@@ -812,25 +848,38 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             raise _bad(
                 "stream_options applies to streamed answers: give stream: true, or leave it out", "stream_options"
             )
-        ids = await run_in_threadpool(prompt_ids, body, st.model)
-        settings = request_settings(body, st, len(ids))
-        generates = settings.gen.max_new_tokens > 0  # (0: echo alone)
-        field, _ = request_grammar(body)
-        plan = request_tools(body)
-        if generates:
-            settings = await load_options(st, settings)
-            await run_in_threadpool(check_decoding, st.model, ids, settings, field)
-        reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
-        reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        reply.tools = plan if plan is not None and plan.choice != "none" else None
-        await score_prompt(st, body, ids, reply)
-        replies = [dataclasses.replace(reply, index=i) for i in range(body.n or 1)]  # one id, a choice each
-        if not generates:
+        prompts = [None] if chat else body.prompts()
+        replies, jobs, owners, loaded, field, total, best = [], [], [], None, None, 0, body.n or 1
+        for p, prompt in enumerate(prompts):
+            try:
+                ids, settings, reply, field = await _prompt_part(st, body, chat, prompt, loaded)
+            except APIError as e:
+                if len(prompts) > 1 and e.param == "prompt":
+                    e.message = f"prompt [{p}]: {e.message}"
+                raise
+            loaded, total, best = settings.options, total + len(ids), candidates(body, settings)
+            first = len(replies)  # prompt-major: prompt p's choice j is choice p * n + j (best_of: candidates)
+            replies += [dataclasses.replace(reply, index=first + i) for i in range(best)]
+            if settings.gen.max_new_tokens > 0:  # (0: echo alone)
+                part, answers = choice_jobs(ids, settings, body)
+                jobs += part
+                owners += [[first + i for i in choices] for choices in answers]
+        for reply in replies:  # the usage counts every prompt's tokens
+            reply.prompt_len = total
+        if not jobs:
             _done(st, request, t0)
             if body.stream:
                 return StreamingResponse(_echo_events(replies), media_type="text/event-stream")
-            return JSONResponse(reply.full(None, [(r, None) for r in replies[1:]]))
-        jobs, owners = choice_jobs(ids, settings, body)
+            return JSONResponse(replies[0].full(None, [(r, None) for r in replies[1:]]))
+        if len(prompts) > 1:
+            for job in jobs:
+                job.group = jobs
+        if len(jobs) > st.scheduler.max_waiting:
+            raise _bad(
+                f"this request decodes {len(jobs)} answers, over the {st.scheduler.max_waiting} this server's queue "
+                "holds (--max-waiting): send fewer prompts or choices per request",
+                "prompt" if len(prompts) > 1 else "n",
+            )
         if not st.scheduler.submit(*jobs):
             raise APIError(
                 429,
@@ -863,11 +912,61 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
     if not body.stream:
         _stop(st, jobs, watcher, events)
         _done(st, request, t0)
-        answers = [(replies[i], ends[k]) for k, choices in enumerate(owners) for i in choices]
-        return JSONResponse(answers[0][0].full(answers[0][1], answers[1:]))
+        answers = sorted(((replies[i], ends[k]) for k, choices in enumerate(owners) for i in choices), key=_index)
+        used = sum(f.completion_tokens for _, f in answers)  # every answer decoded, best_of's candidates too
+        if best > (body.n or 1):
+            answers = pick_best(answers, best, body.n or 1, body.logprob_count() is not None)
+        return JSONResponse(answers[0][0].full(answers[0][1], answers[1:], used))
     return StreamingResponse(
         _events(request, st, jobs, owners, replies, events, first, watcher, t0), media_type="text/event-stream"
     )
+
+
+async def _prompt_part(
+    st: AppState, body: _Request, chat: bool, prompt, loaded: dict | None
+) -> tuple[list[int], Settings, Reply, str | None]:
+    """One prompt of the request: its token ids, its ``Settings`` (``loaded``: the options as an earlier prompt
+    loaded them), its ``Reply`` (its echo and prompt log probabilities scored) and the request's
+    structured-output field."""
+    whole = await run_in_threadpool(prompt_ids, body, st.model, prompt)
+    ids = truncated(body, st, whole)
+    settings = request_settings(body, st, len(ids))
+    field, _ = request_grammar(body)
+    if settings.gen.max_new_tokens > 0:  # (0: echo alone)
+        if loaded is None:
+            settings = await load_options(st, settings)
+        else:
+            settings = Settings(settings.method, loaded, settings.gen)
+        await run_in_threadpool(check_decoding, st.model, ids, settings, field)
+    reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
+    reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    plan = request_tools(body)
+    reply.tools = plan if plan is not None and plan.choice != "none" else None
+    await score_prompt(st, body, prompt, ids, reply, cut=len(ids) < len(whole))
+    return ids, settings, reply, field
+
+
+def _index(answer: tuple[Reply, Finish]) -> int:
+    return answer[0].index
+
+
+def _mean_logprob(fin: Finish) -> float:
+    lps = fin.logprobs or []
+    return sum(e.logprob for e in lps) / len(lps) if lps else -math.inf
+
+
+def pick_best(answers: list[tuple[Reply, Finish]], best: int, n: int, logprobs: bool) -> list[tuple[Reply, Finish]]:
+    """``best_of``: each prompt's ``best`` candidates (in turn in ``answers``) -> its ``n`` with the highest mean
+    log probability per token, best first, indexed prompt by prompt (``logprobs``: the client asked for them;
+    else they are left out)."""
+    out = []
+    for p in range(0, len(answers), best):
+        ranked = sorted(answers[p : p + best], key=lambda a: _mean_logprob(a[1]), reverse=True)[:n]
+        for reply, fin in ranked:
+            if not logprobs:
+                fin = dataclasses.replace(fin, result=dataclasses.replace(fin.result, logprobs=None))
+            out.append((dataclasses.replace(reply, index=len(out)), fin))
+    return out
 
 
 def _done(st: AppState, request: Request, t0: float) -> None:

@@ -24,7 +24,6 @@ from ..validate import SEED_MAX
 # answer-changing fields the server cannot honour -> the values that ask for nothing (accepted)
 REFUSED: dict[str, tuple] = {
     # OpenAI
-    "best_of": (None, 1),
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -34,8 +33,6 @@ REFUSED: dict[str, tuple] = {
     # vLLM
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "truncate_prompt_tokens": (None,),
-    "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     # llama.cpp
     "typical_p": (None, 1, 1.0),
@@ -258,6 +255,9 @@ class _Request(BaseModel):
         None, description=f"up to {MAX_STOPS} strings; the text ends before the first one"
     )
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (not returned)")
+    include_stop_str_in_output: bool | None = Field(
+        None, description="vLLM's: the stop string that ended the text is kept at its end (null: false)"
+    )
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_tokens")
     n: int | None = Field(
         1, description="choices per request, 1 to 16 (null: 1): greedy ones are one answer, sampled ones differ"
@@ -299,14 +299,25 @@ class _Request(BaseModel):
         description="vLLM's: each prompt token's log probability, rank and the likeliest tokens there, this many "
         "(a list, the first token's null; not with stream)",
     )
-    truncate_prompt_tokens: Any = None
-    include_stop_str_in_output: Any = None
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        description="vLLM's: the prompt's last this many tokens are kept (-1: as many as this server takes in a "
+        "prompt; null: all)",
+    )
     skip_special_tokens: Any = None
     n_probs: Any = None
     dynatemp_range: Any = None
     dry_multiplier: Any = None
     xtc_probability: Any = None
     n_keep: Any = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v == 0:
+            raise ValueError("0 would keep no prompt: give at least 1, or -1 for as many as this server takes")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -379,11 +390,24 @@ class ChatRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+MAX_PROMPTS = 64  # legacy completions' prompts in one request at most
+
+
+def _one_prompt(p) -> bool:
+    """Whether ``p`` is one prompt: a non-empty string, or a non-empty list of token ids."""
+    if isinstance(p, str):
+        return bool(p.strip())
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
 class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
     _asks_nothing: ClassVar[dict[str, tuple]] = {"top_logprobs": (None, 0)}  # chat's: here logprobs is the count
-    prompt: str | list[int] = Field(description="one string or one list of token ids")
+    prompt: str | list[int] | list[str | list[int]] = Field(
+        description=f"a string or a list of token ids, or a list of up to {MAX_PROMPTS} of them (each answered: "
+        "choices prompt by prompt, index = prompt's place * n + choice)"
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -391,7 +415,11 @@ class CompletionRequest(_Request):
         description="each answer token's log probability and the likeliest tokens at its position, this many",
     )
     top_logprobs: Any = None
-    best_of: Any = None
+    best_of: int | None = Field(
+        None,
+        description="sampled answers to pick the n best of (the highest mean log probability per token), n to 16 "
+        "(default n; greedy ones are one answer; not with stream)",
+    )
     echo: bool | None = Field(
         None, description="the prompt before the answer's text (and with logprobs, its tokens' before the answer's)"
     )
@@ -399,14 +427,25 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # one prompt in a list
-        if isinstance(v, str) and v.strip():
+    def _prompts(cls, v):
+        one = "a non-empty string or a non-empty list of token ids"
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):  # several prompts
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(
+                    f"holds {len(v)} prompts, over this server's {MAX_PROMPTS} per request: send them in several"
+                )
+            bad = next((i for i, p in enumerate(v) if not _one_prompt(p)), None)
+            if bad is not None:
+                raise ValueError(f"prompt [{bad}] is not {one}: give each prompt as one")
             return v
-        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        if _one_prompt(v):
             return v
-        raise ValueError("must be one non-empty string (or one list of token ids): send one prompt per request")
+        raise ValueError(f"must be {one}, or a list of up to {MAX_PROMPTS} of them")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one, or several in a list)."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
     def logprob_count(self) -> int | None:
         """Legacy completions' ``logprobs`` is the count (0: the chosen tokens' log probabilities alone)."""

@@ -165,6 +165,50 @@ def test_required_and_named_choices_always_give_a_valid_call(client):
                 assert valid_arguments(call.function.name, call.function.arguments), call
 
 
+BOOK = {  # a schema with $defs and $ref, as pydantic writes them (openai.pydantic_function_tool, LangChain)
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "$defs": {"City": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "type": "object",
+            "properties": {
+                "to": {"$ref": "#/$defs/City"},
+                "via": {"anyOf": [{"$ref": "#/$defs/City"}, {"type": "null"}]},
+            },
+            "required": ["to", "via"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("tools", [[BOOK], [BOOK, WEATHER]])
+def test_a_forced_call_follows_a_schema_with_references(client, tools):
+    """The schema's "#/$defs/..." references point into it where it sits in the call's grammar, one tool or several."""
+    for choice in ("required", {"type": "function", "function": {"name": "book"}}):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice=choice, max_tokens=40)
+        (call,) = r.choices[0].message.tool_calls
+        if call.function.name == "book":
+            args = json.loads(call.function.arguments)
+            assert (
+                set(args) == {"to", "via"}
+                and args["to"] in ("Paris", "Rome")
+                and args["via"] in ("Paris", "Rome", None)
+            )
+
+
+@pytest.mark.parametrize("parameters", [{}, {"properties": {"k": {"type": "integer"}}}])
+def test_a_forced_call_of_parameters_without_a_type_is_an_object(parameters):
+    """A schema that does not say "type" (anything, or properties alone) still gives arguments that are an object:
+    the call is read back, never left as text."""
+    from layerleap.core.grammar import Grammar
+
+    grammar = ToolPlan((fn("f", parameters=parameters),), "required").grammar()
+    schema = json.loads(grammar.text)["properties"]["arguments"]
+    assert schema["type"] == "object" and Grammar.json(schema).check()
+
+
 def test_a_forced_call_streams_as_openai_streams_it(server, client):
     chunks = list(
         client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", stream=True)

@@ -70,15 +70,19 @@ class ToolPlan:
         """The grammar of a forced call: ``{"name": <a tool's name>, "arguments": <its parameters>}``."""
         if not self.forced:
             return None
+        chosen = [t for t in self.tools if self.choice == "required" or t["function"]["name"] == self.name]
         shapes = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t["function"]["name"]}, "arguments": parameters(t)},
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    # the arguments sit below the root: their schema's own references ("#/$defs/...") move there
+                    "arguments": _moved(_an_object(parameters(t)), _at(k, len(chosen))),
+                },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for t in self.tools
-            if self.choice == "required" or t["function"]["name"] == self.name
+            for k, t in enumerate(chosen)
         ]
         return Grammar.json(shapes[0] if len(shapes) == 1 else {"anyOf": shapes})
 
@@ -97,6 +101,41 @@ class ToolPlan:
 def parameters(tool: dict) -> dict:
     params = tool["function"].get("parameters")
     return NO_PARAMETERS if params is None else params
+
+
+def _an_object(schema: dict) -> dict:
+    """A parameters schema that does not say its type (``{}``, properties alone) as an object's: a call's arguments
+    are a JSON object (read back as nothing else)."""
+    return schema if "type" in schema else {"type": "object", **schema}
+
+
+def _at(k: int, shapes: int) -> str:
+    """The JSON pointer of the arguments' schema of shape ``k`` of ``shapes`` in a forced call's grammar."""
+    return ("" if shapes == 1 else f"/anyOf/{k}") + "/properties/arguments"
+
+
+_DATA = ("const", "enum", "default", "examples")  # keywords whose values are JSON data, not schemas
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def _moved(schema, at: str):
+    """``schema`` with its local references (``"#"``, ``"#/$defs/x"``) pointing below ``at``, the JSON pointer
+    of the place it takes in a larger schema."""
+    if isinstance(schema, list):
+        return [_moved(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = "#" + at + v[1:]
+        elif k in _DATA:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):
+            out[k] = {name: _moved(s, at) for name, s in v.items()}
+        else:
+            out[k] = _moved(v, at)
+    return out
 
 
 def _call(text: str, names: list[str]) -> dict | None:

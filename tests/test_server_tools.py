@@ -279,6 +279,20 @@ def test_a_template_that_reads_tools_gets_them_and_the_tool_turns(tiny_hf_dir, t
     assert "<|im_start|>tool\nRESULT call_1: sunny, 24 C<|im_end|>" in text
 
 
+def test_a_legacy_function_result_renders_the_same_prompt_every_time(tiny_hf_dir, tmp_path):
+    """A function message whose call is not in the turn before it gets an id of its own that does not change: the
+    same request is the same prompt (the same answer, the same /tokenize count)."""
+    folder = tmp_path / "tools_template"
+    shutil.copytree(tiny_hf_dir, folder)
+    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    model = layerleap.load_folder(folder)
+    body = ChatRequest(
+        messages=[*ASK, {"role": "function", "name": "now", "content": "noon"}], functions=[NOW["function"]]
+    )
+    first = prompt_ids(body, model)
+    assert prompt_ids(body, model) == first and "RESULT call_now: noon" in model.tokenizer.decode(first)
+
+
 def test_a_replayed_answer_with_tool_calls_continues_the_chat(client):
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=40)
     message = r.choices[0].message

@@ -265,8 +265,8 @@ def conversation(messages, plan: ToolPlan | None, reads_tools: bool) -> tuple[li
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         if role in ("tool", "function"):
-            if role == "function":  # legacy: the result names its function, not a call
-                name, cid = m.name, next((c for c, n in calls.items() if n == m.name), None) or call_id()
+            if role == "function":  # legacy: the result names its function, not a call (the id: Message.calls()'s)
+                name, cid = m.name, next((c for c, n in calls.items() if n == m.name), None) or f"call_{m.name}"
             else:
                 if m.tool_call_id not in calls:
                     raise ToolError(

@@ -326,6 +326,8 @@ NAMED_G = {"type": "function", "function": {"name": "g"}}
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "one"),
         ({"tools": TOOLS, "tool_choice": "required", "layerleap": {"method": "ppd"}}, "tool_choice", "cannot follow"),
         ({"tools": [fn("f", parameters={"$ref": "#/nope"})], "tool_choice": "required"}, "tool_choice", "cannot"),
+        ({"tools": [NOW, fn("f", parameters={"type": "string"})]}, "tools[1].function.parameters", "not an object"),
+        ({"functions": [{"name": "f", "parameters": {"type": "array"}}]}, "functions[0].parameters", '"array"'),
     ],
 )
 def test_bad_tools_are_refused_naming_the_field(server, extra, param, says):

@@ -218,6 +218,15 @@ def tool_plan(body) -> ToolPlan | None:
         raise ToolError(f"{field} names {name!r}, which is not declared: choose one of {declared_names}", field)
     if not declared:
         return None
+    for i, t in enumerate(declared):
+        kind = parameters(t).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            at = f"functions[{i}].parameters" if legacy else f"tools[{i}].function.parameters"
+            raise ToolError(
+                f"{at} describes {json.dumps(kind)}, not an object: a call's arguments are a JSON object; give "
+                '{"type": "object", "properties": {...}} (or leave parameters out for a function without arguments)',
+                at,
+            )
     plan = ToolPlan(tuple(declared), choice, name, legacy, field)
     try:
         plan.grammar()

@@ -198,6 +198,17 @@ def test_a_forced_call_follows_a_schema_with_references(client, tools):
             )
 
 
+def test_only_pointers_into_the_schema_move():
+    from layerleap.server.tools import _moved
+
+    schema = {"$ref": "#", "items": [{"$ref": "#/$defs/a"}, {"$ref": "#anchor"}, {"$ref": "other.json#/x"}]}
+    assert _moved(schema | {"const": {"$ref": "#"}}, "/p") == {
+        "$ref": "#/p",
+        "items": [{"$ref": "#/p/$defs/a"}, {"$ref": "#anchor"}, {"$ref": "other.json#/x"}],
+        "const": {"$ref": "#"},  # data, not a schema
+    }
+
+
 @pytest.mark.parametrize("parameters", [{}, {"properties": {"k": {"type": "integer"}}}])
 def test_a_forced_call_of_parameters_without_a_type_is_an_object(parameters):
     """A schema that does not say "type" (anything, or properties alone) still gives arguments that are an object:

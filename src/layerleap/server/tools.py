@@ -127,7 +127,7 @@ def _moved(schema, at: str):
         return schema
     out = {}
     for k, v in schema.items():
-        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):  # (not an anchor: "#name")
             out[k] = "#" + at + v[1:]
         elif k in _DATA:
             out[k] = v

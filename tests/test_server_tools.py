@@ -165,6 +165,61 @@ def test_required_and_named_choices_always_give_a_valid_call(client):
                 assert valid_arguments(call.function.name, call.function.arguments), call
 
 
+BOOK = {  # a schema with $defs and $ref, as pydantic writes them (openai.pydantic_function_tool, LangChain)
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "$defs": {"City": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "type": "object",
+            "properties": {
+                "to": {"$ref": "#/$defs/City"},
+                "via": {"anyOf": [{"$ref": "#/$defs/City"}, {"type": "null"}]},
+            },
+            "required": ["to", "via"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("tools", [[BOOK], [BOOK, WEATHER]])
+def test_a_forced_call_follows_a_schema_with_references(client, tools):
+    """The schema's "#/$defs/..." references point into it where it sits in the call's grammar, one tool or several."""
+    for choice in ("required", {"type": "function", "function": {"name": "book"}}):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice=choice, max_tokens=40)
+        (call,) = r.choices[0].message.tool_calls
+        if call.function.name == "book":
+            args = json.loads(call.function.arguments)
+            assert (
+                set(args) == {"to", "via"}
+                and args["to"] in ("Paris", "Rome")
+                and args["via"] in ("Paris", "Rome", None)
+            )
+
+
+def test_only_pointers_into_the_schema_move():
+    from layerleap.server.tools import _moved
+
+    schema = {"$ref": "#", "items": [{"$ref": "#/$defs/a"}, {"$ref": "#anchor"}, {"$ref": "other.json#/x"}]}
+    assert _moved(schema | {"const": {"$ref": "#"}}, "/p") == {
+        "$ref": "#/p",
+        "items": [{"$ref": "#/p/$defs/a"}, {"$ref": "#anchor"}, {"$ref": "other.json#/x"}],
+        "const": {"$ref": "#"},  # data, not a schema
+    }
+
+
+@pytest.mark.parametrize("parameters", [{}, {"properties": {"k": {"type": "integer"}}}])
+def test_a_forced_call_of_parameters_without_a_type_is_an_object(parameters):
+    """A schema that does not say "type" (anything, or properties alone) still gives arguments that are an object:
+    the call is read back, never left as text."""
+    from layerleap.core.grammar import Grammar
+
+    grammar = ToolPlan((fn("f", parameters=parameters),), "required").grammar()
+    schema = json.loads(grammar.text)["properties"]["arguments"]
+    assert schema["type"] == "object" and Grammar.json(schema).check()
+
+
 def test_a_forced_call_streams_as_openai_streams_it(server, client):
     chunks = list(
         client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", stream=True)
@@ -235,6 +290,20 @@ def test_a_template_that_reads_tools_gets_them_and_the_tool_turns(tiny_hf_dir, t
     assert "<|im_start|>tool\nRESULT call_1: sunny, 24 C<|im_end|>" in text
 
 
+def test_a_legacy_function_result_renders_the_same_prompt_every_time(tiny_hf_dir, tmp_path):
+    """A function message whose call is not in the turn before it gets an id of its own that does not change: the
+    same request is the same prompt (the same answer, the same /tokenize count)."""
+    folder = tmp_path / "tools_template"
+    shutil.copytree(tiny_hf_dir, folder)
+    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    model = layerleap.load_folder(folder)
+    body = ChatRequest(
+        messages=[*ASK, {"role": "function", "name": "now", "content": "noon"}], functions=[NOW["function"]]
+    )
+    first = prompt_ids(body, model)
+    assert prompt_ids(body, model) == first and "RESULT call_now: noon" in model.tokenizer.decode(first)
+
+
 def test_a_replayed_answer_with_tool_calls_continues_the_chat(client):
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=40)
     message = r.choices[0].message
@@ -268,6 +337,8 @@ NAMED_G = {"type": "function", "function": {"name": "g"}}
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "one"),
         ({"tools": TOOLS, "tool_choice": "required", "layerleap": {"method": "ppd"}}, "tool_choice", "cannot follow"),
         ({"tools": [fn("f", parameters={"$ref": "#/nope"})], "tool_choice": "required"}, "tool_choice", "cannot"),
+        ({"tools": [NOW, fn("f", parameters={"type": "string"})]}, "tools[1].function.parameters", "not an object"),
+        ({"functions": [{"name": "f", "parameters": {"type": "array"}}]}, "functions[0].parameters", '"array"'),
     ],
 )
 def test_bad_tools_are_refused_naming_the_field(server, extra, param, says):

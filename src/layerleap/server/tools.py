@@ -70,15 +70,19 @@ class ToolPlan:
         """The grammar of a forced call: ``{"name": <a tool's name>, "arguments": <its parameters>}``."""
         if not self.forced:
             return None
+        chosen = [t for t in self.tools if self.choice == "required" or t["function"]["name"] == self.name]
         shapes = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t["function"]["name"]}, "arguments": parameters(t)},
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    # the arguments sit below the root: their schema's own references ("#/$defs/...") move there
+                    "arguments": _moved(_an_object(parameters(t)), _at(k, len(chosen))),
+                },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for t in self.tools
-            if self.choice == "required" or t["function"]["name"] == self.name
+            for k, t in enumerate(chosen)
         ]
         return Grammar.json(shapes[0] if len(shapes) == 1 else {"anyOf": shapes})
 
@@ -97,6 +101,41 @@ class ToolPlan:
 def parameters(tool: dict) -> dict:
     params = tool["function"].get("parameters")
     return NO_PARAMETERS if params is None else params
+
+
+def _an_object(schema: dict) -> dict:
+    """A parameters schema that does not say its type (``{}``, properties alone) as an object's: a call's arguments
+    are a JSON object (read back as nothing else)."""
+    return schema if "type" in schema else {"type": "object", **schema}
+
+
+def _at(k: int, shapes: int) -> str:
+    """The JSON pointer of the arguments' schema of shape ``k`` of ``shapes`` in a forced call's grammar."""
+    return ("" if shapes == 1 else f"/anyOf/{k}") + "/properties/arguments"
+
+
+_DATA = ("const", "enum", "default", "examples")  # keywords whose values are JSON data, not schemas
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def _moved(schema, at: str):
+    """``schema`` with its local references (``"#"``, ``"#/$defs/x"``) pointing below ``at``, the JSON pointer
+    of the place it takes in a larger schema."""
+    if isinstance(schema, list):
+        return [_moved(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):  # (not an anchor: "#name")
+            out[k] = "#" + at + v[1:]
+        elif k in _DATA:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):
+            out[k] = {name: _moved(s, at) for name, s in v.items()}
+        else:
+            out[k] = _moved(v, at)
+    return out
 
 
 def _call(text: str, names: list[str]) -> dict | None:
@@ -179,6 +218,15 @@ def tool_plan(body) -> ToolPlan | None:
         raise ToolError(f"{field} names {name!r}, which is not declared: choose one of {declared_names}", field)
     if not declared:
         return None
+    for i, t in enumerate(declared):
+        kind = parameters(t).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            at = f"functions[{i}].parameters" if legacy else f"tools[{i}].function.parameters"
+            raise ToolError(
+                f"{at} describes {json.dumps(kind)}, not an object: a call's arguments are a JSON object; give "
+                '{"type": "object", "properties": {...}} (or leave parameters out for a function without arguments)',
+                at,
+            )
     plan = ToolPlan(tuple(declared), choice, name, legacy, field)
     try:
         plan.grammar()
@@ -226,8 +274,8 @@ def conversation(messages, plan: ToolPlan | None, reads_tools: bool) -> tuple[li
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         if role in ("tool", "function"):
-            if role == "function":  # legacy: the result names its function, not a call
-                name, cid = m.name, next((c for c, n in calls.items() if n == m.name), None) or call_id()
+            if role == "function":  # legacy: the result names its function, not a call (the id: Message.calls()'s)
+                name, cid = m.name, next((c for c, n in calls.items() if n == m.name), None) or f"call_{m.name}"
             else:
                 if m.tool_call_id not in calls:
                     raise ToolError(

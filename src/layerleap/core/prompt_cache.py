@@ -8,11 +8,13 @@ first new token is predicted from it), then stores its own prompt and output whe
 chat so prefills each turn's new messages only, as llama.cpp's ``cache_prompt`` and vLLM's automatic prefix
 caching do.
 
-Entries belong to one model object and one KV dtype and device: another model (or the same weights
-loaded twice) never hits.  Changing a model's weights in place leaves stale entries: ``clear()`` then.
-The cache is bounded (``max_bytes`` of keys and values, and optionally ``max_tokens``); storing past the
-bound evicts the least recently used entries, and an entry that alone exceeds it is not stored.  An entry
-that is a prefix of a newer one is replaced by it.  Thread-safe (one lock around each operation).
+Entries belong to one model object, in one dtype and weights format, and one KV dtype and device: another
+model (or the same weights loaded twice), or the same one converted (``model.to(torch.bfloat16)``), never
+hits. Changing a model's weights in place otherwise (training, loading others) leaves stale entries:
+``clear()`` then. The cache is bounded (``max_bytes`` of keys and values, and optionally ``max_tokens``);
+storing past the bound evicts the least recently used entries, and an entry that alone exceeds it is not
+stored. An entry that is a prefix of a newer one is replaced by it. Thread-safe (one lock around each
+operation).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class PromptCacheError(V.InputError):
 @dataclass
 class Entry:
     model: weakref.ref
+    form: tuple  # the model's weights' format when stored (``weights_form``)
     tokens: tuple[int, ...]
     k: torch.Tensor  # [L, Hkv, n, hd]
     v: torch.Tensor
@@ -44,8 +47,19 @@ class Entry:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
-    def belongs(self, model, dtype: torch.dtype, device) -> bool:
-        return self.model() is model and self.k.dtype == dtype and self.k.device == torch.device(device)
+    def belongs(self, model, form: tuple, dtype: torch.dtype, device) -> bool:
+        return (
+            self.model() is model
+            and self.form == form
+            and self.k.dtype == dtype
+            and self.k.device == torch.device(device)
+        )
+
+
+def weights_form(model) -> tuple:
+    """What of a model object can change under the same object and change its keys and values: its activations'
+    dtype and its weights' format (``model.to(torch.bfloat16)``, a quantization in place)."""
+    return (getattr(model, "dtype", None), getattr(model, "dtype_name", None))
 
 
 def common_prefix(a, b) -> int:
@@ -106,10 +120,11 @@ class PromptCache:
         """The entry sharing the longest prefix with ``ids`` for ``model`` (its KV ``dtype`` and
         ``device``), and how many of its tokens may be reused: at most ``len(ids) - 1`` (the last
         prompt token always runs).  ``(None, 0)`` when none shares a token.  Counts a hit or a miss."""
+        form = weights_form(model)
         with self._lock:
             best, n = None, 0
             for key, e in self._entries.items():
-                if not e.belongs(model, dtype, device):
+                if not e.belongs(model, form, dtype, device):
                     continue
                 m = common_prefix(e.tokens, ids)
                 if m > n:
@@ -135,9 +150,10 @@ class PromptCache:
         size = 2 * k.numel() * k.element_size()
         if size > self.max_bytes or (self.max_tokens is not None and len(tokens) > self.max_tokens):
             return False
+        form = weights_form(model)
         with self._lock:
             for key, e in list(self._entries.items()):
-                if not e.belongs(model, k.dtype, k.device) or e.model() is None:
+                if not e.belongs(model, form, k.dtype, k.device) or e.model() is None:
                     if e.model() is None:  # its model is gone: it can never hit
                         del self._entries[key]
                     continue
@@ -147,7 +163,7 @@ class PromptCache:
                 if tokens[: len(e.tokens)] == e.tokens:  # the new entry covers it
                     del self._entries[key]
             self._serial += 1
-            self._entries[self._serial] = Entry(weakref.ref(model), tokens, _copy(k), _copy(v))
+            self._entries[self._serial] = Entry(weakref.ref(model), form, tokens, _copy(k), _copy(v))
             self._evict()
         return True
 

@@ -395,6 +395,7 @@ CLI = [
     (["serve", *M, "--max-tokens", "0"], "must be an integer in [1, 1000000]"),
     (["serve", *M, "--max-batch", "0"], "must be an integer in [1, 4096]"),
     (["serve", *M, "--max-running", "99999"], "must be an integer in [1, 1024]"),
+    (["serve", *M, "--prompt-cache-mb", "-1"], "must be an integer in [0, 1048576], got -1 (0: no prompt cache)"),
     (["serve", *M, "--method", "nope"], "unknown method 'nope'"),
     (["serve", *M, "--port", "0", "--method", "auto", "--opt", "tree=1,1,1"], "tree= shapes Hidden Transfer's tree"),
     (["serve", *M, "--name", "bad \udcff"], "is not valid UTF-8"),

@@ -32,6 +32,7 @@ _EXPORTS = {
     "Grammar": "core.grammar",
     "TokenLogprob": "core.logprobs",
     "TopLogprob": "core.logprobs",
+    "PromptCache": "core.prompt_cache",
     "stream": "streaming",
     "TextStream": "streaming",
 }

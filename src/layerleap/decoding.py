@@ -24,6 +24,8 @@ from .methods import budget
 from .core.grammar import Grammar
 from .core.logprobs import MAX_TOP, TokenLogprob, scores, typed
 from .core.processors import NEUTRAL as PROCESSORS_NEUTRAL
+from .core.prompt_cache import PromptCache
+from .core.prompt_cache import check as check_prompt_cache
 from .core.stats import RECORD_FIELDS, BudgetStats, Stats
 from .core.text import StopText, TextPieces, check_stops, hold_off, tokens_through
 from .core.run import (
@@ -74,7 +76,7 @@ def get_method(name: str) -> Method:
 GENERATE_ARGS = (
     "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "do_sample", "stop_at_eos", "stop", "chat",
     "quality", "grammar", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens",
-    "allowed_token_ids", "bad_words",
+    "allowed_token_ids", "bad_words", "prompt_cache",
 )  # fmt: skip
 HF_ARGS = {  # `transformers` generate arguments and what says the same here
     "max_length": "max_new_tokens= (the new tokens, the prompt not counted)",
@@ -330,6 +332,7 @@ def generate(
     min_tokens: int | None = None,
     allowed_token_ids: list[int] | None = None,
     bad_words: list[str | list[int]] | None = None,
+    prompt_cache: PromptCache | None = None,
     **options,
 ):
     """Generate with ``method``; one prompt gives a ``GenerationResult``, a list gives a list.
@@ -422,6 +425,7 @@ def generate(
         min_tokens=min_tokens,
         allowed_token_ids=allowed_token_ids,
         bad_words=bad_words,
+        prompt_cache=prompt_cache,
         **options,
     )
     for _ in d:
@@ -746,9 +750,12 @@ class Decoding:
         min_tokens: int | None = None,
         allowed_token_ids: list[int] | None = None,
         bad_words: list[str | list[int]] | None = None,
+        prompt_cache: PromptCache | None = None,
         **options,
     ):
         _unknown_names(get_method(method), options)
+        with V.raising(GenerationError):
+            self.prompt_cache = check_prompt_cache(prompt_cache)
         options, self.budget = (
             budget.resolve(model, get_method(method).name, options, quality)
             if isinstance(model, Transformer)
@@ -834,7 +841,8 @@ class Decoding:
     def _decode(self):
         group = [i for i in range(len(self.prompt_ids)) if i not in self._cancelled]  # cancelled before it started
         if group:
-            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, indices=group)
+            reuse = self.prompt_cache if self.method.prompt_cache else None  # (the others run as without one)
+            run = Run(self.model, [self.prompt_ids[i] for i in group], self.gen, indices=group, prompt_cache=reuse)
             self._where.update({i: (run, j) for j, i in enumerate(group)})
             seen = [0] * len(group)
             texts = [(TextPieces(self.model.tokenizer), StopText(self.stops)) for _ in group] if self.stops else None
@@ -850,6 +858,7 @@ class Decoding:
                     break
                 ended = run.done
             wall = time.perf_counter() - run.t0
+            run.keep_prompts()
             if sum(map(len, run.prompts)) >= LONG_PROMPT_PASS:  # its buffers back to the OS (~1 ms)
                 release_freed_memory()
             grew = [i for j, i in enumerate(group) if len(run.out[j]) > seen[j]]
@@ -1048,6 +1057,7 @@ def _result(
         tokens_per_s=n / wall if wall > 0 else 0.0,
         ttft_s=(run.t_first - run.t0) if run.t_first is not None else None,
         batch=run.batch,
+        cached_prompt_tokens=run.cached[row],
         stop_string=None if stop is None else stop[2],
         **{RECORD_FIELDS[kind]: records[row] for kind, records in run.records.items()},
     )

@@ -34,6 +34,7 @@ import torch
 from .core import processors, sampling
 from .core.kv_cache import KVCache
 from .core.model import Transformer
+from .core.prompt_cache import PromptCache
 from .core.logprobs import Raw, TokenLogprob, capture, typed
 from .core.run import GenerationConfig, GenerationResult, NoTokenLeft, row_generators
 from .decoding import Decoding, get_method
@@ -48,6 +49,7 @@ class Settings:
     method: str
     options: dict = field(default_factory=dict)
     gen: GenerationConfig = field(default_factory=GenerationConfig)  # its EOS fields are Decoding's own
+    prompt_cache: PromptCache | None = None  # the server's prefix cache, when the request reuses it
 
     @property
     def max_new_tokens(self) -> int:
@@ -76,6 +78,7 @@ class Settings:
             grammar=g.grammar,
             logprobs=g.logprobs,
             **procs,
+            prompt_cache=self.prompt_cache,
             **self.options,
         )
         if g.min_tokens_ids:  # the server's stop_token_ids, held off by min_tokens as the EOS ones
@@ -92,7 +95,11 @@ class Settings:
         sampling = (g.temperature, g.top_k, g.top_p, g.min_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
         procs = (*processors.asked(g).items(), g.min_tokens_ids)
-        return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar, g.logprobs, procs)
+        cached = self.prompt_cache is not None
+        return (
+            self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar, g.logprobs, procs,
+            cached,
+        )  # fmt: skip
 
 
 @dataclass
@@ -327,6 +334,7 @@ class _Row:
         self.history = (processors.histories(self.gen, [job.prompt_ids], eos_ids) or [None])[0]  # penalties, biases
         self.cache: KVCache | None = None  # the prefill's, made at its first chunk (in the worker thread)
         self.done_ids = 0  # prompt tokens prefilled
+        self.cached = 0  # of them, those whose keys and values came from the prompt cache
         self.out: list[int] = []
         self.logprobs: list[Raw] = []  # with gen.logprobs: one per token of ``out``
         self.pieces = TextPieces(model.tokenizer)
@@ -382,6 +390,7 @@ class _Row:
             "tokens_per_s": n / wall if wall > 0 else 0.0,
             "ttft_s": None if self.t_first is None else self.t_first - self.t0,
             "batch": batch,
+            "cached_prompt_tokens": self.cached,
         }
         if self.job.cancelled:
             stats["cancelled"] = True
@@ -459,6 +468,8 @@ class Pool:
             if r.gen.grammar is not None:  # and a grammar compiled anew (the tokenizer's view, a second to build)
                 r.constraint = r.gen.grammar.start(m, 1, r.eos_ids)[0]
             r.cache = m.new_cache(1, len(ids) + 1)
+            r.done_ids = r.cached = self._reuse(r)
+            part = ids[r.done_ids : r.done_ids + self.chunk]
         x = torch.tensor([part], dtype=torch.long, device=m.device)
         positions = torch.arange(r.done_ids, r.done_ids + len(part), device=m.device).unsqueeze(0)  # [1, S]
         h = m.run_layers(m.embed(x), 0, m.config.n_layers, positions, r.cache)  # [1, S, D]
@@ -469,6 +480,7 @@ class Pool:
             return
         r.emit(r.choose(m.logits(h[:, -1:])[:, -1]))
         if r.finished:
+            self._keep(r, r.cache, 0)
             self.joining.remove(r)
             return
         n = len(ids)
@@ -509,9 +521,33 @@ class Pool:
         for method in {r.job.settings.method for r in rows}:
             self.passes[method] = self.passes.get(method, 0) + 1
 
+    def _reuse(self, r: _Row) -> int:
+        """Copy the keys and values of the longest cached prefix of ``r``'s prompt (the prompt cache, when its
+        request reuses one) into its prefill's cache -> the prompt tokens they cover (the last one always runs)."""
+        pc, ids = r.job.settings.prompt_cache, r.job.prompt_ids
+        if pc is None:
+            return 0
+        entry, n = pc.lookup(self.model, ids, r.cache.k.dtype, r.cache.k.device)
+        if n:
+            r.cache.k[:, 0, :, :n] = entry.k[:, :, :n]
+            r.cache.v[:, 0, :, :n] = entry.v[:, :, :n]
+            r.cache.lengths[:, 0] = n
+        return n
+
+    def _keep(self, r: _Row, cache: KVCache, i: int) -> None:
+        """Store ``r``'s prompt and output with their keys and values (row ``i`` of ``cache``) in the prompt cache."""
+        pc = r.job.settings.prompt_cache
+        if pc is None or cache is None:
+            return
+        tokens = r.job.prompt_ids + r.out
+        n = min(len(tokens), int(cache.lengths[:, i].min()) - int(cache.pad[i]))
+        if n > 0:
+            pc.store(self.model, tokens[:n], cache.k[:, i, :, :n], cache.v[:, i, :, :n])
+
     def _leave(self, r: _Row) -> None:
-        """``r``'s row is taken by the last decoding row."""
+        """``r``'s row is taken by the last decoding row (its tokens go to the prompt cache first)."""
         i, last = self.decoding.index(r), len(self.decoding) - 1
+        self._keep(r, self.cache, i)
         if i != last:
             n = int(self.cache.lengths[0, last])
             self.cache.k[:, i, :, :n] = self.cache.k[:, last, :, :n]

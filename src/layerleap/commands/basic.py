@@ -785,6 +785,7 @@ def methods_table() -> dict:
             "samples": m.sampling,
             "samples_by_default": m.default_sample,
             "grammar": m.grammar,
+            "prompt_cache": m.prompt_cache,
             "options": {o.name: (None if o.required else o.default) for o in m.declared},
             "required": [o.name for o in m.declared if o.required],
             "model_options": list(m.models),
@@ -803,16 +804,19 @@ def run_methods(args) -> int:
         print(json_text(methods_table(), default=str))
         return 0
     yes = {True: "yes", False: "-"}
-    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7} {'grammar':7}  description")
+    print(f"{'method':16} {'exact':5} {'batches':7} {'samples':7} {'grammar':7} {'prefix':6}  description")
     for name, m in registry.items():
-        print(f"{name:16} {yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7} {yes[m.grammar]:7}  {m.description}")
+        flags = f"{yes[m.exact]:5} {yes[m.batched]:7} {yes[m.sampling]:7} {yes[m.grammar]:7} {yes[m.prompt_cache]:6}"
+        print(f"{name:16} {flags}  {m.description}")
         for o in m.declared:
             print(f"{'':18}--opt {_option_text(o)}")
     print(
         "\nexact: its greedy output equals plain greedy decoding token for token (tested); batches: decodes a list "
         "of prompts as one batch (the others refuse more than one prompt); samples: supports temperature/top-k/top-p "
         "sampling (--do-sample, or any sampling flag); grammar: follows a grammar (structured output: "
-        "generate(..., grammar=layerleap.Grammar...), the server's response_format).  Options go in as --opt "
+        "generate(..., grammar=layerleap.Grammar...), the server's response_format); prefix: reuses a prompt cache "
+        "(generate(..., prompt_cache=layerleap.PromptCache()), the server's --prompt-cache-mb; the others run "
+        "their whole prompt).  Options go in as --opt "
         "NAME=VALUE (generate(..., NAME=VALUE) in Python); n_layers, vocab_size and context are the model's."
     )
     return 0

@@ -53,6 +53,14 @@ def _setup(p):
         help="prompt tokens the pool prefills per round, between decoding rounds (default 512)",
     )
     p.add_argument(
+        "--prompt-cache-mb",
+        type=V.int_arg(0, 1 << 20, hint=" (0: no prompt cache)"),
+        default=256,
+        help="MiB of keys and values kept from finished requests, reused by a request whose prompt starts with "
+        "their tokens (a chat's earlier turns); least recently used first out (default 256; 0: off; a request "
+        'opts out with "cache_prompt": false)',
+    )
+    p.add_argument(
         "--max-running",
         type=V.int_arg(1, 1024),
         default=2,
@@ -139,6 +147,7 @@ def _serve(args, options: dict, sock) -> int:
         shadow_share=args.shadow_share,
         continuous=not args.no_continuous,
         prefill_chunk=args.prefill_chunk,
+        prompt_cache_mb=args.prompt_cache_mb,
     )
     if not args.no_access_log:
         _access_log()

@@ -30,6 +30,7 @@ from .cpu import release_freed_memory
 from .grammar import Grammar, mask_rows
 from .processors import apply_rows, histories, none_left, none_left_message
 from .kv_cache import KVCache
+from .prompt_cache import PromptCache
 from .logprobs import Raw, TokenLogprob, capture
 from .model import Transformer
 from .stats import RECORD_FIELDS, Record, Stats
@@ -106,6 +107,10 @@ class Method:
     exact: bool = False  # its greedy output equals plain greedy decoding token for token
     declared: tuple[O.Option, ...] | None = None  # its options (``core.options``); None: read from ``fn``
     grammar: bool = False  # follows a grammar (structured output): every token it keeps is chosen masked
+    # reuses a prompt cache (``core.prompt_cache``): its prompt pass reads the last position's state alone (or
+    # asks for every position's: ``prefill_at(whole=True)``), and its KV cache ends holding exactly the keys and
+    # values of the prompt and output
+    prompt_cache: bool = False
 
     def __post_init__(self):
         if self.declared is None:
@@ -152,6 +157,7 @@ def register(
     exact: bool = False,
     options: tuple[O.Option, ...] = (),
     grammar: bool = False,
+    prompt_cache: bool = False,
 ):
     """Register ``fn(run, **options)`` under ``name``; ``options`` declares every keyword option of
     ``fn`` with the same name and default (checked here, so the declarations cannot drift).  Without
@@ -161,7 +167,9 @@ def register(
         declared = options or O.infer(fn)
         _match_signature(name, fn, declared)
         summary = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, one line
-        METHODS[name] = Method(name, fn, batched, sampling, default_sample, summary, exact, tuple(declared), grammar)
+        METHODS[name] = Method(
+            name, fn, batched, sampling, default_sample, summary, exact, tuple(declared), grammar, prompt_cache
+        )
         return fn
 
     return deco
@@ -209,7 +217,12 @@ class Run:
     prompt indices of the rows (default ``0..B-1``); they seed the rows' generators (``row_generators``)."""
 
     def __init__(
-        self, model: Transformer, prompts: list[list[int]], gen: GenerationConfig, indices: list[int] | None = None
+        self,
+        model: Transformer,
+        prompts: list[list[int]],
+        gen: GenerationConfig,
+        indices: list[int] | None = None,
+        prompt_cache: PromptCache | None = None,
     ):
         self.model = model
         self.prompts = prompts
@@ -234,6 +247,11 @@ class Run:
         self.records: dict[type, list[Record]] = {}  # a method's own statistics: kind -> one record per row
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
+        # prompt caching (``core.prompt_cache``): the cache the first prompt pass reuses from, each row's
+        # prompt tokens it reused, and the KV cache that pass filled (whose entries ``keep_prompts`` stores)
+        self.prompt_cache = prompt_cache
+        self.cached = [0] * self.batch
+        self.kv: KVCache | None = None
 
     def record(self, per_row: list[Record]) -> None:
         """A method's own statistics: one record per row, all of one kind (``core.stats``)."""
@@ -316,13 +334,25 @@ class Run:
         last prompt position ``[B, 1, D]`` (``prefill_at`` for states at more layers)."""
         return self.prefill_at(cache, (self.n_layers if end is None else end,))[-1][:, -1:]
 
-    def prefill_at(self, cache: KVCache, stops: tuple[int, ...]) -> list[torch.Tensor]:
+    def prefill_at(self, cache: KVCache, stops: tuple[int, ...], whole: bool = False) -> list[torch.Tensor]:
         """Run the (left-padded) prompts through layers ``[0, stops[-1])``; -> the hidden states of
         every prompt position ``[B, T, D]`` after each layer of ``stops`` (ascending).  Counted as one
         model call; the layer evaluations of all but the last prompt position are reported apart
         (``prompt_layer_evals``), the last one's count towards the first new token, so greedy costs
-        exactly ``n_layers`` per token."""
+        exactly ``n_layers`` per token.
+
+        With a ``prompt_cache``, the first prompt pass of the run reuses the cached keys and values of
+        the prompts' prefixes (``reuse_prompts``) and runs only the last ``S <= T`` positions: the states
+        returned are then ``[B, S, D]``, the last position's the same.  ``whole``: the caller reads every
+        prompt position's state, so nothing is reused."""
         ids, positions = self.padded_prompts(cache)
+        skip = 0
+        if self.prompt_cache is not None and self.kv is None:
+            self.kv = cache
+            if not whole:
+                skip = self.reuse_prompts(cache)
+        if skip:
+            ids, positions = ids[:, skip:], positions[:, skip:]
         h, start, states = self.model.embed(ids), 0, []
         for stop in stops:
             h = self.model.run_layers(h, start, stop, positions, cache)  # [B, T, D]
@@ -331,12 +361,47 @@ class Run:
         self.model_calls += 1
         for row, p in enumerate(self.prompts):
             # the last prompt position predicts the first new token: its layers count as generation
-            self.prompt_layer_evals[row] += start * (len(p) - 1)
+            self.prompt_layer_evals[row] += start * (len(p) - 1 - self.cached[row])
             self.layer_evals[row] += start
             self.layer_calls[row] += 1  # (one call per token for greedy)
         if sum(map(len, self.prompts)) >= LONG_PROMPT_PASS:
             release_freed_memory()  # else the pass's freed buffers stay resident while decoding (~1 ms)
         return states
+
+    def reuse_prompts(self, cache: KVCache) -> int:
+        """Fill ``cache`` (left padded by ``padded_prompts``, ``T`` slots wide) with the cached keys and
+        values of each row's longest cached prefix, as far as one prompt pass over the last ``S`` slots of
+        every row allows: ``S`` is the largest number of tokens any row has left to run, so a row reuses
+        ``len(prompt) - S`` tokens (a row without a cached prefix makes every row run its whole prompt).
+        Sets ``cached`` and the cache's lengths; -> ``T - S``, the slots the pass skips."""
+        pc, T = self.prompt_cache, max(len(p) for p in self.prompts)
+        found = [pc.lookup(self.model, p, cache.k.dtype, cache.k.device) for p in self.prompts]
+        S = max(len(p) - n for p, (_, n) in zip(self.prompts, found))
+        if S >= T:
+            return 0
+        for row, (p, (entry, _)) in enumerate(zip(self.prompts, found)):
+            n, pad = max(0, len(p) - S), int(cache.pad[row])
+            if n:
+                cache.k[:, row, :, pad : pad + n].copy_(entry.k[:, :, :n])
+                cache.v[:, row, :, pad : pad + n].copy_(entry.v[:, :, :n])
+            self.cached[row] = n
+        cache.lengths.fill_(T - S)
+        return T - S
+
+    def keep_prompts(self, rows: list[int] | None = None) -> None:
+        """Store each row's prompt and output with their keys and values in the ``prompt_cache`` (the
+        slots of the KV cache the first prompt pass filled that hold them in every layer).  Only a
+        method whose cache then holds exactly those tokens' keys and values calls for it (``Method.prompt_cache``)."""
+        cache = self.kv
+        if self.prompt_cache is None or cache is None:
+            return
+        for row in range(self.batch) if rows is None else rows:
+            tokens = self.prompts[row] + self.out[row]
+            pad = int(cache.pad[row])
+            n = min(len(tokens), int(cache.lengths[:, row].min()) - pad)
+            if n > 0:
+                k, v = cache.k[:, row, :, pad : pad + n], cache.v[:, row, :, pad : pad + n]
+                self.prompt_cache.store(self.model, tokens[:n], k, v)
 
     # -- token choice and output ---------------------------------------------------------------
     def choose(self, logits: torch.Tensor) -> torch.Tensor:

@@ -222,6 +222,7 @@ class Stats(Mapping):
     tokens_per_s: float
     ttft_s: float | None
     batch: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values came from a prompt cache (not run)
     cancelled: bool = False
     stop_string: str | None = None  # the stop string that ended the text (``generate``'s ``stop``)
     exit: ExitStats | None = None

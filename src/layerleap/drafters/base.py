@@ -95,7 +95,7 @@ class Drafter:
 
     def prefill(self) -> torch.Tensor:
         """The prompt pass -> the target's logits ``[B, V]`` for the first new position."""
-        states = self.run.prefill_at(self.cache, (self.run.n_layers,))[-1]  # [B, T, D], left-padded
+        states = self.run.prefill_at(self.cache, (self.run.n_layers,), whole=self.keeps_prompt)[-1]  # [B, T, D]
         self.prompt_states = states if self.keeps_prompt else None
         self.hidden = states[:, -1:]  # [B, 1, D]
         self.first_logits = self.run.logits(self.hidden)[:, -1]

@@ -127,6 +127,7 @@ CORPUS = O.CORPUS.but(default="none")
     sampling=True,
     exact=True,
     grammar=True,
+    prompt_cache=True,
     options=(*AUTO_OPTIONS, O.TREE, TRANSFER, MEDUSA, EAGLE, O.DRAFT_VOCAB, CORPUS),
 )
 def auto(

@@ -24,13 +24,13 @@ def autoregressive(run: Run) -> None:
     drive(autoregressive_rounds, run)
 
 
-@register("greedy", batched=True, exact=True, grammar=True)
+@register("greedy", batched=True, exact=True, grammar=True, prompt_cache=True)
 def greedy(run: Run):
     """Greedy decoding: the argmax token at every step (the reference every lossless method matches)."""
     yield from autoregressive_rounds(run)
 
 
-@register("sample", batched=True, sampling=True, default_sample=True, grammar=True)
+@register("sample", batched=True, sampling=True, default_sample=True, grammar=True, prompt_cache=True)
 def sample(run: Run):
     """Ancestral sampling with temperature, top-k and top-p (reproducible with a seed)."""
     yield from autoregressive_rounds(run)

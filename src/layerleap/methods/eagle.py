@@ -43,6 +43,7 @@ def chains_vocab(model, vocab, spec):
     sampling=True,
     exact=True,
     grammar=True,
+    prompt_cache=True,
     options=(O.DRAFT_LEN.but(none="the dtype's tuned one"), O.WIDTH, O.MIN_CONFIDENCE, O.EAGLE_HEAD, O.DRAFT_VOCAB),
 )
 def eagle(run: Run, *, draft_len=None, width=None, min_confidence=0.0, eagle_head="trained", draft_vocab="auto"):

@@ -57,6 +57,7 @@ def default_tree(model) -> str:
     sampling=True,
     exact=True,
     grammar=True,
+    prompt_cache=True,
     options=(O.TREE_DYNAMIC, O.TREE_NODES, O.TREE_DEPTH, O.TRANSFER, O.DRAFT_VOCAB),
 )
 def hidden_transfer(run: Run, *, tree=None, tree_nodes=None, tree_depth=None, transfer="trained", draft_vocab="auto"):

@@ -68,6 +68,7 @@ def decode_tree(
     sampling=True,
     exact=True,
     grammar=True,
+    prompt_cache=True,
     options=(O.TREE_DYNAMIC, O.TREE_NODES, O.TREE_DEPTH, O.MEDUSA_HEADS, O.DRAFT_VOCAB),
 )
 def medusa(run: Run, *, tree=None, tree_nodes=None, tree_depth=None, heads="trained", draft_vocab="auto"):

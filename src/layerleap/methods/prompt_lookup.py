@@ -71,7 +71,7 @@ def adaptive_default(run: Run, adaptive: bool | None) -> bool:
     return lengths.adaptive_default(run.model) if adaptive is None else adaptive
 
 
-@register("prompt-lookup", batched=True, sampling=True, exact=True, grammar=True, options=OPTIONS)
+@register("prompt-lookup", batched=True, sampling=True, exact=True, grammar=True, prompt_cache=True, options=OPTIONS)
 def prompt_lookup(
     run: Run,
     *,

@@ -53,7 +53,7 @@ def check_corpus_ngram(store, min_ngram: int) -> None:
         )
 
 
-@register("rest", batched=True, sampling=True, exact=True, grammar=True, options=OPTIONS)
+@register("rest", batched=True, sampling=True, exact=True, grammar=True, prompt_cache=True, options=OPTIONS)
 def rest(
     run: Run,
     *,

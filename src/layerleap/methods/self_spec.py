@@ -50,6 +50,7 @@ def default_exit_layer(n_layers: int) -> int:
     sampling=True,
     exact=True,
     grammar=True,
+    prompt_cache=True,
     options=(
         O.EXIT_LAYER,
         O.DRAFT_LEN.but(none="the dtype's tuned one"),

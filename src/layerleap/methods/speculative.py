@@ -57,6 +57,7 @@ __all__ = ["DraftLength", "speculative"]
     sampling=True,
     exact=True,
     grammar=True,
+    prompt_cache=True,
     options=(O.DRAFT_MODEL, O.DRAFT_LEN.but(default=20), O.SCHEDULE, O.MIN_CONFIDENCE.but(default=0.4)),
 )
 def speculative(run: Run, *, draft, draft_len: int = 20, schedule: str = "constant", min_confidence: float = 0.4):

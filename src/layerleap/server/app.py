@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 from ..core.grammar import Grammar, GrammarError
 from ..core.logprobs import TokenLogprob, token_bytes, token_text
 from ..core.model import Transformer
+from ..core.prompt_cache import DEFAULT_MB, PromptCache
 from ..core.run import GenerationConfig, NoTokenLeft, chat_token_ids, row_seed
 from ..decoding import METHODS, GenerationError, check_processors, get_method, score
 from ..errors import LayerleapError
@@ -69,6 +70,7 @@ class ServerConfig:
     shadow_share: float = 0.0  # share of lossy-method requests re-decoded greedily when idle (agreement metric)
     continuous: bool = True  # greedy and sample requests join and leave one pool round by round
     prefill_chunk: int = 512  # prompt tokens the pool prefills per round
+    prompt_cache_mb: int = DEFAULT_MB  # the prefix cache's bound in MiB of keys and values (0: no cache)
 
 
 class APIError(Exception):
@@ -127,9 +129,12 @@ class AppState:
     latency_s: float = 5.0  # a running mean of request latency (for Retry-After)
     shadows: list = field(default_factory=list)  # (method, prompt ids, tokens) waiting for a shadow check
     shadow_run: tuple | None = None  # the shadow check under way: (method, tokens, Decoding, its rounds)
+    prompt_cache: PromptCache | None = None  # the prefix cache the requests share (None: off)
 
     def __post_init__(self):
         self.metrics = Metrics(self.load)
+        if self.cfg.prompt_cache_mb > 0:
+            self.prompt_cache = PromptCache(max_bytes=self.cfg.prompt_cache_mb * 2**20)
 
     def load(self) -> tuple[int, int]:
         s = self.scheduler
@@ -265,7 +270,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         min_p=float(min_p) if do_sample else 0.0,
         **procs,
     )
-    return Settings(method, options, gen)
+    return Settings(method, options, gen, st.prompt_cache if body.cache_prompt is not False else None)
 
 
 _TOKEN_ID = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key: a token id as int() reads it
@@ -294,7 +299,7 @@ def choice_jobs(ids: list[int], settings: Settings, body: _Request) -> tuple[lis
     jobs = []
     for i in range(n):
         seeded = gen if gen.seed is None else dataclasses.replace(gen, seed=row_seed(gen.seed, i))
-        jobs.append(Job(ids, Settings(settings.method, settings.options, seeded), stops, stop_ids, keep))
+        jobs.append(Job(ids, dataclasses.replace(settings, gen=seeded), stops, stop_ids, keep))
     for job in jobs:
         job.group = jobs
     return jobs, [[i] for i in range(n)]
@@ -440,7 +445,7 @@ async def load_options(st: AppState, settings: Settings) -> Settings:
                 options[key] = await st.scheduler.run_in_worker(st.loader, value)
             except LayerleapError as e:  # e.g. a packaged model that is not installed
                 raise _bad(f"option {key}={value!r}: {e}", f"layerleap.options.{key}") from None
-    return Settings(settings.method, options, settings.gen)
+    return dataclasses.replace(settings, options=options)
 
 
 def check_decoding(model: Transformer, ids: list[int], s: Settings, grammar_field: str | None = None) -> None:
@@ -466,8 +471,19 @@ def _jsonable(x):
     return x if isinstance(x, (int, str, bool)) or x is None else str(x)
 
 
-def _usage(prompt_len: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+def _usage(prompt_len: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage; ``cached``: the prompt tokens whose keys and values came from the prompt cache."""
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _cached(fin: Finish | None) -> int:
+    """The prompt tokens a choice reused from the prompt cache."""
+    return 0 if fin is None else int(fin.result.stats.get("cached_prompt_tokens", 0))
 
 
 @dataclass
@@ -588,7 +604,7 @@ class Reply:
         out = {
             **self._head(False),
             "choices": [self.choice(fin)] + [r.choice(f) for r, f in others],
-            "usage": _usage(self.prompt_len, used),
+            "usage": _usage(self.prompt_len, used, max(_cached(f) for f in [fin] + [f for _, f in others])),
         }
         if fin is not None:
             out["layerleap"] = {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)}
@@ -632,8 +648,8 @@ class Reply:
         choice.update(finish_reason=reason, logprobs=self.logprobs(logprobs))
         return {**self._head(True), "choices": [choice]} | ({"usage": None} if self.usage else {})
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self._head(True), "choices": [], "usage": _usage(self.prompt_len, completion_tokens)}
+    def usage_chunk(self, completion_tokens: int, cached: int = 0) -> dict:
+        return {**self._head(True), "choices": [], "usage": _usage(self.prompt_len, completion_tokens, cached)}
 
 
 def _top_dict(e: TokenLogprob) -> dict:
@@ -1096,7 +1112,7 @@ async def _events(
                 if len(ends) == len(jobs):
                     if replies[0].usage:
                         used = sum(f.completion_tokens * len(owners[j]) for j, f in ends.items())
-                        yield _sse(replies[0].usage_chunk(used))
+                        yield _sse(replies[0].usage_chunk(used, max(_cached(f) for f in ends.values())))
                     break
             try:
                 event = await events.next()

@@ -64,6 +64,9 @@ class Metrics:
         self.timeouts = counter("queue_timeouts", "requests that waited past the queue timeout")
         self.tokens = counter("generated_tokens", "generated tokens by method", ("method",))
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens by method", ("method",))
+        self.cached_prompt_tokens = counter(
+            "cached_prompt_tokens", "prompt tokens reused from the prompt cache (not run) by method", ("method",)
+        )
         self.passes = counter("verification_passes", "model calls (target-model passes) by method", ("method",))
         self.drafted = counter("draft_tokens", "draft tokens proposed by method", ("method",))
         self.accepted = counter("accepted_draft_tokens", "draft tokens accepted by method", ("method",))
@@ -147,6 +150,7 @@ class Metrics:
             # the answer's tokens (usage.completion_tokens); a request cancelled while running: those it decoded
             self.tokens.labels(method).inc(n if job.completion_tokens is None else job.completion_tokens)
             self.prompt_tokens.labels(method).inc(len(r.prompt_ids))
+            self.cached_prompt_tokens.labels(method).inc(r.stats.get("cached_prompt_tokens", 0))
             if job.t_start is not None:
                 self.queue_wait.observe(job.t_start - job.t_submit)
             if job.t_first is not None:

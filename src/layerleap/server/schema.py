@@ -265,6 +265,9 @@ class _Request(BaseModel):
     stream: bool | None = Field(False, description="server-sent events (null: false)")
     stream_options: StreamOptions | None = None
     layerleap: LayerleapOptions = Field(default_factory=LayerleapOptions)
+    cache_prompt: bool | None = Field(
+        None, description="llama.cpp's: reuse the server's prompt cache (null: true; false: run the whole prompt)"
+    )
     # taken and unused: they do not change the answer
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -275,7 +278,6 @@ class _Request(BaseModel):
     prompt_cache_retention: str | None = None
     prediction: dict | None = None
     parallel_tool_calls: bool | None = None
-    cache_prompt: bool | None = None  # llama.cpp
     # structured output (one of them): the answer follows a grammar
     response_format: dict[str, Any] | None = Field(
         None,

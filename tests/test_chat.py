@@ -98,6 +98,8 @@ def test_method_switch_and_stats(capsys, monkeypatch, char_model_dir, model):
     stats = [ln for ln in out.splitlines() if ln.startswith("[")]
     assert stats[0].startswith("[greedy] ") and "tokens/call" in stats[0]
     assert stats[1].startswith("[prompt-lookup] ") and "acceptance" in stats[1]
+    # the second turn's prompt pass reused the first turn's keys and values, and its answer is greedy's still
+    assert "prompt tokens reused" not in stats[0] and "prompt tokens reused" in stats[1]
     assert out.startswith(f"{first}\n{stats[0]}\n{second}\n")
     assert "method prompt-lookup (max_ngram=2)" in err
 

@@ -1,7 +1,8 @@
 """``layerleap chat``: a conversation in the model's chat template, one turn a line.
 
 A turn's answer streams as it is decoded (``layerleap.stream``) and joins the history, which every
-later turn sends whole (the system message first).  On a terminal the prompt line has ``readline``'s
+later turn sends whole (the system message first; its prompt pass reuses the keys and values of what the
+last turn ran: ``layerleap.PromptCache``, for the methods that can).  On a terminal the prompt line has ``readline``'s
 editing and history; from a pipe each line is a turn and the answers are printed, one after another.
 Lines that start with ``/`` are commands (``CHAT_HELP``).  Messages about the chat (errors, dropped
 turns, a loaded file) go to stderr; answers and ``/stats`` to stdout.
@@ -16,6 +17,7 @@ import warnings
 from pathlib import Path
 
 from .. import interrupts, validate as V
+from ..core.prompt_cache import PromptCache
 from ..core.run import chat_token_ids
 from ..decoding import METHODS, BudgetWarning, get_method
 from ..errors import LayerleapError
@@ -160,6 +162,8 @@ class Chat:
         self.last = None  # the last answer's Stats; "interrupted" when Ctrl-C cut it
         self.dropped_said = False
         self.tty = sys.stdin is not None and sys.stdin.isatty()
+        # each turn's prompt pass runs only what the last turn did not (the methods that reuse a prompt cache)
+        self.cache = PromptCache()
 
     # -- the loop
     def run(self) -> int:
@@ -255,7 +259,9 @@ class Chat:
                 return
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always", BudgetWarning)
-                s = stream(self.model, messages, self.method, self.args.max_new_tokens, **self.kwargs)
+                s = stream(
+                    self.model, messages, self.method, self.args.max_new_tokens, prompt_cache=self.cache, **self.kwargs
+                )
                 for piece in s:
                     print(piece, end="", flush=True)
                     shown.append(piece)
@@ -350,6 +356,8 @@ class Chat:
             return
         st = self.last
         line = _stats_line(st, self.threads)
+        if st.cached_prompt_tokens:
+            line += f", {st.cached_prompt_tokens} prompt tokens reused"
         if st.draft is not None and st.draft.acceptance is not None:
             line += f", acceptance {st.draft.acceptance:.2f} ({st.draft.accepted}/{st.draft.drafted} drafts)"
         print(line, flush=True)

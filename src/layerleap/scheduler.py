@@ -669,39 +669,44 @@ class Scheduler:
         pooled = len(self.pool.jobs()) if self.pool else 0
         return len(self.admitting) + sum(len(b.jobs) for b in self.running) + pooled
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Job, gone: bool = True) -> None:
         """The client of ``job`` went away: drop it if it waits, stop its row if it runs (the pool drops it
-        at its next round)."""
+        at its next round).  ``gone`` False: its request ended otherwise (another of its jobs failed, the server
+        stops), and ``on_cancel`` does not hear of it."""
         if job.finished or job.cancelled:
             return
         job.cancelled = True
+        report = self.on_cancel if gone else (lambda job, stage: None)
         if self.pool is not None and job in self.pool.jobs():
-            self.on_cancel(job, "running")
+            report(job, "running")
             return
         if job in self.admitting:  # its batch is being made: its row stops at the batch's first round
-            self.on_cancel(job, "running")
+            report(job, "running")
             return
         if job in self.waiting:
             self.waiting.remove(job)
-            self.on_cancel(job, "waiting")
+            report(job, "waiting")
             job.fail(LayerleapError("cancelled"))
             return
         for batch in self.running:
             if job in batch.jobs:  # its row stops at the batch's next round (in the worker thread)
-                self.on_cancel(job, "running")
+                report(job, "running")
 
     def _expire(self) -> None:
-        """Fail the jobs that waited longer than ``queue_timeout``."""
+        """Fail the jobs that waited longer than ``queue_timeout``, each with the other jobs of its request that
+        still wait (its request fails: one timeout in ``on_timeout``)."""
         now = time.monotonic()
         for job in [j for j in self.waiting if now - j.t_submit > self.queue_timeout]:
-            self.waiting.remove(job)
+            if job not in self.waiting:  # failed with an earlier job of its request
+                continue
             self.on_timeout()
-            job.fail(
-                QueueTimeout(
-                    f"the request waited {now - job.t_submit:.0f} s in the queue, over the server's "
-                    f"limit of {self.queue_timeout:g} s: retry later"
-                )
+            error = QueueTimeout(
+                f"the request waited {now - job.t_submit:.0f} s in the queue, over the server's "
+                f"limit of {self.queue_timeout:g} s: retry later"
             )
+            for j in [j for j in job.group if j in self.waiting]:
+                self.waiting.remove(j)
+                j.fail(error)
 
     async def _admit(self) -> None:
         """Plain-decoding jobs join the pool while it has free rows; of the others, while fewer than

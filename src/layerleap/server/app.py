@@ -975,13 +975,14 @@ def _done(st: AppState, request: Request, t0: float) -> None:
     st.latency_s += 0.1 * (dt - st.latency_s)
 
 
-def _stop(st: AppState, jobs: list[Job], watcher, events: Events) -> None:
-    """The request's answer is out or failed: stop watching it, and its choices still decoding."""
+def _stop(st: AppState, jobs: list[Job], watcher, events: Events, gone: bool = False) -> None:
+    """The request's answer is out or failed: stop watching it, and its choices still decoding (``gone``: its
+    client went away, a cancelled request in the metrics; else one of them failed, or the server stops)."""
     watcher.cancel()
     events.close()
     for job in jobs:
         if not job.finished:
-            st.scheduler.cancel(job)
+            st.scheduler.cancel(job, gone)
 
 
 async def _watch(request: Request, st: AppState, jobs: list[Job]) -> None:
@@ -1070,6 +1071,7 @@ async def _events(
                 yield _sse(reply.echo_chunk())
         ends: dict[int, Finish] = {}
         held = [None if r.tools is None else ToolStream(r.tools) for r in replies]  # text read for tool calls
+        over = False  # the answer ended (or failed) before its client went away
         while True:
             k, (kind, value) = event
             if kind == "text":
@@ -1101,12 +1103,14 @@ async def _events(
             try:
                 event = await events.next()
             except APIError as e:
+                over = True
                 yield _sse(e.body())
                 break
+        over = True
         yield b"data: [DONE]\n\n"
         _done(st, request, t0)
     finally:
-        _stop(st, jobs, watcher, events)
+        _stop(st, jobs, watcher, events, gone=not over)
 
 
 async def _echo_events(replies: list[Reply]):

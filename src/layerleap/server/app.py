@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..core.grammar import Grammar, GrammarError
 from ..core.logprobs import TokenLogprob, token_bytes, token_text
@@ -1163,6 +1164,10 @@ def validation_error(exc: RequestValidationError, content_type: str | None = "ap
 def _handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc: HTTPException):
+        if isinstance(exc.__cause__, ClientDisconnect):  # gone while it sent its body: not a bad request
+            return APIError(
+                499, "the client closed the request before its answer", code="client_closed_request"
+            ).response()
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
 

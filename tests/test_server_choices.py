@@ -106,6 +106,37 @@ def test_filters_that_leave_no_token_are_400s_naming_them(tiny_server, tiny, fie
     assert post(tiny_server, {"prompt": P, "max_tokens": 4}).status_code == 200  # the server goes on
 
 
+def test_a_request_whose_filters_leave_no_token_fails_alone_beside_batch_mates(tiny):
+    """Under load, a batching method's request whose token filters leave it no token fails alone: a request
+    waiting beside it with the same settings, which decodes alone, answers as alone (its filters are no 400)."""
+    import threading
+
+    from test_server import get
+
+    there, here = (tiny.tokenizer(w)["input_ids"][0] for w in (" there", " here"))
+    first = {generate(tiny, p, max_new_tokens=1, allowed_token_ids=[there, here]).token_ids[0]: p for p in "abcd"}
+    method = {"layerleap": {"method": "prompt-lookup"}}
+    body = {"max_tokens": 2, "allowed_token_ids": [there, here], "bad_words": [" there there", " there here"], **method}
+    cfg = ServerConfig("tiny", max_tokens=32, max_batch=4, max_running=1)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        assert post(url, {**body, "prompt": first[there]}).status_code == 400  # " there", then nothing is left
+        assert post(url, {**body, "prompt": first[here]}).status_code == 200
+        blocker = {"prompt": "z", "max_tokens": 1000, "ignore_eos": True, **method}
+        got = {}
+        threads = [threading.Thread(target=lambda: post(url, blocker))] + [
+            threading.Thread(target=lambda w=w: got.update({w: post(url, {**body, "prompt": first[w]}).status_code}))
+            for w in (there, here)
+        ]
+        threads[0].start()
+        while not get(url + "/health").json()["running"]:
+            pass
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == {there: 400, here: 200}
+
+
 # -- n: several choices per request -------------------------------------------------------------------
 def _stream(url: str, body: dict, path: str = "/v1/completions") -> list[dict]:
     r = post(url, {**body, "stream": True}, path)

@@ -85,9 +85,11 @@ class Settings:
     def batch_key(self, serial: int) -> tuple:
         """Jobs with equal keys may decode as one batch: a batching method with the same options and
         settings, and no sampling seed (a seeded request decodes alone, as row 0, so that it samples
-        what ``generate`` with its seed samples).  A method that does not batch decodes each job alone."""
+        what ``generate`` with its seed samples).  A method that does not batch decodes each job alone, as does
+        a job whose token filters may leave it no token to choose (its failure ends a batch: it fails alone)."""
         g = self.gen
-        if not get_method(self.method).batched or (g.do_sample and g.seed is not None):
+        filtered = bool(g.allowed_token_ids or g.bad_words or (g.min_tokens and g.grammar is not None))
+        if not get_method(self.method).batched or (g.do_sample and g.seed is not None) or filtered:
             return ("alone", serial)
         sampling = (g.temperature, g.top_k, g.top_p, g.min_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")

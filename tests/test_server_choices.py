@@ -106,6 +106,37 @@ def test_filters_that_leave_no_token_are_400s_naming_them(tiny_server, tiny, fie
     assert post(tiny_server, {"prompt": P, "max_tokens": 4}).status_code == 200  # the server goes on
 
 
+def test_a_request_whose_filters_leave_no_token_fails_alone_beside_batch_mates(tiny):
+    """Under load, a batching method's request whose token filters leave it no token fails alone: a request
+    waiting beside it with the same settings, which decodes alone, answers as alone (its filters are no 400)."""
+    import threading
+
+    from test_server import get
+
+    there, here = (tiny.tokenizer(w)["input_ids"][0] for w in (" there", " here"))
+    first = {generate(tiny, p, max_new_tokens=1, allowed_token_ids=[there, here]).token_ids[0]: p for p in "abcd"}
+    method = {"layerleap": {"method": "prompt-lookup"}}
+    body = {"max_tokens": 2, "allowed_token_ids": [there, here], "bad_words": [" there there", " there here"], **method}
+    cfg = ServerConfig("tiny", max_tokens=32, max_batch=4, max_running=1)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        assert post(url, {**body, "prompt": first[there]}).status_code == 400  # " there", then nothing is left
+        assert post(url, {**body, "prompt": first[here]}).status_code == 200
+        blocker = {"prompt": "z", "max_tokens": 1000, "ignore_eos": True, **method}
+        got = {}
+        threads = [threading.Thread(target=lambda: post(url, blocker))] + [
+            threading.Thread(target=lambda w=w: got.update({w: post(url, {**body, "prompt": first[w]}).status_code}))
+            for w in (there, here)
+        ]
+        threads[0].start()
+        while not get(url + "/health").json()["running"]:
+            pass
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == {there: 400, here: 200}
+
+
 # -- n: several choices per request -------------------------------------------------------------------
 def _stream(url: str, body: dict, path: str = "/v1/completions") -> list[dict]:
     r = post(url, {**body, "stream": True}, path)
@@ -242,6 +273,61 @@ def test_a_client_that_goes_away_cancels_every_choice(tiny, stream):
         assert 0 < _metric(m, "layerleap_generated_tokens_total") < 3 * 1900
         assert _metric(m, "layerleap_cancelled_total") == 1
         assert post(url, {"prompt": "hi", "max_tokens": 3, "n": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt-lookup"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_that_fails_stops_its_siblings_uncounted_as_cancelled(tiny, method, stream):
+    """One prompt of several failing while it decodes (its token filters leave no token) fails the request
+    once, stops its sibling prompts, and counts no cancelled request: its client did not go away."""
+    import time
+
+    from test_server import _metric, get
+
+    there = tiny.tokenizer(" there")["input_ids"]
+    cfg = ServerConfig("tiny", method=method, max_tokens=32, max_batch=4, prefill_chunk=4)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        body = {
+            "prompt": ["Bye", "Bye now " * 60],  # the long one prefills 4 tokens a round: the short one fails first
+            "max_tokens": 300,
+            "allowed_token_ids": there,
+            "bad_words": [" there there there"],
+            "ignore_eos": True,
+            "stream": stream,
+            "layerleap": {"method": method},
+        }
+        r = post(url, body)
+        assert ("no token is left to choose" in r.text) and r.text.count("no token is left") == 1, r.text
+        assert r.status_code == (200 if stream else 400)
+        deadline = time.monotonic() + 30
+        while get(url + "/health").json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        m = get(url + "/metrics").text
+        assert _metric(m, "layerleap_running_requests") == 0 and _metric(m, "layerleap_waiting_requests") == 0
+        assert _metric(m, "layerleap_cancelled_total") == 0, m
+
+
+def test_a_request_past_the_queue_timeout_counts_once(tiny):
+    """A request of several prompts and choices that waits past the queue timeout is a 503, one queue timeout
+    in /metrics, and no cancelled request."""
+    import threading
+
+    from test_server import _metric, get
+
+    cfg = ServerConfig("tiny", method="greedy", max_tokens=32, max_batch=1, max_running=1, queue_timeout=0.2)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        busy = threading.Thread(target=post, args=(url, {"prompt": "x", "max_tokens": 800, "ignore_eos": True}))
+        busy.start()
+        try:
+            while not get(url + "/health").json()["running"]:
+                pass
+            r = post(url, {"prompt": ["a", "b", "c"], "n": 2, "temperature": 1.0, "max_tokens": 5})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout", r.text
+            m = get(url + "/metrics").text
+            assert _metric(m, "layerleap_queue_timeouts_total") == 1, m
+            assert _metric(m, "layerleap_cancelled_total") == 0 and _metric(m, "layerleap_waiting_requests") == 0
+        finally:
+            busy.join()
 
 
 def test_unseeded_sampled_choices_decode_as_one_batch(tiny_server):

@@ -198,6 +198,22 @@ def test_clients_that_leave_are_counted_as_499_not_server_errors(tiny, continuou
         assert total(m, "layerleap_requests_total", status="500") == 0
 
 
+def test_a_client_that_leaves_while_sending_its_body_is_a_499_not_a_bad_request(tiny):
+    """A client that goes away before its body is all sent is counted as a client that closed the request (499),
+    not as a request with a bad body (400)."""
+    with ServerThread(create_app(tiny, ServerConfig("tiny"))) as u:
+        host, port = u.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt": "Hi", '
+            )
+            time.sleep(0.2)
+        assert wait_for(lambda: total(metrics(u), "layerleap_requests_total", endpoint="/v1/completions") == 1, 5)
+        m = metrics(u)
+        assert total(m, "layerleap_requests_total", endpoint="/v1/completions", status="499") == 1, m
+
+
 def test_stop_string_end_is_not_a_cancellation(url, tiny):
     full = generate(tiny, "The sky is", "greedy", 16).text
     r = post(url, {"prompt": "The sky is", "max_tokens": 16, "stop": full[4:7]})

@@ -88,9 +88,11 @@ class Settings:
     def batch_key(self, serial: int) -> tuple:
         """Jobs with equal keys may decode as one batch: a batching method with the same options and
         settings, and no sampling seed (a seeded request decodes alone, as row 0, so that it samples
-        what ``generate`` with its seed samples).  A method that does not batch decodes each job alone."""
+        what ``generate`` with its seed samples).  A method that does not batch decodes each job alone, as does
+        a job whose token filters may leave it no token to choose (its failure ends a batch: it fails alone)."""
         g = self.gen
-        if not get_method(self.method).batched or (g.do_sample and g.seed is not None):
+        filtered = bool(g.allowed_token_ids or g.bad_words or (g.min_tokens and g.grammar is not None))
+        if not get_method(self.method).batched or (g.do_sample and g.seed is not None) or filtered:
             return ("alone", serial)
         sampling = (g.temperature, g.top_k, g.top_p, g.min_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
@@ -705,39 +707,44 @@ class Scheduler:
         pooled = len(self.pool.jobs()) if self.pool else 0
         return len(self.admitting) + sum(len(b.jobs) for b in self.running) + pooled
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Job, gone: bool = True) -> None:
         """The client of ``job`` went away: drop it if it waits, stop its row if it runs (the pool drops it
-        at its next round)."""
+        at its next round).  ``gone`` False: its request ended otherwise (another of its jobs failed, the server
+        stops), and ``on_cancel`` does not hear of it."""
         if job.finished or job.cancelled:
             return
         job.cancelled = True
+        report = self.on_cancel if gone else (lambda job, stage: None)
         if self.pool is not None and job in self.pool.jobs():
-            self.on_cancel(job, "running")
+            report(job, "running")
             return
         if job in self.admitting:  # its batch is being made: its row stops at the batch's first round
-            self.on_cancel(job, "running")
+            report(job, "running")
             return
         if job in self.waiting:
             self.waiting.remove(job)
-            self.on_cancel(job, "waiting")
+            report(job, "waiting")
             job.fail(LayerleapError("cancelled"))
             return
         for batch in self.running:
             if job in batch.jobs:  # its row stops at the batch's next round (in the worker thread)
-                self.on_cancel(job, "running")
+                report(job, "running")
 
     def _expire(self) -> None:
-        """Fail the jobs that waited longer than ``queue_timeout``."""
+        """Fail the jobs that waited longer than ``queue_timeout``, each with the other jobs of its request that
+        still wait (its request fails: one timeout in ``on_timeout``)."""
         now = time.monotonic()
         for job in [j for j in self.waiting if now - j.t_submit > self.queue_timeout]:
-            self.waiting.remove(job)
+            if job not in self.waiting:  # failed with an earlier job of its request
+                continue
             self.on_timeout()
-            job.fail(
-                QueueTimeout(
-                    f"the request waited {now - job.t_submit:.0f} s in the queue, over the server's "
-                    f"limit of {self.queue_timeout:g} s: retry later"
-                )
+            error = QueueTimeout(
+                f"the request waited {now - job.t_submit:.0f} s in the queue, over the server's "
+                f"limit of {self.queue_timeout:g} s: retry later"
             )
+            for j in [j for j in job.group if j in self.waiting]:
+                self.waiting.remove(j)
+                j.fail(error)
 
     async def _admit(self) -> None:
         """Plain-decoding jobs join the pool while it has free rows; of the others, while fewer than

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..core.grammar import Grammar, GrammarError
 from ..core.logprobs import TokenLogprob, token_bytes, token_text
@@ -991,13 +992,14 @@ def _done(st: AppState, request: Request, t0: float) -> None:
     st.latency_s += 0.1 * (dt - st.latency_s)
 
 
-def _stop(st: AppState, jobs: list[Job], watcher, events: Events) -> None:
-    """The request's answer is out or failed: stop watching it, and its choices still decoding."""
+def _stop(st: AppState, jobs: list[Job], watcher, events: Events, gone: bool = False) -> None:
+    """The request's answer is out or failed: stop watching it, and its choices still decoding (``gone``: its
+    client went away, a cancelled request in the metrics; else one of them failed, or the server stops)."""
     watcher.cancel()
     events.close()
     for job in jobs:
         if not job.finished:
-            st.scheduler.cancel(job)
+            st.scheduler.cancel(job, gone)
 
 
 async def _watch(request: Request, st: AppState, jobs: list[Job]) -> None:
@@ -1086,6 +1088,7 @@ async def _events(
                 yield _sse(reply.echo_chunk())
         ends: dict[int, Finish] = {}
         held = [None if r.tools is None else ToolStream(r.tools) for r in replies]  # text read for tool calls
+        over = False  # the answer ended (or failed) before its client went away
         while True:
             k, (kind, value) = event
             if kind == "text":
@@ -1117,12 +1120,14 @@ async def _events(
             try:
                 event = await events.next()
             except APIError as e:
+                over = True
                 yield _sse(e.body())
                 break
+        over = True
         yield b"data: [DONE]\n\n"
         _done(st, request, t0)
     finally:
-        _stop(st, jobs, watcher, events)
+        _stop(st, jobs, watcher, events, gone=not over)
 
 
 async def _echo_events(replies: list[Reply]):
@@ -1175,6 +1180,10 @@ def validation_error(exc: RequestValidationError, content_type: str | None = "ap
 def _handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc: HTTPException):
+        if isinstance(exc.__cause__, ClientDisconnect):  # gone while it sent its body: not a bad request
+            return APIError(
+                499, "the client closed the request before its answer", code="client_closed_request"
+            ).response()
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
 

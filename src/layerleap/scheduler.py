@@ -56,7 +56,14 @@ class Settings:
     def decoding(self, model: Transformer, prompts) -> Decoding:
         g = self.gen
         sampling = (
-            dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p, seed=g.seed)
+            dict(
+                temperature=g.temperature,
+                top_k=g.top_k,
+                top_p=g.top_p,
+                min_p=g.min_p,
+                typical_p=g.typical_p,
+                seed=g.seed,
+            )
             if g.do_sample
             else {}
         )
@@ -89,7 +96,7 @@ class Settings:
         g = self.gen
         if not get_method(self.method).batched or (g.do_sample and g.seed is not None):
             return ("alone", serial)
-        sampling = (g.temperature, g.top_k, g.top_p, g.min_p) if g.do_sample else None
+        sampling = (g.temperature, g.top_k, g.top_p, g.min_p, g.typical_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
         procs = (*processors.asked(g).items(), g.min_tokens_ids)
         return (self.method, opts, g.max_new_tokens, g.do_sample, sampling, g.stop_at_eos, g.grammar, g.logprobs, procs)
@@ -349,7 +356,7 @@ class _Row:
         if not g.do_sample:
             token = sampling.top_ids(logits[0])
         else:
-            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)
+            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p, g.typical_p)
             token = int(sampling.sample(p, self.generator)[0])
         if g.logprobs is not None:
             self.logprobs += capture(raw, [token], g.logprobs)

@@ -88,6 +88,15 @@ HF_ARGS = {  # `transformers` generate arguments and what says the same here
         "stop_at_eos=False to go past the model's end-of-sequence tokens"
     ),
     "stop_strings": "stop= (a string or a list of strings; the text ends before the first one found)",
+    "min_new_tokens": "min_tokens= (the end-of-sequence tokens are forbidden until the output holds that many)",
+    "min_length": "min_tokens= (the new tokens, the prompt not counted)",
+    "pad_token_id": "a list of prompts (each row is padded and masked for you)",
+    "bos_token_id": "the prompt as token ids, with the BOS where you want one",
+    "suppress_tokens": "bad_words=[[token id], ...] (a one-token word is never chosen)",
+    "bad_words_ids": "bad_words= (a list of words, each text or a list of token ids)",
+    "output_scores": "logprobs= (the chosen tokens' log probabilities and that many likeliest: result.logprobs)",
+    "output_logits": "logprobs= (the chosen tokens' log probabilities and that many likeliest: result.logprobs)",
+    "return_dict_in_generate": "the result's fields (text, token_ids, logprobs, finish_reason, stats)",
 }
 
 

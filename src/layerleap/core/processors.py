@@ -4,8 +4,8 @@
 output so far is divided by the penalty where it is positive, multiplied by it where it is not),
 ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtracted once per occurrence of the token in the
 output, and once if it occurs there at all), ``logit_bias`` (OpenAI's: added to the token's logit) and
-``min_tokens`` (vLLM's: the end-of-sequence tokens, and the server's ``stop_token_ids``, are forbidden until
-the output holds that many tokens), ``allowed_token_ids`` (vLLM's: every other token is forbidden) and
+``min_tokens`` (vLLM's: the end-of-sequence tokens, and the ``stop_token_ids``, are forbidden until
+the output holds that many tokens), ``allowed_token_ids`` (vLLM's: every other token is forbidden),
 ``bad_words`` (vLLM's: token sequences that are never completed: a sequence's last token is forbidden where
 the output so far ends with the tokens before it; the prompt is not read) and ``no_repeat_ngram_size``
 (`transformers`': no n-gram of that many tokens occurs twice in the prompt and output together: a token is

@@ -123,12 +123,21 @@ def test_arrays_of_ids_are_prompts_alone_and_in_a_list(tiny):
         ("sample", dict(temprature=0.5), "did you mean temperature"),
         ("self-spec", dict(draft_lne=2), "did you mean draft_len"),
         ("greedy", dict(nosuch=1), "method 'greedy' has no option nosuch"),
+        # transformers' names whose nearest spelling here means something else
+        ("greedy", dict(min_new_tokens=3), r"min_new_tokens \(a transformers argument\): use min_tokens="),
+        ("greedy", dict(min_length=3), r"min_length \(a transformers argument\): use min_tokens= \(the new tokens"),
+        ("greedy", dict(pad_token_id=0), r"pad_token_id \(a transformers argument\): use a list of prompts"),
+        ("greedy", dict(bos_token_id=1), "use the prompt as token ids, with the BOS"),
+        ("greedy", dict(eos_token_id=2), "use stop_token_ids= for more tokens that end the output"),
+        ("greedy", dict(suppress_tokens=[5]), r"use bad_words=\[\[token id\], ...\]"),
+        ("greedy", dict(output_scores=True), "use logprobs="),
     ],
 )
 def test_an_unknown_argument_names_what_to_write(tiny, method, kwargs, message):
     """`transformers`' names for generate's arguments, and typos, are refused with the name to use."""
-    with pytest.raises(GenerationError, match=message):
+    with pytest.raises(GenerationError, match=message) as e:
         generate(tiny, [1, 2, 3], method, 4, **kwargs)
+    assert "transformers argument" not in message or "did you mean" not in str(e.value)
 
 
 # -- EOS and the token budget ----------------------------------------------------------------

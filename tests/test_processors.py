@@ -28,9 +28,15 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def processed(logits, prompt, out, rep=1.0, presence=0.0, frequency=0.0, bias=None, min_tokens=0, eos=()):
-    """Reference: the processors over the whole vocabulary ``[V]`` (fp32), in vLLM's order."""
+def processed(logits, prompt, out, rep=1.0, presence=0.0, frequency=0.0, bias=None, min_tokens=0, eos=(), ngram=0):
+    """Reference: the processors over the whole vocabulary ``[V]`` (fp32), in vLLM's order; ``ngram``:
+    `transformers`' own ``NoRepeatNGramLogitsProcessor`` over the prompt and the output."""
     x, V = logits.float().clone(), logits.shape[-1]
+    if ngram:
+        from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
+
+        ids = torch.tensor([list(prompt) + list(out)])
+        x = NoRepeatNGramLogitsProcessor(ngram)(ids, x.unsqueeze(0))[0]
     for t, b in (bias or {}).items():
         x[t] += b
     if len(out) < min_tokens and eos:
@@ -67,6 +73,12 @@ def reference(model, prompt, n, eos=(), sample=None, **procs):
 
 # name -> (generate's arguments, the reference's)
 SETTINGS = {
+    "no repeated 1-grams": ({"no_repeat_ngram_size": 1}, {"ngram": 1}),
+    "no repeated 2-grams": ({"no_repeat_ngram_size": 2}, {"ngram": 2}),
+    "no repeated 3-grams with a penalty": (
+        {"no_repeat_ngram_size": 3, "repetition_penalty": 0.8},
+        {"ngram": 3, "rep": 0.8},
+    ),
     "repetition": ({"repetition_penalty": 1.6}, {"rep": 1.6}),
     "repetition below 1": ({"repetition_penalty": 0.7}, {"rep": 0.7}),
     "frequency and presence": (
@@ -117,18 +129,40 @@ def test_a_penalty_stops_a_repeating_model_repeating(models):
     assert len(set(plain)) <= 16 and len(set(penalised)) >= 28
 
 
+def _looping_prompt(m, seed: int) -> list[int]:
+    """A prompt and then the model's own greedy continuation of it (what greedy tends to say again)."""
+    p = _prompt(m.config.vocab_size, 12, seed)
+    return p + generate(m, p, "greedy", 12, stop_at_eos=False).token_ids
+
+
+def test_no_repeat_ngram_size_reads_the_prompt(models):
+    """`transformers`' rule reads the whole sequence: an n-gram of the prompt is not repeated by the output,
+    as `transformers`' own processor decides it (the reference): at the first token already (seed 18)."""
+    m = models[0]
+    for seed, n in [(18, 2), (19, 3)]:
+        prompt = _looping_prompt(m, seed)
+        plain = generate(m, prompt, "greedy", 12, stop_at_eos=False).token_ids
+        got = generate(m, prompt, "greedy", 12, stop_at_eos=False, no_repeat_ngram_size=n).token_ids
+        assert got == reference(m, prompt, 12, ngram=n) != plain
+        seq = prompt + got
+        grams = [tuple(seq[i : i + n]) for i in range(len(prompt) - n + 1, len(seq) - n + 1)]
+        assert not set(grams) & {tuple(seq[i : i + n]) for i in range(len(prompt) - n + 1)}
+        assert len(grams) == len(set(grams))
+        assert seed != 18 or got[0] != plain[0]
+
+
 GRAMMAR_CASES = [(method, label, fn) for method, rows in EXACT.items() if METHODS[method].grammar for label, fn in rows]
 
 
-@pytest.mark.parametrize("name", ["repetition", "all with bias"])
+@pytest.mark.parametrize("name", ["repetition", "all with bias", "no repeated 2-grams", "no repeated 1-grams"])
 @pytest.mark.parametrize(
     "method,label,options", GRAMMAR_CASES, ids=[f"{m}-{lab}" if lab else m for m, lab, _ in GRAMMAR_CASES]
 )
 def test_every_grammar_method_equals_greedy_with_the_same_processors(models, name, method, label, options):
     m, other = models
     args = SETTINGS[name][0]
-    for seed, plen in [(1, 9), (2, 17)]:
-        p = _prompt(m.config.vocab_size, plen, seed)
+    for seed, plen in [(1, 9), (2, 17), (18, 0)]:  # (the last: a prompt the model repeats itself after)
+        p = _looping_prompt(m, seed) if plen == 0 else _prompt(m.config.vocab_size, plen, seed)
         want = generate(m, p, "greedy", 28, stop_at_eos=False, **args).token_ids
         got = generate(m, p, method, 28, stop_at_eos=False, **args, **options(m, other)).token_ids
         assert got == want, f"{method} {label} differs from greedy under {name}"
@@ -479,3 +513,139 @@ def test_a_draft_that_ends_the_row_before_filters_leave_no_token_is_kept(models,
     path, _ = RULE.accept(run, 0, Candidates.chain(5, [6, eos]), logits)
     assert path == [0, 1]
     assert not run.emit(0, [6]) and run.emit(0, [eos])  # the row ends at the drafted end-of-sequence token
+
+
+# -- transformers' typical_p, and stop_token_ids ------------------------------------------------------------------
+@pytest.mark.parametrize("mass", [1e-6, 0.05, 0.3, 0.9, 0.999])
+def test_typical_p_is_transformers_typical_warper(mass):
+    """On random logits, alone and after temperature, top-k, top-p and min-p (`transformers`' order), the warp
+    keeps the tokens `transformers`' warpers keep, with the same logits."""
+    from transformers.generation import logits_process as hf
+
+    for seed, scale in [(0, 0.5), (1, 3.0), (2, 12.0)]:
+        x = torch.randn(3, 200, generator=torch.Generator().manual_seed(seed)) * scale
+        assert torch.equal(sampling.process_logits(x, typical_p=mass), hf.TypicalLogitsWarper(mass)(None, x.clone()))
+        want = x.clone()
+        for w in [hf.TemperatureLogitsWarper(0.7), hf.TopKLogitsWarper(50), hf.TopPLogitsWarper(0.95)]:
+            want = w(None, want)
+        want = hf.TypicalLogitsWarper(mass)(None, hf.MinPLogitsWarper(0.02)(None, want))
+        got = sampling.process_logits(x, 0.7, 50, 0.95, 0.02, mass)
+        assert torch.equal(got.isfinite(), want.isfinite()) and torch.allclose(got, want)
+
+
+@pytest.mark.parametrize(
+    "method,options",
+    [("sample", {}), ("prompt-lookup", {}), ("speculative", {"draft_len": 4}), ("self-spec", {"exit_layer": 1})],
+)
+def test_typical_p_is_a_warp_every_sampling_method_takes(models, method, options):
+    """A tiny ``typical_p`` keeps the one token nearest the entropy: every seed of every lossless sampler then
+    decodes what the reference (that token at each step) decodes, which is not greedy's."""
+    m, other = models
+    options = {"draft": other, **options} if method == "speculative" else options
+    p = _prompt(m.config.vocab_size, 9, 1)
+    seq, want = list(p), []
+    for _ in range(20):
+        t = int(sampling.process_logits(full_logits(m, seq)[-1:], typical_p=1e-6).argmax())
+        want.append(t)
+        seq.append(t)
+    assert want != generate(m, p, "greedy", 20, stop_at_eos=False).token_ids
+    for seed in range(2):
+        got = generate(m, p, method, 20, stop_at_eos=False, seed=seed, typical_p=1e-6, **options).token_ids
+        assert got == want, (method, seed)
+    with pytest.raises(GenerationError, match="method 'ppd' decodes greedily and would ignore typical_p"):
+        generate(m, p, "ppd", 8, exit_layer=2, k=1, head="shared", typical_p=0.5)
+
+
+@pytest.mark.parametrize(
+    "method,options", [("greedy", {}), ("prompt-lookup", {}), ("speculative", None), ("ppd", "ppd")]
+)
+def test_stop_token_ids_end_the_output_before_them(models, method, options):
+    """A row that chooses a stop token ends before it (not kept), finish_reason "stop", with ``stop_at_eos``
+    False too; ``min_tokens`` holds them off as it holds off the end-of-sequence tokens."""
+    m, other = models
+    options = {"draft": other} if options is None else options
+    options = {"exit_layer": 2, "k": 1, "head": "shared"} if options == "ppd" else options
+    p = _prompt(m.config.vocab_size, 9, 1)
+    plain = generate(m, p, "greedy", 28, stop_at_eos=False).token_ids
+    stop = plain[7]
+    cut = plain.index(stop)
+    for stop_at_eos in (True, False):
+        got = generate(m, p, method, 28, stop_at_eos=stop_at_eos, stop_token_ids=[999 % 97, stop], **options)
+        assert got.token_ids == plain[:cut] and got.finish_reason == "stop", (method, got.token_ids)
+        assert got.text == m.tokenizer.decode(plain[:cut]) if m.tokenizer is not None else True
+    if method == "ppd":
+        return
+    held = generate(m, p, method, 28, stop_at_eos=False, stop_token_ids=[stop], min_tokens=cut + 2, **options)
+    want = generate(m, p, "greedy", 28, stop_at_eos=False, min_tokens=cut + 2, logit_bias={stop: -100}).token_ids
+    assert stop not in held.token_ids[: cut + 2] and held.token_ids[: cut + 2] == want[: cut + 2]
+    assert held.finish_reason == "stop" and stop not in held.token_ids
+
+
+def test_stop_token_ids_in_a_batch_end_each_row_alone(models):
+    m = models[0]
+    prompts = [_prompt(m.config.vocab_size, n, s) for s, n in [(1, 9), (2, 3), (3, 12)]]
+    stops = [generate(m, q, "greedy", 10, stop_at_eos=False).token_ids[4] for q in prompts[:1]]
+    rows = generate(m, prompts, "greedy", 16, stop_at_eos=False, stop_token_ids=stops)
+    assert [r.token_ids for r in rows] == [
+        generate(m, q, "greedy", 16, stop_at_eos=False, stop_token_ids=stops).token_ids for q in prompts
+    ]
+    assert rows[0].finish_reason == "stop" and len(rows[0].token_ids) <= 4
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        ({"typical_p": 0}, "typical_p must be a finite number in (0, 1], got 0 (1.0 = off)"),
+        ({"typical_p": 1.5}, "typical_p must be a finite number in (0, 1]"),
+        ({"typical_p": 0.5, "do_sample": False}, "do_sample=False decodes greedily and would ignore typical_p"),
+        ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size must be an integer >= 0, got -1 (0 = off)"),
+        ({"no_repeat_ngram_size": 1.5}, "no_repeat_ngram_size must be an integer >= 0"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
+        ({"stop_token_ids": [10**6]}, "stop_token_ids's token id 1000000 must be"),
+        ({"stop_token_ids": ["2"]}, "stop_token_ids's token id '2' must be an integer"),
+        ({"eos_token_id": 2}, "use stop_token_ids= for more tokens that end the output"),
+    ],
+)
+def test_transformers_arguments_are_checked_with_the_fix(models, args, words):
+    with pytest.raises(GenerationError) as e:
+        generate(models[0], [1, 2, 3], "sample" if "typical_p" in args else "greedy", 8, **args)
+    assert words in str(e.value)
+
+
+def test_methods_that_cannot_apply_processors_refuse_no_repeat_ngram_size(models):
+    with pytest.raises(GenerationError, match="method 'ppd' cannot apply no_repeat_ngram_size"):
+        generate(models[0], [1, 2, 3], "ppd", 8, exit_layer=2, k=1, head="shared", no_repeat_ngram_size=2)
+
+
+def test_generate_command_takes_the_transformers_arguments(capsys, char_model_dir):
+    import json
+
+    import layerleap
+    from layerleap.cli import main
+
+    model = layerleap.load_folder(char_model_dir)
+    plain = generate(model, "hello world", "greedy", 12)
+    argv = ["generate", "--model", str(char_model_dir), "--prompt", "hello world", "--max-new-tokens", "12", "--json"]
+    cases = [
+        ("--no-repeat-ngram-size 2", dict(no_repeat_ngram_size=2)),
+        (f"--stop-token-ids {plain.token_ids[3]} 0", dict(stop_token_ids=[plain.token_ids[3], 0])),
+        ("--method sample --seed 2 --typical-p 0.4", dict(do_sample=True, seed=2, typical_p=0.4)),
+    ]
+    for flags, args in cases:
+        assert main(argv + flags.split()) == 0
+        got = json.loads(capsys.readouterr().out)
+        method = "sample" if "sample" in flags else "greedy"
+        want = generate(model, "hello world", method, 12, **args).token_ids
+        unwarped = {"do_sample": True, "seed": 2} if method == "sample" else {}
+        assert got["token_ids"] == want != generate(model, "hello world", method, 12, **unwarped).token_ids, flags
+    for flags, words in [
+        ("--typical-p 0", "--typical-p: must be a finite number in (0, 1]"),
+        ("--no-repeat-ngram-size -1", "--no-repeat-ngram-size: must be an integer >= 0"),
+        ("--stop-token-ids x", "--stop-token-ids: must be an integer >= 0"),
+        ("--typical-p 0.5 --method ppd", "method 'ppd' decodes greedily and would ignore typical_p"),
+        ("--no-repeat-ngram-size 2 --method skipdecode", "cannot apply --no-repeat-ngram-size"),
+        ("--stop-token-ids 500", "token id 500"),  # after the model loads
+    ]:
+        assert main(argv + flags.split()) == 2, flags
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, (flags, err)

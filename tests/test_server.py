@@ -285,7 +285,7 @@ BAD = [
     ({"prompt": "a", "response_format": {"type": "json_object"}, "layerleap": {"method": "ppd"}}, 400, None),
     ({"prompt": "a", "response_format": {"type": "yaml"}}, 400, None),
     ({"prompt": "a", "response_format": "json"}, 400, None),
-    ({"prompt": "a", "typical_p": 0.9}, 400, None),
+    ({"prompt": "a", "typical_p": 0}, 400, None),
 ]
 PARAMS = {
     "stream_options": "stream_options",

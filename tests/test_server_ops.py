@@ -387,6 +387,7 @@ LLAMA_CPP = [
 # what the server does with a field (every other field is refused with a 400 naming it)
 HONOURED = {
     "model",
+    "typical_p",
     "max_tokens",
     "max_completion_tokens",
     "n_predict",
@@ -464,6 +465,7 @@ VALUES = {
     "function_call": {"name": "f"},
     "response_format": {"type": "json_object"},
     "min_p": 0.1,
+    "typical_p": 0.9,
     "repetition_penalty": 1.2,
     "repeat_penalty": 1.2,
     "min_tokens": 2,
@@ -573,6 +575,24 @@ def test_honoured_fields_change_the_answer_as_they_say(url, tiny):
     r = post(url, {"prompt": "The sky is", "max_tokens": 12, "ignore_eos": True}).json()
     assert r["choices"][0]["text"] == generate(tiny, "The sky is", "greedy", 12, stop_at_eos=False).text
     assert r["usage"]["completion_tokens"] == 12
+    loop = {want.token_ids[0]: 30.0}  # greedy says it again and again
+    for fields, method, plain in [
+        ({"typical_p": 0.3, "seed": 4}, "sample", {"seed": 4}),
+        (
+            {"no_repeat_ngram_size": 1, "logit_bias": {str(t): b for t, b in loop.items()}},
+            "greedy",
+            {"logit_bias": loop},
+        ),
+    ]:
+        r = post(url, {"prompt": "The sky is", "max_tokens": 12, **fields}).json()
+        args = {**fields, **({"logit_bias": loop} if "logit_bias" in fields else {})}
+        got = generate(tiny, "The sky is", method, 12, **args).text
+        assert r["choices"][0]["text"] == got != generate(tiny, "The sky is", method, 12, **plain).text, fields
+    for fields in ({"typical_p": 0}, {"typical_p": 1.5}, {"no_repeat_ngram_size": -1}):
+        r = post(url, {"prompt": "The sky is", "max_tokens": 12, **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(fields)), r.text
+    r = post(url, {"prompt": "The sky is", "max_tokens": 4, "no_repeat_ngram_size": 2, "layerleap": {"method": "ppd"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "no_repeat_ngram_size", r.text
 
 
 # -- structured output -------------------------------------------------------------------------------------

@@ -74,9 +74,10 @@ def get_method(name: str) -> Method:
 
 
 GENERATE_ARGS = (
-    "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "do_sample", "stop_at_eos", "stop", "chat",
-    "quality", "grammar", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens",
-    "allowed_token_ids", "bad_words", "prompt_cache",
+    "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "do_sample", "stop_at_eos",
+    "stop", "stop_token_ids", "chat", "quality", "grammar", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "logit_bias", "min_tokens", "allowed_token_ids", "bad_words", "no_repeat_ngram_size",
+    "prompt_cache",
 )  # fmt: skip
 HF_ARGS = {  # `transformers` generate arguments and what says the same here
     "max_length": "max_new_tokens= (the new tokens, the prompt not counted)",
@@ -85,8 +86,20 @@ HF_ARGS = {  # `transformers` generate arguments and what says the same here
     "streamer": "layerleap.stream(model, prompt, ...) for the text as it comes",
     "num_return_sequences": "a list that repeats the prompt, with do_sample=True and a seed (row i samples seed + i)",
     "generation_config": "its fields as keyword arguments (max_new_tokens=..., temperature=...)",
-    "eos_token_id": "stop_at_eos=False to go past the model's end-of-sequence tokens",
+    "eos_token_id": (
+        "stop_token_ids= for more tokens that end the output (it ends before them: they are not kept), and "
+        "stop_at_eos=False to go past the model's end-of-sequence tokens"
+    ),
     "stop_strings": "stop= (a string or a list of strings; the text ends before the first one found)",
+    "min_new_tokens": "min_tokens= (the end-of-sequence tokens are forbidden until the output holds that many)",
+    "min_length": "min_tokens= (the new tokens, the prompt not counted)",
+    "pad_token_id": "a list of prompts (each row is padded and masked for you)",
+    "bos_token_id": "the prompt as token ids, with the BOS where you want one",
+    "suppress_tokens": "bad_words=[[token id], ...] (a one-token word is never chosen)",
+    "bad_words_ids": "bad_words= (a list of words, each text or a list of token ids)",
+    "output_scores": "logprobs= (the chosen tokens' log probabilities and that many likeliest: result.logprobs)",
+    "output_logits": "logprobs= (the chosen tokens' log probabilities and that many likeliest: result.logprobs)",
+    "return_dict_in_generate": "the result's fields (text, token_ids, logprobs, finish_reason, stats)",
 }
 
 
@@ -108,9 +121,9 @@ def _unknown_names(m: Method, options: dict) -> None:
             )
 
 
-SAMPLING_ARGS = ("temperature", "top_k", "top_p", "min_p", "seed")
+SAMPLING_ARGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "seed")
 # values that change no distribution: they ask for nothing
-NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0}
 PROCESSOR_ARGS = tuple(PROCESSORS_NEUTRAL)  # the logits processors over each row's history (``core.processors``)
 
 
@@ -120,7 +133,7 @@ def sampling_choice(m: Method, do_sample: bool | None, given: dict) -> bool:
     as ``temperature=0.7`` alone means sampling.  A sampling argument a call would ignore is refused:
     given to a method that decodes greedily only, or a warp (temperature, top_k, top_p) with
     ``do_sample=False``; a seed with ``do_sample=False`` is allowed (it changes nothing), so that one
-    set of arguments serves both choices.  (``min_p`` is a warp.)"""
+    set of arguments serves both choices.  (``min_p`` and ``typical_p`` are warps.)"""
     if do_sample is None:
         if given and not m.sampling:
             names = ", ".join(given)
@@ -317,10 +330,12 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    typical_p: float | None = None,
     seed: int | None = None,
     do_sample: bool | None = None,
     stop_at_eos: bool = True,
     stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
     chat: bool = False,
     quality: float | None = None,
     grammar: Grammar | None = None,
@@ -332,6 +347,7 @@ def generate(
     min_tokens: int | None = None,
     allowed_token_ids: list[int] | None = None,
     bad_words: list[str | list[int]] | None = None,
+    no_repeat_ngram_size: int | None = None,
     prompt_cache: PromptCache | None = None,
     **options,
 ):
@@ -354,7 +370,10 @@ def generate(
     ``stop``: a string or a list of at most ``core.text.MAX_STOPS`` (OpenAI's ``stop``, `transformers`'
     ``stop_strings``): a row ends as soon as its text holds one, its text before it (the stop string is
     not returned), its tokens through the one that completes it (``core.text``), finish_reason "stop"
-    and ``stats.stop_string`` the string found.
+    and ``stats.stop_string`` the string found.  ``stop_token_ids`` (a list of token ids, vLLM's): a row
+    that chooses one ends before it (the token is not kept), finish_reason "stop", whatever ``stop_at_eos``;
+    ``min_tokens`` holds them off as it holds off the end-of-sequence tokens.  (`transformers`'
+    ``eos_token_id`` replaces the model's end tokens and keeps the one found in the output: not the same.)
 
     ``quality`` (lossy methods: ``skipdecode``, ``calm``, ``early-exit``, ``bild``): the share of
     greedy's quality to keep, e.g. 0.95; the method runs the setting ``layerleap calibrate`` chose for
@@ -384,12 +403,16 @@ def generate(
     bias}``, biases in [-100, 100], added to the logits), ``min_tokens`` (the end-of-sequence tokens are
     forbidden until the output holds that many, and a stop string that ends in the text of the tokens before
     them does not count), ``allowed_token_ids`` (a list of token ids: no other token
-    is chosen) and ``bad_words`` (a list of words, each text or its token ids; vLLM's rule: a word's tokens,
+    is chosen), ``bad_words`` (a list of words, each text or its token ids; vLLM's rule: a word's tokens,
     as it is and with a leading space, are never completed in the output: the word's last token is forbidden
-    where the output ends with the tokens before it; the prompt is not read); filters that leave a row no token to
+    where the output ends with the tokens before it; the prompt is not read) and ``no_repeat_ngram_size`` (an
+    integer n >= 0, `transformers`' rule: no n-gram occurs twice in the prompt and output together: a token is
+    forbidden where the last n - 1 tokens were once followed by it); filters that leave a row no token to
     choose (with a grammar's mask too) raise a ``GenerationError`` naming them.  ``min_p`` (in [0, 1]) is a
     sampling warp beside top-k and top-p: the tokens less likely than ``min_p`` times the likeliest one are
-    dropped.  Methods with ``METHODS[name].grammar`` apply the processors, the lossless ones staying lossless
+    dropped; ``typical_p`` (in (0, 1], `transformers`' and llama.cpp's typical sampling, after min-p) keeps the
+    tokens whose surprisal is nearest the distribution's entropy until they hold that much of the probability.
+    Methods with ``METHODS[name].grammar`` apply the processors, the lossless ones staying lossless
     (greedy output equal to greedy decoding with the same processors); the others refuse them.  The defaults
     ask for nothing.
 
@@ -410,10 +433,12 @@ def generate(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
+        typical_p=typical_p,
         seed=seed,
         do_sample=do_sample,
         stop_at_eos=stop_at_eos,
         stop=stop,
+        stop_token_ids=stop_token_ids,
         chat=chat,
         quality=quality,
         grammar=grammar,
@@ -425,6 +450,7 @@ def generate(
         min_tokens=min_tokens,
         allowed_token_ids=allowed_token_ids,
         bad_words=bad_words,
+        no_repeat_ngram_size=no_repeat_ngram_size,
         prompt_cache=prompt_cache,
         **options,
     )
@@ -494,6 +520,8 @@ def _prepare(
     logprobs: int | None = None,
     min_p: float | None = None,
     processors: dict | None = None,
+    typical_p: float | None = None,
+    stop_token_ids: list[int] | None = None,
 ) -> tuple[Method, list[list[int]], bool, GenerationConfig]:
     """Check ``generate``'s arguments -> (the method, the prompts' ids, whether a list was given, the config)."""
     _check(
@@ -514,6 +542,8 @@ def _prepare(
             V.number(top_p, "top_p", 0, 1, lo_open=True)
         if min_p is not None:
             V.number(min_p, "min_p", 0, 1, hint=" (0 = off)")
+        if typical_p is not None:
+            V.number(typical_p, "typical_p", 0, 1, lo_open=True, hint=" (1.0 = off)")
         if seed is not None:
             V.seed(seed)
         if do_sample is not None:
@@ -525,7 +555,7 @@ def _prepare(
         options.update(m.check_options(options, model.config))
     given = {
         k: v
-        for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, min_p, seed))
+        for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, min_p, typical_p, seed))
         if v is not None and NEUTRAL.get(k) != v
     }
     do_sample = sampling_choice(m, do_sample, given)
@@ -533,6 +563,9 @@ def _prepare(
     procs = check_processors(
         m, model.config.vocab_size, max_new_tokens, grammar, tokenizer=model.tokenizer, **(processors or {})
     )
+    stops = () if stop_token_ids is None else _stop_token_ids(stop_token_ids, model.config.vocab_size)
+    if stops and procs.get("min_tokens"):  # held off as the end-of-sequence tokens are
+        procs["min_tokens_ids"] = stops
 
     ids = [_encode_row(model, prompts, i, chat) for i in range(len(prompts))]
     ctx = model.config.max_position
@@ -563,6 +596,8 @@ def _prepare(
         grammar,
         None if logprobs is None else int(logprobs),
         0.0 if min_p is None else float(min_p),
+        typical_p=1.0 if typical_p is None else float(typical_p),
+        stop_token_ids=stops,
         **procs,
     )
     if grammar is not None:
@@ -597,6 +632,7 @@ def check_processors(
     min_tokens=None,
     allowed_token_ids=None,
     bad_words=None,
+    no_repeat_ngram_size=None,
     tokenizer=None,
 ) -> dict:
     """The logits processors' arguments (None: not given) checked -> ``GenerationConfig``'s fields for those
@@ -631,6 +667,8 @@ def check_processors(
             out["allowed_token_ids"] = _allowed_token_ids(allowed_token_ids, vocab)
         if bad_words is not None:
             out["bad_words"] = _bad_words(bad_words, vocab, tokenizer)
+        if no_repeat_ngram_size is not None:
+            out["no_repeat_ngram_size"] = V.integer(no_repeat_ngram_size, "no_repeat_ngram_size", 0, hint=" (0 = off)")
     out = {k: v for k, v in out.items() if v != PROCESSORS_NEUTRAL[k]}
     banned = {w[0] for w in out.get("bad_words", ()) if len(w) == 1}  # forbidden everywhere
     _check(
@@ -675,6 +713,17 @@ def _allowed_token_ids(value, vocab: int | None) -> tuple[int, ...]:
     top = None if vocab is None else vocab - 1
     for t in value:
         V.integer(t, f"allowed_token_ids's token id {V.show(t)}", 0, top, hint=" (a token id of this model)")
+    return tuple(sorted({int(t) for t in value}))
+
+
+def _stop_token_ids(value, vocab: int | None) -> tuple[int, ...]:
+    """A list of token ids (``stop_token_ids``) -> the ids, ascending, once each (an empty list: none)."""
+    if not isinstance(value, (list, tuple)):
+        raise GenerationError(f"stop_token_ids must be a list of token ids ([2, 32000]), got {V.show(value)}")
+    top = None if vocab is None else vocab - 1
+    with V.raising(GenerationError):
+        for t in value:
+            V.integer(t, f"stop_token_ids's token id {V.show(t)}", 0, top, hint=" (a token id of this model)")
     return tuple(sorted({int(t) for t in value}))
 
 
@@ -735,10 +784,12 @@ class Decoding:
         top_k: int | None = None,
         top_p: float | None = None,
         min_p: float | None = None,
+        typical_p: float | None = None,
         seed: int | None = None,
         do_sample: bool | None = None,
         stop_at_eos: bool = True,
         stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
         chat: bool = False,
         quality: float | None = None,
         grammar: Grammar | None = None,
@@ -750,6 +801,7 @@ class Decoding:
         min_tokens: int | None = None,
         allowed_token_ids: list[int] | None = None,
         bad_words: list[str | list[int]] | None = None,
+        no_repeat_ngram_size: int | None = None,
         prompt_cache: PromptCache | None = None,
         **options,
     ):
@@ -785,7 +837,10 @@ class Decoding:
                 min_tokens=min_tokens,
                 allowed_token_ids=allowed_token_ids,
                 bad_words=bad_words,
+                no_repeat_ngram_size=no_repeat_ngram_size,
             ),
+            typical_p,
+            stop_token_ids,
         )
         self.stops = check_stops(stop)
         _check(

@@ -58,7 +58,14 @@ class Settings:
     def decoding(self, model: Transformer, prompts) -> Decoding:
         g = self.gen
         sampling = (
-            dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p, seed=g.seed)
+            dict(
+                temperature=g.temperature,
+                top_k=g.top_k,
+                top_p=g.top_p,
+                min_p=g.min_p,
+                typical_p=g.typical_p,
+                seed=g.seed,
+            )
             if g.do_sample
             else {}
         )
@@ -94,7 +101,7 @@ class Settings:
         filtered = bool(g.allowed_token_ids or g.bad_words or (g.min_tokens and g.grammar is not None))
         if not get_method(self.method).batched or (g.do_sample and g.seed is not None) or filtered:
             return ("alone", serial)
-        sampling = (g.temperature, g.top_k, g.top_p, g.min_p) if g.do_sample else None
+        sampling = (g.temperature, g.top_k, g.top_p, g.min_p, g.typical_p) if g.do_sample else None
         opts = json.dumps(self.options, sort_keys=True, default=lambda v: f"<{type(v).__name__} {id(v)}>")
         procs = (*processors.asked(g).items(), g.min_tokens_ids)
         cached = self.prompt_cache is not None
@@ -359,7 +366,7 @@ class _Row:
         if not g.do_sample:
             token = sampling.top_ids(logits[0])
         else:
-            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)
+            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p, g.typical_p)
             token = int(sampling.sample(p, self.generator)[0])
         if g.logprobs is not None:
             self.logprobs += capture(raw, [token], g.logprobs)

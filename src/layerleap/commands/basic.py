@@ -122,7 +122,15 @@ def _sampling_args(p, do_sample_help: str = DO_SAMPLE_HELP) -> None:
 
 
 def _sampling(args) -> dict:
-    keys = ("temperature", "top_k", "top_p", "min_p", "seed", "do_sample")  # (--min-p: generate's)
+    keys = (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "typical_p",
+        "seed",
+        "do_sample",
+    )  # (--min-p, --typical-p: generate's)
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -145,6 +153,13 @@ def _processor_args(p) -> None:
         type=V.probability_arg,
         default=None,
         help="sampling: drop the tokens less likely than this share of the likeliest one (default 0: off)",
+    )
+    p.add_argument(
+        "--typical-p",
+        type=V.float_arg(0.0, 1.0, lo_open=True),
+        default=None,
+        help="typical sampling: keep the tokens whose surprisal is nearest the entropy, up to this much probability "
+        "(default 1.0: off)",
     )
     p.add_argument(
         "--repetition-penalty",
@@ -188,6 +203,13 @@ def _processor_args(p) -> None:
         metavar="WORD",
         help="words the text never completes: their tokens, as they are and after a space (vLLM's bad_words)",
     )
+    p.add_argument(
+        "--no-repeat-ngram-size",
+        type=V.nonneg_int,
+        default=None,
+        metavar="N",
+        help="no N tokens in a row occur twice in the prompt and the text (transformers'; default 0: off)",
+    )
 
 
 PROCESSOR_FLAGS = {
@@ -198,6 +220,7 @@ PROCESSOR_FLAGS = {
     "min_tokens": "--min-tokens",
     "allowed_token_ids": "--allowed-token-ids",
     "bad_words": "--bad-words",
+    "no_repeat_ngram_size": "--no-repeat-ngram-size",
 }
 
 
@@ -453,6 +476,20 @@ def _stop_args(p) -> None:
         help=f"end the text before TEXT, which is not printed (repeatable, at most {MAX_STOPS}; "
         "the text as written: in bash, $'\\n\\n' is two newlines)",
     )
+    p.add_argument(
+        "--stop-token-ids",
+        action="extend",
+        nargs="+",
+        type=V.nonneg_int,
+        metavar="TOKEN_ID",
+        help="end the text before any of these token ids (not printed; --min-tokens holds them off)",
+    )
+
+
+def _stops(args) -> dict:
+    """``generate``'s ``stop`` and ``stop_token_ids`` from the flags (those given)."""
+    out = {"stop": args.stop, "stop_token_ids": args.stop_token_ids}
+    return {k: v for k, v in out.items() if v}
 
 
 def _check_stops(args) -> None:
@@ -608,8 +645,7 @@ def run_generate(args) -> int:
     _need_tokenizer(model, args)
     get_method(args.method).check_options(options, model.config, partial=args.quality is not None)
     kwargs = {**sampling, **procs, **resolve_models(args.method, options, _loader(args))}
-    if args.stop:
-        kwargs["stop"] = args.stop
+    kwargs.update(_stops(args))
     if grammar is not None:
         kwargs["grammar"] = grammar
     if args.quality is not None:

@@ -41,6 +41,7 @@ from .basic import (
     _say,
     _stats_line,
     _stop_args,
+    _stops,
     _threads,
 )
 
@@ -105,8 +106,7 @@ def run_chat(args) -> int:
         )
     get_method(args.method).check_options(options, model.config)
     kwargs = {**sampling, **procs, **resolve_models(args.method, options, _loader(args))}
-    if args.stop:
-        kwargs["stop"] = args.stop
+    kwargs.update(_stops(args))
     chat = Chat(model, args, threads, kwargs)
     if args.system is not None:
         chat.system = args.system
@@ -344,7 +344,7 @@ class Chat:
             self.error(str(e))
             return
         self.method = name
-        self.kwargs = {**sampling, **procs, **models, **({"stop": self.args.stop} if self.args.stop else {})}
+        self.kwargs = {**sampling, **procs, **models, **_stops(self.args)}
         _say(f"method {name}" + (f" ({' '.join(items)})" if items else ""))
 
     def stats(self) -> None:

@@ -4,10 +4,12 @@
 output so far is divided by the penalty where it is positive, multiplied by it where it is not),
 ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtracted once per occurrence of the token in the
 output, and once if it occurs there at all), ``logit_bias`` (OpenAI's: added to the token's logit) and
-``min_tokens`` (vLLM's: the end-of-sequence tokens, and the server's ``stop_token_ids``, are forbidden until
-the output holds that many tokens), ``allowed_token_ids`` (vLLM's: every other token is forbidden) and
+``min_tokens`` (vLLM's: the end-of-sequence tokens, and the ``stop_token_ids``, are forbidden until
+the output holds that many tokens), ``allowed_token_ids`` (vLLM's: every other token is forbidden),
 ``bad_words`` (vLLM's: token sequences that are never completed: a sequence's last token is forbidden where
-the output so far ends with the tokens before it; the prompt is not read).
+the output so far ends with the tokens before it; the prompt is not read) and ``no_repeat_ngram_size``
+(`transformers`': no n-gram of that many tokens occurs twice in the prompt and output together: a token is
+forbidden where the last n - 1 tokens, the prompt's included, were once followed by it).
 Where the filters and ``min_tokens`` (with a grammar's mask) forbid every token a row would choose from,
 ``none_left`` finds it and the choice is refused by name (``none_left_message``), not made among forbidden tokens.
 As vLLM, the filters, the bias and ``min_tokens`` come first, then the repetition, frequency and presence penalties, all
@@ -38,6 +40,7 @@ NEUTRAL = {
     "min_tokens": 0,
     "allowed_token_ids": (),
     "bad_words": (),
+    "no_repeat_ngram_size": 0,
 }
 
 
@@ -85,19 +88,49 @@ class History:
         self._in_prompt[: len(cols)] = True
         self._count = np.zeros(size, dtype=np.float32)
         self.out: list[int] = []  # the output's tokens in order (bad_words read its end)
+        # no_repeat_ngram_size n: the prompt's and output's tokens, and each (n - 1)-gram -> the tokens that followed it
+        self.ngram = int(gen.no_repeat_ngram_size)
+        self.seq: list[int] = []
+        self.follows: dict[tuple[int, ...], set[int]] = {}
+        if self.ngram:
+            for t in prompt:
+                self._add(int(t))
         # the filters that can forbid every token (with each other or a grammar): the choice is then checked
         self.filters = [
             name
             for name, on in (
                 ("allowed_token_ids", self.allowed.numel()),
                 ("bad_words", self.bad_words),
+                ("no_repeat_ngram_size", self.ngram),
                 ("min_tokens", self.min_tokens and self.eos),
             )
             if on
         ]
 
+    def _add(self, t: int) -> None:
+        """``t`` after the tokens so far (``no_repeat_ngram_size``): the n-gram it ends is seen."""
+        self.seq.append(t)
+        n = self.ngram
+        if len(self.seq) >= n:
+            self.follows.setdefault(tuple(self.seq[len(self.seq) - n : -1]), set()).add(t)
+
+    def _repeats(self, path: list[int]) -> set[int]:
+        """The tokens that would repeat an n-gram after the history and then ``path``."""
+        n = self.ngram
+        seq = self.seq[max(0, len(self.seq) - n + 1) :] + list(path)  # the tail the path's n-grams can start in
+        if len(self.seq) + len(path) < n - 1:
+            return set()
+        key = tuple(seq[len(seq) - n + 1 :]) if n > 1 else ()
+        out = set(self.follows.get(key, ()))
+        for i in range(len(seq) - n + 1):  # the n-grams that end in the path
+            if tuple(seq[i : i + n - 1]) == key:
+                out.add(seq[i + n - 1])
+        return out
+
     def push(self, token: int) -> None:
         t = int(token)
+        if self.ngram:
+            self._add(t)
         self.counts[t] += 1
         self.n_out += 1
         if self.bad_words:
@@ -134,6 +167,11 @@ class History:
                 for before, last in self.bad_words:
                     if not before or (len(before) <= len(seq) and seq[len(seq) - len(before) :] == before):
                         out[i, last] = float("-inf")
+        if self.ngram:
+            for i, path in enumerate(paths):
+                banned = self._repeats(path)
+                if banned:
+                    out[i, torch.tensor(sorted(banned), dtype=torch.long, device=out.device)] = float("-inf")
         if self.bias_ids.numel():
             out[:, self.bias_ids.to(out.device)] += self.bias.to(out.device)
         if self.min_tokens and self.eos:

@@ -68,7 +68,10 @@ class GenerationConfig:
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] = ()  # only these may be chosen (ids ascending; empty: all)
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
-    min_tokens_ids: tuple[int, ...] = ()  # tokens min_tokens holds off besides the EOS ones (the server's stops)
+    min_tokens_ids: tuple[int, ...] = ()  # tokens min_tokens holds off besides the EOS ones (the stop tokens)
+    no_repeat_ngram_size: int = 0  # no n-gram of this size occurs twice in the prompt and output (0: off)
+    typical_p: float = 1.0  # sampling: typical sampling's mass (1.0: off)
+    stop_token_ids: tuple[int, ...] = ()  # a row that chooses one ends before it (the token is not kept)
 
 
 @dataclass
@@ -418,7 +421,7 @@ class Run:
         if not g.do_sample:
             tokens = torch.tensor(sampling.top_ids(logits), device=logits.device)  # argmax's ids, numpy's speed
         else:
-            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)  # [B, V]
+            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p, g.typical_p)  # [B, V]
             tokens = torch.cat([sampling.sample(p[row : row + 1], gen) for row, gen in enumerate(self.generators)])
         if self.logprobs is not None:
             for row, t in enumerate(tokens.tolist()):
@@ -444,8 +447,8 @@ class Run:
             self.captured[row] = capture(logits, tokens, self.gen.logprobs)
 
     def emit(self, row: int, tokens: list[int]) -> bool:
-        """Append accepted tokens to ``row`` (stopping at EOS, the budget, or the end of the row's grammar);
-        True when the row is done."""
+        """Append accepted tokens to ``row`` (stopping at EOS, the budget, or the end of the row's grammar; before
+        a stop token); True when the row is done."""
         if self.finished[row]:
             return True
         if self.t_first is None and tokens:
@@ -455,6 +458,9 @@ class Run:
         grammar = None if self.constraints is None else self.constraints[row]
         history = None if self.histories is None else self.histories[row]
         for t in tokens:
+            if int(t) in self.gen.stop_token_ids:  # ends before it
+                self.finished[row], self.reasons[row] = True, "stop"
+                break
             if grammar is not None:
                 grammar.advance(t)
             if history is not None:

@@ -1,4 +1,4 @@
-"""Token choice rules shared by every method: greedy, and temperature / top-k / top-p / min-p sampling."""
+"""Token choice rules shared by every method: greedy, and temperature / top-k / top-p / min-p / typical sampling."""
 
 from __future__ import annotations
 
@@ -6,10 +6,17 @@ import torch
 
 
 def process_logits(
-    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    typical_p: float = 1.0,
 ) -> torch.Tensor:
     """Warp ``[..., V]`` logits as `transformers` does (temperature, then top-k, then top-p, then min-p: the
-    tokens less likely than ``min_p`` times the likeliest one are dropped)."""
+    tokens less likely than ``min_p`` times the likeliest one are dropped, then typical sampling: the tokens
+    whose surprisal is nearest the distribution's entropy are kept until they hold ``typical_p`` of the
+    probability, the first one past it included)."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -25,11 +32,26 @@ def process_logits(
     if min_p > 0.0:
         p = logits.softmax(-1)
         logits = logits.masked_fill(p < min_p * p.amax(-1, keepdim=True), float("-inf"))  # the likeliest stays
+    if typical_p < 1.0:
+        logits = _typical(logits, typical_p)
     return logits
 
 
-def probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
-    return process_logits(logits, temperature, top_k, top_p, min_p).softmax(-1)
+def _typical(logits: torch.Tensor, mass: float) -> torch.Tensor:
+    """`transformers`' ``TypicalLogitsWarper`` (one token kept at least) over ``[..., V]`` logits."""
+    logp = logits.log_softmax(-1)
+    ent = -(logp * logp.exp()).nansum(-1, keepdim=True)  # the entropy (0 * -inf is NaN: left out)
+    shifted = (-logp - ent).abs()
+    sorted_scores, idx = torch.sort(shifted, descending=False, dim=-1)
+    cum = logits.gather(-1, idx).softmax(-1).cumsum(-1)
+    last = (cum < mass).sum(-1, keepdim=True).clamp_(max=logits.shape[-1] - 1)
+    remove = sorted_scores > sorted_scores.gather(-1, last)
+    remove[..., :1] = False
+    return logits.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
+
+
+def probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0) -> torch.Tensor:
+    return process_logits(logits, temperature, top_k, top_p, min_p, typical_p).softmax(-1)
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

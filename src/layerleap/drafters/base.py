@@ -310,7 +310,7 @@ class StepDrafter(Drafter):
             logits = grammar.mask(logits)
         self.draft_steps[row] += 1
         q = (
-            sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)
+            sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p, g.typical_p)
             if g.do_sample
             else (logits.float().softmax(-1) if rule.min_confidence > 0 else None)
         )

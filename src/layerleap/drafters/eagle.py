@@ -178,7 +178,9 @@ class EagleChains:
             if self.last_q is None:
                 top = sampling.top_ids(logits)  # [R'] indices into the vocabulary or the draft vocabulary
             else:  # drawn from the head's warped distribution with each row's generator
-                q = sampling.probs(logits, gen.temperature, gen.top_k, gen.top_p, gen.min_p)  # [R', V or K]
+                q = sampling.probs(
+                    logits, gen.temperature, gen.top_k, gen.top_p, gen.min_p, gen.typical_p
+                )  # [R', V or K]
                 top = [int(sampling.sample(q[j], self.run.generators[row_of[i]])) for j, i in enumerate(live)]
             tokens = top if self.vocab is None else self.vocab.tokens(top)
             if first and self.width > 1:

@@ -93,7 +93,7 @@ class Exact:
         if not g.do_sample:
             result = verify.accept_greedy(cand.tokens, cand.parents, logits)
         else:
-            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)  # [1 + k, V]
+            p = sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p, g.typical_p)  # [1 + k, V]
             result = verify.accept_sampled(cand.tokens, cand.parents, p, cand.q, run.generators[row])
         if empty is not None:
             _check_left(run, row, cand, result, empty)
@@ -143,7 +143,7 @@ class Rollback:
     def accept(self, run: Run, row: int, cand: Candidates, logits: torch.Tensor) -> tuple[list[int], int]:
         g = run.gen
         probs = (
-            sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)
+            sampling.probs(logits, g.temperature, g.top_k, g.top_p, g.min_p, g.typical_p)
             if g.do_sample
             else logits.float().softmax(-1)
         )

@@ -100,12 +100,14 @@ class APIError(Exception):
 
 def _sampling_field(body) -> str:
     """The request field that asked for sampling (the error's ``param``): temperature, else top_p, else min_p,
-    else top_k."""
+    else typical_p, else top_k."""
     if body.temperature is not None:
         return "temperature"
     if body.top_p is not None and body.top_p < 1:
         return "top_p"
-    return "min_p" if body.min_p else "top_k"
+    if body.min_p:
+        return "min_p"
+    return "typical_p" if body.typical_p is not None and body.typical_p < 1 else "top_k"
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -229,8 +231,9 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     top_k = max(0, body.top_k if body.top_k is not None else ext.top_k or 0)
     top_p = 1.0 if body.top_p is None else body.top_p
     min_p = body.min_p or 0.0
-    if temperature is None and (top_k or top_p < 1 or min_p) and not m.default_sample:
-        temperature = 1.0  # top_k / top_p / min_p ask for sampling, as a temperature does (the CLI's rule)
+    typical_p = 1.0 if body.typical_p is None else body.typical_p
+    if temperature is None and (top_k or top_p < 1 or min_p or typical_p < 1) and not m.default_sample:
+        temperature = 1.0  # top_k / top_p / min_p / typical_p ask for sampling, as a temperature does (the CLI's rule)
     if temperature is None:
         do_sample, temperature = m.default_sample, 1.0
     elif temperature == 0:
@@ -240,8 +243,8 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         if not m.sampling:
             if method != "greedy":
                 raise _bad(
-                    f"method {method!r} decodes greedily and would ignore temperature, top_p, min_p and top_k: leave "
-                    f"them out (or use temperature 0), or a sampling method "
+                    f"method {method!r} decodes greedily and would ignore temperature, top_p, min_p, typical_p and "
+                    "top_k: leave them out (or use temperature 0), or a sampling method "
                     f"({', '.join(n for n, x in METHODS.items() if x.sampling)})",
                     _sampling_field(body),
                 )
@@ -269,6 +272,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         grammar=grammar,
         logprobs=body.logprob_count(),
         min_p=float(min_p) if do_sample else 0.0,
+        typical_p=float(typical_p) if do_sample else 1.0,
         **procs,
     )
     return Settings(method, options, gen, st.prompt_cache if body.cache_prompt is not False else None)
@@ -308,7 +312,7 @@ def choice_jobs(ids: list[int], settings: Settings, body: _Request) -> tuple[lis
 
 PROCESSOR_FIELDS = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
-    "bad_words",
+    "bad_words", "no_repeat_ngram_size",
 )  # fmt: skip
 
 

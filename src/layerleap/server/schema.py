@@ -35,7 +35,6 @@ REFUSED: dict[str, tuple] = {
     "length_penalty": (None, 1, 1.0),
     "skip_special_tokens": (None, True),
     # llama.cpp
-    "typical_p": (None, 1, 1.0),
     "mirostat": (None, 0),
     "n_probs": (None, 0),
     "dynatemp_range": (None, 0, 0.0),
@@ -227,6 +226,13 @@ class _Request(BaseModel):
     min_p: float | None = Field(
         None, ge=0, le=1, description="sample from the tokens at least min_p times as likely as the likeliest (0: all)"
     )
+    typical_p: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="llama.cpp's and transformers' typical sampling: the tokens whose surprisal is nearest the "
+        "entropy, up to this much probability (1: all)",
+    )
     repetition_penalty: float | None = Field(
         None,
         gt=0,
@@ -249,6 +255,11 @@ class _Request(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, description="vLLM's: only these token ids may be chosen")
     bad_words: list[str] | None = Field(
         None, description="vLLM's: words the answer never completes (their tokens, with and without a leading space)"
+    )
+    no_repeat_ngram_size: int | None = Field(
+        None,
+        ge=0,
+        description="transformers': no n-gram of this many tokens occurs twice in the prompt and answer (0: off)",
     )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="a seeded sample is reproducible")
     stop: str | list[str] | None = Field(
@@ -290,7 +301,6 @@ class _Request(BaseModel):
     grammar: str | None = Field(None, description="llama.cpp's: a GBNF grammar")
     json_schema: dict[str, Any] | None = Field(None, description="llama.cpp's: a JSON schema")
     # refused unless they ask for nothing (REFUSED)
-    typical_p: Any = None
     mirostat: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None

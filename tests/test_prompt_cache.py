@@ -262,3 +262,28 @@ def test_methods_say_whether_they_reuse():
         "greedy", "sample", "prompt-lookup", "medusa", "hidden-transfer", "auto", "self-spec", "eagle", "speculative",
     }  # fmt: skip
     assert not any(METHODS[n].prompt_cache for n in ("skipdecode", "early-exit", "calm", "bild", "ppd"))
+
+
+def test_its_sizes_are_read_while_another_thread_stores(model):
+    """``tokens``, ``nbytes`` and ``repr`` are read under the lock: a server's worker thread may store meanwhile."""
+    import threading
+
+    pc = PromptCache(max_tokens=64)
+    kv = torch.zeros(1, 1, 2, 1)
+    done = threading.Event()
+
+    def store():
+        i = 0
+        while not done.is_set():
+            i += 1
+            pc.store(model, [i, i + 1], kv, kv)
+
+    worker = threading.Thread(target=store)
+    worker.start()
+    try:
+        for _ in range(20000):
+            assert pc.tokens <= 64 and pc.nbytes <= 64 * 8
+            repr(pc)
+    finally:
+        done.set()
+        worker.join()

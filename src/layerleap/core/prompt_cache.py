@@ -96,12 +96,14 @@ class PromptCache:
     @property
     def tokens(self) -> int:
         """Tokens held over all entries."""
-        return sum(len(e.tokens) for e in self._entries.values())
+        with self._lock:  # (another thread may store meanwhile: the server's worker)
+            return sum(len(e.tokens) for e in self._entries.values())
 
     @property
     def nbytes(self) -> int:
         """Bytes of keys and values held."""
-        return sum(e.nbytes for e in self._entries.values())
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
 
     def entries(self) -> list[tuple[int, ...]]:
         """The token ids of each entry, least recently used first."""

@@ -287,3 +287,20 @@ def test_its_sizes_are_read_while_another_thread_stores(model):
     finally:
         done.set()
         worker.join()
+
+
+def test_its_counters_count_what_each_row_reuses(model):
+    """``hits``, ``misses`` and ``reused_tokens`` count the tokens a row reuses, not those it found: a batch
+    row with nothing cached makes its batch-mates run their whole prompts, and that is a miss for each."""
+    V = model.config.vocab_size
+    a = _ids(V, 20, 5)
+    pc = PromptCache()
+    r = generate(model, a, "greedy", 6, stop_at_eos=False, prompt_cache=pc)
+    assert (pc.hits, pc.misses, pc.reused_tokens) == (0, 1, 0)
+    a2 = a + r.token_ids + [1, 2]
+    got = generate(model, [a2, _ids(V, 40, 7)], "greedy", 2, stop_at_eos=False, prompt_cache=pc)
+    assert [x.stats.cached_prompt_tokens for x in got] == [0, 0]
+    assert (pc.hits, pc.misses, pc.reused_tokens) == (0, 3, 0)
+    got = generate(model, [a2, _ids(V, 4, 8)], "greedy", 2, stop_at_eos=False, prompt_cache=pc)
+    assert (pc.hits, pc.misses, pc.reused_tokens) == (1, 4, got[0].stats.cached_prompt_tokens)
+    assert got[0].stats.cached_prompt_tokens == len(a2) - 4

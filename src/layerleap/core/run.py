@@ -375,16 +375,17 @@ class Run:
         ``len(prompt) - S`` tokens (a row without a cached prefix makes every row run its whole prompt).
         Sets ``cached`` and the cache's lengths; -> ``T - S``, the slots the pass skips."""
         pc, T = self.prompt_cache, max(len(p) for p in self.prompts)
-        found = [pc.lookup(self.model, p, cache.k.dtype, cache.k.device) for p in self.prompts]
+        found = [pc.lookup(self.model, p, cache.k.dtype, cache.k.device, count=False) for p in self.prompts]
         S = max(len(p) - n for p, (_, n) in zip(self.prompts, found))
-        if S >= T:
-            return 0
         for row, (p, (entry, _)) in enumerate(zip(self.prompts, found)):
             n, pad = max(0, len(p) - S), int(cache.pad[row])
             if n:
                 cache.k[:, row, :, pad : pad + n].copy_(entry.k[:, :, :n])
                 cache.v[:, row, :, pad : pad + n].copy_(entry.v[:, :, :n])
             self.cached[row] = n
+            pc.count(n)  # what the row reuses: a row may find more than the pass lets it
+        if S >= T:
+            return 0
         cache.lengths.fill_(T - S)
         return T - S
 

@@ -304,3 +304,31 @@ def test_its_counters_count_what_each_row_reuses(model):
     got = generate(model, [a2, _ids(V, 4, 8)], "greedy", 2, stop_at_eos=False, prompt_cache=pc)
     assert (pc.hits, pc.misses, pc.reused_tokens) == (1, 4, got[0].stats.cached_prompt_tokens)
     assert got[0].stats.cached_prompt_tokens == len(a2) - 4
+
+
+def test_a_decoding_kept_after_its_end_holds_no_kv_cache(model):
+    """The run keeps its KV cache for the prompt cache until it stores (or breaks off), not as long as the
+    ``Decoding`` (a stream's ``result`` read later) lives."""
+    import gc
+
+    from layerleap.core.kv_cache import KVCache
+
+    def caches() -> list:
+        gc.collect()
+        return [o for o in gc.get_objects() if type(o) is KVCache]
+
+    before = caches()  # (others' that live on: a fixture's)
+
+    def held() -> list:
+        return [o for o in caches() if not any(o is b for b in before)]
+
+    p = _ids(model.config.vocab_size, 20, 5)
+    pc = PromptCache()
+    d = Decoding(model, p, "greedy", 6, stop_at_eos=False, prompt_cache=pc)
+    list(d)
+    assert len(pc) == 1 and held() == []
+    closed = Decoding(model, p + [1, 2], "greedy", 30, stop_at_eos=False, prompt_cache=pc)
+    next(iter(closed))
+    closed.close()  # a stream left early: nothing stored, and its cache goes too
+    assert len(pc) == 1 and held() == []
+    assert d.results[0].token_ids

@@ -391,9 +391,10 @@ class Run:
 
     def keep_prompts(self, rows: list[int] | None = None) -> None:
         """Store each row's prompt and output with their keys and values in the ``prompt_cache`` (the
-        slots of the KV cache the first prompt pass filled that hold them in every layer).  Only a
-        method whose cache then holds exactly those tokens' keys and values calls for it (``Method.prompt_cache``)."""
-        cache = self.kv
+        slots of the KV cache the first prompt pass filled that hold them in every layer), then lets that cache
+        go.  Only a method whose cache then holds exactly those tokens' keys and values calls for it
+        (``Method.prompt_cache``)."""
+        cache, self.kv = self.kv, None  # (a Decoding kept after its end keeps its run, not the whole KV cache)
         if self.prompt_cache is None or cache is None:
             return
         for row in range(self.batch) if rows is None else rows:

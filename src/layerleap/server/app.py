@@ -952,7 +952,7 @@ async def _prompt_part(
         if loaded is None:
             settings = await load_options(st, settings)
         else:
-            settings = Settings(settings.method, loaded, settings.gen)
+            settings = dataclasses.replace(settings, options=loaded)  # (its prompt cache too)
         await run_in_threadpool(check_decoding, st.model, ids, settings, field)
     reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
     reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)

@@ -262,3 +262,73 @@ def test_methods_say_whether_they_reuse():
         "greedy", "sample", "prompt-lookup", "medusa", "hidden-transfer", "auto", "self-spec", "eagle", "speculative",
     }  # fmt: skip
     assert not any(METHODS[n].prompt_cache for n in ("skipdecode", "early-exit", "calm", "bild", "ppd"))
+
+
+def test_its_sizes_are_read_while_another_thread_stores(model):
+    """``tokens``, ``nbytes`` and ``repr`` are read under the lock: a server's worker thread may store meanwhile."""
+    import threading
+
+    pc = PromptCache(max_tokens=64)
+    kv = torch.zeros(1, 1, 2, 1)
+    done = threading.Event()
+
+    def store():
+        i = 0
+        while not done.is_set():
+            i += 1
+            pc.store(model, [i, i + 1], kv, kv)
+
+    worker = threading.Thread(target=store)
+    worker.start()
+    try:
+        for _ in range(20000):
+            assert pc.tokens <= 64 and pc.nbytes <= 64 * 8
+            repr(pc)
+    finally:
+        done.set()
+        worker.join()
+
+
+def test_its_counters_count_what_each_row_reuses(model):
+    """``hits``, ``misses`` and ``reused_tokens`` count the tokens a row reuses, not those it found: a batch
+    row with nothing cached makes its batch-mates run their whole prompts, and that is a miss for each."""
+    V = model.config.vocab_size
+    a = _ids(V, 20, 5)
+    pc = PromptCache()
+    r = generate(model, a, "greedy", 6, stop_at_eos=False, prompt_cache=pc)
+    assert (pc.hits, pc.misses, pc.reused_tokens) == (0, 1, 0)
+    a2 = a + r.token_ids + [1, 2]
+    got = generate(model, [a2, _ids(V, 40, 7)], "greedy", 2, stop_at_eos=False, prompt_cache=pc)
+    assert [x.stats.cached_prompt_tokens for x in got] == [0, 0]
+    assert (pc.hits, pc.misses, pc.reused_tokens) == (0, 3, 0)
+    got = generate(model, [a2, _ids(V, 4, 8)], "greedy", 2, stop_at_eos=False, prompt_cache=pc)
+    assert (pc.hits, pc.misses, pc.reused_tokens) == (1, 4, got[0].stats.cached_prompt_tokens)
+    assert got[0].stats.cached_prompt_tokens == len(a2) - 4
+
+
+def test_a_decoding_kept_after_its_end_holds_no_kv_cache(model):
+    """The run keeps its KV cache for the prompt cache until it stores (or breaks off), not as long as the
+    ``Decoding`` (a stream's ``result`` read later) lives."""
+    import gc
+
+    from layerleap.core.kv_cache import KVCache
+
+    def caches() -> list:
+        gc.collect()
+        return [o for o in gc.get_objects() if type(o) is KVCache]
+
+    before = caches()  # (others' that live on: a fixture's)
+
+    def held() -> list:
+        return [o for o in caches() if not any(o is b for b in before)]
+
+    p = _ids(model.config.vocab_size, 20, 5)
+    pc = PromptCache()
+    d = Decoding(model, p, "greedy", 6, stop_at_eos=False, prompt_cache=pc)
+    list(d)
+    assert len(pc) == 1 and held() == []
+    closed = Decoding(model, p + [1, 2], "greedy", 30, stop_at_eos=False, prompt_cache=pc)
+    next(iter(closed))
+    closed.close()  # a stream left early: nothing stored, and its cache goes too
+    assert len(pc) == 1 and held() == []
+    assert d.results[0].token_ids

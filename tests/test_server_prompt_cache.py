@@ -85,3 +85,42 @@ def test_cache_prompt_must_be_a_boolean(char_model):
     with _serve(char_model) as url:
         r = post(url, {"messages": [{"role": "user", "content": "a"}], "cache_prompt": "yes"}, CHAT)
         assert r.status_code == 400 and "cache_prompt" in r.text
+
+
+TWO = ["abcdefghij klmnop", "qrstuvwxyz 0123"]  # two prompts, each cached by a request of its own first
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["pool", "batch"])
+def test_every_prompt_of_a_request_reuses(char_model, continuous):
+    """A legacy completion's prompts each reuse the cache, not only the first (the others were given settings
+    without it: no reuse, and a batch of their own)."""
+    with _serve(char_model, continuous=continuous) as url:
+        alone = [post(url, {"prompt": p}, "/v1/completions").json() for p in TWO]
+        again = [post(url, {"prompt": p}, "/v1/completions").json() for p in TWO]
+        cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in again]
+        assert all(c > 0 for c in cached)
+        before = total(metrics(url), "layerleap_cached_prompt_tokens_total", method="greedy")
+        both = post(url, {"prompt": TWO}, "/v1/completions").json()
+        after = total(metrics(url), "layerleap_cached_prompt_tokens_total", method="greedy")
+        assert after - before == sum(cached)
+        assert [c["text"] for c in both["choices"]] == [a["choices"][0]["text"] for a in alone]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_usage_counts_every_prompts_cached_tokens(char_model, n):
+    """As ``prompt_tokens`` counts every prompt's tokens, ``cached_tokens`` counts every prompt's reused ones
+    (each prompt once, whatever its choices), streamed too."""
+    with _serve(char_model) as url:
+        for p in TWO:
+            post(url, {"prompt": p}, "/v1/completions")
+        cached = [
+            post(url, {"prompt": p}, "/v1/completions").json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for p in TWO
+        ]
+        body = {"prompt": TWO, "n": n, "temperature": 0.5, "seed": 1}
+        usage = post(url, body, "/v1/completions").json()["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": sum(cached)}
+        assert usage["prompt_tokens"] == sum(len(char_model.tokenizer(p)["input_ids"]) for p in TWO)
+        text = post(url, {**body, "stream": True, "stream_options": {"include_usage": True}}, "/v1/completions").text
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": sum(cached)}

@@ -884,6 +884,8 @@ class Decoding:
             yield from self._decode()
         except BaseException:
             self._broken = True
+            for run, _ in self._where.values():
+                run.kv = None  # its KV cache, held for the prompt cache: nothing is stored from a broken run
             raise
 
     def close(self) -> None:

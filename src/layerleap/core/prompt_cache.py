@@ -96,12 +96,14 @@ class PromptCache:
     @property
     def tokens(self) -> int:
         """Tokens held over all entries."""
-        return sum(len(e.tokens) for e in self._entries.values())
+        with self._lock:  # (another thread may store meanwhile: the server's worker)
+            return sum(len(e.tokens) for e in self._entries.values())
 
     @property
     def nbytes(self) -> int:
         """Bytes of keys and values held."""
-        return sum(e.nbytes for e in self._entries.values())
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
 
     def entries(self) -> list[tuple[int, ...]]:
         """The token ids of each entry, least recently used first."""
@@ -116,10 +118,11 @@ class PromptCache:
         return f"PromptCache({len(self)} entries, {self.tokens} tokens, {self.nbytes / 2**20:.1f} MiB)"
 
     # -- lookup and store ----------------------------------------------------------------------
-    def lookup(self, model, ids: list[int], dtype: torch.dtype, device) -> tuple[Entry | None, int]:
+    def lookup(self, model, ids: list[int], dtype: torch.dtype, device, count: bool = True) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with ``ids`` for ``model`` (its KV ``dtype`` and
         ``device``), and how many of its tokens may be reused: at most ``len(ids) - 1`` (the last
-        prompt token always runs).  ``(None, 0)`` when none shares a token.  Counts a hit or a miss."""
+        prompt token always runs).  ``(None, 0)`` when none shares a token.  Counts a hit or a miss
+        (``count=False``: the caller counts what it reuses with ``count``)."""
         form = weights_form(model)
         with self._lock:
             best, n = None, 0
@@ -131,12 +134,23 @@ class PromptCache:
                     best, n = key, m
             n = min(n, len(ids) - 1)
             if best is None or n <= 0:
-                self.misses += 1
+                self.misses += int(count)
                 return None, 0
             self._entries.move_to_end(best)
-            self.hits += 1
-            self.reused_tokens += n
+            if count:
+                self.hits += 1
+                self.reused_tokens += n
             return self._entries[best], n
+
+    def count(self, reused: int) -> None:
+        """Count one lookup that reused ``reused`` tokens (0: a miss), for a caller that reuses fewer than
+        it found (a batch's rows reuse as many as its one prompt pass allows)."""
+        with self._lock:
+            if reused > 0:
+                self.hits += 1
+                self.reused_tokens += reused
+            else:
+                self.misses += 1
 
     def store(self, model, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> bool:
         """Keep ``tokens`` with their keys and values ``[L, Hkv, n, hd]`` (copied) for ``model``; entries

@@ -378,24 +378,26 @@ class Run:
         ``len(prompt) - S`` tokens (a row without a cached prefix makes every row run its whole prompt).
         Sets ``cached`` and the cache's lengths; -> ``T - S``, the slots the pass skips."""
         pc, T = self.prompt_cache, max(len(p) for p in self.prompts)
-        found = [pc.lookup(self.model, p, cache.k.dtype, cache.k.device) for p in self.prompts]
+        found = [pc.lookup(self.model, p, cache.k.dtype, cache.k.device, count=False) for p in self.prompts]
         S = max(len(p) - n for p, (_, n) in zip(self.prompts, found))
-        if S >= T:
-            return 0
         for row, (p, (entry, _)) in enumerate(zip(self.prompts, found)):
             n, pad = max(0, len(p) - S), int(cache.pad[row])
             if n:
                 cache.k[:, row, :, pad : pad + n].copy_(entry.k[:, :, :n])
                 cache.v[:, row, :, pad : pad + n].copy_(entry.v[:, :, :n])
             self.cached[row] = n
+            pc.count(n)  # what the row reuses: a row may find more than the pass lets it
+        if S >= T:
+            return 0
         cache.lengths.fill_(T - S)
         return T - S
 
     def keep_prompts(self, rows: list[int] | None = None) -> None:
         """Store each row's prompt and output with their keys and values in the ``prompt_cache`` (the
-        slots of the KV cache the first prompt pass filled that hold them in every layer).  Only a
-        method whose cache then holds exactly those tokens' keys and values calls for it (``Method.prompt_cache``)."""
-        cache = self.kv
+        slots of the KV cache the first prompt pass filled that hold them in every layer), then lets that cache
+        go.  Only a method whose cache then holds exactly those tokens' keys and values calls for it
+        (``Method.prompt_cache``)."""
+        cache, self.kv = self.kv, None  # (a Decoding kept after its end keeps its run, not the whole KV cache)
         if self.prompt_cache is None or cache is None:
             return
         for row in range(self.batch) if rows is None else rows:

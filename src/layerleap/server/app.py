@@ -491,6 +491,16 @@ def _cached(fin: Finish | None) -> int:
     return 0 if fin is None else int(fin.result.stats.get("cached_prompt_tokens", 0))
 
 
+def _cached_prompts(jobs: list, ends: dict[int, Finish]) -> int:
+    """The prompt tokens a request reused from the prompt cache, as its usage counts its prompts' tokens: each
+    prompt once (the most its choices' jobs reused; they share the prompt's token list), summed over its prompts."""
+    most: dict[int, int] = {}
+    for k, fin in ends.items():
+        key = id(jobs[k].prompt_ids)
+        most[key] = max(most.get(key, 0), _cached(fin))
+    return sum(most.values())
+
+
 @dataclass
 class Reply:
     """The OpenAI envelope of one request's answer (chat or text completion)."""
@@ -600,16 +610,25 @@ class Reply:
             choice["prompt_logprobs"] = self.prompt_logprobs
         return choice
 
-    def full(self, fin: Finish | None, others: list[tuple[Reply, Finish | None]] = (), used: int | None = None) -> dict:
+    def full(
+        self,
+        fin: Finish | None,
+        others: list[tuple[Reply, Finish | None]] = (),
+        used: int | None = None,
+        cached: int | None = None,
+    ) -> dict:
         """The whole answer: this choice, then ``others`` (``n``: the other choices' replies and ends); ``fin``
         None: nothing generated (``max_tokens`` 0 with echo).  The usage counts every choice's tokens (``used``:
-        the tokens decoded, where more were than the choices hold), the statistics are this choice's."""
+        the tokens decoded, where more were than the choices hold), the statistics are this choice's;
+        ``cached``: the prompt tokens reused over every prompt (``_cached_prompts``; default the choices' most)."""
         if used is None:
             used = sum(0 if f is None else f.completion_tokens for f in [fin] + [f for _, f in others])
+        if cached is None:
+            cached = max(_cached(f) for f in [fin] + [f for _, f in others])
         out = {
             **self._head(False),
             "choices": [self.choice(fin)] + [r.choice(f) for r, f in others],
-            "usage": _usage(self.prompt_len, used, max(_cached(f) for f in [fin] + [f for _, f in others])),
+            "usage": _usage(self.prompt_len, used, cached),
         }
         if fin is not None:
             out["layerleap"] = {"method": fin.result.stats["method"], "stats": _jsonable(fin.result.stats)}
@@ -937,7 +956,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
         used = sum(f.completion_tokens for _, f in answers)  # every answer decoded, best_of's candidates too
         if best > (body.n or 1):
             answers = pick_best(answers, best, body.n or 1, body.logprob_count() is not None)
-        return JSONResponse(answers[0][0].full(answers[0][1], answers[1:], used))
+        return JSONResponse(answers[0][0].full(answers[0][1], answers[1:], used, _cached_prompts(jobs, ends)))
     return StreamingResponse(
         _events(request, st, jobs, owners, replies, events, first, watcher, t0), media_type="text/event-stream"
     )
@@ -957,7 +976,7 @@ async def _prompt_part(
         if loaded is None:
             settings = await load_options(st, settings)
         else:
-            settings = Settings(settings.method, loaded, settings.gen)
+            settings = dataclasses.replace(settings, options=loaded)  # (its prompt cache too)
         await run_in_threadpool(check_decoding, st.model, ids, settings, field)
     reply = Reply(chat, st.cfg.model_name, len(ids), tokenizer=st.model.tokenizer, top=bool(settings.gen.logprobs))
     reply.usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
@@ -1119,7 +1138,7 @@ async def _events(
                 if len(ends) == len(jobs):
                     if replies[0].usage:
                         used = sum(f.completion_tokens * len(owners[j]) for j, f in ends.items())
-                        yield _sse(replies[0].usage_chunk(used, max(_cached(f) for f in ends.values())))
+                        yield _sse(replies[0].usage_chunk(used, _cached_prompts(jobs, ends)))
                     break
             try:
                 event = await events.next()

@@ -137,6 +137,38 @@ def test_a_request_whose_filters_leave_no_token_fails_alone_beside_batch_mates(t
         assert got == {there: 400, here: 200}
 
 
+def test_no_repeat_ngram_size_that_leaves_no_token_fails_alone_beside_batch_mates(tiny):
+    """``no_repeat_ngram_size`` is a token filter too: with a grammar it can leave no token, so a batching
+    method's request with it decodes in a batch of its own, and its failure leaves the request beside it (the
+    same settings, another prompt) to answer as alone."""
+    import threading
+
+    from test_server import get
+
+    ab = [i for i in range(tiny.config.vocab_size) if set(tiny.tokenizer.decode([i])) <= {"a", "b"}]
+    method = {"layerleap": {"method": "prompt-lookup"}}
+    body = {"max_tokens": 8, "guided_regex": "[ab]{4}", "no_repeat_ngram_size": 1, **method}
+    cfg = ServerConfig("tiny", max_tokens=32, max_batch=4, max_running=1)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        prompts = {"stuck": ab, "free": "z"}  # every token of a and b in the prompt: none may follow it
+        alone = {k: post(url, {**body, "prompt": p}).status_code for k, p in prompts.items()}
+        assert alone == {"stuck": 400, "free": 200}
+        blocker = {"prompt": "z", "max_tokens": 1000, "ignore_eos": True, **method}
+        got = {}
+        threads = [threading.Thread(target=lambda: post(url, blocker))] + [
+            threading.Thread(target=lambda k=k, p=p: got.update({k: post(url, {**body, "prompt": p}).status_code}))
+            for k, p in prompts.items()
+        ]
+        threads[0].start()
+        while not get(url + "/health").json()["running"]:
+            pass
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == alone
+
+
 # -- n: several choices per request -------------------------------------------------------------------
 def _stream(url: str, body: dict, path: str = "/v1/completions") -> list[dict]:
     r = post(url, {**body, "stream": True}, path)

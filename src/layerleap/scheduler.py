@@ -98,7 +98,9 @@ class Settings:
         what ``generate`` with its seed samples).  A method that does not batch decodes each job alone, as does
         a job whose token filters may leave it no token to choose (its failure ends a batch: it fails alone)."""
         g = self.gen
-        filtered = bool(g.allowed_token_ids or g.bad_words or (g.min_tokens and g.grammar is not None))
+        filtered = bool(
+            g.allowed_token_ids or g.bad_words or g.no_repeat_ngram_size or (g.min_tokens and g.grammar is not None)
+        )
         if not get_method(self.method).batched or (g.do_sample and g.seed is not None) or filtered:
             return ("alone", serial)
         sampling = (g.temperature, g.top_k, g.top_p, g.min_p, g.typical_p) if g.do_sample else None

@@ -51,7 +51,7 @@ CHAT_HELP = """commands:
   /reset              clear the conversation (the system message stays)
   /system [TEXT]      set the system message (without TEXT: drop it)
   /method NAME [k=v]  switch the decoding method, with its options (as --method and --opt)
-  /stats              the last answer: tokens, tokens/s, tokens per model call, acceptance
+  /stats              the last answer: tokens, tokens/s, tokens per model call, prompt tokens reused, acceptance
   /save FILE.json     write the conversation as JSON messages
   /load FILE.json     read a conversation written by /save (a JSON list of messages)
   /quit               end the chat (so do Ctrl-D and Ctrl-C at the prompt)

@@ -43,7 +43,8 @@ class GenerationError(V.InputError):
 
 
 class NoTokenLeft(GenerationError):
-    """While decoding: the token filters (``allowed_token_ids``, ``bad_words``, ``min_tokens``), with a grammar,
+    """While decoding: the token filters (``allowed_token_ids``, ``bad_words``, ``no_repeat_ngram_size``,
+    ``min_tokens``), with a grammar,
     forbid every token where a row chooses its next one (``core.processors.none_left_message`` says which)."""
 
 

@@ -298,3 +298,14 @@ def test_a_handled_ctrl_c_calls_off_the_last_resort(monkeypatch, capsys):
     monkeypatch.setitem(interrupts._state, "at", 2.0)
     interrupts._last_resort(2.0)  # one not handled still ends the process
     assert exits == [130]
+
+
+def test_a_message_too_long_leaves_the_conversation_as_it_was(capsys, monkeypatch, small_dir, tmp_path):
+    f = tmp_path / "c.json"
+    argv = ("--model", small_dir, "--max-new-tokens", 4, "--system", "S")
+    rc, _, err = chat(capsys, monkeypatch, ["Hi", "There", "x" * 60, f"/save {f}"], *argv)
+    assert rc == 0 and "exceeds the model's context of 64" in err
+    assert "the oldest turns are dropped" not in err  # nothing was dropped: the message was refused
+    saved = json.loads(f.read_text())
+    assert [m["content"] for m in saved if m["role"] == "user"] == ["Hi", "There"]
+    assert len(saved) == 5

@@ -224,24 +224,30 @@ class Chat:
 
     def fit(self) -> list[dict] | None:
         """The conversation as sent: the oldest turns dropped (the system message kept) until it and the
-        answer fit the model's context; None when the last message alone does not."""
+        answer fit the model's context; None when the last message alone does not (the history is then
+        left as it was)."""
         ctx, most = self.model.config.max_position, self.args.max_new_tokens
         tok = self.model.tokenizer
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        history = self.history
         while True:
-            messages = self.messages()
+            messages = head + history
             n = len(chat_token_ids(tok, messages, add_generation_prompt=True))
             if n + most <= ctx:
-                return messages
-            if len(self.history) <= 1:
+                break
+            if len(history) <= 1:
                 return None
-            cut = next((i for i in range(1, len(self.history)) if self.history[i]["role"] == "user"), None)
-            self.history = self.history[cut if cut is not None else len(self.history) - 1 :]
+            cut = next((i for i in range(1, len(history)) if history[i]["role"] == "user"), None)
+            history = history[cut if cut is not None else len(history) - 1 :]
+        if history is not self.history:
+            self.history = history
             if not self.dropped_said:
                 self.dropped_said = True
                 _say(
                     f"note: the conversation and an answer of --max-new-tokens {most} are beyond the model's context "
                     f"of {ctx} tokens: the oldest turns are dropped (the system message stays)"
                 )
+        return messages
 
     def turn(self, text: str) -> None:
         self.history.append({"role": "user", "content": text})
@@ -249,7 +255,8 @@ class Chat:
         try:
             messages = self.fit()
             if messages is None:
-                n = len(chat_token_ids(self.model.tokenizer, self.messages(), add_generation_prompt=True))
+                alone = self.messages()[: 1 if self.system is not None else 0] + self.history[-1:]
+                n = len(chat_token_ids(self.model.tokenizer, alone, add_generation_prompt=True))
                 self.history.pop()
                 self.error(
                     f"this message is {n} tokens in the chat template (the system message included); with "

@@ -309,3 +309,13 @@ def test_a_message_too_long_leaves_the_conversation_as_it_was(capsys, monkeypatc
     saved = json.loads(f.read_text())
     assert [m["content"] for m in saved if m["role"] == "user"] == ["Hi", "There"]
     assert len(saved) == 5
+
+
+def test_a_lossy_methods_budget_note_is_said_once_after_the_answers_line(capsys, monkeypatch, char_model_dir, tmp_path):
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "cache"))  # no calibration: calm says so
+    monkeypatch.setattr(sys, "stderr", sys.stdout)  # one stream, in the order a terminal shows them
+    lines = ["Hi", "There", "/method greedy", "/method calm", "Again"]
+    rc, out, _ = chat(capsys, monkeypatch, lines, "--model", char_model_dir, "--max-new-tokens", 6, "--method", "calm")
+    assert rc == 0, out
+    notes = [ln for ln in out.splitlines() if "calm: no calibration for tiny" in ln]
+    assert len(notes) == 1 and notes[0].startswith("calm: no calibration"), out

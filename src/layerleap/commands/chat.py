@@ -161,6 +161,7 @@ class Chat:
         self.history: list[dict] = []  # user and assistant messages, oldest first
         self.last = None  # the last answer's Stats; "interrupted" when Ctrl-C cut it
         self.dropped_said = False
+        self.notes_said: set[str] = set()  # the budget notes said (each once)
         self.tty = sys.stdin is not None and sys.stdin.isatty()
         # each turn's prompt pass runs only what the last turn did not (the methods that reuse a prompt cache)
         self.cache = PromptCache()
@@ -251,7 +252,7 @@ class Chat:
 
     def turn(self, text: str) -> None:
         self.history.append({"role": "user", "content": text})
-        shown = []
+        shown, said = [], []
         try:
             messages = self.fit()
             if messages is None:
@@ -272,12 +273,11 @@ class Chat:
                 for piece in s:
                     print(piece, end="", flush=True)
                     shown.append(piece)
-            for msg in dict.fromkeys(str(w.message) for w in said if issubclass(w.category, BudgetWarning)):
-                _say(msg)
         except KeyboardInterrupt:
             interrupts.handled()
             if shown:
                 print(flush=True)
+            self._notes(said)
             _say("[stopped]")
             self.last = "interrupted"
             self._answer("".join(shown))
@@ -290,8 +290,16 @@ class Chat:
             self.error(str(e))
             return
         print(flush=True)
+        self._notes(said)
         self.last = s.result.stats
         self._answer(s.result.text)
+
+    def _notes(self, said: list) -> None:
+        """The budget notes of a lossy method (``BudgetWarning``), each once a chat, after the answer's line."""
+        for msg in dict.fromkeys(str(w.message) for w in said if issubclass(w.category, BudgetWarning)):
+            if msg not in self.notes_said:
+                self.notes_said.add(msg)
+                _say(msg)
 
     def _answer(self, text: str) -> None:
         if text:

@@ -319,3 +319,32 @@ def test_a_lossy_methods_budget_note_is_said_once_after_the_answers_line(capsys,
     assert rc == 0, out
     notes = [ln for ln in out.splitlines() if "calm: no calibration for tiny" in ln]
     assert len(notes) == 1 and notes[0].startswith("calm: no calibration"), out
+
+
+def test_a_ctrl_c_that_a_library_turned_into_an_error_stops_the_answer(capsys, monkeypatch, char_model_dir):
+    from layerleap import interrupts
+
+    exits = []
+    monkeypatch.setattr(interrupts, "GRACE_S", 0.0)
+    monkeypatch.setattr(interrupts.os, "_exit", exits.append)
+    real = chat_cmd.stream
+    calls = []
+
+    def cut(*a, **kw):  # the Ctrl-C comes during the first answer, and the library raises its own error
+        calls.append(a[1])
+        if len(calls) > 1:
+            return real(*a, **kw)
+
+        def pieces():
+            yield "ab"
+            monkeypatch.setitem(interrupts._state, "at", 1.0)  # what the SIGINT handler records
+            raise layerleap.LayerleapError("the tokenizer was interrupted")
+
+        return pieces()
+
+    monkeypatch.setattr(chat_cmd, "stream", cut)
+    rc, out, err = chat(capsys, monkeypatch, ["Hi", "Next"], "--model", char_model_dir, "--max-new-tokens", 4)
+    assert rc == 0 and "[stopped]" in err and "interrupted" not in err and "error" not in err, err
+    assert calls[1][:2] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ab"}]
+    interrupts._last_resort(1.0)  # the Ctrl-C's thread, 15 s later: the chat handled it
+    assert exits == []

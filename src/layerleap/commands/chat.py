@@ -274,15 +274,12 @@ class Chat:
                     print(piece, end="", flush=True)
                     shown.append(piece)
         except KeyboardInterrupt:
-            interrupts.handled()
-            if shown:
-                print(flush=True)
-            self._notes(said)
-            _say("[stopped]")
-            self.last = "interrupted"
-            self._answer("".join(shown))
+            self._stopped(shown, said)
             return
         except LayerleapError as e:
+            if interrupts.interrupted():  # a library turned the Ctrl-C into this error: it stopped the answer
+                self._stopped(shown, said)
+                return
             if shown:
                 print(flush=True)
             if self.history and self.history[-1]["role"] == "user":
@@ -293,6 +290,16 @@ class Chat:
         self._notes(said)
         self.last = s.result.stats
         self._answer(s.result.text)
+
+    def _stopped(self, shown: list[str], said: list) -> None:
+        """Ctrl-C stopped the answer: the text printed so far is the answer, and the chat goes on."""
+        interrupts.handled()
+        if shown:
+            print(flush=True)
+        self._notes(said)
+        _say("[stopped]")
+        self.last = "interrupted"
+        self._answer("".join(shown))
 
     def _notes(self, said: list) -> None:
         """The budget notes of a lossy method (``BudgetWarning``), each once a chat, after the answer's line."""

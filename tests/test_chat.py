@@ -164,6 +164,10 @@ def test_save_and_load_round_trip(capsys, monkeypatch, char_model_dir, model, tm
         ('[{"role": "user"}]', "message 0 is not {'role': text, 'content': text}"),
         ('[{"role": "robot", "content": "x"}]', "has role 'robot': a role is one of system, user, assistant"),
         ('[{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]', "only the first message"),
+        # the chat keeps user and assistant alternating, as strict chat templates require
+        ('[{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]', "role 'user' where 'assistant'"),
+        ('[{"role": "system", "content": "s"}, {"role": "assistant", "content": "y"}]', "'assistant' where 'user'"),
+        ('[{"role": "user", "content": "x"}]', "ends with a user message, which has no answer"),
     ],
 )
 def test_a_bad_file_to_load(capsys, monkeypatch, char_model_dir, tmp_path, content, message):

@@ -138,7 +138,18 @@ def read_conversation(path, name: str = "/load") -> list[dict]:
         if m["role"] == "system" and k:
             raise LayerleapError(f"{where} is a system message: only the first message may be one")
         V.text(m["content"], f"{where}'s content")
+        turn = len(out) - (1 if out and out[0]["role"] == "system" else 0)  # its place after the system message
+        if m["role"] != "system" and m["role"] != ROLES[1 + turn % 2]:
+            raise LayerleapError(
+                f"{where} has role {m['role']!r} where {ROLES[1 + turn % 2]!r} belongs: a conversation alternates "
+                "user and assistant messages, a user's first (after the system message)"
+            )
         out.append({"role": m["role"], "content": m["content"]})
+    if out and out[-1]["role"] == "user":
+        raise LayerleapError(
+            f"conversation file {p} ends with a user message, which has no answer: drop it from the file (and type it "
+            "after loading)"
+        )
     return out
 
 

@@ -352,3 +352,11 @@ def test_a_ctrl_c_that_a_library_turned_into_an_error_stops_the_answer(capsys, m
     assert calls[1][:2] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ab"}]
     interrupts._last_resort(1.0)  # the Ctrl-C's thread, 15 s later: the chat handled it
     assert exits == []
+
+
+def test_a_byte_order_mark_before_the_first_piped_line_is_no_text(capsys, monkeypatch, char_model_dir):
+    argv = ("--model", char_model_dir, "--max-new-tokens", 4)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\ufeff/stats\r\nHi\r\n".encode()), encoding="utf-8"))
+    assert main(["chat", *map(str, argv)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("no answer yet\n"), out  # the first line is the command, not a message

@@ -174,6 +174,7 @@ class Chat:
         self.dropped_said = False
         self.notes_said: set[str] = set()  # the budget notes said (each once)
         self.tty = sys.stdin is not None and sys.stdin.isatty()
+        self.lines_read = 0  # from a pipe
         # each turn's prompt pass runs only what the last turn did not (the methods that reuse a prompt cache)
         self.cache = PromptCache()
 
@@ -219,6 +220,9 @@ class Chat:
         data = sys.stdin.buffer.readline()
         if not data:
             return None
+        if not self.lines_read:  # a byte-order mark (a file saved on Windows) is no text
+            data = data.removeprefix(b"\xef\xbb\xbf")
+        self.lines_read += 1
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:

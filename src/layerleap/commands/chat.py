@@ -105,6 +105,7 @@ def run_chat(args) -> int:
             "continue text with `layerleap generate` instead"
         )
     get_method(args.method).check_options(options, model.config)
+    _processors(args, None, model)  # the token ids against the model's vocabulary: not at every turn
     kwargs = {**sampling, **procs, **resolve_models(args.method, options, _loader(args))}
     kwargs.update(_stops(args))
     chat = Chat(model, args, threads, kwargs)

@@ -363,3 +363,12 @@ def test_a_byte_order_mark_before_the_first_piped_line_is_no_text(capsys, monkey
     assert main(["chat", *map(str, argv)]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("no answer yet\n"), out  # the first line is the command, not a message
+
+
+def test_a_draft_model_with_a_shorter_context_drops_the_oldest_turns(capsys, monkeypatch, char_model_dir, small_dir):
+    turns = ["turn 0 words and more words", "turn 1 words and more words", "turn 2 words", "/stats"]
+    argv = ("--model", char_model_dir, "--max-new-tokens", 20, "--method", "speculative", "--opt", f"draft={small_dir}")
+    rc, out, err = chat(capsys, monkeypatch, turns, *argv)
+    assert rc == 0 and "error" not in err, err
+    assert "beyond the draft model's context of 64 tokens: the oldest turns are dropped" in err
+    assert "[speculative] " in out

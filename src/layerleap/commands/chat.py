@@ -239,11 +239,21 @@ class Chat:
         head = [{"role": "system", "content": self.system}] if self.system is not None else []
         return head + self.history
 
+    def context(self) -> tuple[int, str]:
+        """The context the conversation and an answer must fit, and whose it is: the model's, or a second
+        model's (a draft) when that one's is shorter."""
+        ctx, whose = self.model.config.max_position, "the model's"
+        for key in get_method(self.method).models:
+            other = getattr(self.kwargs.get(key), "config", None)
+            if other is not None and other.max_position < ctx:
+                ctx, whose = other.max_position, f"the {key} model's"
+        return ctx, whose
+
     def fit(self) -> list[dict] | None:
         """The conversation as sent: the oldest turns dropped (the system message kept) until it and the
-        answer fit the model's context; None when the last message alone does not (the history is then
-        left as it was)."""
-        ctx, most = self.model.config.max_position, self.args.max_new_tokens
+        answer fit the model's context (``context``); None when the last message alone does not (the history
+        is then left as it was)."""
+        (ctx, whose), most = self.context(), self.args.max_new_tokens
         tok = self.model.tokenizer
         head = [{"role": "system", "content": self.system}] if self.system is not None else []
         history = self.history
@@ -261,7 +271,7 @@ class Chat:
             if not self.dropped_said:
                 self.dropped_said = True
                 _say(
-                    f"note: the conversation and an answer of --max-new-tokens {most} are beyond the model's context "
+                    f"note: the conversation and an answer of --max-new-tokens {most} are beyond {whose} context "
                     f"of {ctx} tokens: the oldest turns are dropped (the system message stays)"
                 )
         return messages
@@ -275,10 +285,11 @@ class Chat:
                 alone = self.messages()[: 1 if self.system is not None else 0] + self.history[-1:]
                 n = len(chat_token_ids(self.model.tokenizer, alone, add_generation_prompt=True))
                 self.history.pop()
+                ctx, whose = self.context()
                 self.error(
                     f"this message is {n} tokens in the chat template (the system message included); with "
-                    f"--max-new-tokens {self.args.max_new_tokens} that exceeds the model's context of "
-                    f"{self.model.config.max_position}: shorten it (or the system message), or lower --max-new-tokens"
+                    f"--max-new-tokens {self.args.max_new_tokens} that exceeds {whose} context of "
+                    f"{ctx}: shorten it (or the system message), or lower --max-new-tokens"
                 )
                 return
             with warnings.catch_warnings(record=True) as said:

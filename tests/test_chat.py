@@ -286,6 +286,7 @@ def test_bad_flags_exit_2(capsys, char_model_dir, tmp_path):
         # token ids beyond the vocabulary: said at the start, not at every turn
         (["--logit-bias", "5000=3"], "--logit-bias's token id 5000 must be an integer in [0, 127]"),
         (["--allowed-token-ids", "999"], "--allowed-token-ids's token id 999 must be an integer in [0, 127]"),
+        (["--stop-token-ids", "999"], "--stop-token-ids's token id 999 must be an integer in [0, 127]"),
     ]:
         assert main(["chat", "--model", str(char_model_dir), *argv]) == 2, argv
         err = capsys.readouterr().err

@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import interrupts, validate as V
 from ..core.prompt_cache import PromptCache
 from ..core.run import chat_token_ids
-from ..decoding import METHODS, BudgetWarning, get_method
+from ..decoding import METHODS, BudgetWarning, _stop_token_ids, get_method
 from ..errors import LayerleapError
 from ..files import read_json, write_json
 from ..options import resolve_models
@@ -106,6 +106,11 @@ def run_chat(args) -> int:
         )
     get_method(args.method).check_options(options, model.config)
     _processors(args, None, model)  # the token ids against the model's vocabulary: not at every turn
+    if args.stop_token_ids:
+        try:
+            _stop_token_ids(args.stop_token_ids, model.config.vocab_size)
+        except LayerleapError as e:
+            raise LayerleapError(str(e).replace("stop_token_ids", "--stop-token-ids")) from None
     kwargs = {**sampling, **procs, **resolve_models(args.method, options, _loader(args))}
     kwargs.update(_stops(args))
     chat = Chat(model, args, threads, kwargs)

@@ -164,6 +164,10 @@ def test_save_and_load_round_trip(capsys, monkeypatch, char_model_dir, model, tm
         ('[{"role": "user"}]', "message 0 is not {'role': text, 'content': text}"),
         ('[{"role": "robot", "content": "x"}]', "has role 'robot': a role is one of system, user, assistant"),
         ('[{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]', "only the first message"),
+        # the chat keeps user and assistant alternating, as strict chat templates require
+        ('[{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]', "role 'user' where 'assistant'"),
+        ('[{"role": "system", "content": "s"}, {"role": "assistant", "content": "y"}]', "'assistant' where 'user'"),
+        ('[{"role": "user", "content": "x"}]', "ends with a user message, which has no answer"),
     ],
 )
 def test_a_bad_file_to_load(capsys, monkeypatch, char_model_dir, tmp_path, content, message):
@@ -279,6 +283,10 @@ def test_bad_flags_exit_2(capsys, char_model_dir, tmp_path):
         (["--max-new-tokens", "5000"], "beyond tiny's context of 2048 tokens"),
         (["--opt", "x"], "bad option 'x'"),
         (["--load", str(tmp_path / "none.json")], "cannot read conversation file"),
+        # token ids beyond the vocabulary: said at the start, not at every turn
+        (["--logit-bias", "5000=3"], "--logit-bias's token id 5000 must be an integer in [0, 127]"),
+        (["--allowed-token-ids", "999"], "--allowed-token-ids's token id 999 must be an integer in [0, 127]"),
+        (["--stop-token-ids", "999"], "--stop-token-ids's token id 999 must be an integer in [0, 127]"),
     ]:
         assert main(["chat", "--model", str(char_model_dir), *argv]) == 2, argv
         err = capsys.readouterr().err
@@ -298,3 +306,70 @@ def test_a_handled_ctrl_c_calls_off_the_last_resort(monkeypatch, capsys):
     monkeypatch.setitem(interrupts._state, "at", 2.0)
     interrupts._last_resort(2.0)  # one not handled still ends the process
     assert exits == [130]
+
+
+def test_a_message_too_long_leaves_the_conversation_as_it_was(capsys, monkeypatch, small_dir, tmp_path):
+    f = tmp_path / "c.json"
+    argv = ("--model", small_dir, "--max-new-tokens", 4, "--system", "S")
+    rc, _, err = chat(capsys, monkeypatch, ["Hi", "There", "x" * 60, f"/save {f}"], *argv)
+    assert rc == 0 and "exceeds the model's context of 64" in err
+    assert "the oldest turns are dropped" not in err  # nothing was dropped: the message was refused
+    saved = json.loads(f.read_text())
+    assert [m["content"] for m in saved if m["role"] == "user"] == ["Hi", "There"]
+    assert len(saved) == 5
+
+
+def test_a_lossy_methods_budget_note_is_said_once_after_the_answers_line(capsys, monkeypatch, char_model_dir, tmp_path):
+    monkeypatch.setenv("LAYERLEAP_CACHE", str(tmp_path / "cache"))  # no calibration: calm says so
+    monkeypatch.setattr(sys, "stderr", sys.stdout)  # one stream, in the order a terminal shows them
+    lines = ["Hi", "There", "/method greedy", "/method calm", "Again"]
+    rc, out, _ = chat(capsys, monkeypatch, lines, "--model", char_model_dir, "--max-new-tokens", 6, "--method", "calm")
+    assert rc == 0, out
+    notes = [ln for ln in out.splitlines() if "calm: no calibration for tiny" in ln]
+    assert len(notes) == 1 and notes[0].startswith("calm: no calibration"), out
+
+
+def test_a_ctrl_c_that_a_library_turned_into_an_error_stops_the_answer(capsys, monkeypatch, char_model_dir):
+    from layerleap import interrupts
+
+    exits = []
+    monkeypatch.setattr(interrupts, "GRACE_S", 0.0)
+    monkeypatch.setattr(interrupts.os, "_exit", exits.append)
+    real = chat_cmd.stream
+    calls = []
+
+    def cut(*a, **kw):  # the Ctrl-C comes during the first answer, and the library raises its own error
+        calls.append(a[1])
+        if len(calls) > 1:
+            return real(*a, **kw)
+
+        def pieces():
+            yield "ab"
+            monkeypatch.setitem(interrupts._state, "at", 1.0)  # what the SIGINT handler records
+            raise layerleap.LayerleapError("the tokenizer was interrupted")
+
+        return pieces()
+
+    monkeypatch.setattr(chat_cmd, "stream", cut)
+    rc, out, err = chat(capsys, monkeypatch, ["Hi", "Next"], "--model", char_model_dir, "--max-new-tokens", 4)
+    assert rc == 0 and "[stopped]" in err and "interrupted" not in err and "error" not in err, err
+    assert calls[1][:2] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ab"}]
+    interrupts._last_resort(1.0)  # the Ctrl-C's thread, 15 s later: the chat handled it
+    assert exits == []
+
+
+def test_a_byte_order_mark_before_the_first_piped_line_is_no_text(capsys, monkeypatch, char_model_dir):
+    argv = ("--model", char_model_dir, "--max-new-tokens", 4)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\ufeff/stats\r\nHi\r\n".encode()), encoding="utf-8"))
+    assert main(["chat", *map(str, argv)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("no answer yet\n"), out  # the first line is the command, not a message
+
+
+def test_a_draft_model_with_a_shorter_context_drops_the_oldest_turns(capsys, monkeypatch, char_model_dir, small_dir):
+    turns = ["turn 0 words and more words", "turn 1 words and more words", "turn 2 words", "/stats"]
+    argv = ("--model", char_model_dir, "--max-new-tokens", 20, "--method", "speculative", "--opt", f"draft={small_dir}")
+    rc, out, err = chat(capsys, monkeypatch, turns, *argv)
+    assert rc == 0 and "error" not in err, err
+    assert "beyond the draft model's context of 64 tokens: the oldest turns are dropped" in err
+    assert "[speculative] " in out

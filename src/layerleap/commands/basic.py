@@ -224,14 +224,17 @@ PROCESSOR_FLAGS = {
 }
 
 
-def _processors(args, grammar) -> dict:
+def _processors(args, grammar, model=None) -> dict:
     """``generate``'s logits-processor arguments from the flags, checked against the method and
-    ``--max-new-tokens`` before the model loads (the token ids against its vocabulary after)."""
+    ``--max-new-tokens`` before the model loads (the token ids against its vocabulary after: with
+    ``model``, loaded)."""
     procs = {k: getattr(args, k) for k in PROCESSOR_FLAGS if getattr(args, k) is not None}
     if "logit_bias" in procs:
         procs["logit_bias"] = dict(procs["logit_bias"])  # a token given twice: the last bias
+    tok = {} if model is None else {"tokenizer": model.tokenizer}
     try:
-        check_processors(get_method(args.method), None, args.max_new_tokens, grammar, **procs)
+        vocab = None if model is None else model.config.vocab_size
+        check_processors(get_method(args.method), vocab, args.max_new_tokens, grammar, **tok, **procs)
     except GenerationError as e:
         msg = str(e).replace(f"max_new_tokens={args.max_new_tokens}", f"--max-new-tokens {args.max_new_tokens}")
         msg = msg.replace("max_new_tokens", "--max-new-tokens")

@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import interrupts, validate as V
 from ..core.prompt_cache import PromptCache
 from ..core.run import chat_token_ids
-from ..decoding import METHODS, BudgetWarning, get_method
+from ..decoding import METHODS, BudgetWarning, _stop_token_ids, get_method
 from ..errors import LayerleapError
 from ..files import read_json, write_json
 from ..options import resolve_models
@@ -105,6 +105,12 @@ def run_chat(args) -> int:
             "continue text with `layerleap generate` instead"
         )
     get_method(args.method).check_options(options, model.config)
+    _processors(args, None, model)  # the token ids against the model's vocabulary: not at every turn
+    if args.stop_token_ids:
+        try:
+            _stop_token_ids(args.stop_token_ids, model.config.vocab_size)
+        except LayerleapError as e:
+            raise LayerleapError(str(e).replace("stop_token_ids", "--stop-token-ids")) from None
     kwargs = {**sampling, **procs, **resolve_models(args.method, options, _loader(args))}
     kwargs.update(_stops(args))
     chat = Chat(model, args, threads, kwargs)
@@ -138,7 +144,18 @@ def read_conversation(path, name: str = "/load") -> list[dict]:
         if m["role"] == "system" and k:
             raise LayerleapError(f"{where} is a system message: only the first message may be one")
         V.text(m["content"], f"{where}'s content")
+        turn = len(out) - (1 if out and out[0]["role"] == "system" else 0)  # its place after the system message
+        if m["role"] != "system" and m["role"] != ROLES[1 + turn % 2]:
+            raise LayerleapError(
+                f"{where} has role {m['role']!r} where {ROLES[1 + turn % 2]!r} belongs: a conversation alternates "
+                "user and assistant messages, a user's first (after the system message)"
+            )
         out.append({"role": m["role"], "content": m["content"]})
+    if out and out[-1]["role"] == "user":
+        raise LayerleapError(
+            f"conversation file {p} ends with a user message, which has no answer: drop it from the file (and type it "
+            "after loading)"
+        )
     return out
 
 
@@ -161,7 +178,9 @@ class Chat:
         self.history: list[dict] = []  # user and assistant messages, oldest first
         self.last = None  # the last answer's Stats; "interrupted" when Ctrl-C cut it
         self.dropped_said = False
+        self.notes_said: set[str] = set()  # the budget notes said (each once)
         self.tty = sys.stdin is not None and sys.stdin.isatty()
+        self.lines_read = 0  # from a pipe
         # each turn's prompt pass runs only what the last turn did not (the methods that reuse a prompt cache)
         self.cache = PromptCache()
 
@@ -207,6 +226,9 @@ class Chat:
         data = sys.stdin.buffer.readline()
         if not data:
             return None
+        if not self.lines_read:  # a byte-order mark (a file saved on Windows) is no text
+            data = data.removeprefix(b"\xef\xbb\xbf")
+        self.lines_read += 1
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
@@ -222,39 +244,57 @@ class Chat:
         head = [{"role": "system", "content": self.system}] if self.system is not None else []
         return head + self.history
 
+    def context(self) -> tuple[int, str]:
+        """The context the conversation and an answer must fit, and whose it is: the model's, or a second
+        model's (a draft) when that one's is shorter."""
+        ctx, whose = self.model.config.max_position, "the model's"
+        for key in get_method(self.method).models:
+            other = getattr(self.kwargs.get(key), "config", None)
+            if other is not None and other.max_position < ctx:
+                ctx, whose = other.max_position, f"the {key} model's"
+        return ctx, whose
+
     def fit(self) -> list[dict] | None:
         """The conversation as sent: the oldest turns dropped (the system message kept) until it and the
-        answer fit the model's context; None when the last message alone does not."""
-        ctx, most = self.model.config.max_position, self.args.max_new_tokens
+        answer fit the model's context (``context``); None when the last message alone does not (the history
+        is then left as it was)."""
+        (ctx, whose), most = self.context(), self.args.max_new_tokens
         tok = self.model.tokenizer
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        history = self.history
         while True:
-            messages = self.messages()
+            messages = head + history
             n = len(chat_token_ids(tok, messages, add_generation_prompt=True))
             if n + most <= ctx:
-                return messages
-            if len(self.history) <= 1:
+                break
+            if len(history) <= 1:
                 return None
-            cut = next((i for i in range(1, len(self.history)) if self.history[i]["role"] == "user"), None)
-            self.history = self.history[cut if cut is not None else len(self.history) - 1 :]
+            cut = next((i for i in range(1, len(history)) if history[i]["role"] == "user"), None)
+            history = history[cut if cut is not None else len(history) - 1 :]
+        if history is not self.history:
+            self.history = history
             if not self.dropped_said:
                 self.dropped_said = True
                 _say(
-                    f"note: the conversation and an answer of --max-new-tokens {most} are beyond the model's context "
+                    f"note: the conversation and an answer of --max-new-tokens {most} are beyond {whose} context "
                     f"of {ctx} tokens: the oldest turns are dropped (the system message stays)"
                 )
+        return messages
 
     def turn(self, text: str) -> None:
         self.history.append({"role": "user", "content": text})
-        shown = []
+        shown, said = [], []
         try:
             messages = self.fit()
             if messages is None:
-                n = len(chat_token_ids(self.model.tokenizer, self.messages(), add_generation_prompt=True))
+                alone = self.messages()[: 1 if self.system is not None else 0] + self.history[-1:]
+                n = len(chat_token_ids(self.model.tokenizer, alone, add_generation_prompt=True))
                 self.history.pop()
+                ctx, whose = self.context()
                 self.error(
                     f"this message is {n} tokens in the chat template (the system message included); with "
-                    f"--max-new-tokens {self.args.max_new_tokens} that exceeds the model's context of "
-                    f"{self.model.config.max_position}: shorten it (or the system message), or lower --max-new-tokens"
+                    f"--max-new-tokens {self.args.max_new_tokens} that exceeds {whose} context of "
+                    f"{ctx}: shorten it (or the system message), or lower --max-new-tokens"
                 )
                 return
             with warnings.catch_warnings(record=True) as said:
@@ -265,17 +305,13 @@ class Chat:
                 for piece in s:
                     print(piece, end="", flush=True)
                     shown.append(piece)
-            for msg in dict.fromkeys(str(w.message) for w in said if issubclass(w.category, BudgetWarning)):
-                _say(msg)
         except KeyboardInterrupt:
-            interrupts.handled()
-            if shown:
-                print(flush=True)
-            _say("[stopped]")
-            self.last = "interrupted"
-            self._answer("".join(shown))
+            self._stopped(shown, said)
             return
         except LayerleapError as e:
+            if interrupts.interrupted():  # a library turned the Ctrl-C into this error: it stopped the answer
+                self._stopped(shown, said)
+                return
             if shown:
                 print(flush=True)
             if self.history and self.history[-1]["role"] == "user":
@@ -283,8 +319,26 @@ class Chat:
             self.error(str(e))
             return
         print(flush=True)
+        self._notes(said)
         self.last = s.result.stats
         self._answer(s.result.text)
+
+    def _stopped(self, shown: list[str], said: list) -> None:
+        """Ctrl-C stopped the answer: the text printed so far is the answer, and the chat goes on."""
+        interrupts.handled()
+        if shown:
+            print(flush=True)
+        self._notes(said)
+        _say("[stopped]")
+        self.last = "interrupted"
+        self._answer("".join(shown))
+
+    def _notes(self, said: list) -> None:
+        """The budget notes of a lossy method (``BudgetWarning``), each once a chat, after the answer's line."""
+        for msg in dict.fromkeys(str(w.message) for w in said if issubclass(w.category, BudgetWarning)):
+            if msg not in self.notes_said:
+                self.notes_said.add(msg)
+                _say(msg)
 
     def _answer(self, text: str) -> None:
         if text:

@@ -592,6 +592,18 @@ def test_stop_token_ids_in_a_batch_end_each_row_alone(models):
     assert rows[0].finish_reason == "stop" and len(rows[0].token_ids) <= 4
 
 
+def test_a_stop_token_ends_a_drafted_path_before_the_filters_leave_no_token(models):
+    """Greedy chooses the stop token first and ends: the token filters leave nothing after it, where a draft-and-verify
+    round's path through it goes on, and greedy never chooses; the round ends there too, not refused."""
+    m = models[0]
+    p = _prompt(m.config.vocab_size, 6, 1)
+    stop = generate(m, p, "greedy", 10, stop_at_eos=False).token_ids[0]
+    args = dict(stop_at_eos=False, no_repeat_ngram_size=1, allowed_token_ids=sorted({*p, stop}), stop_token_ids=[stop])
+    for method, options in [("greedy", {}), ("speculative", {"draft": m})]:
+        got = generate(m, p, method, 10, **args, **options)
+        assert got.token_ids == [] and got.finish_reason == "stop", method
+
+
 @pytest.mark.parametrize(
     "args,words",
     [

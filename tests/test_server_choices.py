@@ -394,3 +394,19 @@ def test_choices_each_echo_the_prompt(tiny_server, max_tokens):
     assert [c["index"] for c in r["choices"]] == [0, 1] and all(c["text"].startswith(P) for c in r["choices"]), r
     chunks = _stream(tiny_server, body)
     assert _joined(chunks, 2)[0] == [c["text"] for c in r["choices"]]
+
+
+def test_a_stop_token_ends_a_drafted_round_as_generate_ends_there(tiny):
+    """A draft-and-verify round's path goes no further than a stop token, as ``generate``'s: the token filters that
+    leave nothing after it are no 400, and the answer is the library's."""
+    ids = tiny.tokenizer(P)["input_ids"]
+    stop = generate(tiny, P, "greedy", 4, stop_at_eos=False).token_ids[0]
+    args = dict(no_repeat_ngram_size=1, allowed_token_ids=sorted({*ids, stop}), stop_token_ids=[stop])
+    want = generate(tiny, P, "speculative", 8, stop_at_eos=False, draft=tiny, **args)
+    assert want.token_ids == [] and want.finish_reason == "stop"
+    cfg = ServerConfig("tiny", method="speculative", options={"draft": tiny}, max_tokens=32)
+    with ServerThread(create_app(tiny, cfg)) as url:
+        r = post(url, {"prompt": P, "max_tokens": 8, "ignore_eos": True, **args})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == "" and choice["finish_reason"] == "stop"

@@ -248,6 +248,11 @@ class Batch:
     def __init__(self, model: Transformer, jobs: list[Job]):
         self.model, self.jobs = model, jobs
         self.decoding = jobs[0].settings.decoding(model, [j.prompt_ids for j in jobs])
+        stops = {j.stop_token_ids for j in jobs}
+        if len(stops) == 1 and jobs[0].stop_token_ids:  # the rows end before them, as generate's (a round's
+            # path through one goes no further: the token filters may leave no token after it)
+            d = self.decoding
+            d.gen = dataclasses.replace(d.gen, stop_token_ids=tuple(sorted(jobs[0].stop_token_ids)))
         self.pieces = [TextPieces(model.tokenizer) for _ in jobs]
         self.rounds = iter(self.decoding)
         self.over = False

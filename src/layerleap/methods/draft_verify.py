@@ -112,9 +112,11 @@ def _check_left(run: Run, row: int, cand: Candidates, result: tuple[list[int], i
 
 def _ends_within(run: Run, row: int, tokens: list[int]) -> bool:
     """Whether emitting ``tokens`` ends ``row`` (``Run.emit``: an end-of-sequence token, the end of its grammar,
-    its budget), so that nothing after them is chosen."""
+    its budget; a stop token, before which it ends), so that nothing after them is chosen."""
     g = run.gen
     if (g.stop_at_eos and any(t in g.eos_ids for t in tokens)) or len(run.out[row]) + len(tokens) >= g.max_new_tokens:
+        return True
+    if any(t in g.stop_token_ids for t in tokens):
         return True
     c = None if run.constraints is None else run.constraints[row]
     if c is None:

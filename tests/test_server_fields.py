@@ -131,12 +131,16 @@ def test_several_prompts_sampled_are_what_each_prompt_samples(tiny_server):
 
 def test_several_prompts_stream_with_their_indexes(tiny_server):
     body = {"max_tokens": 8, "n": 2, "prompt": PROMPTS, "stream_options": {"include_usage": True}}
+    post(tiny_server, {**body, "stream_options": None})  # the prompts cached, as the answers below reuse them
     chunks = _stream(tiny_server, body)
     whole = post(tiny_server, {**body, "stream_options": None}).json()
     assert _texts(chunks, 6) == [c["text"] for c in whole["choices"]]
     reasons = sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"])
     assert reasons == list(range(6))
     assert chunks[-1]["usage"] == whole["usage"]
+    assert len({(c["id"], c["created"]) for c in chunks}) == 1  # one answer: every chunk has its id
+    echoed = _stream(tiny_server, {**body, "max_tokens": 0, "echo": True})
+    assert len({(c["id"], c["created"]) for c in echoed}) == 1
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])

@@ -899,7 +899,8 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
                 raise
             loaded, total, best = settings.options, total + len(ids), candidates(body, settings)
             first = len(replies)  # prompt-major: prompt p's choice j is choice p * n + j (best_of: candidates)
-            replies += [dataclasses.replace(reply, index=first + i) for i in range(best)]
+            one = {"id": replies[0].id, "created": replies[0].created} if replies else {}  # one answer, one id
+            replies += [dataclasses.replace(reply, index=first + i, **one) for i in range(best)]
             if settings.gen.max_new_tokens > 0:  # (0: echo alone)
                 part, answers = choice_jobs(ids, settings, body)
                 jobs += part

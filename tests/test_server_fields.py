@@ -87,6 +87,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_server, tiny)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == context - 1, r.text
     r = post(tiny_server, {"prompt": long})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = post(tiny_server, {"prompt": long, "truncate_prompt_tokens": context})  # keeps more than the server takes
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "truncate_prompt_tokens", r.text
+    assert error["code"] == "context_length_exceeded" and f"give at most {context - 1}, or -1" in error["message"]
 
 
 @pytest.mark.parametrize("value", [0, -2, "3", 2.5])

@@ -190,6 +190,13 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     if best_of is not None and best_of > (body.n or 1) and body.stream:
         raise _bad("best_of picks among whole answers, which are not streamed: leave out stream, or best_of", "best_of")
     limit = prompt_limit(st)
+    if prompt_len > limit and body.truncate_prompt_tokens is not None:  # it kept more than the server takes
+        raise _bad(
+            f"truncate_prompt_tokens={body.truncate_prompt_tokens} keeps {prompt_len} of the prompt's tokens, over "
+            f"this server's limit of {limit}: give at most {limit}, or -1 (as many as the server takes)",
+            "truncate_prompt_tokens",
+            "context_length_exceeded",
+        )
     if prompt_len > limit:
         raise _bad(
             f"the prompt has {prompt_len} tokens, over this server's limit of {limit}: shorten it",

@@ -199,6 +199,8 @@ def test_a_request_over_the_queue_is_a_400_not_a_429(tiny):
         assert r.status_code == 400 and "--max-waiting" in r.json()["error"]["message"], r.text
         r = post(url, {"prompt": PROMPTS, "max_tokens": 2, "n": 2})  # greedy: one answer per prompt
         assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text
+        r = post(url, {"prompt": P, "max_tokens": 2, "best_of": 8, "temperature": 1.0})  # n is 1: best_of asks
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
 
 
 # -- best_of -----------------------------------------------------------------------------------------

@@ -926,7 +926,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             raise _bad(
                 f"this request decodes {len(jobs)} answers, over the {st.scheduler.max_waiting} this server's queue "
                 "holds (--max-waiting): send fewer prompts or choices per request",
-                "prompt" if len(prompts) > 1 else "n",
+                "prompt" if len(prompts) > 1 else "best_of" if best > (body.n or 1) else "n",
             )
         if not st.scheduler.submit(*jobs):
             raise APIError(

@@ -87,6 +87,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_server, tiny)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == context - 1, r.text
     r = post(tiny_server, {"prompt": long})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = post(tiny_server, {"prompt": long, "truncate_prompt_tokens": context})  # keeps more than the server takes
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "truncate_prompt_tokens", r.text
+    assert error["code"] == "context_length_exceeded" and f"give at most {context - 1}, or -1" in error["message"]
 
 
 @pytest.mark.parametrize("value", [0, -2, "3", 2.5])
@@ -131,12 +135,16 @@ def test_several_prompts_sampled_are_what_each_prompt_samples(tiny_server):
 
 def test_several_prompts_stream_with_their_indexes(tiny_server):
     body = {"max_tokens": 8, "n": 2, "prompt": PROMPTS, "stream_options": {"include_usage": True}}
+    post(tiny_server, {**body, "stream_options": None})  # the prompts cached, as the answers below reuse them
     chunks = _stream(tiny_server, body)
     whole = post(tiny_server, {**body, "stream_options": None}).json()
     assert _texts(chunks, 6) == [c["text"] for c in whole["choices"]]
     reasons = sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"])
     assert reasons == list(range(6))
     assert chunks[-1]["usage"] == whole["usage"]
+    assert len({(c["id"], c["created"]) for c in chunks}) == 1  # one answer: every chunk has its id
+    echoed = _stream(tiny_server, {**body, "max_tokens": 0, "echo": True})
+    assert len({(c["id"], c["created"]) for c in echoed}) == 1
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
@@ -191,6 +199,8 @@ def test_a_request_over_the_queue_is_a_400_not_a_429(tiny):
         assert r.status_code == 400 and "--max-waiting" in r.json()["error"]["message"], r.text
         r = post(url, {"prompt": PROMPTS, "max_tokens": 2, "n": 2})  # greedy: one answer per prompt
         assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text
+        r = post(url, {"prompt": P, "max_tokens": 2, "best_of": 8, "temperature": 1.0})  # n is 1: best_of asks
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
 
 
 # -- best_of -----------------------------------------------------------------------------------------

@@ -190,6 +190,13 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     if best_of is not None and best_of > (body.n or 1) and body.stream:
         raise _bad("best_of picks among whole answers, which are not streamed: leave out stream, or best_of", "best_of")
     limit = prompt_limit(st)
+    if prompt_len > limit and body.truncate_prompt_tokens is not None:  # it kept more than the server takes
+        raise _bad(
+            f"truncate_prompt_tokens={body.truncate_prompt_tokens} keeps {prompt_len} of the prompt's tokens, over "
+            f"this server's limit of {limit}: give at most {limit}, or -1 (as many as the server takes)",
+            "truncate_prompt_tokens",
+            "context_length_exceeded",
+        )
     if prompt_len > limit:
         raise _bad(
             f"the prompt has {prompt_len} tokens, over this server's limit of {limit}: shorten it",
@@ -899,7 +906,8 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
                 raise
             loaded, total, best = settings.options, total + len(ids), candidates(body, settings)
             first = len(replies)  # prompt-major: prompt p's choice j is choice p * n + j (best_of: candidates)
-            replies += [dataclasses.replace(reply, index=first + i) for i in range(best)]
+            one = {"id": replies[0].id, "created": replies[0].created} if replies else {}  # one answer, one id
+            replies += [dataclasses.replace(reply, index=first + i, **one) for i in range(best)]
             if settings.gen.max_new_tokens > 0:  # (0: echo alone)
                 part, answers = choice_jobs(ids, settings, body)
                 jobs += part
@@ -918,7 +926,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
             raise _bad(
                 f"this request decodes {len(jobs)} answers, over the {st.scheduler.max_waiting} this server's queue "
                 "holds (--max-waiting): send fewer prompts or choices per request",
-                "prompt" if len(prompts) > 1 else "n",
+                "prompt" if len(prompts) > 1 else "best_of" if best > (body.n or 1) else "n",
             )
         if not st.scheduler.submit(*jobs):
             raise APIError(

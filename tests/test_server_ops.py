@@ -1347,6 +1347,42 @@ def test_a_request_cut_by_the_end_of_the_drain_gets_a_json_error(tiny, monkeypat
     assert json.loads(body)["error"]["code"] == "server_shutting_down"
 
 
+def test_a_stream_cut_by_the_end_of_the_drain_ends_without_a_traceback(tiny, monkeypatch):
+    """A streamed answer still under way when the drain ends stops without ``data: [DONE]``; the server's log
+    says nothing of an exception in the application (a traceback that read as a crash)."""
+    import logging
+
+    from layerleap import scheduler
+
+    decode = scheduler.Pool._decode
+
+    def slow(self):  # a long answer: still decoding when the drain ends
+        time.sleep(0.01)
+        decode(self)
+
+    monkeypatch.setattr(scheduler.Pool, "_decode", slow)
+    server = ServerThread(create_app(tiny, ServerConfig("tiny", method="greedy")), drain_seconds=0.2)
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    log = logging.getLogger("uvicorn.error")
+    u = server.__enter__()
+    log.addHandler(handler)
+    sock = raw_request(u, {"prompt": "Go on and on", "max_tokens": 1900, "ignore_eos": True, "stream": True})
+    try:
+        assert wait_for(lambda: get(u + "/health").json()["running"] == 1)
+        server.__exit__(None, None, None)
+        sock.settimeout(30)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    finally:
+        sock.close()
+        log.removeHandler(handler)
+    assert got.startswith(b"HTTP/1.1 200") and b"data: {" in got and b"[DONE]" not in got
+    assert not [r for r in logged if r.exc_info], [r.getMessage() for r in logged]
+
+
 def test_a_pooled_request_cancelled_before_its_prefill_counts_no_prompt_tokens(char_model_dir):
     """A client that goes away while its prompt waits behind another's prefill never reached the model: the
     metrics count no prompt tokens (nor a finished row) for it, as for a request dropped from the queue."""

@@ -1240,7 +1240,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         st: AppState = scope["app"].state.layerleap
-        limit, t0, status, size = st.cfg.max_body_bytes, time.perf_counter(), [500], [0]
+        limit, t0, status, size, begun = st.cfg.max_body_bytes, time.perf_counter(), [500], [0], [False]
         length = dict(scope["headers"]).get(b"content-length", b"0")
 
         async def limited():
@@ -1253,7 +1253,7 @@ class Guard:
 
         async def counted(message):
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                status[0], begun[0] = message["status"], True
             await send(message)
 
         try:
@@ -1263,6 +1263,11 @@ class Guard:
                 )
             else:
                 await self.app(scope, limited, counted)
+        except asyncio.CancelledError:
+            # the server stops and its drain time is over: an answer not begun got its 503 from its handler;
+            # a stream under way ends here, cut short (no `data: [DONE]`), which is no error of the application
+            if not begun[0]:
+                raise
         finally:
             path = scope.get("path", "")
             st.metrics.requests.labels(endpoint_label(path), str(status[0])).inc()

@@ -338,6 +338,27 @@ def test_request_options_follow_the_declarations(tiny_server, body, message):
     assert err["param"] in ("layerleap.options", "top_p")
 
 
+@pytest.mark.parametrize(
+    "method, option",
+    [("eagle", "eagle_head"), ("medusa", "heads"), ("hidden-transfer", "transfer"), ("rest", "corpus")],
+)
+def test_a_request_names_no_file_on_the_servers_disk(tiny_server, tmp_path, method, option):
+    """Options that read a file (heads, projections, a corpus) take only their shipped choices from a request:
+    the server opens no path a client names (nor says whether it exists)."""
+    there = tmp_path / "x.safetensors"
+    there.write_bytes(b"not weights")
+    said = set()
+    for path in (str(there), "/etc/passwd", str(tmp_path / "absent.safetensors")):
+        r = post(
+            tiny_server, {"prompt": "a", "max_tokens": 2, "layerleap": {"method": method, "options": {option: path}}}
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == f"layerleap.options.{option}", err
+        assert "names a file" in err["message"] and "--opt" in err["message"]
+        said.add(err["message"].replace(path, "PATH"))
+    assert len(said) == 1  # one answer whether the file exists, is readable or is absent
+
+
 @pytest.mark.parametrize("field, value", [("temperature", 0.7), ("top_p", 0.5), ("top_k", 5)])
 def test_a_greedy_method_refusing_sampling_names_the_field_sent(tiny_server, field, value):
     r = post(tiny_server, {"prompt": "a", "max_tokens": 2, field: value, "layerleap": {"method": "ppd"}})

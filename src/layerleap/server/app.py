@@ -172,6 +172,21 @@ def truncated(body: _Request, st: AppState, ids: list[int]) -> list[int]:
     return ids[-(prompt_limit(st) if k == -1 else k) :]
 
 
+def _no_request_files(m, asked: dict, served: dict) -> None:
+    """A request's options name no file on the server's disk (heads, projections, a corpus, ...): only the
+    shipped choices, or the file the server was started with (``--opt``); the server reads what it was told to."""
+    for o in m.declared:
+        value = asked.get(o.name)
+        if o.kind != "weights" or not isinstance(value, str) or value in o.choices or value == served.get(o.name):
+            continue
+        shipped = f"only {' or '.join(o.choices)}" if o.choices else "none"
+        raise _bad(
+            f"option {o.name}={value!r} names a file: a request may name {shipped} here; start the server with "
+            f"--opt {o.name}=PATH to serve that file",
+            f"layerleap.options.{o.name}",
+        )
+
+
 def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
     """The fields of a completion request as ``Settings`` (what ``generate`` gets)."""
     cfg, context = st.cfg, st.context()
@@ -211,6 +226,7 @@ def request_settings(body: _Request, st: AppState, prompt_len: int) -> Settings:
         )
     field, grammar = request_grammar(body)
     options = {**cfg.options, **ext.options} if method == cfg.method else dict(ext.options)
+    _no_request_files(get_method(method), ext.options, cfg.options if method == cfg.method else {})
     try:  # the method's declarations, before any model an option names is loaded
         get_method(method).check_options(options, st.model.config, partial=True)
     except LayerleapError as e:

@@ -105,7 +105,8 @@ def test_a_prompts_file_that_is_a_pipe(capsys, tmp_path, tiny_hf_dir, tiny):
     assert _prompt_ids(out) == [len(tiny.tokenizer.encode(p)) for p in ("Hello", "Second prompt")]
 
 
-def test_a_batch_past_the_limit_is_refused_before_loading(capsys, monkeypatch, tmp_path, tiny_hf_dir):
+@pytest.mark.parametrize("command", [["generate", "--max-new-tokens", 2], ["score"]])
+def test_a_batch_past_the_limit_is_refused_before_loading(capsys, monkeypatch, tmp_path, tiny_hf_dir, command):
     from layerleap.decoding import MAX_BATCH
 
     def load(*args, **kwargs):
@@ -114,7 +115,7 @@ def test_a_batch_past_the_limit_is_refused_before_loading(capsys, monkeypatch, t
     monkeypatch.setattr(basic, "_load", load)
     f = tmp_path / "many.txt"
     f.write_text("".join(f"prompt {i}\n" for i in range(MAX_BATCH + 1)))
-    rc, _, err = cli(capsys, "generate", "--model", tiny_hf_dir, "--prompts-file", f, "--max-new-tokens", 2)
+    rc, _, err = cli(capsys, *command, "--model", tiny_hf_dir, "--prompts-file", f)
     assert rc == 2 and "Traceback" not in err
     assert f"holds {MAX_BATCH + 1:,} prompts, beyond the {MAX_BATCH:,}" in err and "split the file" in err
 

@@ -149,3 +149,45 @@ def test_every_command_line_in_the_docs_parses(capsys):
             err = capsys.readouterr().err.strip().splitlines()
             bad.append(f"{doc.relative_to(ROOT)}:{n}: layerleap {shlex.join(args)}\n    {err[-1] if err else why}")
     assert not bad, "docs show command lines layerleap refuses:\n" + "\n".join(bad)
+
+
+def _leaf_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command words, parser) of every runnable command under ``parser``."""
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _leaf_commands(sub, (*path, name))
+            return
+    yield " ".join(path), parser
+
+
+def _limit_row(limit: str) -> str:
+    """The 'Applies to' cell of the README's limits-table row whose first cell starts with ``limit``."""
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith(limit):
+            return cells[2]
+    raise AssertionError(f"README.md's limits table has no row {limit!r}")
+
+
+def test_the_limits_table_names_every_command_a_limit_applies_to():
+    """The rows of the README's limits table that name commands name each command that has the limit:
+    every command that reads a prompt from stdin (``--prompt -``), and every one with ``--max-hours``."""
+    from layerleap.cli import build_parser
+
+    leaves = dict(_leaf_commands(build_parser()))
+    stdin = sorted(
+        name
+        for name, p in leaves.items()
+        if any("--prompt" in a.option_strings and "'-' reads stdin" in (a.help or "") for a in p._actions)
+    )
+    assert stdin, "no command reads --prompt - (the scan is broken)"
+    cell = _limit_row("one prompt read from stdin")
+    assert [c for c in stdin if f"`{c}`" not in cell] == []
+    hours = sorted(n for n, p in leaves.items() if any("--max-hours" in a.option_strings for a in p._actions))
+    cell = _limit_row("estimated run time")
+    named = set()
+    for m in re.findall(r"`([a-z][a-z /-]*?)(?: --[a-z-]+)?`", cell):  # `train heads/medusa`: two commands
+        head, _, last = m.rpartition(" ")
+        named |= {f"{head} {w}".strip() for w in last.split("/")}
+    assert [c for c in hours if c not in named] == []

@@ -464,3 +464,16 @@ def test_reading_them_every_round_types_each_token_once(tiny, monkeypatch):
     calls.clear()
     grown = [s.logprobs for _ in s]
     assert len(calls) <= 60 + 60 and grown[-1] == s.logprobs == d.results[0].logprobs
+
+
+def test_token_filters_change_the_tokens_not_the_log_probabilities(tiny):
+    """allowed_token_ids and bad_words choose among fewer tokens; the log probabilities reported are still the
+    model's own over the whole vocabulary (the filtered-out likeliest token stays in the top list)."""
+    free = generate(tiny, PROMPT, max_new_tokens=1, stop_at_eos=False, logprobs=2)
+    first, second = (t.token for t in free.logprobs[0].top)
+    got = generate(tiny, PROMPT, max_new_tokens=6, stop_at_eos=False, logprobs=2, bad_words=[[first]])
+    assert got.token_ids[0] != first and got.logprobs[0].top[0].token == first
+    check_against(reference(tiny, got.prompt_ids, got.token_ids), got, 2)
+    got = generate(tiny, PROMPT, max_new_tokens=6, stop_at_eos=False, logprobs=2, allowed_token_ids=[second, 3])
+    assert set(got.token_ids) <= {second, 3} and got.logprobs[0].top[0].token == first
+    check_against(reference(tiny, got.prompt_ids, got.token_ids), got, 2)

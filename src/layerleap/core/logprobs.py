@@ -1,11 +1,11 @@
 """Log probabilities of the generated tokens (``generate(..., logprobs=N)``).
 
-They are the model's own: ``log_softmax`` of the logits the token was chosen from, before temperature,
-top-k, top-p and a grammar's mask (vLLM's default, "raw" log probabilities), taken where the token is
-chosen, at no model call of their own: ``Run.choose`` for plain decoding (and for the methods that skip
-layers, whose logits are those of the layers they ran), and the verifying call's row that predicted each kept token for
-the draft-and-verify methods (a draft is scored by the target's row at its parent).  So a lossless
-method's log probabilities are greedy's, within float rounding.
+They are the model's own: ``log_softmax`` of the logits the token was chosen from, before the penalties,
+biases and token filters, temperature, top-k, top-p and a grammar's mask (vLLM's default, "raw" log
+probabilities), taken where the token is chosen, at no model call of their own: ``Run.choose`` for plain
+decoding (and for the methods that skip layers, whose logits are those of the layers they ran), and the
+verifying call's row that predicted each kept token for the draft-and-verify methods (a draft is scored by the
+target's row at its parent).  So a lossless method's log probabilities are greedy's, within float rounding.
 
 Each token gets its own log probability and, with ``N`` > 0, the ``N`` likeliest tokens at its position
 (``MAX_TOP``: OpenAI's bound), likeliest first (equal ones by id, lowest first: greedy's pick leads).

@@ -5,6 +5,7 @@ one request, ``best_of``, ``include_stop_str_in_output``, ``truncate_prompt_toke
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -201,6 +202,44 @@ def test_a_request_over_the_queue_is_a_400_not_a_429(tiny):
         assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text
         r = post(url, {"prompt": P, "max_tokens": 2, "best_of": 8, "temperature": 1.0})  # n is 1: best_of asks
         assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+
+
+def test_prompts_being_scored_hold_places_in_the_queue(tiny, monkeypatch):
+    """echo / prompt_logprobs score the prompt in the model's worker: those passes count against --max-waiting,
+    so a flood of scoring requests is told 429 as decoding requests are, not stacked without bound."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from layerleap.server import ServerConfig, ServerThread, app, create_app
+
+    release, started, real = threading.Event(), threading.Event(), app.score
+
+    def slow(*args):  # the first pass holds the worker until released
+        started.set()
+        release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(app, "score", slow)
+    body = {"prompt": P, "echo": True, "logprobs": 1, "max_tokens": 0}
+    served = create_app(tiny, ServerConfig("tiny", method="greedy", max_waiting=2))
+    with ServerThread(served) as url:
+        scheduler = served.state.layerleap.scheduler
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(post, url, body)
+            assert started.wait(30)
+            second = pool.submit(post, url, body)  # waits for the worker: the queue's second place
+            for _ in range(500):
+                if scheduler.scoring == 2:
+                    break
+                time.sleep(0.01)
+            assert scheduler.scoring == 2
+            third = post(url, body)
+            assert third.status_code == 429 and third.json()["error"]["code"] == "queue_full", third.text
+            r = post(url, {"prompt": P, "max_tokens": 2})  # a decoding request finds the queue full too
+            assert r.status_code == 429, r.text
+            release.set()
+            assert first.result().status_code == 200 and second.result().status_code == 200
+        assert post(url, body).status_code == 200  # the places came back
 
 
 # -- best_of -----------------------------------------------------------------------------------------

@@ -683,6 +683,7 @@ class Scheduler:
         self.on_timeout = on_timeout or (lambda: None)
         self.idle, self.has_idle_work = idle, has_idle_work
         self.waiting: list[Job] = []
+        self.scoring = 0  # prompt passes waiting for or in the worker (``score_in_worker``): places in the queue too
         self.running: list[Batch] = []
         self.admitting: list[Job] = []  # the jobs of the batch being made (in the worker thread)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="layerleap-model")
@@ -708,10 +709,21 @@ class Scheduler:
         """``fn(*args)`` in the model thread (between rounds): e.g. loading a model an option names."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def score_in_worker(self, fn, *args):
+        """``fn(*args)`` in the model thread, holding a place in the queue while it waits and runs (a prompt
+        scored for echo or prompt_logprobs); None, running nothing, when the queue has no room."""
+        if len(self.waiting) + self.scoring + 1 > self.max_waiting:
+            return None
+        self.scoring += 1
+        try:
+            return await self.run_in_worker(fn, *args)
+        finally:
+            self.scoring -= 1
+
     def submit(self, *jobs: Job) -> bool:
         """Queue ``jobs`` (a request's, several for several choices) all or none; False when the queue has no room
-        for them all."""
-        if len(self.waiting) + len(jobs) > self.max_waiting:
+        for them all (prompts being scored hold places too)."""
+        if len(self.waiting) + self.scoring + len(jobs) > self.max_waiting:
             return False
         self.waiting += jobs
         self.wake.set()

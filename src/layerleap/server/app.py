@@ -110,6 +110,13 @@ def _sampling_field(body) -> str:
     return "typical_p" if body.typical_p is not None and body.typical_p < 1 else "top_k"
 
 
+def _queue_full(st) -> APIError:
+    return APIError(
+        429, "the server's queue is full: retry later", code="queue_full", type="rate_limit_error",
+        retry_after=st.retry_after(),
+    )  # fmt: skip
+
+
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
 
@@ -740,9 +747,11 @@ async def score_prompt(st: AppState, body: _Request, prompt, ids: list[int], rep
     if not tops:
         return
     try:
-        scored = await st.scheduler.run_in_worker(score, st.model, ids, max(tops))
+        scored = await st.scheduler.score_in_worker(score, st.model, ids, max(tops))
     except LayerleapError as e:
         raise _bad(str(e), "prompt_logprobs" if body.prompt_logprobs is not None else "echo") from None
+    if scored is None:
+        raise _queue_full(st)
     if echo and body.logprobs is not None:
         reply.echo_first = token_text(tok, ids[0])
         reply.echo_logprobs = [dataclasses.replace(e, top=e.top[: body.logprobs]) for e in scored]
@@ -945,13 +954,7 @@ async def complete(request: Request, body: _Request, chat: bool) -> Response:
                 "prompt" if len(prompts) > 1 else "best_of" if best > (body.n or 1) else "n",
             )
         if not st.scheduler.submit(*jobs):
-            raise APIError(
-                429,
-                "the server's queue is full: retry later",
-                code="queue_full",
-                type="rate_limit_error",
-                retry_after=st.retry_after(),
-            )
+            raise _queue_full(st)
     except APIError as e:
         return e.response()
     watcher = asyncio.create_task(_watch(request, st, jobs))
